@@ -1,0 +1,25 @@
+"""Pure-NumPy reference of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+The reference *defines* the math that the PyTorch, JAX/Flax and TensorFlow/Keras ports are
+checked against. It imports nothing but NumPy (and the NumPy side of safetensors for I/O).
+"""
+
+from .checkpoint import (FORMAT_VERSION, count_parameters, init_params, load_checkpoint,
+                         parameter_shapes, save_checkpoint, validate_params)
+from .config import PRESETS, TransformerConfig
+from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
+from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, LayerNorm,
+                    Linear, MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer,
+                    causal_mask, log_softmax, padding_mask, residual, scaled_dot_product_attention,
+                    sinusoidal_positional_encoding, target_mask)
+
+__all__ = [
+    "FORMAT_VERSION", "PRESETS", "TransformerConfig",
+    "count_parameters", "init_params", "load_checkpoint", "parameter_shapes", "save_checkpoint",
+    "validate_params",
+    "beam_search", "greedy_decode", "length_penalty", "max_output_lengths",
+    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "Linear", "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
+    "causal_mask", "log_softmax", "padding_mask", "residual", "scaled_dot_product_attention",
+    "sinusoidal_positional_encoding", "target_mask",
+]

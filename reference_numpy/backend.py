@@ -1,0 +1,89 @@
+"""The backend adapter of the reference: NumPy in, NumPy out.
+
+Every port ships a ``backend.py`` with these same names (see ``docs/ports.md``), so that the
+agreement suite and the ``compare`` command drive all backends through one interface.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import checkpoint, decoding
+from .config import TransformerConfig
+from .model import Transformer, scaled_dot_product_attention
+
+NAME = "numpy"
+COMPONENTS = ("attention", "multi_head_attention", "positional_encoding", "feed_forward",
+              "encoder_layer", "decoder_layer", "encoder", "decoder")
+
+
+def devices() -> list[str]:
+    """Devices this backend can run on here."""
+    return ["cpu"]
+
+
+def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
+          device: str = "cpu") -> Transformer:
+    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    return Transformer(config, params, dtype=np.dtype(dtype))
+
+
+def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+    """A model from a shared checkpoint file."""
+    config, params = checkpoint.load_checkpoint(path)
+    return build(config, params, dtype, device)
+
+
+def save(model: Transformer, path) -> None:
+    """Write the model's weights as a shared checkpoint."""
+    checkpoint.save_checkpoint(path, model.config, export_params(model))
+
+
+def export_params(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's weights in checkpoint layout (name -> (in, out) arrays)."""
+    return {name: np.array(value) for name, value in model.params.items()}
+
+
+def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+    """Every stage of the forward pass (inference), by the shared stage names."""
+    _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True)
+    return stages
+
+
+def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+    """Run one component on NumPy inputs; weights come from layer 0 of each stack.
+
+    ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
+    positional_encoding, feed_forward, encoder_layer and encoder take x (and mask);
+    decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+    """
+    cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+                  else value) for key, value in inputs.items()}
+    if name == "attention":
+        return scaled_dot_product_attention(cast["query"], cast["key"], cast["value"], cast["mask"])[0]
+    if name == "multi_head_attention":
+        return model.encoder.layers[0].self_attn(cast["query"], cast["key"], cast["value"], cast["mask"])
+    if name == "positional_encoding":
+        return model.src_pos(cast["x"])
+    if name == "feed_forward":
+        return model.encoder.layers[0].ffn(cast["x"])
+    if name == "encoder_layer":
+        return model.encoder.layers[0](cast["x"], cast["mask"])
+    if name == "encoder":
+        return model.encoder(cast["x"], cast["mask"])
+    if name == "decoder_layer":
+        return model.decoder.layers[0](cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
+    if name == "decoder":
+        return model.decoder(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
+    raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
+
+
+def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+    """Greedy tokens (B, L) without bos, pad-filled. The reference has no cache; ``use_cache`` is ignored."""
+    return decoding.greedy_decode(model, src)
+
+
+def beam(model: Transformer, src, beam_size: int = decoding.BEAM_SIZE, alpha: float = decoding.LENGTH_PENALTY_ALPHA,
+         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Beam-search tokens (B, L) and scores (B,). The reference has no cache; ``use_cache`` is ignored."""
+    return decoding.beam_search(model, src, beam_size, alpha)

@@ -1,0 +1,101 @@
+"""The shared matrix of agreement cases: config variants x mask cases, with seeded inputs.
+
+Every port's tests (and the ``compare`` command) draw their inputs from here, so that all
+backends are checked on exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import TransformerConfig
+from .model import causal_mask
+
+_TINY = TransformerConfig.preset("tiny")
+
+VARIANTS: dict[str, TransformerConfig] = {
+    "tiny": _TINY,
+    "pre_ln": _TINY.replace(norm_first=True),
+    "learned_pe": _TINY.replace(positional_encoding="learned"),
+    "shared_embeddings": _TINY.replace(src_vocab_size=_TINY.tgt_vocab_size, share_embeddings=True),
+}
+
+MASK_CASES = ("none", "causal", "source_padding", "ragged_batch", "fully_masked_row")
+
+# Perturbation of biases and LayerNorm parameters in test checkpoints (see init_params).
+TEST_PERTURB = 0.1
+BATCH, SRC_LEN, TGT_LEN = 3, 7, 6
+
+
+def _lengths(case: str, length: int) -> list[int]:
+    """Real (non-pad) length of each batch row for a mask case."""
+    return {
+        "source_padding": [length - 2] * BATCH,
+        "ragged_batch": [length, length - 3, 2],
+        "fully_masked_row": [length, 0, length - 1],
+    }.get(case, [length] * BATCH)
+
+
+def _length_mask(lengths: list[int], length: int) -> np.ndarray:
+    return np.arange(length)[None, :] < np.array(lengths)[:, None]            # (B, T)
+
+
+def attention_inputs(config: TransformerConfig, case: str, dtype=np.float64,
+                     seed: int = 0) -> dict[str, np.ndarray | None]:
+    """query (B, Tq, D), key and value (B, Tk, D) and a bool mask for one mask case.
+
+    ``causal`` uses Tq = Tk; every other case attends from TGT_LEN queries to SRC_LEN keys
+    through a key padding mask (B, 1, 1, Tk); ``fully_masked_row`` leaves batch row 1 with no key.
+    """
+    _check_case(case)
+    rng = np.random.default_rng(seed)
+    tk = TGT_LEN if case == "causal" else SRC_LEN
+    query = rng.standard_normal((BATCH, TGT_LEN, config.d_model))
+    key = rng.standard_normal((BATCH, tk, config.d_model))
+    value = rng.standard_normal((BATCH, tk, config.d_model))
+    if case == "none":
+        mask = None
+    elif case == "causal":
+        mask = causal_mask(TGT_LEN)
+    else:
+        mask = _length_mask(_lengths(case, tk), tk)[:, None, None, :]
+    return {"query": query.astype(dtype), "key": key.astype(dtype), "value": value.astype(dtype), "mask": mask}
+
+
+def model_inputs(config: TransformerConfig, case: str, seed: int = 0) -> dict[str, np.ndarray | None]:
+    """src (B, S), tgt (B, T) and masks for the full model in one mask case.
+
+    ``none`` passes explicit all-True masks (so even the decoder attends everywhere: this
+    checks that explicit masks are honoured); the other cases pass ``None`` and let the model
+    build its defaults (source padding; causal + target padding). ``ragged_batch`` pads source
+    and target rows to different lengths; ``fully_masked_row`` has a source row of padding only.
+    """
+    _check_case(case)
+    rng = np.random.default_rng(seed)
+    first = max(config.pad_id, config.bos_id, config.eos_id) + 1
+    src = rng.integers(first, config.src_vocab_size, size=(BATCH, SRC_LEN))
+    tgt = rng.integers(first, config.tgt_vocab_size, size=(BATCH, TGT_LEN))
+    tgt[:, 0] = config.bos_id
+    src = np.where(_length_mask(_lengths(case, SRC_LEN), SRC_LEN), src, config.pad_id)
+    if case == "ragged_batch":
+        tgt = np.where(_length_mask([TGT_LEN, 3, TGT_LEN - 1], TGT_LEN), tgt, config.pad_id)
+    src_mask = tgt_mask = None
+    if case == "none":
+        src_mask = np.ones((BATCH, 1, 1, SRC_LEN), dtype=bool)
+        tgt_mask = np.ones((BATCH, 1, TGT_LEN, TGT_LEN), dtype=bool)
+    return {"src": src, "tgt": tgt, "src_mask": src_mask, "tgt_mask": tgt_mask}
+
+
+def decoding_inputs(config: TransformerConfig, seed: int = 0) -> np.ndarray:
+    """A ragged batch of source sentences ending in eos, for greedy and beam search. Shape (B, S)."""
+    rng = np.random.default_rng(seed)
+    first = max(config.pad_id, config.bos_id, config.eos_id) + 1
+    src = rng.integers(first, config.src_vocab_size, size=(BATCH, SRC_LEN))
+    lengths = np.array(_lengths("ragged_batch", SRC_LEN))
+    src[np.arange(BATCH), lengths - 1] = config.eos_id
+    return np.where(_length_mask(list(lengths), SRC_LEN), src, config.pad_id)
+
+
+def _check_case(case: str) -> None:
+    if case not in MASK_CASES:
+        raise ValueError(f"unknown mask case {case!r}; choose one of {MASK_CASES}")

@@ -1,0 +1,150 @@
+"""One frozen configuration shared by the reference and every port.
+
+Presets follow Table 3 of "Attention Is All You Need" (Vaswani et al., 2017):
+``base`` (N=6, d_model=512, d_ff=2048, h=8) and ``big`` (N=6, d_model=1024,
+d_ff=4096, h=16), both with the shared ~37,000-token source/target BPE
+vocabulary of the WMT 2014 English-German task (section 5.1), and a ``tiny``
+preset for fast tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of the encoder-decoder Transformer (section 3, Table 3).
+
+    Attributes:
+        src_vocab_size: number of source tokens.
+        tgt_vocab_size: number of target tokens.
+        d_model: model width (section 3.1); must be even (section 3.5) and divisible by ``n_heads``.
+        n_heads: number of attention heads h (section 3.2.2); d_k = d_v = d_model / h.
+        d_ff: inner width of the position-wise feed-forward network (section 3.3).
+        n_encoder_layers: N for the encoder stack (section 3.1).
+        n_decoder_layers: N for the decoder stack (section 3.1).
+        dropout: P_drop (section 5.4); used by the ports in training, ignored at inference.
+        layer_norm_eps: epsilon added to the biased variance in every LayerNorm.
+        norm_first: False is the paper's post-LN, LayerNorm(x + Sublayer(x)); True is pre-LN,
+            x + Sublayer(LayerNorm(x)), with a final LayerNorm after each stack.
+        positional_encoding: "sinusoidal" (section 3.5) or "learned" (Table 3, row E).
+        max_len: number of positions in the positional table; longest sequence the model accepts.
+        share_embeddings: one matrix for source embedding, target embedding and the
+            pre-softmax projection (section 3.4); requires equal vocabulary sizes.
+        pad_id, bos_id, eos_id: special token ids (padding, beginning and end of sequence).
+    """
+
+    src_vocab_size: int = 37000
+    tgt_vocab_size: int = 37000
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1
+    layer_norm_eps: float = 1e-6
+    norm_first: bool = False
+    positional_encoding: str = "sinusoidal"
+    max_len: int = 1024
+    share_embeddings: bool = True
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
+                     "n_encoder_layers", "n_decoder_layers", "max_len"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("pad_id", "bos_id", "eos_id"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("norm_first", "share_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.d_model % 2:
+            raise ValueError(f"d_model ({self.d_model}) must be even for the sin/cos pairs of section 3.5")
+        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not _is_real(self.layer_norm_eps) or not self.layer_norm_eps > 0.0:
+            raise ValueError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if self.positional_encoding not in POSITIONAL_ENCODINGS:
+            raise ValueError(f"positional_encoding must be one of {POSITIONAL_ENCODINGS}, "
+                             f"got {self.positional_encoding!r}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(f"share_embeddings needs src_vocab_size ({self.src_vocab_size}) == "
+                             f"tgt_vocab_size ({self.tgt_vocab_size})")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            if getattr(self, name) >= min(self.src_vocab_size, self.tgt_vocab_size):
+                raise ValueError(f"{name} ({getattr(self, name)}) must be below both vocabulary sizes")
+        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
+            raise ValueError("pad_id, bos_id and eos_id must be three different ids")
+
+    @property
+    def d_k(self) -> int:
+        """Width of one head's queries, keys and values: d_k = d_v = d_model / h (section 3.2.2)."""
+        return self.d_model // self.n_heads
+
+    def replace(self, **changes: Any) -> "TransformerConfig":
+        """A copy with some fields changed (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field {unknown[0]!r}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TransformerConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config is not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def preset(cls, name: str, **changes: Any) -> "TransformerConfig":
+        """``base``, ``big`` (Table 3) or ``tiny``, with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **changes)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    # Table 3, "base": N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1; shared 37k BPE vocabulary.
+    "base": TransformerConfig(),
+    # Table 3, "big": N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3.
+    "big": TransformerConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3),
+    # Fast tests: every size different, so a swapped axis or a transposed matrix fails loudly.
+    "tiny": TransformerConfig(src_vocab_size=19, tgt_vocab_size=23, d_model=16, n_heads=4, d_ff=40,
+                              n_encoder_layers=2, n_decoder_layers=3, dropout=0.1, max_len=64,
+                              share_embeddings=False),
+}

@@ -1,0 +1,132 @@
+"""Greedy decoding and beam search (section 6.1) for the reference.
+
+The rules, shared by every port so that all backends produce identical tokens
+(see ``docs/reference.md``):
+
+* the output starts after ``bos_id``; a sequence ends when it emits ``eos_id`` (kept in the
+  output) or when it has ``max_output_length`` tokens: its number of non-pad source tokens
+  + 50, capped at ``config.max_len`` (section 6.1: "maximum output length ... input length + 50");
+* outputs are returned without ``bos_id``, right-padded with ``pad_id``;
+* greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
+* beam search: beam size 4 and length penalty lp(Y) = ((5 + |Y|) / 6)^alpha, alpha = 0.6
+  (Wu et al., 2016); a finished hypothesis scores log P(Y) / lp(Y), |Y| counting eos.
+  Candidates (beam b, token v) are ranked by the summed log-probability, ties going to the
+  lower b, then the lower v. Walking the ranking, an eos candidate among the first
+  ``beam_size`` ranks finishes a hypothesis (other eos candidates are dropped) and the first
+  ``beam_size`` non-eos candidates are the next live beams. Search stops at the maximum length
+  (live beams are then scored as finished) or as soon as no live beam can beat the best
+  finished one: max_b logP_b / lp(max length) <= best finished score. The best score wins;
+  a tie goes to the hypothesis finished first (then the better rank).
+
+The reference recomputes the whole prefix at each step; the ports use a key/value cache and
+must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .model import Transformer, padding_mask
+
+EXTRA_OUTPUT_LENGTH = 50   # section 6.1: maximum output length = input length + 50
+BEAM_SIZE = 4              # section 6.1
+LENGTH_PENALTY_ALPHA = 0.6  # section 6.1
+
+
+def max_output_lengths(model: Transformer, src: np.ndarray) -> np.ndarray:
+    """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``. Shape: (B,)."""
+    lengths = (np.asarray(src) != model.config.pad_id).sum(axis=1)
+    return np.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
+
+
+def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA) -> float:
+    """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016; section 6.1)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray,
+                         src_mask: np.ndarray) -> np.ndarray:
+    """Log-probabilities of the token after ``tgt``. Shape: tgt (B, T) -> (B, V)."""
+    return model.generator(model.decode(tgt, memory, src_mask)[:, -1:])[:, 0]
+
+
+def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
+    """Greedy decoding; ties go to the lowest token id.
+
+    Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
+    """
+    cfg = model.config
+    src_mask = padding_mask(src, cfg.pad_id)
+    memory = model.encode(src, src_mask)
+    limits = max_output_lengths(model, src)
+    tgt = np.full((len(src), 1), cfg.bos_id, dtype=np.int64)
+    done = np.zeros(len(src), dtype=bool)
+    for step in range(1, int(limits.max()) + 1):
+        token = next_token_log_probs(model, tgt, memory, src_mask).argmax(axis=-1)  # first max = lowest id
+        token = np.where(done, cfg.pad_id, token)
+        tgt = np.concatenate([tgt, token[:, None]], axis=1)
+        done |= (token == cfg.eos_id) | (step >= limits)
+        if done.all():
+            break
+    return tgt[:, 1:]
+
+
+def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
+                alpha: float = LENGTH_PENALTY_ALPHA) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
+
+    Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
+    length-normalized scores (B,).
+    """
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    cfg = model.config
+    src_mask = padding_mask(src, cfg.pad_id)
+    memory = model.encode(src, src_mask)
+    limits = max_output_lengths(model, src)
+    results = [_beam_search_one(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size, alpha)
+               for b in range(len(src))]
+    width = max(len(tokens) for tokens, _ in results)
+    tokens = np.full((len(src), width), cfg.pad_id, dtype=np.int64)
+    for b, (row, _) in enumerate(results):
+        tokens[b, :len(row)] = row
+    return tokens, np.array([score for _, score in results])
+
+
+def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarray, limit: int,
+                     beam_size: int, alpha: float) -> tuple[list[int], float]:
+    """Beam search for one source sentence. memory (1, S, D), src_mask (1, 1, 1, S)."""
+    cfg = model.config
+    live = np.full((1, 1), cfg.bos_id, dtype=np.int64)   # (n_live, t): bos + generated tokens
+    live_scores = np.zeros(1, dtype=model.dtype)         # summed log-probabilities, (n_live,)
+    finished: list[tuple[float, list[int]]] = []         # in the order they finished
+    for step in range(1, limit + 1):
+        n_live = len(live)
+        log_probs = next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
+                                         np.repeat(src_mask, n_live, axis=0))
+        candidates = live_scores[:, None] + log_probs                      # (n_live, V), model dtype
+        vocab = candidates.shape[1]
+        ranking = np.argsort(-candidates, axis=None, kind="stable")       # ties: lower b, then lower v
+        rows, next_scores = [], []
+        for rank, flat in enumerate(ranking):
+            beam, token = divmod(int(flat), vocab)
+            if token == cfg.eos_id:
+                if rank < beam_size:
+                    finished.append((candidates[beam, token] / length_penalty(step, alpha),
+                                     [*live[beam, 1:].tolist(), token]))
+                continue
+            rows.append(np.append(live[beam], token))
+            next_scores.append(candidates[beam, token])
+            if len(rows) == beam_size:
+                break
+        live, live_scores = np.stack(rows), np.array(next_scores, dtype=model.dtype)
+        if step == limit:
+            finished += [(score / length_penalty(step, alpha), row[1:].tolist())
+                         for score, row in zip(live_scores, live)]
+            break
+        best_finished = max((score for score, _ in finished), default=-np.inf)
+        if live_scores.max() / length_penalty(limit, alpha) <= best_finished:
+            break
+    best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
+    score, tokens = finished[best]
+    return tokens, float(score)

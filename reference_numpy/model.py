@@ -1,0 +1,453 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in plain NumPy.
+
+This module *defines* the math every port is checked against. Each paper concept is one
+small function or class; parameters come from the flat checkpoint dictionary described in
+``docs/checkpoint-format.md`` (every projection stored (in, out), so y = x @ W + b).
+Inference only: dropout (section 5.4) is a training-time operation of the ports.
+
+Shape legend used in every docstring:
+    B: batch size          H: number of heads h        D: d_model
+    S: source length       T: target length            d_k: D / H
+    Tq, Tk: query and key lengths                      F: d_ff
+    V: vocabulary size     L: number of positions (config.max_len)
+
+Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .config import TransformerConfig
+
+Params = Mapping[str, np.ndarray]
+
+
+# ----------------------------------------------------------------------------- masks
+
+def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
+    """Keys that are not padding may be attended to.
+
+    Shape: tokens (B, Tk) -> mask (B, 1, 1, Tk), bool, True = may attend.
+    """
+    return (np.asarray(tokens) != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int) -> np.ndarray:
+    """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
+
+    Shape: mask (1, 1, T, T), bool, True = may attend.
+    """
+    return np.tril(np.ones((length, length), dtype=bool))[None, None]
+
+
+def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
+    """Causal mask combined with the target's padding mask.
+
+    Shape: tgt (B, T) -> mask (B, 1, T, T).
+    """
+    return padding_mask(tgt, pad_id) & causal_mask(np.shape(tgt)[1])
+
+
+# ----------------------------------------------------------------------------- attention
+
+def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                                 mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
+
+    A query row whose mask has no True entry sees no key: its weights are all zero and its
+    output is zero (never NaN, never a uniform average).
+
+    Shape:
+        query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
+        mask broadcastable to (..., Tq, Tk), bool, True = may attend.
+        Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
+    """
+    d_k = query.shape[-1]
+    scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)         # (..., Tq, Tk)
+    if mask is not None:
+        mask = _check_mask(mask, scores.shape)
+        scores = np.where(mask, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)                        # -inf on fully masked rows
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    exp = np.exp(scores - row_max)                                      # exactly 0 where masked
+    total = exp.sum(axis=-1, keepdims=True)
+    weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
+    return weights @ value, weights
+
+
+def _check_mask(mask: np.ndarray, scores_shape: tuple[int, ...]) -> np.ndarray:
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    try:
+        np.broadcast_shapes(mask.shape, scores_shape)
+    except ValueError:
+        raise ValueError(f"mask of shape {mask.shape} does not broadcast to the attention "
+                         f"scores (B, H, Tq, Tk) = {scores_shape}") from None
+    return mask
+
+
+class Linear:
+    """Affine map y = x @ W + b with W stored (in, out) (the checkpoint's layout).
+
+    Shape: x (..., in) -> y (..., out).
+    """
+
+    def __init__(self, params: Params, name: str):
+        self.weight = params[f"{name}.weight"]  # (in, out)
+        self.bias = params[f"{name}.bias"]      # (out,)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.weight + self.bias
+
+
+class MultiHeadAttention:
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
+
+    The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
+    projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
+
+    Shape:
+        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
+        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        self.n_heads = config.n_heads
+        self.q_proj = Linear(params, f"{name}.q_proj")
+        self.k_proj = Linear(params, f"{name}.k_proj")
+        self.v_proj = Linear(params, f"{name}.v_proj")
+        self.o_proj = Linear(params, f"{name}.o_proj")
+
+    def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                 mask: np.ndarray | None = None, return_weights: bool = False):
+        q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
+        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
+        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
+        batch, _, length, _ = heads.shape
+        concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
+        out = self.o_proj(concat)
+        return (out, weights) if return_weights else out
+
+    def _split_heads(self, x: np.ndarray) -> np.ndarray:
+        batch, length, width = x.shape
+        x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
+        return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
+
+
+# ----------------------------------------------------------------------------- sublayers
+
+class PositionwiseFeedForward:
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3.
+
+    Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
+    """
+
+    def __init__(self, params: Params, name: str):
+        self.linear1 = Linear(params, f"{name}.linear1")
+        self.linear2 = Linear(params, f"{name}.linear2")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.linear2(np.maximum(self.linear1(x), 0))
+
+
+class LayerNorm:
+    """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
+
+    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
+    axis and eps added to the variance (eps comes from the config, default 1e-6).
+
+    Shape: x (..., D) -> (..., D).
+    """
+
+    def __init__(self, params: Params, name: str, eps: float):
+        self.weight = params[f"{name}.weight"]  # (D,)
+        self.bias = params[f"{name}.bias"]      # (D,)
+        self.eps = eps
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        mean = x.mean(axis=-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: LayerNorm,
+             norm_first: bool) -> np.ndarray:
+    """Residual connection around a sublayer (section 3.1).
+
+    Post-LN (the paper): LayerNorm(x + Sublayer(x)). Pre-LN: x + Sublayer(LayerNorm(x)).
+    """
+    if norm_first:
+        return x + sublayer(norm(x))
+    return norm(x + sublayer(x))
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype=np.float64) -> np.ndarray:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
+    -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
+
+    The table is computed in float64 and then cast to ``dtype``.
+
+    Shape: returns (L, D).
+    """
+    position = np.arange(length, dtype=np.float64)[:, None]              # (L, 1)
+    two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]          # (1, D/2)
+    angle = position / np.power(10000.0, two_i / d_model)                # (L, D/2)
+    table = np.empty((length, d_model), dtype=np.float64)
+    table[:, 0::2] = np.sin(angle)
+    table[:, 1::2] = np.cos(angle)
+    return table.astype(dtype)
+
+
+class Embeddings:
+    """Token embedding multiplied by sqrt(d_model) (section 3.4).
+
+    Shape: tokens (B, T) int -> (B, T, D).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        self.weight = params[f"{name}.weight"]  # (V, D)
+        self.scale = math.sqrt(config.d_model)
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        return self.weight[tokens] * self.scale
+
+
+class PositionalEncoding:
+    """Adds position information to the embeddings (section 3.5).
+
+    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding`;
+    ``learned``: a trained (L, D) table (Table 3, row E).
+
+    Shape: x (B, T, D) -> (B, T, D), T <= L.
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str, dtype):
+        if config.positional_encoding == "learned":
+            self.table = params[f"{name}.weight"]                           # (L, D)
+        else:
+            self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype)
+
+    def __call__(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
+        return x + self.table[offset:offset + x.shape[1]]
+
+
+class Generator:
+    """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
+
+    With ``share_embeddings`` its weight is the transposed shared embedding matrix.
+
+    Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        if config.share_embeddings:
+            self.weight = params["shared_embed.weight"].T                   # (D, V)
+        else:
+            self.weight = params[f"{name}.weight"]                          # (D, V)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return log_softmax(x @ self.weight)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis, computed stably."""
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+# ----------------------------------------------------------------------------- layers and stacks
+
+class EncoderLayer:
+    """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
+
+    Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        self.norm_first = config.norm_first
+        self.self_attn = MultiHeadAttention(config, params, f"{name}.self_attn")
+        self.self_attn_norm = LayerNorm(params, f"{name}.self_attn_norm", config.layer_norm_eps)
+        self.ffn = PositionwiseFeedForward(params, f"{name}.ffn")
+        self.ffn_norm = LayerNorm(params, f"{name}.ffn_norm", config.layer_norm_eps)
+
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first)
+        return residual(x, self.ffn, self.ffn_norm, self.norm_first)
+
+
+class DecoderLayer:
+    """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
+    values from the encoder output), then feed-forward; each wrapped in :func:`residual`
+    (sections 3.1 and 3.2.3).
+
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
+    tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        self.norm_first = config.norm_first
+        self.self_attn = MultiHeadAttention(config, params, f"{name}.self_attn")
+        self.self_attn_norm = LayerNorm(params, f"{name}.self_attn_norm", config.layer_norm_eps)
+        self.cross_attn = MultiHeadAttention(config, params, f"{name}.cross_attn")
+        self.cross_attn_norm = LayerNorm(params, f"{name}.cross_attn_norm", config.layer_norm_eps)
+        self.ffn = PositionwiseFeedForward(params, f"{name}.ffn")
+        self.ffn_norm = LayerNorm(params, f"{name}.ffn_norm", config.layer_norm_eps)
+
+    def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
+                 tgt_mask: np.ndarray | None = None) -> np.ndarray:
+        x = residual(x, lambda h: self.self_attn(h, h, h, tgt_mask), self.self_attn_norm, self.norm_first)
+        x = residual(x, lambda h: self.cross_attn(h, memory, memory, src_mask), self.cross_attn_norm,
+                     self.norm_first)
+        return residual(x, self.ffn, self.ffn_norm, self.norm_first)
+
+
+class Encoder:
+    """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
+
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+
+    Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        self.layers = [EncoderLayer(config, params, f"{name}.layers.{i}")
+                       for i in range(config.n_encoder_layers)]
+        self.norm = LayerNorm(params, f"{name}.norm", config.layer_norm_eps) if config.norm_first else None
+
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None,
+                 intermediates: dict | None = None) -> np.ndarray:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask)
+            if intermediates is not None:
+                intermediates[f"layers.{i}"] = x
+        return self.norm(x) if self.norm is not None else x
+
+
+class Decoder:
+    """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
+
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
+        self.layers = [DecoderLayer(config, params, f"{name}.layers.{i}")
+                       for i in range(config.n_decoder_layers)]
+        self.norm = LayerNorm(params, f"{name}.norm", config.layer_norm_eps) if config.norm_first else None
+
+    def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
+                 tgt_mask: np.ndarray | None = None, intermediates: dict | None = None) -> np.ndarray:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, src_mask, tgt_mask)
+            if intermediates is not None:
+                intermediates[f"layers.{i}"] = x
+        return self.norm(x) if self.norm is not None else x
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer:
+    """The encoder-decoder Transformer (section 3, Figure 1), inference only.
+
+    ``params`` is the flat dictionary of the shared checkpoint (see :mod:`.checkpoint`);
+    it is cast to ``dtype`` (float64 by default, float32 on request).
+
+    Shape:
+        src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
+        src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
+        tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
+        Returns log-probabilities (B, T, V_tgt).
+    """
+
+    def __init__(self, config: TransformerConfig, params: Params, dtype=np.float64):
+        self.config = config
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.params = {name: np.asarray(value, dtype=self.dtype) for name, value in params.items()}
+        p = self.params
+        src_name, tgt_name = ("shared_embed", "shared_embed") if config.share_embeddings \
+            else ("src_embed", "tgt_embed")
+        self.src_embed = Embeddings(config, p, src_name)
+        self.tgt_embed = Embeddings(config, p, tgt_name)
+        self.src_pos = PositionalEncoding(config, p, "src_pos_embed", self.dtype)
+        self.tgt_pos = PositionalEncoding(config, p, "tgt_pos_embed", self.dtype)
+        self.encoder = Encoder(config, p, "encoder")
+        self.decoder = Decoder(config, p, "decoder")
+        self.generator = Generator(config, p, "generator")
+
+    def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None,
+               intermediates: dict | None = None) -> np.ndarray:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
+        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        if src_mask is None:
+            src_mask = padding_mask(src, self.config.pad_id)
+        x = self.src_pos(self.src_embed(src))
+        steps: dict = {}
+        memory = self.encoder(x, src_mask, steps)
+        if intermediates is not None:
+            intermediates["src_embed"] = x
+            intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
+            intermediates["encoder"] = memory
+        return memory
+
+    def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
+               tgt_mask: np.ndarray | None = None, intermediates: dict | None = None) -> np.ndarray:
+        """Embed the shifted target and run the decoder stack.
+
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
+        source had padding (the decoder cannot see source tokens).
+        """
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        if tgt_mask is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id)
+        y = self.tgt_pos(self.tgt_embed(tgt))
+        steps: dict = {}
+        out = self.decoder(y, memory, src_mask, tgt_mask, steps)
+        if intermediates is not None:
+            intermediates["tgt_embed"] = y
+            intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
+            intermediates["decoder"] = out
+        return out
+
+    def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,
+                 tgt_mask: np.ndarray | None = None, return_intermediates: bool = False):
+        """Log-probabilities of the next target token at every target position.
+
+        With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
+        "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
+        "decoder" and "log_probs" to arrays, in that order (the shared stage names of every port).
+        """
+        if src_mask is None:
+            src_mask = padding_mask(self._check_tokens("src", src, self.config.src_vocab_size),
+                                    self.config.pad_id)
+        stages: dict | None = {} if return_intermediates else None
+        memory = self.encode(src, src_mask, stages)
+        out = self.decode(tgt, memory, src_mask, tgt_mask, stages)
+        log_probs = self.generator(out)
+        if stages is None:
+            return log_probs
+        stages["log_probs"] = log_probs
+        return log_probs, stages
+
+    def _check_tokens(self, name: str, tokens, vocab_size: int) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"{name} must have shape (batch, length), got {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+        if tokens.shape[1] > self.config.max_len:
+            raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len {self.config.max_len}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
+        return tokens

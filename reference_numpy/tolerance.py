@@ -1,0 +1,86 @@
+"""The project's one tolerance policy (``docs/equivalence.md`` gives the reasoning).
+
+* float64: ``max|port - ref64| <= FLOAT64_RELATIVE * max(1, max|ref64|)``.
+* float32: ``max|port - ref64| <= FLOAT32_FACTOR * max(max|ref32 - ref64|, ulp32(max|ref64|))``,
+  where ``ref32`` is the float32 NumPy reference on the same inputs: a port may be at most
+  ``FLOAT32_FACTOR`` times as wrong as float32 arithmetic itself is, and the floor of one
+  float32 ulp at the output's scale keeps an exactly-representable result from demanding
+  exactness.
+
+Nothing else in the project chooses a tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FLOAT64_RELATIVE = 1e-12
+FLOAT32_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of one comparison: the error, the bound and whether it holds."""
+
+    error: float
+    bound: float
+    scale: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+    @property
+    def relative_error(self) -> float:
+        return self.error / max(1.0, self.scale)
+
+    def __str__(self) -> str:
+        return f"max abs error {self.error:.3e} {'<=' if self.ok else '>'} bound {self.bound:.3e}"
+
+
+def max_abs(a, b) -> float:
+    """max |a - b| in float64 (0 for empty arrays); shapes must match."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
+def float64_bound(ref64) -> float:
+    """FLOAT64_RELATIVE x max(1, max|ref64|)."""
+    return FLOAT64_RELATIVE * max(1.0, float(np.max(np.abs(ref64), initial=0.0)))
+
+
+def float32_bound(ref64, ref32) -> float:
+    """FLOAT32_FACTOR x max(error of the float32 reference, one float32 ulp at the output's scale)."""
+    scale = float(np.max(np.abs(ref64), initial=0.0))
+    ulp = float(np.spacing(np.float32(scale)))
+    return FLOAT32_FACTOR * max(max_abs(ref32, ref64), ulp)
+
+
+def agreement(port, ref64, ref32=None) -> Agreement:
+    """Compare ``port`` with the float64 reference under the policy for the port's dtype.
+
+    A float32 ``port`` needs ``ref32``, the float32 reference's output on the same inputs.
+    """
+    port = np.asarray(port)
+    scale = float(np.max(np.abs(ref64), initial=0.0))
+    if port.dtype == np.float64:
+        bound = float64_bound(ref64)
+    elif port.dtype == np.float32:
+        if ref32 is None:
+            raise ValueError("a float32 comparison needs ref32, the float32 reference's output")
+        bound = float32_bound(ref64, ref32)
+    else:
+        raise ValueError(f"port output must be float32 or float64, got {port.dtype}")
+    return Agreement(error=max_abs(port, ref64), bound=bound, scale=scale)
+
+
+def assert_agrees(port, ref64, ref32=None, what: str = "output") -> Agreement:
+    """Raise ``AssertionError`` naming ``what`` when :func:`agreement` fails; return the result."""
+    result = agreement(port, ref64, ref32)
+    if not result.ok:
+        raise AssertionError(f"{what}: {result}")
+    return result
