@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import checkpoint, decoding
+from .cases import COMPONENT_MASKED
 from .config import TransformerConfig
 from .model import Transformer, scaled_dot_product_attention
 
 NAME = "numpy"
-COMPONENTS = ("attention", "multi_head_attention", "positional_encoding", "feed_forward",
-              "encoder_layer", "decoder_layer", "encoder", "decoder")
+COMPONENTS = tuple(COMPONENT_MASKED)
 
 
 def devices() -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .checkpoint import init_params
 from .config import TransformerConfig
 from .model import causal_mask
 
@@ -24,7 +25,25 @@ MASK_CASES = ("none", "causal", "source_padding", "ragged_batch", "fully_masked_
 
 # Perturbation of biases and LayerNorm parameters in test checkpoints (see init_params).
 TEST_PERTURB = 0.1
+# Scale of the eos column of the output projection in decoding checkpoints: with it the seeded
+# tiny models end some sequences with eos and run others to the maximum length.
+EOS_BOOST = 2.0
 BATCH, SRC_LEN, TGT_LEN = 3, 7, 6
+
+
+def seeded_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded float64 weights with perturbed biases and LayerNorm parameters."""
+    return init_params(config, seed, perturb=TEST_PERTURB)
+
+
+def decoding_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """:func:`seeded_params` with the eos logit weights scaled by ``EOS_BOOST`` (sequences of mixed lengths)."""
+    params = seeded_params(config, seed)
+    if config.share_embeddings:
+        params["shared_embed.weight"][config.eos_id, :] *= EOS_BOOST
+    else:
+        params["generator.weight"][:, config.eos_id] *= EOS_BOOST
+    return params
 
 
 def _lengths(case: str, length: int) -> list[int]:
@@ -60,6 +79,37 @@ def attention_inputs(config: TransformerConfig, case: str, dtype=np.float64,
     else:
         mask = _length_mask(_lengths(case, tk), tk)[:, None, None, :]
     return {"query": query.astype(dtype), "key": key.astype(dtype), "value": value.astype(dtype), "mask": mask}
+
+
+COMPONENT_MASKED = {"attention": True, "multi_head_attention": True, "positional_encoding": False,
+                    "feed_forward": False, "encoder_layer": True, "decoder_layer": True,
+                    "encoder": True, "decoder": True}
+
+
+def component_inputs(config: TransformerConfig, component: str, case: str, dtype=np.float64,
+                     seed: int = 0) -> dict[str, np.ndarray | None]:
+    """Inputs of one component (see ``backend.component``) for a mask case.
+
+    Encoder side: x (B, S, D) and a self-attention mask (None, causal (1, 1, S, S) or key
+    padding (B, 1, 1, S)). Decoder side: x (B, T, D), memory (B, S, D), src_mask (key padding
+    or None) and tgt_mask (causal, or None for ``none``). Unmasked components ignore ``case``.
+    """
+    if component not in COMPONENT_MASKED:
+        raise ValueError(f"unknown component {component!r}; choose one of {tuple(COMPONENT_MASKED)}")
+    if component in ("attention", "multi_head_attention"):
+        return attention_inputs(config, case, dtype, seed)
+    _check_case(case)
+    rng = np.random.default_rng(seed)
+    x_len = TGT_LEN if component.startswith("decoder") else SRC_LEN
+    x = rng.standard_normal((BATCH, x_len, config.d_model)).astype(dtype)
+    if not COMPONENT_MASKED[component]:
+        return {"x": x}
+    key_padding = None if case in ("none", "causal") else _length_mask(_lengths(case, SRC_LEN), SRC_LEN)[:, None, None, :]
+    if component.startswith("encoder"):
+        return {"x": x, "mask": causal_mask(SRC_LEN) if case == "causal" else key_padding}
+    memory = rng.standard_normal((BATCH, SRC_LEN, config.d_model)).astype(dtype)
+    return {"x": x, "memory": memory, "src_mask": key_padding,
+            "tgt_mask": None if case == "none" else causal_mask(TGT_LEN)}
 
 
 def model_inputs(config: TransformerConfig, case: str, seed: int = 0) -> dict[str, np.ndarray | None]:

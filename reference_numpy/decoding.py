@@ -6,7 +6,8 @@ The rules, shared by every port so that all backends produce identical tokens
 * the output starts after ``bos_id``; a sequence ends when it emits ``eos_id`` (kept in the
   output) or when it has ``max_output_length`` tokens: its number of non-pad source tokens
   + 50, capped at ``config.max_len`` (section 6.1: "maximum output length ... input length + 50");
-* outputs are returned without ``bos_id``, right-padded with ``pad_id``;
+* outputs are returned without ``bos_id``, right-padded with ``pad_id``; the decoder never emits
+  ``pad_id`` or ``bos_id`` (their log-probabilities are set to -inf before choosing);
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
 * beam search: beam size 4 and length penalty lp(Y) = ((5 + |Y|) / 6)^alpha, alpha = 0.6
   (Wu et al., 2016); a finished hypothesis scores log P(Y) / lp(Y), |Y| counting eos.
@@ -46,12 +47,19 @@ def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA) -> float:
 
 def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray,
                          src_mask: np.ndarray) -> np.ndarray:
-    """Log-probabilities of the token after ``tgt``. Shape: tgt (B, T) -> (B, V)."""
-    return model.generator(model.decode(tgt, memory, src_mask)[:, -1:])[:, 0]
+    """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
+    they are never chosen. Shape: tgt (B, T) -> (B, V)."""
+    log_probs = model.generator(model.decode(tgt, memory, src_mask)[:, -1:])[:, 0]
+    log_probs[:, [model.config.pad_id, model.config.bos_id]] = -np.inf
+    return log_probs
 
 
-def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
+def greedy_decode(model: Transformer, src: np.ndarray, margins: list | None = None) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id.
+
+    ``margins``, when a list, receives each step's decision margin per row, the gap between the
+    best and second-best log-probability (B,): a backend with a smaller error than half that
+    gap must choose the same token.
 
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
     """
@@ -62,7 +70,11 @@ def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
     tgt = np.full((len(src), 1), cfg.bos_id, dtype=np.int64)
     done = np.zeros(len(src), dtype=bool)
     for step in range(1, int(limits.max()) + 1):
-        token = next_token_log_probs(model, tgt, memory, src_mask).argmax(axis=-1)  # first max = lowest id
+        log_probs = next_token_log_probs(model, tgt, memory, src_mask)             # (B, V)
+        token = log_probs.argmax(axis=-1)                                          # first max = lowest id
+        if margins is not None:
+            top_two = np.sort(log_probs, axis=-1)[:, -2:]
+            margins.append(np.where(done, np.inf, top_two[:, 1] - top_two[:, 0]))
         token = np.where(done, cfg.pad_id, token)
         tgt = np.concatenate([tgt, token[:, None]], axis=1)
         done |= (token == cfg.eos_id) | (step >= limits)
@@ -72,8 +84,12 @@ def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
 
 
 def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
-                alpha: float = LENGTH_PENALTY_ALPHA) -> tuple[np.ndarray, np.ndarray]:
+                alpha: float = LENGTH_PENALTY_ALPHA, margins: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
+
+    ``margins``, when a list, receives one list per batch row of each step's decision margin
+    (see :func:`_decision_margin`; scores at step t sum t log-probabilities), then the gap
+    between the best and second-best finished scores (the final choice).
 
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
     length-normalized scores (B,).
@@ -84,8 +100,13 @@ def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
     src_mask = padding_mask(src, cfg.pad_id)
     memory = model.encode(src, src_mask)
     limits = max_output_lengths(model, src)
-    results = [_beam_search_one(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size, alpha)
-               for b in range(len(src))]
+    results = []
+    for b in range(len(src)):
+        row_margins: list[float] = []
+        results.append(_beam_search_one(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size,
+                                        alpha, row_margins))
+        if margins is not None:
+            margins.append(row_margins)
     width = max(len(tokens) for tokens, _ in results)
     tokens = np.full((len(src), width), cfg.pad_id, dtype=np.int64)
     for b, (row, _) in enumerate(results):
@@ -94,7 +115,7 @@ def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
 
 
 def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarray, limit: int,
-                     beam_size: int, alpha: float) -> tuple[list[int], float]:
+                     beam_size: int, alpha: float, margins: list[float]) -> tuple[list[int], float]:
     """Beam search for one source sentence. memory (1, S, D), src_mask (1, 1, 1, S)."""
     cfg = model.config
     live = np.full((1, 1), cfg.bos_id, dtype=np.int64)   # (n_live, t): bos + generated tokens
@@ -105,21 +126,17 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
         log_probs = next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
                                          np.repeat(src_mask, n_live, axis=0))
         candidates = live_scores[:, None] + log_probs                      # (n_live, V), model dtype
-        vocab = candidates.shape[1]
         ranking = np.argsort(-candidates, axis=None, kind="stable")       # ties: lower b, then lower v
-        rows, next_scores = [], []
-        for rank, flat in enumerate(ranking):
-            beam, token = divmod(int(flat), vocab)
-            if token == cfg.eos_id:
-                if rank < beam_size:
-                    finished.append((candidates[beam, token] / length_penalty(step, alpha),
-                                     [*live[beam, 1:].tolist(), token]))
-                continue
-            rows.append(np.append(live[beam], token))
-            next_scores.append(candidates[beam, token])
-            if len(rows) == beam_size:
-                break
-        live, live_scores = np.stack(rows), np.array(next_scores, dtype=model.dtype)
+        beams, tokens = np.divmod(ranking, candidates.shape[1])           # (n_live * V,) each
+        scores = candidates.ravel()[ranking]                              # descending
+        is_eos = tokens == cfg.eos_id
+        for rank in np.flatnonzero(is_eos[:beam_size]):                   # eos within the first beam_size ranks
+            finished.append((scores[rank] / length_penalty(step, alpha),
+                             [*live[beams[rank], 1:].tolist(), cfg.eos_id]))
+        keep = np.flatnonzero(~is_eos)[:beam_size]                        # first beam_size non-eos candidates
+        margins.append(_decision_margin(scores, is_eos, beam_size))
+        live = np.concatenate([live[beams[keep]], tokens[keep, None]], axis=1)
+        live_scores = scores[keep]
         if step == limit:
             finished += [(score / length_penalty(step, alpha), row[1:].tolist())
                          for score, row in zip(live_scores, live)]
@@ -128,5 +145,19 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
         if live_scores.max() / length_penalty(limit, alpha) <= best_finished:
             break
     best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
-    score, tokens = finished[best]
-    return tokens, float(score)
+    ranked = sorted((score for score, _ in finished), reverse=True)
+    margins.append(float(ranked[0] - ranked[1]) if len(ranked) > 1 else np.inf)
+    score, hypothesis = finished[best]
+    return hypothesis, float(score)
+
+
+def _decision_margin(scores: np.ndarray, is_eos: np.ndarray, beam_size: int) -> float:
+    """Smallest score gap that decides a step: at the rank-``beam_size`` boundary when an eos
+    is near it (does it finish?) and between the last kept and first dropped non-eos candidate."""
+    gaps = []
+    if len(scores) > beam_size and is_eos[:beam_size + 1].any():
+        gaps.append(scores[beam_size - 1] - scores[beam_size])
+    live_scores = scores[~is_eos]
+    if len(live_scores) > beam_size:
+        gaps.append(live_scores[beam_size - 1] - live_scores[beam_size])
+    return float(min(gaps, default=np.inf))

@@ -1,0 +1,185 @@
+"""The agreement matrix: every port x device x dtype x component x mask case x config variant
+against the NumPy reference, under the one tolerance policy of ``reference_numpy.tolerance``.
+
+A port whose framework is not installed, or a GPU that is not present, is a skip with its
+reason, never a pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import numpy as np
+import pytest
+
+from reference_numpy import backend as reference
+from reference_numpy import cases, tolerance
+from reference_numpy.cases import COMPONENT_MASKED, MASK_CASES, VARIANTS
+
+FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
+DTYPES = ("float64", "float32")
+DEVICE_KINDS = ("cpu", "gpu")
+COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()
+                   for case in (MASK_CASES if masked else ("none",))]
+
+
+def port_backend(port: str):
+    framework = FRAMEWORKS[port]
+    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{port}]')")
+    return importlib.import_module(f"transformer_{port}.backend")
+
+
+def device_for(backend, kind: str) -> str:
+    if kind == "cpu":
+        return "cpu"
+    accelerators = [device for device in backend.devices() if device != "cpu"]
+    if not accelerators:
+        pytest.skip(f"no GPU visible to {backend.NAME}: GPU agreement needs an accelerator")
+    return accelerators[0]
+
+
+@functools.cache
+def port_model(port: str, variant: str, dtype: str, device: str, params_kind: str = "test"):
+    params = (cases.decoding_params if params_kind == "decoding" else cases.seeded_params)(VARIANTS[variant])
+    return port_backend(port).build(VARIANTS[variant], params, dtype, device)
+
+
+@functools.cache
+def reference_model(variant: str, dtype: str, params_kind: str = "test"):
+    params = (cases.decoding_params if params_kind == "decoding" else cases.seeded_params)(VARIANTS[variant])
+    return reference.build(VARIANTS[variant], params, dtype)
+
+
+@functools.cache
+def reference_component(variant: str, component: str, case: str, dtype: str) -> np.ndarray:
+    inputs = cases.component_inputs(VARIANTS[variant], component, case)
+    return reference.component(reference_model(variant, dtype), component, inputs)
+
+
+@functools.cache
+def reference_forward(variant: str, case: str, dtype: str) -> dict[str, np.ndarray]:
+    return reference.forward(reference_model(variant, dtype), **cases.model_inputs(VARIANTS[variant], case))
+
+
+@pytest.fixture(params=list(FRAMEWORKS))
+def port(request):
+    return request.param
+
+
+@pytest.fixture(params=DEVICE_KINDS)
+def device_kind(request):
+    return request.param
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("component,case", COMPONENT_CASES)
+def test_component(port, device_kind, dtype, variant, component, case, agreement):
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    inputs = cases.component_inputs(VARIANTS[variant], component, case, dtype=np.dtype(dtype))
+    out = backend.component(port_model(port, variant, dtype, device), component, inputs)
+    agreement(out, reference_component(variant, component, case, "float64"),
+              reference_component(variant, component, case, "float32"),
+              port=port, device=device, dtype=dtype, what=f"{component}: {variant}/{case}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_forward_stages(port, device_kind, dtype, variant, case, agreement):
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    stages = backend.forward(port_model(port, variant, dtype, device), **cases.model_inputs(VARIANTS[variant], case))
+    ref64, ref32 = reference_forward(variant, case, "float64"), reference_forward(variant, case, "float32")
+    assert list(stages) == list(ref64), f"{port} stage names {list(stages)} differ from {list(ref64)}"
+    for stage in ref64:
+        agreement(stages[stage], ref64[stage], ref32[stage], port=port, device=device, dtype=dtype,
+                  what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}")
+
+
+# ----------------------------------------------------------------------------- decoded tokens
+
+@functools.cache
+def reference_decoding(variant: str, kind: str):
+    """Reference float64 tokens, scores and decision margins, and the float32 error bound of
+    the log-probabilities along the reference's own output (teacher forcing)."""
+    config = VARIANTS[variant]
+    model64 = reference_model(variant, "float64", "decoding")
+    src = cases.decoding_inputs(config)
+    margins: list = []
+    if kind == "greedy":
+        tokens, scores = reference.decoding.greedy_decode(model64, src, margins), None
+    else:
+        tokens, scores = reference.decoding.beam_search(model64, src, margins=margins)
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)
+    log_probs64 = model64(src, tgt)
+    log_probs32 = reference_model(variant, "float32", "decoding")(src, tgt)
+    bound = tolerance.float32_bound(log_probs64, log_probs32)
+    return src, tokens, scores, margins, bound
+
+
+def _port_decode(port, device, dtype, variant, kind):
+    model = port_model(port, variant, dtype, device, "decoding")
+    src = cases.decoding_inputs(VARIANTS[variant])
+    backend = port_backend(port)
+    return backend.greedy(model, src) if kind == "greedy" else backend.beam(model, src)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kind", ["greedy", "beam"])
+def test_decoded_tokens_float64(port, device_kind, variant, kind, agreement):
+    """float64: tokens identical to the reference's, every row, whole length; beam scores agree."""
+    device = device_for(port_backend(port), device_kind)
+    _, ref_tokens, ref_scores, _, _ = reference_decoding(variant, kind)
+    out = _port_decode(port, device, "float64", variant, kind)
+    tokens = out if kind == "greedy" else out[0]
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    if kind == "beam":
+        agreement(out[1], ref_scores, None, port=port, device=device, dtype="float64", what=f"beam scores: {variant}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_float32(port, device_kind, variant):
+    """float32: tokens identical up to the first step whose top-two log-probability margin in
+    the float64 reference is below twice the float32 bound (two log-probabilities, each off by
+    at most the bound, could swap there); rows without such a step must match entirely."""
+    device = device_for(port_backend(port), device_kind)
+    _, ref_tokens, _, margins, bound = reference_decoding(variant, "greedy")
+    tokens = _port_decode(port, device, "float32", variant, "greedy")
+    margins = np.stack(margins, axis=1)                                # (B, steps)
+    compared = 0
+    for row in range(len(ref_tokens)):
+        near_ties = np.flatnonzero(margins[row] < 2 * bound)
+        if near_ties.size:
+            stop = int(near_ties[0])
+            np.testing.assert_array_equal(tokens[row, :stop], ref_tokens[row, :stop], err_msg=f"row {row}")
+        else:
+            np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant), err_msg=f"row {row}")
+            compared += 1
+    assert compared, "every row had a float32 near-tie; choose inputs with clear decisions"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_beam_tokens_float32(port, device_kind, variant):
+    """float32 beam search: a row is compared when no step of the float64 reference had a
+    decision margin below 2 x t x bound (scores at step t sum t log-probabilities) and the final
+    choice margin is above 2 x L x bound; a near-tie can change the whole chosen hypothesis, so
+    rows with one are not compared. At least one row must be compared."""
+    device = device_for(port_backend(port), device_kind)
+    _, ref_tokens, _, margins, bound = reference_decoding(variant, "beam")
+    tokens, _ = _port_decode(port, device, "float32", variant, "beam")
+    clear = []
+    for row, row_margins in enumerate(margins):
+        steps, final = np.array(row_margins[:-1]), row_margins[-1]
+        if np.all(steps >= 2 * np.arange(1, len(steps) + 1) * bound) and final >= 2 * len(steps) * bound:
+            clear.append(row)
+    assert clear, "every row had a float32 near-tie; choose inputs with clear decisions"
+    for row in clear:
+        np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant), err_msg=f"row {row}")
+
+
+def _emitted(row: np.ndarray, variant: str) -> np.ndarray:
+    """The tokens a row emitted (decoders never emit pad_id, so padding is exactly the pad ids)."""
+    return row[row != VARIANTS[variant].pad_id]
