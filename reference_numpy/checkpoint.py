@@ -159,9 +159,9 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerCon
     config = _read_metadata(metadata)
     params = {name: _read_tensor(name, entry, data) for name, entry in header.items()}
     validate_params(config, params)
-    if dtype is not None:
-        params = {name: value.astype(_float_dtype(dtype)) for name, value in params.items()}
-    return config, params
+    target = None if dtype is None else _float_dtype(dtype)
+    return config, {name: params[name] if target is None else params[name].astype(target)
+                    for name in parameter_shapes(config)}                        # in the table's order
 
 
 def _read_header(raw: bytes, path: Path) -> tuple[dict, memoryview]:
