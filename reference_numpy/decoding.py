@@ -153,11 +153,12 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
 
 def _decision_margin(scores: np.ndarray, is_eos: np.ndarray, beam_size: int) -> float:
     """Smallest score gap that decides a step: at the rank-``beam_size`` boundary when an eos
-    is near it (does it finish?) and between the last kept and first dropped non-eos candidate."""
-    gaps = []
+    is near it (does it finish?) and between the last kept and first dropped non-eos candidate.
+    Gaps below impossible (-inf) candidates decide nothing and are left out."""
+    pairs = []
     if len(scores) > beam_size and is_eos[:beam_size + 1].any():
-        gaps.append(scores[beam_size - 1] - scores[beam_size])
+        pairs.append(scores[beam_size - 1:beam_size + 1])
     live_scores = scores[~is_eos]
     if len(live_scores) > beam_size:
-        gaps.append(live_scores[beam_size - 1] - live_scores[beam_size])
-    return float(min(gaps, default=np.inf))
+        pairs.append(live_scores[beam_size - 1:beam_size + 1])
+    return float(min((high - low for high, low in pairs if np.isfinite(low)), default=np.inf))

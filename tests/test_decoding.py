@@ -1,0 +1,141 @@
+"""The decoding rules of section 6.1, checked on scripted next-token distributions, with
+exhaustive search as the oracle for beam search."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import numpy as np
+import pytest
+
+from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params
+from reference_numpy.cases import VARIANTS
+
+PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
+
+
+class ScriptedModel:
+    """Stands in for a Transformer: the next-token log-probabilities are a function of the
+    generated prefix only (``script(prefix) -> (V,)`` probabilities)."""
+
+    def __init__(self, script, max_len=64, vocab=5):
+        self.config = TransformerConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=2, n_heads=1, d_ff=2,
+                                        n_encoder_layers=1, n_decoder_layers=1, max_len=max_len)
+        self.dtype = np.dtype(np.float64)
+        self.script = script
+
+    def encode(self, src, src_mask=None):
+        return np.zeros((len(src), np.shape(src)[1], 1))
+
+    def decode(self, tgt, memory, src_mask=None):
+        return np.asarray(tgt)[:, None, :].repeat(np.shape(tgt)[1], axis=1)     # (B, T, T): the prefix
+
+    def generator(self, hidden):
+        with np.errstate(divide="ignore"):                                    # log(0) = -inf: impossible tokens
+            rows = [np.log(self.script(tuple(int(t) for t in prefix[1:]))) for prefix in hidden[:, -1]]
+        return np.stack(rows)[:, None, :]
+
+
+def seeded_script(prefix):
+    """A fixed pseudo-random distribution over (pad, bos, eos, a, b) for every prefix."""
+    rng = np.random.default_rng(zlib.crc32(repr(prefix).encode()))
+    return rng.dirichlet(np.ones(5))
+
+
+def test_greedy_takes_the_best_token_and_breaks_ties_to_the_lowest_id():
+    model = ScriptedModel(lambda prefix: np.array([0.1, 0.1, 0.1, 0.35, 0.35]) if len(prefix) < 2
+                          else np.array([0.0, 0.0, 1.0, 0.0, 0.0]))
+    np.testing.assert_array_equal(greedy_decode(model, np.array([[A, B]])), [[A, A, EOS]])
+
+
+def test_greedy_never_emits_pad_or_bos():
+    model = ScriptedModel(lambda prefix: np.array([0.4, 0.4, 0.1, 0.05, 0.05]))
+    np.testing.assert_array_equal(greedy_decode(model, np.array([[A]])), [[EOS]])
+
+
+def test_maximum_output_length_is_input_length_plus_50():
+    never_ends = ScriptedModel(lambda prefix: np.array([0.0, 0.0, 0.0, 1.0, 0.0]), max_len=1000)
+    src = np.array([[A, B, A, PAD, PAD], [A, PAD, PAD, PAD, PAD]])
+    out = greedy_decode(never_ends, src)
+    assert (out != PAD).sum(axis=1).tolist() == [53, 51]
+    tokens, _ = beam_search(never_ends, src)
+    assert (tokens != PAD).sum(axis=1).tolist() == [53, 51]
+
+
+def test_maximum_output_length_is_capped_by_max_len():
+    never_ends = ScriptedModel(lambda prefix: np.array([0.0, 0.0, 0.0, 1.0, 0.0]), max_len=20)
+    assert greedy_decode(never_ends, np.array([[A, B]])).shape == (1, 20)
+
+
+def test_finished_rows_are_padded():
+    model = ScriptedModel(lambda prefix: np.array([0, 0, 1.0, 0, 0]) if prefix[:1] == (B,) or len(prefix) == 3
+                          else np.array([0, 0, 0, 0.6, 0.4]))
+    np.testing.assert_array_equal(greedy_decode(model, np.array([[A]])), [[A, A, A, EOS]])
+
+
+def gnmt_score(log_prob, length, alpha=0.6):
+    return log_prob / ((5 + length) / 6) ** alpha
+
+
+def exhaustive_best(script, limit):
+    """Every hypothesis: tokens from {a, b} then eos at step n <= limit, or `limit` tokens without eos."""
+    best = None
+    for n in range(1, limit + 1):
+        for body in itertools.product((A, B), repeat=n - 1):
+            endings = [(*body, EOS)] + ([(*body, A), (*body, B)] if n == limit else [])
+            for hypothesis in endings:
+                log_prob = sum(np.log(script(hypothesis[:t]))[hypothesis[t]] for t in range(len(hypothesis)))
+                score = gnmt_score(log_prob, len(hypothesis))
+                if best is None or score > best[0]:
+                    best = (score, list(hypothesis))
+    return best
+
+
+@pytest.mark.parametrize("max_len", [1, 2, 3, 4, 5])
+def test_wide_beam_finds_the_exhaustive_optimum_of_the_length_penalized_score(max_len):
+    model = ScriptedModel(seeded_script, max_len=max_len)
+    tokens, scores = beam_search(model, np.array([[A, B]]), beam_size=256)
+    score, hypothesis = exhaustive_best(seeded_script, max_len)
+    assert tokens[0].tolist() == hypothesis
+    assert scores[0] == pytest.approx(score, rel=1e-12)
+
+
+def test_beam_of_one_is_greedy():
+    model = ScriptedModel(seeded_script, max_len=8)
+    src = np.array([[A, B, A]])
+    np.testing.assert_array_equal(beam_search(model, src, beam_size=1)[0], greedy_decode(model, src))
+
+
+def test_equal_scores_go_to_the_earlier_lower_ranked_hypothesis():
+    def script(prefix):
+        if not prefix:
+            return np.array([0, 0, 1e-9, 0.5, 0.5])                           # a and b tie
+        return np.array([0, 0, 0.9, 0.05, 0.05])                              # then eos, equally likely
+    tokens, _ = beam_search(ScriptedModel(script), np.array([[A]]))
+    assert tokens[0].tolist() == [A, EOS]
+
+
+def test_eos_outside_the_first_beam_size_ranks_does_not_finish():
+    """[eos] scores log(0.2) = -1.609; every two-token hypothesis scores at most
+    (log 0.45 + log 0.34) / lp(2) = -1.712. [eos] ranks third at step 1."""
+    def script(prefix):
+        return np.array([0, 0, 0.2, 0.45, 0.35]) if not prefix else np.array([0, 0, 0.34, 0.33, 0.33])
+    model = ScriptedModel(script, max_len=2)
+    assert beam_search(model, np.array([[A]]), beam_size=3)[0][0].tolist() == [EOS]
+    assert beam_search(model, np.array([[A]]), beam_size=2)[0][0].tolist() == [A, EOS]
+
+
+def test_beam_size_is_validated():
+    with pytest.raises(ValueError, match="beam_size"):
+        beam_search(ScriptedModel(seeded_script), np.array([[A]]), beam_size=0)
+
+
+def test_real_model_decoding_is_deterministic_and_well_formed():
+    config = VARIANTS["tiny"]
+    model = Transformer(config, init_params(config, seed=2, perturb=0.1))
+    src = np.array([[5, 6, 7, 2], [8, 2, 0, 0]])
+    first, second = greedy_decode(model, src), greedy_decode(model, src)
+    np.testing.assert_array_equal(first, second)
+    tokens, scores = beam_search(model, src)
+    assert np.isfinite(scores).all() and not np.isin(tokens[:, :1], [config.pad_id, config.bos_id]).any()
