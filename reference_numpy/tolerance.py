@@ -84,3 +84,29 @@ def assert_agrees(port, ref64, ref32=None, what: str = "output") -> Agreement:
     if not result.ok:
         raise AssertionError(f"{what}: {result}")
     return result
+
+
+# ----------------------------------------------------------------------------- decoded tokens
+
+def greedy_decisive_steps(margins: np.ndarray, bound: float) -> int | None:
+    """Leading greedy steps of one row that float32 must reproduce.
+
+    ``margins`` are the float64 reference's top-two log-probability gaps per step (from
+    ``greedy_decode(..., margins=...)``); two log-probabilities each off by at most ``bound`` can
+    swap only where the gap is below 2 x bound. Returns the index of the first such step, or
+    None when every step is decisive (the whole row must match).
+    """
+    near_ties = np.flatnonzero(np.asarray(margins) < 2 * bound)
+    return int(near_ties[0]) if near_ties.size else None
+
+
+def beam_row_is_decisive(margins: list[float], bound: float) -> bool:
+    """Whether float32 must reproduce a beam-search row exactly.
+
+    ``margins`` come from ``beam_search(..., margins=...)``: one per step, then the final choice.
+    Scores at step t sum t log-probabilities, so a step is decisive when its margin is at least
+    2 x t x bound, and the final choice when its margin is at least 2 x L x bound (L steps). A
+    near-tie anywhere can change the whole chosen hypothesis, so one is enough to exclude the row.
+    """
+    steps, final = np.asarray(margins[:-1]), margins[-1]
+    return bool(np.all(steps >= 2 * np.arange(1, len(steps) + 1) * bound) and final >= 2 * len(steps) * bound)

@@ -143,38 +143,32 @@ def test_decoded_tokens_float64(port, device_kind, variant, kind, agreement):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_float32(port, device_kind, variant):
     """float32: tokens identical up to the first step whose top-two log-probability margin in
-    the float64 reference is below twice the float32 bound (two log-probabilities, each off by
-    at most the bound, could swap there); rows without such a step must match entirely."""
+    the float64 reference is below twice the float32 bound (see
+    ``tolerance.greedy_decisive_steps``); rows without such a step must match entirely."""
     device = device_for(port_backend(port), device_kind)
     _, ref_tokens, _, margins, bound = reference_decoding(variant, "greedy")
     tokens = _port_decode(port, device, "float32", variant, "greedy")
     margins = np.stack(margins, axis=1)                                # (B, steps)
     compared = 0
     for row in range(len(ref_tokens)):
-        near_ties = np.flatnonzero(margins[row] < 2 * bound)
-        if near_ties.size:
-            stop = int(near_ties[0])
-            np.testing.assert_array_equal(tokens[row, :stop], ref_tokens[row, :stop], err_msg=f"row {row}")
-        else:
-            np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant), err_msg=f"row {row}")
+        stop = tolerance.greedy_decisive_steps(margins[row], bound)
+        if stop is None:
+            np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant),
+                                          err_msg=f"row {row}")
             compared += 1
+        else:
+            np.testing.assert_array_equal(tokens[row, :stop], ref_tokens[row, :stop], err_msg=f"row {row}")
     assert compared, "every row had a float32 near-tie; choose inputs with clear decisions"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_beam_tokens_float32(port, device_kind, variant):
-    """float32 beam search: a row is compared when no step of the float64 reference had a
-    decision margin below 2 x t x bound (scores at step t sum t log-probabilities) and the final
-    choice margin is above 2 x L x bound; a near-tie can change the whole chosen hypothesis, so
-    rows with one are not compared. At least one row must be compared."""
+    """float32 beam search: rows without a near-tie (``tolerance.beam_row_is_decisive``) must
+    match exactly; rows with one are not compared. At least one row must be compared."""
     device = device_for(port_backend(port), device_kind)
     _, ref_tokens, _, margins, bound = reference_decoding(variant, "beam")
     tokens, _ = _port_decode(port, device, "float32", variant, "beam")
-    clear = []
-    for row, row_margins in enumerate(margins):
-        steps, final = np.array(row_margins[:-1]), row_margins[-1]
-        if np.all(steps >= 2 * np.arange(1, len(steps) + 1) * bound) and final >= 2 * len(steps) * bound:
-            clear.append(row)
+    clear = [row for row, row_margins in enumerate(margins) if tolerance.beam_row_is_decisive(row_margins, bound)]
     assert clear, "every row had a float32 near-tie; choose inputs with clear decisions"
     for row in clear:
         np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant), err_msg=f"row {row}")

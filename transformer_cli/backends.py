@@ -1,0 +1,40 @@
+"""Which backends are installed here, and their adapters (``docs/ports.md``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+# backend name -> (adapter module, framework module that must be importable, pip extra)
+BACKENDS = {
+    "numpy": ("reference_numpy.backend", "numpy", None),
+    "torch": ("transformer_torch.backend", "torch", "torch"),
+    "jax": ("transformer_jax.backend", "jax", "jax"),
+    "tf": ("transformer_tf.backend", "tensorflow", "tf"),
+}
+PORTS = tuple(name for name in BACKENDS if name != "numpy")
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A backend that cannot run here, and what to install."""
+
+    name: str
+    reason: str
+
+
+def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Missing]]:
+    """Import the adapters of ``names``; a framework that is not installed is reported, not raised."""
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend {unknown[0]!r}; choose from {', '.join(BACKENDS)}")
+    adapters, missing = {}, []
+    for name in names:
+        module, framework, extra = BACKENDS[name]
+        if importlib.util.find_spec(framework) is None:
+            missing.append(Missing(name, f"not installed: pip install 'transformer-reference[{extra}]'"))
+            continue
+        adapters[name] = importlib.import_module(module)
+    return adapters, missing

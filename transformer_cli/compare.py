@@ -1,0 +1,200 @@
+"""``compare``: every installed backend on every device in float32 and float64, stage by stage,
+against the float64 NumPy reference, under the project's one tolerance policy."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from reference_numpy import TransformerConfig, init_params, load_checkpoint, tolerance
+from reference_numpy import backend as reference
+from reference_numpy.decoding import greedy_decode
+
+from . import backends
+
+DTYPES = ("float64", "float32")
+DEFAULT_PRESET, DEFAULT_SEED = "base", 0
+TIMED_REPEATS = 3
+
+
+@dataclass
+class StageResult:
+    stage: str
+    max_abs_error: float
+    max_relative_error: float
+    bound: float
+    ok: bool
+
+
+@dataclass
+class Run:
+    backend: str
+    device: str
+    dtype: str
+    stages: list[StageResult] = field(default_factory=list)
+    forward_ms: float | None = None
+    greedy_identical: bool | None = None
+    greedy_note: str = ""
+    error: str | None = None
+
+    @property
+    def first_failing_stage(self) -> str | None:
+        return next((result.stage for result in self.stages if not result.ok), None)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.first_failing_stage is None and self.greedy_identical is not False
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.device}/{self.dtype.replace('float', 'f')}"
+
+
+@dataclass
+class Report:
+    source: str
+    config: TransformerConfig
+    runs: list[Run]
+    missing: list[backends.Missing]
+
+    @property
+    def ok(self) -> bool:
+        return all(run.ok for run in self.runs)
+
+    def to_json(self) -> dict:
+        return {
+            "checkpoint": self.source,
+            "config": self.config.to_dict(),
+            "policy": {"float64_relative": tolerance.FLOAT64_RELATIVE, "float32_factor": tolerance.FLOAT32_FACTOR},
+            "ok": self.ok,
+            "runs": [{**{key: value for key, value in asdict(run).items()},
+                      "first_failing_stage": run.first_failing_stage, "ok": run.ok} for run in self.runs],
+            "missing": [asdict(missing) for missing in self.missing],
+        }
+
+
+def default_checkpoint() -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+    """The embedded default: the seeded ``base`` preset (Table 3), made on the fly."""
+    config = TransformerConfig.preset(DEFAULT_PRESET)
+    return config, init_params(config, seed=DEFAULT_SEED)
+
+
+def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
+    """A fixed batch: two source sentences (the second padded) and their shifted targets."""
+    rng = np.random.default_rng(2017)
+    first = max(config.pad_id, config.bos_id, config.eos_id) + 1
+    src = rng.integers(first, config.src_vocab_size, size=(2, 12))
+    tgt = rng.integers(first, config.tgt_vocab_size, size=(2, 10))
+    src[0, -1], src[1, 8] = config.eos_id, config.eos_id
+    src[1, 9:] = config.pad_id
+    tgt[:, 0] = config.bos_id
+    tgt[1, 7:] = config.pad_id
+    return {"src": src[:, :min(12, config.max_len)], "tgt": tgt[:, :min(10, config.max_len)]}
+
+
+@dataclass
+class Oracle:
+    """Everything the float64 reference says about the inputs, computed once."""
+
+    stages64: dict[str, np.ndarray]
+    stages32: dict[str, np.ndarray]
+    greedy: np.ndarray
+    greedy_margins: np.ndarray
+    greedy_bound: float
+
+
+def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], inputs: dict) -> Oracle:
+    model64, model32 = reference.build(config, params, "float64"), reference.build(config, params, "float32")
+    margins: list = []
+    tokens = greedy_decode(model64, inputs["src"], margins)
+    forced = np.concatenate([np.full((len(tokens), 1), config.bos_id), tokens[:, :-1]], axis=1)
+    bound = tolerance.float32_bound(model64(inputs["src"], forced), model32(inputs["src"], forced))
+    return Oracle(reference.forward(model64, **inputs), reference.forward(model32, **inputs), tokens,
+                  np.stack(margins, axis=1), bound)
+
+
+def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:
+    """float64: identical tokens. float32: identical up to each row's first near-tie."""
+    if dtype == "float64":
+        same = tokens.shape == oracle.greedy.shape and bool(np.array_equal(tokens, oracle.greedy))
+        return same, ""
+    notes = []
+    for row, ref_row in enumerate(oracle.greedy):
+        stop = tolerance.greedy_decisive_steps(oracle.greedy_margins[row], oracle.greedy_bound)
+        port_row = tokens[row] if row < len(tokens) else np.array([], dtype=int)
+        if stop is None:
+            if not np.array_equal(port_row[port_row != pad_id], ref_row[ref_row != pad_id]):
+                return False, f"row {row} differs"
+        else:
+            notes.append(f"row {row} compared to its near-tie at step {stop}")
+            if not np.array_equal(port_row[:stop], ref_row[:stop]):
+                return False, f"row {row} differs before its near-tie at step {stop}"
+    return True, "; ".join(notes)
+
+
+def run_backend(adapter, device: str, dtype: str, config, params, inputs, oracle: Oracle) -> Run:
+    run = Run(adapter.NAME, device, dtype)
+    try:
+        model = adapter.build(config, params, dtype, device)
+        adapter.forward(model, **inputs)                                       # warm-up (and compilation)
+        times = []
+        for _ in range(TIMED_REPEATS):
+            start = time.perf_counter()
+            stages = adapter.forward(model, **inputs)
+            times.append(time.perf_counter() - start)
+        run.forward_ms = 1e3 * statistics.median(times)
+        for name, ref64 in oracle.stages64.items():
+            result = tolerance.agreement(np.asarray(stages[name]), ref64, oracle.stages32[name])
+            run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok))
+        run.greedy_identical, run.greedy_note = greedy_verdict(np.asarray(adapter.greedy(model, inputs["src"])),
+                                                               oracle, dtype, config.pad_id)
+    except Exception as err:  # noqa: BLE001 - one backend's failure is reported, the others still run
+        run.error = f"{type(err).__name__}: {err}".splitlines()[0]
+    return run
+
+
+def parse_perturbation(text: str | None) -> tuple[str, str] | None:
+    """``BACKEND:TENSOR`` -> (backend, tensor)."""
+    if text is None:
+        return None
+    backend_name, _, tensor = text.partition(":")
+    if backend_name not in backends.BACKENDS or not tensor:
+        raise ValueError(f"--perturb must be BACKEND:TENSOR with BACKEND in {', '.join(backends.BACKENDS)}, got {text!r}")
+    return backend_name, tensor
+
+
+def perturbed(params: dict[str, np.ndarray], tensor: str) -> dict[str, np.ndarray]:
+    """A copy of ``params`` with one tensor changed by one part in a million (a simulated port bug)."""
+    if tensor not in params:
+        raise ValueError(f"--perturb names tensor {tensor!r}, which is not in the checkpoint")
+    changed = dict(params)
+    changed[tensor] = params[tensor] * (1 + 1e-6) + 1e-6
+    return changed
+
+
+def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
+            perturb: str | None = None, progress=None) -> Report:
+    """Run the comparison; ``progress`` wraps the list of runs (e.g. ``tqdm``)."""
+    fault = parse_perturbation(perturb)
+    if checkpoint is None:
+        config, params = default_checkpoint()
+        source = f"embedded default ({DEFAULT_PRESET} preset, seed {DEFAULT_SEED})"
+    else:
+        config, params = load_checkpoint(checkpoint, dtype=np.float64)
+        source = str(checkpoint)
+    if fault:
+        perturbed(params, fault[1])                                            # validate the tensor name early
+    inputs = compare_inputs(config)
+    oracle = build_oracle(config, params, inputs)
+    adapters, missing = backends.load(("numpy", *names))
+    plan = [(adapter, device, dtype) for adapter in adapters.values() for device in adapter.devices()
+            for dtype in DTYPES if not (adapter.NAME == "numpy" and dtype == "float64")]
+    runs = []
+    for adapter, device, dtype in (progress(plan) if progress else plan):
+        weights = perturbed(params, fault[1]) if fault and fault[0] == adapter.NAME else params
+        runs.append(run_backend(adapter, device, dtype, config, weights, inputs, oracle))
+    return Report(source, config, runs, missing)

@@ -1,0 +1,83 @@
+"""Human-readable output of ``compare``: one table and a plot of error per stage."""
+
+from __future__ import annotations
+
+from reference_numpy import tolerance
+
+from .compare import Report
+
+STAGE_WIDTH, CELL_WIDTH = 18, 21
+
+
+def _cell(text: str) -> str:
+    return f"{text:>{CELL_WIDTH}}"
+
+
+def format_table(report: Report) -> str:
+    """Rows are stages (in the order the data flows), columns are backend/device/dtype runs.
+
+    Each stage cell shows "max abs / max rel" error against the float64 reference; a "!" marks
+    an error above the bound. Footer rows: worst error/bound, first stage over the bound, greedy
+    tokens identical, forward time.
+    """
+    runs = report.runs
+    stages = list(next((run.stages for run in runs if run.stages), []))
+    lines = [f"checkpoint: {report.source}",
+             f"policy: float64 error <= {tolerance.FLOAT64_RELATIVE:g} x max(1, max|ref|); float32 error <= "
+             f"{tolerance.FLOAT32_FACTOR} x max(float32 reference's own error, 1 ulp); cells: max abs / max rel",
+             "",
+             f"{'stage':<{STAGE_WIDTH}}" + "".join(_cell(run.label) for run in runs)]
+    for index, stage in enumerate(stages):
+        cells = []
+        for run in runs:
+            if index >= len(run.stages):
+                cells.append(_cell("-"))
+                continue
+            result = run.stages[index]
+            mark = "!" if not result.ok else " "
+            cells.append(_cell(f"{result.max_abs_error:.1e} / {result.max_relative_error:.1e}{mark}"))
+        lines.append(f"{stage.stage:<{STAGE_WIDTH}}" + "".join(cells))
+    lines.append("")
+    footer = {
+        "worst error/bound": lambda run: f"{max((s.max_abs_error / s.bound for s in run.stages), default=0):.3f}"
+        if run.stages else "-",
+        "first over bound": lambda run: run.first_failing_stage or "-",
+        "greedy identical": lambda run: "-" if run.greedy_identical is None else
+        ("yes" + ("*" if run.greedy_note else "") if run.greedy_identical else "NO"),
+        "forward ms": lambda run: "-" if run.forward_ms is None else f"{run.forward_ms:.1f}",
+        "status": lambda run: "ok" if run.ok else ("ERROR" if run.error else "FAILED"),
+    }
+    for name, describe in footer.items():
+        lines.append(f"{name:<{STAGE_WIDTH}}" + "".join(_cell(describe(run)) for run in runs))
+    notes = [f"{run.label}: {run.error}" for run in runs if run.error]
+    notes += [f"{run.label}: * {run.greedy_note}" for run in runs if run.greedy_note]
+    notes += [f"{missing.name}: {missing.reason}" for missing in report.missing]
+    failing = [f"{run.label} first exceeds its bound at {run.first_failing_stage}" for run in runs
+               if run.first_failing_stage]
+    lines += [""] + notes + failing if notes or failing else []
+    lines.append("")
+    lines.append("all backends agree with the reference" if report.ok else "SOME BACKENDS DISAGREE (see above)")
+    return "\n".join(lines)
+
+
+def plot_errors(report: Report, path) -> None:
+    """Error per stage per run (log scale), with each run's bound dotted: error growth with depth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [run for run in report.runs if run.stages]
+    stages = [result.stage for result in runs[0].stages] if runs else []
+    fig, ax = plt.subplots(figsize=(11, 5.5), constrained_layout=True)
+    for run in runs:
+        errors = [max(result.max_abs_error, 1e-18) for result in run.stages]
+        line, = ax.plot(range(len(errors)), errors, marker="o", label=run.label)
+        ax.plot(range(len(errors)), [result.bound for result in run.stages], linestyle=":", color=line.get_color())
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(stages)), stages, rotation=45, ha="right")
+    ax.set_ylabel("max abs error vs float64 reference")
+    ax.set_title("Error per stage (solid) and its bound (dotted)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
