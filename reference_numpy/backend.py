@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checkpoint, decoding
+from . import checkpoint, decoding, training
 from .cases import COMPONENT_MASKED
 from .config import TransformerConfig
-from .model import Transformer, scaled_dot_product_attention
+from .model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 
 NAME = "numpy"
 COMPONENTS = tuple(COMPONENT_MASKED)
@@ -87,3 +87,37 @@ def beam(model: Transformer, src, beam_size: int = decoding.BEAM_SIZE, alpha: fl
          use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,). The reference has no cache; ``use_cache`` is ignored."""
     return decoding.beam_search(model, src, beam_size, alpha)
+
+
+ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_cross")
+
+
+def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"kind must be one of {ATTENTION_KINDS}, got {kind!r}")
+    stack_name = "encoder" if kind == "encoder" else "decoder"
+    stack = getattr(model, stack_name)
+    if not 0 <= layer < len(stack.layers):
+        raise ValueError(f"layer must be in [0, {len(stack.layers)}), got {layer}")
+    stages = forward(model, src, tgt)
+    x = stages["src_embed" if kind == "encoder" else "tgt_embed"] if layer == 0 else \
+        stages[f"{stack_name}.layers.{layer - 1}"]                           # the layer's input
+    block = stack.layers[layer]
+    src_mask = padding_mask(src, model.config.pad_id)
+    norm = (lambda h, ln: ln(h)) if model.config.norm_first else (lambda h, ln: h)   # what the sublayer sees
+    if kind == "encoder":
+        h = norm(x, block.self_attn_norm)
+        return block.self_attn(h, h, h, src_mask, return_weights=True)[1]
+    tgt_mask = target_mask(tgt, model.config.pad_id)
+    h = norm(x, block.self_attn_norm)
+    if kind == "decoder_self":
+        return block.self_attn(h, h, h, tgt_mask, return_weights=True)[1]
+    x = residual(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm, model.config.norm_first)
+    h = norm(x, block.cross_attn_norm)
+    return block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1]
+
+
+def loss(model: Transformer, src, tgt, labels, epsilon: float = training.LABEL_SMOOTHING) -> float:
+    """The label-smoothed cross-entropy of section 5.4 (the ports also return its gradients)."""
+    return float(training.loss(model, src, tgt, labels, epsilon))

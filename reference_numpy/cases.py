@@ -136,6 +136,16 @@ def model_inputs(config: TransformerConfig, case: str, seed: int = 0) -> dict[st
     return {"src": src, "tgt": tgt, "src_mask": src_mask, "tgt_mask": tgt_mask}
 
 
+def training_inputs(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """A ragged batch for the training loss: src (B, S), tgt (B, T) = bos + labels shifted right,
+    labels (B, T) ending in eos and padded."""
+    inputs = model_inputs(config, "ragged_batch", seed)
+    lengths = (inputs["tgt"] != config.pad_id).sum(axis=1)                     # bos + tokens
+    labels = np.concatenate([inputs["tgt"][:, 1:], np.full((BATCH, 1), config.pad_id)], axis=1)
+    labels[np.arange(BATCH), lengths - 1] = config.eos_id
+    return {"src": inputs["src"], "tgt": inputs["tgt"], "labels": labels}
+
+
 def decoding_inputs(config: TransformerConfig, seed: int = 0) -> np.ndarray:
     """A ragged batch of source sentences ending in eos, for greedy and beam search. Shape (B, S)."""
     rng = np.random.default_rng(seed)

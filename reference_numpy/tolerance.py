@@ -7,6 +7,13 @@
   float32 ulp at the output's scale keeps an exactly-representable result from demanding
   exactness.
 
+Two ports are compared with each other through the reference: by the triangle inequality
+their difference is at most the sum of their two bounds (:func:`pair_bound`).
+
+Gradients (float64): two ports' gradients of the same loss agree to ``GRADIENT_RELATIVE``
+times the gradient's scale, and each port's gradient matches central finite differences of
+the reference's loss within :func:`finite_difference_bound`.
+
 Nothing else in the project chooses a tolerance.
 """
 
@@ -18,6 +25,7 @@ import numpy as np
 
 FLOAT64_RELATIVE = 1e-12
 FLOAT32_FACTOR = 8
+GRADIENT_RELATIVE = 1e-10
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,41 @@ def float32_bound(ref64, ref32) -> float:
     return FLOAT32_FACTOR * max(max_abs(ref32, ref64), ulp)
 
 
+def bound_for(dtype, ref64, ref32=None) -> float:
+    """The policy's bound for an output of ``dtype`` (float32 needs ``ref32``)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float64:
+        return float64_bound(ref64)
+    if dtype == np.float32:
+        if ref32 is None:
+            raise ValueError("a float32 comparison needs ref32, the float32 reference's output")
+        return float32_bound(ref64, ref32)
+    raise ValueError(f"output must be float32 or float64, got {dtype}")
+
+
+def pair_bound(dtype, ref64, ref32=None) -> float:
+    """Two ports each within the bound of the reference are within twice it of each other."""
+    return 2 * bound_for(dtype, ref64, ref32)
+
+
+def gradient_bound(grad_a, grad_b) -> float:
+    """GRADIENT_RELATIVE x the larger max |gradient| of the two (per tensor)."""
+    scale = max(float(np.max(np.abs(grad_a), initial=0.0)), float(np.max(np.abs(grad_b), initial=0.0)))
+    return GRADIENT_RELATIVE * scale
+
+
+def finite_difference_bound(fd_h: float, fd_half: float, loss_value: float, step: float) -> float:
+    """Error bound of the Richardson estimate (4 fd(h/2) - fd(h)) / 3 of a directional derivative.
+
+    Truncation: the extrapolation is better than fd(h/2), whose error |fd(h) - fd(h/2)| bounds.
+    Rounding: each loss is trusted to delta = FLOAT64_RELATIVE x max(1, |loss|) (the float64
+    policy); fd(h) = (L(+h) - L(-h)) / 2h carries delta / h, fd(h/2) carries 2 delta / h, and the
+    extrapolation (4 e2 + e1) / 3 <= 3 delta / h.
+    """
+    delta = FLOAT64_RELATIVE * max(1.0, abs(loss_value))
+    return abs(fd_h - fd_half) + 3.0 * delta / step
+
+
 def agreement(port, ref64, ref32=None) -> Agreement:
     """Compare ``port`` with the float64 reference under the policy for the port's dtype.
 
@@ -67,15 +110,7 @@ def agreement(port, ref64, ref32=None) -> Agreement:
     """
     port = np.asarray(port)
     scale = float(np.max(np.abs(ref64), initial=0.0))
-    if port.dtype == np.float64:
-        bound = float64_bound(ref64)
-    elif port.dtype == np.float32:
-        if ref32 is None:
-            raise ValueError("a float32 comparison needs ref32, the float32 reference's output")
-        bound = float32_bound(ref64, ref32)
-    else:
-        raise ValueError(f"port output must be float32 or float64, got {port.dtype}")
-    return Agreement(error=max_abs(port, ref64), bound=bound, scale=scale)
+    return Agreement(error=max_abs(port, ref64), bound=bound_for(port.dtype, ref64, ref32), scale=scale)
 
 
 def assert_agrees(port, ref64, ref32=None, what: str = "output") -> Agreement:

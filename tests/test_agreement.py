@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 
 import numpy as np
 import pytest
@@ -85,18 +86,53 @@ def test_component(port, device_kind, dtype, variant, component, case, agreement
               port=port, device=device, dtype=dtype, what=f"{component}: {variant}/{case}")
 
 
+@functools.cache
+def port_forward(port: str, variant: str, case: str, dtype: str, device: str) -> dict[str, np.ndarray]:
+    model = port_model(port, variant, dtype, device)
+    return port_backend(port).forward(model, **cases.model_inputs(VARIANTS[variant], case))
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", MASK_CASES)
 def test_forward_stages(port, device_kind, dtype, variant, case, agreement):
-    backend = port_backend(port)
-    device = device_for(backend, device_kind)
-    stages = backend.forward(port_model(port, variant, dtype, device), **cases.model_inputs(VARIANTS[variant], case))
+    device = device_for(port_backend(port), device_kind)
+    stages = port_forward(port, variant, case, dtype, device)
     ref64, ref32 = reference_forward(variant, case, "float64"), reference_forward(variant, case, "float32")
     assert list(stages) == list(ref64), f"{port} stage names {list(stages)} differ from {list(ref64)}"
     for stage in ref64:
         agreement(stages[stage], ref64[stage], ref32[stage], port=port, device=device, dtype=dtype,
                   what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("pair", list(itertools.combinations(FRAMEWORKS, 2)), ids="-".join)
+def test_ports_agree_with_each_other(pair, device_kind, dtype, variant, case):
+    """Each pair of ports, stage by stage, within tolerance.pair_bound (twice the policy's bound)."""
+    devices = [device_for(port_backend(port), device_kind) for port in pair]
+    first, second = (port_forward(port, variant, case, dtype, device) for port, device in zip(pair, devices))
+    ref64, ref32 = reference_forward(variant, case, "float64"), reference_forward(variant, case, "float32")
+    for stage in ref64:
+        error = tolerance.max_abs(first[stage], second[stage])
+        bound = tolerance.pair_bound(dtype, ref64[stage], ref32[stage])
+        assert error <= bound, f"{pair[0]} vs {pair[1]}, {stage}: {error:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repeated_runs_are_bitwise_identical(port, dtype):
+    """Twenty runs of the same forward pass and greedy decode give the same bits: the suite's
+    results do not depend on the run."""
+    backend = port_backend(port)
+    model = port_model(port, "tiny", dtype, "cpu")
+    inputs = cases.model_inputs(VARIANTS["tiny"], "ragged_batch")
+    src = cases.decoding_inputs(VARIANTS["tiny"])
+    first, first_tokens = backend.forward(model, **inputs), backend.greedy(model, src)
+    for _ in range(19):
+        again = backend.forward(model, **inputs)
+        assert all(np.array_equal(again[stage], first[stage]) for stage in first)
+        np.testing.assert_array_equal(backend.greedy(model, src), first_tokens)
 
 
 # ----------------------------------------------------------------------------- decoded tokens

@@ -291,7 +291,7 @@ def test_parameter_counts_match_the_paper(preset, d_model, d_ff, table3_millions
 
 # ----------------------------------------------------------------------------- properties of attention
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 3), heads=st.integers(1, 3), tq=st.integers(1, 6), tk=st.integers(1, 6),
        d_k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1), density=st.floats(0.0, 1.0))
 def test_attention_weights_are_distributions_or_zero(batch, heads, tq, tk, d_k, seed, density):

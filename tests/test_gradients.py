@@ -1,0 +1,83 @@
+"""Gradients of the label-smoothed cross-entropy (section 5.4, epsilon_ls = 0.1) in float64:
+every port against central finite differences of the NumPy reference's loss, and every pair
+of ports against each other."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+from reference_numpy import Transformer, tolerance
+from reference_numpy.cases import VARIANTS, seeded_params, training_inputs
+from reference_numpy.training import loss
+
+from test_agreement import FRAMEWORKS, port_backend
+
+STEP = 1e-3          # finite-difference step along a unit direction; halved for Richardson extrapolation
+DIRECTIONS = 3
+
+
+@functools.cache
+def port_gradients(port: str, variant: str):
+    config = VARIANTS[variant]
+    backend = port_backend(port)
+    model = backend.build(config, seeded_params(config), "float64", "cpu")
+    value, grads = backend.gradients(model, **training_inputs(config))
+    return float(value), grads
+
+
+def reference_loss(variant: str, params: dict[str, np.ndarray]) -> float:
+    config = VARIANTS[variant]
+    return float(loss(Transformer(config, params), **training_inputs(config)))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_port_loss_and_gradient_names(port, variant):
+    config = VARIANTS[variant]
+    value, grads = port_gradients(port, variant)
+    params = seeded_params(config)
+    expected = reference_loss(variant, params)
+    assert abs(value - expected) <= tolerance.float64_bound(expected), f"loss {value} vs reference {expected}"
+    assert list(grads) == list(params)
+    for name, grad in grads.items():
+        assert grad.shape == params[name].shape and grad.dtype == np.float64, name
+        assert np.isfinite(grad).all(), name
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_gradient_matches_finite_differences_of_the_reference(port, variant):
+    """<grad, d> against the Richardson-extrapolated central difference of the reference's loss
+    along random unit directions d, within tolerance.finite_difference_bound."""
+    _, grads = port_gradients(port, variant)
+    params = seeded_params(VARIANTS[variant])
+    rng = np.random.default_rng(99)
+    for _ in range(DIRECTIONS):
+        direction = {name: rng.standard_normal(value.shape) for name, value in params.items()}
+        norm = np.sqrt(sum(float((d ** 2).sum()) for d in direction.values()))
+        direction = {name: d / norm for name, d in direction.items()}
+
+        def central(step):
+            shifted = [{name: params[name] + sign * step * direction[name] for name in params} for sign in (1, -1)]
+            return (reference_loss(variant, shifted[0]) - reference_loss(variant, shifted[1])) / (2 * step)
+
+        fd_h, fd_half = central(STEP), central(STEP / 2)
+        estimate = (4 * fd_half - fd_h) / 3
+        analytic = sum(float((grads[name] * direction[name]).sum()) for name in params)
+        bound = tolerance.finite_difference_bound(fd_h, fd_half, reference_loss(variant, params), STEP)
+        assert abs(analytic - estimate) <= bound, f"{port}: <grad, d> = {analytic}, finite differences {estimate}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("pair", list(itertools.combinations(FRAMEWORKS, 2)), ids="-".join)
+def test_gradients_agree_across_ports(pair, variant):
+    _, grads_a = port_gradients(pair[0], variant)
+    _, grads_b = port_gradients(pair[1], variant)
+    for name in grads_a:
+        error = tolerance.max_abs(grads_a[name], grads_b[name])
+        bound = tolerance.gradient_bound(grads_a[name], grads_b[name])
+        assert error <= bound, f"{name}: {pair[0]} vs {pair[1]} differ by {error:.3e} > {bound:.3e}"
