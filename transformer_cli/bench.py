@@ -1,0 +1,234 @@
+"""``bench``: forward pass and greedy decoding (cached and uncached) of every installed backend on
+the same weights and inputs; warm-up excluded, compile time reported separately.
+
+FLOPs are counted analytically (2 per multiply-add of every matrix product, see
+:func:`forward_flops` and :func:`decode_flops`); achieved GFLOP/s are compared with this
+machine's float32 matrix-multiply rate, measured by :func:`matmul_rate`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from reference_numpy import TransformerConfig, init_params
+
+from . import backends
+
+MATMUL_SIZE = 2048
+
+
+@dataclass
+class Measurement:
+    backend: str
+    device: str
+    task: str                  # "forward", "greedy (cached)", "greedy (uncached)"
+    seconds: float             # median of the timed repeats
+    first_call_seconds: float  # the warm-up call: includes tracing/compilation
+    flops: float
+    tokens: int | None = None  # decoded tokens (greedy)
+
+    @property
+    def compile_seconds(self) -> float:
+        return max(0.0, self.first_call_seconds - self.seconds)
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.seconds / 1e9
+
+
+def matmul_rate(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
+    """This machine's float32 matrix-multiply rate in GFLOP/s (NumPy, best of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((size, size), dtype=np.float32), rng.standard_normal((size, size), dtype=np.float32)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * size ** 3 / best / 1e9
+
+
+def _timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def _layer_macs(config: TransformerConfig, queries: int, keys: int, memory: int | None) -> int:
+    """Multiply-adds of one layer for ``queries`` new positions attending to ``keys`` positions;
+    a decoder layer (``memory`` source positions) adds cross-attention (its K/V over the memory)."""
+    d, f = config.d_model, config.d_ff
+    macs = queries * (4 * d * d + 2 * d * f) + 2 * queries * keys * d
+    if memory is not None:
+        macs += queries * 2 * d * d + 2 * memory * d * d + 2 * queries * memory * d
+    return macs
+
+
+def forward_flops(config: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> int:
+    """Encoder + decoder + output projection over all positions (attention over full T x T)."""
+    macs = config.n_encoder_layers * _layer_macs(config, src_len, src_len, None)
+    macs += config.n_decoder_layers * _layer_macs(config, tgt_len, tgt_len, src_len)
+    macs += tgt_len * config.d_model * config.tgt_vocab_size
+    return 2 * batch * macs
+
+
+def decode_flops(config: TransformerConfig, batch: int, src_len: int, steps: int, cached: bool) -> int:
+    """Greedy decoding of ``steps`` tokens: one encoder pass, then per step t either one new
+    position over t cached keys (cached) or all t positions again (uncached); the cross-attention
+    K/V of the memory are computed once when cached, every step when not; logits for the newest
+    position only."""
+    d, v = config.d_model, config.tgt_vocab_size
+    macs = config.n_encoder_layers * _layer_macs(config, src_len, src_len, None)
+    for t in range(1, steps + 1):
+        queries = 1 if cached else t
+        layer = _layer_macs(config, queries, t, src_len)
+        if cached:
+            layer -= 2 * src_len * d * d
+        macs += config.n_decoder_layers * layer + d * v
+    if cached:
+        macs += config.n_decoder_layers * 2 * src_len * d * d
+    return 2 * batch * macs
+
+
+@dataclass
+class BenchReport:
+    preset: str
+    shapes: dict
+    machine: dict
+    matmul_gflops: float
+    measurements: list[Measurement]
+    missing: list
+
+    def to_json(self) -> dict:
+        return {"preset": self.preset, "shapes": self.shapes, "machine": self.machine,
+                "matmul_gflops": self.matmul_gflops, "missing": [asdict(m) for m in self.missing],
+                "measurements": [{**asdict(m), "compile_seconds": m.compile_seconds, "gflops": m.gflops,
+                                  "fraction_of_matmul_rate": m.gflops / self.matmul_gflops}
+                                 for m in self.measurements]}
+
+
+def machine_description() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int):
+    """Seeded token ids: a (batch, src_len) source and (batch, tgt_len) target for the forward
+    pass, and one source sentence of decode_tokens - 50 tokens (section 6.1's budget) to decode."""
+    rng = np.random.default_rng(0)
+    first = max(config.pad_id, config.bos_id, config.eos_id) + 1
+    src = rng.integers(first, config.src_vocab_size, size=(batch, src_len))
+    tgt = rng.integers(first, config.tgt_vocab_size, size=(batch, tgt_len))
+    tgt[:, 0] = config.bos_id
+    decode_src = rng.integers(first, config.src_vocab_size, size=(1, max(1, decode_tokens - 50)))
+    return src, tgt, decode_src
+
+
+def _measure(function, repeats: int) -> tuple[float, float, object]:
+    start = time.perf_counter()
+    result = function()
+    first = time.perf_counter() - start
+    times = [_timed(function) for _ in range(repeats)]
+    return statistics.median(times), first, result
+
+
+def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
+          names: tuple[str, ...] = backends.BACKENDS, repeats: int = 3, uncached: bool = True,
+          progress=None) -> BenchReport:
+    """Time every installed backend (float32, first device of each) on one seeded checkpoint."""
+    config = TransformerConfig.preset(preset)
+    if max(src_len, tgt_len, decode_tokens) > config.max_len:
+        raise ValueError(f"lengths must not exceed the preset's max_len ({config.max_len})")
+    params = init_params(config, seed=0, dtype=np.float32)
+    src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens)
+    adapters, missing = backends.load(tuple(names))
+    tasks = []
+    for adapter in adapters.values():
+        tasks.append((adapter, "forward"))
+        if adapter.NAME != "numpy":
+            tasks.append((adapter, "greedy (cached)"))
+        if uncached:
+            tasks.append((adapter, "greedy (uncached)"))
+    rate = matmul_rate()
+    models = {}
+    measurements = []
+    for adapter, task in (progress(tasks) if progress else tasks):
+        device = adapter.devices()[0]
+        if adapter.NAME not in models:
+            models[adapter.NAME] = adapter.build(config, params, "float32", device)
+        model = models[adapter.NAME]
+        if task == "forward":
+            seconds, first, _ = _measure(lambda: adapter.forward(model, src, tgt), repeats)
+            measurements.append(Measurement(adapter.NAME, device, task, seconds, first,
+                                            forward_flops(config, batch, src_len, tgt_len)))
+            continue
+        cached = task == "greedy (cached)"
+        seconds, first, tokens = _measure(lambda: adapter.greedy(model, decode_src, use_cache=cached),
+                                          1 if not cached else repeats)
+        steps = int((np.asarray(tokens) != config.pad_id).sum())
+        measurements.append(Measurement(adapter.NAME, device, task, seconds, first,
+                                        decode_flops(config, 1, decode_src.shape[1], steps, cached), steps))
+    shapes = {"batch": batch, "src_len": src_len, "tgt_len": tgt_len, "decode_tokens": decode_tokens,
+              "dtype": "float32"}
+    return BenchReport(preset, shapes, machine_description(), rate, measurements, missing)
+
+
+def format_bench(report: BenchReport) -> str:
+    shapes = report.shapes
+    lines = [f"preset {report.preset}, float32; forward batch {shapes['batch']} x {shapes['src_len']} x "
+             f"{shapes['tgt_len']}; greedy decoding of up to {shapes['decode_tokens']} tokens (batch 1)",
+             f"machine: {report.machine['cpu']}, {report.machine['cores']} cores; "
+             f"measured float32 matmul rate (NumPy, {MATMUL_SIZE}^2): {report.matmul_gflops:.1f} GFLOP/s", "",
+             f"{'backend':<8}{'device':<8}{'task':<19}{'time':>11}{'compile':>10}{'tokens':>8}{'GFLOP/s':>10}"
+             f"{'of matmul':>11}"]
+    for m in report.measurements:
+        lines.append(f"{m.backend:<8}{m.device:<8}{m.task:<19}{m.seconds * 1e3:>9.1f}ms{m.compile_seconds:>9.2f}s"
+                     f"{'' if m.tokens is None else m.tokens:>8}{m.gflops:>10.1f}"
+                     f"{m.gflops / report.matmul_gflops:>10.0%}")
+    ratios = [f"{name}: cached decoding {speedup:.1f}x faster per token" for name, speedup in cache_speedups(report)]
+    lines += [""] + ratios if ratios else []
+    lines += [f"{m.name}: {m.reason}" for m in report.missing]
+    return "\n".join(lines)
+
+
+def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
+    """Per backend: uncached over cached time per decoded token."""
+    by_key = {(m.backend, m.task): m for m in report.measurements}
+    speedups = []
+    for name in dict.fromkeys(m.backend for m in report.measurements):
+        cached, uncached = by_key.get((name, "greedy (cached)")), by_key.get((name, "greedy (uncached)"))
+        if cached and uncached:
+            speedups.append((name, (uncached.seconds / max(1, uncached.tokens)) / (cached.seconds / max(1, cached.tokens))))
+    return speedups
+
+
+def plot_bench(report: BenchReport, path) -> None:
+    """Bar chart: achieved GFLOP/s per backend and task, with the matmul rate as a line."""
+    from .plots import _pyplot
+    plt = _pyplot()
+    tasks = list(dict.fromkeys(m.task for m in report.measurements))
+    names = list(dict.fromkeys(m.backend for m in report.measurements))
+    fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
+    width = 0.8 / max(1, len(tasks))
+    for i, task in enumerate(tasks):
+        values = [next((m.gflops for m in report.measurements if m.backend == n and m.task == task), 0) for n in names]
+        ax.bar(np.arange(len(names)) + i * width, values, width, label=task)
+    ax.axhline(report.matmul_gflops, color="black", linestyle="--", label="float32 matmul rate")
+    ax.set_xticks(np.arange(len(names)) + width * (len(tasks) - 1) / 2, names)
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title(f"{report.preset} preset, float32")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

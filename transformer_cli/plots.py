@@ -1,0 +1,53 @@
+"""Pictures: the positional-encoding table (section 3.5) and attention weights, one backend or
+all side by side."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference_numpy import sinusoidal_positional_encoding
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_positional_encoding(length: int, d_model: int, path) -> None:
+    """Heat maps of PE(pos, 2i) = sin and PE(pos, 2i+1) = cos side by side (the table stores them
+    interleaved: column 2i is sin, column 2i+1 cos)."""
+    if length < 1 or d_model < 2 or d_model % 2:
+        raise ValueError(f"length must be >= 1 and d_model even and >= 2, got {length} and {d_model}")
+    plt = _pyplot()
+    table = sinusoidal_positional_encoding(length, d_model)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True, constrained_layout=True)
+    for ax, columns, name in ((axes[0], table[:, 0::2], "sin: PE(pos, 2i)"), (axes[1], table[:, 1::2], "cos: PE(pos, 2i+1)")):
+        image = ax.imshow(columns, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+        ax.set_title(name)
+        ax.set_xlabel("i (frequency index; wavelength 2*pi * 10000^(2i/d_model))")
+    axes[0].set_ylabel("position")
+    fig.colorbar(image, ax=axes.tolist(), label="value")
+    fig.suptitle(f"Sinusoidal positional encoding, d_model = {d_model} (section 3.5)")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_attention(weights: dict[str, np.ndarray], query_tokens: list[str], key_tokens: list[str],
+                   title: str, path) -> None:
+    """One heat map per backend, side by side; ``weights`` maps a label to a (Tq, Tk) matrix."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(weights), figsize=(3.2 * len(weights) + 1, 3.6), squeeze=False,
+                             constrained_layout=True)
+    for ax, (label, matrix) in zip(axes[0], weights.items()):
+        image = ax.imshow(matrix, cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(label, fontsize="small")
+        ax.set_xticks(range(len(key_tokens)), key_tokens, rotation=90, fontsize="x-small")
+        ax.set_yticks(range(len(query_tokens)), query_tokens, fontsize="x-small")
+        ax.set_xlabel("key")
+    axes[0][0].set_ylabel("query")
+    fig.colorbar(image, ax=axes[0].tolist(), label="attention weight", shrink=0.8)
+    fig.suptitle(title, fontsize="medium")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
