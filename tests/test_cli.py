@@ -80,3 +80,32 @@ def test_bad_input_is_one_line_and_exit_status_2(workdir):
     assert result.stderr.strip().startswith("error: checkpoint") and len(result.stderr.strip().splitlines()) == 1
     result = run("compare", "tiny.safetensors", "--perturb", "torch:no.such.tensor", cwd=workdir)
     assert result.returncode == 2 and "no.such.tensor" in result.stderr
+
+
+def test_bench_reports_json_and_a_bar_chart(workdir):
+    result = run("bench", "--preset", "tiny", "--batch", "2", "--src-len", "6", "--tgt-len", "5",
+                 "--decode-tokens", "55", "--repeats", "1", "--json", "--plot", "bench.png", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["matmul_gflops"] > 0 and report["machine"]["cores"] >= 1
+    tasks = {(m["backend"], m["task"]) for m in report["measurements"]}
+    assert ("numpy", "forward") in tasks and ("numpy", "greedy (uncached)") in tasks
+    for port in backends.load()[0]:
+        assert {(port, "forward"), (port, "greedy (cached)"), (port, "greedy (uncached)")} <= tasks
+    for measurement in report["measurements"]:
+        assert measurement["seconds"] > 0 and measurement["gflops"] > 0 and measurement["compile_seconds"] >= 0
+        assert set(measurement) >= {"backend", "device", "task", "first_call_seconds", "flops",
+                                    "fraction_of_matmul_rate", "tokens"}
+    assert (workdir / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_plots_are_written(workdir):
+    assert run("plot", "pe", "--length", "40", "--d-model", "32", "--out", "pe.png", cwd=workdir).returncode == 0
+    result = run("plot", "attention", "tiny.safetensors", "--kind", "decoder_cross", "--layer", "1", "--head", "3",
+                 "--src", "5 6 7 2", "--tgt", "1 8 9", "--out", "attention.png", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    for name in ("pe.png", "attention.png"):
+        png = (workdir / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5_000
+    bad = run("plot", "attention", "tiny.safetensors", "--head", "9", cwd=workdir)
+    assert bad.returncode == 2 and "head must be in [0, 4)" in bad.stderr

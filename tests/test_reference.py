@@ -317,3 +317,20 @@ def test_reference_imports_no_framework():
             "('torch', 'jax', 'jaxlib', 'flax', 'tensorflow', 'keras')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_attention_weights_reproduce_the_layer_output():
+    """The adapter's weights are the ones the layer uses: weights @ V (per head) and W^O give
+    the self-attention sublayer's output."""
+    from reference_numpy import backend
+    config = VARIANTS["pre_ln"]
+    model = backend.build(config, init_params(config, seed=17, perturb=0.1))
+    src, tgt = np.array([[5, 6, 7, 2, 0]]), np.array([[1, 8, 9]])
+    weights = backend.attention_weights(model, src, tgt, 1, "encoder")
+    stages = backend.forward(model, src, tgt)
+    block = model.encoder.layers[1]
+    h = block.self_attn_norm(stages["encoder.layers.0"])
+    v = block.self_attn._split_heads(block.self_attn.v_proj(h))
+    heads = (weights @ v).transpose(0, 2, 1, 3).reshape(1, 5, config.d_model)
+    close64(block.self_attn.o_proj(heads), block.self_attn(h, h, h, padding_mask(src, config.pad_id)))
+    assert np.all(weights[..., 4] == 0)                                    # the padded key

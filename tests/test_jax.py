@@ -1,0 +1,389 @@
+"""Tests of the JAX/Flax port beyond the shared agreement matrix (tests/test_agreement.py):
+checkpoint I/O against the reference, the name table, float64 and x64, the fully masked row,
+the key/value cache and the compiled decoding loop, dropout, devices.
+
+x64 is enabled at import (as ``transformer_jax.backend`` does), for the whole pytest process;
+float32 models must still compute in float32, which the dtype assertions below check.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="JAX is not installed (pip install '.[jax]')")
+pytest.importorskip("flax", reason="Flax is not installed (pip install '.[jax]')")
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from reference_numpy import backend as reference  # noqa: E402
+from reference_numpy import cases, checkpoint as reference_checkpoint, tolerance  # noqa: E402
+from reference_numpy.cases import VARIANTS  # noqa: E402
+from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
+from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
+from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
+from transformer_jax import backend, checkpoint, decoding, device  # noqa: E402
+from transformer_jax.model import Transformer, forward, padding_mask, scaled_dot_product_attention  # noqa: E402
+
+NO_GPU = "no GPU present: JAX sees only the CPU here, the GPU tests need a CUDA/ROCm jaxlib and a GPU"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def port_model(variant: str, dtype: str = "float64", params: str = "seeded") -> Transformer:
+    make = cases.decoding_params if params == "decoding" else cases.seeded_params
+    return backend.build(VARIANTS[variant], make(VARIANTS[variant]), dtype)
+
+
+@functools.cache
+def reference_model(variant: str, dtype: str = "float64", params: str = "seeded"):
+    make = cases.decoding_params if params == "decoding" else cases.seeded_params
+    return reference.build(VARIANTS[variant], make(VARIANTS[variant]), dtype)
+
+
+@functools.cache
+def reference_tokens(variant: str, kind: str):
+    model, src = reference_model(variant, "float64", "decoding"), cases.decoding_inputs(VARIANTS[variant])
+    return reference.greedy(model, src) if kind == "greedy" else reference.beam(model, src)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings", "learned_pe"])
+def test_port_saved_checkpoint_loads_into_reference_bit_identically(tmp_path, variant, dtype):
+    config = VARIANTS[variant]
+    params = {name: value.astype(dtype) for name, value in cases.seeded_params(config).items()}
+    checkpoint.save_checkpoint(checkpoint.from_params(config, params, dtype), tmp_path / "port.safetensors")
+    reference_checkpoint.save_checkpoint(tmp_path / "ref.safetensors", config, params)
+    loaded_config, loaded = reference_checkpoint.load_checkpoint(tmp_path / "port.safetensors")
+    assert loaded_config == config and list(loaded) == list(params)
+    for name, value in params.items():
+        assert loaded[name].dtype == value.dtype and np.array_equal(loaded[name], value), name
+    assert _tensor_bytes(tmp_path / "port.safetensors") == _tensor_bytes(tmp_path / "ref.safetensors")
+
+
+def _tensor_bytes(path: Path) -> bytes:
+    """The data section of a safetensors file (its JSON header's key order is not fixed)."""
+    raw = path.read_bytes()
+    return raw[8 + int.from_bytes(raw[:8], "little"):]
+
+
+def test_reference_saved_checkpoint_loads_into_port_exactly(tmp_path):
+    config = VARIANTS["pre_ln"]
+    params = cases.seeded_params(config)
+    reference_checkpoint.save_checkpoint(tmp_path / "ref.safetensors", config, params)
+    model = backend.load(tmp_path / "ref.safetensors", "float64")
+    assert model.config == config
+    for name, value in backend.export_params(model).items():
+        assert value.dtype == np.float64 and np.array_equal(value, params[name]), name
+    inputs = cases.model_inputs(config, "ragged_batch")
+    tolerance.assert_agrees(np.asarray(forward(model, **inputs)), reference_model("pre_ln")(**inputs))
+
+
+def _bad_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    config = VARIANTS["tiny"]
+    params = cases.seeded_params(config)
+    metadata = {"format_version": reference_checkpoint.FORMAT_VERSION, "config": config.to_json()}
+    files = {"missing": tmp_path / "absent.safetensors"}
+    files["pickle"] = tmp_path / "pickle.safetensors"
+    files["pickle"].write_bytes(b"\x80\x04\x95" + bytes(40))
+    files["truncated"] = tmp_path / "truncated.safetensors"
+    files["truncated"].write_bytes(b"\x10\x00")
+    files["wrong_shape"] = tmp_path / "wrong_shape.safetensors"
+    save_file({**params, "generator.weight": params["generator.weight"].T.copy()}, files["wrong_shape"], metadata)
+    files["missing_tensor"] = tmp_path / "missing_tensor.safetensors"
+    save_file({k: v for k, v in params.items() if k != "encoder.layers.1.ffn.linear2.bias"},
+              files["missing_tensor"], metadata)
+    files["nan"] = tmp_path / "nan.safetensors"
+    save_file({**params, "decoder.norm.weight" if config.norm_first else "decoder.layers.0.ffn_norm.weight":
+               np.full(config.d_model, np.nan)}, files["nan"], metadata)
+    return files
+
+
+def test_bad_checkpoints_give_the_reference_errors(tmp_path):
+    for kind, path in _bad_checkpoints(tmp_path).items():
+        with pytest.raises(ValueError) as expected:
+            reference_checkpoint.load_checkpoint(path)
+        with pytest.raises(ValueError) as port_error:
+            checkpoint.load_checkpoint(path)
+        assert str(port_error.value) == str(expected.value), kind
+        assert "\n" not in str(port_error.value)
+
+
+def test_bad_params_give_the_reference_errors():
+    config = VARIANTS["tiny"]
+    params = cases.seeded_params(config)
+    params["decoder.layers.2.cross_attn.v_proj.weight"] = np.zeros((config.d_model, config.d_model + 2))
+    with pytest.raises(ValueError) as expected:
+        reference_checkpoint.validate_params(config, params)
+    with pytest.raises(ValueError, match="v_proj.weight") as port_error:
+        checkpoint.from_params(config, params)
+    assert str(port_error.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_name_table_covers_every_parameter_exactly_once(variant):
+    config = VARIANTS[variant]
+    model = Transformer(config, jnp.float32, rngs=nnx.Rngs(0))
+    table = checkpoint.name_table(config)
+    assert list(table) == list(reference_checkpoint.parameter_shapes(config))
+    reached = [id(checkpoint.parameter(model, path)) for path in table.values()]
+    params = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)]
+    assert len(reached) == len(set(reached)) == len(params)
+    assert set(reached) == {id(param) for param in params}
+    for name, path in table.items():
+        assert checkpoint.parameter(model, path).shape == reference_checkpoint.parameter_shapes(config)[name]
+
+
+def test_a_wrong_transpose_list_is_caught_by_the_shape_check(monkeypatch):
+    monkeypatch.setattr(checkpoint, "TRANSPOSED", frozenset({"encoder.layers.0.ffn.linear1.weight"}))
+    with pytest.raises(ValueError, match=r"^tensor 'encoder\.layers\.0\.ffn\.linear1\.weight' has shape \(40, 16\)"):
+        checkpoint.from_params(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+
+
+# ----------------------------------------------------------------------------- dtypes, x64, bad input
+
+def test_float32_stays_float32_with_x64_on():
+    model = port_model("tiny", "float32")
+    assert {value.dtype for value in backend.export_params(model).values()} == {np.dtype(np.float32)}
+    stages = backend.forward(model, **cases.model_inputs(VARIANTS["tiny"], "ragged_batch"))
+    assert {value.dtype for value in stages.values()} == {np.dtype(np.float32)}
+    tokens, scores = backend.beam(port_model("tiny", "float32", "decoding"), cases.decoding_inputs(VARIANTS["tiny"]))
+    assert tokens.dtype == np.int64 and scores.dtype == np.float64
+
+
+def test_float64_without_x64_is_refused(tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    reference_checkpoint.save_checkpoint(path, VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+    script = f"""
+import jax, jax.numpy as jnp
+from flax import nnx
+from reference_numpy.cases import VARIANTS
+from transformer_jax import Transformer, load_checkpoint
+assert not jax.config.read("jax_enable_x64")
+for make in (lambda: Transformer(VARIANTS["tiny"], jnp.float64, rngs=nnx.Rngs(0)),
+             lambda: load_checkpoint({str(path)!r}, dtype=jnp.float64)):
+    try:
+        make()
+    except ValueError as err:
+        print(err)
+    else:
+        raise SystemExit("float64 was accepted with x64 off")
+print(load_checkpoint({str(path)!r}, dtype=jnp.float32).encoder.layers[0].ffn.linear1.kernel.dtype)
+"""
+    env = {**os.environ, "JAX_ENABLE_X64": "0", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 3 and lines[2] == "float32"
+    for message in lines[:2]:
+        assert "float64" in message and "jax_enable_x64" in message
+
+
+def test_bad_arguments_give_one_line_value_errors():
+    model = port_model("tiny")
+    inputs = cases.model_inputs(VARIANTS["tiny"], "causal")
+    bad = [
+        (lambda: forward(model, inputs["src"] + 100, inputs["tgt"]), "src holds token ids outside"),
+        (lambda: forward(model, inputs["src"], inputs["tgt"].astype(float)), "tgt must hold integer"),
+        (lambda: forward(model, inputs["src"][0], inputs["tgt"]), r"src must have shape \(batch, length\)"),
+        (lambda: forward(model, inputs["src"], inputs["tgt"], np.ones((3, 1, 1, 7), int)), "mask must be boolean"),
+        (lambda: forward(model, inputs["src"], inputs["tgt"], np.ones((3, 1, 1, 5), bool)), "does not broadcast"),
+        (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float16"), "float16"),
+        (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float64", "gpu:7"),
+         "device 'gpu:7' is not available"),
+        (lambda: decoding.beam_search(model, inputs["src"], beam_size=0), "beam_size must be a positive int"),
+    ]
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message) as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- attention
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fully_masked_row_gives_zeros_and_finite_gradients(dtype):
+    inputs = {name: value[:, None] if name != "mask" else value          # (B, 1, T, D): one head
+              for name, value in cases.attention_inputs(VARIANTS["tiny"], "fully_masked_row").items()}
+    q, k, v = (jnp.asarray(inputs[name], dtype) for name in ("query", "key", "value"))
+    out, weights = scaled_dot_product_attention(q, k, v, inputs["mask"])
+    assert out.dtype == dtype and out.shape == q.shape
+    assert np.all(np.asarray(out[1]) == 0) and np.all(np.asarray(weights[1]) == 0)   # batch row 1 sees no key
+    assert np.all(np.asarray(out[0]) != 0) and np.all(np.isfinite(np.asarray(out)))
+    ref64, _ = reference_attention(inputs["query"], inputs["key"], inputs["value"], inputs["mask"])
+    ref32, _ = reference_attention(*(inputs[name].astype(np.float32) for name in ("query", "key", "value")),
+                                   inputs["mask"])
+    tolerance.assert_agrees(np.asarray(out), ref64, ref32)
+    grads = jax.grad(lambda q, k, v: scaled_dot_product_attention(q, k, v, inputs["mask"])[0].sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+    assert all(np.all(np.asarray(g[1]) == 0) and np.any(np.asarray(g[0]) != 0) for g in grads)
+
+
+def test_a_fully_masked_source_row_runs_through_the_whole_model():
+    inputs = cases.model_inputs(VARIANTS["tiny"], "fully_masked_row")
+    stages = backend.forward(port_model("tiny"), **inputs)
+    assert all(np.all(np.isfinite(value)) for value in stages.values())
+    tolerance.assert_agrees(stages["log_probs"], reference_model("tiny")(**inputs))
+
+
+# ----------------------------------------------------------------------------- key/value cache and decoding
+
+def _step_log_probs(model, src, tgt, use_cache: bool) -> np.ndarray:
+    """Next-token log-probabilities after every prefix of tgt, one decoding step at a time."""
+    src_mask = padding_mask(src, model.config.pad_id)
+    memory = model.encode(src, src_mask)
+    cache = model.decoder.init_cache(memory, tgt.shape[1])
+    steps = []
+    for index in range(tgt.shape[1]):
+        if use_cache:
+            log_probs, cache = decoding.cached_next_token_log_probs(model, tgt[:, index], cache, index, src_mask)
+        else:
+            log_probs = decoding.next_token_log_probs(model, tgt, memory, src_mask, index)
+        steps.append(np.asarray(log_probs))
+    return np.stack(steps, axis=1)                                   # (B, T, V)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_and_uncached_steps_give_the_same_log_probs(variant, dtype):
+    config = VARIANTS[variant]
+    src = cases.decoding_inputs(config)
+    tgt = np.random.default_rng(1).integers(3, config.tgt_vocab_size, size=(len(src), 6))
+    tgt[:, 0] = config.bos_id
+    model = port_model(variant, dtype, "decoding")
+    cached, uncached = _step_log_probs(model, src, tgt, True), _step_log_probs(model, src, tgt, False)
+    assert cached.dtype == np.dtype(dtype)
+    special = [config.pad_id, config.bos_id]
+    assert np.all(cached[..., special] == -np.inf) and np.all(uncached[..., special] == -np.inf)
+    ordinary = np.setdiff1d(np.arange(config.tgt_vocab_size), special)
+    refs = {}
+    for ref_dtype in ("float64", "float32"):
+        ref = reference_model(variant, ref_dtype, "decoding")
+        src_mask = reference_padding_mask(src, config.pad_id)
+        memory = ref.encode(src, src_mask)
+        refs[ref_dtype] = np.stack([reference_next_token_log_probs(ref, tgt[:, :t + 1], memory, src_mask)
+                                    for t in range(tgt.shape[1])], axis=1)[..., ordinary]
+    for port in (cached, uncached):
+        tolerance.assert_agrees(port[..., ordinary], refs["float64"], refs["float32"], what=f"{variant}/{dtype}")
+    if dtype == "float64":
+        tolerance.assert_agrees(cached[..., ordinary], uncached[..., ordinary], what="cached vs uncached")
+
+
+def test_cache_refuses_a_concrete_index_outside_it():
+    model = port_model("tiny")
+    memory = jnp.zeros((2, 5, model.config.d_model), model.dtype)
+    cache = model.decoder.layers[0].init_cache(memory, 4)
+    assert cache.key.shape == (2, model.config.n_heads, 4, model.config.d_k)
+    with pytest.raises(ValueError, match="index 4 is outside the key/value cache of 4 positions"):
+        model.decoder.layers[0].step(memory[:, :1], cache, 4)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_decoding_gives_the_reference_tokens_in_float64(variant):
+    model, src = port_model(variant, "float64", "decoding"), cases.decoding_inputs(VARIANTS[variant])
+    np.testing.assert_array_equal(decoding.greedy_decode(model, src), reference_tokens(variant, "greedy"))
+    tokens, scores = decoding.beam_search(model, src)
+    ref_tokens, ref_scores = reference_tokens(variant, "beam")
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    tolerance.assert_agrees(scores, ref_scores, what="beam scores")
+
+
+def test_uncached_decoding_gives_the_reference_tokens_in_float64():
+    model, src = port_model("tiny", "float64", "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
+    greedy = reference_tokens("tiny", "greedy")
+    assert len({row.tolist().count(VARIANTS["tiny"].pad_id) for row in greedy}) > 1  # rows end at different steps
+    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), greedy)
+    tokens, scores = decoding.beam_search(model, src, use_cache=False)
+    np.testing.assert_array_equal(tokens, reference_tokens("tiny", "beam")[0])
+    tolerance.assert_agrees(scores, reference_tokens("tiny", "beam")[1], what="beam scores")
+
+
+def test_the_decoding_loop_is_traced_once_not_per_token(monkeypatch):
+    model = port_model("tiny", "float64", "decoding")
+    traced = []
+    step = decoding.cached_next_token_log_probs
+
+    def counting_step(*args):
+        traced.append(args[3])                                        # the index: a tracer, not a Python int
+        return step(*args)
+
+    monkeypatch.setattr(decoding, "cached_next_token_log_probs", counting_step)
+    src = cases.decoding_inputs(VARIANTS["tiny"])[:2, :5]             # a shape no other test compiles
+    tokens = decoding.greedy_decode(model, src)
+    assert tokens.shape[1] > 1 and len(traced) == 1 and isinstance(traced[0], jax.core.Tracer)
+    decoding.greedy_decode(model, np.where(src > 3, src - 1, src))    # same shapes and budgets: no new trace
+    assert len(traced) == 1
+
+
+# ----------------------------------------------------------------------------- dropout
+
+def test_dropout_is_off_by_default_and_on_with_deterministic_false():
+    config = VARIANTS["tiny"]
+    model, inputs = port_model("tiny"), cases.model_inputs(config, "source_padding")
+    ref64 = reference_model("tiny")(**inputs)
+    tolerance.assert_agrees(np.asarray(model(**inputs)), ref64, what="default (deterministic)")
+    tolerance.assert_agrees(np.asarray(model(**inputs, deterministic=True)), ref64, what="deterministic=True")
+    _, clean = model(**inputs, return_intermediates=True)
+    first, stages = model(**inputs, return_intermediates=True, deterministic=False)
+    second = nnx.view(model, deterministic=False)(**inputs)
+    for noisy in (first, second):
+        assert tolerance.max_abs(noisy, ref64) > tolerance.float64_bound(ref64)
+    assert tolerance.max_abs(first, second) > 0                       # the dropout stream advances
+    embedded, kept = np.asarray(stages["src_embed"]), np.asarray(stages["src_embed"]) != 0
+    assert 0 < (~kept).mean() < 3 * config.dropout                    # about P_drop of the entries dropped
+    tolerance.assert_agrees(embedded[kept], (np.asarray(clean["src_embed"]) / (1 - config.dropout))[kept],
+                            what="kept entries scaled by 1 / (1 - P_drop)")
+
+
+# ----------------------------------------------------------------------------- devices
+
+def test_devices_lists_the_cpu_and_every_gpu():
+    names = backend.devices()
+    assert names[0] == "cpu"
+    assert names[1:] == [f"gpu:{i}" for i in range(len(names) - 1)]
+    assert device.get_device("cpu").platform == "cpu"
+
+
+def test_determinism_switch_sets_the_xla_flag(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    device.enable_determinism()
+    device.enable_determinism()
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", device.DETERMINISM_FLAG]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_agrees_at_full_float32_precision(dtype):
+    if "gpu:0" not in backend.devices():
+        pytest.skip(NO_GPU)
+    config = VARIANTS["tiny"]
+    model = backend.build(config, cases.seeded_params(config), dtype, "gpu:0")
+    assert {leaf.devices().pop().platform for leaf in jax.tree.leaves(nnx.state(model))} == {"gpu"}
+    inputs = cases.model_inputs(config, "ragged_batch")
+    stages = backend.forward(model, **inputs)
+    ref64, ref32 = reference.forward(reference_model("tiny"), **inputs), reference.forward(
+        reference_model("tiny", "float32"), **inputs)
+    for name in ref64:
+        tolerance.assert_agrees(stages[name], ref64[name], ref32[name], what=name)
+
+
+def test_gpu_decoding_is_run_to_run_identical():
+    if "gpu:0" not in backend.devices():
+        pytest.skip(NO_GPU)
+    config = VARIANTS["tiny"]
+    model = backend.build(config, cases.decoding_params(config), "float32", "gpu:0")
+    src = cases.decoding_inputs(config)
+    first, second = backend.beam(model, src), backend.beam(model, src)
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[1], second[1])

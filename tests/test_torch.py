@@ -1,0 +1,439 @@
+"""Tests of the PyTorch port beyond the shared agreement matrix (tests/test_agreement.py):
+checkpoint I/O against the reference, the name table, nn.Transformer interop, the key/value
+cache, the fully masked row through SDPA, dropout in train/eval mode, casting, devices."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install '.[torch]')")
+
+from safetensors.numpy import save_file  # noqa: E402
+
+from reference_numpy import backend as reference  # noqa: E402
+from reference_numpy import cases, checkpoint as reference_checkpoint, tolerance  # noqa: E402
+from reference_numpy.cases import MASK_CASES, VARIANTS  # noqa: E402
+from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
+from transformer_torch import backend, checkpoint, decoding, device, interop  # noqa: E402
+from transformer_torch.model import Transformer, scaled_dot_product_attention  # noqa: E402
+
+NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models gain nothing from intra-op threads, which only spin on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def port_model(variant: str, dtype: str = "float64", params: str = "seeded") -> Transformer:
+    make = cases.decoding_params if params == "decoding" else cases.seeded_params
+    return backend.build(VARIANTS[variant], make(VARIANTS[variant]), dtype)
+
+
+@functools.cache
+def reference_model(variant: str, dtype: str = "float64", params: str = "seeded"):
+    make = cases.decoding_params if params == "decoding" else cases.seeded_params
+    return reference.build(VARIANTS[variant], make(VARIANTS[variant]), dtype)
+
+
+def log_probs(model, inputs) -> np.ndarray:
+    with torch.no_grad():
+        return model(**inputs).cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_port_saved_checkpoint_loads_into_reference_bit_identically(tmp_path, variant, dtype):
+    config = VARIANTS[variant]
+    params = {name: value.astype(dtype) for name, value in cases.seeded_params(config).items()}
+    checkpoint.save_checkpoint(checkpoint.from_params(config, params, dtype), tmp_path / "port.safetensors")
+    loaded_config, loaded = reference_checkpoint.load_checkpoint(tmp_path / "port.safetensors")
+    assert loaded_config == config
+    assert list(loaded) == list(params)
+    for name, value in params.items():
+        assert loaded[name].dtype == np.dtype(dtype), name
+        assert loaded[name].tobytes() == value.tobytes(), name
+
+
+def test_reference_saved_checkpoint_loads_into_port_exactly(tmp_path):
+    config = VARIANTS["shared_embeddings"]
+    params = cases.seeded_params(config)
+    reference_checkpoint.save_checkpoint(tmp_path / "ref.safetensors", config, params)
+    model = checkpoint.load_checkpoint(tmp_path / "ref.safetensors")
+    assert model.dtype == torch.float64 and not model.training
+    exported = checkpoint.to_params(model)
+    assert all(exported[name].tobytes() == value.tobytes() for name, value in params.items())
+
+
+def _bad_files(tmp_path) -> dict[str, os.PathLike]:
+    config = VARIANTS["tiny"]
+    params = cases.seeded_params(config)
+    metadata = {"format_version": "1", "config": config.to_json()}
+    files = {}
+
+    def write(name, tensors, meta=metadata):
+        files[name] = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(files[name]), metadata=meta)
+
+    write("missing", {k: v for k, v in params.items() if k != "decoder.layers.1.ffn.linear2.bias"})
+    write("transposed", {**params, "encoder.layers.0.ffn.linear1.weight": params["encoder.layers.0.ffn.linear1.weight"].T.copy()})
+    write("nan", {**params, "generator.weight": np.full_like(params["generator.weight"], np.nan)})
+    write("float16", {**params, "src_embed.weight": params["src_embed.weight"].astype(np.float16)})
+    write("version", params, {**metadata, "format_version": "9"})
+    files["pickle"] = tmp_path / "pickle.pt"
+    files["pickle"].write_bytes(b"\x80\x04\x95" + b"\x00" * 64)
+    files["truncated"] = tmp_path / "truncated.safetensors"
+    files["truncated"].write_bytes(files["missing"].read_bytes()[:500])
+    files["absent"] = tmp_path / "absent.safetensors"
+    return files
+
+
+def test_bad_checkpoints_give_the_reference_errors(tmp_path):
+    for kind, path in _bad_files(tmp_path).items():
+        with pytest.raises(ValueError) as expected:
+            reference_checkpoint.load_checkpoint(path)
+        with pytest.raises(ValueError) as port_error:
+            checkpoint.load_checkpoint(path)
+        assert str(port_error.value) == str(expected.value), kind
+        assert "\n" not in str(port_error.value), kind
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_name_table_covers_every_parameter_exactly_once(variant):
+    config = VARIANTS[variant]
+    table = checkpoint.name_table(config)
+    parameters = dict(Transformer(config).named_parameters())                  # tied weights listed once
+    assert list(table) == list(reference_checkpoint.parameter_shapes(config))
+    assert sorted(table.values()) == sorted(parameters), "table paths != model parameters"
+    for name, path in table.items():
+        shape = reference_checkpoint.parameter_shapes(config)[name]
+        expected = shape[::-1] if name.endswith(checkpoint.TRANSPOSED) else shape
+        assert tuple(parameters[path].shape) == expected, name
+    assert not Transformer(config).state_dict().keys() - {*parameters, "tgt_embed.weight", "generator.weight"}
+
+
+def test_a_wrong_transpose_list_is_caught_by_the_shape_check(monkeypatch):
+    monkeypatch.setattr(checkpoint, "TRANSPOSED", tuple(t for t in checkpoint.TRANSPOSED if t != "linear1.weight"))
+    with pytest.raises(ValueError, match=r"tensor 'encoder.layers.0.ffn.linear1.weight' has shape \(16, 40\)"):
+        checkpoint.from_params(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+
+
+def test_bad_arguments_give_one_line_value_errors():
+    config, params = VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"])
+    model = port_model("tiny")
+    inputs = cases.model_inputs(config, "none")
+    with pytest.raises(ValueError, match="dtype must be float32 or float64, got float16"):
+        checkpoint.from_params(config, params, "float16")
+    with pytest.raises(ValueError, match="device 'cuda:7' is not available here"):
+        checkpoint.from_params(config, params, "float64", "cuda:7")
+    with pytest.raises(ValueError, match="mask must be boolean"):
+        model(inputs["src"], inputs["tgt"], src_mask=inputs["src_mask"].astype(np.int64))
+    with pytest.raises(ValueError, match=r"tgt holds token ids outside \[0, 23\)"):
+        model(inputs["src"], inputs["tgt"] + 23)
+    with pytest.raises(ValueError, match="beam_size must be a positive int"):
+        decoding.beam_search(model, inputs["src"], beam_size=0)
+
+
+# ----------------------------------------------------------------------------- attention
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fully_masked_row_gives_zeros_and_no_nan(dtype):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 4, 8, dtype=dtype, generator=generator, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[1, :, 2] = False                                                     # batch 1, query 2: no key
+    fused, _ = scaled_dot_product_attention(q, k, v, mask)
+    explicit, weights = scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    for out in (fused, explicit):
+        assert torch.all(out[1, :, 2] == 0) and not out.isnan().any()
+        assert torch.all(out[0].abs().sum(-1) > 0)
+    assert torch.all(weights[1, :, 2] == 0)
+    fused.sum().backward()
+    assert not any(t.grad.isnan().any() for t in (q, k, v))
+
+
+def test_fully_masked_row_is_guarded_when_the_kernel_gives_nan(monkeypatch):
+    """torch's CPU kernels return zeros for a query with no key; other kernels (and the
+    textbook softmax below) give NaN there. The port's guard must hide that."""
+    def textbook_sdpa(query, key, value, attn_mask=None):
+        scores = (query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5).masked_fill(~attn_mask, -torch.inf)
+        return torch.softmax(scores, dim=-1) @ value
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", textbook_sdpa)
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
+    mask[1] = False
+    assert textbook_sdpa(q, q, q, mask)[1].isnan().all()
+    out, _ = scaled_dot_product_attention(q, q, q, mask)
+    assert torch.all(out[1] == 0) and not out.isnan().any()
+
+
+def test_return_weights_mirrors_the_reference():
+    config = VARIANTS["tiny"]
+    inputs = cases.attention_inputs(config, "ragged_batch")
+    _, ref_weights = reference_model("tiny").encoder.layers[0].self_attn(
+        inputs["query"], inputs["key"], inputs["value"], inputs["mask"], return_weights=True)
+    attn = port_model("tiny").encoder.layers[0].self_attn
+    with torch.no_grad():
+        out, weights = attn(*(torch.as_tensor(inputs[n]) for n in ("query", "key", "value", "mask")),
+                            return_weights=True)
+    tolerance.assert_agrees(weights.numpy(), ref_weights, what="attention weights")
+    tolerance.assert_agrees(out.numpy(), reference.component(reference_model("tiny"), "multi_head_attention", inputs))
+
+
+# ----------------------------------------------------------------------------- train / eval, casting
+
+def test_eval_is_deterministic_and_equals_the_reference_train_applies_dropout():
+    config, inputs = VARIANTS["tiny"], cases.model_inputs(VARIANTS["tiny"], "source_padding")
+    model = backend.build(config, cases.seeded_params(config))
+    ref = reference_model("tiny")(**inputs)
+    first, second = log_probs(model.eval(), inputs), log_probs(model, inputs)
+    assert np.array_equal(first, second)
+    tolerance.assert_agrees(first, ref, what="eval forward")
+    calls = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    torch.manual_seed(0)
+    trained = log_probs(model.train(), inputs)
+    # section 5.4: each sublayer output (2 per encoder layer, 3 per decoder layer) and the two embedding sums
+    assert len(calls) == 2 + 2 * config.n_encoder_layers + 3 * config.n_decoder_layers
+    assert not tolerance.agreement(trained, ref).ok
+    assert not np.array_equal(trained, log_probs(model, inputs))
+
+
+def test_train_mode_without_dropout_equals_eval():
+    config = VARIANTS["pre_ln"].replace(dropout=0.0)
+    model = backend.build(config, cases.seeded_params(config)).train()
+    inputs = cases.model_inputs(config, "ragged_batch")
+    tolerance.assert_agrees(log_probs(model, inputs), reference_model("pre_ln")(**inputs))
+
+
+@pytest.mark.parametrize("variant", ["tiny", "learned_pe"])
+def test_to_dtype_round_trip(variant):
+    config = VARIANTS[variant]
+    params32 = {name: value.astype(np.float32) for name, value in cases.seeded_params(config).items()}
+    inputs = cases.model_inputs(config, "ragged_batch")
+    ref64 = reference.build(config, params32, "float64")(**inputs)
+    ref32 = reference.build(config, params32, "float32")(**inputs)
+    model = backend.build(config, params32, "float32")
+    out32 = log_probs(model, inputs)
+    assert out32.dtype == np.float32
+    tolerance.assert_agrees(out32, ref64, ref32, what="float32 model")
+    widened = log_probs(model.to(torch.float64), inputs)                   # sinusoidal table re-derived in float64
+    assert widened.dtype == np.float64
+    tolerance.assert_agrees(widened, ref64, what="float32 model cast to float64")
+
+
+# ----------------------------------------------------------------------------- decoding
+
+def _finite(log_probs: np.ndarray, config) -> np.ndarray:
+    return np.delete(log_probs, [config.pad_id, config.bos_id], axis=-1)   # pad/bos are -inf by rule
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_and_uncached_steps_give_the_same_log_probs(variant):
+    """Teacher-forced along the reference's greedy output (pad-filled rows included)."""
+    config = VARIANTS[variant]
+    model, ref = port_model(variant, params="decoding"), reference_model(variant, params="decoding")
+    src = cases.decoding_inputs(config)
+    tokens = reference.greedy(ref, src)
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens], axis=1)
+    src_mask = reference.decoding.padding_mask(src, config.pad_id)
+    ref_memory = ref.encode(src, src_mask)
+    with torch.no_grad():
+        src_t = torch.as_tensor(src)
+        memory, mask = model.encode(src_t), torch.as_tensor(src_mask)
+        cache = decoding.DecoderCache(model, tgt.shape[1])
+        for t in range(1, tgt.shape[1] + 1):
+            prefix = torch.as_tensor(tgt[:, :t])
+            cached = decoding.next_token_log_probs(model, prefix, memory, mask, cache).numpy()
+            uncached = decoding.next_token_log_probs(model, prefix, memory, mask).numpy()
+            assert cache.length == t
+            expected = reference_next_token_log_probs(ref, tgt[:, :t], ref_memory, src_mask)
+            tolerance.assert_agrees(_finite(cached, config), _finite(uncached, config), what=f"cached vs uncached, step {t}")
+            tolerance.assert_agrees(_finite(cached, config), _finite(expected, config), what=f"cached vs reference, step {t}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_decoding_gives_the_reference_tokens_in_float64(variant):
+    model, ref = port_model(variant, params="decoding"), reference_model(variant, params="decoding")
+    src = cases.decoding_inputs(VARIANTS[variant])
+    expected = reference.greedy(ref, src)
+    assert len({len(row[row != 0]) for row in expected}) > 1, "inputs should end rows at different steps"
+    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=True), expected)
+    ref_tokens, ref_scores = reference.beam(ref, src)
+    tokens, scores = decoding.beam_search(model, src, use_cache=True)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    tolerance.assert_agrees(scores, ref_scores, what="beam scores")
+
+
+def test_uncached_decoding_gives_the_reference_tokens_in_float64():
+    model, ref = port_model("tiny", params="decoding"), reference_model("tiny", params="decoding")
+    src = cases.decoding_inputs(VARIANTS["tiny"])
+    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), reference.greedy(ref, src))
+    np.testing.assert_array_equal(decoding.beam_search(model, src, use_cache=False)[0], reference.beam(ref, src)[0])
+
+
+def test_cache_refuses_to_overflow():
+    model = port_model("tiny")
+    cache = decoding.DecoderCache(model, 1)
+    src = torch.as_tensor(cases.decoding_inputs(VARIANTS["tiny"]))
+    with torch.no_grad():
+        memory, mask = model.encode(src), (src != 0)[:, None, None, :]
+        decoding.next_token_log_probs(model, torch.ones(3, 1, dtype=torch.long), memory, mask, cache)
+        with pytest.raises(ValueError, match="cache holds 1 positions; decoding needs 2"):
+            decoding.next_token_log_probs(model, torch.ones(3, 2, dtype=torch.long), memory, mask, cache)
+
+
+# ----------------------------------------------------------------------------- nn.Transformer interop
+
+class FastPathCounter:
+    """Counts calls of torch's inference fast path for encoder layers."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = torch._transformer_encoder_layer_fwd
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", counted)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nn_transformer_agrees_on_its_slow_path(monkeypatch, variant):
+    counter = FastPathCounter(monkeypatch)
+    wrapper = interop.to_nn_transformer(port_model(variant))
+    for case in MASK_CASES:
+        inputs = cases.model_inputs(VARIANTS[variant], case)
+        out = wrapper(**inputs).detach().numpy()                             # grad enabled: slow path
+        tolerance.assert_agrees(out, reference_model(variant)(**inputs), what=f"nn.Transformer {case}")
+    assert counter.calls == 0
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nn_transformer_agrees_on_its_fast_path(monkeypatch, variant):
+    counter = FastPathCounter(monkeypatch)
+    wrapper = interop.to_nn_transformer(port_model(variant))
+    for case in [case for case in MASK_CASES if case != "fully_masked_row"]:
+        inputs = cases.model_inputs(VARIANTS[variant], case)
+        tolerance.assert_agrees(log_probs(wrapper, inputs), reference_model(variant)(**inputs),
+                                what=f"nn.Transformer fast path {case}")
+    assert counter.calls == (len(MASK_CASES) - 1) * VARIANTS[variant].n_encoder_layers
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nn_transformer_weights_convert_back(variant):
+    config = VARIANTS[variant]
+    torch.manual_seed(1)
+    wrapper = interop.NNTransformerModel(config).double().eval()            # torch's own initialization
+    model = interop.from_nn_transformer(wrapper)
+    for case in ("causal", "ragged_batch"):
+        inputs = cases.model_inputs(config, case)
+        with torch.set_grad_enabled(True):
+            expected = wrapper(**inputs).detach().numpy()
+        tolerance.assert_agrees(log_probs(model, inputs), expected, what=f"from nn.Transformer {case}")
+    round_trip = checkpoint.to_params(interop.from_nn_transformer(interop.to_nn_transformer(port_model(variant))))
+    assert all(np.array_equal(value, round_trip[name]) for name, value in checkpoint.to_params(port_model(variant)).items())
+
+
+def _refused(config, **changes):
+    args = dict(d_model=config.d_model, nhead=config.n_heads, dim_feedforward=config.d_ff,
+                layer_norm_eps=config.layer_norm_eps, batch_first=True, norm_first=config.norm_first)
+    layer_args = {**args, **changes}
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(**layer_args), config.n_encoder_layers,
+                                          norm=None, enable_nested_tensor=False)
+    decoder = torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(**layer_args), config.n_decoder_layers)
+    return torch.nn.Transformer(custom_encoder=encoder, custom_decoder=decoder, d_model=config.d_model,
+                                nhead=config.n_heads, batch_first=True)
+
+
+@pytest.mark.parametrize("transformer,message", [
+    (lambda c: torch.nn.Transformer(c.d_model, c.n_heads, c.n_encoder_layers, c.n_decoder_layers, c.d_ff,
+                                    layer_norm_eps=c.layer_norm_eps, batch_first=True),
+     "transformer.encoder.norm is LayerNorm; a post-LN stack has no final LayerNorm"),
+    (lambda c: _refused(c, activation="gelu"), "transformer.encoder.layers.0.activation is .*ReLU"),
+    (lambda c: _refused(c, bias=False), "transformer.encoder.layers.0.linear1/linear2 must be 16 -> 40 -> 16"),
+    (lambda c: _refused(c, layer_norm_eps=1e-5), r"transformer.encoder.layers.0.norm1.eps is 1e-05"),
+    (lambda c: _refused(c, batch_first=False), "self_attn.batch_first is False"),
+    (lambda c: _refused(c, norm_first=True), "transformer.encoder.layers.0.norm_first is True"),
+    (lambda c: _refused(c.replace(n_decoder_layers=1)), "transformer.decoder has 1 layers; the config says 3"),
+])
+def test_nn_transformer_outside_the_paper_is_refused(transformer, message):
+    config = VARIANTS["tiny"]
+    with pytest.raises(ValueError, match=message):
+        interop.from_nn_transformer(interop.NNTransformerModel(config, transformer(config)))
+
+
+def test_mask_conversion_for_nn_multihead_attention():
+    config = VARIANTS["tiny"]
+    ours = port_model("tiny").encoder.layers[0].self_attn
+    theirs = torch.nn.MultiheadAttention(config.d_model, config.n_heads, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        theirs.out_proj.load_state_dict(ours.o_proj.state_dict())
+    for case in ("causal", "source_padding", "ragged_batch", "fully_masked_row"):
+        inputs = cases.attention_inputs(config, case)
+        q, k, v = (torch.as_tensor(inputs[name]) for name in ("query", "key", "value"))
+        mask = interop.to_nn_mask(torch.as_tensor(inputs["mask"]), len(q), config.n_heads, q.shape[1], k.shape[1])
+        assert mask.shape == (len(q) * config.n_heads, q.shape[1], k.shape[1])
+        out, _ = theirs(q, k, v, attn_mask=mask, need_weights=False)
+        expected = reference.component(reference_model("tiny"), "multi_head_attention", inputs)
+        tolerance.assert_agrees(out.detach().numpy(), expected, what=f"nn.MultiheadAttention {case}")
+
+
+# ----------------------------------------------------------------------------- devices
+
+def test_devices_and_switches():
+    assert backend.devices()[0] == "cpu"
+    assert len(backend.devices()) == 1 + torch.cuda.device_count() * torch.cuda.is_available()
+    device.full_precision()
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
+    try:
+        device.deterministic()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == device.CUBLAS_WORKSPACE_CONFIG
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        device.deterministic(False)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cuda_agrees_with_tf32_off(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    model = backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), dtype, "cuda:0")
+    assert not torch.backends.cuda.matmul.allow_tf32
+    for case in MASK_CASES:
+        inputs = cases.model_inputs(VARIANTS["tiny"], case)
+        tolerance.assert_agrees(log_probs(model, inputs), reference_model("tiny")(**inputs),
+                                reference_model("tiny", "float32")(**inputs), what=f"cuda {dtype} {case}")
+
+
+def test_cuda_determinism_switch_gives_identical_runs():
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    device.deterministic()
+    try:
+        model = backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float32", "cuda:0")
+        inputs = cases.model_inputs(VARIANTS["tiny"], "ragged_batch")
+        assert np.array_equal(log_probs(model, inputs), log_probs(model, inputs))
+        np.testing.assert_array_equal(backend.beam(model, cases.decoding_inputs(VARIANTS["tiny"]))[0],
+                                      backend.beam(model, cases.decoding_inputs(VARIANTS["tiny"]))[0])
+    finally:
+        device.deterministic(False)
