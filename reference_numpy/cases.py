@@ -90,14 +90,22 @@ def component_inputs(config: TransformerConfig, component: str, case: str, dtype
                      seed: int = 0) -> dict[str, np.ndarray | None]:
     """Inputs of one component (see ``backend.component``) for a mask case.
 
+    ``attention`` (Eq. 1 alone) gets per-head tensors (B, H, T, d_k); ``multi_head_attention``
+    gets (B, T, D) like every other component.
     Encoder side: x (B, S, D) and a self-attention mask (None, causal (1, 1, S, S) or key
     padding (B, 1, 1, S)). Decoder side: x (B, T, D), memory (B, S, D), src_mask (key padding
     or None) and tgt_mask (causal, or None for ``none``). Unmasked components ignore ``case``.
     """
     if component not in COMPONENT_MASKED:
         raise ValueError(f"unknown component {component!r}; choose one of {tuple(COMPONENT_MASKED)}")
-    if component in ("attention", "multi_head_attention"):
+    if component == "multi_head_attention":
         return attention_inputs(config, case, dtype, seed)
+    if component == "attention":                                      # one tensor per head: (B, H, T, d_k)
+        inputs = attention_inputs(config, case, dtype, seed)
+        for name in ("query", "key", "value"):
+            batch, length, _ = inputs[name].shape
+            inputs[name] = inputs[name].reshape(batch, length, config.n_heads, config.d_k).transpose(0, 2, 1, 3)
+        return inputs
     _check_case(case)
     rng = np.random.default_rng(seed)
     x_len = TGT_LEN if component.startswith("decoder") else SRC_LEN

@@ -84,10 +84,12 @@ def _check_mask(mask: np.ndarray, scores_shape: tuple[int, ...]) -> np.ndarray:
     if mask.dtype != np.bool_:
         raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
     try:
-        np.broadcast_shapes(mask.shape, scores_shape)
+        fits = np.broadcast_shapes(mask.shape, scores_shape) == tuple(scores_shape)
     except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(f"mask of shape {mask.shape} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {scores_shape}") from None
+                         f"scores (B, H, Tq, Tk) = {scores_shape}")
     return mask
 
 

@@ -334,3 +334,10 @@ def test_attention_weights_reproduce_the_layer_output():
     heads = (weights @ v).transpose(0, 2, 1, 3).reshape(1, 5, config.d_model)
     close64(block.self_attn.o_proj(heads), block.self_attn(h, h, h, padding_mask(src, config.pad_id)))
     assert np.all(weights[..., 4] == 0)                                    # the padded key
+
+
+def test_attention_refuses_a_mask_that_would_enlarge_the_scores():
+    """A (B, 1, 1, Tk) mask on 3-D (B, Tq, d_k) inputs would broadcast to (B, B, Tq, Tk)."""
+    q = np.zeros((3, 2, 4))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        scaled_dot_product_attention(q, np.zeros((3, 5, 4)), np.zeros((3, 5, 4)), np.ones((3, 1, 1, 5), bool))

@@ -1,1 +1,23 @@
-"""Port placeholder."""
+"""PyTorch port of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+A parallel text of ``reference_numpy``: ``nn.Module``s with the reference's names, loading the
+shared safetensors checkpoint and agreeing with the NumPy reference under its tolerance policy.
+See ``docs/torch.md``.
+"""
+
+from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params
+from .decoding import beam_search, greedy_decode
+from .device import default_device, deterministic, devices, full_precision
+from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, LayerNorm,
+                    MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer, causal_mask,
+                    padding_mask, residual, scaled_dot_product_attention, sinusoidal_positional_encoding,
+                    target_mask)
+
+__all__ = [
+    "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params",
+    "beam_search", "greedy_decode",
+    "default_device", "deterministic", "devices", "full_precision",
+    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer", "causal_mask",
+    "padding_mask", "residual", "scaled_dot_product_attention", "sinusoidal_positional_encoding", "target_mask",
+]

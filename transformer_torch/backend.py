@@ -1,0 +1,108 @@
+"""The backend adapter of the PyTorch port: NumPy in, NumPy out.
+
+The same names and signatures as ``reference_numpy/backend.py`` (see ``docs/ports.md``). Models
+are built in eval mode; every call runs without gradients. On CUDA, :func:`build` turns TF32 off
+(:func:`.device.full_precision`) so that float32 means float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from reference_numpy.backend import COMPONENTS
+from reference_numpy.config import TransformerConfig
+from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+
+from . import checkpoint, decoding
+from .device import devices as _devices
+from .device import full_precision, resolve_device
+from .model import Transformer, scaled_dot_product_attention
+
+NAME = "torch"
+
+
+def devices() -> list[str]:
+    """Devices this backend can run on here: "cpu" and "cuda:N" for every visible GPU."""
+    return _devices()
+
+
+def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
+          device: str = "cpu") -> Transformer:
+    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    _prepare(device)
+    return checkpoint.from_params(config, params, dtype, device)
+
+
+def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+    """A model from a shared checkpoint file."""
+    _prepare(device)
+    return checkpoint.load_checkpoint(path, dtype, device)
+
+
+def save(model: Transformer, path) -> None:
+    """Write the model's weights as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path)
+
+
+def export_params(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's weights in checkpoint layout (name -> (in, out) arrays)."""
+    return checkpoint.to_params(model)
+
+
+@torch.no_grad()
+def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+    """Every stage of the forward pass (inference), by the shared stage names."""
+    _, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)
+    return {name: _numpy(value) for name, value in stages.items()}
+
+
+@torch.no_grad()
+def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+    """Run one component on NumPy inputs; weights come from layer 0 of each stack.
+
+    ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
+    positional_encoding, feed_forward, encoder_layer and encoder take x (and mask);
+    decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+    """
+    model.eval()
+    t = {key: None if value is None else torch.as_tensor(value, device=model.device) for key, value in inputs.items()}
+    t = {key: value.to(model.dtype) if value is not None and value.is_floating_point() else value
+         for key, value in t.items()}
+    if name == "attention":
+        return _numpy(scaled_dot_product_attention(t["query"], t["key"], t["value"], t["mask"])[0])
+    if name == "multi_head_attention":
+        return _numpy(model.encoder.layers[0].self_attn(t["query"], t["key"], t["value"], t["mask"]))
+    if name == "positional_encoding":
+        return _numpy(model.src_pos(t["x"]))
+    if name == "feed_forward":
+        return _numpy(model.encoder.layers[0].ffn(t["x"]))
+    if name == "encoder_layer":
+        return _numpy(model.encoder.layers[0](t["x"], t["mask"]))
+    if name == "encoder":
+        return _numpy(model.encoder(t["x"], t["mask"]))
+    if name == "decoder_layer":
+        return _numpy(model.decoder.layers[0](t["x"], t["memory"], t["src_mask"], t["tgt_mask"]))
+    if name == "decoder":
+        return _numpy(model.decoder(t["x"], t["memory"], t["src_mask"], t["tgt_mask"]))
+    raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
+
+
+def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+    """Greedy tokens (B, L) without bos, pad-filled."""
+    return decoding.greedy_decode(model.eval(), src, use_cache)
+
+
+def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Beam-search tokens (B, L) and scores (B,)."""
+    return decoding.beam_search(model.eval(), src, beam_size, alpha, use_cache)
+
+
+def _prepare(device: str) -> None:
+    if resolve_device(device).type == "cuda":
+        full_precision()
+
+
+def _numpy(value: torch.Tensor) -> np.ndarray:
+    return value.detach().cpu().numpy()

@@ -1,0 +1,234 @@
+"""Conversion between the port's :class:`.model.Transformer` and ``torch.nn.Transformer``.
+
+``nn.Transformer`` holds only the two stacks, so :class:`NNTransformerModel` puts the port's
+embeddings, positional encodings and generator around one; :func:`to_nn_transformer` and
+:func:`from_nn_transformer` copy the weights across (the name table is :func:`weight_table`).
+In eval mode both compute the same function (float64 agreement within the project's bound),
+on torch's slow path and on its inference fast path (``torch._transformer_encoder_layer_fwd``
+for encoder layers and ``torch._native_multi_head_attention`` for decoder self-attention,
+taken in eval mode without gradients); nested tensors are never used (no key padding masks are
+passed and the encoder is built with ``enable_nested_tensor=False``).
+
+What maps where:
+
+* q/k/v projections <-> ``nn.MultiheadAttention.in_proj_weight``/``in_proj_bias``, packed
+  [W_q; W_k; W_v] along the output axis (head i owns output features i*d_k .. (i+1)*d_k - 1 in
+  both); ``o_proj`` <-> ``out_proj``; encoder ``self_attn_norm``/``ffn_norm`` <-> ``norm1``/
+  ``norm2``; decoder ``self_attn_norm``/``cross_attn_norm``/``ffn_norm`` <-> ``norm1``/``norm2``/
+  ``norm3``; ``cross_attn`` <-> ``multihead_attn``; ``ffn.linear1``/``ffn.linear2`` <->
+  ``linear1``/``linear2``.
+* ``norm_first`` <-> pre-LN. ``nn.Transformer`` always builds final encoder/decoder norms; the
+  paper's post-LN model has none, so the stacks are built as ``nn.TransformerEncoder``/
+  ``nn.TransformerDecoder`` with ``norm=None`` (post-LN) or with the pre-LN final norms.
+* masks: ours are bool, True = may attend, broadcastable to (B, H, Tq, Tk);
+  ``nn.MultiheadAttention``'s bool masks mean True = NOT allowed, shaped (B * H, Tq, Tk):
+  :func:`to_nn_mask` expands and inverts.
+
+Every :class:`TransformerConfig` can be represented. :func:`from_nn_transformer` refuses, with
+a ``ValueError`` naming the module, an ``nn.Transformer`` outside the paper's model: an
+activation other than ReLU, attention or LayerNorm without biases, separate key/value widths
+(``kdim``/``vdim``), ``batch_first=False``, a LayerNorm epsilon or ``norm_first`` different
+from the config, a final norm on a post-LN stack (``nn.Transformer``'s default) or none on a
+pre-LN stack, or layer counts and widths different from the config.
+
+Limits: a query row that sees no key (e.g. a source of padding only) gives zeros in the port
+and in torch's slow path, but NaN on torch's encoder fast path; in training mode
+``nn.Transformer`` adds dropout sites the paper does not have (on the attention weights and on
+the feed-forward hidden layer), so only eval-mode outputs agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from reference_numpy.config import TransformerConfig
+
+from .model import Embeddings, Generator, PositionalEncoding, Transformer, padding_mask, target_mask
+
+# Our sublayer names -> nn.TransformerEncoderLayer / nn.TransformerDecoderLayer names.
+ATTENTION = {"encoder": {"self_attn": "self_attn"},
+             "decoder": {"self_attn": "self_attn", "cross_attn": "multihead_attn"}}
+SUBLAYERS = {"encoder": {"self_attn_norm": "norm1", "ffn_norm": "norm2", "ffn.linear1": "linear1",
+                         "ffn.linear2": "linear2"},
+             "decoder": {"self_attn_norm": "norm1", "cross_attn_norm": "norm2", "ffn_norm": "norm3",
+                         "ffn.linear1": "linear1", "ffn.linear2": "linear2"}}
+
+
+class NNTransformerModel(nn.Module):
+    """The port's embeddings, positional encodings and generator around a ``torch.nn.Transformer``.
+
+    ``forward`` takes the port's arguments and mask convention (True = may attend) and the same
+    defaults (source padding mask; causal + target padding mask).
+
+    Shape: src (B, S), tgt (B, T) -> log-probabilities (B, T, V_tgt).
+    """
+
+    def __init__(self, config: TransformerConfig, transformer: nn.Transformer | None = None):
+        super().__init__()
+        self.config = config
+        self.src_embed = Embeddings(config, config.src_vocab_size)
+        self.tgt_embed = self.src_embed if config.share_embeddings else Embeddings(config, config.tgt_vocab_size)
+        self.src_pos = PositionalEncoding(config)
+        self.tgt_pos = PositionalEncoding(config)
+        self.transformer = transformer if transformer is not None else build_nn_transformer(config)
+        self.generator = Generator(config, self.tgt_embed.weight if config.share_embeddings else None)
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """Embed the source and run ``nn.Transformer``'s encoder. Shape: src (B, S) -> memory (B, S, D)."""
+        src = torch.as_tensor(src, device=self.src_embed.weight.device)
+        src_mask = self._mask(src_mask, padding_mask(src, self.config.pad_id))
+        batch, length = src.shape
+        return self.transformer.encoder(self.src_pos(self.src_embed(src)),
+                                        mask=to_nn_mask(src_mask, batch, self.config.n_heads, length, length))
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None,
+               tgt_mask: Tensor | None = None) -> Tensor:
+        """Embed the shifted target and run ``nn.Transformer``'s decoder (no cache: the whole
+        prefix every call). Shape: tgt (B, T), memory (B, S, D) -> (B, T, D)."""
+        tgt = torch.as_tensor(tgt, device=self.src_embed.weight.device)
+        src_mask = self._mask(src_mask, torch.ones(1, 1, 1, memory.shape[1], dtype=torch.bool, device=tgt.device))
+        tgt_mask = self._mask(tgt_mask, target_mask(tgt, self.config.pad_id))
+        (batch, t), s, h = tgt.shape, memory.shape[1], self.config.n_heads
+        return self.transformer.decoder(self.tgt_pos(self.tgt_embed(tgt)), memory,
+                                        tgt_mask=to_nn_mask(tgt_mask, batch, h, t, t),
+                                        memory_mask=to_nn_mask(src_mask, batch, h, t, s))
+
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None) -> Tensor:
+        src = torch.as_tensor(src, device=self.src_embed.weight.device)
+        src_mask = self._mask(src_mask, padding_mask(src, self.config.pad_id))
+        return self.generator(self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask))
+
+    def _mask(self, mask, default: Tensor) -> Tensor:
+        return default if mask is None else torch.as_tensor(mask, device=self.src_embed.weight.device)
+
+
+def to_nn_mask(mask: Tensor, batch: int, n_heads: int, query_length: int, key_length: int) -> Tensor:
+    """Our mask (bool, True = may attend, broadcastable to (B, H, Tq, Tk)) as an
+    ``nn.MultiheadAttention`` ``attn_mask`` (bool, True = NOT allowed).
+
+    Shape: mask broadcastable to (B, H, Tq, Tk) -> (B * H, Tq, Tk).
+    """
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    full = mask.expand(batch, n_heads, query_length, key_length)           # (B, H, Tq, Tk)
+    return ~full.reshape(batch * n_heads, query_length, key_length)        # (B * H, Tq, Tk)
+
+
+def build_nn_transformer(config: TransformerConfig) -> nn.Transformer:
+    """An ``nn.Transformer`` (batch_first, ReLU) with the paper's structure for ``config``:
+    final norms only for pre-LN (``norm_first``)."""
+    layer_args = dict(d_model=config.d_model, nhead=config.n_heads, dim_feedforward=config.d_ff,
+                      dropout=config.dropout, activation="relu", layer_norm_eps=config.layer_norm_eps,
+                      batch_first=True, norm_first=config.norm_first)
+    final_norm = lambda: nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer_args), config.n_encoder_layers,
+                                    norm=final_norm(), enable_nested_tensor=False)
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(**layer_args), config.n_decoder_layers,
+                                    norm=final_norm())
+    return nn.Transformer(d_model=config.d_model, nhead=config.n_heads, custom_encoder=encoder,
+                          custom_decoder=decoder, batch_first=True)
+
+
+def weight_table(config: TransformerConfig) -> list[tuple[tuple[str, ...], str]]:
+    """(our parameter paths, :class:`NNTransformerModel` parameter path) pairs; several paths
+    of ours are concatenated along the output axis (q, k, v -> ``in_proj_*``)."""
+    table = [((name,), name) for name in _embedding_names(config)]
+    for stack, n_layers in (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers)):
+        for i in range(n_layers):
+            ours_at, theirs_at = f"{stack}.layers.{i}", f"transformer.{stack}.layers.{i}"
+            for attn, nn_attn in ATTENTION[stack].items():
+                for kind in ("weight", "bias"):
+                    table.append((tuple(f"{ours_at}.{attn}.{p}_proj.{kind}" for p in "qkv"),
+                                  f"{theirs_at}.{nn_attn}.in_proj_{kind}"))
+                    table.append(((f"{ours_at}.{attn}.o_proj.{kind}",), f"{theirs_at}.{nn_attn}.out_proj.{kind}"))
+            table += [((f"{ours_at}.{name}.{kind}",), f"{theirs_at}.{nn_name}.{kind}")
+                      for name, nn_name in SUBLAYERS[stack].items() for kind in ("weight", "bias")]
+        if config.norm_first:
+            table += [((f"{stack}.norm.{kind}",), f"transformer.{stack}.norm.{kind}") for kind in ("weight", "bias")]
+    return table
+
+
+def _embedding_names(config: TransformerConfig) -> list[str]:
+    names = ["src_embed.weight"] + ([] if config.share_embeddings else ["tgt_embed.weight", "generator.weight"])
+    return names + (["src_pos.weight", "tgt_pos.weight"] if config.positional_encoding == "learned" else [])
+
+
+def to_nn_transformer(model: Transformer) -> NNTransformerModel:
+    """An :class:`NNTransformerModel` with ``model``'s weights, dtype, device and train/eval mode."""
+    wrapper = NNTransformerModel(model.config).to(device=model.device, dtype=model.dtype)
+    _copy(dict(model.named_parameters()), dict(wrapper.named_parameters()), weight_table(model.config), True)
+    return wrapper.train(model.training)
+
+
+def from_nn_transformer(wrapper: NNTransformerModel) -> Transformer:
+    """A :class:`Transformer` with ``wrapper``'s weights, dtype, device and mode; a ``ValueError``
+    when its ``nn.Transformer`` is outside the paper's model (see the module docstring)."""
+    config = wrapper.config
+    check_representable(wrapper.transformer, config)
+    weight = wrapper.src_embed.weight
+    model = Transformer(config).to(device=weight.device, dtype=weight.dtype)
+    _copy(dict(model.named_parameters()), dict(wrapper.named_parameters()), weight_table(config), False)
+    return model.train(wrapper.training)
+
+
+def _copy(ours: dict[str, Tensor], theirs: dict[str, Tensor], table, to_theirs: bool) -> None:
+    with torch.no_grad():
+        for our_paths, their_path in table:
+            if to_theirs:
+                theirs[their_path].copy_(torch.cat([ours[path] for path in our_paths]))
+            else:
+                for path, part in zip(our_paths, theirs[their_path].chunk(len(our_paths))):
+                    ours[path].copy_(part)
+
+
+def check_representable(transformer: nn.Transformer, config: TransformerConfig) -> None:
+    """Refuse (one-line ``ValueError`` naming the module) an ``nn.Transformer`` the port cannot represent."""
+    for stack, n_layers in (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers)):
+        module = getattr(transformer, stack)
+        if len(module.layers) != n_layers:
+            raise ValueError(f"transformer.{stack} has {len(module.layers)} layers; the config says {n_layers}")
+        if (module.norm is not None) != config.norm_first:
+            raise ValueError(f"transformer.{stack}.norm is {type(module.norm).__name__}; a "
+                             f"{'pre' if config.norm_first else 'post'}-LN stack "
+                             f"{'needs' if config.norm_first else 'has no'} final LayerNorm")
+        if module.norm is not None:
+            _check_norm(f"transformer.{stack}.norm", module.norm, config)
+        for i, layer in enumerate(module.layers):
+            _check_layer(f"transformer.{stack}.layers.{i}", layer, config)
+
+
+def _check_layer(name: str, layer: nn.Module, config: TransformerConfig) -> None:
+    if layer.norm_first != config.norm_first:
+        raise ValueError(f"{name}.norm_first is {layer.norm_first}; the config says {config.norm_first}")
+    if layer.activation is not F.relu and not isinstance(layer.activation, nn.ReLU):
+        raise ValueError(f"{name}.activation is {layer.activation}; the paper's feed-forward uses ReLU (Eq. 2)")
+    if layer.linear1.out_features != config.d_ff or layer.linear1.bias is None or layer.linear2.bias is None:
+        raise ValueError(f"{name}.linear1/linear2 must be {config.d_model} -> {config.d_ff} -> {config.d_model} "
+                         "with biases")
+    for attn_name, attn in layer.named_children():
+        if isinstance(attn, nn.MultiheadAttention):
+            _check_attention(f"{name}.{attn_name}", attn, config)
+        elif isinstance(attn, nn.Module) and attn_name.startswith("norm"):
+            _check_norm(f"{name}.{attn_name}", attn, config)
+
+
+def _check_attention(name: str, attn: nn.MultiheadAttention, config: TransformerConfig) -> None:
+    if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
+        raise ValueError(f"{name} has separate kdim/vdim projections; the port's keys and values have width d_model")
+    if attn.in_proj_bias is None or attn.out_proj.bias is None or attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(f"{name} must have q/k/v/out biases and no bias_k/bias_v/add_zero_attn")
+    if not attn.batch_first:
+        raise ValueError(f"{name}.batch_first is False; NNTransformerModel passes (B, T, D) tensors")
+    if attn.embed_dim != config.d_model or attn.num_heads != config.n_heads:
+        raise ValueError(f"{name} has embed_dim {attn.embed_dim}, {attn.num_heads} heads; the config says "
+                         f"{config.d_model}, {config.n_heads}")
+
+
+def _check_norm(name: str, norm: nn.Module, config: TransformerConfig) -> None:
+    if not isinstance(norm, nn.LayerNorm) or norm.weight is None or norm.bias is None:
+        raise ValueError(f"{name} must be an nn.LayerNorm with weight and bias, got {norm}")
+    if norm.eps != config.layer_norm_eps:
+        raise ValueError(f"{name}.eps is {norm.eps}; the config says layer_norm_eps={config.layer_norm_eps}")

@@ -1,0 +1,496 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
+
+A parallel text of ``reference_numpy/model.py``: the same pieces, names, argument order and
+shape legend; only framework idiom differs. Parameters live in ``nn.Module``s (``nn.Linear``
+stores its weight (out, in); :mod:`.checkpoint` converts from the shared (in, out) layout),
+``.to(device, dtype)`` moves and casts, and ``train()``/``eval()`` switch dropout on and off.
+Dropout (section 5.4) is applied to the output of every sublayer before the residual addition
+and to the sums of the embeddings and the positional encodings; in ``eval()`` mode the model
+computes exactly the reference's function.
+
+Shape legend used in every docstring:
+    B: batch size          H: number of heads h        D: d_model
+    S: source length       T: target length            d_k: D / H
+    Tq, Tk: query and key lengths                      F: d_ff
+    V: vocabulary size     L: number of positions (config.max_len)
+
+Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). Token ids
+and masks may be given as tensors or NumPy arrays; they are moved to the model's device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from reference_numpy.config import TransformerConfig
+
+
+# ----------------------------------------------------------------------------- masks
+
+def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
+    """Keys that are not padding may be attended to.
+
+    Shape: tokens (B, Tk) -> mask (B, 1, 1, Tk), bool, True = may attend.
+    """
+    return (torch.as_tensor(tokens) != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int, device: torch.device | str | None = None) -> Tensor:
+    """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
+
+    Shape: mask (1, 1, T, T), bool, True = may attend.
+    """
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
+    """Causal mask combined with the target's padding mask.
+
+    Shape: tgt (B, T) -> mask (B, 1, T, T).
+    """
+    tgt = torch.as_tensor(tgt)
+    return padding_mask(tgt, pad_id) & causal_mask(tgt.shape[1], tgt.device)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+                                 return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
+
+    Runs the fused ``torch.nn.functional.scaled_dot_product_attention`` (bool mask, True = take
+    part, as here). With ``return_weights`` the weights are computed explicitly instead (for
+    plots) and returned; otherwise the second result is None. A query row whose mask has no True
+    entry sees no key: its output (and its weights) are zero, never NaN.
+
+    Shape:
+        query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
+        mask broadcastable to (..., Tq, Tk), bool, True = may attend.
+        Returns output (..., Tq, d_v) and weights (..., Tq, Tk) or None.
+    """
+    scores_shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), query.shape[-2], key.shape[-2])
+    if mask is not None:
+        mask = _check_mask(torch.as_tensor(mask, device=query.device), scores_shape)
+    if return_weights:
+        return _explicit_attention(query, key, value, mask)
+    if mask is None:
+        return F.scaled_dot_product_attention(query, key, value), None
+    batch = torch.broadcast_shapes(mask.shape[:-2], scores_shape[:-2])
+    query, key, value = (t.expand(*batch, *t.shape[-2:]) for t in (query, key, value))  # (..., T, d_k)
+    visible = mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | ~visible)
+    return out.masked_fill(~visible, 0.0), None                         # fully masked row -> zeros
+
+
+def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    d_k = query.shape[-1]
+    scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_k)          # (..., Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True)                         # -inf on fully masked rows
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    exp = torch.exp(scores - row_max)                                   # exactly 0 where masked
+    total = exp.sum(dim=-1, keepdim=True)
+    weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
+    return weights @ value, weights
+
+
+def _check_mask(mask: Tensor, scores_shape: tuple[int, ...]) -> Tensor:
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    try:
+        torch.broadcast_shapes(mask.shape, scores_shape)
+    except RuntimeError:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the attention "
+                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}") from None
+    return mask
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
+
+    The h heads are split head-major: head i owns output features i*d_k .. (i+1)*d_k - 1 of
+    the projections W^Q, W^K, W^V (and input features of W^O). Every projection has a bias.
+
+    ``cache`` (incremental decoding, see :mod:`.decoding`) is a callable that receives the
+    key/value projection as a thunk and returns the keys and values to attend over.
+
+    Shape:
+        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
+        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.o_proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+                return_weights: bool = False, cache: Callable | None = None):
+        q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
+        project = lambda: (self._split_heads(self.k_proj(key)),            # (B, H, Tk, d_k)
+                           self._split_heads(self.v_proj(value)))          # (B, H, Tk, d_k)
+        k, v = project() if cache is None else cache(project)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, return_weights)  # (B, H, Tq, d_k)
+        batch, _, length, _ = heads.shape
+        concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
+        out = self.o_proj(concat)
+        return (out, weights) if return_weights else out
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        batch, length, width = x.shape
+        x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)
+        return x.transpose(1, 2)                                           # (B, H, T, d_k)
+
+
+# ----------------------------------------------------------------------------- sublayers
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3.
+
+    Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.linear1 = nn.Linear(config.d_model, config.d_ff)
+        self.linear2 = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(torch.relu(self.linear1(x)))
+
+
+class LayerNorm(nn.LayerNorm):
+    """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
+
+    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
+    axis and eps added to the variance. ``eps`` must be passed (``config.layer_norm_eps``):
+    torch's own default (1e-5) is not the project's.
+
+    Shape: x (..., D) -> (..., D).
+    """
+
+    def __init__(self, d_model: int, eps: float):
+        super().__init__(d_model, eps=eps)
+
+
+def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
+             dropout: nn.Dropout) -> Tensor:
+    """Residual connection around a sublayer (section 3.1), dropout on the sublayer output (5.4).
+
+    Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))). Pre-LN: x + Dropout(Sublayer(LayerNorm(x))).
+    """
+    if norm_first:
+        return x + dropout(sublayer(norm(x)))
+    return norm(x + dropout(sublayer(x)))
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype = torch.float64,
+                                   device: torch.device | str | None = None) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
+    -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
+
+    The table is computed in float64 with NumPy's sin/cos (bit-identical to the reference's
+    table) and then cast to ``dtype`` on ``device``.
+
+    Shape: returns (L, D).
+    """
+    position = np.arange(length, dtype=np.float64)[:, None]              # (L, 1)
+    two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]          # (1, D/2)
+    angle = position / np.power(10000.0, two_i / d_model)                # (L, D/2)
+    table = np.empty((length, d_model), dtype=np.float64)
+    table[:, 0::2] = np.sin(angle)
+    table[:, 1::2] = np.cos(angle)
+    return torch.from_numpy(table).to(device=device, dtype=dtype)
+
+
+class Embeddings(nn.Module):
+    """Token embedding multiplied by sqrt(d_model) (section 3.4).
+
+    Shape: tokens (B, T) int -> (B, T, D); ``weight`` (V, D).
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab_size, config.d_model) * config.d_model ** -0.5)  # (V, D)
+        self.scale = math.sqrt(config.d_model)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, self.weight) * self.scale
+
+
+class PositionalEncoding(nn.Module):
+    """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
+
+    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding`, a non-persistent
+    buffer (not in ``state_dict``) re-derived from float64 whenever the module is cast, so that a
+    float32 -> float64 round trip keeps exact positions; ``learned``: a trained (L, D) ``weight``
+    (Table 3, row E).
+
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.learned = config.positional_encoding == "learned"
+        self.max_len, self.d_model = config.max_len, config.d_model
+        if self.learned:
+            self.weight = nn.Parameter(torch.randn(config.max_len, config.d_model) * config.d_model ** -0.5)
+        else:
+            self.register_buffer("table", sinusoidal_positional_encoding(config.max_len, config.d_model,
+                                                                         torch.get_default_dtype()),
+                                 persistent=False)                        # (L, D)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        table = self.weight if self.learned else self.table
+        return self.dropout(x + table[offset:offset + x.shape[1]])
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if not self.learned:
+            self.table = sinusoidal_positional_encoding(self.max_len, self.d_model, self.table.dtype,
+                                                        self.table.device)
+        return self
+
+
+class Generator(nn.Module):
+    """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
+
+    ``weight`` is (V, D) as in ``nn.Linear``; with ``share_embeddings`` it is the target
+    embedding's parameter itself (tied, not copied).
+
+    Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
+    """
+
+    def __init__(self, config: TransformerConfig, shared: nn.Parameter | None = None):
+        super().__init__()
+        if shared is not None:
+            self.weight = shared                                              # (V, D), tied
+        else:
+            self.weight = nn.Parameter(torch.empty(config.tgt_vocab_size, config.d_model))
+            nn.init.xavier_uniform_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log_softmax(F.linear(x, self.weight), dim=-1)
+
+
+# ----------------------------------------------------------------------------- layers and stacks
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
+
+    Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.self_attn = MultiHeadAttention(config)
+        self.self_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.ffn = PositionwiseFeedForward(config)
+        self.ffn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first,
+                     self.dropout)
+        return residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
+    values from the encoder output), then feed-forward; each wrapped in :func:`residual`
+    (sections 3.1 and 3.2.3).
+
+    ``cache``, for incremental decoding, is a pair (self-attention cache, encoder-decoder
+    attention cache) of :class:`.decoding.AttentionCache`.
+
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
+    tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.self_attn = MultiHeadAttention(config)
+        self.self_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.cross_attn = MultiHeadAttention(config)
+        self.cross_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.ffn = PositionwiseFeedForward(config)
+        self.ffn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None, cache: tuple | None = None) -> Tensor:
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+        x = residual(x, lambda h: self.self_attn(h, h, h, tgt_mask, cache=self_cache), self.self_attn_norm,
+                     self.norm_first, self.dropout)
+        x = residual(x, lambda h: self.cross_attn(h, memory, memory, src_mask, cache=cross_cache),
+                     self.cross_attn_norm, self.norm_first, self.dropout)
+        return residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
+
+
+class Encoder(nn.Module):
+    """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
+
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+
+    Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
+        self.norm = LayerNorm(config.d_model, config.layer_norm_eps) if config.norm_first else None
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, intermediates: dict | None = None) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask)
+            if intermediates is not None:
+                intermediates[f"layers.{i}"] = x
+        return self.norm(x) if self.norm is not None else x
+
+
+class Decoder(nn.Module):
+    """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
+
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``;
+    ``cache``, for incremental decoding, holds one per-layer cache pair (see :class:`DecoderLayer`).
+
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_decoder_layers))
+        self.norm = LayerNorm(config.d_model, config.layer_norm_eps) if config.norm_first else None
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+                intermediates: dict | None = None, cache: list | None = None) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, src_mask, tgt_mask, None if cache is None else cache[i])
+            if intermediates is not None:
+                intermediates[f"layers.{i}"] = x
+        return self.norm(x) if self.norm is not None else x
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer(nn.Module):
+    """The encoder-decoder Transformer (section 3, Figure 1).
+
+    Built with torch's default initialization; :func:`.checkpoint.from_params` and
+    :func:`.checkpoint.load_checkpoint` give it the shared checkpoint's weights. With
+    ``share_embeddings`` one parameter (``src_embed.weight``) is the source embedding, the target
+    embedding and the pre-softmax projection (section 3.4).
+
+    Shape:
+        src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
+        src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
+        tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
+        Returns log-probabilities (B, T, V_tgt).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.src_embed = Embeddings(config, config.src_vocab_size)
+        self.tgt_embed = self.src_embed if config.share_embeddings else Embeddings(config, config.tgt_vocab_size)
+        self.src_pos = PositionalEncoding(config)
+        self.tgt_pos = PositionalEncoding(config)
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+        self.generator = Generator(config, self.tgt_embed.weight if config.share_embeddings else None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.src_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.src_embed.weight.device
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None, intermediates: dict | None = None) -> Tensor:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
+        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        if src_mask is None:
+            src_mask = padding_mask(src, self.config.pad_id)
+        x = self.src_pos(self.src_embed(src))
+        steps: dict = {}
+        memory = self.encoder(x, self._as_mask(src_mask), steps)
+        if intermediates is not None:
+            intermediates["src_embed"] = x
+            intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
+            intermediates["encoder"] = memory
+        return memory
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+               intermediates: dict | None = None, cache=None) -> Tensor:
+        """Embed the shifted target and run the decoder stack.
+
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
+        source had padding (the decoder cannot see source tokens). With a ``cache``
+        (:class:`.decoding.DecoderCache`), ``tgt`` holds only the new positions, placed after the
+        ``cache.length`` cached ones; ``tgt_mask`` then covers (B, H, T, cache.length + T) and
+        defaults to None (every position visible: right for one new position at a time).
+        """
+        offset = 0 if cache is None else cache.length
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size, offset)
+        if tgt_mask is None and cache is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id)
+        y = self.tgt_pos(self.tgt_embed(tgt), offset)
+        steps: dict = {}
+        out = self.decoder(y, memory, self._as_mask(src_mask), self._as_mask(tgt_mask), steps,
+                           None if cache is None else cache.layers)
+        if intermediates is not None:
+            intermediates["tgt_embed"] = y
+            intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
+            intermediates["decoder"] = out
+        return out
+
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+                return_intermediates: bool = False):
+        """Log-probabilities of the next target token at every target position.
+
+        With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
+        "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
+        "decoder" and "log_probs" to tensors, in that order (the shared stage names of every port).
+        """
+        if src_mask is None:
+            src_mask = padding_mask(self._check_tokens("src", src, self.config.src_vocab_size), self.config.pad_id)
+        stages: dict | None = {} if return_intermediates else None
+        memory = self.encode(src, src_mask, stages)
+        out = self.decode(tgt, memory, src_mask, tgt_mask, stages)
+        log_probs = self.generator(out)
+        if stages is None:
+            return log_probs
+        stages["log_probs"] = log_probs
+        return log_probs, stages
+
+    def _as_mask(self, mask) -> Tensor | None:
+        return None if mask is None else torch.as_tensor(mask, device=self.device)
+
+    def _check_tokens(self, name: str, tokens, vocab_size: int, offset: int = 0) -> Tensor:
+        tokens = torch.as_tensor(tokens, device=self.device)
+        if tokens.ndim != 2:
+            raise ValueError(f"{name} must have shape (batch, length), got {tuple(tokens.shape)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+        if offset + tokens.shape[1] > self.config.max_len:
+            raise ValueError(f"{name} length {offset + tokens.shape[1]} exceeds max_len {self.config.max_len}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
+        return tokens.long()
