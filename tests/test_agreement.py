@@ -87,6 +87,25 @@ def test_component(port, device_kind, dtype, variant, component, case, agreement
 
 
 @functools.cache
+def reference_attention(variant: str, kind: str, dtype: str) -> np.ndarray:
+    inputs = cases.model_inputs(VARIANTS[variant], "ragged_batch")
+    return reference.attention_weights(reference_model(variant, dtype), inputs["src"], inputs["tgt"], 1, kind)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", reference.ATTENTION_KINDS)
+def test_attention_weights(port, device_kind, dtype, variant, kind, agreement):
+    """The weights ``plot attention`` draws, layer 1, on a ragged batch."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    inputs = cases.model_inputs(VARIANTS[variant], "ragged_batch")
+    weights = backend.attention_weights(port_model(port, variant, dtype, device), inputs["src"], inputs["tgt"], 1, kind)
+    agreement(weights, reference_attention(variant, kind, "float64"), reference_attention(variant, kind, "float32"),
+              port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
+
+
+@functools.cache
 def port_forward(port: str, variant: str, case: str, dtype: str, device: str) -> dict[str, np.ndarray]:
     model = port_model(port, variant, dtype, device)
     return port_backend(port).forward(model, **cases.model_inputs(VARIANTS[variant], case))

@@ -69,12 +69,13 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
     return model.eval()
 
 
-def to_params(model: Transformer) -> dict[str, np.ndarray]:
-    """The model's weights in checkpoint layout (name -> (in, out) NumPy arrays, the model's dtype)."""
+def to_params(model: Transformer, gradients: bool = False) -> dict[str, np.ndarray]:
+    """The model's weights -- or, with ``gradients``, their ``.grad`` -- in checkpoint layout
+    (name -> (in, out) NumPy arrays, the model's dtype)."""
     targets = dict(model.named_parameters())
     params = {}
     for name, path in name_table(model.config).items():
-        value = targets[path].detach().cpu()
+        value = (targets[path].grad if gradients else targets[path]).detach().cpu()
         params[name] = np.ascontiguousarray((value.T if name.endswith(TRANSPOSED) else value).numpy())
     return params
 
