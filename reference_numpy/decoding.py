@@ -14,7 +14,8 @@ The rules, shared by every port so that all backends produce identical tokens
   Candidates (beam b, token v) are ranked by the summed log-probability, ties going to the
   lower b, then the lower v. Walking the ranking, an eos candidate among the first
   ``beam_size`` ranks finishes a hypothesis (other eos candidates are dropped) and the first
-  ``beam_size`` non-eos candidates are the next live beams. Search stops at the maximum length
+  ``beam_size`` non-eos candidates of finite score are the next live beams (impossible ones,
+  such as pad and bos, never are; a small vocabulary can leave fewer than ``beam_size`` beams). Search stops at the maximum length
   (live beams are then scored as finished) or as soon as no live beam can beat the best
   finished one: max_b logP_b / lp(max length) <= best finished score. The best score wins;
   a tie goes to the hypothesis finished first (then the better rank).
@@ -94,7 +95,7 @@ def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
     length-normalized scores (B,).
     """
-    if not isinstance(beam_size, int) or beam_size < 1:
+    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)
@@ -133,7 +134,7 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
         for rank in np.flatnonzero(is_eos[:beam_size]):                   # eos within the first beam_size ranks
             finished.append((scores[rank] / length_penalty(step, alpha),
                              [*live[beams[rank], 1:].tolist(), cfg.eos_id]))
-        keep = np.flatnonzero(~is_eos)[:beam_size]                        # first beam_size non-eos candidates
+        keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]  # first beam_size possible non-eos
         margins.append(_decision_margin(scores, is_eos, beam_size))
         live = np.concatenate([live[beams[keep]], tokens[keep, None]], axis=1)
         live_scores = scores[keep]

@@ -126,9 +126,17 @@ def test_eos_outside_the_first_beam_size_ranks_does_not_finish():
     assert beam_search(model, np.array([[A]]), beam_size=2)[0][0].tolist() == [A, EOS]
 
 
-def test_beam_size_is_validated():
-    with pytest.raises(ValueError, match="beam_size"):
-        beam_search(ScriptedModel(seeded_script), np.array([[A]]), beam_size=0)
+@pytest.mark.parametrize("beam_size", [0, True, 2.0])
+def test_beam_size_is_validated(beam_size):
+    with pytest.raises(ValueError, match="beam_size must be a positive int"):
+        beam_search(ScriptedModel(seeded_script), np.array([[A]]), beam_size=beam_size)
+
+
+def test_impossible_candidates_never_become_beams():
+    """Vocabulary of 5 and beam 4: only a and b can continue, so step 1 leaves two live beams,
+    and no hypothesis ever contains pad or bos."""
+    tokens, scores = beam_search(ScriptedModel(seeded_script, max_len=3), np.array([[A]]), beam_size=4)
+    assert np.isfinite(scores).all() and set(tokens[0].tolist()) <= {A, B, EOS, PAD}
 
 
 def test_real_model_decoding_is_deterministic_and_well_formed():

@@ -1,0 +1,325 @@
+"""Checks specific to the TensorFlow/Keras port (the shared matrix is in ``test_agreement.py``):
+checkpoint interchange with the reference, Keras serialization and ``.weights.h5`` saving, the
+backend guard, masking, dropout, the key/value cache and the compiled searches."""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install '.[tf]')")
+keras = pytest.importorskip("keras", reason="keras is not installed (pip install '.[tf]')")
+
+import transformer_tf  # noqa: E402
+from reference_numpy import backend as reference  # noqa: E402
+from reference_numpy import cases, checkpoint as reference_checkpoint, decoding as reference_decoding  # noqa: E402
+from reference_numpy.cases import VARIANTS  # noqa: E402
+from transformer_tf import backend, checkpoint, decoding, device  # noqa: E402
+from transformer_tf.model import Transformer, compiled_forward, scaled_dot_product_attention  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = ("float64", "float32")
+
+
+@functools.cache
+def port_model(variant: str, dtype: str, params_kind: str = "test") -> Transformer:
+    params = (cases.decoding_params if params_kind == "decoding" else cases.seeded_params)(VARIANTS[variant])
+    return backend.build(VARIANTS[variant], params, dtype)
+
+
+@functools.cache
+def reference_model(variant: str, dtype: str, params_kind: str = "test"):
+    params = (cases.decoding_params if params_kind == "decoding" else cases.seeded_params)(VARIANTS[variant])
+    return reference.build(VARIANTS[variant], params, dtype)
+
+
+def reference_log_probs(variant: str, inputs: dict, params_kind: str = "test"):
+    return tuple(reference_model(variant, dtype, params_kind)(**inputs) for dtype in DTYPES)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings", "learned_pe"])
+def test_saved_checkpoint_loads_into_the_reference_bit_identically(tmp_path, variant, dtype):
+    params = cases.seeded_params(VARIANTS[variant])
+    path = tmp_path / "model.safetensors"
+    transformer_tf.save_checkpoint(port_model(variant, dtype), path)
+    config, loaded = reference_checkpoint.load_checkpoint(path)
+    assert config == VARIANTS[variant]
+    assert list(loaded) == list(params)
+    for name, value in params.items():
+        expected = value.astype(dtype)
+        assert loaded[name].dtype == expected.dtype and loaded[name].tobytes() == expected.tobytes(), name
+    again = transformer_tf.load_checkpoint(path, dtype=dtype)
+    assert all(np.array_equal(a, b) for a, b in zip(checkpoint.to_params(again).values(), loaded.values()))
+
+
+def _bad_files(tmp_path: Path, config) -> dict[str, Path]:
+    params = cases.seeded_params(config)
+    good = tmp_path / "good.safetensors"
+    reference_checkpoint.save_checkpoint(good, config, params)
+    raw = good.read_bytes()
+    files = {"missing": tmp_path / "absent.safetensors", "truncated": tmp_path / "truncated.safetensors",
+             "pickle": tmp_path / "pickle.pt", "header": tmp_path / "header.safetensors"}
+    files["truncated"].write_bytes(raw[: len(raw) // 2])
+    files["pickle"].write_bytes(b"\x80\x04" + raw[2:])
+    files["header"].write_bytes(struct.pack("<Q", 5) + b"nope!")
+    return files
+
+
+def test_bad_files_give_the_reference_errors(tmp_path):
+    config = VARIANTS["tiny"]
+    for kind, path in _bad_files(tmp_path, config).items():
+        with pytest.raises(ValueError) as expected:
+            reference_checkpoint.load_checkpoint(path)
+        with pytest.raises(ValueError) as port:
+            transformer_tf.load_checkpoint(path)
+        assert str(port.value) == str(expected.value), kind
+        assert "\n" not in str(port.value)
+
+
+@pytest.mark.parametrize("change", ["missing", "shape", "nan"])
+def test_bad_params_give_the_reference_errors(change):
+    config = VARIANTS["tiny"]
+    params = cases.seeded_params(config)
+    name = "decoder.layers.1.cross_attn.k_proj.weight"
+    if change == "missing":
+        del params[name]
+    elif change == "shape":
+        params[name] = params[name].T[:, :-1]
+    else:
+        params[name][0, 0] = np.nan
+    with pytest.raises(ValueError) as expected:
+        reference_checkpoint.validate_params(config, params)
+    with pytest.raises(ValueError, match=name) as port:
+        transformer_tf.from_params(config, params)
+    assert str(port.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_name_table_covers_every_keras_weight_exactly_once(variant):
+    model = port_model(variant, "float64")
+    table = checkpoint.name_table(model.config)
+    assert list(table) == list(reference_checkpoint.parameter_shapes(model.config))
+    assert len(set(table.values())) == len(table)
+    weights = [id(weight) for weight in checkpoint.named_weights(model).values()]
+    assert len(set(weights)) == len(weights)
+    assert set(weights) == {id(weight) for weight in model.weights}
+    assert len(model.weights) == len(table)
+
+
+# ----------------------------------------------------------------------------- Keras idiom
+
+def test_get_config_round_trip():
+    model = port_model("pre_ln", "float32")
+    config = model.get_config()
+    assert config["config"] == VARIANTS["pre_ln"].to_dict()
+    clone = Transformer.from_config(config)
+    assert clone.config == model.config and clone.dtype_policy.name == "float32"
+    assert [tuple(w.shape) for w in clone.weights] == [tuple(w.shape) for w in model.weights]
+    revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
+    assert isinstance(revived, Transformer) and revived.config == model.config
+    for layer in (model.encoder, model.decoder.layers[0], model.decoder.layers[0].self_attn,
+                  model.encoder.layers[0].ffn, model.tgt_pos, model.src_embed, model.decoder.norm):
+        copy = type(layer).from_config(layer.get_config())
+        assert copy.get_config() == layer.get_config(), type(layer).__name__
+
+
+# Keras' save_weights calls np.array on its variables, which NumPy 2 flags (not this port's code).
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
+def test_keras_weights_h5_round_trip_gives_identical_outputs(tmp_path, variant):
+    model = port_model(variant, "float64")
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)
+    clone = Transformer.from_config(model.get_config())
+    clone.load_weights(path)
+    inputs = cases.model_inputs(VARIANTS[variant], "ragged_batch")
+    np.testing.assert_array_equal(clone(**inputs).numpy(), model(**inputs).numpy())
+
+
+def test_float32_and_float64_models_coexist(agreement):
+    inputs = cases.model_inputs(VARIANTS["tiny"], "source_padding")
+    ref64, ref32 = reference_log_probs("tiny", inputs)
+    for dtype in DTYPES:
+        out = port_model("tiny", dtype)(**inputs).numpy()
+        assert {w.dtype for w in port_model("tiny", dtype).weights} == {dtype}
+        agreement(out, ref64, ref32, port="tf", device="cpu", dtype=dtype, what="coexisting dtypes")
+
+
+def test_wrong_keras_backend_is_refused_in_one_line():
+    pytest.importorskip("jax", reason="jax is not installed: no other Keras backend to configure")
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    result = subprocess.run([sys.executable, "-c", "import transformer_tf"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError") and "KERAS_BACKEND=tensorflow" in last and "'jax'" in last
+
+
+def test_keras_masks_on_inputs_are_ignored():
+    """A ``_keras_mask`` on an input must not become ``mask``/``src_mask``/``tgt_mask``."""
+    model = port_model("tiny", "float64")
+    inputs = cases.model_inputs(VARIANTS["tiny"], "ragged_batch")
+    expected = model(inputs["src"], inputs["tgt"]).numpy()
+    src, tgt = tf.constant(inputs["src"]), tf.constant(inputs["tgt"])
+    src._keras_mask = tf.zeros(src.shape, tf.bool)
+    tgt._keras_mask = tf.zeros(tgt.shape, tf.bool)
+    np.testing.assert_array_equal(model(src, tgt).numpy(), expected)
+    x = tf.constant(np.random.default_rng(0).standard_normal((3, 7, 16)))
+    plain = model.encoder.layers[0](x).numpy()
+    x._keras_mask = tf.constant([[True] * 7, [False] * 7, [True] * 7])
+    np.testing.assert_array_equal(model.encoder.layers[0](x).numpy(), plain)
+
+
+# ----------------------------------------------------------------------------- masking and dropout
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_row_gives_zeros(dtype, jit_compile):
+    inputs = cases.attention_inputs(VARIANTS["tiny"], "fully_masked_row", dtype=np.dtype(dtype))
+    attention = tf.function(scaled_dot_product_attention, jit_compile=jit_compile)
+    out, weights = attention(inputs["query"], inputs["key"], inputs["value"], inputs["mask"])
+    assert out.dtype == dtype
+    assert np.all(out.numpy()[1] == 0) and np.all(weights.numpy()[1] == 0)
+    assert np.isfinite(out.numpy()).all() and np.abs(out.numpy()[0]).max() > 0
+
+
+def test_bad_masks_and_tokens_raise_one_line_value_errors():
+    model = port_model("tiny", "float64")
+    inputs = cases.attention_inputs(VARIANTS["tiny"], "source_padding")
+    with pytest.raises(ValueError, match="mask must be boolean"):
+        scaled_dot_product_attention(inputs["query"], inputs["key"], inputs["value"], inputs["mask"].astype(int))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        scaled_dot_product_attention(inputs["query"], inputs["key"], inputs["value"], np.ones((2, 5), bool))
+    tokens = cases.model_inputs(VARIANTS["tiny"], "none")
+    with pytest.raises(ValueError, match=r"src holds token ids outside \[0, 19\)"):
+        model(tokens["src"] + 100, tokens["tgt"])
+    with pytest.raises(ValueError, match="dtype must be float32 or float64"):
+        Transformer(VARIANTS["tiny"], dtype="float16")
+    with pytest.raises(ValueError, match="device must be one of"):
+        backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float64", "gpu:99")
+
+
+def test_dropout_only_in_training(agreement):
+    model = port_model("pre_ln", "float64")
+    inputs = cases.model_inputs(VARIANTS["pre_ln"], "ragged_batch")
+    ref64, ref32 = reference_log_probs("pre_ln", inputs)
+    agreement(model(**inputs, training=False).numpy(), ref64, ref32, port="tf", device="cpu", dtype="float64",
+              what="training=False")
+    first, second = (model(**inputs, training=True).numpy() for _ in range(2))
+    assert np.isfinite(first).all()
+    assert np.abs(first - ref64).max() > 1e-3 and np.abs(first - second).max() > 1e-3
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_compiled_forward_agrees_in_float64(jit_compile, agreement):
+    inputs = cases.model_inputs(VARIANTS["learned_pe"], "fully_masked_row")
+    ref64, ref32 = reference_log_probs("learned_pe", inputs)
+    out = compiled_forward(port_model("learned_pe", "float64"), jit_compile=jit_compile)(**inputs)
+    agreement(out.numpy(), ref64, ref32, port="tf", device="cpu", dtype="float64", what="compiled forward")
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["tiny", "pre_ln"])
+def test_cached_log_probs_equal_uncached(variant, dtype, agreement):
+    """Teacher forcing through the key/value cache, one position at a time, against the full
+    forward pass of the reference (padding inside the target included)."""
+    inputs = cases.model_inputs(VARIANTS[variant], "ragged_batch")
+    del inputs["src_mask"], inputs["tgt_mask"]
+    ref64, ref32 = reference_log_probs(variant, inputs)
+    cached = decoding.cached_log_probs(port_model(variant, dtype), inputs["src"], inputs["tgt"])
+    agreement(cached, ref64, ref32, port="tf", device="cpu", dtype=dtype, what="cached log-probs")
+    uncached = port_model(variant, dtype)(**inputs).numpy()
+    agreement(uncached, ref64, ref32, port="tf", device="cpu", dtype=dtype, what="uncached log-probs")
+
+
+def test_argmax_and_stable_argsort_break_ties_to_the_lower_index_under_xla():
+    values = tf.constant([[1.0, 3.0, 3.0, -np.inf, 3.0, 2.0]], tf.float64)
+
+    @tf.function(jit_compile=True)
+    def rank(x):
+        return tf.argmax(x, axis=-1), tf.argsort(-x, axis=-1, stable=True)
+
+    best, order = rank(values)
+    assert best.numpy().tolist() == [1]
+    assert order.numpy().tolist() == [[1, 2, 4, 5, 0, 3]]
+
+
+@functools.cache
+def reference_search(variant: str, kind: str):
+    model = reference_model(variant, "float64", "decoding")
+    src = cases.decoding_inputs(VARIANTS[variant])
+    if kind == "greedy":
+        return reference_decoding.greedy_decode(model, src), None
+    return reference_decoding.beam_search(model, src)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "beam"])
+@pytest.mark.parametrize("use_cache,variant", [(True, name) for name in VARIANTS] + [(False, "tiny")])
+def test_compiled_search_tokens_equal_the_reference_in_float64(variant, kind, use_cache, agreement):
+    model = port_model(variant, "float64", "decoding")
+    src = cases.decoding_inputs(VARIANTS[variant])
+    ref_tokens, ref_scores = reference_search(variant, kind)
+    lengths = (ref_tokens != VARIANTS[variant].pad_id).sum(axis=1)
+    assert len(set(lengths)) > 1, "the decoding inputs should end rows at different lengths"
+    if kind == "greedy":
+        tokens = transformer_tf.greedy_decode(model, src, use_cache=use_cache)
+    else:
+        tokens, scores = transformer_tf.beam_search(model, src, use_cache=use_cache)
+        agreement(scores, ref_scores, None, port="tf", device="cpu", dtype="float64", what="beam scores")
+    assert tokens.dtype == np.int64
+    np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+def test_beam_search_rejects_a_bad_beam_size():
+    with pytest.raises(ValueError, match="beam_size must be a positive int"):
+        transformer_tf.beam_search(port_model("tiny", "float64"), cases.decoding_inputs(VARIANTS["tiny"]),
+                                   beam_size=0)
+
+
+# ----------------------------------------------------------------------------- devices
+
+def test_devices_and_switches():
+    assert device.devices()[0] == "cpu"
+    assert device.tf_device("cpu") == "/CPU:0"
+    device.full_precision_float32()
+    assert not tf.config.experimental.tensor_float_32_execution_enabled()
+
+
+def _gpu() -> str:
+    gpus = [name for name in device.devices() if name != "cpu"]
+    if not gpus:
+        pytest.skip("no GPU present: TensorFlow lists no GPU device on this machine")
+    return gpus[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_forward_agrees_with_tf32_off(dtype, agreement):
+    gpu = _gpu()
+    params = cases.seeded_params(VARIANTS["tiny"])
+    model = backend.build(VARIANTS["tiny"], params, dtype, gpu)
+    assert "GPU" in device.model_device(model)
+    assert not tf.config.experimental.tensor_float_32_execution_enabled()
+    inputs = cases.model_inputs(VARIANTS["tiny"], "ragged_batch")
+    ref64, ref32 = reference_log_probs("tiny", inputs)
+    agreement(backend.forward(model, **inputs)["log_probs"], ref64, ref32, port="tf", device=gpu, dtype=dtype,
+              what="gpu forward")
+
+
+def test_gpu_search_tokens_equal_the_reference():
+    gpu = _gpu()
+    model = backend.build(VARIANTS["tiny"], cases.decoding_params(VARIANTS["tiny"]), "float64", gpu)
+    src = cases.decoding_inputs(VARIANTS["tiny"])
+    np.testing.assert_array_equal(backend.greedy(model, src), reference_search("tiny", "greedy")[0])
+    np.testing.assert_array_equal(backend.beam(model, src)[0], reference_search("tiny", "beam")[0])

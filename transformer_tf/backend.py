@@ -1,0 +1,161 @@
+"""The backend adapter of the TensorFlow/Keras port: NumPy in, NumPy out.
+
+Same names and signatures as ``reference_numpy/backend.py`` (see ``docs/ports.md``). Models
+are built with TensorFloat-32 off, and run inference (``training=False``) on the device that
+holds their weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.backend import ATTENTION_KINDS, COMPONENTS
+from reference_numpy.config import TransformerConfig
+from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.training import LABEL_SMOOTHING
+
+from . import checkpoint, decoding
+from . import device as _device
+from .model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+
+NAME = "tf"
+
+
+def devices() -> list[str]:
+    """Devices this backend can run on here: "cpu" and "gpu:N"."""
+    return _device.devices()
+
+
+def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
+          device: str = "cpu") -> Transformer:
+    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    _device.full_precision_float32()
+    with tf.device(_device.tf_device(device)):
+        return checkpoint.from_params(config, params, dtype)
+
+
+def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+    """A model from a shared checkpoint file."""
+    config, params = reference_checkpoint.load_checkpoint(path)
+    return build(config, params, dtype, device)
+
+
+def save(model: Transformer, path) -> None:
+    """Write the model's weights as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path)
+
+
+def export_params(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's weights in checkpoint layout (name -> (in, out) arrays)."""
+    return checkpoint.to_params(model)
+
+
+def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+    """Every stage of the forward pass (inference), by the shared stage names."""
+    with tf.device(_device.model_device(model)):
+        _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True, training=False)
+    return {name: value.numpy() for name, value in stages.items()}
+
+
+def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+    """Run one component on NumPy inputs; weights come from layer 0 of each stack.
+
+    ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
+    positional_encoding, feed_forward, encoder_layer and encoder take x (and mask);
+    decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+    """
+    if name not in COMPONENTS:
+        raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
+    cast = {key: (tf.constant(value, model.compute_dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+                  else value) for key, value in inputs.items()}
+    with tf.device(_device.model_device(model)):
+        return _run_component(model, name, cast).numpy()
+
+
+def _run_component(model: Transformer, name: str, cast: dict) -> tf.Tensor:
+    encoder_layer, decoder_layer = model.encoder.layers[0], model.decoder.layers[0]
+    if name == "attention":
+        return scaled_dot_product_attention(cast["query"], cast["key"], cast["value"], cast["mask"])[0]
+    if name == "multi_head_attention":
+        return encoder_layer.self_attn(cast["query"], cast["key"], cast["value"], cast["mask"])
+    if name == "positional_encoding":
+        return model.src_pos(cast["x"], training=False)
+    if name == "feed_forward":
+        return encoder_layer.ffn(cast["x"])
+    if name == "encoder_layer":
+        return encoder_layer(cast["x"], cast["mask"], training=False)
+    if name == "encoder":
+        return model.encoder(cast["x"], cast["mask"], training=False)
+    if name == "decoder_layer":
+        return decoder_layer(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"], training=False)
+    return model.decoder(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"], training=False)
+
+
+def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+    """Greedy tokens (B, L) without bos, pad-filled (compiled; with the key/value cache by default)."""
+    return decoding.greedy_decode(model, src, use_cache)
+
+
+def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Beam-search tokens (B, L) and scores (B,) (compiled; with the key/value cache by default)."""
+    return decoding.beam_search(model, src, beam_size, alpha, use_cache)
+
+
+def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"kind must be one of {ATTENTION_KINDS}, got {kind!r}")
+    stack_name = "encoder" if kind == "encoder" else "decoder"
+    stack = getattr(model, stack_name)
+    if not 0 <= layer < len(stack.layers):
+        raise ValueError(f"layer must be in [0, {len(stack.layers)}), got {layer}")
+    with tf.device(_device.model_device(model)):
+        return _attention_weights(model, src, tgt, stack_name, stack.layers[layer], layer, kind).numpy()
+
+
+def _attention_weights(model: Transformer, src, tgt, stack_name: str, block, layer: int, kind: str) -> tf.Tensor:
+    _, stages = model(src, tgt, return_intermediates=True, training=False)
+    x = stages["src_embed" if kind == "encoder" else "tgt_embed"] if layer == 0 else \
+        stages[f"{stack_name}.layers.{layer - 1}"]                           # the layer's input
+    src_mask = padding_mask(src, model.config.pad_id)
+    norm = (lambda h, ln: ln(h)) if model.config.norm_first else (lambda h, ln: h)   # what the sublayer sees
+    if kind == "encoder":
+        h = norm(x, block.self_attn_norm)
+        return block.self_attn(h, h, h, src_mask, return_weights=True)[1]
+    tgt_mask = target_mask(tgt, model.config.pad_id)
+    h = norm(x, block.self_attn_norm)
+    if kind == "decoder_self":
+        return block.self_attn(h, h, h, tgt_mask, return_weights=True)[1]
+    x = residual(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm, model.config.norm_first,
+                 tf.identity)
+    h = norm(x, block.cross_attn_norm)
+    return block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1]
+
+
+def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
+              ) -> tuple[float, dict[str, np.ndarray]]:
+    """The label-smoothed cross-entropy of section 5.4 (dropout off) and its gradient for every
+    tensor, by checkpoint name, in checkpoint layout (``tf.GradientTape``)."""
+    weights = checkpoint.named_weights(model)
+    with tf.device(_device.model_device(model)), tf.GradientTape() as tape:
+        loss = _label_smoothed_cross_entropy(model(src, tgt, training=False), labels, model.config.pad_id, epsilon)
+    grads = tape.gradient(loss, list(weights.values()))
+    return float(loss), {name: checkpoint.checkpoint_layout(name, tf.convert_to_tensor(grad).numpy())
+                         for name, grad in zip(weights, grads)}
+
+
+def _label_smoothed_cross_entropy(log_probs, labels, pad_id: int, epsilon: float) -> tf.Tensor:
+    """Mean over non-pad labels of -sum_k q(k) log p(k), q = (1 - epsilon) one_hot(label) + epsilon / V
+    (``reference_numpy.training.label_smoothed_cross_entropy``). Shape: (B, T, V), (B, T) -> scalar."""
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
+    labels = tf.convert_to_tensor(labels)
+    real = tf.cast(labels != pad_id, log_probs.dtype)                       # (B, T)
+    if not tf.reduce_any(real > 0):
+        raise ValueError("labels hold no non-pad token; the loss is undefined")
+    picked = tf.gather(log_probs, labels, batch_dims=2)                     # (B, T)
+    per_token = -(1.0 - epsilon) * picked - epsilon * tf.reduce_mean(log_probs, axis=-1)
+    return tf.reduce_sum(per_token * real) / tf.reduce_sum(real)
