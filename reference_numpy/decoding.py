@@ -26,6 +26,8 @@ must give the same tokens.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .model import Transformer, padding_mask
@@ -126,18 +128,12 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
         n_live = len(live)
         log_probs = next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
                                          np.repeat(src_mask, n_live, axis=0))
-        candidates = live_scores[:, None] + log_probs                      # (n_live, V), model dtype
-        ranking = np.argsort(-candidates, axis=None, kind="stable")       # ties: lower b, then lower v
-        beams, tokens = np.divmod(ranking, candidates.shape[1])           # (n_live * V,) each
-        scores = candidates.ravel()[ranking]                              # descending
-        is_eos = tokens == cfg.eos_id
-        for rank in np.flatnonzero(is_eos[:beam_size]):                   # eos within the first beam_size ranks
-            finished.append((scores[rank] / length_penalty(step, alpha),
-                             [*live[beams[rank], 1:].tolist(), cfg.eos_id]))
-        keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]  # first beam_size possible non-eos
-        margins.append(_decision_margin(scores, is_eos, beam_size))
-        live = np.concatenate([live[beams[keep]], tokens[keep, None]], axis=1)
-        live_scores = scores[keep]
+        step_choice = select_candidates(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
+        for beam, score in step_choice.finishing:
+            finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
+        margins.append(step_choice.margin)
+        live = np.concatenate([live[step_choice.beams], step_choice.tokens[:, None]], axis=1)
+        live_scores = step_choice.scores
         if step == limit:
             finished += [(score / length_penalty(step, alpha), row[1:].tolist())
                          for score, row in zip(live_scores, live)]
@@ -150,6 +146,30 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
     margins.append(float(ranked[0] - ranked[1]) if len(ranked) > 1 else np.inf)
     score, hypothesis = finished[best]
     return hypothesis, float(score)
+
+
+class StepChoice(NamedTuple):
+    """One beam-search step's decisions (see :func:`select_candidates`)."""
+
+    finishing: list[tuple[int, float]]   # (beam, summed log-probability) of each finishing eos, in rank order
+    beams: np.ndarray                     # (n_next,) the live beam each next beam extends
+    tokens: np.ndarray                    # (n_next,) the token it appends
+    scores: np.ndarray                    # (n_next,) its summed log-probability, descending
+    margin: float                         # the smallest score gap that decided the step
+
+
+def select_candidates(candidates: np.ndarray, eos_id: int, beam_size: int) -> StepChoice:
+    """Rank the (beam, token) candidates of one step and apply the rules of this module's docstring.
+
+    Shape: candidates (n_live, V), summed log-probabilities in the model's dtype.
+    """
+    ranking = np.argsort(-candidates, axis=None, kind="stable")           # ties: lower b, then lower v
+    beams, tokens = np.divmod(ranking, candidates.shape[1])               # (n_live * V,) each
+    scores = candidates.ravel()[ranking]                                  # descending
+    is_eos = tokens == eos_id
+    finishing = [(int(beams[rank]), scores[rank]) for rank in np.flatnonzero(is_eos[:beam_size])]
+    keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]      # first beam_size possible non-eos
+    return StepChoice(finishing, beams[keep], tokens[keep], scores[keep], _decision_margin(scores, is_eos, beam_size))
 
 
 def _decision_margin(scores: np.ndarray, is_eos: np.ndarray, beam_size: int) -> float:

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA, length_penalty, max_output_lengths
+from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, length_penalty, max_output_lengths,
+                                      select_candidates)
 
 from .model import Transformer, padding_mask
 
@@ -139,7 +140,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     Shape: src (B, S) -> tokens (B, L) NumPy int64 without bos, right-padded with pad_id, and
     the length-normalized scores (B,).
     """
-    if not isinstance(beam_size, int) or beam_size < 1:
+    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
     cfg = model.config
     src = model._check_tokens("src", src, cfg.src_vocab_size)
@@ -168,25 +169,12 @@ def _beam_search_one(model: Transformer, memory: Tensor, src_mask: Tensor, limit
         n_live = len(live)
         log_probs = next_token_log_probs(model, live, memory.expand(n_live, -1, -1),
                                          src_mask.expand(n_live, -1, -1, -1), cache).cpu().numpy()
-        candidates = live_scores[:, None] + log_probs                      # (n_live, V), model dtype
-        vocab = candidates.shape[1]
-        ranking = np.argsort(-candidates, axis=None, kind="stable")       # ties: lower b, then lower v
-        beams, tokens, next_scores = [], [], []
-        for rank, flat in enumerate(ranking):
-            beam, token = divmod(int(flat), vocab)
-            if token == cfg.eos_id:
-                if rank < beam_size:
-                    finished.append((candidates[beam, token] / length_penalty(step, alpha),
-                                     [*live[beam, 1:].tolist(), token]))
-                continue
-            beams.append(beam)
-            tokens.append(token)
-            next_scores.append(candidates[beam, token])
-            if len(beams) == beam_size:
-                break
-        index = torch.tensor(beams, device=live.device)
-        live = torch.cat([live[index], torch.tensor(tokens, device=live.device)[:, None]], dim=1)
-        live_scores = np.array(next_scores, dtype=score_dtype)
+        step_choice = select_candidates(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
+        for beam, score in step_choice.finishing:
+            finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
+        index = torch.as_tensor(step_choice.beams, device=live.device)
+        live = torch.cat([live[index], torch.as_tensor(step_choice.tokens, device=live.device)[:, None]], dim=1)
+        live_scores = step_choice.scores
         if cache is not None:
             cache.reorder(index)
         if step == limit:
