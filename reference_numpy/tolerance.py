@@ -85,9 +85,14 @@ def pair_bound(dtype, ref64, ref32=None) -> float:
     return 2 * bound_for(dtype, ref64, ref32)
 
 
-def gradient_bound(grad_a, grad_b) -> float:
-    """GRADIENT_RELATIVE x the larger max |gradient| of the two (per tensor)."""
-    scale = max(float(np.max(np.abs(grad_a), initial=0.0)), float(np.max(np.abs(grad_b), initial=0.0)))
+def gradient_bound(grads_a: dict, grads_b: dict) -> float:
+    """GRADIENT_RELATIVE x the gradient's scale: the largest |entry| over every tensor of both.
+
+    The scale is the whole gradient's, not each tensor's: some gradients are zero in exact
+    arithmetic (a key bias shifts every score of a query equally, which the softmax ignores),
+    and their computed values are rounding noise with no scale of their own.
+    """
+    scale = max(float(np.max(np.abs(grad), initial=0.0)) for grads in (grads_a, grads_b) for grad in grads.values())
     return GRADIENT_RELATIVE * scale
 
 

@@ -21,10 +21,11 @@ from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Ge
                     LayerNorm, MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward,
                     Transformer, causal_mask, compiled_forward, log_softmax, padding_mask, residual,
                     scaled_dot_product_attention, sinusoidal_positional_encoding, target_mask)
+from .training import gradients, label_smoothed_cross_entropy, loss  # noqa: E402
 
 __all__ = [
     "from_params", "load_checkpoint", "save_checkpoint", "to_params",
-    "beam_search", "greedy_decode",
+    "beam_search", "greedy_decode", "gradients", "label_smoothed_cross_entropy", "loss",
     "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "causal_mask", "compiled_forward", "log_softmax", "padding_mask", "residual",

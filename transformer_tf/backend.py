@@ -16,7 +16,7 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 
-from . import checkpoint, decoding
+from . import checkpoint, decoding, training
 from . import device as _device
 from .model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 
@@ -137,25 +137,6 @@ def _attention_weights(model: Transformer, src, tgt, stack_name: str, block, lay
 
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
-    """The label-smoothed cross-entropy of section 5.4 (dropout off) and its gradient for every
-    tensor, by checkpoint name, in checkpoint layout (``tf.GradientTape``)."""
-    weights = checkpoint.named_weights(model)
-    with tf.device(_device.model_device(model)), tf.GradientTape() as tape:
-        loss = _label_smoothed_cross_entropy(model(src, tgt, training=False), labels, model.config.pad_id, epsilon)
-    grads = tape.gradient(loss, list(weights.values()))
-    return float(loss), {name: checkpoint.checkpoint_layout(name, tf.convert_to_tensor(grad).numpy())
-                         for name, grad in zip(weights, grads)}
-
-
-def _label_smoothed_cross_entropy(log_probs, labels, pad_id: int, epsilon: float) -> tf.Tensor:
-    """Mean over non-pad labels of -sum_k q(k) log p(k), q = (1 - epsilon) one_hot(label) + epsilon / V
-    (``reference_numpy.training.label_smoothed_cross_entropy``). Shape: (B, T, V), (B, T) -> scalar."""
-    if not 0.0 <= epsilon < 1.0:
-        raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
-    labels = tf.convert_to_tensor(labels)
-    real = tf.cast(labels != pad_id, log_probs.dtype)                       # (B, T)
-    if not tf.reduce_any(real > 0):
-        raise ValueError("labels hold no non-pad token; the loss is undefined")
-    picked = tf.gather(log_probs, labels, batch_dims=2)                     # (B, T)
-    per_token = -(1.0 - epsilon) * picked - epsilon * tf.reduce_mean(log_probs, axis=-1)
-    return tf.reduce_sum(per_token * real) / tf.reduce_sum(real)
+    """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
+    gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout."""
+    return training.gradients(model, src, tgt, labels, epsilon)

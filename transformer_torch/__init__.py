@@ -12,10 +12,11 @@ from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Ge
                     MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer, causal_mask,
                     padding_mask, residual, scaled_dot_product_attention, sinusoidal_positional_encoding,
                     target_mask)
+from .training import gradients, label_smoothed_cross_entropy, loss
 
 __all__ = [
     "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params",
-    "beam_search", "greedy_decode",
+    "beam_search", "greedy_decode", "gradients", "label_smoothed_cross_entropy", "loss",
     "default_device", "deterministic", "devices", "full_precision",
     "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer", "causal_mask",

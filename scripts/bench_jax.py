@@ -1,0 +1,158 @@
+"""Benchmark of the JAX/Flax port on this machine (a script, not a test).
+
+* the machine's float32 matmul rate: a large jitted ``jnp.matmul`` (n x n by n x n, 2 n^3 FLOPs);
+* the compiled forward pass of the ``base`` model (Table 3) in float32, batch 8, 128 source and
+  128 target tokens: compile time, median time, achieved GFLOP/s from matmul FLOPs counted
+  analytically (formula printed) and the ratio to the measured matmul rate (target >= 70%);
+* greedy decoding of batch 1 with and without the key/value cache: 128 tokens, and 256 tokens
+  for the cache speed-up (target >= 5x). The source has (tokens - 50) non-pad tokens, so the
+  budget of section 6.1 is exactly the number of tokens; the eos row of the random model's
+  shared embedding is zeroed (logit 0) so that decoding runs to the budget (checked).
+
+Times are medians of ``--repeats`` runs after a warm-up call (the first call, which compiles,
+is reported separately); uncached decoding, which is slow, runs half as often at 128 tokens and
+once at 256. ``--quick`` runs a small version (for checking the script).
+
+    flock /tmp/bench.lock python scripts/bench_jax.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from reference_numpy.config import TransformerConfig  # noqa: E402
+from transformer_jax import greedy_decode  # noqa: E402
+from transformer_jax.device import PRECISION  # noqa: E402
+from transformer_jax.model import Transformer  # noqa: E402
+
+FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
+                "  encoder  N*B*S*(8D^2 + 4DF + 4SD)\n"
+                "  decoder  N*B*T*(8D^2 + 4TD + 4D^2 + 4SD + 4DF) + N*B*S*4D^2   (self-attn, cross-attn Q/O,"
+                " cross-attn K/V of the memory)\n"
+                "  output   B*T*2DV\n"
+                "  (causal attention counted in full: the masked scores are computed)")
+
+
+def forward_flops(config: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> int:
+    d, f, v = config.d_model, config.d_ff, config.tgt_vocab_size
+    encoder = config.n_encoder_layers * batch * src_len * (8 * d * d + 4 * d * f + 4 * src_len * d)
+    decoder = (config.n_decoder_layers * batch * tgt_len * (8 * d * d + 4 * tgt_len * d + 4 * d * d
+                                                            + 4 * src_len * d + 4 * d * f)
+               + config.n_decoder_layers * batch * src_len * 4 * d * d)
+    return encoder + decoder + batch * tgt_len * 2 * d * v
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(first call, median of ``repeats`` further calls), seconds; ``fn`` must block until done."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times)
+
+
+def matmul_rate(n: int, repeats: int) -> float:
+    """Measured float32 GFLOP/s of one jitted n x n matmul."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=PRECISION))
+    _, seconds = timed(lambda: matmul(a, b).block_until_ready(), repeats)
+    return 2 * n ** 3 / seconds / 1e9
+
+
+def bench_forward(model: Transformer, batch: int, length: int, repeats: int) -> dict:
+    config = model.config
+    rng = np.random.default_rng(0)
+    src = jnp.asarray(rng.integers(3, config.src_vocab_size, (batch, length)))
+    tgt = jnp.asarray(rng.integers(3, config.tgt_vocab_size, (batch, length))).at[:, 0].set(config.bos_id)
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, src, tgt: nnx.merge(graphdef, state)(src, tgt))
+    start = time.perf_counter()
+    compiled = run.lower(state, src, tgt).compile()
+    compile_s = time.perf_counter() - start
+    out = compiled(state, src, tgt)
+    assert out.dtype == jnp.float32 and out.shape == (batch, length, config.tgt_vocab_size)
+    _, seconds = timed(lambda: compiled(state, src, tgt).block_until_ready(), repeats)
+    flops = forward_flops(config, batch, length, length)
+    return {"compile_s": compile_s, "seconds": seconds, "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
+
+
+def bench_greedy(model: Transformer, tokens: int, use_cache: bool, repeats: int) -> dict:
+    src = np.random.default_rng(1).integers(3, model.config.src_vocab_size, (1, tokens - 50))
+    first, seconds = timed(lambda: greedy_decode(model, src, use_cache), repeats)
+    emitted = greedy_decode(model, src, use_cache).shape[1]
+    if emitted != tokens:
+        raise RuntimeError(f"decoding stopped after {emitted} of {tokens} tokens")
+    return {"first_s": first, "seconds": seconds, "ms_per_token": 1e3 * seconds / tokens}
+
+
+def machine() -> list[str]:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                          if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model_name = platform.processor() or "unknown"
+    return [f"CPU: {model_name}, {os.cpu_count()} logical cores visible (shared with other jobs)",
+            f"JAX devices: {', '.join(str(d) for d in jax.devices())}",
+            f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
+            f"flax {flax.__version__}, numpy {np.__version__}",
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and one repeat, to check the script")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (default 5, quick 1)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 5)
+    batch, length, short, long, n = (2, 32, 64, 96, 512) if args.quick else (8, 128, 128, 256, 2048)
+
+    config = TransformerConfig.preset("base")
+    model = Transformer(config, jnp.float32, rngs=nnx.Rngs(0))
+    embedding = model.src_embed.embedding
+    embedding[...] = embedding[...].at[config.eos_id].set(0.0)      # logit 0: never the argmax here
+
+    print("\n".join(machine()))
+    rate = matmul_rate(n, repeats)
+    print(f"\nfloat32 matmul {n}x{n} @ {n}x{n}: {rate:.1f} GFLOP/s")
+
+    fwd = bench_forward(model, batch, length, repeats)
+    print(f"\n{FLOP_FORMULA}")
+    print(f"forward base float32, batch {batch} x {length} src x {length} tgt: compile {fwd['compile_s']:.2f} s, "
+          f"median {fwd['seconds'] * 1e3:.1f} ms, {fwd['gflop']:.1f} GFLOP -> {fwd['gflops']:.1f} GFLOP/s = "
+          f"{100 * fwd['gflops'] / rate:.0f}% of the matmul rate (target >= 70%)")
+
+    results = {}
+    for tokens in (short, long):
+        for use_cache in (True, False):
+            runs = repeats if use_cache else (1 if tokens == long else max(1, repeats // 2))  # uncached is slow
+            r = bench_greedy(model, tokens, use_cache, runs)
+            results[tokens, use_cache] = r
+            print(f"greedy batch 1, {tokens} tokens, cache={use_cache}: first call {r['first_s']:.2f} s, "
+                  f"median of {runs} {r['seconds']:.3f} s ({r['ms_per_token']:.2f} ms/token)")
+    speedup = results[long, False]["seconds"] / results[long, True]["seconds"]
+    print(f"cache speed-up at {long} tokens: {speedup:.1f}x (target >= 5x)")
+
+
+if __name__ == "__main__":
+    main()

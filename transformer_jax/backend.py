@@ -1,0 +1,131 @@
+"""The backend adapter of the JAX/Flax port: NumPy in, NumPy out (see ``docs/ports.md``).
+
+Same names and signatures as ``reference_numpy/backend.py``. Importing this module turns on
+``jax_enable_x64`` so that float64 models are possible; float32 models stay float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from reference_numpy.backend import ATTENTION_KINDS, COMPONENTS
+from reference_numpy.config import TransformerConfig
+from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.training import LABEL_SMOOTHING
+
+from . import checkpoint, decoding, training
+from .device import available_devices, place
+from .model import (Transformer, forward as _forward, padding_mask, residual, scaled_dot_product_attention,
+                    target_mask)
+
+jax.config.update("jax_enable_x64", True)
+
+NAME = "jax"
+
+
+def devices() -> list[str]:
+    """Devices this backend can run on here: "cpu" and "gpu:N" for each GPU JAX sees."""
+    return available_devices()
+
+
+def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
+          device: str = "cpu") -> Transformer:
+    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    return place(checkpoint.from_params(config, params, np.dtype(dtype)), device)
+
+
+def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+    """A model from a shared checkpoint file."""
+    return place(checkpoint.load_checkpoint(path, np.dtype(dtype)), device)
+
+
+def save(model: Transformer, path) -> None:
+    """Write the model's weights as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path)
+
+
+def export_params(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's weights in checkpoint layout (name -> (in, out) arrays)."""
+    return checkpoint.to_params(model)
+
+
+def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+    """Every stage of the compiled forward pass (inference), by the shared stage names, in order."""
+    _, stages = _forward(model, src, tgt, src_mask, tgt_mask, return_intermediates=True)
+    return {name: np.asarray(value) for name, value in stages.items()}
+
+
+def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+    """Run one component on NumPy inputs; weights come from layer 0 of each stack.
+
+    ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
+    positional_encoding, feed_forward, encoder_layer and encoder take x (and mask);
+    decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+    """
+    cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+                  else value) for key, value in inputs.items()}
+    if name == "attention":
+        out = scaled_dot_product_attention(cast["query"], cast["key"], cast["value"], cast["mask"])[0]
+    elif name == "multi_head_attention":
+        out = model.encoder.layers[0].self_attn(cast["query"], cast["key"], cast["value"], cast["mask"])
+    elif name == "positional_encoding":
+        out = model.src_pos(cast["x"])
+    elif name == "feed_forward":
+        out = model.encoder.layers[0].ffn(cast["x"])
+    elif name == "encoder_layer":
+        out = model.encoder.layers[0](cast["x"], cast["mask"])
+    elif name == "encoder":
+        out = model.encoder(cast["x"], cast["mask"])
+    elif name == "decoder_layer":
+        out = model.decoder.layers[0](cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
+    elif name == "decoder":
+        out = model.decoder(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
+    else:
+        raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
+    return np.asarray(out)
+
+
+def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+    """Greedy tokens (B, L) without bos, pad-filled, from the compiled decoding loop."""
+    return decoding.greedy_decode(model, src, use_cache)
+
+
+def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Beam-search tokens (B, L) and length-normalized scores (B,), from the compiled search."""
+    return decoding.beam_search(model, src, beam_size, alpha, use_cache)
+
+
+def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"kind must be one of {ATTENTION_KINDS}, got {kind!r}")
+    stack_name = "encoder" if kind == "encoder" else "decoder"
+    stack = getattr(model, stack_name)
+    if not 0 <= layer < len(stack.layers):
+        raise ValueError(f"layer must be in [0, {len(stack.layers)}), got {layer}")
+    stages = forward(model, src, tgt)
+    x = stages["src_embed" if kind == "encoder" else "tgt_embed"] if layer == 0 else \
+        stages[f"{stack_name}.layers.{layer - 1}"]                           # the layer's input
+    block = stack.layers[layer]
+    src_mask = padding_mask(src, model.config.pad_id)
+    norm = (lambda h, ln: ln(h)) if model.config.norm_first else (lambda h, ln: h)   # what the sublayer sees
+    if kind == "encoder":
+        h = norm(x, block.self_attn_norm)
+        return np.asarray(block.self_attn(h, h, h, src_mask, return_weights=True)[1])
+    tgt_mask = target_mask(tgt, model.config.pad_id)
+    h = norm(x, block.self_attn_norm)
+    if kind == "decoder_self":
+        return np.asarray(block.self_attn(h, h, h, tgt_mask, return_weights=True)[1])
+    x = residual(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm, model.config.norm_first,
+                 lambda y: y)
+    h = norm(x, block.cross_attn_norm)
+    return np.asarray(block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1])
+
+
+def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):
+    """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
+    gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout (NumPy)."""
+    return training.gradients(model, src, tgt, labels, epsilon)

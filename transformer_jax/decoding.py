@@ -1,0 +1,223 @@
+"""Greedy decoding and beam search (section 6.1) for the JAX/Flax port, compiled.
+
+The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens:
+the output budget is the non-pad source length + 50 capped at ``max_len``; pad_id and bos_id are
+never emitted (their log-probabilities are set to -inf); greedy ties go to
+the lowest token id; beam candidates are ranked by summed log-probability (in the model dtype)
+with ties to the lower beam, then the lower token (a stable sort of the negated flat scores);
+an eos among the first ``beam_size`` ranks finishes a hypothesis, the first ``beam_size``
+non-eos candidates are the next live beams; the search stops at the budget (live beams then
+finish, in rank order) or when no live beam can beat the best finished one; the best score
+wins, ties going to the hypothesis finished first. Outputs are NumPy, without bos, pad-filled.
+
+How it runs:
+* the encoder runs once; with ``use_cache=True`` every decoder layer keeps a fixed-size
+  :class:`.model.KVCache`: self-attention keys/values (N, H, M, d_k), M = the longest budget,
+  written with ``lax.dynamic_update_slice_in_dim`` and attended up to the current position, and the
+  cross-attention keys/values projected once from the memory;
+* the whole search is one ``lax.while_loop`` inside ``nnx.jit``: it is traced and compiled once
+  per model structure, batch size, source length, budget M and beam size, never per token;
+* ``use_cache=False`` recomputes the decoder over the whole fixed-size target buffer at every
+  step (later positions are masked), the reference's recomputation, compiled, for comparison;
+* beam search runs one search per source sentence, vectorized over the batch with ``jax.vmap``.
+  Beam slots not yet filled (the first step has one live beam) hold the score -inf, so they
+  rank after every real candidate and never finish.
+
+Shape legend: B batch, S source length, N rows decoded together (B, or beam_size), M budget,
+V target vocabulary, K beam_size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA, length_penalty, max_output_lengths
+
+from .model import KVCache, Transformer, padding_mask
+
+TOKEN_DTYPE = jnp.int32
+
+
+def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
+                         index: int | jax.Array) -> jax.Array:
+    """Log-probabilities of the token after position ``index``, recomputing the whole decoder,
+    with pad_id and bos_id set to -inf so that they are never chosen.
+
+    Shape: tgt (N, M), memory (N, S, D) -> (N, V).
+    """
+    out = model.decode(tgt, memory, src_mask, deterministic=True)               # (N, M, D)
+    return _never_special(model, model.generator(lax.dynamic_slice_in_dim(out, index, 1, axis=1))[:, 0])
+
+
+def cached_next_token_log_probs(model: Transformer, token: jax.Array, cache: tuple[KVCache, ...],
+                                index: int | jax.Array, src_mask: jax.Array):
+    """Log-probabilities of the token after ``token`` at position ``index``, running only that
+    position through the decoder with the key/value cache; pad_id and bos_id are set to -inf.
+
+    Shape: token (N,) -> (N, V) and the updated caches.
+    """
+    y = model.tgt_pos(model.tgt_embed(token[:, None]), index)                    # (N, 1, D)
+    out, cache = model.decoder.step(y, cache, index, src_mask, deterministic=True)  # (N, 1, D)
+    return _never_special(model, model.generator(out)[:, 0]), cache
+
+
+def _never_special(model: Transformer, log_probs: jax.Array) -> jax.Array:
+    """The decoder never emits pad_id or bos_id: their log-probabilities become -inf. Shape: (N, V)."""
+    return log_probs.at[:, jnp.array([model.config.pad_id, model.config.bos_id])].set(-jnp.inf)
+
+
+def _stepper(model: Transformer, memory: jax.Array, src_mask: jax.Array, max_steps: int, use_cache: bool):
+    """The decoder as ``(state, step)``, ``step(state, history, index) -> (log_probs (N, V), state)``;
+    ``history`` (N, M + 1) holds bos and the tokens so far; ``index`` is the position fed."""
+    if use_cache:
+        def step(cache, history, index):
+            return cached_next_token_log_probs(model, history[:, index], cache, index, src_mask)
+        return model.decoder.init_cache(memory, max_steps), step
+
+    def step(state, history, index):
+        return next_token_log_probs(model, history[:, :max_steps], memory, src_mask, index), state
+    return (), step
+
+
+def _reorder(cache: tuple[KVCache, ...], beams: jax.Array) -> tuple[KVCache, ...]:
+    """Self-attention caches follow their beams; the memory's keys/values are the same for all."""
+    return tuple(c._replace(key=c.key[beams], value=c.value[beams]) for c in cache)
+
+
+def _start(model: Transformer, src) -> tuple[jax.Array, np.ndarray]:
+    """Checked source tokens and their per-sequence budgets (B,)."""
+    src = model._check_tokens("src", src, model.config.src_vocab_size)
+    return src, max_output_lengths(model, np.asarray(src))
+
+
+def _history(rows: int, max_steps: int, config) -> jax.Array:
+    """(rows, M + 1) tokens: bos, then padding."""
+    return jnp.full((rows, max_steps + 1), config.pad_id, TOKEN_DTYPE).at[:, 0].set(config.bos_id)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+    """Greedy decoding; ties go to the lowest token id.
+
+    Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id (NumPy int64).
+    """
+    src, limits = _start(model, src)
+    history, steps = _greedy(model, src, jnp.asarray(limits), int(limits.max()), use_cache)
+    return np.asarray(history)[:, 1:int(steps) + 1].astype(np.int64)
+
+
+@nnx.jit(static_argnames=("max_steps", "use_cache"))
+def _greedy(model: Transformer, src: jax.Array, limits: jax.Array, max_steps: int, use_cache: bool):
+    """The compiled greedy loop. Returns history (B, M + 1) and the number of steps taken."""
+    cfg = model.config
+    src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
+    memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
+    state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
+
+    def running(carry):
+        index, _, done, _ = carry
+        return (index < max_steps) & ~done.all()
+
+    def advance(carry):
+        index, history, done, state = carry
+        log_probs, state = step(state, history, index)                           # (B, V)
+        token = jnp.argmax(log_probs, axis=-1).astype(TOKEN_DTYPE)               # first max = lowest id
+        token = jnp.where(done, cfg.pad_id, token)
+        history = history.at[:, index + 1].set(token)
+        done = done | (token == cfg.eos_id) | (index + 1 >= limits)
+        return index + 1, history, done, state
+
+    start = (jnp.asarray(0, TOKEN_DTYPE), _history(src.shape[0], max_steps, cfg),
+             jnp.zeros(src.shape[0], bool), state)
+    steps, history, _, _ = lax.while_loop(running, advance, start)
+    return history, steps
+
+
+# ----------------------------------------------------------------------------- beam search
+
+def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+                use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
+
+    Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id (NumPy int64), and
+    the length-normalized scores (B,) (NumPy float64 holding model-dtype values).
+    """
+    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    src, limits = _start(model, src)
+    max_steps = int(limits.max())
+    # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then
+    # rounded to the model dtype exactly as NumPy rounds a Python float in `score / lp`.
+    penalties = np.array([length_penalty(n, alpha) for n in range(max_steps + 1)]).astype(model.dtype)
+    rows, lengths, scores = _beam(model, src, jnp.asarray(limits), jnp.asarray(penalties), max_steps,
+                                  beam_size, use_cache)
+    width = int(np.max(lengths))
+    return np.asarray(rows)[:, :width].astype(np.int64), np.asarray(scores, dtype=np.float64)
+
+
+@nnx.jit(static_argnames=("max_steps", "beam_size", "use_cache"))
+def _beam(model: Transformer, src: jax.Array, limits: jax.Array, penalties: jax.Array, max_steps: int,
+          beam_size: int, use_cache: bool):
+    """The compiled search over the batch. Returns tokens (B, M), lengths (B,), scores (B,)."""
+    src_mask = padding_mask(src, model.config.pad_id)                            # (B, 1, 1, S)
+    memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
+    search = functools.partial(_beam_one, model, penalties=penalties, max_steps=max_steps,
+                               beam_size=beam_size, use_cache=use_cache)
+    return jax.vmap(search)(memory, src_mask, limits)
+
+
+def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit: jax.Array, *,
+              penalties: jax.Array, max_steps: int, beam_size: int, use_cache: bool):
+    """Beam search for one sentence: memory (S, D), src_mask (1, 1, S), limit ().
+
+    Returns the best hypothesis (M,) without bos, its length and its normalized score.
+    """
+    cfg = model.config
+    memory = jnp.broadcast_to(memory, (beam_size, *memory.shape))                # (K, S, D)
+    src_mask = jnp.broadcast_to(src_mask, (beam_size, *src_mask.shape))          # (K, 1, 1, S)
+    state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
+    live_scores = jnp.full(beam_size, -jnp.inf, model.dtype).at[0].set(0.0)      # (K,) summed log-probs
+    no_best = (jnp.asarray(-jnp.inf, model.dtype), _history(1, max_steps, cfg)[0], jnp.asarray(0, TOKEN_DTYPE))
+
+    def advance(carry):
+        index, history, live_scores, state, best, _ = carry
+        length = index + 1                                                       # tokens after this step
+        log_probs, state = step(state, history, index)                           # (K, V)
+        candidates = (live_scores[:, None] + log_probs).reshape(-1)              # (K * V,) flat, beam-major
+        ranked = jnp.argsort(-candidates, stable=True)[:min(2 * beam_size, candidates.size)]  # ties: lower b, v
+        scores = candidates[ranked]
+        beams, tokens = ranked // log_probs.shape[1], (ranked % log_probs.shape[1]).astype(TOKEN_DTYPE)
+        rows = history[beams].at[:, length].set(tokens)                          # (2K, M + 1)
+        is_eos = tokens == cfg.eos_id
+        finishing = is_eos & (jnp.arange(ranked.size) < beam_size)
+        best = _keep_best(best, jnp.where(finishing, scores / penalties[length], -jnp.inf), rows, length)
+        keep = jnp.nonzero(~is_eos, size=beam_size)[0]                           # first K non-eos ranks
+        history, live_scores, state = rows[keep], scores[keep], _reorder(state, beams[keep])
+        last = length == limit
+        best = _keep_best(best, jnp.where(last, live_scores / penalties[length], -jnp.inf), history, length)
+        stop = last | (live_scores.max() / penalties[limit] <= best[0])
+        return length, history, live_scores, state, best, stop
+
+    start = (jnp.asarray(0, TOKEN_DTYPE), _history(beam_size, max_steps, cfg), live_scores, state, no_best,
+             jnp.asarray(False))
+    *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1], advance, start)
+    return row[1:], length, score
+
+
+def _keep_best(best, scores: jax.Array, rows: jax.Array, length: jax.Array):
+    """Replace ``best`` = (score, row, length) by the first candidate of highest score, only if
+    that score is strictly greater (so earlier finished hypotheses win ties).
+
+    Shape: scores (C,) in rank order, -inf for candidates that do not finish; rows (C, M + 1).
+    """
+    first = jnp.argmax(scores)
+    better = scores[first] > best[0]
+    return (jnp.where(better, scores[first], best[0]), jnp.where(better, rows[first], best[1]),
+            jnp.where(better, length, best[2]))
