@@ -94,27 +94,39 @@ ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_cross")
 
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    check_attention_request(model.config, layer, kind)
+    return sublayer_attention_weights(model, forward(model, src, tgt), padding_mask(src, model.config.pad_id),
+                                      target_mask(tgt, model.config.pad_id), layer, kind,
+                                      lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first))
+
+
+def check_attention_request(config: TransformerConfig, layer: int, kind: str) -> None:
+    """One-line errors for an unknown ``kind`` or a ``layer`` outside its stack."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"kind must be one of {ATTENTION_KINDS}, got {kind!r}")
+    layers = config.n_encoder_layers if kind == "encoder" else config.n_decoder_layers
+    if not isinstance(layer, int) or not 0 <= layer < layers:
+        raise ValueError(f"layer must be an int in [0, {layers}), got {layer!r}")
+
+
+def sublayer_attention_weights(model, stages: dict, src_mask, tgt_mask, layer: int, kind: str, residual_fn):
+    """The weights one attention sublayer computes, recomputed from the stage before its layer.
+
+    Written once for every backend: it only uses the names all ports share (``encoder.layers``,
+    ``self_attn``, ``self_attn_norm``, ``cross_attn``, ``cross_attn_norm``, ``return_weights``),
+    so ``stages`` and the masks are the backend's own tensors, and ``residual_fn(x, sublayer,
+    norm)`` is its residual connection with dropout off.
+    """
     stack_name = "encoder" if kind == "encoder" else "decoder"
-    stack = getattr(model, stack_name)
-    if not 0 <= layer < len(stack.layers):
-        raise ValueError(f"layer must be in [0, {len(stack.layers)}), got {layer}")
-    stages = forward(model, src, tgt)
     x = stages["src_embed" if kind == "encoder" else "tgt_embed"] if layer == 0 else \
         stages[f"{stack_name}.layers.{layer - 1}"]                           # the layer's input
-    block = stack.layers[layer]
-    src_mask = padding_mask(src, model.config.pad_id)
-    norm = (lambda h, ln: ln(h)) if model.config.norm_first else (lambda h, ln: h)   # what the sublayer sees
-    if kind == "encoder":
-        h = norm(x, block.self_attn_norm)
-        return block.self_attn(h, h, h, src_mask, return_weights=True)[1]
-    tgt_mask = target_mask(tgt, model.config.pad_id)
-    h = norm(x, block.self_attn_norm)
-    if kind == "decoder_self":
-        return block.self_attn(h, h, h, tgt_mask, return_weights=True)[1]
-    x = residual(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm, model.config.norm_first)
-    h = norm(x, block.cross_attn_norm)
+    block = getattr(model, stack_name).layers[layer]
+    seen_by = (lambda h, norm: norm(h)) if model.config.norm_first else (lambda h, norm: h)   # the sublayer's input
+    h = seen_by(x, block.self_attn_norm)
+    if kind != "decoder_cross":
+        return block.self_attn(h, h, h, src_mask if kind == "encoder" else tgt_mask, return_weights=True)[1]
+    x = residual_fn(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm)
+    h = seen_by(x, block.cross_attn_norm)
     return block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1]
 
 

@@ -46,6 +46,9 @@ def decoding_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.nd
     return params
 
 
+PARAMS = {"seeded": seeded_params, "decoding": decoding_params}
+
+
 def _lengths(case: str, length: int) -> list[int]:
     """Real (non-pad) length of each batch row for a mask case."""
     return {

@@ -134,16 +134,27 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
         margins.append(step_choice.margin)
         live = np.concatenate([live[step_choice.beams], step_choice.tokens[:, None]], axis=1)
         live_scores = step_choice.scores
-        if step == limit:
-            finished += [(score / length_penalty(step, alpha), row[1:].tolist())
-                         for score, row in zip(live_scores, live)]
+        if search_ends(finished, live, live_scores, step, limit, alpha):
             break
-        best_finished = max((score for score, _ in finished), default=-np.inf)
-        if live_scores.max() / length_penalty(limit, alpha) <= best_finished:
-            break
-    best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
     ranked = sorted((score for score, _ in finished), reverse=True)
     margins.append(float(ranked[0] - ranked[1]) if len(ranked) > 1 else np.inf)
+    return best_hypothesis(finished)
+
+
+def search_ends(finished: list, live, live_scores: np.ndarray, step: int, limit: int, alpha: float) -> bool:
+    """Whether the search stops after ``step``: at the maximum length (the live beams -- rows of
+    bos + tokens -- are then scored as finished) or when no live beam can beat the best finished
+    hypothesis, max_b logP_b / lp(limit) <= best finished score."""
+    if step == limit:
+        finished += [(score / length_penalty(step, alpha), row[1:].tolist()) for score, row in zip(live_scores, live)]
+        return True
+    best_finished = max((score for score, _ in finished), default=-np.inf)
+    return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)
+
+
+def best_hypothesis(finished: list[tuple[float, list[int]]]) -> tuple[list[int], float]:
+    """The best-scoring finished hypothesis; a tie goes to the one finished first."""
+    best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
     score, hypothesis = finished[best]
     return hypothesis, float(score)
 

@@ -41,15 +41,13 @@ def device_for(backend, kind: str) -> str:
 
 
 @functools.cache
-def port_model(port: str, variant: str, dtype: str, device: str, params_kind: str = "test"):
-    params = (cases.decoding_params if params_kind == "decoding" else cases.seeded_params)(VARIANTS[variant])
-    return port_backend(port).build(VARIANTS[variant], params, dtype, device)
+def port_model(port: str, variant: str, dtype: str, device: str, params: str = "seeded"):
+    return port_backend(port).build(VARIANTS[variant], cases.PARAMS[params](VARIANTS[variant]), dtype, device)
 
 
 @functools.cache
-def reference_model(variant: str, dtype: str, params_kind: str = "test"):
-    params = (cases.decoding_params if params_kind == "decoding" else cases.seeded_params)(VARIANTS[variant])
-    return reference.build(VARIANTS[variant], params, dtype)
+def reference_model(variant: str, dtype: str, params: str = "seeded"):
+    return reference.build(VARIANTS[variant], cases.PARAMS[params](VARIANTS[variant]), dtype)
 
 
 @functools.cache

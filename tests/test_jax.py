@@ -41,14 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @functools.cache
 def port_model(variant: str, dtype: str = "float64", params: str = "seeded") -> Transformer:
-    make = cases.decoding_params if params == "decoding" else cases.seeded_params
-    return backend.build(VARIANTS[variant], make(VARIANTS[variant]), dtype)
+    return backend.build(VARIANTS[variant], cases.PARAMS[params](VARIANTS[variant]), dtype)
 
 
 @functools.cache
 def reference_model(variant: str, dtype: str = "float64", params: str = "seeded"):
-    make = cases.decoding_params if params == "decoding" else cases.seeded_params
-    return reference.build(VARIANTS[variant], make(VARIANTS[variant]), dtype)
+    return reference.build(VARIANTS[variant], cases.PARAMS[params](VARIANTS[variant]), dtype)
 
 
 @functools.cache

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from reference_numpy.backend import ATTENTION_KINDS, COMPONENTS
+from reference_numpy.backend import COMPONENTS, check_attention_request, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
@@ -100,29 +100,11 @@ def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LEN
 
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"kind must be one of {ATTENTION_KINDS}, got {kind!r}")
-    stack_name = "encoder" if kind == "encoder" else "decoder"
-    stack = getattr(model, stack_name)
-    if not 0 <= layer < len(stack.layers):
-        raise ValueError(f"layer must be in [0, {len(stack.layers)}), got {layer}")
-    stages = forward(model, src, tgt)
-    x = stages["src_embed" if kind == "encoder" else "tgt_embed"] if layer == 0 else \
-        stages[f"{stack_name}.layers.{layer - 1}"]                           # the layer's input
-    block = stack.layers[layer]
-    src_mask = padding_mask(src, model.config.pad_id)
-    norm = (lambda h, ln: ln(h)) if model.config.norm_first else (lambda h, ln: h)   # what the sublayer sees
-    if kind == "encoder":
-        h = norm(x, block.self_attn_norm)
-        return np.asarray(block.self_attn(h, h, h, src_mask, return_weights=True)[1])
-    tgt_mask = target_mask(tgt, model.config.pad_id)
-    h = norm(x, block.self_attn_norm)
-    if kind == "decoder_self":
-        return np.asarray(block.self_attn(h, h, h, tgt_mask, return_weights=True)[1])
-    x = residual(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm, model.config.norm_first,
-                 lambda y: y)
-    h = norm(x, block.cross_attn_norm)
-    return np.asarray(block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1])
+    check_attention_request(model.config, layer, kind)
+    no_dropout = lambda y: y
+    return np.asarray(sublayer_attention_weights(
+        model, forward(model, src, tgt), padding_mask(src, model.config.pad_id), target_mask(tgt, model.config.pad_id),
+        layer, kind, lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, no_dropout)))
 
 
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):

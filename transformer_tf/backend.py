@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy.backend import ATTENTION_KINDS, COMPONENTS
+from reference_numpy.backend import COMPONENTS, check_attention_request, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
@@ -106,33 +106,12 @@ def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LEN
 
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"kind must be one of {ATTENTION_KINDS}, got {kind!r}")
-    stack_name = "encoder" if kind == "encoder" else "decoder"
-    stack = getattr(model, stack_name)
-    if not 0 <= layer < len(stack.layers):
-        raise ValueError(f"layer must be in [0, {len(stack.layers)}), got {layer}")
+    check_attention_request(model.config, layer, kind)
     with tf.device(_device.model_device(model)):
-        return _attention_weights(model, src, tgt, stack_name, stack.layers[layer], layer, kind).numpy()
-
-
-def _attention_weights(model: Transformer, src, tgt, stack_name: str, block, layer: int, kind: str) -> tf.Tensor:
-    _, stages = model(src, tgt, return_intermediates=True, training=False)
-    x = stages["src_embed" if kind == "encoder" else "tgt_embed"] if layer == 0 else \
-        stages[f"{stack_name}.layers.{layer - 1}"]                           # the layer's input
-    src_mask = padding_mask(src, model.config.pad_id)
-    norm = (lambda h, ln: ln(h)) if model.config.norm_first else (lambda h, ln: h)   # what the sublayer sees
-    if kind == "encoder":
-        h = norm(x, block.self_attn_norm)
-        return block.self_attn(h, h, h, src_mask, return_weights=True)[1]
-    tgt_mask = target_mask(tgt, model.config.pad_id)
-    h = norm(x, block.self_attn_norm)
-    if kind == "decoder_self":
-        return block.self_attn(h, h, h, tgt_mask, return_weights=True)[1]
-    x = residual(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm, model.config.norm_first,
-                 tf.identity)
-    h = norm(x, block.cross_attn_norm)
-    return block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1]
+        _, stages = model(src, tgt, return_intermediates=True, training=False)
+        return sublayer_attention_weights(
+            model, stages, padding_mask(src, model.config.pad_id), target_mask(tgt, model.config.pad_id), layer, kind,
+            lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, tf.identity)).numpy()
 
 
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING

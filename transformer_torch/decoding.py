@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, length_penalty, max_output_lengths,
-                                      select_candidates)
+from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, best_hypothesis, length_penalty,
+                                      max_output_lengths, search_ends, select_candidates)
 
 from .model import Transformer, padding_mask
 
@@ -177,13 +177,6 @@ def _beam_search_one(model: Transformer, memory: Tensor, src_mask: Tensor, limit
         live_scores = step_choice.scores
         if cache is not None:
             cache.reorder(index)
-        if step == limit:
-            finished += [(score / length_penalty(step, alpha), row[1:].tolist())
-                         for score, row in zip(live_scores, live)]
+        if search_ends(finished, live, live_scores, step, limit, alpha):
             break
-        best_finished = max((score for score, _ in finished), default=-np.inf)
-        if live_scores.max() / length_penalty(limit, alpha) <= best_finished:
-            break
-    best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
-    score, tokens = finished[best]
-    return tokens, float(score)
+    return best_hypothesis(finished)
