@@ -185,7 +185,7 @@ def test_keras_masks_on_inputs_are_ignored():
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_masked_row_gives_zeros(dtype, jit_compile):
-    inputs = cases.attention_inputs(VARIANTS["tiny"], "fully_masked_row", dtype=np.dtype(dtype))
+    inputs = cases.component_inputs(VARIANTS["tiny"], "attention", "fully_masked_row", dtype=np.dtype(dtype))
     attention = tf.function(scaled_dot_product_attention, jit_compile=jit_compile)
     out, weights = attention(inputs["query"], inputs["key"], inputs["value"], inputs["mask"])
     assert out.dtype == dtype

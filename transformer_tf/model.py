@@ -91,10 +91,12 @@ def _check_mask(mask, scores_shape: tf.TensorShape) -> tf.Tensor:
     if mask.dtype != tf.bool:
         raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype.name}")
     try:
-        tf.broadcast_static_shape(mask.shape, scores_shape)
+        fits = tf.broadcast_static_shape(mask.shape, scores_shape).is_compatible_with(scores_shape)  # None: traced
     except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}") from None
+                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}")
     return mask
 
 

@@ -105,10 +105,12 @@ def _check_mask(mask: Tensor, scores_shape: tuple[int, ...]) -> Tensor:
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
     try:
-        torch.broadcast_shapes(mask.shape, scores_shape)
+        fits = tuple(torch.broadcast_shapes(mask.shape, scores_shape)) == tuple(scores_shape)
     except RuntimeError:
+        fits = False
+    if not fits:
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}") from None
+                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}")
     return mask
 
 
