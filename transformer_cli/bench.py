@@ -215,20 +215,27 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
 
 
 def plot_bench(report: BenchReport, path) -> None:
-    """Bar chart: achieved GFLOP/s per backend and task, with the matmul rate as a line."""
+    """Two bar charts: forward GFLOP/s per backend against the matmul rate, and time per decoded
+    token, cached and uncached."""
     from .plots import _pyplot
     plt = _pyplot()
-    tasks = list(dict.fromkeys(m.task for m in report.measurements))
     names = list(dict.fromkeys(m.backend for m in report.measurements))
-    fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
-    width = 0.8 / max(1, len(tasks))
-    for i, task in enumerate(tasks):
-        values = [next((m.gflops for m in report.measurements if m.backend == n and m.task == task), 0) for n in names]
-        ax.bar(np.arange(len(names)) + i * width, values, width, label=task)
-    ax.axhline(report.matmul_gflops, color="black", linestyle="--", label="float32 matmul rate")
-    ax.set_xticks(np.arange(len(names)) + width * (len(tasks) - 1) / 2, names)
-    ax.set_ylabel("achieved GFLOP/s")
-    ax.set_title(f"{report.preset} preset, float32")
-    ax.legend(fontsize="small")
+    find = {(m.backend, m.task): m for m in report.measurements}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    left.bar(names, [find[(n, "forward")].gflops if (n, "forward") in find else 0 for n in names], color="tab:blue")
+    left.axhline(report.matmul_gflops, color="black", linestyle="--", label="float32 matmul rate (NumPy)")
+    left.set_ylabel("achieved GFLOP/s")
+    left.set_title(f"forward, batch {report.shapes['batch']} x {report.shapes['src_len']} x {report.shapes['tgt_len']}")
+    left.legend(fontsize="small", loc="lower right")
+    width = 0.4
+    for offset, task, color in ((-width / 2, "greedy (uncached)", "tab:orange"), (width / 2, "greedy (cached)", "tab:green")):
+        per_token = [1e3 * find[(n, task)].seconds / max(1, find[(n, task)].tokens) if (n, task) in find else 0
+                     for n in names]
+        right.bar(np.arange(len(names)) + offset, per_token, width, label=task, color=color)
+    right.set_xticks(range(len(names)), names)
+    right.set_ylabel("ms per decoded token")
+    right.set_title(f"greedy decoding, {report.shapes['decode_tokens']} tokens, batch 1")
+    right.legend(fontsize="small")
+    fig.suptitle(f"{report.preset} preset, float32 ({report.machine['cpu']}, {report.machine['cores']} cores)")
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -128,6 +129,7 @@ def run_init(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")                  # TensorFlow's C++ start-up chatter
     args = build_parser().parse_args(argv)
     try:
         return {"compare": run_compare, "bench": run_bench, "plot": run_plot, "init": run_init}[args.command](args)

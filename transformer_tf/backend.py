@@ -7,6 +7,8 @@ holds their weights.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -18,7 +20,7 @@ from reference_numpy.training import LABEL_SMOOTHING
 
 from . import checkpoint, decoding, training
 from . import device as _device
-from .model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from .model import Transformer, compiled_forward, padding_mask, residual, scaled_dot_product_attention, target_mask
 
 NAME = "tf"
 
@@ -52,10 +54,16 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
     return checkpoint.to_params(model)
 
 
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its compiled stages function
+
+
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
-    """Every stage of the forward pass (inference), by the shared stage names."""
+    """Every stage of the forward pass (inference), by the shared stage names, from a graph
+    compiled once per model and input shape (``compiled_forward`` without XLA: cheap to trace)."""
+    if model not in _GRAPHS:
+        _GRAPHS[model] = compiled_forward(model, jit_compile=False, return_intermediates=True)
     with tf.device(_device.model_device(model)):
-        _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True, training=False)
+        _, stages = _GRAPHS[model](src, tgt, src_mask, tgt_mask)
     return {name: value.numpy() for name, value in stages.items()}
 
 

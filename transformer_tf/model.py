@@ -578,16 +578,17 @@ class Transformer(_TransformerLayer, keras.Model):
         return tokens
 
 
-def compiled_forward(model: Transformer, jit_compile: bool = True) -> Callable:
+def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
     """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
     XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
     op used; on the CPU it ran the ``base`` forward pass a few percent faster than TensorFlow's
     graph executor (``docs/benchmarks-tf.md``).
 
-    Shape: as :class:`Transformer`; returns log-probabilities (B, T, V_tgt).
+    Shape: as :class:`Transformer`; returns log-probabilities (B, T, V_tgt), or with
+    ``return_intermediates`` ``(log_probs, stages)``.
     """
     @tf.function(jit_compile=jit_compile)
     def forward(src, tgt, src_mask=None, tgt_mask=None):
-        return model(src, tgt, src_mask, tgt_mask, training=False)
+        return model(src, tgt, src_mask, tgt_mask, return_intermediates=return_intermediates, training=False)
 
     return forward
