@@ -129,7 +129,7 @@ def run_init(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")                  # TensorFlow's C++ start-up chatter
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow info logs (all but its pre-init oneDNN notice)
     args = build_parser().parse_args(argv)
     try:
         return {"compare": run_compare, "bench": run_bench, "plot": run_plot, "init": run_init}[args.command](args)
