@@ -140,6 +140,29 @@ def greedy_decisive_steps(margins: np.ndarray, bound: float) -> int | None:
     return int(near_ties[0]) if near_ties.size else None
 
 
+def greedy_tokens_agree(tokens: np.ndarray, ref_tokens: np.ndarray, margins: np.ndarray, bound: float,
+                        pad_id: int) -> tuple[bool, str, int]:
+    """The float32 rule for greedy tokens, row by row: identical up to each row's first near-tie
+    (:func:`greedy_decisive_steps`), and entirely in rows without one.
+
+    ``margins`` is (B, steps). Returns (agree, a note naming the first difference or the rows
+    cut at a near-tie, the number of rows compared in full).
+    """
+    notes, full = [], 0
+    for row, ref_row in enumerate(ref_tokens):
+        port_row = tokens[row] if row < len(tokens) else np.array([], dtype=ref_row.dtype)
+        stop = greedy_decisive_steps(margins[row], bound)
+        if stop is None:
+            if not np.array_equal(port_row[port_row != pad_id], ref_row[ref_row != pad_id]):
+                return False, f"row {row} differs", full
+            full += 1
+        elif not np.array_equal(port_row[:stop], ref_row[:stop]):
+            return False, f"row {row} differs before its near-tie at step {stop}", full
+        else:
+            notes.append(f"row {row} compared up to its near-tie at step {stop}")
+    return True, "; ".join(notes), full
+
+
 def beam_row_is_decisive(margins: list[float], bound: float) -> bool:
     """Whether float32 must reproduce a beam-search row exactly.
 
