@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 
@@ -204,18 +204,12 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
-    The table is computed in float64 with NumPy's sin/cos (bit-identical to the reference's
-    table) and then cast to ``dtype`` on ``device``.
+    The table is the reference's own (computed in float64 with NumPy's sin/cos), cast to
+    ``dtype`` on ``device``.
 
     Shape: returns (L, D).
     """
-    position = np.arange(length, dtype=np.float64)[:, None]              # (L, 1)
-    two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]          # (1, D/2)
-    angle = position / np.power(10000.0, two_i / d_model)                # (L, D/2)
-    table = np.empty((length, d_model), dtype=np.float64)
-    table[:, 0::2] = np.sin(angle)
-    table[:, 1::2] = np.cos(angle)
-    return torch.from_numpy(table).to(device=device, dtype=dtype)
+    return torch.from_numpy(reference.sinusoidal_positional_encoding(length, d_model)).to(device=device, dtype=dtype)
 
 
 class Embeddings(nn.Module):
