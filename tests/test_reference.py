@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_numpy import (Encoder, LayerNorm, MultiHeadAttention, Transformer, TransformerConfig, causal_mask,
+from reference_numpy import (LayerNorm, MultiHeadAttention, Transformer, TransformerConfig, causal_mask,
                              count_parameters, init_params, padding_mask, scaled_dot_product_attention,
                              sinusoidal_positional_encoding)
 from reference_numpy.cases import VARIANTS

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from flax import nnx
 
 from reference_numpy.backend import COMPONENTS, check_attention_request, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig

@@ -1,0 +1,90 @@
+"""The shared checkpoint through every port's adapter: port-saved files load into the reference
+bit-identically, reference-saved files load into the port exactly, and every kind of bad file
+gives the reference loader's own one-line error."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.cases import VARIANTS, seeded_params
+
+from test_agreement import FRAMEWORKS, port_backend
+
+
+def tensor_bytes(path) -> bytes:
+    """A safetensors file's data section (its JSON header's key order is not fixed)."""
+    raw = path.read_bytes()
+    return raw[8 + int.from_bytes(raw[:8], "little"):]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_port_saved_checkpoint_loads_into_reference_bit_identically(tmp_path, port, variant, dtype):
+    backend, config = port_backend(port), VARIANTS[variant]
+    params = {name: value.astype(dtype) for name, value in seeded_params(config).items()}
+    backend.save(backend.build(config, params, dtype, "cpu"), tmp_path / "port.safetensors")
+    reference_checkpoint.save_checkpoint(tmp_path / "reference.safetensors", config, params)
+    loaded_config, loaded = reference_checkpoint.load_checkpoint(tmp_path / "port.safetensors")
+    assert loaded_config == config and list(loaded) == list(params)
+    for name, value in params.items():
+        assert loaded[name].dtype == value.dtype and loaded[name].tobytes() == value.tobytes(), name
+    assert tensor_bytes(tmp_path / "port.safetensors") == tensor_bytes(tmp_path / "reference.safetensors")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_reference_saved_checkpoint_loads_into_port_exactly(tmp_path, port, variant):
+    backend, config = port_backend(port), VARIANTS[variant]
+    params = seeded_params(config)
+    reference_checkpoint.save_checkpoint(tmp_path / "reference.safetensors", config, params)
+    exported = backend.export_params(backend.load(tmp_path / "reference.safetensors", "float64", "cpu"))
+    assert list(exported) == list(params)
+    for name, value in params.items():
+        assert exported[name].dtype == np.float64 and exported[name].tobytes() == value.tobytes(), name
+
+
+def bad_files(tmp_path) -> dict:
+    config = VARIANTS["tiny"]
+    params = seeded_params(config)
+    metadata = {"format_version": reference_checkpoint.FORMAT_VERSION, "config": config.to_json()}
+    files = {"absent": tmp_path / "absent.safetensors"}
+
+    def write(kind, tensors, meta=metadata):
+        files[kind] = tmp_path / f"{kind}.safetensors"
+        save_file(tensors, str(files[kind]), metadata=meta)
+
+    write("missing tensor", {k: v for k, v in params.items() if k != "decoder.layers.1.ffn.linear2.bias"})
+    write("unexpected tensor", {**params, "encoder.layers.7.ffn.linear1.bias": np.zeros(40)})
+    write("transposed", {**params, "encoder.layers.0.ffn.linear1.weight":
+                         params["encoder.layers.0.ffn.linear1.weight"].T.copy()})
+    write("nan", {**params, "generator.weight": np.full_like(params["generator.weight"], np.nan)})
+    write("float16", {**params, "src_embed.weight": params["src_embed.weight"].astype(np.float16)})
+    write("version", params, {**metadata, "format_version": "9"})
+    raw = files["missing tensor"].read_bytes()
+    for kind, content in (("truncated", raw[:len(raw) // 2]), ("tiny", raw[:5]), ("pickle", b"\x80\x04\x95" + bytes(40)),
+                          ("not json", struct.pack("<Q", 5) + b"nope!")):
+        files[kind] = tmp_path / f"{kind}.bin"
+        files[kind].write_bytes(content)
+    files["torch.save"] = tmp_path / "model.pt"
+    with zipfile.ZipFile(files["torch.save"], "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+    return files
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_bad_checkpoints_give_the_reference_errors(tmp_path, port):
+    backend = port_backend(port)
+    for kind, path in bad_files(tmp_path).items():
+        with pytest.raises(ValueError) as expected:
+            reference_checkpoint.load_checkpoint(path)
+        with pytest.raises(ValueError) as port_error:
+            backend.load(path, "float64", "cpu")
+        assert str(port_error.value) == str(expected.value), kind
+        assert "\n" not in str(port_error.value), kind
