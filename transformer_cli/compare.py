@@ -71,8 +71,8 @@ class Report:
             "config": self.config.to_dict(),
             "policy": {"float64_relative": tolerance.FLOAT64_RELATIVE, "float32_factor": tolerance.FLOAT32_FACTOR},
             "ok": self.ok,
-            "runs": [{**{key: value for key, value in asdict(run).items()},
-                      "first_failing_stage": run.first_failing_stage, "ok": run.ok} for run in self.runs],
+            "runs": [{**asdict(run), "first_failing_stage": run.first_failing_stage, "ok": run.ok}
+                     for run in self.runs],
             "missing": [asdict(missing) for missing in self.missing],
         }
 
