@@ -217,8 +217,8 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
 def plot_bench(report: BenchReport, path) -> None:
     """Two bar charts: forward GFLOP/s per backend against the matmul rate, and time per decoded
     token, cached and uncached."""
-    from .plots import _pyplot
-    plt = _pyplot()
+    from .plots import pyplot
+    plt = pyplot()
     names = list(dict.fromkeys(m.backend for m in report.measurements))
     find = {(m.backend, m.task): m for m in report.measurements}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)

@@ -8,7 +8,8 @@ import numpy as np
 from reference_numpy import sinusoidal_positional_encoding
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (files only, no screen needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -20,7 +21,7 @@ def plot_positional_encoding(length: int, d_model: int, path) -> None:
     interleaved: column 2i is sin, column 2i+1 cos)."""
     if length < 1 or d_model < 2 or d_model % 2:
         raise ValueError(f"length must be >= 1 and d_model even and >= 2, got {length} and {d_model}")
-    plt = _pyplot()
+    plt = pyplot()
     table = sinusoidal_positional_encoding(length, d_model)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True, constrained_layout=True)
     for ax, columns, name in ((axes[0], table[:, 0::2], "sin: PE(pos, 2i)"), (axes[1], table[:, 1::2], "cos: PE(pos, 2i+1)")):
@@ -37,7 +38,7 @@ def plot_positional_encoding(length: int, d_model: int, path) -> None:
 def plot_attention(weights: dict[str, np.ndarray], query_tokens: list[str], key_tokens: list[str],
                    title: str, path) -> None:
     """One heat map per backend, side by side; ``weights`` maps a label to a (Tq, Tk) matrix."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(weights), figsize=(3.2 * len(weights) + 1, 3.6), squeeze=False,
                              constrained_layout=True)
     for ax, (label, matrix) in zip(axes[0], weights.items()):

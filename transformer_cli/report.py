@@ -5,6 +5,7 @@ from __future__ import annotations
 from reference_numpy import tolerance
 
 from .compare import Report
+from .plots import pyplot
 
 STAGE_WIDTH, CELL_WIDTH = 18, 21
 
@@ -62,10 +63,7 @@ def format_table(report: Report) -> str:
 
 def plot_errors(report: Report, path) -> None:
     """Error per stage per run (log scale), with each run's bound dotted: error growth with depth."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = [run for run in report.runs if run.stages]
     stages = [result.stage for result in runs[0].stages] if runs else []
     fig, ax = plt.subplots(figsize=(11, 5.5), constrained_layout=True)
