@@ -59,22 +59,30 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """
     cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
                   else value) for key, value in inputs.items()}
+    return run_component(model, name, cast, scaled_dot_product_attention)
+
+
+def run_component(model, name: str, inputs: dict, attention):
+    """The component dispatch written once for every backend: ``inputs`` are already the
+    backend's tensors in the model's dtype, ``attention`` is its Eq. (1) function; only the
+    names all ports share are used (weights of layer 0 of each stack)."""
+    encoder_layer, decoder_layer = model.encoder.layers[0], model.decoder.layers[0]
     if name == "attention":
-        return scaled_dot_product_attention(cast["query"], cast["key"], cast["value"], cast["mask"])[0]
+        return attention(inputs["query"], inputs["key"], inputs["value"], inputs["mask"])[0]
     if name == "multi_head_attention":
-        return model.encoder.layers[0].self_attn(cast["query"], cast["key"], cast["value"], cast["mask"])
+        return encoder_layer.self_attn(inputs["query"], inputs["key"], inputs["value"], inputs["mask"])
     if name == "positional_encoding":
-        return model.src_pos(cast["x"])
+        return model.src_pos(inputs["x"])
     if name == "feed_forward":
-        return model.encoder.layers[0].ffn(cast["x"])
+        return encoder_layer.ffn(inputs["x"])
     if name == "encoder_layer":
-        return model.encoder.layers[0](cast["x"], cast["mask"])
+        return encoder_layer(inputs["x"], inputs["mask"])
     if name == "encoder":
-        return model.encoder(cast["x"], cast["mask"])
+        return model.encoder(inputs["x"], inputs["mask"])
     if name == "decoder_layer":
-        return model.decoder.layers[0](cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
+        return decoder_layer(inputs["x"], inputs["memory"], inputs["src_mask"], inputs["tgt_mask"])
     if name == "decoder":
-        return model.decoder(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
+        return model.decoder(inputs["x"], inputs["memory"], inputs["src_mask"], inputs["tgt_mask"])
     raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from reference_numpy.backend import COMPONENTS, check_attention_request, sublayer_attention_weights
+from reference_numpy.backend import check_attention_request, run_component, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
@@ -65,25 +65,7 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """
     cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
                   else value) for key, value in inputs.items()}
-    if name == "attention":
-        out = scaled_dot_product_attention(cast["query"], cast["key"], cast["value"], cast["mask"])[0]
-    elif name == "multi_head_attention":
-        out = model.encoder.layers[0].self_attn(cast["query"], cast["key"], cast["value"], cast["mask"])
-    elif name == "positional_encoding":
-        out = model.src_pos(cast["x"])
-    elif name == "feed_forward":
-        out = model.encoder.layers[0].ffn(cast["x"])
-    elif name == "encoder_layer":
-        out = model.encoder.layers[0](cast["x"], cast["mask"])
-    elif name == "encoder":
-        out = model.encoder(cast["x"], cast["mask"])
-    elif name == "decoder_layer":
-        out = model.decoder.layers[0](cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
-    elif name == "decoder":
-        out = model.decoder(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"])
-    else:
-        raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
-    return np.asarray(out)
+    return np.asarray(run_component(model, name, cast, scaled_dot_product_attention))
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy.backend import COMPONENTS, check_attention_request, sublayer_attention_weights
+from reference_numpy.backend import check_attention_request, run_component, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
@@ -74,31 +74,10 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     positional_encoding, feed_forward, encoder_layer and encoder take x (and mask);
     decoder_layer and decoder take x, memory, src_mask, tgt_mask.
     """
-    if name not in COMPONENTS:
-        raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
     cast = {key: (tf.constant(value, model.compute_dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
                   else value) for key, value in inputs.items()}
     with tf.device(_device.model_device(model)):
-        return _run_component(model, name, cast).numpy()
-
-
-def _run_component(model: Transformer, name: str, cast: dict) -> tf.Tensor:
-    encoder_layer, decoder_layer = model.encoder.layers[0], model.decoder.layers[0]
-    if name == "attention":
-        return scaled_dot_product_attention(cast["query"], cast["key"], cast["value"], cast["mask"])[0]
-    if name == "multi_head_attention":
-        return encoder_layer.self_attn(cast["query"], cast["key"], cast["value"], cast["mask"])
-    if name == "positional_encoding":
-        return model.src_pos(cast["x"], training=False)
-    if name == "feed_forward":
-        return encoder_layer.ffn(cast["x"])
-    if name == "encoder_layer":
-        return encoder_layer(cast["x"], cast["mask"], training=False)
-    if name == "encoder":
-        return model.encoder(cast["x"], cast["mask"], training=False)
-    if name == "decoder_layer":
-        return decoder_layer(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"], training=False)
-    return model.decoder(cast["x"], cast["memory"], cast["src_mask"], cast["tgt_mask"], training=False)
+        return run_component(model, name, cast, scaled_dot_product_attention).numpy()
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reference_numpy.backend import COMPONENTS, check_attention_request, sublayer_attention_weights
+from reference_numpy.backend import check_attention_request, run_component, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
@@ -70,23 +70,7 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     t = {key: None if value is None else torch.as_tensor(value, device=model.device) for key, value in inputs.items()}
     t = {key: value.to(model.dtype) if value is not None and value.is_floating_point() else value
          for key, value in t.items()}
-    if name == "attention":
-        return _numpy(scaled_dot_product_attention(t["query"], t["key"], t["value"], t["mask"])[0])
-    if name == "multi_head_attention":
-        return _numpy(model.encoder.layers[0].self_attn(t["query"], t["key"], t["value"], t["mask"]))
-    if name == "positional_encoding":
-        return _numpy(model.src_pos(t["x"]))
-    if name == "feed_forward":
-        return _numpy(model.encoder.layers[0].ffn(t["x"]))
-    if name == "encoder_layer":
-        return _numpy(model.encoder.layers[0](t["x"], t["mask"]))
-    if name == "encoder":
-        return _numpy(model.encoder(t["x"], t["mask"]))
-    if name == "decoder_layer":
-        return _numpy(model.decoder.layers[0](t["x"], t["memory"], t["src_mask"], t["tgt_mask"]))
-    if name == "decoder":
-        return _numpy(model.decoder(t["x"], t["memory"], t["src_mask"], t["tgt_mask"]))
-    raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
+    return _numpy(run_component(model, name, t, scaled_dot_product_attention))
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
