@@ -6,27 +6,30 @@
 * all tensors have one dtype, float32 or float64;
 * nothing in a checkpoint is ever executed: safetensors is a JSON header plus raw bytes.
 
-Loading validates the whole file and raises one ``ValueError`` naming the problem and the
-tensor. Saving writes a temporary file and renames it, so a failed save leaves nothing behind.
+Loading lets the safetensors library read and check the file, validates the checkpoint on top
+and raises one ``ValueError`` naming the file, the problem and the tensor. Saving writes a
+``.partial`` file beside the target and renames it, so the target is never half-written.
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import os
-import struct
-import tempfile
+import re
+import secrets
+import stat
 import zlib
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
 from .config import TransformerConfig
 
 FORMAT_VERSION = "1"
 DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
-_HEADER_LIMIT = 100_000_000  # safetensors' own header size limit
+PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, or one that was interrupted
 
 
 # ----------------------------------------------------------------------------- the name table
@@ -125,64 +128,119 @@ def init_params(config: TransformerConfig, seed: int = 0, dtype=np.float64,
 def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
     """Write ``params`` and ``config`` to a safetensors file, atomically.
 
-    The parameters are validated exactly as :func:`load_checkpoint` would validate them.
+    The parameters are validated exactly as :func:`load_checkpoint` would validate them. The
+    bytes are written to ``NAME.<8 hex digits>.partial`` beside the file and flushed to disk,
+    then renamed over it, so ``path`` always holds a complete file, the old one or the new one.
+    A symbolic link is written through (its target is replaced, the link kept). A new file's
+    permissions follow the umask; a replaced file keeps its own; a write-protected file is not
+    replaced. A file-system failure raises one ``ValueError`` naming ``path`` and leaves it as it was.
     """
     params = {name: np.ascontiguousarray(value) for name, value in params.items()}
     validate_params(config, params)
-    metadata = {"format_version": FORMAT_VERSION, "config": config.to_json()}
-    data = _safetensors_save(params, metadata=metadata)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    data = _safetensors_save(params, metadata={"format_version": FORMAT_VERSION, "config": config.to_json()})
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
+        _replace_atomically(Path(os.path.realpath(path)), data)
+    except OSError as err:
+        raise ValueError(f"cannot save checkpoint {os.fspath(path)!r}: {err.strerror or err}") from None
+
+
+def _replace_atomically(target: Path, data: bytes) -> None:
+    """Write ``data`` to a ``.partial`` file beside ``target``, then rename it over ``target``."""
+    mode = _kept_mode(target)
+    partial = target.with_name(f"{target.name}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)  # minus the umask
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if mode is not None:
+            os.chmod(partial, mode)
+        os.replace(partial, target)
     except BaseException:
-        os.unlink(tmp)
+        partial.unlink(missing_ok=True)
         raise
+
+
+def _kept_mode(target: Path) -> int | None:
+    """The permission bits of the file about to be replaced (None if there is none); refuses a
+    target that is not a regular file or that this process may not write."""
+    try:
+        status = os.stat(target)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(status.st_mode):
+        raise OSError("not a regular file")
+    if not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, "the file is write-protected; it was not replaced")
+    return stat.S_IMODE(status.st_mode) & 0o777
 
 
 # ----------------------------------------------------------------------------- loading
 
-def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
-    """Read and validate a shared checkpoint; returns ``(config, params)``.
+_PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK")  # pickle protocols 2-5; zip (torch.save)
+_LIBRARY_PROBLEMS = (                                                        # safetensors' words -> ours
+    ("header too small", "not a safetensors file (too short to hold a header; truncated?)"),
+    ("header too large", "not a safetensors file (implausible header length)"),
+    ("invalid header length", "truncated: the header runs past the end of the file"),
+    ("incomplete metadata, file not fully covered",
+     "truncated or corrupt: the tensor data does not fill the file as the header says"),
+    (r"invalid offset for tensor `(.*)`",
+     r"tensor '\1' has invalid data_offsets (tensors lie back to back, with no overlap and no gap)"),
+    ("invalid shape, data type, or offset for tensor", "a tensor's data_offsets do not match its shape and dtype"),
+    ("overflow computing buffer size", "a tensor's shape is too large"),
+    (r"invalid JSON in header: invalid type: .*, expected struct HashMetadata",
+     "malformed safetensors header (not a JSON object)"),
+    (r"invalid (?:JSON|UTF-8) in header: (.*)", r"malformed safetensors header (\1)"),
+)
 
-    ``dtype`` (float32 or float64) casts the tensors after validation; by default they keep
-    the file's dtype. Raises ``ValueError`` with one line that names the problem.
+
+def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+    """Read and validate a shared checkpoint; returns ``(config, params)`` in the table's order.
+
+    The safetensors library reads the file and checks its header (offsets, shapes, dtypes);
+    this function adds the checkpoint's own checks (metadata, version, config, names, shapes,
+    one float dtype, finite values). ``dtype`` (float32 or float64) casts the tensors after
+    validation; by default they keep the file's dtype. The arrays are copies: nothing refers to
+    the file once this returns. Raises one ``ValueError`` of one line naming the file and the problem.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a file")
-    raw = path.read_bytes()
-    header, data = _read_header(raw, path)
-    metadata = header.pop("__metadata__", None)
-    config = _read_metadata(metadata)
-    params = {name: _read_tensor(name, entry, data) for name, entry in header.items()}
-    validate_params(config, params)
     target = None if dtype is None else _float_dtype(dtype)
+    try:
+        config, params = _read_file(Path(path))
+        validate_params(config, params)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
     return config, {name: params[name] if target is None else params[name].astype(target)
                     for name in parameter_shapes(config)}                        # in the table's order
 
 
-def _read_header(raw: bytes, path: Path) -> tuple[dict, memoryview]:
-    if raw[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05") or raw[:2] == b"PK":
-        raise ValueError(f"{path.name} looks like a pickle or torch.save archive; only safetensors "
-                         "checkpoints are read (pickles are never loaded)")
-    if len(raw) < 8:
-        raise ValueError(f"{path.name} is not a safetensors file (truncated: {len(raw)} bytes)")
-    (length,) = struct.unpack("<Q", raw[:8])
-    if length > _HEADER_LIMIT:
-        raise ValueError(f"{path.name} is not a safetensors file (header length {length} is implausible)")
-    if 8 + length > len(raw):
-        raise ValueError(f"{path.name} is truncated: header needs {length} bytes, "
-                         f"file has {len(raw) - 8} after the length field")
+def _read_file(path: Path) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+    if not path.is_file():
+        raise ValueError("does not exist or is not a regular file")
     try:
-        header = json.loads(raw[8:8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"{path.name} is not a safetensors file (header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path.name} is not a safetensors file (header is not a JSON object)")
-    return header, memoryview(raw)[8 + length:]
+        with open(path, "rb") as handle:
+            if handle.read(2) in _PICKLE_MAGIC:
+                raise ValueError("looks like a pickle or torch.save archive; only safetensors checkpoints "
+                                 "are read (pickles are never loaded)")
+        with safe_open(path, framework="numpy") as handle:
+            config = _read_metadata(handle.metadata())
+            return config, {name: _read_tensor(handle, name) for name in handle.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(_library_problem(err)) from None
+
+
+def _library_problem(err: Exception) -> str:
+    """safetensors' or the operating system's complaint, as one line of this project's words."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    text = " ".join(str(err).split()).removeprefix("Error while deserializing header: ")
+    for pattern, problem in _LIBRARY_PROBLEMS:
+        if match := re.match(pattern, text):
+            return match.expand(problem)
+    return f"not a readable safetensors file ({text})"
 
 
 def _read_metadata(metadata) -> TransformerConfig:
@@ -199,19 +257,11 @@ def _read_metadata(metadata) -> TransformerConfig:
         raise ValueError(f"checkpoint config is invalid: {err}") from None
 
 
-def _read_tensor(name: str, entry, data: memoryview) -> np.ndarray:
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-        raise ValueError(f"tensor {name!r}: malformed header entry")
-    if entry["dtype"] not in DTYPES:
-        raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}; expected F32 or F64")
-    dtype = DTYPES[entry["dtype"]]
-    shape = tuple(entry["shape"])
-    begin, end = entry["data_offsets"]
-    if not 0 <= begin <= end or end > len(data):
-        raise ValueError(f"tensor {name!r}: data runs past the end of the file (file truncated?)")
-    if end - begin != int(np.prod(shape)) * dtype.itemsize:
-        raise ValueError(f"tensor {name!r}: {end - begin} bytes do not hold shape {shape} of {dtype}")
-    return np.frombuffer(data[begin:end], dtype=dtype.newbyteorder("<")).reshape(shape).astype(dtype)
+def _read_tensor(handle, name: str) -> np.ndarray:
+    code = handle.get_slice(name).get_dtype()
+    if code not in DTYPES:
+        raise ValueError(f"tensor {name!r} has dtype {code}; expected F32 or F64")
+    return np.array(handle.get_tensor(name), dtype=DTYPES[code])               # a copy in native byte order
 
 
 def validate_params(config: TransformerConfig, params: dict[str, np.ndarray]) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 import struct
 import zipfile
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,7 +129,8 @@ def edited(**changes):
 
 
 BAD_TENSORS = {
-    "missing": (edited(encoder__layers__1__ffn__linear2__bias=None), "missing tensor 'encoder.layers.1.ffn.linear2.bias'"),
+    "missing": (edited(encoder__layers__1__ffn__linear2__bias=None),
+                "missing tensor 'encoder.layers.1.ffn.linear2.bias'"),
     "unexpected": ({**good_params(), "encoder.layers.9.ffn.linear1.bias": np.zeros(40)},
                    "unexpected tensor 'encoder.layers.9.ffn.linear1.bias'"),
     "wrong shape": (edited(generator__weight=np.zeros((23, 16))),
@@ -168,8 +171,9 @@ def test_bad_metadata_gives_one_clear_error(tmp_path, metadata, message):
 def test_truncated_file(tmp_path):
     save_checkpoint(tmp_path / "m.safetensors", TINY, good_params())
     raw = (tmp_path / "m.safetensors").read_bytes()
-    for cut, message in ((len(raw) - 100, "data runs past the end of the file"), (200, "is truncated"),
-                         (5, "truncated: 5 bytes")):
+    for cut, message in ((len(raw) - 100, "truncated or corrupt: the tensor data does not fill the file"),
+                         (200, "truncated: the header runs past the end of the file"),
+                         (5, r"not a safetensors file \(too short to hold a header; truncated\?\)")):
         (tmp_path / "cut.safetensors").write_bytes(raw[:cut])
         with pytest.raises(ValueError, match=message):
             load_checkpoint(tmp_path / "cut.safetensors")
@@ -192,8 +196,10 @@ def test_pickle_is_refused_and_never_loaded(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (b"hello world, not a checkpoint", "not a safetensors file"),
-    (struct.pack("<Q", 4) + b"[1,2]", "header is not JSON"),
-    (struct.pack("<Q", 2) + b"[]", "header is not a JSON object"),
+    (struct.pack("<Q", 4) + b"[1,2]", r"malformed safetensors header \(not a JSON object\)"),
+    (struct.pack("<Q", 2) + b"[]", r"malformed safetensors header \(not a JSON object\)"),
+    (struct.pack("<Q", 5) + b"nope!", r"malformed safetensors header \(expected ident at line 1 column 2\)"),
+    (struct.pack("<Q", 4) + b"\xff\xfe{}", "malformed safetensors header"),
 ])
 def test_non_safetensors_files(tmp_path, content, message):
     (tmp_path / "x.safetensors").write_bytes(content)
@@ -220,3 +226,130 @@ def test_save_replaces_atomically(tmp_path):
     save_checkpoint(path, TINY, init_params(TINY, seed=2))
     np.testing.assert_array_equal(load_checkpoint(path)[1]["generator.weight"], init_params(TINY, seed=2)["generator.weight"])
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+
+
+# ----------------------------------------------------------------------------- malformed headers
+
+def layout(params, **changes):
+    """Header entries and data of ``params`` laid out back to back, then ``changes`` applied to
+    single entries (``name=dict(...)``); the file is written byte by byte, as the library would
+    refuse to write a bad one."""
+    entries, chunks, offset = {}, [], 0
+    for name, value in params.items():
+        raw = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<")).tobytes()
+        entries[name] = {"dtype": {4: "F32", 8: "F64"}[value.itemsize], "shape": list(value.shape),
+                         "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    for name, change in changes.items():
+        entries[name.replace("__", ".")].update(change)
+    return entries, b"".join(chunks)
+
+
+def handmade(tmp_path, entries, data, metadata=None):
+    metadata = {"format_version": FORMAT_VERSION, "config": TINY.to_json()} if metadata is None else metadata
+    header = json.dumps({"__metadata__": metadata, **entries}).encode()
+    path = tmp_path / "handmade.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+def load_error(path) -> str:
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {str(path)!r}: "), message
+    return message
+
+
+def test_handmade_layout_of_good_params_loads(tmp_path):
+    """The helper below writes valid files: every refusal after it is the edit's doing."""
+    params = good_params()
+    config, loaded = load_checkpoint(handmade(tmp_path, *layout(params)))
+    assert config == TINY and all(np.array_equal(loaded[name], params[name]) for name in params)
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    """Two tensors sharing bytes: the q bias points at the k bias's bytes and its own are dropped."""
+    params = good_params()
+    shared = "decoder.layers.0.self_attn.k_proj.bias"
+    entries, data = layout({name: value for name, value in params.items() if name != shared.replace("k_", "q_")})
+    entries[shared.replace("k_", "q_")] = dict(entries[shared])
+    message = load_error(handmade(tmp_path, entries, data))
+    assert re.search(r"tensor 'decoder\.layers\.0\.self_attn\.[qk]_proj\.bias' has invalid data_offsets "
+                     r"\(tensors lie back to back, with no overlap and no gap\)", message), message
+
+
+def test_gaps_and_reversed_offsets_are_refused(tmp_path):
+    params = good_params()
+    last = list(params)[-1]
+    entries, data = layout(params)
+    begin, end = entries[last]["data_offsets"]
+    entries[last]["data_offsets"] = [begin + 8, end + 8]                       # 8 unused bytes before it
+    gapped = data[:begin] + bytes(8) + data[begin:]
+    assert f"tensor '{last}' has invalid data_offsets" in load_error(handmade(tmp_path, entries, gapped))
+    entries, data = layout(params)
+    entries[last]["data_offsets"] = [end, begin]
+    assert f"tensor '{last}' has invalid data_offsets" in load_error(handmade(tmp_path, entries, data))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"shape": ["16"]}, 'invalid type: string "16", expected usize'),
+    ({"shape": [16.0]}, "invalid type: floating point `16.0`, expected usize"),
+    ({"shape": [-16]}, "invalid value: integer `-16`, expected usize"),
+    ({"shape": 16}, "invalid type: integer `16`, expected a sequence"),
+    ({"data_offsets": [0]}, "invalid length 1, expected a tuple of size 2"),
+    ({"data_offsets": [-128, 0]}, "invalid value: integer `-128`, expected usize"),
+    ({"data_offsets": [0.0, 128.0]}, "invalid type: floating point `0.0`, expected usize"),
+    ({"dtype": "F99"}, "unknown variant `F99`"),
+    ({"dtype": None}, "invalid type: null"),
+])
+def test_malformed_entries_get_one_line_naming_the_file(tmp_path, change, message):
+    entries, data = layout(good_params(), encoder__layers__0__self_attn__q_proj__bias=change)
+    text = load_error(handmade(tmp_path, entries, data))
+    assert "malformed safetensors header (" in text and message in text, text
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"shape": [17]}, "a tensor's data_offsets do not match its shape and dtype"),
+    ({"shape": [2 ** 62, 16]}, "a tensor's shape is too large"),
+])
+def test_offsets_that_do_not_fit_the_shape(tmp_path, change, message):
+    entries, data = layout(good_params(), encoder__layers__0__self_attn__q_proj__bias=change)
+    assert load_error(handmade(tmp_path, entries, data)).endswith(message)
+
+
+def test_missing_field_bad_entry_bad_metadata_and_trailing_bytes(tmp_path):
+    entries, data = layout(good_params())
+    del entries["generator.weight"]["data_offsets"]
+    assert "missing field `data_offsets`" in load_error(handmade(tmp_path, entries, data))
+    entries, data = layout(good_params())
+    entries["generator.weight"] = [0, 8]
+    assert "malformed safetensors header (" in load_error(handmade(tmp_path, entries, data))
+    entries, data = layout(good_params())
+    assert "expected a string" in load_error(handmade(tmp_path, entries, data, {"format_version": 1}))
+    assert "the tensor data does not fill the file" in load_error(handmade(tmp_path, entries, data + bytes(8)))
+
+
+@pytest.mark.parametrize("code, itemsize", [("BF16", 2), ("F16", 2), ("F8_E4M3", 1), ("I64", 8), ("I32", 4),
+                                            ("U8", 1), ("BOOL", 1), ("C64", 8)])
+def test_other_dtypes_are_refused_by_name(tmp_path, code, itemsize):
+    """bfloat16 and float8 have no NumPy dtype: they are refused before any array is made."""
+    params = good_params()
+    name = "encoder.layers.1.ffn_norm.bias"
+    entries, data = layout({key: value for key, value in params.items() if key != name})
+    entries[name] = {"dtype": code, "shape": [16], "data_offsets": [len(data), len(data) + 16 * itemsize]}
+    message = load_error(handmade(tmp_path, entries, data + bytes(16 * itemsize)))
+    assert message.endswith(f"tensor '{name}' has dtype {code}; expected F32 or F64"), message
+
+
+def test_loaded_arrays_are_copies_that_outlive_the_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, TINY, good_params())
+    _, params = load_checkpoint(path)
+    assert all(value.base is None and value.flags.writeable for value in params.values())
+    if Path("/proc/self/maps").exists():                                        # Linux: neither mapped nor open
+        assert str(path) not in Path("/proc/self/maps").read_text()
+        assert not [fd for fd in Path("/proc/self/fd").iterdir() if fd.exists() and fd.resolve() == path]
+    path.unlink()
+    np.testing.assert_array_equal(params["generator.weight"], good_params()["generator.weight"])
