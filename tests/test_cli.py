@@ -1,17 +1,27 @@
 """The ``transformer-reference`` command through its real entry point (the installed console
-script), on a small checkpoint so that the run stays short."""
+script), on a small checkpoint so that the run stays short; its error paths and exit codes
+in-process through ``transformer_cli.main.main`` (NumPy only, no framework imported)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from reference_numpy import TransformerConfig, init_params, load_checkpoint, save_checkpoint
 from transformer_cli import backends
+from transformer_cli import compare as compare_module
+from transformer_cli import main as cli_main
+from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = TransformerConfig.preset("tiny")
 
 SCRIPT = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
 pytestmark = pytest.mark.skipif(SCRIPT is None, reason="the package is not installed (pip install -e .), "
@@ -42,14 +52,15 @@ def test_compare_prints_the_table_and_succeeds(workdir):
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout
     for row in ("src_embed", "encoder.layers.0", "encoder.layers.1", "encoder", "decoder.layers.2", "log_probs",
-                "worst error/bound", "first over bound", "greedy identical", "forward ms", "status"):
+                "worst error/bound", "first over bound", "first non-finite", "greedy identical", "forward ms",
+                "status"):
         assert f"\n{row} " in table, f"row {row!r} missing from:\n{table}"
     assert "numpy/cpu/f32" in table
     for port in backends.load()[0]:
         assert f"{port}/cpu/f64" in table and f"{port}/cpu/f32" in table
     for missing in backends.load()[1]:
         assert f"{missing.name}: not installed: pip install 'transformer-reference[" in table
-    assert "all backends agree with the reference" in table
+    assert "all backends agree with the reference" in table and "nan" not in table
     png = (workdir / "errors.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
@@ -58,15 +69,16 @@ def test_a_broken_port_weight_fails_at_its_stage(workdir):
     port = installed_port()
     result = run("compare", "tiny.safetensors", "--json", "--backends", port,
                  "--perturb", f"{port}:decoder.layers.1.ffn.linear1.bias", cwd=workdir)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == EXIT_DISAGREEMENT, result.stderr
     report = json.loads(result.stdout)
     assert set(report) == {"checkpoint", "config", "policy", "ok", "runs", "missing"}
     assert report["ok"] is False and report["policy"] == {"float64_relative": 1e-12, "float32_factor": 8}
     runs = {(run["backend"], run["device"], run["dtype"]): run for run in report["runs"]}
     broken = runs[(port, "cpu", "float64")]
     assert broken["ok"] is False and broken["first_failing_stage"] == "decoder.layers.1"
+    assert broken["first_non_finite_stage"] is None
     assert [stage["ok"] for stage in broken["stages"][:broken_index(broken)]] == [True] * broken_index(broken)
-    assert set(broken["stages"][0]) == {"stage", "max_abs_error", "max_relative_error", "bound", "ok"}
+    assert set(broken["stages"][0]) == {"stage", "max_abs_error", "max_relative_error", "bound", "ok", "non_finite"}
     assert runs[("numpy", "cpu", "float32")]["ok"] is True
 
 
@@ -76,10 +88,9 @@ def broken_index(run: dict) -> int:
 
 def test_bad_input_is_one_line_and_exit_status_2(workdir):
     result = run("compare", "missing.safetensors", cwd=workdir)
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith("error: checkpoint") and len(result.stderr.strip().splitlines()) == 1
-    result = run("compare", "tiny.safetensors", "--perturb", "torch:no.such.tensor", cwd=workdir)
-    assert result.returncode == 2 and "no.such.tensor" in result.stderr
+    assert result.returncode == EXIT_USAGE == 2 and result.stdout == ""
+    assert result.stderr.startswith("transformer-reference: error: checkpoint 'missing.safetensors'")
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_bench_reports_json_and_a_bar_chart(workdir):
@@ -107,5 +118,191 @@ def test_plots_are_written(workdir):
     for name in ("pe.png", "attention.png"):
         png = (workdir / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5_000
-    bad = run("plot", "attention", "tiny.safetensors", "--head", "9", cwd=workdir)
-    assert bad.returncode == 2 and "head must be in [0, 4)" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- error paths, in-process
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``main(args)`` in this process: (exit status, stdout, stderr)."""
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def in_workdir(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    return workdir
+
+
+def refuse_backend_work(names, *_):
+    pytest.fail(f"a backend was loaded ({names}) although the command line was wrong")
+
+
+# (arguments, the flag or argument the message must name); each must fail before any backend loads
+USAGE_ERRORS = [
+    (["compare", "tiny.safetensors", "--backends", ""], "--backends"),
+    (["compare", "tiny.safetensors", "--backends", " , "], "--backends"),
+    (["compare", "tiny.safetensors", "--backends", "numpy,pytorch"], "--backends"),
+    (["compare", "tiny.safetensors", "--plot", "no/such/directory/errors.png"], "--plot"),
+    (["compare", "tiny.safetensors", "--plot", "."], "--plot"),
+    (["compare", "tiny.safetensors", "--plot", "errors.txt"], "--plot"),
+    (["compare", "tiny.safetensors", "--perturb", "torch"], "--perturb"),
+    (["compare", "tiny.safetensors", "--perturb", "torch:no.such.tensor"], "--perturb"),
+    (["bench", "--batch", "0"], "--batch"),
+    (["bench", "--batch", "-2"], "--batch"),
+    (["bench", "--batch", "two"], "--batch"),
+    (["bench", "--src-len", "0"], "--src-len"),
+    (["bench", "--tgt-len", "-1"], "--tgt-len"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--decode-tokens", "0"], "--decode-tokens"),
+    (["bench", "--decode-tokens", "50"], "--decode-tokens"),     # budget = source length + 50 >= 51
+    (["bench", "--preset", "tiny", "--src-len", str(TINY.max_len + 1), "--tgt-len", "4", "--decode-tokens", "60"],
+     "--src-len"),
+    (["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", str(TINY.max_len + 1)],
+     "--decode-tokens"),
+    (["bench", "--preset", "huge"], "--preset"),
+    (["bench", "--backends", ""], "--backends"),
+    (["bench", "--plot", "no/such/directory/bench.png"], "--plot"),
+    (["plot", "pe", "--length", "0"], "--length"),
+    (["plot", "pe", "--d-model", "7"], "--d-model"),
+    (["plot", "pe", "--d-model", "0"], "--d-model"),
+    (["plot", "pe", "--out", "no/such/directory/pe.png"], "--out"),
+    (["plot", "attention", "tiny.safetensors", "--layer", "-1"], "--layer"),
+    (["plot", "attention", "tiny.safetensors", "--layer", str(TINY.n_encoder_layers)], "--layer"),
+    (["plot", "attention", "tiny.safetensors", "--kind", "decoder_self", "--layer", str(TINY.n_decoder_layers)],
+     "--layer"),
+    (["plot", "attention", "tiny.safetensors", "--head", "-1"], "--head"),
+    (["plot", "attention", "tiny.safetensors", "--head", str(TINY.n_heads)], "--head"),
+    (["plot", "attention", "tiny.safetensors", "--out", "attention"], "--out"),
+    (["plot", "attention", "tiny.safetensors", "--backends", "numpy,nope"], "--backends"),
+    (["init", "new.safetensors", "--seed", "-1"], "--seed"),
+    (["init", "new.safetensors", "--preset", "huge"], "--preset"),
+    (["init", "no/such/directory/new.safetensors"], "OUT"),
+    (["init", "."], "OUT"),
+]
+
+
+@pytest.mark.parametrize("args, flag", USAGE_ERRORS, ids=[" ".join(args[:2]) + f" {flag}#{number}"
+                                                           for number, (args, flag) in enumerate(USAGE_ERRORS)])
+def test_a_usage_error_names_its_flag_before_any_work(args, flag, in_workdir, monkeypatch, capsys):
+    monkeypatch.setattr(backends, "load", refuse_backend_work)
+    status, out, err = cli(capsys, *args)
+    assert status == EXIT_USAGE, err
+    assert "Traceback" not in err and out == ""
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("transformer-reference") and "error: " in last and flag in last, err
+    assert not (in_workdir / "new.safetensors").exists()
+
+
+def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
+    """Requested backends none of which is installed compare nothing: an error, never agreement."""
+    monkeypatch.setitem(backends.BACKENDS, "torch", ("transformer_torch.backend", "no_such_framework_here", "torch"))
+    for args in (["compare", "tiny.safetensors", "--backends", "torch"],
+                 ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
+                  "--backends", "torch"],
+                 ["plot", "attention", "tiny.safetensors", "--backends", "torch"]):
+        status, out, err = cli(capsys, *args)
+        assert status == EXIT_USAGE and out == "" and "Traceback" not in err, err
+        assert err.startswith("transformer-reference: error: --backends: none of the requested backends is installed")
+        assert "torch: not installed" in err
+    status, out, err = cli(capsys, "compare", "tiny.safetensors", "--backends", "numpy",
+                           "--perturb", "jax:src_embed.weight")
+    assert status == EXIT_USAGE and out == "" and "--perturb names backend 'jax'" in err
+    assert compare_module.Report("nothing", TINY, runs=[], missing=[]).ok is False
+
+
+def test_init_never_replaces_a_file_without_force(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    trained = tmp_path / "trained.safetensors"
+    trained.write_bytes(b"weights that took a week")
+    dangling = tmp_path / "link.safetensors"
+    dangling.symlink_to(tmp_path / "elsewhere.safetensors")
+    for name in ("trained.safetensors", "link.safetensors"):
+        status, out, err = cli(capsys, "init", name)
+        assert status == EXIT_USAGE and out == "" and "Traceback" not in err
+        assert err == f"transformer-reference: error: {name!r} already exists; pass --force to replace it\n"
+    assert trained.read_bytes() == b"weights that took a week"
+    assert dangling.is_symlink() and not (tmp_path / "elsewhere.safetensors").exists()
+    status, out, err = cli(capsys, "init", "trained.safetensors", "--force", "--seed", "4")
+    assert status == EXIT_OK and out.startswith("wrote trained.safetensors"), err
+    config, params = load_checkpoint(trained)
+    expected = init_params(TINY, seed=4, dtype=np.float32)
+    assert config == TINY and all(np.array_equal(params[name], value) for name, value in expected.items())
+
+
+def huge_checkpoint(path: Path, scale: float, dtype, prefix: str = "") -> str:
+    """The tiny checkpoint with every matrix whose name starts with ``prefix`` scaled by ``scale``."""
+    params = init_params(TINY, seed=0, dtype=dtype)
+    save_checkpoint(path, TINY, {name: value * dtype(scale) if value.ndim == 2 and name.startswith(prefix) else value
+                                 for name, value in params.items()})
+    return str(path)
+
+
+def test_a_non_finite_stage_is_named_not_printed_as_a_number(tmp_path, capsys):
+    """Decoder matrices scaled by 1e20 in float32: the decoder's queries and keys are ~1e20, their
+    dot products ~1e40 overflow float32's 3.4e38, and the softmax of inf - inf is NaN; the
+    encoder and the target embedding never touch those matrices and stay finite and in bound.
+    float64 (max 1.8e308) computes the same model finitely, so the oracle exists."""
+    path = huge_checkpoint(tmp_path / "huge.safetensors", 1e20, np.float32, prefix="decoder.")
+
+    def reject(constant):
+        raise AssertionError(f"--json printed a bare {constant}, which is not JSON")
+
+    status, out, err = cli(capsys, "compare", path, "--backends", "numpy", "--json")
+    assert status == EXIT_DISAGREEMENT and "Traceback" not in err, err
+    report = json.loads(out, parse_constant=reject)
+    (run,) = report["runs"]
+    assert (run["backend"], run["dtype"], run["ok"], report["ok"]) == ("numpy", "float32", False, False)
+    assert run["first_non_finite_stage"] == run["first_failing_stage"] == "decoder.layers.0"
+    stages = {stage["stage"]: stage for stage in run["stages"]}
+    for name in ("src_embed", "encoder.layers.0", "encoder.layers.1", "encoder", "tgt_embed"):
+        assert stages[name]["ok"] and stages[name]["non_finite"] is None and stages[name]["max_abs_error"] >= 0
+    assert stages["decoder.layers.0"]["non_finite"] == "nan" and stages["decoder.layers.0"]["max_abs_error"] is None
+
+    status, out, _ = cli(capsys, "compare", path, "--backends", "numpy")
+    assert status == EXIT_DISAGREEMENT
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert rows["decoder.layers.0"].split()[1:] == ["nan", "in", "output!"]
+    assert re.search(r"^first non-finite\s+decoder\.layers\.0$", out, re.M)
+    assert "first gives non-finite values (NaN or inf) at decoder.layers.0" in out
+    assert "SOME BACKENDS DISAGREE" in out and "agree with the reference" not in out
+
+
+def test_a_checkpoint_that_overflows_float64_is_an_input_error(tmp_path, capsys):
+    """Matrices scaled by 1e200: products of two of them (~1e400) overflow even float64, so there
+    is no reference to compare against."""
+    path = huge_checkpoint(tmp_path / "huge64.safetensors", 1e200, np.float64)
+    status, out, err = cli(capsys, "compare", path, "--backends", "numpy")
+    assert status == EXIT_USAGE and out == "" and "Traceback" not in err
+    assert err.startswith("transformer-reference: error: the float64 reference itself gives nan at stage encoder.")
+
+
+def test_user_errors_are_one_line_and_bugs_keep_their_traceback(in_workdir, monkeypatch, capsys):
+    def full_disk(*_):
+        raise OSError(28, "No space left on device", "new.safetensors")
+
+    monkeypatch.setattr(cli_main, "save_checkpoint", full_disk)
+    status, out, err = cli(capsys, "init", "new.safetensors")
+    assert status == EXIT_USAGE and "Traceback" not in err
+    assert err == "transformer-reference: error: [Errno 28] No space left on device: 'new.safetensors'\n"
+
+    def bug(*_, **__):
+        raise RuntimeError("a planted internal bug")
+
+    monkeypatch.setattr(compare_module, "compare", bug)
+    status, out, err = cli(capsys, "compare", "tiny.safetensors", "--backends", "numpy")
+    assert status == EXIT_INTERNAL and out == ""
+    assert "Traceback" in err and "RuntimeError: a planted internal bug" in err
+    assert err.strip().splitlines()[-1].startswith("transformer-reference: internal error")
+
+
+def test_exit_codes_are_documented(capsys):
+    readme = (ROOT / "README.md").read_text()
+    for args in (["--help"], ["compare", "--help"]):
+        status, out, _ = cli(capsys, *args)
+        assert status == EXIT_OK
+        for code in (EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL):
+            assert re.search(rf"^  {code}  \S", out, re.M), out
+            assert re.search(rf"^\| `{code}` \| \S", readme, re.M)
+    assert (EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL) == (0, 1, 2, 3)

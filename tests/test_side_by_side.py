@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from transformer_cli import side_by_side
+from transformer_cli.main import main
 from transformer_cli.side_by_side import BACKENDS, CONCEPTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,13 +119,13 @@ def test_the_page_is_self_contained_and_the_same_each_time(page):
 
 
 def test_the_command_writes_the_page_and_never_replaces_a_foreign_file(tmp_path, page, capsys):
-    assert side_by_side.main(["--out", str(tmp_path / "new")]) == 0
+    assert main(["side-by-side", "--out", str(tmp_path / "new")]) == 0
     written = tmp_path / "new" / "side-by-side.html"
     assert written.read_text() == page and f"wrote {written}" in capsys.readouterr().out
-    assert side_by_side.main(["--out", str(tmp_path / "new")]) == 0                # its own page: replaced
+    assert main(["side-by-side", "--out", str(tmp_path / "new")]) == 0                # its own page: replaced
     foreign = tmp_path / "side-by-side.html"
     foreign.write_text("<p>my notes</p>")
-    assert side_by_side.main(["--out", str(tmp_path)]) == 2
+    assert main(["side-by-side", "--out", str(tmp_path)]) == 2
     assert "was not written by transformer-reference side-by-side" in capsys.readouterr().err
     assert foreign.read_text() == "<p>my notes</p>"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "side-by-side.html"]  # no temporary left

@@ -23,16 +23,18 @@ def attention_by_backend(checkpoint, layer: int, head: int, kind: str, src_text:
                          tgt_text: str | None, names: tuple[str, ...]):
     """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row."""
     config, params = default_checkpoint() if checkpoint is None else load_checkpoint(checkpoint, dtype=np.float64)
+    layers = config.n_encoder_layers if kind == "encoder" else config.n_decoder_layers
+    if not 0 <= layer < layers:
+        raise ValueError(f"--layer must be in [0, {layers}) for {kind} attention in this checkpoint, got {layer}")
     if not 0 <= head < config.n_heads:
-        raise ValueError(f"head must be in [0, {config.n_heads}), got {head}")
+        raise ValueError(f"--head must be in [0, {config.n_heads}), got {head}")
     defaults = compare_inputs(config)
     src = parse_tokens(src_text, "src")
     tgt = parse_tokens(tgt_text, "tgt")
     src = defaults["src"][:1] if src is None else src
     tgt = defaults["tgt"][:1] if tgt is None else tgt
     adapters, missing = backends.load(names)
-    if not adapters:
-        raise ValueError("none of the requested backends is installed: " + "; ".join(m.reason for m in missing))
+    backends.require_any(names, adapters, missing)
     weights = {}
     for adapter in adapters.values():
         model = adapter.build(config, params, "float64", "cpu")

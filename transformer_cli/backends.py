@@ -38,3 +38,10 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
             continue
         adapters[name] = importlib.import_module(module)
     return adapters, missing
+
+
+def require_any(names: tuple[str, ...], adapters: dict[str, ModuleType], missing: list[Missing]) -> None:
+    """Refuse a request of which no backend is installed: a run that compares nothing must fail."""
+    if not any(name in adapters for name in names):
+        reasons = "; ".join(f"{m.name}: {m.reason}" for m in missing if m.name in names) or "none requested"
+        raise ValueError(f"--backends: none of the requested backends is installed ({reasons})")

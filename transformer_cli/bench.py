@@ -149,11 +149,13 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
           progress=None) -> BenchReport:
     """Time every installed backend (float32, first device of each) on one seeded checkpoint."""
     config = TransformerConfig.preset(preset)
-    if max(src_len, tgt_len, decode_tokens) > config.max_len:
-        raise ValueError(f"lengths must not exceed the preset's max_len ({config.max_len})")
+    for flag, length in (("--src-len", src_len), ("--tgt-len", tgt_len), ("--decode-tokens", decode_tokens)):
+        if length > config.max_len:
+            raise ValueError(f"{flag} {length} exceeds the {preset} preset's max_len ({config.max_len})")
+    adapters, missing = backends.load(tuple(names))
+    backends.require_any(tuple(names), adapters, missing)
     params = init_params(config, seed=0, dtype=np.float32)
     src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens)
-    adapters, missing = backends.load(tuple(names))
     tasks = []
     for adapter in adapters.values():
         tasks.append((adapter, "forward"))

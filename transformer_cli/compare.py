@@ -28,6 +28,7 @@ class StageResult:
     max_relative_error: float
     bound: float
     ok: bool
+    non_finite: str | None = None   # "nan" or "inf" when the backend's output holds such values
 
 
 @dataclass
@@ -46,8 +47,13 @@ class Run:
         return next((result.stage for result in self.stages if not result.ok), None)
 
     @property
+    def first_non_finite_stage(self) -> str | None:
+        return next((result.stage for result in self.stages if result.non_finite), None)
+
+    @property
     def ok(self) -> bool:
-        return self.error is None and self.first_failing_stage is None and self.greedy_identical is not False
+        return (self.error is None and self.first_failing_stage is None and self.first_non_finite_stage is None
+                and self.greedy_identical is not False)
 
     @property
     def label(self) -> str:
@@ -63,18 +69,38 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(run.ok for run in self.runs)
+        """Every run agrees -- and there was at least one: comparing nothing is not agreement."""
+        return bool(self.runs) and all(run.ok for run in self.runs)
 
     def to_json(self) -> dict:
-        return {
+        """Plain JSON values; a NaN or infinite error or bound becomes null (JSON has no NaN)."""
+        return finite_or_null({
             "checkpoint": self.source,
             "config": self.config.to_dict(),
             "policy": {"float64_relative": tolerance.FLOAT64_RELATIVE, "float32_factor": tolerance.FLOAT32_FACTOR},
             "ok": self.ok,
-            "runs": [{**asdict(run), "first_failing_stage": run.first_failing_stage, "ok": run.ok}
-                     for run in self.runs],
+            "runs": [{**asdict(run), "first_failing_stage": run.first_failing_stage,
+                      "first_non_finite_stage": run.first_non_finite_stage, "ok": run.ok} for run in self.runs],
             "missing": [asdict(missing) for missing in self.missing],
-        }
+        })
+
+
+def finite_or_null(value):
+    """``value`` with every non-finite float inside it replaced by None."""
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite_or_null(item) for item in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def non_finite_kind(array: np.ndarray) -> str | None:
+    """"nan" if ``array`` holds a NaN, else "inf" if it holds an infinity, else None."""
+    if np.isnan(array).any():
+        return "nan"
+    return "inf" if np.isinf(array).any() else None
 
 
 def default_checkpoint() -> tuple[TransformerConfig, dict[str, np.ndarray]]:
@@ -108,13 +134,20 @@ class Oracle:
 
 
 def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], inputs: dict) -> Oracle:
+    """The float64 reference's stages must be finite: a checkpoint that overflows even float64
+    leaves nothing to compare against (an input error). The float32 reference may overflow; the
+    float32 runs then fail at that stage."""
     model64, model32 = reference.build(config, params, "float64"), reference.build(config, params, "float32")
+    stages64 = reference.forward(model64, **inputs)
+    for name, stage in stages64.items():
+        if non_finite_kind(stage):
+            raise ValueError(f"the float64 reference itself gives {non_finite_kind(stage)} at stage {name}: "
+                             "the checkpoint's weights are out of range, there is nothing to compare against")
     margins: list = []
     tokens = greedy_decode(model64, inputs["src"], margins)
     forced = np.concatenate([np.full((len(tokens), 1), config.bos_id), tokens[:, :-1]], axis=1)
     bound = tolerance.float32_bound(model64(inputs["src"], forced), model32(inputs["src"], forced))
-    return Oracle(reference.forward(model64, **inputs), reference.forward(model32, **inputs), tokens,
-                  np.stack(margins, axis=1), bound)
+    return Oracle(stages64, reference.forward(model32, **inputs), tokens, np.stack(margins, axis=1), bound)
 
 
 def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:
@@ -138,8 +171,10 @@ def run_backend(adapter, device: str, dtype: str, config, params, inputs, oracle
             times.append(time.perf_counter() - start)
         run.forward_ms = 1e3 * statistics.median(times)
         for name, ref64 in oracle.stages64.items():
-            result = tolerance.agreement(np.asarray(stages[name]), ref64, oracle.stages32[name])
-            run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok))
+            stage = np.asarray(stages[name])
+            result = tolerance.agreement(stage, ref64, oracle.stages32[name])
+            run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok,
+                                          non_finite_kind(stage)))
         run.greedy_identical, run.greedy_note = greedy_verdict(np.asarray(adapter.greedy(model, inputs["src"])),
                                                                oracle, dtype, config.pad_id)
     except Exception as err:  # noqa: BLE001 - one backend's failure is reported, the others still run
@@ -168,7 +203,13 @@ def perturbed(params: dict[str, np.ndarray], tensor: str) -> dict[str, np.ndarra
 
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
             perturb: str | None = None, progress=None) -> Report:
-    """Run the comparison; ``progress`` wraps the list of runs (e.g. ``tqdm``)."""
+    """Run the comparison; ``progress`` wraps the list of runs (e.g. ``tqdm``).
+
+    The float32 NumPy reference always runs besides ``names``; a request of which nothing is
+    installed, or a ``perturb`` of a backend that does not run, is a ``ValueError``: a
+    comparison that compares nothing must not report agreement. NaN and inf are reported per
+    stage, so NumPy's own overflow warnings are silenced here.
+    """
     fault = parse_perturbation(perturb)
     if checkpoint is None:
         config, params = default_checkpoint()
@@ -178,13 +219,23 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
         source = str(checkpoint)
     if fault:
         perturbed(params, fault[1])                                            # validate the tensor name early
+    adapters, missing = backends.load(tuple(dict.fromkeys(("numpy", *names))))
+    backends.require_any(names, adapters, missing)
+    if fault and fault[0] not in adapters:
+        raise ValueError(f"--perturb names backend {fault[0]!r}, which does not run here "
+                         "(not in --backends, or not installed)")
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return Report(source, config, run_plan(adapters, config, params, fault, progress), missing)
+
+
+def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], fault, progress) -> list[Run]:
+    """Every adapter on every device in both dtypes (the reference in float32 only)."""
     inputs = compare_inputs(config)
     oracle = build_oracle(config, params, inputs)
-    adapters, missing = backends.load(("numpy", *names))
     plan = [(adapter, device, dtype) for adapter in adapters.values() for device in adapter.devices()
             for dtype in DTYPES if not (adapter.NAME == "numpy" and dtype == "float64")]
     runs = []
     for adapter, device, dtype in (progress(plan) if progress else plan):
         weights = perturbed(params, fault[1]) if fault and fault[0] == adapter.NAME else params
         runs.append(run_backend(adapter, device, dtype, config, weights, inputs, oracle))
-    return Report(source, config, runs, missing)
+    return runs

@@ -1,10 +1,13 @@
 """Entry point of ``transformer-reference``.
 
-    transformer-reference compare [CHECKPOINT] [--json] [--plot FILE.png]
+    transformer-reference compare [CHECKPOINT] [--backends torch,jax,tf] [--json] [--plot FILE.png]
     transformer-reference bench [--preset base] [--json] [--plot FILE.png]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--layer 0] [--head 0] [--kind encoder] [--out attention.png]
-    transformer-reference init OUT.safetensors [--preset tiny] [--seed 0]
+    transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
+
+Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
+sets ``run``, the function that carries it out and returns the exit status (:data:`EXIT_STATUS`).
 """
 
 from __future__ import annotations
@@ -13,64 +16,44 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 import numpy as np
 
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
+from reference_numpy.config import PRESETS
+from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 
-from . import backends
+from . import backends, side_by_side
+from .arguments import backend_names, image_file, integer, output_file
+
+PROG = "transformer-reference"
+EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_STATUS = f"""exit status:
+  {EXIT_OK}  success (compare: every backend agrees with the reference)
+  {EXIT_DISAGREEMENT}  compare: a backend breaks a bound, gives NaN/inf or fails to run
+  {EXIT_USAGE}  usage or input error: bad flag, bad checkpoint, nothing to compare, init
+     output exists; one line on stderr, no traceback
+  {EXIT_INTERNAL}  internal error: a bug, reported with its traceback"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="transformer-reference",
-                                     description="The Transformer of 'Attention Is All You Need' in NumPy, PyTorch, "
-                                                 "JAX/Flax and TensorFlow/Keras, checked against one reference.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def subcommand(commands, name: str, summary: str) -> argparse.ArgumentParser:
+    """Register one subcommand; its ``--help`` ends with the exit status table."""
+    return commands.add_parser(name, help=summary, description=summary, epilog=EXIT_STATUS,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    compare = commands.add_parser("compare", help="every installed backend vs the NumPy reference, stage by stage")
+
+def add_compare(commands) -> None:
+    compare = subcommand(commands, "compare", "every installed backend vs the NumPy reference, stage by stage")
     compare.add_argument("checkpoint", nargs="?", help="a shared safetensors checkpoint (default: seeded base preset)")
-    compare.add_argument("--backends", default=",".join(backends.PORTS),
-                         help=f"comma-separated subset of {','.join(backends.PORTS)} (default: all)")
+    compare.add_argument("--backends", type=backend_names, default=backends.PORTS,
+                         help=f"comma-separated subset of {','.join(backends.BACKENDS)} (default: every port; "
+                              "the float32 NumPy reference always runs)")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
-    compare.add_argument("--plot", metavar="FILE.png", help="draw the error per stage per backend")
+    compare.add_argument("--plot", metavar="FILE.png", type=image_file, help="draw the error per stage per backend")
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
-
-    bench = commands.add_parser("bench", help="time forward and greedy decoding of every installed backend")
-    bench.add_argument("--preset", default="base", help="base, big or tiny (default: base)")
-    bench.add_argument("--batch", type=int, default=8)
-    bench.add_argument("--src-len", type=int, default=128)
-    bench.add_argument("--tgt-len", type=int, default=128)
-    bench.add_argument("--decode-tokens", type=int, default=128, help="greedy decoding budget (batch 1)")
-    bench.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up (median)")
-    bench.add_argument("--no-uncached", action="store_true", help="skip the (slow) uncached decoding")
-    bench.add_argument("--backends", default=",".join(backends.BACKENDS))
-    bench.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench.add_argument("--plot", metavar="FILE.png", help="bar chart of achieved GFLOP/s")
-
-    plot = commands.add_parser("plot", help="draw the positional encoding or attention weights")
-    pictures = plot.add_subparsers(dest="picture", required=True)
-    pe = pictures.add_parser("pe", help="heat map of the sinusoidal positional-encoding table (section 3.5)")
-    pe.add_argument("--length", type=int, default=100)
-    pe.add_argument("--d-model", type=int, default=512)
-    pe.add_argument("--out", default="pe.png")
-    attention = pictures.add_parser("attention", help="attention weights of one layer and head, per backend")
-    attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: seeded base preset)")
-    attention.add_argument("--layer", type=int, default=0)
-    attention.add_argument("--head", type=int, default=0)
-    attention.add_argument("--kind", default="encoder", choices=["encoder", "decoder_self", "decoder_cross"])
-    attention.add_argument("--src", help="source token ids, space-separated (default: a fixed sentence)")
-    attention.add_argument("--tgt", help="target token ids starting with bos (default: a fixed sentence)")
-    attention.add_argument("--backends", default=",".join(backends.BACKENDS),
-                           help="one backend, or several side by side (default: every installed one)")
-    attention.add_argument("--out", default="attention.png")
-
-    init = commands.add_parser("init", help="write a seeded checkpoint (docs/checkpoint-format.md)")
-    init.add_argument("out", help="output .safetensors path")
-    init.add_argument("--preset", default="tiny", help="base, big or tiny (default: tiny)")
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    return parser
+    compare.set_defaults(run=run_compare)
 
 
 def run_compare(args) -> int:
@@ -79,13 +62,30 @@ def run_compare(args) -> int:
     from .compare import compare
     from .report import format_table, plot_errors
 
-    report = compare(args.checkpoint, _names(args.backends), args.perturb,
+    report = compare(args.checkpoint, args.backends, args.perturb,
                      progress=lambda plan: tqdm(plan, desc="compare", unit="run", file=sys.stderr,
                                                 disable=args.json or not sys.stderr.isatty()))
-    print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
+    print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else format_table(report))
     if args.plot:
         plot_errors(report, args.plot)
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_DISAGREEMENT
+
+
+def add_bench(commands) -> None:
+    bench = subcommand(commands, "bench", "time forward and greedy decoding of every installed backend")
+    bench.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    bench.add_argument("--batch", type=integer(1), default=8)
+    bench.add_argument("--src-len", type=integer(1), default=128)
+    bench.add_argument("--tgt-len", type=integer(1), default=128)
+    bench.add_argument("--decode-tokens", type=integer(EXTRA_OUTPUT_LENGTH + 1), default=128,
+                       help=f"greedy decoding budget N (batch 1): a source of N - {EXTRA_OUTPUT_LENGTH} tokens "
+                            f"(section 6.1's budget is source length + {EXTRA_OUTPUT_LENGTH})")
+    bench.add_argument("--repeats", type=integer(1), default=3, help="timed repeats after the warm-up (median)")
+    bench.add_argument("--no-uncached", action="store_true", help="skip the (slow) uncached decoding")
+    bench.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS))
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
+    bench.set_defaults(run=run_bench)
 
 
 def run_bench(args) -> int:
@@ -94,13 +94,33 @@ def run_bench(args) -> int:
     from .bench import bench, format_bench, plot_bench
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
-                   _names(args.backends), args.repeats, not args.no_uncached,
+                   args.backends, args.repeats, not args.no_uncached,
                    progress=lambda tasks: tqdm(tasks, desc="bench", unit="task", file=sys.stderr,
                                                disable=args.json or not sys.stderr.isatty()))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if args.plot:
         plot_bench(report, args.plot)
-    return 0
+    return EXIT_OK
+
+
+def add_plot(commands) -> None:
+    plot = subcommand(commands, "plot", "draw the positional encoding or attention weights")
+    pictures = plot.add_subparsers(dest="picture", required=True)
+    pe = pictures.add_parser("pe", help="heat map of the sinusoidal positional-encoding table (section 3.5)")
+    pe.add_argument("--length", type=integer(1), default=100)
+    pe.add_argument("--d-model", type=integer(2, even=True), default=512)
+    pe.add_argument("--out", type=image_file, default="pe.png")
+    attention = pictures.add_parser("attention", help="attention weights of one layer and head, per backend")
+    attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: seeded base preset)")
+    attention.add_argument("--layer", type=integer(0), default=0)
+    attention.add_argument("--head", type=integer(0), default=0)
+    attention.add_argument("--kind", default="encoder", choices=["encoder", "decoder_self", "decoder_cross"])
+    attention.add_argument("--src", help="source token ids, space-separated (default: a fixed sentence)")
+    attention.add_argument("--tgt", help="target token ids starting with bos (default: a fixed sentence)")
+    attention.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS),
+                           help="one backend, or several side by side (default: every installed one)")
+    attention.add_argument("--out", type=image_file, default="attention.png")
+    plot.set_defaults(run=run_plot)
 
 
 def run_plot(args) -> int:
@@ -111,28 +131,57 @@ def run_plot(args) -> int:
     else:
         from .attention import attention_by_backend
         weights, query_tokens, key_tokens, title = attention_by_backend(
-            args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, _names(args.backends))
+            args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, args.backends)
         plots.plot_attention(weights, query_tokens, key_tokens, title, args.out)
     print(f"wrote {args.out}")
-    return 0
+    return EXIT_OK
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name for name in text.split(",") if name)
+def add_init(commands) -> None:
+    init = subcommand(commands, "init", "write a seeded checkpoint (docs/checkpoint-format.md)")
+    init.add_argument("out", metavar="OUT", type=output_file, help="output .safetensors path")
+    init.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    init.add_argument("--seed", type=integer(0), default=0)
+    init.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    init.add_argument("--force", action="store_true", help="replace OUT if it exists (it is kept otherwise)")
+    init.set_defaults(run=run_init)
 
 
 def run_init(args) -> int:
+    if os.path.lexists(args.out) and not args.force:
+        raise ValueError(f"{args.out!r} already exists; pass --force to replace it")
     config = TransformerConfig.preset(args.preset)
     save_checkpoint(args.out, config, init_params(config, seed=args.seed, dtype=np.dtype(args.dtype)))
     print(f"wrote {args.out}: {args.preset} preset, seed {args.seed}, {args.dtype}")
-    return 0
+    return EXIT_OK
+
+
+COMMANDS = (add_compare, add_bench, add_plot, add_init, side_by_side.add_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="The Transformer of 'Attention Is All You Need' in NumPy, PyTorch, "
+                                                 "JAX/Flax and TensorFlow/Keras, checked against one reference.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(commands)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit status (:data:`EXIT_STATUS`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow info logs (all but its pre-init oneDNN notice)
-    args = build_parser().parse_args(argv)
     try:
-        return {"compare": run_compare, "bench": run_bench, "plot": run_plot, "init": run_init}[args.command](args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:                          # --help, or a usage error argparse has printed
+        return stop.code
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as err:                # a user's mistake: bad value, file or path
+        print(f"{PROG}: error: {(str(err) or type(err).__name__).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception:  # noqa: BLE001 - anything else is a bug: keep its traceback
+        traceback.print_exc()
+        print(f"{PROG}: internal error (a bug; the traceback above says where)", file=sys.stderr)
+        return EXIT_INTERNAL

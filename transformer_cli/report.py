@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from reference_numpy import tolerance
 
 from .compare import Report
@@ -17,9 +19,10 @@ def _cell(text: str) -> str:
 def format_table(report: Report) -> str:
     """Rows are stages (in the order the data flows), columns are backend/device/dtype runs.
 
-    Each stage cell shows "max abs / max rel" error against the float64 reference; a "!" marks
-    an error above the bound. Footer rows: worst error/bound, first stage over the bound, greedy
-    tokens identical, forward time.
+    Each stage cell shows "max abs / max rel" error against the float64 reference, or "nan in
+    output" / "inf in output" when the backend's output there is not finite; a "!" marks an error
+    above the bound. Footer rows: worst error/bound, first stage over the bound, first non-finite
+    stage, greedy tokens identical, forward time.
     """
     runs = report.runs
     stages = list(next((run.stages for run in runs if run.stages), []))
@@ -36,13 +39,16 @@ def format_table(report: Report) -> str:
                 continue
             result = run.stages[index]
             mark = "!" if not result.ok else " "
-            cells.append(_cell(f"{result.max_abs_error:.1e} / {result.max_relative_error:.1e}{mark}"))
+            error = f"{result.non_finite} in output" if result.non_finite else \
+                f"{result.max_abs_error:.1e} / {result.max_relative_error:.1e}"
+            cells.append(_cell(error + mark))
         lines.append(f"{stage.stage:<{STAGE_WIDTH}}" + "".join(cells))
     lines.append("")
     footer = {
-        "worst error/bound": lambda run: f"{max((s.max_abs_error / s.bound for s in run.stages), default=0):.3f}"
-        if run.stages else "-",
+        "worst error/bound": lambda run: f"{np.max([s.max_abs_error / s.bound for s in run.stages]):.3f}"
+        if run.stages else "-",                                              # NaN wins: np.max propagates it
         "first over bound": lambda run: run.first_failing_stage or "-",
+        "first non-finite": lambda run: run.first_non_finite_stage or "-",
         "greedy identical": lambda run: "-" if run.greedy_identical is None else
         ("yes" + ("*" if run.greedy_note else "") if run.greedy_identical else "NO"),
         "forward ms": lambda run: "-" if run.forward_ms is None else f"{run.forward_ms:.1f}",
@@ -51,10 +57,13 @@ def format_table(report: Report) -> str:
     for name, describe in footer.items():
         lines.append(f"{name:<{STAGE_WIDTH}}" + "".join(_cell(describe(run)) for run in runs))
     notes = [f"{run.label}: {run.error}" for run in runs if run.error]
-    notes += [f"{run.label}: * {run.greedy_note}" for run in runs if run.greedy_note]
+    notes += [f"{run.label}: {'*' if run.greedy_identical else 'greedy tokens:'} {run.greedy_note}" for run in runs
+              if run.greedy_note]
     notes += [f"{missing.name}: {missing.reason}" for missing in report.missing]
     failing = [f"{run.label} first exceeds its bound at {run.first_failing_stage}" for run in runs
                if run.first_failing_stage]
+    failing += [f"{run.label} first gives non-finite values (NaN or inf) at {run.first_non_finite_stage}"
+                for run in runs if run.first_non_finite_stage]
     lines += [""] + notes + failing if notes or failing else []
     lines.append("")
     lines.append("all backends agree with the reference" if report.ok else "SOME BACKENDS DISAGREE (see above)")

@@ -21,7 +21,6 @@ import ast
 import html
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,26 +312,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    """Write the page into ``args.out``; exit status 0, or 2 without Pygments."""
+    """Write the page into ``args.out``; exit status 0."""
     try:
         path = write_page(args.out)
     except ModuleNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise ValueError(f"side-by-side needs Pygments ({err}); install the cli extra") from None
     print(f"wrote {path}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m transformer_cli.side_by_side --out DIR``, the same as the subcommand."""
-    parser = argparse.ArgumentParser(prog="transformer-reference")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    try:
-        return run(parser.parse_args(["side-by-side", *(sys.argv[1:] if argv is None else argv)]))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

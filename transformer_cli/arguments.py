@@ -1,0 +1,59 @@
+"""Argument types of ``transformer-reference``: each checks one flag's value while the command
+line is parsed, before any work, so that a mistake is a usage error naming the flag (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from . import backends
+
+
+def integer(minimum: int, even: bool = False):
+    """An int flag of at least ``minimum`` (and even, if asked)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if even and value % 2:
+            raise argparse.ArgumentTypeError(f"must be even, got {value}")
+        return value
+    return parse
+
+
+def backend_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of known backends, at least one."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no backend; choose from {', '.join(backends.BACKENDS)}")
+    unknown = [name for name in names if name not in backends.BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}; choose from {', '.join(backends.BACKENDS)}")
+    return names
+
+
+def output_file(text: str) -> str:
+    """A file path that can be written: not a directory, in an existing writable directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    directory = path.parent
+    if not directory.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(directory)!r} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
+
+
+def image_file(text: str) -> str:
+    """An :func:`output_file` whose suffix names a picture format matplotlib writes."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(text).suffix.lower().lstrip(".") not in formats:
+        raise argparse.ArgumentTypeError(f"{text!r} does not end in a picture format matplotlib writes "
+                                         f"({', '.join(sorted(formats))})")
+    return output_file(text)
