@@ -4,6 +4,8 @@ The reference *defines* the math that the PyTorch, JAX/Flax and TensorFlow/Keras
 checked against. It imports nothing but NumPy (and the NumPy side of safetensors for I/O).
 """
 
+__version__ = "0.1.0"  # the distribution's one version: pyproject.toml and every package read it here
+
 from .checkpoint import (FORMAT_VERSION, count_parameters, init_params, load_checkpoint,
                          parameter_shapes, save_checkpoint, validate_params)
 from .config import PRESETS, TransformerConfig

@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,6 +33,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from reference_numpy.config import TransformerConfig  # noqa: E402
+from transformer_cli.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, measure, timed  # noqa: E402
 from transformer_jax import greedy_decode  # noqa: E402
 from transformer_jax.device import PRECISION  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
@@ -48,35 +46,12 @@ FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
                 "  (causal attention counted in full: the masked scores are computed)")
 
 
-def forward_flops(config: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> int:
-    d, f, v = config.d_model, config.d_ff, config.tgt_vocab_size
-    encoder = config.n_encoder_layers * batch * src_len * (8 * d * d + 4 * d * f + 4 * src_len * d)
-    decoder = (config.n_decoder_layers * batch * tgt_len * (8 * d * d + 4 * tgt_len * d + 4 * d * d
-                                                            + 4 * src_len * d + 4 * d * f)
-               + config.n_decoder_layers * batch * src_len * 4 * d * d)
-    return encoder + decoder + batch * tgt_len * 2 * d * v
-
-
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """(first call, median of ``repeats`` further calls), seconds; ``fn`` must block until done."""
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
-
-
-def matmul_rate(n: int, repeats: int) -> float:
-    """Measured float32 GFLOP/s of one jitted n x n matmul."""
+def jax_product(n: int):
+    """One jitted float32 n x n matmul (at the port's precision), blocking until done."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=PRECISION))
-    _, seconds = timed(lambda: matmul(a, b).block_until_ready(), repeats)
-    return 2 * n ** 3 / seconds / 1e9
+    return lambda: matmul(a, b).block_until_ready()
 
 
 def bench_forward(model: Transformer, batch: int, length: int, repeats: int) -> dict:
@@ -86,33 +61,25 @@ def bench_forward(model: Transformer, batch: int, length: int, repeats: int) -> 
     tgt = jnp.asarray(rng.integers(3, config.tgt_vocab_size, (batch, length))).at[:, 0].set(config.bos_id)
     graphdef, state = nnx.split(model)
     run = jax.jit(lambda state, src, tgt: nnx.merge(graphdef, state)(src, tgt))
-    start = time.perf_counter()
-    compiled = run.lower(state, src, tgt).compile()
-    compile_s = time.perf_counter() - start
+    compile_s, compiled = timed(lambda: run.lower(state, src, tgt).compile())
     out = compiled(state, src, tgt)
     assert out.dtype == jnp.float32 and out.shape == (batch, length, config.tgt_vocab_size)
-    _, seconds = timed(lambda: compiled(state, src, tgt).block_until_ready(), repeats)
+    seconds = measure(lambda: compiled(state, src, tgt).block_until_ready(), repeats).median
     flops = forward_flops(config, batch, length, length)
-    return {"compile_s": compile_s, "seconds": seconds, "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
+    return {"compile_s": compile_s, "seconds": seconds, "gflop": flops / 1e9, "gflops": gflop_rate(flops, seconds)}
 
 
 def bench_greedy(model: Transformer, tokens: int, use_cache: bool, repeats: int) -> dict:
     src = np.random.default_rng(1).integers(3, model.config.src_vocab_size, (1, tokens - 50))
-    first, seconds = timed(lambda: greedy_decode(model, src, use_cache), repeats)
-    emitted = greedy_decode(model, src, use_cache).shape[1]
+    timing = measure(lambda: greedy_decode(model, src, use_cache), repeats)
+    emitted = timing.result.shape[1]
     if emitted != tokens:
         raise RuntimeError(f"decoding stopped after {emitted} of {tokens} tokens")
-    return {"first_s": first, "seconds": seconds, "ms_per_token": 1e3 * seconds / tokens}
+    return {"first_s": timing.first, "seconds": timing.median, "ms_per_token": 1e3 * timing.median / tokens}
 
 
 def machine() -> list[str]:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-                          if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model_name = platform.processor() or "unknown"
-    return [f"CPU: {model_name}, {os.cpu_count()} logical cores visible (shared with other jobs)",
+    return [f"CPU: {cpu_name()}, {os.cpu_count()} logical cores visible (shared with other jobs)",
             f"JAX devices: {', '.join(str(d) for d in jax.devices())}",
             f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
             f"flax {flax.__version__}, numpy {np.__version__}",
@@ -133,7 +100,7 @@ def main() -> None:
     embedding[...] = embedding[...].at[config.eos_id].set(0.0)      # logit 0: never the argmax here
 
     print("\n".join(machine()))
-    rate = matmul_rate(n, repeats)
+    rate = matmul_rate(jax_product(n), n, repeats)
     print(f"\nfloat32 matmul {n}x{n} @ {n}x{n}: {rate:.1f} GFLOP/s")
 
     fwd = bench_forward(model, batch, length, repeats)

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,6 +29,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
+from transformer_cli.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, measure, timed  # noqa: E402
 from transformer_tf.model import compiled_forward  # noqa: E402
 
 FORWARD_FLOPS = ("2 x multiply-adds of every matmul, masked attention entries included:\n"
@@ -39,29 +38,11 @@ FORWARD_FLOPS = ("2 x multiply-adds of every matmul, masked attention entries in
                  "  output   2 B T D V")
 
 
-def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def matmul_rate(n: int, repeats: int) -> float:
-    """GFLOP/s of an n x n float32 matmul (2 n^3 FLOPs), median after one warm-up run."""
+def tf_product(n: int):
+    """One float32 n x n ``tf.matmul`` in a ``tf.function``, blocking until done."""
     a, b = (tf.random.stateless_uniform((n, n), seed=(s, 0)) for s in (1, 2))
     matmul = tf.function(tf.matmul)
-    matmul(a, b).numpy()
-    return 2 * n ** 3 / statistics.median(timed(lambda: matmul(a, b).numpy(), repeats)) / 1e9
-
-
-def forward_flops(cfg: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> float:
-    b, s, t, d, f, v = batch, src_len, tgt_len, cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
-    encoder = cfg.n_encoder_layers * (8 * b * s * d * d + 4 * b * s * s * d + 4 * b * s * d * f)
-    decoder = cfg.n_decoder_layers * (8 * b * t * d * d + 4 * b * t * t * d + 4 * b * t * d * d
-                                      + 4 * b * s * d * d + 4 * b * t * s * d + 4 * b * t * d * f)
-    return encoder + decoder + 2 * b * t * d * v
+    return lambda: matmul(a, b).numpy()
 
 
 def bench_forward(model, cfg, batch: int, length: int, repeats: int, jit_compile: bool | None) -> dict:
@@ -69,32 +50,23 @@ def bench_forward(model, cfg, batch: int, length: int, repeats: int, jit_compile
     src = rng.integers(3, cfg.src_vocab_size, (batch, length))
     tgt = rng.integers(3, cfg.tgt_vocab_size, (batch, length))
     forward = compiled_forward(model, jit_compile=jit_compile)
-    trace = timed(lambda: forward(src, tgt).numpy(), 1)[0]
-    forward(src, tgt).numpy()                                            # warm-up
-    median = statistics.median(timed(lambda: forward(src, tgt).numpy(), repeats))
+    trace, _ = timed(lambda: forward(src, tgt).numpy())
+    median = measure(lambda: forward(src, tgt).numpy(), repeats).median      # after a warm-up call
     flops = forward_flops(cfg, batch, length, length)
-    return {"trace": trace, "median": median, "gflop": flops / 1e9, "rate": flops / median / 1e9}
+    return {"trace": trace, "median": median, "gflop": flops / 1e9, "rate": gflop_rate(flops, median)}
 
 
 def bench_greedy(model, cfg, tokens: int, use_cache: bool, repeats: int) -> dict:
     """One sentence whose output budget is ``tokens`` (source length = tokens - 50)."""
     src = np.random.default_rng(1).integers(3, cfg.src_vocab_size, (1, tokens - EXTRA_OUTPUT_LENGTH))
-    first = timed(lambda: transformer_tf.greedy_decode(model, src, use_cache=use_cache), 1)[0]
-    times = timed(lambda: transformer_tf.greedy_decode(model, src, use_cache=use_cache), repeats)
-    produced = transformer_tf.greedy_decode(model, src, use_cache=use_cache).shape[1]
-    return {"first": first, "median": statistics.median(times), "produced": produced}
+    timing = measure(lambda: transformer_tf.greedy_decode(model, src, use_cache=use_cache), repeats)
+    return {"first": timing.first, "median": timing.median, "produced": timing.result.shape[1]}
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = tf.config.list_physical_devices("GPU")
-    return (f"{cpu}, {cores} usable cores, {len(gpus)} GPU; Python {platform.python_version()}, "
+    return (f"{cpu_name()}, {cores} usable cores, {len(gpus)} GPU; Python {platform.python_version()}, "
             f"TensorFlow {tf.__version__}, Keras {keras.__version__}, NumPy {np.__version__}")
 
 
@@ -108,7 +80,7 @@ def main() -> None:
     matmul_n = 1024 if args.quick else 2048
 
     print(f"machine: {machine()}")
-    peak = matmul_rate(matmul_n, repeats)
+    peak = matmul_rate(tf_product(matmul_n), matmul_n, repeats)
     print(f"float32 matmul {matmul_n}x{matmul_n}: {peak:.1f} GFLOP/s")
 
     model = transformer_tf.Transformer(cfg, dtype="float32")   # Keras initializers: timing only

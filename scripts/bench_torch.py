@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
+from transformer_cli.timing import cpu_name, decode_flops, forward_flops, gflop_rate, measure, timed  # noqa: E402
 from transformer_torch import checkpoint, interop  # noqa: E402
 from transformer_torch.decoding import DecoderCache, next_token_log_probs  # noqa: E402
 from transformer_torch.device import default_device, full_precision  # noqa: E402
@@ -46,57 +46,21 @@ STEP_FLOPS = ("cached step t FLOPs = 2 x [N_dec (6 B D^2 + 2 B t D + 2 B S D + 2
               "terms with T = t, plus B D V")
 
 
-def forward_flops(c: TransformerConfig, b: int, s: int, t: int) -> float:
-    d, f, v = c.d_model, c.d_ff, c.tgt_vocab_size
-    enc = c.n_encoder_layers * (4 * b * s * d * d + 2 * b * s * s * d + 2 * b * s * d * f)
-    return 2.0 * (enc + _decoder_macs(c, b, s, t) + b * t * d * v)
-
-
-def _decoder_macs(c: TransformerConfig, b: int, s: int, t: int) -> float:
-    d, f = c.d_model, c.d_ff
-    return c.n_decoder_layers * (6 * b * t * d * d + 2 * b * s * d * d + 2 * b * t * t * d + 2 * b * t * s * d
-                                 + 2 * b * t * d * f)
-
-
-def decode_flops(c: TransformerConfig, b: int, s: int, steps: int, cached: bool) -> float:
-    d, f, v = c.d_model, c.d_ff, c.tgt_vocab_size
-    if cached:
-        per_step = sum(c.n_decoder_layers * (6 * b * d * d + 2 * b * t * d + 2 * b * s * d + 2 * b * d * f)
-                       for t in range(1, steps + 1))
-        return 2.0 * (per_step + c.n_decoder_layers * 2 * b * s * d * d + steps * b * d * v)
-    return 2.0 * sum(_decoder_macs(c, b, s, t) + b * d * v for t in range(1, steps + 1))
-
-
-def timed(fn, repeats: int, warm_up=None) -> tuple[float, object]:
-    """Median wall time of ``repeats`` runs after a warm-up run (``warm_up``, default ``fn``),
-    and the last result."""
-    (warm_up or fn)()
-    times, result = [], None
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        result = fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
-def _sync() -> None:
+def synchronized(result):
+    """``result`` once the GPU, if any, has finished computing it (CUDA runs asynchronously)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    return result
 
 
 def forced_greedy(step, steps: int, bos: int, batch: int, device) -> list[float]:
     """Run ``steps`` greedy steps ignoring eos; returns each step's wall time."""
-    tgt = torch.full((batch, 1), bos, dtype=torch.long, device=device)
+    tgt = synchronized(torch.full((batch, 1), bos, dtype=torch.long, device=device))
     times = []
     for _ in range(steps):
-        _sync()
-        start = time.perf_counter()
-        token = step(tgt).argmax(dim=-1)
-        _sync()
-        times.append(time.perf_counter() - start)
-        tgt = torch.cat([tgt, token[:, None]], dim=1)
+        seconds, token = timed(lambda: synchronized(step(tgt).argmax(dim=-1)))
+        times.append(seconds)
+        tgt = synchronized(torch.cat([tgt, token[:, None]], dim=1))
     return times
 
 
@@ -111,10 +75,7 @@ def bench_lock():
 
 
 def machine() -> list[str]:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    return [f"CPU: {fields.get('Model name', platform.processor()).strip()}, "
-            f"{fields.get('CPU(s)', '?').strip()} logical CPUs visible",
+    return [f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs visible",
             f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}",
             f"torch threads: {torch.get_num_threads()}, device: {default_device()}"]
 
@@ -153,11 +114,12 @@ def main() -> None:
     rows = []
     with bench_lock(), torch.inference_mode():
         flops = forward_flops(config, batch, src_len, tgt_len)
-        ours, out_ours = timed(lambda: model(src, tgt), repeats)
-        theirs, out_theirs = timed(lambda: wrapper(src, tgt), repeats)
-        diff = float((out_ours - out_theirs).abs().max())
-        rows.append((f"forward B={batch} S={src_len} T={tgt_len}: port", ours, flops, ""))
-        rows.append(("forward: nn.Transformer (same weights)", theirs, flops, f"port/nn time ratio {ours / theirs:.2f}"))
+        ours = measure(lambda: synchronized(model(src, tgt)), repeats)
+        theirs = measure(lambda: synchronized(wrapper(src, tgt)), repeats)
+        diff = float((ours.result - theirs.result).abs().max())
+        ratio = ours.median / theirs.median
+        rows.append((f"forward B={batch} S={src_len} T={tgt_len}: port", ours.median, flops, ""))
+        rows.append(("forward: nn.Transformer (same weights)", theirs.median, flops, f"port/nn time ratio {ratio:.2f}"))
 
         memory = model.encode(dec_src, dec_mask)
         nn_memory = wrapper.encode(dec_src, dec_mask)
@@ -173,19 +135,19 @@ def main() -> None:
                 if name.startswith("nn") and steps != lengths[0]:
                     continue
                 run = lambda n: forced_greedy(make_step(), n, config.bos_id, decode_batch, device)
-                runs[name] = timed(lambda: run(steps), decode_repeats, warm_up=lambda: run(8))
-                seconds, step_times = runs[name]
+                runs[name] = measure(lambda: run(steps), decode_repeats, warm_up=lambda: run(8))
+                seconds, step_times = runs[name].median, runs[name].result
                 flops = decode_flops(config, decode_batch, src_len, steps, name == "port cached")
                 rows.append((f"greedy {steps} tokens, B={decode_batch}: {name}", seconds, flops,
                              f"{1e3 * seconds / steps:.2f} ms/token"))
                 per_token[(name, steps)] = step_times
-            speed_ups[steps] = runs["port uncached"][0] / runs["port cached"][0]
+            speed_ups[steps] = runs["port uncached"].median / runs["port cached"].median
             rows.append((f"greedy {steps} tokens: uncached / cached", None, None, f"speed-up {speed_ups[steps]:.1f}x"))
 
     lines += ["| what | median time | GFLOP/s | note |", "|---|---:|---:|---|"]
     for what, seconds, flops, note in rows:
         time_s = "" if seconds is None else f"{seconds * 1e3:.1f} ms"
-        rate = "" if flops is None else f"{flops / seconds / 1e9:.1f}"
+        rate = "" if flops is None else f"{gflop_rate(flops, seconds):.1f}"
         lines.append(f"| {what} | {time_s} | {rate} | {note} |")
     lines += ["", f"Forward outputs, port vs nn.Transformer: max abs difference {diff:.2e} (float32).", "",
               "Per-token time (ms, median over the 8 steps ending at that length):", "",

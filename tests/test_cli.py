@@ -4,7 +4,9 @@ in-process through ``transformer_cli.main.main`` (NumPy only, no framework impor
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reference_numpy import TransformerConfig, init_params, load_checkpoint, save_checkpoint
-from transformer_cli import backends
+from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
+from transformer_cli import backends, timing
 from transformer_cli import compare as compare_module
 from transformer_cli import main as cli_main
+from transformer_cli.extras import progress_bar
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +62,7 @@ def test_compare_prints_the_table_and_succeeds(workdir):
     for port in backends.load()[0]:
         assert f"{port}/cpu/f64" in table and f"{port}/cpu/f32" in table
     for missing in backends.load()[1]:
-        assert f"{missing.name}: not installed: pip install 'transformer-reference[" in table
+        assert f"{missing.name}: not installed (" in table and "missing): pip install 'transformer-reference[" in table
     assert "all backends agree with the reference" in table and "nan" not in table
     png = (workdir / "errors.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
@@ -197,7 +200,7 @@ def test_a_usage_error_names_its_flag_before_any_work(args, flag, in_workdir, mo
 
 def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
     """Requested backends none of which is installed compare nothing: an error, never agreement."""
-    monkeypatch.setitem(backends.BACKENDS, "torch", ("transformer_torch.backend", "no_such_framework_here", "torch"))
+    monkeypatch.setitem(backends.BACKENDS, "torch", ("transformer_torch.backend", ("no_such_framework_here",), "torch"))
     for args in (["compare", "tiny.safetensors", "--backends", "torch"],
                  ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
                   "--backends", "torch"],
@@ -205,7 +208,7 @@ def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
         status, out, err = cli(capsys, *args)
         assert status == EXIT_USAGE and out == "" and "Traceback" not in err, err
         assert err.startswith("transformer-reference: error: --backends: none of the requested backends is installed")
-        assert "torch: not installed" in err
+        assert "torch: not installed (no_such_framework_here missing)" in err
     status, out, err = cli(capsys, "compare", "tiny.safetensors", "--backends", "numpy",
                            "--perturb", "jax:src_embed.weight")
     assert status == EXIT_USAGE and out == "" and "--perturb names backend 'jax'" in err
@@ -306,3 +309,150 @@ def test_exit_codes_are_documented(capsys):
             assert re.search(rf"^  {code}  \S", out, re.M), out
             assert re.search(rf"^\| `{code}` \| \S", readme, re.M)
     assert (EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL) == (0, 1, 2, 3)
+
+
+# ----------------------------------------------------------------------------- optional parts of an installation
+
+CLI_EXTRA = ("tqdm", "matplotlib", "pygments")
+REFUSE_CLI_EXTRA = f'''
+import sys
+
+
+class NotInstalled:
+    """Refuses the cli extra's modules as Python does a module that is not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {CLI_EXTRA!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+'''
+
+
+def test_the_command_runs_without_the_cli_extra(workdir, tmp_path):
+    """An installation without the ``cli`` extra (``pip install 'transformer-reference[torch]'``):
+    the real entry point, with a ``sitecustomize`` that refuses tqdm, matplotlib and Pygments.
+    compare and bench run (no progress bar); a picture or the page is a one-line error naming the
+    missing module and the extra, exit status 2, before any work."""
+    (tmp_path / "sitecustomize.py").write_text(REFUSE_CLI_EXTRA)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for module in CLI_EXTRA:
+        refused = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
+        assert refused.returncode == 1 and f"No module named '{module}'" in refused.stderr
+    without = lambda *args: subprocess.run([SCRIPT, *args], capture_output=True, text=True, cwd=workdir, env=env,
+                                           timeout=900)
+
+    result = without("compare", "tiny.safetensors", "--backends", "numpy")
+    assert result.returncode == EXIT_OK, result.stderr
+    assert "all backends agree with the reference" in result.stdout and "Traceback" not in result.stderr
+    result = without("bench", "--preset", "tiny", "--batch", "2", "--src-len", "6", "--tgt-len", "5",
+                     "--decode-tokens", "55", "--repeats", "1", "--backends", "numpy", "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    assert {m["task"] for m in json.loads(result.stdout)["measurements"]} == {"forward", "greedy (uncached)"}
+
+    for args, needs in ((["plot", "pe", "--out", "x.png"], "--out: drawing 'x.png' needs matplotlib"),
+                        (["compare", "tiny.safetensors", "--backends", "numpy", "--plot", "x.png"],
+                         "--plot: drawing 'x.png' needs matplotlib"),
+                        (["side-by-side", "--out", "page"], "side-by-side needs pygments")):
+        result = without(*args)
+        assert result.returncode == EXIT_USAGE and result.stdout == "" and "Traceback" not in result.stderr, result
+        assert result.stderr.strip().splitlines()[-1].endswith(f"{needs}: pip install 'transformer-reference[cli]'")
+    assert not (workdir / "x.png").exists() and not (workdir / "page").exists()
+
+
+def test_the_progress_bar_is_tqdm_when_installed_and_nothing_without_it(monkeypatch):
+    tqdm = pytest.importorskip("tqdm", reason="tqdm (the cli extra) is not installed")
+    items = [1, 2, 3]
+    bar = progress_bar("compare", "run", quiet=False)(items)
+    assert isinstance(bar, tqdm.tqdm) and list(bar) == items
+    bar.close()
+    assert progress_bar("compare", "run", quiet=True)(items) is items
+    monkeypatch.setitem(sys.modules, "tqdm", None)                     # as if not installed
+    assert progress_bar("compare", "run", quiet=False)(items) is items
+
+
+@pytest.mark.parametrize("name, module", [("torch", "torch"), ("jax", "jax"), ("jax", "flax"),
+                                          ("tf", "tensorflow"), ("tf", "keras")])
+def test_a_backend_missing_any_module_it_needs_is_not_installed(name, module, monkeypatch):
+    """Each backend's probe checks every framework module its port imports: with one of them not
+    importable the backend is reported, naming the module and the extra, and never imported."""
+    monkeypatch.setitem(sys.modules, module, None)                     # as if not installed
+    adapters, missing = backends.load((name,))
+    assert adapters == {}
+    assert missing == [backends.Missing(name, f"not installed ({module} missing): "
+                                              f"pip install 'transformer-reference[{name}]'")]
+
+
+def test_version_is_the_installed_distributions(capsys):
+    status, out, _ = cli(capsys, "--version")
+    assert status == EXIT_OK and out == f"transformer-reference {importlib.metadata.version('transformer-reference')}\n"
+
+
+# ----------------------------------------------------------------------------- FLOP counts
+
+# the pre-softmax projection: its own matrix, or the shared embedding transposed (section 3.4)
+OUTPUT_PROJECTIONS = ("generator.weight", "shared_embed.weight")
+
+
+def counted_macs(config: TransformerConfig, batch: int, weight_positions, attentions) -> int:
+    """Multiply-adds counted from the checkpoint's own list of matrices (docs/checkpoint-format.md):
+    each projection matrix applied at ``weight_positions(name)`` positions (embedding tables are
+    looked up, not multiplied, except a shared one as the output projection), and per attention
+    sublayer (``attentions``: (queries, keys) pairs) the scores and the weighted sum of every head,
+    2 x queries x keys x d_k x h (eq. 1)."""
+    macs = sum(weight_positions(name) * shape[0] * shape[1] for name, shape in parameter_shapes(config).items()
+               if len(shape) == 2 and (not name.endswith("embed.weight") or name in OUTPUT_PROJECTIONS))
+    return batch * (macs + sum(2 * queries * keys * config.d_model for queries, keys in attentions))
+
+
+def forward_positions(name: str, src_len: int, tgt_len: int) -> int:
+    return src_len if name.startswith("encoder.") or ".cross_attn.k_proj" in name or ".cross_attn.v_proj" in name \
+        else tgt_len
+
+
+SHAPES = [("tiny", 1, 1, 1), ("tiny", 3, 7, 5), ("base", 2, 32, 17), ("big", 1, 5, 9)]
+
+
+@pytest.mark.parametrize("preset, batch, src_len, tgt_len", SHAPES)
+def test_forward_flops_count_every_matrix_product(preset, batch, src_len, tgt_len):
+    config = TransformerConfig.preset(preset)
+    attentions = ([(src_len, src_len)] * config.n_encoder_layers
+                  + [(tgt_len, tgt_len), (tgt_len, src_len)] * config.n_decoder_layers)
+    macs = counted_macs(config, batch, lambda name: forward_positions(name, src_len, tgt_len), attentions)
+    assert timing.forward_flops(config, batch, src_len, tgt_len) == 2 * macs
+    encoder = counted_macs(config, batch, lambda name: src_len * name.startswith("encoder."),
+                           [(src_len, src_len)] * config.n_encoder_layers)
+    assert timing.encode_flops(config, batch, src_len) == 2 * encoder
+
+
+@pytest.mark.parametrize("preset, batch, src_len, steps", SHAPES)
+def test_decoding_flops_count_every_step(preset, batch, src_len, steps):
+    """Step t: uncached, the decoder over all t positions, the memory's keys and values again, the
+    output projection for the newest position only; cached, one position over t keys, the memory's
+    keys and values once before the first step. The encoder is not included."""
+    config = TransformerConfig.preset(preset)
+    cross_keys_values = lambda name: ".cross_attn.k_proj" in name or ".cross_attn.v_proj" in name
+    memory = counted_macs(config, batch, lambda name: src_len * cross_keys_values(name), [])
+
+    def step(queries: int, keys: int) -> int:
+        """``queries`` positions through the decoder over ``keys`` target positions, then the
+        output projection for the newest one; the memory's keys and values not included."""
+        positions = lambda name: (0 if name.startswith("encoder.") or cross_keys_values(name)
+                                  else 1 if name in OUTPUT_PROJECTIONS else queries)
+        return counted_macs(config, batch, positions, [(queries, keys), (queries, src_len)] * config.n_decoder_layers)
+
+    uncached = sum(step(t, t) + memory for t in range(1, steps + 1))
+    cached = memory + sum(step(1, t) for t in range(1, steps + 1))
+    assert timing.decode_flops(config, batch, src_len, steps, cached=False) == 2 * uncached
+    assert timing.decode_flops(config, batch, src_len, steps, cached=True) == 2 * cached
+
+
+def test_measure_times_a_warm_up_then_the_median_of_the_repeats(monkeypatch):
+    durations = iter([5.0, 1.0, 3.0, 2.0])                            # warm-up, then the three timed calls
+    monkeypatch.setattr(timing, "timed", lambda function: (next(durations), function()))
+    calls = []
+    result = timing.measure(lambda: calls.append("call") or len(calls), 3, warm_up=lambda: calls.append("warm-up"))
+    assert calls == ["warm-up", "call", "call", "call"]
+    assert result == timing.Timing(first=5.0, median=2.0, result=4)

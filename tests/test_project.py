@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
+import pytest
+
+import reference_numpy
+
 ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGES = PYPROJECT["tool"]["setuptools"]["packages"]
+# package -> the framework module it needs (None: NumPy only)
+FRAMEWORKS = {"reference_numpy": None, "transformer_cli": None, "transformer_torch": "torch",
+              "transformer_jax": "flax", "transformer_tf": "keras"}
 
 
 def readme_commands() -> list[str]:
@@ -40,3 +55,45 @@ def test_constraints_pin_the_cpu_torch_only_for_the_test_path():
     constraints = (ROOT / "constraints.txt").read_text()
     assert "torch==2.13.0" in constraints
     assert "==" not in "".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"])
+
+
+def test_every_package_has_the_installed_distributions_version():
+    """One version, defined in reference_numpy and read by pyproject.toml; every package exposes it."""
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "reference_numpy.__version__"}
+    assert reference_numpy.__version__ == importlib.metadata.version("transformer-reference")
+    assert set(FRAMEWORKS) == set(PACKAGES)
+
+
+@pytest.mark.parametrize("package", FRAMEWORKS)
+def test_each_package_exposes_the_version(package):
+    if FRAMEWORKS[package]:
+        pytest.importorskip(FRAMEWORKS[package], reason=f"{package} needs {FRAMEWORKS[package]}, not installed here")
+    assert importlib.import_module(package).__version__ == importlib.metadata.version("transformer-reference")
+
+
+def test_every_package_is_marked_typed():
+    """PEP 561: a py.typed marker in every package, declared as package data so that it is installed."""
+    assert PYPROJECT["tool"]["setuptools"]["package-data"] == {"*": ["py.typed"]}
+    for package in PACKAGES:
+        assert (ROOT / package / "py.typed").is_file(), package
+
+
+def test_a_built_wheel_holds_the_markers_and_the_version(tmp_path):
+    """The wheel that ``pip install`` installs, built from a copy of the sources with the
+    installed setuptools (no network)."""
+    pytest.importorskip("setuptools", reason="building a wheel needs setuptools")
+    source = tmp_path / "source"
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "--no-index", "--wheel-dir", str(tmp_path / "dist"), str(source)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    files = zipfile.ZipFile(wheel).namelist()
+    assert {f"{package}/py.typed" for package in PACKAGES} <= set(files)
+    metadata = zipfile.ZipFile(wheel).read(f"transformer_reference-{reference_numpy.__version__}.dist-info/METADATA")
+    assert f"\nVersion: {reference_numpy.__version__}\n" in metadata.decode()

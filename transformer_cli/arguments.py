@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from . import backends
+from .extras import require
 
 
 def integer(minimum: int, even: bool = False):
@@ -50,9 +51,12 @@ def output_file(text: str) -> str:
 
 
 def image_file(text: str) -> str:
-    """An :func:`output_file` whose suffix names a picture format matplotlib writes."""
-    from matplotlib.backend_bases import FigureCanvasBase
-    formats = FigureCanvasBase.get_supported_filetypes()
+    """An :func:`output_file` whose suffix names a picture format matplotlib writes (matplotlib
+    being installed: the ``cli`` extra)."""
+    try:
+        formats = require("matplotlib.backend_bases", f"drawing {text!r}").FigureCanvasBase.get_supported_filetypes()
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     if Path(text).suffix.lower().lstrip(".") not in formats:
         raise argparse.ArgumentTypeError(f"{text!r} does not end in a picture format matplotlib writes "
                                          f"({', '.join(sorted(formats))})")

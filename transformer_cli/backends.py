@@ -7,12 +7,12 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
-# backend name -> (adapter module, framework module that must be importable, pip extra)
+# backend name -> (adapter module, every framework module it needs, the pip extra that installs them)
 BACKENDS = {
-    "numpy": ("reference_numpy.backend", "numpy", None),
-    "torch": ("transformer_torch.backend", "torch", "torch"),
-    "jax": ("transformer_jax.backend", "jax", "jax"),
-    "tf": ("transformer_tf.backend", "tensorflow", "tf"),
+    "numpy": ("reference_numpy.backend", ("numpy",), None),
+    "torch": ("transformer_torch.backend", ("torch",), "torch"),
+    "jax": ("transformer_jax.backend", ("jax", "flax"), "jax"),
+    "tf": ("transformer_tf.backend", ("tensorflow", "keras"), "tf"),
 }
 PORTS = tuple(name for name in BACKENDS if name != "numpy")
 
@@ -26,15 +26,18 @@ class Missing:
 
 
 def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Missing]]:
-    """Import the adapters of ``names``; a framework that is not installed is reported, not raised."""
+    """Import the adapters of ``names``; a backend one of whose framework modules is not installed
+    is reported (naming the modules and the extra), never imported."""
     unknown = [name for name in names if name not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend {unknown[0]!r}; choose from {', '.join(BACKENDS)}")
     adapters, missing = {}, []
     for name in names:
-        module, framework, extra = BACKENDS[name]
-        if importlib.util.find_spec(framework) is None:
-            missing.append(Missing(name, f"not installed: pip install 'transformer-reference[{extra}]'"))
+        module, frameworks, extra = BACKENDS[name]
+        absent = [framework for framework in frameworks if importlib.util.find_spec(framework) is None]
+        if absent:
+            missing.append(Missing(name, f"not installed ({' and '.join(absent)} missing): "
+                                         f"pip install 'transformer-reference[{extra}]'"))
             continue
         adapters[name] = importlib.import_module(module)
     return adapters, missing

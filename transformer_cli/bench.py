@@ -2,25 +2,27 @@
 the same weights and inputs; warm-up excluded, compile time reported separately.
 
 FLOPs are counted analytically (2 per multiply-add of every matrix product, see
-:func:`forward_flops` and :func:`decode_flops`); achieved GFLOP/s are compared with this
-machine's float32 matrix-multiply rate, measured by :func:`matmul_rate`.
+:mod:`transformer_cli.timing`); achieved GFLOP/s are compared with this machine's float32
+matrix-multiply rate, measured in NumPy by :func:`transformer_cli.timing.matmul_rate`.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from reference_numpy import TransformerConfig, init_params
+from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 
 from . import backends
+from .timing import (cpu_name, decode_flops, encode_flops, forward_flops, gflop_rate, matmul_rate, measure,
+                     numpy_product)
 
 MATMUL_SIZE = 2048
+MATMUL_REPEATS = 5
 
 
 @dataclass
@@ -39,58 +41,7 @@ class Measurement:
 
     @property
     def gflops(self) -> float:
-        return self.flops / self.seconds / 1e9
-
-
-def matmul_rate(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
-    """This machine's float32 matrix-multiply rate in GFLOP/s (NumPy, best of ``repeats``)."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((size, size), dtype=np.float32), rng.standard_normal((size, size), dtype=np.float32)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * size ** 3 / best / 1e9
-
-
-def _timed(function) -> float:
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
-
-
-def _layer_macs(config: TransformerConfig, queries: int, keys: int, memory: int | None) -> int:
-    """Multiply-adds of one layer for ``queries`` new positions attending to ``keys`` positions;
-    a decoder layer (``memory`` source positions) adds cross-attention (its K/V over the memory)."""
-    d, f = config.d_model, config.d_ff
-    macs = queries * (4 * d * d + 2 * d * f) + 2 * queries * keys * d
-    if memory is not None:
-        macs += queries * 2 * d * d + 2 * memory * d * d + 2 * queries * memory * d
-    return macs
-
-
-def forward_flops(config: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> int:
-    """Encoder + decoder + output projection over all positions (attention over full T x T)."""
-    macs = config.n_encoder_layers * _layer_macs(config, src_len, src_len, None)
-    macs += config.n_decoder_layers * _layer_macs(config, tgt_len, tgt_len, src_len)
-    macs += tgt_len * config.d_model * config.tgt_vocab_size
-    return 2 * batch * macs
-
-
-def decode_flops(config: TransformerConfig, batch: int, src_len: int, steps: int, cached: bool) -> int:
-    """Greedy decoding of ``steps`` tokens: one encoder pass, then per step t either one new
-    position over t cached keys (cached) or all t positions again (uncached); the cross-attention
-    K/V of the memory are computed once when cached, every step when not; logits for the newest
-    position only."""
-    d, v = config.d_model, config.tgt_vocab_size
-    macs = config.n_encoder_layers * _layer_macs(config, src_len, src_len, None)
-    for t in range(1, steps + 1):
-        queries = 1 if cached else t
-        layer = _layer_macs(config, queries, t, src_len)
-        if cached:
-            layer -= 2 * src_len * d * d
-        macs += config.n_decoder_layers * layer + d * v
-    if cached:
-        macs += config.n_decoder_layers * 2 * src_len * d * d
-    return 2 * batch * macs
+        return gflop_rate(self.flops, self.seconds)
 
 
 @dataclass
@@ -111,37 +62,20 @@ class BenchReport:
 
 
 def machine_description() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as handle:
-            return handle.read()
-    except OSError:
-        return ""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
 
 
 def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int):
     """Seeded token ids: a (batch, src_len) source and (batch, tgt_len) target for the forward
-    pass, and one source sentence of decode_tokens - 50 tokens (section 6.1's budget) to decode."""
+    pass, and one source sentence of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget:
+    source length + 50) to decode."""
     rng = np.random.default_rng(0)
     first = max(config.pad_id, config.bos_id, config.eos_id) + 1
     src = rng.integers(first, config.src_vocab_size, size=(batch, src_len))
     tgt = rng.integers(first, config.tgt_vocab_size, size=(batch, tgt_len))
     tgt[:, 0] = config.bos_id
-    decode_src = rng.integers(first, config.src_vocab_size, size=(1, max(1, decode_tokens - 50)))
+    decode_src = rng.integers(first, config.src_vocab_size, size=(1, max(1, decode_tokens - EXTRA_OUTPUT_LENGTH)))
     return src, tgt, decode_src
-
-
-def _measure(function, repeats: int) -> tuple[float, float, object]:
-    start = time.perf_counter()
-    result = function()
-    first = time.perf_counter() - start
-    times = [_timed(function) for _ in range(repeats)]
-    return statistics.median(times), first, result
 
 
 def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
@@ -163,7 +97,7 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
             tasks.append((adapter, "greedy (cached)"))
         if uncached:
             tasks.append((adapter, "greedy (uncached)"))
-    rate = matmul_rate()
+    rate = matmul_rate(numpy_product(MATMUL_SIZE), MATMUL_SIZE, MATMUL_REPEATS)
     models = {}
     measurements = []
     for adapter, task in (progress(tasks) if progress else tasks):
@@ -172,16 +106,15 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
             models[adapter.NAME] = adapter.build(config, params, "float32", device)
         model = models[adapter.NAME]
         if task == "forward":
-            seconds, first, _ = _measure(lambda: adapter.forward(model, src, tgt), repeats)
-            measurements.append(Measurement(adapter.NAME, device, task, seconds, first,
+            timing = measure(lambda: adapter.forward(model, src, tgt), repeats)
+            measurements.append(Measurement(adapter.NAME, device, task, timing.median, timing.first,
                                             forward_flops(config, batch, src_len, tgt_len)))
             continue
         cached = task == "greedy (cached)"
-        seconds, first, tokens = _measure(lambda: adapter.greedy(model, decode_src, use_cache=cached),
-                                          1 if not cached else repeats)
-        steps = int((np.asarray(tokens) != config.pad_id).sum())
-        measurements.append(Measurement(adapter.NAME, device, task, seconds, first,
-                                        decode_flops(config, 1, decode_src.shape[1], steps, cached), steps))
+        timing = measure(lambda: adapter.greedy(model, decode_src, use_cache=cached), 1 if not cached else repeats)
+        steps, source = int((np.asarray(timing.result) != config.pad_id).sum()), decode_src.shape[1]
+        flops = encode_flops(config, 1, source) + decode_flops(config, 1, source, steps, cached)
+        measurements.append(Measurement(adapter.NAME, device, task, timing.median, timing.first, flops, steps))
     shapes = {"batch": batch, "src_len": src_len, "tgt_len": tgt_len, "decode_tokens": decode_tokens,
               "dtype": "float32"}
     return BenchReport(preset, shapes, machine_description(), rate, measurements, missing)

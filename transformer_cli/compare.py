@@ -3,8 +3,6 @@ against the float64 NumPy reference, under the project's one tolerance policy.""
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from reference_numpy import backend as reference
 from reference_numpy.decoding import greedy_decode
 
 from . import backends
+from .timing import measure
 
 DTYPES = ("float64", "float32")
 DEFAULT_PRESET, DEFAULT_SEED = "base", 0
@@ -163,13 +162,8 @@ def run_backend(adapter, device: str, dtype: str, config, params, inputs, oracle
     run = Run(adapter.NAME, device, dtype)
     try:
         model = adapter.build(config, params, dtype, device)
-        adapter.forward(model, **inputs)                                       # warm-up (and compilation)
-        times = []
-        for _ in range(TIMED_REPEATS):
-            start = time.perf_counter()
-            stages = adapter.forward(model, **inputs)
-            times.append(time.perf_counter() - start)
-        run.forward_ms = 1e3 * statistics.median(times)
+        timing = measure(lambda: adapter.forward(model, **inputs), TIMED_REPEATS)  # after a warm-up (compilation)
+        stages, run.forward_ms = timing.result, 1e3 * timing.median
         for name, ref64 in oracle.stages64.items():
             stage = np.asarray(stages[name])
             result = tolerance.agreement(stage, ref64, oracle.stages32[name])

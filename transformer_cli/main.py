@@ -5,6 +5,8 @@
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--layer 0] [--head 0] [--kind encoder] [--out attention.png]
     transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
+    transformer-reference side-by-side --out DIR
+    transformer-reference --version
 
 Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
 sets ``run``, the function that carries it out and returns the exit status (:data:`EXIT_STATUS`).
@@ -20,12 +22,13 @@ import traceback
 
 import numpy as np
 
-from reference_numpy import TransformerConfig, init_params, save_checkpoint
+from reference_numpy import TransformerConfig, __version__, init_params, save_checkpoint
 from reference_numpy.config import PRESETS
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 
 from . import backends, side_by_side
 from .arguments import backend_names, image_file, integer, output_file
+from .extras import progress_bar
 
 PROG = "transformer-reference"
 EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -57,14 +60,11 @@ def add_compare(commands) -> None:
 
 
 def run_compare(args) -> int:
-    from tqdm import tqdm
-
     from .compare import compare
     from .report import format_table, plot_errors
 
     report = compare(args.checkpoint, args.backends, args.perturb,
-                     progress=lambda plan: tqdm(plan, desc="compare", unit="run", file=sys.stderr,
-                                                disable=args.json or not sys.stderr.isatty()))
+                     progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()))
     print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else format_table(report))
     if args.plot:
         plot_errors(report, args.plot)
@@ -89,14 +89,11 @@ def add_bench(commands) -> None:
 
 
 def run_bench(args) -> int:
-    from tqdm import tqdm
-
     from .bench import bench, format_bench, plot_bench
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
-                   progress=lambda tasks: tqdm(tasks, desc="bench", unit="task", file=sys.stderr,
-                                               disable=args.json or not sys.stderr.isatty()))
+                   progress=progress_bar("bench", "task", quiet=args.json or not sys.stderr.isatty()))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if args.plot:
         plot_bench(report, args.plot)
@@ -163,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="The Transformer of 'Attention Is All You Need' in NumPy, PyTorch, "
                                                  "JAX/Flax and TensorFlow/Keras, checked against one reference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(commands)

@@ -7,11 +7,12 @@ import numpy as np
 
 from reference_numpy import sinusoidal_positional_encoding
 
+from .extras import require
+
 
 def pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend (files only, no screen needed)."""
-    import matplotlib
-    matplotlib.use("Agg")
+    require("matplotlib", "drawing a picture").use("Agg")
     import matplotlib.pyplot as plt
     return plt
 

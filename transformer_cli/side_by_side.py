@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .extras import require
+
 PAGE_NAME = "side-by-side.html"
 GENERATOR = "transformer-reference side-by-side"
 STYLE = "default"  # the Pygments colour scheme
@@ -245,12 +247,9 @@ code { font-family: ui-monospace, monospace; }
 
 def render_page() -> str:
     """The whole page, as text (deterministic: the same sources give the same bytes)."""
-    try:
-        from pygments import highlight
-        from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError("side-by-side needs Pygments: pip install 'transformer-reference[cli]'") from err
+    highlight = require("pygments", "side-by-side").highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
 
     formatter = HtmlFormatter(style=STYLE, cssclass="highlight")
     lexer = PythonLexer()
@@ -313,9 +312,5 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """Write the page into ``args.out``; exit status 0."""
-    try:
-        path = write_page(args.out)
-    except ModuleNotFoundError as err:
-        raise ValueError(f"side-by-side needs Pygments ({err}); install the cli extra") from None
-    print(f"wrote {path}")
+    print(f"wrote {write_page(args.out)}")
     return 0

@@ -4,6 +4,8 @@ A parallel text of ``reference_numpy`` (see ``docs/ports.md`` and ``docs/jax.md`
 the package leaves ``jax_enable_x64`` alone; ``transformer_jax.backend`` turns it on.
 """
 
+from reference_numpy import __version__
+
 from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params
 from .decoding import beam_search, greedy_decode
 from .model import Transformer, compiled_forward, forward

@@ -7,6 +7,8 @@ Importing the package selects that backend when none is configured
 
 import os
 
+from reference_numpy import __version__
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402  (the backend must be chosen before Keras is imported)

@@ -5,6 +5,8 @@ shared safetensors checkpoint and agreeing with the NumPy reference under its to
 See ``docs/torch.md``.
 """
 
+from reference_numpy import __version__
+
 from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params
 from .decoding import beam_search, greedy_decode
 from .device import default_device, deterministic, devices, full_precision

@@ -1,0 +1,34 @@
+"""The ``cli`` extra (tqdm, matplotlib, Pygments) is optional: ``compare`` and ``bench`` run without
+it, with no progress bar; a picture or the side-by-side page without it is an input error (exit
+status 2) whose one line names the missing module and the extra to install."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Iterable
+from types import ModuleType
+
+INSTALL = "pip install 'transformer-reference[cli]'"
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """Import ``module`` of the ``cli`` extra, needed for ``purpose``; a ``ValueError`` naming it and
+    the extra if it (or a module it needs) is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise ValueError(f"{purpose} needs {(err.name or module).partition('.')[0]}: {INSTALL}") from None
+
+
+def progress_bar(description: str, unit: str, quiet: bool) -> Callable[[list], Iterable]:
+    """A wrapper of a list of work items that shows a tqdm progress bar on stderr; the list
+    unchanged when ``quiet`` or when tqdm is not installed."""
+    if not quiet:
+        try:
+            from tqdm import tqdm
+        except ModuleNotFoundError:
+            pass
+        else:
+            return lambda items: tqdm(items, desc=description, unit=unit, file=sys.stderr)
+    return lambda items: items

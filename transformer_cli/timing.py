@@ -1,0 +1,116 @@
+"""Timing, FLOP counts and the machine's matrix-multiply rate: one copy for
+``transformer-reference bench`` and ``compare`` and for the per-port scripts ``scripts/bench_*.py``.
+
+FLOPs are counted analytically, 2 per multiply-add of every matrix product (section 3 of the
+paper; N layers, d_model = D, d_ff = F, source length S, target length T, batch B, target
+vocabulary V), masked attention entries included (the scores are computed, then masked):
+
+* encoder layer: the Q, K, V and output projections 4 S D^2, the scores and weighted sum
+  2 S^2 D (eq. 1), the feed-forward network 2 S D F (eq. 2);
+* decoder layer: the same over T positions, plus cross-attention: its Q and output projections
+  2 T D^2, the memory's keys and values 2 S D^2, scores and weighted sum 2 T S D;
+* output projection (the generator): T D V.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference_numpy import TransformerConfig
+
+
+@dataclass(frozen=True)
+class Timing:
+    first: float     # seconds of the first (warm-up) call: includes tracing and compilation
+    median: float    # median seconds of the timed calls after it
+    result: object   # what the last call returned
+
+
+def timed(function: Callable[[], object]) -> tuple[float, object]:
+    """Wall-clock seconds of one call of ``function``, and its result."""
+    start = time.perf_counter()
+    result = function()
+    return time.perf_counter() - start, result
+
+
+def measure(function: Callable[[], object], repeats: int, warm_up: Callable[[], object] | None = None) -> Timing:
+    """Time a warm-up call (``warm_up``, by default ``function`` itself), then ``repeats`` calls of
+    ``function``. ``function`` must return only when its work is done: a framework that computes
+    asynchronously blocks on the result inside it."""
+    first, result = timed(warm_up or function)
+    times = []
+    for _ in range(repeats):
+        seconds, result = timed(function)
+        times.append(seconds)
+    return Timing(first, statistics.median(times), result)
+
+
+def gflop_rate(flops: float, seconds: float) -> float:
+    """Achieved rate in GFLOP/s."""
+    return flops / seconds / 1e9
+
+
+def matmul_rate(product: Callable[[], object], size: int, repeats: int) -> float:
+    """This machine's rate in GFLOP/s for ``product``, one blocking float32 (size x size) @
+    (size x size) matrix product of 2 size^3 FLOPs: the median of ``repeats`` calls after a warm-up."""
+    return gflop_rate(2 * size ** 3, measure(product, repeats).median)
+
+
+def numpy_product(size: int) -> Callable[[], object]:
+    """One seeded float32 (size x size) @ (size x size) product in NumPy, for :func:`matmul_rate`."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    return lambda: a @ b
+
+
+def layer_macs(config: TransformerConfig, queries: int, keys: int, memory: int | None = None) -> int:
+    """Multiply-adds of one layer for ``queries`` new positions attending to ``keys`` positions;
+    a decoder layer (``memory`` source positions) adds cross-attention, the memory's keys and
+    values included."""
+    d, f = config.d_model, config.d_ff
+    macs = queries * (4 * d * d + 2 * d * f) + 2 * queries * keys * d
+    if memory is not None:
+        macs += queries * 2 * d * d + 2 * memory * d * d + 2 * queries * memory * d
+    return macs
+
+
+def encode_flops(config: TransformerConfig, batch: int, src_len: int) -> int:
+    """The encoder stack over ``src_len`` positions."""
+    return 2 * batch * config.n_encoder_layers * layer_macs(config, src_len, src_len)
+
+
+def forward_flops(config: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> int:
+    """Encoder, decoder and output projection over every position (attention over full T x T)."""
+    decoder = config.n_decoder_layers * layer_macs(config, tgt_len, tgt_len, src_len)
+    return encode_flops(config, batch, src_len) + 2 * batch * (decoder + tgt_len * config.d_model * config.tgt_vocab_size)
+
+
+def decode_flops(config: TransformerConfig, batch: int, src_len: int, steps: int, cached: bool) -> int:
+    """The decoder and output projection of ``steps`` greedy steps over an encoded source of
+    ``src_len`` positions (add :func:`encode_flops` for the encoder pass): step t computes one new
+    position over t cached keys (``cached``; the memory's keys and values once, before the first
+    step) or all t positions again (uncached; the memory's keys and values every step); logits for
+    the newest position only."""
+    d, v = config.d_model, config.tgt_vocab_size
+    memory_keys_values = 2 * src_len * d * d
+    macs = config.n_decoder_layers * memory_keys_values if cached else 0
+    for t in range(1, steps + 1):
+        layer = layer_macs(config, 1, t, src_len) - memory_keys_values if cached else layer_macs(config, t, t, src_len)
+        macs += config.n_decoder_layers * layer + d * v
+    return 2 * batch * macs
+
+
+def cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo on Linux, else what :mod:`platform` knows)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine() or "unknown"
