@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
+# The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
+# the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
+# the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
+MAX_LEN_LIMIT = 2 ** 16
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,8 @@ class TransformerConfig:
         norm_first: False is the paper's post-LN, LayerNorm(x + Sublayer(x)); True is pre-LN,
             x + Sublayer(LayerNorm(x)), with a final LayerNorm after each stack.
         positional_encoding: "sinusoidal" (section 3.5) or "learned" (Table 3, row E).
-        max_len: number of positions in the positional table; longest sequence the model accepts.
+        max_len: number of positions in the positional table; longest sequence the model accepts
+            (at most ``MAX_LEN_LIMIT`` = 65,536).
         share_embeddings: one matrix for source embedding, target embedding and the
             pre-softmax projection (section 3.4); requires equal vocabulary sizes.
         pad_id, bos_id, eos_id: special token ids (padding, beginning and end of sequence).
@@ -58,22 +67,29 @@ class TransformerConfig:
     eos_id: int = 2
 
     def __post_init__(self) -> None:
+        """Validate every field; NumPy scalars (``np.int64(16)``, ``np.float32(0.1)``, ``np.bool_``)
+        are accepted and stored as the Python int, float or bool they equal."""
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
                      "n_encoder_layers", "n_decoder_layers", "max_len"):
-            _check_int(name, getattr(self, name), minimum=1)
+            self._store(name, _as_int(name, getattr(self, name), minimum=1))
         for name in ("pad_id", "bos_id", "eos_id"):
-            _check_int(name, getattr(self, name), minimum=0)
+            self._store(name, _as_int(name, getattr(self, name), minimum=0))
         for name in ("norm_first", "share_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            self._store(name, _as_bool(name, getattr(self, name)))
+        for name in ("dropout", "layer_norm_eps"):
+            self._store(name, _as_float(name, getattr(self, name)))
+        if isinstance(self.positional_encoding, str):
+            self._store("positional_encoding", str(self.positional_encoding))
+        if self.max_len > MAX_LEN_LIMIT:
+            raise ValueError(f"max_len must be <= {MAX_LEN_LIMIT}, got {self.max_len}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.d_model % 2:
             raise ValueError(f"d_model ({self.d_model}) must be even for the sin/cos pairs of section 3.5")
-        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+        if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
-        if not _is_real(self.layer_norm_eps) or not self.layer_norm_eps > 0.0:
-            raise ValueError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if not self.layer_norm_eps > 0.0:
+            raise ValueError(f"layer_norm_eps must be a positive finite number, got {self.layer_norm_eps!r}")
         if self.positional_encoding not in POSITIONAL_ENCODINGS:
             raise ValueError(f"positional_encoding must be one of {POSITIONAL_ENCODINGS}, "
                              f"got {self.positional_encoding!r}")
@@ -91,8 +107,12 @@ class TransformerConfig:
         """Width of one head's queries, keys and values: d_k = d_v = d_model / h (section 3.2.2)."""
         return self.d_model // self.n_heads
 
+    def _store(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen; this runs once, in __post_init__
+
     def replace(self, **changes: Any) -> "TransformerConfig":
         """A copy with some fields changed (validated like a new config)."""
+        _check_field_names(changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,10 +125,7 @@ class TransformerConfig:
     def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown config field {unknown[0]!r}")
+        _check_field_names(data)
         return cls(**data)
 
     @classmethod
@@ -124,18 +141,36 @@ class TransformerConfig:
         """``base``, ``big`` (Table 3) or ``tiny``, with optional field overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **changes)
+        return PRESETS[name].replace(**changes)
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _check_field_names(changes: dict) -> None:
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(TransformerConfig)}, key=str)
+    if unknown:
+        raise ValueError(f"unknown config field {unknown[0]!r}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+def _as_int(name: str, value: Any, minimum: int) -> int:
+    """Any integer (Python or NumPy, not a bool) as a Python int, at least ``minimum``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    """Any finite real number (Python or NumPy, not a bool) as a Python float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    """A Python or NumPy bool as a Python bool (not 0 or 1)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 PRESETS: dict[str, TransformerConfig] = {

@@ -79,17 +79,9 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     return weights @ value, weights
 
 
-def _check_mask(mask: np.ndarray, scores_shape: tuple[int, ...]) -> np.ndarray:
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
-    try:
-        fits = np.broadcast_shapes(mask.shape, scores_shape) == tuple(scores_shape)
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask of shape {mask.shape} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {scores_shape}")
+def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> np.ndarray:
+    mask = as_array(name, mask)
+    check_mask(name, mask.shape, mask.dtype.name, scores_shape)
     return mask
 
 
@@ -394,6 +386,8 @@ class Transformer:
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
+        (batch, length), heads = src.shape, self.config.n_heads
+        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
         x = self.src_pos(self.src_embed(src))
         steps: dict = {}
         memory = self.encoder(x, src_mask, steps)
@@ -411,8 +405,14 @@ class Transformer:
         source had padding (the decoder cannot see source tokens).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        memory = as_array("memory", memory)
+        check_memory(memory.shape, memory.dtype.name, len(tgt), self.config.d_model, self.dtype.name)
+        (batch, length), heads = tgt.shape, self.config.n_heads
+        if src_mask is not None:
+            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, length), "tgt_mask")
         y = self.tgt_pos(self.tgt_embed(tgt))
         steps: dict = {}
         out = self.decoder(y, memory, src_mask, tgt_mask, steps)
@@ -430,9 +430,9 @@ class Transformer:
         "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
         "decoder" and "log_probs" to arrays, in that order (the shared stage names of every port).
         """
+        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
-            src_mask = padding_mask(self._check_tokens("src", src, self.config.src_vocab_size),
-                                    self.config.pad_id)
+            src_mask = padding_mask(src, self.config.pad_id)
         stages: dict | None = {} if return_intermediates else None
         memory = self.encode(src, src_mask, stages)
         out = self.decode(tgt, memory, src_mask, tgt_mask, stages)
@@ -442,14 +442,107 @@ class Transformer:
         stages["log_probs"] = log_probs
         return log_probs, stages
 
+    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[np.ndarray, np.ndarray]:
+        """Every check of the forward pass, made before any computation (see :func:`check_forward_inputs`)."""
+        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        check_forward_inputs(self.config, src.shape, tgt.shape, _describe("src_mask", src_mask),
+                             _describe("tgt_mask", tgt_mask))
+        return src, tgt
+
     def _check_tokens(self, name: str, tokens, vocab_size: int) -> np.ndarray:
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 2:
-            raise ValueError(f"{name} must have shape (batch, length), got {tokens.shape}")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
-        if tokens.shape[1] > self.config.max_len:
-            raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len {self.config.max_len}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
-        return tokens
+        return check_tokens(name, tokens, vocab_size, self.config.max_len)
+
+
+# ----------------------------------------------------------------------------- input checks
+#
+# Written once for every backend: each port describes its tensors by shape (a tuple; None for a
+# size unknown while tracing) and dtype name ("int64", "float32", ...) and calls these, so that a
+# bad input gets the same one-line ValueError, naming the argument, in every backend.
+
+TOKEN_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def as_array(name: str, value) -> np.ndarray:
+    """``value`` (an array or nested lists) as a NumPy array; nested lists of unequal lengths are refused."""
+    try:
+        return np.asarray(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a rectangular array, got nested sequences of different lengths") from None
+
+
+def _describe(name: str, value) -> tuple[tuple, str] | None:
+    """(shape, dtype name) of an optional array argument."""
+    if value is None:
+        return None
+    value = as_array(name, value)
+    return value.shape, value.dtype.name
+
+
+def check_tokens(name: str, tokens, vocab_size: int, max_len: int, offset: int = 0) -> np.ndarray:
+    """Token ids as a NumPy array, after :func:`check_token_layout` and :func:`check_token_values`."""
+    tokens = as_array(name, tokens)
+    check_token_layout(name, tokens.shape, tokens.dtype.name, max_len, offset)
+    check_token_values(name, tokens, vocab_size)
+    return tokens
+
+
+def check_token_layout(name: str, shape: tuple, dtype: str, max_len: int, offset: int = 0) -> None:
+    """Token ids are (batch, length), of an integer dtype (any of ``TOKEN_DTYPES``), at least one
+    sequence of at least one token, and ``offset`` + length <= ``max_len`` positions."""
+    shape = tuple(shape)
+    if len(shape) != 2:
+        raise ValueError(f"{name} must have shape (batch, length), got {shape}")
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {dtype}")
+    if 0 in shape:
+        raise ValueError(f"{name} must hold at least one sequence of at least one token, got shape {shape}")
+    if shape[1] is not None and offset + shape[1] > max_len:
+        raise ValueError(f"{name} length {offset + shape[1]} exceeds max_len {max_len}")
+
+
+def check_token_values(name: str, tokens: np.ndarray, vocab_size: int) -> None:
+    """Every id is in [0, vocab_size) (an id outside would index past the embedding table)."""
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
+
+
+def check_mask(name: str, shape: tuple, dtype: str, scores_shape: tuple) -> None:
+    """A mask is boolean (True = may attend) and broadcasts to the attention scores without enlarging them."""
+    shape, scores_shape = tuple(shape), tuple(scores_shape)
+    if dtype != "bool":
+        raise ValueError(f"{name} must be boolean (True = may attend), got dtype {dtype}")
+    fits = len(shape) <= len(scores_shape) and all(
+        size is None or target is None or size in (1, target) for size, target in zip(shape[::-1], scores_shape[::-1]))
+    if not fits:
+        raise ValueError(f"{name} of shape {shape} does not broadcast to the attention "
+                         f"scores (B, H, Tq, Tk) = {scores_shape}")
+
+
+def check_memory(shape: tuple, dtype: str, batch: int, d_model: int, model_dtype: str) -> None:
+    """The encoder output given to ``decode`` is (B, S, d_model), S >= 1, B the target's batch, in the model's dtype."""
+    shape = tuple(shape)
+    fits = len(shape) == 3 and all(size is None or target is None or size == target
+                                   for size, target in zip(shape, (batch, None, d_model))) and shape[1] != 0
+    if not fits:
+        raise ValueError(f"memory must have shape (batch, source length, d_model) = ({batch}, S, {d_model}) "
+                         f"with S >= 1, got {shape}")
+    if dtype != model_dtype:
+        raise ValueError(f"memory must have the model's dtype {model_dtype}, got {dtype}")
+
+
+def check_forward_inputs(config: TransformerConfig, src_shape: tuple, tgt_shape: tuple,
+                         src_mask: tuple[tuple, str] | None, tgt_mask: tuple[tuple, str] | None) -> None:
+    """The forward pass's checks beyond each token tensor's own: src and tgt have one batch size,
+    ``src_mask`` fits both the encoder's (B, H, S, S) and the decoder's (B, H, T, S) scores, ``tgt_mask``
+    the decoder's (B, H, T, T). Masks are (shape, dtype name) or None. Run before any computation, so
+    that a Keras model refuses bad input before Keras' call wrapper reformats the error."""
+    (batch, src_len), (tgt_batch, tgt_len) = src_shape, tgt_shape
+    if None not in (batch, tgt_batch) and batch != tgt_batch:
+        raise ValueError(f"tgt batch size {tgt_batch} differs from src batch size {batch}")
+    heads = config.n_heads
+    if src_mask is not None:
+        for queries in (src_len, tgt_len):
+            check_mask("src_mask", *src_mask, (batch, heads, queries, src_len))
+    if tgt_mask is not None:
+        check_mask("tgt_mask", *tgt_mask, (batch, heads, tgt_len, tgt_len))

@@ -26,7 +26,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -92,18 +91,18 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     return jnp.matmul(weights, value, precision=PRECISION), weights
 
 
-def _check_mask(mask: jax.Array, scores_shape: tuple[int, ...]) -> jax.Array:
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
-    try:
-        fits = np.broadcast_shapes(mask.shape, scores_shape) == tuple(scores_shape)
-    except ValueError:
-        fits = False
-    if not fits:                                                        # nor may it enlarge them
-        raise ValueError(f"mask of shape {mask.shape} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {scores_shape}")
-    return mask
+def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
+    reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))
+    return jnp.asarray(mask)
+
+
+def _describe(name: str, value) -> tuple[tuple, str] | None:
+    """(shape, dtype name) of an optional array argument (traced or not), for the reference's input checks."""
+    if value is None:
+        return None
+    if not isinstance(value, jax.Array):
+        value = reference.as_array(name, value)
+    return tuple(value.shape), value.dtype.name
 
 
 def _linear(in_features: int, out_features: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
@@ -494,6 +493,8 @@ class Transformer(nnx.Module):
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
+        (batch, length), heads = src.shape, self.config.n_heads
+        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
         x = self.dropout(self.src_pos(self.src_embed(src)), deterministic=deterministic)
         steps: dict = {}
         memory = self.encoder(x, src_mask, steps, deterministic=deterministic)
@@ -512,8 +513,14 @@ class Transformer(nnx.Module):
         source had padding (the decoder cannot see source tokens).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        reference.check_memory(*_describe("memory", memory), len(tgt), self.config.d_model, self.dtype.name)
+        memory = jnp.asarray(memory)
+        (batch, length), heads = tgt.shape, self.config.n_heads
+        if src_mask is not None:
+            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, length), "tgt_mask")
         y = self.dropout(self.tgt_pos(self.tgt_embed(tgt)), deterministic=deterministic)
         steps: dict = {}
         out = self.decoder(y, memory, src_mask, tgt_mask, steps, deterministic=deterministic)
@@ -533,9 +540,9 @@ class Transformer(nnx.Module):
         "decoder" and "log_probs" to arrays, in that order (the shared stage names of every port;
         ``jax.jit`` returns dicts with sorted keys, see :func:`stage_names`).
         """
+        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
-            src_mask = padding_mask(self._check_tokens("src", src, self.config.src_vocab_size),
-                                    self.config.pad_id)
+            src_mask = padding_mask(src, self.config.pad_id)
         stages: dict | None = {} if return_intermediates else None
         memory = self.encode(src, src_mask, stages, deterministic=deterministic)
         out = self.decode(tgt, memory, src_mask, tgt_mask, stages, deterministic=deterministic)
@@ -545,19 +552,22 @@ class Transformer(nnx.Module):
         stages["log_probs"] = log_probs
         return log_probs, stages
 
+    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[jax.Array, jax.Array]:
+        """Every check of the forward pass, made before any computation (the reference's
+        :func:`~reference_numpy.model.check_forward_inputs`)."""
+        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        reference.check_forward_inputs(self.config, src.shape, tgt.shape, _describe("src_mask", src_mask),
+                                       _describe("tgt_mask", tgt_mask))
+        return src, tgt
+
     def _check_tokens(self, name: str, tokens, vocab_size: int) -> jax.Array:
-        """Shape and dtype are always checked; the id range only on concrete (untraced) arrays."""
-        if not isinstance(tokens, jax.core.Tracer):
-            tokens = np.asarray(tokens)
-        if tokens.ndim != 2:
-            raise ValueError(f"{name} must have shape (batch, length), got {tokens.shape}")
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
-        if tokens.shape[1] > self.config.max_len:
-            raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len {self.config.max_len}")
-        if isinstance(tokens, np.ndarray) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
-        return jnp.asarray(tokens)
+        """The reference's token checks: shape and dtype always, the id range only on concrete
+        (untraced) arrays, which is why public entry points check before compiled code."""
+        if isinstance(tokens, jax.core.Tracer):
+            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+            return tokens
+        return jnp.asarray(reference.check_tokens(name, tokens, vocab_size, self.config.max_len))
 
 
 def stage_names(config: TransformerConfig) -> list[str]:
@@ -567,25 +577,29 @@ def stage_names(config: TransformerConfig) -> list[str]:
             "log_probs"]
 
 
-@nnx.jit(static_argnames="return_intermediates")
-def compiled_forward(model: Transformer, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
-                     tgt_mask: jax.Array | None = None, return_intermediates: bool = False):
+def compiled_forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None, return_intermediates: bool = False):
     """``model(src, tgt, src_mask, tgt_mask, return_intermediates)`` compiled with ``nnx.jit``
     (one compilation per model structure, input shapes and mask presence).
 
-    Token ids are traced here, so their range is not checked: :func:`forward` checks NumPy or
-    concrete inputs first. Shape: as :class:`Transformer`.
+    The inputs are checked on the host first: once traced, token ids can no longer be compared
+    with the vocabulary size (an id out of range would give NaN log-probabilities).
+    Shape: as :class:`Transformer`.
     """
+    src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
+    return _jitted_forward(model, src, tgt, src_mask, tgt_mask, return_intermediates)
+
+
+@nnx.jit(static_argnames="return_intermediates")
+def _jitted_forward(model: Transformer, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None,
+                    tgt_mask: jax.Array | None, return_intermediates: bool):
     return model(src, tgt, src_mask, tgt_mask, return_intermediates)
 
 
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None, return_intermediates: bool = False):
-    """:func:`compiled_forward` after checking the token ids on the host; stages in forward order.
+    """:func:`compiled_forward` with the stages in forward order.
 
     Shape: as :class:`Transformer`.
     """
-    src = model._check_tokens("src", src, model.config.src_vocab_size)
-    tgt = model._check_tokens("tgt", tgt, model.config.tgt_vocab_size)
     result = compiled_forward(model, src, tgt, src_mask, tgt_mask, return_intermediates)
     if not return_intermediates:
         return result

@@ -47,6 +47,7 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
     layout (tied weights receive the sum over their uses)."""
     if not np.any(np.asarray(labels) != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
+    src, tgt = model._check_inputs(src, tgt, None, None)                    # ids cannot be checked once traced
     value, grads = _value_and_grad(model, src, tgt, labels, epsilon)
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     return float(value), checkpoint.to_params(nnx.merge(graphdef, grads, rest))

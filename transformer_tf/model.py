@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
@@ -86,18 +87,18 @@ def scaled_dot_product_attention(query, key, value, mask=None) -> tuple[tf.Tenso
     return tf.matmul(weights, value), weights
 
 
-def _check_mask(mask, scores_shape: tf.TensorShape) -> tf.Tensor:
-    mask = tf.convert_to_tensor(mask)
-    if mask.dtype != tf.bool:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype.name}")
-    try:
-        fits = tf.broadcast_static_shape(mask.shape, scores_shape).is_compatible_with(scores_shape)  # None: traced
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}")
-    return mask
+def _check_mask(mask, scores_shape, name: str = "mask") -> tf.Tensor:
+    reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))   # None: a size unknown while tracing
+    return tf.convert_to_tensor(mask)
+
+
+def _describe(name: str, value) -> tuple[tuple, str] | None:
+    """(shape, dtype name) of an optional tensor or array argument, for the reference's input checks."""
+    if value is None:
+        return None
+    if not tf.is_tensor(value):
+        value = reference.as_array(name, value)
+    return tuple(value.shape), value.dtype.name
 
 
 class _TransformerLayer:
@@ -518,6 +519,8 @@ class Transformer(_TransformerLayer, keras.Model):
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
+        (batch, length), heads = src.shape, self.config.n_heads
+        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
         x = self.src_pos(self.src_embed(src), training=training)
         memory, steps = self.encoder(x, src_mask, return_intermediates=True, training=training)
         if intermediates is not None:
@@ -534,8 +537,14 @@ class Transformer(_TransformerLayer, keras.Model):
         source had padding (the decoder cannot see source tokens).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
+        memory = tf.convert_to_tensor(memory)
+        (batch, length), heads = tgt.shape, self.config.n_heads
+        if src_mask is not None:
+            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, length), "tgt_mask")
         y = self.tgt_pos(self.tgt_embed(tgt), training=training)
         out, steps = self.decoder(y, memory, src_mask, tgt_mask, return_intermediates=True, training=training)
         if intermediates is not None:
@@ -544,6 +553,12 @@ class Transformer(_TransformerLayer, keras.Model):
             intermediates["decoder"] = out
         return out
 
+    def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
+        """Checks the inputs before Keras' ``Layer.__call__``: an error raised inside ``call`` is
+        re-raised by Keras as a multi-line report of the call's arguments, not the one-line error."""
+        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
+        return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
+
     def call(self, src, tgt, src_mask=None, tgt_mask=None, return_intermediates=False, training=None):
         """Log-probabilities of the next target token at every target position.
 
@@ -551,9 +566,9 @@ class Transformer(_TransformerLayer, keras.Model):
         "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
         "decoder" and "log_probs" to tensors, in that order (the shared stage names of every port).
         """
+        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
-            src_mask = padding_mask(self._check_tokens("src", src, self.config.src_vocab_size),
-                                    self.config.pad_id)
+            src_mask = padding_mask(src, self.config.pad_id)
         stages = {}
         memory = self.encode(src, src_mask, stages, training=training)
         out = self.decode(tgt, memory, src_mask, tgt_mask, stages, training=training)
@@ -563,19 +578,26 @@ class Transformer(_TransformerLayer, keras.Model):
         stages["log_probs"] = log_probs
         return log_probs, stages
 
+    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[tf.Tensor, tf.Tensor]:
+        """Every check of the forward pass, made before any computation (the reference's
+        :func:`~reference_numpy.model.check_forward_inputs`)."""
+        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        reference.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
+                                       _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
+        return src, tgt
+
     def _check_tokens(self, name: str, tokens, vocab_size: int) -> tf.Tensor:
-        """Shape and dtype checks always; the value range only when running eagerly."""
-        tokens = tf.convert_to_tensor(tokens)
-        if tokens.shape.rank != 2:
-            raise ValueError(f"{name} must have shape (batch, length), got {tuple(tokens.shape)}")
-        if not tokens.dtype.is_integer:
-            raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype.name}")
-        if tokens.shape[1] is not None and tokens.shape[1] > self.config.max_len:
-            raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len {self.config.max_len}")
-        if tf.executing_eagerly() and tf.size(tokens) > 0 and (
-                tf.reduce_min(tokens) < 0 or tf.reduce_max(tokens) >= vocab_size):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
-        return tokens
+        """The reference's token checks: shape and dtype always, the id range unless the tensor is
+        symbolic (traced), which is why public entry points check before compiled code. Ids of
+        any integer dtype become int64 (``tf.gather`` takes no unsigned indices)."""
+        if tf.is_symbolic_tensor(tokens):
+            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+        elif tf.is_tensor(tokens):
+            reference.check_tokens(name, tokens.numpy(), vocab_size, self.config.max_len)
+        else:
+            tokens = reference.check_tokens(name, tokens, vocab_size, self.config.max_len)
+        return tf.cast(tokens, tf.int64)
 
 
 def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
@@ -584,11 +606,18 @@ def compiled_forward(model: Transformer, jit_compile: bool = True, return_interm
     op used; on the CPU it ran the ``base`` forward pass a few percent faster than TensorFlow's
     graph executor (``docs/benchmarks-tf.md``).
 
+    The returned function checks its inputs eagerly, then runs the graph: once traced, token ids
+    can no longer be compared with the vocabulary size (``tf.gather`` would clamp an id out of range).
+
     Shape: as :class:`Transformer`; returns log-probabilities (B, T, V_tgt), or with
     ``return_intermediates`` ``(log_probs, stages)``.
     """
     @tf.function(jit_compile=jit_compile)
-    def forward(src, tgt, src_mask=None, tgt_mask=None):
+    def graph(src, tgt, src_mask=None, tgt_mask=None):
         return model(src, tgt, src_mask, tgt_mask, return_intermediates=return_intermediates, training=False)
+
+    def forward(src, tgt, src_mask=None, tgt_mask=None):
+        src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
+        return graph(src, tgt, src_mask, tgt_mask)
 
     return forward

@@ -76,7 +76,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     """
     scores_shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), query.shape[-2], key.shape[-2])
     if mask is not None:
-        mask = _check_mask(torch.as_tensor(mask, device=query.device), scores_shape)
+        mask = _check_mask(mask, scores_shape, device=query.device)
     if return_weights:
         return _explicit_attention(query, key, value, mask)
     if mask is None:
@@ -101,17 +101,23 @@ def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor 
     return weights @ value, weights
 
 
-def _check_mask(mask: Tensor, scores_shape: tuple[int, ...]) -> Tensor:
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
-    try:
-        fits = tuple(torch.broadcast_shapes(mask.shape, scores_shape)) == tuple(scores_shape)
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {tuple(scores_shape)}")
-    return mask
+def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask", device=None) -> Tensor:
+    reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))
+    return torch.as_tensor(mask, device=device)
+
+
+def _describe(name: str, value) -> tuple[tuple, str] | None:
+    """(shape, dtype name) of an optional tensor or array argument, for the reference's input checks."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return tuple(value.shape), _dtype_name(value.dtype)
+    array = reference.as_array(name, value)
+    return array.shape, array.dtype.name
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class MultiHeadAttention(nn.Module):
@@ -424,9 +430,11 @@ class Transformer(nn.Module):
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
+        (batch, length), heads = src.shape, self.config.n_heads
+        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask", self.device)
         x = self.src_pos(self.src_embed(src))
         steps: dict = {}
-        memory = self.encoder(x, self._as_mask(src_mask), steps)
+        memory = self.encoder(x, src_mask, steps)
         if intermediates is not None:
             intermediates["src_embed"] = x
             intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
@@ -445,12 +453,18 @@ class Transformer(nn.Module):
         """
         offset = 0 if cache is None else cache.length
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size, offset)
+        reference.check_memory(*_describe("memory", memory), len(tgt), self.config.d_model, _dtype_name(self.dtype))
+        memory = torch.as_tensor(memory, device=self.device)
+        (batch, length), heads = tgt.shape, self.config.n_heads
+        if src_mask is not None:
+            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask", self.device)
         if tgt_mask is None and cache is None:
             tgt_mask = target_mask(tgt, self.config.pad_id)
+        if tgt_mask is not None:
+            tgt_mask = _check_mask(tgt_mask, (batch, heads, length, offset + length), "tgt_mask", self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), offset)
         steps: dict = {}
-        out = self.decoder(y, memory, self._as_mask(src_mask), self._as_mask(tgt_mask), steps,
-                           None if cache is None else cache.layers)
+        out = self.decoder(y, memory, src_mask, tgt_mask, steps, None if cache is None else cache.layers)
         if intermediates is not None:
             intermediates["tgt_embed"] = y
             intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
@@ -465,8 +479,9 @@ class Transformer(nn.Module):
         "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
         "decoder" and "log_probs" to tensors, in that order (the shared stage names of every port).
         """
+        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
-            src_mask = padding_mask(self._check_tokens("src", src, self.config.src_vocab_size), self.config.pad_id)
+            src_mask = padding_mask(src, self.config.pad_id)
         stages: dict | None = {} if return_intermediates else None
         memory = self.encode(src, src_mask, stages)
         out = self.decode(tgt, memory, src_mask, tgt_mask, stages)
@@ -476,17 +491,20 @@ class Transformer(nn.Module):
         stages["log_probs"] = log_probs
         return log_probs, stages
 
-    def _as_mask(self, mask) -> Tensor | None:
-        return None if mask is None else torch.as_tensor(mask, device=self.device)
+    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[Tensor, Tensor]:
+        """Every check of the forward pass, made before any computation (the reference's
+        :func:`~reference_numpy.model.check_forward_inputs`)."""
+        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
+        reference.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
+                                       _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
+        return src, tgt
 
     def _check_tokens(self, name: str, tokens, vocab_size: int, offset: int = 0) -> Tensor:
-        tokens = torch.as_tensor(tokens, device=self.device)
-        if tokens.ndim != 2:
-            raise ValueError(f"{name} must have shape (batch, length), got {tuple(tokens.shape)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
-        if offset + tokens.shape[1] > self.config.max_len:
-            raise ValueError(f"{name} length {offset + tokens.shape[1]} exceeds max_len {self.config.max_len}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
-        return tokens.long()
+        """The reference's token checks; ids of any integer dtype become int64 on the model's device."""
+        if not isinstance(tokens, Tensor):
+            tokens = torch.as_tensor(reference.check_tokens(name, tokens, vocab_size, self.config.max_len, offset))
+        else:
+            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len, offset)
+            reference.check_token_values(name, tokens.cpu().numpy(), vocab_size)
+        return tokens.to(device=self.device, dtype=torch.long)
