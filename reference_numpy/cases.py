@@ -21,6 +21,16 @@ VARIANTS: dict[str, TransformerConfig] = {
     "shared_embeddings": _TINY.replace(src_vocab_size=_TINY.tgt_vocab_size, share_embeddings=True),
 }
 
+# VARIANTS plus a config away from every framework's LayerNorm default (torch 1e-5, Flax 1e-6,
+# Keras 1e-3), pre-LN so that the final norms of both stacks use it too: a default or misplaced
+# epsilon anywhere moves outputs by ~1e-3, far over either bound. The agreement matrix runs it
+# in its forward-pass checks (components, stages, attention weights); a full variant (decoding,
+# port pairs, gradients, per-port tests) would add about 100 s to the suite.
+FORWARD_VARIANTS: dict[str, TransformerConfig] = {
+    **VARIANTS,
+    "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),
+}
+
 MASK_CASES = ("none", "causal", "source_padding", "ragged_batch", "fully_masked_row")
 
 # Perturbation of biases and LayerNorm parameters in test checkpoints (see init_params).
@@ -85,8 +95,12 @@ def attention_inputs(config: TransformerConfig, case: str, dtype=np.float64,
 
 
 COMPONENT_MASKED = {"attention": True, "multi_head_attention": True, "positional_encoding": False,
-                    "feed_forward": False, "encoder_layer": True, "decoder_layer": True,
+                    "feed_forward": False, "layer_norm": False, "encoder_layer": True, "decoder_layer": True,
                     "encoder": True, "decoder": True}
+
+# The common offset of :func:`layer_norm_offset_inputs`: a one-pass variance E[x^2] - E[x]^2 subtracts
+# two numbers near 1e8 (float32 ulp 8) to find a variance near 1, and loses every digit of it.
+LAYER_NORM_OFFSET = 1e4
 
 
 def component_inputs(config: TransformerConfig, component: str, case: str, dtype=np.float64,
@@ -121,6 +135,14 @@ def component_inputs(config: TransformerConfig, component: str, case: str, dtype
     memory = rng.standard_normal((BATCH, SRC_LEN, config.d_model)).astype(dtype)
     return {"x": x, "memory": memory, "src_mask": key_padding,
             "tgt_mask": None if case == "none" else causal_mask(TGT_LEN)}
+
+
+def layer_norm_offset_inputs(config: TransformerConfig, dtype=np.float64, seed: int = 0) -> dict[str, np.ndarray]:
+    """x (B, S, D) = LAYER_NORM_OFFSET + N(0, 1) for the ``layer_norm`` component, rounded to
+    float32 so that every dtype sees the same numbers and float32's error is the computation's alone."""
+    rng = np.random.default_rng(seed)
+    x = LAYER_NORM_OFFSET + rng.standard_normal((BATCH, SRC_LEN, config.d_model))
+    return {"x": x.astype(np.float32).astype(dtype)}
 
 
 def model_inputs(config: TransformerConfig, case: str, seed: int = 0) -> dict[str, np.ndarray | None]:

@@ -1,0 +1,195 @@
+"""An independent whole-model oracle: the Transformer of sections 3.1-3.5, written from the paper
+and ``docs/checkpoint-format.md`` alone, in float64, one sentence, one head and one query at a
+time. It shares no code with the reference: from ``reference_numpy`` it takes only the config,
+the seeded checkpoint weights (``init_params``) and the float64 bound of the tolerance policy.
+The reference's every stage is compared with it for every config variant and mask case.
+
+Conventions the oracle states (``docs/reference.md``): masks are bool, True = may attend; a
+query that may attend to no key outputs zero; the target's default mask is causal and hides
+target padding, the source's hides source padding; embeddings are scaled by sqrt(d_model); PE
+is interleaved (even columns sin, odd cos); LayerNorm uses the biased variance with
+``config.layer_norm_eps`` inside the square root; pre-LN adds a final LayerNorm to each stack.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from reference_numpy import Transformer, TransformerConfig, init_params
+from reference_numpy.tolerance import assert_agrees
+
+# eps = 1e-2 moves every LayerNorm output by ~1e-3 relative to eps = 1e-6 or 1e-5: a wrong
+# epsilon anywhere is nine orders of magnitude over the float64 bound.
+TINY = TransformerConfig.preset("tiny", layer_norm_eps=1e-2)          # 2 encoder, 3 decoder layers
+VARIANTS = {
+    "post_ln": TINY,
+    "pre_ln": TINY.replace(norm_first=True),
+    "learned_pe": TINY.replace(positional_encoding="learned"),
+    "shared_embeddings": TINY.replace(src_vocab_size=TINY.tgt_vocab_size, share_embeddings=True),
+    "one_layer_each": TINY.replace(n_encoder_layers=1, n_decoder_layers=1),
+    "pre_ln_3_1_learned_shared": TINY.replace(n_encoder_layers=3, n_decoder_layers=1, norm_first=True,
+                                              positional_encoding="learned", src_vocab_size=TINY.tgt_vocab_size,
+                                              share_embeddings=True),
+    "default_eps": TINY.replace(layer_norm_eps=1e-6),
+}
+BATCH, SRC_LEN, TGT_LEN = 3, 7, 6
+CASES = ("padding", "fully_padded_source", "explicit_masks")
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+def linear(x, p, name):
+    """y = x W + b with W stored (in, out) (checkpoint format)."""
+    return x @ p[f"{name}.weight"] + p[f"{name}.bias"]
+
+
+def layer_norm(x, p, name, eps):
+    """Ba et al. (2016), position by position: (v - mean) / sqrt(biased var + eps) * weight + bias."""
+    out = np.empty_like(x)
+    for i, v in enumerate(x):
+        mean = math.fsum(v) / len(v)
+        var = math.fsum((v - mean) ** 2) / len(v)
+        out[i] = (v - mean) / math.sqrt(var + eps) * p[f"{name}.weight"] + p[f"{name}.bias"]
+    return out
+
+
+def attention(p, name, n_heads, queries, memory, allowed):
+    """Section 3.2.2: queries from ``queries``, keys and values from ``memory``; head h uses
+    columns h*d_k..(h+1)*d_k-1; Eq. (1) per query over its visible keys (``allowed`` (H, Tq, Tk));
+    a query with no visible key outputs zero. Then W^O."""
+    q, k, v = (linear(x, p, f"{name}.{proj}") for x, proj in ((queries, "q_proj"), (memory, "k_proj"),
+                                                              (memory, "v_proj")))
+    d_k = q.shape[1] // n_heads
+    concat = np.zeros_like(q)
+    for h in range(n_heads):
+        cols = slice(h * d_k, (h + 1) * d_k)
+        for i in range(len(q)):
+            visible = [j for j in range(len(k)) if allowed[h, i, j]]
+            if not visible:
+                continue
+            scores = [float(q[i, cols] @ k[j, cols]) / math.sqrt(d_k) for j in visible]
+            exps = [math.exp(s - max(scores)) for s in scores]
+            concat[i, cols] = sum(e / math.fsum(exps) * v[j, cols] for e, j in zip(exps, visible))
+    return linear(concat, p, f"{name}.o_proj")
+
+
+def feed_forward(x, p, name):
+    """Eq. (2): max(0, x W1 + b1) W2 + b2."""
+    return linear(np.maximum(linear(x, p, f"{name}.linear1"), 0.0), p, f"{name}.linear2")
+
+
+def sublayer(x, f, p, norm, config):
+    """Section 3.1: post-LN LayerNorm(x + f(x)); pre-LN x + f(LayerNorm(x))."""
+    if config.norm_first:
+        return x + f(layer_norm(x, p, norm, config.layer_norm_eps))
+    return layer_norm(x + f(x), p, norm, config.layer_norm_eps)
+
+
+def embed(tokens, p, config, side):
+    """Section 3.4: E[token] * sqrt(d_model), plus the section 3.5 sinusoid or the learned table."""
+    name = "shared_embed" if config.share_embeddings else f"{side}_embed"
+    out = np.zeros((len(tokens), config.d_model))
+    for pos, token in enumerate(tokens):
+        out[pos] = p[f"{name}.weight"][token] * math.sqrt(config.d_model)
+        if config.positional_encoding == "learned":
+            out[pos] += p[f"{side}_pos_embed.weight"][pos]
+            continue
+        for i in range(0, config.d_model, 2):
+            angle = pos / 10000 ** (i / config.d_model)
+            out[pos, i] += math.sin(angle)
+            out[pos, i + 1] += math.cos(angle)
+    return out
+
+
+def oracle_sentence(p, config, src, tgt, enc_allowed, cross_allowed, tgt_allowed):
+    """One sentence's stages; the masks are (H, S, S), (H, T, S) and (H, T, T)."""
+    stages, h = {}, config.n_heads
+    x = stages["src_embed"] = embed(src, p, config, "src")
+    for i in range(config.n_encoder_layers):
+        name = f"encoder.layers.{i}"
+        x = sublayer(x, lambda y: attention(p, f"{name}.self_attn", h, y, y, enc_allowed), p,
+                     f"{name}.self_attn_norm", config)
+        x = stages[name] = sublayer(x, lambda y: feed_forward(y, p, f"{name}.ffn"), p, f"{name}.ffn_norm", config)
+    memory = stages["encoder"] = layer_norm(x, p, "encoder.norm", config.layer_norm_eps) if config.norm_first else x
+    y = stages["tgt_embed"] = embed(tgt, p, config, "tgt")
+    for i in range(config.n_decoder_layers):
+        name = f"decoder.layers.{i}"
+        y = sublayer(y, lambda z: attention(p, f"{name}.self_attn", h, z, z, tgt_allowed), p,
+                     f"{name}.self_attn_norm", config)
+        y = sublayer(y, lambda z: attention(p, f"{name}.cross_attn", h, z, memory, cross_allowed), p,
+                     f"{name}.cross_attn_norm", config)
+        y = stages[name] = sublayer(y, lambda z: feed_forward(z, p, f"{name}.ffn"), p, f"{name}.ffn_norm", config)
+    out = stages["decoder"] = layer_norm(y, p, "decoder.norm", config.layer_norm_eps) if config.norm_first else y
+    weight = p["shared_embed.weight"].T if config.share_embeddings else p["generator.weight"]   # (D, V), no bias
+    log_probs = np.zeros((len(tgt), weight.shape[1]))
+    for t, logits in enumerate(out @ weight):
+        top = max(logits)
+        log_probs[t] = logits - top - math.log(math.fsum(math.exp(z - top) for z in logits))
+    stages["log_probs"] = log_probs
+    return stages
+
+
+def oracle(p, config, src, tgt, src_key_mask=None, tgt_mask=None):
+    """Every stage for a batch. Default masks: source keys that are not padding (encoder and
+    cross attention); target keys j <= i that are not padding. Explicit masks: src_key_mask
+    (B, S) for both source-side attentions, tgt_mask (B, H, T, T)."""
+    h, s, t = config.n_heads, src.shape[1], tgt.shape[1]
+    per_sentence = []
+    for b in range(len(src)):
+        keys = src_key_mask[b] if src_key_mask is not None else [token != config.pad_id for token in src[b]]
+        if tgt_mask is not None:
+            tgt_allowed = tgt_mask[b]
+        else:
+            causal_unpadded = [[j <= i and tgt[b, j] != config.pad_id for j in range(t)] for i in range(t)]
+            tgt_allowed = np.broadcast_to(causal_unpadded, (h, t, t))
+        per_sentence.append(oracle_sentence(p, config, src[b], tgt[b], np.broadcast_to(keys, (h, s, s)),
+                                            np.broadcast_to(keys, (h, t, s)), tgt_allowed))
+    return {name: np.stack([stages[name] for stages in per_sentence]) for name in per_sentence[0]}
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+def inputs(config, case, seed=0):
+    """Token ids (pad_id, bos_id, eos_id excluded) and, for ``explicit_masks``, random masks with
+    per-head target masks and some fully masked rows."""
+    rng, first = np.random.default_rng(seed), max(config.pad_id, config.bos_id, config.eos_id) + 1
+    src = rng.integers(first, config.src_vocab_size, size=(BATCH, SRC_LEN))
+    tgt = rng.integers(first, config.tgt_vocab_size, size=(BATCH, TGT_LEN))
+    tgt[:, 0] = config.bos_id
+    if case == "explicit_masks":
+        tgt_mask = rng.random((BATCH, config.n_heads, TGT_LEN, TGT_LEN)) < 0.5
+        tgt_mask[0, 1, 2, :] = False                                            # a fully masked row
+        return src, tgt, rng.random((BATCH, SRC_LEN)) < 0.6, tgt_mask
+    src_lengths = [SRC_LEN, 2, 5] if case == "padding" else [SRC_LEN, 0, 5]     # row 1: no source token at all
+    src[np.arange(SRC_LEN)[None, :] >= np.array(src_lengths)[:, None]] = config.pad_id
+    tgt[np.arange(TGT_LEN)[None, :] >= np.array([TGT_LEN, 3, 5])[:, None]] = config.pad_id
+    return src, tgt, None, None
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_reference_matches_the_oracle_stage_by_stage(variant, case):
+    """Every stage the reference exposes, in its order, within the float64 policy."""
+    config = VARIANTS[variant]
+    params = init_params(config, seed=1, perturb=0.1)          # non-trivial biases and LayerNorm weights
+    src, tgt, src_key_mask, tgt_mask = inputs(config, case)
+    expected = oracle(params, config, src, tgt, src_key_mask, tgt_mask)
+    _, stages = Transformer(config, params)(src, tgt, None if src_key_mask is None else src_key_mask[:, None, None, :],
+                                            tgt_mask, return_intermediates=True)
+    assert list(stages) == list(expected)
+    for name, value in expected.items():
+        assert_agrees(stages[name], value, what=f"{variant}/{case}/{name}")
+
+
+def test_oracle_uses_the_zero_output_convention_on_a_fully_masked_row():
+    """The oracle's own convention, seen directly: a query with no visible key contributes only
+    the output projection's bias."""
+    config = VARIANTS["post_ln"]
+    params = init_params(config, seed=1, perturb=0.1)
+    queries, memory = np.ones((2, config.d_model)), np.ones((3, config.d_model))
+    allowed = np.zeros((config.n_heads, 2, 3), dtype=bool)
+    out = attention(params, "encoder.layers.0.self_attn", config.n_heads, queries, memory, allowed)
+    np.testing.assert_array_equal(out, np.broadcast_to(params["encoder.layers.0.self_attn.o_proj.bias"], out.shape))
