@@ -15,10 +15,14 @@ The rules, shared by every port so that all backends produce identical tokens
   lower b, then the lower v. Walking the ranking, an eos candidate among the first
   ``beam_size`` ranks finishes a hypothesis (other eos candidates are dropped) and the first
   ``beam_size`` non-eos candidates of finite score are the next live beams (impossible ones,
-  such as pad and bos, never are; a small vocabulary can leave fewer than ``beam_size`` beams). Search stops at the maximum length
-  (live beams are then scored as finished) or as soon as no live beam can beat the best
-  finished one: max_b logP_b / lp(max length) <= best finished score. The best score wins;
-  a tie goes to the hypothesis finished first (then the better rank).
+  such as pad and bos, never are; a small vocabulary can leave fewer than ``beam_size`` beams,
+  or none: when only eos can follow, the eos candidates finish and the search ends). Search
+  stops at the maximum length (the live beams are then scored as finished, after that step's
+  eos hypotheses), when no live beam is left, or as soon as no live beam can beat the best
+  finished one: max_b logP_b / lp(max length) <= best finished score (log-probabilities only
+  fall and lp only grows, so stopping never changes the result). The best score wins; a tie
+  goes to the hypothesis finished first: the earlier step, then, within a step, the eos
+  hypotheses in rank order, then the live beams the maximum length finishes, in rank order.
 
 The reference recomputes the whole prefix at each step; the ports use a key/value cache and
 must give the same tokens.
@@ -26,6 +30,8 @@ must give the same tokens.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +54,17 @@ def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def check_decoding_args(beam_size, alpha) -> tuple[int, float]:
+    """``beam_size`` and ``alpha`` as a Python int and float, with one-line errors shared by every
+    backend: beam_size is a positive integer (not a bool); alpha a finite real number >= 0 (a
+    negative alpha would make lp(Y) shrink with length, and the stopping rule relies on it growing)."""
+    if not isinstance(beam_size, numbers.Integral) or isinstance(beam_size, bool) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or not 0.0 <= alpha < math.inf:
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+    return int(beam_size), float(alpha)
+
+
 def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray,
                          src_mask: np.ndarray) -> np.ndarray:
     """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
@@ -67,8 +84,9 @@ def greedy_decode(model: Transformer, src: np.ndarray, margins: list | None = No
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
     """
     cfg = model.config
+    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
+    src = np.asarray(src)
     src_mask = padding_mask(src, cfg.pad_id)
-    memory = model.encode(src, src_mask)
     limits = max_output_lengths(model, src)
     tgt = np.full((len(src), 1), cfg.bos_id, dtype=np.int64)
     done = np.zeros(len(src), dtype=bool)
@@ -97,11 +115,11 @@ def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
     length-normalized scores (B,).
     """
-    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    beam_size, alpha = check_decoding_args(beam_size, alpha)
     cfg = model.config
+    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
+    src = np.asarray(src)
     src_mask = padding_mask(src, cfg.pad_id)
-    memory = model.encode(src, src_mask)
     limits = max_output_lengths(model, src)
     results = []
     for b in range(len(src)):
@@ -143,10 +161,13 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
 
 def search_ends(finished: list, live, live_scores: np.ndarray, step: int, limit: int, alpha: float) -> bool:
     """Whether the search stops after ``step``: at the maximum length (the live beams -- rows of
-    bos + tokens -- are then scored as finished) or when no live beam can beat the best finished
-    hypothesis, max_b logP_b / lp(limit) <= best finished score."""
+    bos + tokens -- are then scored as finished, after this step's eos hypotheses), when no live
+    beam is left (every non-eos candidate was impossible, e.g. only eos could follow), or when no
+    live beam can beat the best finished hypothesis, max_b logP_b / lp(limit) <= best finished score."""
     if step == limit:
         finished += [(score / length_penalty(step, alpha), row[1:].tolist()) for score, row in zip(live_scores, live)]
+        return True
+    if len(live_scores) == 0:
         return True
     best_finished = max((score for score, _ in finished), default=-np.inf)
     return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)

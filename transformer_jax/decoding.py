@@ -7,8 +7,9 @@ the lowest token id; beam candidates are ranked by summed log-probability (in th
 with ties to the lower beam, then the lower token (a stable sort of the negated flat scores);
 an eos among the first ``beam_size`` ranks finishes a hypothesis, the first ``beam_size``
 non-eos candidates are the next live beams; the search stops at the budget (live beams then
-finish, in rank order) or when no live beam can beat the best finished one; the best score
-wins, ties going to the hypothesis finished first. Outputs are NumPy, without bos, pad-filled.
+finish, in rank order, after that step's eos hypotheses), when no live beam is left, or when no
+live beam can beat the best finished one; the best score wins, ties going to the hypothesis
+finished first. Outputs are NumPy, without bos, pad-filled.
 
 How it runs:
 * the encoder runs once; with ``use_cache=True`` every decoder layer keeps a fixed-size
@@ -21,7 +22,9 @@ How it runs:
   step (later positions are masked), the reference's recomputation, compiled, for comparison;
 * beam search runs one search per source sentence, vectorized over the batch with ``jax.vmap``.
   Beam slots not yet filled (the first step has one live beam) hold the score -inf, so they
-  rank after every real candidate and never finish.
+  rank after every real candidate and never finish. A step whose non-eos candidates are all
+  impossible (only eos can follow) leaves every slot at -inf, and the stopping rule
+  (-inf <= best finished score) ends the search, as "no live beam left" does in the reference.
 
 Shape legend: B batch, S source length, N rows decoded together (B, or beam_size), M budget,
 V target vocabulary, K beam_size.
@@ -37,7 +40,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA, length_penalty, max_output_lengths
+from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, check_decoding_args, length_penalty,
+                                      max_output_lengths)
 
 from .model import KVCache, Transformer, padding_mask
 
@@ -149,8 +153,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id (NumPy int64), and
     the length-normalized scores (B,) (NumPy float64 holding model-dtype values).
     """
-    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    beam_size, alpha = check_decoding_args(beam_size, alpha)
     src, limits = _start(model, src)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then

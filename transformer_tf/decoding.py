@@ -6,8 +6,11 @@ right-padded with pad_id; pad_id and bos_id are never emitted (their log-probabi
 to -inf before choosing); greedy ties go to the lowest token id; beam candidates are ranked by
 summed log-probability (model dtype), ties to the lower beam then the lower token; eos finishes
 a hypothesis only among the first ``beam_size`` ranks; the search stops at the maximum length
-(live beams are then scored as finished, in rank order) or when no live beam can beat the best
-finished one; the best score wins, a tie going to the hypothesis finished first.
+(live beams are then scored as finished, in rank order, after that step's eos hypotheses), when
+no live beam is left, or when no live beam can beat the best finished one; the best score wins,
+a tie going to the hypothesis finished first. Beam rows that hold no live beam (only one exists
+at first; none when only eos can follow) score -inf: they never finish, and when all of a
+sentence's rows do, the stopping rule (-inf <= best finished score) ends its search.
 
 Each search is one ``tf.function`` holding a ``tf.while_loop`` over output positions, for the
 whole batch at once (beam search keeps B x beam_size rows):
@@ -28,7 +31,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA, length_penalty
+from reference_numpy.decoding import (BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA, check_decoding_args,
+                                      length_penalty)
 
 from .device import model_device
 from .model import DecoderLayer, Transformer, padding_mask, residual
@@ -54,8 +58,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
     length-normalized scores (B,) (float64, like the reference's Python floats).
     """
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    beam_size, alpha = check_decoding_args(beam_size, alpha)
     src = model._check_tokens("src", src, model.config.src_vocab_size)
     penalties = [length_penalty(n, alpha) for n in range(_buffer_length(model, src) + 1)]
     search = _compiled(model, ("beam", use_cache, beam_size), _beam)

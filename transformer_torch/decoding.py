@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, best_hypothesis, length_penalty,
-                                      max_output_lengths, search_ends, select_candidates)
+from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, best_hypothesis, check_decoding_args,
+                                      length_penalty, max_output_lengths, search_ends, select_candidates)
 
 from .model import Transformer, padding_mask
 
@@ -140,8 +140,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     Shape: src (B, S) -> tokens (B, L) NumPy int64 without bos, right-padded with pad_id, and
     the length-normalized scores (B,).
     """
-    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    beam_size, alpha = check_decoding_args(beam_size, alpha)
     cfg = model.config
     src = model._check_tokens("src", src, cfg.src_vocab_size)
     src_mask = padding_mask(src, cfg.pad_id)
