@@ -1,97 +1,669 @@
-"""Break the code on purpose, one classic Transformer bug at a time, and check that the suite
-notices: each mutation is applied to a copy of the repository and the named tests must fail.
+"""Break the code on purpose and check that the suite notices: each mutation is applied to a
+copy of the repository and the tests it names -- the independent check meant to catch it --
+must fail.
 
-    python scripts/check_mutations.py            # every mutation (a few minutes)
-    python scripts/check_mutations.py --list
+Two scopes of mutation:
 
-Prints one line per mutation: caught (the selected tests failed) or MISSED.
+* **single**: a classic bug in one backend; the naive checks of the reference or the agreement
+  matrix must see it.
+* **consistent**: the same bug planted in the reference and in every port at once (one
+  mutation edits several files; the PyTorch port reuses the reference's beam-selection code, so
+  a beam rule lives in three places). The agreement matrix cannot see such a bug, since every
+  backend still agrees; only the independent oracles written from the paper can. With
+  ``--blind`` the script also runs the mutation's agreement selection and requires it to
+  *pass*, which proves the plant really is the same everywhere.
+
+    python scripts/check_mutations.py                       # every mutation (a few minutes)
+    python scripts/check_mutations.py --scope consistent    # only the consistent ones
+    python scripts/check_mutations.py --kind loss --kind ties
+    python scripts/check_mutations.py --only "final LayerNorm" --blind
+    python scripts/check_mutations.py --scope consistent --every-test   # name every test that fails
+    python scripts/check_mutations.py --list                # list them (and check every edit applies)
+
+Prints one line per mutation -- caught (the selected tests failed), MISSED (they passed) or
+ERROR (they could not run: a collection error, or no test selected) -- with the first failing
+test (every failing test with ``--every-test``), then a summary per kind. Exits 1 unless every mutation is caught (and, with ``--blind``,
+every consistent one passes its agreement selection).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+REF, TORCH, JAX, TF = "reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf"
+BACKENDS = (REF, TORCH, JAX, TF)
 
-# (bug, file, original text, mutated text, pytest arguments that must fail)
-MUTATIONS = [
-    ("reference: LayerNorm epsilon outside the square root", "reference_numpy/model.py",
-     "np.sqrt(var + self.eps)", "(np.sqrt(var) + self.eps)", ["tests/test_reference.py", "-k", "layer_norm"]),
-    ("reference: positional encoding [sin | cos] instead of interleaved", "reference_numpy/model.py",
-     "    table[:, 0::2] = np.sin(angle)\n    table[:, 1::2] = np.cos(angle)",
-     "    table[:, :d_model // 2] = np.sin(angle)\n    table[:, d_model // 2:] = np.cos(angle)",
-     ["tests/test_reference.py", "-k", "positional"]),
-    ("reference: decoder may see one future position", "reference_numpy/model.py",
-     "np.tril(np.ones((length, length), dtype=bool))", "np.tril(np.ones((length, length), dtype=bool), k=1)",
-     ["tests/test_reference.py", "-k", "causal"]),
-    ("reference: heads split token-major", "reference_numpy/model.py",
-     "x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)\n        return x.transpose(0, 2, 1, 3)",
-     "x = x.reshape(batch, self.n_heads, length, width // self.n_heads)\n        return x",
-     ["tests/test_reference.py", "-k", "multi_head"]),
-    ("reference: embeddings not scaled by sqrt(d_model)", "reference_numpy/model.py",
-     "return self.weight[tokens] * self.scale", "return self.weight[tokens]",
-     ["tests/test_reference.py", "-k", "shared_embeddings"]),
-    ("reference: greedy ties go to the highest token id", "reference_numpy/decoding.py",
-     "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)",
-     ["tests/test_decoding.py", "-k", "ties_to_the_lowest_id"]),
-    ("reference: equal beam scores go to the later hypothesis", "reference_numpy/decoding.py",
-     "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)",
-     ["tests/test_decoding.py", "-k", "equal_scores"]),
-    ("torch: LayerNorm epsilon left at torch's default 1e-5", "transformer_torch/model.py",
-     "super().__init__(d_model, eps=eps)", "super().__init__(d_model)",
-     ["tests/test_agreement.py", "-k", "torch and cpu and test_component and encoder_layer and none"]),
-    ("torch: a square projection not transposed on load", "transformer_torch/checkpoint.py",
-     'TRANSPOSED = ("q_proj.weight", ', "TRANSPOSED = (",
-     ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
-    ("torch: dropout left on at inference", "transformer_torch/backend.py",
-     "_, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
-     "_, stages = model.train()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
-     ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),
-    ("keras: LayerNorm epsilon left at Keras' default 1e-3", "transformer_tf/model.py",
-     "super().__init__(axis=-1, epsilon=eps, **kwargs)", "super().__init__(axis=-1, **kwargs)",
-     ["tests/test_agreement.py", "-k", "tf and cpu and test_component and encoder_layer and none"]),
-    ("keras: embeddings not scaled by sqrt(d_model)", "transformer_tf/model.py",
-     "self.scale = math.sqrt(self.config.d_model)", "self.scale = 1.0",
-     ["tests/test_agreement.py", "-k", "tf and cpu and test_forward_stages and tiny and none"]),
-    ("jax: masked scores filled with -1e9 (uniform average on a fully masked row)", "transformer_jax/model.py",
-     "scores = jnp.where(mask, scores, -jnp.inf)", "scores = jnp.where(mask, scores, -1e9)",
-     ["tests/test_agreement.py", "-k", "jax and cpu and test_component and attention and fully_masked_row"]),
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace ``original`` (found exactly once) by ``mutated`` in ``path``."""
+
+    path: str
+    original: str
+    mutated: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted bug: its kind, scope ("single" or "consistent"), the edits that plant it, the
+    pytest arguments that must fail (``catch``) and, for a consistent bug, the agreement tests that
+    must still pass (``blind``). ``shared`` names ports that run the reference's own code for the
+    mutated part (they get the bug through the reference's edit)."""
+
+    kind: str
+    bug: str
+    scope: str
+    edits: tuple[Edit, ...]
+    catch: tuple[str, ...]
+    blind: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.scope not in ("single", "consistent"):
+            raise ValueError(f"{self.bug}: scope must be 'single' or 'consistent', got {self.scope!r}")
+        touched = {edit.path.split("/")[0] for edit in self.edits} | set(self.shared)
+        if self.scope == "consistent" and touched != set(BACKENDS):
+            raise ValueError(f"{self.bug}: a consistent mutation plants the bug in every backend, "
+                             f"missing {sorted(set(BACKENDS) - touched)}")
+
+
+def single(kind: str, bug: str, path: str, original: str, mutated: str, catch: list[str]) -> Mutation:
+    return Mutation(kind, bug, "single", (Edit(path, original, mutated),), tuple(catch))
+
+
+def consistent(kind: str, bug: str, edits: list[tuple[str, str, str]], catch: list[str],
+               blind: list[str] = (), shared: tuple[str, ...] = ()) -> Mutation:
+    return Mutation(kind, bug, "consistent", tuple(Edit(*edit) for edit in edits), tuple(catch), tuple(blind),
+                    shared)
+
+
+# The independent checks, and the agreement selections a consistent bug passes (float64, CPU).
+ORACLE = ["tests/test_oracle.py"]
+LOSS_ORACLE = ["tests/test_loss_oracle.py"]
+DECODING_ORACLE = ["tests/test_decoding_oracle.py", "tests/test_decoding.py"]
+
+
+def agreement(variants: str, decoding: bool = False) -> list[str]:
+    """Forward stages of every port (one mask case, the ragged batch) for ``variants`` (a -k
+    expression), and with ``decoding`` the float64 greedy and beam tokens too."""
+    checks = "(test_forward_stages and ragged_batch or test_decoded_tokens_float64)" if decoding \
+        else "test_forward_stages and ragged_batch"
+    return ["tests/test_agreement.py", "-k", f"cpu and float64 and {checks} and ({variants})"]
+
+
+GRADIENTS = ["tests/test_gradients.py", "-k", "tiny"]
+
+
+# ----------------------------------------------------------------------------- single-backend bugs
+
+SINGLE = [
+    single("layer-norm", "reference: LayerNorm epsilon outside the square root", "reference_numpy/model.py",
+           "np.sqrt(var + self.eps)", "(np.sqrt(var) + self.eps)", ["tests/test_reference.py", "-k", "layer_norm"]),
+    single("positional-encoding", "reference: positional encoding [sin | cos] instead of interleaved",
+           "reference_numpy/model.py",
+           "    table[:, 0::2] = np.sin(angle)\n    table[:, 1::2] = np.cos(angle)",
+           "    table[:, :d_model // 2] = np.sin(angle)\n    table[:, d_model // 2:] = np.cos(angle)",
+           ["tests/test_reference.py", "-k", "positional"]),
+    single("masks", "reference: decoder may see one future position", "reference_numpy/model.py",
+           "np.tril(np.ones((length, length), dtype=bool))", "np.tril(np.ones((length, length), dtype=bool), k=1)",
+           ["tests/test_reference.py", "-k", "causal"]),
+    single("attention", "reference: heads split token-major", "reference_numpy/model.py",
+           "x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)\n"
+           "        return x.transpose(0, 2, 1, 3)",
+           "x = x.reshape(batch, self.n_heads, length, width // self.n_heads)\n        return x",
+           ["tests/test_reference.py", "-k", "multi_head"]),
+    single("embedding-scale", "reference: embeddings not scaled by sqrt(d_model)", "reference_numpy/model.py",
+           "return self.weight[tokens] * self.scale", "return self.weight[tokens]",
+           ["tests/test_reference.py", "-k", "shared_embeddings"]),
+    single("ties", "reference: greedy ties go to the highest token id", "reference_numpy/decoding.py",
+           "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)",
+           ["tests/test_decoding.py", "-k", "ties_to_the_lowest_id"]),
+    single("ties", "reference: equal beam scores go to the later hypothesis", "reference_numpy/decoding.py",
+           "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)",
+           ["tests/test_decoding.py", "-k", "equal_scores"]),
+    single("epsilon", "torch: LayerNorm epsilon left at torch's default 1e-5", "transformer_torch/model.py",
+           "super().__init__(d_model, eps=eps)", "super().__init__(d_model)",
+           ["tests/test_agreement.py", "-k", "torch and cpu and test_component and encoder_layer and none"]),
+    single("checkpoint", "torch: a square projection not transposed on load", "transformer_torch/checkpoint.py",
+           'TRANSPOSED = ("q_proj.weight", ', "TRANSPOSED = (",
+           ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
+    single("dropout", "torch: dropout left on at inference", "transformer_torch/backend.py",
+           "_, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
+           "_, stages = model.train()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
+           ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),
+    single("epsilon", "keras: LayerNorm epsilon left at Keras' default 1e-3", "transformer_tf/model.py",
+           "super().__init__(axis=-1, epsilon=eps, **kwargs)", "super().__init__(axis=-1, **kwargs)",
+           ["tests/test_agreement.py", "-k", "tf and cpu and test_component and encoder_layer and none"]),
+    single("embedding-scale", "keras: embeddings not scaled by sqrt(d_model)", "transformer_tf/model.py",
+           "self.scale = math.sqrt(self.config.d_model)", "self.scale = 1.0",
+           ["tests/test_agreement.py", "-k", "tf and cpu and test_forward_stages and tiny and none"]),
+    single("masks", "jax: masked scores filled with -1e9 (uniform average on a fully masked row)",
+           "transformer_jax/model.py",
+           "scores = jnp.where(mask, scores, -jnp.inf)", "scores = jnp.where(mask, scores, -1e9)",
+           ["tests/test_agreement.py", "-k", "jax and cpu and test_component and attention and fully_masked_row"]),
 ]
 
 
-def run_mutation(bug: str, path: str, original: str, mutated: str, selection: list[str]) -> bool:
-    """True when the selected tests fail on the mutated copy."""
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / "repo"
-        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info"))
-        target = copy / path
+# ----------------------------------------------------------------------------- consistent model bugs
+
+RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
+JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
+
+STACKING = [
+    consistent("stacking", "encoder: every layer applied twice", [
+        (RM, "x = layer(x, mask)\n", "x = layer(layer(x, mask), mask)\n"),
+        (TM, "x = layer(x, mask)\n", "x = layer(layer(x, mask), mask)\n"),
+        (JM, "x = layer(x, mask, deterministic=deterministic)",
+         "x = layer(layer(x, mask, deterministic=deterministic), mask, deterministic=deterministic)"),
+        (FM, "x = layer(x, mask, training=training)", "x = layer(layer(x, mask, training=training), mask, training=training)"),
+    ], ORACLE, agreement("tiny")),
+    consistent("stacking", "encoder: layers run in reverse order", [
+        (RM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask)",
+         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask)"),
+        (TM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask)",
+         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask)"),
+        (JM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask,",
+         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask,"),
+        (FM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask,",
+         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask,"),
+    ], ORACLE, agreement("tiny")),
+    consistent("stacking", "decoder: the first layer's weights at every depth", [
+        (RM, "x = layer(x, memory, src_mask, tgt_mask)", "x = self.layers[0](x, memory, src_mask, tgt_mask)"),
+        (TM, "x = layer(x, memory, src_mask, tgt_mask, None", "x = self.layers[0](x, memory, src_mask, tgt_mask, None"),
+        (JM, "x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)",
+         "x = self.layers[0](x, memory, src_mask, tgt_mask, deterministic=deterministic)"),
+        (JM, "layer.init_cache(memory, max_steps) for layer in self.layers",
+         "self.layers[0].init_cache(memory, max_steps) for layer in self.layers"),
+        (JM, "x, layer_cache = layer.step(", "x, layer_cache = self.layers[0].step("),
+        (FM, "x = layer(x, memory, src_mask, tgt_mask, training=training)",
+         "x = self.layers[0](x, memory, src_mask, tgt_mask, training=training)"),
+        (FD, "                  for layer in model.decoder.layers)",
+         "                  for layer in [model.decoder.layers[0]] * len(model.decoder.layers))"),
+        (FD, "_decoder_layer_step(layer, x,", "_decoder_layer_step(model.decoder.layers[0], x,"),
+    ], ORACLE, agreement("tiny", decoding=True)),
+]
+
+RESIDUAL = [
+    consistent("residual", "post-LN: LayerNorm of the sublayer output alone, x + LN(Sublayer(x))", [
+        (RM, "return norm(x + sublayer(x))", "return x + norm(sublayer(x))"),
+        (TM, "return norm(x + dropout(sublayer(x)))", "return x + norm(dropout(sublayer(x)))"),
+        (JM, "return norm(x + dropout(sublayer(x)))", "return x + norm(dropout(sublayer(x)))"),
+        (FM, "return norm(x + dropout(sublayer(x)))", "return x + norm(dropout(sublayer(x)))"),
+    ], ORACLE, agreement("tiny")),
+    consistent("residual", "pre-LN: the residual branch carries the normalized input, LN(x) + Sublayer(LN(x))", [
+        (RM, "return x + sublayer(norm(x))", "return norm(x) + sublayer(norm(x))"),
+        (TM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
+        (JM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
+        (FM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
+    ], ORACLE, agreement("pre_ln")),
+    consistent("residual", "decoder: the cross-attention sublayer uses the self-attention sublayer's LayerNorm", [
+        (RM, "src_mask), self.cross_attn_norm,", "src_mask), self.self_attn_norm,"),
+        (TM, "self.cross_attn_norm, self.norm_first, self.dropout)", "self.self_attn_norm, self.norm_first, self.dropout)"),
+        (JM, "x = residual(x, cross_attention, self.cross_attn_norm,", "x = residual(x, cross_attention, self.self_attn_norm,"),
+        (FM, "src_mask), self.cross_attn_norm,", "src_mask), self.self_attn_norm,"),
+        (FD, "x = residual(x, cross_attn, layer.cross_attn_norm,", "x = residual(x, cross_attn, layer.self_attn_norm,"),
+    ], ORACLE, agreement("tiny or pre_ln", decoding=True)),
+    consistent("residual", "encoder: feed-forward sublayer before self-attention", [
+        (RM, "x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first)\n"
+             "        return residual(x, self.ffn, self.ffn_norm, self.norm_first)",
+         "x = residual(x, self.ffn, self.ffn_norm, self.norm_first)\n"
+         "        return residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first)"),
+        (TM, "x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first,\n"
+             "                     self.dropout)\n"
+             "        return residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)",
+         "x = residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)\n"
+         "        return residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first,\n"
+         "                        self.dropout)"),
+        (JM, "x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first, drop)\n"
+             "        return residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)",
+         "x = residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)\n"
+         "        return residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first, drop)"),
+        (FM, "x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first, dropout)\n"
+             "        return residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)",
+         "x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)\n"
+         "        return residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first, dropout)"),
+    ], ORACLE, agreement("tiny")),
+]
+
+_STORE_LAYER = "\n            if intermediates is not None:\n                intermediates[f\"layers.{i}\"] = x\n"
+_FINAL_NORM = "        return self.norm(x) if self.norm is not None else x"
+FINAL_NORMS = [
+    consistent("final-norm", "pre-LN: the encoder's final LayerNorm left out", [
+        (RM, "x = layer(x, mask)" + _STORE_LAYER + _FINAL_NORM, "x = layer(x, mask)" + _STORE_LAYER + "        return x"),
+        (TM, "x = layer(x, mask)" + _STORE_LAYER + _FINAL_NORM, "x = layer(x, mask)" + _STORE_LAYER + "        return x"),
+        (JM, "deterministic=deterministic)" + _STORE_LAYER + _FINAL_NORM,
+         "deterministic=deterministic)" + _STORE_LAYER + "        return x"),
+        (FM, "x = layer(x, mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"
+             "        x = self.norm(x) if self.norm is not None else x\n",
+         "x = layer(x, mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"),
+    ], ORACLE, agreement("pre_ln")),
+    consistent("final-norm", "pre-LN: the decoder's final LayerNorm left out", [
+        (RM, "x = layer(x, memory, src_mask, tgt_mask)" + _STORE_LAYER + _FINAL_NORM,
+         "x = layer(x, memory, src_mask, tgt_mask)" + _STORE_LAYER + "        return x"),
+        (TM, "cache[i])" + _STORE_LAYER + _FINAL_NORM, "cache[i])" + _STORE_LAYER + "        return x"),
+        (JM, "def _final_norm(self, x: jax.Array) -> jax.Array:\n" + _FINAL_NORM,
+         "def _final_norm(self, x: jax.Array) -> jax.Array:\n        return x"),
+        (FM, "x = layer(x, memory, src_mask, tgt_mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"
+             "        x = self.norm(x) if self.norm is not None else x\n",
+         "x = layer(x, memory, src_mask, tgt_mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"),
+        (FD, "        if model.decoder.norm is not None:\n            x = model.decoder.norm(x)\n", ""),
+    ], ORACLE, agreement("pre_ln", decoding=True)),
+]
+
+EMBEDDING_SCALE = [
+    consistent("embedding-scale", "source embeddings not scaled by sqrt(d_model) (the target's still are)", [
+        (RM, "x = self.src_pos(self.src_embed(src))", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
+        (TM, "x = self.src_pos(self.src_embed(src))", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
+        (JM, "self.src_pos(self.src_embed(src))", "self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
+        (FM, "x = self.src_pos(self.src_embed(src),", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
+    ], ORACLE, agreement("tiny or shared_embeddings")),
+    consistent("embedding-scale", "target embeddings not scaled by sqrt(d_model) (the source's still are)", [
+        (RM, "y = self.tgt_pos(self.tgt_embed(tgt))", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale)"),
+        (TM, "y = self.tgt_pos(self.tgt_embed(tgt), offset)",
+         "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale, offset)"),
+        (JM, "self.tgt_pos(self.tgt_embed(tgt))", "self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale)"),
+        (JD, "model.tgt_pos(model.tgt_embed(token[:, None]), index)",
+         "model.tgt_pos(model.tgt_embed(token[:, None]) / model.tgt_embed.scale, index)"),
+        (FM, "y = self.tgt_pos(self.tgt_embed(tgt),", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale,"),
+        (FD, "model.tgt_pos(model.tgt_embed(tf.gather(tokens, [position], axis=1)),",
+         "model.tgt_pos(model.tgt_embed(tf.gather(tokens, [position], axis=1)) / model.tgt_embed.scale,"),
+    ], ORACLE, agreement("tiny or shared_embeddings", decoding=True)),
+]
+
+EPSILON = [
+    consistent("epsilon", "every LayerNorm uses 1e-6 whatever config.layer_norm_eps says", [
+        (RM, "self.eps = eps", "self.eps = 1e-6"),
+        (TM, "super().__init__(d_model, eps=eps)", "super().__init__(d_model, eps=1e-6)"),
+        (JM, "epsilon=config.layer_norm_eps,", "epsilon=1e-6,"),
+        (FM, "super().__init__(axis=-1, epsilon=eps, **kwargs)", "super().__init__(axis=-1, epsilon=1e-6, **kwargs)"),
+    ], ORACLE, agreement("layer_norm_eps")),
+    consistent("epsilon", "decoder: the cross-attention LayerNorm uses 1e-6, not config.layer_norm_eps", [
+        (RM, 'LayerNorm(params, f"{name}.cross_attn_norm", config.layer_norm_eps)',
+         'LayerNorm(params, f"{name}.cross_attn_norm", 1e-6)'),
+        (TM, "self.cross_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)",
+         "self.cross_attn_norm = LayerNorm(config.d_model, 1e-6)"),
+        (JM, "self.cross_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)",
+         "self.cross_attn_norm = LayerNorm(config.replace(layer_norm_eps=1e-6), dtype=dtype, rngs=rngs)"),
+        (FM, 'LayerNorm(cfg.layer_norm_eps, **sub("cross_attn_norm"))', 'LayerNorm(1e-6, **sub("cross_attn_norm"))'),
+    ], ORACLE, agreement("layer_norm_eps")),
+    consistent("epsilon", "pre-LN: the encoder's final LayerNorm uses 1e-5, not config.layer_norm_eps", [
+        (RM, "range(config.n_encoder_layers)]\n        self.norm = LayerNorm(params, f\"{name}.norm\", config.layer_norm_eps)",
+         "range(config.n_encoder_layers)]\n        self.norm = LayerNorm(params, f\"{name}.norm\", 1e-5)"),
+        (TM, "range(config.n_encoder_layers))\n        self.norm = LayerNorm(config.d_model, config.layer_norm_eps)",
+         "range(config.n_encoder_layers))\n        self.norm = LayerNorm(config.d_model, 1e-5)"),
+        (JM, "range(config.n_encoder_layers)])\n        self.norm = LayerNorm(config, dtype=dtype, rngs=rngs)",
+         "range(config.n_encoder_layers)])\n        self.norm = LayerNorm(config.replace(layer_norm_eps=1e-5), "
+         "dtype=dtype, rngs=rngs)"),
+        (FM, "range(cfg.n_encoder_layers)]\n        self.norm = LayerNorm(cfg.layer_norm_eps,",
+         "range(cfg.n_encoder_layers)]\n        self.norm = LayerNorm(1e-5,"),
+    ], ORACLE, agreement("layer_norm_eps")),
+]
+
+ACTIVATION = [
+    consistent("activation", "feed-forward: GELU (tanh approximation) instead of ReLU", [
+        (RM, "self.linear2(np.maximum(self.linear1(x), 0))",
+         "self.linear2((lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))))"
+         "(self.linear1(x)))"),
+        (TM, "self.linear2(torch.relu(self.linear1(x)))", "self.linear2(F.gelu(self.linear1(x), approximate=\"tanh\"))"),
+        (JM, "self.linear2(jnp.maximum(self.linear1(x), 0))", "self.linear2(jax.nn.gelu(self.linear1(x), approximate=True))"),
+        (FM, "self.linear2(tf.maximum(self.linear1(x), 0))",          # tf.nn.gelu is 9e-10 off this formula in float64
+         "self.linear2((lambda h: 0.5 * h * (1 + tf.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))))"
+         "(self.linear1(x)))"),
+    ], ORACLE, agreement("tiny")),
+    consistent("activation", "feed-forward: no activation (two stacked linear maps)", [
+        (RM, "self.linear2(np.maximum(self.linear1(x), 0))", "self.linear2(self.linear1(x))"),
+        (TM, "self.linear2(torch.relu(self.linear1(x)))", "self.linear2(self.linear1(x))"),
+        (JM, "self.linear2(jnp.maximum(self.linear1(x), 0))", "self.linear2(self.linear1(x))"),
+        (FM, "self.linear2(tf.maximum(self.linear1(x), 0))", "self.linear2(self.linear1(x))"),
+    ], ORACLE, agreement("tiny")),
+]
+
+LEARNED_PE = [
+    consistent("learned-pe", "learned positions: the trained table ignored, the sinusoid added instead", [
+        (RM, 'self.table = params[f"{name}.weight"]',
+         "self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype)"),
+        (TM, "table = self.weight if self.learned else self.table",
+         "table = sinusoidal_positional_encoding(self.max_len, self.d_model, self.weight.dtype, self.weight.device) "
+         "if self.learned else self.table"),
+        (JM, "lax.dynamic_slice_in_dim(self.table[...], offset",
+         "lax.dynamic_slice_in_dim(sinusoidal_positional_encoding(*self.table[...].shape, self.table[...].dtype), offset"),
+        (FM, "table = tf.slice(tf.convert_to_tensor(self.embeddings), (offset, 0),",
+         "table = tf.slice(sinusoidal_positional_encoding(self.config.max_len, self.config.d_model, self.compute_dtype),"
+         " (offset, 0),"),
+    ], ORACLE, agreement("learned_pe", decoding=True)),
+    consistent("learned-pe", "learned positions: no positional information added at all", [
+        (RM, 'self.table = params[f"{name}.weight"]', 'self.table = 0 * params[f"{name}.weight"]'),
+        (TM, "table = self.weight if self.learned else self.table", "table = 0 * self.weight if self.learned else self.table"),
+        (JM, "return x + lax.dynamic_slice_in_dim(self.table[...], offset, x.shape[1], axis=0)",
+         "return x + lax.dynamic_slice_in_dim(self.table[...], offset, x.shape[1], axis=0) "
+         "* (not isinstance(self.table, nnx.Param))"),
+        (FM, "return self.dropout(x + table, training=training)",
+         "return self.dropout(x + table * (0.0 if self.learned else 1.0), training=training)"),
+    ], ORACLE, agreement("learned_pe", decoding=True)),
+]
+
+# ----------------------------------------------------------------------------- consistent loss bugs
+
+RT, TT, JT, FT = (f"{package}/training.py" for package in BACKENDS)
+LOSS = [
+    consistent("loss", "label smoothing: the mass spread over the V - 1 other classes (the label excluded)", [
+        (RT, "epsilon * log_probs.mean(axis=-1)", "epsilon * (log_probs.sum(axis=-1) - picked) / (log_probs.shape[-1] - 1)"),
+        (TT, "epsilon * log_probs.mean(dim=-1)", "epsilon * (log_probs.sum(dim=-1) - picked) / (log_probs.shape[-1] - 1)"),
+        (JT, "epsilon * log_probs.mean(axis=-1)", "epsilon * (log_probs.sum(axis=-1) - picked) / (log_probs.shape[-1] - 1)"),
+        (FT, "epsilon * tf.reduce_mean(log_probs, axis=-1)",
+         "epsilon * (tf.reduce_sum(log_probs, axis=-1) - picked) / (log_probs.shape[-1] - 1)"),
+    ], LOSS_ORACLE, GRADIENTS),
+    consistent("loss", "label smoothing: the label keeps weight 1 (q = one_hot + epsilon / V, mass 1 + epsilon)", [
+        (path, "per_token = -(1.0 - epsilon) * picked", "per_token = -picked") for path in (RT, TT, JT, FT)
+    ], LOSS_ORACLE, GRADIENTS),
+    consistent("loss", "padding positions counted in the normalization (divided by B*T)", [
+        (RT, "(per_token * real).sum() / real.sum()", "(per_token * real).sum() / real.size"),
+        (TT, "(per_token * real).sum() / real.sum()", "(per_token * real).sum() / real.numel()"),
+        (JT, "(per_token * real).sum() / real.sum()", "(per_token * real).sum() / real.size"),
+        (FT, "tf.reduce_sum(per_token * real) / tf.reduce_sum(real)",
+         "tf.reduce_sum(per_token * real) / tf.cast(tf.size(real), real.dtype)"),
+    ], LOSS_ORACLE, GRADIENTS),
+    consistent("loss", "padding positions not masked (their loss is summed too)", [
+        (RT, "(per_token * real).sum() / real.sum()", "per_token.sum() / real.sum()"),
+        (TT, "(per_token * real).sum() / real.sum()", "per_token.sum() / real.sum()"),
+        (JT, "(per_token * real).sum() / real.sum()", "per_token.sum() / real.sum()"),
+        (FT, "tf.reduce_sum(per_token * real) / tf.reduce_sum(real)", "tf.reduce_sum(per_token) / tf.reduce_sum(real)"),
+    ], LOSS_ORACLE, GRADIENTS),
+]
+
+# ----------------------------------------------------------------------------- consistent decoding bugs
+#
+# The PyTorch port runs the reference's own length_penalty, select_candidates, search_ends and
+# best_hypothesis; JAX and TensorFlow implement the same rules inside their compiled loops, and
+# import length_penalty and the constants from the reference.
+
+RD, TD = f"{REF}/decoding.py", f"{TORCH}/decoding.py"
+DECODING_PORTS = (TORCH, JAX, TF)
+_LP = "return ((5.0 + length) / 6.0) ** alpha"
+
+
+def decoding_agreement(kind: str = "") -> list[str]:
+    """The float64 greedy and beam tokens (and beam scores) of every port against the reference."""
+    return ["tests/test_agreement.py", "-k", f"cpu and test_decoded_tokens_float64 and tiny {kind}".strip()]
+
+
+LENGTH_PENALTY = [
+    consistent("length-penalty", "lp(Y) = (5 + |Y|)^alpha, without the division by 6^alpha",
+               [(RD, _LP, "return (5.0 + length) ** alpha")], DECODING_ORACLE, decoding_agreement("and beam"),
+               shared=DECODING_PORTS),
+    consistent("length-penalty", "alpha ignored: lp(Y) always uses the default 0.6",
+               [(RD, _LP, "return ((5.0 + length) / 6.0) ** LENGTH_PENALTY_ALPHA")], DECODING_ORACLE,
+               decoding_agreement("and beam"), shared=DECODING_PORTS),
+    consistent("length-penalty", "default alpha 1.0 instead of the paper's 0.6",
+               [(RD, "LENGTH_PENALTY_ALPHA = 0.6", "LENGTH_PENALTY_ALPHA = 1.0")], DECODING_ORACLE,
+               decoding_agreement("and beam"), shared=DECODING_PORTS),
+    consistent("length-penalty", "|Y| of a hypothesis ending with eos does not count the eos", [
+        (RD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
+        (TD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
+        (JD, "jnp.where(finishing, scores / penalties[length],", "jnp.where(finishing, scores / penalties[length - 1],"),
+        (FD, "tf.gather(value, first, batch_dims=1) / penalties[t],", "tf.gather(value, first, batch_dims=1) / penalties[t - 1],"),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
+]
+
+BEAM_END = [
+    consistent("beam-end", "a finished hypothesis stays in the beam and is extended past its eos", [
+        (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
+         "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
+        (JD, "keep = jnp.nonzero(~is_eos, size=beam_size)[0]", "keep = jnp.arange(beam_size)"),
+        (FD, "keep = tf.argsort(tf.where(is_eos, rank + 2 * k, rank), axis=-1, stable=True)[:, :k]",
+         "keep = tf.tile(rank[:, :k], [batch, 1])"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    consistent("beam-end", "a finished hypothesis leaves its slot empty (live beams only from the first beam_size ranks)", [
+        (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
+         "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
+        (JD, "history, live_scores, state = rows[keep], scores[keep],",
+         "history, live_scores, state = rows[keep], jnp.where(keep < beam_size, scores[keep], -jnp.inf),"),
+        (FD, "scores = tf.gather(value, keep, batch_dims=1)",
+         "scores = tf.where(keep < k, tf.gather(value, keep, batch_dims=1), tf.constant(-np.inf, dtype))"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+]
+
+EARLY_STOPPING = [
+    consistent("early-stopping", "stops when no live beam beats the best at lp(current length), not lp(maximum length)", [
+        (RD, "live_scores.max() / length_penalty(limit, alpha) <= best_finished",
+         "live_scores.max() / length_penalty(step, alpha) <= best_finished"),
+        (JD, "stop = last | (live_scores.max() / penalties[limit] <= best[0])",
+         "stop = last | (live_scores.max() / penalties[length] <= best[0])"),
+        (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])",
+         "stop = at_limit | (scores[:, 0] / penalties[t] <= best[0])"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    consistent("early-stopping", "stops as soon as one hypothesis has finished", [
+        (RD, "return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)", "return bool(finished)"),
+        (JD, "stop = last | (live_scores.max() / penalties[limit] <= best[0])", "stop = last | (best[0] > -jnp.inf)"),
+        (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])", "stop = at_limit | (best[0] > -np.inf)"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+]
+
+TIES = [
+    consistent("ties", "greedy: ties go to the highest token id", [
+        (RD, "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)"),
+        (TD, "token = next_token_log_probs(model, tgt, memory, src_mask, cache).argmax(dim=-1)",
+         "token = (lambda log_probs: log_probs.shape[-1] - 1 - log_probs.flip(-1).argmax(dim=-1))("
+         "next_token_log_probs(model, tgt, memory, src_mask, cache))"),
+        (JD, "token = jnp.argmax(log_probs, axis=-1).astype(TOKEN_DTYPE)",
+         "token = (log_probs.shape[-1] - 1 - jnp.argmax(log_probs[:, ::-1], axis=-1)).astype(TOKEN_DTYPE)"),
+        (FD, "token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)",
+         "token = log_probs.shape[-1] - 1 - tf.argmax(tf.reverse(log_probs, [-1]), axis=-1, output_type=tf.int64)"),
+    ], DECODING_ORACLE, decoding_agreement("and greedy")),
+    consistent("ties", "beam: equal candidates rank by the higher token id", [
+        (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
+         'ranking = (lambda r, v: r // v * v + v - 1 - r % v)('
+         'np.argsort(-candidates[:, ::-1], axis=None, kind="stable"), candidates.shape[1])'),
+        (JD, "ranked = jnp.argsort(-candidates, stable=True)[:",
+         "ranked = (lambda r, v: r // v * v + v - 1 - r % v)(jnp.argsort("
+         "-candidates.reshape(-1, log_probs.shape[1])[:, ::-1].reshape(-1), stable=True), log_probs.shape[1])[:"),
+        (FD, "ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]",
+         "ranking = (lambda r: r // vocab * vocab + vocab - 1 - r % vocab)(tf.argsort("
+         "-tf.reshape(tf.reverse(candidates, [-1]), (batch, k * vocab)), axis=-1, stable=True)[:, :2 * k])"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    consistent("ties", "beam: equal candidates rank by the higher beam", [
+        (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
+         'ranking = (lambda r, k, v: (k - 1 - r // v) * v + r % v)('
+         'np.argsort(-candidates[::-1], axis=None, kind="stable"), *candidates.shape)'),
+        (JD, "ranked = jnp.argsort(-candidates, stable=True)[:",
+         "ranked = (lambda r, k, v: (k - 1 - r // v) * v + r % v)(jnp.argsort("
+         "-candidates.reshape(beam_size, -1)[::-1].reshape(-1), stable=True), beam_size, log_probs.shape[1])[:"),
+        (FD, "ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]",
+         "ranking = (lambda r: (k - 1 - r // vocab) * vocab + r % vocab)(tf.argsort("
+         "-tf.reshape(tf.reverse(candidates, [1]), (batch, k * vocab)), axis=-1, stable=True)[:, :2 * k])"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    consistent("ties", "equal finished scores go to the hypothesis finished last", [
+        (RD, "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)"),
+        (JD, "first = jnp.argmax(scores)\n    better = scores[first] > best[0]",
+         "first = scores.size - 1 - jnp.argmax(scores[::-1])\n    better = scores[first] >= best[0]"),
+        (FD, "first = tf.argmax(tf.cast(finishing, tf.int32), axis=-1, output_type=tf.int32)",
+         "first = 2 * k - 1 - tf.argmax(tf.reverse(tf.where(finishing, value, tf.constant(-np.inf, dtype)), [-1]), "
+         "axis=-1, output_type=tf.int32)"),
+        (FD, "best = _keep_better(best, at_limit, scores[:, 0] / penalties[t],\n"
+             "                            tf.gather(tokens, first_row[:, 0])[:, 1:], t)",
+         "best = (lambda last: _keep_better(best, at_limit, tf.gather(scores, last, batch_dims=1) / penalties[t],\n"
+         "                            tf.gather(tokens, first_row[:, 0] + last)[:, 1:], t))(\n"
+         "            k - 1 - tf.argmax(tf.reverse(scores, [-1]), axis=-1, output_type=tf.int32))"),
+        (FD, "better = candidate & (score > best[0])", "better = candidate & (score >= best[0])"),
+    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+]
+
+MUTATIONS = [*SINGLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES]
+
+
+# ----------------------------------------------------------------------------- running
+
+def apply(mutation: Mutation, root: Path) -> None:
+    """Plant ``mutation`` in the tree at ``root``; every original text must be found exactly once."""
+    for edit in mutation.edits:
+        target = root / edit.path
         text = target.read_text()
-        if text.count(original) != 1:
-            raise SystemExit(f"{bug}: the text to mutate is not found exactly once in {path}")
-        target.write_text(text.replace(original, mutated))
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *selection],
-                                cwd=copy, capture_output=True, text=True)
-        return result.returncode == 1
+        if text.count(edit.original) != 1:
+            raise SystemExit(f"{mutation.bug}: the text to mutate is found {text.count(edit.original)} times "
+                             f"(not exactly once) in {edit.path}:\n{edit.original}")
+        target.write_text(text.replace(edit.original, edit.mutated))
+
+
+def copy_repository(tmp: str) -> Path:
+    copy = Path(tmp) / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info",
+                                                              ".hypothesis", ".pytest_cache"))
+    return copy
+
+
+def pytest(copy: Path, selection: tuple[str, ...], first_failure: bool) -> subprocess.CompletedProcess:
+    """Run pytest in ``copy`` (its packages shadow the installed ones: PYTHONPATH and the working directory)."""
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                           *(["-x"] if first_failure else []), *selection],
+                          cwd=copy, capture_output=True, text=True, env=env)
+
+
+def failed_tests(result: subprocess.CompletedProcess) -> list[str]:
+    """The node ids pytest's summary reports as FAILED, in order."""
+    return re.findall(r"^FAILED (\S+)", result.stdout, flags=re.MULTILINE)
+
+
+@dataclass
+class Outcome:
+    status: str            # "caught", "MISSED" or "ERROR"
+    caught_by: list[str]   # the failing tests' node ids (the first only, unless --every-test)
+    blind: str             # with --blind: "passes (N passed)", "FAILS (...)" or ""
+    seconds: float
+
+
+def control(mutation: Mutation) -> str:
+    """The agreement selection with the bug planted in the reference alone: it must fail, or the
+    selection cannot tell whether the ports carry the same bug (``--blind`` would prove nothing)."""
+    reference_only = Mutation(mutation.kind, mutation.bug, "single",
+                              tuple(edit for edit in mutation.edits if edit.path.startswith(f"{REF}/")), ())
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = copy_repository(tmp)
+        apply(reference_only, copy)
+        check = pytest(copy, mutation.blind, first_failure=True)
+    if check.returncode == 1:
+        return f"fails on the reference alone, as it must ({failed_tests(check)[:1]})"
+    return f"INSENSITIVE: passes with the bug in the reference alone ({_last_line(check)})"
+
+
+def run_mutation(mutation: Mutation, blind: bool, every_test: bool) -> Outcome:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = copy_repository(tmp)
+        apply(mutation, copy)
+        result = pytest(copy, mutation.catch, first_failure=not every_test)
+        failed = failed_tests(result)
+        if result.returncode == 1 and failed:
+            status = "caught"
+        elif result.returncode == 0:
+            status = "MISSED"
+        else:                                     # collection error, interrupted, no test selected
+            status, failed = "ERROR", [_last_line(result)]
+        blind_note = ""
+        if blind and mutation.blind:
+            check = pytest(copy, mutation.blind, first_failure=True)
+            blind_note = f"passes ({_last_line(check)})" if check.returncode == 0 \
+                else f"FAILS ({_last_line(check)}; {failed_tests(check)[:1]})"
+            if not mutation.shared:
+                blind_note += f"\n{'':<8}control: {control(mutation)}"
+    return Outcome(status, failed, blind_note, time.monotonic() - start)
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    return lines[-1].strip("= ") if lines else f"exit code {result.returncode}"
+
+
+def function_name(node_id: str) -> str:
+    """tests/test_x.py::test_y[params] -> test_x.py::test_y."""
+    return node_id.split("[")[0].removeprefix("tests/")
+
+
+def functions(node_ids: list[str]) -> list[str]:
+    return list(dict.fromkeys(function_name(node_id) for node_id in node_ids))
+
+
+def report(mutation: Mutation, outcome: Outcome) -> str:
+    if outcome.status == "caught":
+        first, *rest = functions(outcome.caught_by)
+        tests = f"{outcome.caught_by[0]}" + (f" (+ {', '.join(rest)})" if rest else "")
+    else:
+        tests = "; ".join(outcome.caught_by) or "-"
+    blind = f"\n{'':<8}agreement: {outcome.blind}" if outcome.blind else ""
+    return (f"{outcome.status:<8}{mutation.kind:<21}{mutation.scope:<12}{mutation.bug}\n{'':<8}{tests}  "
+            f"{outcome.seconds:.0f} s{blind}")
+
+
+def summarize(results: list[tuple[Mutation, Outcome]]) -> None:
+    groups: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
+    for mutation, outcome in results:
+        groups[(mutation.kind, mutation.scope)].append(outcome)
+    print(f"\n{'kind':<21}{'scope':<12}{'caught':>8}  catching tests")
+    for (kind, scope), outcomes in groups.items():
+        caught = sum(outcome.status == "caught" for outcome in outcomes)
+        tests = functions([node for outcome in outcomes if outcome.status == "caught" for node in outcome.caught_by])
+        print(f"{kind:<21}{scope:<12}{f'{caught}/{len(outcomes)}':>8}  {', '.join(sorted(tests))}")
+    caught = sum(outcome.status == "caught" for _, outcome in results)
+    print(f"{'total':<33}{f'{caught}/{len(results)}':>8}")
+
+
+def select(args: argparse.Namespace) -> list[Mutation]:
+    chosen = [m for m in MUTATIONS
+              if (not args.kind or m.kind in args.kind) and (not args.scope or m.scope == args.scope)
+              and (not args.only or any(text.lower() in m.bug.lower() for text in args.only))]
+    if not chosen:
+        raise SystemExit("no mutation matches the filters (see --list)")
+    return chosen
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--list", action="store_true", help="list the mutations, check that every edit applies, exit")
+    parser.add_argument("--kind", action="append", choices=sorted({m.kind for m in MUTATIONS}),
+                        help="only mutations of this kind (repeatable)")
+    parser.add_argument("--scope", choices=("single", "consistent"), help="only single-backend or consistent bugs")
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="only mutations whose description contains TEXT (repeatable, case-insensitive)")
+    parser.add_argument("--blind", action="store_true",
+                        help="also run each consistent mutation's agreement selection, which must pass, and "
+                             "(control) the same selection with the bug in the reference alone, which must fail")
+    parser.add_argument("--every-test", action="store_true",
+                        help="run the whole selection instead of stopping at the first failure, and name every test "
+                             "that fails")
     args = parser.parse_args()
-    missed = 0
-    for bug, path, original, mutated, selection in MUTATIONS:
-        if args.list:
-            print(bug)
-            continue
-        caught = run_mutation(bug, path, original, mutated, selection)
-        missed += not caught
-        print(f"{'caught' if caught else 'MISSED'}  {bug}", flush=True)
-    return 1 if missed else 0
+    chosen = select(args)
+    if args.list:
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = copy_repository(tmp)
+            for mutation in chosen:
+                for edit in mutation.edits:          # each mutation on a fresh copy of its files
+                    shutil.copy(ROOT / edit.path, copy / edit.path)
+                apply(mutation, copy)
+                files = ", ".join([*sorted({edit.path for edit in mutation.edits}),
+                                   *(f"{port} (runs the reference's code)" for port in mutation.shared)])
+                print(f"{mutation.kind:<21}{mutation.scope:<12}{mutation.bug}\n{'':<33}{files}")
+        return 0
+    start, results, failures = time.monotonic(), [], 0
+    for mutation in chosen:
+        outcome = run_mutation(mutation, args.blind, args.every_test)
+        results.append((mutation, outcome))
+        failures += outcome.status != "caught" or outcome.blind.startswith("FAILS")
+        print(report(mutation, outcome), flush=True)
+    summarize(results)
+    print(f"{time.monotonic() - start:.0f} s")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
