@@ -10,7 +10,7 @@ from .checkpoint import (FORMAT_VERSION, count_parameters, init_params, load_che
                          parameter_shapes, save_checkpoint, validate_params)
 from .config import PRESETS, TransformerConfig
 from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
-from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, LayerNorm,
+from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, KVCache, LayerNorm,
                     Linear, MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer,
                     causal_mask, log_softmax, padding_mask, residual, scaled_dot_product_attention,
                     sinusoidal_positional_encoding, target_mask)
@@ -20,7 +20,7 @@ __all__ = [
     "count_parameters", "init_params", "load_checkpoint", "parameter_shapes", "save_checkpoint",
     "validate_params",
     "beam_search", "greedy_decode", "length_penalty", "max_output_lengths",
-    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "Linear", "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "causal_mask", "log_softmax", "padding_mask", "residual", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",

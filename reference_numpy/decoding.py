@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import deque
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -65,21 +67,30 @@ def check_decoding_args(beam_size, alpha) -> tuple[int, float]:
     return int(beam_size), float(alpha)
 
 
-def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray,
-                         src_mask: np.ndarray) -> np.ndarray:
-    """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
-    they are never chosen. Shape: tgt (B, T) -> (B, V)."""
-    log_probs = model.generator(model.decode(tgt, memory, src_mask)[:, -1:])[:, 0]
+def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
+                         cache: tuple | None = None, cache_index: int | None = None):
+    """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
+    set to -inf so that they are never chosen.
+
+    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
+    :func:`.model.target_mask`); with a ``cache`` (``model.init_cache``) holding positions
+    0 .. cache_index - 1, ``tgt`` holds only the new positions, from ``cache_index`` on (under the
+    causal mask of ``Transformer.decode``), and the result is ``(log_probs, cache)``. The
+    reference's decoders below do not use the cache: they recompute the whole prefix at every step.
+
+    Shape: tgt (B, T) -> log_probs (B, V).
+    """
+    if cache is None:
+        out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
+    else:
+        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
     log_probs[:, [model.config.pad_id, model.config.bos_id]] = -np.inf
-    return log_probs
+    return log_probs if cache is None else (log_probs, cache)
 
 
-def greedy_decode(model: Transformer, src: np.ndarray, margins: list | None = None) -> np.ndarray:
+def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id.
-
-    ``margins``, when a list, receives each step's decision margin per row, the gap between the
-    best and second-best log-probability (B,): a backend with a smaller error than half that
-    gap must choose the same token.
 
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
     """
@@ -93,9 +104,6 @@ def greedy_decode(model: Transformer, src: np.ndarray, margins: list | None = No
     for step in range(1, int(limits.max()) + 1):
         log_probs = next_token_log_probs(model, tgt, memory, src_mask)             # (B, V)
         token = log_probs.argmax(axis=-1)                                          # first max = lowest id
-        if margins is not None:
-            top_two = np.sort(log_probs, axis=-1)[:, -2:]
-            margins.append(np.where(done, np.inf, top_two[:, 1] - top_two[:, 0]))
         token = np.where(done, cfg.pad_id, token)
         tgt = np.concatenate([tgt, token[:, None]], axis=1)
         done |= (token == cfg.eos_id) | (step >= limits)
@@ -105,39 +113,43 @@ def greedy_decode(model: Transformer, src: np.ndarray, margins: list | None = No
 
 
 def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
-                alpha: float = LENGTH_PENALTY_ALPHA, margins: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+                alpha: float = LENGTH_PENALTY_ALPHA) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
-
-    ``margins``, when a list, receives one list per batch row of each step's decision margin
-    (see :func:`_decision_margin`; scores at step t sum t log-probabilities), then the gap
-    between the best and second-best finished scores (the final choice).
 
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
     length-normalized scores (B,).
     """
-    beam_size, alpha = check_decoding_args(beam_size, alpha)
-    cfg = model.config
-    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
-    src = np.asarray(src)
-    src_mask = padding_mask(src, cfg.pad_id)
-    limits = max_output_lengths(model, src)
-    results = []
-    for b in range(len(src)):
-        row_margins: list[float] = []
-        results.append(_beam_search_one(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size,
-                                        alpha, row_margins))
-        if margins is not None:
-            margins.append(row_margins)
+    results = [best_hypothesis(deque(steps, maxlen=1)[0].finished)                 # each sentence's last step
+               for steps in _beam_steps(model, src, beam_size, alpha)]
     width = max(len(tokens) for tokens, _ in results)
-    tokens = np.full((len(src), width), cfg.pad_id, dtype=np.int64)
+    tokens = np.full((len(results), width), model.config.pad_id, dtype=np.int64)
     for b, (row, _) in enumerate(results):
         tokens[b, :len(row)] = row
     return tokens, np.array([score for _, score in results])
 
 
-def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarray, limit: int,
-                     beam_size: int, alpha: float, margins: list[float]) -> tuple[list[int], float]:
-    """Beam search for one source sentence. memory (1, S, D), src_mask (1, 1, 1, S)."""
+class _BeamStep(NamedTuple):
+    """One step of one source sentence's search (see :func:`_beam_steps`)."""
+
+    candidates: np.ndarray                          # (n_live, V) the summed log-probabilities the step ranked
+    finished: tuple[tuple[float, list[int]], ...]   # the hypotheses finished so far, in the order they finished
+
+
+def _beam_steps(model: Transformer, src: np.ndarray, beam_size: int, alpha: float) -> Iterator[Iterator[_BeamStep]]:
+    """The search of :func:`beam_search`, step by step: for each source sentence in turn, the iterator of its
+    steps (consume each before the next). Its last step's ``finished`` holds every hypothesis the search scored."""
+    beam_size, alpha = check_decoding_args(beam_size, alpha)
+    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
+    src = np.asarray(src)
+    src_mask = padding_mask(src, model.config.pad_id)
+    limits = max_output_lengths(model, src)
+    for b in range(len(src)):
+        yield _sentence_steps(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size, alpha)
+
+
+def _sentence_steps(model: Transformer, memory: np.ndarray, src_mask: np.ndarray, limit: int,
+                    beam_size: int, alpha: float) -> Iterator[_BeamStep]:
+    """Beam search for one source sentence, one step at a time. memory (1, S, D), src_mask (1, 1, 1, S)."""
     cfg = model.config
     live = np.full((1, 1), cfg.bos_id, dtype=np.int64)   # (n_live, t): bos + generated tokens
     live_scores = np.zeros(1, dtype=model.dtype)         # summed log-probabilities, (n_live,)
@@ -146,17 +158,16 @@ def _beam_search_one(model: Transformer, memory: np.ndarray, src_mask: np.ndarra
         n_live = len(live)
         log_probs = next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
                                          np.repeat(src_mask, n_live, axis=0))
-        step_choice = select_candidates(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
+        candidates = live_scores[:, None] + log_probs                               # (n_live, V)
+        step_choice = select_candidates(candidates, cfg.eos_id, beam_size)
         for beam, score in step_choice.finishing:
             finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
-        margins.append(step_choice.margin)
         live = np.concatenate([live[step_choice.beams], step_choice.tokens[:, None]], axis=1)
         live_scores = step_choice.scores
-        if search_ends(finished, live, live_scores, step, limit, alpha):
-            break
-    ranked = sorted((score for score, _ in finished), reverse=True)
-    margins.append(float(ranked[0] - ranked[1]) if len(ranked) > 1 else np.inf)
-    return best_hypothesis(finished)
+        ends = search_ends(finished, live, live_scores, step, limit, alpha)
+        yield _BeamStep(candidates, tuple(finished))
+        if ends:
+            return
 
 
 def search_ends(finished: list, live, live_scores: np.ndarray, step: int, limit: int, alpha: float) -> bool:
@@ -187,7 +198,6 @@ class StepChoice(NamedTuple):
     beams: np.ndarray                     # (n_next,) the live beam each next beam extends
     tokens: np.ndarray                    # (n_next,) the token it appends
     scores: np.ndarray                    # (n_next,) its summed log-probability, descending
-    margin: float                         # the smallest score gap that decided the step
 
 
 def select_candidates(candidates: np.ndarray, eos_id: int, beam_size: int) -> StepChoice:
@@ -201,17 +211,5 @@ def select_candidates(candidates: np.ndarray, eos_id: int, beam_size: int) -> St
     is_eos = tokens == eos_id
     finishing = [(int(beams[rank]), scores[rank]) for rank in np.flatnonzero(is_eos[:beam_size])]
     keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]      # first beam_size possible non-eos
-    return StepChoice(finishing, beams[keep], tokens[keep], scores[keep], _decision_margin(scores, is_eos, beam_size))
+    return StepChoice(finishing, beams[keep], tokens[keep], scores[keep])
 
-
-def _decision_margin(scores: np.ndarray, is_eos: np.ndarray, beam_size: int) -> float:
-    """Smallest score gap that decides a step: at the rank-``beam_size`` boundary when an eos
-    is near it (does it finish?) and between the last kept and first dropped non-eos candidate.
-    Gaps below impossible (-inf) candidates decide nothing and are left out."""
-    pairs = []
-    if len(scores) > beam_size and is_eos[:beam_size + 1].any():
-        pairs.append(scores[beam_size - 1:beam_size + 1])
-    live_scores = scores[~is_eos]
-    if len(live_scores) > beam_size:
-        pairs.append(live_scores[beam_size - 1:beam_size + 1])
-    return float(min((high - low for high, low in pairs if np.isfinite(low)), default=np.inf))

@@ -12,12 +12,17 @@ Shape legend used in every docstring:
     V: vocabulary size     L: number of positions (config.max_len)
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+
+Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
+(C: the cache's capacity in target positions); the reference's own decoders recompute the whole
+prefix (``reference_numpy/decoding.py``), and the cache is shown to give the same numbers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+import numbers
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -50,6 +55,15 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
     return padding_mask(tgt, pad_id) & causal_mask(np.shape(tgt)[1])
+
+
+def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndarray:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    return (np.arange(capacity) <= cache_index + np.arange(length)[:, None])[None, None]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -99,6 +113,17 @@ class Linear:
         return x @ self.weight + self.bias
 
 
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
+    encoder-decoder attention: the projected memory, C = S.
+    """
+
+    keys: np.ndarray    # (B, H, C, d_k)
+    values: np.ndarray  # (B, H, C, d_k)
+
+
 class MultiHeadAttention:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
@@ -106,9 +131,17 @@ class MultiHeadAttention:
     The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
     projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
 
+    With a ``cache`` (:class:`KVCache`, incremental decoding) and no ``cache_index``, the queries
+    attend over the cached keys and values (encoder-decoder attention over the projected memory;
+    ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
+    ``value`` are the new positions: their projections are written into the cache at positions
+    cache_index .. cache_index + Tk - 1 (a new cache; the given one is left as it was) and the
+    queries attend over all C positions, ``mask`` hiding the ones not yet written.
+
     Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
+        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
+        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk or C); with a
+        ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -119,20 +152,58 @@ class MultiHeadAttention:
         self.o_proj = Linear(params, f"{name}.o_proj")
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-                 mask: np.ndarray | None = None, return_weights: bool = False):
+                 mask: np.ndarray | None = None, return_weights: bool = False,
+                 cache: KVCache | None = None, cache_index: int | None = None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
+        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
+        if cache is not None:
+            return (out, weights, cache) if return_weights else (out, cache)
         return (out, weights) if return_weights else out
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty self-attention cache of ``capacity`` positions, in the weights' dtype.
+
+        Shape: keys and values (B, H, C, d_k), zeros.
+        """
+        shape = (batch, self.n_heads, capacity, self.q_proj.weight.shape[1] // self.n_heads)
+        return KVCache(np.zeros(shape, self.q_proj.weight.dtype), np.zeros(shape, self.q_proj.weight.dtype))
+
+    def memory_cache(self, memory: np.ndarray) -> KVCache:
+        """The memory's keys and values, projected once for encoder-decoder attention.
+
+        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
+        """
+        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
+
+    def _keys_values(self, key: np.ndarray, value: np.ndarray, cache: KVCache | None,
+                     cache_index: int | None) -> tuple[np.ndarray, np.ndarray, KVCache | None]:
+        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        if cache is not None and cache_index is None:
+            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
+        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
+        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
+        if cache is None:
+            return k, v, None
+        check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index))
+        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
+
+
+def _written(buffer: np.ndarray, new: np.ndarray, index: int) -> np.ndarray:
+    """A copy of ``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
+    (B, H, T_new, d_k)."""
+    buffer = buffer.copy()
+    buffer[:, :, index:index + new.shape[2]] = new
+    return buffer
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -143,7 +214,7 @@ class PositionwiseFeedForward:
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
 
-    def __init__(self, params: Params, name: str):
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.linear1 = Linear(params, f"{name}.linear1")
         self.linear2 = Linear(params, f"{name}.linear2")
 
@@ -155,15 +226,15 @@ class LayerNorm:
     """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
 
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance (eps comes from the config, default 1e-6).
+    axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6).
 
     Shape: x (..., D) -> (..., D).
     """
 
-    def __init__(self, params: Params, name: str, eps: float):
+    def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.weight = params[f"{name}.weight"]  # (D,)
         self.bias = params[f"{name}.bias"]      # (D,)
-        self.eps = eps
+        self.eps = config.layer_norm_eps
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         mean = x.mean(axis=-1, keepdims=True)
@@ -269,9 +340,9 @@ class EncoderLayer:
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.norm_first = config.norm_first
         self.self_attn = MultiHeadAttention(config, params, f"{name}.self_attn")
-        self.self_attn_norm = LayerNorm(params, f"{name}.self_attn_norm", config.layer_norm_eps)
-        self.ffn = PositionwiseFeedForward(params, f"{name}.ffn")
-        self.ffn_norm = LayerNorm(params, f"{name}.ffn_norm", config.layer_norm_eps)
+        self.self_attn_norm = LayerNorm(config, params, f"{name}.self_attn_norm")
+        self.ffn = PositionwiseFeedForward(config, params, f"{name}.ffn")
+        self.ffn_norm = LayerNorm(config, params, f"{name}.ffn_norm")
 
     def __call__(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first)
@@ -283,25 +354,49 @@ class DecoderLayer:
     values from the encoder output), then feed-forward; each wrapped in :func:`residual`
     (sections 3.1 and 3.2.3).
 
+    ``cache`` (incremental decoding) is the pair (self-attention :class:`KVCache`, encoder-decoder
+    attention :class:`KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
+    into the self-attention cache from ``cache_index``, and the call returns ``(x, cache)``.
+
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+    tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a cache -> (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.norm_first = config.norm_first
         self.self_attn = MultiHeadAttention(config, params, f"{name}.self_attn")
-        self.self_attn_norm = LayerNorm(params, f"{name}.self_attn_norm", config.layer_norm_eps)
+        self.self_attn_norm = LayerNorm(config, params, f"{name}.self_attn_norm")
         self.cross_attn = MultiHeadAttention(config, params, f"{name}.cross_attn")
-        self.cross_attn_norm = LayerNorm(params, f"{name}.cross_attn_norm", config.layer_norm_eps)
-        self.ffn = PositionwiseFeedForward(params, f"{name}.ffn")
-        self.ffn_norm = LayerNorm(params, f"{name}.ffn_norm", config.layer_norm_eps)
+        self.cross_attn_norm = LayerNorm(config, params, f"{name}.cross_attn_norm")
+        self.ffn = PositionwiseFeedForward(config, params, f"{name}.ffn")
+        self.ffn_norm = LayerNorm(config, params, f"{name}.ffn_norm")
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None) -> np.ndarray:
-        x = residual(x, lambda h: self.self_attn(h, h, h, tgt_mask), self.self_attn_norm, self.norm_first)
-        x = residual(x, lambda h: self.cross_attn(h, memory, memory, src_mask), self.cross_attn_norm,
-                     self.norm_first)
-        return residual(x, self.ffn, self.ffn_norm, self.norm_first)
+                 tgt_mask: np.ndarray | None = None, cache: tuple[KVCache, KVCache] | None = None,
+                 cache_index: int | None = None):
+        self_cache, cross_cache = (None, None) if cache is None else cache
+        kept: list[KVCache] = []
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
+                     self.self_attn_norm, self.norm_first)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
+                     self.cross_attn_norm, self.norm_first)
+        x = residual(x, self.ffn, self.ffn_norm, self.norm_first)
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[KVCache, KVCache]:
+        """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
+        return self.self_attn.init_cache(len(memory), capacity), self.cross_attn.memory_cache(memory)
+
+
+def _attend(attention: MultiHeadAttention, query: np.ndarray, memory: np.ndarray, mask: np.ndarray | None,
+            cache: KVCache | None, cache_index: int | None, kept: list[KVCache]) -> np.ndarray:
+    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
+    returns is appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    kept.append(cache)
+    return out
 
 
 class Encoder:
@@ -315,7 +410,7 @@ class Encoder:
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.layers = [EncoderLayer(config, params, f"{name}.layers.{i}")
                        for i in range(config.n_encoder_layers)]
-        self.norm = LayerNorm(params, f"{name}.norm", config.layer_norm_eps) if config.norm_first else None
+        self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
     def __call__(self, x: np.ndarray, mask: np.ndarray | None = None,
                  intermediates: dict | None = None) -> np.ndarray:
@@ -329,7 +424,9 @@ class Encoder:
 class Decoder:
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``;
+    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
+    see :class:`DecoderLayer`) and the call then returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -337,15 +434,26 @@ class Decoder:
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.layers = [DecoderLayer(config, params, f"{name}.layers.{i}")
                        for i in range(config.n_decoder_layers)]
-        self.norm = LayerNorm(params, f"{name}.norm", config.layer_norm_eps) if config.norm_first else None
+        self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, intermediates: dict | None = None) -> np.ndarray:
+                 tgt_mask: np.ndarray | None = None, intermediates: dict | None = None,
+                 cache: tuple | None = None, cache_index: int | None = None):
+        kept = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_mask, tgt_mask)
+            if cache is None:
+                x = layer(x, memory, src_mask, tgt_mask)
+            else:
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
+                kept.append(layer_cache)
             if intermediates is not None:
                 intermediates[f"layers.{i}"] = x
-        return self.norm(x) if self.norm is not None else x
+        x = self.norm(x) if self.norm is not None else x
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
+        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -361,6 +469,10 @@ class Transformer:
         src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
         tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
         Returns log-probabilities (B, T, V_tgt).
+
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then
+    ``out, cache = model.decode(new_tokens, memory, src_mask, cache=cache, cache_index=i)`` with
+    the positions i, i + 1, ... of the target (see :meth:`decode`).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, dtype=np.float64):
@@ -397,30 +509,57 @@ class Transformer:
             intermediates["encoder"] = memory
         return memory
 
+    def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
+        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+
+        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        """
+        memory = as_array("memory", memory)
+        check_memory(memory.shape, memory.dtype.name, memory.shape[0] if memory.ndim else None,
+                     self.config.d_model, self.dtype.name)
+        check_cache_capacity(capacity, self.config.max_len)
+        return self.decoder.init_cache(memory, capacity)
+
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-               tgt_mask: np.ndarray | None = None, intermediates: dict | None = None) -> np.ndarray:
+               tgt_mask: np.ndarray | None = None, intermediates: dict | None = None,
+               cache: tuple | None = None, cache_index: int | None = None):
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
         source had padding (the decoder cannot see source tokens).
+
+        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
+        cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
+        the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
+        over the cache's C positions and defaults to the causal mask over absolute positions
+        (query q sees key j <= cache_index + q, which also hides the positions not yet written).
+        Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = as_array("memory", memory)
         check_memory(memory.shape, memory.dtype.name, len(tgt), self.config.d_model, self.dtype.name)
         (batch, length), heads = tgt.shape, self.config.n_heads
+        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
+        if cache is not None:
+            check_cache_index(cache_index, length, keys)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, length), "tgt_mask")
-        y = self.tgt_pos(self.tgt_embed(tgt))
+            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
+                _cached_causal_mask(cache_index, length, keys)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index)
         steps: dict = {}
-        out = self.decoder(y, memory, src_mask, tgt_mask, steps)
+        if cache is None:
+            out = self.decoder(y, memory, src_mask, tgt_mask, steps)
+        else:
+            out, cache = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index)
         if intermediates is not None:
             intermediates["tgt_embed"] = y
             intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
             intermediates["decoder"] = out
-        return out
+        return out if cache is None else (out, cache)
 
     def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,
                  tgt_mask: np.ndarray | None = None, return_intermediates: bool = False):
@@ -529,6 +668,20 @@ def check_memory(shape: tuple, dtype: str, batch: int, d_model: int, model_dtype
                          f"with S >= 1, got {shape}")
     if dtype != model_dtype:
         raise ValueError(f"memory must have the model's dtype {model_dtype}, got {dtype}")
+
+
+def check_cache_capacity(capacity, max_len: int) -> None:
+    """A key/value cache holds an int number of target positions in [1, max_len]."""
+    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or not 1 <= capacity <= max_len:
+        raise ValueError(f"capacity must be an int in [1, {max_len}], got {capacity!r}")
+
+
+def check_cache_index(cache_index, length: int, capacity: int) -> None:
+    """``cache_index`` is an int >= 0 and the ``length`` new positions from it fit in a cache of ``capacity``."""
+    if not isinstance(cache_index, numbers.Integral) or isinstance(cache_index, bool) or cache_index < 0:
+        raise ValueError(f"cache_index must be an int >= 0, got {cache_index!r}")
+    if cache_index + length > capacity:
+        raise ValueError(f"cache holds {capacity} positions; decoding needs {cache_index + length}")
 
 
 def check_forward_inputs(config: TransformerConfig, src_shape: tuple, tgt_shape: tuple,

@@ -34,9 +34,7 @@ from flax import nnx  # noqa: E402
 
 from reference_numpy.config import TransformerConfig  # noqa: E402
 from transformer_cli.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, measure, timed  # noqa: E402
-from transformer_jax import greedy_decode  # noqa: E402
-from transformer_jax.device import PRECISION  # noqa: E402
-from transformer_jax.model import Transformer  # noqa: E402
+from transformer_jax import Transformer, greedy_decode  # noqa: E402
 
 FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
                 "  encoder  N*B*S*(8D^2 + 4DF + 4SD)\n"
@@ -47,10 +45,10 @@ FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
 
 
 def jax_product(n: int):
-    """One jitted float32 n x n matmul (at the port's precision), blocking until done."""
+    """One jitted float32 n x n matmul (at the port's precision, HIGHEST), blocking until done."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=PRECISION))
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
     return lambda: matmul(a, b).block_until_ready()
 
 
@@ -95,7 +93,7 @@ def main() -> None:
     batch, length, short, long, n = (2, 32, 64, 96, 512) if args.quick else (8, 128, 128, 256, 2048)
 
     config = TransformerConfig.preset("base")
-    model = Transformer(config, jnp.float32, rngs=nnx.Rngs(0))
+    model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     embedding = model.src_embed.embedding
     embedding[...] = embedding[...].at[config.eos_id].set(0.0)      # logit 0: never the argmax here
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-import transformer_tf  # noqa: E402  (selects the TensorFlow backend of Keras)
+import transformer_tf  # noqa: E402  (refuses a Keras configured for another backend)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402

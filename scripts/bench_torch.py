@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from transformer_cli.timing import cpu_name, decode_flops, forward_flops, gflop_rate, measure, timed  # noqa: E402
 from transformer_torch import checkpoint, interop  # noqa: E402
-from transformer_torch.decoding import DecoderCache, next_token_log_probs  # noqa: E402
-from transformer_torch.device import default_device, full_precision  # noqa: E402
+from transformer_torch.decoding import next_token_log_probs  # noqa: E402
+from transformer_torch.device import devices, full_precision  # noqa: E402
 from transformer_torch.model import padding_mask  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
@@ -74,10 +74,15 @@ def bench_lock():
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def first_device() -> str:
+    """The first GPU when one is visible, else "cpu"."""
+    return devices()[1] if len(devices()) > 1 else "cpu"
+
+
 def machine() -> list[str]:
     return [f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs visible",
             f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}",
-            f"torch threads: {torch.get_num_threads()}, device: {default_device()}"]
+            f"torch threads: {torch.get_num_threads()}, device: {first_device()}"]
 
 
 def main() -> None:
@@ -94,7 +99,7 @@ def main() -> None:
     lengths = (16, 32) if args.quick else (128, 256)
     decode_batch, decode_repeats = args.decode_batch, (1 if args.quick else 3)
 
-    device = default_device()
+    device = first_device()
     if device.startswith("cuda"):
         full_precision()
     config = TransformerConfig.preset("base")
@@ -167,8 +172,14 @@ def main() -> None:
 
 
 def _cached_step(model, memory, src_mask, steps: int):
-    cache = DecoderCache(model, steps + 1)
-    return lambda tgt: next_token_log_probs(model, tgt, memory, src_mask, cache)
+    """A step function over a fresh cache of ``steps`` positions: feeds the last position of ``tgt``."""
+    cache = model.init_cache(memory, steps)
+
+    def step(tgt):
+        nonlocal cache
+        log_probs, cache = next_token_log_probs(model, tgt[:, -1:], memory, src_mask, cache, tgt.shape[1] - 1)
+        return log_probs
+    return step
 
 
 def _checkpoints(steps: int) -> list[int]:

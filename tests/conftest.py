@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from reference_numpy import tolerance
+from equivalence import tolerance
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)
@@ -16,7 +16,7 @@ AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defa
 
 def check_agreement(port_out, ref64, ref32, *, port: str, device: str, dtype: str,
                     what: str) -> tolerance.Agreement:
-    """Assert the policy of :mod:`reference_numpy.tolerance`, after checking the port kept ``dtype``."""
+    """Assert the policy of :mod:`equivalence.tolerance`, after checking the port kept ``dtype``."""
     port_out = np.asarray(port_out)
     assert port_out.dtype == np.dtype(dtype), f"{what}: {port} returned {port_out.dtype}, asked for {dtype}"
     result = tolerance.assert_agrees(port_out, ref64, ref32, what=f"{port}/{device}/{dtype}/{what}")

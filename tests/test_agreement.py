@@ -1,5 +1,5 @@
 """The agreement matrix: every port x device x dtype x component x mask case x config variant
-against the NumPy reference, under the one tolerance policy of ``reference_numpy.tolerance``.
+against the NumPy reference, under the one tolerance policy of ``equivalence.tolerance``.
 The forward-pass checks also run the ``layer_norm_eps`` variant (``cases.FORWARD_VARIANTS``).
 
 A port whose framework is not installed, or a GPU that is not present, is a skip with its
@@ -15,9 +15,11 @@ import itertools
 import numpy as np
 import pytest
 
-from reference_numpy import backend as reference
-from reference_numpy import cases, tolerance
-from reference_numpy.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
+from equivalence import cases, tolerance
+from equivalence.adapters import numpy as reference
+from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
+from equivalence.margins import beam_margins, greedy_margins
+from equivalence.recipes import ATTENTION_KINDS
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
@@ -29,7 +31,7 @@ COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.i
 def port_backend(port: str):
     framework = FRAMEWORKS[port]
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{port}]')")
-    return importlib.import_module(f"transformer_{port}.backend")
+    return importlib.import_module(f"equivalence.adapters.{port}")
 
 
 def device_for(backend, kind: str) -> str:
@@ -115,7 +117,7 @@ def reference_attention(variant: str, kind: str, dtype: str) -> np.ndarray:
 
 @pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", reference.ATTENTION_KINDS)
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
 def test_attention_weights(port, device_kind, dtype, variant, kind, agreement):
     """The weights ``plot attention`` draws, layer 1, on a ragged batch."""
     backend = port_backend(port)
@@ -184,11 +186,11 @@ def reference_decoding(variant: str, kind: str):
     config = VARIANTS[variant]
     model64 = reference_model(variant, "float64", "decoding")
     src = cases.decoding_inputs(config)
-    margins: list = []
     if kind == "greedy":
-        tokens, scores = reference.decoding.greedy_decode(model64, src, margins), None
+        tokens, scores = reference.greedy(model64, src), None
+        margins = greedy_margins(model64, src, tokens)
     else:
-        tokens, scores = reference.decoding.beam_search(model64, src, margins=margins)
+        (tokens, scores), margins = reference.beam(model64, src), beam_margins(model64, src)
     tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)
     log_probs64 = model64(src, tgt)
     log_probs32 = reference_model(variant, "float32", "decoding")(src, tgt)
@@ -224,8 +226,7 @@ def test_greedy_tokens_float32(port, device_kind, variant):
     device = device_for(port_backend(port), device_kind)
     _, ref_tokens, _, margins, bound = reference_decoding(variant, "greedy")
     tokens = _port_decode(port, device, "float32", variant, "greedy")
-    agree, note, full_rows = tolerance.greedy_tokens_agree(tokens, ref_tokens, np.stack(margins, axis=1), bound,
-                                                           VARIANTS[variant].pad_id)
+    agree, note, full_rows = tolerance.greedy_tokens_agree(tokens, ref_tokens, margins, bound, VARIANTS[variant].pad_id)
     assert agree, note
     assert full_rows, "every row had a float32 near-tie; choose inputs with clear decisions"
 

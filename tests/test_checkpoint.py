@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from reference_numpy import (FORMAT_VERSION, TransformerConfig, init_params, load_checkpoint, parameter_shapes,
                              save_checkpoint)
-from reference_numpy.cases import VARIANTS
+from equivalence.cases import VARIANTS
 
 TINY = VARIANTS["tiny"]
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from reference_numpy import PRESETS, TransformerConfig
-from reference_numpy.cases import VARIANTS
+from equivalence.cases import VARIANTS
 
 
 def test_presets_follow_table_3():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from reference_numpy import init_params, load_checkpoint, save_checkpoint
-from reference_numpy.cases import VARIANTS
+from equivalence.cases import VARIANTS
 
 TINY = VARIANTS["tiny"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_an_interrupt_mid_write_leaves_the_existing_file_and_no_partial(tmp_path
 KILLED_SAVE = """
 import os, signal, sys
 from reference_numpy import init_params, save_checkpoint
-from reference_numpy.cases import VARIANTS
+from equivalence.cases import VARIANTS
 real_write, real_replace = os.write, os.replace
 
 def stop():
@@ -248,10 +248,10 @@ def test_a_dangling_symlink_creates_its_target(tmp_path):
 def test_ports_save_through_the_reference():
     """Every port's save goes through reference_numpy.checkpoint.save_checkpoint, so all of the
     above holds for every backend; no port writes a file itself."""
-    for port in ("transformer_torch", "transformer_jax", "transformer_tf"):
-        for module in ("checkpoint.py", "backend.py"):
-            source = (ROOT / port / module).read_text()
+    for port, adapter in (("transformer_torch", "torch"), ("transformer_jax", "jax"), ("transformer_tf", "tf")):
+        for module in (f"{port}/checkpoint.py", f"equivalence/adapters/{adapter}.py"):
+            source = (ROOT / module).read_text()
             assert not re.search(r"\bopen\(|write_bytes|safetensors\.\w+ import save|save_file|os\.replace", source), \
-                f"{port}/{module} writes files itself"
+                f"{module} writes files itself"
         assert re.search(r"\breference(_checkpoint)?\.save_checkpoint\(path, model\.config, to_params\(model\)\)",
                          (ROOT / port / "checkpoint.py").read_text()), port

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params
-from reference_numpy.cases import VARIANTS
-from reference_numpy.tolerance import assert_agrees
+from equivalence.cases import VARIANTS
+from equivalence.tolerance import assert_agrees
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from test_decoding import ScriptedModel
 
 from reference_numpy import TransformerConfig, beam_search, greedy_decode, init_params
-from reference_numpy import backend as reference
-from reference_numpy.tolerance import assert_agrees, float64_bound
+from equivalence.adapters import numpy as reference
+from equivalence.tolerance import assert_agrees, float64_bound
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 IMPOSSIBLE = -math.inf
@@ -352,7 +352,7 @@ def backend(request):
         return reference
     framework = FRAMEWORKS[request.param]
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{request.param}]')")
-    return importlib.import_module(f"transformer_{request.param}.backend")
+    return importlib.import_module(f"equivalence.adapters.{request.param}")
 
 
 @functools.cache

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from reference_numpy import TransformerConfig
-from reference_numpy import backend as reference_backend
-from reference_numpy import cases
+from equivalence.adapters import numpy as reference_backend
+from equivalence import cases
 from reference_numpy.decoding import check_decoding_args
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
@@ -45,7 +45,7 @@ class Driver:
 
     def __init__(self):
         self.module = importlib.import_module(self.package)
-        self.backend = importlib.import_module(f"{self.package}.backend")
+        self.backend = importlib.import_module(f"equivalence.adapters.{self.name}")
         self.model = self.backend.build(CONFIG, cases.seeded_params(CONFIG), "float64")
 
     def tensor(self, array: np.ndarray):
@@ -98,12 +98,18 @@ class TorchDriver(Driver):
 class JaxDriver(Driver):
     name, package = "jax", "transformer_jax"
 
+    def __init__(self):
+        import jax
+        jax.config.update("jax_enable_x64", True)   # the float64 model is used directly; the port never turns x64 on
+        super().__init__()
+
     def tensor(self, array):
         import jax.numpy as jnp
         return jnp.asarray(array)
 
     def compiled(self, src, tgt, src_mask=None, tgt_mask=None):
-        return self.module.compiled_forward(self.model, src, tgt, src_mask, tgt_mask)
+        from transformer_jax.model import compiled_forward
+        return compiled_forward(self.model, src, tgt, src_mask, tgt_mask)
 
 
 class TfDriver(Driver):
@@ -118,7 +124,8 @@ class TfDriver(Driver):
 
     @functools.cached_property
     def _compiled_forward(self):
-        return self.module.compiled_forward(self.model)           # one tf.function for the module
+        from transformer_tf.model import compiled_forward
+        return compiled_forward(self.model)                       # one tf.function for the module
 
 
 DRIVERS = {driver.name: driver for driver in (Driver, TorchDriver, JaxDriver, TfDriver)}

@@ -2,14 +2,16 @@
 checkpoint I/O against the reference, the name table, float64 and x64, the fully masked row,
 the key/value cache and the compiled decoding loop, dropout, devices.
 
-x64 is enabled at import (as ``transformer_jax.backend`` does), for the whole pytest process;
-float32 models must still compute in float32, which the dtype assertions below check.
+The port is used directly in float64 here, so this module enables x64 for the pytest process
+(the library itself never does: a subprocess test checks that importing the port and its adapter
+leaves it off); float32 models must still compute in float32, which the dtype assertions check.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +26,15 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from reference_numpy import backend as reference  # noqa: E402
-from reference_numpy import cases, checkpoint as reference_checkpoint, tolerance  # noqa: E402
-from reference_numpy.cases import VARIANTS  # noqa: E402
+from equivalence.adapters import numpy as reference  # noqa: E402
+from equivalence import cases, tolerance  # noqa: E402
+from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
-from transformer_jax import backend, checkpoint, decoding, device  # noqa: E402
+from equivalence.adapters import jax as backend  # noqa: E402
+from transformer_jax import checkpoint, decoding, device  # noqa: E402
 from transformer_jax.model import Transformer, forward, padding_mask, scaled_dot_product_attention  # noqa: E402
 from transformer_jax.training import loss  # noqa: E402
 
@@ -70,21 +74,41 @@ def test_bad_params_give_the_reference_errors():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_name_table_covers_every_parameter_exactly_once(variant):
     config = VARIANTS[variant]
-    model = Transformer(config, jnp.float32, rngs=nnx.Rngs(0))
+    model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     table = checkpoint.name_table(config)
     assert list(table) == list(reference_checkpoint.parameter_shapes(config))
-    reached = [id(checkpoint.parameter(model, path)) for path in table.values()]
-    params = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)]
-    assert len(reached) == len(set(reached)) == len(params)
-    assert set(reached) == {id(param) for param in params}
+    state = {".".join(map(str, keys)): variable for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert sorted(table.values()) == sorted(state)                   # every parameter, each exactly once
     for name, path in table.items():
-        assert checkpoint.parameter(model, path).shape == reference_checkpoint.parameter_shapes(config)[name]
+        assert state[path].shape == reference_checkpoint.parameter_shapes(config)[name]
+    assert checkpoint.transposed(config) == ()
 
 
 def test_a_wrong_transpose_list_is_caught_by_the_shape_check(monkeypatch):
-    monkeypatch.setattr(checkpoint, "TRANSPOSED", frozenset({"encoder.layers.0.ffn.linear1.weight"}))
-    with pytest.raises(ValueError, match=r"^tensor 'encoder\.layers\.0\.ffn\.linear1\.weight' has shape \(40, 16\)"):
+    monkeypatch.setattr(checkpoint, "transposed", lambda config: ("encoder.layers.0.ffn.linear1.weight",))
+    expected = ("tensor 'encoder.layers.0.ffn.linear1.weight' has shape (40, 16); "
+                "the NNX parameter encoder.layers.0.ffn.linear1.kernel has shape (16, 40)")
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         checkpoint.from_params(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+
+
+def test_a_parameter_missing_from_the_name_table_is_refused(monkeypatch):
+    table = checkpoint.name_table
+    monkeypatch.setattr(checkpoint, "name_table", lambda config: dict(list(table(config).items())[:-1]))
+    with pytest.raises(ValueError, match=r"^the name table and the NNX parameters differ: \['generator\.weight'\]$"):
+        checkpoint.from_params(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_load_checkpoint_keeps_the_file_dtype(tmp_path, dtype):
+    config, path = VARIANTS["learned_pe"], tmp_path / "model.safetensors"
+    params = cases.seeded_params(config)
+    reference_checkpoint.save_checkpoint(path, config, {name: value.astype(dtype) for name, value in params.items()})
+    model = checkpoint.load_checkpoint(path)
+    assert model.dtype == np.dtype(dtype)
+    for name, value in checkpoint.to_params(model).items():
+        assert value.dtype == np.dtype(dtype) and np.array_equal(value, params[name].astype(dtype)), name
+    assert checkpoint.load_checkpoint(path, dtype=jnp.float32).dtype == np.float32
 
 
 # ----------------------------------------------------------------------------- dtypes, x64, bad input
@@ -96,17 +120,21 @@ def test_float32_stays_float32_with_x64_on():
     assert {value.dtype for value in stages.values()} == {np.dtype(np.float32)}
 
 
-def test_float64_without_x64_is_refused(tmp_path):
+def test_the_library_never_turns_x64_on(tmp_path):
+    """In a fresh process with x64 off: importing the port and its adapter leaves it off; the port
+    refuses float64 with a clear error; the adapter runs float64 models (each call under
+    ``jax.enable_x64``) with float64 results, compiling its loops once, and leaves x64 off."""
     path = tmp_path / "tiny.safetensors"
     reference_checkpoint.save_checkpoint(path, VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
     script = f"""
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from reference_numpy.cases import VARIANTS
-from transformer_jax import Transformer, load_checkpoint
-assert not jax.config.read("jax_enable_x64")
-for make in (lambda: Transformer(VARIANTS["tiny"], jnp.float64, rngs=nnx.Rngs(0)),
-             lambda: load_checkpoint({str(path)!r}, dtype=jnp.float64)):
+import transformer_jax, {backend.__name__} as adapter
+from transformer_jax import Transformer, decoding, load_checkpoint, model as port
+from equivalence.cases import VARIANTS, decoding_inputs, model_inputs
+assert not jax.config.read("jax_enable_x64"), "importing the port or its adapter turned x64 on"
+for make in (lambda: Transformer(VARIANTS["tiny"], dtype=jnp.float64, rngs=nnx.Rngs(0)),
+             lambda: load_checkpoint({str(path)!r})):
     try:
         make()
     except ValueError as err:
@@ -114,12 +142,28 @@ for make in (lambda: Transformer(VARIANTS["tiny"], jnp.float64, rngs=nnx.Rngs(0)
     else:
         raise SystemExit("float64 was accepted with x64 off")
 print(load_checkpoint({str(path)!r}, dtype=jnp.float32).encoder.layers[0].ffn.linear1.kernel.dtype)
+traces = []
+for owner, name in ((port.Transformer, "__call__"), (decoding, "next_token_log_probs")):
+    def counting(*args, _original=getattr(owner, name), _name=name, **kwargs):
+        traces.append(_name)
+        return _original(*args, **kwargs)
+    setattr(owner, name, counting)
+model = adapter.load({str(path)!r})
+inputs, src = model_inputs(VARIANTS["tiny"], "ragged_batch"), decoding_inputs(VARIANTS["tiny"])
+for _ in range(2):
+    stages = adapter.forward(model, **inputs)
+    tokens, scores = adapter.beam(model, src)
+assert {{value.dtype for value in stages.values()}} == {{np.dtype("float64")}}, "float64 stages lost"
+assert tokens.shape[1] > 1 and scores.dtype == np.float64
+assert traces == ["__call__", "next_token_log_probs"], traces
+assert not jax.config.read("jax_enable_x64"), "an adapter call left x64 on"
+print("ok")
 """
     env = {**os.environ, "JAX_ENABLE_X64": "0", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert len(lines) == 3 and lines[2] == "float32"
+    assert len(lines) == 4 and lines[2:] == ["float32", "ok"], run.stdout
     for message in lines[:2]:
         assert "float64" in message and "jax_enable_x64" in message
 
@@ -176,19 +220,21 @@ def test_a_fully_masked_source_row_runs_through_the_whole_model():
 
 # ----------------------------------------------------------------------------- key/value cache and decoding
 
-def _step_log_probs(model, src, tgt, use_cache: bool) -> np.ndarray:
-    """Next-token log-probabilities after every prefix of tgt, one decoding step at a time."""
+def _step_log_probs(model, src, tgt, use_cache: bool, first: int = 1) -> np.ndarray:
+    """Next-token log-probabilities after every prefix of tgt (from the ``first`` tokens on), one
+    decoding step at a time; with the cache the ``first`` tokens go in at once, then one per step."""
     src_mask = padding_mask(src, model.config.pad_id)
     memory = model.encode(src, src_mask)
-    cache = model.decoder.init_cache(memory, tgt.shape[1])
+    cache = model.init_cache(memory, tgt.shape[1])
     steps = []
-    for index in range(tgt.shape[1]):
+    for end in range(first, tgt.shape[1] + 1):
         if use_cache:
-            log_probs, cache = decoding.cached_next_token_log_probs(model, tgt[:, index], cache, index, src_mask)
+            start = 0 if end == first else end - 1
+            log_probs, cache = decoding.next_token_log_probs(model, tgt[:, start:end], memory, src_mask, cache, start)
         else:
-            log_probs = decoding.next_token_log_probs(model, tgt, memory, src_mask, index)
+            log_probs = decoding.next_token_log_probs(model, tgt[:, :end], memory, src_mask)
         steps.append(np.asarray(log_probs))
-    return np.stack(steps, axis=1)                                   # (B, T, V)
+    return np.stack(steps, axis=1)                                   # (B, T - first + 1, V)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -216,13 +262,39 @@ def test_cached_and_uncached_steps_give_the_same_log_probs(variant, dtype="float
         tolerance.assert_agrees(cached[..., ordinary], uncached[..., ordinary], what="cached vs uncached")
 
 
-def test_cache_refuses_a_concrete_index_outside_it():
+def test_several_new_positions_at_once_give_the_uncached_log_probs():
+    """The cache filled with 3 positions in one call, then one per call: the same log-probabilities
+    as recomputing every prefix (float64, the policy's bound)."""
+    config = VARIANTS["pre_ln"]
+    src = cases.decoding_inputs(config)
+    tgt = np.random.default_rng(2).integers(3, config.tgt_vocab_size, size=(len(src), 6))
+    tgt[:, 0] = config.bos_id
+    model = port_model("pre_ln", "float64", "decoding")
+    ordinary = np.setdiff1d(np.arange(config.tgt_vocab_size), [config.pad_id, config.bos_id])
+    cached, uncached = (_step_log_probs(model, src, tgt, use_cache, first=3)[..., ordinary]
+                        for use_cache in (True, False))
+    tolerance.assert_agrees(cached, uncached, what="3 positions, then 1 per step")
+
+
+def test_cache_layout_and_a_concrete_index_outside_it():
     model = port_model("tiny")
-    memory = jnp.zeros((2, 5, model.config.d_model), model.dtype)
-    cache = model.decoder.layers[0].init_cache(memory, 4)
-    assert cache.key.shape == (2, model.config.n_heads, 4, model.config.d_k)
-    with pytest.raises(ValueError, match="index 4 is outside the key/value cache of 4 positions"):
-        model.decoder.layers[0].step(memory[:, :1], cache, 4)
+    config, attention = model.config, model.decoder.layers[0].self_attn
+    cache = attention.init_cache(2, 4)
+    assert cache.keys.shape == cache.values.shape == (2, config.n_heads, 4, config.d_k)
+    assert cache.keys.dtype == model.dtype and not np.any(np.asarray(cache.keys))
+    memory = jnp.ones((2, 5, config.d_model), model.dtype)
+    memory_cache = model.decoder.layers[0].cross_attn.memory_cache(memory)
+    assert memory_cache.keys.shape == (2, config.n_heads, 5, config.d_k)
+    x = jnp.ones((2, 1, config.d_model), model.dtype)
+    for index, message in ((4, "cache holds 4 positions; decoding needs 5"),
+                           (-1, "cache_index must be an int >= 0, got -1")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            attention(x, x, x, cache=cache, cache_index=index)
+    with pytest.raises(ValueError, match=r"^cache_index must be an int >= 0, got None$"):
+        model.decode(np.ones((2, 1), int), memory, cache=model.init_cache(memory, 4))
+    expected = f"capacity must be an int in [1, {config.max_len}], got {config.max_len + 1}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        model.init_cache(memory, config.max_len + 1)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -248,13 +320,13 @@ def test_uncached_decoding_gives_the_reference_tokens_in_float64():
 def test_the_decoding_loop_is_traced_once_not_per_token(monkeypatch):
     model = port_model("tiny", "float32", "decoding")
     traced = []
-    step = decoding.cached_next_token_log_probs
+    step = decoding.next_token_log_probs
 
     def counting_step(*args):
-        traced.append(args[3])                                        # the index: a tracer, not a Python int
+        traced.append(args[5])                                        # cache_index: a tracer, not a Python int
         return step(*args)
 
-    monkeypatch.setattr(decoding, "cached_next_token_log_probs", counting_step)
+    monkeypatch.setattr(decoding, "next_token_log_probs", counting_step)
     src = cases.decoding_inputs(VARIANTS["tiny"])[:2, :5]             # a shape no other test compiles
     same_shapes = np.where(src > 3, src - 1, src)
     tokens = decoding.greedy_decode(model, src)
@@ -307,14 +379,25 @@ def test_devices_lists_the_cpu_and_every_gpu():
     names = backend.devices()
     assert names[0] == "cpu"
     assert names[1:] == [f"gpu:{i}" for i in range(len(names) - 1)]
-    assert device.get_device("cpu").platform == "cpu"
+    assert device.resolve_device("cpu").platform == "cpu"
 
 
 def test_determinism_switch_sets_the_xla_flag(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    device.enable_determinism()
-    device.enable_determinism()
-    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", device.DETERMINISM_FLAG]
+    device.deterministic()
+    device.deterministic()
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", "--xla_gpu_deterministic_ops=true"]
+    device.deterministic(False)
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x"]
+
+
+def test_full_precision_sets_the_default_matmul_precision():
+    before = jax.config.jax_default_matmul_precision
+    try:
+        device.full_precision()
+        assert jax.config.jax_default_matmul_precision == "highest"
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from reference_numpy import Transformer
-from reference_numpy.cases import VARIANTS, seeded_params, training_inputs
-from reference_numpy.tolerance import assert_agrees, finite_difference_bound
+from equivalence.cases import VARIANTS, seeded_params, training_inputs
+from equivalence.tolerance import assert_agrees, finite_difference_bound
 from reference_numpy.training import label_smoothed_cross_entropy, loss
 
 from test_agreement import FRAMEWORKS, port_backend

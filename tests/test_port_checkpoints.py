@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy.cases import VARIANTS, seeded_params
+from equivalence.cases import VARIANTS, seeded_params
 
 from test_agreement import FRAMEWORKS, port_backend
 

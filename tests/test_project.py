@@ -18,9 +18,9 @@ import reference_numpy
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-PACKAGES = PYPROJECT["tool"]["setuptools"]["packages"]
+PACKAGES = [name for name in PYPROJECT["tool"]["setuptools"]["packages"] if "." not in name]  # subpackages ship inside
 # package -> the framework module it needs (None: NumPy only)
-FRAMEWORKS = {"reference_numpy": None, "transformer_cli": None, "transformer_torch": "torch",
+FRAMEWORKS = {"reference_numpy": None, "transformer_cli": None, "equivalence": None, "transformer_torch": "torch",
               "transformer_jax": "flax", "transformer_tf": "keras"}
 
 

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from reference_numpy import (LayerNorm, MultiHeadAttention, Transformer, TransformerConfig, causal_mask,
                              count_parameters, init_params, padding_mask, scaled_dot_product_attention,
-                             sinusoidal_positional_encoding)
-from reference_numpy.cases import VARIANTS
-from reference_numpy.tolerance import assert_agrees
+                             sinusoidal_positional_encoding, target_mask)
+from reference_numpy.decoding import next_token_log_probs
+from equivalence.cases import VARIANTS
+from equivalence.tolerance import assert_agrees
 
 TINY = VARIANTS["tiny"]
 
@@ -105,7 +106,8 @@ def test_layer_norm_matches_naive_statistics():
     x = 3.0 + 2.0 * rng.standard_normal((2, 3, 16))
     params = {"n.weight": rng.standard_normal(16), "n.bias": rng.standard_normal(16)}
     for eps in (1e-6, 1e-5, 1e-3):
-        close64(LayerNorm(params, "n", eps)(x), naive_layer_norm(x, params["n.weight"], params["n.bias"], eps))
+        norm = LayerNorm(TINY.replace(layer_norm_eps=eps), params, "n")
+        close64(norm(x), naive_layer_norm(x, params["n.weight"], params["n.bias"], eps))
 
 
 def test_layer_norm_uses_the_configured_epsilon():
@@ -114,7 +116,7 @@ def test_layer_norm_uses_the_configured_epsilon():
     params = {"n.weight": np.ones(2), "n.bias": np.zeros(2)}
     for eps in (1e-12, 1e-6, 1e-5):
         half = 5e-4 / math.sqrt(2.5e-7 + eps)
-        close64(LayerNorm(params, "n", eps)(x), [[-half, half]], what=f"eps={eps}")
+        close64(LayerNorm(TINY.replace(layer_norm_eps=eps), params, "n")(x), [[-half, half]], what=f"eps={eps}")
 
 
 # ----------------------------------------------------------------------------- positional encoding
@@ -171,6 +173,56 @@ def test_decoder_is_causal(model):
         changed = tgt.copy()
         changed[:, t:] = tokens(rng, config, (2, 7 - t), config.tgt_vocab_size)
         close64(model(src, changed)[:, :t], base[:, :t], what=f"positions < {t}")
+
+
+def test_cached_decoding_equals_uncached_step_by_step(model):
+    """Section 3.2.3 with a key/value cache: feeding the target a few positions at a time through
+    init_cache and decode(cache=, cache_index=) gives every position the uncached decoder's output
+    on the whole prefix (with the default causal mask, and with an explicit mask over the cache
+    for a target row with padding), and next_token_log_probs with a cache the uncached
+    log-probabilities, in float64 within the policy. The cache is a value: a step returns a new
+    one and leaves the one it was given unchanged."""
+    config, rng = model.config, np.random.default_rng(17)
+    src = tokens(rng, config, (3, 6), config.src_vocab_size)
+    src[1, 4:] = config.pad_id
+    tgt = tokens(rng, config, (3, 8), config.tgt_vocab_size)
+    tgt[:, 0] = config.bos_id
+    src_mask = padding_mask(src, config.pad_id)
+    memory = model.encode(src, src_mask)
+    steps = ((0, 1), (1, 2), (2, 5), (5, 6), (6, 8))                        # one or several new positions
+    cache = empty = model.init_cache(memory, 10)
+    for start, end in steps:
+        out, cache = model.decode(tgt[:, start:end], memory, src_mask, cache=cache, cache_index=start)
+        close64(out, model.decode(tgt[:, :end], memory, src_mask)[:, start:], what=f"positions {start}..{end - 1}")
+    assert not any(kv.keys.any() or kv.values.any() for layer in empty for kv in layer[:1])
+    assert not cache[0][0].keys[:, :, 8:].any()                             # never written
+    cache = model.init_cache(memory, 8)
+    for start, end in steps:
+        cached, cache = next_token_log_probs(model, tgt[:, start:end], memory, src_mask, cache, start)
+        uncached = next_token_log_probs(model, tgt[:, :end], memory, src_mask)
+        assert np.array_equal(np.isfinite(cached), np.isfinite(uncached))
+        close64(cached[np.isfinite(cached)], uncached[np.isfinite(uncached)], what=f"log-probs after {end} tokens")
+    tgt[2, 5:] = config.pad_id
+    cache = model.init_cache(memory, 8)
+    for start, end in steps:
+        rows = target_mask(tgt[:, :end], config.pad_id)[:, :, start:]        # (B, 1, T_new, end)
+        tgt_mask = np.pad(rows, [(0, 0), (0, 0), (0, 0), (0, 8 - end)])     # (B, 1, T_new, C)
+        out, cache = model.decode(tgt[:, start:end], memory, src_mask, tgt_mask, cache=cache, cache_index=start)
+        close64(out, model.decode(tgt[:, :end], memory, src_mask)[:, start:], what=f"padded, {start}..{end - 1}")
+
+
+def test_cache_arguments_are_checked():
+    model = Transformer(TINY, init_params(TINY, seed=18))
+    memory = model.encode(np.array([[5, 6, 7]]))
+    cache = model.init_cache(memory, 2)
+    with pytest.raises(ValueError, match="cache holds 2 positions; decoding needs 3"):
+        model.decode(np.array([[1, 5]]), memory, cache=cache, cache_index=1)
+    with pytest.raises(ValueError, match="cache_index must be an int >= 0, got 1.0"):
+        model.decode(np.array([[1]]), memory, cache=cache, cache_index=1.0)
+    with pytest.raises(ValueError, match=r"capacity must be an int in \[1, 64\], got 0"):
+        model.init_cache(memory, 0)
+    with pytest.raises(ValueError, match="memory must have the model's dtype float64, got float32"):
+        model.init_cache(memory.astype(np.float32), 2)
 
 
 def test_source_padding_is_invisible(model):
@@ -312,7 +364,7 @@ def test_attention_weights_are_distributions_or_zero(batch, heads, tq, tk, d_k, 
 
 
 def test_reference_imports_no_framework():
-    code = ("import sys, reference_numpy, reference_numpy.backend, reference_numpy.cases; "
+    code = ("import sys, reference_numpy, equivalence.adapters.numpy, equivalence.cases; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'jax', 'jaxlib', 'flax', 'tensorflow', 'keras')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -322,7 +374,7 @@ def test_reference_imports_no_framework():
 def test_attention_weights_reproduce_the_layer_output():
     """The adapter's weights are the ones the layer uses: weights @ V (per head) and W^O give
     the self-attention sublayer's output."""
-    from reference_numpy import backend
+    from equivalence.adapters import numpy as backend
     config = VARIANTS["pre_ln"]
     model = backend.build(config, init_params(config, seed=17, perturb=0.1))
     src, tgt = np.array([[5, 6, 7, 2, 0]]), np.array([[1, 8, 9]])

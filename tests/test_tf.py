@@ -17,10 +17,12 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip 
 keras = pytest.importorskip("keras", reason="keras is not installed (pip install '.[tf]')")
 
 import transformer_tf  # noqa: E402
-from reference_numpy import backend as reference  # noqa: E402
-from reference_numpy import cases, checkpoint as reference_checkpoint, decoding as reference_decoding  # noqa: E402
-from reference_numpy.cases import VARIANTS  # noqa: E402
-from transformer_tf import backend, checkpoint, decoding, device  # noqa: E402
+from equivalence.adapters import numpy as reference  # noqa: E402
+from equivalence import cases  # noqa: E402
+from reference_numpy import checkpoint as reference_checkpoint, decoding as reference_decoding  # noqa: E402
+from equivalence.cases import VARIANTS  # noqa: E402
+from equivalence.adapters import tf as backend  # noqa: E402
+from transformer_tf import checkpoint, decoding, device  # noqa: E402
 from transformer_tf.model import Transformer, compiled_forward, scaled_dot_product_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,16 +65,48 @@ def test_bad_params_give_the_reference_errors(change):
     assert str(port.value) == str(expected.value)
 
 
+def keras_attribute(model, path: str):
+    """The object at an attribute path of the name table (list indices as components)."""
+    for part in path.split("."):
+        model = model[int(part)] if part.isdigit() else getattr(model, part)
+    return model
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_name_table_covers_every_keras_weight_exactly_once(variant):
     model = port_model(variant, "float64")
     table = checkpoint.name_table(model.config)
-    assert list(table) == list(reference_checkpoint.parameter_shapes(model.config))
+    shapes = reference_checkpoint.parameter_shapes(model.config)
+    assert list(table) == list(shapes)
     assert len(set(table.values())) == len(table)
-    weights = [id(weight) for weight in checkpoint.named_weights(model).values()]
-    assert len(set(weights)) == len(weights)
-    assert set(weights) == {id(weight) for weight in model.weights}
+    weights = [keras_attribute(model, path) for path in table.values()]
+    assert len({id(weight) for weight in weights}) == len(weights)
+    assert {id(weight) for weight in weights} == {id(weight) for weight in model.weights}
     assert len(model.weights) == len(table)
+    assert checkpoint.transposed(model.config) == ()
+    assert [tuple(weight.shape) for weight in weights] == list(shapes.values())
+
+
+def test_a_tensor_of_the_wrong_layout_names_the_checkpoint_tensor_and_the_keras_variable(monkeypatch):
+    config = VARIANTS["tiny"]
+    name = "encoder.layers.0.ffn.linear1.weight"                 # (d_model, d_ff): not square
+    monkeypatch.setattr(checkpoint, "transposed", lambda config: (name,))
+    d, f = config.d_model, config.d_ff
+    with pytest.raises(ValueError, match=rf"^tensor '{name}' has shape \({f}, {d}\); the Keras variable "
+                                         rf"encoder\.layers\.0\.ffn\.linear1\.kernel has shape \({d}, {f}\)$"):
+        transformer_tf.from_params(config, cases.seeded_params(config))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_load_checkpoint_keeps_the_file_dtype_unless_asked(tmp_path, dtype):
+    config = VARIANTS["shared_embeddings"]
+    path = tmp_path / "model.safetensors"
+    params = {name: value.astype(dtype) for name, value in cases.seeded_params(config).items()}
+    reference_checkpoint.save_checkpoint(path, config, params)
+    model = transformer_tf.load_checkpoint(path)
+    assert model.compute_dtype == dtype and {w.dtype for w in model.weights} == {dtype}
+    other = "float32" if dtype == "float64" else "float64"
+    assert transformer_tf.load_checkpoint(path, dtype=other).compute_dtype == other
 
 
 # ----------------------------------------------------------------------------- Keras idiom
@@ -122,6 +156,18 @@ def test_wrong_keras_backend_is_refused_in_one_line():
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError") and "KERAS_BACKEND=tensorflow" in last and "'jax'" in last
+
+
+def test_import_sets_no_keras_backend(tmp_path):
+    """Keras' default backend is TensorFlow: importing the port leaves ``KERAS_BACKEND`` unset
+    (a fresh Keras home, so no keras.json of this machine chooses a backend)."""
+    env = {key: value for key, value in os.environ.items() if key != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(tmp_path)
+    code = "import os, transformer_tf, keras; print(os.environ.get('KERAS_BACKEND'), keras.backend.backend())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "tensorflow"]
 
 
 def test_keras_masks_on_inputs_are_ignored():
@@ -189,18 +235,92 @@ def test_compiled_forward_agrees_in_float64(jit_compile, agreement):
 
 # ----------------------------------------------------------------------------- decoding
 
+@pytest.mark.parametrize("step", [1, 4], ids=["one_position_per_call", "several_positions_per_call"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", ["tiny", "pre_ln"])
-def test_cached_log_probs_equal_uncached(variant, dtype, agreement):
-    """Teacher forcing through the key/value cache, one position at a time, against the full
-    forward pass of the reference (padding inside the target included)."""
-    inputs = cases.model_inputs(VARIANTS[variant], "ragged_batch")
+def test_cached_decode_equals_the_reference_forward_pass(variant, dtype, step, agreement):
+    """Teacher forcing through the key/value cache (``init_cache``, ``decode(..., cache=,
+    cache_index=)``) against the reference's full forward pass. The cache holds two positions
+    more than the target, so unwritten positions must be masked; padding inside the target is
+    hidden by an explicit mask over absolute positions."""
+    config = VARIANTS[variant]
+    inputs = cases.model_inputs(config, "ragged_batch")
     del inputs["src_mask"], inputs["tgt_mask"]
     ref64, ref32 = reference_log_probs(variant, inputs)
-    cached = decoding.cached_log_probs(port_model(variant, dtype), inputs["src"], inputs["tgt"])
+    model, src, tgt = port_model(variant, dtype), inputs["src"], inputs["tgt"]
+    length, capacity = tgt.shape[1], tgt.shape[1] + 2
+    keys = np.arange(capacity)
+    written = np.pad(tgt, ((0, 0), (0, capacity - length)), constant_values=config.pad_id) != config.pad_id
+    src_mask = transformer_tf.padding_mask(src, config.pad_id)
+    memory = model.encode(src, src_mask)
+    cache = model.init_cache(memory, capacity)
+    assert len(cache) == config.n_decoder_layers
+    assert tuple(cache[0][0].keys.shape) == (len(tgt), config.n_heads, capacity, config.d_k)
+    assert tuple(cache[0][1].values.shape) == (len(tgt), config.n_heads, src.shape[1], config.d_k)
+    outs = []
+    for start in range(0, length, step):                                # T_new = step (the last call: fewer)
+        queries = np.arange(start, min(start + step, length))
+        tgt_mask = written[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]   # (B, 1, T_new, C)
+        out, cache = model.decode(tgt[:, queries], memory, src_mask, tgt_mask, cache=cache, cache_index=start)
+        outs.append(out)
+    cached = model.generator(tf.concat(outs, axis=1)).numpy()
     agreement(cached, ref64, ref32, port="tf", device="cpu", dtype=dtype, what="cached log-probs")
-    uncached = port_model(variant, dtype)(**inputs).numpy()
-    agreement(uncached, ref64, ref32, port="tf", device="cpu", dtype=dtype, what="uncached log-probs")
+
+
+def test_cached_next_token_log_probs_use_the_causal_mask_by_default(agreement):
+    """Without a target mask the cached step sees keys j <= cache_index + q: step by step it
+    gives the reference's log-probabilities of every next token (pad and bos at -inf)."""
+    config = VARIANTS["pre_ln"]
+    inputs = cases.model_inputs(config, "source_padding")             # no padding inside the target
+    del inputs["src_mask"], inputs["tgt_mask"]
+    ref64, ref32 = reference_log_probs("pre_ln", inputs)
+    model, src, tgt = port_model("pre_ln", "float64"), inputs["src"], inputs["tgt"]
+    src_mask = transformer_tf.padding_mask(src, config.pad_id)
+    memory = model.encode(src, src_mask)
+    cache = model.init_cache(memory, config.max_len)
+    steps = []
+    for t in range(tgt.shape[1]):
+        log_probs, cache = decoding.next_token_log_probs(model, tgt[:, t:t + 1], memory, src_mask, cache, t)
+        steps.append(log_probs.numpy())
+    cached = np.stack(steps, axis=1)                                   # (B, T, V)
+    forbidden = [config.pad_id, config.bos_id]
+    assert np.all(cached[..., forbidden] == -np.inf)
+    allowed = np.setdiff1d(np.arange(config.tgt_vocab_size), forbidden)
+    agreement(cached[..., allowed], ref64[..., allowed], ref32[..., allowed], port="tf", device="cpu",
+              dtype="float64", what="cached next-token log-probs")
+
+
+@pytest.mark.parametrize("capacity,tgt_slice,cache_index", [
+    (0, slice(0, 1), 0),                       # capacity outside [1, max_len]
+    (4, slice(0, 1), None),                    # no cache_index with a cache
+    (4, slice(0, 1), -1),                      # a negative cache_index
+    (4, slice(0, 2), 3),                       # new positions past the capacity
+    (4, slice(0, 1), tf.constant(4)),          # an eager tensor index is checked too
+])
+def test_bad_cache_arguments_give_the_reference_errors(capacity, tgt_slice, cache_index):
+    """One-line ValueErrors, word for word the reference's (the same call on the NumPy model)."""
+    tokens = cases.model_inputs(VARIANTS["tiny"], "none")
+    tgt = tokens["tgt"][:, tgt_slice]
+    plain_index = cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index
+    messages = []
+    for model, index in ((reference_model("tiny", "float64"), plain_index), (port_model("tiny", "float64"), cache_index)):
+        memory = model.encode(tokens["src"])
+        with pytest.raises(ValueError) as error:
+            model.decode(tgt, memory, cache=model.init_cache(memory, capacity), cache_index=index)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and "\n" not in messages[1]
+
+
+def test_reorder_cache_gathers_every_cache_along_the_batch_axis():
+    model = port_model("tiny", "float64")
+    memory = tf.constant(np.random.default_rng(0).standard_normal((3, 5, 16)))    # (B, S, D)
+    cache = model.init_cache(memory, 6)
+    reordered = decoding.reorder_cache(cache, tf.constant([2, 2, 0]))
+    for layer, original in zip(reordered, cache):
+        for kv, source in zip(layer, original):
+            assert isinstance(kv, transformer_tf.KVCache)
+            for tensor, before in zip(kv, source):
+                np.testing.assert_array_equal(tensor.numpy(), before.numpy()[[2, 2, 0]])
 
 
 def test_argmax_and_stable_argsort_break_ties_to_the_lower_index_under_xla():
@@ -251,8 +371,8 @@ def test_beam_search_rejects_a_bad_beam_size():
 
 def test_devices_and_switches():
     assert device.devices()[0] == "cpu"
-    assert device.tf_device("cpu") == "/CPU:0"
-    device.full_precision_float32()
+    assert device.resolve_device("cpu") == "/CPU:0"
+    device.full_precision()
     assert not tf.config.experimental.tensor_float_32_execution_enabled()
 
 

@@ -13,12 +13,15 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install '.[torch]')")
 
 
-from reference_numpy import backend as reference  # noqa: E402
-from reference_numpy import cases, checkpoint as reference_checkpoint, tolerance  # noqa: E402
-from reference_numpy.cases import MASK_CASES, VARIANTS  # noqa: E402
+from equivalence.adapters import numpy as reference  # noqa: E402
+from equivalence import cases, tolerance  # noqa: E402
+from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from equivalence.cases import MASK_CASES, VARIANTS  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
-from transformer_torch import backend, checkpoint, decoding, device, interop  # noqa: E402
-from transformer_torch.model import Transformer, scaled_dot_product_attention  # noqa: E402
+from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
+from equivalence.adapters import torch as backend  # noqa: E402
+from transformer_torch import checkpoint, decoding, device, interop  # noqa: E402
+from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
 NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
 
@@ -52,21 +55,64 @@ def log_probs(model, inputs) -> np.ndarray:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_name_table_covers_every_parameter_exactly_once(variant):
     config = VARIANTS[variant]
-    table = checkpoint.name_table(config)
+    table, flipped = checkpoint.name_table(config), checkpoint.transposed(config)
     parameters = dict(Transformer(config).named_parameters())                  # tied weights listed once
     assert list(table) == list(reference_checkpoint.parameter_shapes(config))
     assert sorted(table.values()) == sorted(parameters), "table paths != model parameters"
+    assert len(set(flipped)) == len(flipped) and set(flipped) <= set(table)
     for name, path in table.items():
         shape = reference_checkpoint.parameter_shapes(config)[name]
-        expected = shape[::-1] if name.endswith(checkpoint.TRANSPOSED) else shape
+        expected = shape[::-1] if name in flipped else shape
         assert tuple(parameters[path].shape) == expected, name
-    assert not Transformer(config).state_dict().keys() - {*parameters, "tgt_embed.weight", "generator.weight"}
+    # (in, out) -> (out, in): every nn.Linear weight, square ones included, and the generator's
+    projections = 4 * (config.n_encoder_layers + 2 * config.n_decoder_layers)
+    ffn = 2 * (config.n_encoder_layers + config.n_decoder_layers)
+    assert len(flipped) == projections + ffn + (not config.share_embeddings)
+    aliases = {"tgt_embed.weight", "generator.embeddings.weight"} if config.share_embeddings else set()
+    assert Transformer(config).state_dict().keys() == {*parameters, *aliases}
 
 
 def test_a_wrong_transpose_list_is_caught_by_the_shape_check(monkeypatch):
-    monkeypatch.setattr(checkpoint, "TRANSPOSED", tuple(t for t in checkpoint.TRANSPOSED if t != "linear1.weight"))
-    with pytest.raises(ValueError, match=r"tensor 'encoder.layers.0.ffn.linear1.weight' has shape \(16, 40\)"):
+    transposed = checkpoint.transposed
+    monkeypatch.setattr(checkpoint, "transposed", lambda config: tuple(
+        name for name in transposed(config) if name != "encoder.layers.0.ffn.linear1.weight"))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'encoder.layers.0.ffn.linear1.weight' has shape "
+                                         r"\(16, 40\) after conversion; torch parameter "
+                                         r"'encoder.layers.0.ffn.linear1.weight' needs \(40, 16\)"):
         checkpoint.from_params(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+
+
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings", "learned_pe"])
+def test_loading_builds_no_random_weights_and_copies_the_arrays(variant):
+    """The model is built on the meta device and filled by load_state_dict(assign=True): no random
+    number is drawn; the parameters are copies (changing them leaves the caller's arrays alone);
+    a shared embedding stays one parameter of one module (tied, section 3.4)."""
+    config = VARIANTS[variant]
+    params = cases.seeded_params(config)
+    before = {name: value.copy() for name, value in params.items()}
+    state = torch.random.get_rng_state()
+    model = checkpoint.from_params(config, params)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float64 and p.requires_grad for p in model.parameters())
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    assert all(np.array_equal(params[name], value) for name, value in before.items())
+    if config.share_embeddings:
+        assert model.generator.embeddings is model.tgt_embed is model.src_embed
+        assert len(list(model.parameters())) == len(params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_load_checkpoint_keeps_the_files_dtype(tmp_path, dtype):
+    config = VARIANTS["tiny"]
+    path = tmp_path / "model.safetensors"
+    params = {name: value.astype(dtype) for name, value in cases.seeded_params(config).items()}
+    reference_checkpoint.save_checkpoint(path, config, params)
+    model = checkpoint.load_checkpoint(path)
+    assert model.dtype == getattr(torch, dtype) and model.src_pos.table.dtype == getattr(torch, dtype)
+    assert all(np.array_equal(value, params[name]) for name, value in checkpoint.to_params(model).items())
+    assert checkpoint.load_checkpoint(path, torch.float32).dtype == torch.float32
 
 
 def test_bad_arguments_give_one_line_value_errors():
@@ -184,26 +230,91 @@ def _finite(log_probs: np.ndarray, config) -> np.ndarray:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cached_and_uncached_steps_give_the_same_log_probs(variant):
-    """Teacher-forced along the reference's greedy output (pad-filled rows included)."""
+    """Teacher-forced along the reference's greedy output, one new position per step and then two
+    at once; the cache is written in place. Rows already ended (pad-filled) are left out: with a
+    cache their pad keys are not masked, and greedy decoding ignores those rows."""
     config = VARIANTS[variant]
     model, ref = port_model(variant, params="decoding"), reference_model(variant, params="decoding")
     src = cases.decoding_inputs(config)
     tokens = reference.greedy(ref, src)
     tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens], axis=1)
-    src_mask = reference.decoding.padding_mask(src, config.pad_id)
+    src_mask = reference_padding_mask(src, config.pad_id)
     ref_memory = ref.encode(src, src_mask)
     with torch.no_grad():
-        src_t = torch.as_tensor(src)
-        memory, mask = model.encode(src_t), torch.as_tensor(src_mask)
-        cache = decoding.DecoderCache(model, tgt.shape[1])
-        for t in range(1, tgt.shape[1] + 1):
-            prefix = torch.as_tensor(tgt[:, :t])
-            cached = decoding.next_token_log_probs(model, prefix, memory, mask, cache).numpy()
-            uncached = decoding.next_token_log_probs(model, prefix, memory, mask).numpy()
-            assert cache.length == t
-            expected = reference_next_token_log_probs(ref, tgt[:, :t], ref_memory, src_mask)
-            tolerance.assert_agrees(_finite(cached, config), _finite(uncached, config), what=f"cached vs uncached, step {t}")
-            tolerance.assert_agrees(_finite(cached, config), _finite(expected, config), what=f"cached vs reference, step {t}")
+        memory, mask = model.encode(torch.as_tensor(src)), torch.as_tensor(src_mask)
+        cache = model.init_cache(memory, tgt.shape[1] + 1)
+        ends = [*range(1, tgt.shape[1] - 1), tgt.shape[1]]                 # the last step feeds 2 positions
+        for start, end in zip([0, *ends], ends):
+            new = torch.as_tensor(tgt[:, start:end])
+            cached, returned = decoding.next_token_log_probs(model, new, memory, mask, cache, start)
+            assert returned[0][0] is cache[0][0]                           # written in place
+            uncached = decoding.next_token_log_probs(model, torch.as_tensor(tgt[:, :end]), memory, mask).numpy()
+            expected = reference_next_token_log_probs(ref, tgt[:, :end], ref_memory, src_mask)
+            live = (tgt[:, :end] != config.pad_id).all(axis=1)
+            assert live.any()
+            tolerance.assert_agrees(_finite(cached.numpy()[live], config), _finite(uncached[live], config),
+                                    what=f"cached vs uncached, positions {start}..{end - 1}")
+            tolerance.assert_agrees(_finite(cached.numpy()[live], config), _finite(expected[live], config),
+                                    what=f"cached vs reference, positions {start}..{end - 1}")
+        unfilled = cache[0][0].keys[:, :, tgt.shape[1]:]
+        assert unfilled.shape[2] == 1 and not unfilled.any()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_with_a_cache_equals_the_uncached_decoder(variant):
+    """Transformer.decode with a cache and its default mask (causal over absolute positions, the
+    unwritten positions hidden), and with an explicit mask over the cache for a target row with
+    padding: new positions one or several at a time give the uncached decoder's rows for the
+    whole prefix; beam search's reorder_cache keeps the rows asked for."""
+    config, model = VARIANTS[variant], port_model(variant)
+    rng = np.random.default_rng(4)
+    src = torch.as_tensor(rng.integers(3, config.src_vocab_size, (3, 6)))
+    tgt = torch.as_tensor(rng.integers(3, config.tgt_vocab_size, (3, 8)))
+    with torch.no_grad():
+        memory = model.encode(src)
+        cache = model.init_cache(memory, 10)
+        for start, end in ((0, 1), (1, 3), (3, 4), (4, 8)):
+            out, cache = model.decode(tgt[:, start:end], memory, cache=cache, cache_index=start)
+            tolerance.assert_agrees(out.numpy(), model.decode(tgt[:, :end], memory)[:, start:].numpy(),
+                                    what=f"{variant} positions {start}..{end - 1}")
+        padded = tgt.clone()
+        padded[1, 5:] = config.pad_id
+        padded_cache = model.init_cache(memory, 10)
+        for start, end in ((0, 4), (4, 5), (5, 8)):
+            rows = target_mask(padded[:, :end], config.pad_id)[:, :, start:]  # (B, 1, T_new, end)
+            tgt_mask = torch.nn.functional.pad(rows, (0, 10 - end))            # (B, 1, T_new, C)
+            out, padded_cache = model.decode(padded[:, start:end], memory, tgt_mask=tgt_mask, cache=padded_cache,
+                                             cache_index=start)
+            tolerance.assert_agrees(out.numpy(), model.decode(padded[:, :end], memory)[:, start:].numpy(),
+                                    what=f"{variant} padded row, positions {start}..{end - 1}")
+        beams = torch.tensor([2, 0, 0])
+        reordered = decoding.reorder_cache(cache, beams)
+        for layer, kept in zip(cache, reordered):
+            for old, new in zip(layer, kept):
+                assert torch.equal(new.keys, old.keys[beams]) and torch.equal(new.values, old.values[beams])
+
+
+def test_attention_cache_branches_equal_the_uncached_attention():
+    """MultiHeadAttention with a cache: encoder-decoder attention over memory_cache, and masked
+    self-attention written into init_cache's buffers from cache_index (section 3.2.3)."""
+    config = VARIANTS["tiny"]
+    layer = port_model("tiny").decoder.layers[0]
+    generator = torch.Generator().manual_seed(3)
+    x, memory = (torch.randn(2, n, config.d_model, dtype=torch.float64, generator=generator) for n in (5, 4))
+    with torch.no_grad():
+        cache = layer.cross_attn.memory_cache(memory)
+        out, same = layer.cross_attn(x, memory, memory, cache=cache)
+        assert same is cache and cache.keys.shape == (2, config.n_heads, 4, config.d_model // config.n_heads)
+        tolerance.assert_agrees(out.numpy(), layer.cross_attn(x, memory, memory).numpy(), what="memory cache")
+        cache = layer.self_attn.init_cache(2, 7)
+        assert cache.keys.dtype == torch.float64 and not cache.keys.any() and cache.values.shape[2] == 7
+        causal = torch.ones(5, 5, dtype=torch.bool).tril()
+        full = layer.self_attn(x, x, x, causal)
+        for start, end in ((0, 2), (2, 3), (3, 5)):
+            visible = torch.arange(7) <= torch.arange(start, end)[:, None]  # (T_new, C)
+            out, cache = layer.self_attn(x[:, start:end], x[:, start:end], x[:, start:end], visible,
+                                         cache=cache, cache_index=start)
+            tolerance.assert_agrees(out.numpy(), full[:, start:end].numpy(), what=f"self-attention {start}..{end - 1}")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -226,15 +337,26 @@ def test_uncached_decoding_gives_the_reference_tokens_in_float64():
     np.testing.assert_array_equal(decoding.beam_search(model, src, use_cache=False)[0], reference.beam(ref, src)[0])
 
 
-def test_cache_refuses_to_overflow():
+def test_cache_refuses_to_overflow_and_bad_arguments():
     model = port_model("tiny")
-    cache = decoding.DecoderCache(model, 1)
     src = torch.as_tensor(cases.decoding_inputs(VARIANTS["tiny"]))
     with torch.no_grad():
         memory, mask = model.encode(src), (src != 0)[:, None, None, :]
-        decoding.next_token_log_probs(model, torch.ones(3, 1, dtype=torch.long), memory, mask, cache)
+        cache = model.init_cache(memory, 1)
+        decoding.next_token_log_probs(model, torch.ones(3, 1, dtype=torch.long), memory, mask, cache, 0)
         with pytest.raises(ValueError, match="cache holds 1 positions; decoding needs 2"):
-            decoding.next_token_log_probs(model, torch.ones(3, 2, dtype=torch.long), memory, mask, cache)
+            decoding.next_token_log_probs(model, torch.ones(3, 1, dtype=torch.long), memory, mask, cache, 1)
+        with pytest.raises(ValueError, match="cache holds 1 positions; decoding needs 2"):
+            model.decoder.layers[0].self_attn(memory[:, :2], memory[:, :2], memory[:, :2], cache=cache[0][0],
+                                              cache_index=0)
+        with pytest.raises(ValueError, match="cache_index must be an int >= 0, got -1"):
+            model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache=cache, cache_index=-1)
+        with pytest.raises(ValueError, match="cache_index must be an int >= 0, got None"):
+            model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache=cache)
+        with pytest.raises(ValueError, match=r"capacity must be an int in \[1, 64\], got 65"):
+            model.init_cache(memory, 65)
+        with pytest.raises(ValueError, match=r"memory must have shape \(batch, source length, d_model\)"):
+            model.init_cache(memory[0], 4)
 
 
 # ----------------------------------------------------------------------------- nn.Transformer interop
@@ -346,7 +468,7 @@ def test_devices_and_switches():
     try:
         device.deterministic()
         assert torch.are_deterministic_algorithms_enabled()
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == device.CUBLAS_WORKSPACE_CONFIG
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert not torch.backends.cudnn.benchmark
     finally:
         device.deterministic(False)

@@ -9,10 +9,10 @@ from types import ModuleType
 
 # backend name -> (adapter module, every framework module it needs, the pip extra that installs them)
 BACKENDS = {
-    "numpy": ("reference_numpy.backend", ("numpy",), None),
-    "torch": ("transformer_torch.backend", ("torch",), "torch"),
-    "jax": ("transformer_jax.backend", ("jax", "flax"), "jax"),
-    "tf": ("transformer_tf.backend", ("tensorflow", "keras"), "tf"),
+    "numpy": ("equivalence.adapters.numpy", ("numpy",), None),
+    "torch": ("equivalence.adapters.torch", ("torch",), "torch"),
+    "jax": ("equivalence.adapters.jax", ("jax", "flax"), "jax"),
+    "tf": ("equivalence.adapters.tf", ("tensorflow", "keras"), "tf"),
 }
 PORTS = tuple(name for name in BACKENDS if name != "numpy")
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from reference_numpy import TransformerConfig, init_params, load_checkpoint, tolerance
-from reference_numpy import backend as reference
-from reference_numpy.decoding import greedy_decode
+from equivalence import tolerance
+from equivalence.adapters import numpy as reference
+from equivalence.margins import greedy_margins
+from reference_numpy import TransformerConfig, init_params, load_checkpoint
 
 from . import backends
 from .timing import measure
@@ -142,11 +143,11 @@ def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], input
         if non_finite_kind(stage):
             raise ValueError(f"the float64 reference itself gives {non_finite_kind(stage)} at stage {name}: "
                              "the checkpoint's weights are out of range, there is nothing to compare against")
-    margins: list = []
-    tokens = greedy_decode(model64, inputs["src"], margins)
+    tokens = reference.greedy(model64, inputs["src"])
     forced = np.concatenate([np.full((len(tokens), 1), config.bos_id), tokens[:, :-1]], axis=1)
     bound = tolerance.float32_bound(model64(inputs["src"], forced), model32(inputs["src"], forced))
-    return Oracle(stages64, reference.forward(model32, **inputs), tokens, np.stack(margins, axis=1), bound)
+    margins = greedy_margins(model64, inputs["src"], tokens)
+    return Oracle(stages64, reference.forward(model32, **inputs), tokens, margins, bound)
 
 
 def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:

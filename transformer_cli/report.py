@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_numpy import tolerance
+from equivalence import tolerance
 
 from .compare import Report
 from .plots import pyplot

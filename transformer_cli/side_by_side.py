@@ -86,6 +86,7 @@ CONCEPTS = (
             "<i>W</i> = Embed<sup>T</sup> when shared",
             {**_same("model.py:Embeddings", "model.py:Generator"),
              "numpy": ("model.py:Embeddings", "model.py:Generator", "model.py:log_softmax"),
+             "torch": ("model.py:Embeddings", "model.py:Generator", "model.py:log_softmax"),
              "tf": ("model.py:Embeddings", "model.py:Generator", "model.py:log_softmax")}),
     Concept("Positional encoding", "section 3.5",
             "<i>PE</i><sub>(<i>pos</i>, 2<i>i</i>)</sub> = "
@@ -101,29 +102,33 @@ CONCEPTS = (
             "<i>y</i> &larr; LayerNorm(<i>y</i> + MaskedSelfAttention(<i>y</i>)), &nbsp; <i>y</i> &larr; "
             "LayerNorm(<i>y</i> + Attention(<i>y</i>, memory, memory)), &nbsp; "
             "<i>y</i> &larr; LayerNorm(<i>y</i> + FFN(<i>y</i>))",
-            {**_same("model.py:DecoderLayer", "model.py:Decoder"),
-             "jax": ("model.py:DecoderLayer.__init__", "model.py:DecoderLayer.__call__",
-                     "model.py:DecoderLayer._sublayers",
-                     "model.py:Decoder.__init__", "model.py:Decoder.__call__", "model.py:Decoder._final_norm")}),
+            _same("model.py:DecoderLayer", "model.py:Decoder")),
     Concept("Cached decoding step", "section 6.1 (the key/value cache is not in the paper)",
             "log <i>p</i>(<i>y<sub>t</sub></i> | <i>y</i><sub>&lt;<i>t</i></sub>, <i>x</i>): "
             "one new position per step, "
             "earlier keys and values kept (the reference recomputes the prefix)",
-            {"numpy": ("decoding.py:next_token_log_probs",),
-             "torch": ("decoding.py:AttentionCache", "decoding.py:DecoderCache",
-                       "decoding.py:next_token_log_probs"),
-             "jax": ("model.py:KVCache", "model.py:DecoderLayer.init_cache", "model.py:DecoderLayer.step",
-                     "model.py:Decoder.init_cache", "model.py:Decoder.step", "decoding.py:cached_next_token_log_probs"),
-             "tf": ("decoding.py:_stepper", "decoding.py:_decoder_layer_step")}),
+            {"numpy": ("model.py:KVCache", "model.py:MultiHeadAttention.__call__", "model.py:MultiHeadAttention.init_cache",
+                       "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
+                       "model.py:DecoderLayer.init_cache", "decoding.py:next_token_log_probs"),
+             "torch": ("model.py:KVCache", "model.py:MultiHeadAttention.forward", "model.py:MultiHeadAttention.init_cache",
+                       "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
+                       "model.py:DecoderLayer.init_cache", "decoding.py:next_token_log_probs",
+                       "decoding.py:reorder_cache"),
+             "jax": ("model.py:KVCache", "model.py:MultiHeadAttention.__call__", "model.py:MultiHeadAttention.init_cache",
+                     "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
+                     "model.py:DecoderLayer.init_cache",
+                     "decoding.py:next_token_log_probs", "decoding.py:reorder_cache"),
+             "tf": ("model.py:KVCache", "model.py:MultiHeadAttention.call", "model.py:MultiHeadAttention.init_cache",
+                    "model.py:MultiHeadAttention.memory_cache", "model.py:DecoderLayer.init_cache",
+                    "decoding.py:next_token_log_probs", "decoding.py:reorder_cache")}),
     Concept("Checkpoint table", "docs/checkpoint-format.md",
             "one shared file: checkpoint name &rarr; the framework's parameter; projections stored (in, out), "
             "<i>y</i> = <i>xW</i> + <i>b</i>",
             {"numpy": ("checkpoint.py:parameter_shapes",),
-             "torch": ("checkpoint.py:RENAMED", "checkpoint.py:TRANSPOSED", "checkpoint.py:name_table"),
-             "jax": ("checkpoint.py:RENAMES", "checkpoint.py:TRANSPOSED", "checkpoint.py:nnx_path",
-                     "checkpoint.py:name_table"),
-             "tf": ("checkpoint.py:MODULES", "checkpoint.py:LEAVES", "checkpoint.py:TRANSPOSED",
-                    "checkpoint.py:keras_path", "checkpoint.py:name_table")}),
+             "torch": ("checkpoint.py:name_table", "checkpoint.py:transposed", "checkpoint.py:_tensors",
+                       "checkpoint.py:_linear", "checkpoint.py:_attention", "checkpoint.py:from_params"),
+             "jax": ("checkpoint.py:name_table", "checkpoint.py:transposed", "checkpoint.py:from_params"),
+             "tf": ("checkpoint.py:name_table", "checkpoint.py:transposed")}),
 )
 
 

@@ -1,15 +1,28 @@
 """JAX/Flax NNX port of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
-A parallel text of ``reference_numpy`` (see ``docs/ports.md`` and ``docs/jax.md``). Importing
-the package leaves ``jax_enable_x64`` alone; ``transformer_jax.backend`` turns it on.
+A parallel text of ``reference_numpy`` (see ``docs/ports.md`` and ``docs/jax.md``). Importing it
+changes no process-wide setting: float64 models need ``jax_enable_x64``, which the user turns on
+(``jax.config.update("jax_enable_x64", True)``, or ``with jax.enable_x64(True):``).
 """
 
 from reference_numpy import __version__
 
-from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params
+from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params, transposed
 from .decoding import beam_search, greedy_decode
-from .model import Transformer, compiled_forward, forward
+from .device import deterministic, devices, full_precision, resolve_device
+from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, KVCache, LayerNorm,
+                    MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer, causal_mask,
+                    log_softmax, padding_mask, residual, scaled_dot_product_attention,
+                    sinusoidal_positional_encoding, target_mask)
 from .training import gradients, label_smoothed_cross_entropy, loss
 
-__all__ = ["Transformer", "beam_search", "compiled_forward", "forward", "from_params", "gradients", "greedy_decode",
-           "label_smoothed_cross_entropy", "load_checkpoint", "loss", "name_table", "save_checkpoint", "to_params"]
+__all__ = [
+    "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
+    "causal_mask", "log_softmax", "padding_mask", "residual", "scaled_dot_product_attention",
+    "sinusoidal_positional_encoding", "target_mask",
+    "beam_search", "greedy_decode",
+    "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params", "transposed",
+    "gradients", "label_smoothed_cross_entropy", "loss",
+    "deterministic", "devices", "full_precision", "resolve_device",
+]

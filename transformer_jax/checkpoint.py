@@ -1,16 +1,23 @@
 """The shared safetensors checkpoint <-> the Flax NNX parameters of :class:`.model.Transformer`.
 
-The whole conversion is the data below: ``RENAMES`` turns a checkpoint name into the NNX
-attribute path of its parameter, and ``TRANSPOSED`` lists the tensors stored transposed. Layer
-numbers become list indices; every name not matched by ``RENAMES`` (the biases) is the same on
-both sides. File validation is the reference's (:func:`reference_numpy.checkpoint.load_checkpoint`
-and ``validate_params``), so a bad file gives the reference's one-line ``ValueError``.
+The whole conversion is two tables: :func:`name_table` (checkpoint name -> NNX parameter path,
+built by the loops of :func:`reference_numpy.checkpoint.parameter_shapes`) and :func:`transposed`
+(empty: every NNX parameter has the checkpoint's layout). Loading never initializes weights at
+random: ``nnx.eval_shape`` gives the model's parameter paths, shapes and dtypes without creating
+an array, every tensor is checked against its parameter, and ``nnx.update`` puts the tensors into a
+model built inside ``nnx.jit`` -- Flax's partial initialization, in which XLA drops the random
+initialization of the replaced parameters, so only the state that is not a parameter (dropout RNG
+streams, the sinusoidal table) is computed. File validation is the reference's
+(:func:`reference_numpy.checkpoint.load_checkpoint` and ``validate_params``), so a bad file gives
+the reference's one-line ``ValueError``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -18,85 +25,142 @@ from flax import nnx
 from reference_numpy import checkpoint as reference
 from reference_numpy.config import TransformerConfig
 
+from .device import _check_dtype, resolve_device
 from .model import Transformer
 
-# (checkpoint name suffix, NNX path suffix); the first matching row applies.
-RENAMES: tuple[tuple[str, str], ...] = (
-    ("shared_embed.weight", "src_embed.embedding"),  # the one shared module: also tgt_embed, generator.embed
-    ("src_embed.weight", "src_embed.embedding"),
-    ("tgt_embed.weight", "tgt_embed.embedding"),
-    ("src_pos_embed.weight", "src_pos.table"),       # learned positional encoding only
-    ("tgt_pos_embed.weight", "tgt_pos.table"),
-    ("generator.weight", "generator.weight"),        # (D, V); absent with shared embeddings
-    ("norm.weight", "norm.scale"),                   # every LayerNorm: *_attn_norm, ffn_norm, encoder.norm, ...
-    ("_proj.weight", "_proj.kernel"),                # q_proj, k_proj, v_proj, o_proj (nnx.Linear)
-    ("linear1.weight", "linear1.kernel"),            # feed-forward (nnx.Linear)
-    ("linear2.weight", "linear2.kernel"),
-)
 
-# nnx.Linear kernels are (in, out) like the checkpoint (y = x @ W + b): nothing is transposed.
-TRANSPOSED: frozenset[str] = frozenset()
+def name_table(config: TransformerConfig) -> dict[str, str]:
+    """checkpoint name -> Flax NNX parameter path: one exact entry per tensor of
+    ``parameter_shapes(config)``, in its order.
 
-Path = tuple[str | int, ...]
+    Flax's layers name their parameters ``kernel`` (``nnx.Linear``), ``scale`` (``nnx.LayerNorm``)
+    and ``embedding`` (``nnx.Embed``); the port's own ones (generator, learned positions) are
+    ``weight``. A path is the one ``nnx.state`` lists: with shared embeddings the one
+    ``Embeddings`` module is ``src_embed``, ``tgt_embed`` and ``generator.embeddings``, and a
+    shared variable is listed once, under its first path in sorted order,
+    ``generator.embeddings.embedding``.
+    """
+    table: dict[str, str] = {}
+    if config.share_embeddings:
+        table["shared_embed.weight"] = "generator.embeddings.embedding"
+    else:
+        table["src_embed.weight"] = "src_embed.embedding"
+        table["tgt_embed.weight"] = "tgt_embed.embedding"
+    if config.positional_encoding == "learned":
+        table["src_pos_embed.weight"] = "src_pos.weight"
+        table["tgt_pos_embed.weight"] = "tgt_pos.weight"
+
+    def attention(prefix: str) -> None:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            table[f"{prefix}.{proj}.weight"] = f"{prefix}.{proj}.kernel"
+            table[f"{prefix}.{proj}.bias"] = f"{prefix}.{proj}.bias"
+
+    def norm(prefix: str) -> None:
+        table[f"{prefix}.weight"] = f"{prefix}.scale"
+        table[f"{prefix}.bias"] = f"{prefix}.bias"
+
+    def ffn(prefix: str) -> None:
+        for linear in ("linear1", "linear2"):
+            table[f"{prefix}.{linear}.weight"] = f"{prefix}.{linear}.kernel"
+            table[f"{prefix}.{linear}.bias"] = f"{prefix}.{linear}.bias"
+
+    for i in range(config.n_encoder_layers):
+        layer = f"encoder.layers.{i}"
+        attention(f"{layer}.self_attn")
+        norm(f"{layer}.self_attn_norm")
+        ffn(f"{layer}.ffn")
+        norm(f"{layer}.ffn_norm")
+    if config.norm_first:
+        norm("encoder.norm")
+    for i in range(config.n_decoder_layers):
+        layer = f"decoder.layers.{i}"
+        attention(f"{layer}.self_attn")
+        norm(f"{layer}.self_attn_norm")
+        attention(f"{layer}.cross_attn")
+        norm(f"{layer}.cross_attn_norm")
+        ffn(f"{layer}.ffn")
+        norm(f"{layer}.ffn_norm")
+    if config.norm_first:
+        norm("decoder.norm")
+    if not config.share_embeddings:
+        table["generator.weight"] = "generator.weight"
+    return table
 
 
-def nnx_path(name: str) -> Path:
-    """The NNX attribute path of checkpoint tensor ``name``, e.g. ("encoder", "layers", 0, ...)."""
-    for old, new in RENAMES:
-        if name.endswith(old):
-            name = name[:-len(old)] + new
-            break
-    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
+def transposed(config: TransformerConfig) -> tuple[str, ...]:
+    """The exact checkpoint names whose NNX parameter is the transpose ((out, in) vs (in, out)):
+    none. ``nnx.Linear`` kernels are (in, out) like the checkpoint (y = x @ W + b), the
+    generator's ``weight`` is (D, V) like ``generator.weight``, and embedding and position tables
+    are (V or L, D) on both sides."""
+    return ()
 
 
-def name_table(config: TransformerConfig) -> dict[str, Path]:
-    """Every checkpoint tensor of ``config`` -> its NNX parameter path, in checkpoint order."""
-    return {name: nnx_path(name) for name in reference.parameter_shapes(config)}
-
-
-def parameter(model: Transformer, path: Path) -> nnx.Param:
-    """The ``nnx.Param`` at ``path`` (attribute names and list indices)."""
-    node = model
-    for part in path:
-        node = node[part] if isinstance(part, int) else getattr(node, part)
-    return node
-
-
-def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=jnp.float64) -> Transformer:
-    """A :class:`Transformer` in ``dtype`` holding ``params`` (checkpoint names and layout).
+def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=jnp.float64,
+                device: str | None = None) -> Transformer:
+    """A :class:`Transformer` in ``dtype`` holding ``params`` (checkpoint names and layout), on
+    ``device`` (``"cpu"``, ``"gpu:N"``; by default JAX's default device).
 
     ``params`` is validated by the reference (names, shapes, one float dtype, finite values),
-    cast to ``dtype`` on the host, then checked tensor by tensor against the NNX shapes.
+    cast to ``dtype`` on the host, checked tensor by tensor against the NNX parameters (a one-line
+    ``ValueError`` naming both) and loaded with ``nnx.update`` (see the module docstring).
     """
     params = {name: np.asarray(value) for name, value in params.items()}
     reference.validate_params(config, params)
-    model = Transformer(config, dtype, rngs=nnx.Rngs(0))
-    for name, path in name_table(config).items():
-        value = np.asarray(params[name], dtype=model.dtype)
-        value = value.T if name in TRANSPOSED else value
-        target = parameter(model, path)
+    dtype = _check_dtype(dtype)
+    targets = _parameters(config, dtype)
+    table, flip = name_table(config), set(transposed(config))
+    if set(table.values()) != set(targets):
+        raise ValueError(f"the name table and the NNX parameters differ: "
+                         f"{sorted(set(table.values()) ^ set(targets))}")
+    loaded = []
+    for name, path in table.items():
+        value = params[name].astype(dtype)
+        value = value.T if name in flip else value
+        keys, target = targets[path]
         if value.shape != target.shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; the NNX parameter "
-                             f"{'.'.join(map(str, path))} has shape {target.shape}")
-        target[...] = jnp.asarray(value)
-    return model
+            raise ValueError(f"tensor {name!r} has shape {value.shape}; the NNX parameter {path} has shape "
+                             f"{target.shape}")
+        loaded.append((keys, target.replace(value)))
+    state = jax.device_put(nnx.from_flat_state(loaded), None if device is None else resolve_device(device))
+    return _assemble(config, dtype, state)
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
     """The model's parameters in checkpoint names and layout, as NumPy arrays of the model's dtype."""
+    state = {".".join(map(str, keys)): variable for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    flip = set(transposed(model.config))
     params = {}
     for name, path in name_table(model.config).items():
-        value = np.asarray(parameter(model, path)[...])
-        params[name] = value.T if name in TRANSPOSED else value
+        value = np.asarray(state[path][...])
+        params[name] = value.T if name in flip else value
     return params
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=jnp.float64) -> Transformer:
-    """Read, validate (the reference's checks and errors) and load a shared checkpoint."""
+def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = None) -> Transformer:
+    """Read, validate (the reference's checks and errors) and load a shared checkpoint, in the
+    file's dtype unless ``dtype`` is given (float32, or float64 with ``jax_enable_x64`` on)."""
     config, params = reference.load_checkpoint(path)
-    return from_params(config, params, dtype)
+    return from_params(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device)
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike) -> None:
     """Write the model as a shared checkpoint (atomically, by the reference's writer)."""
     reference.save_checkpoint(path, model.config, to_params(model))
+
+
+@functools.cache
+def _parameters(config: TransformerConfig, dtype: np.dtype) -> dict[str, tuple[tuple, nnx.Param]]:
+    """Every ``nnx.Param`` of the model as ``nnx.eval_shape`` gives it (shape and dtype, no array):
+    dotted path -> (state keys, abstract parameter)."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return {".".join(map(str, keys)): (keys, variable)
+            for keys, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+
+
+@nnx.jit(static_argnums=(0, 1))
+def _assemble(config: TransformerConfig, dtype: np.dtype, params: nnx.State) -> Transformer:
+    """The model with ``params`` as its parameters; compiled, so the random initialization traced
+    for them is dead code that XLA removes."""
+    model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(0))
+    nnx.update(model, params)
+    return model

@@ -12,10 +12,11 @@ live beam can beat the best finished one; the best score wins, ties going to the
 finished first. Outputs are NumPy, without bos, pad-filled.
 
 How it runs:
-* the encoder runs once; with ``use_cache=True`` every decoder layer keeps a fixed-size
-  :class:`.model.KVCache`: self-attention keys/values (N, H, M, d_k), M = the longest budget,
-  written with ``lax.dynamic_update_slice_in_dim`` and attended up to the current position, and the
-  cross-attention keys/values projected once from the memory;
+* the encoder runs once; with ``use_cache=True`` the model's key/value caches
+  (``model.init_cache``: per decoder layer a :class:`.model.KVCache` of self-attention keys/values
+  (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
+  through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
+  position's keys/values and attends up to it; beam search reorders them with :func:`reorder_cache`;
 * the whole search is one ``lax.while_loop`` inside ``nnx.jit``: it is traced and compiled once
   per model structure, batch size, source length, budget M and beam size, never per token;
 * ``use_cache=False`` recomputes the decoder over the whole fixed-size target buffer at every
@@ -43,36 +44,42 @@ from jax import lax
 from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, check_decoding_args, length_penalty,
                                       max_output_lengths)
 
-from .model import KVCache, Transformer, padding_mask
+from .model import Transformer, padding_mask
 
-TOKEN_DTYPE = jnp.int32
+_TOKEN_DTYPE = jnp.int32
 
 
 def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
-                         index: int | jax.Array) -> jax.Array:
-    """Log-probabilities of the token after position ``index``, recomputing the whole decoder,
-    with pad_id and bos_id set to -inf so that they are never chosen.
+                         cache: tuple | None = None, cache_index: int | jax.Array | None = None):
+    """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
+    set to -inf so that they are never chosen.
 
-    Shape: tgt (N, M), memory (N, S, D) -> (N, V).
+    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed); with one (see
+    ``Transformer.decode``) ``tgt`` holds only the new positions, at ``cache_index`` .., and the
+    result is ``(log_probs, cache)``.
+
+    Shape: tgt (N, T), memory (N, S, D) -> log_probs (N, V).
     """
-    out = model.decode(tgt, memory, src_mask, deterministic=True)               # (N, M, D)
-    return _never_special(model, model.generator(lax.dynamic_slice_in_dim(out, index, 1, axis=1))[:, 0])
+    if cache is None:
+        out = model.decode(tgt, memory, src_mask, deterministic=True)                      # (N, T, D)
+        return _log_probs_at(model, out, out.shape[1] - 1)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index, deterministic=True)
+    return _log_probs_at(model, out, out.shape[1] - 1), cache
 
 
-def cached_next_token_log_probs(model: Transformer, token: jax.Array, cache: tuple[KVCache, ...],
-                                index: int | jax.Array, src_mask: jax.Array):
-    """Log-probabilities of the token after ``token`` at position ``index``, running only that
-    position through the decoder with the key/value cache; pad_id and bos_id are set to -inf.
+def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:
+    """Every :class:`.model.KVCache` of ``cache`` gathered along the batch axis: row i becomes row
+    ``beams[i]`` (the caches follow their beams in beam search).
 
-    Shape: token (N,) -> (N, V) and the updated caches.
+    Shape: beams (N,) int; each keys/values (N, H, C, d_k).
     """
-    y = model.tgt_pos(model.tgt_embed(token[:, None]), index)                    # (N, 1, D)
-    out, cache = model.decoder.step(y, cache, index, src_mask, deterministic=True)  # (N, 1, D)
-    return _never_special(model, model.generator(out)[:, 0]), cache
+    return jax.tree.map(lambda buffer: buffer[beams], cache)
 
 
-def _never_special(model: Transformer, log_probs: jax.Array) -> jax.Array:
-    """The decoder never emits pad_id or bos_id: their log-probabilities become -inf. Shape: (N, V)."""
+def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
+    """The generator's log-probabilities at one (possibly traced) position of the decoder output,
+    pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
+    log_probs = model.generator(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]   # (N, V)
     return log_probs.at[:, jnp.array([model.config.pad_id, model.config.bos_id])].set(-jnp.inf)
 
 
@@ -81,17 +88,15 @@ def _stepper(model: Transformer, memory: jax.Array, src_mask: jax.Array, max_ste
     ``history`` (N, M + 1) holds bos and the tokens so far; ``index`` is the position fed."""
     if use_cache:
         def step(cache, history, index):
-            return cached_next_token_log_probs(model, history[:, index], cache, index, src_mask)
-        return model.decoder.init_cache(memory, max_steps), step
+            token = lax.dynamic_slice_in_dim(history, index, 1, axis=1)                      # (N, 1)
+            return next_token_log_probs(model, token, memory, src_mask, cache, index)
+        return model.init_cache(memory, max_steps), step
 
     def step(state, history, index):
-        return next_token_log_probs(model, history[:, :max_steps], memory, src_mask, index), state
+        # the reference's recomputation over the fixed-size buffer (later positions are masked)
+        out = model.decode(history[:, :max_steps], memory, src_mask, deterministic=True)    # (N, M, D)
+        return _log_probs_at(model, out, index), state
     return (), step
-
-
-def _reorder(cache: tuple[KVCache, ...], beams: jax.Array) -> tuple[KVCache, ...]:
-    """Self-attention caches follow their beams; the memory's keys/values are the same for all."""
-    return tuple(c._replace(key=c.key[beams], value=c.value[beams]) for c in cache)
 
 
 def _start(model: Transformer, src) -> tuple[jax.Array, np.ndarray]:
@@ -102,7 +107,7 @@ def _start(model: Transformer, src) -> tuple[jax.Array, np.ndarray]:
 
 def _history(rows: int, max_steps: int, config) -> jax.Array:
     """(rows, M + 1) tokens: bos, then padding."""
-    return jnp.full((rows, max_steps + 1), config.pad_id, TOKEN_DTYPE).at[:, 0].set(config.bos_id)
+    return jnp.full((rows, max_steps + 1), config.pad_id, _TOKEN_DTYPE).at[:, 0].set(config.bos_id)
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -132,13 +137,13 @@ def _greedy(model: Transformer, src: jax.Array, limits: jax.Array, max_steps: in
     def advance(carry):
         index, history, done, state = carry
         log_probs, state = step(state, history, index)                           # (B, V)
-        token = jnp.argmax(log_probs, axis=-1).astype(TOKEN_DTYPE)               # first max = lowest id
+        token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)              # first max = lowest id
         token = jnp.where(done, cfg.pad_id, token)
         history = history.at[:, index + 1].set(token)
         done = done | (token == cfg.eos_id) | (index + 1 >= limits)
         return index + 1, history, done, state
 
-    start = (jnp.asarray(0, TOKEN_DTYPE), _history(src.shape[0], max_steps, cfg),
+    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(src.shape[0], max_steps, cfg),
              jnp.zeros(src.shape[0], bool), state)
     steps, history, _, _ = lax.while_loop(running, advance, start)
     return history, steps
@@ -187,7 +192,7 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
     src_mask = jnp.broadcast_to(src_mask, (beam_size, *src_mask.shape))          # (K, 1, 1, S)
     state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
     live_scores = jnp.full(beam_size, -jnp.inf, model.dtype).at[0].set(0.0)      # (K,) summed log-probs
-    no_best = (jnp.asarray(-jnp.inf, model.dtype), _history(1, max_steps, cfg)[0], jnp.asarray(0, TOKEN_DTYPE))
+    no_best = (jnp.asarray(-jnp.inf, model.dtype), _history(1, max_steps, cfg)[0], jnp.asarray(0, _TOKEN_DTYPE))
 
     def advance(carry):
         index, history, live_scores, state, best, _ = carry
@@ -196,19 +201,19 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
         candidates = (live_scores[:, None] + log_probs).reshape(-1)              # (K * V,) flat, beam-major
         ranked = jnp.argsort(-candidates, stable=True)[:min(2 * beam_size, candidates.size)]  # ties: lower b, v
         scores = candidates[ranked]
-        beams, tokens = ranked // log_probs.shape[1], (ranked % log_probs.shape[1]).astype(TOKEN_DTYPE)
+        beams, tokens = ranked // log_probs.shape[1], (ranked % log_probs.shape[1]).astype(_TOKEN_DTYPE)
         rows = history[beams].at[:, length].set(tokens)                          # (2K, M + 1)
         is_eos = tokens == cfg.eos_id
         finishing = is_eos & (jnp.arange(ranked.size) < beam_size)
         best = _keep_best(best, jnp.where(finishing, scores / penalties[length], -jnp.inf), rows, length)
         keep = jnp.nonzero(~is_eos, size=beam_size)[0]                           # first K non-eos ranks
-        history, live_scores, state = rows[keep], scores[keep], _reorder(state, beams[keep])
+        history, live_scores, state = rows[keep], scores[keep], reorder_cache(state, beams[keep])
         last = length == limit
         best = _keep_best(best, jnp.where(last, live_scores / penalties[length], -jnp.inf), history, length)
         stop = last | (live_scores.max() / penalties[limit] <= best[0])
         return length, history, live_scores, state, best, stop
 
-    start = (jnp.asarray(0, TOKEN_DTYPE), _history(beam_size, max_steps, cfg), live_scores, state, no_best,
+    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(beam_size, max_steps, cfg), live_scores, state, no_best,
              jnp.asarray(False))
     *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1], advance, start)
     return row[1:], length, score

@@ -1,19 +1,21 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in JAX with Flax NNX.
 
 A parallel text of ``reference_numpy/model.py``: the same pieces, names, argument order and
-shape comments; only framework idiom differs. Parameters are created with explicit ``rngs``
-and loaded from the shared checkpoint by :mod:`.checkpoint`; ``dtype`` is both the parameter
-and the computation dtype (float64 needs ``jax_enable_x64``, see :mod:`.device`). Dropout
-(section 5.4) is applied to every sublayer output before the residual add and to the sums of
-embeddings and positional encodings; it is off unless ``deterministic=False`` is passed (or set
-with ``nnx.view(model, deterministic=False)``). Every matmul runs at ``device.PRECISION``.
+shape comments; only framework idiom differs. Constructors take the config first, then
+``dtype`` (both the parameter and the computation dtype; float64 needs ``jax_enable_x64``, see
+:mod:`.device`) and ``rngs`` as keywords. Parameters are random until loaded from the shared
+checkpoint by :mod:`.checkpoint`. Dropout (section 5.4) is applied to every sublayer output before
+the residual add and, in :class:`PositionalEncoding`, to the sums of embeddings and positional
+encodings; it is off unless ``deterministic=False`` is passed (or set with
+``nnx.view(model, deterministic=False)``). Every matmul passes ``precision=HIGHEST`` (full float32
+on GPUs too).
 
 Shape legend used in every docstring:
     B: batch size          H: number of heads h        D: d_model
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
-    M: cache length (the decoding budget, fixed when the cache is created)
+    C: key/value cache capacity (self-attention: the decoding budget; encoder-decoder: S)
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -32,7 +34,9 @@ from jax import lax
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
-from .device import PRECISION, check_dtype
+from .device import _check_dtype
+
+_PRECISION = lax.Precision.HIGHEST
 
 
 # ----------------------------------------------------------------------------- masks
@@ -61,6 +65,15 @@ def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
     return padding_mask(tgt, pad_id) & causal_mask(jnp.shape(tgt)[1])
 
 
+def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int) -> jax.Array:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    return (jnp.arange(capacity) <= cache_index + jnp.arange(length)[:, None])[None, None]
+
+
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -79,7 +92,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
     """
     d_k = query.shape[-1]
-    scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
+    scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
     if mask is not None:
         mask = _check_mask(mask, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
@@ -88,7 +101,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     exp = jnp.exp(scores - row_max)                                     # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
-    return jnp.matmul(weights, value, precision=PRECISION), weights
+    return jnp.matmul(weights, value, precision=_PRECISION), weights
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
@@ -107,21 +120,19 @@ def _describe(name: str, value) -> tuple[tuple, str] | None:
 
 def _linear(in_features: int, out_features: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
     """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout. Shape: (..., in) -> (..., out)."""
-    return nnx.Linear(in_features, out_features, dtype=dtype, param_dtype=dtype, precision=PRECISION,
+    return nnx.Linear(in_features, out_features, dtype=dtype, param_dtype=dtype, precision=_PRECISION,
                       rngs=rngs)
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one decoder layer during decoding (fixed sizes, so the loop compiles once).
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
 
-    Shape: key, value (B, H, M, d_k): self-attention, filled up to the current position;
-    memory_key, memory_value (B, H, S, d_k): cross-attention, projected once from the memory.
+    Fixed sizes, so that a decoding loop compiles once: a self-attention cache holds C =
+    capacity positions (zeros until written), an encoder-decoder one the projected memory (C = S).
     """
 
-    key: jax.Array
-    value: jax.Array
-    memory_key: jax.Array
-    memory_value: jax.Array
+    keys: jax.Array     # (B, H, C, d_k)
+    values: jax.Array   # (B, H, C, d_k)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -130,12 +141,19 @@ class MultiHeadAttention(nnx.Module):
 
     The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
     projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
-    :meth:`project_key_value` and :meth:`attend` are the two halves of ``__call__``, used
-    separately by cached decoding.
+
+    With a ``cache`` (:class:`KVCache`, incremental decoding) and no ``cache_index``, the queries
+    attend over the cached keys and values (encoder-decoder attention over the projected memory;
+    ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
+    ``value`` are the new positions: their projections are written into the cache at positions
+    cache_index .. cache_index + Tk - 1 (``lax.dynamic_update_slice_in_dim``: a new cache, the
+    given one is left as it was; ``cache_index`` may be traced) and the queries attend over all C
+    positions, ``mask`` hiding the ones not yet written.
 
     Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
+        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
+        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk or C); with a
+        ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
@@ -145,33 +163,60 @@ class MultiHeadAttention(nnx.Module):
         self.v_proj = _linear(config.d_model, config.d_model, dtype, rngs)
         self.o_proj = _linear(config.d_model, config.d_model, dtype, rngs)
 
-    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array,
-                 mask: jax.Array | None = None, return_weights: bool = False):
-        out, weights = self.attend(query, *self.project_key_value(key, value), mask)
-        return (out, weights) if return_weights else out
-
-    def project_key_value(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """K W^K and V W^V split into heads. Shape: key, value (B, Tk, D) -> two (B, H, Tk, d_k)."""
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        return k, v
-
-    def attend(self, query: jax.Array, k: jax.Array, v: jax.Array,
-               mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Project the queries, attend to projected keys/values, concatenate the heads, apply W^O.
-
-        Shape: query (B, Tq, D), k and v (B, H, Tk, d_k) -> (B, Tq, D) and weights (B, H, Tq, Tk).
-        """
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
+                 return_weights: bool = False, cache: KVCache | None = None,
+                 cache_index: int | jax.Array | None = None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
+        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
-        return self.o_proj(concat), weights
+        out = self.o_proj(concat)
+        if cache is not None:
+            return (out, weights, cache) if return_weights else (out, cache)
+        return (out, weights) if return_weights else out
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty self-attention cache of ``capacity`` positions in the model's dtype.
+
+        Shape: keys, values (B, H, C, d_k), zeros.
+        """
+        d_k = self.q_proj.out_features // self.n_heads
+        empty = jnp.zeros((batch, self.n_heads, capacity, d_k), self.k_proj.kernel.dtype)  # (B, H, C, d_k)
+        return KVCache(empty, empty)
+
+    def memory_cache(self, memory: jax.Array) -> KVCache:
+        """The encoder-decoder attention cache: the memory projected by W^K and W^V once.
+
+        Shape: memory (B, S, D) -> keys, values (B, H, S, d_k).
+        """
+        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
+
+    def _keys_values(self, key: jax.Array, value: jax.Array, cache: KVCache | None,
+                     cache_index: int | jax.Array | None) -> tuple[jax.Array, jax.Array, KVCache | None]:
+        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        if cache is not None and cache_index is None:
+            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
+        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
+        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
+        if cache is None:
+            return k, v, None
+        _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),
+                        lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2))
+        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
+
+
+def _check_cache_index(cache_index, length: int, capacity: int) -> None:
+    """The reference's check of a concrete ``cache_index`` (a traced one, in a compiled decoding
+    loop, is the loop's to bound: ``lax.dynamic_update_slice`` would clamp it)."""
+    if not isinstance(cache_index, jax.core.Tracer):
+        reference.check_cache_index(cache_index, length, capacity)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -254,49 +299,65 @@ class Embeddings(nnx.Embed):
         return super().__call__(tokens) * self.scale
 
 
-class Constant(nnx.Variable):
+class _Constant(nnx.Variable):
     """A fixed array that is part of the model state but never trained (the sinusoidal table)."""
 
 
 class PositionalEncoding(nnx.Module):
-    """Adds position information to the embeddings (section 3.5).
+    """Adds position information to the embeddings (section 3.5), then dropout (section 5.4:
+    "to the sums of the embeddings and the positional encodings").
 
-    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding` (a ``Constant``);
-    ``learned``: a trained (L, D) table (Table 3, row E), an ``nnx.Param``.
+    ``sinusoidal``: the fixed ``table`` of :func:`sinusoidal_positional_encoding` (a constant, not a
+    parameter); ``learned``: a trained (L, D) ``weight`` (Table 3, row E), an ``nnx.Param``.
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
-        if config.positional_encoding == "learned":
+        self.learned = config.positional_encoding == "learned"
+        if self.learned:
             init = nnx.initializers.normal(config.d_model ** -0.5)
-            self.table = nnx.Param(init(rngs.params(), (config.max_len, config.d_model), dtype))  # (L, D)
+            self.weight = nnx.Param(init(rngs.params(), (config.max_len, config.d_model), dtype))  # (L, D)
         else:
-            self.table = Constant(sinusoidal_positional_encoding(config.max_len, config.d_model, dtype))
+            self.table = _Constant(sinusoidal_positional_encoding(config.max_len, config.d_model, dtype))  # (L, D)
+        self.dropout = _dropout(config, rngs)
 
-    def __call__(self, x: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
-        return x + lax.dynamic_slice_in_dim(self.table[...], offset, x.shape[1], axis=0)
+    def __call__(self, x: jax.Array, offset: int | jax.Array = 0, *, deterministic: bool | None = None) -> jax.Array:
+        table = self.weight if self.learned else self.table
+        positions = lax.dynamic_slice_in_dim(table[...], offset, x.shape[1], axis=0)   # (T, D)
+        return self.dropout(x + positions, deterministic=deterministic)
 
 
 class Generator(nnx.Module):
     """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
 
-    With ``share_embeddings`` its weight is the transposed shared embedding matrix: ``embed``
-    is then the model's (one) ``Embeddings`` module.
+    ``weight`` is (D, V) like the checkpoint. With ``share_embeddings`` pass the shared
+    :class:`Embeddings` as ``embeddings``: its transposed matrix is the projection (tied, not
+    copied) and the generator has no parameter of its own.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs,
-                 embed: Embeddings | None = None):
-        self.embed = embed
-        if embed is None:
+    def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None, *, dtype,
+                 rngs: nnx.Rngs):
+        if config.share_embeddings and embeddings is None:
+            raise ValueError("a Generator with share_embeddings needs the shared Embeddings (embeddings=)")
+        self.embeddings = embeddings
+        if embeddings is None:
             init = nnx.initializers.xavier_uniform()
             self.weight = nnx.Param(init(rngs.params(), (config.d_model, config.tgt_vocab_size), dtype))  # (D, V)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.weight[...] if self.embed is None else self.embed.embedding[...].T  # (D, V)
-        return jax.nn.log_softmax(jnp.matmul(x, weight, precision=PRECISION), axis=-1)
+        weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
+        return log_softmax(jnp.matmul(x, weight, precision=_PRECISION))
+
+
+def log_softmax(x: jax.Array) -> jax.Array:
+    """log softmax over the last axis (section 3.4), by ``jax.nn.log_softmax`` (max-shifted).
+
+    Shape: (..., V) -> (..., V).
+    """
+    return jax.nn.log_softmax(x, axis=-1)
 
 
 # ----------------------------------------------------------------------------- layers and stacks
@@ -325,11 +386,14 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
     values from the encoder output), then feed-forward; each wrapped in :func:`residual`
-    (sections 3.1 and 3.2.3). :meth:`step` is the same layer for one new position with a
-    key/value cache.
+    (sections 3.1 and 3.2.3).
+
+    With a ``cache`` -- the pair (self-attention, encoder-decoder attention) of :meth:`init_cache`
+    -- ``x`` holds the new positions at ``cache_index`` .. (see :class:`MultiHeadAttention`) and
+    the result is ``(x, cache)``, the pair updated.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+    tgt_mask broadcastable to (B, H, T, T) (T, C with a cache) -> (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
@@ -343,51 +407,35 @@ class DecoderLayer(nnx.Module):
         self.dropout = _dropout(config, rngs)
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, *, deterministic: bool | None = None) -> jax.Array:
-        return self._sublayers(x, lambda h: self.self_attn(h, h, h, tgt_mask),
-                               lambda h: self.cross_attn(h, memory, memory, src_mask), deterministic)
-
-    def init_cache(self, memory: jax.Array, max_steps: int) -> KVCache:
-        """An empty self-attention cache of M = ``max_steps`` positions and the memory's keys/values.
-
-        Shape: memory (B, S, D) -> KVCache with key, value (B, H, M, d_k), memory_* (B, H, S, d_k).
-        """
-        memory_key, memory_value = self.cross_attn.project_key_value(memory, memory)  # (B, H, S, d_k)
-        batch, heads, _, d_k = memory_key.shape
-        empty = jnp.zeros((batch, heads, max_steps, d_k), memory_key.dtype)      # (B, H, M, d_k)
-        return KVCache(empty, empty, memory_key, memory_value)
-
-    def step(self, x: jax.Array, cache: KVCache, index: int | jax.Array, src_mask: jax.Array | None = None,
-             *, deterministic: bool | None = None) -> tuple[jax.Array, KVCache]:
-        """The layer at position ``index`` only: its key/value are written into the cache with
-        ``lax.dynamic_update_slice_in_dim`` and it attends to the filled positions 0..index (the
-        causal mask of the full layer), and to the memory through the cached projections.
-
-        Shape: x (B, 1, D), cache as :meth:`init_cache` -> (B, 1, D) and the updated cache.
-        A concrete ``index`` outside the cache is refused (a traced one is the caller's to bound).
-        """
-        if isinstance(index, int) and not 0 <= index < cache.key.shape[2]:
-            raise ValueError(f"index {index} is outside the key/value cache of {cache.key.shape[2]} positions")
-        written = {}
-
-        def self_attention(h: jax.Array) -> jax.Array:
-            k, v = self.self_attn.project_key_value(h, h)                      # (B, H, 1, d_k)
-            written["key"] = lax.dynamic_update_slice_in_dim(cache.key, k, index, axis=2)  # (B, H, M, d_k)
-            written["value"] = lax.dynamic_update_slice_in_dim(cache.value, v, index, axis=2)
-            filled = jnp.arange(cache.key.shape[2]) <= index                   # (M,)
-            return self.self_attn.attend(h, written["key"], written["value"], filled)[0]
-
-        def cross_attention(h: jax.Array) -> jax.Array:
-            return self.cross_attn.attend(h, cache.memory_key, cache.memory_value, src_mask)[0]
-
-        out = self._sublayers(x, self_attention, cross_attention, deterministic)
-        return out, cache._replace(**written)
-
-    def _sublayers(self, x: jax.Array, self_attention, cross_attention, deterministic: bool | None) -> jax.Array:
+                 tgt_mask: jax.Array | None = None, cache: tuple[KVCache, KVCache] | None = None,
+                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None):
+        self_cache, cross_cache = (None, None) if cache is None else cache
+        kept: list[KVCache] = []
         drop = functools.partial(self.dropout, deterministic=deterministic)
-        x = residual(x, self_attention, self.self_attn_norm, self.norm_first, drop)
-        x = residual(x, cross_attention, self.cross_attn_norm, self.norm_first, drop)
-        return residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
+                     self.self_attn_norm, self.norm_first, drop)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
+                     self.cross_attn_norm, self.norm_first, drop)
+        x = residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory: jax.Array, capacity: int) -> tuple[KVCache, KVCache]:
+        """An empty self-attention cache of ``capacity`` positions and the memory's projected keys/values.
+
+        Shape: memory (B, S, D) -> (keys/values (B, H, C, d_k), keys/values (B, H, S, d_k)).
+        """
+        return self.self_attn.init_cache(memory.shape[0], capacity), self.cross_attn.memory_cache(memory)
+
+
+def _attend(attention: MultiHeadAttention, query: jax.Array, memory: jax.Array, mask: jax.Array | None,
+            cache: KVCache | None, cache_index: int | jax.Array | None, kept: list[KVCache]) -> jax.Array:
+    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
+    returns is appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    kept.append(cache)
+    return out
 
 
 class Encoder(nnx.Module):
@@ -415,7 +463,9 @@ class Encoder(nnx.Module):
 class Decoder(nnx.Module):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``. With a
+    ``cache`` (one :class:`DecoderLayer` cache pair per layer, :meth:`init_cache`) the result is
+    ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -426,32 +476,25 @@ class Decoder(nnx.Module):
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, intermediates: dict | None = None, *,
-                 deterministic: bool | None = None) -> jax.Array:
+                 tgt_mask: jax.Array | None = None, intermediates: dict | None = None,
+                 cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
+                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None):
+        updated = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
+            if cache is None:
+                x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
+            else:
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index,
+                                       deterministic=deterministic)
+                updated.append(layer_cache)
             if intermediates is not None:
                 intermediates[f"layers.{i}"] = x
-        return self._final_norm(x)
+        x = self.norm(x) if self.norm is not None else x
+        return x if cache is None else (x, tuple(updated))
 
-    def init_cache(self, memory: jax.Array, max_steps: int) -> tuple[KVCache, ...]:
-        """One :class:`KVCache` per layer (see :meth:`DecoderLayer.init_cache`)."""
-        return tuple(layer.init_cache(memory, max_steps) for layer in self.layers)
-
-    def step(self, x: jax.Array, cache: tuple[KVCache, ...], index: int | jax.Array,
-             src_mask: jax.Array | None = None, *, deterministic: bool | None = None):
-        """The stack at position ``index`` only (see :meth:`DecoderLayer.step`).
-
-        Shape: x (B, 1, D) -> (B, 1, D) and the updated caches.
-        """
-        updated = []
-        for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache = layer.step(x, layer_cache, index, src_mask, deterministic=deterministic)
-            updated.append(layer_cache)
-        return self._final_norm(x), tuple(updated)
-
-    def _final_norm(self, x: jax.Array) -> jax.Array:
-        return self.norm(x) if self.norm is not None else x
+    def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """One :meth:`DecoderLayer.init_cache` pair per layer."""
+        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -464,7 +507,7 @@ class Transformer(nnx.Module):
     ``ValueError`` otherwise. Weights are random (``rngs``) until loaded with
     :func:`transformer_jax.checkpoint.from_params` or ``load_checkpoint``. With
     ``share_embeddings`` one ``Embeddings`` module is ``src_embed``, ``tgt_embed`` and
-    ``generator.embed``.
+    ``generator.embeddings``.
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
@@ -473,9 +516,9 @@ class Transformer(nnx.Module):
         Returns log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config: TransformerConfig, dtype=jnp.float64, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype=jnp.float64, rngs: nnx.Rngs):
         self.config = config
-        self.dtype = check_dtype(dtype)
+        self.dtype = _check_dtype(dtype)
         kw = {"dtype": self.dtype, "rngs": rngs}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
         self.tgt_embed = self.src_embed if config.share_embeddings \
@@ -484,8 +527,7 @@ class Transformer(nnx.Module):
         self.tgt_pos = PositionalEncoding(config, **kw)
         self.encoder = Encoder(config, **kw)
         self.decoder = Decoder(config, **kw)
-        self.generator = Generator(config, embed=self.src_embed if config.share_embeddings else None, **kw)
-        self.dropout = _dropout(config, rngs)
+        self.generator = Generator(config, self.src_embed if config.share_embeddings else None, **kw)
 
     def encode(self, src: jax.Array, src_mask: jax.Array | None = None, intermediates: dict | None = None,
                *, deterministic: bool | None = None) -> jax.Array:
@@ -495,7 +537,7 @@ class Transformer(nnx.Module):
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
-        x = self.dropout(self.src_pos(self.src_embed(src)), deterministic=deterministic)
+        x = self.src_pos(self.src_embed(src), deterministic=deterministic)
         steps: dict = {}
         memory = self.encoder(x, src_mask, steps, deterministic=deterministic)
         if intermediates is not None:
@@ -504,31 +546,54 @@ class Transformer(nnx.Module):
             intermediates["encoder"] = memory
         return memory
 
+    def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
+        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+
+        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        """
+        shape, dtype = _describe("memory", memory)
+        reference.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.dtype.name)
+        reference.check_cache_capacity(capacity, self.config.max_len)
+        return self.decoder.init_cache(jnp.asarray(memory), capacity)
+
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, intermediates: dict | None = None,
-               *, deterministic: bool | None = None) -> jax.Array:
+               cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
+               cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None):
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
         source had padding (the decoder cannot see source tokens).
+
+        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
+        cache_index .. cache_index + T - 1 (their positional encodings are those positions'; a
+        traced ``cache_index`` is the compiled loop's to bound), the earlier ones being in the
+        cache; ``tgt_mask`` is then broadcastable to (B, H, T, C) over the cache's C positions and
+        defaults to the causal mask over absolute positions (query q sees key j <= cache_index + q,
+        which also hides the positions not yet written). Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         reference.check_memory(*_describe("memory", memory), len(tgt), self.config.d_model, self.dtype.name)
         memory = jnp.asarray(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
+        keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
+        if cache is not None:
+            _check_cache_index(cache_index, length, keys)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, length), "tgt_mask")
-        y = self.dropout(self.tgt_pos(self.tgt_embed(tgt)), deterministic=deterministic)
+            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
+                _cached_causal_mask(cache_index, length, keys)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, deterministic=deterministic)
         steps: dict = {}
-        out = self.decoder(y, memory, src_mask, tgt_mask, steps, deterministic=deterministic)
+        result = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index, deterministic=deterministic)
         if intermediates is not None:
             intermediates["tgt_embed"] = y
             intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
-            intermediates["decoder"] = out
-        return out
+            intermediates["decoder"] = result if cache is None else result[0]
+        return result
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, return_intermediates: bool = False,

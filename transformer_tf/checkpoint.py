@@ -1,18 +1,17 @@
 """The shared safetensors checkpoint <-> the Keras model.
 
-The mapping is data, kept here in one place:
+The mapping is data, kept in one place: :func:`name_table` lists, for every tensor of a
+checkpoint (in the order of ``reference_numpy.checkpoint.parameter_shapes``), the Keras
+attribute path of the variable that holds it, built by the same explicit loops over layers.
+Keras' own layers keep their own variable names (``keras.layers.Dense``: ``kernel``/``bias``;
+``LayerNormalization``: ``gamma``/``beta``); the port's layers name theirs ``weight`` like the
+checkpoint. :func:`transposed` is empty: a Dense kernel is (in, out) exactly like the checkpoint
+(y = x @ W + b), and the embedding, positional and generator tables have the checkpoint's layout.
 
-* ``MODULES``: checkpoint module names that differ from the Keras attribute names;
-* ``LEAVES``: what each kind of module calls the checkpoint's ``weight`` and ``bias``
-  (``keras.layers.Dense`` names them ``kernel``/``bias``, ``LayerNormalization``
-  ``gamma``/``beta``);
-* ``TRANSPOSED``: tensors stored transposed relative to the Keras weight. It is empty: a
-  Dense kernel is (in, out) exactly like the checkpoint (y = x @ W + b), and the generator and
-  embedding tables have the checkpoint's layout too.
-
-File reading and validation are the reference's (``reference_numpy.checkpoint``), so a bad
-file gives the same one-line ``ValueError`` in every port. Every tensor's shape is checked
-against its Keras weight before it is assigned.
+Loading builds the model (Keras creates every variable in ``build``) and assigns each tensor to
+its variable (``variable.assign``), after a shape check that names both sides. File reading and
+validation are the reference's (``reference_numpy.checkpoint``), so a bad file gives the same
+one-line ``ValueError`` in every port.
 """
 
 from __future__ import annotations
@@ -26,73 +25,111 @@ from reference_numpy.config import TransformerConfig
 
 from .model import Transformer
 
-MODULES = {"shared_embed": "src_embed", "src_pos_embed": "src_pos", "tgt_pos_embed": "tgt_pos"}
-LEAVES = {  # kind of module (last word of its name) -> checkpoint leaf -> Keras variable name
-    "proj": {"weight": "kernel", "bias": "bias"},        # keras.layers.Dense, kernel (in, out)
-    "linear": {"weight": "kernel", "bias": "bias"},      # keras.layers.Dense, kernel (in, out)
-    "norm": {"weight": "gamma", "bias": "beta"},         # LayerNorm (keras.layers.LayerNormalization)
-    "embed": {"weight": "embeddings"},                   # Embeddings (V, D), learned PositionalEncoding (L, D)
-    "generator": {"weight": "kernel"},                   # Generator (D, V)
-}
-TRANSPOSED: frozenset[str] = frozenset()
-
-
-def keras_path(name: str) -> str:
-    """The Keras attribute path of one checkpoint tensor, e.g.
-    ``encoder.layers.0.self_attn.q_proj.weight`` -> ``encoder.layers.0.self_attn.q_proj.kernel``."""
-    *modules, leaf = name.split(".")
-    kind = modules[-1].rstrip("0123456789").split("_")[-1]
-    return ".".join([MODULES.get(modules[0], modules[0]), *modules[1:], LEAVES[kind][leaf]])
-
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
-    """Checkpoint name -> Keras attribute path, for every tensor of ``config``'s checkpoint."""
-    return {name: keras_path(name) for name in reference.parameter_shapes(config)}
+    """Checkpoint name -> Keras attribute path (list indices are path components): one exact
+    entry per tensor of ``parameter_shapes(config)``, in its order."""
+    table: dict[str, str] = {}
+    if config.share_embeddings:
+        table["shared_embed.weight"] = "src_embed.weight"                  # tgt_embed is the same layer
+    else:
+        table["src_embed.weight"] = "src_embed.weight"
+        table["tgt_embed.weight"] = "tgt_embed.weight"
+    if config.positional_encoding == "learned":
+        table["src_pos_embed.weight"] = "src_pos.weight"
+        table["tgt_pos_embed.weight"] = "tgt_pos.weight"
+
+    def dense(prefix: str) -> None:                                         # keras.layers.Dense
+        table[f"{prefix}.weight"] = f"{prefix}.kernel"
+        table[f"{prefix}.bias"] = f"{prefix}.bias"
+
+    def attention(prefix: str) -> None:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            dense(f"{prefix}.{proj}")
+
+    def norm(prefix: str) -> None:                                          # keras.layers.LayerNormalization
+        table[f"{prefix}.weight"] = f"{prefix}.gamma"
+        table[f"{prefix}.bias"] = f"{prefix}.beta"
+
+    def ffn(prefix: str) -> None:
+        dense(f"{prefix}.linear1")
+        dense(f"{prefix}.linear2")
+
+    for i in range(config.n_encoder_layers):
+        layer = f"encoder.layers.{i}"
+        attention(f"{layer}.self_attn")
+        norm(f"{layer}.self_attn_norm")
+        ffn(f"{layer}.ffn")
+        norm(f"{layer}.ffn_norm")
+    if config.norm_first:
+        norm("encoder.norm")
+    for i in range(config.n_decoder_layers):
+        layer = f"decoder.layers.{i}"
+        attention(f"{layer}.self_attn")
+        norm(f"{layer}.self_attn_norm")
+        attention(f"{layer}.cross_attn")
+        norm(f"{layer}.cross_attn_norm")
+        ffn(f"{layer}.ffn")
+        norm(f"{layer}.ffn_norm")
+    if config.norm_first:
+        norm("decoder.norm")
+    if not config.share_embeddings:
+        table["generator.weight"] = "generator.weight"
+    return table
 
 
-def keras_weight(model: Transformer, path: str):
-    """The Keras variable at an attribute path (list indices are path components)."""
-    node = model
-    for part in path.split("."):
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
-    return node
-
-
-def named_weights(model: Transformer) -> dict:
-    """Checkpoint name -> the model's Keras variable, in the checkpoint's order."""
-    return {name: keras_weight(model, path) for name, path in name_table(model.config).items()}
-
-
-def checkpoint_layout(name: str, value: np.ndarray) -> np.ndarray:
-    """A Keras weight's value (or gradient) in the checkpoint's layout, and back (a transpose is
-    its own inverse)."""
-    return value.T if name in TRANSPOSED else value
+def transposed(config: TransformerConfig) -> tuple[str, ...]:
+    """The exact checkpoint names whose Keras variable is the transpose ((out, in) vs (in, out)): none."""
+    return ()
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype="float64") -> Transformer:
     """A model in ``dtype`` from checkpoint-layout arrays (validated like a checkpoint file)."""
     reference.validate_params(config, params)
     model = Transformer(config, dtype=dtype)
-    for name, weight in named_weights(model).items():
-        value = checkpoint_layout(name, params[name])
-        if tuple(weight.shape) != value.shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; the Keras weight "
-                             f"{keras_path(name)} has shape {tuple(weight.shape)}")
-        weight.assign(value.astype(model.compute_dtype))
+    flipped = transposed(config)
+    for name, variable in _variables(model).items():
+        value = params[name].T if name in flipped else params[name]
+        if tuple(variable.shape) != value.shape:
+            raise ValueError(f"tensor {name!r} has shape {value.shape}; the Keras variable "
+                             f"{name_table(config)[name]} has shape {tuple(variable.shape)}")
+        variable.assign(value.astype(model.compute_dtype))
     return model
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
     """The model's weights in checkpoint layout (name -> NumPy array, the model's dtype)."""
-    return {name: checkpoint_layout(name, np.array(weight.numpy())) for name, weight in named_weights(model).items()}
+    flipped = transposed(model.config)
+    return {name: np.array(variable.numpy().T if name in flipped else variable.numpy())
+            for name, variable in _variables(model).items()}
 
 
-def load_checkpoint(path: str | os.PathLike, dtype="float64") -> Transformer:
-    """Read, validate and load a shared checkpoint into a new model in ``dtype``."""
-    config, params = reference.load_checkpoint(path)
-    return from_params(config, params, dtype)
+def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
+    """Read, validate and load a shared checkpoint into a new model, in ``dtype`` ("float32" or
+    "float64"; by default the dtype the file holds)."""
+    config, params = reference.load_checkpoint(path, dtype)
+    return from_params(config, params, next(iter(params.values())).dtype.name)
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike) -> None:
     """Write the model as a shared checkpoint (atomically, in the model's dtype)."""
     reference.save_checkpoint(path, model.config, to_params(model))
+
+
+def _variables(model: Transformer) -> dict:
+    """Checkpoint name -> the model's Keras variable, in the checkpoint's order; refuses a model
+    with a variable the table does not reach (none may be left unloaded)."""
+    variables = {name: _attribute(model, path) for name, path in name_table(model.config).items()}
+    left_out = {id(v) for v in model.weights} - {id(v) for v in variables.values()}
+    if left_out:
+        paths = [v.path for v in model.weights if id(v) in left_out]
+        raise ValueError(f"the name table reaches no checkpoint tensor for the Keras variable {paths[0]}")
+    return variables
+
+
+def _attribute(model: Transformer, path: str):
+    """The object at a Keras attribute path such as ``decoder.layers.0.ffn.linear1.kernel``."""
+    node = model
+    for part in path.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node

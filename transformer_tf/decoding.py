@@ -15,11 +15,12 @@ sentence's rows do, the stopping rule (-inf <= best finished score) ends its sea
 Each search is one ``tf.function`` holding a ``tf.while_loop`` over output positions, for the
 whole batch at once (beam search keeps B x beam_size rows):
 
-* ``use_cache=True``: the decoder runs one position per step. Each layer's self-attention
-  keys and values live in a preallocated (rows, H, L, d_k) cache written at step t, and the
-  cross-attention keys and values are computed once from the encoder output. Every shape is
-  static, so the loop is XLA-compiled (``jit_compile=True``; XLA on CPU supports float64
-  for every op used).
+* ``use_cache=True``: the decoder runs one position per step through the model's key/value
+  cache (``model.init_cache``, ``model.decode(..., cache=, cache_index=)``): each layer's
+  self-attention keys and values live in a preallocated (rows, H, L, d_k) buffer written at
+  step t, and the encoder-decoder attention's keys and values are projected once from the
+  encoder output. Every shape is static, so the loop is XLA-compiled (``jit_compile=True``; XLA
+  on CPU supports float64 for every op used).
 * ``use_cache=False``: the reference's way, each step reruns the decoder on the whole prefix.
   The prefix grows, so this graph runs without XLA.
 """
@@ -33,11 +34,47 @@ import tensorflow as tf
 
 from reference_numpy.decoding import (BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA, check_decoding_args,
                                       length_penalty)
+from reference_numpy.model import check_tokens
 
 from .device import model_device
-from .model import DecoderLayer, Transformer, padding_mask, residual
+from .model import Transformer, padding_mask
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {search key: tf.function}
+
+
+def max_output_lengths(model: Transformer, src) -> tf.Tensor:
+    """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``
+    (section 6.1), computed in-graph. Shape: (B,)."""
+    lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id), tf.int32), axis=1)
+    return tf.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
+
+
+def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=None, cache_index=None):
+    """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
+    they are never chosen.
+
+    Without a cache ``tgt`` is the whole prefix: tgt (B, T) -> (B, V). With a ``cache``
+    (``model.init_cache``) ``tgt`` holds the new positions only, starting at ``cache_index``,
+    and the result is ``(log_probs (B, V), cache)``.
+    """
+    if cache is None:
+        out = model.decode(tgt, memory, src_mask)
+    else:
+        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    log_probs = model.generator(out[:, -1:])[:, 0]                        # (B, V)
+    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
+                                                                          model.config.bos_id], axis=1)  # (V,)
+    log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
+    return log_probs if cache is None else (log_probs, cache)
+
+
+def reorder_cache(cache, beams):
+    """Every :class:`~.model.KVCache` of ``cache`` gathered along the batch axis: row i of the
+    result is row ``beams[i]`` (beam search keeps the caches of the hypotheses it extends).
+
+    Shape: beams (N,) int; every keys/values tensor (N, H, C, d_k) -> (N, H, C, d_k).
+    """
+    return tf.nest.map_structure(lambda tensor: tf.gather(tensor, beams), cache)
 
 
 def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
@@ -45,7 +82,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
 
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
     """
-    src = model._check_tokens("src", src, model.config.src_vocab_size)
+    src = _checked_source(model, src)
     with tf.device(model_device(model)):
         tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src)
     return tokens.numpy()[:, 1:int(steps) + 1]
@@ -59,29 +96,12 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     length-normalized scores (B,) (float64, like the reference's Python floats).
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
-    src = model._check_tokens("src", src, model.config.src_vocab_size)
+    src = _checked_source(model, src)
     penalties = [length_penalty(n, alpha) for n in range(_buffer_length(model, src) + 1)]
     search = _compiled(model, ("beam", use_cache, beam_size), _beam)
     with tf.device(model_device(model)):
         tokens, lengths, scores = search(src, tf.constant(penalties, model.compute_dtype))
     return tokens.numpy()[:, :int(tf.reduce_max(lengths))], scores.numpy().astype(np.float64)
-
-
-def cached_log_probs(model: Transformer, src, tgt) -> np.ndarray:
-    """Teacher-forced log-probabilities computed one position at a time through the key/value
-    cache, exactly as the cached searches compute them (for checking the cache).
-
-    Shape: src (B, S), tgt (B, T) -> (B, T, V), like ``model(src, tgt)``.
-    """
-    src = model._check_tokens("src", src, model.config.src_vocab_size)
-    tgt = model._check_tokens("tgt", tgt, model.config.tgt_vocab_size)
-    src_mask = padding_mask(src, model.config.pad_id)
-    state, step = _stepper(model, model.encode(src, src_mask), src_mask, tgt.shape[1], use_cache=True)
-    log_probs = []
-    for t in range(1, tgt.shape[1] + 1):
-        step_log_probs, state = step(tgt, tf.constant(t), state)
-        log_probs.append(step_log_probs)
-    return tf.stack(log_probs, axis=1).numpy()
 
 
 # ----------------------------------------------------------------------------- the searches
@@ -90,21 +110,21 @@ def _greedy(model: Transformer, use_cache: bool, src):
     """Returns the token buffer (B, L + 1) (bos first) and the number of steps taken."""
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)
-    limits = _max_output_lengths(model, src)                              # (B,)
+    limits = max_output_lengths(model, src)                              # (B,)
     length = _buffer_length(model, src)
-    state, step = _stepper(model, model.encode(src, src_mask), src_mask, length, use_cache)
+    memory = model.encode(src, src_mask)
+    cache = model.init_cache(memory, length) if use_cache else ()
     pad = tf.constant(cfg.pad_id, tf.int64)
 
-    def body(t, tokens, done, state):
-        log_probs, state = step(tokens, t, state)
-        log_probs = _never_emitted(cfg, log_probs)                         # (B, V)
+    def body(t, tokens, done, cache):
+        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache)   # (B, V)
         token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
         token = tf.where(done, pad, token)
         done = done | (token == cfg.eos_id) | (t >= limits)
-        return t + 1, _put(tokens, token, t), done, state
+        return t + 1, _put(tokens, token, t), done, cache
 
-    start = (tf.constant(1), _start_tokens(cfg, src.shape[0], length), tf.zeros(src.shape[0], tf.bool), state)
-    t, tokens, _, _ = tf.while_loop(lambda t, tokens, done, state: ~tf.reduce_all(done), body, start)
+    start = (tf.constant(1), _start_tokens(cfg, src.shape[0], length), tf.zeros(src.shape[0], tf.bool), cache)
+    t, tokens, _, _ = tf.while_loop(lambda t, tokens, done, cache: ~tf.reduce_all(done), body, start)
     return tokens, t - 1
 
 
@@ -116,18 +136,17 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties):
     cfg, batch, k = model.config, src.shape[0], beam_size
     dtype = model.compute_dtype
     src_mask = padding_mask(src, cfg.pad_id)
-    limits = _max_output_lengths(model, src)                              # (B,)
+    limits = max_output_lengths(model, src)                              # (B,)
     length = _buffer_length(model, src)
-    memory = model.encode(src, src_mask)
-    state, step = _stepper(model, tf.repeat(memory, k, axis=0), tf.repeat(src_mask, k, axis=0), length,
-                           use_cache)
+    memory = tf.repeat(model.encode(src, src_mask), k, axis=0)            # (N, S, D)
+    src_mask = tf.repeat(src_mask, k, axis=0)                              # (N, 1, 1, S)
+    cache = model.init_cache(memory, length) if use_cache else ()
     first_row = tf.range(batch)[:, None] * k                               # (B, 1): row of beam 0
     rank = tf.range(2 * k)[None, :]                                        # (1, 2K)
     limit_penalty = tf.gather(penalties, limits)                           # (B,)
 
-    def body(t, tokens, scores, state, done, best):
-        log_probs, state = step(tokens, t, state)
-        log_probs = _never_emitted(cfg, log_probs)                         # (N, V)
+    def body(t, tokens, scores, cache, done, best):
+        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache)   # (N, V)
         vocab = log_probs.shape[-1]
         candidates = scores[:, :, None] + tf.reshape(log_probs, (batch, k, vocab))   # (B, K, V)
         flat = tf.reshape(candidates, (batch, k * vocab))                 # (B, K*V), beam-major
@@ -151,21 +170,21 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties):
         rows = tf.reshape(first_row + tf.gather(beam, keep, batch_dims=1), [-1])           # (N,)
         tokens = _put(tf.gather(tokens, rows), tf.reshape(tf.gather(token, keep, batch_dims=1), [-1]), t)
         scores = tf.gather(value, keep, batch_dims=1)                      # (B, K), descending
-        state = tf.nest.map_structure(lambda cache: tf.gather(cache, rows), state)
+        cache = reorder_cache(cache, rows)
         # At the maximum length the live beams finish too (beam 0 ranks first and scores highest).
         at_limit = active & (t >= limits)
         best = _keep_better(best, at_limit, scores[:, 0] / penalties[t],
                             tf.gather(tokens, first_row[:, 0])[:, 1:], t)
         stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])
-        return t + 1, tokens, scores, state, done | (active & stop), best
+        return t + 1, tokens, scores, cache, done | (active & stop), best
 
     alive = tf.constant([0.0] + [-np.inf] * (k - 1), dtype)               # only beam 0 exists at first
     best = (tf.fill([batch], tf.constant(-np.inf, dtype)),                 # score
             tf.fill([batch, length], tf.constant(cfg.pad_id, tf.int64)),   # tokens (B, L)
             tf.zeros([batch], tf.int32))                                   # length
-    start = (tf.constant(1), _start_tokens(cfg, batch * k, length), tf.tile(alive[None], [batch, 1]), state,
+    start = (tf.constant(1), _start_tokens(cfg, batch * k, length), tf.tile(alive[None], [batch, 1]), cache,
              tf.zeros([batch], tf.bool), best)
-    *_, best = tf.while_loop(lambda t, tokens, scores, state, done, best: ~tf.reduce_all(done), body, start)
+    *_, best = tf.while_loop(lambda t, tokens, scores, cache, done, best: ~tf.reduce_all(done), body, start)
     score, tokens, lengths = best
     return tokens, lengths, score
 
@@ -177,82 +196,21 @@ def _keep_better(best, candidate, score, tokens, t):
             tf.where(better, t, best[2]))
 
 
-# ----------------------------------------------------------------------------- one decoder step
-
-def _stepper(model: Transformer, memory, src_mask, length: int, use_cache: bool):
-    """The decoder one output position at a time, for ``memory`` rows.
-
-    Returns ``(state, step)``; ``step(tokens, t, state) -> (log_probs (N, V), state)`` gives the
-    log-probabilities of the token at position t from tokens[:, :t] (bos at position 0), as
-    ``model(src, tokens)`` would at position t - 1. ``state`` is the key/value cache (one (k, v)
-    pair of (N, H, L, d_k) per layer) or ``()`` when the whole prefix is recomputed.
-    """
-    if not use_cache:
-        def prefix_step(tokens, t, state):
-            return model.generator(model.decode(tokens[:, :t], memory, src_mask)[:, -1:])[:, 0], state
-        return (), prefix_step
-
-    cfg = model.config
-    cross = tuple((layer.cross_attn._split_heads(layer.cross_attn.k_proj(memory)),    # (N, H, S, d_k)
-                   layer.cross_attn._split_heads(layer.cross_attn.v_proj(memory)))
-                  for layer in model.decoder.layers)
-    empty = tf.zeros((tf.shape(memory)[0], cfg.n_heads, length, cfg.d_k), model.compute_dtype)  # (N, H, L, d_k)
-
-    def cached_step(tokens, t, cache):
-        position = t - 1                                                   # of the input token
-        x = model.tgt_pos(model.tgt_embed(tf.gather(tokens, [position], axis=1)), offset=position,
-                          training=False)                                  # (N, 1, D)
-        visible = tf.not_equal(tokens[:, :length], cfg.pad_id) & (tf.range(length) <= position)
-        self_mask = visible[:, None, None, :]                              # (N, 1, 1, L)
-        new_cache = []
-        for layer, (k_cache, v_cache), (cross_k, cross_v) in zip(model.decoder.layers, cache, cross):
-            x, k_cache, v_cache = _decoder_layer_step(layer, x, k_cache, v_cache, position, self_mask,
-                                                      cross_k, cross_v, src_mask)
-            new_cache.append((k_cache, v_cache))
-        if model.decoder.norm is not None:
-            x = model.decoder.norm(x)
-        return model.generator(x)[:, 0], tuple(new_cache)
-
-    return tuple((empty, empty) for _ in model.decoder.layers), cached_step
-
-
-def _decoder_layer_step(layer: DecoderLayer, x, k_cache, v_cache, position, self_mask, cross_k, cross_v,
-                        src_mask):
-    """``DecoderLayer.call`` for one position (inference): the new key and value are written
-    into the cache at ``position`` and the query attends to the cache.
-
-    Shape: x (N, 1, D), caches (N, H, L, d_k), cross keys/values (N, H, S, d_k).
-    """
-    written = {}
-
-    def self_attn(h):
-        attn = layer.self_attn
-        written["k"] = _write(k_cache, attn._split_heads(attn.k_proj(h)), position)
-        written["v"] = _write(v_cache, attn._split_heads(attn.v_proj(h)), position)
-        return attn.attend(attn._split_heads(attn.q_proj(h)), written["k"], written["v"], self_mask)
-
-    def cross_attn(h):
-        attn = layer.cross_attn
-        return attn.attend(attn._split_heads(attn.q_proj(h)), cross_k, cross_v, src_mask)
-
-    x = residual(x, self_attn, layer.self_attn_norm, layer.norm_first, tf.identity)
-    x = residual(x, cross_attn, layer.cross_attn_norm, layer.norm_first, tf.identity)
-    x = residual(x, layer.ffn, layer.ffn_norm, layer.norm_first, tf.identity)
-    return x, written["k"], written["v"]
-
-
 # ----------------------------------------------------------------------------- helpers
 
-def _never_emitted(cfg, log_probs):
-    """pad_id and bos_id are never chosen: their log-probabilities become -inf. Shape: (N, V)."""
-    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [cfg.pad_id, cfg.bos_id], axis=1)
-    return tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
+def _step(model: Transformer, tokens, t, memory, src_mask, cache):
+    """Log-probabilities (N, V) of the token at position t from tokens[:, :t] (bos at position 0),
+    as ``model(src, tokens)`` gives them at position t - 1, and the cache: with a cache only the
+    token at t - 1 runs through the decoder; with ``()`` (no cache) the whole prefix does."""
+    if not cache:
+        return next_token_log_probs(model, tokens[:, :t], memory, src_mask), cache
+    return next_token_log_probs(model, tokens[:, t - 1, None], memory, src_mask, cache, t - 1)   # tgt (N, 1)
 
 
-def _write(cache, new, position):
-    """cache[:, :, position] = new. Shape: cache (N, H, L, d_k), new (N, H, 1, d_k)."""
-    at = tf.range(cache.shape[2]) == position
-    return tf.where(at[None, None, :, None], new, cache)
+def _checked_source(model: Transformer, src) -> tf.Tensor:
+    """The source after the reference's checks (ids too, before any compiled code), as int64."""
+    cfg = model.config
+    return tf.constant(check_tokens("src", src, cfg.src_vocab_size, cfg.max_len), tf.int64)
 
 
 def _put(tokens, token, t):
@@ -264,12 +222,6 @@ def _start_tokens(cfg, rows: int, length: int) -> tf.Tensor:
     """The token buffer: bos, then pad_id up to position L. Shape: (rows, L + 1)."""
     return tf.concat([tf.fill([rows, 1], tf.constant(cfg.bos_id, tf.int64)),
                       tf.fill([rows, length], tf.constant(cfg.pad_id, tf.int64))], axis=1)
-
-
-def _max_output_lengths(model: Transformer, src) -> tf.Tensor:
-    """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``. Shape: (B,)."""
-    lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id), tf.int32), axis=1)
-    return tf.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
 
 
 def _buffer_length(model: Transformer, src) -> int:

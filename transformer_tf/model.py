@@ -13,6 +13,7 @@ Shape legend used in every docstring:
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
+    C: capacity of a key/value cache                   T_new: positions added to it in one call
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). They are
 plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
@@ -21,7 +22,7 @@ plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import keras
 import numpy as np
@@ -58,6 +59,17 @@ def target_mask(tgt, pad_id: int) -> tf.Tensor:
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
     return padding_mask(tgt, pad_id) & causal_mask(tf.shape(tgt)[1])
+
+
+def _cached_causal_mask(cache_index, length: int, capacity: int) -> tf.Tensor:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+    ``cache_index`` may be a tensor (traced decoding).
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    query = tf.cast(cache_index, tf.int32) + tf.range(length)             # (T_new,)
+    return (tf.range(capacity)[None, :] <= query[:, None])[None, None]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -109,15 +121,19 @@ class _TransformerLayer:
     * masks are plain inputs. Keras fills an argument named ``mask`` (or ``src_mask`` for an
       argument ``src``) from a ``_keras_mask`` attribute of the inputs, by keyword: so inputs
       lose that attribute, and the arguments are bound to ``call()``'s signature and passed by
-      keyword (a mask given by position would otherwise collide with Keras' keyword).
+      keyword (a mask given by position would otherwise collide with Keras' keyword);
+    * Keras copies the containers a call is given, so an ``intermediates`` dict travels
+      wrapped (:class:`_Intermediates`) and the caller's dict is the one filled.
     """
 
     def __init__(self, config: TransformerConfig | dict, **kwargs):
         super().__init__(**kwargs)
-        self.config = config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
+        self.config = _as_config(config)
 
     def __call__(self, *args, **kwargs):
         arguments = self._call_signature.bind(*args, **kwargs).arguments
+        if arguments.get("intermediates") is not None:
+            arguments["intermediates"] = _Intermediates(arguments["intermediates"])
         return super().__call__(**tf.nest.map_structure(_without_keras_mask, arguments))
 
     def get_config(self) -> dict:
@@ -131,10 +147,37 @@ class _TransformerLayer:
         return {"name": name, "dtype": self.dtype_policy}
 
 
+def _as_config(config: TransformerConfig | dict) -> TransformerConfig:
+    """The config given to a layer, or rebuilt from its dict (``from_config``)."""
+    return config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
+
+
 def _without_keras_mask(value):
     if getattr(value, "_keras_mask", None) is not None:
         return tf.identity(value)  # a new tensor, without the mask attribute
     return value
+
+
+class _Intermediates:
+    """The caller's ``intermediates`` dict, passed through a Keras call uncopied (Keras' tree
+    functions treat this object as a leaf): ``call`` writes into it as into the dict."""
+
+    def __init__(self, target: dict):
+        self.target = target
+
+    def __setitem__(self, key: str, value) -> None:
+        self.target[key] = value
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    C is the capacity (self-attention: a fixed buffer written at ``cache_index``, so every shape
+    stays static under XLA) or S (encoder-decoder attention: the projected memory).
+    """
+
+    keys: tf.Tensor     # (B, H, C, d_k)
+    values: tf.Tensor   # (B, H, C, d_k)
 
 
 @register
@@ -148,6 +191,16 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
     Shape:
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
         Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
+
+    With a key/value ``cache`` (:class:`KVCache`, keras-hub's ``CachedMultiHeadAttention`` style)
+    the call also returns the cache, last:
+
+    * ``cache_index`` None: attend over ``cache.keys``/``cache.values`` as they are (the memory
+      projected once by :meth:`memory_cache`; ``key`` and ``value`` are not projected again);
+    * ``cache_index`` given: project ``key`` and ``value`` (the T_new new positions), write them
+      at positions ``cache_index .. cache_index + T_new - 1`` of the fixed-size buffers (from
+      :meth:`init_cache`) and attend over the whole buffer; ``mask`` (B, H, Tq, C) must hide
+      the positions not written yet. The cache returned is a new one (tensors are immutable).
     """
 
     def __init__(self, config, **kwargs):
@@ -163,29 +216,59 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.build((None, self.config.d_model))
 
-    def call(self, query, key, value, mask=None, return_weights=False):
+    def call(self, query, key, value, mask=None, return_weights=False, cache=None, cache_index=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        return self.attend(q, k, v, mask, return_weights)
-
-    def attend(self, q, k, v, mask=None, return_weights=False):
-        """Attention of heads already projected and split, then Concat(...) W^O.
-
-        Used directly by cached decoding, where k and v come from the key/value cache.
-        Shape: q (B, H, Tq, d_k), k and v (B, H, Tk, d_k) -> (B, Tq, D).
-        """
+        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
         shape = tf.shape(heads)
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
         out = self.o_proj(concat)
+        if cache is not None:
+            return (out, weights, cache) if return_weights else (out, cache)
         return (out, weights) if return_weights else out
+
+    def init_cache(self, batch, capacity: int) -> KVCache:
+        """An empty (zeros) self-attention cache of ``capacity`` positions in the layer's dtype.
+
+        Shape: keys, values (B, H, C, d_k) with B = ``batch``, C = ``capacity``.
+        """
+        empty = tf.zeros((batch, self.n_heads, capacity, self.config.d_k), self.compute_dtype)
+        return KVCache(empty, empty)
+
+    def memory_cache(self, memory) -> KVCache:
+        """The encoder output projected once, for encoder-decoder attention (section 3.2.3).
+
+        Shape: memory (B, S, D) -> keys, values (B, H, S, d_k).
+        """
+        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
+
+    def _keys_values(self, key, value, cache: KVCache | None, cache_index) -> tuple:
+        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        if cache is not None and cache_index is None:
+            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
+        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
+        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
+        if cache is None:
+            return k, v, None
+        _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index))
+        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x):
         shape = tf.shape(x)
         x = tf.reshape(x, (shape[0], shape[1], self.n_heads, self.config.d_k))  # (B, T, H, d_k)
         return tf.transpose(x, (0, 2, 1, 3))                                    # (B, H, T, d_k)
+
+
+def _written(buffer, new, index) -> tf.Tensor:
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
+    (B, H, T_new, d_k): a new tensor, by a scatter (also under XLA; ``index`` may be traced)."""
+    shape = tf.shape(new)
+    positions = tf.cast(index, tf.int32) + tf.range(shape[2])               # (T_new,)
+    batch, heads, position = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions,
+                                         indexing="ij")                   # each (B, H, T_new)
+    return tf.tensor_scatter_nd_update(buffer, tf.stack([batch, heads, position], axis=-1), new)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -215,18 +298,20 @@ class LayerNorm(keras.layers.LayerNormalization):
     """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
 
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance. ``eps`` is always passed from ``config.layer_norm_eps``
-    (Keras' own default is 1e-3). Keras evaluates it as x * g + (beta - mean * g) with
-    g = rsqrt(var + eps) * gamma: the same function, rounded differently by a few ulps.
+    axis and eps = ``config.layer_norm_eps`` added to the variance (Keras' own default would be
+    1e-3). Keras evaluates it as x * g + (beta - mean * g) with g = rsqrt(var + eps) * gamma:
+    the same function, rounded differently by a few ulps.
 
     Shape: x (..., D) -> (..., D).
     """
 
-    def __init__(self, eps: float, **kwargs):
-        super().__init__(axis=-1, epsilon=eps, **kwargs)
+    def __init__(self, config, **kwargs):
+        config = _as_config(config)
+        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)
+        self.config = config
 
     def get_config(self) -> dict:
-        return {**keras.layers.Layer.get_config(self), "eps": self.epsilon}
+        return {**keras.layers.Layer.get_config(self), "config": self.config.to_dict()}
 
 
 def residual(x, sublayer: Callable, norm: LayerNorm, norm_first: bool, dropout: Callable) -> tf.Tensor:
@@ -272,11 +357,11 @@ class Embeddings(_TransformerLayer, keras.layers.Layer):
 
     def build(self, input_shape=None):
         limit = math.sqrt(3.0 / self.config.d_model)  # standard deviation d_model^-0.5
-        self.embeddings = self.add_weight(name="embeddings", shape=(self.vocab_size, self.config.d_model),
-                                          initializer=keras.initializers.RandomUniform(-limit, limit))
+        self.weight = self.add_weight(name="weight", shape=(self.vocab_size, self.config.d_model),
+                                      initializer=keras.initializers.RandomUniform(-limit, limit))  # (V, D)
 
     def call(self, tokens):
-        return tf.gather(self.embeddings, tokens) * self.scale
+        return tf.gather(self.weight, tokens) * self.scale
 
     def get_config(self) -> dict:
         return {**super().get_config(), "vocab_size": self.vocab_size}
@@ -286,10 +371,12 @@ class Embeddings(_TransformerLayer, keras.layers.Layer):
 class PositionalEncoding(_TransformerLayer, keras.layers.Layer):
     """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
 
-    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding`;
-    ``learned``: a trained (L, D) table (Table 3, row E).
+    ``weight`` is the (L, D) table: ``sinusoidal``, the fixed table of
+    :func:`sinusoidal_positional_encoding` (a constant, not a Keras weight); ``learned``, a
+    trained table (Table 3, row E).
 
-    Shape: x (B, T, D) -> (B, T, D), T <= L.
+    Shape: x (B, T, D) -> (B, T, D): positions ``offset`` .. ``offset`` + T - 1 <= L - 1;
+    ``offset`` may be a tensor (cached decoding).
     """
 
     def __init__(self, config, **kwargs):
@@ -301,13 +388,13 @@ class PositionalEncoding(_TransformerLayer, keras.layers.Layer):
         cfg = self.config
         if self.learned:
             limit = math.sqrt(3.0 / cfg.d_model)
-            self.embeddings = self.add_weight(name="embeddings", shape=(cfg.max_len, cfg.d_model),
-                                              initializer=keras.initializers.RandomUniform(-limit, limit))
+            self.weight = self.add_weight(name="weight", shape=(cfg.max_len, cfg.d_model),
+                                          initializer=keras.initializers.RandomUniform(-limit, limit))
         else:
-            self.embeddings = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype)
+            self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype)
 
     def call(self, x, offset=0, training=None):
-        table = tf.slice(tf.convert_to_tensor(self.embeddings), (offset, 0),
+        table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
                          (tf.shape(x)[1], self.config.d_model))            # (T, D)
         return self.dropout(x + table, training=training)
 
@@ -330,12 +417,12 @@ class Generator(_TransformerLayer, keras.layers.Layer):
 
     def build(self, input_shape=None):
         if self.embeddings is None:
-            self.kernel = self.add_weight(name="kernel", shape=(self.config.d_model, self.config.tgt_vocab_size),
-                                          initializer="glorot_uniform")
+            self.weight = self.add_weight(name="weight", shape=(self.config.d_model, self.config.tgt_vocab_size),
+                                          initializer="glorot_uniform")   # (D, V)
 
     def call(self, x):
-        weight = (tf.transpose(self.embeddings.embeddings) if self.embeddings is not None
-                  else self.kernel)                                       # (D, V)
+        weight = (tf.transpose(self.embeddings.weight) if self.embeddings is not None
+                  else self.weight)                                       # (D, V)
         return log_softmax(tf.matmul(x, weight))
 
 
@@ -359,9 +446,9 @@ class EncoderLayer(_TransformerLayer, keras.layers.Layer):
         cfg, sub = self.config, self._sublayer_kwargs
         self.norm_first = cfg.norm_first
         self.self_attn = MultiHeadAttention(cfg, **sub("self_attn"))
-        self.self_attn_norm = LayerNorm(cfg.layer_norm_eps, **sub("self_attn_norm"))
+        self.self_attn_norm = LayerNorm(cfg, **sub("self_attn_norm"))
         self.ffn = PositionwiseFeedForward(cfg, **sub("ffn"))
-        self.ffn_norm = LayerNorm(cfg.layer_norm_eps, **sub("ffn_norm"))
+        self.ffn_norm = LayerNorm(cfg, **sub("ffn_norm"))
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
 
     def build(self, input_shape=None):
@@ -383,6 +470,10 @@ class DecoderLayer(_TransformerLayer, keras.layers.Layer):
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
     tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+
+    With a ``cache`` (the pair of :class:`KVCache` of :meth:`init_cache`: self-attention,
+    encoder-decoder attention), x holds the T new positions written at ``cache_index``,
+    tgt_mask is broadcastable to (B, H, T, C), and the call returns ``(x, cache)``.
     """
 
     def __init__(self, config, **kwargs):
@@ -390,26 +481,49 @@ class DecoderLayer(_TransformerLayer, keras.layers.Layer):
         cfg, sub = self.config, self._sublayer_kwargs
         self.norm_first = cfg.norm_first
         self.self_attn = MultiHeadAttention(cfg, **sub("self_attn"))
-        self.self_attn_norm = LayerNorm(cfg.layer_norm_eps, **sub("self_attn_norm"))
+        self.self_attn_norm = LayerNorm(cfg, **sub("self_attn_norm"))
         self.cross_attn = MultiHeadAttention(cfg, **sub("cross_attn"))
-        self.cross_attn_norm = LayerNorm(cfg.layer_norm_eps, **sub("cross_attn_norm"))
+        self.cross_attn_norm = LayerNorm(cfg, **sub("cross_attn_norm"))
         self.ffn = PositionwiseFeedForward(cfg, **sub("ffn"))
-        self.ffn_norm = LayerNorm(cfg.layer_norm_eps, **sub("ffn_norm"))
+        self.ffn_norm = LayerNorm(cfg, **sub("ffn_norm"))
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
 
     def build(self, input_shape=None):
         _build_all((self.self_attn, self.self_attn_norm, self.cross_attn, self.cross_attn_norm,
                     self.ffn, self.ffn_norm), self.config)
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, training=None):
+    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, cache_index=None, training=None):
+        self_cache, cross_cache = (None, None) if cache is None else cache
+        kept: list[KVCache] = []
+
         def dropout(h):
             return self.dropout(h, training=training)
 
-        x = residual(x, lambda h: self.self_attn(h, h, h, tgt_mask), self.self_attn_norm, self.norm_first,
-                     dropout)
-        x = residual(x, lambda h: self.cross_attn(h, memory, memory, src_mask), self.cross_attn_norm,
-                     self.norm_first, dropout)
-        return residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
+                     self.self_attn_norm, self.norm_first, dropout)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
+                     self.cross_attn_norm, self.norm_first, dropout)
+        x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory, capacity: int) -> tuple[KVCache, KVCache]:
+        """The layer's cache: an empty self-attention :class:`KVCache` of ``capacity`` positions
+        and the projected memory for encoder-decoder attention.
+
+        Shape: memory (B, S, D) -> ((B, H, C, d_k) twice, (B, H, S, d_k) twice).
+        """
+        return self.self_attn.init_cache(tf.shape(memory)[0], capacity), self.cross_attn.memory_cache(memory)
+
+
+def _attend(attention: MultiHeadAttention, query, memory, mask, cache: KVCache | None, cache_index,
+            kept: list) -> tf.Tensor:
+    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
+    returns is appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    kept.append(cache)
+    return out
 
 
 def _build_all(layers, config: TransformerConfig) -> None:
@@ -422,8 +536,7 @@ def _build_all(layers, config: TransformerConfig) -> None:
 class Encoder(_TransformerLayer, keras.layers.Layer):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    With ``return_intermediates`` also returns each layer's output under ``layers.{i}`` (a
-    Keras call copies its arguments, so the reference's output dict becomes a return value).
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -432,25 +545,26 @@ class Encoder(_TransformerLayer, keras.layers.Layer):
         super().__init__(config, **kwargs)
         cfg, sub = self.config, self._sublayer_kwargs
         self.layers = [EncoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_encoder_layers)]
-        self.norm = LayerNorm(cfg.layer_norm_eps, **sub("norm")) if cfg.norm_first else None
+        self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, mask=None, return_intermediates=False, training=None):
-        steps = {}
+    def call(self, x, mask=None, intermediates=None, training=None):
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, training=training)
-            steps[f"layers.{i}"] = x
-        x = self.norm(x) if self.norm is not None else x
-        return (x, steps) if return_intermediates else x
+            if intermediates is not None:
+                intermediates[f"layers.{i}"] = x
+        return self.norm(x) if self.norm is not None else x
 
 
 @register
 class Decoder(_TransformerLayer, keras.layers.Layer):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    With ``return_intermediates`` also returns each layer's output under ``layers.{i}``.
+    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``. With a
+    ``cache`` (one pair of :class:`KVCache` per layer, from :meth:`init_cache`) the call returns
+    ``(x, cache)``; see :class:`DecoderLayer`.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -459,18 +573,28 @@ class Decoder(_TransformerLayer, keras.layers.Layer):
         super().__init__(config, **kwargs)
         cfg, sub = self.config, self._sublayer_kwargs
         self.layers = [DecoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_decoder_layers)]
-        self.norm = LayerNorm(cfg.layer_norm_eps, **sub("norm")) if cfg.norm_first else None
+        self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, return_intermediates=False, training=None):
-        steps = {}
+    def call(self, x, memory, src_mask=None, tgt_mask=None, intermediates=None, cache=None, cache_index=None,
+             training=None):
+        kept = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_mask, tgt_mask, training=training)
-            steps[f"layers.{i}"] = x
+            if cache is None:
+                x = layer(x, memory, src_mask, tgt_mask, training=training)
+            else:
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index, training=training)
+                kept.append(layer_cache)
+            if intermediates is not None:
+                intermediates[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return (x, steps) if return_intermediates else x
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
+        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -522,36 +646,64 @@ class Transformer(_TransformerLayer, keras.Model):
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
         x = self.src_pos(self.src_embed(src), training=training)
-        memory, steps = self.encoder(x, src_mask, return_intermediates=True, training=training)
+        steps: dict = {}
+        memory = self.encoder(x, src_mask, steps, training=training)
         if intermediates is not None:
             intermediates["src_embed"] = x
             intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
             intermediates["encoder"] = memory
         return memory
 
-    def decode(self, tgt, memory, src_mask=None, tgt_mask=None, intermediates: dict | None = None,
-               training=None) -> tf.Tensor:
+    def init_cache(self, memory, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
+        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+
+        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        """
+        shape, dtype = _describe("memory", memory)
+        reference.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.compute_dtype)
+        reference.check_cache_capacity(capacity, self.config.max_len)
+        return self.decoder.init_cache(tf.convert_to_tensor(memory), capacity)
+
+    def decode(self, tgt, memory, src_mask=None, tgt_mask=None, intermediates: dict | None = None, cache=None,
+               cache_index=None, training=None):
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
         source had padding (the decoder cannot see source tokens).
+
+        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
+        cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
+        the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
+        over the cache's C positions and defaults to the causal mask over absolute positions
+        (query q sees key j <= cache_index + q, which also hides the positions not yet written).
+        ``cache_index`` may be a tensor (checked only when its value is known). Returns
+        ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
         memory = tf.convert_to_tensor(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
+        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
+        if cache is not None:
+            _check_cache_index(cache_index, length, keys)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, length), "tgt_mask")
-        y = self.tgt_pos(self.tgt_embed(tgt), training=training)
-        out, steps = self.decoder(y, memory, src_mask, tgt_mask, return_intermediates=True, training=training)
+            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
+                _cached_causal_mask(cache_index, length, keys)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, training=training)
+        steps: dict = {}
+        if cache is None:
+            out = self.decoder(y, memory, src_mask, tgt_mask, steps, training=training)
+        else:
+            out, cache = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index, training=training)
         if intermediates is not None:
             intermediates["tgt_embed"] = y
             intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
             intermediates["decoder"] = out
-        return out
+        return out if cache is None else (out, cache)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Checks the inputs before Keras' ``Layer.__call__``: an error raised inside ``call`` is
@@ -598,6 +750,15 @@ class Transformer(_TransformerLayer, keras.Model):
         else:
             tokens = reference.check_tokens(name, tokens, vocab_size, self.config.max_len)
         return tf.cast(tokens, tf.int64)
+
+
+def _check_cache_index(cache_index, length: int, capacity: int) -> None:
+    """The reference's check of ``cache_index`` (an int >= 0 with the ``length`` new positions
+    inside the cache), on its value when known: an eager tensor is read, a traced one is left
+    to the compiled caller (the searches bound it by construction)."""
+    if not tf.is_symbolic_tensor(cache_index):
+        reference.check_cache_index(cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index,
+                                    length, capacity)
 
 
 def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:

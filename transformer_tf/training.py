@@ -41,9 +41,9 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING,
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses)."""
-    weights = checkpoint.named_weights(model)
+    variables = checkpoint._variables(model)
+    flipped = checkpoint.transposed(model.config)
     with tf.device(_device.model_device(model)), tf.GradientTape() as tape:
         value = loss(model, src, tgt, labels, epsilon)
-    grads = tape.gradient(value, list(weights.values()))
-    return float(value), {name: checkpoint.checkpoint_layout(name, tf.convert_to_tensor(grad).numpy())
-                          for name, grad in zip(weights, grads)}
+    grads = [tf.convert_to_tensor(grad).numpy() for grad in tape.gradient(value, list(variables.values()))]
+    return float(value), {name: grad.T if name in flipped else grad for name, grad in zip(variables, grads)}

@@ -7,20 +7,22 @@ See ``docs/torch.md``.
 
 from reference_numpy import __version__
 
-from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params
+from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params, transposed
 from .decoding import beam_search, greedy_decode
-from .device import default_device, deterministic, devices, full_precision
-from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, LayerNorm,
+from .device import deterministic, devices, full_precision, resolve_device
+from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, KVCache, LayerNorm,
                     MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer, causal_mask,
-                    padding_mask, residual, scaled_dot_product_attention, sinusoidal_positional_encoding,
-                    target_mask)
+                    log_softmax, padding_mask, residual, scaled_dot_product_attention,
+                    sinusoidal_positional_encoding, target_mask)
 from .training import gradients, label_smoothed_cross_entropy, loss
 
 __all__ = [
-    "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params",
-    "beam_search", "greedy_decode", "gradients", "label_smoothed_cross_entropy", "loss",
-    "default_device", "deterministic", "devices", "full_precision",
-    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
-    "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer", "causal_mask",
-    "padding_mask", "residual", "scaled_dot_product_attention", "sinusoidal_positional_encoding", "target_mask",
+    "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
+    "causal_mask", "log_softmax", "padding_mask", "residual", "scaled_dot_product_attention",
+    "sinusoidal_positional_encoding", "target_mask",
+    "beam_search", "greedy_decode",
+    "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params", "transposed",
+    "gradients", "label_smoothed_cross_entropy", "loss",
+    "deterministic", "devices", "full_precision", "resolve_device",
 ]

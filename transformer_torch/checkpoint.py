@@ -1,16 +1,19 @@
 """The shared checkpoint <-> the PyTorch port's parameters.
 
-The conversion is data: :data:`RENAMED` (the checkpoint names whose torch parameter path
-differs; every other name is its own path) and :data:`TRANSPOSED` (the tensors stored (in, out)
-in the checkpoint, so that y = x @ W + b, and (out, in) by ``nn.Linear`` and the generator).
-:func:`name_table` applies them to ``parameter_shapes(config)``. Every tensor's shape is checked
-against the parameter it fills. File validation is the reference's own
+The conversion is data: :func:`name_table` (checkpoint name -> torch parameter path, one exact
+entry per tensor, built by explicit loops over the layers like
+``reference_numpy.checkpoint.parameter_shapes``) and :func:`transposed` (the exact names of the
+tensors stored (in, out) in the checkpoint, so that y = x @ W + b, and (out, in) by
+``nn.Linear`` and the generator). Every tensor's shape is checked against the parameter it
+fills. The model is built on the meta device (no random initialization) and filled by torch's
+own ``load_state_dict(strict=True, assign=True)``; file validation is the reference's own
 (``reference_numpy.checkpoint.load_checkpoint`` / ``validate_params``), so load errors are the
 reference's one-line ``ValueError``s.
 
 With ``share_embeddings`` the one checkpoint tensor ``shared_embed.weight`` fills the one
-parameter ``src_embed.weight``, which ``tgt_embed`` and ``generator`` share (tied weights).
-The sinusoidal table is a non-persistent buffer, not a parameter, and is not stored.
+parameter ``src_embed.weight`` of the embedding module that ``tgt_embed`` and ``generator``
+share (tied weights). The sinusoidal table is a non-persistent buffer, not a parameter: it is
+not stored, and is derived for the model's dtype and device once the weights are loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 
 import numpy as np
 import torch
+from torch import nn
 
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.config import TransformerConfig
@@ -26,64 +30,128 @@ from reference_numpy.config import TransformerConfig
 from .device import resolve_device
 from .model import Transformer
 
-# checkpoint name -> torch parameter path, where they differ.
-RENAMED = {
-    "shared_embed.weight": "src_embed.weight",
-    "src_pos_embed.weight": "src_pos.weight",
-    "tgt_pos_embed.weight": "tgt_pos.weight",
-}
-# Name endings of the tensors stored (in, out) in the checkpoint and (out, in) in torch.
-TRANSPOSED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-              "linear1.weight", "linear2.weight", "generator.weight")
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
-    """Every tensor of a checkpoint for ``config``: checkpoint name -> torch parameter path."""
-    return {name: RENAMED.get(name, name) for name in reference_checkpoint.parameter_shapes(config)}
+    """checkpoint name -> torch parameter path: one exact entry per tensor of
+    ``parameter_shapes(config)``, in its order."""
+    return {name: path for name, path, _ in _tensors(config)}
 
 
-def torch_dtype(dtype) -> torch.dtype:
-    """``torch.float32``/``torch.float64`` from a torch dtype or the names "float32"/"float64"."""
-    if dtype in DTYPES.values():
+def transposed(config: TransformerConfig) -> tuple[str, ...]:
+    """The exact checkpoint names whose torch parameter is the transpose ((out, in) vs (in, out)):
+    every ``nn.Linear`` weight and the generator's."""
+    return tuple(name for name, _, flip in _tensors(config) if flip)
+
+
+def _tensors(config: TransformerConfig) -> list[tuple[str, str, bool]]:
+    """(checkpoint name, torch parameter path, transposed) for every tensor, in ``parameter_shapes`` order."""
+    rows = []
+    if config.share_embeddings:
+        rows.append(("shared_embed.weight", "src_embed.weight", False))     # tgt_embed, generator: the same module
+    else:
+        rows += [("src_embed.weight", "src_embed.weight", False), ("tgt_embed.weight", "tgt_embed.weight", False)]
+    if config.positional_encoding == "learned":
+        rows += [("src_pos_embed.weight", "src_pos.weight", False), ("tgt_pos_embed.weight", "tgt_pos.weight", False)]
+    for i in range(config.n_encoder_layers):
+        layer = f"encoder.layers.{i}"
+        rows += _attention(f"{layer}.self_attn") + _norm(f"{layer}.self_attn_norm")
+        rows += _ffn(f"{layer}.ffn") + _norm(f"{layer}.ffn_norm")
+    if config.norm_first:
+        rows += _norm("encoder.norm")
+    for i in range(config.n_decoder_layers):
+        layer = f"decoder.layers.{i}"
+        rows += _attention(f"{layer}.self_attn") + _norm(f"{layer}.self_attn_norm")
+        rows += _attention(f"{layer}.cross_attn") + _norm(f"{layer}.cross_attn_norm")
+        rows += _ffn(f"{layer}.ffn") + _norm(f"{layer}.ffn_norm")
+    if config.norm_first:
+        rows += _norm("decoder.norm")
+    if not config.share_embeddings:
+        rows.append(("generator.weight", "generator.weight", True))         # checkpoint (D, V), torch (V, D)
+    return rows
+
+
+def _linear(prefix: str, flip: bool = True) -> list[tuple[str, str, bool]]:
+    """An ``nn.Linear``: its weight is (out, in), the checkpoint's (in, out)."""
+    return [(f"{prefix}.weight", f"{prefix}.weight", flip), (f"{prefix}.bias", f"{prefix}.bias", False)]
+
+
+def _attention(prefix: str) -> list[tuple[str, str, bool]]:
+    return [row for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for row in _linear(f"{prefix}.{proj}")]
+
+
+def _ffn(prefix: str) -> list[tuple[str, str, bool]]:
+    return _linear(f"{prefix}.linear1") + _linear(f"{prefix}.linear2")
+
+
+def _norm(prefix: str) -> list[tuple[str, str, bool]]:
+    return [(f"{prefix}.weight", f"{prefix}.weight", False), (f"{prefix}.bias", f"{prefix}.bias", False)]
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    """``torch.float32``/``torch.float64`` from a torch or NumPy dtype or the names "float32"/"float64"."""
+    if dtype in _DTYPES.values():
         return dtype
-    if str(dtype) not in DTYPES:
+    name = dtype.name if isinstance(dtype, np.dtype) else str(dtype)
+    if name not in _DTYPES:
         raise ValueError(f"dtype must be float32 or float64, got {dtype}")
-    return DTYPES[str(dtype)]
+    return _DTYPES[name]
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=torch.float64,
                 device="cpu") -> Transformer:
     """A :class:`Transformer` in ``dtype`` on ``device``, in eval mode, from checkpoint-layout arrays."""
     reference_checkpoint.validate_params(config, params)
-    model = Transformer(config).to(device=resolve_device(device), dtype=torch_dtype(dtype))
-    targets = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, path in name_table(config).items():
-            value = torch.from_numpy(np.ascontiguousarray(params[name]))
-            value = value.T if name.endswith(TRANSPOSED) else value
-            if value.shape != targets[path].shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)} after conversion; "
-                                 f"parameter {path!r} needs {tuple(targets[path].shape)}")
-            targets[path].copy_(value)
-    return model.eval()
+    dtype, device = _torch_dtype(dtype), resolve_device(device)
+    with torch.device("meta"):
+        model = Transformer(config)                                         # shapes only, no initialization
+    targets, flip = dict(model.named_parameters()), set(transposed(config))
+    loaded = {}
+    for name, path in name_table(config).items():
+        value = torch.from_numpy(np.ascontiguousarray(params[name]))
+        value = value.T if name in flip else value
+        if value.shape != targets[path].shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
+                             f"torch parameter {path!r} needs {tuple(targets[path].shape)}")
+        loaded[path] = value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    _assign(model, loaded)
+    return model.to(device=device, dtype=dtype).eval()                      # derives the sinusoidal table
 
 
-def to_params(model: Transformer, gradients: bool = False) -> dict[str, np.ndarray]:
-    """The model's weights -- or, with ``gradients``, their ``.grad`` -- in checkpoint layout
-    (name -> (in, out) NumPy arrays, the model's dtype)."""
-    targets = dict(model.named_parameters())
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill a meta-device ``module`` with ``tensors`` (parameter path, as ``named_parameters`` lists
+    it, -> a new tensor of the parameter's shape) by ``load_state_dict(strict=True, assign=True)``;
+    every name of a tied weight gets its one tensor. A parameter left unfilled is an error."""
+    targets = dict(module.named_parameters())                              # tied weights listed once
+    if set(targets) != set(tensors):
+        raise ValueError(f"the name table and the torch parameters differ: {sorted(set(targets) ^ set(tensors))}")
+    by_tensor = {id(parameter): path for path, parameter in targets.items()}
+    module.load_state_dict({key: tensors[by_tensor[id(tensor)]].detach()
+                            for key, tensor in module.state_dict(keep_vars=True).items()}, strict=True, assign=True)
+
+
+def to_params(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's weights in checkpoint layout (name -> (in, out) NumPy arrays, the model's dtype)."""
+    return _checkpoint_layout(model, {path: parameter for path, parameter in model.named_parameters()})
+
+
+def _checkpoint_layout(model: Transformer, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """``tensors`` (torch parameter path -> a tensor shaped like that parameter: the weight or its
+    gradient) by checkpoint name, in checkpoint layout."""
+    flip = set(transposed(model.config))
     params = {}
     for name, path in name_table(model.config).items():
-        value = (targets[path].grad if gradients else targets[path]).detach().cpu()
-        params[name] = np.ascontiguousarray((value.T if name.endswith(TRANSPOSED) else value).numpy())
+        value = tensors[path].detach().cpu()
+        params[name] = np.ascontiguousarray((value.T if name in flip else value).numpy())
     return params
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=torch.float64, device="cpu") -> Transformer:
-    """Read, validate and load a shared checkpoint into a :class:`Transformer` (eval mode)."""
+def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transformer:
+    """Read, validate and load a shared checkpoint into a :class:`Transformer` (eval mode) on
+    ``device``, in ``dtype`` (default: the file's own, float32 or float64)."""
     config, params = reference_checkpoint.load_checkpoint(path)
-    return from_params(config, params, dtype, device)
+    return from_params(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device)
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike) -> None:

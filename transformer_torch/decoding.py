@@ -8,18 +8,19 @@ token, eos only among the first ``beam_size`` ranks, the same stopping rule, and
 tie to the hypothesis finished first. Outputs are NumPy arrays in the reference's layout
 (no bos, right-padded with pad_id).
 
-With ``use_cache=True`` (the default) each new token costs one decoder step: the
-self-attention keys and values of earlier positions are kept in preallocated buffers
-(:class:`AttentionCache`) and the encoder-decoder keys and values of the memory are projected
-once per sentence. ``use_cache=False`` recomputes the whole prefix at every step, as the
-reference does; both give the same log-probabilities (to rounding) and the same tokens.
+With ``use_cache=True`` (the default) each new token costs one decoder step: the model's
+key/value cache (``model.init_cache``, :class:`.model.KVCache`) keeps the self-attention keys and
+values of earlier positions in preallocated buffers, written in place, and the memory's
+encoder-decoder keys and values projected once per sentence; beam search reorders it with
+:func:`reorder_cache`. ``use_cache=False`` recomputes the whole prefix at every step, as the
+reference does; both give the same log-probabilities (to rounding) for the rows still being
+decoded, and the same tokens (a finished greedy row only receives pad; with the cache its pad
+keys are not masked, which changes nothing it emits).
 
 The model should be in ``eval()`` mode (dropout off); decoding runs without gradients.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,83 +29,45 @@ from torch import Tensor
 from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, best_hypothesis, check_decoding_args,
                                       length_penalty, max_output_lengths, search_ends, select_candidates)
 
-from .model import Transformer, padding_mask
-
-
-class AttentionCache:
-    """Keys and values of one attention sublayer kept between decoding steps.
-
-    ``capacity=None`` (encoder-decoder attention): the memory's keys and values are projected on
-    the first call and reused. Otherwise (masked self-attention) the new positions' keys and
-    values are written after the cached ones into buffers of ``capacity`` positions, and all
-    ``length`` filled positions are attended over.
-
-    Shape: buffers (B, H, capacity, d_k); returns keys and values (B, H, length, d_k).
-    """
-
-    def __init__(self, capacity: int | None = None):
-        self.capacity = capacity
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
-        self.length = 0
-
-    def __call__(self, project: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        if self.capacity is None:
-            if self.keys is None:
-                self.keys, self.values = project()                          # (B, H, S, d_k)
-                self.length = self.keys.shape[2]
-            return self.keys, self.values
-        k, v = project()                                                    # (B, H, T_new, d_k)
-        end = self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"cache holds {self.capacity} positions; decoding needs {end}")
-        if self.keys is None:
-            batch, heads, _, d_k = k.shape
-            self.keys = k.new_empty(batch, heads, self.capacity, d_k)         # (B, H, capacity, d_k)
-            self.values = v.new_empty(batch, heads, self.capacity, d_k)       # (B, H, capacity, d_k)
-        self.keys[:, :, self.length:end] = k
-        self.values[:, :, self.length:end] = v
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]                 # (B, H, length, d_k)
-
-    def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (beam search: the beams the next live beams extend)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-
-
-class DecoderCache:
-    """One (self-attention, encoder-decoder attention) :class:`AttentionCache` pair per decoder
-    layer; ``length`` is the number of target positions already decoded."""
-
-    def __init__(self, model: Transformer, capacity: int):
-        self.layers = [(AttentionCache(capacity), AttentionCache()) for _ in model.decoder.layers]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0][0].length
-
-    def reorder(self, index: Tensor) -> None:
-        for self_cache, cross_cache in self.layers:
-            self_cache.reorder(index)
-            cross_cache.reorder(index)
+from .model import KVCache, Transformer, padding_mask
 
 
 def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
-                         cache: DecoderCache | None = None) -> Tensor:
-    """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
-    they are never chosen. With a ``cache`` only the positions of ``tgt`` after ``cache.length``
-    are fed to the decoder; their queries see every earlier key that is not padding (the last row
-    of :func:`.model.target_mask`). Shape: tgt (B, T) -> (B, V).
+                         cache: tuple | None = None, cache_index: int | None = None):
+    """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
+    set to -inf so that they are never chosen.
+
+    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
+    :func:`.model.target_mask`); with a ``cache`` (``model.init_cache``) holding positions
+    0 .. cache_index - 1, ``tgt`` holds only the new positions, from ``cache_index`` on (under the
+    causal mask of ``Transformer.decode``), and the result is ``(log_probs, cache)``.
+
+    Shape: tgt (B, T) -> log_probs (B, V).
     """
     cfg = model.config
     if cache is None:
-        out = model.decode(tgt, memory, src_mask)[:, -1:]                   # (B, 1, D)
+        out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
     else:
-        out = model.decode(tgt[:, cache.length:], memory, src_mask, padding_mask(tgt, cfg.pad_id), cache=cache)
-    log_probs = model.generator(out[:, -1:])[:, 0]                          # (B, V)
+        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
     log_probs[:, [cfg.pad_id, cfg.bos_id]] = -torch.inf
-    return log_probs
+    return log_probs if cache is None else (log_probs, cache)
+
+
+def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
+    """Keep batch rows ``beams`` of every :class:`.model.KVCache` (beam search: row i of the result
+    is the row of the beam that the i-th next live beam extends)."""
+    return tuple(tuple(KVCache(c.keys.index_select(0, beams), c.values.index_select(0, beams)) for c in layer)
+                 for layer in cache)
+
+
+def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
+               cache: tuple | None) -> tuple[Tensor, tuple | None]:
+    """:func:`next_token_log_probs` after the prefix ``tgt``: the whole prefix without a cache, its
+    last position with a cache holding the others."""
+    if cache is None:
+        return next_token_log_probs(model, tgt, memory, src_mask), None
+    return next_token_log_probs(model, tgt[:, -1:], memory, src_mask, cache, tgt.shape[1] - 1)
 
 
 @torch.no_grad()
@@ -114,16 +77,17 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     Shape: src (B, S) -> tokens (B, L) NumPy int64, without bos, right-padded with pad_id.
     """
     cfg = model.config
-    src = model._check_tokens("src", src, cfg.src_vocab_size)
+    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
+    src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
     src_mask = padding_mask(src, cfg.pad_id)
-    memory = model.encode(src, src_mask)
     limits = max_output_lengths(model, src.cpu().numpy())
-    cache = DecoderCache(model, int(limits.max()) + 1) if use_cache else None
+    cache = model.init_cache(memory, int(limits.max())) if use_cache else None
     limits = torch.as_tensor(limits, device=src.device)
     tgt = torch.full((len(src), 1), cfg.bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
     for step in range(1, int(limits.max()) + 1):
-        token = next_token_log_probs(model, tgt, memory, src_mask, cache).argmax(dim=-1)  # (B,)
+        log_probs, cache = _log_probs(model, tgt, memory, src_mask, cache)
+        token = log_probs.argmax(dim=-1)                                   # (B,)
         token = torch.where(done, cfg.pad_id, token)
         tgt = torch.cat([tgt, token[:, None]], dim=1)                      # (B, step + 1)
         done |= (token == cfg.eos_id) | (step >= limits)
@@ -142,9 +106,9 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
     cfg = model.config
-    src = model._check_tokens("src", src, cfg.src_vocab_size)
+    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
+    src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
     src_mask = padding_mask(src, cfg.pad_id)
-    memory = model.encode(src, src_mask)
     limits = max_output_lengths(model, src.cpu().numpy())
     results = [_beam_search_one(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size, alpha,
                                 use_cache) for b in range(len(src))]
@@ -163,19 +127,19 @@ def _beam_search_one(model: Transformer, memory: Tensor, src_mask: Tensor, limit
     live = torch.full((1, 1), cfg.bos_id, dtype=torch.long, device=memory.device)  # (n_live, t)
     live_scores = np.zeros(1, dtype=score_dtype)                       # summed log-probabilities, (n_live,)
     finished: list[tuple[float, list[int]]] = []                        # in the order they finished
-    cache = DecoderCache(model, limit + 1) if use_cache else None
+    cache = model.init_cache(memory, limit) if use_cache else None
     for step in range(1, limit + 1):
         n_live = len(live)
-        log_probs = next_token_log_probs(model, live, memory.expand(n_live, -1, -1),
-                                         src_mask.expand(n_live, -1, -1, -1), cache).cpu().numpy()
-        step_choice = select_candidates(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
+        log_probs, cache = _log_probs(model, live, memory.expand(n_live, -1, -1),
+                                      src_mask.expand(n_live, -1, -1, -1), cache)
+        step_choice = select_candidates(live_scores[:, None] + log_probs.cpu().numpy(), cfg.eos_id, beam_size)
         for beam, score in step_choice.finishing:
             finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
         index = torch.as_tensor(step_choice.beams, device=live.device)
         live = torch.cat([live[index], torch.as_tensor(step_choice.tokens, device=live.device)[:, None]], dim=1)
         live_scores = step_choice.scores
         if cache is not None:
-            cache.reorder(index)
+            cache = reorder_cache(cache, index)
         if search_ends(finished, live, live_scores, step, limit, alpha):
             break
     return best_hypothesis(finished)

@@ -16,18 +16,13 @@ import os
 
 import torch
 
-CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+_CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 
 def devices() -> list[str]:
     """Devices usable here: "cpu", then "cuda:0", "cuda:1", ... when CUDA is available."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ["cpu"] + [f"cuda:{i}" for i in range(gpus)]
-
-
-def default_device() -> str:
-    """"cuda:0" when a GPU is visible, else "cpu"."""
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_device(device) -> torch.device:
@@ -54,7 +49,7 @@ def deterministic(enabled: bool = True) -> None:
     """The determinism switch: deterministic algorithms (an error where none exists),
     a fixed cuBLAS workspace and no cuDNN autotuning. ``enabled=False`` undoes it."""
     if enabled:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = _CUBLAS_WORKSPACE_CONFIG
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled

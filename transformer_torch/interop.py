@@ -2,7 +2,11 @@
 
 ``nn.Transformer`` holds only the two stacks, so :class:`NNTransformerModel` puts the port's
 embeddings, positional encodings and generator around one; :func:`to_nn_transformer` and
-:func:`from_nn_transformer` copy the weights across (the name table is :func:`weight_table`).
+:func:`from_nn_transformer` convert the weights in the form of ``checkpoint.py``: an exact
+:func:`name_table` (the port's parameter path -> the wrapper's, built by explicit loops over the
+layers), :func:`transposed` (empty: both sides are ``nn.Linear``s, (out, in)), a shape check per
+tensor, and torch's ``load_state_dict(strict=True, assign=True)`` into a model built on the meta
+device.
 In eval mode both compute the same function (float64 agreement within the project's bound),
 on torch's slow path and on its inference fast path (``torch._transformer_encoder_layer_fwd``
 for encoder layers and ``torch._native_multi_head_attention`` for decoder self-attention,
@@ -45,15 +49,8 @@ from torch import Tensor, nn
 
 from reference_numpy.config import TransformerConfig
 
+from .checkpoint import _assign
 from .model import Embeddings, Generator, PositionalEncoding, Transformer, padding_mask, target_mask
-
-# Our sublayer names -> nn.TransformerEncoderLayer / nn.TransformerDecoderLayer names.
-ATTENTION = {"encoder": {"self_attn": "self_attn"},
-             "decoder": {"self_attn": "self_attn", "cross_attn": "multihead_attn"}}
-SUBLAYERS = {"encoder": {"self_attn_norm": "norm1", "ffn_norm": "norm2", "ffn.linear1": "linear1",
-                         "ffn.linear2": "linear2"},
-             "decoder": {"self_attn_norm": "norm1", "cross_attn_norm": "norm2", "ffn_norm": "norm3",
-                         "ffn.linear1": "linear1", "ffn.linear2": "linear2"}}
 
 
 class NNTransformerModel(nn.Module):
@@ -73,7 +70,7 @@ class NNTransformerModel(nn.Module):
         self.src_pos = PositionalEncoding(config)
         self.tgt_pos = PositionalEncoding(config)
         self.transformer = transformer if transformer is not None else build_nn_transformer(config)
-        self.generator = Generator(config, self.tgt_embed.weight if config.share_embeddings else None)
+        self.generator = Generator(config, self.tgt_embed if config.share_embeddings else None)
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """Embed the source and run ``nn.Transformer``'s encoder. Shape: src (B, S) -> memory (B, S, D)."""
@@ -132,56 +129,101 @@ def build_nn_transformer(config: TransformerConfig) -> nn.Transformer:
                           custom_decoder=decoder, batch_first=True)
 
 
-def weight_table(config: TransformerConfig) -> list[tuple[tuple[str, ...], str]]:
-    """(our parameter paths, :class:`NNTransformerModel` parameter path) pairs; several paths
-    of ours are concatenated along the output axis (q, k, v -> ``in_proj_*``)."""
-    table = [((name,), name) for name in _embedding_names(config)]
-    for stack, n_layers in (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers)):
-        for i in range(n_layers):
-            ours_at, theirs_at = f"{stack}.layers.{i}", f"transformer.{stack}.layers.{i}"
-            for attn, nn_attn in ATTENTION[stack].items():
-                for kind in ("weight", "bias"):
-                    table.append((tuple(f"{ours_at}.{attn}.{p}_proj.{kind}" for p in "qkv"),
-                                  f"{theirs_at}.{nn_attn}.in_proj_{kind}"))
-                    table.append(((f"{ours_at}.{attn}.o_proj.{kind}",), f"{theirs_at}.{nn_attn}.out_proj.{kind}"))
-            table += [((f"{ours_at}.{name}.{kind}",), f"{theirs_at}.{nn_name}.{kind}")
-                      for name, nn_name in SUBLAYERS[stack].items() for kind in ("weight", "bias")]
-        if config.norm_first:
-            table += [((f"{stack}.norm.{kind}",), f"transformer.{stack}.norm.{kind}") for kind in ("weight", "bias")]
+def name_table(config: TransformerConfig) -> dict[str, str]:
+    """The port's parameter path -> the :class:`NNTransformerModel` parameter path: one exact entry
+    per parameter of the port. The q, k and v projections of one attention name one packed
+    parameter (``in_proj_weight``/``in_proj_bias``): they are stacked in that order along the
+    output axis, [W_q; W_k; W_v]."""
+    table = {"src_embed.weight": "src_embed.weight"}
+    if not config.share_embeddings:
+        table.update({"tgt_embed.weight": "tgt_embed.weight", "generator.weight": "generator.weight"})
+    if config.positional_encoding == "learned":
+        table.update({"src_pos.weight": "src_pos.weight", "tgt_pos.weight": "tgt_pos.weight"})
+    for i in range(config.n_encoder_layers):
+        ours, theirs = f"encoder.layers.{i}", f"transformer.encoder.layers.{i}"
+        _attention(table, f"{ours}.self_attn", f"{theirs}.self_attn")
+        _affine(table, f"{ours}.self_attn_norm", f"{theirs}.norm1")
+        _affine(table, f"{ours}.ffn.linear1", f"{theirs}.linear1")
+        _affine(table, f"{ours}.ffn.linear2", f"{theirs}.linear2")
+        _affine(table, f"{ours}.ffn_norm", f"{theirs}.norm2")
+    if config.norm_first:
+        _affine(table, "encoder.norm", "transformer.encoder.norm")
+    for i in range(config.n_decoder_layers):
+        ours, theirs = f"decoder.layers.{i}", f"transformer.decoder.layers.{i}"
+        _attention(table, f"{ours}.self_attn", f"{theirs}.self_attn")
+        _affine(table, f"{ours}.self_attn_norm", f"{theirs}.norm1")
+        _attention(table, f"{ours}.cross_attn", f"{theirs}.multihead_attn")
+        _affine(table, f"{ours}.cross_attn_norm", f"{theirs}.norm2")
+        _affine(table, f"{ours}.ffn.linear1", f"{theirs}.linear1")
+        _affine(table, f"{ours}.ffn.linear2", f"{theirs}.linear2")
+        _affine(table, f"{ours}.ffn_norm", f"{theirs}.norm3")
+    if config.norm_first:
+        _affine(table, "decoder.norm", "transformer.decoder.norm")
     return table
 
 
-def _embedding_names(config: TransformerConfig) -> list[str]:
-    names = ["src_embed.weight"] + ([] if config.share_embeddings else ["tgt_embed.weight", "generator.weight"])
-    return names + (["src_pos.weight", "tgt_pos.weight"] if config.positional_encoding == "learned" else [])
+def transposed(config: TransformerConfig) -> tuple[str, ...]:
+    """The exact port parameter paths whose ``nn.Transformer`` parameter is the transpose: none,
+    both sides store ``nn.Linear`` weights (out, in)."""
+    return ()
+
+
+def _attention(table: dict[str, str], ours: str, theirs: str) -> None:
+    for kind in ("weight", "bias"):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            table[f"{ours}.{proj}.{kind}"] = f"{theirs}.in_proj_{kind}"        # packed [W_q; W_k; W_v]
+        table[f"{ours}.o_proj.{kind}"] = f"{theirs}.out_proj.{kind}"
+
+
+def _affine(table: dict[str, str], ours: str, theirs: str) -> None:
+    """A module with a weight and a bias (``nn.Linear``, ``nn.LayerNorm``)."""
+    table[f"{ours}.weight"] = f"{theirs}.weight"
+    table[f"{ours}.bias"] = f"{theirs}.bias"
+
+
+def _packed(config: TransformerConfig) -> dict[str, list[str]]:
+    """The wrapper's parameter path -> the port's parameter paths it holds, stacked in table order."""
+    packed: dict[str, list[str]] = {}
+    for ours, theirs in name_table(config).items():
+        packed.setdefault(theirs, []).append(ours)
+    return packed
+
+
+def _check_shapes(module: nn.Module, loaded: dict[str, Tensor]) -> None:
+    parameters = dict(module.named_parameters())
+    for path, value in loaded.items():
+        if path in parameters and value.shape != parameters[path].shape:
+            raise ValueError(f"the tensor for {path!r} has shape {tuple(value.shape)}; the parameter needs "
+                             f"{tuple(parameters[path].shape)}")
 
 
 def to_nn_transformer(model: Transformer) -> NNTransformerModel:
-    """An :class:`NNTransformerModel` with ``model``'s weights, dtype, device and train/eval mode."""
-    wrapper = NNTransformerModel(model.config).to(device=model.device, dtype=model.dtype)
-    _copy(dict(model.named_parameters()), dict(wrapper.named_parameters()), weight_table(model.config), True)
-    return wrapper.train(model.training)
+    """An :class:`NNTransformerModel` with ``model``'s weights (copied), dtype, device and train/eval mode."""
+    config, ours, flip = model.config, dict(model.named_parameters()), set(transposed(model.config))
+    loaded = {theirs: torch.cat([ours[path].T if path in flip else ours[path] for path in paths])
+              for theirs, paths in _packed(config).items()}                 # (sum of out, in) or (sum of out,)
+    with torch.device("meta"):
+        wrapper = NNTransformerModel(config)                                # shapes only, no initialization
+    _check_shapes(wrapper, loaded)
+    _assign(wrapper, loaded)
+    return wrapper.to(device=model.device, dtype=model.dtype).train(model.training)
 
 
 def from_nn_transformer(wrapper: NNTransformerModel) -> Transformer:
-    """A :class:`Transformer` with ``wrapper``'s weights, dtype, device and mode; a ``ValueError``
+    """A :class:`Transformer` with ``wrapper``'s weights (copied), dtype, device and mode; a ``ValueError``
     when its ``nn.Transformer`` is outside the paper's model (see the module docstring)."""
-    config = wrapper.config
+    config, theirs, flip = wrapper.config, dict(wrapper.named_parameters()), set(transposed(wrapper.config))
     check_representable(wrapper.transformer, config)
+    loaded = {}
+    for their_path, paths in _packed(config).items():
+        for path, part in zip(paths, theirs[their_path].chunk(len(paths))):   # [W_q; W_k; W_v] -> each
+            loaded[path] = (part.T if path in flip else part).clone()
+    with torch.device("meta"):
+        model = Transformer(config)                                         # shapes only, no initialization
+    _check_shapes(model, loaded)
+    _assign(model, loaded)
     weight = wrapper.src_embed.weight
-    model = Transformer(config).to(device=weight.device, dtype=weight.dtype)
-    _copy(dict(model.named_parameters()), dict(wrapper.named_parameters()), weight_table(config), False)
-    return model.train(wrapper.training)
-
-
-def _copy(ours: dict[str, Tensor], theirs: dict[str, Tensor], table, to_theirs: bool) -> None:
-    with torch.no_grad():
-        for our_paths, their_path in table:
-            if to_theirs:
-                theirs[their_path].copy_(torch.cat([ours[path] for path in our_paths]))
-            else:
-                for path, part in zip(our_paths, theirs[their_path].chunk(len(our_paths))):
-                    ours[path].copy_(part)
+    return model.to(device=weight.device, dtype=weight.dtype).train(wrapper.training)
 
 
 def check_representable(transformer: nn.Transformer, config: TransformerConfig) -> None:

@@ -16,12 +16,15 @@ Shape legend used in every docstring:
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). Token ids
 and masks may be given as tensors or NumPy arrays; they are moved to the model's device.
+
+Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
+(C: the cache's capacity in target positions), written in place.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +59,16 @@ def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
     """
     tgt = torch.as_tensor(tgt)
     return padding_mask(tgt, pad_id) & causal_mask(tgt.shape[1], tgt.device)
+
+
+def _cached_causal_mask(cache_index: int, length: int, capacity: int, device: torch.device) -> Tensor:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    keys, queries = torch.arange(capacity, device=device), torch.arange(length, device=device)
+    return (keys <= cache_index + queries[:, None])[None, None]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -120,6 +133,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
+    encoder-decoder attention: the projected memory, C = S.
+    """
+
+    keys: Tensor    # (B, H, C, d_k)
+    values: Tensor  # (B, H, C, d_k)
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
@@ -127,12 +151,17 @@ class MultiHeadAttention(nn.Module):
     The h heads are split head-major: head i owns output features i*d_k .. (i+1)*d_k - 1 of
     the projections W^Q, W^K, W^V (and input features of W^O). Every projection has a bias.
 
-    ``cache`` (incremental decoding, see :mod:`.decoding`) is a callable that receives the
-    key/value projection as a thunk and returns the keys and values to attend over.
+    With a ``cache`` (:class:`KVCache`, incremental decoding) and no ``cache_index``, the queries
+    attend over the cached keys and values (encoder-decoder attention over the projected memory;
+    ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
+    ``value`` are the new positions: their projections are written into the cache's tensors, in
+    place, at positions cache_index .. cache_index + Tk - 1 (the same cache is returned) and the
+    queries attend over all C positions, ``mask`` hiding the ones not yet written.
 
     Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
+        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
+        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk or C); with a
+        ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -144,16 +173,47 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                return_weights: bool = False, cache: Callable | None = None):
+                return_weights: bool = False, cache: KVCache | None = None, cache_index: int | None = None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        project = lambda: (self._split_heads(self.k_proj(key)),            # (B, H, Tk, d_k)
-                           self._split_heads(self.v_proj(value)))          # (B, H, Tk, d_k)
-        k, v = project() if cache is None else cache(project)
+        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask, return_weights)  # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
+        if cache is not None:
+            return (out, weights, cache) if return_weights else (out, cache)
         return (out, weights) if return_weights else out
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty self-attention cache of ``capacity`` positions, in the weights' dtype and device.
+
+        Shape: keys and values (B, H, C, d_k), zeros.
+        """
+        d_k = self.q_proj.out_features // self.n_heads
+        weight = self.q_proj.weight
+        return KVCache(weight.new_zeros(batch, self.n_heads, capacity, d_k),
+                       weight.new_zeros(batch, self.n_heads, capacity, d_k))
+
+    def memory_cache(self, memory: Tensor) -> KVCache:
+        """The memory's keys and values, projected once for encoder-decoder attention.
+
+        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
+        """
+        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
+
+    def _keys_values(self, key: Tensor, value: Tensor, cache: KVCache | None,
+                     cache_index: int | None) -> tuple[Tensor, Tensor, KVCache | None]:
+        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        if cache is not None and cache_index is None:
+            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
+        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
+        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
+        if cache is None:
+            return k, v, None
+        reference.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache.keys[:, :, cache_index:cache_index + k.shape[2]] = k
+        cache.values[:, :, cache_index:cache_index + k.shape[2]] = v
+        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
@@ -182,14 +242,14 @@ class LayerNorm(nn.LayerNorm):
     """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
 
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance. ``eps`` must be passed (``config.layer_norm_eps``):
-    torch's own default (1e-5) is not the project's.
+    axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6; torch's
+    own default, 1e-5, is not the project's).
 
     Shape: x (..., D) -> (..., D).
     """
 
-    def __init__(self, d_model: int, eps: float):
-        super().__init__(d_model, eps=eps)
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config.d_model, eps=config.layer_norm_eps)
 
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
@@ -271,22 +331,30 @@ class PositionalEncoding(nn.Module):
 class Generator(nn.Module):
     """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
 
-    ``weight`` is (V, D) as in ``nn.Linear``; with ``share_embeddings`` it is the target
-    embedding's parameter itself (tied, not copied).
+    ``weight`` is (V, D) as in ``nn.Linear``. With ``share_embeddings`` pass the shared
+    :class:`Embeddings` as ``embeddings``: its weight is the projection (tied, not copied) and
+    the generator has no parameter of its own.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config: TransformerConfig, shared: nn.Parameter | None = None):
+    def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None):
         super().__init__()
-        if shared is not None:
-            self.weight = shared                                              # (V, D), tied
-        else:
-            self.weight = nn.Parameter(torch.empty(config.tgt_vocab_size, config.d_model))
+        if config.share_embeddings and embeddings is None:
+            raise ValueError("a Generator with share_embeddings needs the shared Embeddings (embeddings=)")
+        self.embeddings = embeddings
+        if embeddings is None:
+            self.weight = nn.Parameter(torch.empty(config.tgt_vocab_size, config.d_model))  # (V, D)
             nn.init.xavier_uniform_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.log_softmax(F.linear(x, self.weight), dim=-1)
+        weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
+        return log_softmax(F.linear(x, weight))
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """log softmax over the last axis, computed stably (``torch.log_softmax``)."""
+    return torch.log_softmax(x, dim=-1)
 
 
 # ----------------------------------------------------------------------------- layers and stacks
@@ -301,9 +369,9 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.norm_first = config.norm_first
         self.self_attn = MultiHeadAttention(config)
-        self.self_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.self_attn_norm = LayerNorm(config)
         self.ffn = PositionwiseFeedForward(config)
-        self.ffn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.ffn_norm = LayerNorm(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -317,32 +385,51 @@ class DecoderLayer(nn.Module):
     values from the encoder output), then feed-forward; each wrapped in :func:`residual`
     (sections 3.1 and 3.2.3).
 
-    ``cache``, for incremental decoding, is a pair (self-attention cache, encoder-decoder
-    attention cache) of :class:`.decoding.AttentionCache`.
+    ``cache`` (incremental decoding) is the pair (self-attention :class:`KVCache`, encoder-decoder
+    attention :class:`KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
+    into the self-attention cache from ``cache_index``, and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+    tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a cache -> (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.norm_first = config.norm_first
         self.self_attn = MultiHeadAttention(config)
-        self.self_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.self_attn_norm = LayerNorm(config)
         self.cross_attn = MultiHeadAttention(config)
-        self.cross_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.cross_attn_norm = LayerNorm(config)
         self.ffn = PositionwiseFeedForward(config)
-        self.ffn_norm = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.ffn_norm = LayerNorm(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None, cache: tuple | None = None) -> Tensor:
-        self_cache, cross_cache = cache if cache is not None else (None, None)
-        x = residual(x, lambda h: self.self_attn(h, h, h, tgt_mask, cache=self_cache), self.self_attn_norm,
-                     self.norm_first, self.dropout)
-        x = residual(x, lambda h: self.cross_attn(h, memory, memory, src_mask, cache=cross_cache),
+                tgt_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None,
+                cache_index: int | None = None):
+        self_cache, cross_cache = (None, None) if cache is None else cache
+        kept: list[KVCache] = []
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
+                     self.self_attn_norm, self.norm_first, self.dropout)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
                      self.cross_attn_norm, self.norm_first, self.dropout)
-        return residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
+        x = residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory: Tensor, capacity: int) -> tuple[KVCache, KVCache]:
+        """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
+        return self.self_attn.init_cache(len(memory), capacity), self.cross_attn.memory_cache(memory)
+
+
+def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: Tensor | None,
+            cache: KVCache | None, cache_index: int | None, kept: list[KVCache]) -> Tensor:
+    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
+    returns is appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    kept.append(cache)
+    return out
 
 
 class Encoder(nn.Module):
@@ -356,7 +443,7 @@ class Encoder(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
-        self.norm = LayerNorm(config.d_model, config.layer_norm_eps) if config.norm_first else None
+        self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, mask: Tensor | None = None, intermediates: dict | None = None) -> Tensor:
         for i, layer in enumerate(self.layers):
@@ -370,7 +457,8 @@ class Decoder(nn.Module):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``;
-    ``cache``, for incremental decoding, holds one per-layer cache pair (see :class:`DecoderLayer`).
+    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
+    see :class:`DecoderLayer`) and the call then returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -378,15 +466,25 @@ class Decoder(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_decoder_layers))
-        self.norm = LayerNorm(config.d_model, config.layer_norm_eps) if config.norm_first else None
+        self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                intermediates: dict | None = None, cache: list | None = None) -> Tensor:
+                intermediates: dict | None = None, cache: tuple | None = None, cache_index: int | None = None):
+        kept = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_mask, tgt_mask, None if cache is None else cache[i])
+            if cache is None:
+                x = layer(x, memory, src_mask, tgt_mask)
+            else:
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
+                kept.append(layer_cache)
             if intermediates is not None:
                 intermediates[f"layers.{i}"] = x
-        return self.norm(x) if self.norm is not None else x
+        x = self.norm(x) if self.norm is not None else x
+        return x if cache is None else (x, tuple(kept))
+
+    def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
+        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -396,14 +494,18 @@ class Transformer(nn.Module):
 
     Built with torch's default initialization; :func:`.checkpoint.from_params` and
     :func:`.checkpoint.load_checkpoint` give it the shared checkpoint's weights. With
-    ``share_embeddings`` one parameter (``src_embed.weight``) is the source embedding, the target
-    embedding and the pre-softmax projection (section 3.4).
+    ``share_embeddings`` one module (``src_embed``, also ``tgt_embed`` and ``generator.embeddings``)
+    holds the source embedding, the target embedding and the pre-softmax projection (section 3.4).
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
         src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
         tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
         Returns log-probabilities (B, T, V_tgt).
+
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then
+    ``out, cache = model.decode(new_tokens, memory, src_mask, cache=cache, cache_index=i)`` with
+    the positions i, i + 1, ... of the target (see :meth:`decode`).
     """
 
     def __init__(self, config: TransformerConfig):
@@ -415,7 +517,7 @@ class Transformer(nn.Module):
         self.tgt_pos = PositionalEncoding(config)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
-        self.generator = Generator(config, self.tgt_embed.weight if config.share_embeddings else None)
+        self.generator = Generator(config, self.tgt_embed if config.share_embeddings else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -441,35 +543,56 @@ class Transformer(nn.Module):
             intermediates["encoder"] = memory
         return memory
 
+    def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
+        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+
+        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        """
+        shape, dtype = _describe("memory", memory)
+        reference.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model,
+                               _dtype_name(self.dtype))
+        reference.check_cache_capacity(capacity, self.config.max_len)
+        return self.decoder.init_cache(torch.as_tensor(memory, device=self.device), capacity)
+
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-               intermediates: dict | None = None, cache=None) -> Tensor:
+               intermediates: dict | None = None, cache: tuple | None = None, cache_index: int | None = None):
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
-        source had padding (the decoder cannot see source tokens). With a ``cache``
-        (:class:`.decoding.DecoderCache`), ``tgt`` holds only the new positions, placed after the
-        ``cache.length`` cached ones; ``tgt_mask`` then covers (B, H, T, cache.length + T) and
-        defaults to None (every position visible: right for one new position at a time).
+        source had padding (the decoder cannot see source tokens).
+
+        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
+        cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
+        the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
+        over the cache's C positions and defaults to the causal mask over absolute positions
+        (query q sees key j <= cache_index + q, which also hides the positions not yet written).
+        Returns ``(out, cache)``.
         """
-        offset = 0 if cache is None else cache.length
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size, offset)
+        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         reference.check_memory(*_describe("memory", memory), len(tgt), self.config.d_model, _dtype_name(self.dtype))
         memory = torch.as_tensor(memory, device=self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
+        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
+        if cache is not None:
+            reference.check_cache_index(cache_index, length, keys)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask", self.device)
-        if tgt_mask is None and cache is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id)
-        if tgt_mask is not None:
-            tgt_mask = _check_mask(tgt_mask, (batch, heads, length, offset + length), "tgt_mask", self.device)
-        y = self.tgt_pos(self.tgt_embed(tgt), offset)
+        if tgt_mask is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
+                _cached_causal_mask(cache_index, length, keys, self.device)
+        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask", self.device)
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index)
         steps: dict = {}
-        out = self.decoder(y, memory, src_mask, tgt_mask, steps, None if cache is None else cache.layers)
+        if cache is None:
+            out = self.decoder(y, memory, src_mask, tgt_mask, steps)
+        else:
+            out, cache = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index)
         if intermediates is not None:
             intermediates["tgt_embed"] = y
             intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
             intermediates["decoder"] = out
-        return out
+        return out if cache is None else (out, cache)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
                 return_intermediates: bool = False):
@@ -500,11 +623,11 @@ class Transformer(nn.Module):
                                        _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
         return src, tgt
 
-    def _check_tokens(self, name: str, tokens, vocab_size: int, offset: int = 0) -> Tensor:
+    def _check_tokens(self, name: str, tokens, vocab_size: int) -> Tensor:
         """The reference's token checks; ids of any integer dtype become int64 on the model's device."""
         if not isinstance(tokens, Tensor):
-            tokens = torch.as_tensor(reference.check_tokens(name, tokens, vocab_size, self.config.max_len, offset))
+            tokens = torch.as_tensor(reference.check_tokens(name, tokens, vocab_size, self.config.max_len))
         else:
-            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len, offset)
+            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
             reference.check_token_values(name, tokens.cpu().numpy(), vocab_size)
         return tokens.to(device=self.device, dtype=torch.long)

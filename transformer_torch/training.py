@@ -44,4 +44,5 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
     as_tokens = lambda values: torch.as_tensor(np.asarray(values), device=model.device)
     value = loss(model, as_tokens(src), as_tokens(tgt), as_tokens(labels), epsilon)
     value.backward()
-    return value.item(), checkpoint.to_params(model, gradients=True)
+    return value.item(), checkpoint._checkpoint_layout(model, {path: parameter.grad
+                                                               for path, parameter in model.named_parameters()})

@@ -1,8 +1,8 @@
-"""The backend adapter of the PyTorch port: NumPy in, NumPy out.
+"""The adapter of the PyTorch port: NumPy in, NumPy out (:class:`equivalence.contract.Backend`).
 
-The same names and signatures as ``reference_numpy/backend.py`` (see ``docs/ports.md``). Models
+Models
 are built in eval mode; every call runs without gradients. On CUDA, :func:`build` turns TF32 off
-(:func:`.device.full_precision`) so that float32 means float32.
+(:func:`transformer_torch.device.full_precision`) so that float32 means float32.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reference_numpy.backend import check_attention_request, run_component, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
+from transformer_torch import checkpoint, decoding, training
+from transformer_torch.device import devices as _devices
+from transformer_torch.device import full_precision, resolve_device
+from transformer_torch.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 
-from . import checkpoint, decoding, training
-from .device import devices as _devices
-from .device import full_precision, resolve_device
-from .model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
 NAME = "torch"
 
@@ -94,6 +94,13 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
     return _numpy(sublayer_attention_weights(
         model, stages, padding_mask(src, model.config.pad_id), target_mask(tgt, model.config.pad_id), layer, kind,
         lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, no_dropout)))
+
+
+@torch.no_grad()
+def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+    """The label-smoothed cross-entropy of section 5.4 with dropout off (eval mode)."""
+    as_tokens = lambda values: torch.as_tensor(np.asarray(values), device=model.device)
+    return training.loss(model.eval(), as_tokens(src), as_tokens(tgt), as_tokens(labels), epsilon).item()
 
 
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):

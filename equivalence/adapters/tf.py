@@ -1,6 +1,6 @@
-"""The backend adapter of the TensorFlow/Keras port: NumPy in, NumPy out.
+"""The adapter of the TensorFlow/Keras port: NumPy in, NumPy out (:class:`equivalence.contract.Backend`).
 
-Same names and signatures as ``reference_numpy/backend.py`` (see ``docs/ports.md``). Models
+Models
 are built with TensorFloat-32 off, and run inference (``training=False``) on the device that
 holds their weights.
 """
@@ -13,14 +13,15 @@ import numpy as np
 import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy.backend import check_attention_request, run_component, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
+from transformer_tf import checkpoint, decoding, training
+from transformer_tf import device as _device
+from transformer_tf.model import (Transformer, compiled_forward, padding_mask, residual, scaled_dot_product_attention,
+                                  target_mask)
 
-from . import checkpoint, decoding, training
-from . import device as _device
-from .model import Transformer, compiled_forward, padding_mask, residual, scaled_dot_product_attention, target_mask
+from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
 NAME = "tf"
 
@@ -33,8 +34,8 @@ def devices() -> list[str]:
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
-    _device.full_precision_float32()
-    with tf.device(_device.tf_device(device)):
+    _device.full_precision()
+    with tf.device(_device.resolve_device(device)):
         return checkpoint.from_params(config, params, dtype)
 
 
@@ -99,6 +100,12 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
         return sublayer_attention_weights(
             model, stages, padding_mask(src, model.config.pad_id), target_mask(tgt, model.config.pad_id), layer, kind,
             lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, tf.identity)).numpy()
+
+
+def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+    """The label-smoothed cross-entropy of section 5.4 with dropout off (``training=False``)."""
+    with tf.device(_device.model_device(model)):
+        return float(training.loss(model, src, tgt, labels, epsilon))
 
 
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING

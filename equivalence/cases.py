@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checkpoint import init_params
-from .config import TransformerConfig
-from .model import causal_mask
+from reference_numpy.checkpoint import init_params
+from reference_numpy.config import TransformerConfig
+from reference_numpy.model import causal_mask
 
 _TINY = TransformerConfig.preset("tiny")
 

@@ -132,7 +132,7 @@ def greedy_decisive_steps(margins: np.ndarray, bound: float) -> int | None:
     """Leading greedy steps of one row that float32 must reproduce.
 
     ``margins`` are the float64 reference's top-two log-probability gaps per step (from
-    ``greedy_decode(..., margins=...)``); two log-probabilities each off by at most ``bound`` can
+    :func:`equivalence.margins.greedy_margins`); two log-probabilities each off by at most ``bound`` can
     swap only where the gap is below 2 x bound. Returns the index of the first such step, or
     None when every step is decisive (the whole row must match).
     """
@@ -166,7 +166,7 @@ def greedy_tokens_agree(tokens: np.ndarray, ref_tokens: np.ndarray, margins: np.
 def beam_row_is_decisive(margins: list[float], bound: float) -> bool:
     """Whether float32 must reproduce a beam-search row exactly.
 
-    ``margins`` come from ``beam_search(..., margins=...)``: one per step, then the final choice.
+    ``margins`` come from :func:`equivalence.margins.beam_margins`: one per step, then the final choice.
     Scores at step t sum t log-probabilities, so a step is decisive when its margin is at least
     2 x t x bound, and the final choice when its margin is at least 2 x L x bound (L steps). A
     near-tie anywhere can change the whole chosen hypothesis, so one is enough to exclude the row.

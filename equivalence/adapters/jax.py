@@ -1,61 +1,78 @@
-"""The backend adapter of the JAX/Flax port: NumPy in, NumPy out (see ``docs/ports.md``).
+"""The adapter of the JAX/Flax port: NumPy in, NumPy out (:class:`equivalence.contract.Backend`).
 
-Same names and signatures as ``reference_numpy/backend.py``. Importing this module turns on
-``jax_enable_x64`` so that float64 models are possible; float32 models stay float32.
+Every function runs with 64-bit JAX on
+(``with jax.enable_x64(True):``, for that call and thread only), so that float64 models are
+possible; importing the module changes no setting, and float32 models stay float32.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
-from reference_numpy.backend import check_attention_request, run_component, sublayer_attention_weights
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
+from transformer_jax import checkpoint, decoding, training
+from transformer_jax import device as _device
+from transformer_jax.model import (Transformer, forward as _forward, padding_mask, residual,
+                                   scaled_dot_product_attention, target_mask)
 
-from . import checkpoint, decoding, training
-from .device import available_devices, place
-from .model import (Transformer, forward as _forward, padding_mask, residual, scaled_dot_product_attention,
-                    target_mask)
-
-jax.config.update("jax_enable_x64", True)
+from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
 NAME = "jax"
 
 
+def _x64(function):
+    """``function`` run under ``jax.enable_x64(True)`` (jit caches stay valid: every call sees x64 on)."""
+    @functools.wraps(function)
+    def with_x64(*args, **kwargs):
+        with jax.enable_x64(True):
+            return function(*args, **kwargs)
+    return with_x64
+
+
+@_x64
 def devices() -> list[str]:
     """Devices this backend can run on here: "cpu" and "gpu:N" for each GPU JAX sees."""
-    return available_devices()
+    return _device.devices()
 
 
+@_x64
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
-    return place(checkpoint.from_params(config, params, np.dtype(dtype)), device)
+    return checkpoint.from_params(config, params, np.dtype(dtype), device)
 
 
+@_x64
 def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     """A model from a shared checkpoint file."""
-    return place(checkpoint.load_checkpoint(path, np.dtype(dtype)), device)
+    return checkpoint.load_checkpoint(path, np.dtype(dtype), device)
 
 
+@_x64
 def save(model: Transformer, path) -> None:
     """Write the model's weights as a shared checkpoint."""
     checkpoint.save_checkpoint(model, path)
 
 
+@_x64
 def export_params(model: Transformer) -> dict[str, np.ndarray]:
     """The model's weights in checkpoint layout (name -> (in, out) arrays)."""
     return checkpoint.to_params(model)
 
 
+@_x64
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
     """Every stage of the compiled forward pass (inference), by the shared stage names, in order."""
     _, stages = _forward(model, src, tgt, src_mask, tgt_mask, return_intermediates=True)
     return {name: np.asarray(value) for name, value in stages.items()}
 
 
+@_x64
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 
@@ -68,17 +85,20 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     return np.asarray(run_component(model, name, cast, scaled_dot_product_attention))
 
 
+@_x64
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled, from the compiled decoding loop."""
     return decoding.greedy_decode(model, src, use_cache)
 
 
+@_x64
 def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
          use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and length-normalized scores (B,), from the compiled search."""
     return decoding.beam_search(model, src, beam_size, alpha, use_cache)
 
 
+@_x64
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
     check_attention_request(model.config, layer, kind)
@@ -88,6 +108,13 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
         layer, kind, lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, no_dropout)))
 
 
+@_x64
+def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+    """The label-smoothed cross-entropy of section 5.4 with dropout off."""
+    return float(training.loss(model, src, tgt, np.asarray(labels), epsilon, deterministic=True))
+
+
+@_x64
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout (NumPy)."""

@@ -1,0 +1,81 @@
+"""The adapter contract: the module every backend provides to the harness, NumPy in and NumPy out.
+
+An adapter is a module (``equivalence.adapters.numpy``, ``.torch``, ``.jax``, ``.tf``) whose attributes are the
+members of :class:`Backend`, with the same argument names and defaults; a type checker accepts the module where a
+``Backend`` is expected, and ``tests/test_contract.py`` checks each module's signatures against this class.
+``model`` is the backend's own model object; every array argument or result is a NumPy array.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from reference_numpy.config import TransformerConfig
+from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.training import LABEL_SMOOTHING
+
+Model = Any   # the backend's own Transformer
+
+
+class Backend(Protocol):
+    """What the agreement suite and the ``compare`` command call on every backend."""
+
+    NAME: str
+    """The backend's name: "numpy", "torch", "jax" or "tf"."""
+
+    def devices(self) -> list[str]:
+        """Devices usable here: "cpu", then accelerators ("cuda:N" or "gpu:N")."""
+        ...
+
+    def build(self, config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
+              device: str = "cpu") -> Model:
+        """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+        ...
+
+    def load(self, path, dtype: str = "float64", device: str = "cpu") -> Model:
+        """A model from a shared checkpoint file (``docs/checkpoint-format.md``)."""
+        ...
+
+    def save(self, model: Model, path) -> None:
+        """Write the model's weights as a shared checkpoint."""
+        ...
+
+    def export_params(self, model: Model) -> dict[str, np.ndarray]:
+        """The model's weights in checkpoint layout (name -> NumPy array, linear weights (in, out))."""
+        ...
+
+    def forward(self, model: Model, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+        """Every stage of the forward pass (inference), by the shared stage names, in order."""
+        ...
+
+    def component(self, model: Model, name: str, inputs: dict) -> np.ndarray:
+        """One component (``equivalence.recipes.COMPONENTS``) on NumPy inputs (``equivalence.recipes.run_component``
+        names the keys), with the weights of layer 0 of each stack."""
+        ...
+
+    def greedy(self, model: Model, src, use_cache: bool = True) -> np.ndarray:
+        """Greedy tokens (B, L) without bos, right-padded with pad_id (section 6.1, the rules of
+        ``reference_numpy/decoding.py``)."""
+        ...
+
+    def beam(self, model: Model, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+             use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Beam-search tokens (B, L) as :meth:`greedy`, and the length-normalized scores (B,) (section 6.1)."""
+        ...
+
+    def attention_weights(self, model: Model, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+        """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention (``equivalence.recipes.
+        ATTENTION_KINDS``: "encoder", "decoder_self", "decoder_cross"), default masks."""
+        ...
+
+    def loss(self, model: Model, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+        """The label-smoothed cross-entropy of section 5.4 with dropout off, as a Python float."""
+        ...
+
+    def gradients(self, model: Model, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
+                  ) -> tuple[float, dict[str, np.ndarray]]:
+        """``(loss, grads)``: :meth:`loss` and its gradient for every checkpoint tensor, by checkpoint name, in
+        checkpoint layout (NumPy float64 for a float64 model)."""
+        ...
