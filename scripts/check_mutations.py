@@ -175,6 +175,13 @@ SINGLE = [
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
 
+# The cached path and its cache, in every backend's model.py (the same text in all four).
+_FIRST_DECODER_LAYER = [
+    ("x, layer_cache = layer(x, memory", "x, layer_cache = self.layers[0](x, memory"),
+    ("tuple(layer.init_cache(memory, capacity) for layer in self.layers)",
+     "tuple(self.layers[0].init_cache(memory, capacity) for layer in self.layers)"),
+]
+
 STACKING = [
     consistent("stacking", "encoder: every layer applied twice", [
         (RM, "x = layer(x, mask)\n", "x = layer(layer(x, mask), mask)\n"),
@@ -194,18 +201,13 @@ STACKING = [
          "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask,"),
     ], ORACLE, agreement("tiny")),
     consistent("stacking", "decoder: the first layer's weights at every depth", [
-        (RM, "x = layer(x, memory, src_mask, tgt_mask)", "x = self.layers[0](x, memory, src_mask, tgt_mask)"),
-        (TM, "x = layer(x, memory, src_mask, tgt_mask, None", "x = self.layers[0](x, memory, src_mask, tgt_mask, None"),
+        *[(module, *edit) for module in (RM, TM, JM, FM) for edit in _FIRST_DECODER_LAYER],
+        (RM, "x = layer(x, memory, src_mask, tgt_mask)\n", "x = self.layers[0](x, memory, src_mask, tgt_mask)\n"),
+        (TM, "x = layer(x, memory, src_mask, tgt_mask)\n", "x = self.layers[0](x, memory, src_mask, tgt_mask)\n"),
         (JM, "x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)",
          "x = self.layers[0](x, memory, src_mask, tgt_mask, deterministic=deterministic)"),
-        (JM, "layer.init_cache(memory, max_steps) for layer in self.layers",
-         "self.layers[0].init_cache(memory, max_steps) for layer in self.layers"),
-        (JM, "x, layer_cache = layer.step(", "x, layer_cache = self.layers[0].step("),
         (FM, "x = layer(x, memory, src_mask, tgt_mask, training=training)",
          "x = self.layers[0](x, memory, src_mask, tgt_mask, training=training)"),
-        (FD, "                  for layer in model.decoder.layers)",
-         "                  for layer in [model.decoder.layers[0]] * len(model.decoder.layers))"),
-        (FD, "_decoder_layer_step(layer, x,", "_decoder_layer_step(model.decoder.layers[0], x,"),
     ], ORACLE, agreement("tiny", decoding=True)),
 ]
 
@@ -223,11 +225,10 @@ RESIDUAL = [
         (FM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
     ], ORACLE, agreement("pre_ln")),
     consistent("residual", "decoder: the cross-attention sublayer uses the self-attention sublayer's LayerNorm", [
-        (RM, "src_mask), self.cross_attn_norm,", "src_mask), self.self_attn_norm,"),
+        (RM, "self.cross_attn_norm, self.norm_first)", "self.self_attn_norm, self.norm_first)"),
         (TM, "self.cross_attn_norm, self.norm_first, self.dropout)", "self.self_attn_norm, self.norm_first, self.dropout)"),
-        (JM, "x = residual(x, cross_attention, self.cross_attn_norm,", "x = residual(x, cross_attention, self.self_attn_norm,"),
-        (FM, "src_mask), self.cross_attn_norm,", "src_mask), self.self_attn_norm,"),
-        (FD, "x = residual(x, cross_attn, layer.cross_attn_norm,", "x = residual(x, cross_attn, layer.self_attn_norm,"),
+        (JM, "self.cross_attn_norm, self.norm_first, drop)", "self.self_attn_norm, self.norm_first, drop)"),
+        (FM, "self.cross_attn_norm, self.norm_first, dropout)", "self.self_attn_norm, self.norm_first, dropout)"),
     ], ORACLE, agreement("tiny or pre_ln", decoding=True)),
     consistent("residual", "encoder: feed-forward sublayer before self-attention", [
         (RM, "x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first)\n"
@@ -251,28 +252,13 @@ RESIDUAL = [
     ], ORACLE, agreement("tiny")),
 ]
 
-_STORE_LAYER = "\n            if intermediates is not None:\n                intermediates[f\"layers.{i}\"] = x\n"
-_FINAL_NORM = "        return self.norm(x) if self.norm is not None else x"
 FINAL_NORMS = [
     consistent("final-norm", "pre-LN: the encoder's final LayerNorm left out", [
-        (RM, "x = layer(x, mask)" + _STORE_LAYER + _FINAL_NORM, "x = layer(x, mask)" + _STORE_LAYER + "        return x"),
-        (TM, "x = layer(x, mask)" + _STORE_LAYER + _FINAL_NORM, "x = layer(x, mask)" + _STORE_LAYER + "        return x"),
-        (JM, "deterministic=deterministic)" + _STORE_LAYER + _FINAL_NORM,
-         "deterministic=deterministic)" + _STORE_LAYER + "        return x"),
-        (FM, "x = layer(x, mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"
-             "        x = self.norm(x) if self.norm is not None else x\n",
-         "x = layer(x, mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"),
+        (module, "        return self.norm(x) if self.norm is not None else x", "        return x")
+        for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln")),
     consistent("final-norm", "pre-LN: the decoder's final LayerNorm left out", [
-        (RM, "x = layer(x, memory, src_mask, tgt_mask)" + _STORE_LAYER + _FINAL_NORM,
-         "x = layer(x, memory, src_mask, tgt_mask)" + _STORE_LAYER + "        return x"),
-        (TM, "cache[i])" + _STORE_LAYER + _FINAL_NORM, "cache[i])" + _STORE_LAYER + "        return x"),
-        (JM, "def _final_norm(self, x: jax.Array) -> jax.Array:\n" + _FINAL_NORM,
-         "def _final_norm(self, x: jax.Array) -> jax.Array:\n        return x"),
-        (FM, "x = layer(x, memory, src_mask, tgt_mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"
-             "        x = self.norm(x) if self.norm is not None else x\n",
-         "x = layer(x, memory, src_mask, tgt_mask, training=training)\n            steps[f\"layers.{i}\"] = x\n"),
-        (FD, "        if model.decoder.norm is not None:\n            x = model.decoder.norm(x)\n", ""),
+        (module, "x = self.norm(x) if self.norm is not None else x", "x = x") for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln", decoding=True)),
 ]
 
@@ -280,48 +266,41 @@ EMBEDDING_SCALE = [
     consistent("embedding-scale", "source embeddings not scaled by sqrt(d_model) (the target's still are)", [
         (RM, "x = self.src_pos(self.src_embed(src))", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
         (TM, "x = self.src_pos(self.src_embed(src))", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
-        (JM, "self.src_pos(self.src_embed(src))", "self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
+        (JM, "self.src_pos(self.src_embed(src),", "self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
         (FM, "x = self.src_pos(self.src_embed(src),", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
     ], ORACLE, agreement("tiny or shared_embeddings")),
     consistent("embedding-scale", "target embeddings not scaled by sqrt(d_model) (the source's still are)", [
-        (RM, "y = self.tgt_pos(self.tgt_embed(tgt))", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale)"),
-        (TM, "y = self.tgt_pos(self.tgt_embed(tgt), offset)",
-         "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale, offset)"),
-        (JM, "self.tgt_pos(self.tgt_embed(tgt))", "self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale)"),
-        (JD, "model.tgt_pos(model.tgt_embed(token[:, None]), index)",
-         "model.tgt_pos(model.tgt_embed(token[:, None]) / model.tgt_embed.scale, index)"),
-        (FM, "y = self.tgt_pos(self.tgt_embed(tgt),", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale,"),
-        (FD, "model.tgt_pos(model.tgt_embed(tf.gather(tokens, [position], axis=1)),",
-         "model.tgt_pos(model.tgt_embed(tf.gather(tokens, [position], axis=1)) / model.tgt_embed.scale,"),
+        (module, "y = self.tgt_pos(self.tgt_embed(tgt), 0 if", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale, 0 if")
+        for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("tiny or shared_embeddings", decoding=True)),
 ]
 
 EPSILON = [
     consistent("epsilon", "every LayerNorm uses 1e-6 whatever config.layer_norm_eps says", [
-        (RM, "self.eps = eps", "self.eps = 1e-6"),
-        (TM, "super().__init__(d_model, eps=eps)", "super().__init__(d_model, eps=1e-6)"),
+        (RM, "self.eps = config.layer_norm_eps", "self.eps = 1e-6"),
+        (TM, "super().__init__(config.d_model, eps=config.layer_norm_eps)", "super().__init__(config.d_model, eps=1e-6)"),
         (JM, "epsilon=config.layer_norm_eps,", "epsilon=1e-6,"),
-        (FM, "super().__init__(axis=-1, epsilon=eps, **kwargs)", "super().__init__(axis=-1, epsilon=1e-6, **kwargs)"),
+        (FM, "super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)",
+         "super().__init__(axis=-1, epsilon=1e-6, **kwargs)"),
     ], ORACLE, agreement("layer_norm_eps")),
     consistent("epsilon", "decoder: the cross-attention LayerNorm uses 1e-6, not config.layer_norm_eps", [
-        (RM, 'LayerNorm(params, f"{name}.cross_attn_norm", config.layer_norm_eps)',
-         'LayerNorm(params, f"{name}.cross_attn_norm", 1e-6)'),
-        (TM, "self.cross_attn_norm = LayerNorm(config.d_model, config.layer_norm_eps)",
-         "self.cross_attn_norm = LayerNorm(config.d_model, 1e-6)"),
+        (RM, 'LayerNorm(config, params, f"{name}.cross_attn_norm")',
+         'LayerNorm(config.replace(layer_norm_eps=1e-6), params, f"{name}.cross_attn_norm")'),
+        (TM, "self.cross_attn_norm = LayerNorm(config)", "self.cross_attn_norm = LayerNorm(config.replace(layer_norm_eps=1e-6))"),
         (JM, "self.cross_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)",
          "self.cross_attn_norm = LayerNorm(config.replace(layer_norm_eps=1e-6), dtype=dtype, rngs=rngs)"),
-        (FM, 'LayerNorm(cfg.layer_norm_eps, **sub("cross_attn_norm"))', 'LayerNorm(1e-6, **sub("cross_attn_norm"))'),
+        (FM, 'LayerNorm(cfg, **sub("cross_attn_norm"))', 'LayerNorm(cfg.replace(layer_norm_eps=1e-6), **sub("cross_attn_norm"))'),
     ], ORACLE, agreement("layer_norm_eps")),
     consistent("epsilon", "pre-LN: the encoder's final LayerNorm uses 1e-5, not config.layer_norm_eps", [
-        (RM, "range(config.n_encoder_layers)]\n        self.norm = LayerNorm(params, f\"{name}.norm\", config.layer_norm_eps)",
-         "range(config.n_encoder_layers)]\n        self.norm = LayerNorm(params, f\"{name}.norm\", 1e-5)"),
-        (TM, "range(config.n_encoder_layers))\n        self.norm = LayerNorm(config.d_model, config.layer_norm_eps)",
-         "range(config.n_encoder_layers))\n        self.norm = LayerNorm(config.d_model, 1e-5)"),
+        (RM, "range(config.n_encoder_layers)]\n        self.norm = LayerNorm(config, params,",
+         "range(config.n_encoder_layers)]\n        self.norm = LayerNorm(config.replace(layer_norm_eps=1e-5), params,"),
+        (TM, "range(config.n_encoder_layers))\n        self.norm = LayerNorm(config)",
+         "range(config.n_encoder_layers))\n        self.norm = LayerNorm(config.replace(layer_norm_eps=1e-5))"),
         (JM, "range(config.n_encoder_layers)])\n        self.norm = LayerNorm(config, dtype=dtype, rngs=rngs)",
          "range(config.n_encoder_layers)])\n        self.norm = LayerNorm(config.replace(layer_norm_eps=1e-5), "
          "dtype=dtype, rngs=rngs)"),
-        (FM, "range(cfg.n_encoder_layers)]\n        self.norm = LayerNorm(cfg.layer_norm_eps,",
-         "range(cfg.n_encoder_layers)]\n        self.norm = LayerNorm(1e-5,"),
+        (FM, "range(cfg.n_encoder_layers)]\n        self.norm = LayerNorm(cfg,",
+         "range(cfg.n_encoder_layers)]\n        self.norm = LayerNorm(cfg.replace(layer_norm_eps=1e-5),"),
     ], ORACLE, agreement("layer_norm_eps")),
 ]
 
@@ -351,18 +330,18 @@ LEARNED_PE = [
         (TM, "table = self.weight if self.learned else self.table",
          "table = sinusoidal_positional_encoding(self.max_len, self.d_model, self.weight.dtype, self.weight.device) "
          "if self.learned else self.table"),
-        (JM, "lax.dynamic_slice_in_dim(self.table[...], offset",
-         "lax.dynamic_slice_in_dim(sinusoidal_positional_encoding(*self.table[...].shape, self.table[...].dtype), offset"),
-        (FM, "table = tf.slice(tf.convert_to_tensor(self.embeddings), (offset, 0),",
+        (JM, "table = self.weight if self.learned else self.table",
+         "table = nnx.Variable(sinusoidal_positional_encoding(*self.weight[...].shape, self.weight[...].dtype)) "
+         "if self.learned else self.table"),
+        (FM, "table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),",
          "table = tf.slice(sinusoidal_positional_encoding(self.config.max_len, self.config.d_model, self.compute_dtype),"
          " (offset, 0),"),
     ], ORACLE, agreement("learned_pe", decoding=True)),
     consistent("learned-pe", "learned positions: no positional information added at all", [
         (RM, 'self.table = params[f"{name}.weight"]', 'self.table = 0 * params[f"{name}.weight"]'),
         (TM, "table = self.weight if self.learned else self.table", "table = 0 * self.weight if self.learned else self.table"),
-        (JM, "return x + lax.dynamic_slice_in_dim(self.table[...], offset, x.shape[1], axis=0)",
-         "return x + lax.dynamic_slice_in_dim(self.table[...], offset, x.shape[1], axis=0) "
-         "* (not isinstance(self.table, nnx.Param))"),
+        (JM, "return self.dropout(x + positions, deterministic=deterministic)",
+         "return self.dropout(x + positions * (0.0 if self.learned else 1.0), deterministic=deterministic)"),
         (FM, "return self.dropout(x + table, training=training)",
          "return self.dropout(x + table * (0.0 if self.learned else 1.0), training=training)"),
     ], ORACLE, agreement("learned_pe", decoding=True)),
@@ -468,11 +447,9 @@ EARLY_STOPPING = [
 TIES = [
     consistent("ties", "greedy: ties go to the highest token id", [
         (RD, "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)"),
-        (TD, "token = next_token_log_probs(model, tgt, memory, src_mask, cache).argmax(dim=-1)",
-         "token = (lambda log_probs: log_probs.shape[-1] - 1 - log_probs.flip(-1).argmax(dim=-1))("
-         "next_token_log_probs(model, tgt, memory, src_mask, cache))"),
-        (JD, "token = jnp.argmax(log_probs, axis=-1).astype(TOKEN_DTYPE)",
-         "token = (log_probs.shape[-1] - 1 - jnp.argmax(log_probs[:, ::-1], axis=-1)).astype(TOKEN_DTYPE)"),
+        (TD, "token = log_probs.argmax(dim=-1)", "token = log_probs.shape[-1] - 1 - log_probs.flip(-1).argmax(dim=-1)"),
+        (JD, "token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)",
+         "token = (log_probs.shape[-1] - 1 - jnp.argmax(log_probs[:, ::-1], axis=-1)).astype(_TOKEN_DTYPE)"),
         (FD, "token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)",
          "token = log_probs.shape[-1] - 1 - tf.argmax(tf.reverse(log_probs, [-1]), axis=-1, output_type=tf.int64)"),
     ], DECODING_ORACLE, decoding_agreement("and greedy")),
