@@ -568,7 +568,7 @@ def run_mutation(mutation: Mutation, blind: bool, every_test: bool) -> Outcome:
             check = pytest(copy, mutation.blind, first_failure=True)
             blind_note = f"passes ({_last_line(check)})" if check.returncode == 0 \
                 else f"FAILS ({_last_line(check)}; {failed_tests(check)[:1]})"
-            if not mutation.shared:
+            if any(not edit.path.startswith(f"{REF}/") for edit in mutation.edits):   # a port's own code is edited
                 blind_note += f"\n{'':<8}control: {control(mutation)}"
     return Outcome(status, failed, blind_note, time.monotonic() - start)
 
