@@ -6,4 +6,4 @@ four adapters (:mod:`equivalence.adapters`). The user-facing packages (``referen
 nothing from here.
 """
 
-from reference_numpy import __version__
+from reference_numpy import __version__ as __version__

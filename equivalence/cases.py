@@ -129,7 +129,8 @@ def component_inputs(config: TransformerConfig, component: str, case: str, dtype
     x = rng.standard_normal((BATCH, x_len, config.d_model)).astype(dtype)
     if not COMPONENT_MASKED[component]:
         return {"x": x}
-    key_padding = None if case in ("none", "causal") else _length_mask(_lengths(case, SRC_LEN), SRC_LEN)[:, None, None, :]
+    key_padding = (None if case in ("none", "causal")
+                   else _length_mask(_lengths(case, SRC_LEN), SRC_LEN)[:, None, None, :])
     if component.startswith("encoder"):
         return {"x": x, "mask": causal_mask(SRC_LEN) if case == "causal" else key_padding}
     memory = rng.standard_normal((BATCH, SRC_LEN, config.d_model)).astype(dtype)

@@ -6,14 +6,39 @@ checked against. It imports nothing but NumPy (and the NumPy side of safetensors
 
 __version__ = "0.1.0"  # the distribution's one version: pyproject.toml and every package read it here
 
-from .checkpoint import (FORMAT_VERSION, count_parameters, init_params, load_checkpoint,
-                         parameter_shapes, save_checkpoint, validate_params)
+from .checkpoint import (
+                         FORMAT_VERSION,
+                         count_parameters,
+                         init_params,
+                         load_checkpoint,
+                         parameter_shapes,
+                         save_checkpoint,
+                         validate_params,
+)
 from .config import PRESETS, TransformerConfig
 from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
-from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, KVCache, LayerNorm,
-                    Linear, MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer,
-                    causal_mask, log_softmax, padding_mask, residual, scaled_dot_product_attention,
-                    sinusoidal_positional_encoding, target_mask)
+from .model import (
+                         Decoder,
+                         DecoderLayer,
+                         Embeddings,
+                         Encoder,
+                         EncoderLayer,
+                         Generator,
+                         KVCache,
+                         LayerNorm,
+                         Linear,
+                         MultiHeadAttention,
+                         PositionalEncoding,
+                         PositionwiseFeedForward,
+                         Transformer,
+                         causal_mask,
+                         log_softmax,
+                         padding_mask,
+                         residual,
+                         scaled_dot_product_attention,
+                         sinusoidal_positional_encoding,
+                         target_mask,
+)
 
 __all__ = [
     "FORMAT_VERSION", "PRESETS", "TransformerConfig",

@@ -110,7 +110,7 @@ class TransformerConfig:
     def _store(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # the dataclass is frozen; this runs once, in __post_init__
 
-    def replace(self, **changes: Any) -> "TransformerConfig":
+    def replace(self, **changes: Any) -> TransformerConfig:
         """A copy with some fields changed (validated like a new config)."""
         _check_field_names(changes)
         return dataclasses.replace(self, **changes)
@@ -122,14 +122,14 @@ class TransformerConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
         _check_field_names(data)
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> "TransformerConfig":
+    def from_json(cls, text: str) -> TransformerConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -137,7 +137,7 @@ class TransformerConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def preset(cls, name: str, **changes: Any) -> "TransformerConfig":
+    def preset(cls, name: str, **changes: Any) -> TransformerConfig:
         """``base``, ``big`` (Table 3) or ``tiny``, with optional field overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 

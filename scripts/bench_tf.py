@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import transformer_tf  # noqa: E402  (refuses a Keras configured for another backend)
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
 from transformer_cli.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, measure, timed  # noqa: E402

@@ -241,7 +241,8 @@ def test_beam_tokens_float32(port, device_kind, variant):
     clear = [row for row, row_margins in enumerate(margins) if tolerance.beam_row_is_decisive(row_margins, bound)]
     assert clear, "every row had a float32 near-tie; choose inputs with clear decisions"
     for row in clear:
-        np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant), err_msg=f"row {row}")
+        np.testing.assert_array_equal(_emitted(tokens[row], variant), _emitted(ref_tokens[row], variant),
+                                      err_msg=f"row {row}")
 
 
 def _emitted(row: np.ndarray, variant: str) -> np.ndarray:

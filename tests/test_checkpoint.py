@@ -16,9 +16,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from reference_numpy import (FORMAT_VERSION, TransformerConfig, init_params, load_checkpoint, parameter_shapes,
-                             save_checkpoint)
 from equivalence.cases import VARIANTS
+from reference_numpy import (
+    FORMAT_VERSION,
+    TransformerConfig,
+    init_params,
+    load_checkpoint,
+    parameter_shapes,
+    save_checkpoint,
+)
 
 TINY = VARIANTS["tiny"]
 
@@ -224,7 +230,8 @@ def test_save_replaces_atomically(tmp_path):
     path = tmp_path / "m.safetensors"
     save_checkpoint(path, TINY, init_params(TINY, seed=1))
     save_checkpoint(path, TINY, init_params(TINY, seed=2))
-    np.testing.assert_array_equal(load_checkpoint(path)[1]["generator.weight"], init_params(TINY, seed=2)["generator.weight"])
+    np.testing.assert_array_equal(load_checkpoint(path)[1]["generator.weight"],
+                                  init_params(TINY, seed=2)["generator.weight"])
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
 
 

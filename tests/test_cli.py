@@ -200,7 +200,8 @@ def test_a_usage_error_names_its_flag_before_any_work(args, flag, in_workdir, mo
 
 def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
     """Requested backends none of which is installed compare nothing: an error, never agreement."""
-    monkeypatch.setitem(backends.BACKENDS, "torch", ("equivalence.adapters.torch", ("no_such_framework_here",), "torch"))
+    monkeypatch.setitem(backends.BACKENDS, "torch",
+                        ("equivalence.adapters.torch", ("no_such_framework_here",), "torch"))
     for args in (["compare", "tiny.safetensors", "--backends", "torch"],
                  ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
                   "--backends", "torch"],

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from reference_numpy import PRESETS, TransformerConfig
 from equivalence.cases import VARIANTS
+from reference_numpy import PRESETS, TransformerConfig
 
 
 def test_presets_follow_table_3():

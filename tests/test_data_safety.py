@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reference_numpy import init_params, load_checkpoint, save_checkpoint
 from equivalence.cases import VARIANTS
+from reference_numpy import init_params, load_checkpoint, save_checkpoint
 
 TINY = VARIANTS["tiny"]
 ROOT = Path(__file__).resolve().parents[1]

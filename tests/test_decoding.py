@@ -9,9 +9,9 @@ import zlib
 import numpy as np
 import pytest
 
-from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params
 from equivalence.cases import VARIANTS
 from equivalence.tolerance import assert_agrees
+from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 

@@ -31,9 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decoding import ScriptedModel
 
-from reference_numpy import TransformerConfig, beam_search, greedy_decode, init_params
 from equivalence.adapters import numpy as reference
 from equivalence.tolerance import assert_agrees, float64_bound
+from reference_numpy import TransformerConfig, beam_search, greedy_decode, init_params
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 IMPOSSIBLE = -math.inf

@@ -17,14 +17,14 @@ import dataclasses
 import functools
 import importlib
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from reference_numpy import TransformerConfig
-from equivalence.adapters import numpy as reference_backend
 from equivalence import cases
+from reference_numpy import TransformerConfig
 from reference_numpy.decoding import check_decoding_args
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}

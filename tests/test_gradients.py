@@ -9,13 +9,12 @@ import itertools
 
 import numpy as np
 import pytest
+from test_agreement import FRAMEWORKS, port_backend
 
 from equivalence import tolerance
-from reference_numpy import Transformer
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
+from reference_numpy import Transformer
 from reference_numpy.training import loss
-
-from test_agreement import FRAMEWORKS, port_backend
 
 STEP = 1e-3          # finite-difference step along a unit direction; halved for Richardson extrapolation
 DIRECTIONS = 3

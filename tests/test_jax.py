@@ -26,14 +26,14 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence import cases, tolerance  # noqa: E402
-from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from equivalence.adapters import jax as backend  # noqa: E402
+from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
+from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
-from equivalence.adapters import jax as backend  # noqa: E402
 from transformer_jax import checkpoint, decoding, device  # noqa: E402
 from transformer_jax.model import Transformer, forward, padding_mask, scaled_dot_product_attention  # noqa: E402
 from transformer_jax.training import loss  # noqa: E402

@@ -14,13 +14,12 @@ import math
 
 import numpy as np
 import pytest
+from test_agreement import FRAMEWORKS, port_backend
 
-from reference_numpy import Transformer
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from equivalence.tolerance import assert_agrees, finite_difference_bound
+from reference_numpy import Transformer
 from reference_numpy.training import label_smoothed_cross_entropy, loss
-
-from test_agreement import FRAMEWORKS, port_backend
 
 EPS, V, PAD = 0.1, 4, 0
 # Next-token distributions (B=2, T=3, V=4); each row sums to 1. Labels: two pad positions

@@ -18,8 +18,8 @@ import math
 import numpy as np
 import pytest
 
-from reference_numpy import Transformer, TransformerConfig, init_params
 from equivalence.tolerance import assert_agrees
+from reference_numpy import Transformer, TransformerConfig, init_params
 
 # eps = 1e-2 moves every LayerNorm output by ~1e-3 relative to eps = 1e-6 or 1e-5: a wrong
 # epsilon anywhere is nine orders of magnitude over the float64 bound.

@@ -175,6 +175,7 @@ def test_a_divergence_is_named_by_file_and_name():
 
 def test_framework_call_methods_and_idiom_arguments_are_the_same_text():
     source = ("class A:\n    def __init__(self, config, *, dtype, rngs): ...\n"
-              "    def build(self, input_shape): ...\n    def __call__(self, x): ...\n    def call(self, x, training=None): ...\n"
+              "    def build(self, input_shape): ...\n    def __call__(self, x): ...\n"
+              "    def call(self, x, training=None): ...\n"
               "    def _private(self): ...\n")
     assert methods(ast.parse(source).body[0]) == [("__init__", ["config"]), ("__call__", ["x"])]

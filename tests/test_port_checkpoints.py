@@ -10,11 +10,10 @@ import zipfile
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-
-from reference_numpy import checkpoint as reference_checkpoint
-from equivalence.cases import VARIANTS, seeded_params
-
 from test_agreement import FRAMEWORKS, port_backend
+
+from equivalence.cases import VARIANTS, seeded_params
+from reference_numpy import checkpoint as reference_checkpoint
 
 
 def tensor_bytes(path) -> bytes:
@@ -68,7 +67,8 @@ def bad_files(tmp_path) -> dict:
     write("float16", {**params, "src_embed.weight": params["src_embed.weight"].astype(np.float16)})
     write("version", params, {**metadata, "format_version": "9"})
     raw = files["missing tensor"].read_bytes()
-    for kind, content in (("truncated", raw[:len(raw) // 2]), ("tiny", raw[:5]), ("pickle", b"\x80\x04\x95" + bytes(40)),
+    for kind, content in (("truncated", raw[:len(raw) // 2]), ("tiny", raw[:5]),
+                          ("pickle", b"\x80\x04\x95" + bytes(40)),
                           ("not json", struct.pack("<Q", 5) + b"nope!")):
         files[kind] = tmp_path / f"{kind}.bin"
         files[kind].write_bytes(content)

@@ -54,7 +54,8 @@ def test_packaging_declares_every_backend_and_extra():
 def test_constraints_pin_the_cpu_torch_only_for_the_test_path():
     constraints = (ROOT / "constraints.txt").read_text()
     assert "torch==2.13.0" in constraints
-    assert "==" not in "".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"])
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "==" not in "".join(extras["torch"])
 
 
 def test_every_package_has_the_installed_distributions_version():
@@ -97,3 +98,11 @@ def test_a_built_wheel_holds_the_markers_and_the_version(tmp_path):
     assert {f"{package}/py.typed" for package in PACKAGES} <= set(files)
     metadata = zipfile.ZipFile(wheel).read(f"transformer_reference-{reference_numpy.__version__}.dist-info/METADATA")
     assert f"\nVersion: {reference_numpy.__version__}\n" in metadata.decode()
+
+
+def test_the_code_passes_the_linter_configured_in_pyproject():
+    """ruff, with the rules of ``[tool.ruff]`` in pyproject.toml, over every package, script and test."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All checks passed" in result.stdout

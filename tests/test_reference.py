@@ -13,12 +13,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_numpy import (LayerNorm, MultiHeadAttention, Transformer, TransformerConfig, causal_mask,
-                             count_parameters, init_params, padding_mask, scaled_dot_product_attention,
-                             sinusoidal_positional_encoding, target_mask)
-from reference_numpy.decoding import next_token_log_probs
 from equivalence.cases import VARIANTS
 from equivalence.tolerance import assert_agrees
+from reference_numpy import (
+    LayerNorm,
+    MultiHeadAttention,
+    Transformer,
+    TransformerConfig,
+    causal_mask,
+    count_parameters,
+    init_params,
+    padding_mask,
+    scaled_dot_product_attention,
+    sinusoidal_positional_encoding,
+    target_mask,
+)
+from reference_numpy.decoding import next_token_log_probs
 
 TINY = VARIANTS["tiny"]
 

@@ -17,11 +17,12 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip 
 keras = pytest.importorskip("keras", reason="keras is not installed (pip install '.[tf]')")
 
 import transformer_tf  # noqa: E402
-from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence import cases  # noqa: E402
-from reference_numpy import checkpoint as reference_checkpoint, decoding as reference_decoding  # noqa: E402
-from equivalence.cases import VARIANTS  # noqa: E402
+from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.adapters import tf as backend  # noqa: E402
+from equivalence.cases import VARIANTS  # noqa: E402
+from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from reference_numpy import decoding as reference_decoding  # noqa: E402
 from transformer_tf import checkpoint, decoding, device  # noqa: E402
 from transformer_tf.model import Transformer, compiled_forward, scaled_dot_product_attention  # noqa: E402
 
@@ -303,7 +304,8 @@ def test_bad_cache_arguments_give_the_reference_errors(capacity, tgt_slice, cach
     tgt = tokens["tgt"][:, tgt_slice]
     plain_index = cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index
     messages = []
-    for model, index in ((reference_model("tiny", "float64"), plain_index), (port_model("tiny", "float64"), cache_index)):
+    for model, index in ((reference_model("tiny", "float64"), plain_index),
+                         (port_model("tiny", "float64"), cache_index)):
         memory = model.encode(tokens["src"])
         with pytest.raises(ValueError) as error:
             model.decode(tgt, memory, cache=model.init_cache(memory, capacity), cache_index=index)

@@ -13,13 +13,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install '.[torch]')")
 
 
-from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence import cases, tolerance  # noqa: E402
-from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from equivalence.adapters import numpy as reference  # noqa: E402
+from equivalence.adapters import torch as backend  # noqa: E402
 from equivalence.cases import MASK_CASES, VARIANTS  # noqa: E402
+from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
-from equivalence.adapters import torch as backend  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
@@ -408,7 +408,8 @@ def test_nn_transformer_weights_convert_back(variant):
             expected = wrapper(**inputs).detach().numpy()
         tolerance.assert_agrees(log_probs(model, inputs), expected, what=f"from nn.Transformer {case}")
     round_trip = checkpoint.to_params(interop.from_nn_transformer(interop.to_nn_transformer(port_model(variant))))
-    assert all(np.array_equal(value, round_trip[name]) for name, value in checkpoint.to_params(port_model(variant)).items())
+    assert all(np.array_equal(value, round_trip[name])
+               for name, value in checkpoint.to_params(port_model(variant)).items())
 
 
 def _refused(config, **changes):

@@ -18,8 +18,7 @@ from reference_numpy import TransformerConfig, init_params
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 
 from . import backends
-from .timing import (cpu_name, decode_flops, encode_flops, forward_flops, gflop_rate, matmul_rate, measure,
-                     numpy_product)
+from .timing import cpu_name, decode_flops, encode_flops, forward_flops, gflop_rate, matmul_rate, measure, numpy_product
 
 MATMUL_SIZE = 2048
 MATMUL_REPEATS = 5
@@ -145,7 +144,8 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
     for name in dict.fromkeys(m.backend for m in report.measurements):
         cached, uncached = by_key.get((name, "greedy (cached)")), by_key.get((name, "greedy (uncached)"))
         if cached and uncached:
-            speedups.append((name, (uncached.seconds / max(1, uncached.tokens)) / (cached.seconds / max(1, cached.tokens))))
+            per_token = lambda run: run.seconds / max(1, run.tokens)
+            speedups.append((name, per_token(uncached) / per_token(cached)))
     return speedups
 
 
@@ -163,7 +163,8 @@ def plot_bench(report: BenchReport, path) -> None:
     left.set_title(f"forward, batch {report.shapes['batch']} x {report.shapes['src_len']} x {report.shapes['tgt_len']}")
     left.legend(fontsize="small", loc="lower right")
     width = 0.4
-    for offset, task, color in ((-width / 2, "greedy (uncached)", "tab:orange"), (width / 2, "greedy (cached)", "tab:green")):
+    for offset, task, color in ((-width / 2, "greedy (uncached)", "tab:orange"),
+                                (width / 2, "greedy (cached)", "tab:green")):
         per_token = [1e3 * find[(n, task)].seconds / max(1, find[(n, task)].tokens) if (n, task) in find else 0
                      for n in names]
         right.bar(np.arange(len(names)) + offset, per_token, width, label=task, color=color)

@@ -183,7 +183,8 @@ def parse_perturbation(text: str | None) -> tuple[str, str] | None:
         return None
     backend_name, _, tensor = text.partition(":")
     if backend_name not in backends.BACKENDS or not tensor:
-        raise ValueError(f"--perturb must be BACKEND:TENSOR with BACKEND in {', '.join(backends.BACKENDS)}, got {text!r}")
+        raise ValueError(f"--perturb must be BACKEND:TENSOR with BACKEND in {', '.join(backends.BACKENDS)}, "
+                         f"got {text!r}")
     return backend_name, tensor
 
 

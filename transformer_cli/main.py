@@ -157,7 +157,8 @@ COMMANDS = (add_compare, add_bench, add_plot, add_init, side_by_side.add_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog=PROG, epilog=EXIT_STATUS,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="The Transformer of 'Attention Is All You Need' in NumPy, PyTorch, "
                                                  "JAX/Flax and TensorFlow/Keras, checked against one reference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

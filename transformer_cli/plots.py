@@ -25,7 +25,8 @@ def plot_positional_encoding(length: int, d_model: int, path) -> None:
     plt = pyplot()
     table = sinusoidal_positional_encoding(length, d_model)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True, constrained_layout=True)
-    for ax, columns, name in ((axes[0], table[:, 0::2], "sin: PE(pos, 2i)"), (axes[1], table[:, 1::2], "cos: PE(pos, 2i+1)")):
+    for ax, columns, name in ((axes[0], table[:, 0::2], "sin: PE(pos, 2i)"),
+                              (axes[1], table[:, 1::2], "cos: PE(pos, 2i+1)")):
         image = ax.imshow(columns, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
         ax.set_title(name)
         ax.set_xlabel("i (frequency index; wavelength 2*pi * 10000^(2i/d_model))")

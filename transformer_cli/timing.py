@@ -88,7 +88,8 @@ def encode_flops(config: TransformerConfig, batch: int, src_len: int) -> int:
 def forward_flops(config: TransformerConfig, batch: int, src_len: int, tgt_len: int) -> int:
     """Encoder, decoder and output projection over every position (attention over full T x T)."""
     decoder = config.n_decoder_layers * layer_macs(config, tgt_len, tgt_len, src_len)
-    return encode_flops(config, batch, src_len) + 2 * batch * (decoder + tgt_len * config.d_model * config.tgt_vocab_size)
+    generator = tgt_len * config.d_model * config.tgt_vocab_size
+    return encode_flops(config, batch, src_len) + 2 * batch * (decoder + generator)
 
 
 def decode_flops(config: TransformerConfig, batch: int, src_len: int, steps: int, cached: bool) -> int:

@@ -41,8 +41,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, check_decoding_args, length_penalty,
-                                      max_output_lengths)
+from reference_numpy.decoding import (
+    BEAM_SIZE,
+    LENGTH_PENALTY_ALPHA,
+    check_decoding_args,
+    length_penalty,
+    max_output_lengths,
+)
 
 from .model import Transformer, padding_mask
 

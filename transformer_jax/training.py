@@ -42,7 +42,8 @@ def loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
                                         model.config.pad_id, epsilon)
 
 
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
+def gradients(model: Transformer, src, tgt, labels,
+              epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses)."""
     if not np.any(np.asarray(labels) != model.config.pad_id):

@@ -7,7 +7,7 @@ another backend (``KERAS_BACKEND``, ``~/.keras/keras.json``) the import stops wi
 
 import keras
 
-from reference_numpy import __version__
+from reference_numpy import __version__ as __version__
 
 if keras.backend.backend() != "tensorflow":
     raise ImportError(f"transformer_tf needs the TensorFlow backend of Keras, but Keras is configured for "
@@ -16,10 +16,27 @@ if keras.backend.backend() != "tensorflow":
 from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params, transposed  # noqa: E402
 from .decoding import beam_search, greedy_decode  # noqa: E402
 from .device import deterministic, devices, full_precision, resolve_device  # noqa: E402
-from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, KVCache,  # noqa: E402
-                    LayerNorm, MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward,
-                    Transformer, causal_mask, log_softmax, padding_mask, residual,
-                    scaled_dot_product_attention, sinusoidal_positional_encoding, target_mask)
+from .model import (  # noqa: E402
+    Decoder,
+    DecoderLayer,
+    Embeddings,
+    Encoder,
+    EncoderLayer,
+    Generator,
+    KVCache,
+    LayerNorm,
+    MultiHeadAttention,
+    PositionalEncoding,
+    PositionwiseFeedForward,
+    Transformer,
+    causal_mask,
+    log_softmax,
+    padding_mask,
+    residual,
+    scaled_dot_product_attention,
+    sinusoidal_positional_encoding,
+    target_mask,
+)
 from .training import gradients, label_smoothed_cross_entropy, loss  # noqa: E402
 
 __all__ = [

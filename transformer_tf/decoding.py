@@ -32,8 +32,13 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from reference_numpy.decoding import (BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA, check_decoding_args,
-                                      length_penalty)
+from reference_numpy.decoding import (
+    BEAM_SIZE,
+    EXTRA_OUTPUT_LENGTH,
+    LENGTH_PENALTY_ALPHA,
+    check_decoding_args,
+    length_penalty,
+)
 from reference_numpy.model import check_tokens
 
 from .device import model_device

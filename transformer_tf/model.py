@@ -22,7 +22,8 @@ plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 import numpy as np

@@ -38,7 +38,8 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING,
     return label_smoothed_cross_entropy(model(src, tgt, training=training), labels, model.config.pad_id, epsilon)
 
 
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
+def gradients(model: Transformer, src, tgt, labels,
+              epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses)."""
     variables = checkpoint._variables(model)

@@ -5,15 +5,32 @@ shared safetensors checkpoint and agreeing with the NumPy reference under its to
 See ``docs/torch.md``.
 """
 
-from reference_numpy import __version__
+from reference_numpy import __version__ as __version__
 
 from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params, transposed
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
-from .model import (Decoder, DecoderLayer, Embeddings, Encoder, EncoderLayer, Generator, KVCache, LayerNorm,
-                    MultiHeadAttention, PositionalEncoding, PositionwiseFeedForward, Transformer, causal_mask,
-                    log_softmax, padding_mask, residual, scaled_dot_product_attention,
-                    sinusoidal_positional_encoding, target_mask)
+from .model import (
+                    Decoder,
+                    DecoderLayer,
+                    Embeddings,
+                    Encoder,
+                    EncoderLayer,
+                    Generator,
+                    KVCache,
+                    LayerNorm,
+                    MultiHeadAttention,
+                    PositionalEncoding,
+                    PositionwiseFeedForward,
+                    Transformer,
+                    causal_mask,
+                    log_softmax,
+                    padding_mask,
+                    residual,
+                    scaled_dot_product_attention,
+                    sinusoidal_positional_encoding,
+                    target_mask,
+)
 from .training import gradients, label_smoothed_cross_entropy, loss
 
 __all__ = [

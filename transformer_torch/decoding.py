@@ -26,8 +26,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reference_numpy.decoding import (BEAM_SIZE, LENGTH_PENALTY_ALPHA, best_hypothesis, check_decoding_args,
-                                      length_penalty, max_output_lengths, search_ends, select_candidates)
+from reference_numpy.decoding import (
+    BEAM_SIZE,
+    LENGTH_PENALTY_ALPHA,
+    best_hypothesis,
+    check_decoding_args,
+    length_penalty,
+    max_output_lengths,
+    search_ends,
+    select_candidates,
+)
 
 from .model import KVCache, Transformer, padding_mask
 

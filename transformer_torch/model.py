@@ -24,7 +24,8 @@ Incremental decoding keeps each attention sublayer's keys and values in a :class
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,6 @@ from torch import Tensor, nn
 
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
-
 
 # ----------------------------------------------------------------------------- masks
 

@@ -37,7 +37,8 @@ def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: 
     return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon)
 
 
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
+def gradients(model: Transformer, src, tgt, labels,
+              epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off (eval mode) and its gradient for every checkpoint tensor, in
     checkpoint layout (tied weights receive the sum over their uses)."""
     model.eval().zero_grad(set_to_none=True)

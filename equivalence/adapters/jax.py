@@ -17,8 +17,8 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, decoding, training
 from transformer_jax import device as _device
-from transformer_jax.model import (Transformer, forward as _forward, padding_mask, residual,
-                                   scaled_dot_product_attention, target_mask)
+from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from transformer_jax.model import forward as _forward
 
 from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 

@@ -18,8 +18,14 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, decoding, training
 from transformer_tf import device as _device
-from transformer_tf.model import (Transformer, compiled_forward, padding_mask, residual, scaled_dot_product_attention,
-                                  target_mask)
+from transformer_tf.model import (
+    Transformer,
+    compiled_forward,
+    padding_mask,
+    residual,
+    scaled_dot_product_attention,
+    target_mask,
+)
 
 from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
