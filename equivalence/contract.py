@@ -12,11 +12,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from reference_numpy.config import TransformerConfig
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 
-Model = Any   # the backend's own Transformer
+Model = Any       # the backend's own Transformer
+Optimizer = Any   # the backend's own optimizer (with its learning-rate schedule)
 
 
 class Backend(Protocol):
@@ -38,8 +40,9 @@ class Backend(Protocol):
         """A model from a shared checkpoint file (``docs/checkpoint-format.md``)."""
         ...
 
-    def save(self, model: Model, path) -> None:
-        """Write the model's weights as a shared checkpoint."""
+    def save(self, model: Model, path, training: TrainingState | None = None) -> None:
+        """Write the model's weights (and a run's ``training`` state, from :meth:`training_state`) as a shared
+        checkpoint."""
         ...
 
     def export_params(self, model: Model) -> dict[str, np.ndarray]:
@@ -78,4 +81,19 @@ class Backend(Protocol):
                   ) -> tuple[float, dict[str, np.ndarray]]:
         """``(loss, grads)``: :meth:`loss` and its gradient for every checkpoint tensor, by checkpoint name, in
         checkpoint layout (NumPy float64 for a float64 model)."""
+        ...
+
+    def optimizer(self, model: Model, config: TrainingConfig | None = None,
+                  state: TrainingState | None = None) -> Optimizer:
+        """The backend's Adam with the schedule of section 5.3 for ``model`` (``config`` or the paper's); with
+        ``state``, a saved run's moments, step count and (unless ``config`` is given) its training config."""
+        ...
+
+    def train_step(self, model: Model, optimizer: Optimizer, src, tgt, labels,
+                   epsilon: float = LABEL_SMOOTHING) -> float:
+        """One training step of section 5 (dropout as the model's config says): the loss before the update."""
+        ...
+
+    def training_state(self, model: Model, optimizer: Optimizer) -> TrainingState:
+        """The optimizer's state in checkpoint layout (NumPy arrays in the model's dtype)."""
         ...

@@ -14,6 +14,10 @@ Gradients (float64): two ports' gradients of the same loss agree to ``GRADIENT_R
 times the gradient's scale, and each port's gradient matches central finite differences of
 the reference's loss within :func:`finite_difference_bound`.
 
+Training (float64): a port's weights, Adam moments and losses after each optimizer step stay within the
+reference's by the gradient bound carried through Adam's update (:class:`TrainingBound`); float32: the update
+``weights_after - weights_before`` under the float32 rule above.
+
 Nothing else in the project chooses a tolerance.
 """
 
@@ -94,6 +98,52 @@ def gradient_bound(grads_a: dict, grads_b: dict) -> float:
     """
     scale = max(float(np.max(np.abs(grad), initial=0.0)) for grads in (grads_a, grads_b) for grad in grads.values())
     return GRADIENT_RELATIVE * scale
+
+
+class TrainingBound:
+    """Per-entry float64 bounds on a port's training run against the reference's, step by step (section 5.3).
+
+    Each step's gradient may differ from the reference's by ``delta_s = GRADIENT_RELATIVE x max|g_s|`` (the gradient
+    policy); let ``delta`` be the largest so far. Adam's m_hat is a weighted mean of past gradients (weights summing
+    to 1) and sqrt(v_hat) a weighted root-mean-square, so each moves by at most ``delta``; to first order the update
+    u = m_hat / (sqrt(v_hat) + eps) moves by at most ``delta / r + |m_hat| delta / r^2`` (r = sqrt(v_hat) + eps), and
+    a weight by the sum over steps of lrate(t) times that. The moments: ``|dm| <= delta``,
+    ``|dv| <= 2 max|g| delta + delta^2`` (max over past steps, per entry). The loss at a step moves by
+    ``sum |g| |dw|`` through the weights it is computed at. Each bound adds the float64 policy's rounding floor at the
+    compared quantity's scale. (The gradient's own change through the weights' small drift is second order: the
+    drift is ~1e-15 while ``delta`` is 1e-10 of the gradient's scale.)
+    """
+
+    def __init__(self, params: dict[str, np.ndarray]):
+        zeros = lambda: {name: np.zeros(np.shape(value)) for name, value in params.items()}
+        self.weights, self.largest_gradient = zeros(), zeros()
+        self.delta = 0.0
+        self.losses: list[float] = []
+
+    def step(self, value: float, grads: dict[str, np.ndarray], first_moments: dict[str, np.ndarray],
+             second_moments: dict[str, np.ndarray], step: int, lrate: float, beta1: float, beta2: float,
+             epsilon: float) -> None:
+        """Account for one reference step: its loss ``value`` and gradient (at the weights before the step), and its
+        moments after the step, which was step number ``step`` with learning rate ``lrate``."""
+        self.losses.append(float64_bound(value) + sum(float(np.sum(np.abs(grads[name]) * self.weights[name]))
+                                                      for name in grads))
+        self.delta = max(self.delta, GRADIENT_RELATIVE * max(float(np.max(np.abs(g), initial=0.0))
+                                                              for g in grads.values()))
+        for name, grad in grads.items():
+            self.largest_gradient[name] = np.maximum(self.largest_gradient[name], np.abs(grad))
+            m_hat = first_moments[name] / (1.0 - beta1 ** step)
+            root = np.sqrt(second_moments[name] / (1.0 - beta2 ** step)) + epsilon
+            self.weights[name] = self.weights[name] + lrate * self.delta * (1.0 / root + np.abs(m_hat) / root ** 2)
+
+    def weight_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
+        return self.weights[name] + float64_bound(reference)
+
+    def first_moment_bound(self, reference: np.ndarray) -> float:
+        return self.delta + FLOAT64_RELATIVE * float(np.max(np.abs(reference), initial=0.0))
+
+    def second_moment_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
+        return (2 * self.largest_gradient[name] * self.delta + self.delta ** 2
+                + FLOAT64_RELATIVE * float(np.max(np.abs(reference), initial=0.0)))
 
 
 def finite_difference_bound(fd_h: float, fd_half: float, loss_value: float, step: float) -> float:

@@ -3,6 +3,8 @@
 * tensors are flat, named as in ``docs/checkpoint-format.md``; every projection is stored
   (in, out) so that y = x @ W + b;
 * the file's metadata holds ``format_version`` and ``config`` (the config as JSON);
+* optionally (format version 2) a training run's state: Adam's moments as ``adam.m.NAME`` and
+  ``adam.v.NAME`` beside each tensor, and ``training`` (step count and training config, JSON);
 * all tensors have one dtype, float32 or float64;
 * nothing in a checkpoint is ever executed: safetensors is a JSON header plus raw bytes.
 
@@ -14,20 +16,24 @@ and raises one ``ValueError`` naming the file, the problem and the tensor. Savin
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import secrets
 import stat
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
-from .config import TransformerConfig
+from .config import TrainingConfig, TransformerConfig
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")  # version 1: parameters only, no training state
+MOMENTS = ("adam.m.", "adam.v.")  # prefixes of Adam's first and second moments of each tensor
 DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
 PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, or one that was interrupted
 
@@ -123,12 +129,32 @@ def init_params(config: TransformerConfig, seed: int = 0, dtype=np.float64,
     return params
 
 
+class TrainingState(NamedTuple):
+    """Where a training run stands (section 5.3): enough to continue it in any backend.
+
+    ``first_moments`` and ``second_moments`` are Adam's m_t and v_t (not bias-corrected) for every
+    checkpoint tensor, by checkpoint name and in checkpoint layout; ``step`` is t, the number of
+    optimizer steps taken (the next step uses t + 1 for the bias correction and the schedule).
+    """
+
+    config: TrainingConfig
+    step: int
+    first_moments: dict[str, np.ndarray]
+    second_moments: dict[str, np.ndarray]
+
+    def astype(self, dtype) -> TrainingState:
+        """A copy with the moments cast to ``dtype`` (a run saved in float32 resumes in float64 and back)."""
+        cast = lambda moments: {name: np.asarray(value).astype(dtype) for name, value in moments.items()}
+        return self._replace(first_moments=cast(self.first_moments), second_moments=cast(self.second_moments))
+
+
 # ----------------------------------------------------------------------------- saving
 
-def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
-    """Write ``params`` and ``config`` to a safetensors file, atomically.
+def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: dict[str, np.ndarray],
+                    training: TrainingState | None = None) -> None:
+    """Write ``params`` and ``config`` (and a run's ``training`` state) to a safetensors file, atomically.
 
-    The parameters are validated exactly as :func:`load_checkpoint` would validate them. The
+    The tensors are validated exactly as :func:`load_checkpoint` would validate them. The
     bytes are written to ``NAME.<8 hex digits>.partial`` beside the file and flushed to disk,
     then renamed over it, so ``path`` always holds a complete file, the old one or the new one.
     A symbolic link is written through (its target is replaced, the link kept). A new file's
@@ -137,7 +163,14 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
     """
     params = {name: np.ascontiguousarray(value) for name, value in params.items()}
     validate_params(config, params)
-    data = _safetensors_save(params, metadata={"format_version": FORMAT_VERSION, "config": config.to_json()})
+    metadata = {"format_version": FORMAT_VERSION, "config": config.to_json()}
+    if training is not None:
+        validate_training_state(config, params, training)
+        metadata["training"] = json.dumps({"step": training.step, "config": training.config.to_dict()}, sort_keys=True)
+        params = {**params, **{prefix + name: np.ascontiguousarray(value) for prefix, moments in
+                               zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
+                               moments.items()}}
+    data = _safetensors_save(params, metadata=metadata)
     try:
         _replace_atomically(Path(os.path.realpath(path)), data)
     except OSError as err:
@@ -207,17 +240,65 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerCon
     validation; by default they keep the file's dtype. The arrays are copies: nothing refers to
     the file once this returns. Raises one ``ValueError`` of one line naming the file and the problem.
     """
+    config, params, _ = _load(path, dtype)
+    return config, params
+
+
+def load_training_state(path: str | os.PathLike, dtype=None) -> TrainingState | None:
+    """The training state saved with the parameters (format version 2), or None if the file has
+    none; validated and cast like :func:`load_checkpoint`."""
+    return _load(path, dtype)[2]
+
+
+def _load(path: str | os.PathLike, dtype) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
     target = None if dtype is None else _float_dtype(dtype)
     try:
-        config, params = _read_file(Path(path))
-        validate_params(config, params)
+        config, training, tensors = _read_file(Path(path))
+        params = {name: tensors.pop(name) for name in parameter_shapes(config) if name in tensors}
+        validate_params(config, {**params, **{n: v for n, v in tensors.items() if not n.startswith(MOMENTS)}})
+        state = _training_state(config, params, training, tensors)
     except ValueError as err:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
-    return config, {name: params[name] if target is None else params[name].astype(target)
-                    for name in parameter_shapes(config)}                        # in the table's order
+    if target is None:
+        return config, params, state                                             # params in the table's order
+    return config, {name: value.astype(target) for name, value in params.items()}, state and state.astype(target)
 
 
-def _read_file(path: Path) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+def _training_state(config: TransformerConfig, params: dict[str, np.ndarray], training: dict | None,
+                    moments: dict[str, np.ndarray]) -> TrainingState | None:
+    """The ``training`` metadata and the ``adam.*`` tensors as a validated :class:`TrainingState`."""
+    if training is None:
+        _refuse_names("unexpected", sorted(moments))                     # moments without a training record
+        return None
+    state = TrainingState(training["config"], training["step"],
+                          *({name[len(prefix):]: value for name, value in moments.items() if name.startswith(prefix)}
+                            for prefix in MOMENTS))
+    validate_training_state(config, params, state)
+    return state
+
+
+def validate_training_state(config: TransformerConfig, params: dict[str, np.ndarray], state: TrainingState) -> None:
+    """Check a training state against the parameters it belongs to: a ``TrainingConfig``, a step
+    count >= 0, and one first and one second moment per tensor with its shape and dtype, finite,
+    second moments >= 0. One ``ValueError`` naming the tensor (``adam.m.NAME``/``adam.v.NAME``)."""
+    if not isinstance(state.config, TrainingConfig):
+        raise ValueError(f"training config must be a TrainingConfig, got {type(state.config).__name__}")
+    if not isinstance(state.step, (int, np.integer)) or isinstance(state.step, bool) or state.step < 0:
+        raise ValueError(f"training step must be an int >= 0, got {state.step!r}")
+    for prefix, moments in zip(MOMENTS, (state.first_moments, state.second_moments)):
+        _refuse_names("missing", [prefix + name for name in params if name not in moments])
+        _refuse_names("unexpected", sorted(prefix + name for name in set(moments) - set(params)))
+        for name, value in moments.items():
+            value, expected = np.asarray(value), params[name]
+            if value.shape != expected.shape or value.dtype != expected.dtype:
+                raise ValueError(f"tensor {prefix + name!r} has shape {value.shape} and dtype {value.dtype}; "
+                                 f"expected {expected.shape} and {expected.dtype}, as {name!r}")
+            if not np.isfinite(value).all() or (prefix == MOMENTS[1] and (value < 0).any()):
+                raise ValueError(f"tensor {prefix + name!r} holds non-finite"
+                                 f"{' or negative' if prefix == MOMENTS[1] else ''} values")
+
+
+def _read_file(path: Path) -> tuple[TransformerConfig, dict | None, dict[str, np.ndarray]]:
     if not path.is_file():
         raise ValueError("does not exist or is not a regular file")
     try:
@@ -226,8 +307,8 @@ def _read_file(path: Path) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
                 raise ValueError("looks like a pickle or torch.save archive; only safetensors checkpoints "
                                  "are read (pickles are never loaded)")
         with safe_open(path, framework="numpy") as handle:
-            config = _read_metadata(handle.metadata())
-            return config, {name: _read_tensor(handle, name) for name in handle.keys()}
+            config, training = _read_metadata(handle.metadata())
+            return config, training, {name: _read_tensor(handle, name) for name in handle.keys()}
     except (SafetensorError, OSError) as err:
         raise ValueError(_library_problem(err)) from None
 
@@ -243,18 +324,26 @@ def _library_problem(err: Exception) -> str:
     return f"not a readable safetensors file ({text})"
 
 
-def _read_metadata(metadata) -> TransformerConfig:
+def _read_metadata(metadata) -> tuple[TransformerConfig, dict | None]:
+    """The model config and, if the file holds a training state, ``{"step", "config"}``."""
     if not isinstance(metadata, dict) or "format_version" not in metadata:
         raise ValueError("checkpoint metadata has no format_version; not a checkpoint of this project")
-    if metadata["format_version"] != FORMAT_VERSION:
+    if metadata["format_version"] not in READABLE_VERSIONS:
         raise ValueError(f"unknown checkpoint format_version {metadata['format_version']!r} "
-                         f"(this library reads version {FORMAT_VERSION})")
+                         f"(this library reads versions {', '.join(READABLE_VERSIONS)})")
     if "config" not in metadata:
         raise ValueError("checkpoint metadata has no config")
     try:
-        return TransformerConfig.from_json(metadata["config"])
+        config = TransformerConfig.from_json(metadata["config"])
     except (ValueError, TypeError) as err:
         raise ValueError(f"checkpoint config is invalid: {err}") from None
+    if "training" not in metadata or metadata["format_version"] == "1":
+        return config, None
+    try:
+        training = json.loads(metadata["training"])
+        return config, {"step": training["step"], "config": TrainingConfig.from_dict(training["config"])}
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"checkpoint training record is invalid: {err}") from None
 
 
 def _read_tensor(handle, name: str) -> np.ndarray:

@@ -25,8 +25,41 @@ POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
 MAX_LEN_LIMIT = 2 ** 16
 
 
+class _Config:
+    """What both configs share: validated copies and the JSON round trip of the checkpoint's metadata."""
+
+    def _store(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen; this runs once, in __post_init__
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (validated like a new config)."""
+        _check_field_names(type(self), changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        _check_field_names(cls, data)
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config is not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+
 @dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(_Config):
     """Hyper-parameters of the encoder-decoder Transformer (section 3, Table 3).
 
     Attributes:
@@ -107,35 +140,6 @@ class TransformerConfig:
         """Width of one head's queries, keys and values: d_k = d_v = d_model / h (section 3.2.2)."""
         return self.d_model // self.n_heads
 
-    def _store(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)  # the dataclass is frozen; this runs once, in __post_init__
-
-    def replace(self, **changes: Any) -> TransformerConfig:
-        """A copy with some fields changed (validated like a new config)."""
-        _check_field_names(changes)
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
-        if not isinstance(data, dict):
-            raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
-        _check_field_names(data)
-        return cls(**data)
-
-    @classmethod
-    def from_json(cls, text: str) -> TransformerConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"config is not valid JSON: {err}") from None
-        return cls.from_dict(data)
-
     @classmethod
     def preset(cls, name: str, **changes: Any) -> TransformerConfig:
         """``base``, ``big`` (Table 3) or ``tiny``, with optional field overrides."""
@@ -144,10 +148,10 @@ class TransformerConfig:
         return PRESETS[name].replace(**changes)
 
 
-def _check_field_names(changes: dict) -> None:
-    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(TransformerConfig)}, key=str)
+def _check_field_names(cls: type, changes: dict) -> None:
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)}, key=str)
     if unknown:
-        raise ValueError(f"unknown config field {unknown[0]!r}")
+        raise ValueError(f"unknown {_KINDS[cls]} field {unknown[0]!r}")
 
 
 def _as_int(name: str, value: Any, minimum: int) -> int:
@@ -171,6 +175,40 @@ def _as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Config):
+    """The optimizer of section 5.3: Adam's settings and the learning-rate schedule. The defaults are
+    the paper's. (Label smoothing, section 5.4, is an argument of the loss and of each training step.)
+
+    Attributes:
+        warmup_steps: the schedule's linear warmup, lrate = d_model^-0.5 * min(step^-0.5,
+            step * warmup_steps^-1.5) (Eq. 3; the paper uses 4000).
+        beta1, beta2, epsilon: Adam's (Kingma & Ba, 2015) decay rates and epsilon; the paper's 0.9, 0.98, 1e-9.
+        learning_rate_scale: a factor on lrate; 1 is the paper's schedule (small models on toy tasks
+            may take a larger one).
+    """
+
+    warmup_steps: int = 4000
+    beta1: float = 0.9
+    beta2: float = 0.98
+    epsilon: float = 1e-9
+    learning_rate_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._store("warmup_steps", _as_int("warmup_steps", self.warmup_steps, minimum=1))
+        for name in ("beta1", "beta2", "epsilon", "learning_rate_scale"):
+            self._store(name, _as_float(name, getattr(self, name)))
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        for name in ("epsilon", "learning_rate_scale"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+
+
+_KINDS = {TransformerConfig: "config", TrainingConfig: "training config"}
 
 
 PRESETS: dict[str, TransformerConfig] = {

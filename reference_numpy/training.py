@@ -1,17 +1,22 @@
-"""The training objective of section 5.4: cross-entropy with label smoothing (epsilon_ls = 0.1).
+"""Training, section 5: the label-smoothed loss (5.4), its gradient, Adam and the learning-rate
+schedule (5.3), one training step, and the run's state for a checkpoint.
 
-The reference defines the loss; the ports differentiate it (autograd, ``jax.grad``,
-``tf.GradientTape``) and are checked against each other and against central finite differences
-of this function.
+The reference differentiates by hand (``reference_numpy/backward.py``, checked against finite
+differences of :func:`loss`); the ports differentiate by autodiff and step with their framework's own
+optimizer, made to compute the same update. The reference has no dropout: it trains as with P_drop = 0.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import backward, checkpoint
+from .checkpoint import TrainingState
+from .config import TrainingConfig
 from .model import Transformer
 
 LABEL_SMOOTHING = 0.1  # section 5.4
+PAPER = TrainingConfig()  # section 5.3: Adam(0.9, 0.98, 1e-9), warmup_steps = 4000
 
 
 def label_smoothed_cross_entropy(log_probs: np.ndarray, labels: np.ndarray, pad_id: int,
@@ -41,3 +46,83 @@ def loss(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarra
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens -> scalar.
     """
     return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon)
+
+
+def gradients(model: Transformer, src, tgt, labels,
+              epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
+    """The loss and its gradient for every checkpoint tensor, in checkpoint layout and the model's dtype
+    (tied weights receive the sum over their uses), by the hand-written backward pass."""
+    return backward.loss_and_gradients(model, src, tgt, labels, epsilon)
+
+
+def learning_rate(step: int, d_model: int, config: TrainingConfig = PAPER) -> float:
+    """lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)  -- Eq. (3), section 5.3.
+
+    Rises linearly for the first ``warmup_steps`` steps, then decays as the inverse square root of the
+    step number; ``step`` counts from 1 (the first update), times ``config.learning_rate_scale``.
+    """
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (steps count from 1), got {step!r}")
+    return config.learning_rate_scale * d_model ** -0.5 * min(step ** -0.5, step * config.warmup_steps ** -1.5)
+
+
+class Adam:
+    """Adam (Kingma & Ba, 2015, Algorithm 1) with beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9 and the
+    learning rate of Eq. (3) -- section 5.3. Updates the parameter arrays in place:
+
+        t += 1;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        theta -= lrate(t) * m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^t),  v_hat = v / (1 - b2^t)
+    """
+
+    def __init__(self, params: dict[str, np.ndarray], d_model: int, config: TrainingConfig,
+                 state: TrainingState | None = None):
+        self.params, self.d_model, self.config = params, d_model, config
+        self.step = 0 if state is None else int(state.step)
+        self.first_moments = {name: _moment(state, 0, name, value) for name, value in params.items()}
+        self.second_moments = {name: _moment(state, 1, name, value) for name, value in params.items()}
+
+    def update(self, grads: dict[str, np.ndarray]) -> None:
+        """One step with the gradient of every parameter, by checkpoint name."""
+        c = self.config
+        self.step += 1
+        lr = learning_rate(self.step, self.d_model, c)
+        for name, grad in grads.items():
+            m, v = self.first_moments[name], self.second_moments[name]
+            m *= c.beta1
+            m += (1.0 - c.beta1) * grad
+            v *= c.beta2
+            v += (1.0 - c.beta2) * grad * grad
+            m_hat, v_hat = m / (1.0 - c.beta1 ** self.step), v / (1.0 - c.beta2 ** self.step)
+            self.params[name] -= lr * m_hat / (np.sqrt(v_hat) + c.epsilon)
+
+
+def _moment(state: TrainingState | None, which: int, name: str, like: np.ndarray) -> np.ndarray:
+    """A private copy of one tensor's saved moment (zeros for a new run), in the parameter's dtype."""
+    if state is None:
+        return np.zeros_like(like)
+    return np.array(state[2 + which][name], dtype=like.dtype)
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> Adam:
+    """The optimizer of section 5.3 for ``model``. With ``state`` (from ``load_training_state``) the saved run
+    continues where it stopped: its moments (cast to the model's dtype), step count and, unless ``config`` is
+    given, its training config."""
+    if state is not None:
+        checkpoint.validate_training_state(model.config, model.params, state.astype(model.dtype))
+    config = config or (state.config if state is not None else PAPER)
+    return Adam(model.params, model.config.d_model, config, state)
+
+
+def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+    """One training step of section 5 (no dropout in the reference): the loss before the update."""
+    value, grads = gradients(model, src, tgt, labels, epsilon)
+    optimizer.update(grads)
+    return value
+
+
+def training_state(model: Transformer, optimizer: Adam) -> TrainingState:
+    """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``."""
+    copy = lambda moments: {name: np.array(moments[name]) for name in model.params}
+    return TrainingState(optimizer.config, optimizer.step, copy(optimizer.first_moments),
+                         copy(optimizer.second_moments))

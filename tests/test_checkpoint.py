@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from equivalence.cases import VARIANTS
@@ -25,6 +26,8 @@ from reference_numpy import (
     parameter_shapes,
     save_checkpoint,
 )
+from reference_numpy.checkpoint import TrainingState, load_training_state
+from reference_numpy.config import TrainingConfig
 
 TINY = VARIANTS["tiny"]
 
@@ -360,3 +363,86 @@ def test_loaded_arrays_are_copies_that_outlive_the_file(tmp_path):
         assert not [fd for fd in Path("/proc/self/fd").iterdir() if fd.exists() and fd.resolve() == path]
     path.unlink()
     np.testing.assert_array_equal(params["generator.weight"], good_params()["generator.weight"])
+
+
+# ----------------------------------------------------------------------------- training state (format version 2)
+
+def training_state(params, step=3, **changes):
+    rng = np.random.default_rng(5)
+    moments = [{name: rng.standard_normal(value.shape) for name, value in params.items()} for _ in range(2)]
+    state = TrainingState(TrainingConfig(warmup_steps=40), step, moments[0],
+                          {name: value ** 2 for name, value in moments[1].items()})
+    return state._replace(**changes)
+
+
+def test_training_state_round_trips_beside_the_parameters(tmp_path):
+    params = good_params()
+    state = training_state(params)
+    save_checkpoint(tmp_path / "run.safetensors", TINY, params, training=state)
+    config, loaded = load_checkpoint(tmp_path / "run.safetensors")
+    assert config == TINY and list(loaded) == list(params)
+    again = load_training_state(tmp_path / "run.safetensors")
+    assert again.step == 3 and again.config == TrainingConfig(warmup_steps=40)
+    for mine, theirs in ((state.first_moments, again.first_moments), (state.second_moments, again.second_moments)):
+        assert set(theirs) == set(params) and all(np.array_equal(mine[name], theirs[name]) for name in params)
+    as32 = load_training_state(tmp_path / "run.safetensors", dtype="float32")
+    assert all(value.dtype == np.float32 for value in as32.first_moments.values())
+    with safe_open(tmp_path / "run.safetensors", framework="numpy") as handle:
+        names, metadata = set(handle.keys()), handle.metadata()
+    assert names == set(params) | {f"adam.{m}.{name}" for m in "mv" for name in params}
+    assert json.loads(metadata["training"]) == {"step": 3, "config": TrainingConfig(warmup_steps=40).to_dict()}
+
+
+def test_a_file_without_training_state_has_none(tmp_path):
+    save_checkpoint(tmp_path / "m.safetensors", TINY, good_params())
+    assert load_training_state(tmp_path / "m.safetensors") is None
+
+
+def test_version_1_files_still_load(tmp_path):
+    """A file written before the training state existed (format_version "1", parameters only)."""
+    path = write(tmp_path, good_params(), {"format_version": "1", "config": TINY.to_json()})
+    config, params = load_checkpoint(path)
+    assert config == TINY and all(np.array_equal(params[name], good_params()[name]) for name in params)
+    assert load_training_state(path) is None
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda s: s._replace(first_moments={k: v for k, v in s.first_moments.items() if k != "generator.weight"}),
+     "missing tensor 'adam.m.generator.weight'"),
+    (lambda s: s._replace(second_moments={**s.second_moments, "encoder.norm.weight": np.ones(16)}),
+     "unexpected tensor 'adam.v.encoder.norm.weight'"),
+    (lambda s: s._replace(first_moments={**s.first_moments, "generator.weight": np.zeros((23, 16))}),
+     "tensor 'adam.m.generator.weight' has shape (23, 16)"),
+    (lambda s: s._replace(second_moments={**s.second_moments, "generator.weight": -np.ones((16, 23))}),
+     "tensor 'adam.v.generator.weight' holds non-finite or negative values"),
+    (lambda s: s._replace(first_moments={**s.first_moments, "generator.weight": np.full((16, 23), np.nan)}),
+     "tensor 'adam.m.generator.weight' holds non-finite values"),
+    (lambda s: s._replace(step=-1), "training step must be an int >= 0, got -1"),
+    (lambda s: s._replace(step=True), "training step must be an int >= 0, got True"),
+    (lambda s: s._replace(config={"warmup_steps": 4}), "training config must be a TrainingConfig, got dict"),
+])
+def test_a_bad_training_state_is_refused_naming_the_tensor(tmp_path, change, problem):
+    state = change(training_state(good_params()))
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        save_checkpoint(tmp_path / "run.safetensors", TINY, good_params(), training=state)
+    assert not (tmp_path / "run.safetensors").exists()
+
+
+@pytest.mark.parametrize("metadata, tensors, problem", [
+    ({"training": "{not json"}, {}, "checkpoint training record is invalid"),
+    ({"training": json.dumps({"step": 1})}, {}, "checkpoint training record is invalid"),
+    ({"training": json.dumps({"step": 1, "config": {"warmup": 1}})}, {},
+     "checkpoint training record is invalid: unknown training config field 'warmup'"),
+    ({"training": json.dumps({"step": "1", "config": {}})}, {}, "training step must be an int >= 0, got '1'"),
+    ({}, {"adam.m.generator.weight": np.zeros((16, 23))}, "unexpected tensor 'adam.m.generator.weight'"),
+])
+def test_a_bad_training_record_in_a_file_is_one_line(tmp_path, metadata, tensors, problem):
+    params = good_params()
+    moments = {f"adam.{m}.{name}": np.zeros_like(value) for m in "mv" for name, value in params.items()} \
+        if "training" in metadata else {}
+    path = write(tmp_path, {**params, **moments, **tensors},
+                 {"format_version": FORMAT_VERSION, "config": TINY.to_json(), **metadata})
+    for read in (load_checkpoint, load_training_state):
+        with pytest.raises(ValueError, match=re.escape(problem)) as err:
+            read(path)
+        assert str(err.value).startswith(f"checkpoint {str(path)!r}: ") and "\n" not in str(err.value)

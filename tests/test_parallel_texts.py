@@ -28,12 +28,17 @@ CALL_METHODS = ("call", "forward", "__call__")
 IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", "device"}
 # Public names only the reference has (it has no framework to provide them, and the input checks
 # the ports call are written once, there) and names only ports have (compiled entry points).
-REFERENCE_ONLY = {"model.py": {"Linear", "as_array"}, "training.py": set(),
+REFERENCE_ONLY = {"model.py": {"Linear", "as_array"},
+                  # the reference's own Adam: each port steps with its framework's optimizer
+                  "training.py": {"Adam"},
                   # host-side beam bookkeeping: compiled ports keep it in-graph (torch imports it)
                   "decoding.py": {"StepChoice", "select_candidates", "search_ends", "best_hypothesis"}}
 REFERENCE_ONLY_PREFIXES = ("check_",)
 PORT_ONLY = {"model.py": {"compiled_forward", "forward", "stage_names"},
-             "decoding.py": {"reorder_cache"}, "training.py": {"gradients"},
+             "decoding.py": {"reorder_cache"},
+             # Eq. (3) as each framework's own schedule object (LambdaLR's lambda, an optax schedule, a Keras
+             # LearningRateSchedule); the reference's learning_rate is imported by every port
+             "training.py": {"learning_rate_schedule"},
              # TensorFlow: the device a Keras model's weights live on, for its tf.device scopes
              "device.py": {"model_device"}}
 # Files whose template is the reference; the others have no reference counterpart and are

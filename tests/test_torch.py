@@ -1,10 +1,12 @@
 """Tests of the PyTorch port beyond the shared agreement matrix (tests/test_agreement.py):
 checkpoint I/O against the reference, the name table, nn.Transformer interop, the key/value
-cache, the fully masked row through SDPA, dropout in train/eval mode, casting, devices."""
+cache, the fully masked row through SDPA, dropout in train/eval mode, casting, devices, and
+training (torch.optim.Adam and LambdaLR against the paper's update written out here)."""
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import numpy as np
@@ -18,9 +20,11 @@ from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.adapters import torch as backend  # noqa: E402
 from equivalence.cases import MASK_CASES, VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
-from transformer_torch import checkpoint, decoding, device, interop  # noqa: E402
+from reference_numpy.training import PAPER, learning_rate  # noqa: E402
+from transformer_torch import checkpoint, decoding, device, interop, training  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
 NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
@@ -500,3 +504,166 @@ def test_cuda_determinism_switch_gives_identical_runs():
                                       backend.beam(model, cases.decoding_inputs(VARIANTS["tiny"]))[0])
     finally:
         device.deterministic(False)
+
+
+# ----------------------------------------------------------------------------- training
+
+# warmup_steps = 2: three steps cover both branches of Eq. (3), at a learning rate (~0.09 for d_model = 16) where a
+# rate rounded to float32 (relative 6e-8) or a misplaced epsilon moves the weights far beyond the float64 bound;
+# with the paper's warmup (4000) the first rates are ~2e-6 and such errors hide under it.
+FAST = TrainingConfig(warmup_steps=2)
+FALSE_FAILURE = 1e-6   # the probability, for any seed, that a correct dropout fails the binomial bound below
+
+
+def paper_adam(weight, grad, m, v, t: int, rate: float, config: TrainingConfig):
+    """Kingma & Ba (2015), Algorithm 1, as section 5.3 uses it; written out here, sharing no code with the port."""
+    m = config.beta1 * m + (1.0 - config.beta1) * grad
+    v = config.beta2 * v + (1.0 - config.beta2) * grad ** 2
+    m_hat, v_hat = m / (1.0 - config.beta1 ** t), v / (1.0 - config.beta2 ** t)
+    return weight - rate * m_hat / (np.sqrt(v_hat) + config.epsilon), m, v
+
+
+def eq3(t: int, d_model: int, config: TrainingConfig) -> float:
+    """lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), Eq. (3), written out here."""
+    return d_model ** -0.5 * min(t ** -0.5, t * config.warmup_steps ** -1.5)
+
+
+def test_the_schedule_gives_eq_3_for_steps_counted_from_1():
+    config = TrainingConfig(warmup_steps=3)
+    schedule = training.learning_rate_schedule(16, config)
+    for count in range(8):                                                  # LambdaLR's count, from 0
+        rate, t = schedule(count), count + 1
+        assert rate == learning_rate(t, 16, config), t                     # the reference's Eq. (3), bit for bit
+        assert abs(rate - eq3(t, 16, config)) <= tolerance.FLOAT64_RELATIVE * eq3(t, 16, config), t  # a scalar
+    model = backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
+    scheduled = training.optimizer(model, config)
+    assert scheduled.last_epoch == 0 and scheduled.base_lrs == [1.0]       # count 0 at construction, base rate 1
+    for t in range(1, 8):                                                   # the rate update t uses
+        rate = scheduled.optimizer.param_groups[0]["lr"]
+        assert type(rate) is float and rate == learning_rate(t, 16, config), t   # a Python float: float64
+        scheduled.optimizer.step()                                          # no gradients: no parameter moves
+        scheduled.step()
+
+
+def test_adam_steps_are_the_papers_update():
+    """One and three steps from the port's own gradients: weights, m and v (not bias-corrected) and t against
+    Algorithm 1 written out in this file, float64, dropout 0, for the paper's config and a fast warmup."""
+    config = VARIANTS["tiny"].replace(dropout=0.0)
+    for settings in (PAPER, FAST):
+        model = backend.build(config, cases.seeded_params(config))
+        scheduled = training.optimizer(model, settings)
+        weights = checkpoint.to_params(model)
+        m, v = ({name: np.zeros_like(value) for name, value in weights.items()} for _ in range(2))
+        for t in range(1, 4):
+            batch = cases.training_inputs(config, seed=t)
+            _, grads = training.gradients(model, **batch)                   # at the weights before step t
+            training.train_step(model, scheduled, **batch)
+            for name, grad in grads.items():
+                weights[name], m[name], v[name] = paper_adam(weights[name], grad, m[name], v[name], t,
+                                                             eq3(t, config.d_model, settings), settings)
+            state, after = training.training_state(model, scheduled), checkpoint.to_params(model)
+            assert state.step == t and state.config == settings
+            for name in weights:
+                what = f"warmup {settings.warmup_steps}, step {t}, {name}"
+                tolerance.assert_agrees(after[name], weights[name], what=f"{what}: weight")
+                tolerance.assert_agrees(state.first_moments[name], m[name], what=f"{what}: m")
+                tolerance.assert_agrees(state.second_moments[name], v[name], what=f"{what}: v")
+
+
+def assert_dropout_statistics(out: np.ndarray, before: np.ndarray, p_drop: float, what: str) -> None:
+    """Section 5.4 on units whose input is not 0: each is zeroed with probability P_drop, independently, and a
+    survivor is scaled by 1 / (1 - P_drop). Hoeffding: P(|zeroed / n - P_drop| >= delta) <= 2 exp(-2 n delta^2),
+    so delta = sqrt(ln(2 / FALSE_FAILURE) / (2 n)) fails a correct dropout with probability at most FALSE_FAILURE."""
+    live = before != 0
+    zeroed, n = (out == 0) & live, int(live.sum())
+    delta = math.sqrt(math.log(2 / FALSE_FAILURE) / (2 * n))
+    assert abs(zeroed.sum() / n - p_drop) <= delta, f"{what}: {zeroed.sum() / n:.4f} zeroed, P_drop {p_drop}"
+    tolerance.assert_agrees(out[live & ~zeroed], before[live & ~zeroed] / (1 - p_drop), what=f"{what}: survivors")
+
+
+@pytest.mark.parametrize("p_drop", [0.1, 0.5])
+def test_dropout_in_training_mode_has_the_papers_statistics(p_drop):
+    """On the sum of embeddings and positional encodings, and on every sublayer output (each call of a layer's
+    dropout, seen by a hook), in train mode."""
+    config = VARIANTS["tiny"].replace(dropout=p_drop)
+    model = backend.build(config, cases.seeded_params(config)).train()
+    x = torch.full((32, config.max_len, config.d_model), 3.0, dtype=torch.float64)   # no unit is 0
+    torch.manual_seed(0)
+    with torch.no_grad():
+        summed, expected = model.src_pos(x).numpy(), model.src_pos.eval()(x).numpy()
+    assert_dropout_statistics(summed, expected, p_drop, "embedding sum")
+    calls = []
+    for layer in [*model.encoder.layers, *model.decoder.layers]:
+        layer.dropout.register_forward_hook(lambda module, args, out: calls.append((args[0].numpy(), out.numpy())))
+    tokens = np.random.default_rng(0).integers(3, config.src_vocab_size, size=(16, 32))
+    with torch.no_grad():
+        model.train()(tokens, tokens)
+    assert len(calls) == 2 * config.n_encoder_layers + 3 * config.n_decoder_layers
+    assert_dropout_statistics(np.concatenate([out.ravel() for _, out in calls]),
+                              np.concatenate([before.ravel() for before, _ in calls]), p_drop, "sublayer outputs")
+
+
+def test_a_training_step_applies_dropout_and_leaves_eval_mode_untouched():
+    config = VARIANTS["tiny"]                                               # P_drop = 0.1
+    model = backend.build(config, cases.seeded_params(config))
+    batch, inputs = cases.training_inputs(config), cases.model_inputs(config, "source_padding")
+    eval_loss = backend.loss(model, **batch)
+    torch.manual_seed(0)
+    train_loss = training.train_step(model, training.optimizer(model), **batch)
+    assert isinstance(train_loss, float) and not model.training
+    assert abs(train_loss - eval_loss) > tolerance.float64_bound(eval_loss), "no dropout in the training step"
+    first, second = log_probs(model, inputs), log_probs(model, inputs)
+    assert np.array_equal(first, second)
+    tolerance.assert_agrees(first, reference.build(config, checkpoint.to_params(model))(**inputs),
+                            what="eval forward after a training step")
+
+
+def test_a_run_saved_with_its_state_resumes_where_it_stopped(tmp_path):
+    """training_state -> save_checkpoint(training=) -> load_training_state -> optimizer(state=): the next step is
+    the one the run in memory takes, bit for bit; tied weights have one pair of moments; a float32 model takes
+    the float64 state cast."""
+    config, path = VARIANTS["shared_embeddings"].replace(dropout=0.0), tmp_path / "run.safetensors"
+    batches = [cases.training_inputs(config, seed=seed) for seed in range(4)]
+    model = backend.build(config, cases.seeded_params(config))
+    scheduled = training.optimizer(model, FAST)
+    for batch in batches[:3]:
+        training.train_step(model, scheduled, **batch)
+    assert len(scheduled.optimizer.state) == len(checkpoint.to_params(model))   # shared_embed.weight once
+    checkpoint.save_checkpoint(model, path, training.training_state(model, scheduled))
+    state = reference_checkpoint.load_training_state(path)
+    assert state.step == 3 and state.config == FAST
+    resumed = checkpoint.load_checkpoint(path)
+    rescheduled = training.optimizer(resumed, state=state)
+    assert rescheduled.get_last_lr() == scheduled.get_last_lr() == [learning_rate(4, config.d_model, FAST)]
+    assert training.train_step(resumed, rescheduled, **batches[3]) == training.train_step(model, scheduled,
+                                                                                            **batches[3])
+    ours, theirs = training.training_state(model, scheduled), training.training_state(resumed, rescheduled)
+    assert theirs.step == ours.step == 4
+    for name, value in checkpoint.to_params(model).items():
+        assert np.array_equal(checkpoint.to_params(resumed)[name], value), name
+        assert np.array_equal(theirs.first_moments[name], ours.first_moments[name]), name
+        assert np.array_equal(theirs.second_moments[name], ours.second_moments[name]), name
+    narrow = checkpoint.load_checkpoint(path, torch.float32)
+    assert all(slot["exp_avg"].dtype == torch.float32 and int(slot["step"]) == 3
+               for slot in training.optimizer(narrow, state=state).optimizer.state.values())
+
+
+def test_a_bad_training_state_gives_the_references_error():
+    config = VARIANTS["tiny"]
+    model, ref = port_model("tiny"), reference_model("tiny")
+    state = reference.training_state(ref, reference.optimizer(ref))
+    name = "encoder.layers.0.ffn.linear1.weight"
+    missing = state._replace(first_moments={key: value for key, value in state.first_moments.items() if key != name})
+    transposed = state._replace(second_moments={**state.second_moments, name: state.second_moments[name].T})
+    for bad, tensor in ((missing, f"adam.m.{name}"), (transposed, f"adam.v.{name}")):
+        with pytest.raises(ValueError) as ours:
+            training.optimizer(model, state=bad)
+        with pytest.raises(ValueError) as theirs:
+            reference.optimizer(ref, state=bad)
+        assert str(ours.value) == str(theirs.value) and "\n" not in str(ours.value) and tensor in str(ours.value)
+    fresh = backend.build(config, cases.seeded_params(config))
+    scheduled = training.optimizer(fresh)
+    training.gradients(fresh, **cases.training_inputs(config))
+    scheduled.optimizer.step()                                              # Adam stepped, the schedule not
+    with pytest.raises(ValueError, match=r"the Adam step counts and the schedule's count differ \(\[0, 1\]\)"):
+        training.training_state(fresh, scheduled)

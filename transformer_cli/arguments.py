@@ -4,6 +4,7 @@ line is parsed, before any work, so that a mistake is a usage error naming the f
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -61,3 +62,18 @@ def image_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} does not end in a picture format matplotlib writes "
                                          f"({', '.join(sorted(formats))})")
     return output_file(text)
+
+
+def real(minimum: float, below: float | None = None, inclusive: bool = True):
+    """A finite float flag of at least ``minimum`` (strictly above it unless ``inclusive``) and below ``below``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (not inclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'at least' if inclusive else 'above'} {minimum}, got {text}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"must be below {below}, got {text}")
+        return value
+    return parse

@@ -5,6 +5,8 @@
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--layer 0] [--head 0] [--kind encoder] [--out attention.png]
     transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
+    transformer-reference train [--backends numpy] [--steps N] [--out RUN.safetensors] [--resume RUN.safetensors]
+                                [--plot FILE.png] [--json]
     transformer-reference side-by-side --out DIR
     transformer-reference --version
 
@@ -27,7 +29,11 @@ from reference_numpy.config import PRESETS
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 
 from . import backends, side_by_side
-from .arguments import backend_names, image_file, integer, output_file
+from .arguments import backend_names, image_file, integer, output_file, real
+from .copy_task import BATCH_SIZE as COPY_BATCH
+from .copy_task import LEARNING_RATE_SCALE as COPY_LR_SCALE
+from .copy_task import STEPS as COPY_STEPS
+from .copy_task import WARMUP_STEPS as COPY_WARMUP
 from .extras import progress_bar
 
 PROG = "transformer-reference"
@@ -153,7 +159,78 @@ def run_init(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = (add_compare, add_bench, add_plot, add_init, side_by_side.add_parser)
+def add_train(commands) -> None:
+    train = subcommand(commands, "train", "learn the copy task with the recipe of section 5 in one or more backends")
+    train.add_argument("--backends", type=backend_names, default=("numpy",),
+                       help="comma-separated backends, each trained from the same weights on the same batches "
+                            "(default: numpy, the reference)")
+    train.add_argument("--steps", type=integer(1), default=COPY_STEPS, help="optimizer steps (more, with --resume)")
+    train.add_argument("--batch-size", type=integer(1), default=COPY_BATCH, help="sequences per batch")
+    train.add_argument("--symbols", type=integer(1), default=10, help="distinct symbols of the copy task")
+    train.add_argument("--max-length", type=integer(1), default=10, help="longest sequence (lengths are 1 to this)")
+    train.add_argument("--warmup-steps", type=integer(1), default=COPY_WARMUP, help="Eq. (3)'s warmup_steps")
+    train.add_argument("--learning-rate-scale", type=real(0.0, inclusive=False), default=COPY_LR_SCALE,
+                       help="a factor on Eq. (3)'s learning rate (1 = the paper)")
+    train.add_argument("--dropout", type=real(0.0, below=1.0), default=0.0,
+                       help="P_drop of section 5.4 (the reference has no dropout; default 0 for every backend)")
+    train.add_argument("--label-smoothing", type=real(0.0, below=1.0), default=0.1, help="epsilon_ls, section 5.4")
+    train.add_argument("--seed", type=integer(0), default=0, help="initial weights and batches")
+    train.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    train.add_argument("--eval-size", type=integer(0), default=1000,
+                       help="held-out sequences for the greedy exact-match accuracy (0: no evaluation)")
+    train.add_argument("--resume", metavar="RUN.safetensors",
+                       help="continue a saved run (from any backend) for --steps more steps: the model and "
+                            "optimizer settings are the run's; pass the run's --seed and task flags to see its batches")
+    train.add_argument("--out", metavar="RUN.safetensors",
+                       help="save each run with its training state; with several backends, the path must contain "
+                            "{backend}")
+    train.add_argument("--force", action="store_true", help="replace --out if it exists (it is kept otherwise)")
+    train.add_argument("--plot", metavar="FILE.png", type=image_file, help="the loss curves, backends side by side")
+    train.add_argument("--json", action="store_true", help="print the results (with every step's loss) as JSON")
+    train.set_defaults(run=run_train)
+
+
+def run_train(args) -> int:
+    from . import train
+
+    outputs = _train_outputs(args)
+    plan = train.plan_from(args)
+    adapters = train.load_adapters(args.backends)
+    results = []
+    for name, adapter in adapters.items():
+        result, model, optimizer = train.train(
+            adapter, plan, progress_bar(f"train {name}", "step", quiet=args.json or not sys.stderr.isatty()))
+        result.accuracy = train.evaluate(adapter, model, plan, args.eval_size) if args.eval_size else None
+        if name in outputs:
+            adapter.save(model, outputs[name], adapter.training_state(model, optimizer))
+            print(f"wrote {outputs[name]}: {name}, step {result.first_step + len(result.losses)}", file=sys.stderr)
+        results.append(result)
+    print(json.dumps([r.to_json() for r in results], indent=2) if args.json else train.format_results(results))
+    if args.plot:
+        train.plot_losses(results, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _train_outputs(args) -> dict[str, str]:
+    """Where each backend's run is saved, checked before any work: one path per backend, none replaced
+    without --force."""
+    if not args.out:
+        return {}
+    if len(args.backends) > 1 and "{backend}" not in args.out:
+        raise ValueError("--out: with several backends the path must contain {backend}, e.g. run-{backend}.safetensors")
+    outputs = {name: args.out.replace("{backend}", name) for name in args.backends}
+    for path in outputs.values():
+        try:
+            output_file(path)
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(f"--out: {err}") from None
+        if os.path.lexists(path) and not args.force:
+            raise ValueError(f"--out: {path!r} already exists; pass --force to replace it")
+    return outputs
+
+
+COMMANDS = (add_compare, add_bench, add_plot, add_init, add_train, side_by_side.add_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

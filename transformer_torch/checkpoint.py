@@ -8,7 +8,8 @@ tensors stored (in, out) in the checkpoint, so that y = x @ W + b, and (out, in)
 fills. The model is built on the meta device (no random initialization) and filled by torch's
 own ``load_state_dict(strict=True, assign=True)``; file validation is the reference's own
 (``reference_numpy.checkpoint.load_checkpoint`` / ``validate_params``), so load errors are the
-reference's one-line ``ValueError``s.
+reference's one-line ``ValueError``s. :func:`to_checkpoint_layout` and :func:`from_checkpoint_layout`
+convert any per-parameter tensors (weights, gradients, Adam's moments) with the same table.
 
 With ``share_embeddings`` the one checkpoint tensor ``shared_embed.weight`` fills the one
 parameter ``src_embed.weight`` of the embedding module that ``tgt_embed`` and ``generator``
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 
 from .device import resolve_device
@@ -106,16 +108,7 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
     dtype, device = _torch_dtype(dtype), resolve_device(device)
     with torch.device("meta"):
         model = Transformer(config)                                         # shapes only, no initialization
-    targets, flip = dict(model.named_parameters()), set(transposed(config))
-    loaded = {}
-    for name, path in name_table(config).items():
-        value = torch.from_numpy(np.ascontiguousarray(params[name]))
-        value = value.T if name in flip else value
-        if value.shape != targets[path].shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
-                             f"torch parameter {path!r} needs {tuple(targets[path].shape)}")
-        loaded[path] = value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-    _assign(model, loaded)
+    _assign(model, _torch_layout(model, params, dtype, device))
     return model.to(device=device, dtype=dtype).eval()                      # derives the sinusoidal table
 
 
@@ -133,18 +126,47 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
     """The model's weights in checkpoint layout (name -> (in, out) NumPy arrays, the model's dtype)."""
-    return _checkpoint_layout(model, {path: parameter for path, parameter in model.named_parameters()})
+    return to_checkpoint_layout(model, dict(model.named_parameters()))
 
 
-def _checkpoint_layout(model: Transformer, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """``tensors`` (torch parameter path -> a tensor shaped like that parameter: the weight or its
-    gradient) by checkpoint name, in checkpoint layout."""
+def to_checkpoint_layout(model: Transformer, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """``tensors`` (torch parameter path -> a tensor shaped like that parameter: a weight, its gradient,
+    an Adam moment) by checkpoint name, in checkpoint layout ((in, out) projections), as new NumPy arrays
+    (copies: a later training step does not change them)."""
     flip = set(transposed(model.config))
-    params = {}
+    arrays = {}
     for name, path in name_table(model.config).items():
         value = tensors[path].detach().cpu()
-        params[name] = np.ascontiguousarray((value.T if name in flip else value).numpy())
-    return params
+        arrays[name] = np.array((value.T if name in flip else value).numpy(), order="C")
+    return arrays
+
+
+def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_checkpoint_layout`: ``arrays`` (checkpoint name -> an array in checkpoint
+    layout) by torch parameter path, each a new tensor shaped like its parameter, in the model's dtype and
+    on its device. A missing, unexpected or mis-shaped array is a ``ValueError`` naming the tensor."""
+    return _torch_layout(model, arrays, model.dtype, model.device)
+
+
+def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torch.dtype,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Checkpoint-layout ``arrays`` as new tensors by parameter path, in ``dtype`` on ``device``, each checked
+    against the shape of ``model``'s parameter (``model`` may live on the meta device)."""
+    table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
+    unexpected = sorted(set(arrays) - set(table))
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]!r}: not a checkpoint tensor of this model")
+    tensors = {}
+    for name, path in table.items():
+        if name not in arrays:
+            raise ValueError(f"checkpoint tensor {name!r} is missing")
+        value = torch.from_numpy(np.ascontiguousarray(arrays[name]))
+        value = value.T if name in flip else value
+        if value.shape != targets[path].shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
+                             f"torch parameter {path!r} needs {tuple(targets[path].shape)}")
+        tensors[path] = value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    return tensors
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transformer:
@@ -154,6 +176,7 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transf
     return from_params(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device)
 
 
-def save_checkpoint(model: Transformer, path: str | os.PathLike) -> None:
-    """Write the model's weights (in its dtype) and config as a shared checkpoint, atomically."""
-    reference_checkpoint.save_checkpoint(path, model.config, to_params(model))
+def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None) -> None:
+    """Write the model's weights (in its dtype) and config as a shared checkpoint, atomically; with
+    ``training`` (from :func:`.training.training_state`) also the run's Adam moments and step count."""
+    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training)

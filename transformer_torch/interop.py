@@ -5,8 +5,8 @@ embeddings, positional encodings and generator around one; :func:`to_nn_transfor
 :func:`from_nn_transformer` convert the weights in the form of ``checkpoint.py``: an exact
 :func:`name_table` (the port's parameter path -> the wrapper's, built by explicit loops over the
 layers), :func:`transposed` (empty: both sides are ``nn.Linear``s, (out, in)), a shape check per
-tensor, and torch's ``load_state_dict(strict=True, assign=True)`` into a model built on the meta
-device.
+tensor, and torch's ``load_state_dict(strict=True, assign=True)`` into a wrapper built on the meta
+device; back to the port, through checkpoint layout into the port's own loader.
 In eval mode both compute the same function (float64 agreement within the project's bound),
 on torch's slow path and on its inference fast path (``torch._transformer_encoder_layer_fwd``
 for encoder layers and ``torch._native_multi_head_attention`` for decoder self-attention,
@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from reference_numpy.config import TransformerConfig
 
-from .checkpoint import _assign
+from . import checkpoint
 from .model import Embeddings, Generator, PositionalEncoding, Transformer, padding_mask, target_mask
 
 
@@ -205,25 +205,35 @@ def to_nn_transformer(model: Transformer) -> NNTransformerModel:
     with torch.device("meta"):
         wrapper = NNTransformerModel(config)                                # shapes only, no initialization
     _check_shapes(wrapper, loaded)
-    _assign(wrapper, loaded)
+    _fill(wrapper, loaded)
     return wrapper.to(device=model.device, dtype=model.dtype).train(model.training)
+
+
+def _fill(wrapper: NNTransformerModel, tensors: dict[str, Tensor]) -> None:
+    """Fill a meta-device ``wrapper`` with ``tensors`` (by ``named_parameters`` path) through torch's
+    ``load_state_dict(strict=True, assign=True)``; with ``share_embeddings`` every name of the tied
+    embedding (``tgt_embed``, ``generator.embeddings``) gets its one tensor."""
+    path_of = {id(parameter): path for path, parameter in wrapper.named_parameters()}
+    wrapper.load_state_dict({key: tensors[path_of[id(value)]].detach()
+                             for key, value in wrapper.state_dict(keep_vars=True).items()}, strict=True, assign=True)
 
 
 def from_nn_transformer(wrapper: NNTransformerModel) -> Transformer:
     """A :class:`Transformer` with ``wrapper``'s weights (copied), dtype, device and mode; a ``ValueError``
-    when its ``nn.Transformer`` is outside the paper's model (see the module docstring)."""
+    when its ``nn.Transformer`` is outside the paper's model (see the module docstring). The weights go
+    through checkpoint layout (:func:`.checkpoint.to_checkpoint_layout`) into the port's own loader,
+    :func:`.checkpoint.from_params`, which checks every tensor."""
     config, theirs, flip = wrapper.config, dict(wrapper.named_parameters()), set(transposed(wrapper.config))
     check_representable(wrapper.transformer, config)
     loaded = {}
     for their_path, paths in _packed(config).items():
         for path, part in zip(paths, theirs[their_path].chunk(len(paths))):   # [W_q; W_k; W_v] -> each
-            loaded[path] = (part.T if path in flip else part).clone()
+            loaded[path] = part.T if path in flip else part
     with torch.device("meta"):
-        model = Transformer(config)                                         # shapes only, no initialization
-    _check_shapes(model, loaded)
-    _assign(model, loaded)
+        shell = Transformer(config)                                         # the name table's model, no weights
     weight = wrapper.src_embed.weight
-    return model.to(device=weight.device, dtype=weight.dtype).train(wrapper.training)
+    model = checkpoint.from_params(config, checkpoint.to_checkpoint_layout(shell, loaded), weight.dtype, weight.device)
+    return model.train(wrapper.training)
 
 
 def check_representable(transformer: nn.Transformer, config: TransformerConfig) -> None:

@@ -1,13 +1,32 @@
-"""The training objective of section 5.4: cross-entropy with label smoothing (epsilon_ls = 0.1),
-and its gradients by autograd. The parallel text of ``reference_numpy/training.py``."""
+"""Training, section 5: the label-smoothed loss (5.4) and its gradients by autograd, Adam and the
+learning-rate schedule of section 5.3 as torch's own ``torch.optim.Adam`` and
+``torch.optim.lr_scheduler.LambdaLR``, one training step with dropout, and the run's state for a
+checkpoint. The parallel text of ``reference_numpy/training.py``.
+
+``torch.optim.Adam`` computes the paper's update (Kingma & Ba, Algorithm 1) as it stands: its step
+count starts at 0 and is incremented before use (the first update is t = 1), m and v are not
+bias-corrected in its state, and epsilon is added after the bias correction,
+``param -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``. It is built with
+``foreach=False``: the per-tensor loop, one arithmetic on every device (torch picks it on the CPU
+anyway; the multi-tensor kernels it picks on a GPU order some operations differently). The learning
+rate is a Python float (float64) that ``LambdaLR`` sets as ``1.0 * lambda(count)``: the base rate is 1
+and the lambda is Eq. (3) at count + 1, since the scheduler's count is 0 at construction and one
+more after each step.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
 
-from reference_numpy.training import LABEL_SMOOTHING
+from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig
+from reference_numpy.training import LABEL_SMOOTHING, PAPER, learning_rate
 
 from . import checkpoint
 from .model import Transformer
@@ -42,8 +61,102 @@ def gradients(model: Transformer, src, tgt, labels,
     """The loss with dropout off (eval mode) and its gradient for every checkpoint tensor, in
     checkpoint layout (tied weights receive the sum over their uses)."""
     model.eval().zero_grad(set_to_none=True)
-    as_tokens = lambda values: torch.as_tensor(np.asarray(values), device=model.device)
-    value = loss(model, as_tokens(src), as_tokens(tgt), as_tokens(labels), epsilon)
+    value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
     value.backward()
-    return value.item(), checkpoint._checkpoint_layout(model, {path: parameter.grad
-                                                               for path, parameter in model.named_parameters()})
+    return value.item(), checkpoint.to_checkpoint_layout(model, {path: parameter.grad
+                                                                 for path, parameter in model.named_parameters()})
+
+
+def _tokens(model: Transformer, values) -> Tensor:
+    return torch.as_tensor(np.asarray(values), device=model.device)
+
+
+def learning_rate_schedule(d_model: int, config: TrainingConfig) -> _Schedule:
+    """Eq. (3) of section 5.3 as ``LambdaLR``'s multiplier of a base learning rate of 1: ``count ->
+    learning_rate(count + 1, d_model, config)``. ``LambdaLR`` counts from 0 at construction and adds one
+    after each optimizer step, so the update numbered t (from 1) uses lrate(t)."""
+    return _Schedule(d_model, config)
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """A callable object rather than a lambda: ``LambdaLR.state_dict`` keeps its fields, and
+    :func:`training_state` reads the run's config from it."""
+
+    d_model: int
+    config: TrainingConfig
+
+    def __call__(self, count: int) -> float:
+        return learning_rate(count + 1, self.d_model, self.config)
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> LambdaLR:
+    """The optimizer of section 5.3 for ``model``: a ``torch.optim.Adam`` (beta1, beta2, epsilon of
+    ``config``; base learning rate 1) driven by a ``LambdaLR`` of :func:`learning_rate_schedule`.
+    Returns the scheduler; its ``.optimizer`` is the Adam (torch's pair, stepped together by
+    :func:`train_step`). Tied weights are one parameter with one pair of moments.
+
+    With ``state`` (from ``load_training_state``) the saved run continues where it stopped: its moments
+    (cast to the model's dtype, checked by ``validate_training_state``), step count and, unless
+    ``config`` is given, its training config, restored by ``optimizer.load_state_dict`` and
+    ``scheduler.load_state_dict``: the next step is t + 1 with lrate(t + 1).
+    """
+    if state is not None:
+        params = checkpoint.to_params(model)
+        state = state.astype(next(iter(params.values())).dtype)
+        reference_checkpoint.validate_training_state(model.config, params, state)
+    config = config or (state.config if state is not None else PAPER)
+    adam = torch.optim.Adam(model.parameters(), lr=1.0, betas=(config.beta1, config.beta2), eps=config.epsilon,
+                            foreach=False)
+    schedule = LambdaLR(adam, learning_rate_schedule(model.config.d_model, config))
+    if state is not None:
+        _restore(model, schedule, state)
+    return schedule
+
+
+def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState) -> None:
+    """Adam's moments and step count (torch's ``exp_avg``, ``exp_avg_sq``, ``step``) and the schedule's
+    count and learning rate from a validated ``state``, through torch's own ``load_state_dict``s."""
+    adam = schedule.optimizer
+    first, second = (checkpoint.from_checkpoint_layout(model, moments)
+                     for moments in (state.first_moments, state.second_moments))
+    rate = schedule.lr_lambdas[0](state.step)                               # base rate 1: lrate(t + 1)
+    saved = adam.state_dict()                                               # parameters numbered in model order
+    saved["state"] = {index: {"step": torch.tensor(float(state.step)), "exp_avg": first[path],
+                              "exp_avg_sq": second[path]}
+                      for index, (path, _) in enumerate(model.named_parameters())}
+    saved["param_groups"] = [{**group, "lr": rate} for group in saved["param_groups"]]
+    adam.load_state_dict(saved)
+    schedule.load_state_dict({**schedule.state_dict(), "last_epoch": state.step, "_last_lr": [rate]})
+
+
+def train_step(model: Transformer, optimizer: LambdaLR, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+    """One training step of section 5: the loss with dropout on (train mode, P_drop = ``config.dropout``),
+    its gradient by autograd, Adam's update t with lrate(t), then the schedule advanced. The model is
+    left in eval mode. Returns the loss before the update."""
+    adam = optimizer.optimizer
+    adam.zero_grad(set_to_none=True)
+    model.train()
+    try:
+        value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
+        value.backward()
+    finally:
+        model.eval()
+    adam.step()
+    optimizer.step()
+    return value.item()
+
+
+def training_state(model: Transformer, optimizer: LambdaLR) -> TrainingState:
+    """The run's state for ``save_checkpoint(..., training=state)``: Adam's m_t and v_t (``exp_avg`` and
+    ``exp_avg_sq``, not bias-corrected) in checkpoint layout (NumPy, the model's dtype) and t."""
+    adam, parameters = optimizer.optimizer, dict(model.named_parameters())
+    slots = {path: adam.state.get(parameter, {}) for path, parameter in parameters.items()}
+    steps = {int(slot["step"]) if slot else 0 for slot in slots.values()} | {optimizer.last_epoch}
+    if len(steps) != 1:
+        raise ValueError(f"the Adam step counts and the schedule's count differ ({sorted(steps)}); "
+                         "step them together (train_step)")
+    moments = lambda key: checkpoint.to_checkpoint_layout(
+        model, {path: slot.get(key, torch.zeros_like(parameters[path])) for path, slot in slots.items()})
+    return TrainingState(optimizer.lr_lambdas[0].config, steps.pop(), moments("exp_avg"), moments("exp_avg_sq"))

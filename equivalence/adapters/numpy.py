@@ -1,7 +1,7 @@
 """The adapter of the NumPy reference: NumPy in, NumPy out (:class:`equivalence.contract.Backend`).
 
-The reference has no backward pass: :func:`gradients` differentiates its float64 loss by central finite
-differences (:mod:`equivalence.finite_differences`), which costs four loss evaluations per parameter entry.
+Gradients come from the reference's hand-written backward pass (``reference_numpy/backward.py``); the suite checks
+it against central finite differences of the loss (:mod:`equivalence.finite_differences`).
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from reference_numpy import checkpoint, decoding, training
-from reference_numpy.config import TransformerConfig
+from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 
-from ..finite_differences import finite_difference_gradients
 from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
 NAME = "numpy"
@@ -35,9 +34,9 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     return build(config, params, dtype, device)
 
 
-def save(model: Transformer, path) -> None:
-    """Write the model's weights as a shared checkpoint."""
-    checkpoint.save_checkpoint(path, model.config, export_params(model))
+def save(model: Transformer, path, training: checkpoint.TrainingState | None = None) -> None:
+    """Write the model's weights (and a run's training state) as a shared checkpoint."""
+    checkpoint.save_checkpoint(path, model.config, export_params(model), training)
 
 
 def export_params(model: Transformer) -> dict[str, np.ndarray]:
@@ -85,8 +84,23 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = training.LABEL_S
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = training.LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the loss of section 5.4 and its gradient for every checkpoint tensor, in checkpoint
-    layout, by Richardson-extrapolated central differences of the float64 loss at the model's weights."""
-    value = loss(model, src, tgt, labels, epsilon)
-    grads, _ = finite_difference_gradients(
-        lambda params: loss(build(model.config, params), src, tgt, labels, epsilon), export_params(model))
-    return value, grads
+    layout, by the reference's backward pass."""
+    value, grads = training.gradients(model, src, tgt, labels, epsilon)
+    return float(value), grads
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: checkpoint.TrainingState | None = None) -> training.Adam:
+    """The reference's Adam with the schedule of section 5.3 (``reference_numpy.training.optimizer``)."""
+    return training.optimizer(model, config, state)
+
+
+def train_step(model: Transformer, optimizer: training.Adam, src, tgt, labels,
+               epsilon: float = training.LABEL_SMOOTHING) -> float:
+    """One training step (the reference has no dropout): the loss before the update."""
+    return float(training.train_step(model, optimizer, src, tgt, labels, epsilon))
+
+
+def training_state(model: Transformer, optimizer: training.Adam) -> checkpoint.TrainingState:
+    """The run's state in checkpoint layout."""
+    return training.training_state(model, optimizer)

@@ -1,7 +1,8 @@
 """The adapter of the PyTorch port: NumPy in, NumPy out (:class:`equivalence.contract.Backend`).
 
 Models
-are built in eval mode; every call runs without gradients. On CUDA, :func:`build` turns TF32 off
+are built in eval mode; every call but :func:`gradients` and :func:`train_step` runs without gradients,
+and those two leave the model in eval mode. On CUDA, :func:`build` turns TF32 off
 (:func:`transformer_torch.device.full_precision`) so that float32 means float32.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reference_numpy.config import TransformerConfig
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, decoding, training
@@ -41,9 +43,9 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     return checkpoint.load_checkpoint(path, dtype, device)
 
 
-def save(model: Transformer, path) -> None:
-    """Write the model's weights as a shared checkpoint."""
-    checkpoint.save_checkpoint(model, path)
+def save(model: Transformer, path, training: TrainingState | None = None) -> None:
+    """Write the model's weights (and a run's training state) as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path, training)
 
 
 def export_params(model: Transformer) -> dict[str, np.ndarray]:
@@ -107,6 +109,23 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, in checkpoint layout."""
     return training.gradients(model, src, tgt, labels, epsilon)
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """``torch.optim.Adam`` with its ``LambdaLR`` schedule of section 5.3 (``transformer_torch.training.optimizer``)."""
+    return training.optimizer(model, config, state)
+
+
+def train_step(model: Transformer, optimizer: torch.optim.lr_scheduler.LambdaLR, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One training step (dropout as the model's config says): the loss before the update."""
+    return training.train_step(model, optimizer, src, tgt, labels, epsilon)
+
+
+def training_state(model: Transformer, optimizer: torch.optim.lr_scheduler.LambdaLR) -> TrainingState:
+    """The run's state in checkpoint layout (NumPy, the model's dtype)."""
+    return training.training_state(model, optimizer)
 
 
 def _prepare(device: str) -> None:

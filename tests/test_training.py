@@ -1,0 +1,159 @@
+"""Training in every backend against the reference (section 5): ten optimizer steps from one checkpoint on the
+same batches, dropout off, give the reference's weights, Adam moments and losses (float64 within
+``equivalence.tolerance.TrainingBound``, float32 under the float32 rule applied to the update); a run saved after
+five steps in one backend and resumed in another for five more ends where ten reference steps end, for every
+ordered pair of backends."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from test_agreement import FRAMEWORKS
+
+from equivalence import tolerance
+from equivalence.adapters import numpy as reference
+from equivalence.cases import VARIANTS, seeded_params, training_inputs
+from reference_numpy.checkpoint import TrainingState, load_training_state
+from reference_numpy.config import TrainingConfig
+from reference_numpy.training import learning_rate
+
+STEPS = 10
+# The paper's schedule and Adam (section 5.3); with warmup_steps = 4000 the first steps' learning rates are small
+# (about 7e-6 for d_model = 16), so that the weights' drift between backends stays second order (TrainingBound).
+TRAINING = TrainingConfig()
+TRAINING_VARIANTS = ("tiny", "shared_embeddings")        # separate and tied embeddings (one pair of moments)
+BACKENDS = ("numpy", *FRAMEWORKS)
+
+
+def backend(name: str):
+    if name != "numpy":
+        pytest.importorskip(FRAMEWORKS[name], reason=f"{FRAMEWORKS[name]} is not installed (pip install '.[{name}]')")
+    return importlib.import_module(f"equivalence.adapters.{name}")
+
+
+def config_of(variant: str):
+    return VARIANTS[variant].replace(dropout=0.0)
+
+
+def batches(variant: str) -> list[dict[str, np.ndarray]]:
+    """A different ragged batch for every step."""
+    return [training_inputs(config_of(variant), seed=step) for step in range(STEPS)]
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    params: dict[str, np.ndarray]
+    state: TrainingState
+
+
+def run(name: str, variant: str, dtype: str, steps=range(STEPS), state: TrainingState | None = None,
+        params: dict[str, np.ndarray] | None = None) -> Run:
+    """``steps`` training steps in backend ``name`` from ``params`` (default: the seeded weights) and ``state``."""
+    module, config = backend(name), config_of(variant)
+    model = module.build(config, seeded_params(config) if params is None else params, dtype, "cpu")
+    optimizer = module.optimizer(model, TRAINING if state is None else None, state)
+    inputs = batches(variant)
+    losses = [module.train_step(model, optimizer, **inputs[step]) for step in steps]
+    return Run(losses, module.export_params(model), module.training_state(model, optimizer))
+
+
+@functools.cache
+def reference_run(variant: str, dtype: str = "float64") -> Run:
+    return run("numpy", variant, dtype)
+
+
+@functools.cache
+def backend_run(name: str, variant: str, dtype: str) -> Run:
+    return run(name, variant, dtype)
+
+
+@functools.cache
+def float64_bound(variant: str) -> tolerance.TrainingBound:
+    """The reference's run, step by step, accounted for by :class:`TrainingBound` (gradients at the weights before
+    each step, moments after it)."""
+    config = config_of(variant)
+    model = reference.build(config, seeded_params(config))
+    optimizer = reference.optimizer(model, TRAINING)
+    bound = tolerance.TrainingBound(reference.export_params(model))
+    for step, inputs in enumerate(batches(variant), start=1):
+        value, grads = reference.gradients(model, **inputs)
+        reference.train_step(model, optimizer, **inputs)
+        state = reference.training_state(model, optimizer)
+        bound.step(value, grads, state.first_moments, state.second_moments, step,
+                   learning_rate(step, config.d_model, TRAINING), TRAINING.beta1, TRAINING.beta2, TRAINING.epsilon)
+    return bound
+
+
+def assert_float64_run(result: Run, expected: Run, bound: tolerance.TrainingBound, who: str) -> None:
+    for step, (value, reference_value, limit) in enumerate(zip(result.losses, expected.losses, bound.losses), 1):
+        assert abs(value - reference_value) <= limit, f"{who}: loss at step {step}: {value} vs {reference_value}"
+    assert result.state.step == expected.state.step == STEPS
+    for name, value in expected.params.items():
+        errors = {"weights": (np.abs(result.params[name] - value), bound.weight_bound(name, value)),
+                  "first moment": (np.abs(result.state.first_moments[name] - expected.state.first_moments[name]),
+                                   bound.first_moment_bound(expected.state.first_moments[name])),
+                  "second moment": (np.abs(result.state.second_moments[name] - expected.state.second_moments[name]),
+                                    bound.second_moment_bound(name, expected.state.second_moments[name]))}
+        for what, (error, limit) in errors.items():
+            limit = np.broadcast_to(limit, error.shape)
+            worst = np.unravel_index(np.argmax(error - limit), error.shape)
+            assert np.all(error <= limit), (f"{who}: {what} of {name!r} at {worst}: "
+                                            f"error {error[worst]:.3e} > bound {limit[worst]:.3e}")
+
+
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS)
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_ten_steps_match_the_reference_in_float64(name, variant):
+    assert_float64_run(backend_run(name, variant, "float64"), reference_run(variant), float64_bound(variant), name)
+
+
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS)
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_ten_steps_match_the_reference_in_float32(name, variant):
+    """The float32 rule on what training changes: each tensor's update (weights after minus weights before), each
+    moment and each step's loss, against k x the float32 reference's own error."""
+    result = backend_run(name, variant, "float32")
+    ref64, ref32 = reference_run(variant), reference_run(variant, "float32")
+    initial = seeded_params(config_of(variant))
+    for step, (value, v32, v64) in enumerate(zip(result.losses, ref32.losses, ref64.losses), 1):
+        tolerance.assert_agrees(np.float32(value), v64, v32, what=f"{name}: loss at step {step}")
+    for tensor, before in initial.items():
+        update = lambda r, start: np.asarray(r.params[tensor], dtype=np.float64) - start   # exact in float64
+        start32 = before.astype(np.float32).astype(np.float64)                             # where float32 runs start
+        tolerance.assert_agrees(update(result, start32).astype(np.float32), update(ref64, before),
+                                update(ref32, start32), what=f"{name}: update of {tensor!r}")
+        for which, label in ((2, "first moment"), (3, "second moment")):
+            tolerance.assert_agrees(result.state[which][tensor], ref64.state[which][tensor], ref32.state[which][tensor],
+                                    what=f"{name}: {label} of {tensor!r}")
+
+
+def test_the_bound_is_tight_enough_to_decide():
+    """The float64 bound must not swallow what it guards: after ten steps each weight moved by the learning rate times
+    an Adam update of order 1, and every weight's bound is far below its move (a wrong epsilon placement, a step
+    counted from 0 or a float32 learning rate changes moves by 1e-6 or more of themselves)."""
+    bound, expected, initial = float64_bound("tiny"), reference_run("tiny"), seeded_params(config_of("tiny"))
+    for name, before in initial.items():
+        moved = np.abs(expected.params[name] - before)
+        assert np.median(bound.weight_bound(name, before) / np.maximum(moved, 1e-300)) < 1e-6, name
+
+
+@pytest.mark.parametrize("pair", list(itertools.product(BACKENDS, repeat=2)), ids="-then-".join)
+def test_a_run_moves_between_backends(pair, tmp_path):
+    """Five steps in one backend, saved with its training state, five more in another: the ten reference steps."""
+    first, second = pair
+    variant, path = "shared_embeddings", tmp_path / "run.safetensors"
+    halfway = run(first, variant, "float64", steps=range(STEPS // 2))
+    module = backend(first)
+    module.save(module.build(config_of(variant), halfway.params, "float64", "cpu"), path, halfway.state)
+    state = load_training_state(path)
+    assert state.step == STEPS // 2 and state.config == TRAINING
+    resumed = run(second, variant, "float64", steps=range(STEPS // 2, STEPS), state=state,
+                  params=backend(second).export_params(backend(second).load(path)))
+    resumed.losses = halfway.losses + resumed.losses
+    assert_float64_run(resumed, reference_run(variant), float64_bound(variant), f"{first} then {second}")
