@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
+from reference_numpy.checkpoint import load_training_state
 from transformer_cli import backends, timing
 from transformer_cli import compare as compare_module
 from transformer_cli import main as cli_main
@@ -183,6 +184,21 @@ USAGE_ERRORS = [
     (["init", "new.safetensors", "--preset", "huge"], "--preset"),
     (["init", "no/such/directory/new.safetensors"], "OUT"),
     (["init", "."], "OUT"),
+    (["train", "--steps", "0"], "--steps"),
+    (["train", "--batch-size", "0"], "--batch-size"),
+    (["train", "--symbols", "0"], "--symbols"),
+    (["train", "--learning-rate-scale", "0"], "--learning-rate-scale"),
+    (["train", "--learning-rate-scale", "nan"], "--learning-rate-scale"),
+    (["train", "--dropout", "1"], "--dropout"),
+    (["train", "--label-smoothing", "-0.1"], "--label-smoothing"),
+    (["train", "--warmup-steps", "0"], "--warmup-steps"),
+    (["train", "--backends", "numpy,nope"], "--backends"),
+    (["train", "--plot", "curves.txt"], "--plot"),
+    (["train", "--backends", "numpy,torch", "--out", "run.safetensors"], "--out"),
+    (["train", "--out", "tiny.safetensors"], "--out"),                      # exists: kept without --force
+    (["train", "--out", "no/such/directory/run.safetensors"], "--out"),
+    (["train", "--resume", "tiny.safetensors"], "--resume"),                # weights without a training state
+    (["train", "--resume", "no-such-run.safetensors"], "checkpoint"),
 ]
 
 
@@ -457,3 +473,49 @@ def test_measure_times_a_warm_up_then_the_median_of_the_repeats(monkeypatch):
     result = timing.measure(lambda: calls.append("call") or len(calls), 3, warm_up=lambda: calls.append("warm-up"))
     assert calls == ["warm-up", "call", "call", "call"]
     assert result == timing.Timing(first=5.0, median=2.0, result=4)
+
+
+# ----------------------------------------------------------------------------- train
+
+def train_json(capsys, *args: str) -> list[dict]:
+    status, out, err = cli(capsys, "train", "--json", *args)
+    assert status == EXIT_OK, err
+    return json.loads(out)
+
+
+def test_train_learns_saves_its_state_and_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """The reference (NumPy only) on a small copy task: the loss falls, the saved run holds its training state, and
+    a run resumed from it gives exactly the losses of one run that never stopped (same batches, same arithmetic)."""
+    monkeypatch.chdir(tmp_path)
+    task = ["--symbols", "4", "--max-length", "4", "--batch-size", "16", "--warmup-steps", "20", "--eval-size", "8"]
+    whole = train_json(capsys, *task, "--steps", "40")[0]
+    assert whole["backend"] == "numpy" and whole["steps"] == 40 and whole["losses"][-1] < 0.75 * whole["losses"][0]
+    first = train_json(capsys, *task, "--steps", "25", "--out", "run.safetensors")[0]
+    state = load_training_state(tmp_path / "run.safetensors")
+    assert state.step == 25 and state.config.warmup_steps == 20
+    rest = train_json(capsys, *task, "--steps", "15", "--resume", "run.safetensors", "--out", "run.safetensors",
+                      "--force")[0]
+    assert rest["first_step"] == 25 and first["losses"] + rest["losses"] == whole["losses"]
+    assert load_training_state(tmp_path / "run.safetensors").step == 40
+    assert 0.0 <= rest["accuracy"] <= 1.0
+
+
+def test_train_never_replaces_a_run_without_force(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.safetensors").write_bytes(b"precious")
+    status, _, err = cli(capsys, "train", "--steps", "1", "--out", "run.safetensors")
+    assert status == EXIT_USAGE and "--force" in err
+    assert (tmp_path / "run.safetensors").read_bytes() == b"precious"
+
+
+def test_train_in_two_backends_draws_their_curves_side_by_side(workdir):
+    """Through the installed command: the reference and one port from the same weights on the same batches, one
+    checkpoint each (``{backend}`` in --out), a progress bar's worth of output and the picture."""
+    port = installed_port()
+    result = run("train", "--backends", f"numpy,{port}", "--steps", "3", "--batch-size", "4", "--eval-size", "4",
+                 "--out", "run-{backend}.safetensors", "--force", "--plot", "curves.png", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^numpy\s+1-3\s", result.stdout, re.M) and re.search(rf"^{port}\s+1-3\s", result.stdout, re.M)
+    for name in ("numpy", port):
+        assert load_training_state(workdir / f"run-{name}.safetensors").step == 3
+    assert (workdir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

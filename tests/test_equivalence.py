@@ -93,27 +93,28 @@ def test_loss_is_the_references_and_gradients_return_it(name):
     expected = float(reference.loss(reference.build(MICRO, params), **inputs))
     value = module.loss(model, **inputs)
     assert isinstance(value, float) and abs(value - expected) <= tolerance.float64_bound(expected)
-    if name != "numpy":                                  # the reference's own gradient: the next test
-        with_grads, grads = module.gradients(model, **inputs)
-        assert abs(with_grads - expected) <= tolerance.float64_bound(expected)
-        assert list(grads) == list(params) and all(grads[key].dtype == np.float64 for key in grads)
+    with_grads, grads = module.gradients(model, **inputs)
+    assert abs(with_grads - expected) <= tolerance.float64_bound(expected)
+    assert list(grads) == list(params) and all(grads[key].dtype == np.float64 for key in grads)
 
 
-def test_reference_gradients_by_finite_differences_match_autograd():
-    """The reference adapter's gradient (central differences, Richardson-extrapolated) against PyTorch's autograd,
-    entry by entry, within each entry's finite-difference bound; every bound is below 1e-3 of the gradient's scale
-    (measured: 2.6e-5 at worst, on the target embedding; median 1.9e-8), so a wrong entry cannot hide in it."""
+def test_reference_gradients_match_finite_differences_and_autograd():
+    """The reference adapter's gradient (the hand-written backward pass) against central differences of the
+    reference's loss (Richardson-extrapolated), entry by entry within each entry's bound, and against PyTorch's
+    autograd within the gradient policy; every finite-difference bound is below 1e-3 of the gradient's scale, so a
+    wrong entry cannot hide in it."""
     torch_adapter = adapter("torch")
     params, inputs = cases.seeded_params(MICRO), cases.training_inputs(MICRO)
     value, grads = reference.gradients(reference.build(MICRO, params), **inputs)
     expected, bounds = finite_difference_gradients(lambda p: reference.loss(reference.build(MICRO, p), **inputs),
                                                    params)
     _, autograd = torch_adapter.gradients(torch_adapter.build(MICRO, params, "float64", "cpu"), **inputs)
-    assert abs(value - reference.loss(reference.build(MICRO, params), **inputs)) == 0
+    assert value == reference.loss(reference.build(MICRO, params), **inputs)
     scale = max(float(np.abs(grad).max()) for grad in autograd.values())
+    assert max(tolerance.max_abs(grads[name], autograd[name]) for name in params) <= \
+        tolerance.gradient_bound(grads, autograd)
     for name in params:
-        np.testing.assert_array_equal(grads[name], expected[name])
-        assert np.all(np.abs(grads[name] - autograd[name]) <= bounds[name]), name
+        assert np.all(np.abs(grads[name] - expected[name]) <= bounds[name]), name
         assert bounds[name].max() < 1e-3 * scale, f"{name}: a bound of {bounds[name].max():.1e} decides nothing"
 
 
