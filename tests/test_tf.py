@@ -1,10 +1,12 @@
 """Checks specific to the TensorFlow/Keras port (the shared matrix is in ``test_agreement.py``):
 checkpoint interchange with the reference, Keras serialization and ``.weights.h5`` saving, the
-backend guard, masking, dropout, the key/value cache and the compiled searches."""
+backend guard, masking, dropout, the key/value cache, the compiled searches, and training
+(section 5: the schedule, Keras's Adam made to compute the paper's update, dropout, resuming)."""
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -17,13 +19,15 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip 
 keras = pytest.importorskip("keras", reason="keras is not installed (pip install '.[tf]')")
 
 import transformer_tf  # noqa: E402
-from equivalence import cases  # noqa: E402
+from equivalence import cases, tolerance  # noqa: E402
 from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.adapters import tf as backend  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy import decoding as reference_decoding  # noqa: E402
-from transformer_tf import checkpoint, decoding, device  # noqa: E402
+from reference_numpy import training as reference_training  # noqa: E402
+from reference_numpy.config import TrainingConfig  # noqa: E402
+from transformer_tf import checkpoint, decoding, device, training  # noqa: E402
 from transformer_tf.model import Transformer, compiled_forward, scaled_dot_product_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -404,3 +408,202 @@ def test_gpu_search_tokens_equal_the_reference():
     src = cases.decoding_inputs(VARIANTS["tiny"])
     np.testing.assert_array_equal(backend.greedy(model, src), reference_search("tiny", "greedy")[0])
     np.testing.assert_array_equal(backend.beam(model, src)[0], reference_search("tiny", "beam")[0])
+
+
+# ----------------------------------------------------------------------------- training (section 5)
+
+# A short warmup so that the first steps take large learning rates (0.088, 0.125, 0.144 for d_model 16):
+# every mistake in the update (epsilon's place, the step count, beta2, a float32 learning rate) then
+# moves the weights far beyond the float64 rounding.
+TRAINING = TrainingConfig(warmup_steps=2)
+
+
+def paper_lrate(step: int, d_model: int, config: TrainingConfig) -> float:
+    """Eq. (3), written out: d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), step from 1."""
+    return config.learning_rate_scale / math.sqrt(d_model) * min(1 / math.sqrt(step),
+                                                                  step / config.warmup_steps ** 1.5)
+
+
+def paper_adam(weights: dict, first: dict, second: dict, grads: dict, t: int, rate: float,
+               config: TrainingConfig) -> None:
+    """Kingma & Ba (2015), Algorithm 1, in NumPy, in place: step t (from 1) with learning rate ``rate``."""
+    b1, b2, eps = config.beta1, config.beta2, config.epsilon
+    for name, g in grads.items():
+        first[name] = b1 * first[name] + (1 - b1) * g
+        second[name] = b2 * second[name] + (1 - b2) * g * g
+        m_hat, v_hat = first[name] / (1 - b1 ** t), second[name] / (1 - b2 ** t)
+        weights[name] = weights[name] - rate * m_hat / (np.sqrt(v_hat) + eps)
+
+
+def training_model(variant: str = "tiny", dropout: float = 0.0, dtype: str = "float64") -> Transformer:
+    """A fresh model from the seeded weights (training changes it: never cached)."""
+    config = VARIANTS[variant].replace(dropout=dropout)
+    return backend.build(config, cases.seeded_params(config), dtype)
+
+
+def assert_within_float64_policy(port: dict, expected: dict, what: str) -> None:
+    assert list(port) == list(expected), what
+    for name in expected:
+        assert port[name].dtype == np.float64, f"{what} {name}"
+        tolerance.assert_agrees(port[name], expected[name], what=f"{what} {name}")
+
+
+@pytest.mark.parametrize("config", [reference_training.PAPER, TrainingConfig(warmup_steps=7, learning_rate_scale=3.0)])
+def test_the_schedule_gives_eq3_at_iterations_plus_one(config):
+    """Keras evaluates the schedule at ``optimizer.iterations`` (0 before the first update): the update
+    numbered t = iterations + 1 gets the reference's lrate(t), in float64."""
+    schedule = training.learning_rate_schedule(16, config)
+    iterations = np.array([0, 1, 2, config.warmup_steps - 2, config.warmup_steps - 1, config.warmup_steps,
+                           10 * config.warmup_steps, 10 ** 6])
+    rates = schedule(tf.constant(iterations)).numpy()
+    expected = np.array([reference_training.learning_rate(int(i) + 1, 16, config) for i in iterations])
+    assert rates.dtype == np.float64
+    tolerance.assert_agrees(rates, expected, what="lrate(iterations + 1)")
+    assert np.argmax(rates) == 4                                             # the peak: step t = warmup_steps
+    model = training_model()
+    assert float(training.optimizer(model, config).learning_rate) == rates[0]  # before the first step: lrate(1)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
+def test_keras_adam_computes_the_papers_update(variant):
+    """One and three updates with the port's own gradients (``optimizer.apply``, eager) against Algorithm 1
+    written out above: weights and moments (tied weights: one tensor, one pair of moments) within the
+    float64 policy (measured: identical bits)."""
+    model = training_model(variant)
+    inputs = cases.training_inputs(model.config)
+    optimizer = training.optimizer(model, TRAINING)
+    weights = checkpoint.to_params(model)
+    assert list(weights) == list(reference_checkpoint.parameter_shapes(model.config))
+    first, second = ({name: np.zeros_like(w) for name, w in weights.items()} for _ in range(2))
+    for t in (1, 2, 3):
+        _, grads = training.gradients(model, **inputs)
+        keras_layout = checkpoint.from_checkpoint_layout(model, grads)
+        optimizer.apply([keras_layout[v.path] for v in model.trainable_variables], model.trainable_variables)
+        paper_adam(weights, first, second, grads, t, paper_lrate(t, model.config.d_model, TRAINING), TRAINING)
+        if t in (1, 3):
+            state = training.training_state(model, optimizer)
+            assert state.step == t and state.config == TRAINING
+            assert_within_float64_policy(checkpoint.to_params(model), weights, f"weights after {t} steps")
+            assert_within_float64_policy(state.first_moments, first, f"m after {t} steps")
+            assert_within_float64_policy(state.second_moments, second, f"v after {t} steps")
+
+
+def test_train_step_is_the_papers_step():
+    """Three compiled steps (dropout 0) against Algorithm 1 fed with the port's eager gradients at the same
+    weights. The compiled gradient may differ from the eager one by rounding; Adam divides by sqrt(v_hat) + eps
+    and so magnifies that where a gradient is ~0, which :class:`equivalence.tolerance.TrainingBound` accounts
+    for (the gradient policy carried through the update)."""
+    model = training_model()
+    optimizer = training.optimizer(model, TRAINING)
+    weights = checkpoint.to_params(model)
+    first, second = ({name: np.zeros_like(w) for name, w in weights.items()} for _ in range(2))
+    bound = tolerance.TrainingBound(weights)
+    for t in (1, 2, 3):
+        inputs = cases.training_inputs(model.config, seed=t)
+        value, grads = training.gradients(model, **inputs)
+        assert abs(training.train_step(model, optimizer, **inputs) - value) <= tolerance.float64_bound(value)
+        rate = paper_lrate(t, model.config.d_model, TRAINING)
+        paper_adam(weights, first, second, grads, t, rate, TRAINING)
+        bound.step(value, grads, first, second, t, rate, TRAINING.beta1, TRAINING.beta2, TRAINING.epsilon)
+        state, params = training.training_state(model, optimizer), checkpoint.to_params(model)
+        assert state.step == t
+        for name in weights:
+            assert np.all(np.abs(params[name] - weights[name]) <= bound.weight_bound(name, weights[name])), name
+            assert np.abs(state.first_moments[name] - first[name]).max() <= bound.first_moment_bound(first[name])
+            assert np.all(np.abs(state.second_moments[name] - second[name])
+                          <= bound.second_moment_bound(name, second[name])), name
+
+
+def hoeffding_bound(n: int, failure: float = 1e-9) -> float:
+    """|fraction - p| of n independent Bernoulli(p) draws exceeds this with probability <= ``failure``:
+    Hoeffding, P(|mean - p| >= t) <= 2 exp(-2 n t^2)."""
+    return math.sqrt(math.log(2 / failure) / (2 * n))
+
+
+@pytest.mark.parametrize("p_drop", [0.1, 0.5])
+def test_dropout_on_the_embedding_sums_has_the_papers_statistics(p_drop):
+    """Section 5.4: dropout on the sums of the embeddings and the positional encodings. In training mode each
+    unit is zeroed with probability P_drop and the survivors are scaled by 1 / (1 - P_drop); in inference the
+    sums pass unchanged. Each sublayer's output (encoder and decoder layers) is dropped in training too."""
+    model = Transformer(VARIANTS["tiny"].replace(dropout=p_drop))
+    x = tf.constant(np.random.default_rng(0).standard_normal((8, model.config.max_len, model.config.d_model)))
+    clean = model.src_pos(x, training=False).numpy()
+    assert np.all(clean != 0)
+    out = model.src_pos(x, training=True).numpy()
+    dropped = out == 0
+    np.testing.assert_array_equal(model.src_pos(x).numpy(), clean)                # default: inference
+    assert abs(dropped.mean() - p_drop) <= hoeffding_bound(out.size), dropped.mean()
+    tolerance.assert_agrees(out[~dropped], clean[~dropped] / (1 - p_drop), what="survivors")
+    assert np.any(model.src_pos(x, training=True).numpy() != out)                # a new mask each call
+    memory = tf.constant(np.random.default_rng(1).standard_normal((2, 5, model.config.d_model)))
+    for layer, args in ((model.encoder.layers[0], (memory,)), (model.decoder.layers[0], (memory[:, :4], memory))):
+        train, infer = layer(*args, training=True).numpy(), layer(*args, training=False).numpy()
+        assert tolerance.max_abs(train, infer) > tolerance.float64_bound(infer), layer.name
+
+
+def test_a_training_step_uses_dropout_and_leaves_inference_untouched(agreement):
+    """The loss of a step with P_drop = 0.5 is not the inference loss; afterwards the model's default call
+    is inference again and equals the reference's forward pass at the updated weights."""
+    model = training_model(dropout=0.5)
+    inputs = cases.training_inputs(model.config)
+    inference = backend.loss(model, **inputs)
+    step_loss = training.train_step(model, training.optimizer(model, TRAINING), **inputs)
+    assert abs(step_loss - inference) > tolerance.float64_bound(inference)
+    src, tgt = inputs["src"], inputs["tgt"]
+    ref64, ref32 = (reference.build(model.config, checkpoint.to_params(model), dtype)(src, tgt) for dtype in DTYPES)
+    agreement(model(src, tgt).numpy(), ref64, ref32, port="tf", device="cpu", dtype="float64",
+              what="inference after a training step")
+
+
+def test_a_saved_run_resumes_with_the_same_next_step(tmp_path):
+    """training_state -> save_checkpoint(training=) -> load_training_state -> optimizer(state=): the next step
+    (t = 3, lrate(3)) is the step the run in memory takes, to the bit."""
+    path = tmp_path / "run.safetensors"
+    batches = [cases.training_inputs(VARIANTS["tiny"], seed=seed) for seed in range(3)]
+    model = training_model()
+    optimizer = training.optimizer(model, TRAINING)
+    for inputs in batches[:2]:
+        training.train_step(model, optimizer, **inputs)
+    checkpoint.save_checkpoint(model, path, training=training.training_state(model, optimizer))
+    resumed = checkpoint.load_checkpoint(path)
+    resumed_optimizer = training.optimizer(resumed, state=reference_checkpoint.load_training_state(path))
+    tolerance.assert_agrees(float(resumed_optimizer.learning_rate), paper_lrate(3, 16, TRAINING), what="lrate(3)")
+    runs = ((model, optimizer), (resumed, resumed_optimizer))
+    losses = [training.train_step(m, o, **batches[2]) for m, o in runs]
+    assert losses[0] == losses[1]
+    (state, params), (resumed_state, resumed_params) = ((training.training_state(m, o), checkpoint.to_params(m))
+                                                        for m, o in runs)
+    assert resumed_state.step == state.step == 3 and resumed_state.config == TRAINING
+    for name in params:
+        np.testing.assert_array_equal(resumed_params[name], params[name])
+        np.testing.assert_array_equal(resumed_state.first_moments[name], state.first_moments[name])
+        np.testing.assert_array_equal(resumed_state.second_moments[name], state.second_moments[name])
+
+
+def test_a_float64_run_resumes_in_float32():
+    """A saved state is cast to the model's dtype: float32 moments for a float32 model."""
+    model = training_model()
+    state = training.training_state(model, training.optimizer(model, TRAINING))._replace(step=5)
+    model = training_model(dtype="float32")
+    optimizer = training.optimizer(model, state=state)
+    resumed = training.training_state(model, optimizer)
+    assert resumed.step == 5 and resumed.config == TRAINING
+    tolerance.assert_agrees(float(optimizer.learning_rate), paper_lrate(6, 16, TRAINING), what="lrate(6)")
+    moments = (*resumed.first_moments.values(), *resumed.second_moments.values())
+    assert {m.dtype for m in moments} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize("change", ["missing", "shape"])
+def test_a_bad_training_state_gives_the_reference_error(change):
+    model = training_model()
+    state = training.training_state(model, training.optimizer(model))
+    name = "decoder.layers.1.ffn.linear2.weight"
+    if change == "missing":
+        del state.first_moments[name]
+    else:
+        state.second_moments[name] = state.second_moments[name].T
+    with pytest.raises(ValueError) as expected:
+        reference_training.optimizer(reference.build(model.config, checkpoint.to_params(model)), state=state)
+    with pytest.raises(ValueError, match=name) as port:
+        training.optimizer(model, state=state)
+    assert str(port.value) == str(expected.value) and "\n" not in str(port.value)

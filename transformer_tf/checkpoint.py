@@ -12,6 +12,11 @@ Loading builds the model (Keras creates every variable in ``build``) and assigns
 its variable (``variable.assign``), after a shape check that names both sides. File reading and
 validation are the reference's (``reference_numpy.checkpoint``), so a bad file gives the same
 one-line ``ValueError`` in every port.
+
+Every per-variable tensor (weights, gradients, Adam's moments) crosses between the two layouts
+through :func:`to_checkpoint_layout` and :func:`from_checkpoint_layout`, keyed on the Keras side
+by ``variable.path``. Saving may add a training run's state (Adam's moments and step count,
+format version 2).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import tensorflow as tf
 
 from reference_numpy import checkpoint as reference
+from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 
 from .model import Transformer
@@ -87,21 +94,40 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
     """A model in ``dtype`` from checkpoint-layout arrays (validated like a checkpoint file)."""
     reference.validate_params(config, params)
     model = Transformer(config, dtype=dtype)
-    flipped = transposed(config)
-    for name, variable in _variables(model).items():
-        value = params[name].T if name in flipped else params[name]
-        if tuple(variable.shape) != value.shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; the Keras variable "
-                             f"{name_table(config)[name]} has shape {tuple(variable.shape)}")
-        variable.assign(value.astype(model.compute_dtype))
+    values = from_checkpoint_layout(model, params)
+    for variable in model.weights:
+        variable.assign(values[variable.path].astype(model.compute_dtype))
     return model
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
     """The model's weights in checkpoint layout (name -> NumPy array, the model's dtype)."""
+    return to_checkpoint_layout(model, {variable.path: variable for variable in model.weights})
+
+
+def to_checkpoint_layout(model: Transformer, tensors: dict) -> dict[str, np.ndarray]:
+    """Per-variable tensors (weights, gradients, Adam's moments), keyed by Keras ``variable.path``, as
+    NumPy arrays by checkpoint name, in checkpoint layout and the checkpoint's order. A tensor may be
+    a Keras variable, a ``tf.Tensor`` or ``tf.IndexedSlices`` (an embedding's gradient)."""
     flipped = transposed(model.config)
-    return {name: np.array(variable.numpy().T if name in flipped else variable.numpy())
-            for name, variable in _variables(model).items()}
+    arrays = {name: np.array(tf.convert_to_tensor(tensors[variable.path]))
+              for name, variable in _variables(model).items()}
+    return {name: value.T if name in flipped else value for name, value in arrays.items()}
+
+
+def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Checkpoint-layout arrays by checkpoint name -> NumPy arrays in the Keras variables' layout,
+    keyed by ``variable.path``; a shape that does not fit names both sides."""
+    flipped = transposed(model.config)
+    values = {}
+    for name, variable in _variables(model).items():
+        value = np.asarray(arrays[name])
+        value = value.T if name in flipped else value
+        if tuple(variable.shape) != value.shape:
+            raise ValueError(f"tensor {name!r} has shape {value.shape}; the Keras variable "
+                             f"{name_table(model.config)[name]} has shape {tuple(variable.shape)}")
+        values[variable.path] = value
+    return values
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
@@ -111,9 +137,10 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
     return from_params(config, params, next(iter(params.values())).dtype.name)
 
 
-def save_checkpoint(model: Transformer, path: str | os.PathLike) -> None:
-    """Write the model as a shared checkpoint (atomically, in the model's dtype)."""
-    reference.save_checkpoint(path, model.config, to_params(model))
+def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None) -> None:
+    """Write the model (and a run's ``training`` state, from ``training.training_state``) as a shared
+    checkpoint, atomically, in the model's dtype."""
+    reference.save_checkpoint(path, model.config, to_params(model), training)
 
 
 def _variables(model: Transformer) -> dict:

@@ -1,12 +1,20 @@
-"""The training objective of section 5.4: cross-entropy with label smoothing (epsilon_ls = 0.1),
-and its gradients by ``tf.GradientTape``. The parallel text of ``reference_numpy/training.py``."""
+"""Training, section 5: the label-smoothed loss (5.4) and its gradients by ``tf.GradientTape``, Keras's
+Adam made to compute the paper's update with the learning rate of Eq. (3) as a Keras
+``LearningRateSchedule`` (5.3), one training step with dropout (5.4), and the run's state for a
+checkpoint. The parallel text of ``reference_numpy/training.py``."""
 
 from __future__ import annotations
 
+import functools
+
+import keras
 import numpy as np
 import tensorflow as tf
 
-from reference_numpy.training import LABEL_SMOOTHING
+from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig
+from reference_numpy.training import LABEL_SMOOTHING, PAPER
 
 from . import checkpoint
 from . import device as _device
@@ -18,19 +26,24 @@ def label_smoothed_cross_entropy(log_probs: tf.Tensor, labels: tf.Tensor, pad_id
     """Mean over non-pad labels of -sum_k q(k) log p(k), with q = (1 - epsilon) one_hot(label) + epsilon / V.
 
     Section 5.4: "we employed label smoothing of value epsilon_ls = 0.1"; the smoothing mass is
-    spread uniformly over all V classes.
+    spread uniformly over all V classes. (Traced, the labels' values are unknown: ``train_step``
+    checks them before.)
 
     Shape: log_probs (B, T, V), labels (B, T) int -> scalar.
     """
-    if not 0.0 <= epsilon < 1.0:
-        raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
     labels = tf.convert_to_tensor(labels)
+    _check_labels(labels, pad_id, epsilon)
     real = tf.cast(labels != pad_id, log_probs.dtype)                       # (B, T)
-    if not tf.reduce_any(real > 0):
-        raise ValueError("labels hold no non-pad token; the loss is undefined")
     picked = tf.gather(log_probs, labels, batch_dims=2)                     # (B, T)
     per_token = -(1.0 - epsilon) * picked - epsilon * tf.reduce_mean(log_probs, axis=-1)
     return tf.reduce_sum(per_token * real) / tf.reduce_sum(real)
+
+
+def _check_labels(labels: tf.Tensor, pad_id: int, epsilon: float) -> None:
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
+    if not tf.is_symbolic_tensor(labels) and not np.any(labels.numpy() != pad_id):
+        raise ValueError("labels hold no non-pad token; the loss is undefined")
 
 
 def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING, training: bool = False) -> tf.Tensor:
@@ -42,9 +55,121 @@ def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses)."""
-    variables = checkpoint._variables(model)
-    flipped = checkpoint.transposed(model.config)
+    variables = model.trainable_variables
     with tf.device(_device.model_device(model)), tf.GradientTape() as tape:
         value = loss(model, src, tgt, labels, epsilon)
-    grads = [tf.convert_to_tensor(grad).numpy() for grad in tape.gradient(value, list(variables.values()))]
-    return float(value), {name: grad.T if name in flipped else grad for name, grad in zip(variables, grads)}
+    grads = tape.gradient(value, variables)
+    return float(value), checkpoint.to_checkpoint_layout(model, {v.path: g for v, g in zip(variables, grads)})
+
+
+def learning_rate_schedule(d_model: int, config: TrainingConfig = PAPER
+                           ) -> keras.optimizers.schedules.LearningRateSchedule:
+    """Eq. (3) as a Keras schedule. Keras calls it with ``optimizer.iterations``, the number of steps
+    already taken (0 before the first update), so it returns lrate(iterations + 1), in float64."""
+    return _Schedule(d_model, config)
+
+
+class _Schedule(keras.optimizers.schedules.LearningRateSchedule):
+    """lrate(iterations + 1) of :func:`learning_rate`."""
+
+    def __init__(self, d_model: int, config: TrainingConfig):
+        self.d_model, self.config = d_model, config
+
+    def __call__(self, step):
+        return learning_rate(tf.cast(step, tf.float64) + 1.0, self.d_model, self.config)
+
+
+def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> tf.Tensor:
+    """lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)  -- Eq. (3), section 5.3,
+    times ``config.learning_rate_scale``; ``step`` (an int or a tensor) counts from 1. Float64."""
+    step = tf.cast(step, tf.float64)
+    return config.learning_rate_scale * d_model ** -0.5 * tf.minimum(step ** -0.5, step * config.warmup_steps ** -1.5)
+
+
+class _Adam(keras.optimizers.Adam):
+    """``keras.optimizers.Adam`` computing Kingma & Ba's Algorithm 1 as section 5.3 uses it.
+
+    Keras 3.15's ``Adam.update_step`` (``keras/src/optimizers/adam.py``) folds both bias corrections
+    into the step size, theta -= lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps), so epsilon meets
+    the uncorrected sqrt(v): an effective eps / sqrt(1 - b2^t) (7.1e-9 at t = 1 for b2 = 0.98, not
+    1e-9). This ``update_step`` corrects m and v first, theta -= lr m_hat / (sqrt(v_hat) + eps), with
+    t = iterations + 1; the scalars lr, 1 - b1^t and 1 - b2^t are computed in float64 and cast once
+    to the variable's dtype. :meth:`moments` gives one variable's m and v; ``train_function``
+    (set by :func:`optimizer`) is the compiled training step.
+    """
+
+    def __init__(self, d_model: int, config: TrainingConfig):
+        super().__init__(learning_rate_schedule(d_model, config), config.beta1, config.beta2, config.epsilon,
+                         name="adam")
+        self.training_config = config
+
+    def moments(self, variable) -> tuple:
+        """Adam's m and v (not bias-corrected) of one model variable: Keras variables."""
+        index = self._get_variable_index(variable)
+        return self._momentums[index], self._velocities[index]
+
+    def update_step(self, gradient, variable, learning_rate):
+        t = tf.cast(self.iterations + 1, tf.float64)
+        lr, c1, c2 = (tf.cast(x, variable.dtype) for x in (learning_rate, 1 - self.beta_1 ** t,
+                                                            1 - self.beta_2 ** t))
+        m, v = self.moments(variable)
+        self.assign(m, m * self.beta_1 + (1 - self.beta_1) * gradient)
+        self.assign(v, v * self.beta_2 + (1 - self.beta_2) * gradient * gradient)
+        self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon))
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> keras.optimizers.Adam:
+    """The optimizer of section 5.3 for ``model``: Keras's Adam with the paper's update and the schedule
+    of Eq. (3), built on the model's variables. With ``state`` (from ``load_training_state``) the saved
+    run continues where it stopped: its moments (cast to the model's dtype) and step count are
+    assigned to the optimizer's variables and, unless ``config`` is given, its training config is used."""
+    if state is not None:
+        state = state.astype(model.compute_dtype)
+        reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
+    adam = _Adam(model.config.d_model, config or (state.config if state is not None else PAPER))
+    with tf.device(_device.model_device(model)):
+        adam.build(model.trainable_variables)
+    if state is not None:
+        adam.iterations.assign(state.step)
+        first, second = (checkpoint.from_checkpoint_layout(model, moments)
+                         for moments in (state.first_moments, state.second_moments))
+        for variable in model.trainable_variables:
+            m, v = adam.moments(variable)
+            m.assign(first[variable.path])
+            v.assign(second[variable.path])
+    adam.train_function = tf.function(functools.partial(_step, adam))            # traced once per input shape
+    return adam
+
+
+def train_step(model: Transformer, optimizer: keras.optimizers.Adam, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One training step of section 5: the loss with dropout on (``training=True``, P_drop =
+    ``config.dropout``), its gradient, and Adam's update with lrate(t); returns the loss before the
+    update. Compiled (``tf.function``, traced once per optimizer and input shape); the inputs are
+    checked before. Keras keeps no mode on the model: ``training=True`` holds for this step's
+    forward pass only, every other call stays inference."""
+    src, tgt = model._check_inputs(src, tgt, None, None)                   # ids cannot be checked once traced
+    labels = tf.convert_to_tensor(labels)
+    _check_labels(labels, model.config.pad_id, epsilon)
+    with tf.device(_device.model_device(model)):
+        return float(optimizer.train_function(model, src, tgt, labels, epsilon))
+
+
+def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float) -> tf.Tensor:
+    """Traced: the loss in training mode, its gradient (an embedding's ``IndexedSlices`` made dense) and
+    the optimizer's update."""
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        value = loss(model, src, tgt, labels, epsilon, training=True)
+    optimizer.apply([tf.convert_to_tensor(grad) for grad in tape.gradient(value, variables)], variables)
+    return value
+
+
+def training_state(model: Transformer, optimizer: keras.optimizers.Adam) -> TrainingState:
+    """The run's state in checkpoint layout (NumPy, the model's dtype), for
+    ``save_checkpoint(..., training=state)``."""
+    variables = model.trainable_variables
+    first, second = (checkpoint.to_checkpoint_layout(model, {v.path: optimizer.moments(v)[i] for v in variables})
+                     for i in (0, 1))
+    return TrainingState(optimizer.training_config, int(optimizer.iterations.numpy()), first, second)

@@ -1,19 +1,20 @@
 """The adapter of the TensorFlow/Keras port: NumPy in, NumPy out (:class:`equivalence.contract.Backend`).
 
-Models
-are built with TensorFloat-32 off, and run inference (``training=False``) on the device that
-holds their weights.
+Models are built with TensorFloat-32 off, run inference (``training=False``) on the device that
+holds their weights, and train with ``transformer_tf.training`` (a compiled step, ``training=True``).
 """
 
 from __future__ import annotations
 
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy.config import TransformerConfig
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, decoding, training
@@ -51,9 +52,9 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     return build(config, params, dtype, device)
 
 
-def save(model: Transformer, path) -> None:
-    """Write the model's weights as a shared checkpoint."""
-    checkpoint.save_checkpoint(model, path)
+def save(model: Transformer, path, training: TrainingState | None = None) -> None:
+    """Write the model's weights (and a run's training state) as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path, training)
 
 
 def export_params(model: Transformer) -> dict[str, np.ndarray]:
@@ -119,3 +120,20 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout."""
     return training.gradients(model, src, tgt, labels, epsilon)
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> keras.optimizers.Optimizer:
+    """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``)."""
+    return training.optimizer(model, config, state)
+
+
+def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One compiled training step, dropout as the model's config says: the loss before the update."""
+    return training.train_step(model, optimizer, src, tgt, labels, epsilon)
+
+
+def training_state(model: Transformer, optimizer: keras.optimizers.Optimizer) -> TrainingState:
+    """Adam's moments and step count in checkpoint layout (NumPy, the model's dtype)."""
+    return training.training_state(model, optimizer)
