@@ -1,6 +1,7 @@
 """Tests of the JAX/Flax port beyond the shared agreement matrix (tests/test_agreement.py):
 checkpoint I/O against the reference, the name table, float64 and x64, the fully masked row,
-the key/value cache and the compiled decoding loop, dropout, devices.
+the key/value cache and the compiled decoding loop, dropout, devices, and training (section 5:
+optax's Adam and schedule against the paper's, written out here; dropout's statistics; resuming a saved run).
 
 The port is used directly in float64 here, so this module enables x64 for the pytest process
 (the library itself never does: a subprocess test checks that importing the port and its adapter
@@ -24,6 +25,7 @@ pytest.importorskip("flax", reason="Flax is not installed (pip install '.[jax]')
 jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from equivalence import cases, tolerance  # noqa: E402
@@ -31,11 +33,20 @@ from equivalence.adapters import jax as backend  # noqa: E402
 from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
-from transformer_jax import checkpoint, decoding, device  # noqa: E402
-from transformer_jax.model import Transformer, forward, padding_mask, scaled_dot_product_attention  # noqa: E402
+from reference_numpy.training import PAPER  # noqa: E402
+from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
+from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
+from transformer_jax.model import (  # noqa: E402
+    PositionalEncoding,
+    Transformer,
+    forward,
+    padding_mask,
+    scaled_dot_product_attention,
+)
 from transformer_jax.training import loss  # noqa: E402
 
 NO_GPU = "no GPU present: JAX sees only the CPU here, the GPU tests need a CUDA/ROCm jaxlib and a GPU"
@@ -424,3 +435,183 @@ def test_gpu_decoding_is_run_to_run_identical():
     first, second = backend.beam(model, src), backend.beam(model, src)
     np.testing.assert_array_equal(first[0], second[0])
     np.testing.assert_array_equal(first[1], second[1])
+
+
+# ----------------------------------------------------------------------------- training (section 5)
+
+# A short warmup makes the first learning rates large (lrate(t) = t / (4 * 5^1.5) ~ 0.02 t for d_model = 16): a
+# learning rate or bias correction rounded to float32 (relative error up to 6e-8) then moves a weight by ~1e-9, far
+# above the float64 bound of 1e-12, which the paper's warmup of 4000 steps (lrate(1) ~ 1e-6) would hide. (With
+# warmup_steps = 4 the first rates, 2^-5, 2^-4 and 3 * 2^-5, would be exact in float32.)
+TRAINING = TrainingConfig(warmup_steps=5)
+
+
+def paper_rate(step: int, d_model: int, config: TrainingConfig) -> float:
+    """Eq. (3) of section 5.3, written out here: the test's own oracle."""
+    return config.learning_rate_scale * min(step ** -0.5, step * config.warmup_steps ** -1.5) / np.sqrt(d_model)
+
+
+def paper_adam(weight, grad, m, v, t: int, rate: float, config: TrainingConfig):
+    """One step of Kingma & Ba's Algorithm 1 in NumPy (the test's own oracle): the new weight, m and v."""
+    m = config.beta1 * m + (1 - config.beta1) * grad
+    v = config.beta2 * v + (1 - config.beta2) * grad ** 2
+    m_hat, v_hat = m / (1 - config.beta1 ** t), v / (1 - config.beta2 ** t)
+    return weight - rate * m_hat / (np.sqrt(v_hat) + config.epsilon), m, v
+
+
+def training_model(variant: str = "tiny", dropout: float = 0.0) -> Transformer:
+    """A fresh float64 model from the seeded weights (training changes it, so it is never cached)."""
+    config = VARIANTS[variant].replace(dropout=dropout)
+    return checkpoint.from_params(config, cases.seeded_params(config))
+
+
+@pytest.mark.parametrize("config", [PAPER, TrainingConfig(warmup_steps=4, learning_rate_scale=2.0)])
+def test_the_schedule_gives_lrate_from_step_one_as_optax_counts(config):
+    """optax counts updates from 0; stepping optax's own scale_by_learning_rate with the schedule scales the t-th
+    update by -lrate(t), t = 1, 2, ..., in float64; and over a range of counts the schedule is Eq. (3) at count + 1."""
+    d_model = VARIANTS["tiny"].d_model
+    schedule = training.learning_rate_schedule(d_model, config)
+    scaler = optax.scale_by_learning_rate(schedule)
+    state = scaler.init(jnp.ones((), jnp.float64))
+    for step in range(1, 6):
+        update, state = scaler.update(jnp.ones((), jnp.float64), state)
+        assert update.dtype == jnp.float64
+        expected = paper_rate(step, d_model, config)
+        assert abs(-float(update) - expected) <= tolerance.float64_bound(expected), step
+    counts = np.arange(0, 3 * config.warmup_steps + 50, 3)
+    rates = np.asarray(schedule(jnp.asarray(counts)))
+    expected = np.array([reference_learning_rate(int(count) + 1, d_model, config) for count in counts])
+    assert rates.dtype == np.float64
+    tolerance.assert_agrees(rates, expected, what="schedule(count) vs lrate(count + 1)")
+
+
+def test_optax_computes_the_rate_and_the_bias_correction_in_float64():
+    """Nothing in the optimizer's update of a float64 model is float32: not the schedule, not 1 - beta^t."""
+    model = training_model()
+    optimizer = training.optimizer(model, TRAINING)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    jaxpr = str(jax.make_jaxpr(lambda grads, state: optimizer.tx.update(grads, state, params))(
+        params, nnx.as_pure(optimizer.opt_state)))
+    assert "pow 0.98" in jaxpr and "f64" in jaxpr                     # the bias correction is traced here
+    assert "f32" not in jaxpr
+
+
+def test_one_and_three_steps_are_the_papers_adam():
+    """Each step of the port, given its own gradients (dropout 0), against Kingma & Ba's Algorithm 1 written out
+    above: the loss it returns, the weights after steps 1 and 3 and Adam's moments, within the float64 policy."""
+    model = training_model()
+    optimizer = training.optimizer(model, TRAINING)
+    weights = checkpoint.to_params(model)
+    m = {name: np.zeros_like(value) for name, value in weights.items()}
+    v = {name: np.zeros_like(value) for name, value in weights.items()}
+    for t in range(1, 4):
+        inputs = cases.training_inputs(model.config, seed=t)
+        value, grads = training.gradients(model, **inputs)
+        assert abs(training.train_step(model, optimizer, **inputs) - value) <= tolerance.float64_bound(value)
+        rate = paper_rate(t, model.config.d_model, TRAINING)
+        for name in weights:
+            weights[name], m[name], v[name] = paper_adam(weights[name], grads[name], m[name], v[name], t, rate,
+                                                         TRAINING)
+        state = training.training_state(model, optimizer)
+        assert state.step == t and state.config == TRAINING
+        if t in (1, 3):
+            after = checkpoint.to_params(model)
+            for name in weights:
+                tolerance.assert_agrees(after[name], weights[name], what=f"step {t}: {name}")
+                tolerance.assert_agrees(state.first_moments[name], m[name], what=f"step {t}: m of {name}")
+                tolerance.assert_agrees(state.second_moments[name], v[name], what=f"step {t}: v of {name}")
+    assert max(np.abs(after[name] - cases.seeded_params(model.config)[name]).max() for name in after) > 1e-2
+
+
+def test_tied_embeddings_have_one_pair_of_moments():
+    model = training_model("shared_embeddings")
+    state = training.training_state(model, training.optimizer(model))
+    assert list(state.first_moments) == list(state.second_moments) == list(checkpoint.to_params(model))
+    assert "shared_embed.weight" in state.first_moments and "src_embed.weight" not in state.first_moments
+    adam = optax.tree.get(nnx.as_pure(training.optimizer(model).opt_state), "ScaleByAdamState")
+    assert len(nnx.to_flat_state(adam.mu)) == len(state.first_moments)
+
+
+@pytest.mark.parametrize("p_drop", [0.1, 0.5])
+def test_dropout_on_the_embedding_sums_has_the_papers_statistics(p_drop):
+    """Section 5.4 on the sums of embeddings and positional encodings (the model's PositionalEncoding): each entry
+    is dropped independently with probability P_drop and the survivors are scaled by 1 / (1 - P_drop). With N
+    entries, Hoeffding's inequality bounds P(|dropped fraction - P_drop| >= delta) by 2 exp(-2 N delta^2); delta
+    below makes that 1e-9."""
+    config = VARIANTS["tiny"].replace(dropout=p_drop)
+    positions = PositionalEncoding(config, dtype=jnp.float64, rngs=nnx.Rngs(params=0, dropout=1))
+    x = np.full((8, config.max_len, config.d_model), 3.0)            # x + PE lies in [2, 4]: never 0 before dropout
+    clean = np.asarray(positions(x, deterministic=True))
+    noisy = np.asarray(positions(x, deterministic=False))
+    dropped = noisy == 0
+    delta = np.sqrt(np.log(2 / 1e-9) / (2 * dropped.size))
+    assert abs(dropped.mean() - p_drop) <= delta, (dropped.mean(), delta)
+    tolerance.assert_agrees(noisy[~dropped], clean[~dropped] / (1 - p_drop), what="survivors scaled")
+    second = np.asarray(positions(x, deterministic=False))
+    assert (second == 0).mean() > 0 and np.any((second == 0) != dropped)   # the stream advances: a new mask
+    masks = []
+    for _ in range(2):
+        nnx.reseed(positions, dropout=2)
+        masks.append(np.asarray(positions(x, deterministic=False)) == 0)
+    np.testing.assert_array_equal(masks[0], masks[1])                     # the seed decides the masks
+
+
+def test_a_training_step_uses_dropout_and_leaves_inference_untouched():
+    """With P_drop = 0.5 the step's loss is not the eval loss; the dropout stream lives in the model's Dropout
+    modules and advances; after the step the model computes inference (no dropout), the reference's forward at
+    the updated weights."""
+    model = training_model(dropout=0.5)
+    inputs = cases.training_inputs(model.config)
+    eval_loss = float(loss(model, **inputs, deterministic=True))
+    counts = np.array([c[...] for _, c in nnx.to_flat_state(nnx.state(model, nnx.RngCount))])
+    step_loss = training.train_step(model, training.optimizer(model, TRAINING), **inputs)
+    assert abs(step_loss - eval_loss) > 1e3 * tolerance.float64_bound(eval_loss)
+    after = np.array([c[...] for _, c in nnx.to_flat_state(nnx.state(model, nnx.RngCount))])
+    assert np.all(after > counts)                                    # every dropout stream drew a mask
+    nnx.reseed(model, dropout=7)                                     # the streams carry the "dropout" tag
+    assert all(c[...] == 0 for _, c in nnx.to_flat_state(nnx.state(model, nnx.RngCount)))
+    forward_inputs = {"src": inputs["src"], "tgt": inputs["tgt"]}
+    expected = reference.build(model.config, checkpoint.to_params(model))(**forward_inputs)
+    tolerance.assert_agrees(np.asarray(model(**forward_inputs)), expected, what="inference after a step")
+
+
+def test_a_saved_run_resumes_exactly(tmp_path):
+    """training_state -> save_checkpoint(training=) -> load_training_state -> optimizer(state=): the next step is
+    bit for bit the step of the run continued in memory (the saved config is used when none is given)."""
+    path, batches = tmp_path / "run.safetensors", [cases.training_inputs(VARIANTS["tiny"], seed=s) for s in range(3)]
+    model = training_model()
+    optimizer = training.optimizer(model, TRAINING)
+    for inputs in batches[:2]:
+        training.train_step(model, optimizer, **inputs)
+    checkpoint.save_checkpoint(model, path, training=training.training_state(model, optimizer))
+    resumed = checkpoint.load_checkpoint(path)
+    resumed_optimizer = training.optimizer(resumed, state=reference_checkpoint.load_training_state(path))
+    assert training.training_state(resumed, resumed_optimizer).config == TRAINING
+    losses = [training.train_step(m, o, **batches[2]) for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
+    assert losses[0] == losses[1]
+    states = [training.training_state(m, o) for m, o in ((model, optimizer), (resumed, resumed_optimizer))]
+    assert states[0].step == states[1].step == 3
+    for name, value in checkpoint.to_params(model).items():
+        np.testing.assert_array_equal(checkpoint.to_params(resumed)[name], value, err_msg=name)
+        for which in (2, 3):
+            np.testing.assert_array_equal(states[1][which][name], states[0][which][name], err_msg=name)
+
+
+def test_a_bad_training_state_gives_the_references_error():
+    model = training_model()
+    state = training.training_state(model, training.optimizer(model, TRAINING))
+    name = "decoder.layers.1.ffn.linear1.weight"
+    missing = state._replace(first_moments={k: v for k, v in state.first_moments.items() if k != name})
+    misshaped = state._replace(second_moments={**state.second_moments, name: np.zeros(3)})
+    for bad, tensor in ((missing, f"adam.m.{name}"), (misshaped, f"adam.v.{name}")):
+        with pytest.raises(ValueError) as expected:
+            reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), bad)
+        with pytest.raises(ValueError, match=re.escape(tensor)) as err:
+            training.optimizer(model, state=bad)
+        assert str(err.value) == str(expected.value) and "\n" not in str(err.value)
+    inputs = cases.training_inputs(model.config)
+    with jax.enable_x64(False), pytest.raises(ValueError, match="float64 needs 64-bit JAX"):
+        training.train_step(model, training.optimizer(model), **inputs)
+    with pytest.raises(ValueError, match="labels hold no non-pad token"):
+        training.train_step(model, training.optimizer(model), inputs["src"], inputs["tgt"],
+                            np.zeros_like(inputs["labels"]))

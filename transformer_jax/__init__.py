@@ -7,31 +7,48 @@ changes no process-wide setting: float64 models need ``jax_enable_x64``, which t
 
 from reference_numpy import __version__ as __version__
 
-from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params, transposed
+from .checkpoint import (
+    from_checkpoint_layout,
+    from_params,
+    load_checkpoint,
+    name_table,
+    save_checkpoint,
+    to_checkpoint_layout,
+    to_params,
+    transposed,
+)
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
 from .model import (
-                    Decoder,
-                    DecoderLayer,
-                    Embeddings,
-                    Encoder,
-                    EncoderLayer,
-                    Generator,
-                    KVCache,
-                    LayerNorm,
-                    MultiHeadAttention,
-                    PositionalEncoding,
-                    PositionwiseFeedForward,
-                    Transformer,
-                    causal_mask,
-                    log_softmax,
-                    padding_mask,
-                    residual,
-                    scaled_dot_product_attention,
-                    sinusoidal_positional_encoding,
-                    target_mask,
+    Decoder,
+    DecoderLayer,
+    Embeddings,
+    Encoder,
+    EncoderLayer,
+    Generator,
+    KVCache,
+    LayerNorm,
+    MultiHeadAttention,
+    PositionalEncoding,
+    PositionwiseFeedForward,
+    Transformer,
+    causal_mask,
+    log_softmax,
+    padding_mask,
+    residual,
+    scaled_dot_product_attention,
+    sinusoidal_positional_encoding,
+    target_mask,
 )
-from .training import gradients, label_smoothed_cross_entropy, loss
+from .training import (
+    gradients,
+    label_smoothed_cross_entropy,
+    learning_rate_schedule,
+    loss,
+    optimizer,
+    train_step,
+    training_state,
+)
 
 __all__ = [
     "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
@@ -39,7 +56,9 @@ __all__ = [
     "causal_mask", "log_softmax", "padding_mask", "residual", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "beam_search", "greedy_decode",
-    "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params", "transposed",
-    "gradients", "label_smoothed_cross_entropy", "loss",
+    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
+    "to_checkpoint_layout", "to_params", "transposed",
+    "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
+    "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
 ]

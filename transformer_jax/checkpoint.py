@@ -2,14 +2,16 @@
 
 The whole conversion is two tables: :func:`name_table` (checkpoint name -> NNX parameter path,
 built by the loops of :func:`reference_numpy.checkpoint.parameter_shapes`) and :func:`transposed`
-(empty: every NNX parameter has the checkpoint's layout). Loading never initializes weights at
-random: ``nnx.eval_shape`` gives the model's parameter paths, shapes and dtypes without creating
-an array, every tensor is checked against its parameter, and ``nnx.update`` puts the tensors into a
-model built inside ``nnx.jit`` -- Flax's partial initialization, in which XLA drops the random
-initialization of the replaced parameters, so only the state that is not a parameter (dropout RNG
-streams, the sinusoidal table) is computed. File validation is the reference's
-(:func:`reference_numpy.checkpoint.load_checkpoint` and ``validate_params``), so a bad file gives
-the reference's one-line ``ValueError``.
+(empty: every NNX parameter has the checkpoint's layout); :func:`to_checkpoint_layout` and
+:func:`from_checkpoint_layout` apply them to any per-parameter tensors (parameters, gradients,
+Adam's moments). Loading never initializes weights at random: ``nnx.eval_shape`` gives the
+model's parameter paths, shapes and dtypes without creating an array, every tensor is checked
+against its parameter, and ``nnx.update`` puts the tensors into a model built inside ``nnx.jit``
+-- Flax's partial initialization, in which XLA drops the random initialization of the replaced
+parameters, so only the state that is not a parameter (the dropout RNG streams, seeded with
+``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal table) is computed. File validation is the
+reference's (:func:`reference_numpy.checkpoint.load_checkpoint` and ``validate_params``), so a bad
+file gives the reference's one-line ``ValueError``.
 """
 
 from __future__ import annotations
@@ -108,32 +110,41 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
     reference.validate_params(config, params)
     dtype = _check_dtype(dtype)
     targets = _parameters(config, dtype)
-    table, flip = name_table(config), set(transposed(config))
-    if set(table.values()) != set(targets):
+    if set(name_table(config).values()) != set(targets):
         raise ValueError(f"the name table and the NNX parameters differ: "
-                         f"{sorted(set(table.values()) ^ set(targets))}")
-    loaded = []
-    for name, path in table.items():
-        value = params[name].astype(dtype)
-        value = value.T if name in flip else value
-        keys, target = targets[path]
-        if value.shape != target.shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; the NNX parameter {path} has shape "
-                             f"{target.shape}")
-        loaded.append((keys, target.replace(value)))
-    state = jax.device_put(nnx.from_flat_state(loaded), None if device is None else resolve_device(device))
-    return _assemble(config, dtype, state)
+                         f"{sorted(set(name_table(config).values()) ^ set(targets))}")
+    state = nnx.from_flat_state([(keys, target.replace(value))
+                                 for keys, target, value in _converted(config, params, targets, dtype)])
+    return _assemble(config, dtype, jax.device_put(state, None if device is None else resolve_device(device)))
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
     """The model's parameters in checkpoint names and layout, as NumPy arrays of the model's dtype."""
-    state = {".".join(map(str, keys)): variable for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return to_checkpoint_layout(model, nnx.state(model, nnx.Param))
+
+
+def to_checkpoint_layout(model: Transformer, tensors: nnx.State) -> dict[str, np.ndarray]:
+    """Per-parameter tensors of ``model`` -- its parameters, their gradients (``nnx.grad``) or
+    Adam's moments (section 5.3): an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)`` --
+    by checkpoint name, in checkpoint layout, as NumPy arrays (a tied matrix is one tensor)."""
+    state = {_dotted(keys): value for keys, value in nnx.to_flat_state(tensors)}
     flip = set(transposed(model.config))
-    params = {}
+    arrays = {}
     for name, path in name_table(model.config).items():
         value = np.asarray(state[path][...])
-        params[name] = value.T if name in flip else value
-    return params
+        arrays[name] = value.T if name in flip else value
+    return arrays
+
+
+def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) -> nnx.State:
+    """The inverse of :func:`to_checkpoint_layout`: arrays by checkpoint name and layout as an
+    ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, cast to the model's dtype and placed
+    like its parameter (committed to its device only if the parameter is, so that compiled steps
+    are reused); a missing or mis-shaped tensor is a one-line ``ValueError`` naming it."""
+    targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    placed = lambda value, like: jax.device_put(value, like.sharding if like.committed else None)
+    return nnx.from_flat_state([(keys, target.replace(placed(value, target[...])))
+                                for keys, target, value in _converted(model.config, arrays, targets, model.dtype)])
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = None) -> Transformer:
@@ -143,9 +154,35 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
     return from_params(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device)
 
 
-def save_checkpoint(model: Transformer, path: str | os.PathLike) -> None:
-    """Write the model as a shared checkpoint (atomically, by the reference's writer)."""
-    reference.save_checkpoint(path, model.config, to_params(model))
+def save_checkpoint(model: Transformer, path: str | os.PathLike,
+                    training: reference.TrainingState | None = None) -> None:
+    """Write the model (and a run's ``training`` state, from :func:`.training.training_state`) as a
+    shared checkpoint, atomically, by the reference's writer."""
+    reference.save_checkpoint(path, model.config, to_params(model), training)
+
+
+def _dotted(keys: tuple) -> str:
+    """An NNX state path as the dotted string of :func:`name_table`."""
+    return ".".join(map(str, keys))
+
+
+def _converted(config: TransformerConfig, arrays: dict[str, np.ndarray], targets: dict[str, tuple[tuple, nnx.Param]],
+               dtype: np.dtype) -> list[tuple[tuple, nnx.Param, np.ndarray]]:
+    """(state keys, target parameter, array cast to ``dtype`` in the NNX layout) for every tensor of
+    :func:`name_table`; ``targets`` maps a dotted NNX path to its keys and (abstract or real) parameter."""
+    flip = set(transposed(config))
+    converted = []
+    for name, path in name_table(config).items():
+        if name not in arrays:
+            raise ValueError(f"tensor {name!r} is missing")
+        value = np.asarray(arrays[name]).astype(dtype)
+        value = value.T if name in flip else value
+        keys, target = targets[path]
+        if value.shape != target.shape:
+            raise ValueError(f"tensor {name!r} has shape {value.shape}; the NNX parameter {path} has shape "
+                             f"{target.shape}")
+        converted.append((keys, target, value))
+    return converted
 
 
 @functools.cache
@@ -153,14 +190,13 @@ def _parameters(config: TransformerConfig, dtype: np.dtype) -> dict[str, tuple[t
     """Every ``nnx.Param`` of the model as ``nnx.eval_shape`` gives it (shape and dtype, no array):
     dotted path -> (state keys, abstract parameter)."""
     abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    return {".".join(map(str, keys)): (keys, variable)
-            for keys, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+    return {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
 @nnx.jit(static_argnums=(0, 1))
 def _assemble(config: TransformerConfig, dtype: np.dtype, params: nnx.State) -> Transformer:
     """The model with ``params`` as its parameters; compiled, so the random initialization traced
     for them is dead code that XLA removes."""
-    model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(0))
+    model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0))   # nnx.reseed(model, dropout=)
     nnx.update(model, params)
     return model

@@ -1,16 +1,33 @@
-"""The training objective of section 5.4: cross-entropy with label smoothing (epsilon_ls = 0.1),
-and its gradients by ``nnx.value_and_grad``. The parallel text of ``reference_numpy/training.py``."""
+"""Training, section 5: the label-smoothed loss (5.4) and its gradients by ``nnx.value_and_grad``;
+Adam and the learning-rate schedule of section 5.3 by optax (``optax.adam`` with an optax schedule)
+inside flax's ``nnx.Optimizer``; one compiled training step with dropout (5.4); the run's state for
+a checkpoint. The parallel text of ``reference_numpy/training.py``.
+
+The update is the paper's (Kingma & Ba, Algorithm 1) exactly: ``optax.adam`` with ``eps_root=0``
+divides the bias-corrected first moment by ``sqrt(v_hat) + eps``; optax's step count starts at 0,
+so the schedule is evaluated at ``count + 1`` and the bias correction uses ``count + 1``; with
+64-bit JAX on, the schedule and the bias correction are computed in float64 and cast to the
+parameters' dtype. Dropout draws its masks from the model's own dropout streams (every
+``nnx.Dropout`` holds one, forked from the model's ``rngs``): each step advances them.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-from reference_numpy.training import LABEL_SMOOTHING
+from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig
+from reference_numpy.training import LABEL_SMOOTHING, PAPER
 
 from . import checkpoint
+from .device import _check_dtype
 from .model import Transformer
 
 
@@ -46,15 +63,102 @@ def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses)."""
+    src, tgt = _check_batch(model, src, tgt, labels)
+    value, grads = _value_and_grad(model, src, tgt, labels, epsilon)
+    return float(value), checkpoint.to_checkpoint_layout(model, grads)
+
+
+def learning_rate_schedule(d_model: int, config: TrainingConfig = PAPER) -> optax.Schedule:
+    """Eq. (3) as an optax schedule. optax calls it with the number of updates already made (0 before
+    the first), so it returns :func:`learning_rate` at ``count + 1``: the paper's step_num, from 1."""
+    return lambda count: learning_rate(count + 1, d_model, config)
+
+
+def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> jax.Array:
+    """lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)  -- Eq. (3), section 5.3,
+    times ``config.learning_rate_scale``; ``step`` (an int or a traced count) counts from 1.
+
+    Computed in JAX's default float dtype: float64 with 64-bit JAX on, as a float64 model needs (optax
+    casts it to the parameters' dtype); float32 without it, where only float32 models exist.
+    """
+    step = jnp.asarray(step, dtype=float)
+    return config.learning_rate_scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * config.warmup_steps ** -1.5)
+
+
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> nnx.Optimizer:
+    """The optimizer of section 5.3 for ``model``: ``nnx.Optimizer`` over every ``nnx.Param`` with
+    ``optax.adam(learning_rate_schedule(...), beta1, beta2, epsilon, eps_root=0)``. With ``state``
+    (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to
+    the model's dtype) and step count go into optax's state, and, unless ``config`` is given, its
+    training config is used. The config is kept as ``optimizer.config``."""
+    if state is not None:
+        state = state.astype(model.dtype)
+        reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
+    config = config or (state.config if state is not None else PAPER)
+    result = nnx.Optimizer(model, _adam(model.config.d_model, config), wrt=nnx.Param)
+    result.config = config
+    if state is not None:
+        _restore(model, result, state)
+    return result
+
+
+def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One training step of section 5, compiled (once per model structure, optimizer settings and
+    batch shape): the loss with dropout as ``model.config.dropout`` says, its gradient and one Adam
+    update with the scheduled learning rate. Returns the loss before the update. The model stays in
+    inference mode (dropout is on for this step only, by ``deterministic=False``); its dropout
+    streams advance."""
+    src, tgt = _check_batch(model, src, tgt, labels)
+    return float(_train_step(model, optimizer, src, tgt, labels, epsilon))
+
+
+def training_state(model: Transformer, optimizer: nnx.Optimizer) -> TrainingState:
+    """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``: optax's
+    Adam moments m_t and v_t (not bias-corrected) and its step count t."""
+    adam = optax.tree.get(nnx.as_pure(optimizer.opt_state), "ScaleByAdamState")
+    return TrainingState(optimizer.config, int(adam.count), checkpoint.to_checkpoint_layout(model, adam.mu),
+                         checkpoint.to_checkpoint_layout(model, adam.nu))
+
+
+def _check_batch(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array]:
+    """The host-side checks of a batch (ids cannot be checked once traced) and of 64-bit JAX for a
+    float64 model (which would otherwise be truncated to float32); the checked src and tgt."""
+    _check_dtype(model.dtype)
     if not np.any(np.asarray(labels) != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
-    src, tgt = model._check_inputs(src, tgt, None, None)                    # ids cannot be checked once traced
-    value, grads = _value_and_grad(model, src, tgt, labels, epsilon)
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-    return float(value), checkpoint.to_params(nnx.merge(graphdef, grads, rest))
+    return model._check_inputs(src, tgt, None, None)
+
+
+@functools.cache
+def _adam(d_model: int, config: TrainingConfig) -> optax.GradientTransformation:
+    """Adam of section 5.3 as optax computes it (Algorithm 1 of Kingma & Ba with ``eps_root=0``); one
+    object per setting, so that compiled training steps are reused by every optimizer built with it."""
+    return optax.adam(learning_rate=learning_rate_schedule(d_model, config), b1=config.beta1, b2=config.beta2,
+                      eps=config.epsilon, eps_root=0.0)
+
+
+def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState) -> None:
+    """Put a validated state's moments and step count into optax's state (both the Adam and the
+    schedule counters) and the optimizer's own step counter."""
+    mu, nu = (nnx.as_pure(checkpoint.from_checkpoint_layout(model, moments))
+              for moments in (state.first_moments, state.second_moments))
+    count = jnp.asarray(state.step, jnp.int32)
+    nnx.update(optimizer.opt_state, nnx.state(optax.tree.set(nnx.as_pure(optimizer.opt_state), mu=mu, nu=nu,
+                                                             count=count)))
+    optimizer.step[...] = jnp.asarray(state.step, optimizer.step[...].dtype)
 
 
 @nnx.jit(static_argnames="epsilon")
 def _value_and_grad(model: Transformer, src, tgt, labels, epsilon):
     """Compiled loss and its gradient with respect to every ``nnx.Param`` (an ``nnx.State``)."""
     return nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=True))(model)
+
+
+@nnx.jit(static_argnames="epsilon")
+def _train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, epsilon):
+    """Compiled: the loss in training mode, its gradient and the optimizer's update of the model."""
+    value, grads = nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=False))(model)
+    optimizer.update(model, grads)
+    return value

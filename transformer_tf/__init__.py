@@ -13,7 +13,16 @@ if keras.backend.backend() != "tensorflow":
     raise ImportError(f"transformer_tf needs the TensorFlow backend of Keras, but Keras is configured for "
                       f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before importing keras")
 
-from .checkpoint import from_params, load_checkpoint, name_table, save_checkpoint, to_params, transposed  # noqa: E402
+from .checkpoint import (  # noqa: E402
+    from_checkpoint_layout,
+    from_params,
+    load_checkpoint,
+    name_table,
+    save_checkpoint,
+    to_checkpoint_layout,
+    to_params,
+    transposed,
+)
 from .decoding import beam_search, greedy_decode  # noqa: E402
 from .device import deterministic, devices, full_precision, resolve_device  # noqa: E402
 from .model import (  # noqa: E402
@@ -37,7 +46,15 @@ from .model import (  # noqa: E402
     sinusoidal_positional_encoding,
     target_mask,
 )
-from .training import gradients, label_smoothed_cross_entropy, loss  # noqa: E402
+from .training import (  # noqa: E402
+    gradients,
+    label_smoothed_cross_entropy,
+    learning_rate_schedule,
+    loss,
+    optimizer,
+    train_step,
+    training_state,
+)
 
 __all__ = [
     "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
@@ -45,7 +62,9 @@ __all__ = [
     "causal_mask", "log_softmax", "padding_mask", "residual", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "beam_search", "greedy_decode",
-    "from_params", "load_checkpoint", "name_table", "save_checkpoint", "to_params", "transposed",
-    "gradients", "label_smoothed_cross_entropy", "loss",
+    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
+    "to_checkpoint_layout", "to_params", "transposed",
+    "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
+    "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
 ]

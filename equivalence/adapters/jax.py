@@ -11,8 +11,10 @@ import functools
 
 import jax
 import numpy as np
+from flax import nnx
 
-from reference_numpy.config import TransformerConfig
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, decoding, training
@@ -54,9 +56,9 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
 
 
 @_x64
-def save(model: Transformer, path) -> None:
-    """Write the model's weights as a shared checkpoint."""
-    checkpoint.save_checkpoint(model, path)
+def save(model: Transformer, path, training: TrainingState | None = None) -> None:
+    """Write the model's weights (and a run's training state) as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path, training)
 
 
 @_x64
@@ -119,3 +121,23 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout (NumPy)."""
     return training.gradients(model, src, tgt, labels, epsilon)
+
+
+@_x64
+def optimizer(model: Transformer, config: TrainingConfig | None = None,
+              state: TrainingState | None = None) -> nnx.Optimizer:
+    """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``)."""
+    return training.optimizer(model, config, state)
+
+
+@_x64
+def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One compiled training step (dropout as the model's config says): the loss before the update."""
+    return training.train_step(model, optimizer, src, tgt, labels, epsilon)
+
+
+@_x64
+def training_state(model: Transformer, optimizer: nnx.Optimizer) -> TrainingState:
+    """The run's state in checkpoint layout (NumPy, the model's dtype)."""
+    return training.training_state(model, optimizer)
