@@ -390,7 +390,7 @@ def test_the_progress_bar_is_tqdm_when_installed_and_nothing_without_it(monkeypa
     assert progress_bar("compare", "run", quiet=False)(items) is items
 
 
-@pytest.mark.parametrize("name, module", [("torch", "torch"), ("jax", "jax"), ("jax", "flax"),
+@pytest.mark.parametrize("name, module", [("torch", "torch"), ("jax", "jax"), ("jax", "flax"), ("jax", "optax"),
                                           ("tf", "tensorflow"), ("tf", "keras")])
 def test_a_backend_missing_any_module_it_needs_is_not_installed(name, module, monkeypatch):
     """Each backend's probe checks every framework module its port imports: with one of them not

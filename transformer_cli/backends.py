@@ -11,7 +11,7 @@ from types import ModuleType
 BACKENDS = {
     "numpy": ("equivalence.adapters.numpy", ("numpy",), None),
     "torch": ("equivalence.adapters.torch", ("torch",), "torch"),
-    "jax": ("equivalence.adapters.jax", ("jax", "flax"), "jax"),
+    "jax": ("equivalence.adapters.jax", ("jax", "flax", "optax"), "jax"),
     "tf": ("equivalence.adapters.tf", ("tensorflow", "keras"), "tf"),
 }
 PORTS = tuple(name for name in BACKENDS if name != "numpy")
