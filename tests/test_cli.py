@@ -192,6 +192,7 @@ USAGE_ERRORS = [
     (["train", "--dropout", "1"], "--dropout"),
     (["train", "--label-smoothing", "-0.1"], "--label-smoothing"),
     (["train", "--warmup-steps", "0"], "--warmup-steps"),
+    (["train", "--stop-at", "1.5"], "--stop-at"),
     (["train", "--backends", "numpy,nope"], "--backends"),
     (["train", "--plot", "curves.txt"], "--plot"),
     (["train", "--backends", "numpy,torch", "--out", "run.safetensors"], "--out"),
@@ -498,6 +499,17 @@ def test_train_learns_saves_its_state_and_resumes_where_it_stopped(tmp_path, mon
     assert rest["first_step"] == 25 and first["losses"] + rest["losses"] == whole["losses"]
     assert load_training_state(tmp_path / "run.safetensors").step == 40
     assert 0.0 <= rest["accuracy"] <= 1.0
+
+
+def test_train_stops_once_the_validation_set_is_copied(tmp_path, monkeypatch, capsys):
+    """Every 100 steps greedy decoding copies the validation sequences; the run stops at the first check that
+    reaches --stop-at, and not before."""
+    monkeypatch.chdir(tmp_path)
+    result = train_json(capsys, "--symbols", "2", "--max-length", "2", "--batch-size", "16", "--warmup-steps", "20",
+                        "--eval-size", "20", "--steps", "2000", "--stop-at", "0.6")[0]
+    checks = result["validation"]
+    assert [step for step, _ in checks] == list(range(100, result["steps"] + 1, 100)) and result["steps"] < 2000
+    assert checks[-1][1] >= 0.6 and all(accuracy < 0.6 for _, accuracy in checks[:-1])
 
 
 def test_train_never_replaces_a_run_without_force(tmp_path, monkeypatch, capsys):

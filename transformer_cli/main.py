@@ -31,8 +31,11 @@ from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 from . import backends, side_by_side
 from .arguments import backend_names, image_file, integer, output_file, real
 from .copy_task import BATCH_SIZE as COPY_BATCH
+from .copy_task import EVAL_EVERY as COPY_EVAL_EVERY
 from .copy_task import LEARNING_RATE_SCALE as COPY_LR_SCALE
 from .copy_task import STEPS as COPY_STEPS
+from .copy_task import STOP_AT as COPY_STOP_AT
+from .copy_task import VALIDATION_SIZE as COPY_VALIDATION
 from .copy_task import WARMUP_STEPS as COPY_WARMUP
 from .extras import progress_bar
 
@@ -164,7 +167,8 @@ def add_train(commands) -> None:
     train.add_argument("--backends", type=backend_names, default=("numpy",),
                        help="comma-separated backends, each trained from the same weights on the same batches "
                             "(default: numpy, the reference)")
-    train.add_argument("--steps", type=integer(1), default=COPY_STEPS, help="optimizer steps (more, with --resume)")
+    train.add_argument("--steps", type=integer(1), default=COPY_STEPS,
+                       help="optimizer steps at most (more, with --resume)")
     train.add_argument("--batch-size", type=integer(1), default=COPY_BATCH, help="sequences per batch")
     train.add_argument("--symbols", type=integer(1), default=10, help="distinct symbols of the copy task")
     train.add_argument("--max-length", type=integer(1), default=10, help="longest sequence (lengths are 1 to this)")
@@ -178,6 +182,9 @@ def add_train(commands) -> None:
     train.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     train.add_argument("--eval-size", type=integer(0), default=1000,
                        help="held-out sequences for the greedy exact-match accuracy (0: no evaluation)")
+    train.add_argument("--stop-at", type=real(0.0, below=1.000001), default=COPY_STOP_AT,
+                       help=f"stop once greedy decoding copies this share of {COPY_VALIDATION} validation sequences "
+                            f"exactly, checked every {COPY_EVAL_EVERY} steps (0: run all --steps)")
     train.add_argument("--resume", metavar="RUN.safetensors",
                        help="continue a saved run (from any backend) for --steps more steps: the model and "
                             "optimizer settings are the run's; pass the run's --seed and task flags to see its batches")

@@ -15,7 +15,7 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import backends
-from .copy_task import CopyTask, exact_match, teacher_forcing
+from .copy_task import EVAL_EVERY, TEST, VALIDATION, VALIDATION_SIZE, CopyTask, exact_match, teacher_forcing
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Plan:
     seed: int
     dtype: str
     label_smoothing: float = LABEL_SMOOTHING
+    stop_at: float | None = None          # stop once the validation set's exact-match accuracy reaches this
     start: tuple[dict[str, np.ndarray], TrainingState] | None = None   # a saved run to continue
 
 
@@ -43,6 +44,7 @@ class Result:
     seconds: float = 0.0
     tokens: int = 0
     accuracy: float | None = None
+    validation: list[tuple[int, float]] = field(default_factory=list)   # (step, accuracy) of each check
 
     @property
     def tokens_per_second(self) -> float:
@@ -51,7 +53,8 @@ class Result:
     def to_json(self) -> dict:
         return {"backend": self.backend, "first_step": self.first_step, "steps": len(self.losses),
                 "final_loss": self.losses[-1] if self.losses else None, "losses": self.losses,
-                "seconds": self.seconds, "tokens_per_second": self.tokens_per_second, "accuracy": self.accuracy}
+                "seconds": self.seconds, "tokens_per_second": self.tokens_per_second, "accuracy": self.accuracy,
+                "validation": self.validation}
 
 
 def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState]:
@@ -69,18 +72,20 @@ def plan_from(args) -> Plan:
     training = TrainingConfig(warmup_steps=args.warmup_steps, learning_rate_scale=args.learning_rate_scale)
     if not args.resume:
         return Plan(task, task.config(dropout=args.dropout), training, args.steps, args.batch_size, args.seed,
-                    args.dtype, args.label_smoothing)
+                    args.dtype, args.label_smoothing, args.stop_at or None)
     config, params, state = resume_from(args.resume)
     if config.src_vocab_size != 3 + task.symbols or config.max_len < task.max_length + 1:
         raise ValueError(f"--resume: {args.resume!r} has a vocabulary of {config.src_vocab_size} and max_len "
                          f"{config.max_len}; --symbols {task.symbols} and --max-length {task.max_length} do not fit")
     return Plan(task, config, state.config, args.steps, args.batch_size, args.seed, args.dtype,
-                args.label_smoothing, (params, state))
+                args.label_smoothing, args.stop_at or None, (params, state))
 
 
 def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable] = lambda steps: steps):
     """Train one backend as ``plan`` says; returns (result, model, optimizer). ``progress`` wraps the steps (a
-    progress bar: its postfix shows the last loss and the tokens per second)."""
+    progress bar: its postfix shows the last loss and the tokens per second). With ``plan.stop_at``, every
+    ``EVAL_EVERY`` steps greedy decoding copies the validation set, and training stops once it copies that share
+    exactly (Adam's loss spikes near the optimum can otherwise leave the last step's model mid-spike)."""
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     model = adapter.build(plan.config, params, plan.dtype, "cpu")
     optimizer = adapter.optimizer(model, None if state else plan.training, state)
@@ -95,12 +100,17 @@ def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]
         result.tokens += int((batch["labels"] != plan.config.pad_id).sum())
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{result.losses[-1]:.3f}", tokens_per_s=f"{result.tokens_per_second:,.0f}")
+        if plan.stop_at and (step + 1 - first) % EVAL_EVERY == 0:
+            result.validation.append((step + 1, evaluate(adapter, model, plan, VALIDATION_SIZE, VALIDATION)))
+            if result.validation[-1][1] >= plan.stop_at:
+                break
     return result, model, optimizer
 
 
-def evaluate(adapter: ModuleType, model, plan: Plan, count: int) -> float:
-    """Exact-sequence accuracy of greedy decoding (section 6.1's rules) on ``count`` held-out sequences."""
-    sequences = plan.task.held_out(plan.config, count, plan.seed)
+def evaluate(adapter: ModuleType, model, plan: Plan, count: int, stream: int = TEST) -> float:
+    """Exact-sequence accuracy of greedy decoding (section 6.1's rules) on ``count`` held-out sequences (the test
+    set, or with ``stream=VALIDATION`` the set that decides when to stop)."""
+    sequences = plan.task.held_out(plan.config, count, plan.seed, stream)
     decoded = adapter.greedy(model, teacher_forcing(plan.config, sequences)["src"])
     return exact_match(plan.config, decoded, sequences)
 
