@@ -37,7 +37,8 @@ REFERENCE_ONLY_PREFIXES = ("check_",)
 PORT_ONLY = {"model.py": {"compiled_forward", "forward", "stage_names"},
              "decoding.py": {"reorder_cache"},
              # Eq. (3) as each framework's own schedule object (LambdaLR's lambda, an optax schedule, a Keras
-             # LearningRateSchedule); the reference's learning_rate is imported by every port
+             # LearningRateSchedule); learning_rate itself follows the reference (torch imports it, JAX and Keras
+             # define a traceable one with the reference's arguments)
              "training.py": {"learning_rate_schedule"},
              # TensorFlow: the device a Keras model's weights live on, for its tf.device scopes
              "device.py": {"model_device"}}
