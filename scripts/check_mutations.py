@@ -491,8 +491,30 @@ TIES = [
     ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
 ]
 
+# Training (section 5): the reference's backward pass, Adam and schedule, and each port's optimizer.
+TRAINING = [
+    single("backward", "reference: the embeddings' gradient not scaled by sqrt(d_model)", "reference_numpy/backward.py",
+           "np.add.at(table, tokens, grad_out * embed.scale)", "np.add.at(table, tokens, grad_out)",
+           ["tests/test_backward.py"]),
+    single("adam", "reference: Adam's epsilon added before the bias correction (Keras's placement)",
+           "reference_numpy/training.py", "self.params[name] -= lr * m_hat / (np.sqrt(v_hat) + c.epsilon)",
+           "self.params[name] -= lr * m_hat / (np.sqrt(v_hat) + c.epsilon / np.sqrt(1.0 - c.beta2 ** self.step))",
+           ["tests/test_training.py", "-k", "closed_form or constant"]),
+    single("schedule", "torch: Eq. (3) evaluated at LambdaLR's count, from 0", "transformer_torch/training.py",
+           "return learning_rate(count + 1, self.d_model, self.config)",
+           "return learning_rate(max(count, 1), self.d_model, self.config)",
+           ["tests/test_training.py", "-k", "torch and float64"]),
+    single("adam", "jax: optax's epsilon under the square root too (eps_root = eps)", "transformer_jax/training.py",
+           "eps=config.epsilon, eps_root=0.0)", "eps=config.epsilon, eps_root=config.epsilon)",
+           ["tests/test_training.py", "-k", "jax and float64"]),
+    single("adam", "tf: Keras's own epsilon placement (before the bias correction)", "transformer_tf/training.py",
+           "self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon))",
+           "self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon / tf.sqrt(c2)))",
+           ["tests/test_training.py", "-k", "tf and float64"]),
+]
+
 MUTATIONS = [*SINGLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES]
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING]
 
 
 # ----------------------------------------------------------------------------- running
