@@ -240,17 +240,20 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerCon
     validation; by default they keep the file's dtype. The arrays are copies: nothing refers to
     the file once this returns. Raises one ``ValueError`` of one line naming the file and the problem.
     """
-    config, params, _ = _load(path, dtype)
+    config, params, _ = load_run(path, dtype)
     return config, params
 
 
 def load_training_state(path: str | os.PathLike, dtype=None) -> TrainingState | None:
     """The training state saved with the parameters (format version 2), or None if the file has
     none; validated and cast like :func:`load_checkpoint`."""
-    return _load(path, dtype)[2]
+    return load_run(path, dtype)[2]
 
 
-def _load(path: str | os.PathLike, dtype) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
+def load_run(path: str | os.PathLike,
+             dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
+    """``(config, params, training state or None)`` from one read of the file: :func:`load_checkpoint` and
+    :func:`load_training_state` together, for resuming a run."""
     target = None if dtype is None else _float_dtype(dtype)
     try:
         config, training, tensors = _read_file(Path(path))

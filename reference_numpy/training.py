@@ -109,7 +109,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     continues where it stopped: its moments (cast to the model's dtype), step count and, unless ``config`` is
     given, its training config."""
     if state is not None:
-        checkpoint.validate_training_state(model.config, model.params, state.astype(model.dtype))
+        state = state.astype(model.dtype)                                   # cast once: validated, then copied in
+        checkpoint.validate_training_state(model.config, model.params, state)
     config = config or (state.config if state is not None else PAPER)
     return Adam(model.params, model.config.d_model, config, state)
 

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import numpy as np
 
-from reference_numpy.checkpoint import TrainingState, init_params, load_checkpoint, load_training_state
+from reference_numpy.checkpoint import TrainingState, init_params, load_run
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.training import LABEL_SMOOTHING
 
@@ -59,8 +59,7 @@ class Result:
 
 def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState]:
     """A saved run (any backend wrote it): its config, weights and training state; a file without one is refused."""
-    config, params = load_checkpoint(path)
-    state = load_training_state(path)
+    config, params, state = load_run(path)
     if state is None:
         raise ValueError(f"--resume: {path!r} holds weights but no training state (save it with `train --out`)")
     return config, params, state
