@@ -40,9 +40,9 @@ class Backend(Protocol):
         """A model from a shared checkpoint file (``docs/checkpoint-format.md``)."""
         ...
 
-    def save(self, model: Model, path, training: TrainingState | None = None) -> None:
-        """Write the model's weights (and a run's ``training`` state, from :meth:`training_state`) as a shared
-        checkpoint."""
+    def save(self, model: Model, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+        """Write the model's weights (and a run's ``training`` state, from :meth:`training_state`, and a
+        ``tokenizer``'s JSON text) as a shared checkpoint."""
         ...
 
     def export_params(self, model: Model) -> dict[str, np.ndarray]:

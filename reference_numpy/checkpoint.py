@@ -5,6 +5,8 @@
 * the file's metadata holds ``format_version`` and ``config`` (the config as JSON);
 * optionally (format version 2) a training run's state: Adam's moments as ``adam.m.NAME`` and
   ``adam.v.NAME`` beside each tensor, and ``training`` (step count and training config, JSON);
+* optionally a tokenizer (``tokenizer``: its JSON text, with ``tokenizer_version``; see
+  :mod:`reference_numpy.tokenizer`), so that one file is a complete translator;
 * all tensors have one dtype, float32 or float64;
 * nothing in a checkpoint is ever executed: safetensors is a JSON header plus raw bytes.
 
@@ -30,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
 from .config import TrainingConfig, TransformerConfig
+from .tokenizer import TOKENIZER_VERSION, check_tokenizer_json
 
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")  # version 1: parameters only, no training state
@@ -151,10 +154,11 @@ class TrainingState(NamedTuple):
 # ----------------------------------------------------------------------------- saving
 
 def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: dict[str, np.ndarray],
-                    training: TrainingState | None = None) -> None:
-    """Write ``params`` and ``config`` (and a run's ``training`` state) to a safetensors file, atomically.
+                    training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+    """Write ``params`` and ``config`` (and a run's ``training`` state, and a ``tokenizer``'s JSON text) to a
+    safetensors file, atomically.
 
-    The tensors are validated exactly as :func:`load_checkpoint` would validate them. The
+    The tensors and the tokenizer are validated exactly as :func:`load_checkpoint` would validate them. The
     bytes are written to ``NAME.<8 hex digits>.partial`` beside the file and flushed to disk,
     then renamed over it, so ``path`` always holds a complete file, the old one or the new one.
     A symbolic link is written through (its target is replaced, the link kept). A new file's
@@ -170,6 +174,9 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
         params = {**params, **{prefix + name: np.ascontiguousarray(value) for prefix, moments in
                                zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
                                moments.items()}}
+    if tokenizer is not None:
+        check_tokenizer_json(tokenizer, config)
+        metadata.update(tokenizer=tokenizer, tokenizer_version=TOKENIZER_VERSION)
     data = _safetensors_save(params, metadata=metadata)
     try:
         _replace_atomically(Path(os.path.realpath(path)), data)
@@ -250,6 +257,20 @@ def load_training_state(path: str | os.PathLike, dtype=None) -> TrainingState | 
     return load_run(path, dtype)[2]
 
 
+def load_tokenizer_json(path: str | os.PathLike) -> str | None:
+    """The JSON text of the tokenizer saved in the checkpoint (validated against its config), or None if it has
+    none. Reads the file's header only."""
+    try:
+        with safe_open(_regular_file(Path(path)), framework="numpy") as handle:
+            metadata = handle.metadata()
+            config, _ = _read_metadata(metadata)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: {_library_problem(err)}") from None
+    except ValueError as err:
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
+    return metadata.get("tokenizer")
+
+
 def load_run(path: str | os.PathLike,
              dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
     """``(config, params, training state or None)`` from one read of the file: :func:`load_checkpoint` and
@@ -301,15 +322,20 @@ def validate_training_state(config: TransformerConfig, params: dict[str, np.ndar
                                  f"{' or negative' if prefix == MOMENTS[1] else ''} values")
 
 
-def _read_file(path: Path) -> tuple[TransformerConfig, dict | None, dict[str, np.ndarray]]:
+def _regular_file(path: Path) -> Path:
+    """``path`` if it is a regular file and not a pickle or torch.save archive (those are never read)."""
     if not path.is_file():
         raise ValueError("does not exist or is not a regular file")
+    with open(path, "rb") as handle:
+        if handle.read(2) in _PICKLE_MAGIC:
+            raise ValueError("looks like a pickle or torch.save archive; only safetensors checkpoints "
+                             "are read (pickles are never loaded)")
+    return path
+
+
+def _read_file(path: Path) -> tuple[TransformerConfig, dict | None, dict[str, np.ndarray]]:
     try:
-        with open(path, "rb") as handle:
-            if handle.read(2) in _PICKLE_MAGIC:
-                raise ValueError("looks like a pickle or torch.save archive; only safetensors checkpoints "
-                                 "are read (pickles are never loaded)")
-        with safe_open(path, framework="numpy") as handle:
+        with safe_open(_regular_file(path), framework="numpy") as handle:
             config, training = _read_metadata(handle.metadata())
             return config, training, {name: _read_tensor(handle, name) for name in handle.keys()}
     except (SafetensorError, OSError) as err:
@@ -328,7 +354,8 @@ def _library_problem(err: Exception) -> str:
 
 
 def _read_metadata(metadata) -> tuple[TransformerConfig, dict | None]:
-    """The model config and, if the file holds a training state, ``{"step", "config"}``."""
+    """The model config and, if the file holds a training state, ``{"step", "config"}``; a tokenizer, if the
+    file holds one, is checked against the config."""
     if not isinstance(metadata, dict) or "format_version" not in metadata:
         raise ValueError("checkpoint metadata has no format_version; not a checkpoint of this project")
     if metadata["format_version"] not in READABLE_VERSIONS:
@@ -340,6 +367,7 @@ def _read_metadata(metadata) -> tuple[TransformerConfig, dict | None]:
         config = TransformerConfig.from_json(metadata["config"])
     except (ValueError, TypeError) as err:
         raise ValueError(f"checkpoint config is invalid: {err}") from None
+    _check_tokenizer_record(metadata, config)
     if "training" not in metadata or metadata["format_version"] == "1":
         return config, None
     try:
@@ -347,6 +375,15 @@ def _read_metadata(metadata) -> tuple[TransformerConfig, dict | None]:
         return config, {"step": training["step"], "config": TrainingConfig.from_dict(training["config"])}
     except (ValueError, TypeError, KeyError) as err:
         raise ValueError(f"checkpoint training record is invalid: {err}") from None
+
+
+def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
+    if "tokenizer" not in metadata:
+        return
+    if metadata.get("tokenizer_version") != TOKENIZER_VERSION:
+        raise ValueError(f"unknown tokenizer_version {metadata.get('tokenizer_version')!r} "
+                         f"(this library reads version {TOKENIZER_VERSION})")
+    check_tokenizer_json(metadata["tokenizer"], config)
 
 
 def _read_tensor(handle, name: str) -> np.ndarray:

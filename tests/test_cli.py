@@ -75,7 +75,7 @@ def test_a_broken_port_weight_fails_at_its_stage(workdir):
                  "--perturb", f"{port}:decoder.layers.1.ffn.linear1.bias", cwd=workdir)
     assert result.returncode == EXIT_DISAGREEMENT, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"checkpoint", "config", "policy", "ok", "runs", "missing"}
+    assert set(report) == {"checkpoint", "config", "policy", "ok", "runs", "missing", "translations"}
     assert report["ok"] is False and report["policy"] == {"float64_relative": 1e-12, "float32_factor": 8}
     runs = {(run["backend"], run["device"], run["dtype"]): run for run in report["runs"]}
     broken = runs[(port, "cpu", "float64")]
@@ -173,7 +173,7 @@ USAGE_ERRORS = [
     (["plot", "pe", "--d-model", "0"], "--d-model"),
     (["plot", "pe", "--out", "no/such/directory/pe.png"], "--out"),
     (["plot", "attention", "tiny.safetensors", "--layer", "-1"], "--layer"),
-    (["plot", "attention", "tiny.safetensors", "--layer", str(TINY.n_encoder_layers)], "--layer"),
+    (["plot", "attention", "tiny.safetensors", "--kind", "encoder", "--layer", str(TINY.n_encoder_layers)], "--layer"),
     (["plot", "attention", "tiny.safetensors", "--kind", "decoder_self", "--layer", str(TINY.n_decoder_layers)],
      "--layer"),
     (["plot", "attention", "tiny.safetensors", "--head", "-1"], "--head"),

@@ -74,8 +74,9 @@ def test_each_package_exposes_the_version(package):
 
 
 def test_every_package_is_marked_typed():
-    """PEP 561: a py.typed marker in every package, declared as package data so that it is installed."""
-    assert PYPROJECT["tool"]["setuptools"]["package-data"] == {"*": ["py.typed"]}
+    """PEP 561: a py.typed marker in every package, declared as package data so that it is installed (beside the
+    shipped model)."""
+    assert PYPROJECT["tool"]["setuptools"]["package-data"]["*"] == ["py.typed"]
     for package in PACKAGES:
         assert (ROOT / package / "py.typed").is_file(), package
 

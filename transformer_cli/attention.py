@@ -1,13 +1,16 @@
-"""Attention weights of one layer and head from every requested backend, for ``plot attention``."""
+"""Attention weights of one layer and head from every requested backend, for ``plot attention``. With a checkpoint
+that holds a tokenizer (the default: the shipped numbers model), the input is a sentence and the target its float64
+reference translation, and the axes are labelled with the tokens' pieces: cross-attention then shows which source
+words each target word is written from."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from reference_numpy import load_checkpoint
+from equivalence.adapters import numpy as reference
 
 from . import backends
-from .compare import compare_inputs, default_checkpoint
+from .compare import SENTENCES, compare_inputs, load_source
 
 
 def parse_tokens(text: str | None, name: str) -> np.ndarray | None:
@@ -19,20 +22,38 @@ def parse_tokens(text: str | None, name: str) -> np.ndarray | None:
         raise ValueError(f"--{name} must be space-separated integer token ids, got {text!r}") from None
 
 
+def default_inputs(config, params, tokenizer, text: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, tgt, the ids tgt's positions write) of one sentence: ``text`` (or the second of compare's sentences)
+    and its float64 reference greedy translation; without a tokenizer, compare's first id sentence."""
+    if tokenizer is None:
+        if text is not None:
+            raise ValueError("--text: this checkpoint has no tokenizer; give token ids with --src and --tgt")
+        defaults = compare_inputs(config)
+        return defaults["src"][:1], defaults["tgt"][:1], defaults["tgt"][0, 1:]
+    src = tokenizer.batch([SENTENCES[1] if text is None else text], "--text")
+    tokens = reference.greedy(reference.build(config, params, "float64"), src)[0]
+    written = tokens[:np.argmax(tokens == config.eos_id) + 1] if (tokens == config.eos_id).any() else tokens
+    return src, np.array([[config.bos_id, *written[:-1]]]), written
+
+
 def attention_by_backend(checkpoint, layer: int, head: int, kind: str, src_text: str | None,
-                         tgt_text: str | None, names: tuple[str, ...]):
-    """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row."""
-    config, params = default_checkpoint() if checkpoint is None else load_checkpoint(checkpoint, dtype=np.float64)
+                         tgt_text: str | None, names: tuple[str, ...], text: str | None = None,
+                         preset: str | None = None):
+    """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row. Decoder queries are
+    labelled with the token each position writes (its input shifted by one), so a row of cross-attention reads
+    "to write this word, look at these source words"."""
+    _, config, params, tokenizer = load_source(checkpoint, preset)
     layers = config.n_encoder_layers if kind == "encoder" else config.n_decoder_layers
     if not 0 <= layer < layers:
         raise ValueError(f"--layer must be in [0, {layers}) for {kind} attention in this checkpoint, got {layer}")
     if not 0 <= head < config.n_heads:
         raise ValueError(f"--head must be in [0, {config.n_heads}), got {head}")
-    defaults = compare_inputs(config)
-    src = parse_tokens(src_text, "src")
-    tgt = parse_tokens(tgt_text, "tgt")
-    src = defaults["src"][:1] if src is None else src
-    tgt = defaults["tgt"][:1] if tgt is None else tgt
+    src, tgt = parse_tokens(src_text, "src"), parse_tokens(tgt_text, "tgt")
+    written = None if tgt is None else tgt[0, 1:]
+    if src is None or tgt is None:
+        default_src, default_tgt, default_written = default_inputs(config, params, tokenizer, text)
+        src = default_src if src is None else src
+        tgt, written = (default_tgt, default_written) if tgt is None else (tgt, written)
     adapters, missing = backends.load(names)
     backends.require_any(names, adapters, missing)
     weights = {}
@@ -40,7 +61,10 @@ def attention_by_backend(checkpoint, layer: int, head: int, kind: str, src_text:
         model = adapter.build(config, params, "float64", "cpu")
         weights[f"{adapter.NAME} (float64)"] = np.asarray(
             adapter.attention_weights(model, src, tgt, layer, kind))[0, head]
-    src_labels, tgt_labels = [str(t) for t in src[0]], [str(t) for t in tgt[0]]
+    label = (lambda ids: tokenizer.tokens(ids)) if tokenizer else (lambda ids: [str(int(t)) for t in ids])
+    src_labels, tgt_labels = label(src[0]), label(tgt[0])
+    written = [*label(written), "(next)"][:tgt.shape[1]]
     query, key = (src_labels, src_labels) if kind == "encoder" else \
-        (tgt_labels, tgt_labels if kind == "decoder_self" else src_labels)
-    return weights, query, key, f"{kind} attention, layer {layer}, head {head}"
+        (written, tgt_labels) if kind == "decoder_self" else (written, src_labels)
+    rows = "" if kind == "encoder" else "; rows: the token each position writes"
+    return weights, query, key, f"{kind} attention, layer {layer}, head {head}{rows}"

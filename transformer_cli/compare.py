@@ -1,5 +1,6 @@
 """``compare``: every installed backend on every device in float32 and float64, stage by stage,
-against the float64 NumPy reference, under the project's one tolerance policy."""
+against the float64 NumPy reference, under the project's one tolerance policy; with a checkpoint that holds a
+tokenizer (the default: the shipped English-to-French numbers model), the sentences each run translates."""
 
 from __future__ import annotations
 
@@ -12,13 +13,19 @@ from equivalence import tolerance
 from equivalence.adapters import numpy as reference
 from equivalence.margins import greedy_margins
 from reference_numpy import TransformerConfig, init_params, load_checkpoint
+from reference_numpy.checkpoint import load_tokenizer_json
+from reference_numpy.tokenizer import Tokenizer
 
 from . import backends
 from .timing import measure
+from .translate import SHIPPED, SHIPPED_NAME
 
 DTYPES = ("float64", "float32")
-DEFAULT_PRESET, DEFAULT_SEED = "base", 0
+DEFAULT_SEED = 0
 TIMED_REPEATS = 3
+# What compare translates with a tokenizer: rules of French number words (et un/onze, quatre-vingt(s), cent(s))
+SENTENCES = ("three hundred and twelve", "seventy-one thousand, two hundred", "eighty thousand and eighty",
+             "nine hundred and ninety-nine thousand, nine hundred and ninety-one")
 
 
 @dataclass
@@ -40,7 +47,9 @@ class Run:
     forward_ms: float | None = None
     greedy_identical: bool | None = None
     greedy_note: str = ""
+    translations: list[str] | None = None   # the greedy outputs as text, when the checkpoint has a tokenizer
     error: str | None = None
+    tokens: np.ndarray | None = field(default=None, repr=False)   # the greedy outputs
 
     @property
     def first_failing_stage(self) -> str | None:
@@ -66,6 +75,8 @@ class Report:
     config: TransformerConfig
     runs: list[Run]
     missing: list[backends.Missing]
+    sentences: tuple[str, ...] = ()         # the source sentences, when the checkpoint has a tokenizer
+    translations: list[str] | None = None   # the float64 reference's greedy translations of them
 
     @property
     def ok(self) -> bool:
@@ -79,9 +90,13 @@ class Report:
             "config": self.config.to_dict(),
             "policy": {"float64_relative": tolerance.FLOAT64_RELATIVE, "float32_factor": tolerance.FLOAT32_FACTOR},
             "ok": self.ok,
-            "runs": [{**asdict(run), "first_failing_stage": run.first_failing_stage,
+            "runs": [{**{key: value for key, value in asdict(run).items() if key != "tokens"},
+                      "first_failing_stage": run.first_failing_stage,
                       "first_non_finite_stage": run.first_non_finite_stage, "ok": run.ok} for run in self.runs],
             "missing": [asdict(missing) for missing in self.missing],
+            "translations": [{"source": source, "reference": reference, "runs": {run.label: run.translations[i] for run
+                                                                                 in self.runs if run.translations}}
+                             for i, (source, reference) in enumerate(zip(self.sentences, self.translations or []))],
         })
 
 
@@ -103,14 +118,14 @@ def non_finite_kind(array: np.ndarray) -> str | None:
     return "inf" if np.isinf(array).any() else None
 
 
-def default_checkpoint() -> tuple[TransformerConfig, dict[str, np.ndarray]]:
-    """The embedded default: the seeded ``base`` preset (Table 3), made on the fly."""
-    config = TransformerConfig.preset(DEFAULT_PRESET)
+def seeded_checkpoint(preset: str) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+    """A preset (Table 3's ``base``, ``big``, or ``tiny``) with seeded random weights, made on the fly."""
+    config = TransformerConfig.preset(preset)
     return config, init_params(config, seed=DEFAULT_SEED)
 
 
 def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
-    """A fixed batch: two source sentences (the second padded) and their shifted targets."""
+    """A fixed batch of ids: two source sentences (the second padded) and their shifted targets."""
     rng = np.random.default_rng(2017)
     first = max(config.pad_id, config.bos_id, config.eos_id) + 1
     src = rng.integers(first, config.src_vocab_size, size=(2, 12))
@@ -120,6 +135,18 @@ def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     tgt[:, 0] = config.bos_id
     tgt[1, 7:] = config.pad_id
     return {"src": src[:, :min(12, config.max_len)], "tgt": tgt[:, :min(10, config.max_len)]}
+
+
+def translation_inputs(config: TransformerConfig, params: dict[str, np.ndarray],
+                       tokenizer: Tokenizer) -> dict[str, np.ndarray] | None:
+    """:data:`SENTENCES` as sources and, as targets, the float64 reference's greedy translations shifted right
+    (teacher forcing on a real translation); None if the tokenizer cannot encode the sentences (another language)."""
+    try:
+        src = tokenizer.batch(list(SENTENCES))
+    except ValueError:
+        return None
+    tokens = reference.greedy(reference.build(config, params, "float64"), src)
+    return {"src": src, "tgt": np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)}
 
 
 @dataclass
@@ -170,8 +197,8 @@ def run_backend(adapter, device: str, dtype: str, config, params, inputs, oracle
             result = tolerance.agreement(stage, ref64, oracle.stages32[name])
             run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok,
                                           non_finite_kind(stage)))
-        run.greedy_identical, run.greedy_note = greedy_verdict(np.asarray(adapter.greedy(model, inputs["src"])),
-                                                               oracle, dtype, config.pad_id)
+        run.tokens = np.asarray(adapter.greedy(model, inputs["src"]))
+        run.greedy_identical, run.greedy_note = greedy_verdict(run.tokens, oracle, dtype, config.pad_id)
     except Exception as err:  # noqa: BLE001 - one backend's failure is reported, the others still run
         run.error = f"{type(err).__name__}: {err}".splitlines()[0]
     return run
@@ -197,22 +224,32 @@ def perturbed(params: dict[str, np.ndarray], tensor: str) -> dict[str, np.ndarra
     return changed
 
 
+def load_source(checkpoint: str | Path | None, preset: str | None):
+    """(description, config, float64 params, tokenizer or None) of ``compare``'s model: a checkpoint, a seeded
+    preset, or by default the shipped model."""
+    if preset is not None:
+        if checkpoint is not None:
+            raise ValueError("--preset: give a checkpoint or a preset, not both")
+        return (f"{preset} preset, seeded random weights (seed {DEFAULT_SEED})", *seeded_checkpoint(preset), None)
+    path = SHIPPED if checkpoint is None else checkpoint
+    config, params = load_checkpoint(path, dtype=np.float64)
+    text = load_tokenizer_json(path)
+    source = SHIPPED_NAME if checkpoint is None else str(checkpoint)
+    return source, config, params, text and Tokenizer.from_json(text, config)
+
+
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
-            perturb: str | None = None, progress=None) -> Report:
+            perturb: str | None = None, progress=None, preset: str | None = None) -> Report:
     """Run the comparison; ``progress`` wraps the list of runs (e.g. ``tqdm``).
 
+    The model is ``checkpoint``, or a seeded ``preset``, or by default the shipped English-to-French numbers model.
     The float32 NumPy reference always runs besides ``names``; a request of which nothing is
     installed, or a ``perturb`` of a backend that does not run, is a ``ValueError``: a
     comparison that compares nothing must not report agreement. NaN and inf are reported per
     stage, so NumPy's own overflow warnings are silenced here.
     """
     fault = parse_perturbation(perturb)
-    if checkpoint is None:
-        config, params = default_checkpoint()
-        source = f"embedded default ({DEFAULT_PRESET} preset, seed {DEFAULT_SEED})"
-    else:
-        config, params = load_checkpoint(checkpoint, dtype=np.float64)
-        source = str(checkpoint)
+    source, config, params, tokenizer = load_source(checkpoint, preset)
     if fault:
         perturbed(params, fault[1])                                            # validate the tensor name early
     adapters, missing = backends.load(tuple(dict.fromkeys(("numpy", *names))))
@@ -221,12 +258,20 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
         raise ValueError(f"--perturb names backend {fault[0]!r}, which does not run here "
                          "(not in --backends, or not installed)")
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return Report(source, config, run_plan(adapters, config, params, fault, progress), missing)
+        inputs = tokenizer and translation_inputs(config, params, tokenizer)
+        report = Report(source, config, run_plan(adapters, config, params, inputs or compare_inputs(config), fault,
+                                                 progress), missing)
+    if inputs:
+        report.sentences = SENTENCES
+        report.translations = [tokenizer.decode(row) for row in inputs["tgt"][:, 1:]]
+        for run in report.runs:
+            run.translations = None if run.tokens is None else [tokenizer.decode(row) for row in run.tokens]
+    return report
 
 
-def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], fault, progress) -> list[Run]:
+def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
+             fault, progress) -> list[Run]:
     """Every adapter on every device in both dtypes (the reference in float32 only)."""
-    inputs = compare_inputs(config)
     oracle = build_oracle(config, params, inputs)
     plan = [(adapter, device, dtype) for adapter in adapters.values() for device in adapter.devices()
             for dtype in DTYPES if not (adapter.NAME == "numpy" and dtype == "float64")]

@@ -15,13 +15,12 @@ import numpy as np
 
 from reference_numpy.config import TransformerConfig
 
-TEST, VALIDATION = 2 ** 32 - 1, 2 ** 32 - 2   # the held-out sets' streams; training batches use 0, 1, 2, ...
-# Settings that learn the task to >= 99% exact-sequence accuracy in every backend (docs/training.md)
-STEPS = 3000
-BATCH_SIZE = 128
-WARMUP_STEPS = 200
-LEARNING_RATE_SCALE = 0.5
-STOP_AT, EVAL_EVERY, VALIDATION_SIZE = 0.99, 100, 500   # stop once the validation set is copied this well
+TEST, VALIDATION = "test", "validation"
+STREAMS = {TEST: 2 ** 32 - 1, VALIDATION: 2 ** 32 - 2}   # the held-out sets' streams; training batches use 0, 1, 2, ...
+# Settings that learn the task to >= 99% exact-sequence accuracy in every backend (docs/training.md); training
+# stops once greedy decoding copies STOP_AT of VALIDATION_SIZE validation sequences, checked every EVAL_EVERY steps
+DEFAULTS = dict(steps=3000, batch_size=128, warmup_steps=200, learning_rate_scale=0.5, stop_at=0.99, eval_every=100,
+                validation_size=500)
 
 
 @dataclass(frozen=True)
@@ -30,6 +29,7 @@ class CopyTask:
 
     symbols: int = 10
     max_length: int = 10
+    name: str = "copy"
 
     def __post_init__(self) -> None:
         for name in ("symbols", "max_length"):
@@ -55,10 +55,15 @@ class CopyTask:
         """The training batch of step ``step`` (0-based): src (B, S), tgt and labels (B, T), S = T = max_length + 1."""
         return teacher_forcing(config, self.sequences(config, batch_size, step, seed))
 
-    def held_out(self, config: TransformerConfig, count: int, seed: int, stream: int = TEST) -> np.ndarray:
-        """Sequences for evaluation (``TEST``) or for deciding when to stop (``VALIDATION``), from streams no
-        training batch uses. Shape (count, max_length)."""
-        return self.sequences(config, count, stream, seed)
+    def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sources and expected sequences for evaluation (``TEST``) or for deciding when to stop (``VALIDATION``),
+        from streams no training batch uses: src (count, max_length + 1), sequences (count, max_length)."""
+        sequences = self.sequences(config, count, STREAMS[split], seed)
+        return teacher_forcing(config, sequences)["src"], sequences
+
+    def score(self, config: TransformerConfig, decoded: np.ndarray, sequences: np.ndarray) -> dict[str, float]:
+        """``exact``: the share of greedy outputs that copy their sequence exactly."""
+        return {"exact": exact_match(config, decoded, sequences)}
 
 
 def teacher_forcing(config: TransformerConfig, sequences: np.ndarray) -> dict[str, np.ndarray]:

@@ -1,12 +1,14 @@
 """Entry point of ``transformer-reference``.
 
-    transformer-reference compare [CHECKPOINT] [--backends torch,jax,tf] [--json] [--plot FILE.png]
+    transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
     transformer-reference bench [--preset base] [--json] [--plot FILE.png]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
-    transformer-reference plot attention [CHECKPOINT] [--layer 0] [--head 0] [--kind encoder] [--out attention.png]
+    transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer 0] [--head 0] [--kind decoder_cross]
+                                         [--out attention.png]
     transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
-    transformer-reference train [--backends numpy] [--steps N] [--out RUN.safetensors] [--resume RUN.safetensors]
-                                [--plot FILE.png] [--json]
+    transformer-reference train [--task copy|numbers] [--backends numpy] [--steps N] [--out RUN.safetensors]
+                                [--resume RUN.safetensors] [--plot FILE.png] [--json]
+    transformer-reference translate ["three hundred and twelve" ...] [--backend numpy] [--beam 4] [--checkpoint PATH]
     transformer-reference side-by-side --out DIR
     transformer-reference --version
 
@@ -26,18 +28,13 @@ import numpy as np
 
 from reference_numpy import TransformerConfig, __version__, init_params, save_checkpoint
 from reference_numpy.config import PRESETS
-from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
+from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 
 from . import backends, side_by_side
 from .arguments import backend_names, image_file, integer, output_file, real
-from .copy_task import BATCH_SIZE as COPY_BATCH
-from .copy_task import EVAL_EVERY as COPY_EVAL_EVERY
-from .copy_task import LEARNING_RATE_SCALE as COPY_LR_SCALE
-from .copy_task import STEPS as COPY_STEPS
-from .copy_task import STOP_AT as COPY_STOP_AT
-from .copy_task import VALIDATION_SIZE as COPY_VALIDATION
-from .copy_task import WARMUP_STEPS as COPY_WARMUP
+from .copy_task import DEFAULTS as COPY
 from .extras import progress_bar
+from .numbers_task import DEFAULTS as NUMBERS
 
 PROG = "transformer-reference"
 EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -57,7 +54,10 @@ def subcommand(commands, name: str, summary: str) -> argparse.ArgumentParser:
 
 def add_compare(commands) -> None:
     compare = subcommand(commands, "compare", "every installed backend vs the NumPy reference, stage by stage")
-    compare.add_argument("checkpoint", nargs="?", help="a shared safetensors checkpoint (default: seeded base preset)")
+    compare.add_argument("checkpoint", nargs="?", help="a shared safetensors checkpoint (default: the shipped English-"
+                                                       "to-French numbers model; its translations side by side)")
+    compare.add_argument("--preset", choices=sorted(PRESETS), help="a preset with seeded random weights instead "
+                                                                   "(e.g. base: Table 3's base model)")
     compare.add_argument("--backends", type=backend_names, default=backends.PORTS,
                          help=f"comma-separated subset of {','.join(backends.BACKENDS)} (default: every port; "
                               "the float32 NumPy reference always runs)")
@@ -73,7 +73,8 @@ def run_compare(args) -> int:
     from .report import format_table, plot_errors
 
     report = compare(args.checkpoint, args.backends, args.perturb,
-                     progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()))
+                     progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
+                     preset=args.preset)
     print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else format_table(report))
     if args.plot:
         plot_errors(report, args.plot)
@@ -117,12 +118,16 @@ def add_plot(commands) -> None:
     pe.add_argument("--d-model", type=integer(2, even=True), default=512)
     pe.add_argument("--out", type=image_file, default="pe.png")
     attention = pictures.add_parser("attention", help="attention weights of one layer and head, per backend")
-    attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: seeded base preset)")
+    attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: the shipped numbers model)")
+    attention.add_argument("--preset", choices=sorted(PRESETS), help="a preset with seeded random weights instead")
     attention.add_argument("--layer", type=integer(0), default=0)
     attention.add_argument("--head", type=integer(0), default=0)
-    attention.add_argument("--kind", default="encoder", choices=["encoder", "decoder_self", "decoder_cross"])
+    attention.add_argument("--kind", default="decoder_cross", choices=["encoder", "decoder_self", "decoder_cross"],
+                           help="which attention (default: decoder_cross, the source-target alignment)")
+    attention.add_argument("--text", help="a source sentence, with a checkpoint that holds a tokenizer; the target is "
+                                          "its float64 reference translation (default: a fixed sentence)")
     attention.add_argument("--src", help="source token ids, space-separated (default: a fixed sentence)")
-    attention.add_argument("--tgt", help="target token ids starting with bos (default: a fixed sentence)")
+    attention.add_argument("--tgt", help="target token ids starting with bos (default: the source's translation)")
     attention.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS),
                            help="one backend, or several side by side (default: every installed one)")
     attention.add_argument("--out", type=image_file, default="attention.png")
@@ -137,7 +142,8 @@ def run_plot(args) -> int:
     else:
         from .attention import attention_by_backend
         weights, query_tokens, key_tokens, title = attention_by_backend(
-            args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, args.backends)
+            args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, args.backends, args.text,
+            args.preset)
         plots.plot_attention(weights, query_tokens, key_tokens, title, args.out)
     print(f"wrote {args.out}")
     return EXIT_OK
@@ -163,34 +169,45 @@ def run_init(args) -> int:
 
 
 def add_train(commands) -> None:
-    train = subcommand(commands, "train", "learn the copy task with the recipe of section 5 in one or more backends")
+    train = subcommand(commands, "train", "learn a task with the recipe of section 5 in one or more backends: "
+                                          "the copy task, or English to French number words")
+    train.add_argument("--task", choices=["copy", "numbers"], default="copy",
+                       help="copy: write back a random sequence; numbers: translate English number words to French "
+                            "(default: copy)")
     train.add_argument("--backends", type=backend_names, default=("numpy",),
                        help="comma-separated backends, each trained from the same weights on the same batches "
                             "(default: numpy, the reference)")
-    train.add_argument("--steps", type=integer(1), default=COPY_STEPS,
-                       help="optimizer steps at most (more, with --resume)")
-    train.add_argument("--batch-size", type=integer(1), default=COPY_BATCH, help="sequences per batch")
-    train.add_argument("--symbols", type=integer(1), default=10, help="distinct symbols of the copy task")
-    train.add_argument("--max-length", type=integer(1), default=10, help="longest sequence (lengths are 1 to this)")
-    train.add_argument("--warmup-steps", type=integer(1), default=COPY_WARMUP, help="Eq. (3)'s warmup_steps")
-    train.add_argument("--learning-rate-scale", type=real(0.0, inclusive=False), default=COPY_LR_SCALE,
-                       help="a factor on Eq. (3)'s learning rate (1 = the paper)")
+    defaults = lambda name: f"(default: copy {COPY[name]}, numbers {NUMBERS[name]})"
+    train.add_argument("--steps", type=integer(1),
+                       help=f"optimizer steps at most (more, with --resume) {defaults('steps')}")
+    train.add_argument("--batch-size", type=integer(1), help=f"sentences per batch {defaults('batch_size')}")
+    train.add_argument("--symbols", type=integer(1), help="copy task: distinct symbols (default: 10)")
+    train.add_argument("--max-length", type=integer(1), help="copy task: longest sequence, lengths 1 to this "
+                                                            "(default: 10)")
+    train.add_argument("--warmup-steps", type=integer(1), help=f"Eq. (3)'s warmup_steps {defaults('warmup_steps')}")
+    train.add_argument("--learning-rate-scale", type=real(0.0, inclusive=False),
+                       help=f"a factor on Eq. (3)'s learning rate, 1 = the paper {defaults('learning_rate_scale')}")
     train.add_argument("--dropout", type=real(0.0, below=1.0), default=0.0,
                        help="P_drop of section 5.4 (the reference has no dropout; default 0 for every backend)")
     train.add_argument("--label-smoothing", type=real(0.0, below=1.0), default=0.1, help="epsilon_ls, section 5.4")
     train.add_argument("--seed", type=integer(0), default=0, help="initial weights and batches")
     train.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     train.add_argument("--eval-size", type=integer(0), default=1000,
-                       help="held-out sequences for the greedy exact-match accuracy (0: no evaluation)")
-    train.add_argument("--stop-at", type=real(0.0, below=1.000001), default=COPY_STOP_AT,
-                       help=f"stop once greedy decoding copies this share of {COPY_VALIDATION} validation sequences "
-                            f"exactly, checked every {COPY_EVAL_EVERY} steps (0: run all --steps)")
+                       help="held-out pairs for the greedy exact match (and BLEU, numbers) at the end (0: none)")
+    train.add_argument("--stop-at", type=real(0.0, below=1.000001),
+                       help="stop once greedy decoding gets this share of the validation set exactly right, checked "
+                            f"every {COPY['eval_every']} (copy) or {NUMBERS['eval_every']} (numbers) steps; 0: run all "
+                            f"--steps {defaults('stop_at')}")
     train.add_argument("--resume", metavar="RUN.safetensors",
-                       help="continue a saved run (from any backend) for --steps more steps: the model and "
-                            "optimizer settings are the run's; pass the run's --seed and task flags to see its batches")
+                       help="continue a saved run (from any backend) for --steps more steps: the model, optimizer "
+                            "settings and tokenizer are the run's; pass the run's --task, --seed and task flags to "
+                            "see its batches")
     train.add_argument("--out", metavar="RUN.safetensors",
-                       help="save each run with its training state; with several backends, the path must contain "
-                            "{backend}")
+                       help="save each run with its training state (and tokenizer); with several backends, the path "
+                            "must contain {backend}")
+    train.add_argument("--weights-only", action="store_true",
+                       help="save the weights (and tokenizer) without the training state: a model to ship, a third "
+                            "of the size, not a run to resume")
     train.add_argument("--force", action="store_true", help="replace --out if it exists (it is kept otherwise)")
     train.add_argument("--plot", metavar="FILE.png", type=image_file, help="the loss curves, backends side by side")
     train.add_argument("--json", action="store_true", help="print the results (with every step's loss) as JSON")
@@ -207,9 +224,12 @@ def run_train(args) -> int:
     for name, adapter in adapters.items():
         result, model, optimizer = train.train(
             adapter, plan, progress_bar(f"train {name}", "step", quiet=args.json or not sys.stderr.isatty()))
-        result.accuracy = train.evaluate(adapter, model, plan, args.eval_size) if args.eval_size else None
+        if args.eval_size:
+            scores = train.evaluate(adapter, model, plan, args.eval_size)
+            result.accuracy, result.bleu = scores["exact"], scores.get("bleu")
         if name in outputs:
-            adapter.save(model, outputs[name], adapter.training_state(model, optimizer))
+            state = None if args.weights_only else adapter.training_state(model, optimizer)
+            adapter.save(model, outputs[name], state, plan.tokenizer_json)
             print(f"wrote {outputs[name]}: {name}, step {result.first_step + len(result.losses)}", file=sys.stderr)
         results.append(result)
     print(json.dumps([r.to_json() for r in results], indent=2) if args.json else train.format_results(results))
@@ -237,7 +257,35 @@ def _train_outputs(args) -> dict[str, str]:
     return outputs
 
 
-COMMANDS = (add_compare, add_bench, add_plot, add_init, add_train, side_by_side.add_parser)
+def add_translate(commands) -> None:
+    translate = subcommand(commands, "translate", "translate text with a checkpoint that holds a tokenizer (default: "
+                                                  "the shipped English-to-French numbers model)")
+    translate.add_argument("text", nargs="*", help="sentences to translate, one output line each (default: read "
+                                                   "standard input line by line)")
+    translate.add_argument("--checkpoint", metavar="PATH", help="a checkpoint with a tokenizer (default: the shipped "
+                                                                "model)")
+    translate.add_argument("--backend", choices=tuple(backends.BACKENDS), default="numpy",
+                           help="the framework that runs the model (default: numpy, the reference)")
+    translate.add_argument("--beam", type=integer(1), default=1,
+                           help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
+    translate.add_argument("--alpha", type=real(0.0), default=LENGTH_PENALTY_ALPHA,
+                           help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
+    translate.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    translate.set_defaults(run=run_translate)
+
+
+def run_translate(args) -> int:
+    from .train import load_adapters
+    from .translate import translator
+
+    adapter = load_adapters((args.backend,))[args.backend]
+    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha)
+    for line in translate.lines(args.text or sys.stdin):
+        print(line, flush=True)
+    return EXIT_OK
+
+
+COMMANDS = (add_compare, add_bench, add_plot, add_init, add_train, add_translate, side_by_side.add_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,9 +65,25 @@ def format_table(report: Report) -> str:
     failing += [f"{run.label} first gives non-finite values (NaN or inf) at {run.first_non_finite_stage}"
                 for run in runs if run.first_non_finite_stage]
     lines += [""] + notes + failing if notes or failing else []
+    lines += format_translations(report)
     lines.append("")
     lines.append("all backends agree with the reference" if report.ok else "SOME BACKENDS DISAGREE (see above)")
     return "\n".join(lines)
+
+
+def format_translations(report: Report) -> list[str]:
+    """Each source sentence, the float64 reference's greedy translation, and how many runs wrote the same text;
+    a run that wrote something else is shown with its text and the reason it is (or is not) allowed."""
+    if not report.translations:
+        return []
+    translated = [run for run in report.runs if run.translations is not None]
+    lines = ["", "translations (greedy decoding, section 6.1): source -> float64 reference; runs writing the same text"]
+    for i, (source, reference) in enumerate(zip(report.sentences, report.translations)):
+        same = sum(run.translations[i] == reference for run in translated)
+        lines += [f"  {source}", f"    -> {reference}   [{same} of {len(translated)} runs identical]"]
+        lines += [f"       {run.label}: {run.translations[i]}  ({run.greedy_note or 'tokens differ'})"
+                  for run in translated if run.translations[i] != reference]
+    return lines
 
 
 def plot_errors(report: Report, path) -> None:

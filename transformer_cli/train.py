@@ -1,5 +1,6 @@
-"""``transformer-reference train``: the copy task learned in any backend with the recipe of section 5, a run saved
-with its training state, resumed in any backend, and the loss curves of several backends side by side."""
+"""``transformer-reference train``: a task (the copy task, or English to French number words) learned in any backend
+with the recipe of section 5, a run saved with its training state (and the task's tokenizer), resumed in any
+backend, and the loss curves of several backends side by side."""
 
 from __future__ import annotations
 
@@ -10,19 +11,25 @@ from types import ModuleType
 
 import numpy as np
 
-from reference_numpy.checkpoint import TrainingState, init_params, load_run
+from reference_numpy.checkpoint import TrainingState, init_params, load_run, load_tokenizer_json
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.tokenizer import Tokenizer
 from reference_numpy.training import LABEL_SMOOTHING
 
-from . import backends
-from .copy_task import EVAL_EVERY, TEST, VALIDATION, VALIDATION_SIZE, CopyTask, exact_match, teacher_forcing
+from . import backends, copy_task, numbers_task
+from .copy_task import CopyTask
+from .numbers_task import NumbersTask
+
+TASKS = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS}   # each task's recipe (docs/training.md)
+COPY_ONLY = {"symbols": 10, "max_length": 10}                           # flags of the copy task and their defaults
+TEST, VALIDATION = "test", "validation"
 
 
 @dataclass(frozen=True)
 class Plan:
     """What to train: the task, the model, the optimizer and the batches (one plan for every backend)."""
 
-    task: CopyTask
+    task: CopyTask | NumbersTask
     config: TransformerConfig
     training: TrainingConfig
     steps: int
@@ -31,7 +38,15 @@ class Plan:
     dtype: str
     label_smoothing: float = LABEL_SMOOTHING
     stop_at: float | None = None          # stop once the validation set's exact-match accuracy reaches this
+    eval_every: int = 100                 # steps between validation checks
+    validation_size: int = 500
     start: tuple[dict[str, np.ndarray], TrainingState] | None = None   # a saved run to continue
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The task's tokenizer as saved with the run (None for a task of bare ids)."""
+        tokenizer = getattr(self.task, "tokenizer", None)
+        return tokenizer.to_json() if tokenizer else None
 
 
 @dataclass
@@ -43,7 +58,8 @@ class Result:
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
     tokens: int = 0
-    accuracy: float | None = None
+    accuracy: float | None = None         # exact match on the test set
+    bleu: float | None = None             # corpus BLEU on the test set (translation tasks)
     validation: list[tuple[int, float]] = field(default_factory=list)   # (step, accuracy) of each check
 
     @property
@@ -54,7 +70,7 @@ class Result:
         return {"backend": self.backend, "first_step": self.first_step, "steps": len(self.losses),
                 "final_loss": self.losses[-1] if self.losses else None, "losses": self.losses,
                 "seconds": self.seconds, "tokens_per_second": self.tokens_per_second, "accuracy": self.accuracy,
-                "validation": self.validation}
+                "bleu": self.bleu, "validation": self.validation}
 
 
 def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState]:
@@ -66,25 +82,47 @@ def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], Tr
 
 
 def plan_from(args) -> Plan:
-    """The plan of ``train``'s flags; with ``--resume``, the saved run's model, optimizer settings and weights."""
-    task = CopyTask(args.symbols, args.max_length)
-    training = TrainingConfig(warmup_steps=args.warmup_steps, learning_rate_scale=args.learning_rate_scale)
-    if not args.resume:
-        return Plan(task, task.config(dropout=args.dropout), training, args.steps, args.batch_size, args.seed,
-                    args.dtype, args.label_smoothing, args.stop_at or None)
-    config, params, state = resume_from(args.resume)
-    if config.src_vocab_size != 3 + task.symbols or config.max_len < task.max_length + 1:
-        raise ValueError(f"--resume: {args.resume!r} has a vocabulary of {config.src_vocab_size} and max_len "
+    """The plan of ``train``'s flags (a flag left out takes its task's default); with ``--resume``, the saved
+    run's model, optimizer settings, weights and tokenizer."""
+    recipe = {name: value if (value := getattr(args, name, None)) is not None else default
+              for name, default in TASKS[args.task].items()}
+    start, config, training = None, None, TrainingConfig(warmup_steps=recipe["warmup_steps"],
+                                                         learning_rate_scale=recipe["learning_rate_scale"])
+    if args.resume:
+        config, params, state = resume_from(args.resume)
+        start, training = (params, state), state.config
+    task = make_task(args, args.resume, config)
+    config = config or task.config(dropout=args.dropout)
+    return Plan(task, config, training, recipe["steps"], recipe["batch_size"], args.seed, args.dtype,
+                args.label_smoothing, recipe["stop_at"] or None, recipe["eval_every"], recipe["validation_size"],
+                start)
+
+
+def make_task(args, resume: str | None, config: TransformerConfig | None) -> CopyTask | NumbersTask:
+    """The task of ``--task``, checked against a resumed run's model (``config``, or None for a new run)."""
+    if args.task == "numbers":
+        given = [name for name in COPY_ONLY if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is a flag of --task copy")
+        if config is None:
+            return NumbersTask().with_tokenizer(NumbersTask().config())
+        tokenizer = load_tokenizer_json(resume)
+        if tokenizer is None:
+            raise ValueError(f"--resume: {resume!r} has no tokenizer; it is not a run of --task numbers")
+        return NumbersTask(Tokenizer.from_json(tokenizer, config))
+    task = CopyTask(*(getattr(args, name) or default for name, default in COPY_ONLY.items()))
+    if config and (config.src_vocab_size != 3 + task.symbols or config.max_len < task.max_length + 1):
+        raise ValueError(f"--resume: {resume!r} has a vocabulary of {config.src_vocab_size} and max_len "
                          f"{config.max_len}; --symbols {task.symbols} and --max-length {task.max_length} do not fit")
-    return Plan(task, config, state.config, args.steps, args.batch_size, args.seed, args.dtype,
-                args.label_smoothing, args.stop_at or None, (params, state))
+    return task
 
 
 def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable] = lambda steps: steps):
     """Train one backend as ``plan`` says; returns (result, model, optimizer). ``progress`` wraps the steps (a
     progress bar: its postfix shows the last loss and the tokens per second). With ``plan.stop_at``, every
-    ``EVAL_EVERY`` steps greedy decoding copies the validation set, and training stops once it copies that share
-    exactly (Adam's loss spikes near the optimum can otherwise leave the last step's model mid-spike)."""
+    ``plan.eval_every`` steps greedy decoding runs on the validation set, and training stops once that share of it
+    comes out exactly right (Adam's loss spikes near the optimum can otherwise leave the last step's model
+    mid-spike)."""
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     model = adapter.build(plan.config, params, plan.dtype, "cpu")
     optimizer = adapter.optimizer(model, None if state else plan.training, state)
@@ -99,19 +137,19 @@ def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]
         result.tokens += int((batch["labels"] != plan.config.pad_id).sum())
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{result.losses[-1]:.3f}", tokens_per_s=f"{result.tokens_per_second:,.0f}")
-        if plan.stop_at and (step + 1 - first) % EVAL_EVERY == 0:
-            result.validation.append((step + 1, evaluate(adapter, model, plan, VALIDATION_SIZE, VALIDATION)))
+        if plan.stop_at and (step + 1 - first) % plan.eval_every == 0:
+            exact = evaluate(adapter, model, plan, plan.validation_size, VALIDATION)["exact"]
+            result.validation.append((step + 1, exact))
             if result.validation[-1][1] >= plan.stop_at:
                 break
     return result, model, optimizer
 
 
-def evaluate(adapter: ModuleType, model, plan: Plan, count: int, stream: int = TEST) -> float:
-    """Exact-sequence accuracy of greedy decoding (section 6.1's rules) on ``count`` held-out sequences (the test
-    set, or with ``stream=VALIDATION`` the set that decides when to stop)."""
-    sequences = plan.task.held_out(plan.config, count, plan.seed, stream)
-    decoded = adapter.greedy(model, teacher_forcing(plan.config, sequences)["src"])
-    return exact_match(plan.config, decoded, sequences)
+def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TEST) -> dict[str, float]:
+    """The task's scores (``exact``, and ``bleu`` for translation) of greedy decoding (section 6.1's rules) on
+    ``count`` held-out pairs: the test set, or with ``split=VALIDATION`` the set that decides when to stop."""
+    src, references = plan.task.held_out(plan.config, count, split, plan.seed)
+    return plan.task.score(plan.config, adapter.greedy(model, src), references)
 
 
 def load_adapters(names: tuple[str, ...]) -> dict[str, ModuleType]:
@@ -141,9 +179,11 @@ def plot_losses(results: list[Result], path: str) -> None:
 
 
 def format_results(results: list[Result]) -> str:
-    lines = [f"{'backend':<8} {'steps':>11} {'final loss':>10} {'tokens/s':>9} {'seconds':>8} {'exact':>7}"]
+    lines = [f"{'backend':<8} {'steps':>11} {'final loss':>10} {'tokens/s':>9} {'seconds':>8} {'exact':>7} "
+             f"{'BLEU':>6}"]
     for r in results:
         accuracy = "-" if r.accuracy is None else f"{100 * r.accuracy:.1f}%"
+        bleu = "-" if r.bleu is None else f"{r.bleu:.1f}"
         lines.append(f"{r.backend:<8} {f'{r.first_step + 1}-{r.first_step + len(r.losses)}':>11} "
-                     f"{r.losses[-1]:>10.4f} {r.tokens_per_second:>9,.0f} {r.seconds:>8.1f} {accuracy:>7}")
+                     f"{r.losses[-1]:>10.4f} {r.tokens_per_second:>9,.0f} {r.seconds:>8.1f} {accuracy:>7} {bleu:>6}")
     return "\n".join(lines)

@@ -155,10 +155,10 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike,
-                    training: reference.TrainingState | None = None) -> None:
-    """Write the model (and a run's ``training`` state, from :func:`.training.training_state`) as a
-    shared checkpoint, atomically, by the reference's writer."""
-    reference.save_checkpoint(path, model.config, to_params(model), training)
+                    training: reference.TrainingState | None = None, tokenizer: str | None = None) -> None:
+    """Write the model (and a run's ``training`` state, from :func:`.training.training_state`, and a
+    ``tokenizer``'s JSON text) as a shared checkpoint, atomically, by the reference's writer."""
+    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
 def _dotted(keys: tuple) -> str:

@@ -137,10 +137,11 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
     return from_params(config, params, next(iter(params.values())).dtype.name)
 
 
-def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None) -> None:
-    """Write the model (and a run's ``training`` state, from ``training.training_state``) as a shared
-    checkpoint, atomically, in the model's dtype."""
-    reference.save_checkpoint(path, model.config, to_params(model), training)
+def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
+                    tokenizer: str | None = None) -> None:
+    """Write the model (and a run's ``training`` state, from ``training.training_state``, and a ``tokenizer``'s
+    JSON text) as a shared checkpoint, atomically, in the model's dtype."""
+    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
 def _variables(model: Transformer) -> dict:

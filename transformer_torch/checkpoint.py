@@ -176,7 +176,9 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transf
     return from_params(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device)
 
 
-def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None) -> None:
+def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
+                    tokenizer: str | None = None) -> None:
     """Write the model's weights (in its dtype) and config as a shared checkpoint, atomically; with
-    ``training`` (from :func:`.training.training_state`) also the run's Adam moments and step count."""
-    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training)
+    ``training`` (from :func:`.training.training_state`) also the run's Adam moments and step count, with
+    ``tokenizer`` (its JSON text) the model's tokenizer."""
+    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training, tokenizer)

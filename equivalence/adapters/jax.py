@@ -56,9 +56,9 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
 
 
 @_x64
-def save(model: Transformer, path, training: TrainingState | None = None) -> None:
-    """Write the model's weights (and a run's training state) as a shared checkpoint."""
-    checkpoint.save_checkpoint(model, path, training)
+def save(model: Transformer, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+    """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path, training, tokenizer)
 
 
 @_x64

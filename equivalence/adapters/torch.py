@@ -43,9 +43,9 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     return checkpoint.load_checkpoint(path, dtype, device)
 
 
-def save(model: Transformer, path, training: TrainingState | None = None) -> None:
-    """Write the model's weights (and a run's training state) as a shared checkpoint."""
-    checkpoint.save_checkpoint(model, path, training)
+def save(model: Transformer, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+    """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
+    checkpoint.save_checkpoint(model, path, training, tokenizer)
 
 
 def export_params(model: Transformer) -> dict[str, np.ndarray]:
