@@ -20,6 +20,8 @@ from equivalence.adapters import numpy as reference
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import beam_margins, greedy_margins
 from equivalence.recipes import ATTENTION_KINDS
+from transformer_cli.numbers_task import NumbersTask, teacher_forcing
+from transformer_cli.translate import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
@@ -183,18 +185,20 @@ def test_repeated_runs_are_bitwise_identical(port, dtype):
 def reference_decoding(variant: str, kind: str):
     """Reference float64 tokens, scores and decision margins, and the float32 error bound of
     the log-probabilities along the reference's own output (teacher forcing)."""
-    config = VARIANTS[variant]
-    model64 = reference_model(variant, "float64", "decoding")
-    src = cases.decoding_inputs(config)
+    return decoding_oracle(reference_model(variant, "float64", "decoding"),
+                           reference_model(variant, "float32", "decoding"), cases.decoding_inputs(VARIANTS[variant]),
+                           kind)
+
+
+def decoding_oracle(model64, model32, src: np.ndarray, kind: str):
+    """(src, tokens, scores or None, margins, float32 bound) of the reference's greedy or beam search."""
     if kind == "greedy":
         tokens, scores = reference.greedy(model64, src), None
         margins = greedy_margins(model64, src, tokens)
     else:
         (tokens, scores), margins = reference.beam(model64, src), beam_margins(model64, src)
-    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)
-    log_probs64 = model64(src, tgt)
-    log_probs32 = reference_model(variant, "float32", "decoding")(src, tgt)
-    bound = tolerance.float32_bound(log_probs64, log_probs32)
+    tgt = np.concatenate([np.full((len(src), 1), model64.config.bos_id), tokens[:, :-1]], axis=1)
+    bound = tolerance.float32_bound(model64(src, tgt), model32(src, tgt))
     return src, tokens, scores, margins, bound
 
 
@@ -248,3 +252,97 @@ def test_beam_tokens_float32(port, device_kind, variant):
 def _emitted(row: np.ndarray, variant: str) -> np.ndarray:
     """The tokens a row emitted (decoders never emit pad_id, so padding is exactly the pad ids)."""
     return row[row != VARIANTS[variant].pad_id]
+
+
+# ----------------------------------------------------------------------------- the shipped trained model
+
+TRAINED_SENTENCES = 16   # from the numbers task's test split: numbers the model never saw in training
+
+
+@functools.cache
+def trained():
+    """The shipped English-to-French numbers model (realistic weights: sharp attention, larger activations) and
+    a sample of its test split: config, float64 params, tokenizer, inputs (src, tgt = the French references,
+    teacher-forced)."""
+    config, params, tokenizer = load_translator()
+    src, references = NumbersTask(tokenizer).held_out(config, TRAINED_SENTENCES, "test", 0)
+    inputs = teacher_forcing(tokenizer, [tokenizer.decode(row) for row in src], references)
+    return config, params, tokenizer, {"src": inputs["src"], "tgt": inputs["tgt"]}
+
+
+@functools.cache
+def trained_model(backend_name: str, dtype: str, device: str = "cpu"):
+    config, params, _, _ = trained()
+    backend = reference if backend_name == "numpy" else port_backend(backend_name)
+    return backend.build(config, params, dtype, device)
+
+
+@functools.cache
+def trained_reference(dtype: str):
+    return reference.forward(trained_model("numpy", dtype), **trained()[3])
+
+
+@functools.cache
+def trained_decoding(kind: str):
+    return decoding_oracle(trained_model("numpy", "float64"), trained_model("numpy", "float32"), trained()[3]["src"],
+                           kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trained_model_forward_stages(port, device_kind, dtype, agreement):
+    """Every stage of the trained model on held-out sentences and their French translations."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    stages = backend.forward(trained_model(port, dtype, device), **trained()[3])
+    ref64, ref32 = trained_reference("float64"), trained_reference("float32")
+    for stage in ref64:
+        agreement(stages[stage], ref64[stage], ref32[stage], port=port, device=device, dtype=dtype,
+                  what=f"trained model, forward {stage}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_trained_model_attention_weights(port, device_kind, dtype, kind, agreement):
+    """The weights ``plot attention`` draws for the trained model, last layer (its sharpest alignment)."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    inputs, layer = trained()[3], trained()[0].n_decoder_layers - 1
+    weights = backend.attention_weights(trained_model(port, dtype, device), inputs["src"], inputs["tgt"], layer, kind)
+    expected = {dtype: reference.attention_weights(trained_model("numpy", dtype), inputs["src"], inputs["tgt"], layer,
+                                                   kind) for dtype in DTYPES}
+    agreement(weights, expected["float64"], expected["float32"], port=port, device=device, dtype=dtype,
+              what=f"trained model, attention weights {kind}")
+
+
+@pytest.mark.parametrize("kind", ["greedy", "beam"])
+def test_trained_model_translations_float64(port, device_kind, kind, agreement):
+    """float64: the same tokens, hence the same French text, as the reference for every held-out sentence, greedy
+    and beam search (beam 4, alpha 0.6); beam scores within the policy. (The whole test split:
+    scripts/check_translations.py.)"""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    model = trained_model(port, "float64", device)
+    _, ref_tokens, ref_scores, _, _ = trained_decoding(kind)
+    out = backend.greedy(model, trained()[3]["src"]) if kind == "greedy" else backend.beam(model, trained()[3]["src"])
+    tokens = out if kind == "greedy" else out[0]
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    tokenizer = trained()[2]
+    assert [tokenizer.decode(row) for row in tokens] == [tokenizer.decode(row) for row in ref_tokens]
+    if kind == "beam":
+        agreement(out[1], ref_scores, None, port=port, device=device, dtype="float64",
+                  what="trained model, beam scores")
+
+
+def test_trained_model_translations_float32(port, device_kind):
+    """float32 greedy and beam search: identical to the reference's float64 tokens except after a near-tie its own
+    margins allow (trained weights decide clearly: every row must be compared)."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    model, src, pad_id = trained_model(port, "float32", device), trained()[3]["src"], trained()[0].pad_id
+    _, ref_tokens, _, margins, bound = trained_decoding("greedy")
+    agree, note, full_rows = tolerance.greedy_tokens_agree(backend.greedy(model, src), ref_tokens, margins, bound,
+                                                           pad_id)
+    assert agree and full_rows == len(src), note
+    _, ref_tokens, _, margins, bound = trained_decoding("beam")
+    assert all(tolerance.beam_row_is_decisive(row_margins, bound) for row_margins in margins)
+    np.testing.assert_array_equal(backend.beam(model, src)[0], ref_tokens)
