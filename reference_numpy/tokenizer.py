@@ -97,7 +97,7 @@ class Tokenizer:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
         if not encoding.ids:
             raise ValueError(f"{name} is empty")
-        unknown = [self.normalize(text)[start:end] for (start, end), i in zip(encoding.offsets, encoding.ids)
+        unknown = [text[start:end] for (start, end), i in zip(encoding.offsets, encoding.ids)
                    if i == self.unk_id]
         if unknown:
             raise ValueError(f"{name} {text!r} holds characters the tokenizer has never seen: "

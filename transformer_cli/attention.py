@@ -36,14 +36,16 @@ def default_inputs(config, params, tokenizer, text: str | None) -> tuple[np.ndar
     return src, np.array([[config.bos_id, *written[:-1]]]), written
 
 
-def attention_by_backend(checkpoint, layer: int, head: int, kind: str, src_text: str | None,
+def attention_by_backend(checkpoint, layer: int | None, head: int, kind: str, src_text: str | None,
                          tgt_text: str | None, names: tuple[str, ...], text: str | None = None,
                          preset: str | None = None):
-    """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row. Decoder queries are
+    """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row (``layer`` None: the
+    last of its stack). Decoder queries are
     labelled with the token each position writes (its input shifted by one), so a row of cross-attention reads
     "to write this word, look at these source words"."""
     _, config, params, tokenizer = load_source(checkpoint, preset)
     layers = config.n_encoder_layers if kind == "encoder" else config.n_decoder_layers
+    layer = layers - 1 if layer is None else layer
     if not 0 <= layer < layers:
         raise ValueError(f"--layer must be in [0, {layers}) for {kind} attention in this checkpoint, got {layer}")
     if not 0 <= head < config.n_heads:

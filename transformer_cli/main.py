@@ -3,7 +3,7 @@
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
     transformer-reference bench [--preset base] [--json] [--plot FILE.png]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
-    transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer 0] [--head 0] [--kind decoder_cross]
+    transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
                                          [--out attention.png]
     transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
     transformer-reference train [--task copy|numbers] [--backends numpy] [--steps N] [--out RUN.safetensors]
@@ -120,8 +120,8 @@ def add_plot(commands) -> None:
     attention = pictures.add_parser("attention", help="attention weights of one layer and head, per backend")
     attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: the shipped numbers model)")
     attention.add_argument("--preset", choices=sorted(PRESETS), help="a preset with seeded random weights instead")
-    attention.add_argument("--layer", type=integer(0), default=0)
-    attention.add_argument("--head", type=integer(0), default=0)
+    attention.add_argument("--layer", type=integer(0), help="the layer, from 0 (default: the last)")
+    attention.add_argument("--head", type=integer(0), default=0, help="the head, from 0 (default: 0)")
     attention.add_argument("--kind", default="decoder_cross", choices=["encoder", "decoder_self", "decoder_cross"],
                            help="which attention (default: decoder_cross, the source-target alignment)")
     attention.add_argument("--text", help="a source sentence, with a checkpoint that holds a tokenizer; the target is "
