@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -108,7 +109,7 @@ def quality(task: NumbersTask, config: TransformerConfig, decoded: Decoded, refe
 
 def check(adapters: dict[str, ModuleType], config: TransformerConfig, params: dict[str, np.ndarray],
           tokenizer: Tokenizer, count: int, batch_size: int, checkpoint: str,
-          missing: list[backends.Missing] = (), quiet: bool = False) -> dict:
+          missing: Sequence[backends.Missing] = (), quiet: bool = False) -> dict:
     """Decode the first ``count`` test sentences in the reference and every adapter (``missing``: the requested
     backends that are not installed); the report (see ``table``)."""
     task = NumbersTask(tokenizer)
