@@ -39,7 +39,7 @@ SMALL = TINY.replace(src_vocab_size=64, tgt_vocab_size=64)            # room for
 SHIPPED_SIZE = 384                                                     # the shipped model's vocabularies
 # A few texts of both languages: the small tokenizer's whole training corpus
 TEXTS = ["one hundred and two", "cent deux", "twenty-one", "vingt et un", "eighty", "quatre-vingts",
-         "one thousand, seventy-one", "mille soixante et onze", "two hundred", "deux cents"]
+         "one thousand, seventy-one", "mille soixante et onze", "two hundred", "deux cents", "zero", "zéro"]
 WHITESPACE = " \t\n\r\x0b\x0c\u00a0\u2003\u3000"                    # ASCII, and what NFKC turns into a space
 
 
