@@ -20,11 +20,13 @@ PAPER = TrainingConfig()  # section 5.3: Adam(0.9, 0.98, 1e-9), warmup_steps = 4
 
 
 def label_smoothed_cross_entropy(log_probs: np.ndarray, labels: np.ndarray, pad_id: int,
-                                 epsilon: float = LABEL_SMOOTHING) -> np.ndarray:
+                                 epsilon: float = LABEL_SMOOTHING, tokens: int | None = None) -> np.ndarray:
     """Mean over non-pad labels of -sum_k q(k) log p(k), with q = (1 - epsilon) one_hot(label) + epsilon / V.
 
     Section 5.4: "we employed label smoothing of value epsilon_ls = 0.1" (Szegedy et al., 2016);
-    the smoothing mass is spread uniformly over all V classes.
+    the smoothing mass is spread uniformly over all V classes. ``tokens`` divides the sum by that many
+    labels instead of this batch's non-pad count: a shard of a larger batch divides by the whole batch's
+    count, so that the shards' losses add up to the whole batch's (data parallelism, ``data_parallel.py``).
 
     Shape: log_probs (B, T, V), labels (B, T) int -> scalar.
     """
@@ -32,20 +34,32 @@ def label_smoothed_cross_entropy(log_probs: np.ndarray, labels: np.ndarray, pad_
         raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
     labels = np.asarray(labels)
     real = labels != pad_id                                                 # (B, T)
-    if not real.any():
-        raise ValueError("labels hold no non-pad token; the loss is undefined")
+    count = check_token_count(int(real.sum()), tokens)
     picked = np.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]  # (B, T)
     per_token = -(1.0 - epsilon) * picked - epsilon * log_probs.mean(axis=-1)
-    return (per_token * real).sum() / real.sum()
+    return (per_token * real).sum() / count
+
+
+def check_token_count(real: int, tokens: int | None) -> int:
+    """The loss's denominator: ``tokens`` if given (an int at least ``real`` and at least 1), else ``real``, the
+    batch's own non-pad labels (at least 1). One ``ValueError`` otherwise."""
+    if tokens is None:
+        if real == 0:
+            raise ValueError("labels hold no non-pad token; the loss is undefined")
+        return real
+    if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens < max(real, 1):
+        raise ValueError(f"tokens must be an int >= 1 and >= the labels' {real} non-pad tokens, got {tokens!r}")
+    return int(tokens)
 
 
 def loss(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarray,
-         epsilon: float = LABEL_SMOOTHING) -> np.ndarray:
-    """The training loss of one batch (dropout off: the reference computes inference).
+         epsilon: float = LABEL_SMOOTHING, tokens: int | None = None) -> np.ndarray:
+    """The training loss of one batch (dropout off: the reference computes inference); ``tokens`` as in
+    :func:`label_smoothed_cross_entropy`.
 
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens -> scalar.
     """
-    return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon)
+    return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
 
 
 def gradients(model: Transformer, src, tgt, labels,

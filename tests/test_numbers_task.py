@@ -238,6 +238,8 @@ def test_held_out_gives_the_split_whatever_the_seed(task, shipped, split):
     src, references = task.held_out(config, 1000, "test", 0)
     assert sorted(references) == sorted(french(n) for n in split.test)
     assert sorted(tokenizer.decode(row) for row in src) == sorted(english(n) for n in split.test)
+    translation = {english(n): french(n) for n in split.test}
+    assert [translation[tokenizer.decode(row)] for row in src] == references      # each source with its reference
     small_src, small_refs = task.held_out(config, 40, "validation", 0)
     other_src, other_refs = task.held_out(config, 40, "validation", 9)
     assert np.array_equal(small_src, other_src) and small_refs == other_refs

@@ -12,6 +12,7 @@ import itertools
 import json
 import re
 import unicodedata
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,7 +172,7 @@ def test_training_refuses_a_vocabulary_larger_than_the_models():
 
 def test_training_is_deterministic(small):
     assert Tokenizer.train(TEXTS, 64, SMALL).to_json() == small.to_json()
-    assert Tokenizer.train(list(TEXTS), 64, SMALL).tokens(range(64)) == small.tokens(range(64))
+    assert Tokenizer.train(iter(TEXTS), 64, SMALL).to_json() == small.to_json()          # any iterable
 
 
 @pytest.mark.parametrize("ids", [(0, 1, 2), (2, 0, 1)])
@@ -323,7 +324,7 @@ def test_the_translator_of_a_checkpoint(tmp_path, shipped_json):
     assert params["src_embed.weight"].dtype == np.float64
 
 
-def write(tmp_path, config: TransformerConfig, **metadata) -> str:
+def write(tmp_path: Path, config: TransformerConfig, **metadata) -> Path:
     path = tmp_path / "bad.safetensors"
     save_file(params_for(config), str(path),
               metadata={"format_version": FORMAT_VERSION, "config": config.to_json(), **metadata})

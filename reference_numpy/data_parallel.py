@@ -1,0 +1,75 @@
+"""Data parallelism: the math every port's distributed engine must reproduce, computed in one process.
+
+A batch of B sentences is split into N shards of B / N consecutive rows, one per replica (rank r holds rows
+r B/N .. (r + 1) B/N - 1). Section 5.4's loss is a mean over the batch's n non-pad labels, not over sentences, and
+shards hold different numbers of real labels n_r; so each replica's loss is its shard's sum divided by the whole
+batch's n (``label_smoothed_cross_entropy(..., tokens=n)``), and the N gradients are *summed* (the all-reduce):
+
+    sum_r grad(sum_{shard r} l / n) = grad(sum_{batch} l / n) = the single-process gradient.
+
+An engine that averages gradients over replicas (PyTorch DDP) multiplies each replica's loss by N. Then one Adam
+update (section 5.3) is applied to identical weights on every replica, so the replicas stay equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import training
+from .model import Transformer
+from .training import LABEL_SMOOTHING, Adam
+
+
+def shard_rows(batch_size: int, world_size: int, rank: int) -> slice:
+    """The rows of replica ``rank`` among ``world_size``: B / N consecutive rows. A batch that does not split
+    into equal shards is a ``ValueError`` naming both numbers."""
+    for name, value, minimum in (("world_size", world_size, 1), ("batch_size", batch_size, 1)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if batch_size % world_size:
+        raise ValueError(f"a batch of {batch_size} sentences does not split into {world_size} equal shards; "
+                         f"choose a batch size divisible by {world_size}")
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    size = batch_size // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+def shard(batch: dict[str, np.ndarray], world_size: int, rank: int) -> dict[str, np.ndarray]:
+    """Replica ``rank``'s rows of every array of ``batch`` (src, tgt, labels: (B, ...) -> (B / N, ...))."""
+    rows = shard_rows(len(batch["labels"]), world_size, rank)
+    return {name: np.asarray(values)[rows] for name, values in batch.items()}
+
+
+def token_count(labels, pad_id: int) -> int:
+    """n: the whole batch's non-pad labels, the denominator of every replica's loss."""
+    return int((np.asarray(labels) != pad_id).sum())
+
+
+def gradients(model: Transformer, src, tgt, labels, world_size: int,
+              epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
+    """The whole batch's loss and gradient, as N replicas compute them: per shard, the gradient of its
+    mean loss (the hand-written backward pass) weighted by n_r / n, then summed over shards (a shard without
+    real labels contributes nothing)."""
+    batch = {"src": np.asarray(src), "tgt": np.asarray(tgt), "labels": np.asarray(labels)}
+    total = token_count(labels, model.config.pad_id)
+    training.check_token_count(total, None)
+    value, summed = 0.0, {name: np.zeros_like(weight) for name, weight in model.params.items()}
+    for rank in range(world_size):
+        part = shard(batch, world_size, rank)
+        weight = token_count(part["labels"], model.config.pad_id) / total         # n_r / n
+        if weight:
+            shard_loss, grads = training.gradients(model, **part, epsilon=epsilon)
+            value += weight * shard_loss
+            for name, grad in grads.items():
+                summed[name] += weight * grad
+    return value, summed
+
+
+def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, world_size: int,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One data-parallel training step of section 5: :func:`gradients` (the shards' sum), one Adam update.
+    Returns the whole batch's loss before the update."""
+    value, grads = gradients(model, src, tgt, labels, world_size, epsilon)
+    optimizer.update(grads)
+    return value
