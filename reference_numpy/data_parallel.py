@@ -13,11 +13,49 @@ update (section 5.3) is applied to identical weights on every replica, so the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from . import training
+from . import training as single_process
+from .checkpoint import TrainingState
+from .config import TrainingConfig, TransformerConfig
 from .model import Transformer
 from .training import LABEL_SMOOTHING, Adam
+
+Batches = Callable[[int], dict[str, np.ndarray]]   # global step (from 0) -> the whole batch of that step
+
+
+def train(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
+          state: TrainingState | None, batches: Batches, first_step: int, steps: int, world_size: int,
+          dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
+          progress: Callable[[int, float], None] | None = None
+          ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+    """A whole data-parallel run, the reference's way: ``steps`` steps from ``first_step`` (``batches(step)`` is
+    the whole batch of each; every step is :func:`train_step` over ``world_size`` shards, one after another in this
+    process), from ``params`` with a new optimizer (``training``) or a saved run's ``state``. ``progress``
+    gets (step, whole batch's loss) after each step. Returns the weights (checkpoint layout), the run's state and
+    the losses. (The reference runs on the CPU: ``device`` is accepted for the ports' signature.)"""
+    if device != "cpu":
+        raise ValueError(f"device: the reference runs on the CPU only, got {device!r}")
+    model = Transformer(config, params, dtype=np.dtype(dtype))
+    optimizer = single_process.optimizer(model, training, state)
+    losses = []
+    for step in range(first_step, first_step + steps):
+        losses.append(train_step(model, optimizer, **batches(step), world_size=world_size, epsilon=epsilon))
+        if progress is not None:
+            progress(step, losses[-1])
+    return {name: np.array(value) for name, value in model.params.items()}, single_process.training_state(
+        model, optimizer), losses
+
+
+def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, world_size: int,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One data-parallel training step of section 5: :func:`gradients` (the shards' sum), one Adam update.
+    Returns the whole batch's loss before the update."""
+    value, grads = gradients(model, src, tgt, labels, world_size, epsilon)
+    optimizer.update(grads)
+    return value
 
 
 def shard_rows(batch_size: int, world_size: int, rank: int) -> slice:
@@ -53,23 +91,14 @@ def gradients(model: Transformer, src, tgt, labels, world_size: int,
     real labels contributes nothing)."""
     batch = {"src": np.asarray(src), "tgt": np.asarray(tgt), "labels": np.asarray(labels)}
     total = token_count(labels, model.config.pad_id)
-    training.check_token_count(total, None)
+    single_process.check_token_count(total, None)
     value, summed = 0.0, {name: np.zeros_like(weight) for name, weight in model.params.items()}
     for rank in range(world_size):
         part = shard(batch, world_size, rank)
         weight = token_count(part["labels"], model.config.pad_id) / total         # n_r / n
         if weight:
-            shard_loss, grads = training.gradients(model, **part, epsilon=epsilon)
+            shard_loss, grads = single_process.gradients(model, **part, epsilon=epsilon)
             value += weight * shard_loss
             for name, grad in grads.items():
                 summed[name] += weight * grad
     return value, summed
-
-
-def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, world_size: int,
-               epsilon: float = LABEL_SMOOTHING) -> float:
-    """One data-parallel training step of section 5: :func:`gradients` (the shards' sum), one Adam update.
-    Returns the whole batch's loss before the update."""
-    value, grads = gradients(model, src, tgt, labels, world_size, epsilon)
-    optimizer.update(grads)
-    return value

@@ -50,8 +50,10 @@ class Tokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, config: TransformerConfig) -> Tokenizer:
-        """Learn ``vocab_size`` tokens (specials included) from ``texts`` of both languages (section 5.1's shared
-        source-target vocabulary). The special ids must be 0, 1, 2 in some order (they are the first tokens)."""
+        """Learn up to ``vocab_size`` tokens (specials included) from ``texts`` of both languages (section 5.1's
+        shared source-target vocabulary): every character of the texts, then merges until the size is reached or
+        none is left (so a size below the alphabet's gives the alphabet). The special ids must be 0, 1, 2 in some
+        order (they are the first tokens)."""
         lib = _library()
         ids = special_tokens(config)
         if sorted(ids.values()) != [0, 1, 2]:
@@ -72,7 +74,12 @@ class Tokenizer:
     def from_json(cls, text: str, config: TransformerConfig) -> Tokenizer:
         """The tokenizer of a JSON text (as saved in a checkpoint), checked against ``config``."""
         check_tokenizer_json(text, config)
-        return cls(_library().Tokenizer.from_str(text), config)
+        library = _library()
+        try:
+            tokenizer = library.Tokenizer.from_str(text)
+        except Exception as err:  # noqa: BLE001 - the library raises a bare Exception for JSON it cannot build
+            raise ValueError(f"tokenizer is not a tokenizers JSON text ({str(err).splitlines()[0]})") from None
+        return cls(tokenizer, config)
 
     def to_json(self) -> str:
         return self._tokenizer.to_str()
@@ -116,6 +123,8 @@ class Tokenizer:
 
     def batch(self, texts: list[str], name: str = "text") -> np.ndarray:
         """Source ids of ``texts``: each ``ids + [eos]``, right-padded with pad_id. Shape (B, S)."""
+        if not texts:
+            raise ValueError(f"{name} holds no sentence")
         rows = [[*self.encode(text, name), self.config.eos_id] for text in texts]
         return pad_rows(rows, self.config.pad_id)
 

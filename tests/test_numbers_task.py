@@ -247,9 +247,11 @@ def test_held_out_gives_the_split_whatever_the_seed(task, shipped, split):
 
 
 @pytest.mark.parametrize("split_name, size", [("test", 1000), ("validation", 500)])
-def test_held_out_refuses_more_than_the_split(task, shipped, split_name, size):
-    with pytest.raises(ValueError, match=rf"^the {split_name} set holds {size} pairs; {size + 1} were asked for$"):
-        task.held_out(shipped[0], size + 1, split_name, 0)
+def test_held_out_refuses_more_than_the_split_and_none(task, shipped, split_name, size):
+    for count in (size + 1, 0):
+        with pytest.raises(ValueError, match=rf"^the {split_name} set holds {size} pairs; {count} were asked for "
+                                             r"\(at least 1\)$"):
+            task.held_out(shipped[0], count, split_name, 0)
 
 
 def test_score_is_exact_match_and_bleu_of_the_decoded_text(task, shipped):

@@ -365,3 +365,12 @@ def test_save_refuses_a_tokenizer_that_does_not_fit_and_writes_nothing(tmp_path,
                         tokenizer=shipped_json if tokenizer is None else tokenizer)
     assert (tmp_path / "old.safetensors").read_bytes() == before         # the user's file is kept
     assert [p.name for p in tmp_path.iterdir()] == ["old.safetensors"]
+
+
+def test_an_empty_batch_and_json_the_library_cannot_build_are_refused_by_name(shipped):
+    with pytest.raises(ValueError, match="^source holds no sentence$"):
+        shipped.batch([], "source")
+    data = json.loads(shipped.to_json())
+    data["normalizer"] = {"type": "NoSuchNormalizer"}
+    with pytest.raises(ValueError, match="^tokenizer is not a tokenizers JSON text"):
+        Tokenizer.from_json(json.dumps(data), shipped.config)

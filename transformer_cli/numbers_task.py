@@ -135,8 +135,8 @@ class NumbersTask:
         """``count`` pairs of the test or validation set (the same ones whatever ``seed``: the split is fixed):
         source ids (B, S) and French references."""
         numbers = self.split.held_out(split)
-        if count > len(numbers):
-            raise ValueError(f"the {split} set holds {len(numbers)} pairs; {count} were asked for")
+        if not 1 <= count <= len(numbers):
+            raise ValueError(f"the {split} set holds {len(numbers)} pairs; {count} were asked for (at least 1)")
         numbers = numbers[np.random.Generator(np.random.PCG64(SPLIT_SEED)).permutation(len(numbers))[:count]]
         sources, targets = self.pairs(numbers)
         return self.tokenizer.batch(sources), targets
