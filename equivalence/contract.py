@@ -97,3 +97,15 @@ class Backend(Protocol):
     def training_state(self, model: Model, optimizer: Optimizer) -> TrainingState:
         """The optimizer's state in checkpoint layout (NumPy arrays in the model's dtype)."""
         ...
+
+    def train_data_parallel(self, config: TransformerConfig, params: dict[str, np.ndarray],
+                            training: TrainingConfig | None, state: TrainingState | None, batches, first_step: int,
+                            steps: int, world_size: int, dtype: str = "float32", device: str = "cpu",
+                            epsilon: float = LABEL_SMOOTHING, progress=None
+                            ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+        """A data-parallel run over ``world_size`` replicas on the framework's own engine (``data_parallel.train``
+        of the backend: the reference simulates the shards in one process): ``batches(step)`` is the whole batch of
+        each step, the run starts from ``params`` with a new optimizer (``training``) or a saved ``state``;
+        ``progress(step, loss)`` after each step. Returns the weights (checkpoint layout), the run's state and
+        the whole batches' losses."""
+        ...

@@ -4,14 +4,22 @@ engines (DDP, a JAX mesh, a MirroredStrategy) are checked against this in their 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from equivalence import tolerance
 from equivalence.cases import seeded_params
-from reference_numpy import Transformer, TransformerConfig, data_parallel, training
+from equivalence.training_runs import Run, assert_float64_run, reference_run
+from reference_numpy import Transformer, TransformerConfig, data_parallel, init_params, training
+from reference_numpy.checkpoint import load_run
+from reference_numpy.config import TrainingConfig
+from transformer_cli.copy_task import CopyTask
+from transformer_cli.main import main
 
 CONFIG = TransformerConfig.preset("tiny", dropout=0.0)
+TRAINING = TrainingConfig(warmup_steps=20)       # large enough steps that Adam's update is far from round-off
 
 
 def uneven_batch(config: TransformerConfig = CONFIG, batch: int = 4) -> dict[str, np.ndarray]:
@@ -44,16 +52,16 @@ def test_the_shards_summed_gradients_are_the_whole_batchs():
         whole[name])
 
 
-def test_a_data_parallel_step_is_the_single_process_step():
+def test_data_parallel_steps_are_the_single_process_steps():
+    """Three steps over 2 shards = three single-process steps: losses, weights and Adam's moments within the
+    derived training bound (``equivalence.tolerance.TrainingBound``)."""
     batch = uneven_batch()
-    single, parallel = (Transformer(CONFIG, seeded_params(CONFIG)) for _ in range(2))
-    optimizers = training.optimizer(single), training.optimizer(parallel)
-    for _ in range(3):
-        expected = training.train_step(single, optimizers[0], **batch)
-        loss = data_parallel.train_step(parallel, optimizers[1], **batch, world_size=2)
-        assert abs(loss - expected) <= tolerance.float64_bound(np.array(expected))
-    for name, weight in single.params.items():
-        assert tolerance.max_abs(parallel.params[name], weight) <= 1e-12 * max(1.0, np.abs(weight).max()), name
+    expected, bound = reference_run(CONFIG, seeded_params(CONFIG), TRAINING, [batch] * 3)
+    model = Transformer(CONFIG, seeded_params(CONFIG))
+    optimizer = training.optimizer(model, TRAINING)
+    losses = [data_parallel.train_step(model, optimizer, **batch, world_size=2) for _ in range(3)]
+    assert_float64_run(Run(losses, model.params, training.training_state(model, optimizer)), expected, bound,
+                       "reference, 2 shards")
 
 
 def test_a_shard_without_real_labels_adds_nothing():
@@ -87,3 +95,27 @@ def test_bad_splits_are_refused(batch_size, world_size, rank, message):
     with pytest.raises(ValueError, match=message):
         data_parallel.shard_rows(batch_size, world_size, rank)
     assert data_parallel.shard_rows(6, 3, 1) == slice(2, 4)
+
+
+def test_train_data_parallel_in_the_reference_continues_a_single_process_run(tmp_path, capsys):
+    """``train --data-parallel 2`` (the reference's shards, in pieces between validation checks): its losses are
+    the single-process run's, and it resumes a single-process run's checkpoint and is resumed by one."""
+
+    def run(*args: str) -> list[float]:
+        assert main(["train", "--symbols", "4", "--max-length", "4", "--batch-size", "8", "--warmup-steps", "20",
+                     "--eval-size", "0", "--dtype", "float64", "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)[0]["losses"]
+
+    path = str(tmp_path / "run.safetensors")
+    whole = run("--steps", "6", "--out", str(tmp_path / "whole.safetensors"))
+    first = run("--steps", "2", "--out", path)
+    middle = run("--steps", "2", "--data-parallel", "2", "--resume", path, "--out", path, "--force")
+    last = run("--steps", "2", "--resume", path, "--out", path, "--force")
+    np.testing.assert_allclose(first + middle + last, whole, rtol=1e-12, atol=0)
+    task, training_config = CopyTask(4, 4), TrainingConfig(warmup_steps=20, learning_rate_scale=0.5)
+    config = task.config(dropout=0.0)
+    expected, bound = reference_run(config, init_params(config, seed=0), training_config,
+                                    [task.batch(config, 8, step, 0) for step in range(6)])
+    _, params, state = load_run(path)
+    assert_float64_run(Run(first + middle + last, params, state), expected, bound, "reference: 2 + 2 shards + 2")
+    np.testing.assert_allclose(whole, expected.losses, rtol=1e-13)

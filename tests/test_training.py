@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -18,6 +17,8 @@ from test_agreement import FRAMEWORKS
 from equivalence import tolerance
 from equivalence.adapters import numpy as reference
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
+from equivalence.training_runs import Run, assert_float64_run
+from equivalence.training_runs import reference_run as reference_float64_run
 from reference_numpy.checkpoint import TrainingState, load_training_state
 from reference_numpy.config import TrainingConfig
 from reference_numpy.training import learning_rate
@@ -45,13 +46,6 @@ def batches(variant: str) -> list[dict[str, np.ndarray]]:
     return [training_inputs(config_of(variant), seed=step) for step in range(STEPS)]
 
 
-@dataclass
-class Run:
-    losses: list[float]
-    params: dict[str, np.ndarray]
-    state: TrainingState
-
-
 def run(name: str, variant: str, dtype: str, steps=range(STEPS), state: TrainingState | None = None,
         params: dict[str, np.ndarray] | None = None) -> Run:
     """``steps`` training steps in backend ``name`` from ``params`` (default: the seeded weights) and ``state``."""
@@ -75,36 +69,9 @@ def backend_run(name: str, variant: str, dtype: str) -> Run:
 
 @functools.cache
 def float64_bound(variant: str) -> tolerance.TrainingBound:
-    """The reference's run, step by step, accounted for by :class:`TrainingBound` (gradients at the weights before
-    each step, moments after it)."""
+    """The reference's run, step by step, accounted for by :class:`TrainingBound`."""
     config = config_of(variant)
-    model = reference.build(config, seeded_params(config))
-    optimizer = reference.optimizer(model, TRAINING)
-    bound = tolerance.TrainingBound(reference.export_params(model))
-    for step, inputs in enumerate(batches(variant), start=1):
-        value, grads = reference.gradients(model, **inputs)
-        reference.train_step(model, optimizer, **inputs)
-        state = reference.training_state(model, optimizer)
-        bound.step(value, grads, state.first_moments, state.second_moments, step,
-                   learning_rate(step, config.d_model, TRAINING), TRAINING.beta1, TRAINING.beta2, TRAINING.epsilon)
-    return bound
-
-
-def assert_float64_run(result: Run, expected: Run, bound: tolerance.TrainingBound, who: str) -> None:
-    for step, (value, reference_value, limit) in enumerate(zip(result.losses, expected.losses, bound.losses), 1):
-        assert abs(value - reference_value) <= limit, f"{who}: loss at step {step}: {value} vs {reference_value}"
-    assert result.state.step == expected.state.step == STEPS
-    for name, value in expected.params.items():
-        errors = {"weights": (np.abs(result.params[name] - value), bound.weight_bound(name, value)),
-                  "first moment": (np.abs(result.state.first_moments[name] - expected.state.first_moments[name]),
-                                   bound.first_moment_bound(expected.state.first_moments[name])),
-                  "second moment": (np.abs(result.state.second_moments[name] - expected.state.second_moments[name]),
-                                    bound.second_moment_bound(name, expected.state.second_moments[name]))}
-        for what, (error, limit) in errors.items():
-            limit = np.broadcast_to(limit, error.shape)
-            worst = np.unravel_index(np.argmax(error - limit), error.shape)
-            assert np.all(error <= limit), (f"{who}: {what} of {name!r} at {worst}: "
-                                            f"error {error[worst]:.3e} > bound {limit[worst]:.3e}")
+    return reference_float64_run(config, seeded_params(config), TRAINING, batches(variant))[1]
 
 
 @pytest.mark.parametrize("variant", TRAINING_VARIANTS)

@@ -198,6 +198,11 @@ def add_train(commands) -> None:
                        help="stop once greedy decoding gets this share of the validation set exactly right, checked "
                             f"every {COPY['eval_every']} (copy) or {NUMBERS['eval_every']} (numbers) steps; 0: run all "
                             f"--steps {defaults('stop_at')}")
+    train.add_argument("--data-parallel", metavar="N", type=integer(1), default=1,
+                       help="replicas of data-parallel training on each framework's own engine: PyTorch DDP over N "
+                            "processes, a JAX mesh of N devices, a TensorFlow MirroredStrategy over N devices (on "
+                            "a CPU: N processes, host devices, logical devices); the batch splits into N equal "
+                            "shards (default: 1, one process)")
     train.add_argument("--resume", metavar="RUN.safetensors",
                        help="continue a saved run (from any backend) for --steps more steps: the model, optimizer "
                             "settings and tokenizer are the run's; pass the run's --task, --seed and task flags to "
@@ -219,17 +224,18 @@ def run_train(args) -> int:
 
     outputs = _train_outputs(args)
     plan = train.plan_from(args)
+    if args.data_parallel > 1 and "jax" in args.backends:
+        train.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
     adapters = train.load_adapters(args.backends)
     results = []
     for name, adapter in adapters.items():
-        result, model, optimizer = train.train(
+        result, model, state = train.train(
             adapter, plan, progress_bar(f"train {name}", "step", quiet=args.json or not sys.stderr.isatty()))
         if args.eval_size:
             scores = train.evaluate(adapter, model, plan, args.eval_size)
             result.accuracy, result.bleu = scores["exact"], scores.get("bleu")
         if name in outputs:
-            state = None if args.weights_only else adapter.training_state(model, optimizer)
-            adapter.save(model, outputs[name], state, plan.tokenizer_json)
+            adapter.save(model, outputs[name], None if args.weights_only else state, plan.tokenizer_json)
             print(f"wrote {outputs[name]}: {name}, step {result.first_step + len(result.losses)}", file=sys.stderr)
         results.append(result)
     print(json.dumps([r.to_json() for r in results], indent=2) if args.json else train.format_results(results))

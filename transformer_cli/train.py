@@ -4,6 +4,7 @@ backend, and the loss curves of several backends side by side."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class Plan:
     stop_at: float | None = None          # stop once the validation set's exact-match accuracy reaches this
     eval_every: int = 100                 # steps between validation checks
     validation_size: int = 500
+    world_size: int = 1                   # data-parallel replicas (the framework's own engine) when > 1
     start: tuple[dict[str, np.ndarray], TrainingState] | None = None   # a saved run to continue
 
     @property
@@ -93,9 +95,12 @@ def plan_from(args) -> Plan:
         start, training = (params, state), state.config
     task = make_task(args, args.resume, config)
     config = config or task.config(dropout=args.dropout)
+    if recipe["batch_size"] % args.data_parallel:
+        raise ValueError(f"--batch-size {recipe['batch_size']} does not split into --data-parallel "
+                         f"{args.data_parallel} equal shards")
     return Plan(task, config, training, recipe["steps"], recipe["batch_size"], args.seed, args.dtype,
                 args.label_smoothing, recipe["stop_at"] or None, recipe["eval_every"], recipe["validation_size"],
-                start)
+                args.data_parallel, start)
 
 
 def make_task(args, resume: str | None, config: TransformerConfig | None) -> CopyTask | NumbersTask:
@@ -118,11 +123,14 @@ def make_task(args, resume: str | None, config: TransformerConfig | None) -> Cop
 
 
 def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable] = lambda steps: steps):
-    """Train one backend as ``plan`` says; returns (result, model, optimizer). ``progress`` wraps the steps (a
-    progress bar: its postfix shows the last loss and the tokens per second). With ``plan.stop_at``, every
-    ``plan.eval_every`` steps greedy decoding runs on the validation set, and training stops once that share of it
-    comes out exactly right (Adam's loss spikes near the optimum can otherwise leave the last step's model
-    mid-spike)."""
+    """Train one backend as ``plan`` says; returns (result, model, the run's training state). ``progress`` wraps
+    the steps (a progress bar: its postfix shows the last loss and the tokens per second). With
+    ``plan.stop_at``, every ``plan.eval_every`` steps greedy decoding runs on the validation set, and training
+    stops once that share of it comes out exactly right (Adam's loss spikes near the optimum can otherwise leave
+    the last step's model mid-spike). With ``plan.world_size`` > 1 the steps run data-parallel on the
+    framework's own engine (:func:`train_data_parallel`)."""
+    if plan.world_size > 1:
+        return train_data_parallel(adapter, plan, progress)
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     model = adapter.build(plan.config, params, plan.dtype, "cpu")
     optimizer = adapter.optimizer(model, None if state else plan.training, state)
@@ -135,14 +143,74 @@ def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]
         result.losses.append(adapter.train_step(model, optimizer, **batch, epsilon=plan.label_smoothing))
         result.seconds += time.perf_counter() - began
         result.tokens += int((batch["labels"] != plan.config.pad_id).sum())
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(loss=f"{result.losses[-1]:.3f}", tokens_per_s=f"{result.tokens_per_second:,.0f}")
-        if plan.stop_at and (step + 1 - first) % plan.eval_every == 0:
-            exact = evaluate(adapter, model, plan, plan.validation_size, VALIDATION)["exact"]
-            result.validation.append((step + 1, exact))
-            if result.validation[-1][1] >= plan.stop_at:
-                break
-    return result, model, optimizer
+        show(steps, result)
+        if validated(adapter, model, plan, result, step + 1):
+            break
+    return result, model, adapter.training_state(model, optimizer)
+
+
+def show(steps: Iterable, result: Result) -> None:
+    """The last loss and the tokens per second in the progress bar's postfix."""
+    if hasattr(steps, "set_postfix"):
+        steps.set_postfix(loss=f"{result.losses[-1]:.3f}", tokens_per_s=f"{result.tokens_per_second:,.0f}")
+
+
+def validated(adapter: ModuleType, model, plan: Plan, result: Result, done: int) -> bool:
+    """At every ``plan.eval_every``-th step of the run (``done`` steps done in all), the validation set's exact
+    match, recorded; True once it reaches ``plan.stop_at``."""
+    if not plan.stop_at or (done - result.first_step) % plan.eval_every:
+        return False
+    result.validation.append((done, evaluate(adapter, model, plan, plan.validation_size, VALIDATION)["exact"]))
+    return result.validation[-1][1] >= plan.stop_at
+
+
+@dataclass
+class CountedBatches:
+    """``task.batch`` of one plan as a picklable function of the step (the engines shard it), counting the
+    target tokens of the batches drawn in this process."""
+
+    task: CopyTask | NumbersTask
+    config: TransformerConfig
+    batch_size: int
+    seed: int
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        batch = self.task.batch(self.config, self.batch_size, step, self.seed)
+        self.tokens[step] = int((batch["labels"] != self.config.pad_id).sum())
+        return batch
+
+
+def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]):
+    """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces of
+    ``plan.eval_every`` steps when the validation set decides when to stop, each piece continuing the last one's
+    weights and optimizer state (``seconds`` counts the engine's start-up too)."""
+    params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
+    first = state.step if state else 0
+    result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
+    steps = progress(range(first, first + plan.steps))
+    advance = iter(steps)
+
+    def on_step(step: int, loss: float) -> None:
+        result.losses.append(loss)
+        result.tokens = sum(batches.tokens.values())
+        next(advance, None)
+        show(steps, result)
+
+    done, end = first, first + plan.steps
+    while done < end:
+        count = min(plan.eval_every if plan.stop_at else plan.steps, end - done)
+        began = time.perf_counter()
+        params, state, _ = adapter.train_data_parallel(
+            plan.config, params, None if state else plan.training, state, batches, done, count, plan.world_size,
+            plan.dtype, "cpu", plan.label_smoothing, on_step)
+        result.seconds += time.perf_counter() - began
+        done += count
+        model = adapter.build(plan.config, params, plan.dtype, "cpu")
+        if validated(adapter, model, plan, result, done):
+            break
+    next(advance, None)                                         # let a progress bar close
+    return result, model, state
 
 
 def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TEST) -> dict[str, float]:
@@ -150,6 +218,14 @@ def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TE
     ``count`` held-out pairs: the test set, or with ``split=VALIDATION`` the set that decides when to stop."""
     src, references = plan.task.held_out(plan.config, count, split, plan.seed)
     return plan.task.score(plan.config, adapter.greedy(model, src), references)
+
+
+def jax_host_devices(count: int) -> None:
+    """Ask XLA for ``count`` CPU devices (``--xla_force_host_platform_device_count``) for a JAX mesh on a machine
+    without accelerators; JAX reads the flag when it starts, so this runs before it is imported."""
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+             if not flag.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
 
 
 def load_adapters(names: tuple[str, ...]) -> dict[str, ModuleType]:

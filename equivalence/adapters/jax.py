@@ -17,7 +17,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_jax import checkpoint, decoding, training
+from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
 from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from transformer_jax.model import forward as _forward
@@ -141,3 +141,13 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels,
 def training_state(model: Transformer, optimizer: nnx.Optimizer) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype)."""
     return training.training_state(model, optimizer)
+
+
+@_x64
+def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
+                        state: TrainingState | None, batches, first_step: int, steps: int, world_size: int,
+                        dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
+                        progress=None) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+    """A data-parallel run on a mesh of ``world_size`` devices (``transformer_jax.data_parallel.train``)."""
+    return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
+                               device, epsilon, progress)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_numpy import checkpoint, decoding, training
+from reference_numpy import checkpoint, data_parallel, decoding, training
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 
@@ -105,3 +105,13 @@ def train_step(model: Transformer, optimizer: training.Adam, src, tgt, labels,
 def training_state(model: Transformer, optimizer: training.Adam) -> checkpoint.TrainingState:
     """The run's state in checkpoint layout."""
     return training.training_state(model, optimizer)
+
+
+def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
+                        state: checkpoint.TrainingState | None, batches, first_step: int, steps: int, world_size: int,
+                        dtype: str = "float32", device: str = "cpu", epsilon: float = training.LABEL_SMOOTHING,
+                        progress=None) -> tuple[dict[str, np.ndarray], checkpoint.TrainingState, list[float]]:
+    """A data-parallel run, the reference's shards one after another in this process
+    (``reference_numpy.data_parallel.train``)."""
+    return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
+                               device, epsilon, progress)

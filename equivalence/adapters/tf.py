@@ -17,7 +17,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_tf import checkpoint, decoding, training
+from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
 from transformer_tf.model import (
     Transformer,
@@ -137,3 +137,13 @@ def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer, src, t
 def training_state(model: Transformer, optimizer: keras.optimizers.Optimizer) -> TrainingState:
     """Adam's moments and step count in checkpoint layout (NumPy, the model's dtype)."""
     return training.training_state(model, optimizer)
+
+
+def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
+                        state: TrainingState | None, batches, first_step: int, steps: int, world_size: int,
+                        dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
+                        progress=None) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+    """A data-parallel run on a MirroredStrategy over ``world_size`` devices
+    (``transformer_tf.data_parallel.train``)."""
+    return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
+                               device, epsilon, progress)

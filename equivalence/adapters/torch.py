@@ -15,7 +15,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_torch import checkpoint, decoding, training
+from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
 from transformer_torch.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
@@ -126,6 +126,16 @@ def train_step(model: Transformer, optimizer: torch.optim.lr_scheduler.LambdaLR,
 def training_state(model: Transformer, optimizer: torch.optim.lr_scheduler.LambdaLR) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype)."""
     return training.training_state(model, optimizer)
+
+
+def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
+                        state: TrainingState | None, batches, first_step: int, steps: int, world_size: int,
+                        dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
+                        progress=None) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+    """A data-parallel run on DistributedDataParallel over ``world_size`` processes
+    (``transformer_torch.data_parallel.train``)."""
+    return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
+                               device, epsilon, progress)
 
 
 def _prepare(device: str) -> None:
