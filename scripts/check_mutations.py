@@ -513,8 +513,25 @@ TRAINING = [
            ["tests/test_training.py", "-k", "tf and float64"]),
 ]
 
+# Text (section 5.1's shared BPE, the numbers task): one copy serves every backend, so the agreement matrix cannot
+# see these; the tokenizer's round trip, its checks and the task's structure (written from French grammar) can.
+TEXT = [
+    single("text", "tokenizer: decoding runs past eos", "reference_numpy/tokenizer.py",
+           "            if i == self.config.eos_id:\n                break",
+           "            if i == self.config.eos_id:\n                continue", ["tests/test_tokenizer.py"]),
+    single("text", "tokenizer: ids beyond the model's vocabulary accepted", "reference_numpy/tokenizer.py",
+           "if max(ids.values()) >= limit or min(ids.values()) < 0:", "if min(ids.values()) < 0:",
+           ["tests/test_tokenizer.py"]),
+    single("text", "numbers task: test and validation numbers left in the training pool", "transformer_cli/numbers_task.py",
+           "numbers = np.sort(numbers[TEST_PER_LENGTH + VALIDATION_PER_LENGTH:])", "numbers = np.sort(numbers)",
+           ["tests/test_numbers_task.py"]),
+    single("text", "numbers task: labels not shifted (the decoder sees the token it must predict)",
+           "transformer_cli/numbers_task.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
+           '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/test_numbers_task.py"]),
+]
+
 MUTATIONS = [*SINGLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING]
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT]
 
 
 # ----------------------------------------------------------------------------- running

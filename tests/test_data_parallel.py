@@ -5,6 +5,10 @@ engines (DDP, a JAX mesh, a MirroredStrategy) are checked against this in their 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy import Transformer, TransformerConfig, data_parallel, init_params, training
 from reference_numpy.checkpoint import load_run
 from reference_numpy.config import TrainingConfig
+from transformer_cli import backends
 from transformer_cli.copy_task import CopyTask
 from transformer_cli.main import main
 
@@ -119,3 +124,29 @@ def test_train_data_parallel_in_the_reference_continues_a_single_process_run(tmp
     _, params, state = load_run(path)
     assert_float64_run(Run(first + middle + last, params, state), expected, bound, "reference: 2 + 2 shards + 2")
     np.testing.assert_allclose(whole, expected.losses, rtol=1e-13)
+
+
+def test_train_data_parallel_runs_on_each_frameworks_engine(tmp_path):
+    """``train --data-parallel 2`` through the installed command, every installed port in one process (the command
+    asks XLA for host devices before JAX starts; TensorFlow splits its CPU): each run's losses, weights and moments
+    are the single-process reference's within the training bound, and each checkpoint is the shared format."""
+    script = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the package is not installed (pip install -e .), so the transformer-reference script does not "
+                    "exist")
+    ports = tuple(backends.load()[0])
+    if not ports:
+        pytest.skip("no port framework is installed: data parallelism runs on a framework's engine")
+    result = subprocess.run([script, "train", "--backends", ",".join(ports), "--data-parallel", "2", "--symbols", "4",
+                             "--max-length", "4", "--batch-size", "8", "--warmup-steps", "20", "--steps", "3",
+                             "--eval-size", "0", "--stop-at", "0", "--dtype", "float64", "--json",
+                             "--out", str(tmp_path / "run-{backend}.safetensors")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    task, training_config = CopyTask(4, 4), TrainingConfig(warmup_steps=20, learning_rate_scale=0.5)
+    config = task.config(dropout=0.0)
+    expected, bound = reference_run(config, init_params(config, seed=0), training_config,
+                                    [task.batch(config, 8, step, 0) for step in range(3)])
+    for run in json.loads(result.stdout):
+        _, params, state = load_run(tmp_path / f"run-{run['backend']}.safetensors")
+        assert_float64_run(Run(run["losses"], params, state), expected, bound, f"{run['backend']}, 2 replicas")

@@ -24,7 +24,7 @@ from flax import nnx
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.training import LABEL_SMOOTHING, PAPER
+from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
 
 from . import checkpoint
 from .device import _check_dtype
@@ -32,11 +32,15 @@ from .model import Transformer
 
 
 def label_smoothed_cross_entropy(log_probs: jax.Array, labels: jax.Array, pad_id: int,
-                                 epsilon: float = LABEL_SMOOTHING) -> jax.Array:
+                                 epsilon: float = LABEL_SMOOTHING, tokens: int | None = None) -> jax.Array:
     """Mean over non-pad labels of -sum_k q(k) log p(k), with q = (1 - epsilon) one_hot(label) + epsilon / V.
 
     Section 5.4: "we employed label smoothing of value epsilon_ls = 0.1"; the smoothing mass is
-    spread uniformly over all V classes. (Traced: an all-pad batch gives NaN, not an error.)
+    spread uniformly over all V classes. ``tokens`` divides the sum by that many labels instead of
+    this batch's non-pad count: a shard of a larger batch divides by the whole batch's count, so
+    that the shards' losses add up to the whole batch's (data parallelism, ``data_parallel.py``).
+    ``tokens`` is a Python int, checked by the reference's rule on the host; traced labels cannot be
+    counted there, so then only ``tokens`` itself is checked (and an all-pad batch gives NaN, not an error).
 
     Shape: log_probs (B, T, V), labels (B, T) int -> scalar.
     """
@@ -44,19 +48,22 @@ def label_smoothed_cross_entropy(log_probs: jax.Array, labels: jax.Array, pad_id
         raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
     labels = jnp.asarray(labels)
     real = labels != pad_id                                                 # (B, T)
+    count = _token_count(real, tokens)
     picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]  # (B, T)
     per_token = -(1.0 - epsilon) * picked - epsilon * log_probs.mean(axis=-1)
-    return (per_token * real).sum() / real.sum()
+    return (per_token * real).sum() / count
 
 
 def loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
-         epsilon: float = LABEL_SMOOTHING, *, deterministic: bool | None = None) -> jax.Array:
-    """The training loss of one batch; differentiate it with ``nnx.grad`` / ``nnx.value_and_grad``.
+         epsilon: float = LABEL_SMOOTHING, tokens: int | None = None, *,
+         deterministic: bool | None = None) -> jax.Array:
+    """The training loss of one batch; differentiate it with ``nnx.grad`` / ``nnx.value_and_grad``;
+    ``tokens`` as in :func:`label_smoothed_cross_entropy`.
 
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens -> scalar.
     """
     return label_smoothed_cross_entropy(model(src, tgt, deterministic=deterministic), labels,
-                                        model.config.pad_id, epsilon)
+                                        model.config.pad_id, epsilon, tokens)
 
 
 def gradients(model: Transformer, src, tgt, labels,
@@ -129,6 +136,14 @@ def _check_batch(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.A
     if not np.any(np.asarray(labels) != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
     return model._check_inputs(src, tgt, None, None)
+
+
+def _token_count(real: jax.Array, tokens: int | None) -> jax.Array | int:
+    """The loss's denominator by the reference's ``check_token_count``: on concrete labels their non-pad count
+    is checked too; traced ones are counted in the graph, and only ``tokens`` is checked (an int >= 1)."""
+    if not isinstance(real, jax.core.Tracer):
+        return check_token_count(int(real.sum()), tokens)
+    return real.sum() if tokens is None else check_token_count(0, tokens)
 
 
 @functools.cache

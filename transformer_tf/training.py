@@ -14,7 +14,7 @@ import tensorflow as tf
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.training import LABEL_SMOOTHING, PAPER
+from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
 
 from . import checkpoint
 from . import device as _device
@@ -22,33 +22,41 @@ from .model import Transformer
 
 
 def label_smoothed_cross_entropy(log_probs: tf.Tensor, labels: tf.Tensor, pad_id: int,
-                                 epsilon: float = LABEL_SMOOTHING) -> tf.Tensor:
+                                 epsilon: float = LABEL_SMOOTHING, tokens: int | None = None) -> tf.Tensor:
     """Mean over non-pad labels of -sum_k q(k) log p(k), with q = (1 - epsilon) one_hot(label) + epsilon / V.
 
     Section 5.4: "we employed label smoothing of value epsilon_ls = 0.1"; the smoothing mass is
-    spread uniformly over all V classes. (Traced, the labels' values are unknown: ``train_step``
-    checks them before.)
+    spread uniformly over all V classes. ``tokens`` divides the sum by that many labels instead of
+    this batch's non-pad count: a shard of a larger batch divides by the whole batch's count, so
+    that the shards' losses add up to the whole batch's (data parallelism, ``data_parallel.py``).
+    Eager, ``tokens`` is a Python int checked by the reference's rule; traced, the labels' values are
+    unknown (``train_step`` and ``data_parallel.train_step`` check them before) and ``tokens`` may be a
+    scalar tensor, so that a new count does not trace the step again.
 
     Shape: log_probs (B, T, V), labels (B, T) int -> scalar.
     """
     labels = tf.convert_to_tensor(labels)
-    _check_labels(labels, pad_id, epsilon)
+    _check_labels(labels, pad_id, epsilon, tokens)
     real = tf.cast(labels != pad_id, log_probs.dtype)                       # (B, T)
+    count = tf.reduce_sum(real) if tokens is None else tf.cast(tokens, log_probs.dtype)
     picked = tf.gather(log_probs, labels, batch_dims=2)                     # (B, T)
     per_token = -(1.0 - epsilon) * picked - epsilon * tf.reduce_mean(log_probs, axis=-1)
-    return tf.reduce_sum(per_token * real) / tf.reduce_sum(real)
+    return tf.reduce_sum(per_token * real) / count
 
 
-def _check_labels(labels: tf.Tensor, pad_id: int, epsilon: float) -> None:
+def _check_labels(labels: tf.Tensor, pad_id: int, epsilon: float, tokens: int | None = None) -> None:
     if not 0.0 <= epsilon < 1.0:
         raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
-    if not tf.is_symbolic_tensor(labels) and not np.any(labels.numpy() != pad_id):
-        raise ValueError("labels hold no non-pad token; the loss is undefined")
+    if not tf.is_symbolic_tensor(labels):
+        check_token_count(int(np.sum(labels.numpy() != pad_id)), tokens)
 
 
-def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING, training: bool = False) -> tf.Tensor:
-    """The training loss of one batch. Shape: src (B, S), tgt and labels (B, T) -> scalar."""
-    return label_smoothed_cross_entropy(model(src, tgt, training=training), labels, model.config.pad_id, epsilon)
+def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING, tokens: int | None = None,
+         training: bool = False) -> tf.Tensor:
+    """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`.
+    Shape: src (B, S), tgt and labels (B, T) -> scalar."""
+    return label_smoothed_cross_entropy(model(src, tgt, training=training), labels, model.config.pad_id, epsilon,
+                                        tokens)
 
 
 def gradients(model: Transformer, src, tgt, labels,
@@ -156,12 +164,13 @@ def train_step(model: Transformer, optimizer: keras.optimizers.Adam, src, tgt, l
         return float(optimizer.train_function(model, src, tgt, labels, epsilon))
 
 
-def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float) -> tf.Tensor:
-    """Traced: the loss in training mode, its gradient (an embedding's ``IndexedSlices`` made dense) and
-    the optimizer's update."""
+def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float, tokens=None) -> tf.Tensor:
+    """Traced: the loss in training mode (over ``tokens`` labels if given), its gradient (an embedding's
+    ``IndexedSlices`` made dense) and the optimizer's update (under a ``tf.distribute`` strategy, one replica's:
+    the optimizer sums the replicas' gradients first)."""
     variables = model.trainable_variables
     with tf.GradientTape() as tape:
-        value = loss(model, src, tgt, labels, epsilon, training=True)
+        value = loss(model, src, tgt, labels, epsilon, tokens, training=True)
     optimizer.apply([tf.convert_to_tensor(grad) for grad in tape.gradient(value, variables)], variables)
     return value
 

@@ -26,34 +26,38 @@ from torch.optim.lr_scheduler import LambdaLR
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.training import LABEL_SMOOTHING, PAPER, learning_rate
+from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count, learning_rate
 
 from . import checkpoint
 from .model import Transformer
 
 
 def label_smoothed_cross_entropy(log_probs: Tensor, labels: Tensor, pad_id: int,
-                                 epsilon: float = LABEL_SMOOTHING) -> Tensor:
+                                 epsilon: float = LABEL_SMOOTHING, tokens: int | None = None) -> Tensor:
     """Mean over non-pad labels of -sum_k q(k) log p(k), with q = (1 - epsilon) one_hot(label) + epsilon / V.
 
     Section 5.4: "we employed label smoothing of value epsilon_ls = 0.1"; the smoothing mass is
-    spread uniformly over all V classes.
+    spread uniformly over all V classes. ``tokens`` divides the sum by that many labels instead of this
+    batch's non-pad count: a shard of a larger batch divides by the whole batch's count, so that the shards'
+    losses add up to the whole batch's (data parallelism, ``data_parallel.py``). The count is checked on the
+    host (``check_token_count``, the reference's ``ValueError``).
 
     Shape: log_probs (B, T, V), labels (B, T) int -> scalar.
     """
     if not 0.0 <= epsilon < 1.0:
         raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
     real = labels != pad_id                                                 # (B, T)
-    if not bool(real.any()):
-        raise ValueError("labels hold no non-pad token; the loss is undefined")
+    count = check_token_count(int(real.sum()), tokens)
     picked = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)        # (B, T)
     per_token = -(1.0 - epsilon) * picked - epsilon * log_probs.mean(dim=-1)
-    return (per_token * real).sum() / real.sum()
+    return (per_token * real).sum() / count
 
 
-def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: float = LABEL_SMOOTHING) -> Tensor:
-    """The training loss of one batch. Shape: src (B, S), tgt and labels (B, T) -> scalar."""
-    return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon)
+def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: float = LABEL_SMOOTHING,
+         tokens: int | None = None) -> Tensor:
+    """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`.
+    Shape: src (B, S), tgt and labels (B, T) -> scalar."""
+    return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
 
 
 def gradients(model: Transformer, src, tgt, labels,
