@@ -362,17 +362,17 @@ LOSS = [
         (path, "per_token = -(1.0 - epsilon) * picked", "per_token = -picked") for path in (RT, TT, JT, FT)
     ], LOSS_ORACLE, GRADIENTS),
     consistent("loss", "padding positions counted in the normalization (divided by B*T)", [
-        (RT, "(per_token * real).sum() / real.sum()", "(per_token * real).sum() / real.size"),
-        (TT, "(per_token * real).sum() / real.sum()", "(per_token * real).sum() / real.numel()"),
-        (JT, "(per_token * real).sum() / real.sum()", "(per_token * real).sum() / real.size"),
-        (FT, "tf.reduce_sum(per_token * real) / tf.reduce_sum(real)",
+        (RT, "(per_token * real).sum() / count", "(per_token * real).sum() / real.size"),
+        (TT, "(per_token * real).sum() / count", "(per_token * real).sum() / real.numel()"),
+        (JT, "(per_token * real).sum() / count", "(per_token * real).sum() / real.size"),
+        (FT, "tf.reduce_sum(per_token * real) / count",
          "tf.reduce_sum(per_token * real) / tf.cast(tf.size(real), real.dtype)"),
     ], LOSS_ORACLE, GRADIENTS),
     consistent("loss", "padding positions not masked (their loss is summed too)", [
-        (RT, "(per_token * real).sum() / real.sum()", "per_token.sum() / real.sum()"),
-        (TT, "(per_token * real).sum() / real.sum()", "per_token.sum() / real.sum()"),
-        (JT, "(per_token * real).sum() / real.sum()", "per_token.sum() / real.sum()"),
-        (FT, "tf.reduce_sum(per_token * real) / tf.reduce_sum(real)", "tf.reduce_sum(per_token) / tf.reduce_sum(real)"),
+        (RT, "(per_token * real).sum() / count", "per_token.sum() / count"),
+        (TT, "(per_token * real).sum() / count", "per_token.sum() / count"),
+        (JT, "(per_token * real).sum() / count", "per_token.sum() / count"),
+        (FT, "tf.reduce_sum(per_token * real) / count", "tf.reduce_sum(per_token) / count"),
     ], LOSS_ORACLE, GRADIENTS),
 ]
 
@@ -530,8 +530,22 @@ TEXT = [
            '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/test_numbers_task.py"]),
 ]
 
+# Data parallelism: each shard's loss over the whole batch's token count, the replicas' gradients summed.
+DATA_PARALLEL = [
+    single("data parallel", "reference: shards weighted equally (the mean of the shards' means)",
+           "reference_numpy/data_parallel.py",
+           'weight = token_count(part["labels"], model.config.pad_id) / total', "weight = 1 / world_size",
+           ["tests/test_data_parallel.py"]),
+    single("data parallel", "torch: DDP's average not undone (each rank's loss not multiplied by N)",
+           "transformer_torch/data_parallel.py", "(world_size * value).backward()", "value.backward()",
+           ["tests/test_data_parallel_torch.py"]),
+    single("data parallel", "tf: each replica divides by its own shard's count", "transformer_tf/data_parallel.py",
+           "tokens = tf.constant(token_count(labels, model.config.pad_id), model.compute_dtype)",
+           "tokens = None", ["tests/test_data_parallel_tf.py"]),
+]
+
 MUTATIONS = [*SINGLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT]
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT, *DATA_PARALLEL]
 
 
 # ----------------------------------------------------------------------------- running
