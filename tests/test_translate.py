@@ -138,3 +138,10 @@ def test_train_the_numbers_task_saves_the_tokenizer_and_resumes(tmp_path, capsys
 def test_train_refuses_copy_task_flags_with_the_numbers_task(capsys):
     status, _, err = cli(capsys, "train", "--task", "numbers", "--symbols", "4")
     assert status == EXIT_USAGE and "--symbols" in err and "--task copy" in err
+
+
+def test_translate_names_a_backend_that_is_not_installed(capsys, monkeypatch):
+    monkeypatch.setattr(backends, "load", lambda names: ({}, [backends.Missing(names[0], "not installed (x)")]))
+    status, out, err = cli(capsys, "translate", "--backend", "tf", "twelve")
+    assert status == EXIT_USAGE and out == ""
+    assert err.strip().endswith("error: --backend: tf is not installed (x)")
