@@ -38,6 +38,7 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     the losses. (The reference runs on the CPU: ``device`` is accepted for the ports' signature.)"""
     if device != "cpu":
         raise ValueError(f"device: the reference runs on the CPU only, got {device!r}")
+    check_steps(first_step, steps)
     model = Transformer(config, params, dtype=np.dtype(dtype))
     optimizer = single_process.optimizer(model, training, state)
     losses = []
@@ -47,6 +48,14 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
             progress(step, losses[-1])
     return {name: np.array(value) for name, value in model.params.items()}, single_process.training_state(
         model, optimizer), losses
+
+
+def check_steps(first_step: int, steps: int) -> None:
+    """A run's ``first_step`` and ``steps``: ints >= 0, one ``ValueError`` naming the argument otherwise (every
+    backend's ``train`` checks them so, before any work)."""
+    for name, value in (("first_step", first_step), ("steps", steps)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, world_size: int,

@@ -102,6 +102,15 @@ def test_bad_splits_are_refused(batch_size, world_size, rank, message):
     assert data_parallel.shard_rows(6, 3, 1) == slice(2, 4)
 
 
+@pytest.mark.parametrize("first_step, steps, message", [(-1, 2, "first_step must be an int >= 0, got -1"),
+                                                         (0, 1.5, "steps must be an int >= 0, got 1.5"),
+                                                         (0, True, "steps must be an int >= 0, got True")])
+def test_a_run_with_bad_steps_is_refused_before_any_work(first_step, steps, message):
+    batches = lambda step: pytest.fail("a batch was drawn")
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        data_parallel.train(CONFIG, seeded_params(CONFIG), TRAINING, None, batches, first_step, steps, 2)
+
+
 def test_train_data_parallel_in_the_reference_continues_a_single_process_run(tmp_path, capsys):
     """``train --data-parallel 2`` (the reference's shards, in pieces between validation checks): its losses are
     the single-process run's, and it resumes a single-process run's checkpoint and is resumed by one."""

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.data_parallel import shard_rows
+from reference_numpy.data_parallel import check_steps, shard_rows
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import checkpoint
@@ -53,9 +53,7 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     a float64 one is possible). Returns the final weights (checkpoint layout), the run's ``TrainingState`` and the
     whole batch's loss at each step.
     """
-    for name, value in (("first_step", first_step), ("steps", steps)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_steps(first_step, steps)
     with jax.enable_x64(True):
         grid = mesh(world_size, device)
         model = checkpoint.from_params(config, params, np.dtype(dtype))

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.data_parallel import shard, shard_rows, token_count
+from reference_numpy.data_parallel import check_steps, shard, shard_rows, token_count
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import checkpoint
@@ -42,9 +42,7 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     ``training.optimizer``), created under the strategy's scope; then :func:`train_step` on ``batches(step)``, the
     whole batch of each global step ``first_step .. first_step + steps - 1``, calling ``progress(step, loss)`` after
     each. Returns the final weights (checkpoint layout, NumPy), the run's ``TrainingState`` and the losses."""
-    for name, value in (("first_step", first_step), ("steps", steps)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_steps(first_step, steps)
     mirrored = strategy(world_size, device)
     with mirrored.scope():
         model = checkpoint.from_params(config, params, dtype)

@@ -32,7 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.data_parallel import shard, shard_rows, token_count
+from reference_numpy.data_parallel import check_steps, shard, shard_rows, token_count
 from reference_numpy.model import check_forward_inputs, check_tokens
 from reference_numpy.training import LABEL_SMOOTHING, check_token_count
 
@@ -143,9 +143,7 @@ def _rank_device(device: str, rank: int, world_size: int) -> torch.device:
 def _check_run(batches, first_step: int, steps: int, world_size: int) -> None:
     """The checks of the run's arguments that can be made before a process starts, each a one-line
     ``ValueError``."""
-    for name, value in (("first_step", first_step), ("steps", steps)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_steps(first_step, steps)
     shard_rows(len(batches(first_step)["labels"]), world_size, 0)           # N, and B divisible by N
     if dist.is_initialized():
         raise ValueError("this process already has a default process group (torchrun?): call "
