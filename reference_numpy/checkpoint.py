@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
 from .config import TrainingConfig, TransformerConfig
-from .tokenizer import TOKENIZER_VERSION, check_tokenizer_json
+from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
 
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")  # version 1: parameters only, no training state
@@ -260,15 +260,23 @@ def load_training_state(path: str | os.PathLike, dtype=None) -> TrainingState | 
 def load_tokenizer_json(path: str | os.PathLike) -> str | None:
     """The JSON text of the tokenizer saved in the checkpoint (validated against its config), or None if it has
     none. Reads the file's header only."""
+    return _read_header(path)[0].get("tokenizer")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
+    """The checkpoint's tokenizer, ready to encode and decode (Hugging Face ``tokenizers``, the ``text`` extra),
+    or None if the file has none. Reads the file's header only."""
+    metadata, config = _read_header(path)
+    return None if "tokenizer" not in metadata else Tokenizer.from_json(metadata["tokenizer"], config)
+
+
+def _read_header(path: str | os.PathLike) -> tuple[dict, TransformerConfig]:
+    """The file's metadata and its validated config (and tokenizer), without the tensors."""
     try:
-        with safe_open(_regular_file(Path(path)), framework="numpy") as handle:
-            metadata = handle.metadata()
-            config, _ = _read_metadata(metadata)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"checkpoint {os.fspath(path)!r}: {_library_problem(err)}") from None
+        metadata, config, _, _ = _read_file(Path(path), tensors=False)
     except ValueError as err:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
-    return metadata.get("tokenizer")
+    return metadata, config
 
 
 def load_run(path: str | os.PathLike,
@@ -277,7 +285,7 @@ def load_run(path: str | os.PathLike,
     :func:`load_training_state` together, for resuming a run."""
     target = None if dtype is None else _float_dtype(dtype)
     try:
-        config, training, tensors = _read_file(Path(path))
+        _, config, training, tensors = _read_file(Path(path))
         params = {name: tensors.pop(name) for name in parameter_shapes(config) if name in tensors}
         validate_params(config, {**params, **{n: v for n, v in tensors.items() if not n.startswith(MOMENTS)}})
         state = _training_state(config, params, training, tensors)
@@ -333,11 +341,14 @@ def _regular_file(path: Path) -> Path:
     return path
 
 
-def _read_file(path: Path) -> tuple[TransformerConfig, dict | None, dict[str, np.ndarray]]:
+def _read_file(path: Path, tensors: bool = True) -> tuple[dict, TransformerConfig, dict | None, dict[str, np.ndarray]]:
+    """(metadata, config, training record or None, tensors by name: none unless ``tensors``), checked."""
     try:
         with safe_open(_regular_file(path), framework="numpy") as handle:
-            config, training = _read_metadata(handle.metadata())
-            return config, training, {name: _read_tensor(handle, name) for name in handle.keys()}
+            metadata = handle.metadata()
+            config, training = _read_metadata(metadata)
+            return metadata, config, training, {name: _read_tensor(handle, name) for name in handle.keys()
+                                                if tensors}
     except (SafetensorError, OSError) as err:
         raise ValueError(_library_problem(err)) from None
 

@@ -13,7 +13,7 @@ from equivalence import tolerance
 from equivalence.adapters import numpy as reference
 from equivalence.margins import greedy_margins
 from reference_numpy import TransformerConfig, init_params, load_checkpoint
-from reference_numpy.checkpoint import load_tokenizer_json
+from reference_numpy.checkpoint import load_tokenizer
 from reference_numpy.tokenizer import Tokenizer
 
 from . import backends
@@ -137,22 +137,19 @@ def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     return {"src": src[:, :min(12, config.max_len)], "tgt": tgt[:, :min(10, config.max_len)]}
 
 
-def translation_inputs(config: TransformerConfig, params: dict[str, np.ndarray],
-                       tokenizer: Tokenizer) -> dict[str, np.ndarray] | None:
-    """:data:`SENTENCES` as sources and, as targets, the float64 reference's greedy translations shifted right
-    (teacher forcing on a real translation); None if the tokenizer cannot encode the sentences (another language)."""
+def translation_source(tokenizer: Tokenizer) -> np.ndarray | None:
+    """:data:`SENTENCES` as source ids (B, S), or None if the tokenizer cannot encode them (another language)."""
     try:
-        src = tokenizer.batch(list(SENTENCES))
+        return tokenizer.batch(list(SENTENCES))
     except ValueError:
         return None
-    tokens = reference.greedy(reference.build(config, params, "float64"), src)
-    return {"src": src, "tgt": np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)}
 
 
 @dataclass
 class Oracle:
     """Everything the float64 reference says about the inputs, computed once."""
 
+    inputs: dict[str, np.ndarray]   # src and tgt, the batch every run computes
     stages64: dict[str, np.ndarray]
     stages32: dict[str, np.ndarray]
     greedy: np.ndarray
@@ -160,21 +157,24 @@ class Oracle:
     greedy_bound: float
 
 
-def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], inputs: dict) -> Oracle:
-    """The float64 reference's stages must be finite: a checkpoint that overflows even float64
-    leaves nothing to compare against (an input error). The float32 reference may overflow; the
-    float32 runs then fail at that stage."""
+def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: np.ndarray,
+                 tgt: np.ndarray | None = None) -> Oracle:
+    """The reference's answers on ``src`` and ``tgt``; without ``tgt``, the target is the float64 reference's own
+    greedy output shifted right (teacher forcing on its translation). The float64 reference's stages must be
+    finite: a checkpoint that overflows even float64 leaves nothing to compare against (an input error). The
+    float32 reference may overflow; the float32 runs then fail at that stage."""
     model64, model32 = reference.build(config, params, "float64"), reference.build(config, params, "float32")
+    tokens = reference.greedy(model64, src)
+    forced = np.concatenate([np.full((len(tokens), 1), config.bos_id), tokens[:, :-1]], axis=1)
+    inputs = {"src": src, "tgt": forced if tgt is None else tgt}
     stages64 = reference.forward(model64, **inputs)
     for name, stage in stages64.items():
         if non_finite_kind(stage):
             raise ValueError(f"the float64 reference itself gives {non_finite_kind(stage)} at stage {name}: "
                              "the checkpoint's weights are out of range, there is nothing to compare against")
-    tokens = reference.greedy(model64, inputs["src"])
-    forced = np.concatenate([np.full((len(tokens), 1), config.bos_id), tokens[:, :-1]], axis=1)
-    bound = tolerance.float32_bound(model64(inputs["src"], forced), model32(inputs["src"], forced))
-    margins = greedy_margins(model64, inputs["src"], tokens)
-    return Oracle(stages64, reference.forward(model32, **inputs), tokens, margins, bound)
+    bound = tolerance.float32_bound(model64(src, forced), model32(src, forced))
+    margins = greedy_margins(model64, src, tokens)
+    return Oracle(inputs, stages64, reference.forward(model32, **inputs), tokens, margins, bound)
 
 
 def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:
@@ -186,8 +186,8 @@ def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) 
     return agree, note
 
 
-def run_backend(adapter, device: str, dtype: str, config, params, inputs, oracle: Oracle) -> Run:
-    run = Run(adapter.NAME, device, dtype)
+def run_backend(adapter, device: str, dtype: str, config, params, oracle: Oracle) -> Run:
+    run, inputs = Run(adapter.NAME, device, dtype), oracle.inputs
     try:
         model = adapter.build(config, params, dtype, device)
         timing = measure(lambda: adapter.forward(model, **inputs), TIMED_REPEATS)  # after a warm-up (compilation)
@@ -233,9 +233,7 @@ def load_source(checkpoint: str | Path | None, preset: str | None):
         return (f"{preset} preset, seeded random weights (seed {DEFAULT_SEED})", *seeded_checkpoint(preset), None)
     path = SHIPPED if checkpoint is None else checkpoint
     config, params = load_checkpoint(path, dtype=np.float64)
-    text = load_tokenizer_json(path)
-    source = SHIPPED_NAME if checkpoint is None else str(checkpoint)
-    return source, config, params, text and Tokenizer.from_json(text, config)
+    return SHIPPED_NAME if checkpoint is None else str(checkpoint), config, params, load_tokenizer(path)
 
 
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
@@ -257,26 +255,25 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
     if fault and fault[0] not in adapters:
         raise ValueError(f"--perturb names backend {fault[0]!r}, which does not run here "
                          "(not in --backends, or not installed)")
+    src = translation_source(tokenizer) if tokenizer else None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        inputs = tokenizer and translation_inputs(config, params, tokenizer)
-        report = Report(source, config, run_plan(adapters, config, params, inputs or compare_inputs(config), fault,
-                                                 progress), missing)
-    if inputs:
+        oracle = build_oracle(config, params, **(compare_inputs(config) if src is None else {"src": src}))
+        report = Report(source, config, run_plan(adapters, config, params, oracle, fault, progress), missing)
+    if src is not None:
         report.sentences = SENTENCES
-        report.translations = [tokenizer.decode(row) for row in inputs["tgt"][:, 1:]]
+        report.translations = [tokenizer.decode(row) for row in oracle.greedy]
         for run in report.runs:
             run.translations = None if run.tokens is None else [tokenizer.decode(row) for row in run.tokens]
     return report
 
 
-def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
-             fault, progress) -> list[Run]:
-    """Every adapter on every device in both dtypes (the reference in float32 only)."""
-    oracle = build_oracle(config, params, inputs)
+def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], oracle: Oracle, fault,
+             progress) -> list[Run]:
+    """Every adapter on every device in both dtypes (the reference in float32 only), on the oracle's inputs."""
     plan = [(adapter, device, dtype) for adapter in adapters.values() for device in adapter.devices()
             for dtype in DTYPES if not (adapter.NAME == "numpy" and dtype == "float64")]
     runs = []
     for adapter, device, dtype in (progress(plan) if progress else plan):
         weights = perturbed(params, fault[1]) if fault and fault[0] == adapter.NAME else params
-        runs.append(run_backend(adapter, device, dtype, config, weights, inputs, oracle))
+        runs.append(run_backend(adapter, device, dtype, config, weights, oracle))
     return runs

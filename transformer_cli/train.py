@@ -12,9 +12,8 @@ from types import ModuleType
 
 import numpy as np
 
-from reference_numpy.checkpoint import TrainingState, init_params, load_run, load_tokenizer_json
+from reference_numpy.checkpoint import TrainingState, init_params, load_run, load_tokenizer
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.tokenizer import Tokenizer
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import backends, copy_task, numbers_task
@@ -110,11 +109,12 @@ def make_task(args, resume: str | None, config: TransformerConfig | None) -> Cop
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} is a flag of --task copy")
         if config is None:
-            return NumbersTask().with_tokenizer(NumbersTask().config())
-        tokenizer = load_tokenizer_json(resume)
+            task = NumbersTask()
+            return task.with_tokenizer(task.config())
+        tokenizer = load_tokenizer(resume)
         if tokenizer is None:
             raise ValueError(f"--resume: {resume!r} has no tokenizer; it is not a run of --task numbers")
-        return NumbersTask(Tokenizer.from_json(tokenizer, config))
+        return NumbersTask(tokenizer)
     task = CopyTask(*(getattr(args, name) or default for name, default in COPY_ONLY.items()))
     if config and (config.src_vocab_size != 3 + task.symbols or config.max_len < task.max_length + 1):
         raise ValueError(f"--resume: {resume!r} has a vocabulary of {config.src_vocab_size} and max_len "

@@ -11,7 +11,7 @@ from types import ModuleType
 import numpy as np
 
 from reference_numpy import TransformerConfig, load_checkpoint
-from reference_numpy.checkpoint import load_tokenizer_json
+from reference_numpy.checkpoint import load_tokenizer
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import Tokenizer
 
@@ -25,12 +25,12 @@ def load_translator(checkpoint: str | Path | None = None,
     tokenizer is refused with a message saying what it can still do."""
     path = SHIPPED if checkpoint is None else checkpoint
     config, params = load_checkpoint(path, dtype=dtype)
-    text = load_tokenizer_json(path)
-    if text is None:
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
         raise ValueError(f"checkpoint {str(path)!r} has no tokenizer, so it reads and writes token ids only "
                          "(compare, plot attention --src); `train --task numbers --out` saves one with its "
                          "tokenizer, and the shipped model (the default) has one")
-    return config, params, Tokenizer.from_json(text, config)
+    return config, params, tokenizer
 
 
 class Translator:
