@@ -281,12 +281,10 @@ def add_translate(commands) -> None:
 
 
 def run_translate(args) -> int:
+    from .train import load_adapters
     from .translate import translator
 
-    adapters, missing = backends.load((args.backend,))
-    if missing:
-        raise ValueError(f"--backend: {missing[0].name} is {missing[0].reason}")
-    adapter = adapters[args.backend]
+    adapter = load_adapters((args.backend,), "--backend")[args.backend]
     translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha)
     for line in translate.lines(args.text or sys.stdin):
         print(line, flush=True)

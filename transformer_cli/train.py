@@ -135,14 +135,14 @@ def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]
     model = adapter.build(plan.config, params, plan.dtype, "cpu")
     optimizer = adapter.optimizer(model, None if state else plan.training, state)
     first = state.step if state else 0
-    result = Result(adapter.NAME, first)
+    result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
     steps = progress(range(first, first + plan.steps))
     for step in steps:
-        batch = plan.task.batch(plan.config, plan.batch_size, step, plan.seed)
+        batch = batches(step)
         began = time.perf_counter()
         result.losses.append(adapter.train_step(model, optimizer, **batch, epsilon=plan.label_smoothing))
         result.seconds += time.perf_counter() - began
-        result.tokens += int((batch["labels"] != plan.config.pad_id).sum())
+        result.tokens = sum(batches.tokens.values())
         show(steps, result)
         if validated(adapter, model, plan, result, step + 1):
             break
@@ -228,10 +228,11 @@ def jax_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
 
 
-def load_adapters(names: tuple[str, ...]) -> dict[str, ModuleType]:
+def load_adapters(names: tuple[str, ...], flag: str = "--backends") -> dict[str, ModuleType]:
+    """The adapters of ``names``; one not installed is a ``ValueError`` naming ``flag`` and what to install."""
     adapters, missing = backends.load(names)
     if missing:
-        raise ValueError(f"--backends: {missing[0].name} is {missing[0].reason}")
+        raise ValueError(f"{flag}: {missing[0].name} is {missing[0].reason}")
     return adapters
 
 
