@@ -26,13 +26,14 @@ import numpy as np
 from reference_numpy.config import TransformerConfig
 from reference_numpy.tokenizer import Tokenizer, pad_rows
 
+from .copy_task import TEST, VALIDATION  # the held-out splits every task names alike
+
 SPLIT_SEED = 1706_03762                                    # the paper's arXiv number
 DIGITS = range(1, 7)                                       # 0 .. 999,999
 HELD_OUT_DIGITS = (3, 4, 5, 6)
 TEST_PER_LENGTH, VALIDATION_PER_LENGTH = 250, 125          # a test set of 1,000 numbers, a validation set of 500
 DIGIT_WEIGHTS = {1: 1, 2: 2, 3: 4, 4: 4, 5: 4, 6: 4}
 TOKENIZER_TEXTS, VOCAB_SIZE = 20_000, 384
-TEST, VALIDATION = "test", "validation"
 # The model and recipe of the shipped checkpoint (docs/training.md); training stops once greedy decoding translates
 # STOP_AT of VALIDATION_SIZE validation numbers exactly, checked every EVAL_EVERY steps
 DEFAULTS = dict(steps=3000, batch_size=128, warmup_steps=400, learning_rate_scale=0.5, stop_at=0.998, eval_every=250,
@@ -111,8 +112,7 @@ class NumbersTask:
 
     def config(self, **changes) -> TransformerConfig:
         """The model of ``MODEL`` over the tokenizer's vocabulary (shared source/target, section 5.1)."""
-        config = TransformerConfig(**{"src_vocab_size": VOCAB_SIZE, "tgt_vocab_size": VOCAB_SIZE, **MODEL, **changes})
-        return config
+        return TransformerConfig(**{"src_vocab_size": VOCAB_SIZE, "tgt_vocab_size": VOCAB_SIZE, **MODEL, **changes})
 
     def with_tokenizer(self, config: TransformerConfig) -> NumbersTask:
         """This task with a tokenizer learned from ``TOKENIZER_TEXTS`` training pairs for ``config``."""

@@ -17,12 +17,11 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import backends, copy_task, numbers_task
-from .copy_task import CopyTask
+from .copy_task import TEST, VALIDATION, CopyTask
 from .numbers_task import NumbersTask
 
 TASKS = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS}   # each task's recipe (docs/training.md)
 COPY_ONLY = {"symbols": 10, "max_length": 10}                           # flags of the copy task and their defaults
-TEST, VALIDATION = "test", "validation"
 
 
 @dataclass(frozen=True)
