@@ -244,8 +244,10 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerCon
     The safetensors library reads the file and checks its header (offsets, shapes, dtypes);
     this function adds the checkpoint's own checks (metadata, version, config, names, shapes,
     one float dtype, finite values). ``dtype`` (float32 or float64) casts the tensors after
-    validation; by default they keep the file's dtype. The arrays are copies: nothing refers to
-    the file once this returns. Raises one ``ValueError`` of one line naming the file and the problem.
+    validation, one tensor at a time (the weights are never held twice); by default they keep the
+    file's dtype. The arrays are copies: nothing refers to the file once this returns (while it
+    reads, the operating system maps the file, whose pages count in the process's RSS until it is
+    closed). Raises one ``ValueError`` of one line naming the file and the problem.
     """
     config, params, _ = load_run(path, dtype)
     return config, params
@@ -291,9 +293,11 @@ def load_run(path: str | os.PathLike,
         state = _training_state(config, params, training, tensors)
     except ValueError as err:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
-    if target is None:
-        return config, params, state                                             # params in the table's order
-    return config, {name: value.astype(target) for name, value in params.items()}, state and state.astype(target)
+    if target is not None:                       # cast one tensor at a time: never two copies of the weights
+        for name in params:
+            params[name] = params[name].astype(target, copy=False)
+        state = state and state.astype(target)
+    return config, params, state                                                 # params in the table's order
 
 
 def _training_state(config: TransformerConfig, params: dict[str, np.ndarray], training: dict | None,
