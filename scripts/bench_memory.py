@@ -1,0 +1,120 @@
+"""Memory of loading a checkpoint, every installed backend side by side: the resident set (RSS) of a fresh process
+after importing the backend's framework, after ``adapter.load`` of the checkpoint, and after one forward pass, and
+the process's peak, each as a multiple of the weights' bytes.
+
+Issue 15's target: loading never holds two copies of the weights, i.e. RSS after loading <= the framework's own
+import footprint + 1.15 x the weights. Each backend runs in its own process (a framework's allocator keeps what it
+freed); the checkpoint is the seeded ``big`` preset in float32 (857 MB) unless ``--checkpoint`` names another.
+
+While a file is read, the operating system maps it into the process: its pages count in the RSS ("file" below)
+until the file is closed, and are page cache, not a copy the process owns. The peak therefore includes them; the
+anonymous memory (``RssAnon``, what the process itself allocated) is reported beside it.
+
+    python scripts/bench_memory.py [--backends numpy,torch,jax,tf] [--checkpoint FILE]
+
+The runs hold an exclusive lock on /tmp/bench.lock, as the other benchmark scripts do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformer_cli import backends  # noqa: E402
+
+LOCK = "/tmp/bench.lock"
+TARGET = 1.15   # RSS after loading - import footprint, in weights
+FORWARD_SHAPE = (1, 16)   # a short batch-1 forward: what a model must do right after loading
+
+# Run in a fresh process per backend: prints one JSON line of /proc/self/status readings in MiB.
+PROBE = """
+import json, resource, sys
+import numpy as np
+sys.path.insert(0, {root!r})
+def status():
+    fields = {{}}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+from transformer_cli import backends
+adapters, _ = backends.load(({name!r},))
+adapter = adapters[{name!r}]
+adapter.devices()
+imported = status()
+model = adapter.load({path!r}, dtype="float32")
+loaded = status()
+peak_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+tokens = np.full({shape!r}, 3)
+adapter.forward(model, tokens, tokens)
+ran = status()
+print(json.dumps({{"imported": imported, "loaded": loaded, "ran": ran, "peak_after_load": peak_after_load,
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+
+
+def big_checkpoint(directory: str) -> Path:
+    """The seeded ``big`` preset in float32, written into ``directory``."""
+    from reference_numpy import TransformerConfig, init_params, save_checkpoint
+    config = TransformerConfig.preset("big")
+    path = Path(directory) / "big-float32.safetensors"
+    save_checkpoint(path, config, init_params(config, seed=0, dtype=np.float32))
+    return path
+
+
+def weights_mib(path: Path) -> float:
+    from reference_numpy import load_checkpoint
+    _, params = load_checkpoint(path)
+    return sum(value.nbytes for value in params.values()) / 2 ** 20
+
+
+def probe(name: str, path: Path) -> dict:
+    code = PROBE.format(root=str(Path(__file__).resolve().parents[1]), name=name, path=str(path),
+                        shape=FORWARD_SHAPE)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{name}: {done.stderr.strip().splitlines()[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def row(name: str, reading: dict, weights: float) -> str:
+    base = reading["imported"]["VmRSS"]
+    held = (reading["loaded"]["VmRSS"] - base) / weights
+    anon = (reading["loaded"]["RssAnon"] - reading["imported"]["RssAnon"]) / weights
+    peak = (reading["peak_after_load"] - base) / weights
+    ran = (reading["ran"]["VmRSS"] - base) / weights
+    verdict = "met" if held <= TARGET else "not met"
+    return (f"{name:<7}{base:>9.0f}{reading['loaded']['VmRSS']:>10.0f}{held:>9.2f}x{anon:>9.2f}x{peak:>9.2f}x"
+            f"{ran:>10.2f}x   {verdict}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default=",".join(backends.BACKENDS))
+    parser.add_argument("--checkpoint", type=Path, help="a float32 checkpoint (default: the seeded big preset)")
+    args = parser.parse_args()
+    names = tuple(args.backends.split(","))
+    with tempfile.TemporaryDirectory() as directory, open(LOCK, "w") as lock:
+        path = args.checkpoint or big_checkpoint(directory)
+        weights = weights_mib(path)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print(f"checkpoint {path.name}: weights {weights:.0f} MiB (float32); target: loaded - imported <= "
+              f"{TARGET} x weights")
+        print(f"{'backend':<7}{'imported':>9}{'loaded':>10}{'held':>10}{'anon':>10}{'peak':>10}{'+forward':>11}")
+        print(f"{'':<7}{'MiB':>9}{'MiB':>10}{'weights':>10}{'weights':>10}{'weights':>10}{'weights':>11}")
+        for name in names:
+            print(row(name, probe(name, path), weights), flush=True)
+
+
+if __name__ == "__main__":
+    main()
