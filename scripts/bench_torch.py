@@ -6,6 +6,11 @@
 2. Greedy decoding forced to run every step (eos ignored): the port with its key/value cache,
    the port recomputing the prefix, and ``nn.Transformer`` (which has no cache) at 128 tokens;
    the port cached vs uncached at 256 tokens, with the per-token time at several lengths.
+3. Beam search (beam 4, alpha 0.6) of one 78-token source: at most 128 steps.
+4. Where a cached greedy step's time goes (``torch.profiler``): the linear layers, attention, the
+   rest; and the output projection (37000 x 512) for one row by ``F.linear`` (the BLAS torch is
+   built with) and by the port's ``_linear`` (oneDNN's inner product), with the weight bytes read
+   per second.
 
 Times are medians over ``--repeats`` runs after a warm-up run. GFLOP/s count the matrix
 products only (formulas printed). The timed part holds an exclusive lock on /tmp/bench.lock
@@ -13,6 +18,8 @@ so that benchmarks of workers sharing the machine do not overlap; the script tak
 itself (do not also wrap it in ``flock``):
 
     python scripts/bench_torch.py [--quick] [--threads N] [--decode-batch B] [--write docs/benchmarks-torch.md]
+
+``--write`` keeps the file's own section "## Before and after", if it has one, below the report.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from transformer_cli.timing import cpu_name, decode_flops, forward_flops, gflop_rate, measure, timed  # noqa: E402
 from transformer_torch import checkpoint, interop  # noqa: E402
-from transformer_torch.decoding import next_token_log_probs  # noqa: E402
+from transformer_torch.decoding import beam_search, next_token_log_probs  # noqa: E402
 from transformer_torch.device import devices, full_precision  # noqa: E402
-from transformer_torch.model import padding_mask  # noqa: E402
+from transformer_torch.model import _linear, padding_mask  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
+KEPT_SECTION = "## Before and after"
+PROFILED_STEPS = 20
 FORWARD_FLOPS = ("forward FLOPs = 2 x [N_enc (4 B S D^2 + 2 B S^2 D + 2 B S D F) + N_dec (6 B T D^2 + 2 B S D^2 "
                  "+ 2 B T^2 D + 2 B T S D + 2 B T D F) + B T D V]")
 STEP_FLOPS = ("cached step t FLOPs = 2 x [N_dec (6 B D^2 + 2 B t D + 2 B S D + 2 B D F) + B D V] "
@@ -149,6 +158,13 @@ def main() -> None:
             speed_ups[steps] = runs["port uncached"].median / runs["port cached"].median
             rows.append((f"greedy {steps} tokens: uncached / cached", None, None, f"speed-up {speed_ups[steps]:.1f}x"))
 
+        beam_src = src[:1, :lengths[0] - 50] if lengths[0] > 50 else src[:1, :8]   # max output length = S + 50
+        beam = measure(lambda: beam_search(model, beam_src), decode_repeats)
+        rows.append((f"beam search, beam 4, alpha 0.6, S={beam_src.shape[1]}", beam.median, None,
+                     f"{beam.result[0].shape[1]} steps, {1e3 * beam.median / beam.result[0].shape[1]:.2f} ms/step"))
+        profile = step_profile(model, memory, dec_mask)
+        kernels = projection_kernels(model, device, repeats)
+
     lines += ["| what | median time | GFLOP/s | note |", "|---|---:|---:|---|"]
     for what, seconds, flops, note in rows:
         time_s = "" if seconds is None else f"{seconds * 1e3:.1f} ms"
@@ -162,13 +178,71 @@ def main() -> None:
         if steps == lengths[-1]:
             cells = [f"{1e3 * statistics.median(times[n - 8:n]):.2f}" for n in _checkpoints(steps)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", *profile, "", *kernels]
     lines += ["", *targets(rows, per_token, speed_ups[lengths[-1]], lengths[-1]), "",
               "Timings are wall-clock on a machine whose cores may be shared with other jobs; the lock only "
               "keeps benchmarks apart, so expect noise between steps of one run (see the per-token table)."]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.write:
-        args.write.write_text(report)
+        args.write.write_text(report + kept_section(args.write))
+
+
+def kept_section(path: Path) -> str:
+    """The file's own "Before and after" section (from its heading to the end), or nothing."""
+    text = path.read_text() if path.exists() else ""
+    return "\n" + text[text.index(KEPT_SECTION):] if KEPT_SECTION in text else ""
+
+
+def step_profile(model, memory, src_mask) -> list[str]:
+    """Where the time of a cached greedy step goes, from ``torch.profiler`` over ``PROFILED_STEPS`` steps: the
+    linear layers (the weights they read per step, and at what rate), attention, and everything else."""
+    batch, bos = len(memory), model.config.bos_id
+    step = _cached_step(model, memory, src_mask, PROFILED_STEPS + 4)
+    forced_greedy(step, 4, bos, batch, memory.device)                                    # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        times = forced_greedy(step, PROFILED_STEPS, bos, batch, memory.device)
+    kinds = {"linear layers": ("linear_pointwise", "addmm", "aten::mm"), "attention": ("scaled_dot_product",)}
+    parts = {kind: sum(event.self_cpu_time_total for event in prof.key_averages()
+                       if any(name in event.key for name in names)) / 1e6 / PROFILED_STEPS
+             for kind, names in kinds.items()}
+    per_step, weights = sum(times) / PROFILED_STEPS, step_weight_bytes(model)
+    parts["everything else"] = per_step - sum(parts.values())
+    notes = {"linear layers": f"{weights / 1e6:.1f} MB of weights read per step, "
+                              f"{weights / parts['linear layers'] / 1e9:.1f} GB/s",
+             "attention": "SDPA kernels", "everything else": "other kernels, Python, dispatch"}
+    return [f"Cached greedy step, B={batch} (torch.profiler over {PROFILED_STEPS} steps; {1e3 * per_step:.2f} ms "
+            "per step, profiler included):", "", "| part | ms per step | share | note |", "|---|---:|---:|---|",
+            *(f"| {kind} | {1e3 * value:.2f} | {value / per_step:.0%} | {notes[kind]} |"
+              for kind, value in parts.items())]
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one cached decoding step reads: every decoder projection but the encoder-decoder
+    attention's keys and values (projected once per sentence), and the output projection."""
+    once = ("cross_attn.k_proj", "cross_attn.v_proj")
+    decoder = sum(p.numel() * p.element_size() for name, p in model.decoder.named_parameters()
+                  if p.dim() == 2 and not any(part in name for part in once))
+    return decoder + output_projection(model).numel() * output_projection(model).element_size()
+
+
+def output_projection(model) -> torch.Tensor:
+    """The generator's (V, D) weight: its own, or the shared embedding."""
+    return model.generator.weight if model.generator.embeddings is None else model.generator.embeddings.weight
+
+
+def projection_kernels(model, device, repeats: int) -> list[str]:
+    """One row through the output projection (V x D): ``F.linear`` vs the port's ``_linear``; weight bytes per
+    second."""
+    weight = output_projection(model)
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=device)
+    lines = [f"Output projection {tuple(weight.shape)} x one row (median of {10 * repeats} calls):", "",
+             "| kernel | median time | weight read rate |", "|---|---:|---:|"]
+    for name, kernel in (("F.linear (torch's BLAS)", torch.nn.functional.linear), ("the port's _linear", _linear)):
+        run = measure(lambda: synchronized(kernel(x, weight)), 10 * repeats)
+        rate = weight.numel() * weight.element_size() / run.median / 1e9
+        lines.append(f"| {name} | {1e3 * run.median:.2f} ms | {rate:.1f} GB/s |")
+    return lines
 
 
 def _cached_step(model, memory, src_mask, steps: int):

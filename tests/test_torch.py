@@ -9,8 +9,10 @@ import functools
 import math
 import os
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install '.[torch]')")
 
@@ -19,12 +21,15 @@ from equivalence import cases, tolerance  # noqa: E402
 from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.adapters import torch as backend  # noqa: E402
 from equivalence.cases import MASK_CASES, VARIANTS  # noqa: E402
+from equivalence.margins import greedy_margins  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
+from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.training import PAPER, learning_rate  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop, training  # noqa: E402
+from transformer_torch import model as torch_model  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
 NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
@@ -180,6 +185,71 @@ def test_return_weights_mirrors_the_reference():
                             return_weights=True)
     tolerance.assert_agrees(weights.numpy(), ref_weights, what="attention weights")
     tolerance.assert_agrees(out.numpy(), reference.component(reference_model("tiny"), "multi_head_attention", inputs))
+
+
+# ----------------------------------------------------------------------------- the oneDNN linear
+
+def _spy_on_f_linear(monkeypatch) -> list:
+    """Record the dtype of every weight given to ``F.linear`` (the port's default linear)."""
+    calls, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight, bias=None: calls.append(weight.dtype)
+                        or linear(x, weight, bias))
+    return calls
+
+
+def test_linear_takes_onednn_only_without_gradients_on_large_float32_cpu_weights(monkeypatch):
+    """model._linear: oneDNN's inner product for a float32 CPU weight of at least _ONEDNN_MIN_WEIGHT elements when
+    no gradient is needed, agreeing with x W^T + b under the float32 policy; F.linear in every other case."""
+    calls = _spy_on_f_linear(monkeypatch)
+    rng = np.random.default_rng(0)
+    out_features = torch_model._ONEDNN_MIN_WEIGHT // 128
+    x, weight, bias = rng.normal(size=(3, 5, 128)), rng.normal(size=(out_features, 128)), rng.normal(size=out_features)
+    x32, weight32, bias32 = (torch.tensor(a, dtype=torch.float32) for a in (x, weight, bias))
+    with torch.no_grad():
+        fast = torch_model._linear(x32, weight32, bias32)
+    assert calls == [], "the oneDNN path was not taken"
+    tolerance.assert_agrees(fast.numpy(), x @ weight.T + bias,
+                            x.astype(np.float32) @ weight.T.astype(np.float32) + bias.astype(np.float32),
+                            what="oneDNN linear")
+    with torch.no_grad():
+        torch_model._linear(torch.as_tensor(x), torch.as_tensor(weight), torch.as_tensor(bias))       # float64
+        torch_model._linear(x32[..., :16], weight32[:16, :16], bias32[:16])                           # small
+    torch_model._linear(x32, weight32.requires_grad_(), bias32).sum().backward()                        # gradients
+    assert weight32.grad is not None
+    enabled, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
+    try:
+        with torch.no_grad():
+            torch_model._linear(x32, weight32, bias32)                                                  # switched off
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+    assert calls == [torch.float64, torch.float32, torch.float32, torch.float32]
+
+
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
+def test_onednn_on_every_projection_agrees_with_the_reference_in_float32(monkeypatch, variant):
+    """The tiny configs' weights are below _ONEDNN_MIN_WEIGHT (F.linear: the agreement suite's path); here every
+    projection and the generator take oneDNN: each forward stage agrees with the reference under the float32
+    policy (the same bits on a second run), and greedy tokens are the reference's up to its first float32 near-tie
+    (as in test_agreement.py)."""
+    monkeypatch.setattr(torch_model, "_ONEDNN_MIN_WEIGHT", 0)
+    calls = _spy_on_f_linear(monkeypatch)
+    config = VARIANTS[variant]
+    inputs = cases.model_inputs(config, "ragged_batch")
+    model = backend.build(config, cases.seeded_params(config), "float32")
+    stages = backend.forward(model, **inputs)
+    assert np.array_equal(backend.forward(model, **inputs)["log_probs"], stages["log_probs"]), "not repeatable"
+    ref64, ref32 = (reference.forward(reference_model(variant, dtype), **inputs) for dtype in ("float64", "float32"))
+    for stage in ref64:
+        tolerance.assert_agrees(stages[stage], ref64[stage], ref32[stage], what=f"oneDNN float32 {stage}")
+    src, ref = cases.decoding_inputs(config), reference_model(variant, params="decoding")
+    ref_tokens = reference.greedy(ref, src)
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), ref_tokens[:, :-1]], axis=1)
+    bound = tolerance.float32_bound(ref(src, tgt), reference_model(variant, "float32", "decoding")(src, tgt))
+    tokens = backend.greedy(backend.build(config, cases.decoding_params(config), "float32"), src)
+    agree, note, full_rows = tolerance.greedy_tokens_agree(tokens, ref_tokens, greedy_margins(ref, src, ref_tokens),
+                                                           bound, config.pad_id)
+    assert agree and full_rows, note
+    assert calls == [], "a projection did not take the oneDNN path"
 
 
 # ----------------------------------------------------------------------------- train / eval, casting
@@ -339,6 +409,48 @@ def test_uncached_decoding_gives_the_reference_tokens_in_float64():
     src = cases.decoding_inputs(VARIANTS["tiny"])
     np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), reference.greedy(ref, src))
     np.testing.assert_array_equal(decoding.beam_search(model, src, use_cache=False)[0], reference.beam(ref, src)[0])
+
+
+def _assert_same_choice(candidates: np.ndarray, eos_id: int, beam_size: int) -> None:
+    """The port's top-k selection against the reference's select_candidates (a stable sort of every candidate: the
+    oracle): the same finishing (beam, score) pairs in rank order, beams, tokens, and scores to the bit."""
+    expected = select_candidates(candidates, eos_id, beam_size)
+    got = decoding._select_candidates(torch.from_numpy(candidates), eos_id, beam_size)
+    assert [(beam, score.tobytes()) for beam, score in got.finishing] == \
+        [(beam, score.tobytes()) for beam, score in expected.finishing], (candidates, eos_id, beam_size)
+    for field in ("beams", "tokens", "scores"):
+        mine, theirs = getattr(got, field), getattr(expected, field)
+        assert mine.dtype == theirs.dtype and mine.tobytes() == theirs.tobytes(), (field, candidates, eos_id, beam_size)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_candidate_selection_breaks_exact_ties_as_the_reference(dtype):
+    """Hand-set exact ties straddling the boundary of the 2K candidates torch.topk picks (more equal candidates than
+    places, in several beams), eos inside and at the edge of the tie, +0.0 and -0.0, and too few finite candidates."""
+    tied = np.full((4, 6), -1.0)
+    tied[1, 4] = tied[3, 0] = -0.5                                           # 2 above, 22 equal at the boundary
+    zeros = np.array([[0.0, -0.0, -3.0], [-0.0, 0.0, -0.0], [-1.0, 0.0, -0.0]])
+    few = np.full((2, 5), -np.inf)
+    few[1, 3], few[0, 2], few[1, 1] = -2.0, -2.0, -1.0                       # 3 finite candidates, beam size 4
+    ladder = -np.repeat(np.arange(4.0)[:, None], 7, axis=1)                  # beam b: all -b
+    for candidates in (tied, zeros, few, ladder, np.zeros((1, 9))):
+        for eos_id in range(candidates.shape[1]):
+            for beam_size in range(len(candidates), 5):
+                _assert_same_choice(candidates.astype(dtype), eos_id, beam_size)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.data())
+def test_candidate_selection_agrees_with_the_reference_on_random_steps(data):
+    """Random steps (n_live <= beam size, values drawn from a few exact ties and from any float, -inf included)."""
+    beam_size = data.draw(st.integers(1, 5), label="beam_size")
+    n_live, vocab = data.draw(st.integers(1, beam_size), label="n_live"), data.draw(st.integers(1, 9), label="vocab")
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]), label="dtype")
+    value = st.one_of(st.sampled_from([0.0, -0.0, -0.25, -1.0, -np.inf]),
+                      st.floats(max_value=0.0, allow_nan=False, width=32 if dtype == np.float32 else 64))
+    values = data.draw(st.lists(value, min_size=n_live * vocab, max_size=n_live * vocab), label="values")
+    eos_id = data.draw(st.integers(0, vocab - 1), label="eos_id")
+    _assert_same_choice(np.array(values, dtype=dtype).reshape(n_live, vocab), eos_id, beam_size)
 
 
 def test_cache_refuses_to_overflow_and_bad_arguments():

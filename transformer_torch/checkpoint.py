@@ -105,10 +105,16 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
                 device="cpu") -> Transformer:
     """A :class:`Transformer` in ``dtype`` on ``device``, in eval mode, from checkpoint-layout arrays."""
     reference_checkpoint.validate_params(config, params)
+    return _build(config, params, dtype, device)
+
+
+def _build(config: TransformerConfig, params: dict[str, np.ndarray], dtype, device, take: bool = False) -> Transformer:
+    """:func:`from_params` on validated ``params``; with ``take`` (see :func:`_torch_layout`) the arrays
+    are taken out of ``params`` one at a time as they are copied."""
     dtype, device = _torch_dtype(dtype), resolve_device(device)
     with torch.device("meta"):
         model = Transformer(config)                                         # shapes only, no initialization
-    _assign(model, _torch_layout(model, params, dtype, device))
+    _assign(model, _torch_layout(model, params, dtype, device, take))
     return model.to(device=device, dtype=dtype).eval()                      # derives the sinusoidal table
 
 
@@ -149,9 +155,15 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 
 
 def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torch.dtype,
-                  device: torch.device) -> dict[str, torch.Tensor]:
+                  device: torch.device, take: bool = False) -> dict[str, torch.Tensor]:
     """Checkpoint-layout ``arrays`` as new tensors by parameter path, in ``dtype`` on ``device``, each checked
-    against the shape of ``model``'s parameter (``model`` may live on the meta device)."""
+    against the shape of ``model``'s parameter (``model`` may live on the meta device).
+
+    With ``take`` the arrays are the caller's to give away (a checkpoint just read): each is removed
+    from ``arrays`` as it is copied, so that it is freed at once and the weights are held twice one
+    tensor at a time, never all together. (The copies are torch's own allocations, aligned as torch
+    aligns them: a tensor sharing a NumPy array's memory, aligned to 16 bytes, would round some
+    results differently in torch's vectorized kernels.)"""
     table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
     unexpected = sorted(set(arrays) - set(table))
     if unexpected:
@@ -160,7 +172,7 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
     for name, path in table.items():
         if name not in arrays:
             raise ValueError(f"checkpoint tensor {name!r} is missing")
-        value = torch.from_numpy(np.ascontiguousarray(arrays[name]))
+        value = torch.from_numpy(np.ascontiguousarray(arrays.pop(name) if take else arrays[name]))
         value = value.T if name in flip else value
         if value.shape != targets[path].shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
@@ -172,8 +184,8 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
 def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transformer:
     """Read, validate and load a shared checkpoint into a :class:`Transformer` (eval mode) on
     ``device``, in ``dtype`` (default: the file's own, float32 or float64)."""
-    config, params = reference_checkpoint.load_checkpoint(path)
-    return from_params(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device)
+    config, params = reference_checkpoint.load_checkpoint(path)            # validated; the arrays are new
+    return _build(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device, take=True)
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,

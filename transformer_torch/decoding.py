@@ -17,7 +17,8 @@ reference does; both give the same log-probabilities (to rounding) for the rows 
 decoded, and the same tokens (a finished greedy row only receives pad; with the cache its pad
 keys are not masked, which changes nothing it emits).
 
-The model should be in ``eval()`` mode (dropout off); decoding runs without gradients.
+The model should be in ``eval()`` mode (dropout off); decoding runs in ``torch.inference_mode()`` (no
+gradients, and less bookkeeping per operation than ``torch.no_grad()``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from torch import Tensor
 from reference_numpy.decoding import (
     BEAM_SIZE,
     LENGTH_PENALTY_ALPHA,
+    StepChoice,
     best_hypothesis,
     check_decoding_args,
     length_penalty,
     max_output_lengths,
     search_ends,
-    select_candidates,
 )
 
 from .model import KVCache, Transformer, padding_mask
@@ -78,7 +79,7 @@ def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor
     return next_token_log_probs(model, tgt[:, -1:], memory, src_mask, cache, tgt.shape[1] - 1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id (``torch.argmax`` returns the first maximum).
 
@@ -104,7 +105,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     return tgt[:, 1:].cpu().numpy()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
                 use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the reference's tie-break (module docstring).
@@ -131,23 +132,60 @@ def _beam_search_one(model: Transformer, memory: Tensor, src_mask: Tensor, limit
                      alpha: float, use_cache: bool) -> tuple[list[int], float]:
     """Beam search for one source sentence. memory (1, S, D), src_mask (1, 1, 1, S)."""
     cfg = model.config
-    score_dtype = np.dtype(str(model.dtype).removeprefix("torch."))
     live = torch.full((1, 1), cfg.bos_id, dtype=torch.long, device=memory.device)  # (n_live, t)
-    live_scores = np.zeros(1, dtype=score_dtype)                       # summed log-probabilities, (n_live,)
+    live_scores = torch.zeros(1, dtype=model.dtype, device=memory.device)  # summed log-probabilities, (n_live,)
     finished: list[tuple[float, list[int]]] = []                        # in the order they finished
     cache = model.init_cache(memory, limit) if use_cache else None
     for step in range(1, limit + 1):
         n_live = len(live)
         log_probs, cache = _log_probs(model, live, memory.expand(n_live, -1, -1),
                                       src_mask.expand(n_live, -1, -1, -1), cache)
-        step_choice = select_candidates(live_scores[:, None] + log_probs.cpu().numpy(), cfg.eos_id, beam_size)
+        step_choice = _select_candidates(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
         for beam, score in step_choice.finishing:
             finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
         index = torch.as_tensor(step_choice.beams, device=live.device)
         live = torch.cat([live[index], torch.as_tensor(step_choice.tokens, device=live.device)[:, None]], dim=1)
-        live_scores = step_choice.scores
+        live_scores = torch.as_tensor(step_choice.scores, device=live.device)
         if cache is not None:
-            cache = reorder_cache(cache, index)
-        if search_ends(finished, live, live_scores, step, limit, alpha):
+            cache = _reorder_beams(cache, index)
+        if search_ends(finished, live, step_choice.scores, step, limit, alpha):
             break
     return best_hypothesis(finished)
+
+
+def _reorder_beams(cache: tuple, beams: Tensor) -> tuple:
+    """:func:`reorder_cache` of the self-attention caches only: the encoder-decoder keys and values
+    of the one sentence searched (batch 1) are the same for every beam and broadcast over them."""
+    kept = reorder_cache(tuple((own,) for own, _ in cache), beams)
+    return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
+
+
+def _select_candidates(candidates: Tensor, eos_id: int, beam_size: int) -> StepChoice:
+    """The reference's ``select_candidates`` (its rules and result, NumPy arrays in the candidates'
+    dtype) without sorting all n_live x V candidates: only the first K + n_live ranks can matter
+    (K = ``beam_size``; each beam has one eos, so K non-eos candidates are always among them: 2K
+    ranks when K beams are live).
+
+    ``torch.topk`` finds the (K + n_live)-th largest value but promises no order among equal values,
+    so it only sets the boundary: the first K + n_live ranks are every candidate above it and, of
+    those equal to it, the ones of lowest flat (beam-major) index; a stable descending sort of these
+    is the reference's ranking (ties: the lower beam b, then the lower token v).
+
+    Shape: candidates (n_live, V), summed log-probabilities in the model's dtype.
+    """
+    flat = candidates.reshape(-1)                                          # (n_live * V,), index b * V + v
+    top = min(beam_size + len(candidates), flat.numel())
+    values, chosen = torch.topk(flat, top, sorted=False)                  # (top,) each
+    boundary = values.min()                                                # the top-th largest value
+    if int((flat == boundary).sum()) > int((values == boundary).sum()):   # topk left out equal candidates
+        above = chosen[values > boundary]
+        level = torch.nonzero(flat == boundary)[:top - len(above), 0]     # the lowest indices at the boundary
+        chosen = torch.cat([above, level])
+    chosen = chosen.sort().values                                          # index order: lower b, then lower v
+    ranking = chosen[torch.sort(flat[chosen], descending=True, stable=True).indices]
+    scores, ranking = flat[ranking].cpu().numpy(), ranking.cpu().numpy()  # descending
+    beams, tokens = np.divmod(ranking, candidates.shape[1])
+    is_eos = tokens == eos_id
+    finishing = [(int(beams[rank]), scores[rank]) for rank in np.flatnonzero(is_eos[:beam_size])]
+    keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]      # first beam_size possible non-eos
+    return StepChoice(finishing, beams[keep], tokens[keep], scores[keep])

@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -87,18 +88,18 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk) or None.
     """
-    scores_shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), query.shape[-2], key.shape[-2])
+    batch = np.broadcast_shapes(query.shape[:-2], key.shape[:-2])      # (NumPy's: a fraction of torch's cost)
     if mask is not None:
-        mask = _check_mask(mask, scores_shape, device=query.device)
+        mask = _check_mask(mask, (*batch, query.shape[-2], key.shape[-2]), device=query.device)
     if return_weights:
         return _explicit_attention(query, key, value, mask)
     if mask is None:
         return F.scaled_dot_product_attention(query, key, value), None
-    batch = torch.broadcast_shapes(mask.shape[:-2], scores_shape[:-2])
+    batch = np.broadcast_shapes(mask.shape[:-2], batch)
     query, key, value = (t.expand(*batch, *t.shape[-2:]) for t in (query, key, value))  # (..., T, d_k)
-    visible = mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | ~visible)
-    return out.masked_fill(~visible, 0.0), None                         # fully masked row -> zeros
+    hidden = ~mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1) rows that see no key
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | hidden)
+    return out.masked_fill(hidden, 0.0), None                           # fully masked row -> zeros
 
 
 def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -144,6 +145,39 @@ class KVCache(NamedTuple):
     values: Tensor  # (B, H, C, d_k)
 
 
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_MIN_WEIGHT = 1 << 16   # elements (256 KB in float32): below, oneDNN's ~10 us more per call outweighs its speed
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b for a weight stored (out, in), as ``F.linear``.
+
+    Without autograd, a float32 weight of at least ``_ONEDNN_MIN_WEIGHT`` elements on the CPU
+    goes to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
+    torch.compile's CPU backend emits for a linear layer) on the same weight tensor: ``F.linear``
+    goes to the BLAS library torch is built with (MKL), whose matrix-vector product reads an
+    (out, in) weight at less than half the memory bandwidth (batch-1 decoding) and whose large
+    products run at half oneDNN's rate on some CPUs (docs/benchmarks-torch.md). Every other case
+    (float64, a GPU, gradients, small weights, oneDNN switched off by
+    ``torch.backends.mkldnn.enabled = False``) is ``F.linear``.
+
+    Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
+    """
+    if (_ONEDNN_LINEAR and x.dtype == torch.float32 and x.is_cpu and weight.is_cpu
+            and weight.numel() >= _ONEDNN_MIN_WEIGHT and torch.backends.mkldnn.enabled
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` (weight (out, in), bias (out,)) computed by :func:`_linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _linear(x, self.weight, self.bias)
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
@@ -167,10 +201,10 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.n_heads = config.n_heads
-        self.q_proj = nn.Linear(config.d_model, config.d_model)
-        self.k_proj = nn.Linear(config.d_model, config.d_model)
-        self.v_proj = nn.Linear(config.d_model, config.d_model)
-        self.o_proj = nn.Linear(config.d_model, config.d_model)
+        self.q_proj = _Linear(config.d_model, config.d_model)
+        self.k_proj = _Linear(config.d_model, config.d_model)
+        self.v_proj = _Linear(config.d_model, config.d_model)
+        self.o_proj = _Linear(config.d_model, config.d_model)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                 return_weights: bool = False, cache: KVCache | None = None, cache_index: int | None = None):
@@ -231,8 +265,8 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.linear1 = nn.Linear(config.d_model, config.d_ff)
-        self.linear2 = nn.Linear(config.d_ff, config.d_model)
+        self.linear1 = _Linear(config.d_model, config.d_ff)
+        self.linear2 = _Linear(config.d_ff, config.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear2(torch.relu(self.linear1(x)))
@@ -278,6 +312,14 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     return torch.from_numpy(reference.sinusoidal_positional_encoding(length, d_model)).to(device=device, dtype=dtype)
 
 
+def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
+    """A parameter drawn from N(0, std^2); on the meta device (shapes only: :mod:`.checkpoint` builds
+    there) nothing is drawn, since torch's meta ``normal_`` first imports its symbolic-shape
+    machinery (SymPy: over a second and tens of MB)."""
+    weight = torch.empty(*shape)
+    return nn.Parameter(weight if weight.is_meta else nn.init.normal_(weight, std=std))
+
+
 class Embeddings(nn.Module):
     """Token embedding multiplied by sqrt(d_model) (section 3.4).
 
@@ -286,7 +328,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: TransformerConfig, vocab_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab_size, config.d_model) * config.d_model ** -0.5)  # (V, D)
+        self.weight = _normal_parameter(vocab_size, config.d_model, std=config.d_model ** -0.5)  # (V, D)
         self.scale = math.sqrt(config.d_model)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -309,7 +351,7 @@ class PositionalEncoding(nn.Module):
         self.learned = config.positional_encoding == "learned"
         self.max_len, self.d_model = config.max_len, config.d_model
         if self.learned:
-            self.weight = nn.Parameter(torch.randn(config.max_len, config.d_model) * config.d_model ** -0.5)
+            self.weight = _normal_parameter(config.max_len, config.d_model, std=config.d_model ** -0.5)  # (L, D)
         else:
             self.register_buffer("table", sinusoidal_positional_encoding(config.max_len, config.d_model,
                                                                          torch.get_default_dtype()),
@@ -349,7 +391,7 @@ class Generator(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
-        return log_softmax(F.linear(x, weight))
+        return log_softmax(_linear(x, weight))
 
 
 def log_softmax(x: Tensor) -> Tensor:
