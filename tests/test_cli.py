@@ -102,15 +102,19 @@ def test_bench_reports_json_and_a_bar_chart(workdir):
                  "--decode-tokens", "55", "--repeats", "1", "--json", "--plot", "bench.png", cwd=workdir)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["matmul_gflops"] > 0 and report["machine"]["cores"] >= 1
+    anchors = report["anchors"]
+    assert anchors["best_gemm"]["gflops"] == max(anchors["gemm_gflops"].values()) > 0
+    assert anchors["bandwidth"]["gb_per_s"] > 0 and report["machine"]["cores"] >= 1 and not report["peers"]
     tasks = {(m["backend"], m["task"]) for m in report["measurements"]}
     assert ("numpy", "forward") in tasks and ("numpy", "greedy (uncached)") in tasks
     for port in backends.load()[0]:
         assert {(port, "forward"), (port, "greedy (cached)"), (port, "greedy (uncached)")} <= tasks
     for measurement in report["measurements"]:
         assert measurement["seconds"] > 0 and measurement["gflops"] > 0 and measurement["compile_seconds"] >= 0
-        assert set(measurement) >= {"backend", "device", "task", "first_call_seconds", "flops",
-                                    "fraction_of_matmul_rate", "tokens"}
+        assert measurement["min_seconds"] <= measurement["seconds"] <= measurement["max_seconds"]
+        assert set(measurement) >= {"backend", "device", "task", "first_call_seconds", "flops", "ratio_to_best_gemm",
+                                    "ratio_to_bound", "ratio_to_best_peer", "tokens", "kind"}
+        assert measurement["ratio_to_best_peer"] is None                  # no peers without --peers
     assert (workdir / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -473,7 +477,36 @@ def test_measure_times_a_warm_up_then_the_median_of_the_repeats(monkeypatch):
     calls = []
     result = timing.measure(lambda: calls.append("call") or len(calls), 3, warm_up=lambda: calls.append("warm-up"))
     assert calls == ["warm-up", "call", "call", "call"]
-    assert result == timing.Timing(first=5.0, median=2.0, result=4)
+    assert result == timing.Timing(first=5.0, median=2.0, result=4, times=(1.0, 3.0, 2.0))
+    assert (result.minimum, result.maximum) == (1.0, 3.0)
+
+
+def test_round_robin_runs_every_call_once_per_round(monkeypatch):
+    """A warm-up round, then rounds in which each call runs once in turn (a call with fewer repeats drops out)."""
+    durations = iter([9.0, 8.0, 1.0, 4.0, 3.0, 2.0, 5.0])
+    monkeypatch.setattr(timing, "timed", lambda function: (next(durations), function()))
+    order = []
+    calls = {name: (lambda name=name: order.append(name) or len(order)) for name in ("a", "b")}
+    result = timing.round_robin(calls, {"a": 3, "b": 2})
+    assert order == ["a", "b", "a", "b", "a", "b", "a"]
+    assert result["a"] == timing.Timing(first=9.0, median=3.0, result=7, times=(1.0, 3.0, 5.0))
+    assert result["b"] == timing.Timing(first=8.0, median=3.0, result=6, times=(4.0, 2.0))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("preset, batch, src_len, steps", SHAPES)
+def test_decode_step_bytes_count_every_tensor_a_step_reads(preset, batch, src_len, steps, norm_first):
+    """The weights of a cached step from the checkpoint's own list of tensors (docs/checkpoint-format.md): every
+    decoder tensor but the cross-attention's key and value projections (applied to the memory once), and the
+    output projection; per row the self-attention keys and values of t positions at step t (averaged over the
+    steps) and the memory's (src_len positions), in every decoder layer. float32: 4 bytes."""
+    config = TransformerConfig.preset(preset, norm_first=norm_first)
+    read = lambda name: (name.startswith("decoder.") and ".cross_attn.k_proj" not in name
+                         and ".cross_attn.v_proj" not in name) or name in OUTPUT_PROJECTIONS
+    weights = sum(int(np.prod(shape)) for name, shape in parameter_shapes(config).items() if read(name))
+    prefixes = sum(range(1, steps + 1)) / steps
+    caches = batch * config.n_decoder_layers * 2 * config.d_model * (prefixes + src_len)
+    assert timing.decode_step_bytes(config, batch, src_len, steps) == pytest.approx(4 * (weights + caches), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- train

@@ -1,38 +1,74 @@
-"""``bench``: forward pass and greedy decoding (cached and uncached) of every installed backend on
-the same weights and inputs; warm-up excluded, compile time reported separately.
+"""``bench``: the forward pass and decoding of every installed backend -- and, with ``--peers``, of the engines
+a user would pick instead (:mod:`transformer_cli.peers`) -- on the same weights and inputs, timed interleaved
+(:func:`transformer_cli.timing.round_robin`: each round runs every engine once, in turn), medians with their
+spread, the warm-up call reported apart as compile time.
 
-FLOPs are counted analytically (2 per multiply-add of every matrix product, see
-:mod:`transformer_cli.timing`); achieved GFLOP/s are compared with this machine's float32
-matrix-multiply rate, measured in NumPy by :func:`transformer_cli.timing.matmul_rate`.
+Every figure is set against anchors the command measures itself (:class:`Anchors`): the machine's best
+float32 matrix-multiply rate (the fastest of NumPy, PyTorch, JAX and TensorFlow, whichever are installed,
+each named), its memory bandwidth, and from it the lower bound of a cached decoding step, the bytes it must
+read (:func:`transformer_cli.timing.decode_step_bytes`) over the bandwidth. FLOPs are counted analytically
+(2 per multiply-add of every matrix product, see :mod:`transformer_cli.timing`).
+
+Without ``--peers``: forward, cached and uncached greedy decoding of batch 1 (section 6.1's budget: source
+length + 50 tokens). With ``--peers``: forward, greedy decoding of batch 1 and of batch :data:`PEER_BATCH`,
+beam search (beam 4, alpha 0.6) of batch 1, the backends with their key/value caches (the NumPy reference,
+which recomputes every prefix by design, runs the forward pass only), the peers through their own APIs,
+told to emit exactly ``decode_tokens`` tokens where they can be.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from reference_numpy import TransformerConfig, init_params
-from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
+from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 
 from . import backends
-from .timing import cpu_name, decode_flops, encode_flops, forward_flops, gflop_rate, matmul_rate, measure, numpy_product
+from .timing import (
+    BANDWIDTH_OPERATION,
+    Timing,
+    cpu_name,
+    decode_flops,
+    decode_step_bytes,
+    encode_flops,
+    forward_flops,
+    gemm_rates,
+    gflop_rate,
+    memory_bandwidth,
+    round_robin,
+)
 
 MATMUL_SIZE = 2048
 MATMUL_REPEATS = 5
+BANDWIDTH_MIB = 256
+BANDWIDTH_REPEATS = 5
+PEER_BATCH = 8
+
+FORWARD = "forward"
+TASKS = (FORWARD, "greedy (cached)", "greedy (uncached)")                           # without --peers
+PEER_TASKS = (FORWARD, "greedy batch 1", f"greedy batch {PEER_BATCH}", "beam 4 batch 1")  # with --peers
+ROWS = {"greedy (cached)": 1, "greedy (uncached)": 1, "greedy batch 1": 1, f"greedy batch {PEER_BATCH}": PEER_BATCH,
+        "beam 4 batch 1": BEAM_SIZE}            # rows a decoding step of each task runs (beam search: its beams)
 
 
 @dataclass
 class Measurement:
-    backend: str
+    backend: str               # the engine: a backend, or a peer
     device: str
-    task: str                  # "forward", "greedy (cached)", "greedy (uncached)"
+    task: str                  # one of TASKS or PEER_TASKS
     seconds: float             # median of the timed repeats
     first_call_seconds: float  # the warm-up call: includes tracing/compilation
     flops: float
-    tokens: int | None = None  # decoded tokens (greedy)
+    tokens: int | None = None  # decoding: the steps the call ran (the output's length; batch > 1: its longest row)
+    min_seconds: float = 0.0   # the fastest and slowest timed repeats
+    max_seconds: float = 0.0
+    kind: str = "backend"      # "backend" or "peer"
+    repeats: int = 0           # timed calls after the warm-up
 
     @property
     def compile_seconds(self) -> float:
@@ -42,45 +78,106 @@ class Measurement:
     def gflops(self) -> float:
         return gflop_rate(self.flops, self.seconds)
 
+    @property
+    def unit_seconds(self) -> float:
+        """The forward pass's time, or a decoding call's time per step (per token at batch 1)."""
+        return self.seconds if self.tokens is None else self.seconds / max(1, self.tokens)
+
+
+@dataclass
+class Anchors:
+    """What this machine can do at best, measured by the command itself."""
+
+    gemm_gflops: dict[str, float]   # framework -> float32 (MATMUL_SIZE)^2 product rate
+    bandwidth_gb_per_s: float       # BANDWIDTH_OPERATION's read rate
+    step_bytes: dict[str, float]    # decoding task -> bytes one of its steps reads (timing.decode_step_bytes)
+
+    @property
+    def best_gemm(self) -> tuple[str, float]:
+        return max(self.gemm_gflops.items(), key=lambda item: item[1])
+
+    def bound_seconds(self, task: str) -> float:
+        """The lower bound of one step of a decoding task: its bytes at the measured bandwidth."""
+        return self.step_bytes[task] / (self.bandwidth_gb_per_s * 1e9)
+
+    def to_json(self) -> dict:
+        name, rate = self.best_gemm
+        return {"gemm_gflops": self.gemm_gflops, "gemm_size": MATMUL_SIZE, "best_gemm": {"framework": name,
+                                                                                        "gflops": rate},
+                "bandwidth": {"operation": BANDWIDTH_OPERATION.format(mib=BANDWIDTH_MIB),
+                              "gb_per_s": self.bandwidth_gb_per_s},
+                "step_bytes": self.step_bytes,
+                "bound_seconds_per_step": {task: self.bound_seconds(task) for task in self.step_bytes}}
+
 
 @dataclass
 class BenchReport:
     preset: str
     shapes: dict
     machine: dict
-    matmul_gflops: float
+    anchors: Anchors
     measurements: list[Measurement]
     missing: list
+    computes: dict = field(default_factory=dict)    # engine -> {task: what its timed call computes}
+    peers: bool = False
+
+    def best_peer(self, task: str) -> Measurement | None:
+        runs = [m for m in self.measurements if m.kind == "peer" and m.task == task]
+        return min(runs, key=lambda m: m.unit_seconds, default=None)
+
+    def ratios(self, m: Measurement) -> dict[str, float | None]:
+        """The measurement against its anchors: forward GFLOP/s over the best GEMM rate; a decoding step's
+        time over its bandwidth bound; its time (per step) over the best peer's."""
+        best = self.best_peer(m.task) if self.peers else None
+        return {"ratio_to_best_gemm": m.gflops / self.anchors.best_gemm[1] if m.task == FORWARD else None,
+                "ratio_to_bound": None if m.task == FORWARD else m.unit_seconds / self.anchors.bound_seconds(m.task),
+                "ratio_to_best_peer": m.unit_seconds / best.unit_seconds if best else None,
+                "best_peer": best.backend if best else None}
 
     def to_json(self) -> dict:
-        return {"preset": self.preset, "shapes": self.shapes, "machine": self.machine,
-                "matmul_gflops": self.matmul_gflops, "missing": [asdict(m) for m in self.missing],
+        return {"preset": self.preset, "shapes": self.shapes, "machine": self.machine, "peers": self.peers,
+                "anchors": self.anchors.to_json(), "missing": [asdict(m) for m in self.missing],
+                "computes": self.computes,
                 "measurements": [{**asdict(m), "compile_seconds": m.compile_seconds, "gflops": m.gflops,
-                                  "fraction_of_matmul_rate": m.gflops / self.matmul_gflops}
-                                 for m in self.measurements]}
+                                  "unit_seconds": m.unit_seconds, **self.ratios(m)} for m in self.measurements]}
+
+
+@dataclass
+class Engine:
+    """One engine's timed calls: task -> a call returning its output (decoding: token ids (B, L))."""
+
+    name: str
+    kind: str
+    device: str
+    calls: dict[str, Callable[[], object]]
+    computes: dict[str, str]
+    once: tuple[str, ...] = ()      # tasks timed with one repeat: decoding without a cache, slow by design
 
 
 def machine_description() -> dict:
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
 
 
-def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int):
-    """Seeded token ids: a (batch, src_len) source and (batch, tgt_len) target for the forward
-    pass, and one source sentence of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget:
+def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int,
+                 decode_batch: int = 1):
+    """Seeded token ids: a (batch, src_len) source and (batch, tgt_len) target for the forward pass, and
+    ``decode_batch`` source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget:
     source length + 50) to decode."""
     rng = np.random.default_rng(0)
     first = max(config.pad_id, config.bos_id, config.eos_id) + 1
     src = rng.integers(first, config.src_vocab_size, size=(batch, src_len))
     tgt = rng.integers(first, config.tgt_vocab_size, size=(batch, tgt_len))
     tgt[:, 0] = config.bos_id
-    decode_src = rng.integers(first, config.src_vocab_size, size=(1, max(1, decode_tokens - EXTRA_OUTPUT_LENGTH)))
+    source_length = max(1, decode_tokens - EXTRA_OUTPUT_LENGTH)
+    decode_src = rng.integers(first, config.src_vocab_size, size=(decode_batch, source_length))
     return src, tgt, decode_src
 
 
 def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
           names: tuple[str, ...] = backends.BACKENDS, repeats: int = 3, uncached: bool = True,
-          progress=None) -> BenchReport:
-    """Time every installed backend (float32, first device of each) on one seeded checkpoint."""
+          progress=None, peers: bool = False) -> BenchReport:
+    """Time every installed backend (float32, first device of each) -- and with ``peers`` every installed
+    peer -- on one seeded checkpoint, interleaved; the anchors measured on the way."""
     config = TransformerConfig.preset(preset)
     for flag, length in (("--src-len", src_len), ("--tgt-len", tgt_len), ("--decode-tokens", decode_tokens)):
         if length > config.max_len:
@@ -88,53 +185,140 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     adapters, missing = backends.load(tuple(names))
     backends.require_any(tuple(names), adapters, missing)
     params = init_params(config, seed=0, dtype=np.float32)
-    src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens)
-    tasks = []
-    for adapter in adapters.values():
-        tasks.append((adapter, "forward"))
-        if adapter.NAME != "numpy":
-            tasks.append((adapter, "greedy (cached)"))
-        if uncached:
-            tasks.append((adapter, "greedy (uncached)"))
-    rate = matmul_rate(numpy_product(MATMUL_SIZE), MATMUL_SIZE, MATMUL_REPEATS)
-    models = {}
-    measurements = []
-    for adapter, task in (progress(tasks) if progress else tasks):
-        device = adapter.devices()[0]
-        if adapter.NAME not in models:
-            models[adapter.NAME] = adapter.build(config, params, "float32", device)
-        model = models[adapter.NAME]
-        if task == "forward":
-            timing = measure(lambda: adapter.forward(model, src, tgt), repeats)
-            measurements.append(Measurement(adapter.NAME, device, task, timing.median, timing.first,
-                                            forward_flops(config, batch, src_len, tgt_len)))
-            continue
-        cached = task == "greedy (cached)"
-        timing = measure(lambda: adapter.greedy(model, decode_src, use_cache=cached), 1 if not cached else repeats)
-        steps, source = int((np.asarray(timing.result) != config.pad_id).sum()), decode_src.shape[1]
-        flops = encode_flops(config, 1, source) + decode_flops(config, 1, source, steps, cached)
-        measurements.append(Measurement(adapter.NAME, device, task, timing.median, timing.first, flops, steps))
+    src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens, PEER_BATCH if peers else 1)
+    inputs = {FORWARD: (src, tgt), "batch 1": decode_src[:1], "batch": decode_src}
+    engines = [backend_engine(adapter, config, params, inputs, peers, uncached) for adapter in adapters.values()]
+    if peers:
+        from . import peers as peer_module
+        built, unavailable = peer_module.load(config, params, os.cpu_count() or 1)
+        engines += [peer_engine(peer, inputs, decode_tokens) for peer in built.values()]
+        missing += unavailable + [backends.Missing(peer.NAME, f"{task}: not measured ({reason})")
+                                  for peer in built.values() for task, reason in peer.NOT_MEASURED.items()]
+    tasks = PEER_TASKS if peers else TASKS
+    source = decode_src.shape[1]
+    anchors = Anchors(gemm_rates(MATMUL_SIZE, MATMUL_REPEATS), memory_bandwidth(BANDWIDTH_MIB, BANDWIDTH_REPEATS),
+                      {task: decode_step_bytes(config, ROWS[task], source, decode_tokens) for task in tasks[1:]})
+    calls = {(engine.name, task): engine.calls[task] for task in tasks for engine in engines if task in engine.calls}
+    once = {(engine.name, task) for engine in engines for task in engine.once}
+    counts = {key: 1 if key in once else repeats for key in calls}
+    timings = round_robin(calls, counts, progress)
+    kinds = {engine.name: (engine.kind, engine.device) for engine in engines}
+    measurements = [measurement(config, key, timings[key], *kinds[key[0]], (batch, src_len, tgt_len), source)
+                    for key in calls]
     shapes = {"batch": batch, "src_len": src_len, "tgt_len": tgt_len, "decode_tokens": decode_tokens,
-              "dtype": "float32"}
-    return BenchReport(preset, shapes, machine_description(), rate, measurements, missing)
+              "decode_batch": PEER_BATCH if peers else 1, "beam_size": BEAM_SIZE,
+              "alpha": LENGTH_PENALTY_ALPHA, "dtype": "float32"}
+    return BenchReport(preset, shapes, machine_description(), anchors, measurements, missing,
+                       {engine.name: engine.computes for engine in engines}, peers)
+
+
+def backend_engine(adapter, config: TransformerConfig, params, inputs: dict, peers: bool, uncached: bool) -> Engine:
+    """A backend's model (float32, its first device) and its timed calls (see the module docstring)."""
+    device = adapter.devices()[0]
+    model = adapter.build(config, params, "float32", device)
+    src, tgt = inputs[FORWARD]
+    calls = {FORWARD: lambda: adapter.forward(model, src, tgt)}
+    computes = {FORWARD: "the model call with every stage kept (adapter.forward): (B, T, V) log-probabilities"}
+    cached = adapter.NAME != "numpy"
+    if peers and cached:
+        calls.update({"greedy batch 1": lambda: adapter.greedy(model, inputs["batch 1"]),
+                      f"greedy batch {PEER_BATCH}": lambda: adapter.greedy(model, inputs["batch"]),
+                      "beam 4 batch 1": lambda: adapter.beam(model, inputs["batch 1"])[0]})
+        greedy = "greedy_decode with the key/value cache, section 6.1's rules: stops at eos or after source length + 50"
+        computes.update({"greedy batch 1": greedy, f"greedy batch {PEER_BATCH}": greedy,
+                         "beam 4 batch 1": "beam_search(beam 4, alpha 0.6) with the key/value cache, section 6.1's "
+                                           "rules (stops when no live beam can beat the best finished hypothesis)"})
+    if not peers and cached:
+        calls["greedy (cached)"] = lambda: adapter.greedy(model, inputs["batch 1"], use_cache=True)
+        computes["greedy (cached)"] = "greedy_decode with the key/value cache, up to source length + 50 tokens"
+    if not peers and uncached:
+        calls["greedy (uncached)"] = lambda: adapter.greedy(model, inputs["batch 1"], use_cache=False)
+        computes["greedy (uncached)"] = "greedy_decode recomputing the whole prefix every step"
+    return Engine(adapter.NAME, "backend", device, calls, computes, ("greedy (uncached)",))
+
+
+def peer_engine(peer, inputs: dict, steps: int) -> Engine:
+    """A peer's timed calls: forward, greedy batch 1 and PEER_BATCH, beam 4 batch 1 -- those it has."""
+    src, tgt = inputs[FORWARD]
+    calls = {FORWARD: lambda: peer.forward(src, tgt),
+             "greedy batch 1": lambda: peer.greedy(inputs["batch 1"], steps),
+             f"greedy batch {PEER_BATCH}": lambda: peer.greedy(inputs["batch"], steps)}
+    if peer.beam is not None:
+        calls["beam 4 batch 1"] = lambda: peer.beam(inputs["batch 1"], steps, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
+    return Engine(peer.NAME, "peer", "cpu", calls, {task: peer.COMPUTES[task.split()[0]] for task in calls},
+                  tuple(task for task in calls if task.split()[0] in peer.UNCACHED))
+
+
+def measurement(config: TransformerConfig, key: tuple[str, str], timing: Timing, kind: str, device: str,
+                forward_shape: tuple[int, int, int], source: int) -> Measurement:
+    """One cell: the timing, the FLOPs of the work (decoding: the cached count, whatever the engine does)."""
+    (name, task), (batch, src_len, tgt_len) = key, forward_shape
+    if task == FORWARD:
+        flops, tokens = forward_flops(config, batch, src_len, tgt_len), None
+    else:
+        rows, tokens = ROWS[task], int(np.shape(timing.result)[1])          # beam search: its beams
+        flops = encode_flops(config, rows, source) + decode_flops(config, rows, source, tokens, True)
+    return Measurement(name, device, task, timing.median, timing.first, flops, tokens, timing.minimum,
+                       timing.maximum, kind, len(timing.times))
 
 
 def format_bench(report: BenchReport) -> str:
-    shapes = report.shapes
+    shapes, anchors = report.shapes, report.anchors
+    name, rate = anchors.best_gemm
+    others = ", ".join(f"{n} {r:.1f}" for n, r in anchors.gemm_gflops.items() if n != name)
+    decoding = (f"greedy decoding of {shapes['decode_tokens']} tokens, batch 1 and {shapes['decode_batch']}; beam "
+                f"{shapes['beam_size']} (alpha {shapes['alpha']}), batch 1" if report.peers else
+                f"greedy decoding of up to {shapes['decode_tokens']} tokens (batch 1)")
     lines = [f"preset {report.preset}, float32; forward batch {shapes['batch']} x {shapes['src_len']} x "
-             f"{shapes['tgt_len']}; greedy decoding of up to {shapes['decode_tokens']} tokens (batch 1)",
-             f"machine: {report.machine['cpu']}, {report.machine['cores']} cores; "
-             f"measured float32 matmul rate (NumPy, {MATMUL_SIZE}^2): {report.matmul_gflops:.1f} GFLOP/s", "",
-             f"{'backend':<8}{'device':<8}{'task':<19}{'time':>11}{'compile':>10}{'tokens':>8}{'GFLOP/s':>10}"
-             f"{'of matmul':>11}"]
-    for m in report.measurements:
-        lines.append(f"{m.backend:<8}{m.device:<8}{m.task:<19}{m.seconds * 1e3:>9.1f}ms{m.compile_seconds:>9.2f}s"
-                     f"{'' if m.tokens is None else m.tokens:>8}{m.gflops:>10.1f}"
-                     f"{m.gflops / report.matmul_gflops:>10.0%}")
-    ratios = [f"{name}: cached decoding {speedup:.1f}x faster per token" for name, speedup in cache_speedups(report)]
+             f"{shapes['tgt_len']}; {decoding}",
+             f"machine: {report.machine['cpu']}, {report.machine['cores']} cores",
+             f"best float32 GEMM ({MATMUL_SIZE}^2): {rate:.1f} GFLOP/s ({name}{'; ' + others if others else ''})",
+             f"memory bandwidth: {anchors.bandwidth_gb_per_s:.1f} GB/s "
+             f"({BANDWIDTH_OPERATION.format(mib=BANDWIDTH_MIB)}, median)"]
+    first_decoding = next(task for task in anchors.step_bytes)
+    lines.append(f"bytes read per decoding step, batch 1: {anchors.step_bytes[first_decoding] / 1e6:.1f} MB -> lower "
+                 f"bound {anchors.bound_seconds(first_decoding) * 1e3:.3g} ms/token")
+    for task in dict.fromkeys(m.task for m in report.measurements):
+        lines += ["", *_task_table(report, task)]
+    ratios = [f"{n}: cached decoding {speedup:.1f}x faster per token" for n, speedup in cache_speedups(report)]
     lines += [""] + ratios if ratios else []
+    if report.peers:
+        lines += ["", "what each timed call computes:"]
+        lines += [f"  {', '.join(engines)} -- {', '.join(tasks)}: {text}"
+                  for text, (engines, tasks) in _by_text(report.computes).items()]
     lines += [f"{m.name}: {m.reason}" for m in report.missing]
     return "\n".join(lines)
+
+
+def _task_table(report: BenchReport, task: str) -> list[str]:
+    """One task's rows: median and spread, compile time, and the ratios to the anchors and the best peer."""
+    forward = task == FORWARD
+    unit = "" if forward else (" per token" if ROWS[task] == 1 and "beam" not in task else " per step")
+    header = (f"{task}{unit}", "engine", "device", "median", "min-max", "compile",
+              "GFLOP/s" if forward else "steps", "of best GEMM" if forward else "x bound")
+    lines = [f"{header[0]}", f"  {header[1]:<22}{header[2]:<8}{header[3]:>11}{header[4]:>19}{header[5]:>9}"
+             f"{header[6]:>9}{header[7]:>14}{'x best peer' if report.peers else '':>13}".rstrip()]
+    for m in (m for m in report.measurements if m.task == task):
+        scale = 1e3 / (1 if forward else max(1, m.tokens))
+        ratios = report.ratios(m)
+        anchor = f"{ratios['ratio_to_best_gemm']:.0%}" if forward else f"{ratios['ratio_to_bound']:.2f}"
+        peer = "" if ratios["ratio_to_best_peer"] is None else f"{ratios['ratio_to_best_peer']:.2f}"
+        spread = f"{m.min_seconds * scale:.1f}-{m.max_seconds * scale:.1f} ms"
+        lines.append(f"  {m.backend:<22}{m.device:<8}{m.unit_seconds * 1e3:>9.2f}ms{spread:>19}"
+                     f"{m.compile_seconds:>8.2f}s{m.gflops if forward else m.tokens:>9.{1 if forward else 0}f}"
+                     f"{anchor:>14}{peer:>13}".rstrip())
+    return lines
+
+
+def _by_text(computes: dict[str, dict[str, str]]) -> dict[str, tuple[list[str], list[str]]]:
+    """engine -> {task: text} as text -> (the engines, the tasks) that share it, in order."""
+    grouped: dict[str, tuple[list[str], list[str]]] = {}
+    for engine, texts in computes.items():
+        for task, text in texts.items():
+            engines, tasks = grouped.setdefault(text, ([], []))
+            engines += [engine] if engine not in engines else []
+            tasks += [task] if task not in tasks else []
+    return grouped
 
 
 def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
@@ -144,33 +328,37 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
     for name in dict.fromkeys(m.backend for m in report.measurements):
         cached, uncached = by_key.get((name, "greedy (cached)")), by_key.get((name, "greedy (uncached)"))
         if cached and uncached:
-            per_token = lambda run: run.seconds / max(1, run.tokens)
-            speedups.append((name, per_token(uncached) / per_token(cached)))
+            speedups.append((name, uncached.unit_seconds / cached.unit_seconds))
     return speedups
 
 
 def plot_bench(report: BenchReport, path) -> None:
-    """Two bar charts: forward GFLOP/s per backend against the matmul rate, and time per decoded
-    token, cached and uncached."""
+    """Two bar charts: forward GFLOP/s per engine against the best GEMM rate, and milliseconds per decoding
+    step of each decoding task (log scale) against the batch-1 bandwidth bound."""
     from .plots import pyplot
     plt = pyplot()
     names = list(dict.fromkeys(m.backend for m in report.measurements))
     find = {(m.backend, m.task): m for m in report.measurements}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    left.bar(names, [find[(n, "forward")].gflops if (n, "forward") in find else 0 for n in names], color="tab:blue")
-    left.axhline(report.matmul_gflops, color="black", linestyle="--", label="float32 matmul rate (NumPy)")
+    tasks = [task for task in dict.fromkeys(m.task for m in report.measurements) if task != FORWARD]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    left.bar(names, [find[(n, FORWARD)].gflops if (n, FORWARD) in find else np.nan for n in names], color="tab:blue")
+    best, rate = report.anchors.best_gemm
+    left.axhline(rate, color="black", linestyle="--", label=f"best float32 GEMM rate ({best})")
     left.set_ylabel("achieved GFLOP/s")
     left.set_title(f"forward, batch {report.shapes['batch']} x {report.shapes['src_len']} x {report.shapes['tgt_len']}")
     left.legend(fontsize="small", loc="lower right")
-    width = 0.4
-    for offset, task, color in ((-width / 2, "greedy (uncached)", "tab:orange"),
-                                (width / 2, "greedy (cached)", "tab:green")):
-        per_token = [1e3 * find[(n, task)].seconds / max(1, find[(n, task)].tokens) if (n, task) in find else 0
-                     for n in names]
-        right.bar(np.arange(len(names)) + offset, per_token, width, label=task, color=color)
-    right.set_xticks(range(len(names)), names)
-    right.set_ylabel("ms per decoded token")
-    right.set_title(f"greedy decoding, {report.shapes['decode_tokens']} tokens, batch 1")
+    left.set_xticks(range(len(names)), names, rotation=25, ha="right")
+    width = 0.8 / max(1, len(tasks))
+    for i, task in enumerate(tasks):
+        per_step = [1e3 * find[(n, task)].unit_seconds if (n, task) in find else np.nan for n in names]
+        right.bar(np.arange(len(names)) + (i - (len(tasks) - 1) / 2) * width, per_step, width, label=task)
+    if tasks:
+        right.axhline(1e3 * report.anchors.bound_seconds(tasks[0]), color="black", linestyle="--",
+                      label="batch-1 bandwidth bound")
+    right.set_xticks(range(len(names)), names, rotation=25, ha="right")
+    right.set_yscale("log")                                     # cached steps and prefix-recomputing loops alike
+    right.set_ylabel("ms per decoding step (log scale)")
+    right.set_title(f"decoding, {report.shapes['decode_tokens']} tokens")
     right.legend(fontsize="small")
     fig.suptitle(f"{report.preset} preset, float32 ({report.machine['cpu']}, {report.machine['cores']} cores)")
     fig.savefig(path, dpi=120)

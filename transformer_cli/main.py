@@ -1,7 +1,8 @@
 """Entry point of ``transformer-reference``.
 
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
-    transformer-reference bench [--preset base] [--json] [--plot FILE.png]
+    transformer-reference bench [--preset base] [--peers] [--json] [--plot FILE.png]
+    transformer-reference export --to ctranslate2 CHECKPOINT OUTPUT_DIR [--force]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
                                          [--out attention.png]
@@ -42,7 +43,7 @@ EXIT_STATUS = f"""exit status:
   {EXIT_OK}  success (compare: every backend agrees with the reference)
   {EXIT_DISAGREEMENT}  compare: a backend breaks a bound, gives NaN/inf or fails to run
   {EXIT_USAGE}  usage or input error: bad flag, bad checkpoint, nothing to compare, init
-     output exists; one line on stderr, no traceback
+     or export output exists; one line on stderr, no traceback
   {EXIT_INTERNAL}  internal error: a bug, reported with its traceback"""
 
 
@@ -93,6 +94,10 @@ def add_bench(commands) -> None:
     bench.add_argument("--repeats", type=integer(1), default=3, help="timed repeats after the warm-up (median)")
     bench.add_argument("--no-uncached", action="store_true", help="skip the (slow) uncached decoding")
     bench.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS))
+    bench.add_argument("--peers", action="store_true",
+                       help="also time the installed peers on the same weights (CTranslate2, torch.nn.Transformer, "
+                            "HF Marian; the 'peers' extra): forward, greedy batch 1 and 8, beam 4 batch 1, "
+                            "without the uncached decoding (docs/peers.md)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
     bench.set_defaults(run=run_bench)
@@ -103,7 +108,8 @@ def run_bench(args) -> int:
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
-                   progress=progress_bar("bench", "task", quiet=args.json or not sys.stderr.isatty()))
+                   progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
+                   peers=args.peers)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if args.plot:
         plot_bench(report, args.plot)
@@ -165,6 +171,24 @@ def run_init(args) -> int:
     config = TransformerConfig.preset(args.preset)
     save_checkpoint(args.out, config, init_params(config, seed=args.seed, dtype=np.dtype(args.dtype)))
     print(f"wrote {args.out}: {args.preset} preset, seed {args.seed}, {args.dtype}")
+    return EXIT_OK
+
+
+def add_export(commands) -> None:
+    export = subcommand(commands, "export", "write a shared checkpoint as another engine's model (CTranslate2)")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a shared safetensors checkpoint")
+    export.add_argument("output_dir", metavar="OUTPUT_DIR", help="the model directory to write")
+    export.add_argument("--to", required=True, choices=["ctranslate2"],
+                        help="the engine: ctranslate2 (a float32 model directory; the 'peers' extra, docs/peers.md)")
+    export.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists (it is kept otherwise)")
+    export.set_defaults(run=run_export)
+
+
+def run_export(args) -> int:
+    from .ctranslate2_export import export_ctranslate2
+
+    output = export_ctranslate2(args.checkpoint, args.output_dir, args.force)
+    print(f"wrote {output}: a float32 CTranslate2 model (ctranslate2.Translator; docs/peers.md)")
     return EXIT_OK
 
 
@@ -291,7 +315,8 @@ def run_translate(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = (add_compare, add_bench, add_plot, add_init, add_train, add_translate, side_by_side.add_parser)
+COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_translate,
+            side_by_side.add_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

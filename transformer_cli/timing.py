@@ -1,5 +1,6 @@
-"""Timing, FLOP counts and the machine's matrix-multiply rate: one copy for
-``transformer-reference bench`` and ``compare`` and for the per-port scripts ``scripts/bench_*.py``.
+"""Timing, FLOP counts and the machine's anchors (its matrix-multiply rates, its memory bandwidth, the
+bytes a decoding step reads): one copy for ``transformer-reference bench`` and ``compare`` and for the
+per-port scripts ``scripts/bench_*.py``.
 
 FLOPs are counted analytically, 2 per multiply-add of every matrix product (section 3 of the
 paper; N layers, d_model = D, d_ff = F, source length S, target length T, batch B, target
@@ -10,14 +11,20 @@ vocabulary V), masked attention entries included (the scores are computed, then 
 * decoder layer: the same over T positions, plus cross-attention: its Q and output projections
   2 T D^2, the memory's keys and values 2 S D^2, scores and weighted sum 2 T S D;
 * output projection (the generator): T D V.
+
+A cached decoding step (batch 1) cannot be faster than reading what it needs from memory once
+(:func:`decode_step_bytes`) at the machine's measured bandwidth (:func:`memory_bandwidth`): that
+quotient is the lower bound ``bench`` reports per-token times against.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +37,15 @@ class Timing:
     first: float     # seconds of the first (warm-up) call: includes tracing and compilation
     median: float    # median seconds of the timed calls after it
     result: object   # what the last call returned
+    times: tuple[float, ...] = ()   # seconds of every timed call, in order
+
+    @property
+    def minimum(self) -> float:
+        return min(self.times, default=self.median)
+
+    @property
+    def maximum(self) -> float:
+        return max(self.times, default=self.median)
 
 
 def timed(function: Callable[[], object]) -> tuple[float, object]:
@@ -48,7 +64,26 @@ def measure(function: Callable[[], object], repeats: int, warm_up: Callable[[], 
     for _ in range(repeats):
         seconds, result = timed(function)
         times.append(seconds)
-    return Timing(first, statistics.median(times), result)
+    return Timing(first, statistics.median(times), result, tuple(times))
+
+
+def round_robin(calls: dict[Hashable, Callable[[], object]], repeats: int | dict[Hashable, int],
+                progress: Callable[[list], object] | None = None) -> dict[Hashable, Timing]:
+    """Time every call of ``calls`` interleaved: a warm-up round (each call once, in order: its tracing
+    and compilation), then rounds in which every call runs once, in turn, ``repeats`` rounds (one number
+    for every call, or one per key), so that whatever else the machine does falls on every call alike.
+    ``progress`` wraps the list of (round, key) calls (a progress bar)."""
+    counts = {key: repeats[key] if isinstance(repeats, dict) else repeats for key in calls}
+    schedule = [(turn, key) for turn in range(max(counts.values(), default=0) + 1) for key in calls
+                if turn <= counts[key]]
+    first, times, results = {}, defaultdict(list), {}
+    for turn, key in (progress(schedule) if progress else schedule):
+        seconds, results[key] = timed(calls[key])
+        if turn == 0:
+            first[key] = seconds
+        else:
+            times[key].append(seconds)
+    return {key: Timing(first[key], statistics.median(times[key]), results[key], tuple(times[key])) for key in calls}
 
 
 def gflop_rate(flops: float, seconds: float) -> float:
@@ -67,6 +102,74 @@ def numpy_product(size: int) -> Callable[[], object]:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
     return lambda: a @ b
+
+
+def torch_product(size: int) -> Callable[[], object]:
+    """The same product as :func:`numpy_product` with ``torch.matmul`` (CPU, synchronous)."""
+    import torch
+    a, b = (torch.from_numpy(m) for m in _matrices(size))
+    return lambda: torch.matmul(a, b)
+
+
+def jax_product(size: int) -> Callable[[], object]:
+    """The same product as :func:`numpy_product` with ``jax.numpy.matmul`` under ``jax.jit`` (XLA), blocking on
+    the result."""
+    import jax
+    a, b = (jax.device_put(m) for m in _matrices(size))
+    product = jax.jit(jax.numpy.matmul)
+    return lambda: product(a, b).block_until_ready()
+
+
+def tf_product(size: int) -> Callable[[], object]:
+    """The same product as :func:`numpy_product` with ``tf.linalg.matmul`` (eager), blocking on one entry of
+    the result."""
+    import tensorflow as tf
+    a, b = (tf.constant(m) for m in _matrices(size))
+    return lambda: tf.linalg.matmul(a, b)[0, 0].numpy()
+
+
+def _matrices(size: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((size, size), dtype=np.float32), rng.standard_normal((size, size), dtype=np.float32)
+
+
+# framework -> (the module that must be installed, its product)
+PRODUCTS = {"numpy": ("numpy", numpy_product), "torch": ("torch", torch_product), "jax": ("jax", jax_product),
+            "tf": ("tensorflow", tf_product)}
+
+
+def gemm_rates(size: int, repeats: int) -> dict[str, float]:
+    """:func:`matmul_rate` of every installed framework's float32 (size x size) product, framework -> GFLOP/s."""
+    return {name: matmul_rate(product(size), size, repeats) for name, (module, product) in PRODUCTS.items()
+            if importlib.util.find_spec(module) is not None}
+
+
+BANDWIDTH_OPERATION = "NumPy float32 matrix-vector product (BLAS sgemv), reading a {mib} MiB matrix once"
+
+
+def memory_bandwidth(mebibytes: int, repeats: int) -> float:
+    """This machine's memory read rate in GB/s: the median of ``repeats`` NumPy float32 matrix-vector
+    products (after a warm-up) over a (n, 512) matrix of ``mebibytes`` MiB, far larger than any cache, each
+    reading the matrix once -- the access of a decoding step's weights (:data:`BANDWIDTH_OPERATION`)."""
+    rows = mebibytes * 2 ** 20 // (4 * 512)
+    matrix = np.random.default_rng(0).standard_normal((rows, 512), dtype=np.float32)
+    vector = np.ones(512, dtype=np.float32)
+    return matrix.nbytes / measure(lambda: matrix @ vector, repeats).median / 1e9
+
+
+def decode_step_bytes(config: TransformerConfig, batch: int, src_len: int, steps: int, itemsize: int = 4) -> float:
+    """Bytes a cached decoding step reads, on average over ``steps`` steps of ``batch`` rows: the weights it
+    uses, once for the whole batch -- in every decoder layer the self-attention's four projections, the
+    cross-attention's query and output projections (its keys and values are the memory's, projected once),
+    the feed-forward network and the three LayerNorms; pre-LN's final LayerNorm; the output projection
+    (D x V) -- and per row the
+    caches it attends over: the self-attention keys and values of t positions at step t, and the memory's
+    keys and values (``src_len`` positions). ``itemsize`` 4: float32."""
+    d, f = config.d_model, config.d_ff
+    layer = 6 * d * d + 2 * d * f + (6 * d + f + d) + 6 * d          # matrices, their biases, three LayerNorms
+    weights = config.n_decoder_layers * layer + 2 * d * config.norm_first + d * config.tgt_vocab_size
+    caches = batch * config.n_decoder_layers * 2 * d * ((steps + 1) / 2 + src_len)
+    return itemsize * (weights + caches)
 
 
 def layer_macs(config: TransformerConfig, queries: int, keys: int, memory: int | None = None) -> int:
