@@ -378,9 +378,9 @@ LOSS = [
 
 # ----------------------------------------------------------------------------- consistent decoding bugs
 #
-# The PyTorch port runs the reference's own length_penalty, select_candidates, search_ends and
-# best_hypothesis; JAX and TensorFlow implement the same rules inside their compiled loops, and
-# import length_penalty and the constants from the reference.
+# The PyTorch port runs the reference's own length_penalty, search_ends and best_hypothesis and
+# selects candidates with torch.topk; JAX and TensorFlow implement the same rules inside their
+# compiled loops, and import length_penalty and the constants from the reference.
 
 RD, TD = f"{REF}/decoding.py", f"{TORCH}/decoding.py"
 DECODING_PORTS = (TORCH, JAX, TF)
@@ -414,18 +414,22 @@ BEAM_END = [
     consistent("beam-end", "a finished hypothesis stays in the beam and is extended past its eos", [
         (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
+        (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
+         "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
         (JD, "keep = jnp.nonzero(~is_eos, size=beam_size)[0]", "keep = jnp.arange(beam_size)"),
         (FD, "keep = tf.argsort(tf.where(is_eos, rank + 2 * k, rank), axis=-1, stable=True)[:, :k]",
          "keep = tf.tile(rank[:, :k], [batch, 1])"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("beam-end", "a finished hypothesis leaves its slot empty (live beams only from the first beam_size ranks)", [
         (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
+         "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
+        (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
         (JD, "history, live_scores, state = rows[keep], scores[keep],",
          "history, live_scores, state = rows[keep], jnp.where(keep < beam_size, scores[keep], -jnp.inf),"),
         (FD, "scores = tf.gather(value, keep, batch_dims=1)",
          "scores = tf.where(keep < k, tf.gather(value, keep, batch_dims=1), tf.constant(-np.inf, dtype))"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
 
 EARLY_STOPPING = [
@@ -457,24 +461,28 @@ TIES = [
         (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
          'ranking = (lambda r, v: r // v * v + v - 1 - r % v)('
          'np.argsort(-candidates[:, ::-1], axis=None, kind="stable"), candidates.shape[1])'),
+        (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort(chosen // candidates.shape[1] * "
+         "candidates.shape[1] + candidates.shape[1] - 1 - chosen % candidates.shape[1])]"),
         (JD, "ranked = jnp.argsort(-candidates, stable=True)[:",
          "ranked = (lambda r, v: r // v * v + v - 1 - r % v)(jnp.argsort("
          "-candidates.reshape(-1, log_probs.shape[1])[:, ::-1].reshape(-1), stable=True), log_probs.shape[1])[:"),
         (FD, "ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]",
          "ranking = (lambda r: r // vocab * vocab + vocab - 1 - r % vocab)(tf.argsort("
          "-tf.reshape(tf.reverse(candidates, [-1]), (batch, k * vocab)), axis=-1, stable=True)[:, :2 * k])"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("ties", "beam: equal candidates rank by the higher beam", [
         (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
          'ranking = (lambda r, k, v: (k - 1 - r // v) * v + r % v)('
          'np.argsort(-candidates[::-1], axis=None, kind="stable"), *candidates.shape)'),
+        (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort((len(candidates) - 1 - chosen // "
+         "candidates.shape[1]) * candidates.shape[1] + chosen % candidates.shape[1])]"),
         (JD, "ranked = jnp.argsort(-candidates, stable=True)[:",
          "ranked = (lambda r, k, v: (k - 1 - r // v) * v + r % v)(jnp.argsort("
          "-candidates.reshape(beam_size, -1)[::-1].reshape(-1), stable=True), beam_size, log_probs.shape[1])[:"),
         (FD, "ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]",
          "ranking = (lambda r: (k - 1 - r // vocab) * vocab + r % vocab)(tf.argsort("
          "-tf.reshape(tf.reverse(candidates, [1]), (batch, k * vocab)), axis=-1, stable=True)[:, :2 * k])"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("ties", "equal finished scores go to the hypothesis finished last", [
         (RD, "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)"),
         (JD, "first = jnp.argmax(scores)\n    better = scores[first] > best[0]",
