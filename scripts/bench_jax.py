@@ -7,7 +7,15 @@
 * greedy decoding of batch 1 with and without the key/value cache: 128 tokens, and 256 tokens
   for the cache speed-up (target >= 5x). The source has (tokens - 50) non-pad tokens, so the
   budget of section 6.1 is exactly the number of tokens; the eos row of the random model's
-  shared embedding is zeroed (logit 0) so that decoding runs to the budget (checked).
+  shared embedding is zeroed (logit 0) so that decoding runs to the budget (checked);
+* the per-call overhead: a batch-1 forward pass of 64 source and 64 target tokens by the port's
+  ``compiled_forward`` against plain ``jax.jit`` of the same function with the state split once
+  (interleaved, ``transformer_cli.timing.round_robin``; target: within 10%);
+* cached greedy decoding of batch 1 and batch 8 (ms per step) and beam search (beam 4, alpha 0.6)
+  over 128 steps, interleaved;
+* ``from_params`` of ``base`` (the first call traces the model's structure).
+
+The memory of loading a checkpoint is measured for every backend by ``scripts/bench_memory.py``.
 
 Times are medians of ``--repeats`` runs after a warm-up call (the first call, which compiles,
 is reported separately); uncached decoding, which is slow, runs half as often at 128 tokens and
@@ -32,9 +40,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402
-from transformer_cli.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, measure, timed  # noqa: E402
-from transformer_jax import Transformer, greedy_decode  # noqa: E402
+from transformer_cli.timing import (  # noqa: E402
+    cpu_name,
+    forward_flops,
+    gflop_rate,
+    matmul_rate,
+    measure,
+    round_robin,
+    timed,
+)
+from transformer_jax import Transformer, beam_search, from_params, greedy_decode  # noqa: E402
+from transformer_jax.model import compiled_forward  # noqa: E402
 
 FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
                 "  encoder  N*B*S*(8D^2 + 4DF + 4SD)\n"
@@ -74,6 +92,34 @@ def bench_greedy(model: Transformer, tokens: int, use_cache: bool, repeats: int)
     if emitted != tokens:
         raise RuntimeError(f"decoding stopped after {emitted} of {tokens} tokens")
     return {"first_s": timing.first, "seconds": timing.median, "ms_per_token": 1e3 * timing.median / tokens}
+
+
+def bench_call_overhead(model: Transformer, length: int, repeats: int) -> dict:
+    """Batch-1 forward pass: the port's compiled_forward and plain jax.jit with the state split once."""
+    config = model.config
+    rng = np.random.default_rng(2)
+    src = rng.integers(3, config.src_vocab_size, (1, length))
+    tgt = rng.integers(3, config.tgt_vocab_size, (1, length))
+    tgt[:, 0] = config.bos_id
+    graphdef, state = nnx.split(model)
+    plain = jax.jit(lambda state, src, tgt: nnx.merge(graphdef, state)(src, tgt))
+    src_j, tgt_j = jnp.asarray(src), jnp.asarray(tgt)
+    return round_robin({"port": lambda: compiled_forward(model, src, tgt).block_until_ready(),
+                        "plain": lambda: plain(state, src_j, tgt_j).block_until_ready()}, repeats)
+
+
+def bench_decoding(model: Transformer, steps: int, repeats: int) -> dict:
+    """Cached greedy decoding of batch 1 and 8 and beam search (beam 4, alpha 0.6), each ``steps`` steps."""
+    rng = np.random.default_rng(3)
+    one, eight = (rng.integers(3, model.config.src_vocab_size, (rows, steps - 50)) for rows in (1, 8))
+    timings = round_robin({"greedy 1": lambda: greedy_decode(model, one),
+                           "greedy 8": lambda: greedy_decode(model, eight),
+                           "beam 4": lambda: beam_search(model, one, 4, 0.6)}, repeats)
+    for name, timing in timings.items():
+        emitted = (timing.result[0] if name == "beam 4" else timing.result).shape[1]
+        if emitted != steps:
+            raise RuntimeError(f"{name} stopped after {emitted} of {steps} steps")
+    return timings
 
 
 def machine() -> list[str]:
@@ -117,6 +163,19 @@ def main() -> None:
                   f"median of {runs} {r['seconds']:.3f} s ({r['ms_per_token']:.2f} ms/token)")
     speedup = results[long, False]["seconds"] / results[long, True]["seconds"]
     print(f"cache speed-up at {long} tokens: {speedup:.1f}x (target >= 5x)")
+
+    calls = bench_call_overhead(model, length // 2, 5 * repeats)
+    port, plain = calls["port"].median, calls["plain"].median
+    print(f"\nforward batch 1 x {length // 2} x {length // 2}: compiled_forward {port * 1e3:.1f} ms, plain jax.jit "
+          f"of the split state {plain * 1e3:.1f} ms: {100 * (port / plain - 1):+.0f}% (target within 10%)")
+    for name, timing in bench_decoding(model, short, repeats).items():
+        per = "" if name == "beam 4" else f" ({timing.median * 1e3 / short:.2f} ms/step)"
+        print(f"{name}, {short} steps: first call {timing.first:.2f} s, median {timing.median * 1e3:.0f} ms{per}")
+
+    params = init_params(config, dtype=np.float32)
+    for turn in ("first", "second"):
+        seconds, _ = timed(lambda: from_params(config, params, jnp.float32))
+        print(f"from_params base float32, {turn} call: {seconds:.2f} s")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ Two scopes of mutation:
 * **single**: a classic bug in one backend; the naive checks of the reference or the agreement
   matrix must see it.
 * **consistent**: the same bug planted in the reference and in every port at once (one
-  mutation edits several files; the PyTorch port reuses the reference's beam-selection code, so
-  a beam rule lives in three places). The agreement matrix cannot see such a bug, since every
+  mutation edits several files: a beam rule lives in the reference and in each port's own
+  candidate selection). The agreement matrix cannot see such a bug, since every
   backend still agrees; only the independent oracles written from the paper can. With
   ``--blind`` the script also runs the mutation's agreement selection and requires it to
   *pass*, which proves the plant really is the same everywhere.
@@ -417,7 +417,7 @@ BEAM_END = [
         (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
         (JD, "keep = jnp.nonzero(~is_eos, size=beam_size)[0]", "keep = jnp.arange(beam_size)"),
-        (FD, "keep = tf.argsort(tf.where(is_eos, rank + 2 * k, rank), axis=-1, stable=True)[:, :k]",
+        (FD, "keep = tf.math.top_k(-tf.where(is_eos, rank + 2 * k, rank), k).indices",
          "keep = tf.tile(rank[:, :k], [batch, 1])"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("beam-end", "a finished hypothesis leaves its slot empty (live beams only from the first beam_size ranks)", [
@@ -463,12 +463,13 @@ TIES = [
          'np.argsort(-candidates[:, ::-1], axis=None, kind="stable"), candidates.shape[1])'),
         (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort(chosen // candidates.shape[1] * "
          "candidates.shape[1] + candidates.shape[1] - 1 - chosen % candidates.shape[1])]"),
-        (JD, "ranked = jnp.argsort(-candidates, stable=True)[:",
-         "ranked = (lambda r, v: r // v * v + v - 1 - r % v)(jnp.argsort("
-         "-candidates.reshape(-1, log_probs.shape[1])[:, ::-1].reshape(-1), stable=True), log_probs.shape[1])[:"),
-        (FD, "ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]",
-         "ranking = (lambda r: r // vocab * vocab + vocab - 1 - r % vocab)(tf.argsort("
-         "-tf.reshape(tf.reverse(candidates, [-1]), (batch, k * vocab)), axis=-1, stable=True)[:, :2 * k])"),
+        (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * beam_size, flat.size))",
+         "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(candidates.shape)[:, ::-1].reshape(-1), "
+         "min(2 * beam_size, flat.size)); ranked = (lambda r, v: r // v * v + v - 1 - r % v)(ranked, candidates.shape[1])"),
+        (FD, "value, ranking = tf.math.top_k(tf.where(flat == 0, tf.zeros_like(flat), flat), 2 * k)",
+         "value, ranking = tf.math.top_k(tf.reshape(tf.reverse(tf.reshape(tf.where(flat == 0, tf.zeros_like(flat), flat), "
+         "(batch, k, vocab)), [-1]), (batch, k * vocab)), 2 * k); "
+         "ranking = (lambda r: r // vocab * vocab + vocab - 1 - r % vocab)(ranking)"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("ties", "beam: equal candidates rank by the higher beam", [
         (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
@@ -476,12 +477,13 @@ TIES = [
          'np.argsort(-candidates[::-1], axis=None, kind="stable"), *candidates.shape)'),
         (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort((len(candidates) - 1 - chosen // "
          "candidates.shape[1]) * candidates.shape[1] + chosen % candidates.shape[1])]"),
-        (JD, "ranked = jnp.argsort(-candidates, stable=True)[:",
-         "ranked = (lambda r, k, v: (k - 1 - r // v) * v + r % v)(jnp.argsort("
-         "-candidates.reshape(beam_size, -1)[::-1].reshape(-1), stable=True), beam_size, log_probs.shape[1])[:"),
-        (FD, "ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]",
-         "ranking = (lambda r: (k - 1 - r // vocab) * vocab + r % vocab)(tf.argsort("
-         "-tf.reshape(tf.reverse(candidates, [1]), (batch, k * vocab)), axis=-1, stable=True)[:, :2 * k])"),
+        (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * beam_size, flat.size))",
+         "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(candidates.shape)[::-1].reshape(-1), "
+         "min(2 * beam_size, flat.size)); ranked = (lambda r, k, v: (k - 1 - r // v) * v + r % v)(ranked, *candidates.shape)"),
+        (FD, "value, ranking = tf.math.top_k(tf.where(flat == 0, tf.zeros_like(flat), flat), 2 * k)",
+         "value, ranking = tf.math.top_k(tf.reshape(tf.reverse(tf.reshape(tf.where(flat == 0, tf.zeros_like(flat), flat), "
+         "(batch, k, vocab)), [1]), (batch, k * vocab)), 2 * k); "
+         "ranking = (lambda r: (k - 1 - r // vocab) * vocab + r % vocab)(ranking)"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("ties", "equal finished scores go to the hypothesis finished last", [
         (RD, "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)"),

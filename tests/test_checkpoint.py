@@ -3,6 +3,7 @@ every kind of bad file."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import pickle
@@ -26,7 +27,7 @@ from reference_numpy import (
     parameter_shapes,
     save_checkpoint,
 )
-from reference_numpy.checkpoint import TrainingState, load_training_state
+from reference_numpy.checkpoint import TrainingState, load_training_state, release_freed_memory
 from reference_numpy.config import TrainingConfig
 
 TINY = VARIANTS["tiny"]
@@ -446,3 +447,28 @@ def test_a_bad_training_record_in_a_file_is_one_line(tmp_path, metadata, tensors
         with pytest.raises(ValueError, match=re.escape(problem)) as err:
             read(path)
         assert str(err.value).startswith(f"checkpoint {str(path)!r}: ") and "\n" not in str(err.value)
+
+
+def _anonymous_mib() -> float:
+    """The process's own (anonymous) resident memory, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim") or not Path("/proc/self/status").exists(),
+                    reason="needs glibc's malloc_trim and Linux's /proc (what release_freed_memory acts on)")
+def test_release_freed_memory_returns_the_freed_heap_pages():
+    """Arrays of 96 KiB (under glibc's mmap threshold: on the heap) interleaved with small ones that stay:
+    freeing the large ones leaves 48 MiB of free pages between live chunks, which glibc keeps; the call
+    must give most of them back."""
+    large, small = [], []
+    for _ in range(512):
+        large.append(np.ones(96 * 1024 // 4, np.float32))
+        small.append(np.ones(4, np.float32))
+    large.clear()
+    before = _anonymous_mib()
+    release_freed_memory()
+    assert before - _anonymous_mib() > 24, "the freed heap pages stayed resident"
+    assert len(small) == 512

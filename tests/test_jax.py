@@ -35,6 +35,7 @@ from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
+from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
 from reference_numpy.training import PAPER  # noqa: E402
@@ -351,6 +352,37 @@ def test_the_decoding_loop_is_traced_once_not_per_token(monkeypatch):
     assert len(traced) == 2
 
 
+def _tied_candidates(dtype) -> list[np.ndarray]:
+    """Summed log-probabilities (K = 4 beams, V = 7 tokens, eos 2) full of exact ties: between beams,
+    between tokens, at the eos, between -0.0 and +0.0 and among the -inf slots of unfilled beams; one
+    written out, the others drawn from five values."""
+    written = np.array([[-1.0, -2.0, -1.0, -0.5, -0.5, -2.0, -1.0],
+                        [-0.5, -0.5, -0.5, -1.0, -0.5, -3.0, -0.5],
+                        [-0.0, -np.inf, 0.0, -0.0, -1.0, 0.0, -0.5],
+                        [-np.inf] * 7])
+    rng = np.random.default_rng(0)
+    drawn = [rng.choice([-np.inf, -1.0, -0.5, -0.0, 0.0], size=(4, 7)) for _ in range(40)]
+    return [candidates.astype(dtype) for candidates in [written, *drawn]]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_beam_candidates_are_chosen_as_the_reference_chooses_among_exact_ties(dtype):
+    """One step's selection (``lax.top_k``) against the reference's ``select_candidates`` (a stable sort):
+    the same eos hypotheses finish, from the same beams, with the same scores, and the same (beam, token,
+    score) become the live beams (the reference drops impossible ones, the port keeps them at -inf)."""
+    eos, beam_size = 2, 4
+    for candidates in _tied_candidates(dtype):
+        expected = select_candidates(candidates, eos, beam_size)
+        scores, beams, tokens, finishing, keep = map(np.asarray, decoding._select(jnp.asarray(candidates), eos,
+                                                                                 beam_size))
+        assert scores.dtype == dtype
+        assert [(int(b), float(v)) for b, v in zip(beams[finishing], scores[finishing])] == \
+            [(int(b), float(v)) for b, v in expected.finishing], candidates
+        live = keep[np.isfinite(scores[keep])]
+        assert list(zip(beams[live].tolist(), tokens[live].tolist(), scores[live].tolist())) == \
+            list(zip(expected.beams.tolist(), expected.tokens.tolist(), expected.scores.tolist())), candidates
+
+
 # ----------------------------------------------------------------------------- dropout
 
 def test_dropout_is_off_by_default_and_on_with_deterministic_false():
@@ -573,6 +605,44 @@ def test_a_training_step_uses_dropout_and_leaves_inference_untouched():
     forward_inputs = {"src": inputs["src"], "tgt": inputs["tgt"]}
     expected = reference.build(model.config, checkpoint.to_params(model))(**forward_inputs)
     tolerance.assert_agrees(np.asarray(model(**forward_inputs)), expected, what="inference after a step")
+
+
+def test_compiled_calls_follow_the_models_weights():
+    """The model is split once for compiled calls, which pass its Variables' current values: after
+    ``variable[...] =``, a training step, ``nnx.update`` and a Variable replaced by another object, the
+    compiled forward pass is the reference's at the model's weights of that moment."""
+    model = training_model()
+    inputs = cases.model_inputs(model.config, "source_padding")
+
+    def agrees(what: str) -> None:
+        expected = reference.build(model.config, checkpoint.to_params(model))(**inputs)
+        tolerance.assert_agrees(np.asarray(forward(model, **inputs)), expected, what=what)
+
+    agrees("as built")
+    kernel = model.decoder.layers[0].ffn.linear1.kernel
+    kernel[...] = 2 * kernel[...]
+    agrees("after variable[...] =")
+    training.train_step(model, training.optimizer(model, TRAINING), **cases.training_inputs(model.config))
+    agrees("after a training step")
+    nnx.update(model.encoder, jax.tree.map(lambda value: -value, nnx.state(model.encoder, nnx.Param)))
+    agrees("after nnx.update")
+    model.generator.weight = nnx.Param(-model.generator.weight[...])
+    agrees("after replacing a Variable")
+
+
+def test_the_compiled_forward_pass_advances_the_dropout_streams():
+    """As ``nnx.jit`` would: a compiled call with dropout on draws new masks each time, and the model's
+    streams remember it."""
+    model = training_model(dropout=0.5)
+    view = nnx.view(model, deterministic=False)
+    inputs = cases.model_inputs(model.config, "source_padding")
+    counts = lambda: np.array([c[...] for _, c in nnx.to_flat_state(nnx.state(model, nnx.RngCount))])
+    before = counts()
+    first = np.asarray(forward(view, **inputs))
+    between = counts()
+    second = np.asarray(forward(view, **inputs))
+    assert tolerance.max_abs(first, second) > 0
+    assert np.all(before < between) and np.all(between < counts())
 
 
 def test_a_saved_run_resumes_exactly(tmp_path):

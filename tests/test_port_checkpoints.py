@@ -49,6 +49,19 @@ def test_reference_saved_checkpoint_loads_into_port_exactly(tmp_path, port, vari
         assert exported[name].dtype == np.float64 and exported[name].tobytes() == value.tobytes(), name
 
 
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_loading_gives_the_memory_freed_back_once_the_model_is_built(tmp_path, port, monkeypatch):
+    """Each port's loader drops the arrays the reader returned and then calls the reference's
+    ``release_freed_memory`` (glibc keeps freed heap pages otherwise: ``scripts/bench_memory.py``)."""
+    config = VARIANTS["shared_embeddings"]
+    reference_checkpoint.save_checkpoint(tmp_path / "reference.safetensors", config, seeded_params(config))
+    calls = []
+    monkeypatch.setattr(reference_checkpoint, "release_freed_memory", lambda: calls.append(1))
+    port_backend(port).load(tmp_path / "reference.safetensors", "float64", "cpu")
+    assert calls == [1]
+
+
 def bad_files(tmp_path) -> dict:
     config = VARIANTS["tiny"]
     params = seeded_params(config)

@@ -102,6 +102,28 @@ def test_a_tensor_of_the_wrong_layout_names_the_checkpoint_tensor_and_the_keras_
         transformer_tf.from_params(config, cases.seeded_params(config))
 
 
+def test_loading_draws_no_random_weights_and_leaves_the_callers_arrays(monkeypatch):
+    """The model's variables are created from the arrays: Keras's random initializers never run
+    (they fail here, as constructing a model shows) and the caller's dict and arrays are untouched."""
+    config = VARIANTS["shared_embeddings"]
+    params = cases.seeded_params(config)
+    before = {name: value.copy() for name, value in params.items()}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a random initializer ran")
+
+    for initializer in (keras.initializers.RandomUniform, keras.initializers.GlorotUniform):
+        monkeypatch.setattr(initializer, "__call__", refuse)
+    with pytest.raises(AssertionError, match="a random initializer ran"):
+        Transformer(config)
+    model = transformer_tf.from_params(config, params, "float32")
+    assert list(params) == list(before)
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, before[name])
+    for name, value in checkpoint.to_params(model).items():
+        np.testing.assert_array_equal(value, before[name].astype(np.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_load_checkpoint_keeps_the_file_dtype_unless_asked(tmp_path, dtype):
     config = VARIANTS["shared_embeddings"]
@@ -329,16 +351,39 @@ def test_reorder_cache_gathers_every_cache_along_the_batch_axis():
                 np.testing.assert_array_equal(tensor.numpy(), before.numpy()[[2, 2, 0]])
 
 
-def test_argmax_and_stable_argsort_break_ties_to_the_lower_index_under_xla():
+def test_argmax_breaks_ties_to_the_lower_index_under_xla():
     values = tf.constant([[1.0, 3.0, 3.0, -np.inf, 3.0, 2.0]], tf.float64)
+    assert tf.function(lambda x: tf.argmax(x, axis=-1), jit_compile=True)(values).numpy().tolist() == [1]
 
-    @tf.function(jit_compile=True)
-    def rank(x):
-        return tf.argmax(x, axis=-1), tf.argsort(-x, axis=-1, stable=True)
 
-    best, order = rank(values)
-    assert best.numpy().tolist() == [1]
-    assert order.numpy().tolist() == [[1, 2, 4, 5, 0, 3]]
+def tied_candidates(rng, beam_size: int, vocab: int, eos_id: int) -> np.ndarray:
+    """Summed log-probabilities (K, V) drawn from a few values, so that most candidates tie exactly,
+    -0.0 against +0.0 and -inf (pad and bos) included; eos is often among the best."""
+    values = rng.choice(np.array([0.0, -0.0, -0.5, -1.0, -np.inf]), size=(beam_size, vocab))
+    values[:, eos_id] = rng.choice([0.0, -0.5], size=beam_size)
+    values[:, :2] = -np.inf                                                     # pad and bos
+    return values
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beam_selection_is_the_references_on_exact_ties(dtype, jit_compile):
+    """The compiled step's selection (top_k: ties to the lower beam, then the lower token) against the
+    reference's ``select_candidates`` (a stable sort of all K x V candidates), with and without XLA, on
+    candidates that tie everywhere: the eos that finish (beam and score, in rank order) and the next
+    live beams (beam, token, score, in rank order) must be the same."""
+    rng = np.random.default_rng(0)
+    beam_size, vocab, eos_id = 3, 7, 2
+    batch = np.stack([tied_candidates(rng, beam_size, vocab, eos_id) for _ in range(40)]).astype(dtype)
+    select = tf.function(lambda c: decoding._select(c, eos_id, beam_size), jit_compile=jit_compile)
+    value, beam, token, finishing, keep = (t.numpy() for t in select(tf.constant(batch)))
+    for b, candidates in enumerate(batch):
+        expected = reference_decoding.select_candidates(candidates, eos_id, beam_size)
+        assert [(beam[b, r], value[b, r]) for r in np.flatnonzero(finishing[b])] == expected.finishing
+        kept = keep[b][np.isfinite(value[b, keep[b]])]                      # the reference keeps finite ones only
+        np.testing.assert_array_equal(beam[b, kept], expected.beams)
+        np.testing.assert_array_equal(token[b, kept], expected.tokens)
+        np.testing.assert_array_equal(value[b, kept], expected.scores)
 
 
 @functools.cache

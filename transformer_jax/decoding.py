@@ -4,7 +4,7 @@ The rules are the reference's (``reference_numpy/decoding.py``) and give the sam
 the output budget is the non-pad source length + 50 capped at ``max_len``; pad_id and bos_id are
 never emitted (their log-probabilities are set to -inf); greedy ties go to
 the lowest token id; beam candidates are ranked by summed log-probability (in the model dtype)
-with ties to the lower beam, then the lower token (a stable sort of the negated flat scores);
+with ties to the lower beam, then the lower token (the order of a stable sort of the negated flat scores);
 an eos among the first ``beam_size`` ranks finishes a hypothesis, the first ``beam_size``
 non-eos candidates are the next live beams; the search stops at the budget (live beams then
 finish, in rank order, after that step's eos hypotheses), when no live beam is left, or when no
@@ -17,8 +17,10 @@ How it runs:
   (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
   through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
   position's keys/values and attends up to it; beam search reorders them with :func:`reorder_cache`;
-* the whole search is one ``lax.while_loop`` inside ``nnx.jit``: it is traced and compiled once
-  per model structure, batch size, source length, budget M and beam size, never per token;
+* the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
+  (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
+  compiled once per model structure, batch size, source length, budget M and beam size, never per token;
+* beam candidates are ranked by ``lax.top_k`` (2K of the K * V candidates), not a full sort;
 * ``use_cache=False`` recomputes the decoder over the whole fixed-size target buffer at every
   step (later positions are masked), the reference's recomputation, compiled, for comparison;
 * beam search runs one search per source sentence, vectorized over the batch with ``jax.vmap``.
@@ -49,7 +51,7 @@ from reference_numpy.decoding import (
     max_output_lengths,
 )
 
-from .model import Transformer, padding_mask
+from .model import Transformer, _split, _Structure, padding_mask
 
 _TOKEN_DTYPE = jnp.int32
 
@@ -123,13 +125,17 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id (NumPy int64).
     """
     src, limits = _start(model, src)
-    history, steps = _greedy(model, src, jnp.asarray(limits), int(limits.max()), use_cache)
+    split = _split(model)
+    history, steps = _greedy(split.structure, split.state, src, jnp.asarray(limits), int(limits.max()), use_cache)
     return np.asarray(history)[:, 1:int(steps) + 1].astype(np.int64)
 
 
-@nnx.jit(static_argnames=("max_steps", "use_cache"))
-def _greedy(model: Transformer, src: jax.Array, limits: jax.Array, max_steps: int, use_cache: bool):
-    """The compiled greedy loop. Returns history (B, M + 1) and the number of steps taken."""
+@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache"))
+def _greedy(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, max_steps: int,
+            use_cache: bool):
+    """The compiled greedy loop of the model ``structure.merge(state)``. Returns history (B, M + 1) and
+    the number of steps taken."""
+    model = structure.merge(state)
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
@@ -169,16 +175,19 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then
     # rounded to the model dtype exactly as NumPy rounds a Python float in `score / lp`.
     penalties = np.array([length_penalty(n, alpha) for n in range(max_steps + 1)]).astype(model.dtype)
-    rows, lengths, scores = _beam(model, src, jnp.asarray(limits), jnp.asarray(penalties), max_steps,
-                                  beam_size, use_cache)
+    split = _split(model)
+    rows, lengths, scores = _beam(split.structure, split.state, src, jnp.asarray(limits), jnp.asarray(penalties),
+                                  max_steps, beam_size, use_cache)
     width = int(np.max(lengths))
     return np.asarray(rows)[:, :width].astype(np.int64), np.asarray(scores, dtype=np.float64)
 
 
-@nnx.jit(static_argnames=("max_steps", "beam_size", "use_cache"))
-def _beam(model: Transformer, src: jax.Array, limits: jax.Array, penalties: jax.Array, max_steps: int,
-          beam_size: int, use_cache: bool):
-    """The compiled search over the batch. Returns tokens (B, M), lengths (B,), scores (B,)."""
+@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache"))
+def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
+          max_steps: int, beam_size: int, use_cache: bool):
+    """The compiled search over the batch of the model ``structure.merge(state)``. Returns tokens (B, M),
+    lengths (B,), scores (B,)."""
+    model = structure.merge(state)
     src_mask = padding_mask(src, model.config.pad_id)                            # (B, 1, 1, S)
     memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
     search = functools.partial(_beam_one, model, penalties=penalties, max_steps=max_steps,
@@ -203,15 +212,9 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
         index, history, live_scores, state, best, _ = carry
         length = index + 1                                                       # tokens after this step
         log_probs, state = step(state, history, index)                           # (K, V)
-        candidates = (live_scores[:, None] + log_probs).reshape(-1)              # (K * V,) flat, beam-major
-        ranked = jnp.argsort(-candidates, stable=True)[:min(2 * beam_size, candidates.size)]  # ties: lower b, v
-        scores = candidates[ranked]
-        beams, tokens = ranked // log_probs.shape[1], (ranked % log_probs.shape[1]).astype(_TOKEN_DTYPE)
+        scores, beams, tokens, finishing, keep = _select(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
         rows = history[beams].at[:, length].set(tokens)                          # (2K, M + 1)
-        is_eos = tokens == cfg.eos_id
-        finishing = is_eos & (jnp.arange(ranked.size) < beam_size)
         best = _keep_best(best, jnp.where(finishing, scores / penalties[length], -jnp.inf), rows, length)
-        keep = jnp.nonzero(~is_eos, size=beam_size)[0]                           # first K non-eos ranks
         history, live_scores, state = rows[keep], scores[keep], reorder_cache(state, beams[keep])
         last = length == limit
         best = _keep_best(best, jnp.where(last, live_scores / penalties[length], -jnp.inf), history, length)
@@ -222,6 +225,26 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
              jnp.asarray(False))
     *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1], advance, start)
     return row[1:], length, score
+
+
+def _select(candidates: jax.Array, eos_id: int, beam_size: int):
+    """One step's ranking and choices (the reference's ``select_candidates``): the 2K best (beam b, token v)
+    candidates by summed log-probability, ties to the lower b, then the lower v, by ``lax.top_k`` over the
+    flat beam-major scores (documented: equal values keep the lower index first, i.e. the order of a
+    stable sort); zeros are made +0.0 first, since top_k would put +0.0 before -0.0, which a sort does
+    not. An eos among the first K ranks finishes; the first K non-eos ranks are the next live beams
+    (K non-eos candidates are always among 2K: each beam has one eos).
+
+    Shape: candidates (K, V) -> scores, beams, tokens and finishing (2K,) in rank order; keep (K,), the
+    ranks of the next live beams.
+    """
+    flat = candidates.reshape(-1)                                                # (K * V,) flat, beam-major
+    scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * beam_size, flat.size))
+    beams, tokens = ranked // candidates.shape[1], (ranked % candidates.shape[1]).astype(_TOKEN_DTYPE)
+    is_eos = tokens == eos_id
+    finishing = is_eos & (jnp.arange(ranked.size) < beam_size)
+    keep = jnp.nonzero(~is_eos, size=beam_size)[0]                               # first K non-eos ranks
+    return scores, beams, tokens, finishing, keep
 
 
 def _keep_best(best, scores: jax.Array, rows: jax.Array, length: jax.Array):

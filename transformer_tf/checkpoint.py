@@ -8,10 +8,12 @@ Keras' own layers keep their own variable names (``keras.layers.Dense``: ``kerne
 checkpoint. :func:`transposed` is empty: a Dense kernel is (in, out) exactly like the checkpoint
 (y = x @ W + b), and the embedding, positional and generator tables have the checkpoint's layout.
 
-Loading builds the model (Keras creates every variable in ``build``) and assigns each tensor to
-its variable (``variable.assign``), after a shape check that names both sides. File reading and
-validation are the reference's (``reference_numpy.checkpoint``), so a bad file gives the same
-one-line ``ValueError`` in every port.
+Loading creates each variable from its tensor, after a shape check that names both sides: the
+model is built under a ``keras.StatelessScope`` that defers its variables (Keras draws no random
+numbers and allocates nothing), then each deferred variable is initialized from its array, which
+is then dropped (an array read from a file is released as soon as its variable holds a copy).
+File reading and validation are the reference's (``reference_numpy.checkpoint``), so a bad file
+gives the same one-line ``ValueError`` in every port.
 
 Every per-variable tensor (weights, gradients, Adam's moments) crosses between the two layouts
 through :func:`to_checkpoint_layout` and :func:`from_checkpoint_layout`, keyed on the Keras side
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import os
 
+import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.variables import initialize_all_variables
 
 from reference_numpy import checkpoint as reference
 from reference_numpy.checkpoint import TrainingState
@@ -93,11 +97,7 @@ def transposed(config: TransformerConfig) -> tuple[str, ...]:
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype="float64") -> Transformer:
     """A model in ``dtype`` from checkpoint-layout arrays (validated like a checkpoint file)."""
     reference.validate_params(config, params)
-    model = Transformer(config, dtype=dtype)
-    values = from_checkpoint_layout(model, params)
-    for variable in model.weights:
-        variable.assign(values[variable.path].astype(model.compute_dtype))
-    return model
+    return _from_arrays(config, dict(params), dtype)
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
@@ -134,7 +134,9 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
     """Read, validate and load a shared checkpoint into a new model, in ``dtype`` ("float32" or
     "float64"; by default the dtype the file holds)."""
     config, params = reference.load_checkpoint(path, dtype)
-    return from_params(config, params, next(iter(params.values())).dtype.name)
+    model = _from_arrays(config, params, next(iter(params.values())).dtype.name)
+    reference.release_freed_memory()                                     # the arrays read, now dropped
+    return model
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
@@ -142,6 +144,28 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, training: Train
     """Write the model (and a run's ``training`` state, from ``training.training_state``, and a ``tokenizer``'s
     JSON text) as a shared checkpoint, atomically, in the model's dtype."""
     reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
+
+
+def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype) -> Transformer:
+    """A model whose variables are created from ``params`` (validated checkpoint-layout arrays), each
+    converted to ``dtype`` as it is read; never initialized at random. ``params`` is consumed: each
+    array is released once its variable holds it (the arrays themselves are freed unless the
+    caller keeps them)."""
+    with keras.StatelessScope(initialize_variables=False):
+        model = Transformer(config, dtype=dtype)                            # every variable deferred
+    try:
+        values = from_checkpoint_layout(model, params)
+        params.clear()
+        for variable in model.weights:
+            variable._initializer = _given(values.pop(variable.path))
+    finally:
+        initialize_all_variables()    # Keras creates each deferred variable from its initializer, then drops it
+    return model
+
+
+def _given(value: np.ndarray):
+    """A Keras initializer that returns ``value`` (in the variable's dtype)."""
+    return lambda shape, dtype: np.asarray(value, dtype)
 
 
 def _variables(model: Transformer) -> dict:

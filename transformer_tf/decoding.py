@@ -23,6 +23,13 @@ whole batch at once (beam search keeps B x beam_size rows):
   on CPU supports float64 for every op used).
 * ``use_cache=False``: the reference's way, each step reruns the decoder on the whole prefix.
   The prefix grows, so this graph runs without XLA.
+
+What a step does not redo, the result being the same: the generator's (D, V) weight is read once
+per search and passed to the compiled loop (with shared embeddings the embedding is transposed
+once; transposed inside the loop, it costs a pass over the whole table at every step, which XLA
+does not hoist). Beam search ranks candidates with ``tf.math.top_k`` (the 2K best of K x V, not
+a sort of all of them) and reorders only the self-attention caches (the memory's keys and values
+are the same for every beam of a sentence, and beams never move between sentences).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from reference_numpy.decoding import (
 from reference_numpy.model import check_tokens
 
 from .device import model_device
-from .model import Transformer, padding_mask
+from .model import Transformer, log_softmax, padding_mask
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {search key: tf.function}
 
@@ -62,11 +69,17 @@ def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=None, 
     (``model.init_cache``) ``tgt`` holds the new positions only, starting at ``cache_index``,
     and the result is ``(log_probs (B, V), cache)``.
     """
+    return _next_token_log_probs(model, model.generator._weight(), tgt, memory, src_mask, cache, cache_index)
+
+
+def _next_token_log_probs(model: Transformer, weight, tgt, memory, src_mask, cache, cache_index):
+    """:func:`next_token_log_probs` with the generator's (D, V) ``weight`` given
+    (``Generator._weight``): a search reads it once per call, not at every step."""
     if cache is None:
         out = model.decode(tgt, memory, src_mask)
     else:
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
-    log_probs = model.generator(out[:, -1:])[:, 0]                        # (B, V)
+    log_probs = log_softmax(tf.matmul(out[:, -1], weight))               # (B, V): the generator, section 3.4
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
                                                                           model.config.bos_id], axis=1)  # (V,)
     log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
@@ -89,7 +102,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     """
     src = _checked_source(model, src)
     with tf.device(model_device(model)):
-        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src)
+        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, model.generator._weight())
     return tokens.numpy()[:, 1:int(steps) + 1]
 
 
@@ -105,14 +118,15 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     penalties = [length_penalty(n, alpha) for n in range(_buffer_length(model, src) + 1)]
     search = _compiled(model, ("beam", use_cache, beam_size), _beam)
     with tf.device(model_device(model)):
-        tokens, lengths, scores = search(src, tf.constant(penalties, model.compute_dtype))
+        tokens, lengths, scores = search(src, tf.constant(penalties, model.compute_dtype), model.generator._weight())
     return tokens.numpy()[:, :int(tf.reduce_max(lengths))], scores.numpy().astype(np.float64)
 
 
 # ----------------------------------------------------------------------------- the searches
 
-def _greedy(model: Transformer, use_cache: bool, src):
-    """Returns the token buffer (B, L + 1) (bos first) and the number of steps taken."""
+def _greedy(model: Transformer, use_cache: bool, src, weight):
+    """Returns the token buffer (B, L + 1) (bos first) and the number of steps taken. ``weight`` is the
+    generator's (D, V) weight (``Generator._weight``), read once per search."""
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)
     limits = max_output_lengths(model, src)                              # (B,)
@@ -122,7 +136,7 @@ def _greedy(model: Transformer, use_cache: bool, src):
     pad = tf.constant(cfg.pad_id, tf.int64)
 
     def body(t, tokens, done, cache):
-        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache)   # (B, V)
+        log_probs, cache = _step(model, weight, tokens, t, memory, src_mask, cache)   # (B, V)
         token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
         token = tf.where(done, pad, token)
         done = done | (token == cfg.eos_id) | (t >= limits)
@@ -133,10 +147,11 @@ def _greedy(model: Transformer, use_cache: bool, src):
     return tokens, t - 1
 
 
-def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties):
+def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, weight):
     """Returns the best hypotheses (B, L) pad-filled, their lengths (B,) and scores (B,).
 
-    ``penalties[n]`` is lp(n) in the model dtype. Rows are (sentence, beam) pairs, N = B * K.
+    ``penalties[n]`` is lp(n) in the model dtype; ``weight`` as for :func:`_greedy`. Rows are
+    (sentence, beam) pairs, N = B * K.
     """
     cfg, batch, k = model.config, src.shape[0], beam_size
     dtype = model.compute_dtype
@@ -147,35 +162,24 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties):
     src_mask = tf.repeat(src_mask, k, axis=0)                              # (N, 1, 1, S)
     cache = model.init_cache(memory, length) if use_cache else ()
     first_row = tf.range(batch)[:, None] * k                               # (B, 1): row of beam 0
-    rank = tf.range(2 * k)[None, :]                                        # (1, 2K)
     limit_penalty = tf.gather(penalties, limits)                           # (B,)
 
     def body(t, tokens, scores, cache, done, best):
-        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache)   # (N, V)
-        vocab = log_probs.shape[-1]
-        candidates = scores[:, :, None] + tf.reshape(log_probs, (batch, k, vocab))   # (B, K, V)
-        flat = tf.reshape(candidates, (batch, k * vocab))                 # (B, K*V), beam-major
-        # Stable sort of the negated scores: ties go to the lower beam, then the lower token.
-        # The first 2K ranks hold the first K non-eos candidates (each beam has one eos).
-        ranking = tf.argsort(-flat, axis=-1, stable=True)[:, :2 * k]       # (B, 2K)
-        value = tf.gather(flat, ranking, batch_dims=1)                     # (B, 2K), descending
-        beam, token = ranking // vocab, tf.cast(ranking % vocab, tf.int64)
-        is_eos = token == cfg.eos_id
+        log_probs, cache = _step(model, weight, tokens, t, memory, src_mask, cache)   # (N, V)
+        candidates = scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
+        value, beam, token, finishing, keep = _select(candidates, cfg.eos_id, k)
         active = ~done
         # Finished hypotheses, in rank order, replace the best only on a strictly greater score;
         # at this step all share lp(t), so the first eos among the first K ranks is the one to try.
-        finishing = is_eos & (rank < k)
         first = tf.argmax(tf.cast(finishing, tf.int32), axis=-1, output_type=tf.int32)   # (B,)
         parent = tf.gather(tokens, first_row[:, 0] + tf.gather(beam, first, batch_dims=1))  # (B, L+1)
         best = _keep_better(best, active & tf.reduce_any(finishing, axis=-1),
                             tf.gather(value, first, batch_dims=1) / penalties[t],
                             _put(parent, tf.fill([batch], tf.constant(cfg.eos_id, tf.int64)), t)[:, 1:], t)
-        # The first K non-eos candidates are the next live beams, in rank order.
-        keep = tf.argsort(tf.where(is_eos, rank + 2 * k, rank), axis=-1, stable=True)[:, :k]   # (B, K)
         rows = tf.reshape(first_row + tf.gather(beam, keep, batch_dims=1), [-1])           # (N,)
         tokens = _put(tf.gather(tokens, rows), tf.reshape(tf.gather(token, keep, batch_dims=1), [-1]), t)
         scores = tf.gather(value, keep, batch_dims=1)                      # (B, K), descending
-        cache = reorder_cache(cache, rows)
+        cache = tuple((reorder_cache(own, rows), memory) for own, memory in cache)   # self-attention only
         # At the maximum length the live beams finish too (beam 0 ranks first and scores highest).
         at_limit = active & (t >= limits)
         best = _keep_better(best, at_limit, scores[:, 0] / penalties[t],
@@ -194,6 +198,30 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties):
     return tokens, lengths, score
 
 
+def _select(candidates, eos_id: int, beam_size: int):
+    """One step's choices for every sentence (the reference's ``select_candidates``): the 2K best
+    (beam b, token v) candidates, best first, ties to the lower b, then the lower v (the order of
+    the reference's stable sort); an eos among the first K ranks finishes a hypothesis; the first K
+    non-eos ranks are the next live beams, in rank order (each beam has one eos, so they are among
+    the first 2K).
+
+    ``tf.math.top_k`` of the flat beam-major scores (index b * V + v) ranks them: it documents that
+    of equal values the lower index comes first. -0.0 is made +0.0 first: under XLA, top_k (like
+    a sort) ranks +0.0 above -0.0, which NumPy's sort holds equal.
+
+    Shape: candidates (B, K, V) -> value, beam, token, finishing (B, 2K) in rank order; keep (B, K),
+    the ranks of the next live beams.
+    """
+    batch, vocab, k = candidates.shape[0], candidates.shape[2], beam_size
+    flat = tf.reshape(candidates, (batch, k * vocab))                      # (B, K*V), beam-major
+    value, ranking = tf.math.top_k(tf.where(flat == 0, tf.zeros_like(flat), flat), 2 * k)   # (B, 2K) each
+    beam, token = ranking // vocab, tf.cast(ranking % vocab, tf.int64)
+    is_eos = token == eos_id
+    rank = tf.range(2 * k)[None, :]                                        # (1, 2K)
+    keep = tf.math.top_k(-tf.where(is_eos, rank + 2 * k, rank), k).indices   # (B, K): distinct keys, no ties
+    return value, beam, token, is_eos & (rank < k), keep
+
+
 def _keep_better(best, candidate, score, tokens, t):
     """Replace the best (score, tokens, length) where ``candidate`` and strictly better."""
     better = candidate & (score > best[0])
@@ -203,13 +231,14 @@ def _keep_better(best, candidate, score, tokens, t):
 
 # ----------------------------------------------------------------------------- helpers
 
-def _step(model: Transformer, tokens, t, memory, src_mask, cache):
+def _step(model: Transformer, weight, tokens, t, memory, src_mask, cache):
     """Log-probabilities (N, V) of the token at position t from tokens[:, :t] (bos at position 0),
     as ``model(src, tokens)`` gives them at position t - 1, and the cache: with a cache only the
-    token at t - 1 runs through the decoder; with ``()`` (no cache) the whole prefix does."""
+    token at t - 1 runs through the decoder; with ``()`` (no cache) the whole prefix does.
+    ``weight`` is the generator's (D, V) weight."""
     if not cache:
-        return next_token_log_probs(model, tokens[:, :t], memory, src_mask), cache
-    return next_token_log_probs(model, tokens[:, t - 1, None], memory, src_mask, cache, t - 1)   # tgt (N, 1)
+        return _next_token_log_probs(model, weight, tokens[:, :t], memory, src_mask, None, None), cache
+    return _next_token_log_probs(model, weight, tokens[:, t - 1, None], memory, src_mask, cache, t - 1)   # tgt (N, 1)
 
 
 def _checked_source(model: Transformer, src) -> tf.Tensor:
@@ -237,9 +266,12 @@ def _buffer_length(model: Transformer, src) -> int:
 def _compiled(model: Transformer, key: tuple, search):
     """One ``tf.function`` per model and search ``key`` = (name, use_cache, *options): the
     search called as ``search(model, use_cache, *options, *inputs)``, XLA-compiled when using
-    the cache. The function refers to the model weakly, so the model can still be freed."""
+    the cache, traced once per input shape (without AutoGraph: the searches are written with
+    ``tf.while_loop`` and need no conversion, which only slows tracing). The function refers to
+    the model weakly, so the model can still be freed."""
     functions = _COMPILED.setdefault(model, {})
     if key not in functions:
         ref = weakref.ref(model)
-        functions[key] = tf.function(lambda *inputs: search(ref(), *key[1:], *inputs), jit_compile=key[1])
+        functions[key] = tf.function(lambda *inputs: search(ref(), *key[1:], *inputs), jit_compile=key[1],
+                                     autograph=False)
     return functions[key]

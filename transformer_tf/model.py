@@ -422,9 +422,13 @@ class Generator(_TransformerLayer, keras.layers.Layer):
                                           initializer="glorot_uniform")   # (D, V)
 
     def call(self, x):
-        weight = (tf.transpose(self.embeddings.weight) if self.embeddings is not None
-                  else self.weight)                                       # (D, V)
-        return log_softmax(tf.matmul(x, weight))
+        return log_softmax(tf.matmul(x, self._weight()))
+
+    def _weight(self) -> tf.Tensor:
+        """The (D, V) weight: the shared embedding transposed, or the layer's own."""
+        if self.embeddings is not None:
+            return tf.transpose(self.embeddings.weight)
+        return tf.convert_to_tensor(self.weight)
 
 
 def log_softmax(x) -> tf.Tensor:
@@ -774,7 +778,7 @@ def compiled_forward(model: Transformer, jit_compile: bool = True, return_interm
     Shape: as :class:`Transformer`; returns log-probabilities (B, T, V_tgt), or with
     ``return_intermediates`` ``(log_probs, stages)``.
     """
-    @tf.function(jit_compile=jit_compile)
+    @tf.function(jit_compile=jit_compile, autograph=False)   # plain Python control flow: nothing to convert
     def graph(src, tgt, src_mask=None, tgt_mask=None):
         return model(src, tgt, src_mask, tgt_mask, return_intermediates=return_intermediates, training=False)
 

@@ -185,7 +185,9 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transf
     """Read, validate and load a shared checkpoint into a :class:`Transformer` (eval mode) on
     ``device``, in ``dtype`` (default: the file's own, float32 or float64)."""
     config, params = reference_checkpoint.load_checkpoint(path)            # validated; the arrays are new
-    return _build(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device, take=True)
+    model = _build(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device, take=True)
+    reference_checkpoint.release_freed_memory()                          # the arrays read, now dropped
+    return model
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,

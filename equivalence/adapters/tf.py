@@ -12,7 +12,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
@@ -47,9 +46,11 @@ def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str =
 
 
 def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model from a shared checkpoint file."""
-    config, params = reference_checkpoint.load_checkpoint(path)
-    return build(config, params, dtype, device)
+    """A model from a shared checkpoint file (``checkpoint.load_checkpoint``: each array read is
+    released once its variable holds it)."""
+    _device.full_precision()
+    with tf.device(_device.resolve_device(device)):
+        return checkpoint.load_checkpoint(path, dtype)
 
 
 def save(model: Transformer, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
