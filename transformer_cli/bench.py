@@ -3,10 +3,11 @@ a user would pick instead (:mod:`transformer_cli.peers`) -- on the same weights 
 (:func:`transformer_cli.timing.round_robin`: each round runs every engine once, in turn), medians with their
 spread, the warm-up call reported apart as compile time.
 
-Every figure is set against anchors the command measures itself (:class:`Anchors`): the machine's best
-float32 matrix-multiply rate (the fastest of NumPy, PyTorch, JAX and TensorFlow, whichever are installed,
-each named), its memory bandwidth, and from it the lower bound of a cached decoding step, the bytes it must
-read (:func:`transformer_cli.timing.decode_step_bytes`) over the bandwidth. FLOPs are counted analytically
+Every figure is set against anchors the command measures itself, in every round beside the engines
+(:class:`Anchors`): the machine's best float32 matrix-multiply rate (the fastest of NumPy, PyTorch, JAX and
+TensorFlow, whichever are installed, each named), its memory bandwidth, and from it the lower bound of a
+cached decoding step, the bytes it must read (:func:`transformer_cli.timing.decode_step_bytes`) over the
+bandwidth. FLOPs are counted analytically
 (2 per multiply-add of every matrix product, see :mod:`transformer_cli.timing`).
 
 Without ``--peers``: forward, cached and uncached greedy decoding of batch 1 (section 6.1's budget: source
@@ -37,17 +38,16 @@ from .timing import (
     decode_step_bytes,
     encode_flops,
     forward_flops,
-    gemm_rates,
+    gemm_products,
     gflop_rate,
-    memory_bandwidth,
+    memory_read,
     round_robin,
 )
 
 MATMUL_SIZE = 2048
-MATMUL_REPEATS = 5
 BANDWIDTH_MIB = 256
-BANDWIDTH_REPEATS = 5
 PEER_BATCH = 8
+GEMM, BANDWIDTH = "anchor: GEMM", "anchor: memory read"     # the anchors' keys among the timed calls
 
 FORWARD = "forward"
 TASKS = (FORWARD, "greedy (cached)", "greedy (uncached)")                           # without --peers
@@ -196,12 +196,17 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
                                   for peer in built.values() for task, reason in peer.NOT_MEASURED.items()]
     tasks = PEER_TASKS if peers else TASKS
     source = decode_src.shape[1]
-    anchors = Anchors(gemm_rates(MATMUL_SIZE, MATMUL_REPEATS), memory_bandwidth(BANDWIDTH_MIB, BANDWIDTH_REPEATS),
-                      {task: decode_step_bytes(config, ROWS[task], source, decode_tokens) for task in tasks[1:]})
+    read, read_bytes = memory_read(BANDWIDTH_MIB)
+    anchor_calls = {**{(GEMM, name): product for name, product in gemm_products(MATMUL_SIZE).items()},
+                    (BANDWIDTH, "numpy"): read}
     calls = {(engine.name, task): engine.calls[task] for task in tasks for engine in engines if task in engine.calls}
     once = {(engine.name, task) for engine in engines for task in engine.once}
-    counts = {key: 1 if key in once else repeats for key in calls}
-    timings = round_robin(calls, counts, progress)
+    counts = {key: 1 if key in once else repeats for key in (*anchor_calls, *calls)}
+    timings = round_robin({**anchor_calls, **calls}, counts, progress)       # the anchors too, in every round
+    anchors = Anchors({name: gflop_rate(2 * MATMUL_SIZE ** 3, timings[(GEMM, name)].median)
+                       for kind, name in anchor_calls if kind == GEMM},
+                      read_bytes / timings[(BANDWIDTH, "numpy")].median / 1e9,
+                      {task: decode_step_bytes(config, ROWS[task], source, decode_tokens) for task in tasks[1:]})
     kinds = {engine.name: (engine.kind, engine.device) for engine in engines}
     measurements = [measurement(config, key, timings[key], *kinds[key[0]], (batch, src_len, tgt_len), source)
                     for key in calls]
@@ -274,7 +279,8 @@ def format_bench(report: BenchReport) -> str:
              f"machine: {report.machine['cpu']}, {report.machine['cores']} cores",
              f"best float32 GEMM ({MATMUL_SIZE}^2): {rate:.1f} GFLOP/s ({name}{'; ' + others if others else ''})",
              f"memory bandwidth: {anchors.bandwidth_gb_per_s:.1f} GB/s "
-             f"({BANDWIDTH_OPERATION.format(mib=BANDWIDTH_MIB)}, median)"]
+             f"({BANDWIDTH_OPERATION.format(mib=BANDWIDTH_MIB)}, median)",
+             "(the anchors are timed in every round, with the engines)"]
     first_decoding = next(task for task in anchors.step_bytes)
     lines.append(f"bytes read per decoding step, batch 1: {anchors.step_bytes[first_decoding] / 1e6:.1f} MB -> lower "
                  f"bound {anchors.bound_seconds(first_decoding) * 1e3:.3g} ms/token")

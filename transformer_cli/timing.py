@@ -13,7 +13,7 @@ vocabulary V), masked attention entries included (the scores are computed, then 
 * output projection (the generator): T D V.
 
 A cached decoding step (batch 1) cannot be faster than reading what it needs from memory once
-(:func:`decode_step_bytes`) at the machine's measured bandwidth (:func:`memory_bandwidth`): that
+(:func:`decode_step_bytes`) at the machine's measured bandwidth (:func:`memory_read`): that
 quotient is the lower bound ``bench`` reports per-token times against.
 """
 
@@ -138,23 +138,24 @@ PRODUCTS = {"numpy": ("numpy", numpy_product), "torch": ("torch", torch_product)
             "tf": ("tensorflow", tf_product)}
 
 
-def gemm_rates(size: int, repeats: int) -> dict[str, float]:
-    """:func:`matmul_rate` of every installed framework's float32 (size x size) product, framework -> GFLOP/s."""
-    return {name: matmul_rate(product(size), size, repeats) for name, (module, product) in PRODUCTS.items()
+def gemm_products(size: int) -> dict[str, Callable[[], object]]:
+    """Every installed framework's blocking float32 (size x size) @ (size x size) product, framework -> call
+    (2 size^3 FLOPs each)."""
+    return {name: product(size) for name, (module, product) in PRODUCTS.items()
             if importlib.util.find_spec(module) is not None}
 
 
 BANDWIDTH_OPERATION = "NumPy float32 matrix-vector product (BLAS sgemv), reading a {mib} MiB matrix once"
 
 
-def memory_bandwidth(mebibytes: int, repeats: int) -> float:
-    """This machine's memory read rate in GB/s: the median of ``repeats`` NumPy float32 matrix-vector
-    products (after a warm-up) over a (n, 512) matrix of ``mebibytes`` MiB, far larger than any cache, each
-    reading the matrix once -- the access of a decoding step's weights (:data:`BANDWIDTH_OPERATION`)."""
+def memory_read(mebibytes: int) -> tuple[Callable[[], object], int]:
+    """A call that reads ``mebibytes`` MiB from memory once, and its byte count: a NumPy float32 matrix-vector
+    product over a (n, 512) matrix far larger than any cache -- the access of a decoding step's weights
+    (:data:`BANDWIDTH_OPERATION`). Bytes over its time is the machine's memory bandwidth."""
     rows = mebibytes * 2 ** 20 // (4 * 512)
     matrix = np.random.default_rng(0).standard_normal((rows, 512), dtype=np.float32)
     vector = np.ones(512, dtype=np.float32)
-    return matrix.nbytes / measure(lambda: matrix @ vector, repeats).median / 1e9
+    return lambda: matrix @ vector, matrix.nbytes
 
 
 def decode_step_bytes(config: TransformerConfig, batch: int, src_len: int, steps: int, itemsize: int = 4) -> float:
