@@ -10,7 +10,9 @@
   (``use_cache=True``, XLA) and without it (the whole prefix recomputed at every step);
 * cached greedy decoding of batch 1 and batch 8 (ms per step) and beam search (beam 4, alpha 0.6)
   over 128 steps, interleaved (``transformer_cli.timing.round_robin``), with each first call
-  (tracing and XLA compilation).
+  (tracing and XLA compilation);
+* the batch-1 cached step's matrix-vector products alone (the weights it reads, in one XLA loop):
+  how much of a step is reading the weights, and at what rate.
 
 The sources have (tokens - 50) non-pad tokens, so that the budget of section 6.1 is exactly the
 number of tokens; the script checks that decoding ran to it. Times are medians of ``--repeats``
@@ -103,6 +105,32 @@ def bench_decoding(model, cfg, steps: int, repeats: int) -> dict:
     return timings
 
 
+def step_weights(model) -> list:
+    """The (in, out) matrices a cached decoding step reads once: every decoder layer's self-attention
+    and feed-forward weights, the cross-attention's query and output projections, the generator's."""
+    def read_per_step(path: str) -> bool:
+        return "decoder" in path and ("cross_attn" not in path or "q_proj" in path or "o_proj" in path)
+    return [v for v in model.weights if len(v.shape) == 2 and read_per_step(v.path)] + [model.generator._weight()]
+
+
+def bench_step_products(model, steps: int, repeats: int) -> tuple[float, float]:
+    """The cached batch-1 step's matrix-vector products alone, ``steps`` times in one XLA loop (each
+    step's input depends on the previous step's products, so nothing is hoisted): (ms per step, MB
+    read per step)."""
+    weights = step_weights(model)
+
+    @tf.function(jit_compile=True, autograph=False)
+    def loop(x):
+        def body(i, x):
+            total = tf.add_n([tf.reduce_sum(tf.matmul(x[:, :w.shape[0]], w)) for w in weights])
+            return i + 1, x + 1e-30 * total
+        return tf.while_loop(lambda i, x: i < steps, body, (0, x))[1]
+
+    x = tf.ones((1, max(w.shape[0] for w in weights)), model.compute_dtype)
+    seconds = measure(lambda: loop(x).numpy(), repeats).median
+    return seconds * 1e3 / steps, sum(int(np.prod(w.shape)) for w in weights) * 4 / 1e6
+
+
 def machine() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = tf.config.list_physical_devices("GPU")
@@ -149,6 +177,9 @@ def main() -> None:
     for name, timing in bench_decoding(model, cfg, short, repeats).items():
         per = "" if name.startswith("beam") else f" ({timing.median * 1e3 / short:.2f} ms/step)"
         print(f"{name}, {short} steps: first call {timing.first:.2f} s, median {timing.median * 1e3:.0f} ms{per}")
+    ms, megabytes = bench_step_products(model, short, repeats)
+    print(f"the batch-1 step's matrix-vector products alone ({megabytes:.1f} MB of weights): {ms:.2f} ms/step, "
+          f"{megabytes / ms:.1f} GB/s")
 
 
 
