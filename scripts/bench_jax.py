@@ -13,6 +13,8 @@
   (interleaved, ``transformer_cli.timing.round_robin``; target: within 10%);
 * cached greedy decoding of batch 1 and batch 8 (ms per step) and beam search (beam 4, alpha 0.6)
   over 128 steps, interleaved;
+* the batch-1 cached step's matrix-vector products alone (the weights it reads, in one compiled loop):
+  how much of a step is reading the weights, and at what rate;
 * ``from_params`` of ``base`` (the first call traces the model's structure).
 
 The memory of loading a checkpoint is measured for every backend by ``scripts/bench_memory.py``.
@@ -122,6 +124,31 @@ def bench_decoding(model: Transformer, steps: int, repeats: int) -> dict:
     return timings
 
 
+def bench_step_products(config: TransformerConfig, steps: int, repeats: int) -> tuple[float, float]:
+    """The cached batch-1 step's matrix-vector products alone, ``steps`` times in one compiled loop (each
+    step's input depends on the previous step's products, so nothing is hoisted): seeded matrices of the
+    shapes a step reads once -- every decoder layer's self-attention projections, the cross-attention's
+    query and output projections, the feed-forward layers, (in, out) as the port keeps them, and the
+    (V, D) shared embedding as the output projection, ``x @ E^T`` as the port computes it. Returns
+    (ms per step, MB read per step)."""
+    def read_per_step(name: str) -> bool:
+        return name.startswith("decoder.") and ("cross_attn" not in name or "q_proj" in name or "o_proj" in name)
+    params = init_params(config, dtype=np.float32)
+    matrices = [jnp.asarray(value) for name, value in params.items() if value.ndim == 2 and read_per_step(name)]
+    table = jnp.asarray(params["shared_embed.weight"])                                  # (V, D)
+
+    @jax.jit
+    def loop(x):
+        def body(i, x):
+            total = sum((x[:m.shape[0]] @ m).sum() for m in matrices) + (table @ x[:table.shape[1]]).sum()
+            return x + 1e-30 * total
+        return jax.lax.fori_loop(0, steps, body, x)
+
+    x = jnp.ones(max(m.shape[0] for m in matrices), jnp.float32)
+    seconds = measure(lambda: loop(x).block_until_ready(), repeats).median
+    return seconds * 1e3 / steps, (sum(m.nbytes for m in matrices) + table.nbytes) / 1e6
+
+
 def machine() -> list[str]:
     return [f"CPU: {cpu_name()}, {os.cpu_count()} logical cores visible (shared with other jobs)",
             f"JAX devices: {', '.join(str(d) for d in jax.devices())}",
@@ -171,6 +198,10 @@ def main() -> None:
     for name, timing in bench_decoding(model, short, repeats).items():
         per = "" if name == "beam 4" else f" ({timing.median * 1e3 / short:.2f} ms/step)"
         print(f"{name}, {short} steps: first call {timing.first:.2f} s, median {timing.median * 1e3:.0f} ms{per}")
+
+    ms, megabytes = bench_step_products(config, short, repeats)
+    print(f"the batch-1 step's matrix-vector products alone ({megabytes:.1f} MB of weights): {ms:.2f} ms/step, "
+          f"{megabytes / ms:.1f} GB/s")
 
     params = init_params(config, dtype=np.float32)
     for turn in ("first", "second"):
