@@ -9,7 +9,8 @@
 3. Beam search (beam 4, alpha 0.6) of one 78-token source: at most 128 steps.
 4. Where a cached greedy step's time goes (``torch.profiler``): the linear layers, attention, the
    rest; and the output projection (37000 x 512) for one row by ``F.linear`` (the BLAS torch is
-   built with) and by the port's ``_linear`` (oneDNN's inner product), with the weight bytes read
+   built with) and by the port's ``_linear`` (oneDNN's inner product), and every weight a cached
+   step reads, one row each, back to back (the step's products alone), with the weight bytes read
    per second.
 
 Times are medians over ``--repeats`` runs after a warm-up run. GFLOP/s count the matrix
@@ -242,7 +243,30 @@ def projection_kernels(model, device, repeats: int) -> list[str]:
         run = measure(lambda: synchronized(kernel(x, weight)), 10 * repeats)
         rate = weight.numel() * weight.element_size() / run.median / 1e9
         lines.append(f"| {name} | {1e3 * run.median:.2f} ms | {rate:.1f} GB/s |")
+    step = step_products(model, device)
+    run = measure(lambda: synchronized(step()), 10 * repeats)
+    lines.append(f"| every weight a step reads ({step_weight_bytes(model) / 1e6:.1f} MB), one row each, back to back, "
+                 f"the port's _linear | {1e3 * run.median:.2f} ms | {step_weight_bytes(model) / run.median / 1e9:.1f} "
+                 "GB/s |")
     return lines
+
+
+def step_products(model, device):
+    """A call that runs one row through every weight a cached step reads (:func:`step_weight_bytes`), with its
+    bias, by the port's ``_linear``: the step's matrix-vector products alone."""
+    once = ("cross_attn.k_proj", "cross_attn.v_proj")
+    layers = [module for name, module in model.decoder.named_modules()
+              if isinstance(module, torch.nn.Linear) and not any(part in name for part in once)]
+    weight = output_projection(model)
+    rows = {n: torch.randn(1, n, dtype=weight.dtype, device=device) for n in {m.in_features for m in layers}}
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=device)
+
+    def run():
+        with torch.inference_mode():
+            for module in layers:
+                _linear(rows[module.in_features], module.weight, module.bias)
+            return _linear(x, weight)
+    return run
 
 
 def _cached_step(model, memory, src_mask, steps: int):
