@@ -16,7 +16,8 @@ How it runs:
   (``model.init_cache``: per decoder layer a :class:`.model.KVCache` of self-attention keys/values
   (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
   through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
-  position's keys/values and attends up to it; beam search reorders them with :func:`reorder_cache`;
+  position's keys/values and attends up to it; beam search reorders the self-attention ones with
+  :func:`reorder_cache` (the memory's are the same for every beam of a sentence);
 * the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
   (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
   compiled once per model structure, batch size, source length, budget M and beam size, never per token;
@@ -215,7 +216,7 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
         scores, beams, tokens, finishing, keep = _select(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
         rows = history[beams].at[:, length].set(tokens)                          # (2K, M + 1)
         best = _keep_best(best, jnp.where(finishing, scores / penalties[length], -jnp.inf), rows, length)
-        history, live_scores, state = rows[keep], scores[keep], reorder_cache(state, beams[keep])
+        history, live_scores, state = rows[keep], scores[keep], _reorder_own(state, beams[keep])
         last = length == limit
         best = _keep_best(best, jnp.where(last, live_scores / penalties[length], -jnp.inf), history, length)
         stop = last | (live_scores.max() / penalties[limit] <= best[0])
@@ -225,6 +226,12 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
              jnp.asarray(False))
     *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1], advance, start)
     return row[1:], length, score
+
+
+def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:
+    """:func:`reorder_cache` of each layer's self-attention cache only: the memory's keys and values are the
+    same for every beam of a sentence, so they stay where they are (``()``, no cache, stays ``()``)."""
+    return tuple((reorder_cache(own, beams), memory) for own, memory in cache)
 
 
 def _select(candidates: jax.Array, eos_id: int, beam_size: int):

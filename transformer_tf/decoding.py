@@ -179,7 +179,7 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, w
         rows = tf.reshape(first_row + tf.gather(beam, keep, batch_dims=1), [-1])           # (N,)
         tokens = _put(tf.gather(tokens, rows), tf.reshape(tf.gather(token, keep, batch_dims=1), [-1]), t)
         scores = tf.gather(value, keep, batch_dims=1)                      # (B, K), descending
-        cache = tuple((reorder_cache(own, rows), memory) for own, memory in cache)   # self-attention only
+        cache = _reorder_own(cache, rows)
         # At the maximum length the live beams finish too (beam 0 ranks first and scores highest).
         at_limit = active & (t >= limits)
         best = _keep_better(best, at_limit, scores[:, 0] / penalties[t],
@@ -196,6 +196,12 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, w
     *_, best = tf.while_loop(lambda t, tokens, scores, cache, done, best: ~tf.reduce_all(done), body, start)
     score, tokens, lengths = best
     return tokens, lengths, score
+
+
+def _reorder_own(cache, rows):
+    """``reorder_cache`` of each layer's self-attention cache only: the memory's keys and values are the
+    same for every beam of a sentence, so they stay where they are (``()``, no cache, stays ``()``)."""
+    return tuple((reorder_cache(own, rows), memory) for own, memory in cache)
 
 
 def _select(candidates, eos_id: int, beam_size: int):
