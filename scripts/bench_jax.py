@@ -8,6 +8,9 @@
   for the cache speed-up (target >= 5x). The source has (tokens - 50) non-pad tokens, so the
   budget of section 6.1 is exactly the number of tokens; the eos row of the random model's
   shared embedding is zeroed (logit 0) so that decoding runs to the budget (checked);
+* the forward pass cut after each part (encoder, decoder, output projection, log-softmax), and the
+  log-softmax over (B T, V) by ``jax.nn.log_softmax`` against the sum of exp as a product with ones
+  (time, and worst error against float64);
 * the per-call overhead: a batch-1 forward pass of 64 source and 64 target tokens by the port's
   ``compiled_forward`` against plain ``jax.jit`` of the same function with the state split once
   (interleaved, ``transformer_cli.timing.round_robin``; target: within 10%);
@@ -54,7 +57,7 @@ from transformer_cli.timing import (  # noqa: E402
     timed,
 )
 from transformer_jax import Transformer, beam_search, from_params, greedy_decode  # noqa: E402
-from transformer_jax.model import compiled_forward  # noqa: E402
+from transformer_jax.model import compiled_forward, padding_mask  # noqa: E402
 
 FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
                 "  encoder  N*B*S*(8D^2 + 4DF + 4SD)\n"
@@ -85,6 +88,49 @@ def bench_forward(model: Transformer, batch: int, length: int, repeats: int) -> 
     seconds = measure(lambda: compiled(state, src, tgt).block_until_ready(), repeats).median
     flops = forward_flops(config, batch, length, length)
     return {"compile_s": compile_s, "seconds": seconds, "gflop": flops / 1e9, "gflops": gflop_rate(flops, seconds)}
+
+
+def bench_forward_parts(model: Transformer, batch: int, length: int, repeats: int) -> dict:
+    """The forward pass cut after each part, each compiled alone and timed interleaved: the encoder, the
+    decoder's output, the logits (the output projection) and the whole pass (the log-softmax added)."""
+    config = model.config
+    rng = np.random.default_rng(0)
+    src = jnp.asarray(rng.integers(3, config.src_vocab_size, (batch, length)))
+    tgt = jnp.asarray(rng.integers(3, config.tgt_vocab_size, (batch, length))).at[:, 0].set(config.bos_id)
+    graphdef, state = nnx.split(model)
+
+    def cut(part):
+        def run(state):
+            m = nnx.merge(graphdef, state)
+            mask = padding_mask(src, config.pad_id)
+            memory = m.encode(src, mask)
+            if part == "encoder":
+                return memory
+            out = m.decode(tgt, memory, mask)
+            if part == "+ decoder":
+                return out
+            return out @ m.src_embed.embedding[...].T if part == "+ output projection" else m(src, tgt)
+        compiled = jax.jit(run)
+        return lambda: compiled(state).block_until_ready()
+    return round_robin({part: cut(part) for part in ("encoder", "+ decoder", "+ output projection",
+                                                     "+ log-softmax")}, repeats)
+
+
+def bench_log_softmax(rows: int, classes: int, repeats: int) -> dict:
+    """``jax.nn.log_softmax`` over (rows, classes) float32 against the same with the sum of exp written as a
+    product with a vector of ones: name -> (timing, worst absolute error against float64 NumPy)."""
+    x = np.random.default_rng(4).standard_normal((rows, classes), dtype=np.float32) * 5
+    exact = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+    exact -= np.log(np.exp(exact).sum(axis=-1, keepdims=True))
+
+    def by_product(x):
+        shifted = x - x.max(axis=-1, keepdims=True)
+        ones = jnp.ones((x.shape[-1], 1), x.dtype)
+        return shifted - jnp.log(jnp.matmul(jnp.exp(shifted), ones, precision=jax.lax.Precision.HIGHEST))
+    forms = {"jax.nn.log_softmax": jax.jit(jax.nn.log_softmax), "sum as a product with ones": jax.jit(by_product)}
+    device_x = jnp.asarray(x)
+    timings = round_robin({name: lambda f=f: f(device_x).block_until_ready() for name, f in forms.items()}, repeats)
+    return {name: (timing, float(np.abs(np.asarray(timing.result) - exact).max())) for name, timing in timings.items()}
 
 
 def bench_greedy(model: Transformer, tokens: int, use_cache: bool, repeats: int) -> dict:
@@ -179,6 +225,12 @@ def main() -> None:
     print(f"forward base float32, batch {batch} x {length} src x {length} tgt: compile {fwd['compile_s']:.2f} s, "
           f"median {fwd['seconds'] * 1e3:.1f} ms, {fwd['gflop']:.1f} GFLOP -> {fwd['gflops']:.1f} GFLOP/s = "
           f"{100 * fwd['gflops'] / rate:.0f}% of the matmul rate (target >= 70%)")
+
+    for part, timing in bench_forward_parts(model, batch, length, repeats).items():
+        print(f"forward cut after: {part}: {timing.median * 1e3:.0f} ms")
+    for name, (timing, error) in bench_log_softmax(batch * length, config.tgt_vocab_size, repeats).items():
+        print(f"log-softmax over ({batch * length}, {config.tgt_vocab_size}), {name}: {timing.median * 1e3:.0f} ms, "
+              f"worst error against float64 {error:.1e}")
 
     results = {}
     for tokens in (short, long):
