@@ -7,7 +7,7 @@
    the port recomputing the prefix, and ``nn.Transformer`` (which has no cache) at 128 tokens;
    the port cached vs uncached at 256 tokens, with the per-token time at several lengths.
 3. Beam search (beam 4, alpha 0.6) of one 78-token source: at most 128 steps.
-4. Where a cached greedy step's time goes (``torch.profiler``): the linear layers, attention, the
+4. Where the forward pass's and a cached greedy step's time go (``torch.profiler``): the linear layers, attention, the
    rest; and the output projection (37000 x 512) for one row by ``F.linear`` (the BLAS torch is
    built with) and by the port's ``_linear`` (oneDNN's inner product), and every weight a cached
    step reads, one row each, back to back (the step's products alone), with the weight bytes read
@@ -49,6 +49,7 @@ from transformer_torch.model import _linear, padding_mask  # noqa: E402
 LOCK = "/tmp/bench.lock"
 KEPT_SECTION = "## Before and after"
 PROFILED_STEPS = 20
+PROFILED_FORWARDS = 3
 FORWARD_FLOPS = ("forward FLOPs = 2 x [N_enc (4 B S D^2 + 2 B S^2 D + 2 B S D F) + N_dec (6 B T D^2 + 2 B S D^2 "
                  "+ 2 B T^2 D + 2 B T S D + 2 B T D F) + B T D V]")
 STEP_FLOPS = ("cached step t FLOPs = 2 x [N_dec (6 B D^2 + 2 B t D + 2 B S D + 2 B D F) + B D V] "
@@ -163,7 +164,7 @@ def main() -> None:
         beam = measure(lambda: beam_search(model, beam_src), decode_repeats)
         rows.append((f"beam search, beam 4, alpha 0.6, S={beam_src.shape[1]}", beam.median, None,
                      f"{beam.result[0].shape[1]} steps, {1e3 * beam.median / beam.result[0].shape[1]:.2f} ms/step"))
-        profile = step_profile(model, memory, dec_mask)
+        profile = [*forward_profile(model, src, tgt), "", *step_profile(model, memory, dec_mask)]
         kernels = projection_kernels(model, device, repeats)
 
     lines += ["| what | median time | GFLOP/s | note |", "|---|---:|---:|---|"]
@@ -193,6 +194,39 @@ def kept_section(path: Path) -> str:
     """The file's own "Before and after" section (from its heading to the end), or nothing."""
     text = path.read_text() if path.exists() else ""
     return "\n" + text[text.index(KEPT_SECTION):] if KEPT_SECTION in text else ""
+
+
+def forward_profile(model, src, tgt) -> list[str]:
+    """Where the forward pass's time goes, from ``torch.profiler`` over ``PROFILED_FORWARDS`` calls: the linear
+    layers (their FLOPs and rate), attention, the log-softmax, and everything else."""
+    synchronized(model(src, tgt))                                                        # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_FORWARDS):
+            synchronized(model(src, tgt))
+    kinds = {"linear layers": ("linear_pointwise", "addmm", "aten::mm"), "attention": ("scaled_dot_product",),
+             "log-softmax": ("_log_softmax",)}
+    events = prof.key_averages()
+    parts = {kind: sum(event.self_cpu_time_total for event in events if any(name in event.key for name in names))
+             / 1e6 / PROFILED_FORWARDS for kind, names in kinds.items()}
+    total = sum(event.self_cpu_time_total for event in events) / 1e6 / PROFILED_FORWARDS
+    parts["everything else"] = total - sum(parts.values())
+    config, (batch, src_len), tgt_len = model.config, src.shape, tgt.shape[1]
+    linear_flops = forward_flops(config, batch, src_len, tgt_len) - attention_flops(config, batch, src_len, tgt_len)
+    notes = {"linear layers": f"{linear_flops / 1e9:.1f} GFLOP, {gflop_rate(linear_flops, parts['linear layers']):.0f}"
+                              " GFLOP/s", "attention": "SDPA kernels", "log-softmax": "over the vocabulary",
+             "everything else": "other kernels, Python, dispatch"}
+    return [f"Forward pass, B={batch} S={src_len} T={tgt_len} (torch.profiler over {PROFILED_FORWARDS} calls; "
+            f"{1e3 * total:.1f} ms per call, profiler included):", "", "| part | ms per call | share | note |",
+            "|---|---:|---:|---|", *(f"| {kind} | {1e3 * value:.1f} | {value / total:.0%} | {notes[kind]} |"
+                                     for kind, value in parts.items())]
+
+
+def attention_flops(config, batch: int, src_len: int, tgt_len: int) -> int:
+    """The attention products' FLOPs of a forward pass (Q K^T and weights V; 2 per multiply-add): the
+    encoder's self-attention, the decoder's self- and encoder-decoder attention."""
+    d = config.d_model
+    return 2 * 2 * batch * d * (config.n_encoder_layers * src_len * src_len
+                                + config.n_decoder_layers * (tgt_len * tgt_len + tgt_len * src_len))
 
 
 def step_profile(model, memory, src_mask) -> list[str]:
