@@ -1,6 +1,7 @@
 """Benchmark of the JAX/Flax port on this machine (a script, not a test).
 
-* the machine's float32 matmul rate: a large jitted ``jnp.matmul`` (n x n by n x n, 2 n^3 FLOPs);
+* the machine's float32 matmul rate: ``transformer_cli.timing.jax_product``, a jitted ``jnp.matmul``
+  (n x n by n x n, 2 n^3 FLOPs);
 * the compiled forward pass of the ``base`` model (Table 3) in float32, batch 8, 128 source and
   128 target tokens: compile time, median time, achieved GFLOP/s from matmul FLOPs counted
   analytically (formula printed) and the ratio to the measured matmul rate (target >= 70%);
@@ -51,6 +52,7 @@ from transformer_cli.timing import (  # noqa: E402
     cpu_name,
     forward_flops,
     gflop_rate,
+    jax_product,
     matmul_rate,
     measure,
     round_robin,
@@ -65,14 +67,6 @@ FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
                 " cross-attn K/V of the memory)\n"
                 "  output   B*T*2DV\n"
                 "  (causal attention counted in full: the masked scores are computed)")
-
-
-def jax_product(n: int):
-    """One jitted float32 n x n matmul (at the port's precision, HIGHEST), blocking until done."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
-    return lambda: matmul(a, b).block_until_ready()
 
 
 def bench_forward(model: Transformer, batch: int, length: int, repeats: int) -> dict:

@@ -1,6 +1,6 @@
 """Benchmark of the TensorFlow/Keras port (float32, the ``base`` preset of Table 3; a script, not a test).
 
-* this machine's float32 matmul rate (tf.matmul, n x n by n x n, in a tf.function);
+* this machine's float32 matmul rate (``transformer_cli.timing.tf_product``: tf.linalg.matmul, n x n by n x n);
 * ``from_params`` of ``base`` (seeded weights of the reference's ``init_params``), first and second call;
 * the compiled forward pass (``compiled_forward``) on batch 8 x 128 source x 128 target tokens,
   with XLA (``jit_compile=True``, the default) and with TensorFlow's graph executor: tracing
@@ -48,6 +48,7 @@ from transformer_cli.timing import (  # noqa: E402
     matmul_rate,
     measure,
     round_robin,
+    tf_product,
     timed,
 )
 from transformer_tf.model import compiled_forward  # noqa: E402
@@ -56,13 +57,6 @@ FORWARD_FLOPS = ("2 x multiply-adds of every matmul, masked attention entries in
                  "  encoder  N (8 B S D^2 + 4 B S^2 D + 4 B S D F)\n"
                  "  decoder  N (8 B T D^2 + 4 B T^2 D + 4 B T D^2 + 4 B S D^2 + 4 B T S D + 4 B T D F)\n"
                  "  output   2 B T D V")
-
-
-def tf_product(n: int):
-    """One float32 n x n ``tf.matmul`` in a ``tf.function``, blocking until done."""
-    a, b = (tf.random.stateless_uniform((n, n), seed=(s, 0)) for s in (1, 2))
-    matmul = tf.function(tf.matmul)
-    return lambda: matmul(a, b).numpy()
 
 
 def bench_forward(model, cfg, batch: int, length: int, repeats: int, jit_compile: bool) -> dict:
