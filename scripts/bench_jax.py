@@ -55,6 +55,7 @@ from transformer_cli.timing import (  # noqa: E402
     jax_product,
     matmul_rate,
     measure,
+    read_every_step,
     round_robin,
     timed,
 )
@@ -176,10 +177,8 @@ def bench_step_products(config: TransformerConfig, steps: int, repeats: int) -> 
     query and output projections, the feed-forward layers, (in, out) as the port keeps them, and the
     (V, D) shared embedding as the output projection, ``x @ E^T`` as the port computes it. Returns
     (ms per step, MB read per step)."""
-    def read_per_step(name: str) -> bool:
-        return name.startswith("decoder.") and ("cross_attn" not in name or "q_proj" in name or "o_proj" in name)
     params = init_params(config, dtype=np.float32)
-    matrices = [jnp.asarray(value) for name, value in params.items() if value.ndim == 2 and read_per_step(name)]
+    matrices = [jnp.asarray(value) for name, value in params.items() if value.ndim == 2 and read_every_step(name)]
     table = jnp.asarray(params["shared_embed.weight"])                                  # (V, D)
 
     @jax.jit

@@ -47,6 +47,7 @@ from transformer_cli.timing import (  # noqa: E402
     gflop_rate,
     matmul_rate,
     measure,
+    read_every_step,
     round_robin,
     tf_product,
     timed,
@@ -102,9 +103,7 @@ def bench_decoding(model, cfg, steps: int, repeats: int) -> dict:
 def step_weights(model) -> list:
     """The (in, out) matrices a cached decoding step reads once: every decoder layer's self-attention
     and feed-forward weights, the cross-attention's query and output projections, the generator's."""
-    def read_per_step(path: str) -> bool:
-        return "decoder" in path and ("cross_attn" not in path or "q_proj" in path or "o_proj" in path)
-    return [v for v in model.weights if len(v.shape) == 2 and read_per_step(v.path)] + [model.generator._weight()]
+    return [v for v in model.weights if len(v.shape) == 2 and read_every_step(v.path)] + [model.generator._weight()]
 
 
 def bench_step_products(model, steps: int, repeats: int) -> tuple[float, float]:

@@ -40,7 +40,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
-from transformer_cli.timing import cpu_name, decode_flops, forward_flops, gflop_rate, measure, timed  # noqa: E402
+from transformer_cli.timing import (  # noqa: E402
+    cpu_name,
+    decode_flops,
+    forward_flops,
+    gflop_rate,
+    measure,
+    read_every_step,
+    timed,
+)
 from transformer_torch import checkpoint, interop  # noqa: E402
 from transformer_torch.decoding import beam_search, next_token_log_probs  # noqa: E402
 from transformer_torch.device import devices, full_precision  # noqa: E402
@@ -255,9 +263,8 @@ def step_profile(model, memory, src_mask) -> list[str]:
 def step_weight_bytes(model) -> int:
     """Bytes of weights one cached decoding step reads: every decoder projection but the encoder-decoder
     attention's keys and values (projected once per sentence), and the output projection."""
-    once = ("cross_attn.k_proj", "cross_attn.v_proj")
     decoder = sum(p.numel() * p.element_size() for name, p in model.decoder.named_parameters()
-                  if p.dim() == 2 and not any(part in name for part in once))
+                  if p.dim() == 2 and read_every_step(f"decoder.{name}"))
     return decoder + output_projection(model).numel() * output_projection(model).element_size()
 
 
@@ -288,9 +295,8 @@ def projection_kernels(model, device, repeats: int) -> list[str]:
 def step_products(model, device):
     """A call that runs one row through every weight a cached step reads (:func:`step_weight_bytes`), with its
     bias, by the port's ``_linear``: the step's matrix-vector products alone."""
-    once = ("cross_attn.k_proj", "cross_attn.v_proj")
     layers = [module for name, module in model.decoder.named_modules()
-              if isinstance(module, torch.nn.Linear) and not any(part in name for part in once)]
+              if isinstance(module, torch.nn.Linear) and read_every_step(f"decoder.{name}")]
     weight = output_projection(model)
     rows = {n: torch.randn(1, n, dtype=weight.dtype, device=device) for n in {m.in_features for m in layers}}
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=device)

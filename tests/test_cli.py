@@ -509,6 +509,19 @@ def test_decode_step_bytes_count_every_tensor_a_step_reads(preset, batch, src_le
     assert timing.decode_step_bytes(config, batch, src_len, steps) == pytest.approx(4 * (weights + caches), rel=1e-12)
 
 
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_read_every_step_picks_the_decoder_weights_a_step_reads(norm_first):
+    """On every checkpoint name, and on the same names written as a port's slash-separated paths:
+    every decoder tensor but the cross-attention's key and value projections (the rule of the test above)."""
+    config = TransformerConfig.preset("tiny", norm_first=norm_first)
+    for name in parameter_shapes(config):
+        expected = (name.startswith("decoder.") and ".cross_attn.k_proj" not in name
+                    and ".cross_attn.v_proj" not in name)
+        assert timing.read_every_step(name) == expected, name
+        assert timing.read_every_step("transformer/" + name.replace(".", "/")) == expected, name
+
+
 # ----------------------------------------------------------------------------- train
 
 def train_json(capsys, *args: str) -> list[dict]:

@@ -173,6 +173,15 @@ def decode_step_bytes(config: TransformerConfig, batch: int, src_len: int, steps
     return itemsize * (weights + caches)
 
 
+def read_every_step(name: str) -> bool:
+    """Whether a cached decoding step reads the weight at ``name`` -- a checkpoint name or a port's path
+    to the weight, parts separated by ``.`` or ``/``: every decoder weight but the encoder-decoder
+    attention's key and value projections, applied to the memory once per sentence (the weights
+    :func:`decode_step_bytes` counts, the output projection aside)."""
+    parts = set(name.replace("/", ".").split("."))
+    return "decoder" in parts and not ("cross_attn" in parts and parts & {"k_proj", "v_proj"})
+
+
 def layer_macs(config: TransformerConfig, queries: int, keys: int, memory: int | None = None) -> int:
     """Multiply-adds of one layer for ``queries`` new positions attending to ``keys`` positions;
     a decoder layer (``memory`` source positions) adds cross-attention, the memory's keys and
