@@ -53,6 +53,11 @@ class Backend(Protocol):
         """Every stage of the forward pass (inference), by the shared stage names, in order."""
         ...
 
+    def log_probs(self, model: Model, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+        """The forward pass's output alone, (B, T, V) log-probabilities (inference), through the backend's
+        fastest call for it: the compiled forward pass where the framework compiles (what ``bench`` times)."""
+        ...
+
     def component(self, model: Model, name: str, inputs: dict) -> np.ndarray:
         """One component (``equivalence.recipes.COMPONENTS``) on NumPy inputs (``equivalence.recipes.run_component``
         names the keys), with the weights of layer 0 of each stack."""

@@ -149,6 +149,21 @@ def test_forward_stages(port, device_kind, dtype, variant, case, agreement):
                   what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}")
 
 
+@pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_probs(port, device_kind, dtype, variant, agreement):
+    """The output-only inference call ``bench`` times (JAX's and TF's XLA-compiled forward pass): explicit
+    masks (case "none") and the model's default ones on a ragged batch."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    model = port_model(port, variant, dtype, device)
+    for case in ("none", "ragged_batch"):
+        inputs = cases.model_inputs(FORWARD_VARIANTS[variant], case)
+        agreement(backend.log_probs(model, **inputs), reference_forward(variant, case, "float64")["log_probs"],
+                  reference_forward(variant, case, "float32")["log_probs"], port=port, device=device, dtype=dtype,
+                  what=f"log_probs: {variant}/{case}")
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", MASK_CASES)

@@ -222,8 +222,9 @@ def backend_engine(adapter, config: TransformerConfig, params, inputs: dict, pee
     device = adapter.devices()[0]
     model = adapter.build(config, params, "float32", device)
     src, tgt = inputs[FORWARD]
-    calls = {FORWARD: lambda: adapter.forward(model, src, tgt)}
-    computes = {FORWARD: "the model call with every stage kept (adapter.forward): (B, T, V) log-probabilities"}
+    calls = {FORWARD: lambda: adapter.log_probs(model, src, tgt)}
+    computes = {FORWARD: "the inference forward pass (adapter.log_probs; JAX's and TF's compiled_forward, with XLA): "
+                         "(B, T, V) log-probabilities"}
     cached = adapter.NAME != "numpy"
     if peers and cached:
         calls.update({"greedy batch 1": lambda: adapter.greedy(model, inputs["batch 1"]),

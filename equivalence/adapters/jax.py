@@ -75,6 +75,12 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
 
 
 @_x64
+def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+    """The compiled forward pass's (B, T, V) log-probabilities alone (inference)."""
+    return np.asarray(_forward(model, src, tgt, src_mask, tgt_mask))
+
+
+@_x64
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 

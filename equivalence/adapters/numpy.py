@@ -51,6 +51,11 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
     return stages
 
 
+def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+    """The forward pass's (B, T, V) log-probabilities alone: the model call."""
+    return model(src, tgt, src_mask, tgt_mask)
+
+
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component (:data:`equivalence.recipes.COMPONENTS`) on NumPy inputs; weights from layer 0."""
     cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"

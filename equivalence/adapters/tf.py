@@ -64,6 +64,7 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 
 
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its compiled stages function
+_XLA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # model -> its XLA-compiled forward pass
 
 
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
@@ -74,6 +75,15 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
     with tf.device(_device.model_device(model)):
         _, stages = _GRAPHS[model](src, tgt, src_mask, tgt_mask)
     return {name: value.numpy() for name, value in stages.items()}
+
+
+def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+    """The forward pass's (B, T, V) log-probabilities alone (inference), from ``compiled_forward`` with XLA,
+    compiled once per model and input shape."""
+    if model not in _XLA:
+        _XLA[model] = compiled_forward(model)
+    with tf.device(_device.model_device(model)):
+        return _XLA[model](src, tgt, src_mask, tgt_mask).numpy()
 
 
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:

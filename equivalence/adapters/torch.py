@@ -61,6 +61,12 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
 
 
 @torch.no_grad()
+def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+    """The forward pass's (B, T, V) log-probabilities alone (inference)."""
+    return _numpy(model.eval()(src, tgt, src_mask, tgt_mask))
+
+
+@torch.no_grad()
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 
