@@ -11,6 +11,7 @@ leaves it off); float32 models must still compute in float32, which the dtype as
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.decoding import select_candidates  # noqa: E402
+from reference_numpy.model import log_softmax as reference_log_softmax  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
 from reference_numpy.training import PAPER  # noqa: E402
@@ -45,6 +47,7 @@ from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
     forward,
+    log_softmax,
     padding_mask,
     scaled_dot_product_attention,
 )
@@ -200,6 +203,39 @@ def test_bad_arguments_give_one_line_value_errors():
         with pytest.raises(ValueError, match=message) as err:
             call()
         assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- log-softmax
+
+def exact_log_softmax(x: np.ndarray) -> np.ndarray:
+    """Section 3.4's log softmax of each row by Python's math, the sum exactly rounded (math.fsum)."""
+    out = []
+    for row in x.reshape(-1, x.shape[-1]).astype(np.float64).tolist():
+        top = max(row)
+        log_total = math.log(math.fsum(math.exp(value - top) for value in row))
+        out.append([value - top - log_total for value in row])
+    return np.array(out).reshape(x.shape)
+
+
+@pytest.mark.parametrize("classes", [37_000, 2_000, 1_031, 20])   # chunks of 1,000; of 1,000; none (prime); one
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_log_softmax_sums_by_chunks_at_the_plain_sums_precision(classes, dtype):
+    """The chunked sum of exp (and the fallback for a row with no chunk) against exactly rounded sums:
+    float64 within 1e-12, float32 within the policy's multiple of NumPy's float32 error."""
+    x = np.random.default_rng(classes).normal(0, 4, size=(2, 3, classes))
+    out = np.asarray(log_softmax(jnp.asarray(x, dtype)))
+    assert out.dtype == dtype and out.shape == x.shape
+    tolerance.assert_agrees(out, exact_log_softmax(x), reference_log_softmax(x.astype(np.float32)),
+                            what=f"log_softmax over {classes} classes")
+
+
+def test_log_softmax_gradient_is_the_closed_form():
+    """d/dx sum(w * log_softmax(x)) = w - softmax(x) sum(w), through the chunked sum (float64)."""
+    rng = np.random.default_rng(1)
+    x, w = rng.normal(0, 4, size=(3, 2_000)), rng.normal(size=(3, 2_000))
+    grad = np.asarray(jax.grad(lambda x: jnp.sum(w * log_softmax(x)))(jnp.asarray(x)))
+    softmax = np.exp(exact_log_softmax(x))
+    tolerance.assert_agrees(grad, w - softmax * w.sum(axis=-1, keepdims=True), what="log_softmax gradient")
 
 
 # ----------------------------------------------------------------------------- attention
