@@ -509,7 +509,6 @@ def test_decode_step_bytes_count_every_tensor_a_step_reads(preset, batch, src_le
     assert timing.decode_step_bytes(config, batch, src_len, steps) == pytest.approx(4 * (weights + caches), rel=1e-12)
 
 
-
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_read_every_step_picks_the_decoder_weights_a_step_reads(norm_first):
     """On every checkpoint name, and on the same names written as a port's slash-separated paths:

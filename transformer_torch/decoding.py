@@ -147,13 +147,13 @@ def _beam_search_one(model: Transformer, memory: Tensor, src_mask: Tensor, limit
         live = torch.cat([live[index], torch.as_tensor(step_choice.tokens, device=live.device)[:, None]], dim=1)
         live_scores = torch.as_tensor(step_choice.scores, device=live.device)
         if cache is not None:
-            cache = _reorder_beams(cache, index)
+            cache = _reorder_own(cache, index)
         if search_ends(finished, live, step_choice.scores, step, limit, alpha):
             break
     return best_hypothesis(finished)
 
 
-def _reorder_beams(cache: tuple, beams: Tensor) -> tuple:
+def _reorder_own(cache: tuple, beams: Tensor) -> tuple:
     """:func:`reorder_cache` of the self-attention caches only: the encoder-decoder keys and values
     of the one sentence searched (batch 1) are the same for every beam and broadcast over them."""
     kept = reorder_cache(tuple((own,) for own, _ in cache), beams)

@@ -63,27 +63,30 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
     return checkpoint.to_params(model)
 
 
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its compiled stages function
-_XLA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # model -> its XLA-compiled forward pass
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {xla: its compiled forward pass}
+
+
+def _compiled(model: Transformer, xla: bool, *inputs):
+    """The model's forward pass, compiled once per model (and traced once per input shape): with XLA and the
+    output alone (``log_probs``), or without XLA, cheap to trace, and every stage (``forward``)."""
+    graphs = _GRAPHS.setdefault(model, {})
+    if xla not in graphs:
+        graphs[xla] = compiled_forward(model, jit_compile=xla, return_intermediates=not xla)
+    with tf.device(_device.model_device(model)):
+        return graphs[xla](*inputs)
 
 
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names, from a graph
     compiled once per model and input shape (``compiled_forward`` without XLA: cheap to trace)."""
-    if model not in _GRAPHS:
-        _GRAPHS[model] = compiled_forward(model, jit_compile=False, return_intermediates=True)
-    with tf.device(_device.model_device(model)):
-        _, stages = _GRAPHS[model](src, tgt, src_mask, tgt_mask)
+    _, stages = _compiled(model, False, src, tgt, src_mask, tgt_mask)
     return {name: value.numpy() for name, value in stages.items()}
 
 
 def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone (inference), from ``compiled_forward`` with XLA,
     compiled once per model and input shape."""
-    if model not in _XLA:
-        _XLA[model] = compiled_forward(model)
-    with tf.device(_device.model_device(model)):
-        return _XLA[model](src, tgt, src_mask, tgt_mask).numpy()
+    return _compiled(model, True, src, tgt, src_mask, tgt_mask).numpy()
 
 
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
