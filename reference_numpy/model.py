@@ -10,6 +10,7 @@ Shape legend used in every docstring:
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
+    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 
@@ -70,17 +71,25 @@ def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndar
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
-                                 mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                                 mask: np.ndarray | None = None,
+                                 beams: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     A query row whose mask has no True entry sees no key: its weights are all zero and its
     output is zero (never NaN, never a uniform average).
 
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    row b*K + j attends over its own hypothesis: at position c, the key and value of row
+    b*K + beams[b, j, c].
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
+        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
+    if beams is not None:
+        key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, Tk, d_k)
     d_k = query.shape[-1]
     scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)         # (..., Tq, Tk)
     if mask is not None:
@@ -92,6 +101,14 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
     return weights @ value, weights
+
+
+def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:
+    """Each row's keys (or values) along its hypothesis: position c of row b*K + j taken from
+    row b*K + beams[b, j, c]. Shape: x (N, H, C, d_k), beams (B, K, C) -> (N, H, C, d_k)."""
+    batch, k, capacity = beams.shape
+    rows = (np.arange(batch)[:, None, None] * k + beams).reshape(batch * k, capacity)   # (N, C)
+    return x[rows, :, np.arange(capacity)].transpose(0, 2, 1, 3)        # (N, C, H, d_k) -> (N, H, C, d_k)
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> np.ndarray:
@@ -119,10 +136,25 @@ class KVCache(NamedTuple):
 
     Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
     encoder-decoder attention: the projected memory, C = S.
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
     """
 
     keys: np.ndarray    # (B, H, C, d_k)
     values: np.ndarray  # (B, H, C, d_k)
+    beams: np.ndarray | tuple = ()   # (B / K, K, C) int, or ()
+
+
+def _beam_table(cache: KVCache | None) -> np.ndarray | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
 
 
 class MultiHeadAttention:
@@ -157,7 +189,7 @@ class MultiHeadAttention:
                  cache: KVCache | None = None, cache_index: int | None = None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
@@ -190,7 +222,8 @@ class MultiHeadAttention:
         if cache is None:
             return k, v, None
         check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index))
+        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index),
+                        _written_beams(cache.beams, cache_index, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
@@ -205,6 +238,16 @@ def _written(buffer: np.ndarray, new: np.ndarray, index: int) -> np.ndarray:
     buffer = buffer.copy()
     buffer[:, :, index:index + new.shape[2]] = new
     return buffer
+
+
+def _written_beams(beams: np.ndarray | tuple, index: int, length: int) -> np.ndarray | tuple:
+    """A copy of the ``beams`` table (B, K, C) whose positions index .. index + length - 1 are each
+    row's own (what :func:`_written` wrote there); ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    beams = beams.copy()
+    beams[:, :, index:index + length] = np.arange(beams.shape[1])[:, None]
+    return beams
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -544,6 +587,8 @@ class Transformer:
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:
             check_cache_index(cache_index, length, keys)
+            for own, _ in cache:                                               # every table, before any layer runs
+                _beam_table(own)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
@@ -683,6 +728,20 @@ def check_cache_index(cache_index, length: int, capacity: int) -> None:
         raise ValueError(f"cache_index must be an int >= 0, got {cache_index!r}")
     if cache_index + length > capacity:
         raise ValueError(f"cache holds {capacity} positions; decoding needs {cache_index + length}")
+
+
+def check_beams(shape: tuple, dtype: str, rows: int, capacity: int) -> None:
+    """A cache's ``beams`` table is an int (B, K, C) array for its N = B * K rows of C positions."""
+    shape = tuple(shape)
+    fits = len(shape) == 3 and all(size is None or target is None or size == target
+                                   for size, target in ((shape[2], capacity), (_product(shape[:2]), rows)))
+    if not dtype.startswith(("int", "uint")) or not fits:
+        raise ValueError(f"cache.beams must be an int array (B, K, C) for a cache of {rows} rows of {capacity} "
+                         f"positions (B * K = {rows}, C = {capacity}), got {dtype} of shape {shape}")
+
+
+def _product(sizes: tuple) -> int | None:
+    return None if None in sizes else math.prod(sizes)
 
 
 def check_forward_inputs(config: TransformerConfig, src_shape: tuple, tgt_shape: tuple,

@@ -167,6 +167,9 @@ SINGLE = [
            "cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),",
            "cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index + 1, axis=2),",
            ["tests/test_jax.py", "-k", "cache"]),
+    single("cache", "keras: a beam table not marked at the new positions (read from the row that held them)",
+           "transformer_tf/model.py", "return tf.where((position >= 0) & (position < length), own, beams)",
+           "return beams", ["tests/test_beam_cache.py", "-k", "tf"]),
 ]
 
 
@@ -554,7 +557,15 @@ DATA_PARALLEL = [
            "tokens = None", ["tests/test_data_parallel_tf.py"]),
 ]
 
-MUTATIONS = [*SINGLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
+_PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
+BEAM_TABLE = [
+    consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
+        (RM, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
+        (TM, *_PICKED), (JM, *_PICKED), (FM, *_PICKED),
+    ], ["tests/test_beam_cache.py", "-k", "naive_loop"]),
+]
+
+MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT, *DATA_PARALLEL]
 
 

@@ -346,8 +346,8 @@ def test_reorder_cache_gathers_every_cache_along_the_batch_axis():
     reordered = decoding.reorder_cache(cache, tf.constant([2, 2, 0]))
     for layer, original in zip(reordered, cache):
         for kv, source in zip(layer, original):
-            assert isinstance(kv, transformer_tf.KVCache)
-            for tensor, before in zip(kv, source):
+            assert isinstance(kv, transformer_tf.KVCache) and kv.beams == ()
+            for tensor, before in ((kv.keys, source.keys), (kv.values, source.values)):
                 np.testing.assert_array_equal(tensor.numpy(), before.numpy()[[2, 2, 0]])
 
 

@@ -17,7 +17,10 @@ How it runs:
   (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
   through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
   position's keys/values and attends up to it; beam search reorders the self-attention ones with
-  :func:`reorder_cache` (the memory's are the same for every beam of a sentence);
+  :func:`reorder_cache` (the memory's are the same for every beam of a sentence), moving their
+  keys and values: kept in place under a ``beams`` table instead (``KVCache.beams``, as the
+  TensorFlow port does), the search measured no faster at batch 1 and 12% slower at batch 8,
+  since XLA copies the loop's caches either way (docs/benchmarks.md);
 * the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
   (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
   compiled once per model structure, batch size, source length, budget M and beam size, never per token;
@@ -52,7 +55,7 @@ from reference_numpy.decoding import (
     max_output_lengths,
 )
 
-from .model import Transformer, _split, _Structure, padding_mask
+from .model import KVCache, Transformer, _split, _Structure, padding_mask
 
 _TOKEN_DTYPE = jnp.int32
 
@@ -76,12 +79,23 @@ def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, 
 
 
 def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:
-    """Every :class:`.model.KVCache` of ``cache`` gathered along the batch axis: row i becomes row
-    ``beams[i]`` (the caches follow their beams in beam search).
+    """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
+    ``beams[i]`` (beam search keeps the caches of the hypotheses it extends). A
+    :class:`.model.KVCache` without a ``beams`` table is gathered along the batch axis; one with
+    a table keeps its keys and values where they are and gathers the table's rows (beams never
+    move between sentences).
 
-    Shape: beams (N,) int; each keys/values (N, H, C, d_k).
+    Shape: beams (N,) int; every keys/values array (N, H, C, d_k); a table (N / K, K, C).
     """
-    return jax.tree.map(lambda buffer: buffer[beams], cache)
+    return tuple(tuple(_follow(layer_cache, beams) for layer_cache in layer) for layer in cache)
+
+
+def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
+    """One :class:`.model.KVCache` of :func:`reorder_cache`."""
+    if isinstance(cache.beams, tuple):
+        return KVCache(cache.keys[beams], cache.values[beams])
+    table = cache.beams.reshape(-1, cache.beams.shape[2])                # (N, C)
+    return cache._replace(beams=table[beams].reshape(cache.beams.shape))
 
 
 def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
@@ -231,7 +245,8 @@ def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit:
 def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:
     """:func:`reorder_cache` of each layer's self-attention cache only: the memory's keys and values are the
     same for every beam of a sentence, so they stay where they are (``()``, no cache, stays ``()``)."""
-    return tuple((reorder_cache(own, beams), memory) for own, memory in cache)
+    kept = reorder_cache(tuple((own,) for own, _ in cache), beams)
+    return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
 
 
 def _select(candidates: jax.Array, eos_id: int, beam_size: int):

@@ -16,6 +16,7 @@ Shape legend used in every docstring:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: key/value cache capacity (self-attention: the decoding budget; encoder-decoder: S)
+    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -79,7 +80,8 @@ def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
-                                 mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                                 mask: jax.Array | None = None,
+                                 beams: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     Written out rather than taken from ``jax.nn.dot_product_attention`` or Flax: those give a
@@ -88,13 +90,22 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     held constant for gradients (it cancels mathematically), so fully masked rows have finite
     gradients too.
 
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    row b*K + j attends over its own hypothesis: at position c, the key and value of row
+    b*K + beams[b, j, c] (computed without moving keys or values: :func:`_beam_scores`,
+    :func:`_beam_mix`).
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
+        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
     d_k = query.shape[-1]
-    scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
+    if beams is None:
+        scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
+    else:
+        scores = _beam_scores(query, key, beams) / math.sqrt(d_k)
     if mask is not None:
         mask = _check_mask(mask, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
@@ -103,7 +114,52 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     exp = jnp.exp(scores - row_max)                                     # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
-    return jnp.matmul(weights, value, precision=_PRECISION), weights
+    if beams is None:
+        return jnp.matmul(weights, value, precision=_PRECISION), weights
+    return _beam_mix(weights, value, beams), weights
+
+
+def _every_row(x: jax.Array, beams: jax.Array) -> jax.Array:
+    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
+
+    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
+    """
+    batch, k, _ = beams.shape
+    _, heads, length, width = x.shape
+    x = x.reshape(batch, 1, k, heads, length, width).transpose(0, 1, 3, 2, 4, 5)   # (B, 1, H, K, Tq, Z)
+    x = jnp.broadcast_to(x, (batch, k, heads, k, length, width))           # (B, Ki, H, Kj, Tq, Z)
+    return x.reshape(batch * k, heads, k * length, width)
+
+
+def _picked(beams: jax.Array) -> jax.Array:
+    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
+    k = beams.shape[1]
+    return beams[:, None, None, :, None, :] == jnp.arange(k, dtype=beams.dtype).reshape(1, k, 1, 1, 1, 1)
+
+
+def _beam_scores(query: jax.Array, key: jax.Array, beams: jax.Array) -> jax.Array:
+    """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
+    against every key row of it (K times the products, a few KB), then at each position the score
+    against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = query.shape
+    every = jnp.matmul(_every_row(query, beams), jnp.swapaxes(key, -1, -2), precision=_PRECISION)  # (N, H, K*Tq, C)
+    every = every.reshape(batch, k, heads, k, length, capacity)          # (B, Ki, H, Kj, Tq, C)
+    scores = jnp.where(_picked(beams), every, 0).sum(axis=1)             # (B, H, Kj, Tq, C)
+    return scores.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, capacity)
+
+
+def _beam_mix(weights: jax.Array, value: jax.Array, beams: jax.Array) -> jax.Array:
+    """weights V along each query row's hypothesis: each key row's values weighted by the weights
+    of the positions it holds for every query row, summed over key rows.
+    Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = weights.shape
+    every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)
+    every = jnp.where(_picked(beams), every, 0).reshape(batch * k, heads, k * length, capacity)
+    out = jnp.matmul(every, value, precision=_PRECISION)                 # (N, H, K*Tq, d_v)
+    out = out.reshape(batch, k, heads, k, length, -1).sum(axis=1)        # (B, H, Kj, Tq, d_v)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, -1)
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
@@ -131,10 +187,25 @@ class KVCache(NamedTuple):
 
     Fixed sizes, so that a decoding loop compiles once: a self-attention cache holds C =
     capacity positions (zeros until written), an encoder-decoder one the projected memory (C = S).
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
     """
 
     keys: jax.Array     # (B, H, C, d_k)
     values: jax.Array   # (B, H, C, d_k)
+    beams: jax.Array | tuple = ()   # (B / K, K, C) int, or ()
+
+
+def _beam_table(cache: KVCache | None) -> jax.Array | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    reference.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
 
 
 class MultiHeadAttention(nnx.Module):
@@ -170,7 +241,7 @@ class MultiHeadAttention(nnx.Module):
                  cache_index: int | jax.Array | None = None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
@@ -205,7 +276,8 @@ class MultiHeadAttention(nnx.Module):
             return k, v, None
         _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),
-                        lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2))
+                        lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2),
+                        _written_beams(cache.beams, cache_index, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
@@ -219,6 +291,16 @@ def _check_cache_index(cache_index, length: int, capacity: int) -> None:
     loop, is the loop's to bound: ``lax.dynamic_update_slice`` would clamp it)."""
     if not isinstance(cache_index, jax.core.Tracer):
         reference.check_cache_index(cache_index, length, capacity)
+
+
+def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
+    (what ``lax.dynamic_update_slice_in_dim`` wrote there); ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    position = jnp.arange(beams.shape[2]) - index                        # (C,)
+    own = jnp.arange(beams.shape[1], dtype=beams.dtype)[None, :, None]   # (1, K, 1)
+    return jnp.where((position >= 0) & (position < length), own, beams)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -605,6 +687,8 @@ class Transformer(nnx.Module):
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
         if cache is not None:
             _check_cache_index(cache_index, length, keys)
+            for own, _ in cache:                                               # every table, before any layer runs
+                _beam_table(own)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:

@@ -14,6 +14,7 @@ Shape legend used in every docstring:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: capacity of a key/value cache                   T_new: positions added to it in one call
+    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). They are
 plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
@@ -75,20 +76,29 @@ def _cached_causal_mask(cache_index, length: int, capacity: int) -> tf.Tensor:
 
 # ----------------------------------------------------------------------------- attention
 
-def scaled_dot_product_attention(query, key, value, mask=None) -> tuple[tf.Tensor, tf.Tensor]:
+def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tuple[tf.Tensor, tf.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     A query row whose mask has no True entry sees no key: its weights are all zero and its
     output is zero (never NaN, never a uniform average).
 
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    row b*K + j attends over its own hypothesis: at position c, the key and value of row
+    b*K + beams[b, j, c] (computed without moving keys or values: :func:`_beam_scores`,
+    :func:`_beam_mix`).
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
+        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
     d_k = query.shape[-1]
-    scores = tf.matmul(query, key, transpose_b=True) / math.sqrt(d_k)   # (..., Tq, Tk)
+    if beams is None:
+        scores = tf.matmul(query, key, transpose_b=True) / math.sqrt(d_k)   # (..., Tq, Tk)
+    else:
+        scores = _beam_scores(query, key, beams) / math.sqrt(d_k)
     if mask is not None:
         mask = _check_mask(mask, scores.shape)
         scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
@@ -97,7 +107,50 @@ def scaled_dot_product_attention(query, key, value, mask=None) -> tuple[tf.Tenso
     exp = tf.exp(scores - row_max)                                      # exactly 0 where masked
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
-    return tf.matmul(weights, value), weights
+    return (tf.matmul(weights, value) if beams is None else _beam_mix(weights, value, beams)), weights
+
+
+def _every_row(x, beams) -> tf.Tensor:
+    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
+
+    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
+    """
+    batch, k, _ = beams.shape
+    _, heads, length, width = x.shape
+    x = tf.transpose(tf.reshape(x, (batch, 1, k, heads, length, width)), (0, 1, 3, 2, 4, 5))  # (B, 1, H, K, Tq, Z)
+    x = tf.broadcast_to(x, (batch, k, heads, k, length, width))           # (B, Ki, H, Kj, Tq, Z)
+    return tf.reshape(x, (batch * k, heads, k * length, width))
+
+
+def _picked(beams) -> tf.Tensor:
+    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
+    k = beams.shape[1]
+    return beams[:, None, None, :, None, :] == tf.reshape(tf.range(k, dtype=beams.dtype), (1, k, 1, 1, 1, 1))
+
+
+def _beam_scores(query, key, beams) -> tf.Tensor:
+    """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
+    against every key row of it (K times the products, a few KB), then at each position the score
+    against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = query.shape
+    every = tf.matmul(_every_row(query, beams), key, transpose_b=True)   # (N, H, K*Tq, C)
+    every = tf.reshape(every, (batch, k, heads, k, length, capacity))    # (B, Ki, H, Kj, Tq, C)
+    scores = tf.reduce_sum(tf.where(_picked(beams), every, tf.zeros_like(every)), axis=1)  # (B, H, Kj, Tq, C)
+    return tf.reshape(tf.transpose(scores, (0, 2, 1, 3, 4)), (batch * k, heads, length, capacity))
+
+
+def _beam_mix(weights, value, beams) -> tf.Tensor:
+    """weights V along each query row's hypothesis: each key row's values weighted by the weights
+    of the positions it holds for every query row, summed over key rows.
+    Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = weights.shape
+    every = tf.reshape(_every_row(weights, beams), (batch, k, heads, k, length, capacity))   # (B, Ki, H, Kj, Tq, C)
+    every = tf.where(_picked(beams), every, tf.zeros_like(every))
+    out = tf.matmul(tf.reshape(every, (batch * k, heads, k * length, capacity)), value)       # (N, H, K*Tq, d_v)
+    out = tf.reduce_sum(tf.reshape(out, (batch, k, heads, k, length, -1)), axis=1)          # (B, H, Kj, Tq, d_v)
+    return tf.reshape(tf.transpose(out, (0, 2, 1, 3, 4)), (batch * k, heads, length, -1))
 
 
 def _check_mask(mask, scores_shape, name: str = "mask") -> tf.Tensor:
@@ -175,10 +228,25 @@ class KVCache(NamedTuple):
 
     C is the capacity (self-attention: a fixed buffer written at ``cache_index``, so every shape
     stays static under XLA) or S (encoder-decoder attention: the projected memory).
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
     """
 
     keys: tf.Tensor     # (B, H, C, d_k)
     values: tf.Tensor   # (B, H, C, d_k)
+    beams: tf.Tensor | tuple = ()   # (B / K, K, C) int, or ()
+
+
+def _beam_table(cache: KVCache | None):
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    reference.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
 
 
 @register
@@ -220,7 +288,7 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
     def call(self, query, key, value, mask=None, return_weights=False, cache=None, cache_index=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask)       # (B, H, Tq, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))   # (B, H, Tq, d_k)
         shape = tf.shape(heads)
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
@@ -253,7 +321,8 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
         if cache is None:
             return k, v, None
         _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index))
+        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index),
+                        _written_beams(cache.beams, cache_index, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x):
@@ -270,6 +339,16 @@ def _written(buffer, new, index) -> tf.Tensor:
     batch, heads, position = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions,
                                          indexing="ij")                   # each (B, H, T_new)
     return tf.tensor_scatter_nd_update(buffer, tf.stack([batch, heads, position], axis=-1), new)
+
+
+def _written_beams(beams, index, length: int):
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
+    (what :func:`_written` wrote there); ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    position = tf.range(beams.shape[2]) - tf.cast(index, tf.int32)       # (C,)
+    own = tf.range(beams.shape[1], dtype=beams.dtype)[None, :, None]     # (1, K, 1)
+    return tf.where((position >= 0) & (position < length), own, beams)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -692,6 +771,8 @@ class Transformer(_TransformerLayer, keras.Model):
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:
             _check_cache_index(cache_index, length, keys)
+            for own, _ in cache:                                               # every table, before any layer runs
+                _beam_table(own)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:

@@ -12,10 +12,13 @@ With ``use_cache=True`` (the default) each new token costs one decoder step: the
 key/value cache (``model.init_cache``, :class:`.model.KVCache`) keeps the self-attention keys and
 values of earlier positions in preallocated buffers, written in place, and the memory's
 encoder-decoder keys and values projected once per sentence; beam search reorders it with
-:func:`reorder_cache`. ``use_cache=False`` recomputes the whole prefix at every step, as the
-reference does; both give the same log-probabilities (to rounding) for the rows still being
-decoded, and the same tokens (a finished greedy row only receives pad; with the cache its pad
-keys are not masked, which changes nothing it emits).
+:func:`reorder_cache`, moving the keys and values of the live beams (their number changes from
+one at the first step to ``beam_size``; kept in place under a ``beams`` table instead,
+``KVCache.beams``, the search measured no faster: docs/benchmarks.md). ``use_cache=False``
+recomputes the whole prefix at every step, as the reference does; both give the same
+log-probabilities (to rounding) for the rows still being decoded, and the same tokens (a
+finished greedy row only receives pad; with the cache its pad keys are not masked, which
+changes nothing it emits).
 
 The model should be in ``eval()`` mode (dropout off); decoding runs in ``torch.inference_mode()`` (no
 gradients, and less bookkeeping per operation than ``torch.no_grad()``).
@@ -64,10 +67,23 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
 
 
 def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
-    """Keep batch rows ``beams`` of every :class:`.model.KVCache` (beam search: row i of the result
-    is the row of the beam that the i-th next live beam extends)."""
-    return tuple(tuple(KVCache(c.keys.index_select(0, beams), c.values.index_select(0, beams)) for c in layer)
-                 for layer in cache)
+    """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
+    ``beams[i]`` (beam search: the beam that the i-th next live beam extends). A
+    :class:`.model.KVCache` without a ``beams`` table keeps batch rows ``beams``; one with a table
+    keeps its keys and values where they are and gathers the table's rows (beams never move
+    between sentences).
+
+    Shape: beams (N,) int; every keys/values tensor (N, H, C, d_k); a table (N / K, K, C).
+    """
+    return tuple(tuple(_follow(layer_cache, beams) for layer_cache in layer) for layer in cache)
+
+
+def _follow(cache: KVCache, beams: Tensor) -> KVCache:
+    """One :class:`.model.KVCache` of :func:`reorder_cache`."""
+    if isinstance(cache.beams, tuple):
+        return KVCache(cache.keys.index_select(0, beams), cache.values.index_select(0, beams))
+    table = cache.beams.reshape(-1, cache.beams.shape[2])                 # (N, C)
+    return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 
 
 def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,

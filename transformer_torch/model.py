@@ -13,6 +13,7 @@ Shape legend used in every docstring:
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
+    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). Token ids
 and masks may be given as tensors or NumPy arrays; they are moved to the model's device.
@@ -75,6 +76,7 @@ def _cached_causal_mask(cache_index: int, length: int, capacity: int, device: to
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+                                 beams: Tensor | None = None,
                                  return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
@@ -83,16 +85,23 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     plots) and returned; otherwise the second result is None. A query row whose mask has no True
     entry sees no key: its output (and its weights) are zero, never NaN.
 
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    row b*K + j attends over its own hypothesis: at position c, the key and value of row
+    b*K + beams[b, j, c] (computed explicitly, without moving keys or values: :func:`_beam_scores`,
+    :func:`_beam_mix`).
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk) or None.
+        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
     batch = np.broadcast_shapes(query.shape[:-2], key.shape[:-2])      # (NumPy's: a fraction of torch's cost)
     if mask is not None:
         mask = _check_mask(mask, (*batch, query.shape[-2], key.shape[-2]), device=query.device)
-    if return_weights:
-        return _explicit_attention(query, key, value, mask)
+    if return_weights or beams is not None:
+        out, weights = _explicit_attention(query, key, value, mask, beams)
+        return out, (weights if return_weights else None)
     if mask is None:
         return F.scaled_dot_product_attention(query, key, value), None
     batch = np.broadcast_shapes(mask.shape[:-2], batch)
@@ -102,9 +111,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     return out.masked_fill(hidden, 0.0), None                           # fully masked row -> zeros
 
 
-def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                        beams: Tensor | None) -> tuple[Tensor, Tensor]:
     d_k = query.shape[-1]
-    scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_k)          # (..., Tq, Tk)
+    if beams is None:
+        scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_k)      # (..., Tq, Tk)
+    else:
+        scores = _beam_scores(query, key, beams) / math.sqrt(d_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     row_max = scores.amax(dim=-1, keepdim=True)                         # -inf on fully masked rows
@@ -112,7 +125,50 @@ def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor 
     exp = torch.exp(scores - row_max)                                   # exactly 0 where masked
     total = exp.sum(dim=-1, keepdim=True)
     weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
-    return weights @ value, weights
+    return (weights @ value if beams is None else _beam_mix(weights, value, beams)), weights
+
+
+def _every_row(x: Tensor, beams: Tensor) -> Tensor:
+    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
+
+    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
+    """
+    batch, k, _ = beams.shape
+    _, heads, length, width = x.shape
+    x = x.reshape(batch, 1, k, heads, length, width).permute(0, 1, 3, 2, 4, 5)   # (B, 1, H, K, Tq, Z)
+    x = x.expand(batch, k, heads, k, length, width)                       # (B, Ki, H, Kj, Tq, Z)
+    return x.reshape(batch * k, heads, k * length, width)
+
+
+def _picked(beams: Tensor) -> Tensor:
+    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
+    k = beams.shape[1]
+    return beams[:, None, None, :, None, :] == torch.arange(k, device=beams.device).reshape(1, k, 1, 1, 1, 1)
+
+
+def _beam_scores(query: Tensor, key: Tensor, beams: Tensor) -> Tensor:
+    """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
+    against every key row of it (K times the products, a few KB), then at each position the score
+    against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = query.shape
+    every = _every_row(query, beams) @ key.transpose(-1, -2)             # (N, H, K*Tq, C)
+    every = every.reshape(batch, k, heads, k, length, capacity)          # (B, Ki, H, Kj, Tq, C)
+    scores = torch.where(_picked(beams), every, 0.0).sum(dim=1)          # (B, H, Kj, Tq, C)
+    return scores.transpose(1, 2).reshape(batch * k, heads, length, capacity)
+
+
+def _beam_mix(weights: Tensor, value: Tensor, beams: Tensor) -> Tensor:
+    """weights V along each query row's hypothesis: each key row's values weighted by the weights
+    of the positions it holds for every query row, summed over key rows.
+    Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = weights.shape
+    every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)
+    every = torch.where(_picked(beams), every, 0.0).reshape(batch * k, heads, k * length, capacity)
+    out = every @ value                                                  # (N, H, K*Tq, d_v)
+    out = out.reshape(batch, k, heads, k, length, -1).sum(dim=1)         # (B, H, Kj, Tq, d_v)
+    return out.transpose(1, 2).reshape(batch * k, heads, length, -1)
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask", device=None) -> Tensor:
@@ -139,10 +195,25 @@ class KVCache(NamedTuple):
 
     Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
     encoder-decoder attention: the projected memory, C = S.
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
     """
 
     keys: Tensor    # (B, H, C, d_k)
     values: Tensor  # (B, H, C, d_k)
+    beams: Tensor | tuple = ()   # (B / K, K, C) int, or ()
+
+
+def _beam_table(cache: KVCache | None) -> Tensor | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    reference.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
 
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -210,7 +281,8 @@ class MultiHeadAttention(nn.Module):
                 return_weights: bool = False, cache: KVCache | None = None, cache_index: int | None = None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, return_weights)  # (B, H, Tq, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
+                                                      return_weights)     # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
@@ -247,6 +319,9 @@ class MultiHeadAttention(nn.Module):
         reference.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache.keys[:, :, cache_index:cache_index + k.shape[2]] = k
         cache.values[:, :, cache_index:cache_index + k.shape[2]] = v
+        if not isinstance(cache.beams, tuple):                             # the new positions are each row's own
+            cache.beams[:, :, cache_index:cache_index + k.shape[2]] = torch.arange(
+                cache.beams.shape[1], device=cache.beams.device)[:, None]
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
@@ -618,6 +693,8 @@ class Transformer(nn.Module):
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:
             reference.check_cache_index(cache_index, length, keys)
+            for own, _ in cache:                                               # every table, before any layer runs
+                _beam_table(own)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask", self.device)
         if tgt_mask is None:

@@ -1,0 +1,182 @@
+"""A beam-search cache kept in place (``KVCache.beams``), in every backend.
+
+Beam search may leave each row's self-attention keys and values where they are and move only a
+table of which row holds each position of each hypothesis. Two checks that share no code with
+the attention they test:
+
+* Eq. (1) along each hypothesis against a naive loop: for every query row, its keys and values
+  are collected position by position from the rows the table names, and the attention is
+  computed with Python floats;
+* a cached decoder driven through random beam reorderings: the cache kept in place under a
+  table gives, at every step, what the same decoder gives on a cache whose rows are moved (the
+  reference's model, rows moved by NumPy indexing written here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+
+import numpy as np
+import pytest
+
+from equivalence.tolerance import assert_agrees
+from reference_numpy import TransformerConfig, init_params
+from reference_numpy import model as reference
+
+FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
+BATCH, BEAMS, HEADS, CAPACITY, D_K = 2, 3, 2, 5, 4
+ROWS = BATCH * BEAMS
+
+
+def port(name: str):
+    """(model module, decoding module, to-tensor) of a port, skipped with the reason when its
+    framework is not installed."""
+    framework = FRAMEWORKS[name]
+    module = pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{name}]')")
+    package = f"transformer_{name}"
+    model, decoding = (importlib.import_module(f"{package}.{part}") for part in ("model", "decoding"))
+    convert = {"torch": lambda x: module.as_tensor(x), "jax": lambda x: module.numpy.asarray(x),
+               "tf": lambda x: module.constant(x)}[name]
+    return model, decoding, convert
+
+
+def backend(name: str):
+    """(model module, to-tensor) of the reference or a port."""
+    if name == "numpy":
+        return reference, np.asarray
+    model, _, convert = port(name)
+    return model, convert
+
+
+def naive_attention_along_hypotheses(query, key, value, beams, allowed):
+    """Row b*K + j, position c: key and value of row b*K + beams[b, j, c]; Eq. (1) with Python floats,
+    query by query. Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), allowed (Tq, C)."""
+    rows, heads, length, d_k = query.shape
+    out = np.zeros(query.shape)
+    for row in range(rows):
+        sentence, beam = divmod(row, BEAMS)
+        holder = [sentence * BEAMS + int(beams[sentence, beam, c]) for c in range(CAPACITY)]
+        for h in range(heads):
+            for q in range(length):
+                seen = [c for c in range(CAPACITY) if allowed[q, c]]
+                scores = [sum(float(query[row, h, q, i]) * float(key[holder[c], h, c, i]) for i in range(d_k))
+                          / math.sqrt(d_k) for c in seen]
+                exps = [math.exp(s - max(scores)) for s in scores]
+                for c, e in zip(seen, exps):
+                    out[row, h, q] += e / sum(exps) * value[holder[c], h, c]
+    return out
+
+
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_attention_along_each_hypothesis_equals_a_naive_loop(name):
+    """Two queries per row, a causal mask over the capacity (the first query sees 3 positions, the
+    second 4), a table with every row of each sentence used."""
+    model, convert = backend(name)
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal((ROWS, HEADS, 2, D_K))
+    key, value = rng.standard_normal((2, ROWS, HEADS, CAPACITY, D_K))
+    beams = rng.integers(0, BEAMS, (BATCH, BEAMS, CAPACITY))
+    allowed = np.arange(CAPACITY)[None, :] <= np.array([2, 3])[:, None]    # (Tq, C)
+    with float64_inference(name):
+        out, _ = model.scaled_dot_product_attention(*map(convert, (query, key, value, allowed, beams)))
+    expected = naive_attention_along_hypotheses(query, key, value, beams, allowed)
+    assert_agrees(np.asarray(out), expected, what=f"{name}: attention along each hypothesis")
+
+
+def in_place(cache: tuple, convert) -> tuple:
+    """A fresh cache's self-attention caches under a table in which every row holds its own positions."""
+    table = convert(np.broadcast_to(np.arange(BEAMS)[None, :, None], (BATCH, BEAMS, CAPACITY)).copy())
+    return tuple((own._replace(beams=table), memory) for own, memory in cache)
+
+
+def reordered(cache: tuple, rows: np.ndarray, reorder_cache) -> tuple:
+    """``reorder_cache`` of the self-attention caches only (the memory's keys and values stay)."""
+    kept = reorder_cache(tuple((own,) for own, _ in cache), rows)
+    return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
+
+
+def reorder_moving_rows(cache: tuple, rows: np.ndarray) -> tuple:
+    """The reference's caches (no table) with row i made row ``rows[i]``: the keys and values move."""
+    return tuple((reference.KVCache(own.keys[rows], own.values[rows]),) for (own,) in cache)
+
+
+def reorder_table_rows(cache: tuple, rows: np.ndarray) -> tuple:
+    """The reference's caches under a table: row i of the table made row ``rows[i]``."""
+    return tuple((own._replace(beams=own.beams.reshape(ROWS, CAPACITY)[rows].reshape(own.beams.shape)),)
+                 for (own,) in cache)
+
+
+def decoder_steps(model, src, tgt, parents, convert, reorder_cache, table: bool) -> list[np.ndarray]:
+    """The decoder's output at each position, one position a step, rows reordered by ``parents``
+    after each step (the tokens too)."""
+    memory = model.encode(convert(src))
+    cache = model.init_cache(memory, CAPACITY)
+    cache = in_place(cache, convert) if table else cache
+    outputs = []
+    for t, rows in enumerate(parents):
+        out, cache = model.decode(convert(tgt[:, t:t + 1]), memory, cache=cache, cache_index=t)
+        outputs.append(np.asarray(out))
+        before = cache
+        cache, tgt = reordered(cache, convert(rows), reorder_cache), tgt[rows]
+        if table:                                                          # nothing but the table moved
+            assert all(new.keys is old.keys and new.values is old.values
+                       for (new, _), (old, _) in zip(cache, before))
+    return outputs
+
+
+def built(name: str, config: TransformerConfig, params: dict):
+    """(float64 model, to-tensor, reorder_cache) of a backend; the reference's reorder is
+    :func:`reorder_table_rows`."""
+    if name == "numpy":
+        return reference.Transformer(config, params), np.asarray, reorder_table_rows
+    _, decoding, convert = port(name)
+    adapter = importlib.import_module(f"equivalence.adapters.{name}")
+    return adapter.build(config, params, "float64"), convert, decoding.reorder_cache
+
+
+def float64_inference(name: str):
+    """The backend's context for float64 inference: torch without gradients, JAX with x64 on."""
+    if name == "torch":
+        return importlib.import_module("torch").no_grad()
+    return importlib.import_module("jax").enable_x64(True) if name == "jax" else contextlib.nullcontext()
+
+
+TINY = TransformerConfig.preset("tiny")
+
+
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_a_cache_kept_in_place_decodes_as_a_moved_one(name):
+    """Five decoder steps of the tiny model in float64, the rows of each sentence reordered at
+    random after each step: the backend's cache kept in place under a table (reordered by its
+    ``reorder_cache``; the reference's by reordering the table here) gives at every step the
+    reference decoder's output on a cache whose keys and values are moved."""
+    params = init_params(TINY, seed=0, perturb=0.1)
+    rng = np.random.default_rng(1)
+    src = np.repeat(rng.integers(3, TINY.src_vocab_size, (BATCH, 4)), BEAMS, axis=0)   # (N, S)
+    tgt = rng.integers(3, TINY.tgt_vocab_size, (ROWS, CAPACITY))
+    parents = [np.repeat(np.arange(BATCH) * BEAMS, BEAMS) + rng.integers(0, BEAMS, ROWS) for _ in range(CAPACITY)]
+    expected = decoder_steps(reference.Transformer(TINY, params), src, tgt, parents, np.asarray,
+                             reorder_moving_rows, table=False)
+    model, convert, reorder_cache = built(name, TINY, params)
+    with float64_inference(name):
+        steps = decoder_steps(model, src, tgt, parents, convert, reorder_cache, table=True)
+    for t, (out, ref) in enumerate(zip(steps, expected)):
+        assert_agrees(out, ref, what=f"{name}: decoder step {t}, cache kept in place")
+
+
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_a_table_of_the_wrong_shape_gets_the_reference_error(name):
+    """A table one position longer than the cache: one ValueError naming ``cache.beams``, the
+    reference's words in every backend."""
+    model, convert, _ = built(name, TINY, init_params(TINY, seed=0))
+    with float64_inference(name):
+        memory = model.encode(convert(np.full((ROWS, 4), 3)))
+        table = convert(np.zeros((BATCH, BEAMS, CAPACITY + 1), np.int64))
+        cache = tuple((own._replace(beams=table), mem) for own, mem in model.init_cache(memory, CAPACITY))
+        with pytest.raises(ValueError) as error:
+            model.decode(convert(np.full((ROWS, 1), 3)), memory, cache=cache, cache_index=0)
+    expected = (f"cache.beams must be an int array (B, K, C) for a cache of {ROWS} rows of {CAPACITY} positions "
+                f"(B * K = {ROWS}, C = {CAPACITY}), got int64 of shape ({BATCH}, {BEAMS}, {CAPACITY + 1})")
+    assert str(error.value) == expected
