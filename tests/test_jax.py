@@ -591,6 +591,23 @@ def test_one_and_three_steps_are_the_papers_adam():
     assert max(np.abs(after[name] - cases.seeded_params(model.config)[name]).max() for name in after) > 1e-2
 
 
+def test_a_training_run_compiles_its_step_once(caplog):
+    """Three steps of a new model placed on the CPU and its optimizer compile the training step once, on a
+    batch shape no other test trains on: the optimizer's step counters start committed to the model's device
+    (optax creates them uncommitted; beside committed weights, the step's arguments turning committed after
+    its first call compiled it again)."""
+    config = VARIANTS["tiny"].replace(dropout=0.0)
+    model = checkpoint.from_params(config, cases.seeded_params(config), device="cpu")
+    optimizer = training.optimizer(model, TRAINING)
+    batches = [{name: value[:2, :5] for name, value in cases.training_inputs(model.config, seed=t).items()}
+               for t in range(3)]
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for batch in batches:
+            training.train_step(model, optimizer, **batch)
+    compiled = [record.message for record in caplog.records if "compilation of jit(_train_step)" in record.message]
+    assert len(compiled) == 1, compiled
+
+
 def test_tied_embeddings_have_one_pair_of_moments():
     model = training_model("shared_embeddings")
     state = training.training_state(model, training.optimizer(model))
