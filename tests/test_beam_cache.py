@@ -20,33 +20,32 @@ import math
 
 import numpy as np
 import pytest
+from test_agreement import FRAMEWORKS, port_backend
 
 from equivalence.tolerance import assert_agrees
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy import model as reference
 
-FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 BATCH, BEAMS, HEADS, CAPACITY, D_K = 2, 3, 2, 5, 4
 ROWS = BATCH * BEAMS
 
 
 def port(name: str):
-    """(model module, decoding module, to-tensor) of a port, skipped with the reason when its
-    framework is not installed."""
-    framework = FRAMEWORKS[name]
-    module = pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{name}]')")
+    """(adapter, model module, decoding module, to-tensor) of a port, skipped with the reason when its
+    framework is not installed (``port_backend``)."""
+    adapter, module = port_backend(name), importlib.import_module(FRAMEWORKS[name])
     package = f"transformer_{name}"
     model, decoding = (importlib.import_module(f"{package}.{part}") for part in ("model", "decoding"))
     convert = {"torch": lambda x: module.as_tensor(x), "jax": lambda x: module.numpy.asarray(x),
                "tf": lambda x: module.constant(x)}[name]
-    return model, decoding, convert
+    return adapter, model, decoding, convert
 
 
 def backend(name: str):
     """(model module, to-tensor) of the reference or a port."""
     if name == "numpy":
         return reference, np.asarray
-    model, _, convert = port(name)
+    _, model, _, convert = port(name)
     return model, convert
 
 
@@ -131,8 +130,7 @@ def built(name: str, config: TransformerConfig, params: dict):
     :func:`reorder_table_rows`."""
     if name == "numpy":
         return reference.Transformer(config, params), np.asarray, reorder_table_rows
-    _, decoding, convert = port(name)
-    adapter = importlib.import_module(f"equivalence.adapters.{name}")
+    adapter, _, decoding, convert = port(name)
     return adapter.build(config, params, "float64"), convert, decoding.reorder_cache
 
 
