@@ -408,7 +408,8 @@ LENGTH_PENALTY = [
     consistent("length-penalty", "|Y| of a hypothesis ending with eos does not count the eos", [
         (RD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
         (TD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
-        (JD, "jnp.where(finishing, scores / penalties[length],", "jnp.where(finishing, scores / penalties[length - 1],"),
+        (JD, "finishing & ~done[:, None], scores / penalties[length],",
+         "finishing & ~done[:, None], scores / penalties[length - 1],"),
         (FD, "tf.gather(value, first, batch_dims=1) / penalties[t],", "tf.gather(value, first, batch_dims=1) / penalties[t - 1],"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
@@ -419,7 +420,8 @@ BEAM_END = [
          "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
         (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
-        (JD, "keep = jnp.nonzero(~is_eos, size=beam_size)[0]", "keep = jnp.arange(beam_size)"),
+        (JD, "keep = lax.top_k(-jnp.where(is_eos, rank + ranked.shape[1], rank), beam_size)[1]",
+         "keep = jnp.tile(rank[:, :beam_size], (batch, 1))"),
         (FD, "keep = tf.math.top_k(-tf.where(is_eos, rank + 2 * k, rank), k).indices",
          "keep = tf.tile(rank[:, :k], [batch, 1])"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
@@ -428,8 +430,8 @@ BEAM_END = [
          "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
         (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
-        (JD, "history, live_scores, state = rows[keep], scores[keep],",
-         "history, live_scores, state = rows[keep], jnp.where(keep < beam_size, scores[keep], -jnp.inf),"),
+        (JD, "live_scores = jnp.take_along_axis(scores, keep, axis=1)",
+         "live_scores = jnp.where(keep < k, jnp.take_along_axis(scores, keep, axis=1), -jnp.inf)"),
         (FD, "scores = tf.gather(value, keep, batch_dims=1)",
          "scores = tf.where(keep < k, tf.gather(value, keep, batch_dims=1), tf.constant(-np.inf, dtype))"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
@@ -439,14 +441,15 @@ EARLY_STOPPING = [
     consistent("early-stopping", "stops when no live beam beats the best at lp(current length), not lp(maximum length)", [
         (RD, "live_scores.max() / length_penalty(limit, alpha) <= best_finished",
          "live_scores.max() / length_penalty(step, alpha) <= best_finished"),
-        (JD, "stop = last | (live_scores.max() / penalties[limit] <= best[0])",
-         "stop = last | (live_scores.max() / penalties[length] <= best[0])"),
+        (JD, "done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])",
+         "done = done | last | (live_scores[:, 0] / penalties[length] <= best[0])"),
         (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])",
          "stop = at_limit | (scores[:, 0] / penalties[t] <= best[0])"),
     ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
     consistent("early-stopping", "stops as soon as one hypothesis has finished", [
         (RD, "return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)", "return bool(finished)"),
-        (JD, "stop = last | (live_scores.max() / penalties[limit] <= best[0])", "stop = last | (best[0] > -jnp.inf)"),
+        (JD, "done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])",
+         "done = done | last | (best[0] > -jnp.inf)"),
         (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])", "stop = at_limit | (best[0] > -np.inf)"),
     ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
 ]
@@ -466,9 +469,9 @@ TIES = [
          'np.argsort(-candidates[:, ::-1], axis=None, kind="stable"), candidates.shape[1])'),
         (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort(chosen // candidates.shape[1] * "
          "candidates.shape[1] + candidates.shape[1] - 1 - chosen % candidates.shape[1])]"),
-        (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * beam_size, flat.size))",
-         "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(candidates.shape)[:, ::-1].reshape(-1), "
-         "min(2 * beam_size, flat.size)); ranked = (lambda r, v: r // v * v + v - 1 - r % v)(ranked, candidates.shape[1])"),
+        (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * k, k * vocab))",
+         "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(batch, k, vocab)[:, :, ::-1]"
+         ".reshape(batch, -1), min(2 * k, k * vocab)); ranked = ranked // vocab * vocab + vocab - 1 - ranked % vocab"),
         (FD, "value, ranking = tf.math.top_k(tf.where(flat == 0, tf.zeros_like(flat), flat), 2 * k)",
          "value, ranking = tf.math.top_k(tf.reshape(tf.reverse(tf.reshape(tf.where(flat == 0, tf.zeros_like(flat), flat), "
          "(batch, k, vocab)), [-1]), (batch, k * vocab)), 2 * k); "
@@ -480,9 +483,9 @@ TIES = [
          'np.argsort(-candidates[::-1], axis=None, kind="stable"), *candidates.shape)'),
         (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort((len(candidates) - 1 - chosen // "
          "candidates.shape[1]) * candidates.shape[1] + chosen % candidates.shape[1])]"),
-        (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * beam_size, flat.size))",
-         "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(candidates.shape)[::-1].reshape(-1), "
-         "min(2 * beam_size, flat.size)); ranked = (lambda r, k, v: (k - 1 - r // v) * v + r % v)(ranked, *candidates.shape)"),
+        (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * k, k * vocab))",
+         "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(batch, k, vocab)[:, ::-1]"
+         ".reshape(batch, -1), min(2 * k, k * vocab)); ranked = (k - 1 - ranked // vocab) * vocab + ranked % vocab"),
         (FD, "value, ranking = tf.math.top_k(tf.where(flat == 0, tf.zeros_like(flat), flat), 2 * k)",
          "value, ranking = tf.math.top_k(tf.reshape(tf.reverse(tf.reshape(tf.where(flat == 0, tf.zeros_like(flat), flat), "
          "(batch, k, vocab)), [1]), (batch, k * vocab)), 2 * k); "
@@ -490,8 +493,8 @@ TIES = [
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("ties", "equal finished scores go to the hypothesis finished last", [
         (RD, "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)"),
-        (JD, "first = jnp.argmax(scores)\n    better = scores[first] > best[0]",
-         "first = scores.size - 1 - jnp.argmax(scores[::-1])\n    better = scores[first] >= best[0]"),
+        (JD, "first = jnp.argmax(scores, axis=1)", "first = scores.shape[1] - 1 - jnp.argmax(scores[:, ::-1], axis=1)"),
+        (JD, "better = score > best[0]", "better = score >= best[0]"),
         (FD, "first = tf.argmax(tf.cast(finishing, tf.int32), axis=-1, output_type=tf.int32)",
          "first = 2 * k - 1 - tf.argmax(tf.reverse(tf.where(finishing, value, tf.constant(-np.inf, dtype)), [-1]), "
          "axis=-1, output_type=tf.int32)"),

@@ -407,10 +407,10 @@ def test_beam_candidates_are_chosen_as_the_reference_chooses_among_exact_ties(dt
     the same eos hypotheses finish, from the same beams, with the same scores, and the same (beam, token,
     score) become the live beams (the reference drops impossible ones, the port keeps them at -inf)."""
     eos, beam_size = 2, 4
-    for candidates in _tied_candidates(dtype):
+    tied = _tied_candidates(dtype)
+    chosen = map(np.asarray, decoding._select(jnp.asarray(np.stack(tied)), eos, beam_size))   # one batch
+    for candidates, (scores, beams, tokens, finishing, keep) in zip(tied, zip(*chosen), strict=True):
         expected = select_candidates(candidates, eos, beam_size)
-        scores, beams, tokens, finishing, keep = map(np.asarray, decoding._select(jnp.asarray(candidates), eos,
-                                                                                 beam_size))
         assert scores.dtype == dtype
         assert [(int(b), float(v)) for b, v in zip(beams[finishing], scores[finishing])] == \
             [(int(b), float(v)) for b, v in expected.finishing], candidates

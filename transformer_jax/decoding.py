@@ -19,21 +19,26 @@ How it runs:
   position's keys/values and attends up to it; beam search reorders the self-attention ones with
   :func:`reorder_cache` (the memory's are the same for every beam of a sentence), moving their
   keys and values: kept in place under a ``beams`` table instead (``KVCache.beams``, as the
-  TensorFlow port does), the search measured no faster at batch 1 and 12% slower at batch 8,
-  since XLA copies the loop's caches either way (docs/benchmarks.md);
+  TensorFlow port does), the search measured no faster (``base``, beam 4: 9.03 against 8.99
+  ms/step for one sentence, 34.7 against 34.6 for eight), since XLA copies the loop's caches
+  either way (docs/benchmarks.md);
 * the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
   (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
   compiled once per model structure, batch size, source length, budget M and beam size, never per token;
 * beam candidates are ranked by ``lax.top_k`` (2K of the K * V candidates), not a full sort;
 * ``use_cache=False`` recomputes the decoder over the whole fixed-size target buffer at every
   step (later positions are masked), the reference's recomputation, compiled, for comparison;
-* beam search runs one search per source sentence, vectorized over the batch with ``jax.vmap``.
-  Beam slots not yet filled (the first step has one live beam) hold the score -inf, so they
-  rank after every real candidate and never finish. A step whose non-eos candidates are all
+* beam search advances every sentence's beams in one loop, as the TensorFlow port does: rows are
+  (sentence, beam) pairs, N = B * K; a sentence that has stopped is still computed but changes
+  nothing (its best is no longer replaced) until every sentence has stopped. (One search per
+  sentence under ``jax.vmap`` was 15% slower for one sentence: a loop whose condition is batched
+  becomes one whose every carry, caches included, is selected anew at each step.) Beam slots not
+  yet filled (the first step has one live beam) hold the score -inf, so they rank after every real
+  candidate and never finish. A step whose non-eos candidates are all
   impossible (only eos can follow) leaves every slot at -inf, and the stopping rule
   (-inf <= best finished score) ends the search, as "no live beam left" does in the reference.
 
-Shape legend: B batch, S source length, N rows decoded together (B, or beam_size), M budget,
+Shape legend: B batch, S source length, N rows decoded together (B, or B * K), M budget,
 V target vocabulary, K beam_size.
 """
 
@@ -200,46 +205,40 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
 @functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache"))
 def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
           max_steps: int, beam_size: int, use_cache: bool):
-    """The compiled search over the batch of the model ``structure.merge(state)``. Returns tokens (B, M),
-    lengths (B,), scores (B,)."""
+    """The compiled search over the batch of the model ``structure.merge(state)``: rows are
+    (sentence, beam) pairs, N = B * K, all advanced by one loop until every sentence has stopped.
+    Returns the best hypotheses (B, M) without bos, their lengths (B,) and scores (B,)."""
     model = structure.merge(state)
-    src_mask = padding_mask(src, model.config.pad_id)                            # (B, 1, 1, S)
-    memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
-    search = functools.partial(_beam_one, model, penalties=penalties, max_steps=max_steps,
-                               beam_size=beam_size, use_cache=use_cache)
-    return jax.vmap(search)(memory, src_mask, limits)
-
-
-def _beam_one(model: Transformer, memory: jax.Array, src_mask: jax.Array, limit: jax.Array, *,
-              penalties: jax.Array, max_steps: int, beam_size: int, use_cache: bool):
-    """Beam search for one sentence: memory (S, D), src_mask (1, 1, S), limit ().
-
-    Returns the best hypothesis (M,) without bos, its length and its normalized score.
-    """
-    cfg = model.config
-    memory = jnp.broadcast_to(memory, (beam_size, *memory.shape))                # (K, S, D)
-    src_mask = jnp.broadcast_to(src_mask, (beam_size, *src_mask.shape))          # (K, 1, 1, S)
-    state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
-    live_scores = jnp.full(beam_size, -jnp.inf, model.dtype).at[0].set(0.0)      # (K,) summed log-probs
-    no_best = (jnp.asarray(-jnp.inf, model.dtype), _history(1, max_steps, cfg)[0], jnp.asarray(0, _TOKEN_DTYPE))
+    cfg, batch, k = model.config, src.shape[0], beam_size
+    src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
+    memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
+    state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
+    first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
+    alive = jnp.full((batch, k), -jnp.inf, model.dtype).at[:, 0].set(0.0)        # (B, K): only beam 0 at first
+    no_best = (jnp.full(batch, -jnp.inf, model.dtype), _history(batch, max_steps, cfg),
+               jnp.zeros(batch, _TOKEN_DTYPE))
 
     def advance(carry):
-        index, history, live_scores, state, best, _ = carry
+        index, history, live_scores, state, best, done = carry
         length = index + 1                                                       # tokens after this step
-        log_probs, state = step(state, history, index)                           # (K, V)
-        scores, beams, tokens, finishing, keep = _select(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
-        rows = history[beams].at[:, length].set(tokens)                          # (2K, M + 1)
-        best = _keep_best(best, jnp.where(finishing, scores / penalties[length], -jnp.inf), rows, length)
-        history, live_scores, state = rows[keep], scores[keep], _reorder_own(state, beams[keep])
-        last = length == limit
-        best = _keep_best(best, jnp.where(last, live_scores / penalties[length], -jnp.inf), history, length)
-        stop = last | (live_scores.max() / penalties[limit] <= best[0])
-        return length, history, live_scores, state, best, stop
+        log_probs, state = step(state, history, index)                           # (N, V)
+        candidates = live_scores[:, :, None] + log_probs.reshape(batch, k, -1)   # (B, K, V)
+        scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
+        rows = history[first_row + beams].at[:, :, length].set(tokens)           # (B, 2K, M + 1)
+        ended = jnp.where(finishing & ~done[:, None], scores / penalties[length], -jnp.inf)
+        best = _keep_best(best, ended, rows, length)
+        live_scores = jnp.take_along_axis(scores, keep, axis=1)                  # (B, K), descending
+        rows = jnp.take_along_axis(rows, keep[:, :, None], axis=1)               # (B, K, M + 1)
+        state = _reorder_own(state, (first_row + jnp.take_along_axis(beams, keep, axis=1)).reshape(-1))
+        last = ~done & (length == limits)                                        # (B,)
+        best = _keep_best(best, jnp.where(last[:, None], live_scores / penalties[length], -jnp.inf), rows, length)
+        done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])
+        return length, rows.reshape(batch * k, -1), live_scores, state, best, done
 
-    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(beam_size, max_steps, cfg), live_scores, state, no_best,
-             jnp.asarray(False))
-    *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1], advance, start)
-    return row[1:], length, score
+    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(batch * k, max_steps, cfg), alive, state, no_best,
+             jnp.zeros(batch, bool))
+    *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1].all(), advance, start)
+    return row[:, 1:], length, score
 
 
 def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:
@@ -250,32 +249,36 @@ def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:
 
 
 def _select(candidates: jax.Array, eos_id: int, beam_size: int):
-    """One step's ranking and choices (the reference's ``select_candidates``): the 2K best (beam b, token v)
-    candidates by summed log-probability, ties to the lower b, then the lower v, by ``lax.top_k`` over the
-    flat beam-major scores (documented: equal values keep the lower index first, i.e. the order of a
-    stable sort); zeros are made +0.0 first, since top_k would put +0.0 before -0.0, which a sort does
-    not. An eos among the first K ranks finishes; the first K non-eos ranks are the next live beams
-    (K non-eos candidates are always among 2K: each beam has one eos).
+    """One step's ranking and choices for every sentence (the reference's ``select_candidates``): the 2K best
+    (beam b, token v) candidates by summed log-probability, ties to the lower b, then the lower v, by
+    ``lax.top_k`` over the flat beam-major scores (documented: equal values keep the lower index first,
+    i.e. the order of a stable sort); zeros are made +0.0 first, since top_k would put +0.0 before -0.0,
+    which a sort does not. An eos among the first K ranks finishes; the first K non-eos ranks are the
+    next live beams, in rank order (K non-eos candidates are always among 2K: each beam has one eos).
 
-    Shape: candidates (K, V) -> scores, beams, tokens and finishing (2K,) in rank order; keep (K,), the
-    ranks of the next live beams.
+    Shape: candidates (B, K, V) -> scores, beams, tokens and finishing (B, 2K) in rank order; keep (B, K),
+    the ranks of the next live beams.
     """
-    flat = candidates.reshape(-1)                                                # (K * V,) flat, beam-major
-    scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * beam_size, flat.size))
-    beams, tokens = ranked // candidates.shape[1], (ranked % candidates.shape[1]).astype(_TOKEN_DTYPE)
+    batch, k, vocab = candidates.shape
+    flat = candidates.reshape(batch, k * vocab)                                  # (B, K * V), beam-major
+    scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * k, k * vocab))   # (B, 2K) each
+    beams, tokens = ranked // vocab, (ranked % vocab).astype(_TOKEN_DTYPE)
     is_eos = tokens == eos_id
-    finishing = is_eos & (jnp.arange(ranked.size) < beam_size)
-    keep = jnp.nonzero(~is_eos, size=beam_size)[0]                               # first K non-eos ranks
-    return scores, beams, tokens, finishing, keep
+    rank = jnp.arange(ranked.shape[1])[None, :]                                  # (1, 2K)
+    keep = lax.top_k(-jnp.where(is_eos, rank + ranked.shape[1], rank), beam_size)[1]   # (B, K): distinct keys
+    return scores, beams, tokens, is_eos & (rank < beam_size), keep
 
 
 def _keep_best(best, scores: jax.Array, rows: jax.Array, length: jax.Array):
-    """Replace ``best`` = (score, row, length) by the first candidate of highest score, only if
-    that score is strictly greater (so earlier finished hypotheses win ties).
+    """Replace each sentence's ``best`` = (score, row, length) by its first candidate of highest score,
+    only if that score is strictly greater (so earlier finished hypotheses win ties).
 
-    Shape: scores (C,) in rank order, -inf for candidates that do not finish; rows (C, M + 1).
+    Shape: best ((B,), (B, M + 1), (B,)); scores (B, C) in rank order, -inf for candidates that do not
+    finish; rows (B, C, M + 1).
     """
-    first = jnp.argmax(scores)
-    better = scores[first] > best[0]
-    return (jnp.where(better, scores[first], best[0]), jnp.where(better, rows[first], best[1]),
+    first = jnp.argmax(scores, axis=1)                                           # (B,)
+    score = jnp.take_along_axis(scores, first[:, None], axis=1)[:, 0]
+    row = jnp.take_along_axis(rows, first[:, None, None], axis=1)[:, 0]          # (B, M + 1)
+    better = score > best[0]
+    return (jnp.where(better, score, best[0]), jnp.where(better[:, None], row, best[1]),
             jnp.where(better, length, best[2]))
