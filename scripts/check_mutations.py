@@ -595,7 +595,7 @@ def copy_repository(tmp: str) -> Path:
 def pytest(copy: Path, selection: tuple[str, ...], first_failure: bool) -> subprocess.CompletedProcess:
     """Run pytest in ``copy`` (its packages shadow the installed ones: PYTHONPATH and the working directory)."""
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0", "-rf",
                            *(["-x"] if first_failure else []), *selection],
                           cwd=copy, capture_output=True, text=True, env=env)
 

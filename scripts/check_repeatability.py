@@ -18,7 +18,7 @@ TIMING = re.compile(r"\s+in [0-9.]+s( \([0-9:]+\))?")
 
 def results(pytest_args: list[str]) -> str:
     """The run's per-test outcomes and its agreement summary, timings removed."""
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q", *pytest_args],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n0", "-rA", "-q", *pytest_args],
                          capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines()
              if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR")) or re.match(r"\w+\s+(cpu|cuda|gpu)", line)

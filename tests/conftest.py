@@ -24,6 +24,19 @@ def check_agreement(port_out, ref64, ref32, *, port: str, device: str, dtype: st
     return result
 
 
+def pytest_sessionfinish(session):
+    """In a pytest-xdist worker: hand this worker's agreement log to the controller, which prints the summary."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["agreement"] = [[list(key), rows] for key, rows in AGREEMENT_LOG.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """In the pytest-xdist controller: gather a finished worker's agreement log."""
+    for key, rows in getattr(node, "workeroutput", {}).get("agreement", []):
+        AGREEMENT_LOG[tuple(key)].extend(tuple(row) for row in rows)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not AGREEMENT_LOG:
         return
