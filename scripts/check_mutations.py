@@ -407,7 +407,7 @@ LENGTH_PENALTY = [
                decoding_agreement("and beam"), shared=DECODING_PORTS),
     consistent("length-penalty", "|Y| of a hypothesis ending with eos does not count the eos", [
         (RD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
-        (TD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
+        (TD, "finishing & ~done[:, None], scores / penalties[step],", "finishing & ~done[:, None], scores / penalties[step - 1],"),
         (JD, "finishing & ~done[:, None], scores / penalties[length],",
          "finishing & ~done[:, None], scores / penalties[length - 1],"),
         (FD, "tf.gather(value, first, batch_dims=1) / penalties[t],", "tf.gather(value, first, batch_dims=1) / penalties[t - 1],"),
@@ -418,8 +418,8 @@ BEAM_END = [
     consistent("beam-end", "a finished hypothesis stays in the beam and is extended past its eos", [
         (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
-        (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
-         "keep = np.flatnonzero(np.isfinite(scores))[:beam_size]"),
+        (TD, "keep = torch.sort(torch.where(is_eos, rank + top, rank), dim=1).indices[:, :beam_size]",
+         "keep = rank[:, :beam_size].expand(batch, -1)"),
         (JD, "keep = lax.top_k(-jnp.where(is_eos, rank + ranked.shape[1], rank), beam_size)[1]",
          "keep = jnp.tile(rank[:, :beam_size], (batch, 1))"),
         (FD, "keep = tf.math.top_k(-tf.where(is_eos, rank + 2 * k, rank), k).indices",
@@ -428,8 +428,7 @@ BEAM_END = [
     consistent("beam-end", "a finished hypothesis leaves its slot empty (live beams only from the first beam_size ranks)", [
         (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
          "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
-        (TD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
-         "keep = np.flatnonzero(~is_eos & np.isfinite(scores) & (np.arange(len(scores)) < beam_size))"),
+        (TD, "live_scores = scores.gather(1, keep)", "live_scores = torch.where(keep < k, scores.gather(1, keep), -torch.inf)"),
         (JD, "live_scores = jnp.take_along_axis(scores, keep, axis=1)",
          "live_scores = jnp.where(keep < k, jnp.take_along_axis(scores, keep, axis=1), -jnp.inf)"),
         (FD, "scores = tf.gather(value, keep, batch_dims=1)",
@@ -443,15 +442,18 @@ EARLY_STOPPING = [
          "live_scores.max() / length_penalty(step, alpha) <= best_finished"),
         (JD, "done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])",
          "done = done | last | (live_scores[:, 0] / penalties[length] <= best[0])"),
+        (TD, "done |= last | (live_scores[:, 0] / penalties[limits] <= best[0])",
+         "done |= last | (live_scores[:, 0] / penalties[step] <= best[0])"),
         (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])",
          "stop = at_limit | (scores[:, 0] / penalties[t] <= best[0])"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("early-stopping", "stops as soon as one hypothesis has finished", [
         (RD, "return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)", "return bool(finished)"),
         (JD, "done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])",
          "done = done | last | (best[0] > -jnp.inf)"),
+        (TD, "done |= last | (live_scores[:, 0] / penalties[limits] <= best[0])", "done |= last | (best[0] > -torch.inf)"),
         (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])", "stop = at_limit | (best[0] > -np.inf)"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
 
 TIES = [
@@ -467,8 +469,8 @@ TIES = [
         (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
          'ranking = (lambda r, v: r // v * v + v - 1 - r % v)('
          'np.argsort(-candidates[:, ::-1], axis=None, kind="stable"), candidates.shape[1])'),
-        (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort(chosen // candidates.shape[1] * "
-         "candidates.shape[1] + candidates.shape[1] - 1 - chosen % candidates.shape[1])]"),
+        (TD, "chosen = chosen.sort(dim=1).values",
+         "chosen = chosen.gather(1, torch.argsort(chosen // vocab * vocab + vocab - 1 - chosen % vocab, dim=1))"),
         (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * k, k * vocab))",
          "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(batch, k, vocab)[:, :, ::-1]"
          ".reshape(batch, -1), min(2 * k, k * vocab)); ranked = ranked // vocab * vocab + vocab - 1 - ranked % vocab"),
@@ -481,8 +483,8 @@ TIES = [
         (RD, 'ranking = np.argsort(-candidates, axis=None, kind="stable")',
          'ranking = (lambda r, k, v: (k - 1 - r // v) * v + r % v)('
          'np.argsort(-candidates[::-1], axis=None, kind="stable"), *candidates.shape)'),
-        (TD, "chosen = chosen.sort().values", "chosen = chosen[torch.argsort((len(candidates) - 1 - chosen // "
-         "candidates.shape[1]) * candidates.shape[1] + chosen % candidates.shape[1])]"),
+        (TD, "chosen = chosen.sort(dim=1).values",
+         "chosen = chosen.gather(1, torch.argsort((k - 1 - chosen // vocab) * vocab + chosen % vocab, dim=1))"),
         (JD, "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat), min(2 * k, k * vocab))",
          "scores, ranked = lax.top_k(jnp.where(flat == 0, 0.0, flat).reshape(batch, k, vocab)[:, ::-1]"
          ".reshape(batch, -1), min(2 * k, k * vocab)); ranked = (k - 1 - ranked // vocab) * vocab + ranked % vocab"),
@@ -504,7 +506,9 @@ TIES = [
          "                            tf.gather(tokens, first_row[:, 0] + last)[:, 1:], t))(\n"
          "            k - 1 - tf.argmax(tf.reverse(scores, [-1]), axis=-1, output_type=tf.int32))"),
         (FD, "better = candidate & (score > best[0])", "better = candidate & (score >= best[0])"),
-    ], DECODING_ORACLE, decoding_agreement("and beam"), shared=(TORCH,)),
+        (TD, "first = scores.argmax(dim=1)", "first = scores.shape[1] - 1 - scores.flip(1).argmax(dim=1)"),
+        (TD, "better = score > best[0]", "better = score >= best[0]"),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
 
 # Training (section 5): the reference's backward pass, Adam and schedule, and each port's optimizer.

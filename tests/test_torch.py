@@ -413,14 +413,21 @@ def test_uncached_decoding_gives_the_reference_tokens_in_float64():
 
 def _assert_same_choice(candidates: np.ndarray, eos_id: int, beam_size: int) -> None:
     """The port's top-k selection against the reference's select_candidates (a stable sort of every candidate: the
-    oracle): the same finishing (beam, score) pairs in rank order, beams, tokens, and scores to the bit."""
-    expected = select_candidates(candidates, eos_id, beam_size)
-    got = decoding._select_candidates(torch.from_numpy(candidates), eos_id, beam_size)
-    assert [(beam, score.tobytes()) for beam, score in got.finishing] == \
-        [(beam, score.tobytes()) for beam, score in expected.finishing], (candidates, eos_id, beam_size)
-    for field in ("beams", "tokens", "scores"):
-        mine, theirs = getattr(got, field), getattr(expected, field)
-        assert mine.dtype == theirs.dtype and mine.tobytes() == theirs.tobytes(), (field, candidates, eos_id, beam_size)
+    oracle), sentence by sentence of a batch (B, n_live, V): the same finishing (beam, score) pairs in rank order,
+    and the same beams, tokens and scores, to the bit, for the next live beams (the reference drops impossible
+    ones, the port keeps them at -inf). Beams not live (n_live < beam size) are slots of -inf, as in the search."""
+    batch, n_live, vocab = candidates.shape
+    slots = np.concatenate([candidates, np.full((batch, beam_size - n_live, vocab), -np.inf, candidates.dtype)], 1)
+    chosen = decoding._select(torch.from_numpy(slots), eos_id, beam_size)
+    for one, (scores, beams, tokens, finishing, keep) in zip(slots, zip(*(t.numpy() for t in chosen)), strict=True):
+        expected = select_candidates(one, eos_id, beam_size)
+        assert [(int(beam), score.tobytes()) for beam, score in zip(beams[finishing], scores[finishing])] == \
+            [(beam, score.tobytes()) for beam, score in expected.finishing], (one, eos_id, beam_size)
+        live = keep[np.isfinite(scores[keep])]
+        for mine, theirs in ((beams[live], expected.beams), (tokens[live], expected.tokens),
+                             (scores[live], expected.scores)):
+            assert mine.astype(theirs.dtype).tobytes() == theirs.tobytes(), (one, eos_id, beam_size)
+        assert scores.dtype == one.dtype
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -436,21 +443,26 @@ def test_candidate_selection_breaks_exact_ties_as_the_reference(dtype):
     for candidates in (tied, zeros, few, ladder, np.zeros((1, 9))):
         for eos_id in range(candidates.shape[1]):
             for beam_size in range(len(candidates), 5):
-                _assert_same_choice(candidates.astype(dtype), eos_id, beam_size)
+                _assert_same_choice(candidates[None].astype(dtype), eos_id, beam_size)
 
 
 @hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(st.data())
 def test_candidate_selection_agrees_with_the_reference_on_random_steps(data):
-    """Random steps (n_live <= beam size, values drawn from a few exact ties and from any float, -inf included)."""
+    """Random steps of a batch of 1-3 sentences (n_live <= beam size, values drawn from a few exact ties and from
+    any float, -inf included)."""
     beam_size = data.draw(st.integers(1, 5), label="beam_size")
-    n_live, vocab = data.draw(st.integers(1, beam_size), label="n_live"), data.draw(st.integers(1, 9), label="vocab")
+    # vocab >= 2: a model's vocabulary holds pad, bos and eos (TransformerConfig), so each beam has a non-eos token
+    # and K of the 2K best candidates are never eos
+    n_live, vocab = data.draw(st.integers(1, beam_size), label="n_live"), data.draw(st.integers(2, 9), label="vocab")
+    batch = data.draw(st.integers(1, 3), label="batch")
     dtype = data.draw(st.sampled_from([np.float32, np.float64]), label="dtype")
     value = st.one_of(st.sampled_from([0.0, -0.0, -0.25, -1.0, -np.inf]),
                       st.floats(max_value=0.0, allow_nan=False, width=32 if dtype == np.float32 else 64))
-    values = data.draw(st.lists(value, min_size=n_live * vocab, max_size=n_live * vocab), label="values")
+    size = batch * n_live * vocab
+    values = data.draw(st.lists(value, min_size=size, max_size=size), label="values")
     eos_id = data.draw(st.integers(0, vocab - 1), label="eos_id")
-    _assert_same_choice(np.array(values, dtype=dtype).reshape(n_live, vocab), eos_id, beam_size)
+    _assert_same_choice(np.array(values, dtype=dtype).reshape(batch, n_live, vocab), eos_id, beam_size)
 
 
 def test_cache_refuses_to_overflow_and_bad_arguments():

@@ -11,10 +11,14 @@ tie to the hypothesis finished first. Outputs are NumPy arrays in the reference'
 With ``use_cache=True`` (the default) each new token costs one decoder step: the model's
 key/value cache (``model.init_cache``, :class:`.model.KVCache`) keeps the self-attention keys and
 values of earlier positions in preallocated buffers, written in place, and the memory's
-encoder-decoder keys and values projected once per sentence; beam search reorders it with
-:func:`reorder_cache`, moving the keys and values of the live beams (their number changes from
-one at the first step to ``beam_size``; kept in place under a ``beams`` table instead,
-``KVCache.beams``, the search measured no faster: docs/benchmarks.md). ``use_cache=False``
+encoder-decoder keys and values projected once per sentence; beam search reorders the
+self-attention ones with :func:`reorder_cache`, moving the keys and values of the live beams (kept
+in place under a ``beams`` table instead, ``KVCache.beams``, the search measured no faster:
+docs/benchmarks.md). Beam search advances every sentence's beams together, as the JAX and
+TensorFlow ports do: rows are (sentence, beam) pairs, N = B * K; slots not yet filled (the first
+step has one live beam) hold the score -inf, rank after every real candidate and never finish; a
+sentence that has stopped is still computed but changes nothing until every sentence has stopped.
+Candidates are ranked by ``torch.topk`` (2K of the K * V), not a full sort. ``use_cache=False``
 recomputes the whole prefix at every step, as the reference does; both give the same
 log-probabilities (to rounding) for the rows still being decoded, and the same tokens (a
 finished greedy row only receives pad; with the cache its pad keys are not masked, which
@@ -33,12 +37,9 @@ from torch import Tensor
 from reference_numpy.decoding import (
     BEAM_SIZE,
     LENGTH_PENALTY_ALPHA,
-    StepChoice,
-    best_hypothesis,
     check_decoding_args,
     length_penalty,
     max_output_lengths,
-    search_ends,
 )
 
 from .model import KVCache, Transformer, padding_mask
@@ -126,82 +127,105 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
                 use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the reference's tie-break (module docstring).
 
+    Rows are (sentence, beam) pairs, N = B * K, advanced together until every sentence has stopped.
+
     Shape: src (B, S) -> tokens (B, L) NumPy int64 without bos, right-padded with pad_id, and
     the length-normalized scores (B,).
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
-    cfg = model.config
+    cfg, k = model.config, beam_size
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids
     src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
-    src_mask = padding_mask(src, cfg.pad_id)
+    batch, device = len(src), memory.device
     limits = max_output_lengths(model, src.cpu().numpy())
-    results = [_beam_search_one(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size, alpha,
-                                use_cache) for b in range(len(src))]
-    width = max(len(tokens) for tokens, _ in results)
-    tokens = np.full((len(src), width), cfg.pad_id, dtype=np.int64)
-    for b, (row, _) in enumerate(results):
-        tokens[b, :len(row)] = row
-    return tokens, np.array([score for _, score in results])
-
-
-def _beam_search_one(model: Transformer, memory: Tensor, src_mask: Tensor, limit: int, beam_size: int,
-                     alpha: float, use_cache: bool) -> tuple[list[int], float]:
-    """Beam search for one source sentence. memory (1, S, D), src_mask (1, 1, 1, S)."""
-    cfg = model.config
-    live = torch.full((1, 1), cfg.bos_id, dtype=torch.long, device=memory.device)  # (n_live, t)
-    live_scores = torch.zeros(1, dtype=model.dtype, device=memory.device)  # summed log-probabilities, (n_live,)
-    finished: list[tuple[float, list[int]]] = []                        # in the order they finished
-    cache = model.init_cache(memory, limit) if use_cache else None
-    for step in range(1, limit + 1):
-        n_live = len(live)
-        log_probs, cache = _log_probs(model, live, memory.expand(n_live, -1, -1),
-                                      src_mask.expand(n_live, -1, -1, -1), cache)
-        step_choice = _select_candidates(live_scores[:, None] + log_probs, cfg.eos_id, beam_size)
-        for beam, score in step_choice.finishing:
-            finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
-        index = torch.as_tensor(step_choice.beams, device=live.device)
-        live = torch.cat([live[index], torch.as_tensor(step_choice.tokens, device=live.device)[:, None]], dim=1)
-        live_scores = torch.as_tensor(step_choice.scores, device=live.device)
+    max_steps = int(limits.max())
+    # lp(n) for n = 0..M rounded to the model dtype, as NumPy rounds a Python float in `score / lp`
+    penalties = torch.tensor([length_penalty(n, alpha) for n in range(max_steps + 1)], dtype=torch.float64).to(
+        device, model.dtype)
+    memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
+    src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
+    cache = model.init_cache(memory, max_steps) if use_cache else None
+    limits = torch.as_tensor(limits, device=device)                              # (B,)
+    first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
+    live_scores = torch.full((batch, k), -torch.inf, dtype=model.dtype, device=device)
+    live_scores[:, 0] = 0.0                                                      # (B, K): only beam 0 at first
+    history = torch.full((batch * k, max_steps + 1), cfg.pad_id, dtype=torch.long, device=device)
+    history[:, 0] = cfg.bos_id                                                   # (N, M + 1)
+    best = (torch.full((batch,), -torch.inf, dtype=model.dtype, device=device), history[::k].clone(),
+            torch.zeros(batch, dtype=torch.long, device=device))                # score, row, length
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for step in range(1, max_steps + 1):
+        log_probs, cache = _log_probs(model, history[:, :step], memory, src_mask, cache)   # (N, V)
+        candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
+        scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
+        rows = history[first_row + beams]                                        # (B, 2K, M + 1)
+        rows[:, :, step] = tokens
+        ended = torch.where(finishing & ~done[:, None], scores / penalties[step], -torch.inf)
+        best = _keep_best(best, ended, rows, step)
+        live_scores = scores.gather(1, keep)                                     # (B, K), descending
+        rows = rows.gather(1, keep[:, :, None].expand(-1, -1, rows.shape[2]))    # (B, K, M + 1)
         if cache is not None:
-            cache = _reorder_own(cache, index)
-        if search_ends(finished, live, step_choice.scores, step, limit, alpha):
+            cache = _reorder_own(cache, (first_row + beams.gather(1, keep)).view(-1))
+        last = ~done & (step == limits)                                          # (B,)
+        best = _keep_best(best, torch.where(last[:, None], live_scores / penalties[step], -torch.inf), rows, step)
+        done |= last | (live_scores[:, 0] / penalties[limits] <= best[0])
+        history = rows.view(batch * k, -1)
+        if bool(done.all()):
             break
-    return best_hypothesis(finished)
+    score, row, length = best
+    return row[:, 1:int(length.max()) + 1].cpu().numpy(), score.cpu().numpy().astype(np.float64)
 
 
 def _reorder_own(cache: tuple, beams: Tensor) -> tuple:
-    """:func:`reorder_cache` of the self-attention caches only: the encoder-decoder keys and values
-    of the one sentence searched (batch 1) are the same for every beam and broadcast over them."""
+    """:func:`reorder_cache` of each layer's self-attention cache only: the memory's keys and values are the
+    same for every beam of a sentence, so they stay where they are."""
     kept = reorder_cache(tuple((own,) for own, _ in cache), beams)
     return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
 
 
-def _select_candidates(candidates: Tensor, eos_id: int, beam_size: int) -> StepChoice:
-    """The reference's ``select_candidates`` (its rules and result, NumPy arrays in the candidates'
-    dtype) without sorting all n_live x V candidates: only the first K + n_live ranks can matter
-    (K = ``beam_size``; each beam has one eos, so K non-eos candidates are always among them: 2K
-    ranks when K beams are live).
+def _select(candidates: Tensor, eos_id: int, beam_size: int):
+    """One step's ranking and choices for every sentence (the reference's ``select_candidates``): the 2K best
+    (beam b, token v) candidates by summed log-probability, ties to the lower b, then the lower v; an eos
+    among the first K ranks finishes; the first K non-eos ranks are the next live beams, in rank order
+    (K non-eos candidates are always among 2K: each beam has one eos).
 
-    ``torch.topk`` finds the (K + n_live)-th largest value but promises no order among equal values,
-    so it only sets the boundary: the first K + n_live ranks are every candidate above it and, of
-    those equal to it, the ones of lowest flat (beam-major) index; a stable descending sort of these
-    is the reference's ranking (ties: the lower beam b, then the lower token v).
+    ``torch.topk`` finds the 2K-th largest value of a sentence but promises no order among equal values,
+    so it only sets the boundary: the first 2K ranks are every candidate above it and, of those equal to
+    it, the ones of lowest flat (beam-major) index; a stable descending sort of these, taken in index
+    order, is the reference's ranking.
 
-    Shape: candidates (n_live, V), summed log-probabilities in the model's dtype.
+    Shape: candidates (B, K, V) -> scores, beams, tokens and finishing (B, 2K) in rank order; keep (B, K),
+    the ranks of the next live beams.
     """
-    flat = candidates.reshape(-1)                                          # (n_live * V,), index b * V + v
-    top = min(beam_size + len(candidates), flat.numel())
-    values, chosen = torch.topk(flat, top, sorted=False)                  # (top,) each
-    boundary = values.min()                                                # the top-th largest value
-    if int((flat == boundary).sum()) > int((values == boundary).sum()):   # topk left out equal candidates
-        above = chosen[values > boundary]
-        level = torch.nonzero(flat == boundary)[:top - len(above), 0]     # the lowest indices at the boundary
-        chosen = torch.cat([above, level])
-    chosen = chosen.sort().values                                          # index order: lower b, then lower v
-    ranking = chosen[torch.sort(flat[chosen], descending=True, stable=True).indices]
-    scores, ranking = flat[ranking].cpu().numpy(), ranking.cpu().numpy()  # descending
-    beams, tokens = np.divmod(ranking, candidates.shape[1])
+    batch, k, vocab = candidates.shape
+    flat = candidates.reshape(batch, k * vocab)                                  # (B, K * V), index b * V + v
+    top = min(2 * k, k * vocab)
+    values, chosen = torch.topk(flat, top, dim=1, sorted=False)                  # (B, 2K) each
+    boundary = values.min(dim=1, keepdim=True).values                            # (B, 1): the 2K-th largest
+    short = (flat == boundary).sum(dim=1) > (values == boundary).sum(dim=1)      # topk left out equal candidates
+    for b in torch.nonzero(short)[:, 0].tolist():
+        above = chosen[b][values[b] > boundary[b]]
+        level = torch.nonzero(flat[b] == boundary[b])[:top - len(above), 0]     # the lowest indices at the boundary
+        chosen[b] = torch.cat([above, level])
+    chosen = chosen.sort(dim=1).values                                           # index order: lower b, then lower v
+    ranked = chosen.gather(1, torch.sort(flat.gather(1, chosen), dim=1, descending=True, stable=True).indices)
+    beams, tokens = ranked // vocab, ranked % vocab
     is_eos = tokens == eos_id
-    finishing = [(int(beams[rank]), scores[rank]) for rank in np.flatnonzero(is_eos[:beam_size])]
-    keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]      # first beam_size possible non-eos
-    return StepChoice(finishing, beams[keep], tokens[keep], scores[keep])
+    rank = torch.arange(top, device=candidates.device)[None, :]                 # (1, 2K)
+    keep = torch.sort(torch.where(is_eos, rank + top, rank), dim=1).indices[:, :beam_size]   # distinct keys
+    return flat.gather(1, ranked), beams, tokens, is_eos & (rank < beam_size), keep
+
+
+def _keep_best(best: tuple, scores: Tensor, rows: Tensor, length: int) -> tuple:
+    """Replace each sentence's ``best`` = (score, row, length) by its first candidate of highest score,
+    only if that score is strictly greater (so earlier finished hypotheses win ties).
+
+    Shape: best ((B,), (B, M + 1), (B,)); scores (B, C) in rank order, -inf for candidates that do not
+    finish; rows (B, C, M + 1).
+    """
+    first = scores.argmax(dim=1)                                                 # (B,): the first maximum
+    score = scores.gather(1, first[:, None])[:, 0]
+    row = rows[torch.arange(len(rows), device=rows.device), first]               # (B, M + 1)
+    better = score > best[0]
+    return (torch.where(better, score, best[0]), torch.where(better[:, None], row, best[1]),
+            torch.where(better, length, best[2]))
