@@ -31,7 +31,7 @@ IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", 
 REFERENCE_ONLY = {"model.py": {"Linear", "as_array"},
                   # the reference's own Adam: each port steps with its framework's optimizer
                   "training.py": {"Adam"},
-                  # host-side beam bookkeeping: compiled ports keep it in-graph (torch imports it)
+                  # host-side beam bookkeeping: the ports' batched searches re-express it on tensors
                   "decoding.py": {"StepChoice", "select_candidates", "search_ends", "best_hypothesis"}}
 REFERENCE_ONLY_PREFIXES = ("check_",)
 PORT_ONLY = {"model.py": {"compiled_forward", "forward", "stage_names"},
@@ -153,6 +153,25 @@ def test_the_ports_follow_each_other(port, file):
                            imported=frozenset(imported_from_reference(ROOT / port / file)
                                               | imported_from_reference(ROOT / PORTS[0] / file)))
     assert not problems, "\n".join(problems)
+
+
+# The step helpers of the ports' one beam-search design (every sentence's beams rows of one batch):
+# a step's choices and the self-attention caches following them.
+BEAM_HELPERS = ("_reorder_own", "_select")
+
+
+def private_functions(path: Path, names: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """(name, arguments) of the top-level functions ``names`` that ``path`` defines, in file order."""
+    return [(node.name, arguments(node, node.name)) for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and node.name in names]
+
+
+@pytest.mark.parametrize("port", PORTS[1:])
+def test_the_beam_searches_share_their_step_helpers(port):
+    """docs/ports.md: one search design in the three ports, with the same step helpers in the same order."""
+    template = private_functions(ROOT / PORTS[0] / "decoding.py", BEAM_HELPERS)
+    assert [name for name, _ in template] == list(BEAM_HELPERS)
+    assert private_functions(ROOT / port / "decoding.py", BEAM_HELPERS) == template
 
 
 def exported(package: str) -> list[str]:
