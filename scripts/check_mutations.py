@@ -440,18 +440,18 @@ EARLY_STOPPING = [
     consistent("early-stopping", "stops when no live beam beats the best at lp(current length), not lp(maximum length)", [
         (RD, "live_scores.max() / length_penalty(limit, alpha) <= best_finished",
          "live_scores.max() / length_penalty(step, alpha) <= best_finished"),
-        (JD, "done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])",
+        (JD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
          "done = done | last | (live_scores[:, 0] / penalties[length] <= best[0])"),
-        (TD, "done |= last | (live_scores[:, 0] / penalties[limits] <= best[0])",
+        (TD, "done |= last | (live_scores[:, 0] / limit_penalty <= best[0])",
          "done |= last | (live_scores[:, 0] / penalties[step] <= best[0])"),
         (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])",
          "stop = at_limit | (scores[:, 0] / penalties[t] <= best[0])"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("early-stopping", "stops as soon as one hypothesis has finished", [
         (RD, "return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)", "return bool(finished)"),
-        (JD, "done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])",
+        (JD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
          "done = done | last | (best[0] > -jnp.inf)"),
-        (TD, "done |= last | (live_scores[:, 0] / penalties[limits] <= best[0])", "done |= last | (best[0] > -torch.inf)"),
+        (TD, "done |= last | (live_scores[:, 0] / limit_penalty <= best[0])", "done |= last | (best[0] > -torch.inf)"),
         (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])", "stop = at_limit | (best[0] > -np.inf)"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]

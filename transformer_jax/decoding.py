@@ -214,6 +214,7 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
     memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
     state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
+    limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     alive = jnp.full((batch, k), -jnp.inf, model.dtype).at[:, 0].set(0.0)        # (B, K): only beam 0 at first
     no_best = (jnp.full(batch, -jnp.inf, model.dtype), _history(batch, max_steps, cfg),
                jnp.zeros(batch, _TOKEN_DTYPE))
@@ -232,7 +233,7 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
         state = _reorder_own(state, (first_row + jnp.take_along_axis(beams, keep, axis=1)).reshape(-1))
         last = ~done & (length == limits)                                        # (B,)
         best = _keep_best(best, jnp.where(last[:, None], live_scores / penalties[length], -jnp.inf), rows, length)
-        done = done | last | (live_scores[:, 0] / penalties[limits] <= best[0])
+        done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])
         return length, rows.reshape(batch * k, -1), live_scores, state, best, done
 
     start = (jnp.asarray(0, _TOKEN_DTYPE), _history(batch * k, max_steps, cfg), alive, state, no_best,

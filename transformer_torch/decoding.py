@@ -146,6 +146,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
     cache = model.init_cache(memory, max_steps) if use_cache else None
     limits = torch.as_tensor(limits, device=device)                              # (B,)
+    limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
     live_scores = torch.full((batch, k), -torch.inf, dtype=model.dtype, device=device)
     live_scores[:, 0] = 0.0                                                      # (B, K): only beam 0 at first
@@ -168,7 +169,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
             cache = _reorder_own(cache, (first_row + beams.gather(1, keep)).view(-1))
         last = ~done & (step == limits)                                          # (B,)
         best = _keep_best(best, torch.where(last[:, None], live_scores / penalties[step], -torch.inf), rows, step)
-        done |= last | (live_scores[:, 0] / penalties[limits] <= best[0])
+        done |= last | (live_scores[:, 0] / limit_penalty <= best[0])
         history = rows.view(batch * k, -1)
         if bool(done.all()):
             break
