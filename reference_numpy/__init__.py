@@ -1,7 +1,7 @@
 """Pure-NumPy reference of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
 The reference *defines* the math that the PyTorch, JAX/Flax and TensorFlow/Keras ports are
-checked against. It imports nothing but NumPy (and the NumPy side of safetensors for I/O).
+checked against. It imports nothing but NumPy, ml_dtypes (bfloat16) and the NumPy side of safetensors for I/O.
 """
 
 __version__ = "0.1.0"  # the distribution's one version: pyproject.toml and every package read it here

@@ -7,7 +7,7 @@
   ``adam.v.NAME`` beside each tensor, and ``training`` (step count and training config, JSON);
 * optionally a tokenizer (``tokenizer``: its JSON text, with ``tokenizer_version``; see
   :mod:`reference_numpy.tokenizer`), so that one file is a complete translator;
-* all tensors have one dtype, float32 or float64;
+* all tensors have one dtype: float32, float64, bfloat16 or float16 (safetensors' F32, F64, BF16, F16);
 * nothing in a checkpoint is ever executed: safetensors is a JSON header plus raw bytes.
 
 Loading lets the safetensors library read and check the file, validates the checkpoint on top
@@ -33,12 +33,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
 from .config import TrainingConfig, TransformerConfig
+from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
 from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
 
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")  # version 1: parameters only, no training state
 MOMENTS = ("adam.m.", "adam.v.")  # prefixes of Adam's first and second moments of each tensor
-DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
+DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64), "BF16": BFLOAT16, "F16": FLOAT16}
 PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, or one that was interrupted
 
 
@@ -113,7 +114,7 @@ def init_params(config: TransformerConfig, seed: int = 0, dtype=np.float64,
       a = sqrt(3 / d_model);
     * biases 0 and LayerNorm weight 1, bias 0 -- or, with ``perturb > 0`` (used by tests so that
       a dropped or transposed bias is caught), U(-perturb, perturb) around those values.
-    Values are computed in float64 and cast to ``dtype``.
+    Values are computed in float64 and rounded to ``dtype``.
     """
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
@@ -129,7 +130,7 @@ def init_params(config: TransformerConfig, seed: int = 0, dtype=np.float64,
             value = 1.0 + perturb * unit
         else:
             value = perturb * unit
-        params[name] = value.astype(dtype)
+        params[name] = round_to(value, dtype)
     return params
 
 
@@ -148,7 +149,7 @@ class TrainingState(NamedTuple):
 
     def astype(self, dtype) -> TrainingState:
         """A copy with the moments cast to ``dtype`` (a run saved in float32 resumes in float64 and back)."""
-        cast = lambda moments: {name: np.asarray(value).astype(dtype) for name, value in moments.items()}
+        cast = lambda moments: {name: round_to(value, dtype) for name, value in moments.items()}
         return self._replace(first_moments=cast(self.first_moments), second_moments=cast(self.second_moments))
 
 
@@ -244,9 +245,9 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerCon
 
     The safetensors library reads the file and checks its header (offsets, shapes, dtypes);
     this function adds the checkpoint's own checks (metadata, version, config, names, shapes,
-    one float dtype, finite values). ``dtype`` (float32 or float64) casts the tensors after
+    one float dtype, finite values). ``dtype`` (float32, float64, bfloat16 or float16) rounds the tensors after
     validation, one tensor at a time (the weights are never held twice); by default they keep the
-    file's dtype. The arrays are copies: nothing refers to the file once this returns (while it
+    file's dtype. A file may be stored in any of the four and loaded into any other. The arrays are copies: nothing refers to the file once this returns (while it
     reads, the operating system maps the file, whose pages count in the process's RSS until it is
     closed). Raises one ``ValueError`` of one line naming the file and the problem.
     """
@@ -301,7 +302,7 @@ def load_run(path: str | os.PathLike,
              dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
     """``(config, params, training state or None)`` from one read of the file: :func:`load_checkpoint` and
     :func:`load_training_state` together, for resuming a run."""
-    target = None if dtype is None else _float_dtype(dtype)
+    target = None if dtype is None else parse_dtype(dtype)
     try:
         _, config, training, tensors = _read_file(Path(path))
         params = {name: tensors.pop(name) for name in parameter_shapes(config) if name in tensors}
@@ -311,7 +312,7 @@ def load_run(path: str | os.PathLike,
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
     if target is not None:                       # cast one tensor at a time: never two copies of the weights
         for name in params:
-            params[name] = params[name].astype(target, copy=False)
+            params[name] = round_to(params[name], target)
         state = state and state.astype(target)
     return config, params, state                                                 # params in the table's order
 
@@ -420,7 +421,7 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
 def _read_tensor(handle, name: str) -> np.ndarray:
     code = handle.get_slice(name).get_dtype()
     if code not in DTYPES:
-        raise ValueError(f"tensor {name!r} has dtype {code}; expected F32 or F64")
+        raise ValueError(f"tensor {name!r} has dtype {code}; expected F32, F64, BF16 or F16")
     return np.array(handle.get_tensor(name), dtype=DTYPES[code])               # a copy in native byte order
 
 
@@ -433,7 +434,7 @@ def validate_params(config: TransformerConfig, params: dict[str, np.ndarray]) ->
     for name, shape in expected.items():
         value = params[name]
         if value.dtype not in DTYPES.values():
-            raise ValueError(f"tensor {name!r} has dtype {value.dtype}; expected float32 or float64")
+            raise ValueError(f"tensor {name!r} has dtype {value.dtype}; expected float32, float64, bfloat16 or float16")
         dtypes.add(value.dtype)
         if value.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {value.shape}; expected {shape}")
@@ -448,9 +449,3 @@ def _refuse_names(problem: str, names: list[str]) -> None:
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
         raise ValueError(f"{problem} tensor {names[0]!r}{more}")
 
-
-def _float_dtype(dtype) -> np.dtype:
-    dtype = np.dtype(dtype)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
-    return dtype

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .model import Transformer, padding_mask
+from .precision import score_dtype
 
 EXTRA_OUTPUT_LENGTH = 50   # section 6.1: maximum output length = input length + 50
 BEAM_SIZE = 4              # section 6.1
@@ -152,7 +153,7 @@ def _sentence_steps(model: Transformer, memory: np.ndarray, src_mask: np.ndarray
     """Beam search for one source sentence, one step at a time. memory (1, S, D), src_mask (1, 1, 1, S)."""
     cfg = model.config
     live = np.full((1, 1), cfg.bos_id, dtype=np.int64)   # (n_live, t): bos + generated tokens
-    live_scores = np.zeros(1, dtype=model.dtype)         # summed log-probabilities, (n_live,)
+    live_scores = np.zeros(1, dtype=score_dtype(model.dtype))   # summed log-probabilities, (n_live,)
     finished: list[tuple[float, list[int]]] = []         # in the order they finished
     for step in range(1, limit + 1):
         n_live = len(live)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config import TransformerConfig
+from .precision import narrow, parse_dtype, round_to, score_dtype, wide
 
 Params = Mapping[str, np.ndarray]
 
@@ -82,6 +83,9 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
     b*K + beams[b, j, c].
 
+    In a low precision (:mod:`.precision`) the whole of Eq. (1) is computed wide from the P inputs and the output
+    and weights are rounded to P.
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
@@ -90,6 +94,8 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     """
     if beams is not None:
         key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, Tk, d_k)
+    dtype = query.dtype
+    query, key, value = wide(query), wide(key), wide(value)
     d_k = query.shape[-1]
     scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)         # (..., Tq, Tk)
     if mask is not None:
@@ -100,7 +106,7 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     exp = np.exp(scores - row_max)                                      # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
-    return weights @ value, weights
+    return narrow(weights @ value, dtype), narrow(weights, dtype)
 
 
 def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:
@@ -118,7 +124,8 @@ def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> np.n
 
 
 class Linear:
-    """Affine map y = x @ W + b with W stored (in, out) (the checkpoint's layout).
+    """Affine map y = x @ W + b with W stored (in, out) (the checkpoint's layout); in a low precision computed wide
+    and rounded once to P.
 
     Shape: x (..., in) -> y (..., out).
     """
@@ -128,7 +135,7 @@ class Linear:
         self.bias = params[f"{name}.bias"]      # (out,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.weight + self.bias
+        return narrow(wide(x) @ wide(self.weight) + wide(self.bias), self.weight.dtype)
 
 
 class KVCache(NamedTuple):
@@ -270,7 +277,8 @@ class LayerNorm:
     """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
 
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6).
+    axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6). In a low precision the
+    statistics, the normalization, gain and bias are computed wide and the output rounded to P.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -281,20 +289,27 @@ class LayerNorm:
         self.eps = config.layer_norm_eps
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        dtype, x = x.dtype, wide(x)
         mean = x.mean(axis=-1, keepdims=True)
         var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-        return (x - mean) / np.sqrt(var + self.eps) * self.weight + self.bias
+        return narrow((x - mean) / np.sqrt(var + self.eps) * wide(self.weight) + wide(self.bias), dtype)
 
 
 def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: LayerNorm,
              norm_first: bool) -> np.ndarray:
     """Residual connection around a sublayer (section 3.1).
 
-    Post-LN (the paper): LayerNorm(x + Sublayer(x)). Pre-LN: x + Sublayer(LayerNorm(x)).
+    Post-LN (the paper): LayerNorm(x + Sublayer(x)). Pre-LN: x + Sublayer(LayerNorm(x)). The addition is the
+    model's own arithmetic: in a low precision, the residual stream stays in P.
     """
     if norm_first:
-        return x + sublayer(norm(x))
-    return norm(x + sublayer(x))
+        return add(x, sublayer(norm(x)))
+    return norm(add(x, sublayer(x)))
+
+
+def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x + y in x's precision: in a low precision P, the exact sum rounded to P (P arithmetic)."""
+    return narrow(wide(x) + wide(y), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -303,7 +318,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype=np.float64) 
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
-    The table is computed in float64 and then cast to ``dtype``.
+    The table is computed in float64 and then rounded to ``dtype`` (correctly, also for bfloat16).
 
     Shape: returns (L, D).
     """
@@ -313,11 +328,11 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype=np.float64) 
     table = np.empty((length, d_model), dtype=np.float64)
     table[:, 0::2] = np.sin(angle)
     table[:, 1::2] = np.cos(angle)
-    return table.astype(dtype)
+    return round_to(table, dtype)
 
 
 class Embeddings:
-    """Token embedding multiplied by sqrt(d_model) (section 3.4).
+    """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
@@ -327,7 +342,7 @@ class Embeddings:
         self.scale = math.sqrt(config.d_model)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        return self.weight[tokens] * self.scale
+        return narrow(wide(self.weight[tokens]) * self.scale, self.weight.dtype)
 
 
 class PositionalEncoding:
@@ -346,13 +361,14 @@ class PositionalEncoding:
             self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype)
 
     def __call__(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
-        return x + self.table[offset:offset + x.shape[1]]
+        return add(x, self.table[offset:offset + x.shape[1]])
 
 
 class Generator:
     """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
 
-    With ``share_embeddings`` its weight is the transposed shared embedding matrix.
+    With ``share_embeddings`` its weight is the transposed shared embedding matrix. In a low precision P the
+    logits are a linear map's (computed wide, rounded to P) and their log-softmax is float32.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
@@ -364,7 +380,8 @@ class Generator:
             self.weight = params[f"{name}.weight"]                          # (D, V)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return log_softmax(x @ self.weight)
+        logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)  # (B, T, V)
+        return log_softmax(wide(logits)).astype(score_dtype(self.weight.dtype))
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -506,7 +523,8 @@ class Transformer:
     """The encoder-decoder Transformer (section 3, Figure 1), inference only.
 
     ``params`` is the flat dictionary of the shared checkpoint (see :mod:`.checkpoint`);
-    it is cast to ``dtype`` (float64 by default, float32 on request).
+    it is rounded to ``dtype``: float64 by default, float32, or a low precision, bfloat16 or float16, computed by
+    the recipe of :mod:`.precision` (log-probabilities then float32).
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
@@ -521,10 +539,8 @@ class Transformer:
 
     def __init__(self, config: TransformerConfig, params: Params, dtype=np.float64):
         self.config = config
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
-        self.params = {name: np.asarray(value, dtype=self.dtype) for name, value in params.items()}
+        self.dtype = parse_dtype(dtype)
+        self.params = {name: round_to(value, self.dtype) for name, value in params.items()}
         p = self.params
         src_name, tgt_name = ("shared_embed", "shared_embed") if config.share_embeddings \
             else ("src_embed", "tgt_embed")

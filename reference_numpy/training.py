@@ -14,6 +14,7 @@ from . import backward, checkpoint
 from .checkpoint import TrainingState
 from .config import TrainingConfig
 from .model import Transformer
+from .precision import check_trainable
 
 LABEL_SMOOTHING = 0.1  # section 5.4
 PAPER = TrainingConfig()  # section 5.3: Adam(0.9, 0.98, 1e-9), warmup_steps = 4000
@@ -66,6 +67,7 @@ def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss and its gradient for every checkpoint tensor, in checkpoint layout and the model's dtype
     (tied weights receive the sum over their uses), by the hand-written backward pass."""
+    check_trainable(model.dtype)
     return backward.loss_and_gradients(model, src, tgt, labels, epsilon)
 
 
@@ -122,6 +124,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     """The optimizer of section 5.3 for ``model``. With ``state`` (from ``load_training_state``) the saved run
     continues where it stopped: its moments (cast to the model's dtype), step count and, unless ``config`` is
     given, its training config."""
+    check_trainable(model.dtype)
     if state is not None:
         state = state.astype(model.dtype)                                   # cast once: validated, then copied in
         checkpoint.validate_training_state(model.config, model.params, state)

@@ -101,8 +101,35 @@ def test_load_can_cast(tmp_path):
     save_checkpoint(tmp_path / "m.safetensors", TINY, init_params(TINY, dtype=np.float32))
     _, params = load_checkpoint(tmp_path / "m.safetensors", dtype=np.float64)
     assert {value.dtype for value in params.values()} == {np.dtype(np.float64)}
-    with pytest.raises(ValueError, match="dtype must be float32 or float64"):
-        load_checkpoint(tmp_path / "m.safetensors", dtype=np.float16)
+    with pytest.raises(ValueError, match="dtype must be one of float64, float32, bfloat16, float16, got int8"):
+        load_checkpoint(tmp_path / "m.safetensors", dtype=np.int8)
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_checkpoints_are_stored_in_low_precision_and_load_into_any(tmp_path, stored):
+    """A BF16 or F16 file holds the correctly rounded weights; it loads into every format, exactly (a low format's
+    numbers are float32's and float64's too) or rounded again (bfloat16 <-> float16)."""
+    exact = init_params(TINY, perturb=0.1)
+    save_checkpoint(tmp_path / "m.safetensors", TINY, init_params(TINY, dtype=stored, perturb=0.1))
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    codes = {entry["dtype"] for name, entry in json.loads(raw[8:8 + length]).items() if name != "__metadata__"}
+    assert codes == {"BF16" if stored == "bfloat16" else "F16"}
+    _, params = load_checkpoint(tmp_path / "m.safetensors")
+    significand, subnormal = (8, -133) if stored == "bfloat16" else (11, -24)     # bits; the subnormals' spacing
+    for name, value in params.items():
+        assert value.dtype.name == stored
+        error = np.abs(value.astype(np.float64) - exact[name])
+        half_ulp = np.maximum(np.ldexp(np.abs(exact[name]), -significand), np.ldexp(1.0, subnormal - 1))
+        assert np.all(error <= half_ulp), name
+    for target in ("float64", "float32", "bfloat16", "float16"):
+        _, loaded = load_checkpoint(tmp_path / "m.safetensors", dtype=target)
+        for name, value in loaded.items():
+            assert value.dtype.name == target
+            expected = params[name].astype(np.float64)
+            if {stored, target} == {"bfloat16", "float16"}:      # rounded once from float32, where both are exact
+                expected = expected.astype(np.float32).astype(target).astype(np.float64)
+            np.testing.assert_array_equal(value.astype(np.float64), expected)
 
 
 def test_metadata_holds_format_version_and_config(tmp_path):
@@ -145,11 +172,10 @@ BAD_TENSORS = {
                    "unexpected tensor 'encoder.layers.9.ffn.linear1.bias'"),
     "wrong shape": (edited(generator__weight=np.zeros((23, 16))),
                     r"tensor 'generator.weight' has shape \(23, 16\); expected \(16, 23\)"),
-    "wrong dtype": (edited(decoder__layers__0__self_attn__q_proj__bias=np.zeros(16, np.float16)),
-                    "tensor 'decoder.layers.0.self_attn.q_proj.bias' has dtype F16; expected F32 or F64"),
     "integer dtype": (edited(decoder__layers__0__self_attn__q_proj__bias=np.zeros(16, np.int64)),
-                      "has dtype I64; expected F32 or F64"),
+                      "has dtype I64; expected F32, F64, BF16 or F16"),
     "mixed dtypes": (edited(encoder__layers__0__ffn_norm__bias=np.zeros(16, np.float32)), "tensors mix dtypes"),
+    "mixed low dtypes": (edited(encoder__layers__0__ffn_norm__bias=np.zeros(16, np.float16)), "tensors mix dtypes"),
     "nan": (edited(src_embed__weight=np.full((19, 16), np.nan)), "tensor 'src_embed.weight' holds non-finite"),
     "inf": (edited(encoder__layers__0__ffn__linear1__bias=np.full(40, np.inf)),
             "tensor 'encoder.layers.0.ffn.linear1.bias' holds non-finite"),
@@ -342,16 +368,16 @@ def test_missing_field_bad_entry_bad_metadata_and_trailing_bytes(tmp_path):
     assert "the tensor data does not fill the file" in load_error(handmade(tmp_path, entries, data + bytes(8)))
 
 
-@pytest.mark.parametrize("code, itemsize", [("BF16", 2), ("F16", 2), ("F8_E4M3", 1), ("I64", 8), ("I32", 4),
-                                            ("U8", 1), ("BOOL", 1), ("C64", 8)])
+@pytest.mark.parametrize("code, itemsize", [("F8_E4M3", 1), ("I64", 8), ("I32", 4), ("U8", 1), ("BOOL", 1),
+                                            ("C64", 8)])
 def test_other_dtypes_are_refused_by_name(tmp_path, code, itemsize):
-    """bfloat16 and float8 have no NumPy dtype: they are refused before any array is made."""
+    """Formats other than F32, F64, BF16 and F16 are refused by their code before any array is made."""
     params = good_params()
     name = "encoder.layers.1.ffn_norm.bias"
     entries, data = layout({key: value for key, value in params.items() if key != name})
     entries[name] = {"dtype": code, "shape": [16], "data_offsets": [len(data), len(data) + 16 * itemsize]}
     message = load_error(handmade(tmp_path, entries, data + bytes(16 * itemsize)))
-    assert message.endswith(f"tensor '{name}' has dtype {code}; expected F32 or F64"), message
+    assert message.endswith(f"tensor '{name}' has dtype {code}; expected F32, F64, BF16 or F16"), message
 
 
 def test_loaded_arrays_are_copies_that_outlive_the_file(tmp_path):

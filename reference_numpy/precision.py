@@ -1,0 +1,112 @@
+"""Low precision: the recipe every backend follows in bfloat16 and float16 (``docs/equivalence.md``, "Low precision").
+
+A model in a *low* format P (bfloat16 or float16) stores in P: every weight, every activation passed between the
+paper's concepts (the residual stream, each sublayer's output, the feed-forward hidden layer, the attention heads)
+and the key/value cache. Each concept is computed *wide* from its P inputs and rounded once to P at its output:
+
+* a linear map y = x W + b (Eq. (2), the projections of section 3.2.2, the pre-softmax projection of section 3.4):
+  products and their sum, bias included, wide; y rounded to P;
+* attention, Eq. (1): the scores Q K^T / sqrt(d_k), the mask, the softmax and the weighted sum of the values wide;
+  the output (and the weights, when returned) rounded to P;
+* LayerNorm (section 3.1): mean, variance, normalization, gain and bias wide; the output rounded to P;
+* elementwise steps -- the residual addition (3.1), x sqrt(d_model) (3.4), adding the positional encoding (3.5),
+  ReLU -- are P arithmetic: the exact result rounded to P (the positional table itself is rounded to P);
+* the log-softmax over the pre-softmax logits (already rounded to P), the loss of section 5.4 and the scores of
+  beam search (6.1) are float32: ``score_dtype`` is float32.
+
+This is what each framework's own mixed-precision idiom gives (torch autocast runs softmax, LayerNorm and
+log-softmax in float32 and products with float32 accumulation; Flax's ``dtype`` for the computation beside
+``param_dtype`` for storage; Keras' float32 LayerNorm and softmax under ``mixed_bfloat16``), written once so that
+the four backends round at the same points. "Wide" is float32 in the ports (their frameworks' accumulation
+width) and float64 in the reference, whose every rounding is then the *correct* rounding of the exact result
+(:func:`round_to`): the recipe's ideal, which ``tests/test_precision.py`` checks against a hand computation.
+Products of two P numbers are exact in float32 (8 + 8 and 11 + 11 significant bits), so the ports' wide values
+differ from the ideal only by float32 sums, and their P results only where a float32 sum lands across a rounding
+boundary.
+
+float32 and float64 models compute as before: ``wide`` and ``narrow`` are the identity for them.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT16 = np.dtype(np.float16)
+LOW = (BFLOAT16, FLOAT16)
+DTYPES = (np.dtype(np.float64), np.dtype(np.float32), BFLOAT16, FLOAT16)
+DTYPE_NAMES = tuple(dtype.name for dtype in DTYPES)   # "float64", "float32", "bfloat16", "float16"
+
+
+def parse_dtype(dtype) -> np.dtype:
+    """``dtype`` (a name, a NumPy or ml_dtypes type) as one of :data:`DTYPES`; anything else is one ValueError."""
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        parsed = None
+    if parsed not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype if parsed is None else parsed}")
+    return parsed
+
+
+def is_low(dtype) -> bool:
+    """Whether ``dtype`` is a low format (bfloat16, float16) that computes by the recipe."""
+    return np.dtype(dtype) in LOW
+
+
+def score_dtype(dtype) -> np.dtype:
+    """The dtype of log-probabilities, the loss and beam scores of a model in ``dtype``: float32 for P."""
+    return np.dtype(np.float32) if is_low(dtype) else np.dtype(dtype)
+
+
+def wide(x: np.ndarray) -> np.ndarray:
+    """A P array as float64 (exact), for a concept computed wide; other arrays unchanged."""
+    return x.astype(np.float64) if is_low(x.dtype) else x
+
+
+def narrow(x: np.ndarray, dtype) -> np.ndarray:
+    """A concept's wide result rounded once to the model's ``dtype`` when it is low; unchanged otherwise."""
+    return round_to(x, dtype) if is_low(dtype) else x
+
+
+def round_to(x, dtype) -> np.ndarray:
+    """``x`` correctly rounded (to nearest, ties to even) to ``dtype``, from any precision.
+
+    NumPy's and ml_dtypes' casts from float64 to bfloat16 go through float32 and so round twice (1 + 2^-8 + 2^-30
+    becomes 1, not 1 + 2^-7); here the significand is rounded in one step: x is scaled so that one unit in the last
+    place of ``dtype`` at x's magnitude (the subnormal spacing below the normal range) is 1, rounded by ``np.rint``
+    (ties to even, exact in float64), scaled back, and sent to infinity from halfway past the largest finite value.
+    """
+    dtype, x = np.dtype(dtype), np.asarray(x)
+    if not is_low(dtype):
+        return x.astype(dtype, copy=False)
+    x = x.astype(np.float64)
+    unit = _ulp_exponent(x, dtype)
+    rounded = np.ldexp(np.rint(np.ldexp(x, -unit)), unit)
+    largest = float(ml_dtypes.finfo(dtype).max)
+    overflow = np.abs(x) >= largest + float(np.ldexp(1.0, _ulp_exponent(np.float64(largest), dtype))) / 2
+    rounded = np.where(overflow, np.copysign(np.inf, x), rounded)
+    return np.where(np.isfinite(x), rounded, x).astype(dtype)
+
+
+def spacing(x, dtype) -> np.ndarray:
+    """One unit in the last place of the low format ``dtype`` at |x| (the distance from a number of ``dtype`` of
+    that magnitude to the next larger one), in float64."""
+    return np.ldexp(1.0, _ulp_exponent(np.abs(np.asarray(x, dtype=np.float64)), np.dtype(dtype)))
+
+
+def _ulp_exponent(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """log2 of one unit in the last place of ``dtype`` at the magnitude of ``x``: with |x| = m 2^e, m in [0.5, 1),
+    a significand of nmant + 1 bits has its last at 2^(e - nmant - 1); below the normal range, the subnormals'."""
+    info = ml_dtypes.finfo(dtype)
+    _, exponent = np.frexp(x)
+    return np.maximum(exponent - (info.nmant + 1), info.minexp - info.nmant)
+
+
+def check_trainable(dtype) -> None:
+    """Gradients and training run on float32 or float64 models: a low-precision model is refused with one
+    ValueError, the same in every backend."""
+    if is_low(dtype):
+        raise ValueError(f"gradients and training need a float32 or float64 model, got {np.dtype(dtype).name}: "
+                         f"load the checkpoint in float32 to train")
