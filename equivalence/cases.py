@@ -11,6 +11,7 @@ import numpy as np
 from reference_numpy.checkpoint import init_params
 from reference_numpy.config import TransformerConfig
 from reference_numpy.model import causal_mask
+from reference_numpy.precision import round_to
 
 _TINY = TransformerConfig.preset("tiny")
 
@@ -136,6 +137,22 @@ def component_inputs(config: TransformerConfig, component: str, case: str, dtype
     memory = rng.standard_normal((BATCH, SRC_LEN, config.d_model)).astype(dtype)
     return {"x": x, "memory": memory, "src_mask": key_padding,
             "tgt_mask": None if case == "none" else causal_mask(TGT_LEN)}
+
+
+# The queries of the low-precision attention checks are scaled by this: scores of ~10 rather than ~1 (trained models'
+# attention is sharp), so that a softmax computed in bfloat16 or float16 instead of wide rounds each score by more
+# than the recipe's one rounding of the output.
+SHARP_QUERIES = 4.0
+
+
+def low_precision_component_inputs(config: TransformerConfig, component: str, case: str, dtype) -> dict:
+    """:func:`component_inputs` rounded to the low format ``dtype`` (float64 arrays holding numbers of ``dtype``),
+    the attention components' queries scaled by ``SHARP_QUERIES`` first."""
+    inputs = component_inputs(config, component, case)
+    if component in ("attention", "multi_head_attention"):
+        inputs["query"] = inputs["query"] * SHARP_QUERIES
+    return {name: value if value is None or value.dtype == bool else round_to(value, dtype).astype(np.float64)
+            for name, value in inputs.items()}
 
 
 def layer_norm_offset_inputs(config: TransformerConfig, dtype=np.float64, seed: int = 0) -> dict[str, np.ndarray]:

@@ -33,7 +33,8 @@ class Backend(Protocol):
 
     def build(self, config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
               device: str = "cpu") -> Model:
-        """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+        """A model in ``dtype`` ("float64", "float32", "bfloat16" or "float16") on ``device`` from checkpoint-layout
+        arrays (a low precision computes by the recipe of ``reference_numpy/precision.py``)."""
         ...
 
     def load(self, path, dtype: str = "float64", device: str = "cpu") -> Model:

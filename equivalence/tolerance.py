@@ -7,6 +7,17 @@
   float32 ulp at the output's scale keeps an exactly-representable result from demanding
   exactness.
 
+* bfloat16 and float16 (the recipe of ``reference_numpy/precision.py``): ``max|port - ref64| <= LOW_PRECISION_FACTOR
+  * max(max|refP - ref64|, ulpP(max|ref64|))``, where ``refP`` is the reference in the same format P. The reference
+  rounds every value correctly, at the recipe's points (its wide arithmetic is float64); a port rounds the same
+  values at the same points from float32 sums, so its result differs from the reference's only where a float32
+  sum falls across a rounding boundary of P, by one unit in P's last place -- the size of one of the recipe's own
+  roundings, of which there are many more. Its error is then the reference's plus at most as much again.
+  A component with a single rounding point (attention, Eq. (1); LayerNorm), given inputs and weights that are
+  numbers of P, is held to more: ``|port - ref64| <= the float32 bound + half a unit of P at the port's value``,
+  element by element (:func:`single_rounding_bound`): the wide value is float32 arithmetic, within the float32
+  policy of the exact one, and rounding it moves it by half a unit at most.
+
 Two ports are compared with each other through the reference: by the triangle inequality
 their difference is at most the sum of their two bounds (:func:`pair_bound`).
 
@@ -27,8 +38,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference_numpy.precision import is_low, parse_dtype, spacing
+
 FLOAT64_RELATIVE = 1e-12
 FLOAT32_FACTOR = 8
+LOW_PRECISION_FACTOR = 2
 GRADIENT_RELATIVE = 1e-10
 
 
@@ -72,21 +86,38 @@ def float32_bound(ref64, ref32) -> float:
     return FLOAT32_FACTOR * max(max_abs(ref32, ref64), ulp)
 
 
-def bound_for(dtype, ref64, ref32=None) -> float:
-    """The policy's bound for an output of ``dtype`` (float32 needs ``ref32``)."""
-    dtype = np.dtype(dtype)
+def low_precision_bound(ref64, ref_low, dtype) -> float:
+    """LOW_PRECISION_FACTOR x max(error of the reference in ``dtype`` (bfloat16 or float16), one unit in the last
+    place of ``dtype`` at the output's scale)."""
+    scale = float(np.max(np.abs(ref64), initial=0.0))
+    return LOW_PRECISION_FACTOR * max(max_abs(ref_low, ref64), float(spacing(scale, dtype)))
+
+
+def bound_for(dtype, ref64, ref_same=None) -> float:
+    """The policy's bound for an output computed in ``dtype``; float32, bfloat16 and float16 need ``ref_same``, the
+    reference's output in that same precision (a low-precision model's log-probabilities are float32 arrays, but
+    their precision is the model's)."""
+    dtype = parse_dtype(dtype)
     if dtype == np.float64:
         return float64_bound(ref64)
-    if dtype == np.float32:
-        if ref32 is None:
-            raise ValueError("a float32 comparison needs ref32, the float32 reference's output")
-        return float32_bound(ref64, ref32)
-    raise ValueError(f"output must be float32 or float64, got {dtype}")
+    if ref_same is None:
+        raise ValueError(f"a {dtype.name} comparison needs the reference's output in {dtype.name}")
+    return float32_bound(ref64, ref_same) if dtype == np.float32 else low_precision_bound(ref64, ref_same, dtype)
 
 
-def pair_bound(dtype, ref64, ref32=None) -> float:
+def pair_bound(dtype, ref64, ref_same=None) -> float:
     """Two ports each within the bound of the reference are within twice it of each other."""
-    return 2 * bound_for(dtype, ref64, ref32)
+    return 2 * bound_for(dtype, ref64, ref_same)
+
+
+def single_rounding_bound(port, ref64, ref32, dtype) -> np.ndarray:
+    """Element-wise bound for a concept the recipe computes wide and rounds once to ``dtype`` (bfloat16 or float16),
+    on inputs and weights that are numbers of ``dtype``: the float32 policy's bound on the wide value plus half a
+    unit in the last place of ``dtype`` at the port's value (one correct-or-not rounding moves a value by no more;
+    the unit above |port| is at least the unit at the wide value it was rounded from)."""
+    if not is_low(dtype):
+        raise ValueError(f"single_rounding_bound is for bfloat16 or float16, got {np.dtype(dtype).name}")
+    return float32_bound(ref64, ref32) + spacing(np.asarray(port, dtype=np.float64), dtype) / 2
 
 
 def gradient_bound(grads_a: dict, grads_b: dict) -> float:
@@ -158,19 +189,20 @@ def finite_difference_bound(fd_h: float, fd_half: float, loss_value: float, step
     return abs(fd_h - fd_half) + 3.0 * delta / step
 
 
-def agreement(port, ref64, ref32=None) -> Agreement:
-    """Compare ``port`` with the float64 reference under the policy for the port's dtype.
+def agreement(port, ref64, ref_same=None, precision=None) -> Agreement:
+    """Compare ``port`` with the float64 reference under the policy for ``precision`` (default: the port's dtype).
 
-    A float32 ``port`` needs ``ref32``, the float32 reference's output on the same inputs.
+    float32, bfloat16 and float16 need ``ref_same``, the reference's output in that precision on the same inputs.
     """
     port = np.asarray(port)
     scale = float(np.max(np.abs(ref64), initial=0.0))
-    return Agreement(error=max_abs(port, ref64), bound=bound_for(port.dtype, ref64, ref32), scale=scale)
+    return Agreement(error=max_abs(port, ref64), bound=bound_for(precision or port.dtype, ref64, ref_same),
+                     scale=scale)
 
 
-def assert_agrees(port, ref64, ref32=None, what: str = "output") -> Agreement:
+def assert_agrees(port, ref64, ref_same=None, what: str = "output", precision=None) -> Agreement:
     """Raise ``AssertionError`` naming ``what`` when :func:`agreement` fails; return the result."""
-    result = agreement(port, ref64, ref32)
+    result = agreement(port, ref64, ref_same, precision)
     if not result.ok:
         raise AssertionError(f"{what}: {result}")
     return result

@@ -245,11 +245,12 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerCon
 
     The safetensors library reads the file and checks its header (offsets, shapes, dtypes);
     this function adds the checkpoint's own checks (metadata, version, config, names, shapes,
-    one float dtype, finite values). ``dtype`` (float32, float64, bfloat16 or float16) rounds the tensors after
-    validation, one tensor at a time (the weights are never held twice); by default they keep the
-    file's dtype. A file may be stored in any of the four and loaded into any other. The arrays are copies: nothing refers to the file once this returns (while it
-    reads, the operating system maps the file, whose pages count in the process's RSS until it is
-    closed). Raises one ``ValueError`` of one line naming the file and the problem.
+    one float dtype, finite values). ``dtype`` (float32, float64, bfloat16 or float16) rounds the tensors
+    after validation, one tensor at a time (the weights are never held twice); by default they keep the
+    file's dtype: a file stored in any of the four loads into any other. The arrays are copies: nothing
+    refers to the file once this returns (while it reads, the operating system maps the file, whose pages
+    count in the process's RSS until it is closed). Raises one ``ValueError`` of one line naming the file
+    and the problem.
     """
     config, params, _ = load_run(path, dtype)
     return config, params

@@ -9,19 +9,38 @@ import numpy as np
 import pytest
 
 from equivalence import tolerance
+from reference_numpy.precision import score_dtype
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)
 
 
-def check_agreement(port_out, ref64, ref32, *, port: str, device: str, dtype: str,
-                    what: str) -> tolerance.Agreement:
-    """Assert the policy of :mod:`equivalence.tolerance`, after checking the port kept ``dtype``."""
+def check_agreement(port_out, ref64, ref_same, *, port: str, device: str, dtype: str, what: str,
+                    scores: bool = False) -> tolerance.Agreement:
+    """Assert the policy of :mod:`equivalence.tolerance` for a model in ``dtype``, after checking the port's output
+    kept its dtype: ``dtype`` itself, or with ``scores`` (log-probabilities, beam scores) ``score_dtype(dtype)``,
+    float32 for bfloat16 and float16 models. ``ref_same`` is the reference's output in ``dtype``."""
     port_out = np.asarray(port_out)
-    assert port_out.dtype == np.dtype(dtype), f"{what}: {port} returned {port_out.dtype}, asked for {dtype}"
-    result = tolerance.assert_agrees(port_out, ref64, ref32, what=f"{port}/{device}/{dtype}/{what}")
+    expected = score_dtype(dtype) if scores else np.dtype(dtype)
+    assert port_out.dtype == expected, f"{what}: {port} returned {port_out.dtype}, expected {expected} ({dtype} model)"
+    result = tolerance.assert_agrees(port_out, ref64, ref_same, what=f"{port}/{device}/{dtype}/{what}",
+                                     precision=dtype)
     AGREEMENT_LOG[(port, device, dtype, what.split(":")[0])].append((result.error, result.bound))
     return result
+
+
+def check_single_rounding(port_out, ref64, ref32, *, port: str, device: str, dtype: str, what: str) -> None:
+    """Assert, element by element, that a bfloat16 or float16 concept rounded once is within
+    :func:`equivalence.tolerance.single_rounding_bound` of the exact value ``ref64`` (``ref32``: the float32
+    reference on the same inputs), after checking the port kept ``dtype``."""
+    port_out = np.asarray(port_out)
+    assert port_out.dtype == np.dtype(dtype), f"{what}: {port} returned {port_out.dtype}, asked for {dtype}"
+    error = np.abs(port_out.astype(np.float64) - ref64)
+    bound = tolerance.single_rounding_bound(port_out, ref64, ref32, dtype)
+    worst = np.unravel_index(np.argmax(error / bound), error.shape)
+    assert np.all(error <= bound), (f"{port}/{device}/{dtype}/{what}: element {worst} is {error[worst]:.3e} from the "
+                                    f"exact value, over its single-rounding bound {bound[worst]:.3e}")
+    AGREEMENT_LOG[(port, device, dtype, what.split(":")[0] + " (rounded once)")].append((error[worst], bound[worst]))
 
 
 def pytest_sessionfinish(session):
@@ -53,3 +72,8 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def agreement():
     return check_agreement
+
+
+@pytest.fixture(scope="session")
+def single_rounding():
+    return check_single_rounding

@@ -1,6 +1,8 @@
 """The agreement matrix: every port x device x dtype x component x mask case x config variant
 against the NumPy reference, under the one tolerance policy of ``equivalence.tolerance``.
 The forward-pass checks also run the ``layer_norm_eps`` variant (``cases.FORWARD_VARIANTS``).
+bfloat16 and float16 (the recipe of ``reference_numpy/precision.py``) run the forward stages, the components,
+attention weights, the port pairs and decoding, on the seeded variants and on the shipped model.
 
 A port whose framework is not installed, or a GPU that is not present, is a skip with its
 reason, never a pass.
@@ -20,11 +22,17 @@ from equivalence.adapters import numpy as reference
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import beam_margins, greedy_margins
 from equivalence.recipes import ATTENTION_KINDS
+from reference_numpy.precision import round_to
 from transformer_cli.numbers_task import NumbersTask, teacher_forcing
 from transformer_cli.translate import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
+LOW_DTYPES = ("bfloat16", "float16")
+# The recipe's concepts computed wide and rounded once: checked element by element (tolerance.single_rounding_bound).
+SINGLE_ROUNDING = ("attention", "layer_norm")
+# Component checks in low precision, one variant per norm position (the other variants' components are the same code).
+LOW_COMPONENT_VARIANTS = ("tiny", "pre_ln")
 DEVICE_KINDS = ("cpu", "gpu")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()
                    for case in (MASK_CASES if masked else ("none",))]
@@ -91,6 +99,37 @@ def test_component(port, device_kind, dtype, variant, component, case, agreement
 
 
 @functools.cache
+def reference_component_in(low: str, variant: str, component: str, case: str, dtype: str) -> np.ndarray:
+    """The reference's component in ``dtype`` on weights and inputs that are numbers of ``low``: what a ``low``
+    model computes, exactly (float64), in float32, and by the recipe (``dtype`` = ``low``)."""
+    config = FORWARD_VARIANTS[variant]
+    params = {name: round_to(value, low) for name, value in cases.seeded_params(config).items()}
+    return reference.component(reference.build(config, params, dtype), component,
+                               cases.low_precision_component_inputs(config, component, case, low))
+
+
+@pytest.mark.parametrize("variant", LOW_COMPONENT_VARIANTS)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("component,case", COMPONENT_CASES)
+def test_component_low_precision(port, device_kind, dtype, variant, component, case, agreement, single_rounding):
+    """bfloat16 and float16 components on inputs and weights that are numbers of the format (so that the error is
+    the recipe's alone). Attention and LayerNorm, rounded once, element by element within the float32 bound of the
+    wide value plus half a unit (a softmax or a variance computed in P instead is several units off: the queries
+    are scaled up, ``cases.low_precision_component_inputs``); the others within the low-precision policy."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    inputs = cases.low_precision_component_inputs(FORWARD_VARIANTS[variant], component, case, dtype)
+    out = backend.component(port_model(port, variant, dtype, device), component, inputs)
+    ref64, ref32, ref_low = (reference_component_in(dtype, variant, component, case, precision)
+                             for precision in ("float64", "float32", dtype))
+    what = f"{component}: {variant}/{case}"
+    if component in SINGLE_ROUNDING:
+        single_rounding(out, ref64, ref32, port=port, device=device, dtype=dtype, what=what)
+    else:
+        agreement(out, ref64, ref_low, port=port, device=device, dtype=dtype, what=what)
+
+
+@functools.cache
 def reference_layer_norm_offset(variant: str, dtype: str) -> np.ndarray:
     inputs = cases.layer_norm_offset_inputs(FORWARD_VARIANTS[variant])
     return reference.component(reference_model(variant, dtype), "layer_norm", inputs)
@@ -130,6 +169,19 @@ def test_attention_weights(port, device_kind, dtype, variant, kind, agreement):
               port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
 
 
+@pytest.mark.parametrize("variant", ["tiny", "pre_ln"])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_attention_weights_low_precision(port, device_kind, dtype, variant, kind, agreement):
+    """The attention weights of a bfloat16 or float16 model, rounded to the format, layer 1, on a ragged batch."""
+    backend = port_backend(port)
+    device = device_for(backend, device_kind)
+    inputs = cases.model_inputs(FORWARD_VARIANTS[variant], "ragged_batch")
+    weights = backend.attention_weights(port_model(port, variant, dtype, device), inputs["src"], inputs["tgt"], 1, kind)
+    agreement(weights, reference_attention(variant, kind, "float64"), reference_attention(variant, kind, dtype),
+              port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
+
+
 @functools.cache
 def port_forward(port: str, variant: str, case: str, dtype: str, device: str) -> dict[str, np.ndarray]:
     model = port_model(port, variant, dtype, device)
@@ -137,20 +189,23 @@ def port_forward(port: str, variant: str, case: str, dtype: str, device: str) ->
 
 
 @pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
 @pytest.mark.parametrize("case", MASK_CASES)
 def test_forward_stages(port, device_kind, dtype, variant, case, agreement):
+    """Every stage against the float64 reference with the original (float64) weights, under the policy of the
+    model's precision; in bfloat16 and float16 every stage is stored in the format and the log-probabilities are
+    float32."""
     device = device_for(port_backend(port), device_kind)
     stages = port_forward(port, variant, case, dtype, device)
-    ref64, ref32 = reference_forward(variant, case, "float64"), reference_forward(variant, case, "float32")
+    ref64, ref_same = reference_forward(variant, case, "float64"), reference_forward(variant, case, dtype)
     assert list(stages) == list(ref64), f"{port} stage names {list(stages)} differ from {list(ref64)}"
     for stage in ref64:
-        agreement(stages[stage], ref64[stage], ref32[stage], port=port, device=device, dtype=dtype,
-                  what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}")
+        agreement(stages[stage], ref64[stage], ref_same[stage], port=port, device=device, dtype=dtype,
+                  what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}", scores=stage == "log_probs")
 
 
 @pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
 def test_log_probs(port, device_kind, dtype, variant, agreement):
     """The output-only inference call ``bench`` times (JAX's and TF's XLA-compiled forward pass): explicit
     masks (case "none") and the model's default ones on a ragged batch; with its own generator weight and
@@ -161,22 +216,22 @@ def test_log_probs(port, device_kind, dtype, variant, agreement):
     for case in ("none", "ragged_batch"):
         inputs = cases.model_inputs(FORWARD_VARIANTS[variant], case)
         agreement(backend.log_probs(model, **inputs), reference_forward(variant, case, "float64")["log_probs"],
-                  reference_forward(variant, case, "float32")["log_probs"], port=port, device=device, dtype=dtype,
-                  what=f"log_probs: {variant}/{case}")
+                  reference_forward(variant, case, dtype)["log_probs"], port=port, device=device, dtype=dtype,
+                  what=f"log_probs: {variant}/{case}", scores=True)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("pair", list(itertools.combinations(FRAMEWORKS, 2)), ids="-".join)
 def test_ports_agree_with_each_other(pair, device_kind, dtype, variant, case):
     """Each pair of ports, stage by stage, within tolerance.pair_bound (twice the policy's bound)."""
     devices = [device_for(port_backend(port), device_kind) for port in pair]
     first, second = (port_forward(port, variant, case, dtype, device) for port, device in zip(pair, devices))
-    ref64, ref32 = reference_forward(variant, case, "float64"), reference_forward(variant, case, "float32")
+    ref64, ref_same = reference_forward(variant, case, "float64"), reference_forward(variant, case, dtype)
     for stage in ref64:
         error = tolerance.max_abs(first[stage], second[stage])
-        bound = tolerance.pair_bound(dtype, ref64[stage], ref32[stage])
+        bound = tolerance.pair_bound(dtype, ref64[stage], ref_same[stage])
         assert error <= bound, f"{pair[0]} vs {pair[1]}, {stage}: {error:.3e} > {bound:.3e}"
 
 

@@ -4,6 +4,13 @@ time. It shares no code with the reference: from ``reference_numpy`` it takes on
 the seeded checkpoint weights (``init_params``) and the float64 bound of the tolerance policy.
 The reference's every stage is compared with it for every config variant and mask case.
 
+In bfloat16 and float16 the same oracle rounds where ``docs/equivalence.md`` ("Low precision") says the recipe
+rounds: the weights; each linear map's output; each head's attention output; each LayerNorm's output; the
+residual sums; the scaled embedding, the positional table and their sum; the logits; the log-probabilities to
+float32. Its rounding (``nearest``) picks the nearest number of the format from a table of all its finite
+values, by exact float64 distances, ties to the even bit pattern. The reference in that format must give the
+same bits at every stage.
+
 Conventions the oracle states (``docs/reference.md``): masks are bool, True = may attend; a
 query that may attend to no key outputs zero; the target's default mask is causal and hides
 target padding, the source's hides source padding; embeddings are scaled by sqrt(d_model); PE
@@ -15,11 +22,13 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from equivalence.tolerance import assert_agrees
 from reference_numpy import Transformer, TransformerConfig, init_params
+from reference_numpy.precision import round_to
 
 # eps = 1e-2 moves every LayerNorm output by ~1e-3 relative to eps = 1e-6 or 1e-5: a wrong
 # epsilon anywhere is nine orders of magnitude over the float64 bound.
@@ -41,27 +50,32 @@ CASES = ("padding", "fully_padded_source", "explicit_masks")
 
 # ----------------------------------------------------------------------------- the oracle
 
-def linear(x, p, name):
-    """y = x W + b with W stored (in, out) (checkpoint format)."""
-    return x @ p[f"{name}.weight"] + p[f"{name}.bias"]
+def exact(x):
+    """float64: no rounding beyond float64's own."""
+    return x
 
 
-def layer_norm(x, p, name, eps):
+def linear(x, p, name, r=exact):
+    """y = x W + b with W stored (in, out) (checkpoint format), rounded by ``r``."""
+    return r(x @ p[f"{name}.weight"] + p[f"{name}.bias"])
+
+
+def layer_norm(x, p, name, eps, r=exact):
     """Ba et al. (2016), position by position: (v - mean) / sqrt(biased var + eps) * weight + bias."""
     out = np.empty_like(x)
     for i, v in enumerate(x):
         mean = math.fsum(v) / len(v)
         var = math.fsum((v - mean) ** 2) / len(v)
-        out[i] = (v - mean) / math.sqrt(var + eps) * p[f"{name}.weight"] + p[f"{name}.bias"]
+        out[i] = r((v - mean) / math.sqrt(var + eps) * p[f"{name}.weight"] + p[f"{name}.bias"])
     return out
 
 
-def attention(p, name, n_heads, queries, memory, allowed):
+def attention(p, name, n_heads, queries, memory, allowed, r=exact):
     """Section 3.2.2: queries from ``queries``, keys and values from ``memory``; head h uses
     columns h*d_k..(h+1)*d_k-1; Eq. (1) per query over its visible keys (``allowed`` (H, Tq, Tk));
     a query with no visible key outputs zero. Then W^O."""
-    q, k, v = (linear(x, p, f"{name}.{proj}") for x, proj in ((queries, "q_proj"), (memory, "k_proj"),
-                                                              (memory, "v_proj")))
+    q, k, v = (linear(x, p, f"{name}.{proj}", r) for x, proj in ((queries, "q_proj"), (memory, "k_proj"),
+                                                                 (memory, "v_proj")))
     d_k = q.shape[1] // n_heads
     concat = np.zeros_like(q)
     for h in range(n_heads):
@@ -72,67 +86,69 @@ def attention(p, name, n_heads, queries, memory, allowed):
                 continue
             scores = [float(q[i, cols] @ k[j, cols]) / math.sqrt(d_k) for j in visible]
             exps = [math.exp(s - max(scores)) for s in scores]
-            concat[i, cols] = sum(e / math.fsum(exps) * v[j, cols] for e, j in zip(exps, visible))
-    return linear(concat, p, f"{name}.o_proj")
+            concat[i, cols] = r(sum(e / math.fsum(exps) * v[j, cols] for e, j in zip(exps, visible)))
+    return linear(concat, p, f"{name}.o_proj", r)
 
 
-def feed_forward(x, p, name):
+def feed_forward(x, p, name, r=exact):
     """Eq. (2): max(0, x W1 + b1) W2 + b2."""
-    return linear(np.maximum(linear(x, p, f"{name}.linear1"), 0.0), p, f"{name}.linear2")
+    return linear(np.maximum(linear(x, p, f"{name}.linear1", r), 0.0), p, f"{name}.linear2", r)
 
 
-def sublayer(x, f, p, norm, config):
+def sublayer(x, f, p, norm, config, r=exact):
     """Section 3.1: post-LN LayerNorm(x + f(x)); pre-LN x + f(LayerNorm(x))."""
     if config.norm_first:
-        return x + f(layer_norm(x, p, norm, config.layer_norm_eps))
-    return layer_norm(x + f(x), p, norm, config.layer_norm_eps)
+        return r(x + f(layer_norm(x, p, norm, config.layer_norm_eps, r)))
+    return layer_norm(r(x + f(x)), p, norm, config.layer_norm_eps, r)
 
 
-def embed(tokens, p, config, side):
+def embed(tokens, p, config, side, r=exact):
     """Section 3.4: E[token] * sqrt(d_model), plus the section 3.5 sinusoid or the learned table."""
     name = "shared_embed" if config.share_embeddings else f"{side}_embed"
     out = np.zeros((len(tokens), config.d_model))
     for pos, token in enumerate(tokens):
-        out[pos] = p[f"{name}.weight"][token] * math.sqrt(config.d_model)
         if config.positional_encoding == "learned":
-            out[pos] += p[f"{side}_pos_embed.weight"][pos]
-            continue
-        for i in range(0, config.d_model, 2):
-            angle = pos / 10000 ** (i / config.d_model)
-            out[pos, i] += math.sin(angle)
-            out[pos, i + 1] += math.cos(angle)
+            table = p[f"{side}_pos_embed.weight"][pos]
+        else:
+            table = np.zeros(config.d_model)
+            for i in range(0, config.d_model, 2):
+                angle = pos / 10000 ** (i / config.d_model)
+                table[i], table[i + 1] = math.sin(angle), math.cos(angle)
+        out[pos] = r(r(p[f"{name}.weight"][token] * math.sqrt(config.d_model)) + r(table))
     return out
 
 
-def oracle_sentence(p, config, src, tgt, enc_allowed, cross_allowed, tgt_allowed):
+def oracle_sentence(p, config, src, tgt, enc_allowed, cross_allowed, tgt_allowed, r=exact):
     """One sentence's stages; the masks are (H, S, S), (H, T, S) and (H, T, T)."""
-    stages, h = {}, config.n_heads
-    x = stages["src_embed"] = embed(src, p, config, "src")
+    stages, h, eps = {}, config.n_heads, config.layer_norm_eps
+    x = stages["src_embed"] = embed(src, p, config, "src", r)
     for i in range(config.n_encoder_layers):
         name = f"encoder.layers.{i}"
-        x = sublayer(x, lambda y: attention(p, f"{name}.self_attn", h, y, y, enc_allowed), p,
-                     f"{name}.self_attn_norm", config)
-        x = stages[name] = sublayer(x, lambda y: feed_forward(y, p, f"{name}.ffn"), p, f"{name}.ffn_norm", config)
-    memory = stages["encoder"] = layer_norm(x, p, "encoder.norm", config.layer_norm_eps) if config.norm_first else x
-    y = stages["tgt_embed"] = embed(tgt, p, config, "tgt")
+        x = sublayer(x, lambda y: attention(p, f"{name}.self_attn", h, y, y, enc_allowed, r), p,
+                     f"{name}.self_attn_norm", config, r)
+        x = stages[name] = sublayer(x, lambda y: feed_forward(y, p, f"{name}.ffn", r), p, f"{name}.ffn_norm",
+                                    config, r)
+    memory = stages["encoder"] = layer_norm(x, p, "encoder.norm", eps, r) if config.norm_first else x
+    y = stages["tgt_embed"] = embed(tgt, p, config, "tgt", r)
     for i in range(config.n_decoder_layers):
         name = f"decoder.layers.{i}"
-        y = sublayer(y, lambda z: attention(p, f"{name}.self_attn", h, z, z, tgt_allowed), p,
-                     f"{name}.self_attn_norm", config)
-        y = sublayer(y, lambda z: attention(p, f"{name}.cross_attn", h, z, memory, cross_allowed), p,
-                     f"{name}.cross_attn_norm", config)
-        y = stages[name] = sublayer(y, lambda z: feed_forward(z, p, f"{name}.ffn"), p, f"{name}.ffn_norm", config)
-    out = stages["decoder"] = layer_norm(y, p, "decoder.norm", config.layer_norm_eps) if config.norm_first else y
+        y = sublayer(y, lambda z: attention(p, f"{name}.self_attn", h, z, z, tgt_allowed, r), p,
+                     f"{name}.self_attn_norm", config, r)
+        y = sublayer(y, lambda z: attention(p, f"{name}.cross_attn", h, z, memory, cross_allowed, r), p,
+                     f"{name}.cross_attn_norm", config, r)
+        y = stages[name] = sublayer(y, lambda z: feed_forward(z, p, f"{name}.ffn", r), p, f"{name}.ffn_norm",
+                                    config, r)
+    out = stages["decoder"] = layer_norm(y, p, "decoder.norm", eps, r) if config.norm_first else y
     weight = p["shared_embed.weight"].T if config.share_embeddings else p["generator.weight"]   # (D, V), no bias
     log_probs = np.zeros((len(tgt), weight.shape[1]))
-    for t, logits in enumerate(out @ weight):
+    for t, logits in enumerate(r(out @ weight)):
         top = max(logits)
         log_probs[t] = logits - top - math.log(math.fsum(math.exp(z - top) for z in logits))
-    stages["log_probs"] = log_probs
+    stages["log_probs"] = log_probs if r is exact else log_probs.astype(np.float32)
     return stages
 
 
-def oracle(p, config, src, tgt, src_key_mask=None, tgt_mask=None):
+def oracle(p, config, src, tgt, src_key_mask=None, tgt_mask=None, r=exact):
     """Every stage for a batch. Default masks: source keys that are not padding (encoder and
     cross attention); target keys j <= i that are not padding. Explicit masks: src_key_mask
     (B, S) for both source-side attentions, tgt_mask (B, H, T, T)."""
@@ -146,7 +162,7 @@ def oracle(p, config, src, tgt, src_key_mask=None, tgt_mask=None):
             causal_unpadded = [[j <= i and tgt[b, j] != config.pad_id for j in range(t)] for i in range(t)]
             tgt_allowed = np.broadcast_to(causal_unpadded, (h, t, t))
         per_sentence.append(oracle_sentence(p, config, src[b], tgt[b], np.broadcast_to(keys, (h, s, s)),
-                                            np.broadcast_to(keys, (h, t, s)), tgt_allowed))
+                                            np.broadcast_to(keys, (h, t, s)), tgt_allowed, r))
     return {name: np.stack([stages[name] for stages in per_sentence]) for name in per_sentence[0]}
 
 
@@ -193,3 +209,78 @@ def test_oracle_uses_the_zero_output_convention_on_a_fully_masked_row():
     allowed = np.zeros((config.n_heads, 2, 3), dtype=bool)
     out = attention(params, "encoder.layers.0.self_attn", config.n_heads, queries, memory, allowed)
     np.testing.assert_array_equal(out, np.broadcast_to(params["encoder.layers.0.self_attn.o_proj.bias"], out.shape))
+
+
+# ----------------------------------------------------------------------------- bfloat16 and float16
+
+def rounding_to(name):
+    """``nearest``: arrays rounded to the nearest number of the format ``name``, ties to the even bit pattern, past
+    the largest finite number by half its spacing to infinity (IEEE 754 round-to-nearest-even), as float64."""
+    dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+    patterns = np.arange(1 << 15, dtype=np.uint16)                              # every non-negative bit pattern
+    with np.errstate(invalid="ignore"):                                         # the NaN patterns
+        values = patterns.view(dtype).astype(np.float64)
+    finite = np.isfinite(values)
+    values, patterns = values[finite], patterns[finite]                         # ascending, as bit patterns are
+    top_gap = values[-1] - values[-2]
+
+    def nearest(x):
+        x = np.asarray(x, dtype=np.float64)
+        magnitude = np.abs(x)
+        above = np.clip(np.searchsorted(values, magnitude), 1, len(values) - 1)
+        low, high = values[above - 1], values[above]
+        down, up = magnitude - low, high - magnitude                            # exact: neighbours within 2x
+        pick_high = (up < down) | ((up == down) & (patterns[above] % 2 == 0))
+        out = np.where(magnitude <= low, low, np.where(pick_high, high, low))
+        out = np.where(magnitude >= values[-1] + top_gap / 2, np.inf, out)
+        return np.copysign(out, x)
+    return nearest
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_oracles_rounding_by_hand(dtype):
+    """The table rounding on values whose nearest number is known: exact numbers stay, a value just past a
+    midpoint goes up, an exact midpoint goes to the even neighbour, past the largest number to infinity."""
+    nearest = rounding_to(dtype)
+    bits = 8 if dtype == "bfloat16" else 11                                     # significand bits
+    ulp, largest = 2.0 ** (1 - bits), float(ml_dtypes.finfo(dtype).max)
+    cases = {1.0: 1.0, 1 + ulp: 1 + ulp, 1 + ulp / 2: 1.0, 1 + 3 * ulp / 2: 1 + 2 * ulp,
+             1 + ulp / 2 + 2.0 ** -40: 1 + ulp, -(1 + ulp / 2 + 2.0 ** -40): -(1 + ulp), 0.0: 0.0,
+             largest: largest, largest * (1 + ulp / 4): largest, largest * (1 + ulp): np.inf}
+    np.testing.assert_array_equal(nearest(list(cases)), list(cases.values()))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("variant", ["post_ln", "pre_ln", "learned_pe", "shared_embeddings"])
+def test_reference_in_low_precision_matches_the_oracle_bit_for_bit(variant, dtype):
+    """The reference in bfloat16 and float16 (weights rounded, every stage stored in the format, log-probabilities
+    float32) gives the oracle's bits at every stage: the recipe's rounding points and nothing else. (Both compute
+    between roundings in float64, where a sum's last-bit differences change a rounded result with probability
+    ~2^-40.)"""
+    config = VARIANTS[variant]
+    nearest = rounding_to(dtype)
+    params = {name: nearest(value) for name, value in init_params(config, seed=1, perturb=0.1).items()}
+    src, tgt, _, _ = inputs(config, "padding")
+    expected = oracle(params, config, src, tgt, r=nearest)
+    _, stages = Transformer(config, params, dtype)(src, tgt, return_intermediates=True)
+    assert list(stages) == list(expected)
+    for name, value in expected.items():
+        assert stages[name].dtype == (np.float32 if name == "log_probs" else np.dtype(dtype)), name
+        np.testing.assert_array_equal(stages[name].astype(np.float64), value, err_msg=f"{variant}/{dtype}/{name}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_round_to_is_the_oracles_rounding(dtype):
+    """``reference_numpy.precision.round_to`` (which scales and rounds the significand) against the table: random
+    magnitudes over the whole range, subnormals, exact midpoints between neighbours and values a hair beside them
+    (NumPy's and ml_dtypes' float64 -> bfloat16 casts, through float32, get those wrong)."""
+    nearest, rng = rounding_to(dtype), np.random.default_rng(0)
+    low, high = (-140, 129) if dtype == "bfloat16" else (-26, 17)
+    x = rng.standard_normal(20000) * np.exp2(rng.uniform(low, high, 20000))
+    numbers = nearest(x[:2000])
+    numbers = numbers[np.isfinite(numbers) & (np.abs(numbers) < float(ml_dtypes.finfo(dtype).max))]
+    next_up = np.nextafter(numbers.astype(dtype), np.asarray(np.inf, dtype)).astype(np.float64)
+    midpoints = (numbers + next_up) / 2                                         # exact in float64
+    assert np.all((numbers < midpoints) & (midpoints < next_up))
+    x = np.concatenate([x, midpoints, midpoints + np.abs(midpoints) * 2.0 ** -40, midpoints * (1 - 2.0 ** -45)])
+    np.testing.assert_array_equal(round_to(x, dtype).astype(np.float64), nearest(x))

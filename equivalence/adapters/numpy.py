@@ -11,6 +11,7 @@ import numpy as np
 from reference_numpy import checkpoint, data_parallel, decoding, training
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from reference_numpy.precision import round_to
 
 from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
@@ -24,7 +25,8 @@ def devices() -> list[str]:
 
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    """A model in ``dtype`` ("float64", "float32", "bfloat16" or "float16") on ``device`` from checkpoint-layout
+    arrays."""
     return Transformer(config, params, dtype=np.dtype(dtype))
 
 
@@ -58,7 +60,7 @@ def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.
 
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component (:data:`equivalence.recipes.COMPONENTS`) on NumPy inputs; weights from layer 0."""
-    cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+    cast = {key: (round_to(value, model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
                   else value) for key, value in inputs.items()}
     return run_component(model, name, cast, scaled_dot_product_attention)
 
