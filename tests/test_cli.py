@@ -155,6 +155,10 @@ USAGE_ERRORS = [
     (["compare", "tiny.safetensors", "--plot", "no/such/directory/errors.png"], "--plot"),
     (["compare", "tiny.safetensors", "--plot", "."], "--plot"),
     (["compare", "tiny.safetensors", "--plot", "errors.txt"], "--plot"),
+    (["compare", "tiny.safetensors", "--dtype", "float8"], "--dtype"),
+    (["compare", "tiny.safetensors", "--dtype", ","], "--dtype"),
+    (["compare", "tiny.safetensors", "--precision-report", "drift.txt"], "--precision-report"),
+    (["compare", "tiny.safetensors", "--precision-report", "drift.png", "--dtype", "float64"], "--precision-report"),
     (["compare", "tiny.safetensors", "--perturb", "torch"], "--perturb"),
     (["compare", "tiny.safetensors", "--perturb", "torch:no.such.tensor"], "--perturb"),
     (["bench", "--batch", "0"], "--batch"),
@@ -217,6 +221,25 @@ def test_a_usage_error_names_its_flag_before_any_work(args, flag, in_workdir, mo
     last = err.strip().splitlines()[-1]
     assert last.startswith("transformer-reference") and "error: " in last and flag in last, err
     assert not (in_workdir / "new.safetensors").exists()
+
+
+def test_compare_in_low_precision_and_the_precision_report(in_workdir, capsys):
+    """``--dtype`` picks the precisions; the reference runs in each below float64 (its own error is the yardstick)
+    and the precision report draws one panel per precision."""
+    status, out, err = cli(capsys, "compare", "tiny.safetensors", "--backends", "numpy", "--dtype",
+                           "bfloat16,float16", "--json")
+    assert status == EXIT_OK, err
+    report = json.loads(out)
+    assert [(run["backend"], run["dtype"]) for run in report["runs"]] == [("numpy", "bfloat16"), ("numpy", "float16")]
+    assert report["policy"]["low_precision_factor"] == 2
+    for run in report["runs"]:                                   # 2 x the reference's own error: ratio 1/2 exactly
+        assert max(stage["max_abs_error"] / stage["bound"] for stage in run["stages"]) == 0.5
+    status, out, err = cli(capsys, "compare", "tiny.safetensors", "--backends", "numpy", "--precision-report",
+                           "drift.png")
+    assert status == EXIT_OK, err
+    assert "numpy/cpu/bf16" in out and "numpy/cpu/f16" in out and "numpy/cpu/f32" in out
+    assert "bfloat16, float16 error <= 2 x max(the reference's own error" in out
+    assert (in_workdir / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):

@@ -8,6 +8,8 @@ import math
 import os
 from pathlib import Path
 
+from reference_numpy.precision import DTYPE_NAMES
+
 from . import backends
 from .extras import require
 
@@ -35,6 +37,16 @@ def backend_names(text: str) -> tuple[str, ...]:
     unknown = [name for name in names if name not in backends.BACKENDS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}; choose from {', '.join(backends.BACKENDS)}")
+    return names
+
+
+def dtype_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of precisions (float64, float32, bfloat16, float16), at least one."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in DTYPE_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{'unknown dtype ' + repr(unknown[0]) if unknown else 'names no dtype'}; "
+                                         f"choose from {', '.join(DTYPE_NAMES)}")
     return names
 
 

@@ -1,6 +1,7 @@
-"""``compare``: every installed backend on every device in float32 and float64, stage by stage,
-against the float64 NumPy reference, under the project's one tolerance policy; with a checkpoint that holds a
-tokenizer (the default: the shipped English-to-French numbers model), the sentences each run translates."""
+"""``compare``: every installed backend on every device in float64 and float32 (or the precisions asked for:
+bfloat16 and float16 too), stage by stage, against the float64 NumPy reference, under the project's one tolerance
+policy; with a checkpoint that holds a tokenizer (the default: the shipped English-to-French numbers model), the
+sentences each run translates."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from . import backends
 from .timing import measure
 from .translate import SHIPPED, SHIPPED_NAME
 
-DTYPES = ("float64", "float32")
+DTYPES = ("float64", "float32")   # the default; any of reference_numpy.precision.DTYPE_NAMES may be asked for
+PRECISION_REPORT_DTYPES = ("float32", "bfloat16", "float16")   # --precision-report's default: one panel each
 DEFAULT_SEED = 0
 TIMED_REPEATS = 3
 # What compare translates with a tokenizer: rules of French number words (et un/onze, quatre-vingt(s), cent(s))
@@ -66,7 +68,10 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.backend}/{self.device}/{self.dtype.replace('float', 'f')}"
+        return f"{self.backend}/{self.device}/{SHORT_NAMES[self.dtype]}"
+
+
+SHORT_NAMES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 @dataclass
@@ -88,7 +93,8 @@ class Report:
         return finite_or_null({
             "checkpoint": self.source,
             "config": self.config.to_dict(),
-            "policy": {"float64_relative": tolerance.FLOAT64_RELATIVE, "float32_factor": tolerance.FLOAT32_FACTOR},
+            "policy": {"float64_relative": tolerance.FLOAT64_RELATIVE, "float32_factor": tolerance.FLOAT32_FACTOR,
+                       "low_precision_factor": tolerance.LOW_PRECISION_FACTOR},
             "ok": self.ok,
             "runs": [{**{key: value for key, value in asdict(run).items() if key != "tokens"},
                       "first_failing_stage": run.first_failing_stage,
@@ -147,23 +153,25 @@ def translation_source(tokenizer: Tokenizer) -> np.ndarray | None:
 
 @dataclass
 class Oracle:
-    """Everything the float64 reference says about the inputs, computed once."""
+    """Everything the reference says about the inputs, computed once: the float64 truth, and for every other
+    precision asked for, the reference's own stages in it (the yardstick of that precision's bound) and the bound
+    of its log-probabilities along the float64 translation (for the token rule)."""
 
     inputs: dict[str, np.ndarray]   # src and tgt, the batch every run computes
     stages64: dict[str, np.ndarray]
-    stages32: dict[str, np.ndarray]
+    stages: dict[str, dict[str, np.ndarray]]    # precision -> the reference's stages in it
     greedy: np.ndarray
     greedy_margins: np.ndarray
-    greedy_bound: float
+    greedy_bounds: dict[str, float]             # precision -> bound of the log-probabilities
 
 
 def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: np.ndarray,
-                 tgt: np.ndarray | None = None) -> Oracle:
+                 tgt: np.ndarray | None = None, dtypes: tuple[str, ...] = DTYPES) -> Oracle:
     """The reference's answers on ``src`` and ``tgt``; without ``tgt``, the target is the float64 reference's own
     greedy output shifted right (teacher forcing on its translation). The float64 reference's stages must be
     finite: a checkpoint that overflows even float64 leaves nothing to compare against (an input error). The
-    float32 reference may overflow; the float32 runs then fail at that stage."""
-    model64, model32 = reference.build(config, params, "float64"), reference.build(config, params, "float32")
+    reference in a lower precision may overflow; the runs in it then fail at that stage."""
+    model64 = reference.build(config, params, "float64")
     tokens = reference.greedy(model64, src)
     forced = np.concatenate([np.full((len(tokens), 1), config.bos_id), tokens[:, :-1]], axis=1)
     inputs = {"src": src, "tgt": forced if tgt is None else tgt}
@@ -172,17 +180,20 @@ def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: 
         if non_finite_kind(stage):
             raise ValueError(f"the float64 reference itself gives {non_finite_kind(stage)} at stage {name}: "
                              "the checkpoint's weights are out of range, there is nothing to compare against")
-    bound = tolerance.float32_bound(model64(src, forced), model32(src, forced))
-    margins = greedy_margins(model64, src, tokens)
-    return Oracle(inputs, stages64, reference.forward(model32, **inputs), tokens, margins, bound)
+    stages, bounds, log_probs64 = {}, {}, model64(src, forced)
+    for dtype in dict.fromkeys(dtype for dtype in dtypes if dtype != "float64"):
+        model = reference.build(config, params, dtype)
+        stages[dtype] = reference.forward(model, **inputs)
+        bounds[dtype] = tolerance.bound_for(dtype, log_probs64, model(src, forced))
+    return Oracle(inputs, stages64, stages, tokens, greedy_margins(model64, src, tokens), bounds)
 
 
 def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:
-    """float64: identical tokens. float32: identical up to each row's first near-tie."""
+    """float64: identical tokens. Lower precisions: identical up to each row's first near-tie (its bound)."""
     if dtype == "float64":
         return tokens.shape == oracle.greedy.shape and bool(np.array_equal(tokens, oracle.greedy)), ""
     agree, note, _ = tolerance.greedy_tokens_agree(tokens, oracle.greedy, oracle.greedy_margins,
-                                                   oracle.greedy_bound, pad_id)
+                                                   oracle.greedy_bounds[dtype], pad_id)
     return agree, note
 
 
@@ -194,7 +205,7 @@ def run_backend(adapter, device: str, dtype: str, config, params, oracle: Oracle
         stages, run.forward_ms = timing.result, 1e3 * timing.median
         for name, ref64 in oracle.stages64.items():
             stage = np.asarray(stages[name])
-            result = tolerance.agreement(stage, ref64, oracle.stages32[name])
+            result = tolerance.agreement(stage, ref64, oracle.stages.get(dtype, {}).get(name), precision=dtype)
             run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok,
                                           non_finite_kind(stage)))
         run.tokens = np.asarray(adapter.greedy(model, inputs["src"]))
@@ -237,11 +248,13 @@ def load_source(checkpoint: str | Path | None, preset: str | None):
 
 
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
-            perturb: str | None = None, progress=None, preset: str | None = None) -> Report:
-    """Run the comparison; ``progress`` wraps the list of runs (e.g. ``tqdm``).
+            perturb: str | None = None, progress=None, preset: str | None = None,
+            dtypes: tuple[str, ...] = DTYPES) -> Report:
+    """Run the comparison in ``dtypes``; ``progress`` wraps the list of runs (e.g. ``tqdm``).
 
     The model is ``checkpoint``, or a seeded ``preset``, or by default the shipped English-to-French numbers model.
-    The float32 NumPy reference always runs besides ``names``; a request of which nothing is
+    The NumPy reference in every precision of ``dtypes`` but float64 (the yardstick of that precision's bound)
+    always runs besides ``names``; a request of which nothing is
     installed, or a ``perturb`` of a backend that does not run, is a ``ValueError``: a
     comparison that compares nothing must not report agreement. NaN and inf are reported per
     stage, so NumPy's own overflow warnings are silenced here.
@@ -257,8 +270,9 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
                          "(not in --backends, or not installed)")
     src = translation_source(tokenizer) if tokenizer else None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        oracle = build_oracle(config, params, **(compare_inputs(config) if src is None else {"src": src}))
-        report = Report(source, config, run_plan(adapters, config, params, oracle, fault, progress), missing)
+        oracle = build_oracle(config, params, **(compare_inputs(config) if src is None else {"src": src}),
+                              dtypes=dtypes)
+        report = Report(source, config, run_plan(adapters, config, params, oracle, fault, progress, dtypes), missing)
     if src is not None:
         report.sentences = SENTENCES
         report.translations = [tokenizer.decode(row) for row in oracle.greedy]
@@ -268,10 +282,11 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
 
 
 def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], oracle: Oracle, fault,
-             progress) -> list[Run]:
-    """Every adapter on every device in both dtypes (the reference in float32 only), on the oracle's inputs."""
+             progress, dtypes: tuple[str, ...] = DTYPES) -> list[Run]:
+    """Every adapter on every device in every precision of ``dtypes`` (the reference in each but float64, the
+    truth), on the oracle's inputs."""
     plan = [(adapter, device, dtype) for adapter in adapters.values() for device in adapter.devices()
-            for dtype in DTYPES if not (adapter.NAME == "numpy" and dtype == "float64")]
+            for dtype in dtypes if not (adapter.NAME == "numpy" and dtype == "float64")]
     runs = []
     for adapter, device, dtype in (progress(plan) if progress else plan):
         weights = perturbed(params, fault[1]) if fault and fault[0] == adapter.NAME else params

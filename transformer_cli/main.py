@@ -32,7 +32,7 @@ from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 
 from . import backends, side_by_side
-from .arguments import backend_names, image_file, integer, output_file, real
+from .arguments import backend_names, dtype_names, image_file, integer, output_file, real
 from .copy_task import DEFAULTS as COPY
 from .extras import progress_bar
 from .numbers_task import DEFAULTS as NUMBERS
@@ -62,23 +62,34 @@ def add_compare(commands) -> None:
     compare.add_argument("--backends", type=backend_names, default=backends.PORTS,
                          help=f"comma-separated subset of {','.join(backends.BACKENDS)} (default: every port; "
                               "the float32 NumPy reference always runs)")
+    compare.add_argument("--dtype", type=dtype_names, help="comma-separated precisions to run, of "
+                         "float64,float32,bfloat16,float16 (default: float64,float32; with --precision-report: "
+                         "float32,bfloat16,float16)")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     compare.add_argument("--plot", metavar="FILE.png", type=image_file, help="draw the error per stage per backend")
+    compare.add_argument("--precision-report", metavar="FILE.png", type=image_file,
+                         help="draw, per precision, how far each backend drifts from float64 stage by stage, beside "
+                              "the reference's own drift in that precision")
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
     compare.set_defaults(run=run_compare)
 
 
 def run_compare(args) -> int:
-    from .compare import compare
-    from .report import format_table, plot_errors
+    from .compare import DTYPES, PRECISION_REPORT_DTYPES, compare
+    from .report import format_table, plot_errors, plot_precision
 
+    dtypes = args.dtype or (PRECISION_REPORT_DTYPES if args.precision_report else DTYPES)
+    if args.precision_report and set(dtypes) == {"float64"}:
+        raise ValueError("--precision-report draws the precisions below float64: add one to --dtype")
     report = compare(args.checkpoint, args.backends, args.perturb,
                      progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
-                     preset=args.preset)
+                     preset=args.preset, dtypes=dtypes)
     print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else format_table(report))
     if args.plot:
         plot_errors(report, args.plot)
+    if args.precision_report:
+        plot_precision(report, args.precision_report)
     return EXIT_OK if report.ok else EXIT_DISAGREEMENT
 
 

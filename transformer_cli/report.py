@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from equivalence import tolerance
+from reference_numpy.precision import is_low
 
 from .compare import Report
 from .plots import pyplot
@@ -28,7 +29,10 @@ def format_table(report: Report) -> str:
     stages = list(next((run.stages for run in runs if run.stages), []))
     lines = [f"checkpoint: {report.source}",
              f"policy: float64 error <= {tolerance.FLOAT64_RELATIVE:g} x max(1, max|ref|); float32 error <= "
-             f"{tolerance.FLOAT32_FACTOR} x max(float32 reference's own error, 1 ulp); cells: max abs / max rel",
+             f"{tolerance.FLOAT32_FACTOR} x max(float32 reference's own error, 1 ulp)"
+             + (f"; bfloat16, float16 error <= {tolerance.LOW_PRECISION_FACTOR} x max(the reference's own error in "
+                "that format, 1 unit)" if any(is_low(run.dtype) for run in runs) else "")
+             + "; cells: max abs / max rel against the float64 reference",
              "",
              f"{'stage':<{STAGE_WIDTH}}" + "".join(_cell(run.label) for run in runs)]
     for index, stage in enumerate(stages):
@@ -102,5 +106,37 @@ def plot_errors(report: Report, path) -> None:
     ax.set_title("Error per stage (solid) and its bound (dotted)")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_precision(report: Report, path) -> None:
+    """The precision report: one panel per precision other than float64, each backend's error per stage against
+    the float64 reference (log scale), the reference's own error in that precision drawn thick (the format's own
+    drift: what the bound is a multiple of) and the bound dotted."""
+    plt = pyplot()
+    precisions = list(dict.fromkeys(run.dtype for run in report.runs if run.stages and run.dtype != "float64"))
+    if not precisions:
+        raise ValueError("--precision-report needs a precision other than float64 in --dtype")
+    fig, axes = plt.subplots(1, len(precisions), figsize=(5.5 * len(precisions), 5.5), sharey=True, squeeze=False,
+                             constrained_layout=True)
+    for ax, precision in zip(axes[0], precisions):
+        runs = [run for run in report.runs if run.dtype == precision and run.stages]
+        stages = [result.stage for result in runs[0].stages]
+        for run in runs:
+            own = run.backend == "numpy"
+            errors = [max(result.max_abs_error, 1e-18) for result in run.stages]
+            ax.plot(range(len(errors)), errors, marker="o" if not own else None, linewidth=4 if own else 1.5,
+                    color="black" if own else None, alpha=0.35 if own else 1.0,
+                    label="reference (the format's own error)" if own else f"{run.backend}/{run.device}")
+        bounds = [result.bound for result in runs[0].stages]
+        ax.plot(range(len(bounds)), bounds, linestyle=":", color="grey", label="bound")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(stages)), stages, rotation=60, ha="right", fontsize="small")
+        ax.set_title(precision)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("max abs error vs float64 reference")
+    fig.suptitle(f"Drift from float64, stage by stage: {report.source}")
     fig.savefig(path, dpi=120)
     plt.close(fig)
