@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import hypothesis
 import numpy as np
@@ -124,12 +125,52 @@ def test_load_checkpoint_keeps_the_files_dtype(tmp_path, dtype):
     assert checkpoint.load_checkpoint(path, torch.float32).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_file_loads_in_its_dtype_and_saves_back_bitwise(tmp_path, dtype):
+    """A BF16 or F16 file loads into a model of its own dtype (weights and sinusoidal table the reference's, bit
+    for bit), into float32 exactly, and a model in P saves a file of P that reads back bit for bit."""
+    config = VARIANTS["tiny"]
+    path, copy = tmp_path / "model.safetensors", tmp_path / "copy.safetensors"
+    params = reference_checkpoint.init_params(config, dtype=dtype, perturb=cases.TEST_PERTURB)
+    reference_checkpoint.save_checkpoint(path, config, params)
+    model = checkpoint.load_checkpoint(path)
+    assert model.dtype == getattr(torch, dtype) and model.src_pos.table.dtype == model.dtype
+    table = reference_model("tiny", dtype).src_pos.table
+    assert torch_model._to_numpy(model.src_pos.table).tobytes() == table.tobytes()
+    saved = checkpoint.to_params(model)
+    assert all(saved[name].dtype == value.dtype and saved[name].tobytes() == value.tobytes()
+               for name, value in params.items())
+    checkpoint.save_checkpoint(model, copy)
+    _, again = reference_checkpoint.load_checkpoint(copy)
+    assert all(again[name].dtype == value.dtype and again[name].tobytes() == value.tobytes()
+               for name, value in params.items())
+    wide = checkpoint.to_params(checkpoint.load_checkpoint(path, "float32"))
+    assert all(np.array_equal(wide[name], value.astype(np.float32)) for name, value in params.items())
+
+
+def test_weights_are_rounded_to_bfloat16_once():
+    """1 + 2^-8 + 2^-30 is 1 + 2^-7 in bfloat16 (nearest); torch's cast from float64 goes through float32, where it
+    becomes the tie 1 + 2^-8, and then to 1 (ties to even). The port rounds as the reference does."""
+    config = VARIANTS["tiny"]
+    params = cases.seeded_params(config)
+    params["encoder.layers.0.ffn.linear1.bias"][0] = 1 + 2 ** -8 + 2 ** -30
+    assert torch.tensor(1 + 2 ** -8 + 2 ** -30, dtype=torch.float64).to(torch.bfloat16).item() == 1.0
+    model = checkpoint.from_params(config, params, "bfloat16")
+    assert model.encoder.layers[0].ffn.linear1.bias[0].item() == 1 + 2 ** -7
+    exported = checkpoint.to_params(model)
+    reference_params = reference_model("tiny", "bfloat16").params
+    assert all(exported[name].tobytes() == value.tobytes() for name, value in reference_params.items()
+               if name != "encoder.layers.0.ffn.linear1.bias")
+
+
 def test_bad_arguments_give_one_line_value_errors():
     config, params = VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"])
     model = port_model("tiny")
     inputs = cases.model_inputs(config, "none")
-    with pytest.raises(ValueError, match="dtype must be float32 or float64, got float16"):
-        checkpoint.from_params(config, params, "float16")
+    for dtype in ("int8", torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=f"dtype must be one of float64, float32, bfloat16, float16, got "
+                                             f"{str(dtype).removeprefix('torch.')}$"):
+            checkpoint.from_params(config, params, dtype)
     with pytest.raises(ValueError, match="device 'cuda:7' is not available here"):
         checkpoint.from_params(config, params, "float64", "cuda:7")
     with pytest.raises(ValueError, match="mask must be boolean"):
@@ -485,6 +526,65 @@ def test_cache_refuses_to_overflow_and_bad_arguments():
             model.init_cache(memory, 65)
         with pytest.raises(ValueError, match=r"memory must have shape \(batch, source length, d_model\)"):
             model.init_cache(memory[0], 4)
+
+
+# ----------------------------------------------------------------------------- low precision
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_model_keeps_every_stage_in_its_dtype(dtype):
+    """The recipe of reference_numpy/precision.py: every stage, the attention weights, a component's output and the
+    key/value cache in P (NumPy: ml_dtypes.bfloat16, np.float16); the log-probabilities and the loss in float32."""
+    config, low = VARIANTS["tiny"], np.dtype(dtype)
+    model = port_model("tiny", dtype)
+    inputs = cases.model_inputs(config, "ragged_batch")
+    stages = backend.forward(model, **inputs)
+    assert {name: value.dtype for name, value in stages.items()} == \
+        {name: np.dtype(np.float32) if name == "log_probs" else low for name in stages}
+    assert backend.log_probs(model, **inputs).dtype == np.float32
+    for kind in ("encoder", "decoder_self", "decoder_cross"):
+        assert backend.attention_weights(model, inputs["src"], inputs["tgt"], 0, kind).dtype == low, kind
+    for name in ("attention", "layer_norm", "decoder"):
+        assert backend.component(model, name, cases.component_inputs(config, name, "causal")).dtype == low, name
+    with torch.no_grad():
+        memory = model.encode(inputs["src"])
+        _, cache = model.decode(inputs["tgt"][:, :2], memory, cache=model.init_cache(memory, 4), cache_index=0)
+        value = training.loss(model, *(torch.as_tensor(v) for v in cases.training_inputs(config).values()))
+    assert {t.dtype for layer in cache for pair in layer for t in (pair.keys, pair.values)} == {model.dtype}
+    assert value.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cached_and_uncached_decoding_give_the_same_tokens_in_low_precision(dtype):
+    """Greedy and beam search on the tiny decoding case, the cache in P; beam scores summed in float32."""
+    model = port_model("tiny", dtype, "decoding")
+    src = cases.decoding_inputs(VARIANTS["tiny"])
+    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=True),
+                                  decoding.greedy_decode(model, src, use_cache=False))
+    (tokens, scores), (uncached, _) = (decoding.beam_search(model, src, use_cache=cache) for cache in (True, False))
+    np.testing.assert_array_equal(tokens, uncached)
+    assert np.array_equal(scores.astype(np.float32), scores)
+
+
+def test_a_low_precision_model_is_refused_for_training_before_any_work():
+    config, params = VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"])
+    batch = cases.training_inputs(config)
+    refusal = lambda dtype: pytest.raises(ValueError, match=re.escape(
+        f"gradients and training need a float32 or float64 model, got {dtype}: load the checkpoint in float32 to "
+        f"train"))
+    model = backend.build(config, params, "bfloat16")
+    with refusal("bfloat16"):
+        training.gradients(model, **batch)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    with refusal("bfloat16"):
+        training.optimizer(model)
+    cast = backend.build(config, params, "float32")
+    scheduled = training.optimizer(cast)
+    cast.to(torch.float16)                                                  # after its optimizer was built
+    with refusal("float16"):
+        training.train_step(cast, scheduled, **batch)
+    assert not scheduled.optimizer.state and scheduled.last_epoch == 0
+    with refusal("float16"):                                                # before any process starts
+        backend.train_data_parallel(config, params, None, None, lambda step: batch, 0, 1, 2, "float16")
 
 
 # ----------------------------------------------------------------------------- nn.Transformer interop

@@ -15,6 +15,11 @@ With ``share_embeddings`` the one checkpoint tensor ``shared_embed.weight`` fill
 parameter ``src_embed.weight`` of the embedding module that ``tgt_embed`` and ``generator``
 share (tied weights). The sinusoidal table is a non-persistent buffer, not a parameter: it is
 not stored, and is derived for the model's dtype and device once the weights are loaded.
+
+dtypes are the reference's four (``reference_numpy.precision.parse_dtype``): float64, float32, bfloat16 and float16.
+Weights go to a low precision P rounded once, by the reference's ``round_to`` (torch's own float64 -> bfloat16 cast
+rounds twice, through float32); bfloat16 arrays, which torch cannot read from NumPy, cross through their bits. A
+model in P saves a BF16 or F16 file.
 """
 
 from __future__ import annotations
@@ -28,11 +33,10 @@ from torch import nn
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import parse_dtype, round_to
 
 from .device import resolve_device
-from .model import Transformer
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+from .model import _LOW, Transformer, _dtype_name, _from_numpy, _to_numpy
 
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
@@ -92,13 +96,9 @@ def _norm(prefix: str) -> list[tuple[str, str, bool]]:
 
 
 def _torch_dtype(dtype) -> torch.dtype:
-    """``torch.float32``/``torch.float64`` from a torch or NumPy dtype or the names "float32"/"float64"."""
-    if dtype in _DTYPES.values():
-        return dtype
-    name = dtype.name if isinstance(dtype, np.dtype) else str(dtype)
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
-    return _DTYPES[name]
+    """The torch dtype of ``dtype`` (a torch, NumPy or ml_dtypes dtype, or a name), parsed by the reference's
+    ``parse_dtype``: float64, float32, bfloat16 or float16, anything else its one ``ValueError``."""
+    return getattr(torch, parse_dtype(_dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype).name)
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=torch.float64,
@@ -143,7 +143,7 @@ def to_checkpoint_layout(model: Transformer, tensors: dict[str, torch.Tensor]) -
     arrays = {}
     for name, path in name_table(model.config).items():
         value = tensors[path].detach().cpu()
-        arrays[name] = np.array((value.T if name in flip else value).numpy(), order="C")
+        arrays[name] = np.array(_to_numpy(value.T if name in flip else value), order="C")
     return arrays
 
 
@@ -157,7 +157,8 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torch.dtype,
                   device: torch.device, take: bool = False) -> dict[str, torch.Tensor]:
     """Checkpoint-layout ``arrays`` as new tensors by parameter path, in ``dtype`` on ``device``, each checked
-    against the shape of ``model``'s parameter (``model`` may live on the meta device).
+    against the shape of ``model``'s parameter (``model`` may live on the meta device). To a low precision ``dtype``
+    each array is rounded once, by the reference's ``round_to``, before it becomes a tensor.
 
     With ``take`` the arrays are the caller's to give away (a checkpoint just read): each is removed
     from ``arrays`` as it is copied, so that it is freed at once and the weights are held twice one
@@ -172,7 +173,8 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
     for name, path in table.items():
         if name not in arrays:
             raise ValueError(f"checkpoint tensor {name!r} is missing")
-        value = torch.from_numpy(np.ascontiguousarray(arrays.pop(name) if take else arrays[name]))
+        array = arrays.pop(name) if take else arrays[name]
+        value = _from_numpy(np.ascontiguousarray(round_to(array, _dtype_name(dtype)) if dtype in _LOW else array))
         value = value.T if name in flip else value
         if value.shape != targets[path].shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
@@ -183,7 +185,7 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transformer:
     """Read, validate and load a shared checkpoint into a :class:`Transformer` (eval mode) on
-    ``device``, in ``dtype`` (default: the file's own, float32 or float64)."""
+    ``device``, in ``dtype`` (default: the file's own: float32, float64, bfloat16 or float16)."""
     config, params = reference_checkpoint.load_checkpoint(path)            # validated; the arrays are new
     model = _build(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device, take=True)
     reference_checkpoint.release_freed_memory()                          # the arrays read, now dropped
@@ -192,7 +194,7 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transf
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
                     tokenizer: str | None = None) -> None:
-    """Write the model's weights (in its dtype) and config as a shared checkpoint, atomically; with
-    ``training`` (from :func:`.training.training_state`) also the run's Adam moments and step count, with
-    ``tokenizer`` (its JSON text) the model's tokenizer."""
+    """Write the model's weights (in its dtype: a BF16 or F16 file for a low-precision model) and config as a
+    shared checkpoint, atomically; with ``training`` (from :func:`.training.training_state`) also the run's Adam
+    moments and step count, with ``tokenizer`` (its JSON text) the model's tokenizer."""
     reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training, tokenizer)

@@ -3,7 +3,8 @@
 The rules are the reference's, to the letter (``reference_numpy/decoding.py``): the same
 maximum output length (non-pad source tokens + 50, capped at ``max_len``), pad_id and bos_id
 never emitted, greedy ties to the lowest token id, beam candidates ranked by summed
-log-probability (accumulated in the model's dtype) with ties to the lower beam then the lower
+log-probability (accumulated in the model's dtype; float32 for a bfloat16 or float16 model, whose
+log-probabilities are float32, ``reference_numpy.precision.score_dtype``) with ties to the lower beam then the lower
 token, eos only among the first ``beam_size`` ranks, the same stopping rule, and the final
 tie to the hypothesis finished first. Outputs are NumPy arrays in the reference's layout
 (no bos, right-padded with pad_id).
@@ -42,7 +43,7 @@ from reference_numpy.decoding import (
     max_output_lengths,
 )
 
-from .model import KVCache, Transformer, padding_mask
+from .model import _LOW, KVCache, Transformer, padding_mask
 
 
 def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
@@ -137,22 +138,23 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids
     src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
     batch, device = len(src), memory.device
+    scores_dtype = torch.float32 if model.dtype in _LOW else model.dtype     # the log-probabilities'
     limits = max_output_lengths(model, src.cpu().numpy())
     max_steps = int(limits.max())
-    # lp(n) for n = 0..M rounded to the model dtype, as NumPy rounds a Python float in `score / lp`
+    # lp(n) for n = 0..M rounded to the scores' dtype, as NumPy rounds a Python float in `score / lp`
     penalties = torch.tensor([length_penalty(n, alpha) for n in range(max_steps + 1)], dtype=torch.float64).to(
-        device, model.dtype)
+        device, scores_dtype)
     memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
     cache = model.init_cache(memory, max_steps) if use_cache else None
     limits = torch.as_tensor(limits, device=device)                              # (B,)
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
-    live_scores = torch.full((batch, k), -torch.inf, dtype=model.dtype, device=device)
+    live_scores = torch.full((batch, k), -torch.inf, dtype=scores_dtype, device=device)
     live_scores[:, 0] = 0.0                                                      # (B, K): only beam 0 at first
     history = torch.full((batch * k, max_steps + 1), cfg.pad_id, dtype=torch.long, device=device)
     history[:, 0] = cfg.bos_id                                                   # (N, M + 1)
-    best = (torch.full((batch,), -torch.inf, dtype=model.dtype, device=device), history[::k].clone(),
+    best = (torch.full((batch,), -torch.inf, dtype=scores_dtype, device=device), history[::k].clone(),
             torch.zeros(batch, dtype=torch.long, device=device))                # score, row, length
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(1, max_steps + 1):

@@ -20,6 +20,13 @@ and masks may be given as tensors or NumPy arrays; they are moved to the model's
 
 Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
 (C: the cache's capacity in target positions), written in place.
+
+A model in bfloat16 or float16 (P: built or loaded in P by :mod:`.checkpoint`, or a float32 model's
+``.to(torch.bfloat16)``) computes by the reference's recipe (``reference_numpy/precision.py``): weights,
+activations and the cache are stored in P; a linear map, attention (Eq. (1)) and LayerNorm are computed wide, in
+float32, from the P values (:func:`_wide`, torch's float32 kernels) and rounded once to P (:func:`_narrow`); the
+residual addition, x sqrt(d_model) and adding the positional encoding are P arithmetic; the log-probabilities are
+float32. float32 and float64 models compute as before: both helpers are the identity for them.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ from torch import Tensor, nn
 
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import BFLOAT16
+
+_LOW = (torch.bfloat16, torch.float16)   # the low precisions P of reference_numpy/precision.py
 
 # ----------------------------------------------------------------------------- masks
 
@@ -90,6 +100,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     b*K + beams[b, j, c] (computed explicitly, without moving keys or values: :func:`_beam_scores`,
     :func:`_beam_mix`).
 
+    In a low precision P the whole of Eq. (1) is computed wide (float32, the same kernels) from the P inputs and
+    the output and weights are rounded to P.
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
@@ -99,16 +112,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     batch = np.broadcast_shapes(query.shape[:-2], key.shape[:-2])      # (NumPy's: a fraction of torch's cost)
     if mask is not None:
         mask = _check_mask(mask, (*batch, query.shape[-2], key.shape[-2]), device=query.device)
+    dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)
     if return_weights or beams is not None:
         out, weights = _explicit_attention(query, key, value, mask, beams)
-        return out, (weights if return_weights else None)
+        return _narrow(out, dtype), (_narrow(weights, dtype) if return_weights else None)
     if mask is None:
-        return F.scaled_dot_product_attention(query, key, value), None
+        return _narrow(F.scaled_dot_product_attention(query, key, value), dtype), None
     batch = np.broadcast_shapes(mask.shape[:-2], batch)
     query, key, value = (t.expand(*batch, *t.shape[-2:]) for t in (query, key, value))  # (..., T, d_k)
     hidden = ~mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1) rows that see no key
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | hidden)
-    return out.masked_fill(hidden, 0.0), None                           # fully masked row -> zeros
+    return _narrow(out.masked_fill(hidden, 0.0), dtype), None           # fully masked row -> zeros
 
 
 def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
@@ -190,6 +204,33 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _wide(x: Tensor) -> Tensor:
+    """A P tensor (bfloat16, float16) as float32, exactly, for a concept computed wide; other tensors unchanged."""
+    return x.float() if x.dtype in _LOW else x
+
+
+def _narrow(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A concept's wide result rounded once (to nearest, ties to even) to the model's ``dtype`` when it is a low
+    precision P; unchanged otherwise."""
+    return x.to(dtype) if dtype in _LOW else x
+
+
+def _from_numpy(array: np.ndarray) -> Tensor:
+    """``array`` as a tensor sharing its memory, bit for bit; a bfloat16 array (ml_dtypes', which torch does not
+    read) through its bits."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _to_numpy(tensor: Tensor) -> np.ndarray:
+    """A CPU tensor as a NumPy array sharing its memory, bit for bit; a bfloat16 tensor (which NumPy has no dtype
+    for) as an ml_dtypes bfloat16 array, through its bits."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(BFLOAT16)
+    return tensor.numpy()
+
+
 class KVCache(NamedTuple):
     """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
 
@@ -230,10 +271,14 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     (out, in) weight at less than half the memory bandwidth (batch-1 decoding) and whose large
     products run at half oneDNN's rate on some CPUs (docs/benchmarks-torch.md). Every other case
     (float64, a GPU, gradients, small weights, oneDNN switched off by
-    ``torch.backends.mkldnn.enabled = False``) is ``F.linear``.
+    ``torch.backends.mkldnn.enabled = False``) is ``F.linear``. A weight in a low precision P is
+    computed wide: x, W and b as float32 through the float32 path above, the result rounded once to P.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
+    if weight.dtype in _LOW:
+        wide = _linear(_wide(x), _wide(weight), None if bias is None else _wide(bias))
+        return _narrow(wide, weight.dtype)
     if (_ONEDNN_LINEAR and x.dtype == torch.float32 and x.is_cpu and weight.is_cpu
             and weight.numel() >= _ONEDNN_MIN_WEIGHT and torch.backends.mkldnn.enabled
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -352,7 +397,8 @@ class LayerNorm(nn.LayerNorm):
 
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6; torch's
-    own default, 1e-5, is not the project's).
+    own default, 1e-5, is not the project's). In a low precision the statistics, the normalization,
+    gain and bias are computed wide (float32, ``F.layer_norm``) and the output rounded to P.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -360,16 +406,27 @@ class LayerNorm(nn.LayerNorm):
     def __init__(self, config: TransformerConfig):
         super().__init__(config.d_model, eps=config.layer_norm_eps)
 
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.layer_norm(_wide(x), self.normalized_shape, _wide(self.weight), _wide(self.bias), self.eps)
+        return _narrow(y, x.dtype)
+
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
              dropout: nn.Dropout) -> Tensor:
     """Residual connection around a sublayer (section 3.1), dropout on the sublayer output (5.4).
 
-    Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))). Pre-LN: x + Dropout(Sublayer(LayerNorm(x))).
+    Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))). Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The
+    addition is the model's own arithmetic: in a low precision, the residual stream stays in P.
     """
     if norm_first:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
+        return add(x, dropout(sublayer(norm(x))))
+    return norm(add(x, dropout(sublayer(x))))
+
+
+def add(x: Tensor, y: Tensor) -> Tensor:
+    """x + y in x's precision: in a low precision P, the float32 sum rounded to P (P arithmetic; the correctly
+    rounded sum, as two P numbers' float32 sum is exact or far from any rounding boundary of P)."""
+    return _narrow(_wide(x) + _wide(y), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -379,12 +436,12 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
-    The table is the reference's own (computed in float64 with NumPy's sin/cos), cast to
-    ``dtype`` on ``device``.
+    The table is the reference's own (computed in float64 with NumPy's sin/cos and rounded once to
+    ``dtype``, correctly also for bfloat16, whose torch cast from float64 rounds twice), on ``device``.
 
     Shape: returns (L, D).
     """
-    return torch.from_numpy(reference.sinusoidal_positional_encoding(length, d_model)).to(device=device, dtype=dtype)
+    return _from_numpy(reference.sinusoidal_positional_encoding(length, d_model, _dtype_name(dtype))).to(device=device)
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
@@ -396,7 +453,7 @@ def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
 
 
 class Embeddings(nn.Module):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4).
+    """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D); ``weight`` (V, D).
     """
@@ -407,7 +464,7 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(config.d_model)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return F.embedding(tokens, self.weight) * self.scale
+        return _narrow(_wide(F.embedding(tokens, self.weight)) * self.scale, self.weight.dtype)
 
 
 class PositionalEncoding(nn.Module):
@@ -435,7 +492,7 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         table = self.weight if self.learned else self.table
-        return self.dropout(x + table[offset:offset + x.shape[1]])
+        return self.dropout(add(x, table[offset:offset + x.shape[1]]))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -450,7 +507,8 @@ class Generator(nn.Module):
 
     ``weight`` is (V, D) as in ``nn.Linear``. With ``share_embeddings`` pass the shared
     :class:`Embeddings` as ``embeddings``: its weight is the projection (tied, not copied) and
-    the generator has no parameter of its own.
+    the generator has no parameter of its own. In a low precision P the logits are a linear map's
+    (computed wide, rounded to P) and their log-softmax is float32.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
@@ -466,7 +524,7 @@ class Generator(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
-        return log_softmax(_linear(x, weight))
+        return log_softmax(_wide(_linear(x, weight)))                                      # logits (B, T, V)
 
 
 def log_softmax(x: Tensor) -> Tensor:
@@ -613,6 +671,8 @@ class Transformer(nn.Module):
     :func:`.checkpoint.load_checkpoint` give it the shared checkpoint's weights. With
     ``share_embeddings`` one module (``src_embed``, also ``tgt_embed`` and ``generator.embeddings``)
     holds the source embedding, the target embedding and the pre-softmax projection (section 3.4).
+    Its dtype is float64, float32, or a low precision, bfloat16 or float16, computed by the recipe of
+    ``reference_numpy/precision.py`` (log-probabilities then float32).
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).

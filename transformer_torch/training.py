@@ -12,6 +12,10 @@ anyway; the multi-tensor kernels it picks on a GPU order some operations differe
 rate is a Python float (float64) that ``LambdaLR`` sets as ``1.0 * lambda(count)``: the base rate is 1
 and the lambda is Eq. (3) at count + 1, since the scheduler's count is 0 at construction and one
 more after each step.
+
+A bfloat16 or float16 model computes its loss (float32, from float32 log-probabilities) but is not trained:
+:func:`gradients`, :func:`optimizer` and :func:`train_step` refuse it first, with the reference's
+``check_trainable`` error.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
+from reference_numpy.precision import check_trainable
 from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count, learning_rate
 
 from . import checkpoint
-from .model import Transformer
+from .model import Transformer, _dtype_name
 
 
 def label_smoothed_cross_entropy(log_probs: Tensor, labels: Tensor, pad_id: int,
@@ -64,6 +69,7 @@ def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off (eval mode) and its gradient for every checkpoint tensor, in
     checkpoint layout (tied weights receive the sum over their uses)."""
+    check_trainable(_dtype_name(model.dtype))
     model.eval().zero_grad(set_to_none=True)
     value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
     value.backward()
@@ -106,6 +112,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     ``config`` is given, its training config, restored by ``optimizer.load_state_dict`` and
     ``scheduler.load_state_dict``: the next step is t + 1 with lrate(t + 1).
     """
+    check_trainable(_dtype_name(model.dtype))
     if state is not None:
         params = checkpoint.to_params(model)
         state = state.astype(next(iter(params.values())).dtype)
@@ -139,6 +146,7 @@ def train_step(model: Transformer, optimizer: LambdaLR, src, tgt, labels, epsilo
     """One training step of section 5: the loss with dropout on (train mode, P_drop = ``config.dropout``),
     its gradient by autograd, Adam's update t with lrate(t), then the schedule advanced. The model is
     left in eval mode. Returns the loss before the update."""
+    check_trainable(_dtype_name(model.dtype))
     adam = optimizer.optimizer
     adam.zero_grad(set_to_none=True)
     model.train()

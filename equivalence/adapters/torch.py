@@ -4,6 +4,10 @@ Models
 are built in eval mode; every call but :func:`gradients` and :func:`train_step` runs without gradients,
 and those two leave the model in eval mode. On CUDA, :func:`build` turns TF32 off
 (:func:`transformer_torch.device.full_precision`) so that float32 means float32.
+
+A bfloat16 or float16 model (P) returns its stages and attention weights as NumPy arrays of P (``ml_dtypes.bfloat16``,
+``np.float16``) and its log-probabilities in float32; :func:`component` rounds float inputs to P with the reference's
+``round_to`` before they become tensors.
 """
 
 from __future__ import annotations
@@ -14,11 +18,21 @@ import torch
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.precision import DTYPES, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
-from transformer_torch.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from transformer_torch.model import (
+    Transformer,
+    _dtype_name,
+    _from_numpy,
+    _to_numpy,
+    padding_mask,
+    residual,
+    scaled_dot_product_attention,
+    target_mask,
+)
 
 from ..recipes import check_attention_request, run_component, sublayer_attention_weights
 
@@ -32,13 +46,14 @@ def devices() -> list[str]:
 
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") on ``device`` from checkpoint-layout
+    arrays."""
     _prepare(device)
     return checkpoint.from_params(config, params, dtype, device)
 
 
 def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model from a shared checkpoint file."""
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file."""
     _prepare(device)
     return checkpoint.load_checkpoint(path, dtype, device)
 
@@ -55,14 +70,15 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
-    """Every stage of the forward pass (inference), by the shared stage names."""
+    """Every stage of the forward pass (inference), by the shared stage names: in the model's dtype, log_probs in
+    float32 for a bfloat16 or float16 model."""
     _, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)
     return {name: _numpy(value) for name, value in stages.items()}
 
 
 @torch.no_grad()
 def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
-    """The forward pass's (B, T, V) log-probabilities alone (inference)."""
+    """The forward pass's (B, T, V) log-probabilities alone (inference); float32 for a bfloat16 or float16 model."""
     return _numpy(model.eval()(src, tgt, src_mask, tgt_mask))
 
 
@@ -72,13 +88,21 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
     positional_encoding, feed_forward, layer_norm, encoder_layer and encoder take x (and mask);
-    decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+    decoder_layer and decoder take x, memory, src_mask, tgt_mask. Float inputs are rounded to the model's dtype
+    (``round_to``: once, also from float64 to bfloat16) and become tensors exactly.
     """
     model.eval()
-    t = {key: None if value is None else torch.as_tensor(value, device=model.device) for key, value in inputs.items()}
-    t = {key: value.to(model.dtype) if value is not None and value.is_floating_point() else value
-         for key, value in t.items()}
+    dtype = _dtype_name(model.dtype)
+    t = {key: None if value is None else _tensor(value, dtype, model.device) for key, value in inputs.items()}
     return _numpy(run_component(model, name, t, scaled_dot_product_attention))
+
+
+def _tensor(value, dtype: str, device: torch.device) -> torch.Tensor:
+    """An input array on ``device``, rounded to ``dtype`` when it holds floats."""
+    value = np.asarray(value)
+    if value.dtype in DTYPES:
+        value = round_to(value, dtype)
+    return _from_numpy(np.ascontiguousarray(value)).to(device)
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
@@ -94,7 +118,7 @@ def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LEN
 
 @torch.no_grad()
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
-    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks; in the model's dtype."""
     check_attention_request(model.config, layer, kind)
     src, tgt = (torch.as_tensor(np.asarray(tokens), device=model.device) for tokens in (src, tgt))
     _, stages = model.eval()(src, tgt, return_intermediates=True)
@@ -150,4 +174,4 @@ def _prepare(device: str) -> None:
 
 
 def _numpy(value: torch.Tensor) -> np.ndarray:
-    return value.detach().cpu().numpy()
+    return _to_numpy(value.detach().cpu())
