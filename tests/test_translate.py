@@ -61,6 +61,21 @@ def test_translate_in_every_backend_with_beam_search(backend, capsys):
     assert out.splitlines() == [french for _, french in GRAMMAR[:3]]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("backend", list(backends.BACKENDS))
+def test_translate_in_low_precision(backend, dtype, capsys):
+    """``--dtype bfloat16`` and ``float16`` in each backend, greedy and beam 4: the same French (the shipped model
+    decides by margins far above either format's error: docs/equivalence.md, "Low precision")."""
+    adapters, missing = backends.load((backend,))
+    if not adapters:
+        pytest.skip(missing[0].reason)
+    for beam in ("1", "4"):
+        status, out, err = cli(capsys, "translate", "--backend", backend, "--beam", beam, "--dtype", dtype,
+                               *(english for english, _ in GRAMMAR))
+        assert status == EXIT_OK, err
+        assert out.splitlines() == [french for _, french in GRAMMAR]
+
+
 def test_translate_refuses_characters_the_tokenizer_never_saw(capsys):
     status, out, err = cli(capsys, "translate", "3 hundred")
     assert status == EXIT_USAGE and out == ""

@@ -175,10 +175,12 @@ def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
 
 def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
           names: tuple[str, ...] = backends.BACKENDS, repeats: int = 3, uncached: bool = True,
-          progress=None, peers: bool = False) -> BenchReport:
-    """Time every installed backend (float32, first device of each) -- and with ``peers`` every installed
-    peer -- on one seeded checkpoint, interleaved; the anchors measured on the way."""
+          progress=None, peers: bool = False, dtype: str = "float32") -> BenchReport:
+    """Time every installed backend (in ``dtype``, first device of each) -- and with ``peers`` every installed
+    peer, float32 only -- on one seeded checkpoint, interleaved; the anchors measured on the way."""
     config = TransformerConfig.preset(preset)
+    if peers and dtype != "float32":
+        raise ValueError(f"--peers times the peers in float32; --dtype {dtype} would compare unlike with unlike")
     for flag, length in (("--src-len", src_len), ("--tgt-len", tgt_len), ("--decode-tokens", decode_tokens)):
         if length > config.max_len:
             raise ValueError(f"{flag} {length} exceeds the {preset} preset's max_len ({config.max_len})")
@@ -187,7 +189,7 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     params = init_params(config, seed=0, dtype=np.float32)
     src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens, PEER_BATCH if peers else 1)
     inputs = {FORWARD: (src, tgt), "batch 1": decode_src[:1], "batch": decode_src}
-    engines = [backend_engine(adapter, config, params, inputs, peers, uncached) for adapter in adapters.values()]
+    engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype) for adapter in adapters.values()]
     if peers:
         from . import peers as peer_module
         built, unavailable = peer_module.load(config, params, os.cpu_count() or 1)
@@ -212,15 +214,16 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
                     for key in calls]
     shapes = {"batch": batch, "src_len": src_len, "tgt_len": tgt_len, "decode_tokens": decode_tokens,
               "decode_batch": PEER_BATCH if peers else 1, "beam_size": BEAM_SIZE,
-              "alpha": LENGTH_PENALTY_ALPHA, "dtype": "float32"}
+              "alpha": LENGTH_PENALTY_ALPHA, "dtype": dtype}
     return BenchReport(preset, shapes, machine_description(), anchors, measurements, missing,
                        {engine.name: engine.computes for engine in engines}, peers)
 
 
-def backend_engine(adapter, config: TransformerConfig, params, inputs: dict, peers: bool, uncached: bool) -> Engine:
-    """A backend's model (float32, its first device) and its timed calls (see the module docstring)."""
+def backend_engine(adapter, config: TransformerConfig, params, inputs: dict, peers: bool, uncached: bool,
+                   dtype: str = "float32") -> Engine:
+    """A backend's model (in ``dtype``, its first device) and its timed calls (see the module docstring)."""
     device = adapter.devices()[0]
-    model = adapter.build(config, params, "float32", device)
+    model = adapter.build(config, params, dtype, device)
     src, tgt = inputs[FORWARD]
     calls = {FORWARD: lambda: adapter.log_probs(model, src, tgt)}
     computes = {FORWARD: "the inference forward pass (adapter.log_probs; JAX's and TF's compiled_forward, with XLA): "
@@ -275,7 +278,7 @@ def format_bench(report: BenchReport) -> str:
     decoding = (f"greedy decoding of {shapes['decode_tokens']} tokens, batch 1 and {shapes['decode_batch']}; beam "
                 f"{shapes['beam_size']} (alpha {shapes['alpha']}), batch 1" if report.peers else
                 f"greedy decoding of up to {shapes['decode_tokens']} tokens (batch 1)")
-    lines = [f"preset {report.preset}, float32; forward batch {shapes['batch']} x {shapes['src_len']} x "
+    lines = [f"preset {report.preset}, {shapes['dtype']}; forward batch {shapes['batch']} x {shapes['src_len']} x "
              f"{shapes['tgt_len']}; {decoding}",
              f"machine: {report.machine['cpu']}, {report.machine['cores']} cores",
              f"best float32 GEMM ({MATMUL_SIZE}^2): {rate:.1f} GFLOP/s ({name}{'; ' + others if others else ''})",
@@ -367,6 +370,7 @@ def plot_bench(report: BenchReport, path) -> None:
     right.set_ylabel("ms per decoding step (log scale)")
     right.set_title(f"decoding, {report.shapes['decode_tokens']} tokens")
     right.legend(fontsize="small")
-    fig.suptitle(f"{report.preset} preset, float32 ({report.machine['cpu']}, {report.machine['cores']} cores)")
+    fig.suptitle(f"{report.preset} preset, {report.shapes['dtype']} ({report.machine['cpu']}, "
+                 f"{report.machine['cores']} cores)")
     fig.savefig(path, dpi=120)
     plt.close(fig)

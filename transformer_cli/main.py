@@ -30,6 +30,7 @@ import numpy as np
 from reference_numpy import TransformerConfig, __version__, init_params, save_checkpoint
 from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
+from reference_numpy.precision import DTYPE_NAMES
 
 from . import backends, side_by_side
 from .arguments import backend_names, dtype_names, image_file, integer, output_file, real
@@ -109,6 +110,8 @@ def add_bench(commands) -> None:
                        help="also time the installed peers on the same weights (CTranslate2, torch.nn.Transformer, "
                             "HF Marian; the 'peers' extra): forward, greedy batch 1 and 8, beam 4 batch 1, "
                             "without the uncached decoding (docs/peers.md)")
+    bench.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                       help="the precision the backends run in (default: float32; --peers times float32 only)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
     bench.set_defaults(run=run_bench)
@@ -120,7 +123,7 @@ def run_bench(args) -> int:
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
                    progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
-                   peers=args.peers)
+                   peers=args.peers, dtype=args.dtype)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if args.plot:
         plot_bench(report, args.plot)
@@ -311,7 +314,9 @@ def add_translate(commands) -> None:
                            help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
     translate.add_argument("--alpha", type=real(0.0), default=LENGTH_PENALTY_ALPHA,
                            help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
-    translate.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    translate.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                           help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
+                                "of docs/equivalence.md)")
     translate.set_defaults(run=run_translate)
 
 
