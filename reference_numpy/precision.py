@@ -45,7 +45,7 @@ def parse_dtype(dtype) -> np.dtype:
         parsed = np.dtype(dtype)
     except TypeError:
         parsed = None
-    if parsed not in DTYPES:
+    if parsed is None or parsed not in DTYPES:                            # (np.dtype("float64") == None holds)
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype if parsed is None else parsed}")
     return parsed
 

@@ -403,3 +403,11 @@ def test_attention_refuses_a_mask_that_would_enlarge_the_scores():
     q = np.zeros((3, 2, 4))
     with pytest.raises(ValueError, match="does not broadcast"):
         scaled_dot_product_attention(q, np.zeros((3, 5, 4)), np.zeros((3, 5, 4)), np.ones((3, 1, 1, 5), bool))
+
+
+@pytest.mark.parametrize("dtype", ["foo", "mixed_bfloat16", "int8", "float8_e4m3fn", "complex64", np.int32])
+def test_a_dtype_outside_the_four_is_one_error(dtype):
+    """float64, float32, bfloat16 and float16 are the model's precisions; anything else, a name NumPy does not know
+    included, is one ValueError naming the four."""
+    with pytest.raises(ValueError, match="dtype must be one of float64, float32, bfloat16, float16, got "):
+        Transformer(TransformerConfig.preset("tiny"), init_params(TransformerConfig.preset("tiny")), dtype)
