@@ -1,17 +1,21 @@
 """Checks specific to the TensorFlow/Keras port (the shared matrix is in ``test_agreement.py``):
 checkpoint interchange with the reference, Keras serialization and ``.weights.h5`` saving, the
-backend guard, masking, dropout, the key/value cache, the compiled searches, and training
-(section 5: the schedule, Keras's Adam made to compute the paper's update, dropout, resuming)."""
+backend guard, masking, dropout, the key/value cache, the compiled searches, training
+(section 5: the schedule, Keras's Adam made to compute the paper's update, dropout, resuming), and
+bfloat16 and float16 models (the recipe of ``reference_numpy/precision.py``: dtypes, files, decoding,
+the refusal to train)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,13 +29,22 @@ from equivalence.adapters import tf as backend  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy import decoding as reference_decoding  # noqa: E402
+from reference_numpy import model as reference_model_module  # noqa: E402
 from reference_numpy import training as reference_training  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from transformer_tf import checkpoint, decoding, device, training  # noqa: E402
-from transformer_tf.model import Transformer, compiled_forward, scaled_dot_product_attention  # noqa: E402
+from reference_numpy.precision import round_to  # noqa: E402
+from transformer_tf import checkpoint, data_parallel, decoding, device, training  # noqa: E402
+from transformer_tf.model import (  # noqa: E402
+    Transformer,
+    compiled_forward,
+    scaled_dot_product_attention,
+    sinusoidal_positional_encoding,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float64", "float32")
+LOW_DTYPES = ("bfloat16", "float16")
+BAD_DTYPE = "dtype must be one of float64, float32, bfloat16, float16, got "
 
 
 @functools.cache
@@ -235,8 +248,9 @@ def test_bad_masks_and_tokens_raise_one_line_value_errors():
     tokens = cases.model_inputs(VARIANTS["tiny"], "none")
     with pytest.raises(ValueError, match=r"src holds token ids outside \[0, 19\)"):
         model(tokens["src"] + 100, tokens["tgt"])
-    with pytest.raises(ValueError, match="dtype must be float32 or float64"):
-        Transformer(VARIANTS["tiny"], dtype="float16")
+    for dtype in ("int8", "float8_e4m3fn"):
+        with pytest.raises(ValueError, match=f"^{BAD_DTYPE}{dtype}$"):
+            Transformer(VARIANTS["tiny"], dtype=dtype)
     with pytest.raises(ValueError, match="device must be one of"):
         backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float64", "gpu:99")
 
@@ -652,3 +666,132 @@ def test_a_bad_training_state_gives_the_reference_error(change):
     with pytest.raises(ValueError, match=name) as port:
         training.optimizer(model, state=state)
     assert str(port.value) == str(expected.value) and "\n" not in str(port.value)
+
+
+# ----------------------------------------------------------------------------- bfloat16 and float16
+
+@pytest.mark.parametrize("dtype", [*LOW_DTYPES, np.float16, ml_dtypes.bfloat16, tf.bfloat16, tf.float16,
+                                   keras.DTypePolicy("bfloat16")], ids=str)
+def test_a_low_precision_is_named_as_in_every_backend(dtype):
+    """A name, a NumPy or ml_dtypes dtype, a TensorFlow dtype or a Keras policy: variables stored in P."""
+    model = Transformer(VARIANTS["tiny"], dtype=dtype)
+    name = model.compute_dtype
+    assert name in LOW_DTYPES and model.variable_dtype == name and {w.dtype for w in model.weights} == {name}
+
+
+@pytest.mark.parametrize("call", ["from_params", "load_checkpoint", "data_parallel.train"])
+def test_a_bad_dtype_gives_the_reference_error(tmp_path, call):
+    config = VARIANTS["tiny"]
+    params = cases.seeded_params(config)
+    path = tmp_path / "model.safetensors"
+    reference_checkpoint.save_checkpoint(path, config, params)
+    runs = {"from_params": lambda: transformer_tf.from_params(config, params, "int8"),
+            "load_checkpoint": lambda: transformer_tf.load_checkpoint(path, "float8_e4m3fn"),
+            "data_parallel.train": lambda: data_parallel.train(config, params, None, None, None, 0, 1, 1, "int8")}
+    with pytest.raises(ValueError, match=f"^{BAD_DTYPE}(int8|float8_e4m3fn)$"):
+        runs[call]()
+
+
+@pytest.mark.parametrize("variant", ["tiny", "pre_ln"])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_every_stage_is_stored_in_the_low_precision(variant, dtype):
+    """The recipe's storage: every stage, the caches and the attention weights in P; the log-probabilities, from
+    the graph and from XLA, float32."""
+    config = VARIANTS[variant]
+    model = port_model(variant, dtype)
+    inputs = cases.model_inputs(config, "ragged_batch")
+    stages = backend.forward(model, **inputs)
+    assert {name: value.dtype for name, value in stages.items()} == {
+        name: np.dtype(np.float32 if name == "log_probs" else dtype) for name in stages}
+    assert backend.log_probs(model, **inputs).dtype == np.float32
+    assert backend.attention_weights(model, inputs["src"], inputs["tgt"], 0, "decoder_cross").dtype == dtype
+    memory = model.encode(inputs["src"])
+    for own, cross in model.init_cache(memory, 4):
+        assert {own.keys.dtype, own.values.dtype, cross.keys.dtype, cross.values.dtype} == {tf.as_dtype(dtype)}
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_the_positional_table_is_rounded_once(dtype):
+    """TensorFlow's own float64 -> bfloat16 cast rounds twice; the table is the reference's, bit for bit."""
+    table = sinusoidal_positional_encoding(64, 16, dtype).numpy()
+    assert table.dtype == dtype
+    np.testing.assert_array_equal(table, reference_model_module.sinusoidal_positional_encoding(64, 16, dtype))
+
+
+@pytest.mark.parametrize("stored", LOW_DTYPES)
+def test_a_low_precision_file_loads_exactly(tmp_path, stored):
+    """A BF16 or F16 file loads in its own format by default, each variable holding the file's numbers exactly,
+    and into any other format as the reference loads it."""
+    config = VARIANTS["shared_embeddings"]
+    path = tmp_path / "model.safetensors"
+    reference_checkpoint.save_checkpoint(path, config, {name: round_to(value, stored)
+                                                        for name, value in cases.seeded_params(config).items()})
+    for dtype in (None, "float32", "float64", *LOW_DTYPES):
+        model = transformer_tf.load_checkpoint(path, dtype)
+        assert model.compute_dtype == (dtype or stored)
+        _, expected = reference_checkpoint.load_checkpoint(path, dtype)
+        for name, value in checkpoint.to_params(model).items():
+            assert value.dtype == expected[name].dtype, name
+            np.testing.assert_array_equal(value.view(np.uint8), expected[name].view(np.uint8), err_msg=name)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "learned_pe"])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_a_low_precision_model_saves_its_own_format_bit_for_bit(tmp_path, variant, dtype):
+    """float64 weights rounded once to P (``round_to``, not TensorFlow's cast), saved as a BF16 or F16 file that
+    the reference reads back bit for bit, and that loads into an equal model."""
+    config = VARIANTS[variant]
+    params = cases.seeded_params(config)
+    path = tmp_path / "model.safetensors"
+    model = transformer_tf.from_params(config, params, dtype)
+    transformer_tf.save_checkpoint(model, path)
+    _, saved = reference_checkpoint.load_checkpoint(path)
+    assert list(saved) == list(params)
+    for name, value in saved.items():
+        assert value.dtype == dtype, name
+        np.testing.assert_array_equal(value.view(np.uint16), round_to(params[name], dtype).view(np.uint16), name)
+    inputs = cases.model_inputs(config, "ragged_batch")
+    np.testing.assert_array_equal(transformer_tf.load_checkpoint(path)(**inputs).numpy(), model(**inputs).numpy())
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_a_low_precision_model_is_refused_training_before_any_work(dtype):
+    """The reference's ``check_trainable`` error from every training entry point, before any work: the
+    optimizer and the batches are never touched. The loss itself is float32."""
+    config = VARIANTS["tiny"]
+    model = port_model("tiny", dtype)
+    inputs = cases.training_inputs(config)
+    with pytest.raises(ValueError) as expected:
+        reference_training.gradients(reference_model("tiny", dtype), **inputs)
+    message = f"^{re.escape(str(expected.value))}$"
+    assert "load the checkpoint in float32" in str(expected.value)
+
+    def untouched(*args, **kwargs):
+        raise AssertionError("the refusal came after some work")
+
+    with pytest.raises(ValueError, match=message):
+        training.gradients(model, **inputs)
+    with pytest.raises(ValueError, match=message):
+        training.optimizer(model)
+    with pytest.raises(ValueError, match=message):
+        training.train_step(model, None, **inputs)
+    with pytest.raises(ValueError, match=message):
+        data_parallel.train_step(model, None, **inputs, strategy=None)
+    with pytest.raises(ValueError, match=message):
+        data_parallel.train(config, cases.seeded_params(config), None, None, untouched, 0, 1, 1, dtype)
+    assert training.loss(model, **inputs).dtype == tf.float32
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_cached_and_uncached_searches_give_the_same_tokens_in_low_precision(dtype):
+    """The key/value cache (in P) changes no token: greedy and beam search on the tiny decoding case, with and
+    without it; beam scores are float32 numbers."""
+    model = port_model("tiny", dtype, "decoding")
+    src = cases.decoding_inputs(VARIANTS["tiny"])
+    np.testing.assert_array_equal(transformer_tf.greedy_decode(model, src, use_cache=True),
+                                  transformer_tf.greedy_decode(model, src, use_cache=False))
+    (cached, cached_scores), (uncached, uncached_scores) = (transformer_tf.beam_search(model, src, use_cache=use_cache)
+                                                            for use_cache in (True, False))
+    np.testing.assert_array_equal(cached, uncached)
+    for scores in (cached_scores, uncached_scores):
+        assert np.all(scores.astype(np.float32) == scores)                 # float32 numbers, returned as float64

@@ -11,7 +11,10 @@ checkpoint. :func:`transposed` is empty: a Dense kernel is (in, out) exactly lik
 Loading creates each variable from its tensor, after a shape check that names both sides: the
 model is built under a ``keras.StatelessScope`` that defers its variables (Keras draws no random
 numbers and allocates nothing), then each deferred variable is initialized from its array, which
-is then dropped (an array read from a file is released as soon as its variable holds a copy).
+is then dropped (an array read from a file is released as soon as its variable holds a copy). A
+bfloat16 or float16 model's variables are created from arrays rounded to P by the reference's
+``round_to`` (TensorFlow's own float64 -> bfloat16 cast rounds twice, through float32); it saves a
+BF16 or F16 file.
 File reading and validation are the reference's (``reference_numpy.checkpoint``), so a bad file
 gives the same one-line ``ValueError`` in every port.
 
@@ -33,8 +36,9 @@ from keras.src.backend.common.variables import initialize_all_variables
 from reference_numpy import checkpoint as reference
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import round_to
 
-from .model import Transformer
+from .model import Transformer, _parse_dtype
 
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
@@ -95,7 +99,8 @@ def transposed(config: TransformerConfig) -> tuple[str, ...]:
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype="float64") -> Transformer:
-    """A model in ``dtype`` from checkpoint-layout arrays (validated like a checkpoint file)."""
+    """A model in ``dtype`` (float64, float32, bfloat16 or float16) from checkpoint-layout arrays (validated like a
+    checkpoint file) of any of the four."""
     reference.validate_params(config, params)
     return _from_arrays(config, dict(params), dtype)
 
@@ -110,7 +115,7 @@ def to_checkpoint_layout(model: Transformer, tensors: dict) -> dict[str, np.ndar
     NumPy arrays by checkpoint name, in checkpoint layout and the checkpoint's order. A tensor may be
     a Keras variable, a ``tf.Tensor`` or ``tf.IndexedSlices`` (an embedding's gradient)."""
     flipped = transposed(model.config)
-    arrays = {name: np.array(tf.convert_to_tensor(tensors[variable.path]))
+    arrays = {name: np.array(tf.convert_to_tensor(tensors[variable.path]).numpy())   # a copy (bfloat16 too)
               for name, variable in _variables(model).items()}
     return {name: value.T if name in flipped else value for name, value in arrays.items()}
 
@@ -131,9 +136,9 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
-    """Read, validate and load a shared checkpoint into a new model, in ``dtype`` ("float32" or
-    "float64"; by default the dtype the file holds)."""
-    config, params = reference.load_checkpoint(path, dtype)
+    """Read, validate and load a shared checkpoint into a new model, in ``dtype`` (float64, float32,
+    bfloat16 or float16; by default the dtype the file holds)."""
+    config, params = reference.load_checkpoint(path, None if dtype is None else _parse_dtype(dtype))
     model = _from_arrays(config, params, next(iter(params.values())).dtype.name)
     reference.release_freed_memory()                                     # the arrays read, now dropped
     return model
@@ -142,13 +147,14 @@ def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
                     tokenizer: str | None = None) -> None:
     """Write the model (and a run's ``training`` state, from ``training.training_state``, and a ``tokenizer``'s
-    JSON text) as a shared checkpoint, atomically, in the model's dtype."""
+    JSON text) as a shared checkpoint, atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or
+    F16 file)."""
     reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
 def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype) -> Transformer:
     """A model whose variables are created from ``params`` (validated checkpoint-layout arrays), each
-    converted to ``dtype`` as it is read; never initialized at random. ``params`` is consumed: each
+    rounded to ``dtype`` as it is read; never initialized at random. ``params`` is consumed: each
     array is released once its variable holds it (the arrays themselves are freed unless the
     caller keeps them)."""
     with keras.StatelessScope(initialize_variables=False):
@@ -164,8 +170,8 @@ def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype
 
 
 def _given(value: np.ndarray):
-    """A Keras initializer that returns ``value`` (in the variable's dtype)."""
-    return lambda shape, dtype: np.asarray(value, dtype)
+    """A Keras initializer that returns ``value`` correctly rounded to the variable's dtype (``round_to``)."""
+    return lambda shape, dtype: round_to(value, dtype)
 
 
 def _variables(model: Transformer) -> dict:

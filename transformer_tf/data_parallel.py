@@ -23,10 +23,11 @@ import tensorflow as tf
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import check_steps, shard, shard_rows, token_count
+from reference_numpy.precision import check_trainable
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import checkpoint
-from .model import Transformer
+from .model import Transformer, _parse_dtype
 from .training import _check_labels, _step, optimizer, training_state
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # optimizer -> (strategy, its compiled step)
@@ -41,7 +42,9 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     ``params`` and the optimizer of section 5.3 (a new run's ``training`` config, or ``state`` to resume, as in
     ``training.optimizer``), created under the strategy's scope; then :func:`train_step` on ``batches(step)``, the
     whole batch of each global step ``first_step .. first_step + steps - 1``, calling ``progress(step, loss)`` after
-    each. Returns the final weights (checkpoint layout, NumPy), the run's ``TrainingState`` and the losses."""
+    each. Returns the final weights (checkpoint layout, NumPy), the run's ``TrainingState`` and the losses. A
+    bfloat16 or float16 ``dtype`` is refused (``check_trainable``) before any work."""
+    check_trainable(_parse_dtype(dtype))
     check_steps(first_step, steps)
     mirrored = strategy(world_size, device)
     with mirrored.scope():
@@ -65,6 +68,7 @@ def train_step(model: Transformer, optimizer, src, tgt, labels, strategy: tf.dis
     ``num_replicas_in_sync`` replicas). Compiled (``tf.function``: traced once per optimizer and once more for the
     first batch of new lengths, see :func:`_compiled`); the inputs are checked before, with the single-process
     step's errors."""
+    check_trainable(model.compute_dtype)
     if not strategy.extended.variable_created_in_scope(model.trainable_variables[0].value):
         raise ValueError("model: its variables were not created under strategy.scope(); build the model and its "
                          "optimizer inside `with strategy.scope():`")

@@ -1,16 +1,17 @@
 """Greedy decoding and beam search (section 6.1) for the TensorFlow port, compiled.
 
-The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum
-output length = non-pad source tokens + 50 capped at ``max_len``; output without bos,
-right-padded with pad_id; pad_id and bos_id are never emitted (their log-probabilities are set
-to -inf before choosing); greedy ties go to the lowest token id; beam candidates are ranked by
-summed log-probability (model dtype), ties to the lower beam then the lower token; eos finishes
-a hypothesis only among the first ``beam_size`` ranks; the search stops at the maximum length
-(live beams are then scored as finished, in rank order, after that step's eos hypotheses), when
-no live beam is left, or when no live beam can beat the best finished one; the best score wins,
-a tie going to the hypothesis finished first. Beam rows that hold no live beam (only one exists
-at first; none when only eos can follow) score -inf: they never finish, and when all of a
-sentence's rows do, the stopping rule (-inf <= best finished score) ends its search.
+The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum output
+length = non-pad source tokens + 50 capped at ``max_len``; output without bos, right-padded with
+pad_id; pad_id and bos_id are never emitted (their log-probabilities are set to -inf before
+choosing); greedy ties go to the lowest token id; beam candidates are ranked by summed
+log-probability (model dtype; float32 for bfloat16 and float16), ties to the lower beam then the
+lower token; eos finishes a hypothesis only among the first ``beam_size`` ranks; the search
+stops at the maximum length (live beams are then scored as finished, in rank order, after that
+step's eos hypotheses), when no live beam is left, or when no live beam can beat the best
+finished one; the best score wins, a tie going to the hypothesis finished first. Beam rows that
+hold no live beam (only one exists at first; none when only eos can follow) score -inf: they
+never finish, and when all of a sentence's rows do, the stopping rule (-inf <= best finished
+score) ends its search.
 
 Each search is one ``tf.function`` holding a ``tf.while_loop`` over output positions, for the
 whole batch at once (beam search keeps B x beam_size rows):
@@ -34,6 +35,10 @@ follows the beams instead -- (N, C) integers a step, where gathering the keys an
 12.7 MB a step for ``base`` (and XLA copied them once more into the loop's buffers); the attention
 reads each position from the row the table names (``model.scaled_dot_product_attention``). The
 memory's keys and values are the same for every beam of a sentence and stay where they are.
+
+A bfloat16 or float16 model decodes by the reference's recipe: its caches hold P, its log-probabilities and beam
+scores are float32 (``reference_numpy.precision.score_dtype``); the generator's weight is made float32 once per
+search (exactly), not at every step.
 """
 
 from __future__ import annotations
@@ -51,9 +56,10 @@ from reference_numpy.decoding import (
     length_penalty,
 )
 from reference_numpy.model import check_tokens
+from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import KVCache, Transformer, log_softmax, padding_mask
+from .model import KVCache, Transformer, _generated, _wide, padding_mask
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {search key: tf.function}
 
@@ -83,7 +89,7 @@ def _next_token_log_probs(model: Transformer, weight, tgt, memory, src_mask, cac
         out = model.decode(tgt, memory, src_mask)
     else:
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
-    log_probs = log_softmax(tf.matmul(out[:, -1], weight))               # (B, V): the generator, section 3.4
+    log_probs = _generated(out[:, -1], weight)                           # (B, V): the generator, section 3.4
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
                                                                           model.config.bos_id], axis=1)  # (V,)
     log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
@@ -117,7 +123,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     """
     src = _checked_source(model, src)
     with tf.device(model_device(model)):
-        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, model.generator._weight())
+        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, _wide(model.generator._weight()))
     return tokens.numpy()[:, 1:int(steps) + 1]
 
 
@@ -126,14 +132,16 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
 
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
-    length-normalized scores (B,) (float64, like the reference's Python floats).
+    length-normalized scores (B,) (float64, like the reference's Python floats; computed in float32 for a
+    bfloat16 or float16 model).
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
     src = _checked_source(model, src)
     penalties = [length_penalty(n, alpha) for n in range(_buffer_length(model, src) + 1)]
     search = _compiled(model, ("beam", use_cache, beam_size), _beam)
     with tf.device(model_device(model)):
-        tokens, lengths, scores = search(src, tf.constant(penalties, model.compute_dtype), model.generator._weight())
+        tokens, lengths, scores = search(src, tf.constant(penalties, score_dtype(model.compute_dtype)),
+                                         _wide(model.generator._weight()))
     return tokens.numpy()[:, :int(tf.reduce_max(lengths))], scores.numpy().astype(np.float64)
 
 
@@ -141,7 +149,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
 
 def _greedy(model: Transformer, use_cache: bool, src, weight):
     """Returns the token buffer (B, L + 1) (bos first) and the number of steps taken. ``weight`` is the
-    generator's (D, V) weight (``Generator._weight``), read once per search."""
+    generator's (D, V) weight (``Generator._weight``, float32 for a low precision), read once per search."""
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)
     limits = max_output_lengths(model, src)                              # (B,)
@@ -165,11 +173,11 @@ def _greedy(model: Transformer, use_cache: bool, src, weight):
 def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, weight):
     """Returns the best hypotheses (B, L) pad-filled, their lengths (B,) and scores (B,).
 
-    ``penalties[n]`` is lp(n) in the model dtype; ``weight`` as for :func:`_greedy`. Rows are
+    ``penalties[n]`` is lp(n) in the scores' dtype; ``weight`` as for :func:`_greedy`. Rows are
     (sentence, beam) pairs, N = B * K.
     """
     cfg, batch, k = model.config, src.shape[0], beam_size
-    dtype = model.compute_dtype
+    dtype = score_dtype(model.compute_dtype)
     src_mask = padding_mask(src, cfg.pad_id)
     limits = max_output_lengths(model, src)                              # (B,)
     length = _buffer_length(model, src)

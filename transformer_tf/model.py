@@ -8,6 +8,14 @@ dtype comes from the Keras dtype policy (``dtype="float64"`` per layer or model,
 and float64 models live side by side). The reference's ``Linear`` is ``keras.layers.Dense``,
 whose kernel is stored (in, out) like the checkpoint: y = x @ W + b.
 
+bfloat16 and float16 (a low precision P) follow the reference's recipe (``reference_numpy/precision.py``) with
+the Keras idiom: the dtype policy ``"bfloat16"`` or ``"float16"`` stores every variable in P and hands every
+layer P inputs; each concept's ``call`` computes wide, in float32, from them (:func:`_wide`) and rounds its
+output once to P (:func:`_narrow`), as Keras itself runs LayerNorm in float32 under ``mixed_bfloat16``. The
+rounding points are the reference's: each linear map, Eq. (1), LayerNorm, each elementwise step (residual
+addition, x sqrt(d_model), the positional encoding) and the logits; the log-probabilities are float32.
+float32 and float64 models compute exactly as without the recipe: both helpers are the identity for them.
+
 Shape legend used in every docstring:
     B: batch size          H: number of heads h        D: d_model
     S: source length       T: target length            d_k: D / H
@@ -32,8 +40,34 @@ import tensorflow as tf
 
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import is_low, parse_dtype, round_to
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
+
+
+# ----------------------------------------------------------------------------- precision
+
+def _is_low(dtype) -> bool:
+    """Whether ``dtype`` (a TensorFlow dtype or a name) is bfloat16 or float16, computed by the recipe."""
+    return is_low(tf.as_dtype(dtype).as_numpy_dtype)
+
+
+def _wide(x):
+    """A P tensor as float32 (exact: float32 holds every bfloat16 and float16 number), for a concept computed
+    wide; a float32 or float64 tensor unchanged."""
+    return tf.cast(x, tf.float32) if _is_low(x.dtype) else x
+
+
+def _narrow(x, dtype):
+    """A concept's wide (float32) result rounded once to the model's ``dtype`` when it is low (TensorFlow's and
+    XLA's float32 -> P casts round to nearest, ties to even); unchanged otherwise."""
+    return tf.cast(x, dtype) if _is_low(dtype) else x
+
+
+def _parse_dtype(dtype) -> np.dtype:
+    """The reference's ``parse_dtype`` (one ValueError for anything but float64, float32, bfloat16, float16),
+    also for a TensorFlow dtype."""
+    return parse_dtype(dtype.as_numpy_dtype if isinstance(dtype, tf.DType) else dtype)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -87,6 +121,9 @@ def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tu
     b*K + beams[b, j, c] (computed without moving keys or values: :func:`_beam_scores`,
     :func:`_beam_mix`).
 
+    In a low precision the whole of Eq. (1) is computed in float32 from the P inputs and the output and
+    weights are rounded to P.
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
@@ -94,6 +131,8 @@ def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tu
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
+    dtype = query.dtype
+    query, key, value = _wide(query), _wide(key), _wide(value)
     d_k = query.shape[-1]
     if beams is None:
         scores = tf.matmul(query, key, transpose_b=True) / math.sqrt(d_k)   # (..., Tq, Tk)
@@ -107,7 +146,8 @@ def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tu
     exp = tf.exp(scores - row_max)                                      # exactly 0 where masked
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
-    return (tf.matmul(weights, value) if beams is None else _beam_mix(weights, value, beams)), weights
+    out = tf.matmul(weights, value) if beams is None else _beam_mix(weights, value, beams)
+    return _narrow(out, dtype), _narrow(weights, dtype)
 
 
 def _every_row(x, beams) -> tf.Tensor:
@@ -156,6 +196,19 @@ def _beam_mix(weights, value, beams) -> tf.Tensor:
 def _check_mask(mask, scores_shape, name: str = "mask") -> tf.Tensor:
     reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))   # None: a size unknown while tracing
     return tf.convert_to_tensor(mask)
+
+
+@register
+class _Dense(keras.layers.Dense):
+    """The reference's ``Linear``: ``keras.layers.Dense``, y = x @ W + b with W stored (in, out). In a low
+    precision the P input is made float32 and Keras' matmul and bias addition promote the P kernel and bias to
+    float32 too (exactly), so y is computed wide and rounded once to P.
+
+    Shape: x (..., in) -> y (..., out).
+    """
+
+    def call(self, inputs, training=None):
+        return _narrow(super().call(_wide(inputs)), self.compute_dtype)
 
 
 def _describe(name: str, value) -> tuple[tuple, str] | None:
@@ -276,10 +329,10 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
         super().__init__(config, **kwargs)
         self.n_heads = self.config.n_heads
         d_model = self.config.d_model
-        self.q_proj = keras.layers.Dense(d_model, **self._sublayer_kwargs("q_proj"))
-        self.k_proj = keras.layers.Dense(d_model, **self._sublayer_kwargs("k_proj"))
-        self.v_proj = keras.layers.Dense(d_model, **self._sublayer_kwargs("v_proj"))
-        self.o_proj = keras.layers.Dense(d_model, **self._sublayer_kwargs("o_proj"))
+        self.q_proj = _Dense(d_model, **self._sublayer_kwargs("q_proj"))
+        self.k_proj = _Dense(d_model, **self._sublayer_kwargs("k_proj"))
+        self.v_proj = _Dense(d_model, **self._sublayer_kwargs("v_proj"))
+        self.o_proj = _Dense(d_model, **self._sublayer_kwargs("o_proj"))
 
     def build(self, input_shape=None):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -355,15 +408,16 @@ def _written_beams(beams, index, length: int):
 
 @register
 class PositionwiseFeedForward(_TransformerLayer, keras.layers.Layer):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3.
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3. In a low precision the hidden layer is
+    stored in P (ReLU of a P number is exact).
 
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.linear1 = keras.layers.Dense(self.config.d_ff, **self._sublayer_kwargs("linear1"))
-        self.linear2 = keras.layers.Dense(self.config.d_model, **self._sublayer_kwargs("linear2"))
+        self.linear1 = _Dense(self.config.d_ff, **self._sublayer_kwargs("linear1"))
+        self.linear2 = _Dense(self.config.d_model, **self._sublayer_kwargs("linear2"))
 
     def build(self, input_shape=None):
         self.linear1.build((None, self.config.d_model))
@@ -380,7 +434,9 @@ class LayerNorm(keras.layers.LayerNormalization):
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     axis and eps = ``config.layer_norm_eps`` added to the variance (Keras' own default would be
     1e-3). Keras evaluates it as x * g + (beta - mean * g) with g = rsqrt(var + eps) * gamma:
-    the same function, rounded differently by a few ulps.
+    the same function, rounded differently by a few ulps. In a low precision Keras computes it wide
+    already (``keras.ops.layer_normalization`` makes P inputs, gamma and beta float32 and casts the
+    output back once): the recipe's rounding point, with nothing to add.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -399,11 +455,17 @@ def residual(x, sublayer: Callable, norm: LayerNorm, norm_first: bool, dropout: 
     output before it is added (section 5.4).
 
     Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))).
-    Pre-LN: x + Dropout(Sublayer(LayerNorm(x))).
+    Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The addition is the model's own arithmetic: in a
+    low precision, the residual stream stays in P.
     """
     if norm_first:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
+        return add(x, dropout(sublayer(norm(x))))
+    return norm(add(x, dropout(sublayer(x))))
+
+
+def add(x, y) -> tf.Tensor:
+    """x + y in x's precision: in a low precision P, the sum computed in float32 and rounded to P (P arithmetic)."""
+    return _narrow(_wide(x) + _wide(y), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -412,7 +474,8 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype="float64") -
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
-    The table is computed in float64 and then cast to ``dtype``.
+    The table is computed in float64 and then rounded to ``dtype``; to bfloat16 or float16 by the
+    reference's ``round_to``, eagerly (TensorFlow's float64 -> bfloat16 cast rounds twice, through float32).
 
     Shape: returns (L, D).
     """
@@ -420,12 +483,14 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype="float64") -
     two_i = tf.range(0, d_model, 2, dtype=tf.float64)[None, :]            # (1, D/2)
     angle = position / tf.pow(tf.constant(10000.0, tf.float64), two_i / d_model)  # (L, D/2)
     table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
+    if _is_low(dtype):
+        return tf.constant(round_to(table.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
     return tf.cast(table, dtype)
 
 
 @register
 class Embeddings(_TransformerLayer, keras.layers.Layer):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4).
+    """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
@@ -441,7 +506,7 @@ class Embeddings(_TransformerLayer, keras.layers.Layer):
                                       initializer=keras.initializers.RandomUniform(-limit, limit))  # (V, D)
 
     def call(self, tokens):
-        return tf.gather(self.weight, tokens) * self.scale
+        return _narrow(_wide(tf.gather(self.weight, tokens)) * self.scale, self.compute_dtype)
 
     def get_config(self) -> dict:
         return {**super().get_config(), "vocab_size": self.vocab_size}
@@ -476,7 +541,7 @@ class PositionalEncoding(_TransformerLayer, keras.layers.Layer):
     def call(self, x, offset=0, training=None):
         table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
                          (tf.shape(x)[1], self.config.d_model))            # (T, D)
-        return self.dropout(x + table, training=training)
+        return self.dropout(add(x, table), training=training)
 
 
 @register
@@ -484,7 +549,8 @@ class Generator(_TransformerLayer, keras.layers.Layer):
     """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
 
     With ``share_embeddings`` its weight is the transposed shared embedding matrix: pass the
-    shared :class:`Embeddings` layer as ``embeddings``.
+    shared :class:`Embeddings` layer as ``embeddings``. In a low precision P the logits are a linear
+    map's (computed wide, rounded to P) and their log-softmax is float32.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
@@ -501,13 +567,23 @@ class Generator(_TransformerLayer, keras.layers.Layer):
                                           initializer="glorot_uniform")   # (D, V)
 
     def call(self, x):
-        return log_softmax(tf.matmul(x, self._weight()))
+        return _generated(x, self._weight())
 
     def _weight(self) -> tf.Tensor:
         """The (D, V) weight: the shared embedding transposed, or the layer's own."""
         if self.embeddings is not None:
             return tf.transpose(self.embeddings.weight)
         return tf.convert_to_tensor(self.weight)
+
+
+def _generated(x, weight) -> tf.Tensor:
+    """The generator's log-probabilities with a given (D, V) ``weight`` (a search reads it once): the logits
+    x W (wide, rounded to x's P), then their log-softmax (float32 for P).
+
+    Shape: x (..., D) -> (..., V).
+    """
+    logits = _narrow(tf.matmul(_wide(x), _wide(weight)), x.dtype)        # (..., V)
+    return log_softmax(_wide(logits))
 
 
 def log_softmax(x) -> tf.Tensor:
@@ -688,8 +764,10 @@ class Transformer(_TransformerLayer, keras.Model):
     """The encoder-decoder Transformer (section 3, Figure 1).
 
     Built on construction (every weight shape comes from ``config``). ``dtype`` is the Keras
-    dtype policy, "float32" or "float64"; weights come from :mod:`.checkpoint`
-    (``load_checkpoint``, ``from_params``) or from Keras' ``load_weights``.
+    dtype policy: "float64", "float32", or a low precision, "bfloat16" or "float16", computed by the
+    recipe of ``reference_numpy/precision.py`` (log-probabilities then float32); a NumPy, ml_dtypes or
+    TensorFlow dtype names the same. Weights come from :mod:`.checkpoint` (``load_checkpoint``,
+    ``from_params``) or from Keras' ``load_weights``.
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
@@ -699,9 +777,10 @@ class Transformer(_TransformerLayer, keras.Model):
     """
 
     def __init__(self, config, dtype="float64", **kwargs):
+        if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)):   # a policy: checked below
+            dtype = _parse_dtype(dtype).name
         super().__init__(config, dtype=dtype, **kwargs)
-        if self.compute_dtype not in ("float32", "float64") or self.variable_dtype != self.compute_dtype:
-            raise ValueError(f"dtype must be float32 or float64, got {self.dtype_policy.name}")
+        parse_dtype(self.dtype_policy.name)                              # one of the four, not a mixed policy
         cfg, sub = self.config, self._sublayer_kwargs
         if cfg.share_embeddings:
             self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed"))
@@ -851,7 +930,7 @@ def compiled_forward(model: Transformer, jit_compile: bool = True, return_interm
     """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
     XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
     op used; on the CPU it ran the ``base`` forward pass a few percent faster than TensorFlow's
-    graph executor (``docs/benchmarks-tf.md``).
+    graph executor (``docs/benchmarks-tf.md``). A bfloat16 or float16 model compiles the same way.
 
     The returned function checks its inputs eagerly, then runs the graph: once traced, token ids
     can no longer be compared with the vocabulary size (``tf.gather`` would clamp an id out of range).

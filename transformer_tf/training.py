@@ -1,7 +1,8 @@
 """Training, section 5: the label-smoothed loss (5.4) and its gradients by ``tf.GradientTape``, Keras's
 Adam made to compute the paper's update with the learning rate of Eq. (3) as a Keras
 ``LearningRateSchedule`` (5.3), one training step with dropout (5.4), and the run's state for a
-checkpoint. The parallel text of ``reference_numpy/training.py``."""
+checkpoint. The parallel text of ``reference_numpy/training.py``. A bfloat16 or float16 model has a float32 loss
+and is refused gradients and training (``reference_numpy.precision.check_trainable``), before any work."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import tensorflow as tf
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
+from reference_numpy.precision import check_trainable
 from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
 
 from . import checkpoint
@@ -63,6 +65,7 @@ def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses)."""
+    check_trainable(model.compute_dtype)
     variables = model.trainable_variables
     with tf.device(_device.model_device(model)), tf.GradientTape() as tape:
         value = loss(model, src, tgt, labels, epsilon)
@@ -132,6 +135,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     of Eq. (3), built on the model's variables. With ``state`` (from ``load_training_state``) the saved
     run continues where it stopped: its moments (cast to the model's dtype) and step count are
     assigned to the optimizer's variables and, unless ``config`` is given, its training config is used."""
+    check_trainable(model.compute_dtype)
     if state is not None:
         state = state.astype(model.compute_dtype)
         reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
@@ -157,6 +161,7 @@ def train_step(model: Transformer, optimizer: keras.optimizers.Adam, src, tgt, l
     update. Compiled (``tf.function``, traced once per optimizer and input shape); the inputs are
     checked before. Keras keeps no mode on the model: ``training=True`` holds for this step's
     forward pass only, every other call stays inference."""
+    check_trainable(model.compute_dtype)
     src, tgt = model._check_inputs(src, tgt, None, None)                   # ids cannot be checked once traced
     labels = tf.convert_to_tensor(labels)
     _check_labels(labels, model.config.pad_id, epsilon)

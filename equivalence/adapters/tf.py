@@ -2,6 +2,8 @@
 
 Models are built with TensorFloat-32 off, run inference (``training=False``) on the device that
 holds their weights, and train with ``transformer_tf.training`` (a compiled step, ``training=True``).
+A bfloat16 or float16 model returns its stages and attention weights in that format (``ml_dtypes.bfloat16`` or
+``np.float16`` arrays) and its log-probabilities in float32 (the recipe of ``reference_numpy/precision.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tensorflow as tf
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.precision import is_low, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
@@ -39,15 +42,16 @@ def devices() -> list[str]:
 
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") on ``device`` from checkpoint-layout
+    arrays."""
     _device.full_precision()
     with tf.device(_device.resolve_device(device)):
         return checkpoint.from_params(config, params, dtype)
 
 
 def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model from a shared checkpoint file (``checkpoint.load_checkpoint``: each array read is
-    released once its variable holds it)."""
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file
+    (``checkpoint.load_checkpoint``: each array read is released once its variable holds it)."""
     _device.full_precision()
     with tf.device(_device.resolve_device(device)):
         return checkpoint.load_checkpoint(path, dtype)
@@ -78,14 +82,15 @@ def _compiled(model: Transformer, xla: bool, *inputs):
 
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names, from a graph
-    compiled once per model and input shape (``compiled_forward`` without XLA: cheap to trace)."""
+    compiled once per model and input shape (``compiled_forward`` without XLA: cheap to trace). Every stage in
+    the model's dtype, ``log_probs`` in float32 for a bfloat16 or float16 model."""
     _, stages = _compiled(model, False, src, tgt, src_mask, tgt_mask)
     return {name: value.numpy() for name, value in stages.items()}
 
 
 def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone (inference), from ``compiled_forward`` with XLA,
-    compiled once per model and input shape."""
+    compiled once per model and input shape; float32 for a bfloat16 or float16 model."""
     return _compiled(model, True, src, tgt, src_mask, tgt_mask).numpy()
 
 
@@ -95,9 +100,13 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
     positional_encoding, feed_forward, layer_norm, encoder_layer and encoder take x (and mask);
     decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+
+    Float inputs are rounded to the model's dtype in NumPy (``round_to``: correctly, also from float64 to
+    bfloat16, which TensorFlow's cast rounds twice), then become tensors of that dtype exactly.
     """
-    cast = {key: (tf.constant(value, model.compute_dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
-                  else value) for key, value in inputs.items()}
+    cast = {key: (tf.constant(round_to(value, model.compute_dtype))
+                  if isinstance(value, np.ndarray) and (value.dtype.kind == "f" or is_low(value.dtype)) else value)
+            for key, value in inputs.items()}
     with tf.device(_device.model_device(model)):
         return run_component(model, name, cast, scaled_dot_product_attention).numpy()
 
@@ -114,7 +123,8 @@ def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LEN
 
 
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
-    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks, in the model's dtype
+    (rounded to bfloat16 or float16 in a low precision)."""
     check_attention_request(model.config, layer, kind)
     with tf.device(_device.model_device(model)):
         _, stages = model(src, tgt, return_intermediates=True, training=False)
