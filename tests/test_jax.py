@@ -1,5 +1,6 @@
 """Tests of the JAX/Flax port beyond the shared agreement matrix (tests/test_agreement.py):
-checkpoint I/O against the reference, the name table, float64 and x64, the fully masked row,
+checkpoint I/O against the reference, the name table, float64 and x64, bfloat16 and float16 (where each stage is
+stored, checkpoints, the refusal to train), the fully masked row,
 the key/value cache and the compiled decoding loop, dropout, devices, and training (section 5:
 optax's Adam and schedule against the paper's, written out here; dropout's statistics; resuming a saved run).
 
@@ -40,12 +41,14 @@ from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import log_softmax as reference_log_softmax  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
+from reference_numpy.precision import check_trainable, round_to  # noqa: E402
 from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
 from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
+    _narrow,
     forward,
     log_softmax,
     padding_mask,
@@ -194,7 +197,10 @@ def test_bad_arguments_give_one_line_value_errors():
         (lambda: forward(model, inputs["src"], inputs["tgt"], np.ones((3, 1, 1, 5), bool)), "does not broadcast"),
         (lambda: scaled_dot_product_attention(*[jnp.ones((3, 1, 6, 4))] * 3, np.ones((2, 3, 1, 1, 6), bool)),
          "does not broadcast"),                                        # a mask may not enlarge the scores
-        (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float16"), "float16"),
+        (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "int8"),
+         "^dtype must be one of float64, float32, bfloat16, float16, got int8$"),
+        (lambda: Transformer(VARIANTS["tiny"], dtype=jnp.float8_e4m3fn, rngs=nnx.Rngs(0)),
+         "^dtype must be one of float64, float32, bfloat16, float16, got float8_e4m3fn$"),
         (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float64", "gpu:7"),
          "device 'gpu:7' is not available"),
         (lambda: decoding.beam_search(model, inputs["src"], beam_size=0), "beam_size must be a positive int"),
@@ -203,6 +209,114 @@ def test_bad_arguments_give_one_line_value_errors():
         with pytest.raises(ValueError, match=message) as err:
             call()
         assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- bfloat16 and float16
+
+LOW = ("bfloat16", "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", *LOW])
+def test_narrow_rounds_float32_once_to_nearest_even(dtype):
+    """The recipe's one rounding of a wide result (XLA's convert, compiled) is the reference's ``round_to``, bit for
+    bit: values across the range, halfway cases (ties to even), subnormals of the format and overflow."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(20_000) * np.exp(rng.uniform(-25, 12, 20_000))).astype(np.float32)
+    halfway = (np.arange(1, 513, dtype=np.float64) + 0.5) * 2.0 ** -7                # ties of bfloat16 and float16
+    x = np.concatenate([x, halfway.astype(np.float32), -x[:100], np.float32([7e4, 3.4e38, -3.4e38, 0.0, -0.0])])
+    out = np.asarray(jax.jit(lambda v: _narrow(v, np.dtype(dtype)))(jnp.asarray(x)))
+    want = round_to(x, dtype)
+    assert out.dtype == want.dtype and np.array_equal(out.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_every_stage_of_a_low_precision_model_is_stored_in_its_format(dtype):
+    """Weights, stages, components, attention weights and caches in P; log-probabilities, the loss and beam
+    scores in float32."""
+    config, low = VARIANTS["tiny"], np.dtype(dtype)
+    model = port_model("tiny", dtype)
+    assert model.dtype == low
+    assert {value.dtype for value in backend.export_params(model).values()} == {low}
+    inputs = cases.model_inputs(config, "ragged_batch")
+    stages = backend.forward(model, **inputs)
+    assert {name: value.dtype for name, value in stages.items()} == \
+        {name: np.dtype(np.float32) if name == "log_probs" else low for name in stages}
+    assert np.array_equal(backend.log_probs(model, **inputs), stages["log_probs"])
+    for component, masked in cases.COMPONENT_MASKED.items():
+        case = "causal" if masked else "none"
+        assert backend.component(model, component, cases.component_inputs(config, component, case)).dtype == low
+    for kind in ("encoder", "decoder_self", "decoder_cross"):
+        assert backend.attention_weights(model, inputs["src"], inputs["tgt"], 1, kind).dtype == low
+    memory = model.encode(inputs["src"])
+    assert memory.dtype == low
+    assert {array.dtype for layer in model.init_cache(memory, 4) for cache in layer
+            for array in (cache.keys, cache.values)} == {low}
+    assert training.loss(model, **cases.training_inputs(config), deterministic=True).dtype == np.float32
+    _, scores = decoding.beam_search(port_model("tiny", dtype, "decoding"), cases.decoding_inputs(config))
+    assert np.array_equal(scores.astype(np.float32), scores)                           # float32 values
+
+
+def test_a_bf16_file_loads_in_its_format_and_any_other(tmp_path):
+    """A BF16 file keeps its numbers exactly (in bfloat16 and float32); an F64 file loaded in bfloat16 is rounded
+    once (``round_to``), not twice through float32 as NumPy's cast would."""
+    config = VARIANTS["learned_pe"]
+    params = cases.seeded_params(config)
+    stored = {name: round_to(value, "bfloat16") for name, value in params.items()}
+    bf16, f64 = tmp_path / "bf16.safetensors", tmp_path / "f64.safetensors"
+    reference_checkpoint.save_checkpoint(bf16, config, stored)
+    reference_checkpoint.save_checkpoint(f64, config, params)
+    model = checkpoint.load_checkpoint(bf16)
+    assert model.dtype == np.dtype("bfloat16")
+    for name, value in checkpoint.to_params(model).items():
+        assert value.dtype == stored[name].dtype and np.array_equal(value.view(np.uint16), stored[name].view(np.uint16))
+    widened = checkpoint.to_params(checkpoint.load_checkpoint(bf16, dtype="float32"))
+    assert all(np.array_equal(widened[name], stored[name].astype(np.float32)) for name in stored)
+    rounded = checkpoint.to_params(checkpoint.load_checkpoint(f64, dtype=jnp.bfloat16))
+    assert all(np.array_equal(rounded[name].view(np.uint16), stored[name].view(np.uint16)) for name in stored)
+    twice = sum(int(np.sum(value.astype(np.dtype("bfloat16")) != stored[name])) for name, value in params.items())
+    assert twice > 0                                                    # the file holds double-rounding cases
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_a_low_precision_model_saves_its_format_and_reloads_bitwise(tmp_path, dtype):
+    path = tmp_path / f"{dtype}.safetensors"
+    model = port_model("shared_embeddings", dtype)
+    backend.save(model, path)
+    _, stored = reference_checkpoint.load_checkpoint(path)
+    saved = checkpoint.to_params(model)
+    assert {value.dtype for value in stored.values()} == {np.dtype(dtype)}
+    again = checkpoint.to_params(backend.load(path, dtype))
+    for name, value in saved.items():
+        assert np.array_equal(stored[name].view(np.uint16), value.view(np.uint16)), name
+        assert np.array_equal(again[name].view(np.uint16), value.view(np.uint16)), name
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_gradients_and_training_refuse_a_low_precision_model_before_any_work(dtype):
+    config = VARIANTS["tiny"]
+    model, inputs = port_model("tiny", dtype), cases.training_inputs(config)
+    with pytest.raises(ValueError) as expected:
+        check_trainable(dtype)
+    message = f"^{re.escape(str(expected.value))}$"
+
+    def no_batch(step):
+        raise AssertionError("a batch was asked for")
+
+    adam = backend.optimizer(port_model("tiny", "float32"))
+    for call in (lambda: backend.gradients(model, **inputs), lambda: backend.optimizer(model),
+                 lambda: backend.train_step(model, adam, **inputs),
+                 lambda: backend.train_data_parallel(config, cases.seeded_params(config), PAPER, None, no_batch, 1,
+                                                     1, 1, dtype)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_cached_and_uncached_greedy_decoding_give_the_same_tokens_in_low_precision(dtype):
+    model, src = port_model("tiny", dtype, "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
+    tokens = decoding.greedy_decode(model, src)
+    assert tokens.shape[1] > 1
+    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), tokens)
 
 
 # ----------------------------------------------------------------------------- log-softmax

@@ -15,6 +15,11 @@ constructor under ``jax.jit``, which leaves the parameters' random initializatio
 ``nnx.merge`` assembles the model. File validation is the reference's
 (:func:`reference_numpy.checkpoint.load_checkpoint` and ``validate_params``), so a bad file gives
 the reference's one-line ``ValueError``.
+
+A model is float32, float64, bfloat16 or float16, from a file or arrays of any of the four: a tensor
+is rounded to a low precision by the reference's ``round_to`` (NumPy's float64 -> bfloat16 cast
+rounds twice, through float32), then handed to JAX as it is, exactly; a bfloat16 or float16 model
+saves a BF16 or F16 file.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from flax import nnx
 
 from reference_numpy import checkpoint as reference
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import is_low, round_to
 
 from .device import _check_dtype, resolve_device
 from .model import Transformer
@@ -109,7 +115,8 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
 
     ``params`` is validated by the reference (names, shapes, one float dtype, finite values),
     then each tensor is checked against its NNX parameter (a one-line ``ValueError`` naming both),
-    cast to ``dtype`` and placed on the device (see the module docstring).
+    cast to ``dtype`` (float32, float64, bfloat16 or float16; rounded once to a low one) and placed
+    on the device (see the module docstring).
     """
     params = {name: np.asarray(value) for name, value in params.items()}
     reference.validate_params(config, params)
@@ -140,14 +147,15 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
     like its parameter (committed to its device only if the parameter is, so that compiled steps
     are reused); a missing or mis-shaped tensor is a one-line ``ValueError`` naming it."""
     targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    placed = lambda value, like: jax.device_put(value.astype(model.dtype), like.sharding if like.committed else None)
+    placed = lambda value, like: jax.device_put(_cast(value, model.dtype), like.sharding if like.committed else None)
     return nnx.from_flat_state([(keys, target.replace(placed(value, target[...])))
                                 for keys, target, value in _converted(model.config, dict(arrays), targets)])
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = None) -> Transformer:
     """Read, validate (the reference's checks and errors) and load a shared checkpoint, in the
-    file's dtype unless ``dtype`` is given (float32, or float64 with ``jax_enable_x64`` on)."""
+    file's dtype unless ``dtype`` is given (float32, bfloat16, float16, or float64 with
+    ``jax_enable_x64`` on); a file of any of the four loads into any other."""
     config, params = reference.load_checkpoint(path)
     dtype = _check_dtype(next(iter(params.values())).dtype if dtype is None else dtype)
     model = _assembled(config, params, dtype, device)        # validated by the reader; its arrays are dropped
@@ -158,7 +166,8 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
 def save_checkpoint(model: Transformer, path: str | os.PathLike,
                     training: reference.TrainingState | None = None, tokenizer: str | None = None) -> None:
     """Write the model (and a run's ``training`` state, from :func:`.training.training_state`, and a
-    ``tokenizer``'s JSON text) as a shared checkpoint, atomically, by the reference's writer."""
+    ``tokenizer``'s JSON text) as a shared checkpoint, atomically, by the reference's writer, in the
+    model's dtype (a bfloat16 model writes a BF16 file)."""
     reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
@@ -188,10 +197,16 @@ def _own_copy(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     ``jax.device_put`` on the CPU uses it in place instead of copying it again (it does so for arrays
     aligned to 64 bytes; NumPy's are aligned to 16), and given back to the system when the model
     drops it. (Copies made by NumPy or XLA would share the heap with the arrays being dropped, which
-    the allocator keeps: +0.6 x the weights of ``big`` resident after loading.)"""
+    the allocator keeps: +0.6 x the weights of ``big`` resident after loading.) To a low ``dtype`` the
+    values are rounded by ``round_to`` (through a temporary copy of the one tensor)."""
     copy = np.frombuffer(mmap.mmap(-1, max(value.size * dtype.itemsize, 1)), dtype, value.size).reshape(value.shape)
-    copy[...] = value
+    copy[...] = round_to(value, dtype) if is_low(dtype) else value
     return copy
+
+
+def _cast(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A copy of ``value`` in ``dtype``, rounded once (``round_to``) when that is low."""
+    return round_to(value, dtype) if is_low(dtype) else value.astype(dtype)
 
 
 def _converted(config: TransformerConfig, arrays: dict[str, np.ndarray],

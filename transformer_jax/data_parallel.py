@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import check_steps, shard_rows
+from reference_numpy.precision import check_trainable, parse_dtype
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import checkpoint
@@ -50,10 +51,11 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     to resume one (as :func:`.training.optimizer`); ``batches(step)`` the whole batch of global step ``step``
     (``src``, ``tgt``, ``labels``), for steps ``first_step .. first_step + steps - 1``; ``progress(step, loss)``
     after each step. Runs under ``jax.enable_x64(True)`` like the port's adapter (a float32 model stays float32;
-    a float64 one is possible). Returns the final weights (checkpoint layout), the run's ``TrainingState`` and the
-    whole batch's loss at each step.
+    a float64 one is possible; bfloat16 and float16 are refused by ``check_trainable`` before any work). Returns
+    the final weights (checkpoint layout), the run's ``TrainingState`` and the whole batch's loss at each step.
     """
     check_steps(first_step, steps)
+    check_trainable(parse_dtype(dtype))
     with jax.enable_x64(True):
         grid = mesh(world_size, device)
         model = checkpoint.from_params(config, params, np.dtype(dtype))

@@ -3,13 +3,15 @@
 The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens:
 the output budget is the non-pad source length + 50 capped at ``max_len``; pad_id and bos_id are
 never emitted (their log-probabilities are set to -inf); greedy ties go to
-the lowest token id; beam candidates are ranked by summed log-probability (in the model dtype)
-with ties to the lower beam, then the lower token (the order of a stable sort of the negated flat scores);
+the lowest token id; beam candidates are ranked by summed log-probability (in the score dtype:
+the model's, float32 for bfloat16 and float16) with ties to the lower beam, then the lower token
+(the order of a stable sort of the negated flat scores);
 an eos among the first ``beam_size`` ranks finishes a hypothesis, the first ``beam_size``
 non-eos candidates are the next live beams; the search stops at the budget (live beams then
 finish, in rank order, after that step's eos hypotheses), when no live beam is left, or when no
 live beam can beat the best finished one; the best score wins, ties going to the hypothesis
-finished first. Outputs are NumPy, without bos, pad-filled.
+finished first. Outputs are NumPy, without bos, pad-filled. A bfloat16 or float16 model decodes
+with its key/value caches in its own dtype and float32 log-probabilities and scores.
 
 How it runs:
 * the encoder runs once; with ``use_cache=True`` the model's key/value caches
@@ -59,6 +61,7 @@ from reference_numpy.decoding import (
     length_penalty,
     max_output_lengths,
 )
+from reference_numpy.precision import score_dtype
 
 from .model import KVCache, Transformer, _split, _Structure, padding_mask
 
@@ -187,14 +190,15 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
 
     Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id (NumPy int64), and
-    the length-normalized scores (B,) (NumPy float64 holding model-dtype values).
+    the length-normalized scores (B,) (NumPy float64 holding score-dtype values: the model's, float32 for
+    bfloat16 and float16).
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
     src, limits = _start(model, src)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then
-    # rounded to the model dtype exactly as NumPy rounds a Python float in `score / lp`.
-    penalties = np.array([length_penalty(n, alpha) for n in range(max_steps + 1)]).astype(model.dtype)
+    # rounded to the score dtype exactly as NumPy rounds a Python float in `score / lp`.
+    penalties = np.array([length_penalty(n, alpha) for n in range(max_steps + 1)]).astype(score_dtype(model.dtype))
     split = _split(model)
     rows, lengths, scores = _beam(split.structure, split.state, src, jnp.asarray(limits), jnp.asarray(penalties),
                                   max_steps, beam_size, use_cache)
@@ -215,8 +219,9 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
     state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
-    alive = jnp.full((batch, k), -jnp.inf, model.dtype).at[:, 0].set(0.0)        # (B, K): only beam 0 at first
-    no_best = (jnp.full(batch, -jnp.inf, model.dtype), _history(batch, max_steps, cfg),
+    scores_dtype = score_dtype(model.dtype)                                      # float32 for P
+    alive = jnp.full((batch, k), -jnp.inf, scores_dtype).at[:, 0].set(0.0)       # (B, K): only beam 0 at first
+    no_best = (jnp.full(batch, -jnp.inf, scores_dtype), _history(batch, max_steps, cfg),
                jnp.zeros(batch, _TOKEN_DTYPE))
 
     def advance(carry):

@@ -11,6 +11,8 @@
 * :func:`deterministic`: XLA on CPU is run-to-run deterministic. On GPU some reductions
   (scatter, some fusions) are not unless XLA starts with ``--xla_gpu_deterministic_ops=true``
   in ``XLA_FLAGS``; this adds it, and must run before JAX's first computation.
+* :func:`_check_dtype`: a model's dtype is float32, float64, bfloat16 or float16, parsed by the
+  reference's ``parse_dtype`` (one error message in every backend).
 * float64 needs ``jax_enable_x64`` (``jax.config.update("jax_enable_x64", True)`` for the process,
   or ``with jax.enable_x64(True):`` around the calls); the port refuses float64 without it
   instead of letting JAX silently truncate to float32. Importing the port never turns it on.
@@ -23,8 +25,9 @@ import os
 import jax
 import numpy as np
 
+from reference_numpy.precision import parse_dtype
+
 _DETERMINISM_FLAG = "--xla_gpu_deterministic_ops=true"
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def devices() -> list[str]:
@@ -57,10 +60,9 @@ def deterministic(enabled: bool = True) -> None:
 
 
 def _check_dtype(dtype) -> np.dtype:
-    """``dtype`` as a NumPy dtype; ``ValueError`` unless float32, or float64 with x64 enabled."""
-    dtype = np.dtype(dtype)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    """``dtype`` (a name, a NumPy, ml_dtypes or JAX dtype) as a NumPy dtype; ``ValueError`` unless float32,
+    bfloat16, float16, or float64 with x64 enabled."""
+    dtype = parse_dtype(dtype)
     if dtype == np.float64 and not jax.config.jax_enable_x64:
         raise ValueError("dtype float64 needs 64-bit JAX, which is off: call "
                          "jax.config.update('jax_enable_x64', True) before creating arrays "

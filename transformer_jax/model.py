@@ -2,11 +2,15 @@
 
 A parallel text of ``reference_numpy/model.py``: the same pieces, names, argument order and
 shape comments; only framework idiom differs. Constructors take the config first, then
-``dtype`` (both the parameter and the computation dtype; float64 needs ``jax_enable_x64``, see
-:mod:`.device`) and ``rngs`` as keywords. Parameters are random until loaded from the shared
-checkpoint by :mod:`.checkpoint`. Dropout (section 5.4) is applied to every sublayer output before
-the residual add and, in :class:`PositionalEncoding`, to the sums of embeddings and positional
-encodings; it is off unless ``deterministic=False`` is passed (or set with
+``dtype`` (float32 or float64: both the parameter and the computation dtype; float64 needs
+``jax_enable_x64``, see :mod:`.device`) and ``rngs`` as keywords. A model in a low precision P
+(bfloat16 or float16) follows the recipe of ``reference_numpy/precision.py``: Flax's
+``param_dtype=P`` stores the weights, ``dtype=float32`` computes each concept wide (the framework's
+accumulation width; the reference's is float64), and :func:`_narrow` rounds its output once to P at
+the reference's rounding points; the log-probabilities are float32. Parameters are random until
+loaded from the shared checkpoint by :mod:`.checkpoint`. Dropout (section 5.4) is applied to
+every sublayer output before the residual add and, in :class:`PositionalEncoding`, to the sums of
+embeddings and positional encodings; it is off unless ``deterministic=False`` is passed (or set with
 ``nnx.view(model, deterministic=False)``). Every matmul passes ``precision=HIGHEST`` (full float32
 on GPUs too).
 
@@ -36,10 +40,27 @@ from jax import lax
 
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import is_low
 
 from .device import _check_dtype
 
 _PRECISION = lax.Precision.HIGHEST
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    """A P array as float32 (exact), for a concept computed wide; float32 and float64 arrays unchanged."""
+    return x.astype(jnp.float32) if is_low(x.dtype) else x
+
+
+def _narrow(x: jax.Array, dtype) -> jax.Array:
+    """A concept's wide result rounded once (to nearest, ties to even) to the model's ``dtype`` when it is low;
+    unchanged otherwise."""
+    return x.astype(dtype) if is_low(dtype) else x
+
+
+def _computation(dtype):
+    """The dtype Flax layers of a model in ``dtype`` compute in: float32 (wide) for P, ``dtype`` itself otherwise."""
+    return jnp.float32 if is_low(dtype) else dtype
 
 
 # ----------------------------------------------------------------------------- masks
@@ -95,12 +116,17 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     b*K + beams[b, j, c] (computed without moving keys or values: :func:`_beam_scores`,
     :func:`_beam_mix`).
 
+    In a low precision the whole of Eq. (1) is computed wide (float32) from the P inputs and the
+    output and weights are rounded to P.
+
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
         mask broadcastable to (..., Tq, Tk), bool, True = may attend.
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
+    dtype = query.dtype
+    query, key, value = _wide(query), _wide(key), _wide(value)
     d_k = query.shape[-1]
     if beams is None:
         scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
@@ -114,9 +140,8 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     exp = jnp.exp(scores - row_max)                                     # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
-    if beams is None:
-        return jnp.matmul(weights, value, precision=_PRECISION), weights
-    return _beam_mix(weights, value, beams), weights
+    out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else _beam_mix(weights, value, beams)
+    return _narrow(out, dtype), _narrow(weights, dtype)
 
 
 def _every_row(x: jax.Array, beams: jax.Array) -> jax.Array:
@@ -176,10 +201,18 @@ def _describe(name: str, value) -> tuple[tuple, str] | None:
     return tuple(value.shape), value.dtype.name
 
 
-def _linear(in_features: int, out_features: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout. Shape: (..., in) -> (..., out)."""
-    return nnx.Linear(in_features, out_features, dtype=dtype, param_dtype=dtype, precision=_PRECISION,
-                      rngs=rngs)
+class _Linear(nnx.Linear):
+    """``nnx.Linear`` whose output is rounded to its ``param_dtype`` when that is low (computed wide before)."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return _narrow(super().__call__(inputs), self.param_dtype)
+
+
+def _linear(in_features: int, out_features: int, dtype, rngs: nnx.Rngs) -> _Linear:
+    """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout; in a low precision computed
+    wide and rounded once to P. Shape: (..., in) -> (..., out)."""
+    return _Linear(in_features, out_features, dtype=_computation(dtype), param_dtype=dtype, precision=_PRECISION,
+                   rngs=rngs)
 
 
 class KVCache(NamedTuple):
@@ -325,14 +358,19 @@ class LayerNorm(nnx.LayerNorm):
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     axis and eps added to the variance; eps is ``config.layer_norm_eps`` (never Flax's default).
     ``use_fast_variance=False`` computes var = mean((x - mean)^2) like the reference instead of
-    the one-pass E[x^2] - E[x]^2, which loses digits. Flax names the weight ``scale``.
+    the one-pass E[x^2] - E[x]^2, which loses digits. Flax names the weight ``scale``. In a low
+    precision the statistics, the normalization, gain and bias are computed wide (Flax's ``dtype``
+    float32) and the output rounded to P.
 
     Shape: x (..., D) -> (..., D).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
         super().__init__(config.d_model, epsilon=config.layer_norm_eps, use_fast_variance=False,
-                         dtype=dtype, param_dtype=dtype, rngs=rngs)
+                         dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _narrow(super().__call__(x), self.param_dtype)
 
 
 def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: LayerNorm,
@@ -341,13 +379,19 @@ def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: Lay
     output before the addition (section 5.4).
 
     Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))).
-    Pre-LN: x + Dropout(Sublayer(LayerNorm(x))).
+    Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The addition is the model's own arithmetic: in a
+    low precision, the residual stream stays in P.
 
     Shape: x (B, T, D) -> (B, T, D).
     """
     if norm_first:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
+        return add(x, dropout(sublayer(norm(x))))
+    return norm(add(x, dropout(sublayer(x))))
+
+
+def add(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x + y in x's precision: in a low precision P, the float32 sum rounded to P (P arithmetic)."""
+    return _narrow(_wide(x) + _wide(y), x.dtype)
 
 
 def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
@@ -362,25 +406,27 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype=jnp.float64)
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
     The table is a constant: it is computed once on the host in float64 by the reference's
-    formula and then cast to ``dtype``, so a float32 model holds the correctly rounded table.
+    formula and rounded to ``dtype`` by the reference (in one step, also for bfloat16, whose
+    casts from float64 round twice), so every model holds the correctly rounded table.
 
     Shape: returns (L, D).
     """
-    return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model), dtype=dtype)
+    return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model, dtype), dtype=dtype)
 
 
 class Embeddings(nnx.Embed):
     """Token embedding multiplied by sqrt(d_model) (section 3.4); Flax names the weight ``embedding``.
+    In a low precision the product is computed in float32 (Flax's ``dtype``) and rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype, rngs: nnx.Rngs):
-        super().__init__(vocab_size, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        super().__init__(vocab_size, config.d_model, dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
         self.scale = math.sqrt(config.d_model)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return super().__call__(tokens) * self.scale
+        return _narrow(super().__call__(tokens) * self.scale, self.param_dtype)
 
 
 class _Constant(nnx.Variable):
@@ -409,7 +455,7 @@ class PositionalEncoding(nnx.Module):
     def __call__(self, x: jax.Array, offset: int | jax.Array = 0, *, deterministic: bool | None = None) -> jax.Array:
         table = self.weight if self.learned else self.table
         positions = lax.dynamic_slice_in_dim(table[...], offset, x.shape[1], axis=0)   # (T, D)
-        return self.dropout(x + positions, deterministic=deterministic)
+        return self.dropout(add(x, positions), deterministic=deterministic)
 
 
 class Generator(nnx.Module):
@@ -417,7 +463,8 @@ class Generator(nnx.Module):
 
     ``weight`` is (D, V) like the checkpoint. With ``share_embeddings`` pass the shared
     :class:`Embeddings` as ``embeddings``: its transposed matrix is the projection (tied, not
-    copied) and the generator has no parameter of its own.
+    copied) and the generator has no parameter of its own. In a low precision P the logits are a
+    linear map's (computed wide, rounded to P) and their log-softmax is float32.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
@@ -433,7 +480,8 @@ class Generator(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
-        return log_softmax(jnp.matmul(x, weight, precision=_PRECISION))
+        logits = _narrow(jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION), weight.dtype)  # (B, T, V)
+        return log_softmax(_wide(logits))
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
@@ -611,7 +659,10 @@ class Transformer(nnx.Module):
 
     ``dtype`` (float64 by default, like the reference, or float32) is the dtype of every
     parameter and of the computation; float64 needs ``jax_enable_x64`` and is refused with a
-    ``ValueError`` otherwise. Weights are random (``rngs``) until loaded with
+    ``ValueError`` otherwise. A low precision, bfloat16 or float16, stores the parameters, the
+    activations and the key/value caches in P and computes by the recipe of
+    ``reference_numpy/precision.py`` (each concept in float32, rounded once to P; log-probabilities
+    float32). Weights are random (``rngs``) until loaded with
     :func:`transformer_jax.checkpoint.from_params` or ``load_checkpoint``. With
     ``share_embeddings`` one ``Embeddings`` module is ``src_embed``, ``tgt_embed`` and
     ``generator.embeddings``.

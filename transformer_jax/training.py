@@ -7,7 +7,9 @@ The update is the paper's (Kingma & Ba, Algorithm 1) exactly: ``optax.adam`` wit
 divides the bias-corrected first moment by ``sqrt(v_hat) + eps``; optax's step count starts at 0,
 so the schedule is evaluated at ``count + 1`` and the bias correction uses ``count + 1``; with
 64-bit JAX on, the schedule and the bias correction are computed in float64 and cast to the
-parameters' dtype. Dropout draws its masks from the model's own dropout streams (every
+parameters' dtype. Gradients and training need a float32 or float64 model: a bfloat16 or float16
+one is refused by the reference's ``check_trainable`` before any work (its loss is float32, as the
+reference's). Dropout draws its masks from the model's own dropout streams (every
 ``nnx.Dropout`` holds one, forked from the model's ``rngs``): each step advances them.
 """
 
@@ -24,6 +26,7 @@ from flax import nnx
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
+from reference_numpy.precision import check_trainable
 from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
 
 from . import checkpoint
@@ -99,6 +102,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to
     the model's dtype) and step count go into optax's state, and, unless ``config`` is given, its
     training config is used. The config is kept as ``optimizer.config``."""
+    check_trainable(model.dtype)
     _check_dtype(model.dtype)
     if state is not None:
         state = state.astype(model.dtype)
@@ -132,8 +136,9 @@ def training_state(model: Transformer, optimizer: nnx.Optimizer) -> TrainingStat
 
 
 def _check_batch(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array]:
-    """The host-side checks of a batch (ids cannot be checked once traced) and of 64-bit JAX for a
-    float64 model (which would otherwise be truncated to float32); the checked src and tgt."""
+    """The host-side checks of a batch (ids cannot be checked once traced), of a trainable dtype and of
+    64-bit JAX for a float64 model (which would otherwise be truncated to float32); the checked src and tgt."""
+    check_trainable(model.dtype)
     _check_dtype(model.dtype)
     if not np.any(np.asarray(labels) != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")

@@ -2,7 +2,9 @@
 
 Every function runs with 64-bit JAX on
 (``with jax.enable_x64(True):``, for that call and thread only), so that float64 models are
-possible; importing the module changes no setting, and float32 models stay float32.
+possible; importing the module changes no setting, and float32 models stay float32. bfloat16 and float16
+models (``reference_numpy/precision.py``) return their stages in the format (``ml_dtypes.bfloat16``,
+``np.float16``) and their log-probabilities in float32.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from flax import nnx
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
@@ -45,14 +48,15 @@ def devices() -> list[str]:
 @_x64
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` ("float32" or "float64") on ``device`` from checkpoint-layout arrays."""
-    return checkpoint.from_params(config, params, np.dtype(dtype), device)
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") on ``device`` from checkpoint-layout
+    arrays."""
+    return checkpoint.from_params(config, params, dtype, device)
 
 
 @_x64
 def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model from a shared checkpoint file."""
-    return checkpoint.load_checkpoint(path, np.dtype(dtype), device)
+    """A model in ``dtype`` (float32, float64, bfloat16 or float16) from a shared checkpoint file."""
+    return checkpoint.load_checkpoint(path, dtype, device)
 
 
 @_x64
@@ -69,14 +73,16 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 
 @_x64
 def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
-    """Every stage of the compiled forward pass (inference), by the shared stage names, in order."""
+    """Every stage of the compiled forward pass (inference), by the shared stage names, in order, in the model's
+    dtype (float32, float64, bfloat16 or float16); a bfloat16 or float16 model's log-probabilities are float32."""
     _, stages = _forward(model, src, tgt, src_mask, tgt_mask, return_intermediates=True)
     return {name: np.asarray(value) for name, value in stages.items()}
 
 
 @_x64
 def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
-    """The compiled forward pass's (B, T, V) log-probabilities alone (inference)."""
+    """The compiled forward pass's (B, T, V) log-probabilities alone (inference): float32 for a bfloat16 or
+    float16 model."""
     return np.asarray(_forward(model, src, tgt, src_mask, tgt_mask))
 
 
@@ -86,9 +92,10 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
     positional_encoding, feed_forward, layer_norm, encoder_layer and encoder take x (and mask);
-    decoder_layer and decoder take x, memory, src_mask, tgt_mask.
+    decoder_layer and decoder take x, memory, src_mask, tgt_mask. Float inputs are rounded to the model's dtype
+    (float32, float64, bfloat16 or float16) by ``round_to``, once.
     """
-    cast = {key: (value.astype(model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+    cast = {key: (round_to(value, model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
                   else value) for key, value in inputs.items()}
     return np.asarray(run_component(model, name, cast, scaled_dot_product_attention))
 
@@ -108,7 +115,8 @@ def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LEN
 
 @_x64
 def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
-    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
+    """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks, in the model's
+    dtype (float32, float64, bfloat16 or float16)."""
     check_attention_request(model.config, layer, kind)
     no_dropout = lambda y: y
     return np.asarray(sublayer_attention_weights(
