@@ -72,7 +72,7 @@ CONCEPTS = (
             "<i>VW<sub>i</sub><sup>V</sup></i>)",
             {**_same("model.py:MultiHeadAttention"),
              "numpy": ("model.py:Linear", "model.py:MultiHeadAttention"),
-             "jax": ("model.py:_linear", "model.py:MultiHeadAttention")}),
+             "jax": ("model.py:_linear", "model.py:_Linear", "model.py:MultiHeadAttention")}),
     Concept("Position-wise feed-forward network", "Eq. (2), section 3.3",
             "FFN(<i>x</i>) = max(0, <i>xW</i><sub>1</sub> + <i>b</i><sub>1</sub>) <i>W</i><sub>2</sub> + "
             "<i>b</i><sub>2</sub>",
@@ -80,7 +80,7 @@ CONCEPTS = (
     Concept("Layer normalization and residual connection", "sections 3.1 and 5.4",
             "LayerNorm(<i>x</i> + Dropout(Sublayer(<i>x</i>))) &nbsp; (pre-LN: <i>x</i> + "
             "Dropout(Sublayer(LayerNorm(<i>x</i>))))",
-            _same("model.py:LayerNorm", "model.py:residual")),
+            _same("model.py:LayerNorm", "model.py:residual", "model.py:add")),
     Concept("Embeddings and softmax", "section 3.4",
             "Embed(<i>x</i>) &middot; &radic;<i>d</i><sub>model</sub>, &nbsp; log softmax(<i>xW</i>) with "
             "<i>W</i> = Embed<sup>T</sup> when shared",
