@@ -97,7 +97,7 @@ def attention_inputs(config: TransformerConfig, case: str, dtype=np.float64,
 
 COMPONENT_MASKED = {"attention": True, "multi_head_attention": True, "positional_encoding": False,
                     "feed_forward": False, "layer_norm": False, "encoder_layer": True, "decoder_layer": True,
-                    "encoder": True, "decoder": True}
+                    "encoder": True, "decoder": True, "generator": False}
 
 # The common offset of :func:`layer_norm_offset_inputs`: a one-pass variance E[x^2] - E[x]^2 subtracts
 # two numbers near 1e8 (float32 ulp 8) to find a variance near 1, and loses every digit of it.

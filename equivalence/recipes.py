@@ -20,7 +20,7 @@ def run_component(model, name: str, inputs: dict, attention):
     ``attention`` is the backend's Eq. (1) function. Weights come from layer 0 of each stack.
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
-    positional_encoding, feed_forward, layer_norm, encoder_layer and encoder take x (and mask);
+    positional_encoding, feed_forward, layer_norm, encoder_layer, encoder and generator take x (and mask);
     decoder_layer and decoder take x, memory, src_mask, tgt_mask.
     """
     encoder_layer, decoder_layer = model.encoder.layers[0], model.decoder.layers[0]
@@ -42,6 +42,8 @@ def run_component(model, name: str, inputs: dict, attention):
         return decoder_layer(inputs["x"], inputs["memory"], inputs["src_mask"], inputs["tgt_mask"])
     if name == "decoder":
         return model.decoder(inputs["x"], inputs["memory"], inputs["src_mask"], inputs["tgt_mask"])
+    if name == "generator":
+        return model.generator(inputs["x"])
     raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
 
 

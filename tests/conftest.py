@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from equivalence import tolerance
-from reference_numpy.precision import score_dtype
+from reference_numpy.precision import round_to, score_dtype
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)
@@ -40,7 +40,22 @@ def check_single_rounding(port_out, ref64, ref32, *, port: str, device: str, dty
     worst = np.unravel_index(np.argmax(error / bound), error.shape)
     assert np.all(error <= bound), (f"{port}/{device}/{dtype}/{what}: element {worst} is {error[worst]:.3e} from the "
                                     f"exact value, over its single-rounding bound {bound[worst]:.3e}")
+    check_decided_roundings(port_out, ref64, ref32, port=port, device=device, dtype=dtype, what=what)
     AGREEMENT_LOG[(port, device, dtype, what.split(":")[0] + " (rounded once)")].append((error[worst], bound[worst]))
+
+
+def check_decided_roundings(rounded, ref64, ref32, *, port: str, device: str, dtype: str, what: str) -> int:
+    """Assert that ``rounded`` (a port's values that the recipe rounds once to ``dtype``) equals the exact values
+    ``ref64`` correctly rounded wherever the float32 bound leaves the rounding one answer
+    (:func:`equivalence.tolerance.decided_by_rounding`); returns how many elements that held for."""
+    decided = tolerance.decided_by_rounding(ref64, ref32, dtype)
+    expected = round_to(ref64, dtype).astype(np.float64)
+    wrong = decided & (np.asarray(rounded).astype(np.float64) != expected)
+    assert not wrong.any(), (f"{port}/{device}/{dtype}/{what}: {int(wrong.sum())} of {int(decided.sum())} elements "
+                             f"whose rounding has one answer are not the exact value rounded once, e.g. element "
+                             f"{tuple(int(i) for i in np.argwhere(wrong)[0])}")
+    assert decided.mean() > 0.5, f"{what}: the float32 bound leaves most roundings undecided; nothing was checked"
+    return int(decided.sum())
 
 
 def pytest_sessionfinish(session):

@@ -234,14 +234,14 @@ def test_compare_in_low_precision_and_the_precision_report(in_workdir, capsys):
     assert status == EXIT_OK, err
     report = json.loads(out)
     assert [(run["backend"], run["dtype"]) for run in report["runs"]] == [("numpy", "bfloat16"), ("numpy", "float16")]
-    assert report["policy"]["low_precision_factor"] == 2
-    for run in report["runs"]:                                   # 2 x the reference's own error: ratio 1/2 exactly
-        assert max(stage["max_abs_error"] / stage["bound"] for stage in run["stages"]) == 0.5
+    assert report["policy"]["low_precision_factor"] == 8
+    for run in report["runs"]:                                   # 8 x the reference's own error: ratio 1/8 exactly
+        assert max(stage["max_abs_error"] / stage["bound"] for stage in run["stages"]) == 0.125
     status, out, err = cli(capsys, "compare", "tiny.safetensors", "--backends", "numpy", "--precision-report",
                            "drift.png")
     assert status == EXIT_OK, err
     assert "numpy/cpu/bf16" in out and "numpy/cpu/f16" in out and "numpy/cpu/f32" in out
-    assert "bfloat16, float16 error <= 2 x max(the reference's own error" in out
+    assert "bfloat16, float16 error <= 8 x max(the reference's own error" in out
     assert (in_workdir / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

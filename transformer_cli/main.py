@@ -174,7 +174,8 @@ def add_init(commands) -> None:
     init.add_argument("out", metavar="OUT", type=output_file, help="output .safetensors path")
     init.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     init.add_argument("--seed", type=integer(0), default=0)
-    init.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    init.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="the format the file stores "
+                      "(default: float32; bfloat16 and float16 are safetensors' BF16 and F16)")
     init.add_argument("--force", action="store_true", help="replace OUT if it exists (it is kept otherwise)")
     init.set_defaults(run=run_init)
 

@@ -63,7 +63,7 @@ from reference_numpy.decoding import (
 )
 from reference_numpy.precision import score_dtype
 
-from .model import KVCache, Transformer, _split, _Structure, padding_mask
+from .model import _EXACT_ROUNDING, KVCache, Transformer, _split, _Structure, padding_mask
 
 _TOKEN_DTYPE = jnp.int32
 
@@ -153,7 +153,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     return np.asarray(history)[:, 1:int(steps) + 1].astype(np.int64)
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache"))
+@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache"), compiler_options=_EXACT_ROUNDING)
 def _greedy(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, max_steps: int,
             use_cache: bool):
     """The compiled greedy loop of the model ``structure.merge(state)``. Returns history (B, M + 1) and
@@ -206,7 +206,8 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     return np.asarray(rows)[:, :width].astype(np.int64), np.asarray(scores, dtype=np.float64)
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache"))
+@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache"),
+                   compiler_options=_EXACT_ROUNDING)
 def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
           max_steps: int, beam_size: int, use_cache: bool):
     """The compiled search over the batch of the model ``structure.merge(state)``: rows are

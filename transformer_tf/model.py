@@ -926,11 +926,20 @@ def _check_cache_index(cache_index, length: int, capacity: int) -> None:
                                     length, capacity)
 
 
+def _xla_keeps_roundings(model: Transformer) -> bool:
+    """Whether XLA may compile ``model``: float32 and float64, yes. In bfloat16 and float16 TensorFlow's XLA leaves
+    out some of the recipe's roundings (it keeps an attention output in float32 into the residual addition:
+    "excess precision", which ``tf.function`` offers no option to turn off and ``XLA_FLAGS`` did not change), so a
+    low-precision model runs TensorFlow's graph executor, which rounds where the recipe rounds."""
+    return not _is_low(model.compute_dtype)
+
+
 def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
     """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
     XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
     op used; on the CPU it ran the ``base`` forward pass a few percent faster than TensorFlow's
-    graph executor (``docs/benchmarks-tf.md``). A bfloat16 or float16 model compiles the same way.
+    graph executor (``docs/benchmarks-tf.md``). A bfloat16 or float16 model runs the graph without XLA whatever
+    ``jit_compile`` says (:func:`_xla_keeps_roundings`).
 
     The returned function checks its inputs eagerly, then runs the graph: once traced, token ids
     can no longer be compared with the vocabulary size (``tf.gather`` would clamp an id out of range).
@@ -938,7 +947,7 @@ def compiled_forward(model: Transformer, jit_compile: bool = True, return_interm
     Shape: as :class:`Transformer`; returns log-probabilities (B, T, V_tgt), or with
     ``return_intermediates`` ``(log_probs, stages)``.
     """
-    @tf.function(jit_compile=jit_compile, autograph=False)   # plain Python control flow: nothing to convert
+    @tf.function(jit_compile=jit_compile and _xla_keeps_roundings(model), autograph=False)   # no control flow
     def graph(src, tgt, src_mask=None, tgt_mask=None):
         return model(src, tgt, src_mask, tgt_mask, return_intermediates=return_intermediates, training=False)
 

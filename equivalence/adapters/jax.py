@@ -91,7 +91,7 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
-    positional_encoding, feed_forward, layer_norm, encoder_layer and encoder take x (and mask);
+    positional_encoding, feed_forward, layer_norm, encoder_layer, encoder and generator take x (and mask);
     decoder_layer and decoder take x, memory, src_mask, tgt_mask. Float inputs are rounded to the model's dtype
     (float32, float64, bfloat16 or float16) by ``round_to``, once.
     """
