@@ -124,7 +124,7 @@ SINGLE = [
            "x = x.reshape(batch, self.n_heads, length, width // self.n_heads)\n        return x",
            ["tests/test_reference.py", "-k", "multi_head"]),
     single("embedding-scale", "reference: embeddings not scaled by sqrt(d_model)", "reference_numpy/model.py",
-           "return self.weight[tokens] * self.scale", "return self.weight[tokens]",
+           "return narrow(wide(self.weight[tokens]) * self.scale, self.weight.dtype)", "return self.weight[tokens]",
            ["tests/test_reference.py", "-k", "shared_embeddings"]),
     single("ties", "reference: greedy ties go to the highest token id", "reference_numpy/decoding.py",
            "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)",
@@ -216,16 +216,14 @@ STACKING = [
 
 RESIDUAL = [
     consistent("residual", "post-LN: LayerNorm of the sublayer output alone, x + LN(Sublayer(x))", [
-        (RM, "return norm(x + sublayer(x))", "return x + norm(sublayer(x))"),
-        (TM, "return norm(x + dropout(sublayer(x)))", "return x + norm(dropout(sublayer(x)))"),
-        (JM, "return norm(x + dropout(sublayer(x)))", "return x + norm(dropout(sublayer(x)))"),
-        (FM, "return norm(x + dropout(sublayer(x)))", "return x + norm(dropout(sublayer(x)))"),
+        (RM, "return norm(add(x, sublayer(x)))", "return add(x, norm(sublayer(x)))"),
+        *[(module, "return norm(add(x, dropout(sublayer(x))))", "return add(x, norm(dropout(sublayer(x))))")
+          for module in (TM, JM, FM)],
     ], ORACLE, agreement("tiny")),
     consistent("residual", "pre-LN: the residual branch carries the normalized input, LN(x) + Sublayer(LN(x))", [
-        (RM, "return x + sublayer(norm(x))", "return norm(x) + sublayer(norm(x))"),
-        (TM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
-        (JM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
-        (FM, "return x + dropout(sublayer(norm(x)))", "return norm(x) + dropout(sublayer(norm(x)))"),
+        (RM, "return add(x, sublayer(norm(x)))", "return add(norm(x), sublayer(norm(x)))"),
+        *[(module, "return add(x, dropout(sublayer(norm(x))))", "return add(norm(x), dropout(sublayer(norm(x))))")
+          for module in (TM, JM, FM)],
     ], ORACLE, agreement("pre_ln")),
     consistent("residual", "decoder: the cross-attention sublayer uses the self-attention sublayer's LayerNorm", [
         (RM, "self.cross_attn_norm, self.norm_first)", "self.self_attn_norm, self.norm_first)"),
@@ -343,10 +341,10 @@ LEARNED_PE = [
     consistent("learned-pe", "learned positions: no positional information added at all", [
         (RM, 'self.table = params[f"{name}.weight"]', 'self.table = 0 * params[f"{name}.weight"]'),
         (TM, "table = self.weight if self.learned else self.table", "table = 0 * self.weight if self.learned else self.table"),
-        (JM, "return self.dropout(x + positions, deterministic=deterministic)",
-         "return self.dropout(x + positions * (0.0 if self.learned else 1.0), deterministic=deterministic)"),
-        (FM, "return self.dropout(x + table, training=training)",
-         "return self.dropout(x + table * (0.0 if self.learned else 1.0), training=training)"),
+        (JM, "return self.dropout(add(x, positions), deterministic=deterministic)",
+         "return self.dropout(add(x, positions * (0.0 if self.learned else 1.0)), deterministic=deterministic)"),
+        (FM, "return self.dropout(add(x, table), training=training)",
+         "return self.dropout(add(x, table * (0.0 if self.learned else 1.0)), training=training)"),
     ], ORACLE, agreement("learned_pe", decoding=True)),
 ]
 
@@ -572,8 +570,42 @@ BEAM_TABLE = [
     ], ["tests/test_beam_cache.py", "-k", "naive_loop"]),
 ]
 
+# ----------------------------------------------------------------------------- low precision (the recipe)
+
+def low_precision(checks: str, components: bool = False) -> list[str]:
+    """The CPU low-precision agreement tests selected by ``checks`` (a -k expression): the stages and decoding, or
+    with ``components`` the components and attention weights."""
+    return [f"tests/test_agreement{'_low_precision' if components else ''}.py", "-k", f"cpu and ({checks})"]
+
+
+PRECISION = [
+    single("precision", "reference: float64 rounded to bfloat16 through float32 (twice)", "reference_numpy/precision.py",
+           "    if not is_low(dtype):\n        return x.astype(dtype, copy=False)",
+           "    if True:\n        return x.astype(dtype, copy=False)", ["tests/test_oracle.py", "-k", "round_to"]),
+    single("precision", "torch: attention (Eq. (1)), its softmax included, computed in P instead of wide",
+           "transformer_torch/model.py",
+           "dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)", "dtype = query.dtype",
+           low_precision("torch and attention and tiny", components=True)),
+    single("precision", "torch: the residual stream kept in float32", "transformer_torch/model.py",
+           "    return _narrow(_wide(x) + _wide(y), x.dtype)", "    return _wide(x) + _wide(y)",
+           low_precision("torch and test_forward_stages and bfloat16 and tiny and ragged_batch")),
+    single("precision", "jax: XLA's excess precision left on (roundings to P dropped in compiled code)",
+           "transformer_jax/model.py", '_EXACT_ROUNDING = {"xla_allow_excess_precision": False}', "_EXACT_ROUNDING = {}",
+           low_precision("jax and test_trained_model_forward_stages and bfloat16")),
+    single("precision", "keras: a low-precision model compiled by XLA (which drops roundings to P)",
+           "transformer_tf/model.py", "    return not _is_low(model.compute_dtype)", "    return True",
+           low_precision("tf and test_log_probs and float16")),
+    consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
+        (RM, "logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)", "logits = wide(x) @ wide(self.weight)"),
+        (TM, "return log_softmax(_wide(_linear(x, weight)))", "return log_softmax(_linear(_wide(x), _wide(weight)))"),
+        (JM, "logits = _narrow(jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION), weight.dtype)",
+         "logits = jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION)"),
+        (FM, "logits = _narrow(tf.matmul(_wide(x), _wide(weight)), x.dtype)", "logits = tf.matmul(_wide(x), _wide(weight))"),
+    ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT, *DATA_PARALLEL]
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT, *DATA_PARALLEL, *PRECISION]
 
 
 # ----------------------------------------------------------------------------- running

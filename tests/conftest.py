@@ -1,14 +1,16 @@
-"""Shared test plumbing: the agreement check (the project's one tolerance policy) and a
-summary of the measured error/bound ratios printed at the end of the run."""
+"""Shared test plumbing: the agreement checks (the project's one tolerance policy; in low precision also the
+roundings it decides) and a summary of the measured error/bound ratios printed at the end of the run."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from equivalence import tolerance
+from equivalence import cases, tolerance
+from equivalence.adapters import numpy as reference
 from reference_numpy.precision import round_to, score_dtype
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
@@ -41,7 +43,8 @@ def check_single_rounding(port_out, ref64, ref32, *, port: str, device: str, dty
     assert np.all(error <= bound), (f"{port}/{device}/{dtype}/{what}: element {worst} is {error[worst]:.3e} from the "
                                     f"exact value, over its single-rounding bound {bound[worst]:.3e}")
     check_decided_roundings(port_out, ref64, ref32, port=port, device=device, dtype=dtype, what=what)
-    AGREEMENT_LOG[(port, device, dtype, what.split(":")[0] + " (rounded once)")].append((error[worst], bound[worst]))
+    AGREEMENT_LOG[(port, device, dtype, what.split(":")[0] + " (rounded once)")].append((float(error[worst]),
+                                                                                        float(bound[worst])))
 
 
 def check_decided_roundings(rounded, ref64, ref32, *, port: str, device: str, dtype: str, what: str) -> int:
@@ -58,10 +61,44 @@ def check_decided_roundings(rounded, ref64, ref32, *, port: str, device: str, dt
     return int(decided.sum())
 
 
+@functools.cache
+def reference_model_in(low: str, variant: str, dtype: str):
+    """The NumPy reference in ``dtype`` with the seeded weights of ``cases.FORWARD_VARIANTS[variant]`` rounded to the
+    low format ``low``: what a ``low`` model computes, exactly (float64), in float32, and by the recipe (``low``)."""
+    config = cases.FORWARD_VARIANTS[variant]
+    return rounded_reference(config, cases.seeded_params(config), low, dtype)
+
+
+def rounded_reference(config, params: dict, low: str, dtype: str):
+    """The NumPy reference in ``dtype`` with ``params`` rounded to the low format ``low``."""
+    return reference.build(config, {name: round_to(value, low) for name, value in params.items()}, dtype)
+
+
+def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None:
+    """The generator's logits are one rounding of the recipe. Given the generator's input ``x`` (numbers of
+    ``dtype``: a component's input, or a port's own decoder output) and ``model_in(precision)``, the reference in
+    ``precision`` with the port's weights (numbers of ``dtype``): in every row whose logits' roundings all have one
+    answer (``tolerance.decided_by_rounding`` of x W, exact and in float32) a port's logits are the reference's,
+    and its float32 log-probabilities the reference generator's on the same ``x`` within the float32 bound of that
+    computation. A compiler that keeps the logits in float32 (XLA's "excess precision") is up to half a unit of
+    ``dtype`` off there, 10^3-10^4 times that bound."""
+    x = np.asarray(x).astype(np.float64)
+    exact, wide = model_in("float64").generator, model_in("float32").generator
+    decided = tolerance.decided_by_rounding(x @ exact.weight, x.astype(np.float32) @ wide.weight, dtype)
+    rows = decided.all(axis=-1)                                                            # (B, T)
+    assert rows.any(), f"{what}: every row holds a logit whose rounding is undecided; nothing was checked"
+    expected = model_in(dtype).generator(x.astype(dtype))                                 # log_softmax(round(x W))
+    error = tolerance.max_abs(np.asarray(log_probs)[rows], expected[rows])
+    bound = tolerance.float32_bound(exact(x), wide(x.astype(np.float32)))
+    assert error <= bound, (f"{what}: where every logit's rounding has one answer, the log-probabilities are "
+                            f"{error:.3e} from the reference's on the same input, over the float32 bound {bound:.3e}")
+
+
 def pytest_sessionfinish(session):
     """In a pytest-xdist worker: hand this worker's agreement log to the controller, which prints the summary."""
     if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["agreement"] = [[list(key), rows] for key, rows in AGREEMENT_LOG.items()]
+        session.config.workeroutput["agreement"] = [[list(key), [[float(error), float(bound)] for error, bound in rows]]
+                                                    for key, rows in AGREEMENT_LOG.items()]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -92,3 +129,8 @@ def agreement():
 @pytest.fixture(scope="session")
 def single_rounding():
     return check_single_rounding
+
+
+@pytest.fixture(scope="session")
+def logits_rounding():
+    return check_logits_rounding

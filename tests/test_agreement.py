@@ -16,23 +16,19 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import reference_model_in, rounded_reference
 
 from equivalence import cases, tolerance
 from equivalence.adapters import numpy as reference
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import beam_margins, greedy_margins
 from equivalence.recipes import ATTENTION_KINDS
-from reference_numpy.precision import round_to
 from transformer_cli.numbers_task import NumbersTask, teacher_forcing
 from transformer_cli.translate import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
-LOW_DTYPES = ("bfloat16", "float16")
-# The recipe's concepts computed wide and rounded once: checked element by element (tolerance.single_rounding_bound).
-SINGLE_ROUNDING = ("attention", "layer_norm")
-# Component checks in low precision, one variant per norm position (the other variants' components are the same code).
-LOW_COMPONENT_VARIANTS = ("tiny", "pre_ln")
+LOW_DTYPES = ("bfloat16", "float16")   # their components and attention weights: test_agreement_low_precision.py
 DEVICE_KINDS = ("cpu", "gpu")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()
                    for case in (MASK_CASES if masked else ("none",))]
@@ -99,65 +95,6 @@ def test_component(port, device_kind, dtype, variant, component, case, agreement
 
 
 @functools.cache
-def reference_model_in(low: str, variant: str, dtype: str):
-    """The reference in ``dtype`` with the seeded weights rounded to ``low``."""
-    config = FORWARD_VARIANTS[variant]
-    return reference.build(config, {name: round_to(value, low) for name, value in cases.seeded_params(config).items()},
-                           dtype)
-
-
-@functools.cache
-def reference_component_in(low: str, variant: str, component: str, case: str, dtype: str) -> np.ndarray:
-    """The reference's component in ``dtype`` on weights and inputs that are numbers of ``low``: what a ``low``
-    model computes, exactly (float64), in float32, and by the recipe (``dtype`` = ``low``)."""
-    return reference.component(reference_model_in(low, variant, dtype), component,
-                               cases.low_precision_component_inputs(FORWARD_VARIANTS[variant], component, case, low))
-
-
-@pytest.mark.parametrize("variant", LOW_COMPONENT_VARIANTS)
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("component,case", COMPONENT_CASES)
-def test_component_low_precision(port, device_kind, dtype, variant, component, case, agreement, single_rounding):
-    """bfloat16 and float16 components on inputs and weights that are numbers of the format (so that the error is
-    the recipe's alone). Attention and LayerNorm, rounded once, element by element within the float32 bound of the
-    wide value plus half a unit (a softmax or a variance computed in P instead is several units off: the queries
-    are scaled up, ``cases.low_precision_component_inputs``); the others within the low-precision policy."""
-    backend = port_backend(port)
-    device = device_for(backend, device_kind)
-    inputs = cases.low_precision_component_inputs(FORWARD_VARIANTS[variant], component, case, dtype)
-    out = backend.component(port_model(port, variant, dtype, device), component, inputs)
-    ref64, ref32, ref_low = (reference_component_in(dtype, variant, component, case, precision)
-                             for precision in ("float64", "float32", dtype))
-    what = f"{component}: {variant}/{case}"
-    if component in SINGLE_ROUNDING:
-        single_rounding(out, ref64, ref32, port=port, device=device, dtype=dtype, what=what)
-        return
-    agreement(out, ref64, ref_low, port=port, device=device, dtype=dtype, what=what, scores=component == "generator")
-    if component == "generator":
-        check_generator_rounds_its_logits(out, inputs["x"], variant, dtype, what)
-
-
-def check_generator_rounds_its_logits(log_probs, x, variant: str, dtype: str, what: str) -> None:
-    """The logits are one rounding of the recipe. Given the generator's input ``x`` (numbers of ``dtype``: a
-    component's input, or a port's own decoder output), in every row whose logits' roundings all have one answer
-    (``tolerance.decided_by_rounding`` of x W, exact and in float32) a port's logits are the reference's, and its
-    float32 log-probabilities the reference generator's on the same ``x`` within the float32 bound of that
-    computation. A compiler that keeps the logits in float32 (XLA's "excess precision") is up to half a unit of
-    ``dtype`` off there, 10^3-10^4 times that bound."""
-    x = np.asarray(x).astype(np.float64)
-    exact, wide = reference_model_in(dtype, variant, "float64"), reference_model_in(dtype, variant, "float32")
-    decided = tolerance.decided_by_rounding(x @ exact.generator.weight,
-                                            x.astype(np.float32) @ wide.generator.weight, dtype)
-    rows = decided.all(axis=-1)                                                            # (B, T)
-    assert rows.any(), f"{what}: every row holds a logit whose rounding is undecided; nothing was checked"
-    expected = reference_model_in(dtype, variant, dtype).generator(x.astype(dtype))       # log_softmax(round(x W))
-    error = tolerance.max_abs(np.asarray(log_probs)[rows], expected[rows])
-    bound = tolerance.float32_bound(exact.generator(x), wide.generator(x.astype(np.float32)))
-    assert error <= bound, (f"{what}: where every logit's rounding has one answer, the log-probabilities are "
-                            f"{error:.3e} from the reference's on the same input, over the float32 bound {bound:.3e}")
-
-
-@functools.cache
 def reference_layer_norm_offset(variant: str, dtype: str) -> np.ndarray:
     inputs = cases.layer_norm_offset_inputs(FORWARD_VARIANTS[variant])
     return reference.component(reference_model(variant, dtype), "layer_norm", inputs)
@@ -197,19 +134,6 @@ def test_attention_weights(port, device_kind, dtype, variant, kind, agreement):
               port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
 
 
-@pytest.mark.parametrize("variant", ["tiny", "pre_ln"])
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
-def test_attention_weights_low_precision(port, device_kind, dtype, variant, kind, agreement):
-    """The attention weights of a bfloat16 or float16 model, rounded to the format, layer 1, on a ragged batch."""
-    backend = port_backend(port)
-    device = device_for(backend, device_kind)
-    inputs = cases.model_inputs(FORWARD_VARIANTS[variant], "ragged_batch")
-    weights = backend.attention_weights(port_model(port, variant, dtype, device), inputs["src"], inputs["tgt"], 1, kind)
-    agreement(weights, reference_attention(variant, kind, "float64"), reference_attention(variant, kind, dtype),
-              port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
-
-
 @functools.cache
 def port_forward(port: str, variant: str, case: str, dtype: str, device: str) -> dict[str, np.ndarray]:
     model = port_model(port, variant, dtype, device)
@@ -219,7 +143,7 @@ def port_forward(port: str, variant: str, case: str, dtype: str, device: str) ->
 @pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_forward_stages(port, device_kind, dtype, variant, case, agreement):
+def test_forward_stages(port, device_kind, dtype, variant, case, agreement, logits_rounding):
     """Every stage against the float64 reference with the original (float64) weights, under the policy of the
     model's precision; in bfloat16 and float16 every stage is stored in the format and the log-probabilities are
     float32."""
@@ -231,13 +155,13 @@ def test_forward_stages(port, device_kind, dtype, variant, case, agreement):
         agreement(stages[stage], ref64[stage], ref_same[stage], port=port, device=device, dtype=dtype,
                   what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}", scores=stage == "log_probs")
     if dtype in LOW_DTYPES:
-        check_generator_rounds_its_logits(stages["log_probs"], stages["decoder"], variant, dtype,
-                                          f"{port}/{dtype}/forward: {variant}/{case}")
+        logits_rounding(stages["log_probs"], stages["decoder"], functools.partial(reference_model_in, dtype, variant),
+                        dtype, f"{port}/{dtype}/forward: {variant}/{case}")
 
 
 @pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
 @pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
-def test_log_probs(port, device_kind, dtype, variant, agreement):
+def test_log_probs(port, device_kind, dtype, variant, agreement, logits_rounding):
     """The output-only inference call ``bench`` times (JAX's and TF's XLA-compiled forward pass): explicit
     masks (case "none") and the model's default ones on a ragged batch; with its own generator weight and
     with the shared embedding's (the other variants' layers are test_forward_stages' and the same code)."""
@@ -251,8 +175,9 @@ def test_log_probs(port, device_kind, dtype, variant, agreement):
                   reference_forward(variant, case, dtype)["log_probs"], port=port, device=device, dtype=dtype,
                   what=f"log_probs: {variant}/{case}", scores=True)
         if dtype in LOW_DTYPES:
-            check_generator_rounds_its_logits(log_probs, port_forward(port, variant, case, dtype, device)["decoder"],
-                                              variant, dtype, f"{port}/{dtype}/log_probs: {variant}/{case}")
+            logits_rounding(log_probs, port_forward(port, variant, case, dtype, device)["decoder"],
+                            functools.partial(reference_model_in, dtype, variant), dtype,
+                            f"{port}/{dtype}/log_probs: {variant}/{case}")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -426,9 +351,17 @@ def trained_decoding(kind: str, dtype: str = "float32"):
                                                               trained_model("numpy", dtype), src, tokens)
 
 
+@functools.cache
+def trained_model_in(low: str, dtype: str):
+    """The reference in ``dtype`` with the trained weights rounded to ``low``."""
+    config, params, _, _ = trained()
+    return rounded_reference(config, params, low, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
-def test_trained_model_forward_stages(port, device_kind, dtype, agreement):
-    """Every stage of the trained model on held-out sentences and their French translations."""
+def test_trained_model_forward_stages(port, device_kind, dtype, agreement, logits_rounding):
+    """Every stage of the trained model on held-out sentences and their French translations; in bfloat16 and
+    float16 the logits' roundings too (trained logits are large and spread: where XLA dropped them, first seen)."""
     backend = port_backend(port)
     device = device_for(backend, device_kind)
     stages = backend.forward(trained_model(port, dtype, device), **trained()[3])
@@ -436,6 +369,9 @@ def test_trained_model_forward_stages(port, device_kind, dtype, agreement):
     for stage in ref64:
         agreement(stages[stage], ref64[stage], ref_same[stage], port=port, device=device, dtype=dtype,
                   what=f"trained model, forward {stage}", scores=stage == "log_probs")
+    if dtype in LOW_DTYPES:
+        logits_rounding(stages["log_probs"], stages["decoder"], functools.partial(trained_model_in, dtype), dtype,
+                        f"{port}/{dtype}/trained model, forward")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
