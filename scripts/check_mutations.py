@@ -574,7 +574,7 @@ BEAM_TABLE = [
 
 def low_precision(checks: str, components: bool = False) -> list[str]:
     """The CPU low-precision agreement tests selected by ``checks`` (a -k expression): the stages and decoding, or
-    with ``components`` the components and attention weights."""
+    with ``components`` the components."""
     return [f"tests/test_agreement{'_low_precision' if components else ''}.py", "-k", f"cpu and ({checks})"]
 
 

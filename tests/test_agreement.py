@@ -28,7 +28,7 @@ from transformer_cli.translate import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
-LOW_DTYPES = ("bfloat16", "float16")   # their components and attention weights: test_agreement_low_precision.py
+LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
 DEVICE_KINDS = ("cpu", "gpu")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()
                    for case in (MASK_CASES if masked else ("none",))]
@@ -122,15 +122,15 @@ def reference_attention(variant: str, kind: str, dtype: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + LOW_DTYPES)
 @pytest.mark.parametrize("kind", ATTENTION_KINDS)
 def test_attention_weights(port, device_kind, dtype, variant, kind, agreement):
-    """The weights ``plot attention`` draws, layer 1, on a ragged batch."""
+    """The weights ``plot attention`` draws, layer 1, on a ragged batch (in bfloat16 and float16, rounded to it)."""
     backend = port_backend(port)
     device = device_for(backend, device_kind)
     inputs = cases.model_inputs(FORWARD_VARIANTS[variant], "ragged_batch")
     weights = backend.attention_weights(port_model(port, variant, dtype, device), inputs["src"], inputs["tgt"], 1, kind)
-    agreement(weights, reference_attention(variant, kind, "float64"), reference_attention(variant, kind, "float32"),
+    agreement(weights, reference_attention(variant, kind, "float64"), reference_attention(variant, kind, dtype),
               port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
 
 

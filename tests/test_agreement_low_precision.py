@@ -1,7 +1,7 @@
-"""The agreement matrix's bfloat16 and float16 components and attention weights (the recipe of
-``reference_numpy/precision.py``), on inputs and weights that are numbers of the format, so that the error is the
-recipe's alone. The forward stages, log-probabilities, port pairs and decoding in both formats are
-``tests/test_agreement.py``'s, parametrized with float64 and float32.
+"""The agreement matrix's bfloat16 and float16 components (the recipe of ``reference_numpy/precision.py``), on inputs
+and weights that are numbers of the format, so that the error is the recipe's alone. The forward stages,
+log-probabilities, attention weights, port pairs and decoding in both formats are ``tests/test_agreement.py``'s,
+parametrized with float64 and float32.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ from test_agreement import (
     device_for,
     port_backend,
     port_model,
-    reference_attention,
 )
 
 from equivalence import cases
 from equivalence.adapters import numpy as reference
 from equivalence.cases import FORWARD_VARIANTS, MASK_CASES
-from equivalence.recipes import ATTENTION_KINDS
 
 # The recipe's concepts computed wide and rounded once: checked element by element (tolerance.single_rounding_bound)
 # and exactly wherever the float32 bound decides the rounding (tolerance.decided_by_rounding).
@@ -70,17 +68,3 @@ def test_component_low_precision(port, device_kind, dtype, variant, component, c
         logits_rounding(out, inputs["x"], functools.partial(reference_model_in, dtype, variant), dtype,
                         f"{port}/{dtype}/{what}")
 
-
-@pytest.mark.parametrize("port", list(FRAMEWORKS))
-@pytest.mark.parametrize("device_kind", DEVICE_KINDS)
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
-def test_attention_weights_low_precision(port, device_kind, dtype, variant, kind, agreement):
-    """The attention weights of a bfloat16 or float16 model, rounded to the format, layer 1, on a ragged batch."""
-    backend = port_backend(port)
-    device = device_for(backend, device_kind)
-    inputs = cases.model_inputs(FORWARD_VARIANTS[variant], "ragged_batch")
-    weights = backend.attention_weights(port_model(port, variant, dtype, device), inputs["src"], inputs["tgt"], 1, kind)
-    agreement(weights, reference_attention(variant, kind, "float64"), reference_attention(variant, kind, dtype),
-              port=port, device=device, dtype=dtype, what=f"attention weights: {variant}/{kind}")
