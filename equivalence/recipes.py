@@ -7,7 +7,10 @@ model and tensors and gets its own tensors back.
 
 from __future__ import annotations
 
+import numpy as np
+
 from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import DTYPES, round_to
 
 from .cases import COMPONENT_MASKED
 
@@ -45,6 +48,14 @@ def run_component(model, name: str, inputs: dict, attention):
     if name == "generator":
         return model.generator(inputs["x"])
     raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
+
+
+def rounded_inputs(inputs: dict, dtype) -> dict:
+    """A component's NumPy ``inputs`` with every float array (float64, float32, bfloat16 or float16) rounded once,
+    correctly, to the model's ``dtype`` (``round_to``: frameworks' float64 -> bfloat16 casts round twice); masks and
+    None as they are. Each adapter then makes its own tensors of them, exactly."""
+    return {key: round_to(value, dtype) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
+            for key, value in inputs.items()}
 
 
 def check_attention_request(config: TransformerConfig, layer: int, kind: str) -> None:

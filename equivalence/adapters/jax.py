@@ -18,14 +18,13 @@ from flax import nnx
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
 from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from transformer_jax.model import forward as _forward
 
-from ..recipes import check_attention_request, run_component, sublayer_attention_weights
+from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
 
 NAME = "jax"
 
@@ -95,9 +94,7 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     decoder_layer and decoder take x, memory, src_mask, tgt_mask. Float inputs are rounded to the model's dtype
     (float32, float64, bfloat16 or float16) by ``round_to``, once.
     """
-    cast = {key: (round_to(value, model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
-                  else value) for key, value in inputs.items()}
-    return np.asarray(run_component(model, name, cast, scaled_dot_product_attention))
+    return np.asarray(run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention))
 
 
 @_x64

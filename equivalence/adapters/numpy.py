@@ -11,9 +11,8 @@ import numpy as np
 from reference_numpy import checkpoint, data_parallel, decoding, training
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
-from reference_numpy.precision import round_to
 
-from ..recipes import check_attention_request, run_component, sublayer_attention_weights
+from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
 
 NAME = "numpy"
 
@@ -60,9 +59,7 @@ def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.
 
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component (:data:`equivalence.recipes.COMPONENTS`) on NumPy inputs; weights from layer 0."""
-    cast = {key: (round_to(value, model.dtype) if isinstance(value, np.ndarray) and value.dtype.kind == "f"
-                  else value) for key, value in inputs.items()}
-    return run_component(model, name, cast, scaled_dot_product_attention)
+    return run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention)
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:

@@ -17,7 +17,7 @@ import tensorflow as tf
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import is_low, round_to
+from reference_numpy.precision import DTYPES
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
@@ -30,7 +30,7 @@ from transformer_tf.model import (
     target_mask,
 )
 
-from ..recipes import check_attention_request, run_component, sublayer_attention_weights
+from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
 
 NAME = "tf"
 
@@ -104,9 +104,8 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     Float inputs are rounded to the model's dtype in NumPy (``round_to``: correctly, also from float64 to
     bfloat16, which TensorFlow's cast rounds twice), then become tensors of that dtype exactly.
     """
-    cast = {key: (tf.constant(round_to(value, model.compute_dtype))
-                  if isinstance(value, np.ndarray) and (value.dtype.kind == "f" or is_low(value.dtype)) else value)
-            for key, value in inputs.items()}
+    cast = {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
+            for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
     with tf.device(_device.model_device(model)):
         return run_component(model, name, cast, scaled_dot_product_attention).numpy()
 

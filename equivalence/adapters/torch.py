@@ -18,7 +18,6 @@ import torch
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import DTYPES, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
@@ -34,7 +33,7 @@ from transformer_torch.model import (
     target_mask,
 )
 
-from ..recipes import check_attention_request, run_component, sublayer_attention_weights
+from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
 
 NAME = "torch"
 
@@ -93,16 +92,9 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """
     model.eval()
     dtype = _dtype_name(model.dtype)
-    t = {key: None if value is None else _tensor(value, dtype, model.device) for key, value in inputs.items()}
+    t = {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
+         for key, value in rounded_inputs(inputs, dtype).items()}
     return _numpy(run_component(model, name, t, scaled_dot_product_attention))
-
-
-def _tensor(value, dtype: str, device: torch.device) -> torch.Tensor:
-    """An input array on ``device``, rounded to ``dtype`` when it holds floats."""
-    value = np.asarray(value)
-    if value.dtype in DTYPES:
-        value = round_to(value, dtype)
-    return _from_numpy(np.ascontiguousarray(value)).to(device)
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
