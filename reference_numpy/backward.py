@@ -14,6 +14,15 @@ target embedding's and the generator's share. The forward values a backward need
 its closure, so the forward pass runs once. Each backward function names the derivative it
 computes; ``loss_and_gradients`` chains them from the loss back to the embeddings.
 
+In a low precision P (bfloat16, float16) the backward pass mirrors the forward recipe of :mod:`.precision`: each
+concept's backward is computed wide (float64) from the values its forward read (P) and the gradient of its output
+(P; float32 for the log-probabilities), and every gradient it returns -- of its inputs and of its parameters -- is
+rounded once to P. Gradients that meet (the residual skip and the sublayer, the query, key and value of
+self-attention, the memory read by every decoder layer, the three uses of a tied embedding) add in P arithmetic
+(:func:`.model.add`); the rows of an embedding's gradient are summed wide and rounded once. The attention weights
+and the softmax of the logits are recomputed wide for the backward, as the frameworks' autodiff does from its
+float32 values.
+
 Shapes as in :mod:`.model` (B, H, S, T, Tq, Tk, D, d_k, F, V, L); ``...`` is any leading axes.
 """
 
@@ -39,10 +48,12 @@ from .model import (
     PositionalEncoding,
     PositionwiseFeedForward,
     Transformer,
+    add,
     padding_mask,
     scaled_dot_product_attention,
     target_mask,
 )
+from .precision import is_low, narrow, wide
 
 Grads = dict[str, np.ndarray]
 Backward = Callable[[np.ndarray], np.ndarray]
@@ -50,8 +61,17 @@ Sublayer = Callable[[np.ndarray], tuple[np.ndarray, Backward]]
 
 
 def _add(grads: Grads, name: str, value: np.ndarray) -> None:
-    """Add one use's gradient of the tensor ``name`` to ``grads`` (a tensor used twice receives the sum)."""
-    grads[name] = grads[name] + value if name in grads else value
+    """Add one use's gradient of the tensor ``name`` to ``grads`` (a tensor used twice receives the sum, in its
+    precision)."""
+    grads[name] = add(grads[name], value) if name in grads else value
+
+
+def _sum(gradients: tuple[np.ndarray, ...]) -> np.ndarray:
+    """The gradients of one value's uses added in turn, in the value's precision."""
+    total = gradients[0]
+    for gradient in gradients[1:]:
+        total = add(total, gradient)
+    return total
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -66,11 +86,14 @@ def linear(layer: Linear, name: str, x: np.ndarray, grads: Grads) -> tuple[np.nd
 
     Shape: x (..., in) -> y (..., out); backward: dL/dy (..., out) -> dL/dx (..., in).
     """
+    dtype = layer.weight.dtype
+
     def backward(grad_y: np.ndarray) -> np.ndarray:
         """dL/dW = x^T dL/dy, dL/db = dL/dy summed over rows, dL/dx = dL/dy W^T."""
-        _add(grads, f"{name}.weight", _rows(x).T @ _rows(grad_y))      # (in, out)
-        _add(grads, f"{name}.bias", _rows(grad_y).sum(axis=0))         # (out,)
-        return grad_y @ layer.weight.T                                 # (..., in)
+        rows = _rows(wide(grad_y))
+        _add(grads, f"{name}.weight", narrow(_rows(wide(x)).T @ rows, dtype))   # (in, out)
+        _add(grads, f"{name}.bias", narrow(rows.sum(axis=0), dtype))            # (out,)
+        return narrow(wide(grad_y) @ wide(layer.weight).T, dtype)              # (..., in)
 
     return layer(x), backward
 
@@ -96,15 +119,21 @@ def attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
     Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v) -> (..., Tq, d_v);
     backward: dL/dout (..., Tq, d_v) -> (dL/dQ, dL/dK, dL/dV), shaped like query, key, value.
     """
+    dtype = query.dtype
     out, weights = scaled_dot_product_attention(query, key, value, mask)  # weights (..., Tq, Tk)
+    query, key, value = wide(query), wide(key), wide(value)
+    if is_low(dtype):
+        weights = scaled_dot_product_attention(query, key, value, mask)[1]  # unrounded, as autodiff keeps them
     scale = math.sqrt(query.shape[-1])
 
     def backward(grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """dL/dV = A^T dL/dout, dL/dA = dL/dout V^T, dL/dscores by :func:`softmax_backward` and
         1/sqrt(d_k), dL/dQ = dL/dscores K, dL/dK = dL/dscores^T Q (A: the weights)."""
+        grad_out = wide(grad_out)
         grad_value = np.swapaxes(weights, -1, -2) @ grad_out                                 # (..., Tk, d_v)
         grad_scores = softmax_backward(weights, grad_out @ np.swapaxes(value, -1, -2)) / scale  # (..., Tq, Tk)
-        return grad_scores @ key, np.swapaxes(grad_scores, -1, -2) @ query, grad_value
+        return (narrow(grad_scores @ key, dtype), narrow(np.swapaxes(grad_scores, -1, -2) @ query, dtype),
+                narrow(grad_value, dtype))
 
     return out, backward
 
@@ -153,7 +182,8 @@ def feed_forward(ffn: PositionwiseFeedForward, name: str, x: np.ndarray,
 
     def backward(grad_out: np.ndarray) -> np.ndarray:
         """The ReLU passes dL/dhidden where its input is positive and zero elsewhere."""
-        return hidden_backward(out_backward(grad_out) * (hidden > 0))                  # (B, T, D)
+        grad_hidden = out_backward(grad_out)                                          # (B, T, F)
+        return hidden_backward(np.where(hidden > 0, grad_hidden, np.zeros_like(grad_hidden)))
 
     return out, backward
 
@@ -164,7 +194,8 @@ def layer_norm(norm: LayerNorm, name: str, x: np.ndarray, grads: Grads) -> tuple
 
     Shape: x (..., D) -> (..., D); backward: dL/dy (..., D) -> dL/dx (..., D).
     """
-    centered = x - x.mean(axis=-1, keepdims=True)                                  # (..., D)
+    dtype, wide_x = x.dtype, wide(x)
+    centered = wide_x - wide_x.mean(axis=-1, keepdims=True)                       # (..., D)
     inv_std = 1.0 / np.sqrt((centered ** 2).mean(axis=-1, keepdims=True) + norm.eps)  # (..., 1)
     normalized = centered * inv_std                                                # x_hat (..., D)
 
@@ -172,11 +203,12 @@ def layer_norm(norm: LayerNorm, name: str, x: np.ndarray, grads: Grads) -> tuple
         """With g = dL/dy * weight: dL/dx = (g - mean(g) - x_hat mean(g x_hat)) / sqrt(var + eps),
         the means over the D features (the biased variance divides by D); dL/dweight = sum of
         dL/dy x_hat, dL/dbias = sum of dL/dy over every position."""
-        _add(grads, f"{name}.weight", _rows(grad_y * normalized).sum(axis=0))     # (D,)
-        _add(grads, f"{name}.bias", _rows(grad_y).sum(axis=0))                    # (D,)
-        g = grad_y * norm.weight
-        return inv_std * (g - g.mean(axis=-1, keepdims=True)
-                          - normalized * (g * normalized).mean(axis=-1, keepdims=True))
+        grad_y = wide(grad_y)
+        _add(grads, f"{name}.weight", narrow(_rows(grad_y * normalized).sum(axis=0), dtype))  # (D,)
+        _add(grads, f"{name}.bias", narrow(_rows(grad_y).sum(axis=0), dtype))                # (D,)
+        g = grad_y * wide(norm.weight)
+        return narrow(inv_std * (g - g.mean(axis=-1, keepdims=True)
+                                 - normalized * (g * normalized).mean(axis=-1, keepdims=True)), dtype)
 
     return norm(x), backward
 
@@ -195,17 +227,17 @@ def residual(norm: LayerNorm, name: str, norm_first: bool, x: np.ndarray, sublay
 
         def pre_ln_backward(grad_out: np.ndarray) -> np.ndarray:
             """dL/dx = dL/dout (the skip) + the sublayer's and the norm's chain."""
-            return grad_out + norm_backward(sublayer_backward(grad_out))
+            return add(grad_out, norm_backward(sublayer_backward(grad_out)))
 
-        return x + out, pre_ln_backward
+        return add(x, out), pre_ln_backward
     out, sublayer_backward = sublayer(x)
-    summed = x + out
+    summed = add(x, out)
     result, norm_backward = layer_norm(norm, name, summed, grads)
 
     def post_ln_backward(grad_out: np.ndarray) -> np.ndarray:
         """dL/dsum through the norm; dL/dx = dL/dsum (the skip) + the sublayer's chain of dL/dsum."""
         grad_summed = norm_backward(grad_out)
-        return grad_summed + sublayer_backward(grad_summed)
+        return add(grad_summed, sublayer_backward(grad_summed))
 
     return result, post_ln_backward
 
@@ -219,11 +251,14 @@ def embeddings(embed: Embeddings, name: str, tokens: np.ndarray,
     Shape: tokens (B, T) int -> (B, T, D); backward: dL/dout (B, T, D) -> None (the tokens are
     integers), adding dL/dE (V, D) to ``grads``.
     """
+    dtype = embed.weight.dtype
+
     def backward(grad_out: np.ndarray) -> None:
-        """Row v of dL/dE is sqrt(d_model) times the sum of dL/dout over the positions holding v."""
-        table = np.zeros_like(embed.weight)                                    # (V, D)
-        np.add.at(table, tokens, grad_out * embed.scale)
-        _add(grads, f"{name}.weight", table)
+        """Row v of dL/dE is the sum, over the positions holding v, of sqrt(d_model) dL/dout (in P: each
+        product rounded to P, the sum wide and rounded once)."""
+        table = np.zeros(embed.weight.shape, wide(grad_out).dtype)            # (V, D)
+        np.add.at(table, tokens, wide(narrow(wide(grad_out) * embed.scale, dtype)))
+        _add(grads, f"{name}.weight", narrow(table, dtype))
 
     return embed(tokens), backward
 
@@ -239,9 +274,9 @@ def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, 
         """A learned table's row t receives dL/dout at position t summed over the batch; rows
         t >= T are unused and receive zero."""
         if learned:
-            table = np.zeros_like(encoding.table)                              # (L, D)
-            table[:grad_out.shape[1]] = grad_out.sum(axis=0)
-            _add(grads, f"{name}.weight", table)
+            table = np.zeros(encoding.table.shape, wide(grad_out).dtype)       # (L, D)
+            table[:grad_out.shape[1]] = wide(grad_out).sum(axis=0)
+            _add(grads, f"{name}.weight", narrow(table, encoding.table.dtype))
         return grad_out
 
     return encoding(x), backward
@@ -253,16 +288,18 @@ def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Gra
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V); backward: dL/dlog_probs (B, T, V) -> dL/dx (B, T, D).
     """
-    log_probs = gen(x)                                                         # (B, T, V)
+    log_probs, dtype = gen(x), gen.weight.dtype                                # (B, T, V)
+    probs = np.exp(wide(log_probs))                                            # float32 in P, as autodiff keeps
 
     def backward(grad_log_probs: np.ndarray) -> np.ndarray:
         """dL/dlogits = dL/dlog_probs - softmax * (sum over V of dL/dlog_probs) (the log-softmax),
         dL/dW = x^T dL/dlogits (D, V), given to a shared embedding transposed (V, D);
         dL/dx = dL/dlogits W^T."""
-        grad_logits = grad_log_probs - np.exp(log_probs) * grad_log_probs.sum(axis=-1, keepdims=True)
-        grad_weight = _rows(x).T @ _rows(grad_logits)                         # (D, V)
+        grad = wide(grad_log_probs)
+        grad_logits = narrow(grad - probs * grad.sum(axis=-1, keepdims=True), dtype)  # (B, T, V)
+        grad_weight = narrow(_rows(wide(x)).T @ _rows(wide(grad_logits)), dtype)    # (D, V)
         _add(grads, f"{name}.weight", grad_weight.T if shared else grad_weight)
-        return grad_logits @ gen.weight.T                                      # (B, T, D)
+        return narrow(wide(grad_logits) @ wide(gen.weight).T, dtype)            # (B, T, D)
 
     return log_probs, backward
 
@@ -300,7 +337,7 @@ def encoder_layer(layer: EncoderLayer, name: str, x: np.ndarray, mask: np.ndarra
     """
     def self_attention(h: np.ndarray) -> tuple[np.ndarray, Backward]:
         out, attn_backward = multi_head_attention(layer.self_attn, f"{name}.self_attn", h, h, h, mask, grads)
-        return out, lambda grad: sum(attn_backward(grad))                     # query, key and value are h
+        return out, lambda grad: _sum(attn_backward(grad))                    # query, key and value are h
 
     x, attn_backward = residual(layer.self_attn_norm, f"{name}.self_attn_norm", layer.norm_first, x,
                                 self_attention, grads)
@@ -322,7 +359,7 @@ def decoder_layer(layer: DecoderLayer, name: str, x: np.ndarray, memory: np.ndar
 
     def self_attention(h: np.ndarray) -> tuple[np.ndarray, Backward]:
         out, attn_backward = multi_head_attention(layer.self_attn, f"{name}.self_attn", h, h, h, tgt_mask, grads)
-        return out, lambda grad: sum(attn_backward(grad))
+        return out, lambda grad: _sum(attn_backward(grad))
 
     def cross_attention(h: np.ndarray) -> tuple[np.ndarray, Backward]:
         out, attn_backward = multi_head_attention(layer.cross_attn, f"{name}.cross_attn", h, memory, memory,
@@ -330,7 +367,7 @@ def decoder_layer(layer: DecoderLayer, name: str, x: np.ndarray, memory: np.ndar
 
         def backward(grad: np.ndarray) -> np.ndarray:
             grad_query, grad_key, grad_value = attn_backward(grad)
-            grad_memory.append(grad_key + grad_value)
+            grad_memory.append(add(grad_key, grad_value))
             return grad_query
 
         return out, backward
@@ -389,7 +426,7 @@ def decoder(stack: Decoder, name: str, x: np.ndarray, memory: np.ndarray, src_ma
         grad_memory = np.zeros_like(memory)                                    # (B, S, D)
         for layer_backward in reversed(backwards):
             grad_out, layer_grad_memory = layer_backward(grad_out)
-            grad_memory += layer_grad_memory
+            grad_memory = add(grad_memory, layer_grad_memory)
         return grad_out, grad_memory
 
     return x, backward
@@ -398,10 +435,11 @@ def decoder(stack: Decoder, name: str, x: np.ndarray, memory: np.ndarray, src_ma
 # ----------------------------------------------------------------------------- the model
 
 def loss_and_gradients(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarray,
-                       epsilon: float) -> tuple[float, dict[str, np.ndarray]]:
+                       epsilon: float, scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
     """The label-smoothed loss of section 5.4 (:func:`.training.loss`, the model's default masks,
     dropout off) and its gradient with respect to every checkpoint tensor, by name, in checkpoint
-    layout and the model's dtype. Bad input gets the ValueErrors of :func:`.training.loss`.
+    layout and the model's dtype. Bad input gets the ValueErrors of :func:`.training.loss`. With
+    ``scale`` (float16's loss scaling) the gradients are those of ``scale`` times the loss.
 
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens.
     """
@@ -422,7 +460,7 @@ def loss_and_gradients(model: Transformer, src: np.ndarray, tgt: np.ndarray, lab
     log_probs, generator_backward = generator(model.generator, generator_name, shared, out, grads)
     value, loss_backward = label_smoothed_cross_entropy(log_probs, labels, config.pad_id, epsilon)
 
-    grad_y, grad_memory = decoder_backward(generator_backward(loss_backward(1.0)))
+    grad_y, grad_memory = decoder_backward(generator_backward(loss_backward(scale)))
     tgt_embed_backward(tgt_pos_backward(grad_y))
     src_embed_backward(src_pos_backward(encoder_backward(grad_memory)))
     return value, {name: grads[name].astype(model.dtype, copy=False) for name in parameter_shapes(config)}

@@ -104,9 +104,34 @@ def _ulp_exponent(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.maximum(exponent - (info.nmant + 1), info.minexp - info.nmant)
 
 
+# ----------------------------------------------------------------------------- training in a low precision
+
+LOSS_SCALE = 2.0 ** 15        # float16's first loss scale (Keras' default; a power of two: scaling is exact)
+LOSS_SCALE_GROWTH_INTERVAL = 2000  # finite steps in a row before the scale doubles (torch, Keras and Flax defaults)
+
+
 def check_trainable(dtype) -> None:
-    """Gradients and training run on float32 or float64 models: a low-precision model is refused with one
-    ValueError, the same in every backend."""
+    """Training updates float32 or float64 weights: a low-precision *model* is refused with one ValueError, the same
+    in every backend (a float32 model trains in a low precision with ``optimizer(..., dtype=...)``)."""
     if is_low(dtype):
-        raise ValueError(f"gradients and training need a float32 or float64 model, got {np.dtype(dtype).name}: "
-                         f"load the checkpoint in float32 to train")
+        raise ValueError(f"training needs float32 or float64 weights, got a {np.dtype(dtype).name} model: load the "
+                         f"checkpoint in float32 and give the optimizer dtype={np.dtype(dtype).name!r} (mixed "
+                         f"precision: float32 master weights, each step computed in {np.dtype(dtype).name})")
+
+
+def training_dtype(model_dtype, dtype) -> np.dtype:
+    """The precision a training step computes in: ``dtype`` (any of :data:`DTYPES`; None: the model's own). A low one
+    needs a float32 model, whose weights are the master copy; one ValueError otherwise, the same in every backend."""
+    model_dtype = parse_dtype(model_dtype)
+    check_trainable(model_dtype)
+    dtype = model_dtype if dtype is None else parse_dtype(dtype)
+    if dtype != model_dtype and not (is_low(dtype) and model_dtype == np.float32):
+        raise ValueError(f"a {model_dtype.name} model trains in {model_dtype.name}, got dtype={dtype.name!r} "
+                         f"(bfloat16 and float16 steps keep float32 master weights: load the model in float32)")
+    return dtype
+
+
+def uses_loss_scaling(dtype) -> bool:
+    """float16 training scales the loss (its smallest normal number is 6e-5: small gradients would flush to zero);
+    bfloat16 has float32's exponent range and does not."""
+    return np.dtype(dtype) == FLOAT16

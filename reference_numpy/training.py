@@ -4,17 +4,25 @@ schedule (5.3), one training step, and the run's state for a checkpoint.
 The reference differentiates by hand (``reference_numpy/backward.py``, checked against finite
 differences of :func:`loss`); the ports differentiate by autodiff and step with their framework's own
 optimizer, made to compute the same update. The reference has no dropout: it trains as with P_drop = 0.
+
+**Mixed precision** (``optimizer(model, dtype="bfloat16"|"float16")``, ``docs/training.md``): a float32 model's
+weights are the master copy and Adam's moments are float32; each step computes the loss and its gradient in the low
+precision P by the recipe of :mod:`.precision` -- the weights rounded to P, the backward pass of
+:mod:`.backward` in P -- and widens the P gradients to float32 for Adam. float16 scales the loss
+(:class:`LossScale`); bfloat16 does not.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from . import backward, checkpoint
+from . import backward, checkpoint, precision
 from .checkpoint import TrainingState
 from .config import TrainingConfig
 from .model import Transformer
-from .precision import check_trainable
+from .precision import is_low, training_dtype, uses_loss_scaling
 
 LABEL_SMOOTHING = 0.1  # section 5.4
 PAPER = TrainingConfig()  # section 5.3: Adam(0.9, 0.98, 1e-9), warmup_steps = 4000
@@ -66,8 +74,8 @@ def loss(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarra
 def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss and its gradient for every checkpoint tensor, in checkpoint layout and the model's dtype
-    (tied weights receive the sum over their uses), by the hand-written backward pass."""
-    check_trainable(model.dtype)
+    (tied weights receive the sum over their uses), by the hand-written backward pass; a bfloat16 or float16
+    model's gradients are P, by the recipe (its loss float32)."""
     return backward.loss_and_gradients(model, src, tgt, labels, epsilon)
 
 
@@ -82,12 +90,32 @@ def learning_rate(step: int, d_model: int, config: TrainingConfig = PAPER) -> fl
     return config.learning_rate_scale * d_model ** -0.5 * min(step ** -0.5, step * config.warmup_steps ** -1.5)
 
 
+class LossScale:
+    """Dynamic loss scaling for float16 (Micikevicius et al., 2018, "Mixed precision training"), as torch's
+    ``GradScaler``, Keras' ``LossScaleOptimizer`` and Flax's ``DynamicScale`` do it: the backward pass starts from
+    ``value`` times the loss and the gradients are divided by ``value`` in float32; a step whose gradients are not
+    all finite is skipped (no update, the step count unchanged) and halves ``value``; ``growth_interval`` finite
+    steps in a row double it."""
+
+    def __init__(self, value: float, growth_interval: int):
+        self.value, self.growth_interval, self.good_steps = value, growth_interval, 0
+
+    def update(self, finite: bool) -> None:
+        """After a step: halve on non-finite gradients; double after ``growth_interval`` finite steps in a row."""
+        self.good_steps = self.good_steps + 1 if finite else 0
+        if not finite:
+            self.value /= 2.0
+        elif self.good_steps == self.growth_interval:
+            self.value, self.good_steps = self.value * 2.0, 0
+
+
 class Adam:
     """Adam (Kingma & Ba, 2015, Algorithm 1) with beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9 and the
     learning rate of Eq. (3) -- section 5.3. Updates the parameter arrays in place:
 
         t += 1;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
         theta -= lrate(t) * m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^t),  v_hat = v / (1 - b2^t)
+
     """
 
     def __init__(self, params: dict[str, np.ndarray], d_model: int, config: TrainingConfig,
@@ -119,28 +147,69 @@ def _moment(state: TrainingState | None, which: int, name: str, like: np.ndarray
     return np.array(state[2 + which][name], dtype=like.dtype)
 
 
+@dataclass
+class MixedPrecision:
+    """Training in a low precision P over float32 master weights (the model's): ``optimizer`` steps the masters
+    with float32 gradients; ``low`` is the model in P each step differentiates (the masters rounded to P);
+    ``loss_scale`` is float16's dynamic loss scaling, None for bfloat16."""
+
+    optimizer: Adam
+    low: Transformer
+    loss_scale: LossScale | None
+
+
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None) -> Adam:
+              state: TrainingState | None = None, dtype=None) -> Adam | MixedPrecision:
     """The optimizer of section 5.3 for ``model``. With ``state`` (from ``load_training_state``) the saved run
     continues where it stopped: its moments (cast to the model's dtype), step count and, unless ``config`` is
-    given, its training config."""
-    check_trainable(model.dtype)
+    given, its training config. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in
+    that precision over the model's float32 master weights (mixed precision, above)."""
+    dtype = training_dtype(model.dtype, dtype)
     if state is not None:
         state = state.astype(model.dtype)                                   # cast once: validated, then copied in
         checkpoint.validate_training_state(model.config, model.params, state)
     config = config or (state.config if state is not None else PAPER)
-    return Adam(model.params, model.config.d_model, config, state)
+    adam = Adam(model.params, model.config.d_model, config, state)
+    if not is_low(dtype):
+        return adam
+    return MixedPrecision(adam, Transformer(model.config, model.params, dtype),
+                          LossScale(precision.LOSS_SCALE, precision.LOSS_SCALE_GROWTH_INTERVAL)
+                          if uses_loss_scaling(dtype) else None)
 
 
-def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
-    """One training step of section 5 (no dropout in the reference): the loss before the update."""
+def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
+    """One training step of section 5 (no dropout in the reference): the loss before the update. In mixed
+    precision the loss and gradients are the P model's, widened to float32 for the update of the masters
+    (:func:`_mixed_precision_step`)."""
+    if isinstance(optimizer, MixedPrecision):
+        return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
     value, grads = gradients(model, src, tgt, labels, epsilon)
     optimizer.update(grads)
     return value
 
 
-def training_state(model: Transformer, optimizer: Adam) -> TrainingState:
-    """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``."""
+def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
+    """The P model's loss and the gradient of ``scale`` x the loss (the recipe's backward pass in P), widened to
+    float32 and divided by the scale; Adam's update of the float32 masters if every gradient is finite, else the step
+    is skipped (float16; its scale halves); then the P model is the new masters rounded to P."""
+    scale = 1.0 if mixed.loss_scale is None else mixed.loss_scale.value
+    with np.errstate(over="ignore", invalid="ignore"):                    # an overflow skips the step (float16)
+        value, grads = backward.loss_and_gradients(mixed.low, src, tgt, labels, epsilon, scale)
+        grads = {name: grad.astype(np.float32) / np.float32(scale) for name, grad in grads.items()}
+    finite = all(np.isfinite(grad).all() for grad in grads.values())
+    if mixed.loss_scale is not None:
+        mixed.loss_scale.update(finite)
+    if finite:
+        mixed.optimizer.update(grads)
+        mixed.low = Transformer(model.config, model.params, mixed.low.dtype)
+    return value
+
+
+def training_state(model: Transformer, optimizer: Adam | MixedPrecision) -> TrainingState:
+    """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)`` (mixed precision: the
+    float32 Adam's; the loss scale is not kept, a resumed float16 run starts from ``LOSS_SCALE``)."""
+    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     copy = lambda moments: {name: np.array(moments[name]) for name in model.params}
     return TrainingState(optimizer.config, optimizer.step, copy(optimizer.first_moments),
                          copy(optimizer.second_moments))

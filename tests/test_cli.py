@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
 from reference_numpy.checkpoint import load_training_state
@@ -571,6 +572,21 @@ def test_train_learns_saves_its_state_and_resumes_where_it_stopped(tmp_path, mon
     assert rest["first_step"] == 25 and first["losses"] + rest["losses"] == whole["losses"]
     assert load_training_state(tmp_path / "run.safetensors").step == 40
     assert 0.0 <= rest["accuracy"] <= 1.0
+
+
+def test_train_in_bfloat16_keeps_float32_masters_and_saves_them(tmp_path, monkeypatch, capsys):
+    """``--dtype bfloat16``: the same copy task in mixed precision (each step in bfloat16, float32 masters and
+    moments) learns too, and the saved run is float32, resumable in float32."""
+    monkeypatch.chdir(tmp_path)
+    task = ["--symbols", "4", "--max-length", "4", "--batch-size", "16", "--warmup-steps", "20", "--eval-size", "8"]
+    run = train_json(capsys, *task, "--steps", "40", "--dtype", "bfloat16", "--out", "run.safetensors")[0]
+    assert run["steps"] == 40 and run["losses"][-1] < 0.75 * run["losses"][0]
+    state = load_training_state(tmp_path / "run.safetensors")
+    assert state.step == 40 and all(m.dtype == np.float32 for m in state.first_moments.values())
+    with safe_open(tmp_path / "run.safetensors", "np") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {np.dtype(np.float32)}
+    status, _, err = cli(capsys, "train", "--dtype", "float16", "--data-parallel", "2", "--steps", "1")
+    assert status == EXIT_USAGE and "--data-parallel trains in float32 or float64; --dtype float16" in err
 
 
 def test_train_stops_once_the_validation_set_is_copied(tmp_path, monkeypatch, capsys):

@@ -175,7 +175,7 @@ def test_a_shards_loss_divides_by_the_whole_batchs_count():
     ({"steps": -1}, "steps must be an int >= 0"),
     ({"steps": 2.0}, "steps must be an int >= 0"),
     ({"first_step": -1}, "first_step must be an int >= 0"),
-    ({"dtype": "float16"}, "gradients and training need a float32 or float64 model, got float16"),
+    ({"dtype": "float16"}, "training needs float32 or float64 weights, got a float16 model"),
     ({"dtype": "int8"}, "dtype must be one of float64, float32, bfloat16, float16, got int8"),
     ({"device": "tpu"}, "device 'tpu' is not a device name"),
     ({"batches": lambda step: BATCHES[step]}, "batches must be picklable: the ranks are spawned processes"),

@@ -1,6 +1,8 @@
 """Gradients of the label-smoothed cross-entropy (section 5.4, epsilon_ls = 0.1) in float64:
 every port against central finite differences of the NumPy reference's loss, and every pair
-of ports against each other."""
+of ports against each other; in bfloat16 and float16, every port's autodiff through its recipe
+against the reference's hand-written backward pass in the same precision, under the low-precision
+policy."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ import itertools
 
 import numpy as np
 import pytest
-from test_agreement import FRAMEWORKS, port_backend
+from test_agreement import FRAMEWORKS, LOW_DTYPES, port_backend
 
 from equivalence import tolerance
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from reference_numpy import Transformer
-from reference_numpy.training import loss
+from reference_numpy.training import gradients, loss
 
 STEP = 1e-3          # finite-difference step along a unit direction; halved for Richardson extrapolation
 DIRECTIONS = 3
@@ -81,3 +83,61 @@ def test_gradients_agree_across_ports(pair, variant):
     for name in grads_a:
         error = tolerance.max_abs(grads_a[name], grads_b[name])
         assert error <= bound, f"{name}: {pair[0]} vs {pair[1]} differ by {error:.3e} > {bound:.3e}"
+
+
+@functools.cache
+def reference_gradients(variant: str, dtype: str):
+    """The reference's loss and gradients with the model in ``dtype`` (the recipe's backward pass in P)."""
+    config = VARIANTS[variant]
+    value, grads = gradients(Transformer(config, seeded_params(config), dtype), **training_inputs(config))
+    return float(value), grads
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_low_precision_gradients_agree_with_the_reference(port, variant, dtype):
+    """A bfloat16 or float16 model's gradients, by the framework's autodiff through its recipe, are P tensors within
+    the low-precision policy of the float64 gradients, tensor by tensor: 8 x the reference-in-P's own error (its
+    backward pass rounds where ``reference_numpy/backward.py`` says), at least one unit of P at the tensor's scale;
+    the float32 loss likewise."""
+    config = VARIANTS[variant]
+    backend = port_backend(port)
+    value, grads = backend.gradients(backend.build(config, seeded_params(config), dtype, "cpu"),
+                                     **training_inputs(config))
+    (value64, grads64), (value_low, grads_low) = reference_gradients(variant, "float64"), \
+        reference_gradients(variant, dtype)
+    tolerance.assert_agrees(value, value64, value_low, what=f"{port}: loss", precision=dtype)
+    assert list(grads) == list(grads64)
+    for name, grad in grads.items():
+        assert grad.dtype == np.dtype(grads_low[name].dtype) and grad.shape == grads64[name].shape, name
+        tolerance.assert_agrees(grad, grads64[name], grads_low[name], what=f"{port}: gradient of {name!r}",
+                                precision=dtype)
+
+
+REPEATS = 512    # copies of the suite's batch (4 rows): every bos 2048 times; bfloat16 stops adding 1s at 256
+
+
+def repeated_batch() -> dict[str, np.ndarray]:
+    return {name: np.tile(value, (REPEATS, 1)) for name, value in training_inputs(VARIANTS["tiny"]).items()}
+
+
+@functools.cache
+def repeated_batch_gradients(dtype: str) -> dict[str, np.ndarray]:
+    config = VARIANTS["tiny"]
+    return gradients(Transformer(config, seeded_params(config), dtype), **repeated_batch())[1]
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_an_embedding_row_used_hundreds_of_times_sums_its_gradients_wide(port, dtype):
+    """The recipe sums the gradients of one embedding row wide and rounds once (``backward.embeddings``); a
+    framework's own embedding backward may add them one by one in P instead, which loses most of them past a few
+    hundred (in bfloat16 256 + 1 = 256). The batch repeats every row 512 times: each embedding's gradient stays within
+    the policy."""
+    config, backend = VARIANTS["tiny"], port_backend(port)
+    _, grads = backend.gradients(backend.build(config, seeded_params(config), dtype, "cpu"), **repeated_batch())
+    grads64, grads_low = repeated_batch_gradients("float64"), repeated_batch_gradients(dtype)
+    for name in ("src_embed.weight", "tgt_embed.weight"):
+        tolerance.assert_agrees(grads[name], grads64[name], grads_low[name], what=f"{port}: gradient of {name!r}",
+                                precision=dtype)

@@ -29,8 +29,9 @@ IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", 
 # Public names only the reference has (it has no framework to provide them, and the input checks
 # the ports call are written once, there) and names only ports have (compiled entry points).
 REFERENCE_ONLY = {"model.py": {"Linear", "as_array"},
-                  # the reference's own Adam: each port steps with its framework's optimizer
-                  "training.py": {"Adam"},
+                  # the reference's own Adam and loss scaling: each port steps with its framework's optimizer
+                  # and scales float16 losses with its framework's scaler
+                  "training.py": {"LossScale", "Adam"},
                   # host-side beam bookkeeping: the ports' batched searches re-express it on tensors
                   "decoding.py": {"StepChoice", "select_candidates", "search_ends", "best_hypothesis"}}
 REFERENCE_ONLY_PREFIXES = ("check_",)

@@ -24,10 +24,12 @@ from equivalence.adapters import torch as backend  # noqa: E402
 from equivalence.cases import MASK_CASES, VARIANTS  # noqa: E402
 from equivalence.margins import greedy_margins  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from reference_numpy import precision  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
+from reference_numpy.precision import check_trainable, round_to, training_dtype  # noqa: E402
 from reference_numpy.training import PAPER, learning_rate  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop, training  # noqa: E402
 from transformer_torch import model as torch_model  # noqa: E402
@@ -565,18 +567,35 @@ def test_cached_and_uncached_decoding_give_the_same_tokens_in_low_precision(dtyp
     assert np.array_equal(scores.astype(np.float32), scores)
 
 
+def reference_error(check, *arguments) -> str:
+    """The ValueError message the reference's own ``check`` gives for ``arguments``."""
+    with pytest.raises(ValueError) as raised:
+        check(*arguments)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_model_has_gradients_in_its_precision(dtype):
+    """Autograd through the recipe: the float32 loss and, for every checkpoint tensor in checkpoint order, a finite
+    P gradient (NumPy: ml_dtypes.bfloat16, np.float16) shaped like the tensor."""
+    config = VARIANTS["tiny"]
+    value, grads = backend.gradients(backend.build(config, cases.seeded_params(config), dtype),
+                                     **cases.training_inputs(config))
+    assert isinstance(value, float) and math.isfinite(value)
+    assert list(grads) == list(reference_checkpoint.parameter_shapes(config))
+    for name, grad in grads.items():
+        assert grad.dtype == np.dtype(dtype) and grad.shape == reference_checkpoint.parameter_shapes(config)[name], name
+        assert np.isfinite(grad.astype(np.float32)).all(), name
+
+
 def test_a_low_precision_model_is_refused_for_training_before_any_work():
+    """A P *model* is not trained (a float32 one is, with ``dtype=``): the optimizer, a step and data parallelism
+    give the reference's ``check_trainable`` error; a float64 model in P gives its ``training_dtype`` error."""
     config, params = VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"])
     batch = cases.training_inputs(config)
-    refusal = lambda dtype: pytest.raises(ValueError, match=re.escape(
-        f"gradients and training need a float32 or float64 model, got {dtype}: load the checkpoint in float32 to "
-        f"train"))
-    model = backend.build(config, params, "bfloat16")
+    refusal = lambda dtype: pytest.raises(ValueError, match=re.escape(reference_error(check_trainable, dtype)))
     with refusal("bfloat16"):
-        training.gradients(model, **batch)
-    assert all(parameter.grad is None for parameter in model.parameters())
-    with refusal("bfloat16"):
-        training.optimizer(model)
+        training.optimizer(backend.build(config, params, "bfloat16"))
     cast = backend.build(config, params, "float32")
     scheduled = training.optimizer(cast)
     cast.to(torch.float16)                                                  # after its optimizer was built
@@ -585,6 +604,52 @@ def test_a_low_precision_model_is_refused_for_training_before_any_work():
     assert not scheduled.optimizer.state and scheduled.last_epoch == 0
     with refusal("float16"):                                                # before any process starts
         backend.train_data_parallel(config, params, None, None, lambda step: batch, 0, 1, 2, "float16")
+    with pytest.raises(ValueError, match=re.escape(reference_error(training_dtype, "float64", "bfloat16"))):
+        backend.optimizer(backend.build(config, params, "float64"), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_steps_keep_float32_masters_and_their_rounding(dtype, monkeypatch):
+    """Two steps with a growth interval of 2: float16's GradScaler doubles its scale (2^15 -> 2^16), bfloat16 has
+    none; both steps count (Adam's t and the schedule together); the masters and Adam's moments stay float32 and the
+    P model holds exactly the masters rounded to P."""
+    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+    config = VARIANTS["tiny"]
+    model = backend.build(config, cases.seeded_params(config), "float32")
+    mixed = backend.optimizer(model, TrainingConfig(warmup_steps=10), None, dtype)
+    assert backend.loss_scale(mixed) == (2.0 ** 15 if dtype == "float16" else None)
+    for seed in range(2):
+        assert math.isfinite(backend.train_step(model, mixed, **cases.training_inputs(config, seed=seed)))
+    state = backend.training_state(model, mixed)
+    assert backend.loss_scale(mixed) == (2.0 ** 16 if dtype == "float16" else None)
+    assert state.step == 2 and mixed.optimizer.last_epoch == 2 and mixed.low.dtype == getattr(torch, dtype)
+    masters, low = backend.export_params(model), backend.export_params(mixed.low)
+    for name, master in masters.items():
+        assert master.dtype == state.first_moments[name].dtype == state.second_moments[name].dtype == np.float32
+        assert np.array_equal(low[name], round_to(master, dtype)), name
+    assert not np.array_equal(masters["src_embed.weight"], cases.seeded_params(config)["src_embed.weight"]
+                              .astype(np.float32))                          # the masters did move
+    assert backend.loss_scale(backend.optimizer(model)) is None
+
+
+def test_a_float16_step_whose_gradients_overflow_is_skipped():
+    """A loss scale of 1e30 (set through ``GradScaler.update(new_scale)``) overflows the float16 gradients: the step
+    changes no master, no P weight, no moment and no count (Adam's t and LambdaLR's stay at 1), and halves the
+    scale."""
+    config = VARIANTS["tiny"]
+    model = backend.build(config, cases.seeded_params(config), "float32")
+    mixed = backend.optimizer(model, TrainingConfig(warmup_steps=10), None, "float16")
+    backend.train_step(model, mixed, **cases.training_inputs(config))
+    before = backend.export_params(model), backend.export_params(mixed.low), backend.training_state(model, mixed)
+    mixed.loss_scale.update(1e30)
+    huge = backend.loss_scale(mixed)
+    backend.train_step(model, mixed, **cases.training_inputs(config, seed=1))
+    after = backend.export_params(model), backend.export_params(mixed.low), backend.training_state(model, mixed)
+    assert backend.loss_scale(mixed) == huge / 2
+    assert after[2].step == before[2].step == mixed.optimizer.last_epoch == 1
+    for name in before[0]:
+        assert np.array_equal(after[0][name], before[0][name]) and np.array_equal(after[1][name], before[1][name])
+        assert all(np.array_equal(after[2][which][name], before[2][which][name]) for which in (2, 3)), name
 
 
 # ----------------------------------------------------------------------------- nn.Transformer interop

@@ -19,9 +19,11 @@ from equivalence.adapters import numpy as reference
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from equivalence.training_runs import Run, assert_float64_run
 from equivalence.training_runs import reference_run as reference_float64_run
+from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState, load_training_state
 from reference_numpy.config import TrainingConfig
-from reference_numpy.training import learning_rate
+from reference_numpy.precision import round_to
+from reference_numpy.training import LossScale, learning_rate
 
 STEPS = 10
 # The paper's schedule and Adam (section 5.3); with warmup_steps = 4000 the first steps' learning rates are small
@@ -47,24 +49,25 @@ def batches(variant: str) -> list[dict[str, np.ndarray]]:
 
 
 def run(name: str, variant: str, dtype: str, steps=range(STEPS), state: TrainingState | None = None,
-        params: dict[str, np.ndarray] | None = None) -> Run:
-    """``steps`` training steps in backend ``name`` from ``params`` (default: the seeded weights) and ``state``."""
+        params: dict[str, np.ndarray] | None = None, compute: str | None = None) -> Run:
+    """``steps`` training steps in backend ``name`` from ``params`` (default: the seeded weights) and ``state``; with
+    ``compute`` (bfloat16, float16) a float32 model trains in mixed precision."""
     module, config = backend(name), config_of(variant)
     model = module.build(config, seeded_params(config) if params is None else params, dtype, "cpu")
-    optimizer = module.optimizer(model, TRAINING if state is None else None, state)
+    optimizer = module.optimizer(model, TRAINING if state is None else None, state, compute)
     inputs = batches(variant)
     losses = [module.train_step(model, optimizer, **inputs[step]) for step in steps]
     return Run(losses, module.export_params(model), module.training_state(model, optimizer))
 
 
 @functools.cache
-def reference_run(variant: str, dtype: str = "float64") -> Run:
-    return run("numpy", variant, dtype)
+def reference_run(variant: str, dtype: str = "float64", compute: str | None = None) -> Run:
+    return run("numpy", variant, dtype, compute=compute)
 
 
 @functools.cache
-def backend_run(name: str, variant: str, dtype: str) -> Run:
-    return run(name, variant, dtype)
+def backend_run(name: str, variant: str, dtype: str, compute: str | None = None) -> Run:
+    return run(name, variant, dtype, compute=compute)
 
 
 @functools.cache
@@ -85,19 +88,34 @@ def test_ten_steps_match_the_reference_in_float64(name, variant):
 def test_ten_steps_match_the_reference_in_float32(name, variant):
     """The float32 rule on what training changes: each tensor's update (weights after minus weights before), each
     moment and each step's loss, against k x the float32 reference's own error. (Tied weights' moments: float64.)"""
-    result = backend_run(name, variant, "float32")
-    ref64, ref32 = reference_run(variant), reference_run(variant, "float32")
-    initial = seeded_params(config_of(variant))
-    for step, (value, v32, v64) in enumerate(zip(result.losses, ref32.losses, ref64.losses), 1):
-        tolerance.assert_agrees(np.float32(value), v64, v32, what=f"{name}: loss at step {step}")
-    for tensor, before in initial.items():
+    assert_run_agrees(backend_run(name, variant, "float32"), variant, "float32", name)
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_ten_mixed_precision_steps_match_the_reference(name, compute):
+    """Mixed precision (float32 master weights and moments, each step's loss and gradients in P by the recipe,
+    float16's loss scaled): each tensor's update, each moment and each loss under the low-precision rule, against
+    the reference's mixed-precision run (its hand-written backward pass in P) as the yardstick of P's own error."""
+    assert_run_agrees(backend_run(name, "tiny", "float32", compute), "tiny", compute, name)
+
+
+def assert_run_agrees(result: Run, variant: str, precision: str, name: str) -> None:
+    """``result`` (a float32 model's run, computing in ``precision``) within the policy for ``precision`` of the
+    float64 reference's run, the reference's own run in that precision being the yardstick."""
+    ref64 = reference_run(variant)
+    same = reference_run(variant, "float32", None if precision == "float32" else precision)
+    for step, (value, v_same, v64) in enumerate(zip(result.losses, same.losses, ref64.losses), 1):
+        tolerance.assert_agrees(np.float32(value), v64, v_same, what=f"{name}: loss at step {step}",
+                                precision=precision)
+    for tensor, before in seeded_params(config_of(variant)).items():
         update = lambda r, start: np.asarray(r.params[tensor], dtype=np.float64) - start   # exact in float64
         start32 = before.astype(np.float32).astype(np.float64)                             # where float32 runs start
         tolerance.assert_agrees(update(result, start32).astype(np.float32), update(ref64, before),
-                                update(ref32, start32), what=f"{name}: update of {tensor!r}")
+                                update(same, start32), what=f"{name}: update of {tensor!r}", precision=precision)
         for which, label in ((2, "first moment"), (3, "second moment")):
-            tolerance.assert_agrees(result.state[which][tensor], ref64.state[which][tensor], ref32.state[which][tensor],
-                                    what=f"{name}: {label} of {tensor!r}")
+            tolerance.assert_agrees(result.state[which][tensor], ref64.state[which][tensor], same.state[which][tensor],
+                                    what=f"{name}: {label} of {tensor!r}", precision=precision)
 
 
 def test_the_bound_is_tight_enough_to_decide():
@@ -178,3 +196,59 @@ def test_adam_with_constant_gradients_takes_steps_of_the_learning_rate():
     expected = -total * grad["w"] / (np.abs(grad["w"]) + 1e-9)
     assert tolerance.max_abs(params["w"], expected) <= tolerance.float64_bound(expected)
     assert optimizer.step == 6
+
+
+def test_the_loss_scale_halves_on_overflow_and_doubles_after_the_growth_interval():
+    """Dynamic loss scaling as the recipe states it (precision.py): x 1/2 on a non-finite step, which also restarts
+    the count; x 2 once ``growth_interval`` finite steps have followed one another."""
+    scale = LossScale(1024.0, growth_interval=3)
+    seen = []
+    for finite in (True, True, True, True, False, True, True, True):
+        scale.update(finite)
+        seen.append(scale.value)
+    assert seen == [1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0]
+
+
+def test_mixed_precision_keeps_float32_masters_and_differentiates_their_rounding():
+    """After a step the model's weights (the masters) are float32, Adam's moments float32, and the P model that the
+    next step differentiates holds exactly the masters rounded to P."""
+    config = config_of("tiny")
+    model = reference.build(config, seeded_params(config), "float32", "cpu")
+    mixed = reference.optimizer(model, TRAINING, None, "bfloat16")
+    reference.train_step(model, mixed, **batches("tiny")[0])
+    assert mixed.optimizer.step == 1
+    for name, master in model.params.items():
+        assert master.dtype == np.float32 and mixed.optimizer.first_moments[name].dtype == np.float32, name
+        assert np.array_equal(mixed.low.params[name], round_to(master, "bfloat16"), equal_nan=True), name
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_float16_step_whose_gradients_overflow_is_skipped(name, monkeypatch):
+    """A loss scale of 2^60 makes every float16 gradient overflow: the step changes no weight and no moment, does
+    not count (t stays 0), and halves the scale; every backend alike."""
+    monkeypatch.setattr(precision, "LOSS_SCALE", 2.0 ** 60)
+    module, config = backend(name), config_of("tiny")
+    model = module.build(config, seeded_params(config), "float32", "cpu")
+    optimizer = module.optimizer(model, TRAINING, None, "float16")
+    before = module.export_params(model)
+    module.train_step(model, optimizer, **batches("tiny")[0])
+    state = module.training_state(model, optimizer)
+    assert state.step == 0 and module.loss_scale(optimizer) == 2.0 ** 59
+    for tensor, value in module.export_params(model).items():
+        assert np.array_equal(value, before[tensor]), tensor
+        assert not state.first_moments[tensor].any() and not state.second_moments[tensor].any(), tensor
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_float16_loss_scale_doubles_after_the_growth_interval(name, monkeypatch):
+    """With a growth interval of 2, two finite float16 steps double the scale (2^15 -> 2^16) and both count."""
+    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+    module, config = backend(name), config_of("tiny")
+    model = module.build(config, seeded_params(config), "float32", "cpu")
+    optimizer = module.optimizer(model, TRAINING, None, "float16")
+    scales = []
+    for inputs in batches("tiny")[:3]:
+        module.train_step(model, optimizer, **inputs)
+        scales.append(module.loss_scale(optimizer))
+    assert scales == [2.0 ** 15, 2.0 ** 16, 2.0 ** 16] and module.training_state(model, optimizer).step == 3
+    assert module.loss_scale(module.optimizer(model, TRAINING, None, "bfloat16")) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from pathlib import Path
 
 from reference_numpy.precision import DTYPE_NAMES
@@ -38,6 +39,13 @@ def backend_names(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}; choose from {', '.join(backends.BACKENDS)}")
     return names
+
+
+def device_name(text: str) -> str:
+    """``--device``: ``cpu`` or ``gpu:N`` (whether the backend has it here is checked by ``backends.device_for``)."""
+    if text != "cpu" and not re.fullmatch(r"gpu:\d+", text):
+        raise argparse.ArgumentTypeError(f"a device is cpu or gpu:N (N = 0, 1, ...), got {text!r}")
+    return text
 
 
 def dtype_names(text: str) -> tuple[str, ...]:

@@ -38,7 +38,7 @@ def default_inputs(config, params, tokenizer, text: str | None) -> tuple[np.ndar
 
 def attention_by_backend(checkpoint, layer: int | None, head: int, kind: str, src_text: str | None,
                          tgt_text: str | None, names: tuple[str, ...], text: str | None = None,
-                         preset: str | None = None):
+                         preset: str | None = None, device: str = "cpu"):
     """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row (``layer`` None: the
     last of its stack). Decoder queries are
     labelled with the token each position writes (its input shifted by one), so a row of cross-attention reads
@@ -58,9 +58,10 @@ def attention_by_backend(checkpoint, layer: int | None, head: int, kind: str, sr
         tgt, written = (default_tgt, default_written) if tgt is None else (tgt, written)
     adapters, missing = backends.load(names)
     backends.require_any(names, adapters, missing)
+    devices = {name: backends.device_for(adapter, device) for name, adapter in adapters.items()}
     weights = {}
     for adapter in adapters.values():
-        model = adapter.build(config, params, "float64", "cpu")
+        model = adapter.build(config, params, "float64", devices[adapter.NAME])
         weights[f"{adapter.NAME} (float64)"] = np.asarray(
             adapter.attention_weights(model, src, tgt, layer, kind))[0, head]
     label = (lambda ids: tokenizer.tokens(ids)) if tokenizer else (lambda ids: [str(int(t)) for t in ids])

@@ -43,6 +43,18 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
     return adapters, missing
 
 
+def device_for(adapter: ModuleType, device: str) -> str:
+    """The adapter's own name of ``--device`` (``cpu``, ``gpu:N``; PyTorch calls a GPU ``cuda:N``), refused with one
+    ValueError where the backend does not have that device here. The NumPy reference runs on the CPU whatever is
+    asked (``--device`` places the ports)."""
+    if adapter.NAME == "numpy":
+        return "cpu"
+    names = {name.replace("cuda:", "gpu:"): name for name in adapter.devices()}
+    if device not in names:
+        raise ValueError(f"--device {device}: {adapter.NAME} has {', '.join(names)} here")
+    return names[device]
+
+
 def require_any(names: tuple[str, ...], adapters: dict[str, ModuleType], missing: list[Missing]) -> None:
     """Refuse a request of which no backend is installed: a run that compares nothing must fail."""
     if not any(name in adapters for name in names):

@@ -175,8 +175,8 @@ def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
 
 def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
           names: tuple[str, ...] = backends.BACKENDS, repeats: int = 3, uncached: bool = True,
-          progress=None, peers: bool = False, dtype: str = "float32") -> BenchReport:
-    """Time every installed backend (in ``dtype``, first device of each) -- and with ``peers`` every installed
+          progress=None, peers: bool = False, dtype: str = "float32", device: str = "cpu") -> BenchReport:
+    """Time every installed backend (in ``dtype``, on ``device``: cpu, gpu:N) -- and with ``peers`` every installed
     peer, float32 only -- on one seeded checkpoint, interleaved; the anchors measured on the way."""
     config = TransformerConfig.preset(preset)
     if peers and dtype != "float32":
@@ -186,10 +186,12 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
             raise ValueError(f"{flag} {length} exceeds the {preset} preset's max_len ({config.max_len})")
     adapters, missing = backends.load(tuple(names))
     backends.require_any(tuple(names), adapters, missing)
+    devices = {name: backends.device_for(adapter, device) for name, adapter in adapters.items()}
     params = init_params(config, seed=0, dtype=np.float32)
     src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens, PEER_BATCH if peers else 1)
     inputs = {FORWARD: (src, tgt), "batch 1": decode_src[:1], "batch": decode_src}
-    engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype) for adapter in adapters.values()]
+    engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype, devices[name])
+               for name, adapter in adapters.items()]
     if peers:
         from . import peers as peer_module
         built, unavailable = peer_module.load(config, params, os.cpu_count() or 1)
@@ -220,9 +222,8 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
 
 
 def backend_engine(adapter, config: TransformerConfig, params, inputs: dict, peers: bool, uncached: bool,
-                   dtype: str = "float32") -> Engine:
-    """A backend's model (in ``dtype``, its first device) and its timed calls (see the module docstring)."""
-    device = adapter.devices()[0]
+                   dtype: str = "float32", device: str = "cpu") -> Engine:
+    """A backend's model (in ``dtype``, on the adapter's ``device``) and its timed calls (see the module docstring)."""
     model = adapter.build(config, params, dtype, device)
     src, tgt = inputs[FORWARD]
     calls = {FORWARD: lambda: adapter.log_probs(model, src, tgt)}

@@ -249,8 +249,9 @@ def load_source(checkpoint: str | Path | None, preset: str | None):
 
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
             perturb: str | None = None, progress=None, preset: str | None = None,
-            dtypes: tuple[str, ...] = DTYPES) -> Report:
-    """Run the comparison in ``dtypes``; ``progress`` wraps the list of runs (e.g. ``tqdm``).
+            dtypes: tuple[str, ...] = DTYPES, device: str | None = None) -> Report:
+    """Run the comparison in ``dtypes``, on every device of each port or on ``device`` (cpu, gpu:N); ``progress`` wraps
+    the list of runs (e.g. ``tqdm``).
 
     The model is ``checkpoint``, or a seeded ``preset``, or by default the shipped English-to-French numbers model.
     The NumPy reference in every precision of ``dtypes`` but float64 (the yardstick of that precision's bound)
@@ -272,7 +273,8 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         oracle = build_oracle(config, params, **(compare_inputs(config) if src is None else {"src": src}),
                               dtypes=dtypes)
-        report = Report(source, config, run_plan(adapters, config, params, oracle, fault, progress, dtypes), missing)
+        report = Report(source, config, run_plan(adapters, config, params, oracle, fault, progress, dtypes, device),
+                        missing)
     if src is not None:
         report.sentences = SENTENCES
         report.translations = [tokenizer.decode(row) for row in oracle.greedy]
@@ -282,10 +284,11 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
 
 
 def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], oracle: Oracle, fault,
-             progress, dtypes: tuple[str, ...] = DTYPES) -> list[Run]:
-    """Every adapter on every device in every precision of ``dtypes`` (the reference in each but float64, the
-    truth), on the oracle's inputs."""
-    plan = [(adapter, device, dtype) for adapter in adapters.values() for device in adapter.devices()
+             progress, dtypes: tuple[str, ...] = DTYPES, only: str | None = None) -> list[Run]:
+    """Every adapter on every device (or on the device ``only``: cpu, gpu:N) in every precision of ``dtypes`` (the
+    reference in each but float64, the truth), on the oracle's inputs."""
+    plan = [(adapter, device, dtype) for adapter in adapters.values()
+            for device in (adapter.devices() if only is None else [backends.device_for(adapter, only)])
             for dtype in dtypes if not (adapter.NAME == "numpy" and dtype == "float64")]
     runs = []
     for adapter, device, dtype in (progress(plan) if progress else plan):

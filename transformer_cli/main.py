@@ -33,7 +33,7 @@ from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENA
 from reference_numpy.precision import DTYPE_NAMES
 
 from . import backends, side_by_side
-from .arguments import backend_names, dtype_names, image_file, integer, output_file, real
+from .arguments import backend_names, device_name, dtype_names, image_file, integer, output_file, real
 from .copy_task import DEFAULTS as COPY
 from .extras import progress_bar
 from .numbers_task import DEFAULTS as NUMBERS
@@ -66,6 +66,9 @@ def add_compare(commands) -> None:
     compare.add_argument("--dtype", type=dtype_names, help="comma-separated precisions to run, of "
                          "float64,float32,bfloat16,float16 (default: float64,float32; with --precision-report: "
                          "float32,bfloat16,float16)")
+    compare.add_argument("--device", type=device_name,
+                         help="run the ports on this device only: cpu or gpu:N (default: every device each has; the "
+                              "NumPy reference runs on the CPU)")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     compare.add_argument("--plot", metavar="FILE.png", type=image_file, help="draw the error per stage per backend")
     compare.add_argument("--precision-report", metavar="FILE.png", type=image_file,
@@ -85,7 +88,7 @@ def run_compare(args) -> int:
         raise ValueError("--precision-report draws the precisions below float64: add one to --dtype")
     report = compare(args.checkpoint, args.backends, args.perturb,
                      progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
-                     preset=args.preset, dtypes=dtypes)
+                     preset=args.preset, dtypes=dtypes, device=args.device)
     print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else format_table(report))
     if args.plot:
         plot_errors(report, args.plot)
@@ -112,6 +115,8 @@ def add_bench(commands) -> None:
                             "without the uncached decoding (docs/peers.md)")
     bench.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                        help="the precision the backends run in (default: float32; --peers times float32 only)")
+    bench.add_argument("--device", type=device_name, default="cpu",
+                       help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
     bench.set_defaults(run=run_bench)
@@ -123,7 +128,7 @@ def run_bench(args) -> int:
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
                    progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
-                   peers=args.peers, dtype=args.dtype)
+                   peers=args.peers, dtype=args.dtype, device=args.device)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if args.plot:
         plot_bench(report, args.plot)
@@ -150,6 +155,8 @@ def add_plot(commands) -> None:
     attention.add_argument("--tgt", help="target token ids starting with bos (default: the source's translation)")
     attention.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS),
                            help="one backend, or several side by side (default: every installed one)")
+    attention.add_argument("--device", type=device_name, default="cpu",
+                           help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     attention.add_argument("--out", type=image_file, default="attention.png")
     plot.set_defaults(run=run_plot)
 
@@ -163,7 +170,7 @@ def run_plot(args) -> int:
         from .attention import attention_by_backend
         weights, query_tokens, key_tokens, title = attention_by_backend(
             args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, args.backends, args.text,
-            args.preset)
+            args.preset, args.device)
         plots.plot_attention(weights, query_tokens, key_tokens, title, args.out)
     print(f"wrote {args.out}")
     return EXIT_OK
@@ -230,7 +237,13 @@ def add_train(commands) -> None:
                        help="P_drop of section 5.4 (the reference has no dropout; default 0 for every backend)")
     train.add_argument("--label-smoothing", type=real(0.0, below=1.0), default=0.1, help="epsilon_ls, section 5.4")
     train.add_argument("--seed", type=integer(0), default=0, help="initial weights and batches")
-    train.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    train.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                       help="the precision of each step: float32 or float64 weights; bfloat16 or float16 compute in "
+                            "that precision over float32 master weights and moments (mixed precision; float16 "
+                            "scales the loss), and save float32")
+    train.add_argument("--device", type=device_name, default="cpu",
+                       help="where the ports train: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU; "
+                            "--data-parallel places its replicas itself)")
     train.add_argument("--eval-size", type=integer(0), default=1000,
                        help="held-out pairs for the greedy exact match (and BLEU, numbers) at the end (0: none)")
     train.add_argument("--stop-at", type=real(0.0, below=1.000001),
@@ -266,6 +279,8 @@ def run_train(args) -> int:
     if args.data_parallel > 1 and "jax" in args.backends:
         train.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
     adapters = train.load_adapters(args.backends)
+    for adapter in adapters.values():
+        backends.device_for(adapter, args.device)           # every backend's device checked before any trains
     results = []
     for name, adapter in adapters.items():
         result, model, state = train.train(
@@ -318,6 +333,8 @@ def add_translate(commands) -> None:
     translate.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                            help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
                                 "of docs/equivalence.md)")
+    translate.add_argument("--device", type=device_name, default="cpu",
+                           help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     translate.set_defaults(run=run_translate)
 
 
@@ -326,7 +343,7 @@ def run_translate(args) -> int:
     from .translate import translator
 
     adapter = load_adapters((args.backend,), "--backend")[args.backend]
-    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha)
+    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device)
     for line in translate.lines(args.text or sys.stdin):
         print(line, flush=True)
     return EXIT_OK

@@ -14,6 +14,7 @@ import numpy as np
 
 from reference_numpy.checkpoint import TrainingState, init_params, load_run, load_tokenizer
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.precision import is_low
 from reference_numpy.training import LABEL_SMOOTHING
 
 from . import backends, copy_task, numbers_task
@@ -41,6 +42,7 @@ class Plan:
     validation_size: int = 500
     world_size: int = 1                   # data-parallel replicas (the framework's own engine) when > 1
     start: tuple[dict[str, np.ndarray], TrainingState] | None = None   # a saved run to continue
+    device: str = "cpu"                   # --device: cpu or gpu:N (single-process runs)
 
     @property
     def tokenizer_json(self) -> str | None:
@@ -84,6 +86,8 @@ def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], Tr
 def plan_from(args) -> Plan:
     """The plan of ``train``'s flags (a flag left out takes its task's default); with ``--resume``, the saved
     run's model, optimizer settings, weights and tokenizer."""
+    if args.data_parallel > 1 and is_low(args.dtype):
+        raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
               for name, default in TASKS[args.task].items()}
     start, config, training = None, None, TrainingConfig(warmup_steps=recipe["warmup_steps"],
@@ -98,7 +102,7 @@ def plan_from(args) -> Plan:
                          f"{args.data_parallel} equal shards")
     return Plan(task, config, training, recipe["steps"], recipe["batch_size"], args.seed, args.dtype,
                 args.label_smoothing, recipe["stop_at"] or None, recipe["eval_every"], recipe["validation_size"],
-                args.data_parallel, start)
+                args.data_parallel, start, args.device)
 
 
 def make_task(args, resume: str | None, config: TransformerConfig | None) -> CopyTask | NumbersTask:
@@ -131,8 +135,9 @@ def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]
     if plan.world_size > 1:
         return train_data_parallel(adapter, plan, progress)
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
-    model = adapter.build(plan.config, params, plan.dtype, "cpu")
-    optimizer = adapter.optimizer(model, None if state else plan.training, state)
+    weights, compute = ("float32", plan.dtype) if is_low(plan.dtype) else (plan.dtype, None)   # mixed precision
+    model = adapter.build(plan.config, params, weights, backends.device_for(adapter, plan.device))
+    optimizer = adapter.optimizer(model, None if state else plan.training, state, compute)
     first = state.step if state else 0
     result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
     steps = progress(range(first, first + plan.steps))

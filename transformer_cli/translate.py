@@ -15,6 +15,8 @@ from reference_numpy.checkpoint import load_tokenizer
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import Tokenizer
 
+from . import backends
+
 SHIPPED = Path(__file__).parent / "models" / "numbers-en-fr.safetensors"
 SHIPPED_NAME = "the shipped English-to-French numbers model"
 
@@ -60,7 +62,9 @@ class Translator:
 
 
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
-               beam_size: int = 1, alpha: float = LENGTH_PENALTY_ALPHA) -> Translator:
-    """A :class:`Translator` for ``checkpoint`` (default: the shipped model) in one backend on the CPU."""
+               beam_size: int = 1, alpha: float = LENGTH_PENALTY_ALPHA, device: str = "cpu") -> Translator:
+    """A :class:`Translator` for ``checkpoint`` (default: the shipped model) in one backend on ``device`` (``cpu``,
+    ``gpu:N``)."""
+    device = backends.device_for(adapter, device)
     config, params, tokenizer = load_translator(checkpoint)
-    return Translator(adapter, adapter.build(config, params, dtype, "cpu"), tokenizer, beam_size, alpha)
+    return Translator(adapter, adapter.build(config, params, dtype, device), tokenizer, beam_size, alpha)

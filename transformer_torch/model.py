@@ -464,7 +464,14 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(config.d_model)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return _narrow(_wide(F.embedding(tokens, self.weight)) * self.scale, self.weight.dtype)
+        weight = self.weight
+        if weight.dtype in _LOW and weight.requires_grad and torch.is_grad_enabled():
+            # torch's embedding backward would sum a row's gradients in P; looked up wide, they sum wide (the
+            # recipe, reference_numpy/backward.py), and the exact round trip through P rounds each one first
+            rows = _wide(_narrow(F.embedding(tokens, _wide(weight)), weight.dtype))     # (B, T, D)
+        else:
+            rows = _wide(F.embedding(tokens, weight))                                    # (B, T, D)
+        return _narrow(rows * self.scale, weight.dtype)
 
 
 class PositionalEncoding(nn.Module):

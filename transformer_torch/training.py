@@ -13,9 +13,12 @@ rate is a Python float (float64) that ``LambdaLR`` sets as ``1.0 * lambda(count)
 and the lambda is Eq. (3) at count + 1, since the scheduler's count is 0 at construction and one
 more after each step.
 
-A bfloat16 or float16 model computes its loss (float32, from float32 log-probabilities) but is not trained:
-:func:`gradients`, :func:`optimizer` and :func:`train_step` refuse it first, with the reference's
-``check_trainable`` error.
+**Mixed precision** (``optimizer(model, dtype="bfloat16"|"float16")``, ``docs/training.md``): a float32 model's
+weights are the master copy and Adam's moments are float32; each step runs autograd through a second model in the
+low precision P (the masters rounded to P, the recipe of ``reference_numpy/precision.py``), whose P gradients,
+widened to float32, become the masters' ``grad``. float16 scales the loss with ``torch.amp.GradScaler``; bfloat16
+does not. :func:`gradients` of a P model are P tensors by the same autograd (its loss float32); a P *model* is not
+trained: :func:`optimizer` and :func:`train_step` refuse it with the reference's ``check_trainable`` error.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.precision import check_trainable
+from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
 from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count, learning_rate
 
 from . import checkpoint
@@ -68,8 +72,8 @@ def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: 
 def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off (eval mode) and its gradient for every checkpoint tensor, in
-    checkpoint layout (tied weights receive the sum over their uses)."""
-    check_trainable(_dtype_name(model.dtype))
+    checkpoint layout (tied weights receive the sum over their uses); a bfloat16 or float16 model's
+    gradients are P, by autograd through its recipe (its loss float32)."""
     model.eval().zero_grad(set_to_none=True)
     value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
     value.backward()
@@ -100,8 +104,20 @@ class _Schedule:
         return learning_rate(count + 1, self.d_model, self.config)
 
 
+@dataclass
+class MixedPrecision:
+    """Training in a low precision P over float32 master weights (the model's): ``optimizer`` is the schedule whose
+    ``torch.optim.Adam`` steps the masters with float32 gradients; ``low`` is the model in P each step
+    differentiates (the masters rounded to P); ``loss_scale`` is float16's ``torch.amp.GradScaler``, None for
+    bfloat16."""
+
+    optimizer: LambdaLR
+    low: Transformer
+    loss_scale: torch.amp.GradScaler | None
+
+
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None) -> LambdaLR:
+              state: TrainingState | None = None, dtype=None) -> LambdaLR | MixedPrecision:
     """The optimizer of section 5.3 for ``model``: a ``torch.optim.Adam`` (beta1, beta2, epsilon of
     ``config``; base learning rate 1) driven by a ``LambdaLR`` of :func:`learning_rate_schedule`.
     Returns the scheduler; its ``.optimizer`` is the Adam (torch's pair, stepped together by
@@ -111,8 +127,12 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     (cast to the model's dtype, checked by ``validate_training_state``), step count and, unless
     ``config`` is given, its training config, restored by ``optimizer.load_state_dict`` and
     ``scheduler.load_state_dict``: the next step is t + 1 with lrate(t + 1).
+
+    ``dtype`` bfloat16 or float16 (a float32 model only; the reference's ``training_dtype`` errors otherwise)
+    returns a :class:`MixedPrecision` holding that scheduler over the float32 masters, the model in P and, for
+    float16, a ``GradScaler`` with the reference's ``LOSS_SCALE`` and ``LOSS_SCALE_GROWTH_INTERVAL``.
     """
-    check_trainable(_dtype_name(model.dtype))
+    dtype = training_dtype(_dtype_name(model.dtype), dtype)
     if state is not None:
         params = checkpoint.to_params(model)
         state = state.astype(next(iter(params.values())).dtype)
@@ -123,7 +143,17 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     schedule = LambdaLR(adam, learning_rate_schedule(model.config.d_model, config))
     if state is not None:
         _restore(model, schedule, state)
-    return schedule
+    if not is_low(dtype):
+        return schedule
+    low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype, model.device)
+    return MixedPrecision(schedule, low, _loss_scale(model.device) if uses_loss_scaling(dtype) else None)
+
+
+def _loss_scale(device: torch.device) -> torch.amp.GradScaler:
+    """float16's dynamic loss scaling: x 1/2 and the step skipped on a non-finite gradient, x 2 after
+    ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps in a row (the reference's constants, read now)."""
+    return torch.amp.GradScaler(device.type, init_scale=precision.LOSS_SCALE, growth_factor=2.0, backoff_factor=0.5,
+                                growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL)
 
 
 def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState) -> None:
@@ -142,27 +172,70 @@ def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState) -> No
     schedule.load_state_dict({**schedule.state_dict(), "last_epoch": state.step, "_last_lr": [rate]})
 
 
-def train_step(model: Transformer, optimizer: LambdaLR, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+def train_step(model: Transformer, optimizer: LambdaLR | MixedPrecision, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5: the loss with dropout on (train mode, P_drop = ``config.dropout``),
     its gradient by autograd, Adam's update t with lrate(t), then the schedule advanced. The model is
-    left in eval mode. Returns the loss before the update."""
+    left in eval mode. Returns the loss before the update. In mixed precision the loss and gradients are the
+    P model's (:func:`_mixed_precision_step`)."""
     check_trainable(_dtype_name(model.dtype))
+    if isinstance(optimizer, MixedPrecision):
+        return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
     adam = optimizer.optimizer
     adam.zero_grad(set_to_none=True)
-    model.train()
-    try:
-        value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
-        value.backward()
-    finally:
-        model.eval()
+    value = _backward(model, src, tgt, labels, epsilon)
     adam.step()
     optimizer.step()
     return value.item()
 
 
-def training_state(model: Transformer, optimizer: LambdaLR) -> TrainingState:
+def _backward(model: Transformer, src, tgt, labels, epsilon: float,
+              scaler: torch.amp.GradScaler | None = None) -> Tensor:
+    """The loss in train mode, back-propagated (from the loss times ``scaler``'s scale); the model left in eval
+    mode."""
+    model.train()
+    try:
+        value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
+        (value if scaler is None else scaler.scale(value)).backward()
+    finally:
+        model.eval()
+    return value
+
+
+def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
+    """The P model's loss and, by autograd through the recipe, the P gradient of the loss times the scale
+    (float16), widened to float32 as the masters' ``grad``; ``GradScaler.step`` divides them by the scale and steps
+    Adam unless one is not finite (bfloat16: checked here). A step taken advances the schedule and rounds the new
+    masters to P into the P model; a skipped one changes nothing but the scale (halved by ``update``), so Adam's
+    t and the schedule stay together."""
+    schedule, low, scaler = mixed.optimizer, mixed.low, mixed.loss_scale
+    low.zero_grad(set_to_none=True)
+    value = _backward(low, src, tgt, labels, epsilon, scaler)
+    pairs = list(zip(model.parameters(), low.parameters()))                 # the same Transformer(config) twice
+    for master, parameter in pairs:
+        master.grad = parameter.grad.float()                                # P -> float32, exactly
+    if scaler is None:
+        taken = all(bool(master.grad.isfinite().all()) for master, _ in pairs)
+        if taken:
+            schedule.optimizer.step()
+    else:
+        scale = scaler.get_scale()
+        scaler.step(schedule.optimizer)                                     # unscale_, then Adam's step if finite
+        scaler.update()
+        taken = scaler.get_scale() >= scale                                 # a skipped step halved the scale
+    if taken:
+        schedule.step()
+        with torch.no_grad():
+            for master, parameter in pairs:
+                parameter.copy_(master)                                     # float32 -> P, rounded once
+    return value.item()
+
+
+def training_state(model: Transformer, optimizer: LambdaLR | MixedPrecision) -> TrainingState:
     """The run's state for ``save_checkpoint(..., training=state)``: Adam's m_t and v_t (``exp_avg`` and
-    ``exp_avg_sq``, not bias-corrected) in checkpoint layout (NumPy, the model's dtype) and t."""
+    ``exp_avg_sq``, not bias-corrected) in checkpoint layout (NumPy, the model's dtype) and t (mixed precision:
+    the float32 Adam's; the loss scale is not kept, a resumed float16 run starts from ``LOSS_SCALE``)."""
+    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     adam, parameters = optimizer.optimizer, dict(model.named_parameters())
     slots = {path: adam.state.get(parameter, {}) for path, parameter in parameters.items()}
     steps = {int(slot["step"]) if slot else 0 for slot in slots.values()} | {optimizer.last_epoch}
