@@ -86,13 +86,18 @@ class Backend(Protocol):
     def gradients(self, model: Model, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
                   ) -> tuple[float, dict[str, np.ndarray]]:
         """``(loss, grads)``: :meth:`loss` and its gradient for every checkpoint tensor, by checkpoint name, in
-        checkpoint layout (NumPy float64 for a float64 model)."""
+        checkpoint layout (NumPy float64 for a float64 model; a bfloat16 or float16 model's by the recipe, in P)."""
         ...
 
     def optimizer(self, model: Model, config: TrainingConfig | None = None,
-                  state: TrainingState | None = None) -> Optimizer:
+                  state: TrainingState | None = None, dtype: str | None = None) -> Optimizer:
         """The backend's Adam with the schedule of section 5.3 for ``model`` (``config`` or the paper's); with
-        ``state``, a saved run's moments, step count and (unless ``config`` is given) its training config."""
+        ``state``, a saved run's moments, step count and (unless ``config`` is given) its training config. ``dtype``
+        bfloat16 or float16 (a float32 model): mixed precision, each step in that precision over float32 masters."""
+        ...
+
+    def loss_scale(self, optimizer: Optimizer) -> float | None:
+        """The current loss scale of a float16 mixed-precision optimizer (its framework's scaler); None otherwise."""
         ...
 
     def train_step(self, model: Model, optimizer: Optimizer, src, tgt, labels,

@@ -92,6 +92,27 @@ def broken_index(run: dict) -> int:
     return [stage["stage"] for stage in run["stages"]].index("decoder.layers.1")
 
 
+DEVICE_COMMANDS = {"compare": ["compare", "--preset", "tiny"],
+                   "bench": ["bench", "--preset", "tiny", "--src-len", "8", "--tgt-len", "8", "--decode-tokens", "60"],
+                   "translate": ["translate", "one"], "train": ["train", "--steps", "1"],
+                   "plot attention": ["plot", "attention", "--preset", "tiny", "--out", "a.png"]}
+
+
+@pytest.mark.parametrize("command", list(DEVICE_COMMANDS))
+def test_every_command_that_runs_a_model_takes_a_device_and_checks_it_first(command, in_workdir, capsys):
+    """``--device cpu|gpu:N`` places the ports; a device the backend does not have here is one line naming the
+    devices it has, before any work; a name that is not a device is argparse's one line."""
+    port = installed_port()
+    backend_flag = ["--backend", port] if command == "translate" else ["--backends", port]
+    absent = f"gpu:{len(backends.load((port,))[0][port].devices())}"        # one past the GPUs present here
+    status, out, err = cli(capsys, *DEVICE_COMMANDS[command], *backend_flag, "--device", absent)
+    assert status == EXIT_USAGE and out == "", err
+    assert f"error: --device {absent}: {port} has cpu" in err and len(err.strip().splitlines()) == 1
+    status, _, err = cli(capsys, *DEVICE_COMMANDS[command], "--device", "tpu")
+    assert status == EXIT_USAGE and "a device is cpu or gpu:N (N = 0, 1, ...), got 'tpu'" in err
+    assert not (in_workdir / "a.png").exists()
+
+
 def test_bad_input_is_one_line_and_exit_status_2(workdir):
     result = run("compare", "missing.safetensors", cwd=workdir)
     assert result.returncode == EXIT_USAGE == 2 and result.stdout == ""

@@ -269,11 +269,13 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
     if fault and fault[0] not in adapters:
         raise ValueError(f"--perturb names backend {fault[0]!r}, which does not run here "
                          "(not in --backends, or not installed)")
+    devices = {name: adapter.devices() if device is None else [backends.device_for(adapter, device)]
+               for name, adapter in adapters.items()}
     src = translation_source(tokenizer) if tokenizer else None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         oracle = build_oracle(config, params, **(compare_inputs(config) if src is None else {"src": src}),
                               dtypes=dtypes)
-        report = Report(source, config, run_plan(adapters, config, params, oracle, fault, progress, dtypes, device),
+        report = Report(source, config, run_plan(adapters, devices, config, params, oracle, fault, progress, dtypes),
                         missing)
     if src is not None:
         report.sentences = SENTENCES
@@ -283,12 +285,11 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
     return report
 
 
-def run_plan(adapters: dict, config: TransformerConfig, params: dict[str, np.ndarray], oracle: Oracle, fault,
-             progress, dtypes: tuple[str, ...] = DTYPES, only: str | None = None) -> list[Run]:
-    """Every adapter on every device (or on the device ``only``: cpu, gpu:N) in every precision of ``dtypes`` (the
-    reference in each but float64, the truth), on the oracle's inputs."""
-    plan = [(adapter, device, dtype) for adapter in adapters.values()
-            for device in (adapter.devices() if only is None else [backends.device_for(adapter, only)])
+def run_plan(adapters: dict, devices: dict[str, list[str]], config: TransformerConfig, params: dict[str, np.ndarray],
+             oracle: Oracle, fault, progress, dtypes: tuple[str, ...] = DTYPES) -> list[Run]:
+    """Every adapter on each of its ``devices`` in every precision of ``dtypes`` (the reference in each but float64,
+    the truth), on the oracle's inputs."""
+    plan = [(adapter, device, dtype) for name, adapter in adapters.items() for device in devices[name]
             for dtype in dtypes if not (adapter.NAME == "numpy" and dtype == "float64")]
     runs = []
     for adapter, device, dtype in (progress(plan) if progress else plan):
