@@ -1,6 +1,6 @@
 """Tests of the JAX/Flax port beyond the shared agreement matrix (tests/test_agreement.py):
 checkpoint I/O against the reference, the name table, float64 and x64, bfloat16 and float16 (where each stage is
-stored, checkpoints, the refusal to train), the fully masked row,
+stored, checkpoints, P gradients, mixed-precision training and the refusal to train a P model), the fully masked row,
 the key/value cache and the compiled decoding loop, dropout, devices, and training (section 5:
 optax's Adam and schedule against the paper's, written out here; dropout's statistics; resuming a saved run).
 
@@ -35,13 +35,14 @@ from equivalence.adapters import jax as backend  # noqa: E402
 from equivalence.adapters import numpy as reference  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
+from reference_numpy import precision  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import log_softmax as reference_log_softmax  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
-from reference_numpy.precision import check_trainable, round_to  # noqa: E402
+from reference_numpy.precision import check_trainable, round_to, training_dtype  # noqa: E402
 from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
@@ -293,7 +294,10 @@ def test_a_low_precision_model_saves_its_format_and_reloads_bitwise(tmp_path, dt
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_gradients_and_training_refuse_a_low_precision_model_before_any_work(dtype):
+def test_training_refuses_a_low_precision_model_before_any_work(dtype):
+    """Training updates float32 or float64 weights: the optimizer, a step and data-parallel training refuse a P
+    model with the reference's ``check_trainable`` message, and a float64 model asking for P steps gets
+    ``training_dtype``'s (mixed precision keeps float32 masters)."""
     config = VARIANTS["tiny"]
     model, inputs = port_model("tiny", dtype), cases.training_inputs(config)
     with pytest.raises(ValueError) as expected:
@@ -304,12 +308,91 @@ def test_gradients_and_training_refuse_a_low_precision_model_before_any_work(dty
         raise AssertionError("a batch was asked for")
 
     adam = backend.optimizer(port_model("tiny", "float32"))
-    for call in (lambda: backend.gradients(model, **inputs), lambda: backend.optimizer(model),
+    for call in (lambda: backend.optimizer(model), lambda: backend.optimizer(model, dtype=dtype),
                  lambda: backend.train_step(model, adam, **inputs),
                  lambda: backend.train_data_parallel(config, cases.seeded_params(config), PAPER, None, no_batch, 1,
                                                      1, 1, dtype)):
         with pytest.raises(ValueError, match=message):
             call()
+    with pytest.raises(ValueError) as expected:
+        training_dtype("float64", dtype)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(expected.value))}$"):
+        backend.optimizer(port_model("tiny"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_a_low_precision_models_gradients_are_p_by_checkpoint_name(dtype):
+    """By autodiff through the P forward pass: every checkpoint tensor's gradient, in P and finite; the loss is the
+    model's float32 loss."""
+    config = VARIANTS["shared_embeddings"]
+    model, inputs = port_model("shared_embeddings", dtype), cases.training_inputs(config)
+    value, grads = backend.gradients(model, **inputs)
+    assert list(grads) == list(reference_checkpoint.parameter_shapes(config))
+    for name, grad in grads.items():
+        assert grad.dtype == np.dtype(dtype) and np.isfinite(grad.astype(np.float32)).all(), name
+    assert np.abs(grads["shared_embed.weight"].astype(np.float32)).max() > 0
+    assert value == float(training.loss(model, **inputs, deterministic=True))
+
+
+def mixed_precision_run(dtype: str) -> tuple[Transformer, training.MixedPrecision]:
+    """A float32 model from the seeded weights and its mixed-precision optimizer in ``dtype``."""
+    config = VARIANTS["tiny"].replace(dropout=0.0)
+    model = checkpoint.from_params(config, cases.seeded_params(config), "float32")
+    return model, backend.optimizer(model, TRAINING, dtype=dtype)
+
+
+def assert_low_is_the_rounded_masters(model: Transformer, mixed: training.MixedPrecision) -> None:
+    """The masters are float32 and the P model holds them rounded to P (``round_to``), bit for bit."""
+    masters, low = checkpoint.to_params(model), checkpoint.to_params(mixed.low)
+    for name, master in masters.items():
+        assert master.dtype == np.float32, name
+        assert np.array_equal(low[name].view(np.uint16), round_to(master, mixed.low.dtype).view(np.uint16)), name
+
+
+def test_a_bfloat16_step_updates_the_float32_masters():
+    """bfloat16 has no loss scaling; a step moves the float32 masters (Adam's moments float32, t = 1) and the
+    bfloat16 model is the new masters rounded; ``training_state`` is the float32 optimizer's."""
+    model, mixed = mixed_precision_run("bfloat16")
+    assert isinstance(mixed, training.MixedPrecision) and backend.loss_scale(mixed) is None
+    assert backend.loss_scale(backend.optimizer(port_model("tiny", "float32"))) is None
+    assert_low_is_the_rounded_masters(model, mixed)
+    before = checkpoint.to_params(model)
+    assert np.isfinite(backend.train_step(model, mixed, **cases.training_inputs(model.config)))
+    state = backend.training_state(model, mixed)
+    assert state.step == 1
+    assert {m.dtype for m in (*state.first_moments.values(), *state.second_moments.values())} == {np.dtype("float32")}
+    assert max(np.abs(weight - before[name]).max() for name, weight in checkpoint.to_params(model).items()) > 1e-3
+    assert_low_is_the_rounded_masters(model, mixed)
+
+
+def test_a_float16_step_that_overflows_is_skipped_and_finite_steps_grow_the_scale(monkeypatch):
+    """Flax's DynamicScale with the reference's numbers. A gradient that overflows float16 (the scale set to 1e30)
+    skips the step: the weights, Adam's moments and step count unchanged, the scale halved; the loss returned is
+    unscaled (the next step's, at the same weights and scale 2^15). With the growth interval monkeypatched to 2,
+    two finite steps in a row double the scale, and Adam counts two steps."""
+    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+    model, mixed = mixed_precision_run("float16")
+    assert backend.loss_scale(mixed) == precision.LOSS_SCALE
+    inputs = cases.training_inputs(model.config)
+    before, state = checkpoint.to_params(model), backend.training_state(model, mixed)
+    mixed.loss_scale = mixed.loss_scale.replace(scale=jnp.full_like(mixed.loss_scale.scale, 1e30))
+    value = backend.train_step(model, mixed, **inputs)
+    assert np.isfinite(value)
+    assert backend.loss_scale(mixed) == float(np.float32(1e30)) / 2
+    after = backend.training_state(model, mixed)
+    assert after.step == state.step == 0
+    for name, weight in checkpoint.to_params(model).items():
+        np.testing.assert_array_equal(weight, before[name], err_msg=name)
+        for which in (2, 3):
+            np.testing.assert_array_equal(after[which][name], state[which][name], err_msg=name)
+    assert_low_is_the_rounded_masters(model, mixed)
+    mixed.loss_scale = mixed.loss_scale.replace(scale=jnp.full_like(mixed.loss_scale.scale, precision.LOSS_SCALE))
+    assert backend.train_step(model, mixed, **inputs) == value
+    scales = [backend.loss_scale(mixed)]
+    backend.train_step(model, mixed, **cases.training_inputs(model.config, seed=1))
+    assert scales + [backend.loss_scale(mixed)] == [precision.LOSS_SCALE, 2 * precision.LOSS_SCALE]
+    assert backend.training_state(model, mixed).step == 2
+    assert_low_is_the_rounded_masters(model, mixed)
 
 
 @pytest.mark.parametrize("dtype", LOW)

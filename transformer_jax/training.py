@@ -7,31 +7,40 @@ The update is the paper's (Kingma & Ba, Algorithm 1) exactly: ``optax.adam`` wit
 divides the bias-corrected first moment by ``sqrt(v_hat) + eps``; optax's step count starts at 0,
 so the schedule is evaluated at ``count + 1`` and the bias correction uses ``count + 1``; with
 64-bit JAX on, the schedule and the bias correction are computed in float64 and cast to the
-parameters' dtype. Gradients and training need a float32 or float64 model: a bfloat16 or float16
-one is refused by the reference's ``check_trainable`` before any work (its loss is float32, as the
-reference's). Dropout draws its masks from the model's own dropout streams (every
+parameters' dtype. Dropout draws its masks from the model's own dropout streams (every
 ``nnx.Dropout`` holds one, forked from the model's ``rngs``): each step advances them.
+
+A bfloat16 or float16 model's gradients are P (its loss float32): autodiff through the forward pass's roundings
+is the reference's backward recipe (each concept's backward wide, float32, its gradients rounded once to P by the
+transpose of the cast that widened its inputs; gradients that meet add in P), compiled without excess precision
+like the forward pass. Training updates float32 or float64 weights (a P *model* is refused by the reference's
+``check_trainable``); **mixed precision** (``optimizer(model, dtype="bfloat16"|"float16")``) keeps a float32
+model's weights as the masters and Adam's moments float32, and differentiates a second model, the masters rounded
+to P; float16 scales the loss with Flax's ``DynamicScale``.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.training.dynamic_scale import DynamicScale
 
 from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.precision import check_trainable
+from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
 from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
 
 from . import checkpoint
 from .device import _check_dtype
-from .model import Transformer
+from .model import _EXACT_ROUNDING, Transformer, _narrow, _split, _streams, _Structure
 
 
 def label_smoothed_cross_entropy(log_probs: jax.Array, labels: jax.Array, pad_id: int,
@@ -72,9 +81,11 @@ def loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
 def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
-    layout (tied weights receive the sum over their uses)."""
-    src, tgt = _check_batch(model, src, tgt, labels)
-    value, grads = _value_and_grad(model, src, tgt, labels, epsilon)
+    layout (tied weights receive the sum over their uses); a bfloat16 or float16 model's gradients
+    are P, by the recipe (its loss float32)."""
+    src, tgt = _check_loss_inputs(model, src, tgt, labels)
+    split = _split(model)
+    value, grads = _value_and_grad(split.structure, split.state, src, tgt, labels, epsilon)
     return float(value), checkpoint.to_checkpoint_layout(model, grads)
 
 
@@ -95,14 +106,28 @@ def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> jax.Arr
     return config.learning_rate_scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * config.warmup_steps ** -1.5)
 
 
+@dataclass
+class MixedPrecision:
+    """Training in a low precision P over float32 master weights (the model's): ``optimizer`` steps the masters
+    with float32 gradients; ``low`` is the model in P each step differentiates (the masters rounded to P);
+    ``loss_scale`` is float16's dynamic loss scaling (Flax's ``DynamicScale``), None for bfloat16."""
+
+    optimizer: nnx.Optimizer
+    low: Transformer
+    loss_scale: DynamicScale | None
+
+
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None) -> nnx.Optimizer:
+              state: TrainingState | None = None, dtype=None) -> nnx.Optimizer | MixedPrecision:
     """The optimizer of section 5.3 for ``model``: ``nnx.Optimizer`` over every ``nnx.Param`` with
     ``optax.adam(learning_rate_schedule(...), beta1, beta2, epsilon, eps_root=0)``. With ``state``
     (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to
     the model's dtype) and step count go into optax's state, and, unless ``config`` is given, its
-    training config is used. The config is kept as ``optimizer.config``."""
-    check_trainable(model.dtype)
+    training config is used. The config is kept as ``optimizer.config``. ``dtype`` bfloat16 or
+    float16 (a float32 model only) makes every step compute in that precision over the model's
+    float32 master weights: a :class:`MixedPrecision` holding that optimizer, the model in P (its
+    dropout streams copied from the model's) and, for float16, a ``DynamicScale``."""
+    dtype = training_dtype(model.dtype, dtype)
     _check_dtype(model.dtype)
     if state is not None:
         state = state.astype(model.dtype)
@@ -112,33 +137,65 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     result.config = config
     if state is not None:
         _restore(model, result, state)
-    _place_with(result, model)
-    return result
+    if not is_low(dtype):
+        _place_with(model, result)
+        return result
+    low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)   # the masters rounded to P
+    nnx.update(low, nnx.state(model, nnx.RngState))                                  # the model's dropout streams
+    _place_with(model, result, low)
+    return MixedPrecision(result, low, _dynamic_scale(model) if uses_loss_scaling(dtype) else None)
 
 
-def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels,
+def train_step(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5, compiled (once per model structure, optimizer settings and
     batch shape): the loss with dropout as ``model.config.dropout`` says, its gradient and one Adam
     update with the scheduled learning rate. Returns the loss before the update. The model stays in
     inference mode (dropout is on for this step only, by ``deterministic=False``); its dropout
-    streams advance."""
+    streams advance. In mixed precision the loss and gradients are the P model's, widened to float32
+    for the update of the masters (:func:`_mixed_precision_step`)."""
     src, tgt = _check_batch(model, src, tgt, labels)
+    if isinstance(optimizer, MixedPrecision):
+        return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
     return float(_train_step(model, optimizer, src, tgt, labels, epsilon))
 
 
-def training_state(model: Transformer, optimizer: nnx.Optimizer) -> TrainingState:
+def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
+    """The P model's loss and the gradient of ``scale`` x the loss (the recipe's backward pass in P), widened to
+    float32 and divided by the scale (:func:`_scaled_gradients`); Adam's update of the float32 masters if every
+    gradient is finite (:func:`_update_masters`: optax's count and the schedule advance), else the step is skipped
+    (float16: ``DynamicScale`` has halved its scale); then the P model is the new masters rounded to P. The P
+    model's dropout streams advance."""
+    split = _split(mixed.low)
+    value, grads, finite, mixed.loss_scale, streams = _scaled_gradients(split.structure, split.state,
+                                                                        mixed.loss_scale, src, tgt, labels, epsilon)
+    for variable, stream in zip(split.streams, streams):
+        variable.set_raw_value(stream)
+    if finite:
+        _update_masters(model, mixed.optimizer, mixed.low, grads)
+    return float(value)
+
+
+def training_state(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision) -> TrainingState:
     """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``: optax's
-    Adam moments m_t and v_t (not bias-corrected) and its step count t."""
+    Adam moments m_t and v_t (not bias-corrected) and its step count t (mixed precision: the float32
+    optimizer's; the loss scale is not kept, a resumed float16 run starts from ``LOSS_SCALE``)."""
+    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     adam = optax.tree.get(nnx.as_pure(optimizer.opt_state), "ScaleByAdamState")
     return TrainingState(optimizer.config, int(adam.count), checkpoint.to_checkpoint_layout(model, adam.mu),
                          checkpoint.to_checkpoint_layout(model, adam.nu))
 
 
 def _check_batch(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array]:
-    """The host-side checks of a batch (ids cannot be checked once traced), of a trainable dtype and of
-    64-bit JAX for a float64 model (which would otherwise be truncated to float32); the checked src and tgt."""
+    """A training step's checks: a trainable dtype (the reference's ``check_trainable``), then
+    :func:`_check_loss_inputs`; the checked src and tgt."""
     check_trainable(model.dtype)
+    return _check_loss_inputs(model, src, tgt, labels)
+
+
+def _check_loss_inputs(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array]:
+    """The host-side checks of a batch (ids cannot be checked once traced) and of 64-bit JAX for a
+    float64 model (which would otherwise be truncated to float32); the checked src and tgt."""
     _check_dtype(model.dtype)
     if not np.any(np.asarray(labels) != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
@@ -161,13 +218,31 @@ def _adam(d_model: int, config: TrainingConfig) -> optax.GradientTransformation:
                       eps=config.epsilon, eps_root=0.0)
 
 
-def _place_with(optimizer: nnx.Optimizer, model: Transformer) -> None:
-    """The model's and the optimizer's arrays committed to the device of the model's weights. optax and
-    ``nnx.Optimizer`` create their step counters uncommitted; beside committed weights, a compiled step
-    whose arguments turn committed after its first call is compiled a second time (5.5 s for ``tiny`` in
-    float64: every run of a placed model compiled its step twice)."""
-    device = next(iter(jax.tree.leaves(nnx.state(model, nnx.Param))[0].devices()))
-    for node in (model, optimizer):
+def _dynamic_scale(model: Transformer) -> DynamicScale:
+    """float16's loss scaling, Flax's ``DynamicScale`` with the reference's numbers (read at each call): the first
+    scale ``LOSS_SCALE``, halved on a step whose gradients are not all finite, doubled after
+    ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps in a row. Flax doubles at a finite step that finds
+    ``growth_interval`` finite steps already counted, i.e. after ``growth_interval + 1`` of them: hence the
+    interval minus one. The scale is float32 and the count int32, on the model's device, so that every step
+    runs the same compiled program."""
+    scale = DynamicScale(growth_factor=2.0, backoff_factor=0.5,
+                         growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL - 1,
+                         fin_steps=np.int32(0), scale=np.float32(precision.LOSS_SCALE))
+    return jax.device_put(scale, _device(model))
+
+
+def _device(model: Transformer) -> jax.Device:
+    """The device of the model's weights."""
+    return next(iter(jax.tree.leaves(nnx.state(model, nnx.Param))[0].devices()))
+
+
+def _place_with(model: Transformer, *nodes: nnx.Module | nnx.Optimizer) -> None:
+    """The arrays of the model and of ``nodes`` (its optimizer; in mixed precision the model in P) committed to
+    the device of the model's weights. optax and ``nnx.Optimizer`` create their step counters uncommitted; beside
+    committed weights, a compiled step whose arguments turn committed after its first call is compiled a second
+    time (5.5 s for ``tiny`` in float64: every run of a placed model compiled its step twice)."""
+    device = _device(model)
+    for node in (model, *nodes):
         nnx.update(node, jax.device_put(nnx.state(node), device))
 
 
@@ -182,10 +257,11 @@ def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState)
     optimizer.step[...] = jnp.asarray(state.step, optimizer.step[...].dtype)
 
 
-@nnx.jit(static_argnames="epsilon")
-def _value_and_grad(model: Transformer, src, tgt, labels, epsilon):
-    """Compiled loss and its gradient with respect to every ``nnx.Param`` (an ``nnx.State``)."""
-    return nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=True))(model)
+@functools.partial(jax.jit, static_argnames=("structure", "epsilon"), compiler_options=_EXACT_ROUNDING)
+def _value_and_grad(structure: _Structure, state: nnx.State, src, tgt, labels, epsilon):
+    """Compiled loss (dropout off) and its gradient with respect to every ``nnx.Param`` (an ``nnx.State``) of the
+    model of this structure and state; in P, every rounding of the recipe kept (see ``model._EXACT_ROUNDING``)."""
+    return nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=True))(structure.merge(state))
 
 
 @nnx.jit(static_argnames="epsilon")
@@ -194,3 +270,34 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, 
     value, grads = nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=False))(model)
     optimizer.update(model, grads)
     return value
+
+
+@functools.partial(jax.jit, static_argnames=("structure", "epsilon"), compiler_options=_EXACT_ROUNDING)
+def _scaled_gradients(structure: _Structure, state: nnx.State, loss_scale: DynamicScale | None, src, tgt, labels,
+                      epsilon):
+    """Compiled, for the P model of this structure and state: its loss in training mode (float32), the gradient of
+    the loss times the scale (``DynamicScale.value_and_grad``; bfloat16: unscaled) as float32 divided by the scale
+    (an ``nnx.State`` of the P model's parameters), whether every gradient is finite, the loss scale after the step
+    and the values of the dropout streams after it (as ``model._streams`` lists them)."""
+    graphdef, params, rest = nnx.split(structure.merge(state), nnx.Param, ...)
+
+    def value(params: nnx.State):
+        low = nnx.merge(graphdef, params, rest, copy=True)           # Variables of this trace: its streams advance
+        out = loss(low, src, tgt, labels, epsilon, deterministic=False)
+        return out, (out, [variable.get_raw_value() for variable in _streams(low)])
+
+    if loss_scale is None:
+        (_, (out, streams)), grads = jax.value_and_grad(value, has_aux=True)(params)
+        grads = jax.tree.map(lambda grad: grad.astype(jnp.float32), grads)
+        finite = jnp.stack([jnp.isfinite(grad).all() for grad in jax.tree.leaves(grads)]).all()
+    else:
+        loss_scale, finite, (_, (out, streams)), grads = loss_scale.value_and_grad(value, has_aux=True)(params)
+    return out, grads, finite, loss_scale, streams
+
+
+@nnx.jit
+def _update_masters(model: Transformer, optimizer: nnx.Optimizer, low: Transformer, grads: nnx.State):
+    """Compiled: Adam's update of the float32 masters with the float32 gradients (optax's count and the schedule
+    advance), then the P model's weights the new masters rounded to P."""
+    optimizer.update(model, grads)
+    nnx.update(low, jax.tree.map(lambda master: _narrow(master, low.dtype), nnx.state(model, nnx.Param)))

@@ -130,27 +130,38 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING)
 @_x64
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
-    gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout (NumPy)."""
+    gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout (NumPy; a bfloat16 or float16
+    model's gradients in its format, its loss float32)."""
     return training.gradients(model, src, tgt, labels, epsilon)
 
 
 @_x64
-def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None) -> nnx.Optimizer:
-    """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``)."""
-    return training.optimizer(model, config, state)
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: str | None = None) -> nnx.Optimizer | training.MixedPrecision:
+    """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``);
+    with ``dtype`` "bfloat16" or "float16" (a float32 model) a ``MixedPrecision`` over float32 master weights."""
+    return training.optimizer(model, config, state, dtype)
 
 
 @_x64
-def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels,
+def loss_scale(optimizer: nnx.Optimizer | training.MixedPrecision) -> float | None:
+    """The current loss scale of a float16 ``MixedPrecision`` (its Flax ``DynamicScale``); None for bfloat16 and
+    for a plain optimizer."""
+    if not isinstance(optimizer, training.MixedPrecision) or optimizer.loss_scale is None:
+        return None
+    return float(optimizer.loss_scale.scale)
+
+
+@_x64
+def train_step(model: Transformer, optimizer: nnx.Optimizer | training.MixedPrecision, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One compiled training step (dropout as the model's config says): the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
 
 
 @_x64
-def training_state(model: Transformer, optimizer: nnx.Optimizer) -> TrainingState:
-    """The run's state in checkpoint layout (NumPy, the model's dtype)."""
+def training_state(model: Transformer, optimizer: nnx.Optimizer | training.MixedPrecision) -> TrainingState:
+    """The run's state in checkpoint layout (NumPy, the model's dtype; mixed precision: the float32 Adam's)."""
     return training.training_state(model, optimizer)
 
 
