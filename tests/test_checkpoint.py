@@ -29,7 +29,7 @@ from reference_numpy import (
     parameter_shapes,
     save_checkpoint,
 )
-from reference_numpy.checkpoint import TrainingState, load_training_state, release_freed_memory
+from reference_numpy.checkpoint import TrainingState, load_training_state
 from reference_numpy.config import TrainingConfig
 
 TINY = VARIANTS["tiny"]

@@ -2,8 +2,8 @@
 checkpoint interchange with the reference, Keras serialization and ``.weights.h5`` saving, the
 backend guard, masking, dropout, the key/value cache, the compiled searches, training
 (section 5: the schedule, Keras's Adam made to compute the paper's update, dropout, resuming), and
-bfloat16 and float16 models (the recipe of ``reference_numpy/precision.py``: dtypes, files, decoding,
-the refusal to train)."""
+bfloat16 and float16 models (the recipe of ``reference_numpy/precision.py``: dtypes, files, decoding, P
+gradients, mixed-precision training over float32 masters with Keras' ``LossScaleOptimizer``)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy import decoding as reference_decoding  # noqa: E402
 from reference_numpy import model as reference_model_module  # noqa: E402
+from reference_numpy import precision  # noqa: E402
 from reference_numpy import training as reference_training  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from reference_numpy.precision import round_to  # noqa: E402
+from reference_numpy.precision import round_to, training_dtype  # noqa: E402
 from transformer_tf import checkpoint, data_parallel, decoding, device, training  # noqa: E402
 from transformer_tf.model import (  # noqa: E402
     Transformer,
@@ -756,21 +757,20 @@ def test_a_low_precision_model_saves_its_own_format_bit_for_bit(tmp_path, varian
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 def test_a_low_precision_model_is_refused_training_before_any_work(dtype):
-    """The reference's ``check_trainable`` error from every training entry point, before any work: the
-    optimizer and the batches are never touched. The loss itself is float32."""
+    """A P model has P gradients but is not trained itself: the reference's ``check_trainable`` error from every
+    training entry point, before any work (the optimizer and the batches are never touched). A float64 model does not
+    train in P: ``training_dtype``'s error."""
     config = VARIANTS["tiny"]
     model = port_model("tiny", dtype)
     inputs = cases.training_inputs(config)
     with pytest.raises(ValueError) as expected:
-        reference_training.gradients(reference_model("tiny", dtype), **inputs)
+        reference_training.optimizer(reference_model("tiny", dtype))
     message = f"^{re.escape(str(expected.value))}$"
-    assert "load the checkpoint in float32" in str(expected.value)
+    assert f"dtype={dtype!r}" in str(expected.value)
 
     def untouched(*args, **kwargs):
         raise AssertionError("the refusal came after some work")
 
-    with pytest.raises(ValueError, match=message):
-        training.gradients(model, **inputs)
     with pytest.raises(ValueError, match=message):
         training.optimizer(model)
     with pytest.raises(ValueError, match=message):
@@ -779,7 +779,86 @@ def test_a_low_precision_model_is_refused_training_before_any_work(dtype):
         data_parallel.train_step(model, None, **inputs, strategy=None)
     with pytest.raises(ValueError, match=message):
         data_parallel.train(config, cases.seeded_params(config), None, None, untouched, 0, 1, 1, dtype)
-    assert training.loss(model, **inputs).dtype == tf.float32
+    with pytest.raises(ValueError) as expected:
+        training_dtype("float64", dtype)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(expected.value))}$"):
+        training.optimizer(port_model("tiny", "float64"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_a_low_precision_model_has_p_gradients_by_checkpoint_name(dtype):
+    """``gradients`` of a P model: a float32 loss and one finite P array per checkpoint tensor, in its layout."""
+    config, model = VARIANTS["tiny"], port_model("tiny", dtype)
+    inputs = cases.training_inputs(config)
+    value, grads = training.gradients(model, **inputs)
+    assert isinstance(value, float) and np.isfinite(value) and training.loss(model, **inputs).dtype == tf.float32
+    shapes = reference_checkpoint.parameter_shapes(config)
+    assert list(grads) == list(shapes)
+    for name, grad in grads.items():
+        assert grad.dtype == dtype and grad.shape == shapes[name], name
+        assert np.isfinite(grad.astype(np.float64)).all(), name
+
+
+def assert_masters_and_their_rounding(model: Transformer, mixed: training.MixedPrecision) -> None:
+    """The model's weights (the masters) and Adam's moments are float32; the P model holds the masters rounded to
+    P, bit for bit."""
+    dtype = mixed.low.compute_dtype
+    low, state = checkpoint.to_params(mixed.low), training.training_state(model, mixed)
+    for name, master in checkpoint.to_params(model).items():
+        assert master.dtype == np.float32 and state.first_moments[name].dtype == np.float32, name
+        assert low[name].dtype == dtype, name
+        np.testing.assert_array_equal(low[name].view(np.uint16), round_to(master, dtype).view(np.uint16), name)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_mixed_precision_steps_float32_masters_and_rounds_them_to_p(dtype, monkeypatch):
+    """``optimizer(float32 model, dtype=P)``: each step's loss and gradients are the P model's, Adam updates the
+    float32 masters and the P model is the masters rounded again. float16: Keras' ``LossScaleOptimizer`` at
+    ``LOSS_SCALE``, doubled after ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps (here 2, set after the import: read
+    when the optimizer is made); bfloat16 has no scale."""
+    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+    model = training_model(dtype="float32")
+    mixed = training.optimizer(model, TRAINING, dtype=dtype)
+    assert isinstance(mixed, training.MixedPrecision)
+    assert_masters_and_their_rounding(model, mixed)
+    before = checkpoint.to_params(model)
+    scales = []
+    for seed in (0, 1):
+        inputs = cases.training_inputs(model.config, seed=seed)
+        low_loss = backend.loss(mixed.low, **inputs)                       # dropout 0: the step's own loss
+        assert training.train_step(model, mixed, **inputs) == low_loss
+        scales.append(backend.loss_scale(mixed))
+    assert int(mixed.optimizer.iterations) == 2
+    assert scales == ([precision.LOSS_SCALE, 2 * precision.LOSS_SCALE] if dtype == "float16" else [None, None])
+    assert all(np.any(value != before[name]) for name, value in checkpoint.to_params(model).items())
+    assert_masters_and_their_rounding(model, mixed)
+
+
+def test_a_float16_step_whose_gradient_overflows_is_skipped():
+    """A loss scale of float32's largest number overflows float16's gradients: the step changes no master weight,
+    no P weight, no moment, leaves Adam's t (the inner optimizer's ``iterations``, hence the schedule) where it was,
+    and halves the scale; it returns the unscaled loss. The next step is taken again."""
+    model = training_model(dtype="float32")
+    mixed = training.optimizer(model, TRAINING, dtype="float16")
+    inputs = cases.training_inputs(model.config)
+    training.train_step(model, mixed, **inputs)
+    largest = float(np.finfo(np.float32).max)
+    mixed.loss_scale.dynamic_scale.assign(largest)
+    (weights, low, state), rate = ((checkpoint.to_params(model), checkpoint.to_params(mixed.low),
+                                    training.training_state(model, mixed)), float(mixed.optimizer.learning_rate))
+    value = training.train_step(model, mixed, **inputs)
+    assert value == backend.loss(mixed.low, **inputs)
+    assert backend.loss_scale(mixed) == largest / 2
+    after = training.training_state(model, mixed)
+    assert after.step == state.step == 1 and float(mixed.optimizer.learning_rate) == rate
+    for name, value in checkpoint.to_params(model).items():
+        np.testing.assert_array_equal(value, weights[name], name)
+        np.testing.assert_array_equal(checkpoint.to_params(mixed.low)[name], low[name], name)
+        np.testing.assert_array_equal(after.first_moments[name], state.first_moments[name], name)
+        np.testing.assert_array_equal(after.second_moments[name], state.second_moments[name], name)
+    mixed.loss_scale.dynamic_scale.assign(precision.LOSS_SCALE)
+    training.train_step(model, mixed, **inputs)
+    assert training.training_state(model, mixed).step == 2
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)

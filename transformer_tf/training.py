@@ -1,26 +1,37 @@
 """Training, section 5: the label-smoothed loss (5.4) and its gradients by ``tf.GradientTape``, Keras's
 Adam made to compute the paper's update with the learning rate of Eq. (3) as a Keras
 ``LearningRateSchedule`` (5.3), one training step with dropout (5.4), and the run's state for a
-checkpoint. The parallel text of ``reference_numpy/training.py``. A bfloat16 or float16 model has a float32 loss
-and is refused gradients and training (``reference_numpy.precision.check_trainable``), before any work."""
+checkpoint. The parallel text of ``reference_numpy/training.py``.
+
+A bfloat16 or float16 model has a float32 loss and P gradients, by ``tf.GradientTape`` through the recipe's casts
+(``model._wide``, ``model._narrow``): each concept's backward runs in float32 and its gradients are rounded to P where
+its forward pass made its P inputs float32, and gradients that meet add in P. It is not trained itself
+(``reference_numpy.precision.check_trainable``): a float32 model trains in P with ``optimizer(model, dtype=...)``,
+**mixed precision** (``docs/training.md``): the model's float32 variables are the master weights and Adam's moments
+are float32; each step differentiates a second model in P, the masters rounded to P, and applies its gradients
+widened to float32. float16 scales the loss with Keras' ``LossScaleOptimizer``; bfloat16 does not.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.precision import check_trainable
+from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
 from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
 
 from . import checkpoint
 from . import device as _device
-from .model import Transformer
+from .model import Transformer, _narrow, _wide
 
 
 def label_smoothed_cross_entropy(log_probs: tf.Tensor, labels: tf.Tensor, pad_id: int,
@@ -64,13 +75,28 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING,
 def gradients(model: Transformer, src, tgt, labels,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
-    layout (tied weights receive the sum over their uses)."""
-    check_trainable(model.compute_dtype)
+    layout and the model's dtype (tied weights receive the sum over their uses); a bfloat16 or float16 model's
+    gradients are P, by the recipe (its loss float32)."""
     variables = model.trainable_variables
     with tf.device(_device.model_device(model)), tf.GradientTape() as tape:
         value = loss(model, src, tgt, labels, epsilon)
     grads = tape.gradient(value, variables)
-    return float(value), checkpoint.to_checkpoint_layout(model, {v.path: g for v, g in zip(variables, grads)})
+    return float(value), checkpoint.to_checkpoint_layout(model, {v.path: _dense(g) for v, g in zip(variables, grads)})
+
+
+def _dense(grad) -> tf.Tensor:
+    """A variable's gradient as a dense tensor. An embedding's is ``tf.IndexedSlices``, one row per position holding
+    a token; the rows of one token are summed wide and rounded once, by the recipe (``reference_numpy/backward.py``,
+    ``embeddings``), where TensorFlow's own conversion (``unsorted_segment_sum`` in the gradient's dtype) adds them
+    one by one in P and loses most of them past a few hundred (in bfloat16 256 + 1 = 256). float32 and float64: the
+    same sum as TensorFlow's conversion.
+
+    Shape: values (N, D) for N positions, indices (N,) -> (V, D).
+    """
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    rows = tf.math.unsorted_segment_sum(_wide(grad.values), grad.indices, grad.dense_shape[0])   # (V, D)
+    return _narrow(rows, grad.values.dtype)
 
 
 def learning_rate_schedule(d_model: int, config: TrainingConfig = PAPER
@@ -129,13 +155,29 @@ class _Adam(keras.optimizers.Adam):
         self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon))
 
 
+@dataclass
+class MixedPrecision:
+    """Training in a low precision P over float32 master weights (the model's variables): ``optimizer`` (the
+    paper's Adam, float32 moments) steps the masters with float32 gradients; ``low`` is the model in P each step
+    differentiates (the masters rounded to P); ``loss_scale`` is float16's dynamic loss scaling, Keras'
+    ``LossScaleOptimizer`` wrapped around ``optimizer`` (None for bfloat16). ``train_function`` is the compiled
+    step (:func:`_mixed_precision_step`), set by :func:`optimizer`."""
+
+    optimizer: _Adam
+    low: Transformer
+    loss_scale: keras.optimizers.LossScaleOptimizer | None
+    train_function: Callable | None = field(default=None, init=False, repr=False, compare=False)
+
+
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None) -> keras.optimizers.Adam:
+              state: TrainingState | None = None, dtype=None) -> keras.optimizers.Adam | MixedPrecision:
     """The optimizer of section 5.3 for ``model``: Keras's Adam with the paper's update and the schedule
     of Eq. (3), built on the model's variables. With ``state`` (from ``load_training_state``) the saved
     run continues where it stopped: its moments (cast to the model's dtype) and step count are
-    assigned to the optimizer's variables and, unless ``config`` is given, its training config is used."""
-    check_trainable(model.compute_dtype)
+    assigned to the optimizer's variables and, unless ``config`` is given, its training config is used.
+    ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
+    model's float32 master weights (:class:`MixedPrecision`)."""
+    dtype = training_dtype(model.compute_dtype, dtype)
     if state is not None:
         state = state.astype(model.compute_dtype)
         reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
@@ -151,16 +193,33 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
             m.assign(first[variable.path])
             v.assign(second[variable.path])
     adam.train_function = tf.function(functools.partial(_step, adam))            # traced once per input shape
-    return adam
+    return _mixed_precision(model, adam, dtype) if is_low(dtype) else adam
 
 
-def train_step(model: Transformer, optimizer: keras.optimizers.Adam, src, tgt, labels,
+def _mixed_precision(model: Transformer, adam: _Adam, dtype) -> MixedPrecision:
+    """``adam`` over the float32 ``model`` (the masters), the model in ``dtype`` built from the masters rounded to
+    it, and for float16 a ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s first scale
+    and growth interval, read at each call."""
+    with tf.device(_device.model_device(model)):
+        low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)
+        loss_scale = None
+        if uses_loss_scaling(dtype):
+            loss_scale = keras.optimizers.LossScaleOptimizer(adam, precision.LOSS_SCALE,
+                                                             precision.LOSS_SCALE_GROWTH_INTERVAL)
+            loss_scale.build(model.trainable_variables)                    # its scale and counter; adam is built
+    mixed = MixedPrecision(adam, low, loss_scale)
+    mixed.train_function = tf.function(functools.partial(_mixed_precision_step, mixed))
+    return mixed
+
+
+def train_step(model: Transformer, optimizer: keras.optimizers.Adam | MixedPrecision, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5: the loss with dropout on (``training=True``, P_drop =
     ``config.dropout``), its gradient, and Adam's update with lrate(t); returns the loss before the
     update. Compiled (``tf.function``, traced once per optimizer and input shape); the inputs are
     checked before. Keras keeps no mode on the model: ``training=True`` holds for this step's
-    forward pass only, every other call stays inference."""
+    forward pass only, every other call stays inference. In mixed precision the loss and gradients are the
+    P model's, widened to float32 for the update of the masters (:func:`_mixed_precision_step`)."""
     check_trainable(model.compute_dtype)
     src, tgt = model._check_inputs(src, tgt, None, None)                   # ids cannot be checked once traced
     labels = tf.convert_to_tensor(labels)
@@ -176,13 +235,36 @@ def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float
     variables = model.trainable_variables
     with tf.GradientTape() as tape:
         value = loss(model, src, tgt, labels, epsilon, tokens, training=True)
-    optimizer.apply([tf.convert_to_tensor(grad) for grad in tape.gradient(value, variables)], variables)
+    optimizer.apply([_dense(grad) for grad in tape.gradient(value, variables)], variables)
     return value
 
 
-def training_state(model: Transformer, optimizer: keras.optimizers.Adam) -> TrainingState:
+def _mixed_precision_step(mixed: MixedPrecision, model: Transformer, src, tgt, labels, epsilon: float) -> tf.Tensor:
+    """Traced: the P model's loss in training mode and the gradient of the loss (float16: times the current scale)
+    by the recipe's backward pass in P, widened to float32; then the update of the float32 masters if every
+    gradient is finite, else none (float16: ``LossScaleOptimizer.apply`` divides by the scale, skips the step
+    and halves the scale on a non-finite gradient, and doubles it after its growth interval of finite steps);
+    then the P model's weights are the masters rounded to P. Returns the unscaled loss."""
+    low, masters = mixed.low.trainable_variables, model.trainable_variables
+    with tf.GradientTape() as tape:
+        value = loss(mixed.low, src, tgt, labels, epsilon, training=True)
+        scaled = value if mixed.loss_scale is None else mixed.loss_scale.scale_loss(value)
+    grads = [tf.cast(_dense(grad), tf.float32) for grad in tape.gradient(scaled, low)]
+    if mixed.loss_scale is None:
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(grad)) for grad in grads])
+        tf.cond(finite, lambda: mixed.optimizer.apply(grads, masters), lambda: None)
+    else:
+        mixed.loss_scale.apply(grads, masters)
+    for variable, master in zip(low, masters):
+        variable.assign(tf.cast(master, variable.dtype))                 # float32 -> P: rounded once, to nearest even
+    return value
+
+
+def training_state(model: Transformer, optimizer: keras.optimizers.Adam | MixedPrecision) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype), for
-    ``save_checkpoint(..., training=state)``."""
+    ``save_checkpoint(..., training=state)`` (mixed precision: the float32 Adam's; the loss scale is not kept, a
+    resumed float16 run starts from ``LOSS_SCALE``)."""
+    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     variables = model.trainable_variables
     first, second = (checkpoint.to_checkpoint_layout(model, {v.path: optimizer.moments(v)[i] for v in variables})
                      for i in (0, 1))

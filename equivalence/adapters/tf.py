@@ -141,24 +141,35 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING)
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
-    gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout."""
+    gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout and the model's dtype (a
+    bfloat16 or float16 model: P gradients, a float32 loss)."""
     return training.gradients(model, src, tgt, labels, epsilon)
 
 
-def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None) -> keras.optimizers.Optimizer:
-    """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``)."""
-    return training.optimizer(model, config, state)
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: str | None = None) -> keras.optimizers.Optimizer | training.MixedPrecision:
+    """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``);
+    ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision (``training.MixedPrecision``)."""
+    return training.optimizer(model, config, state, dtype)
 
 
-def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer, src, tgt, labels,
-               epsilon: float = LABEL_SMOOTHING) -> float:
+def loss_scale(optimizer: keras.optimizers.Optimizer | training.MixedPrecision) -> float | None:
+    """The current loss scale of a float16 mixed-precision optimizer (its ``LossScaleOptimizer``'s
+    ``dynamic_scale``); None for any other."""
+    scaler = optimizer.loss_scale if isinstance(optimizer, training.MixedPrecision) else None
+    return None if scaler is None else float(scaler.dynamic_scale.numpy())
+
+
+def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer | training.MixedPrecision, src, tgt,
+               labels, epsilon: float = LABEL_SMOOTHING) -> float:
     """One compiled training step, dropout as the model's config says: the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
 
 
-def training_state(model: Transformer, optimizer: keras.optimizers.Optimizer) -> TrainingState:
-    """Adam's moments and step count in checkpoint layout (NumPy, the model's dtype)."""
+def training_state(model: Transformer, optimizer: keras.optimizers.Optimizer | training.MixedPrecision
+                   ) -> TrainingState:
+    """Adam's moments and step count in checkpoint layout (NumPy, the model's dtype; mixed precision: the float32
+    Adam's)."""
     return training.training_state(model, optimizer)
 
 
