@@ -512,7 +512,8 @@ TIES = [
 # Training (section 5): the reference's backward pass, Adam and schedule, and each port's optimizer.
 TRAINING = [
     single("backward", "reference: the embeddings' gradient not scaled by sqrt(d_model)", "reference_numpy/backward.py",
-           "np.add.at(table, tokens, grad_out * embed.scale)", "np.add.at(table, tokens, grad_out)",
+           "np.add.at(table, tokens, wide(narrow(wide(grad_out) * embed.scale, dtype)))",
+           "np.add.at(table, tokens, wide(narrow(wide(grad_out), dtype)))",
            ["tests/test_backward.py"]),
     single("adam", "reference: Adam's epsilon added before the bias correction (Keras's placement)",
            "reference_numpy/training.py", "self.params[name] -= lr * m_hat / (np.sqrt(v_hat) + c.epsilon)",
@@ -602,6 +603,19 @@ PRECISION = [
          "logits = jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION)"),
         (FM, "logits = _narrow(tf.matmul(_wide(x), _wide(weight)), x.dtype)", "logits = tf.matmul(_wide(x), _wide(weight))"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
+    single("precision", "torch: the embedding's gradient rows summed in P (torch's own embedding backward)",
+           "transformer_torch/model.py",
+           "        if weight.dtype in _LOW and weight.requires_grad and torch.is_grad_enabled():",
+           "        if False:",
+           ["tests/test_gradients.py", "-k", "hundreds and torch"]),
+    single("precision", "torch: the schedule stepped on a skipped float16 step (Adam's t and Eq. (3)'s count part)",
+           "transformer_torch/training.py", "        taken = scaler.get_scale() >= scale", "        taken = True",
+           ["tests/test_training.py", "-k", "overflow and torch"]),
+    single("precision", "reference: mixed precision differentiates the float32 masters (no P model)",
+           "reference_numpy/training.py",
+           "        value, grads = backward.loss_and_gradients(mixed.low, src, tgt, labels, epsilon, scale)",
+           "        value, grads = backward.loss_and_gradients(model, src, tgt, labels, epsilon, scale)",
+           ["tests/test_training.py", "-k", "mixed_precision_steps and torch and bfloat16"]),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
