@@ -165,7 +165,8 @@ def decode_step_bytes(config: TransformerConfig, batch: int, src_len: int, steps
     the feed-forward network and the three LayerNorms; pre-LN's final LayerNorm; the output projection
     (D x V) -- and per row the
     caches it attends over: the self-attention keys and values of t positions at step t, and the memory's
-    keys and values (``src_len`` positions). ``itemsize`` 4: float32."""
+    keys and values (``src_len`` positions). ``itemsize``: bytes per number of the model's dtype (4: float32; 2:
+    bfloat16 and float16, whose weights and caches are stored in P)."""
     d, f = config.d_model, config.d_ff
     layer = 6 * d * d + 2 * d * f + (6 * d + f + d) + 6 * d          # matrices, their biases, three LayerNorms
     weights = config.n_decoder_layers * layer + 2 * d * config.norm_first + d * config.tgt_vocab_size
