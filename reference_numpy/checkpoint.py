@@ -12,13 +12,15 @@
 
 Loading lets the safetensors library read and check the file, validates the checkpoint on top
 and raises one ``ValueError`` naming the file, the problem and the tensor. Saving writes a
-``.partial`` file beside the target and renames it, so the target is never half-written.
+``.partial`` file beside the target and renames it, so the target is never half-written; a ``.partial`` file left
+by a save that was killed (SIGKILL, power loss) is removed by the next save to that path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import os
 import re
@@ -36,10 +38,16 @@ from .config import TrainingConfig, TransformerConfig
 from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
 from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
 
+try:
+    import fcntl
+except ImportError:                     # Windows: no advisory locks, so no .partial file is taken for abandoned
+    fcntl = None
+
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")  # version 1: parameters only, no training state
 MOMENTS = ("adam.m.", "adam.v.")  # prefixes of Adam's first and second moments of each tensor
 DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64), "BF16": BFLOAT16, "F16": FLOAT16}
+MAX_STEP = 2 ** 63 - 1  # a run's step count is an int64 in every backend: [0, MAX_STEP] (docs/training.md)
 PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, or one that was interrupted
 
 
@@ -187,24 +195,66 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
 
 
 def _replace_atomically(target: Path, data: bytes) -> None:
-    """Write ``data`` to a ``.partial`` file beside ``target``, then rename it over ``target``."""
+    """Write ``data`` to a ``.partial`` file beside ``target``, then rename it over ``target``. The writer holds an
+    exclusive lock on its ``.partial`` file until the rename, so that another save can tell it from one left by a
+    killed process (no lock held), which it removes first (:func:`_remove_abandoned`)."""
     mode = _kept_mode(target)
-    partial = target.with_name(f"{target.name}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)  # minus the umask
+    _remove_abandoned(target)
+    partial, fd = _locked_partial(target)
     try:
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
+            if mode is not None:
+                os.chmod(partial, mode)
+            os.replace(partial, target)
         finally:
-            os.close(fd)
-        if mode is not None:
-            os.chmod(partial, mode)
-        os.replace(partial, target)
+            os.close(fd)                                             # releases the lock, after the rename
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def _locked_partial(target: Path) -> tuple[Path, int]:
+    """A new ``NAME.<8 hex digits>.partial`` beside ``target``, open for writing and locked; one that another save
+    removed between its creation and the lock (as abandoned) is replaced by a fresh name."""
+    while True:
+        partial = target.with_name(f"{target.name}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)  # minus umask
+        if fcntl is None:
+            return partial, fd
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:
+            return partial, fd
+        os.close(fd)
+
+
+def _remove_abandoned(target: Path) -> list[Path]:
+    """Remove the ``.partial`` files beside ``target`` that no living save holds (a save killed mid-write leaves
+    one); returns them. A save in progress holds its lock and is left alone."""
+    if fcntl is None:
+        return []
+    pattern = re.compile(re.escape(target.name) + r"\.[0-9a-f]{8}" + re.escape(PARTIAL_SUFFIX))
+    removed = []
+    for partial in target.parent.glob(f"{glob.escape(target.name)}.*{PARTIAL_SUFFIX}"):
+        if not pattern.fullmatch(partial.name):
+            continue
+        try:
+            fd = os.open(partial, os.O_RDONLY)
+        except OSError:
+            continue                                                 # gone meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(partial)):    # not renamed into place meanwhile
+                partial.unlink()
+                removed.append(partial)
+        except OSError:
+            pass                                                     # locked: a save in progress
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _kept_mode(target: Path) -> int | None:
@@ -333,12 +383,15 @@ def _training_state(config: TransformerConfig, params: dict[str, np.ndarray], tr
 
 def validate_training_state(config: TransformerConfig, params: dict[str, np.ndarray], state: TrainingState) -> None:
     """Check a training state against the parameters it belongs to: a ``TrainingConfig``, a step
-    count >= 0, and one first and one second moment per tensor with its shape and dtype, finite,
-    second moments >= 0. One ``ValueError`` naming the tensor (``adam.m.NAME``/``adam.v.NAME``)."""
+    count in [0, ``MAX_STEP``] (the int64 count of every backend's optimizer), and one first and one second moment
+    per tensor with its shape and dtype, finite, second moments >= 0. One ``ValueError`` naming the tensor
+    (``adam.m.NAME``/``adam.v.NAME``)."""
     if not isinstance(state.config, TrainingConfig):
         raise ValueError(f"training config must be a TrainingConfig, got {type(state.config).__name__}")
     if not isinstance(state.step, (int, np.integer)) or isinstance(state.step, bool) or state.step < 0:
         raise ValueError(f"training step must be an int >= 0, got {state.step!r}")
+    if state.step > MAX_STEP:
+        raise ValueError(f"training step must be <= 2**63 - 1 (an int64 count in every backend), got {state.step}")
     for prefix, moments in zip(MOMENTS, (state.first_moments, state.second_moments)):
         _refuse_names("missing", [prefix + name for name in params if name not in moments])
         _refuse_names("unexpected", sorted(prefix + name for name in set(moments) - set(params)))

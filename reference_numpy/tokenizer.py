@@ -5,7 +5,8 @@ case, runs of white space to one space, trimmed), split at spaces with a word-st
 pair; decoding joins the pieces back, so ``decode(encode(text)) == normalise(text)``. Its special tokens sit at the
 model config's ids: ``<pad>`` at ``pad_id``, ``<s>`` at ``bos_id``, ``</s>`` at ``eos_id``, and ``<unk>`` next
 (characters the training text never had; :meth:`Tokenizer.encode` refuses them instead of feeding ``<unk>`` to the
-model).
+model). A special token's name typed in a text (``"seventy-one </s> eighty"``) is text like any other: its
+characters are encoded, never the control id, so a user's text cannot end the source early.
 
 In a checkpoint the tokenizer is its JSON text in the safetensors metadata (``tokenizer``, with
 ``tokenizer_version``), so one file is a complete translator. :func:`check_tokenizer_json` validates that text
@@ -45,6 +46,7 @@ class Tokenizer:
 
     def __init__(self, library_tokenizer, config: TransformerConfig) -> None:
         self._tokenizer = library_tokenizer
+        self._tokenizer.encode_special_tokens = True    # "</s>" typed in a text is text, never the control id
         self.config = config
         self.unk_id = library_tokenizer.token_to_id(UNK)
 

@@ -97,3 +97,19 @@ def real(minimum: float, below: float | None = None, inclusive: bool = True):
             raise argparse.ArgumentTypeError(f"must be below {below}, got {text}")
         return value
     return parse
+
+
+def refuse_input(output: str, inputs: list[str], flag: str) -> None:
+    """A ``ValueError`` naming ``flag`` if writing ``output`` would replace one of the command's ``inputs`` (the
+    same file, through any link, or a directory holding it): never done, even with ``--force``."""
+    target = os.path.realpath(output)
+    for source in inputs:
+        path = os.path.realpath(source)
+        if path == target or path.startswith(target.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{flag}: writing {output!r} would replace the input {source!r}; write elsewhere")
+
+
+def refuse_existing(path: str, flag: str, force: bool) -> None:
+    """A ``ValueError`` naming ``flag`` if ``path`` exists and ``--force`` was not given."""
+    if os.path.lexists(path) and not force:
+        raise ValueError(f"{flag}: {path!r} already exists; pass --force to replace it")

@@ -7,6 +7,8 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
+from . import runtime
+
 # backend name -> (adapter module, every framework module it needs, the pip extra that installs them)
 BACKENDS = {
     "numpy": ("equivalence.adapters.numpy", ("numpy",), None),
@@ -40,6 +42,7 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
                                          f"pip install 'transformer-reference[{extra}]'"))
             continue
         adapters[name] = importlib.import_module(module)
+    runtime.apply()                     # --threads in the frameworks just imported
     return adapters, missing
 
 

@@ -30,7 +30,7 @@ from reference_numpy import TransformerConfig, init_params
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import parse_dtype
 
-from . import backends
+from . import backends, runtime
 from .timing import (
     BANDWIDTH_OPERATION,
     Timing,
@@ -49,6 +49,7 @@ MATMUL_SIZE = 2048
 BANDWIDTH_MIB = 256
 PEER_BATCH = 8
 GEMM, BANDWIDTH = "anchor: GEMM", "anchor: memory read"     # the anchors' keys among the timed calls
+BUSY_SPREAD = 0.3       # a call whose slowest repeat is this much (of its median) above its fastest: a busy machine
 
 FORWARD = "forward"
 TASKS = (FORWARD, "greedy (cached)", "greedy (uncached)")                           # without --peers
@@ -83,6 +84,11 @@ class Measurement:
     def unit_seconds(self) -> float:
         """The forward pass's time, or a decoding call's time per step (per token at batch 1)."""
         return self.seconds if self.tokens is None else self.seconds / max(1, self.tokens)
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median of the timed repeats (0 with fewer than two)."""
+        return (self.max_seconds - self.min_seconds) / self.seconds if self.repeats > 1 and self.seconds else 0.0
 
 
 @dataclass
@@ -135,8 +141,19 @@ class BenchReport:
                 "ratio_to_best_peer": m.unit_seconds / best.unit_seconds if best else None,
                 "best_peer": best.backend if best else None}
 
+    @property
+    def busy(self) -> str | None:
+        """A warning if the repeats of some call spread more than ``BUSY_SPREAD``: the machine was busy, so the
+        figures are not the machine's (None otherwise)."""
+        worst = max(self.measurements, key=lambda m: m.spread, default=None)
+        if worst is None or worst.spread <= BUSY_SPREAD:
+            return None
+        return (f"the repeats of {worst.backend} {worst.task} spread {100 * worst.spread:.0f}% around their median: "
+                "the machine was busy, so these times are not its own; rerun with the cores free")
+
     def to_json(self) -> dict:
         return {"preset": self.preset, "shapes": self.shapes, "machine": self.machine, "peers": self.peers,
+                "busy": self.busy,
                 "anchors": self.anchors.to_json(), "missing": [asdict(m) for m in self.missing],
                 "computes": self.computes,
                 "measurements": [{**asdict(m), "compile_seconds": m.compile_seconds, "gflops": m.gflops,
@@ -156,7 +173,9 @@ class Engine:
 
 
 def machine_description() -> dict:
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
+    """The machine, Python, and each framework's version and threads (``runtime.settings``)."""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+            "runtime": runtime.settings()}
 
 
 def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int,
@@ -195,7 +214,7 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
                for name, adapter in adapters.items()]
     if peers:
         from . import peers as peer_module
-        built, unavailable = peer_module.load(config, params, os.cpu_count() or 1)
+        built, unavailable = peer_module.load(config, params, runtime.threads())
         engines += [peer_engine(peer, inputs, decode_tokens) for peer in built.values()]
         missing += unavailable + [backends.Missing(peer.NAME, f"{task}: not measured ({reason})")
                                   for peer in built.values() for task, reason in peer.NOT_MEASURED.items()]

@@ -61,6 +61,10 @@ class CopyTask:
         sequences = self.sequences(config, count, STREAMS[split], seed)
         return teacher_forcing(config, sequences)["src"], sequences
 
+    def held_out_size(self, split: str) -> None:
+        """The pairs a held-out set holds: any number (drawn from its own stream)."""
+        return None
+
     def score(self, config: TransformerConfig, decoded: np.ndarray, sequences: np.ndarray) -> dict[str, float]:
         """``exact``: the share of greedy outputs that copy their sequence exactly."""
         return {"exact": exact_match(config, decoded, sequences)}

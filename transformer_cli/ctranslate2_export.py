@@ -56,6 +56,8 @@ from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.config import TransformerConfig
 from reference_numpy.model import sinusoidal_positional_encoding
 
+from .arguments import refuse_input
+
 INSTALL = "pip install 'transformer-reference[peers]'"
 SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}
 INT16_MAX = np.iinfo(np.int16).max   # CTranslate2 stores num_heads as int16
@@ -298,6 +300,7 @@ def build_spec(config: TransformerConfig, params: dict[str, np.ndarray]):
 def export_ctranslate2(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write the shared ``checkpoint`` file as a float32 CTranslate2 model directory ``output_dir``
     (see :func:`save_ctranslate2`). Returns the output directory."""
+    refuse_input(os.fspath(output_dir), [os.fspath(checkpoint)], "OUTPUT_DIR")
     check_output(output_dir, force)
     require_ctranslate2()
     config, params = load_checkpoint(checkpoint)

@@ -32,26 +32,70 @@ from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import DTYPE_NAMES
 
-from . import backends, side_by_side
-from .arguments import backend_names, device_name, dtype_names, image_file, integer, output_file, real
+from . import backends, runtime, side_by_side
+from .arguments import (
+    backend_names,
+    device_name,
+    dtype_names,
+    image_file,
+    integer,
+    output_file,
+    real,
+    refuse_existing,
+    refuse_input,
+)
 from .copy_task import DEFAULTS as COPY
 from .extras import progress_bar
+from .interrupts import StopRequest, terminate_as_interrupt
 from .numbers_task import DEFAULTS as NUMBERS
 
 PROG = "transformer-reference"
-EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_STATUS = f"""exit status:
   {EXIT_OK}  success (compare: every backend agrees with the reference)
   {EXIT_DISAGREEMENT}  compare: a backend breaks a bound, gives NaN/inf or fails to run
-  {EXIT_USAGE}  usage or input error: bad flag, bad checkpoint, nothing to compare, init
-     or export output exists; one line on stderr, no traceback
-  {EXIT_INTERNAL}  internal error: a bug, reported with its traceback"""
+  {EXIT_USAGE}  usage or input error: bad flag, bad checkpoint, nothing to compare, an output
+     that exists (without --force) or is an input; one line on stderr, no traceback
+  {EXIT_INTERNAL}  internal error: a bug, reported with its traceback
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C, SIGTERM): one line; train saves its --out run at the
+     last completed step first"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (naming the command, the flag and ``--help``), not the usage."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message.splitlines()[0]} (see {self.prog} --help)\n")
 
 
 def subcommand(commands, name: str, summary: str) -> argparse.ArgumentParser:
     """Register one subcommand; its ``--help`` ends with the exit status table."""
     return commands.add_parser(name, help=summary, description=summary, epilog=EXIT_STATUS,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: each framework's intra-op threads (``runtime.configure``), for a command that runs a model."""
+    parser.add_argument("--threads", metavar="N", type=integer(1), default=runtime.visible_cores(),
+                        help="intra-op threads of each framework (PyTorch, TensorFlow, XLA) (default: the cores this "
+                             f"process may use, here {runtime.visible_cores()})")
+
+
+def add_outputs(parser: argparse.ArgumentParser, *outputs: str, inputs: tuple[str, ...] = ()) -> None:
+    """``--force``, and the flags (``outputs``) of files the command writes: an existing one is replaced only with
+    ``--force``, an input (``inputs``) never (:func:`check_outputs`)."""
+    parser.add_argument("--force", action="store_true", help="replace an existing output file (kept otherwise)")
+    parser.set_defaults(outputs=outputs, inputs=inputs)
+
+
+def check_outputs(args) -> None:
+    """Before any work: no output replaces an input, nor an existing file without ``--force``."""
+    inputs = [path for name in args.inputs if (path := getattr(args, name, None))]
+    for name in args.outputs:
+        if path := getattr(args, name):
+            flag = f"--{name.replace('_', '-')}"
+            refuse_input(path, inputs, flag)
+            refuse_existing(path, flag, args.force)
 
 
 def add_compare(commands) -> None:
@@ -76,6 +120,8 @@ def add_compare(commands) -> None:
                               "the reference's own drift in that precision")
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
+    add_threads(compare)
+    add_outputs(compare, "plot", "precision_report", inputs=("checkpoint",))
     compare.set_defaults(run=run_compare)
 
 
@@ -89,7 +135,8 @@ def run_compare(args) -> int:
     report = compare(args.checkpoint, args.backends, args.perturb,
                      progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
                      preset=args.preset, dtypes=dtypes, device=args.device)
-    print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else format_table(report))
+    print(json.dumps({**report.to_json(), "runtime": runtime.settings()}, indent=2, allow_nan=False) if args.json
+          else format_table(report))
     if args.plot:
         plot_errors(report, args.plot)
     if args.precision_report:
@@ -119,6 +166,8 @@ def add_bench(commands) -> None:
                        help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
+    add_threads(bench)
+    add_outputs(bench, "plot")
     bench.set_defaults(run=run_bench)
 
 
@@ -130,6 +179,8 @@ def run_bench(args) -> int:
                    progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
                    peers=args.peers, dtype=args.dtype, device=args.device)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
+    if report.busy:
+        print(f"{PROG} bench: warning: {report.busy}", file=sys.stderr)
     if args.plot:
         plot_bench(report, args.plot)
     return EXIT_OK
@@ -142,6 +193,7 @@ def add_plot(commands) -> None:
     pe.add_argument("--length", type=integer(1), default=100)
     pe.add_argument("--d-model", type=integer(2, even=True), default=512)
     pe.add_argument("--out", type=image_file, default="pe.png")
+    add_outputs(pe, "out")
     attention = pictures.add_parser("attention", help="attention weights of one layer and head, per backend")
     attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: the shipped numbers model)")
     attention.add_argument("--preset", choices=sorted(PRESETS), help="a preset with seeded random weights instead")
@@ -158,12 +210,16 @@ def add_plot(commands) -> None:
     attention.add_argument("--device", type=device_name, default="cpu",
                            help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     attention.add_argument("--out", type=image_file, default="attention.png")
+    add_threads(attention)
+    add_outputs(attention, "out", inputs=("checkpoint",))
     plot.set_defaults(run=run_plot)
 
 
 def run_plot(args) -> int:
     from . import plots
 
+    if args.picture == "attention" and args.text is not None and (args.src is not None or args.tgt is not None):
+        raise ValueError("--text: give either a sentence (--text) or token ids (--src, --tgt), not both")
     if args.picture == "pe":
         plots.plot_positional_encoding(args.length, args.d_model, args.out)
     else:
@@ -233,7 +289,7 @@ def add_train(commands) -> None:
     train.add_argument("--warmup-steps", type=integer(1), help=f"Eq. (3)'s warmup_steps {defaults('warmup_steps')}")
     train.add_argument("--learning-rate-scale", type=real(0.0, inclusive=False),
                        help=f"a factor on Eq. (3)'s learning rate, 1 = the paper {defaults('learning_rate_scale')}")
-    train.add_argument("--dropout", type=real(0.0, below=1.0), default=0.0,
+    train.add_argument("--dropout", type=real(0.0, below=1.0),
                        help="P_drop of section 5.4 (the reference has no dropout; default 0 for every backend)")
     train.add_argument("--label-smoothing", type=real(0.0, below=1.0), default=0.1, help="epsilon_ls, section 5.4")
     train.add_argument("--seed", type=integer(0), default=0, help="initial weights and batches")
@@ -265,9 +321,10 @@ def add_train(commands) -> None:
     train.add_argument("--weights-only", action="store_true",
                        help="save the weights (and tokenizer) without the training state: a model to ship, a third "
                             "of the size, not a run to resume")
-    train.add_argument("--force", action="store_true", help="replace --out if it exists (it is kept otherwise)")
     train.add_argument("--plot", metavar="FILE.png", type=image_file, help="the loss curves, backends side by side")
     train.add_argument("--json", action="store_true", help="print the results (with every step's loss) as JSON")
+    add_threads(train)
+    add_outputs(train, "plot", inputs=("resume",))
     train.set_defaults(run=run_train)
 
 
@@ -283,20 +340,37 @@ def run_train(args) -> int:
         backends.device_for(adapter, args.device)           # every backend's device checked before any trains
     results = []
     for name, adapter in adapters.items():
-        result, model, state = train.train(
-            adapter, plan, progress_bar(f"train {name}", "step", quiet=args.json or not sys.stderr.isatty()))
+        with StopRequest() as stop:                         # Ctrl-C: stop after the current step, then save
+            result, model, state = train.train(
+                adapter, plan, progress_bar(f"train {name}", "step", quiet=args.json or not sys.stderr.isatty()),
+                lambda: stop.requested)
+            saved = _save_run(adapter, model, None if args.weights_only else state, plan.tokenizer_json,
+                              outputs.get(name), result)
+        if stop.requested:
+            print(f"{PROG}: interrupted: {name} {saved}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if args.eval_size:
             scores = train.evaluate(adapter, model, plan, args.eval_size)
             result.accuracy, result.bleu = scores["exact"], scores.get("bleu")
-        if name in outputs:
-            adapter.save(model, outputs[name], None if args.weights_only else state, plan.tokenizer_json)
-            print(f"wrote {outputs[name]}: {name}, step {result.first_step + len(result.losses)}", file=sys.stderr)
         results.append(result)
-    print(json.dumps([r.to_json() for r in results], indent=2) if args.json else train.format_results(results))
+    print(json.dumps([{**r.to_json(), "runtime": runtime.settings()} for r in results], indent=2) if args.json
+          else train.format_results(results))
     if args.plot:
         train.plot_losses(results, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return EXIT_OK
+
+
+def _save_run(adapter, model, state, tokenizer: str | None, path: str | None, result) -> str:
+    """Save one backend's run (``state`` None: its weights only) to ``path``, if any, at its last completed step;
+    returns what was done, in words."""
+    if path is None or not result.losses:
+        return f"stopped at step {result.last_step}; nothing saved ({'no --out' if path is None else 'no step done'})"
+    adapter.save(model, path, state, tokenizer)
+    if not result.interrupted:
+        print(f"wrote {path}: {adapter.NAME}, step {result.last_step}", file=sys.stderr)
+    resume = "" if state is None else f" (continue with --resume {path})"
+    return f"saved {path} at step {result.last_step}{resume}"
 
 
 def _train_outputs(args) -> dict[str, str]:
@@ -312,8 +386,8 @@ def _train_outputs(args) -> dict[str, str]:
             output_file(path)
         except argparse.ArgumentTypeError as err:
             raise ValueError(f"--out: {err}") from None
-        if os.path.lexists(path) and not args.force:
-            raise ValueError(f"--out: {path!r} already exists; pass --force to replace it")
+        refuse_input(path, [args.resume] if args.resume else [], "--out")
+        refuse_existing(path, "--out", args.force)
     return outputs
 
 
@@ -335,16 +409,17 @@ def add_translate(commands) -> None:
                                 "of docs/equivalence.md)")
     translate.add_argument("--device", type=device_name, default="cpu",
                            help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
+    add_threads(translate)
     translate.set_defaults(run=run_translate)
 
 
 def run_translate(args) -> int:
     from .train import load_adapters
-    from .translate import translator
+    from .translate import stdin_lines, translator
 
     adapter = load_adapters((args.backend,), "--backend")[args.backend]
     translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device)
-    for line in translate.lines(args.text or sys.stdin):
+    for line in translate.lines(args.text or stdin_lines(sys.stdin)):
         print(line, flush=True)
     return EXIT_OK
 
@@ -354,7 +429,7 @@ COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, a
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, epilog=EXIT_STATUS,
+    parser = Parser(prog=PROG, epilog=EXIT_STATUS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="The Transformer of 'Attention Is All You Need' in NumPy, PyTorch, "
                                                  "JAX/Flax and TensorFlow/Keras, checked against one reference.")
@@ -367,13 +442,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status (:data:`EXIT_STATUS`)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow info logs (all but its pre-init oneDNN notice)
+    runtime.quiet()
     try:
-        args = build_parser().parse_args(argv)
+        with terminate_as_interrupt():
+            args = build_parser().parse_args(argv)
+            if hasattr(args, "threads"):
+                runtime.configure(args.threads)
+            if hasattr(args, "outputs"):
+                check_outputs(args)
+            return args.run(args)
     except SystemExit as stop:                          # --help, or a usage error argparse has printed
         return stop.code
-    try:
-        return args.run(args)
+    except KeyboardInterrupt:                           # Ctrl-C or SIGTERM
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, OSError) as err:                # a user's mistake: bad value, file or path
         print(f"{PROG}: error: {(str(err) or type(err).__name__).splitlines()[0]}", file=sys.stderr)
         return EXIT_USAGE

@@ -141,6 +141,10 @@ class NumbersTask:
         sources, targets = self.pairs(numbers)
         return self.tokenizer.batch(sources), targets
 
+    def held_out_size(self, split: str) -> int:
+        """The pairs the test or validation set holds (the split is fixed)."""
+        return len(self.split.held_out(split))
+
     def score(self, config: TransformerConfig, decoded: np.ndarray, references: list[str]) -> dict[str, float]:
         """Exact match (the whole French text) and corpus BLEU (sacrebleu, its default 13a tokenisation)."""
         hypotheses = [self.tokenizer.decode(row) for row in decoded]

@@ -296,8 +296,12 @@ def render_page() -> str:
 def write_page(out_dir: str | os.PathLike) -> Path:
     """Write ``out_dir/side-by-side.html`` (creating ``out_dir``), atomically. A file of that name
     that this command did not write is refused, never replaced."""
-    page = render_page()
+    if not os.fspath(out_dir):
+        raise ValueError("--out: name a directory (\".\" for this one)")
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out: {str(out_dir)!r} is a file; name the directory to write {PAGE_NAME} into")
+    page = render_page()
     path = out_dir / PAGE_NAME
     if path.exists() and f'<meta name="generator" content="{GENERATOR}">' not in path.read_text(errors="replace"):
         raise ValueError(f"--out: {path} exists and was not written by {GENERATOR}; "

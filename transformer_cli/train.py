@@ -23,6 +23,7 @@ from .numbers_task import NumbersTask
 
 TASKS = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS}   # each task's recipe (docs/training.md)
 COPY_ONLY = {"symbols": 10, "max_length": 10}                           # flags of the copy task and their defaults
+SAVED_SETTINGS = ("warmup_steps", "learning_rate_scale", "dropout")      # flags a resumed run takes from its file
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class Result:
     accuracy: float | None = None         # exact match on the test set
     bleu: float | None = None             # corpus BLEU on the test set (translation tasks)
     validation: list[tuple[int, float]] = field(default_factory=list)   # (step, accuracy) of each check
+    interrupted: bool = False             # stopped by SIGINT/SIGTERM after its last completed step
+
+    @property
+    def last_step(self) -> int:
+        """The steps the run has completed in all (a resumed run's count included)."""
+        return self.first_step + len(self.losses)
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,7 +79,7 @@ class Result:
         return {"backend": self.backend, "first_step": self.first_step, "steps": len(self.losses),
                 "final_loss": self.losses[-1] if self.losses else None, "losses": self.losses,
                 "seconds": self.seconds, "tokens_per_second": self.tokens_per_second, "accuracy": self.accuracy,
-                "bleu": self.bleu, "validation": self.validation}
+                "bleu": self.bleu, "validation": self.validation, "interrupted": self.interrupted}
 
 
 def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState]:
@@ -88,6 +95,10 @@ def plan_from(args) -> Plan:
     run's model, optimizer settings, weights and tokenizer."""
     if args.data_parallel > 1 and is_low(args.dtype):
         raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
+    given = [name for name in SAVED_SETTINGS if getattr(args, name) is not None]
+    if args.resume and given:
+        raise ValueError(f"--{given[0].replace('_', '-')}: a resumed run keeps the model and optimizer settings "
+                         f"saved in {args.resume!r}; leave the flag out")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
               for name, default in TASKS[args.task].items()}
     start, config, training = None, None, TrainingConfig(warmup_steps=recipe["warmup_steps"],
@@ -96,7 +107,8 @@ def plan_from(args) -> Plan:
         config, params, state = resume_from(args.resume)
         start, training = (params, state), state.config
     task = make_task(args, args.resume, config)
-    config = config or task.config(dropout=args.dropout)
+    config = config or task.config(dropout=args.dropout or 0.0)
+    check_sizes(task, config, args.eval_size)
     if recipe["batch_size"] % args.data_parallel:
         raise ValueError(f"--batch-size {recipe['batch_size']} does not split into --data-parallel "
                          f"{args.data_parallel} equal shards")
@@ -125,15 +137,27 @@ def make_task(args, resume: str | None, config: TransformerConfig | None) -> Cop
     return task
 
 
-def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable] = lambda steps: steps):
+def check_sizes(task: CopyTask | NumbersTask, config: TransformerConfig, eval_size: int) -> None:
+    """The task fits the model and ``--eval-size`` the test set, checked before any work."""
+    if isinstance(task, CopyTask) and task.max_length + 1 > config.max_len:
+        raise ValueError(f"--max-length {task.max_length}: a sequence and its eos take {task.max_length + 1} "
+                         f"positions, more than the model's max_len {config.max_len}")
+    available = task.held_out_size(TEST)
+    if available is not None and eval_size > available:
+        raise ValueError(f"--eval-size {eval_size}: the test set holds {available} pairs")
+
+
+def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable] = lambda steps: steps,
+          stopping: Callable[[], bool] = lambda: False):
     """Train one backend as ``plan`` says; returns (result, model, the run's training state). ``progress`` wraps
     the steps (a progress bar: its postfix shows the last loss and the tokens per second). With
     ``plan.stop_at``, every ``plan.eval_every`` steps greedy decoding runs on the validation set, and training
     stops once that share of it comes out exactly right (Adam's loss spikes near the optimum can otherwise leave
     the last step's model mid-spike). With ``plan.world_size`` > 1 the steps run data-parallel on the
-    framework's own engine (:func:`train_data_parallel`)."""
+    framework's own engine (:func:`train_data_parallel`). Once ``stopping()`` is true (a SIGINT or SIGTERM), the
+    run ends after the step it is in (``result.interrupted``)."""
     if plan.world_size > 1:
-        return train_data_parallel(adapter, plan, progress)
+        return train_data_parallel(adapter, plan, progress, stopping)
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     weights, compute = ("float32", plan.dtype) if is_low(plan.dtype) else (plan.dtype, None)   # mixed precision
     model = adapter.build(plan.config, params, weights, backends.device_for(adapter, plan.device))
@@ -148,7 +172,8 @@ def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]
         result.seconds += time.perf_counter() - began
         result.tokens = sum(batches.tokens.values())
         show(steps, result)
-        if validated(adapter, model, plan, result, step + 1):
+        result.interrupted = stopping()
+        if result.interrupted or validated(adapter, model, plan, result, step + 1):
             break
     return result, model, adapter.training_state(model, optimizer)
 
@@ -185,10 +210,17 @@ class CountedBatches:
         return batch
 
 
-def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable]):
+class Stopped(Exception):
+    """Raised after a step to end a data-parallel engine's run (it stops its workers on any error)."""
+
+
+def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable],
+                        stopping: Callable[[], bool] = lambda: False):
     """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces of
     ``plan.eval_every`` steps when the validation set decides when to stop, each piece continuing the last one's
-    weights and optimizer state (``seconds`` counts the engine's start-up too)."""
+    weights and optimizer state (``seconds`` counts the engine's start-up too). The engines return their state at
+    the end of a piece only: once ``stopping()``, the engine is stopped and the run ends where the last completed
+    piece left it."""
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     first = state.step if state else 0
     result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
@@ -200,18 +232,24 @@ def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[ran
         result.tokens = sum(batches.tokens.values())
         next(advance, None)
         show(steps, result)
+        if stopping() and step + 1 < done + count:        # the piece's last step: its state is about to return
+            raise Stopped
 
     done, end = first, first + plan.steps
     while done < end:
         count = min(plan.eval_every if plan.stop_at else plan.steps, end - done)
         began = time.perf_counter()
-        params, state, _ = adapter.train_data_parallel(
-            plan.config, params, None if state else plan.training, state, batches, done, count, plan.world_size,
-            plan.dtype, "cpu", plan.label_smoothing, on_step)
+        try:
+            params, state, _ = adapter.train_data_parallel(
+                plan.config, params, None if state else plan.training, state, batches, done, count, plan.world_size,
+                plan.dtype, "cpu", plan.label_smoothing, on_step)
+            done += count
+        except Stopped:
+            del result.losses[done - first:]
         result.seconds += time.perf_counter() - began
-        done += count
+        result.interrupted = stopping()
         model = adapter.build(plan.config, params, plan.dtype, "cpu")
-        if validated(adapter, model, plan, result, done):
+        if result.interrupted or validated(adapter, model, plan, result, done):
             break
     next(advance, None)                                         # let a progress bar close
     return result, model, state

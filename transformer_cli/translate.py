@@ -61,6 +61,20 @@ class Translator:
             yield self([text])[0] if text.strip() else ""
 
 
+def stdin_lines(stream) -> Iterator[str]:
+    """The lines of standard input as text, decoded as UTF-8 whatever the locale; a line that is not UTF-8 is a
+    ``ValueError`` naming its number. A stream without a byte buffer (already text) is read as it is."""
+    if not hasattr(stream, "buffer"):
+        yield from stream
+        return
+    for number, raw in enumerate(stream.buffer, 1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"standard input, line {number}: not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                             f"{err.start})") from None
+
+
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
                beam_size: int = 1, alpha: float = LENGTH_PENALTY_ALPHA, device: str = "cpu") -> Translator:
     """A :class:`Translator` for ``checkpoint`` (default: the shipped model) in one backend on ``device`` (``cpu``,

@@ -1,0 +1,96 @@
+"""How the frameworks run in this process: ``--threads`` (each framework's intra-op threads, so that one backend
+cannot oversubscribe cores it shares with others), their log noise, and the versions and thread settings a
+``--json`` result records.
+
+Each framework reads its setting where it can: XLA (JAX) from the environment when its CPU client starts
+(``PJRT_NPROC``, its thread pool's size; with one thread ``--xla_cpu_multi_thread_eigen=false`` too), so
+:func:`configure` runs before any framework is imported; PyTorch (``torch.set_num_threads``) and TensorFlow
+(``tf.config.threading``, before its first operation) through their APIs, once imported (:func:`apply`, called by
+``backends.load``). The NumPy reference keeps its BLAS's own setting (``OPENBLAS_NUM_THREADS`` and the like, read
+when NumPy is imported, before any flag is parsed).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}   # TensorFlow's C++ info and warnings (oneDNN, CPU features), read at import
+FRAMEWORKS = {"numpy": "numpy", "torch": "torch", "jax": "jax", "flax": "flax", "tensorflow": "tensorflow",
+              "keras": "keras"}          # module -> distribution whose version a result records
+_requested: int | None = None
+
+
+def visible_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of them where the system cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def quiet() -> None:
+    """Silence the frameworks' start-up notices (a value the user set is kept)."""
+    for name, value in QUIET.items():
+        os.environ.setdefault(name, value)
+
+
+def configure(threads: int) -> None:
+    """Use ``threads`` intra-op threads in every framework of this process: the environment now (read by XLA when
+    JAX starts), the APIs of the frameworks already imported now, the others when ``backends.load`` imports them."""
+    global _requested
+    _requested = threads
+    os.environ["PJRT_NPROC"] = str(threads)
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if not flag.startswith("--xla_cpu_multi_thread")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, *(["--xla_cpu_multi_thread_eigen=false"] if threads == 1 else [])])
+    apply()
+
+
+def apply() -> None:
+    """Set the requested threads in PyTorch and TensorFlow if they are imported; silence absl's Python logging.
+    TensorFlow fixes its pools at its first operation: a different count asked afterwards is a ``ValueError``."""
+    if "absl.logging" in sys.modules:
+        sys.modules["absl.logging"].set_verbosity("error")
+    if _requested is None:
+        return
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(_requested)
+    if "tensorflow" in sys.modules:
+        threading = sys.modules["tensorflow"].config.threading
+        if threading.get_intra_op_parallelism_threads() != _requested:
+            try:
+                threading.set_intra_op_parallelism_threads(_requested)
+            except RuntimeError:
+                raise ValueError(f"--threads {_requested}: TensorFlow has already started with "
+                                 f"{threading.get_intra_op_parallelism_threads() or visible_cores()} threads "
+                                 "in this process") from None
+
+
+def threads() -> int:
+    """The intra-op threads asked for (``--threads``), or the visible cores if none was."""
+    return _requested or visible_cores()
+
+
+def settings() -> dict:
+    """What a result records: the threads asked, the cores visible, and each imported framework's version and
+    intra-op threads (where the framework can say)."""
+    frameworks = {}
+    for module, distribution in FRAMEWORKS.items():
+        if module in sys.modules:
+            frameworks[module] = {"version": _version(distribution), **_threads_of(module)}
+    return {"threads": _requested, "visible_cores": visible_cores(), "frameworks": frameworks}
+
+
+def _threads_of(module: str) -> dict:
+    if module == "torch":
+        return {"intra_op_threads": sys.modules["torch"].get_num_threads()}
+    if module == "tensorflow":
+        return {"intra_op_threads": sys.modules["tensorflow"].config.threading.get_intra_op_parallelism_threads()}
+    if module == "jax":
+        return {"PJRT_NPROC": os.environ.get("PJRT_NPROC"), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    return {}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(sys.modules.get(distribution), "__version__", None)
