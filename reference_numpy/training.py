@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backward, checkpoint, precision
-from .checkpoint import TrainingState
-from .config import TrainingConfig
-from .model import Transformer
+from .checkpoint import MAX_STEP, TrainingState
+from .config import TrainingConfig, TransformerConfig
+from .model import Transformer, check_tokens
 from .precision import is_low, training_dtype, uses_loss_scaling
 
 LABEL_SMOOTHING = 0.1  # section 5.4
@@ -68,6 +68,7 @@ def loss(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarra
 
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens -> scalar.
     """
+    src, tgt, labels = check_batch(model, src, tgt, labels)
     return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
 
 
@@ -76,7 +77,26 @@ def gradients(model: Transformer, src, tgt, labels,
     """The loss and its gradient for every checkpoint tensor, in checkpoint layout and the model's dtype
     (tied weights receive the sum over their uses), by the hand-written backward pass; a bfloat16 or float16
     model's gradients are P, by the recipe (its loss float32)."""
-    return backward.loss_and_gradients(model, src, tgt, labels, epsilon)
+    return backward.loss_and_gradients(model, *check_batch(model, src, tgt, labels), epsilon)
+
+
+def check_batch(model, src, tgt, labels) -> tuple:
+    """A training batch's checks, before any work, for the model of any backend: src and tgt by the model's own
+    forward-pass checks (``model._check_inputs``: the backend's tensors back), then :func:`check_labels` against the
+    checked tgt. Returns (src, tgt, labels), labels as NumPy (a port passes them on the host)."""
+    src, tgt = model._check_inputs(src, tgt, None, None)
+    return src, tgt, check_labels(labels, tuple(tgt.shape), model.config)
+
+
+def check_labels(labels, tgt_shape: tuple, config: TransformerConfig) -> np.ndarray:
+    """The labels of a batch (the next target tokens) as a NumPy array: integer ids (bool refused) of tgt's shape
+    (B, T), each in [0, tgt_vocab_size) (``pad_id`` included: a padded position). One ``ValueError`` naming
+    ``labels`` otherwise, the same in every backend (each calls this on the host before any framework work: an id
+    outside the vocabulary would index past the log-probabilities, which NumPy and JAX do silently)."""
+    labels = check_tokens("labels", labels, config.tgt_vocab_size, config.max_len)
+    if labels.shape != tgt_shape:
+        raise ValueError(f"labels must have tgt's shape {tgt_shape}, got {labels.shape}")
+    return labels
 
 
 def learning_rate(step: int, d_model: int, config: TrainingConfig = PAPER) -> float:
@@ -88,6 +108,15 @@ def learning_rate(step: int, d_model: int, config: TrainingConfig = PAPER) -> fl
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step must be an int >= 1 (steps count from 1), got {step!r}")
     return config.learning_rate_scale * d_model ** -0.5 * min(step ** -0.5, step * config.warmup_steps ** -1.5)
+
+
+def check_next_step(step: int) -> None:
+    """An optimizer that has taken ``step`` steps may take one more unless ``step`` is ``MAX_STEP`` (2**63 - 1), the
+    largest int64 count, which a further step would wrap (TensorFlow) or overflow. One ``ValueError``, the same in
+    every backend: each ``train_step`` calls this with its optimizer's count before any work."""
+    if step >= MAX_STEP:
+        raise ValueError(f"optimizer has taken {step} steps, the most an int64 count holds (2**63 - 1); "
+                         "it cannot take another")
 
 
 class LossScale:
@@ -181,10 +210,13 @@ def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src, tgt, l
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5 (no dropout in the reference): the loss before the update. In mixed
     precision the loss and gradients are the P model's, widened to float32 for the update of the masters
-    (:func:`_mixed_precision_step`)."""
+    (:func:`_mixed_precision_step`). The batch (:func:`check_batch`) and the step count (:func:`check_next_step`)
+    are checked first."""
+    src, tgt, labels = check_batch(model, src, tgt, labels)
+    check_next_step((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).step)
     if isinstance(optimizer, MixedPrecision):
         return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
-    value, grads = gradients(model, src, tgt, labels, epsilon)
+    value, grads = backward.loss_and_gradients(model, src, tgt, labels, epsilon)
     optimizer.update(grads)
     return value
 

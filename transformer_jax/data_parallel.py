@@ -76,13 +76,14 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, m
     ``world_size``. A model and optimizer not yet replicated there (their embedding table and step counter tell:
     the compiled step keeps its outputs where its inputs are) are moved at the first step, all their state at
     once. Returns the whole batch's loss before the update."""
-    src, tgt = _check_batch(model, src, tgt, labels)
-    batch = shard({"src": src, "tgt": tgt, "labels": labels}, mesh)
-    everywhere = NamedSharding(mesh, P())
-    if any(variable[...].sharding != everywhere for variable in (model.src_embed.embedding, optimizer.step)):
-        for node in (model, optimizer):
-            nnx.update(node, jax.device_put(nnx.state(node), everywhere))
-    return float(_train_step(model, optimizer, batch["src"], batch["tgt"], batch["labels"], epsilon))
+    src, tgt, labels = _check_batch(model, optimizer, src, tgt, labels)
+    with jax.enable_x64(True):                                              # the int64 step count, as train_step
+        batch = shard({"src": src, "tgt": tgt, "labels": labels}, mesh)
+        everywhere = NamedSharding(mesh, P())
+        if any(variable[...].sharding != everywhere for variable in (model.src_embed.embedding, optimizer.step)):
+            for node in (model, optimizer):
+                nnx.update(node, jax.device_put(nnx.state(node), everywhere))
+        return float(_train_step(model, optimizer, batch["src"], batch["tgt"], batch["labels"], epsilon))
 
 
 def shard(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -5,9 +5,11 @@ a checkpoint. The parallel text of ``reference_numpy/training.py``.
 
 The update is the paper's (Kingma & Ba, Algorithm 1) exactly: ``optax.adam`` with ``eps_root=0``
 divides the bias-corrected first moment by ``sqrt(v_hat) + eps``; optax's step count starts at 0,
-so the schedule is evaluated at ``count + 1`` and the bias correction uses ``count + 1``; with
-64-bit JAX on, the schedule and the bias correction are computed in float64 and cast to the
-parameters' dtype. Dropout draws its masks from the model's own dropout streams (every
+so the schedule is evaluated at ``count + 1`` and the bias correction uses ``count + 1``. The step
+count is int64, as in every backend (``MAX_STEP``; optax and ``nnx.Optimizer`` would count in int32 and
+uint32): :func:`optimizer` and :func:`train_step` run with 64-bit JAX on (``jax.enable_x64``, for that call and
+thread only; a float32 model stays float32), so the schedule and the bias correction are computed in float64
+and cast to the parameters' dtype. Dropout draws its masks from the model's own dropout streams (every
 ``nnx.Dropout`` holds one, forked from the model's ``rngs``): each step advances them.
 
 A bfloat16 or float16 model's gradients are P (its loss float32): autodiff through the forward pass's roundings
@@ -36,7 +38,7 @@ from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
-from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
+from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_batch, check_next_step, check_token_count
 
 from . import checkpoint
 from .device import _check_dtype
@@ -72,8 +74,13 @@ def loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
     """The training loss of one batch; differentiate it with ``nnx.grad`` / ``nnx.value_and_grad``;
     ``tokens`` as in :func:`label_smoothed_cross_entropy`.
 
+    Concrete inputs are checked first (the reference's ``check_batch``); traced ones were checked by the entry
+    point that compiled the call.
+
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens -> scalar.
     """
+    if not isinstance(labels, jax.core.Tracer):
+        src, tgt, labels = check_batch(model, src, tgt, labels)
     return label_smoothed_cross_entropy(model(src, tgt, deterministic=deterministic), labels,
                                         model.config.pad_id, epsilon, tokens)
 
@@ -83,7 +90,7 @@ def gradients(model: Transformer, src, tgt, labels,
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses); a bfloat16 or float16 model's gradients
     are P, by the recipe (its loss float32)."""
-    src, tgt = _check_loss_inputs(model, src, tgt, labels)
+    src, tgt, labels = _check_loss_inputs(model, src, tgt, labels)
     split = _split(model)
     value, grads = _value_and_grad(split.structure, split.state, src, tgt, labels, epsilon)
     return float(value), checkpoint.to_checkpoint_layout(model, grads)
@@ -99,8 +106,8 @@ def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> jax.Arr
     """lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)  -- Eq. (3), section 5.3,
     times ``config.learning_rate_scale``; ``step`` (an int or a traced count) counts from 1.
 
-    Computed in JAX's default float dtype: float64 with 64-bit JAX on, as a float64 model needs (optax
-    casts it to the parameters' dtype); float32 without it, where only float32 models exist.
+    Computed in JAX's default float dtype: float64 with 64-bit JAX on, as the port's training steps run (optax
+    casts it to the parameters' dtype); float32 without it.
     """
     step = jnp.asarray(step, dtype=float)
     return config.learning_rate_scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * config.warmup_steps ** -1.5)
@@ -126,24 +133,25 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     training config is used. The config is kept as ``optimizer.config``. ``dtype`` bfloat16 or
     float16 (a float32 model only) makes every step compute in that precision over the model's
     float32 master weights: a :class:`MixedPrecision` holding that optimizer, the model in P (its
-    dropout streams copied from the model's) and, for float16, a ``DynamicScale``."""
+    dropout streams copied from the model's) and, for float16, a ``DynamicScale``. The step count is int64
+    (built with 64-bit JAX on)."""
     dtype = training_dtype(model.dtype, dtype)
     _check_dtype(model.dtype)
     if state is not None:
         state = state.astype(model.dtype)
         reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
     config = config or (state.config if state is not None else PAPER)
-    result = nnx.Optimizer(model, _adam(model.config.d_model, config), wrt=nnx.Param)
-    result.config = config
-    if state is not None:
+    with jax.enable_x64(True):
+        result = nnx.Optimizer(model, _adam(model.config.d_model, config), wrt=nnx.Param)
+        result.config = config
         _restore(model, result, state)
-    if not is_low(dtype):
-        _place_with(model, result)
-        return result
-    low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)   # the masters rounded to P
-    nnx.update(low, nnx.state(model, nnx.RngState))                                  # the model's dropout streams
-    _place_with(model, result, low)
-    return MixedPrecision(result, low, _dynamic_scale(model) if uses_loss_scaling(dtype) else None)
+        if not is_low(dtype):
+            _place_with(model, result)
+            return result
+        low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)   # the masters rounded to P
+        nnx.update(low, nnx.state(model, nnx.RngState))                                  # the model's dropout streams
+        _place_with(model, result, low)
+        return MixedPrecision(result, low, _dynamic_scale(model) if uses_loss_scaling(dtype) else None)
 
 
 def train_step(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt, labels,
@@ -153,11 +161,13 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, sr
     update with the scheduled learning rate. Returns the loss before the update. The model stays in
     inference mode (dropout is on for this step only, by ``deterministic=False``); its dropout
     streams advance. In mixed precision the loss and gradients are the P model's, widened to float32
-    for the update of the masters (:func:`_mixed_precision_step`)."""
-    src, tgt = _check_batch(model, src, tgt, labels)
-    if isinstance(optimizer, MixedPrecision):
-        return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
-    return float(_train_step(model, optimizer, src, tgt, labels, epsilon))
+    for the update of the masters (:func:`_mixed_precision_step`). Checked first (:func:`_check_batch`); run with
+    64-bit JAX on, for the int64 step count."""
+    src, tgt, labels = _check_batch(model, optimizer, src, tgt, labels)
+    with jax.enable_x64(True):
+        if isinstance(optimizer, MixedPrecision):
+            return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
+        return float(_train_step(model, optimizer, src, tgt, labels, epsilon))
 
 
 def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
@@ -186,20 +196,26 @@ def training_state(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision
                          checkpoint.to_checkpoint_layout(model, adam.nu))
 
 
-def _check_batch(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array]:
+def _check_batch(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt,
+                 labels) -> tuple[jax.Array, jax.Array, np.ndarray]:
     """A training step's checks: a trainable dtype (the reference's ``check_trainable``), then
-    :func:`_check_loss_inputs`; the checked src and tgt."""
+    :func:`_check_loss_inputs`, then the optimizer's step count (the reference's ``check_next_step``); the checked
+    src, tgt and labels."""
     check_trainable(model.dtype)
-    return _check_loss_inputs(model, src, tgt, labels)
+    checked = _check_loss_inputs(model, src, tgt, labels)
+    check_next_step(int((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).step[...]))
+    return checked
 
 
-def _check_loss_inputs(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array]:
-    """The host-side checks of a batch (ids cannot be checked once traced) and of 64-bit JAX for a
-    float64 model (which would otherwise be truncated to float32); the checked src and tgt."""
+def _check_loss_inputs(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """The host-side checks of a batch (ids cannot be checked once traced: the reference's ``check_batch``) and of
+    64-bit JAX for a float64 model (which would otherwise be truncated to float32); the checked src, tgt and
+    labels."""
     _check_dtype(model.dtype)
-    if not np.any(np.asarray(labels) != model.config.pad_id):
+    src, tgt, labels = check_batch(model, src, tgt, labels)
+    if not np.any(labels != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
-    return model._check_inputs(src, tgt, None, None)
+    return src, tgt, labels
 
 
 def _token_count(real: jax.Array, tokens: int | None) -> jax.Array | int:
@@ -246,15 +262,17 @@ def _place_with(model: Transformer, *nodes: nnx.Module | nnx.Optimizer) -> None:
         nnx.update(node, jax.device_put(nnx.state(node), device))
 
 
-def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState) -> None:
-    """Put a validated state's moments and step count into optax's state (both the Adam and the
-    schedule counters) and the optimizer's own step counter."""
-    mu, nu = (nnx.as_pure(checkpoint.from_checkpoint_layout(model, moments))
-              for moments in (state.first_moments, state.second_moments))
-    count = jnp.asarray(state.step, jnp.int32)
-    nnx.update(optimizer.opt_state, nnx.state(optax.tree.set(nnx.as_pure(optimizer.opt_state), mu=mu, nu=nu,
-                                                             count=count)))
-    optimizer.step[...] = jnp.asarray(state.step, optimizer.step[...].dtype)
+def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState | None) -> None:
+    """Put a validated state's moments and step count (a new run: 0) into optax's state (both the Adam and
+    the schedule counters) and the optimizer's own step counter, every count an int64 (with 64-bit JAX on):
+    optax's int32 would overflow at 2**31, nnx's uint32 wrap at 2**32."""
+    count = jnp.asarray(0 if state is None else state.step, jnp.int64)
+    moments = {} if state is None else dict(zip(("mu", "nu"), (
+        nnx.as_pure(checkpoint.from_checkpoint_layout(model, moments))
+        for moments in (state.first_moments, state.second_moments))))
+    nnx.update(optimizer.opt_state, nnx.state(optax.tree.set(nnx.as_pure(optimizer.opt_state), count=count,
+                                                             **moments)))
+    optimizer.step.set_value(count)
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "epsilon"), compiler_options=_EXACT_ROUNDING)

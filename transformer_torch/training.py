@@ -35,7 +35,14 @@ from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
-from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count, learning_rate
+from reference_numpy.training import (
+    LABEL_SMOOTHING,
+    PAPER,
+    check_batch,
+    check_next_step,
+    check_token_count,
+    learning_rate,
+)
 
 from . import checkpoint
 from .model import Transformer, _dtype_name
@@ -64,8 +71,11 @@ def label_smoothed_cross_entropy(log_probs: Tensor, labels: Tensor, pad_id: int,
 
 def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: float = LABEL_SMOOTHING,
          tokens: int | None = None) -> Tensor:
-    """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`.
+    """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`. The batch is checked
+    first by the reference's ``check_batch`` (labels read on the host).
     Shape: src (B, S), tgt and labels (B, T) -> scalar."""
+    src, tgt, labels = check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
+    labels = torch.as_tensor(labels, device=model.device)
     return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
 
 
@@ -75,14 +85,10 @@ def gradients(model: Transformer, src, tgt, labels,
     checkpoint layout (tied weights receive the sum over their uses); a bfloat16 or float16 model's
     gradients are P, by autograd through its recipe (its loss float32)."""
     model.eval().zero_grad(set_to_none=True)
-    value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
+    value = loss(model, src, tgt, labels, epsilon)
     value.backward()
     return value.item(), checkpoint.to_checkpoint_layout(model, {path: parameter.grad
                                                                  for path, parameter in model.named_parameters()})
-
-
-def _tokens(model: Transformer, values) -> Tensor:
-    return torch.as_tensor(np.asarray(values), device=model.device)
 
 
 def learning_rate_schedule(d_model: int, config: TrainingConfig) -> _Schedule:
@@ -141,8 +147,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     adam = torch.optim.Adam(model.parameters(), lr=1.0, betas=(config.beta1, config.beta2), eps=config.epsilon,
                             foreach=False)
     schedule = LambdaLR(adam, learning_rate_schedule(model.config.d_model, config))
-    if state is not None:
-        _restore(model, schedule, state)
+    _restore(model, schedule, state)
     if not is_low(dtype):
         return schedule
     low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype, model.device)
@@ -156,20 +161,23 @@ def _loss_scale(device: torch.device) -> torch.amp.GradScaler:
                                 growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL)
 
 
-def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState) -> None:
+def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState | None) -> None:
     """Adam's moments and step count (torch's ``exp_avg``, ``exp_avg_sq``, ``step``) and the schedule's
-    count and learning rate from a validated ``state``, through torch's own ``load_state_dict``s."""
-    adam = schedule.optimizer
-    first, second = (checkpoint.from_checkpoint_layout(model, moments)
-                     for moments in (state.first_moments, state.second_moments))
-    rate = schedule.lr_lambdas[0](state.step)                               # base rate 1: lrate(t + 1)
+    count and learning rate from a validated ``state`` (a new run: zeros and 0), through torch's own
+    ``load_state_dict``s. The step count is an int64 tensor: torch's own is float32, which counts exactly only to
+    2**24 (a run resumed past it lost steps), and every backend counts in int64 (``MAX_STEP``)."""
+    adam, step = schedule.optimizer, 0 if state is None else state.step
+    first, second = ({path: torch.zeros_like(parameter) for path, parameter in model.named_parameters()}
+                     for _ in range(2)) if state is None else (
+        checkpoint.from_checkpoint_layout(model, moments) for moments in (state.first_moments, state.second_moments))
+    rate = schedule.lr_lambdas[0](step)                                     # base rate 1: lrate(t + 1)
     saved = adam.state_dict()                                               # parameters numbered in model order
-    saved["state"] = {index: {"step": torch.tensor(float(state.step)), "exp_avg": first[path],
+    saved["state"] = {index: {"step": torch.tensor(step, dtype=torch.int64), "exp_avg": first[path],
                               "exp_avg_sq": second[path]}
                       for index, (path, _) in enumerate(model.named_parameters())}
     saved["param_groups"] = [{**group, "lr": rate} for group in saved["param_groups"]]
     adam.load_state_dict(saved)
-    schedule.load_state_dict({**schedule.state_dict(), "last_epoch": state.step, "_last_lr": [rate]})
+    schedule.load_state_dict({**schedule.state_dict(), "last_epoch": step, "_last_lr": [rate]})
 
 
 def train_step(model: Transformer, optimizer: LambdaLR | MixedPrecision, src, tgt, labels,
@@ -177,8 +185,11 @@ def train_step(model: Transformer, optimizer: LambdaLR | MixedPrecision, src, tg
     """One training step of section 5: the loss with dropout on (train mode, P_drop = ``config.dropout``),
     its gradient by autograd, Adam's update t with lrate(t), then the schedule advanced. The model is
     left in eval mode. Returns the loss before the update. In mixed precision the loss and gradients are the
-    P model's (:func:`_mixed_precision_step`)."""
+    P model's (:func:`_mixed_precision_step`). The batch (the reference's ``check_batch``, in :func:`loss`) and the
+    step count (``check_next_step``) are checked before any work."""
     check_trainable(_dtype_name(model.dtype))
+    check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
+    check_next_step((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).last_epoch)
     if isinstance(optimizer, MixedPrecision):
         return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
     adam = optimizer.optimizer
@@ -195,7 +206,7 @@ def _backward(model: Transformer, src, tgt, labels, epsilon: float,
     mode."""
     model.train()
     try:
-        value = loss(model, *(_tokens(model, values) for values in (src, tgt, labels)), epsilon)
+        value = loss(model, src, tgt, labels, epsilon)
         (value if scaler is None else scaler.scale(value)).backward()
     finally:
         model.eval()
