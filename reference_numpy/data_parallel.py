@@ -62,6 +62,7 @@ def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, world_size
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5: :func:`gradients` (the shards' sum), one Adam update.
     Returns the whole batch's loss before the update."""
+    single_process.check_next_step(optimizer.step)
     value, grads = gradients(model, src, tgt, labels, world_size, epsilon)
     optimizer.update(grads)
     return value
@@ -97,8 +98,8 @@ def gradients(model: Transformer, src, tgt, labels, world_size: int,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The whole batch's loss and gradient, as N replicas compute them: per shard, the gradient of its
     mean loss (the hand-written backward pass) weighted by n_r / n, then summed over shards (a shard without
-    real labels contributes nothing)."""
-    batch = {"src": np.asarray(src), "tgt": np.asarray(tgt), "labels": np.asarray(labels)}
+    real labels contributes nothing). The whole batch is checked first (``training.check_batch``)."""
+    batch = dict(zip(("src", "tgt", "labels"), single_process.check_batch(model, src, tgt, labels)))
     total = token_count(labels, model.config.pad_id)
     single_process.check_token_count(total, None)
     value, summed = 0.0, {name: np.zeros_like(weight) for name, weight in model.params.items()}

@@ -24,7 +24,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import check_steps, shard, shard_rows, token_count
 from reference_numpy.precision import check_trainable
-from reference_numpy.training import LABEL_SMOOTHING
+from reference_numpy.training import LABEL_SMOOTHING, check_batch, check_next_step
 
 from . import checkpoint
 from .model import Transformer, _parse_dtype
@@ -72,9 +72,9 @@ def train_step(model: Transformer, optimizer, src, tgt, labels, strategy: tf.dis
     if not strategy.extended.variable_created_in_scope(model.trainable_variables[0].value):
         raise ValueError("model: its variables were not created under strategy.scope(); build the model and its "
                          "optimizer inside `with strategy.scope():`")
-    src, tgt = model._check_inputs(src, tgt, None, None)                   # ids cannot be checked once traced
-    labels = np.asarray(labels)
+    src, tgt, labels = check_batch(model, src, tgt, labels)               # ids cannot be checked once traced
     _check_labels(tf.constant(labels), model.config.pad_id, epsilon)
+    check_next_step(int(optimizer.iterations.numpy()))
     batch = distribute({"src": src.numpy(), "tgt": tgt.numpy(), "labels": labels}, strategy)
     tokens = tf.constant(token_count(labels, model.config.pad_id), model.compute_dtype)   # a tensor: no retrace per n
     return float(_compiled(strategy, optimizer)(model, batch, tokens, epsilon))

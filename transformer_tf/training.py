@@ -27,7 +27,7 @@ from reference_numpy import precision
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
-from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_token_count
+from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_batch, check_next_step, check_token_count
 
 from . import checkpoint
 from . import device as _device
@@ -66,10 +66,20 @@ def _check_labels(labels: tf.Tensor, pad_id: int, epsilon: float, tokens: int | 
 
 def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING, tokens: int | None = None,
          training: bool = False) -> tf.Tensor:
-    """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`.
-    Shape: src (B, S), tgt and labels (B, T) -> scalar."""
+    """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`. Eager inputs are
+    checked first (the reference's ``check_batch``); symbolic ones were checked by the entry point that traced the
+    call. Shape: src (B, S), tgt and labels (B, T) -> scalar."""
+    if not tf.is_symbolic_tensor(labels):
+        src, tgt, labels = _check_batch(model, src, tgt, labels)
     return label_smoothed_cross_entropy(model(src, tgt, training=training), labels, model.config.pad_id, epsilon,
                                         tokens)
+
+
+def _check_batch(model: Transformer, src, tgt, labels) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The reference's ``check_batch`` on the host; the labels as int64 ids, as the model makes src and tgt
+    (``tf.gather`` takes no unsigned indices)."""
+    src, tgt, labels = check_batch(model, src, tgt, labels)
+    return src, tgt, tf.constant(labels, tf.int64)
 
 
 def gradients(model: Transformer, src, tgt, labels,
@@ -219,11 +229,13 @@ def train_step(model: Transformer, optimizer: keras.optimizers.Adam | MixedPreci
     update. Compiled (``tf.function``, traced once per optimizer and input shape); the inputs are
     checked before. Keras keeps no mode on the model: ``training=True`` holds for this step's
     forward pass only, every other call stays inference. In mixed precision the loss and gradients are the
-    P model's, widened to float32 for the update of the masters (:func:`_mixed_precision_step`)."""
+    P model's, widened to float32 for the update of the masters (:func:`_mixed_precision_step`). The batch (the
+    reference's ``check_batch``) and the step count (``check_next_step``: Keras' int64 ``iterations`` would wrap)
+    are checked before."""
     check_trainable(model.compute_dtype)
-    src, tgt = model._check_inputs(src, tgt, None, None)                   # ids cannot be checked once traced
-    labels = tf.convert_to_tensor(labels)
+    src, tgt, labels = _check_batch(model, src, tgt, labels)              # ids cannot be checked once traced
     _check_labels(labels, model.config.pad_id, epsilon)
+    check_next_step(int(_adam(optimizer).iterations.numpy()))
     with tf.device(_device.model_device(model)):
         return float(optimizer.train_function(model, src, tgt, labels, epsilon))
 
@@ -264,8 +276,12 @@ def training_state(model: Transformer, optimizer: keras.optimizers.Adam | MixedP
     """The run's state in checkpoint layout (NumPy, the model's dtype), for
     ``save_checkpoint(..., training=state)`` (mixed precision: the float32 Adam's; the loss scale is not kept, a
     resumed float16 run starts from ``LOSS_SCALE``)."""
-    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
-    variables = model.trainable_variables
+    optimizer, variables = _adam(optimizer), model.trainable_variables
     first, second = (checkpoint.to_checkpoint_layout(model, {v.path: optimizer.moments(v)[i] for v in variables})
                      for i in (0, 1))
     return TrainingState(optimizer.training_config, int(optimizer.iterations.numpy()), first, second)
+
+
+def _adam(optimizer: _Adam | MixedPrecision) -> _Adam:
+    """The paper's Adam of an optimizer (mixed precision: the float32 masters')."""
+    return optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer

@@ -34,7 +34,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import check_steps, shard, shard_rows, token_count
 from reference_numpy.model import check_forward_inputs, check_tokens
-from reference_numpy.training import LABEL_SMOOTHING, check_token_count
+from reference_numpy.training import LABEL_SMOOTHING, check_labels, check_next_step, check_token_count
 
 from . import checkpoint
 from . import training as torch_training
@@ -102,6 +102,8 @@ def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src, tgt, la
     src, tgt = (check_tokens(name, values, vocab, config.max_len)            # every rank refuses the same batch
                 for name, values, vocab in (("src", src, config.src_vocab_size), ("tgt", tgt, config.tgt_vocab_size)))
     check_forward_inputs(config, src.shape, tgt.shape, None, None)
+    labels = check_labels(labels, tgt.shape, config)
+    check_next_step(optimizer.last_epoch)
     total = check_token_count(token_count(labels, config.pad_id), None)      # n: the whole batch's labels
     part = shard({"src": src, "tgt": tgt, "labels": labels}, world_size, rank)  # (B / N, ...) each
     adam = optimizer.optimizer
@@ -109,8 +111,8 @@ def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src, tgt, la
     model.train()
     try:
         value = torch_training.label_smoothed_cross_entropy(
-            model(part["src"], part["tgt"]), torch.as_tensor(part["labels"], device=module.device), config.pad_id,
-            epsilon, total)
+            model(part["src"], part["tgt"]), torch.as_tensor(part["labels"], device=module.device, dtype=torch.long),
+            config.pad_id, epsilon, total)
         (world_size * value).backward()                                      # DDP divides by N: the sum remains
     finally:
         model.eval()

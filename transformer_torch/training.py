@@ -75,7 +75,7 @@ def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: 
     first by the reference's ``check_batch`` (labels read on the host).
     Shape: src (B, S), tgt and labels (B, T) -> scalar."""
     src, tgt, labels = check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
-    labels = torch.as_tensor(labels, device=model.device)
+    labels = torch.as_tensor(labels, device=model.device, dtype=torch.long)   # gather's index: int64
     return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
 
 
