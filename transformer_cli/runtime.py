@@ -12,6 +12,7 @@ when NumPy is imported, before any flag is parsed).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
@@ -46,7 +47,8 @@ def configure(threads: int) -> None:
 
 def apply() -> None:
     """Set the requested threads in PyTorch and TensorFlow if they are imported; silence absl's Python logging.
-    TensorFlow fixes its pools at its first operation: a different count asked afterwards is a ``ValueError``."""
+    TensorFlow fixes its pools at its first operation: asked later (a second command in one process), it keeps
+    them, and :func:`settings` records what it has."""
     if "absl.logging" in sys.modules:
         sys.modules["absl.logging"].set_verbosity("error")
     if _requested is None:
@@ -54,14 +56,8 @@ def apply() -> None:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(_requested)
     if "tensorflow" in sys.modules:
-        threading = sys.modules["tensorflow"].config.threading
-        if threading.get_intra_op_parallelism_threads() != _requested:
-            try:
-                threading.set_intra_op_parallelism_threads(_requested)
-            except RuntimeError:
-                raise ValueError(f"--threads {_requested}: TensorFlow has already started with "
-                                 f"{threading.get_intra_op_parallelism_threads() or visible_cores()} threads "
-                                 "in this process") from None
+        with contextlib.suppress(RuntimeError):
+            sys.modules["tensorflow"].config.threading.set_intra_op_parallelism_threads(_requested)
 
 
 def threads() -> int:

@@ -109,6 +109,8 @@ def plan_from(args) -> Plan:
     task = make_task(args, args.resume, config)
     config = config or task.config(dropout=args.dropout or 0.0)
     check_sizes(task, config, args.eval_size)
+    if isinstance(task, NumbersTask):
+        task = task.with_tokenizer(config)              # a new run's: learned from the training pool (seconds)
     if recipe["batch_size"] % args.data_parallel:
         raise ValueError(f"--batch-size {recipe['batch_size']} does not split into --data-parallel "
                          f"{args.data_parallel} equal shards")
@@ -118,14 +120,14 @@ def plan_from(args) -> Plan:
 
 
 def make_task(args, resume: str | None, config: TransformerConfig | None) -> CopyTask | NumbersTask:
-    """The task of ``--task``, checked against a resumed run's model (``config``, or None for a new run)."""
+    """The task of ``--task``, checked against a resumed run's model (``config``, or None for a new run: a numbers
+    task then has no tokenizer yet, see :func:`plan_from`)."""
     if args.task == "numbers":
         given = [name for name in COPY_ONLY if getattr(args, name) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} is a flag of --task copy")
         if config is None:
-            task = NumbersTask()
-            return task.with_tokenizer(task.config())
+            return NumbersTask()
         tokenizer = load_tokenizer(resume)
         if tokenizer is None:
             raise ValueError(f"--resume: {resume!r} has no tokenizer; it is not a run of --task numbers")

@@ -1,0 +1,381 @@
+"""Nothing lost, nothing silent (issue 29, the command line): Ctrl-C and SIGTERM, flags checked before work, outputs
+that never replace a file without ``--force`` (nor an input at all), special-token names as text, standard input
+that is not UTF-8, ``--threads``, and the ``.partial`` files a killed save leaves. In-process through
+``transformer_cli.main.main`` where it can be; the signals and the C locale through the installed command."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reference_numpy import TransformerConfig, init_params, save_checkpoint
+from reference_numpy.checkpoint import PARTIAL_SUFFIX, load_training_state
+from reference_numpy.tokenizer import Tokenizer
+from transformer_cli import backends, runtime
+from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, main
+
+SCRIPT = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
+needs_script = pytest.mark.skipif(SCRIPT is None, reason="the package is not installed (pip install -e .), so the "
+                                                         "transformer-reference script does not exist")
+INSTALLED = tuple(backends.load(tuple(backends.BACKENDS))[0])
+TINY = TransformerConfig.preset("tiny")
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_error_line(err: str, *words: str) -> str:
+    """The single line of a refusal, checked to name ``words``."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(word in lines[0] for word in words), err
+    return lines[0]
+
+
+@pytest.fixture
+def no_backend(monkeypatch):
+    """Fail the test if a command loads a backend: its refusal must come before any work."""
+    monkeypatch.setattr(backends, "load", lambda *_: pytest.fail("a backend was loaded before the flags were checked"))
+
+
+# ----------------------------------------------------------------------------- usage errors: one line
+
+@pytest.mark.parametrize("args, words", [
+    (["train", "--nope"], ["unrecognized arguments: --nope"]),
+    (["plot"], ["plot: error:", "required"]),
+    (["bench", "--preset", "huge"], ["bench: error:", "--preset", "invalid choice"]),
+    (["translate", "--beam", "zero"], ["--beam", "must be an integer"]),
+    (["export", "a.safetensors"], ["export: error:", "required"]),
+])
+def test_a_usage_error_is_one_line_naming_the_flag(args, words, capsys):
+    status, out, err = cli(capsys, *args)
+    assert status == EXIT_USAGE and out == ""
+    assert one_error_line(err, *words).startswith("transformer-reference")
+
+
+# ----------------------------------------------------------------------------- flags checked before any work
+
+def test_train_checks_eval_size_and_max_length_before_any_work(tmp_path, monkeypatch, no_backend, capsys):
+    monkeypatch.chdir(tmp_path)
+    began = time.perf_counter()
+    status, _, err = cli(capsys, "train", "--task", "numbers", "--eval-size", "5000")
+    assert status == EXIT_USAGE and time.perf_counter() - began < 5          # no tokenizer learned, no model built
+    one_error_line(err, "--eval-size 5000", "1000")
+    status, _, err = cli(capsys, "train", "--max-length", str(TINY.max_len))   # + eos: one position too many
+    assert status == EXIT_USAGE
+    one_error_line(err, f"--max-length {TINY.max_len}", f"max_len {TINY.max_len}")
+
+
+@pytest.mark.parametrize("flag, value", [("--warmup-steps", "50"), ("--learning-rate-scale", "2"),
+                                         ("--dropout", "0.1")])
+def test_resume_refuses_the_flags_it_would_ignore(flag, value, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--out", "run.safetensors")[0] == EXIT_OK
+    monkeypatch.setattr(backends, "load", lambda *_: pytest.fail("a backend was loaded before the flags were checked"))
+    status, out, err = cli(capsys, "train", "--resume", "run.safetensors", "--steps", "1", flag, value)
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, flag, "run.safetensors")
+
+
+def test_plot_attention_refuses_text_with_token_ids(tmp_path, monkeypatch, no_backend, capsys):
+    monkeypatch.chdir(tmp_path)
+    for ids in (["--src", "5 6 2"], ["--tgt", "1 5"]):
+        status, _, err = cli(capsys, "plot", "attention", "--text", "eighty", *ids, "--out", "a.png")
+        assert status == EXIT_USAGE
+        one_error_line(err, "--text", "--src")
+    assert not (tmp_path / "a.png").exists()
+
+
+# ----------------------------------------------------------------------------- files: --force, and never an input
+
+EXISTING_OUTPUTS = [
+    (["plot", "pe", "--length", "4", "--d-model", "4", "--out", "mine.png"], "--out"),
+    (["plot", "attention", "--preset", "tiny", "--out", "mine.png"], "--out"),
+    (["compare", "--preset", "tiny", "--plot", "mine.png"], "--plot"),
+    (["compare", "--preset", "tiny", "--precision-report", "mine.png"], "--precision-report"),
+    (["bench", "--preset", "tiny", "--plot", "mine.png"], "--plot"),
+    (["train", "--steps", "1", "--plot", "mine.png"], "--plot"),
+]
+
+
+@pytest.mark.parametrize("args, flag", EXISTING_OUTPUTS, ids=[" ".join(a[:2]) + " " + f for a, f in EXISTING_OUTPUTS])
+def test_an_existing_file_is_replaced_only_with_force(args, flag, tmp_path, monkeypatch, no_backend, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.png").write_bytes(b"a user's picture")
+    status, out, err = cli(capsys, *args)
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, flag, "'mine.png' already exists", "--force")
+    assert (tmp_path / "mine.png").read_bytes() == b"a user's picture"
+
+
+def test_plot_with_force_replaces_its_picture(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pe.png").write_bytes(b"old")
+    status, _, err = cli(capsys, "plot", "pe", "--length", "4", "--d-model", "4", "--out", "pe.png", "--force")
+    assert status == EXIT_OK, err
+    assert (tmp_path / "pe.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_input_is_never_replaced_even_with_force(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    save_checkpoint("mine.safetensors", TINY, init_params(TINY, seed=0))
+    before = (tmp_path / "mine.safetensors").read_bytes()
+    (tmp_path / "models").mkdir()
+    save_checkpoint("models/inner.safetensors", TINY, init_params(TINY, seed=0))
+    for args, flag in ((["export", "--to", "ctranslate2", "mine.safetensors", "mine.safetensors"], "OUTPUT_DIR"),
+                       (["export", "--to", "ctranslate2", "models/inner.safetensors", "models"], "OUTPUT_DIR"),
+                       (["export", "--to", "ctranslate2", "mine.safetensors", "./mine.safetensors"], "OUTPUT_DIR")):
+        status, out, err = cli(capsys, *args, "--force")
+        assert status == EXIT_USAGE and out == ""
+        one_error_line(err, flag, "would replace the input")
+    assert (tmp_path / "mine.safetensors").read_bytes() == before
+    assert (tmp_path / "models" / "inner.safetensors").is_file()
+    assert cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--out", "run.safetensors")[0] == EXIT_OK
+    run = (tmp_path / "run.safetensors").read_bytes()
+    status, _, err = cli(capsys, "train", "--resume", "run.safetensors", "--steps", "1", "--out", "run.safetensors",
+                         "--force")
+    assert status == EXIT_USAGE
+    one_error_line(err, "--out", "would replace the input 'run.safetensors'")
+    assert (tmp_path / "run.safetensors").read_bytes() == run
+
+
+def test_side_by_side_refuses_an_empty_or_file_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "existing.html").write_text("mine")
+    for out, words in (("", ["--out", "name a directory"]), ("existing.html", ["--out", "is a file"])):
+        status, stdout, err = cli(capsys, "side-by-side", "--out", out)
+        assert status == EXIT_USAGE and stdout == ""
+        one_error_line(err, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.html"]
+    assert (tmp_path / "existing.html").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------- a save killed mid-write
+
+def test_the_next_save_removes_a_killed_saves_partial_file_but_not_a_live_one(tmp_path):
+    import fcntl
+
+    target = tmp_path / "run.safetensors"
+    abandoned = tmp_path / f"run.safetensors.0badc0de{PARTIAL_SUFFIX}"
+    abandoned.write_bytes(b"half a checkpoint")                      # its writer was killed: no lock held
+    live = tmp_path / f"run.safetensors.1234abcd{PARTIAL_SUFFIX}"
+    live.write_bytes(b"a save in progress")
+    other = tmp_path / f"other.safetensors.0badc0de{PARTIAL_SUFFIX}"
+    other.write_bytes(b"another file's")
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)                             # as a living save holds it
+        save_checkpoint(target, TINY, init_params(TINY, seed=0))
+    assert not abandoned.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
+
+
+# ----------------------------------------------------------------------------- text: special tokens, UTF-8
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_a_special_tokens_name_in_text_is_text_not_its_id(backend, capsys):
+    """The shipped model's vocabulary has no '<', '/', '>': the text is refused naming them, never cut at eos."""
+    status, out, err = cli(capsys, "translate", "--backend", backend, "seventy-one </s> eighty")
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, "seventy-one </s> eighty", "never seen", "'<'", "'/'", "'>'")
+
+
+def test_special_token_names_round_trip_as_text_through_a_tokenizer_that_has_their_characters():
+    pytest.importorskip("tokenizers")
+    texts = ["x < y / z > w", "a <b> c", "one two three", "s and /s", "pad"] * 5
+    config = TransformerConfig.preset("tiny", src_vocab_size=60, tgt_vocab_size=60)
+    tokenizer = Tokenizer.train(texts, 60, config)
+    for text in ("a </s> b", "<s> x", "y <pad>"):
+        ids = tokenizer.encode(text)
+        assert not {config.pad_id, config.bos_id, config.eos_id} & set(ids), (text, ids)
+        assert tokenizer.decode(ids) == text
+
+
+def test_stdin_that_is_not_utf8_is_one_line_naming_its_line(monkeypatch, capsys):
+    stdin = io.TextIOWrapper(io.BytesIO(b"seventy-one\neighty\ntwo \xff hundred\n"), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    status, out, err = cli(capsys, "translate")
+    assert status == EXIT_USAGE
+    assert out.splitlines() == ["soixante et onze", "quatre-vingts"]        # the lines before it, translated
+    one_error_line(err, "standard input, line 3", "not UTF-8", "0xff")
+
+
+@needs_script
+@pytest.mark.skipif("tf" not in INSTALLED, reason="TensorFlow is not installed: its notices cannot be checked")
+def test_stdin_that_is_not_utf8_in_the_c_locale_and_no_tensorflow_notices(tmp_path):
+    """One subprocess: under LC_ALL=C, bad bytes are the same one line; TensorFlow prints nothing of its own."""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run([SCRIPT, "translate", "--backend", "tf"], input=b"eighty\n\xe9t\xe9\n", env=env,
+                            capture_output=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == EXIT_USAGE
+    assert result.stdout.decode() == "quatre-vingts\n"
+    assert result.stderr.decode() == ("transformer-reference: error: standard input, line 2: not UTF-8 text "
+                                      "(byte 0xe9 at offset 0)\n")
+
+
+# ----------------------------------------------------------------------------- threads and versions
+
+@pytest.fixture
+def restore_threads(monkeypatch):
+    """``--threads`` changes the process's frameworks: put them back for the tests after this one."""
+    monkeypatch.setattr(runtime, "_requested", None)
+    for name in ("PJRT_NPROC", "XLA_FLAGS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch else None
+    yield
+    if torch:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("command", [["compare", "--preset", "tiny", "--json", "--dtype", "float32"],
+                                     ["train", "--steps", "1", "--eval-size", "0", "--json"]])
+def test_threads_are_set_in_each_framework_and_recorded_with_the_versions(command, restore_threads, capsys):
+    names = ",".join(name for name in INSTALLED if name in ("numpy", "torch", "jax"))
+    status, out, err = cli(capsys, *command, "--backends", names, "--threads", "1")
+    assert status == EXIT_OK, err
+    report = json.loads(out)
+    recorded = (report if isinstance(report, dict) else report[0])["runtime"]
+    assert recorded["threads"] == 1 and recorded["visible_cores"] == len(os.sched_getaffinity(0))
+    assert recorded["frameworks"]["numpy"]["version"] == np.__version__
+    if "torch" in INSTALLED:
+        import torch
+        assert recorded["frameworks"]["torch"] == {"version": torch.__version__, "intra_op_threads": 1}
+        assert torch.get_num_threads() == 1
+    if "jax" in INSTALLED:
+        assert recorded["frameworks"]["jax"]["PJRT_NPROC"] == "1"
+        assert "--xla_cpu_multi_thread_eigen=false" in recorded["frameworks"]["jax"]["XLA_FLAGS"]
+
+
+def test_threads_default_to_the_visible_cores_and_zero_is_refused(capsys):
+    status, _, err = cli(capsys, "translate", "--threads", "0", "one")
+    assert status == EXIT_USAGE
+    one_error_line(err, "--threads", "at least 1")
+    assert runtime.visible_cores() == len(os.sched_getaffinity(0))
+
+
+def test_bench_warns_when_its_repeats_spread(monkeypatch, capsys):
+    from transformer_cli import bench as bench_module
+    from transformer_cli.bench import BUSY_SPREAD, Measurement
+
+    steady = Measurement("numpy", "cpu", "forward", 1.0, 1.2, 1e9, min_seconds=0.95, max_seconds=1.05, repeats=3)
+    busy = Measurement("torch", "cpu", "forward", 1.0, 1.2, 1e9, min_seconds=0.5, max_seconds=2.0, repeats=3)
+    report = bench_module.BenchReport("tiny", {}, {}, None, [steady], [])
+    assert report.busy is None and steady.spread == pytest.approx(0.1) and steady.spread < BUSY_SPREAD
+    report.measurements.append(busy)
+    assert "torch forward spread 150%" in report.busy and "busy" in report.busy
+    monkeypatch.setattr(bench_module, "bench", lambda *_, **__: report)
+    monkeypatch.setattr(bench_module, "format_bench", lambda _: "table")
+    status, out, err = cli(capsys, "bench", "--preset", "tiny")
+    assert status == EXIT_OK and out == "table\n"
+    one_error_line(err, "bench: warning:", "torch forward spread 150%")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C and SIGTERM
+
+def signalled(args: list[str], cwd: Path, signum: int, ready: bytes) -> tuple[int, str, str]:
+    """Run the command with stderr on a terminal (so its progress bar shows), send ``signum`` once stderr shows
+    ``ready``; (exit status, stdout, stderr)."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([SCRIPT, *args], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=follower)
+    os.close(follower)
+    seen, deadline = b"", time.monotonic() + 600
+    try:
+        while ready not in seen and time.monotonic() < deadline and process.poll() is None:
+            if select.select([leader], [], [], 1)[0]:
+                seen += os.read(leader, 65536)
+        process.send_signal(signum)
+        out = process.stdout.read()
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:                                           # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            seen += chunk
+        return process.wait(timeout=600), out.decode(), seen.decode(errors="replace").replace("\r", "\n")
+    finally:
+        os.close(leader)
+        process.kill() if process.poll() is None else None
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()
+            and _parent(int(entry)) == pid]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+INTERRUPTED = re.compile(r"transformer-reference: interrupted: (\w+) saved (\S+) at step (\d+) "
+                         r"\(continue with --resume \S+\)$")
+
+
+@needs_script
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_ctrl_c_during_train_saves_the_run_at_its_last_step_and_it_resumes_elsewhere(backend, tmp_path, monkeypatch,
+                                                                                      capsys):
+    signum = signal.SIGINT if INSTALLED.index(backend) % 2 == 0 else signal.SIGTERM     # both, across backends
+    status, out, err = signalled(["train", "--backends", backend, "--steps", "100000", "--eval-size", "0",
+                                  "--out", "run.safetensors"], tmp_path, signum, b" 3/100000")
+    assert status == EXIT_INTERRUPTED, err
+    assert out == "" and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    match = INTERRUPTED.match(line)
+    assert match and match.group(1) == backend and match.group(2) == "run.safetensors", err
+    step = int(match.group(3))
+    assert step >= 3 and load_training_state(tmp_path / "run.safetensors").step == step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.safetensors"]        # no .partial left behind
+    other = INSTALLED[(INSTALLED.index(backend) + 1) % len(INSTALLED)]
+    monkeypatch.chdir(tmp_path)
+    status, out, err = cli(capsys, "train", "--backends", other, "--resume", "run.safetensors", "--steps", "1",
+                           "--eval-size", "0", "--json")
+    assert status == EXIT_OK, err
+    assert json.loads(out)[0]["first_step"] == step
+
+
+@needs_script
+@pytest.mark.skipif("torch" not in INSTALLED, reason="PyTorch is not installed: no DDP workers to stop")
+def test_ctrl_c_during_data_parallel_training_stops_the_workers(tmp_path):
+    status, out, err = signalled(["train", "--backends", "torch", "--data-parallel", "2", "--steps", "100000",
+                                  "--eval-size", "0", "--stop-at", "0", "--out", "run.safetensors"], tmp_path,
+                                 signal.SIGINT, b" 2/100000")
+    assert status == EXIT_INTERRUPTED and out == "" and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("transformer-reference: interrupted: torch stopped at step 0; nothing "
+                                            "saved (no step done)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_script
+def test_sigterm_during_another_command_is_one_line_and_130(tmp_path):
+    process = subprocess.Popen([SCRIPT, "translate"], cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdin.write("eighty\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == "quatre-vingts\n"             # the model is loaded, waiting for a line
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == EXIT_INTERRUPTED and out == ""
+    assert err == "transformer-reference: interrupted\n"
