@@ -124,7 +124,7 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
 @_x64
 def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 with dropout off."""
-    return float(training.loss(model, src, tgt, np.asarray(labels), epsilon, deterministic=True))
+    return float(training.loss(model, src, tgt, labels, epsilon, deterministic=True))
 
 
 @_x64

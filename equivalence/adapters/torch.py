@@ -125,8 +125,7 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
 @torch.no_grad()
 def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 with dropout off (eval mode)."""
-    as_tokens = lambda values: torch.as_tensor(np.asarray(values), device=model.device)
-    return training.loss(model.eval(), as_tokens(src), as_tokens(tgt), as_tokens(labels), epsilon).item()
+    return training.loss(model.eval(), src, tgt, labels, epsilon).item()    # arrays checked and placed by the port
 
 
 def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):
