@@ -278,7 +278,9 @@ class LayerNorm:
 
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6). In a low precision the
-    statistics, the normalization, gain and bias are computed wide and the output rounded to P.
+    statistics, the normalization, gain and bias are computed wide and the output rounded to P. A variance past the
+    format's largest number gives NaN, not the bias that dividing by an infinite deviation would: the normalized
+    values are then no number of the format (docs/equivalence.md, "The configuration space").
 
     Shape: x (..., D) -> (..., D).
     """
@@ -292,7 +294,8 @@ class LayerNorm:
         dtype, x = x.dtype, wide(x)
         mean = x.mean(axis=-1, keepdims=True)
         var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-        return narrow((x - mean) / np.sqrt(var + self.eps) * wide(self.weight) + wide(self.bias), dtype)
+        normalized = np.where(np.isinf(var), np.nan, (x - mean) / np.sqrt(var + self.eps))
+        return narrow(normalized * wide(self.weight) + wide(self.bias), dtype)
 
 
 def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: LayerNorm,

@@ -360,7 +360,8 @@ class LayerNorm(nnx.LayerNorm):
     ``use_fast_variance=False`` computes var = mean((x - mean)^2) like the reference instead of
     the one-pass E[x^2] - E[x]^2, which loses digits. Flax names the weight ``scale``. In a low
     precision the statistics, the normalization, gain and bias are computed wide (Flax's ``dtype``
-    float32) and the output rounded to P.
+    float32) and the output rounded to P. A variance past the format's largest number gives NaN, as in the
+    reference (Flax would give the bias).
 
     Shape: x (..., D) -> (..., D).
     """
@@ -370,7 +371,8 @@ class LayerNorm(nnx.LayerNorm):
                          dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _narrow(super().__call__(x), self.param_dtype)
+        overflow = jnp.isinf(jnp.var(_wide(x), axis=-1, keepdims=True))          # (..., 1)
+        return _narrow(jnp.where(overflow, jnp.nan, super().__call__(x)), self.param_dtype)
 
 
 def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: LayerNorm,

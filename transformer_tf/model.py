@@ -436,7 +436,8 @@ class LayerNorm(keras.layers.LayerNormalization):
     1e-3). Keras evaluates it as x * g + (beta - mean * g) with g = rsqrt(var + eps) * gamma:
     the same function, rounded differently by a few ulps. In a low precision Keras computes it wide
     already (``keras.ops.layer_normalization`` makes P inputs, gamma and beta float32 and casts the
-    output back once): the recipe's rounding point, with nothing to add.
+    output back once): the recipe's rounding point, with nothing to add. A variance past the format's largest
+    number gives NaN, as in the reference (Keras would give beta).
 
     Shape: x (..., D) -> (..., D).
     """
@@ -445,6 +446,10 @@ class LayerNorm(keras.layers.LayerNormalization):
         config = _as_config(config)
         super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)
         self.config = config
+
+    def call(self, x):
+        overflow = tf.math.is_inf(tf.math.reduce_variance(_wide(x), axis=-1, keepdims=True))   # (..., 1)
+        return tf.where(overflow, tf.constant(np.nan, x.dtype), super().call(x))
 
     def get_config(self) -> dict:
         return {**keras.layers.Layer.get_config(self), "config": self.config.to_dict()}

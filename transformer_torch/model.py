@@ -113,7 +113,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     if mask is not None:
         mask = _check_mask(mask, (*batch, query.shape[-2], key.shape[-2]), device=query.device)
     dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)
-    if return_weights or beams is not None:
+    if return_weights or beams is not None or _differentiated(query, key, value):
         out, weights = _explicit_attention(query, key, value, mask, beams)
         return _narrow(out, dtype), (_narrow(weights, dtype) if return_weights else None)
     if mask is None:
@@ -123,6 +123,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     hidden = ~mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1) rows that see no key
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | hidden)
     return _narrow(out.masked_fill(hidden, 0.0), dtype), None           # fully masked row -> zeros
+
+
+def _differentiated(*tensors: Tensor) -> bool:
+    """Whether autograd records this attention. Its backward is then the softmax's own, w * (g - sum(w * g)), as in
+    the reference and the other frameworks: the fused kernel's backward forms g - sum(w * g) as dP - rowsum(dO * O),
+    two equal numbers computed differently, whose float64 rounding (eps |dO| |V|) a saturated softmax multiplies by
+    |K| into dQ where the exact gradient is zero (docs/equivalence.md, "The configuration space")."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
 def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
