@@ -76,7 +76,7 @@ def test_a_broken_port_weight_fails_at_its_stage(workdir):
                  "--perturb", f"{port}:decoder.layers.1.ffn.linear1.bias", cwd=workdir)
     assert result.returncode == EXIT_DISAGREEMENT, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"checkpoint", "config", "policy", "ok", "runs", "missing", "translations"}
+    assert set(report) == {"checkpoint", "config", "policy", "ok", "runs", "missing", "translations", "runtime"}
     assert report["ok"] is False and report["policy"] == {"float64_relative": 1e-12, "float32_factor": 8,
                                                           "low_precision_factor": 8}
     runs = {(run["backend"], run["device"], run["dtype"]): run for run in report["runs"]}

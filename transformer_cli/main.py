@@ -13,6 +13,10 @@
     transformer-reference side-by-side --out DIR
     transformer-reference --version
 
+Every command that writes a file takes ``--force`` (an existing output is kept otherwise; an input is never
+replaced); every command that runs a model takes ``--threads N`` (:mod:`transformer_cli.runtime`). Ctrl-C or
+SIGTERM ends any command with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
+
 Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
 sets ``run``, the function that carries it out and returns the exit status (:data:`EXIT_STATUS`).
 """
