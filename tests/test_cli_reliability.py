@@ -5,6 +5,7 @@ that is not UTF-8, ``--threads``, and the ``.partial`` files a killed save leave
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -13,8 +14,10 @@ import re
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -169,8 +172,6 @@ def test_side_by_side_refuses_an_empty_or_file_out(tmp_path, monkeypatch, capsys
 # ----------------------------------------------------------------------------- a save killed mid-write
 
 def test_the_next_save_removes_a_killed_saves_partial_file_but_not_a_live_one(tmp_path):
-    import fcntl
-
     target = tmp_path / "run.safetensors"
     abandoned = tmp_path / f"run.safetensors.0badc0de{PARTIAL_SUFFIX}"
     abandoned.write_bytes(b"half a checkpoint")                      # its writer was killed: no lock held
@@ -294,6 +295,7 @@ def signalled(args: list[str], cwd: Path, signum: int, steps: int) -> tuple[int,
     ``steps`` steps done or more; (exit status, stdout, stderr)."""
     done = lambda text: any(int(n) >= steps for n in re.findall(rb"\| *(\d+)/\d+ ", text))
     leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 0 columns: tqdm draws nothing
     process = subprocess.Popen([SCRIPT, *args], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=follower)
     os.close(follower)
