@@ -588,10 +588,9 @@ def test_train_learns_saves_its_state_and_resumes_where_it_stopped(tmp_path, mon
     first = train_json(capsys, *task, "--steps", "25", "--out", "run.safetensors")[0]
     state = load_training_state(tmp_path / "run.safetensors")
     assert state.step == 25 and state.config.warmup_steps == 20
-    rest = train_json(capsys, *task, "--steps", "15", "--resume", "run.safetensors", "--out", "run.safetensors",
-                      "--force")[0]
+    rest = train_json(capsys, *task, "--steps", "15", "--resume", "run.safetensors", "--out", "rest.safetensors")[0]
     assert rest["first_step"] == 25 and first["losses"] + rest["losses"] == whole["losses"]
-    assert load_training_state(tmp_path / "run.safetensors").step == 40
+    assert load_training_state(tmp_path / "rest.safetensors").step == 40
     assert 0.0 <= rest["accuracy"] <= 1.0
 
 

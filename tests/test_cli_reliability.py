@@ -85,15 +85,19 @@ def test_train_checks_eval_size_and_max_length_before_any_work(tmp_path, monkeyp
     one_error_line(err, f"--max-length {TINY.max_len}", f"max_len {TINY.max_len}")
 
 
-@pytest.mark.parametrize("flag, value", [("--warmup-steps", "50"), ("--learning-rate-scale", "2"),
-                                         ("--dropout", "0.1")])
-def test_resume_refuses_the_flags_it_would_ignore(flag, value, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("flag, value, saved", [("--warmup-steps", "50", "7"), ("--learning-rate-scale", "2", "0.5"),
+                                                ("--dropout", "0.1", "0.0")])
+def test_resume_refuses_the_flags_it_would_ignore(flag, value, saved, tmp_path, monkeypatch, capsys):
+    """A value other than the saved one is refused naming both; the saved value itself is accepted."""
     monkeypatch.chdir(tmp_path)
-    assert cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--out", "run.safetensors")[0] == EXIT_OK
+    assert cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--warmup-steps", "7", "--learning-rate-scale",
+               "0.5", "--out", "run.safetensors")[0] == EXIT_OK
+    resume = ["train", "--resume", "run.safetensors", "--steps", "1", "--eval-size", "0"]
+    assert cli(capsys, *resume, flag, saved)[0] == EXIT_OK
     monkeypatch.setattr(backends, "load", lambda *_: pytest.fail("a backend was loaded before the flags were checked"))
-    status, out, err = cli(capsys, "train", "--resume", "run.safetensors", "--steps", "1", flag, value)
+    status, out, err = cli(capsys, *resume, flag, value)
     assert status == EXIT_USAGE and out == ""
-    one_error_line(err, flag, "run.safetensors")
+    one_error_line(err, f"{flag} {value}", "run.safetensors", f"saved with {saved}")
 
 
 def test_plot_attention_refuses_text_with_token_ids(tmp_path, monkeypatch, no_backend, capsys):

@@ -95,10 +95,6 @@ def plan_from(args) -> Plan:
     run's model, optimizer settings, weights and tokenizer."""
     if args.data_parallel > 1 and is_low(args.dtype):
         raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
-    given = [name for name in SAVED_SETTINGS if getattr(args, name) is not None]
-    if args.resume and given:
-        raise ValueError(f"--{given[0].replace('_', '-')}: a resumed run keeps the model and optimizer settings "
-                         f"saved in {args.resume!r}; leave the flag out")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
               for name, default in TASKS[args.task].items()}
     start, config, training = None, None, TrainingConfig(warmup_steps=recipe["warmup_steps"],
@@ -106,6 +102,7 @@ def plan_from(args) -> Plan:
     if args.resume:
         config, params, state = resume_from(args.resume)
         start, training = (params, state), state.config
+        check_saved_settings(args, config, training)
     task = make_task(args, args.resume, config)
     config = config or task.config(dropout=args.dropout or 0.0)
     check_sizes(task, config, args.eval_size)
@@ -117,6 +114,17 @@ def plan_from(args) -> Plan:
     return Plan(task, config, training, recipe["steps"], recipe["batch_size"], args.seed, args.dtype,
                 args.label_smoothing, recipe["stop_at"] or None, recipe["eval_every"], recipe["validation_size"],
                 args.data_parallel, start, args.device)
+
+
+def check_saved_settings(args, config: TransformerConfig, training: TrainingConfig) -> None:
+    """A resumed run keeps the model and optimizer settings saved with it: a flag asking for another value
+    (``SAVED_SETTINGS``) is refused, never silently ignored."""
+    saved = {"warmup_steps": training.warmup_steps, "learning_rate_scale": training.learning_rate_scale,
+             "dropout": config.dropout}
+    for name in SAVED_SETTINGS:
+        if (value := getattr(args, name)) is not None and value != saved[name]:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: the run in {args.resume!r} was saved with "
+                             f"{saved[name]}, which resuming keeps; leave the flag out")
 
 
 def make_task(args, resume: str | None, config: TransformerConfig | None) -> CopyTask | NumbersTask:
