@@ -25,7 +25,10 @@ their difference is at most the sum of their two bounds (:func:`pair_bound`).
 
 Gradients (float64): two ports' gradients of the same loss agree to ``GRADIENT_RELATIVE``
 times the gradient's scale, and each port's gradient matches central finite differences of
-the reference's loss within :func:`finite_difference_bound`.
+the reference's loss within :func:`finite_difference_bound`. Where the gradient is ill-conditioned (weights
+scaled far from any trained model's, docs/equivalence.md "The configuration space"), the bound is at least
+``CONDITION_FACTOR`` times the reference's own sensitivity: how far its gradient moves when every weight moves by
+one float64 rounding (:func:`weight_rounding_sensitivity`) -- the error any float64 implementation may make there.
 
 Training (float64): a port's weights, Adam moments and losses after each optimizer step stay within the
 reference's by the gradient bound carried through Adam's update (:class:`TrainingBound`); float32: the update
@@ -46,6 +49,7 @@ FLOAT64_RELATIVE = 1e-12
 FLOAT32_FACTOR = 8
 LOW_PRECISION_FACTOR = 8
 GRADIENT_RELATIVE = 1e-10
+CONDITION_FACTOR = 8     # as FLOAT32_FACTOR: a port may be this many times as sensitive as the reference
 
 
 @dataclass(frozen=True)
@@ -135,15 +139,30 @@ def decided_by_rounding(ref64, ref32, dtype) -> np.ndarray:
     return below.astype(np.float64) == above.astype(np.float64)
 
 
-def gradient_bound(grads_a: dict, grads_b: dict) -> float:
-    """GRADIENT_RELATIVE x the gradient's scale: the largest |entry| over every tensor of both.
+def gradient_bound(grads_a: dict, grads_b: dict, sensitivity: float = 0.0) -> float:
+    """GRADIENT_RELATIVE x the gradient's scale: the largest |entry| over every tensor of both; at least
+    CONDITION_FACTOR x ``sensitivity`` (:func:`weight_rounding_sensitivity`; 0: a well-conditioned case).
 
     The scale is the whole gradient's, not each tensor's: some gradients are zero in exact
     arithmetic (a key bias shifts every score of a query equally, which the softmax ignores),
     and their computed values are rounding noise with no scale of their own.
     """
     scale = max(float(np.max(np.abs(grad), initial=0.0)) for grads in (grads_a, grads_b) for grad in grads.values())
-    return GRADIENT_RELATIVE * scale
+    return max(GRADIENT_RELATIVE * scale, CONDITION_FACTOR * sensitivity)
+
+
+def weight_rounding_sensitivity(gradients, params: dict[str, np.ndarray], draws: int = 2) -> float:
+    """How far the float64 gradient moves when every weight moves by one rounding: the largest max |g(w') - g(w)|
+    over ``draws`` seeded w' = w (1 +- 2^-52) (random signs), ``gradients(params) -> {name: array}``. A float64
+    implementation's forward error is its backward error (a few roundings of the weights and activations) times the
+    condition of the gradient; this measures the product at one rounding directly."""
+    rng, exact = np.random.default_rng(0), gradients(params)
+    moved = 0.0
+    for _ in range(draws):
+        nudged = {name: value * (1 + np.ldexp(1.0, -52) * rng.choice([-1.0, 1.0], np.shape(value)))
+                  for name, value in params.items()}
+        moved = max(moved, max(max_abs(grad, exact[name]) for name, grad in gradients(nudged).items()))
+    return moved
 
 
 class TrainingBound:
@@ -168,13 +187,13 @@ class TrainingBound:
 
     def step(self, value: float, grads: dict[str, np.ndarray], first_moments: dict[str, np.ndarray],
              second_moments: dict[str, np.ndarray], step: int, lrate: float, beta1: float, beta2: float,
-             epsilon: float) -> None:
+             epsilon: float, sensitivity: float = 0.0) -> None:
         """Account for one reference step: its loss ``value`` and gradient (at the weights before the step), and its
-        moments after the step, which was step number ``step`` with learning rate ``lrate``."""
+        moments after the step, which was step number ``step`` with learning rate ``lrate``; ``sensitivity`` as in
+        :func:`gradient_bound`."""
         self.losses.append(float64_bound(value) + sum(float(np.sum(np.abs(grads[name]) * self.weights[name]))
                                                       for name in grads))
-        self.delta = max(self.delta, GRADIENT_RELATIVE * max(float(np.max(np.abs(g), initial=0.0))
-                                                              for g in grads.values()))
+        self.delta = max(self.delta, gradient_bound(grads, grads, sensitivity))
         for name, grad in grads.items():
             self.largest_gradient[name] = np.maximum(self.largest_gradient[name], np.abs(grad))
             m_hat = first_moments[name] / (1.0 - beta1 ** step)

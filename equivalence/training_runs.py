@@ -14,7 +14,7 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.training import learning_rate
 
 from .adapters import numpy as reference
-from .tolerance import TrainingBound
+from .tolerance import TrainingBound, weight_rounding_sensitivity
 
 
 @dataclass
@@ -27,19 +27,24 @@ class Run:
 
 
 def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig,
-                  batches: Iterable[dict[str, np.ndarray]]) -> tuple[Run, TrainingBound]:
+                  batches: Iterable[dict[str, np.ndarray]], conditioned: bool = False) -> tuple[Run, TrainingBound]:
     """The float64 reference trained from ``params`` with a new optimizer, one step per batch, and the bound of
     every quantity of another run of the same steps: each step accounted for by :class:`TrainingBound` (the
-    gradient at the weights before the step, the moments after it)."""
+    gradient at the weights before the step, the moments after it); with ``conditioned``, each step's gradient bound
+    takes the gradient's sensitivity to the weights' rounding into account (:func:`~.tolerance.gradient_bound`)."""
     model = reference.build(config, params)
     optimizer = reference.optimizer(model, training)
     bound, losses = TrainingBound(reference.export_params(model)), []
     for step, inputs in enumerate(batches, start=1):
         value, grads = reference.gradients(model, **inputs)
+        sensitivity = weight_rounding_sensitivity(
+            lambda weights: reference.gradients(reference.build(config, weights), **inputs)[1],
+            reference.export_params(model)) if conditioned else 0.0
         losses.append(reference.train_step(model, optimizer, **inputs))
         state = reference.training_state(model, optimizer)
         bound.step(value, grads, state.first_moments, state.second_moments, step,
-                   learning_rate(step, config.d_model, training), training.beta1, training.beta2, training.epsilon)
+                   learning_rate(step, config.d_model, training), training.beta1, training.beta2, training.epsilon,
+                   sensitivity)
     return Run(losses, reference.export_params(model), reference.training_state(model, optimizer)), bound
 
 

@@ -103,6 +103,7 @@ def agreement(variants: str, decoding: bool = False) -> list[str]:
 
 
 GRADIENTS = ["tests/test_gradients.py", "-k", "tiny"]
+FUZZ = ["tests/test_fuzz.py", "-k", "configurations and torch"]
 
 
 # ----------------------------------------------------------------------------- single-backend bugs
@@ -170,6 +171,17 @@ SINGLE = [
     single("cache", "keras: a beam table not marked at the new positions (read from the row that held them)",
            "transformer_tf/model.py", "return tf.where((position >= 0) & (position < length), own, beams)",
            "return beams", ["tests/test_beam_cache.py", "-k", "tf"]),
+    # Bugs only some configurations show: the fuzzer's suite budget must find them (tests/test_fuzz.py).
+    single("fuzz", "torch: heads split token-major when their count is odd", "transformer_torch/model.py",
+           "x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)",
+           "x = (x.view(batch, length, width // self.n_heads, self.n_heads).transpose(2, 3) if self.n_heads % 2\n"
+           "             else x.view(batch, length, self.n_heads, width // self.n_heads))",
+           FUZZ),
+    single("fuzz", "torch: the encoder's source mask hides min(pad_id, eos_id) (wrong only when pad_id > eos_id)",
+           "transformer_torch/model.py",
+           "            src_mask = padding_mask(src, self.config.pad_id)\n        (batch, length), heads",
+           "            src_mask = padding_mask(src, min(self.config.pad_id, self.config.eos_id))\n"
+           "        (batch, length), heads", FUZZ),
 ]
 
 

@@ -1,0 +1,224 @@
+"""A differential fuzzer over the configuration space: any :class:`TransformerConfig`, any inputs, every backend
+against the reference under the one policy of :mod:`equivalence.tolerance` (``docs/equivalence.md``, "The
+configuration space").
+
+A :class:`Case` is a configuration (widths, head counts odd and even, one or two layers per side, pre- or post-LN,
+either positional encoding, shared or separate embeddings, vocabularies with the special ids anywhere, tiny and
+large LayerNorm epsilons), seeded weights times a scale, and a batch (lengths 1..max_len, padding down to fully
+padded rows, explicit bool masks or the default ones, the token ids' integer type). :func:`check` runs one backend
+on it against the reference: the forward stages in float64 and float32, greedy decoding in float64, the loss, its
+gradient and one Adam step in float64. Where the reference in a precision overflows, the backend must give the same
+non-finite values at the same places (NaN where NaN, the same infinities) and agree on the rest.
+
+Hypothesis draws the cases (:func:`cases`) and shrinks a failing one to a minimal :class:`Case`, whose
+:meth:`Case.command` replays it: ``python scripts/fuzz_configs.py --replay '<json>'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from reference_numpy.config import TrainingConfig, TransformerConfig
+
+from . import tolerance
+from .adapters import numpy as reference
+from .cases import decoding_params
+from .training_runs import Run, assert_float64_run, reference_run
+
+EPSILONS = (1e-12, 1e-8, 1e-6, 1e-3, 0.5)
+WEIGHT_SCALES = (1e-3, 1.0, 1e3)            # the suite's; scripts/fuzz_configs.py --extreme adds 1e9 and 1e12
+EXTREME_WEIGHT_SCALES = (1e9, 1e12)
+TOKEN_DTYPES = ("int64", "int32", "int16", "uint8", "int8")
+TRAINING = TrainingConfig(warmup_steps=4)
+CHECKS = ("forward float64", "forward float32", "greedy float64", "loss float64", "gradients float64",
+          "training step float64")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of the space: a configuration, its weights (:func:`params`: seeded, times ``weight_scale``) and a
+    batch: per row the source and target lengths before padding (0: a fully padded row),
+    the ids' seed, their integer type, and whether explicit random masks are passed instead of the default ones."""
+
+    config: TransformerConfig
+    seed: int
+    weight_scale: float
+    src_lengths: tuple[int, ...]
+    tgt_lengths: tuple[int, ...]
+    src_len: int
+    tgt_len: int
+    token_dtype: str
+    explicit_masks: bool
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        data = json.loads(text)
+        return cls(**{**data, "config": TransformerConfig.from_dict(data["config"]),
+                      "src_lengths": tuple(data["src_lengths"]), "tgt_lengths": tuple(data["tgt_lengths"])})
+
+    def command(self, backend: str) -> str:
+        """The shell command that replays this case on ``backend``."""
+        return f"python scripts/fuzz_configs.py --backends {backend} --replay '{self.to_json()}'"
+
+
+@st.composite
+def configs(draw) -> TransformerConfig:
+    """Any valid configuration of small sizes: odd and even head counts, d_k from 1, the special ids anywhere."""
+    n_heads, d_k = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    d_k *= 1 + (n_heads * d_k) % 2                                       # d_model even (section 3.5)
+    share = draw(st.booleans())
+    src_vocab = draw(st.integers(3, 24))
+    tgt_vocab = src_vocab if share else draw(st.integers(3, 24))
+    pad, bos, eos = draw(st.permutations(range(min(src_vocab, tgt_vocab))))[:3]
+    return TransformerConfig(
+        src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=n_heads * d_k, n_heads=n_heads,
+        d_ff=draw(st.integers(1, 16)), n_encoder_layers=draw(st.integers(1, 2)),
+        n_decoder_layers=draw(st.integers(1, 2)), dropout=0.0, layer_norm_eps=draw(st.sampled_from(EPSILONS)),
+        norm_first=draw(st.booleans()), positional_encoding=draw(st.sampled_from(("sinusoidal", "learned"))),
+        max_len=draw(st.integers(1, 6)), share_embeddings=share, pad_id=pad, bos_id=bos, eos_id=eos)
+
+
+@st.composite
+def cases(draw, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> Case:
+    """A :class:`Case` drawn over :func:`configs`, weight scales, batch shapes, padding and mask patterns."""
+    config = draw(configs())
+    batch = draw(st.integers(1, 3))
+    src_len, tgt_len = draw(st.integers(1, config.max_len)), draw(st.integers(1, config.max_len))
+    lengths = lambda length: tuple(draw(st.lists(st.integers(0, length), min_size=batch, max_size=batch)))
+    fits = [name for name in TOKEN_DTYPES
+            if np.iinfo(name).max >= max(config.src_vocab_size, config.tgt_vocab_size) - 1]
+    return Case(config, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(weight_scales)), lengths(src_len),
+                lengths(tgt_len), src_len, tgt_len, draw(st.sampled_from(fits)), draw(st.booleans()))
+
+
+def params(case: Case) -> dict[str, np.ndarray]:
+    """The case's float64 weights in checkpoint layout: ``cases.decoding_params`` (seeded, biases and LayerNorms
+    perturbed, the eos logit boosted so that decoding ends rows at different steps) times the weight scale."""
+    return {name: value * case.weight_scale for name, value in decoding_params(case.config, case.seed).items()}
+
+
+def inputs(case: Case) -> dict[str, np.ndarray | None]:
+    """src (B, S) and tgt (B, T) of the case's integer type (any id, the special ones included, then pad_id past
+    each row's length; tgt starts with bos_id where the row is not empty), labels (B, T) int64 (tgt shifted left,
+    eos_id at each row's end, pad_id after), and the masks: None, or random bool (B, 1, 1, S) and (B, 1, T, T)."""
+    config, rng = case.config, np.random.default_rng(case.seed)
+    src = _padded(rng.integers(0, config.src_vocab_size, (len(case.src_lengths), case.src_len)),
+                  case.src_lengths, config.pad_id)
+    tgt = rng.integers(0, config.tgt_vocab_size, (len(case.tgt_lengths), case.tgt_len))
+    tgt[:, 0] = config.bos_id
+    tgt = _padded(tgt, case.tgt_lengths, config.pad_id)
+    labels = np.concatenate([tgt[:, 1:], np.full((len(tgt), 1), config.pad_id)], axis=1)
+    for row, length in enumerate(case.tgt_lengths):
+        if length:
+            labels[row, length - 1] = config.eos_id
+    masks = {"src_mask": None, "tgt_mask": None}
+    if case.explicit_masks:
+        masks = {"src_mask": rng.random((len(src), 1, 1, case.src_len)) < 0.7,
+                 "tgt_mask": rng.random((len(tgt), 1, case.tgt_len, case.tgt_len)) < 0.7}
+    dtype = np.dtype(case.token_dtype)
+    return {"src": src.astype(dtype), "tgt": tgt.astype(dtype), "labels": labels.astype(np.int64), **masks}
+
+
+def _padded(tokens: np.ndarray, lengths: tuple[int, ...], pad_id: int) -> np.ndarray:
+    """``tokens`` with pad_id from each row's length on."""
+    return np.where(np.arange(tokens.shape[1]) < np.array(lengths)[:, None], tokens, pad_id)
+
+
+def check(case: Case, backend) -> list[str]:
+    """Every check of :data:`CHECKS` of ``backend`` (an adapter of :mod:`equivalence.adapters`) against the
+    reference on ``case``; the disagreements found, each named (an empty list: the backend agrees)."""
+    weights, batch = params(case), inputs(case)
+    found = []
+    for precision in ("float64", "float32"):
+        found += _forward(case, backend, weights, batch, precision)
+    model, ref64 = backend.build(case.config, weights), reference.build(case.config, weights)
+    with np.errstate(all="ignore"):
+        expected = reference.greedy(ref64, batch["src"])
+    if not _same(np.asarray(backend.greedy(model, batch["src"])), expected):
+        found.append("greedy float64: tokens differ")
+    training = {key: batch[key] for key in ("src", "tgt", "labels")}
+    try:
+        with np.errstate(all="ignore"):
+            value = reference.loss(ref64, **training)
+    except ValueError as err:                               # e.g. labels all padding: the same refusal everywhere
+        return found + _same_refusal(str(err), lambda: backend.loss(model, **training))
+    if not np.isfinite(value):
+        return found                                        # the loss overflows float64: no gradient to compare
+    found += _gradients(backend, model, ref64, training)
+    found += _training_step(case, backend, weights, training)
+    return found
+
+
+def _same_refusal(message: str, call) -> list[str]:
+    """[] if ``call`` raises ValueError(``message``), the reference's refusal; else what it did."""
+    try:
+        call()
+    except ValueError as err:
+        return [] if str(err) == message else [f"refused with {str(err)!r}, the reference with {message!r}"]
+    return [f"accepted what the reference refuses ({message!r})"]
+
+
+def _forward(case: Case, backend, weights, batch, precision: str) -> list[str]:
+    """The forward stages in ``precision`` against the float64 reference (and the reference in ``precision``)."""
+    arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
+    with np.errstate(all="ignore"):
+        ref64 = reference.forward(reference.build(case.config, weights), **arguments)
+        same = reference.forward(reference.build(case.config, weights, precision), **arguments)
+    out = backend.forward(backend.build(case.config, weights, precision), **arguments)
+    return [f"forward {precision}: {name}: {problem}" for name in ref64
+            if (problem := disagreement(np.asarray(out[name]), ref64[name], same[name], precision))]
+
+
+def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str) -> str | None:
+    """What is wrong with ``port`` (in ``precision``) against the float64 reference ``ref64`` and the reference in
+    ``precision`` ``same``, or None: the non-finite values of ``same`` exactly (NaN where NaN, infinities of the
+    same sign), and the policy's bound on the entries every one of the three has finite."""
+    if not _same(np.isnan(port), np.isnan(same)) or not _same(np.where(np.isinf(port), port, 0),
+                                                             np.where(np.isinf(same), same, 0)):
+        return (f"non-finite values differ (the reference in {precision}: {int(np.sum(~np.isfinite(same)))}, "
+                f"the backend: {int(np.sum(~np.isfinite(port)))})")
+    finite = np.isfinite(port) & np.isfinite(ref64) & np.isfinite(same)
+    if not finite.any():
+        return None
+    result = tolerance.agreement(port[finite], ref64[finite], same[finite], precision)
+    return None if result.ok else str(result)
+
+
+def _gradients(backend, model, ref64, training) -> list[str]:
+    value, grads = backend.gradients(model, **training)
+    ref_value, ref_grads = reference.gradients(ref64, **training)
+    found = [] if abs(value - ref_value) <= tolerance.float64_bound(ref_value) else [
+        f"loss float64: {value!r} vs the reference's {ref_value!r}"]
+    sensitivity = tolerance.weight_rounding_sensitivity(
+        lambda weights: reference.gradients(reference.build(ref64.config, weights), **training)[1],
+        reference.export_params(ref64))
+    bound = tolerance.gradient_bound(ref_grads, grads, sensitivity)
+    return found + [f"gradients float64: {name}: max abs error {tolerance.max_abs(grads[name], grad):.3e} > bound "
+                    f"{bound:.3e}" for name, grad in ref_grads.items()
+                    if not tolerance.max_abs(grads[name], grad) <= bound]
+
+
+def _training_step(case: Case, backend, weights, training) -> list[str]:
+    """One Adam step (section 5.3) within :class:`tolerance.TrainingBound` of the reference's."""
+    expected, bound = reference_run(case.config, params(case), TRAINING, [training], conditioned=True)
+    model = backend.build(case.config, weights)
+    optimizer = backend.optimizer(model, TRAINING)
+    losses = [backend.train_step(model, optimizer, **training)]
+    result = Run(losses, backend.export_params(model), backend.training_state(model, optimizer))
+    try:
+        assert_float64_run(result, expected, bound, "training step float64")
+    except AssertionError as err:
+        return [str(err)]
+    return []
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b))
