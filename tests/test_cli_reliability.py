@@ -153,13 +153,11 @@ def test_an_input_is_never_replaced_even_with_force(tmp_path, monkeypatch, capsy
         one_error_line(err, flag, "would replace the input")
     assert (tmp_path / "mine.safetensors").read_bytes() == before
     assert (tmp_path / "models" / "inner.safetensors").is_file()
-    assert cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--out", "run.safetensors")[0] == EXIT_OK
-    run = (tmp_path / "run.safetensors").read_bytes()
-    status, _, err = cli(capsys, "train", "--resume", "run.safetensors", "--steps", "1", "--out", "run.safetensors",
-                         "--force")
+    (tmp_path / "curve.png").write_bytes(b"not a checkpoint")
+    status, _, err = cli(capsys, "plot", "attention", "curve.png", "--out", "curve.png", "--force")
     assert status == EXIT_USAGE
-    one_error_line(err, "--out", "would replace the input 'run.safetensors'")
-    assert (tmp_path / "run.safetensors").read_bytes() == run
+    one_error_line(err, "--out", "would replace the input 'curve.png'")
+    assert (tmp_path / "curve.png").read_bytes() == b"not a checkpoint"
 
 
 def test_side_by_side_refuses_an_empty_or_file_out(tmp_path, monkeypatch, capsys):

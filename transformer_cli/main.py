@@ -390,8 +390,7 @@ def _train_outputs(args) -> dict[str, str]:
             output_file(path)
         except argparse.ArgumentTypeError as err:
             raise ValueError(f"--out: {err}") from None
-        refuse_input(path, [args.resume] if args.resume else [], "--out")
-        refuse_existing(path, "--out", args.force)
+        refuse_existing(path, "--out", args.force)     # --resume RUN --out RUN --force: the run's continuation
     return outputs
 
 
