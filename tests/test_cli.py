@@ -207,11 +207,12 @@ USAGE_ERRORS = [
     (["plot", "pe", "--d-model", "0"], "--d-model"),
     (["plot", "pe", "--out", "no/such/directory/pe.png"], "--out"),
     (["plot", "attention", "tiny.safetensors", "--layer", "-1"], "--layer"),
-    (["plot", "attention", "tiny.safetensors", "--kind", "encoder", "--layer", str(TINY.n_encoder_layers)], "--layer"),
-    (["plot", "attention", "tiny.safetensors", "--kind", "decoder_self", "--layer", str(TINY.n_decoder_layers)],
-     "--layer"),
+    (["plot", "attention", "tiny.safetensors", "--out", "fresh.png", "--kind", "encoder",
+      "--layer", str(TINY.n_encoder_layers)], "--layer"),                   # fresh.png: attention.png is the workdir's
+    (["plot", "attention", "tiny.safetensors", "--out", "fresh.png", "--kind", "decoder_self",
+      "--layer", str(TINY.n_decoder_layers)], "--layer"),
     (["plot", "attention", "tiny.safetensors", "--head", "-1"], "--head"),
-    (["plot", "attention", "tiny.safetensors", "--head", str(TINY.n_heads)], "--head"),
+    (["plot", "attention", "tiny.safetensors", "--out", "fresh.png", "--head", str(TINY.n_heads)], "--head"),
     (["plot", "attention", "tiny.safetensors", "--out", "attention"], "--out"),
     (["plot", "attention", "tiny.safetensors", "--backends", "numpy,nope"], "--backends"),
     (["init", "new.safetensors", "--seed", "-1"], "--seed"),
@@ -275,7 +276,7 @@ def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
     for args in (["compare", "tiny.safetensors", "--backends", "torch"],
                  ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
                   "--backends", "torch"],
-                 ["plot", "attention", "tiny.safetensors", "--backends", "torch"]):
+                 ["plot", "attention", "tiny.safetensors", "--backends", "torch", "--out", "nothing.png"]):
         status, out, err = cli(capsys, *args)
         assert status == EXIT_USAGE and out == "" and "Traceback" not in err, err
         assert err.startswith("transformer-reference: error: --backends: none of the requested backends is installed")
@@ -429,7 +430,7 @@ def test_the_command_runs_without_the_cli_extra(workdir, tmp_path):
                         (["side-by-side", "--out", "page"], "side-by-side needs pygments")):
         result = without(*args)
         assert result.returncode == EXIT_USAGE and result.stdout == "" and "Traceback" not in result.stderr, result
-        assert result.stderr.strip().splitlines()[-1].endswith(f"{needs}: pip install 'transformer-reference[cli]'")
+        assert f"{needs}: pip install 'transformer-reference[cli]'" in result.stderr.strip().splitlines()[-1]
     assert not (workdir / "x.png").exists() and not (workdir / "page").exists()
 
 

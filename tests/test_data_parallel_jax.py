@@ -212,3 +212,6 @@ class StandIn:
 
     def __call__(self, src, tgt, deterministic=None):
         return self.log_probs
+
+    def _check_inputs(self, src, tgt, src_mask, tgt_mask):
+        return jnp.asarray(src), jnp.asarray(tgt)

@@ -16,6 +16,7 @@ import contextlib
 import importlib.metadata
 import os
 import sys
+from types import ModuleType
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}   # TensorFlow's C++ info and warnings (oneDNN, CPU features), read at import
 FRAMEWORKS = {"numpy": "numpy", "torch": "torch", "jax": "jax", "flax": "flax", "tensorflow": "tensorflow",
@@ -49,15 +50,21 @@ def apply() -> None:
     """Set the requested threads in PyTorch and TensorFlow if they are imported; silence absl's Python logging.
     TensorFlow fixes its pools at its first operation: asked later (a second command in one process), it keeps
     them, and :func:`settings` records what it has."""
-    if "absl.logging" in sys.modules:
-        sys.modules["absl.logging"].set_verbosity("error")
+    if absl_logging := imported("absl.logging"):
+        absl_logging.set_verbosity("error")
     if _requested is None:
         return
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(_requested)
-    if "tensorflow" in sys.modules:
+    if torch := imported("torch"):
+        torch.set_num_threads(_requested)
+    if tensorflow := imported("tensorflow"):
         with contextlib.suppress(RuntimeError):
-            sys.modules["tensorflow"].config.threading.set_intra_op_parallelism_threads(_requested)
+            tensorflow.config.threading.set_intra_op_parallelism_threads(_requested)
+
+
+def imported(name: str) -> ModuleType | None:
+    """The module ``name`` if it is imported (None for one not imported or blocked: a None entry in
+    ``sys.modules`` is Python's marker of a module that must not be imported)."""
+    return sys.modules.get(name)
 
 
 def threads() -> int:
@@ -70,16 +77,16 @@ def settings() -> dict:
     intra-op threads (where the framework can say)."""
     frameworks = {}
     for module, distribution in FRAMEWORKS.items():
-        if module in sys.modules:
+        if imported(module):
             frameworks[module] = {"version": _version(distribution), **_threads_of(module)}
     return {"threads": _requested, "visible_cores": visible_cores(), "frameworks": frameworks}
 
 
 def _threads_of(module: str) -> dict:
     if module == "torch":
-        return {"intra_op_threads": sys.modules["torch"].get_num_threads()}
+        return {"intra_op_threads": imported("torch").get_num_threads()}
     if module == "tensorflow":
-        return {"intra_op_threads": sys.modules["tensorflow"].config.threading.get_intra_op_parallelism_threads()}
+        return {"intra_op_threads": imported("tensorflow").config.threading.get_intra_op_parallelism_threads()}
     if module == "jax":
         return {"PJRT_NPROC": os.environ.get("PJRT_NPROC"), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     return {}
