@@ -117,6 +117,6 @@ class Backend(Protocol):
         """A data-parallel run over ``world_size`` replicas on the framework's own engine (``data_parallel.train``
         of the backend: the reference simulates the shards in one process): ``batches(step)`` is the whole batch of
         each step, the run starts from ``params`` with a new optimizer (``training``) or a saved ``state``;
-        ``progress(step, loss)`` after each step. Returns the weights (checkpoint layout), the run's state and
-        the whole batches' losses."""
+        ``progress(step, loss)`` after each step (a true return ends the run after that step). Returns the weights
+        (checkpoint layout), the run's state and the whole batches' losses."""
         ...

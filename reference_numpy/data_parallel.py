@@ -29,13 +29,14 @@ Batches = Callable[[int], dict[str, np.ndarray]]   # global step (from 0) -> the
 def train(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
           state: TrainingState | None, batches: Batches, first_step: int, steps: int, world_size: int,
           dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
-          progress: Callable[[int, float], None] | None = None
+          progress: Callable[[int, float], object] | None = None
           ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
-    """A whole data-parallel run, the reference's way: ``steps`` steps from ``first_step`` (``batches(step)`` is
-    the whole batch of each; every step is :func:`train_step` over ``world_size`` shards, one after another in this
-    process), from ``params`` with a new optimizer (``training``) or a saved run's ``state``. ``progress``
-    gets (step, whole batch's loss) after each step. Returns the weights (checkpoint layout), the run's state and
-    the losses. (The reference runs on the CPU: ``device`` is accepted for the ports' signature.)"""
+    """A whole data-parallel run, the reference's way: ``steps`` steps from ``first_step`` (``batches(step)`` is the
+    whole batch of each; every step is :func:`train_step` over ``world_size`` shards, one after another in this
+    process), from ``params`` with a new optimizer (``training``) or a saved run's ``state``. ``progress`` gets (step,
+    whole batch's loss) after each step; a true return ends the run after that step. Returns the weights (checkpoint
+    layout), the run's state and the losses. (The reference runs on the CPU: ``device`` is accepted for the ports'
+    signature.)"""
     if device != "cpu":
         raise ValueError(f"device: the reference runs on the CPU only, got {device!r}")
     check_steps(first_step, steps)
@@ -44,8 +45,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     losses = []
     for step in range(first_step, first_step + steps):
         losses.append(train_step(model, optimizer, **batches(step), world_size=world_size, epsilon=epsilon))
-        if progress is not None:
-            progress(step, losses[-1])
+        if progress is not None and progress(step, losses[-1]):
+            break
     return {name: np.array(value) for name, value in model.params.items()}, single_process.training_state(
         model, optimizer), losses
 

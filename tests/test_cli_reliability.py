@@ -363,14 +363,21 @@ def test_ctrl_c_during_train_saves_the_run_at_its_last_step_and_it_resumes_elsew
 
 @needs_script
 @pytest.mark.skipif("torch" not in INSTALLED, reason="PyTorch is not installed: no DDP workers to stop")
-def test_ctrl_c_during_data_parallel_training_stops_the_workers(tmp_path):
+def test_ctrl_c_during_data_parallel_training_saves_its_last_step_and_stops_the_workers(tmp_path, monkeypatch,
+                                                                                        capsys):
     status, out, err = signalled(["train", "--backends", "torch", "--data-parallel", "2", "--steps", "100000",
                                   "--eval-size", "0", "--stop-at", "0", "--out", "run.safetensors"], tmp_path,
                                  signal.SIGINT, 2)
     assert status == EXIT_INTERRUPTED and out == "" and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == ("transformer-reference: interrupted: torch stopped at step 0; nothing "
-                                            "saved (no step done)")
-    assert list(tmp_path.iterdir()) == []
+    match = INTERRUPTED.match(err.strip().splitlines()[-1])
+    assert match and match.group(1) == "torch", err
+    step = int(match.group(3))                       # within the piece of 100000 steps: the engine stopped early
+    assert 2 <= step < 100000 and load_training_state(tmp_path / "run.safetensors").step == step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.safetensors"]
+    monkeypatch.chdir(tmp_path)
+    status, out, err = cli(capsys, "train", "--backends", "numpy", "--resume", "run.safetensors", "--steps", "1",
+                           "--eval-size", "0", "--json")
+    assert status == EXIT_OK and json.loads(out)[0]["first_step"] == step, err
 
 
 @needs_script

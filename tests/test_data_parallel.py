@@ -69,6 +69,23 @@ def test_data_parallel_steps_are_the_single_process_steps():
                        "reference, 2 shards")
 
 
+def test_a_run_ends_after_the_step_where_progress_returns_true():
+    """``train``'s ``progress`` returning true after step 1 (0-based): the run ends there, with two steps done --
+    the weights, Adam's state and losses of a two-step run."""
+    batch = uneven_batch()
+    expected, bound = reference_run(CONFIG, seeded_params(CONFIG), TRAINING, [batch] * 2)
+    seen = []
+
+    def progress(step: int, loss: float) -> bool:
+        seen.append(step)
+        return step == 1
+
+    params, state, losses = data_parallel.train(CONFIG, seeded_params(CONFIG), TRAINING, None, lambda step: batch, 0,
+                                                 5, 2, "float64", progress=progress)
+    assert seen == [0, 1] and state.step == 2
+    assert_float64_run(Run(losses, params, state), expected, bound, "reference, 2 shards, stopped after 2 of 5 steps")
+
+
 def test_a_shard_without_real_labels_adds_nothing():
     batch = uneven_batch()
     batch["labels"][:2] = CONFIG.pad_id                                  # the first shard: no real label

@@ -136,6 +136,15 @@ def test_ten_steps_are_the_references():
     assert seen == list(enumerate(result.losses))
 
 
+def test_progress_returning_true_ends_the_run_after_that_step_on_every_rank():
+    """``progress`` returning true after step HALF - 1 (0-based): every rank stops there (rank 0 broadcasts the
+    decision) and the run is HALF reference steps."""
+    expected, bound = reference_run(HALF)
+    result = parallel_run(2, STEPS, progress=lambda step, loss: step == HALF - 1)
+    assert result.state.step == HALF and len(result.losses) == HALF
+    assert_within(result, expected, bound, "5 of 10 steps, N = 2 vs reference")
+
+
 def test_a_run_moves_between_one_process_and_several(tmp_path):
     """Five single-process steps saved with the port's ``save_checkpoint``, resumed over 4 processes (shards of
     one row, holding 1, 2, 5 and 6 labels); five steps over 2 processes saved with the reference's

@@ -220,42 +220,33 @@ class CountedBatches:
         return batch
 
 
-class Stopped(Exception):
-    """Raised after a step to end a data-parallel engine's run (it stops its workers on any error)."""
-
-
 def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable],
                         stopping: Callable[[], bool] = lambda: False):
     """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces of
     ``plan.eval_every`` steps when the validation set decides when to stop, each piece continuing the last one's
-    weights and optimizer state (``seconds`` counts the engine's start-up too). The engines return their state at
-    the end of a piece only: once ``stopping()``, the engine is stopped and the run ends where the last completed
-    piece left it."""
+    weights and optimizer state (``seconds`` counts the engine's start-up too). Once ``stopping()``, the engine
+    ends its piece after the step it is in (``progress`` returning true) and the run ends there."""
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     first = state.step if state else 0
     result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
     steps = progress(range(first, first + plan.steps))
     advance = iter(steps)
 
-    def on_step(step: int, loss: float) -> None:
+    def on_step(step: int, loss: float) -> bool:
         result.losses.append(loss)
         result.tokens = sum(batches.tokens.values())
         next(advance, None)
         show(steps, result)
-        if stopping() and step + 1 < done + count:        # the piece's last step: its state is about to return
-            raise Stopped
+        return stopping()
 
     done, end = first, first + plan.steps
     while done < end:
         count = min(plan.eval_every if plan.stop_at else plan.steps, end - done)
         began = time.perf_counter()
-        try:
-            params, state, _ = adapter.train_data_parallel(
-                plan.config, params, None if state else plan.training, state, batches, done, count, plan.world_size,
-                plan.dtype, "cpu", plan.label_smoothing, on_step)
-            done += count
-        except Stopped:
-            del result.losses[done - first:]
+        params, state, _ = adapter.train_data_parallel(
+            plan.config, params, None if state else plan.training, state, batches, done, count, plan.world_size,
+            plan.dtype, "cpu", plan.label_smoothing, on_step)
+        done = first + len(result.losses)
         result.seconds += time.perf_counter() - began
         result.interrupted = stopping()
         model = adapter.build(plan.config, params, plan.dtype, "cpu")

@@ -47,12 +47,13 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
           ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
     """A whole data-parallel run of section 5 over ``world_size`` devices of ``device`` ("cpu" or "gpu").
 
-    ``params``: checkpoint-layout weights; ``training`` a ``TrainingConfig`` for a new run, or None with ``state``
-    to resume one (as :func:`.training.optimizer`); ``batches(step)`` the whole batch of global step ``step``
-    (``src``, ``tgt``, ``labels``), for steps ``first_step .. first_step + steps - 1``; ``progress(step, loss)``
-    after each step. Runs under ``jax.enable_x64(True)`` like the port's adapter (a float32 model stays float32;
-    a float64 one is possible; bfloat16 and float16 are refused by ``check_trainable`` before any work). Returns
-    the final weights (checkpoint layout), the run's ``TrainingState`` and the whole batch's loss at each step.
+    ``params``: checkpoint-layout weights; ``training`` a ``TrainingConfig`` for a new run, or None with ``state`` to
+    resume one (as :func:`.training.optimizer`); ``batches(step)`` the whole batch of global step ``step`` (``src``,
+    ``tgt``, ``labels``), for steps ``first_step .. first_step + steps - 1``; ``progress(step, loss)`` after each step
+    (a true return ends the run after that step). Runs under ``jax.enable_x64(True)`` like the port's adapter (a float32
+    model stays float32; a float64 one is possible; bfloat16 and float16 are refused by ``check_trainable`` before any
+    work). Returns the final weights (checkpoint layout), the run's ``TrainingState`` and the whole batch's loss at each
+    step.
     """
     check_steps(first_step, steps)
     check_trainable(parse_dtype(dtype))
@@ -63,8 +64,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
         losses = []
         for step in range(first_step, first_step + steps):
             losses.append(train_step(model, adam, **batches(step), mesh=grid, epsilon=epsilon))
-            if progress is not None:
-                progress(step, losses[-1])
+            if progress is not None and progress(step, losses[-1]):
+                break
         return checkpoint.to_params(model), training_state(model, adam), losses
 
 

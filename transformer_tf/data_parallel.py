@@ -36,14 +36,15 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # optimizer
 def train(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
           state: TrainingState | None, batches: Callable[[int], dict[str, np.ndarray]], first_step: int, steps: int,
           world_size: int, dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
-          progress: Callable[[int, float], None] | None = None
+          progress: Callable[[int, float], object] | None = None
           ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
     """A data-parallel run of section 5 over ``world_size`` replicas: the model of ``config`` from checkpoint-layout
     ``params`` and the optimizer of section 5.3 (a new run's ``training`` config, or ``state`` to resume, as in
-    ``training.optimizer``), created under the strategy's scope; then :func:`train_step` on ``batches(step)``, the
-    whole batch of each global step ``first_step .. first_step + steps - 1``, calling ``progress(step, loss)`` after
-    each. Returns the final weights (checkpoint layout, NumPy), the run's ``TrainingState`` and the losses. A
-    bfloat16 or float16 ``dtype`` is refused (``check_trainable``) before any work."""
+    ``training.optimizer``), created under the strategy's scope; then :func:`train_step` on ``batches(step)``, the whole
+    batch of each global step ``first_step .. first_step + steps - 1``, calling ``progress(step, loss)`` after each (a
+    true return ends the run after that step). Returns the final weights (checkpoint layout, NumPy), the run's
+    ``TrainingState`` and the losses. A bfloat16 or float16 ``dtype`` is refused (``check_trainable``) before any
+    work."""
     check_trainable(_parse_dtype(dtype))
     check_steps(first_step, steps)
     mirrored = strategy(world_size, device)
@@ -53,8 +54,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     losses = []
     for step in range(first_step, first_step + steps):
         losses.append(train_step(model, adam, **batches(step), strategy=mirrored, epsilon=epsilon))
-        if progress is not None:
-            progress(step, losses[-1])
+        if progress is not None and progress(step, losses[-1]):
+            break
     return checkpoint.to_params(model), training_state(model, adam), losses
 
 

@@ -50,20 +50,20 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
           world_size: int, dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
           progress: Callable[[int, float], object] | None = None) -> tuple[dict[str, np.ndarray], TrainingState,
                                                                             list[float]]:
-    """Train ``steps`` steps (``first_step`` .. ``first_step + steps - 1``, 0-based) over ``world_size``
-    processes with DDP and return, in the calling process, the final weights (checkpoint layout, NumPy), the
-    run's :class:`TrainingState` (as ``training.training_state`` gives it) and the whole batches' losses.
+    """Train ``steps`` steps (``first_step`` .. ``first_step + steps - 1``, 0-based) over ``world_size`` processes with
+    DDP and return, in the calling process, the final weights (checkpoint layout, NumPy), the run's
+    :class:`TrainingState` (as ``training.training_state`` gives it) and the whole batches' losses.
 
-    ``params``: checkpoint-layout weights; ``training`` a config for a new optimizer, or None with ``state`` to
-    continue a saved run (``training.optimizer(model, training, state)``). ``batches(step)`` returns the WHOLE
-    batch ({"src", "tgt", "labels"}) of a step; every rank calls it and takes its shard, so it must be
-    deterministic and picklable (the children are spawned). ``device`` "cpu" runs every rank on the CPU (gloo);
-    "cuda:k" runs rank r on GPU k + r (NCCL); on the CPU each rank runs 1/N of the caller's intra-op threads (the
-    caller's count is restored afterwards). ``progress(step, loss)`` is called in the calling process after each
-    step. Dropout is as ``config`` says: rank 0 draws its masks from the caller's generator, rank r > 0 from
-    one seeded with ``torch.initial_seed() + r``. Bad arguments are one-line ``ValueError``s before any process
-    starts, a bad batch the single-process ``ValueError`` (every rank checks the whole batch); an error in a child
-    is raised here as a ``RuntimeError`` carrying the child's traceback.
+    ``params``: checkpoint-layout weights; ``training`` a config for a new optimizer, or None with ``state`` to continue
+    a saved run (``training.optimizer(model, training, state)``). ``batches(step)`` returns the WHOLE batch ({"src",
+    "tgt", "labels"}) of a step; every rank calls it and takes its shard, so it must be deterministic and picklable (the
+    children are spawned). ``device`` "cpu" runs every rank on the CPU (gloo); "cuda:k" runs rank r on GPU k + r (NCCL);
+    on the CPU each rank runs 1/N of the caller's intra-op threads (the caller's count is restored afterwards).
+    ``progress(step, loss)`` is called in the calling process after each step; a true return ends the run after that
+    step on every rank. Dropout is as ``config`` says: rank 0 draws its masks from the caller's generator, rank r > 0
+    from one seeded with ``torch.initial_seed() + r``. Bad arguments are one-line ``ValueError``s before any process
+    starts, a bad batch the single-process ``ValueError`` (every rank checks the whole batch); an error in a child is
+    raised here as a ``RuntimeError`` carrying the child's traceback.
     """
     model, optimizer = _replica(config, params, training, state, dtype, _rank_device(device, 0, world_size))
     _check_run(batches, first_step, steps, world_size)
@@ -121,6 +121,14 @@ def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src, tgt, la
     whole = value.detach().clone()
     dist.all_reduce(whole, group=group)                                      # shard sums / n add up to the mean
     return whole.item()
+
+
+def _stop_after(stop: bool, device: torch.device) -> bool:
+    """Rank 0's decision to end the run after this step (its ``progress`` returned true), broadcast so that every
+    rank stops after the same step."""
+    flag = torch.tensor([stop], dtype=torch.int32, device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def _replica(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
@@ -217,8 +225,8 @@ def _run(model: Transformer, optimizer: LambdaLR, store: dist.TCPStore, rank: in
         losses = []
         for step in range(first_step, first_step + steps):
             losses.append(train_step(replica, optimizer, **batches(step), epsilon=epsilon))
-            if progress is not None:
-                progress(step, losses[-1])
+            if _stop_after(progress is not None and bool(progress(step, losses[-1])), model.device):
+                break
         return checkpoint.to_params(model), torch_training.training_state(model, optimizer), losses
     except Exception as error:
         if rank:
