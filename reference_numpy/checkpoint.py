@@ -10,6 +10,9 @@
 * all tensors have one dtype: float32, float64, bfloat16 or float16 (safetensors' F32, F64, BF16, F16);
 * nothing in a checkpoint is ever executed: safetensors is a JSON header plus raw bytes.
 
+Every loader takes a path or the name of a shipped model (:data:`SHIPPED_MODELS`, :func:`resolve_checkpoint`): an
+existing file always wins over a name.
+
 Loading lets the safetensors library read and check the file, validates the checkpoint on top
 and raises one ``ValueError`` naming the file, the problem and the tensor. Saving writes a
 ``.partial`` file beside the target and renames it, so the target is never half-written; a ``.partial`` file left
@@ -49,6 +52,10 @@ MOMENTS = ("adam.m.", "adam.v.")  # prefixes of Adam's first and second moments 
 DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64), "BF16": BFLOAT16, "F16": FLOAT16}
 MAX_STEP = 2 ** 63 - 1  # a run's step count is an int64 in every backend: [0, MAX_STEP] (docs/training.md)
 PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, or one that was interrupted
+# The trained models shipped with the package, by name: package data of this one distribution (pyproject.toml),
+# beside the command line that uses them by default; the reference finds them by path, never importing that package.
+_SHIPPED_DIRECTORY = Path(__file__).resolve().parent.parent / "transformer_cli" / "models"
+SHIPPED_MODELS = {"numbers-en-fr": _SHIPPED_DIRECTORY / "numbers-en-fr.safetensors"}
 
 
 # ----------------------------------------------------------------------------- the name table
@@ -273,6 +280,18 @@ def _kept_mode(target: Path) -> int | None:
 
 # ----------------------------------------------------------------------------- loading
 
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """The file a loader reads: ``name_or_path`` itself if it exists (a path always wins over a name), else the
+    shipped model of that name (:data:`SHIPPED_MODELS`); neither is one ``ValueError`` listing the shipped names."""
+    path = Path(name_or_path)
+    if os.path.lexists(path):
+        return path
+    if os.fspath(name_or_path) in SHIPPED_MODELS:
+        return SHIPPED_MODELS[os.fspath(name_or_path)]
+    raise ValueError(f"checkpoint {os.fspath(name_or_path)!r}: does not exist, and no shipped model has that name "
+                     f"(shipped: {', '.join(SHIPPED_MODELS)})")
+
+
 _PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK")  # pickle protocols 2-5; zip (torch.save)
 _LIBRARY_PROBLEMS = (                                                        # safetensors' words -> ours
     ("header too small", "not a safetensors file (too short to hold a header; truncated?)"),
@@ -291,7 +310,8 @@ _LIBRARY_PROBLEMS = (                                                        # s
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
-    """Read and validate a shared checkpoint; returns ``(config, params)`` in the table's order.
+    """Read and validate a shared checkpoint, a file or a shipped model's name (``"numbers-en-fr"``,
+    :func:`resolve_checkpoint`); returns ``(config, params)`` in the table's order.
 
     The safetensors library reads the file and checks its header (offsets, shapes, dtypes);
     this function adds the checkpoint's own checks (metadata, version, config, names, shapes,
@@ -327,6 +347,21 @@ def load_training_state(path: str | os.PathLike, dtype=None) -> TrainingState | 
     return load_run(path, dtype)[2]
 
 
+def tokenizer_to_save(model, tokenizer: str | bool | None = None) -> str | None:
+    """The tokenizer a port's ``save_checkpoint(model, path, training, tokenizer)`` writes: ``tokenizer`` (its JSON
+    text), none (``False``), or by default (``None``) the one the model was loaded with, which every port's
+    ``load_checkpoint`` keeps as ``model.tokenizer_json`` (None: the file had none, or the model was not loaded from
+    a file). So a loaded model saved after fine-tuning still translates text. Anything else is one ``ValueError``."""
+    if tokenizer is None:
+        return getattr(model, "tokenizer_json", None)
+    if tokenizer is False:
+        return None
+    if not isinstance(tokenizer, str):
+        raise ValueError(f"tokenizer must be a tokenizer's JSON text (Tokenizer.to_json()), None (the model's own) or "
+                         f"False (none), got {tokenizer!r}")
+    return tokenizer
+
+
 def load_tokenizer_json(path: str | os.PathLike) -> str | None:
     """The JSON text of the tokenizer saved in the checkpoint (validated against its config), or None if it has
     none. Reads the file's header only."""
@@ -342,8 +377,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
 
 def _read_header(path: str | os.PathLike) -> tuple[dict, TransformerConfig]:
     """The file's metadata and its validated config (and tokenizer), without the tensors."""
+    file = resolve_checkpoint(path)
     try:
-        metadata, config, _, _ = _read_file(Path(path), tensors=False)
+        metadata, config, _, _ = _read_file(file, tensors=False)
     except ValueError as err:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
     return metadata, config
@@ -353,9 +389,9 @@ def load_run(path: str | os.PathLike,
              dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
     """``(config, params, training state or None)`` from one read of the file: :func:`load_checkpoint` and
     :func:`load_training_state` together, for resuming a run."""
-    target = None if dtype is None else parse_dtype(dtype)
+    target, file = None if dtype is None else parse_dtype(dtype), resolve_checkpoint(path)
     try:
-        _, config, training, tensors = _read_file(Path(path))
+        _, config, training, tensors = _read_file(file)
         params = {name: tensors.pop(name) for name in parameter_shapes(config) if name in tensors}
         validate_params(config, {**params, **{n: v for n, v in tensors.items() if not n.startswith(MOMENTS)}})
         state = _training_state(config, params, training, tensors)

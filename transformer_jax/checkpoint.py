@@ -153,22 +153,27 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = None) -> Transformer:
-    """Read, validate (the reference's checks and errors) and load a shared checkpoint, in the
-    file's dtype unless ``dtype`` is given (float32, bfloat16, float16, or float64 with
-    ``jax_enable_x64`` on); a file of any of the four loads into any other."""
+    """Read, validate (the reference's checks and errors) and load a shared checkpoint (a file, or a
+    shipped model's name such as ``"numbers-en-fr"``), in the file's dtype unless ``dtype`` is given
+    (float32, bfloat16, float16, or float64 with ``jax_enable_x64`` on); a file of any of the four loads
+    into any other. The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    path = reference.resolve_checkpoint(path)
     config, params = reference.load_checkpoint(path)
     dtype = _check_dtype(next(iter(params.values())).dtype if dtype is None else dtype)
     model = _assembled(config, params, dtype, device)        # validated by the reader; its arrays are dropped
     reference.release_freed_memory()
+    model.tokenizer_json = reference.load_tokenizer_json(path)
     return model
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike,
-                    training: reference.TrainingState | None = None, tokenizer: str | None = None) -> None:
-    """Write the model (and a run's ``training`` state, from :func:`.training.training_state`, and a
-    ``tokenizer``'s JSON text) as a shared checkpoint, atomically, by the reference's writer, in the
-    model's dtype (a bfloat16 model writes a BF16 file)."""
-    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
+                    training: reference.TrainingState | None = None, tokenizer: str | bool | None = None) -> None:
+    """Write the model (and a run's ``training`` state, from :func:`.training.training_state`) as a
+    shared checkpoint, atomically, by the reference's writer, in the model's dtype (a bfloat16 model
+    writes a BF16 file), with the tokenizer the model was loaded with, unless ``tokenizer`` gives another
+    (its JSON text) or ``False`` (none) (``reference_numpy.checkpoint.tokenizer_to_save``)."""
+    reference.save_checkpoint(path, model.config, to_params(model), training,
+                              reference.tokenizer_to_save(model, tokenizer))
 
 
 def _dotted(keys: tuple) -> str:

@@ -136,20 +136,25 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
-    """Read, validate and load a shared checkpoint into a new model, in ``dtype`` (float64, float32,
-    bfloat16 or float16; by default the dtype the file holds)."""
+    """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as
+    ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
+    the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    path = reference.resolve_checkpoint(path)
     config, params = reference.load_checkpoint(path, None if dtype is None else _parse_dtype(dtype))
     model = _from_arrays(config, params, next(iter(params.values())).dtype.name)
     reference.release_freed_memory()                                     # the arrays read, now dropped
+    model.tokenizer_json = reference.load_tokenizer_json(path)
     return model
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
-                    tokenizer: str | None = None) -> None:
-    """Write the model (and a run's ``training`` state, from ``training.training_state``, and a ``tokenizer``'s
-    JSON text) as a shared checkpoint, atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or
-    F16 file)."""
-    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
+                    tokenizer: str | bool | None = None) -> None:
+    """Write the model (and a run's ``training`` state, from ``training.training_state``) as a shared checkpoint,
+    atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or F16 file), with the tokenizer the
+    model was loaded with, unless ``tokenizer`` gives another (its JSON text) or ``False`` (none)
+    (``reference_numpy.checkpoint.tokenizer_to_save``)."""
+    reference.save_checkpoint(path, model.config, to_params(model), training,
+                              reference.tokenizer_to_save(model, tokenizer))
 
 
 def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype) -> Transformer:

@@ -184,17 +184,22 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transformer:
-    """Read, validate and load a shared checkpoint into a :class:`Transformer` (eval mode) on
-    ``device``, in ``dtype`` (default: the file's own: float32, float64, bfloat16 or float16)."""
+    """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as ``"numbers-en-fr"``)
+    into a :class:`Transformer` (eval mode) on ``device``, in ``dtype`` (default: the file's own: float32, float64,
+    bfloat16 or float16). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    path = reference_checkpoint.resolve_checkpoint(path)
     config, params = reference_checkpoint.load_checkpoint(path)            # validated; the arrays are new
     model = _build(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device, take=True)
     reference_checkpoint.release_freed_memory()                          # the arrays read, now dropped
+    model.tokenizer_json = reference_checkpoint.load_tokenizer_json(path)
     return model
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
-                    tokenizer: str | None = None) -> None:
+                    tokenizer: str | bool | None = None) -> None:
     """Write the model's weights (in its dtype: a BF16 or F16 file for a low-precision model) and config as a
     shared checkpoint, atomically; with ``training`` (from :func:`.training.training_state`) also the run's Adam
-    moments and step count, with ``tokenizer`` (its JSON text) the model's tokenizer."""
-    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
+    moments and step count; and the tokenizer the model was loaded with, unless ``tokenizer`` gives another (its
+    JSON text) or ``False`` (none) (``reference_numpy.checkpoint.tokenizer_to_save``)."""
+    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training,
+                                         reference_checkpoint.tokenizer_to_save(model, tokenizer))
