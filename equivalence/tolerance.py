@@ -151,6 +151,16 @@ def gradient_bound(grads_a: dict, grads_b: dict, sensitivity: float = 0.0) -> fl
     return max(GRADIENT_RELATIVE * scale, CONDITION_FACTOR * sensitivity)
 
 
+def gradient_determined(grads: dict, sensitivity: float) -> bool:
+    """Whether a float64 gradient is determined by the weights at all: one rounding of the weights
+    (:func:`weight_rounding_sensitivity`) moves it by less than its scale. Past that, its leading digit is rounding's
+    choice (at weights x1e9 one-ulp perturbations move the reference's own gradient between 2e10 and 1e69), so there
+    is no value to agree on and no bound can be derived: such a gradient is outside the claim, reported as not
+    compared, never passed."""
+    scale = max(float(np.max(np.abs(grad), initial=0.0)) for grad in grads.values())
+    return sensitivity < scale
+
+
 def weight_rounding_sensitivity(gradients, params: dict[str, np.ndarray], draws: int = 2) -> float:
     """How far the float64 gradient moves when every weight moves by one rounding: the largest max |g(w') - g(w)|
     over ``draws`` seeded w' = w (1 +- 2^-52) (random signs), ``gradients(params) -> {name: array}``. A float64

@@ -50,16 +50,37 @@ OVERFLOW = fuzz.Case(TransformerConfig.preset("tiny", dropout=0.0), seed=0, weig
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("case", [SATURATED, OVERFLOW, dataclasses.replace(OVERFLOW, weight_scale=1e12)],
                          ids=["saturated-softmax-x1e3", "float32-overflow-x1e9", "float32-overflow-x1e12"])
-def test_cases_found_by_fuzzing(port, case, request):
+def test_cases_found_by_fuzzing(port, case):
     """Weights x1000 saturate every softmax: PyTorch's fused attention backward lost the gradient to rounding
     (0.13 against a bound of 1e-7). Weights x1e9 overflow float32's LayerNorm variance: PyTorch gave NaN where the
-    others gave the bias; now NaN everywhere, at the same stages."""
-    if port == "jax" and case.weight_scale >= 1e9:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "open: JAX's float64 gradient at weights x1e9 and x1e12 differs from the reference's by ~20% of its "
-            "scale, beyond 8x the reference's sensitivity to one rounding of the weights (PyTorch and TensorFlow "
-            "agree); not yet explained (docs/equivalence.md, 'The configuration space')")))
-    assert fuzz.check(case, port_backend(port)) == []
+    others gave the bias; now NaN everywhere, at the same stages. There the float64 gradient is undetermined (JAX's
+    was 1e84 against the reference's 9e33: see the next test): reported as not compared, never as agreement."""
+    not_compared = []
+    assert fuzz.check(case, port_backend(port), not_compared) == []
+    undetermined = case.weight_scale >= 1e9
+    assert len(not_compared) == undetermined and all("undetermined" in note for note in not_compared)
+
+
+def test_the_gradient_at_weights_x1e9_is_rounding_s_choice():
+    """Why the x1e9 gradient is not compared, shown without the fuzzer's measure: moving ONE weight by one ulp
+    (``np.nextafter``) changes the reference's float64 gradient by more than the gradient's own largest entry -- it
+    holds no digit the weights decide. At x1e3 the same nudge moves it by a tiny fraction."""
+    training = {key: fuzz.inputs(OVERFLOW)[key] for key in ("src", "tgt", "labels")}
+
+    def moved_by_one_ulp(case: fuzz.Case) -> tuple[float, float]:
+        weights = fuzz.params(case)
+        with np.errstate(all="ignore"):
+            _, before = reference.gradients(reference.build(case.config, weights), **training)
+            gain = weights["decoder.layers.0.self_attn_norm.weight"]          # a LayerNorm gain, entry 0
+            gain[0] = np.nextafter(gain[0], np.inf)
+            _, after = reference.gradients(reference.build(case.config, weights), **training)
+        scale = max(np.max(np.abs(grad)) for grad in before.values())
+        return max(np.max(np.abs(after[key] - before[key])) for key in before), scale
+
+    moved, scale = moved_by_one_ulp(OVERFLOW)
+    assert moved > scale
+    moved, scale = moved_by_one_ulp(dataclasses.replace(OVERFLOW, weight_scale=1e3))
+    assert moved < 1e-6 * scale
 
 
 def test_the_overflow_case_overflows_float32_only():
