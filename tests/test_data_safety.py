@@ -147,6 +147,40 @@ def test_a_killed_save_leaves_a_complete_file_old_or_new(tmp_path, moment, seed)
         assert leftovers == []
 
 
+CONCURRENT_SAVES = """
+import sys
+from equivalence.cases import VARIANTS
+from reference_numpy import init_params, save_checkpoint
+seed, params = int(sys.argv[2]), init_params(VARIANTS["tiny"], seed=int(sys.argv[2]))
+print("ready", flush=True)
+sys.stdin.readline()                                          # every saver starts at once
+for _ in range(25):
+    save_checkpoint(sys.argv[1], VARIANTS["tiny"], params)
+"""
+
+
+def test_concurrent_saves_to_one_path_leave_one_complete_file(tmp_path):
+    """Three processes each save their own checkpoint to one path 25 times, all at once (each save also cleans
+    ``.partial`` files it finds, which must never be another living save's): every save succeeds, the file is one
+    of the three checkpoints complete, and no ``.partial`` is left."""
+    path = tmp_path / "m.safetensors"
+    savers = [subprocess.Popen([sys.executable, "-c", CONCURRENT_SAVES, str(path), str(seed)], cwd=ROOT, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}) for seed in (1, 2, 3)]
+    try:
+        assert [saver.stdout.readline() for saver in savers] == ["ready\n"] * 3
+        for saver in savers:
+            saver.stdin.write("go\n")
+            saver.stdin.flush()
+        errors = [saver.communicate(timeout=300)[1] for saver in savers]
+    finally:
+        for saver in savers:
+            saver.kill()
+    assert [saver.returncode for saver in savers] == [0, 0, 0], errors
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert sum(holds_seed(path, seed) for seed in (1, 2, 3)) == 1
+
+
 # ----------------------------------------------------------------------------- permissions
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600), (0o002, 0o664)], ids=oct)
