@@ -10,6 +10,8 @@
     transformer-reference train [--task copy|numbers] [--backends numpy] [--steps N] [--out RUN.safetensors]
                                 [--resume RUN.safetensors] [--plot FILE.png] [--json]
     transformer-reference translate ["three hundred and twelve" ...] [--backend numpy] [--beam 4] [--checkpoint PATH]
+                                    [--input FILE] [--output FILE] [--batch-size N]
+    transformer-reference evaluate CHECKPOINT --source FILE --reference FILE [--backend numpy] [--beam 4] [--json]
     transformer-reference side-by-side --out DIR
     transformer-reference --version
 
@@ -52,6 +54,7 @@ from .copy_task import DEFAULTS as COPY
 from .extras import progress_bar
 from .interrupts import StopRequest, terminate_as_interrupt
 from .numbers_task import DEFAULTS as NUMBERS
+from .translate import BATCH_SIZE as TRANSLATE_BATCH
 
 PROG = "transformer-reference"
 EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -399,35 +402,96 @@ def add_translate(commands) -> None:
                                                   "the shipped English-to-French numbers model)")
     translate.add_argument("text", nargs="*", help="sentences to translate, one output line each (default: read "
                                                    "standard input line by line)")
-    translate.add_argument("--checkpoint", metavar="PATH", help="a checkpoint with a tokenizer (default: the shipped "
-                                                                "model)")
-    translate.add_argument("--backend", choices=tuple(backends.BACKENDS), default="numpy",
-                           help="the framework that runs the model (default: numpy, the reference)")
-    translate.add_argument("--beam", type=integer(1), default=1,
-                           help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
-    translate.add_argument("--alpha", type=real(0.0), default=LENGTH_PENALTY_ALPHA,
-                           help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
-    translate.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
-                           help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
-                                "of docs/equivalence.md)")
-    translate.add_argument("--device", type=device_name, default="cpu",
-                           help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
+    translate.add_argument("--checkpoint", metavar="PATH", help="a checkpoint with a tokenizer, or a shipped model's "
+                                                                "name (default: the shipped model, numbers-en-fr)")
+    add_decoding(translate)
+    translate.add_argument("--input", metavar="FILE", help="translate this file, one sentence a line (default: the "
+                           "sentences given, else standard input: read whole when it is a file, `< FILE`, line by "
+                           "line from a terminal or a pipe)")
+    translate.add_argument("--output", metavar="FILE", type=output_file,
+                           help="write the translations to this file, one line per input line (default: standard "
+                                "output)")
     add_threads(translate)
+    add_outputs(translate, "output", inputs=("input",))
     translate.set_defaults(run=run_translate)
 
 
-def run_translate(args) -> int:
-    from .train import load_adapters
-    from .translate import stdin_lines, translator
+def add_decoding(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command that decodes text (translate, evaluate): backend, decoding, precision, device,
+    batch size."""
+    parser.add_argument("--backend", choices=tuple(backends.BACKENDS), default="numpy",
+                        help="the framework that runs the model (default: numpy, the reference)")
+    parser.add_argument("--beam", type=integer(1), default=1,
+                        help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
+    parser.add_argument("--alpha", type=real(0.0), default=LENGTH_PENALTY_ALPHA,
+                        help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                        help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
+                             "of docs/equivalence.md)")
+    parser.add_argument("--device", type=device_name, default="cpu",
+                        help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
+    parser.add_argument("--batch-size", metavar="N", type=integer(1), default=TRANSLATE_BATCH,
+                        help=f"sentences decoded together, of similar length (default: {TRANSLATE_BATCH})")
 
+
+def run_translate(args) -> int:
+    """A line that cannot be translated is one line on stderr naming it, an empty output line, and exit status 2
+    once the rest is translated; sentences given as arguments are all checked before any is translated."""
+    from .train import load_adapters
+    from .translate import Translation, open_input, read_lines, refuse_stdin_as_output, translator, write_translations
+
+    if args.text and args.input:
+        raise ValueError("--input: give sentences as arguments or --input FILE, not both")
+    if args.output and not (args.text or args.input):
+        refuse_stdin_as_output(sys.stdin, args.output)
+    source, where, whole = open_input(args.input, sys.stdin)
+    with source as stream:
+        adapter = load_adapters((args.backend,), "--backend")[args.backend]
+        translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device,
+                               args.batch_size)
+        if args.text:
+            results = map(Translation, translate(args.text))
+        elif whole:
+            results = translate.lines(list(read_lines(stream)), where,
+                                      progress_bar("translate", "batch", quiet=not sys.stderr.isatty()))
+        else:
+            results = translate.stream(read_lines(stream), where)
+        problems = write_translations(results, args.output, sys.stdout,
+                                      lambda problem: print(f"{PROG}: error: {problem}", file=sys.stderr))
+    return EXIT_USAGE if problems else EXIT_OK
+
+
+def add_evaluate(commands) -> None:
+    evaluate = subcommand(commands, "evaluate", "translate a test file and score it against its references: sacreBLEU "
+                                                "BLEU and chrF with their signatures, exact match, speed")
+    evaluate.add_argument("checkpoint", metavar="CHECKPOINT",
+                          help="a checkpoint with a tokenizer, or a shipped model's name (numbers-en-fr)")
+    evaluate.add_argument("--source", metavar="FILE", required=True, help="the sentences to translate, one a line")
+    evaluate.add_argument("--reference", metavar="FILE", required=True,
+                          help="their reference translations, line for line")
+    add_decoding(evaluate)
+    evaluate.add_argument("--json", action="store_true", help="print the scores as one JSON object")
+    add_threads(evaluate)
+    evaluate.set_defaults(run=run_evaluate)
+
+
+def run_evaluate(args) -> int:
+    from .evaluate import evaluate, format_evaluation, parallel_lines
+    from .train import load_adapters
+    from .translate import translator
+
+    sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]
-    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device)
-    for line in translate.lines(args.text or stdin_lines(sys.stdin)):
-        print(line, flush=True)
+    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device, args.batch_size)
+    result = evaluate(translate, sources, references, f"--source {args.source!r}",
+                      progress_bar("evaluate", "batch", quiet=args.json or not sys.stderr.isatty()),
+                      checkpoint=args.checkpoint, backend=args.backend, device=args.device, dtype=args.dtype)
+    print(json.dumps({**result.to_json(), "runtime": runtime.settings()}, indent=2) if args.json
+          else format_evaluation(result))
     return EXIT_OK
 
 
-COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_translate,
+COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_translate, add_evaluate,
             side_by_side.add_parser)
 
 
