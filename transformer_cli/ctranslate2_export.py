@@ -27,12 +27,17 @@ What maps where (section numbers are the paper's):
   post-LN -> ``pre_norm=False`` and no final norm; ``layer_norm_eps`` -> ``layer_norm_epsilon``;
 * feed-forward (Eq. 2): ``linear1``, ``linear2`` -> ``ffn/linear_0``, ``ffn/linear_1``, ReLU.
 
-Vocabularies: CTranslate2 takes token strings; the export names each id (:func:`token_names`):
-``<pad>``, ``<s>`` and ``</s>`` at the config's pad, bos and eos ids, ``<N>`` for every other id N.
+Vocabularies: CTranslate2 takes token strings; the export names each id (:func:`token_names`).
+A checkpoint with a tokenizer (section 5.1's shared BPE vocabulary, :mod:`reference_numpy.tokenizer`)
+gives each id its BPE piece, so that CTranslate2 translates text: the directory also holds the
+tokenizer (``tokenizer.json``, the checkpoint's own JSON text), the source is the tokenizer's pieces
+and CTranslate2 appends ``</s>`` to it (as ``Tokenizer.batch`` appends eos); an id beyond the
+tokenizer's vocabulary is ``<N>``. Without a tokenizer every id N is ``<N>``, except ``<pad>``,
+``<s>`` and ``</s>`` at the config's pad, bos and eos ids, and the caller passes the source's eos
+itself (:func:`to_tokens` and :func:`to_ids` convert between id rows and these strings). Either way
 ``<s>`` is CTranslate2's decoder start token, ``</s>`` its end token, and ``<pad>`` its unknown token
 (so that no token is appended beyond the model's vocabulary, and ``disable_unk`` suppresses pad);
-no bos or eos is added to the source. :func:`to_tokens` and :func:`to_ids` convert between ids and
-these strings.
+no bos is added to the source.
 
 CTranslate2 stores float32, float16, bfloat16, int8 and int16 weights, never float64: the export
 writes float32 (a float64 checkpoint is rounded to float32, as the float32 reference rounds it).
@@ -44,6 +49,7 @@ Anything the export cannot represent is refused before anything is written, with
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import tempfile
@@ -52,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reference_numpy.checkpoint import load_checkpoint
+from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.config import TransformerConfig
 from reference_numpy.model import sinusoidal_positional_encoding
 
@@ -60,6 +66,7 @@ from .arguments import refuse_input
 
 INSTALL = "pip install 'transformer-reference[peers]'"
 SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}
+TOKENIZER_FILE = "tokenizer.json"
 INT16_MAX = np.iinfo(np.int16).max   # CTranslate2 stores num_heads as int16
 
 
@@ -73,11 +80,27 @@ def require_ctranslate2():
 
 # ----------------------------------------------------------------------------- vocabularies
 
-def token_names(config: TransformerConfig, size: int) -> list[str]:
-    """The token string of every id below ``size``: ``<pad>``, ``<s>``, ``</s>`` at the special ids,
-    ``<N>`` elsewhere."""
-    special = {getattr(config, field): name for field, name in SPECIAL_TOKENS.items()}
-    return [special.get(i, f"<{i}>") for i in range(size)]
+def token_names(config: TransformerConfig, size: int, tokenizer: str | None = None) -> list[str]:
+    """The token string of every id below ``size``: the BPE piece of each id of ``tokenizer`` (a checkpoint's
+    tokenizer JSON text, whose specials sit at the config's ids), else ``<pad>``, ``<s>``, ``</s>`` at the
+    special ids; ``<N>`` for every other id. A ``ValueError`` if two ids get one name (CTranslate2 looks
+    tokens up by name)."""
+    names = {getattr(config, field): name for field, name in SPECIAL_TOKENS.items()}
+    if tokenizer is not None:
+        names = tokenizer_pieces(tokenizer)
+    out = [names.get(i, f"<{i}>") for i in range(size)]
+    if len(set(out)) != len(out):
+        twice = next(name for name in out if out.count(name) > 1)
+        raise ValueError(f"token {twice!r} names two ids of the vocabulary; CTranslate2 needs one name per id")
+    return out
+
+
+def tokenizer_pieces(tokenizer: str) -> dict[int, str]:
+    """``{id: piece}`` of a tokenizer's JSON text (its BPE vocabulary and its added special tokens)."""
+    data = json.loads(tokenizer)
+    pieces = {int(i): token for token, i in data["model"]["vocab"].items()}
+    pieces.update({int(token["id"]): token["content"] for token in data["added_tokens"]})
+    return pieces
 
 
 def to_tokens(config: TransformerConfig, rows, size: int) -> list[list[str]]:
@@ -272,8 +295,9 @@ def variables(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict[
     return out
 
 
-def build_spec(config: TransformerConfig, params: dict[str, np.ndarray]):
-    """A validated ``ctranslate2.specs.TransformerSpec`` holding ``params`` (see the module docstring)."""
+def build_spec(config: TransformerConfig, params: dict[str, np.ndarray], tokenizer: str | None = None):
+    """A validated ``ctranslate2.specs.TransformerSpec`` holding ``params``, its vocabularies named by
+    :func:`token_names` (see the module docstring)."""
     require_ctranslate2()
     from ctranslate2.specs import TransformerDecoderSpec, TransformerEncoderSpec, TransformerSpec, model_spec
     check_representable(config, params)
@@ -287,10 +311,11 @@ def build_spec(config: TransformerConfig, params: dict[str, np.ndarray]):
     names = {field: name for field, name in SPECIAL_TOKENS.items()}
     for key, value in (("layer_norm_epsilon", config.layer_norm_eps), ("bos_token", names["bos_id"]),
                        ("eos_token", names["eos_id"]), ("decoder_start_token", names["bos_id"]),
-                       ("unk_token", names["pad_id"]), ("add_source_bos", False), ("add_source_eos", False)):
+                       ("unk_token", names["pad_id"]), ("add_source_bos", False),
+                       ("add_source_eos", tokenizer is not None)):
         setattr(spec.config, key, value)
-    spec.register_source_vocabulary(token_names(config, config.src_vocab_size))
-    spec.register_target_vocabulary(token_names(config, config.tgt_vocab_size))
+    spec.register_source_vocabulary(token_names(config, config.src_vocab_size, tokenizer))
+    spec.register_target_vocabulary(token_names(config, config.tgt_vocab_size, tokenizer))
     spec.validate()
     return spec
 
@@ -298,13 +323,13 @@ def build_spec(config: TransformerConfig, params: dict[str, np.ndarray]):
 # ----------------------------------------------------------------------------- writing the directory
 
 def export_ctranslate2(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Write the shared ``checkpoint`` file as a float32 CTranslate2 model directory ``output_dir``
-    (see :func:`save_ctranslate2`). Returns the output directory."""
+    """Write the shared ``checkpoint`` file, with its tokenizer if it holds one, as a float32 CTranslate2
+    model directory ``output_dir`` (see :func:`save_ctranslate2`). Returns the output directory."""
     refuse_input(os.fspath(output_dir), [os.fspath(checkpoint)], "OUTPUT_DIR")
     check_output(output_dir, force)
     require_ctranslate2()
     config, params = load_checkpoint(checkpoint)
-    return save_ctranslate2(config, params, output_dir, force)
+    return save_ctranslate2(config, params, output_dir, force, load_tokenizer_json(checkpoint))
 
 
 def check_output(output_dir: str | os.PathLike, force: bool) -> Path:
@@ -318,18 +343,21 @@ def check_output(output_dir: str | os.PathLike, force: bool) -> Path:
 
 
 def save_ctranslate2(config: TransformerConfig, params: dict[str, np.ndarray], output_dir: str | os.PathLike,
-                     force: bool = False) -> Path:
-    """Write a float32 CTranslate2 model directory ``output_dir`` holding ``params``.
+                     force: bool = False, tokenizer: str | None = None) -> Path:
+    """Write a float32 CTranslate2 model directory ``output_dir`` holding ``params`` (and ``tokenizer``, a
+    tokenizer's JSON text: its pieces name the vocabulary and it is saved as ``tokenizer.json``).
 
     An existing ``output_dir`` is refused unless ``force``; the model is written into a temporary
     sibling directory first and renamed into place, so that a failed export leaves nothing behind
     and replaces nothing. Returns the output directory."""
     output = check_output(output_dir, force)
-    spec = build_spec(config, params)
+    spec = build_spec(config, params, tokenizer)
     spec.optimize(quantization="float32")                                   # aliases the tied copies
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
         spec.save(str(staging))
+        if tokenizer is not None:
+            (staging / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
         staging.chmod(0o777 & ~_umask())                                    # mkdtemp's 0o700 -> a usual directory
         _move_into_place(staging, output)
     finally:

@@ -273,7 +273,8 @@ def run_export(args) -> int:
     from .ctranslate2_export import export_ctranslate2
 
     output = export_ctranslate2(args.checkpoint, args.output_dir, args.force)
-    print(f"wrote {output}: a float32 CTranslate2 model (ctranslate2.Translator; docs/peers.md)")
+    vocabulary = "the checkpoint's BPE vocabulary" if (output / "tokenizer.json").exists() else "<N> token names"
+    print(f"wrote {output}: a float32 CTranslate2 model with {vocabulary} (ctranslate2.Translator; docs/deploy.md)")
     return EXIT_OK
 
 
