@@ -77,7 +77,8 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     A query row whose mask has no True entry sees no key: its weights are all zero and its
-    output is zero (never NaN, never a uniform average).
+    output is zero (never NaN, never a uniform average), whatever the values hold. A row that
+    sees a key is A V in IEEE arithmetic: a NaN value it gives weight 0 still enters as 0 x NaN.
 
     With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
@@ -106,7 +107,8 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     exp = np.exp(scores - row_max)                                      # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
-    return narrow(weights @ value, dtype), narrow(weights, dtype)
+    out = np.where(total > 0, weights @ value, 0.0)                     # (..., Tq, d_v); sees no key -> zeros
+    return narrow(out, dtype), narrow(weights, dtype)
 
 
 def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:

@@ -141,6 +141,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
     out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else _beam_mix(weights, value, beams)
+    out = jnp.where(total > 0, out, 0.0)                                # sees no key -> zeros
     return _narrow(out, dtype), _narrow(weights, dtype)
 
 

@@ -147,6 +147,7 @@ def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tu
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
     out = tf.matmul(weights, value) if beams is None else _beam_mix(weights, value, beams)
+    out = tf.where(total > 0, out, tf.zeros_like(out))                  # sees no key -> zeros
     return _narrow(out, dtype), _narrow(weights, dtype)
 
 
@@ -764,15 +765,22 @@ class Decoder(_TransformerLayer, keras.layers.Layer):
 
 # ----------------------------------------------------------------------------- the model
 
+_TOKEN_SHAPE = (None, None)      # (batch, length) of the call's token ids, both free
+
+
 @register
 class Transformer(_TransformerLayer, keras.Model):
     """The encoder-decoder Transformer (section 3, Figure 1).
 
-    Built on construction (every weight shape comes from ``config``). ``dtype`` is the Keras
-    dtype policy: "float64", "float32", or a low precision, "bfloat16" or "float16", computed by the
-    recipe of ``reference_numpy/precision.py`` (log-probabilities then float32); a NumPy, ml_dtypes or
-    TensorFlow dtype names the same. Weights come from :mod:`.checkpoint` (``load_checkpoint``,
-    ``from_params``) or from Keras' ``load_weights``.
+    Built on construction (every weight shape comes from ``config``), with the call's inputs recorded as
+    Keras records a first call's: token ids (B, S) and (B, T) of any batch and length, ``input_dtype``
+    int64. From that record Keras' ``model.export(path)`` (a SavedModel, after one call, as Keras asks of
+    a subclassed model) takes its serving signature; a model built from nothing gave it none ("has never
+    called"). Inputs are checked before Keras' call, so nothing is ever cast to ``input_dtype``.
+    ``dtype`` is the Keras dtype policy: "float64", "float32", or a low precision, "bfloat16" or
+    "float16", computed by the recipe of ``reference_numpy/precision.py`` (log-probabilities then
+    float32); a NumPy, ml_dtypes or TensorFlow dtype names the same. Weights come from
+    :mod:`.checkpoint` (``load_checkpoint``, ``from_params``) or from Keras' ``load_weights``.
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
@@ -780,6 +788,8 @@ class Transformer(_TransformerLayer, keras.Model):
         tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
         Returns log-probabilities (B, T, V_tgt).
     """
+
+    input_dtype = "int64"                                               # token ids (Keras' property, overridden)
 
     def __init__(self, config, dtype="float64", **kwargs):
         if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)):   # a policy: checked below
@@ -798,9 +808,9 @@ class Transformer(_TransformerLayer, keras.Model):
         self.encoder = Encoder(cfg, **sub("encoder"))
         self.decoder = Decoder(cfg, **sub("decoder"))
         self.generator = Generator(cfg, self.tgt_embed if cfg.share_embeddings else None, **sub("generator"))
-        self.build()
+        self.build(_TOKEN_SHAPE, _TOKEN_SHAPE)
 
-    def build(self, input_shape=None):
+    def build(self, src_shape=_TOKEN_SHAPE, tgt_shape=_TOKEN_SHAPE):
         for layer in (self.src_embed, self.tgt_embed, self.src_pos, self.tgt_pos, self.encoder, self.decoder,
                       self.generator):
             if not layer.built:  # with share_embeddings, src_embed is tgt_embed

@@ -147,7 +147,8 @@ def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor 
     exp = torch.exp(scores - row_max)                                   # exactly 0 where masked
     total = exp.sum(dim=-1, keepdim=True)
     weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
-    return (weights @ value if beams is None else _beam_mix(weights, value, beams)), weights
+    out = weights @ value if beams is None else _beam_mix(weights, value, beams)
+    return torch.where(total > 0, out, 0.0), weights                    # sees no key -> zeros
 
 
 def _every_row(x: Tensor, beams: Tensor) -> Tensor:
@@ -279,7 +280,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     (out, in) weight at less than half the memory bandwidth (batch-1 decoding) and whose large
     products run at half oneDNN's rate on some CPUs (docs/benchmarks-torch.md). Every other case
     (float64, a GPU, gradients, small weights, oneDNN switched off by
-    ``torch.backends.mkldnn.enabled = False``) is ``F.linear``. A weight in a low precision P is
+    ``torch.backends.mkldnn.enabled = False``, and a traced call -- ``torch.compile`` chooses its own kernel,
+    ``torch.export`` and ONNX take the portable operator) is ``F.linear``. A weight in a low precision P is
     computed wide: x, W and b as float32 through the float32 path above, the result rounded once to P.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
@@ -289,6 +291,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return _narrow(wide, weight.dtype)
     if (_ONEDNN_LINEAR and x.dtype == torch.float32 and x.is_cpu and weight.is_cpu
             and weight.numel() >= _ONEDNN_MIN_WEIGHT and torch.backends.mkldnn.enabled
+            and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -698,6 +701,12 @@ class Transformer(nn.Module):
     Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then
     ``out, cache = model.decode(new_tokens, memory, src_mask, cache=cache, cache_index=i)`` with
     the positions i, i + 1, ... of the target (see :meth:`decode`).
+
+    Capture: ``model(src, tgt)`` checks the inputs, token ids included, on the host before
+    ``nn.Module``'s call; a traced ``forward`` (``torch.compile``, ``torch.export``, the ONNX exporter)
+    reads no tensor on the host: there the ids' range is not checked (they hold no values while traced),
+    only shapes and dtypes. So ``model.compile(fullgraph=True)`` captures the forward pass in one graph
+    and ``model(src, tgt)`` still refuses bad ids with the reference's message.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -762,7 +771,7 @@ class Transformer(nn.Module):
         Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_memory(*_describe("memory", memory), len(tgt), self.config.d_model, _dtype_name(self.dtype))
+        reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, _dtype_name(self.dtype))
         memory = torch.as_tensor(memory, device=self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
@@ -787,6 +796,12 @@ class Transformer(nn.Module):
             intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
             intermediates["decoder"] = out
         return out if cache is None else (out, cache)
+
+    def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
+        """Checks the inputs (ids read on the host) before ``nn.Module.__call__``, which may run a compiled
+        ``forward`` (see the class docstring)."""
+        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
+        return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
                 return_intermediates: bool = False):
@@ -818,10 +833,13 @@ class Transformer(nn.Module):
         return src, tgt
 
     def _check_tokens(self, name: str, tokens, vocab_size: int) -> Tensor:
-        """The reference's token checks; ids of any integer dtype become int64 on the model's device."""
+        """The reference's token checks: shape and dtype always, the id range unless the tensor is traced
+        (``torch.compiler.is_compiling()``: it holds no values), which is why ``__call__`` checks before a
+        compiled ``forward``. Ids of any integer dtype become int64 on the model's device."""
         if not isinstance(tokens, Tensor):
             tokens = torch.as_tensor(reference.check_tokens(name, tokens, vocab_size, self.config.max_len))
         else:
             reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
-            reference.check_token_values(name, tokens.cpu().numpy(), vocab_size)
+            if not torch.compiler.is_compiling():
+                reference.check_token_values(name, tokens.cpu().numpy(), vocab_size)
         return tokens.to(device=self.device, dtype=torch.long)
