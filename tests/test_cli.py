@@ -617,8 +617,9 @@ def test_train_stops_once_the_validation_set_is_copied(tmp_path, monkeypatch, ca
     result = train_json(capsys, "--symbols", "2", "--max-length", "2", "--batch-size", "16", "--warmup-steps", "20",
                         "--eval-size", "20", "--steps", "2000", "--stop-at", "0.6")[0]
     checks = result["validation"]
-    assert [step for step, _ in checks] == list(range(100, result["steps"] + 1, 100)) and result["steps"] < 2000
-    assert checks[-1][1] >= 0.6 and all(accuracy < 0.6 for _, accuracy in checks[:-1])
+    assert [check["step"] for check in checks] == list(range(100, result["steps"] + 1, 100)) and result["steps"] < 2000
+    assert checks[-1]["exact"] >= 0.6 and all(check["exact"] < 0.6 for check in checks[:-1])
+    assert all(check["loss"] > 0 for check in checks)
 
 
 def test_train_never_replaces_a_run_without_force(tmp_path, monkeypatch, capsys):

@@ -35,8 +35,8 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
         raise ValueError(f"unknown backend {unknown[0]!r}; choose from {', '.join(BACKENDS)}")
     adapters, missing = {}, []
     for name in names:
-        module, frameworks, extra = BACKENDS[name]
-        absent = [framework for framework in frameworks if importlib.util.find_spec(framework) is None]
+        module, _, extra = BACKENDS[name]
+        absent = absent_frameworks(name)
         if absent:
             missing.append(Missing(name, f"not installed ({' and '.join(absent)} missing): "
                                          f"pip install 'transformer-reference[{extra}]'"))
@@ -44,6 +44,15 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
         adapters[name] = importlib.import_module(module)
     runtime.apply()                     # --threads in the frameworks just imported
     return adapters, missing
+
+
+def absent_frameworks(name: str) -> list[str]:
+    """The framework modules backend ``name`` needs that are not installed (none imported to find out)."""
+    return [framework for framework in BACKENDS[name][1] if importlib.util.find_spec(framework) is None]
+
+
+def installed(name: str) -> bool:
+    return not absent_frameworks(name)
 
 
 def device_for(adapter: ModuleType, device: str) -> str:

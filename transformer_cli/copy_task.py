@@ -55,11 +55,18 @@ class CopyTask:
         """The training batch of step ``step`` (0-based): src (B, S), tgt and labels (B, T), S = T = max_length + 1."""
         return teacher_forcing(config, self.sequences(config, batch_size, step, seed))
 
-    def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sources and expected sequences for evaluation (``TEST``) or for deciding when to stop (``VALIDATION``),
-        from streams no training batch uses: src (count, max_length + 1), sequences (count, max_length)."""
+    def held_out_batch(self, config: TransformerConfig, count: int, split: str,
+                       seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Held-out sequences for evaluation (``TEST``) or for deciding when to stop (``VALIDATION``), from streams
+        no training batch uses: teacher-forced (src, tgt, labels: (count, max_length + 1)) and as they are
+        (count, max_length)."""
         sequences = self.sequences(config, count, STREAMS[split], seed)
-        return teacher_forcing(config, sequences)["src"], sequences
+        return teacher_forcing(config, sequences), sequences
+
+    def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sources (count, max_length + 1) and expected sequences of :meth:`held_out_batch`."""
+        batch, sequences = self.held_out_batch(config, count, split, seed)
+        return batch["src"], sequences
 
     def held_out_size(self, split: str) -> None:
         """The pairs a held-out set holds: any number (drawn from its own stream)."""

@@ -21,14 +21,24 @@ def require(module: str, purpose: str) -> ModuleType:
         raise ValueError(f"{purpose} needs {(err.name or module).partition('.')[0]}: {INSTALL}") from None
 
 
-def progress_bar(description: str, unit: str, quiet: bool) -> Callable[[list], Iterable]:
-    """A wrapper of a list of work items that shows a tqdm progress bar on stderr; the list
-    unchanged when ``quiet`` or when tqdm is not installed."""
+def progress_bar(description: str, unit: str, quiet: bool, leave: bool = True) -> Callable[[list], Iterable]:
+    """A wrapper of a list of work items that shows a tqdm progress bar on stderr (erased once done unless
+    ``leave``); the list unchanged when ``quiet`` or when tqdm is not installed."""
     if not quiet:
         try:
             from tqdm import tqdm
         except ModuleNotFoundError:
             pass
         else:
-            return lambda items: tqdm(items, desc=description, unit=unit, file=sys.stderr)
+            return lambda items: tqdm(items, desc=description, unit=unit, file=sys.stderr, leave=leave)
     return lambda items: items
+
+
+def finish(bar: Iterable, done: int, note: str) -> None:
+    """Close a progress bar whose work ended after ``done`` items, before its total: the total becomes ``done``
+    (the bar ends full, not frozen short of it) and ``note``, why it ended, joins its postfix. A plain iterable
+    (no bar) is left alone."""
+    if hasattr(bar, "close"):
+        bar.total, bar.n = done, done
+        bar.set_postfix_str(f"{bar.postfix}, {note}" if bar.postfix else note, refresh=False)
+        bar.close()

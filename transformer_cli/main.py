@@ -9,6 +9,9 @@
     transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
     transformer-reference train [--task copy|numbers] [--backends numpy] [--steps N] [--out RUN.safetensors]
                                 [--resume RUN.safetensors] [--plot FILE.png] [--json]
+    transformer-reference train --source SRC.txt --target TGT.txt [--tokens-per-batch N] [--save-every N]
+                                [--average K] [--out RUN.safetensors]
+    transformer-reference average OUT.safetensors RUN1.safetensors RUN2.safetensors ... [--force]
     transformer-reference translate ["three hundred and twelve" ...] [--backend numpy] [--beam 4] [--checkpoint PATH]
                                     [--input FILE] [--output FILE] [--batch-size N]
     transformer-reference evaluate CHECKPOINT --source FILE --reference FILE [--backend numpy] [--beam 4] [--json]
@@ -51,6 +54,9 @@ from .arguments import (
     refuse_input,
 )
 from .copy_task import DEFAULTS as COPY
+from .corpus_task import DEFAULTS as CORPUS
+from .corpus_task import FILES as CORPUS_FILES
+from .corpus_task import VOCAB_SIZE
 from .extras import progress_bar
 from .interrupts import StopRequest, terminate_as_interrupt
 from .numbers_task import DEFAULTS as NUMBERS
@@ -280,17 +286,41 @@ def run_export(args) -> int:
 
 def add_train(commands) -> None:
     train = subcommand(commands, "train", "learn a task with the recipe of section 5 in one or more backends: "
-                                          "the copy task, or English to French number words")
-    train.add_argument("--task", choices=["copy", "numbers"], default="copy",
-                       help="copy: write back a random sequence; numbers: translate English number words to French "
-                            "(default: copy)")
-    train.add_argument("--backends", type=backend_names, default=("numpy",),
+                                          "the copy task, English to French number words, or your own corpus")
+    train.add_argument("--task", choices=["copy", "numbers", "corpus"],
+                       help="copy: write back a random sequence; numbers: translate English number words to French; "
+                            "corpus: your parallel text, --source/--target or --corpus (default: corpus with those "
+                            "flags, else copy)")
+    train.add_argument("--source", metavar="SRC.txt", help="corpus: source sentences, one per line, UTF-8")
+    train.add_argument("--target", metavar="TGT.txt", help="corpus: their translations, line by line")
+    train.add_argument("--corpus", metavar="PAIRS.tsv", help="corpus: source and target sentences in two "
+                                                             "tab-separated columns, instead of --source/--target")
+    train.add_argument("--valid-source", metavar="SRC.txt", help="corpus: validation sentences (default: pairs held "
+                                                                 "out of the corpus, see --valid-size)")
+    train.add_argument("--valid-target", metavar="TGT.txt", help="corpus: the validation sentences' translations")
+    train.add_argument("--valid-size", metavar="N", type=integer(1),
+                       help="corpus: pairs held out for validation by a seeded shuffle (default: min(1000, 5%%)); "
+                            "copy and numbers: validation pairs decoded at each check (default: 500)")
+    train.add_argument("--vocab-size", metavar="N", type=integer(4),
+                       help=f"corpus: ids of the shared BPE vocabulary at most, learned from the training side "
+                            f"(section 5.1; default: {VOCAB_SIZE})")
+    train.add_argument("--preset", choices=sorted(PRESETS),
+                       help="corpus: a preset's model over the corpus's vocabulary (default: the numbers task's "
+                            "model, max_len 256)")
+    train.add_argument("--backends", type=backend_names,
                        help="comma-separated backends, each trained from the same weights on the same batches "
-                            "(default: numpy, the reference)")
-    defaults = lambda name: f"(default: copy {COPY[name]}, numbers {NUMBERS[name]})"
+                            "(default: numpy, the reference, for copy; the fastest installed for numbers and a "
+                            "corpus, named on stderr)")
+    defaults = lambda name: "(default: " + ", ".join(f"{task} {recipe[name]}" for task, recipe in
+                                                     (("copy", COPY), ("numbers", NUMBERS), ("corpus", CORPUS))
+                                                     if name in recipe) + ")"
     train.add_argument("--steps", type=integer(1),
                        help=f"optimizer steps at most (more, with --resume) {defaults('steps')}")
     train.add_argument("--batch-size", type=integer(1), help=f"sentences per batch {defaults('batch_size')}")
+    train.add_argument("--tokens-per-batch", metavar="N", type=integer(2),
+                       help="corpus: positions of the source (and of the target) tensor per batch, padding "
+                            "included, sentences grouped by length (section 5.1; every sentence once an epoch) "
+                            f"{defaults('tokens_per_batch')}")
     train.add_argument("--symbols", type=integer(1), help="copy task: distinct symbols (default: 10)")
     train.add_argument("--max-length", type=integer(1), help="copy task: longest sequence, lengths 1 to this "
                                                             "(default: 10)")
@@ -298,7 +328,8 @@ def add_train(commands) -> None:
     train.add_argument("--learning-rate-scale", type=real(0.0, inclusive=False),
                        help=f"a factor on Eq. (3)'s learning rate, 1 = the paper {defaults('learning_rate_scale')}")
     train.add_argument("--dropout", type=real(0.0, below=1.0),
-                       help="P_drop of section 5.4 (the reference has no dropout; default 0 for every backend)")
+                       help="P_drop of section 5.4, 0.1 in the paper (the reference has no dropout; default 0 for "
+                            "every backend)")
     train.add_argument("--label-smoothing", type=real(0.0, below=1.0), default=0.1, help="epsilon_ls, section 5.4")
     train.add_argument("--seed", type=integer(0), default=0, help="initial weights and batches")
     train.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
@@ -308,39 +339,64 @@ def add_train(commands) -> None:
     train.add_argument("--device", type=device_name, default="cpu",
                        help="where the ports train: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU; "
                             "--data-parallel places its replicas itself)")
-    train.add_argument("--eval-size", type=integer(0), default=1000,
-                       help="held-out pairs for the greedy exact match (and BLEU, numbers) at the end (0: none)")
+    train.add_argument("--eval-size", type=integer(0),
+                       help="held-out pairs scored at the end: greedy exact match, BLEU for text (default: 1000, or "
+                            "a corpus's validation set, its only held-out set; 0: none)")
+    train.add_argument("--eval-every", metavar="N", type=integer(0),
+                       help=f"steps between validation checks: loss, greedy exact match, BLEU for text, shown in "
+                            f"the progress bar and --json (0: none) {defaults('eval_every')}")
     train.add_argument("--stop-at", type=real(0.0, below=1.000001),
                        help="stop once greedy decoding gets this share of the validation set exactly right, checked "
-                            f"every {COPY['eval_every']} (copy) or {NUMBERS['eval_every']} (numbers) steps; 0: run all "
-                            f"--steps {defaults('stop_at')}")
+                            f"every --eval-every steps; 0: run all --steps {defaults('stop_at')}")
     train.add_argument("--data-parallel", metavar="N", type=integer(1), default=1,
                        help="replicas of data-parallel training on each framework's own engine: PyTorch DDP over N "
                             "processes, a JAX mesh of N devices, a TensorFlow MirroredStrategy over N devices (on "
                             "a CPU: N processes, host devices, logical devices); the batch splits into N equal "
-                            "shards (default: 1, one process)")
+                            "shards, so a corpus (batches of varying sizes) trains on one process (default: 1)")
     train.add_argument("--resume", metavar="RUN.safetensors",
                        help="continue a saved run (from any backend) for --steps more steps: the model, optimizer "
-                            "settings and tokenizer are the run's; pass the run's --task, --seed and task flags to "
-                            "see its batches")
+                            "settings and tokenizer are the run's; pass the run's --task, --seed and task flags "
+                            "(a corpus: its files) to see its batches")
     train.add_argument("--out", metavar="RUN.safetensors",
                        help="save each run with its training state (and tokenizer); with several backends, the path "
                             "must contain {backend}")
+    train.add_argument("--save-every", metavar="N", type=integer(1),
+                       help="also save the run every N steps and at its last, beside --out as RUN-step{N}.safetensors "
+                            "(an existing one replaced only with --force)")
+    train.add_argument("--keep", metavar="K", type=integer(1),
+                       help="the --save-every checkpoints kept, the latest; older ones this run wrote are removed "
+                            f"(default: {KEEP}, or --average's K if more)")
+    train.add_argument("--average", metavar="K", type=integer(2),
+                       help="write into --out the element-wise average of the weights of the last K --save-every "
+                            "checkpoints (section 6.1 averages the last 5), with the tokenizer and no training state; "
+                            "the final scores are the average's")
     train.add_argument("--weights-only", action="store_true",
                        help="save the weights (and tokenizer) without the training state: a model to ship, a third "
                             "of the size, not a run to resume")
     train.add_argument("--plot", metavar="FILE.png", type=image_file, help="the loss curves, backends side by side")
-    train.add_argument("--json", action="store_true", help="print the results (with every step's loss) as JSON")
+    train.add_argument("--json", action="store_true", help="print the results (with every step's loss and every "
+                                                           "validation check) as JSON")
     add_threads(train)
-    add_outputs(train, "plot", inputs=("resume",))
+    add_outputs(train, "plot", inputs=("resume", *CORPUS_FILES))
     train.set_defaults(run=run_train)
+
+
+KEEP = 5                                            # --keep's default: section 6.1 averages the last 5 checkpoints
 
 
 def run_train(args) -> int:
     from . import train
 
+    task = train.task_name(args)
+    chosen = args.backends is None
+    args.backends = args.backends or train.default_backends(task)
+    _check_snapshot_flags(args)
     outputs = _train_outputs(args)
     plan = train.plan_from(args)
+    snapshots = _snapshots(args, outputs, plan)
+    if chosen and task != "copy":
+        print(f"{PROG} train: --backends {args.backends[0]}, the fastest backend installed here "
+              "(docs/training.md)", file=sys.stderr)
     if args.data_parallel > 1 and "jax" in args.backends:
         train.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
     adapters = train.load_adapters(args.backends)
@@ -348,17 +404,23 @@ def run_train(args) -> int:
         backends.device_for(adapter, args.device)           # every backend's device checked before any trains
     results = []
     for name, adapter in adapters.items():
+        progress = _progress(name, quiet=args.json or not sys.stderr.isatty())
         with StopRequest() as stop:                         # Ctrl-C: stop after the current step, then save
-            result, model, state = train.train(
-                adapter, plan, progress_bar(f"train {name}", "step", quiet=args.json or not sys.stderr.isatty()),
-                lambda: stop.requested)
-            saved = _save_run(adapter, model, None if args.weights_only else state, plan.tokenizer_json,
-                              outputs.get(name), result)
+            result, model, state = train.train(adapter, plan, progress, lambda: stop.requested, snapshots.get(name))
+            if args.average and not result.interrupted:
+                model = train.average_run(adapter, plan, snapshots[name], args.average, outputs[name], result)
+                saved = f"saved {outputs[name]}: the average of {len(result.averaged)} checkpoints"
+                print(f"wrote {outputs[name]}: {name}, the average of the weights at steps "
+                      f"{', '.join(path.rsplit('-step', 1)[1].split('.')[0] for path in result.averaged)} "
+                      "(and the tokenizer; no training state)", file=sys.stderr)
+            else:
+                saved = _save_run(adapter, model, None if args.weights_only else state, plan.tokenizer_json,
+                                  outputs.get(name), result)
         if stop.requested:
             print(f"{PROG}: interrupted: {name} {saved}", file=sys.stderr)
             return EXIT_INTERRUPTED
-        if args.eval_size:
-            scores = train.evaluate(adapter, model, plan, args.eval_size)
+        if plan.eval_size:
+            scores = train.evaluate(adapter, model, plan, plan.eval_size, progress=progress)
             result.accuracy, result.bleu = scores["exact"], scores.get("bleu")
         results.append(result)
     print(json.dumps([{**r.to_json(), "runtime": runtime.settings()} for r in results], indent=2) if args.json
@@ -367,6 +429,12 @@ def run_train(args) -> int:
         train.plot_losses(results, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return EXIT_OK
+
+
+def _progress(name: str, quiet: bool):
+    """Backend ``name``'s progress bars: its steps (``train``, kept on screen) and its evaluations' batches
+    (``validate``, ``evaluate``, erased once done)."""
+    return lambda items, what, unit: progress_bar(f"{what} {name}", unit, quiet, leave=what == "train")(items)
 
 
 def _save_run(adapter, model, state, tokenizer: str | None, path: str | None, result) -> str:
@@ -383,19 +451,73 @@ def _save_run(adapter, model, state, tokenizer: str | None, path: str | None, re
 
 def _train_outputs(args) -> dict[str, str]:
     """Where each backend's run is saved, checked before any work: one path per backend, none replaced
-    without --force."""
+    without --force, never a corpus file."""
     if not args.out:
         return {}
     if len(args.backends) > 1 and "{backend}" not in args.out:
         raise ValueError("--out: with several backends the path must contain {backend}, e.g. run-{backend}.safetensors")
     outputs = {name: args.out.replace("{backend}", name) for name in args.backends}
+    corpus = [file for name in CORPUS_FILES if (file := getattr(args, name))]
     for path in outputs.values():
         try:
             output_file(path)
         except argparse.ArgumentTypeError as err:
             raise ValueError(f"--out: {err}") from None
+        refuse_input(path, corpus, "--out")
         refuse_existing(path, "--out", args.force)     # --resume RUN --out RUN --force: the run's continuation
     return outputs
+
+
+def _check_snapshot_flags(args) -> None:
+    """``--save-every``, ``--keep`` and ``--average`` make sense together, checked before any work."""
+    if args.save_every and not args.out:
+        raise ValueError("--save-every: the checkpoints are saved beside --out; give --out RUN.safetensors")
+    for flag, value in (("--keep", args.keep), ("--average", args.average)):
+        if value and not args.save_every:
+            raise ValueError(f"{flag} {value}: it works on the checkpoints --save-every N saves; give --save-every")
+    if args.average and args.keep and args.average > args.keep:
+        raise ValueError(f"--average {args.average}: --keep {args.keep} keeps only the last {args.keep} checkpoints")
+
+
+def _snapshots(args, outputs: dict[str, str], plan) -> dict:
+    """Each backend's ``--save-every`` checkpoints (:class:`train.Snapshots`); none of the files they may write
+    exists (or ``--force``)."""
+    from .train import Snapshots
+
+    if not args.save_every:
+        return {}
+    first = plan.start[1].step if plan.start else 0
+    snapshots = {name: Snapshots(path, args.save_every, args.keep or max(KEEP, args.average or 0),
+                                 plan.tokenizer_json, args.weights_only) for name, path in outputs.items()}
+    for snapshot in snapshots.values():
+        snapshot.check(first, first + plan.steps, args.force)
+    return snapshots
+
+
+def add_average(commands) -> None:
+    average = subcommand(commands, "average", "write the element-wise average of checkpoints' weights "
+                                              "(section 6.1: the last 5 checkpoints of a run)")
+    average.add_argument("out", metavar="OUT", type=output_file, help="the averaged checkpoint to write")
+    average.add_argument("checkpoints", metavar="RUN", nargs="+",
+                         help="two or more checkpoints of one model (one config), e.g. a run's --save-every files")
+    average.add_argument("--force", action="store_true", help="replace OUT if it exists (it is kept otherwise)")
+    average.set_defaults(run=run_average)
+
+
+def run_average(args) -> int:
+    """The average of the weights, with the checkpoints' tokenizer; Adam's moments are not averaged (the file
+    holds no training state: a model to use or ship, not a run to resume)."""
+    from .train import average_checkpoints
+
+    refuse_input(args.out, args.checkpoints, "OUT")
+    refuse_existing(args.out, "OUT", args.force)
+    if len(args.checkpoints) < 2:
+        raise ValueError("RUN: give two or more checkpoints to average")
+    config, params, tokenizer = average_checkpoints(args.checkpoints)
+    save_checkpoint(args.out, config, params, tokenizer=tokenizer)
+    print(f"wrote {args.out}: the average of {len(args.checkpoints)} checkpoints' weights"
+          f"{' and their tokenizer' if tokenizer else ''}; no training state (a model, not a run to resume)")
+    return EXIT_OK
 
 
 def add_translate(commands) -> None:
@@ -492,7 +614,7 @@ def run_evaluate(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_translate, add_evaluate,
+COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_average, add_translate, add_evaluate,
             side_by_side.add_parser)
 
 

@@ -131,15 +131,21 @@ class NumbersTask:
         sources, targets = self.pairs(numbers)
         return teacher_forcing(self.tokenizer, sources, targets)
 
-    def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, list[str]]:
+    def held_out_batch(self, config: TransformerConfig, count: int, split: str,
+                       seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
         """``count`` pairs of the test or validation set (the same ones whatever ``seed``: the split is fixed):
-        source ids (B, S) and French references."""
+        teacher-forced (src (B, S), tgt and labels (B, T)) and the French references."""
         numbers = self.split.held_out(split)
         if not 1 <= count <= len(numbers):
             raise ValueError(f"the {split} set holds {len(numbers)} pairs; {count} were asked for (at least 1)")
         numbers = numbers[np.random.Generator(np.random.PCG64(SPLIT_SEED)).permutation(len(numbers))[:count]]
         sources, targets = self.pairs(numbers)
-        return self.tokenizer.batch(sources), targets
+        return teacher_forcing(self.tokenizer, sources, targets), targets
+
+    def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, list[str]]:
+        """Source ids (B, S) and French references of :meth:`held_out_batch`."""
+        batch, references = self.held_out_batch(config, count, split, seed)
+        return batch["src"], references
 
     def held_out_size(self, split: str) -> int:
         """The pairs the test or validation set holds (the split is fixed)."""

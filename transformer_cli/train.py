@@ -1,10 +1,13 @@
-"""``transformer-reference train``: a task (the copy task, or English to French number words) learned in any backend
-with the recipe of section 5, a run saved with its training state (and the task's tokenizer), resumed in any
+"""``transformer-reference train``: a task (the copy task, English to French number words, or a user's parallel
+corpus) learned in any backend with the recipe of section 5, validated as it goes, a run saved with its training
+state (and the task's tokenizer), every N steps too, the last checkpoints averaged (section 6.1), resumed in any
 backend, and the loss curves of several backends side by side."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -12,38 +15,65 @@ from types import ModuleType
 
 import numpy as np
 
-from reference_numpy.checkpoint import TrainingState, init_params, load_run, load_tokenizer
+from reference_numpy.checkpoint import (
+    TrainingState,
+    init_params,
+    load_checkpoint,
+    load_run,
+    load_tokenizer,
+    load_tokenizer_json,
+    save_checkpoint,
+)
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.precision import is_low
+from reference_numpy.precision import is_low, round_to
+from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
 
-from . import backends, copy_task, numbers_task
+from . import backends, copy_task, corpus_task, numbers_task
+from .arguments import refuse_existing
 from .copy_task import TEST, VALIDATION, CopyTask
+from .corpus_task import CorpusTask, read_corpus, token_batches
+from .extras import finish
 from .numbers_task import NumbersTask
 
-TASKS = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS}   # each task's recipe (docs/training.md)
+Task = CopyTask | NumbersTask | CorpusTask
+TASKS = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS,     # each task's recipe (docs/training.md)
+         "corpus": corpus_task.DEFAULTS}
 COPY_ONLY = {"symbols": 10, "max_length": 10}                           # flags of the copy task and their defaults
+TASK_FLAGS = {**{name: ("copy",) for name in COPY_ONLY}, "batch_size": ("copy", "numbers"),   # flags of some tasks
+              **{name: ("corpus",) for name in corpus_task.FLAGS}}
 SAVED_SETTINGS = ("warmup_steps", "learning_rate_scale", "dropout")      # flags a resumed run takes from its file
+# The installed backend ``train --task numbers`` (and a corpus) runs by default: the first of these, fastest first on
+# the numbers model here (docs/training.md, "Which backend trains fastest"); the copy task runs the reference
+FASTEST = ("torch", "tf", "jax", "numpy")
+EVALUATION_TOKENS = 2048          # positions of src (and of tgt) in one batch of validation or evaluation
+
+Progress = Callable[[Iterable, str, str], Iterable]     # (items, what is done: "train", "validate", unit) -> items
+
+
+def no_progress(items: Iterable, what: str, unit: str) -> Iterable:
+    return items
 
 
 @dataclass(frozen=True)
 class Plan:
     """What to train: the task, the model, the optimizer and the batches (one plan for every backend)."""
 
-    task: CopyTask | NumbersTask
+    task: Task
     config: TransformerConfig
     training: TrainingConfig
     steps: int
-    batch_size: int
+    batch_size: int                       # sentences per batch; a corpus's positions per batch (section 5.1)
     seed: int
     dtype: str
     label_smoothing: float = LABEL_SMOOTHING
     stop_at: float | None = None          # stop once the validation set's exact-match accuracy reaches this
-    eval_every: int = 100                 # steps between validation checks
+    eval_every: int = 100                 # steps between validation checks (0: none)
     validation_size: int = 500
     world_size: int = 1                   # data-parallel replicas (the framework's own engine) when > 1
     start: tuple[dict[str, np.ndarray], TrainingState] | None = None   # a saved run to continue
     device: str = "cpu"                   # --device: cpu or gpu:N (single-process runs)
+    eval_size: int = 1000                 # held-out pairs scored at the end (0: none)
 
     @property
     def tokenizer_json(self) -> str | None:
@@ -51,10 +81,15 @@ class Plan:
         tokenizer = getattr(self.task, "tokenizer", None)
         return tokenizer.to_json() if tokenizer else None
 
+    @property
+    def weights(self) -> str:
+        """The dtype of the model's weights: ``dtype``, or float32 masters in mixed precision."""
+        return "float32" if is_low(self.dtype) else self.dtype
+
 
 @dataclass
 class Result:
-    """One backend's run: its loss per step and how well it copies afterwards."""
+    """One backend's run: its loss per step, its validation checks and how well it translates afterwards."""
 
     backend: str
     first_step: int
@@ -63,8 +98,10 @@ class Result:
     tokens: int = 0
     accuracy: float | None = None         # exact match on the test set
     bleu: float | None = None             # corpus BLEU on the test set (translation tasks)
-    validation: list[tuple[int, float]] = field(default_factory=list)   # (step, accuracy) of each check
+    validation: list[dict] = field(default_factory=list)   # each check: step, loss, exact (and bleu)
     interrupted: bool = False             # stopped by SIGINT/SIGTERM after its last completed step
+    saved: list[str] = field(default_factory=list)         # the --save-every checkpoints kept
+    averaged: list[str] = field(default_factory=list)      # the checkpoints whose average is --out
 
     @property
     def last_step(self) -> int:
@@ -79,7 +116,8 @@ class Result:
         return {"backend": self.backend, "first_step": self.first_step, "steps": len(self.losses),
                 "final_loss": self.losses[-1] if self.losses else None, "losses": self.losses,
                 "seconds": self.seconds, "tokens_per_second": self.tokens_per_second, "accuracy": self.accuracy,
-                "bleu": self.bleu, "validation": self.validation, "interrupted": self.interrupted}
+                "bleu": self.bleu, "validation": self.validation, "interrupted": self.interrupted,
+                "saved": self.saved, "averaged": self.averaged}
 
 
 def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState]:
@@ -90,30 +128,57 @@ def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], Tr
     return config, params, state
 
 
+def task_name(args) -> str:
+    """``--task``, or the one the flags imply (a corpus with its files, else copy); a flag of another task is
+    refused."""
+    task = args.task or ("corpus" if any(getattr(args, name) for name in corpus_task.FILES) else "copy")
+    for name, tasks in TASK_FLAGS.items():
+        if getattr(args, name) is not None and task not in tasks:
+            raise ValueError(f"--{name.replace('_', '-')} is a flag of {' and '.join(f'--task {t}' for t in tasks)}")
+    return task
+
+
+def default_backends(task: str) -> tuple[str, ...]:
+    """The backend a run trains in when ``--backends`` is not given: the reference for the copy task, else the
+    fastest installed (``FASTEST``)."""
+    return ("numpy",) if task == "copy" else (next(name for name in FASTEST if backends.installed(name)),)
+
+
 def plan_from(args) -> Plan:
     """The plan of ``train``'s flags (a flag left out takes its task's default); with ``--resume``, the saved
-    run's model, optimizer settings, weights and tokenizer."""
+    run's model, optimizer settings, weights and tokenizer. Every flag and file is checked here, before any
+    backend is loaded."""
+    task = task_name(args)
     if args.data_parallel > 1 and is_low(args.dtype):
         raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
+    if args.data_parallel > 1 and task == "corpus":
+        raise ValueError(f"--data-parallel {args.data_parallel}: a corpus is batched by token count, so its batches "
+                         "hold varying numbers of sentences, which do not split into equal shards; train it on one "
+                         "process")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
-              for name, default in TASKS[args.task].items()}
+              for name, default in TASKS[task].items()}
+    if args.stop_at and not recipe["eval_every"]:
+        raise ValueError(f"--stop-at {args.stop_at}: stopping needs validation, which --eval-every 0 turns off")
     start, config, training = None, None, TrainingConfig(warmup_steps=recipe["warmup_steps"],
                                                          learning_rate_scale=recipe["learning_rate_scale"])
     if args.resume:
         config, params, state = resume_from(args.resume)
         start, training = (params, state), state.config
         check_saved_settings(args, config, training)
-    task = make_task(args, args.resume, config)
-    config = config or task.config(dropout=args.dropout or 0.0)
-    check_sizes(task, config, args.eval_size)
-    if isinstance(task, NumbersTask):
-        task = task.with_tokenizer(config)              # a new run's: learned from the training pool (seconds)
-    if recipe["batch_size"] % args.data_parallel:
-        raise ValueError(f"--batch-size {recipe['batch_size']} does not split into --data-parallel "
-                         f"{args.data_parallel} equal shards")
-    return Plan(task, config, training, recipe["steps"], recipe["batch_size"], args.seed, args.dtype,
-                args.label_smoothing, recipe["stop_at"] or None, recipe["eval_every"], recipe["validation_size"],
-                args.data_parallel, start, args.device)
+    made = make_task(args, task, config)
+    eval_size = check_sizes(made, args.eval_size, None if task == "corpus" else recipe["validation_size"])
+    if isinstance(made, CorpusTask) and made.tokenizer is None:
+        made = made.with_tokenizer(args.vocab_size or corpus_task.VOCAB_SIZE)   # a new run's (seconds)
+    config = config or made.config(dropout=args.dropout or 0.0)
+    budget = recipe["tokens_per_batch" if task == "corpus" else "batch_size"]
+    made = fitted(made, config, budget)
+    if budget % args.data_parallel:
+        raise ValueError(f"--batch-size {budget} does not split into --data-parallel {args.data_parallel} equal "
+                         "shards")
+    return Plan(made, config, training, recipe["steps"], budget, args.seed, args.dtype, args.label_smoothing,
+                (recipe["stop_at"] or None) if recipe["eval_every"] else None, recipe["eval_every"],
+                made.held_out_size(VALIDATION) if task == "corpus" else recipe["validation_size"],
+                args.data_parallel, start, args.device, eval_size)
 
 
 def check_saved_settings(args, config: TransformerConfig, training: TrainingConfig) -> None:
@@ -127,80 +192,202 @@ def check_saved_settings(args, config: TransformerConfig, training: TrainingConf
                              f"{saved[name]}, which resuming keeps; leave the flag out")
 
 
-def make_task(args, resume: str | None, config: TransformerConfig | None) -> CopyTask | NumbersTask:
-    """The task of ``--task``, checked against a resumed run's model (``config``, or None for a new run: a numbers
-    task then has no tokenizer yet, see :func:`plan_from`)."""
-    if args.task == "numbers":
-        given = [name for name in COPY_ONLY if getattr(args, name) is not None]
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} is a flag of --task copy")
-        if config is None:
-            return NumbersTask()
-        tokenizer = load_tokenizer(resume)
-        if tokenizer is None:
-            raise ValueError(f"--resume: {resume!r} has no tokenizer; it is not a run of --task numbers")
+def make_task(args, task: str, config: TransformerConfig | None) -> Task:
+    """The task ``task``, checked against a resumed run's model (``config``, or None for a new run: a numbers
+    task or a corpus then has no tokenizer yet, see :func:`plan_from`)."""
+    if task == "copy":
+        made = CopyTask(*(getattr(args, name) or default for name, default in COPY_ONLY.items()))
+        if config and (config.src_vocab_size != 3 + made.symbols or config.max_len < made.max_length + 1):
+            raise ValueError(f"--resume: {args.resume!r} has a vocabulary of {config.src_vocab_size} and max_len "
+                             f"{config.max_len}; --symbols {made.symbols} and --max-length {made.max_length} do "
+                             "not fit")
+        return made
+    tokenizer = None if config is None else load_tokenizer(args.resume)
+    if config is not None and tokenizer is None:
+        raise ValueError(f"--resume: {args.resume!r} has no tokenizer; it is not a run of --task {task}")
+    if task == "numbers":
         return NumbersTask(tokenizer)
-    task = CopyTask(*(getattr(args, name) or default for name, default in COPY_ONLY.items()))
-    if config and (config.src_vocab_size != 3 + task.symbols or config.max_len < task.max_length + 1):
-        raise ValueError(f"--resume: {resume!r} has a vocabulary of {config.src_vocab_size} and max_len "
-                         f"{config.max_len}; --symbols {task.symbols} and --max-length {task.max_length} do not fit")
-    return task
+    made = CorpusTask(*read_corpus(args.source, args.target, args.corpus, args.valid_source, args.valid_target,
+                                   args.valid_size), tokenizer, args.preset)
+    if config is not None and args.preset and made.model(config.src_vocab_size, dropout=config.dropout) != config:
+        raise ValueError(f"--preset {args.preset}: the run in {args.resume!r} is another model, which resuming "
+                         "keeps; leave the flag out")
+    if config is not None and args.vocab_size and args.vocab_size < config.src_vocab_size:
+        raise ValueError(f"--vocab-size {args.vocab_size}: the run in {args.resume!r} has {config.src_vocab_size} "
+                         "ids, which resuming keeps; leave the flag out")
+    return made
 
 
-def check_sizes(task: CopyTask | NumbersTask, config: TransformerConfig, eval_size: int) -> None:
-    """The task fits the model and ``--eval-size`` the test set, checked before any work."""
+def check_sizes(task: Task, eval_size: int | None, validation_size: int | None) -> int:
+    """``--eval-size`` (default: 1,000 pairs, or the whole held-out set if smaller) and ``--valid-size`` fit the
+    held-out sets, checked before any work; returns the evaluation's size."""
+    name = lambda split: "validation" if isinstance(task, CorpusTask) else split    # a corpus's only held-out set
+    for flag, size, split in (("--eval-size", eval_size, TEST), ("--valid-size", validation_size, VALIDATION)):
+        held = task.held_out_size(split)
+        if size and held is not None and size > held:
+            raise ValueError(f"{flag} {size}: the {name(split)} set holds {held} pairs")
+    return eval_size if eval_size is not None else min(1000, task.held_out_size(TEST) or 1000)
+
+
+def fitted(task: Task, config: TransformerConfig, budget: int) -> Task:
+    """The task checked against the model and made ready to draw batches: a copy task's sequences fit max_len,
+    a numbers task has its tokenizer (learned from the training pool, seconds), a corpus its sentences' ids."""
     if isinstance(task, CopyTask) and task.max_length + 1 > config.max_len:
         raise ValueError(f"--max-length {task.max_length}: a sequence and its eos take {task.max_length + 1} "
                          f"positions, more than the model's max_len {config.max_len}")
-    available = task.held_out_size(TEST)
-    if available is not None and eval_size > available:
-        raise ValueError(f"--eval-size {eval_size}: the test set holds {available} pairs")
+    if isinstance(task, NumbersTask):
+        return task.with_tokenizer(config)
+    return task.fitted(config, budget) if isinstance(task, CorpusTask) else task
 
 
-def train(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable] = lambda steps: steps,
-          stopping: Callable[[], bool] = lambda: False):
+@dataclass
+class Snapshots:
+    """``--save-every``: the run saved every ``every`` steps of the whole count (and at its last step) beside
+    ``out``, as ``OUT-step{N}.safetensors``, with its training state (unless ``weights_only``) and ``tokenizer``;
+    the last ``keep`` files this run wrote are kept and older ones removed (never a file it did not write)."""
+
+    out: str
+    every: int
+    keep: int
+    tokenizer: str | None = None
+    weights_only: bool = False
+    saved: list[str] = field(default_factory=list)
+
+    def path(self, step: int) -> str:
+        stem, suffix = os.path.splitext(self.out)
+        return f"{stem}-step{step}{suffix}"
+
+    def check(self, first: int, last: int, force: bool) -> None:
+        """Before any work: no file of a step this run may save (``first`` + 1 to ``last``) exists, or ``force``."""
+        stem, suffix = os.path.splitext(os.path.basename(self.out))
+        pattern = re.compile(re.escape(stem) + r"-step(\d+)" + re.escape(suffix))
+        for entry in os.scandir(os.path.dirname(self.out) or "."):
+            if (match := pattern.fullmatch(entry.name)) and first < int(match.group(1)) <= last:
+                refuse_existing(self.path(int(match.group(1))), "--save-every", force)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def take(self, step: int, adapter: ModuleType, model, state: Callable[[], TrainingState]) -> None:
+        """Save the run at ``step`` (``state()`` its training state), unless already saved there."""
+        path = self.path(step)
+        if self.saved[-1:] == [path]:
+            return
+        adapter.save(model, path, None if self.weights_only else state(), self.tokenizer)
+        self.saved.append(path)
+        for old in self.saved[:-self.keep]:
+            os.remove(old)
+        del self.saved[:-self.keep]
+
+
+def average_checkpoints(paths: list[str]) -> tuple[TransformerConfig, dict[str, np.ndarray], str | None]:
+    """The element-wise average of the checkpoints' weights (section 6.1: "a single model obtained by averaging the
+    last 5 checkpoints"), summed in float64 and stored in their dtype, with their tokenizer; no optimizer state.
+    The files must hold one model (config), each tensor in one dtype, and one tokenizer: a ``ValueError`` naming
+    the first file (and field or tensor) that differs from the first file."""
+    config, first = load_checkpoint(paths[0])
+    tokenizer, total = load_tokenizer_json(paths[0]), {name: value.astype(np.float64) for name, value in first.items()}
+    for path in paths[1:]:
+        other, params = load_checkpoint(path)
+        if other != config:
+            changed = next(f.name for f in dataclasses.fields(config)
+                           if getattr(other, f.name) != getattr(config, f.name))
+            raise ValueError(f"{path!r} is another model than {paths[0]!r}: {changed} {getattr(other, changed)}, not "
+                             f"{getattr(config, changed)}")
+        for name, value in params.items():
+            if value.dtype != first[name].dtype:
+                raise ValueError(f"{path!r}: tensor {name!r} is {value.dtype}, {first[name].dtype} in {paths[0]!r}; "
+                                 "average checkpoints of one dtype")
+            total[name] += value
+        if load_tokenizer_json(path) != tokenizer:
+            raise ValueError(f"{path!r}: its tokenizer differs from {paths[0]!r}'s")
+    return config, {name: round_to(value / len(paths), first[name].dtype) for name, value in total.items()}, tokenizer
+
+
+def average_run(adapter: ModuleType, plan: Plan, snapshots: Snapshots, count: int, path: str, result: Result):
+    """``--average``: the average of the run's last ``count`` checkpoints (as many as it saved, if fewer) written to
+    ``path`` (weights and tokenizer, no training state) and built in ``adapter`` for the final evaluation."""
+    result.averaged = snapshots.saved[-count:]
+    config, params, tokenizer = average_checkpoints(result.averaged)
+    save_checkpoint(path, config, params, tokenizer=tokenizer)
+    return adapter.build(config, params, plan.weights, backends.device_for(adapter, plan.device))
+
+
+def train(adapter: ModuleType, plan: Plan, progress: Progress = no_progress,
+          stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None):
     """Train one backend as ``plan`` says; returns (result, model, the run's training state). ``progress`` wraps
-    the steps (a progress bar: its postfix shows the last loss and the tokens per second). With
-    ``plan.stop_at``, every ``plan.eval_every`` steps greedy decoding runs on the validation set, and training
-    stops once that share of it comes out exactly right (Adam's loss spikes near the optimum can otherwise leave
-    the last step's model mid-spike). With ``plan.world_size`` > 1 the steps run data-parallel on the
-    framework's own engine (:func:`train_data_parallel`). Once ``stopping()`` is true (a SIGINT or SIGTERM), the
-    run ends after the step it is in (``result.interrupted``)."""
+    the steps (a progress bar: its postfix shows the last loss, the tokens per second and the last validation)
+    and each evaluation's batches. Every ``plan.eval_every`` steps the validation set is scored
+    (:func:`validated`), and with ``plan.stop_at`` training stops once that share of it comes out exactly right
+    (Adam's loss spikes near the optimum can otherwise leave the last step's model mid-spike). ``snapshots``
+    saves the run as it goes. With ``plan.world_size`` > 1 the steps run data-parallel on the framework's own
+    engine (:func:`train_data_parallel`). Once ``stopping()`` is true (a SIGINT or SIGTERM), the run ends after
+    the step it is in (``result.interrupted``)."""
     if plan.world_size > 1:
-        return train_data_parallel(adapter, plan, progress, stopping)
+        return train_data_parallel(adapter, plan, progress, stopping, snapshots)
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
-    weights, compute = ("float32", plan.dtype) if is_low(plan.dtype) else (plan.dtype, None)   # mixed precision
-    model = adapter.build(plan.config, params, weights, backends.device_for(adapter, plan.device))
+    compute = plan.dtype if is_low(plan.dtype) else None                                 # mixed precision
+    model = adapter.build(plan.config, params, plan.weights, backends.device_for(adapter, plan.device))
     optimizer = adapter.optimizer(model, None if state else plan.training, state, compute)
     first = state.step if state else 0
     result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
-    steps = progress(range(first, first + plan.steps))
-    for step in steps:
+    steps = progress(range(first, first + plan.steps), "train", "step")
+    state_now = lambda: adapter.training_state(model, optimizer)
+    advance = iter(steps)                          # held: a bar left by `break` stays open until `ended` closes it
+    for step in advance:
         batch = batches(step)
         began = time.perf_counter()
         result.losses.append(adapter.train_step(model, optimizer, **batch, epsilon=plan.label_smoothing))
         result.seconds += time.perf_counter() - began
         result.tokens = sum(batches.tokens.values())
-        show(steps, result)
+        if snapshots and snapshots.due(step + 1):
+            snapshots.take(step + 1, adapter, model, state_now)
         result.interrupted = stopping()
-        if result.interrupted or validated(adapter, model, plan, result, step + 1):
+        stop = result.interrupted or validated(adapter, model, plan, result, step + 1, progress)
+        show(steps, result)
+        if stop:
             break
-    return result, model, adapter.training_state(model, optimizer)
+    state = state_now()
+    return ended(steps, plan, result, snapshots, adapter, model, state), model, state
+
+
+def ended(steps: Iterable, plan: Plan, result: Result, snapshots: Snapshots | None, adapter: ModuleType, model,
+          state: TrainingState) -> Result:
+    """The run's end: saved at its last step (with ``snapshots``), and its progress bar closed there, saying why
+    it stopped before ``plan.steps``."""
+    if snapshots and result.losses:
+        snapshots.take(result.last_step, adapter, model, lambda: state)
+        result.saved = list(snapshots.saved)
+    if result.interrupted:
+        finish(steps, len(result.losses), f"interrupted at step {result.last_step}")
+    elif len(result.losses) < plan.steps:
+        finish(steps, len(result.losses), f"stopped at step {result.last_step}: validation "
+                                          f"{in_words(result.validation[-1])}")
+    return result
+
+
+def in_words(check: dict) -> str:
+    """A validation check's scores, short: exact match (and BLEU)."""
+    return f"{100 * check['exact']:.1f}%" + (f", BLEU {check['bleu']:.1f}" if "bleu" in check else "")
 
 
 def show(steps: Iterable, result: Result) -> None:
-    """The last loss and the tokens per second in the progress bar's postfix."""
+    """The last loss, the tokens per second and the last validation in the progress bar's postfix."""
     if hasattr(steps, "set_postfix"):
-        steps.set_postfix(loss=f"{result.losses[-1]:.3f}", tokens_per_s=f"{result.tokens_per_second:,.0f}")
+        shown = {"loss": f"{result.losses[-1]:.3f}", "tokens_per_s": f"{result.tokens_per_second:,.0f}"}
+        if result.validation:
+            shown["validation"] = in_words(result.validation[-1])
+        steps.set_postfix(shown)
 
 
-def validated(adapter: ModuleType, model, plan: Plan, result: Result, done: int) -> bool:
-    """At every ``plan.eval_every``-th step of the run (``done`` steps done in all), the validation set's exact
-    match, recorded; True once it reaches ``plan.stop_at``."""
-    if not plan.stop_at or (done - result.first_step) % plan.eval_every:
+def validated(adapter: ModuleType, model, plan: Plan, result: Result, done: int, progress: Progress) -> bool:
+    """At every ``plan.eval_every``-th step of the run (``done`` steps done in all), the validation set's scores,
+    recorded; True once its exact match reaches ``plan.stop_at``."""
+    if not plan.eval_every or (done - result.first_step) % plan.eval_every:
         return False
-    result.validation.append((done, evaluate(adapter, model, plan, plan.validation_size, VALIDATION)["exact"]))
-    return result.validation[-1][1] >= plan.stop_at
+    scores = evaluate(adapter, model, plan, plan.validation_size, VALIDATION, progress)
+    result.validation.append({"step": done, **scores})
+    return plan.stop_at is not None and scores["exact"] >= plan.stop_at
 
 
 @dataclass
@@ -208,7 +395,7 @@ class CountedBatches:
     """``task.batch`` of one plan as a picklable function of the step (the engines shard it), counting the
     target tokens of the batches drawn in this process."""
 
-    task: CopyTask | NumbersTask
+    task: Task
     config: TransformerConfig
     batch_size: int
     seed: int
@@ -220,16 +407,16 @@ class CountedBatches:
         return batch
 
 
-def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[range], Iterable],
-                        stopping: Callable[[], bool] = lambda: False):
-    """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces of
-    ``plan.eval_every`` steps when the validation set decides when to stop, each piece continuing the last one's
-    weights and optimizer state (``seconds`` counts the engine's start-up too). Once ``stopping()``, the engine
-    ends its piece after the step it is in (``progress`` returning true) and the run ends there."""
+def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
+                        stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None):
+    """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces that end
+    where the run is validated or saved, each piece continuing the last one's weights and optimizer state
+    (``seconds`` counts the engine's start-up too). Once ``stopping()``, the engine ends its piece after the step
+    it is in (``progress`` returning true) and the run ends there."""
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     first = state.step if state else 0
     result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
-    steps = progress(range(first, first + plan.steps))
+    steps = progress(range(first, first + plan.steps), "train", "step")
     advance = iter(steps)
 
     def on_step(step: int, loss: float) -> bool:
@@ -241,26 +428,59 @@ def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Callable[[ran
 
     done, end = first, first + plan.steps
     while done < end:
-        count = min(plan.eval_every if plan.stop_at else plan.steps, end - done)
         began = time.perf_counter()
         params, state, _ = adapter.train_data_parallel(
-            plan.config, params, None if state else plan.training, state, batches, done, count, plan.world_size,
-            plan.dtype, "cpu", plan.label_smoothing, on_step)
+            plan.config, params, None if state else plan.training, state, batches, done,
+            piece_end(plan, snapshots, first, done, end) - done, plan.world_size, plan.dtype, "cpu",
+            plan.label_smoothing, on_step)
         done = first + len(result.losses)
         result.seconds += time.perf_counter() - began
         result.interrupted = stopping()
         model = adapter.build(plan.config, params, plan.dtype, "cpu")
-        if result.interrupted or validated(adapter, model, plan, result, done):
+        if snapshots and snapshots.due(done):
+            snapshots.take(done, adapter, model, lambda: state)
+        if result.interrupted or validated(adapter, model, plan, result, done, progress):
             break
-    next(advance, None)                                         # let a progress bar close
-    return result, model, state
+        show(steps, result)
+    if done == end:
+        next(advance, None)                                     # let a progress bar close
+    return ended(steps, plan, result, snapshots, adapter, model, state), model, state
 
 
-def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TEST) -> dict[str, float]:
+def piece_end(plan: Plan, snapshots: Snapshots | None, first: int, done: int, end: int) -> int:
+    """Where the data-parallel piece starting after ``done`` steps ends: the run's end, its next validation or its
+    next checkpoint, whichever comes first."""
+    ends = [end]
+    if plan.eval_every:
+        ends.append(done + plan.eval_every - (done - first) % plan.eval_every)
+    if snapshots:
+        ends.append(done + snapshots.every - done % snapshots.every)
+    return min(ends)
+
+
+def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TEST,
+             progress: Progress = no_progress) -> dict[str, float]:
     """The task's scores (``exact``, and ``bleu`` for translation) of greedy decoding (section 6.1's rules) on
-    ``count`` held-out pairs: the test set, or with ``split=VALIDATION`` the set that decides when to stop."""
-    src, references = plan.task.held_out(plan.config, count, split, plan.seed)
-    return plan.task.score(plan.config, adapter.greedy(model, src), references)
+    ``count`` held-out pairs, and ``loss``, their label-smoothed loss (section 5.4) under teacher forcing: the
+    test set, or with ``split=VALIDATION`` the set that decides when to stop. The pairs go in batches of similar
+    lengths of at most ``EVALUATION_TOKENS`` positions, one ``progress`` step each."""
+    batch, references = plan.task.held_out_batch(plan.config, count, split, plan.seed)
+    pad = plan.config.pad_id
+    lengths = np.stack([(batch["src"] != pad).sum(axis=1), (batch["labels"] != pad).sum(axis=1)], axis=1)
+    decoded, total, tokens = [[] for _ in range(count)], 0.0, 0
+    for rows in progress(token_batches(lengths, EVALUATION_TOKENS), "validate" if split == VALIDATION else "evaluate",
+                         "batch"):
+        part = {name: trimmed(value[rows], pad) for name, value in batch.items()}
+        labels = int((part["labels"] != pad).sum())
+        total, tokens = total + labels * adapter.loss(model, **part, epsilon=plan.label_smoothing), tokens + labels
+        for row, output in zip(rows, adapter.greedy(model, part["src"])):
+            decoded[row] = list(output)
+    return {"loss": total / tokens, **plan.task.score(plan.config, pad_rows(decoded, pad), references)}
+
+
+def trimmed(rows: np.ndarray, pad_id: int) -> np.ndarray:
+    """Right-padded rows without the columns that hold padding only."""
+    return rows[:, :(rows != pad_id).sum(axis=1).max()]
 
 
 def jax_host_devices(count: int) -> None:
