@@ -210,11 +210,11 @@ def test_special_token_names_round_trip_as_text_through_a_tokenizer_that_has_the
 
 
 def test_stdin_that_is_not_utf8_is_one_line_naming_its_line(monkeypatch, capsys):
-    stdin = io.TextIOWrapper(io.BytesIO(b"seventy-one\neighty\ntwo \xff hundred\n"), encoding="latin-1")
+    stdin = io.TextIOWrapper(io.BytesIO(b"seventy-one\neighty\ntwo \xff hundred\nsixty\n"), encoding="latin-1")
     monkeypatch.setattr(sys, "stdin", stdin)
     status, out, err = cli(capsys, "translate")
     assert status == EXIT_USAGE
-    assert out.splitlines() == ["soixante et onze", "quatre-vingts"]        # the lines before it, translated
+    assert out.splitlines() == ["soixante et onze", "quatre-vingts", "", "soixante"]   # an empty line in its place
     one_error_line(err, "standard input, line 3", "not UTF-8", "0xff")
 
 
@@ -227,7 +227,7 @@ def test_stdin_that_is_not_utf8_in_the_c_locale_and_no_tensorflow_notices(tmp_pa
     result = subprocess.run([SCRIPT, "translate", "--backend", "tf"], input=b"eighty\n\xe9t\xe9\n", env=env,
                             capture_output=True, cwd=tmp_path, timeout=600)
     assert result.returncode == EXIT_USAGE
-    assert result.stdout.decode() == "quatre-vingts\n"
+    assert result.stdout.decode() == "quatre-vingts\n\n"                  # an empty line for the line refused
     assert result.stderr.decode() == ("transformer-reference: error: standard input, line 2: not UTF-8 text "
                                       "(byte 0xe9 at offset 0)\n")
 
