@@ -135,18 +135,19 @@ def check(case: Case, backend, not_compared: list[str] | None = None) -> list[st
     float64 of ``backend`` (an adapter of :mod:`equivalence.adapters`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
     leaves undefined -- a gradient that one rounding of the weights moves by its whole scale
-    (:func:`~.tolerance.gradient_determined`) -- is not compared, and said so in ``not_compared``."""
+    (:func:`~.tolerance.gradient_determined`), a stage made non-finite by an overflow the reference's stage does
+    not show (:func:`_hidden_overflow`) -- is not compared, and said so in ``not_compared``."""
     weights, batch = params(case), inputs(case)
-    found = []
+    found, not_compared = [], [] if not_compared is None else not_compared
     for precision in ("float64", "float32"):
-        found += _forward(case, backend, weights, batch, precision)
+        found += _forward(case, backend, weights, batch, precision, not_compared)
     model, ref64 = backend.build(case.config, weights), reference.build(case.config, weights)
     with np.errstate(all="ignore"):
         expected = reference.greedy(ref64, batch["src"])
     if not _same(np.asarray(backend.greedy(model, batch["src"])), expected):
         found.append("greedy float64: tokens differ")
     training = {key: batch[key] for key in ("src", "tgt", "labels")}
-    return found + _training(case, backend, model, ref64, training, [] if not_compared is None else not_compared)
+    return found + _training(case, backend, model, ref64, training, not_compared)
 
 
 def _training(case: Case, backend, model, ref64, training: dict, not_compared: list[str]) -> list[str]:
@@ -181,15 +182,42 @@ def _same_refusal(message: str, call) -> list[str]:
     return [f"accepted what the reference refuses ({message!r})"]
 
 
-def _forward(case: Case, backend, weights, batch, precision: str) -> list[str]:
-    """The forward stages in ``precision`` against the float64 reference (and the reference in ``precision``)."""
+def _forward(case: Case, backend, weights, batch, precision: str, not_compared: list[str]) -> list[str]:
+    """The forward stages in ``precision`` against the float64 reference (and the reference in ``precision``).
+    A stage left undetermined by an overflow (:func:`_hidden_overflow`) is not compared, and said so."""
     arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
     with np.errstate(all="ignore"):
         ref64 = reference.forward(reference.build(case.config, weights), **arguments)
         same = reference.forward(reference.build(case.config, weights, precision), **arguments)
     out = backend.forward(backend.build(case.config, weights, precision), **arguments)
-    return [f"forward {precision}: {name}: {problem}" for name in ref64
-            if (problem := disagreement(np.asarray(out[name]), ref64[name], same[name], precision))]
+    found = []
+    for name in ref64:
+        port = np.asarray(out[name])
+        if _hidden_overflow(case, weights, arguments, precision, port, same[name]):
+            not_compared.append(f"forward {precision}: {name}: non-finite where the reference in {precision} is "
+                                f"finite, after an operation that overflows {precision}: which value an overflowed "
+                                "product takes (an infinity of either sign or NaN) is its order of operations' choice")
+        elif problem := disagreement(port, ref64[name], same[name], precision):
+            found.append(f"forward {precision}: {name}: {problem}")
+    return found
+
+
+def _hidden_overflow(case: Case, weights, arguments: dict, precision: str, port: np.ndarray, same: np.ndarray) -> bool:
+    """Whether ``port``'s stage departs from the reference's ``same`` only by non-finite values where the reference
+    is finite, while the reference in ``precision`` overflows in some operation (NumPy raises when asked to): e.g. a
+    float32 score q.k of 1.6e47 summed from terms past float32's range is -inf in NumPy's order of fused
+    multiply-adds and NaN in PyTorch's and TensorFlow's kernels, and the reference's -inf then reads as a masked
+    position. A backend finite where the reference is not is never excused (an overflow the reference shows)."""
+    shown = ~np.isfinite(same)
+    extra = ~np.isfinite(port) & ~shown
+    if not extra.any() or not np.array_equal(port[shown], same[shown], equal_nan=True):
+        return False
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            reference.forward(reference.build(case.config, weights, precision), **arguments)
+    except FloatingPointError:
+        return True
+    return False
 
 
 def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str) -> str | None:

@@ -107,7 +107,9 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     exp = np.exp(scores - row_max)                                      # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
-    out = np.where(total > 0, weights @ value, 0.0)                     # (..., Tq, d_v); sees no key -> zeros
+    out = weights @ value                                               # (..., Tq, d_v)
+    if mask is not None:
+        out = np.where(mask.any(axis=-1, keepdims=True), out, 0.0)      # a row that sees no key -> zeros
     return narrow(out, dtype), narrow(weights, dtype)
 
 

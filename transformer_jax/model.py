@@ -141,7 +141,8 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
     out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else _beam_mix(weights, value, beams)
-    out = jnp.where(total > 0, out, 0.0)                                # sees no key -> zeros
+    if mask is not None:
+        out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
     return _narrow(out, dtype), _narrow(weights, dtype)
 
 
@@ -735,7 +736,7 @@ class Transformer(nnx.Module):
         which also hides the positions not yet written). Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_memory(*_describe("memory", memory), len(tgt), self.config.d_model, self.dtype.name)
+        reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
         memory = jnp.asarray(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C

@@ -147,7 +147,8 @@ def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tu
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
     out = tf.matmul(weights, value) if beams is None else _beam_mix(weights, value, beams)
-    out = tf.where(total > 0, out, tf.zeros_like(out))                  # sees no key -> zeros
+    if mask is not None:
+        out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
     return _narrow(out, dtype), _narrow(weights, dtype)
 
 

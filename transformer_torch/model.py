@@ -109,7 +109,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk) or None.
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
-    batch = np.broadcast_shapes(query.shape[:-2], key.shape[:-2])      # (NumPy's: a fraction of torch's cost)
+    batch = _broadcast_shapes(query.shape[:-2], key.shape[:-2])
     if mask is not None:
         mask = _check_mask(mask, (*batch, query.shape[-2], key.shape[-2]), device=query.device)
     dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)
@@ -118,11 +118,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         return _narrow(out, dtype), (_narrow(weights, dtype) if return_weights else None)
     if mask is None:
         return _narrow(F.scaled_dot_product_attention(query, key, value), dtype), None
-    batch = np.broadcast_shapes(mask.shape[:-2], batch)
+    batch = _broadcast_shapes(mask.shape[:-2], batch)
     query, key, value = (t.expand(*batch, *t.shape[-2:]) for t in (query, key, value))  # (..., T, d_k)
     hidden = ~mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1) rows that see no key
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | hidden)
     return _narrow(out.masked_fill(hidden, 0.0), dtype), None           # fully masked row -> zeros
+
+
+def _broadcast_shapes(*shapes) -> tuple:
+    """NumPy's broadcast of shapes (a fraction of torch's cost), or torch's when traced: its sizes are then
+    symbols, which NumPy would turn into the example's constants."""
+    return tuple(torch.broadcast_shapes(*shapes)) if torch.compiler.is_compiling() else np.broadcast_shapes(*shapes)
 
 
 def _differentiated(*tensors: Tensor) -> bool:
@@ -148,7 +154,9 @@ def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor 
     total = exp.sum(dim=-1, keepdim=True)
     weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
     out = weights @ value if beams is None else _beam_mix(weights, value, beams)
-    return torch.where(total > 0, out, 0.0), weights                    # sees no key -> zeros
+    if mask is not None:
+        out = torch.where(mask.any(dim=-1, keepdim=True), out, 0.0)     # a row that sees no key -> zeros
+    return out, weights
 
 
 def _every_row(x: Tensor, beams: Tensor) -> Tensor:
