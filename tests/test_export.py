@@ -5,13 +5,22 @@ and ``equivalence`` are not importable), and its answers are compared with the N
 
 * ``ctranslate2`` with the checkpoint's BPE vocabulary: CTranslate2 translates English *text* (the tokenizer's
   pieces in, pieces out) into exactly the reference's greedy and beam-4 French on held-out sentences of the shipped
-  model; a checkpoint without a tokenizer keeps the ``<N>`` names.
+  model; a checkpoint without a tokenizer keeps the ``<N>`` names;
+* ``savedmodel``, ``jax-export``, ``torch-export``, ``onnx``: the forward pass of the shipped model, loaded by
+  TensorFlow, JAX, PyTorch or onnxruntime alone, gives log-probabilities within the float32 policy
+  (``equivalence.tolerance``) of the float64 reference's on a ragged batch of held-out sentences and on a batch
+  and lengths the export was not traced with (one sentence, one target position: a decoding step's shapes); a
+  planted bug in an exported graph fails that check;
+* what capture needed in the ports: Keras' ``model.export`` after a call (the model records its token inputs),
+  ``torch.compile(fullgraph=True)`` with no graph break in torch's own report, the public calls still refusing
+  bad ids with the reference's message; the command's refusals.
 
 An engine that is not installed is a skip naming its extra.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import site
@@ -22,10 +31,13 @@ import numpy as np
 import pytest
 
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
+from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.tokenizer import pad_rows
 from transformer_cli import ctranslate2_export
-from transformer_cli.main import EXIT_OK, main
-from transformer_cli.numbers_task import NumbersTask, english
+from transformer_cli import export as export_module
+from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_cli.numbers_task import NumbersTask, english, french
 from transformer_cli.translate import SHIPPED, load_translator
 
 PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",
@@ -86,10 +98,14 @@ print(json.dumps({name: [text(result.hypotheses[0]) for result in translator.tra
 """
 
 
-def shipped_texts() -> list[str]:
-    """English sentences spread over the shipped model's test split (3 to 6 digits)."""
+def shipped_numbers() -> np.ndarray:
+    """Numbers spread over the shipped model's test split (3 to 6 digits)."""
     numbers = NumbersTask().split.held_out("test")
-    return [english(n) for n in numbers[::len(numbers) // SHIPPED_TEXTS][:SHIPPED_TEXTS]]
+    return numbers[::len(numbers) // SHIPPED_TEXTS][:SHIPPED_TEXTS]
+
+
+def shipped_texts() -> list[str]:
+    return [english(n) for n in shipped_numbers()]
 
 
 def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys):
@@ -142,3 +158,167 @@ def test_ctranslate2_refuses_a_vocabulary_naming_two_ids_alike():
         ctranslate2_export.token_names(config, config.tgt_vocab_size, json.dumps(data))
     names = ctranslate2_export.token_names(config, config.tgt_vocab_size, tokenizer.to_json())
     assert np.unique(names).size == config.tgt_vocab_size
+
+
+# ----------------------------------------------------------------------------- the forward pass in each runtime
+
+RUNTIMES = {"savedmodel": ("tensorflow", "tf"), "jax-export": ("jax", "jax"), "torch-export": ("torch", "torch"),
+            "onnx": ("onnxruntime", "export")}
+
+# Each reads OUTPUT_DIR and inputs.npz (src_i, tgt_i: int64), writes outputs.npz (out_i), and names the frameworks
+# its process imported (TensorFlow's import brings in JAX when it is installed; onnxruntime runs without torch).
+RUN = {
+    "savedmodel": """
+import tensorflow as tf
+model = tf.saved_model.load(sys.argv[1])
+run = lambda src, tgt: model.serve(tf.constant(src), tf.constant(tgt)).numpy()
+""",
+    "jax-export": """
+import jax
+exported = jax.export.deserialize(bytearray(open(sys.argv[1] + "/forward.jax", "rb").read()))
+weights = dict(np.load(sys.argv[1] + "/weights.npz"))
+run = lambda src, tgt: np.asarray(exported.call(weights, src.astype(np.int32), tgt.astype(np.int32)))
+""",
+    "torch-export": """
+import torch
+program = torch.export.load(sys.argv[1] + "/model.pt2").module()
+run = lambda src, tgt: program(torch.from_numpy(src), torch.from_numpy(tgt)).detach().numpy()
+""",
+    "onnx": """
+import onnxruntime
+session = onnxruntime.InferenceSession(sys.argv[1] + "/model.onnx", providers=["CPUExecutionProvider"])
+run = lambda src, tgt: session.run(["log_probs"], {"src": src, "tgt": tgt})[0]
+""",
+}
+RUN_INPUTS = """
+inputs = np.load(sys.argv[2])
+np.savez(sys.argv[3], **{f"out_{i}": run(inputs[f"src_{i}"], inputs[f"tgt_{i}"]) for i in range(len(inputs) // 2)})
+print(json.dumps(sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime") if name in sys.modules)))
+"""
+
+
+@functools.cache
+def shipped_batches() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """A ragged batch of 8 held-out sentences (src = ids + eos, tgt = bos + the French ids, both right-padded),
+    and one sentence with a target of one position (bos): a batch and lengths no export was traced with."""
+    config, _, tokenizer = load_translator()
+    numbers = shipped_numbers()[::4]
+    src = tokenizer.batch([english(n) for n in numbers])
+    tgt = pad_rows([[config.bos_id, *tokenizer.encode(french(n))] for n in numbers], config.pad_id)
+    return (src, tgt), (src[-1:, :int((src[-1] != config.pad_id).sum())], tgt[:1, :1])
+
+
+def exported_log_probs(target: str, tmp_path) -> list[np.ndarray]:
+    """Export the shipped model with the CLI, run it on :func:`shipped_batches` in a process that cannot import
+    the project, and return its log-probabilities."""
+    require(*RUNTIMES[target])
+    out = tmp_path / target
+    assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
+    np.savez(tmp_path / "inputs.npz", **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
+                                         for name, array in zip(("src", "tgt"), batch)})
+    imported = run_isolated("import numpy as np\n" + RUN[target] + RUN_INPUTS, out, tmp_path / "inputs.npz",
+                            tmp_path / "outputs.npz", cwd=tmp_path)
+    assert RUNTIMES[target][0] in imported and (target != "onnx" or "torch" not in imported), imported
+    outputs = np.load(tmp_path / "outputs.npz")
+    return [outputs[f"out_{i}"] for i in range(len(shipped_batches()))]
+
+
+def check_against_reference(target: str, log_probs: list[np.ndarray], agreement) -> None:
+    config, params = load_checkpoint(SHIPPED)
+    model64, model32 = Transformer(config, params), Transformer(config, params, np.float32)
+    for i, ((src, tgt), out) in enumerate(zip(shipped_batches(), log_probs)):
+        agreement(out, model64(src, tgt), model32(src, tgt), port=target, device="cpu", dtype="float32",
+                  what=f"log-probs of the exported forward pass: shipped model, batch {i} {src.shape} {tgt.shape}")
+
+
+@pytest.mark.parametrize("target", list(RUNTIMES))
+def test_exported_forward_pass_agrees_with_the_reference_without_the_project(target, tmp_path, capsys, agreement):
+    """The CLI's artefact, loaded by its runtime alone, computes the reference's log-probabilities (float32 policy)
+    for any batch and lengths; the directory also holds the config and the checkpoint's tokenizer."""
+    check_against_reference(target, exported_log_probs(target, tmp_path), agreement)
+    out = tmp_path / target
+    assert f"wrote {out}: a float32 " in capsys.readouterr().out
+    config, _, tokenizer = load_translator()
+    manifest = json.loads((out / "transformer.json").read_text())
+    assert TransformerConfig.from_dict(manifest["config"]) == config and manifest["target"] == target
+    assert (out / "tokenizer.json").read_text() == tokenizer.to_json()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["inputs.npz", "outputs.npz", target])
+
+
+@pytest.mark.parametrize("target", ["jax-export", "onnx"])
+def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_path, monkeypatch, agreement):
+    """The check above can fail: an export whose graph multiplies by a transposed projection (the first encoder
+    layer's W_q, square, so every shape still fits) is caught."""
+    config, params = load_checkpoint(SHIPPED, dtype=np.float32)
+    name = "encoder.layers.0.self_attn.q_proj.weight"
+    swapped = {**params, name: np.ascontiguousarray(params[name].T)}
+    monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
+    log_probs = exported_log_probs(target, tmp_path)
+    with pytest.raises(AssertionError, match="log-probs of the exported forward pass"):
+        check_against_reference(target, log_probs, agreement)
+
+
+# ----------------------------------------------------------------------------- capture in the ports
+
+def test_keras_model_export_after_a_call_serves_token_ids(tmp_path, agreement):
+    """Keras' own ``model.export(path)`` (no signature given) works once the model was called, as Keras asks of a
+    subclassed model: the serving signature takes int64 src and tgt of any batch and length, and serves the
+    reference's log-probabilities (float32 policy: the served graph is optimised by Grappler, not the eager one)."""
+    tf = require("tensorflow", "tf")
+    from transformer_tf.checkpoint import load_checkpoint as tf_load
+
+    model = tf_load(SHIPPED, dtype="float32")
+    src, tgt = shipped_batches()[0]
+    model(src, tgt)
+    model.export(str(tmp_path / "saved"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))
+    spec = loaded.signatures["serving_default"].structured_input_signature[1]
+    assert {name: (tuple(s.shape), s.dtype) for name, s in spec.items()} == {
+        "src": ((None, None), tf.int64), "tgt": ((None, None), tf.int64)}
+    check_against_reference("keras model.export", [loaded.serve(tf.constant(src), tf.constant(tgt)).numpy()],
+                            agreement)
+
+
+def test_torch_forward_compiles_in_one_graph_and_the_call_still_checks_ids(agreement):
+    """``torch._dynamo.explain`` (torch's own report) finds no graph break in the forward pass; a model compiled
+    with ``fullgraph=True`` agrees with the reference and still refuses an id outside the vocabulary."""
+    torch = require("torch", "torch")
+    from transformer_torch.checkpoint import load_checkpoint as torch_load
+
+    model = torch_load(SHIPPED, dtype=torch.float32)
+    src, tgt = (torch.from_numpy(a) for a in shipped_batches()[0])
+    with torch.no_grad():
+        report = torch._dynamo.explain(model.forward)(src, tgt)
+        assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
+        model.compile(fullgraph=True)
+        out = model(src, tgt).numpy()
+    config, params = load_checkpoint(SHIPPED)
+    agreement(out, Transformer(config, params)(src.numpy(), tgt.numpy()),
+              Transformer(config, params, np.float32)(src.numpy(), tgt.numpy()), port="torch.compile", device="cpu",
+              dtype="float32", what="log-probs of the compiled forward pass: shipped model")
+    bad = src.clone()
+    bad[0, 0] = config.src_vocab_size
+    with pytest.raises(ValueError, match=rf"^src holds token ids outside \[0, {config.src_vocab_size}\)$"):
+        model(bad, tgt)
+
+
+# ----------------------------------------------------------------------------- the command's refusals
+
+def test_export_refuses_an_existing_output_its_input_and_a_missing_runtime(tmp_path, capsys, monkeypatch):
+    """One line on stderr, exit 2, nothing written: an existing OUTPUT_DIR without --force (kept as it was), an
+    OUTPUT_DIR holding the checkpoint (even with --force), a framework that is not installed (naming the extra)."""
+    config = TransformerConfig.preset("tiny")
+    checkpoint = tmp_path / "m.safetensors"
+    save_checkpoint(checkpoint, config, init_params(config, seed=0))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("a user's file")
+    monkeypatch.setitem(sys.modules, "onnxscript", None)                  # import onnxscript fails
+    cases = {("onnx", "out"): f"'{tmp_path / 'out'}' already exists; pass force=True (--force) to replace it",
+             ("onnx", "."): f"OUTPUT_DIR: writing '{tmp_path}' would replace the input '{checkpoint}'; write elsewhere",
+             ("onnx", "new"): "exporting to onnx needs onnxscript: pip install 'transformer-reference[export]'"}
+    for (target, output), message in cases.items():
+        force = ["--force"] if output == "." else []
+        assert main(["export", "--to", target, str(checkpoint), str(tmp_path / output), *force]) == EXIT_USAGE
+        assert capsys.readouterr().err == f"transformer-reference: error: {message}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]

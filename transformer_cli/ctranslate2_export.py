@@ -53,7 +53,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -350,14 +350,26 @@ def save_ctranslate2(config: TransformerConfig, params: dict[str, np.ndarray], o
     An existing ``output_dir`` is refused unless ``force``; the model is written into a temporary
     sibling directory first and renamed into place, so that a failed export leaves nothing behind
     and replaces nothing. Returns the output directory."""
-    output = check_output(output_dir, force)
+    check_output(output_dir, force)
     spec = build_spec(config, params, tokenizer)
     spec.optimize(quantization="float32")                                   # aliases the tied copies
+
+    def write(directory: Path) -> None:
+        spec.save(str(directory))
+        if tokenizer is not None:
+            (directory / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
+
+    return write_into_place(output_dir, force, write)
+
+
+def write_into_place(output_dir: str | os.PathLike, force: bool, write: Callable[[Path], None]) -> Path:
+    """Call ``write(directory)`` on a new temporary directory beside ``output_dir`` (refused if it exists,
+    unless ``force``, see :func:`check_output`) and rename that directory into place once ``write`` has
+    returned: a failure leaves nothing behind and replaces nothing. Returns the output directory."""
+    output = check_output(output_dir, force)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
-        spec.save(str(staging))
-        if tokenizer is not None:
-            (staging / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
+        write(staging)
         staging.chmod(0o777 & ~_umask())                                    # mkdtemp's 0o700 -> a usual directory
         _move_into_place(staging, output)
     finally:

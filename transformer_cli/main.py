@@ -2,7 +2,7 @@
 
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
     transformer-reference bench [--preset base] [--peers] [--json] [--plot FILE.png]
-    transformer-reference export --to ctranslate2 CHECKPOINT OUTPUT_DIR [--force]
+    transformer-reference export --to ctranslate2|savedmodel|jax-export|torch-export|onnx CKPT OUT_DIR [--force]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
                                          [--out attention.png]
@@ -266,21 +266,26 @@ def run_init(args) -> int:
 
 
 def add_export(commands) -> None:
-    export = subcommand(commands, "export", "write a shared checkpoint as another engine's model (CTranslate2)")
-    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a shared safetensors checkpoint")
-    export.add_argument("output_dir", metavar="OUTPUT_DIR", help="the model directory to write")
-    export.add_argument("--to", required=True, choices=["ctranslate2"],
-                        help="the engine: ctranslate2 (a float32 model directory; the 'peers' extra, docs/peers.md)")
+    from .export import TARGETS
+
+    export = subcommand(commands, "export", "write a shared checkpoint as an artefact a runtime loads without this "
+                                            "project: CTranslate2, a SavedModel, jax.export, torch.export, ONNX")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a shared safetensors checkpoint, or a shipped "
+                                                                 "model's name")
+    export.add_argument("output_dir", metavar="OUTPUT_DIR", help="the directory to write")
+    export.add_argument("--to", required=True, choices=list(TARGETS),
+                        help="ctranslate2 (the 'peers' extra), savedmodel (tf), jax-export (jax), torch-export "
+                             "(torch), onnx (export): a float32 artefact of the forward pass, and CTranslate2's "
+                             "decoder (docs/deploy.md)")
     export.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists (it is kept otherwise)")
     export.set_defaults(run=run_export)
 
 
 def run_export(args) -> int:
-    from .ctranslate2_export import export_ctranslate2
+    from .export import describe, export
 
-    output = export_ctranslate2(args.checkpoint, args.output_dir, args.force)
-    vocabulary = "the checkpoint's BPE vocabulary" if (output / "tokenizer.json").exists() else "<N> token names"
-    print(f"wrote {output}: a float32 CTranslate2 model with {vocabulary} (ctranslate2.Translator; docs/deploy.md)")
+    output = export(args.to, args.checkpoint, args.output_dir, args.force)
+    print(f"wrote {output}: {describe(args.to, output)}; docs/deploy.md")
     return EXIT_OK
 
 

@@ -1,0 +1,211 @@
+"""``transformer-reference export --to TARGET CHECKPOINT OUTPUT_DIR``: a shared checkpoint as an artefact that its
+framework's runtime loads and runs without this project (docs/deploy.md).
+
+Every target is a directory holding the framework's artefact of the float32 forward pass (section 3, Figure 1:
+token ids src (B, S) and tgt (B, T), the target shifted right, to log-probabilities (B, T, V_tgt); padding masks
+computed from ``pad_id`` inside, any batch and any lengths up to ``max_len``), and beside it ``transformer.json``
+(the model config: its pad, bos and eos ids and ``max_len`` are what a caller needs; the target; the inputs'
+and output's names) and, if the checkpoint holds one, ``tokenizer.json`` (the shared BPE vocabulary of section
+5.1, a Hugging Face ``tokenizers`` JSON text):
+
+* ``savedmodel``: the Keras port's model through ``model.export`` -- a TensorFlow SavedModel whose ``serve``
+  endpoint (and ``serving_default`` signature) takes int64 ``src`` and ``tgt``; ``tf.saved_model.load``;
+* ``jax-export``: the JAX port's forward pass through ``jax.jit`` and ``jax.export.export`` with symbolic batch
+  and lengths (``b``, ``s``, ``t``; s, t <= max_len), serialized to ``forward.jax``; it takes the weights as
+  its first argument, a dict of float32 arrays by checkpoint name (``weights.npz``), then int32 ``src`` and
+  ``tgt``: ``jax.export.deserialize(...).call(weights, src, tgt)``;
+* ``torch-export``: the PyTorch port's model through ``torch.export.export`` with dynamic batch and lengths,
+  saved by ``torch.export.save`` as ``model.pt2``; ``torch.export.load(...).module()(src, tgt)``;
+* ``onnx``: the same captured program through torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``),
+  ``model.onnx``, inputs ``src``, ``tgt`` (int64), output ``log_probs``; run by onnxruntime;
+* ``ctranslate2``: :mod:`.ctranslate2_export` (a CTranslate2 model directory, its vocabulary the tokenizer's
+  pieces).
+
+The traced forward passes read no tensor on the host, so an artefact does not check that ids are below the
+vocabulary size (the ports' public calls do, before their compiled code): a serving process must pass ids of
+the vocabulary. Each export is refused, with one ``ValueError``, when OUTPUT_DIR exists (unless ``force``) or
+holds the checkpoint, or when the framework is not installed; it is written into a temporary sibling directory
+and renamed into place (:func:`.ctranslate2_export.write_into_place`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
+from reference_numpy.config import TransformerConfig
+
+from .arguments import refuse_input
+from .ctranslate2_export import TOKENIZER_FILE, check_output, export_ctranslate2, write_into_place
+
+MANIFEST = "transformer.json"
+INPUTS, OUTPUT = ("src", "tgt"), "log_probs"
+EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 3      # the example a tracer runs: sizes above 1, which torch keeps symbolic
+
+
+def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
+    """Write ``checkpoint`` (a file or a shipped model's name) as ``target``'s artefact in ``output_dir`` (see the
+    module docstring). Returns the output directory."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if target == "ctranslate2":
+        return export_ctranslate2(checkpoint, output_dir, force)
+    path = resolve_checkpoint(checkpoint)
+    refuse_input(os.fspath(output_dir), [os.fspath(path)], "OUTPUT_DIR")
+    check_output(output_dir, force)
+    writer = TARGETS[target]
+    for module, extra in writer.requires:
+        _require(module, extra, target)
+    config, params = load_checkpoint(path, dtype=np.float32)
+    tokenizer = load_tokenizer_json(path)
+
+    def write(directory: Path) -> None:
+        writer(config, params, directory)
+        manifest = {"target": target, "dtype": "float32", "inputs": list(INPUTS), "output": OUTPUT,
+                    "files": writer.files, "config": config.to_dict()}
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            (directory / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
+
+    return write_into_place(output_dir, force, write)
+
+
+def _require(module: str, extra: str, target: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError:
+        raise ValueError(f"exporting to {target} needs {module}: pip install 'transformer-reference[{extra}]'") \
+            from None
+
+
+def _writer(files: list[str], *requires: tuple[str, str]) -> Callable:
+    """Mark a writer ``(config, params, directory)`` with the files it writes and the (module, extra) it needs."""
+    def mark(function: Callable) -> Callable:
+        function.files, function.requires = files, requires
+        return function
+    return mark
+
+
+def example_tokens(config: TransformerConfig) -> np.ndarray:
+    """The ids a tracer runs the forward pass on (any ids of the vocabulary: the graph does not depend on them)."""
+    return np.full((EXAMPLE_BATCH, EXAMPLE_LENGTH), config.eos_id, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------- TensorFlow: a SavedModel
+
+@_writer(["saved_model.pb", "variables/", "assets/", "fingerprint.pb"], ("tensorflow", "tf"))
+def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+    """The Keras port's float32 model through Keras' ``model.export`` with int64 (B, S), (B, T) inputs."""
+    import tensorflow as tf
+
+    from transformer_tf.checkpoint import from_params
+
+    model = from_params(config, params, dtype="float32")
+    signature = [tf.TensorSpec((None, None), tf.int64, name=name) for name in INPUTS]
+    model.export(str(directory), format="tf_saved_model", verbose=False, input_signature=signature)
+
+
+# ----------------------------------------------------------------------------- JAX: jax.export
+
+@_writer(["forward.jax", "weights.npz"], ("jax", "jax"), ("flax", "jax"))
+def write_jax_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+    """The JAX port's float32 forward pass, ``jax.export``-ed with symbolic batch and lengths, and its weights."""
+    import jax
+
+    weights = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in params.items()}
+    exported = jax.export.export(jax.jit(jax_forward(config, params)))(*jax_input_specs(config, weights))
+    (directory / "forward.jax").write_bytes(exported.serialize())
+    np.savez(directory / "weights.npz", **weights)
+
+
+def jax_forward(config: TransformerConfig, params: dict[str, np.ndarray]) -> Callable:
+    """``forward(weights, src, tgt)``: the JAX port's model with ``weights`` (float32 arrays by checkpoint name,
+    the JAX layout being the checkpoint's) in place of its parameters, in inference mode."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from transformer_jax.checkpoint import from_params, name_table
+
+    graphdef, state, rest = nnx.split(from_params(config, params, dtype=jnp.float32), nnx.Param, ...)
+    name_of = {path: name for name, path in name_table(config).items()}
+    slots = [(keys, variable, name_of[".".join(map(str, keys))]) for keys, variable in nnx.to_flat_state(state)]
+
+    def forward(weights: dict, src, tgt):
+        given = nnx.from_flat_state([(keys, variable.replace(weights[name])) for keys, variable, name in slots])
+        return nnx.merge(graphdef, given, rest)(src, tgt, deterministic=True)
+
+    return forward
+
+
+def jax_input_specs(config: TransformerConfig, weights: dict[str, np.ndarray]) -> tuple:
+    """The exported function's arguments: the weights' shapes, and int32 ids of symbolic batch ``b`` and lengths
+    ``s``, ``t`` of at most ``max_len``."""
+    import jax
+
+    batch, src_len, tgt_len = jax.export.symbolic_shape(
+        "b, s, t", constraints=[f"s <= {config.max_len}", f"t <= {config.max_len}"])
+    shapes = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in weights.items()}
+    return shapes, jax.ShapeDtypeStruct((batch, src_len), np.int32), jax.ShapeDtypeStruct((batch, tgt_len), np.int32)
+
+
+# ----------------------------------------------------------------------------- PyTorch: torch.export and ONNX
+
+def torch_program(config: TransformerConfig, params: dict[str, np.ndarray]) -> tuple:
+    """The PyTorch port's float32 model in eval mode, the example inputs to trace it on and their dynamic
+    dimensions for ``torch.export``: batch and lengths (up to ``max_len``)."""
+    import torch
+
+    from transformer_torch.checkpoint import from_params
+
+    model = from_params(config, params, dtype=torch.float32).eval()
+    batch = torch.export.Dim("batch")
+    lengths = [torch.export.Dim(f"{name}_length", max=config.max_len) for name in INPUTS]
+    example = tuple(torch.from_numpy(example_tokens(config)) for _ in INPUTS)
+    return model, example, tuple({0: batch, 1: length} for length in lengths)
+
+
+@_writer(["model.pt2"], ("torch", "torch"))
+def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+    """``torch.export.export`` of the PyTorch port's float32 model, saved as ``model.pt2``."""
+    import torch
+
+    model, example, dynamic = torch_program(config, params)
+    with torch.no_grad():
+        program = torch.export.export(model, example, dynamic_shapes=dynamic)
+    torch.export.save(program, directory / "model.pt2")
+
+
+@_writer(["model.onnx"], ("torch", "torch"), ("onnxscript", "export"), ("onnx", "export"))
+def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+    """torch's ONNX exporter (``dynamo=True``: from ``torch.export``'s program) on the PyTorch port's float32
+    model, inputs ``src``, ``tgt`` and output ``log_probs``, saved as ``model.onnx``."""
+    import torch
+
+    model, example, dynamic = torch_program(config, params)
+    with torch.no_grad():
+        program = torch.onnx.export(model, example, dynamo=True, dynamic_shapes=dynamic, input_names=list(INPUTS),
+                                    output_names=[OUTPUT], verbose=False)
+    program.save(str(directory / "model.onnx"))
+
+
+def describe(target: str, output: Path) -> str:
+    """What the export wrote into ``output``, for the command's report."""
+    if target == "ctranslate2":
+        vocabulary = "the checkpoint's BPE vocabulary" if (output / TOKENIZER_FILE).exists() else "<N> token names"
+        return f"a float32 CTranslate2 model with {vocabulary} (ctranslate2.Translator)"
+    return DESCRIPTIONS[target]
+
+
+DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel (tf.saved_model.load(OUTPUT_DIR).serve(src, tgt))",
+                "jax-export": "a float32 jax.export forward pass and its weights (jax.export.deserialize)",
+                "torch-export": "a float32 torch.export program (torch.export.load(OUTPUT_DIR/model.pt2))",
+                "onnx": "a float32 ONNX model (onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx))"}
+TARGETS: dict[str, Callable | None] = {"ctranslate2": None, "savedmodel": write_savedmodel,
+                                       "jax-export": write_jax_export, "torch-export": write_torch_export,
+                                       "onnx": write_onnx}
