@@ -328,8 +328,8 @@ def test_export_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == f"transformer-reference: error: '{out}' already exists; pass force=True (--force) to replace it\n"
     assert main(["export", "--to", "ctranslate2", checkpoint, out, "--force"]) == EXIT_OK
-    assert main(["export", "--to", "onnx", checkpoint, out]) == EXIT_USAGE
-    assert "argument --to: invalid choice: 'onnx'" in capsys.readouterr().err
+    assert main(["export", "--to", "tflite", checkpoint, out]) == EXIT_USAGE
+    assert "argument --to: invalid choice: 'tflite'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- Marian and nn.Transformer
