@@ -67,10 +67,21 @@ HIDDEN = fuzz.Case.from_json(
     '"token_dtype": "int64", "weight_scale": 1e12}')
 
 
+# Found by a 30-minute run: a float32 variance past the largest float32 (an input of 1e27 after a d_ff of 1), where
+# torch's F.layer_norm gave the bias (finite and wrong) instead of the NaN the policy and the other backends give.
+LAYER_NORM_BIAS = fuzz.Case(
+    TransformerConfig(src_vocab_size=3, tgt_vocab_size=3, d_model=10, n_heads=5, d_ff=1, n_encoder_layers=2,
+                      n_decoder_layers=1, dropout=0.0, layer_norm_eps=1e-12, norm_first=False, max_len=1,
+                      share_embeddings=True, pad_id=0, bos_id=1, eos_id=2),
+    seed=0, weight_scale=1e9, src_lengths=(0,), tgt_lengths=(0,), src_len=1, tgt_len=1, token_dtype="int64",
+    explicit_masks=False)
+
+
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
-@pytest.mark.parametrize("case", [SATURATED, OVERFLOW, dataclasses.replace(OVERFLOW, weight_scale=1e12), UNSEEN_NAN],
+@pytest.mark.parametrize("case", [SATURATED, OVERFLOW, dataclasses.replace(OVERFLOW, weight_scale=1e12), UNSEEN_NAN,
+                                  LAYER_NORM_BIAS],
                          ids=["saturated-softmax-x1e3", "float32-overflow-x1e9", "float32-overflow-x1e12",
-                              "unseen-nan-values"])
+                              "unseen-nan-values", "layer-norm-bias"])
 def test_cases_found_by_fuzzing(port, case):
     """Weights x1000 saturate every softmax: PyTorch's fused attention backward lost the gradient to rounding
     (0.13 against a bound of 1e-7). Weights x1e9 overflow float32's LayerNorm variance: PyTorch gave NaN where the
@@ -78,7 +89,7 @@ def test_cases_found_by_fuzzing(port, case):
     was 1e84 against the reference's 9e33: see the next test): reported as not compared, never as agreement."""
     not_compared = []
     assert fuzz.check(case, port_backend(port), not_compared) == []
-    undetermined = case.weight_scale >= 1e9 and case is not UNSEEN_NAN
+    undetermined = case.weight_scale >= 1e9 and case.config == OVERFLOW.config         # the overflow cases
     assert len(not_compared) == undetermined and all("undetermined" in note for note in not_compared)
 
 

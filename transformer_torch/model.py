@@ -417,7 +417,9 @@ class LayerNorm(nn.LayerNorm):
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6; torch's
     own default, 1e-5, is not the project's). In a low precision the statistics, the normalization,
-    gain and bias are computed wide (float32, ``F.layer_norm``) and the output rounded to P.
+    gain and bias are computed wide (float32, ``F.layer_norm``) and the output rounded to P. A variance past the
+    format's largest number gives NaN, as in the reference (``F.layer_norm`` gives NaN or the bias, depending on
+    the values).
 
     Shape: x (..., D) -> (..., D).
     """
@@ -426,8 +428,10 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.layer_norm(_wide(x), self.normalized_shape, _wide(self.weight), _wide(self.bias), self.eps)
-        return _narrow(y, x.dtype)
+        wide = _wide(x)
+        y = F.layer_norm(wide, self.normalized_shape, _wide(self.weight), _wide(self.bias), self.eps)
+        overflow = torch.isinf(wide.var(dim=-1, correction=0, keepdim=True))     # (..., 1)
+        return _narrow(torch.where(overflow, torch.nan, y), x.dtype)
 
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
