@@ -554,7 +554,7 @@ TEXT = [
            "if max(ids.values()) >= limit or min(ids.values()) < 0:", "if min(ids.values()) < 0:",
            ["tests/test_tokenizer.py"]),
     single("text", "numbers task: test and validation numbers left in the training pool", "transformer_cli/numbers_task.py",
-           "numbers = np.sort(numbers[TEST_PER_LENGTH + VALIDATION_PER_LENGTH:])", "numbers = np.sort(numbers)",
+           "numbers = np.sort(numbers[n_test + n_valid:])", "numbers = np.sort(numbers)",
            ["tests/test_numbers_task.py"]),
     single("text", "numbers task: labels not shifted (the decoder sees the token it must predict)",
            "transformer_cli/numbers_task.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',

@@ -36,13 +36,13 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E4
 from reference_numpy.tokenizer import Tokenizer  # noqa: E402
 from transformer_cli import backends  # noqa: E402
 from transformer_cli.extras import progress_bar  # noqa: E402
-from transformer_cli.numbers_task import HELD_OUT_DIGITS, TEST, TEST_PER_LENGTH, NumbersTask  # noqa: E402
+from transformer_cli.numbers_task import TEST, NumbersTask  # noqa: E402
 from transformer_cli.translate import SHIPPED, load_translator  # noqa: E402
 
 REFERENCE = "numpy"
 KINDS = ("greedy", "beam")
 DTYPE = "float64"
-TEST_SIZE = TEST_PER_LENGTH * len(HELD_OUT_DIGITS)
+TEST_SIZE = len(NumbersTask().split.test)
 
 
 @dataclass

@@ -79,7 +79,7 @@ def test_train_checks_eval_size_and_max_length_before_any_work(tmp_path, monkeyp
     began = time.perf_counter()
     status, _, err = cli(capsys, "train", "--task", "numbers", "--eval-size", "5000")
     assert status == EXIT_USAGE and time.perf_counter() - began < 5          # no tokenizer learned, no model built
-    one_error_line(err, "--eval-size 5000", "1000")
+    one_error_line(err, "--eval-size 5000", "812")
     status, _, err = cli(capsys, "train", "--max-length", str(TINY.max_len))   # + eos: one position too many
     assert status == EXIT_USAGE
     one_error_line(err, f"--max-length {TINY.max_len}", f"max_len {TINY.max_len}")

@@ -17,7 +17,8 @@ from transformer_cli.numbers_task import (
     Split,
     english,
     french,
-    numbers_of_length,
+    patterns,
+    zero_pattern,
 )
 from transformer_cli.translate import load_translator
 
@@ -42,17 +43,42 @@ def split() -> Split:
     return Split.make()
 
 
-def digits(numbers) -> np.ndarray:
-    return np.array([len(str(int(n))) for n in numbers])
-
-
 # ----------------------------------------------------------------------------- the split
 
-def test_the_held_out_sets_have_their_sizes_per_length(split):
-    assert len(split.test) == 1000 and len(split.validation) == 500
-    for held_out, per_length in ((split.test, 250), (split.validation, 125)):
-        lengths, counts = np.unique(digits(held_out), return_counts=True)
-        assert lengths.tolist() == [3, 4, 5, 6] and counts.tolist() == [per_length] * 4
+def pattern_size(pattern: str) -> int:
+    """How many integers a zero pattern holds, in closed form: 9 choices for every nonzero digit ("0" is one)."""
+    return 1 if pattern == "0" else 9 ** pattern.count("x")
+
+
+def test_a_number_s_pattern_marks_its_zero_digits():
+    cases = {0: "0", 5: "x", 80: "x0", 100: "x00", 1000: "x,000", 1001: "x,00x", 100002: "x00,00x",
+             971000: "xxx,000", 999999: "xxx,xxx", 405060: "x0x,0x0"}
+    assert {n: zero_pattern(n) for n in cases} == cases
+
+
+def test_patterns_group_every_number_by_its_pattern(split):
+    groups = patterns()
+    assert len(groups) == 64 and sum(len(g) for g in groups.values()) == ALL
+    assert {p: len(g) for p, g in groups.items()} == {p: pattern_size(p) for p in groups}
+    rng = np.random.Generator(np.random.PCG64(0))
+    for pattern, numbers in groups.items():
+        assert all(zero_pattern(n) == pattern for n in rng.choice(numbers, min(50, len(numbers)), replace=False))
+
+
+def test_the_held_out_sets_are_stratified_by_pattern(split):
+    """16 test and 8 validation numbers from each pattern of 729 numbers or more, 10 and 5 from the patterns of 81
+    (of 3 digits or more), none from the others: every kind of number is tested."""
+    expected_test, expected_validation = {}, {}
+    for pattern in patterns():
+        size, held = pattern_size(pattern), len(pattern.replace(",", "")) >= 3 and pattern_size(pattern) >= 81
+        expected_test[pattern] = min(16, size // 8) if held else 0
+        expected_validation[pattern] = min(8, size // 16) if held else 0
+    for held_out, expected in ((split.test, expected_test), (split.validation, expected_validation)):
+        found = dict.fromkeys(expected, 0)
+        for n in held_out:
+            found[zero_pattern(n)] += 1
+        assert found == expected
+    assert len(split.test) == sum(expected_test.values()) == 812
     assert np.array_equal(split.held_out("test"), split.test)
     assert np.array_equal(split.held_out("validation"), split.validation)
     with pytest.raises(ValueError, match=r"^split must be 'test' or 'validation', got 'train'$"):
@@ -66,11 +92,10 @@ def test_every_number_is_in_exactly_one_place(split):
     assert len(np.intersect1d(split.test, split.validation)) == 0
     training = np.concatenate(list(split.pool.values()))
     assert not np.isin(split.test, training).any() and not np.isin(split.validation, training).any()
-    for length, pool in split.pool.items():
-        assert set(digits(pool)) == {length}
+    for pattern, pool in split.pool.items():
+        assert {zero_pattern(n) for n in pool[:: max(1, len(pool) // 100)]} == {pattern}
         assert np.array_equal(np.sort(pool), pool)
-    assert np.array_equal(np.sort(np.concatenate([split.pool[1], split.pool[2]])), np.arange(100))
-    assert numbers_of_length(1).tolist() == list(range(10)) and numbers_of_length(3)[[0, -1]].tolist() == [100, 999]
+    assert np.isin(np.arange(100), training).all()                      # the words of the languages are trained
 
 
 def test_the_split_is_reproducible_and_depends_on_its_seed(split):
@@ -86,10 +111,18 @@ def test_training_numbers_never_hold_a_held_out_number(split):
     drawn = np.concatenate([split.training_numbers(128, np.random.Generator(np.random.PCG64([seed, step])))
                             for seed in (0, 1) for step in range(100)])
     assert not np.isin(drawn, held_out).any()
-    # lengths follow DIGIT_WEIGHTS: within 4 standard deviations of p over these 25,600 draws
-    weights = np.array([DIGIT_WEIGHTS[k] for k in range(1, 7)], dtype=float)
-    p = weights / weights.sum()
-    frequency = np.array([(digits(drawn) == k).mean() for k in range(1, 7)])
+    # patterns follow the documented mixture, within 4 standard deviations of p over these 25,600 draws: half a
+    # length by DIGIT_WEIGHTS then a number of that length, half a pattern uniformly
+    pool = {pattern: len(numbers) for pattern, numbers in split.pool.items()}
+    length_of = {pattern: len(str(int(split.pool[pattern][0]))) for pattern in pool}
+    of_length = {k: sum(size for q, size in pool.items() if length_of[q] == k) for k in DIGIT_WEIGHTS}
+    total = sum(DIGIT_WEIGHTS.values())
+    p = np.array([0.5 * DIGIT_WEIGHTS[length_of[q]] / total * pool[q] / of_length[length_of[q]] + 0.5 / len(pool)
+                  for q in pool])
+    counts = dict.fromkeys(pool, 0)
+    for n in drawn:
+        counts[zero_pattern(n)] += 1
+    frequency = np.array([counts[q] for q in pool]) / len(drawn)
     assert np.all(np.abs(frequency - p) <= 4 * np.sqrt(p * (1 - p) / len(drawn))), (frequency, p)
 
 
@@ -235,7 +268,7 @@ def test_the_corpus_agrees_with_the_grammar_oracles(task, split):
 
 def test_held_out_gives_the_split_whatever_the_seed(task, shipped, split):
     config, tokenizer = shipped[0], shipped[2]
-    src, references = task.held_out(config, 1000, "test", 0)
+    src, references = task.held_out(config, len(split.test), "test", 0)
     assert sorted(references) == sorted(french(n) for n in split.test)
     assert sorted(tokenizer.decode(row) for row in src) == sorted(english(n) for n in split.test)
     translation = {english(n): french(n) for n in split.test}
@@ -246,7 +279,7 @@ def test_held_out_gives_the_split_whatever_the_seed(task, shipped, split):
     assert set(small_refs) <= {french(n) for n in split.validation}
 
 
-@pytest.mark.parametrize("split_name, size", [("test", 1000), ("validation", 500)])
+@pytest.mark.parametrize("split_name, size", [("test", 812), ("validation", 406)])
 def test_held_out_refuses_more_than_the_split_and_none(task, shipped, split_name, size):
     for count in (size + 1, 0):
         with pytest.raises(ValueError, match=rf"^the {split_name} set holds {size} pairs; {count} were asked for "

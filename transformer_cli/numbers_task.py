@@ -5,12 +5,17 @@ Both sides are written by ``num2words`` from the same integer, so the pairs foll
 "eighty thousand" -> "quatre-vingt mille"; "seventy-one" -> "soixante et onze"). The integers run from 0 to
 999,999.
 
-The split is fixed by ``SPLIT_SEED``: for each length of 3 to 6 digits, a seeded shuffle puts the first numbers in
-the test set, the next in the validation set and the rest in the training pool, so no test or validation number
-ever occurs in training. The 100 numbers below 100 are the words of the languages and are all in training.
-Training batch ``s`` is drawn from its own stream ``PCG64([seed, s])`` (a resumed run sees the batches the
-uninterrupted run would have seen): a length of ``k`` digits with probability ``DIGIT_WEIGHTS[k] / sum``, then a
-number of that length from the pool.
+Numbers come in kinds (:func:`zero_pattern`: which digits are zero, ``x00,00x`` is "one hundred thousand and
+two"), and a kind is learned or missed as a whole; a uniform sample of the integers holds few of the rare kinds
+(numbers of the pattern ``x00,00x`` are 81 in a million). So the split is stratified by pattern, fixed by
+``SPLIT_SEED``: from every pattern of 81 numbers or more (all of 3 to 6 digits) a seeded shuffle puts
+``min(TEST_PER_PATTERN, n // 8)`` numbers in the test set, ``min(VALIDATION_PER_PATTERN, n // 16)`` in the
+validation set and the rest in the training pool, so no test or validation number ever occurs in training; the
+numbers below 100 (the words of the languages) and the patterns of 9 numbers (``x00``, ``x,000``, ...) are all in
+training. Training batch ``s`` is drawn from its own stream ``PCG64([seed, s])`` (a resumed run sees the batches
+the uninterrupted run would have seen): each number, with probability 1/2 from a length of ``k`` digits chosen
+with probability ``DIGIT_WEIGHTS[k] / sum`` (then uniformly among its numbers), otherwise from a pattern chosen
+uniformly among the 64 (then uniformly among its numbers in the pool).
 
 The tokenizer is a shared BPE vocabulary (section 5.1) learned from ``TOKENIZER_TEXTS`` training pairs, both
 languages together; it is saved inside every checkpoint the ``train`` command writes for this task.
@@ -30,14 +35,14 @@ from .copy_task import TEST, VALIDATION  # the held-out splits every task names 
 
 SPLIT_SEED = 1706_03762                                    # the paper's arXiv number
 DIGITS = range(1, 7)                                       # 0 .. 999,999
-HELD_OUT_DIGITS = (3, 4, 5, 6)
-TEST_PER_LENGTH, VALIDATION_PER_LENGTH = 250, 125          # a test set of 1,000 numbers, a validation set of 500
+TEST_PER_PATTERN, VALIDATION_PER_PATTERN = 16, 8           # from each pattern of HELD_OUT_FROM numbers or more
+HELD_OUT_FROM = 81
 DIGIT_WEIGHTS = {1: 1, 2: 2, 3: 4, 4: 4, 5: 4, 6: 4}
 TOKENIZER_TEXTS, VOCAB_SIZE = 20_000, 384
 # The model and recipe of the shipped checkpoint (docs/training.md); training stops once greedy decoding translates
 # STOP_AT of VALIDATION_SIZE validation numbers exactly, checked every EVAL_EVERY steps
-DEFAULTS = dict(steps=3000, batch_size=128, warmup_steps=400, learning_rate_scale=0.5, stop_at=0.998, eval_every=250,
-                validation_size=500)
+DEFAULTS = dict(steps=3000, batch_size=128, warmup_steps=400, learning_rate_scale=0.5, stop_at=0.995, eval_every=250,
+                validation_size=400)
 MODEL = dict(d_model=128, n_heads=4, d_ff=512, n_encoder_layers=3, n_decoder_layers=3, max_len=64,
              share_embeddings=True, dropout=0.0)
 
@@ -58,44 +63,68 @@ def _num2words():
     return num2words
 
 
-def numbers_of_length(digits: int) -> np.ndarray:
-    """Every integer written with ``digits`` digits (0 counts as one digit)."""
-    return np.arange(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits)
+def zero_pattern(number: int) -> str:
+    """The kind of a number: its digits written as ``x`` (not zero) or ``0``, thousands apart -- 100002 is
+    ``x00,00x`` ("one hundred thousand and two"), 971000 ``xxx,000``. Numbers of one pattern are written alike in
+    both languages, so a pattern is what a model learns or misses as a whole (64 patterns from 0 to 999,999)."""
+    return "".join("0" if digit == "0" else "x" if digit.isdigit() else digit for digit in f"{int(number):,}")
+
+
+def patterns() -> dict[str, np.ndarray]:
+    """Every integer from 0 to 999,999 by :func:`zero_pattern`, shortest patterns first."""
+    numbers = np.arange(10 ** max(DIGITS))
+    length = np.maximum(1, np.floor(np.log10(np.maximum(numbers, 1))).astype(int) + 1)
+    nonzero = sum(((numbers // 10 ** k) % 10 != 0).astype(int) << k for k in range(max(DIGITS)))
+    key = length * 2 ** max(DIGITS) + nonzero                                # the pattern, as one integer
+    order = np.argsort(key, kind="stable")
+    starts = np.flatnonzero(np.diff(key[order], prepend=-1))
+    return {zero_pattern(group[0]): group for group in np.split(numbers[order], starts[1:])}
 
 
 @dataclass(frozen=True)
 class Split:
-    """The test, validation and training numbers; the training pool by number of digits."""
+    """The test, validation and training numbers; the training pool by zero pattern."""
 
     test: np.ndarray
     validation: np.ndarray
-    pool: dict[int, np.ndarray] = field(repr=False)
+    pool: dict[str, np.ndarray] = field(repr=False)
 
     @classmethod
     def make(cls, seed: int = SPLIT_SEED) -> Split:
         rng = np.random.Generator(np.random.PCG64(seed))
         test, validation, pool = [], [], {}
-        for digits in DIGITS:
-            numbers = numbers_of_length(digits)
-            if digits in HELD_OUT_DIGITS:
+        for pattern, numbers in patterns().items():
+            if len(numbers) >= HELD_OUT_FROM and numbers[0] >= 100:
                 numbers = rng.permutation(numbers)
-                test.append(numbers[:TEST_PER_LENGTH])
-                validation.append(numbers[TEST_PER_LENGTH:TEST_PER_LENGTH + VALIDATION_PER_LENGTH])
-                numbers = np.sort(numbers[TEST_PER_LENGTH + VALIDATION_PER_LENGTH:])
-            pool[digits] = numbers
-        return cls(np.concatenate(test), np.concatenate(validation), pool)
+                n_test = min(TEST_PER_PATTERN, len(numbers) // 8)
+                n_valid = min(VALIDATION_PER_PATTERN, len(numbers) // 16)
+                test.append(numbers[:n_test])
+                validation.append(numbers[n_test:n_test + n_valid])
+                numbers = np.sort(numbers[n_test + n_valid:])
+            pool[pattern] = numbers
+        return cls(np.sort(np.concatenate(test)), np.sort(np.concatenate(validation)), pool)
 
     def held_out(self, split: str) -> np.ndarray:
         if split not in (TEST, VALIDATION):
             raise ValueError(f"split must be {TEST!r} or {VALIDATION!r}, got {split!r}")
         return self.test if split == TEST else self.validation
 
+    @cached_property
+    def _choices(self) -> tuple[list[str], np.ndarray]:
+        """The pool's patterns and the probability of drawing each: half by ``DIGIT_WEIGHTS`` over lengths (a
+        pattern then in proportion to its numbers), half uniform over patterns."""
+        names = list(self.pool)
+        sizes = np.array([len(self.pool[p]) for p in names], dtype=float)
+        lengths = np.array([len(p.replace(",", "")) for p in names])
+        by_length = np.array([DIGIT_WEIGHTS[k] for k in lengths], dtype=float)
+        by_length *= sizes / np.array([sizes[lengths == k].sum() for k in lengths])
+        return names, 0.5 * by_length / by_length.sum() + 0.5 / len(names)
+
     def training_numbers(self, count: int, rng: np.random.Generator) -> np.ndarray:
-        """``count`` training numbers: a length by ``DIGIT_WEIGHTS``, then a number of that length."""
-        digits = np.array(list(DIGITS))
-        weights = np.array([DIGIT_WEIGHTS[d] for d in digits], dtype=float)
-        lengths = rng.choice(digits, size=count, p=weights / weights.sum())
-        return np.array([self.pool[k][rng.integers(len(self.pool[k]))] for k in lengths])
+        """``count`` training numbers: a pattern by :attr:`_choices`, then a number of it from the pool."""
+        names, p = self._choices
+        chosen = rng.choice(len(names), size=count, p=p)
+        return np.array([self.pool[names[i]][rng.integers(len(self.pool[names[i]]))] for i in chosen])
 
 
 @dataclass(frozen=True)
