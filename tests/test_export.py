@@ -9,8 +9,10 @@ and ``equivalence`` are not importable), and its answers are compared with the N
 * ``savedmodel``, ``jax-export``, ``torch-export``, ``onnx``: the forward pass of the shipped model, loaded by
   TensorFlow, JAX, PyTorch or onnxruntime alone, gives log-probabilities within the float32 policy
   (``equivalence.tolerance``) of the float64 reference's on a ragged batch of held-out sentences and on a batch
-  and lengths the export was not traced with (one sentence, one target position: a decoding step's shapes); a
-  planted bug in an exported graph fails that check;
+  and lengths the export was not traced with (one sentence, one target position: a decoding step's shapes), and
+  a plain NumPy greedy loop over it, in the same process, writes exactly the reference's greedy tokens (and, by the
+  artefact's tokenizer.json, its text) for the 32 held-out sentences; a planted bug in an exported graph fails both
+  checks;
 * what capture needed in the ports: Keras' ``model.export`` after a call (the model records its token inputs),
   ``torch.compile(fullgraph=True)`` with no graph break in torch's own report, the public calls still refusing
   bad ids with the reference's message; the command's refusals.
@@ -26,13 +28,14 @@ import os
 import site
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_checkpoint
-from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import pad_rows
 from transformer_cli import ctranslate2_export
 from transformer_cli import export as export_module
@@ -165,8 +168,7 @@ def test_ctranslate2_refuses_a_vocabulary_naming_two_ids_alike():
 RUNTIMES = {"savedmodel": ("tensorflow", "tf"), "jax-export": ("jax", "jax"), "torch-export": ("torch", "torch"),
             "onnx": ("onnxruntime", "export")}
 
-# Each reads OUTPUT_DIR and inputs.npz (src_i, tgt_i: int64), writes outputs.npz (out_i), and names the frameworks
-# its process imported (TensorFlow's import brings in JAX when it is installed; onnxruntime runs without torch).
+# Each defines ``run(src, tgt) -> log_probs`` from the artefact in OUTPUT_DIR (int64 ids in, float32 (B, T, V) out).
 RUN = {
     "savedmodel": """
 import tensorflow as tf
@@ -190,10 +192,45 @@ session = onnxruntime.InferenceSession(sys.argv[1] + "/model.onnx", providers=["
 run = lambda src, tgt: session.run(["log_probs"], {"src": src, "tgt": tgt})[0]
 """,
 }
+# A serving process's greedy decoding over ``run``, NumPy only, with the reference's rules
+# (``reference_numpy.decoding.greedy_decode``): every row starts with bos; each step runs the whole prefix and
+# writes the last position's best id (argmax: a tie goes to the lowest id), never pad or bos; a row ends at eos or
+# after len(src) + EXTRA_OUTPUT_LENGTH tokens (at most max_len, section 6.1) and is padded after.
+GREEDY = """
+def greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
+    limits = np.minimum((src != pad_id).sum(axis=1) + extra_length, max_len)
+    tgt = np.full((len(src), 1), bos_id, dtype=np.int64)
+    done = np.zeros(len(src), dtype=bool)
+    while not done.all():
+        log_probs = np.array(run(src, tgt)[:, -1])                           # (B, V) the next token's
+        log_probs[:, [pad_id, bos_id]] = -np.inf
+        token = np.where(done, pad_id, log_probs.argmax(axis=-1))
+        tgt = np.concatenate([tgt, token[:, None]], axis=1)
+        done |= (token == eos_id) | (tgt.shape[1] - 1 >= limits)
+    return tgt[:, 1:]
+"""
+# Reads OUTPUT_DIR (transformer.json, tokenizer.json) and inputs.npz (src_i, tgt_i: the log-prob batches; greedy_src:
+# source ids), writes outputs.npz (out_i: log-probs; tokens: greedy), prints the greedy tokens' text (up to eos, by
+# the artefact's tokenizer.json) and the frameworks its process imported (TensorFlow's import brings in JAX when it
+# is installed; onnxruntime runs without torch).
 RUN_INPUTS = """
+import tokenizers
+config = json.load(open(sys.argv[1] + "/transformer.json"))["config"]
+tokenizer = tokenizers.Tokenizer.from_file(sys.argv[1] + "/tokenizer.json")
 inputs = np.load(sys.argv[2])
-np.savez(sys.argv[3], **{f"out_{i}": run(inputs[f"src_{i}"], inputs[f"tgt_{i}"]) for i in range(len(inputs) // 2)})
-print(json.dumps(sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime") if name in sys.modules)))
+tokens = greedy(inputs["greedy_src"], config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"],
+                int(sys.argv[4]))
+batches = [name.removeprefix("src_") for name in inputs.files if name.startswith("src_")]
+np.savez(sys.argv[3], tokens=tokens, **{f"out_{i}": run(inputs[f"src_{i}"], inputs[f"tgt_{i}"]) for i in batches})
+
+def text(row):
+    ids = row.tolist()
+    return tokenizer.decode(ids[:ids.index(config["eos_id"])] if config["eos_id"] in ids else ids,
+                            skip_special_tokens=False)
+
+print(json.dumps({"texts": [text(row) for row in tokens],
+                  "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
+                                     if name in sys.modules)}))
 """
 
 
@@ -208,19 +245,31 @@ def shipped_batches() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     return (src, tgt), (src[-1:, :int((src[-1] != config.pad_id).sum())], tgt[:1, :1])
 
 
-def exported_log_probs(target: str, tmp_path) -> list[np.ndarray]:
-    """Export the shipped model with the CLI, run it on :func:`shipped_batches` in a process that cannot import
-    the project, and return its log-probabilities."""
+class Served(NamedTuple):
+    """What an exported artefact answered in its isolated process."""
+
+    log_probs: list[np.ndarray]    # on each of :func:`shipped_batches`
+    tokens: np.ndarray             # the greedy loop's on :func:`shipped_texts`
+    texts: list[str]               # their text, by the artefact's tokenizer
+
+
+def run_exported(target: str, tmp_path) -> Served:
+    """Export the shipped model with the CLI, and in one process that cannot import the project run it on
+    :func:`shipped_batches` and greedy-decode :func:`shipped_texts` with it (``GREEDY``)."""
     require(*RUNTIMES[target])
+    require("tokenizers", "text")
     out = tmp_path / target
     assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
-    np.savez(tmp_path / "inputs.npz", **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
-                                         for name, array in zip(("src", "tgt"), batch)})
-    imported = run_isolated("import numpy as np\n" + RUN[target] + RUN_INPUTS, out, tmp_path / "inputs.npz",
-                            tmp_path / "outputs.npz", cwd=tmp_path)
+    _, _, tokenizer = load_translator()
+    np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()),
+             **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
+                for name, array in zip(("src", "tgt"), batch)})
+    answer = run_isolated("import numpy as np\n" + RUN[target] + GREEDY + RUN_INPUTS, out, tmp_path / "inputs.npz",
+                          tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH, cwd=tmp_path)
+    imported = answer["imported"]
     assert RUNTIMES[target][0] in imported and (target != "onnx" or "torch" not in imported), imported
     outputs = np.load(tmp_path / "outputs.npz")
-    return [outputs[f"out_{i}"] for i in range(len(shipped_batches()))]
+    return Served([outputs[f"out_{i}"] for i in range(len(shipped_batches()))], outputs["tokens"], answer["texts"])
 
 
 def check_against_reference(target: str, log_probs: list[np.ndarray], agreement) -> None:
@@ -231,11 +280,24 @@ def check_against_reference(target: str, log_probs: list[np.ndarray], agreement)
                   what=f"log-probs of the exported forward pass: shipped model, batch {i} {src.shape} {tgt.shape}")
 
 
+def check_greedy_tokens(target: str, served: Served) -> None:
+    """The artefact's greedy loop writes exactly the float64 reference's ``greedy_decode`` tokens, and its
+    tokenizer.json their text."""
+    config, params, tokenizer = load_translator()
+    expected = greedy_decode(Transformer(config, params), tokenizer.batch(shipped_texts()))
+    np.testing.assert_array_equal(served.tokens, expected, err_msg=f"greedy tokens of the exported {target}")
+    assert served.texts == [tokenizer.decode(row) for row in expected], target
+
+
 @pytest.mark.parametrize("target", list(RUNTIMES))
-def test_exported_forward_pass_agrees_with_the_reference_without_the_project(target, tmp_path, capsys, agreement):
+def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_without_the_project(target, tmp_path,
+                                                                                                capsys, agreement):
     """The CLI's artefact, loaded by its runtime alone, computes the reference's log-probabilities (float32 policy)
-    for any batch and lengths; the directory also holds the config and the checkpoint's tokenizer."""
-    check_against_reference(target, exported_log_probs(target, tmp_path), agreement)
+    for any batch and lengths, and a plain greedy loop over it translates the 32 held-out sentences into exactly
+    the reference's greedy tokens and text; the directory also holds the config and the checkpoint's tokenizer."""
+    served = run_exported(target, tmp_path)
+    check_against_reference(target, served.log_probs, agreement)
+    check_greedy_tokens(target, served)
     out = tmp_path / target
     assert f"wrote {out}: a float32 " in capsys.readouterr().out
     config, _, tokenizer = load_translator()
@@ -247,15 +309,17 @@ def test_exported_forward_pass_agrees_with_the_reference_without_the_project(tar
 
 @pytest.mark.parametrize("target", ["jax-export", "onnx"])
 def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_path, monkeypatch, agreement):
-    """The check above can fail: an export whose graph multiplies by a transposed projection (the first encoder
-    layer's W_q, square, so every shape still fits) is caught."""
+    """The checks above can fail: an export whose graph multiplies by a transposed projection (the first encoder
+    layer's W_q, square, so every shape still fits) is caught by the log-probabilities and by the greedy tokens."""
     config, params = load_checkpoint(SHIPPED, dtype=np.float32)
     name = "encoder.layers.0.self_attn.q_proj.weight"
     swapped = {**params, name: np.ascontiguousarray(params[name].T)}
     monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
-    log_probs = exported_log_probs(target, tmp_path)
+    served = run_exported(target, tmp_path)
     with pytest.raises(AssertionError, match="log-probs of the exported forward pass"):
-        check_against_reference(target, log_probs, agreement)
+        check_against_reference(target, served.log_probs, agreement)
+    with pytest.raises(AssertionError, match=f"greedy tokens of the exported {target}"):
+        check_greedy_tokens(target, served)
 
 
 # ----------------------------------------------------------------------------- capture in the ports
