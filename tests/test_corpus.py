@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from equivalence.training_runs import reference_run
-from reference_numpy import TransformerConfig, init_params, save_checkpoint
-from reference_numpy.checkpoint import load_checkpoint, load_tokenizer, load_tokenizer_json, load_training_state
+from equivalence import tolerance
+from equivalence.training_runs import Run, assert_float64_run, reference_run
+from reference_numpy import Transformer, TransformerConfig, init_params, save_checkpoint, training
+from reference_numpy.checkpoint import (
+    load_checkpoint,
+    load_run,
+    load_tokenizer,
+    load_tokenizer_json,
+    load_training_state,
+)
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends, extras
@@ -159,6 +169,48 @@ def test_a_corpus_trains_in_every_backend_saves_every_step_and_averages(corpus, 
     assert abs(results[INSTALLED[-1]]["validation"][0]["loss"] - results["numpy"]["validation"][0]["loss"]) < 1e-9
 
 
+def test_a_corpus_trains_data_parallel_its_batches_padded_to_equal_shards(corpus, tmp_path):
+    """``--data-parallel 2`` on a corpus (PyTorch's DDP, the installed command): a token-count batch of an odd
+    number of sentences gets a row of padding, which adds nothing to the loss or its gradient (section 5.4 counts
+    target tokens), so the run's losses, weights and Adam moments are the single-process reference's within the
+    training bound."""
+    script = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
+    if script is None or "torch" not in INSTALLED:
+        pytest.skip("needs the installed transformer-reference script and PyTorch (pip install -e '.[torch,text]')")
+    result = subprocess.run([script, "train", *corpus_flags(corpus), "--backends", "torch", "--data-parallel", "2",
+                             "--dtype", "float64", "--steps", "3", "--warmup-steps", "2", "--eval-every", "0",
+                             "--eval-size", "0", "--json", "--out", str(tmp_path / "run.safetensors")],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config, params, state = load_run(tmp_path / "run.safetensors")
+    made = CorpusTask(*read_corpus(corpus["train.en"], corpus["train.es"], None, corpus["valid.en"],
+                                   corpus["valid.es"], None), load_tokenizer(tmp_path / "run.safetensors"),
+                      "tiny").fitted(config, BUDGET)
+    batches = [made.batch(config, BUDGET, step, 0) for step in range(3)]
+    assert any(len(batch["src"]) % 2 for batch in batches), "no batch of an odd number of sentences: nothing padded"
+    expected, bound = reference_run(config, init_params(config, seed=0),
+                                    TrainingConfig(warmup_steps=2, learning_rate_scale=0.5), batches)
+    assert_float64_run(Run(json.loads(result.stdout)[0]["losses"], params, state), expected, bound,
+                       "torch, a corpus on 2 replicas")
+
+
+def test_rows_of_padding_change_neither_the_loss_nor_its_gradient(task):
+    """The padding rows above, in the reference: the loss and every gradient of a batch with two rows of padding
+    appended are the batch's own (float64 policy)."""
+    made, config = task
+    batch = made.batch(config, BUDGET, 0, 0)
+    padded = train_module.CountedBatches(made, config, BUDGET, 0, world_size=len(batch["src"]) + 2)(0)
+    rows = len(batch["src"])
+    assert len(padded["src"]) == rows + 2 and (padded["src"][rows:] == config.pad_id).all()
+    assert (padded["labels"][rows:] == config.pad_id).all() and (padded["tgt"][rows:] == config.pad_id).all()
+    model = Transformer(config, init_params(config, seed=0))
+    loss, grads = training.gradients(model, **batch)
+    padded_loss, padded_grads = training.gradients(model, **padded)
+    tolerance.assert_agrees(np.array(padded_loss), np.array(loss), np.array(loss), what="loss", precision="float64")
+    for name, grad in grads.items():
+        tolerance.assert_agrees(padded_grads[name], grad, grad, what=name, precision="float64")
+
+
 def check_hand_average(out: Path, inputs: list[Path]) -> None:
     """``out`` holds the element-wise mean of the inputs' weights (read with safetensors' own reader, averaged
     here in float64 and rounded once to the files' dtype), no optimizer state, and the inputs' tokenizer."""
@@ -253,7 +305,6 @@ def test_bad_files_are_refused_in_one_line_before_any_training(case, tmp_path, m
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--data-parallel", "2"], ["--data-parallel 2", "one process"]),
     (["--batch-size", "8"], ["--batch-size is a flag of --task copy and --task numbers"]),
     (["--average", "2"], ["--average 2", "--save-every"]),
     (["--save-every", "2", "--average", "3", "--keep", "2", "--out", "run.safetensors"], ["--average 3", "--keep 2"]),

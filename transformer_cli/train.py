@@ -151,10 +151,6 @@ def plan_from(args) -> Plan:
     task = task_name(args)
     if args.data_parallel > 1 and is_low(args.dtype):
         raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
-    if args.data_parallel > 1 and task == "corpus":
-        raise ValueError(f"--data-parallel {args.data_parallel}: a corpus is batched by token count, so its batches "
-                         "hold varying numbers of sentences, which do not split into equal shards; train it on one "
-                         "process")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
               for name, default in TASKS[task].items()}
     if args.stop_at and not recipe["eval_every"]:
@@ -172,7 +168,7 @@ def plan_from(args) -> Plan:
     config = config or made.config(dropout=args.dropout or 0.0)
     budget = recipe["tokens_per_batch" if task == "corpus" else "batch_size"]
     made = fitted(made, config, budget)
-    if budget % args.data_parallel:
+    if task != "corpus" and budget % args.data_parallel:                  # a corpus batch is padded to fit
         raise ValueError(f"--batch-size {budget} does not split into --data-parallel {args.data_parallel} equal "
                          "shards")
     return Plan(made, config, training, recipe["steps"], budget, args.seed, args.dtype, args.label_smoothing,
@@ -330,7 +326,8 @@ def train(adapter: ModuleType, plan: Plan, progress: Progress = no_progress,
     model = adapter.build(plan.config, params, plan.weights, backends.device_for(adapter, plan.device))
     optimizer = adapter.optimizer(model, None if state else plan.training, state, compute)
     first = state.step if state else 0
-    result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
+    result = Result(adapter.NAME, first)
+    batches = CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed, plan.world_size)
     steps = progress(range(first, first + plan.steps), "train", "step")
     state_now = lambda: adapter.training_state(model, optimizer)
     advance = iter(steps)                          # held: a bar left by `break` stays open until `ended` closes it
@@ -393,18 +390,23 @@ def validated(adapter: ModuleType, model, plan: Plan, result: Result, done: int,
 @dataclass
 class CountedBatches:
     """``task.batch`` of one plan as a picklable function of the step (the engines shard it), counting the
-    target tokens of the batches drawn in this process."""
+    target tokens of the batches drawn in this process. A batch whose rows do not split into ``world_size`` equal
+    shards (a corpus batched by token count) gets rows of padding at its end: their labels are padding, so they add
+    nothing to the loss, which counts target tokens (section 5.4), nor to its gradient."""
 
     task: Task
     config: TransformerConfig
     batch_size: int
     seed: int
+    world_size: int = 1
     tokens: dict[int, int] = field(default_factory=dict)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         batch = self.task.batch(self.config, self.batch_size, step, self.seed)
         self.tokens[step] = int((batch["labels"] != self.config.pad_id).sum())
-        return batch
+        missing = -len(batch["src"]) % self.world_size
+        return {name: np.pad(rows, ((0, missing), (0, 0)), constant_values=self.config.pad_id)
+                for name, rows in batch.items()}
 
 
 def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
@@ -415,7 +417,8 @@ def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
     it is in (``progress`` returning true) and the run ends there."""
     params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
     first = state.step if state else 0
-    result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
+    result = Result(adapter.NAME, first)
+    batches = CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed, plan.world_size)
     steps = progress(range(first, first + plan.steps), "train", "step")
     advance = iter(steps)
 
