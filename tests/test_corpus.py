@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli_reliability import cli
 
 from equivalence import tolerance
 from equivalence.training_runs import Run, assert_float64_run, reference_run
@@ -34,7 +35,7 @@ from transformer_cli import backends, extras
 from transformer_cli import train as train_module
 from transformer_cli.copy_task import CopyTask
 from transformer_cli.corpus_task import CorpusTask, read_corpus
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_cli.main import EXIT_OK, EXIT_USAGE
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")
@@ -43,12 +44,6 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="safetensors
 INSTALLED = tuple(backends.load(tuple(backends.BACKENDS))[0])
 TRAINING, VALIDATION = 300, 16                      # lines of the training and validation files
 BUDGET = 512                                        # --tokens-per-batch of the runs here
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    status = main(list(args))
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def one_error_line(err: str, *words: str) -> str:
