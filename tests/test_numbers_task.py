@@ -317,3 +317,23 @@ def test_the_shipped_model_translates_the_test_set(task, shipped):
     decoded = numpy_adapter.greedy(numpy_adapter.build(config, params, "float64"), src)
     score = task.score(config, decoded, references)
     assert score["exact"] >= 0.95 and score["bleu"] >= 95, score
+
+
+def test_the_shipped_model_translates_every_kind_of_number(split):
+    """Every zero pattern of the test split is translated at least 99% exactly (its 10 or 16 numbers: all of them),
+    greedy, in the first installed port (the whole split; scripts/numbers_patterns.py runs every backend on larger
+    samples). The French is checked by the grammar oracle above, not by num2words."""
+    from transformer_cli import backends
+    from transformer_cli.translate import translator
+
+    ports = backends.load()[0]
+    if not ports:
+        pytest.skip("no port framework is installed: the whole test split is too slow for the NumPy reference here")
+    name, adapter = next(iter(ports.items()))
+    translate = translator(adapter, batch_size=256)
+    wrong: dict[str, list] = {}
+    for n, text in zip(split.test, translate([english(n) for n in split.test])):
+        if text != french_oracle(int(n)):
+            wrong.setdefault(zero_pattern(n), []).append((int(n), text))
+    counts = {pattern: int(sum(zero_pattern(n) == pattern for n in split.test)) for pattern in patterns()}
+    assert all(len(wrong.get(p, [])) <= 0.01 * count for p, count in counts.items() if count), (name, wrong)
