@@ -264,7 +264,7 @@ BAD_TEXTS = [
     (lambda text: changed(text, swap_pad_and_bos), "tokenizer has '<pad>' at id 1; the config's id is 0"),
     (lambda text: changed(text, drop_eos), "tokenizer has '</s>' at id None; the config's id is 2"),
     (lambda text: changed(text, lambda data: data["model"]["vocab"].update(zz=-1)),
-     "tokenizer ids run from -1 to 374; the model's vocabularies hold ids 0 to 383"),
+     "tokenizer ids run from -1 to 373; the model's vocabularies hold ids 0 to 383"),
 ]
 
 
@@ -276,8 +276,8 @@ def test_check_refuses_a_bad_json_text(shipped_json, change, problem):
 @pytest.mark.parametrize("changes, problem", [
     (dict(pad_id=1, bos_id=0), "tokenizer has '<pad>' at id 0; the config's id is 1"),
     (dict(eos_id=7), "tokenizer has '</s>' at id 2; the config's id is 7"),
-    (dict(src_vocab_size=374), "tokenizer ids run from 0 to 374; the model's vocabularies hold ids 0 to 373"),
-    (dict(tgt_vocab_size=300), "tokenizer ids run from 0 to 374; the model's vocabularies hold ids 0 to 299"),
+    (dict(src_vocab_size=373), "tokenizer ids run from 0 to 373; the model's vocabularies hold ids 0 to 372"),
+    (dict(tgt_vocab_size=300), "tokenizer ids run from 0 to 373; the model's vocabularies hold ids 0 to 299"),
 ])
 def test_check_refuses_a_tokenizer_that_does_not_fit_the_config(shipped_json, changes, problem):
     assert one_line_error(check_tokenizer_json, shipped_json, SHIPPED_CONFIG.replace(**changes)) == problem
@@ -285,9 +285,9 @@ def test_check_refuses_a_tokenizer_that_does_not_fit_the_config(shipped_json, ch
 
 def test_check_accepts_the_shipped_tokenizer_down_to_its_own_size(shipped_json):
     ids = json.loads(shipped_json)["model"]["vocab"].values()
-    assert max(ids) == 374 and sorted(ids) == list(range(375))          # the limits tested above are its edges
+    assert max(ids) == 373 and sorted(ids) == list(range(374))          # the limits tested above are its edges
     check_tokenizer_json(shipped_json, SHIPPED_CONFIG)
-    check_tokenizer_json(shipped_json, SHIPPED_CONFIG.replace(src_vocab_size=375, tgt_vocab_size=375))
+    check_tokenizer_json(shipped_json, SHIPPED_CONFIG.replace(src_vocab_size=374, tgt_vocab_size=374))
 
 
 # ----------------------------------------------------------------------------- in the checkpoint
@@ -336,7 +336,7 @@ def write(tmp_path: Path, config: TransformerConfig, **metadata) -> Path:
     (SHIPPED_CONFIG, dict(tokenizer_version=None), "unknown tokenizer_version None (this library reads version 1)"),
     (SHIPPED_CONFIG.replace(pad_id=2, eos_id=0), {}, "tokenizer has '<pad>' at id 0; the config's id is 2"),
     (SHIPPED_CONFIG.replace(src_vocab_size=200), {},
-     "tokenizer ids run from 0 to 374; the model's vocabularies hold ids 0 to 199"),
+     "tokenizer ids run from 0 to 373; the model's vocabularies hold ids 0 to 199"),
     (SHIPPED_CONFIG, dict(tokenizer="{}"), "tokenizer is not a tokenizers JSON text (KeyError: 'model')"),
 ])
 def test_a_file_with_a_bad_tokenizer_is_refused_by_every_load(tmp_path, shipped_json, config, metadata, problem):
