@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformer_cli import backends  # noqa: E402
-from transformer_cli.numbers_task import SPLIT_SEED, NumbersTask, english, french, zero_pattern  # noqa: E402
+from transformer_cli.numbers_task import SPLIT_SEED, NumbersTask, english, french, patterns, zero_pattern  # noqa: E402
 from transformer_cli.translate import SHIPPED, translator  # noqa: E402
-
-ALL_NUMBERS = 1_000_000
-
-
-def patterns() -> dict[str, np.ndarray]:
-    """Every number from 0 to 999,999 by zero pattern."""
-    groups = defaultdict(list)
-    for number in range(ALL_NUMBERS):
-        groups[zero_pattern(number)].append(number)
-    return {pattern: np.array(numbers) for pattern, numbers in sorted(groups.items(), key=lambda g: (len(g[0]), g[0]))}
 
 
 def sets(per_pattern: int) -> dict[str, dict[str, np.ndarray]]:
@@ -42,7 +31,7 @@ def sets(per_pattern: int) -> dict[str, dict[str, np.ndarray]]:
     test = NumbersTask().split.test
     rng = np.random.Generator(np.random.PCG64(SPLIT_SEED))
     found = {}
-    for pattern, numbers in patterns().items():
+    for pattern, numbers in sorted(patterns().items(), key=lambda group: (len(group[0]), group[0])):
         sample = numbers if len(numbers) <= per_pattern else np.sort(rng.choice(numbers, per_pattern, replace=False))
         found[pattern] = {"test": test[[zero_pattern(n) == pattern for n in test]], "sample": sample}
     return found
