@@ -20,6 +20,10 @@
   float32 bound rounds to the same number of P (:func:`decided_by_rounding`: nearly everywhere), the port must give
   exactly that number, so that a rounding skipped (a compiler keeping excess precision) is seen too.
 
+A forward stage that is a fixed map f of the stage before it (a pre-LN stack's final LayerNorm, the generator) and
+fails the bound on its total error is held instead to what it adds to its input's: ``|port - f(port_in)|`` within
+the bound of what the reference adds, ``|ref_P - f(ref_P_in)|`` (:func:`stage_agreement`, :func:`carried`).
+
 Two ports are compared with each other through the reference: by the triangle inequality
 their difference is at most the sum of their two bounds (:func:`pair_bound`).
 
@@ -39,6 +43,7 @@ Nothing else in the project chooses a tolerance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +64,7 @@ class Agreement:
     error: float
     bound: float
     scale: float
+    added: bool = False     # the error the stage adds to its input's (:func:`stage_agreement`), not its own
 
     @property
     def ok(self) -> bool:
@@ -69,7 +75,8 @@ class Agreement:
         return self.error / max(1.0, self.scale)
 
     def __str__(self) -> str:
-        return f"max abs error {self.error:.3e} {'<=' if self.ok else '>'} bound {self.bound:.3e}"
+        what = "max abs error added to its input's" if self.added else "max abs error"
+        return f"{what} {self.error:.3e} {'<=' if self.ok else '>'} bound {self.bound:.3e}"
 
 
 def max_abs(a, b) -> float:
@@ -250,6 +257,47 @@ def assert_agrees(port, ref64, ref_same=None, what: str = "output", precision=No
     if not result.ok:
         raise AssertionError(f"{what}: {result}")
     return result
+
+
+def carried(model64, name: str, port_stages: dict, same_stages: dict) -> tuple:
+    """For the forward stage ``name``, when it is a fixed map of the stage before it, the arguments
+    :func:`stage_agreement` takes after ``dtype``: (the float64 reference ``model64``'s map, the port's values there,
+    the reference-in-``dtype``'s values there); (None, None, None) for the other stages. The generator (section
+    3.4) maps the decoder's output to the log-probabilities; a pre-LN stack's final LayerNorm (section 3.1) maps its
+    last layer's output to the stack's."""
+    config, maps = model64.config, {"log_probs": ("decoder", model64.generator)}
+    if config.norm_first:
+        maps["encoder"] = (f"encoder.layers.{config.n_encoder_layers - 1}", model64.encoder.norm)
+        maps["decoder"] = (f"decoder.layers.{config.n_decoder_layers - 1}", model64.decoder.norm)
+    if name not in maps:
+        return None, None, None
+    source, step = maps[name]
+    return step, port_stages[source], same_stages[source]
+
+
+def stage_agreement(port, ref64, ref_same, dtype, step: Callable[[np.ndarray], np.ndarray] | None = None,
+                    port_in=None, same_in=None, where=None) -> Agreement:
+    """A forward stage of a port against the float64 reference under the policy (:func:`agreement`), over the
+    entries ``where`` (default: all). For a stage that is a fixed map ``step`` of the stage before
+    (:func:`carried`; ``port_in`` and ``same_in``: the port's and the reference-in-``dtype``'s values there
+    -- ``ref64``'s in float64), where the policy fails: the error the stage adds to its input's instead,
+    ``|port - step(port_in)| <= bound_for(dtype, step(same_in), ref_same)``, the policy applied to what the
+    reference in ``dtype`` adds there (``step`` in float64).
+
+    Why: a port's error at such a stage is J e + what the stage adds, with e its error at the stage before, which
+    that stage's bound holds. The reference's own error is J e' + what it adds, with e' its own draw, in a direction
+    its order of operations chose: a LayerNorm removes the mean and the direction of x, and where e' lies along them
+    (d_model 4, inputs of 2.8e9) the reference's output is far more exact than an e of the same size in another
+    direction leaves a port's. What a stage answers for is what it adds."""
+    port, ref64 = np.asarray(port), np.asarray(ref64)
+    where = np.ones(ref64.shape, dtype=bool) if where is None else where
+    same = None if ref_same is None else np.asarray(ref_same)[where]
+    result = agreement(port[where], ref64[where], same, dtype)
+    if result.ok or step is None or not where.any():
+        return result
+    exact_port, exact_same = (step(np.asarray(value, dtype=np.float64))[where] for value in (port_in, same_in))
+    added = Agreement(max_abs(port[where], exact_port), bound_for(dtype, exact_same, same), result.scale, added=True)
+    return added if added.ok else result
 
 
 # ----------------------------------------------------------------------------- decoded tokens

@@ -38,6 +38,7 @@ class StageResult:
     bound: float
     ok: bool
     non_finite: str | None = None   # "nan" or "inf" when the backend's output holds such values
+    added: bool = False             # the errors are those the stage adds to its input's (tolerance.stage_agreement)
 
 
 @dataclass
@@ -163,6 +164,7 @@ class Oracle:
     greedy: np.ndarray
     greedy_margins: np.ndarray
     greedy_bounds: dict[str, float]             # precision -> bound of the log-probabilities
+    model64: object                             # the float64 reference model (tolerance.carried)
 
 
 def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: np.ndarray,
@@ -185,7 +187,7 @@ def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: 
         model = reference.build(config, params, dtype)
         stages[dtype] = reference.forward(model, **inputs)
         bounds[dtype] = tolerance.bound_for(dtype, log_probs64, model(src, forced))
-    return Oracle(inputs, stages64, stages, tokens, greedy_margins(model64, src, tokens), bounds)
+    return Oracle(inputs, stages64, stages, tokens, greedy_margins(model64, src, tokens), bounds, model64)
 
 
 def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:
@@ -205,9 +207,11 @@ def run_backend(adapter, device: str, dtype: str, config, params, oracle: Oracle
         stages, run.forward_ms = timing.result, 1e3 * timing.median
         for name, ref64 in oracle.stages64.items():
             stage = np.asarray(stages[name])
-            result = tolerance.agreement(stage, ref64, oracle.stages.get(dtype, {}).get(name), precision=dtype)
+            same = oracle.stages.get(dtype, oracle.stages64)
+            result = tolerance.stage_agreement(stage, ref64, same[name] if dtype != "float64" else None, dtype,
+                                               *tolerance.carried(oracle.model64, name, stages, same))
             run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok,
-                                          non_finite_kind(stage)))
+                                          non_finite_kind(stage), result.added))
         run.tokens = np.asarray(adapter.greedy(model, inputs["src"]))
         run.greedy_identical, run.greedy_note = greedy_verdict(run.tokens, oracle, dtype, config.pad_id)
     except Exception as err:  # noqa: BLE001 - one backend's failure is reported, the others still run
