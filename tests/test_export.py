@@ -33,6 +33,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from equivalence import tolerance
+from equivalence.margins import beam_margins
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
@@ -46,6 +48,11 @@ from transformer_cli.translate import SHIPPED, load_translator
 PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",
            "equivalence")
 SHIPPED_TEXTS = 32                 # held-out sentences of the shipped model, every length of the test split
+# Number words in no English number's order, on which the shipped model's beam search (size 4, alpha 0.6) and greedy
+# decoding part (on the held-out sentences they agree): "treize" against greedy's "treize mille huit".
+BEAM_TEXTS = ("thirteen seventy thirteen eight three", "sixty and thirteen thirty and",
+              "six twelve thirty hundred four seventy", "ten thirteen thirteen seventy thirteen hundred",
+              "four fifty hundred eight seven seventy", "eleven five thirteen and", "six ten twenty seventy eighty and")
 
 
 def require(module: str, extra: str):
@@ -209,19 +216,59 @@ def greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
         done |= (token == eos_id) | (tgt.shape[1] - 1 >= limits)
     return tgt[:, 1:]
 """
-# Reads OUTPUT_DIR (transformer.json, tokenizer.json) and inputs.npz (src_i, tgt_i: the log-prob batches; greedy_src:
-# source ids), writes outputs.npz (out_i: log-probs; tokens: greedy), prints the greedy tokens' text (up to eos, by
-# the artefact's tokenizer.json) and the frameworks its process imported (TensorFlow's import brings in JAX when it
-# is installed; onnxruntime runs without torch).
+# A serving process's beam search over ``run``, NumPy only, one sentence at a time, with the reference's rules
+# (``reference_numpy.decoding``'s docstring): candidates (beam, token) ranked by summed log-probability, ties to the
+# lower beam then the lower token; an eos among the first beam_size ranks finishes a hypothesis scored
+# log P / ((5 + |Y|) / 6)^alpha (|Y| counting eos); the first beam_size possible non-eos candidates live on; the
+# search stops at the length limit (the live beams then finish too), with no live beam, or when no live beam can
+# beat the best finished one; the best score wins, a tie going to the hypothesis finished first.
+BEAM = """
+def beam(src, pad_id, bos_id, eos_id, max_len, extra_length, beam_size, alpha):
+    penalty = lambda length: ((5.0 + length) / 6.0) ** alpha
+    limit = min(int((src != pad_id).sum()) + extra_length, max_len)
+    live, scores, finished = [[bos_id]], np.zeros(1, dtype=np.float32), []
+    for step in range(1, limit + 1):
+        log_probs = np.array(run(np.repeat(src[None], len(live), axis=0), np.array(live, dtype=np.int64))[:, -1])
+        log_probs[:, [pad_id, bos_id]] = -np.inf
+        candidates = scores[:, None] + log_probs                            # (n_live, V)
+        ranking = np.argsort(-candidates, axis=None, kind="stable")
+        beams, tokens = np.divmod(ranking, candidates.shape[1])
+        ranked = candidates.ravel()[ranking]
+        finished += [(ranked[r] / penalty(step), live[beams[r]][1:] + [eos_id]) for r in range(beam_size)
+                     if r < len(ranked) and tokens[r] == eos_id]
+        keep = [r for r in range(len(ranked)) if tokens[r] != eos_id and np.isfinite(ranked[r])][:beam_size]
+        live, scores = [live[beams[r]] + [int(tokens[r])] for r in keep], ranked[keep]
+        if step == limit:
+            finished += [(score / penalty(step), row[1:]) for score, row in zip(scores, live)]
+        best = max((score for score, _ in finished), default=-np.inf)
+        if step == limit or not live or scores.max() / penalty(limit) <= best:
+            break
+    return max(enumerate(finished), key=lambda item: (item[1][0], -item[0]))[1][1]
+
+
+def beams(src, pad_id, *rules):
+    rows = [beam(row, pad_id, *rules) for row in src]
+    out = np.full((len(rows), max(map(len, rows))), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+"""
+# Reads OUTPUT_DIR (transformer.json, tokenizer.json) and inputs.npz (src_i, tgt_i: the log-prob batches;
+# greedy_src, beam_src: source ids), writes outputs.npz (out_i: log-probs; tokens: greedy; beam_tokens: beam search,
+# size and alpha from argv), prints the greedy tokens' text (up to eos, by the artefact's tokenizer.json) and the
+# frameworks its process imported (TensorFlow's import brings in JAX when it is installed; onnxruntime runs without
+# torch).
 RUN_INPUTS = """
 import tokenizers
 config = json.load(open(sys.argv[1] + "/transformer.json"))["config"]
 tokenizer = tokenizers.Tokenizer.from_file(sys.argv[1] + "/tokenizer.json")
 inputs = np.load(sys.argv[2])
-tokens = greedy(inputs["greedy_src"], config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"],
-                int(sys.argv[4]))
+rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
+tokens = greedy(inputs["greedy_src"], *rules)
+beam_tokens = beams(inputs["beam_src"], *rules, int(sys.argv[5]), float(sys.argv[6]))
 batches = [name.removeprefix("src_") for name in inputs.files if name.startswith("src_")]
-np.savez(sys.argv[3], tokens=tokens, **{f"out_{i}": run(inputs[f"src_{i}"], inputs[f"tgt_{i}"]) for i in batches})
+np.savez(sys.argv[3], tokens=tokens, beam_tokens=beam_tokens,
+         **{f"out_{i}": run(inputs[f"src_{i}"], inputs[f"tgt_{i}"]) for i in batches})
 
 def text(row):
     ids = row.tolist()
@@ -251,6 +298,7 @@ class Served(NamedTuple):
     log_probs: list[np.ndarray]    # on each of :func:`shipped_batches`
     tokens: np.ndarray             # the greedy loop's on :func:`shipped_texts`
     texts: list[str]               # their text, by the artefact's tokenizer
+    beam_tokens: np.ndarray        # the beam search's (size 4, alpha 0.6) on :func:`beam_source`
 
 
 def run_exported(target: str, tmp_path) -> Served:
@@ -261,15 +309,17 @@ def run_exported(target: str, tmp_path) -> Served:
     out = tmp_path / target
     assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
     _, _, tokenizer = load_translator()
-    np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()),
+    np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), beam_src=beam_source(),
              **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
                 for name, array in zip(("src", "tgt"), batch)})
-    answer = run_isolated("import numpy as np\n" + RUN[target] + GREEDY + RUN_INPUTS, out, tmp_path / "inputs.npz",
-                          tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH, cwd=tmp_path)
+    answer = run_isolated("import numpy as np\n" + RUN[target] + GREEDY + BEAM + RUN_INPUTS, out,
+                          tmp_path / "inputs.npz", tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH, BEAM_SIZE,
+                          LENGTH_PENALTY_ALPHA, cwd=tmp_path)
     imported = answer["imported"]
     assert RUNTIMES[target][0] in imported and (target != "onnx" or "torch" not in imported), imported
     outputs = np.load(tmp_path / "outputs.npz")
-    return Served([outputs[f"out_{i}"] for i in range(len(shipped_batches()))], outputs["tokens"], answer["texts"])
+    return Served([outputs[f"out_{i}"] for i in range(len(shipped_batches()))], outputs["tokens"], answer["texts"],
+                  outputs["beam_tokens"])
 
 
 def check_against_reference(target: str, log_probs: list[np.ndarray], agreement) -> None:
@@ -289,6 +339,38 @@ def check_greedy_tokens(target: str, served: Served) -> None:
     assert served.texts == [tokenizer.decode(row) for row in expected], target
 
 
+def beam_source() -> np.ndarray:
+    """:func:`shipped_texts` and :data:`BEAM_TEXTS` as source ids."""
+    return load_translator()[2].batch([*shipped_texts(), *BEAM_TEXTS])
+
+
+@functools.cache
+def reference_beams() -> tuple[np.ndarray, np.ndarray]:
+    """The float64 reference's beam-4 tokens on :func:`beam_source`, and which rows the float32 token rule compares
+    whole (no near-tie: ``tolerance.beam_row_is_decisive`` with the float32 bound of the log-probabilities along
+    them; one held-out sentence has a step margin of 3e-4 against 7.7e-4), after checking that those include every
+    row of :data:`BEAM_TEXTS` and that there beam search parts from greedy decoding."""
+    config, params, _ = load_translator()
+    model64, model32, src = Transformer(config, params), Transformer(config, params, np.float32), beam_source()
+    tokens = beam_search(model64, src, BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)
+    bound = tolerance.float32_bound(model64(src, tgt), model32(src, tgt))
+    decisive = np.array([tolerance.beam_row_is_decisive(row, bound) for row in beam_margins(model64, src)])
+    greedy = greedy_decode(model64, src)
+    assert decisive[-len(BEAM_TEXTS):].all() and decisive.sum() >= len(src) - 2
+    assert all(not np.array_equal(greedy[i], tokens[i]) for i in range(len(src) - len(BEAM_TEXTS), len(src)))
+    return tokens, decisive
+
+
+def check_beam_tokens(target: str, served: Served) -> None:
+    """The artefact's beam search writes exactly the float64 reference's ``beam_search`` tokens (size 4, alpha
+    0.6) on every row the float32 rule compares whole: the held-out sentences and :data:`BEAM_TEXTS`, where beam
+    search and greedy decoding part."""
+    tokens, decisive = reference_beams()
+    np.testing.assert_array_equal(served.beam_tokens[decisive], tokens[decisive],
+                                  err_msg=f"beam tokens of the exported {target}")
+
+
 @pytest.mark.parametrize("target", list(RUNTIMES))
 def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_without_the_project(target, tmp_path,
                                                                                                 capsys, agreement):
@@ -298,6 +380,7 @@ def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_with
     served = run_exported(target, tmp_path)
     check_against_reference(target, served.log_probs, agreement)
     check_greedy_tokens(target, served)
+    check_beam_tokens(target, served)
     out = tmp_path / target
     assert f"wrote {out}: a float32 " in capsys.readouterr().out
     config, _, tokenizer = load_translator()
@@ -310,7 +393,8 @@ def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_with
 @pytest.mark.parametrize("target", ["jax-export", "onnx"])
 def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_path, monkeypatch, agreement):
     """The checks above can fail: an export whose graph multiplies by a transposed projection (the first encoder
-    layer's W_q, square, so every shape still fits) is caught by the log-probabilities and by the greedy tokens."""
+    layer's W_q, square, so every shape still fits) is caught by the log-probabilities, the greedy and the beam
+    tokens."""
     config, params = load_checkpoint(SHIPPED, dtype=np.float32)
     name = "encoder.layers.0.self_attn.q_proj.weight"
     swapped = {**params, name: np.ascontiguousarray(params[name].T)}
@@ -320,6 +404,8 @@ def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_pat
         check_against_reference(target, served.log_probs, agreement)
     with pytest.raises(AssertionError, match=f"greedy tokens of the exported {target}"):
         check_greedy_tokens(target, served)
+    with pytest.raises(AssertionError, match=f"beam tokens of the exported {target}"):
+        check_beam_tokens(target, served)
 
 
 # ----------------------------------------------------------------------------- capture in the ports
