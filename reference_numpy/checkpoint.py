@@ -453,15 +453,30 @@ def _regular_file(path: Path) -> Path:
 
 
 def _read_file(path: Path, tensors: bool = True) -> tuple[dict, TransformerConfig, dict | None, dict[str, np.ndarray]]:
-    """(metadata, config, training record or None, tensors by name: none unless ``tensors``), checked."""
+    """(metadata, config, training record or None, tensors by name: none unless ``tensors``), checked.
+
+    safetensors' own reader checks the header (offsets, shapes, dtypes: tensors back to back, covering the file);
+    the tensors' bytes are then read from the file into arrays of their own (:func:`_read_tensor`), not through the
+    reader's memory map, whose pages would count in the process's memory beside the copies until it is closed: a
+    load peaks at the weights once, not twice."""
     try:
         with safe_open(_regular_file(path), framework="numpy") as handle:
             metadata = handle.metadata()
             config, training = _read_metadata(metadata)
-            return metadata, config, training, {name: _read_tensor(handle, name) for name in handle.keys()
-                                                if tensors}
+            kinds = {name: handle.get_slice(name).get_dtype() for name in handle.keys()} if tensors else {}
+        with open(path, "rb") as file:
+            start, entries = _tensor_entries(file)
+            return metadata, config, training, {name: _read_tensor(file, start, name, entries[name], kind)
+                                                for name, kind in kinds.items()}
     except (SafetensorError, OSError) as err:
         raise ValueError(_library_problem(err)) from None
+
+
+def _tensor_entries(file) -> tuple[int, dict]:
+    """Where the tensors' data starts in a safetensors ``file`` and its header's entries by name (a little-endian
+    u64 header size, then the header's JSON; safetensors checked both)."""
+    size = int.from_bytes(file.read(8), "little")
+    return 8 + size, json.loads(file.read(size))
 
 
 def _library_problem(err: Exception) -> str:
@@ -508,11 +523,16 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     check_tokenizer_json(metadata["tokenizer"], config)
 
 
-def _read_tensor(handle, name: str) -> np.ndarray:
-    code = handle.get_slice(name).get_dtype()
+def _read_tensor(file, start: int, name: str, entry: dict, code: str) -> np.ndarray:
+    """Tensor ``name`` (its header ``entry``, its dtype ``code``) read from ``file`` into a new array, in native
+    byte order (safetensors stores little-endian)."""
     if code not in DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {code}; expected F32, F64, BF16 or F16")
-    return np.array(handle.get_tensor(name), dtype=DTYPES[code])               # a copy in native byte order
+    array = np.empty(entry["shape"], dtype=DTYPES[code].newbyteorder("<"))                  # (shape) as stored
+    file.seek(start + entry["data_offsets"][0])
+    if file.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
+        raise ValueError("truncated or corrupt: the tensor data does not fill the file as the header says")
+    return array.astype(DTYPES[code], copy=False)
 
 
 def validate_params(config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
