@@ -191,15 +191,15 @@ def _forward(case: Case, backend, weights, batch, precision: str, not_compared: 
         ref64 = reference.forward(model64, **arguments)
         same = reference.forward(reference.build(case.config, weights, precision), **arguments)
     out = backend.forward(backend.build(case.config, weights, precision), **arguments)
-    found = []
+    found, maps = [], tolerance.stage_maps(model64, **arguments)
     for name in ref64:
         port = np.asarray(out[name])
         if _hidden_overflow(case, weights, arguments, precision, port, same[name]):
             not_compared.append(f"forward {precision}: {name}: non-finite where the reference in {precision} is "
                                 f"finite, after an operation that overflows {precision}: which value an overflowed "
                                 "product takes (an infinity of either sign or NaN) is its order of operations' choice")
-        elif problem := disagreement(port, ref64[name], same[name], precision,
-                                         *tolerance.carried(model64, name, out, same)):
+        elif problem := disagreement(port, ref64[name], same[name], precision, maps.get(name), out,
+                                         same):
             found.append(f"forward {precision}: {name}: {problem}")
     return found
 
@@ -222,12 +222,12 @@ def _hidden_overflow(case: Case, weights, arguments: dict, precision: str, port:
     return False
 
 
-def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str, step=None, port_in=None,
-                 same_in=None) -> str | None:
+def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str, step=None,
+                 port_stages=None, same_stages=None) -> str | None:
     """What is wrong with ``port`` (in ``precision``) against the float64 reference ``ref64`` and the reference in
     ``precision`` ``same``, or None: the non-finite values of ``same`` exactly (NaN where NaN, infinities of the
     same sign), and the policy's bound on the entries every one of the three has finite (for a stage that is a map
-    ``step`` of the stage before, :func:`~.tolerance.stage_agreement`)."""
+    ``step`` of earlier ones, :func:`~.tolerance.stage_agreement`, given the backend's and the reference's stages)."""
     if not _same(np.isnan(port), np.isnan(same)) or not _same(np.where(np.isinf(port), port, 0),
                                                              np.where(np.isinf(same), same, 0)):
         return (f"non-finite values differ (the reference in {precision}: {int(np.sum(~np.isfinite(same)))}, "
@@ -236,7 +236,8 @@ def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precisio
     if not finite.any():
         return None
     with np.errstate(all="ignore"):
-        result = tolerance.stage_agreement(port, ref64, same, precision, step, port_in, same_in, where=finite)
+        result = tolerance.stage_agreement(port, ref64, same, precision, step, port_stages, same_stages,
+                                           where=finite)
     return None if result.ok else str(result)
 
 

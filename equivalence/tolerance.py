@@ -20,9 +20,9 @@
   float32 bound rounds to the same number of P (:func:`decided_by_rounding`: nearly everywhere), the port must give
   exactly that number, so that a rounding skipped (a compiler keeping excess precision) is seen too.
 
-A forward stage that is a fixed map f of the stage before it (a pre-LN stack's final LayerNorm, the generator) and
-fails the bound on its total error is held instead to what it adds to its input's: ``|port - f(port_in)|`` within
-the bound of what the reference adds, ``|ref_P - f(ref_P_in)|`` (:func:`stage_agreement`, :func:`carried`).
+A forward stage that is a map f of earlier stages (a layer, a stack's output, the log-probabilities) and fails the
+bound on its total error is held instead to what it adds to its inputs': ``|port - f(port's stages)|`` within the
+bound of what the reference adds, ``|ref_P - f(ref_P's stages)|`` (:func:`stage_agreement`, :func:`stage_maps`).
 
 Two ports are compared with each other through the reference: by the triangle inequality
 their difference is at most the sum of their two bounds (:func:`pair_bound`).
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference_numpy.model import padding_mask, target_mask
 from reference_numpy.precision import is_low, parse_dtype, round_to, spacing
 
 FLOAT64_RELATIVE = 1e-12
@@ -259,43 +260,56 @@ def assert_agrees(port, ref64, ref_same=None, what: str = "output", precision=No
     return result
 
 
-def carried(model64, name: str, port_stages: dict, same_stages: dict) -> tuple:
-    """For the forward stage ``name``, when it is a fixed map of the stage before it, the arguments
-    :func:`stage_agreement` takes after ``dtype``: (the float64 reference ``model64``'s map, the port's values there,
-    the reference-in-``dtype``'s values there); (None, None, None) for the other stages. The generator (section
-    3.4) maps the decoder's output to the log-probabilities; a pre-LN stack's final LayerNorm (section 3.1) maps its
-    last layer's output to the stack's."""
-    config, maps = model64.config, {"log_probs": ("decoder", model64.generator)}
-    if config.norm_first:
-        maps["encoder"] = (f"encoder.layers.{config.n_encoder_layers - 1}", model64.encoder.norm)
-        maps["decoder"] = (f"decoder.layers.{config.n_decoder_layers - 1}", model64.decoder.norm)
-    if name not in maps:
-        return None, None, None
-    source, step = maps[name]
-    return step, port_stages[source], same_stages[source]
+Stages = dict[str, np.ndarray]
 
 
-def stage_agreement(port, ref64, ref_same, dtype, step: Callable[[np.ndarray], np.ndarray] | None = None,
-                    port_in=None, same_in=None, where=None) -> Agreement:
+def stage_maps(model64, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, Callable[[Stages], np.ndarray]]:
+    """Every forward stage that is a map of earlier ones -- each layer of the stacks (section 3.1; a decoder layer
+    also reads the encoder's output), a stack's output (its final LayerNorm in pre-LN), the log-probabilities
+    (section 3.4) -- as a function computing it in the float64 reference ``model64`` from the values of those
+    stages in a dict of stages, on the inputs of the forward pass (the default masks where none are given)."""
+    config = model64.config
+    src_mask = padding_mask(np.asarray(src), config.pad_id) if src_mask is None else src_mask
+    tgt_mask = target_mask(np.asarray(tgt), config.pad_id) if tgt_mask is None else tgt_mask
+    value = lambda stages, name: np.asarray(stages[name], dtype=np.float64)
+    maps: dict[str, Callable[[Stages], np.ndarray]] = {}
+    for side, stack, first in (("encoder", model64.encoder, "src_embed"), ("decoder", model64.decoder, "tgt_embed")):
+        before = first
+        for i, layer in enumerate(stack.layers):
+            maps[f"{side}.layers.{i}"] = (
+                (lambda stages, layer=layer, before=before: layer(value(stages, before), src_mask))
+                if side == "encoder" else
+                (lambda stages, layer=layer, before=before: layer(value(stages, before), value(stages, "encoder"),
+                                                                  src_mask, tgt_mask)))
+            before = f"{side}.layers.{i}"
+        norm = stack.norm or (lambda x: x)
+        maps[side] = lambda stages, norm=norm, before=before: norm(value(stages, before))
+    maps["log_probs"] = lambda stages: model64.generator(value(stages, "decoder"))
+    return maps
+
+
+def stage_agreement(port, ref64, ref_same, dtype, step: Callable[[Stages], np.ndarray] | None = None,
+                    port_stages: Stages | None = None, same_stages: Stages | None = None, where=None) -> Agreement:
     """A forward stage of a port against the float64 reference under the policy (:func:`agreement`), over the
-    entries ``where`` (default: all). For a stage that is a fixed map ``step`` of the stage before
-    (:func:`carried`; ``port_in`` and ``same_in``: the port's and the reference-in-``dtype``'s values there
-    -- ``ref64``'s in float64), where the policy fails: the error the stage adds to its input's instead,
-    ``|port - step(port_in)| <= bound_for(dtype, step(same_in), ref_same)``, the policy applied to what the
+    entries ``where`` (default: all). For a stage that is a map ``step`` of earlier stages (:func:`stage_maps`;
+    ``port_stages`` and ``same_stages``: the port's and the reference-in-``dtype``'s stages -- ``ref64``'s in
+    float64), where the policy fails: the error the stage adds to its inputs', instead,
+    ``|port - step(port_stages)| <= bound_for(dtype, step(same_stages), ref_same)``, the policy applied to what the
     reference in ``dtype`` adds there (``step`` in float64).
 
-    Why: a port's error at such a stage is J e + what the stage adds, with e its error at the stage before, which
-    that stage's bound holds. The reference's own error is J e' + what it adds, with e' its own draw, in a direction
-    its order of operations chose: a LayerNorm removes the mean and the direction of x, and where e' lies along them
-    (d_model 4, inputs of 2.8e9) the reference's output is far more exact than an e of the same size in another
-    direction leaves a port's. What a stage answers for is what it adds."""
+    Why: a port's error at such a stage is J e + what the stage adds, with e its error at the stages it reads,
+    which their bounds hold. The reference's own error is J e' + what it adds, with e' its own draw, in a direction
+    its order of operations chose: a LayerNorm removes the mean and the direction of x, so that its gain depends on
+    the direction of the error it is given, and where a port's falls in another direction than the reference's
+    (d_model 4, inputs of 2.8e9: 1.55 times the gain) the per-stage ratio of 8 can be passed by the input's error
+    alone. What a stage answers for is what it adds."""
     port, ref64 = np.asarray(port), np.asarray(ref64)
     where = np.ones(ref64.shape, dtype=bool) if where is None else where
     same = None if ref_same is None else np.asarray(ref_same)[where]
     result = agreement(port[where], ref64[where], same, dtype)
     if result.ok or step is None or not where.any():
         return result
-    exact_port, exact_same = (step(np.asarray(value, dtype=np.float64))[where] for value in (port_in, same_in))
+    exact_port, exact_same = step(port_stages)[where], step(same_stages)[where]
     added = Agreement(max_abs(port[where], exact_port), bound_for(dtype, exact_same, same), result.scale, added=True)
     return added if added.ok else result
 

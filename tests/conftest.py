@@ -18,16 +18,16 @@ AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defa
 
 
 def check_agreement(port_out, ref64, ref_same, *, port: str, device: str, dtype: str, what: str,
-                    scores: bool = False, carried: tuple = (None, None, None)) -> tolerance.Agreement:
+                    scores: bool = False, added: tuple = (None, None, None)) -> tolerance.Agreement:
     """Assert the policy of :mod:`equivalence.tolerance` for a model in ``dtype``, after checking the port's output
     kept its dtype: ``dtype`` itself, or with ``scores`` (log-probabilities, beam scores) ``score_dtype(dtype)``,
-    float32 for bfloat16 and float16 models. ``ref_same`` is the reference's output in ``dtype``; ``carried``, for a
-    forward stage that is a map of the stage before: (the map, the port's and the reference's values there), as
+    float32 for bfloat16 and float16 models. ``ref_same`` is the reference's output in ``dtype``; ``added``, for a
+    forward stage that is a map of earlier ones: (the map, the port's and the reference's stages), as
     :func:`equivalence.tolerance.stage_agreement` takes them."""
     port_out = np.asarray(port_out)
     expected = score_dtype(dtype) if scores else np.dtype(dtype)
     assert port_out.dtype == expected, f"{what}: {port} returned {port_out.dtype}, expected {expected} ({dtype} model)"
-    result = tolerance.stage_agreement(port_out, ref64, ref_same, dtype, *carried)
+    result = tolerance.stage_agreement(port_out, ref64, ref_same, dtype, *added)
     assert result.ok, f"{port}/{device}/{dtype}/{what}: {result}"
     AGREEMENT_LOG[(port, device, dtype, what.split(":")[0])].append((result.error, result.bound))
     return result

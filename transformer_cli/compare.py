@@ -164,7 +164,7 @@ class Oracle:
     greedy: np.ndarray
     greedy_margins: np.ndarray
     greedy_bounds: dict[str, float]             # precision -> bound of the log-probabilities
-    model64: object                             # the float64 reference model (tolerance.carried)
+    stage_maps: dict                            # each stage as a map of earlier ones (tolerance.stage_maps)
 
 
 def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: np.ndarray,
@@ -187,7 +187,8 @@ def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: 
         model = reference.build(config, params, dtype)
         stages[dtype] = reference.forward(model, **inputs)
         bounds[dtype] = tolerance.bound_for(dtype, log_probs64, model(src, forced))
-    return Oracle(inputs, stages64, stages, tokens, greedy_margins(model64, src, tokens), bounds, model64)
+    return Oracle(inputs, stages64, stages, tokens, greedy_margins(model64, src, tokens), bounds,
+                  tolerance.stage_maps(model64, **inputs))
 
 
 def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) -> tuple[bool, str]:
@@ -209,7 +210,7 @@ def run_backend(adapter, device: str, dtype: str, config, params, oracle: Oracle
             stage = np.asarray(stages[name])
             same = oracle.stages.get(dtype, oracle.stages64)
             result = tolerance.stage_agreement(stage, ref64, same[name] if dtype != "float64" else None, dtype,
-                                               *tolerance.carried(oracle.model64, name, stages, same))
+                                               oracle.stage_maps.get(name), stages, same)
             run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok,
                                           non_finite_kind(stage), result.added))
         run.tokens = np.asarray(adapter.greedy(model, inputs["src"]))

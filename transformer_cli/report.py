@@ -22,7 +22,7 @@ def format_table(report: Report) -> str:
 
     Each stage cell shows "max abs / max rel" error against the float64 reference, or "nan in
     output" / "inf in output" when the backend's output there is not finite; a "!" marks an error
-    above the bound, a "+" the error a stage adds to its input's (over the bound in total, within it in what it
+    above the bound, a "+" the error a stage adds to its inputs' (over the bound in total, within it in what it
     adds: :func:`equivalence.tolerance.stage_agreement`). Footer rows: worst error/bound, first stage over the
     bound, first non-finite stage, greedy tokens identical, forward time.
     """
@@ -63,8 +63,8 @@ def format_table(report: Report) -> str:
         lines.append(f"{name:<{STAGE_WIDTH}}" + "".join(_cell(describe(run)) for run in runs))
     notes = [f"{run.label}: {run.error}" for run in runs if run.error]
     notes += [f"{run.label}: + at {', '.join(stage.stage for stage in run.stages if stage.added)}: the error the "
-              "stage adds to its input's, within the bound (its input's error, within its own bound, is amplified "
-              "in a direction the reference's was not: docs/equivalence.md)" for run in runs
+              "stage adds to its inputs', within the bound (their error, within their own bounds, carried further "
+              "than the reference's own: docs/equivalence.md)" for run in runs
               if any(stage.added for stage in run.stages)]
     notes += [f"{run.label}: {'*' if run.greedy_identical else 'greedy tokens:'} {run.greedy_note}" for run in runs
               if run.greedy_note]
