@@ -11,12 +11,12 @@ reason, never a pass.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 
 import numpy as np
 import pytest
 from conftest import reference_model_in, rounded_reference
+from support import DEVICE_KINDS, FRAMEWORKS, LOW_DTYPES, device_for, port_backend, port_model
 
 from equivalence import cases, tolerance
 from equivalence.adapters import numpy as reference
@@ -26,33 +26,9 @@ from equivalence.recipes import ATTENTION_KINDS
 from transformer_cli.numbers_task import NumbersTask, teacher_forcing
 from transformer_cli.translate import load_translator
 
-FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
-LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
-DEVICE_KINDS = ("cpu", "gpu")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()
                    for case in (MASK_CASES if masked else ("none",))]
-
-
-def port_backend(port: str):
-    framework = FRAMEWORKS[port]
-    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{port}]')")
-    return importlib.import_module(f"equivalence.adapters.{port}")
-
-
-def device_for(backend, kind: str) -> str:
-    if kind == "cpu":
-        return "cpu"
-    accelerators = [device for device in backend.devices() if device != "cpu"]
-    if not accelerators:
-        pytest.skip(f"no GPU visible to {backend.NAME}: GPU agreement needs an accelerator")
-    return accelerators[0]
-
-
-@functools.cache
-def port_model(port: str, variant: str, dtype: str, device: str, params: str = "seeded"):
-    config = FORWARD_VARIANTS[variant]
-    return port_backend(port).build(config, cases.PARAMS[params](config), dtype, device)
 
 
 @functools.cache

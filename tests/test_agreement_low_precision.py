@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 from conftest import reference_model_in
-from test_agreement import (
+from support import (
     DEVICE_KINDS,
     FRAMEWORKS,
     LOW_DTYPES,

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 import pytest
-from test_agreement import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, port_backend
 
 from equivalence.tolerance import assert_agrees
 from reference_numpy import TransformerConfig, init_params

@@ -23,24 +23,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import cli
 
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import PARTIAL_SUFFIX, load_training_state
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends, runtime
-from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, main
+from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
 SCRIPT = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
 needs_script = pytest.mark.skipif(SCRIPT is None, reason="the package is not installed (pip install -e .), so the "
                                                          "transformer-reference script does not exist")
 INSTALLED = tuple(backends.load(tuple(backends.BACKENDS))[0])
 TINY = TransformerConfig.preset("tiny")
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    status = main(list(args))
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def one_error_line(err: str, *words: str) -> str:

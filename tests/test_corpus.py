@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli_reliability import cli
+from support import cli
 
 from equivalence import tolerance
 from equivalence.training_runs import Run, assert_float64_run, reference_run

@@ -8,34 +8,13 @@ import zlib
 
 import numpy as np
 import pytest
+from support import ScriptedModel
 
 from equivalence.cases import VARIANTS
 from equivalence.tolerance import assert_agrees
-from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params
+from reference_numpy import Transformer, beam_search, greedy_decode, init_params
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
-
-
-class ScriptedModel:
-    """Stands in for a Transformer: the next-token log-probabilities are a function of the
-    generated prefix only (``script(prefix) -> (V,)`` probabilities)."""
-
-    def __init__(self, script, max_len=64, vocab=5):
-        self.config = TransformerConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=2, n_heads=1, d_ff=2,
-                                        n_encoder_layers=1, n_decoder_layers=1, max_len=max_len)
-        self.dtype = np.dtype(np.float64)
-        self.script = script
-
-    def encode(self, src, src_mask=None):
-        return np.zeros((len(src), np.shape(src)[1], 1))
-
-    def decode(self, tgt, memory, src_mask=None):
-        return np.asarray(tgt)[:, None, :].repeat(np.shape(tgt)[1], axis=1)     # (B, T, T): the prefix
-
-    def generator(self, hidden):
-        with np.errstate(divide="ignore"):                                    # log(0) = -inf: impossible tokens
-            rows = [np.log(self.script(tuple(int(t) for t in prefix[1:]))) for prefix in hidden[:, -1]]
-        return np.stack(rows)[:, None, :]
 
 
 def seeded_script(prefix):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decoding import ScriptedModel
+from support import ScriptedModel
 
 from equivalence.adapters import numpy as reference
 from equivalence.tolerance import assert_agrees, float64_bound

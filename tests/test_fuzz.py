@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_agreement import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, port_backend
 
 from equivalence import fuzz
 from equivalence.adapters import numpy as reference

@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 import pytest
-from test_agreement import FRAMEWORKS, LOW_DTYPES, port_backend
+from support import FRAMEWORKS, LOW_DTYPES, port_backend
 
 from equivalence import tolerance
 from equivalence.cases import VARIANTS, seeded_params, training_inputs

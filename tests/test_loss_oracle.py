@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from test_agreement import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, port_backend
 
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from equivalence.tolerance import assert_agrees, finite_difference_bound

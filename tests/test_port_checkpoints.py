@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from test_agreement import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, port_backend
 
 from equivalence.cases import VARIANTS, seeded_params
 from reference_numpy import checkpoint as reference_checkpoint

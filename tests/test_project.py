@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import re
@@ -107,3 +108,21 @@ def test_the_code_passes_the_linter_configured_in_pyproject():
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All checks passed" in result.stdout
+
+
+def imported_modules(node: ast.AST) -> list[str]:
+    """The modules an import statement names (``from . import x`` names ``x``); none for any other node."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module] if node.module else [alias.name for alias in node.names]
+    return []
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/support.py (fixtures in conftest.py): a test module imported by another
+    runs its module-level code, and its tests' helpers become another file's API."""
+    offenders = [f"{path.name}:{node.lineno} imports {module}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+                 for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+                 for module in imported_modules(node) if any(part.startswith("test_") for part in module.split("."))]
+    assert offenders == [], "move what they use into tests/support.py: " + "; ".join(offenders)

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
-from test_agreement import FRAMEWORKS
+from support import FRAMEWORKS
 
 from equivalence import tolerance
 from equivalence.adapters import numpy as reference

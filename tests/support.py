@@ -1,0 +1,69 @@
+"""What more than one test module uses, in one place (``from support import ...``; no test module imports another):
+the ports and devices of the agreement matrix, a command run in-process, a scripted stand-in for a Transformer.
+Fixtures stay in ``conftest.py``."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import numpy as np
+import pytest
+
+from equivalence import cases
+from equivalence.cases import FORWARD_VARIANTS
+from reference_numpy import TransformerConfig
+from transformer_cli.main import main
+
+FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
+LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
+DEVICE_KINDS = ("cpu", "gpu")
+
+
+def port_backend(port: str):
+    framework = FRAMEWORKS[port]
+    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{port}]')")
+    return importlib.import_module(f"equivalence.adapters.{port}")
+
+
+def device_for(backend, kind: str) -> str:
+    if kind == "cpu":
+        return "cpu"
+    accelerators = [device for device in backend.devices() if device != "cpu"]
+    if not accelerators:
+        pytest.skip(f"no GPU visible to {backend.NAME}: GPU agreement needs an accelerator")
+    return accelerators[0]
+
+
+@functools.cache
+def port_model(port: str, variant: str, dtype: str, device: str, params: str = "seeded"):
+    config = FORWARD_VARIANTS[variant]
+    return port_backend(port).build(config, cases.PARAMS[params](config), dtype, device)
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+class ScriptedModel:
+    """Stands in for a Transformer: the next-token log-probabilities are a function of the
+    generated prefix only (``script(prefix) -> (V,)`` probabilities)."""
+
+    def __init__(self, script, max_len=64, vocab=5):
+        self.config = TransformerConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=2, n_heads=1, d_ff=2,
+                                        n_encoder_layers=1, n_decoder_layers=1, max_len=max_len)
+        self.dtype = np.dtype(np.float64)
+        self.script = script
+
+    def encode(self, src, src_mask=None):
+        return np.zeros((len(src), np.shape(src)[1], 1))
+
+    def decode(self, tgt, memory, src_mask=None):
+        return np.asarray(tgt)[:, None, :].repeat(np.shape(tgt)[1], axis=1)     # (B, T, T): the prefix
+
+    def generator(self, hidden):
+        with np.errstate(divide="ignore"):                                    # log(0) = -inf: impossible tokens
+            rows = [np.log(self.script(tuple(int(t) for t in prefix[1:]))) for prefix in hidden[:, -1]]
+        return np.stack(rows)[:, None, :]
