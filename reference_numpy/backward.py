@@ -12,7 +12,9 @@ every parameter it reads to ``grads`` (checkpoint name -> array, in checkpoint l
 over uses: the tied embedding of ``share_embeddings`` receives the source embedding's, the
 target embedding's and the generator's share. The forward values a backward needs are kept by
 its closure, so the forward pass runs once. Each backward function names the derivative it
-computes; ``loss_and_gradients`` chains them from the loss back to the embeddings.
+computes; ``loss_and_gradients`` chains them from the loss back to the embeddings. The loss itself is
+:mod:`.training`'s (section 5.4): its caller passes :func:`.training.label_smoothed_cross_entropy` in, and this
+module differentiates it without importing :mod:`.training`, which imports this one.
 
 In a low precision P (bfloat16, float16) the backward pass mirrors the forward recipe of :mod:`.precision`: each
 concept's backward is computed wide (float64) from the values its forward read (P) and the gradient of its output
@@ -33,7 +35,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import training
 from .checkpoint import parameter_shapes
 from .model import (
     Decoder,
@@ -58,6 +59,8 @@ from .precision import is_low, narrow, wide
 Grads = dict[str, np.ndarray]
 Backward = Callable[[np.ndarray], np.ndarray]
 Sublayer = Callable[[np.ndarray], tuple[np.ndarray, Backward]]
+# :func:`.training.label_smoothed_cross_entropy`: (log_probs, labels, pad_id, epsilon) -> the loss, a scalar
+Loss = Callable[[np.ndarray, np.ndarray, int, float], np.ndarray]
 
 
 def _add(grads: Grads, name: str, value: np.ndarray) -> None:
@@ -304,15 +307,15 @@ def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Gra
     return log_probs, backward
 
 
-def label_smoothed_cross_entropy(log_probs: np.ndarray, labels: np.ndarray, pad_id: int,
+def label_smoothed_cross_entropy(loss: Loss, log_probs: np.ndarray, labels: np.ndarray, pad_id: int,
                                  epsilon: float) -> tuple[float, Callable[[float], np.ndarray]]:
-    """The loss of section 5.4 by :func:`.training.label_smoothed_cross_entropy` (its checks, its
+    """The loss of section 5.4 by ``loss``, :func:`.training.label_smoothed_cross_entropy` (its checks, its
     ValueErrors): the mean over the n non-pad labels of -sum_k q(k) log p(k), with
     q = (1 - epsilon) one_hot(label) + epsilon / V.
 
     Shape: log_probs (B, T, V), labels (B, T) int -> scalar; backward: dL/dloss (a float) -> dL/dlog_probs (B, T, V).
     """
-    value = training.label_smoothed_cross_entropy(log_probs, labels, pad_id, epsilon)
+    value = loss(log_probs, labels, pad_id, epsilon)
     labels = np.asarray(labels)
     real = labels != pad_id                                                    # (B, T)
 
@@ -434,12 +437,13 @@ def decoder(stack: Decoder, name: str, x: np.ndarray, memory: np.ndarray, src_ma
 
 # ----------------------------------------------------------------------------- the model
 
-def loss_and_gradients(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarray,
+def loss_and_gradients(model: Transformer, loss: Loss, src: np.ndarray, tgt: np.ndarray, labels: np.ndarray,
                        epsilon: float, scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
     """The label-smoothed loss of section 5.4 (:func:`.training.loss`, the model's default masks,
-    dropout off) and its gradient with respect to every checkpoint tensor, by name, in checkpoint
-    layout and the model's dtype. Bad input gets the ValueErrors of :func:`.training.loss`. With
-    ``scale`` (float16's loss scaling) the gradients are those of ``scale`` times the loss.
+    dropout off; ``loss`` is :func:`.training.label_smoothed_cross_entropy`) and its gradient with respect to every
+    checkpoint tensor, by name, in checkpoint layout and the model's dtype. Bad input gets the ValueErrors of
+    :func:`.training.loss`. With ``scale`` (float16's loss scaling) the gradients are those of ``scale`` times the
+    loss.
 
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens.
     """
@@ -458,7 +462,7 @@ def loss_and_gradients(model: Transformer, src: np.ndarray, tgt: np.ndarray, lab
     y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, grads)
     out, decoder_backward = decoder(model.decoder, "decoder", y, memory, src_mask, tgt_mask, grads)
     log_probs, generator_backward = generator(model.generator, generator_name, shared, out, grads)
-    value, loss_backward = label_smoothed_cross_entropy(log_probs, labels, config.pad_id, epsilon)
+    value, loss_backward = label_smoothed_cross_entropy(loss, log_probs, labels, config.pad_id, epsilon)
 
     grad_y, grad_memory = decoder_backward(generator_backward(loss_backward(scale)))
     tgt_embed_backward(tgt_pos_backward(grad_y))

@@ -77,7 +77,8 @@ def gradients(model: Transformer, src, tgt, labels,
     """The loss and its gradient for every checkpoint tensor, in checkpoint layout and the model's dtype
     (tied weights receive the sum over their uses), by the hand-written backward pass; a bfloat16 or float16
     model's gradients are P, by the recipe (its loss float32)."""
-    return backward.loss_and_gradients(model, *check_batch(model, src, tgt, labels), epsilon)
+    return backward.loss_and_gradients(model, label_smoothed_cross_entropy, *check_batch(model, src, tgt, labels),
+                                      epsilon)
 
 
 def check_batch(model, src, tgt, labels) -> tuple:
@@ -216,7 +217,7 @@ def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src, tgt, l
     check_next_step((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).step)
     if isinstance(optimizer, MixedPrecision):
         return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
-    value, grads = backward.loss_and_gradients(model, src, tgt, labels, epsilon)
+    value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy, src, tgt, labels, epsilon)
     optimizer.update(grads)
     return value
 
@@ -227,7 +228,8 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, l
     is skipped (float16; its scale halves); then the P model is the new masters rounded to P."""
     scale = 1.0 if mixed.loss_scale is None else mixed.loss_scale.value
     with np.errstate(over="ignore", invalid="ignore"):                    # an overflow skips the step (float16)
-        value, grads = backward.loss_and_gradients(mixed.low, src, tgt, labels, epsilon, scale)
+        value, grads = backward.loss_and_gradients(mixed.low, label_smoothed_cross_entropy, src, tgt, labels, epsilon,
+                                                   scale)
         grads = {name: grad.astype(np.float32) / np.float32(scale) for name, grad in grads.items()}
     finite = all(np.isfinite(grad).all() for grad in grads.values())
     if mixed.loss_scale is not None:

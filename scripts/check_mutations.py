@@ -625,8 +625,8 @@ PRECISION = [
            ["tests/test_training.py", "-k", "overflow and torch"]),
     single("precision", "reference: mixed precision differentiates the float32 masters (no P model)",
            "reference_numpy/training.py",
-           "        value, grads = backward.loss_and_gradients(mixed.low, src, tgt, labels, epsilon, scale)",
-           "        value, grads = backward.loss_and_gradients(model, src, tgt, labels, epsilon, scale)",
+           "value, grads = backward.loss_and_gradients(mixed.low, label_smoothed_cross_entropy,",
+           "value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy,",
            ["tests/test_training.py", "-k", "mixed_precision_steps and torch and bfloat16"]),
 ]
 

@@ -246,7 +246,8 @@ def test_label_smoothed_cross_entropy(epsilon):
     """Section 5.4, mean over non-pad labels; pad positions get exactly zero gradient."""
     labels = np.array([[4, 2, 0, 0], [1, 0, 6, 3]])
     inputs = {"log_probs": random((2, 4, 7), 6)}
-    value, pullback = backward.label_smoothed_cross_entropy(inputs["log_probs"], labels, 0, epsilon)
+    value, pullback = backward.label_smoothed_cross_entropy(label_smoothed_cross_entropy, inputs["log_probs"], labels,
+                                                            0, epsilon)
     assert value == float(label_smoothed_cross_entropy(inputs["log_probs"], labels, 0, epsilon))
     analytic = {"log_probs": pullback(1.0)}
     assert_matches_finite_differences(lambda p: float(label_smoothed_cross_entropy(p["log_probs"], labels, 0, epsilon)),
@@ -277,7 +278,8 @@ def test_loss_and_gradients_match_finite_differences(variant):
     """Every entry of every checkpoint tensor against finite differences of ``training.loss``."""
     config = small(FORWARD_VARIANTS[variant])
     params, inputs = seeded_params(config), batch(config)
-    value, grads = backward.loss_and_gradients(Transformer(config, params), **inputs, epsilon=LABEL_SMOOTHING)
+    value, grads = backward.loss_and_gradients(Transformer(config, params), label_smoothed_cross_entropy, **inputs,
+                                               epsilon=LABEL_SMOOTHING)
     assert list(grads) == list(params)
     assert_matches_finite_differences(lambda p: float(loss(Transformer(config, p), **inputs)), params, grads,
                                       RELU_STEP)
@@ -292,7 +294,7 @@ def test_loss_is_the_reference_loss(variant, dtype):
     this code itself -- no independent float32 bound exists to test it against.)"""
     config = FORWARD_VARIANTS[variant]
     model, inputs = Transformer(config, seeded_params(config), dtype), batch(config)
-    value, grads = backward.loss_and_gradients(model, **inputs, epsilon=LABEL_SMOOTHING)
+    value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy, **inputs, epsilon=LABEL_SMOOTHING)
     assert isinstance(value, float) and value == float(loss(model, **inputs))
     assert list(grads) == list(model.params)
     for name, grad in grads.items():
@@ -308,7 +310,8 @@ def test_gradients_match_torch_autograd(variant):
 
     config = FORWARD_VARIANTS[variant]
     params, inputs = seeded_params(config), batch(config)
-    value, grads = backward.loss_and_gradients(Transformer(config, params), **inputs, epsilon=LABEL_SMOOTHING)
+    value, grads = backward.loss_and_gradients(Transformer(config, params), label_smoothed_cross_entropy, **inputs,
+                                               epsilon=LABEL_SMOOTHING)
     torch_value, torch_grads = torch_backend.gradients(torch_backend.build(config, params, "float64", "cpu"), **inputs)
     assert abs(value - torch_value) <= tolerance.float64_bound(value)
     bound = tolerance.gradient_bound(grads, torch_grads)
@@ -336,5 +339,5 @@ def test_bad_input_gets_the_loss_errors(case):
     with pytest.raises(ValueError) as expected:
         loss(model, **arguments)
     with pytest.raises(ValueError) as got:
-        backward.loss_and_gradients(model, **arguments)
+        backward.loss_and_gradients(model, label_smoothed_cross_entropy, **arguments)
     assert str(got.value) == str(expected.value)

@@ -126,3 +126,65 @@ def test_no_test_module_imports_another():
                  for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
                  for module in imported_modules(node) if any(part.startswith("test_") for part in module.split("."))]
     assert offenders == [], "move what they use into tests/support.py: " + "; ".join(offenders)
+
+
+def project_import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, read with ``ast`` from every module of PACKAGES (imports inside
+    functions too): ``from . import x``, ``from .x import y`` and ``import pkg.x`` name ``pkg.x``, or ``pkg.x.y`` when
+    ``y`` is a module; an import of a name a module does not have (a class, a function) names the module."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+    def imports(module: str, path: Path) -> set[str]:
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                anchor = package.split(".")[:len(package.split(".")) + 1 - node.level] if node.level else []
+                base = ".".join([*anchor, *filter(None, [node.module])])
+                found |= {f"{base}.{alias.name}" for alias in node.names}
+        return {owner for owner in map(project_module, found) if owner and owner != module}
+
+    def project_module(target: str) -> str:
+        """The longest prefix of a dotted name that is a project module ("" if none)."""
+        while target and target not in files:
+            target = target.rpartition(".")[0]
+        return target
+
+    return {module: imports(module, path) for module, path in files.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle a depth-first search meets, as its path (first module repeated at the end)."""
+    cycles, done, path = [], set(), []
+
+    def visit(module: str) -> None:
+        path.append(module)
+        for target in sorted(graph[module]):
+            if target in path:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_between_the_projects_modules():
+    """A module of the packages never imports, even inside a function, one that imports it back (directly or through
+    others): each module has a place below the ones that use it."""
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]   # the search itself
+    graph = project_import_graph()
+    assert {"reference_numpy.training", "transformer_cli.main"} <= set(graph)
+    assert "reference_numpy.model" in graph["reference_numpy.training"]
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
