@@ -3,12 +3,14 @@ after importing the backend's framework, after ``adapter.load`` of the checkpoin
 the process's peak, each as a multiple of the weights' bytes.
 
 The target: loading never holds two copies of the weights, i.e. RSS after loading, and its peak while loading, <=
-the framework's own import footprint + 1.15 x the weights. Each backend runs in its own process (a framework's allocator keeps what it
-freed); the checkpoint is the seeded ``big`` preset in float32 (857 MB) unless ``--checkpoint`` names another.
+the framework's own import footprint + 1.15 x the weights. Each backend runs in its own process (a framework's
+allocator keeps what it freed); the checkpoint is the seeded ``big`` preset in float32 (857 MB) unless
+``--checkpoint`` names another.
 
-While a file is read, the operating system maps it into the process: its pages count in the RSS ("file" below)
-until the file is closed, and are page cache, not a copy the process owns. The peak therefore includes them; the
-anonymous memory (``RssAnon``, what the process itself allocated) is reported beside it.
+A file mapped into the process (as safetensors' reader maps it) counts in the RSS until it is closed, though its
+pages are page cache, not a copy the process owns; the checkpoint reader therefore reads each tensor's bytes into
+an array of its own. The anonymous memory (``RssAnon``, what the process itself allocated) is reported beside the
+RSS.
 
     python scripts/bench_memory.py [--backends numpy,torch,jax,tf] [--checkpoint FILE]
 
