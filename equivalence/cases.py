@@ -26,7 +26,8 @@ VARIANTS: dict[str, TransformerConfig] = {
 # Keras 1e-3), pre-LN so that the final norms of both stacks use it too: a default or misplaced
 # epsilon anywhere moves outputs by ~1e-3, far over either bound. The agreement matrix runs it
 # in its forward-pass checks (components, stages, attention weights); a full variant (decoding,
-# port pairs, gradients, per-port tests) would add about 100 s to the suite.
+# port pairs, gradients, per-port tests) would run the suite's slowest checks once more for a config
+# that differs only in its epsilon.
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
     "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),

@@ -332,8 +332,8 @@ def release_freed_memory() -> None:
     A port copies each array :func:`load_checkpoint` returned into its framework's own memory and drops
     the array. glibc's allocator keeps the freed pages of the arrays it placed on its heap (those under
     its mmap threshold, at most 32 MiB each) for later use, so a process that loaded ``big`` would go on
-    holding most of a second copy of the weights (TensorFlow: 1.85x the weights after loading, 1.06x
-    after this call; ``scripts/bench_memory.py``). ``malloc_trim(0)`` returns them; on a C library
+    holding most of a second copy of the weights (``scripts/bench_memory.py`` measures it, with and without this
+    call: docs/benchmarks.md, "Loading memory"). ``malloc_trim(0)`` returns them; on a C library
     without it (not glibc) this does nothing.
     """
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)

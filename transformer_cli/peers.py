@@ -310,8 +310,8 @@ class OwnProcess:
     Why: CTranslate2 ships its own GNU OpenMP, but in a process that imported PyTorch first the dynamic linker
     binds its ``GOMP_*`` calls to PyTorch's copy (``LD_DEBUG=bindings`` shows it). Once PyTorch has started its
     threads, that one runtime manages more threads than the machine has cores and throttles its spin-waiting:
-    CTranslate2's threads sleep between parallel regions (their CPU time halves) and it decodes at about half
-    its speed (measured on 2 cores: 8.0 against 4.5 ms per token at batch 1, ``base``)."""
+    CTranslate2's threads sleep between parallel regions (their CPU time halves) and it decodes far slower than
+    in a process of its own (the numbers: docs/peers.md, ``transformer-reference bench --peers``)."""
 
     def __init__(self, peer: type, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
         self._process = subprocess.Popen([sys.executable, "-c", "from transformer_cli.peers import serve; serve()"],

@@ -202,7 +202,7 @@ def _own_copy(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     ``jax.device_put`` on the CPU uses it in place instead of copying it again (it does so for arrays
     aligned to 64 bytes; NumPy's are aligned to 16), and given back to the system when the model
     drops it. (Copies made by NumPy or XLA would share the heap with the arrays being dropped, which
-    the allocator keeps: +0.6 x the weights of ``big`` resident after loading.) To a low ``dtype`` the
+    the allocator keeps resident after loading: docs/benchmarks-jax.md, "Loading".) To a low ``dtype`` the
     values are rounded by ``round_to`` (through a temporary copy of the one tensor)."""
     copy = np.frombuffer(mmap.mmap(-1, max(value.size * dtype.itemsize, 1)), dtype, value.size).reshape(value.shape)
     copy[...] = round_to(value, dtype) if is_low(dtype) else value

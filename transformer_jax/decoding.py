@@ -21,9 +21,8 @@ How it runs:
   position's keys/values and attends up to it; beam search reorders the self-attention ones with
   :func:`reorder_cache` (the memory's are the same for every beam of a sentence), moving their
   keys and values: kept in place under a ``beams`` table instead (``KVCache.beams``, as the
-  TensorFlow port does), the search measured no faster (``base``, beam 4: 9.03 against 8.99
-  ms/step for one sentence, 34.7 against 34.6 for eight), since XLA copies the loop's caches
-  either way (docs/benchmarks.md);
+  TensorFlow port does), the search was no faster, since XLA copies the loop's caches
+  either way (the numbers: docs/benchmarks.md, "What beam search adds");
 * the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
   (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
   compiled once per model structure, batch size, source length, budget M and beam size, never per token;
@@ -33,9 +32,9 @@ How it runs:
 * beam search advances every sentence's beams in one loop, as the TensorFlow port does: rows are
   (sentence, beam) pairs, N = B * K; a sentence that has stopped is still computed but changes
   nothing (its best is no longer replaced) until every sentence has stopped. (One search per
-  sentence under ``jax.vmap`` was 15% slower for one sentence: a loop whose condition is batched
-  becomes one whose every carry, caches included, is selected anew at each step.) Beam slots not
-  yet filled (the first step has one live beam) hold the score -inf, so they rank after every real
+  sentence under ``jax.vmap`` was slower: a loop whose condition is batched becomes one whose every
+  carry, caches included, is selected anew at each step; docs/benchmarks.md, "What beam search adds".)
+  Beam slots not yet filled (the first step has one live beam) hold the score -inf, so they rank after every real
   candidate and never finish. A step whose non-eos candidates are all
   impossible (only eos can follow) leaves every slot at -inf, and the stopping rule
   (-inf <= best finished score) ends the search, as "no live beam left" does in the reference.

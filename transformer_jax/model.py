@@ -493,8 +493,9 @@ def log_softmax(x: jax.Array) -> jax.Array:
 
     The sum of ``exp(s)`` runs as products with a vector of ones over chunks of the row (see
     :func:`_sum_chunk`), then over the chunks' totals: XLA:CPU computes an exp inside a row sum one element at
-    a time, so over (1024, 37,000) this takes about 75 ms where ``jax.nn.log_softmax`` takes 114, at the same
-    float32 error (``docs/benchmarks-jax.md``). A row with no such chunk uses ``jax.nn.log_softmax``.
+    a time, whereas here the exp runs on its own and the sum is a matrix product, so this is faster than
+    ``jax.nn.log_softmax`` over a large vocabulary, at the same float32 error (the numbers:
+    ``docs/benchmarks-jax.md``). A row with no such chunk uses ``jax.nn.log_softmax``.
 
     Shape: (..., V) -> (..., V).
     """
@@ -844,7 +845,7 @@ def _jitted_forward(structure: _Structure, state: nnx.State, src: jax.Array, tgt
 
 class _Structure:
     """A model's ``nnx.GraphDef`` as a static argument of ``jax.jit``: its hash is computed once (hashing
-    a GraphDef walks every node, about 1 ms for ``base``, and jit hashes static arguments at every call);
+    a GraphDef walks every node, and jit hashes static arguments at every call: docs/benchmarks-jax.md);
     equal structures compare equal, so models of one structure share their compilations."""
 
     def __init__(self, graphdef: nnx.GraphDef):
@@ -874,13 +875,14 @@ _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _split(model: Transformer) -> _Split:
-    """``nnx.split(model)`` once per model object (about 10 ms for ``base``, which ``nnx.jit`` pays, and
-    more, at every call), for compiled functions of (structure, state, inputs) under plain ``jax.jit``.
+    """``nnx.split(model)`` once per model object (a walk of the whole module graph, which ``nnx.jit`` pays, and
+    more, at every call: docs/benchmarks-jax.md), for compiled functions of (structure, state, inputs) under plain
+    ``jax.jit``.
 
     The state holds the model's own ``nnx.Variable`` objects, so a call passes their current values:
     a training step, ``nnx.update`` or ``variable[...] = value`` changes what the next call computes
     with. A model whose Variables or submodules were replaced (a path now leads to another Variable)
-    is split again; a check of 0.2 ms for ``base``.
+    is split again (the check is a walk of the Variables' paths, without splitting).
     """
     split = _SPLITS.get(model)
     if split is None or not all(_at(model, path) is variable for path, variable in split.variables):

@@ -256,7 +256,7 @@ def _place_with(model: Transformer, *nodes: nnx.Module | nnx.Optimizer) -> None:
     """The arrays of the model and of ``nodes`` (its optimizer; in mixed precision the model in P) committed to
     the device of the model's weights. optax and ``nnx.Optimizer`` create their step counters uncommitted; beside
     committed weights, a compiled step whose arguments turn committed after its first call is compiled a second
-    time (5.5 s for ``tiny`` in float64: every run of a placed model compiled its step twice)."""
+    time (every run of a placed model compiled its step twice: docs/benchmarks.md, "Training throughput")."""
     device = _device(model)
     for node in (model, *nodes):
         nnx.update(node, jax.device_put(nnx.state(node), device))

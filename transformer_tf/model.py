@@ -953,9 +953,9 @@ def _xla_keeps_roundings(model: Transformer) -> bool:
 def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
     """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
     XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
-    op used; on the CPU it ran the ``base`` forward pass a few percent faster than TensorFlow's
-    graph executor (``docs/benchmarks-tf.md``). A bfloat16 or float16 model runs the graph without XLA whatever
-    ``jit_compile`` says (:func:`_xla_keeps_roundings`).
+    op used, and it is the default because its fused program ran the ``base`` forward pass faster on the CPU
+    than TensorFlow's graph executor (the numbers: ``docs/benchmarks-tf.md``). A bfloat16 or float16 model runs
+    the graph without XLA whatever ``jit_compile`` says (:func:`_xla_keeps_roundings`).
 
     The returned function checks its inputs eagerly, then runs the graph: once traced, token ids
     can no longer be compared with the vocabulary size (``tf.gather`` would clamp an id out of range).

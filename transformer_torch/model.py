@@ -275,7 +275,9 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
 
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_ONEDNN_MIN_WEIGHT = 1 << 16   # elements (256 KB in float32): below, oneDNN's ~10 us more per call outweighs its speed
+# elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster
+# reading of the weight (docs/benchmarks-torch.md, "Before and after")
+_ONEDNN_MIN_WEIGHT = 1 << 16
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -285,8 +287,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     goes to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
     torch.compile's CPU backend emits for a linear layer) on the same weight tensor: ``F.linear``
     goes to the BLAS library torch is built with (MKL), whose matrix-vector product reads an
-    (out, in) weight at less than half the memory bandwidth (batch-1 decoding) and whose large
-    products run at half oneDNN's rate on some CPUs (docs/benchmarks-torch.md). Every other case
+    (out, in) weight far below the memory bandwidth (batch-1 decoding) and whose large
+    products run slower than oneDNN's on some CPUs (the numbers: docs/benchmarks-torch.md). Every other case
     (float64, a GPU, gradients, small weights, oneDNN switched off by
     ``torch.backends.mkldnn.enabled = False``, and a traced call -- ``torch.compile`` chooses its own kernel,
     ``torch.export`` and ONNX take the portable operator) is ``F.linear``. A weight in a low precision P is
@@ -470,7 +472,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
     """A parameter drawn from N(0, std^2); on the meta device (shapes only: :mod:`.checkpoint` builds
     there) nothing is drawn, since torch's meta ``normal_`` first imports its symbolic-shape
-    machinery (SymPy: over a second and tens of MB)."""
+    machinery (SymPy, slow to import and large: docs/benchmarks-torch.md)."""
     weight = torch.empty(*shape)
     return nn.Parameter(weight if weight.is_meta else nn.init.normal_(weight, std=std))
 
