@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import site
 import subprocess
 import sys
 from typing import NamedTuple
@@ -39,14 +38,13 @@ from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import pad_rows
-from transformer_cli import ctranslate2_export
+from transformer_cli import ctranslate2_export, export_check
 from transformer_cli import export as export_module
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_cli.export_check import ISOLATION, LOADERS
+from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE, main
 from transformer_cli.numbers_task import NumbersTask, english, french
 from transformer_cli.translate import SHIPPED, load_translator
 
-PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",
-           "equivalence")
 SHIPPED_TEXTS = 32                 # held-out sentences of the shipped model, every length of the test split
 # Number words in no English number's order, on which the shipped model's beam search (size 4, alpha 0.6) and greedy
 # decoding part (on the held-out sentences they agree): "treize" against greedy's "treize mille huit".
@@ -60,13 +58,6 @@ def require(module: str, extra: str):
 
 
 # ----------------------------------------------------------------------------- a process without the project
-
-ISOLATION = f"""
-import importlib.util, json, sys
-sys.path[:0] = {site.getsitepackages()!r}
-assert not [name for name in {PROJECT!r} if importlib.util.find_spec(name)], "the project is importable"
-"""
-
 
 def run_isolated(script: str, *args, cwd) -> dict:
     """Run ``script`` in ``python -I -S`` (no site hooks, no PYTHONPATH, no working directory on the path) with the
@@ -175,47 +166,9 @@ def test_ctranslate2_refuses_a_vocabulary_naming_two_ids_alike():
 RUNTIMES = {"savedmodel": ("tensorflow", "tf"), "jax-export": ("jax", "jax"), "torch-export": ("torch", "torch"),
             "onnx": ("onnxruntime", "export")}
 
-# Each defines ``run(src, tgt) -> log_probs`` from the artefact in OUTPUT_DIR (int64 ids in, float32 (B, T, V) out).
-RUN = {
-    "savedmodel": """
-import tensorflow as tf
-model = tf.saved_model.load(sys.argv[1])
-run = lambda src, tgt: model.serve(tf.constant(src), tf.constant(tgt)).numpy()
-""",
-    "jax-export": """
-import jax
-exported = jax.export.deserialize(bytearray(open(sys.argv[1] + "/forward.jax", "rb").read()))
-weights = dict(np.load(sys.argv[1] + "/weights.npz"))
-run = lambda src, tgt: np.asarray(exported.call(weights, src.astype(np.int32), tgt.astype(np.int32)))
-""",
-    "torch-export": """
-import torch
-program = torch.export.load(sys.argv[1] + "/model.pt2").module()
-run = lambda src, tgt: program(torch.from_numpy(src), torch.from_numpy(tgt)).detach().numpy()
-""",
-    "onnx": """
-import onnxruntime
-session = onnxruntime.InferenceSession(sys.argv[1] + "/model.onnx", providers=["CPUExecutionProvider"])
-run = lambda src, tgt: session.run(["log_probs"], {"src": src, "tgt": tgt})[0]
-""",
-}
-# A serving process's greedy decoding over ``run``, NumPy only, with the reference's rules
-# (``reference_numpy.decoding.greedy_decode``): every row starts with bos; each step runs the whole prefix and
-# writes the last position's best id (argmax: a tie goes to the lowest id), never pad or bos; a row ends at eos or
-# after len(src) + EXTRA_OUTPUT_LENGTH tokens (at most max_len, section 6.1) and is padded after.
-GREEDY = """
-def greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
-    limits = np.minimum((src != pad_id).sum(axis=1) + extra_length, max_len)
-    tgt = np.full((len(src), 1), bos_id, dtype=np.int64)
-    done = np.zeros(len(src), dtype=bool)
-    while not done.all():
-        log_probs = np.array(run(src, tgt)[:, -1])                           # (B, V) the next token's
-        log_probs[:, [pad_id, bos_id]] = -np.inf
-        token = np.where(done, pad_id, log_probs.argmax(axis=-1))
-        tgt = np.concatenate([tgt, token[:, None]], axis=1)
-        done |= (token == eos_id) | (tgt.shape[1] - 1 >= limits)
-    return tgt[:, 1:]
-"""
+# How a serving process loads each artefact (``run(src, tgt) -> log_probs``) and greedy-decodes with it, NumPy only:
+# the loaders and the loop of ``export --check`` (transformer_cli/export_check.py), checked here against the reference.
+RUN, GREEDY = LOADERS, export_check.GREEDY
 # A serving process's beam search over ``run``, NumPy only, one sentence at a time, with the reference's rules
 # (``reference_numpy.decoding``'s docstring): candidates (beam, token) ranked by summed log-probability, ties to the
 # lower beam then the lower token; an eos among the first beam_size ranks finishes a hypothesis scored
@@ -406,6 +359,34 @@ def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_pat
         check_greedy_tokens(target, served)
     with pytest.raises(AssertionError, match=f"beam tokens of the exported {target}"):
         check_beam_tokens(target, served)
+
+
+@pytest.mark.parametrize("target", ["jax-export", "onnx"])
+def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_reference(target, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """``export --check``: the artefact of the shipped model agrees (exit 0, the report names the runtime the
+    checking process imported and the float32 policy's verdict); with the planted W_q bug the same command exits 1
+    and says what differs (the log-probabilities, off by 3.0; the 4 sentences' greedy tokens survive it)."""
+    require(*RUNTIMES[target])
+    assert main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "good"), "--check"]) == EXIT_OK
+    report = capsys.readouterr().out.splitlines()[-1]
+    assert report.startswith(f"checked in a process without this project ({RUNTIMES[target][0]}): log-probabilities "
+                             "max abs error ") and report.endswith("greedy tokens of 4 sentences identical"), report
+    config, params = load_checkpoint(SHIPPED, dtype=np.float32)
+    name = "encoder.layers.0.self_attn.q_proj.weight"
+    swapped = {**params, name: np.ascontiguousarray(params[name].T)}
+    monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
+    assert main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "bad"), "--check"]) == EXIT_DISAGREEMENT
+    report = capsys.readouterr().out.splitlines()[-1]
+    assert " > bound 2.868e-05 (float32 policy)" in report, report
+
+
+def test_export_check_is_for_the_forward_pass_targets(tmp_path, capsys):
+    """``--check`` with ``--to ctranslate2`` (which brings its own decoder): one line, exit 2, nothing written."""
+    assert main(["export", "--to", "ctranslate2", "numbers-en-fr", str(tmp_path / "out"), "--check"]) == EXIT_USAGE
+    assert capsys.readouterr().err == ("transformer-reference: error: --check runs the forward-pass targets "
+                                       "(savedmodel, jax-export, torch-export, onnx), not ctranslate2\n")
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- capture in the ports

@@ -2,7 +2,7 @@
 
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
     transformer-reference bench [--preset base] [--peers] [--json] [--plot FILE.png]
-    transformer-reference export --to ctranslate2|savedmodel|jax-export|torch-export|onnx CKPT OUT_DIR [--force]
+    transformer-reference export --to ctranslate2|savedmodel|jax-export|torch-export|onnx CKPT OUT [--force] [--check]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
                                          [--out attention.png]
@@ -278,15 +278,26 @@ def add_export(commands) -> None:
                              "(torch), onnx (export): a float32 artefact of the forward pass, and CTranslate2's "
                              "decoder (docs/deploy.md)")
     export.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists (it is kept otherwise)")
+    export.add_argument("--check", action="store_true",
+                        help="then run the artefact in a process without this project (its runtime alone) and compare "
+                             "its log-probabilities and greedy tokens with the reference's (float32 policy; exit 1 "
+                             "if they disagree); the forward-pass targets")
     export.set_defaults(run=run_export)
 
 
 def run_export(args) -> int:
     from .export import describe, export
+    from .export_check import LOADERS, check_export
 
+    if args.check and args.to not in LOADERS:
+        raise ValueError(f"--check runs the forward-pass targets ({', '.join(LOADERS)}), not {args.to}")
     output = export(args.to, args.checkpoint, args.output_dir, args.force)
     print(f"wrote {output}: {describe(args.to, output)}; docs/deploy.md")
-    return EXIT_OK
+    if not args.check:
+        return EXIT_OK
+    checked = check_export(args.to, output, args.checkpoint)
+    print(checked)
+    return EXIT_OK if checked.ok else EXIT_DISAGREEMENT
 
 
 def add_train(commands) -> None:
