@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -108,6 +109,17 @@ def test_the_code_passes_the_linter_configured_in_pyproject():
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All checks passed" in result.stdout
+
+
+def test_the_code_passes_the_type_checker_mypy_configured_in_pyproject():
+    """mypy, with ``[tool.mypy]`` in pyproject.toml, over the six packages: each ships ``py.typed``, so its
+    annotations are part of the public API and must be true."""
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (it comes with the `test` extra)")
+    result = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("Success: no issues found")
 
 
 def imported_modules(node: ast.AST) -> list[str]:
