@@ -61,7 +61,8 @@ def beam_margins(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE
     the gap between the best and second-best finished scores (the final choice), from the reference's search."""
     margins = []
     for steps in _beam_steps(model, src, beam_size, alpha):
-        sentence, last = [], deque(maxlen=1)
+        sentence: list[float] = []
+        last: deque = deque(maxlen=1)
         for step in steps:
             sentence.append(beam_step_margin(step.candidates, model.config.eos_id, beam_size))
             last.append(step)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import glob
+import io
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
@@ -44,7 +46,7 @@ from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
 try:
     import fcntl
 except ImportError:                     # Windows: no advisory locks, so no .partial file is taken for abandoned
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the module is absent there; its uses check for None
 
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")  # version 1: parameters only, no training state
@@ -118,7 +120,7 @@ def count_parameters(config: TransformerConfig) -> int:
 
 # ----------------------------------------------------------------------------- initialization
 
-def init_params(config: TransformerConfig, seed: int = 0, dtype=np.float64,
+def init_params(config: TransformerConfig, seed: int = 0, dtype: npt.DTypeLike = np.float64,
                 perturb: float = 0.0) -> dict[str, np.ndarray]:
     """Seeded initialization that gives the same bytes on every machine.
 
@@ -162,7 +164,7 @@ class TrainingState(NamedTuple):
     first_moments: dict[str, np.ndarray]
     second_moments: dict[str, np.ndarray]
 
-    def astype(self, dtype) -> TrainingState:
+    def astype(self, dtype: npt.DTypeLike) -> TrainingState:
         """A copy with the moments cast to ``dtype`` (a run saved in float32 resumes in float64 and back)."""
         cast = lambda moments: {name: round_to(value, dtype) for name, value in moments.items()}
         return self._replace(first_moments=cast(self.first_moments), second_moments=cast(self.second_moments))
@@ -309,7 +311,8 @@ _LIBRARY_PROBLEMS = (                                                        # s
 )
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+def load_checkpoint(path: str | os.PathLike,
+                    dtype: npt.DTypeLike | None = None) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
     """Read and validate a shared checkpoint, a file or a shipped model's name (``"numbers-en-fr"``,
     :func:`resolve_checkpoint`); returns ``(config, params)`` in the table's order.
 
@@ -341,13 +344,13 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def load_training_state(path: str | os.PathLike, dtype=None) -> TrainingState | None:
+def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:
     """The training state saved with the parameters (format version 2), or None if the file has
     none; validated and cast like :func:`load_checkpoint`."""
     return load_run(path, dtype)[2]
 
 
-def tokenizer_to_save(model, tokenizer: str | bool | None = None) -> str | None:
+def tokenizer_to_save(model: object, tokenizer: str | bool | None = None) -> str | None:
     """The tokenizer a port's ``save_checkpoint(model, path, training, tokenizer)`` writes: ``tokenizer`` (its JSON
     text), none (``False``), or by default (``None``) the one the model was loaded with, which every port's
     ``load_checkpoint`` keeps as ``model.tokenizer_json`` (None: the file had none, or the model was not loaded from
@@ -385,8 +388,8 @@ def _read_header(path: str | os.PathLike) -> tuple[dict, TransformerConfig]:
     return metadata, config
 
 
-def load_run(path: str | os.PathLike,
-             dtype=None) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
+def load_run(path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
+             ) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
     """``(config, params, training state or None)`` from one read of the file: :func:`load_checkpoint` and
     :func:`load_training_state` together, for resuming a run."""
     target, file = None if dtype is None else parse_dtype(dtype), resolve_checkpoint(path)
@@ -472,7 +475,7 @@ def _read_file(path: Path, tensors: bool = True) -> tuple[dict, TransformerConfi
         raise ValueError(_library_problem(err)) from None
 
 
-def _tensor_entries(file) -> tuple[int, dict]:
+def _tensor_entries(file: io.BufferedReader) -> tuple[int, dict]:
     """Where the tensors' data starts in a safetensors ``file`` and its header's entries by name (a little-endian
     u64 header size, then the header's JSON; safetensors checked both)."""
     size = int.from_bytes(file.read(8), "little")
@@ -490,7 +493,7 @@ def _library_problem(err: Exception) -> str:
     return f"not a readable safetensors file ({text})"
 
 
-def _read_metadata(metadata) -> tuple[TransformerConfig, dict | None]:
+def _read_metadata(metadata: dict[str, str] | None) -> tuple[TransformerConfig, dict | None]:
     """The model config and, if the file holds a training state, ``{"step", "config"}``; a tokenizer, if the
     file holds one, is checked against the config."""
     if not isinstance(metadata, dict) or "format_version" not in metadata:
@@ -523,14 +526,14 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     check_tokenizer_json(metadata["tokenizer"], config)
 
 
-def _read_tensor(file, start: int, name: str, entry: dict, code: str) -> np.ndarray:
+def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, code: str) -> np.ndarray:
     """Tensor ``name`` (its header ``entry``, its dtype ``code``) read from ``file`` into a new array, in native
     byte order (safetensors stores little-endian)."""
     if code not in DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {code}; expected F32, F64, BF16 or F16")
     array = np.empty(entry["shape"], dtype=DTYPES[code].newbyteorder("<"))                  # (shape) as stored
     file.seek(start + entry["data_offsets"][0])
-    if file.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
+    if file.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:  # type: ignore[arg-type]  # a buffer
         raise ValueError("truncated or corrupt: the tensor data does not fill the file as the header says")
     return array.astype(DTYPES[code], copy=False)
 

@@ -14,7 +14,7 @@ import json
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -28,10 +28,12 @@ MAX_LEN_LIMIT = 2 ** 16
 class _Config:
     """What both configs share: validated copies and the JSON round trip of the checkpoint's metadata."""
 
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]   # each subclass is a dataclass
+
     def _store(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # the dataclass is frozen; this runs once, in __post_init__
 
-    def replace(self, **changes: Any):
+    def replace(self, **changes: Any) -> Self:
         """A copy with some fields changed (validated like a new config)."""
         _check_field_names(type(self), changes)
         return dataclasses.replace(self, **changes)
@@ -43,14 +45,14 @@ class _Config:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]):
+    def from_dict(cls, data: dict[str, Any]) -> Self:
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
         _check_field_names(cls, data)
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str):
+    def from_json(cls, text: str) -> Self:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:

@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -57,19 +57,26 @@ def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def check_decoding_args(beam_size, alpha) -> tuple[int, float]:
+def check_decoding_args(beam_size: object, alpha: object) -> tuple[int, float]:
     """``beam_size`` and ``alpha`` as a Python int and float, with one-line errors shared by every
     backend: beam_size is a positive integer (not a bool); alpha a finite real number >= 0 (a
     negative alpha would make lp(Y) shrink with length, and the stopping rule relies on it growing)."""
     if not isinstance(beam_size, numbers.Integral) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
-    if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or not 0.0 <= alpha < math.inf:
+    if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or not 0.0 <= float(alpha) < math.inf:
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
     return int(beam_size), float(alpha)
 
 
+@overload
 def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
-                         cache: tuple | None = None, cache_index: int | None = None):
+                         cache: None = None, cache_index: int | None = None) -> np.ndarray: ...
+@overload
+def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
+                         cache: tuple, cache_index: int | None = None) -> tuple[np.ndarray, tuple]: ...
+def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
+                         cache: tuple | None = None, cache_index: int | None = None,
+                         ) -> np.ndarray | tuple[np.ndarray, tuple]:
     """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
     set to -inf so that they are never chosen.
 
@@ -171,7 +178,7 @@ def _sentence_steps(model: Transformer, memory: np.ndarray, src_mask: np.ndarray
             return
 
 
-def search_ends(finished: list, live, live_scores: np.ndarray, step: int, limit: int, alpha: float) -> bool:
+def search_ends(finished: list, live: np.ndarray, live_scores: np.ndarray, step: int, limit: int, alpha: float) -> bool:
     """Whether the search stops after ``step``: at the maximum length (the live beams -- rows of
     bos + tokens -- are then scored as finished, after this step's eos hypotheses), when no live
     beam is left (every non-eos candidate was impossible, e.g. only eos could follow), or when no
@@ -185,7 +192,7 @@ def search_ends(finished: list, live, live_scores: np.ndarray, step: int, limit:
     return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)
 
 
-def best_hypothesis(finished: list[tuple[float, list[int]]]) -> tuple[list[int], float]:
+def best_hypothesis(finished: Sequence[tuple[float, list[int]]]) -> tuple[list[int], float]:
     """The best-scoring finished hypothesis; a tie goes to the one finished first."""
     best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
     score, hypothesis = finished[best]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def _library():
 class Tokenizer:
     """A shared BPE vocabulary for a model: ``encode`` text to ids, ``decode`` ids to text."""
 
-    def __init__(self, library_tokenizer, config: TransformerConfig) -> None:
+    def __init__(self, library_tokenizer: Any, config: TransformerConfig) -> None:  # a tokenizers.Tokenizer
         self._tokenizer = library_tokenizer
         self._tokenizer.encode_special_tokens = True    # "</s>" typed in a text is text, never the control id
         self.config = config
@@ -68,7 +69,7 @@ class Tokenizer:
         tokenizer.pre_tokenizer = lib.pre_tokenizers.Metaspace()
         tokenizer.decoder = lib.decoders.Metaspace()
         trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                          special_tokens=[*sorted(ids, key=ids.get), UNK])
+                                          special_tokens=[*sorted(ids, key=ids.__getitem__), UNK])
         tokenizer.train_from_iterator(texts, trainer)
         return cls.from_json(tokenizer.to_str(), config)
 

@@ -15,8 +15,10 @@ precision P by the recipe of :mod:`.precision` -- the weights rounded to P, the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import backward, checkpoint, precision
 from .checkpoint import MAX_STEP, TrainingState
@@ -72,7 +74,7 @@ def loss(model: Transformer, src: np.ndarray, tgt: np.ndarray, labels: np.ndarra
     return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
 
 
-def gradients(model: Transformer, src, tgt, labels,
+def gradients(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss and its gradient for every checkpoint tensor, in checkpoint layout and the model's dtype
     (tied weights receive the sum over their uses), by the hand-written backward pass; a bfloat16 or float16
@@ -81,7 +83,7 @@ def gradients(model: Transformer, src, tgt, labels,
                                       epsilon)
 
 
-def check_batch(model, src, tgt, labels) -> tuple:
+def check_batch(model: Any, src: Any, tgt: Any, labels: npt.ArrayLike) -> tuple[Any, Any, np.ndarray]:
     """A training batch's checks, before any work, for the model of any backend: src and tgt by the model's own
     forward-pass checks (``model._check_inputs``: the backend's tensors back), then :func:`check_labels` against the
     checked tgt. Returns (src, tgt, labels), labels as NumPy (a port passes them on the host)."""
@@ -89,7 +91,7 @@ def check_batch(model, src, tgt, labels) -> tuple:
     return src, tgt, check_labels(labels, tuple(tgt.shape), model.config)
 
 
-def check_labels(labels, tgt_shape: tuple, config: TransformerConfig) -> np.ndarray:
+def check_labels(labels: npt.ArrayLike, tgt_shape: tuple, config: TransformerConfig) -> np.ndarray:
     """The labels of a batch (the next target tokens) as a NumPy array: integer ids (bool refused) of tgt's shape
     (B, T), each in [0, tgt_vocab_size) (``pad_id`` included: a padded position). One ``ValueError`` naming
     ``labels`` otherwise, the same in every backend (each calls this on the host before any framework work: an id
@@ -174,7 +176,7 @@ def _moment(state: TrainingState | None, which: int, name: str, like: np.ndarray
     """A private copy of one tensor's saved moment (zeros for a new run), in the parameter's dtype."""
     if state is None:
         return np.zeros_like(like)
-    return np.array(state[2 + which][name], dtype=like.dtype)
+    return np.array((state.first_moments, state.second_moments)[which][name], dtype=like.dtype)
 
 
 @dataclass
@@ -189,7 +191,7 @@ class MixedPrecision:
 
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None, dtype=None) -> Adam | MixedPrecision:
+              state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> Adam | MixedPrecision:
     """The optimizer of section 5.3 for ``model``. With ``state`` (from ``load_training_state``) the saved run
     continues where it stopped: its moments (cast to the model's dtype), step count and, unless ``config`` is
     given, its training config. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in
@@ -207,22 +209,25 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
                           if uses_loss_scaling(dtype) else None)
 
 
-def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src, tgt, labels,
+def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src: npt.ArrayLike, tgt: npt.ArrayLike,
+               labels: npt.ArrayLike,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5 (no dropout in the reference): the loss before the update. In mixed
     precision the loss and gradients are the P model's, widened to float32 for the update of the masters
     (:func:`_mixed_precision_step`). The batch (:func:`check_batch`) and the step count (:func:`check_next_step`)
     are checked first."""
-    src, tgt, labels = check_batch(model, src, tgt, labels)
+    src_ids, tgt_ids, label_ids = check_batch(model, src, tgt, labels)
     check_next_step((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).step)
     if isinstance(optimizer, MixedPrecision):
-        return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
-    value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy, src, tgt, labels, epsilon)
+        return _mixed_precision_step(model, optimizer, src_ids, tgt_ids, label_ids, epsilon)
+    value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy, src_ids, tgt_ids, label_ids,
+                                              epsilon)
     optimizer.update(grads)
     return value
 
 
-def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
+def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src: np.ndarray, tgt: np.ndarray,
+                          labels: np.ndarray, epsilon: float) -> float:
     """The P model's loss and the gradient of ``scale`` x the loss (the recipe's backward pass in P), widened to
     float32 and divided by the scale; Adam's update of the float32 masters if every gradient is finite, else the step
     is skipped (float16; its scale halves); then the P model is the new masters rounded to P."""

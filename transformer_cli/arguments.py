@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from reference_numpy.precision import DTYPE_NAMES
@@ -15,7 +16,7 @@ from . import backends
 from .extras import require
 
 
-def integer(minimum: int, even: bool = False):
+def integer(minimum: int, even: bool = False) -> Callable[[str], int]:
     """An int flag of at least ``minimum`` (and even, if asked)."""
     def parse(text: str) -> int:
         try:
@@ -84,7 +85,7 @@ def image_file(text: str) -> str:
     return output_file(text)
 
 
-def real(minimum: float, below: float | None = None, inclusive: bool = True):
+def real(minimum: float, below: float | None = None, inclusive: bool = True) -> Callable[[str], float]:
     """A finite float flag of at least ``minimum`` (strictly above it unless ``inclusive``) and below ``below``."""
     def parse(text: str) -> float:
         try:

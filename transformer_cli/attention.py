@@ -5,9 +5,13 @@ words each target word is written from."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from equivalence.adapters import numpy as reference
+from reference_numpy.config import TransformerConfig
+from reference_numpy.tokenizer import Tokenizer
 
 from . import backends
 from .compare import SENTENCES, compare_inputs, load_source
@@ -22,7 +26,8 @@ def parse_tokens(text: str | None, name: str) -> np.ndarray | None:
         raise ValueError(f"--{name} must be space-separated integer token ids, got {text!r}") from None
 
 
-def default_inputs(config, params, tokenizer, text: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def default_inputs(config: TransformerConfig, params: dict[str, np.ndarray], tokenizer: Tokenizer | None,
+                   text: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, tgt, the ids tgt's positions write) of one sentence: ``text`` (or the second of compare's sentences)
     and its float64 reference greedy translation; without a tokenizer, compare's first id sentence."""
     if tokenizer is None:
@@ -36,9 +41,10 @@ def default_inputs(config, params, tokenizer, text: str | None) -> tuple[np.ndar
     return src, np.array([[config.bos_id, *written[:-1]]]), written
 
 
-def attention_by_backend(checkpoint, layer: int | None, head: int, kind: str, src_text: str | None,
+def attention_by_backend(checkpoint: str | Path | None, layer: int | None, head: int, kind: str, src_text: str | None,
                          tgt_text: str | None, names: tuple[str, ...], text: str | None = None,
-                         preset: str | None = None, device: str = "cpu"):
+                         preset: str | None = None, device: str = "cpu",
+                         ) -> tuple[dict[str, np.ndarray], list[str], list[str], str]:
     """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row (``layer`` None: the
     last of its stack). Decoder queries are
     labelled with the token each position writes (its input shifted by one), so a row of cross-attention reads
@@ -66,8 +72,8 @@ def attention_by_backend(checkpoint, layer: int | None, head: int, kind: str, sr
             adapter.attention_weights(model, src, tgt, layer, kind))[0, head]
     label = (lambda ids: tokenizer.tokens(ids)) if tokenizer else (lambda ids: [str(int(t)) for t in ids])
     src_labels, tgt_labels = label(src[0]), label(tgt[0])
-    written = [*label(written), "(next)"][:tgt.shape[1]]
+    written_labels = [*label(written), "(next)"][:tgt.shape[1]]
     query, key = (src_labels, src_labels) if kind == "encoder" else \
-        (written, tgt_labels) if kind == "decoder_self" else (written, src_labels)
+        (written_labels, tgt_labels) if kind == "decoder_self" else (written_labels, src_labels)
     rows = "" if kind == "encoder" else "; rows: the token each position writes"
     return weights, query, key, f"{kind} attention, layer {layer}, head {head}{rows}"

@@ -10,6 +10,7 @@ batches the uninterrupted run would have seen; held-out sequences come from a se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class CopyTask:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
 
-    def config(self, **changes) -> TransformerConfig:
+    def config(self, **changes: Any) -> TransformerConfig:
         """The ``tiny`` preset sized for the task: source and target vocabularies of the three special ids and the
         symbols (separate embedding matrices, as ``tiny`` has)."""
         vocab = 3 + self.symbols

@@ -9,8 +9,10 @@ line for line; a source line that cannot be encoded, or is blank, is refused bef
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .translate import Translator
 
@@ -103,7 +105,7 @@ def encoded(translator: Translator, sources: list[str], where: str) -> list[list
 
 
 def evaluate(translator: Translator, sources: list[str], references: list[str], where: str = "--source",
-             progress=lambda batches: batches, **run) -> Evaluation:
+             progress: Callable[[list], Iterable] = lambda batches: batches, **run: Any) -> Evaluation:
     """Translate ``sources`` (named ``where`` in errors) in batches and score the translations against
     ``references``; ``run`` names the checkpoint, backend, device and dtype for the record."""
     bleu, chrf = metrics()

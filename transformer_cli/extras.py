@@ -8,6 +8,7 @@ import importlib
 import sys
 from collections.abc import Callable, Iterable
 from types import ModuleType
+from typing import Any
 
 INSTALL = "pip install 'transformer-reference[cli]'"
 
@@ -34,7 +35,7 @@ def progress_bar(description: str, unit: str, quiet: bool, leave: bool = True) -
     return lambda items: items
 
 
-def finish(bar: Iterable, done: int, note: str) -> None:
+def finish(bar: Any, done: int, note: str) -> None:
     """Close a progress bar whose work ended after ``done`` items, before its total: the total becomes ``done``
     (the bar ends full, not frozen short of it) and ``note``, why it ended, joins its postfix. A plain iterable
     (no bar) is left alone."""

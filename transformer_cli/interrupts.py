@@ -7,11 +7,12 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
+from types import FrameType, TracebackType
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _raise_interrupt(signum, frame) -> None:
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
@@ -42,7 +43,7 @@ class StopRequest:
         self.requested = False
         self._block = _handlers(self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
@@ -51,5 +52,6 @@ class StopRequest:
         self._block.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._block.__exit__(*exc)
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._block.__exit__(kind, error, traceback)

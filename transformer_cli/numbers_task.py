@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -139,7 +140,7 @@ class NumbersTask:
     def split(self) -> Split:
         return Split.make()
 
-    def config(self, **changes) -> TransformerConfig:
+    def config(self, **changes: Any) -> TransformerConfig:
         """The model of ``MODEL`` over the tokenizer's vocabulary (shared source/target, section 5.1)."""
         return TransformerConfig(**{"src_vocab_size": VOCAB_SIZE, "tgt_vocab_size": VOCAB_SIZE, **MODEL, **changes})
 

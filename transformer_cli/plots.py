@@ -3,6 +3,8 @@ all side by side."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from reference_numpy import sinusoidal_positional_encoding
@@ -17,7 +19,7 @@ def pyplot():
     return plt
 
 
-def plot_positional_encoding(length: int, d_model: int, path) -> None:
+def plot_positional_encoding(length: int, d_model: int, path: str | os.PathLike) -> None:
     """Heat maps of PE(pos, 2i) = sin and PE(pos, 2i+1) = cos side by side (the table stores them
     interleaved: column 2i is sin, column 2i+1 cos)."""
     if length < 1 or d_model < 2 or d_model % 2:
@@ -38,7 +40,7 @@ def plot_positional_encoding(length: int, d_model: int, path) -> None:
 
 
 def plot_attention(weights: dict[str, np.ndarray], query_tokens: list[str], key_tokens: list[str],
-                   title: str, path) -> None:
+                   title: str, path: str | os.PathLike) -> None:
     """One heat map per backend, side by side; ``weights`` maps a label to a (Tq, Tk) matrix."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(weights), figsize=(3.2 * len(weights) + 1, 3.6), squeeze=False,

@@ -84,9 +84,9 @@ def settings() -> dict:
 
 def _threads_of(module: str) -> dict:
     if module == "torch":
-        return {"intra_op_threads": imported("torch").get_num_threads()}
+        return {"intra_op_threads": sys.modules["torch"].get_num_threads()}
     if module == "tensorflow":
-        return {"intra_op_threads": imported("tensorflow").config.threading.get_intra_op_parallelism_threads()}
+        return {"intra_op_threads": sys.modules["tensorflow"].config.threading.get_intra_op_parallelism_threads()}
     if module == "jax":
         return {"PJRT_NPROC": os.environ.get("PJRT_NPROC"), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     return {}

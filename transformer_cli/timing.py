@@ -24,7 +24,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +68,7 @@ def measure(function: Callable[[], object], repeats: int, warm_up: Callable[[], 
 
 
 def round_robin(calls: dict[Hashable, Callable[[], object]], repeats: int | dict[Hashable, int],
-                progress: Callable[[list], object] | None = None) -> dict[Hashable, Timing]:
+                progress: Callable[[list], Iterable] | None = None) -> dict[Hashable, Timing]:
     """Time every call of ``calls`` interleaved: a warm-up round (each call once, in order: its tracing
     and compilation), then rounds in which every call runs once, in turn, ``repeats`` rounds (one number
     for every call, or one per key), so that whatever else the machine does falls on every call alike.

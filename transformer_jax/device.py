@@ -24,6 +24,7 @@ import os
 
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy.precision import parse_dtype
 
@@ -59,11 +60,11 @@ def deterministic(enabled: bool = True) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [_DETERMINISM_FLAG] if enabled else flags)
 
 
-def _check_dtype(dtype) -> np.dtype:
+def _check_dtype(dtype: npt.DTypeLike) -> np.dtype:
     """``dtype`` (a name, a NumPy, ml_dtypes or JAX dtype) as a NumPy dtype; ``ValueError`` unless float32,
     bfloat16, float16, or float64 with x64 enabled."""
     dtype = parse_dtype(dtype)
-    if dtype == np.float64 and not jax.config.jax_enable_x64:
+    if dtype == np.float64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # a flag jax's Config stub omits
         raise ValueError("dtype float64 needs 64-bit JAX, which is off: call "
                          "jax.config.update('jax_enable_x64', True) before creating arrays "
                          "(or set JAX_ENABLE_X64=1), or use dtype float32")

@@ -17,7 +17,9 @@ import functools
 import weakref
 from collections.abc import Callable
 
+import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from reference_numpy.checkpoint import TrainingState
@@ -59,7 +61,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     return checkpoint.to_params(model), training_state(model, adam), losses
 
 
-def train_step(model: Transformer, optimizer, src, tgt, labels, strategy: tf.distribute.Strategy,
+def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+               labels: npt.ArrayLike, strategy: tf.distribute.Strategy,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5, dropout as the model's config says: ``strategy.run`` of the
     single-process step on each replica's shard (:func:`distribute`) with the loss over the whole batch's n labels,
@@ -73,15 +76,15 @@ def train_step(model: Transformer, optimizer, src, tgt, labels, strategy: tf.dis
     if not strategy.extended.variable_created_in_scope(model.trainable_variables[0].value):
         raise ValueError("model: its variables were not created under strategy.scope(); build the model and its "
                          "optimizer inside `with strategy.scope():`")
-    src, tgt, labels = check_batch(model, src, tgt, labels)               # ids cannot be checked once traced
-    _check_labels(tf.constant(labels), model.config.pad_id, epsilon)
+    src_ids, tgt_ids, label_ids = check_batch(model, src, tgt, labels)    # ids cannot be checked once traced
+    _check_labels(tf.constant(label_ids), model.config.pad_id, epsilon)
     check_next_step(int(optimizer.iterations.numpy()))
-    batch = distribute({"src": src.numpy(), "tgt": tgt.numpy(), "labels": labels}, strategy)
-    tokens = tf.constant(token_count(labels, model.config.pad_id), model.compute_dtype)   # a tensor: no retrace per n
+    batch = distribute({"src": src_ids.numpy(), "tgt": tgt_ids.numpy(), "labels": label_ids}, strategy)
+    tokens = tf.constant(token_count(label_ids, model.config.pad_id), model.compute_dtype)  # a tensor: no retrace per n
     return float(_compiled(strategy, optimizer)(model, batch, tokens, epsilon))
 
 
-def _compiled(strategy: tf.distribute.Strategy, optimizer) -> Callable:
+def _compiled(strategy: tf.distribute.Strategy, optimizer: keras.optimizers.Optimizer) -> Callable:
     """The compiled step of ``optimizer`` under ``strategy``, made once. Tracing N replicas is slow, so: without
     AutoGraph (the model has no tensor-dependent Python control flow), and with ``reduce_retracing`` (batches of
     new lengths share one graph of unknown lengths instead of one graph each)."""
@@ -91,7 +94,8 @@ def _compiled(strategy: tf.distribute.Strategy, optimizer) -> Callable:
     return _COMPILED[optimizer][1]
 
 
-def _replicated_step(strategy: tf.distribute.Strategy, optimizer, model: Transformer, batch: dict, tokens: tf.Tensor,
+def _replicated_step(strategy: tf.distribute.Strategy, optimizer: keras.optimizers.Optimizer, model: Transformer,
+                     batch: dict, tokens: tf.Tensor,
                      epsilon: float) -> tf.Tensor:
     """Traced: the single-process step on every replica's shard with the loss over ``tokens`` labels (Keras's
     optimizer sums the gradients across replicas), and the replicas' losses summed: the whole batch's."""

@@ -25,7 +25,7 @@ def devices() -> list[str]:
     return ["cpu"] + [f"cuda:{i}" for i in range(gpus)]
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device: str | int | torch.device) -> torch.device:
     """A ``torch.device`` for a name or device that exists here; a ``ValueError`` otherwise."""
     try:
         resolved = torch.device(device)
