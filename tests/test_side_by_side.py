@@ -1,11 +1,15 @@
 """The side-by-side page (``transformer-reference side-by-side``): every piece of code is an exact
-cut of its source file, a real browser renders four non-empty aligned columns per concept, and
-the committed ``docs/side-by-side.html`` is the page the current sources give."""
+cut of its source file, the page's style makes long lines wrap inside four equal columns, a real
+browser at 1400 pixels renders four non-empty aligned columns per concept with nothing cut off,
+and the committed ``docs/side-by-side.html`` is the page the current sources give."""
 
 from __future__ import annotations
 
 import ast
 import copy
+import html
+import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -22,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "docs" / "side-by-side.html"
 UPDATE = "run `transformer-reference side-by-side --out docs` to update it"
 CHROMIUM = shutil.which("chromium")
-WIDTH, HEIGHT = 1600, 2000
+WIDTH, HEIGHT = 1400, 2000  # the width the page must be readable at
 HEADINGS = {"numpy": "NumPy", "torch": "PyTorch", "jax": "JAX/Flax", "tf": "TensorFlow/Keras"}
 PACKAGES = {backend: package for backend, _, package in BACKENDS}
 
@@ -136,6 +140,62 @@ def test_the_committed_copy_is_current(page):
     assert COMMITTED.read_bytes() == page.encode("utf-8"), f"docs/side-by-side.html is out of date: {UPDATE}"
 
 
+# ----------------------------------------------------------------------------- the page's layout, read from its source
+
+def style_rules(page: str) -> dict[str, dict[str, str]]:
+    """The page's CSS as {selector: {property: value}}."""
+    css = re.sub(r"/\*.*?\*/", "", re.search(r"<style>(.*?)</style>", page, re.S).group(1))
+    rules: dict[str, dict[str, str]] = {}
+    for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css):
+        declarations = dict(tuple(part.strip() for part in d.split(":", 1)) for d in body.split(";") if ":" in d)
+        for selector in selectors.split(","):
+            rules.setdefault(" ".join(selector.split()), {}).update(declarations)
+    return rules
+
+
+def test_the_style_wraps_long_lines_inside_equal_columns(page):
+    """What keeps code from being cut off at any width: the columns share the row equally and may
+    shrink below their content (minmax(0, 1fr), min-width 0), and code wraps (pre-wrap, long words
+    broken) with a hanging indent instead of scrolling."""
+    rules = style_rules(page)
+    for selector in (".row", ".columns"):
+        assert {"display": "grid", "grid-auto-flow": "column", "grid-auto-columns": "minmax(0, 1fr)",
+                "width": "100%"}.items() <= rules[selector].items(), selector
+    assert rules[".cell"]["min-width"] == "0"
+    code = rules[".highlight pre"]
+    assert (code["white-space"], code["overflow-wrap"]) == ("pre-wrap", "anywhere")
+    assert not [p for r in rules.values() for p in r if p.startswith("overflow-x")], "something scrolls sideways"
+    line = rules[".highlight pre .line"]
+    assert line["display"] == "block"
+    assert line["text-indent"] == f"calc(-1 * ({line['padding-left'].removeprefix('calc(').removesuffix(')')}))"
+
+
+def test_each_concept_row_has_one_cell_per_backend_and_one_block_per_source_line(page):
+    """Every row: the concept's name and the paper's section in its heading, then one cell per
+    backend in the columns' order, each line of each piece of code its own wrapping block."""
+    sections = re.findall(r'<section class="concept" id="([^"]+)">\n<h2>(.*?)</h2>(.*?)</section>', page, re.S)
+    assert [anchor for anchor, _, _ in sections] == [concept.anchor for concept in CONCEPTS]
+    for (_, heading, body), concept in zip(sections, CONCEPTS):
+        assert heading.startswith(concept.title) and heading.endswith(f"{concept.source}</span>")
+        cells = re.findall(r'<div class="cell" data-backend="(\w+)">\n(.*?)</div>\n(?=<div class="cell"|</div>)',
+                           body, re.S)
+        assert [backend for backend, _ in cells] == list(HEADINGS), concept.title
+        for backend, cell in cells:
+            code_lines = sum(len(b.code.splitlines()) for b in side_by_side.cell_blocks(backend, concept.code[backend]))
+            assert cell.count('<span class="line" ') == code_lines, (concept.title, backend)
+
+
+def test_each_backend_has_a_checkbox_that_hides_its_column(page):
+    tags = Tags()
+    tags.feed(page)
+    boxes = [attrs for tag, attrs in tags.tags if tag == "input"]
+    assert [(b["type"], b["id"], "checked" in b) for b in boxes] == \
+        [("checkbox", f"show-{backend}", True) for backend in HEADINGS]
+    rules = style_rules(page)
+    for backend in HEADINGS:
+        assert rules[f'body:has(#show-{backend}:not(:checked)) [data-backend="{backend}"]'] == {"display": "none"}
+
+
 # ----------------------------------------------------------------------------- the page in a browser
 
 class Rows(HTMLParser):
@@ -159,9 +219,11 @@ class Rows(HTMLParser):
             self.headings.append("")
         elif tag == "section" and "concept" in classes:
             role = "section"
-            self.rows.append({"title": "", "equation": "", "cells": []})
+            self.rows.append({"title": "", "source": "", "equation": "", "cells": []})
         elif tag == "h2" and "section" in self.stack:
             role = "title"
+        elif "source" in classes and "title" in self.stack:
+            role = "source"
         elif "equation" in classes:
             role = "equation"
         elif "cell" in classes:
@@ -183,7 +245,7 @@ class Rows(HTMLParser):
         if "heading" in roles:
             self.headings[-1] += data
         if "title" in roles:
-            self.rows[-1]["title"] += data
+            self.rows[-1]["source" if "source" in roles else "title"] += data
         if "equation" in roles:
             self.rows[-1]["equation"] += data
         for field in ("where", "code"):
@@ -217,9 +279,9 @@ def test_the_browser_shows_every_concept_with_four_non_empty_columns(rendered):
     parsed = Rows()
     parsed.feed(dom)
     assert parsed.headings == list(HEADINGS.values())
-    assert [row["title"] for row in parsed.rows] == [concept.title for concept in CONCEPTS]
+    assert [row["title"].strip() for row in parsed.rows] == [concept.title for concept in CONCEPTS]
     for row, concept in zip(parsed.rows, CONCEPTS):
-        assert row["equation"].strip().endswith(concept.source), row["title"]
+        assert row["source"] == f"\u2014 {concept.source}" and row["equation"].strip(), row["title"]
         assert [cell["backend"] for cell in row["cells"]] == list(HEADINGS), row["title"]
         for cell in row["cells"]:
             assert cell["where"].startswith(PACKAGES[cell["backend"]] + "/"), (row["title"], cell["where"])
@@ -252,3 +314,50 @@ def test_the_screenshot_shows_four_aligned_columns_of_highlighted_code(rendered)
         coloured = (np.ptp(cell, axis=2) > 0.25).mean()                     # not grey: highlighted tokens
         assert dark > 0.01, f"the {backend} column shows no text"
         assert coloured > 0.002, f"the {backend} column is not highlighted ({coloured:.4f} of it in colour)"
+
+
+MEASURE = """<script>
+function measure() {
+  const rows = [...document.querySelectorAll(".row")].map(row => {
+    const box = row.getBoundingClientRect();
+    return [...row.querySelectorAll(".cell")].filter(cell => cell.offsetParent !== null).map(cell => {
+      const r = cell.getBoundingClientRect();
+      return [cell.dataset.backend, r.left - box.left, r.right - box.left, box.width];
+    });
+  });
+  const cut = [...document.querySelectorAll(".cell pre")].filter(pre => pre.scrollWidth > pre.clientWidth)
+    .map(pre => pre.closest("section").id + " " + pre.closest(".cell").dataset.backend);
+  const lineHeight = parseFloat(getComputedStyle(document.querySelector(".cell pre")).lineHeight);
+  const wrapped = [...document.querySelectorAll(".cell pre .line")]
+    .filter(line => line.getBoundingClientRect().height > 1.5 * lineHeight).length;
+  return {rows, cut, wrapped, page: [document.documentElement.scrollWidth, window.innerWidth]};
+}
+const all = measure();
+for (const backend of ["numpy", "tf"]) document.getElementById("show-" + backend).checked = false;
+document.body.insertAdjacentHTML("beforeend", '<pre id="measured"></pre>');
+document.getElementById("measured").textContent = JSON.stringify({all, two: measure()});
+</script>
+"""
+
+
+def test_at_1400_pixels_nothing_is_cut_off_and_two_backends_can_share_the_width(rendered, tmp_path):
+    """Measured in Chromium at 1400 pixels: no code box scrolls sideways (long lines wrap, and some
+    do), the page is no wider than the window, each row's cells are one per backend, equally wide,
+    inside the row; with two boxes unticked, the two other backends share the row half and half."""
+    page = tmp_path / "measured.html"
+    page.write_text(side_by_side.render_page().replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    dom = chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile").stdout
+    measured = json.loads(html.unescape(re.findall(r"<pre id=\"measured\">(.*?)</pre>", dom, re.S)[-1]))
+    everything, two = measured["all"], measured["two"]
+    assert everything["cut"] == [], f"code cut off at {WIDTH} pixels: {everything['cut']}"
+    assert everything["page"][0] <= everything["page"][1] == WIDTH, "the page scrolls sideways"
+    assert everything["wrapped"] > 0, "no line wrapped: the test does not exercise wrapping"
+    for shown, backends in ((everything, list(HEADINGS)), (two, ["torch", "jax"])):
+        assert len(shown["rows"]) == len(CONCEPTS)
+        for cells in shown["rows"]:
+            assert [backend for backend, *_ in cells] == backends
+            widths = [right - left for _, left, right, _ in cells]
+            row_width = cells[0][3]
+            assert max(widths) - min(widths) < 1 and sum(widths) > 0.95 * row_width, widths
+            assert all(0 <= left and right <= row_width + 0.5 for _, left, right, _ in cells), cells
+    assert two["cut"] == []

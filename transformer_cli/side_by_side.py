@@ -7,6 +7,9 @@ functions, classes, methods and constants with :mod:`ast` (docstrings left out, 
 headings carry the equations), then highlighted with Pygments. The page is one self-contained
 file, ``DIR/side-by-side.html``: no script, no external resource, and the same bytes for the same
 sources (no date, no absolute path), so that ``docs/side-by-side.html`` can be checked to be current.
+It reads in a 1400-pixel window: four equal columns, long lines wrapped inside them with a hanging
+indent, never cut off; the column headings and each row's concept stay on screen while the row
+scrolls; a checkbox per backend (CSS only) hides its column, to compare two on wider columns.
 
 :data:`CONCEPTS` is the table of rows: per backend, ``"file.py:Name"`` entries, where ``Name`` is
 a top-level function, class or constant, or ``Class.method``. Consecutive methods of one class are
@@ -237,21 +240,42 @@ def _docstring(node: ast.stmt) -> bool:
 # ----------------------------------------------------------------------------- the page
 
 CSS = """
-body { font-family: system-ui, sans-serif; margin: 1rem; color: #1f2328; background: #ffffff; }
+body { font-family: system-ui, sans-serif; margin: .75rem; color: #1f2328; background: #ffffff; }
 h1 { font-size: 1.5rem; margin: 0 0 .5rem; }
 nav ol { columns: 2; font-size: .9rem; }
 code { font-family: ui-monospace, monospace; }
-.columns, .row { display: grid; grid-template-columns: repeat(4, minmax(0, 1fr)); gap: .6rem; }
-.columns { position: sticky; top: 0; background: #ffffff; padding: .4rem 0; border-bottom: 2px solid #1f2328;
-           font-weight: bold; z-index: 1; }
-.concept { margin: 1.5rem 0 2rem; }
-.concept h2 { font-size: 1.15rem; margin: 0 0 .25rem; }
-.equation { font-family: "Times New Roman", serif; font-size: 1.15rem; margin: 0 0 .6rem; }
-.equation .source { font-family: system-ui, sans-serif; font-size: .85rem; color: #57606a; }
-.cell { background: BACKGROUND; border: 1px solid #d0d7de; border-radius: 6px; padding: .4rem; min-width: 0; }
+.show label { margin-right: 1rem; white-space: nowrap; }
+.columns, .row { display: grid; grid-auto-flow: column; grid-auto-columns: minmax(0, 1fr); gap: .5rem;
+                 width: 100%; }
+.columns { position: sticky; top: 0; height: 2rem; box-sizing: border-box; align-items: center;
+           background: #ffffff; border-bottom: 2px solid #1f2328; font-weight: bold; z-index: 2; }
+.concept { margin: 1.25rem 0 2rem; }
+.concept h2 { position: sticky; top: 2rem; z-index: 1; background: #ffffff; font-size: 1.15rem;
+              margin: 0; padding: .3rem 0; }
+.source { font-family: system-ui, sans-serif; font-size: .85rem; font-weight: normal; color: #57606a; }
+.equation { font-family: "Times New Roman", serif; font-size: 1.15rem; margin: 0 0 .5rem; }
+.cell { background: BACKGROUND; border: 1px solid #d0d7de; border-radius: 6px; padding: .35rem; min-width: 0; }
 .where { font: 11px ui-monospace, monospace; color: #57606a; margin: .3rem 0 .1rem; overflow-wrap: anywhere; }
-.highlight pre { font-size: 12px; line-height: 1.35; margin: 0; overflow-x: auto; }
+.highlight pre { font-size: 11.5px; line-height: 1.35; margin: 0; white-space: pre-wrap; overflow-wrap: anywhere; }
+.highlight pre .line { display: block; --lead: min(var(--indent), 20ch); padding-left: calc(var(--lead) + 4ch);
+                       text-indent: calc(-1 * (var(--lead) + 4ch)); }
+.highlight pre .lead { display: inline-block; width: var(--lead); overflow: hidden; vertical-align: top;
+                       white-space: pre; text-indent: 0; }
 """
+HIDE = 'body:has(#show-{0}:not(:checked)) [data-backend="{0}"] {{ display: none; }}'
+
+
+def _lines(highlighted: str) -> str:
+    """Pygments' lines as one block each that wraps with a hanging indent: a long line continues
+    4 characters further in than its own indentation (an indentation deeper than 20 characters, an
+    alignment under an opening bracket, is drawn 20 wide, to leave room)."""
+    spans = []
+    for line in highlighted.removesuffix("\n").split("\n"):
+        rest = line.lstrip(" ")   # Pygments leaves the indentation as plain spaces
+        indent = len(line) - len(rest)
+        spans.append(f'<span class="line" style="--indent: {indent}ch"><span class="lead">{" " * indent}</span>'
+                     f"{rest}\n</span>")
+    return f'<div class="highlight"><pre>{"".join(spans)}</pre></div>\n'
 
 
 def render_page() -> str:
@@ -260,35 +284,40 @@ def render_page() -> str:
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
 
-    formatter = HtmlFormatter(style=STYLE, cssclass="highlight")
+    formatter = HtmlFormatter(style=STYLE, nowrap=True)
     lexer = PythonLexer()
     rows, sources = [], {}
     for concept in CONCEPTS:
         cells = []
         for backend, _, _ in BACKENDS:
             blocks = "".join(f'<p class="where">{html.escape(b.where)} <b>{html.escape(b.names)}</b></p>\n'
-                             f"{highlight(b.code, lexer, formatter)}"
+                             f"{_lines(highlight(b.code, lexer, formatter))}"
                              for b in cell_blocks(backend, concept.code[backend], sources))
             cells.append(f'<div class="cell" data-backend="{backend}">\n{blocks}</div>\n')
         rows.append(f'<section class="concept" id="{concept.anchor}">\n'
-                    f"<h2>{html.escape(concept.title)}</h2>\n"
-                    f'<p class="equation">{concept.equation} <span class="source">&mdash; '
-                    f"{html.escape(concept.source)}</span></p>\n"
+                    f'<h2>{html.escape(concept.title)} <span class="source">&mdash; '
+                    f"{html.escape(concept.source)}</span></h2>\n"
+                    f'<p class="equation">{concept.equation}</p>\n'
                     f'<div class="row">\n{"".join(cells)}</div>\n</section>\n')
     toc = "".join(f'<li><a href="#{c.anchor}">{html.escape(c.title)}</a></li>' for c in CONCEPTS)
     headings = "".join(f'<div data-backend="{backend}">{heading}</div>' for backend, heading, _ in BACKENDS)
-    css = CSS.replace("BACKGROUND", formatter.style.background_color) + formatter.get_style_defs(".highlight")
+    toggles = "".join(f'<label><input type="checkbox" id="show-{backend}" checked> {heading}</label>'
+                      for backend, heading, _ in BACKENDS)
+    css = (CSS.replace("BACKGROUND", formatter.style.background_color) + formatter.get_style_defs(".highlight")
+           + "\n" + "\n".join(HIDE.format(backend) for backend, _, _ in BACKENDS))
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             f'<meta name="generator" content="{GENERATOR}">\n'
             "<title>The Transformer side by side: NumPy, PyTorch, JAX/Flax, TensorFlow/Keras</title>\n"
             f"<style>{css}\n</style>\n</head>\n<body>\n"
             "<h1>The Transformer side by side</h1>\n"
             "<p>Each row is one concept of <i>Attention Is All You Need</i> (Vaswani et al., 2017), headed by "
-            "the paper's equation; the columns show the code that implements it in the NumPy reference and "
-            "in the PyTorch, JAX/Flax and TensorFlow/Keras ports, read from the source files (docstrings left "
-            "out; above each piece, its file and lines). Generated by "
+            "its name, the paper's section and equation; the columns show the code that implements it in the "
+            "NumPy reference and in the PyTorch, JAX/Flax and TensorFlow/Keras ports, read from the source "
+            "files (docstrings left out; above each piece, its file and lines). Long lines wrap, continuing "
+            "further in. Generated by "
             f"<code>{GENERATOR} --out DIR</code>; do not edit.</p>\n"
             f"<nav><ol>{toc}</ol></nav>\n"
+            f'<p class="show">Columns shown (untick some to compare two backends on wider columns): {toggles}</p>\n'
             f'<div class="columns">{headings}</div>\n'
             f"{''.join(rows)}</body>\n</html>\n")
 
