@@ -89,6 +89,24 @@ AMPLIFIED = fuzz.Case.from_json(
 AMPLIFIED_LAYER = dataclasses.replace(AMPLIFIED, tgt_lengths=(1,))
 
 
+# Found by the last 30-minute run, open (docs/equivalence.md, "The configuration space"): PyTorch's float64 gradient
+# departs by 1e13 from the reference's (scale 1.7e9, moved by 1.8e-6 by one rounding of every weight), JAX's and
+# TensorFlow's agree.
+GRADIENT_X1E9 = dataclasses.replace(AMPLIFIED_LAYER, config=dataclasses.replace(AMPLIFIED.config, eos_id=3),
+                                    weight_scale=1e9)
+
+
+@pytest.mark.xfail(strict=True, reason="open: PyTorch's float64 gradient at weights x1e9 (docs/equivalence.md)")
+def test_torch_gradient_at_weights_x1e9():
+    assert fuzz.check(GRADIENT_X1E9, port_backend("torch")) == []
+
+
+@pytest.mark.parametrize("port", ["jax", "tf"])
+def test_jax_and_tf_gradients_at_weights_x1e9_agree(port):
+    """The open case's other backends agree with the reference (so the case is well posed)."""
+    assert fuzz.check(GRADIENT_X1E9, port_backend(port)) == []
+
+
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("case", [SATURATED, OVERFLOW, dataclasses.replace(OVERFLOW, weight_scale=1e12), UNSEEN_NAN,
                                   LAYER_NORM_BIAS, AMPLIFIED, AMPLIFIED_LAYER],
