@@ -7,7 +7,11 @@ model and tensors and gets its own tensors back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import DTYPES, round_to
@@ -18,7 +22,7 @@ COMPONENTS = tuple(COMPONENT_MASKED)
 ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_cross")
 
 
-def run_component(model, name: str, inputs: dict, attention):
+def run_component(model: Any, name: str, inputs: dict, attention: Callable[..., Any]) -> Any:
     """One component of ``model`` on ``inputs`` (the backend's tensors, already in the model's dtype);
     ``attention`` is the backend's Eq. (1) function. Weights come from layer 0 of each stack.
 
@@ -50,7 +54,7 @@ def run_component(model, name: str, inputs: dict, attention):
     raise ValueError(f"unknown component {name!r}; choose one of {COMPONENTS}")
 
 
-def rounded_inputs(inputs: dict, dtype) -> dict:
+def rounded_inputs(inputs: dict, dtype: npt.DTypeLike) -> dict:
     """A component's NumPy ``inputs`` with every float array (float64, float32, bfloat16 or float16) rounded once,
     correctly, to the model's ``dtype`` (``round_to``: frameworks' float64 -> bfloat16 casts round twice); masks and
     None as they are. Each adapter then makes its own tensors of them, exactly."""
@@ -67,7 +71,8 @@ def check_attention_request(config: TransformerConfig, layer: int, kind: str) ->
         raise ValueError(f"layer must be an int in [0, {layers}), got {layer!r}")
 
 
-def sublayer_attention_weights(model, stages: dict, src_mask, tgt_mask, layer: int, kind: str, residual_fn):
+def sublayer_attention_weights(model: Any, stages: dict, src_mask: Any, tgt_mask: Any, layer: int, kind: str,
+                               residual_fn: Callable[..., Any]) -> Any:
     """The weights (B, H, Tq, Tk) one attention sublayer computes (Eq. (1) inside Eq. (2)), recomputed from the
     stage before its layer.
 

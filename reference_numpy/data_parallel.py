@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from . import training as single_process
 from .checkpoint import TrainingState
@@ -59,7 +60,8 @@ def check_steps(first_step: int, steps: int) -> None:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
-def train_step(model: Transformer, optimizer: Adam, src, tgt, labels, world_size: int,
+def train_step(model: Transformer, optimizer: Adam, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike,
+               world_size: int,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5: :func:`gradients` (the shards' sum), one Adam update.
     Returns the whole batch's loss before the update."""
@@ -90,12 +92,12 @@ def shard(batch: dict[str, np.ndarray], world_size: int, rank: int) -> dict[str,
     return {name: np.asarray(values)[rows] for name, values in batch.items()}
 
 
-def token_count(labels, pad_id: int) -> int:
+def token_count(labels: npt.ArrayLike, pad_id: int) -> int:
     """n: the whole batch's non-pad labels, the denominator of every replica's loss."""
     return int((np.asarray(labels) != pad_id).sum())
 
 
-def gradients(model: Transformer, src, tgt, labels, world_size: int,
+def gradients(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike, world_size: int,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The whole batch's loss and gradient, as N replicas compute them: per shard, the gradient of its
     mean loss (the hand-written backward pass) weighted by n_r / n, then summed over shards (a shard without

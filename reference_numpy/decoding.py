@@ -34,7 +34,7 @@ import math
 import numbers
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple, overload
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -68,15 +68,9 @@ def check_decoding_args(beam_size: object, alpha: object) -> tuple[int, float]:
     return int(beam_size), float(alpha)
 
 
-@overload
-def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
-                         cache: None = None, cache_index: int | None = None) -> np.ndarray: ...
-@overload
-def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
-                         cache: tuple, cache_index: int | None = None) -> tuple[np.ndarray, tuple]: ...
 def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
                          cache: tuple | None = None, cache_index: int | None = None,
-                         ) -> np.ndarray | tuple[np.ndarray, tuple]:
+                         ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
     """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
     set to -inf so that they are never chosen.
 

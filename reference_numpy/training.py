@@ -15,7 +15,7 @@ precision P by the recipe of :mod:`.precision` -- the weights rounded to P, the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -190,6 +190,12 @@ class MixedPrecision:
     loss_scale: LossScale | None
 
 
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: None = None) -> Adam: ...
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: npt.DTypeLike | None = None) -> Adam | MixedPrecision: ...
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
               state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> Adam | MixedPrecision:
     """The optimizer of section 5.3 for ``model``. With ``state`` (from ``load_training_state``) the saved run

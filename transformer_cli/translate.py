@@ -16,9 +16,10 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy import TransformerConfig, load_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
@@ -34,7 +35,7 @@ BATCH_SIZE = 64                      # sentences decoded together (translate, ev
 
 
 def load_translator(checkpoint: str | Path | None = None,
-                    dtype=np.float64) -> tuple[TransformerConfig, dict[str, np.ndarray], Tokenizer]:
+                    dtype: npt.DTypeLike = np.float64) -> tuple[TransformerConfig, dict[str, np.ndarray], Tokenizer]:
     """The config, weights and tokenizer of ``checkpoint`` (a file or a shipped model's name; default: the shipped
     model); a checkpoint without a tokenizer is refused with a message saying what it can still do."""
     path = SHIPPED if checkpoint is None else checkpoint
@@ -67,7 +68,7 @@ class Translator:
     """Sentences to sentences with one backend's model: encode, decode (greedy, or beam search when
     ``beam_size`` > 1) ``batch_size`` sentences of similar length at a time, detokenize."""
 
-    def __init__(self, adapter: ModuleType, model, tokenizer: Tokenizer, beam_size: int = 1,
+    def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer, beam_size: int = 1,
                  alpha: float = LENGTH_PENALTY_ALPHA, batch_size: int = BATCH_SIZE) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
         self.beam_size, self.alpha, self.batch_size = beam_size, alpha, batch_size
@@ -128,7 +129,7 @@ class Translator:
             yield from self.lines([line], where)
 
 
-def read_lines(stream) -> Iterator[Line]:
+def read_lines(stream: Iterable[bytes | str]) -> Iterator[Line]:
     """The numbered lines of a binary stream (a file, standard input's buffer), decoded as UTF-8 whatever the
     locale; a line that is not UTF-8 is one with its problem. A text stream (no byte buffer) is read as it is."""
     for number, raw in enumerate(stream, 1):
@@ -141,7 +142,7 @@ def read_lines(stream) -> Iterator[Line]:
             yield Line(number, "", f"not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})")
 
 
-def is_file(stream) -> bool:
+def is_file(stream: IO) -> bool:
     """Whether ``stream`` reads a regular file (standard input redirected from one: read whole and batched)
     rather than a terminal or a pipe (read line by line)."""
     try:
@@ -150,7 +151,7 @@ def is_file(stream) -> bool:
         return False
 
 
-def refuse_stdin_as_output(stream, output: str) -> None:
+def refuse_stdin_as_output(stream: IO, output: str) -> None:
     """``--output`` naming the file standard input is redirected from is refused, even with ``--force``."""
     if is_file(stream) and os.path.exists(output) and os.path.samestat(os.fstat(stream.fileno()), os.stat(output)):
         raise ValueError(f"--output: writing {output!r} would replace the input (standard input reads it); write "
@@ -170,7 +171,7 @@ def write_text(path: str, text: str) -> None:
         raise
 
 
-def open_input(path: str | None, stdin):
+def open_input(path: str | None, stdin: IO) -> tuple[contextlib.AbstractContextManager[IO[bytes]], str, bool]:
     """The byte stream to translate (a context manager: a file is closed after, standard input is not), its name
     for messages, and whether it is read whole and batched (a file) or line by line (standard input from a terminal
     or a pipe). ``path`` that cannot be read is a ``ValueError``."""
@@ -182,8 +183,8 @@ def open_input(path: str | None, stdin):
         raise ValueError(f"--input: cannot read {path!r}: {err.strerror or err}") from None
 
 
-def write_translations(results: Iterable[Translation], output: str | None, stdout, report: Callable[[str], None]
-                       ) -> int:
+def write_translations(results: Iterable[Translation], output: str | None, stdout: IO[str],
+                       report: Callable[[str], None]) -> int:
     """Each translation to ``stdout`` as it comes, or to the file ``output`` once all are done (:func:`write_text`),
     each problem to ``report``; returns how many lines had one."""
     problems, texts = 0, []

@@ -17,11 +17,12 @@ On CPU the N devices are N host-platform devices, which JAX creates only at star
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -69,7 +70,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
         return checkpoint.to_params(model), training_state(model, adam), losses
 
 
-def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, mesh: Mesh,
+def train_step(model: Transformer, optimizer: nnx.Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+               labels: npt.ArrayLike, mesh: Mesh,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5 on the whole batch: :func:`.training.train_step` with the
     batch sharded over ``mesh`` by :func:`shard` and the model and optimizer replicated on its devices. The JAX
@@ -87,7 +89,7 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, m
         return float(_train_step(model, optimizer, batch["src"], batch["tgt"], batch["labels"], epsilon))
 
 
-def shard(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+def shard(batch: Mapping[str, np.ndarray | jax.Array], mesh: Mesh) -> dict[str, jax.Array]:
     """Every array of ``batch`` (src, tgt, labels: (B, ...)) as one global array split by rows over ``mesh``:
     device r holds rows r B/N .. (r + 1) B/N - 1. A batch that does not split into N equal shards is the
     reference's ``ValueError``."""

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 import optax
 from flax import nnx
 from flax.training.dynamic_scale import DynamicScale
@@ -124,8 +126,14 @@ class MixedPrecision:
     loss_scale: DynamicScale | None
 
 
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: None = None) -> nnx.Optimizer: ...
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: npt.DTypeLike | None = None) -> nnx.Optimizer | MixedPrecision: ...
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None, dtype=None) -> nnx.Optimizer | MixedPrecision:
+              state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> nnx.Optimizer | MixedPrecision:
     """The optimizer of section 5.3 for ``model``: ``nnx.Optimizer`` over every ``nnx.Param`` with
     ``optax.adam(learning_rate_schedule(...), beta1, beta2, epsilon, eps_root=0)``. With ``state``
     (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to

@@ -27,9 +27,11 @@ format version 2).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 from keras.src.backend.common.variables import initialize_all_variables
 
@@ -98,7 +100,8 @@ def transposed(config: TransformerConfig) -> tuple[str, ...]:
     return ()
 
 
-def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype="float64") -> Transformer:
+def from_params(config: TransformerConfig, params: dict[str, np.ndarray],
+                dtype: npt.DTypeLike = "float64") -> Transformer:
     """A model in ``dtype`` (float64, float32, bfloat16 or float16) from checkpoint-layout arrays (validated like a
     checkpoint file) of any of the four."""
     reference.validate_params(config, params)
@@ -135,7 +138,7 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
     return values
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=None) -> Transformer:
+def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> Transformer:
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as
     ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
     the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
@@ -157,7 +160,7 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, training: Train
                               reference.tokenizer_to_save(model, tokenizer))
 
 
-def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype) -> Transformer:
+def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype: npt.DTypeLike) -> Transformer:
     """A model whose variables are created from ``params`` (validated checkpoint-layout arrays), each
     rounded to ``dtype`` as it is read; never initialized at random. ``params`` is consumed: each
     array is released once its variable holds it (the arrays themselves are freed unless the
@@ -174,7 +177,7 @@ def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype
     return model
 
 
-def _given(value: np.ndarray):
+def _given(value: np.ndarray) -> Callable[[tuple, npt.DTypeLike], np.ndarray]:
     """A Keras initializer that returns ``value`` correctly rounded to the variable's dtype (``round_to``)."""
     return lambda shape, dtype: round_to(value, dtype)
 
@@ -190,7 +193,7 @@ def _variables(model: Transformer) -> dict:
     return variables
 
 
-def _attribute(model: Transformer, path: str):
+def _attribute(model: Transformer, path: str) -> keras.Variable:
     """The object at a Keras attribute path such as ``decoder.layers.0.ffn.linear1.kernel``."""
     node = model
     for part in path.split("."):

@@ -17,9 +17,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import overload
 
 import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
@@ -179,8 +181,14 @@ class MixedPrecision:
     train_function: Callable | None = field(default=None, init=False, repr=False, compare=False)
 
 
-def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None, dtype=None) -> keras.optimizers.Adam | MixedPrecision:
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: None = None) -> keras.optimizers.Adam: ...
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: npt.DTypeLike | None = None) -> keras.optimizers.Adam | MixedPrecision: ...
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: npt.DTypeLike | None = None) -> keras.optimizers.Adam | MixedPrecision:
     """The optimizer of section 5.3 for ``model``: Keras's Adam with the paper's update and the schedule
     of Eq. (3), built on the model's variables. With ``state`` (from ``load_training_state``) the saved
     run continues where it stopped: its moments (cast to the model's dtype) and step count are

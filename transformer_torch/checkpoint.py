@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
@@ -95,20 +96,21 @@ def _norm(prefix: str) -> list[tuple[str, str, bool]]:
     return [(f"{prefix}.weight", f"{prefix}.weight", False), (f"{prefix}.bias", f"{prefix}.bias", False)]
 
 
-def _torch_dtype(dtype) -> torch.dtype:
+def _torch_dtype(dtype: npt.DTypeLike | torch.dtype) -> torch.dtype:
     """The torch dtype of ``dtype`` (a torch, NumPy or ml_dtypes dtype, or a name), parsed by the reference's
     ``parse_dtype``: float64, float32, bfloat16 or float16, anything else its one ``ValueError``."""
     return getattr(torch, parse_dtype(_dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype).name)
 
 
-def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=torch.float64,
-                device="cpu") -> Transformer:
+def from_params(config: TransformerConfig, params: dict[str, np.ndarray],
+                dtype: npt.DTypeLike | torch.dtype = torch.float64, device: str | torch.device = "cpu") -> Transformer:
     """A :class:`Transformer` in ``dtype`` on ``device``, in eval mode, from checkpoint-layout arrays."""
     reference_checkpoint.validate_params(config, params)
     return _build(config, params, dtype, device)
 
 
-def _build(config: TransformerConfig, params: dict[str, np.ndarray], dtype, device, take: bool = False) -> Transformer:
+def _build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: npt.DTypeLike | torch.dtype,
+           device: str | torch.device, take: bool = False) -> Transformer:
     """:func:`from_params` on validated ``params``; with ``take`` (see :func:`_torch_layout`) the arrays
     are taken out of ``params`` one at a time as they are copied."""
     dtype, device = _torch_dtype(dtype), resolve_device(device)
@@ -183,7 +185,8 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
     return tensors
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=None, device="cpu") -> Transformer:
+def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> Transformer:
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as ``"numbers-en-fr"``)
     into a :class:`Transformer` (eval mode) on ``device``, in ``dtype`` (default: the file's own: float32, float64,
     bfloat16 or float16). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""

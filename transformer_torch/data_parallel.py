@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -86,7 +87,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
             _end(children)
 
 
-def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src, tgt, labels,
+def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src: npt.ArrayLike, tgt: npt.ArrayLike,
+               labels: npt.ArrayLike,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5, called by every rank with the same WHOLE batch: this rank's
     shard of B/N consecutive rows, its loss N x (shard sum / n) with dropout on, DDP's averaging all-reduce of
@@ -150,7 +152,7 @@ def _rank_device(device: str, rank: int, world_size: int) -> torch.device:
     return torch.device("cuda", resolved.index + rank)
 
 
-def _check_run(batches, first_step: int, steps: int, world_size: int) -> None:
+def _check_run(batches: Callable[[int], dict[str, np.ndarray]], first_step: int, steps: int, world_size: int) -> None:
     """The checks of the run's arguments that can be made before a process starts, each a one-line
     ``ValueError``."""
     check_steps(first_step, steps)
@@ -209,8 +211,9 @@ def _raise_child_error(children: mp.ProcessContext, world_size: int) -> None:
                            f"{error.msg.strip()}") from None
 
 
-def _run(model: Transformer, optimizer: LambdaLR, store: dist.TCPStore, rank: int, world_size: int, batches,
-         first_step: int, steps: int, epsilon: float, progress) -> tuple[dict[str, np.ndarray], TrainingState,
+def _run(model: Transformer, optimizer: LambdaLR, store: dist.TCPStore, rank: int, world_size: int,
+         batches: Callable[[int], dict[str, np.ndarray]], first_step: int, steps: int, epsilon: float,
+         progress: Callable[[int, float], object] | None) -> tuple[dict[str, np.ndarray], TrainingState,
                                                                           list[float]]:
     """Rank ``rank``'s part of the run: join the process group, wrap the model in DDP, step, leave the group.
     A child's error is left in the store before the child leaves the group; rank 0, whose collective then fails

@@ -24,8 +24,10 @@ trained: :func:`optimizer` and :func:`train_step` refuse it with the reference's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -122,8 +124,14 @@ class MixedPrecision:
     loss_scale: torch.amp.GradScaler | None
 
 
-def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None, dtype=None) -> LambdaLR | MixedPrecision:
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: None = None) -> LambdaLR: ...
+@overload
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: npt.DTypeLike | torch.dtype | None = None) -> LambdaLR | MixedPrecision: ...
+def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
+              dtype: npt.DTypeLike | torch.dtype | None = None) -> LambdaLR | MixedPrecision:
     """The optimizer of section 5.3 for ``model``: a ``torch.optim.Adam`` (beta1, beta2, epsilon of
     ``config``; base learning rate 1) driven by a ``LambdaLR`` of :func:`learning_rate_schedule`.
     Returns the scheduler; its ``.optimizer`` is the Adam (torch's pair, stepped together by
