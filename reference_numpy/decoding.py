@@ -34,10 +34,12 @@ import math
 import numbers
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from .config import TransformerConfig
 from .model import Transformer, padding_mask
 from .precision import score_dtype
 
@@ -46,7 +48,14 @@ BEAM_SIZE = 4              # section 6.1
 LENGTH_PENALTY_ALPHA = 0.6  # section 6.1
 
 
-def max_output_lengths(model: Transformer, src: np.ndarray) -> np.ndarray:
+class _Configured(Protocol):
+    """A model of any backend, as the shared decoding rules read it: its config."""
+
+    @property
+    def config(self) -> TransformerConfig: ...
+
+
+def max_output_lengths(model: _Configured, src: npt.ArrayLike) -> np.ndarray:
     """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``. Shape: (B,)."""
     lengths = (np.asarray(src) != model.config.pad_id).sum(axis=1)
     return np.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
