@@ -90,6 +90,7 @@ def one_round(adapter, name: str, scales: tuple[float, ...], round_seed: int, co
         counts[name] += 1
         notes = []
         found = fuzz.check(case, adapter, notes)
+        release_compiled(name)
         not_compared.extend(notes[:1])
         assert not found, "\n  ".join([f"{name} disagrees: {case.command(name)}", *found])
 
@@ -98,6 +99,15 @@ def one_round(adapter, name: str, scales: tuple[float, ...], round_seed: int, co
     except AssertionError as err:
         return str(err)
     return None
+
+
+def release_compiled(name: str) -> None:
+    """Drop what JAX compiled for a case: every new shape is a new executable, each holding memory maps
+    of its own, and a long run would otherwise reach the kernel's limit on them (XLA then fails with "LLVM
+    compilation error: Cannot allocate memory" after about 25 minutes)."""
+    if name == "jax":
+        import jax
+        jax.clear_caches()
 
 
 if __name__ == "__main__":
