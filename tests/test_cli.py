@@ -84,7 +84,9 @@ def test_a_broken_port_weight_fails_at_its_stage(workdir):
     assert broken["ok"] is False and broken["first_failing_stage"] == "decoder.layers.1"
     assert broken["first_non_finite_stage"] is None
     assert [stage["ok"] for stage in broken["stages"][:broken_index(broken)]] == [True] * broken_index(broken)
-    assert set(broken["stages"][0]) == {"stage", "max_abs_error", "max_relative_error", "bound", "ok", "non_finite"}
+    assert set(broken["stages"][0]) == {"stage", "max_abs_error", "max_relative_error", "bound", "ok", "non_finite",
+                                        "added"}
+    assert broken["stages"][broken_index(broken)]["added"] is False      # what the broken layer adds fails too
     assert runs[("numpy", "cpu", "float32")]["ok"] is True
 
 
