@@ -65,7 +65,7 @@ class Agreement:
     error: float
     bound: float
     scale: float
-    added: bool = False     # the error the stage adds to its input's (:func:`stage_agreement`), not its own
+    added: bool = False     # the error the stage adds to its inputs' (:func:`stage_agreement`), not its total
 
     @property
     def ok(self) -> bool:
@@ -76,7 +76,7 @@ class Agreement:
         return self.error / max(1.0, self.scale)
 
     def __str__(self) -> str:
-        what = "max abs error added to its input's" if self.added else "max abs error"
+        what = "max abs error added to its inputs'" if self.added else "max abs error"
         return f"{what} {self.error:.3e} {'<=' if self.ok else '>'} bound {self.bound:.3e}"
 
 

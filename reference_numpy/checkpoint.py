@@ -466,11 +466,12 @@ def _read_file(path: Path, tensors: bool = True) -> tuple[dict, TransformerConfi
         with safe_open(_regular_file(path), framework="numpy") as handle:
             metadata = handle.metadata()
             config, training = _read_metadata(metadata)
-            kinds = {name: handle.get_slice(name).get_dtype() for name in handle.keys()} if tensors else {}
+            names = list(handle.keys()) if tensors else []
+        if not names:
+            return metadata, config, training, {}
         with open(path, "rb") as file:
             start, entries = _tensor_entries(file)
-            return metadata, config, training, {name: _read_tensor(file, start, name, entries[name], kind)
-                                                for name, kind in kinds.items()}
+            return metadata, config, training, {name: _read_tensor(file, start, name, entries[name]) for name in names}
     except (SafetensorError, OSError) as err:
         raise ValueError(_library_problem(err)) from None
 
@@ -526,9 +527,10 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     check_tokenizer_json(metadata["tokenizer"], config)
 
 
-def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, code: str) -> np.ndarray:
-    """Tensor ``name`` (its header ``entry``, its dtype ``code``) read from ``file`` into a new array, in native
-    byte order (safetensors stores little-endian)."""
+def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict) -> np.ndarray:
+    """Tensor ``name`` (its header ``entry``: dtype, shape, data_offsets) read from ``file`` into a new array, in
+    native byte order (safetensors stores little-endian)."""
+    code = entry["dtype"]
     if code not in DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {code}; expected F32, F64, BF16 or F16")
     array = np.empty(entry["shape"], dtype=DTYPES[code].newbyteorder("<"))                  # (shape) as stored

@@ -40,7 +40,7 @@ from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENA
 from reference_numpy.tokenizer import pad_rows
 from transformer_cli import ctranslate2_export, export_check
 from transformer_cli import export as export_module
-from transformer_cli.export_check import ISOLATION, LOADERS
+from transformer_cli.export_check import ISOLATION, LOADERS, run_isolated
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE, main
 from transformer_cli.numbers_task import NumbersTask, english, french
 from transformer_cli.translate import SHIPPED, load_translator
@@ -59,17 +59,6 @@ def require(module: str, extra: str):
 
 # ----------------------------------------------------------------------------- a process without the project
 
-def run_isolated(script: str, *args, cwd) -> dict:
-    """Run ``script`` in ``python -I -S`` (no site hooks, no PYTHONPATH, no working directory on the path) with the
-    interpreter's site-packages appended by hand, so that only installed runtimes import; returns the JSON object
-    the script prints last."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", ISOLATION + script, *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_the_isolated_process_cannot_import_the_project(tmp_path):
     """The check every isolated run starts with can fail: here the project is importable (its path is added)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
@@ -77,7 +66,7 @@ def test_the_isolated_process_cannot_import_the_project(tmp_path):
     done = subprocess.run([sys.executable, "-I", "-S", "-c", f"import sys; sys.path.append({repo!r})" + ISOLATION],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "the project is importable" in done.stderr
-    assert run_isolated("print(json.dumps([sys.flags.no_site, sys.flags.isolated]))", cwd=tmp_path) == [1, 1]
+    assert run_isolated("print(json.dumps([sys.flags.no_site, sys.flags.isolated]))") == [1, 1]
 
 
 # ----------------------------------------------------------------------------- CTranslate2 with the BPE vocabulary
@@ -130,7 +119,7 @@ def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys):
                  "beam": beam_search(model, src, BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]}
     options = {"greedy": ctranslate2_export.translate_options(config.max_len),
                "beam": ctranslate2_export.translate_options(config.max_len, BEAM_SIZE, LENGTH_PENALTY_ALPHA)}
-    got = run_isolated(CT2_TRANSLATE, out, json.dumps(texts), json.dumps(options), cwd=tmp_path)
+    got = run_isolated(CT2_TRANSLATE, out, json.dumps(texts), json.dumps(options))
     for kind, tokens in reference.items():
         assert got[kind] == [tokenizer.decode(row) for row in tokens], kind
     assert len(set(got["beam"])) == len(texts)
@@ -265,9 +254,8 @@ def run_exported(target: str, tmp_path) -> Served:
     np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), beam_src=beam_source(),
              **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
                 for name, array in zip(("src", "tgt"), batch)})
-    answer = run_isolated("import numpy as np\n" + RUN[target] + GREEDY + BEAM + RUN_INPUTS, out,
-                          tmp_path / "inputs.npz", tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH, BEAM_SIZE,
-                          LENGTH_PENALTY_ALPHA, cwd=tmp_path)
+    answer = run_isolated(RUN[target] + GREEDY + BEAM + RUN_INPUTS, out, tmp_path / "inputs.npz",
+                          tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
     imported = answer["imported"]
     assert RUNTIMES[target][0] in imported and (target != "onnx" or "torch" not in imported), imported
     outputs = np.load(tmp_path / "outputs.npz")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from support import FRAMEWORKS, port_backend
 
-from equivalence import fuzz
+from equivalence import fuzz, tolerance
 from equivalence.adapters import numpy as reference
 from reference_numpy import TransformerConfig
 from reference_numpy.model import scaled_dot_product_attention
@@ -191,7 +191,6 @@ def test_a_layer_norm_carries_a_port_s_input_error_further_than_the_reference_s(
     input's carried through it (to 10%: the stage adds little), and the direction of PyTorch's input error is
     carried with 1.5 times the gain of the reference's own (a LayerNorm removes the mean and the direction of x).
     What the stage adds to PyTorch's input error is within the bound of what it adds to the reference's own."""
-    from equivalence import tolerance
     from equivalence.adapters import torch as backend
 
     weights, batch = fuzz.params(AMPLIFIED), fuzz.inputs(AMPLIFIED)
@@ -235,8 +234,6 @@ def test_what_a_stage_adds_is_held_to_the_policy():
     across it and the reference along the mean (which a LayerNorm removes): the port computing it exactly passes on
     what it adds; one whose gain is off by one part in 1e5 does not; a stage that is no map of the one before is
     held to the policy alone."""
-    from equivalence import tolerance
-
     model64 = reference.build(AMPLIFIED.config, fuzz.params(AMPLIFIED))
     norm = model64.decoder.norm
     x = np.array([[[1e6, 1e6 + 1, 1e6 + 2, 1e6 + 3]]])
@@ -252,8 +249,6 @@ def test_what_a_stage_adds_is_held_to_the_policy():
 def test_every_stage_but_the_embeddings_is_a_map_of_earlier_ones():
     """tolerance.stage_maps recomputes each stage from the reference's own earlier stages exactly (float64, bitwise:
     the same operations on the same values), for pre- and post-LN and both mask kinds; the embeddings have no map."""
-    from equivalence import tolerance
-
     for case in (AMPLIFIED, SATURATED):
         weights, batch = fuzz.params(case), fuzz.inputs(case)
         arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}

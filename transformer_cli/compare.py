@@ -38,7 +38,7 @@ class StageResult:
     bound: float
     ok: bool
     non_finite: str | None = None   # "nan" or "inf" when the backend's output holds such values
-    added: bool = False             # the errors are those the stage adds to its input's (tolerance.stage_agreement)
+    added: bool = False             # the errors are those the stage adds to its inputs' (tolerance.stage_agreement)
 
 
 @dataclass
@@ -206,11 +206,11 @@ def run_backend(adapter, device: str, dtype: str, config, params, oracle: Oracle
         model = adapter.build(config, params, dtype, device)
         timing = measure(lambda: adapter.forward(model, **inputs), TIMED_REPEATS)  # after a warm-up (compilation)
         stages, run.forward_ms = timing.result, 1e3 * timing.median
+        same = oracle.stages.get(dtype, oracle.stages64)                   # the reference in dtype (float64: itself)
         for name, ref64 in oracle.stages64.items():
             stage = np.asarray(stages[name])
-            same = oracle.stages.get(dtype, oracle.stages64)
-            result = tolerance.stage_agreement(stage, ref64, same[name] if dtype != "float64" else None, dtype,
-                                               oracle.stage_maps.get(name), stages, same)
+            result = tolerance.stage_agreement(stage, ref64, same[name], dtype, oracle.stage_maps.get(name), stages,
+                                               same)
             run.stages.append(StageResult(name, result.error, result.relative_error, result.bound, result.ok,
                                           non_finite_kind(stage), result.added))
         run.tokens = np.asarray(adapter.greedy(model, inputs["src"]))

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,13 @@ print(json.dumps(sorted(name for name in ("tensorflow", "jax", "torch", "onnxrun
 """
 
 
+def check_target(target: str) -> None:
+    """A ``ValueError`` unless ``target``'s artefact is a forward pass this check runs (CTranslate2 brings its own
+    decoder)."""
+    if target not in LOADERS:
+        raise ValueError(f"--check runs the forward-pass targets ({', '.join(LOADERS)}), not {target}")
+
+
 @dataclass
 class Checked:
     """What ``export --check`` found: the log-probabilities' agreement, the greedy tokens' verdict, the runtimes
@@ -119,8 +127,7 @@ class Checked:
 def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> Checked:
     """Run the ``target`` artefact in ``output_dir`` in a process without this project, on ``checkpoint``'s
     sentences (or ``compare``'s seeded batch), and compare it with the reference (see the module docstring)."""
-    if target not in LOADERS:
-        raise ValueError(f"--check runs the forward-pass targets ({', '.join(LOADERS)}), not {target}")
+    check_target(target)
     config, params = load_checkpoint(checkpoint)
     tokenizer = load_tokenizer(checkpoint)
     src = translation_source(tokenizer) if tokenizer is not None else None
@@ -129,7 +136,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     with tempfile.TemporaryDirectory() as directory:
         inputs, outputs = Path(directory) / "inputs.npz", Path(directory) / "outputs.npz"
         np.savez(inputs, **oracle.inputs)
-        imported = _run_isolated(LOADERS[target] + GREEDY + CHECK, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH)
+        imported = run_isolated(LOADERS[target] + GREEDY + CHECK, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH)
         with np.load(outputs) as answers:
             log_probs, tokens = answers["log_probs"], answers["tokens"]
     agreement = tolerance.agreement(log_probs, oracle.stages64["log_probs"], oracle.stages["float32"]["log_probs"],
@@ -138,9 +145,11 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     return Checked(agreement, identical, note, len(src), imported)
 
 
-def _run_isolated(script: str, *args) -> list:
-    """Run ``script`` in ``python -I -S`` with the interpreter's site-packages appended by hand (no PYTHON*
-    variables), from a temporary working directory; returns the JSON value it prints last."""
+def run_isolated(script: str, *args) -> Any:
+    """Run ``script`` in ``python -I -S`` (no site hooks, no PYTHON* variables, no working directory on the path)
+    after :data:`ISOLATION` (the interpreter's site-packages appended by hand, so that only installed runtimes
+    import), from a temporary working directory; returns the JSON value it prints last. A failure is one
+    ``ValueError`` with the process's last line of error."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
     with tempfile.TemporaryDirectory() as cwd:
         done = subprocess.run([sys.executable, "-I", "-S", "-c", ISOLATION + script, *map(str, args)],

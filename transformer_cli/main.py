@@ -287,10 +287,10 @@ def add_export(commands) -> None:
 
 def run_export(args) -> int:
     from .export import describe, export
-    from .export_check import LOADERS, check_export
+    from .export_check import check_export, check_target
 
-    if args.check and args.to not in LOADERS:
-        raise ValueError(f"--check runs the forward-pass targets ({', '.join(LOADERS)}), not {args.to}")
+    if args.check:
+        check_target(args.to)                                              # before any work
     output = export(args.to, args.checkpoint, args.output_dir, args.force)
     print(f"wrote {output}: {describe(args.to, output)}; docs/deploy.md")
     if not args.check:
