@@ -21,6 +21,7 @@ by a save that was killed (SIGKILL, power loss) is removed by the next save to t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import glob
@@ -30,7 +31,9 @@ import os
 import re
 import secrets
 import stat
+import sys
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -381,10 +384,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
 def _read_header(path: str | os.PathLike) -> tuple[dict, TransformerConfig]:
     """The file's metadata and its validated config (and tokenizer), without the tensors."""
     file = resolve_checkpoint(path)
-    try:
-        metadata, config, _, _ = _read_file(file, tensors=False)
-    except ValueError as err:
-        raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
+    with _naming(path):
+        metadata, config, _, _, _ = _read_file(file, tensors=False)
     return metadata, config
 
 
@@ -392,19 +393,60 @@ def load_run(path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
              ) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState | None]:
     """``(config, params, training state or None)`` from one read of the file: :func:`load_checkpoint` and
     :func:`load_training_state` together, for resuming a run."""
-    target, file = None if dtype is None else parse_dtype(dtype), resolve_checkpoint(path)
+    target = None if dtype is None else parse_dtype(dtype)
+    reader = CheckpointReader(path)
+    params = {name: value if target is None else round_to(value, target)      # cast as read: never two copies
+              for name, value in reader}                                      # of the weights; the table's order
+    state = reader.training
+    if target is not None:
+        state = state and state.astype(target)
+    return reader.config, params, state
+
+
+class CheckpointReader:
+    """A checkpoint read one tensor at a time, so that a backend puts each tensor straight into its framework's
+    memory and never holds the weights twice (docs/checkpoint-format.md, "Reading a file").
+
+    Made, it has read and checked the file's header: the metadata, ``config``, ``dtype`` (the tensors' one dtype)
+    and every tensor's name, shape and dtype (:func:`validate_params`'s checks but finiteness). Iterated (once),
+    it yields ``(name, array)`` for every parameter in the table's order (:func:`parameter_shapes`), each read
+    into ``allocate(shape, dtype)`` (a new writable C-contiguous array of the file's dtype: ``numpy.empty`` by
+    default; a backend passes a NumPy view of memory its framework allocated) and checked (finite) as it is read;
+    after the last it reads and checks the training state, if any: ``training`` (None until then, and for a file
+    without one). A problem is :func:`load_checkpoint`'s one ``ValueError``, raised where it is met: a header's
+    before the first tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike,
+                 allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty) -> None:
+        self.path, self.training, self._allocate = path, None, allocate
+        self._file = resolve_checkpoint(path)
+        with _naming(path):
+            _, self.config, self._record, self._start, self._entries = _read_file(self._file)
+            self.dtype = _check_entries(self.config, self._entries)
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        with _naming(self.path), open(self._file, "rb") as file:
+            for name in parameter_shapes(self.config):
+                value = _read_tensor(file, self._start, self._entries[name], self._allocate)
+                _check_finite(name, value)
+                yield name, value
+            moments = {name: _read_tensor(file, self._start, self._entries[name], np.empty)
+                       for name in sorted(self._entries) if name.startswith(MOMENTS)}
+            stand_ins = {name: np.broadcast_to(np.zeros((), self.dtype), shape)       # shape and dtype, no memory
+                         for name, shape in parameter_shapes(self.config).items()}
+            self.training = _training_state(self.config, stand_ins, self._record, moments)
+
+
+@contextlib.contextmanager
+def _naming(path: str | os.PathLike) -> Iterator[None]:
+    """A problem met while reading ``path`` as one ``ValueError`` of one line naming the file."""
     try:
-        _, config, training, tensors = _read_file(file)
-        params = {name: tensors.pop(name) for name in parameter_shapes(config) if name in tensors}
-        validate_params(config, {**params, **{n: v for n, v in tensors.items() if not n.startswith(MOMENTS)}})
-        state = _training_state(config, params, training, tensors)
+        yield
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: {_library_problem(err)}") from None
     except ValueError as err:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {err}") from None
-    if target is not None:                       # cast one tensor at a time: never two copies of the weights
-        for name in params:
-            params[name] = round_to(params[name], target)
-        state = state and state.astype(target)
-    return config, params, state                                                 # params in the table's order
 
 
 def _training_state(config: TransformerConfig, params: dict[str, np.ndarray], training: dict | None,
@@ -455,32 +497,40 @@ def _regular_file(path: Path) -> Path:
     return path
 
 
-def _read_file(path: Path, tensors: bool = True) -> tuple[dict, TransformerConfig, dict | None, dict[str, np.ndarray]]:
-    """(metadata, config, training record or None, tensors by name: none unless ``tensors``), checked.
+def _read_file(path: Path, tensors: bool = True) -> tuple[dict, TransformerConfig, dict | None, int, dict]:
+    """(metadata, config, training record or None, where the tensors' data starts, the header's entry of each
+    tensor by name: none unless ``tensors``), checked.
 
     safetensors' own reader checks the header (offsets, shapes, dtypes: tensors back to back, covering the file);
-    the tensors' bytes are then read from the file into arrays of their own (:func:`_read_tensor`), not through the
-    reader's memory map, whose pages would count in the process's memory beside the copies until it is closed: a
-    load peaks at the weights once, not twice."""
-    try:
-        with safe_open(_regular_file(path), framework="numpy") as handle:
-            metadata = handle.metadata()
-            config, training = _read_metadata(metadata)
-            names = list(handle.keys()) if tensors else []
-        if not names:
-            return metadata, config, training, {}
-        with open(path, "rb") as file:
-            start, entries = _tensor_entries(file)
-            return metadata, config, training, {name: _read_tensor(file, start, name, entries[name]) for name in names}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(_library_problem(err)) from None
+    the tensors' bytes are then read by :class:`CheckpointReader` (:func:`_read_tensor`), not through the library's
+    memory map, whose pages would count in the process's memory beside the copies until it is closed."""
+    with safe_open(_regular_file(path), framework="numpy") as handle:
+        metadata = handle.metadata()
+        config, training = _read_metadata(metadata)
+    if not tensors:
+        return metadata, config, training, 0, {}
+    with open(path, "rb") as file:
+        return metadata, config, training, *_tensor_entries(file)
 
 
 def _tensor_entries(file: io.BufferedReader) -> tuple[int, dict]:
     """Where the tensors' data starts in a safetensors ``file`` and its header's entries by name (a little-endian
     u64 header size, then the header's JSON; safetensors checked both)."""
     size = int.from_bytes(file.read(8), "little")
-    return 8 + size, json.loads(file.read(size))
+    entries = json.loads(file.read(size))
+    entries.pop("__metadata__", None)
+    return 8 + size, entries
+
+
+def _check_entries(config: TransformerConfig, entries: dict) -> np.dtype:
+    """The header's tensors checked against ``config`` before any is read (:func:`validate_params` but finiteness;
+    the moments' own checks come with their values); their one dtype."""
+    for name in sorted(entries):
+        if entries[name]["dtype"] not in DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {entries[name]['dtype']}; expected F32, F64, BF16 or F16")
+    _check_layout(config, {name: (tuple(entry["shape"]), DTYPES[entry["dtype"]])
+                           for name, entry in entries.items() if not name.startswith(MOMENTS)})
+    return DTYPES[entries[next(iter(parameter_shapes(config)))]["dtype"]]
 
 
 def _library_problem(err: Exception) -> str:
@@ -527,36 +577,47 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     check_tokenizer_json(metadata["tokenizer"], config)
 
 
-def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict) -> np.ndarray:
-    """Tensor ``name`` (its header ``entry``: dtype, shape, data_offsets) read from ``file`` into a new array, in
-    native byte order (safetensors stores little-endian)."""
-    code = entry["dtype"]
-    if code not in DTYPES:
-        raise ValueError(f"tensor {name!r} has dtype {code}; expected F32, F64, BF16 or F16")
-    array = np.empty(entry["shape"], dtype=DTYPES[code].newbyteorder("<"))                  # (shape) as stored
+def _read_tensor(file: io.BufferedReader, start: int, entry: dict,
+                 allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
+    """The tensor of header ``entry`` (dtype, shape, data_offsets) read from ``file`` into ``allocate(shape,
+    dtype)``, in native byte order (safetensors stores little-endian)."""
+    array = allocate(tuple(entry["shape"]), DTYPES[entry["dtype"]])
     file.seek(start + entry["data_offsets"][0])
     if file.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:  # type: ignore[arg-type]  # a buffer
         raise ValueError("truncated or corrupt: the tensor data does not fill the file as the header says")
-    return array.astype(DTYPES[code], copy=False)
+    return array.byteswap(inplace=True) if sys.byteorder == "big" else array
 
 
 def validate_params(config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
     """Check names, shapes, dtypes and finiteness against ``config``; one ``ValueError`` if wrong."""
+    _check_layout(config, {name: (value.shape, value.dtype) for name, value in params.items()})
+    for name in parameter_shapes(config):
+        _check_finite(name, params[name])
+
+
+def _check_layout(config: TransformerConfig, layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+    """Names, shapes and one float dtype (``layout``: name -> (shape, dtype)) against ``config``."""
     expected = parameter_shapes(config)
-    _refuse_names("missing", [name for name in expected if name not in params])
-    _refuse_names("unexpected", sorted(set(params) - set(expected)))
-    dtypes = set()
+    _refuse_names("missing", [name for name in expected if name not in layout])
+    _refuse_names("unexpected", sorted(set(layout) - set(expected)))
     for name, shape in expected.items():
-        value = params[name]
-        if value.dtype not in DTYPES.values():
-            raise ValueError(f"tensor {name!r} has dtype {value.dtype}; expected float32, float64, bfloat16 or float16")
-        dtypes.add(value.dtype)
-        if value.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; expected {shape}")
-        if not np.isfinite(value).all():
-            raise ValueError(f"tensor {name!r} holds non-finite values (NaN or inf)")
+        found, dtype = layout[name]
+        if dtype not in DTYPES.values():
+            raise ValueError(f"tensor {name!r} has dtype {dtype}; expected float32, float64, bfloat16 or float16")
+        if found != shape:
+            raise ValueError(f"tensor {name!r} has shape {found}; expected {shape}")
+    dtypes = {dtype for _, dtype in layout.values()}
     if len(dtypes) > 1:
         raise ValueError(f"tensors mix dtypes {sorted(str(t) for t in dtypes)}; a checkpoint has one dtype")
+
+
+_FINITE_CHUNK = 2 ** 20  # elements checked at a time: the check's own memory stays small beside a large tensor
+
+
+def _check_finite(name: str, value: np.ndarray) -> None:
+    flat = value.reshape(-1)
+    if not all(np.isfinite(flat[i:i + _FINITE_CHUNK]).all() for i in range(0, flat.size, _FINITE_CHUNK)):
+        raise ValueError(f"tensor {name!r} holds non-finite values (NaN or inf)")
 
 
 def _refuse_names(problem: str, names: list[str]) -> None:
