@@ -134,7 +134,7 @@ def check(case: Case, backend, not_compared: list[str] | None = None) -> list[st
     """The forward stages in float64 and float32, greedy tokens, the loss, its gradient and one Adam step in
     float64 of ``backend`` (an adapter of :mod:`equivalence.adapters`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
-    leaves undefined -- a gradient that one rounding of the weights moves by its whole scale
+    leaves undefined -- a gradient that one rounding of the weights and activations moves by its whole scale
     (:func:`~.tolerance.gradient_determined`), a stage made non-finite by an overflow the reference's stage does
     not show (:func:`_hidden_overflow`) -- is not compared, and said so in ``not_compared``."""
     weights, batch = params(case), inputs(case)
@@ -161,13 +161,14 @@ def _training(case: Case, backend, model, ref64, training: dict, not_compared: l
         not_compared.append(f"gradients and the Adam step float64: the reference's loss overflows ({value})")
         return []
     _, ref_grads = reference.gradients(ref64, **training)
-    sensitivity = tolerance.weight_rounding_sensitivity(
+    sensitivity = tolerance.rounding_sensitivity(
         lambda weights: reference.gradients(reference.build(ref64.config, weights), **training)[1],
         reference.export_params(ref64))
     if not tolerance.gradient_determined(ref_grads, sensitivity):
         scale = max(float(np.max(np.abs(grad))) for grad in ref_grads.values())
-        not_compared.append(f"gradients and the Adam step float64: undetermined (one rounding of the weights moves "
-                            f"the reference's gradient by {sensitivity:.1e}, its scale is {scale:.1e})")
+        not_compared.append(f"gradients and the Adam step float64: undetermined (one rounding of the weights and "
+                            f"activations moves the reference's gradient by {sensitivity:.1e}, its scale is "
+                            f"{scale:.1e})")
         return []
     found = _gradients(backend, model, ref64, training, sensitivity)
     return found + _training_step(case, backend, training)

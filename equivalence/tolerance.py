@@ -31,8 +31,9 @@ Gradients (float64): two ports' gradients of the same loss agree to ``GRADIENT_R
 times the gradient's scale, and each port's gradient matches central finite differences of
 the reference's loss within :func:`finite_difference_bound`. Where the gradient is ill-conditioned (weights
 scaled far from any trained model's, docs/equivalence.md "The configuration space"), the bound is at least
-``CONDITION_FACTOR`` times the reference's own sensitivity: how far its gradient moves when every weight moves by
-one float64 rounding (:func:`weight_rounding_sensitivity`) -- the error any float64 implementation may make there.
+``CONDITION_FACTOR`` times the reference's own sensitivity: how far its gradient moves when every weight and every
+value of its forward pass moves by one float64 rounding (:func:`rounding_sensitivity`) -- the error any float64
+implementation may make there.
 
 Training (float64): a port's weights, Adam moments and losses after each optimizer step stay within the
 reference's by the gradient bound carried through Adam's update (:class:`TrainingBound`); float32: the update
@@ -44,10 +45,13 @@ Nothing else in the project chooses a tolerance.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 
+from reference_numpy import backward
 from reference_numpy.model import padding_mask, target_mask
 from reference_numpy.precision import is_low, parse_dtype, round_to, spacing
 
@@ -149,7 +153,7 @@ def decided_by_rounding(ref64, ref32, dtype) -> np.ndarray:
 
 def gradient_bound(grads_a: dict, grads_b: dict, sensitivity: float = 0.0) -> float:
     """GRADIENT_RELATIVE x the gradient's scale: the largest |entry| over every tensor of both; at least
-    CONDITION_FACTOR x ``sensitivity`` (:func:`weight_rounding_sensitivity`; 0: a well-conditioned case).
+    CONDITION_FACTOR x ``sensitivity`` (:func:`rounding_sensitivity`; 0: a well-conditioned case).
 
     The scale is the whole gradient's, not each tensor's: some gradients are zero in exact
     arithmetic (a key bias shifts every score of a query equally, which the softmax ignores),
@@ -160,27 +164,55 @@ def gradient_bound(grads_a: dict, grads_b: dict, sensitivity: float = 0.0) -> fl
 
 
 def gradient_determined(grads: dict, sensitivity: float) -> bool:
-    """Whether a float64 gradient is determined by the weights at all: one rounding of the weights
-    (:func:`weight_rounding_sensitivity`) moves it by less than its scale. Past that, its leading digit is rounding's
-    choice (at weights x1e9 one-ulp perturbations move the reference's own gradient between 2e10 and 1e69), so there
-    is no value to agree on and no bound can be derived: such a gradient is outside the claim, reported as not
-    compared, never passed."""
+    """Whether a float64 gradient is determined by the weights at all: one rounding of the weights and of the values
+    computed from them (:func:`rounding_sensitivity`) moves it by less than its scale. Past that, its leading digit
+    is rounding's choice (at weights x1e9 one-ulp perturbations move the reference's own gradient between 2e10 and
+    1e69), so there is no value to agree on and no bound can be derived: such a gradient is outside the claim,
+    reported as not compared, never passed."""
     scale = max(float(np.max(np.abs(grad), initial=0.0)) for grad in grads.values())
     return sensitivity < scale
 
 
-def weight_rounding_sensitivity(gradients, params: dict[str, np.ndarray], draws: int = 2) -> float:
-    """How far the float64 gradient moves when every weight moves by one rounding: the largest max |g(w') - g(w)|
-    over ``draws`` seeded w' = w (1 +- 2^-52) (random signs), ``gradients(params) -> {name: array}``. A float64
-    implementation's forward error is its backward error (a few roundings of the weights and activations) times the
-    condition of the gradient; this measures the product at one rounding directly."""
+def rounding_sensitivity(gradients, params: dict[str, np.ndarray], draws: int = 8) -> float:
+    """How far the reference's float64 gradient moves when every weight and every value its forward pass computes
+    (each linear map's, attention's and LayerNorm's output) moves by one rounding: the largest max |g' - g| over
+    ``draws`` seeded draws of w' = w (1 +- 2^-52) and the same for those values (random signs);
+    ``gradients(params) -> {name: array}`` runs the reference's backward pass (:mod:`reference_numpy.backward`).
+
+    A float64 implementation's forward error is its backward error (a few roundings of the weights and
+    activations) times the condition of the gradient; this measures the product at one rounding directly. The
+    activations count where the weights do not: two source positions whose encoder outputs are equal in the
+    reference (their difference absorbed by a larger term) stay equal under any rounding of the weights, but a
+    port's own roundings may leave their keys equal and their values one unit apart, and the gradient into the keys
+    of the half-and-half softmax that follows is then that unit times the queries' scale (docs/equivalence.md, "The
+    configuration space")."""
     rng, exact = np.random.default_rng(0), gradients(params)
     moved = 0.0
     for _ in range(draws):
-        nudged = {name: value * (1 + np.ldexp(1.0, -52) * rng.choice([-1.0, 1.0], np.shape(value)))
-                  for name, value in params.items()}
-        moved = max(moved, max(max_abs(grad, exact[name]) for name, grad in gradients(nudged).items()))
+        nudged = {name: _one_rounding(value, rng) for name, value in params.items()}
+        with _rounded_activations(rng):
+            moved = max(moved, max(max_abs(grad, exact[name]) for name, grad in gradients(nudged).items()))
     return moved
+
+
+def _one_rounding(value, rng: np.random.Generator) -> np.ndarray:
+    """``value`` (1 +- 2^-52), a random sign per entry: one float64 rounding."""
+    return value * (1 + np.ldexp(1.0, -52) * rng.choice([-1.0, 1.0], np.shape(value)))
+
+
+@contextmanager
+def _rounded_activations(rng: np.random.Generator):
+    """While open, the outputs of the reference backward pass's linear maps, attention and LayerNorms carry one
+    rounding each (:func:`_one_rounding`); their backward functions are the exact ones."""
+    def rounded(concept):
+        def call(*args, **kwargs):
+            out, concept_backward = concept(*args, **kwargs)
+            return _one_rounding(out, rng), concept_backward
+        return call
+
+    concepts = {name: rounded(getattr(backward, name)) for name in ("linear", "attention", "layer_norm")}
+    with mock.patch.multiple(backward, **concepts):
+        yield
 
 
 class TrainingBound:

@@ -14,7 +14,7 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.training import learning_rate
 
 from .adapters import numpy as reference
-from .tolerance import TrainingBound, weight_rounding_sensitivity
+from .tolerance import TrainingBound, rounding_sensitivity
 
 
 @dataclass
@@ -37,7 +37,7 @@ def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], trai
     bound, losses = TrainingBound(reference.export_params(model)), []
     for step, inputs in enumerate(batches, start=1):
         value, grads = reference.gradients(model, **inputs)
-        sensitivity = weight_rounding_sensitivity(
+        sensitivity = rounding_sensitivity(
             lambda weights: reference.gradients(reference.build(config, weights), **inputs)[1],
             reference.export_params(model)) if conditioned else 0.0
         losses.append(reference.train_step(model, optimizer, **inputs))

@@ -89,22 +89,49 @@ AMPLIFIED = fuzz.Case.from_json(
 AMPLIFIED_LAYER = dataclasses.replace(AMPLIFIED, tgt_lengths=(1,))
 
 
-# Found by the last 30-minute run, open (docs/equivalence.md, "The configuration space"): PyTorch's float64 gradient
-# departs by 1e13 from the reference's (scale 1.7e9, moved by 1.8e-6 by one rounding of every weight), JAX's and
-# TensorFlow's agree.
+# Found by a 30-minute run: PyTorch's float64 gradient departed by 1e13 from the reference's (scale 1.7e9, moved by
+# 1.8e-6 by one rounding of the weights alone), JAX's and TensorFlow's agreed. The two source positions' encoder
+# outputs are equal in the reference and a few units apart in PyTorch; one rounding of the values computed from the
+# weights moves the reference's own gradient by up to 1e29 (tolerance.rounding_sensitivity): undetermined.
 GRADIENT_X1E9 = dataclasses.replace(AMPLIFIED_LAYER, config=dataclasses.replace(AMPLIFIED.config, eos_id=3),
                                     weight_scale=1e9)
 
 
-@pytest.mark.xfail(strict=True, reason="open: PyTorch's float64 gradient at weights x1e9 (docs/equivalence.md)")
-def test_torch_gradient_at_weights_x1e9():
-    assert fuzz.check(GRADIENT_X1E9, port_backend("torch")) == []
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_a_gradient_that_one_rounding_of_the_activations_moves_is_not_compared(port):
+    """GRADIENT_X1E9 in every backend: the forward pass, decoding and the loss agree; the gradient and the Adam step
+    are reported as not compared (undetermined), never as agreement."""
+    not_compared = []
+    assert fuzz.check(GRADIENT_X1E9, port_backend(port), not_compared) == []
+    assert len(not_compared) == 1 and "undetermined" in not_compared[0], not_compared
 
 
-@pytest.mark.parametrize("port", ["jax", "tf"])
-def test_jax_and_tf_gradients_at_weights_x1e9_agree(port):
-    """The open case's other backends agree with the reference (so the case is well posed)."""
-    assert fuzz.check(GRADIENT_X1E9, port_backend(port)) == []
+def test_the_gradient_at_weights_x1e9_is_a_rounding_of_the_values_choice(monkeypatch):
+    """Why GRADIENT_X1E9's gradient is undetermined, shown without the fuzzer's measure. Its two source positions
+    give the same keys and values in the reference (their encoder outputs are equal), so the cross-attention weighs
+    them half and half and the gradient into the keys, w (g - w.g) times the queries, is exactly zero. Moving ONE
+    value of the second position by one ulp (``np.nextafter``, in the reference's own backward pass) leaves the keys
+    tied and makes g_1 - g_2 one unit of a 1e17-sized number: the key projection's gradient moves by more than the
+    whole gradient's largest entry. Rounding every weight instead moves it by ~1e-6."""
+    from reference_numpy import backward
+    weights = fuzz.params(GRADIENT_X1E9)
+    training = {key: fuzz.inputs(GRADIENT_X1E9)[key] for key in ("src", "tgt", "labels")}
+    _, before = reference.gradients(reference.build(GRADIENT_X1E9.config, weights), **training)
+    attention, tied = backward.attention, []
+
+    def one_value_moved(query, key, value, mask=None):
+        if key.shape[-2] == 2 and query.shape[-2] == 1:                     # the cross-attention: 2 keys, 1 query
+            tied.append(bool(np.all(key[..., 0, :] == key[..., 1, :]) and np.all(value[..., 0, :] == value[..., 1, :])))
+            value = value.copy()
+            value[0, -1, 1, 0] = np.nextafter(value[0, -1, 1, 0], np.inf)    # the last head's second value
+        return attention(query, key, value, mask)
+
+    monkeypatch.setattr(backward, "attention", one_value_moved)
+    _, after = reference.gradients(reference.build(GRADIENT_X1E9.config, weights), **training)
+    name = "decoder.layers.0.cross_attn.k_proj.weight"
+    scale = max(np.max(np.abs(grad)) for grad in before.values())
+    assert tied == [True] and np.max(np.abs(before[name])) == 0.0
+    assert np.max(np.abs(after[name])) > scale > 1e9
 
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
