@@ -396,7 +396,7 @@ def load_run(path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
     target = None if dtype is None else parse_dtype(dtype)
     reader = CheckpointReader(path)
     params = {name: value if target is None else round_to(value, target)      # cast as read: never two copies
-              for name, value in reader}                                      # of the weights; the table's order
+              for name, value in reader.read()}                               # of the weights; the table's order
     state = reader.training
     if target is not None:
         state = state and state.astype(target)
@@ -408,34 +408,40 @@ class CheckpointReader:
     memory and never holds the weights twice (docs/checkpoint-format.md, "Reading a file").
 
     Made, it has read and checked the file's header: the metadata, ``config``, ``dtype`` (the tensors' one dtype)
-    and every tensor's name, shape and dtype (:func:`validate_params`'s checks but finiteness). Iterated (once),
-    it yields ``(name, array)`` for every parameter in the table's order (:func:`parameter_shapes`), each read
-    into ``allocate(shape, dtype)`` (a new writable C-contiguous array of the file's dtype: ``numpy.empty`` by
-    default; a backend passes a NumPy view of memory its framework allocated) and checked (finite) as it is read;
-    after the last it reads and checks the training state, if any: ``training`` (None until then, and for a file
-    without one). A problem is :func:`load_checkpoint`'s one ``ValueError``, raised where it is met: a header's
-    before the first tensor.
+    and every tensor's name, shape and dtype (:func:`validate_params`'s checks but finiteness). A problem is
+    :func:`load_checkpoint`'s one ``ValueError``, raised where it is met: a header's before any tensor is read.
     """
 
-    def __init__(self, path: str | os.PathLike,
-                 allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty) -> None:
-        self.path, self.training, self._allocate = path, None, allocate
-        self._file = resolve_checkpoint(path)
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path, self._file = path, resolve_checkpoint(path)
+        self.training: TrainingState | None = None
         with _naming(path):
             _, self.config, self._record, self._start, self._entries = _read_file(self._file)
             self.dtype = _check_entries(self.config, self._entries)
 
-    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+    def read(self, allocate: Allocate | None = None) -> Iterator[tuple[str, np.ndarray]]:
+        """``(name, array)`` for every parameter in the table's order (:func:`parameter_shapes`), each read into
+        ``allocate(name, shape, dtype)`` (a new writable C-contiguous array of the file's ``dtype``; by default a
+        NumPy array; a backend gives a view of memory its framework allocated) and checked (finite) as it is read.
+        After the last it reads and checks the training state, if any, as ``training`` (None until then, and for a
+        file without one)."""
         with _naming(self.path), open(self._file, "rb") as file:
             for name in parameter_shapes(self.config):
-                value = _read_tensor(file, self._start, self._entries[name], self._allocate)
+                value = _read_tensor(file, self._start, name, self._entries[name], allocate or _new_array)
                 _check_finite(name, value)
                 yield name, value
-            moments = {name: _read_tensor(file, self._start, self._entries[name], np.empty)
+            moments = {name: _read_tensor(file, self._start, name, self._entries[name], _new_array)
                        for name in sorted(self._entries) if name.startswith(MOMENTS)}
             stand_ins = {name: np.broadcast_to(np.zeros((), self.dtype), shape)       # shape and dtype, no memory
                          for name, shape in parameter_shapes(self.config).items()}
             self.training = _training_state(self.config, stand_ins, self._record, moments)
+
+
+Allocate = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]   # (name, shape, dtype) -> array to read into
+
+
+def _new_array(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
 
 
 @contextlib.contextmanager
@@ -577,11 +583,10 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     check_tokenizer_json(metadata["tokenizer"], config)
 
 
-def _read_tensor(file: io.BufferedReader, start: int, entry: dict,
-                 allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
-    """The tensor of header ``entry`` (dtype, shape, data_offsets) read from ``file`` into ``allocate(shape,
-    dtype)``, in native byte order (safetensors stores little-endian)."""
-    array = allocate(tuple(entry["shape"]), DTYPES[entry["dtype"]])
+def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, allocate: Allocate) -> np.ndarray:
+    """Tensor ``name`` (its header ``entry``: dtype, shape, data_offsets) read from ``file`` into ``allocate(name,
+    shape, dtype)``, in native byte order (safetensors stores little-endian)."""
+    array = allocate(name, tuple(entry["shape"]), DTYPES[entry["dtype"]])
     file.seek(start + entry["data_offsets"][0])
     if file.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:  # type: ignore[arg-type]  # a buffer
         raise ValueError("truncated or corrupt: the tensor data does not fill the file as the header says")

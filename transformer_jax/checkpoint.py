@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +120,7 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=
     """
     params = {name: np.asarray(value) for name, value in params.items()}
     reference.validate_params(config, params)
-    return _assembled(config, params, _check_dtype(dtype), device)
+    return _assembled(config, _in_table_order(config, params), _check_dtype(dtype), device)
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
@@ -149,7 +149,8 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
     targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     placed = lambda value, like: jax.device_put(_cast(value, model.dtype), like.sharding if like.committed else None)
     return nnx.from_flat_state([(keys, target.replace(placed(value, target[...])))
-                                for keys, target, value in _converted(model.config, dict(arrays), targets)])
+                                for keys, target, value in
+                                _converted(model.config, _in_table_order(model.config, dict(arrays)), targets)])
 
 
 def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = None) -> Transformer:
@@ -158,9 +159,10 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
     (float32, bfloat16, float16, or float64 with ``jax_enable_x64`` on); a file of any of the four loads
     into any other. The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
     path = reference.resolve_checkpoint(path)
-    config, params = reference.load_checkpoint(path)
-    dtype = _check_dtype(next(iter(params.values())).dtype if dtype is None else dtype)
-    model = _assembled(config, params, dtype, device)        # validated by the reader; its arrays are dropped
+    reader = reference.CheckpointReader(path)
+    dtype = _check_dtype(reader.dtype if dtype is None else dtype)
+    tensors = reader.read(lambda name, shape, stored: _mapped(shape, stored))      # read into memory JAX uses
+    model = _assembled(reader.config, tensors, dtype, device, owned=True)
     reference.release_freed_memory()
     model.tokenizer_json = reference.load_tokenizer_json(path)
     return model
@@ -181,30 +183,38 @@ def _dotted(keys: tuple) -> str:
     return ".".join(map(str, keys))
 
 
-def _assembled(config: TransformerConfig, params: dict[str, np.ndarray], dtype: np.dtype,
-               device: str | None) -> Transformer:
-    """The model holding the validated ``params`` (checkpoint names), which it empties: each tensor is
-    copied, cast to ``dtype``, into memory of its own (:func:`_own_copy`), placed on ``device`` and
-    dropped from ``params`` in turn, so that the weights are held twice only one tensor at a time and
-    the memory ``params`` held is given back (see the module docstring)."""
+def _assembled(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: np.dtype,
+               device: str | None, owned: bool = False) -> Transformer:
+    """The model holding validated checkpoint-layout ``(name, array)`` pairs, taken one at a time: each array is
+    copied, cast to ``dtype``, into memory of its own (:func:`_own_copy`) and placed on ``device``, so that the
+    weights are held twice only one tensor at a time -- or, ``owned``, an array already in such memory
+    (:func:`_mapped`: :func:`load_checkpoint` has the reader read each tensor there) and of ``dtype`` is placed as it
+    is, and the weights are held once (see the module docstring)."""
     graphdef, targets = _skeleton(config, dtype)
     if set(name_table(config).values()) != set(targets):
         raise ValueError(f"the name table and the NNX parameters differ: "
                          f"{sorted(set(name_table(config).values()) ^ set(targets))}")
     where = None if device is None else resolve_device(device)
-    state = nnx.from_flat_state([(keys, target.replace(jax.device_put(_own_copy(value, dtype), where)))
-                                 for keys, target, value in _converted(config, params, targets)])
+    own = lambda value: value if owned and value.dtype == dtype else _own_copy(value, dtype)
+    state = nnx.from_flat_state([(keys, target.replace(jax.device_put(own(value), where)))
+                                 for keys, target, value in _converted(config, tensors, targets)])
     return nnx.merge(graphdef, state, jax.device_put(_constants(config, dtype), where))
 
 
+def _mapped(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new array in an anonymous memory map of its own: page-aligned, so that ``jax.device_put`` on the CPU
+    uses it in place instead of copying it again (it does so for arrays aligned to 64 bytes; NumPy's are aligned
+    to 16), and given back to the system when the model drops it. (Copies made by NumPy or XLA would share the
+    heap with the arrays being dropped, which the allocator keeps resident after loading:
+    docs/benchmarks-jax.md, "Loading".)"""
+    size = int(np.prod(shape))
+    return np.frombuffer(mmap.mmap(-1, max(size * dtype.itemsize, 1)), dtype, size).reshape(shape)
+
+
 def _own_copy(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``value`` cast to ``dtype`` in an anonymous memory map of its own: page-aligned, so that
-    ``jax.device_put`` on the CPU uses it in place instead of copying it again (it does so for arrays
-    aligned to 64 bytes; NumPy's are aligned to 16), and given back to the system when the model
-    drops it. (Copies made by NumPy or XLA would share the heap with the arrays being dropped, which
-    the allocator keeps resident after loading: docs/benchmarks-jax.md, "Loading".) To a low ``dtype`` the
-    values are rounded by ``round_to`` (through a temporary copy of the one tensor)."""
-    copy = np.frombuffer(mmap.mmap(-1, max(value.size * dtype.itemsize, 1)), dtype, value.size).reshape(value.shape)
+    """``value`` cast to ``dtype`` in memory of its own (:func:`_mapped`); to a low ``dtype`` rounded by
+    ``round_to`` (through a temporary copy of the one tensor)."""
+    copy = _mapped(value.shape, dtype)
     copy[...] = round_to(value, dtype) if is_low(dtype) else value
     return copy
 
@@ -214,20 +224,26 @@ def _cast(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return round_to(value, dtype) if is_low(dtype) else value.astype(dtype)
 
 
-def _converted(config: TransformerConfig, arrays: dict[str, np.ndarray],
-               targets: dict[str, tuple[tuple, nnx.Param]]) -> Iterator[tuple[tuple, nnx.Param, np.ndarray]]:
-    """(state keys, target parameter, array in the NNX layout) for every tensor of :func:`name_table`,
-    one at a time, each removed from ``arrays`` as it is given (pass a copy of a dict you keep);
-    ``targets`` maps a dotted NNX path to its keys and (abstract or real) parameter."""
-    flip = set(transposed(config))
-    for name, path in name_table(config).items():
+def _in_table_order(config: TransformerConfig, arrays: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, array)`` for every tensor of :func:`name_table`, in its order, each removed from ``arrays`` as it
+    is given (pass a copy of a dict you keep); a missing one is a ``ValueError`` naming it."""
+    for name in name_table(config):
         if name not in arrays:
             raise ValueError(f"tensor {name!r} is missing")
-        value = np.asarray(arrays.pop(name))
+        yield name, arrays.pop(name)
+
+
+def _converted(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarray]],
+               targets: dict[str, tuple[tuple, nnx.Param]]) -> Iterator[tuple[tuple, nnx.Param, np.ndarray]]:
+    """(state keys, target parameter, array in the NNX layout) for each checkpoint-layout ``(name, array)``, one
+    at a time; ``targets`` maps a dotted NNX path to its keys and (abstract or real) parameter."""
+    table, flip = name_table(config), set(transposed(config))
+    for name, value in tensors:
+        value = np.asarray(value)
         value = value.T if name in flip else value
-        keys, target = targets[path]
+        keys, target = targets[table[name]]
         if value.shape != target.shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; the NNX parameter {path} has shape "
+            raise ValueError(f"tensor {name!r} has shape {value.shape}; the NNX parameter {table[name]} has shape "
                              f"{target.shape}")
         yield keys, target, value
 

@@ -27,7 +27,6 @@ format version 2).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -105,7 +104,11 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray],
     """A model in ``dtype`` (float64, float32, bfloat16 or float16) from checkpoint-layout arrays (validated like a
     checkpoint file) of any of the four."""
     reference.validate_params(config, params)
-    return _from_arrays(config, dict(params), dtype)
+    model = _empty_model(config, _parse_dtype(dtype).name)
+    values = from_checkpoint_layout(model, params)
+    for variable in model.weights:
+        variable.assign(round_to(values.pop(variable.path), variable.dtype))
+    return model
 
 
 def to_params(model: Transformer) -> dict[str, np.ndarray]:
@@ -131,11 +134,15 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
     for name, variable in _variables(model).items():
         value = np.asarray(arrays[name])
         value = value.T if name in flipped else value
-        if tuple(variable.shape) != value.shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}; the Keras variable "
-                             f"{name_table(model.config)[name]} has shape {tuple(variable.shape)}")
+        _check_shape(model, name, value.shape, variable)
         values[variable.path] = value
     return values
+
+
+def _check_shape(model: Transformer, name: str, shape: tuple[int, ...], variable: keras.Variable) -> None:
+    if tuple(variable.shape) != shape:
+        raise ValueError(f"tensor {name!r} has shape {shape}; the Keras variable "
+                         f"{name_table(model.config)[name]} has shape {tuple(variable.shape)}")
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> Transformer:
@@ -143,9 +150,10 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None)
     ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
     the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
     path = reference.resolve_checkpoint(path)
-    config, params = reference.load_checkpoint(path, None if dtype is None else _parse_dtype(dtype))
-    model = _from_arrays(config, params, next(iter(params.values())).dtype.name)
-    reference.release_freed_memory()                                     # the arrays read, now dropped
+    reader = reference.CheckpointReader(path)
+    model = _empty_model(reader.config, (reader.dtype if dtype is None else _parse_dtype(dtype)).name)
+    _read_into(model, reader)
+    reference.release_freed_memory()                                     # arrays rounded and assigned, dropped
     model.tokenizer_json = reference.load_tokenizer_json(path)
     return model
 
@@ -160,26 +168,39 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, training: Train
                               reference.tokenizer_to_save(model, tokenizer))
 
 
-def _from_arrays(config: TransformerConfig, params: dict[str, np.ndarray], dtype: npt.DTypeLike) -> Transformer:
-    """A model whose variables are created from ``params`` (validated checkpoint-layout arrays), each
-    rounded to ``dtype`` as it is read; never initialized at random. ``params`` is consumed: each
-    array is released once its variable holds it (the arrays themselves are freed unless the
-    caller keeps them)."""
+def _empty_model(config: TransformerConfig, dtype: str) -> Transformer:
+    """A model in ``dtype`` whose variables hold memory not yet written (never initialized at random): it is built
+    under a ``keras.StatelessScope`` that defers its variables (Keras draws no random numbers and allocates
+    nothing), then each variable is created from TensorFlow's ``Empty`` tensor, which it takes as its own without a
+    copy and whose pages the system provides only as they are written."""
     with keras.StatelessScope(initialize_variables=False):
         model = Transformer(config, dtype=dtype)                            # every variable deferred
-    try:
-        values = from_checkpoint_layout(model, params)
-        params.clear()
-        for variable in model.weights:
-            variable._initializer = _given(values.pop(variable.path))
-    finally:
-        initialize_all_variables()    # Keras creates each deferred variable from its initializer, then drops it
+    for variable in model.weights:
+        variable._initializer = lambda shape, dtype: tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False)
+    initialize_all_variables()
     return model
 
 
-def _given(value: np.ndarray) -> Callable[[tuple, npt.DTypeLike], np.ndarray]:
-    """A Keras initializer that returns ``value`` correctly rounded to the variable's dtype (``round_to``)."""
-    return lambda shape, dtype: round_to(value, dtype)
+def _read_into(model: Transformer, reader: reference.CheckpointReader) -> None:
+    """Fill ``model``'s variables from ``reader``, one tensor at a time. A tensor stored in the variable's dtype
+    and layout is read straight into the variable's memory (its buffer as a NumPy view, which TensorFlow's eager
+    tensors give without a copy), so that loading holds every weight once; any other is read, rounded to the
+    variable's dtype by the reference's ``round_to`` (TensorFlow's own float64 -> bfloat16 cast rounds twice,
+    through float32), assigned and dropped."""
+    variables, flipped = _variables(model), set(transposed(model.config))
+    direct = lambda name: variables[name].dtype == reader.dtype.name and name not in flipped
+
+    def allocate(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if not direct(name):
+            return np.empty(shape, dtype)
+        _check_shape(model, name, shape, variables[name])
+        return variables[name].value.value()._numpy()                     # the variable's own buffer
+
+    for name, value in reader.read(allocate):
+        if not direct(name):
+            value = value.T if name in flipped else value
+            _check_shape(model, name, value.shape, variables[name])
+            variables[name].assign(round_to(value, variables[name].dtype))
 
 
 def _variables(model: Transformer) -> dict:

@@ -25,6 +25,7 @@ model in P saves a BF16 or F16 file.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -106,17 +107,17 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray],
                 dtype: npt.DTypeLike | torch.dtype = torch.float64, device: str | torch.device = "cpu") -> Transformer:
     """A :class:`Transformer` in ``dtype`` on ``device``, in eval mode, from checkpoint-layout arrays."""
     reference_checkpoint.validate_params(config, params)
-    return _build(config, params, dtype, device)
+    return _build(config, params.items(), dtype, device)
 
 
-def _build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: npt.DTypeLike | torch.dtype,
-           device: str | torch.device, take: bool = False) -> Transformer:
-    """:func:`from_params` on validated ``params``; with ``take`` (see :func:`_torch_layout`) the arrays
-    are taken out of ``params`` one at a time as they are copied."""
+def _build(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: npt.DTypeLike | torch.dtype,
+           device: str | torch.device, owned: bool = False) -> Transformer:
+    """:func:`from_params` on validated checkpoint-layout ``(name, array)`` pairs, converted one at a time
+    (``owned``: see :func:`_converted`)."""
     dtype, device = _torch_dtype(dtype), resolve_device(device)
     with torch.device("meta"):
         model = Transformer(config)                                         # shapes only, no initialization
-    _assign(model, _torch_layout(model, params, dtype, device, take))
+    _assign(model, dict(_converted(model, tensors, dtype, device, owned)))
     return model.to(device=device, dtype=dtype).eval()                      # derives the sinusoidal table
 
 
@@ -157,32 +158,41 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 
 
 def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torch.dtype,
-                  device: torch.device, take: bool = False) -> dict[str, torch.Tensor]:
-    """Checkpoint-layout ``arrays`` as new tensors by parameter path, in ``dtype`` on ``device``, each checked
-    against the shape of ``model``'s parameter (``model`` may live on the meta device). To a low precision ``dtype``
-    each array is rounded once, by the reference's ``round_to``, before it becomes a tensor.
-
-    With ``take`` the arrays are the caller's to give away (a checkpoint just read): each is removed
-    from ``arrays`` as it is copied, so that it is freed at once and the weights are held twice one
-    tensor at a time, never all together. (The copies are torch's own allocations, aligned as torch
-    aligns them: a tensor sharing a NumPy array's memory, aligned to 16 bytes, would round some
-    results differently in torch's vectorized kernels.)"""
-    table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Checkpoint-layout ``arrays`` (every name of the table, no other) as new tensors by parameter path, in
+    ``dtype`` on ``device`` (:func:`_converted`)."""
+    table = name_table(model.config)
     unexpected = sorted(set(arrays) - set(table))
     if unexpected:
         raise ValueError(f"unexpected tensor {unexpected[0]!r}: not a checkpoint tensor of this model")
-    tensors = {}
-    for name, path in table.items():
-        if name not in arrays:
-            raise ValueError(f"checkpoint tensor {name!r} is missing")
-        array = arrays.pop(name) if take else arrays[name]
-        value = _from_numpy(np.ascontiguousarray(round_to(array, _dtype_name(dtype)) if dtype in _LOW else array))
+    missing = [name for name in table if name not in arrays]
+    if missing:
+        raise ValueError(f"checkpoint tensor {missing[0]!r} is missing")
+    return dict(_converted(model, ((name, arrays[name]) for name in table), dtype, device))
+
+
+def _converted(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], dtype: torch.dtype,
+               device: torch.device, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter path, tensor in ``dtype`` on ``device``) for each checkpoint-layout ``(name, array)``, one at a
+    time, each checked against the shape of ``model``'s parameter (``model`` may live on the meta device). To a
+    low precision ``dtype`` an array of another dtype is rounded once, by the reference's ``round_to``.
+
+    Each tensor is a copy in torch's own memory, aligned as torch aligns it (a tensor sharing a NumPy array's
+    memory, aligned to 16 bytes, would round some results differently in torch's vectorized kernels) -- unless
+    ``owned``: the arrays are then views of memory torch allocated (:func:`load_checkpoint` has the reader read
+    each tensor there), which a tensor of the same dtype and layout keeps as it is, so that loading holds every
+    weight once (a transposed one is copied, and its array dropped, one tensor at a time)."""
+    table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
+    for name, array in tensors:
+        path = table[name]
+        rounded = dtype in _LOW and array.dtype != parse_dtype(_dtype_name(dtype))
+        value = _from_numpy(np.ascontiguousarray(round_to(array, _dtype_name(dtype)) if rounded else array))
         value = value.T if name in flip else value
         if value.shape != targets[path].shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
                              f"torch parameter {path!r} needs {tuple(targets[path].shape)}")
-        tensors[path] = value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-    return tensors
+        yield path, value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format,
+                             copy=rounded or not owned)
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype | None = None,
@@ -191,11 +201,17 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     into a :class:`Transformer` (eval mode) on ``device``, in ``dtype`` (default: the file's own: float32, float64,
     bfloat16 or float16). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
     path = reference_checkpoint.resolve_checkpoint(path)
-    config, params = reference_checkpoint.load_checkpoint(path)            # validated; the arrays are new
-    model = _build(config, params, next(iter(params.values())).dtype if dtype is None else dtype, device, take=True)
-    reference_checkpoint.release_freed_memory()                          # the arrays read, now dropped
+    reader = reference_checkpoint.CheckpointReader(path)
+    model = _build(reader.config, reader.read(_torch_memory), reader.dtype if dtype is None else dtype, device,
+                   owned=True)                                           # each tensor read into torch's memory
+    reference_checkpoint.release_freed_memory()                          # transposed arrays, dropped
     model.tokenizer_json = reference_checkpoint.load_tokenizer_json(path)
     return model
+
+
+def _torch_memory(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new tensor of torch's, as the NumPy array the checkpoint reader reads a tensor into."""
+    return _to_numpy(torch.empty(shape, dtype=_torch_dtype(dtype)))
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
