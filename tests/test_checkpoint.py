@@ -4,6 +4,7 @@ every kind of bad file."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import pickle
@@ -29,7 +30,7 @@ from reference_numpy import (
     parameter_shapes,
     save_checkpoint,
 )
-from reference_numpy.checkpoint import TrainingState, load_training_state
+from reference_numpy.checkpoint import CheckpointReader, TrainingState, load_training_state
 from reference_numpy.config import TrainingConfig
 
 TINY = VARIANTS["tiny"]
@@ -509,3 +510,44 @@ def test_release_freed_memory_returns_the_freed_heap_pages():
                          cwd=Path(__file__).resolve().parents[1]).stdout.split()
     assert float(out[0]) > 24, f"the freed heap pages stayed resident: {out[0]} MiB of 48 returned"
     assert out[1] == "512"
+
+
+def test_the_reader_checks_the_header_before_reading_any_tensor(tmp_path):
+    """CheckpointReader: a wrong shape is refused when the reader is made, from the header alone (no tensor read:
+    every allocation is recorded), with load_checkpoint's one-line error naming the file."""
+    params = good_params()
+    params["encoder.layers.0.ffn.linear1.weight"] = params["encoder.layers.0.ffn.linear1.weight"].T.copy()
+    path = write(tmp_path, params)
+    with pytest.raises(ValueError) as expected:
+        load_checkpoint(path)
+    with pytest.raises(ValueError) as made:
+        CheckpointReader(path)
+    assert str(made.value) == str(expected.value)
+    assert str(made.value).startswith(f"checkpoint {str(path)!r}: tensor 'encoder.layers.0.ffn.linear1.weight' has sh")
+
+
+def test_the_reader_reads_each_tensor_into_the_memory_given_then_the_training_state(tmp_path):
+    params, allocated = good_params(), []
+    save_checkpoint(tmp_path / "run.safetensors", TINY, params, training=training_state(params))
+    reader = CheckpointReader(tmp_path / "run.safetensors")
+    assert reader.config == TINY and reader.dtype == np.float64 and reader.training is None
+
+    def allocate(name, shape, dtype):
+        allocated.append((name, np.full(shape, -1.0, dtype)))
+        return allocated[-1][1]
+
+    read = list(reader.read(allocate))
+    assert [name for name, _ in read] == list(parameter_shapes(TINY)) == [name for name, _ in allocated]
+    assert all(value is given for (_, value), (_, given) in zip(read, allocated))
+    assert all(np.array_equal(value, params[name]) for name, value in read)
+    assert reader.training.step == 3 and set(reader.training.first_moments) == set(params)
+
+
+def test_the_reader_refuses_a_non_finite_tensor_when_it_reaches_it(tmp_path):
+    params = good_params()
+    last = list(params)[-1]
+    params[last] = np.full_like(params[last], np.inf)
+    tensors = CheckpointReader(write(tmp_path, params)).read()
+    assert [name for name, _ in itertools.islice(tensors, len(params) - 1)] == list(parameter_shapes(TINY))[:-1]
+    with pytest.raises(ValueError, match=rf"bad.safetensors': tensor '{re.escape(last)}' holds non-finite"):
+        next(tensors)

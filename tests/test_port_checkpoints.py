@@ -4,6 +4,7 @@ gives the reference loader's own one-line error."""
 
 from __future__ import annotations
 
+import importlib
 import struct
 import zipfile
 
@@ -14,6 +15,7 @@ from support import FRAMEWORKS, port_backend
 
 from equivalence.cases import VARIANTS, seeded_params
 from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy.precision import round_to
 
 
 def tensor_bytes(path) -> bytes:
@@ -101,3 +103,42 @@ def test_bad_checkpoints_give_the_reference_errors(tmp_path, port):
             backend.load(path, "float64", "cpu")
         assert str(port_error.value) == str(expected.value), kind
         assert "\n" not in str(port_error.value), kind
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_loading_keeps_each_tensor_where_the_reader_read_it(tmp_path, port, monkeypatch):
+    """A tensor stored in the model's dtype and layout is read straight into the framework's memory, and the model
+    holds it there (no second copy: issue 27); written through after loading, the reader's array is the weight."""
+    backend, config = port_backend(port), VARIANTS["shared_embeddings"]
+    params = {name: value.astype(np.float32) for name, value in seeded_params(config).items()}
+    reference_checkpoint.save_checkpoint(tmp_path / "f32.safetensors", config, params)
+    read, original = {}, reference_checkpoint.CheckpointReader.read
+
+    def recording(self, allocate=None):
+        for name, value in original(self, allocate):
+            read[name] = value
+            yield name, value
+
+    monkeypatch.setattr(reference_checkpoint.CheckpointReader, "read", recording)
+    model = backend.load(tmp_path / "f32.safetensors", "float32", "cpu")
+    flipped = set(importlib.import_module(f"transformer_{port}.checkpoint").transposed(config))
+    for value in read.values():
+        value[...] = 7.0                                                 # the read array, written after loading
+    exported = backend.export_params(model)
+    assert list(read) == list(params)
+    assert [name for name in read if name not in flipped and not (exported[name] == 7.0).all()] == []
+    assert not any((exported[name] == 7.0).any() for name in flipped)   # transposed: copies
+
+
+@pytest.mark.parametrize(("stored", "loaded"), [("float64", "bfloat16"), ("bfloat16", "float32"),
+                                                ("float32", "float16"), ("float16", "float64")])
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_a_file_loads_into_another_dtype_rounded_once(tmp_path, port, stored, loaded):
+    """A tensor not in the model's dtype is read, rounded once by the reference's round_to, and placed."""
+    backend, config = port_backend(port), VARIANTS["tiny"]
+    params = {name: round_to(value, stored) for name, value in seeded_params(config).items()}
+    reference_checkpoint.save_checkpoint(tmp_path / "stored.safetensors", config, params)
+    exported = backend.export_params(backend.load(tmp_path / "stored.safetensors", loaded, "cpu"))
+    for name, value in params.items():
+        expected = round_to(value, loaded)
+        assert exported[name].dtype == expected.dtype and exported[name].tobytes() == expected.tobytes(), name

@@ -192,7 +192,7 @@ def _converted(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], dt
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
                              f"torch parameter {path!r} needs {tuple(targets[path].shape)}")
         yield path, value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format,
-                             copy=rounded or not owned)
+                             copy=rounded or name in flip or not owned)          # to() keeps a view as it is
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype | None = None,
