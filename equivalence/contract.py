@@ -64,6 +64,12 @@ class Backend(Protocol):
         names the keys), with the weights of layer 0 of each stack."""
         ...
 
+    def component_gradients(self, model: Model, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+        """The gradient of sum(component(inputs) * grad_out) with respect to each float input of ``name``
+        (``equivalence.recipes.GRADIENT_INPUTS``: attention's query, key and value, LayerNorm's x), by the backend's
+        own backward pass, in the model's dtype; ``grad_out`` is rounded to it first."""
+        ...
+
     def greedy(self, model: Model, src, use_cache: bool = True) -> np.ndarray:
         """Greedy tokens (B, L) without bos, right-padded with pad_id (section 6.1, the rules of
         ``reference_numpy/decoding.py``)."""

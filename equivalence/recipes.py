@@ -19,6 +19,8 @@ from reference_numpy.precision import DTYPES, round_to
 from .cases import COMPONENT_MASKED
 
 COMPONENTS = tuple(COMPONENT_MASKED)
+# The components whose backward pass the adapters run (``component_gradients``), and the inputs differentiated.
+GRADIENT_INPUTS = {"attention": ("query", "key", "value"), "layer_norm": ("x",)}
 ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_cross")
 
 
@@ -90,3 +92,11 @@ def sublayer_attention_weights(model: Any, stages: dict, src_mask: Any, tgt_mask
     x = residual_fn(x, lambda y: block.self_attn(y, y, y, tgt_mask), block.self_attn_norm)
     h = seen_by(x, block.cross_attn_norm)
     return block.cross_attn(h, stages["encoder"], stages["encoder"], src_mask, return_weights=True)[1]
+
+
+def check_gradient_request(name: str) -> tuple[str, ...]:
+    """The float inputs whose gradients ``component_gradients`` returns for component ``name``; a ValueError for a
+    component whose backward pass the adapters do not run."""
+    if name not in GRADIENT_INPUTS:
+        raise ValueError(f"component gradients are run for {sorted(GRADIENT_INPUTS)}, not {name!r}")
+    return GRADIENT_INPUTS[name]

@@ -18,13 +18,20 @@ from flax import nnx
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
 from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from transformer_jax.model import forward as _forward
 
-from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
+from ..recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 
 NAME = "jax"
 
@@ -95,6 +102,20 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     (float32, float64, bfloat16 or float16) by ``round_to``, once.
     """
     return np.asarray(run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention))
+
+
+@_x64
+def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+    """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
+    key and value; LayerNorm's x), by ``jax.vjp``, in the model's dtype."""
+    keys, rounded = check_gradient_request(name), rounded_inputs(inputs, model.dtype)
+
+    def component_of(*floats):
+        return run_component(model, name, {**rounded, **dict(zip(keys, floats))}, scaled_dot_product_attention)
+
+    _, pullback = jax.vjp(component_of, *(jax.numpy.asarray(rounded[key]) for key in keys))
+    grads = pullback(jax.numpy.asarray(round_to(grad_out, model.dtype)))
+    return {key: np.asarray(grad) for key, grad in zip(keys, grads)}
 
 
 @_x64

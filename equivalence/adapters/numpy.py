@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_numpy import checkpoint, data_parallel, decoding, training
+from reference_numpy import backward, checkpoint, data_parallel, decoding, training
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from reference_numpy.precision import round_to
 
-from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
+from ..recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 
 NAME = "numpy"
 
@@ -60,6 +67,18 @@ def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.
 def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     """Run one component (:data:`equivalence.recipes.COMPONENTS`) on NumPy inputs; weights from layer 0."""
     return run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention)
+
+
+def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+    """The gradients of sum(component * grad_out) with respect to the component's float inputs, by the reference's
+    backward pass (:mod:`reference_numpy.backward`): attention's query, key and value; LayerNorm's x."""
+    keys, t = check_gradient_request(name), rounded_inputs(inputs, model.dtype)
+    if name == "attention":
+        _, component_backward = backward.attention(t["query"], t["key"], t["value"], t["mask"])
+    else:
+        _, component_backward = backward.layer_norm(model.encoder.layers[0].self_attn_norm, "norm", t["x"], {})
+    grads = component_backward(round_to(grad_out, model.dtype))
+    return dict(zip(keys, grads if name == "attention" else (grads,)))
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:

@@ -17,7 +17,7 @@ import tensorflow as tf
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import DTYPES
+from reference_numpy.precision import DTYPES, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
@@ -30,7 +30,13 @@ from transformer_tf.model import (
     target_mask,
 )
 
-from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
+from ..recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 
 NAME = "tf"
 
@@ -108,6 +114,21 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
             for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
     with tf.device(_device.model_device(model)):
         return run_component(model, name, cast, scaled_dot_product_attention).numpy()
+
+
+def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+    """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
+    key and value; LayerNorm's x), by ``tf.GradientTape``, in the model's dtype."""
+    keys = check_gradient_request(name)
+    cast = {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
+            for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
+    with tf.device(_device.model_device(model)):
+        with tf.GradientTape() as tape:
+            tape.watch([cast[key] for key in keys])
+            out = run_component(model, name, cast, scaled_dot_product_attention)
+        grads = tape.gradient(out, [cast[key] for key in keys],
+                              output_gradients=tf.constant(round_to(grad_out, model.compute_dtype)))
+    return {key: grad.numpy() for key, grad in zip(keys, grads)}
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:

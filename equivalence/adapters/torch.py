@@ -20,6 +20,7 @@ import torch
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
@@ -35,7 +36,13 @@ from transformer_torch.model import (
     target_mask,
 )
 
-from ..recipes import check_attention_request, rounded_inputs, run_component, sublayer_attention_weights
+from ..recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 
 NAME = "torch"
 
@@ -97,6 +104,21 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     t = {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
          for key, value in rounded_inputs(inputs, dtype).items()}
     return _numpy(run_component(model, name, t, scaled_dot_product_attention))
+
+
+def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+    """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
+    key and value; LayerNorm's x), by autograd, in the model's dtype."""
+    keys, dtype = check_gradient_request(name), _dtype_name(model.dtype)
+    model.eval()
+    t = {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
+         for key, value in rounded_inputs(inputs, dtype).items()}
+    with torch.enable_grad():
+        for key in keys:
+            t[key].requires_grad_()
+        out = run_component(model, name, t, scaled_dot_product_attention)
+        out.backward(_from_numpy(round_to(grad_out, dtype)).to(model.device))
+    return {key: _numpy(t[key].grad) for key in keys}
 
 
 def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
