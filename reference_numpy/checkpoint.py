@@ -4,7 +4,8 @@
   (in, out) so that y = x @ W + b;
 * the file's metadata holds ``format_version`` and ``config`` (the config as JSON);
 * optionally (format version 2) a training run's state: Adam's moments as ``adam.m.NAME`` and
-  ``adam.v.NAME`` beside each tensor, and ``training`` (step count and training config, JSON);
+  ``adam.v.NAME`` beside each tensor, and ``training`` (step count, training config and a float16 run's loss
+  scale, JSON);
 * optionally a tokenizer (``tokenizer``: its JSON text, with ``tokenizer_version``; see
   :mod:`reference_numpy.tokenizer`), so that one file is a complete translator;
 * all tensors have one dtype: float32, float64, bfloat16 or float16 (safetensors' F32, F64, BF16, F16);
@@ -42,6 +43,7 @@ import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
+from . import precision
 from .config import TrainingConfig, TransformerConfig
 from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
 from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
@@ -154,18 +156,31 @@ def init_params(config: TransformerConfig, seed: int = 0, dtype: npt.DTypeLike =
     return params
 
 
+class LossScaleState(NamedTuple):
+    """Where float16's dynamic loss scaling stands (Micikevicius et al., 2018): ``value``, the scale the next step
+    multiplies the loss by (a float32 number > 0, as every framework holds it), and ``good_steps``, the finite steps
+    in a row since the scale last changed (in [0, ``precision.LOSS_SCALE_GROWTH_INTERVAL``): the scale doubles when it
+    reaches the interval)."""
+
+    value: float
+    good_steps: int
+
+
 class TrainingState(NamedTuple):
     """Where a training run stands (section 5.3): enough to continue it in any backend.
 
     ``first_moments`` and ``second_moments`` are Adam's m_t and v_t (not bias-corrected) for every
     checkpoint tensor, by checkpoint name and in checkpoint layout; ``step`` is t, the number of
-    optimizer steps taken (the next step uses t + 1 for the bias correction and the schedule).
+    optimizer steps taken (the next step uses t + 1 for the bias correction and the schedule);
+    ``loss_scale`` is a float16 mixed-precision run's loss scale, None for any other run (and for a file saved
+    before it was kept: a float16 run resumed from it starts again from ``precision.LOSS_SCALE``).
     """
 
     config: TrainingConfig
     step: int
     first_moments: dict[str, np.ndarray]
     second_moments: dict[str, np.ndarray]
+    loss_scale: LossScaleState | None = None
 
     def astype(self, dtype: npt.DTypeLike) -> TrainingState:
         """A copy with the moments cast to ``dtype`` (a run saved in float32 resumes in float64 and back)."""
@@ -192,7 +207,7 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
     metadata = {"format_version": FORMAT_VERSION, "config": config.to_json()}
     if training is not None:
         validate_training_state(config, params, training)
-        metadata["training"] = json.dumps({"step": training.step, "config": training.config.to_dict()}, sort_keys=True)
+        metadata["training"] = json.dumps(_training_record(training), sort_keys=True)
         params = {**params, **{prefix + name: np.ascontiguousarray(value) for prefix, moments in
                                zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
                                moments.items()}}
@@ -204,6 +219,14 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
         _replace_atomically(Path(os.path.realpath(path)), data)
     except OSError as err:
         raise ValueError(f"cannot save checkpoint {os.fspath(path)!r}: {err.strerror or err}") from None
+
+
+def _training_record(training: TrainingState) -> dict:
+    """The ``training`` metadata of a validated state: its step, its config and, if it has one, its loss scale."""
+    record = {"step": training.step, "config": training.config.to_dict()}
+    if training.loss_scale is not None:
+        record["loss_scale"] = training.loss_scale._asdict()
+    return record
 
 
 def _replace_atomically(target: Path, data: bytes) -> None:
@@ -463,22 +486,24 @@ def _training_state(config: TransformerConfig, params: dict[str, np.ndarray], tr
         return None
     state = TrainingState(training["config"], training["step"],
                           *({name[len(prefix):]: value for name, value in moments.items() if name.startswith(prefix)}
-                            for prefix in MOMENTS))
+                            for prefix in MOMENTS), training["loss_scale"])
     validate_training_state(config, params, state)
     return state
 
 
 def validate_training_state(config: TransformerConfig, params: dict[str, np.ndarray], state: TrainingState) -> None:
     """Check a training state against the parameters it belongs to: a ``TrainingConfig``, a step
-    count in [0, ``MAX_STEP``] (the int64 count of every backend's optimizer), and one first and one second moment
-    per tensor with its shape and dtype, finite, second moments >= 0. One ``ValueError`` naming the tensor
-    (``adam.m.NAME``/``adam.v.NAME``)."""
+    count in [0, ``MAX_STEP``] (the int64 count of every backend's optimizer), a loss scale if any
+    (:func:`validate_loss_scale`), and one first and one second moment per tensor with its shape and dtype, finite,
+    second moments >= 0. One ``ValueError`` naming the field or the tensor (``adam.m.NAME``/``adam.v.NAME``)."""
     if not isinstance(state.config, TrainingConfig):
         raise ValueError(f"training config must be a TrainingConfig, got {type(state.config).__name__}")
     if not isinstance(state.step, (int, np.integer)) or isinstance(state.step, bool) or state.step < 0:
         raise ValueError(f"training step must be an int >= 0, got {state.step!r}")
     if state.step > MAX_STEP:
         raise ValueError(f"training step must be <= 2**63 - 1 (an int64 count in every backend), got {state.step}")
+    if state.loss_scale is not None:
+        validate_loss_scale(state.loss_scale)
     for prefix, moments in zip(MOMENTS, (state.first_moments, state.second_moments)):
         _refuse_names("missing", [prefix + name for name in params if name not in moments])
         _refuse_names("unexpected", sorted(prefix + name for name in set(moments) - set(params)))
@@ -490,6 +515,21 @@ def validate_training_state(config: TransformerConfig, params: dict[str, np.ndar
             if not np.isfinite(value).all() or (prefix == MOMENTS[1] and (value < 0).any()):
                 raise ValueError(f"tensor {prefix + name!r} holds non-finite"
                                  f"{' or negative' if prefix == MOMENTS[1] else ''} values")
+
+
+def validate_loss_scale(loss_scale: LossScaleState) -> None:
+    """A saved loss scale as every backend can hold it: ``value`` a finite float32 number > 0 (each framework's scale
+    is a float32), ``good_steps`` an int in [0, ``LOSS_SCALE_GROWTH_INTERVAL``). One ``ValueError`` naming the
+    field."""
+    value, good_steps = loss_scale
+    if (not isinstance(value, (float, int, np.floating, np.integer)) or isinstance(value, bool)
+            or not 0 < value <= float(np.finfo(np.float32).max) or float(np.float32(value)) != value):
+        raise ValueError(f"training loss_scale.value must be a finite float32 number > 0, got {value!r}")
+    interval = precision.LOSS_SCALE_GROWTH_INTERVAL
+    if (not isinstance(good_steps, (int, np.integer)) or isinstance(good_steps, bool)
+            or not 0 <= good_steps < interval):
+        raise ValueError(f"training loss_scale.good_steps must be an int in [0, {interval}) (the growth interval), "
+                         f"got {good_steps!r}")
 
 
 def _regular_file(path: Path) -> Path:
@@ -569,7 +609,9 @@ def _read_metadata(metadata: dict[str, str] | None) -> tuple[TransformerConfig, 
         return config, None
     try:
         training = json.loads(metadata["training"])
-        return config, {"step": training["step"], "config": TrainingConfig.from_dict(training["config"])}
+        loss_scale = training.get("loss_scale")
+        return config, {"step": training["step"], "config": TrainingConfig.from_dict(training["config"]),
+                        "loss_scale": None if loss_scale is None else LossScaleState(**loss_scale)}
     except (ValueError, TypeError, KeyError) as err:
         raise ValueError(f"checkpoint training record is invalid: {err}") from None
 

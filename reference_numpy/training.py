@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import backward, checkpoint, precision
-from .checkpoint import MAX_STEP, TrainingState
+from .checkpoint import MAX_STEP, LossScaleState, TrainingState
 from .config import TrainingConfig, TransformerConfig
 from .model import Transformer, check_tokens
 from .precision import is_low, training_dtype, uses_loss_scaling
@@ -127,10 +127,10 @@ class LossScale:
     ``GradScaler``, Keras' ``LossScaleOptimizer`` and Flax's ``DynamicScale`` do it: the backward pass starts from
     ``value`` times the loss and the gradients are divided by ``value`` in float32; a step whose gradients are not
     all finite is skipped (no update, the step count unchanged) and halves ``value``; ``growth_interval`` finite
-    steps in a row double it."""
+    steps in a row double it (``good_steps`` counts them)."""
 
-    def __init__(self, value: float, growth_interval: int):
-        self.value, self.growth_interval, self.good_steps = value, growth_interval, 0
+    def __init__(self, value: float, growth_interval: int, good_steps: int = 0):
+        self.value, self.growth_interval, self.good_steps = value, growth_interval, good_steps
 
     def update(self, finite: bool) -> None:
         """After a step: halve on non-finite gradients; double after ``growth_interval`` finite steps in a row."""
@@ -211,8 +211,22 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     if not is_low(dtype):
         return adam
     return MixedPrecision(adam, Transformer(model.config, model.params, dtype),
-                          LossScale(precision.LOSS_SCALE, precision.LOSS_SCALE_GROWTH_INTERVAL)
-                          if uses_loss_scaling(dtype) else None)
+                          _loss_scale(state) if uses_loss_scaling(dtype) else None)
+
+
+def _loss_scale(state: TrainingState | None) -> LossScale:
+    """float16's dynamic loss scaling from the scale and good steps of :func:`resumed_loss_scale`, doubling after
+    ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps in a row (read now)."""
+    value, good_steps = resumed_loss_scale(state)
+    return LossScale(value, precision.LOSS_SCALE_GROWTH_INTERVAL, good_steps)
+
+
+def resumed_loss_scale(state: TrainingState | None) -> tuple[float, int]:
+    """The (scale, good steps) a float16 run starts from: the saved run's (``state.loss_scale``), else a new scale
+    ``LOSS_SCALE`` with no good steps (a new run, or a state without one: a float32 or bfloat16 run's, or a file saved
+    before the scale was kept). Every backend builds its scaler from this."""
+    saved = None if state is None else state.loss_scale
+    return (precision.LOSS_SCALE, 0) if saved is None else (saved.value, saved.good_steps)
 
 
 def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src: npt.ArrayLike, tgt: npt.ArrayLike,
@@ -253,8 +267,10 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src: np.nda
 
 def training_state(model: Transformer, optimizer: Adam | MixedPrecision) -> TrainingState:
     """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)`` (mixed precision: the
-    float32 Adam's; the loss scale is not kept, a resumed float16 run starts from ``LOSS_SCALE``)."""
+    float32 Adam's, and float16's loss scale and its good steps)."""
+    scale = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
     optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     copy = lambda moments: {name: np.array(moments[name]) for name in model.params}
     return TrainingState(optimizer.config, optimizer.step, copy(optimizer.first_moments),
-                         copy(optimizer.second_moments))
+                         copy(optimizer.second_moments),
+                         None if scale is None else LossScaleState(scale.value, scale.good_steps))

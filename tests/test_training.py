@@ -20,7 +20,7 @@ from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from equivalence.training_runs import Run, assert_float64_run
 from equivalence.training_runs import reference_run as reference_float64_run
 from reference_numpy import precision
-from reference_numpy.checkpoint import TrainingState, load_training_state
+from reference_numpy.checkpoint import LossScaleState, TrainingState, load_training_state
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import round_to
 from reference_numpy.training import LossScale, learning_rate
@@ -252,3 +252,118 @@ def test_the_float16_loss_scale_doubles_after_the_growth_interval(name, monkeypa
         scales.append(module.loss_scale(optimizer))
     assert scales == [2.0 ** 15, 2.0 ** 16, 2.0 ** 16] and module.training_state(model, optimizer).step == 3
     assert module.loss_scale(module.optimizer(model, TRAINING, None, "bfloat16")) is None
+
+
+# ----------------------------------------------------------------------------- float16's loss scale, saved and resumed
+
+# With a first scale of 2^16 and a growth interval of 2, six float16 steps of "tiny" take the scale 2^16 -> 2^17 (two
+# finite steps) -> 2^18 (two more), at which the fifth step's gradients overflow (the reference's gradients times
+# 2^17 are finite, times 2^18 not): it is skipped and the scale halves. Saved after three steps (2^17, one good step),
+# a run resumed without its scale would start again from 2^16 and overflow nowhere; without its good step, it
+# would not double at the fourth.
+FLOAT16_STEPS, FLOAT16_HALFWAY = 6, 3
+FLOAT16_RESUMES = [(name, name) for name in BACKENDS] + [("numpy", "torch"), ("torch", "jax"), ("jax", "tf"),
+                                                         ("tf", "numpy")]
+
+
+@pytest.fixture
+def float16_scaling(monkeypatch):
+    monkeypatch.setattr(precision, "LOSS_SCALE", 2.0 ** 16)
+    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+
+
+@pytest.mark.parametrize("pair", FLOAT16_RESUMES, ids="-then-".join)
+def test_a_float16_run_resumes_with_its_loss_scale(pair, float16_scaling, tmp_path):
+    """Three float16 steps in one backend, saved with the training state, three more in another: the same loss
+    scale, good steps and step count as six uninterrupted steps in the second backend (one of them skipped), and
+    in one backend the same losses, weights and moments bit for bit."""
+    first, second = pair
+    whole = run(second, "tiny", "float32", steps=range(FLOAT16_STEPS), compute="float16")
+    assert whole.state.step == FLOAT16_STEPS - 1 and whole.state.loss_scale == LossScaleState(2.0 ** 17, 1)
+    halfway = run(first, "tiny", "float32", steps=range(FLOAT16_HALFWAY), compute="float16")
+    module, path = backend(first), tmp_path / "run.safetensors"
+    module.save(module.build(config_of("tiny"), halfway.params, "float32", "cpu"), path, halfway.state)
+    state = load_training_state(path)
+    assert state.step == FLOAT16_HALFWAY and state.loss_scale == LossScaleState(2.0 ** 17, 1)
+    resumed = run(second, "tiny", "float32", steps=range(FLOAT16_HALFWAY, FLOAT16_STEPS), state=state,
+                  params=backend(second).export_params(backend(second).load(path, "float32")), compute="float16")
+    assert (resumed.state.step, resumed.state.loss_scale) == (whole.state.step, whole.state.loss_scale)
+    losses = halfway.losses + resumed.losses
+    if first != second:       # two frameworks' float16 steps agree to P's precision (test_ten_mixed_precision_...)
+        np.testing.assert_allclose(losses, whole.losses, rtol=1e-2)
+        return
+    assert losses == whole.losses
+    for tensor, value in whole.params.items():
+        assert np.array_equal(resumed.params[tensor], value), tensor
+        assert np.array_equal(resumed.state.first_moments[tensor], whole.state.first_moments[tensor]), tensor
+        assert np.array_equal(resumed.state.second_moments[tensor], whole.state.second_moments[tensor]), tensor
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_only_a_float16_run_has_a_loss_scale_and_an_old_state_starts_from_the_first(name, float16_scaling):
+    """float32 and bfloat16 runs save none; a float16 run resumed from a state without one (a float32 run's, or a
+    file saved before the scale was kept) starts from ``LOSS_SCALE`` with no good steps."""
+    module, config = backend(name), config_of("tiny")
+    model = module.build(config, seeded_params(config), "float32", "cpu")
+    for compute in (None, "bfloat16"):
+        assert module.training_state(model, module.optimizer(model, TRAINING, None, compute)).loss_scale is None
+    state = module.training_state(model, module.optimizer(model, TRAINING))
+    resumed = module.optimizer(model, None, state, "float16")
+    assert module.training_state(model, resumed).loss_scale == LossScaleState(2.0 ** 16, 0)
+    assert module.loss_scale(resumed) == 2.0 ** 16
+
+
+BAD_LOSS_SCALES = [
+    (LossScaleState(-1.0, 0), "training loss_scale.value must be a finite float32 number > 0, got -1.0"),
+    (LossScaleState(0.0, 0), "training loss_scale.value must be a finite float32 number > 0, got 0.0"),
+    (LossScaleState(float("inf"), 0), "training loss_scale.value must be a finite float32 number > 0, got inf"),
+    (LossScaleState(float("nan"), 0), "training loss_scale.value must be a finite float32 number > 0, got nan"),
+    (LossScaleState(1e39, 0), "training loss_scale.value must be a finite float32 number > 0, got 1e+39"),
+    (LossScaleState(0.1, 0), "training loss_scale.value must be a finite float32 number > 0, got 0.1"),
+    (LossScaleState(2.0 ** 15, -1),
+     "training loss_scale.good_steps must be an int in [0, 2) (the growth interval), got -1"),
+    (LossScaleState(2.0 ** 15, 2),
+     "training loss_scale.good_steps must be an int in [0, 2) (the growth interval), got 2"),
+    (LossScaleState(2.0 ** 15, 1.0),
+     "training loss_scale.good_steps must be an int in [0, 2) (the growth interval), got 1.0"),
+]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_bad_loss_scale_is_refused_alike_in_every_backend(name, float16_scaling):
+    """One ``ValueError`` naming the field, the reference's (``validate_loss_scale``), before any framework work."""
+    module, config = backend(name), config_of("tiny")
+    model = module.build(config, seeded_params(config), "float32", "cpu")
+    state = module.training_state(model, module.optimizer(model, TRAINING))
+    for bad, message in BAD_LOSS_SCALES:
+        with pytest.raises(ValueError) as caught:
+            module.optimizer(model, None, state._replace(loss_scale=bad), "float16")
+        assert str(caught.value) == message
+
+
+def test_a_bad_loss_scale_in_a_file_is_refused_naming_the_file_and_the_field(float16_scaling, tmp_path):
+    """A file whose ``training`` record holds a bad scale (written around ``save_checkpoint``, which refuses one),
+    or a malformed one, is refused when read: one ``ValueError``."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+    config = config_of("tiny")
+    model = reference.build(config, seeded_params(config), "float32", "cpu")
+    good = tmp_path / "good.safetensors"
+    reference.save(model, good, reference.training_state(model, reference.optimizer(model, TRAINING, None,
+                                                                                     "float16")))
+    with safe_open(good, "numpy") as handle:
+        metadata = handle.metadata()
+    record = json.loads(metadata["training"])
+    assert record["loss_scale"] == {"value": 2.0 ** 16, "good_steps": 0}
+    for index, (scale, problem) in enumerate([({"value": -1.0, "good_steps": 0}, BAD_LOSS_SCALES[0][1]),
+                                              ({"value": float("inf"), "good_steps": 0}, BAD_LOSS_SCALES[2][1]),
+                                              ({"value": 2.0 ** 15, "good_steps": 2}, BAD_LOSS_SCALES[7][1]),
+                                              ({"value": 2.0 ** 15}, "checkpoint training record is invalid"),
+                                              ([2.0 ** 15, 0], "checkpoint training record is invalid")]):
+        bad = tmp_path / f"bad{index}.safetensors"
+        save_file(load_file(good), bad, {**metadata, "training": json.dumps({**record, "loss_scale": scale})})
+        with pytest.raises(ValueError) as caught:
+            load_training_state(bad)
+        assert str(caught.value).startswith(f"checkpoint {str(bad)!r}: {problem}"), str(caught.value)

@@ -37,10 +37,17 @@ from flax.training.dynamic_scale import DynamicScale
 
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy import precision
-from reference_numpy.checkpoint import TrainingState
+from reference_numpy.checkpoint import LossScaleState, TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
-from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_batch, check_next_step, check_token_count
+from reference_numpy.training import (
+    LABEL_SMOOTHING,
+    PAPER,
+    check_batch,
+    check_next_step,
+    check_token_count,
+    resumed_loss_scale,
+)
 
 from . import checkpoint
 from .device import _check_dtype
@@ -159,7 +166,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
         low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)   # the masters rounded to P
         nnx.update(low, nnx.state(model, nnx.RngState))                                  # the model's dropout streams
         _place_with(model, result, low)
-        return MixedPrecision(result, low, _dynamic_scale(model) if uses_loss_scaling(dtype) else None)
+        return MixedPrecision(result, low, _dynamic_scale(model, state) if uses_loss_scaling(dtype) else None)
 
 
 def train_step(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt, labels,
@@ -197,11 +204,13 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, l
 def training_state(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision) -> TrainingState:
     """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``: optax's
     Adam moments m_t and v_t (not bias-corrected) and its step count t (mixed precision: the float32
-    optimizer's; the loss scale is not kept, a resumed float16 run starts from ``LOSS_SCALE``)."""
+    optimizer's, and float16's loss scale: ``DynamicScale``'s ``scale`` and ``fin_steps``)."""
+    scale = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
     optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     adam = optax.tree.get(nnx.as_pure(optimizer.opt_state), "ScaleByAdamState")
     return TrainingState(optimizer.config, int(adam.count), checkpoint.to_checkpoint_layout(model, adam.mu),
-                         checkpoint.to_checkpoint_layout(model, adam.nu))
+                         checkpoint.to_checkpoint_layout(model, adam.nu),
+                         None if scale is None else LossScaleState(float(scale.scale), int(scale.fin_steps)))
 
 
 def _check_batch(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt,
@@ -242,16 +251,18 @@ def _adam(d_model: int, config: TrainingConfig) -> optax.GradientTransformation:
                       eps=config.epsilon, eps_root=0.0)
 
 
-def _dynamic_scale(model: Transformer) -> DynamicScale:
-    """float16's loss scaling, Flax's ``DynamicScale`` with the reference's numbers (read at each call): the first
-    scale ``LOSS_SCALE``, halved on a step whose gradients are not all finite, doubled after
+def _dynamic_scale(model: Transformer, state: TrainingState | None) -> DynamicScale:
+    """float16's loss scaling, Flax's ``DynamicScale`` with the reference's numbers (read at each call): the scale
+    and good steps of ``resumed_loss_scale`` (a new run: ``LOSS_SCALE`` and 0), halved on a step whose gradients are
+    not all finite, doubled after
     ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps in a row. Flax doubles at a finite step that finds
     ``growth_interval`` finite steps already counted, i.e. after ``growth_interval + 1`` of them: hence the
     interval minus one. The scale is float32 and the count int32, on the model's device, so that every step
     runs the same compiled program."""
+    value, good_steps = resumed_loss_scale(state)
     scale = DynamicScale(growth_factor=2.0, backoff_factor=0.5,
                          growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL - 1,
-                         fin_steps=np.int32(0), scale=np.float32(precision.LOSS_SCALE))
+                         fin_steps=np.int32(good_steps), scale=np.float32(value))
     return jax.device_put(scale, _device(model))
 
 

@@ -26,10 +26,17 @@ import tensorflow as tf
 
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy import precision
-from reference_numpy.checkpoint import TrainingState
+from reference_numpy.checkpoint import LossScaleState, TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
-from reference_numpy.training import LABEL_SMOOTHING, PAPER, check_batch, check_next_step, check_token_count
+from reference_numpy.training import (
+    LABEL_SMOOTHING,
+    PAPER,
+    check_batch,
+    check_next_step,
+    check_token_count,
+    resumed_loss_scale,
+)
 
 from . import checkpoint
 from . import device as _device
@@ -211,20 +218,22 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
             m.assign(first[variable.path])
             v.assign(second[variable.path])
     adam.train_function = tf.function(functools.partial(_step, adam))            # traced once per input shape
-    return _mixed_precision(model, adam, dtype) if is_low(dtype) else adam
+    return _mixed_precision(model, adam, dtype, state) if is_low(dtype) else adam
 
 
-def _mixed_precision(model: Transformer, adam: _Adam, dtype) -> MixedPrecision:
+def _mixed_precision(model: Transformer, adam: _Adam, dtype, state: TrainingState | None) -> MixedPrecision:
     """``adam`` over the float32 ``model`` (the masters), the model in ``dtype`` built from the masters rounded to
-    it, and for float16 a ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s first scale
-    and growth interval, read at each call."""
+    it, and for float16 a ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s growth
+    interval, read at each call, from the scale and good steps of ``resumed_loss_scale`` (its ``dynamic_scale`` and
+    ``step_counter``)."""
     with tf.device(_device.model_device(model)):
         low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)
         loss_scale = None
         if uses_loss_scaling(dtype):
-            loss_scale = keras.optimizers.LossScaleOptimizer(adam, precision.LOSS_SCALE,
-                                                             precision.LOSS_SCALE_GROWTH_INTERVAL)
+            scale, good_steps = resumed_loss_scale(state)
+            loss_scale = keras.optimizers.LossScaleOptimizer(adam, scale, precision.LOSS_SCALE_GROWTH_INTERVAL)
             loss_scale.build(model.trainable_variables)                    # its scale and counter; adam is built
+            loss_scale.step_counter.assign(good_steps)
     mixed = MixedPrecision(adam, low, loss_scale)
     mixed.train_function = tf.function(functools.partial(_mixed_precision_step, mixed))
     return mixed
@@ -282,12 +291,15 @@ def _mixed_precision_step(mixed: MixedPrecision, model: Transformer, src, tgt, l
 
 def training_state(model: Transformer, optimizer: keras.optimizers.Adam | MixedPrecision) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype), for
-    ``save_checkpoint(..., training=state)`` (mixed precision: the float32 Adam's; the loss scale is not kept, a
-    resumed float16 run starts from ``LOSS_SCALE``)."""
+    ``save_checkpoint(..., training=state)`` (mixed precision: the float32 Adam's, and float16's loss scale: the
+    ``LossScaleOptimizer``'s ``dynamic_scale`` and ``step_counter``)."""
+    scale = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
     optimizer, variables = _adam(optimizer), model.trainable_variables
     first, second = (checkpoint.to_checkpoint_layout(model, {v.path: optimizer.moments(v)[i] for v in variables})
                      for i in (0, 1))
-    return TrainingState(optimizer.training_config, int(optimizer.iterations.numpy()), first, second)
+    return TrainingState(optimizer.training_config, int(optimizer.iterations.numpy()), first, second,
+                         None if scale is None else LossScaleState(float(scale.dynamic_scale.numpy()),
+                                                                   int(scale.step_counter.numpy())))
 
 
 def _adam(optimizer: _Adam | MixedPrecision) -> _Adam:

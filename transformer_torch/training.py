@@ -34,7 +34,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy import precision
-from reference_numpy.checkpoint import TrainingState
+from reference_numpy.checkpoint import LossScaleState, TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
 from reference_numpy.training import (
@@ -44,6 +44,7 @@ from reference_numpy.training import (
     check_next_step,
     check_token_count,
     learning_rate,
+    resumed_loss_scale,
 )
 
 from . import checkpoint
@@ -144,7 +145,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
 
     ``dtype`` bfloat16 or float16 (a float32 model only; the reference's ``training_dtype`` errors otherwise)
     returns a :class:`MixedPrecision` holding that scheduler over the float32 masters, the model in P and, for
-    float16, a ``GradScaler`` with the reference's ``LOSS_SCALE`` and ``LOSS_SCALE_GROWTH_INTERVAL``.
+    float16, a ``GradScaler`` with the reference's ``LOSS_SCALE_GROWTH_INTERVAL`` and the saved run's scale (else
+    ``LOSS_SCALE``).
     """
     dtype = training_dtype(_dtype_name(model.dtype), dtype)
     if state is not None:
@@ -159,14 +161,18 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     if not is_low(dtype):
         return schedule
     low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype, model.device)
-    return MixedPrecision(schedule, low, _loss_scale(model.device) if uses_loss_scaling(dtype) else None)
+    return MixedPrecision(schedule, low, _loss_scale(model.device, state) if uses_loss_scaling(dtype) else None)
 
 
-def _loss_scale(device: torch.device) -> torch.amp.GradScaler:
+def _loss_scale(device: torch.device, state: TrainingState | None) -> torch.amp.GradScaler:
     """float16's dynamic loss scaling: x 1/2 and the step skipped on a non-finite gradient, x 2 after
-    ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps in a row (the reference's constants, read now)."""
-    return torch.amp.GradScaler(device.type, init_scale=precision.LOSS_SCALE, growth_factor=2.0, backoff_factor=0.5,
-                                growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL)
+    ``LOSS_SCALE_GROWTH_INTERVAL`` finite steps in a row (the reference's constant, read now), from the scale and
+    good steps of the reference's ``resumed_loss_scale`` (``GradScaler``'s ``scale`` and ``_growth_tracker``)."""
+    scale, good_steps = resumed_loss_scale(state)
+    scaler = torch.amp.GradScaler(device.type, init_scale=scale, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL)
+    scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": good_steps})
+    return scaler
 
 
 def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState | None) -> None:
@@ -253,7 +259,8 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, l
 def training_state(model: Transformer, optimizer: LambdaLR | MixedPrecision) -> TrainingState:
     """The run's state for ``save_checkpoint(..., training=state)``: Adam's m_t and v_t (``exp_avg`` and
     ``exp_avg_sq``, not bias-corrected) in checkpoint layout (NumPy, the model's dtype) and t (mixed precision:
-    the float32 Adam's; the loss scale is not kept, a resumed float16 run starts from ``LOSS_SCALE``)."""
+    the float32 Adam's, and float16's loss scale from ``GradScaler.state_dict``)."""
+    scaler = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
     optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
     adam, parameters = optimizer.optimizer, dict(model.named_parameters())
     slots = {path: adam.state.get(parameter, {}) for path, parameter in parameters.items()}
@@ -263,4 +270,6 @@ def training_state(model: Transformer, optimizer: LambdaLR | MixedPrecision) -> 
                          "step them together (train_step)")
     moments = lambda key: checkpoint.to_checkpoint_layout(
         model, {path: slot.get(key, torch.zeros_like(parameters[path])) for path, slot in slots.items()})
-    return TrainingState(optimizer.lr_lambdas[0].config, steps.pop(), moments("exp_avg"), moments("exp_avg_sq"))
+    saved = None if scaler is None else scaler.state_dict()
+    return TrainingState(optimizer.lr_lambdas[0].config, steps.pop(), moments("exp_avg"), moments("exp_avg_sq"),
+                         None if saved is None else LossScaleState(saved["scale"], saved["_growth_tracker"]))
