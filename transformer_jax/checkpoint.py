@@ -25,7 +25,6 @@ saves a BF16 or F16 file.
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 from collections.abc import Iterable, Iterator
 
@@ -161,7 +160,7 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
     path = reference.resolve_checkpoint(path)
     reader = reference.CheckpointReader(path)
     dtype = _check_dtype(reader.dtype if dtype is None else dtype)
-    tensors = reader.read(lambda name, shape, stored: _mapped(shape, stored))      # read into memory JAX uses
+    tensors = reader.read(lambda name, shape, stored: reference.mapped_array(shape, stored))   # JAX uses in place
     model = _assembled(reader.config, tensors, dtype, device, owned=True)
     reference.release_freed_memory()
     model.tokenizer_json = reference.load_tokenizer_json(path)
@@ -188,7 +187,7 @@ def _assembled(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarra
     """The model holding validated checkpoint-layout ``(name, array)`` pairs, taken one at a time: each array is
     copied, cast to ``dtype``, into memory of its own (:func:`_own_copy`) and placed on ``device``, so that the
     weights are held twice only one tensor at a time -- or, ``owned``, an array already in such memory
-    (:func:`_mapped`: :func:`load_checkpoint` has the reader read each tensor there) and of ``dtype`` is placed as it
+    (:func:`load_checkpoint` has the reader read each tensor into such memory) and of ``dtype`` is placed as it
     is, and the weights are held once (see the module docstring)."""
     graphdef, targets = _skeleton(config, dtype)
     if set(name_table(config).values()) != set(targets):
@@ -201,20 +200,14 @@ def _assembled(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarra
     return nnx.merge(graphdef, state, jax.device_put(_constants(config, dtype), where))
 
 
-def _mapped(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A new array in an anonymous memory map of its own: page-aligned, so that ``jax.device_put`` on the CPU
-    uses it in place instead of copying it again (it does so for arrays aligned to 64 bytes; NumPy's are aligned
-    to 16), and given back to the system when the model drops it. (Copies made by NumPy or XLA would share the
-    heap with the arrays being dropped, which the allocator keeps resident after loading:
-    docs/benchmarks-jax.md, "Loading".)"""
-    size = int(np.prod(shape))
-    return np.frombuffer(mmap.mmap(-1, max(size * dtype.itemsize, 1)), dtype, size).reshape(shape)
-
-
 def _own_copy(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``value`` cast to ``dtype`` in memory of its own (:func:`_mapped`); to a low ``dtype`` rounded by
+    """``value`` cast to ``dtype`` in an anonymous memory map of its own (``reference_numpy.checkpoint.mapped_array``):
+    page-aligned, so that ``jax.device_put`` on the CPU uses it in place instead of copying it again (it does so for
+    arrays aligned to 64 bytes; NumPy's are aligned to 16), and given back to the system when the model drops it.
+    (Copies made by NumPy or XLA would share the heap with the arrays being dropped, which the allocator keeps
+    resident after loading: docs/benchmarks-jax.md, "Loading".) To a low ``dtype`` the values are rounded by
     ``round_to`` (through a temporary copy of the one tensor)."""
-    copy = _mapped(value.shape, dtype)
+    copy = reference.mapped_array(value.shape, dtype)
     copy[...] = round_to(value, dtype) if is_low(dtype) else value
     return copy
 

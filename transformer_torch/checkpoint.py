@@ -202,16 +202,20 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     bfloat16 or float16). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
     path = reference_checkpoint.resolve_checkpoint(path)
     reader = reference_checkpoint.CheckpointReader(path)
-    model = _build(reader.config, reader.read(_torch_memory), reader.dtype if dtype is None else dtype, device,
-                   owned=True)                                           # each tensor read into torch's memory
+    model = _build(reader.config, reader.read(_reading_memory(reader.config)), reader.dtype if dtype is None else dtype,
+                   device, owned=True)
     reference_checkpoint.release_freed_memory()                          # transposed arrays, dropped
     model.tokenizer_json = reference_checkpoint.load_tokenizer_json(path)
     return model
 
 
-def _torch_memory(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A new tensor of torch's, as the NumPy array the checkpoint reader reads a tensor into."""
-    return _to_numpy(torch.empty(shape, dtype=_torch_dtype(dtype)))
+def _reading_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:
+    """Where :func:`load_checkpoint` has the reader read each tensor: a new tensor of torch's, which the model keeps
+    as its parameter; a weight torch holds transposed, which is copied into (out, in) and dropped, an anonymous map
+    the system takes back at once (``reference_numpy.checkpoint.mapped_array``)."""
+    flip = set(transposed(config))
+    return lambda name, shape, stored: (reference_checkpoint.mapped_array(shape, stored) if name in flip
+                                        else _to_numpy(torch.empty(shape, dtype=_torch_dtype(stored))))
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
