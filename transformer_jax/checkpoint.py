@@ -6,14 +6,13 @@ built by the loops of :func:`reference_numpy.checkpoint.parameter_shapes`) and :
 :func:`from_checkpoint_layout` apply them to any per-parameter tensors (parameters, gradients,
 Adam's moments). Loading never initializes weights at random: ``nnx.eval_shape`` gives the
 model's structure and its parameters' paths, shapes and dtypes without creating an array (once per
-config and dtype), every tensor is checked against its parameter, copied once into memory of its
-own that ``jax.device_put`` then uses in place on the CPU, and placed; the host array it came from
-is dropped at once when the model owns it (:func:`load_checkpoint`), so that loading holds the
-weights once, not twice; the state that is not a parameter (the dropout RNG streams,
-seeded with ``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal tables) is computed by the
-constructor under ``jax.jit``, which leaves the parameters' random initialization out, and
-``nnx.merge`` assembles the model. File validation is the reference's
-(:func:`reference_numpy.checkpoint.load_checkpoint` and ``validate_params``), so a bad file gives
+config and dtype), and every tensor is checked against its parameter and placed from memory of its own that
+``jax.device_put`` uses in place on the CPU: :func:`load_checkpoint` has the reference's ``CheckpointReader`` read
+each tensor straight there, so that loading holds the weights once; the state that is not a parameter (the
+dropout RNG streams, seeded with ``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal tables) is computed by the
+constructor under ``jax.jit``, which leaves the parameters' random initialization out, and ``nnx.merge`` assembles
+the model. File validation is the reference's
+(``reference_numpy.checkpoint.CheckpointReader`` and ``validate_params``), so a bad file gives
 the reference's one-line ``ValueError``.
 
 A model is float32, float64, bfloat16 or float16, from a file or arrays of any of the four: a tensor

@@ -8,14 +8,12 @@ Keras' own layers keep their own variable names (``keras.layers.Dense``: ``kerne
 checkpoint. :func:`transposed` is empty: a Dense kernel is (in, out) exactly like the checkpoint
 (y = x @ W + b), and the embedding, positional and generator tables have the checkpoint's layout.
 
-Loading creates each variable from its tensor, after a shape check that names both sides: the
-model is built under a ``keras.StatelessScope`` that defers its variables (Keras draws no random
-numbers and allocates nothing), then each deferred variable is initialized from its array, which
-is then dropped (an array read from a file is released as soon as its variable holds a copy). A
-bfloat16 or float16 model's variables are created from arrays rounded to P by the reference's
-``round_to`` (TensorFlow's own float64 -> bfloat16 cast rounds twice, through float32); it saves a
-BF16 or F16 file.
-File reading and validation are the reference's (``reference_numpy.checkpoint``), so a bad file
+Loading never initializes a variable at random: the model is built under a ``keras.StatelessScope`` that
+defers its variables, each is created empty (:func:`_empty_model`), and the reference's ``CheckpointReader``
+reads each tensor stored in the variable's dtype straight into the variable's buffer, after a shape check that
+names both sides: loading holds every weight once. A tensor of another dtype is rounded to the variable's by the
+reference's ``round_to`` (TensorFlow's own float64 -> bfloat16 cast rounds twice, through float32) and assigned; a
+bfloat16 or float16 model saves a BF16 or F16 file. File reading and validation are the reference's, so a bad file
 gives the same one-line ``ValueError`` in every port.
 
 Every per-variable tensor (weights, gradients, Adam's moments) crosses between the two layouts

@@ -6,10 +6,11 @@ entry per tensor, built by explicit loops over the layers like
 tensors stored (in, out) in the checkpoint, so that y = x @ W + b, and (out, in) by
 ``nn.Linear`` and the generator). Every tensor's shape is checked against the parameter it
 fills. The model is built on the meta device (no random initialization) and filled by torch's
-own ``load_state_dict(strict=True, assign=True)``; file validation is the reference's own
-(``reference_numpy.checkpoint.load_checkpoint`` / ``validate_params``), so load errors are the
-reference's one-line ``ValueError``s. :func:`to_checkpoint_layout` and :func:`from_checkpoint_layout`
-convert any per-parameter tensors (weights, gradients, Adam's moments) with the same table.
+own ``load_state_dict(strict=True, assign=True)``. A file is read by the reference's
+``reference_numpy.checkpoint.CheckpointReader`` (so load errors are the reference's one-line ``ValueError``s), each
+tensor straight into a tensor torch allocated, which becomes the parameter: loading holds every weight once.
+:func:`to_checkpoint_layout` and :func:`from_checkpoint_layout` convert any per-parameter tensors (weights,
+gradients, Adam's moments) with the same table.
 
 With ``share_embeddings`` the one checkpoint tensor ``shared_embed.weight`` fills the one
 parameter ``src_embed.weight`` of the embedding module that ``tgt_embed`` and ``generator``
