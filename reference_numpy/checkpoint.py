@@ -68,35 +68,50 @@ SHIPPED_MODELS = {"numbers-en-fr": _SHIPPED_DIRECTORY / "numbers-en-fr.safetenso
 
 # ----------------------------------------------------------------------------- the name table
 
-def parameter_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a checkpoint for ``config``, name -> shape, in a fixed order."""
+class Parameter(NamedTuple):
+    """One trained tensor of the architecture: its checkpoint ``name`` and ``shape``, its ``kind`` (what it is in
+    any framework, the key of each port's layout table: ``shared_embedding``, ``embedding``, ``position``,
+    ``linear.weight``, ``linear.bias``, ``layernorm.gain``, ``layernorm.bias``, ``generator``) and its ``module``
+    (the layer it belongs to, its name's prefix; for an embedding or a learned position table, the side: ``src`` or
+    ``tgt``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    module: str
+
+
+def parameters(config: TransformerConfig) -> list[Parameter]:
+    """Every tensor of a checkpoint for ``config``, in a fixed order: the architecture walked once (sections
+    3.1-3.4). :func:`parameter_shapes` and each port's name table are computed from it."""
     d, f = config.d_model, config.d_ff
-    shapes: dict[str, tuple[int, ...]] = {}
-    if config.share_embeddings:
-        shapes["shared_embed.weight"] = (config.src_vocab_size, d)
-    else:
-        shapes["src_embed.weight"] = (config.src_vocab_size, d)
-        shapes["tgt_embed.weight"] = (config.tgt_vocab_size, d)
-    if config.positional_encoding == "learned":
-        shapes["src_pos_embed.weight"] = (config.max_len, d)
-        shapes["tgt_pos_embed.weight"] = (config.max_len, d)
+    tensors: list[Parameter] = []
 
-    def attention(prefix: str) -> None:
+    def linear(module: str, n_in: int, n_out: int) -> None:                  # y = x @ W + b, W stored (in, out)
+        tensors.extend((Parameter(f"{module}.weight", (n_in, n_out), "linear.weight", module),
+                        Parameter(f"{module}.bias", (n_out,), "linear.bias", module)))
+
+    def attention(module: str) -> None:                                       # section 3.2.2
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes[f"{prefix}.{proj}.weight"] = (d, d)
-            shapes[f"{prefix}.{proj}.bias"] = (d,)
+            linear(f"{module}.{proj}", d, d)
 
-    def norm(prefix: str) -> None:
-        shapes[f"{prefix}.weight"] = (d,)
-        shapes[f"{prefix}.bias"] = (d,)
+    def norm(module: str) -> None:
+        tensors.extend((Parameter(f"{module}.weight", (d,), "layernorm.gain", module),
+                        Parameter(f"{module}.bias", (d,), "layernorm.bias", module)))
 
-    def ffn(prefix: str) -> None:
-        shapes[f"{prefix}.linear1.weight"] = (d, f)
-        shapes[f"{prefix}.linear1.bias"] = (f,)
-        shapes[f"{prefix}.linear2.weight"] = (f, d)
-        shapes[f"{prefix}.linear2.bias"] = (d,)
+    def ffn(module: str) -> None:                                             # section 3.3
+        linear(f"{module}.linear1", d, f)
+        linear(f"{module}.linear2", f, d)
 
-    for i in range(config.n_encoder_layers):
+    if config.share_embeddings:                                               # section 3.4: one matrix, three uses
+        tensors.append(Parameter("shared_embed.weight", (config.src_vocab_size, d), "shared_embedding", "shared"))
+    else:
+        tensors.extend(Parameter(f"{side}_embed.weight", (vocab, d), "embedding", side)
+                       for side, vocab in (("src", config.src_vocab_size), ("tgt", config.tgt_vocab_size)))
+    if config.positional_encoding == "learned":                               # section 3.5's alternative
+        tensors.extend(Parameter(f"{side}_pos_embed.weight", (config.max_len, d), "position", side)
+                       for side in ("src", "tgt"))
+    for i in range(config.n_encoder_layers):                                  # section 3.1
         layer = f"encoder.layers.{i}"
         attention(f"{layer}.self_attn")
         norm(f"{layer}.self_attn_norm")
@@ -115,8 +130,13 @@ def parameter_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     if config.norm_first:
         norm("decoder.norm")
     if not config.share_embeddings:
-        shapes["generator.weight"] = (d, config.tgt_vocab_size)
-    return shapes
+        tensors.append(Parameter("generator.weight", (d, config.tgt_vocab_size), "generator", "generator"))
+    return tensors
+
+
+def parameter_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint for ``config``, name -> shape, in a fixed order (:func:`parameters`)."""
+    return {tensor.name: tensor.shape for tensor in parameters(config)}
 
 
 def count_parameters(config: TransformerConfig) -> int:

@@ -129,13 +129,14 @@ CONCEPTS = (
                     "model.py:MultiHeadAttention.memory_cache", "model.py:DecoderLayer.init_cache",
                     "decoding.py:next_token_log_probs", "decoding.py:reorder_cache")}),
     Concept("Checkpoint table", "docs/checkpoint-format.md",
-            "one shared file: checkpoint name &rarr; the framework's parameter; projections stored (in, out), "
-            "<i>y</i> = <i>xW</i> + <i>b</i>",
-            {"numpy": ("checkpoint.py:parameter_shapes",),
-             "torch": ("checkpoint.py:name_table", "checkpoint.py:transposed", "checkpoint.py:_tensors",
-                       "checkpoint.py:_linear", "checkpoint.py:_attention", "checkpoint.py:from_params"),
-             "jax": ("checkpoint.py:name_table", "checkpoint.py:transposed", "checkpoint.py:from_params"),
-             "tf": ("checkpoint.py:name_table", "checkpoint.py:transposed")}),
+            "one shared file: the reference walks the architecture once (name, shape, kind); each port maps a kind "
+            "to its parameter's path and layout; projections stored (in, out), <i>y</i> = <i>xW</i> + <i>b</i>",
+            {"numpy": ("checkpoint.py:Parameter", "checkpoint.py:parameters", "checkpoint.py:parameter_shapes"),
+             "torch": ("checkpoint.py:_LAYOUT", "checkpoint.py:name_table", "checkpoint.py:transposed",
+                       "checkpoint.py:from_params"),
+             "jax": ("checkpoint.py:_LAYOUT", "checkpoint.py:name_table", "checkpoint.py:transposed",
+                     "checkpoint.py:from_params"),
+             "tf": ("checkpoint.py:_LAYOUT", "checkpoint.py:name_table", "checkpoint.py:transposed")}),
 )
 
 

@@ -1,8 +1,9 @@
 """The shared safetensors checkpoint <-> the Flax NNX parameters of :class:`.model.Transformer`.
 
-The whole conversion is two tables: :func:`name_table` (checkpoint name -> NNX parameter path,
-built by the loops of :func:`reference_numpy.checkpoint.parameter_shapes`) and :func:`transposed`
-(empty: every NNX parameter has the checkpoint's layout); :func:`to_checkpoint_layout` and
+The whole conversion is data: the architecture's tensors as the reference walks it once
+(:func:`reference_numpy.checkpoint.parameters`: name, shape, kind) and a table, kind -> NNX parameter path and
+layout, from which :func:`name_table` (checkpoint name -> NNX parameter path) and :func:`transposed` (empty: every
+NNX parameter has the checkpoint's layout) are computed; :func:`to_checkpoint_layout` and
 :func:`from_checkpoint_layout` apply them to any per-parameter tensors (parameters, gradients,
 Adam's moments). Loading never initializes weights at random: ``nnx.eval_shape`` gives the
 model's structure and its parameters' paths, shapes and dtypes without creating an array (once per
@@ -39,6 +40,17 @@ from reference_numpy.precision import is_low, round_to
 from .device import _check_dtype, resolve_device
 from .model import Transformer
 
+# kind (reference_numpy.checkpoint.Parameter) -> (NNX parameter path, from the tensor's module; transposed: none,
+# nnx.Linear's kernel is (in, out) like the checkpoint)
+_LAYOUT = {"shared_embedding": ("generator.embeddings.embedding", False),   # src_embed, tgt_embed: the same module
+           "embedding": ("{module}_embed.embedding", False),                # nnx.Embed
+           "position": ("{module}_pos.weight", False),
+           "linear.weight": ("{module}.kernel", False),                     # nnx.Linear
+           "linear.bias": ("{module}.bias", False),
+           "layernorm.gain": ("{module}.scale", False),                     # nnx.LayerNorm
+           "layernorm.bias": ("{module}.bias", False),
+           "generator": ("generator.weight", False)}                        # (D, V) like the checkpoint
+
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
     """checkpoint name -> Flax NNX parameter path: one exact entry per tensor of
@@ -51,51 +63,8 @@ def name_table(config: TransformerConfig) -> dict[str, str]:
     shared variable is listed once, under its first path in sorted order,
     ``generator.embeddings.embedding``.
     """
-    table: dict[str, str] = {}
-    if config.share_embeddings:
-        table["shared_embed.weight"] = "generator.embeddings.embedding"
-    else:
-        table["src_embed.weight"] = "src_embed.embedding"
-        table["tgt_embed.weight"] = "tgt_embed.embedding"
-    if config.positional_encoding == "learned":
-        table["src_pos_embed.weight"] = "src_pos.weight"
-        table["tgt_pos_embed.weight"] = "tgt_pos.weight"
-
-    def attention(prefix: str) -> None:
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table[f"{prefix}.{proj}.weight"] = f"{prefix}.{proj}.kernel"
-            table[f"{prefix}.{proj}.bias"] = f"{prefix}.{proj}.bias"
-
-    def norm(prefix: str) -> None:
-        table[f"{prefix}.weight"] = f"{prefix}.scale"
-        table[f"{prefix}.bias"] = f"{prefix}.bias"
-
-    def ffn(prefix: str) -> None:
-        for linear in ("linear1", "linear2"):
-            table[f"{prefix}.{linear}.weight"] = f"{prefix}.{linear}.kernel"
-            table[f"{prefix}.{linear}.bias"] = f"{prefix}.{linear}.bias"
-
-    for i in range(config.n_encoder_layers):
-        layer = f"encoder.layers.{i}"
-        attention(f"{layer}.self_attn")
-        norm(f"{layer}.self_attn_norm")
-        ffn(f"{layer}.ffn")
-        norm(f"{layer}.ffn_norm")
-    if config.norm_first:
-        norm("encoder.norm")
-    for i in range(config.n_decoder_layers):
-        layer = f"decoder.layers.{i}"
-        attention(f"{layer}.self_attn")
-        norm(f"{layer}.self_attn_norm")
-        attention(f"{layer}.cross_attn")
-        norm(f"{layer}.cross_attn_norm")
-        ffn(f"{layer}.ffn")
-        norm(f"{layer}.ffn_norm")
-    if config.norm_first:
-        norm("decoder.norm")
-    if not config.share_embeddings:
-        table["generator.weight"] = "generator.weight"
-    return table
+    return {tensor.name: _LAYOUT[tensor.kind][0].format(module=tensor.module)
+            for tensor in reference.parameters(config)}
 
 
 def transposed(config: TransformerConfig) -> tuple[str, ...]:
@@ -103,7 +72,7 @@ def transposed(config: TransformerConfig) -> tuple[str, ...]:
     none. ``nnx.Linear`` kernels are (in, out) like the checkpoint (y = x @ W + b), the
     generator's ``weight`` is (D, V) like ``generator.weight``, and embedding and position tables
     are (V or L, D) on both sides."""
-    return ()
+    return tuple(tensor.name for tensor in reference.parameters(config) if _LAYOUT[tensor.kind][1])
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=jnp.float64,

@@ -1,8 +1,9 @@
 """The shared safetensors checkpoint <-> the Keras model.
 
-The mapping is data, kept in one place: :func:`name_table` lists, for every tensor of a
-checkpoint (in the order of ``reference_numpy.checkpoint.parameter_shapes``), the Keras
-attribute path of the variable that holds it, built by the same explicit loops over layers.
+The mapping is data, kept in one place: a table, kind -> Keras attribute path and layout, applied to the
+architecture's tensors as the reference walks it once (``reference_numpy.checkpoint.parameters``: name, shape,
+kind) gives :func:`name_table`, the Keras attribute path of the variable that holds every tensor of a checkpoint,
+in its order.
 Keras' own layers keep their own variable names (``keras.layers.Dense``: ``kernel``/``bias``;
 ``LayerNormalization``: ``gamma``/``beta``); the port's layers name theirs ``weight`` like the
 checkpoint. :func:`transposed` is empty: a Dense kernel is (in, out) exactly like the checkpoint
@@ -39,62 +40,28 @@ from reference_numpy.precision import round_to
 
 from .model import Transformer, _parse_dtype
 
+# kind (reference_numpy.checkpoint.Parameter) -> (Keras attribute path, from the tensor's module; transposed: none,
+# a Dense kernel is (in, out) like the checkpoint)
+_LAYOUT = {"shared_embedding": ("src_embed.weight", False),                # tgt_embed is the same layer
+           "embedding": ("{module}_embed.weight", False),
+           "position": ("{module}_pos.weight", False),
+           "linear.weight": ("{module}.kernel", False),                     # keras.layers.Dense
+           "linear.bias": ("{module}.bias", False),
+           "layernorm.gain": ("{module}.gamma", False),                     # keras.layers.LayerNormalization
+           "layernorm.bias": ("{module}.beta", False),
+           "generator": ("generator.weight", False)}
+
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
     """Checkpoint name -> Keras attribute path (list indices are path components): one exact
     entry per tensor of ``parameter_shapes(config)``, in its order."""
-    table: dict[str, str] = {}
-    if config.share_embeddings:
-        table["shared_embed.weight"] = "src_embed.weight"                  # tgt_embed is the same layer
-    else:
-        table["src_embed.weight"] = "src_embed.weight"
-        table["tgt_embed.weight"] = "tgt_embed.weight"
-    if config.positional_encoding == "learned":
-        table["src_pos_embed.weight"] = "src_pos.weight"
-        table["tgt_pos_embed.weight"] = "tgt_pos.weight"
-
-    def dense(prefix: str) -> None:                                         # keras.layers.Dense
-        table[f"{prefix}.weight"] = f"{prefix}.kernel"
-        table[f"{prefix}.bias"] = f"{prefix}.bias"
-
-    def attention(prefix: str) -> None:
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            dense(f"{prefix}.{proj}")
-
-    def norm(prefix: str) -> None:                                          # keras.layers.LayerNormalization
-        table[f"{prefix}.weight"] = f"{prefix}.gamma"
-        table[f"{prefix}.bias"] = f"{prefix}.beta"
-
-    def ffn(prefix: str) -> None:
-        dense(f"{prefix}.linear1")
-        dense(f"{prefix}.linear2")
-
-    for i in range(config.n_encoder_layers):
-        layer = f"encoder.layers.{i}"
-        attention(f"{layer}.self_attn")
-        norm(f"{layer}.self_attn_norm")
-        ffn(f"{layer}.ffn")
-        norm(f"{layer}.ffn_norm")
-    if config.norm_first:
-        norm("encoder.norm")
-    for i in range(config.n_decoder_layers):
-        layer = f"decoder.layers.{i}"
-        attention(f"{layer}.self_attn")
-        norm(f"{layer}.self_attn_norm")
-        attention(f"{layer}.cross_attn")
-        norm(f"{layer}.cross_attn_norm")
-        ffn(f"{layer}.ffn")
-        norm(f"{layer}.ffn_norm")
-    if config.norm_first:
-        norm("decoder.norm")
-    if not config.share_embeddings:
-        table["generator.weight"] = "generator.weight"
-    return table
+    return {tensor.name: _LAYOUT[tensor.kind][0].format(module=tensor.module)
+            for tensor in reference.parameters(config)}
 
 
 def transposed(config: TransformerConfig) -> tuple[str, ...]:
     """The exact checkpoint names whose Keras variable is the transpose ((out, in) vs (in, out)): none."""
-    return ()
+    return tuple(tensor.name for tensor in reference.parameters(config) if _LAYOUT[tensor.kind][1])
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray],

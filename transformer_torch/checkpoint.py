@@ -1,10 +1,10 @@
 """The shared checkpoint <-> the PyTorch port's parameters.
 
-The conversion is data: :func:`name_table` (checkpoint name -> torch parameter path, one exact
-entry per tensor, built by explicit loops over the layers like
-``reference_numpy.checkpoint.parameter_shapes``) and :func:`transposed` (the exact names of the
-tensors stored (in, out) in the checkpoint, so that y = x @ W + b, and (out, in) by
-``nn.Linear`` and the generator). Every tensor's shape is checked against the parameter it
+The conversion is data: the architecture's tensors as the reference walks it once
+(``reference_numpy.checkpoint.parameters``: name, shape, kind) and a table, kind -> torch parameter path and
+layout, from which :func:`name_table` (checkpoint name -> torch parameter path, one exact entry per tensor) and
+:func:`transposed` (the exact names of the tensors stored (in, out) in the checkpoint, so that y = x @ W + b, and
+(out, in) by ``nn.Linear`` and the generator) are computed. Every tensor's shape is checked against the parameter it
 fills. The model is built on the meta device (no random initialization) and filled by torch's
 own ``load_state_dict(strict=True, assign=True)``. A file is read by the reference's
 ``reference_numpy.checkpoint.CheckpointReader`` (so load errors are the reference's one-line ``ValueError``s), each
@@ -41,61 +41,29 @@ from reference_numpy.precision import parse_dtype, round_to
 from .device import resolve_device
 from .model import _LOW, Transformer, _dtype_name, _from_numpy, _to_numpy
 
+# kind (reference_numpy.checkpoint.Parameter) -> (torch parameter path, from the tensor's module; transposed:
+# torch holds it (out, in), the checkpoint (in, out))
+_LAYOUT = {"shared_embedding": ("src_embed.weight", False),     # tgt_embed and generator: the same module
+           "embedding": ("{module}_embed.weight", False),
+           "position": ("{module}_pos.weight", False),
+           "linear.weight": ("{module}.weight", True),          # nn.Linear
+           "linear.bias": ("{module}.bias", False),
+           "layernorm.gain": ("{module}.weight", False),
+           "layernorm.bias": ("{module}.bias", False),
+           "generator": ("generator.weight", True)}             # checkpoint (D, V), torch (V, D)
+
 
 def name_table(config: TransformerConfig) -> dict[str, str]:
     """checkpoint name -> torch parameter path: one exact entry per tensor of
     ``parameter_shapes(config)``, in its order."""
-    return {name: path for name, path, _ in _tensors(config)}
+    return {tensor.name: _LAYOUT[tensor.kind][0].format(module=tensor.module)
+            for tensor in reference_checkpoint.parameters(config)}
 
 
 def transposed(config: TransformerConfig) -> tuple[str, ...]:
     """The exact checkpoint names whose torch parameter is the transpose ((out, in) vs (in, out)):
     every ``nn.Linear`` weight and the generator's."""
-    return tuple(name for name, _, flip in _tensors(config) if flip)
-
-
-def _tensors(config: TransformerConfig) -> list[tuple[str, str, bool]]:
-    """(checkpoint name, torch parameter path, transposed) for every tensor, in ``parameter_shapes`` order."""
-    rows = []
-    if config.share_embeddings:
-        rows.append(("shared_embed.weight", "src_embed.weight", False))     # tgt_embed, generator: the same module
-    else:
-        rows += [("src_embed.weight", "src_embed.weight", False), ("tgt_embed.weight", "tgt_embed.weight", False)]
-    if config.positional_encoding == "learned":
-        rows += [("src_pos_embed.weight", "src_pos.weight", False), ("tgt_pos_embed.weight", "tgt_pos.weight", False)]
-    for i in range(config.n_encoder_layers):
-        layer = f"encoder.layers.{i}"
-        rows += _attention(f"{layer}.self_attn") + _norm(f"{layer}.self_attn_norm")
-        rows += _ffn(f"{layer}.ffn") + _norm(f"{layer}.ffn_norm")
-    if config.norm_first:
-        rows += _norm("encoder.norm")
-    for i in range(config.n_decoder_layers):
-        layer = f"decoder.layers.{i}"
-        rows += _attention(f"{layer}.self_attn") + _norm(f"{layer}.self_attn_norm")
-        rows += _attention(f"{layer}.cross_attn") + _norm(f"{layer}.cross_attn_norm")
-        rows += _ffn(f"{layer}.ffn") + _norm(f"{layer}.ffn_norm")
-    if config.norm_first:
-        rows += _norm("decoder.norm")
-    if not config.share_embeddings:
-        rows.append(("generator.weight", "generator.weight", True))         # checkpoint (D, V), torch (V, D)
-    return rows
-
-
-def _linear(prefix: str, flip: bool = True) -> list[tuple[str, str, bool]]:
-    """An ``nn.Linear``: its weight is (out, in), the checkpoint's (in, out)."""
-    return [(f"{prefix}.weight", f"{prefix}.weight", flip), (f"{prefix}.bias", f"{prefix}.bias", False)]
-
-
-def _attention(prefix: str) -> list[tuple[str, str, bool]]:
-    return [row for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for row in _linear(f"{prefix}.{proj}")]
-
-
-def _ffn(prefix: str) -> list[tuple[str, str, bool]]:
-    return _linear(f"{prefix}.linear1") + _linear(f"{prefix}.linear2")
-
-
-def _norm(prefix: str) -> list[tuple[str, str, bool]]:
-    return [(f"{prefix}.weight", f"{prefix}.weight", False), (f"{prefix}.bias", f"{prefix}.bias", False)]
+    return tuple(tensor.name for tensor in reference_checkpoint.parameters(config) if _LAYOUT[tensor.kind][1])
 
 
 def _torch_dtype(dtype: npt.DTypeLike | torch.dtype) -> torch.dtype:
