@@ -147,13 +147,14 @@ def _empty_model(config: TransformerConfig, dtype: str) -> Transformer:
 
 
 def _read_into(model: Transformer, reader: reference.CheckpointReader) -> None:
-    """Fill ``model``'s variables from ``reader``, one tensor at a time. A tensor stored in the variable's dtype
-    and layout is read straight into the variable's memory (its buffer as a NumPy view, which TensorFlow's eager
-    tensors give without a copy), so that loading holds every weight once; any other is read, rounded to the
-    variable's dtype by the reference's ``round_to`` (TensorFlow's own float64 -> bfloat16 cast rounds twice,
-    through float32), assigned and dropped."""
+    """Fill ``model``'s variables from ``reader``, one tensor at a time. A tensor stored in the dtype and layout of
+    a variable in host memory is read straight into the variable's buffer (as a NumPy view, which TensorFlow's eager
+    tensors give of a CPU buffer without a copy), so that loading holds every weight once; any other is read,
+    rounded to the variable's dtype by the reference's ``round_to`` (TensorFlow's own float64 -> bfloat16 cast
+    rounds twice, through float32), assigned (copied to the variable's device) and dropped."""
     variables, flipped = _variables(model), set(transposed(model.config))
-    direct = lambda name: variables[name].dtype == reader.dtype.name and name not in flipped
+    direct = lambda name: (variables[name].dtype == reader.dtype.name and name not in flipped
+                           and "CPU" in variables[name].value.device)
 
     def allocate(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if not direct(name):
