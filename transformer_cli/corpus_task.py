@@ -30,8 +30,10 @@ epoch has as many batches (the sorted lengths are the same), so step ``s`` is ba
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +42,7 @@ from reference_numpy.tokenizer import Tokenizer, pad_rows
 
 from .copy_task import TEST, VALIDATION  # the held-out splits every task names alike
 from .numbers_task import MODEL as NUMBERS_MODEL
-from .numbers_task import SPLIT_SEED, bleu
+from .numbers_task import SPLIT_SEED, bleu, learned_tokenizer
 
 VALIDATION_SHARE, VALIDATION_MOST = 0.05, 1000     # the held-out split's default size: min(1000, 5%)
 VOCAB_SIZE = 8000                                  # --vocab-size's default
@@ -74,7 +76,7 @@ class Pairs:
         """Where pair ``row``'s side ``side`` came from."""
         return self.at(self.lines[row], side)
 
-    def subset(self, rows) -> Pairs:
+    def subset(self, rows: Sequence[int] | np.ndarray) -> Pairs:
         pick = lambda items: [items[i] for i in rows]
         return replace(self, sources=pick(self.sources), targets=pick(self.targets), lines=pick(self.lines))
 
@@ -107,7 +109,7 @@ def read_parallel(source: str, target: str, flags: tuple[str, str] = ("--source"
     if len(sides[0]) != len(sides[1]):
         raise ValueError(f"{flags[1]} {target!r}: {len(sides[1])} lines, but {flags[0]} {source!r} has "
                          f"{len(sides[0])}; line i of one translates line i of the other")
-    return pairs_of(*sides, (f"{flags[0]} {source!r}", f"{flags[1]} {target!r}"))
+    return pairs_of(sides[0], sides[1], (f"{flags[0]} {source!r}", f"{flags[1]} {target!r}"))
 
 
 def read_columns(path: str, flag: str = "--corpus") -> Pairs:
@@ -152,8 +154,12 @@ def read_corpus(source: str | None, target: str | None, corpus: str | None, vali
     if bool(valid_source) != bool(valid_target):
         raise ValueError(f"--{'valid-target' if valid_source else 'valid-source'}: a validation set is "
                          "--valid-source and --valid-target together")
-    pairs = read_columns(corpus) if corpus else read_parallel(source, target)
-    if not valid_source:
+    if corpus:
+        pairs = read_columns(corpus)
+    else:
+        assert source and target                           # the check above
+        pairs = read_parallel(source, target)
+    if not (valid_source and valid_target):
         return held_out_split(pairs, valid_size)
     if valid_size is not None:
         raise ValueError(f"--valid-size {valid_size}: the validation set is --valid-source's; leave the flag out")
@@ -187,7 +193,7 @@ class CorpusTask:
     ids: tuple = field(default=(), repr=False)                  # (training, validation), each (sources, targets)
     epochs: dict = field(default_factory=dict, repr=False, compare=False)   # the latest epochs' batches
 
-    def model(self, vocab_size: int, **changes) -> TransformerConfig:
+    def model(self, vocab_size: int, **changes: Any) -> TransformerConfig:
         """The model over a shared vocabulary of ``vocab_size`` ids: one embedding matrix for source, target and
         the output projection (section 3.4)."""
         sizes = dict(src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, share_embeddings=True, **changes)
@@ -195,9 +201,13 @@ class CorpusTask:
             return TransformerConfig.preset(self.preset, **sizes)
         return TransformerConfig(**{**MODEL, **sizes})
 
-    def config(self, **changes) -> TransformerConfig:
+    def config(self, **changes: Any) -> TransformerConfig:
         """The model over the tokenizer's vocabulary."""
-        return self.model(self.tokenizer.vocab_size, **changes)
+        return self.model(self.learned.vocab_size, **changes)
+
+    @property
+    def learned(self) -> Tokenizer:
+        return learned_tokenizer(self.tokenizer, self.name)
 
     def with_tokenizer(self, vocab_size: int) -> CorpusTask:
         """This task with a BPE vocabulary of at most ``vocab_size`` ids learned from the training pairs, both
@@ -220,10 +230,10 @@ class CorpusTask:
     def encode(self, pairs: Pairs, config: TransformerConfig) -> tuple[list[list[int]], list[list[int]]]:
         """The ids of every sentence of ``pairs`` (sources, targets), a ``ValueError`` naming the line of one the
         tokenizer cannot encode or the model cannot hold."""
-        sides = ([], [])
+        sides: tuple[list[list[int]], list[list[int]]] = ([], [])
         for row, texts in enumerate(zip(pairs.sources, pairs.targets)):
             for side, text in enumerate(texts):
-                ids = self.tokenizer.encode(text, pairs.where(row, side))
+                ids = self.learned.encode(text, pairs.where(row, side))
                 if len(ids) + 1 > config.max_len:
                     raise ValueError(f"{pairs.where(row, side)}: {len(ids) + 1} tokens after BPE (with its eos), "
                                      f"more than the model's max_len {config.max_len}")
@@ -261,7 +271,7 @@ class CorpusTask:
             raise ValueError(f"the validation set holds {len(self.validation)} pairs; {count} were asked for "
                              "(at least 1)")
         sources, targets = self.ids[1]
-        references = [self.tokenizer.normalize(text) for text in self.validation.targets[:count]]
+        references = [self.learned.normalize(text) for text in self.validation.targets[:count]]
         return teacher_forcing(config, sources[:count], targets[:count]), references
 
     def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, list[str]]:
@@ -275,7 +285,7 @@ class CorpusTask:
 
     def score(self, config: TransformerConfig, decoded: np.ndarray, references: list[str]) -> dict[str, float]:
         """Exact match (the whole normalised text) and corpus BLEU (sacrebleu, its default 13a tokenisation)."""
-        hypotheses = [self.tokenizer.decode(row) for row in decoded]
+        hypotheses = [self.learned.decode(row) for row in decoded]
         return {"exact": float(np.mean([h == r for h, r in zip(hypotheses, references)])),
                 "bleu": bleu(hypotheses, references)}
 

@@ -140,6 +140,10 @@ class NumbersTask:
     def split(self) -> Split:
         return Split.make()
 
+    @property
+    def learned(self) -> Tokenizer:
+        return learned_tokenizer(self.tokenizer, self.name)
+
     def config(self, **changes: Any) -> TransformerConfig:
         """The model of ``MODEL`` over the tokenizer's vocabulary (shared source/target, section 5.1)."""
         return TransformerConfig(**{"src_vocab_size": VOCAB_SIZE, "tgt_vocab_size": VOCAB_SIZE, **MODEL, **changes})
@@ -159,7 +163,7 @@ class NumbersTask:
         """The training batch of step ``step`` (0-based): src (B, S), tgt and labels (B, T)."""
         numbers = self.split.training_numbers(batch_size, np.random.Generator(np.random.PCG64([seed, step])))
         sources, targets = self.pairs(numbers)
-        return teacher_forcing(self.tokenizer, sources, targets)
+        return teacher_forcing(self.learned, sources, targets)
 
     def held_out_batch(self, config: TransformerConfig, count: int, split: str,
                        seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -170,7 +174,7 @@ class NumbersTask:
             raise ValueError(f"the {split} set holds {len(numbers)} pairs; {count} were asked for (at least 1)")
         numbers = numbers[np.random.Generator(np.random.PCG64(SPLIT_SEED)).permutation(len(numbers))[:count]]
         sources, targets = self.pairs(numbers)
-        return teacher_forcing(self.tokenizer, sources, targets), targets
+        return teacher_forcing(self.learned, sources, targets), targets
 
     def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, list[str]]:
         """Source ids (B, S) and French references of :meth:`held_out_batch`."""
@@ -183,9 +187,16 @@ class NumbersTask:
 
     def score(self, config: TransformerConfig, decoded: np.ndarray, references: list[str]) -> dict[str, float]:
         """Exact match (the whole French text) and corpus BLEU (sacrebleu, its default 13a tokenisation)."""
-        hypotheses = [self.tokenizer.decode(row) for row in decoded]
+        hypotheses = [self.learned.decode(row) for row in decoded]
         return {"exact": float(np.mean([h == r for h, r in zip(hypotheses, references)])),
                 "bleu": bleu(hypotheses, references)}
+
+
+def learned_tokenizer(tokenizer: Tokenizer | None, task: str) -> Tokenizer:
+    """A task's tokenizer, which its batches and scores need: its ``with_tokenizer`` learns one."""
+    if tokenizer is None:
+        raise ValueError(f"the {task} task has no tokenizer yet: with_tokenizer learns one")
+    return tokenizer
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:

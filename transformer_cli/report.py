@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from equivalence import tolerance
@@ -85,17 +87,17 @@ def format_translations(report: Report) -> list[str]:
     a run that wrote something else is shown with its text and the reason it is (or is not) allowed."""
     if not report.translations:
         return []
-    translated = [run for run in report.runs if run.translations is not None]
+    translated = [(run, run.translations) for run in report.runs if run.translations is not None]
     lines = ["", "translations (greedy decoding, section 6.1): source -> float64 reference; runs writing the same text"]
     for i, (source, reference) in enumerate(zip(report.sentences, report.translations)):
-        same = sum(run.translations[i] == reference for run in translated)
+        same = sum(texts[i] == reference for _, texts in translated)
         lines += [f"  {source}", f"    -> {reference}   [{same} of {len(translated)} runs identical]"]
-        lines += [f"       {run.label}: {run.translations[i]}  ({run.greedy_note or 'tokens differ'})"
-                  for run in translated if run.translations[i] != reference]
+        lines += [f"       {run.label}: {texts[i]}  ({run.greedy_note or 'tokens differ'})"
+                  for run, texts in translated if texts[i] != reference]
     return lines
 
 
-def plot_errors(report: Report, path) -> None:
+def plot_errors(report: Report, path: str | os.PathLike) -> None:
     """Error per stage per run (log scale), with each run's bound dotted: error growth with depth."""
     plt = pyplot()
     runs = [run for run in report.runs if run.stages]
@@ -115,7 +117,7 @@ def plot_errors(report: Report, path) -> None:
     plt.close(fig)
 
 
-def plot_precision(report: Report, path) -> None:
+def plot_precision(report: Report, path: str | os.PathLike) -> None:
     """The precision report: one panel per precision other than float64, each backend's error per stage against
     the float64 reference (log scale), the reference's own error in that precision drawn thick (the format's own
     drift: what the bound is a multiple of) and the bound dotted."""
