@@ -515,9 +515,9 @@ def _training_state(config: TransformerConfig, params: dict[str, np.ndarray], tr
     if training is None:
         _refuse_names("unexpected", sorted(moments))                     # moments without a training record
         return None
-    state = TrainingState(training["config"], training["step"],
-                          *({name[len(prefix):]: value for name, value in moments.items() if name.startswith(prefix)}
-                            for prefix in MOMENTS), training["loss_scale"])
+    first, second = ({name[len(prefix):]: value for name, value in moments.items() if name.startswith(prefix)}
+                     for prefix in MOMENTS)
+    state = TrainingState(training["config"], training["step"], first, second, training["loss_scale"])
     validate_training_state(config, params, state)
     return state
 
