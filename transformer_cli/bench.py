@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -44,6 +46,9 @@ from .timing import (
     memory_read,
     round_robin,
 )
+
+if TYPE_CHECKING:
+    from .peers import Peer
 
 MATMUL_SIZE = 2048
 BANDWIDTH_MIB = 256
@@ -132,7 +137,7 @@ class BenchReport:
         runs = [m for m in self.measurements if m.kind == "peer" and m.task == task]
         return min(runs, key=lambda m: m.unit_seconds, default=None)
 
-    def ratios(self, m: Measurement) -> dict[str, float | None]:
+    def ratios(self, m: Measurement) -> dict[str, float | str | None]:
         """The measurement against its anchors: forward GFLOP/s over the best GEMM rate; a decoding step's
         time over its bandwidth bound; its time (per step) over the best peer's."""
         best = self.best_peer(m.task) if self.peers else None
@@ -178,8 +183,17 @@ def machine_description() -> dict:
             "runtime": runtime.settings()}
 
 
+class Inputs(NamedTuple):
+    """What the engines run on: the forward pass's (src, tgt), and the source sentences to decode, batch 1 and
+    the whole decoding batch."""
+
+    forward: tuple[np.ndarray, np.ndarray]
+    one: np.ndarray
+    batch: np.ndarray
+
+
 def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int,
-                 decode_batch: int = 1):
+                 decode_batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Seeded token ids: a (batch, src_len) source and (batch, tgt_len) target for the forward pass, and
     ``decode_batch`` source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget:
     source length + 50) to decode."""
@@ -194,8 +208,9 @@ def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
 
 
 def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
-          names: tuple[str, ...] = backends.BACKENDS, repeats: int = 3, uncached: bool = True,
-          progress=None, peers: bool = False, dtype: str = "float32", device: str = "cpu") -> BenchReport:
+          names: tuple[str, ...] = tuple(backends.BACKENDS), repeats: int = 3, uncached: bool = True,
+          progress: Callable[[list], Iterable] | None = None, peers: bool = False, dtype: str = "float32",
+          device: str = "cpu") -> BenchReport:
     """Time every installed backend (in ``dtype``, on ``device``: cpu, gpu:N) -- and with ``peers`` every installed
     peer, float32 only -- on one seeded checkpoint, interleaved; the anchors measured on the way."""
     config = TransformerConfig.preset(preset)
@@ -209,7 +224,7 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     devices = {name: backends.device_for(adapter, device) for name, adapter in adapters.items()}
     params = init_params(config, seed=0, dtype=np.float32)
     src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens, PEER_BATCH if peers else 1)
-    inputs = {FORWARD: (src, tgt), "batch 1": decode_src[:1], "batch": decode_src}
+    inputs = Inputs((src, tgt), decode_src[:1], decode_src)
     engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype, devices[name])
                for name, adapter in adapters.items()]
     if peers:
@@ -242,40 +257,42 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
                        {engine.name: engine.computes for engine in engines}, peers)
 
 
-def backend_engine(adapter, config: TransformerConfig, params, inputs: dict, peers: bool, uncached: bool,
+def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[str, np.ndarray], inputs: Inputs,
+                   peers: bool, uncached: bool,
                    dtype: str = "float32", device: str = "cpu") -> Engine:
     """A backend's model (in ``dtype``, on the adapter's ``device``) and its timed calls (see the module docstring)."""
     model = adapter.build(config, params, dtype, device)
-    src, tgt = inputs[FORWARD]
-    calls = {FORWARD: lambda: adapter.log_probs(model, src, tgt)}
+    src, tgt = inputs.forward
+    calls: dict[str, Callable[[], object]] = {FORWARD: lambda: adapter.log_probs(model, src, tgt)}
     computes = {FORWARD: "the inference forward pass (adapter.log_probs; JAX's and TF's compiled_forward, with XLA): "
                          "(B, T, V) log-probabilities"}
     cached = adapter.NAME != "numpy"
     if peers and cached:
-        calls.update({"greedy batch 1": lambda: adapter.greedy(model, inputs["batch 1"]),
-                      f"greedy batch {PEER_BATCH}": lambda: adapter.greedy(model, inputs["batch"]),
-                      "beam 4 batch 1": lambda: adapter.beam(model, inputs["batch 1"])[0]})
+        calls.update({"greedy batch 1": lambda: adapter.greedy(model, inputs.one),
+                      f"greedy batch {PEER_BATCH}": lambda: adapter.greedy(model, inputs.batch),
+                      "beam 4 batch 1": lambda: adapter.beam(model, inputs.one)[0]})
         greedy = "greedy_decode with the key/value cache, section 6.1's rules: stops at eos or after source length + 50"
         computes.update({"greedy batch 1": greedy, f"greedy batch {PEER_BATCH}": greedy,
                          "beam 4 batch 1": "beam_search(beam 4, alpha 0.6) with the key/value cache, section 6.1's "
                                            "rules (stops when no live beam can beat the best finished hypothesis)"})
     if not peers and cached:
-        calls["greedy (cached)"] = lambda: adapter.greedy(model, inputs["batch 1"], use_cache=True)
+        calls["greedy (cached)"] = lambda: adapter.greedy(model, inputs.one, use_cache=True)
         computes["greedy (cached)"] = "greedy_decode with the key/value cache, up to source length + 50 tokens"
     if not peers and uncached:
-        calls["greedy (uncached)"] = lambda: adapter.greedy(model, inputs["batch 1"], use_cache=False)
+        calls["greedy (uncached)"] = lambda: adapter.greedy(model, inputs.one, use_cache=False)
         computes["greedy (uncached)"] = "greedy_decode recomputing the whole prefix every step"
     return Engine(adapter.NAME, "backend", device, calls, computes, ("greedy (uncached)",))
 
 
-def peer_engine(peer, inputs: dict, steps: int) -> Engine:
+def peer_engine(peer: Peer, inputs: Inputs, steps: int) -> Engine:
     """A peer's timed calls: forward, greedy batch 1 and PEER_BATCH, beam 4 batch 1 -- those it has."""
-    src, tgt = inputs[FORWARD]
-    calls = {FORWARD: lambda: peer.forward(src, tgt),
-             "greedy batch 1": lambda: peer.greedy(inputs["batch 1"], steps),
-             f"greedy batch {PEER_BATCH}": lambda: peer.greedy(inputs["batch"], steps)}
-    if peer.beam is not None:
-        calls["beam 4 batch 1"] = lambda: peer.beam(inputs["batch 1"], steps, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
+    src, tgt = inputs.forward
+    calls: dict[str, Callable[[], object]] = {FORWARD: lambda: peer.forward(src, tgt),
+                                              "greedy batch 1": lambda: peer.greedy(inputs.one, steps),
+                                              f"greedy batch {PEER_BATCH}": lambda: peer.greedy(inputs.batch, steps)}
+    beam = peer.beam
+    if beam is not None:
+        calls["beam 4 batch 1"] = lambda: beam(inputs.one, steps, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
     return Engine(peer.NAME, "peer", "cpu", calls, {task: peer.COMPUTES[task.split()[0]] for task in calls},
                   tuple(task for task in calls if task.split()[0] in peer.UNCACHED))
 
@@ -287,7 +304,7 @@ def measurement(config: TransformerConfig, key: tuple[str, str], timing: Timing,
     if task == FORWARD:
         flops, tokens = forward_flops(config, batch, src_len, tgt_len), None
     else:
-        rows, tokens = ROWS[task], int(np.shape(timing.result)[1])          # beam search: its beams
+        rows, tokens = ROWS[task], int(np.shape(cast(np.ndarray, timing.result))[1])  # token ids; beam: its beams
         flops = encode_flops(config, rows, source) + decode_flops(config, rows, source, tokens, True)
     return Measurement(name, device, task, timing.median, timing.first, flops, tokens, timing.minimum,
                        timing.maximum, kind, len(timing.times))
@@ -331,7 +348,7 @@ def _task_table(report: BenchReport, task: str) -> list[str]:
     lines = [f"{header[0]}", f"  {header[1]:<22}{header[2]:<8}{header[3]:>11}{header[4]:>19}{header[5]:>9}"
              f"{header[6]:>9}{header[7]:>14}{'x best peer' if report.peers else '':>13}".rstrip()]
     for m in (m for m in report.measurements if m.task == task):
-        scale = 1e3 / (1 if forward else max(1, m.tokens))
+        scale = 1e3 / max(1, m.tokens or 0)                                 # forward: no tokens
         ratios = report.ratios(m)
         anchor = f"{ratios['ratio_to_best_gemm']:.0%}" if forward else f"{ratios['ratio_to_bound']:.2f}"
         peer = "" if ratios["ratio_to_best_peer"] is None else f"{ratios['ratio_to_best_peer']:.2f}"
@@ -364,7 +381,7 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
     return speedups
 
 
-def plot_bench(report: BenchReport, path) -> None:
+def plot_bench(report: BenchReport, path: str | os.PathLike) -> None:
     """Two bar charts: forward GFLOP/s per engine against the best GEMM rate, and milliseconds per decoding
     step of each decoding task (log scale) against the batch-1 bandwidth bound."""
     from .plots import pyplot

@@ -5,8 +5,11 @@ sentences each run translates."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import cast
 
 import numpy as np
 
@@ -200,12 +203,13 @@ def greedy_verdict(tokens: np.ndarray, oracle: Oracle, dtype: str, pad_id: int) 
     return agree, note
 
 
-def run_backend(adapter, device: str, dtype: str, config, params, oracle: Oracle) -> Run:
+def run_backend(adapter: ModuleType, device: str, dtype: str, config: TransformerConfig, params: dict[str, np.ndarray],
+                oracle: Oracle) -> Run:
     run, inputs = Run(adapter.NAME, device, dtype), oracle.inputs
     try:
         model = adapter.build(config, params, dtype, device)
         timing = measure(lambda: adapter.forward(model, **inputs), TIMED_REPEATS)  # after a warm-up (compilation)
-        stages, run.forward_ms = timing.result, 1e3 * timing.median
+        stages, run.forward_ms = cast(tolerance.Stages, timing.result), 1e3 * timing.median   # forward's stages
         same = oracle.stages.get(dtype, oracle.stages64)                   # the reference in dtype (float64: itself)
         for name, ref64 in oracle.stages64.items():
             stage = np.asarray(stages[name])
@@ -240,7 +244,8 @@ def perturbed(params: dict[str, np.ndarray], tensor: str) -> dict[str, np.ndarra
     return changed
 
 
-def load_source(checkpoint: str | Path | None, preset: str | None):
+def load_source(checkpoint: str | Path | None,
+                preset: str | None) -> tuple[str, TransformerConfig, dict[str, np.ndarray], Tokenizer | None]:
     """(description, config, float64 params, tokenizer or None) of ``compare``'s model: a checkpoint, a seeded
     preset, or by default the shipped model."""
     if preset is not None:
@@ -253,7 +258,7 @@ def load_source(checkpoint: str | Path | None, preset: str | None):
 
 
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
-            perturb: str | None = None, progress=None, preset: str | None = None,
+            perturb: str | None = None, progress: Callable[[list], Iterable] | None = None, preset: str | None = None,
             dtypes: tuple[str, ...] = DTYPES, device: str | None = None) -> Report:
     """Run the comparison in ``dtypes``, on every device of each port or on ``device`` (cpu, gpu:N); ``progress`` wraps
     the list of runs (e.g. ``tqdm``).
@@ -282,7 +287,7 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
                               dtypes=dtypes)
         report = Report(source, config, run_plan(adapters, devices, config, params, oracle, fault, progress, dtypes),
                         missing)
-    if src is not None:
+    if src is not None and tokenizer is not None:
         report.sentences = SENTENCES
         report.translations = [tokenizer.decode(row) for row in oracle.greedy]
         for run in report.runs:
@@ -290,8 +295,9 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
     return report
 
 
-def run_plan(adapters: dict, devices: dict[str, list[str]], config: TransformerConfig, params: dict[str, np.ndarray],
-             oracle: Oracle, fault, progress, dtypes: tuple[str, ...] = DTYPES) -> list[Run]:
+def run_plan(adapters: dict[str, ModuleType], devices: dict[str, list[str]], config: TransformerConfig,
+             params: dict[str, np.ndarray], oracle: Oracle, fault: tuple[str, str] | None,
+             progress: Callable[[list], Iterable] | None, dtypes: tuple[str, ...] = DTYPES) -> list[Run]:
     """Every adapter on each of its ``devices`` in every precision of ``dtypes`` (the reference in each but float64,
     the truth), on the oracle's inputs."""
     plan = [(adapter, device, dtype) for name, adapter in adapters.items() for device in devices[name]

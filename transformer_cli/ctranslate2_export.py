@@ -55,8 +55,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.config import TransformerConfig
@@ -103,7 +105,7 @@ def tokenizer_pieces(tokenizer: str) -> dict[int, str]:
     return pieces
 
 
-def to_tokens(config: TransformerConfig, rows, size: int) -> list[list[str]]:
+def to_tokens(config: TransformerConfig, rows: npt.ArrayLike, size: int) -> list[list[str]]:
     """Rows of ids (B, T) as CTranslate2 token lists, each row's trailing padding removed.
 
     CTranslate2 masks a source by its length only, so a pad id inside a row (which the reference masks)
@@ -124,10 +126,10 @@ def to_tokens(config: TransformerConfig, rows, size: int) -> list[list[str]]:
 def to_ids(config: TransformerConfig, rows: Iterable[list[str]], size: int) -> np.ndarray:
     """CTranslate2 token lists as rows of ids (B, L), right-padded with ``pad_id``."""
     index = {name: i for i, name in enumerate(token_names(config, size))}
-    rows = [[index[token] for token in row] for row in rows]
-    out = np.full((len(rows), max((len(row) for row in rows), default=0)), config.pad_id, dtype=np.int64)
-    for b, row in enumerate(rows):
-        out[b, :len(row)] = row
+    ids = [[index[token] for token in row] for row in rows]
+    out = np.full((len(ids), max((len(row) for row in ids), default=0)), config.pad_id, dtype=np.int64)
+    for b, row_ids in enumerate(ids):
+        out[b, :len(row_ids)] = row_ids
     return out
 
 
@@ -228,11 +230,11 @@ def tied(config: TransformerConfig) -> dict[str, str]:
 def variable_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Every CTranslate2 array variable the export writes, with its shape, from the config alone."""
     d, f, length = config.d_model, config.d_ff, config.max_len
-    shapes = {"encoder/embeddings_0/weight": (config.src_vocab_size, d),
-              "decoder/embeddings/weight": (config.tgt_vocab_size, d),
-              "decoder/projection/weight": (config.tgt_vocab_size, d),
-              "encoder/position_encodings/encodings": (length, d),
-              "decoder/position_encodings/encodings": (length, d)}
+    shapes: dict[str, tuple[int, ...]] = {"encoder/embeddings_0/weight": (config.src_vocab_size, d),
+                                          "decoder/embeddings/weight": (config.tgt_vocab_size, d),
+                                          "decoder/projection/weight": (config.tgt_vocab_size, d),
+                                          "encoder/position_encodings/encodings": (length, d),
+                                          "decoder/position_encodings/encodings": (length, d)}
     norm = lambda scope: shapes.update({f"{scope}/gamma": (d,), f"{scope}/beta": (d,)})
     linear = lambda scope, out, width: shapes.update({f"{scope}/weight": (out, width), f"{scope}/bias": (out,)})
     for stack, layers in (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers)):
@@ -295,7 +297,7 @@ def variables(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict[
     return out
 
 
-def build_spec(config: TransformerConfig, params: dict[str, np.ndarray], tokenizer: str | None = None):
+def build_spec(config: TransformerConfig, params: dict[str, np.ndarray], tokenizer: str | None = None) -> Any:
     """A validated ``ctranslate2.specs.TransformerSpec`` holding ``params``, its vocabularies named by
     :func:`token_names` (see the module docstring)."""
     require_ctranslate2()
@@ -309,11 +311,11 @@ def build_spec(config: TransformerConfig, params: dict[str, np.ndarray], tokeniz
         setattr(model_spec.index_spec(spec, scope), attribute, value)
     spec.encoder.scale_embeddings = spec.decoder.scale_embeddings = True      # x sqrt(d_model), section 3.4
     names = {field: name for field, name in SPECIAL_TOKENS.items()}
-    for key, value in (("layer_norm_epsilon", config.layer_norm_eps), ("bos_token", names["bos_id"]),
+    for key, setting in (("layer_norm_epsilon", config.layer_norm_eps), ("bos_token", names["bos_id"]),
                        ("eos_token", names["eos_id"]), ("decoder_start_token", names["bos_id"]),
                        ("unk_token", names["pad_id"]), ("add_source_bos", False),
                        ("add_source_eos", tokenizer is not None)):
-        setattr(spec.config, key, value)
+        setattr(spec.config, key, setting)
     spec.register_source_vocabulary(token_names(config, config.src_vocab_size, tokenizer))
     spec.register_target_vocabulary(token_names(config, config.tgt_vocab_size, tokenizer))
     spec.validate()

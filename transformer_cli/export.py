@@ -34,6 +34,7 @@ import importlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,7 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
     path = resolve_checkpoint(checkpoint)
     refuse_input(os.fspath(output_dir), [os.fspath(path)], "OUTPUT_DIR")
     check_output(output_dir, force)
-    writer = TARGETS[target]
+    writer = WRITERS[target]
     for module, extra in writer.requires:
         _require(module, extra, target)
     config, params = load_checkpoint(path, dtype=np.float32)
@@ -84,12 +85,25 @@ def _require(module: str, extra: str, target: str) -> None:
             from None
 
 
-def _writer(files: list[str], *requires: tuple[str, str]) -> Callable:
-    """Mark a writer ``(config, params, directory)`` with the files it writes and the (module, extra) it needs."""
-    def mark(function: Callable) -> Callable:
-        function.files, function.requires = files, requires
-        return function
-    return mark
+Write = Callable[[TransformerConfig, dict[str, np.ndarray], Path], None]
+
+
+@dataclass(frozen=True)
+class Writer:
+    """A writer ``(config, params, directory)`` of a target's artefact, the files it writes and the (module, extra)
+    it needs."""
+
+    write: Write
+    files: list[str]
+    requires: tuple[tuple[str, str], ...]
+
+    def __call__(self, config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+        self.write(config, params, directory)
+
+
+def _writer(files: list[str], *requires: tuple[str, str]) -> Callable[[Write], Writer]:
+    """A decorator: the writer it wraps as a :class:`Writer` that writes ``files`` and needs ``requires``."""
+    return lambda function: Writer(function, files, requires)
 
 
 def example_tokens(config: TransformerConfig) -> np.ndarray:
@@ -121,7 +135,7 @@ def write_jax_export(config: TransformerConfig, params: dict[str, np.ndarray], d
     weights = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in params.items()}
     exported = jax.export.export(jax.jit(jax_forward(config, params)))(*jax_input_specs(config, weights))
     (directory / "forward.jax").write_bytes(exported.serialize())
-    np.savez(directory / "weights.npz", **weights)
+    np.savez(directory / "weights.npz", **weights)   # type: ignore[arg-type]  # numpy's stub: a ** key might be allow_pickle
 
 
 def jax_forward(config: TransformerConfig, params: dict[str, np.ndarray]) -> Callable:
@@ -132,13 +146,13 @@ def jax_forward(config: TransformerConfig, params: dict[str, np.ndarray]) -> Cal
 
     from transformer_jax.checkpoint import from_params, name_table
 
-    graphdef, state, rest = nnx.split(from_params(config, params, dtype=jnp.float32), nnx.Param, ...)
+    graphdef, state, *rest = nnx.split(from_params(config, params, dtype=jnp.float32), nnx.Param, ...)
     name_of = {path: name for name, path in name_table(config).items()}
     slots = [(keys, variable, name_of[".".join(map(str, keys))]) for keys, variable in nnx.to_flat_state(state)]
 
-    def forward(weights: dict, src, tgt):
+    def forward(weights: dict[str, jnp.ndarray], src: jnp.ndarray, tgt: jnp.ndarray) -> jnp.ndarray:
         given = nnx.from_flat_state([(keys, variable.replace(weights[name])) for keys, variable, name in slots])
-        return nnx.merge(graphdef, given, rest)(src, tgt, deterministic=True)
+        return nnx.merge(graphdef, given, *rest)(src, tgt, deterministic=True)
 
     return forward
 
@@ -191,7 +205,7 @@ def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directo
     with torch.no_grad():
         program = torch.onnx.export(model, example, dynamo=True, dynamic_shapes=dynamic, input_names=list(INPUTS),
                                     output_names=[OUTPUT], verbose=False)
-    program.save(str(directory / "model.onnx"))
+    program.save(str(directory / "model.onnx"))   # type: ignore[union-attr]  # torch's stub: dynamo=True returns one
 
 
 def describe(target: str, output: Path) -> str:
@@ -206,6 +220,6 @@ DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel (tf.saved_model.l
                 "jax-export": "a float32 jax.export forward pass and its weights (jax.export.deserialize)",
                 "torch-export": "a float32 torch.export program (torch.export.load(OUTPUT_DIR/model.pt2))",
                 "onnx": "a float32 ONNX model (onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx))"}
-TARGETS: dict[str, Callable | None] = {"ctranslate2": None, "savedmodel": write_savedmodel,
-                                       "jax-export": write_jax_export, "torch-export": write_torch_export,
-                                       "onnx": write_onnx}
+WRITERS = {"savedmodel": write_savedmodel, "jax-export": write_jax_export, "torch-export": write_torch_export,
+           "onnx": write_onnx}
+TARGETS = ("ctranslate2", *WRITERS)

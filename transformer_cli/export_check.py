@@ -135,7 +135,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     oracle = build_oracle(config, params, src, dtypes=("float32",))
     with tempfile.TemporaryDirectory() as directory:
         inputs, outputs = Path(directory) / "inputs.npz", Path(directory) / "outputs.npz"
-        np.savez(inputs, **oracle.inputs)
+        np.savez(inputs, **oracle.inputs)     # type: ignore[arg-type]  # numpy's stub: a ** key might be allow_pickle
         imported = run_isolated(LOADERS[target] + GREEDY + CHECK, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH)
         with np.load(outputs) as answers:
             log_probs, tokens = answers["log_probs"], answers["tokens"]
@@ -145,7 +145,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     return Checked(agreement, identical, note, len(src), imported)
 
 
-def run_isolated(script: str, *args) -> Any:
+def run_isolated(script: str, *args: object) -> Any:
     """Run ``script`` in ``python -I -S`` (no site hooks, no PYTHON* variables, no working directory on the path)
     after :data:`ISOLATION` (the interpreter's site-packages appended by hand, so that only installed runtimes
     import), from a temporary working directory; returns the JSON value it prints last. A failure is one

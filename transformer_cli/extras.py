@@ -22,7 +22,7 @@ def require(module: str, purpose: str) -> ModuleType:
         raise ValueError(f"{purpose} needs {(err.name or module).partition('.')[0]}: {INSTALL}") from None
 
 
-def progress_bar(description: str, unit: str, quiet: bool, leave: bool = True) -> Callable[[list], Iterable]:
+def progress_bar(description: str, unit: str, quiet: bool, leave: bool = True) -> Callable[[Iterable], Iterable]:
     """A wrapper of a list of work items that shows a tqdm progress bar on stderr (erased once done unless
     ``leave``); the list unchanged when ``quiet`` or when tqdm is not installed."""
     if not quiet:

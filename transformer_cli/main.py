@@ -33,6 +33,9 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -62,6 +65,14 @@ from .interrupts import StopRequest, terminate_as_interrupt
 from .numbers_task import DEFAULTS as NUMBERS
 from .translate import BATCH_SIZE as TRANSLATE_BATCH
 
+if TYPE_CHECKING:
+    from equivalence.contract import Model
+    from reference_numpy.checkpoint import TrainingState
+
+    from .train import Plan, Progress, Result, Snapshots
+
+Commands = argparse._SubParsersAction     # what ArgumentParser.add_subparsers returns
+
 PROG = "transformer-reference"
 EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_STATUS = f"""exit status:
@@ -77,11 +88,11 @@ EXIT_STATUS = f"""exit status:
 class Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line (naming the command, the flag and ``--help``), not the usage."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message.splitlines()[0]} (see {self.prog} --help)\n")
 
 
-def subcommand(commands, name: str, summary: str) -> argparse.ArgumentParser:
+def subcommand(commands: Commands, name: str, summary: str) -> argparse.ArgumentParser:
     """Register one subcommand; its ``--help`` ends with the exit status table."""
     return commands.add_parser(name, help=summary, description=summary, epilog=EXIT_STATUS,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,7 +112,7 @@ def add_outputs(parser: argparse.ArgumentParser, *outputs: str, inputs: tuple[st
     parser.set_defaults(outputs=outputs, inputs=inputs)
 
 
-def check_outputs(args) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
     """Before any work: no output replaces an input, nor an existing file without ``--force``."""
     inputs = [path for name in args.inputs if (path := getattr(args, name, None))]
     for name in args.outputs:
@@ -111,7 +122,7 @@ def check_outputs(args) -> None:
             refuse_existing(path, flag, args.force)
 
 
-def add_compare(commands) -> None:
+def add_compare(commands: Commands) -> None:
     compare = subcommand(commands, "compare", "every installed backend vs the NumPy reference, stage by stage")
     compare.add_argument("checkpoint", nargs="?", help="a shared safetensors checkpoint (default: the shipped English-"
                                                        "to-French numbers model; its translations side by side)")
@@ -138,7 +149,7 @@ def add_compare(commands) -> None:
     compare.set_defaults(run=run_compare)
 
 
-def run_compare(args) -> int:
+def run_compare(args: argparse.Namespace) -> int:
     from .compare import DTYPES, PRECISION_REPORT_DTYPES, compare
     from .report import format_table, plot_errors, plot_precision
 
@@ -157,7 +168,7 @@ def run_compare(args) -> int:
     return EXIT_OK if report.ok else EXIT_DISAGREEMENT
 
 
-def add_bench(commands) -> None:
+def add_bench(commands: Commands) -> None:
     bench = subcommand(commands, "bench", "time forward and greedy decoding of every installed backend")
     bench.add_argument("--preset", default="base", choices=sorted(PRESETS))
     bench.add_argument("--batch", type=integer(1), default=8)
@@ -184,7 +195,7 @@ def add_bench(commands) -> None:
     bench.set_defaults(run=run_bench)
 
 
-def run_bench(args) -> int:
+def run_bench(args: argparse.Namespace) -> int:
     from .bench import bench, format_bench, plot_bench
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
@@ -199,7 +210,7 @@ def run_bench(args) -> int:
     return EXIT_OK
 
 
-def add_plot(commands) -> None:
+def add_plot(commands: Commands) -> None:
     plot = subcommand(commands, "plot", "draw the positional encoding or attention weights")
     pictures = plot.add_subparsers(dest="picture", required=True)
     pe = pictures.add_parser("pe", help="heat map of the sinusoidal positional-encoding table (section 3.5)")
@@ -228,7 +239,7 @@ def add_plot(commands) -> None:
     plot.set_defaults(run=run_plot)
 
 
-def run_plot(args) -> int:
+def run_plot(args: argparse.Namespace) -> int:
     from . import plots
 
     if args.picture == "attention" and args.text is not None and (args.src is not None or args.tgt is not None):
@@ -245,7 +256,7 @@ def run_plot(args) -> int:
     return EXIT_OK
 
 
-def add_init(commands) -> None:
+def add_init(commands: Commands) -> None:
     init = subcommand(commands, "init", "write a seeded checkpoint (docs/checkpoint-format.md)")
     init.add_argument("out", metavar="OUT", type=output_file, help="output .safetensors path")
     init.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -256,7 +267,7 @@ def add_init(commands) -> None:
     init.set_defaults(run=run_init)
 
 
-def run_init(args) -> int:
+def run_init(args: argparse.Namespace) -> int:
     if os.path.lexists(args.out) and not args.force:
         raise ValueError(f"{args.out!r} already exists; pass --force to replace it")
     config = TransformerConfig.preset(args.preset)
@@ -265,7 +276,7 @@ def run_init(args) -> int:
     return EXIT_OK
 
 
-def add_export(commands) -> None:
+def add_export(commands: Commands) -> None:
     from .export import TARGETS
 
     export = subcommand(commands, "export", "write a shared checkpoint as an artefact a runtime loads without this "
@@ -285,7 +296,7 @@ def add_export(commands) -> None:
     export.set_defaults(run=run_export)
 
 
-def run_export(args) -> int:
+def run_export(args: argparse.Namespace) -> int:
     from .export import describe, export
     from .export_check import check_export, check_target
 
@@ -300,7 +311,7 @@ def run_export(args) -> int:
     return EXIT_OK if checked.ok else EXIT_DISAGREEMENT
 
 
-def add_train(commands) -> None:
+def add_train(commands: Commands) -> None:
     train = subcommand(commands, "train", "learn a task with the recipe of section 5 in one or more backends: "
                                           "the copy task, English to French number words, or your own corpus")
     train.add_argument("--task", choices=["copy", "numbers", "corpus"],
@@ -400,7 +411,7 @@ def add_train(commands) -> None:
 KEEP = 5                                            # --keep's default: section 6.1 averages the last 5 checkpoints
 
 
-def run_train(args) -> int:
+def run_train(args: argparse.Namespace) -> int:
     from . import train
 
     task = train.task_name(args)
@@ -447,13 +458,14 @@ def run_train(args) -> int:
     return EXIT_OK
 
 
-def _progress(name: str, quiet: bool):
+def _progress(name: str, quiet: bool) -> Progress:
     """Backend ``name``'s progress bars: its steps (``train``, kept on screen) and its evaluations' batches
     (``validate``, ``evaluate``, erased once done)."""
     return lambda items, what, unit: progress_bar(f"{what} {name}", unit, quiet, leave=what == "train")(items)
 
 
-def _save_run(adapter, model, state, tokenizer: str | None, path: str | None, result) -> str:
+def _save_run(adapter: ModuleType, model: Model, state: TrainingState | None, tokenizer: str | None, path: str | None,
+              result: Result) -> str:
     """Save one backend's run (``state`` None: its weights only) to ``path``, if any, at its last completed step;
     returns what was done, in words."""
     if path is None or not result.losses:
@@ -465,7 +477,7 @@ def _save_run(adapter, model, state, tokenizer: str | None, path: str | None, re
     return f"saved {path} at step {result.last_step}{resume}"
 
 
-def _train_outputs(args) -> dict[str, str]:
+def _train_outputs(args: argparse.Namespace) -> dict[str, str]:
     """Where each backend's run is saved, checked before any work: one path per backend, none replaced
     without --force, never a corpus file."""
     if not args.out:
@@ -484,7 +496,7 @@ def _train_outputs(args) -> dict[str, str]:
     return outputs
 
 
-def _check_snapshot_flags(args) -> None:
+def _check_snapshot_flags(args: argparse.Namespace) -> None:
     """``--save-every``, ``--keep`` and ``--average`` make sense together, checked before any work."""
     if args.save_every and not args.out:
         raise ValueError("--save-every: the checkpoints are saved beside --out; give --out RUN.safetensors")
@@ -495,7 +507,7 @@ def _check_snapshot_flags(args) -> None:
         raise ValueError(f"--average {args.average}: --keep {args.keep} keeps only the last {args.keep} checkpoints")
 
 
-def _snapshots(args, outputs: dict[str, str], plan) -> dict:
+def _snapshots(args: argparse.Namespace, outputs: dict[str, str], plan: Plan) -> dict[str, Snapshots]:
     """Each backend's ``--save-every`` checkpoints (:class:`train.Snapshots`); none of the files they may write
     exists (or ``--force``)."""
     from .train import Snapshots
@@ -510,7 +522,7 @@ def _snapshots(args, outputs: dict[str, str], plan) -> dict:
     return snapshots
 
 
-def add_average(commands) -> None:
+def add_average(commands: Commands) -> None:
     average = subcommand(commands, "average", "write the element-wise average of checkpoints' weights "
                                               "(section 6.1: the last 5 checkpoints of a run)")
     average.add_argument("out", metavar="OUT", type=output_file, help="the averaged checkpoint to write")
@@ -520,7 +532,7 @@ def add_average(commands) -> None:
     average.set_defaults(run=run_average)
 
 
-def run_average(args) -> int:
+def run_average(args: argparse.Namespace) -> int:
     """The average of the weights, with the checkpoints' tokenizer; Adam's moments are not averaged (the file
     holds no training state: a model to use or ship, not a run to resume)."""
     from .train import average_checkpoints
@@ -536,7 +548,7 @@ def run_average(args) -> int:
     return EXIT_OK
 
 
-def add_translate(commands) -> None:
+def add_translate(commands: Commands) -> None:
     translate = subcommand(commands, "translate", "translate text with a checkpoint that holds a tokenizer (default: "
                                                   "the shipped English-to-French numbers model)")
     translate.add_argument("text", nargs="*", help="sentences to translate, one output line each (default: read "
@@ -573,7 +585,7 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
                         help=f"sentences decoded together, of similar length (default: {TRANSLATE_BATCH})")
 
 
-def run_translate(args) -> int:
+def run_translate(args: argparse.Namespace) -> int:
     """A line that cannot be translated is one line on stderr naming it, an empty output line, and exit status 2
     once the rest is translated; sentences given as arguments are all checked before any is translated."""
     from .train import load_adapters
@@ -588,6 +600,7 @@ def run_translate(args) -> int:
         adapter = load_adapters((args.backend,), "--backend")[args.backend]
         translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device,
                                args.batch_size)
+        results: Iterable[Translation]
         if args.text:
             results = map(Translation, translate(args.text))
         elif whole:
@@ -600,7 +613,7 @@ def run_translate(args) -> int:
     return EXIT_USAGE if problems else EXIT_OK
 
 
-def add_evaluate(commands) -> None:
+def add_evaluate(commands: Commands) -> None:
     evaluate = subcommand(commands, "evaluate", "translate a test file and score it against its references: sacreBLEU "
                                                 "BLEU and chrF with their signatures, exact match, speed")
     evaluate.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -614,7 +627,7 @@ def add_evaluate(commands) -> None:
     evaluate.set_defaults(run=run_evaluate)
 
 
-def run_evaluate(args) -> int:
+def run_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate, format_evaluation, parallel_lines
     from .train import load_adapters
     from .translate import translator
@@ -658,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_outputs(args)
             return args.run(args)
     except SystemExit as stop:                          # --help, or a usage error argparse has printed
-        return stop.code
+        return stop.code if isinstance(stop.code, int) else int(stop.code is not None)   # as Python exits with it
     except KeyboardInterrupt:                           # Ctrl-C or SIGTERM
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -31,9 +31,12 @@ import subprocess
 import sys
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import max_output_lengths
@@ -48,6 +51,25 @@ from .ctranslate2_export import (
     to_tokens,
     translate_options,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Peer(Protocol):
+    """A built peer, what ``bench`` times (the module docstring): its calls and what each computes."""
+
+    NAME: str
+    COMPUTES: dict[str, str]
+    NOT_MEASURED: dict[str, str]
+    UNCACHED: tuple[str, ...]
+
+    def forward(self, src: np.ndarray, tgt: np.ndarray) -> object: ...
+
+    def greedy(self, src: np.ndarray, steps: int) -> np.ndarray: ...
+
+    @property
+    def beam(self) -> Callable[[np.ndarray, int, int, float], np.ndarray] | None: ...
 
 
 class CTranslate2Peer:
@@ -77,10 +99,10 @@ class CTranslate2Peer:
             self.translator = ctranslate2.Translator(str(path), device="cpu", compute_type="float32",
                                                      intra_threads=threads)
 
-    def _source(self, src) -> list[list[str]]:
+    def _source(self, src: npt.ArrayLike) -> list[list[str]]:
         return to_tokens(self.config, src, self.config.src_vocab_size)
 
-    def score(self, src, tgt) -> list[np.ndarray]:
+    def score(self, src: np.ndarray, tgt: np.ndarray) -> list[np.ndarray]:
         """Per row, the log-probability of each token of ``tgt[1:]`` + eos after the prefix before it
         (``tgt`` starts with bos, as the reference's target; CTranslate2 prepends its start token itself)."""
         targets = to_tokens(self.config, np.asarray(tgt)[:, 1:], self.config.tgt_vocab_size)
@@ -89,24 +111,24 @@ class CTranslate2Peer:
 
     forward = score
 
-    def translate(self, src, beam_size: int = 1, alpha: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    def translate(self, src: npt.ArrayLike, beam_size: int = 1, alpha: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Tokens (B, L) without bos, pad-filled, and CTranslate2's scores (B,), each row within the reference's
         budget (non-pad source tokens + 50, capped at max_len: one call per row) and
         :func:`.ctranslate2_export.translate_options`."""
-        src = np.asarray(src)
-        limits = max_output_lengths(self, src)                              # reads self.config only
+        source = np.asarray(src)
+        limits = max_output_lengths(self, source)                           # reads self.config only
         rows, scores = [], []
-        for row, limit in zip(src, limits):
+        for row, limit in zip(source, limits):
             result = self.translator.translate_batch(self._source(row[None]),
                                                      **translate_options(int(limit), beam_size, alpha))[0]
             rows.append(result.hypotheses[0])
             scores.append(result.scores[0])
         return to_ids(self.config, rows, self.config.tgt_vocab_size), np.asarray(scores, dtype=np.float32)
 
-    def greedy(self, src, steps: int) -> np.ndarray:
+    def greedy(self, src: np.ndarray, steps: int) -> np.ndarray:
         return self.beam(src, steps, 1, 0.0)
 
-    def beam(self, src, steps: int, beam_size: int, alpha: float) -> np.ndarray:
+    def beam(self, src: np.ndarray, steps: int, beam_size: int, alpha: float) -> np.ndarray:
         options = translate_options(steps, beam_size, alpha, forced=True)
         results = self.translator.translate_batch(self._source(src), **options)
         return to_ids(self.config, [result.hypotheses[0] for result in results], self.config.tgt_vocab_size)
@@ -127,7 +149,7 @@ class NNTransformerPeer:
     }
     NOT_MEASURED = {"beam 4 batch 1": "nn.Transformer has no decoding API; a beam search around it would be this "
                                       "project's own code, not the peer's"}
-    UNCACHED = ("greedy",)          # the whole prefix every step: timed once, as the backends' uncached decoding
+    UNCACHED: tuple[str, ...] = ("greedy",)   # the whole prefix every step: timed once, as uncached decoding
     OWN_PROCESS = False
 
     def __init__(self, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
@@ -138,20 +160,20 @@ class NNTransformerPeer:
         self.torch, self.config = torch, config
         self.model = to_nn_transformer(from_params(config, params, torch.float32, "cpu")).eval()
 
-    def log_probs(self, src, tgt) -> np.ndarray:
+    def log_probs(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         """(B, T, V) float32 log-probabilities, the reference's default masks."""
         with self.torch.no_grad():
             return self.model(self.torch.as_tensor(src), self.torch.as_tensor(tgt)).numpy()
 
     forward = log_probs
 
-    def greedy(self, src, steps: int) -> np.ndarray:
+    def greedy(self, src: np.ndarray, steps: int) -> np.ndarray:
         torch, cfg = self.torch, self.config
         with torch.no_grad():
-            src = torch.as_tensor(src)
-            src_mask = torch.as_tensor(padding_mask(src.numpy(), cfg.pad_id))
-            memory = self.model.encode(src, src_mask)                                   # (B, S, D)
-            tgt = torch.full((len(src), 1), cfg.bos_id, dtype=torch.long)
+            source = torch.as_tensor(src)
+            src_mask = torch.as_tensor(padding_mask(source.numpy(), cfg.pad_id))
+            memory = self.model.encode(source, src_mask)                                # (B, S, D)
+            tgt = torch.full((len(source), 1), cfg.bos_id, dtype=torch.long)
             for _ in range(steps):
                 out = self.model.decode(tgt, memory, src_mask)                          # (B, t, D)
                 log_probs = self.model.generator(out[:, -1:])[:, 0]                     # (B, V)
@@ -199,31 +221,31 @@ class MarianPeer:
         self.model = MarianMTModel(marian).eval()
         load_marian_weights(self.model, config, params)
 
-    def _inputs(self, src, tgt=None) -> dict:
+    def _inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike | None = None) -> dict[str, torch.Tensor]:
         torch, pad = self.torch, self.config.pad_id
-        src = torch.as_tensor(np.asarray(src))
-        inputs = {"input_ids": src, "attention_mask": (src != pad).long()}
+        source = torch.as_tensor(np.asarray(src))
+        inputs = {"input_ids": source, "attention_mask": (source != pad).long()}
         if tgt is not None:
-            tgt = torch.as_tensor(np.asarray(tgt))
-            inputs.update(decoder_input_ids=tgt, decoder_attention_mask=(tgt != pad).long())
+            target = torch.as_tensor(np.asarray(tgt))
+            inputs.update(decoder_input_ids=target, decoder_attention_mask=(target != pad).long())
         return inputs
 
-    def log_probs(self, src, tgt) -> np.ndarray:
+    def log_probs(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         """(B, T, V) float32 log-probabilities: log-softmax of Marian's logits."""
         with self.torch.no_grad():
             return self.torch.log_softmax(self.model(**self._inputs(src, tgt)).logits, dim=-1).numpy()
 
-    def forward(self, src, tgt):
+    def forward(self, src: np.ndarray, tgt: np.ndarray) -> torch.Tensor:
         with self.torch.no_grad():
             return self.model(**self._inputs(src, tgt)).logits
 
-    def greedy(self, src, steps: int) -> np.ndarray:
+    def greedy(self, src: np.ndarray, steps: int) -> np.ndarray:
         return self._generate(src, steps, num_beams=1)
 
-    def beam(self, src, steps: int, beam_size: int, alpha: float) -> np.ndarray:
+    def beam(self, src: np.ndarray, steps: int, beam_size: int, alpha: float) -> np.ndarray:
         return self._generate(src, steps, num_beams=beam_size, length_penalty=alpha)
 
-    def _generate(self, src, steps: int, **search) -> np.ndarray:
+    def _generate(self, src: np.ndarray, steps: int, **search: float) -> np.ndarray:
         cfg = self.config
         with self.torch.no_grad():
             out = self.model.generate(**self._inputs(src), do_sample=False, min_new_tokens=steps, max_new_tokens=steps,
@@ -276,7 +298,7 @@ def marian_transposed(config: TransformerConfig) -> tuple[str, ...]:
     return tuple(name for name in marian_name_table(config) if is_projection_weight(name))
 
 
-def load_marian_weights(model, config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
+def load_marian_weights(model: torch.nn.Module, config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
     """Copy ``params`` into ``model`` (a ``MarianMTModel`` of ``config``'s shapes) through :func:`marian_name_table`
     and :func:`marian_transposed`, a shape check per tensor; the sinusoid table into both position embeddings
     (unless learned); every LayerNorm's epsilon set to ``layer_norm_eps``."""
@@ -313,7 +335,9 @@ class OwnProcess:
     CTranslate2's threads sleep between parallel regions (their CPU time halves) and it decodes far slower than
     in a process of its own (the numbers: docs/peers.md, ``transformer-reference bench --peers``)."""
 
-    def __init__(self, peer: type, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
+    beam: Callable[[np.ndarray, int, int, float], np.ndarray] | None
+
+    def __init__(self, peer: PeerClass, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
         self._process = subprocess.Popen([sys.executable, "-c", "from transformer_cli.peers import serve; serve()"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._closed = weakref.finalize(self, _stop, self._process)
@@ -325,21 +349,22 @@ class OwnProcess:
                                                                       peer.UNCACHED)
         self.beam = None if peer.beam is None else functools.partial(self._call, "beam")
 
-    def _exchange(self, message):
-        pickle.dump(message, self._process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-        self._process.stdin.flush()
-        return pickle.load(self._process.stdout)
+    def _exchange(self, message: object) -> Any:
+        requests, answers = _pipes(self._process)
+        pickle.dump(message, requests, protocol=pickle.HIGHEST_PROTOCOL)
+        requests.flush()
+        return pickle.load(answers)
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args: object) -> Any:
         ok, value = self._exchange((method, args))
         if not ok:
             raise RuntimeError(f"{self.NAME} worker: {value}")
         return value
 
-    def forward(self, src, tgt):
+    def forward(self, src: np.ndarray, tgt: np.ndarray) -> object:
         return self._call("forward", src, tgt)
 
-    def greedy(self, src, steps: int) -> np.ndarray:
+    def greedy(self, src: np.ndarray, steps: int) -> np.ndarray:
         return self._call("greedy", src, steps)
 
     def close(self) -> None:
@@ -354,7 +379,11 @@ def serve() -> None:
     requests, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    answer = lambda message: (pickle.dump(message, answers, protocol=pickle.HIGHEST_PROTOCOL), answers.flush())
+
+    def answer(message: object) -> None:
+        pickle.dump(message, answers, protocol=pickle.HIGHEST_PROTOCOL)
+        answers.flush()
+
     name, config, params, threads = pickle.load(requests)
     try:
         peer = PEERS[name][0](TransformerConfig.from_json(config), params, threads)
@@ -374,29 +403,40 @@ def serve() -> None:
             answer((False, f"{type(err).__name__}: {err}"))
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.stdin.close()
+def _pipes(process: subprocess.Popen[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    """The worker's standard input and output, the pipes :class:`OwnProcess` opened."""
+    if process.stdin is None or process.stdout is None:
+        raise AssertionError("the worker process was started without its pipes")
+    return process.stdin, process.stdout
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    requests, answers = _pipes(process)
+    requests.close()
     try:
         process.wait(timeout=30)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    process.stdout.close()
+    answers.close()
 
 
+PeerClass = type[CTranslate2Peer] | type[NNTransformerPeer] | type[MarianPeer]
 # peer name -> (its class, every module it needs, the pip extra that installs them)
-PEERS = {
+PEERS: dict[str, tuple[PeerClass, tuple[str, ...], str]] = {
     "ctranslate2": (CTranslate2Peer, ("ctranslate2",), "peers"),
     "torch.nn.Transformer": (NNTransformerPeer, ("torch",), "torch"),
     "marian": (MarianPeer, ("transformers", "torch"), "peers"),
 }
 
 
-def load(config: TransformerConfig, params: dict[str, np.ndarray], threads: int) -> tuple[dict, list[Missing]]:
+def load(config: TransformerConfig, params: dict[str, np.ndarray],
+         threads: int) -> tuple[dict[str, Peer], list[Missing]]:
     """Build every installed peer on ``params`` (``OWN_PROCESS`` ones in a process of their own,
     :class:`OwnProcess`); a peer whose modules are not installed, or that cannot represent ``config`` (its
     ``ValueError``), is reported with the reason instead."""
-    peers, missing = {}, []
+    peers: dict[str, Peer] = {}
+    missing = []
     for name, (peer, modules, extra) in PEERS.items():
         absent = [module for module in modules if importlib.util.find_spec(module) is None]
         if absent:
@@ -404,8 +444,8 @@ def load(config: TransformerConfig, params: dict[str, np.ndarray], threads: int)
                                          f"pip install 'transformer-reference[{extra}]'"))
             continue
         try:
-            build = functools.partial(OwnProcess, peer) if peer.OWN_PROCESS else peer
-            peers[name] = build(config, params, threads)
+            peers[name] = (OwnProcess(peer, config, params, threads) if peer.OWN_PROCESS
+                           else peer(config, params, threads))
         except ValueError as err:
             missing.append(Missing(name, f"cannot run this config: {err}"))
     return peers, missing

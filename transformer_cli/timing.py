@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -67,8 +68,11 @@ def measure(function: Callable[[], object], repeats: int, warm_up: Callable[[], 
     return Timing(first, statistics.median(times), result, tuple(times))
 
 
-def round_robin(calls: dict[Hashable, Callable[[], object]], repeats: int | dict[Hashable, int],
-                progress: Callable[[list], Iterable] | None = None) -> dict[Hashable, Timing]:
+Key = TypeVar("Key", bound=Hashable)
+
+
+def round_robin(calls: dict[Key, Callable[[], object]], repeats: int | dict[Key, int],
+                progress: Callable[[list], Iterable] | None = None) -> dict[Key, Timing]:
     """Time every call of ``calls`` interleaved: a warm-up round (each call once, in order: its tracing
     and compilation), then rounds in which every call runs once, in turn, ``repeats`` rounds (one number
     for every call, or one per key), so that whatever else the machine does falls on every call alike.
