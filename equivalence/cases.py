@@ -7,6 +7,7 @@ backends are checked on exactly the same numbers.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy.checkpoint import init_params
 from reference_numpy.config import TransformerConfig
@@ -74,13 +75,20 @@ def _length_mask(lengths: list[int], length: int) -> np.ndarray:
     return np.arange(length)[None, :] < np.array(lengths)[:, None]            # (B, T)
 
 
-def attention_inputs(config: TransformerConfig, case: str, dtype=np.float64,
+def attention_inputs(config: TransformerConfig, case: str, dtype: npt.DTypeLike = np.float64,
                      seed: int = 0) -> dict[str, np.ndarray | None]:
     """query (B, Tq, D), key and value (B, Tk, D) and a bool mask for one mask case.
 
     ``causal`` uses Tq = Tk; every other case attends from TGT_LEN queries to SRC_LEN keys
     through a key padding mask (B, 1, 1, Tk); ``fully_masked_row`` leaves batch row 1 with no key.
     """
+    query, key, value, mask = _attention_tensors(config, case, dtype, seed)
+    return {"query": query, "key": key, "value": value, "mask": mask}
+
+
+def _attention_tensors(config: TransformerConfig, case: str, dtype: npt.DTypeLike,
+                       seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`attention_inputs`' query, key, value and mask."""
     _check_case(case)
     rng = np.random.default_rng(seed)
     tk = TGT_LEN if case == "causal" else SRC_LEN
@@ -93,7 +101,7 @@ def attention_inputs(config: TransformerConfig, case: str, dtype=np.float64,
         mask = causal_mask(TGT_LEN)
     else:
         mask = _length_mask(_lengths(case, tk), tk)[:, None, None, :]
-    return {"query": query.astype(dtype), "key": key.astype(dtype), "value": value.astype(dtype), "mask": mask}
+    return query.astype(dtype), key.astype(dtype), value.astype(dtype), mask
 
 
 COMPONENT_MASKED = {"attention": True, "multi_head_attention": True, "positional_encoding": False,
@@ -105,7 +113,7 @@ COMPONENT_MASKED = {"attention": True, "multi_head_attention": True, "positional
 LAYER_NORM_OFFSET = 1e4
 
 
-def component_inputs(config: TransformerConfig, component: str, case: str, dtype=np.float64,
+def component_inputs(config: TransformerConfig, component: str, case: str, dtype: npt.DTypeLike = np.float64,
                      seed: int = 0) -> dict[str, np.ndarray | None]:
     """Inputs of one component (see ``backend.component``) for a mask case.
 
@@ -120,11 +128,10 @@ def component_inputs(config: TransformerConfig, component: str, case: str, dtype
     if component == "multi_head_attention":
         return attention_inputs(config, case, dtype, seed)
     if component == "attention":                                      # one tensor per head: (B, H, T, d_k)
-        inputs = attention_inputs(config, case, dtype, seed)
-        for name in ("query", "key", "value"):
-            batch, length, _ = inputs[name].shape
-            inputs[name] = inputs[name].reshape(batch, length, config.n_heads, config.d_k).transpose(0, 2, 1, 3)
-        return inputs
+        *tensors, mask = _attention_tensors(config, case, dtype, seed)
+        heads = [tensor.reshape(*tensor.shape[:2], config.n_heads, config.d_k).transpose(0, 2, 1, 3)
+                 for tensor in tensors]
+        return {**dict(zip(("query", "key", "value"), heads)), "mask": mask}
     _check_case(case)
     rng = np.random.default_rng(seed)
     x_len = TGT_LEN if component.startswith("decoder") else SRC_LEN
@@ -146,17 +153,20 @@ def component_inputs(config: TransformerConfig, component: str, case: str, dtype
 SHARP_QUERIES = 4.0
 
 
-def low_precision_component_inputs(config: TransformerConfig, component: str, case: str, dtype) -> dict:
+def low_precision_component_inputs(config: TransformerConfig, component: str, case: str,
+                                   dtype: npt.DTypeLike) -> dict[str, np.ndarray | None]:
     """:func:`component_inputs` rounded to the low format ``dtype`` (float64 arrays holding numbers of ``dtype``),
     the attention components' queries scaled by ``SHARP_QUERIES`` first."""
     inputs = component_inputs(config, component, case)
-    if component in ("attention", "multi_head_attention"):
-        inputs["query"] = inputs["query"] * SHARP_QUERIES
+    query = inputs.get("query")
+    if component in ("attention", "multi_head_attention") and query is not None:
+        inputs["query"] = query * SHARP_QUERIES
     return {name: value if value is None or value.dtype == bool else round_to(value, dtype).astype(np.float64)
             for name, value in inputs.items()}
 
 
-def layer_norm_offset_inputs(config: TransformerConfig, dtype=np.float64, seed: int = 0) -> dict[str, np.ndarray]:
+def layer_norm_offset_inputs(config: TransformerConfig, dtype: npt.DTypeLike = np.float64,
+                             seed: int = 0) -> dict[str, np.ndarray]:
     """x (B, S, D) = LAYER_NORM_OFFSET + N(0, 1) for the ``layer_norm`` component, rounded to
     float32 so that every dtype sees the same numbers and float32's error is the computation's alone."""
     rng = np.random.default_rng(seed)
@@ -173,6 +183,16 @@ def model_inputs(config: TransformerConfig, case: str, seed: int = 0) -> dict[st
     and target rows to different lengths; ``fully_masked_row`` has a source row of padding only.
     """
     _check_case(case)
+    src, tgt = _token_ids(config, case, seed)
+    src_mask = tgt_mask = None
+    if case == "none":
+        src_mask = np.ones((BATCH, 1, 1, SRC_LEN), dtype=bool)
+        tgt_mask = np.ones((BATCH, 1, TGT_LEN, TGT_LEN), dtype=bool)
+    return {"src": src, "tgt": tgt, "src_mask": src_mask, "tgt_mask": tgt_mask}
+
+
+def _token_ids(config: TransformerConfig, case: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`model_inputs`' src and tgt."""
     rng = np.random.default_rng(seed)
     first = max(config.pad_id, config.bos_id, config.eos_id) + 1
     src = rng.integers(first, config.src_vocab_size, size=(BATCH, SRC_LEN))
@@ -181,21 +201,17 @@ def model_inputs(config: TransformerConfig, case: str, seed: int = 0) -> dict[st
     src = np.where(_length_mask(_lengths(case, SRC_LEN), SRC_LEN), src, config.pad_id)
     if case == "ragged_batch":
         tgt = np.where(_length_mask([TGT_LEN, 3, TGT_LEN - 1], TGT_LEN), tgt, config.pad_id)
-    src_mask = tgt_mask = None
-    if case == "none":
-        src_mask = np.ones((BATCH, 1, 1, SRC_LEN), dtype=bool)
-        tgt_mask = np.ones((BATCH, 1, TGT_LEN, TGT_LEN), dtype=bool)
-    return {"src": src, "tgt": tgt, "src_mask": src_mask, "tgt_mask": tgt_mask}
+    return src, tgt
 
 
 def training_inputs(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """A ragged batch for the training loss: src (B, S), tgt (B, T) = bos + labels shifted right,
     labels (B, T) ending in eos and padded."""
-    inputs = model_inputs(config, "ragged_batch", seed)
-    lengths = (inputs["tgt"] != config.pad_id).sum(axis=1)                     # bos + tokens
-    labels = np.concatenate([inputs["tgt"][:, 1:], np.full((BATCH, 1), config.pad_id)], axis=1)
+    src, tgt = _token_ids(config, "ragged_batch", seed)                       # model_inputs' ragged batch
+    lengths = (tgt != config.pad_id).sum(axis=1)                               # bos + tokens
+    labels = np.concatenate([tgt[:, 1:], np.full((BATCH, 1), config.pad_id)], axis=1)
     labels[np.arange(BATCH), lengths - 1] = config.eos_id
-    return {"src": inputs["src"], "tgt": inputs["tgt"], "labels": labels}
+    return {"src": src, "tgt": tgt, "labels": labels}
 
 
 def decoding_inputs(config: TransformerConfig, seed: int = 0) -> np.ndarray:

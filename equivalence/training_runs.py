@@ -36,11 +36,12 @@ def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], trai
     optimizer = reference.optimizer(model, training)
     bound, losses = TrainingBound(reference.export_params(model)), []
     for step, inputs in enumerate(batches, start=1):
-        value, grads = reference.gradients(model, **inputs)
+        batch = inputs["src"], inputs["tgt"], inputs["labels"]
+        value, grads = reference.gradients(model, *batch)
         sensitivity = rounding_sensitivity(
-            lambda weights: reference.gradients(reference.build(config, weights), **inputs)[1],
+            lambda weights: reference.gradients(reference.build(config, weights), *batch)[1],
             reference.export_params(model)) if conditioned else 0.0
-        losses.append(reference.train_step(model, optimizer, **inputs))
+        losses.append(reference.train_step(model, optimizer, *batch))
         state = reference.training_state(model, optimizer)
         bound.step(value, grads, state.first_moments, state.second_moments, step,
                    learning_rate(step, config.d_model, training), training.beta1, training.beta2, training.epsilon,
@@ -51,9 +52,10 @@ def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], trai
 def assert_float64_run(result: Run, expected: Run, bound: TrainingBound, who: str) -> None:
     """``result`` within ``bound`` of the reference's run ``expected``: every loss, weight and moment; an
     ``AssertionError`` naming the quantity, the tensor and the entry otherwise."""
-    for step, (value, reference_value, limit) in enumerate(zip(result.losses, expected.losses, bound.losses), 1):
-        assert abs(value - reference_value) <= limit, f"{who}: loss at step {step}: {value} vs {reference_value}"
+    for step, (loss, reference_loss, most) in enumerate(zip(result.losses, expected.losses, bound.losses), 1):
+        assert abs(loss - reference_loss) <= most, f"{who}: loss at step {step}: {loss} vs {reference_loss}"
     assert len(result.losses) == len(expected.losses) and result.state.step == expected.state.step, who
+    errors: dict[str, tuple[np.ndarray, np.ndarray | float]]            # quantity -> (error, its bound)
     for name, value in expected.params.items():
         errors = {"weights": (np.abs(result.params[name] - value), bound.weight_bound(name, value)),
                   "first moment": (np.abs(result.state.first_moments[name] - expected.state.first_moments[name]),
@@ -61,7 +63,7 @@ def assert_float64_run(result: Run, expected: Run, bound: TrainingBound, who: st
                   "second moment": (np.abs(result.state.second_moments[name] - expected.state.second_moments[name]),
                                     bound.second_moment_bound(name, expected.state.second_moments[name]))}
         for what, (error, limit) in errors.items():
-            limit = np.broadcast_to(limit, error.shape)
-            worst = np.unravel_index(np.argmax(error - limit), error.shape)
-            assert np.all(error <= limit), (f"{who}: {what} of {name!r} at {worst}: "
-                                            f"error {error[worst]:.3e} > bound {limit[worst]:.3e}")
+            limits = np.broadcast_to(limit, error.shape)
+            worst = np.unravel_index(np.argmax(error - limits), error.shape)
+            assert np.all(error <= limits), (f"{who}: {what} of {name!r} at {worst}: "
+                                             f"error {error[worst]:.3e} > bound {limits[worst]:.3e}")
