@@ -173,7 +173,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     reader = reference_checkpoint.CheckpointReader(path)
     model = _build(reader.config, reader.read(_reading_memory(reader.config)), reader.dtype if dtype is None else dtype,
                    device, owned=True)
-    reference_checkpoint.release_freed_memory()                          # transposed arrays, dropped
+    reference_checkpoint.release_freed_memory()                          # arrays cast to another dtype, dropped
     model.tokenizer_json = reference_checkpoint.load_tokenizer_json(path)
     return model
 
