@@ -420,7 +420,7 @@ LENGTH_PENALTY = [
         (TD, "finishing & ~done[:, None], scores / penalties[step],", "finishing & ~done[:, None], scores / penalties[step - 1],"),
         (JD, "finishing & ~done[:, None], scores / penalties[length],",
          "finishing & ~done[:, None], scores / penalties[length - 1],"),
-        (FD, "tf.gather(value, first, batch_dims=1) / penalties[t],", "tf.gather(value, first, batch_dims=1) / penalties[t - 1],"),
+        (FD, "finishing & ~done[:, None], scores / penalties[t],", "finishing & ~done[:, None], scores / penalties[t - 1],"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
 
@@ -441,8 +441,8 @@ BEAM_END = [
         (TD, "live_scores = scores.gather(1, keep)", "live_scores = torch.where(keep < k, scores.gather(1, keep), -torch.inf)"),
         (JD, "live_scores = jnp.take_along_axis(scores, keep, axis=1)",
          "live_scores = jnp.where(keep < k, jnp.take_along_axis(scores, keep, axis=1), -jnp.inf)"),
-        (FD, "scores = tf.gather(value, keep, batch_dims=1)",
-         "scores = tf.where(keep < k, tf.gather(value, keep, batch_dims=1), tf.constant(-np.inf, dtype))"),
+        (FD, "live_scores = tf.gather(scores, keep, batch_dims=1)",
+         "live_scores = tf.where(keep < k, tf.gather(scores, keep, batch_dims=1), never)"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
 
@@ -454,15 +454,16 @@ EARLY_STOPPING = [
          "done = done | last | (live_scores[:, 0] / penalties[length] <= best[0])"),
         (TD, "done |= last | (live_scores[:, 0] / limit_penalty <= best[0])",
          "done |= last | (live_scores[:, 0] / penalties[step] <= best[0])"),
-        (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])",
-         "stop = at_limit | (scores[:, 0] / penalties[t] <= best[0])"),
+        (FD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
+         "done = done | last | (live_scores[:, 0] / penalties[t] <= best[0])"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("early-stopping", "stops as soon as one hypothesis has finished", [
         (RD, "return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)", "return bool(finished)"),
         (JD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
          "done = done | last | (best[0] > -jnp.inf)"),
         (TD, "done |= last | (live_scores[:, 0] / limit_penalty <= best[0])", "done |= last | (best[0] > -torch.inf)"),
-        (FD, "stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])", "stop = at_limit | (best[0] > -np.inf)"),
+        (FD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
+         "done = done | last | (best[0] > -np.inf)"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
 ]
 
@@ -507,15 +508,9 @@ TIES = [
         (RD, "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)"),
         (JD, "first = jnp.argmax(scores, axis=1)", "first = scores.shape[1] - 1 - jnp.argmax(scores[:, ::-1], axis=1)"),
         (JD, "better = score > best[0]", "better = score >= best[0]"),
-        (FD, "first = tf.argmax(tf.cast(finishing, tf.int32), axis=-1, output_type=tf.int32)",
-         "first = 2 * k - 1 - tf.argmax(tf.reverse(tf.where(finishing, value, tf.constant(-np.inf, dtype)), [-1]), "
-         "axis=-1, output_type=tf.int32)"),
-        (FD, "best = _keep_better(best, at_limit, scores[:, 0] / penalties[t],\n"
-             "                            tf.gather(tokens, first_row[:, 0])[:, 1:], t)",
-         "best = (lambda last: _keep_better(best, at_limit, tf.gather(scores, last, batch_dims=1) / penalties[t],\n"
-         "                            tf.gather(tokens, first_row[:, 0] + last)[:, 1:], t))(\n"
-         "            k - 1 - tf.argmax(tf.reverse(scores, [-1]), axis=-1, output_type=tf.int32))"),
-        (FD, "better = candidate & (score > best[0])", "better = candidate & (score >= best[0])"),
+        (FD, "first = tf.reduce_min(tf.where(scores == top, tf.range(scores.shape[1]), scores.shape[1] - 1), axis=1)",
+         "first = tf.reduce_max(tf.where(scores == top, tf.range(scores.shape[1]), 0), axis=1)"),
+        (FD, "better = score > best[0]", "better = score >= best[0]"),
         (TD, "first = scores.argmax(dim=1)", "first = scores.shape[1] - 1 - scores.flip(1).argmax(dim=1)"),
         (TD, "better = score > best[0]", "better = score >= best[0]"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),

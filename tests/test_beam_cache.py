@@ -1,7 +1,8 @@
 """A beam-search cache kept in place (``KVCache.beams``), in every backend.
 
-Beam search may leave each row's self-attention keys and values where they are and move only a
-table of which row holds each position of each hypothesis. Two checks that share no code with
+Beam search leaves each row's self-attention keys and values where they are and moves only a
+table of which row holds each position of each hypothesis: the one cache layout of the three
+ports' searches (docs/ports.md), which the last test checks. Two checks that share no code with
 the attention they test:
 
 * Eq. (1) along each hypothesis against a naive loop: for every query row, its keys and values
@@ -25,6 +26,7 @@ from support import FRAMEWORKS, port_backend
 from equivalence.tolerance import assert_agrees
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy import model as reference
+from reference_numpy.decoding import beam_search as reference_beam_search
 
 BATCH, BEAMS, HEADS, CAPACITY, D_K = 2, 3, 2, 5, 4
 ROWS = BATCH * BEAMS
@@ -85,7 +87,8 @@ def test_attention_along_each_hypothesis_equals_a_naive_loop(name):
 
 
 def in_place(cache: tuple, convert) -> tuple:
-    """A fresh cache's self-attention caches under a table in which every row holds its own positions."""
+    """A fresh cache's self-attention caches under a table in which every row holds its own positions
+    (what each port's ``decoding._in_place`` gives its beam search)."""
     table = convert(np.broadcast_to(np.arange(BEAMS)[None, :, None], (BATCH, BEAMS, CAPACITY)).copy())
     return tuple((own._replace(beams=table), memory) for own, memory in cache)
 
@@ -178,3 +181,22 @@ def test_a_table_of_the_wrong_shape_gets_the_reference_error(name):
     expected = (f"cache.beams must be an int array (B, K, C) for a cache of {ROWS} rows of {CAPACITY} positions "
                 f"(B * K = {ROWS}, C = {CAPACITY}), got int64 of shape ({BATCH}, {BEAMS}, {CAPACITY + 1})")
     assert str(error.value) == expected
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_every_port_beam_search_moves_tables_not_keys_and_values(name, monkeypatch):
+    """The ports' one cache layout: their beam search gives ``reorder_cache`` only self-attention caches
+    that carry a ``beams`` table (the keys and values stay in place), from the first step on, and decodes
+    as the reference does."""
+    adapter, _, decoding, convert = port(name)
+    params = init_params(TINY, seed=0, perturb=0.1)
+    follow, tables = decoding._follow, []
+    monkeypatch.setattr(decoding, "_follow", lambda cache, beams: tables.append(cache.beams) or follow(cache, beams))
+    if name == "jax":
+        decoding._beam.clear_cache()                                       # traced anew, through the patch
+    src = np.random.default_rng(2).integers(3, TINY.src_vocab_size, (BATCH, 4))
+    with float64_inference(name):
+        tokens, _ = decoding.beam_search(adapter.build(TINY, params, "float64"), src, BEAMS)
+    assert tables and not any(isinstance(table, tuple) for table in tables)
+    assert all(tuple(table.shape) == (BATCH, BEAMS, tables[0].shape[2]) for table in tables)
+    np.testing.assert_array_equal(tokens, reference_beam_search(reference.Transformer(TINY, params), src, BEAMS)[0])

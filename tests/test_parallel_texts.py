@@ -156,9 +156,10 @@ def test_the_ports_follow_each_other(port, file):
     assert not problems, "\n".join(problems)
 
 
-# The step helpers of the ports' one beam-search design (every sentence's beams rows of one batch):
-# a step's choices and the self-attention caches following them.
-BEAM_HELPERS = ("_reorder_own", "_select")
+# The step helpers of the ports' one beam-search design (every sentence's beams rows of one batch, the
+# self-attention caches kept in place under a beams table): the table, the caches following the beams,
+# a step's choices and each sentence's best finished hypothesis.
+BEAM_HELPERS = ("_in_place", "_reorder_own", "_select", "_keep_best")
 
 
 def private_functions(path: Path, names: tuple[str, ...]) -> list[tuple[str, list[str]]]:

@@ -128,6 +128,18 @@ CONCEPTS = (
                     "model.py:MultiHeadAttention.init_cache",
                     "model.py:MultiHeadAttention.memory_cache", "model.py:DecoderLayer.init_cache",
                     "decoding.py:next_token_log_probs", "decoding.py:reorder_cache")}),
+    Concept("Beam search", "section 6.1",
+            "beam size 4; a finished hypothesis <i>Y</i> scores log <i>P</i>(<i>Y</i>) / <i>lp</i>(<i>Y</i>), "
+            "<i>lp</i>(<i>Y</i>) = ((5 + |<i>Y</i>|) / 6)<sup>&alpha;</sup>, &alpha; = 0.6; "
+            "the ports keep each row's keys and values in place and move a table of beams",
+            {"numpy": ("decoding.py:beam_search", "decoding.py:_sentence_steps", "decoding.py:search_ends",
+                       "decoding.py:best_hypothesis", "decoding.py:select_candidates"),
+             "torch": ("decoding.py:beam_search", "decoding.py:_in_place", "decoding.py:_reorder_own",
+                       "decoding.py:_select", "decoding.py:_keep_best"),
+             "jax": ("decoding.py:_beam", "decoding.py:_in_place", "decoding.py:_reorder_own",
+                     "decoding.py:_select", "decoding.py:_keep_best"),
+             "tf": ("decoding.py:_beam", "decoding.py:_in_place", "decoding.py:_reorder_own",
+                    "decoding.py:_select", "decoding.py:_keep_best")}),
     Concept("Checkpoint table", "docs/checkpoint-format.md",
             "one shared file: the reference walks the architecture once (name, shape, kind); each port maps a kind "
             "to its parameter's path and layout; projections stored (in, out), <i>y</i> = <i>xW</i> + <i>b</i>",

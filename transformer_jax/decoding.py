@@ -18,17 +18,19 @@ How it runs:
   (``model.init_cache``: per decoder layer a :class:`.model.KVCache` of self-attention keys/values
   (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
   through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
-  position's keys/values and attends up to it; beam search reorders the self-attention ones with
-  :func:`reorder_cache` (the memory's are the same for every beam of a sentence), moving their
-  keys and values: kept in place under a ``beams`` table instead (``KVCache.beams``, as the
-  TensorFlow port does), the search was no faster, since XLA copies the loop's caches
-  either way (the numbers: docs/benchmarks.md, "What beam search adds");
+  position's keys/values and attends up to it; beam search, as in every port, keeps each row's
+  self-attention keys and values where they are, and a ``beams`` table of which row holds each
+  position of each hypothesis (``KVCache.beams``, :func:`_in_place`) follows the beams
+  (:func:`reorder_cache` reorders the table; the memory's keys and values are the same for every
+  beam of a sentence). Under XLA that made TensorFlow's search much faster than moving the keys
+  and values; JAX's loop copies its caches either way (docs/benchmarks.md, "What beam search adds");
 * the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
   (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
   compiled once per model structure, batch size, source length, budget M and beam size, never per token;
 * beam candidates are ranked by ``lax.top_k`` (2K of the K * V candidates), not a full sort;
-* ``use_cache=False`` recomputes the decoder over the whole fixed-size target buffer at every
-  step (later positions are masked), the reference's recomputation, compiled, for comparison;
+* ``use_cache=False`` (no cache: ``()``, as in every port) recomputes the decoder over the whole
+  fixed-size target buffer at every step (later positions are masked), the reference's
+  recomputation, compiled, for comparison;
 * beam search advances every sentence's beams in one loop, as the TensorFlow port does: rows are
   (sentence, beam) pairs, N = B * K; a sentence that has stopped is still computed but changes
   nothing (its best is no longer replaced) until every sentence has stopped. (One search per
@@ -68,17 +70,17 @@ _TOKEN_DTYPE = jnp.int32
 
 
 def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
-                         cache: tuple | None = None, cache_index: int | jax.Array | None = None):
+                         cache: tuple = (), cache_index: int | jax.Array | None = None):
     """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
     set to -inf so that they are never chosen.
 
-    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed); with one (see
+    Without a cache (``()``) ``tgt`` is the whole prefix (the decoder is recomputed); with one (see
     ``Transformer.decode``) ``tgt`` holds only the new positions, at ``cache_index`` .., and the
     result is ``(log_probs, cache)``.
 
     Shape: tgt (N, T), memory (N, S, D) -> log_probs (N, V).
     """
-    if cache is None:
+    if not cache:
         out = model.decode(tgt, memory, src_mask, deterministic=True)                      # (N, T, D)
         return _log_probs_at(model, out, out.shape[1] - 1)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index, deterministic=True)
@@ -217,6 +219,7 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
     state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
+    state = _in_place(state, batch, k)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     scores_dtype = score_dtype(model.dtype)                                      # float32 for P
@@ -245,6 +248,15 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
              jnp.zeros(batch, bool))
     *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1].all(), advance, start)
     return row[:, 1:], length, score
+
+
+def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
+    """The self-attention caches given a ``beams`` table in which every row holds its own positions:
+    :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
+    Shape: each table (B, K, C)."""
+    own_rows = jnp.arange(beam_size, dtype=_TOKEN_DTYPE)[None, :, None]         # (1, K, 1)
+    return tuple((own._replace(beams=jnp.broadcast_to(own_rows, (batch, beam_size, own.keys.shape[2]))), memory)
+                 for own, memory in cache)
 
 
 def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:

@@ -71,11 +71,11 @@ def max_output_lengths(model: Transformer, src) -> tf.Tensor:
     return tf.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
 
 
-def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=None, cache_index=None):
+def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=(), cache_index=None):
     """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
     they are never chosen.
 
-    Without a cache ``tgt`` is the whole prefix: tgt (B, T) -> (B, V). With a ``cache``
+    Without a cache (``()``) ``tgt`` is the whole prefix: tgt (B, T) -> (B, V). With a ``cache``
     (``model.init_cache``) ``tgt`` holds the new positions only, starting at ``cache_index``,
     and the result is ``(log_probs (B, V), cache)``.
     """
@@ -85,7 +85,7 @@ def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=None, 
 def _next_token_log_probs(model: Transformer, weight, tgt, memory, src_mask, cache, cache_index):
     """:func:`next_token_log_probs` with the generator's (D, V) ``weight`` given
     (``Generator._weight``): a search reads it once per call, not at every step."""
-    if cache is None:
+    if not cache:
         out = model.decode(tgt, memory, src_mask)
     else:
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
@@ -93,7 +93,7 @@ def _next_token_log_probs(model: Transformer, weight, tgt, memory, src_mask, cac
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
                                                                           model.config.bos_id], axis=1)  # (V,)
     log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
-    return log_probs if cache is None else (log_probs, cache)
+    return (log_probs, cache) if cache else log_probs
 
 
 def reorder_cache(cache: tuple, beams) -> tuple:
@@ -183,50 +183,42 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, w
     length = _buffer_length(model, src)
     memory = tf.repeat(model.encode(src, src_mask), k, axis=0)            # (N, S, D)
     src_mask = tf.repeat(src_mask, k, axis=0)                              # (N, 1, 1, S)
-    cache = _in_place(model.init_cache(memory, length), batch, k) if use_cache else ()
+    cache = _in_place(model.init_cache(memory, length) if use_cache else (), batch, k)
     first_row = tf.range(batch)[:, None] * k                               # (B, 1): row of beam 0
     limit_penalty = tf.gather(penalties, limits)                           # (B,)
+    never = tf.constant(-np.inf, dtype)                                    # the score of what does not finish
 
-    def body(t, tokens, scores, cache, done, best):
-        log_probs, cache = _step(model, weight, tokens, t, memory, src_mask, cache)   # (N, V)
-        candidates = scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
-        value, beam, token, finishing, keep = _select(candidates, cfg.eos_id, k)
-        active = ~done
-        # Finished hypotheses, in rank order, replace the best only on a strictly greater score;
-        # at this step all share lp(t), so the first eos among the first K ranks is the one to try.
-        first = tf.argmax(tf.cast(finishing, tf.int32), axis=-1, output_type=tf.int32)   # (B,)
-        parent = tf.gather(tokens, first_row[:, 0] + tf.gather(beam, first, batch_dims=1))  # (B, L+1)
-        best = _keep_better(best, active & tf.reduce_any(finishing, axis=-1),
-                            tf.gather(value, first, batch_dims=1) / penalties[t],
-                            _put(parent, tf.fill([batch], tf.constant(cfg.eos_id, tf.int64)), t)[:, 1:], t)
-        rows = tf.reshape(first_row + tf.gather(beam, keep, batch_dims=1), [-1])           # (N,)
-        tokens = _put(tf.gather(tokens, rows), tf.reshape(tf.gather(token, keep, batch_dims=1), [-1]), t)
-        scores = tf.gather(value, keep, batch_dims=1)                      # (B, K), descending
-        cache = _reorder_own(cache, rows)
-        # At the maximum length the live beams finish too (beam 0 ranks first and scores highest).
-        at_limit = active & (t >= limits)
-        best = _keep_better(best, at_limit, scores[:, 0] / penalties[t],
-                            tf.gather(tokens, first_row[:, 0])[:, 1:], t)
-        stop = at_limit | (scores[:, 0] / limit_penalty <= best[0])
-        return t + 1, tokens, scores, cache, done | (active & stop), best
+    def body(t, history, live_scores, cache, best, done):
+        log_probs, cache = _step(model, weight, history, t, memory, src_mask, cache)   # (N, V)
+        candidates = live_scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
+        scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
+        rows = _put(tf.gather(history, first_row + beams), tokens, t)         # (B, 2K, L + 1)
+        ended = tf.where(finishing & ~done[:, None], scores / penalties[t], never)
+        best = _keep_best(best, ended, rows, t)
+        live_scores = tf.gather(scores, keep, batch_dims=1)                  # (B, K), descending
+        rows = tf.gather(rows, keep, batch_dims=1)                           # (B, K, L + 1)
+        cache = _reorder_own(cache, tf.reshape(first_row + tf.gather(beams, keep, batch_dims=1), [-1]))
+        last = ~done & (t == limits)                                         # (B,)
+        best = _keep_best(best, tf.where(last[:, None], live_scores / penalties[t], never), rows, t)
+        done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])
+        return t + 1, tf.reshape(rows, (batch * k, -1)), live_scores, cache, best, done
 
-    alive = tf.constant([0.0] + [-np.inf] * (k - 1), dtype)               # only beam 0 exists at first
-    best = (tf.fill([batch], tf.constant(-np.inf, dtype)),                 # score
-            tf.fill([batch, length], tf.constant(cfg.pad_id, tf.int64)),   # tokens (B, L)
-            tf.zeros([batch], tf.int32))                                   # length
+    alive = tf.constant([0.0] + [-np.inf] * (k - 1), dtype)               # (K,): only beam 0 exists at first
+    no_best = (tf.fill([batch], never), _start_tokens(cfg, batch, length),
+               tf.zeros([batch], tf.int32))                                # score, row (B, L + 1), length
     start = (tf.constant(1), _start_tokens(cfg, batch * k, length), tf.tile(alive[None], [batch, 1]), cache,
-             tf.zeros([batch], tf.bool), best)
-    *_, best = tf.while_loop(lambda t, tokens, scores, cache, done, best: ~tf.reduce_all(done), body, start)
-    score, tokens, lengths = best
-    return tokens, lengths, score
+             no_best, tf.zeros([batch], tf.bool))
+    *_, (score, row, lengths), _ = tf.while_loop(lambda *carry: ~tf.reduce_all(carry[-1]), body, start)
+    return row[:, 1:], lengths, score
 
 
 def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
     """The self-attention caches given a ``beams`` table in which every row holds its own positions:
-    :func:`reorder_cache` then reorders tables, not keys and values. Shape: each table (B, K, C)."""
-    capacity = cache[0][0].keys.shape[2]
-    table = tf.broadcast_to(tf.range(beam_size)[None, :, None], (batch, beam_size, capacity))   # (B, K, C)
-    return tuple((own._replace(beams=table), memory) for own, memory in cache)
+    :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
+    Shape: each table (B, K, C)."""
+    own_rows = tf.range(beam_size)[None, :, None]                          # (1, K, 1)
+    return tuple((own._replace(beams=tf.broadcast_to(own_rows, (batch, beam_size, own.keys.shape[2]))), memory)
+                 for own, memory in cache)
 
 
 def _reorder_own(cache: tuple, beams) -> tuple:
@@ -260,11 +252,20 @@ def _select(candidates, eos_id: int, beam_size: int):
     return value, beam, token, is_eos & (rank < k), keep
 
 
-def _keep_better(best, candidate, score, tokens, t):
-    """Replace the best (score, tokens, length) where ``candidate`` and strictly better."""
-    better = candidate & (score > best[0])
-    return (tf.where(better, score, best[0]), tf.where(better[:, None], tokens, best[1]),
-            tf.where(better, t, best[2]))
+def _keep_best(best, scores, rows, length):
+    """Replace each sentence's ``best`` = (score, row, length) by its first candidate of highest score,
+    only if that score is strictly greater (so earlier finished hypotheses win ties). The first maximum is
+    found explicitly: ``tf.argmax`` does not promise which of equal values it returns.
+
+    Shape: best ((B,), (B, L + 1), (B,)); scores (B, C) in rank order, -inf for candidates that do not
+    finish; rows (B, C, L + 1).
+    """
+    top = tf.reduce_max(scores, axis=1, keepdims=True)                     # (B, 1)
+    first = tf.reduce_min(tf.where(scores == top, tf.range(scores.shape[1]), scores.shape[1] - 1), axis=1)  # (B,)
+    score, row = tf.gather(scores, first, batch_dims=1), tf.gather(rows, first, batch_dims=1)   # (B,), (B, L + 1)
+    better = score > best[0]
+    return (tf.where(better, score, best[0]), tf.where(better[:, None], row, best[1]),
+            tf.where(better, length, best[2]))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -275,7 +276,7 @@ def _step(model: Transformer, weight, tokens, t, memory, src_mask, cache):
     token at t - 1 runs through the decoder; with ``()`` (no cache) the whole prefix does.
     ``weight`` is the generator's (D, V) weight."""
     if not cache:
-        return _next_token_log_probs(model, weight, tokens[:, :t], memory, src_mask, None, None), cache
+        return _next_token_log_probs(model, weight, tokens[:, :t], memory, src_mask, cache, None), cache
     return _next_token_log_probs(model, weight, tokens[:, t - 1, None], memory, src_mask, cache, t - 1)   # tgt (N, 1)
 
 
@@ -286,8 +287,8 @@ def _checked_source(model: Transformer, src) -> tf.Tensor:
 
 
 def _put(tokens, token, t):
-    """tokens[:, t] = token. Shape: tokens (N, W), token (N,)."""
-    return tf.where(tf.range(tokens.shape[1])[None, :] == t, token[:, None], tokens)
+    """tokens[..., t] = token. Shape: tokens (..., W), token (...)."""
+    return tf.where(tf.range(tokens.shape[-1]) == t, token[..., None], tokens)
 
 
 def _start_tokens(cfg, rows: int, length: int) -> tf.Tensor:

@@ -12,16 +12,17 @@ tie to the hypothesis finished first. Outputs are NumPy arrays in the reference'
 With ``use_cache=True`` (the default) each new token costs one decoder step: the model's
 key/value cache (``model.init_cache``, :class:`.model.KVCache`) keeps the self-attention keys and
 values of earlier positions in preallocated buffers, written in place, and the memory's
-encoder-decoder keys and values projected once per sentence; beam search reorders the
-self-attention ones with :func:`reorder_cache`, moving the keys and values of the live beams (kept
-in place under a ``beams`` table instead, ``KVCache.beams``, the search measured no faster:
-docs/benchmarks.md). Beam search advances every sentence's beams together, as the JAX and
-TensorFlow ports do: rows are (sentence, beam) pairs, N = B * K; slots not yet filled (the first
+encoder-decoder keys and values projected once per sentence. Beam search has the design of the JAX
+and TensorFlow ports, helper for helper: it keeps each row's self-attention keys and values where
+they are and a ``beams`` table of which row holds each position of each hypothesis
+(``KVCache.beams``, :func:`_in_place`) follows the beams (:func:`reorder_cache` reorders the table,
+not the keys and values: under XLA, TensorFlow's search is much faster so; docs/benchmarks.md). It
+advances every sentence's beams together: rows are (sentence, beam) pairs, N = B * K; slots not yet filled (the first
 step has one live beam) hold the score -inf, rank after every real candidate and never finish; a
 sentence that has stopped is still computed but changes nothing until every sentence has stopped.
 Candidates are ranked by ``torch.topk`` (2K of the K * V), not a full sort. ``use_cache=False``
-recomputes the whole prefix at every step, as the reference does; both give the same
-log-probabilities (to rounding) for the rows still being decoded, and the same tokens (a
+(no cache: ``()``, as in every port) recomputes the whole prefix at every step, as the reference
+does; both give the same log-probabilities (to rounding) for the rows still being decoded, and the same tokens (a
 finished greedy row only receives pad; with the cache its pad keys are not masked, which
 changes nothing it emits).
 
@@ -47,11 +48,11 @@ from .model import _LOW, KVCache, Transformer, padding_mask
 
 
 def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
-                         cache: tuple | None = None, cache_index: int | None = None):
+                         cache: tuple = (), cache_index: int | None = None):
     """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
     set to -inf so that they are never chosen.
 
-    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
+    Without a cache (``()``) ``tgt`` is the whole prefix (the decoder is recomputed, under
     :func:`.model.target_mask`); with a ``cache`` (``model.init_cache``) holding positions
     0 .. cache_index - 1, ``tgt`` holds only the new positions, from ``cache_index`` on (under the
     causal mask of ``Transformer.decode``), and the result is ``(log_probs, cache)``.
@@ -59,13 +60,13 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
     Shape: tgt (B, T) -> log_probs (B, V).
     """
     cfg = model.config
-    if cache is None:
+    if not cache:
         out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
     else:
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
     log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
     log_probs[:, [cfg.pad_id, cfg.bos_id]] = -torch.inf
-    return log_probs if cache is None else (log_probs, cache)
+    return (log_probs, cache) if cache else log_probs
 
 
 def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
@@ -88,12 +89,11 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 
 
-def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
-               cache: tuple | None) -> tuple[Tensor, tuple | None]:
-    """:func:`next_token_log_probs` after the prefix ``tgt``: the whole prefix without a cache, its
+def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple) -> tuple[Tensor, tuple]:
+    """:func:`next_token_log_probs` after the prefix ``tgt``: the whole prefix without a cache (``()``), its
     last position with a cache holding the others."""
-    if cache is None:
-        return next_token_log_probs(model, tgt, memory, src_mask), None
+    if not cache:
+        return next_token_log_probs(model, tgt, memory, src_mask), cache
     return next_token_log_probs(model, tgt[:, -1:], memory, src_mask, cache, tgt.shape[1] - 1)
 
 
@@ -108,7 +108,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
     src_mask = padding_mask(src, cfg.pad_id)
     limits = max_output_lengths(model, src.cpu().numpy())
-    cache = model.init_cache(memory, int(limits.max())) if use_cache else None
+    cache = model.init_cache(memory, int(limits.max())) if use_cache else ()
     limits = torch.as_tensor(limits, device=src.device)
     tgt = torch.full((len(src), 1), cfg.bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
@@ -146,7 +146,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
         device, scores_dtype)
     memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
-    cache = model.init_cache(memory, max_steps) if use_cache else None
+    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
     limits = torch.as_tensor(limits, device=device)                              # (B,)
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
@@ -167,8 +167,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
         best = _keep_best(best, ended, rows, step)
         live_scores = scores.gather(1, keep)                                     # (B, K), descending
         rows = rows.gather(1, keep[:, :, None].expand(-1, -1, rows.shape[2]))    # (B, K, M + 1)
-        if cache is not None:
-            cache = _reorder_own(cache, (first_row + beams.gather(1, keep)).view(-1))
+        cache = _reorder_own(cache, (first_row + beams.gather(1, keep)).view(-1))
         last = ~done & (step == limits)                                          # (B,)
         best = _keep_best(best, torch.where(last[:, None], live_scores / penalties[step], -torch.inf), rows, step)
         done |= last | (live_scores[:, 0] / limit_penalty <= best[0])
@@ -179,9 +178,17 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     return row[:, 1:int(length.max()) + 1].cpu().numpy(), score.cpu().numpy().astype(np.float64)
 
 
+def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
+    """The self-attention caches given a ``beams`` table in which every row holds its own positions:
+    :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
+    Shape: each table (B, K, C), written in place by the attention."""
+    return tuple((own._replace(beams=torch.arange(beam_size, device=own.keys.device)[None, :, None].repeat(
+        batch, 1, own.keys.shape[2])), memory) for own, memory in cache)
+
+
 def _reorder_own(cache: tuple, beams: Tensor) -> tuple:
     """:func:`reorder_cache` of each layer's self-attention cache only: the memory's keys and values are the
-    same for every beam of a sentence, so they stay where they are."""
+    same for every beam of a sentence, so they stay where they are (``()``, no cache, stays ``()``)."""
     kept = reorder_cache(tuple((own,) for own, _ in cache), beams)
     return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
 
