@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from hypothesis import strategies as st
 
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.model import Transformer
 
 from . import tolerance
 from .adapters import numpy as reference
 from .cases import decoding_params
+from .contract import Backend, Model
 from .training_runs import Run, assert_float64_run, reference_run
 
 EPSILONS = (1e-12, 1e-8, 1e-6, 1e-3, 0.5)
@@ -68,7 +71,7 @@ class Case:
 
 
 @st.composite
-def configs(draw) -> TransformerConfig:
+def configs(draw: st.DrawFn) -> TransformerConfig:
     """Any valid configuration of small sizes: odd and even head counts, d_k from 1, the special ids anywhere."""
     n_heads, d_k = draw(st.integers(1, 5)), draw(st.integers(1, 4))
     d_k *= 1 + (n_heads * d_k) % 2                                       # d_model even (section 3.5)
@@ -85,7 +88,7 @@ def configs(draw) -> TransformerConfig:
 
 
 @st.composite
-def cases(draw, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> Case:
+def cases(draw: st.DrawFn, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> Case:
     """A :class:`Case` drawn over :func:`configs`, weight scales, batch shapes, padding and mask patterns."""
     config = draw(configs())
     batch = draw(st.integers(1, 3))
@@ -117,7 +120,7 @@ def inputs(case: Case) -> dict[str, np.ndarray | None]:
     for row, length in enumerate(case.tgt_lengths):
         if length:
             labels[row, length - 1] = config.eos_id
-    masks = {"src_mask": None, "tgt_mask": None}
+    masks: dict[str, np.ndarray | None] = {"src_mask": None, "tgt_mask": None}
     if case.explicit_masks:
         masks = {"src_mask": rng.random((len(src), 1, 1, case.src_len)) < 0.7,
                  "tgt_mask": rng.random((len(tgt), 1, case.tgt_len, case.tgt_len)) < 0.7}
@@ -130,7 +133,7 @@ def _padded(tokens: np.ndarray, lengths: tuple[int, ...], pad_id: int) -> np.nda
     return np.where(np.arange(tokens.shape[1]) < np.array(lengths)[:, None], tokens, pad_id)
 
 
-def check(case: Case, backend, not_compared: list[str] | None = None) -> list[str]:
+def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
     """The forward stages in float64 and float32, greedy tokens, the loss, its gradient and one Adam step in
     float64 of ``backend`` (an adapter of :mod:`equivalence.adapters`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
@@ -146,23 +149,33 @@ def check(case: Case, backend, not_compared: list[str] | None = None) -> list[st
         expected = reference.greedy(ref64, batch["src"])
     if not _same(np.asarray(backend.greedy(model, batch["src"])), expected):
         found.append("greedy float64: tokens differ")
-    training = {key: batch[key] for key in ("src", "tgt", "labels")}
-    return found + _training(case, backend, model, ref64, training, not_compared)
+    return found + _training(case, backend, model, ref64, _labelled(batch), not_compared)
 
 
-def _training(case: Case, backend, model, ref64, training: dict, not_compared: list[str]) -> list[str]:
+Labelled = tuple[np.ndarray, np.ndarray, np.ndarray]     # src, tgt and labels: what the loss and training read
+
+
+def _labelled(batch: dict[str, np.ndarray | None]) -> Labelled:
+    src, tgt, labels = batch["src"], batch["tgt"], batch["labels"]
+    if src is None or tgt is None or labels is None:
+        raise ValueError("a training batch needs src, tgt and labels")
+    return src, tgt, labels
+
+
+def _training(case: Case, backend: Backend, model: Model, ref64: Transformer, training: Labelled,
+              not_compared: list[str]) -> list[str]:
     """The loss (or the reference's refusal), its gradient and one Adam step in float64, where they are defined."""
     try:
         with np.errstate(all="ignore"):
-            value = reference.loss(ref64, **training)
+            value = reference.loss(ref64, *training)
     except ValueError as err:                               # e.g. labels all padding: the same refusal everywhere
-        return _same_refusal(str(err), lambda: backend.loss(model, **training))
+        return _same_refusal(str(err), lambda: backend.loss(model, *training))
     if not np.isfinite(value):
         not_compared.append(f"gradients and the Adam step float64: the reference's loss overflows ({value})")
         return []
-    _, ref_grads = reference.gradients(ref64, **training)
+    _, ref_grads = reference.gradients(ref64, *training)
     sensitivity = tolerance.rounding_sensitivity(
-        lambda weights: reference.gradients(reference.build(ref64.config, weights), **training)[1],
+        lambda weights: reference.gradients(reference.build(ref64.config, weights), *training)[1],
         reference.export_params(ref64))
     if not tolerance.gradient_determined(ref_grads, sensitivity):
         scale = max(float(np.max(np.abs(grad))) for grad in ref_grads.values())
@@ -174,7 +187,7 @@ def _training(case: Case, backend, model, ref64, training: dict, not_compared: l
     return found + _training_step(case, backend, training)
 
 
-def _same_refusal(message: str, call) -> list[str]:
+def _same_refusal(message: str, call: Callable[[], object]) -> list[str]:
     """[] if ``call`` raises ValueError(``message``), the reference's refusal; else what it did."""
     try:
         call()
@@ -183,7 +196,8 @@ def _same_refusal(message: str, call) -> list[str]:
     return [f"accepted what the reference refuses ({message!r})"]
 
 
-def _forward(case: Case, backend, weights, batch, precision: str, not_compared: list[str]) -> list[str]:
+def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch: dict[str, np.ndarray | None],
+             precision: str, not_compared: list[str]) -> list[str]:
     """The forward stages in ``precision`` against the float64 reference (and the reference in ``precision``).
     A stage left undetermined by an overflow (:func:`_hidden_overflow`) is not compared, and said so."""
     arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
@@ -192,7 +206,8 @@ def _forward(case: Case, backend, weights, batch, precision: str, not_compared: 
         ref64 = reference.forward(model64, **arguments)
         same = reference.forward(reference.build(case.config, weights, precision), **arguments)
     out = backend.forward(backend.build(case.config, weights, precision), **arguments)
-    found, maps = [], tolerance.stage_maps(model64, **arguments)
+    src, tgt, _ = _labelled(batch)
+    found, maps = [], tolerance.stage_maps(model64, src, tgt, batch["src_mask"], batch["tgt_mask"])
     for name in ref64:
         port = np.asarray(out[name])
         if _hidden_overflow(case, weights, arguments, precision, port, same[name]):
@@ -205,7 +220,8 @@ def _forward(case: Case, backend, weights, batch, precision: str, not_compared: 
     return found
 
 
-def _hidden_overflow(case: Case, weights, arguments: dict, precision: str, port: np.ndarray, same: np.ndarray) -> bool:
+def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: dict[str, np.ndarray | None],
+                     precision: str, port: np.ndarray, same: np.ndarray) -> bool:
     """Whether ``port``'s stage departs from the reference's ``same`` only by non-finite values where the reference
     is finite, while the reference in ``precision`` overflows in some operation (NumPy raises when asked to): e.g. a
     float32 score q.k of 1.6e47 summed from terms past float32's range is -inf in NumPy's order of fused
@@ -223,8 +239,10 @@ def _hidden_overflow(case: Case, weights, arguments: dict, precision: str, port:
     return False
 
 
-def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str, step=None,
-                 port_stages=None, same_stages=None) -> str | None:
+def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str,
+                 step: Callable[[tolerance.Stages], np.ndarray] | None = None,
+                 port_stages: tolerance.Stages | None = None,
+                 same_stages: tolerance.Stages | None = None) -> str | None:
     """What is wrong with ``port`` (in ``precision``) against the float64 reference ``ref64`` and the reference in
     ``precision`` ``same``, or None: the non-finite values of ``same`` exactly (NaN where NaN, infinities of the
     same sign), and the policy's bound on the entries every one of the three has finite (for a stage that is a map
@@ -242,9 +260,9 @@ def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precisio
     return None if result.ok else str(result)
 
 
-def _gradients(backend, model, ref64, training, sensitivity: float) -> list[str]:
-    value, grads = backend.gradients(model, **training)
-    ref_value, ref_grads = reference.gradients(ref64, **training)
+def _gradients(backend: Backend, model: Model, ref64: Transformer, training: Labelled, sensitivity: float) -> list[str]:
+    value, grads = backend.gradients(model, *training)
+    ref_value, ref_grads = reference.gradients(ref64, *training)
     found = [] if abs(value - ref_value) <= tolerance.float64_bound(ref_value) else [
         f"loss float64: {value!r} vs the reference's {ref_value!r}"]
     bound = tolerance.gradient_bound(ref_grads, grads, sensitivity)
@@ -253,13 +271,14 @@ def _gradients(backend, model, ref64, training, sensitivity: float) -> list[str]
                     if not tolerance.max_abs(grads[name], grad) <= bound]
 
 
-def _training_step(case: Case, backend, training) -> list[str]:
+def _training_step(case: Case, backend: Backend, training: Labelled) -> list[str]:
     """One Adam step (section 5.3) within :class:`tolerance.TrainingBound` of the reference's (each run from its own
     copy of the weights: the reference's Adam updates its arrays in place)."""
-    expected, bound = reference_run(case.config, params(case), TRAINING, [training], conditioned=True)
+    batch = dict(zip(("src", "tgt", "labels"), training))
+    expected, bound = reference_run(case.config, params(case), TRAINING, [batch], conditioned=True)
     model = backend.build(case.config, params(case))
     optimizer = backend.optimizer(model, TRAINING)
-    losses = [backend.train_step(model, optimizer, **training)]
+    losses = [backend.train_step(model, optimizer, *training)]
     result = Run(losses, backend.export_params(model), backend.training_state(model, optimizer))
     try:
         assert_float64_run(result, expected, bound, "training step float64")

@@ -44,15 +44,17 @@ Nothing else in the project chooses a tolerance.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from unittest import mock
 
 import numpy as np
+import numpy.typing as npt
 
 from reference_numpy import backward
-from reference_numpy.model import padding_mask, target_mask
+from reference_numpy.model import DecoderLayer, EncoderLayer, LayerNorm, Transformer, padding_mask, target_mask
 from reference_numpy.precision import is_low, parse_dtype, round_to, spacing
 
 FLOAT64_RELATIVE = 1e-12
@@ -84,7 +86,7 @@ class Agreement:
         return f"{what} {self.error:.3e} {'<=' if self.ok else '>'} bound {self.bound:.3e}"
 
 
-def max_abs(a, b) -> float:
+def max_abs(a: npt.ArrayLike, b: npt.ArrayLike) -> float:
     """max |a - b| in float64 (0 for empty arrays); shapes must match."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape:
@@ -92,26 +94,26 @@ def max_abs(a, b) -> float:
     return float(np.max(np.abs(a - b), initial=0.0))
 
 
-def float64_bound(ref64) -> float:
+def float64_bound(ref64: npt.ArrayLike) -> float:
     """FLOAT64_RELATIVE x max(1, max|ref64|)."""
     return FLOAT64_RELATIVE * max(1.0, float(np.max(np.abs(ref64), initial=0.0)))
 
 
-def float32_bound(ref64, ref32) -> float:
+def float32_bound(ref64: npt.ArrayLike, ref32: npt.ArrayLike) -> float:
     """FLOAT32_FACTOR x max(error of the float32 reference, one float32 ulp at the output's scale)."""
     scale = float(np.max(np.abs(ref64), initial=0.0))
     ulp = float(np.spacing(np.float32(scale)))
     return FLOAT32_FACTOR * max(max_abs(ref32, ref64), ulp)
 
 
-def low_precision_bound(ref64, ref_low, dtype) -> float:
+def low_precision_bound(ref64: npt.ArrayLike, ref_low: npt.ArrayLike, dtype: npt.DTypeLike) -> float:
     """LOW_PRECISION_FACTOR x max(error of the reference in ``dtype`` (bfloat16 or float16), one unit in the last
     place of ``dtype`` at the output's scale)."""
     scale = float(np.max(np.abs(ref64), initial=0.0))
     return LOW_PRECISION_FACTOR * max(max_abs(ref_low, ref64), float(spacing(scale, dtype)))
 
 
-def bound_for(dtype, ref64, ref_same=None) -> float:
+def bound_for(dtype: npt.DTypeLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None = None) -> float:
     """The policy's bound for an output computed in ``dtype``; float32, bfloat16 and float16 need ``ref_same``, the
     reference's output in that same precision (a low-precision model's log-probabilities are float32 arrays, but
     their precision is the model's)."""
@@ -123,12 +125,13 @@ def bound_for(dtype, ref64, ref_same=None) -> float:
     return float32_bound(ref64, ref_same) if dtype == np.float32 else low_precision_bound(ref64, ref_same, dtype)
 
 
-def pair_bound(dtype, ref64, ref_same=None) -> float:
+def pair_bound(dtype: npt.DTypeLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None = None) -> float:
     """Two ports each within the bound of the reference are within twice it of each other."""
     return 2 * bound_for(dtype, ref64, ref_same)
 
 
-def single_rounding_bound(port, ref64, ref32, dtype) -> np.ndarray:
+def single_rounding_bound(port: npt.ArrayLike, ref64: npt.ArrayLike, ref32: npt.ArrayLike,
+                          dtype: npt.DTypeLike) -> np.ndarray:
     """Element-wise bound for a concept the recipe computes wide and rounds once to ``dtype`` (bfloat16 or float16),
     on inputs and weights that are numbers of ``dtype``: the float32 policy's bound on the wide value plus half a
     unit in the last place of ``dtype`` at the port's value (one correct-or-not rounding moves a value by no more;
@@ -138,7 +141,7 @@ def single_rounding_bound(port, ref64, ref32, dtype) -> np.ndarray:
     return float32_bound(ref64, ref32) + spacing(np.asarray(port, dtype=np.float64), dtype) / 2
 
 
-def decided_by_rounding(ref64, ref32, dtype) -> np.ndarray:
+def decided_by_rounding(ref64: npt.ArrayLike, ref32: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
     """Where one rounding to ``dtype`` has a single answer for every wide value within the float32 bound of the
     exact value ``ref64`` (``ref32``: the float32 reference on the same inputs): the elements whose interval
     ``ref64 +- bound`` rounds to one number at both ends (rounding is monotonic, so everything between does too).
@@ -173,7 +176,8 @@ def gradient_determined(grads: dict, sensitivity: float) -> bool:
     return sensitivity < scale
 
 
-def rounding_sensitivity(gradients, params: dict[str, np.ndarray], draws: int = 8) -> float:
+def rounding_sensitivity(gradients: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+                         params: dict[str, np.ndarray], draws: int = 8) -> float:
     """How far the reference's float64 gradient moves when every weight and every value its forward pass computes
     (each linear map's, attention's and LayerNorm's output) moves by one rounding: the largest max |g' - g| over
     ``draws`` seeded draws of w' = w (1 +- 2^-52) and the same for those values (random signs);
@@ -195,13 +199,13 @@ def rounding_sensitivity(gradients, params: dict[str, np.ndarray], draws: int = 
     return moved
 
 
-def _one_rounding(value, rng: np.random.Generator) -> np.ndarray:
+def _one_rounding(value: npt.ArrayLike, rng: np.random.Generator) -> np.ndarray:
     """``value`` (1 +- 2^-52), a random sign per entry: one float64 rounding."""
     return value * (1 + np.ldexp(1.0, -52) * rng.choice([-1.0, 1.0], np.shape(value)))
 
 
 @contextmanager
-def _rounded_activations(rng: np.random.Generator):
+def _rounded_activations(rng: np.random.Generator) -> Iterator[None]:
     """While open, the outputs of the reference backward pass's linear maps, attention and LayerNorms carry one
     rounding each (:func:`_one_rounding`); their backward functions are the exact ones."""
     def rounded(concept):
@@ -273,7 +277,8 @@ def finite_difference_bound(fd_h: float, fd_half: float, loss_value: float, step
     return abs(fd_h - fd_half) + 3.0 * delta / step
 
 
-def agreement(port, ref64, ref_same=None, precision=None) -> Agreement:
+def agreement(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None = None,
+              precision: npt.DTypeLike | None = None) -> Agreement:
     """Compare ``port`` with the float64 reference under the policy for ``precision`` (default: the port's dtype).
 
     float32, bfloat16 and float16 need ``ref_same``, the reference's output in that precision on the same inputs.
@@ -284,7 +289,8 @@ def agreement(port, ref64, ref_same=None, precision=None) -> Agreement:
                      scale=scale)
 
 
-def assert_agrees(port, ref64, ref_same=None, what: str = "output", precision=None) -> Agreement:
+def assert_agrees(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None = None,
+                  what: str = "output", precision: npt.DTypeLike | None = None) -> Agreement:
     """Raise ``AssertionError`` naming ``what`` when :func:`agreement` fails; return the result."""
     result = agreement(port, ref64, ref_same, precision)
     if not result.ok:
@@ -295,7 +301,8 @@ def assert_agrees(port, ref64, ref_same=None, what: str = "output", precision=No
 Stages = dict[str, np.ndarray]
 
 
-def stage_maps(model64, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, Callable[[Stages], np.ndarray]]:
+def stage_maps(model64: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: np.ndarray | None = None,
+               tgt_mask: np.ndarray | None = None) -> dict[str, Callable[[Stages], np.ndarray]]:
     """Every forward stage that is a map of earlier ones -- each layer of the stacks (section 3.1; a decoder layer
     also reads the encoder's output), a stack's output (its final LayerNorm in pre-LN), the log-probabilities
     (section 3.4) -- as a function computing it in the float64 reference ``model64`` from the values of those
@@ -303,25 +310,41 @@ def stage_maps(model64, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, Cal
     config = model64.config
     src_mask = padding_mask(np.asarray(src), config.pad_id) if src_mask is None else src_mask
     tgt_mask = target_mask(np.asarray(tgt), config.pad_id) if tgt_mask is None else tgt_mask
-    value = lambda stages, name: np.asarray(stages[name], dtype=np.float64)
+
+    def encoder_layer(layer: EncoderLayer, before: str, stages: Stages) -> np.ndarray:
+        return layer(_stage(stages, before), src_mask)
+
+    def decoder_layer(layer: DecoderLayer, before: str, stages: Stages) -> np.ndarray:
+        return layer(_stage(stages, before), _stage(stages, "encoder"), src_mask, tgt_mask)
+
     maps: dict[str, Callable[[Stages], np.ndarray]] = {}
-    for side, stack, first in (("encoder", model64.encoder, "src_embed"), ("decoder", model64.decoder, "tgt_embed")):
-        before = first
-        for i, layer in enumerate(stack.layers):
-            maps[f"{side}.layers.{i}"] = (
-                (lambda stages, layer=layer, before=before: layer(value(stages, before), src_mask))
-                if side == "encoder" else
-                (lambda stages, layer=layer, before=before: layer(value(stages, before), value(stages, "encoder"),
-                                                                  src_mask, tgt_mask)))
-            before = f"{side}.layers.{i}"
-        norm = stack.norm or (lambda x: x)
-        maps[side] = lambda stages, norm=norm, before=before: norm(value(stages, before))
-    maps["log_probs"] = lambda stages: model64.generator(value(stages, "decoder"))
+    before = "src_embed"
+    for i, encoder in enumerate(model64.encoder.layers):
+        maps[f"encoder.layers.{i}"] = functools.partial(encoder_layer, encoder, before)
+        before = f"encoder.layers.{i}"
+    maps["encoder"] = functools.partial(_stack_output, model64.encoder.norm, before)
+    before = "tgt_embed"
+    for i, decoder in enumerate(model64.decoder.layers):
+        maps[f"decoder.layers.{i}"] = functools.partial(decoder_layer, decoder, before)
+        before = f"decoder.layers.{i}"
+    maps["decoder"] = functools.partial(_stack_output, model64.decoder.norm, before)
+    maps["log_probs"] = lambda stages: model64.generator(_stage(stages, "decoder"))
     return maps
 
 
-def stage_agreement(port, ref64, ref_same, dtype, step: Callable[[Stages], np.ndarray] | None = None,
-                    port_stages: Stages | None = None, same_stages: Stages | None = None, where=None) -> Agreement:
+def _stage(stages: Stages, name: str) -> np.ndarray:
+    return np.asarray(stages[name], dtype=np.float64)
+
+
+def _stack_output(norm: LayerNorm | None, before: str, stages: Stages) -> np.ndarray:
+    """A stack's output from its last layer's: its final LayerNorm in pre-LN, the same values in post-LN."""
+    x = _stage(stages, before)
+    return x if norm is None else norm(x)
+
+
+def stage_agreement(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None, dtype: npt.DTypeLike,
+                    step: Callable[[Stages], np.ndarray] | None = None, port_stages: Stages | None = None,
+                    same_stages: Stages | None = None, where: np.ndarray | None = None) -> Agreement:
     """A forward stage of a port against the float64 reference under the policy (:func:`agreement`), over the
     entries ``where`` (default: all). For a stage that is a map ``step`` of earlier stages (:func:`stage_maps`;
     ``port_stages`` and ``same_stages``: the port's and the reference-in-``dtype``'s stages -- ``ref64``'s in
@@ -341,6 +364,8 @@ def stage_agreement(port, ref64, ref_same, dtype, step: Callable[[Stages], np.nd
     result = agreement(port[where], ref64[where], same, dtype)
     if result.ok or step is None or not where.any():
         return result
+    if port_stages is None or same_stages is None:
+        raise ValueError("a stage that is a map of earlier ones needs port_stages and same_stages")
     exact_port, exact_same = step(port_stages)[where], step(same_stages)[where]
     added = Agreement(max_abs(port[where], exact_port), bound_for(dtype, exact_same, same), result.scale, added=True)
     return added if added.ok else result

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
@@ -39,7 +40,7 @@ DTYPES = (np.dtype(np.float64), np.dtype(np.float32), BFLOAT16, FLOAT16)
 DTYPE_NAMES = tuple(dtype.name for dtype in DTYPES)   # "float64", "float32", "bfloat16", "float16"
 
 
-def parse_dtype(dtype) -> np.dtype:
+def parse_dtype(dtype: npt.DTypeLike) -> np.dtype:
     """``dtype`` (a name, a NumPy or ml_dtypes type) as one of :data:`DTYPES`; anything else is one ValueError."""
     try:
         parsed = np.dtype(dtype)
@@ -50,12 +51,12 @@ def parse_dtype(dtype) -> np.dtype:
     return parsed
 
 
-def is_low(dtype) -> bool:
+def is_low(dtype: npt.DTypeLike) -> bool:
     """Whether ``dtype`` is a low format (bfloat16, float16) that computes by the recipe."""
     return np.dtype(dtype) in LOW
 
 
-def score_dtype(dtype) -> np.dtype:
+def score_dtype(dtype: npt.DTypeLike) -> np.dtype:
     """The dtype of log-probabilities, the loss and beam scores of a model in ``dtype``: float32 for P."""
     return np.dtype(np.float32) if is_low(dtype) else np.dtype(dtype)
 
@@ -65,12 +66,12 @@ def wide(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) if is_low(x.dtype) else x
 
 
-def narrow(x: np.ndarray, dtype) -> np.ndarray:
+def narrow(x: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
     """A concept's wide result rounded once to the model's ``dtype`` when it is low; unchanged otherwise."""
     return round_to(x, dtype) if is_low(dtype) else x
 
 
-def round_to(x, dtype) -> np.ndarray:
+def round_to(x: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
     """``x`` correctly rounded (to nearest, ties to even) to ``dtype``, from any precision.
 
     NumPy's and ml_dtypes' casts from float64 to bfloat16 go through float32 and so round twice (1 + 2^-8 + 2^-30
@@ -90,13 +91,13 @@ def round_to(x, dtype) -> np.ndarray:
     return np.where(np.isfinite(x), rounded, x).astype(dtype)
 
 
-def spacing(x, dtype) -> np.ndarray:
+def spacing(x: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
     """One unit in the last place of the low format ``dtype`` at |x| (the distance from a number of ``dtype`` of
     that magnitude to the next larger one), in float64."""
     return np.ldexp(1.0, _ulp_exponent(np.abs(np.asarray(x, dtype=np.float64)), np.dtype(dtype)))
 
 
-def _ulp_exponent(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _ulp_exponent(x: npt.ArrayLike, dtype: np.dtype) -> np.ndarray:
     """log2 of one unit in the last place of ``dtype`` at the magnitude of ``x``: with |x| = m 2^e, m in [0.5, 1),
     a significand of nmant + 1 bits has its last at 2^(e - nmant - 1); below the normal range, the subnormals'."""
     info = ml_dtypes.finfo(dtype)
@@ -110,7 +111,7 @@ LOSS_SCALE = 2.0 ** 15        # float16's first loss scale (Keras' default; a po
 LOSS_SCALE_GROWTH_INTERVAL = 2000  # finite steps in a row before the scale doubles (torch, Keras and Flax defaults)
 
 
-def check_trainable(dtype) -> None:
+def check_trainable(dtype: npt.DTypeLike) -> None:
     """Training updates float32 or float64 weights: a low-precision *model* is refused with one ValueError, the same
     in every backend (a float32 model trains in a low precision with ``optimizer(..., dtype=...)``)."""
     if is_low(dtype):
@@ -119,7 +120,7 @@ def check_trainable(dtype) -> None:
                          f"precision: float32 master weights, each step computed in {np.dtype(dtype).name})")
 
 
-def training_dtype(model_dtype, dtype) -> np.dtype:
+def training_dtype(model_dtype: npt.DTypeLike, dtype: npt.DTypeLike | None) -> np.dtype:
     """The precision a training step computes in: ``dtype`` (any of :data:`DTYPES`; None: the model's own). A low one
     needs a float32 model, whose weights are the master copy; one ValueError otherwise, the same in every backend."""
     model_dtype = parse_dtype(model_dtype)
@@ -131,7 +132,7 @@ def training_dtype(model_dtype, dtype) -> np.dtype:
     return dtype
 
 
-def uses_loss_scaling(dtype) -> bool:
+def uses_loss_scaling(dtype: npt.DTypeLike) -> bool:
     """float16 training scales the loss (its smallest normal number is 6e-5: small gradients would flush to zero);
     bfloat16 has float32's exponent range and does not."""
     return np.dtype(dtype) == FLOAT16
