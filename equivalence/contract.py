@@ -18,7 +18,7 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 
 Model = Any       # the backend's own Transformer
-Optimizer = Any   # the backend's own optimizer (with its learning-rate schedule)
+Optimizer = Any   # the backend's training.Optimizer: its framework's Adam, schedule, config, P model and loss scale
 
 
 class Backend(Protocol):

@@ -22,7 +22,7 @@ from . import training as single_process
 from .checkpoint import TrainingState
 from .config import TrainingConfig, TransformerConfig
 from .model import Transformer
-from .training import LABEL_SMOOTHING, Adam
+from .training import LABEL_SMOOTHING, Optimizer
 
 Batches = Callable[[int], dict[str, np.ndarray]]   # global step (from 0) -> the whole batch of that step
 
@@ -60,14 +60,14 @@ def check_steps(first_step: int, steps: int) -> None:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
-def train_step(model: Transformer, optimizer: Adam, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike,
+def train_step(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike,
                world_size: int,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5: :func:`gradients` (the shards' sum), one Adam update.
     Returns the whole batch's loss before the update."""
-    single_process.check_next_step(optimizer.step)
+    single_process.check_next_step(optimizer.adam.step)
     value, grads = gradients(model, src, tgt, labels, world_size, epsilon)
-    optimizer.update(grads)
+    optimizer.adam.update(grads)
     return value
 
 

@@ -14,8 +14,10 @@ precision P by the recipe of :mod:`.precision` -- the weights rounded to P, the 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -150,9 +152,9 @@ class Adam:
 
     """
 
-    def __init__(self, params: dict[str, np.ndarray], d_model: int, config: TrainingConfig,
+    def __init__(self, params: dict[str, np.ndarray], schedule: Callable[[int], float], config: TrainingConfig,
                  state: TrainingState | None = None):
-        self.params, self.d_model, self.config = params, d_model, config
+        self.params, self.schedule, self.config = params, schedule, config
         self.step = 0 if state is None else int(state.step)
         self.first_moments = {name: _moment(state, 0, name, value) for name, value in params.items()}
         self.second_moments = {name: _moment(state, 1, name, value) for name, value in params.items()}
@@ -161,7 +163,7 @@ class Adam:
         """One step with the gradient of every parameter, by checkpoint name."""
         c = self.config
         self.step += 1
-        lr = learning_rate(self.step, self.d_model, c)
+        lr = self.schedule(self.step)
         for name, grad in grads.items():
             m, v = self.first_moments[name], self.second_moments[name]
             m *= c.beta1
@@ -180,38 +182,36 @@ def _moment(state: TrainingState | None, which: int, name: str, like: np.ndarray
 
 
 @dataclass
-class MixedPrecision:
-    """Training in a low precision P over float32 master weights (the model's): ``optimizer`` steps the masters
-    with float32 gradients; ``low`` is the model in P each step differentiates (the masters rounded to P);
-    ``loss_scale`` is float16's dynamic loss scaling, None for bfloat16."""
+class Optimizer:
+    """The optimizer of section 5.3 as one record, the same fields in every backend: ``adam`` steps the model's
+    weights (Kingma & Ba, Algorithm 1) with the learning rate of ``schedule`` (Eq. (3)) and the settings of ``config``.
+    In mixed precision (``docs/training.md``) the model's float32 weights are the masters and Adam's moments float32;
+    ``low`` is the model in P each step differentiates (the masters rounded to P; None: the model itself) and
+    ``loss_scale`` float16's dynamic loss scaling (None for any other precision)."""
 
-    optimizer: Adam
-    low: Transformer
-    loss_scale: LossScale | None
+    adam: Adam
+    schedule: Callable[[int], float]
+    config: TrainingConfig
+    low: Transformer | None = None
+    loss_scale: LossScale | None = None
 
 
-@overload
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: None = None) -> Adam: ...
-@overload
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | None = None) -> Adam | MixedPrecision: ...
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> Adam | MixedPrecision:
-    """The optimizer of section 5.3 for ``model``. With ``state`` (from ``load_training_state``) the saved run
-    continues where it stopped: its moments (cast to the model's dtype), step count and, unless ``config`` is
-    given, its training config. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in
-    that precision over the model's float32 master weights (mixed precision, above)."""
+              state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> Optimizer:
+    """The optimizer of section 5.3 for ``model``: :class:`Adam` with the schedule of Eq. (3) (the update numbered t,
+    from 1, uses ``learning_rate(t)``). With ``state`` (from ``load_training_state``) the saved run continues where it
+    stopped: its moments (cast to the model's dtype), step count, float16 loss scale and, unless ``config`` is given,
+    its training config. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that
+    precision over the model's float32 master weights (mixed precision, above)."""
     dtype = training_dtype(model.dtype, dtype)
     if state is not None:
         state = state.astype(model.dtype)                                   # cast once: validated, then copied in
         checkpoint.validate_training_state(model.config, model.params, state)
     config = config or (state.config if state is not None else PAPER)
-    adam = Adam(model.params, model.config.d_model, config, state)
-    if not is_low(dtype):
-        return adam
-    return MixedPrecision(adam, Transformer(model.config, model.params, dtype),
-                          _loss_scale(state) if uses_loss_scaling(dtype) else None)
+    schedule = functools.partial(learning_rate, d_model=model.config.d_model, config=config)
+    low = Transformer(model.config, model.params, dtype) if is_low(dtype) else None
+    return Optimizer(Adam(model.params, schedule, config, state), schedule, config, low,
+                     _loss_scale(state) if uses_loss_scaling(dtype) else None)
 
 
 def _loss_scale(state: TrainingState | None) -> LossScale:
@@ -229,7 +229,7 @@ def resumed_loss_scale(state: TrainingState | None) -> tuple[float, int]:
     return (precision.LOSS_SCALE, 0) if saved is None else (saved.value, saved.good_steps)
 
 
-def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src: npt.ArrayLike, tgt: npt.ArrayLike,
+def train_step(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
                labels: npt.ArrayLike,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5 (no dropout in the reference): the loss before the update. In mixed
@@ -237,20 +237,21 @@ def train_step(model: Transformer, optimizer: Adam | MixedPrecision, src: npt.Ar
     (:func:`_mixed_precision_step`). The batch (:func:`check_batch`) and the step count (:func:`check_next_step`)
     are checked first."""
     src_ids, tgt_ids, label_ids = check_batch(model, src, tgt, labels)
-    check_next_step((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).step)
-    if isinstance(optimizer, MixedPrecision):
+    check_next_step(optimizer.adam.step)
+    if optimizer.low is not None:
         return _mixed_precision_step(model, optimizer, src_ids, tgt_ids, label_ids, epsilon)
     value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy, src_ids, tgt_ids, label_ids,
                                               epsilon)
-    optimizer.update(grads)
+    optimizer.adam.update(grads)
     return value
 
 
-def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src: np.ndarray, tgt: np.ndarray,
+def _mixed_precision_step(model: Transformer, mixed: Optimizer, src: np.ndarray, tgt: np.ndarray,
                           labels: np.ndarray, epsilon: float) -> float:
     """The P model's loss and the gradient of ``scale`` x the loss (the recipe's backward pass in P), widened to
     float32 and divided by the scale; Adam's update of the float32 masters if every gradient is finite, else the step
     is skipped (float16; its scale halves); then the P model is the new masters rounded to P."""
+    assert mixed.low is not None                                          # mixed precision: train_step checked
     scale = 1.0 if mixed.loss_scale is None else mixed.loss_scale.value
     with np.errstate(over="ignore", invalid="ignore"):                    # an overflow skips the step (float16)
         value, grads = backward.loss_and_gradients(mixed.low, label_smoothed_cross_entropy, src, tgt, labels, epsilon,
@@ -260,17 +261,15 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src: np.nda
     if mixed.loss_scale is not None:
         mixed.loss_scale.update(finite)
     if finite:
-        mixed.optimizer.update(grads)
+        mixed.adam.update(grads)
         mixed.low = Transformer(model.config, model.params, mixed.low.dtype)
     return value
 
 
-def training_state(model: Transformer, optimizer: Adam | MixedPrecision) -> TrainingState:
-    """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)`` (mixed precision: the
-    float32 Adam's, and float16's loss scale and its good steps)."""
-    scale = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
-    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
+def training_state(model: Transformer, optimizer: Optimizer) -> TrainingState:
+    """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``: the config, Adam's step
+    count and moments (mixed precision: the float32 masters'), and float16's loss scale and its good steps."""
+    adam, scale = optimizer.adam, optimizer.loss_scale
     copy = lambda moments: {name: np.array(moments[name]) for name in model.params}
-    return TrainingState(optimizer.config, optimizer.step, copy(optimizer.first_moments),
-                         copy(optimizer.second_moments),
+    return TrainingState(optimizer.config, adam.step, copy(adam.first_moments), copy(adam.second_moments),
                          None if scale is None else LossScaleState(scale.value, scale.good_steps))

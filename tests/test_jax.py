@@ -334,14 +334,14 @@ def test_a_low_precision_models_gradients_are_p_by_checkpoint_name(dtype):
     assert value == float(training.loss(model, **inputs, deterministic=True))
 
 
-def mixed_precision_run(dtype: str) -> tuple[Transformer, training.MixedPrecision]:
+def mixed_precision_run(dtype: str) -> tuple[Transformer, training.Optimizer]:
     """A float32 model from the seeded weights and its mixed-precision optimizer in ``dtype``."""
     config = VARIANTS["tiny"].replace(dropout=0.0)
     model = checkpoint.from_params(config, cases.seeded_params(config), "float32")
     return model, backend.optimizer(model, TRAINING, dtype=dtype)
 
 
-def assert_low_is_the_rounded_masters(model: Transformer, mixed: training.MixedPrecision) -> None:
+def assert_low_is_the_rounded_masters(model: Transformer, mixed: training.Optimizer) -> None:
     """The masters are float32 and the P model holds them rounded to P (``round_to``), bit for bit."""
     masters, low = checkpoint.to_params(model), checkpoint.to_params(mixed.low)
     for name, master in masters.items():
@@ -353,7 +353,7 @@ def test_a_bfloat16_step_updates_the_float32_masters():
     """bfloat16 has no loss scaling; a step moves the float32 masters (Adam's moments float32, t = 1) and the
     bfloat16 model is the new masters rounded; ``training_state`` is the float32 optimizer's."""
     model, mixed = mixed_precision_run("bfloat16")
-    assert isinstance(mixed, training.MixedPrecision) and backend.loss_scale(mixed) is None
+    assert mixed.low is not None and backend.loss_scale(mixed) is None
     assert backend.loss_scale(backend.optimizer(port_model("tiny", "float32"))) is None
     assert_low_is_the_rounded_masters(model, mixed)
     before = checkpoint.to_params(model)
@@ -756,8 +756,8 @@ def test_optax_computes_the_rate_and_the_bias_correction_in_float64():
     model = training_model()
     optimizer = training.optimizer(model, TRAINING)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
-    jaxpr = str(jax.make_jaxpr(lambda grads, state: optimizer.tx.update(grads, state, params))(
-        params, nnx.as_pure(optimizer.opt_state)))
+    jaxpr = str(jax.make_jaxpr(lambda grads, state: optimizer.adam.tx.update(grads, state, params))(
+        params, nnx.as_pure(optimizer.adam.opt_state)))
     assert "pow 0.98" in jaxpr and "f64" in jaxpr                     # the bias correction is traced here
     assert "f32" not in jaxpr
 
@@ -811,7 +811,7 @@ def test_tied_embeddings_have_one_pair_of_moments():
     state = training.training_state(model, training.optimizer(model))
     assert list(state.first_moments) == list(state.second_moments) == list(checkpoint.to_params(model))
     assert "shared_embed.weight" in state.first_moments and "src_embed.weight" not in state.first_moments
-    adam = optax.tree.get(nnx.as_pure(training.optimizer(model).opt_state), "ScaleByAdamState")
+    adam = optax.tree.get(nnx.as_pure(training.optimizer(model).adam.opt_state), "ScaleByAdamState")
     assert len(nnx.to_flat_state(adam.mu)) == len(state.first_moments)
 
 

@@ -521,7 +521,7 @@ def test_the_schedule_gives_eq3_at_iterations_plus_one(config):
     tolerance.assert_agrees(rates, expected, what="lrate(iterations + 1)")
     assert np.argmax(rates) == 4                                             # the peak: step t = warmup_steps
     model = training_model()
-    assert float(training.optimizer(model, config).learning_rate) == rates[0]  # before the first step: lrate(1)
+    assert float(training.optimizer(model, config).adam.learning_rate) == rates[0]  # before the first step: lrate(1)
 
 
 @pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
@@ -538,7 +538,7 @@ def test_keras_adam_computes_the_papers_update(variant):
     for t in (1, 2, 3):
         _, grads = training.gradients(model, **inputs)
         keras_layout = checkpoint.from_checkpoint_layout(model, grads)
-        optimizer.apply([keras_layout[v.path] for v in model.trainable_variables], model.trainable_variables)
+        optimizer.adam.apply([keras_layout[v.path] for v in model.trainable_variables], model.trainable_variables)
         paper_adam(weights, first, second, grads, t, paper_lrate(t, model.config.d_model, TRAINING), TRAINING)
         if t in (1, 3):
             state = training.training_state(model, optimizer)
@@ -627,7 +627,8 @@ def test_a_saved_run_resumes_with_the_same_next_step(tmp_path):
     checkpoint.save_checkpoint(model, path, training=training.training_state(model, optimizer))
     resumed = checkpoint.load_checkpoint(path)
     resumed_optimizer = training.optimizer(resumed, state=reference_checkpoint.load_training_state(path))
-    tolerance.assert_agrees(float(resumed_optimizer.learning_rate), paper_lrate(3, 16, TRAINING), what="lrate(3)")
+    tolerance.assert_agrees(float(resumed_optimizer.adam.learning_rate), paper_lrate(3, 16, TRAINING),
+                            what="lrate(3)")
     runs = ((model, optimizer), (resumed, resumed_optimizer))
     losses = [training.train_step(m, o, **batches[2]) for m, o in runs]
     assert losses[0] == losses[1]
@@ -648,7 +649,7 @@ def test_a_float64_run_resumes_in_float32():
     optimizer = training.optimizer(model, state=state)
     resumed = training.training_state(model, optimizer)
     assert resumed.step == 5 and resumed.config == TRAINING
-    tolerance.assert_agrees(float(optimizer.learning_rate), paper_lrate(6, 16, TRAINING), what="lrate(6)")
+    tolerance.assert_agrees(float(optimizer.adam.learning_rate), paper_lrate(6, 16, TRAINING), what="lrate(6)")
     moments = (*resumed.first_moments.values(), *resumed.second_moments.values())
     assert {m.dtype for m in moments} == {np.dtype(np.float32)}
 
@@ -799,7 +800,7 @@ def test_a_low_precision_model_has_p_gradients_by_checkpoint_name(dtype):
         assert np.isfinite(grad.astype(np.float64)).all(), name
 
 
-def assert_masters_and_their_rounding(model: Transformer, mixed: training.MixedPrecision) -> None:
+def assert_masters_and_their_rounding(model: Transformer, mixed: training.Optimizer) -> None:
     """The model's weights (the masters) and Adam's moments are float32; the P model holds the masters rounded to
     P, bit for bit."""
     dtype = mixed.low.compute_dtype
@@ -819,7 +820,7 @@ def test_mixed_precision_steps_float32_masters_and_rounds_them_to_p(dtype, monke
     monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
     model = training_model(dtype="float32")
     mixed = training.optimizer(model, TRAINING, dtype=dtype)
-    assert isinstance(mixed, training.MixedPrecision)
+    assert mixed.low is not None
     assert_masters_and_their_rounding(model, mixed)
     before = checkpoint.to_params(model)
     scales = []
@@ -828,7 +829,7 @@ def test_mixed_precision_steps_float32_masters_and_rounds_them_to_p(dtype, monke
         low_loss = backend.loss(mixed.low, **inputs)                       # dropout 0: the step's own loss
         assert training.train_step(model, mixed, **inputs) == low_loss
         scales.append(backend.loss_scale(mixed))
-    assert int(mixed.optimizer.iterations) == 2
+    assert int(mixed.adam.iterations) == 2
     assert scales == ([precision.LOSS_SCALE, 2 * precision.LOSS_SCALE] if dtype == "float16" else [None, None])
     assert all(np.any(value != before[name]) for name, value in checkpoint.to_params(model).items())
     assert_masters_and_their_rounding(model, mixed)
@@ -845,12 +846,12 @@ def test_a_float16_step_whose_gradient_overflows_is_skipped():
     largest = float(np.finfo(np.float32).max)
     mixed.loss_scale.dynamic_scale.assign(largest)
     (weights, low, state), rate = ((checkpoint.to_params(model), checkpoint.to_params(mixed.low),
-                                    training.training_state(model, mixed)), float(mixed.optimizer.learning_rate))
+                                    training.training_state(model, mixed)), float(mixed.adam.learning_rate))
     value = training.train_step(model, mixed, **inputs)
     assert value == backend.loss(mixed.low, **inputs)
     assert backend.loss_scale(mixed) == largest / 2
     after = training.training_state(model, mixed)
-    assert after.step == state.step == 1 and float(mixed.optimizer.learning_rate) == rate
+    assert after.step == state.step == 1 and float(mixed.adam.learning_rate) == rate
     for name, value in checkpoint.to_params(model).items():
         np.testing.assert_array_equal(value, weights[name], name)
         np.testing.assert_array_equal(checkpoint.to_params(mixed.low)[name], low[name], name)

@@ -602,8 +602,8 @@ def test_a_low_precision_model_is_refused_for_training_before_any_work():
     with refusal("float16"):
         training.train_step(cast, scheduled, **batch)
     untouched = all(int(state["step"]) == 0 and not state["exp_avg"].any()
-                    for state in scheduled.optimizer.state.values())
-    assert untouched and scheduled.last_epoch == 0
+                    for state in scheduled.adam.state.values())
+    assert untouched and scheduled.schedule.last_epoch == 0
     with refusal("float16"):                                                # before any process starts
         backend.train_data_parallel(config, params, None, None, lambda step: batch, 0, 1, 2, "float16")
     with pytest.raises(ValueError, match=re.escape(reference_error(training_dtype, "float64", "bfloat16"))):
@@ -624,7 +624,7 @@ def test_mixed_precision_steps_keep_float32_masters_and_their_rounding(dtype, mo
         assert math.isfinite(backend.train_step(model, mixed, **cases.training_inputs(config, seed=seed)))
     state = backend.training_state(model, mixed)
     assert backend.loss_scale(mixed) == (2.0 ** 16 if dtype == "float16" else None)
-    assert state.step == 2 and mixed.optimizer.last_epoch == 2 and mixed.low.dtype == getattr(torch, dtype)
+    assert state.step == 2 and mixed.schedule.last_epoch == 2 and mixed.low.dtype == getattr(torch, dtype)
     masters, low = backend.export_params(model), backend.export_params(mixed.low)
     for name, master in masters.items():
         assert master.dtype == state.first_moments[name].dtype == state.second_moments[name].dtype == np.float32
@@ -648,7 +648,7 @@ def test_a_float16_step_whose_gradients_overflow_is_skipped():
     backend.train_step(model, mixed, **cases.training_inputs(config, seed=1))
     after = backend.export_params(model), backend.export_params(mixed.low), backend.training_state(model, mixed)
     assert backend.loss_scale(mixed) == huge / 2
-    assert after[2].step == before[2].step == mixed.optimizer.last_epoch == 1
+    assert after[2].step == before[2].step == mixed.schedule.last_epoch == 1
     for name in before[0]:
         assert np.array_equal(after[0][name], before[0][name]) and np.array_equal(after[1][name], before[1][name])
         assert all(np.array_equal(after[2][which][name], before[2][which][name]) for which in (2, 3)), name
@@ -828,12 +828,12 @@ def test_the_schedule_gives_eq_3_for_steps_counted_from_1():
         assert abs(rate - eq3(t, 16, config)) <= tolerance.FLOAT64_RELATIVE * eq3(t, 16, config), t  # a scalar
     model = backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]))
     scheduled = training.optimizer(model, config)
-    assert scheduled.last_epoch == 0 and scheduled.base_lrs == [1.0]       # count 0 at construction, base rate 1
+    assert scheduled.schedule.last_epoch == 0 and scheduled.schedule.base_lrs == [1.0]   # count 0, base rate 1
     for t in range(1, 8):                                                   # the rate update t uses
-        rate = scheduled.optimizer.param_groups[0]["lr"]
+        rate = scheduled.adam.param_groups[0]["lr"]
         assert type(rate) is float and rate == learning_rate(t, 16, config), t   # a Python float: float64
-        scheduled.optimizer.step()                                          # no gradients: no parameter moves
-        scheduled.step()
+        scheduled.adam.step()                                               # no gradients: no parameter moves
+        scheduled.schedule.step()
 
 
 def test_adam_steps_are_the_papers_update():
@@ -919,13 +919,14 @@ def test_a_run_saved_with_its_state_resumes_where_it_stopped(tmp_path):
     scheduled = training.optimizer(model, FAST)
     for batch in batches[:3]:
         training.train_step(model, scheduled, **batch)
-    assert len(scheduled.optimizer.state) == len(checkpoint.to_params(model))   # shared_embed.weight once
+    assert len(scheduled.adam.state) == len(checkpoint.to_params(model))   # shared_embed.weight once
     checkpoint.save_checkpoint(model, path, training.training_state(model, scheduled))
     state = reference_checkpoint.load_training_state(path)
     assert state.step == 3 and state.config == FAST
     resumed = checkpoint.load_checkpoint(path)
     rescheduled = training.optimizer(resumed, state=state)
-    assert rescheduled.get_last_lr() == scheduled.get_last_lr() == [learning_rate(4, config.d_model, FAST)]
+    assert rescheduled.schedule.get_last_lr() == scheduled.schedule.get_last_lr() == [
+        learning_rate(4, config.d_model, FAST)]
     assert training.train_step(resumed, rescheduled, **batches[3]) == training.train_step(model, scheduled,
                                                                                             **batches[3])
     ours, theirs = training.training_state(model, scheduled), training.training_state(resumed, rescheduled)
@@ -936,7 +937,7 @@ def test_a_run_saved_with_its_state_resumes_where_it_stopped(tmp_path):
         assert np.array_equal(theirs.second_moments[name], ours.second_moments[name]), name
     narrow = checkpoint.load_checkpoint(path, torch.float32)
     assert all(slot["exp_avg"].dtype == torch.float32 and int(slot["step"]) == 3
-               for slot in training.optimizer(narrow, state=state).optimizer.state.values())
+               for slot in training.optimizer(narrow, state=state).adam.state.values())
 
 
 def test_a_bad_training_state_gives_the_references_error():
@@ -955,6 +956,6 @@ def test_a_bad_training_state_gives_the_references_error():
     fresh = backend.build(config, cases.seeded_params(config))
     scheduled = training.optimizer(fresh)
     training.gradients(fresh, **cases.training_inputs(config))
-    scheduled.optimizer.step()                                              # Adam stepped, the schedule not
+    scheduled.adam.step()                                                   # Adam stepped, the schedule not
     with pytest.raises(ValueError, match=r"the Adam step counts and the schedule's count differ \(\[0, 1\]\)"):
         training.training_state(fresh, scheduled)

@@ -6,6 +6,7 @@ ordered pair of backends."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -150,6 +151,25 @@ def test_a_run_moves_between_backends(pair, tmp_path):
     assert_float64_run(resumed, reference_run(variant), float64_bound(variant), f"{first} then {second}")
 
 
+PACKAGES = {"numpy": "reference_numpy", "torch": "transformer_torch", "jax": "transformer_jax", "tf": "transformer_tf"}
+
+
+@pytest.mark.parametrize("compute", [None, "bfloat16", "float16"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_optimizer_is_one_record_with_the_same_fields_in_every_backend(name, compute):
+    """``training.optimizer`` gives the backend's ``training.Optimizer``, whether the precision is mixed or not: a
+    dataclass with the reference's fields, the run's config in it, a P model only in mixed precision and a loss
+    scale only in float16."""
+    module, config = backend(name), config_of("tiny")
+    model = module.build(config, seeded_params(config), "float32", "cpu")
+    optimizer = module.optimizer(model, TRAINING, None, compute)
+    assert type(optimizer) is importlib.import_module(f"{PACKAGES[name]}.training").Optimizer
+    public = [field.name for field in dataclasses.fields(optimizer) if not field.name.startswith("_")]
+    assert public == ["adam", "schedule", "config", "low", "loss_scale"]
+    assert optimizer.config == TRAINING
+    assert (optimizer.low is None) == (compute is None) and (optimizer.loss_scale is None) == (compute != "float16")
+
+
 # ----------------------------------------------------------------------------- the reference's optimizer, closed forms
 
 def test_the_schedule_is_eq_3_at_its_landmarks():
@@ -189,10 +209,11 @@ def test_adam_with_constant_gradients_takes_steps_of_the_learning_rate():
     rng = np.random.default_rng(0)
     grad = {"w": rng.standard_normal((3, 4))}
     params = {"w": np.zeros((3, 4))}
-    optimizer = Adam(params, 16, TrainingConfig(warmup_steps=3))
+    settings = TrainingConfig(warmup_steps=3)
+    optimizer = Adam(params, lambda t: learning_rate(t, 16, settings), settings)
     for _ in range(6):
         optimizer.update(grad)
-    total = sum(learning_rate(t, 16, TrainingConfig(warmup_steps=3)) for t in range(1, 7))
+    total = sum(learning_rate(t, 16, settings) for t in range(1, 7))
     expected = -total * grad["w"] / (np.abs(grad["w"]) + 1e-9)
     assert tolerance.max_abs(params["w"], expected) <= tolerance.float64_bound(expected)
     assert optimizer.step == 6
@@ -216,9 +237,9 @@ def test_mixed_precision_keeps_float32_masters_and_differentiates_their_rounding
     model = reference.build(config, seeded_params(config), "float32", "cpu")
     mixed = reference.optimizer(model, TRAINING, None, "bfloat16")
     reference.train_step(model, mixed, **batches("tiny")[0])
-    assert mixed.optimizer.step == 1
+    assert mixed.adam.step == 1
     for name, master in model.params.items():
-        assert master.dtype == np.float32 and mixed.optimizer.first_moments[name].dtype == np.float32, name
+        assert master.dtype == np.float32 and mixed.adam.first_moments[name].dtype == np.float32, name
         assert np.array_equal(mixed.low.params[name], round_to(master, "bfloat16"), equal_nan=True), name
 
 

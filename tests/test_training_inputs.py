@@ -137,24 +137,24 @@ def eq3(step: int, d_model: int = CONFIG.d_model, warmup: int = TrainingConfig()
 
 
 def next_rate(name: str, optimizer) -> float:
-    """The learning rate ``optimizer`` holds for its next step, read off the backend's own schedule object."""
+    """The learning rate ``optimizer`` (the backend's ``training.Optimizer``) holds for its next step, read off the
+    backend's own schedule object."""
     if name == "numpy":
-        return eq3(optimizer.step + 1)
+        return eq3(optimizer.adam.step + 1)
     if name == "torch":
-        rates = {optimizer.get_last_lr()[0]} | {group["lr"] for group in optimizer.optimizer.param_groups}
+        rates = {optimizer.schedule.get_last_lr()[0]} | {group["lr"] for group in optimizer.adam.param_groups}
         assert len(rates) == 1, rates
         return rates.pop()
     if name == "jax":
         import jax
         from flax import nnx
 
-        from transformer_jax.training import learning_rate_schedule
         with jax.enable_x64(True):
             counts = {int(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(
-                nnx.as_pure(optimizer.opt_state))[0] if "count" in jax.tree_util.keystr(path)}
+                nnx.as_pure(optimizer.adam.opt_state))[0] if "count" in jax.tree_util.keystr(path)}
             assert len(counts) == 1, counts                                  # Adam's and the schedule's
-            return float(learning_rate_schedule(CONFIG.d_model, optimizer.config)(counts.pop()))
-    return float(optimizer.learning_rate)
+            return float(optimizer.schedule(counts.pop()))
+    return float(optimizer.adam.learning_rate)
 
 
 def zero_state(step: int) -> TrainingState:

@@ -36,7 +36,7 @@ from reference_numpy.training import LABEL_SMOOTHING
 from . import checkpoint
 from .device import _gpus
 from .model import Transformer
-from .training import _check_batch, _train_step, optimizer, training_state
+from .training import Optimizer, _check_batch, _train_step, optimizer, training_state
 
 AXIS = "data"   # the mesh axis the batch is split over
 
@@ -70,7 +70,7 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
         return checkpoint.to_params(model), training_state(model, adam), losses
 
 
-def train_step(model: Transformer, optimizer: nnx.Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+def train_step(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
                labels: npt.ArrayLike, mesh: Mesh,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5 on the whole batch: :func:`.training.train_step` with the
@@ -83,10 +83,10 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, src: npt.ArrayLike,
     with jax.enable_x64(True):                                              # the int64 step count, as train_step
         batch = shard({"src": src, "tgt": tgt, "labels": labels}, mesh)
         everywhere = NamedSharding(mesh, P())
-        if any(variable[...].sharding != everywhere for variable in (model.src_embed.embedding, optimizer.step)):
-            for node in (model, optimizer):
+        if any(variable[...].sharding != everywhere for variable in (model.src_embed.embedding, optimizer.adam.step)):
+            for node in (model, optimizer.adam):
                 nnx.update(node, jax.device_put(nnx.state(node), everywhere))
-        return float(_train_step(model, optimizer, batch["src"], batch["tgt"], batch["labels"], epsilon))
+        return float(_train_step(model, optimizer.adam, batch["src"], batch["tgt"], batch["labels"], epsilon))
 
 
 def shard(batch: Mapping[str, np.ndarray | jax.Array], mesh: Mesh) -> dict[str, jax.Array]:

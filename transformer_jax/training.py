@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -123,33 +122,30 @@ def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> jax.Arr
 
 
 @dataclass
-class MixedPrecision:
-    """Training in a low precision P over float32 master weights (the model's): ``optimizer`` steps the masters
-    with float32 gradients; ``low`` is the model in P each step differentiates (the masters rounded to P);
-    ``loss_scale`` is float16's dynamic loss scaling (Flax's ``DynamicScale``), None for bfloat16."""
+class Optimizer:
+    """The optimizer of section 5.3 as one record, the same fields in every backend (the reference's
+    ``Optimizer``): ``adam`` (``nnx.Optimizer`` over every ``nnx.Param`` with optax's Adam) steps the model's
+    weights with the learning rate of ``schedule`` (the optax schedule of :func:`learning_rate_schedule` inside it)
+    and the settings of ``config``; in mixed precision ``low`` is the model in P each step differentiates (the
+    float32 masters rounded to P; None: the model itself) and ``loss_scale`` float16's Flax ``DynamicScale`` (None
+    for any other precision; a new value after each step)."""
 
-    optimizer: nnx.Optimizer
-    low: Transformer
-    loss_scale: DynamicScale | None
+    adam: nnx.Optimizer
+    schedule: optax.Schedule
+    config: TrainingConfig
+    low: Transformer | None = None
+    loss_scale: DynamicScale | None = None
 
 
-@overload
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: None = None) -> nnx.Optimizer: ...
-@overload
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | None = None) -> nnx.Optimizer | MixedPrecision: ...
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
-              state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> nnx.Optimizer | MixedPrecision:
+              state: TrainingState | None = None, dtype: npt.DTypeLike | None = None) -> Optimizer:
     """The optimizer of section 5.3 for ``model``: ``nnx.Optimizer`` over every ``nnx.Param`` with
-    ``optax.adam(learning_rate_schedule(...), beta1, beta2, epsilon, eps_root=0)``. With ``state``
-    (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to
-    the model's dtype) and step count go into optax's state, and, unless ``config`` is given, its
-    training config is used. The config is kept as ``optimizer.config``. ``dtype`` bfloat16 or
-    float16 (a float32 model only) makes every step compute in that precision over the model's
-    float32 master weights: a :class:`MixedPrecision` holding that optimizer, the model in P (its
-    dropout streams copied from the model's) and, for float16, a ``DynamicScale``. The step count is int64
-    (built with 64-bit JAX on)."""
+    ``optax.adam(learning_rate_schedule(...), beta1, beta2, epsilon, eps_root=0)``, in an :class:`Optimizer`. With
+    ``state`` (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to the
+    model's dtype) and step count go into optax's state, and, unless ``config`` is given, its training config is
+    used. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
+    model's float32 master weights: the record holds the model in P (its dropout streams copied from the model's)
+    and, for float16, a ``DynamicScale``. The step count is int64 (built with 64-bit JAX on)."""
     dtype = training_dtype(model.dtype, dtype)
     _check_dtype(model.dtype)
     if state is not None:
@@ -157,19 +153,18 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
         reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
     config = config or (state.config if state is not None else PAPER)
     with jax.enable_x64(True):
-        result = nnx.Optimizer(model, _adam(model.config.d_model, config), wrt=nnx.Param)
-        result.config = config
-        _restore(model, result, state)
-        if not is_low(dtype):
-            _place_with(model, result)
-            return result
-        low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)   # the masters rounded to P
-        nnx.update(low, nnx.state(model, nnx.RngState))                                  # the model's dropout streams
-        _place_with(model, result, low)
-        return MixedPrecision(result, low, _dynamic_scale(model, state) if uses_loss_scaling(dtype) else None)
+        adam = nnx.Optimizer(model, _adam(model.config.d_model, config), wrt=nnx.Param)
+        _restore(model, adam, state)
+        low = None
+        if is_low(dtype):
+            low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)  # the masters rounded to P
+            nnx.update(low, nnx.state(model, nnx.RngState))                         # the model's dropout streams
+        _place_with(model, adam, low)
+        return Optimizer(adam, _schedule(model.config.d_model, config), config, low,
+                         _dynamic_scale(model, state) if uses_loss_scaling(dtype) else None)
 
 
-def train_step(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt, labels,
+def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5, compiled (once per model structure, optimizer settings and
     batch shape): the loss with dropout as ``model.config.dropout`` says, its gradient and one Adam
@@ -180,12 +175,12 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, sr
     64-bit JAX on, for the int64 step count."""
     src, tgt, labels = _check_batch(model, optimizer, src, tgt, labels)
     with jax.enable_x64(True):
-        if isinstance(optimizer, MixedPrecision):
+        if optimizer.low is not None:
             return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
-        return float(_train_step(model, optimizer, src, tgt, labels, epsilon))
+        return float(_train_step(model, optimizer.adam, src, tgt, labels, epsilon))
 
 
-def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
+def _mixed_precision_step(model: Transformer, mixed: Optimizer, src, tgt, labels, epsilon: float) -> float:
     """The P model's loss and the gradient of ``scale`` x the loss (the recipe's backward pass in P), widened to
     float32 and divided by the scale (:func:`_scaled_gradients`); Adam's update of the float32 masters if every
     gradient is finite (:func:`_update_masters`: optax's count and the schedule advance), else the step is skipped
@@ -197,30 +192,29 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, l
     for variable, stream in zip(split.streams, streams):
         variable.set_raw_value(stream)
     if finite:
-        _update_masters(model, mixed.optimizer, mixed.low, grads)
+        _update_masters(model, mixed.adam, mixed.low, grads)
     return float(value)
 
 
-def training_state(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision) -> TrainingState:
+def training_state(model: Transformer, optimizer: Optimizer) -> TrainingState:
     """The run's state in checkpoint layout, for ``save_checkpoint(..., training=state)``: optax's
     Adam moments m_t and v_t (not bias-corrected) and its step count t (mixed precision: the float32
     optimizer's, and float16's loss scale: ``DynamicScale``'s ``scale`` and ``fin_steps``)."""
-    scale = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
-    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
-    adam = optax.tree.get(nnx.as_pure(optimizer.opt_state), "ScaleByAdamState")
+    scale = optimizer.loss_scale
+    adam = optax.tree.get(nnx.as_pure(optimizer.adam.opt_state), "ScaleByAdamState")
     return TrainingState(optimizer.config, int(adam.count), checkpoint.to_checkpoint_layout(model, adam.mu),
                          checkpoint.to_checkpoint_layout(model, adam.nu),
                          None if scale is None else LossScaleState(float(scale.scale), int(scale.fin_steps)))
 
 
-def _check_batch(model: Transformer, optimizer: nnx.Optimizer | MixedPrecision, src, tgt,
+def _check_batch(model: Transformer, optimizer: Optimizer, src, tgt,
                  labels) -> tuple[jax.Array, jax.Array, np.ndarray]:
     """A training step's checks: a trainable dtype (the reference's ``check_trainable``), then
     :func:`_check_loss_inputs`, then the optimizer's step count (the reference's ``check_next_step``); the checked
     src, tgt and labels."""
     check_trainable(model.dtype)
     checked = _check_loss_inputs(model, src, tgt, labels)
-    check_next_step(int((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).step[...]))
+    check_next_step(int(optimizer.adam.step[...]))
     return checked
 
 
@@ -247,8 +241,11 @@ def _token_count(real: jax.Array, tokens: int | None) -> jax.Array | int:
 def _adam(d_model: int, config: TrainingConfig) -> optax.GradientTransformation:
     """Adam of section 5.3 as optax computes it (Algorithm 1 of Kingma & Ba with ``eps_root=0``); one
     object per setting, so that compiled training steps are reused by every optimizer built with it."""
-    return optax.adam(learning_rate=learning_rate_schedule(d_model, config), b1=config.beta1, b2=config.beta2,
+    return optax.adam(learning_rate=_schedule(d_model, config), b1=config.beta1, b2=config.beta2,
                       eps=config.epsilon, eps_root=0.0)
+
+
+_schedule = functools.cache(learning_rate_schedule)   # one schedule per setting: the one its cached Adam holds
 
 
 def _dynamic_scale(model: Transformer, state: TrainingState | None) -> DynamicScale:
@@ -271,13 +268,14 @@ def _device(model: Transformer) -> jax.Device:
     return next(iter(jax.tree.leaves(nnx.state(model, nnx.Param))[0].devices()))
 
 
-def _place_with(model: Transformer, *nodes: nnx.Module | nnx.Optimizer) -> None:
-    """The arrays of the model and of ``nodes`` (its optimizer; in mixed precision the model in P) committed to
-    the device of the model's weights. optax and ``nnx.Optimizer`` create their step counters uncommitted; beside
-    committed weights, a compiled step whose arguments turn committed after its first call is compiled a second
-    time (every run of a placed model compiled its step twice: docs/benchmarks.md, "Training throughput")."""
+def _place_with(model: Transformer, *nodes: nnx.Module | nnx.Optimizer | None) -> None:
+    """The arrays of the model and of ``nodes`` (its optimizer; in mixed precision the model in P; a None skipped)
+    committed to the device of the model's weights. optax and ``nnx.Optimizer`` create their step counters
+    uncommitted; beside committed weights, a compiled step whose arguments turn committed after its first call is
+    compiled a second time (every run of a placed model compiled its step twice: docs/benchmarks.md, "Training
+    throughput")."""
     device = _device(model)
-    for node in (model, *nodes):
+    for node in (model, *(node for node in nodes if node is not None)):
         nnx.update(node, jax.device_put(nnx.state(node), device))
 
 

@@ -30,7 +30,7 @@ from reference_numpy.training import LABEL_SMOOTHING, check_batch, check_next_st
 
 from . import checkpoint
 from .model import Transformer, _parse_dtype
-from .training import _check_labels, _step, optimizer, training_state
+from .training import Optimizer, _check_labels, _step, optimizer, training_state
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # optimizer -> (strategy, its compiled step)
 
@@ -61,7 +61,7 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     return checkpoint.to_params(model), training_state(model, adam), losses
 
 
-def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+def train_step(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
                labels: npt.ArrayLike, strategy: tf.distribute.Strategy,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5, dropout as the model's config says: ``strategy.run`` of the
@@ -78,10 +78,10 @@ def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer, src: n
                          "optimizer inside `with strategy.scope():`")
     src_ids, tgt_ids, label_ids = check_batch(model, src, tgt, labels)    # ids cannot be checked once traced
     _check_labels(tf.constant(label_ids), model.config.pad_id, epsilon)
-    check_next_step(int(optimizer.iterations.numpy()))
+    check_next_step(int(optimizer.adam.iterations.numpy()))
     batch = distribute({"src": src_ids.numpy(), "tgt": tgt_ids.numpy(), "labels": label_ids}, strategy)
     tokens = tf.constant(token_count(label_ids, model.config.pad_id), model.compute_dtype)  # a tensor: no retrace per n
-    return float(_compiled(strategy, optimizer)(model, batch, tokens, epsilon))
+    return float(_compiled(strategy, optimizer.adam)(model, batch, tokens, epsilon))
 
 
 def _compiled(strategy: tf.distribute.Strategy, optimizer: keras.optimizers.Optimizer) -> Callable:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import overload
 
 import keras
 import numpy as np
@@ -150,19 +149,29 @@ class _Adam(keras.optimizers.Adam):
     the uncorrected sqrt(v): an effective eps / sqrt(1 - b2^t) (7.1e-9 at t = 1 for b2 = 0.98, not
     1e-9). This ``update_step`` corrects m and v first, theta -= lr m_hat / (sqrt(v_hat) + eps), with
     t = iterations + 1; the scalars lr, 1 - b1^t and 1 - b2^t are computed in float64 and cast once
-    to the variable's dtype. :meth:`moments` gives one variable's m and v; ``train_function``
-    (set by :func:`optimizer`) is the compiled training step.
+    to the variable's dtype. Its m and v are its own (:meth:`build`, by the public ``add_variable_from_reference``),
+    not Keras' ``Adam`` internals (``_momentums``, ``_velocities``); Keras 3 has no public lookup of a variable's
+    optimizer variables (Keras 2's ``get_slot`` is gone) and calls ``update_step`` with the backend's own variable,
+    so :meth:`moments` finds them by the one private index every Keras optimizer keeps for that
+    (``_get_variable_index``).
     """
 
-    def __init__(self, d_model: int, config: TrainingConfig):
-        super().__init__(learning_rate_schedule(d_model, config), config.beta1, config.beta2, config.epsilon,
-                         name="adam")
-        self.training_config = config
+    def __init__(self, schedule: keras.optimizers.schedules.LearningRateSchedule, config: TrainingConfig):
+        super().__init__(schedule, config.beta1, config.beta2, config.epsilon, name="adam")
+        self.slots: list[tuple] = []
+
+    def build(self, variables) -> None:
+        """The base optimizer's ``build`` (its step count, learning rate and variable index), then m and v of every
+        variable (Keras' own ``Adam.build`` is skipped: its pair would be a second one, unused)."""
+        if self.built:
+            return
+        super(keras.optimizers.Adam, self).build(variables)
+        self.slots = [(self.add_variable_from_reference(variable, "momentum"),
+                       self.add_variable_from_reference(variable, "velocity")) for variable in variables]
 
     def moments(self, variable) -> tuple:
         """Adam's m and v (not bias-corrected) of one model variable: Keras variables."""
-        index = self._get_variable_index(variable)
-        return self._momentums[index], self._velocities[index]
+        return self.slots[self._get_variable_index(variable)]
 
     def update_step(self, gradient, variable, learning_rate):
         t = tf.cast(self.iterations + 1, tf.float64)
@@ -175,38 +184,38 @@ class _Adam(keras.optimizers.Adam):
 
 
 @dataclass
-class MixedPrecision:
-    """Training in a low precision P over float32 master weights (the model's variables): ``optimizer`` (the
-    paper's Adam, float32 moments) steps the masters with float32 gradients; ``low`` is the model in P each step
-    differentiates (the masters rounded to P); ``loss_scale`` is float16's dynamic loss scaling, Keras'
-    ``LossScaleOptimizer`` wrapped around ``optimizer`` (None for bfloat16). ``train_function`` is the compiled
-    step (:func:`_mixed_precision_step`), set by :func:`optimizer`."""
+class Optimizer:
+    """The optimizer of section 5.3 as one record, the same fields in every backend (the reference's
+    ``Optimizer``): ``adam`` (the paper's Adam, a ``keras.optimizers.Adam``) steps the model's variables with the
+    learning rate of ``schedule`` (the Keras schedule of :func:`learning_rate_schedule` it holds) and the settings of
+    ``config``; in mixed precision ``low`` is the model in P each step differentiates (the float32 masters rounded to
+    P; None: the model itself) and ``loss_scale`` float16's Keras ``LossScaleOptimizer`` around ``adam`` (None for
+    any other precision). ``_compiled`` is the traced step (:func:`_step` or :func:`_mixed_precision_step`), set by
+    :func:`optimizer`."""
 
-    optimizer: _Adam
-    low: Transformer
-    loss_scale: keras.optimizers.LossScaleOptimizer | None
-    train_function: Callable | None = field(default=None, init=False, repr=False, compare=False)
+    adam: _Adam
+    schedule: keras.optimizers.schedules.LearningRateSchedule
+    config: TrainingConfig
+    low: Transformer | None = None
+    loss_scale: keras.optimizers.LossScaleOptimizer | None = None
+    _compiled: Callable | None = field(default=None, init=False, repr=False, compare=False)
 
 
-@overload
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: None = None) -> keras.optimizers.Adam: ...
-@overload
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | None = None) -> keras.optimizers.Adam | MixedPrecision: ...
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | None = None) -> keras.optimizers.Adam | MixedPrecision:
+              dtype: npt.DTypeLike | None = None) -> Optimizer:
     """The optimizer of section 5.3 for ``model``: Keras's Adam with the paper's update and the schedule
-    of Eq. (3), built on the model's variables. With ``state`` (from ``load_training_state``) the saved
-    run continues where it stopped: its moments (cast to the model's dtype) and step count are
-    assigned to the optimizer's variables and, unless ``config`` is given, its training config is used.
-    ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
-    model's float32 master weights (:class:`MixedPrecision`)."""
+    of Eq. (3), built on the model's variables, in an :class:`Optimizer`. With ``state`` (from
+    ``load_training_state``) the saved run continues where it stopped: its moments (cast to the model's dtype) and
+    step count are assigned to the optimizer's variables and, unless ``config`` is given, its training config is
+    used. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
+    model's float32 master weights (:func:`_mixed_precision`)."""
     dtype = training_dtype(model.compute_dtype, dtype)
     if state is not None:
         state = state.astype(model.compute_dtype)
         reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
-    adam = _Adam(model.config.d_model, config or (state.config if state is not None else PAPER))
+    config = config or (state.config if state is not None else PAPER)
+    schedule = learning_rate_schedule(model.config.d_model, config)
+    adam = _Adam(schedule, config)
     with tf.device(_device.model_device(model)):
         adam.build(model.trainable_variables)
     if state is not None:
@@ -217,13 +226,17 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
             m, v = adam.moments(variable)
             m.assign(first[variable.path])
             v.assign(second[variable.path])
-    adam.train_function = tf.function(functools.partial(_step, adam))            # traced once per input shape
-    return _mixed_precision(model, adam, dtype, state) if is_low(dtype) else adam
+    result = Optimizer(adam, schedule, config, *(_mixed_precision(model, adam, dtype, state) if is_low(dtype)
+                                                 else (None, None)))
+    step = functools.partial(_mixed_precision_step, result) if is_low(dtype) else functools.partial(_step, adam)
+    result._compiled = tf.function(step)                                         # traced once per input shape
+    return result
 
 
-def _mixed_precision(model: Transformer, adam: _Adam, dtype, state: TrainingState | None) -> MixedPrecision:
-    """``adam`` over the float32 ``model`` (the masters), the model in ``dtype`` built from the masters rounded to
-    it, and for float16 a ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s growth
+def _mixed_precision(model: Transformer, adam: _Adam, dtype, state: TrainingState | None
+                     ) -> tuple[Transformer, keras.optimizers.LossScaleOptimizer | None]:
+    """For ``adam`` over the float32 ``model`` (the masters): the model in ``dtype`` built from the masters rounded
+    to it, and for float16 a ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s growth
     interval, read at each call, from the scale and good steps of ``resumed_loss_scale`` (its ``dynamic_scale`` and
     ``step_counter``)."""
     with tf.device(_device.model_device(model)):
@@ -234,12 +247,10 @@ def _mixed_precision(model: Transformer, adam: _Adam, dtype, state: TrainingStat
             loss_scale = keras.optimizers.LossScaleOptimizer(adam, scale, precision.LOSS_SCALE_GROWTH_INTERVAL)
             loss_scale.build(model.trainable_variables)                    # its scale and counter; adam is built
             loss_scale.step_counter.assign(good_steps)
-    mixed = MixedPrecision(adam, low, loss_scale)
-    mixed.train_function = tf.function(functools.partial(_mixed_precision_step, mixed))
-    return mixed
+    return low, loss_scale
 
 
-def train_step(model: Transformer, optimizer: keras.optimizers.Adam | MixedPrecision, src, tgt, labels,
+def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5: the loss with dropout on (``training=True``, P_drop =
     ``config.dropout``), its gradient, and Adam's update with lrate(t); returns the loss before the
@@ -252,9 +263,9 @@ def train_step(model: Transformer, optimizer: keras.optimizers.Adam | MixedPreci
     check_trainable(model.compute_dtype)
     src, tgt, labels = _check_batch(model, src, tgt, labels)              # ids cannot be checked once traced
     _check_labels(labels, model.config.pad_id, epsilon)
-    check_next_step(int(_adam(optimizer).iterations.numpy()))
+    check_next_step(int(optimizer.adam.iterations.numpy()))
     with tf.device(_device.model_device(model)):
-        return float(optimizer.train_function(model, src, tgt, labels, epsilon))
+        return float(optimizer._compiled(model, src, tgt, labels, epsilon))
 
 
 def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float, tokens=None) -> tf.Tensor:
@@ -268,7 +279,7 @@ def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float
     return value
 
 
-def _mixed_precision_step(mixed: MixedPrecision, model: Transformer, src, tgt, labels, epsilon: float) -> tf.Tensor:
+def _mixed_precision_step(mixed: Optimizer, model: Transformer, src, tgt, labels, epsilon: float) -> tf.Tensor:
     """Traced: the P model's loss in training mode and the gradient of the loss (float16: times the current scale)
     by the recipe's backward pass in P, widened to float32; then the update of the float32 masters if every
     gradient is finite, else none (float16: ``LossScaleOptimizer.apply`` divides by the scale, skips the step
@@ -281,7 +292,7 @@ def _mixed_precision_step(mixed: MixedPrecision, model: Transformer, src, tgt, l
     grads = [tf.cast(_dense(grad), tf.float32) for grad in tape.gradient(scaled, low)]
     if mixed.loss_scale is None:
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(grad)) for grad in grads])
-        tf.cond(finite, lambda: mixed.optimizer.apply(grads, masters), lambda: None)
+        tf.cond(finite, lambda: mixed.adam.apply(grads, masters), lambda: None)
     else:
         mixed.loss_scale.apply(grads, masters)
     for variable, master in zip(low, masters):
@@ -289,19 +300,14 @@ def _mixed_precision_step(mixed: MixedPrecision, model: Transformer, src, tgt, l
     return value
 
 
-def training_state(model: Transformer, optimizer: keras.optimizers.Adam | MixedPrecision) -> TrainingState:
+def training_state(model: Transformer, optimizer: Optimizer) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype), for
-    ``save_checkpoint(..., training=state)`` (mixed precision: the float32 Adam's, and float16's loss scale: the
-    ``LossScaleOptimizer``'s ``dynamic_scale`` and ``step_counter``)."""
-    scale = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
-    optimizer, variables = _adam(optimizer), model.trainable_variables
-    first, second = (checkpoint.to_checkpoint_layout(model, {v.path: optimizer.moments(v)[i] for v in variables})
+    ``save_checkpoint(..., training=state)``: the config, Adam's step count and moments (mixed precision: the
+    float32 masters'), and float16's loss scale (the ``LossScaleOptimizer``'s ``dynamic_scale`` and
+    ``step_counter``)."""
+    adam, scale, variables = optimizer.adam, optimizer.loss_scale, model.trainable_variables
+    first, second = (checkpoint.to_checkpoint_layout(model, {v.path: adam.moments(v)[i] for v in variables})
                      for i in (0, 1))
-    return TrainingState(optimizer.training_config, int(optimizer.iterations.numpy()), first, second,
+    return TrainingState(optimizer.config, int(adam.iterations.numpy()), first, second,
                          None if scale is None else LossScaleState(float(scale.dynamic_scale.numpy()),
                                                                    int(scale.step_counter.numpy())))
-
-
-def _adam(optimizer: _Adam | MixedPrecision) -> _Adam:
-    """The paper's Adam of an optimizer (mixed precision: the float32 masters')."""
-    return optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer

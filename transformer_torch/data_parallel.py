@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import LambdaLR
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
@@ -87,8 +86,8 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
             _end(children)
 
 
-def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src: npt.ArrayLike, tgt: npt.ArrayLike,
-               labels: npt.ArrayLike,
+def train_step(model: DistributedDataParallel, optimizer: torch_training.Optimizer, src: npt.ArrayLike,
+               tgt: npt.ArrayLike, labels: npt.ArrayLike,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One data-parallel training step of section 5, called by every rank with the same WHOLE batch: this rank's
     shard of B/N consecutive rows, its loss N x (shard sum / n) with dropout on, DDP's averaging all-reduce of
@@ -105,10 +104,10 @@ def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src: npt.Arr
                 for name, values, vocab in (("src", src, config.src_vocab_size), ("tgt", tgt, config.tgt_vocab_size)))
     check_forward_inputs(config, src.shape, tgt.shape, None, None)
     labels = check_labels(labels, tgt.shape, config)
-    check_next_step(optimizer.last_epoch)
+    check_next_step(optimizer.schedule.last_epoch)
     total = check_token_count(token_count(labels, config.pad_id), None)      # n: the whole batch's labels
     part = shard({"src": src, "tgt": tgt, "labels": labels}, world_size, rank)  # (B / N, ...) each
-    adam = optimizer.optimizer
+    adam = optimizer.adam
     adam.zero_grad(set_to_none=True)
     model.train()
     try:
@@ -119,7 +118,7 @@ def train_step(model: DistributedDataParallel, optimizer: LambdaLR, src: npt.Arr
     finally:
         model.eval()
     adam.step()
-    optimizer.step()
+    optimizer.schedule.step()
     whole = value.detach().clone()
     dist.all_reduce(whole, group=group)                                      # shard sums / n add up to the mean
     return whole.item()
@@ -134,7 +133,8 @@ def _stop_after(stop: bool, device: torch.device) -> bool:
 
 
 def _replica(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
-             state: TrainingState | None, dtype: str, device: torch.device) -> tuple[Transformer, LambdaLR]:
+             state: TrainingState | None, dtype: str,
+             device: torch.device) -> tuple[Transformer, torch_training.Optimizer]:
     """One replica's model and optimizer (the checks of ``from_params`` and ``optimizer``)."""
     model = checkpoint.from_params(config, params, dtype, device)
     return model, torch_training.optimizer(model, training, state)
@@ -211,7 +211,7 @@ def _raise_child_error(children: mp.ProcessContext, world_size: int) -> None:
                            f"{error.msg.strip()}") from None
 
 
-def _run(model: Transformer, optimizer: LambdaLR, store: dist.TCPStore, rank: int, world_size: int,
+def _run(model: Transformer, optimizer: torch_training.Optimizer, store: dist.TCPStore, rank: int, world_size: int,
          batches: Callable[[int], dict[str, np.ndarray]], first_step: int, steps: int, epsilon: float,
          progress: Callable[[int, float], object] | None) -> tuple[dict[str, np.ndarray], TrainingState,
                                                                           list[float]]:

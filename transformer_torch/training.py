@@ -24,7 +24,6 @@ trained: :func:`optimizer` and :func:`train_step` refuse it with the reference's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -103,8 +102,7 @@ def learning_rate_schedule(d_model: int, config: TrainingConfig) -> _Schedule:
 
 @dataclass(frozen=True)
 class _Schedule:
-    """A callable object rather than a lambda: ``LambdaLR.state_dict`` keeps its fields, and
-    :func:`training_state` reads the run's config from it."""
+    """A callable object rather than a lambda: ``LambdaLR.state_dict`` keeps its fields."""
 
     d_model: int
     config: TrainingConfig
@@ -114,39 +112,35 @@ class _Schedule:
 
 
 @dataclass
-class MixedPrecision:
-    """Training in a low precision P over float32 master weights (the model's): ``optimizer`` is the schedule whose
-    ``torch.optim.Adam`` steps the masters with float32 gradients; ``low`` is the model in P each step
-    differentiates (the masters rounded to P); ``loss_scale`` is float16's ``torch.amp.GradScaler``, None for
-    bfloat16."""
+class Optimizer:
+    """The optimizer of section 5.3 as one record, the same fields in every backend (the reference's
+    ``Optimizer``): ``adam`` (``torch.optim.Adam``, base learning rate 1) steps the model's weights, ``schedule``
+    (``LambdaLR`` of :func:`learning_rate_schedule`) sets its learning rate, ``config`` the run's settings; in mixed
+    precision ``low`` is the model in P each step differentiates (the float32 masters rounded to P; None: the model
+    itself) and ``loss_scale`` float16's ``torch.amp.GradScaler`` (None for any other precision)."""
 
-    optimizer: LambdaLR
-    low: Transformer
-    loss_scale: torch.amp.GradScaler | None
+    adam: torch.optim.Adam
+    schedule: LambdaLR
+    config: TrainingConfig
+    low: Transformer | None = None
+    loss_scale: torch.amp.GradScaler | None = None
 
 
-@overload
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: None = None) -> LambdaLR: ...
-@overload
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | torch.dtype | None = None) -> LambdaLR | MixedPrecision: ...
-def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | torch.dtype | None = None) -> LambdaLR | MixedPrecision:
+              dtype: npt.DTypeLike | torch.dtype | None = None) -> Optimizer:
     """The optimizer of section 5.3 for ``model``: a ``torch.optim.Adam`` (beta1, beta2, epsilon of
-    ``config``; base learning rate 1) driven by a ``LambdaLR`` of :func:`learning_rate_schedule`.
-    Returns the scheduler; its ``.optimizer`` is the Adam (torch's pair, stepped together by
-    :func:`train_step`). Tied weights are one parameter with one pair of moments.
+    ``config``; base learning rate 1) driven by a ``LambdaLR`` of :func:`learning_rate_schedule` (torch's pair,
+    stepped together by :func:`train_step`), in an :class:`Optimizer`. Tied weights are one parameter with one pair
+    of moments.
 
     With ``state`` (from ``load_training_state``) the saved run continues where it stopped: its moments
     (cast to the model's dtype, checked by ``validate_training_state``), step count and, unless
     ``config`` is given, its training config, restored by ``optimizer.load_state_dict`` and
     ``scheduler.load_state_dict``: the next step is t + 1 with lrate(t + 1).
 
-    ``dtype`` bfloat16 or float16 (a float32 model only; the reference's ``training_dtype`` errors otherwise)
-    returns a :class:`MixedPrecision` holding that scheduler over the float32 masters, the model in P and, for
-    float16, a ``GradScaler`` with the reference's ``LOSS_SCALE_GROWTH_INTERVAL`` and the saved run's scale (else
-    ``LOSS_SCALE``).
+    ``dtype`` bfloat16 or float16 (a float32 model only; the reference's ``training_dtype`` errors otherwise) adds
+    the model in P over the float32 masters and, for float16, a ``GradScaler`` with the reference's
+    ``LOSS_SCALE_GROWTH_INTERVAL`` and the saved run's scale (else ``LOSS_SCALE``).
     """
     dtype = training_dtype(_dtype_name(model.dtype), dtype)
     if state is not None:
@@ -158,10 +152,11 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
                             foreach=False)
     schedule = LambdaLR(adam, learning_rate_schedule(model.config.d_model, config))
     _restore(model, schedule, state)
-    if not is_low(dtype):
-        return schedule
-    low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype, model.device)
-    return MixedPrecision(schedule, low, _loss_scale(model.device, state) if uses_loss_scaling(dtype) else None)
+    low = None
+    if is_low(dtype):
+        low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype, model.device)
+    return Optimizer(adam, schedule, config, low,
+                     _loss_scale(model.device, state) if uses_loss_scaling(dtype) else None)
 
 
 def _loss_scale(device: torch.device, state: TrainingState | None) -> torch.amp.GradScaler:
@@ -194,7 +189,7 @@ def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState | None
     schedule.load_state_dict({**schedule.state_dict(), "last_epoch": step, "_last_lr": [rate]})
 
 
-def train_step(model: Transformer, optimizer: LambdaLR | MixedPrecision, src, tgt, labels,
+def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5: the loss with dropout on (train mode, P_drop = ``config.dropout``),
     its gradient by autograd, Adam's update t with lrate(t), then the schedule advanced. The model is
@@ -203,14 +198,13 @@ def train_step(model: Transformer, optimizer: LambdaLR | MixedPrecision, src, tg
     step count (``check_next_step``) are checked before any work."""
     check_trainable(_dtype_name(model.dtype))
     check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
-    check_next_step((optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer).last_epoch)
-    if isinstance(optimizer, MixedPrecision):
+    check_next_step(optimizer.schedule.last_epoch)
+    if optimizer.low is not None:
         return _mixed_precision_step(model, optimizer, src, tgt, labels, epsilon)
-    adam = optimizer.optimizer
-    adam.zero_grad(set_to_none=True)
+    optimizer.adam.zero_grad(set_to_none=True)
     value = _backward(model, src, tgt, labels, epsilon)
-    adam.step()
-    optimizer.step()
+    optimizer.adam.step()
+    optimizer.schedule.step()
     return value.item()
 
 
@@ -227,13 +221,13 @@ def _backward(model: Transformer, src, tgt, labels, epsilon: float,
     return value
 
 
-def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, labels, epsilon: float) -> float:
+def _mixed_precision_step(model: Transformer, mixed: Optimizer, src, tgt, labels, epsilon: float) -> float:
     """The P model's loss and, by autograd through the recipe, the P gradient of the loss times the scale
     (float16), widened to float32 as the masters' ``grad``; ``GradScaler.step`` divides them by the scale and steps
     Adam unless one is not finite (bfloat16: checked here). A step taken advances the schedule and rounds the new
     masters to P into the P model; a skipped one changes nothing but the scale (halved by ``update``), so Adam's
     t and the schedule stay together."""
-    schedule, low, scaler = mixed.optimizer, mixed.low, mixed.loss_scale
+    low, scaler = mixed.low, mixed.loss_scale
     low.zero_grad(set_to_none=True)
     value = _backward(low, src, tgt, labels, epsilon, scaler)
     pairs = list(zip(model.parameters(), low.parameters()))                 # the same Transformer(config) twice
@@ -242,34 +236,32 @@ def _mixed_precision_step(model: Transformer, mixed: MixedPrecision, src, tgt, l
     if scaler is None:
         taken = all(bool(master.grad.isfinite().all()) for master, _ in pairs)
         if taken:
-            schedule.optimizer.step()
+            mixed.adam.step()
     else:
         scale = scaler.get_scale()
-        scaler.step(schedule.optimizer)                                     # unscale_, then Adam's step if finite
+        scaler.step(mixed.adam)                                             # unscale_, then Adam's step if finite
         scaler.update()
         taken = scaler.get_scale() >= scale                                 # a skipped step halved the scale
     if taken:
-        schedule.step()
+        mixed.schedule.step()
         with torch.no_grad():
             for master, parameter in pairs:
                 parameter.copy_(master)                                     # float32 -> P, rounded once
     return value.item()
 
 
-def training_state(model: Transformer, optimizer: LambdaLR | MixedPrecision) -> TrainingState:
+def training_state(model: Transformer, optimizer: Optimizer) -> TrainingState:
     """The run's state for ``save_checkpoint(..., training=state)``: Adam's m_t and v_t (``exp_avg`` and
     ``exp_avg_sq``, not bias-corrected) in checkpoint layout (NumPy, the model's dtype) and t (mixed precision:
     the float32 Adam's, and float16's loss scale from ``GradScaler.state_dict``)."""
-    scaler = optimizer.loss_scale if isinstance(optimizer, MixedPrecision) else None
-    optimizer = optimizer.optimizer if isinstance(optimizer, MixedPrecision) else optimizer
-    adam, parameters = optimizer.optimizer, dict(model.named_parameters())
-    slots = {path: adam.state.get(parameter, {}) for path, parameter in parameters.items()}
-    steps = {int(slot["step"]) if slot else 0 for slot in slots.values()} | {optimizer.last_epoch}
+    scaler, parameters = optimizer.loss_scale, dict(model.named_parameters())
+    slots = {path: optimizer.adam.state.get(parameter, {}) for path, parameter in parameters.items()}
+    steps = {int(slot["step"]) if slot else 0 for slot in slots.values()} | {optimizer.schedule.last_epoch}
     if len(steps) != 1:
         raise ValueError(f"the Adam step counts and the schedule's count differ ({sorted(steps)}); "
                          "step them together (train_step)")
     moments = lambda key: checkpoint.to_checkpoint_layout(
         model, {path: slot.get(key, torch.zeros_like(parameters[path])) for path, slot in slots.items()})
     saved = None if scaler is None else scaler.state_dict()
-    return TrainingState(optimizer.lr_lambdas[0].config, steps.pop(), moments("exp_avg"), moments("exp_avg_sq"),
+    return TrainingState(optimizer.config, steps.pop(), moments("exp_avg"), moments("exp_avg_sq"),
                          None if saved is None else LossScaleState(saved["scale"], saved["_growth_tracker"]))

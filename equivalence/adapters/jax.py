@@ -13,7 +13,6 @@ import functools
 
 import jax
 import numpy as np
-from flax import nnx
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
@@ -158,30 +157,29 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
 
 @_x64
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: str | None = None) -> nnx.Optimizer | training.MixedPrecision:
-    """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``);
-    with ``dtype`` "bfloat16" or "float16" (a float32 model) a ``MixedPrecision`` over float32 master weights."""
+              dtype: str | None = None) -> training.Optimizer:
+    """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``,
+    one ``Optimizer`` record); with ``dtype`` "bfloat16" or "float16" (a float32 model) over float32 master
+    weights."""
     return training.optimizer(model, config, state, dtype)
 
 
 @_x64
-def loss_scale(optimizer: nnx.Optimizer | training.MixedPrecision) -> float | None:
-    """The current loss scale of a float16 ``MixedPrecision`` (its Flax ``DynamicScale``); None for bfloat16 and
-    for a plain optimizer."""
-    if not isinstance(optimizer, training.MixedPrecision) or optimizer.loss_scale is None:
-        return None
-    return float(optimizer.loss_scale.scale)
+def loss_scale(optimizer: training.Optimizer) -> float | None:
+    """The current loss scale of a float16 mixed-precision optimizer (its Flax ``DynamicScale``); None for any
+    other."""
+    return None if optimizer.loss_scale is None else float(optimizer.loss_scale.scale)
 
 
 @_x64
-def train_step(model: Transformer, optimizer: nnx.Optimizer | training.MixedPrecision, src, tgt, labels,
+def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One compiled training step (dropout as the model's config says): the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
 
 
 @_x64
-def training_state(model: Transformer, optimizer: nnx.Optimizer | training.MixedPrecision) -> TrainingState:
+def training_state(model: Transformer, optimizer: training.Optimizer) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype; mixed precision: the float32 Adam's)."""
     return training.training_state(model, optimizer)
 

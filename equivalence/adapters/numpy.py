@@ -115,25 +115,24 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = training.LA
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
               state: checkpoint.TrainingState | None = None,
-              dtype: str | None = None) -> training.Adam | training.MixedPrecision:
-    """The reference's Adam with the schedule of section 5.3 (``reference_numpy.training.optimizer``); ``dtype``
-    bfloat16 or float16 trains a float32 model in mixed precision."""
+              dtype: str | None = None) -> training.Optimizer:
+    """The reference's Adam with the schedule of section 5.3 (``reference_numpy.training.optimizer``, one
+    ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
     return training.optimizer(model, config, state, dtype)
 
 
-def loss_scale(optimizer: training.Adam | training.MixedPrecision) -> float | None:
+def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer; None for any other."""
-    scale = optimizer.loss_scale if isinstance(optimizer, training.MixedPrecision) else None
-    return None if scale is None else float(scale.value)
+    return None if optimizer.loss_scale is None else float(optimizer.loss_scale.value)
 
 
-def train_step(model: Transformer, optimizer: training.Adam | training.MixedPrecision, src, tgt, labels,
+def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
                epsilon: float = training.LABEL_SMOOTHING) -> float:
     """One training step (the reference has no dropout): the loss before the update."""
     return float(training.train_step(model, optimizer, src, tgt, labels, epsilon))
 
 
-def training_state(model: Transformer, optimizer: training.Adam | training.MixedPrecision) -> checkpoint.TrainingState:
+def training_state(model: Transformer, optimizer: training.Optimizer) -> checkpoint.TrainingState:
     """The run's state in checkpoint layout."""
     return training.training_state(model, optimizer)
 

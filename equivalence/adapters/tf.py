@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import weakref
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -168,27 +167,25 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
 
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: str | None = None) -> keras.optimizers.Optimizer | training.MixedPrecision:
-    """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``);
-    ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision (``training.MixedPrecision``)."""
+              dtype: str | None = None) -> training.Optimizer:
+    """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``,
+    one ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
     return training.optimizer(model, config, state, dtype)
 
 
-def loss_scale(optimizer: keras.optimizers.Optimizer | training.MixedPrecision) -> float | None:
+def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer (its ``LossScaleOptimizer``'s
     ``dynamic_scale``); None for any other."""
-    scaler = optimizer.loss_scale if isinstance(optimizer, training.MixedPrecision) else None
-    return None if scaler is None else float(scaler.dynamic_scale.numpy())
+    return None if optimizer.loss_scale is None else float(optimizer.loss_scale.dynamic_scale.numpy())
 
 
-def train_step(model: Transformer, optimizer: keras.optimizers.Optimizer | training.MixedPrecision, src, tgt,
-               labels, epsilon: float = LABEL_SMOOTHING) -> float:
+def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
     """One compiled training step, dropout as the model's config says: the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
 
 
-def training_state(model: Transformer, optimizer: keras.optimizers.Optimizer | training.MixedPrecision
-                   ) -> TrainingState:
+def training_state(model: Transformer, optimizer: training.Optimizer) -> TrainingState:
     """Adam's moments and step count in checkpoint layout (NumPy, the model's dtype; mixed precision: the float32
     Adam's)."""
     return training.training_state(model, optimizer)

@@ -8,7 +8,7 @@ and those two leave the model in eval mode. On CUDA, :func:`build` turns TF32 of
 A bfloat16 or float16 model (P) returns its stages and attention weights as NumPy arrays of P (``ml_dtypes.bfloat16``,
 ``np.float16``) and its log-probabilities in float32; :func:`component` rounds float inputs to P with the reference's
 ``round_to`` before they become tensors; :func:`gradients` are P arrays. :func:`optimizer` with ``dtype`` P trains a
-float32 model in mixed precision (``transformer_torch.training.MixedPrecision``; :func:`loss_scale` reads float16's
+float32 model in mixed precision (``transformer_torch.training.optimizer``; :func:`loss_scale` reads float16's
 ``GradScaler``).
 """
 
@@ -157,26 +157,24 @@ def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOT
 
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: str | None = None) -> torch.optim.lr_scheduler.LambdaLR | training.MixedPrecision:
-    """``torch.optim.Adam`` with its ``LambdaLR`` schedule of section 5.3 (``transformer_torch.training.optimizer``);
-    ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+              dtype: str | None = None) -> training.Optimizer:
+    """``torch.optim.Adam`` with its ``LambdaLR`` schedule of section 5.3 (``transformer_torch.training.optimizer``,
+    one ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
     return training.optimizer(model, config, state, dtype)
 
 
-def loss_scale(optimizer: torch.optim.lr_scheduler.LambdaLR | training.MixedPrecision) -> float | None:
+def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer (its ``GradScaler``'s); None for any other."""
-    scaler = optimizer.loss_scale if isinstance(optimizer, training.MixedPrecision) else None
-    return None if scaler is None else float(scaler.get_scale())
+    return None if optimizer.loss_scale is None else float(optimizer.loss_scale.get_scale())
 
 
-def train_step(model: Transformer, optimizer: torch.optim.lr_scheduler.LambdaLR | training.MixedPrecision, src, tgt,
-               labels, epsilon: float = LABEL_SMOOTHING) -> float:
+def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
+               epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step (dropout as the model's config says): the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
 
 
-def training_state(model: Transformer,
-                   optimizer: torch.optim.lr_scheduler.LambdaLR | training.MixedPrecision) -> TrainingState:
+def training_state(model: Transformer, optimizer: training.Optimizer) -> TrainingState:
     """The run's state in checkpoint layout (NumPy, the model's dtype)."""
     return training.training_state(model, optimizer)
 
