@@ -137,7 +137,8 @@ SINGLE = [
            "super().__init__(config.d_model, eps=config.layer_norm_eps)", "super().__init__(config.d_model)",
            ["tests/test_agreement.py", "-k", "torch and cpu and test_component and encoder_layer and none"]),
     single("checkpoint", "torch: a square projection not transposed on load", "transformer_torch/checkpoint.py",
-           'for row in _linear(f"{prefix}.{proj}")]', 'for row in _linear(f"{prefix}.{proj}", proj == "o_proj")]',
+           "if _LAYOUT[tensor.kind][1])",
+           'if _LAYOUT[tensor.kind][1] and not tensor.name.endswith("o_proj.weight"))',
            ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
     single("dropout", "torch: dropout left on at inference", "equivalence/adapters/torch.py",
            "_, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
@@ -566,7 +567,7 @@ DATA_PARALLEL = [
            "transformer_torch/data_parallel.py", "(world_size * value).backward()", "value.backward()",
            ["tests/test_data_parallel_torch.py"]),
     single("data parallel", "tf: each replica divides by its own shard's count", "transformer_tf/data_parallel.py",
-           "tokens = tf.constant(token_count(labels, model.config.pad_id), model.compute_dtype)",
+           "tokens = tf.constant(token_count(label_ids, model.config.pad_id), model.compute_dtype)",
            "tokens = None", ["tests/test_data_parallel_tf.py"]),
 ]
 
