@@ -461,7 +461,8 @@ class CheckpointReader:
     """A checkpoint read one tensor at a time, so that a backend puts each tensor straight into its framework's
     memory and never holds the weights twice (docs/checkpoint-format.md, "Reading a file").
 
-    Made, it has read and checked the file's header: the metadata, ``config``, ``dtype`` (the tensors' one dtype)
+    Made, it has read and checked the file's header: the metadata, ``config``, ``dtype`` (the tensors' one dtype),
+    ``tokenizer_json`` (the saved tokenizer's JSON text, checked against the config; None if the file has none)
     and every tensor's name, shape and dtype (:func:`validate_params`'s checks but finiteness). A problem is
     :func:`load_checkpoint`'s one ``ValueError``, raised where it is met: a header's before any tensor is read.
     """
@@ -470,8 +471,9 @@ class CheckpointReader:
         self.path, self._file = path, resolve_checkpoint(path)
         self.training: TrainingState | None = None
         with _naming(path):
-            _, self.config, self._record, self._start, self._entries = _read_file(self._file)
+            metadata, self.config, self._record, self._start, self._entries = _read_file(self._file)
             self.dtype = _check_entries(self.config, self._entries)
+        self.tokenizer_json: str | None = metadata.get("tokenizer")
 
     def read(self, allocate: Allocate | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, array)`` for every parameter in the table's order (:func:`parameter_shapes`), each read into

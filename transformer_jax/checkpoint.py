@@ -125,13 +125,12 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
     shipped model's name such as ``"numbers-en-fr"``), in the file's dtype unless ``dtype`` is given
     (float32, bfloat16, float16, or float64 with ``jax_enable_x64`` on); a file of any of the four loads
     into any other. The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
-    path = reference.resolve_checkpoint(path)
     reader = reference.CheckpointReader(path)
     dtype = _check_dtype(reader.dtype if dtype is None else dtype)
     tensors = reader.read(lambda name, shape, stored: reference.mapped_array(shape, stored))   # JAX uses in place
     model = _assembled(reader.config, tensors, dtype, device, owned=True)
     reference.release_freed_memory()
-    model.tokenizer_json = reference.load_tokenizer_json(path)
+    model.tokenizer_json = reader.tokenizer_json
     return model
 
 

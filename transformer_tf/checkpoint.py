@@ -114,12 +114,11 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None)
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as
     ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
     the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
-    path = reference.resolve_checkpoint(path)
     reader = reference.CheckpointReader(path)
     model = _empty_model(reader.config, (reader.dtype if dtype is None else _parse_dtype(dtype)).name)
     _read_into(model, reader)
     reference.release_freed_memory()                                     # arrays rounded and assigned, dropped
-    model.tokenizer_json = reference.load_tokenizer_json(path)
+    model.tokenizer_json = reader.tokenizer_json
     return model
 
 

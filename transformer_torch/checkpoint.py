@@ -169,12 +169,11 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as ``"numbers-en-fr"``)
     into a :class:`Transformer` (eval mode) on ``device``, in ``dtype`` (default: the file's own: float32, float64,
     bfloat16 or float16). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
-    path = reference_checkpoint.resolve_checkpoint(path)
     reader = reference_checkpoint.CheckpointReader(path)
     model = _build(reader.config, reader.read(_reading_memory(reader.config)), reader.dtype if dtype is None else dtype,
                    device, owned=True)
     reference_checkpoint.release_freed_memory()                          # arrays cast to another dtype, dropped
-    model.tokenizer_json = reference_checkpoint.load_tokenizer_json(path)
+    model.tokenizer_json = reader.tokenizer_json
     return model
 
 

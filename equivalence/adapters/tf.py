@@ -109,19 +109,22 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     Float inputs are rounded to the model's dtype in NumPy (``round_to``: correctly, also from float64 to
     bfloat16, which TensorFlow's cast rounds twice), then become tensors of that dtype exactly.
     """
-    cast = {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
-            for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
     with tf.device(_device.model_device(model)):
-        return run_component(model, name, cast, scaled_dot_product_attention).numpy()
+        return run_component(model, name, _component_tensors(model, inputs), scaled_dot_product_attention).numpy()
+
+
+def _component_tensors(model: Transformer, inputs: dict) -> dict:
+    """A component's NumPy ``inputs`` with the float ones rounded to the model's dtype once, as constants."""
+    return {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
+            for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
 
 
 def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
     key and value; LayerNorm's x), by ``tf.GradientTape``, in the model's dtype."""
     keys = check_gradient_request(name)
-    cast = {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
-            for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
     with tf.device(_device.model_device(model)):
+        cast = _component_tensors(model, inputs)
         with tf.GradientTape() as tape:
             tape.watch([cast[key] for key in keys])
             out = run_component(model, name, cast, scaled_dot_product_attention)

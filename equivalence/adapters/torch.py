@@ -99,25 +99,24 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     decoder_layer and decoder take x, memory, src_mask, tgt_mask. Float inputs are rounded to the model's dtype
     (``round_to``: once, also from float64 to bfloat16) and become tensors exactly.
     """
-    model.eval()
-    dtype = _dtype_name(model.dtype)
-    t = {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
-         for key, value in rounded_inputs(inputs, dtype).items()}
-    return _numpy(run_component(model, name, t, scaled_dot_product_attention))
+    return _numpy(run_component(model.eval(), name, _component_tensors(model, inputs), scaled_dot_product_attention))
+
+
+def _component_tensors(model: Transformer, inputs: dict) -> dict:
+    """A component's NumPy ``inputs`` as tensors on the model's device, float ones rounded to its dtype once."""
+    return {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
+            for key, value in rounded_inputs(inputs, _dtype_name(model.dtype)).items()}
 
 
 def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
     key and value; LayerNorm's x), by autograd, in the model's dtype."""
-    keys, dtype = check_gradient_request(name), _dtype_name(model.dtype)
-    model.eval()
-    t = {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
-         for key, value in rounded_inputs(inputs, dtype).items()}
+    keys, t = check_gradient_request(name), _component_tensors(model, inputs)
     with torch.enable_grad():
         for key in keys:
             t[key].requires_grad_()
-        out = run_component(model, name, t, scaled_dot_product_attention)
-        out.backward(_from_numpy(round_to(grad_out, dtype)).to(model.device))
+        out = run_component(model.eval(), name, t, scaled_dot_product_attention)
+        out.backward(_from_numpy(round_to(grad_out, _dtype_name(model.dtype))).to(model.device))
     return {key: _numpy(t[key].grad) for key in keys}
 
 
