@@ -22,12 +22,22 @@ prefix (``reference_numpy/decoding.py``), and the cache is shown to give the sam
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
 
+from .checks import (
+    as_array,
+    check_beams,
+    check_cache_capacity,
+    check_cache_index,
+    check_forward_inputs,
+    check_memory,
+    check_tokens,
+    checked_mask,
+    describe,
+)
 from .config import TransformerConfig
 from .precision import narrow, parse_dtype, round_to, score_dtype, wide
 
@@ -100,7 +110,7 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     d_k = query.shape[-1]
     scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)         # (..., Tq, Tk)
     if mask is not None:
-        mask = _check_mask(mask, scores.shape)
+        mask = checked_mask("mask", mask, scores.shape)
         scores = np.where(mask, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)                        # -inf on fully masked rows
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -119,12 +129,6 @@ def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:
     batch, k, capacity = beams.shape
     rows = (np.arange(batch)[:, None, None] * k + beams).reshape(batch * k, capacity)   # (N, C)
     return x[rows, :, np.arange(capacity)].transpose(0, 2, 1, 3)        # (N, C, H, d_k) -> (N, H, C, d_k)
-
-
-def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> np.ndarray:
-    mask = as_array(name, mask)
-    check_mask(name, mask.shape, mask.dtype.name, scores_shape)
-    return mask
 
 
 class Linear:
@@ -164,7 +168,7 @@ def _beam_table(cache: KVCache | None) -> np.ndarray | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    check_beams(*describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
@@ -566,7 +570,7 @@ class Transformer:
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src))
         steps: dict = {}
         memory = self.encoder(x, src_mask, steps)
@@ -613,11 +617,11 @@ class Transformer:
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
-            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
+            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(cache_index, length, keys)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index)
         steps: dict = {}
         if cache is None:
@@ -654,131 +658,9 @@ class Transformer:
         """Every check of the forward pass, made before any computation (see :func:`check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        check_forward_inputs(self.config, src.shape, tgt.shape, _describe("src_mask", src_mask),
-                             _describe("tgt_mask", tgt_mask))
+        check_forward_inputs(self.config, src.shape, tgt.shape, describe("src_mask", src_mask),
+                             describe("tgt_mask", tgt_mask))
         return src, tgt
 
     def _check_tokens(self, name: str, tokens, vocab_size: int) -> np.ndarray:
         return check_tokens(name, tokens, vocab_size, self.config.max_len)
-
-
-# ----------------------------------------------------------------------------- input checks
-#
-# Written once for every backend: each port describes its tensors by shape (a tuple; None for a
-# size unknown while tracing) and dtype name ("int64", "float32", ...) and calls these, so that a
-# bad input gets the same one-line ValueError, naming the argument, in every backend.
-
-TOKEN_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-
-
-def as_array(name: str, value) -> np.ndarray:
-    """``value`` (an array or nested lists) as a NumPy array; nested lists of unequal lengths are refused."""
-    try:
-        return np.asarray(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a rectangular array, got nested sequences of different lengths") from None
-
-
-def _describe(name: str, value) -> tuple[tuple, str] | None:
-    """(shape, dtype name) of an optional array argument."""
-    if value is None:
-        return None
-    value = as_array(name, value)
-    return value.shape, value.dtype.name
-
-
-def check_tokens(name: str, tokens, vocab_size: int, max_len: int, offset: int = 0) -> np.ndarray:
-    """Token ids as a NumPy array, after :func:`check_token_layout` and :func:`check_token_values`."""
-    tokens = as_array(name, tokens)
-    check_token_layout(name, tokens.shape, tokens.dtype.name, max_len, offset)
-    check_token_values(name, tokens, vocab_size)
-    return tokens
-
-
-def check_token_layout(name: str, shape: tuple, dtype: str, max_len: int, offset: int = 0) -> None:
-    """Token ids are (batch, length), of an integer dtype (any of ``TOKEN_DTYPES``), at least one
-    sequence of at least one token, and ``offset`` + length <= ``max_len`` positions."""
-    shape = tuple(shape)
-    if len(shape) != 2:
-        raise ValueError(f"{name} must have shape (batch, length), got {shape}")
-    if dtype not in TOKEN_DTYPES:
-        raise ValueError(f"{name} must hold integer token ids, got dtype {dtype}")
-    if 0 in shape:
-        raise ValueError(f"{name} must hold at least one sequence of at least one token, got shape {shape}")
-    if shape[1] is not None and offset + shape[1] > max_len:
-        raise ValueError(f"{name} length {offset + shape[1]} exceeds max_len {max_len}")
-
-
-def check_token_values(name: str, tokens: np.ndarray, vocab_size: int) -> None:
-    """Every id is in [0, vocab_size) (an id outside would index past the embedding table)."""
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
-
-
-def check_mask(name: str, shape: tuple, dtype: str, scores_shape: tuple) -> None:
-    """A mask is boolean (True = may attend) and broadcasts to the attention scores without enlarging them."""
-    shape, scores_shape = tuple(shape), tuple(scores_shape)
-    if dtype != "bool":
-        raise ValueError(f"{name} must be boolean (True = may attend), got dtype {dtype}")
-    fits = len(shape) <= len(scores_shape) and all(
-        size is None or target is None or size in (1, target) for size, target in zip(shape[::-1], scores_shape[::-1]))
-    if not fits:
-        raise ValueError(f"{name} of shape {shape} does not broadcast to the attention "
-                         f"scores (B, H, Tq, Tk) = {scores_shape}")
-
-
-def check_memory(shape: tuple, dtype: str, batch: int, d_model: int, model_dtype: str) -> None:
-    """The encoder output given to ``decode`` is (B, S, d_model), S >= 1, B the target's batch, in the model's dtype."""
-    shape = tuple(shape)
-    fits = len(shape) == 3 and all(size is None or target is None or size == target
-                                   for size, target in zip(shape, (batch, None, d_model))) and shape[1] != 0
-    if not fits:
-        raise ValueError(f"memory must have shape (batch, source length, d_model) = ({batch}, S, {d_model}) "
-                         f"with S >= 1, got {shape}")
-    if dtype != model_dtype:
-        raise ValueError(f"memory must have the model's dtype {model_dtype}, got {dtype}")
-
-
-def check_cache_capacity(capacity, max_len: int) -> None:
-    """A key/value cache holds an int number of target positions in [1, max_len]."""
-    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or not 1 <= capacity <= max_len:
-        raise ValueError(f"capacity must be an int in [1, {max_len}], got {capacity!r}")
-
-
-def check_cache_index(cache_index, length: int, capacity: int) -> None:
-    """``cache_index`` is an int >= 0 and the ``length`` new positions from it fit in a cache of ``capacity``."""
-    if not isinstance(cache_index, numbers.Integral) or isinstance(cache_index, bool) or cache_index < 0:
-        raise ValueError(f"cache_index must be an int >= 0, got {cache_index!r}")
-    if cache_index + length > capacity:
-        raise ValueError(f"cache holds {capacity} positions; decoding needs {cache_index + length}")
-
-
-def check_beams(shape: tuple, dtype: str, rows: int, capacity: int) -> None:
-    """A cache's ``beams`` table is an int (B, K, C) array for its N = B * K rows of C positions."""
-    shape = tuple(shape)
-    fits = len(shape) == 3 and all(size is None or target is None or size == target
-                                   for size, target in ((shape[2], capacity), (_product(shape[:2]), rows)))
-    if not dtype.startswith(("int", "uint")) or not fits:
-        raise ValueError(f"cache.beams must be an int array (B, K, C) for a cache of {rows} rows of {capacity} "
-                         f"positions (B * K = {rows}, C = {capacity}), got {dtype} of shape {shape}")
-
-
-def _product(sizes: tuple) -> int | None:
-    return None if None in sizes else math.prod(sizes)
-
-
-def check_forward_inputs(config: TransformerConfig, src_shape: tuple, tgt_shape: tuple,
-                         src_mask: tuple[tuple, str] | None, tgt_mask: tuple[tuple, str] | None) -> None:
-    """The forward pass's checks beyond each token tensor's own: src and tgt have one batch size,
-    ``src_mask`` fits both the encoder's (B, H, S, S) and the decoder's (B, H, T, S) scores, ``tgt_mask``
-    the decoder's (B, H, T, T). Masks are (shape, dtype name) or None. Run before any computation, so
-    that a Keras model refuses bad input before Keras' call wrapper reformats the error."""
-    (batch, src_len), (tgt_batch, tgt_len) = src_shape, tgt_shape
-    if None not in (batch, tgt_batch) and batch != tgt_batch:
-        raise ValueError(f"tgt batch size {tgt_batch} differs from src batch size {batch}")
-    heads = config.n_heads
-    if src_mask is not None:
-        for queries in (src_len, tgt_len):
-            check_mask("src_mask", *src_mask, (batch, heads, queries, src_len))
-    if tgt_mask is not None:
-        check_mask("tgt_mask", *tgt_mask, (batch, heads, tgt_len, tgt_len))

@@ -24,8 +24,9 @@ import numpy.typing as npt
 
 from . import backward, checkpoint, precision
 from .checkpoint import MAX_STEP, LossScaleState, TrainingState
+from .checks import check_tokens
 from .config import TrainingConfig, TransformerConfig
-from .model import Transformer, check_tokens
+from .model import Transformer
 from .precision import is_low, training_dtype, uses_loss_scaling
 
 LABEL_SMOOTHING = 0.1  # section 5.4

@@ -26,14 +26,15 @@ IDIOM_BY_NAME = {"scaled_dot_product_attention": {"return_weights"}}
 CALL_METHODS = ("call", "forward", "__call__")
 # Framework plumbing that is not part of the model's text: Keras build/config, torch properties.
 IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", "device"}
-# Public names only the reference has (it has no framework to provide them, and the input checks
-# the ports call are written once, there) and names only ports have (compiled entry points).
-REFERENCE_ONLY = {"model.py": {"Linear", "as_array"},
+# Public names only the reference has (it has no framework to provide them; the input checks the ports
+# call are written once, in reference_numpy/checks.py) and names only ports have (compiled entry points).
+REFERENCE_ONLY = {"model.py": {"Linear"},
                   # the reference's own Adam and loss scaling: each port steps with its framework's optimizer
                   # and scales float16 losses with its framework's scaler
                   "training.py": {"LossScale", "Adam"},
                   # host-side beam bookkeeping: the ports' batched searches re-express it on tensors
                   "decoding.py": {"StepChoice", "select_candidates", "search_ends", "best_hypothesis"}}
+# the training inputs' checks (check_labels, ...), written once in reference_numpy/training.py for the ports to call
 REFERENCE_ONLY_PREFIXES = ("check_",)
 PORT_ONLY = {"model.py": {"compiled_forward", "forward", "stage_names"},
              "decoding.py": {"reorder_cache"},

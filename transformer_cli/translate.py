@@ -23,8 +23,8 @@ import numpy.typing as npt
 
 from reference_numpy import TransformerConfig, load_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
+from reference_numpy.checks import check_token_layout
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
-from reference_numpy.model import check_token_layout
 from reference_numpy.tokenizer import Tokenizer, pad_rows
 
 from . import backends

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low
@@ -190,7 +191,7 @@ def _beam_mix(weights: jax.Array, value: jax.Array, beams: jax.Array) -> jax.Arr
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
-    reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))
+    checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))
     return jnp.asarray(mask)
 
 
@@ -199,7 +200,7 @@ def _describe(name: str, value) -> tuple[tuple, str] | None:
     if value is None:
         return None
     if not isinstance(value, jax.Array):
-        value = reference.as_array(name, value)
+        value = checks.as_array(name, value)
     return tuple(value.shape), value.dtype.name
 
 
@@ -239,7 +240,7 @@ def _beam_table(cache: KVCache | None) -> jax.Array | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    reference.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    checks.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
@@ -325,7 +326,7 @@ def _check_cache_index(cache_index, length: int, capacity: int) -> None:
     """The reference's check of a concrete ``cache_index`` (a traced one, in a compiled decoding
     loop, is the loop's to bound: ``lax.dynamic_update_slice`` would clamp it)."""
     if not isinstance(cache_index, jax.core.Tracer):
-        reference.check_cache_index(cache_index, length, capacity)
+        checks.check_cache_index(cache_index, length, capacity)
 
 
 def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
@@ -716,8 +717,8 @@ class Transformer(nnx.Module):
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
         shape, dtype = _describe("memory", memory)
-        reference.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.dtype.name)
-        reference.check_cache_capacity(capacity, self.config.max_len)
+        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.dtype.name)
+        checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(jnp.asarray(memory), capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
@@ -737,7 +738,7 @@ class Transformer(nnx.Module):
         which also hides the positions not yet written). Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
+        checks.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
         memory = jnp.asarray(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
@@ -784,10 +785,10 @@ class Transformer(nnx.Module):
 
     def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[jax.Array, jax.Array]:
         """Every check of the forward pass, made before any computation (the reference's
-        :func:`~reference_numpy.model.check_forward_inputs`)."""
+        :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_forward_inputs(self.config, src.shape, tgt.shape, _describe("src_mask", src_mask),
+        checks.check_forward_inputs(self.config, src.shape, tgt.shape, _describe("src_mask", src_mask),
                                        _describe("tgt_mask", tgt_mask))
         return src, tgt
 
@@ -795,9 +796,9 @@ class Transformer(nnx.Module):
         """The reference's token checks: shape and dtype always, the id range only on concrete
         (untraced) arrays, which is why public entry points check before compiled code."""
         if isinstance(tokens, jax.core.Tracer):
-            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+            checks.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
             return tokens
-        return jnp.asarray(reference.check_tokens(name, tokens, vocab_size, self.config.max_len))
+        return jnp.asarray(checks.check_tokens(name, tokens, vocab_size, self.config.max_len))
 
 
 def stage_names(config: TransformerConfig) -> list[str]:

@@ -48,6 +48,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from reference_numpy.checks import check_tokens
 from reference_numpy.decoding import (
     BEAM_SIZE,
     EXTRA_OUTPUT_LENGTH,
@@ -55,7 +56,6 @@ from reference_numpy.decoding import (
     check_decoding_args,
     length_penalty,
 )
-from reference_numpy.model import check_tokens
 from reference_numpy.precision import score_dtype
 
 from .device import model_device

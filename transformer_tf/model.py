@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from reference_numpy import model as reference
+from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low, parse_dtype, round_to
 
@@ -196,7 +196,7 @@ def _beam_mix(weights, value, beams) -> tf.Tensor:
 
 
 def _check_mask(mask, scores_shape, name: str = "mask") -> tf.Tensor:
-    reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))   # None: a size unknown while tracing
+    checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))   # None: a size unknown while tracing
     return tf.convert_to_tensor(mask)
 
 
@@ -218,7 +218,7 @@ def _describe(name: str, value) -> tuple[tuple, str] | None:
     if value is None:
         return None
     if not tf.is_tensor(value):
-        value = reference.as_array(name, value)
+        value = checks.as_array(name, value)
     return tuple(value.shape), value.dtype.name
 
 
@@ -300,7 +300,7 @@ def _beam_table(cache: KVCache | None):
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    reference.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    checks.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
@@ -840,8 +840,8 @@ class Transformer(_TransformerLayer, keras.Model):
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
         shape, dtype = _describe("memory", memory)
-        reference.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.compute_dtype)
-        reference.check_cache_capacity(capacity, self.config.max_len)
+        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.compute_dtype)
+        checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(tf.convert_to_tensor(memory), capacity)
 
     def decode(self, tgt, memory, src_mask=None, tgt_mask=None, intermediates: dict | None = None, cache=None,
@@ -860,7 +860,7 @@ class Transformer(_TransformerLayer, keras.Model):
         ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
+        checks.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
         memory = tf.convert_to_tensor(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
@@ -913,10 +913,10 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[tf.Tensor, tf.Tensor]:
         """Every check of the forward pass, made before any computation (the reference's
-        :func:`~reference_numpy.model.check_forward_inputs`)."""
+        :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
+        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
                                        _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
         return src, tgt
 
@@ -925,11 +925,11 @@ class Transformer(_TransformerLayer, keras.Model):
         symbolic (traced), which is why public entry points check before compiled code. Ids of
         any integer dtype become int64 (``tf.gather`` takes no unsigned indices)."""
         if tf.is_symbolic_tensor(tokens):
-            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+            checks.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
         elif tf.is_tensor(tokens):
-            reference.check_tokens(name, tokens.numpy(), vocab_size, self.config.max_len)
+            checks.check_tokens(name, tokens.numpy(), vocab_size, self.config.max_len)
         else:
-            tokens = reference.check_tokens(name, tokens, vocab_size, self.config.max_len)
+            tokens = checks.check_tokens(name, tokens, vocab_size, self.config.max_len)
         return tf.cast(tokens, tf.int64)
 
 
@@ -938,7 +938,7 @@ def _check_cache_index(cache_index, length: int, capacity: int) -> None:
     inside the cache), on its value when known: an eager tensor is read, a traced one is left
     to the compiled caller (the searches bound it by construction)."""
     if not tf.is_symbolic_tensor(cache_index):
-        reference.check_cache_index(cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index,
+        checks.check_cache_index(cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index,
                                     length, capacity)
 
 

@@ -31,9 +31,9 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
 from reference_numpy.checkpoint import TrainingState
+from reference_numpy.checks import check_forward_inputs, check_tokens
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import check_steps, shard, shard_rows, token_count
-from reference_numpy.model import check_forward_inputs, check_tokens
 from reference_numpy.training import LABEL_SMOOTHING, check_labels, check_next_step, check_token_count
 
 from . import checkpoint

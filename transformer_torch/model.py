@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import BFLOAT16
@@ -203,7 +204,7 @@ def _beam_mix(weights: Tensor, value: Tensor, beams: Tensor) -> Tensor:
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask", device=None) -> Tensor:
-    reference.check_mask(name, *_describe(name, mask), tuple(scores_shape))
+    checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))
     return torch.as_tensor(mask, device=device)
 
 
@@ -213,7 +214,7 @@ def _describe(name: str, value) -> tuple[tuple, str] | None:
         return None
     if isinstance(value, Tensor):
         return tuple(value.shape), _dtype_name(value.dtype)
-    array = reference.as_array(name, value)
+    array = checks.as_array(name, value)
     return array.shape, array.dtype.name
 
 
@@ -270,7 +271,7 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    reference.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    checks.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
@@ -382,7 +383,7 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        reference.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        checks.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache.keys[:, :, cache_index:cache_index + k.shape[2]] = k
         cache.values[:, :, cache_index:cache_index + k.shape[2]] = v
         if not isinstance(cache.beams, tuple):                             # the new positions are each row's own
@@ -767,9 +768,9 @@ class Transformer(nn.Module):
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
         shape, dtype = _describe("memory", memory)
-        reference.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model,
+        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model,
                                _dtype_name(self.dtype))
-        reference.check_cache_capacity(capacity, self.config.max_len)
+        checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(torch.as_tensor(memory, device=self.device), capacity)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
@@ -787,12 +788,12 @@ class Transformer(nn.Module):
         Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, _dtype_name(self.dtype))
+        checks.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, _dtype_name(self.dtype))
         memory = torch.as_tensor(memory, device=self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:
-            reference.check_cache_index(cache_index, length, keys)
+            checks.check_cache_index(cache_index, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
@@ -841,10 +842,10 @@ class Transformer(nn.Module):
 
     def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[Tensor, Tensor]:
         """Every check of the forward pass, made before any computation (the reference's
-        :func:`~reference_numpy.model.check_forward_inputs`)."""
+        :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        reference.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
+        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
                                        _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
         return src, tgt
 
@@ -853,9 +854,9 @@ class Transformer(nn.Module):
         (``torch.compiler.is_compiling()``: it holds no values), which is why ``__call__`` checks before a
         compiled ``forward``. Ids of any integer dtype become int64 on the model's device."""
         if not isinstance(tokens, Tensor):
-            tokens = torch.as_tensor(reference.check_tokens(name, tokens, vocab_size, self.config.max_len))
+            tokens = torch.as_tensor(checks.check_tokens(name, tokens, vocab_size, self.config.max_len))
         else:
-            reference.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+            checks.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
             if not torch.compiler.is_compiling():
-                reference.check_token_values(name, tokens.cpu().numpy(), vocab_size)
+                checks.check_token_values(name, tokens.cpu().numpy(), vocab_size)
         return tokens.to(device=self.device, dtype=torch.long)
