@@ -447,13 +447,12 @@ class DecoderLayer:
                  tgt_mask: np.ndarray | None = None, cache: tuple[KVCache, KVCache] | None = None,
                  cache_index: int | None = None):
         self_cache, cross_cache = (None, None) if cache is None else cache
-        kept: list[KVCache] = []
-        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
-                     self.self_attn_norm, self.norm_first)
-        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
-                     self.cross_attn_norm, self.norm_first)
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+                                         self.self_attn_norm, self.norm_first)
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+                                          self.cross_attn_norm, self.norm_first)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first)
-        return x if cache is None else (x, tuple(kept))
+        return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[KVCache, KVCache]:
         """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
@@ -461,14 +460,23 @@ class DecoderLayer:
 
 
 def _attend(attention: MultiHeadAttention, query: np.ndarray, memory: np.ndarray, mask: np.ndarray | None,
-            cache: KVCache | None, cache_index: int | None, kept: list[KVCache]) -> np.ndarray:
-    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
-    returns is appended to ``kept``."""
+            cache: KVCache | None, cache_index: int | None) -> tuple[np.ndarray, KVCache | None]:
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
+    (None without a cache)."""
     if cache is None:
-        return attention(query, memory, memory, mask)
-    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
-    kept.append(cache)
-    return out
+        return attention(query, memory, memory, mask), None
+    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+
+
+def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.ndarray, KVCache | None]],
+                     norm: LayerNorm, norm_first: bool) -> tuple[np.ndarray, KVCache | None]:
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
+    ``(the residual connection's output, the cache)``, both as values."""
+    if norm_first:
+        out, cache = sublayer(norm(x))
+        return add(x, out), cache
+    out, cache = sublayer(x)
+    return norm(add(x, out)), cache
 
 
 class Encoder:
