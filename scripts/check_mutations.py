@@ -284,7 +284,7 @@ EMBEDDING_SCALE = [
         (FM, "x = self.src_pos(self.src_embed(src),", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
     ], ORACLE, agreement("tiny or shared_embeddings")),
     consistent("embedding-scale", "target embeddings not scaled by sqrt(d_model) (the source's still are)", [
-        (module, "y = self.tgt_pos(self.tgt_embed(tgt), 0 if", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale, 0 if")
+        (module, "y = self.tgt_pos(self.tgt_embed(tgt),", "y = self.tgt_pos(self.tgt_embed(tgt) / self.tgt_embed.scale,")
         for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("tiny or shared_embeddings", decoding=True)),
 ]

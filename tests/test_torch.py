@@ -31,7 +31,7 @@ from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.precision import check_trainable, round_to, training_dtype  # noqa: E402
 from reference_numpy.training import PAPER, learning_rate  # noqa: E402
-from transformer_torch import checkpoint, decoding, device, interop, training  # noqa: E402
+from transformer_torch import checkpoint, decoding, device, interop, speed, training  # noqa: E402
 from transformer_torch import model as torch_model  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
@@ -241,28 +241,28 @@ def _spy_on_f_linear(monkeypatch) -> list:
 
 
 def test_linear_takes_onednn_only_without_gradients_on_large_float32_cpu_weights(monkeypatch):
-    """model._linear: oneDNN's inner product for a float32 CPU weight of at least _ONEDNN_MIN_WEIGHT elements when
+    """speed.linear: oneDNN's inner product for a float32 CPU weight of at least _ONEDNN_MIN_WEIGHT elements when
     no gradient is needed, agreeing with x W^T + b under the float32 policy; F.linear in every other case."""
     calls = _spy_on_f_linear(monkeypatch)
     rng = np.random.default_rng(0)
-    out_features = torch_model._ONEDNN_MIN_WEIGHT // 128
+    out_features = speed._ONEDNN_MIN_WEIGHT // 128
     x, weight, bias = rng.normal(size=(3, 5, 128)), rng.normal(size=(out_features, 128)), rng.normal(size=out_features)
     x32, weight32, bias32 = (torch.tensor(a, dtype=torch.float32) for a in (x, weight, bias))
     with torch.no_grad():
-        fast = torch_model._linear(x32, weight32, bias32)
+        fast = speed.linear(x32, weight32, bias32)
     assert calls == [], "the oneDNN path was not taken"
     tolerance.assert_agrees(fast.numpy(), x @ weight.T + bias,
                             x.astype(np.float32) @ weight.T.astype(np.float32) + bias.astype(np.float32),
                             what="oneDNN linear")
     with torch.no_grad():
-        torch_model._linear(torch.as_tensor(x), torch.as_tensor(weight), torch.as_tensor(bias))       # float64
-        torch_model._linear(x32[..., :16], weight32[:16, :16], bias32[:16])                           # small
-    torch_model._linear(x32, weight32.requires_grad_(), bias32).sum().backward()                        # gradients
+        speed.linear(torch.as_tensor(x), torch.as_tensor(weight), torch.as_tensor(bias))       # float64
+        speed.linear(x32[..., :16], weight32[:16, :16], bias32[:16])                           # small
+    speed.linear(x32, weight32.requires_grad_(), bias32).sum().backward()                        # gradients
     assert weight32.grad is not None
     enabled, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
         with torch.no_grad():
-            torch_model._linear(x32, weight32, bias32)                                                  # switched off
+            speed.linear(x32, weight32, bias32)                                                  # switched off
     finally:
         torch.backends.mkldnn.enabled = enabled
     assert calls == [torch.float64, torch.float32, torch.float32, torch.float32]
@@ -274,7 +274,7 @@ def test_onednn_on_every_projection_agrees_with_the_reference_in_float32(monkeyp
     projection and the generator take oneDNN: each forward stage agrees with the reference under the float32
     policy (the same bits on a second run), and greedy tokens are the reference's up to its first float32 near-tie
     (as in test_agreement.py)."""
-    monkeypatch.setattr(torch_model, "_ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(speed, "_ONEDNN_MIN_WEIGHT", 0)
     calls = _spy_on_f_linear(monkeypatch)
     config = VARIANTS[variant]
     inputs = cases.model_inputs(config, "ragged_batch")

@@ -32,6 +32,8 @@ gradients, and less bookkeeping per operation than ``torch.no_grad()``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -48,7 +50,8 @@ from .model import _LOW, KVCache, Transformer, padding_mask
 
 
 def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
-                         cache: tuple = (), cache_index: int | None = None):
+                         cache: tuple = (), cache_index: int | None = None,
+                         ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
     """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
     set to -inf so that they are never chosen.
 
@@ -98,7 +101,7 @@ def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor
 
 
 @torch.inference_mode()
-def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool = True) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id (``torch.argmax`` returns the first maximum).
 
     Shape: src (B, S) -> tokens (B, L) NumPy int64, without bos, right-padded with pad_id.
@@ -107,9 +110,8 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids
     src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
     src_mask = padding_mask(src, cfg.pad_id)
-    limits = max_output_lengths(model, src.cpu().numpy())
+    limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=src.device)    # (B,)
     cache = model.init_cache(memory, int(limits.max())) if use_cache else ()
-    limits = torch.as_tensor(limits, device=src.device)
     tgt = torch.full((len(src), 1), cfg.bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
     for step in range(1, int(limits.max()) + 1):
@@ -124,8 +126,8 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
 
 
 @torch.inference_mode()
-def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
-                use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = BEAM_SIZE,
+                alpha: float = LENGTH_PENALTY_ALPHA, use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the reference's tie-break (module docstring).
 
     Rows are (sentence, beam) pairs, N = B * K, advanced together until every sentence has stopped.
@@ -139,7 +141,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
     batch, device = len(src), memory.device
     scores_dtype = torch.float32 if model.dtype in _LOW else model.dtype     # the log-probabilities'
-    limits = max_output_lengths(model, src.cpu().numpy())
+    limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=device)        # (B,)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M rounded to the scores' dtype, as NumPy rounds a Python float in `score / lp`
     penalties = torch.tensor([length_penalty(n, alpha) for n in range(max_steps + 1)], dtype=torch.float64).to(
@@ -147,7 +149,6 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
     memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
     cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
-    limits = torch.as_tensor(limits, device=device)                              # (B,)
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
     live_scores = torch.full((batch, k), -torch.inf, dtype=scores_dtype, device=device)
@@ -193,7 +194,7 @@ def _reorder_own(cache: tuple, beams: Tensor) -> tuple:
     return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
 
 
-def _select(candidates: Tensor, eos_id: int, beam_size: int):
+def _select(candidates: Tensor, eos_id: int, beam_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One step's ranking and choices for every sentence (the reference's ``select_candidates``): the 2K best
     (beam b, token v) candidates by summed log-probability, ties to the lower b, then the lower v; an eos
     among the first K ranks finishes; the first K non-eos ranks are the next live beams, in rank order

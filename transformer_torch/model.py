@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import BFLOAT16
+
+from . import speed
 
 _LOW = (torch.bfloat16, torch.float16)   # the low precisions P of reference_numpy/precision.py
 
@@ -126,7 +128,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     return _narrow(out.masked_fill(hidden, 0.0), dtype), None           # fully masked row -> zeros
 
 
-def _broadcast_shapes(*shapes) -> tuple:
+def _broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """NumPy's broadcast of shapes (a fraction of torch's cost), or torch's when traced: its sizes are then
     symbols, which NumPy would turn into the example's constants."""
     return tuple(torch.broadcast_shapes(*shapes)) if torch.compiler.is_compiling() else np.broadcast_shapes(*shapes)
@@ -203,15 +205,19 @@ def _beam_mix(weights: Tensor, value: Tensor, beams: Tensor) -> Tensor:
     return out.transpose(1, 2).reshape(batch * k, heads, length, -1)
 
 
-def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask", device=None) -> Tensor:
-    checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))
+def _check_mask(mask: Tensor | np.ndarray, scores_shape: tuple[int, ...], name: str = "mask",
+                device: torch.device | str | None = None) -> Tensor:
+    checks.check_mask(name, *_layout(name, mask), tuple(scores_shape))
     return torch.as_tensor(mask, device=device)
 
 
-def _describe(name: str, value) -> tuple[tuple, str] | None:
+def _describe(name: str, value: object) -> tuple[tuple, str] | None:
     """(shape, dtype name) of an optional tensor or array argument, for the reference's input checks."""
-    if value is None:
-        return None
+    return None if value is None else _layout(name, value)
+
+
+def _layout(name: str, value: object) -> tuple[tuple, str]:
+    """(shape, dtype name) of a tensor or array argument, for the reference's input checks."""
     if isinstance(value, Tensor):
         return tuple(value.shape), _dtype_name(value.dtype)
     array = checks.as_array(name, value)
@@ -271,42 +277,19 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    checks.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    checks.check_beams(*_layout("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster
-# reading of the weight (docs/benchmarks-torch.md, "Before and after")
-_ONEDNN_MIN_WEIGHT = 1 << 16
-
-
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T + b for a weight stored (out, in), as ``F.linear``.
-
-    Without autograd, a float32 weight of at least ``_ONEDNN_MIN_WEIGHT`` elements on the CPU
-    goes to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
-    torch.compile's CPU backend emits for a linear layer) on the same weight tensor: ``F.linear``
-    goes to the BLAS library torch is built with (MKL), whose matrix-vector product reads an
-    (out, in) weight far below the memory bandwidth (batch-1 decoding) and whose large
-    products run slower than oneDNN's on some CPUs (the numbers: docs/benchmarks-torch.md). Every other case
-    (float64, a GPU, gradients, small weights, oneDNN switched off by
-    ``torch.backends.mkldnn.enabled = False``, and a traced call -- ``torch.compile`` chooses its own kernel,
-    ``torch.export`` and ONNX take the portable operator) is ``F.linear``. A weight in a low precision P is
-    computed wide: x, W and b as float32 through the float32 path above, the result rounded once to P.
+    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear` (the kernel choice, this
+    module's one call into :mod:`.speed`). A weight in a low precision P is computed wide: x, W and b as float32,
+    the result rounded once to P.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
-    if weight.dtype in _LOW:
-        wide = _linear(_wide(x), _wide(weight), None if bias is None else _wide(bias))
-        return _narrow(wide, weight.dtype)
-    if (_ONEDNN_LINEAR and x.dtype == torch.float32 and x.is_cpu and weight.is_cpu
-            and weight.numel() >= _ONEDNN_MIN_WEIGHT and torch.backends.mkldnn.enabled
-            and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    wide = speed.linear(_wide(x), _wide(weight), None if bias is None else _wide(bias))
+    return _narrow(wide, weight.dtype)
 
 
 class _Linear(nn.Linear):
@@ -345,7 +328,7 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = _Linear(config.d_model, config.d_model)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                return_weights: bool = False, cache: KVCache | None = None, cache_index: int | None = None):
+                return_weights: bool = False, cache: KVCache | None = None, cache_index: int | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
@@ -383,7 +366,7 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        checks.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache_index = checks.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache.keys[:, :, cache_index:cache_index + k.shape[2]] = k
         cache.values[:, :, cache_index:cache_index + k.shape[2]] = v
         if not isinstance(cache.beams, tuple):                             # the new positions are each row's own
@@ -438,7 +421,7 @@ class LayerNorm(nn.LayerNorm):
 
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
-             dropout: nn.Dropout) -> Tensor:
+             dropout: Callable[[Tensor], Tensor]) -> Tensor:
     """Residual connection around a sublayer (section 3.1), dropout on the sublayer output (5.4).
 
     Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))). Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The
@@ -515,6 +498,7 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         self.learned = config.positional_encoding == "learned"
         self.max_len, self.d_model = config.max_len, config.d_model
+        self.table: Tensor
         if self.learned:
             self.weight = _normal_parameter(config.max_len, config.d_model, std=config.d_model ** -0.5)  # (L, D)
         else:
@@ -614,15 +598,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                cache_index: int | None = None):
+                cache_index: int | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
-        kept: list[KVCache] = []
-        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
-                     self.self_attn_norm, self.norm_first, self.dropout)
-        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
-                     self.cross_attn_norm, self.norm_first, self.dropout)
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+                                         self.self_attn_norm, self.norm_first, self.dropout)
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+                                          self.cross_attn_norm, self.norm_first, self.dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
-        return x if cache is None else (x, tuple(kept))
+        return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[KVCache, KVCache]:
         """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
@@ -630,14 +613,23 @@ class DecoderLayer(nn.Module):
 
 
 def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: Tensor | None,
-            cache: KVCache | None, cache_index: int | None, kept: list[KVCache]) -> Tensor:
-    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
-    returns is appended to ``kept``."""
+            cache: KVCache | None, cache_index: int | None) -> tuple[Tensor, KVCache | None]:
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
+    (None without a cache)."""
     if cache is None:
-        return attention(query, memory, memory, mask)
-    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
-    kept.append(cache)
-    return out
+        return attention(query, memory, memory, mask), None
+    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+
+
+def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCache | None]], norm: LayerNorm,
+                     norm_first: bool, dropout: Callable[[Tensor], Tensor]) -> tuple[Tensor, KVCache | None]:
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
+    ``(the residual connection's output, the cache)``, both as values."""
+    if norm_first:
+        out, cache = sublayer(norm(x))
+        return add(x, dropout(out)), cache
+    out, cache = sublayer(x)
+    return norm(add(x, dropout(out))), cache
 
 
 class Encoder(nn.Module):
@@ -677,7 +669,7 @@ class Decoder(nn.Module):
         self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                intermediates: dict | None = None, cache: tuple | None = None, cache_index: int | None = None):
+                intermediates: dict | None = None, cache: tuple | None = None, cache_index: int | None = None) -> Any:
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -692,7 +684,8 @@ class Decoder(nn.Module):
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
-        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
+        # nn.ModuleList yields each layer as a Module, whose attributes torch types Tensor | Module
+        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)  # type: ignore[operator]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -745,7 +738,8 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.src_embed.weight.device
 
-    def encode(self, src: Tensor, src_mask: Tensor | None = None, intermediates: dict | None = None) -> Tensor:
+    def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
+               intermediates: dict | None = None) -> Tensor:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
@@ -761,20 +755,21 @@ class Transformer(nn.Module):
             intermediates["encoder"] = memory
         return memory
 
-    def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
         :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = _describe("memory", memory)
+        shape, dtype = _layout("memory", memory)
         checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model,
                                _dtype_name(self.dtype))
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(torch.as_tensor(memory, device=self.device), capacity)
 
-    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-               intermediates: dict | None = None, cache: tuple | None = None, cache_index: int | None = None):
+    def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
+               tgt_mask: Tensor | np.ndarray | None = None, intermediates: dict | None = None,
+               cache: tuple | None = None, cache_index: int | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -788,21 +783,21 @@ class Transformer(nn.Module):
         Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, _dtype_name(self.dtype))
+        checks.check_memory(*_layout("memory", memory), tgt.shape[0], self.config.d_model, _dtype_name(self.dtype))
         memory = torch.as_tensor(memory, device=self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
+        start = 0 if cache is None else checks.check_cache_index(cache_index, length, keys)   # the first new position
         if cache is not None:
-            checks.check_cache_index(cache_index, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask", self.device)
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(cache_index, length, keys, self.device)
+                _cached_causal_mask(start, length, keys, self.device)
         tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask", self.device)
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index)
+        y = self.tgt_pos(self.tgt_embed(tgt), start)
         steps: dict = {}
         if cache is None:
             out = self.decoder(y, memory, src_mask, tgt_mask, steps)
@@ -820,8 +815,8 @@ class Transformer(nn.Module):
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
-    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                return_intermediates: bool = False):
+    def forward(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
+                tgt_mask: Tensor | np.ndarray | None = None, return_intermediates: bool = False) -> Any:
         """Log-probabilities of the next target token at every target position.
 
         With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
@@ -840,7 +835,8 @@ class Transformer(nn.Module):
         stages["log_probs"] = log_probs
         return log_probs, stages
 
-    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[Tensor, Tensor]:
+    def _check_inputs(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
+                      tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:
         """Every check of the forward pass, made before any computation (the reference's
         :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
@@ -849,14 +845,14 @@ class Transformer(nn.Module):
                                        _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
         return src, tgt
 
-    def _check_tokens(self, name: str, tokens, vocab_size: int) -> Tensor:
+    def _check_tokens(self, name: str, tokens: Tensor | np.ndarray, vocab_size: int) -> Tensor:
         """The reference's token checks: shape and dtype always, the id range unless the tensor is traced
         (``torch.compiler.is_compiling()``: it holds no values), which is why ``__call__`` checks before a
         compiled ``forward``. Ids of any integer dtype become int64 on the model's device."""
         if not isinstance(tokens, Tensor):
             tokens = torch.as_tensor(checks.check_tokens(name, tokens, vocab_size, self.config.max_len))
         else:
-            checks.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+            checks.check_token_layout(name, *_layout(name, tokens), self.config.max_len)
             if not torch.compiler.is_compiling():
                 checks.check_token_values(name, tokens.cpu().numpy(), vocab_size)
         return tokens.to(device=self.device, dtype=torch.long)
