@@ -52,7 +52,7 @@ from transformer_cli.timing import (  # noqa: E402
     tf_product,
     timed,
 )
-from transformer_tf.model import compiled_forward  # noqa: E402
+from transformer_tf.speed import compiled_forward  # noqa: E402
 
 FORWARD_FLOPS = ("2 x multiply-adds of every matmul, masked attention entries included:\n"
                  "  encoder  N (8 B S D^2 + 4 B S^2 D + 4 B S D F)\n"

@@ -602,7 +602,7 @@ PRECISION = [
            "transformer_jax/model.py", '_EXACT_ROUNDING = {"xla_allow_excess_precision": False}', "_EXACT_ROUNDING = {}",
            low_precision("jax and test_trained_model_forward_stages and bfloat16")),
     single("precision", "keras: a low-precision model compiled by XLA (which drops roundings to P)",
-           "transformer_tf/model.py", "    return not _is_low(model.compute_dtype)", "    return True",
+           "transformer_tf/speed.py", "    return not _is_low(model.compute_dtype)", "    return True",
            low_precision("tf and test_log_probs and float16")),
     consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
         (RM, "logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)", "logits = wide(x) @ wide(self.weight)"),

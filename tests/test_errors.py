@@ -124,7 +124,7 @@ class TfDriver(Driver):
 
     @functools.cached_property
     def _compiled_forward(self):
-        from transformer_tf.model import compiled_forward
+        from transformer_tf.speed import compiled_forward
         return compiled_forward(self.model)                       # one tf.function for the module
 
 

@@ -37,10 +37,10 @@ from reference_numpy.precision import round_to, training_dtype  # noqa: E402
 from transformer_tf import checkpoint, data_parallel, decoding, device, training  # noqa: E402
 from transformer_tf.model import (  # noqa: E402
     Transformer,
-    compiled_forward,
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
 )
+from transformer_tf.speed import compiled_forward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float64", "float32")

@@ -46,6 +46,7 @@ from .model import (  # noqa: E402
     sinusoidal_positional_encoding,
     target_mask,
 )
+from .speed import compiled_forward as compiled_forward  # noqa: E402  (a port-only name, outside __all__)
 from .training import (  # noqa: E402
     gradients,
     label_smoothed_cross_entropy,

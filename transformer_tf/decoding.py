@@ -59,7 +59,8 @@ from reference_numpy.decoding import (
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import KVCache, Transformer, _generated, _wide, _xla_keeps_roundings, padding_mask
+from .model import KVCache, Transformer, _generated, _wide, padding_mask
+from .speed import _xla_keeps_roundings
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {search key: tf.function}
 
@@ -305,7 +306,7 @@ def _buffer_length(model: Transformer, src) -> int:
 def _compiled(model: Transformer, key: tuple, search):
     """One ``tf.function`` per model and search ``key`` = (name, use_cache, *options): the
     search called as ``search(model, use_cache, *options, *inputs)``, XLA-compiled when using
-    the cache (a float32 or float64 model: :func:`.model._xla_keeps_roundings`), traced once per input
+    the cache (a float32 or float64 model: :func:`.speed._xla_keeps_roundings`), traced once per input
     shape (without AutoGraph: the searches are written with
     ``tf.while_loop`` and need no conversion, which only slows tracing). The function refers to
     the model weakly, so the model can still be freed."""

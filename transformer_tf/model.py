@@ -661,17 +661,16 @@ class DecoderLayer(_TransformerLayer, keras.layers.Layer):
 
     def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, cache_index=None, training=None):
         self_cache, cross_cache = (None, None) if cache is None else cache
-        kept: list[KVCache] = []
 
-        def dropout(h):
+        def dropout(h: tf.Tensor) -> tf.Tensor:
             return self.dropout(h, training=training)
 
-        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
-                     self.self_attn_norm, self.norm_first, dropout)
-        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
-                     self.cross_attn_norm, self.norm_first, dropout)
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+                                         self.self_attn_norm, self.norm_first, dropout)
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+                                          self.cross_attn_norm, self.norm_first, dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
-        return x if cache is None else (x, tuple(kept))
+        return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory, capacity: int) -> tuple[KVCache, KVCache]:
         """The layer's cache: an empty self-attention :class:`KVCache` of ``capacity`` positions
@@ -682,15 +681,25 @@ class DecoderLayer(_TransformerLayer, keras.layers.Layer):
         return self.self_attn.init_cache(tf.shape(memory)[0], capacity), self.cross_attn.memory_cache(memory)
 
 
-def _attend(attention: MultiHeadAttention, query, memory, mask, cache: KVCache | None, cache_index,
-            kept: list) -> tf.Tensor:
-    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
-    returns is appended to ``kept``."""
+def _attend(attention: MultiHeadAttention, query: tf.Tensor, memory: tf.Tensor, mask: tf.Tensor | None,
+            cache: KVCache | None, cache_index: int | tf.Tensor | None) -> tuple[tf.Tensor, KVCache | None]:
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
+    (None without a cache)."""
     if cache is None:
-        return attention(query, memory, memory, mask)
-    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
-    kept.append(cache)
-    return out
+        return attention(query, memory, memory, mask), None
+    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+
+
+def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tensor, KVCache | None]],
+                     norm: LayerNorm, norm_first: bool,
+                     dropout: Callable[[tf.Tensor], tf.Tensor]) -> tuple[tf.Tensor, KVCache | None]:
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
+    ``(the residual connection's output, the cache)``, both as values."""
+    if norm_first:
+        out, cache = sublayer(norm(x))
+        return add(x, dropout(out)), cache
+    out, cache = sublayer(x)
+    return norm(add(x, dropout(out))), cache
 
 
 def _build_all(layers, config: TransformerConfig) -> None:
@@ -941,34 +950,3 @@ def _check_cache_index(cache_index, length: int, capacity: int) -> None:
         checks.check_cache_index(cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index,
                                     length, capacity)
 
-
-def _xla_keeps_roundings(model: Transformer) -> bool:
-    """Whether XLA may compile ``model``: float32 and float64, yes. In bfloat16 and float16 TensorFlow's XLA leaves
-    out some of the recipe's roundings (it keeps an attention output in float32 into the residual addition:
-    "excess precision", which ``tf.function`` offers no option to turn off and ``XLA_FLAGS`` did not change), so a
-    low-precision model runs TensorFlow's graph executor, which rounds where the recipe rounds."""
-    return not _is_low(model.compute_dtype)
-
-
-def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
-    """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
-    XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
-    op used, and it is the default because its fused program ran the ``base`` forward pass faster on the CPU
-    than TensorFlow's graph executor (the numbers: ``docs/benchmarks-tf.md``). A bfloat16 or float16 model runs
-    the graph without XLA whatever ``jit_compile`` says (:func:`_xla_keeps_roundings`).
-
-    The returned function checks its inputs eagerly, then runs the graph: once traced, token ids
-    can no longer be compared with the vocabulary size (``tf.gather`` would clamp an id out of range).
-
-    Shape: as :class:`Transformer`; returns log-probabilities (B, T, V_tgt), or with
-    ``return_intermediates`` ``(log_probs, stages)``.
-    """
-    @tf.function(jit_compile=jit_compile and _xla_keeps_roundings(model), autograph=False)   # no control flow
-    def graph(src, tgt, src_mask=None, tgt_mask=None):
-        return model(src, tgt, src_mask, tgt_mask, return_intermediates=return_intermediates, training=False)
-
-    def forward(src, tgt, src_mask=None, tgt_mask=None):
-        src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
-        return graph(src, tgt, src_mask, tgt_mask)
-
-    return forward

@@ -22,12 +22,12 @@ from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
 from transformer_tf.model import (
     Transformer,
-    compiled_forward,
     padding_mask,
     residual,
     scaled_dot_product_attention,
     target_mask,
 )
+from transformer_tf.speed import compiled_forward
 
 from ..recipes import (
     check_attention_request,
