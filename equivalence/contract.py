@@ -8,17 +8,24 @@ members of :class:`Backend`, with the same argument names and defaults; a type c
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.training import LABEL_SMOOTHING
 
 Model = Any       # the backend's own Transformer
 Optimizer = Any   # the backend's training.Optimizer: its framework's Adam, schedule, config, P model and loss scale
+Tokens = np.ndarray                  # token ids (B, S or T), any integer dtype
+Mask = np.ndarray | None             # a boolean mask (True = may attend), broadcastable to the scores; None: default
+Path = str | os.PathLike[str]        # a checkpoint file
+Progress = Callable[[int, float], object] | None   # (step, loss) after each step; a true return ends the run
 
 
 class Backend(Protocol):
@@ -37,11 +44,12 @@ class Backend(Protocol):
         arrays (a low precision computes by the recipe of ``reference_numpy/precision.py``)."""
         ...
 
-    def load(self, path, dtype: str = "float64", device: str = "cpu") -> Model:
+    def load(self, path: Path, dtype: str = "float64", device: str = "cpu") -> Model:
         """A model from a shared checkpoint file (``docs/checkpoint-format.md``)."""
         ...
 
-    def save(self, model: Model, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+    def save(self, model: Model, path: Path, training: TrainingState | None = None,
+             tokenizer: str | None = None) -> None:
         """Write the model's weights (and a run's ``training`` state, from :meth:`training_state`, and a
         ``tokenizer``'s JSON text) as a shared checkpoint."""
         ...
@@ -50,46 +58,50 @@ class Backend(Protocol):
         """The model's weights in checkpoint layout (name -> NumPy array, linear weights (in, out))."""
         ...
 
-    def forward(self, model: Model, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+    def forward(self, model: Model, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
+                ) -> dict[str, np.ndarray]:
         """Every stage of the forward pass (inference), by the shared stage names, in order."""
         ...
 
-    def log_probs(self, model: Model, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+    def log_probs(self, model: Model, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
+                  ) -> np.ndarray:
         """The forward pass's output alone, (B, T, V) log-probabilities (inference), through the backend's
         fastest call for it: the compiled forward pass where the framework compiles (what ``bench`` times)."""
         ...
 
-    def component(self, model: Model, name: str, inputs: dict) -> np.ndarray:
+    def component(self, model: Model, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """One component (``equivalence.recipes.COMPONENTS``) on NumPy inputs (``equivalence.recipes.run_component``
         names the keys), with the weights of layer 0 of each stack."""
         ...
 
-    def component_gradients(self, model: Model, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+    def component_gradients(self, model: Model, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
+                            ) -> dict[str, np.ndarray]:
         """The gradient of sum(component(inputs) * grad_out) with respect to each float input of ``name``
         (``equivalence.recipes.GRADIENT_INPUTS``: attention's query, key and value, LayerNorm's x), by the backend's
         own backward pass, in the model's dtype; ``grad_out`` is rounded to it first."""
         ...
 
-    def greedy(self, model: Model, src, use_cache: bool = True) -> np.ndarray:
+    def greedy(self, model: Model, src: Tokens, use_cache: bool = True) -> np.ndarray:
         """Greedy tokens (B, L) without bos, right-padded with pad_id (section 6.1, the rules of
         ``reference_numpy/decoding.py``)."""
         ...
 
-    def beam(self, model: Model, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+    def beam(self, model: Model, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
              use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Beam-search tokens (B, L) as :meth:`greedy`, and the length-normalized scores (B,) (section 6.1)."""
         ...
 
-    def attention_weights(self, model: Model, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+    def attention_weights(self, model: Model, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder"
+                          ) -> np.ndarray:
         """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention (``equivalence.recipes.
         ATTENTION_KINDS``: "encoder", "decoder_self", "decoder_cross"), default masks."""
         ...
 
-    def loss(self, model: Model, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+    def loss(self, model: Model, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING) -> float:
         """The label-smoothed cross-entropy of section 5.4 with dropout off, as a Python float."""
         ...
 
-    def gradients(self, model: Model, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
+    def gradients(self, model: Model, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
                   ) -> tuple[float, dict[str, np.ndarray]]:
         """``(loss, grads)``: :meth:`loss` and its gradient for every checkpoint tensor, by checkpoint name, in
         checkpoint layout (NumPy float64 for a float64 model; a bfloat16 or float16 model's by the recipe, in P)."""
@@ -106,7 +118,7 @@ class Backend(Protocol):
         """The current loss scale of a float16 mixed-precision optimizer (its framework's scaler); None otherwise."""
         ...
 
-    def train_step(self, model: Model, optimizer: Optimizer, src, tgt, labels,
+    def train_step(self, model: Model, optimizer: Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                    epsilon: float = LABEL_SMOOTHING) -> float:
         """One training step of section 5 (dropout as the model's config says): the loss before the update."""
         ...
@@ -116,9 +128,9 @@ class Backend(Protocol):
         ...
 
     def train_data_parallel(self, config: TransformerConfig, params: dict[str, np.ndarray],
-                            training: TrainingConfig | None, state: TrainingState | None, batches, first_step: int,
-                            steps: int, world_size: int, dtype: str = "float32", device: str = "cpu",
-                            epsilon: float = LABEL_SMOOTHING, progress=None
+                            training: TrainingConfig | None, state: TrainingState | None, batches: Batches,
+                            first_step: int, steps: int, world_size: int, dtype: str = "float32", device: str = "cpu",
+                            epsilon: float = LABEL_SMOOTHING, progress: Progress = None
                             ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
         """A data-parallel run over ``world_size`` replicas on the framework's own engine (``data_parallel.train``
         of the backend: the reference simulates the shards in one process): ``batches(step)`` is the whole batch of

@@ -146,13 +146,14 @@ def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -
         found += _forward(case, backend, weights, batch, precision, not_compared)
     model, ref64 = backend.build(case.config, weights), reference.build(case.config, weights)
     with np.errstate(all="ignore"):
-        expected = reference.greedy(ref64, batch["src"])
-    if not _same(np.asarray(backend.greedy(model, batch["src"])), expected):
+        expected = reference.greedy(ref64, _labelled(batch)[0])
+    if not _same(np.asarray(backend.greedy(model, _labelled(batch)[0])), expected):
         found.append("greedy float64: tokens differ")
     return found + _training(case, backend, model, ref64, _labelled(batch), not_compared)
 
 
 Labelled = tuple[np.ndarray, np.ndarray, np.ndarray]     # src, tgt and labels: what the loss and training read
+Arguments = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]   # src, tgt, src_mask, tgt_mask
 
 
 def _labelled(batch: dict[str, np.ndarray | None]) -> Labelled:
@@ -200,13 +201,13 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
              precision: str, not_compared: list[str]) -> list[str]:
     """The forward stages in ``precision`` against the float64 reference (and the reference in ``precision``).
     A stage left undetermined by an overflow (:func:`_hidden_overflow`) is not compared, and said so."""
-    arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
+    src, tgt, _ = _labelled(batch)
+    arguments: Arguments = (src, tgt, batch["src_mask"], batch["tgt_mask"])
     model64 = reference.build(case.config, weights)
     with np.errstate(all="ignore"):
-        ref64 = reference.forward(model64, **arguments)
-        same = reference.forward(reference.build(case.config, weights, precision), **arguments)
-    out = backend.forward(backend.build(case.config, weights, precision), **arguments)
-    src, tgt, _ = _labelled(batch)
+        ref64 = reference.forward(model64, *arguments)
+        same = reference.forward(reference.build(case.config, weights, precision), *arguments)
+    out = backend.forward(backend.build(case.config, weights, precision), *arguments)
     found, maps = [], tolerance.stage_maps(model64, src, tgt, batch["src_mask"], batch["tgt_mask"])
     for name in ref64:
         port = np.asarray(out[name])
@@ -220,7 +221,7 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
     return found
 
 
-def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: dict[str, np.ndarray | None],
+def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: Arguments,
                      precision: str, port: np.ndarray, same: np.ndarray) -> bool:
     """Whether ``port``'s stage departs from the reference's ``same`` only by non-finite values where the reference
     is finite, while the reference in ``precision`` overflows in some operation (NumPy raises when asked to): e.g. a
@@ -233,7 +234,7 @@ def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: dict
         return False
     try:
         with np.errstate(over="raise", invalid="raise"):
-            reference.forward(reference.build(case.config, weights, precision), **arguments)
+            reference.forward(reference.build(case.config, weights, precision), *arguments)
     except FloatingPointError:
         return True
     return False

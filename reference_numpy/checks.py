@@ -80,7 +80,7 @@ def checked_mask(name: str, mask: object, scores_shape: tuple) -> np.ndarray:
     return array
 
 
-def check_memory(shape: tuple, dtype: str, batch: int, d_model: int, model_dtype: str) -> None:
+def check_memory(shape: tuple, dtype: str, batch: int | None, d_model: int, model_dtype: str) -> None:
     """The encoder output given to ``decode`` is (B, S, d_model), S >= 1, B the target's batch, in the model's dtype."""
     shape = tuple(shape)
     fits = len(shape) == 3 and all(size is None or target is None or size == target
@@ -98,12 +98,14 @@ def check_cache_capacity(capacity: object, max_len: int) -> None:
         raise ValueError(f"capacity must be an int in [1, {max_len}], got {capacity!r}")
 
 
-def check_cache_index(cache_index: object, length: int, capacity: int) -> None:
-    """``cache_index`` is an int >= 0 and the ``length`` new positions from it fit in a cache of ``capacity``."""
+def check_cache_index(cache_index: object, length: int, capacity: int) -> int:
+    """``cache_index`` is an int >= 0 and the ``length`` new positions from it fit in a cache of ``capacity``;
+    returns it as an ``int``."""
     if not isinstance(cache_index, numbers.Integral) or isinstance(cache_index, bool) or int(cache_index) < 0:
         raise ValueError(f"cache_index must be an int >= 0, got {cache_index!r}")
     if int(cache_index) + length > capacity:
         raise ValueError(f"cache holds {capacity} positions; decoding needs {cache_index + length}")
+    return int(cache_index)
 
 
 def check_beams(shape: tuple, dtype: str, rows: int, capacity: int) -> None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .checks import (
     as_array,
@@ -168,8 +169,9 @@ def _beam_table(cache: KVCache | None) -> np.ndarray | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    check_beams(*describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
-    return cache.beams
+    beams = as_array("cache.beams", cache.beams)
+    check_beams(beams.shape, beams.dtype.name, cache.keys.shape[0], cache.keys.shape[2])
+    return beams
 
 
 class MultiHeadAttention:
@@ -201,7 +203,7 @@ class MultiHeadAttention:
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray,
                  mask: np.ndarray | None = None, return_weights: bool = False,
-                 cache: KVCache | None = None, cache_index: int | None = None):
+                 cache: KVCache | None = None, cache_index: int | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
@@ -236,9 +238,9 @@ class MultiHeadAttention:
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index),
-                        _written_beams(cache.beams, cache_index, k.shape[2]))
+        start = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache = KVCache(_written(cache.keys, k, start), _written(cache.values, v, start),
+                        _written_beams(cache.beams, start, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
@@ -325,7 +327,7 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- embeddings
 
-def sinusoidal_positional_encoding(length: int, d_model: int, dtype=np.float64) -> np.ndarray:
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLike = np.float64) -> np.ndarray:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
@@ -365,7 +367,7 @@ class PositionalEncoding:
     Shape: x (B, T, D) -> (B, T, D), T <= L.
     """
 
-    def __init__(self, config: TransformerConfig, params: Params, name: str, dtype):
+    def __init__(self, config: TransformerConfig, params: Params, name: str, dtype: npt.DTypeLike):
         if config.positional_encoding == "learned":
             self.table = params[f"{name}.weight"]                           # (L, D)
         else:
@@ -445,7 +447,7 @@ class DecoderLayer:
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                  tgt_mask: np.ndarray | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                 cache_index: int | None = None):
+                 cache_index: int | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
         x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
                                          self.self_attn_norm, self.norm_first)
@@ -518,7 +520,7 @@ class Decoder:
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                  tgt_mask: np.ndarray | None = None, intermediates: dict | None = None,
-                 cache: tuple | None = None, cache_index: int | None = None):
+                 cache: tuple | None = None, cache_index: int | None = None) -> Any:
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -556,7 +558,7 @@ class Transformer:
     the positions i, i + 1, ... of the target (see :meth:`decode`).
     """
 
-    def __init__(self, config: TransformerConfig, params: Params, dtype=np.float64):
+    def __init__(self, config: TransformerConfig, params: Params, dtype: npt.DTypeLike = np.float64):
         self.config = config
         self.dtype = parse_dtype(dtype)
         self.params = {name: round_to(value, self.dtype) for name, value in params.items()}
@@ -602,7 +604,7 @@ class Transformer:
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, intermediates: dict | None = None,
-               cache: tuple | None = None, cache_index: int | None = None):
+               cache: tuple | None = None, cache_index: int | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -620,17 +622,17 @@ class Transformer:
         check_memory(memory.shape, memory.dtype.name, len(tgt), self.config.d_model, self.dtype.name)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
+        start = 0 if cache is None else check_cache_index(cache_index, length, keys)   # the first new position
         if cache is not None:
-            check_cache_index(cache_index, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
             src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(cache_index, length, keys)
+                _cached_causal_mask(start, length, keys)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index)
+        y = self.tgt_pos(self.tgt_embed(tgt), start)
         steps: dict = {}
         if cache is None:
             out = self.decoder(y, memory, src_mask, tgt_mask, steps)
@@ -643,7 +645,7 @@ class Transformer:
         return out if cache is None else (out, cache)
 
     def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, return_intermediates: bool = False):
+                 tgt_mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
         """Log-probabilities of the next target token at every target position.
 
         With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
@@ -662,7 +664,8 @@ class Transformer:
         stages["log_probs"] = log_probs
         return log_probs, stages
 
-    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[np.ndarray, np.ndarray]:
+    def _check_inputs(self, src: object, tgt: object, src_mask: object, tgt_mask: object
+                      ) -> tuple[np.ndarray, np.ndarray]:
         """Every check of the forward pass, made before any computation (see :func:`check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
@@ -670,5 +673,5 @@ class Transformer:
                              describe("tgt_mask", tgt_mask))
         return src, tgt
 
-    def _check_tokens(self, name: str, tokens, vocab_size: int) -> np.ndarray:
+    def _check_tokens(self, name: str, tokens: object, vocab_size: int) -> np.ndarray:
         return check_tokens(name, tokens, vocab_size, self.config.max_len)

@@ -201,6 +201,7 @@ def _block(backend: str, label: str, name: str, members: list[str], sources: dic
     if not members:
         keep = _lines_of(node, lines)
         return Block(f"{label}:{keep[0]}\u2013{keep[-1]}", name, "\n".join(lines[i - 1] for i in keep))
+    assert isinstance(node, ast.ClassDef), f"{backend} {label}: {name} is not a class"
     chosen = [_find(node.body, member, f"{backend} {label} class {name}") for member in members]
     header = list(range(_start(node, lines), node.body[0].lineno))    # decorators and the class line
     parts = [_lines_of(child, lines) for child in chosen]
@@ -235,15 +236,22 @@ def _start(node: ast.stmt, lines: list[str]) -> int:
 
 def _lines_of(node: ast.stmt, lines: list[str]) -> list[int]:
     """The line numbers of ``node`` without the docstrings of it and of its nested definitions."""
-    docstrings = set()
+    docstrings: set[int] = set()
     for inner in ast.walk(node):
         if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _docstring(inner):
-            end = inner.body[0].end_lineno + (lines[inner.body[0].end_lineno].strip() == "")  # and a blank after
+            last = _end(inner.body[0])
+            end = last + (lines[last].strip() == "")                          # and a blank line after
             docstrings.update(range(inner.body[0].lineno, end + 1))
-    return [i for i in range(_start(node, lines), node.end_lineno + 1) if i not in docstrings]
+    return [i for i in range(_start(node, lines), _end(node) + 1) if i not in docstrings]
 
 
-def _docstring(node: ast.stmt) -> bool:
+def _end(node: ast.stmt) -> int:
+    """The last line of ``node`` (the parser always sets it)."""
+    assert node.end_lineno is not None
+    return node.end_lineno
+
+
+def _docstring(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool:
     """Whether the definition starts with a docstring that can go (it is not the whole body)."""
     first = node.body[0]
     return (len(node.body) > 1 and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
@@ -299,7 +307,8 @@ def render_page() -> str:
 
     formatter = HtmlFormatter(style=STYLE, nowrap=True)
     lexer = PythonLexer()
-    rows, sources = [], {}
+    rows: list[str] = []
+    sources: dict[str, tuple[list[str], ast.Module]] = {}
     for concept in CONCEPTS:
         cells = []
         for backend, _, _ in BACKENDS:
@@ -357,7 +366,7 @@ def write_page(out_dir: str | os.PathLike) -> Path:
 
 # ----------------------------------------------------------------------------- command line
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``side-by-side`` command to ``transformer-reference``'s subcommands."""
     parser = subparsers.add_parser("side-by-side", help="an HTML page of the four backends' code, concept by concept")
     parser.add_argument("--out", required=True, metavar="DIR", help=f"directory to write {PAGE_NAME} into")
@@ -365,7 +374,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Write the page into ``args.out``; exit status 0."""
     print(f"wrote {write_page(args.out)}")
     return 0

@@ -5,6 +5,7 @@ backend, and the loss curves of several backends side by side."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -12,9 +13,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
+from equivalence.contract import Model
 from reference_numpy.checkpoint import (
     TrainingState,
     init_params,
@@ -37,8 +40,9 @@ from .extras import finish
 from .numbers_task import NumbersTask
 
 Task = CopyTask | NumbersTask | CorpusTask
-TASKS = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS,     # each task's recipe (docs/training.md)
-         "corpus": corpus_task.DEFAULTS}
+# each task's recipe (docs/training.md)
+TASKS: dict[str, dict[str, Any]] = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS,
+                                    "corpus": corpus_task.DEFAULTS}
 COPY_ONLY = {"symbols": 10, "max_length": 10}                           # flags of the copy task and their defaults
 TASK_FLAGS = {**{name: ("copy",) for name in COPY_ONLY}, "batch_size": ("copy", "numbers"),   # flags of some tasks
               **{name: ("corpus",) for name in corpus_task.FLAGS}}
@@ -128,7 +132,7 @@ def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], Tr
     return config, params, state
 
 
-def task_name(args) -> str:
+def task_name(args: argparse.Namespace) -> str:
     """``--task``, or the one the flags imply (a corpus with its files, else copy); a flag of another task is
     refused."""
     task = args.task or ("corpus" if any(getattr(args, name) for name in corpus_task.FILES) else "copy")
@@ -144,7 +148,7 @@ def default_backends(task: str) -> tuple[str, ...]:
     return ("numpy",) if task == "copy" else (next(name for name in FASTEST if backends.installed(name)),)
 
 
-def plan_from(args) -> Plan:
+def plan_from(args: argparse.Namespace) -> Plan:
     """The plan of ``train``'s flags (a flag left out takes its task's default); with ``--resume``, the saved
     run's model, optimizer settings, weights and tokenizer. Every flag and file is checked here, before any
     backend is loaded."""
@@ -173,11 +177,11 @@ def plan_from(args) -> Plan:
                          "shards")
     return Plan(made, config, training, recipe["steps"], budget, args.seed, args.dtype, args.label_smoothing,
                 (recipe["stop_at"] or None) if recipe["eval_every"] else None, recipe["eval_every"],
-                made.held_out_size(VALIDATION) if task == "corpus" else recipe["validation_size"],
+                made.held_out_size(VALIDATION) if isinstance(made, CorpusTask) else recipe["validation_size"],
                 args.data_parallel, start, args.device, eval_size)
 
 
-def check_saved_settings(args, config: TransformerConfig, training: TrainingConfig) -> None:
+def check_saved_settings(args: argparse.Namespace, config: TransformerConfig, training: TrainingConfig) -> None:
     """A resumed run keeps the model and optimizer settings saved with it: a flag asking for another value
     (``SAVED_SETTINGS``) is refused, never silently ignored."""
     saved = {"warmup_steps": training.warmup_steps, "learning_rate_scale": training.learning_rate_scale,
@@ -188,16 +192,16 @@ def check_saved_settings(args, config: TransformerConfig, training: TrainingConf
                              f"{saved[name]}, which resuming keeps; leave the flag out")
 
 
-def make_task(args, task: str, config: TransformerConfig | None) -> Task:
+def make_task(args: argparse.Namespace, task: str, config: TransformerConfig | None) -> Task:
     """The task ``task``, checked against a resumed run's model (``config``, or None for a new run: a numbers
     task or a corpus then has no tokenizer yet, see :func:`plan_from`)."""
     if task == "copy":
-        made = CopyTask(*(getattr(args, name) or default for name, default in COPY_ONLY.items()))
-        if config and (config.src_vocab_size != 3 + made.symbols or config.max_len < made.max_length + 1):
+        copy = CopyTask(args.symbols or COPY_ONLY["symbols"], args.max_length or COPY_ONLY["max_length"])
+        if config and (config.src_vocab_size != 3 + copy.symbols or config.max_len < copy.max_length + 1):
             raise ValueError(f"--resume: {args.resume!r} has a vocabulary of {config.src_vocab_size} and max_len "
-                             f"{config.max_len}; --symbols {made.symbols} and --max-length {made.max_length} do "
+                             f"{config.max_len}; --symbols {copy.symbols} and --max-length {copy.max_length} do "
                              "not fit")
-        return made
+        return copy
     tokenizer = None if config is None else load_tokenizer(args.resume)
     if config is not None and tokenizer is None:
         raise ValueError(f"--resume: {args.resume!r} has no tokenizer; it is not a run of --task {task}")
@@ -264,7 +268,7 @@ class Snapshots:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def take(self, step: int, adapter: ModuleType, model, state: Callable[[], TrainingState]) -> None:
+    def take(self, step: int, adapter: ModuleType, model: Model, state: Callable[[], TrainingState]) -> None:
         """Save the run at ``step`` (``state()`` its training state), unless already saved there."""
         path = self.path(step)
         if self.saved[-1:] == [path]:
@@ -300,7 +304,8 @@ def average_checkpoints(paths: list[str]) -> tuple[TransformerConfig, dict[str, 
     return config, {name: round_to(value / len(paths), first[name].dtype) for name, value in total.items()}, tokenizer
 
 
-def average_run(adapter: ModuleType, plan: Plan, snapshots: Snapshots, count: int, path: str, result: Result):
+def average_run(adapter: ModuleType, plan: Plan, snapshots: Snapshots, count: int, path: str,
+                result: Result) -> Model:
     """``--average``: the average of the run's last ``count`` checkpoints (as many as it saved, if fewer) written to
     ``path`` (weights and tokenizer, no training state) and built in ``adapter`` for the final evaluation."""
     result.averaged = snapshots.saved[-count:]
@@ -310,7 +315,8 @@ def average_run(adapter: ModuleType, plan: Plan, snapshots: Snapshots, count: in
 
 
 def train(adapter: ModuleType, plan: Plan, progress: Progress = no_progress,
-          stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None):
+          stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None
+          ) -> tuple[Result, Model, TrainingState]:
     """Train one backend as ``plan`` says; returns (result, model, the run's training state). ``progress`` wraps
     the steps (a progress bar: its postfix shows the last loss, the tokens per second and the last validation)
     and each evaluation's batches. Every ``plan.eval_every`` steps the validation set is scored
@@ -347,7 +353,7 @@ def train(adapter: ModuleType, plan: Plan, progress: Progress = no_progress,
     return ended(steps, plan, result, snapshots, adapter, model, state), model, state
 
 
-def ended(steps: Iterable, plan: Plan, result: Result, snapshots: Snapshots | None, adapter: ModuleType, model,
+def ended(steps: Iterable, plan: Plan, result: Result, snapshots: Snapshots | None, adapter: ModuleType, model: Model,
           state: TrainingState) -> Result:
     """The run's end: saved at its last step (with ``snapshots``), and its progress bar closed there, saying why
     it stopped before ``plan.steps``."""
@@ -376,7 +382,7 @@ def show(steps: Iterable, result: Result) -> None:
         steps.set_postfix(shown)
 
 
-def validated(adapter: ModuleType, model, plan: Plan, result: Result, done: int, progress: Progress) -> bool:
+def validated(adapter: ModuleType, model: Model, plan: Plan, result: Result, done: int, progress: Progress) -> bool:
     """At every ``plan.eval_every``-th step of the run (``done`` steps done in all), the validation set's scores,
     recorded; True once its exact match reaches ``plan.stop_at``."""
     if not plan.eval_every or (done - result.first_step) % plan.eval_every:
@@ -409,7 +415,8 @@ class CountedBatches:
 
 
 def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
-                        stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None):
+                        stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None
+          ) -> tuple[Result, Model, TrainingState]:
     """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces that end
     where the run is validated or saved, each piece continuing the last one's weights and optimizer state
     (``seconds`` counts the engine's start-up too). Once ``stopping()``, the engine ends its piece after the step
@@ -446,6 +453,7 @@ def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
         show(steps, result)
     if done == end:
         next(advance, None)                                     # let a progress bar close
+    assert state is not None                                    # a run has steps (--steps >= 1): a piece ran
     return ended(steps, plan, result, snapshots, adapter, model, state), model, state
 
 
@@ -460,7 +468,7 @@ def piece_end(plan: Plan, snapshots: Snapshots | None, first: int, done: int, en
     return min(ends)
 
 
-def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TEST,
+def evaluate(adapter: ModuleType, model: Model, plan: Plan, count: int, split: str = TEST,
              progress: Progress = no_progress) -> dict[str, float]:
     """The task's scores (``exact``, and ``bleu`` for translation) of greedy decoding (section 6.1's rules) on
     ``count`` held-out pairs, and ``loss``, their label-smoothed loss (section 5.4) under teacher forcing: the
@@ -469,7 +477,8 @@ def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TE
     batch, references = plan.task.held_out_batch(plan.config, count, split, plan.seed)
     pad = plan.config.pad_id
     lengths = np.stack([(batch["src"] != pad).sum(axis=1), (batch["labels"] != pad).sum(axis=1)], axis=1)
-    decoded, total, tokens = [[] for _ in range(count)], 0.0, 0
+    decoded: list[list[int]] = [[] for _ in range(count)]
+    total, tokens = 0.0, 0
     for rows in progress(token_batches(lengths, EVALUATION_TOKENS), "validate" if split == VALIDATION else "evaluate",
                          "batch"):
         part = {name: trimmed(value[rows], pad) for name, value in batch.items()}
@@ -477,7 +486,9 @@ def evaluate(adapter: ModuleType, model, plan: Plan, count: int, split: str = TE
         total, tokens = total + labels * adapter.loss(model, **part, epsilon=plan.label_smoothing), tokens + labels
         for row, output in zip(rows, adapter.greedy(model, part["src"])):
             decoded[row] = list(output)
-    return {"loss": total / tokens, **plan.task.score(plan.config, pad_rows(decoded, pad), references)}
+    # each task scores the references its own held_out_batch gave (sequences, or sentences)
+    scores = plan.task.score(plan.config, pad_rows(decoded, pad), references)    # type: ignore[arg-type]
+    return {"loss": total / tokens, **scores}
 
 
 def trimmed(rows: np.ndarray, pad_id: int) -> np.ndarray:

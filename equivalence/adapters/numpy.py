@@ -10,9 +10,11 @@ import numpy as np
 
 from reference_numpy import backward, checkpoint, data_parallel, decoding, training
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.data_parallel import Batches
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from reference_numpy.precision import round_to
 
+from ..contract import Mask, Path, Progress, Tokens
 from ..recipes import (
     check_attention_request,
     check_gradient_request,
@@ -36,13 +38,13 @@ def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str =
     return Transformer(config, params, dtype=np.dtype(dtype))
 
 
-def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     """A model from a shared checkpoint file."""
     config, params = checkpoint.load_checkpoint(path)
     return build(config, params, dtype, device)
 
 
-def save(model: Transformer, path, training: checkpoint.TrainingState | None = None,
+def save(model: Transformer, path: Path, training: checkpoint.TrainingState | None = None,
          tokenizer: str | None = None) -> None:
     """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
     checkpoint.save_checkpoint(path, model.config, export_params(model), training, tokenizer)
@@ -53,23 +55,25 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
     return {name: np.array(value) for name, value in model.params.items()}
 
 
-def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
+            ) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names."""
     _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True)
     return stages
 
 
-def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone: the model call."""
     return model(src, tgt, src_mask, tgt_mask)
 
 
-def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """Run one component (:data:`equivalence.recipes.COMPONENTS`) on NumPy inputs; weights from layer 0."""
     return run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention)
 
 
-def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
+                        ) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs, by the reference's
     backward pass (:mod:`reference_numpy.backward`): attention's query, key and value; LayerNorm's x."""
     keys, t = check_gradient_request(name), rounded_inputs(inputs, model.dtype)
@@ -81,18 +85,18 @@ def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: n
     return dict(zip(keys, grads if name == "attention" else (grads,)))
 
 
-def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled. The reference has no cache; ``use_cache`` is ignored."""
     return decoding.greedy_decode(model, src)
 
 
-def beam(model: Transformer, src, beam_size: int = decoding.BEAM_SIZE, alpha: float = decoding.LENGTH_PENALTY_ALPHA,
-         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def beam(model: Transformer, src: Tokens, beam_size: int = decoding.BEAM_SIZE,
+         alpha: float = decoding.LENGTH_PENALTY_ALPHA, use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,). The reference has no cache; ``use_cache`` is ignored."""
     return decoding.beam_search(model, src, beam_size, alpha)
 
 
-def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
     check_attention_request(model.config, layer, kind)
     return sublayer_attention_weights(model, forward(model, src, tgt), padding_mask(src, model.config.pad_id),
@@ -100,12 +104,13 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
                                       lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first))
 
 
-def loss(model: Transformer, src, tgt, labels, epsilon: float = training.LABEL_SMOOTHING) -> float:
+def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens,
+         epsilon: float = training.LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 (the reference computes inference: no dropout)."""
     return float(training.loss(model, src, tgt, labels, epsilon))
 
 
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = training.LABEL_SMOOTHING
+def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = training.LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the loss of section 5.4 and its gradient for every checkpoint tensor, in checkpoint
     layout, by the reference's backward pass."""
@@ -126,7 +131,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.value)
 
 
-def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
+def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = training.LABEL_SMOOTHING) -> float:
     """One training step (the reference has no dropout): the loss before the update."""
     return float(training.train_step(model, optimizer, src, tgt, labels, epsilon))
@@ -138,9 +143,10 @@ def training_state(model: Transformer, optimizer: training.Optimizer) -> checkpo
 
 
 def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
-                        state: checkpoint.TrainingState | None, batches, first_step: int, steps: int, world_size: int,
-                        dtype: str = "float32", device: str = "cpu", epsilon: float = training.LABEL_SMOOTHING,
-                        progress=None) -> tuple[dict[str, np.ndarray], checkpoint.TrainingState, list[float]]:
+                        state: checkpoint.TrainingState | None, batches: Batches, first_step: int, steps: int,
+                        world_size: int, dtype: str = "float32", device: str = "cpu",
+                        epsilon: float = training.LABEL_SMOOTHING, progress: Progress = None
+                        ) -> tuple[dict[str, np.ndarray], checkpoint.TrainingState, list[float]]:
     """A data-parallel run, the reference's shards one after another in this process
     (``reference_numpy.data_parallel.train``)."""
     return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
