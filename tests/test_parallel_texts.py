@@ -1,5 +1,6 @@
 """The four backends are parallel texts: the same public names, in the reference's order, with
-the reference's argument names. Only a short, documented list of framework idiom may differ
+the reference's argument names, and inside each concept of model.py the same sublayers and functions
+called in the reference's order. Only a short, documented list of framework idiom may differ
 (docs/ports.md, "Parallel texts"). Read from the source with ``ast``: no framework is imported."""
 
 from __future__ import annotations
@@ -207,3 +208,137 @@ def test_framework_call_methods_and_idiom_arguments_are_the_same_text():
               "    def call(self, x, training=None): ...\n"
               "    def _private(self): ...\n")
     assert methods(ast.parse(source).body[0]) == [("__init__", ["config"]), ("__call__", ["x"])]
+
+
+# ----------------------------------------------------------------------------- bodies
+#
+# Beyond names and arguments: inside each concept, the sublayers a port calls and the model.py functions it
+# calls, in the reference's order. A concept is a class (all its methods read together, so that Keras' build
+# and Flax's __init__ compare alike) or a top-level function of model.py. A port's private helper that the
+# reference does not have is read through (its calls count where it is called): framework idiom may add
+# helpers, not change what the concept does in which order. Repeats in a row count once (an if/else calling
+# the same sublayer on both branches is one call).
+
+def _definitions(text: str) -> dict[str, ast.AST]:
+    return {node.name: node for node in ast.parse(text).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def sublayers(cls: ast.ClassDef, classes: set[str]) -> set[str]:
+    """The attributes ``__init__`` sets to a layer of model.py: ``self.X = Layer(...)`` (or ``... if ... else``),
+    ``self.layers = [Layer(...) for ...]``."""
+    names = set()
+    for node in ast.walk(cls):
+        if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute)):
+            continue
+        value = node.value.body if isinstance(node.value, ast.IfExp) else node.value
+        value = value.elt if isinstance(value, ast.ListComp) else value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes:
+            names.add(node.targets[0].attr)
+    return names
+
+
+def in_order(found: list[tuple[int, int, str]]) -> list[str]:
+    names = [name for _, _, name in sorted(found)]
+    return [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
+
+
+def _self_attribute(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def calls(node: ast.AST, shared: set[str], helpers: dict[str, ast.AST], layers: set[str],
+          methods: dict[str, ast.AST], seen: tuple = ()) -> list[str]:
+    """In source order: the sublayers (``layers``) ``node`` calls, passes on or loops over, and the ``shared``
+    functions it calls; a port's own helper functions and ``methods`` (which the reference does not have) read
+    through."""
+    found = []
+    for inner in ast.walk(node):
+        used = ([inner.func, *inner.args] if isinstance(inner, ast.Call)
+                else [inner.iter] if isinstance(inner, (ast.For, ast.comprehension)) else [])
+        found += [(part.lineno, part.col_offset, f"self.{_self_attribute(part)}") for part in used
+                  if _self_attribute(part) in layers]
+        if not isinstance(inner, ast.Call):
+            continue
+        name = inner.func.id if isinstance(inner.func, ast.Name) else _self_attribute(inner.func)
+        own = helpers if isinstance(inner.func, ast.Name) else methods
+        if isinstance(inner.func, ast.Name) and name in shared:
+            found.append((inner.lineno, inner.col_offset, name))
+        elif name in own and name not in seen:
+            found += [(inner.lineno, inner.col_offset + i / 1000, called) for i, called in
+                      enumerate(calls(own[name], shared, helpers, layers, methods, (*seen, name)))]
+    return in_order(found)
+
+
+# The methods of a class compared one by one, a construction (``__init__`` with Keras' ``build``) as one;
+# the other idiom methods (``IDIOM_METHODS``) are not compared.
+CONSTRUCTION = ("__init__", "build")
+
+
+def units(node: ast.AST) -> dict[str, list[ast.AST]]:
+    if not isinstance(node, ast.ClassDef):
+        return {"": [node]}
+    parts: dict[str, list[ast.AST]] = {}
+    for method in node.body:
+        if isinstance(method, ast.FunctionDef):
+            key = ("__init__" if method.name in CONSTRUCTION else
+                   "__call__" if method.name in CALL_METHODS else method.name)
+            if key == "__init__" or key not in IDIOM_METHODS:
+                parts.setdefault(key, []).append(method)
+    return parts
+
+
+def body_divergences(reference_text: str, port_text: str, port: str) -> list[str]:
+    """Every concept of ``port_text`` (a port's model.py) whose calls depart from the reference's."""
+    reference, ported = _definitions(reference_text), _definitions(port_text)
+    shared = {name for name, node in reference.items() if isinstance(node, ast.FunctionDef) and name in ported}
+    helpers = {name: node for name, node in ported.items() if name not in reference and name.startswith("_")}
+    classes = {name for name, node in reference.items() if isinstance(node, ast.ClassDef)}
+    problems = []
+    for name, node in reference.items():
+        if name not in ported:
+            continue
+        layers = sublayers(node, classes) if isinstance(node, ast.ClassDef) else set()
+        mine, theirs = units(node), units(ported[name])
+        extra = {key: parts[0] for key, parts in theirs.items() if key not in mine and key.startswith("_")}
+        for key, parts in mine.items():
+            if key not in theirs:
+                continue
+            wanted = [call for part in parts for call in calls(part, shared, {}, layers, {})]
+            found = [call for part in theirs[key] for call in calls(part, shared, helpers, layers, extra)]
+            if found != wanted:
+                problems.append(f"{port}/model.py: {name}{'.' + key if key else ''} calls {found}, "
+                                f"the reference calls {wanted}")
+    return problems
+
+
+@pytest.mark.parametrize("port", PORTS)
+def test_each_concept_calls_what_the_reference_calls_in_its_order(port):
+    problems = body_divergences(model_text(REFERENCE), model_text(port), port)
+    assert not problems, "\n".join(problems)
+
+
+def model_text(package: str) -> str:
+    return (ROOT / package / "model.py").read_text()
+
+
+@pytest.mark.parametrize(("where", "old", "new", "expected"), [
+    # post-LN's sublayers swapped in the feed-forward's residual connection
+    ("transformer_torch", "residual(x, self.ffn, self.ffn_norm,", "residual(x, self.ffn_norm, self.ffn,",
+     "EncoderLayer.__call__ calls"),
+    # the decoder's cross-attention attends with the self-attention's weights
+    ("transformer_jax", "_attend(self.cross_attn, h, memory", "_attend(self.self_attn, h, memory",
+     "DecoderLayer.__call__ calls"),
+    # the feed-forward network's two layers in the wrong order
+    ("transformer_tf", "self.linear2(", "self.linear1(", "PositionwiseFeedForward.__call__ calls"),
+    # the target's positions encoded before the embedding
+    ("transformer_torch", "self.tgt_pos(self.tgt_embed(tgt)", "self.tgt_embed(self.tgt_pos(tgt)",
+     "Transformer.decode calls"),
+])
+def test_a_changed_body_is_named(where, old, new, expected):
+    """The checker itself: each planted change in one port is reported, naming the concept."""
+    text = model_text(where)
+    assert old in text, f"{where}/model.py no longer has {old!r}: update this test"
+    problems = body_divergences(model_text(REFERENCE), text.replace(old, new, 1), where)
+    assert any(expected in problem for problem in problems), problems
