@@ -19,6 +19,7 @@ import torch
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
@@ -36,6 +37,7 @@ from transformer_torch.model import (
     target_mask,
 )
 
+from ..contract import Mask, Path, Progress, Tokens
 from ..recipes import (
     check_attention_request,
     check_gradient_request,
@@ -60,13 +62,13 @@ def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str =
     return checkpoint.from_params(config, params, dtype, device)
 
 
-def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file."""
     _prepare(device)
     return checkpoint.load_checkpoint(path, dtype, device)
 
 
-def save(model: Transformer, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+def save(model: Transformer, path: Path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
     """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
     checkpoint.save_checkpoint(model, path, training, tokenizer)
 
@@ -77,7 +79,8 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 
 
 @torch.no_grad()
-def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
+            ) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names: in the model's dtype, log_probs in
     float32 for a bfloat16 or float16 model."""
     _, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)
@@ -85,13 +88,13 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
 
 
 @torch.no_grad()
-def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone (inference); float32 for a bfloat16 or float16 model."""
     return _numpy(model.eval()(src, tgt, src_mask, tgt_mask))
 
 
 @torch.no_grad()
-def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
@@ -102,54 +105,57 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
     return _numpy(run_component(model.eval(), name, _component_tensors(model, inputs), scaled_dot_product_attention))
 
 
-def _component_tensors(model: Transformer, inputs: dict) -> dict:
+def _component_tensors(model: Transformer, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor | None]:
     """A component's NumPy ``inputs`` as tensors on the model's device, float ones rounded to its dtype once."""
     return {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
             for key, value in rounded_inputs(inputs, _dtype_name(model.dtype)).items()}
 
 
-def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
+                        ) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
     key and value; LayerNorm's x), by autograd, in the model's dtype."""
     keys, t = check_gradient_request(name), _component_tensors(model, inputs)
     with torch.enable_grad():
-        for key in keys:
-            t[key].requires_grad_()
+        wrt = [torch.as_tensor(t[key]).requires_grad_() for key in keys]          # float inputs: never None
+        t.update(zip(keys, wrt))
         out = run_component(model.eval(), name, t, scaled_dot_product_attention)
-        out.backward(_from_numpy(round_to(grad_out, _dtype_name(model.dtype))).to(model.device))
-    return {key: _numpy(t[key].grad) for key in keys}
+        seed = _from_numpy(round_to(grad_out, _dtype_name(model.dtype))).to(model.device)
+        grads = torch.autograd.grad(out, wrt, seed)
+    return {key: _numpy(grad) for key, grad in zip(keys, grads)}
 
 
-def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled."""
     return decoding.greedy_decode(model.eval(), src, use_cache)
 
 
-def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
          use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,)."""
     return decoding.beam_search(model.eval(), src, beam_size, alpha, use_cache)
 
 
 @torch.no_grad()
-def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks; in the model's dtype."""
     check_attention_request(model.config, layer, kind)
-    src, tgt = (torch.as_tensor(np.asarray(tokens), device=model.device) for tokens in (src, tgt))
-    _, stages = model.eval()(src, tgt, return_intermediates=True)
+    source, target = (torch.as_tensor(np.asarray(tokens), device=model.device) for tokens in (src, tgt))
+    _, stages = model.eval()(source, target, return_intermediates=True)
     no_dropout = lambda y: y
     return _numpy(sublayer_attention_weights(
-        model, stages, padding_mask(src, model.config.pad_id), target_mask(tgt, model.config.pad_id), layer, kind,
+        model, stages, padding_mask(source, model.config.pad_id), target_mask(target, model.config.pad_id), layer, kind,
         lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, no_dropout)))
 
 
 @torch.no_grad()
-def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 with dropout off (eval mode)."""
     return training.loss(model.eval(), src, tgt, labels, epsilon).item()    # arrays checked and placed by the port
 
 
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):
+def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
+              ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, in checkpoint layout (a bfloat16 or float16 model's: P arrays)."""
     return training.gradients(model, src, tgt, labels, epsilon)
@@ -167,7 +173,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.get_scale())
 
 
-def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
+def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step (dropout as the model's config says): the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
@@ -179,9 +185,10 @@ def training_state(model: Transformer, optimizer: training.Optimizer) -> Trainin
 
 
 def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
-                        state: TrainingState | None, batches, first_step: int, steps: int, world_size: int,
-                        dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
-                        progress=None) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+                        state: TrainingState | None, batches: Batches, first_step: int, steps: int,
+                        world_size: int, dtype: str = "float32", device: str = "cpu",
+                        epsilon: float = LABEL_SMOOTHING, progress: Progress = None
+                        ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
     """A data-parallel run on DistributedDataParallel over ``world_size`` processes
     (``transformer_torch.data_parallel.train``)."""
     return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
