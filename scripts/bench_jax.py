@@ -60,7 +60,8 @@ from transformer_cli.timing import (  # noqa: E402
     timed,
 )
 from transformer_jax import Transformer, beam_search, from_params, greedy_decode  # noqa: E402
-from transformer_jax.model import compiled_forward, log_softmax, padding_mask  # noqa: E402
+from transformer_jax.model import log_softmax, padding_mask  # noqa: E402
+from transformer_jax.speed import compiled_forward  # noqa: E402
 
 FLOP_FORMULA = ("FLOPs = 2 x multiply-adds of every matmul:\n"
                 "  encoder  N*B*S*(8D^2 + 4DF + 4SD)\n"

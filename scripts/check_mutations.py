@@ -599,7 +599,7 @@ PRECISION = [
            "    return _narrow(_wide(x) + _wide(y), x.dtype)", "    return _wide(x) + _wide(y)",
            low_precision("torch and test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "jax: XLA's excess precision left on (roundings to P dropped in compiled code)",
-           "transformer_jax/model.py", '_EXACT_ROUNDING = {"xla_allow_excess_precision": False}', "_EXACT_ROUNDING = {}",
+           "transformer_jax/speed.py", '_EXACT_ROUNDING = {"xla_allow_excess_precision": False}', "_EXACT_ROUNDING = {}",
            low_precision("jax and test_trained_model_forward_stages and bfloat16")),
     single("precision", "keras: a low-precision model compiled by XLA (which drops roundings to P)",
            "transformer_tf/speed.py", "    return not _is_low(model.compute_dtype)", "    return True",

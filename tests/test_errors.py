@@ -108,7 +108,7 @@ class JaxDriver(Driver):
         return jnp.asarray(array)
 
     def compiled(self, src, tgt, src_mask=None, tgt_mask=None):
-        from transformer_jax.model import compiled_forward
+        from transformer_jax.speed import compiled_forward
         return compiled_forward(self.model, src, tgt, src_mask, tgt_mask)
 
 

@@ -50,11 +50,11 @@ from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
     _narrow,
-    forward,
     log_softmax,
     padding_mask,
     scaled_dot_product_attention,
 )
+from transformer_jax.speed import forward  # noqa: E402
 from transformer_jax.training import loss  # noqa: E402
 
 NO_GPU = "no GPU present: JAX sees only the CPU here, the GPU tests need a CUDA/ROCm jaxlib and a GPU"

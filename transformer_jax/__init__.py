@@ -40,6 +40,8 @@ from .model import (
     sinusoidal_positional_encoding,
     target_mask,
 )
+from .speed import compiled_forward as compiled_forward
+from .speed import forward as forward
 from .training import (
     gradients,
     label_smoothed_cross_entropy,

@@ -25,7 +25,7 @@ How it runs:
   beam of a sentence). Under XLA that made TensorFlow's search much faster than moving the keys
   and values; JAX's loop copies its caches either way (docs/benchmarks.md, "What beam search adds");
 * the whole search is one ``lax.while_loop`` inside ``jax.jit`` of the model's split state
-  (split once per model by ``model._split``, not at every call as ``nnx.jit`` does): it is traced and
+  (split once per model by ``speed._split``, not at every call as ``nnx.jit`` does): it is traced and
   compiled once per model structure, batch size, source length, budget M and beam size, never per token;
 * beam candidates are ranked by ``lax.top_k`` (2K of the K * V candidates), not a full sort;
 * ``use_cache=False`` (no cache: ``()``, as in every port) recomputes the decoder over the whole
@@ -48,13 +48,17 @@ V target vocabulary, K beam_size.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 from jax import lax
 
+from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
     LENGTH_PENALTY_ALPHA,
@@ -64,13 +68,19 @@ from reference_numpy.decoding import (
 )
 from reference_numpy.precision import score_dtype
 
-from .model import _EXACT_ROUNDING, KVCache, Transformer, _split, _Structure, padding_mask
+from .model import KVCache, Transformer, padding_mask
+from .speed import _EXACT_ROUNDING, _split, _Structure
 
 _TOKEN_DTYPE = jnp.int32
+# one decoding step: (decoder state, history (N, M + 1), index) -> (log_probs (N, V), decoder state)
+_Step = Callable[[tuple, jax.Array, jax.Array], tuple[jax.Array, tuple]]
+# each sentence's best finished hypothesis: score (B,), row (B, M + 1), length (B,)
+_Best = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
-                         cache: tuple = (), cache_index: int | jax.Array | None = None):
+                         cache: tuple = (), cache_index: int | jax.Array | None = None,
+                         ) -> Any:   # (N, V) log-probabilities; with a cache, (them, the new cache)
     """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
     set to -inf so that they are never chosen.
 
@@ -114,36 +124,37 @@ def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array)
     return log_probs.at[:, jnp.array([model.config.pad_id, model.config.bos_id])].set(-jnp.inf)
 
 
-def _stepper(model: Transformer, memory: jax.Array, src_mask: jax.Array, max_steps: int, use_cache: bool):
+def _stepper(model: Transformer, memory: jax.Array, src_mask: jax.Array, max_steps: int,
+             use_cache: bool) -> tuple[tuple, _Step]:
     """The decoder as ``(state, step)``, ``step(state, history, index) -> (log_probs (N, V), state)``;
     ``history`` (N, M + 1) holds bos and the tokens so far; ``index`` is the position fed."""
     if use_cache:
-        def step(cache, history, index):
+        def cached(cache: tuple, history: jax.Array, index: jax.Array) -> tuple[jax.Array, tuple]:
             token = lax.dynamic_slice_in_dim(history, index, 1, axis=1)                      # (N, 1)
             return next_token_log_probs(model, token, memory, src_mask, cache, index)
-        return model.init_cache(memory, max_steps), step
+        return model.init_cache(memory, max_steps), cached
 
-    def step(state, history, index):
+    def recomputed(state: tuple, history: jax.Array, index: jax.Array) -> tuple[jax.Array, tuple]:
         # the reference's recomputation over the fixed-size buffer (later positions are masked)
         out = model.decode(history[:, :max_steps], memory, src_mask, deterministic=True)    # (N, M, D)
         return _log_probs_at(model, out, index), state
-    return (), step
+    return (), recomputed
 
 
-def _start(model: Transformer, src) -> tuple[jax.Array, np.ndarray]:
+def _start(model: Transformer, src: npt.ArrayLike) -> tuple[jax.Array, np.ndarray]:
     """Checked source tokens and their per-sequence budgets (B,)."""
     src = model._check_tokens("src", src, model.config.src_vocab_size)
     return src, max_output_lengths(model, np.asarray(src))
 
 
-def _history(rows: int, max_steps: int, config) -> jax.Array:
+def _history(rows: int, max_steps: int, config: TransformerConfig) -> jax.Array:
     """(rows, M + 1) tokens: bos, then padding."""
     return jnp.full((rows, max_steps + 1), config.pad_id, _TOKEN_DTYPE).at[:, 0].set(config.bos_id)
 
 
 # ----------------------------------------------------------------------------- greedy
 
-def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy_decode(model: Transformer, src: npt.ArrayLike, use_cache: bool = True) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id.
 
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id (NumPy int64).
@@ -155,15 +166,15 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache"), compiler_options=_EXACT_ROUNDING)
-def _greedy(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, max_steps: int,
-            use_cache: bool):
+def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, limits: jax.Array, max_steps: int,
+            use_cache: bool) -> tuple[jax.Array, jax.Array]:
     """The compiled greedy loop of the model ``structure.merge(state)``. Returns history (B, M + 1) and
     the number of steps taken."""
     model = structure.merge(state)
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
-    state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
+    decoder_state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
 
     def running(carry):
         index, _, done, _ = carry
@@ -179,14 +190,14 @@ def _greedy(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax
         return index + 1, history, done, state
 
     start = (jnp.asarray(0, _TOKEN_DTYPE), _history(src.shape[0], max_steps, cfg),
-             jnp.zeros(src.shape[0], bool), state)
+             jnp.zeros(src.shape[0], bool), decoder_state)
     steps, history, _, _ = lax.while_loop(running, advance, start)
     return history, steps
 
 
 # ----------------------------------------------------------------------------- beam search
 
-def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
                 use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
 
@@ -209,8 +220,8 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
 
 @functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache"),
                    compiler_options=_EXACT_ROUNDING)
-def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
-          max_steps: int, beam_size: int, use_cache: bool):
+def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
+          max_steps: int, beam_size: int, use_cache: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The compiled search over the batch of the model ``structure.merge(state)``: rows are
     (sentence, beam) pairs, N = B * K, all advanced by one loop until every sentence has stopped.
     Returns the best hypotheses (B, M) without bos, their lengths (B,) and scores (B,)."""
@@ -218,8 +229,8 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
     cfg, batch, k = model.config, src.shape[0], beam_size
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
-    state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
-    state = _in_place(state, batch, k)
+    decoder_state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
+    decoder_state = _in_place(decoder_state, batch, k)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     scores_dtype = score_dtype(model.dtype)                                      # float32 for P
@@ -244,7 +255,7 @@ def _beam(structure: _Structure, state: nnx.State, src: jax.Array, limits: jax.A
         done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])
         return length, rows.reshape(batch * k, -1), live_scores, state, best, done
 
-    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(batch * k, max_steps, cfg), alive, state, no_best,
+    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(batch * k, max_steps, cfg), alive, decoder_state, no_best,
              jnp.zeros(batch, bool))
     *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1].all(), advance, start)
     return row[:, 1:], length, score
@@ -266,7 +277,8 @@ def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:
     return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
 
 
-def _select(candidates: jax.Array, eos_id: int, beam_size: int):
+def _select(candidates: jax.Array, eos_id: int,
+            beam_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One step's ranking and choices for every sentence (the reference's ``select_candidates``): the 2K best
     (beam b, token v) candidates by summed log-probability, ties to the lower b, then the lower v, by
     ``lax.top_k`` over the flat beam-major scores (documented: equal values keep the lower index first,
@@ -287,7 +299,7 @@ def _select(candidates: jax.Array, eos_id: int, beam_size: int):
     return scores, beams, tokens, is_eos & (rank < beam_size), keep
 
 
-def _keep_best(best, scores: jax.Array, rows: jax.Array, length: jax.Array):
+def _keep_best(best: _Best, scores: jax.Array, rows: jax.Array, length: jax.Array) -> _Best:
     """Replace each sentence's ``best`` = (score, row, length) by its first candidate of highest score,
     only if that score is strictly greater (so earlier finished hypotheses win ties).
 

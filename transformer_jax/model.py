@@ -29,20 +29,22 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy.typing as npt
 from flax import nnx
 from jax import lax
+from jax.typing import DTypeLike
 
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low
 
+from . import speed
 from .device import _check_dtype
 
 _PRECISION = lax.Precision.HIGHEST
@@ -53,20 +55,20 @@ def _wide(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) if is_low(x.dtype) else x
 
 
-def _narrow(x: jax.Array, dtype) -> jax.Array:
+def _narrow(x: jax.Array, dtype: DTypeLike) -> jax.Array:
     """A concept's wide result rounded once (to nearest, ties to even) to the model's ``dtype`` when it is low;
     unchanged otherwise."""
     return x.astype(dtype) if is_low(dtype) else x
 
 
-def _computation(dtype):
+def _computation(dtype: DTypeLike) -> DTypeLike:
     """The dtype Flax layers of a model in ``dtype`` compute in: float32 (wide) for P, ``dtype`` itself otherwise."""
     return jnp.float32 if is_low(dtype) else dtype
 
 
 # ----------------------------------------------------------------------------- masks
 
-def padding_mask(tokens: jax.Array, pad_id: int) -> jax.Array:
+def padding_mask(tokens: npt.ArrayLike, pad_id: int) -> jax.Array:
     """Keys that are not padding may be attended to.
 
     Shape: tokens (B, Tk) -> mask (B, 1, 1, Tk), bool, True = may attend.
@@ -82,12 +84,13 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
 
 
-def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
+def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
     """Causal mask combined with the target's padding mask.
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
-    return padding_mask(tgt, pad_id) & causal_mask(jnp.shape(tgt)[1])
+    padding = padding_mask(tgt, pad_id)                                   # (B, 1, 1, T)
+    return padding & causal_mask(padding.shape[-1])
 
 
 def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int) -> jax.Array:
@@ -190,28 +193,30 @@ def _beam_mix(weights: jax.Array, value: jax.Array, beams: jax.Array) -> jax.Arr
     return out.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, -1)
 
 
-def _check_mask(mask, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
-    checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))
+def _check_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
+    checks.check_mask(name, *_layout(name, mask), tuple(scores_shape))
     return jnp.asarray(mask)
 
 
-def _describe(name: str, value) -> tuple[tuple, str] | None:
-    """(shape, dtype name) of an optional array argument (traced or not), for the reference's input checks."""
-    if value is None:
-        return None
-    if not isinstance(value, jax.Array):
-        value = checks.as_array(name, value)
-    return tuple(value.shape), value.dtype.name
+def _layout(name: str, value: object) -> tuple[tuple, str]:
+    """(shape, dtype name) of an array argument (traced or not), for the reference's input checks."""
+    array = value if isinstance(value, jax.Array) else checks.as_array(name, value)
+    return tuple(array.shape), array.dtype.name
+
+
+def _describe(name: str, value: object) -> tuple[tuple, str] | None:
+    """:func:`_layout` of an optional array argument; None for None."""
+    return None if value is None else _layout(name, value)
 
 
 class _Linear(nnx.Linear):
     """``nnx.Linear`` whose output is rounded to its ``param_dtype`` when that is low (computed wide before)."""
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array) -> jax.Array:  # type: ignore[override]  # without out_sharding (unused)
         return _narrow(super().__call__(inputs), self.param_dtype)
 
 
-def _linear(in_features: int, out_features: int, dtype, rngs: nnx.Rngs) -> _Linear:
+def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs) -> _Linear:
     """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout; in a low precision computed
     wide and rounded once to P. Shape: (..., in) -> (..., out)."""
     return _Linear(in_features, out_features, dtype=_computation(dtype), param_dtype=dtype, precision=_PRECISION,
@@ -240,7 +245,7 @@ def _beam_table(cache: KVCache | None) -> jax.Array | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    checks.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    checks.check_beams(*_layout("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
@@ -265,7 +270,7 @@ class MultiHeadAttention(nnx.Module):
         ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.n_heads = config.n_heads
         self.q_proj = _linear(config.d_model, config.d_model, dtype, rngs)
         self.k_proj = _linear(config.d_model, config.d_model, dtype, rngs)
@@ -274,7 +279,7 @@ class MultiHeadAttention(nnx.Module):
 
     def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
                  return_weights: bool = False, cache: KVCache | None = None,
-                 cache_index: int | jax.Array | None = None):
+                 cache_index: int | jax.Array | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
@@ -310,7 +315,7 @@ class MultiHeadAttention(nnx.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache_index = _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),
                         lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2),
                         _written_beams(cache.beams, cache_index, k.shape[2]))
@@ -322,11 +327,12 @@ class MultiHeadAttention(nnx.Module):
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
 
 
-def _check_cache_index(cache_index, length: int, capacity: int) -> None:
-    """The reference's check of a concrete ``cache_index`` (a traced one, in a compiled decoding
-    loop, is the loop's to bound: ``lax.dynamic_update_slice`` would clamp it)."""
-    if not isinstance(cache_index, jax.core.Tracer):
-        checks.check_cache_index(cache_index, length, capacity)
+def _check_cache_index(cache_index: int | jax.Array | None, length: int, capacity: int) -> int | jax.Array:
+    """``cache_index`` after the reference's check of a concrete one (an int then); a traced one, in a compiled
+    decoding loop, is the loop's to bound (``lax.dynamic_update_slice`` would clamp it)."""
+    if isinstance(cache_index, jax.core.Tracer):
+        return cache_index
+    return checks.check_cache_index(cache_index, length, capacity)
 
 
 def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
@@ -347,7 +353,7 @@ class PositionwiseFeedForward(nnx.Module):
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.linear1 = _linear(config.d_model, config.d_ff, dtype, rngs)
         self.linear2 = _linear(config.d_ff, config.d_model, dtype, rngs)
 
@@ -369,11 +375,11 @@ class LayerNorm(nnx.LayerNorm):
     Shape: x (..., D) -> (..., D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         super().__init__(config.d_model, epsilon=config.layer_norm_eps, use_fast_variance=False,
                          dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:  # type: ignore[override]  # the reference's call: no mask
         overflow = jnp.isinf(jnp.var(_wide(x), axis=-1, keepdims=True))          # (..., 1)
         return _narrow(jnp.where(overflow, jnp.nan, super().__call__(x)), self.param_dtype)
 
@@ -406,7 +412,7 @@ def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
 
 # ----------------------------------------------------------------------------- embeddings
 
-def sinusoidal_positional_encoding(length: int, d_model: int, dtype=jnp.float64) -> jax.Array:
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike = jnp.float64) -> jax.Array:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
@@ -426,11 +432,11 @@ class Embeddings(nnx.Embed):
     Shape: tokens (B, T) int -> (B, T, D).
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs):
         super().__init__(vocab_size, config.d_model, dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
         self.scale = math.sqrt(config.d_model)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> jax.Array:  # type: ignore[override]  # the reference's call: tokens
         return _narrow(super().__call__(tokens) * self.scale, self.param_dtype)
 
 
@@ -448,7 +454,7 @@ class PositionalEncoding(nnx.Module):
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.learned = config.positional_encoding == "learned"
         if self.learned:
             init = nnx.initializers.normal(config.d_model ** -0.5)
@@ -474,7 +480,7 @@ class Generator(nnx.Module):
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None, *, dtype,
+    def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None, *, dtype: DTypeLike,
                  rngs: nnx.Rngs):
         if config.share_embeddings and embeddings is None:
             raise ValueError("a Generator with share_embeddings needs the shared Embeddings (embeddings=)")
@@ -490,35 +496,13 @@ class Generator(nnx.Module):
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
-    """log softmax over the last axis (section 3.4), max-shifted: ``s - log(sum(exp(s)))``, ``s = x - max(x)``.
-
-    The sum of ``exp(s)`` runs as products with a vector of ones over chunks of the row (see
-    :func:`_sum_chunk`), then over the chunks' totals: XLA:CPU computes an exp inside a row sum one element at
-    a time, whereas here the exp runs on its own and the sum is a matrix product, so this is faster than
-    ``jax.nn.log_softmax`` over a large vocabulary, at the same float32 error (the numbers:
-    ``docs/benchmarks-jax.md``). A row with no such chunk uses ``jax.nn.log_softmax``.
+    """log softmax over the last axis (section 3.4), max-shifted: ``s - log(sum(exp(s)))``, ``s = x - max(x)``;
+    the row sums are :func:`.speed.sum_exp`'s (by chunks, faster under XLA:CPU).
 
     Shape: (..., V) -> (..., V).
     """
-    chunk = _sum_chunk(x.shape[-1])
-    if chunk is None:
-        return jax.nn.log_softmax(x, axis=-1)
     shifted = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    chunks = jnp.exp(shifted).reshape(*x.shape[:-1], -1, chunk)                       # (..., V / chunk, chunk)
-    totals = jnp.matmul(chunks, jnp.ones(chunk, x.dtype), precision=_PRECISION)    # (..., V / chunk)
-    return shifted - jnp.log(jnp.sum(totals, axis=-1, keepdims=True))
-
-
-_CHUNK_RANGE = (64, 1024)   # chunk lengths whose products with ones keep the plain sum's float32 error
-
-
-def _sum_chunk(classes: int) -> int | None:
-    """The largest divisor of ``classes`` in :data:`_CHUNK_RANGE` (a row of up to 1,024 classes is one chunk),
-    or None: then no chunk is both long enough to pay and short enough to keep the error."""
-    low, high = _CHUNK_RANGE
-    if classes <= high:
-        return classes
-    return next((c for c in range(high, low - 1, -1) if classes % c == 0), None)
+    return shifted - jnp.log(speed.sum_exp(shifted))
 
 
 # ----------------------------------------------------------------------------- layers and stacks
@@ -529,7 +513,7 @@ class EncoderLayer(nnx.Module):
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.norm_first = config.norm_first
         self.self_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs)
         self.self_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
@@ -557,7 +541,7 @@ class DecoderLayer(nnx.Module):
     tgt_mask broadcastable to (B, H, T, T) (T, C with a cache) -> (B, T, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.norm_first = config.norm_first
         self.self_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs)
         self.self_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
@@ -569,16 +553,15 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None):
+                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
-        kept: list[KVCache] = []
         drop = functools.partial(self.dropout, deterministic=deterministic)
-        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index, kept),
-                     self.self_attn_norm, self.norm_first, drop)
-        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None, kept),
-                     self.cross_attn_norm, self.norm_first, drop)
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+                                         self.self_attn_norm, self.norm_first, drop)
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+                                          self.cross_attn_norm, self.norm_first, drop)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)
-        return x if cache is None else (x, tuple(kept))
+        return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[KVCache, KVCache]:
         """An empty self-attention cache of ``capacity`` positions and the memory's projected keys/values.
@@ -589,14 +572,24 @@ class DecoderLayer(nnx.Module):
 
 
 def _attend(attention: MultiHeadAttention, query: jax.Array, memory: jax.Array, mask: jax.Array | None,
-            cache: KVCache | None, cache_index: int | jax.Array | None, kept: list[KVCache]) -> jax.Array:
-    """``attention`` of ``query`` over ``memory`` (keys and values); with a ``cache``, the cache it
-    returns is appended to ``kept``."""
+            cache: KVCache | None, cache_index: int | jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
+    (None without a cache)."""
     if cache is None:
-        return attention(query, memory, memory, mask)
-    out, cache = attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
-    kept.append(cache)
-    return out
+        return attention(query, memory, memory, mask), None
+    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+
+
+def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, KVCache | None]],
+                     norm: LayerNorm, norm_first: bool,
+                     dropout: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, KVCache | None]:
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
+    ``(the residual connection's output, the cache)``, both as values."""
+    if norm_first:
+        out, cache = sublayer(norm(x))
+        return add(x, dropout(out)), cache
+    out, cache = sublayer(x)
+    return norm(add(x, dropout(out))), cache
 
 
 class Encoder(nnx.Module):
@@ -607,7 +600,7 @@ class Encoder(nnx.Module):
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.layers = nnx.List([EncoderLayer(config, dtype=dtype, rngs=rngs)
                                 for _ in range(config.n_encoder_layers)])
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
@@ -631,7 +624,7 @@ class Decoder(nnx.Module):
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs)
                                 for _ in range(config.n_decoder_layers)])
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
@@ -639,7 +632,7 @@ class Decoder(nnx.Module):
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, intermediates: dict | None = None,
                  cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
-                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None):
+                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
         updated = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -680,10 +673,10 @@ class Transformer(nnx.Module):
         Returns log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype=jnp.float64, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float64, rngs: nnx.Rngs):
         self.config = config
         self.dtype = _check_dtype(dtype)
-        kw = {"dtype": self.dtype, "rngs": rngs}
+        kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
         self.tgt_embed = self.src_embed if config.share_embeddings \
             else Embeddings(config, config.tgt_vocab_size, **kw)
@@ -716,7 +709,7 @@ class Transformer(nnx.Module):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = _describe("memory", memory)
+        shape, dtype = _layout("memory", memory)
         checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.dtype.name)
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(jnp.asarray(memory), capacity)
@@ -724,7 +717,7 @@ class Transformer(nnx.Module):
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, intermediates: dict | None = None,
                cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
-               cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None):
+               cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -738,21 +731,22 @@ class Transformer(nnx.Module):
         which also hides the positions not yet written). Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
+        checks.check_memory(*_layout("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
         memory = jnp.asarray(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
+        offset: int | jax.Array = 0                                              # the position of tgt[:, 0]
         if cache is not None:
-            _check_cache_index(cache_index, length, keys)
+            offset = _check_cache_index(cache_index, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
             src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(cache_index, length, keys)
+                _cached_causal_mask(offset, length, keys)
         tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, deterministic=deterministic)
+        y = self.tgt_pos(self.tgt_embed(tgt), offset, deterministic=deterministic)
         steps: dict = {}
         result = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index, deterministic=deterministic)
         if intermediates is not None:
@@ -763,13 +757,13 @@ class Transformer(nnx.Module):
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
-                 *, deterministic: bool | None = None):
+                 *, deterministic: bool | None = None) -> Any:
         """Log-probabilities of the next target token at every target position.
 
         With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
         "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
         "decoder" and "log_probs" to arrays, in that order (the shared stage names of every port;
-        ``jax.jit`` returns dicts with sorted keys, see :func:`stage_names`).
+        ``jax.jit`` returns dicts with sorted keys, see :func:`.speed.stage_names`).
         """
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
@@ -783,7 +777,8 @@ class Transformer(nnx.Module):
         stages["log_probs"] = log_probs
         return log_probs, stages
 
-    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[jax.Array, jax.Array]:
+    def _check_inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
+                      tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
         """Every check of the forward pass, made before any computation (the reference's
         :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
@@ -792,126 +787,10 @@ class Transformer(nnx.Module):
                                        _describe("tgt_mask", tgt_mask))
         return src, tgt
 
-    def _check_tokens(self, name: str, tokens, vocab_size: int) -> jax.Array:
+    def _check_tokens(self, name: str, tokens: npt.ArrayLike, vocab_size: int) -> jax.Array:
         """The reference's token checks: shape and dtype always, the id range only on concrete
         (untraced) arrays, which is why public entry points check before compiled code."""
         if isinstance(tokens, jax.core.Tracer):
-            checks.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
+            checks.check_token_layout(name, *_layout(name, tokens), self.config.max_len)
             return tokens
         return jnp.asarray(checks.check_tokens(name, tokens, vocab_size, self.config.max_len))
-
-
-def stage_names(config: TransformerConfig) -> list[str]:
-    """The shared stage names of ``return_intermediates``, in forward order."""
-    return ["src_embed", *[f"encoder.layers.{i}" for i in range(config.n_encoder_layers)], "encoder",
-            "tgt_embed", *[f"decoder.layers.{i}" for i in range(config.n_decoder_layers)], "decoder",
-            "log_probs"]
-
-
-def compiled_forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None, return_intermediates: bool = False):
-    """``model(src, tgt, src_mask, tgt_mask, return_intermediates)`` compiled with ``jax.jit`` on the
-    model's split state (one compilation per model structure, input shapes and mask presence; the
-    model is split once, see :func:`_split`); dropout streams the call draws from advance, as in
-    ``nnx.jit``.
-
-    The inputs are checked on the host first: once traced, token ids can no longer be compared
-    with the vocabulary size (an id out of range would give NaN log-probabilities).
-    Shape: as :class:`Transformer`.
-    """
-    src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
-    split = _split(model)
-    result, streams = _jitted_forward(split.structure, split.state, src, tgt, src_mask, tgt_mask,
-                                      return_intermediates)
-    for variable, value in zip(split.streams, streams):
-        variable.set_raw_value(value)
-    return result
-
-
-# XLA may leave out a conversion to bfloat16 or float16 when the next operation reads the value in float32
-# ("excess precision", on by default): it dropped the rounding of the logits before the log-softmax, and a
-# bfloat16 model's log-probabilities then differed from the reference's by 0.027 (seven units of the logits)
-# instead of 0.004 (one). The port's compiled functions turn it off, so that every rounding of the recipe happens;
-# float32 and float64 programs have no such conversion and compile as before.
-_EXACT_ROUNDING = {"xla_allow_excess_precision": False}
-
-
-@functools.partial(jax.jit, static_argnames=("structure", "return_intermediates"), compiler_options=_EXACT_ROUNDING)
-def _jitted_forward(structure: _Structure, state: nnx.State, src: jax.Array, tgt: jax.Array,
-                    src_mask: jax.Array | None, tgt_mask: jax.Array | None, return_intermediates: bool):
-    """The forward pass and the values of the model's dropout streams after it (as :func:`_streams` lists them)."""
-    model = structure.merge(state)
-    result = model(src, tgt, src_mask, tgt_mask, return_intermediates)
-    return result, [variable.get_raw_value() for variable in _streams(model)]
-
-
-class _Structure:
-    """A model's ``nnx.GraphDef`` as a static argument of ``jax.jit``: its hash is computed once (hashing
-    a GraphDef walks every node, and jit hashes static arguments at every call: docs/benchmarks-jax.md);
-    equal structures compare equal, so models of one structure share their compilations."""
-
-    def __init__(self, graphdef: nnx.GraphDef):
-        self.graphdef, self._hash = graphdef, hash(graphdef)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, _Structure) and self.graphdef == other.graphdef)
-
-    def merge(self, state: nnx.State) -> Transformer:
-        """The model of this structure holding ``state`` (inside a compiled function: traced values)."""
-        return nnx.merge(self.graphdef, state)
-
-
-class _Split(NamedTuple):
-    """A model split for compiled calls (:func:`_split`)."""
-
-    structure: _Structure
-    state: nnx.State                                   # the model's own Variables: values read at each call
-    variables: tuple[tuple[tuple, nnx.Variable], ...]  # (path, Variable) of every entry of ``state``
-    streams: tuple[nnx.Variable, ...]                  # the dropout streams' keys and counts (:func:`_streams`)
-
-
-_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _split(model: Transformer) -> _Split:
-    """``nnx.split(model)`` once per model object (a walk of the whole module graph, which ``nnx.jit`` pays, and
-    more, at every call: docs/benchmarks-jax.md), for compiled functions of (structure, state, inputs) under plain
-    ``jax.jit``.
-
-    The state holds the model's own ``nnx.Variable`` objects, so a call passes their current values:
-    a training step, ``nnx.update`` or ``variable[...] = value`` changes what the next call computes
-    with. A model whose Variables or submodules were replaced (a path now leads to another Variable)
-    is split again (the check is a walk of the Variables' paths, without splitting).
-    """
-    split = _SPLITS.get(model)
-    if split is None or not all(_at(model, path) is variable for path, variable in split.variables):
-        graphdef, state = nnx.split(model)
-        split = _SPLITS[model] = _Split(_Structure(graphdef), state, tuple(nnx.to_flat_state(state)),
-                                        tuple(_streams(model)))
-    return split
-
-
-def _at(node, path: tuple):
-    """The attribute or list item of ``node`` at an ``nnx.State`` path."""
-    for key in path:
-        node = node[key] if isinstance(key, int) else getattr(node, key)
-    return node
-
-
-def _streams(model: Transformer) -> list[nnx.Variable]:
-    """The model's dropout streams' keys and counts (``nnx.RngState``), in state order."""
-    return [variable for _, variable in nnx.to_flat_state(nnx.state(model, nnx.RngState))]
-
-
-def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None, return_intermediates: bool = False):
-    """:func:`compiled_forward` with the stages in forward order.
-
-    Shape: as :class:`Transformer`.
-    """
-    result = compiled_forward(model, src, tgt, src_mask, tgt_mask, return_intermediates)
-    if not return_intermediates:
-        return result
-    log_probs, stages = result
-    return log_probs, {name: stages[name] for name in stage_names(model.config)}

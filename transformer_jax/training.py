@@ -50,7 +50,8 @@ from reference_numpy.training import (
 
 from . import checkpoint
 from .device import _check_dtype
-from .model import _EXACT_ROUNDING, Transformer, _narrow, _split, _streams, _Structure
+from .model import Transformer, _narrow
+from .speed import _EXACT_ROUNDING, _split, _streams, _Structure
 
 
 def label_smoothed_cross_entropy(log_probs: jax.Array, labels: jax.Array, pad_id: int,
@@ -76,7 +77,7 @@ def label_smoothed_cross_entropy(log_probs: jax.Array, labels: jax.Array, pad_id
     return (per_token * real).sum() / count
 
 
-def loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
+def loss(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike,
          epsilon: float = LABEL_SMOOTHING, tokens: int | None = None, *,
          deterministic: bool | None = None) -> jax.Array:
     """The training loss of one batch; differentiate it with ``nnx.grad`` / ``nnx.value_and_grad``;
@@ -295,7 +296,7 @@ def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState 
 @functools.partial(jax.jit, static_argnames=("structure", "epsilon"), compiler_options=_EXACT_ROUNDING)
 def _value_and_grad(structure: _Structure, state: nnx.State, src, tgt, labels, epsilon):
     """Compiled loss (dropout off) and its gradient with respect to every ``nnx.Param`` (an ``nnx.State``) of the
-    model of this structure and state; in P, every rounding of the recipe kept (see ``model._EXACT_ROUNDING``)."""
+    model of this structure and state; in P, every rounding of the recipe kept (see ``speed._EXACT_ROUNDING``)."""
     return nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=True))(structure.merge(state))
 
 
@@ -313,7 +314,7 @@ def _scaled_gradients(structure: _Structure, state: nnx.State, loss_scale: Dynam
     """Compiled, for the P model of this structure and state: its loss in training mode (float32), the gradient of
     the loss times the scale (``DynamicScale.value_and_grad``; bfloat16: unscaled) as float32 divided by the scale
     (an ``nnx.State`` of the P model's parameters), whether every gradient is finite, the loss scale after the step
-    and the values of the dropout streams after it (as ``model._streams`` lists them)."""
+    and the values of the dropout streams after it (as ``speed._streams`` lists them)."""
     graphdef, params, rest = nnx.split(structure.merge(state), nnx.Param, ...)
 
     def value(params: nnx.State):

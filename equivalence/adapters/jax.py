@@ -10,20 +10,24 @@ models (``reference_numpy/precision.py``) return their stages in the format (``m
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import jax
 import numpy as np
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
 from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
-from transformer_jax.model import forward as _forward
+from transformer_jax.speed import forward as _forward
 
+from ..contract import Mask, Path, Progress, Tokens
 from ..recipes import (
     check_attention_request,
     check_gradient_request,
@@ -33,12 +37,14 @@ from ..recipes import (
 )
 
 NAME = "jax"
+_Arguments = ParamSpec("_Arguments")
+_Result = TypeVar("_Result")
 
 
-def _x64(function):
+def _x64(function: Callable[_Arguments, _Result]) -> Callable[_Arguments, _Result]:
     """``function`` run under ``jax.enable_x64(True)`` (jit caches stay valid: every call sees x64 on)."""
     @functools.wraps(function)
-    def with_x64(*args, **kwargs):
+    def with_x64(*args: _Arguments.args, **kwargs: _Arguments.kwargs) -> _Result:
         with jax.enable_x64(True):
             return function(*args, **kwargs)
     return with_x64
@@ -59,13 +65,13 @@ def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str =
 
 
 @_x64
-def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     """A model in ``dtype`` (float32, float64, bfloat16 or float16) from a shared checkpoint file."""
     return checkpoint.load_checkpoint(path, dtype, device)
 
 
 @_x64
-def save(model: Transformer, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+def save(model: Transformer, path: Path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
     """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
     checkpoint.save_checkpoint(model, path, training, tokenizer)
 
@@ -77,7 +83,8 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 
 
 @_x64
-def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
+            ) -> dict[str, np.ndarray]:
     """Every stage of the compiled forward pass (inference), by the shared stage names, in order, in the model's
     dtype (float32, float64, bfloat16 or float16); a bfloat16 or float16 model's log-probabilities are float32."""
     _, stages = _forward(model, src, tgt, src_mask, tgt_mask, return_intermediates=True)
@@ -85,14 +92,14 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
 
 
 @_x64
-def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The compiled forward pass's (B, T, V) log-probabilities alone (inference): float32 for a bfloat16 or
     float16 model."""
     return np.asarray(_forward(model, src, tgt, src_mask, tgt_mask))
 
 
 @_x64
-def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
@@ -104,12 +111,13 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
 
 
 @_x64
-def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
+                        ) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
     key and value; LayerNorm's x), by ``jax.vjp``, in the model's dtype."""
     keys, rounded = check_gradient_request(name), rounded_inputs(inputs, model.dtype)
 
-    def component_of(*floats):
+    def component_of(*floats: jax.Array) -> jax.Array:
         return run_component(model, name, {**rounded, **dict(zip(keys, floats))}, scaled_dot_product_attention)
 
     _, pullback = jax.vjp(component_of, *(jax.numpy.asarray(rounded[key]) for key in keys))
@@ -118,20 +126,20 @@ def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: n
 
 
 @_x64
-def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled, from the compiled decoding loop."""
     return decoding.greedy_decode(model, src, use_cache)
 
 
 @_x64
-def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
          use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and length-normalized scores (B,), from the compiled search."""
     return decoding.beam_search(model, src, beam_size, alpha, use_cache)
 
 
 @_x64
-def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks, in the model's
     dtype (float32, float64, bfloat16 or float16)."""
     check_attention_request(model.config, layer, kind)
@@ -142,13 +150,14 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
 
 
 @_x64
-def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 with dropout off."""
     return float(training.loss(model, src, tgt, labels, epsilon, deterministic=True))
 
 
 @_x64
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING):
+def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
+              ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout (NumPy; a bfloat16 or float16
     model's gradients in its format, its loss float32)."""
@@ -172,7 +181,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
 
 
 @_x64
-def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
+def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One compiled training step (dropout as the model's config says): the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
@@ -186,9 +195,10 @@ def training_state(model: Transformer, optimizer: training.Optimizer) -> Trainin
 
 @_x64
 def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
-                        state: TrainingState | None, batches, first_step: int, steps: int, world_size: int,
-                        dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
-                        progress=None) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+                        state: TrainingState | None, batches: Batches, first_step: int, steps: int,
+                        world_size: int, dtype: str = "float32", device: str = "cpu",
+                        epsilon: float = LABEL_SMOOTHING, progress: Progress = None
+                        ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
     """A data-parallel run on a mesh of ``world_size`` devices (``transformer_jax.data_parallel.train``)."""
     return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
                                device, epsilon, progress)
