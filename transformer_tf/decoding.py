@@ -44,11 +44,15 @@ search (exactly), not at every step.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from numpy.typing import ArrayLike
 
 from reference_numpy.checks import check_tokens
+from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
     EXTRA_OUTPUT_LENGTH,
@@ -59,20 +63,23 @@ from reference_numpy.decoding import (
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import KVCache, Transformer, _generated, _wide, padding_mask
+from .model import Index, KVCache, Transformer, _generated, _wide, padding_mask
 from .speed import _xla_keeps_roundings
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {search key: tf.function}
 
+Cache = tuple[tuple[KVCache, KVCache], ...]   # per decoder layer (self-attention, encoder-decoder attention); (): none
 
-def max_output_lengths(model: Transformer, src) -> tf.Tensor:
+
+def max_output_lengths(model: Transformer, src: tf.Tensor) -> tf.Tensor:
     """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``
     (section 6.1), computed in-graph. Shape: (B,)."""
     lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id), tf.int32), axis=1)
     return tf.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
 
 
-def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=(), cache_index=None):
+def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None,
+                         cache: Cache = (), cache_index: Index | None = None) -> tf.Tensor | tuple[tf.Tensor, Cache]:
     """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
     they are never chosen.
 
@@ -83,9 +90,12 @@ def next_token_log_probs(model: Transformer, tgt, memory, src_mask, cache=(), ca
     return _next_token_log_probs(model, model.generator._weight(), tgt, memory, src_mask, cache, cache_index)
 
 
-def _next_token_log_probs(model: Transformer, weight, tgt, memory, src_mask, cache, cache_index):
+def _next_token_log_probs(model: Transformer, weight: tf.Tensor, tgt: tf.Tensor, memory: tf.Tensor,
+                          src_mask: tf.Tensor | None, cache: Cache,
+                          cache_index: Index | None) -> tf.Tensor | tuple[tf.Tensor, Cache]:
     """:func:`next_token_log_probs` with the generator's (D, V) ``weight`` given
     (``Generator._weight``): a search reads it once per call, not at every step."""
+    out: tf.Tensor                                                      # decode's (B, T, D) output
     if not cache:
         out = model.decode(tgt, memory, src_mask)
     else:
@@ -97,7 +107,7 @@ def _next_token_log_probs(model: Transformer, weight, tgt, memory, src_mask, cac
     return (log_probs, cache) if cache else log_probs
 
 
-def reorder_cache(cache: tuple, beams) -> tuple:
+def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> tuple[tuple[KVCache, ...], ...]:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search keeps the caches of the hypotheses it extends). A
     :class:`~.model.KVCache` without a ``beams`` table is gathered along the batch axis; one with
@@ -109,7 +119,7 @@ def reorder_cache(cache: tuple, beams) -> tuple:
     return tuple(tuple(_follow(layer_cache, beams) for layer_cache in layer) for layer in cache)
 
 
-def _follow(cache: KVCache, beams) -> KVCache:
+def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     """One :class:`~.model.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
         return KVCache(tf.gather(cache.keys, beams), tf.gather(cache.values, beams))
@@ -117,7 +127,7 @@ def _follow(cache: KVCache, beams) -> KVCache:
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
 
-def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy_decode(model: Transformer, src: ArrayLike, use_cache: bool = True) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id.
 
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
@@ -128,7 +138,7 @@ def greedy_decode(model: Transformer, src, use_cache: bool = True) -> np.ndarray
     return tokens.numpy()[:, 1:int(steps) + 1]
 
 
-def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
                 use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
 
@@ -148,7 +158,7 @@ def beam_search(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: floa
 
 # ----------------------------------------------------------------------------- the searches
 
-def _greedy(model: Transformer, use_cache: bool, src, weight):
+def _greedy(model: Transformer, use_cache: bool, src: tf.Tensor, weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """Returns the token buffer (B, L + 1) (bos first) and the number of steps taken. ``weight`` is the
     generator's (D, V) weight (``Generator._weight``, float32 for a low precision), read once per search."""
     cfg = model.config
@@ -171,7 +181,8 @@ def _greedy(model: Transformer, use_cache: bool, src, weight):
     return tokens, t - 1
 
 
-def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, weight):
+def _beam(model: Transformer, use_cache: bool, beam_size: int, src: tf.Tensor, penalties: tf.Tensor,
+          weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Returns the best hypotheses (B, L) pad-filled, their lengths (B,) and scores (B,).
 
     ``penalties[n]`` is lp(n) in the scores' dtype; ``weight`` as for :func:`_greedy`. Rows are
@@ -213,7 +224,7 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src, penalties, w
     return row[:, 1:], lengths, score
 
 
-def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
+def _in_place(cache: Cache, batch: int, beam_size: int) -> Cache:
     """The self-attention caches given a ``beams`` table in which every row holds its own positions:
     :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
     Shape: each table (B, K, C)."""
@@ -222,14 +233,15 @@ def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
                  for own, memory in cache)
 
 
-def _reorder_own(cache: tuple, beams) -> tuple:
+def _reorder_own(cache: Cache, beams: tf.Tensor) -> Cache:
     """:func:`reorder_cache` of each layer's self-attention cache only: the memory's keys and values are the
     same for every beam of a sentence, so they stay where they are (``()``, no cache, stays ``()``)."""
     kept = reorder_cache(tuple((own,) for own, _ in cache), beams)
     return tuple((own, memory) for (own,), (_, memory) in zip(kept, cache))
 
 
-def _select(candidates, eos_id: int, beam_size: int):
+def _select(candidates: tf.Tensor, eos_id: int,
+            beam_size: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """One step's choices for every sentence (the reference's ``select_candidates``): the 2K best
     (beam b, token v) candidates, best first, ties to the lower b, then the lower v (the order of
     the reference's stable sort); an eos among the first K ranks finishes a hypothesis; the first K
@@ -253,7 +265,8 @@ def _select(candidates, eos_id: int, beam_size: int):
     return value, beam, token, is_eos & (rank < k), keep
 
 
-def _keep_best(best, scores, rows, length):
+def _keep_best(best: tuple[tf.Tensor, tf.Tensor, tf.Tensor], scores: tf.Tensor, rows: tf.Tensor,
+               length: Index) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Replace each sentence's ``best`` = (score, row, length) by its first candidate of highest score,
     only if that score is strictly greater (so earlier finished hypotheses win ties). The first maximum is
     found explicitly: ``tf.argmax`` does not promise which of equal values it returns.
@@ -271,7 +284,8 @@ def _keep_best(best, scores, rows, length):
 
 # ----------------------------------------------------------------------------- helpers
 
-def _step(model: Transformer, weight, tokens, t, memory, src_mask, cache):
+def _step(model: Transformer, weight: tf.Tensor, tokens: tf.Tensor, t: tf.Tensor, memory: tf.Tensor,
+          src_mask: tf.Tensor, cache: Cache) -> tuple[tf.Tensor, Cache]:
     """Log-probabilities (N, V) of the token at position t from tokens[:, :t] (bos at position 0),
     as ``model(src, tokens)`` gives them at position t - 1, and the cache: with a cache only the
     token at t - 1 runs through the decoder; with ``()`` (no cache) the whole prefix does.
@@ -281,29 +295,29 @@ def _step(model: Transformer, weight, tokens, t, memory, src_mask, cache):
     return _next_token_log_probs(model, weight, tokens[:, t - 1, None], memory, src_mask, cache, t - 1)   # tgt (N, 1)
 
 
-def _checked_source(model: Transformer, src) -> tf.Tensor:
+def _checked_source(model: Transformer, src: ArrayLike) -> tf.Tensor:
     """The source after the reference's checks (ids too, before any compiled code), as int64."""
     cfg = model.config
     return tf.constant(check_tokens("src", src, cfg.src_vocab_size, cfg.max_len), tf.int64)
 
 
-def _put(tokens, token, t):
+def _put(tokens: tf.Tensor, token: tf.Tensor, t: Index) -> tf.Tensor:
     """tokens[..., t] = token. Shape: tokens (..., W), token (...)."""
     return tf.where(tf.range(tokens.shape[-1]) == t, token[..., None], tokens)
 
 
-def _start_tokens(cfg, rows: int, length: int) -> tf.Tensor:
+def _start_tokens(cfg: TransformerConfig, rows: int, length: int) -> tf.Tensor:
     """The token buffer: bos, then pad_id up to position L. Shape: (rows, L + 1)."""
     return tf.concat([tf.fill([rows, 1], tf.constant(cfg.bos_id, tf.int64)),
                       tf.fill([rows, length], tf.constant(cfg.pad_id, tf.int64))], axis=1)
 
 
-def _buffer_length(model: Transformer, src) -> int:
+def _buffer_length(model: Transformer, src: tf.Tensor) -> int:
     """L, the static bound on every output length: source width + 50, capped at ``max_len``."""
     return min(src.shape[1] + EXTRA_OUTPUT_LENGTH, model.config.max_len)
 
 
-def _compiled(model: Transformer, key: tuple, search):
+def _compiled(model: Transformer, key: tuple, search: Callable[..., Any]) -> Callable[..., Any]:
     """One ``tf.function`` per model and search ``key`` = (name, use_cache, *options): the
     search called as ``search(model, use_cache, *options, *inputs)``, XLA-compiled when using
     the cache (a float32 or float64 model: :func:`.speed._xla_keeps_roundings`), traced once per input

@@ -31,12 +31,13 @@ plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, TypeAlias
 
 import keras
 import numpy as np
 import tensorflow as tf
+from numpy.typing import DTypeLike
 
 from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
@@ -44,27 +45,29 @@ from reference_numpy.precision import is_low, parse_dtype, round_to
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 
+Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
+
 
 # ----------------------------------------------------------------------------- precision
 
-def _is_low(dtype) -> bool:
+def _is_low(dtype: DTypeLike | tf.DType) -> bool:
     """Whether ``dtype`` (a TensorFlow dtype or a name) is bfloat16 or float16, computed by the recipe."""
     return is_low(tf.as_dtype(dtype).as_numpy_dtype)
 
 
-def _wide(x):
+def _wide(x: tf.Tensor) -> tf.Tensor:
     """A P tensor as float32 (exact: float32 holds every bfloat16 and float16 number), for a concept computed
     wide; a float32 or float64 tensor unchanged."""
     return tf.cast(x, tf.float32) if _is_low(x.dtype) else x
 
 
-def _narrow(x, dtype):
+def _narrow(x: tf.Tensor, dtype: DTypeLike | tf.DType) -> tf.Tensor:
     """A concept's wide (float32) result rounded once to the model's ``dtype`` when it is low (TensorFlow's and
     XLA's float32 -> P casts round to nearest, ties to even); unchanged otherwise."""
     return tf.cast(x, dtype) if _is_low(dtype) else x
 
 
-def _parse_dtype(dtype) -> np.dtype:
+def _parse_dtype(dtype: DTypeLike | tf.DType) -> np.dtype:
     """The reference's ``parse_dtype`` (one ValueError for anything but float64, float32, bfloat16, float16),
     also for a TensorFlow dtype."""
     return parse_dtype(dtype.as_numpy_dtype if isinstance(dtype, tf.DType) else dtype)
@@ -72,7 +75,7 @@ def _parse_dtype(dtype) -> np.dtype:
 
 # ----------------------------------------------------------------------------- masks
 
-def padding_mask(tokens, pad_id: int) -> tf.Tensor:
+def padding_mask(tokens: tf.Tensor, pad_id: int) -> tf.Tensor:
     """Keys that are not padding may be attended to.
 
     Shape: tokens (B, Tk) -> mask (B, 1, 1, Tk), bool, True = may attend.
@@ -80,7 +83,7 @@ def padding_mask(tokens, pad_id: int) -> tf.Tensor:
     return tf.not_equal(tokens, pad_id)[:, None, None, :]
 
 
-def causal_mask(length) -> tf.Tensor:
+def causal_mask(length: Index) -> tf.Tensor:
     """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
 
     Shape: mask (1, 1, T, T), bool, True = may attend.
@@ -89,7 +92,7 @@ def causal_mask(length) -> tf.Tensor:
     return (position[:, None] >= position[None, :])[None, None]
 
 
-def target_mask(tgt, pad_id: int) -> tf.Tensor:
+def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
     """Causal mask combined with the target's padding mask.
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
@@ -97,7 +100,7 @@ def target_mask(tgt, pad_id: int) -> tf.Tensor:
     return padding_mask(tgt, pad_id) & causal_mask(tf.shape(tgt)[1])
 
 
-def _cached_causal_mask(cache_index, length: int, capacity: int) -> tf.Tensor:
+def _cached_causal_mask(cache_index: Index, length: int, capacity: int) -> tf.Tensor:
     """New position q (absolute position cache_index + q) may attend to cache positions
     j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
     ``cache_index`` may be a tensor (traced decoding).
@@ -110,7 +113,8 @@ def _cached_causal_mask(cache_index, length: int, capacity: int) -> tf.Tensor:
 
 # ----------------------------------------------------------------------------- attention
 
-def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tuple[tf.Tensor, tf.Tensor]:
+def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None = None,
+                                 beams: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     A query row whose mask has no True entry sees no key: its weights are all zero and its
@@ -152,7 +156,7 @@ def scaled_dot_product_attention(query, key, value, mask=None, beams=None) -> tu
     return _narrow(out, dtype), _narrow(weights, dtype)
 
 
-def _every_row(x, beams) -> tf.Tensor:
+def _every_row(x: tf.Tensor, beams: tf.Tensor) -> tf.Tensor:
     """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
 
     Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
@@ -164,13 +168,13 @@ def _every_row(x, beams) -> tf.Tensor:
     return tf.reshape(x, (batch * k, heads, k * length, width))
 
 
-def _picked(beams) -> tf.Tensor:
+def _picked(beams: tf.Tensor) -> tf.Tensor:
     """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
     k = beams.shape[1]
     return beams[:, None, None, :, None, :] == tf.reshape(tf.range(k, dtype=beams.dtype), (1, k, 1, 1, 1, 1))
 
 
-def _beam_scores(query, key, beams) -> tf.Tensor:
+def _beam_scores(query: tf.Tensor, key: tf.Tensor, beams: tf.Tensor) -> tf.Tensor:
     """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
     against every key row of it (K times the products, a few KB), then at each position the score
     against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
@@ -182,7 +186,7 @@ def _beam_scores(query, key, beams) -> tf.Tensor:
     return tf.reshape(tf.transpose(scores, (0, 2, 1, 3, 4)), (batch * k, heads, length, capacity))
 
 
-def _beam_mix(weights, value, beams) -> tf.Tensor:
+def _beam_mix(weights: tf.Tensor, value: tf.Tensor, beams: tf.Tensor) -> tf.Tensor:
     """weights V along each query row's hypothesis: each key row's values weighted by the weights
     of the positions it holds for every query row, summed over key rows.
     Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
@@ -195,7 +199,7 @@ def _beam_mix(weights, value, beams) -> tf.Tensor:
     return tf.reshape(tf.transpose(out, (0, 2, 1, 3, 4)), (batch * k, heads, length, -1))
 
 
-def _check_mask(mask, scores_shape, name: str = "mask") -> tf.Tensor:
+def _check_mask(mask: tf.Tensor, scores_shape: tuple, name: str = "mask") -> tf.Tensor:
     checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))   # None: a size unknown while tracing
     return tf.convert_to_tensor(mask)
 
@@ -213,17 +217,15 @@ class _Dense(keras.layers.Dense):
         return _narrow(super().call(_wide(inputs)), self.compute_dtype)
 
 
-def _describe(name: str, value) -> tuple[tuple, str] | None:
-    """(shape, dtype name) of an optional tensor or array argument, for the reference's input checks."""
-    if value is None:
-        return None
+def _describe(name: str, value: tf.Tensor | np.ndarray) -> tuple[tuple, str]:
+    """(shape, dtype name) of a tensor or array argument, for the reference's input checks."""
     if not tf.is_tensor(value):
         value = checks.as_array(name, value)
     return tuple(value.shape), value.dtype.name
 
 
-class _TransformerLayer:
-    """Keras plumbing shared by the layers below (mixed in before the Keras base class).
+class _TransformerLayer(keras.layers.Layer):
+    """Keras plumbing shared by the layers below (the Transformer mixes it in before ``keras.Model``).
 
     * ``config`` (a TransformerConfig or its dict) is kept and travels as a dict in
       ``get_config``, so ``from_config`` round-trips;
@@ -235,11 +237,11 @@ class _TransformerLayer:
       wrapped (:class:`_Intermediates`) and the caller's dict is the one filled.
     """
 
-    def __init__(self, config: TransformerConfig | dict, **kwargs):
+    def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = _as_config(config)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self._call_signature.bind(*args, **kwargs).arguments
         if arguments.get("intermediates") is not None:
             arguments["intermediates"] = _Intermediates(arguments["intermediates"])
@@ -248,8 +250,9 @@ class _TransformerLayer:
     def get_config(self) -> dict:
         return {**super().get_config(), "config": self.config.to_dict()}
 
-    def compute_mask(self, inputs, previous_mask):
-        """Attention masks are not Keras sequence masks: outputs carry none."""
+    def compute_mask(self, inputs: object, previous_mask: object) -> None:
+        """Attention masks are not Keras sequence masks: outputs carry none (a layer that computes no mask would
+        warn of every ``mask`` argument that it destroys the mask)."""
         return None
 
     def _sublayer_kwargs(self, name: str) -> dict:
@@ -261,7 +264,7 @@ def _as_config(config: TransformerConfig | dict) -> TransformerConfig:
     return config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
 
 
-def _without_keras_mask(value):
+def _without_keras_mask(value: object) -> object:
     if getattr(value, "_keras_mask", None) is not None:
         return tf.identity(value)  # a new tensor, without the mask attribute
     return value
@@ -274,7 +277,7 @@ class _Intermediates:
     def __init__(self, target: dict):
         self.target = target
 
-    def __setitem__(self, key: str, value) -> None:
+    def __setitem__(self, key: str, value: tf.Tensor) -> None:
         self.target[key] = value
 
 
@@ -296,7 +299,7 @@ class KVCache(NamedTuple):
     beams: tf.Tensor | tuple = ()   # (B / K, K, C) int, or ()
 
 
-def _beam_table(cache: KVCache | None):
+def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
@@ -305,7 +308,7 @@ def _beam_table(cache: KVCache | None):
 
 
 @register
-class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
+class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
 
@@ -352,7 +355,7 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
             return (out, weights, cache) if return_weights else (out, cache)
         return (out, weights) if return_weights else out
 
-    def init_cache(self, batch, capacity: int) -> KVCache:
+    def init_cache(self, batch: Index, capacity: int) -> KVCache:
         """An empty (zeros) self-attention cache of ``capacity`` positions in the layer's dtype.
 
         Shape: keys, values (B, H, C, d_k) with B = ``batch``, C = ``capacity``.
@@ -360,14 +363,15 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
         empty = tf.zeros((batch, self.n_heads, capacity, self.config.d_k), self.compute_dtype)
         return KVCache(empty, empty)
 
-    def memory_cache(self, memory) -> KVCache:
+    def memory_cache(self, memory: tf.Tensor) -> KVCache:
         """The encoder output projected once, for encoder-decoder attention (section 3.2.3).
 
         Shape: memory (B, S, D) -> keys, values (B, H, S, d_k).
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
-    def _keys_values(self, key, value, cache: KVCache | None, cache_index) -> tuple:
+    def _keys_values(self, key: tf.Tensor, value: tf.Tensor, cache: KVCache | None,
+                     cache_index: Index | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
         """The keys and values to attend over and the cache to return (see the class docstring)."""
         if cache is not None and cache_index is None:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
@@ -380,13 +384,13 @@ class MultiHeadAttention(_TransformerLayer, keras.layers.Layer):
                         _written_beams(cache.beams, cache_index, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
-    def _split_heads(self, x):
+    def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
         shape = tf.shape(x)
         x = tf.reshape(x, (shape[0], shape[1], self.n_heads, self.config.d_k))  # (B, T, H, d_k)
         return tf.transpose(x, (0, 2, 1, 3))                                    # (B, H, T, d_k)
 
 
-def _written(buffer, new, index) -> tf.Tensor:
+def _written(buffer: tf.Tensor, new: tf.Tensor, index: Index) -> tf.Tensor:
     """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
     (B, H, T_new, d_k): a new tensor, by a scatter (also under XLA; ``index`` may be traced)."""
     shape = tf.shape(new)
@@ -396,7 +400,7 @@ def _written(buffer, new, index) -> tf.Tensor:
     return tf.tensor_scatter_nd_update(buffer, tf.stack([batch, heads, position], axis=-1), new)
 
 
-def _written_beams(beams, index, length: int):
+def _written_beams(beams: tf.Tensor | tuple, index: Index, length: int) -> tf.Tensor | tuple:
     """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
     (what :func:`_written` wrote there); ``()`` stays ``()``."""
     if isinstance(beams, tuple):
@@ -409,7 +413,7 @@ def _written_beams(beams, index, length: int):
 # ----------------------------------------------------------------------------- sublayers
 
 @register
-class PositionwiseFeedForward(_TransformerLayer, keras.layers.Layer):
+class PositionwiseFeedForward(_TransformerLayer):
     """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3. In a low precision the hidden layer is
     stored in P (ReLU of a P number is exact).
 
@@ -444,7 +448,7 @@ class LayerNorm(keras.layers.LayerNormalization):
     Shape: x (..., D) -> (..., D).
     """
 
-    def __init__(self, config, **kwargs):
+    def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
         config = _as_config(config)
         super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)
         self.config = config
@@ -457,7 +461,8 @@ class LayerNorm(keras.layers.LayerNormalization):
         return {**keras.layers.Layer.get_config(self), "config": self.config.to_dict()}
 
 
-def residual(x, sublayer: Callable, norm: LayerNorm, norm_first: bool, dropout: Callable) -> tf.Tensor:
+def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: LayerNorm, norm_first: bool,
+             dropout: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
     """Residual connection around a sublayer (section 3.1), with dropout on the sublayer's
     output before it is added (section 5.4).
 
@@ -470,14 +475,14 @@ def residual(x, sublayer: Callable, norm: LayerNorm, norm_first: bool, dropout: 
     return norm(add(x, dropout(sublayer(x))))
 
 
-def add(x, y) -> tf.Tensor:
+def add(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     """x + y in x's precision: in a low precision P, the sum computed in float32 and rounded to P (P arithmetic)."""
     return _narrow(_wide(x) + _wide(y), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
 
-def sinusoidal_positional_encoding(length: int, d_model: int, dtype="float64") -> tf.Tensor:
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike | tf.DType = "float64") -> tf.Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
     -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
 
@@ -496,13 +501,13 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype="float64") -
 
 
 @register
-class Embeddings(_TransformerLayer, keras.layers.Layer):
+class Embeddings(_TransformerLayer):
     """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
 
-    def __init__(self, config, vocab_size: int, **kwargs):
+    def __init__(self, config: TransformerConfig | dict, vocab_size: int, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.vocab_size = vocab_size
         self.scale = math.sqrt(self.config.d_model)
@@ -520,7 +525,7 @@ class Embeddings(_TransformerLayer, keras.layers.Layer):
 
 
 @register
-class PositionalEncoding(_TransformerLayer, keras.layers.Layer):
+class PositionalEncoding(_TransformerLayer):
     """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
 
     ``weight`` is the (L, D) table: ``sinusoidal``, the fixed table of
@@ -552,7 +557,7 @@ class PositionalEncoding(_TransformerLayer, keras.layers.Layer):
 
 
 @register
-class Generator(_TransformerLayer, keras.layers.Layer):
+class Generator(_TransformerLayer):
     """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
 
     With ``share_embeddings`` its weight is the transposed shared embedding matrix: pass the
@@ -562,7 +567,7 @@ class Generator(_TransformerLayer, keras.layers.Layer):
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config, embeddings: Embeddings | None = None, **kwargs):
+    def __init__(self, config: TransformerConfig | dict, embeddings: Embeddings | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         if self.config.share_embeddings and embeddings is None:
             raise ValueError("a Generator with share_embeddings needs the shared Embeddings layer (embeddings=)")
@@ -583,7 +588,7 @@ class Generator(_TransformerLayer, keras.layers.Layer):
         return tf.convert_to_tensor(self.weight)
 
 
-def _generated(x, weight) -> tf.Tensor:
+def _generated(x: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
     """The generator's log-probabilities with a given (D, V) ``weight`` (a search reads it once): the logits
     x W (wide, rounded to x's P), then their log-softmax (float32 for P).
 
@@ -593,7 +598,7 @@ def _generated(x, weight) -> tf.Tensor:
     return log_softmax(_wide(logits))
 
 
-def log_softmax(x) -> tf.Tensor:
+def log_softmax(x: tf.Tensor) -> tf.Tensor:
     """log softmax over the last axis, computed stably."""
     shifted = x - tf.reduce_max(x, axis=-1, keepdims=True)
     return shifted - tf.math.log(tf.reduce_sum(tf.exp(shifted), axis=-1, keepdims=True))
@@ -602,7 +607,7 @@ def log_softmax(x) -> tf.Tensor:
 # ----------------------------------------------------------------------------- layers and stacks
 
 @register
-class EncoderLayer(_TransformerLayer, keras.layers.Layer):
+class EncoderLayer(_TransformerLayer):
     """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
@@ -630,7 +635,7 @@ class EncoderLayer(_TransformerLayer, keras.layers.Layer):
 
 
 @register
-class DecoderLayer(_TransformerLayer, keras.layers.Layer):
+class DecoderLayer(_TransformerLayer):
     """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
     values from the encoder output), then feed-forward; each wrapped in :func:`residual`
     (sections 3.1 and 3.2.3).
@@ -672,7 +677,7 @@ class DecoderLayer(_TransformerLayer, keras.layers.Layer):
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
         return x if cache is None else (x, (self_cache, cross_cache))
 
-    def init_cache(self, memory, capacity: int) -> tuple[KVCache, KVCache]:
+    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[KVCache, KVCache]:
         """The layer's cache: an empty self-attention :class:`KVCache` of ``capacity`` positions
         and the projected memory for encoder-decoder attention.
 
@@ -702,14 +707,14 @@ def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tens
     return norm(add(x, dropout(out))), cache
 
 
-def _build_all(layers, config: TransformerConfig) -> None:
+def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) -> None:
     """Build sublayers whose weight shapes depend only on the config (inputs are (..., D))."""
     for layer in layers:
         layer.build((None, config.d_model))
 
 
 @register
-class Encoder(_TransformerLayer, keras.layers.Layer):
+class Encoder(_TransformerLayer):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
@@ -735,7 +740,7 @@ class Encoder(_TransformerLayer, keras.layers.Layer):
 
 
 @register
-class Decoder(_TransformerLayer, keras.layers.Layer):
+class Decoder(_TransformerLayer):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``. With a
@@ -768,7 +773,7 @@ class Decoder(_TransformerLayer, keras.layers.Layer):
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
 
-    def init_cache(self, memory, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
@@ -801,7 +806,8 @@ class Transformer(_TransformerLayer, keras.Model):
 
     input_dtype = "int64"                                               # token ids (Keras' property, overridden)
 
-    def __init__(self, config, dtype="float64", **kwargs):
+    def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
+                 **kwargs: Any) -> None:
         if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)):   # a policy: checked below
             dtype = _parse_dtype(dtype).name
         super().__init__(config, dtype=dtype, **kwargs)
@@ -826,7 +832,8 @@ class Transformer(_TransformerLayer, keras.Model):
             if not layer.built:  # with share_embeddings, src_embed is tgt_embed
                 layer.build()
 
-    def encode(self, src, src_mask=None, intermediates: dict | None = None, training=None) -> tf.Tensor:
+    def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, intermediates: dict | None = None,
+               training: bool | None = None) -> tf.Tensor:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
@@ -842,7 +849,7 @@ class Transformer(_TransformerLayer, keras.Model):
             intermediates["encoder"] = memory
         return memory
 
-    def init_cache(self, memory, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
         :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
 
@@ -853,8 +860,10 @@ class Transformer(_TransformerLayer, keras.Model):
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(tf.convert_to_tensor(memory), capacity)
 
-    def decode(self, tgt, memory, src_mask=None, tgt_mask=None, intermediates: dict | None = None, cache=None,
-               cache_index=None, training=None):
+    def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
+               tgt_mask: tf.Tensor | None = None, intermediates: dict | None = None,
+               cache: tuple[tuple[KVCache, KVCache], ...] | None = None, cache_index: Index | None = None,
+               training: bool | None = None) -> tf.Tensor | tuple[tf.Tensor, tuple[tuple[KVCache, KVCache], ...]]:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -911,7 +920,7 @@ class Transformer(_TransformerLayer, keras.Model):
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        stages = {}
+        stages: dict[str, tf.Tensor] = {}
         memory = self.encode(src, src_mask, stages, training=training)
         out = self.decode(tgt, memory, src_mask, tgt_mask, stages, training=training)
         log_probs = self.generator(out)
@@ -920,16 +929,18 @@ class Transformer(_TransformerLayer, keras.Model):
         stages["log_probs"] = log_probs
         return log_probs, stages
 
-    def _check_inputs(self, src, tgt, src_mask, tgt_mask) -> tuple[tf.Tensor, tf.Tensor]:
+    def _check_inputs(self, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
+                      tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
         """Every check of the forward pass, made before any computation (the reference's
         :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
-                                       _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
+        masks = [None if mask is None else _describe(name, mask) for name, mask in (("src_mask", src_mask),
+                                                                                   ("tgt_mask", tgt_mask))]
+        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), *masks)
         return src, tgt
 
-    def _check_tokens(self, name: str, tokens, vocab_size: int) -> tf.Tensor:
+    def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
         """The reference's token checks: shape and dtype always, the id range unless the tensor is
         symbolic (traced), which is why public entry points check before compiled code. Ids of
         any integer dtype become int64 (``tf.gather`` takes no unsigned indices)."""
@@ -942,7 +953,7 @@ class Transformer(_TransformerLayer, keras.Model):
         return tf.cast(tokens, tf.int64)
 
 
-def _check_cache_index(cache_index, length: int, capacity: int) -> None:
+def _check_cache_index(cache_index: Any, length: int, capacity: int) -> None:   # Any: what a caller gave
     """The reference's check of ``cache_index`` (an int >= 0 with the ``length`` new positions
     inside the cache), on its value when known: an eager tensor is read, a traced one is left
     to the compiled caller (the searches bound it by construction)."""

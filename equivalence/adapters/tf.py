@@ -9,12 +9,14 @@ A bfloat16 or float16 model returns its stages and attention weights in that for
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import DTYPES, round_to
 from reference_numpy.training import LABEL_SMOOTHING
@@ -29,6 +31,7 @@ from transformer_tf.model import (
 )
 from transformer_tf.speed import compiled_forward
 
+from ..contract import Mask, Path, Progress, Tokens
 from ..recipes import (
     check_attention_request,
     check_gradient_request,
@@ -54,7 +57,7 @@ def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str =
         return checkpoint.from_params(config, params, dtype)
 
 
-def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
+def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file
     (``checkpoint.load_checkpoint``: each array read is released once its variable holds it)."""
     _device.full_precision()
@@ -62,7 +65,7 @@ def load(path, dtype: str = "float64", device: str = "cpu") -> Transformer:
         return checkpoint.load_checkpoint(path, dtype)
 
 
-def save(model: Transformer, path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
+def save(model: Transformer, path: Path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
     """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
     checkpoint.save_checkpoint(model, path, training, tokenizer)
 
@@ -75,7 +78,7 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {xla: its compiled forward pass}
 
 
-def _compiled(model: Transformer, xla: bool, *inputs):
+def _compiled(model: Transformer, xla: bool, *inputs: np.ndarray | None) -> Any:
     """The model's forward pass, compiled once per model (and traced once per input shape): with XLA and the
     output alone (``log_probs``), or without XLA, cheap to trace, and every stage (``forward``)."""
     graphs = _GRAPHS.setdefault(model, {})
@@ -85,7 +88,8 @@ def _compiled(model: Transformer, xla: bool, *inputs):
         return graphs[xla](*inputs)
 
 
-def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[str, np.ndarray]:
+def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
+            ) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names, from a graph
     compiled once per model and input shape (``compiled_forward`` without XLA: cheap to trace). Every stage in
     the model's dtype, ``log_probs`` in float32 for a bfloat16 or float16 model."""
@@ -93,13 +97,13 @@ def forward(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> dict[
     return {name: value.numpy() for name, value in stages.items()}
 
 
-def log_probs(model: Transformer, src, tgt, src_mask=None, tgt_mask=None) -> np.ndarray:
+def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone (inference), from ``compiled_forward`` with XLA,
     compiled once per model and input shape; float32 for a bfloat16 or float16 model."""
     return _compiled(model, True, src, tgt, src_mask, tgt_mask).numpy()
 
 
-def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
+def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
 
     ``inputs`` keys: attention and multi_head_attention take query, key, value, mask;
@@ -113,13 +117,14 @@ def component(model: Transformer, name: str, inputs: dict) -> np.ndarray:
         return run_component(model, name, _component_tensors(model, inputs), scaled_dot_product_attention).numpy()
 
 
-def _component_tensors(model: Transformer, inputs: dict) -> dict:
+def _component_tensors(model: Transformer, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     """A component's NumPy ``inputs`` with the float ones rounded to the model's dtype once, as constants."""
     return {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
             for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
 
 
-def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
+                        ) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
     key and value; LayerNorm's x), by ``tf.GradientTape``, in the model's dtype."""
     keys = check_gradient_request(name)
@@ -133,18 +138,18 @@ def component_gradients(model: Transformer, name: str, inputs: dict, grad_out: n
     return {key: grad.numpy() for key, grad in zip(keys, grads)}
 
 
-def greedy(model: Transformer, src, use_cache: bool = True) -> np.ndarray:
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled (compiled; with the key/value cache by default)."""
     return decoding.greedy_decode(model, src, use_cache)
 
 
-def beam(model: Transformer, src, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
+def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
          use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,) (compiled; with the key/value cache by default)."""
     return decoding.beam_search(model, src, beam_size, alpha, use_cache)
 
 
-def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "encoder") -> np.ndarray:
+def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks, in the model's dtype
     (rounded to bfloat16 or float16 in a low precision)."""
     check_attention_request(model.config, layer, kind)
@@ -155,13 +160,13 @@ def attention_weights(model: Transformer, src, tgt, layer: int, kind: str = "enc
             lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, tf.identity)).numpy()
 
 
-def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING) -> float:
+def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 with dropout off (``training=False``)."""
     with tf.device(_device.model_device(model)):
         return float(training.loss(model, src, tgt, labels, epsilon))
 
 
-def gradients(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING
+def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, by checkpoint name, in checkpoint layout and the model's dtype (a
@@ -182,7 +187,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.dynamic_scale.numpy())
 
 
-def train_step(model: Transformer, optimizer: training.Optimizer, src, tgt, labels,
+def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One compiled training step, dropout as the model's config says: the loss before the update."""
     return training.train_step(model, optimizer, src, tgt, labels, epsilon)
@@ -195,9 +200,10 @@ def training_state(model: Transformer, optimizer: training.Optimizer) -> Trainin
 
 
 def train_data_parallel(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
-                        state: TrainingState | None, batches, first_step: int, steps: int, world_size: int,
-                        dtype: str = "float32", device: str = "cpu", epsilon: float = LABEL_SMOOTHING,
-                        progress=None) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
+                        state: TrainingState | None, batches: Batches, first_step: int, steps: int,
+                        world_size: int, dtype: str = "float32", device: str = "cpu",
+                        epsilon: float = LABEL_SMOOTHING, progress: Progress = None
+                        ) -> tuple[dict[str, np.ndarray], TrainingState, list[float]]:
     """A data-parallel run on a MirroredStrategy over ``world_size`` devices
     (``transformer_tf.data_parallel.train``)."""
     return data_parallel.train(config, params, training, state, batches, first_step, steps, world_size, dtype,
