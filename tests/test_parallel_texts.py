@@ -28,7 +28,8 @@ CALL_METHODS = ("call", "forward", "__call__")
 # Framework plumbing that is not part of the model's text: Keras build/config, torch properties.
 IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", "device"}
 # Public names only the reference has (it has no framework to provide them; the input checks the ports
-# call are written once, in reference_numpy/checks.py) and names only ports have (compiled entry points).
+# call are written once, in reference_numpy/checks.py) and names only ports have (the compiled entry points are in
+# each port's speed.py, not in model.py).
 REFERENCE_ONLY = {"model.py": {"Linear"},
                   # the reference's own Adam and loss scaling: each port steps with its framework's optimizer
                   # and scales float16 losses with its framework's scaler
@@ -37,8 +38,7 @@ REFERENCE_ONLY = {"model.py": {"Linear"},
                   "decoding.py": {"StepChoice", "select_candidates", "search_ends", "best_hypothesis"}}
 # the training inputs' checks (check_labels, ...), written once in reference_numpy/training.py for the ports to call
 REFERENCE_ONLY_PREFIXES = ("check_",)
-PORT_ONLY = {"model.py": {"compiled_forward", "forward", "stage_names"},
-             "decoding.py": {"reorder_cache"},
+PORT_ONLY = {"decoding.py": {"reorder_cache"},
              # Eq. (3) as each framework's own schedule object (LambdaLR's lambda, an optax schedule, a Keras
              # LearningRateSchedule); learning_rate itself follows the reference (torch imports it, JAX and Keras
              # define a traceable one with the reference's arguments)
