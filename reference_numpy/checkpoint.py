@@ -403,8 +403,13 @@ def mapped_array(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
 
 def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:
     """The training state saved with the parameters (format version 2), or None if the file has
-    none; validated and cast like :func:`load_checkpoint`."""
-    return load_run(path, dtype)[2]
+    none; validated and cast like :func:`load_checkpoint` (the weights are read and checked one at a time, and
+    dropped: :meth:`CheckpointReader.read_training`). Each moment is an array in an anonymous memory map of its own
+    (:func:`mapped_array`: page-aligned), which JAX and TensorFlow take as their own without a copy (each port's
+    ``training.optimizer``); cast to another ``dtype``, a copy."""
+    target = None if dtype is None else parse_dtype(dtype)
+    state = CheckpointReader(path).read_training()
+    return state if state is None or target is None else state.astype(target)
 
 
 def tokenizer_to_save(model: object, tokenizer: str | bool | None = None) -> str | None:
@@ -475,22 +480,32 @@ class CheckpointReader:
             self.dtype = _check_entries(self.config, self._entries)
         self.tokenizer_json: str | None = metadata.get("tokenizer")
 
-    def read(self, allocate: Allocate | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    def read(self, allocate: Allocate | None = None, moments: Allocate | None = None,
+             ) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, array)`` for every parameter in the table's order (:func:`parameter_shapes`), each read into
-        ``allocate(name, shape, dtype)`` (a new writable C-contiguous array of the file's ``dtype``; by default a
-        NumPy array; a backend gives a view of memory its framework allocated) and checked (finite) as it is read.
+        ``allocate(name, shape, dtype)`` (a new writable array of the file's ``dtype``; by default a NumPy array; a
+        backend gives a view of memory its framework allocated) and checked (finite) as it is read.
         After the last it reads and checks the training state, if any, as ``training`` (None until then, and for a
-        file without one)."""
+        file without one), each moment into ``moments(name, shape, dtype)`` (``name`` is ``adam.m.NAME`` or
+        ``adam.v.NAME``; by default :func:`mapped_array`). An array that is not C-contiguous (a backend's transposed
+        layout) is filled through a temporary copy of that one tensor."""
         with _naming(self.path), open(self._file, "rb") as file:
             for name in parameter_shapes(self.config):
                 value = _read_tensor(file, self._start, name, self._entries[name], allocate or _new_array)
                 _check_finite(name, value)
                 yield name, value
-            moments = {name: _read_tensor(file, self._start, name, self._entries[name], _new_array)
-                       for name in sorted(self._entries) if name.startswith(MOMENTS)}
-            stand_ins = {name: np.broadcast_to(np.zeros((), self.dtype), shape)       # shape and dtype, no memory
-                         for name, shape in parameter_shapes(self.config).items()}
-            self.training = _training_state(self.config, stand_ins, self._record, moments)
+            read = {name: _read_tensor(file, self._start, name, self._entries[name], moments or _mapped_array)
+                    for name in sorted(self._entries) if name.startswith(MOMENTS)}
+            self.training = _training_state(self.config, parameter_stand_ins(self.config, self.dtype), self._record,
+                                            read)
+
+    def read_training(self, moments: Allocate | None = None) -> TrainingState | None:
+        """The training state alone (``training`` after :meth:`read`): every weight is read and checked as
+        :meth:`read` does, into a buffer of its own that is dropped before the next is read, so that the weights
+        are never held; the moments are read into ``moments`` as :meth:`read` says."""
+        for _ in self.read(_mapped_array, moments):
+            pass
+        return self.training
 
 
 Allocate = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]   # (name, shape, dtype) -> array to read into
@@ -498,6 +513,18 @@ Allocate = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]   # (name, sha
 
 def _new_array(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype)
+
+
+def _mapped_array(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return mapped_array(shape, dtype)
+
+
+def parameter_stand_ins(config: TransformerConfig, dtype: npt.DTypeLike) -> dict[str, np.ndarray]:
+    """Every parameter of ``config`` as an array of its shape and ``dtype`` that holds no memory (one zero,
+    broadcast): what :func:`validate_training_state` reads of the parameters, for a backend whose weights live in
+    its framework (no copy of them is made to check a state)."""
+    zero = np.zeros((), dtype)
+    return {name: np.broadcast_to(zero, shape) for name, shape in parameter_shapes(config).items()}
 
 
 @contextlib.contextmanager
@@ -662,10 +689,15 @@ def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, al
     """Tensor ``name`` (its header ``entry``: dtype, shape, data_offsets) read from ``file`` into ``allocate(name,
     shape, dtype)``, in native byte order (safetensors stores little-endian)."""
     array = allocate(name, tuple(entry["shape"]), DTYPES[entry["dtype"]])
+    target = array if array.flags.c_contiguous else mapped_array(array.shape, array.dtype)
     file.seek(start + entry["data_offsets"][0])
-    if file.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:  # type: ignore[arg-type]  # a buffer
+    if file.readinto(target.reshape(-1).view(np.uint8)) != target.nbytes:  # type: ignore[arg-type]  # a buffer
         raise ValueError("truncated or corrupt: the tensor data does not fill the file as the header says")
-    return array.byteswap(inplace=True) if sys.byteorder == "big" else array
+    if sys.byteorder == "big":
+        target.byteswap(inplace=True)
+    if target is not array:
+        array[...] = target                                              # into the backend's layout
+    return array
 
 
 def validate_params(config: TransformerConfig, params: dict[str, np.ndarray]) -> None:

@@ -14,7 +14,12 @@ memory the backend's framework keeps. The anonymous memory (``RssAnon``, what th
 reported beside the RSS. The peak is the process's own (``ru_maxrss``), import included, so it can only overstate
 loading's. The exit status is 1 if a backend misses the target, held or peak.
 
-    python scripts/bench_memory.py [--backends numpy,torch,jax,tf] [--checkpoint FILE]
+``--resume`` measures resuming a run instead: a ``big`` training checkpoint (weights and Adam's two moments, 2.5 GB),
+and in each port's fresh process ``checkpoint.load_checkpoint``, ``checkpoint.load_training_state`` and
+``training.optimizer(model, state=state)``, as multiples of the weights' and moments' bytes together (the target:
+each moment held once, as the weights are).
+
+    python scripts/bench_memory.py [--backends numpy,torch,jax,tf] [--checkpoint FILE] [--resume]
 
 The runs hold an exclusive lock on /tmp/bench.lock, as the other benchmark scripts do.
 """
@@ -66,25 +71,49 @@ print(json.dumps({{"imported": imported, "loaded": loaded, "ran": ran, "peak_aft
                   "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
 
+# The resume case, in a port's fresh process: the same readings around loading the run (weights, state, optimizer).
+RESUME = PROBE.split("from transformer_cli")[0] + """
+import importlib
+checkpoint = importlib.import_module({package!r} + ".checkpoint")
+training = importlib.import_module({package!r} + ".training")
+imported = status()
+model = checkpoint.load_checkpoint({path!r}, dtype="float32")
+state = checkpoint.load_training_state({path!r})
+optimizer = training.optimizer(model, state=state)
+loaded = status()
+peak_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"imported": imported, "loaded": loaded, "peak_after_load": peak_after_load}}))
+"""
+PACKAGES = {"torch": "transformer_torch", "jax": "transformer_jax", "tf": "transformer_tf"}
 
-def big_checkpoint(directory: str) -> Path:
-    """The seeded ``big`` preset in float32, written into ``directory``."""
-    from reference_numpy import TransformerConfig, init_params, save_checkpoint
+
+def big_checkpoint(directory: str, resume: bool = False) -> Path:
+    """The seeded ``big`` preset in float32, written into ``directory``; ``resume``, with a training state (Adam's
+    moments: the weights scaled by 1e-3, and their squares)."""
+    from reference_numpy import TrainingConfig, TransformerConfig, init_params, save_checkpoint
+    from reference_numpy.checkpoint import TrainingState
     config = TransformerConfig.preset("big")
-    path = Path(directory) / "big-float32.safetensors"
-    save_checkpoint(path, config, init_params(config, seed=0, dtype=np.float32))
+    path = Path(directory) / f"big-float32{'-run' if resume else ''}.safetensors"
+    params = init_params(config, seed=0, dtype=np.float32)
+    state = None
+    if resume:
+        state = TrainingState(TrainingConfig(), 10, {name: value * np.float32(1e-3) for name, value in params.items()},
+                              {name: np.square(value) for name, value in params.items()})
+    save_checkpoint(path, config, params, state)
     return path
 
 
-def weights_mib(path: Path) -> float:
-    from reference_numpy import load_checkpoint
-    _, params = load_checkpoint(path)
-    return sum(value.nbytes for value in params.values()) / 2 ** 20
+def held_mib(path: Path, resume: bool) -> float:
+    """The weights' bytes (``resume``: with both moments') in MiB."""
+    from reference_numpy.checkpoint import load_run
+    _, params, state = load_run(path)
+    moments = [] if not resume or state is None else [*state.first_moments.values(), *state.second_moments.values()]
+    return sum(value.nbytes for value in [*params.values(), *moments]) / 2 ** 20
 
 
-def probe(name: str, path: Path) -> dict:
-    code = PROBE.format(root=str(Path(__file__).resolve().parents[1]), name=name, path=str(path),
-                        shape=FORWARD_SHAPE)
+def probe(name: str, path: Path, resume: bool = False) -> dict:
+    code = (RESUME if resume else PROBE).format(root=str(Path(__file__).resolve().parents[1]), name=name,
+                                                path=str(path), shape=FORWARD_SHAPE, package=PACKAGES.get(name))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{name}: {done.stderr.strip().splitlines()[-1]}")
@@ -97,29 +126,32 @@ def row(name: str, reading: dict, weights: float) -> tuple[str, bool]:
     held = (reading["loaded"]["VmRSS"] - base) / weights
     anon = (reading["loaded"]["RssAnon"] - reading["imported"]["RssAnon"]) / weights
     peak = (reading["peak_after_load"] - base) / weights
-    ran = (reading["ran"]["VmRSS"] - base) / weights
+    ran = f"{(reading['ran']['VmRSS'] - base) / weights:>10.2f}x" if "ran" in reading else f"{'-':>11}"  # resume: none
     verdict = lambda value: "met" if value <= TARGET else "not met"
     return (f"{name:<7}{base:>9.0f}{reading['loaded']['VmRSS']:>10.0f}{held:>9.2f}x{anon:>9.2f}x{peak:>9.2f}x"
-            f"{ran:>10.2f}x   held {verdict(held)}, peak {verdict(peak)}", max(held, peak) <= TARGET)
+            f"{ran}   held {verdict(held)}, peak {verdict(peak)}", max(held, peak) <= TARGET)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default=",".join(backends.BACKENDS))
     parser.add_argument("--checkpoint", type=Path, help="a float32 checkpoint (default: the seeded big preset)")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume a run: weights, Adam's moments and the optimizer (the ports only)")
     args = parser.parse_args()
-    names = tuple(args.backends.split(","))
+    names = tuple(name for name in args.backends.split(",") if not args.resume or name in PACKAGES)
+    held = "weights + moments" if args.resume else "weights"
     with tempfile.TemporaryDirectory() as directory, open(LOCK, "w") as lock:
-        path = args.checkpoint or big_checkpoint(directory)
-        weights = weights_mib(path)
+        path = args.checkpoint or big_checkpoint(directory, args.resume)
+        weights = held_mib(path, args.resume)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        print(f"checkpoint {path.name}: weights {weights:.0f} MiB (float32); target: loaded - imported and peak - "
-              f"imported <= {TARGET} x weights")
+        print(f"checkpoint {path.name}: {held} {weights:.0f} MiB (float32); target: loaded - imported and peak - "
+              f"imported <= {TARGET} x that")
         print(f"{'backend':<7}{'imported':>9}{'loaded':>10}{'held':>10}{'anon':>10}{'peak':>10}{'+forward':>11}")
-        print(f"{'':<7}{'MiB':>9}{'MiB':>10}{'weights':>10}{'weights':>10}{'weights':>10}{'weights':>11}")
+        print(f"{'':<7}{'MiB':>9}{'MiB':>10}{'x':>10}{'x':>10}{'x':>10}{'x':>11}")
         missed = []
         for name in names:
-            line, met = row(name, probe(name, path), weights)
+            line, met = row(name, probe(name, path, args.resume), weights)
             print(line, flush=True)
             missed += [] if met else [name]
     if missed:

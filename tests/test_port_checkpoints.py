@@ -142,3 +142,52 @@ def test_a_file_loads_into_another_dtype_rounded_once(tmp_path, port, stored, lo
     for name, value in params.items():
         expected = round_to(value, loaded)
         assert exported[name].dtype == expected.dtype and exported[name].tobytes() == expected.tobytes(), name
+
+
+def adam_moment_memory(port: str, model, optimizer) -> dict[str, tuple[int, int]]:
+    """Checkpoint name -> the addresses of the memory holding Adam's m and v of that tensor in the port's optimizer."""
+    checkpoint = importlib.import_module(f"transformer_{port}.checkpoint")
+    table = checkpoint.name_table(model.config)
+    if port == "torch":
+        parameters = dict(model.named_parameters())
+        slots = {name: optimizer.adam.state[parameters[path]] for name, path in table.items()}
+        return {name: (slot["exp_avg"].data_ptr(), slot["exp_avg_sq"].data_ptr()) for name, slot in slots.items()}
+    if port == "jax":
+        import optax
+        from flax import nnx
+        adam = optax.tree.get(nnx.as_pure(optimizer.adam.opt_state), "ScaleByAdamState")
+        mu, nu = ({".".join(map(str, keys)): value for keys, value in nnx.to_flat_state(moments)}
+                  for moments in (adam.mu, adam.nu))
+        return {name: (mu[path].unsafe_buffer_pointer(), nu[path].unsafe_buffer_pointer())
+                for name, path in table.items()}
+    variables = checkpoint._variables(model)
+    return {name: tuple(slot.value.value()._numpy().ctypes.data for slot in optimizer.adam.moments(variable))
+            for name, variable in variables.items()}
+
+
+@pytest.mark.parametrize("variant", ["tiny", "shared_embeddings"])
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_a_resumed_optimizer_holds_each_saved_moment_once_and_exactly(tmp_path, port, variant):
+    """Issue 27: ``checkpoint.load_training_state`` reads each moment into memory the port's optimizer takes as
+    its own: the optimizer's m and v are the saved arrays, bit for bit, and live where the state's arrays do (no
+    copy; a transposed weight's moment too, read into the framework's layout)."""
+    config = VARIANTS[variant]
+    params = {name: value.astype(np.float32) for name, value in seeded_params(config).items()}
+    rng = np.random.default_rng(3)
+    first = {name: rng.standard_normal(value.shape).astype(np.float32) for name, value in params.items()}
+    second = {name: rng.random(value.shape).astype(np.float32) for name, value in params.items()}
+    saved = reference_checkpoint.TrainingState(reference_checkpoint.TrainingConfig(), 12, first, second)
+    reference_checkpoint.save_checkpoint(tmp_path / "run.safetensors", config, params, saved)
+    checkpoint = importlib.import_module(f"transformer_{port}.checkpoint")
+    training = importlib.import_module(f"transformer_{port}.training")
+    model = checkpoint.load_checkpoint(tmp_path / "run.safetensors")
+    state = checkpoint.load_training_state(tmp_path / "run.safetensors")
+    optimizer = training.optimizer(model, state=state)
+    resumed = training.training_state(model, optimizer)
+    assert resumed.step == 12
+    for moments, expected in ((resumed.first_moments, first), (resumed.second_moments, second)):
+        assert list(moments) == list(expected)
+        for name, value in expected.items():
+            assert moments[name].dtype == value.dtype and moments[name].tobytes() == value.tobytes(), name
+    held = {name: (state.first_moments[name].ctypes.data, state.second_moments[name].ctypes.data) for name in first}
+    assert adam_moment_memory(port, model, optimizer) == held

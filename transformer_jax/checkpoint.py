@@ -31,9 +31,11 @@ from collections.abc import Iterable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from reference_numpy import checkpoint as reference
+from reference_numpy.checkpoint import load_training_state as load_training_state  # moments JAX uses in place
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low, round_to
 
@@ -75,7 +77,7 @@ def transposed(config: TransformerConfig) -> tuple[str, ...]:
     return tuple(tensor.name for tensor in reference.parameters(config) if _LAYOUT[tensor.kind][1])
 
 
-def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype=jnp.float64,
+def from_params(config: TransformerConfig, params: dict[str, np.ndarray], dtype: npt.DTypeLike = jnp.float64,
                 device: str | None = None) -> Transformer:
     """A :class:`Transformer` in ``dtype`` holding ``params`` (checkpoint names and layout), on
     ``device`` (``"cpu"``, ``"gpu:N"``; by default JAX's default device).
@@ -113,14 +115,23 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
     ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, cast to the model's dtype and placed
     like its parameter (committed to its device only if the parameter is, so that compiled steps
     are reused); a missing or mis-shaped tensor is a one-line ``ValueError`` naming it."""
+    return _jax_layout(model, arrays)
+
+
+def _jax_layout(model: Transformer, arrays: dict[str, np.ndarray], owned: bool = False) -> nnx.State:
+    """:func:`from_checkpoint_layout`, each array copied -- or, ``owned``, one of the model's dtype placed as it is
+    (``jax.device_put`` uses an array aligned to 64 bytes in place on the CPU, such as the reference's
+    ``load_training_state`` reads: see :func:`_own_copy`)."""
     targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    placed = lambda value, like: jax.device_put(_cast(value, model.dtype), like.sharding if like.committed else None)
+    own = lambda value: value if owned and value.dtype == model.dtype else _cast(value, model.dtype)
+    placed = lambda value, like: jax.device_put(own(value), like.sharding if like.committed else None)
     return nnx.from_flat_state([(keys, target.replace(placed(value, target[...])))
                                 for keys, target, value in
                                 _converted(model.config, _in_table_order(model.config, dict(arrays)), targets)])
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = None) -> Transformer:
+def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
+                    device: str | None = None) -> Transformer:
     """Read, validate (the reference's checks and errors) and load a shared checkpoint (a file, or a
     shipped model's name such as ``"numbers-en-fr"``), in the file's dtype unless ``dtype`` is given
     (float32, bfloat16, float16, or float64 with ``jax_enable_x64`` on); a file of any of the four loads
@@ -130,7 +141,7 @@ def load_checkpoint(path: str | os.PathLike, dtype=None, device: str | None = No
     tensors = reader.read(lambda name, shape, stored: reference.mapped_array(shape, stored))   # JAX uses in place
     model = _assembled(reader.config, tensors, dtype, device, owned=True)
     reference.release_freed_memory()
-    model.tokenizer_json = reader.tokenizer_json
+    model.tokenizer_json = reader.tokenizer_json  # type: ignore[attr-defined]  # model.py declares no such field
     return model
 
 
@@ -213,7 +224,7 @@ def _skeleton(config: TransformerConfig, dtype: np.dtype) -> tuple[nnx.GraphDef,
     """The model's structure and every ``nnx.Param`` as ``nnx.eval_shape`` gives them (shapes and dtypes,
     no array): the ``GraphDef`` and dotted path -> (state keys, abstract parameter)."""
     abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0)))
-    graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, *_ = nnx.split(abstract, nnx.Param, ...)
     return graphdef, {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(params)}
 
 

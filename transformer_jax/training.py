@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ from . import checkpoint
 from .device import _check_dtype
 from .model import Transformer, _narrow
 from .speed import _EXACT_ROUNDING, _split, _streams, _Structure
+
+Labels = np.ndarray | jax.Array   # a batch's labels, checked on the host (NumPy) or placed (a data-parallel shard)
 
 
 def label_smoothed_cross_entropy(log_probs: jax.Array, labels: jax.Array, pad_id: int,
@@ -88,13 +91,14 @@ def loss(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt
 
     Shape: src (B, S), tgt (B, T) the shifted-right input, labels (B, T) the next tokens -> scalar.
     """
-    if not isinstance(labels, jax.core.Tracer):
-        src, tgt, labels = check_batch(model, src, tgt, labels)
-    return label_smoothed_cross_entropy(model(src, tgt, deterministic=deterministic), labels,
+    batch: tuple[Any, Any, Any] = ((src, tgt, labels) if isinstance(labels, jax.core.Tracer)   # traced: checked
+                                   else check_batch(model, src, tgt, labels))                 # the model's arrays
+    ids, shifted, targets = batch
+    return label_smoothed_cross_entropy(model(ids, shifted, deterministic=deterministic), targets,
                                         model.config.pad_id, epsilon, tokens)
 
 
-def gradients(model: Transformer, src, tgt, labels,
+def gradients(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, labels: npt.ArrayLike,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout (tied weights receive the sum over their uses); a bfloat16 or float16 model's gradients
@@ -111,7 +115,7 @@ def learning_rate_schedule(d_model: int, config: TrainingConfig = PAPER) -> opta
     return lambda count: learning_rate(count + 1, d_model, config)
 
 
-def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> jax.Array:
+def learning_rate(step: int | jax.Array, d_model: int, config: TrainingConfig = PAPER) -> jax.Array:
     """lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)  -- Eq. (3), section 5.3,
     times ``config.learning_rate_scale``; ``step`` (an int or a traced count) counts from 1.
 
@@ -143,7 +147,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     """The optimizer of section 5.3 for ``model``: ``nnx.Optimizer`` over every ``nnx.Param`` with
     ``optax.adam(learning_rate_schedule(...), beta1, beta2, epsilon, eps_root=0)``, in an :class:`Optimizer`. With
     ``state`` (from ``load_training_state``) the saved run continues where it stopped: its moments (cast to the
-    model's dtype) and step count go into optax's state, and, unless ``config`` is given, its training config is
+    model's dtype) and step count go into optax's state (an array JAX uses in place, as the reference's
+    ``load_training_state`` reads them, without a copy), and, unless ``config`` is given, its training config is
     used. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
     model's float32 master weights: the record holds the model in P (its dropout streams copied from the model's)
     and, for float16, a ``DynamicScale``. The step count is int64 (built with 64-bit JAX on)."""
@@ -151,10 +156,11 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     _check_dtype(model.dtype)
     if state is not None:
         state = state.astype(model.dtype)
-        reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
+        reference_checkpoint.validate_training_state(
+            model.config, reference_checkpoint.parameter_stand_ins(model.config, model.dtype), state)
     config = config or (state.config if state is not None else PAPER)
     with jax.enable_x64(True):
-        adam = nnx.Optimizer(model, _adam(model.config.d_model, config), wrt=nnx.Param)
+        adam = _new_optimizer(model, _adam(model.config.d_model, config), abstract=state is not None)
         _restore(model, adam, state)
         low = None
         if is_low(dtype):
@@ -165,8 +171,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
                          _dynamic_scale(model, state) if uses_loss_scaling(dtype) else None)
 
 
-def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
-               epsilon: float = LABEL_SMOOTHING) -> float:
+def train_step(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+               labels: npt.ArrayLike, epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5, compiled (once per model structure, optimizer settings and
     batch shape): the loss with dropout as ``model.config.dropout`` says, its gradient and one Adam
     update with the scheduled learning rate. Returns the loss before the update. The model stays in
@@ -181,19 +187,22 @@ def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
         return float(_train_step(model, optimizer.adam, src, tgt, labels, epsilon))
 
 
-def _mixed_precision_step(model: Transformer, mixed: Optimizer, src, tgt, labels, epsilon: float) -> float:
+def _mixed_precision_step(model: Transformer, mixed: Optimizer, src: jax.Array, tgt: jax.Array,
+                          labels: Labels, epsilon: float) -> float:
     """The P model's loss and the gradient of ``scale`` x the loss (the recipe's backward pass in P), widened to
     float32 and divided by the scale (:func:`_scaled_gradients`); Adam's update of the float32 masters if every
     gradient is finite (:func:`_update_masters`: optax's count and the schedule advance), else the step is skipped
     (float16: ``DynamicScale`` has halved its scale); then the P model is the new masters rounded to P. The P
     model's dropout streams advance."""
-    split = _split(mixed.low)
+    low = mixed.low
+    assert low is not None                                                  # train_step's condition for this step
+    split = _split(low)
     value, grads, finite, mixed.loss_scale, streams = _scaled_gradients(split.structure, split.state,
                                                                         mixed.loss_scale, src, tgt, labels, epsilon)
     for variable, stream in zip(split.streams, streams):
         variable.set_raw_value(stream)
     if finite:
-        _update_masters(model, mixed.adam, mixed.low, grads)
+        _update_masters(model, mixed.adam, low, grads)
     return float(value)
 
 
@@ -208,8 +217,8 @@ def training_state(model: Transformer, optimizer: Optimizer) -> TrainingState:
                          None if scale is None else LossScaleState(float(scale.scale), int(scale.fin_steps)))
 
 
-def _check_batch(model: Transformer, optimizer: Optimizer, src, tgt,
-                 labels) -> tuple[jax.Array, jax.Array, np.ndarray]:
+def _check_batch(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+                 labels: npt.ArrayLike) -> tuple[jax.Array, jax.Array, np.ndarray]:
     """A training step's checks: a trainable dtype (the reference's ``check_trainable``), then
     :func:`_check_loss_inputs`, then the optimizer's step count (the reference's ``check_next_step``); the checked
     src, tgt and labels."""
@@ -219,15 +228,16 @@ def _check_batch(model: Transformer, optimizer: Optimizer, src, tgt,
     return checked
 
 
-def _check_loss_inputs(model: Transformer, src, tgt, labels) -> tuple[jax.Array, jax.Array, np.ndarray]:
+def _check_loss_inputs(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike,
+                       labels: npt.ArrayLike) -> tuple[jax.Array, jax.Array, np.ndarray]:
     """The host-side checks of a batch (ids cannot be checked once traced: the reference's ``check_batch``) and of
     64-bit JAX for a float64 model (which would otherwise be truncated to float32); the checked src, tgt and
     labels."""
     _check_dtype(model.dtype)
-    src, tgt, labels = check_batch(model, src, tgt, labels)
-    if not np.any(labels != model.config.pad_id):
+    checked = check_batch(model, src, tgt, labels)
+    if not np.any(checked[2] != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
-    return src, tgt, labels
+    return checked
 
 
 def _token_count(real: jax.Array, tokens: int | None) -> jax.Array | int:
@@ -260,7 +270,8 @@ def _dynamic_scale(model: Transformer, state: TrainingState | None) -> DynamicSc
     value, good_steps = resumed_loss_scale(state)
     scale = DynamicScale(growth_factor=2.0, backoff_factor=0.5,
                          growth_interval=precision.LOSS_SCALE_GROWTH_INTERVAL - 1,
-                         fin_steps=np.int32(good_steps), scale=np.float32(value))
+                         fin_steps=np.int32(good_steps),  # type: ignore[arg-type]  # arrays, not the Python
+                         scale=np.float32(value))  # type: ignore[arg-type]  # numbers flax annotates: see above
     return jax.device_put(scale, _device(model))
 
 
@@ -280,13 +291,21 @@ def _place_with(model: Transformer, *nodes: nnx.Module | nnx.Optimizer | None) -
         nnx.update(node, jax.device_put(nnx.state(node), device))
 
 
+def _new_optimizer(model: Transformer, adam: optax.GradientTransformation, abstract: bool) -> nnx.Optimizer:
+    """``nnx.Optimizer`` over the model's parameters; ``abstract``, its state shapes and dtypes only
+    (``nnx.eval_shape``), for :func:`_restore` to fill: optax's zero moments, which a resumed run's replace, are
+    never allocated."""
+    new = lambda model: nnx.Optimizer(model, adam, wrt=nnx.Param)
+    return nnx.eval_shape(new, model) if abstract else new(model)
+
+
 def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState | None) -> None:
     """Put a validated state's moments and step count (a new run: 0) into optax's state (both the Adam and
     the schedule counters) and the optimizer's own step counter, every count an int64 (with 64-bit JAX on):
     optax's int32 would overflow at 2**31, nnx's uint32 wrap at 2**32."""
     count = jnp.asarray(0 if state is None else state.step, jnp.int64)
     moments = {} if state is None else dict(zip(("mu", "nu"), (
-        nnx.as_pure(checkpoint.from_checkpoint_layout(model, moments))
+        nnx.as_pure(checkpoint._jax_layout(model, moments, owned=True))
         for moments in (state.first_moments, state.second_moments))))
     nnx.update(optimizer.opt_state, nnx.state(optax.tree.set(nnx.as_pure(optimizer.opt_state), count=count,
                                                              **moments)))
@@ -294,14 +313,16 @@ def _restore(model: Transformer, optimizer: nnx.Optimizer, state: TrainingState 
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "epsilon"), compiler_options=_EXACT_ROUNDING)
-def _value_and_grad(structure: _Structure, state: nnx.State, src, tgt, labels, epsilon):
+def _value_and_grad(structure: _Structure, state: nnx.State, src: jax.Array, tgt: jax.Array, labels: Labels,
+                    epsilon: float) -> tuple[jax.Array, nnx.State]:
     """Compiled loss (dropout off) and its gradient with respect to every ``nnx.Param`` (an ``nnx.State``) of the
     model of this structure and state; in P, every rounding of the recipe kept (see ``speed._EXACT_ROUNDING``)."""
     return nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=True))(structure.merge(state))
 
 
 @nnx.jit(static_argnames="epsilon")
-def _train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, epsilon):
+def _train_step(model: Transformer, optimizer: nnx.Optimizer, src: jax.Array, tgt: jax.Array, labels: Labels,
+                epsilon: float) -> jax.Array:
     """Compiled: the loss in training mode, its gradient and the optimizer's update of the model."""
     value, grads = nnx.value_and_grad(lambda m: loss(m, src, tgt, labels, epsilon, deterministic=False))(model)
     optimizer.update(model, grads)
@@ -309,16 +330,17 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, src, tgt, labels, 
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "epsilon"), compiler_options=_EXACT_ROUNDING)
-def _scaled_gradients(structure: _Structure, state: nnx.State, loss_scale: DynamicScale | None, src, tgt, labels,
-                      epsilon):
+def _scaled_gradients(structure: _Structure, state: nnx.State, loss_scale: DynamicScale | None, src: jax.Array,
+                      tgt: jax.Array, labels: Labels, epsilon: float,
+                      ) -> tuple[jax.Array, nnx.State, jax.Array, DynamicScale | None, list[jax.Array]]:
     """Compiled, for the P model of this structure and state: its loss in training mode (float32), the gradient of
     the loss times the scale (``DynamicScale.value_and_grad``; bfloat16: unscaled) as float32 divided by the scale
     (an ``nnx.State`` of the P model's parameters), whether every gradient is finite, the loss scale after the step
     and the values of the dropout streams after it (as ``speed._streams`` lists them)."""
-    graphdef, params, rest = nnx.split(structure.merge(state), nnx.Param, ...)
+    graphdef, params, *rest = nnx.split(structure.merge(state), nnx.Param, ...)
 
-    def value(params: nnx.State):
-        low = nnx.merge(graphdef, params, rest, copy=True)           # Variables of this trace: its streams advance
+    def value(params: nnx.State) -> tuple[jax.Array, tuple[jax.Array, list[jax.Array]]]:
+        low = nnx.merge(graphdef, params, *rest, copy=True)           # Variables of this trace: its streams advance
         out = loss(low, src, tgt, labels, epsilon, deterministic=False)
         return out, (out, [variable.get_raw_value() for variable in _streams(low)])
 
@@ -332,7 +354,7 @@ def _scaled_gradients(structure: _Structure, state: nnx.State, loss_scale: Dynam
 
 
 @nnx.jit
-def _update_masters(model: Transformer, optimizer: nnx.Optimizer, low: Transformer, grads: nnx.State):
+def _update_masters(model: Transformer, optimizer: nnx.Optimizer, low: Transformer, grads: nnx.State) -> None:
     """Compiled: Adam's update of the float32 masters with the float32 gradients (optax's count and the schedule
     advance), then the P model's weights the new masters rounded to P."""
     optimizer.update(model, grads)

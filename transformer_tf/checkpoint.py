@@ -35,6 +35,7 @@ from keras.src.backend.common.variables import initialize_all_variables
 
 from reference_numpy import checkpoint as reference
 from reference_numpy.checkpoint import TrainingState
+from reference_numpy.checkpoint import load_training_state as load_training_state  # moments TF takes as they are
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import keras
 import numpy as np
@@ -40,6 +41,8 @@ from reference_numpy.training import (
 from . import checkpoint
 from . import device as _device
 from .model import Transformer, _narrow, _wide
+
+Batch: TypeAlias = "tf.Tensor | npt.ArrayLike"   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
 
 
 def label_smoothed_cross_entropy(log_probs: tf.Tensor, labels: tf.Tensor, pad_id: int,
@@ -72,7 +75,8 @@ def _check_labels(labels: tf.Tensor, pad_id: int, epsilon: float, tokens: int | 
         check_token_count(int(np.sum(labels.numpy() != pad_id)), tokens)
 
 
-def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING, tokens: int | None = None,
+def loss(model: Transformer, src: Batch, tgt: Batch, labels: Batch, epsilon: float = LABEL_SMOOTHING,
+         tokens: int | None = None,
          training: bool = False) -> tf.Tensor:
     """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`. Eager inputs are
     checked first (the reference's ``check_batch``); symbolic ones were checked by the entry point that traced the
@@ -83,14 +87,14 @@ def loss(model: Transformer, src, tgt, labels, epsilon: float = LABEL_SMOOTHING,
                                         tokens)
 
 
-def _check_batch(model: Transformer, src, tgt, labels) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def _check_batch(model: Transformer, src: Batch, tgt: Batch, labels: Batch) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """The reference's ``check_batch`` on the host; the labels as int64 ids, as the model makes src and tgt
     (``tf.gather`` takes no unsigned indices)."""
     src, tgt, labels = check_batch(model, src, tgt, labels)
     return src, tgt, tf.constant(labels, tf.int64)
 
 
-def gradients(model: Transformer, src, tgt, labels,
+def gradients(model: Transformer, src: Batch, tgt: Batch, labels: Batch,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off and its gradient for every checkpoint tensor, in checkpoint
     layout and the model's dtype (tied weights receive the sum over their uses); a bfloat16 or float16 model's
@@ -102,7 +106,7 @@ def gradients(model: Transformer, src, tgt, labels,
     return float(value), checkpoint.to_checkpoint_layout(model, {v.path: _dense(g) for v, g in zip(variables, grads)})
 
 
-def _dense(grad) -> tf.Tensor:
+def _dense(grad: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     """A variable's gradient as a dense tensor. An embedding's is ``tf.IndexedSlices``, one row per position holding
     a token; the rows of one token are summed wide and rounded once, by the recipe (``reference_numpy/backward.py``,
     ``embeddings``), where TensorFlow's own conversion (``unsorted_segment_sum`` in the gradient's dtype) adds them
@@ -134,7 +138,7 @@ class _Schedule(keras.optimizers.schedules.LearningRateSchedule):
         return learning_rate(tf.cast(step, tf.float64) + 1.0, self.d_model, self.config)
 
 
-def learning_rate(step, d_model: int, config: TrainingConfig = PAPER) -> tf.Tensor:
+def learning_rate(step: int | tf.Tensor, d_model: int, config: TrainingConfig = PAPER) -> tf.Tensor:
     """lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)  -- Eq. (3), section 5.3,
     times ``config.learning_rate_scale``; ``step`` (an int or a tensor) counts from 1. Float64."""
     step = tf.cast(step, tf.float64)
@@ -160,16 +164,21 @@ class _Adam(keras.optimizers.Adam):
         super().__init__(schedule, config.beta1, config.beta2, config.epsilon, name="adam")
         self.slots: list[tuple] = []
 
-    def build(self, variables) -> None:
+    def build(self, variables: list[keras.Variable],
+              moments: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         """The base optimizer's ``build`` (its step count, learning rate and variable index), then m and v of every
-        variable (Keras' own ``Adam.build`` is skipped: its pair would be a second one, unused)."""
+        variable (Keras' own ``Adam.build`` is skipped: its pair would be a second one, unused): zeros, or a
+        resumed run's ``moments`` (``variable.path`` -> (m, v) in the variable's layout), taken as they are
+        (:func:`_taken`)."""
         if self.built:
             return
         super(keras.optimizers.Adam, self).build(variables)
-        self.slots = [(self.add_variable_from_reference(variable, "momentum"),
-                       self.add_variable_from_reference(variable, "velocity")) for variable in variables]
+        start = lambda variable, i: "zeros" if moments is None else _taken(moments[variable.path][i])
+        self.slots = [(self.add_variable_from_reference(variable, "momentum", start(variable, 0)),
+                       self.add_variable_from_reference(variable, "velocity", start(variable, 1)))
+                      for variable in variables]
 
-    def moments(self, variable) -> tuple:
+    def moments(self, variable: keras.Variable) -> tuple[keras.Variable, keras.Variable]:
         """Adam's m and v (not bias-corrected) of one model variable: Keras variables."""
         return self.slots[self._get_variable_index(variable)]
 
@@ -181,6 +190,16 @@ class _Adam(keras.optimizers.Adam):
         self.assign(m, m * self.beta_1 + (1 - self.beta_1) * gradient)
         self.assign(v, v * self.beta_2 + (1 - self.beta_2) * gradient * gradient)
         self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon))
+
+
+def _taken(array: np.ndarray) -> Callable[[tuple, str], tf.Tensor]:
+    """A Keras initializer that gives ``array``'s values: its own memory, without a copy, when TensorFlow can hold
+    it as it is (C-contiguous and aligned to 64 bytes, as the reference's ``load_training_state`` reads every
+    moment: a variable made from a tensor imported by DLPack keeps that tensor's buffer); else a copy. The variable's
+    first update writes a buffer of its own (TensorFlow does not write into memory NumPy holds)."""
+    shared = array.flags.c_contiguous and array.ctypes.data % 64 == 0 and array.dtype in (np.float32, np.float64)
+    return lambda shape, dtype: (tf.experimental.dlpack.from_dlpack(array.__dlpack__()) if shared
+                                 else tf.convert_to_tensor(array))
 
 
 @dataclass
@@ -205,27 +224,27 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
               dtype: npt.DTypeLike | None = None) -> Optimizer:
     """The optimizer of section 5.3 for ``model``: Keras's Adam with the paper's update and the schedule
     of Eq. (3), built on the model's variables, in an :class:`Optimizer`. With ``state`` (from
-    ``load_training_state``) the saved run continues where it stopped: its moments (cast to the model's dtype) and
-    step count are assigned to the optimizer's variables and, unless ``config`` is given, its training config is
+    ``load_training_state``) the saved run continues where it stopped: its moments (cast to the model's dtype;
+    arrays the reference's ``load_training_state`` read are taken without a copy, :func:`_taken`) are the
+    optimizer's variables, its step count theirs and, unless ``config`` is given, its training config is
     used. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
     model's float32 master weights (:func:`_mixed_precision`)."""
     dtype = training_dtype(model.compute_dtype, dtype)
+    moments = None
     if state is not None:
         state = state.astype(model.compute_dtype)
-        reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), state)
+        reference_checkpoint.validate_training_state(
+            model.config, reference_checkpoint.parameter_stand_ins(model.config, model.compute_dtype), state)
+        first, second = (checkpoint.from_checkpoint_layout(model, arrays)
+                         for arrays in (state.first_moments, state.second_moments))
+        moments = {path: (first[path], second[path]) for path in first}
     config = config or (state.config if state is not None else PAPER)
     schedule = learning_rate_schedule(model.config.d_model, config)
     adam = _Adam(schedule, config)
     with tf.device(_device.model_device(model)):
-        adam.build(model.trainable_variables)
+        adam.build(model.trainable_variables, moments)
     if state is not None:
         adam.iterations.assign(state.step)
-        first, second = (checkpoint.from_checkpoint_layout(model, moments)
-                         for moments in (state.first_moments, state.second_moments))
-        for variable in model.trainable_variables:
-            m, v = adam.moments(variable)
-            m.assign(first[variable.path])
-            v.assign(second[variable.path])
     result = Optimizer(adam, schedule, config, *(_mixed_precision(model, adam, dtype, state) if is_low(dtype)
                                                  else (None, None)))
     step = functools.partial(_mixed_precision_step, result) if is_low(dtype) else functools.partial(_step, adam)
@@ -233,7 +252,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     return result
 
 
-def _mixed_precision(model: Transformer, adam: _Adam, dtype, state: TrainingState | None
+def _mixed_precision(model: Transformer, adam: _Adam, dtype: np.dtype, state: TrainingState | None
                      ) -> tuple[Transformer, keras.optimizers.LossScaleOptimizer | None]:
     """For ``adam`` over the float32 ``model`` (the masters): the model in ``dtype`` built from the masters rounded
     to it, and for float16 a ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s growth
@@ -250,7 +269,7 @@ def _mixed_precision(model: Transformer, adam: _Adam, dtype, state: TrainingStat
     return low, loss_scale
 
 
-def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
+def train_step(model: Transformer, optimizer: Optimizer, src: Batch, tgt: Batch, labels: Batch,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5: the loss with dropout on (``training=True``, P_drop =
     ``config.dropout``), its gradient, and Adam's update with lrate(t); returns the loss before the
@@ -265,10 +284,13 @@ def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
     _check_labels(labels, model.config.pad_id, epsilon)
     check_next_step(int(optimizer.adam.iterations.numpy()))
     with tf.device(_device.model_device(model)):
-        return float(optimizer._compiled(model, src, tgt, labels, epsilon))
+        compiled = optimizer._compiled
+        assert compiled is not None                                          # set by optimizer()
+        return float(compiled(model, src, tgt, labels, epsilon))
 
 
-def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float, tokens=None) -> tf.Tensor:
+def _step(optimizer: _Adam, model: Transformer, src: Batch, tgt: Batch, labels: Batch, epsilon: float,
+          tokens: int | tf.Tensor | None = None) -> tf.Tensor:
     """Traced: the loss in training mode (over ``tokens`` labels if given), its gradient (an embedding's
     ``IndexedSlices`` made dense) and the optimizer's update (under a ``tf.distribute`` strategy, one replica's:
     the optimizer sums the replicas' gradients first)."""
@@ -279,12 +301,14 @@ def _step(optimizer: _Adam, model: Transformer, src, tgt, labels, epsilon: float
     return value
 
 
-def _mixed_precision_step(mixed: Optimizer, model: Transformer, src, tgt, labels, epsilon: float) -> tf.Tensor:
+def _mixed_precision_step(mixed: Optimizer, model: Transformer, src: Batch, tgt: Batch, labels: Batch,
+                          epsilon: float) -> tf.Tensor:
     """Traced: the P model's loss in training mode and the gradient of the loss (float16: times the current scale)
     by the recipe's backward pass in P, widened to float32; then the update of the float32 masters if every
     gradient is finite, else none (float16: ``LossScaleOptimizer.apply`` divides by the scale, skips the step
     and halves the scale on a non-finite gradient, and doubles it after its growth interval of finite steps);
     then the P model's weights are the masters rounded to P. Returns the unscaled loss."""
+    assert mixed.low is not None                                          # the condition of this step
     low, masters = mixed.low.trainable_variables, model.trainable_variables
     with tf.GradientTape() as tape:
         value = loss(mixed.low, src, tgt, labels, epsilon, training=True)

@@ -127,9 +127,9 @@ def from_checkpoint_layout(model: Transformer, arrays: dict[str, np.ndarray]) ->
 
 
 def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torch.dtype,
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    """Checkpoint-layout ``arrays`` (every name of the table, no other) as new tensors by parameter path, in
-    ``dtype`` on ``device`` (:func:`_converted`)."""
+                  device: torch.device, owned: bool = False) -> dict[str, torch.Tensor]:
+    """Checkpoint-layout ``arrays`` (every name of the table, no other) as tensors by parameter path, in
+    ``dtype`` on ``device`` (:func:`_converted`: new ones, unless ``owned``)."""
     table = name_table(model.config)
     unexpected = sorted(set(arrays) - set(table))
     if unexpected:
@@ -137,7 +137,7 @@ def _torch_layout(model: Transformer, arrays: dict[str, np.ndarray], dtype: torc
     missing = [name for name in table if name not in arrays]
     if missing:
         raise ValueError(f"checkpoint tensor {missing[0]!r} is missing")
-    return dict(_converted(model, ((name, arrays[name]) for name in table), dtype, device))
+    return dict(_converted(model, ((name, arrays[name]) for name in table), dtype, device, owned))
 
 
 def _converted(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], dtype: torch.dtype,
@@ -148,20 +148,23 @@ def _converted(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], dt
 
     Each tensor is a copy in torch's own memory, aligned as torch aligns it (a tensor sharing a NumPy array's
     memory, aligned to 16 bytes, would round some results differently in torch's vectorized kernels) -- unless
-    ``owned``: the arrays are then views of memory torch allocated (:func:`load_checkpoint` has the reader read
-    each tensor there), which a tensor of the same dtype and layout keeps as it is, so that loading holds every
-    weight once (a transposed one is copied, and its array dropped, one tensor at a time)."""
+    ``owned``: the arrays are then views of memory torch allocated (:func:`load_checkpoint` and
+    :func:`load_training_state` have the reader read each tensor there), which a tensor of the same dtype that is
+    contiguous in torch's layout keeps as it is, so that loading holds every weight once (one that is not, such as
+    a weight read in the checkpoint's layout and transposed, is copied, and its array dropped, one tensor at a
+    time)."""
     table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
     for name, array in tensors:
         path = table[name]
         rounded = dtype in _LOW and array.dtype != parse_dtype(_dtype_name(dtype))
-        value = _from_numpy(np.ascontiguousarray(round_to(array, _dtype_name(dtype)) if rounded else array))
+        array = round_to(array, _dtype_name(dtype)) if rounded else array
+        value = _from_numpy(array if owned else np.ascontiguousarray(array))
         value = value.T if name in flip else value
         if value.shape != targets[path].shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
                              f"torch parameter {path!r} needs {tuple(targets[path].shape)}")
         yield path, value.to(device=device, dtype=dtype, memory_format=torch.contiguous_format,
-                             copy=rounded or name in flip or not owned)          # to() keeps a view as it is
+                             copy=rounded or not owned or not value.is_contiguous())   # to() keeps a view as it is
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype | None = None,
@@ -175,6 +178,31 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     reference_checkpoint.release_freed_memory()                          # arrays cast to another dtype, dropped
     model.tokenizer_json = reader.tokenizer_json
     return model
+
+
+def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:
+    """The reference's ``load_training_state`` (the same checks and errors), each Adam moment read straight into a
+    tensor torch allocated in its parameter's layout (a transposed weight's moment as the NumPy transpose of an
+    (out, in) tensor), which :func:`.training.optimizer` takes as its ``exp_avg`` or ``exp_avg_sq`` without a copy:
+    resuming holds every moment once. The optimizer then updates that memory in place: a state resumes one
+    optimizer (:func:`.training.training_state` gives a new one to save)."""
+    target = None if dtype is None else parse_dtype(dtype)
+    reader = reference_checkpoint.CheckpointReader(path)
+    state = reader.read_training(_moment_memory(reader.config))
+    return state if state is None or target is None else state.astype(target)
+
+
+def _moment_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:
+    """Where :func:`load_training_state` has the reader read each moment (``adam.m.NAME``, ``adam.v.NAME``): a new
+    tensor of torch's in the layout of parameter NAME, seen in the checkpoint's layout."""
+    flip = set(transposed(config))
+
+    def allocate(name: str, shape: tuple[int, ...], stored: np.dtype) -> np.ndarray:
+        if name.split(".", 2)[2] in flip:
+            return _to_numpy(torch.empty(shape[::-1], dtype=_torch_dtype(stored))).T
+        return _to_numpy(torch.empty(shape, dtype=_torch_dtype(stored)))
+
+    return allocate
 
 
 def _reading_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:

@@ -43,6 +43,8 @@ the feed-forward hidden layer), so only eval-mode outputs agree.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -98,7 +100,7 @@ class NNTransformerModel(nn.Module):
         src_mask = self._mask(src_mask, padding_mask(src, self.config.pad_id))
         return self.generator(self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask))
 
-    def _mask(self, mask, default: Tensor) -> Tensor:
+    def _mask(self, mask: Tensor | None, default: Tensor) -> Tensor:
         return default if mask is None else torch.as_tensor(mask, device=self.src_embed.weight.device)
 
 
@@ -117,7 +119,7 @@ def to_nn_mask(mask: Tensor, batch: int, n_heads: int, query_length: int, key_le
 def build_nn_transformer(config: TransformerConfig) -> nn.Transformer:
     """An ``nn.Transformer`` (batch_first, ReLU) with the paper's structure for ``config``:
     final norms only for pre-LN (``norm_first``)."""
-    layer_args = dict(d_model=config.d_model, nhead=config.n_heads, dim_feedforward=config.d_ff,
+    layer_args: dict[str, Any] = dict(d_model=config.d_model, nhead=config.n_heads, dim_feedforward=config.d_ff,
                       dropout=config.dropout, activation="relu", layer_norm_eps=config.layer_norm_eps,
                       batch_first=True, norm_first=config.norm_first)
     final_norm = lambda: nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
@@ -257,7 +259,8 @@ def _check_layer(name: str, layer: nn.Module, config: TransformerConfig) -> None
         raise ValueError(f"{name}.norm_first is {layer.norm_first}; the config says {config.norm_first}")
     if layer.activation is not F.relu and not isinstance(layer.activation, nn.ReLU):
         raise ValueError(f"{name}.activation is {layer.activation}; the paper's feed-forward uses ReLU (Eq. 2)")
-    if layer.linear1.out_features != config.d_ff or layer.linear1.bias is None or layer.linear2.bias is None:
+    linear1, linear2 = cast(nn.Linear, layer.linear1), cast(nn.Linear, layer.linear2)   # the layer's feed-forward
+    if linear1.out_features != config.d_ff or linear1.bias is None or linear2.bias is None:
         raise ValueError(f"{name}.linear1/linear2 must be {config.d_model} -> {config.d_ff} -> {config.d_model} "
                          "with biases")
     for attn_name, attn in layer.named_children():

@@ -35,7 +35,7 @@ from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy import precision
 from reference_numpy.checkpoint import LossScaleState, TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.precision import check_trainable, is_low, training_dtype, uses_loss_scaling
+from reference_numpy.precision import check_trainable, is_low, parse_dtype, training_dtype, uses_loss_scaling
 from reference_numpy.training import (
     LABEL_SMOOTHING,
     PAPER,
@@ -48,6 +48,8 @@ from reference_numpy.training import (
 
 from . import checkpoint
 from .model import Transformer, _dtype_name
+
+Batch = Tensor | npt.ArrayLike   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
 
 
 def label_smoothed_cross_entropy(log_probs: Tensor, labels: Tensor, pad_id: int,
@@ -71,17 +73,17 @@ def label_smoothed_cross_entropy(log_probs: Tensor, labels: Tensor, pad_id: int,
     return (per_token * real).sum() / count
 
 
-def loss(model: Transformer, src: Tensor, tgt: Tensor, labels: Tensor, epsilon: float = LABEL_SMOOTHING,
+def loss(model: Transformer, src: Batch, tgt: Batch, labels: Batch, epsilon: float = LABEL_SMOOTHING,
          tokens: int | None = None) -> Tensor:
     """The training loss of one batch; ``tokens`` as in :func:`label_smoothed_cross_entropy`. The batch is checked
     first by the reference's ``check_batch`` (labels read on the host).
     Shape: src (B, S), tgt and labels (B, T) -> scalar."""
-    src, tgt, labels = check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
-    labels = torch.as_tensor(labels, device=model.device, dtype=torch.long)   # gather's index: int64
-    return label_smoothed_cross_entropy(model(src, tgt), labels, model.config.pad_id, epsilon, tokens)
+    src, tgt, checked = check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
+    index = torch.as_tensor(checked, device=model.device, dtype=torch.long)   # gather's index: int64
+    return label_smoothed_cross_entropy(model(src, tgt), index, model.config.pad_id, epsilon, tokens)
 
 
-def gradients(model: Transformer, src, tgt, labels,
+def gradients(model: Transformer, src: Batch, tgt: Batch, labels: Batch,
               epsilon: float = LABEL_SMOOTHING) -> tuple[float, dict[str, np.ndarray]]:
     """The loss with dropout off (eval mode) and its gradient for every checkpoint tensor, in
     checkpoint layout (tied weights receive the sum over their uses); a bfloat16 or float16 model's
@@ -89,8 +91,8 @@ def gradients(model: Transformer, src, tgt, labels,
     model.eval().zero_grad(set_to_none=True)
     value = loss(model, src, tgt, labels, epsilon)
     value.backward()
-    return value.item(), checkpoint.to_checkpoint_layout(model, {path: parameter.grad
-                                                                 for path, parameter in model.named_parameters()})
+    grads = {path: parameter.grad for path, parameter in model.named_parameters()}
+    return value.item(), checkpoint.to_checkpoint_layout(model, grads)  # type: ignore[arg-type]  # backward() set all
 
 
 def learning_rate_schedule(d_model: int, config: TrainingConfig) -> _Schedule:
@@ -127,7 +129,7 @@ class Optimizer:
 
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
-              dtype: npt.DTypeLike | torch.dtype | None = None) -> Optimizer:
+              dtype: npt.DTypeLike | None = None) -> Optimizer:
     """The optimizer of section 5.3 for ``model``: a ``torch.optim.Adam`` (beta1, beta2, epsilon of
     ``config``; base learning rate 1) driven by a ``LambdaLR`` of :func:`learning_rate_schedule` (torch's pair,
     stepped together by :func:`train_step`), in an :class:`Optimizer`. Tied weights are one parameter with one pair
@@ -136,7 +138,9 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     With ``state`` (from ``load_training_state``) the saved run continues where it stopped: its moments
     (cast to the model's dtype, checked by ``validate_training_state``), step count and, unless
     ``config`` is given, its training config, restored by ``optimizer.load_state_dict`` and
-    ``scheduler.load_state_dict``: the next step is t + 1 with lrate(t + 1).
+    ``scheduler.load_state_dict``: the next step is t + 1 with lrate(t + 1). Moments in memory torch allocated
+    (:func:`.checkpoint.load_training_state`'s) become Adam's own without a copy, and change as it steps; any other
+    state is copied.
 
     ``dtype`` bfloat16 or float16 (a float32 model only; the reference's ``training_dtype`` errors otherwise) adds
     the model in P over the float32 masters and, for float16, a ``GradScaler`` with the reference's
@@ -144,9 +148,11 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     """
     dtype = training_dtype(_dtype_name(model.dtype), dtype)
     if state is not None:
-        params = checkpoint.to_params(model)
-        state = state.astype(next(iter(params.values())).dtype)
-        reference_checkpoint.validate_training_state(model.config, params, state)
+        stored = parse_dtype(_dtype_name(model.dtype))
+        state = state.astype(stored)
+        reference_checkpoint.validate_training_state(model.config,
+                                                     reference_checkpoint.parameter_stand_ins(model.config, stored),
+                                                     state)
     config = config or (state.config if state is not None else PAPER)
     adam = torch.optim.Adam(model.parameters(), lr=1.0, betas=(config.beta1, config.beta2), eps=config.epsilon,
                             foreach=False)
@@ -178,7 +184,8 @@ def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState | None
     adam, step = schedule.optimizer, 0 if state is None else state.step
     first, second = ({path: torch.zeros_like(parameter) for path, parameter in model.named_parameters()}
                      for _ in range(2)) if state is None else (
-        checkpoint.from_checkpoint_layout(model, moments) for moments in (state.first_moments, state.second_moments))
+        checkpoint._torch_layout(model, moments, model.dtype, model.device, owned=_torch_memory(moments))
+        for moments in (state.first_moments, state.second_moments))
     rate = schedule.lr_lambdas[0](step)                                     # base rate 1: lrate(t + 1)
     saved = adam.state_dict()                                               # parameters numbered in model order
     saved["state"] = {index: {"step": torch.tensor(step, dtype=torch.int64), "exp_avg": first[path],
@@ -189,7 +196,18 @@ def _restore(model: Transformer, schedule: LambdaLR, state: TrainingState | None
     schedule.load_state_dict({**schedule.state_dict(), "last_epoch": step, "_last_lr": [rate]})
 
 
-def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
+def _torch_memory(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every array is a view of a torch tensor (:func:`.checkpoint.load_training_state` reads the moments
+    into tensors torch allocated), which Adam may take as its state as it is."""
+    def owner(value: object) -> object:
+        while isinstance(value, np.ndarray):
+            value = value.base
+        return value
+
+    return all(isinstance(owner(value), torch.Tensor) for value in arrays.values())
+
+
+def train_step(model: Transformer, optimizer: Optimizer, src: Batch, tgt: Batch, labels: Batch,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step of section 5: the loss with dropout on (train mode, P_drop = ``config.dropout``),
     its gradient by autograd, Adam's update t with lrate(t), then the schedule advanced. The model is
@@ -208,7 +226,7 @@ def train_step(model: Transformer, optimizer: Optimizer, src, tgt, labels,
     return value.item()
 
 
-def _backward(model: Transformer, src, tgt, labels, epsilon: float,
+def _backward(model: Transformer, src: Batch, tgt: Batch, labels: Batch, epsilon: float,
               scaler: torch.amp.GradScaler | None = None) -> Tensor:
     """The loss in train mode, back-propagated (from the loss times ``scaler``'s scale); the model left in eval
     mode."""
@@ -221,20 +239,22 @@ def _backward(model: Transformer, src, tgt, labels, epsilon: float,
     return value
 
 
-def _mixed_precision_step(model: Transformer, mixed: Optimizer, src, tgt, labels, epsilon: float) -> float:
+def _mixed_precision_step(model: Transformer, mixed: Optimizer, src: Batch, tgt: Batch, labels: Batch,
+                          epsilon: float) -> float:
     """The P model's loss and, by autograd through the recipe, the P gradient of the loss times the scale
     (float16), widened to float32 as the masters' ``grad``; ``GradScaler.step`` divides them by the scale and steps
     Adam unless one is not finite (bfloat16: checked here). A step taken advances the schedule and rounds the new
     masters to P into the P model; a skipped one changes nothing but the scale (halved by ``update``), so Adam's
     t and the schedule stay together."""
     low, scaler = mixed.low, mixed.loss_scale
+    assert low is not None                                                  # train_step's condition for this step
     low.zero_grad(set_to_none=True)
     value = _backward(low, src, tgt, labels, epsilon, scaler)
     pairs = list(zip(model.parameters(), low.parameters()))                 # the same Transformer(config) twice
     for master, parameter in pairs:
-        master.grad = parameter.grad.float()                                # P -> float32, exactly
+        master.grad = _grad(parameter).float()                              # P -> float32, exactly
     if scaler is None:
-        taken = all(bool(master.grad.isfinite().all()) for master, _ in pairs)
+        taken = all(bool(_grad(master).isfinite().all()) for master, _ in pairs)
         if taken:
             mixed.adam.step()
     else:
@@ -248,6 +268,12 @@ def _mixed_precision_step(model: Transformer, mixed: Optimizer, src, tgt, labels
             for master, parameter in pairs:
                 parameter.copy_(master)                                     # float32 -> P, rounded once
     return value.item()
+
+
+def _grad(parameter: Tensor) -> Tensor:
+    """A parameter's gradient, which the backward pass just gave it (every parameter has one)."""
+    assert parameter.grad is not None
+    return parameter.grad
 
 
 def training_state(model: Transformer, optimizer: Optimizer) -> TrainingState:
