@@ -282,14 +282,15 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear` (the kernel choice, this
-    module's one call into :mod:`.speed`). A weight in a low precision P is computed wide: x, W and b as float32,
+    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear` (the kernel choice; the
+    only function of this module that calls into :mod:`.speed`). A weight in a low precision P is computed wide: x, W and b as float32,
     the result rounded once to P.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
-    wide = speed.linear(_wide(x), _wide(weight), None if bias is None else _wide(bias))
-    return _narrow(wide, weight.dtype)
+    if weight.dtype in _LOW:
+        return _narrow(speed.linear(_wide(x), _wide(weight), None if bias is None else _wide(bias)), weight.dtype)
+    return speed.linear(x, weight, bias)
 
 
 class _Linear(nn.Linear):
