@@ -283,8 +283,8 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear` (the kernel choice; the
-    only function of this module that calls into :mod:`.speed`). A weight in a low precision P is computed wide: x, W and b as float32,
-    the result rounded once to P.
+    only function of this module that calls into :mod:`.speed`). A weight in a low precision P is computed wide:
+    x, W and b as float32, the result rounded once to P.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
