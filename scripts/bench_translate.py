@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E402
 from transformer_cli import runtime  # noqa: E402
-from transformer_cli.numbers_task import NumbersTask, english  # noqa: E402
-from transformer_cli.translate import BATCH_SIZE  # noqa: E402
+from transformer_cli.commands.translate import BATCH_SIZE  # noqa: E402
+from transformer_cli.tasks.numbers import NumbersTask, english  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 ENGINES = ("torch", "jax", "tf", "ctranslate2")
@@ -58,7 +58,7 @@ def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
 def port_passes(name: str, texts: list[str], batch_size: int, repeats: int) -> tuple[list[float], int, list[str]]:
     """Seconds of each pass of one backend's ``Translator`` over ``texts``, output tokens, translations."""
     from transformer_cli import backends
-    from transformer_cli.translate import translator
+    from transformer_cli.commands.translate import translator
 
     adapters, _ = backends.load((name,))
     engine = translator(adapters[name], None, "float32", BEAM_SIZE, LENGTH_PENALTY_ALPHA, "cpu", batch_size)
@@ -77,8 +77,8 @@ def peer_passes(texts: list[str], batch_size: int, repeats: int) -> tuple[list[f
     import ctranslate2
     import tokenizers
 
-    from transformer_cli.ctranslate2_export import save_ctranslate2, translate_options
-    from transformer_cli.translate import load_translator
+    from transformer_cli.commands.ctranslate2_export import save_ctranslate2, translate_options
+    from transformer_cli.commands.translate import load_translator
 
     config, params, tokenizer = load_translator()
     with tempfile.TemporaryDirectory() as directory:

@@ -549,11 +549,11 @@ TEXT = [
     single("text", "tokenizer: ids beyond the model's vocabulary accepted", "reference_numpy/tokenizer.py",
            "if max(ids.values()) >= limit or min(ids.values()) < 0:", "if min(ids.values()) < 0:",
            ["tests/test_tokenizer.py"]),
-    single("text", "numbers task: test and validation numbers left in the training pool", "transformer_cli/numbers_task.py",
+    single("text", "numbers task: test and validation numbers left in the training pool", "transformer_cli/tasks/numbers.py",
            "numbers = np.sort(numbers[n_test + n_valid:])", "numbers = np.sort(numbers)",
            ["tests/test_numbers_task.py"]),
     single("text", "numbers task: labels not shifted (the decoder sees the token it must predict)",
-           "transformer_cli/numbers_task.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
+           "transformer_cli/tasks/numbers.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
            '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/test_numbers_task.py"]),
 ]
 

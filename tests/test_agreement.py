@@ -23,8 +23,8 @@ from equivalence.adapters import numpy as reference
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import beam_margins, greedy_margins
 from equivalence.recipes import ATTENTION_KINDS
-from transformer_cli.numbers_task import NumbersTask, teacher_forcing
-from transformer_cli.translate import load_translator
+from transformer_cli.commands.translate import load_translator
+from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
 
 DTYPES = ("float64", "float32")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()

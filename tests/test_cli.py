@@ -19,9 +19,10 @@ from safetensors import safe_open
 
 from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
 from reference_numpy.checkpoint import load_training_state
-from transformer_cli import backends, timing
-from transformer_cli import compare as compare_module
+from transformer_cli import backends
 from transformer_cli import main as cli_main
+from transformer_cli.benchmarks import timing
+from transformer_cli.commands import compare as compare_module
 from transformer_cli.extras import progress_bar
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
 

@@ -32,10 +32,10 @@ from reference_numpy.checkpoint import (
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends, extras
-from transformer_cli import train as train_module
-from transformer_cli.copy_task import CopyTask
-from transformer_cli.corpus_task import CorpusTask, read_corpus
+from transformer_cli.commands import train as train_module
 from transformer_cli.main import EXIT_OK, EXIT_USAGE
+from transformer_cli.tasks.copy import CopyTask
+from transformer_cli.tasks.corpus import CorpusTask, read_corpus
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")

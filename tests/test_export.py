@@ -38,12 +38,12 @@ from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import pad_rows
-from transformer_cli import ctranslate2_export, export_check
-from transformer_cli import export as export_module
-from transformer_cli.export_check import ISOLATION, LOADERS, run_isolated
+from transformer_cli.commands import ctranslate2_export, export_check
+from transformer_cli.commands import export as export_module
+from transformer_cli.commands.export_check import ISOLATION, LOADERS, run_isolated
+from transformer_cli.commands.translate import SHIPPED, load_translator
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE, main
-from transformer_cli.numbers_task import NumbersTask, english, french
-from transformer_cli.translate import SHIPPED, load_translator
+from transformer_cli.tasks.numbers import NumbersTask, english, french
 
 SHIPPED_TEXTS = 32                 # held-out sentences of the shipped model, every length of the test split
 # Number words in no English number's order, on which the shipped model's beam search (size 4, alpha 0.6) and greedy
@@ -156,7 +156,8 @@ RUNTIMES = {"savedmodel": ("tensorflow", "tf"), "jax-export": ("jax", "jax"), "t
             "onnx": ("onnxruntime", "export")}
 
 # How a serving process loads each artefact (``run(src, tgt) -> log_probs``) and greedy-decodes with it, NumPy only:
-# the loaders and the loop of ``export --check`` (transformer_cli/export_check.py), checked here against the reference.
+# the loaders and the loop of ``export --check`` (transformer_cli/commands/export_check.py), checked here against
+# the reference.
 RUN, GREEDY = LOADERS, export_check.GREEDY
 # A serving process's beam search over ``run``, NumPy only, one sentence at a time, with the reference's rules
 # (``reference_numpy.decoding``'s docstring): candidates (beam, token) ranked by summed log-probability, ties to the

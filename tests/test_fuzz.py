@@ -244,8 +244,8 @@ def test_compare_marks_a_stage_held_to_what_it_adds():
     """`compare`'s table on AMPLIFIED (PyTorch, float32): the decoder and log-probability cells carry "+" (the error
     they add to their inputs', within the bound), the run agrees, and the note says why."""
     from equivalence.adapters import torch as backend
-    from transformer_cli.compare import Report, build_oracle, run_backend
-    from transformer_cli.report import format_table
+    from transformer_cli.commands.compare import Report, build_oracle, run_backend
+    from transformer_cli.commands.report import format_table
 
     weights, batch = fuzz.params(AMPLIFIED), fuzz.inputs(AMPLIFIED)
     oracle = build_oracle(AMPLIFIED.config, weights, batch["src"], batch["tgt"], ("float32",))

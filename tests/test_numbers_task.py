@@ -10,7 +10,8 @@ import pytest
 
 from equivalence.adapters import numpy as numpy_adapter
 from reference_numpy.tokenizer import pad_rows
-from transformer_cli.numbers_task import (
+from transformer_cli.commands.translate import load_translator
+from transformer_cli.tasks.numbers import (
     DIGIT_WEIGHTS,
     SPLIT_SEED,
     NumbersTask,
@@ -20,7 +21,6 @@ from transformer_cli.numbers_task import (
     patterns,
     zero_pattern,
 )
-from transformer_cli.translate import load_translator
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")
@@ -324,7 +324,7 @@ def test_the_shipped_model_translates_every_kind_of_number(split):
     greedy, in the first installed port (the whole split; scripts/numbers_patterns.py runs every backend on larger
     samples). The French is checked by the grammar oracle above, not by num2words."""
     from transformer_cli import backends
-    from transformer_cli.translate import translator
+    from transformer_cli.commands.translate import translator
 
     ports = backends.load()[0]
     if not ports:

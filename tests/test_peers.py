@@ -1,7 +1,8 @@
-"""The peers on our weights (``transformer_cli/peers.py``, docs/peers.md) against the float64 NumPy reference,
+"""The peers on our weights (``transformer_cli/benchmarks/peers.py``, docs/peers.md) against the float64 NumPy
+reference,
 under the project's one float32 policy (``equivalence.tolerance``, used as tests/test_agreement.py uses it):
 
-* the CTranslate2 exporter (``transformer_cli/ctranslate2_export.py``): each target token's log-probability
+* the CTranslate2 exporter (``transformer_cli/commands/ctranslate2_export.py``): each target token's log-probability
   (``Translator.score_batch``), greedy tokens, beam-search scores, on ``tiny`` configs (post-LN, pre-LN, learned
   positions, shared embeddings, other pad/bos/eos ids) and on the shipped trained model, whose beam-search
   tokens are compared too; its refusals, its rule for an existing output directory, the ``export`` command;
@@ -35,12 +36,12 @@ from reference_numpy import (
     save_checkpoint,
 )
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA, length_penalty
-from transformer_cli import bench as bench_module
-from transformer_cli import ctranslate2_export as export
-from transformer_cli import timing
+from transformer_cli.benchmarks import bench as bench_module
+from transformer_cli.benchmarks import timing
+from transformer_cli.commands import ctranslate2_export as export
+from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
-from transformer_cli.numbers_task import NumbersTask
-from transformer_cli.translate import load_translator
+from transformer_cli.tasks.numbers import NumbersTask
 
 TINY = TransformerConfig.preset("tiny")
 VARIANTS = {**cases.VARIANTS, "special_ids": TINY.replace(pad_id=5, bos_id=3, eos_id=7)}
@@ -54,7 +55,7 @@ def require(module: str, extra: str):
 
 
 def peers():
-    from transformer_cli import peers as module
+    from transformer_cli.benchmarks import peers as module
     return module
 
 

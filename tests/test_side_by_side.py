@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transformer_cli import side_by_side
+from transformer_cli.commands import side_by_side
+from transformer_cli.commands.side_by_side import BACKENDS, CONCEPTS
 from transformer_cli.main import main
-from transformer_cli.side_by_side import BACKENDS, CONCEPTS
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "docs" / "side-by-side.html"

@@ -16,10 +16,10 @@ from equivalence import tolerance
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_tokenizer_json, load_training_state
 from transformer_cli import backends
-from transformer_cli.attention import attention_by_backend
-from transformer_cli.compare import SENTENCES
+from transformer_cli.commands.attention import attention_by_backend
+from transformer_cli.commands.compare import SENTENCES
+from transformer_cli.commands.translate import SHIPPED
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
-from transformer_cli.translate import SHIPPED
 
 # (English, French) by the rules: "et" in 21..71, "quatre-vingts" and "cents" take an s only at the end
 GRAMMAR = [("three hundred and twelve", "trois cent douze"),
@@ -181,7 +181,7 @@ def test_a_file_in_batches_gives_each_lines_own_translation(tmp_path, capsys):
     batches of 64 sorted by length, are the lines each decoded alone by the reference (greedy, float64), in the
     file's order."""
     from equivalence.adapters import numpy as reference_adapter
-    from transformer_cli.translate import load_translator
+    from transformer_cli.commands.translate import load_translator
 
     lines = number_words(1000, seed=26, distinct=200)
     (tmp_path / "en.txt").write_text("".join(f"{line}\n" for line in lines))
@@ -231,7 +231,7 @@ def test_a_line_that_cannot_be_translated_is_reported_and_the_rest_translated(tm
 
 def test_standard_input_from_a_file_is_batched_and_a_pipe_read_line_by_line(tmp_path, monkeypatch):
     """``< FILE`` is read whole (batched); a pipe, which may be a conversation, one line at a time."""
-    from transformer_cli.translate import is_file
+    from transformer_cli.commands.translate import is_file
 
     (tmp_path / "en.txt").write_text("eighty\n")
     with open(tmp_path / "en.txt") as redirected:

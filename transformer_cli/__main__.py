@@ -1,3 +1,3 @@
-from .main import main
+from transformer_cli.main import main
 
 raise SystemExit(main())

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from reference_numpy.precision import DTYPE_NAMES
-
-from . import backends
-from .extras import require
+from transformer_cli import backends
+from transformer_cli.extras import require
 
 
 def integer(minimum: int, even: bool = False) -> Callable[[str], int]:

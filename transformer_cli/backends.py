@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import runtime
+from transformer_cli import runtime
 
 # backend name -> (adapter module, every framework module it needs, the pip extra that installs them)
 BACKENDS = {

@@ -43,9 +43,8 @@ from reference_numpy import TransformerConfig, __version__, init_params, save_ch
 from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import DTYPE_NAMES
-
-from . import backends, runtime, side_by_side
-from .arguments import (
+from transformer_cli import backends, runtime
+from transformer_cli.arguments import (
     backend_names,
     device_name,
     dtype_names,
@@ -56,20 +55,20 @@ from .arguments import (
     refuse_existing,
     refuse_input,
 )
-from .copy_task import DEFAULTS as COPY
-from .corpus_task import DEFAULTS as CORPUS
-from .corpus_task import FILES as CORPUS_FILES
-from .corpus_task import VOCAB_SIZE
-from .extras import progress_bar
-from .interrupts import StopRequest, terminate_as_interrupt
-from .numbers_task import DEFAULTS as NUMBERS
-from .translate import BATCH_SIZE as TRANSLATE_BATCH
+from transformer_cli.commands import side_by_side
+from transformer_cli.commands.translate import BATCH_SIZE as TRANSLATE_BATCH
+from transformer_cli.extras import progress_bar
+from transformer_cli.interrupts import StopRequest, terminate_as_interrupt
+from transformer_cli.tasks.copy import DEFAULTS as COPY
+from transformer_cli.tasks.corpus import DEFAULTS as CORPUS
+from transformer_cli.tasks.corpus import FILES as CORPUS_FILES
+from transformer_cli.tasks.corpus import VOCAB_SIZE
+from transformer_cli.tasks.numbers import DEFAULTS as NUMBERS
 
 if TYPE_CHECKING:
     from equivalence.contract import Model
     from reference_numpy.checkpoint import TrainingState
-
-    from .train import Plan, Progress, Result, Snapshots
+    from transformer_cli.commands.train import Plan, Progress, Result, Snapshots
 
 Commands = argparse._SubParsersAction     # what ArgumentParser.add_subparsers returns
 
@@ -150,8 +149,8 @@ def add_compare(commands: Commands) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from .compare import DTYPES, PRECISION_REPORT_DTYPES, compare
-    from .report import format_table, plot_errors, plot_precision
+    from transformer_cli.commands.compare import DTYPES, PRECISION_REPORT_DTYPES, compare
+    from transformer_cli.commands.report import format_table, plot_errors, plot_precision
 
     dtypes = args.dtype or (PRECISION_REPORT_DTYPES if args.precision_report else DTYPES)
     if args.precision_report and set(dtypes) == {"float64"}:
@@ -196,7 +195,7 @@ def add_bench(commands: Commands) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .bench import bench, format_bench, plot_bench
+    from transformer_cli.benchmarks.bench import bench, format_bench, plot_bench
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
@@ -240,14 +239,14 @@ def add_plot(commands: Commands) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from . import plots
+    from transformer_cli import plots
 
     if args.picture == "attention" and args.text is not None and (args.src is not None or args.tgt is not None):
         raise ValueError("--text: give either a sentence (--text) or token ids (--src, --tgt), not both")
     if args.picture == "pe":
         plots.plot_positional_encoding(args.length, args.d_model, args.out)
     else:
-        from .attention import attention_by_backend
+        from transformer_cli.commands.attention import attention_by_backend
         weights, query_tokens, key_tokens, title = attention_by_backend(
             args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, args.backends, args.text,
             args.preset, args.device)
@@ -277,7 +276,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def add_export(commands: Commands) -> None:
-    from .export import TARGETS
+    from transformer_cli.commands.export import TARGETS
 
     export = subcommand(commands, "export", "write a shared checkpoint as an artefact a runtime loads without this "
                                             "project: CTranslate2, a SavedModel, jax.export, torch.export, ONNX")
@@ -297,8 +296,8 @@ def add_export(commands: Commands) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .export import describe, export
-    from .export_check import check_export, check_target
+    from transformer_cli.commands.export import describe, export
+    from transformer_cli.commands.export_check import check_export, check_target
 
     if args.check:
         check_target(args.to)                                              # before any work
@@ -412,7 +411,7 @@ KEEP = 5                                            # --keep's default: section 
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from . import train
+    from transformer_cli.commands import train
 
     task = train.task_name(args)
     chosen = args.backends is None
@@ -510,7 +509,7 @@ def _check_snapshot_flags(args: argparse.Namespace) -> None:
 def _snapshots(args: argparse.Namespace, outputs: dict[str, str], plan: Plan) -> dict[str, Snapshots]:
     """Each backend's ``--save-every`` checkpoints (:class:`train.Snapshots`); none of the files they may write
     exists (or ``--force``)."""
-    from .train import Snapshots
+    from transformer_cli.commands.train import Snapshots
 
     if not args.save_every:
         return {}
@@ -535,7 +534,7 @@ def add_average(commands: Commands) -> None:
 def run_average(args: argparse.Namespace) -> int:
     """The average of the weights, with the checkpoints' tokenizer; Adam's moments are not averaged (the file
     holds no training state: a model to use or ship, not a run to resume)."""
-    from .train import average_checkpoints
+    from transformer_cli.commands.train import average_checkpoints
 
     refuse_input(args.out, args.checkpoints, "OUT")
     refuse_existing(args.out, "OUT", args.force)
@@ -588,8 +587,15 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
 def run_translate(args: argparse.Namespace) -> int:
     """A line that cannot be translated is one line on stderr naming it, an empty output line, and exit status 2
     once the rest is translated; sentences given as arguments are all checked before any is translated."""
-    from .train import load_adapters
-    from .translate import Translation, open_input, read_lines, refuse_stdin_as_output, translator, write_translations
+    from transformer_cli.commands.train import load_adapters
+    from transformer_cli.commands.translate import (
+        Translation,
+        open_input,
+        read_lines,
+        refuse_stdin_as_output,
+        translator,
+        write_translations,
+    )
 
     if args.text and args.input:
         raise ValueError("--input: give sentences as arguments or --input FILE, not both")
@@ -628,9 +634,9 @@ def add_evaluate(commands: Commands) -> None:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate, format_evaluation, parallel_lines
-    from .train import load_adapters
-    from .translate import translator
+    from transformer_cli.commands.evaluate import evaluate, format_evaluation, parallel_lines
+    from transformer_cli.commands.train import load_adapters
+    from transformer_cli.commands.translate import translator
 
     sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]

@@ -8,8 +8,7 @@ import os
 import numpy as np
 
 from reference_numpy import sinusoidal_positional_encoding
-
-from .extras import require
+from transformer_cli.extras import require
 
 
 def pyplot():

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .translate import Translator
+from transformer_cli.commands.translate import Translator
 
 
 @dataclass(frozen=True)

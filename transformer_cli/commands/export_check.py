@@ -26,8 +26,7 @@ import numpy as np
 from equivalence import tolerance
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
-
-from .compare import build_oracle, compare_inputs, greedy_verdict, translation_source
+from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
 
 # The packages of this project: the checking process asserts that none of them can be imported.
 PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",

@@ -8,9 +8,8 @@ import numpy as np
 
 from equivalence import tolerance
 from reference_numpy.precision import is_low
-
-from .compare import Report
-from .plots import pyplot
+from transformer_cli.commands.compare import Report
+from transformer_cli.plots import pyplot
 
 STAGE_WIDTH, CELL_WIDTH = 18, 21
 

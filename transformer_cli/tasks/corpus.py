@@ -39,10 +39,9 @@ import numpy as np
 
 from reference_numpy.config import TransformerConfig
 from reference_numpy.tokenizer import Tokenizer, pad_rows
-
-from .copy_task import TEST, VALIDATION  # the held-out splits every task names alike
-from .numbers_task import MODEL as NUMBERS_MODEL
-from .numbers_task import SPLIT_SEED, bleu, learned_tokenizer
+from transformer_cli.tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
+from transformer_cli.tasks.numbers import MODEL as NUMBERS_MODEL
+from transformer_cli.tasks.numbers import SPLIT_SEED, bleu, learned_tokenizer
 
 VALIDATION_SHARE, VALIDATION_MOST = 0.05, 1000     # the held-out split's default size: min(1000, 5%)
 VOCAB_SIZE = 8000                                  # --vocab-size's default

@@ -26,8 +26,7 @@ from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
 from reference_numpy.checks import check_token_layout
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import Tokenizer, pad_rows
-
-from . import backends
+from transformer_cli import backends
 
 SHIPPED = SHIPPED_MODELS["numbers-en-fr"]
 SHIPPED_NAME = "the shipped English-to-French numbers model"

@@ -19,10 +19,9 @@ from equivalence.margins import greedy_margins
 from reference_numpy import TransformerConfig, init_params, load_checkpoint
 from reference_numpy.checkpoint import load_tokenizer
 from reference_numpy.tokenizer import Tokenizer
-
-from . import backends
-from .timing import measure
-from .translate import SHIPPED, SHIPPED_NAME
+from transformer_cli import backends
+from transformer_cli.benchmarks.timing import measure
+from transformer_cli.commands.translate import SHIPPED, SHIPPED_NAME
 
 DTYPES = ("float64", "float32")   # the default; any of reference_numpy.precision.DTYPE_NAMES may be asked for
 PRECISION_REPORT_DTYPES = ("float32", "bfloat16", "float16")   # --precision-report's default: one panel each

@@ -1,14 +1,14 @@
 """``bench``: the forward pass and decoding of every installed backend -- and, with ``--peers``, of the engines
-a user would pick instead (:mod:`transformer_cli.peers`) -- on the same weights and inputs, timed interleaved
-(:func:`transformer_cli.timing.round_robin`: each round runs every engine once, in turn), medians with their
+a user would pick instead (:mod:`transformer_cli.benchmarks.peers`) -- on the same weights and inputs, timed interleaved
+(:func:`transformer_cli.benchmarks.timing.round_robin`: each round runs every engine once, in turn), medians with their
 spread, the warm-up call reported apart as compile time.
 
 Every figure is set against anchors the command measures itself, in every round beside the engines
 (:class:`Anchors`): the machine's best float32 matrix-multiply rate (the fastest of NumPy, PyTorch, JAX and
 TensorFlow, whichever are installed, each named), its memory bandwidth, and from it the lower bound of a
-cached decoding step, the bytes it must read (:func:`transformer_cli.timing.decode_step_bytes`) over the
+cached decoding step, the bytes it must read (:func:`transformer_cli.benchmarks.timing.decode_step_bytes`) over the
 bandwidth. FLOPs are counted analytically
-(2 per multiply-add of every matrix product, see :mod:`transformer_cli.timing`).
+(2 per multiply-add of every matrix product, see :mod:`transformer_cli.benchmarks.timing`).
 
 Without ``--peers``: forward, cached and uncached greedy decoding of batch 1 (section 6.1's budget: source
 length + 50 tokens). With ``--peers``: forward, greedy decoding of batch 1 and of batch :data:`PEER_BATCH`,
@@ -31,9 +31,8 @@ import numpy as np
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import parse_dtype
-
-from . import backends, runtime
-from .timing import (
+from transformer_cli import backends, runtime
+from transformer_cli.benchmarks.timing import (
     BANDWIDTH_OPERATION,
     Timing,
     cpu_name,
@@ -48,7 +47,7 @@ from .timing import (
 )
 
 if TYPE_CHECKING:
-    from .peers import Peer
+    from transformer_cli.benchmarks.peers import Peer
 
 MATMUL_SIZE = 2048
 BANDWIDTH_MIB = 256
@@ -228,7 +227,7 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype, devices[name])
                for name, adapter in adapters.items()]
     if peers:
-        from . import peers as peer_module
+        from transformer_cli.benchmarks import peers as peer_module
         built, unavailable = peer_module.load(config, params, runtime.threads())
         engines += [peer_engine(peer, inputs, decode_tokens) for peer in built.values()]
         missing += unavailable + [backends.Missing(peer.NAME, f"{task}: not measured ({reason})")
@@ -384,7 +383,7 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
 def plot_bench(report: BenchReport, path: str | os.PathLike) -> None:
     """Two bar charts: forward GFLOP/s per engine against the best GEMM rate, and milliseconds per decoding
     step of each decoding task (log scale) against the batch-1 bandwidth bound."""
-    from .plots import pyplot
+    from transformer_cli.plots import pyplot
     plt = pyplot()
     names = list(dict.fromkeys(m.backend for m in report.measurements))
     find = {(m.backend, m.task): m for m in report.measurements}

@@ -31,13 +31,15 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.precision import is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
-
-from . import backends, copy_task, corpus_task, numbers_task
-from .arguments import refuse_existing
-from .copy_task import TEST, VALIDATION, CopyTask
-from .corpus_task import CorpusTask, read_corpus, token_batches
-from .extras import finish
-from .numbers_task import NumbersTask
+from transformer_cli import backends
+from transformer_cli.arguments import refuse_existing
+from transformer_cli.extras import finish
+from transformer_cli.tasks import copy as copy_task
+from transformer_cli.tasks import corpus as corpus_task
+from transformer_cli.tasks import numbers as numbers_task
+from transformer_cli.tasks.copy import TEST, VALIDATION, CopyTask
+from transformer_cli.tasks.corpus import CorpusTask, read_corpus, token_batches
+from transformer_cli.tasks.numbers import NumbersTask
 
 Task = CopyTask | NumbersTask | CorpusTask
 # each task's recipe (docs/training.md)
@@ -514,7 +516,7 @@ def load_adapters(names: tuple[str, ...], flag: str = "--backends") -> dict[str,
 
 def plot_losses(results: list[Result], path: str) -> None:
     """The loss curves of every backend, one panel each, side by side on one scale."""
-    from .extras import require
+    from transformer_cli.extras import require
     plt = require("matplotlib.pyplot", "--plot")
     figure, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), sharey=True, squeeze=False)
     for ax, result in zip(axes[0], results):

@@ -63,8 +63,7 @@ import numpy.typing as npt
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.config import TransformerConfig
 from reference_numpy.model import sinusoidal_positional_encoding
-
-from .arguments import refuse_input
+from transformer_cli.arguments import refuse_input
 
 INSTALL = "pip install 'transformer-reference[peers]'"
 SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}

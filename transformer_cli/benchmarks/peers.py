@@ -41,9 +41,8 @@ import numpy.typing as npt
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import max_output_lengths
 from reference_numpy.model import padding_mask, sinusoidal_positional_encoding
-
-from .backends import Missing
-from .ctranslate2_export import (
+from transformer_cli.backends import Missing
+from transformer_cli.commands.ctranslate2_export import (
     is_projection_weight,
     require_ctranslate2,
     save_ctranslate2,
@@ -323,6 +322,9 @@ def load_marian_weights(model: torch.nn.Module, config: TransformerConfig, param
             module.eps = config.layer_norm_eps
 
 
+SERVE = "from transformer_cli.benchmarks.peers import serve; serve()"   # what an OwnProcess's worker runs
+
+
 class OwnProcess:
     """A peer run in a Python process of its own, its calls pickled through the process's standard input and
     output: the same ``forward``, ``greedy`` and ``beam`` (each blocks until the worker has answered, so the
@@ -338,8 +340,8 @@ class OwnProcess:
     beam: Callable[[np.ndarray, int, int, float], np.ndarray] | None
 
     def __init__(self, peer: PeerClass, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
-        self._process = subprocess.Popen([sys.executable, "-c", "from transformer_cli.peers import serve; serve()"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._process = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE)
         self._closed = weakref.finalize(self, _stop, self._process)
         refusal = self._exchange((peer.NAME, config.to_json(), params, threads))
         if refusal is not None:
@@ -373,9 +375,9 @@ class OwnProcess:
 
 
 def serve() -> None:
-    """The worker of :class:`OwnProcess` (``python -c "from transformer_cli.peers import serve; serve()"``): build
-    the peer from the first message (a ``ValueError`` is sent back as its text), then answer each (method, args)
-    with (True, result) or (False, the error) until the input ends. Anything the peer prints goes to stderr."""
+    """The worker of :class:`OwnProcess` (``python -c`` :data:`SERVE`): build the peer from the first message (a
+    ``ValueError`` is sent back as its text), then answer each (method, args) with (True, result) or (False, the
+    error) until the input ends. Anything the peer prints goes to stderr."""
     requests, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -41,9 +41,13 @@ import numpy as np
 
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
-
-from .arguments import refuse_input
-from .ctranslate2_export import TOKENIZER_FILE, check_output, export_ctranslate2, write_into_place
+from transformer_cli.arguments import refuse_input
+from transformer_cli.commands.ctranslate2_export import (
+    TOKENIZER_FILE,
+    check_output,
+    export_ctranslate2,
+    write_into_place,
+)
 
 MANIFEST = "transformer.json"
 INPUTS, OUTPUT = ("src", "tgt"), "log_probs"

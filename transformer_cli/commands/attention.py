@@ -12,9 +12,8 @@ import numpy as np
 from equivalence.adapters import numpy as reference
 from reference_numpy.config import TransformerConfig
 from reference_numpy.tokenizer import Tokenizer
-
-from . import backends
-from .compare import SENTENCES, compare_inputs, load_source
+from transformer_cli import backends
+from transformer_cli.commands.compare import SENTENCES, compare_inputs, load_source
 
 
 def parse_tokens(text: str | None, name: str) -> np.ndarray | None:

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .extras import require
+from transformer_cli.extras import require
 
 PAGE_NAME = "side-by-side.html"
 GENERATOR = "transformer-reference side-by-side"
@@ -223,7 +223,8 @@ def _find(body: list[ast.stmt], name: str, where: str) -> ast.stmt:
                    else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if any(isinstance(target, ast.Name) and target.id == name for target in targets):
             return node
-    raise ValueError(f"side-by-side: {where} has no {name!r}; update CONCEPTS in transformer_cli/side_by_side.py")
+    raise ValueError(f"side-by-side: {where} has no {name!r}; update CONCEPTS in "
+                     "transformer_cli/commands/side_by_side.py")
 
 
 def _start(node: ast.stmt, lines: list[str]) -> int:
