@@ -1,9 +1,10 @@
 """The equivalence harness: what proves the PyTorch, JAX/Flax and TensorFlow/Keras ports agree with the reference.
 
 It owns the one tolerance policy (:mod:`equivalence.tolerance`), the shared agreement cases
-(:mod:`equivalence.cases`), the adapter contract every backend implements (:mod:`equivalence.contract`) and the
-four adapters (:mod:`equivalence.adapters`). The user-facing packages (``reference_numpy`` and the ports) import
-nothing from here.
+(:mod:`equivalence.cases`) and the adapter contract every backend implements (:mod:`equivalence.contract`); the
+four adapters are the command line's backends (:mod:`transformer_cli.backends`), which the agreement suite drives.
+The user-facing packages (``reference_numpy`` and the ports) import nothing from here, and nothing here imports the
+command line: the fuzzer and the training runs call the reference itself.
 """
 
 from reference_numpy import __version__ as __version__

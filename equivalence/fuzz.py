@@ -24,14 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
+from reference_numpy import decoding
+from reference_numpy import training as reference_training
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer
 
 from . import tolerance
-from .adapters import numpy as reference
 from .cases import decoding_params
 from .contract import Backend, Model
-from .training_runs import Run, assert_float64_run, reference_run
+from .training_runs import Run, assert_float64_run, reference_run, weights_of
 
 EPSILONS = (1e-12, 1e-8, 1e-6, 1e-3, 0.5)
 WEIGHT_SCALES = (1e-3, 1.0, 1e3)            # the suite's; scripts/fuzz_configs.py --extreme adds 1e9 and 1e12
@@ -135,7 +136,7 @@ def _padded(tokens: np.ndarray, lengths: tuple[int, ...], pad_id: int) -> np.nda
 
 def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
     """The forward stages in float64 and float32, greedy tokens, the loss, its gradient and one Adam step in
-    float64 of ``backend`` (an adapter of :mod:`equivalence.adapters`) against the
+    float64 of ``backend`` (an adapter of :mod:`transformer_cli.backends`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
     leaves undefined -- a gradient that one rounding of the weights and activations moves by its whole scale
     (:func:`~.tolerance.gradient_determined`), a stage made non-finite by an overflow the reference's stage does
@@ -144,9 +145,9 @@ def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -
     found, not_compared = [], [] if not_compared is None else not_compared
     for precision in ("float64", "float32"):
         found += _forward(case, backend, weights, batch, precision, not_compared)
-    model, ref64 = backend.build(case.config, weights), reference.build(case.config, weights)
+    model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
     with np.errstate(all="ignore"):
-        expected = reference.greedy(ref64, _labelled(batch)[0])
+        expected = decoding.greedy_decode(ref64, _labelled(batch)[0])
     if not _same(np.asarray(backend.greedy(model, _labelled(batch)[0])), expected):
         found.append("greedy float64: tokens differ")
     return found + _training(case, backend, model, ref64, _labelled(batch), not_compared)
@@ -168,16 +169,16 @@ def _training(case: Case, backend: Backend, model: Model, ref64: Transformer, tr
     """The loss (or the reference's refusal), its gradient and one Adam step in float64, where they are defined."""
     try:
         with np.errstate(all="ignore"):
-            value = reference.loss(ref64, *training)
+            value = float(reference_training.loss(ref64, *training))
     except ValueError as err:                               # e.g. labels all padding: the same refusal everywhere
         return _same_refusal(str(err), lambda: backend.loss(model, *training))
     if not np.isfinite(value):
         not_compared.append(f"gradients and the Adam step float64: the reference's loss overflows ({value})")
         return []
-    _, ref_grads = reference.gradients(ref64, *training)
+    _, ref_grads = reference_training.gradients(ref64, *training)
     sensitivity = tolerance.rounding_sensitivity(
-        lambda weights: reference.gradients(reference.build(ref64.config, weights), *training)[1],
-        reference.export_params(ref64))
+        lambda changed: reference_training.gradients(Transformer(ref64.config, changed), *training)[1],
+        weights_of(ref64))
     if not tolerance.gradient_determined(ref_grads, sensitivity):
         scale = max(float(np.max(np.abs(grad))) for grad in ref_grads.values())
         not_compared.append(f"gradients and the Adam step float64: undetermined (one rounding of the weights and "
@@ -203,10 +204,10 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
     A stage left undetermined by an overflow (:func:`_hidden_overflow`) is not compared, and said so."""
     src, tgt, _ = _labelled(batch)
     arguments: Arguments = (src, tgt, batch["src_mask"], batch["tgt_mask"])
-    model64 = reference.build(case.config, weights)
+    model64 = Transformer(case.config, weights)
     with np.errstate(all="ignore"):
-        ref64 = reference.forward(model64, *arguments)
-        same = reference.forward(reference.build(case.config, weights, precision), *arguments)
+        ref64 = _stages(model64, arguments)
+        same = _stages(Transformer(case.config, weights, np.dtype(precision)), arguments)
     out = backend.forward(backend.build(case.config, weights, precision), *arguments)
     found, maps = [], tolerance.stage_maps(model64, src, tgt, batch["src_mask"], batch["tgt_mask"])
     for name in ref64:
@@ -219,6 +220,11 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
                                          same):
             found.append(f"forward {precision}: {name}: {problem}")
     return found
+
+
+def _stages(model: Transformer, arguments: Arguments) -> dict[str, np.ndarray]:
+    """Every stage of the reference's forward pass, by the shared stage names."""
+    return model(*arguments, return_intermediates=True)[1]
 
 
 def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: Arguments,
@@ -234,7 +240,7 @@ def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: Argu
         return False
     try:
         with np.errstate(over="raise", invalid="raise"):
-            reference.forward(reference.build(case.config, weights, precision), *arguments)
+            _stages(Transformer(case.config, weights, np.dtype(precision)), arguments)
     except FloatingPointError:
         return True
     return False
@@ -263,7 +269,7 @@ def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precisio
 
 def _gradients(backend: Backend, model: Model, ref64: Transformer, training: Labelled, sensitivity: float) -> list[str]:
     value, grads = backend.gradients(model, *training)
-    ref_value, ref_grads = reference.gradients(ref64, *training)
+    ref_value, ref_grads = reference_training.gradients(ref64, *training)
     found = [] if abs(value - ref_value) <= tolerance.float64_bound(ref_value) else [
         f"loss float64: {value!r} vs the reference's {ref_value!r}"]
     bound = tolerance.gradient_bound(ref_grads, grads, sensitivity)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference_numpy import training as reference
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.model import Transformer
 from reference_numpy.training import learning_rate
 
-from .adapters import numpy as reference
 from .tolerance import TrainingBound, rounding_sensitivity
 
 
@@ -32,21 +33,26 @@ def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], trai
     every quantity of another run of the same steps: each step accounted for by :class:`TrainingBound` (the
     gradient at the weights before the step, the moments after it); with ``conditioned``, each step's gradient bound
     takes the gradient's sensitivity to the weights' rounding into account (:func:`~.tolerance.gradient_bound`)."""
-    model = reference.build(config, params)
+    model = Transformer(config, params)
     optimizer = reference.optimizer(model, training)
-    bound, losses = TrainingBound(reference.export_params(model)), []
+    bound, losses = TrainingBound(weights_of(model)), []
     for step, inputs in enumerate(batches, start=1):
         batch = inputs["src"], inputs["tgt"], inputs["labels"]
         value, grads = reference.gradients(model, *batch)
         sensitivity = rounding_sensitivity(
-            lambda weights: reference.gradients(reference.build(config, weights), *batch)[1],
-            reference.export_params(model)) if conditioned else 0.0
-        losses.append(reference.train_step(model, optimizer, *batch))
+            lambda weights: reference.gradients(Transformer(config, weights), *batch)[1],
+            weights_of(model)) if conditioned else 0.0
+        losses.append(float(reference.train_step(model, optimizer, *batch)))
         state = reference.training_state(model, optimizer)
-        bound.step(value, grads, state.first_moments, state.second_moments, step,
+        bound.step(float(value), grads, state.first_moments, state.second_moments, step,
                    learning_rate(step, config.d_model, training), training.beta1, training.beta2, training.epsilon,
                    sensitivity)
-    return Run(losses, reference.export_params(model), reference.training_state(model, optimizer)), bound
+    return Run(losses, weights_of(model), reference.training_state(model, optimizer)), bound
+
+
+def weights_of(model: Transformer) -> dict[str, np.ndarray]:
+    """A copy of the reference model's weights (checkpoint layout): what a training step leaves untouched."""
+    return {name: np.array(value) for name, value in model.params.items()}
 
 
 def assert_float64_run(result: Run, expected: Run, bound: TrainingBound, who: str) -> None:

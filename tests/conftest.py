@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from equivalence import cases, tolerance
-from equivalence.adapters import numpy as reference
 from reference_numpy.precision import round_to, score_dtype, spacing
+from transformer_cli.backends import numpy as reference
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)

@@ -23,7 +23,7 @@ DEVICE_KINDS = ("cpu", "gpu")
 def port_backend(port: str):
     framework = FRAMEWORKS[port]
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{port}]')")
-    return importlib.import_module(f"equivalence.adapters.{port}")
+    return importlib.import_module(f"transformer_cli.backends.{port}")
 
 
 def device_for(backend, kind: str) -> str:

@@ -19,10 +19,10 @@ from conftest import reference_model_in, rounded_reference
 from support import DEVICE_KINDS, FRAMEWORKS, LOW_DTYPES, device_for, port_backend, port_model
 
 from equivalence import cases, tolerance
-from equivalence.adapters import numpy as reference
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import beam_margins, greedy_margins
 from equivalence.recipes import ATTENTION_KINDS
+from transformer_cli.backends import numpy as reference
 from transformer_cli.commands.translate import load_translator
 from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
 

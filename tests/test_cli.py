@@ -275,7 +275,7 @@ def test_compare_in_low_precision_and_the_precision_report(in_workdir, capsys):
 def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
     """Requested backends none of which is installed compare nothing: an error, never agreement."""
     monkeypatch.setitem(backends.BACKENDS, "torch",
-                        ("equivalence.adapters.torch", ("no_such_framework_here",), "torch"))
+                        ("transformer_cli.backends.torch", ("no_such_framework_here",), "torch"))
     for args in (["compare", "tiny.safetensors", "--backends", "torch"],
                  ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
                   "--backends", "torch"],

@@ -31,9 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import ScriptedModel
 
-from equivalence.adapters import numpy as reference
 from equivalence.tolerance import assert_agrees, float64_bound
 from reference_numpy import TransformerConfig, beam_search, greedy_decode, init_params
+from transformer_cli.backends import numpy as reference
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 IMPOSSIBLE = -math.inf
@@ -352,7 +352,7 @@ def backend(request):
         return reference
     framework = FRAMEWORKS[request.param]
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{request.param}]')")
-    return importlib.import_module(f"equivalence.adapters.{request.param}")
+    return importlib.import_module(f"transformer_cli.backends.{request.param}")
 
 
 @functools.cache

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from support import FRAMEWORKS, port_backend
 
 from equivalence import fuzz, tolerance
-from equivalence.adapters import numpy as reference
 from reference_numpy import TransformerConfig
 from reference_numpy.model import scaled_dot_product_attention
+from transformer_cli.backends import numpy as reference
 
 # Cases per backend in the suite: JAX and TensorFlow compile every new shape (seconds per case), PyTorch does not.
 # The first cases Hypothesis draws already hold odd head counts and pad_id > eos_id (scripts/check_mutations.py,
@@ -165,15 +165,15 @@ def test_the_hidden_overflow_is_an_overflow_in_float32_only():
     the float32 forward pass overflows (NumPy raises when asked to); nothing overflows in float64. A stage that is
     non-finite only where the reference's is finite is excused only then; one finite where it is not, never."""
     weights, batch = fuzz.params(HIDDEN), fuzz.inputs(HIDDEN)
-    arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
+    arguments = tuple(batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask"))    # as fuzz._forward passes them
     with np.errstate(all="ignore"):
-        stages = reference.forward(reference.build(HIDDEN.config, weights, "float32"), **arguments)
+        stages = reference.forward(reference.build(HIDDEN.config, weights, "float32"), *arguments)
     layer = stages["encoder.layers.0"]
     assert np.isfinite(layer).all()
     with np.errstate(over="raise", invalid="raise"), pytest.raises(FloatingPointError):
-        reference.forward(reference.build(HIDDEN.config, weights, "float32"), **arguments)
+        reference.forward(reference.build(HIDDEN.config, weights, "float32"), *arguments)
     with np.errstate(over="raise", invalid="raise"):
-        reference.forward(reference.build(HIDDEN.config, weights), **arguments)
+        reference.forward(reference.build(HIDDEN.config, weights), *arguments)
     nan = np.where(np.arange(layer.size).reshape(layer.shape) == 0, np.nan, layer)
     assert fuzz._hidden_overflow(HIDDEN, weights, arguments, "float32", nan, layer)
     assert not fuzz._hidden_overflow(HIDDEN, weights, arguments, "float64", nan, layer)
@@ -218,7 +218,7 @@ def test_a_layer_norm_carries_a_port_s_input_error_further_than_the_reference_s(
     input's carried through it (to 10%: the stage adds little), and the direction of PyTorch's input error is
     carried with 1.5 times the gain of the reference's own (a LayerNorm removes the mean and the direction of x).
     What the stage adds to PyTorch's input error is within the bound of what it adds to the reference's own."""
-    from equivalence.adapters import torch as backend
+    from transformer_cli.backends import torch as backend
 
     weights, batch = fuzz.params(AMPLIFIED), fuzz.inputs(AMPLIFIED)
     arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
@@ -243,7 +243,7 @@ def test_a_layer_norm_carries_a_port_s_input_error_further_than_the_reference_s(
 def test_compare_marks_a_stage_held_to_what_it_adds():
     """`compare`'s table on AMPLIFIED (PyTorch, float32): the decoder and log-probability cells carry "+" (the error
     they add to their inputs', within the bound), the run agrees, and the note says why."""
-    from equivalence.adapters import torch as backend
+    from transformer_cli.backends import torch as backend
     from transformer_cli.commands.compare import Report, build_oracle, run_backend
     from transformer_cli.commands.report import format_table
 

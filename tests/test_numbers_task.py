@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from equivalence.adapters import numpy as numpy_adapter
 from reference_numpy.tokenizer import pad_rows
+from transformer_cli.backends import numpy as numpy_adapter
 from transformer_cli.commands.translate import load_translator
 from transformer_cli.tasks.numbers import (
     DIGIT_WEIGHTS,

@@ -16,7 +16,6 @@ import pytest
 from support import FRAMEWORKS
 
 from equivalence import tolerance
-from equivalence.adapters import numpy as reference
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from equivalence.training_runs import Run, assert_float64_run
 from equivalence.training_runs import reference_run as reference_float64_run
@@ -25,6 +24,7 @@ from reference_numpy.checkpoint import LossScaleState, TrainingState, load_train
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import round_to
 from reference_numpy.training import LossScale, learning_rate
+from transformer_cli.backends import numpy as reference
 
 STEPS = 10
 # The paper's schedule and Adam (section 5.3); with warmup_steps = 4000 the first steps' learning rates are small
@@ -37,7 +37,7 @@ BACKENDS = ("numpy", *FRAMEWORKS)
 def backend(name: str):
     if name != "numpy":
         pytest.importorskip(FRAMEWORKS[name], reason=f"{FRAMEWORKS[name]} is not installed (pip install '.[{name}]')")
-    return importlib.import_module(f"equivalence.adapters.{name}")
+    return importlib.import_module(f"transformer_cli.backends.{name}")
 
 
 def config_of(variant: str):

@@ -180,7 +180,7 @@ def test_a_file_in_batches_gives_each_lines_own_translation(tmp_path, capsys):
     """1,000 lines (200 distinct numbers, so each recurs in other batches and places), translated by ``--input`` in
     batches of 64 sorted by length, are the lines each decoded alone by the reference (greedy, float64), in the
     file's order."""
-    from equivalence.adapters import numpy as reference_adapter
+    from transformer_cli.backends import numpy as reference_adapter
     from transformer_cli.commands.translate import load_translator
 
     lines = number_words(1000, seed=26, distinct=200)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from equivalence.adapters import numpy as reference
 from reference_numpy.config import TransformerConfig
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends
+from transformer_cli.backends import numpy as reference
 from transformer_cli.commands.compare import SENTENCES, compare_inputs, load_source
 
 

@@ -14,12 +14,12 @@ from typing import cast
 import numpy as np
 
 from equivalence import tolerance
-from equivalence.adapters import numpy as reference
 from equivalence.margins import greedy_margins
 from reference_numpy import TransformerConfig, init_params, load_checkpoint
 from reference_numpy.checkpoint import load_tokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends
+from transformer_cli.backends import numpy as reference
 from transformer_cli.benchmarks.timing import measure
 from transformer_cli.commands.translate import SHIPPED, SHIPPED_NAME
 

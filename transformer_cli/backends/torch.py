@@ -17,6 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from equivalence.contract import Mask, Path, Progress, Tokens
+from equivalence.recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
@@ -35,15 +43,6 @@ from transformer_torch.model import (
     residual,
     scaled_dot_product_attention,
     target_mask,
-)
-
-from ..contract import Mask, Path, Progress, Tokens
-from ..recipes import (
-    check_attention_request,
-    check_gradient_request,
-    rounded_inputs,
-    run_component,
-    sublayer_attention_weights,
 )
 
 NAME = "torch"

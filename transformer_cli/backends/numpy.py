@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_numpy import backward, checkpoint, data_parallel, decoding, training
-from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.data_parallel import Batches
-from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
-from reference_numpy.precision import round_to
-
-from ..contract import Mask, Path, Progress, Tokens
-from ..recipes import (
+from equivalence.contract import Mask, Path, Progress, Tokens
+from equivalence.recipes import (
     check_attention_request,
     check_gradient_request,
     rounded_inputs,
     run_component,
     sublayer_attention_weights,
 )
+from reference_numpy import backward, checkpoint, data_parallel, decoding, training
+from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.data_parallel import Batches
+from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from reference_numpy.precision import round_to
 
 NAME = "numpy"
 

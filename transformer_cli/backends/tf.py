@@ -14,6 +14,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from equivalence.contract import Mask, Path, Progress, Tokens
+from equivalence.recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
@@ -30,15 +38,6 @@ from transformer_tf.model import (
     target_mask,
 )
 from transformer_tf.speed import compiled_forward
-
-from ..contract import Mask, Path, Progress, Tokens
-from ..recipes import (
-    check_attention_request,
-    check_gradient_request,
-    rounded_inputs,
-    run_component,
-    sublayer_attention_weights,
-)
 
 NAME = "tf"
 

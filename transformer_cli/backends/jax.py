@@ -16,6 +16,14 @@ from typing import ParamSpec, TypeVar
 import jax
 import numpy as np
 
+from equivalence.contract import Mask, Path, Progress, Tokens
+from equivalence.recipes import (
+    check_attention_request,
+    check_gradient_request,
+    rounded_inputs,
+    run_component,
+    sublayer_attention_weights,
+)
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
@@ -26,15 +34,6 @@ from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
 from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from transformer_jax.speed import forward as _forward
-
-from ..contract import Mask, Path, Progress, Tokens
-from ..recipes import (
-    check_attention_request,
-    check_gradient_request,
-    rounded_inputs,
-    run_component,
-    sublayer_attention_weights,
-)
 
 NAME = "jax"
 _Arguments = ParamSpec("_Arguments")

@@ -1,4 +1,10 @@
-"""Which backends are installed here, and their adapters (``docs/ports.md``)."""
+"""The four backends the command line runs, one adapter module each: ``numpy`` (the reference), ``torch``, ``jax``,
+``tf``; and which of them are installed here (``docs/ports.md``).
+
+Each adapter implements :class:`equivalence.contract.Backend` (NumPy in, NumPy out), so the commands and the
+agreement suite drive every backend through one interface. Importing an adapter imports its framework; this module
+imports none.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,10 @@ from transformer_cli import runtime
 
 # backend name -> (adapter module, every framework module it needs, the pip extra that installs them)
 BACKENDS = {
-    "numpy": ("equivalence.adapters.numpy", ("numpy",), None),
-    "torch": ("equivalence.adapters.torch", ("torch",), "torch"),
-    "jax": ("equivalence.adapters.jax", ("jax", "flax", "optax"), "jax"),
-    "tf": ("equivalence.adapters.tf", ("tensorflow", "keras"), "tf"),
+    "numpy": ("transformer_cli.backends.numpy", ("numpy",), None),
+    "torch": ("transformer_cli.backends.torch", ("torch",), "torch"),
+    "jax": ("transformer_cli.backends.jax", ("jax", "flax", "optax"), "jax"),
+    "tf": ("transformer_cli.backends.tf", ("tensorflow", "keras"), "tf"),
 }
 PORTS = tuple(name for name in BACKENDS if name != "numpy")
 
