@@ -407,9 +407,7 @@ def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = N
     dropped: :meth:`CheckpointReader.read_training`). Each moment is an array in an anonymous memory map of its own
     (:func:`mapped_array`: page-aligned), which JAX and TensorFlow take as their own without a copy (each port's
     ``training.optimizer``); cast to another ``dtype``, a copy."""
-    target = None if dtype is None else parse_dtype(dtype)
-    state = CheckpointReader(path).read_training()
-    return state if state is None or target is None else state.astype(target)
+    return CheckpointReader(path).read_training(dtype=dtype)
 
 
 def tokenizer_to_save(model: object, tokenizer: str | bool | None = None) -> str | None:
@@ -499,13 +497,16 @@ class CheckpointReader:
             self.training = _training_state(self.config, parameter_stand_ins(self.config, self.dtype), self._record,
                                             read)
 
-    def read_training(self, moments: Allocate | None = None) -> TrainingState | None:
+    def read_training(self, moments: Allocate | None = None, dtype: npt.DTypeLike | None = None,
+                      ) -> TrainingState | None:
         """The training state alone (``training`` after :meth:`read`): every weight is read and checked as
         :meth:`read` does, into a buffer of its own that is dropped before the next is read, so that the weights
-        are never held; the moments are read into ``moments`` as :meth:`read` says."""
+        are never held; the moments are read into ``moments`` as :meth:`read` says (cast to ``dtype``, if given:
+        a copy)."""
+        target = None if dtype is None else parse_dtype(dtype)
         for _ in self.read(_mapped_array, moments):
             pass
-        return self.training
+        return self.training if self.training is None or target is None else self.training.astype(target)
 
 
 Allocate = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]   # (name, shape, dtype) -> array to read into

@@ -186,10 +186,8 @@ def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = N
     (out, in) tensor), which :func:`.training.optimizer` takes as its ``exp_avg`` or ``exp_avg_sq`` without a copy:
     resuming holds every moment once. The optimizer then updates that memory in place: a state resumes one
     optimizer (:func:`.training.training_state` gives a new one to save)."""
-    target = None if dtype is None else parse_dtype(dtype)
     reader = reference_checkpoint.CheckpointReader(path)
-    state = reader.read_training(_moment_memory(reader.config))
-    return state if state is None or target is None else state.astype(target)
+    return reader.read_training(_moment_memory(reader.config), dtype)
 
 
 def _moment_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:
