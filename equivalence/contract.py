@@ -48,6 +48,12 @@ class Backend(Protocol):
         """A model from a shared checkpoint file (``docs/checkpoint-format.md``)."""
         ...
 
+    def load_training_state(self, path: Path, dtype: str | None = None) -> TrainingState | None:
+        """A saved run's training state (None if the file holds none), Adam's moments read straight into memory the
+        backend's :meth:`optimizer` takes as its own without a copy (the port's ``checkpoint.load_training_state``);
+        cast to ``dtype``, if given and not the file's, a copy."""
+        ...
+
     def save(self, model: Model, path: Path, training: TrainingState | None = None,
              tokenizer: str | None = None) -> None:
         """Write the model's weights (and a run's ``training`` state, from :meth:`training_state`, and a

@@ -19,7 +19,12 @@ and in each port's fresh process ``checkpoint.load_checkpoint``, ``checkpoint.lo
 ``training.optimizer(model, state=state)``, as multiples of the weights' and moments' bytes together (the target:
 each moment held once, as the weights are).
 
-    python scripts/bench_memory.py [--backends numpy,torch,jax,tf] [--checkpoint FILE] [--resume]
+``--cli`` measures the command line's resume on that file, in every backend: ``train --resume RUN`` planned
+(``train.plan_from``: the run's header only) and set up as ``train`` sets it up (``train.set_up``: the backend's
+``load`` and ``load_training_state``, then its optimizer), before any step (a copy task sized to the model's
+vocabulary, whose batches are never drawn).
+
+    python scripts/bench_memory.py [--backends numpy,torch,jax,tf] [--checkpoint FILE] [--resume | --cli]
 
 The runs hold an exclusive lock on /tmp/bench.lock, as the other benchmark scripts do.
 """
@@ -84,6 +89,23 @@ loaded = status()
 peak_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({{"imported": imported, "loaded": loaded, "peak_after_load": peak_after_load}}))
 """
+# The command line's resume (``--cli``), in a backend's fresh process: ``train --resume`` planned and set up.
+CLI = PROBE.split("from transformer_cli")[0] + """
+from transformer_cli import backends
+from transformer_cli.commands import train
+from transformer_cli.main import build_parser
+adapters, _ = backends.load(({name!r},))
+adapter = adapters[{name!r}]
+adapter.devices()
+imported = status()
+plan = train.plan_from(build_parser().parse_args(
+    ["train", "--backends", {name!r}, "--resume", {path!r}, "--symbols", {symbols!r}, "--max-length", "4",
+     "--batch-size", "2", "--steps", "1", "--eval-size", "0"]))
+model, optimizer = train.set_up(adapter, plan)
+loaded = status()
+peak_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"imported": imported, "loaded": loaded, "peak_after_load": peak_after_load}}))
+"""
 PACKAGES = {"torch": "transformer_torch", "jax": "transformer_jax", "tf": "transformer_tf"}
 
 
@@ -111,9 +133,12 @@ def held_mib(path: Path, resume: bool) -> float:
     return sum(value.nbytes for value in [*params.values(), *moments]) / 2 ** 20
 
 
-def probe(name: str, path: Path, resume: bool = False) -> dict:
-    code = (RESUME if resume else PROBE).format(root=str(Path(__file__).resolve().parents[1]), name=name,
-                                                path=str(path), shape=FORWARD_SHAPE, package=PACKAGES.get(name))
+def probe(name: str, path: Path, resume: bool = False, cli: bool = False) -> dict:
+    from reference_numpy.checkpoint import CheckpointReader
+    symbols = str(CheckpointReader(path).config.src_vocab_size - 3) if cli else ""    # the copy task's vocabulary
+    code = (CLI if cli else RESUME if resume else PROBE).format(
+        root=str(Path(__file__).resolve().parents[1]), name=name, path=str(path), shape=FORWARD_SHAPE,
+        package=PACKAGES.get(name), symbols=symbols)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{name}: {done.stderr.strip().splitlines()[-1]}")
@@ -136,10 +161,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default=",".join(backends.BACKENDS))
     parser.add_argument("--checkpoint", type=Path, help="a float32 checkpoint (default: the seeded big preset)")
-    parser.add_argument("--resume", action="store_true",
-                        help="resume a run: weights, Adam's moments and the optimizer (the ports only)")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--resume", action="store_true",
+                       help="resume a run: weights, Adam's moments and the optimizer (the ports only)")
+    modes.add_argument("--cli", action="store_true",
+                       help="the command line's resume: `train --resume RUN` planned and set up, every backend")
     args = parser.parse_args()
     names = tuple(name for name in args.backends.split(",") if not args.resume or name in PACKAGES)
+    args.resume = args.resume or args.cli                       # a run (weights and moments) is what is read
     held = "weights + moments" if args.resume else "weights"
     with tempfile.TemporaryDirectory() as directory, open(LOCK, "w") as lock:
         path = args.checkpoint or big_checkpoint(directory, args.resume)
@@ -151,7 +180,7 @@ def main() -> None:
         print(f"{'':<7}{'MiB':>9}{'MiB':>10}{'x':>10}{'x':>10}{'x':>10}{'x':>11}")
         missed = []
         for name in names:
-            line, met = row(name, probe(name, path, args.resume), weights)
+            line, met = row(name, probe(name, path, args.resume, args.cli), weights)
             print(line, flush=True)
             missed += [] if met else [name]
     if missed:

@@ -70,6 +70,13 @@ def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer
 
 
 @_x64
+def load_training_state(path: Path, dtype: str | None = None) -> TrainingState | None:
+    """A saved run's training state (None if the file holds none), each moment in page-aligned memory of its own
+    (``checkpoint.load_training_state``, the reference's), which :func:`optimizer` gives optax without a copy."""
+    return checkpoint.load_training_state(path, dtype)
+
+
+@_x64
 def save(model: Transformer, path: Path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
     """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""
     checkpoint.save_checkpoint(model, path, training, tokenizer)

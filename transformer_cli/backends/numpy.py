@@ -43,6 +43,12 @@ def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer
     return build(config, params, dtype, device)
 
 
+def load_training_state(path: Path, dtype: str | None = None) -> checkpoint.TrainingState | None:
+    """A saved run's training state (None if the file holds none): the reference's ``load_training_state`` (each
+    moment in memory of its own, given back to the system once dropped; the reference's Adam copies it)."""
+    return checkpoint.load_training_state(path, dtype)
+
+
 def save(model: Transformer, path: Path, training: checkpoint.TrainingState | None = None,
          tokenizer: str | None = None) -> None:
     """Write the model's weights (and a run's training state, and a tokenizer's JSON text) as a shared checkpoint."""

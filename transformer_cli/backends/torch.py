@@ -32,11 +32,11 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
+from transformer_torch.checks import dtype_name
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
 from transformer_torch.model import (
     Transformer,
-    _dtype_name,
     _from_numpy,
     _to_numpy,
     padding_mask,
@@ -65,6 +65,12 @@ def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer
     """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file."""
     _prepare(device)
     return checkpoint.load_checkpoint(path, dtype, device)
+
+
+def load_training_state(path: Path, dtype: str | None = None) -> TrainingState | None:
+    """A saved run's training state (None if the file holds none), each moment read into a tensor torch allocated
+    (``checkpoint.load_training_state``), which :func:`optimizer` takes as Adam's own without a copy."""
+    return checkpoint.load_training_state(path, dtype)
 
 
 def save(model: Transformer, path: Path, training: TrainingState | None = None, tokenizer: str | None = None) -> None:
@@ -107,7 +113,7 @@ def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> n
 def _component_tensors(model: Transformer, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor | None]:
     """A component's NumPy ``inputs`` as tensors on the model's device, float ones rounded to its dtype once."""
     return {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
-            for key, value in rounded_inputs(inputs, _dtype_name(model.dtype)).items()}
+            for key, value in rounded_inputs(inputs, dtype_name(model.dtype)).items()}
 
 
 def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
@@ -119,7 +125,7 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
         wrt = [torch.as_tensor(t[key]).requires_grad_() for key in keys]          # float inputs: never None
         t.update(zip(keys, wrt))
         out = run_component(model.eval(), name, t, scaled_dot_product_attention)
-        seed = _from_numpy(round_to(grad_out, _dtype_name(model.dtype))).to(model.device)
+        seed = _from_numpy(round_to(grad_out, dtype_name(model.dtype))).to(model.device)
         grads = torch.autograd.grad(out, wrt, seed)
     return {key: _numpy(grad) for key, grad in zip(keys, grads)}
 

@@ -13,18 +13,23 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from equivalence.contract import Model
+from equivalence.contract import Model, Optimizer
+from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import (
+    DTYPES,
+    MOMENTS,
+    LossScaleState,
     TrainingState,
     init_params,
     load_checkpoint,
     load_run,
     load_tokenizer,
     load_tokenizer_json,
+    parameter_stand_ins,
     save_checkpoint,
 )
 from reference_numpy.config import TrainingConfig, TransformerConfig
@@ -61,6 +66,23 @@ def no_progress(items: Iterable, what: str, unit: str) -> Iterable:
     return items
 
 
+class TrainingRecord(NamedTuple):
+    """A saved run's training record, as its file's header holds it: the optimizer's settings, the steps taken and a
+    float16 run's loss scale (the moments are tensors, which the header only names)."""
+
+    config: TrainingConfig
+    step: int
+    loss_scale: LossScaleState | None = None
+
+
+class Resumed(NamedTuple):
+    """A saved run to continue (``--resume``): its file and its checked training record. The plan holds no array of
+    it: each backend reads the weights and Adam's moments itself when it trains (:func:`resumed`)."""
+
+    path: str
+    record: TrainingRecord
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to train: the task, the model, the optimizer and the batches (one plan for every backend)."""
@@ -77,7 +99,7 @@ class Plan:
     eval_every: int = 100                 # steps between validation checks (0: none)
     validation_size: int = 500
     world_size: int = 1                   # data-parallel replicas (the framework's own engine) when > 1
-    start: tuple[dict[str, np.ndarray], TrainingState] | None = None   # a saved run to continue
+    start: Resumed | None = None          # a saved run to continue (its path and header, no arrays)
     device: str = "cpu"                   # --device: cpu or gpu:N (single-process runs)
     eval_size: int = 1000                 # held-out pairs scored at the end (0: none)
 
@@ -86,6 +108,11 @@ class Plan:
         """The task's tokenizer as saved with the run (None for a task of bare ids)."""
         tokenizer = getattr(self.task, "tokenizer", None)
         return tokenizer.to_json() if tokenizer else None
+
+    @property
+    def first_step(self) -> int:
+        """The steps taken before this run: a resumed run's count, else 0."""
+        return self.start.record.step if self.start else 0
 
     @property
     def weights(self) -> str:
@@ -126,12 +153,54 @@ class Result:
                 "saved": self.saved, "averaged": self.averaged}
 
 
-def resume_from(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray], TrainingState]:
-    """A saved run (any backend wrote it): its config, weights and training state; a file without one is refused."""
-    config, params, state = load_run(path)
+def resume_from(path: str) -> tuple[TransformerConfig, Resumed]:
+    """A saved run (any backend wrote it): its config and its training record, read from the file's header alone
+    (no tensor is read) and checked as loading the run checks them (the record's fields, and one moment of each
+    tensor's shape and dtype); a file without one is refused. The tensors' values (finite, second moments >= 0) are
+    checked as each backend reads them (:func:`resumed`)."""
+    reader = reference_checkpoint.CheckpointReader(path)
+    moments = {name: np.broadcast_to(np.zeros((), DTYPES[entry["dtype"]]), entry["shape"])    # shapes, no memory
+               for name, entry in reader._entries.items() if name.startswith(MOMENTS)}
+    with reference_checkpoint._naming(path):
+        state = reference_checkpoint._training_state(reader.config, parameter_stand_ins(reader.config, reader.dtype),
+                                                     reader._record, moments)
     if state is None:
-        raise ValueError(f"--resume: {path!r} holds weights but no training state (save it with `train --out`)")
-    return config, params, state
+        raise no_training_state(path)
+    return reader.config, Resumed(path, TrainingRecord(state.config, state.step, state.loss_scale))
+
+
+def no_training_state(path: str) -> ValueError:
+    return ValueError(f"--resume: {path!r} holds weights but no training state (save it with `train --out`)")
+
+
+def resumed(adapter: ModuleType, plan: Plan, device: str) -> tuple[Model, TrainingState]:
+    """The run ``plan.start`` names, in ``adapter`` on ``device``: its weights by the backend's own loader
+    (``load``, in ``plan.weights``) and its training state by the backend's ``load_training_state`` (each port's
+    reads Adam's moments into memory its optimizer takes as its own), so that no NumPy copy of the weights or the
+    moments is held beside the framework's while the run trains."""
+    assert plan.start is not None
+    path = plan.start.path
+    model = adapter.load(path, plan.weights, device)
+    state = adapter.load_training_state(path, plan.weights)
+    if state is None:
+        raise no_training_state(path)
+    if model.config != plan.config or state.step != plan.start.record.step:
+        raise ValueError(f"--resume: {path!r} was replaced by another run after the run began; resume from a file "
+                         "that no backend writes")
+    return model, state
+
+
+def refuse_overwritten_resume(args: argparse.Namespace) -> None:
+    """With several backends, each reads the ``--resume`` file when it starts: an earlier backend's ``--out`` must
+    not replace it (the later ones would continue that backend's run, not the saved one)."""
+    if not (args.resume and args.out and len(args.backends or ()) > 1):
+        return
+    names = list(args.backends)
+    for index, name in enumerate(names[:-1]):
+        out = args.out.replace("{backend}", name)
+        if os.path.exists(out) and os.path.samefile(out, args.resume):
+            raise ValueError(f"--out {out}: it is the run --resume reads, which {', '.join(names[index + 1:])} would "
+                             f"read after {name} replaced it; save each backend's run elsewhere")
 
 
 def task_name(args: argparse.Namespace) -> str:
@@ -152,7 +221,8 @@ def default_backends(task: str) -> tuple[str, ...]:
 
 def plan_from(args: argparse.Namespace) -> Plan:
     """The plan of ``train``'s flags (a flag left out takes its task's default); with ``--resume``, the saved
-    run's model, optimizer settings, weights and tokenizer. Every flag and file is checked here, before any
+    run's model, optimizer settings, step count and tokenizer, read from its header (:func:`resume_from`; each backend
+    reads its weights and moments when it trains). Every flag is checked here, and the file's header, before any
     backend is loaded."""
     task = task_name(args)
     if args.data_parallel > 1 and is_low(args.dtype):
@@ -164,9 +234,10 @@ def plan_from(args: argparse.Namespace) -> Plan:
     start, config, training = None, None, TrainingConfig(warmup_steps=recipe["warmup_steps"],
                                                          learning_rate_scale=recipe["learning_rate_scale"])
     if args.resume:
-        config, params, state = resume_from(args.resume)
-        start, training = (params, state), state.config
+        config, start = resume_from(args.resume)
+        training = start.record.config
         check_saved_settings(args, config, training)
+        refuse_overwritten_resume(args)
     made = make_task(args, task, config)
     eval_size = check_sizes(made, args.eval_size, None if task == "corpus" else recipe["validation_size"])
     if isinstance(made, CorpusTask) and made.tokenizer is None:
@@ -316,6 +387,17 @@ def average_run(adapter: ModuleType, plan: Plan, snapshots: Snapshots, count: in
     return adapter.build(config, params, plan.weights, backends.device_for(adapter, plan.device))
 
 
+def set_up(adapter: ModuleType, plan: Plan) -> tuple[Model, Optimizer]:
+    """The model and optimizer :func:`train` starts from in ``adapter``: the seeded weights and a new optimizer, or
+    the run ``plan.start`` names (:func:`resumed`), whose moments the optimizer then holds alone (a port's are the
+    arrays read, the reference's a copy of them); mixed precision with a low ``plan.dtype``."""
+    compute = plan.dtype if is_low(plan.dtype) else None
+    device = backends.device_for(adapter, plan.device)
+    model, state = resumed(adapter, plan, device) if plan.start else (
+        adapter.build(plan.config, init_params(plan.config, seed=plan.seed), plan.weights, device), None)
+    return model, adapter.optimizer(model, None if state else plan.training, state, compute)
+
+
 def train(adapter: ModuleType, plan: Plan, progress: Progress = no_progress,
           stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None
           ) -> tuple[Result, Model, TrainingState]:
@@ -329,11 +411,8 @@ def train(adapter: ModuleType, plan: Plan, progress: Progress = no_progress,
     the step it is in (``result.interrupted``)."""
     if plan.world_size > 1:
         return train_data_parallel(adapter, plan, progress, stopping, snapshots)
-    params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
-    compute = plan.dtype if is_low(plan.dtype) else None                                 # mixed precision
-    model = adapter.build(plan.config, params, plan.weights, backends.device_for(adapter, plan.device))
-    optimizer = adapter.optimizer(model, None if state else plan.training, state, compute)
-    first = state.step if state else 0
+    model, optimizer = set_up(adapter, plan)
+    first = plan.first_step
     result, batches = Result(adapter.NAME, first), CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed)
     steps = progress(range(first, first + plan.steps), "train", "step")
     state_now = lambda: adapter.training_state(model, optimizer)
@@ -422,8 +501,13 @@ def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
     """:func:`train` over ``plan.world_size`` replicas by the backend's ``train_data_parallel``: in pieces that end
     where the run is validated or saved, each piece continuing the last one's weights and optimizer state
     (``seconds`` counts the engine's start-up too). Once ``stopping()``, the engine ends its piece after the step
-    it is in (``progress`` returning true) and the run ends there."""
-    params, state = plan.start if plan.start else (init_params(plan.config, seed=plan.seed), None)
+    it is in (``progress`` returning true) and the run ends there. The engines take NumPy weights and moments: a
+    resumed run is read into NumPy here (``load_run``), unlike :func:`train`'s, and each piece's result is too."""
+    params, state = init_params(plan.config, seed=plan.seed), None
+    if plan.start:
+        _, params, state = load_run(plan.start.path)
+    if plan.start and state is None:
+        raise no_training_state(plan.start.path)
     first = state.step if state else 0
     result = Result(adapter.NAME, first)
     batches = CountedBatches(plan.task, plan.config, plan.batch_size, plan.seed, plan.world_size)
