@@ -342,3 +342,57 @@ def test_a_changed_body_is_named(where, old, new, expected):
     assert old in text, f"{where}/model.py no longer has {old!r}: update this test"
     problems = body_divergences(model_text(REFERENCE), text.replace(old, new, 1), where)
     assert any(expected in problem for problem in problems), problems
+
+
+# ----------------------------------------------------------------------------- decoding's private helpers
+#
+# Every private helper of the three decoding.py files -- the generator's log-probabilities at one position, one
+# decoding step, the checked source, the token buffer, the beam-search step helpers -- has one name, the same
+# arguments in the same order and the same place in every port, unless its docstring declares it one framework's
+# plumbing ("JAX only: ...", "TensorFlow only: ..."; a jitted loop, a tf.function cache).
+
+FRAMEWORK_NAMES = {"transformer_torch": "PyTorch", "transformer_jax": "JAX", "transformer_tf": "TensorFlow"}
+# TensorFlow's step takes the generator's (D, V) weight, read once per search: XLA does not hoist it out of the loop.
+HELPER_IDIOM_ARGUMENTS = {"transformer_tf": {"weight"}}
+
+
+def shared_helpers(text: str, port: str) -> list[tuple[str, list[str]]]:
+    """(name, arguments) of the private top-level functions of a decoding.py ``text``, in file order, but for the
+    ones its docstrings declare ``port``'s own; the port's idiom arguments left out."""
+    own, idiom = f"{FRAMEWORK_NAMES[port]} only:", HELPER_IDIOM_ARGUMENTS.get(port, set())
+    return [(node.name, [arg for arg in arguments(node, node.name) if arg not in idiom])
+            for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("_")
+            and not (ast.get_docstring(node) or "").startswith(own)]
+
+
+@pytest.mark.parametrize(("where", "old", "new", "expected"), [
+    (None, None, None, None),
+    # the token buffer renamed in one port
+    ("transformer_jax", "_start_tokens(", "_history(",
+     "transformer_jax/decoding.py: _start_tokens is missing (the transformer_torch has it)"),
+    # a decoding step's arguments in another order
+    ("transformer_tf", "def _step(model: Transformer, tokens: tf.Tensor, step: Index,",
+     "def _step(model: Transformer, step: Index, tokens: tf.Tensor,",
+     "transformer_tf/decoding.py: _step has ['model', 'step', 'tokens', 'memory', 'src_mask', 'cache']"),
+    # a port's own helper not declared as such
+    ("transformer_tf", '"""TensorFlow only: tokens[..., t] = token', '"""tokens[..., t] = token',
+     "transformer_tf/decoding.py: _put is not in the transformer_torch"),
+])
+def test_the_decoders_share_their_private_helpers(where, old, new, expected):
+    """docs/ports.md: the three decoding.py files have the same private helpers, in the same order, with the same
+    arguments, but for the framework plumbing each declares; the checker reports a helper renamed in a copy of one
+    port's text, arguments reordered, and an undeclared port-only helper."""
+    texts = {port: (ROOT / port / "decoding.py").read_text() for port in PORTS}
+    if where is not None:
+        assert old in texts[where], f"{where}/decoding.py no longer has {old!r}: update this test"
+        texts[where] = texts[where].replace(old, new)
+    template = shared_helpers(texts[PORTS[0]], PORTS[0])
+    assert {"_log_probs_at", "_step", "_checked_source", "_start_tokens", *BEAM_HELPERS} <= dict(template).keys()
+    problems = [problem for port in PORTS[1:] for problem in
+                divergences(template, shared_helpers(texts[port], port), file="decoding.py", port=port,
+                            template_name=PORTS[0])]
+    if expected is None:
+        assert not problems, "\n".join(problems)
+    else:
+        assert any(problem.startswith(expected) for problem in problems), problems

@@ -48,7 +48,6 @@ V target vocabulary, K beam_size.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -72,8 +71,6 @@ from .model import KVCache, Transformer, padding_mask
 from .speed import _EXACT_ROUNDING, _split, _Structure
 
 _TOKEN_DTYPE = jnp.int32
-# one decoding step: (decoder state, history (N, M + 1), index) -> (log_probs (N, V), decoder state)
-_Step = Callable[[tuple, jax.Array, jax.Array], tuple[jax.Array, tuple]]
 # each sentence's best finished hypothesis: score (B,), row (B, M + 1), length (B,)
 _Best = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -118,37 +115,33 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
 
 
 def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
-    """The generator's log-probabilities at one (possibly traced) position of the decoder output,
-    pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
+    """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
+    output, pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]   # (N, V)
     return log_probs.at[:, jnp.array([model.config.pad_id, model.config.bos_id])].set(-jnp.inf)
 
 
-def _stepper(model: Transformer, memory: jax.Array, src_mask: jax.Array, max_steps: int,
-             use_cache: bool) -> tuple[tuple, _Step]:
-    """The decoder as ``(state, step)``, ``step(state, history, index) -> (log_probs (N, V), state)``;
-    ``history`` (N, M + 1) holds bos and the tokens so far; ``index`` is the position fed."""
-    if use_cache:
-        def cached(cache: tuple, history: jax.Array, index: jax.Array) -> tuple[jax.Array, tuple]:
-            token = lax.dynamic_slice_in_dim(history, index, 1, axis=1)                      # (N, 1)
-            return next_token_log_probs(model, token, memory, src_mask, cache, index)
-        return model.init_cache(memory, max_steps), cached
-
-    def recomputed(state: tuple, history: jax.Array, index: jax.Array) -> tuple[jax.Array, tuple]:
-        # the reference's recomputation over the fixed-size buffer (later positions are masked)
-        out = model.decode(history[:, :max_steps], memory, src_mask, deterministic=True)    # (N, M, D)
-        return _log_probs_at(model, out, index), state
-    return (), recomputed
+def _step(model: Transformer, tokens: jax.Array, step: jax.Array, memory: jax.Array, src_mask: jax.Array,
+          cache: tuple) -> tuple[jax.Array, tuple]:
+    """One decoding step: the log-probabilities (N, V) of the token at (traced) position ``step`` after
+    ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
+    runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
+    cache) the decoder reruns over the whole fixed-size buffer, the reference's recomputation (later
+    positions are masked), and reads position ``step - 1``. Shape: tokens (N, M + 1)."""
+    if not cache:
+        out = model.decode(tokens[:, :-1], memory, src_mask, deterministic=True)          # (N, M, D)
+        return _log_probs_at(model, out, step - 1), cache
+    token = lax.dynamic_slice_in_dim(tokens, step - 1, 1, axis=1)                          # (N, 1)
+    return next_token_log_probs(model, token, memory, src_mask, cache, step - 1)
 
 
-def _start(model: Transformer, src: npt.ArrayLike) -> tuple[jax.Array, np.ndarray]:
-    """Checked source tokens and their per-sequence budgets (B,)."""
-    src = model._check_tokens("src", src, model.config.src_vocab_size)
-    return src, max_output_lengths(model, np.asarray(src))
+def _checked_source(model: Transformer, src: npt.ArrayLike) -> jax.Array:
+    """The source after the reference's checks (ids too, before any compiled code)."""
+    return model._check_tokens("src", src, model.config.src_vocab_size)
 
 
-def _history(rows: int, max_steps: int, config: TransformerConfig) -> jax.Array:
-    """(rows, M + 1) tokens: bos, then padding."""
+def _start_tokens(config: TransformerConfig, rows: int, max_steps: int) -> jax.Array:
+    """The token buffer: bos, then pad_id up to position M (``max_steps``). Shape: (rows, M + 1)."""
     return jnp.full((rows, max_steps + 1), config.pad_id, _TOKEN_DTYPE).at[:, 0].set(config.bos_id)
 
 
@@ -159,7 +152,8 @@ def greedy_decode(model: Transformer, src: npt.ArrayLike, use_cache: bool = True
 
     Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id (NumPy int64).
     """
-    src, limits = _start(model, src)
+    src = _checked_source(model, src)
+    limits = max_output_lengths(model, np.asarray(src))                          # (B,)
     split = _split(model)
     history, steps = _greedy(split.structure, split.state, src, jnp.asarray(limits), int(limits.max()), use_cache)
     return np.asarray(history)[:, 1:int(steps) + 1].astype(np.int64)
@@ -168,29 +162,30 @@ def greedy_decode(model: Transformer, src: npt.ArrayLike, use_cache: bool = True
 @functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache"), compiler_options=_EXACT_ROUNDING)
 def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, limits: jax.Array, max_steps: int,
             use_cache: bool) -> tuple[jax.Array, jax.Array]:
-    """The compiled greedy loop of the model ``structure.merge(state)``. Returns history (B, M + 1) and
-    the number of steps taken."""
+    """JAX only: the jitted loop of :func:`greedy_decode` (TensorFlow's ``_greedy`` is a ``tf.function`` with
+    its own plumbing; PyTorch loops in ``greedy_decode``) for the model ``structure.merge(state)``
+    (``speed._split``). Returns the token buffer (B, M + 1) (bos first) and the number of steps taken."""
     model = structure.merge(state)
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
-    decoder_state, step = _stepper(model, memory, src_mask, max_steps, use_cache)
+    cache = model.init_cache(memory, max_steps) if use_cache else ()
 
     def running(carry):
         index, _, done, _ = carry
         return (index < max_steps) & ~done.all()
 
     def advance(carry):
-        index, history, done, state = carry
-        log_probs, state = step(state, history, index)                           # (B, V)
+        index, history, done, cache = carry
+        log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache)   # (B, V)
         token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)              # first max = lowest id
         token = jnp.where(done, cfg.pad_id, token)
         history = history.at[:, index + 1].set(token)
         done = done | (token == cfg.eos_id) | (index + 1 >= limits)
-        return index + 1, history, done, state
+        return index + 1, history, done, cache
 
-    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(src.shape[0], max_steps, cfg),
-             jnp.zeros(src.shape[0], bool), decoder_state)
+    start = (jnp.asarray(0, _TOKEN_DTYPE), _start_tokens(cfg, src.shape[0], max_steps),
+             jnp.zeros(src.shape[0], bool), cache)
     steps, history, _, _ = lax.while_loop(running, advance, start)
     return history, steps
 
@@ -206,7 +201,8 @@ def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SI
     bfloat16 and float16).
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
-    src, limits = _start(model, src)
+    src = _checked_source(model, src)
+    limits = max_output_lengths(model, np.asarray(src))                          # (B,)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then
     # rounded to the score dtype exactly as NumPy rounds a Python float in `score / lp`.
@@ -222,26 +218,28 @@ def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SI
                    compiler_options=_EXACT_ROUNDING)
 def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
           max_steps: int, beam_size: int, use_cache: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The compiled search over the batch of the model ``structure.merge(state)``: rows are
+    """JAX only: the jitted search of :func:`beam_search` (TensorFlow's ``_beam`` is a ``tf.function`` with
+    its own plumbing; PyTorch searches in ``beam_search``) over the batch of the model
+    ``structure.merge(state)`` (``speed._split``): rows are
     (sentence, beam) pairs, N = B * K, all advanced by one loop until every sentence has stopped.
     Returns the best hypotheses (B, M) without bos, their lengths (B,) and scores (B,)."""
     model = structure.merge(state)
     cfg, batch, k = model.config, src.shape[0], beam_size
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
-    decoder_state, step = _stepper(model, memory, jnp.repeat(src_mask, k, axis=0), max_steps, use_cache)
-    decoder_state = _in_place(decoder_state, batch, k)
+    src_mask = jnp.repeat(src_mask, k, axis=0)                                  # (N, 1, 1, S)
+    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     scores_dtype = score_dtype(model.dtype)                                      # float32 for P
     alive = jnp.full((batch, k), -jnp.inf, scores_dtype).at[:, 0].set(0.0)       # (B, K): only beam 0 at first
-    no_best = (jnp.full(batch, -jnp.inf, scores_dtype), _history(batch, max_steps, cfg),
+    no_best = (jnp.full(batch, -jnp.inf, scores_dtype), _start_tokens(cfg, batch, max_steps),
                jnp.zeros(batch, _TOKEN_DTYPE))
 
     def advance(carry):
-        index, history, live_scores, state, best, done = carry
+        index, history, live_scores, cache, best, done = carry
         length = index + 1                                                       # tokens after this step
-        log_probs, state = step(state, history, index)                           # (N, V)
+        log_probs, cache = _step(model, history, length, memory, src_mask, cache)   # (N, V)
         candidates = live_scores[:, :, None] + log_probs.reshape(batch, k, -1)   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams].at[:, :, length].set(tokens)           # (B, 2K, M + 1)
@@ -249,13 +247,13 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
         best = _keep_best(best, ended, rows, length)
         live_scores = jnp.take_along_axis(scores, keep, axis=1)                  # (B, K), descending
         rows = jnp.take_along_axis(rows, keep[:, :, None], axis=1)               # (B, K, M + 1)
-        state = _reorder_own(state, (first_row + jnp.take_along_axis(beams, keep, axis=1)).reshape(-1))
+        cache = _reorder_own(cache, (first_row + jnp.take_along_axis(beams, keep, axis=1)).reshape(-1))
         last = ~done & (length == limits)                                        # (B,)
         best = _keep_best(best, jnp.where(last[:, None], live_scores / penalties[length], -jnp.inf), rows, length)
         done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])
-        return length, rows.reshape(batch * k, -1), live_scores, state, best, done
+        return length, rows.reshape(batch * k, -1), live_scores, cache, best, done
 
-    start = (jnp.asarray(0, _TOKEN_DTYPE), _history(batch * k, max_steps, cfg), alive, decoder_state, no_best,
+    start = (jnp.asarray(0, _TOKEN_DTYPE), _start_tokens(cfg, batch * k, max_steps), alive, cache, no_best,
              jnp.zeros(batch, bool))
     *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1].all(), advance, start)
     return row[:, 1:], length, score

@@ -87,24 +87,12 @@ def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, 
     (``model.init_cache``) ``tgt`` holds the new positions only, starting at ``cache_index``,
     and the result is ``(log_probs (B, V), cache)``.
     """
-    return _next_token_log_probs(model, model.generator._weight(), tgt, memory, src_mask, cache, cache_index)
-
-
-def _next_token_log_probs(model: Transformer, weight: tf.Tensor, tgt: tf.Tensor, memory: tf.Tensor,
-                          src_mask: tf.Tensor | None, cache: Cache,
-                          cache_index: Index | None) -> tf.Tensor | tuple[tf.Tensor, Cache]:
-    """:func:`next_token_log_probs` with the generator's (D, V) ``weight`` given
-    (``Generator._weight``): a search reads it once per call, not at every step."""
-    out: tf.Tensor                                                      # decode's (B, T, D) output
+    weight = model.generator._weight()
     if not cache:
-        out = model.decode(tgt, memory, src_mask)
-    else:
-        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
-    log_probs = _generated(out[:, -1], weight)                           # (B, V): the generator, section 3.4
-    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
-                                                                          model.config.bos_id], axis=1)  # (V,)
-    log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
-    return (log_probs, cache) if cache else log_probs
+        out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
+        return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight), cache
 
 
 def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> tuple[tuple[KVCache, ...], ...]:
@@ -127,6 +115,58 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
 
+def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:
+    """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
+    output, pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V).
+    ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
+    given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
+    log_probs = _generated(out[:, position], weight)                                       # (N, V)
+    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
+                                                                          model.config.bos_id], axis=1)  # (V,)
+    return tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
+
+
+def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor, src_mask: tf.Tensor,
+          cache: Cache, weight: tf.Tensor) -> tuple[tf.Tensor, Cache]:
+    """One decoding step: the log-probabilities (N, V) of the token at (traced) position ``step`` after
+    ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
+    runs through the decoder (``cache_index = step - 1``); with ``()`` (no cache) the whole prefix does, as
+    in the reference. ``weight`` as for :func:`_log_probs_at`. Shape: tokens (N, L + 1)."""
+    if not cache:
+        out = model.decode(tokens[:, :step], memory, src_mask)                              # (N, step, D)
+        return _log_probs_at(model, out, step - 1, weight), cache
+    out, cache = model.decode(tokens[:, step - 1, None], memory, src_mask, cache=cache, cache_index=step - 1)
+    return _log_probs_at(model, out, 0, weight), cache                                     # out (N, 1, D)
+
+
+def _checked_source(model: Transformer, src: ArrayLike) -> tf.Tensor:
+    """The source after the reference's checks (ids too, before any compiled code), as int64."""
+    cfg = model.config
+    return tf.constant(check_tokens("src", src, cfg.src_vocab_size, cfg.max_len), tf.int64)
+
+
+def _start_tokens(config: TransformerConfig, rows: int, max_steps: int) -> tf.Tensor:
+    """The token buffer: bos, then pad_id up to position L (``max_steps``, :func:`_buffer_length`).
+    Shape: (rows, L + 1)."""
+    return tf.concat([tf.fill([rows, 1], tf.constant(config.bos_id, tf.int64)),
+                      tf.fill([rows, max_steps], tf.constant(config.pad_id, tf.int64))], axis=1)
+
+
+def _put(tokens: tf.Tensor, token: tf.Tensor, t: Index) -> tf.Tensor:
+    """TensorFlow only: tokens[..., t] = token, as a select (a tensor has no item assignment; PyTorch writes
+    in place, JAX uses ``.at[].set``). Shape: tokens (..., W), token (...)."""
+    return tf.where(tf.range(tokens.shape[-1]) == t, token[..., None], tokens)
+
+
+def _buffer_length(model: Transformer, src: tf.Tensor) -> int:
+    """TensorFlow only: L, the static bound on every output length (source width + 50, capped at
+    ``max_len``), known when tracing; the per-sequence budgets are computed in-graph
+    (:func:`max_output_lengths`). PyTorch and JAX read the budgets' maximum on the host."""
+    return min(src.shape[1] + EXTRA_OUTPUT_LENGTH, model.config.max_len)
+
+
+# ----------------------------------------------------------------------------- greedy
+
 def greedy_decode(model: Transformer, src: ArrayLike, use_cache: bool = True) -> np.ndarray:
     """Greedy decoding; ties go to the lowest token id.
 
@@ -137,6 +177,33 @@ def greedy_decode(model: Transformer, src: ArrayLike, use_cache: bool = True) ->
         tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, _wide(model.generator._weight()))
     return tokens.numpy()[:, 1:int(steps) + 1]
 
+
+def _greedy(model: Transformer, use_cache: bool, src: tf.Tensor, weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """TensorFlow only: the ``tf.function`` loop of :func:`greedy_decode` (:func:`_compiled`; JAX's ``_greedy``
+    is a jitted loop with its own plumbing; PyTorch loops in ``greedy_decode``). Returns the token buffer
+    (B, L + 1) (bos first) and the number of steps taken. ``weight`` is the generator's (D, V) weight
+    (``Generator._weight``, float32 for a low precision), read once per search."""
+    cfg = model.config
+    src_mask = padding_mask(src, cfg.pad_id)
+    limits = max_output_lengths(model, src)                              # (B,)
+    length = _buffer_length(model, src)
+    memory = model.encode(src, src_mask)
+    cache = model.init_cache(memory, length) if use_cache else ()
+    pad = tf.constant(cfg.pad_id, tf.int64)
+
+    def body(t, tokens, done, cache):
+        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight)   # (B, V)
+        token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
+        token = tf.where(done, pad, token)
+        done = done | (token == cfg.eos_id) | (t >= limits)
+        return t + 1, _put(tokens, token, t), done, cache
+
+    start = (tf.constant(1), _start_tokens(cfg, src.shape[0], length), tf.zeros(src.shape[0], tf.bool), cache)
+    t, tokens, _, _ = tf.while_loop(lambda t, tokens, done, cache: ~tf.reduce_all(done), body, start)
+    return tokens, t - 1
+
+
+# ----------------------------------------------------------------------------- beam search
 
 def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
                 use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -156,34 +223,11 @@ def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, 
     return tokens.numpy()[:, :int(tf.reduce_max(lengths))], scores.numpy().astype(np.float64)
 
 
-# ----------------------------------------------------------------------------- the searches
-
-def _greedy(model: Transformer, use_cache: bool, src: tf.Tensor, weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """Returns the token buffer (B, L + 1) (bos first) and the number of steps taken. ``weight`` is the
-    generator's (D, V) weight (``Generator._weight``, float32 for a low precision), read once per search."""
-    cfg = model.config
-    src_mask = padding_mask(src, cfg.pad_id)
-    limits = max_output_lengths(model, src)                              # (B,)
-    length = _buffer_length(model, src)
-    memory = model.encode(src, src_mask)
-    cache = model.init_cache(memory, length) if use_cache else ()
-    pad = tf.constant(cfg.pad_id, tf.int64)
-
-    def body(t, tokens, done, cache):
-        log_probs, cache = _step(model, weight, tokens, t, memory, src_mask, cache)   # (B, V)
-        token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
-        token = tf.where(done, pad, token)
-        done = done | (token == cfg.eos_id) | (t >= limits)
-        return t + 1, _put(tokens, token, t), done, cache
-
-    start = (tf.constant(1), _start_tokens(cfg, src.shape[0], length), tf.zeros(src.shape[0], tf.bool), cache)
-    t, tokens, _, _ = tf.while_loop(lambda t, tokens, done, cache: ~tf.reduce_all(done), body, start)
-    return tokens, t - 1
-
-
 def _beam(model: Transformer, use_cache: bool, beam_size: int, src: tf.Tensor, penalties: tf.Tensor,
           weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Returns the best hypotheses (B, L) pad-filled, their lengths (B,) and scores (B,).
+    """TensorFlow only: the ``tf.function`` search of :func:`beam_search` (:func:`_compiled`; JAX's ``_beam``
+    is a jitted search with its own plumbing; PyTorch searches in ``beam_search``). Returns the best
+    hypotheses (B, L) pad-filled, their lengths (B,) and scores (B,).
 
     ``penalties[n]`` is lp(n) in the scores' dtype; ``weight`` as for :func:`_greedy`. Rows are
     (sentence, beam) pairs, N = B * K.
@@ -201,7 +245,7 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src: tf.Tensor, p
     never = tf.constant(-np.inf, dtype)                                    # the score of what does not finish
 
     def body(t, history, live_scores, cache, best, done):
-        log_probs, cache = _step(model, weight, history, t, memory, src_mask, cache)   # (N, V)
+        log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight)   # (N, V)
         candidates = live_scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = _put(tf.gather(history, first_row + beams), tokens, t)         # (B, 2K, L + 1)
@@ -282,43 +326,8 @@ def _keep_best(best: tuple[tf.Tensor, tf.Tensor, tf.Tensor], scores: tf.Tensor, 
             tf.where(better, length, best[2]))
 
 
-# ----------------------------------------------------------------------------- helpers
-
-def _step(model: Transformer, weight: tf.Tensor, tokens: tf.Tensor, t: tf.Tensor, memory: tf.Tensor,
-          src_mask: tf.Tensor, cache: Cache) -> tuple[tf.Tensor, Cache]:
-    """Log-probabilities (N, V) of the token at position t from tokens[:, :t] (bos at position 0),
-    as ``model(src, tokens)`` gives them at position t - 1, and the cache: with a cache only the
-    token at t - 1 runs through the decoder; with ``()`` (no cache) the whole prefix does.
-    ``weight`` is the generator's (D, V) weight."""
-    if not cache:
-        return _next_token_log_probs(model, weight, tokens[:, :t], memory, src_mask, cache, None), cache
-    return _next_token_log_probs(model, weight, tokens[:, t - 1, None], memory, src_mask, cache, t - 1)   # tgt (N, 1)
-
-
-def _checked_source(model: Transformer, src: ArrayLike) -> tf.Tensor:
-    """The source after the reference's checks (ids too, before any compiled code), as int64."""
-    cfg = model.config
-    return tf.constant(check_tokens("src", src, cfg.src_vocab_size, cfg.max_len), tf.int64)
-
-
-def _put(tokens: tf.Tensor, token: tf.Tensor, t: Index) -> tf.Tensor:
-    """tokens[..., t] = token. Shape: tokens (..., W), token (...)."""
-    return tf.where(tf.range(tokens.shape[-1]) == t, token[..., None], tokens)
-
-
-def _start_tokens(cfg: TransformerConfig, rows: int, length: int) -> tf.Tensor:
-    """The token buffer: bos, then pad_id up to position L. Shape: (rows, L + 1)."""
-    return tf.concat([tf.fill([rows, 1], tf.constant(cfg.bos_id, tf.int64)),
-                      tf.fill([rows, length], tf.constant(cfg.pad_id, tf.int64))], axis=1)
-
-
-def _buffer_length(model: Transformer, src: tf.Tensor) -> int:
-    """L, the static bound on every output length: source width + 50, capped at ``max_len``."""
-    return min(src.shape[1] + EXTRA_OUTPUT_LENGTH, model.config.max_len)
-
-
 def _compiled(model: Transformer, key: tuple, search: Callable[..., Any]) -> Callable[..., Any]:
-    """One ``tf.function`` per model and search ``key`` = (name, use_cache, *options): the
+    """TensorFlow only: one ``tf.function`` per model and search ``key`` = (name, use_cache, *options): the
     search called as ``search(model, use_cache, *options, *inputs)``, XLA-compiled when using
     the cache (a float32 or float64 model: :func:`.speed._xla_keeps_roundings`), traced once per input
     shape (without AutoGraph: the searches are written with

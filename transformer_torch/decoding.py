@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
     LENGTH_PENALTY_ALPHA,
@@ -62,14 +63,11 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
 
     Shape: tgt (B, T) -> log_probs (B, V).
     """
-    cfg = model.config
     if not cache:
         out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
-    else:
-        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
-    log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
-    log_probs[:, [cfg.pad_id, cfg.bos_id]] = -torch.inf
-    return (log_probs, cache) if cache else log_probs
+        return _log_probs_at(model, out, out.shape[1] - 1)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    return _log_probs_at(model, out, out.shape[1] - 1), cache
 
 
 def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
@@ -92,13 +90,38 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 
 
-def _log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple) -> tuple[Tensor, tuple]:
-    """:func:`next_token_log_probs` after the prefix ``tgt``: the whole prefix without a cache (``()``), its
-    last position with a cache holding the others."""
-    if not cache:
-        return next_token_log_probs(model, tgt, memory, src_mask), cache
-    return next_token_log_probs(model, tgt[:, -1:], memory, src_mask, cache, tgt.shape[1] - 1)
+def _log_probs_at(model: Transformer, out: Tensor, position: int) -> Tensor:
+    """The generator's log-probabilities (section 3.4) at one position of the decoder output, pad_id and
+    bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
+    log_probs = model.generator(out[:, position:position + 1])[:, 0]                      # (N, V)
+    log_probs[:, [model.config.pad_id, model.config.bos_id]] = -torch.inf
+    return log_probs
 
+
+def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mask: Tensor,
+          cache: tuple) -> tuple[Tensor, tuple]:
+    """One decoding step: the log-probabilities (N, V) of the token at position ``step`` after
+    ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
+    runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
+    cache) the whole prefix does, as in the reference. Shape: tokens (N, W), W > step."""
+    if not cache:
+        return next_token_log_probs(model, tokens[:, :step], memory, src_mask), cache
+    return next_token_log_probs(model, tokens[:, step - 1:step], memory, src_mask, cache, step - 1)
+
+
+def _checked_source(model: Transformer, src: Tensor | np.ndarray) -> Tensor:
+    """The source after the reference's checks (shape, dtype, ids), as int64 on the model's device."""
+    return model._check_tokens("src", src, model.config.src_vocab_size)
+
+
+def _start_tokens(config: TransformerConfig, rows: int, max_steps: int, device: torch.device) -> Tensor:
+    """The token buffer: bos, then pad_id up to position M (``max_steps``). Shape: (rows, M + 1)."""
+    tokens = torch.full((rows, max_steps + 1), config.pad_id, dtype=torch.long, device=device)
+    tokens[:, 0] = config.bos_id
+    return tokens
+
+
+# ----------------------------------------------------------------------------- greedy
 
 @torch.inference_mode()
 def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool = True) -> np.ndarray:
@@ -107,23 +130,26 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
     Shape: src (B, S) -> tokens (B, L) NumPy int64, without bos, right-padded with pad_id.
     """
     cfg = model.config
-    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
-    src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
+    src = _checked_source(model, src)
+    memory = model.encode(src)
     src_mask = padding_mask(src, cfg.pad_id)
     limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=src.device)    # (B,)
-    cache = model.init_cache(memory, int(limits.max())) if use_cache else ()
-    tgt = torch.full((len(src), 1), cfg.bos_id, dtype=torch.long, device=src.device)
+    max_steps = int(limits.max())
+    cache = model.init_cache(memory, max_steps) if use_cache else ()
+    tokens = _start_tokens(cfg, len(src), max_steps, src.device)               # (B, M + 1)
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
-    for step in range(1, int(limits.max()) + 1):
-        log_probs, cache = _log_probs(model, tgt, memory, src_mask, cache)
+    for step in range(1, max_steps + 1):
+        log_probs, cache = _step(model, tokens, step, memory, src_mask, cache)
         token = log_probs.argmax(dim=-1)                                   # (B,)
         token = torch.where(done, cfg.pad_id, token)
-        tgt = torch.cat([tgt, token[:, None]], dim=1)                      # (B, step + 1)
+        tokens[:, step] = token
         done |= (token == cfg.eos_id) | (step >= limits)
         if bool(done.all()):
             break
-    return tgt[:, 1:].cpu().numpy()
+    return tokens[:, 1:step + 1].cpu().numpy()
 
+
+# ----------------------------------------------------------------------------- beam search
 
 @torch.inference_mode()
 def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = BEAM_SIZE,
@@ -137,8 +163,8 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     """
     beam_size, alpha = check_decoding_args(beam_size, alpha)
     cfg, k = model.config, beam_size
-    memory = model.encode(src)                        # checks src: shape, dtype, length, ids
-    src = torch.as_tensor(src).to(device=model.device, dtype=torch.long)
+    src = _checked_source(model, src)
+    memory = model.encode(src)
     batch, device = len(src), memory.device
     scores_dtype = torch.float32 if model.dtype in _LOW else model.dtype     # the log-probabilities'
     limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=device)        # (B,)
@@ -153,13 +179,12 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
     live_scores = torch.full((batch, k), -torch.inf, dtype=scores_dtype, device=device)
     live_scores[:, 0] = 0.0                                                      # (B, K): only beam 0 at first
-    history = torch.full((batch * k, max_steps + 1), cfg.pad_id, dtype=torch.long, device=device)
-    history[:, 0] = cfg.bos_id                                                   # (N, M + 1)
+    history = _start_tokens(cfg, batch * k, max_steps, device)                  # (N, M + 1)
     best = (torch.full((batch,), -torch.inf, dtype=scores_dtype, device=device), history[::k].clone(),
             torch.zeros(batch, dtype=torch.long, device=device))                # score, row, length
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(1, max_steps + 1):
-        log_probs, cache = _log_probs(model, history[:, :step], memory, src_mask, cache)   # (N, V)
+        log_probs, cache = _step(model, history, step, memory, src_mask, cache)   # (N, V)
         candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams]                                        # (B, 2K, M + 1)
