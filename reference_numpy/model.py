@@ -174,6 +174,13 @@ def _beam_table(cache: KVCache | None) -> np.ndarray | None:
     return beams
 
 
+def _returned(out: Any, *optional: Any) -> Any:
+    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
+    (None: not asked), in the order the docstring names them (the cache last)."""
+    asked = tuple(result for result in optional if result is not None)
+    return (out, *asked) if asked else out
+
+
 class MultiHeadAttention:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
@@ -210,9 +217,7 @@ class MultiHeadAttention:
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
-        if cache is not None:
-            return (out, weights, cache) if return_weights else (out, cache)
-        return (out, weights) if return_weights else out
+        return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions, in the weights' dtype.
@@ -484,7 +489,8 @@ def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.nd
 class Encoder:
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
+    layer's output.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -494,21 +500,23 @@ class Encoder:
                        for i in range(config.n_encoder_layers)]
         self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
-    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None,
-                 intermediates: dict | None = None) -> np.ndarray:
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
+        stages = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, mask)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
-        return self.norm(x) if self.norm is not None else x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
+        x = self.norm(x) if self.norm is not None else x
+        return _returned(x, stages if return_intermediates else None)
 
 
 class Decoder:
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``;
     ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`) and the call then returns ``(x, cache)``.
+    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
+    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
+    or ``(x, stages, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -519,23 +527,29 @@ class Decoder:
         self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, intermediates: dict | None = None,
+                 tgt_mask: np.ndarray | None = None, return_intermediates: bool = False,
                  cache: tuple | None = None, cache_index: int | None = None) -> Any:
-        kept = []
+        stages, kept = {}, []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
                 kept.append(layer_cache)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return x if cache is None else (x, tuple(kept))
+        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
+
+
+def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
+    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
+    (``{stack}.layers.{i}``) and the stack's output."""
+    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -573,22 +587,20 @@ class Transformer:
         self.decoder = Decoder(config, p, "decoder")
         self.generator = Generator(config, p, "generator")
 
-    def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None,
-               intermediates: dict | None = None) -> np.ndarray:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
+    def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
+
+        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src))
-        steps: dict = {}
-        memory = self.encoder(x, src_mask, steps)
-        if intermediates is not None:
-            intermediates["src_embed"] = x
-            intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
-            intermediates["encoder"] = memory
-        return memory
+        if not return_intermediates:
+            return self.encoder(x, src_mask)
+        memory, layers = self.encoder(x, src_mask, return_intermediates=True)
+        return memory, _stages("src_embed", x, "encoder", layers, memory)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -603,7 +615,7 @@ class Transformer:
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-               tgt_mask: np.ndarray | None = None, intermediates: dict | None = None,
+               tgt_mask: np.ndarray | None = None, return_intermediates: bool = False,
                cache: tuple | None = None, cache_index: int | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
@@ -615,7 +627,8 @@ class Transformer:
         the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written).
-        Returns ``(out, cache)``.
+        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
+        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = as_array("memory", memory)
@@ -633,16 +646,10 @@ class Transformer:
                 _cached_causal_mask(start, length, keys)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), start)
-        steps: dict = {}
-        if cache is None:
-            out = self.decoder(y, memory, src_mask, tgt_mask, steps)
-        else:
-            out, cache = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index)
-        if intermediates is not None:
-            intermediates["tgt_embed"] = y
-            intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
-            intermediates["decoder"] = out
-        return out if cache is None else (out, cache)
+        if not return_intermediates:
+            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
+        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)
+        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
 
     def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,
                  tgt_mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
@@ -655,14 +662,13 @@ class Transformer:
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        stages: dict | None = {} if return_intermediates else None
-        memory = self.encode(src, src_mask, stages)
-        out = self.decode(tgt, memory, src_mask, tgt_mask, stages)
+        if not return_intermediates:
+            memory = self.encode(src, src_mask)
+            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask))
+        memory, encoded = self.encode(src, src_mask, return_intermediates=True)
+        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True)
         log_probs = self.generator(out)
-        if stages is None:
-            return log_probs
-        stages["log_probs"] = log_probs
-        return log_probs, stages
+        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
 
     def _check_inputs(self, src: object, tgt: object, src_mask: object, tgt_mask: object
                       ) -> tuple[np.ndarray, np.ndarray]:

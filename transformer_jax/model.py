@@ -45,6 +45,7 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low
 
 from . import speed
+from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
 from .device import _check_dtype
 
 _PRECISION = lax.Precision.HIGHEST
@@ -117,8 +118,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
 
     With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c] (computed without moving keys or values: :func:`_beam_scores`,
-    :func:`_beam_mix`).
+    b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
     In a low precision the whole of Eq. (1) is computed wide (float32) from the P inputs and the
     output and weights are rounded to P.
@@ -135,78 +135,19 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     if beams is None:
         scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
     else:
-        scores = _beam_scores(query, key, beams) / math.sqrt(d_k)
+        scores = speed.beam_scores(query, key, beams) / math.sqrt(d_k)
     if mask is not None:
-        mask = _check_mask(mask, scores.shape)
+        mask = checked_mask("mask", mask, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
     row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))   # -inf on fully masked rows
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     exp = jnp.exp(scores - row_max)                                     # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
-    out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else _beam_mix(weights, value, beams)
+    out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
     return _narrow(out, dtype), _narrow(weights, dtype)
-
-
-def _every_row(x: jax.Array, beams: jax.Array) -> jax.Array:
-    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
-
-    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
-    """
-    batch, k, _ = beams.shape
-    _, heads, length, width = x.shape
-    x = x.reshape(batch, 1, k, heads, length, width).transpose(0, 1, 3, 2, 4, 5)   # (B, 1, H, K, Tq, Z)
-    x = jnp.broadcast_to(x, (batch, k, heads, k, length, width))           # (B, Ki, H, Kj, Tq, Z)
-    return x.reshape(batch * k, heads, k * length, width)
-
-
-def _picked(beams: jax.Array) -> jax.Array:
-    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
-    k = beams.shape[1]
-    return beams[:, None, None, :, None, :] == jnp.arange(k, dtype=beams.dtype).reshape(1, k, 1, 1, 1, 1)
-
-
-def _beam_scores(query: jax.Array, key: jax.Array, beams: jax.Array) -> jax.Array:
-    """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
-    against every key row of it (K times the products, a few KB), then at each position the score
-    against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
-    batch, k, capacity = beams.shape
-    _, heads, length, _ = query.shape
-    every = jnp.matmul(_every_row(query, beams), jnp.swapaxes(key, -1, -2), precision=_PRECISION)  # (N, H, K*Tq, C)
-    every = every.reshape(batch, k, heads, k, length, capacity)          # (B, Ki, H, Kj, Tq, C)
-    scores = jnp.where(_picked(beams), every, 0).sum(axis=1)             # (B, H, Kj, Tq, C)
-    return scores.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, capacity)
-
-
-def _beam_mix(weights: jax.Array, value: jax.Array, beams: jax.Array) -> jax.Array:
-    """weights V along each query row's hypothesis: each key row's values weighted by the weights
-    of the positions it holds for every query row, summed over key rows.
-    Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
-    batch, k, capacity = beams.shape
-    _, heads, length, _ = weights.shape
-    every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)
-    every = jnp.where(_picked(beams), every, 0).reshape(batch * k, heads, k * length, capacity)
-    out = jnp.matmul(every, value, precision=_PRECISION)                 # (N, H, K*Tq, d_v)
-    out = out.reshape(batch, k, heads, k, length, -1).sum(axis=1)        # (B, H, Kj, Tq, d_v)
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, -1)
-
-
-def _check_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
-    checks.check_mask(name, *_layout(name, mask), tuple(scores_shape))
-    return jnp.asarray(mask)
-
-
-def _layout(name: str, value: object) -> tuple[tuple, str]:
-    """(shape, dtype name) of an array argument (traced or not), for the reference's input checks."""
-    array = value if isinstance(value, jax.Array) else checks.as_array(name, value)
-    return tuple(array.shape), array.dtype.name
-
-
-def _describe(name: str, value: object) -> tuple[tuple, str] | None:
-    """:func:`_layout` of an optional array argument; None for None."""
-    return None if value is None else _layout(name, value)
 
 
 class _Linear(nnx.Linear):
@@ -245,8 +186,15 @@ def _beam_table(cache: KVCache | None) -> jax.Array | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    checks.check_beams(*_layout("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
+
+
+def _returned(out: Any, *optional: Any) -> Any:
+    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
+    (None: not asked), in the order the docstring names them (the cache last)."""
+    asked = tuple(result for result in optional if result is not None)
+    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nnx.Module):
@@ -286,9 +234,7 @@ class MultiHeadAttention(nnx.Module):
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
-        if cache is not None:
-            return (out, weights, cache) if return_weights else (out, cache)
-        return (out, weights) if return_weights else out
+        return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions in the model's dtype.
@@ -315,7 +261,7 @@ class MultiHeadAttention(nnx.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        cache_index = _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache_index = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),
                         lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2),
                         _written_beams(cache.beams, cache_index, k.shape[2]))
@@ -325,14 +271,6 @@ class MultiHeadAttention(nnx.Module):
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
-
-
-def _check_cache_index(cache_index: int | jax.Array | None, length: int, capacity: int) -> int | jax.Array:
-    """``cache_index`` after the reference's check of a concrete one (an int then); a traced one, in a compiled
-    decoding loop, is the loop's to bound (``lax.dynamic_update_slice`` would clamp it)."""
-    if isinstance(cache_index, jax.core.Tracer):
-        return cache_index
-    return checks.check_cache_index(cache_index, length, capacity)
 
 
 def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
@@ -595,7 +533,8 @@ def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Arr
 class Encoder(nnx.Module):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
+    layer's output.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -605,21 +544,24 @@ class Encoder(nnx.Module):
                                 for _ in range(config.n_encoder_layers)])
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None = None, intermediates: dict | None = None, *,
-                 deterministic: bool | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, return_intermediates: bool = False, *,
+                 deterministic: bool | None = None) -> Any:
+        stages = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, deterministic=deterministic)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
-        return self.norm(x) if self.norm is not None else x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
+        x = self.norm(x) if self.norm is not None else x
+        return _returned(x, stages if return_intermediates else None)
 
 
 class Decoder(nnx.Module):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``. With a
-    ``cache`` (one :class:`DecoderLayer` cache pair per layer, :meth:`init_cache`) the result is
-    ``(x, cache)``.
+    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
+    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
+    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
+    or ``(x, stages, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -630,25 +572,31 @@ class Decoder(nnx.Module):
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, intermediates: dict | None = None,
+                 tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
                  cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                  cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
-        updated = []
+        stages, kept = {}, []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index,
                                        deterministic=deterministic)
-                updated.append(layer_cache)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
+                kept.append(layer_cache)
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return x if cache is None else (x, tuple(updated))
+        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One :meth:`DecoderLayer.init_cache` pair per layer."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
+
+
+def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
+    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
+    (``{stack}.layers.{i}``) and the stack's output."""
+    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -686,22 +634,21 @@ class Transformer(nnx.Module):
         self.decoder = Decoder(config, **kw)
         self.generator = Generator(config, self.src_embed if config.share_embeddings else None, **kw)
 
-    def encode(self, src: jax.Array, src_mask: jax.Array | None = None, intermediates: dict | None = None,
-               *, deterministic: bool | None = None) -> jax.Array:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
+    def encode(self, src: jax.Array, src_mask: jax.Array | None = None, return_intermediates: bool = False,
+               *, deterministic: bool | None = None) -> Any:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
+
+        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), deterministic=deterministic)
-        steps: dict = {}
-        memory = self.encoder(x, src_mask, steps, deterministic=deterministic)
-        if intermediates is not None:
-            intermediates["src_embed"] = x
-            intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
-            intermediates["encoder"] = memory
-        return memory
+        if not return_intermediates:
+            return self.encoder(x, src_mask, deterministic=deterministic)
+        memory, layers = self.encoder(x, src_mask, return_intermediates=True, deterministic=deterministic)
+        return memory, _stages("src_embed", x, "encoder", layers, memory)
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -709,13 +656,13 @@ class Transformer(nnx.Module):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = _layout("memory", memory)
+        shape, dtype = layout("memory", memory)
         checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.dtype.name)
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(jnp.asarray(memory), capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-               tgt_mask: jax.Array | None = None, intermediates: dict | None = None,
+               tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
                cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
@@ -728,32 +675,33 @@ class Transformer(nnx.Module):
         traced ``cache_index`` is the compiled loop's to bound), the earlier ones being in the
         cache; ``tgt_mask`` is then broadcastable to (B, H, T, C) over the cache's C positions and
         defaults to the causal mask over absolute positions (query q sees key j <= cache_index + q,
-        which also hides the positions not yet written). Returns ``(out, cache)``.
+        which also hides the positions not yet written).
+        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
+        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*_layout("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
+        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
         memory = jnp.asarray(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
         offset: int | jax.Array = 0                                              # the position of tgt[:, 0]
         if cache is not None:
-            offset = _check_cache_index(cache_index, length, keys)
+            offset = check_cache_index(cache_index, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
-            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
+            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(offset, length, keys)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), offset, deterministic=deterministic)
-        steps: dict = {}
-        result = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index, deterministic=deterministic)
-        if intermediates is not None:
-            intermediates["tgt_embed"] = y
-            intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
-            intermediates["decoder"] = result if cache is None else result[0]
-        return result
+        if not return_intermediates:
+            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,
+                                deterministic=deterministic)
+        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index,
+                                          deterministic=deterministic)
+        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
@@ -768,14 +716,14 @@ class Transformer(nnx.Module):
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        stages: dict | None = {} if return_intermediates else None
-        memory = self.encode(src, src_mask, stages, deterministic=deterministic)
-        out = self.decode(tgt, memory, src_mask, tgt_mask, stages, deterministic=deterministic)
+        if not return_intermediates:
+            memory = self.encode(src, src_mask, deterministic=deterministic)
+            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask, deterministic=deterministic))
+        memory, encoded = self.encode(src, src_mask, return_intermediates=True, deterministic=deterministic)
+        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True,
+                                   deterministic=deterministic)
         log_probs = self.generator(out)
-        if stages is None:
-            return log_probs
-        stages["log_probs"] = log_probs
-        return log_probs, stages
+        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
 
     def _check_inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
                       tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
@@ -783,14 +731,11 @@ class Transformer(nnx.Module):
         :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, src.shape, tgt.shape, _describe("src_mask", src_mask),
-                                       _describe("tgt_mask", tgt_mask))
+        checks.check_forward_inputs(self.config, src.shape, tgt.shape, describe("src_mask", src_mask),
+                                    describe("tgt_mask", tgt_mask))
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: npt.ArrayLike, vocab_size: int) -> jax.Array:
-        """The reference's token checks: shape and dtype always, the id range only on concrete
-        (untraced) arrays, which is why public entry points check before compiled code."""
-        if isinstance(tokens, jax.core.Tracer):
-            checks.check_token_layout(name, *_layout(name, tokens), self.config.max_len)
-            return tokens
-        return jnp.asarray(checks.check_tokens(name, tokens, vocab_size, self.config.max_len))
+        """The reference's token checks (:func:`.checks.check_tokens`: the id range only on concrete, untraced
+        arrays, which is why public entry points check before compiled code)."""
+        return check_tokens(name, tokens, vocab_size, self.config.max_len)

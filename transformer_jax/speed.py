@@ -1,12 +1,14 @@
 """What makes the JAX port's model fast and compiled; the math is in :mod:`.model`.
 
-Two jobs, one seam each:
+Three jobs, one seam each:
 
 * **Compiled calls.** Every compiled entry point of the port (:func:`compiled_forward` and :func:`forward` here,
   ``decoding.greedy_decode`` and ``beam_search``, the training steps) enters the model through one seam,
   :func:`_split`: the model is split once per model object and rebuilt inside the function compiled by plain
   ``jax.jit`` (``_Structure.merge``), where ``nnx.jit`` walks the whole module graph at every call;
   :data:`_EXACT_ROUNDING` keeps XLA from dropping the precision recipe's roundings to bfloat16 or float16.
+* **Attention along beams.** :func:`beam_scores` and :func:`beam_mix` are where ``model.scaled_dot_product_attention``
+  (Eq. (1)) computes the products along a beam-search cache's hypotheses without gathering keys and values.
 * **The log-softmax's row sums.** :func:`sum_exp` is the one place ``model.log_softmax`` calls into this module:
   the sum of ``exp`` over a row as matrix products with ones over chunks of it, which XLA:CPU runs faster than a
   row sum of ``exp``, at the same float32 error.
@@ -30,6 +32,54 @@ from jax import lax
 
 from reference_numpy.config import TransformerConfig
 
+_HIGHEST = lax.Precision.HIGHEST   # every product in full float32, as the model's (GPUs included)
+
+# ----------------------------------------------------------------------------- attention along beams
+
+def beam_scores(query: jax.Array, key: jax.Array, beams: jax.Array) -> jax.Array:
+    """Q K^T along each query row's hypothesis (a cache's ``beams`` table: position c of the hypothesis in row
+    b*K + j is in row b*K + beams[b, j, c]) without gathering keys: every query row of a sentence against every
+    key row of it (K times the products, a few KB), then at each position the score against the row ``beams``
+    names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k), beams (B, K, C) -> (N, H, Tq, C)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = query.shape
+    every = jnp.matmul(_every_row(query, beams), jnp.swapaxes(key, -1, -2), precision=_HIGHEST)   # (N, H, K*Tq, C)
+    every = every.reshape(batch, k, heads, k, length, capacity)          # (B, Ki, H, Kj, Tq, C)
+    scores = jnp.where(_picked(beams), every, 0).sum(axis=1)             # (B, H, Kj, Tq, C)
+    return scores.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, capacity)
+
+
+def beam_mix(weights: jax.Array, value: jax.Array, beams: jax.Array) -> jax.Array:
+    """weights V along each query row's hypothesis without gathering values: each key row's values weighted by
+    the weights of the positions it holds for every query row, summed over key rows.
+    Shape: weights (N, H, Tq, C), value (N, H, C, d_v), beams (B, K, C) -> (N, H, Tq, d_v)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = weights.shape
+    every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)
+    every = jnp.where(_picked(beams), every, 0).reshape(batch * k, heads, k * length, capacity)
+    out = jnp.matmul(every, value, precision=_HIGHEST)                   # (N, H, K*Tq, d_v)
+    out = out.reshape(batch, k, heads, k, length, -1).sum(axis=1)        # (B, H, Kj, Tq, d_v)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch * k, heads, length, -1)
+
+
+def _every_row(x: jax.Array, beams: jax.Array) -> jax.Array:
+    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
+
+    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
+    """
+    batch, k, _ = beams.shape
+    _, heads, length, width = x.shape
+    x = x.reshape(batch, 1, k, heads, length, width).transpose(0, 1, 3, 2, 4, 5)   # (B, 1, H, K, Tq, Z)
+    x = jnp.broadcast_to(x, (batch, k, heads, k, length, width))           # (B, Ki, H, Kj, Tq, Z)
+    return x.reshape(batch * k, heads, k * length, width)
+
+
+def _picked(beams: jax.Array) -> jax.Array:
+    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
+    k = beams.shape[1]
+    return beams[:, None, None, :, None, :] == jnp.arange(k, dtype=beams.dtype).reshape(1, k, 1, 1, 1, 1)
+
+
 # ----------------------------------------------------------------------------- the log-softmax's row sums
 
 _CHUNK_RANGE = (64, 1024)   # chunk lengths whose products with ones keep the plain sum's float32 error
@@ -47,7 +97,7 @@ def sum_exp(shifted: jax.Array) -> jax.Array:
     if chunk is None:
         return jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)
     chunks = jnp.exp(shifted).reshape(*shifted.shape[:-1], -1, chunk)                       # (..., V / chunk, chunk)
-    totals = jnp.matmul(chunks, jnp.ones(chunk, shifted.dtype), precision=lax.Precision.HIGHEST)   # (..., V / chunk)
+    totals = jnp.matmul(chunks, jnp.ones(chunk, shifted.dtype), precision=_HIGHEST)   # (..., V / chunk)
     return jnp.sum(totals, axis=-1, keepdims=True)
 
 

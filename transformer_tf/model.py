@@ -43,6 +43,9 @@ from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low, parse_dtype, round_to
 
+from . import speed
+from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
+
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 
 Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
@@ -122,8 +125,7 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 
     With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c] (computed without moving keys or values: :func:`_beam_scores`,
-    :func:`_beam_mix`).
+    b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
     In a low precision the whole of Eq. (1) is computed in float32 from the P inputs and the output and
     weights are rounded to P.
@@ -141,67 +143,19 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     if beams is None:
         scores = tf.matmul(query, key, transpose_b=True) / math.sqrt(d_k)   # (..., Tq, Tk)
     else:
-        scores = _beam_scores(query, key, beams) / math.sqrt(d_k)
+        scores = speed.beam_scores(query, key, beams) / math.sqrt(d_k)
     if mask is not None:
-        mask = _check_mask(mask, scores.shape)
+        mask = checked_mask("mask", mask, scores.shape)
         scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
     row_max = tf.reduce_max(scores, axis=-1, keepdims=True)              # -inf on fully masked rows
     row_max = tf.where(tf.math.is_finite(row_max), row_max, tf.zeros_like(row_max))
     exp = tf.exp(scores - row_max)                                      # exactly 0 where masked
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
-    out = tf.matmul(weights, value) if beams is None else _beam_mix(weights, value, beams)
+    out = tf.matmul(weights, value) if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
     return _narrow(out, dtype), _narrow(weights, dtype)
-
-
-def _every_row(x: tf.Tensor, beams: tf.Tensor) -> tf.Tensor:
-    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
-
-    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
-    """
-    batch, k, _ = beams.shape
-    _, heads, length, width = x.shape
-    x = tf.transpose(tf.reshape(x, (batch, 1, k, heads, length, width)), (0, 1, 3, 2, 4, 5))  # (B, 1, H, K, Tq, Z)
-    x = tf.broadcast_to(x, (batch, k, heads, k, length, width))           # (B, Ki, H, Kj, Tq, Z)
-    return tf.reshape(x, (batch * k, heads, k * length, width))
-
-
-def _picked(beams: tf.Tensor) -> tf.Tensor:
-    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
-    k = beams.shape[1]
-    return beams[:, None, None, :, None, :] == tf.reshape(tf.range(k, dtype=beams.dtype), (1, k, 1, 1, 1, 1))
-
-
-def _beam_scores(query: tf.Tensor, key: tf.Tensor, beams: tf.Tensor) -> tf.Tensor:
-    """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
-    against every key row of it (K times the products, a few KB), then at each position the score
-    against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
-    batch, k, capacity = beams.shape
-    _, heads, length, _ = query.shape
-    every = tf.matmul(_every_row(query, beams), key, transpose_b=True)   # (N, H, K*Tq, C)
-    every = tf.reshape(every, (batch, k, heads, k, length, capacity))    # (B, Ki, H, Kj, Tq, C)
-    scores = tf.reduce_sum(tf.where(_picked(beams), every, tf.zeros_like(every)), axis=1)  # (B, H, Kj, Tq, C)
-    return tf.reshape(tf.transpose(scores, (0, 2, 1, 3, 4)), (batch * k, heads, length, capacity))
-
-
-def _beam_mix(weights: tf.Tensor, value: tf.Tensor, beams: tf.Tensor) -> tf.Tensor:
-    """weights V along each query row's hypothesis: each key row's values weighted by the weights
-    of the positions it holds for every query row, summed over key rows.
-    Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
-    batch, k, capacity = beams.shape
-    _, heads, length, _ = weights.shape
-    every = tf.reshape(_every_row(weights, beams), (batch, k, heads, k, length, capacity))   # (B, Ki, H, Kj, Tq, C)
-    every = tf.where(_picked(beams), every, tf.zeros_like(every))
-    out = tf.matmul(tf.reshape(every, (batch * k, heads, k * length, capacity)), value)       # (N, H, K*Tq, d_v)
-    out = tf.reduce_sum(tf.reshape(out, (batch, k, heads, k, length, -1)), axis=1)          # (B, H, Kj, Tq, d_v)
-    return tf.reshape(tf.transpose(out, (0, 2, 1, 3, 4)), (batch * k, heads, length, -1))
-
-
-def _check_mask(mask: tf.Tensor, scores_shape: tuple, name: str = "mask") -> tf.Tensor:
-    checks.check_mask(name, *_describe(name, mask), tuple(scores_shape))   # None: a size unknown while tracing
-    return tf.convert_to_tensor(mask)
 
 
 @register
@@ -217,13 +171,6 @@ class _Dense(keras.layers.Dense):
         return _narrow(super().call(_wide(inputs)), self.compute_dtype)
 
 
-def _describe(name: str, value: tf.Tensor | np.ndarray) -> tuple[tuple, str]:
-    """(shape, dtype name) of a tensor or array argument, for the reference's input checks."""
-    if not tf.is_tensor(value):
-        value = checks.as_array(name, value)
-    return tuple(value.shape), value.dtype.name
-
-
 class _TransformerLayer(keras.layers.Layer):
     """Keras plumbing shared by the layers below (the Transformer mixes it in before ``keras.Model``).
 
@@ -232,9 +179,7 @@ class _TransformerLayer(keras.layers.Layer):
     * masks are plain inputs. Keras fills an argument named ``mask`` (or ``src_mask`` for an
       argument ``src``) from a ``_keras_mask`` attribute of the inputs, by keyword: so inputs
       lose that attribute, and the arguments are bound to ``call()``'s signature and passed by
-      keyword (a mask given by position would otherwise collide with Keras' keyword);
-    * Keras copies the containers a call is given, so an ``intermediates`` dict travels
-      wrapped (:class:`_Intermediates`) and the caller's dict is the one filled.
+      keyword (a mask given by position would otherwise collide with Keras' keyword).
     """
 
     def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
@@ -243,8 +188,6 @@ class _TransformerLayer(keras.layers.Layer):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self._call_signature.bind(*args, **kwargs).arguments
-        if arguments.get("intermediates") is not None:
-            arguments["intermediates"] = _Intermediates(arguments["intermediates"])
         return super().__call__(**tf.nest.map_structure(_without_keras_mask, arguments))
 
     def get_config(self) -> dict:
@@ -270,17 +213,6 @@ def _without_keras_mask(value: object) -> object:
     return value
 
 
-class _Intermediates:
-    """The caller's ``intermediates`` dict, passed through a Keras call uncopied (Keras' tree
-    functions treat this object as a leaf): ``call`` writes into it as into the dict."""
-
-    def __init__(self, target: dict):
-        self.target = target
-
-    def __setitem__(self, key: str, value: tf.Tensor) -> None:
-        self.target[key] = value
-
-
 class KVCache(NamedTuple):
     """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
 
@@ -303,8 +235,15 @@ def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    checks.check_beams(*_describe("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
+
+
+def _returned(out: Any, *optional: Any) -> Any:
+    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
+    (None: not asked), in the order the docstring names them (the cache last)."""
+    asked = tuple(result for result in optional if result is not None)
+    return (out, *asked) if asked else out
 
 
 @register
@@ -351,9 +290,7 @@ class MultiHeadAttention(_TransformerLayer):
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
         out = self.o_proj(concat)
-        if cache is not None:
-            return (out, weights, cache) if return_weights else (out, cache)
-        return (out, weights) if return_weights else out
+        return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: Index, capacity: int) -> KVCache:
         """An empty (zeros) self-attention cache of ``capacity`` positions in the layer's dtype.
@@ -379,7 +316,7 @@ class MultiHeadAttention(_TransformerLayer):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        _check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache_index = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
         cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index),
                         _written_beams(cache.beams, cache_index, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
@@ -717,7 +654,8 @@ def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) 
 class Encoder(_TransformerLayer):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
+    layer's output.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -731,21 +669,24 @@ class Encoder(_TransformerLayer):
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, mask=None, intermediates=None, training=None):
+    def call(self, x, mask=None, return_intermediates=False, training=None):
+        stages = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, training=training)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
-        return self.norm(x) if self.norm is not None else x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
+        x = self.norm(x) if self.norm is not None else x
+        return _returned(x, stages if return_intermediates else None)
 
 
 @register
 class Decoder(_TransformerLayer):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``. With a
-    ``cache`` (one pair of :class:`KVCache` per layer, from :meth:`init_cache`) the call returns
-    ``(x, cache)``; see :class:`DecoderLayer`.
+    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
+    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
+    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
+    or ``(x, stages, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -759,23 +700,29 @@ class Decoder(_TransformerLayer):
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, intermediates=None, cache=None, cache_index=None,
+    def call(self, x, memory, src_mask=None, tgt_mask=None, return_intermediates=False, cache=None, cache_index=None,
              training=None):
-        kept = []
+        stages, kept = {}, []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, training=training)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index, training=training)
                 kept.append(layer_cache)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return x if cache is None else (x, tuple(kept))
+        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
+
+
+def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
+    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
+    (``{stack}.layers.{i}``) and the stack's output."""
+    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -832,22 +779,21 @@ class Transformer(_TransformerLayer, keras.Model):
             if not layer.built:  # with share_embeddings, src_embed is tgt_embed
                 layer.build()
 
-    def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, intermediates: dict | None = None,
-               training: bool | None = None) -> tf.Tensor:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
+    def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, return_intermediates: bool = False,
+               training: bool | None = None) -> Any:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
+
+        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask")
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), training=training)
-        steps: dict = {}
-        memory = self.encoder(x, src_mask, steps, training=training)
-        if intermediates is not None:
-            intermediates["src_embed"] = x
-            intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
-            intermediates["encoder"] = memory
-        return memory
+        if not return_intermediates:
+            return self.encoder(x, src_mask, training=training)
+        memory, layers = self.encoder(x, src_mask, return_intermediates=True, training=training)
+        return memory, _stages("src_embed", x, "encoder", layers, memory)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -855,15 +801,15 @@ class Transformer(_TransformerLayer, keras.Model):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = _describe("memory", memory)
+        shape, dtype = layout("memory", memory)
         checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.compute_dtype)
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(tf.convert_to_tensor(memory), capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
-               tgt_mask: tf.Tensor | None = None, intermediates: dict | None = None,
+               tgt_mask: tf.Tensor | None = None, return_intermediates: bool = False,
                cache: tuple[tuple[KVCache, KVCache], ...] | None = None, cache_index: Index | None = None,
-               training: bool | None = None) -> tf.Tensor | tuple[tf.Tensor, tuple[tuple[KVCache, KVCache], ...]]:
+               training: bool | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -874,35 +820,30 @@ class Transformer(_TransformerLayer, keras.Model):
         the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written).
-        ``cache_index`` may be a tensor (checked only when its value is known). Returns
-        ``(out, cache)``.
+        ``cache_index`` may be a tensor (checked only when its value is known).
+        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
+        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*_describe("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
+        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
         memory = tf.convert_to_tensor(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:
-            _check_cache_index(cache_index, length, keys)
+            check_cache_index(cache_index, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
-            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask")
+            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(cache_index, length, keys)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask")
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, training=training)
-        steps: dict = {}
-        if cache is None:
-            out = self.decoder(y, memory, src_mask, tgt_mask, steps, training=training)
-        else:
-            out, cache = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index, training=training)
-        if intermediates is not None:
-            intermediates["tgt_embed"] = y
-            intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
-            intermediates["decoder"] = out
-        return out if cache is None else (out, cache)
+        if not return_intermediates:
+            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
+        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index, training=training)
+        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Checks the inputs before Keras' ``Layer.__call__``: an error raised inside ``call`` is
@@ -920,14 +861,13 @@ class Transformer(_TransformerLayer, keras.Model):
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        stages: dict[str, tf.Tensor] = {}
-        memory = self.encode(src, src_mask, stages, training=training)
-        out = self.decode(tgt, memory, src_mask, tgt_mask, stages, training=training)
-        log_probs = self.generator(out)
         if not return_intermediates:
-            return log_probs
-        stages["log_probs"] = log_probs
-        return log_probs, stages
+            memory = self.encode(src, src_mask, training=training)
+            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask, training=training))
+        memory, encoded = self.encode(src, src_mask, return_intermediates=True, training=training)
+        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True, training=training)
+        log_probs = self.generator(out)
+        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
 
     def _check_inputs(self, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
@@ -935,29 +875,11 @@ class Transformer(_TransformerLayer, keras.Model):
         :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        masks = [None if mask is None else _describe(name, mask) for name, mask in (("src_mask", src_mask),
-                                                                                   ("tgt_mask", tgt_mask))]
-        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), *masks)
+        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
+                                    describe("tgt_mask", tgt_mask))
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
-        """The reference's token checks: shape and dtype always, the id range unless the tensor is
-        symbolic (traced), which is why public entry points check before compiled code. Ids of
-        any integer dtype become int64 (``tf.gather`` takes no unsigned indices)."""
-        if tf.is_symbolic_tensor(tokens):
-            checks.check_token_layout(name, *_describe(name, tokens), self.config.max_len)
-        elif tf.is_tensor(tokens):
-            checks.check_tokens(name, tokens.numpy(), vocab_size, self.config.max_len)
-        else:
-            tokens = checks.check_tokens(name, tokens, vocab_size, self.config.max_len)
-        return tf.cast(tokens, tf.int64)
-
-
-def _check_cache_index(cache_index: Any, length: int, capacity: int) -> None:   # Any: what a caller gave
-    """The reference's check of ``cache_index`` (an int >= 0 with the ``length`` new positions
-    inside the cache), on its value when known: an eager tensor is read, a traced one is left
-    to the compiled caller (the searches bound it by construction)."""
-    if not tf.is_symbolic_tensor(cache_index):
-        checks.check_cache_index(cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index,
-                                    length, capacity)
-
+        """The reference's token checks (:func:`.checks.check_tokens`: the id range unless the tensor is symbolic,
+        which is why public entry points check before compiled code); int64 ids."""
+        return check_tokens(name, tokens, vocab_size, self.config.max_len)

@@ -38,8 +38,9 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import parse_dtype, round_to
 
+from .checks import dtype_name
 from .device import resolve_device
-from .model import _LOW, Transformer, _dtype_name, _from_numpy, _to_numpy
+from .model import _LOW, Transformer, _from_numpy, _to_numpy
 
 # kind (reference_numpy.checkpoint.Parameter) -> (torch parameter path, from the tensor's module; transposed:
 # torch holds it (out, in), the checkpoint (in, out))
@@ -69,7 +70,7 @@ def transposed(config: TransformerConfig) -> tuple[str, ...]:
 def _torch_dtype(dtype: npt.DTypeLike | torch.dtype) -> torch.dtype:
     """The torch dtype of ``dtype`` (a torch, NumPy or ml_dtypes dtype, or a name), parsed by the reference's
     ``parse_dtype``: float64, float32, bfloat16 or float16, anything else its one ``ValueError``."""
-    return getattr(torch, parse_dtype(_dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype).name)
+    return getattr(torch, parse_dtype(dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype).name)
 
 
 def from_params(config: TransformerConfig, params: dict[str, np.ndarray],
@@ -156,8 +157,8 @@ def _converted(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], dt
     table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
     for name, array in tensors:
         path = table[name]
-        rounded = dtype in _LOW and array.dtype != parse_dtype(_dtype_name(dtype))
-        array = round_to(array, _dtype_name(dtype)) if rounded else array
+        rounded = dtype in _LOW and array.dtype != parse_dtype(dtype_name(dtype))
+        array = round_to(array, dtype_name(dtype)) if rounded else array
         value = _from_numpy(array if owned else np.ascontiguousarray(array))
         value = value.T if name in flip else value
         if value.shape != targets[path].shape:

@@ -46,6 +46,7 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import BFLOAT16
 
 from . import speed
+from .checks import check_beams, check_tokens, checked_mask, describe, dtype_name, layout
 
 _LOW = (torch.bfloat16, torch.float16)   # the low precisions P of reference_numpy/precision.py
 
@@ -93,15 +94,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
                                  return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
-    Runs the fused ``torch.nn.functional.scaled_dot_product_attention`` (bool mask, True = take
-    part, as here). With ``return_weights`` the weights are computed explicitly instead (for
-    plots) and returned; otherwise the second result is None. A query row whose mask has no True
-    entry sees no key: its output (and its weights) are zero, never NaN.
+    Computed as written below; where neither the weights (``return_weights``, for plots) nor gradients are asked
+    for, by torch's fused kernel instead (:func:`.speed.attention`, the same function); without
+    ``return_weights`` the second result is None. A query row whose mask has no True entry sees no key: its
+    output (and its weights) are zero, never NaN.
 
     With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c] (computed explicitly, without moving keys or values: :func:`_beam_scores`,
-    :func:`_beam_mix`).
+    b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
     In a low precision P the whole of Eq. (1) is computed wide (float32, the same kernels) from the P inputs and
     the output and weights are rounded to P.
@@ -112,43 +112,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk) or None.
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
-    batch = _broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    batch = speed.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     if mask is not None:
-        mask = _check_mask(mask, (*batch, query.shape[-2], key.shape[-2]), device=query.device)
+        mask = checked_mask("mask", mask, (*batch, query.shape[-2], key.shape[-2]), query.device)
     dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)
-    if return_weights or beams is not None or _differentiated(query, key, value):
-        out, weights = _explicit_attention(query, key, value, mask, beams)
-        return _narrow(out, dtype), (_narrow(weights, dtype) if return_weights else None)
-    if mask is None:
-        return _narrow(F.scaled_dot_product_attention(query, key, value), dtype), None
-    batch = _broadcast_shapes(mask.shape[:-2], batch)
-    query, key, value = (t.expand(*batch, *t.shape[-2:]) for t in (query, key, value))  # (..., T, d_k)
-    hidden = ~mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1) rows that see no key
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | hidden)
-    return _narrow(out.masked_fill(hidden, 0.0), dtype), None           # fully masked row -> zeros
-
-
-def _broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """NumPy's broadcast of shapes (a fraction of torch's cost), or torch's when traced: its sizes are then
-    symbols, which NumPy would turn into the example's constants."""
-    return tuple(torch.broadcast_shapes(*shapes)) if torch.compiler.is_compiling() else np.broadcast_shapes(*shapes)
-
-
-def _differentiated(*tensors: Tensor) -> bool:
-    """Whether autograd records this attention. Its backward is then the softmax's own, w * (g - sum(w * g)), as in
-    the reference and the other frameworks: the fused kernel's backward forms g - sum(w * g) as dP - rowsum(dO * O),
-    two equal numbers computed differently, whose float64 rounding (eps |dO| |V|) a saturated softmax multiplies by
-    |K| into dQ where the exact gradient is zero (docs/equivalence.md, "The configuration space")."""
-    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-
-
-def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                        beams: Tensor | None) -> tuple[Tensor, Tensor]:
+    if not return_weights and beams is None and speed.fused(query, key, value):
+        return _narrow(speed.attention(query, key, value, mask), dtype), None
     d_k = query.shape[-1]
     if beams is None:
         scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_k)      # (..., Tq, Tk)
     else:
-        scores = _beam_scores(query, key, beams) / math.sqrt(d_k)
+        scores = speed.beam_scores(query, key, beams) / math.sqrt(d_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     row_max = scores.amax(dim=-1, keepdim=True)                         # -inf on fully masked rows
@@ -156,76 +130,10 @@ def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor 
     exp = torch.exp(scores - row_max)                                   # exactly 0 where masked
     total = exp.sum(dim=-1, keepdim=True)
     weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
-    out = weights @ value if beams is None else _beam_mix(weights, value, beams)
+    out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = torch.where(mask.any(dim=-1, keepdim=True), out, 0.0)     # a row that sees no key -> zeros
-    return out, weights
-
-
-def _every_row(x: Tensor, beams: Tensor) -> Tensor:
-    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
-
-    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
-    """
-    batch, k, _ = beams.shape
-    _, heads, length, width = x.shape
-    x = x.reshape(batch, 1, k, heads, length, width).permute(0, 1, 3, 2, 4, 5)   # (B, 1, H, K, Tq, Z)
-    x = x.expand(batch, k, heads, k, length, width)                       # (B, Ki, H, Kj, Tq, Z)
-    return x.reshape(batch * k, heads, k * length, width)
-
-
-def _picked(beams: Tensor) -> Tensor:
-    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
-    k = beams.shape[1]
-    return beams[:, None, None, :, None, :] == torch.arange(k, device=beams.device).reshape(1, k, 1, 1, 1, 1)
-
-
-def _beam_scores(query: Tensor, key: Tensor, beams: Tensor) -> Tensor:
-    """Q K^T along each query row's hypothesis without moving keys: every query row of a sentence
-    against every key row of it (K times the products, a few KB), then at each position the score
-    against the row ``beams`` names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k) -> (N, H, Tq, C)."""
-    batch, k, capacity = beams.shape
-    _, heads, length, _ = query.shape
-    every = _every_row(query, beams) @ key.transpose(-1, -2)             # (N, H, K*Tq, C)
-    every = every.reshape(batch, k, heads, k, length, capacity)          # (B, Ki, H, Kj, Tq, C)
-    scores = torch.where(_picked(beams), every, 0.0).sum(dim=1)          # (B, H, Kj, Tq, C)
-    return scores.transpose(1, 2).reshape(batch * k, heads, length, capacity)
-
-
-def _beam_mix(weights: Tensor, value: Tensor, beams: Tensor) -> Tensor:
-    """weights V along each query row's hypothesis: each key row's values weighted by the weights
-    of the positions it holds for every query row, summed over key rows.
-    Shape: weights (N, H, Tq, C), value (N, H, C, d_v) -> (N, H, Tq, d_v)."""
-    batch, k, capacity = beams.shape
-    _, heads, length, _ = weights.shape
-    every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)
-    every = torch.where(_picked(beams), every, 0.0).reshape(batch * k, heads, k * length, capacity)
-    out = every @ value                                                  # (N, H, K*Tq, d_v)
-    out = out.reshape(batch, k, heads, k, length, -1).sum(dim=1)         # (B, H, Kj, Tq, d_v)
-    return out.transpose(1, 2).reshape(batch * k, heads, length, -1)
-
-
-def _check_mask(mask: Tensor | np.ndarray, scores_shape: tuple[int, ...], name: str = "mask",
-                device: torch.device | str | None = None) -> Tensor:
-    checks.check_mask(name, *_layout(name, mask), tuple(scores_shape))
-    return torch.as_tensor(mask, device=device)
-
-
-def _describe(name: str, value: object) -> tuple[tuple, str] | None:
-    """(shape, dtype name) of an optional tensor or array argument, for the reference's input checks."""
-    return None if value is None else _layout(name, value)
-
-
-def _layout(name: str, value: object) -> tuple[tuple, str]:
-    """(shape, dtype name) of a tensor or array argument, for the reference's input checks."""
-    if isinstance(value, Tensor):
-        return tuple(value.shape), _dtype_name(value.dtype)
-    array = checks.as_array(name, value)
-    return array.shape, array.dtype.name
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return _narrow(out, dtype), (_narrow(weights, dtype) if return_weights else None)
 
 
 def _wide(x: Tensor) -> Tensor:
@@ -277,7 +185,7 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
         return None
-    checks.check_beams(*_layout("cache.beams", cache.beams), cache.keys.shape[0], cache.keys.shape[2])
+    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
     return cache.beams
 
 
@@ -298,6 +206,13 @@ class _Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return _linear(x, self.weight, self.bias)
+
+
+def _returned(out: Any, *optional: Any) -> Any:
+    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
+    (None: not asked), in the order the docstring names them (the cache last)."""
+    asked = tuple(result for result in optional if result is not None)
+    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nn.Module):
@@ -337,9 +252,7 @@ class MultiHeadAttention(nn.Module):
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
-        if cache is not None:
-            return (out, weights, cache) if return_weights else (out, cache)
-        return (out, weights) if return_weights else out
+        return _returned(out, weights, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions, in the weights' dtype and device.
@@ -451,7 +364,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
 
     Shape: returns (L, D).
     """
-    return _from_numpy(reference.sinusoidal_positional_encoding(length, d_model, _dtype_name(dtype))).to(device=device)
+    return _from_numpy(reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype))).to(device=device)
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
@@ -636,7 +549,8 @@ def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCac
 class Encoder(nn.Module):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``.
+    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
+    layer's output.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -646,20 +560,23 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
         self.norm = LayerNorm(config) if config.norm_first else None
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, intermediates: dict | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, return_intermediates: bool = False) -> Any:
+        stages = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, mask)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
-        return self.norm(x) if self.norm is not None else x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
+        x = self.norm(x) if self.norm is not None else x
+        return _returned(x, stages if return_intermediates else None)
 
 
 class Decoder(nn.Module):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    ``intermediates``, when a dict, receives each layer's output under ``layers.{i}``;
     ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`) and the call then returns ``(x, cache)``.
+    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
+    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
+    or ``(x, stages, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -670,23 +587,29 @@ class Decoder(nn.Module):
         self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                intermediates: dict | None = None, cache: tuple | None = None, cache_index: int | None = None) -> Any:
-        kept = []
+                return_intermediates: bool = False, cache: tuple | None = None, cache_index: int | None = None) -> Any:
+        stages, kept = {}, []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
                 kept.append(layer_cache)
-            if intermediates is not None:
-                intermediates[f"layers.{i}"] = x
+            if return_intermediates:
+                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return x if cache is None else (x, tuple(kept))
+        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
         # nn.ModuleList yields each layer as a Module, whose attributes torch types Tensor | Module
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)  # type: ignore[operator]
+
+
+def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
+    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
+    (``{stack}.layers.{i}``) and the stack's output."""
+    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -740,21 +663,20 @@ class Transformer(nn.Module):
         return self.src_embed.weight.device
 
     def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
-               intermediates: dict | None = None) -> Tensor:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
+               return_intermediates: bool = False) -> Any:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
+
+        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = _check_mask(src_mask, (batch, heads, length, length), "src_mask", self.device)
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), self.device)
         x = self.src_pos(self.src_embed(src))
-        steps: dict = {}
-        memory = self.encoder(x, src_mask, steps)
-        if intermediates is not None:
-            intermediates["src_embed"] = x
-            intermediates.update({f"encoder.{key}": value for key, value in steps.items()})
-            intermediates["encoder"] = memory
-        return memory
+        if not return_intermediates:
+            return self.encoder(x, src_mask)
+        memory, layers = self.encoder(x, src_mask, return_intermediates=True)
+        return memory, _stages("src_embed", x, "encoder", layers, memory)
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -762,14 +684,14 @@ class Transformer(nn.Module):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = _layout("memory", memory)
+        shape, dtype = layout("memory", memory)
         checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model,
-                               _dtype_name(self.dtype))
+                               dtype_name(self.dtype))
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(torch.as_tensor(memory, device=self.device), capacity)
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
-               tgt_mask: Tensor | np.ndarray | None = None, intermediates: dict | None = None,
+               tgt_mask: Tensor | np.ndarray | None = None, return_intermediates: bool = False,
                cache: tuple | None = None, cache_index: int | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
@@ -781,10 +703,11 @@ class Transformer(nn.Module):
         the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written).
-        Returns ``(out, cache)``.
+        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
+        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*_layout("memory", memory), tgt.shape[0], self.config.d_model, _dtype_name(self.dtype))
+        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, dtype_name(self.dtype))
         memory = torch.as_tensor(memory, device=self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
@@ -793,22 +716,16 @@ class Transformer(nn.Module):
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
-            src_mask = _check_mask(src_mask, (batch, heads, length, memory.shape[1]), "src_mask", self.device)
+            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]), self.device)
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(start, length, keys, self.device)
-        tgt_mask = _check_mask(tgt_mask, (batch, heads, length, keys), "tgt_mask", self.device)
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), start)
-        steps: dict = {}
-        if cache is None:
-            out = self.decoder(y, memory, src_mask, tgt_mask, steps)
-        else:
-            out, cache = self.decoder(y, memory, src_mask, tgt_mask, steps, cache, cache_index)
-        if intermediates is not None:
-            intermediates["tgt_embed"] = y
-            intermediates.update({f"decoder.{key}": value for key, value in steps.items()})
-            intermediates["decoder"] = out
-        return out if cache is None else (out, cache)
+        if not return_intermediates:
+            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
+        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)
+        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Checks the inputs (ids read on the host) before ``nn.Module.__call__``, which may run a compiled
@@ -827,14 +744,13 @@ class Transformer(nn.Module):
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        stages: dict | None = {} if return_intermediates else None
-        memory = self.encode(src, src_mask, stages)
-        out = self.decode(tgt, memory, src_mask, tgt_mask, stages)
+        if not return_intermediates:
+            memory = self.encode(src, src_mask)
+            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask))
+        memory, encoded = self.encode(src, src_mask, return_intermediates=True)
+        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True)
         log_probs = self.generator(out)
-        if stages is None:
-            return log_probs
-        stages["log_probs"] = log_probs
-        return log_probs, stages
+        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
 
     def _check_inputs(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
                       tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:
@@ -842,18 +758,11 @@ class Transformer(nn.Module):
         :func:`~reference_numpy.checks.check_forward_inputs`)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape),
-                                       _describe("src_mask", src_mask), _describe("tgt_mask", tgt_mask))
+        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
+                                    describe("tgt_mask", tgt_mask))
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: Tensor | np.ndarray, vocab_size: int) -> Tensor:
-        """The reference's token checks: shape and dtype always, the id range unless the tensor is traced
-        (``torch.compiler.is_compiling()``: it holds no values), which is why ``__call__`` checks before a
-        compiled ``forward``. Ids of any integer dtype become int64 on the model's device."""
-        if not isinstance(tokens, Tensor):
-            tokens = torch.as_tensor(checks.check_tokens(name, tokens, vocab_size, self.config.max_len))
-        else:
-            checks.check_token_layout(name, *_layout(name, tokens), self.config.max_len)
-            if not torch.compiler.is_compiling():
-                checks.check_token_values(name, tokens.cpu().numpy(), vocab_size)
-        return tokens.to(device=self.device, dtype=torch.long)
+        """The reference's token checks (:func:`.checks.check_tokens`: the id range only on a tensor that holds
+        values, which is why ``__call__`` checks before a compiled ``forward``); int64 ids on the model's device."""
+        return check_tokens(name, tokens, vocab_size, self.config.max_len, self.device)

@@ -1,16 +1,20 @@
 """The kernel choice that makes the PyTorch port's inference fast on a CPU; the math is in :mod:`.model`.
 
-One seam: :func:`linear`, which ``model._linear`` (every linear map of the model: the projections of
+Two seams. :func:`linear`, which ``model._linear`` (every linear map of the model: the projections of
 :class:`~.model.MultiHeadAttention`, both layers of :class:`~.model.PositionwiseFeedForward`, the
 :class:`~.model.Generator`) calls for x W^T + b once the precision recipe has made its operands float32 or
 float64. It computes what ``F.linear`` computes, by oneDNN's inner product where that is faster: batch-1 decoding
 reads the 37000 x 512 output projection at about 50 GB/s instead of MKL's 16 GB/s, and large products run at twice
-MKL's rate (docs/benchmarks-torch.md, "Before and after"; docs/torch.md, "Speed and memory"). This module imports
-nothing from the model.
+MKL's rate (docs/benchmarks-torch.md, "Before and after"; docs/torch.md, "Speed and memory"). And attention,
+which ``model.scaled_dot_product_attention`` (Eq. (1)) hands to torch's fused kernel (:func:`attention`) when
+neither its weights nor its gradients are asked for (:func:`fused`), and whose products along a beam-search
+cache's hypotheses it computes without gathering keys and values (:func:`beam_scores`, :func:`beam_mix`). This
+module imports nothing from the model.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -43,3 +47,79 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
                                                   or (bias is not None and bias.requires_grad)))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy's broadcast of shapes (a fraction of torch's cost), or torch's when traced: its sizes are then
+    symbols, which NumPy would turn into the example's constants."""
+    return tuple(torch.broadcast_shapes(*shapes)) if torch.compiler.is_compiling() else np.broadcast_shapes(*shapes)
+
+
+def fused(*tensors: Tensor) -> bool:
+    """Whether :func:`attention` (torch's fused kernel) may compute Eq. (1) of these tensors: not when autograd
+    records it. Its backward is then the softmax's own, w * (g - sum(w * g)), as in the reference and the other
+    frameworks: the fused kernel's backward forms g - sum(w * g) as dP - rowsum(dO * O), two equal numbers computed
+    differently, whose float64 rounding (eps |dO| |V|) a saturated softmax multiplies by |K| into dQ where the exact
+    gradient is zero (docs/equivalence.md, "The configuration space")."""
+    return not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors))
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k)) V by ``torch.nn.functional.scaled_dot_product_attention`` (bool mask, True =
+    take part, as in the model); a query row whose mask has no True entry sees no key: its output is zero (the
+    kernel alone would give NaN).
+
+    Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk)
+    -> (..., Tq, d_v).
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(query, key, value)
+    batch = broadcast_shapes(mask.shape[:-2], query.shape[:-2], key.shape[:-2])
+    query, key, value = (t.expand(*batch, *t.shape[-2:]) for t in (query, key, value))  # (..., T, d_k)
+    hidden = ~mask.any(dim=-1, keepdim=True)                            # (..., Tq or 1, 1) rows that see no key
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | hidden)
+    return out.masked_fill(hidden, 0.0)                                 # fully masked row -> zeros
+
+
+def beam_scores(query: Tensor, key: Tensor, beams: Tensor) -> Tensor:
+    """Q K^T along each query row's hypothesis (a cache's ``beams`` table: position c of the hypothesis in row
+    b*K + j is in row b*K + beams[b, j, c]) without gathering keys: every query row of a sentence against every
+    key row of it (K times the products, a few KB), then at each position the score against the row ``beams``
+    names. Shape: query (N, H, Tq, d_k), key (N, H, C, d_k), beams (B, K, C) -> (N, H, Tq, C)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = query.shape
+    every = _every_row(query, beams) @ key.transpose(-1, -2)             # (N, H, K*Tq, C)
+    every = every.reshape(batch, k, heads, k, length, capacity)          # (B, Ki, H, Kj, Tq, C)
+    scores = torch.where(_picked(beams), every, 0.0).sum(dim=1)          # (B, H, Kj, Tq, C)
+    return scores.transpose(1, 2).reshape(batch * k, heads, length, capacity)
+
+
+def beam_mix(weights: Tensor, value: Tensor, beams: Tensor) -> Tensor:
+    """weights V along each query row's hypothesis without gathering values: each key row's values weighted by
+    the weights of the positions it holds for every query row, summed over key rows.
+    Shape: weights (N, H, Tq, C), value (N, H, C, d_v), beams (B, K, C) -> (N, H, Tq, d_v)."""
+    batch, k, capacity = beams.shape
+    _, heads, length, _ = weights.shape
+    every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)
+    every = torch.where(_picked(beams), every, 0.0).reshape(batch * k, heads, k * length, capacity)
+    out = every @ value                                                  # (N, H, K*Tq, d_v)
+    out = out.reshape(batch, k, heads, k, length, -1).sum(dim=1)         # (B, H, Kj, Tq, d_v)
+    return out.transpose(1, 2).reshape(batch * k, heads, length, -1)
+
+
+def _every_row(x: Tensor, beams: Tensor) -> Tensor:
+    """For key row b*K + i, the rows of all K query rows of sentence b, one after the other.
+
+    Shape: x (N, H, Tq, Z), beams (B, K, C) -> (N, H, K*Tq, Z).
+    """
+    batch, k, _ = beams.shape
+    _, heads, length, width = x.shape
+    x = x.reshape(batch, 1, k, heads, length, width).permute(0, 1, 3, 2, 4, 5)   # (B, 1, H, K, Tq, Z)
+    x = x.expand(batch, k, heads, k, length, width)                       # (B, Ki, H, Kj, Tq, Z)
+    return x.reshape(batch * k, heads, k * length, width)
+
+
+def _picked(beams: Tensor) -> Tensor:
+    """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
+    k = beams.shape[1]
+    return beams[:, None, None, :, None, :] == torch.arange(k, device=beams.device).reshape(1, k, 1, 1, 1, 1)

@@ -47,7 +47,8 @@ from reference_numpy.training import (
 )
 
 from . import checkpoint
-from .model import Transformer, _dtype_name
+from .checks import dtype_name
+from .model import Transformer
 
 Batch = Tensor | npt.ArrayLike   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
 
@@ -146,9 +147,9 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     the model in P over the float32 masters and, for float16, a ``GradScaler`` with the reference's
     ``LOSS_SCALE_GROWTH_INTERVAL`` and the saved run's scale (else ``LOSS_SCALE``).
     """
-    dtype = training_dtype(_dtype_name(model.dtype), dtype)
+    dtype = training_dtype(dtype_name(model.dtype), dtype)
     if state is not None:
-        stored = parse_dtype(_dtype_name(model.dtype))
+        stored = parse_dtype(dtype_name(model.dtype))
         state = state.astype(stored)
         reference_checkpoint.validate_training_state(model.config,
                                                      reference_checkpoint.parameter_stand_ins(model.config, stored),
@@ -214,7 +215,7 @@ def train_step(model: Transformer, optimizer: Optimizer, src: Batch, tgt: Batch,
     left in eval mode. Returns the loss before the update. In mixed precision the loss and gradients are the
     P model's (:func:`_mixed_precision_step`). The batch (the reference's ``check_batch``, in :func:`loss`) and the
     step count (``check_next_step``) are checked before any work."""
-    check_trainable(_dtype_name(model.dtype))
+    check_trainable(dtype_name(model.dtype))
     check_batch(model, src, tgt, labels.cpu() if isinstance(labels, Tensor) else labels)
     check_next_step(optimizer.schedule.last_epoch)
     if optimizer.low is not None:

@@ -1,0 +1,55 @@
+"""The reference's input checks (``reference_numpy/checks.py``) on JAX's arrays.
+
+Each function reads an array's shape and dtype name -- its values only where a check needs them and the array
+holds values (not a tracer inside ``jax.jit``: the compiled callers check before they trace) -- and calls the
+reference's check, so a bad input gets the reference's one-line ``ValueError``, naming the argument, as in every
+backend. NumPy arrays and nested lists are taken too. :mod:`.model` calls these at its public entry points and
+holds the math alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy.typing as npt
+
+from reference_numpy import checks
+
+
+def layout(name: str, value: object) -> tuple[tuple, str]:
+    """(shape, dtype name) of an array argument (traced or not)."""
+    array = value if isinstance(value, jax.Array) else checks.as_array(name, value)
+    return tuple(array.shape), array.dtype.name
+
+
+def describe(name: str, value: object) -> tuple[tuple, str] | None:
+    """(shape, dtype name) of an optional array argument (the reference's ``describe``)."""
+    return None if value is None else layout(name, value)
+
+
+def checked_mask(name: str, mask: npt.ArrayLike, scores_shape: tuple[int, ...]) -> jax.Array:
+    """A bool mask broadcastable to ``scores_shape``, as a JAX array (the reference's ``checked_mask``)."""
+    checks.check_mask(name, *layout(name, mask), tuple(scores_shape))
+    return jnp.asarray(mask)
+
+
+def check_tokens(name: str, tokens: npt.ArrayLike, vocab_size: int, max_len: int) -> jax.Array:
+    """Token ids after the reference's checks: shape and dtype always, the id range only on concrete (untraced)
+    arrays."""
+    if isinstance(tokens, jax.core.Tracer):
+        checks.check_token_layout(name, *layout(name, tokens), max_len)
+        return tokens
+    return jnp.asarray(checks.check_tokens(name, tokens, vocab_size, max_len))
+
+
+def check_beams(beams: jax.Array, rows: int, capacity: int) -> None:
+    """A cache's ``beams`` table: (rows / K, K, capacity), integer (the reference's ``check_beams``)."""
+    checks.check_beams(*layout("cache.beams", beams), rows, capacity)
+
+
+def check_cache_index(cache_index: int | jax.Array | None, length: int, capacity: int) -> int | jax.Array:
+    """``cache_index`` after the reference's check of a concrete one (an int then); a traced one, in a compiled
+    decoding loop, is the loop's to bound (``lax.dynamic_update_slice`` would clamp it)."""
+    if isinstance(cache_index, jax.core.Tracer):
+        return cache_index
+    return checks.check_cache_index(cache_index, length, capacity)

@@ -1,0 +1,58 @@
+"""The reference's input checks (``reference_numpy/checks.py``) on PyTorch's tensors.
+
+Each function reads a tensor's shape and dtype name -- its values only where a check needs them and the tensor
+holds values (not while ``torch.compile`` or ``torch.export`` traces it) -- and calls the reference's check, so a
+bad input gets the reference's one-line ``ValueError``, naming the argument, as in every backend. NumPy arrays
+and nested lists are taken too. :mod:`.model` calls these at its public entry points and holds the math alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from reference_numpy import checks
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's dtype by the name NumPy and the reference use ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def layout(name: str, value: object) -> tuple[tuple, str]:
+    """(shape, dtype name) of a tensor or array argument."""
+    if isinstance(value, Tensor):
+        return tuple(value.shape), dtype_name(value.dtype)
+    array = checks.as_array(name, value)
+    return array.shape, array.dtype.name
+
+
+def describe(name: str, value: object) -> tuple[tuple, str] | None:
+    """(shape, dtype name) of an optional tensor or array argument (the reference's ``describe``)."""
+    return None if value is None else layout(name, value)
+
+
+def checked_mask(name: str, mask: Tensor | np.ndarray, scores_shape: tuple[int, ...],
+                 device: torch.device | str | None = None) -> Tensor:
+    """A bool mask broadcastable to ``scores_shape``, as a tensor on ``device`` (the reference's ``checked_mask``)."""
+    checks.check_mask(name, *layout(name, mask), tuple(scores_shape))
+    return torch.as_tensor(mask, device=device)
+
+
+def check_tokens(name: str, tokens: Tensor | np.ndarray, vocab_size: int, max_len: int,
+                 device: torch.device) -> Tensor:
+    """Token ids after the reference's checks -- shape and dtype always, the id range unless the tensor is traced
+    (``torch.compiler.is_compiling()``: it holds no values) -- as int64 on ``device``."""
+    if not isinstance(tokens, Tensor):
+        tokens = torch.as_tensor(checks.check_tokens(name, tokens, vocab_size, max_len))
+    else:
+        checks.check_token_layout(name, *layout(name, tokens), max_len)
+        if not torch.compiler.is_compiling():
+            checks.check_token_values(name, tokens.cpu().numpy(), vocab_size)
+    return tokens.to(device=device, dtype=torch.long)
+
+
+def check_beams(beams: Tensor, rows: int, capacity: int) -> None:
+    """A cache's ``beams`` table: (rows / K, K, capacity), integer (the reference's ``check_beams``)."""
+    checks.check_beams(*layout("cache.beams", beams), rows, capacity)
