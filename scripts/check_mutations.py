@@ -268,11 +268,13 @@ RESIDUAL = [
 
 FINAL_NORMS = [
     consistent("final-norm", "pre-LN: the encoder's final LayerNorm left out", [
-        (module, "        return self.norm(x) if self.norm is not None else x", "        return x")
+        (module, "else x\n        return _returned(x, stages if return_intermediates else None)\n",
+         "\n        return _returned(x, stages if return_intermediates else None)\n")
         for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln")),
     consistent("final-norm", "pre-LN: the decoder's final LayerNorm left out", [
-        (module, "x = self.norm(x) if self.norm is not None else x", "x = x") for module in (RM, TM, JM, FM)
+        (module, "x = self.norm(x) if self.norm is not None else x\n        return _returned(x, stages if return_intermediates else None, ",
+         "x = x\n        return _returned(x, stages if return_intermediates else None, ") for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln", decoding=True)),
 ]
 
@@ -575,7 +577,7 @@ _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None,
 BEAM_TABLE = [
     consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
         (RM, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
-        (TM, *_PICKED), (JM, *_PICKED), (FM, *_PICKED),
+        *((f"{package}/speed.py", *_PICKED) for package in BACKENDS[1:]),
     ], ["tests/test_beam_cache.py", "-k", "naive_loop"]),
 ]
 
@@ -602,7 +604,7 @@ PRECISION = [
            "transformer_jax/speed.py", '_EXACT_ROUNDING = {"xla_allow_excess_precision": False}', "_EXACT_ROUNDING = {}",
            low_precision("jax and test_trained_model_forward_stages and bfloat16")),
     single("precision", "keras: a low-precision model compiled by XLA (which drops roundings to P)",
-           "transformer_tf/speed.py", "    return not _is_low(model.compute_dtype)", "    return True",
+           "transformer_tf/speed.py", "    return not is_low(tf.as_dtype(model.compute_dtype).as_numpy_dtype)", "    return True",
            low_precision("tf and test_log_probs and float16")),
     consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
         (RM, "logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)", "logits = wide(x) @ wide(self.weight)"),
