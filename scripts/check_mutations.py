@@ -268,8 +268,9 @@ RESIDUAL = [
 
 FINAL_NORMS = [
     consistent("final-norm", "pre-LN: the encoder's final LayerNorm left out", [
-        (module, "else x\n        return _returned(x, stages if return_intermediates else None)\n",
-         "\n        return _returned(x, stages if return_intermediates else None)\n")
+        (module, "        x = self.norm(x) if self.norm is not None else x\n"
+                 "        return _returned(x, stages if return_intermediates else None)\n",
+         "        return _returned(x, stages if return_intermediates else None)\n")
         for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln")),
     consistent("final-norm", "pre-LN: the decoder's final LayerNorm left out", [
@@ -595,10 +596,10 @@ PRECISION = [
            "    if True:\n        return x.astype(dtype, copy=False)", ["tests/test_oracle.py", "-k", "round_to"]),
     single("precision", "torch: attention (Eq. (1)), its softmax included, computed in P instead of wide",
            "transformer_torch/model.py",
-           "dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)", "dtype = query.dtype",
+           "dtype, query, key, value = query.dtype, wide(query), wide(key), wide(value)", "dtype = query.dtype",
            low_precision("torch and attention and tiny", components=True)),
     single("precision", "torch: the residual stream kept in float32", "transformer_torch/model.py",
-           "    return _narrow(_wide(x) + _wide(y), x.dtype)", "    return _wide(x) + _wide(y)",
+           "    return narrow(wide(x) + wide(y), x.dtype)", "    return wide(x) + wide(y)",
            low_precision("torch and test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "jax: XLA's excess precision left on (roundings to P dropped in compiled code)",
            "transformer_jax/speed.py", '_EXACT_ROUNDING = {"xla_allow_excess_precision": False}', "_EXACT_ROUNDING = {}",
@@ -608,14 +609,14 @@ PRECISION = [
            low_precision("tf and test_log_probs and float16")),
     consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
         (RM, "logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)", "logits = wide(x) @ wide(self.weight)"),
-        (TM, "return log_softmax(_wide(_linear(x, weight)))", "return log_softmax(_linear(_wide(x), _wide(weight)))"),
-        (JM, "logits = _narrow(jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION), weight.dtype)",
-         "logits = jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION)"),
-        (FM, "logits = _narrow(tf.matmul(_wide(x), _wide(weight)), x.dtype)", "logits = tf.matmul(_wide(x), _wide(weight))"),
+        (TM, "return log_softmax(wide(_linear(x, weight)))", "return log_softmax(_linear(wide(x), wide(weight)))"),
+        (JM, "logits = narrow(jnp.matmul(wide(x), wide(weight), precision=_PRECISION), weight.dtype)",
+         "logits = jnp.matmul(wide(x), wide(weight), precision=_PRECISION)"),
+        (FM, "logits = narrow(tf.matmul(wide(x), wide(weight)), x.dtype)", "logits = tf.matmul(wide(x), wide(weight))"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "torch: the embedding's gradient rows summed in P (torch's own embedding backward)",
            "transformer_torch/model.py",
-           "        if weight.dtype in _LOW and weight.requires_grad and torch.is_grad_enabled():",
+           "        if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():",
            "        if False:",
            ["tests/test_gradients.py", "-k", "hundreds and torch"]),
     single("precision", "torch: the schedule stepped on a skipped float16 step (Adam's t and Eq. (3)'s count part)",

@@ -49,8 +49,8 @@ from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
 from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
-    _narrow,
     log_softmax,
+    narrow,
     padding_mask,
     scaled_dot_product_attention,
 )
@@ -225,7 +225,7 @@ def test_narrow_rounds_float32_once_to_nearest_even(dtype):
     x = (rng.standard_normal(20_000) * np.exp(rng.uniform(-25, 12, 20_000))).astype(np.float32)
     halfway = (np.arange(1, 513, dtype=np.float64) + 0.5) * 2.0 ** -7                # ties of bfloat16 and float16
     x = np.concatenate([x, halfway.astype(np.float32), -x[:100], np.float32([7e4, 3.4e38, -3.4e38, 0.0, -0.0])])
-    out = np.asarray(jax.jit(lambda v: _narrow(v, np.dtype(dtype)))(jnp.asarray(x)))
+    out = np.asarray(jax.jit(lambda v: narrow(v, np.dtype(dtype)))(jnp.asarray(x)))
     want = round_to(x, dtype)
     assert out.dtype == want.dtype and np.array_equal(out.view(np.uint8), want.view(np.uint8))
 

@@ -32,7 +32,7 @@ from reference_numpy.training import PAPER, learning_rate  # noqa: E402
 from transformer_cli.backends import numpy as reference  # noqa: E402
 from transformer_cli.backends import torch as backend  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop, speed, training  # noqa: E402
-from transformer_torch import model as torch_model  # noqa: E402
+from transformer_torch import precision as torch_precision  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
 NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
@@ -138,7 +138,7 @@ def test_a_low_precision_file_loads_in_its_dtype_and_saves_back_bitwise(tmp_path
     model = checkpoint.load_checkpoint(path)
     assert model.dtype == getattr(torch, dtype) and model.src_pos.table.dtype == model.dtype
     table = reference_model("tiny", dtype).src_pos.table
-    assert torch_model._to_numpy(model.src_pos.table).tobytes() == table.tobytes()
+    assert torch_precision.to_numpy(model.src_pos.table).tobytes() == table.tobytes()
     saved = checkpoint.to_params(model)
     assert all(saved[name].dtype == value.dtype and saved[name].tobytes() == value.tobytes()
                for name, value in params.items())

@@ -6,7 +6,7 @@ shape comments; only framework idiom differs. Constructors take the config first
 ``jax_enable_x64``, see :mod:`.device`) and ``rngs`` as keywords. A model in a low precision P
 (bfloat16 or float16) follows the recipe of ``reference_numpy/precision.py``: Flax's
 ``param_dtype=P`` stores the weights, ``dtype=float32`` computes each concept wide (the framework's
-accumulation width; the reference's is float64), and :func:`_narrow` rounds its output once to P at
+accumulation width; the reference's is float64), and :func:`narrow` rounds its output once to P at
 the reference's rounding points; the log-probabilities are float32. Parameters are random until
 loaded from the shared checkpoint by :mod:`.checkpoint`. Dropout (section 5.4) is applied to
 every sublayer output before the residual add and, in :class:`PositionalEncoding`, to the sums of
@@ -42,29 +42,13 @@ from jax.typing import DTypeLike
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
-from reference_numpy.precision import is_low
 
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
 from .device import _check_dtype
+from .precision import computation, narrow, wide
 
 _PRECISION = lax.Precision.HIGHEST
-
-
-def _wide(x: jax.Array) -> jax.Array:
-    """A P array as float32 (exact), for a concept computed wide; float32 and float64 arrays unchanged."""
-    return x.astype(jnp.float32) if is_low(x.dtype) else x
-
-
-def _narrow(x: jax.Array, dtype: DTypeLike) -> jax.Array:
-    """A concept's wide result rounded once (to nearest, ties to even) to the model's ``dtype`` when it is low;
-    unchanged otherwise."""
-    return x.astype(dtype) if is_low(dtype) else x
-
-
-def _computation(dtype: DTypeLike) -> DTypeLike:
-    """The dtype Flax layers of a model in ``dtype`` compute in: float32 (wide) for P, ``dtype`` itself otherwise."""
-    return jnp.float32 if is_low(dtype) else dtype
 
 
 # ----------------------------------------------------------------------------- masks
@@ -130,7 +114,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
     dtype = query.dtype
-    query, key, value = _wide(query), _wide(key), _wide(value)
+    query, key, value = wide(query), wide(key), wide(value)
     d_k = query.shape[-1]
     if beams is None:
         scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
@@ -147,20 +131,20 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
-    return _narrow(out, dtype), _narrow(weights, dtype)
+    return narrow(out, dtype), narrow(weights, dtype)
 
 
 class _Linear(nnx.Linear):
     """``nnx.Linear`` whose output is rounded to its ``param_dtype`` when that is low (computed wide before)."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:  # type: ignore[override]  # without out_sharding (unused)
-        return _narrow(super().__call__(inputs), self.param_dtype)
+        return narrow(super().__call__(inputs), self.param_dtype)
 
 
 def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs) -> _Linear:
     """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout; in a low precision computed
     wide and rounded once to P. Shape: (..., in) -> (..., out)."""
-    return _Linear(in_features, out_features, dtype=_computation(dtype), param_dtype=dtype, precision=_PRECISION,
+    return _Linear(in_features, out_features, dtype=computation(dtype), param_dtype=dtype, precision=_PRECISION,
                    rngs=rngs)
 
 
@@ -315,11 +299,11 @@ class LayerNorm(nnx.LayerNorm):
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         super().__init__(config.d_model, epsilon=config.layer_norm_eps, use_fast_variance=False,
-                         dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
+                         dtype=computation(dtype), param_dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # type: ignore[override]  # the reference's call: no mask
-        overflow = jnp.isinf(jnp.var(_wide(x), axis=-1, keepdims=True))          # (..., 1)
-        return _narrow(jnp.where(overflow, jnp.nan, super().__call__(x)), self.param_dtype)
+        overflow = jnp.isinf(jnp.var(wide(x), axis=-1, keepdims=True))          # (..., 1)
+        return narrow(jnp.where(overflow, jnp.nan, super().__call__(x)), self.param_dtype)
 
 
 def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: LayerNorm,
@@ -340,7 +324,7 @@ def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: Lay
 
 def add(x: jax.Array, y: jax.Array) -> jax.Array:
     """x + y in x's precision: in a low precision P, the float32 sum rounded to P (P arithmetic)."""
-    return _narrow(_wide(x) + _wide(y), x.dtype)
+    return narrow(wide(x) + wide(y), x.dtype)
 
 
 def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
@@ -371,11 +355,11 @@ class Embeddings(nnx.Embed):
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs):
-        super().__init__(vocab_size, config.d_model, dtype=_computation(dtype), param_dtype=dtype, rngs=rngs)
+        super().__init__(vocab_size, config.d_model, dtype=computation(dtype), param_dtype=dtype, rngs=rngs)
         self.scale = math.sqrt(config.d_model)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # type: ignore[override]  # the reference's call: tokens
-        return _narrow(super().__call__(tokens) * self.scale, self.param_dtype)
+        return narrow(super().__call__(tokens) * self.scale, self.param_dtype)
 
 
 class _Constant(nnx.Variable):
@@ -429,8 +413,8 @@ class Generator(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
-        logits = _narrow(jnp.matmul(_wide(x), _wide(weight), precision=_PRECISION), weight.dtype)  # (B, T, V)
-        return log_softmax(_wide(logits))
+        logits = narrow(jnp.matmul(wide(x), wide(weight), precision=_PRECISION), weight.dtype)  # (B, T, V)
+        return log_softmax(wide(logits))
 
 
 def log_softmax(x: jax.Array) -> jax.Array:

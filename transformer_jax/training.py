@@ -51,7 +51,8 @@ from reference_numpy.training import (
 
 from . import checkpoint
 from .device import _check_dtype
-from .model import Transformer, _narrow
+from .model import Transformer
+from .precision import narrow
 from .speed import _EXACT_ROUNDING, _split, _streams, _Structure
 
 Labels = np.ndarray | jax.Array   # a batch's labels, checked on the host (NumPy) or placed (a data-parallel shard)
@@ -358,4 +359,4 @@ def _update_masters(model: Transformer, optimizer: nnx.Optimizer, low: Transform
     """Compiled: Adam's update of the float32 masters with the float32 gradients (optax's count and the schedule
     advance), then the P model's weights the new masters rounded to P."""
     optimizer.update(model, grads)
-    nnx.update(low, jax.tree.map(lambda master: _narrow(master, low.dtype), nnx.state(model, nnx.Param)))
+    nnx.update(low, jax.tree.map(lambda master: narrow(master, low.dtype), nnx.state(model, nnx.Param)))

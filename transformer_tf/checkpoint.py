@@ -39,7 +39,8 @@ from reference_numpy.checkpoint import load_training_state as load_training_stat
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
-from .model import Transformer, _parse_dtype
+from .model import Transformer
+from .precision import parse_dtype
 
 # kind (reference_numpy.checkpoint.Parameter) -> (Keras attribute path, from the tensor's module; transposed: none,
 # a Dense kernel is (in, out) like the checkpoint)
@@ -70,7 +71,7 @@ def from_params(config: TransformerConfig, params: dict[str, np.ndarray],
     """A model in ``dtype`` (float64, float32, bfloat16 or float16) from checkpoint-layout arrays (validated like a
     checkpoint file) of any of the four."""
     reference.validate_params(config, params)
-    model = _empty_model(config, _parse_dtype(dtype).name)
+    model = _empty_model(config, parse_dtype(dtype).name)
     values = from_checkpoint_layout(model, params)
     for variable in model.weights:
         variable.assign(round_to(values.pop(variable.path), variable.dtype))
@@ -116,7 +117,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None)
     ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
     the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
     reader = reference.CheckpointReader(path)
-    model = _empty_model(reader.config, (reader.dtype if dtype is None else _parse_dtype(dtype)).name)
+    model = _empty_model(reader.config, (reader.dtype if dtype is None else parse_dtype(dtype)).name)
     _read_into(model, reader)
     reference.release_freed_memory()                                     # arrays rounded and assigned, dropped
     model.tokenizer_json = reader.tokenizer_json

@@ -29,7 +29,8 @@ from reference_numpy.precision import check_trainable
 from reference_numpy.training import LABEL_SMOOTHING, check_batch, check_next_step
 
 from . import checkpoint
-from .model import Transformer, _parse_dtype
+from .model import Transformer
+from .precision import parse_dtype
 from .training import Optimizer, _check_labels, _step, optimizer, training_state
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # optimizer -> (strategy, its compiled step)
@@ -47,7 +48,7 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
     true return ends the run after that step). Returns the final weights (checkpoint layout, NumPy), the run's
     ``TrainingState`` and the losses. A bfloat16 or float16 ``dtype`` is refused (``check_trainable``) before any
     work."""
-    check_trainable(_parse_dtype(dtype))
+    check_trainable(parse_dtype(dtype))
     check_steps(first_step, steps)
     mirrored = strategy(world_size, device)
     with mirrored.scope():

@@ -63,7 +63,8 @@ from reference_numpy.decoding import (
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import Index, KVCache, Transformer, _generated, _wide, padding_mask
+from .model import Index, KVCache, Transformer, _generated, padding_mask
+from .precision import wide
 from .speed import _xla_keeps_roundings
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {search key: tf.function}
@@ -174,7 +175,7 @@ def greedy_decode(model: Transformer, src: ArrayLike, use_cache: bool = True) ->
     """
     src = _checked_source(model, src)
     with tf.device(model_device(model)):
-        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, _wide(model.generator._weight()))
+        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, wide(model.generator._weight()))
     return tokens.numpy()[:, 1:int(steps) + 1]
 
 
@@ -219,7 +220,7 @@ def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, 
     search = _compiled(model, ("beam", use_cache, beam_size), _beam)
     with tf.device(model_device(model)):
         tokens, lengths, scores = search(src, tf.constant(penalties, score_dtype(model.compute_dtype)),
-                                         _wide(model.generator._weight()))
+                                         wide(model.generator._weight()))
     return tokens.numpy()[:, :int(tf.reduce_max(lengths))], scores.numpy().astype(np.float64)
 
 

@@ -10,8 +10,8 @@ whose kernel is stored (in, out) like the checkpoint: y = x @ W + b.
 
 bfloat16 and float16 (a low precision P) follow the reference's recipe (``reference_numpy/precision.py``) with
 the Keras idiom: the dtype policy ``"bfloat16"`` or ``"float16"`` stores every variable in P and hands every
-layer P inputs; each concept's ``call`` computes wide, in float32, from them (:func:`_wide`) and rounds its
-output once to P (:func:`_narrow`), as Keras itself runs LayerNorm in float32 under ``mixed_bfloat16``. The
+layer P inputs; each concept's ``call`` computes wide, in float32, from them (:func:`wide`) and rounds its
+output once to P (:func:`narrow`), as Keras itself runs LayerNorm in float32 under ``mixed_bfloat16``. The
 rounding points are the reference's: each linear map, Eq. (1), LayerNorm, each elementwise step (residual
 addition, x sqrt(d_model), the positional encoding) and the logits; the log-probabilities are float32.
 float32 and float64 models compute exactly as without the recipe: both helpers are the identity for them.
@@ -41,39 +41,15 @@ from numpy.typing import DTypeLike
 
 from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
-from reference_numpy.precision import is_low, parse_dtype, round_to
+from reference_numpy.precision import round_to
 
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
+from .precision import is_low, narrow, parse_dtype, wide
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 
 Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
-
-
-# ----------------------------------------------------------------------------- precision
-
-def _is_low(dtype: DTypeLike | tf.DType) -> bool:
-    """Whether ``dtype`` (a TensorFlow dtype or a name) is bfloat16 or float16, computed by the recipe."""
-    return is_low(tf.as_dtype(dtype).as_numpy_dtype)
-
-
-def _wide(x: tf.Tensor) -> tf.Tensor:
-    """A P tensor as float32 (exact: float32 holds every bfloat16 and float16 number), for a concept computed
-    wide; a float32 or float64 tensor unchanged."""
-    return tf.cast(x, tf.float32) if _is_low(x.dtype) else x
-
-
-def _narrow(x: tf.Tensor, dtype: DTypeLike | tf.DType) -> tf.Tensor:
-    """A concept's wide (float32) result rounded once to the model's ``dtype`` when it is low (TensorFlow's and
-    XLA's float32 -> P casts round to nearest, ties to even); unchanged otherwise."""
-    return tf.cast(x, dtype) if _is_low(dtype) else x
-
-
-def _parse_dtype(dtype: DTypeLike | tf.DType) -> np.dtype:
-    """The reference's ``parse_dtype`` (one ValueError for anything but float64, float32, bfloat16, float16),
-    also for a TensorFlow dtype."""
-    return parse_dtype(dtype.as_numpy_dtype if isinstance(dtype, tf.DType) else dtype)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -138,7 +114,7 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     """
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
     dtype = query.dtype
-    query, key, value = _wide(query), _wide(key), _wide(value)
+    query, key, value = wide(query), wide(key), wide(value)
     d_k = query.shape[-1]
     if beams is None:
         scores = tf.matmul(query, key, transpose_b=True) / math.sqrt(d_k)   # (..., Tq, Tk)
@@ -155,7 +131,7 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     out = tf.matmul(weights, value) if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
-    return _narrow(out, dtype), _narrow(weights, dtype)
+    return narrow(out, dtype), narrow(weights, dtype)
 
 
 @register
@@ -168,7 +144,7 @@ class _Dense(keras.layers.Dense):
     """
 
     def call(self, inputs, training=None):
-        return _narrow(super().call(_wide(inputs)), self.compute_dtype)
+        return narrow(super().call(wide(inputs)), self.compute_dtype)
 
 
 class _TransformerLayer(keras.layers.Layer):
@@ -391,7 +367,7 @@ class LayerNorm(keras.layers.LayerNormalization):
         self.config = config
 
     def call(self, x):
-        overflow = tf.math.is_inf(tf.math.reduce_variance(_wide(x), axis=-1, keepdims=True))   # (..., 1)
+        overflow = tf.math.is_inf(tf.math.reduce_variance(wide(x), axis=-1, keepdims=True))   # (..., 1)
         return tf.where(overflow, tf.constant(np.nan, x.dtype), super().call(x))
 
     def get_config(self) -> dict:
@@ -414,7 +390,7 @@ def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: Lay
 
 def add(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     """x + y in x's precision: in a low precision P, the sum computed in float32 and rounded to P (P arithmetic)."""
-    return _narrow(_wide(x) + _wide(y), x.dtype)
+    return narrow(wide(x) + wide(y), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -432,7 +408,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
     two_i = tf.range(0, d_model, 2, dtype=tf.float64)[None, :]            # (1, D/2)
     angle = position / tf.pow(tf.constant(10000.0, tf.float64), two_i / d_model)  # (L, D/2)
     table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
-    if _is_low(dtype):
+    if is_low(dtype):
         return tf.constant(round_to(table.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
     return tf.cast(table, dtype)
 
@@ -455,7 +431,7 @@ class Embeddings(_TransformerLayer):
                                       initializer=keras.initializers.RandomUniform(-limit, limit))  # (V, D)
 
     def call(self, tokens):
-        return _narrow(_wide(tf.gather(self.weight, tokens)) * self.scale, self.compute_dtype)
+        return narrow(wide(tf.gather(self.weight, tokens)) * self.scale, self.compute_dtype)
 
     def get_config(self) -> dict:
         return {**super().get_config(), "vocab_size": self.vocab_size}
@@ -531,8 +507,8 @@ def _generated(x: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
 
     Shape: x (..., D) -> (..., V).
     """
-    logits = _narrow(tf.matmul(_wide(x), _wide(weight)), x.dtype)        # (..., V)
-    return log_softmax(_wide(logits))
+    logits = narrow(tf.matmul(wide(x), wide(weight)), x.dtype)        # (..., V)
+    return log_softmax(wide(logits))
 
 
 def log_softmax(x: tf.Tensor) -> tf.Tensor:
@@ -756,7 +732,7 @@ class Transformer(_TransformerLayer, keras.Model):
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
         if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)):   # a policy: checked below
-            dtype = _parse_dtype(dtype).name
+            dtype = parse_dtype(dtype).name
         super().__init__(config, dtype=dtype, **kwargs)
         parse_dtype(self.dtype_policy.name)                              # one of the four, not a mixed policy
         cfg, sub = self.config, self._sublayer_kwargs

@@ -4,8 +4,8 @@ Adam made to compute the paper's update with the learning rate of Eq. (3) as a K
 checkpoint. The parallel text of ``reference_numpy/training.py``.
 
 A bfloat16 or float16 model has a float32 loss and P gradients, by ``tf.GradientTape`` through the recipe's casts
-(``model._wide``, ``model._narrow``): each concept's backward runs in float32 and its gradients are rounded to P where
-its forward pass made its P inputs float32, and gradients that meet add in P. It is not trained itself
+(``precision.wide``, ``precision.narrow``): each concept's backward runs in float32 and its gradients are rounded to
+P where its forward pass made its P inputs float32, and gradients that meet add in P. It is not trained itself
 (``reference_numpy.precision.check_trainable``): a float32 model trains in P with ``optimizer(model, dtype=...)``,
 **mixed precision** (``docs/training.md``): the model's float32 variables are the master weights and Adam's moments
 are float32; each step differentiates a second model in P, the masters rounded to P, and applies its gradients
@@ -40,7 +40,8 @@ from reference_numpy.training import (
 
 from . import checkpoint
 from . import device as _device
-from .model import Transformer, _narrow, _wide
+from .model import Transformer
+from .precision import narrow, wide
 
 Batch: TypeAlias = "tf.Tensor | npt.ArrayLike"   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
 
@@ -117,8 +118,8 @@ def _dense(grad: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     """
     if not isinstance(grad, tf.IndexedSlices):
         return grad
-    rows = tf.math.unsorted_segment_sum(_wide(grad.values), grad.indices, grad.dense_shape[0])   # (V, D)
-    return _narrow(rows, grad.values.dtype)
+    rows = tf.math.unsorted_segment_sum(wide(grad.values), grad.indices, grad.dense_shape[0])   # (V, D)
+    return narrow(rows, grad.values.dtype)
 
 
 def learning_rate_schedule(d_model: int, config: TrainingConfig = PAPER

@@ -38,9 +38,9 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import parse_dtype, round_to
 
-from .checks import dtype_name
 from .device import resolve_device
-from .model import _LOW, Transformer, _from_numpy, _to_numpy
+from .model import Transformer
+from .precision import LOW, dtype_name, from_numpy, to_numpy
 
 # kind (reference_numpy.checkpoint.Parameter) -> (torch parameter path, from the tensor's module; transposed:
 # torch holds it (out, in), the checkpoint (in, out))
@@ -116,7 +116,7 @@ def to_checkpoint_layout(model: Transformer, tensors: dict[str, torch.Tensor]) -
     arrays = {}
     for name, path in name_table(model.config).items():
         value = tensors[path].detach().cpu()
-        arrays[name] = np.array(_to_numpy(value.T if name in flip else value), order="C")
+        arrays[name] = np.array(to_numpy(value.T if name in flip else value), order="C")
     return arrays
 
 
@@ -157,9 +157,9 @@ def _converted(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], dt
     table, targets, flip = name_table(model.config), dict(model.named_parameters()), set(transposed(model.config))
     for name, array in tensors:
         path = table[name]
-        rounded = dtype in _LOW and array.dtype != parse_dtype(dtype_name(dtype))
+        rounded = dtype in LOW and array.dtype != parse_dtype(dtype_name(dtype))
         array = round_to(array, dtype_name(dtype)) if rounded else array
-        value = _from_numpy(array if owned else np.ascontiguousarray(array))
+        value = from_numpy(array if owned else np.ascontiguousarray(array))
         value = value.T if name in flip else value
         if value.shape != targets[path].shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)} after conversion; "
@@ -198,8 +198,8 @@ def _moment_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:
 
     def allocate(name: str, shape: tuple[int, ...], stored: np.dtype) -> np.ndarray:
         if name.split(".", 2)[2] in flip:
-            return _to_numpy(torch.empty(shape[::-1], dtype=_torch_dtype(stored))).T
-        return _to_numpy(torch.empty(shape, dtype=_torch_dtype(stored)))
+            return to_numpy(torch.empty(shape[::-1], dtype=_torch_dtype(stored))).T
+        return to_numpy(torch.empty(shape, dtype=_torch_dtype(stored)))
 
     return allocate
 
@@ -210,7 +210,7 @@ def _reading_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:
     the system takes back at once (``reference_numpy.checkpoint.mapped_array``)."""
     flip = set(transposed(config))
     return lambda name, shape, stored: (reference_checkpoint.mapped_array(shape, stored) if name in flip
-                                        else _to_numpy(torch.empty(shape, dtype=_torch_dtype(stored))))
+                                        else to_numpy(torch.empty(shape, dtype=_torch_dtype(stored))))
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,

@@ -14,10 +14,7 @@ from torch import Tensor
 
 from reference_numpy import checks
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch's dtype by the name NumPy and the reference use ("float32", "bfloat16", ...)."""
-    return str(dtype).removeprefix("torch.")
+from .precision import dtype_name
 
 
 def layout(name: str, value: object) -> tuple[tuple, str]:

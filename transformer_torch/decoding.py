@@ -47,7 +47,8 @@ from reference_numpy.decoding import (
     max_output_lengths,
 )
 
-from .model import _LOW, KVCache, Transformer, padding_mask
+from .model import KVCache, Transformer, padding_mask
+from .precision import LOW
 
 
 def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
@@ -166,7 +167,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     src = _checked_source(model, src)
     memory = model.encode(src)
     batch, device = len(src), memory.device
-    scores_dtype = torch.float32 if model.dtype in _LOW else model.dtype     # the log-probabilities'
+    scores_dtype = torch.float32 if model.dtype in LOW else model.dtype     # the log-probabilities'
     limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=device)        # (B,)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M rounded to the scores' dtype, as NumPy rounds a Python float in `score / lp`

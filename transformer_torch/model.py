@@ -24,7 +24,7 @@ Incremental decoding keeps each attention sublayer's keys and values in a :class
 A model in bfloat16 or float16 (P: built or loaded in P by :mod:`.checkpoint`, or a float32 model's
 ``.to(torch.bfloat16)``) computes by the reference's recipe (``reference_numpy/precision.py``): weights,
 activations and the cache are stored in P; a linear map, attention (Eq. (1)) and LayerNorm are computed wide, in
-float32, from the P values (:func:`_wide`, torch's float32 kernels) and rounded once to P (:func:`_narrow`); the
+float32, from the P values (:func:`wide`, torch's float32 kernels) and rounded once to P (:func:`narrow`); the
 residual addition, x sqrt(d_model) and adding the positional encoding are P arithmetic; the log-probabilities are
 float32. float32 and float64 models compute as before: both helpers are the identity for them.
 """
@@ -43,12 +43,10 @@ from torch import Tensor, nn
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
-from reference_numpy.precision import BFLOAT16
 
 from . import speed
-from .checks import check_beams, check_tokens, checked_mask, describe, dtype_name, layout
-
-_LOW = (torch.bfloat16, torch.float16)   # the low precisions P of reference_numpy/precision.py
+from .checks import check_beams, check_tokens, checked_mask, describe, layout
+from .precision import LOW, dtype_name, from_numpy, narrow, wide
 
 # ----------------------------------------------------------------------------- masks
 
@@ -115,9 +113,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     batch = speed.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     if mask is not None:
         mask = checked_mask("mask", mask, (*batch, query.shape[-2], key.shape[-2]), query.device)
-    dtype, query, key, value = query.dtype, _wide(query), _wide(key), _wide(value)
+    dtype, query, key, value = query.dtype, wide(query), wide(key), wide(value)
     if not return_weights and beams is None and speed.fused(query, key, value):
-        return _narrow(speed.attention(query, key, value, mask), dtype), None
+        return narrow(speed.attention(query, key, value, mask), dtype), None
     d_k = query.shape[-1]
     if beams is None:
         scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_k)      # (..., Tq, Tk)
@@ -133,34 +131,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = torch.where(mask.any(dim=-1, keepdim=True), out, 0.0)     # a row that sees no key -> zeros
-    return _narrow(out, dtype), (_narrow(weights, dtype) if return_weights else None)
-
-
-def _wide(x: Tensor) -> Tensor:
-    """A P tensor (bfloat16, float16) as float32, exactly, for a concept computed wide; other tensors unchanged."""
-    return x.float() if x.dtype in _LOW else x
-
-
-def _narrow(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """A concept's wide result rounded once (to nearest, ties to even) to the model's ``dtype`` when it is a low
-    precision P; unchanged otherwise."""
-    return x.to(dtype) if dtype in _LOW else x
-
-
-def _from_numpy(array: np.ndarray) -> Tensor:
-    """``array`` as a tensor sharing its memory, bit for bit; a bfloat16 array (ml_dtypes', which torch does not
-    read) through its bits."""
-    if array.dtype == BFLOAT16:
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-def _to_numpy(tensor: Tensor) -> np.ndarray:
-    """A CPU tensor as a NumPy array sharing its memory, bit for bit; a bfloat16 tensor (which NumPy has no dtype
-    for) as an ml_dtypes bfloat16 array, through its bits."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.uint16).numpy().view(BFLOAT16)
-    return tensor.numpy()
+    return narrow(out, dtype), (narrow(weights, dtype) if return_weights else None)
 
 
 class KVCache(NamedTuple):
@@ -196,8 +167,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
-    if weight.dtype in _LOW:
-        return _narrow(speed.linear(_wide(x), _wide(weight), None if bias is None else _wide(bias)), weight.dtype)
+    if weight.dtype in LOW:
+        return narrow(speed.linear(wide(x), wide(weight), None if bias is None else wide(bias)), weight.dtype)
     return speed.linear(x, weight, bias)
 
 
@@ -328,10 +299,10 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        wide = _wide(x)
-        y = F.layer_norm(wide, self.normalized_shape, _wide(self.weight), _wide(self.bias), self.eps)
-        overflow = torch.isinf(wide.var(dim=-1, correction=0, keepdim=True))     # (..., 1)
-        return _narrow(torch.where(overflow, torch.nan, y), x.dtype)
+        widened = wide(x)
+        y = F.layer_norm(widened, self.normalized_shape, wide(self.weight), wide(self.bias), self.eps)
+        overflow = torch.isinf(widened.var(dim=-1, correction=0, keepdim=True))     # (..., 1)
+        return narrow(torch.where(overflow, torch.nan, y), x.dtype)
 
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
@@ -349,7 +320,7 @@ def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, n
 def add(x: Tensor, y: Tensor) -> Tensor:
     """x + y in x's precision: in a low precision P, the float32 sum rounded to P (P arithmetic; the correctly
     rounded sum, as two P numbers' float32 sum is exact or far from any rounding boundary of P)."""
-    return _narrow(_wide(x) + _wide(y), x.dtype)
+    return narrow(wide(x) + wide(y), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -364,7 +335,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
 
     Shape: returns (L, D).
     """
-    return _from_numpy(reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype))).to(device=device)
+    return from_numpy(reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype))).to(device=device)
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
@@ -388,13 +359,13 @@ class Embeddings(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         weight = self.weight
-        if weight.dtype in _LOW and weight.requires_grad and torch.is_grad_enabled():
+        if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():
             # torch's embedding backward would sum a row's gradients in P; looked up wide, they sum wide (the
             # recipe, reference_numpy/backward.py), and the exact round trip through P rounds each one first
-            rows = _wide(_narrow(F.embedding(tokens, _wide(weight)), weight.dtype))     # (B, T, D)
+            rows = wide(narrow(F.embedding(tokens, wide(weight)), weight.dtype))     # (B, T, D)
         else:
-            rows = _wide(F.embedding(tokens, weight))                                    # (B, T, D)
-        return _narrow(rows * self.scale, weight.dtype)
+            rows = wide(F.embedding(tokens, weight))                                    # (B, T, D)
+        return narrow(rows * self.scale, weight.dtype)
 
 
 class PositionalEncoding(nn.Module):
@@ -455,7 +426,7 @@ class Generator(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
-        return log_softmax(_wide(_linear(x, weight)))                                      # logits (B, T, V)
+        return log_softmax(wide(_linear(x, weight)))                                      # logits (B, T, V)
 
 
 def log_softmax(x: Tensor) -> Tensor:

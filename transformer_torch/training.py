@@ -47,8 +47,8 @@ from reference_numpy.training import (
 )
 
 from . import checkpoint
-from .checks import dtype_name
 from .model import Transformer
+from .precision import dtype_name
 
 Batch = Tensor | npt.ArrayLike   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
 

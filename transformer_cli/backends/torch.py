@@ -32,18 +32,16 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
-from transformer_torch.checks import dtype_name
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
 from transformer_torch.model import (
     Transformer,
-    _from_numpy,
-    _to_numpy,
     padding_mask,
     residual,
     scaled_dot_product_attention,
     target_mask,
 )
+from transformer_torch.precision import dtype_name, from_numpy, to_numpy
 
 NAME = "torch"
 
@@ -112,7 +110,7 @@ def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> n
 
 def _component_tensors(model: Transformer, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor | None]:
     """A component's NumPy ``inputs`` as tensors on the model's device, float ones rounded to its dtype once."""
-    return {key: None if value is None else _from_numpy(np.ascontiguousarray(value)).to(model.device)
+    return {key: None if value is None else from_numpy(np.ascontiguousarray(value)).to(model.device)
             for key, value in rounded_inputs(inputs, dtype_name(model.dtype)).items()}
 
 
@@ -125,7 +123,7 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
         wrt = [torch.as_tensor(t[key]).requires_grad_() for key in keys]          # float inputs: never None
         t.update(zip(keys, wrt))
         out = run_component(model.eval(), name, t, scaled_dot_product_attention)
-        seed = _from_numpy(round_to(grad_out, dtype_name(model.dtype))).to(model.device)
+        seed = from_numpy(round_to(grad_out, dtype_name(model.dtype))).to(model.device)
         grads = torch.autograd.grad(out, wrt, seed)
     return {key: _numpy(grad) for key, grad in zip(keys, grads)}
 
@@ -206,4 +204,4 @@ def _prepare(device: str) -> None:
 
 
 def _numpy(value: torch.Tensor) -> np.ndarray:
-    return _to_numpy(value.detach().cpu())
+    return to_numpy(value.detach().cpu())
