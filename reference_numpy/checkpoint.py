@@ -497,6 +497,16 @@ class CheckpointReader:
             self.training = _training_state(self.config, parameter_stand_ins(self.config, self.dtype), self._record,
                                             read)
 
+    def read_record(self) -> TrainingState | None:
+        """The training state as the header describes it, no tensor read: its config, step and loss scale, and each
+        Adam moment as a stand-in of its shape and dtype that holds no memory; checked as :meth:`read` checks a state
+        but for the moments' values (finite, second moments >= 0), which only reading them shows. None: the file
+        holds no training state."""
+        moments = {name: np.broadcast_to(np.zeros((), DTYPES[entry["dtype"]]), entry["shape"])
+                   for name, entry in self._entries.items() if name.startswith(MOMENTS)}
+        with _naming(self.path):
+            return _training_state(self.config, parameter_stand_ins(self.config, self.dtype), self._record, moments)
+
     def read_training(self, moments: Allocate | None = None, dtype: npt.DTypeLike | None = None,
                       ) -> TrainingState | None:
         """The training state alone (``training`` after :meth:`read`): every weight is read and checked as

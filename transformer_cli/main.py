@@ -513,7 +513,7 @@ def _snapshots(args: argparse.Namespace, outputs: dict[str, str], plan: Plan) ->
 
     if not args.save_every:
         return {}
-    first = plan.start[1].step if plan.start else 0
+    first = plan.first_step
     snapshots = {name: Snapshots(path, args.save_every, args.keep or max(KEEP, args.average or 0),
                                  plan.tokenizer_json, args.weights_only) for name, path in outputs.items()}
     for snapshot in snapshots.values():

@@ -20,8 +20,6 @@ import numpy as np
 from equivalence.contract import Model, Optimizer
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import (
-    DTYPES,
-    MOMENTS,
     LossScaleState,
     TrainingState,
     init_params,
@@ -29,7 +27,6 @@ from reference_numpy.checkpoint import (
     load_run,
     load_tokenizer,
     load_tokenizer_json,
-    parameter_stand_ins,
     save_checkpoint,
 )
 from reference_numpy.config import TrainingConfig, TransformerConfig
@@ -159,11 +156,7 @@ def resume_from(path: str) -> tuple[TransformerConfig, Resumed]:
     tensor's shape and dtype); a file without one is refused. The tensors' values (finite, second moments >= 0) are
     checked as each backend reads them (:func:`resumed`)."""
     reader = reference_checkpoint.CheckpointReader(path)
-    moments = {name: np.broadcast_to(np.zeros((), DTYPES[entry["dtype"]]), entry["shape"])    # shapes, no memory
-               for name, entry in reader._entries.items() if name.startswith(MOMENTS)}
-    with reference_checkpoint._naming(path):
-        state = reference_checkpoint._training_state(reader.config, parameter_stand_ins(reader.config, reader.dtype),
-                                                     reader._record, moments)
+    state = reader.read_record()
     if state is None:
         raise no_training_state(path)
     return reader.config, Resumed(path, TrainingRecord(state.config, state.step, state.loss_scale))
