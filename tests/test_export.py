@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import NamedTuple
@@ -350,24 +351,114 @@ def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_pat
         check_beam_tokens(target, served)
 
 
+# ----------------------------------------------------------------------------- one cached decoding step
+
+# Reads OUTPUT_DIR (transformer.json) and inputs.npz (greedy_src: source ids; src, tgt: a teacher-forced batch), writes
+# outputs.npz (tokens: the cached greedy loop's; log_probs: the step's along tgt, (B, T, V)); prints the manifest's
+# decoding_step and the frameworks imported.
+STEP_INPUTS = """
+manifest = json.load(open(sys.argv[1] + "/transformer.json"))
+config, capacity = manifest["config"], manifest["decoding_step"]["capacity"]
+inputs = np.load(sys.argv[2])
+rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
+np.savez(sys.argv[3], tokens=cached_greedy(inputs["greedy_src"], *rules, capacity),
+         log_probs=stepped(inputs["src"], inputs["tgt"], capacity))
+print(json.dumps({"decoding_step": manifest["decoding_step"],
+                  "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
+                                     if name in sys.modules)}))
+"""
+STEPS = list(export_check.STEPS)
+
+
+def run_exported_step(target: str, tmp_path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Export the shipped model with the CLI and, in one process that cannot import the project, greedy-decode
+    :func:`shipped_texts` through the exported step (``export_check.CACHED_GREEDY``) and step along the ragged batch
+    of :func:`shipped_batches` (teacher forcing): the tokens, the log-probabilities (B, T, V) and the manifest's
+    ``decoding_step``."""
+    require(*RUNTIMES[target])
+    out = tmp_path / target
+    assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
+    _, _, tokenizer = load_translator()
+    src, tgt = shipped_batches()[0]
+    np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), src=src, tgt=tgt)
+    answer = run_isolated(RUN[target] + export_check.STEPS[target] + export_check.CACHED_GREEDY + STEP_INPUTS, out,
+                          tmp_path / "inputs.npz", tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH)
+    assert RUNTIMES[target][0] in answer["imported"], answer["imported"]
+    outputs = np.load(tmp_path / "outputs.npz")
+    return outputs["tokens"], outputs["log_probs"], answer["decoding_step"]
+
+
+def check_step_against_reference(target: str, tokens: np.ndarray, log_probs: np.ndarray, agreement) -> None:
+    """The cached greedy tokens are exactly the float64 reference's ``greedy_decode`` tokens; the step's
+    log-probabilities along the ragged batch agree with the reference's forward pass (float32 policy) at every
+    position whose input is not padding (the step attends to every position written; the forward pass hides a
+    padded target's positions, which no decoding loop reads)."""
+    config, params, tokenizer = load_translator()
+    model64, model32 = Transformer(config, params), Transformer(config, params, np.float32)
+    src, tgt = shipped_batches()[0]
+    read = tgt != config.pad_id
+    agreement(log_probs[read], model64(src, tgt)[read], model32(src, tgt)[read], port=target, device="cpu",
+              dtype="float32", what=f"log-probs of the exported decoding step: shipped model, {int(read.sum())} "
+                                    "positions")
+    expected = greedy_decode(model64, tokenizer.batch(shipped_texts()))
+    np.testing.assert_array_equal(tokens, expected, err_msg=f"cached greedy tokens of the exported {target}")
+
+
+@pytest.mark.parametrize("target", STEPS)
+def test_exported_decoding_step_agrees_with_the_reference_without_the_project(target, tmp_path, agreement):
+    """The CLI's artefact exports ``encode`` and ``step`` (named in transformer.json with their inputs and outputs,
+    capacity ``max_len``); loaded by its runtime alone, a NumPy greedy loop calling encode once and step per position
+    translates the 32 held-out sentences into exactly the reference's greedy tokens, and the step's log-probabilities
+    agree with the reference's under the float32 policy."""
+    tokens, log_probs, manifest = run_exported_step(target, tmp_path)
+    config = load_translator()[0]
+    assert manifest["capacity"] == config.max_len
+    assert {name: (entry["inputs"], entry["outputs"]) for name, entry in manifest.items() if name != "capacity"} == {
+        name: (entry["inputs"], entry["outputs"]) for name, entry in export_module.STEP.items()}
+    check_step_against_reference(target, tokens, log_probs, agreement)
+
+
+@pytest.mark.parametrize("target", STEPS)
+def test_a_planted_bug_in_the_exported_step_fails_the_agreement(target, tmp_path, monkeypatch, agreement):
+    """The step's check can fail: an export whose first decoder layer's self-attention keys -- what the step writes
+    into its cache -- come from a transposed W_k (square, so every shape still fits) is caught by the step's
+    log-probabilities and by the cached greedy tokens."""
+    config, params = load_checkpoint(SHIPPED, dtype=np.float32)
+    name = "decoder.layers.0.self_attn.k_proj.weight"
+    swapped = {**params, name: np.ascontiguousarray(params[name].T)}
+    monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
+    tokens, log_probs, _ = run_exported_step(target, tmp_path)
+    with pytest.raises(AssertionError, match=f"cached greedy tokens of the exported {target}"):
+        check_step_against_reference(target, tokens, log_probs, lambda *args, **kwargs: None)
+    with pytest.raises(AssertionError, match="log-probs of the exported decoding step"):
+        check_step_against_reference(target, tokens, log_probs, agreement)
+
+
 @pytest.mark.parametrize("target", ["jax-export", "onnx"])
 def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_reference(target, tmp_path, capsys,
                                                                                          monkeypatch):
     """``export --check``: the artefact of the shipped model agrees (exit 0, the report names the runtime the
     checking process imported and the float32 policy's verdict); with the planted W_q bug the same command exits 1
-    and says what differs (the log-probabilities, off by 3.0; the 4 sentences' greedy tokens survive it)."""
+    and says what differs (the log-probabilities, off by 3.0 -- through the cached decoding step too, where the
+    artefact has it; the 4 sentences' greedy tokens survive it)."""
     require(*RUNTIMES[target])
     assert main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "good"), "--check"]) == EXIT_OK
     report = capsys.readouterr().out.splitlines()[-1]
-    assert report.startswith(f"checked in a process without this project ({RUNTIMES[target][0]}): log-probabilities "
-                             "max abs error ") and report.endswith("greedy tokens of 4 sentences identical"), report
+    forward, _, step = report.partition("; cached decoding step: ")
+    assert forward.startswith(f"checked in a process without this project ({RUNTIMES[target][0]}): log-probabilities "
+                              "max abs error ") and forward.endswith("greedy tokens of 4 sentences identical"), report
+    assert bool(step) == (target in STEPS), report
+    assert not step or ("<= bound" in step and step.endswith("positions), greedy tokens identical")), report
     config, params = load_checkpoint(SHIPPED, dtype=np.float32)
     name = "encoder.layers.0.self_attn.q_proj.weight"
     swapped = {**params, name: np.ascontiguousarray(params[name].T)}
     monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
     assert main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "bad"), "--check"]) == EXIT_DISAGREEMENT
     report = capsys.readouterr().out.splitlines()[-1]
-    assert " > bound 2.868e-05 (float32 policy)" in report, report
+    forward, _, step = report.partition("; cached decoding step: ")
+    assert re.search(r"log-probabilities max abs error 3\.0\d\de\+00 > bound [0-9.]+e-05 \(float32 policy\)",
+                     forward), report
+    assert bool(step) == (target in STEPS) and (not step or " > bound " in step), report   # the step's too
 
 
 def test_export_check_is_for_the_forward_pass_targets(tmp_path, capsys):

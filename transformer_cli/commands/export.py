@@ -5,15 +5,17 @@ Every target is a directory holding the framework's artefact of the float32 forw
 token ids src (B, S) and tgt (B, T), the target shifted right, to log-probabilities (B, T, V_tgt); padding masks
 computed from ``pad_id`` inside, any batch and any lengths up to ``max_len``), and beside it ``transformer.json``
 (the model config: its pad, bos and eos ids and ``max_len`` are what a caller needs; the target; the inputs'
-and output's names) and, if the checkpoint holds one, ``tokenizer.json`` (the shared BPE vocabulary of section
-5.1, a Hugging Face ``tokenizers`` JSON text):
+and output's names; for a target that exports one cached decoding step, ``decoding_step``: its capacity and its
+functions' names, inputs and outputs, :data:`STEP`) and, if the checkpoint holds one, ``tokenizer.json`` (the
+shared BPE vocabulary of section 5.1, a Hugging Face ``tokenizers`` JSON text):
 
 * ``savedmodel``: the Keras port's model through ``model.export`` -- a TensorFlow SavedModel whose ``serve``
   endpoint (and ``serving_default`` signature) takes int64 ``src`` and ``tgt``; ``tf.saved_model.load``;
 * ``jax-export``: the JAX port's forward pass through ``jax.jit`` and ``jax.export.export`` with symbolic batch
   and lengths (``b``, ``s``, ``t``; s, t <= max_len), serialized to ``forward.jax``; it takes the weights as
   its first argument, a dict of float32 arrays by checkpoint name (``weights.npz``), then int32 ``src`` and
-  ``tgt``: ``jax.export.deserialize(...).call(weights, src, tgt)``;
+  ``tgt``: ``jax.export.deserialize(...).call(weights, src, tgt)``; beside it one cached decoding step,
+  ``encode.jax`` and ``step.jax`` (:data:`STEP`, the weights first too);
 * ``torch-export``: the PyTorch port's model through ``torch.export.export`` with dynamic batch and lengths,
   saved by ``torch.export.save`` as ``model.pt2``; ``torch.export.load(...).module()(src, tgt)``;
 * ``onnx``: the same captured program through torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``),
@@ -36,6 +38,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +54,16 @@ from transformer_cli.commands.ctranslate2_export import (
 
 MANIFEST = "transformer.json"
 INPUTS, OUTPUT = ("src", "tgt"), "log_probs"
+# One cached decoding step (docs/deploy.md), float32 arrays and int ids, batch B and source length S of any size,
+# the self-attention caches of capacity C = max_len, the projected memory stacked over the N decoder layers:
+# ``encode(src (B, S)) -> memory (B, S, D), cross_keys, cross_values (N, B, H, S, d_k)``;
+# ``step(token (B, 1), index (), memory, src, self_keys, self_values (N, B, H, C, d_k), cross_keys, cross_values)
+# -> log_probs (B, V) of the token after position ``index`` (whose input is ``token``), self_keys, self_values``
+# (the caches with position ``index`` written). Greedy decoding starts with zero self-attention caches and
+# token = bos at index 0.
+STEP = {"encode": {"inputs": ["src"], "outputs": ["memory", "cross_keys", "cross_values"]},
+        "step": {"inputs": ["token", "index", "memory", "src", "self_keys", "self_values", "cross_keys",
+                            "cross_values"], "outputs": ["log_probs", "self_keys", "self_values"]}}
 EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 3      # the example a tracer runs: sizes above 1, which torch keeps symbolic
 
 
@@ -72,8 +85,11 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
 
     def write(directory: Path) -> None:
         writer(config, params, directory)
-        manifest = {"target": target, "dtype": "float32", "inputs": list(INPUTS), "output": OUTPUT,
-                    "files": writer.files, "config": config.to_dict()}
+        manifest: dict[str, Any] = {"target": target, "dtype": "float32", "inputs": list(INPUTS), "output": OUTPUT,
+                                    "files": writer.files, "config": config.to_dict()}
+        if writer.steps:
+            manifest["decoding_step"] = {"capacity": config.max_len, **{
+                function: {"name": writer.steps[function], **names} for function, names in STEP.items()}}
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         if tokenizer is not None:
             (directory / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
@@ -94,20 +110,23 @@ Write = Callable[[TransformerConfig, dict[str, np.ndarray], Path], None]
 
 @dataclass(frozen=True)
 class Writer:
-    """A writer ``(config, params, directory)`` of a target's artefact, the files it writes and the (module, extra)
-    it needs."""
+    """A writer ``(config, params, directory)`` of a target's artefact, the files it writes, the (module, extra)
+    it needs and, if it exports the cached decoding step, the names of its ``encode`` and ``step`` (:data:`STEP`)."""
 
     write: Write
     files: list[str]
     requires: tuple[tuple[str, str], ...]
+    steps: dict[str, str] | None = None
 
     def __call__(self, config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
         self.write(config, params, directory)
 
 
-def _writer(files: list[str], *requires: tuple[str, str]) -> Callable[[Write], Writer]:
-    """A decorator: the writer it wraps as a :class:`Writer` that writes ``files`` and needs ``requires``."""
-    return lambda function: Writer(function, files, requires)
+def _writer(files: list[str], *requires: tuple[str, str], steps: dict[str, str] | None = None,
+            ) -> Callable[[Write], Writer]:
+    """A decorator: the writer it wraps as a :class:`Writer` that writes ``files``, needs ``requires`` and
+    exports ``steps``."""
+    return lambda function: Writer(function, files, requires, steps)
 
 
 def example_tokens(config: TransformerConfig) -> np.ndarray:
@@ -131,20 +150,25 @@ def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], d
 
 # ----------------------------------------------------------------------------- JAX: jax.export
 
-@_writer(["forward.jax", "weights.npz"], ("jax", "jax"), ("flax", "jax"))
+@_writer(["forward.jax", "encode.jax", "step.jax", "weights.npz"], ("jax", "jax"), ("flax", "jax"),
+         steps={"encode": "encode.jax", "step": "step.jax"})
 def write_jax_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
-    """The JAX port's float32 forward pass, ``jax.export``-ed with symbolic batch and lengths, and its weights."""
+    """The JAX port's float32 forward pass and its cached decoding step (``encode.jax``, ``step.jax``: see
+    :data:`STEP`), ``jax.export``-ed with symbolic batch and lengths, and its weights."""
     import jax
 
     weights = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in params.items()}
-    exported = jax.export.export(jax.jit(jax_forward(config, params)))(*jax_input_specs(config, weights))
-    (directory / "forward.jax").write_bytes(exported.serialize())
+    functions = {"forward": (jax_forward(config, params), jax_input_specs(config, weights)),
+                 **jax_step_functions(config, params, weights)}
+    for name, (function, specs) in functions.items():
+        exported = jax.export.export(jax.jit(function))(*specs)
+        (directory / f"{name}.jax").write_bytes(exported.serialize())
     np.savez(directory / "weights.npz", **weights)   # type: ignore[arg-type]  # numpy's stub: a ** key might be allow_pickle
 
 
-def jax_forward(config: TransformerConfig, params: dict[str, np.ndarray]) -> Callable:
-    """``forward(weights, src, tgt)``: the JAX port's model with ``weights`` (float32 arrays by checkpoint name,
-    the JAX layout being the checkpoint's) in place of its parameters, in inference mode."""
+def jax_model(config: TransformerConfig, params: dict[str, np.ndarray]) -> Callable:
+    """``model(weights)``: the JAX port's float32 model with ``weights`` (float32 arrays by checkpoint name, the JAX
+    layout being the checkpoint's) in place of its parameters, to call inside a traced function."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -154,11 +178,57 @@ def jax_forward(config: TransformerConfig, params: dict[str, np.ndarray]) -> Cal
     name_of = {path: name for name, path in name_table(config).items()}
     slots = [(keys, variable, name_of[".".join(map(str, keys))]) for keys, variable in nnx.to_flat_state(state)]
 
-    def forward(weights: dict[str, jnp.ndarray], src: jnp.ndarray, tgt: jnp.ndarray) -> jnp.ndarray:
+    def model(weights: dict[str, jnp.ndarray]) -> Any:
         given = nnx.from_flat_state([(keys, variable.replace(weights[name])) for keys, variable, name in slots])
-        return nnx.merge(graphdef, given, *rest)(src, tgt, deterministic=True)
+        return nnx.merge(graphdef, given, *rest)
 
-    return forward
+    return model
+
+
+def jax_forward(config: TransformerConfig, params: dict[str, np.ndarray]) -> Callable:
+    """``forward(weights, src, tgt)``: the JAX port's model (:func:`jax_model`) in inference mode."""
+    model = jax_model(config, params)
+    return lambda weights, src, tgt: model(weights)(src, tgt, deterministic=True)
+
+
+def jax_step_functions(config: TransformerConfig, params: dict[str, np.ndarray],
+                       weights: dict[str, np.ndarray]) -> dict[str, tuple[Callable, tuple]]:
+    """``encode(weights, src)`` and ``step(weights, token, index, memory, src, self_keys, self_values, cross_keys,
+    cross_values)`` (:data:`STEP`) through the JAX port's ``encode``, ``init_cache``, ``decode`` and ``generator``,
+    each with its argument specs: symbolic batch ``b`` and source length ``s`` (at most ``max_len``), capacity
+    ``max_len``."""
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax.model import KVCache, padding_mask
+
+    model = jax_model(config, params)
+
+    def encode(weights: dict[str, jnp.ndarray], src: jnp.ndarray) -> tuple:
+        transformer = model(weights)
+        memory = transformer.encode(src, deterministic=True)
+        cross = [layer[1] for layer in transformer.init_cache(memory, config.max_len)]
+        return memory, jnp.stack([c.keys for c in cross]), jnp.stack([c.values for c in cross])
+
+    def step(weights: dict[str, jnp.ndarray], token: jnp.ndarray, index: jnp.ndarray, memory: jnp.ndarray,
+             src: jnp.ndarray, self_keys: jnp.ndarray, self_values: jnp.ndarray, cross_keys: jnp.ndarray,
+             cross_values: jnp.ndarray) -> tuple:
+        transformer = model(weights)
+        cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
+                      for i in range(config.n_decoder_layers))
+        out, cache = transformer.decode(token, memory, padding_mask(src, config.pad_id), cache=cache,
+                                        cache_index=index, deterministic=True)
+        log_probs = transformer.generator(out)[:, 0]                                 # (B, V)
+        return log_probs, jnp.stack([own.keys for own, _ in cache]), jnp.stack([own.values for own, _ in cache])
+
+    batch, src_len = jax.export.symbolic_shape("b, s", constraints=[f"s <= {config.max_len}"])
+    shapes = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in weights.items()}
+    own = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, config.max_len, config.d_k), np.float32)
+    cross = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, src_len, config.d_k), np.float32)
+    src = jax.ShapeDtypeStruct((batch, src_len), np.int32)
+    step_specs = (shapes, jax.ShapeDtypeStruct((batch, 1), np.int32), jax.ShapeDtypeStruct((), np.int32),
+                  jax.ShapeDtypeStruct((batch, src_len, config.d_model), np.float32), src, own, own, cross, cross)
+    return {"encode": (encode, (shapes, src)), "step": (step, step_specs)}
 
 
 def jax_input_specs(config: TransformerConfig, weights: dict[str, np.ndarray]) -> tuple:
@@ -221,7 +291,8 @@ def describe(target: str, output: Path) -> str:
 
 
 DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel (tf.saved_model.load(OUTPUT_DIR).serve(src, tgt))",
-                "jax-export": "a float32 jax.export forward pass and its weights (jax.export.deserialize)",
+                "jax-export": "a float32 jax.export forward pass, cached decoding step and their weights "
+                              "(jax.export.deserialize)",
                 "torch-export": "a float32 torch.export program (torch.export.load(OUTPUT_DIR/model.pt2))",
                 "onnx": "a float32 ONNX model (onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx))"}
 WRITERS = {"savedmodel": write_savedmodel, "jax-export": write_jax_export, "torch-export": write_torch_export,

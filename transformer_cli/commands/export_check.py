@@ -7,6 +7,13 @@ own sentences when it has a tokenizer, else ``compare``'s seeded batch) and gree
 NumPy loop over the forward pass (:data:`GREEDY`: the reference's rules, section 6.1). Here, the log-probabilities
 are compared with the float64 reference under the float32 policy (``equivalence.tolerance``), and the tokens with
 the float64 reference's greedy tokens under the float32 token rule (identical up to a near-tie the bound allows).
+
+A target that exports the cached decoding step (``transformer.json``'s ``decoding_step``, :data:`STEPS`) is also run
+through it in the same process: ``encode`` once and ``step`` per position along the reference's greedy translation
+(teacher forcing), whose log-probabilities are held to the same float32 policy at every position a decoding loop
+reads (those whose input is not padding: the step attends to every position written, the forward pass hides a
+padded target's positions), and a cached greedy loop (:data:`CACHED_GREEDY`), whose tokens are held to the same
+token rule.
 """
 
 from __future__ import annotations
@@ -76,6 +83,57 @@ def greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
     return tgt[:, 1:]
 """
 
+# Each defines ``encode(src)`` and ``step(token, index, memory, src, self_keys, self_values, cross_keys,
+# cross_values)`` (transformer_cli.commands.export.STEP; NumPy in and out, int64 ids) from the artefact in sys.argv[1],
+# after its LOADERS entry.
+STEPS = {
+    "jax-export": """
+encode_exported, step_exported = (jax.export.deserialize(bytearray(open(sys.argv[1] + f"/{name}.jax", "rb").read()))
+                                  for name in ("encode", "step"))
+encode = lambda src: tuple(np.asarray(a) for a in encode_exported.call(weights, src.astype(np.int32)))
+step = lambda token, index, memory, src, *caches: tuple(np.asarray(a) for a in step_exported.call(
+    weights, token.astype(np.int32), np.int32(index), memory, src.astype(np.int32), *caches))
+""",
+}
+
+# A serving process's cached decoding over ``encode`` and ``step``, NumPy only: ``stepped`` runs the step along a
+# given target (B, T) and returns its log-probabilities (B, T, V); ``cached_greedy`` is GREEDY's loop (the same rules)
+# feeding one token per step. The self-attention caches start as zeros of capacity C (transformer.json).
+CACHED_GREEDY = """
+def empty_caches(cross_keys, capacity):
+    layers, batch, heads, _, d_k = cross_keys.shape
+    return np.zeros((layers, batch, heads, capacity, d_k), np.float32), np.zeros((layers, batch, heads, capacity, d_k),
+                                                                                  np.float32)
+
+
+def stepped(src, tgt, capacity):
+    memory, cross_keys, cross_values = encode(src)
+    self_keys, self_values = empty_caches(cross_keys, capacity)
+    out = []
+    for index in range(tgt.shape[1]):
+        log_probs, self_keys, self_values = step(tgt[:, index:index + 1], index, memory, src, self_keys, self_values,
+                                                 cross_keys, cross_values)
+        out.append(log_probs)
+    return np.stack(out, axis=1)
+
+
+def cached_greedy(src, pad_id, bos_id, eos_id, max_len, extra_length, capacity):
+    limits = np.minimum((src != pad_id).sum(axis=1) + extra_length, max_len)
+    memory, cross_keys, cross_values = encode(src)
+    self_keys, self_values = empty_caches(cross_keys, capacity)
+    token, tokens = np.full((len(src), 1), bos_id, dtype=np.int64), []
+    done = np.zeros(len(src), dtype=bool)
+    while not done.all():
+        log_probs, self_keys, self_values = step(token, len(tokens), memory, src, self_keys, self_values, cross_keys,
+                                                 cross_values)
+        log_probs = np.array(log_probs)                                      # (B, V) the next token's
+        log_probs[:, [pad_id, bos_id]] = -np.inf
+        token = np.where(done, pad_id, log_probs.argmax(axis=-1))[:, None]
+        tokens.append(token)
+        done |= (token[:, 0] == eos_id) | (len(tokens) >= limits)
+    return np.concatenate(tokens, axis=1)
+"""
+
 # The checking process: only site-packages on its path (``python -I -S``: no site hooks, so an editable install's
 # path is never added), the project not importable; reads inputs.npz (src, tgt), writes outputs.npz.
 ISOLATION = f"""
@@ -85,11 +143,19 @@ assert not [name for name in {PROJECT!r} if importlib.util.find_spec(name)], "th
 import numpy as np
 """
 CHECK = """
-config = json.load(open(sys.argv[1] + "/transformer.json"))["config"]
+manifest = json.load(open(sys.argv[1] + "/transformer.json"))
+config = manifest["config"]
 inputs = np.load(sys.argv[2])
-tokens = greedy(inputs["src"], config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"],
-                int(sys.argv[4]))
-np.savez(sys.argv[3], log_probs=run(inputs["src"], inputs["tgt"]), tokens=tokens)
+rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
+results = {"log_probs": run(inputs["src"], inputs["tgt"]), "tokens": greedy(inputs["src"], *rules)}
+"""
+CHECK_STEP = """
+capacity = manifest["decoding_step"]["capacity"]
+results.update(step_log_probs=stepped(inputs["src"], inputs["tgt"], capacity),
+               step_tokens=cached_greedy(inputs["src"], *rules, capacity))
+"""
+SAVE = """
+np.savez(sys.argv[3], **results)
 print(json.dumps(sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime") if name in sys.modules)))
 """
 
@@ -111,16 +177,40 @@ class Checked:
     greedy_note: str
     rows: int
     imported: list[str]
+    step: CheckedStep | None = None       # the cached decoding step's, if the artefact exports one
+
+    @property
+    def ok(self) -> bool:
+        return self.log_probs.ok and self.greedy_identical and (self.step is None or self.step.ok)
+
+    def __str__(self) -> str:
+        step = "" if self.step is None else f"; {self.step}"
+        return (f"checked in a process without this project ({', '.join(self.imported)}): log-probabilities "
+                f"{self.log_probs} (float32 policy), greedy tokens of {self.rows} sentences "
+                f"{_verdict(self.greedy_identical, self.greedy_note)}{step}")
+
+
+@dataclass
+class CheckedStep:
+    """What the cached decoding step gave: its log-probabilities' agreement (teacher-forced along the reference's
+    greedy translation, at the positions whose input is not padding) and its cached greedy tokens' verdict."""
+
+    log_probs: tolerance.Agreement
+    positions: int
+    greedy_identical: bool
+    greedy_note: str
 
     @property
     def ok(self) -> bool:
         return self.log_probs.ok and self.greedy_identical
 
     def __str__(self) -> str:
-        tokens = "identical" if self.greedy_identical else "DIFFER"
-        note = f" ({self.greedy_note})" if self.greedy_note else ""
-        return (f"checked in a process without this project ({', '.join(self.imported)}): log-probabilities "
-                f"{self.log_probs} (float32 policy), greedy tokens of {self.rows} sentences {tokens}{note}")
+        return (f"cached decoding step: log-probabilities {self.log_probs} (float32 policy, {self.positions} "
+                f"positions), greedy tokens {_verdict(self.greedy_identical, self.greedy_note)}")
+
+
+def _verdict(identical: bool, note: str) -> str:
+    return ("identical" if identical else "DIFFER") + (f" ({note})" if note else "")
 
 
 def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> Checked:
@@ -132,16 +222,27 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     src = translation_source(tokenizer) if tokenizer is not None else None
     src = compare_inputs(config)["src"] if src is None else src
     oracle = build_oracle(config, params, src, dtypes=("float32",))
+    manifest = json.loads((Path(output_dir) / "transformer.json").read_text(encoding="utf-8"))
+    has_step = target in STEPS and "decoding_step" in manifest
     with tempfile.TemporaryDirectory() as directory:
         inputs, outputs = Path(directory) / "inputs.npz", Path(directory) / "outputs.npz"
         np.savez(inputs, **oracle.inputs)     # type: ignore[arg-type]  # numpy's stub: a ** key might be allow_pickle
-        imported = run_isolated(LOADERS[target] + GREEDY + CHECK, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH)
+        script = LOADERS[target] + GREEDY + CHECK
+        script += STEPS[target] + CACHED_GREEDY + CHECK_STEP + SAVE if has_step else SAVE
+        imported = run_isolated(script, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH)
         with np.load(outputs) as answers:
-            log_probs, tokens = answers["log_probs"], answers["tokens"]
-    agreement = tolerance.agreement(log_probs, oracle.stages64["log_probs"], oracle.stages["float32"]["log_probs"],
-                                    "float32")
-    identical, note = greedy_verdict(tokens, oracle, "float32", config.pad_id)
-    return Checked(agreement, identical, note, len(src), imported)
+            results = dict(answers)
+    agreement = tolerance.agreement(results["log_probs"], oracle.stages64["log_probs"],
+                                    oracle.stages["float32"]["log_probs"], "float32")
+    identical, note = greedy_verdict(results["tokens"], oracle, "float32", config.pad_id)
+    checked = Checked(agreement, identical, note, len(src), imported)
+    if has_step:
+        read = oracle.inputs["tgt"] != config.pad_id                      # (B, T): the positions a decoding loop reads
+        step_agreement = tolerance.agreement(results["step_log_probs"][read], oracle.stages64["log_probs"][read],
+                                             oracle.stages["float32"]["log_probs"][read], "float32")
+        checked.step = CheckedStep(step_agreement, int(read.sum()),
+                                   *greedy_verdict(results["step_tokens"], oracle, "float32", config.pad_id))
+    return checked
 
 
 def run_isolated(script: str, *args: object) -> Any:
