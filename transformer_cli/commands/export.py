@@ -9,8 +9,10 @@ and output's names; for a target that exports one cached decoding step, ``decodi
 functions' names, inputs and outputs, :data:`STEP`) and, if the checkpoint holds one, ``tokenizer.json`` (the
 shared BPE vocabulary of section 5.1, a Hugging Face ``tokenizers`` JSON text):
 
-* ``savedmodel``: the Keras port's model through ``model.export`` -- a TensorFlow SavedModel whose ``serve``
-  endpoint (and ``serving_default`` signature) takes int64 ``src`` and ``tgt``; ``tf.saved_model.load``;
+* ``savedmodel``: the Keras port's model through Keras' ``ExportArchive`` (what ``model.export`` runs) -- a
+  TensorFlow SavedModel whose ``serve`` endpoint (and ``serving_default`` signature) takes int64 ``src`` and
+  ``tgt``; beside it one cached decoding step, the ``encode`` and ``step`` endpoints (:data:`STEP`, int64 ids);
+  ``tf.saved_model.load``;
 * ``jax-export``: the JAX port's forward pass through ``jax.jit`` and ``jax.export.export`` with symbolic batch
   and lengths (``b``, ``s``, ``t``; s, t <= max_len), serialized to ``forward.jax``; it takes the weights as
   its first argument, a dict of float32 arrays by checkpoint name (``weights.npz``), then int32 ``src`` and
@@ -136,16 +138,49 @@ def example_tokens(config: TransformerConfig) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- TensorFlow: a SavedModel
 
-@_writer(["saved_model.pb", "variables/", "assets/", "fingerprint.pb"], ("tensorflow", "tf"))
+@_writer(["saved_model.pb", "variables/", "assets/", "fingerprint.pb"], ("tensorflow", "tf"),
+         steps={"encode": "encode", "step": "step"})
 def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
-    """The Keras port's float32 model through Keras' ``model.export`` with int64 (B, S), (B, T) inputs."""
+    """The Keras port's float32 model through Keras' ``ExportArchive`` (what ``model.export`` runs) with int64
+    (B, S), (B, T) inputs as the ``serve`` endpoint, and beside it the cached decoding step's ``encode`` and
+    ``step`` endpoints (:data:`STEP`; int64 ids, capacity ``max_len``) through the port's ``encode``,
+    ``init_cache``, ``decode`` and ``generator``."""
+    import keras
     import tensorflow as tf
 
     from transformer_tf.checkpoint import from_params
+    from transformer_tf.model import KVCache, padding_mask
 
     model = from_params(config, params, dtype="float32")
     signature = [tf.TensorSpec((None, None), tf.int64, name=name) for name in INPUTS]
-    model.export(str(directory), format="tf_saved_model", verbose=False, input_signature=signature)
+    archive = keras.export.ExportArchive()
+    archive.track_and_add_endpoint("serve", model, signature)
+
+    def encode(src: tf.Tensor) -> tuple:
+        memory = model.encode(src, training=False)
+        cross = [layer[1] for layer in model.init_cache(memory, config.max_len)]
+        return memory, tf.stack([c.keys for c in cross]), tf.stack([c.values for c in cross])
+
+    def step(token: tf.Tensor, index: tf.Tensor, memory: tf.Tensor, src: tf.Tensor, self_keys: tf.Tensor,
+             self_values: tf.Tensor, cross_keys: tf.Tensor, cross_values: tf.Tensor) -> tuple:
+        cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
+                      for i in range(config.n_decoder_layers))
+        out, cache = model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache, cache_index=index,
+                                  training=False)
+        log_probs = model.generator(out)[:, 0]                                       # (B, V)
+        return log_probs, tf.stack([own.keys for own, _ in cache]), tf.stack([own.values for own, _ in cache])
+
+    layers, heads, d_k = config.n_decoder_layers, config.n_heads, config.d_k
+    src = tf.TensorSpec((None, None), tf.int64, name="src")
+    archive.add_endpoint("encode", encode, [src])
+    archive.add_endpoint("step", step, [
+        tf.TensorSpec((None, 1), tf.int64, name="token"), tf.TensorSpec((), tf.int64, name="index"),
+        tf.TensorSpec((None, None, config.d_model), tf.float32, name="memory"), src,
+        *(tf.TensorSpec((layers, None, heads, config.max_len, d_k), tf.float32, name=name)
+          for name in ("self_keys", "self_values")),
+        *(tf.TensorSpec((layers, None, heads, None, d_k), tf.float32, name=name)
+          for name in ("cross_keys", "cross_values"))])
+    archive.write_out(str(directory), verbose=False)
 
 
 # ----------------------------------------------------------------------------- JAX: jax.export
@@ -290,7 +325,8 @@ def describe(target: str, output: Path) -> str:
     return DESCRIPTIONS[target]
 
 
-DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel (tf.saved_model.load(OUTPUT_DIR).serve(src, tgt))",
+DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel of the forward pass and cached decoding step "
+                              "(tf.saved_model.load(OUTPUT_DIR).serve(src, tgt), .encode, .step)",
                 "jax-export": "a float32 jax.export forward pass, cached decoding step and their weights "
                               "(jax.export.deserialize)",
                 "torch-export": "a float32 torch.export program (torch.export.load(OUTPUT_DIR/model.pt2))",

@@ -87,6 +87,11 @@ def greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
 # cross_values)`` (transformer_cli.commands.export.STEP; NumPy in and out, int64 ids) from the artefact in sys.argv[1],
 # after its LOADERS entry.
 STEPS = {
+    "savedmodel": """
+encode = lambda src: tuple(a.numpy() for a in model.encode(tf.constant(src)))
+step = lambda token, index, memory, src, *caches: tuple(a.numpy() for a in model.step(
+    tf.constant(token), tf.constant(index, tf.int64), tf.constant(memory), tf.constant(src), *map(tf.constant, caches)))
+""",
     "jax-export": """
 encode_exported, step_exported = (jax.export.deserialize(bytearray(open(sys.argv[1] + f"/{name}.jax", "rb").read()))
                                   for name in ("encode", "step"))
