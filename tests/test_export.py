@@ -13,6 +13,10 @@ and ``equivalence`` are not importable), and its answers are compared with the N
   a plain NumPy greedy loop over it, in the same process, writes exactly the reference's greedy tokens (and, by the
   artefact's tokenizer.json, its text) for the 32 held-out sentences; a planted bug in an exported graph fails both
   checks;
+* ``savedmodel``, ``jax-export``: the cached decoding step exported beside the forward pass (``encode`` once, ``step``
+  per position), run by a NumPy greedy loop in the same kind of process, writes the reference's greedy tokens for
+  the 32 held-out sentences and log-probabilities within the float32 policy; a transposed decoder self-attention
+  W_k in the exported weights fails both; ``export --check`` runs it too;
 * what capture needed in the ports: Keras' ``model.export`` after a call (the model records its token inputs),
   ``torch.compile(fullgraph=True)`` with no graph break in torch's own report, the public calls still refusing
   bad ids with the reference's message; the command's refusals.
