@@ -288,9 +288,10 @@ class LayerNorm(nn.LayerNorm):
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6; torch's
     own default, 1e-5, is not the project's). In a low precision the statistics, the normalization,
-    gain and bias are computed wide (float32, ``F.layer_norm``) and the output rounded to P. A variance past the
-    format's largest number gives NaN, as in the reference (``F.layer_norm`` gives NaN or the bias, depending on
-    the values).
+    gain and bias are computed wide (float32, ``torch.native_layer_norm``, ``F.layer_norm``'s kernel) and the output
+    rounded to P. A variance past the format's largest number gives NaN, as in the reference (the kernel alone gives
+    NaN or the bias, depending on the values): it is read from the kernel's own 1 / sqrt(var + eps), which is 0 only
+    when the variance overflowed, so the variance is not computed twice.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -299,10 +300,9 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        widened = wide(x)
-        y = F.layer_norm(widened, self.normalized_shape, wide(self.weight), wide(self.bias), self.eps)
-        overflow = torch.isinf(widened.var(dim=-1, correction=0, keepdim=True))     # (..., 1)
-        return narrow(torch.where(overflow, torch.nan, y), x.dtype)
+        y, _, rstd = torch.native_layer_norm(wide(x), self.normalized_shape, wide(self.weight), wide(self.bias),
+                                             self.eps)                      # rstd (..., 1): 1 / sqrt(var + eps)
+        return narrow(torch.where(rstd == 0, torch.nan, y), x.dtype)       # rstd 0: the variance overflowed
 
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
