@@ -16,6 +16,8 @@ import contextlib
 import importlib.metadata
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from types import ModuleType
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}   # TensorFlow's C++ info and warnings (oneDNN, CPU features), read at import
@@ -33,6 +35,30 @@ def quiet() -> None:
     """Silence the frameworks' start-up notices (a value the user set is kept)."""
     for name, value in QUIET.items():
         os.environ.setdefault(name, value)
+
+
+@contextlib.contextmanager
+def start_up_notices_held() -> Iterator[None]:
+    """Standard error (file descriptor 2) held aside while frameworks load, when :func:`quiet` is in force (a
+    ``TF_CPP_MIN_LOG_LEVEL`` above 0): some TensorFlow builds print their C++ start-up notices (oneDNN) through
+    absl before that setting is read. If loading fails, what it printed is written out before the error goes on."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read())
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def configure(threads: int) -> None:

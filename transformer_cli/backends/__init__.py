@@ -47,7 +47,8 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
             missing.append(Missing(name, f"not installed ({' and '.join(absent)} missing): "
                                          f"pip install 'transformer-reference[{extra}]'"))
             continue
-        adapters[name] = importlib.import_module(module)
+        with runtime.start_up_notices_held():
+            adapters[name] = importlib.import_module(module)
     runtime.apply()                     # --threads in the frameworks just imported
     return adapters, missing
 
