@@ -5,6 +5,7 @@ that is not UTF-8, ``--threads``, and the ``.partial`` files a killed save leave
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
@@ -211,6 +212,22 @@ def test_stdin_that_is_not_utf8_is_one_line_naming_its_line(monkeypatch, capsys)
     assert status == EXIT_USAGE
     assert out.splitlines() == ["soixante et onze", "quatre-vingts", "", "soixante"]   # an empty line in its place
     one_error_line(err, "standard input, line 3", "not UTF-8", "0xff")
+
+
+@pytest.mark.parametrize("level, fails", [("2", False), ("2", True), ("0", False)])
+def test_start_up_notices_are_held_unless_loading_fails_or_asked_for(capfd, monkeypatch, level, fails):
+    """What a framework's native code writes to file descriptor 2 while it loads: dropped when quiet, written out
+    when the load fails (so the error keeps its context) or when the user asked for TensorFlow's logs (level 0)."""
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", level)
+    with pytest.raises(ImportError) if fails else contextlib.nullcontext():
+        with runtime.start_up_notices_held():
+            os.write(2, b"a native notice\n")
+            if fails:
+                raise ImportError("no such library")
+    shown = capfd.readouterr().err
+    assert shown == ("a native notice\n" if fails or level == "0" else "")
+    os.write(2, b"after\n")                                       # descriptor 2 is stderr again
+    assert capfd.readouterr().err == "after\n"
 
 
 @needs_script
