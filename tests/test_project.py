@@ -200,3 +200,21 @@ def test_no_import_cycle_between_the_projects_modules():
     assert "reference_numpy.model" in graph["reference_numpy.training"]
     cycles = import_cycles(graph)
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_suite_computes_with_the_pinned_openblas_kernel():
+    """tests/conftest.py pins OpenBLAS's kernel (OPENBLAS_CORETYPE) before NumPy loads it: the kernel NumPy's
+    OpenBLAS reports is the pinned one, so the reference's last bits are the same on every x86-64 host."""
+    import ctypes
+    import glob
+    import os
+
+    import numpy as np
+
+    pinned = os.environ.get("OPENBLAS_CORETYPE")
+    libraries = glob.glob(os.path.join(os.path.dirname(np.__path__[0]), "numpy.libs", "libscipy_openblas*"))
+    if not pinned or not libraries:
+        pytest.skip("no OpenBLAS kernel pinned on this platform, or NumPy is not built with scipy-openblas")
+    corename = ctypes.CDLL(libraries[0]).scipy_openblas_get_corename64_
+    corename.restype = ctypes.c_char_p
+    assert corename().decode().lower() == pinned.lower()
