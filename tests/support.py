@@ -67,3 +67,24 @@ class ScriptedModel:
         with np.errstate(divide="ignore"):                                    # log(0) = -inf: impossible tokens
             rows = [np.log(self.script(tuple(int(t) for t in prefix[1:]))) for prefix in hidden[:, -1]]
         return np.stack(rows)[:, None, :]
+
+
+def adam_moment_memory(port: str, model, optimizer) -> dict[str, tuple[int, int]]:
+    """Checkpoint name -> the addresses of the memory holding Adam's m and v of that tensor in the port's optimizer."""
+    checkpoint = importlib.import_module(f"transformer_{port}.checkpoint")
+    table = checkpoint.name_table(model.config)
+    if port == "torch":
+        parameters = dict(model.named_parameters())
+        slots = {name: optimizer.adam.state[parameters[path]] for name, path in table.items()}
+        return {name: (slot["exp_avg"].data_ptr(), slot["exp_avg_sq"].data_ptr()) for name, slot in slots.items()}
+    if port == "jax":
+        import optax
+        from flax import nnx
+        adam = optax.tree.get(nnx.as_pure(optimizer.adam.opt_state), "ScaleByAdamState")
+        mu, nu = ({".".join(map(str, keys)): value for keys, value in nnx.to_flat_state(moments)}
+                  for moments in (adam.mu, adam.nu))
+        return {name: (mu[path].unsafe_buffer_pointer(), nu[path].unsafe_buffer_pointer())
+                for name, path in table.items()}
+    variables = checkpoint._variables(model)
+    return {name: tuple(slot.value.value()._numpy().ctypes.data for slot in optimizer.adam.moments(variable))
+            for name, variable in variables.items()}

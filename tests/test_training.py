@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS
+from support import FRAMEWORKS, adam_moment_memory
 
 from equivalence import tolerance
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
@@ -424,8 +424,6 @@ def test_train_resume_gives_the_optimizer_the_files_moments_held_once(name, tmp_
     """``train --resume`` holds no NumPy copy of the run: the plan keeps the file's path and its header's training
     record (no arrays), and the port's optimizer is set up with the very state its ``load_training_state`` read, its
     Adam's m and v living where that state's arrays do and equal to the file's, bit for bit."""
-    from test_port_checkpoints import adam_moment_memory
-
     from transformer_cli.commands import train as train_command
     from transformer_cli.main import build_parser
     adapter = backend(name)

@@ -8,20 +8,28 @@ graph executor with its oneDNN matmuls (measured in ``docs/benchmarks-tf.md``), 
 adapters, ``bench`` and the equivalence harness time goes through it. :func:`_xla_keeps_roundings` says when XLA
 may compile a model at all; the compiled searches of :mod:`.decoding` ask it too. And :func:`beam_scores` and
 :func:`beam_mix`, where ``model.scaled_dot_product_attention`` (Eq. (1)) computes the products along a beam-search
-cache's hypotheses without gathering keys and values. This module imports the model for types only.
+cache's hypotheses without gathering keys and values. This module imports nothing from the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import tensorflow as tf
 
 from reference_numpy.precision import is_low
 
-if TYPE_CHECKING:
-    from .model import Transformer
+
+class Transformer(Protocol):
+    """What this module uses of a :class:`~.model.Transformer` (it imports nothing from the model, which calls
+    :func:`beam_scores` and :func:`beam_mix`)."""
+
+    compute_dtype: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _check_inputs(self, src: Any, tgt: Any, src_mask: Any, tgt_mask: Any) -> tuple[Any, Any]: ...
 
 
 def _xla_keeps_roundings(model: Transformer) -> bool:
