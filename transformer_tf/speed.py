@@ -21,7 +21,7 @@ import tensorflow as tf
 from reference_numpy.precision import is_low
 
 
-class Transformer(Protocol):
+class _Model(Protocol):
     """What this module uses of a :class:`~.model.Transformer` (it imports nothing from the model, which calls
     :func:`beam_scores` and :func:`beam_mix`)."""
 
@@ -32,7 +32,7 @@ class Transformer(Protocol):
     def _check_inputs(self, src: Any, tgt: Any, src_mask: Any, tgt_mask: Any) -> tuple[Any, Any]: ...
 
 
-def _xla_keeps_roundings(model: Transformer) -> bool:
+def _xla_keeps_roundings(model: _Model) -> bool:
     """Whether XLA may compile ``model``: float32 and float64, yes. In bfloat16 and float16 TensorFlow's XLA leaves
     out some of the recipe's roundings (it keeps an attention output in float32 into the residual addition:
     "excess precision", which ``tf.function`` offers no option to turn off and ``XLA_FLAGS`` did not change), so a
@@ -40,7 +40,7 @@ def _xla_keeps_roundings(model: Transformer) -> bool:
     return not is_low(tf.as_dtype(model.compute_dtype).as_numpy_dtype)
 
 
-def compiled_forward(model: Transformer, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
+def compiled_forward(model: _Model, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
     """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
     XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
     op used, and it is the default because its fused program ran the ``base`` forward pass faster on the CPU
