@@ -13,10 +13,10 @@ and ``equivalence`` are not importable), and its answers are compared with the N
   a plain NumPy greedy loop over it, in the same process, writes exactly the reference's greedy tokens (and, by the
   artefact's tokenizer.json, its text) for the 32 held-out sentences; a planted bug in an exported graph fails both
   checks;
-* ``savedmodel``, ``jax-export``: the cached decoding step exported beside the forward pass (``encode`` once, ``step``
-  per position), run by a NumPy greedy loop in the same kind of process, writes the reference's greedy tokens for
-  the 32 held-out sentences and log-probabilities within the float32 policy; a transposed decoder self-attention
-  W_k in the exported weights fails both; ``export --check`` runs it too;
+* every target but ``ctranslate2``: the cached decoding step exported beside the forward pass (``encode`` once,
+  ``step`` per position), run by a NumPy greedy loop in the same kind of process, writes the reference's greedy
+  tokens for the 32 held-out sentences and log-probabilities within the float32 policy; a transposed decoder
+  self-attention W_k in the exported weights fails both; ``export --check`` runs it too;
 * what capture needed in the ports: Keras' ``model.export`` after a call (the model records its token inputs),
   ``torch.compile(fullgraph=True)`` with no graph break in torch's own report, the public calls still refusing
   bad ids with the reference's message; the command's refusals.
@@ -32,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -249,13 +250,26 @@ class Served(NamedTuple):
     beam_tokens: np.ndarray        # the beam search's (size 4, alpha 0.6) on :func:`beam_source`
 
 
+@pytest.fixture(scope="module")
+def shipped_exports() -> dict[str, Path]:
+    """The shipped model's artefact per target, once the forward-pass test has written it: the decoding step's
+    test reads the same directory (each export traces the forward pass and the step: seconds to a minute)."""
+    return {}
+
+
+def export_shipped(target: str, tmp_path: Path) -> Path:
+    """The CLI's export of the shipped model to ``target``, in ``tmp_path / target``."""
+    require(*RUNTIMES[target])
+    out = tmp_path / target
+    assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
+    return out
+
+
 def run_exported(target: str, tmp_path) -> Served:
     """Export the shipped model with the CLI, and in one process that cannot import the project run it on
     :func:`shipped_batches` and greedy-decode :func:`shipped_texts` with it (``GREEDY``)."""
-    require(*RUNTIMES[target])
     require("tokenizers", "text")
-    out = tmp_path / target
-    assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
+    out = export_shipped(target, tmp_path)
     _, _, tokenizer = load_translator()
     np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), beam_src=beam_source(),
              **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
@@ -320,7 +334,8 @@ def check_beam_tokens(target: str, served: Served) -> None:
 
 @pytest.mark.parametrize("target", list(RUNTIMES))
 def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_without_the_project(target, tmp_path,
-                                                                                                capsys, agreement):
+                                                                                                capsys, agreement,
+                                                                                                shipped_exports):
     """The CLI's artefact, loaded by its runtime alone, computes the reference's log-probabilities (float32 policy)
     for any batch and lengths, and a plain greedy loop over it translates the 32 held-out sentences into exactly
     the reference's greedy tokens and text; the directory also holds the config and the checkpoint's tokenizer."""
@@ -335,6 +350,7 @@ def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_with
     assert TransformerConfig.from_dict(manifest["config"]) == config and manifest["target"] == target
     assert (out / "tokenizer.json").read_text() == tokenizer.to_json()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["inputs.npz", "outputs.npz", target])
+    shipped_exports[target] = out
 
 
 @pytest.mark.parametrize("target", ["jax-export", "onnx"])
@@ -374,14 +390,12 @@ print(json.dumps({"decoding_step": manifest["decoding_step"],
 STEPS = list(export_check.STEPS)
 
 
-def run_exported_step(target: str, tmp_path) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Export the shipped model with the CLI and, in one process that cannot import the project, greedy-decode
-    :func:`shipped_texts` through the exported step (``export_check.CACHED_GREEDY``) and step along the ragged batch
-    of :func:`shipped_batches` (teacher forcing): the tokens, the log-probabilities (B, T, V) and the manifest's
-    ``decoding_step``."""
-    require(*RUNTIMES[target])
-    out = tmp_path / target
-    assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
+def run_exported_step(target: str, tmp_path, out: Path | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Export the shipped model with the CLI (unless ``out`` holds its export) and, in one process that cannot
+    import the project, greedy-decode :func:`shipped_texts` through the exported step
+    (``export_check.CACHED_GREEDY``) and step along the ragged batch of :func:`shipped_batches` (teacher forcing):
+    the tokens, the log-probabilities (B, T, V) and the manifest's ``decoding_step``."""
+    out = export_shipped(target, tmp_path) if out is None else out
     _, _, tokenizer = load_translator()
     src, tgt = shipped_batches()[0]
     np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), src=src, tgt=tgt)
@@ -409,12 +423,13 @@ def check_step_against_reference(target: str, tokens: np.ndarray, log_probs: np.
 
 
 @pytest.mark.parametrize("target", STEPS)
-def test_exported_decoding_step_agrees_with_the_reference_without_the_project(target, tmp_path, agreement):
+def test_exported_decoding_step_agrees_with_the_reference_without_the_project(target, tmp_path, agreement,
+                                                                              shipped_exports):
     """The CLI's artefact exports ``encode`` and ``step`` (named in transformer.json with their inputs and outputs,
     capacity ``max_len``); loaded by its runtime alone, a NumPy greedy loop calling encode once and step per position
     translates the 32 held-out sentences into exactly the reference's greedy tokens, and the step's log-probabilities
     agree with the reference's under the float32 policy."""
-    tokens, log_probs, manifest = run_exported_step(target, tmp_path)
+    tokens, log_probs, manifest = run_exported_step(target, tmp_path, shipped_exports.get(target))
     config = load_translator()[0]
     assert manifest["capacity"] == config.max_len
     assert {name: (entry["inputs"], entry["outputs"]) for name, entry in manifest.items() if name != "capacity"} == {

@@ -530,6 +530,27 @@ def test_cache_refuses_to_overflow_and_bad_arguments():
             model.init_cache(memory[0], 4)
 
 
+def test_a_0_d_tensor_cache_index_is_read_and_checked_as_an_int():
+    """An exported decoding step passes its position as a 0-d tensor (traced there); eagerly the tensor is read:
+    the same output and cache as its int, and the reference's errors for a bad one."""
+    model = port_model("tiny")
+    src = torch.as_tensor(cases.decoding_inputs(VARIANTS["tiny"]))
+    tgt = torch.ones(3, 1, dtype=torch.long)
+    with torch.no_grad():
+        memory, mask = model.encode(src), (src != 0)[:, None, None, :]
+        outs = [model.decode(tgt, memory, mask, cache=model.init_cache(memory, 4), cache_index=index)
+                for index in (2, torch.tensor(2))]
+        for (out, cache), (expected, expected_cache) in zip(outs[1:], outs[:1]):
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+            torch.testing.assert_close(cache[0][0].keys, expected_cache[0][0].keys, rtol=0, atol=0)
+        assert outs[0][1][0][0].keys[:, :, 2].abs().sum() > 0 == outs[0][1][0][0].keys[:, :, 3].abs().sum()
+        for index, shown in ((torch.tensor(-1), "-1"), (torch.tensor(1.0), "1.0"), (torch.tensor([1]), r"tensor\(")):
+            with pytest.raises(ValueError, match=f"cache_index must be an int >= 0, got {shown}"):
+                model.decode(tgt, memory, mask, cache=model.init_cache(memory, 4), cache_index=index)
+        with pytest.raises(ValueError, match="cache holds 4 positions; decoding needs 5"):
+            model.decode(tgt, memory, mask, cache=model.init_cache(memory, 4), cache_index=torch.tensor(4))
+
+
 # ----------------------------------------------------------------------------- low precision
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

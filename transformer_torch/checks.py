@@ -8,6 +8,8 @@ and nested lists are taken too. :mod:`.model` calls these at its public entry po
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -48,6 +50,17 @@ def check_tokens(name: str, tokens: Tensor | np.ndarray, vocab_size: int, max_le
         if not torch.compiler.is_compiling():
             checks.check_token_values(name, tokens.cpu().numpy(), vocab_size)
     return tokens.to(device=device, dtype=torch.long)
+
+
+def check_cache_index(cache_index: Any, length: int, capacity: int) -> Any:   # Any: what a caller gave
+    """``cache_index`` (an int >= 0 with the ``length`` new positions inside the cache) after the reference's
+    check when its value is known: a 0-d tensor holding a value is read; a traced one (``torch.export``,
+    ``torch.compile``: an exported decoding step) is left to the compiled caller and returned as it is."""
+    if isinstance(cache_index, Tensor):
+        if torch.compiler.is_compiling():
+            return cache_index
+        cache_index = cache_index.item() if cache_index.ndim == 0 else cache_index
+    return checks.check_cache_index(cache_index, length, capacity)
 
 
 def check_beams(beams: Tensor, rows: int, capacity: int) -> None:

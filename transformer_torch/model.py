@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import torch
@@ -45,8 +45,11 @@ from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 from . import speed
-from .checks import check_beams, check_tokens, checked_mask, describe, layout
+from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
 from .precision import LOW, dtype_name, from_numpy, narrow, wide
+
+Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
+
 
 # ----------------------------------------------------------------------------- masks
 
@@ -75,9 +78,10 @@ def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
     return padding_mask(tgt, pad_id) & causal_mask(tgt.shape[1], tgt.device)
 
 
-def _cached_causal_mask(cache_index: int, length: int, capacity: int, device: torch.device) -> Tensor:
+def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: torch.device) -> Tensor:
     """New position q (absolute position cache_index + q) may attend to cache positions
     j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+    ``cache_index`` may be a traced tensor (an exported decoding step).
 
     Shape: mask (1, 1, T_new, C), bool, True = may attend.
     """
@@ -215,7 +219,7 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = _Linear(config.d_model, config.d_model)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                return_weights: bool = False, cache: KVCache | None = None, cache_index: int | None = None) -> Any:
+                return_weights: bool = False, cache: KVCache | None = None, cache_index: Index | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
@@ -243,7 +247,7 @@ class MultiHeadAttention(nn.Module):
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
     def _keys_values(self, key: Tensor, value: Tensor, cache: KVCache | None,
-                     cache_index: int | None) -> tuple[Tensor, Tensor, KVCache | None]:
+                     cache_index: Index | None) -> tuple[Tensor, Tensor, KVCache | None]:
         """The keys and values to attend over and the cache to return (see the class docstring)."""
         if cache is not None and cache_index is None:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
@@ -251,18 +255,25 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        cache_index = checks.check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache.keys[:, :, cache_index:cache_index + k.shape[2]] = k
-        cache.values[:, :, cache_index:cache_index + k.shape[2]] = v
+        positions = _positions(check_cache_index(cache_index, k.shape[2], cache.keys.shape[2]), k.shape[2])
+        cache.keys[:, :, positions] = k
+        cache.values[:, :, positions] = v
         if not isinstance(cache.beams, tuple):                             # the new positions are each row's own
-            cache.beams[:, :, cache_index:cache_index + k.shape[2]] = torch.arange(
-                cache.beams.shape[1], device=cache.beams.device)[:, None]
+            cache.beams[:, :, positions] = torch.arange(cache.beams.shape[1], device=cache.beams.device)[:, None]
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
         x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)
         return x.transpose(1, 2)                                           # (B, H, T, d_k)
+
+
+def _positions(start: Index, length: int) -> slice | Tensor:
+    """Positions start .. start + length - 1 as an index: a slice, or, from a traced ``start`` (an exported
+    decoding step), a (length,) tensor."""
+    if isinstance(start, Tensor):
+        return start + torch.arange(length, device=start.device)
+    return slice(start, start + length)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -376,7 +387,7 @@ class PositionalEncoding(nn.Module):
     float32 -> float64 round trip keeps exact positions; ``learned``: a trained (L, D) ``weight``
     (Table 3, row E).
 
-    Shape: x (B, T, D) -> (B, T, D), offset + T <= L.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be a traced tensor.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -392,9 +403,9 @@ class PositionalEncoding(nn.Module):
                                  persistent=False)                        # (L, D)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: Index = 0) -> Tensor:
         table = self.weight if self.learned else self.table
-        return self.dropout(add(x, table[offset:offset + x.shape[1]]))
+        return self.dropout(add(x, table[_positions(offset, x.shape[1])]))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -483,7 +494,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                cache_index: int | None = None) -> Any:
+                cache_index: Index | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
         x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
                                          self.self_attn_norm, self.norm_first, self.dropout)
@@ -494,11 +505,11 @@ class DecoderLayer(nn.Module):
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[KVCache, KVCache]:
         """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
-        return self.self_attn.init_cache(len(memory), capacity), self.cross_attn.memory_cache(memory)
+        return self.self_attn.init_cache(memory.shape[0], capacity), self.cross_attn.memory_cache(memory)
 
 
 def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: Tensor | None,
-            cache: KVCache | None, cache_index: int | None) -> tuple[Tensor, KVCache | None]:
+            cache: KVCache | None, cache_index: Index | None) -> tuple[Tensor, KVCache | None]:
     """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
     (None without a cache)."""
     if cache is None:
@@ -558,7 +569,8 @@ class Decoder(nn.Module):
         self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                return_intermediates: bool = False, cache: tuple | None = None, cache_index: int | None = None) -> Any:
+                return_intermediates: bool = False, cache: tuple | None = None,
+                cache_index: Index | None = None) -> Any:
         stages, kept = {}, []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -663,7 +675,7 @@ class Transformer(nn.Module):
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
                tgt_mask: Tensor | np.ndarray | None = None, return_intermediates: bool = False,
-               cache: tuple | None = None, cache_index: int | None = None) -> Any:
+               cache: tuple | None = None, cache_index: Index | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -674,6 +686,7 @@ class Transformer(nn.Module):
         the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written).
+        ``cache_index`` may be a 0-d tensor (checked only when its value is known).
         Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
@@ -682,7 +695,7 @@ class Transformer(nn.Module):
         memory = torch.as_tensor(memory, device=self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        start = 0 if cache is None else checks.check_cache_index(cache_index, length, keys)   # the first new position
+        start = 0 if cache is None else check_cache_index(cache_index, length, keys)   # the first new position
         if cache is not None:
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)

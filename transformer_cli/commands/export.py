@@ -19,9 +19,11 @@ shared BPE vocabulary of section 5.1, a Hugging Face ``tokenizers`` JSON text):
   ``tgt``: ``jax.export.deserialize(...).call(weights, src, tgt)``; beside it one cached decoding step,
   ``encode.jax`` and ``step.jax`` (:data:`STEP`, the weights first too);
 * ``torch-export``: the PyTorch port's model through ``torch.export.export`` with dynamic batch and lengths,
-  saved by ``torch.export.save`` as ``model.pt2``; ``torch.export.load(...).module()(src, tgt)``;
-* ``onnx``: the same captured program through torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``),
-  ``model.onnx``, inputs ``src``, ``tgt`` (int64), output ``log_probs``; run by onnxruntime;
+  saved by ``torch.export.save`` as ``model.pt2``; ``torch.export.load(...).module()(src, tgt)``; beside it one
+  cached decoding step, ``encode.pt2`` and ``step.pt2`` (:data:`STEP`, int64 ids and index);
+* ``onnx``: the same captured programs through torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``),
+  ``model.onnx``, inputs ``src``, ``tgt`` (int64), output ``log_probs``, and ``encode.onnx``, ``step.onnx``
+  (:data:`STEP`'s input and output names); run by onnxruntime;
 * ``ctranslate2``: :mod:`.ctranslate2_export` (a CTranslate2 model directory, its vocabulary the tokenizer's
   pieces).
 
@@ -34,10 +36,13 @@ and renamed into place (:func:`.ctranslate2_export.write_into_place`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import logging
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +65,12 @@ INPUTS, OUTPUT = ("src", "tgt"), "log_probs"
 # the self-attention caches of capacity C = max_len, the projected memory stacked over the N decoder layers:
 # ``encode(src (B, S)) -> memory (B, S, D), cross_keys, cross_values (N, B, H, S, d_k)``;
 # ``step(token (B, 1), index (), memory, src, self_keys, self_values (N, B, H, C, d_k), cross_keys, cross_values)
-# -> log_probs (B, V) of the token after position ``index`` (whose input is ``token``), self_keys, self_values``
-# (the caches with position ``index`` written). Greedy decoding starts with zero self-attention caches and
-# token = bos at index 0.
+# -> log_probs (B, V) of the token after position ``index`` (whose input is ``token``), next_self_keys,
+# next_self_values`` (the caches with position ``index`` written; names of their own, as ONNX asks). Greedy
+# decoding starts with zero self-attention caches and token = bos at index 0.
 STEP = {"encode": {"inputs": ["src"], "outputs": ["memory", "cross_keys", "cross_values"]},
         "step": {"inputs": ["token", "index", "memory", "src", "self_keys", "self_values", "cross_keys",
-                            "cross_values"], "outputs": ["log_probs", "self_keys", "self_values"]}}
+                            "cross_values"], "outputs": ["log_probs", "next_self_keys", "next_self_values"]}}
 EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 3      # the example a tracer runs: sizes above 1, which torch keeps symbolic
 
 
@@ -279,42 +284,101 @@ def jax_input_specs(config: TransformerConfig, weights: dict[str, np.ndarray]) -
 
 # ----------------------------------------------------------------------------- PyTorch: torch.export and ONNX
 
-def torch_program(config: TransformerConfig, params: dict[str, np.ndarray]) -> tuple:
-    """The PyTorch port's float32 model in eval mode, the example inputs to trace it on and their dynamic
-    dimensions for ``torch.export``: batch and lengths (up to ``max_len``)."""
+def torch_programs(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict[str, tuple]:
+    """The PyTorch port's float32 model in eval mode (``forward``) and its cached decoding step (``encode``,
+    ``step``: :data:`STEP`, through the port's ``encode``, ``init_cache``, ``decode`` and ``generator``), each with
+    the example inputs to trace it on and their dynamic dimensions for ``torch.export``: batch and lengths (up to
+    ``max_len``), capacity ``max_len``."""
     import torch
 
     from transformer_torch.checkpoint import from_params
+    from transformer_torch.model import KVCache, padding_mask
 
     model = from_params(config, params, dtype=torch.float32).eval()
     batch = torch.export.Dim("batch")
     lengths = [torch.export.Dim(f"{name}_length", max=config.max_len) for name in INPUTS]
     example = tuple(torch.from_numpy(example_tokens(config)) for _ in INPUTS)
-    return model, example, tuple({0: batch, 1: length} for length in lengths)
+
+    class Function(torch.nn.Module):                    # the model as a submodule: its weights are the program's
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+    class Encode(Function):
+        def forward(self, src: torch.Tensor) -> tuple:
+            memory = self.model.encode(src)
+            cross = [layer[1] for layer in self.model.init_cache(memory, config.max_len)]
+            return memory, torch.stack([c.keys for c in cross]), torch.stack([c.values for c in cross])
+
+    class Step(Function):
+        def forward(self, token: torch.Tensor, index: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
+                    self_keys: torch.Tensor, self_values: torch.Tensor, cross_keys: torch.Tensor,
+                    cross_values: torch.Tensor) -> tuple:
+            self_keys, self_values = self_keys.clone(), self_values.clone()     # written at index: the inputs stay
+            cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
+                          for i in range(config.n_decoder_layers))
+            out, _ = self.model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache, cache_index=index)
+            return self.model.generator(out)[:, 0], self_keys, self_values      # (B, V), the caches written
+
+    src = example[0]
+    with torch.no_grad():
+        memory, cross_keys, cross_values = Encode()(src)
+    own = torch.zeros(config.n_decoder_layers, len(src), config.n_heads, config.max_len, config.d_k)
+    step_example = (src[:, :1].clone(), torch.tensor(1), memory, src, own, own.clone(), cross_keys, cross_values)
+    caches = ({1: batch}, {1: batch}, {1: batch, 3: lengths[0]}, {1: batch, 3: lengths[0]})
+    return {"forward": (model, example, tuple({0: batch, 1: length} for length in lengths)),
+            "encode": (Encode().eval(), (src,), ({0: batch, 1: lengths[0]},)),
+            "step": (Step().eval(), step_example, ({0: batch}, None, *[{0: batch, 1: lengths[0]}] * 2, *caches))}
 
 
-@_writer(["model.pt2"], ("torch", "torch"))
+TORCH_FILES = {"forward": "model", "encode": "encode", "step": "step"}
+
+
+@_writer([f"{name}.pt2" for name in TORCH_FILES.values()], ("torch", "torch"),
+         steps={"encode": "encode.pt2", "step": "step.pt2"})
 def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
-    """``torch.export.export`` of the PyTorch port's float32 model, saved as ``model.pt2``."""
+    """``torch.export.export`` of the PyTorch port's float32 model (``model.pt2``) and of its cached decoding step
+    (``encode.pt2``, ``step.pt2``: :data:`STEP`)."""
     import torch
 
-    model, example, dynamic = torch_program(config, params)
-    with torch.no_grad():
-        program = torch.export.export(model, example, dynamic_shapes=dynamic)
-    torch.export.save(program, directory / "model.pt2")
+    for function, (module, example, dynamic) in torch_programs(config, params).items():
+        with torch.no_grad():
+            program = torch.export.export(module, example, dynamic_shapes=dynamic)
+        torch.export.save(program, directory / f"{TORCH_FILES[function]}.pt2")
 
 
-@_writer(["model.onnx"], ("torch", "torch"), ("onnxscript", "export"), ("onnx", "export"))
+@_writer([f"{name}.onnx" for name in TORCH_FILES.values()], ("torch", "torch"), ("onnxscript", "export"),
+         ("onnx", "export"), steps={"encode": "encode.onnx", "step": "step.onnx"})
 def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
     """torch's ONNX exporter (``dynamo=True``: from ``torch.export``'s program) on the PyTorch port's float32
-    model, inputs ``src``, ``tgt`` and output ``log_probs``, saved as ``model.onnx``."""
+    model, inputs ``src``, ``tgt`` and output ``log_probs`` (``model.onnx``), and on its cached decoding step
+    (``encode.onnx``, ``step.onnx``: :data:`STEP`'s names)."""
     import torch
 
-    model, example, dynamic = torch_program(config, params)
-    with torch.no_grad():
-        program = torch.onnx.export(model, example, dynamo=True, dynamic_shapes=dynamic, input_names=list(INPUTS),
-                                    output_names=[OUTPUT], verbose=False)
-    program.save(str(directory / "model.onnx"))   # type: ignore[union-attr]  # torch's stub: dynamo=True returns one
+    names = {"forward": {"inputs": list(INPUTS), "outputs": [OUTPUT]}, **STEP}
+    for function, (module, example, dynamic) in torch_programs(config, params).items():
+        with torch.no_grad(), _exporter_notices_held():
+            program = torch.onnx.export(module, example, dynamo=True, dynamic_shapes=dynamic,
+                                        input_names=names[function]["inputs"],
+                                        output_names=names[function]["outputs"], verbose=False)
+        program.save(str(directory / f"{TORCH_FILES[function]}.onnx"))   # type: ignore[union-attr]  # torch's stub
+
+
+@contextlib.contextmanager
+def _exporter_notices_held() -> Iterator[None]:
+    """torch's ONNX exporter without the notices it prints on every export of a correct program: operators of
+    torchvision (not installed) skipped, an axis name shared by inputs, a deprecation inside torch."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used", category=UserWarning)
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
 
 
 def describe(target: str, output: Path) -> str:
@@ -329,8 +393,10 @@ DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel of the forward pa
                               "(tf.saved_model.load(OUTPUT_DIR).serve(src, tgt), .encode, .step)",
                 "jax-export": "a float32 jax.export forward pass, cached decoding step and their weights "
                               "(jax.export.deserialize)",
-                "torch-export": "a float32 torch.export program (torch.export.load(OUTPUT_DIR/model.pt2))",
-                "onnx": "a float32 ONNX model (onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx))"}
+                "torch-export": "float32 torch.export programs of the forward pass and cached decoding step "
+                                "(torch.export.load(OUTPUT_DIR/model.pt2), encode.pt2, step.pt2)",
+                "onnx": "float32 ONNX models of the forward pass and cached decoding step "
+                        "(onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx), encode.onnx, step.onnx)"}
 WRITERS = {"savedmodel": write_savedmodel, "jax-export": write_jax_export, "torch-export": write_torch_export,
            "onnx": write_onnx}
 TARGETS = ("ctranslate2", *WRITERS)

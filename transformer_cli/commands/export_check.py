@@ -99,6 +99,21 @@ encode = lambda src: tuple(np.asarray(a) for a in encode_exported.call(weights, 
 step = lambda token, index, memory, src, *caches: tuple(np.asarray(a) for a in step_exported.call(
     weights, token.astype(np.int32), np.int32(index), memory, src.astype(np.int32), *caches))
 """,
+    "torch-export": """
+encode_program, step_program = (torch.export.load(sys.argv[1] + f"/{name}.pt2").module() for name in ("encode", "step"))
+encode = lambda src: tuple(a.detach().numpy() for a in encode_program(torch.from_numpy(src)))
+step = lambda token, index, memory, src, *caches: tuple(a.detach().numpy() for a in step_program(
+    torch.from_numpy(token), torch.tensor(index, dtype=torch.int64), *map(torch.from_numpy, (memory, src, *caches))))
+""",
+    "onnx": """
+encode_session, step_session = (onnxruntime.InferenceSession(sys.argv[1] + f"/{name}.onnx",
+                                                             providers=["CPUExecutionProvider"])
+                                for name in ("encode", "step"))
+step_inputs = [argument.name for argument in step_session.get_inputs()]
+encode = lambda src: tuple(encode_session.run(None, {"src": src}))
+step = lambda token, index, *arrays: tuple(step_session.run(None, dict(zip(
+    step_inputs, (token, np.array(index, np.int64), *arrays)))))
+""",
 }
 
 # A serving process's cached decoding over ``encode`` and ``step``, NumPy only: ``stepped`` runs the step along a
