@@ -14,12 +14,15 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 
 import functools
+import gc
+import sys
 from collections import defaultdict
 
 import numpy as np
 import pytest
 
 from equivalence import cases, tolerance
+from reference_numpy.checkpoint import release_freed_memory
 from reference_numpy.precision import round_to, score_dtype, spacing
 from transformer_cli.backends import numpy as reference
 
@@ -109,6 +112,24 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
     assert not wrong.any(), (f"{what}: {int(wrong.sum())} log-probabilities of logits whose rounding has one answer "
                              f"are off the reference's on the same input, by up to {error[wrong].max():.3e} against "
                              f"the float32 bound (plus the undecided logits' share) {bound.max():.3e}")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a module in this process: drop what its tests and the shared helpers cached (models,
+    their compiled functions, reference outputs) and give the freed memory back, so that a worker running many
+    modules holds one module's caches at a time, not all of them: the agreement matrix alone caches ~4 GB, and two
+    workers holding every module's reached the machine's memory (XLA aborted in its compiler)."""
+    if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None):
+        return
+    namespaces = (getattr(item, "module", None), sys.modules.get("support"), sys.modules[__name__])
+    for namespace in filter(None, namespaces):
+        for value in list(vars(namespace).values()):
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
+    release_freed_memory()
 
 
 def pytest_sessionfinish(session):
