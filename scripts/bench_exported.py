@@ -190,6 +190,15 @@ def step_median(namespace: dict[str, Any], config: TransformerConfig, src: np.nd
     return 1e3 * float(np.median([timed(call)[0] for _ in range(repeats)]))
 
 
+def progress(schedule: list) -> Iterator:
+    """The round-robin's calls, each announced on standard error with the seconds since the first."""
+    start = time.perf_counter()
+    for turn, key in schedule:
+        print(f"[{time.perf_counter() - start:7.1f} s] round {turn}: {key[0]} batch {key[1]}", file=sys.stderr,
+              flush=True)
+        yield turn, key
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--preset", default="base")
@@ -255,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lines += [f"port {m.name}: {m.reason}" for m in missing]
         read, read_bytes = memory_read(BANDWIDTH_MIB)
         calls[(BANDWIDTH, 0)] = read
-        timings = round_robin(calls, args.repeats)
+        timings = round_robin(calls, args.repeats, progress)
         bandwidth = read_bytes / timings.pop((BANDWIDTH, 0)).median / 1e9
         results = tabulate(timings, config, sources, bandwidth, args.steps, lines)
         profiles = {}
