@@ -378,11 +378,11 @@ def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_pat
 # decoding_step and the frameworks imported.
 STEP_INPUTS = """
 manifest = json.load(open(sys.argv[1] + "/transformer.json"))
-config, capacity = manifest["config"], manifest["decoding_step"]["capacity"]
+config = manifest["config"]
 inputs = np.load(sys.argv[2])
 rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
-np.savez(sys.argv[3], tokens=cached_greedy(inputs["greedy_src"], *rules, capacity),
-         log_probs=stepped(inputs["src"], inputs["tgt"], capacity))
+np.savez(sys.argv[3], tokens=cached_greedy(inputs["greedy_src"], *rules),
+         log_probs=stepped(inputs["src"], inputs["tgt"]))
 print(json.dumps({"decoding_step": manifest["decoding_step"],
                   "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
                                      if name in sys.modules)}))
@@ -426,13 +426,14 @@ def check_step_against_reference(target: str, tokens: np.ndarray, log_probs: np.
 def test_exported_decoding_step_agrees_with_the_reference_without_the_project(target, tmp_path, agreement,
                                                                               shipped_exports):
     """The CLI's artefact exports ``encode`` and ``step`` (named in transformer.json with their inputs and outputs,
-    capacity ``max_len``); loaded by its runtime alone, a NumPy greedy loop calling encode once and step per position
-    translates the 32 held-out sentences into exactly the reference's greedy tokens, and the step's log-probabilities
-    agree with the reference's under the float32 policy."""
+    caches of any capacity up to ``max_len``); loaded by its runtime alone, a NumPy greedy loop calling encode once
+    and step per position (its caches as long as its longest output) translates the 32 held-out sentences into
+    exactly the reference's greedy tokens, and the step's log-probabilities agree with the reference's under the
+    float32 policy."""
     tokens, log_probs, manifest = run_exported_step(target, tmp_path, shipped_exports.get(target))
     config = load_translator()[0]
-    assert manifest["capacity"] == config.max_len
-    assert {name: (entry["inputs"], entry["outputs"]) for name, entry in manifest.items() if name != "capacity"} == {
+    assert manifest.pop("max_capacity") == config.max_len
+    assert {name: (entry["inputs"], entry["outputs"]) for name, entry in manifest.items()} == {
         name: (entry["inputs"], entry["outputs"]) for name, entry in export_module.STEP.items()}
     check_step_against_reference(target, tokens, log_probs, agreement)
 

@@ -79,7 +79,7 @@ def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
     return padding_mask(tgt, pad_id) & causal_mask(tf.shape(tgt)[1])
 
 
-def _cached_causal_mask(cache_index: Index, length: int, capacity: int) -> tf.Tensor:
+def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.Tensor:
     """New position q (absolute position cache_index + q) may attend to cache positions
     j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
     ``cache_index`` may be a tensor (traced decoding).
@@ -813,7 +813,7 @@ class Transformer(_TransformerLayer, keras.Model):
             src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
         if tgt_mask is None:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(cache_index, length, keys)
+                _cached_causal_mask(cache_index, length, tf.shape(cache[0][0].keys)[2])   # C, also when traced
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, training=training)
         if not return_intermediates:

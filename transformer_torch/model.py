@@ -19,7 +19,8 @@ Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, T
 and masks may be given as tensors or NumPy arrays; they are moved to the model's device.
 
 Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
-(C: the cache's capacity in target positions), written in place.
+(C: the cache's capacity in target positions), written in place (at a traced position, as in an exported
+decoding step, into new tensors, as JAX's and TensorFlow's ports write).
 
 A model in bfloat16 or float16 (P: built or loaded in P by :mod:`.checkpoint`, or a float32 model's
 ``.to(torch.bfloat16)``) computes by the reference's recipe (``reference_numpy/precision.py``): weights,
@@ -201,8 +202,9 @@ class MultiHeadAttention(nn.Module):
     attend over the cached keys and values (encoder-decoder attention over the projected memory;
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache's tensors, in
-    place, at positions cache_index .. cache_index + Tk - 1 (the same cache is returned) and the
-    queries attend over all C positions, ``mask`` hiding the ones not yet written.
+    place, at positions cache_index .. cache_index + Tk - 1 (the same tensors are returned; at a traced
+    ``cache_index``, new ones) and the queries attend over all C positions, ``mask`` hiding the ones not
+    yet written.
 
     Shape:
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
@@ -256,16 +258,25 @@ class MultiHeadAttention(nn.Module):
         if cache is None:
             return k, v, None
         positions = _positions(check_cache_index(cache_index, k.shape[2], cache.keys.shape[2]), k.shape[2])
-        cache.keys[:, :, positions] = k
-        cache.values[:, :, positions] = v
-        if not isinstance(cache.beams, tuple):                             # the new positions are each row's own
-            cache.beams[:, :, positions] = torch.arange(cache.beams.shape[1], device=cache.beams.device)[:, None]
+        beams = cache.beams if isinstance(cache.beams, tuple) else _written(  # the new positions: each row's own
+            cache.beams, torch.arange(cache.beams.shape[1], device=cache.beams.device)[:, None], positions)
+        cache = KVCache(_written(cache.keys, k, positions), _written(cache.values, v, positions), beams)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
         x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)
         return x.transpose(1, 2)                                           # (B, H, T, d_k)
+
+
+def _written(buffer: Tensor, new: Tensor, positions: slice | Tensor) -> Tensor:
+    """``buffer`` (B, H, C, d_k), or a beams table (B, K, C), with ``positions`` (:func:`_positions`) set to
+    ``new`` (broadcast to them): written in place at a slice (eager decoding: ``buffer`` itself is returned), into a
+    new tensor at traced positions (an exported step: its inputs stay as they were)."""
+    if isinstance(positions, slice):
+        buffer[:, :, positions] = new
+        return buffer
+    return buffer.index_copy(2, positions, new.expand(*buffer.shape[:2], positions.shape[0], *buffer.shape[3:]))
 
 
 def _positions(start: Index, length: int) -> slice | Tensor:

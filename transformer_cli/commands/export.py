@@ -5,9 +5,9 @@ Every target is a directory holding the framework's artefact of the float32 forw
 token ids src (B, S) and tgt (B, T), the target shifted right, to log-probabilities (B, T, V_tgt); padding masks
 computed from ``pad_id`` inside, any batch and any lengths up to ``max_len``), and beside it ``transformer.json``
 (the model config: its pad, bos and eos ids and ``max_len`` are what a caller needs; the target; the inputs'
-and output's names; for a target that exports one cached decoding step, ``decoding_step``: its capacity and its
-functions' names, inputs and outputs, :data:`STEP`) and, if the checkpoint holds one, ``tokenizer.json`` (the
-shared BPE vocabulary of section 5.1, a Hugging Face ``tokenizers`` JSON text):
+and output's names; for a target that exports one cached decoding step, ``decoding_step``: its largest cache
+capacity and its functions' names, inputs and outputs, :data:`STEP`) and, if the checkpoint holds one,
+``tokenizer.json`` (the shared BPE vocabulary of section 5.1, a Hugging Face ``tokenizers`` JSON text):
 
 * ``savedmodel``: the Keras port's model through Keras' ``ExportArchive`` (what ``model.export`` runs) -- a
   TensorFlow SavedModel whose ``serve`` endpoint (and ``serving_default`` signature) takes int64 ``src`` and
@@ -62,7 +62,8 @@ from transformer_cli.commands.ctranslate2_export import (
 MANIFEST = "transformer.json"
 INPUTS, OUTPUT = ("src", "tgt"), "log_probs"
 # One cached decoding step (docs/deploy.md), float32 arrays and int ids, batch B and source length S of any size,
-# the self-attention caches of capacity C = max_len, the projected memory stacked over the N decoder layers:
+# the self-attention caches of any capacity C up to max_len (the caller's: the longest output it decodes; each step
+# writes a new cache, so a smaller one is cheaper), the projected memory stacked over the N decoder layers:
 # ``encode(src (B, S)) -> memory (B, S, D), cross_keys, cross_values (N, B, H, S, d_k)``;
 # ``step(token (B, 1), index (), memory, src, self_keys, self_values (N, B, H, C, d_k), cross_keys, cross_values)
 # -> log_probs (B, V) of the token after position ``index`` (whose input is ``token``), next_self_keys,
@@ -71,7 +72,8 @@ INPUTS, OUTPUT = ("src", "tgt"), "log_probs"
 STEP = {"encode": {"inputs": ["src"], "outputs": ["memory", "cross_keys", "cross_values"]},
         "step": {"inputs": ["token", "index", "memory", "src", "self_keys", "self_values", "cross_keys",
                             "cross_values"], "outputs": ["log_probs", "next_self_keys", "next_self_values"]}}
-EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 3      # the example a tracer runs: sizes above 1, which torch keeps symbolic
+EXAMPLE_BATCH, EXAMPLE_LENGTH, EXAMPLE_CAPACITY = 2, 3, 5   # the example a tracer runs: sizes above 1, which torch
+                                                            # keeps symbolic, each its own
 
 
 def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
@@ -95,7 +97,7 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
         manifest: dict[str, Any] = {"target": target, "dtype": "float32", "inputs": list(INPUTS), "output": OUTPUT,
                                     "files": writer.files, "config": config.to_dict()}
         if writer.steps:
-            manifest["decoding_step"] = {"capacity": config.max_len, **{
+            manifest["decoding_step"] = {"max_capacity": config.max_len, **{
                 function: {"name": writer.steps[function], **names} for function, names in STEP.items()}}
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         if tokenizer is not None:
@@ -148,7 +150,7 @@ def example_tokens(config: TransformerConfig) -> np.ndarray:
 def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
     """The Keras port's float32 model through Keras' ``ExportArchive`` (what ``model.export`` runs) with int64
     (B, S), (B, T) inputs as the ``serve`` endpoint, and beside it the cached decoding step's ``encode`` and
-    ``step`` endpoints (:data:`STEP`; int64 ids, capacity ``max_len``) through the port's ``encode``,
+    ``step`` endpoints (:data:`STEP`; int64 ids, capacity up to ``max_len``) through the port's ``encode``,
     ``init_cache``, ``decode`` and ``generator``."""
     import keras
     import tensorflow as tf
@@ -163,7 +165,7 @@ def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], d
 
     def encode(src: tf.Tensor) -> tuple:
         memory = model.encode(src, training=False)
-        cross = [layer[1] for layer in model.init_cache(memory, config.max_len)]
+        cross = [layer[1] for layer in model.init_cache(memory, 1)]              # the memory's keys and values
         return memory, tf.stack([c.keys for c in cross]), tf.stack([c.values for c in cross])
 
     def step(token: tf.Tensor, index: tf.Tensor, memory: tf.Tensor, src: tf.Tensor, self_keys: tf.Tensor,
@@ -181,7 +183,7 @@ def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], d
     archive.add_endpoint("step", step, [
         tf.TensorSpec((None, 1), tf.int64, name="token"), tf.TensorSpec((), tf.int64, name="index"),
         tf.TensorSpec((None, None, config.d_model), tf.float32, name="memory"), src,
-        *(tf.TensorSpec((layers, None, heads, config.max_len, d_k), tf.float32, name=name)
+        *(tf.TensorSpec((layers, None, heads, None, d_k), tf.float32, name=name)
           for name in ("self_keys", "self_values")),
         *(tf.TensorSpec((layers, None, heads, None, d_k), tf.float32, name=name)
           for name in ("cross_keys", "cross_values"))])
@@ -235,8 +237,8 @@ def jax_step_functions(config: TransformerConfig, params: dict[str, np.ndarray],
                        weights: dict[str, np.ndarray]) -> dict[str, tuple[Callable, tuple]]:
     """``encode(weights, src)`` and ``step(weights, token, index, memory, src, self_keys, self_values, cross_keys,
     cross_values)`` (:data:`STEP`) through the JAX port's ``encode``, ``init_cache``, ``decode`` and ``generator``,
-    each with its argument specs: symbolic batch ``b`` and source length ``s`` (at most ``max_len``), capacity
-    ``max_len``."""
+    each with its argument specs: symbolic batch ``b``, source length ``s`` and capacity ``c`` (each at most
+    ``max_len``)."""
     import jax
     import jax.numpy as jnp
 
@@ -247,7 +249,7 @@ def jax_step_functions(config: TransformerConfig, params: dict[str, np.ndarray],
     def encode(weights: dict[str, jnp.ndarray], src: jnp.ndarray) -> tuple:
         transformer = model(weights)
         memory = transformer.encode(src, deterministic=True)
-        cross = [layer[1] for layer in transformer.init_cache(memory, config.max_len)]
+        cross = [layer[1] for layer in transformer.init_cache(memory, 1)]        # the memory's keys and values
         return memory, jnp.stack([c.keys for c in cross]), jnp.stack([c.values for c in cross])
 
     def step(weights: dict[str, jnp.ndarray], token: jnp.ndarray, index: jnp.ndarray, memory: jnp.ndarray,
@@ -261,14 +263,16 @@ def jax_step_functions(config: TransformerConfig, params: dict[str, np.ndarray],
         log_probs = transformer.generator(out)[:, 0]                                 # (B, V)
         return log_probs, jnp.stack([own.keys for own, _ in cache]), jnp.stack([own.values for own, _ in cache])
 
-    batch, src_len = jax.export.symbolic_shape("b, s", constraints=[f"s <= {config.max_len}"])
+    batch, src_len, capacity = jax.export.symbolic_shape(
+        "b, s, c", constraints=[f"s <= {config.max_len}", f"c <= {config.max_len}"])
     shapes = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in weights.items()}
-    own = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, config.max_len, config.d_k), np.float32)
+    own = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, capacity, config.d_k), np.float32)
     cross = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, src_len, config.d_k), np.float32)
     src = jax.ShapeDtypeStruct((batch, src_len), np.int32)
     step_specs = (shapes, jax.ShapeDtypeStruct((batch, 1), np.int32), jax.ShapeDtypeStruct((), np.int32),
                   jax.ShapeDtypeStruct((batch, src_len, config.d_model), np.float32), src, own, own, cross, cross)
-    return {"encode": (encode, (shapes, src)), "step": (step, step_specs)}
+    batch, src_len = jax.export.symbolic_shape("b, s", constraints=[f"s <= {config.max_len}"])   # c: the step's only
+    return {"encode": (encode, (shapes, jax.ShapeDtypeStruct((batch, src_len), np.int32))), "step": (step, step_specs)}
 
 
 def jax_input_specs(config: TransformerConfig, weights: dict[str, np.ndarray]) -> tuple:
@@ -287,8 +291,8 @@ def jax_input_specs(config: TransformerConfig, weights: dict[str, np.ndarray]) -
 def torch_programs(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict[str, tuple]:
     """The PyTorch port's float32 model in eval mode (``forward``) and its cached decoding step (``encode``,
     ``step``: :data:`STEP`, through the port's ``encode``, ``init_cache``, ``decode`` and ``generator``), each with
-    the example inputs to trace it on and their dynamic dimensions for ``torch.export``: batch and lengths (up to
-    ``max_len``), capacity ``max_len``."""
+    the example inputs to trace it on and their dynamic dimensions for ``torch.export``: batch, lengths and the
+    caches' capacity (each up to ``max_len``)."""
     import torch
 
     from transformer_torch.checkpoint import from_params
@@ -307,25 +311,27 @@ def torch_programs(config: TransformerConfig, params: dict[str, np.ndarray]) -> 
     class Encode(Function):
         def forward(self, src: torch.Tensor) -> tuple:
             memory = self.model.encode(src)
-            cross = [layer[1] for layer in self.model.init_cache(memory, config.max_len)]
+            cross = [layer[1] for layer in self.model.init_cache(memory, 1)]     # the memory's keys and values
             return memory, torch.stack([c.keys for c in cross]), torch.stack([c.values for c in cross])
 
     class Step(Function):
         def forward(self, token: torch.Tensor, index: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
                     self_keys: torch.Tensor, self_values: torch.Tensor, cross_keys: torch.Tensor,
                     cross_values: torch.Tensor) -> tuple:
-            self_keys, self_values = self_keys.clone(), self_values.clone()     # written at index: the inputs stay
             cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
                           for i in range(config.n_decoder_layers))
-            out, _ = self.model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache, cache_index=index)
-            return self.model.generator(out)[:, 0], self_keys, self_values      # (B, V), the caches written
+            out, cache = self.model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache,
+                                           cache_index=index)                  # a traced index: new caches
+            log_probs = self.model.generator(out)[:, 0]                                 # (B, V)
+            return log_probs, torch.stack([own.keys for own, _ in cache]), torch.stack([own.values for own, _ in cache])
 
     src = example[0]
     with torch.no_grad():
         memory, cross_keys, cross_values = Encode()(src)
-    own = torch.zeros(config.n_decoder_layers, len(src), config.n_heads, config.max_len, config.d_k)
+    own = torch.zeros(config.n_decoder_layers, len(src), config.n_heads, EXAMPLE_CAPACITY, config.d_k)
     step_example = (src[:, :1].clone(), torch.tensor(1), memory, src, own, own.clone(), cross_keys, cross_values)
-    caches = ({1: batch}, {1: batch}, {1: batch, 3: lengths[0]}, {1: batch, 3: lengths[0]})
+    capacity = torch.export.Dim("capacity", max=config.max_len)
+    caches = (*[{1: batch, 3: capacity}] * 2, *[{1: batch, 3: lengths[0]}] * 2)
     return {"forward": (model, example, tuple({0: batch, 1: length} for length in lengths)),
             "encode": (Encode().eval(), (src,), ({0: batch, 1: lengths[0]},)),
             "step": (Step().eval(), step_example, ({0: batch}, None, *[{0: batch, 1: lengths[0]}] * 2, *caches))}

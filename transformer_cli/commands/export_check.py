@@ -50,7 +50,7 @@ run = lambda src, tgt: model.serve(tf.constant(src), tf.constant(tgt)).numpy()
     "jax-export": """
 import jax
 exported = jax.export.deserialize(bytearray(open(sys.argv[1] + "/forward.jax", "rb").read()))
-weights = dict(np.load(sys.argv[1] + "/weights.npz"))
+weights = jax.device_put(dict(np.load(sys.argv[1] + "/weights.npz")))          # once, not at every call
 run = lambda src, tgt: np.asarray(exported.call(weights, src.astype(np.int32), tgt.astype(np.int32)))
 """,
     "torch-export": """
@@ -118,7 +118,8 @@ step = lambda token, index, *arrays: tuple(step_session.run(None, dict(zip(
 
 # A serving process's cached decoding over ``encode`` and ``step``, NumPy only: ``stepped`` runs the step along a
 # given target (B, T) and returns its log-probabilities (B, T, V); ``cached_greedy`` is GREEDY's loop (the same rules)
-# feeding one token per step. The self-attention caches start as zeros of capacity C (transformer.json).
+# feeding one token per step. The self-attention caches start as zeros of the capacity the loop needs: the target's
+# length, or the longest output it may write (at most max_len, transformer.json's max_capacity).
 CACHED_GREEDY = """
 def empty_caches(cross_keys, capacity):
     layers, batch, heads, _, d_k = cross_keys.shape
@@ -126,9 +127,9 @@ def empty_caches(cross_keys, capacity):
                                                                                   np.float32)
 
 
-def stepped(src, tgt, capacity):
+def stepped(src, tgt):
     memory, cross_keys, cross_values = encode(src)
-    self_keys, self_values = empty_caches(cross_keys, capacity)
+    self_keys, self_values = empty_caches(cross_keys, tgt.shape[1])
     out = []
     for index in range(tgt.shape[1]):
         log_probs, self_keys, self_values = step(tgt[:, index:index + 1], index, memory, src, self_keys, self_values,
@@ -137,10 +138,10 @@ def stepped(src, tgt, capacity):
     return np.stack(out, axis=1)
 
 
-def cached_greedy(src, pad_id, bos_id, eos_id, max_len, extra_length, capacity):
+def cached_greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
     limits = np.minimum((src != pad_id).sum(axis=1) + extra_length, max_len)
     memory, cross_keys, cross_values = encode(src)
-    self_keys, self_values = empty_caches(cross_keys, capacity)
+    self_keys, self_values = empty_caches(cross_keys, int(limits.max()))
     token, tokens = np.full((len(src), 1), bos_id, dtype=np.int64), []
     done = np.zeros(len(src), dtype=bool)
     while not done.all():
@@ -170,9 +171,7 @@ rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"]
 results = {"log_probs": run(inputs["src"], inputs["tgt"]), "tokens": greedy(inputs["src"], *rules)}
 """
 CHECK_STEP = """
-capacity = manifest["decoding_step"]["capacity"]
-results.update(step_log_probs=stepped(inputs["src"], inputs["tgt"], capacity),
-               step_tokens=cached_greedy(inputs["src"], *rules, capacity))
+results.update(step_log_probs=stepped(inputs["src"], inputs["tgt"]), step_tokens=cached_greedy(inputs["src"], *rules))
 """
 SAVE = """
 np.savez(sys.argv[3], **results)
