@@ -6,12 +6,11 @@
 2. Each artefact loaded in this process as ``export --check`` loads it (``export_check.LOADERS`` and ``STEPS``;
    ONNX Runtime sessions with ``intra_op_num_threads`` = ``--threads``, ``inter_op_num_threads`` = 1) and
    greedy-decoded through ``encode`` and exactly ``--steps`` calls of ``step`` (no early stop, the argmax fed back,
-   pad and bos excluded; the caches start as ``export_check.CACHED_GREEDY``'s zeros of capacity ``max_len``), for
+   pad and bos excluded; the caches start as ``export_check.CACHED_GREEDY``'s zeros of capacity ``--steps``), for
    each ``--batch`` size. Beside them: CTranslate2 on the same weights (``CTranslate2Peer`` in a process of its own,
    ``intra_threads`` = ``--threads``, exactly ``--steps`` tokens), and, for reference, the ports' own cached greedy
    decoding (``transformer_cli.backends``: section 6.1's rules, it stops at eos or after source length + 50 tokens,
-   so its step count is reported). jax.export runs twice: its weights passed as NumPy arrays on every call (as
-   ``STEPS`` does) and placed on the device once (``jax.device_put``).
+   so its step count is reported).
 3. Every call timed interleaved (``timing.round_robin``: a warm-up round reported apart, then ``--repeats`` rounds),
    medians with their min-max, in ms per step (the call's time over its steps, the encoder included), as a ratio to
    CTranslate2's and to the bandwidth lower bound of a cached step (``timing.decode_step_bytes`` over the measured
@@ -67,7 +66,6 @@ from transformer_cli.commands.export_check import CACHED_GREEDY, LOADERS, STEPS 
 
 LOCK = "/tmp/bench.lock"
 CT2 = "ctranslate2"
-JAX_ON_DEVICE = "jax-export, weights on device"
 FRAMEWORKS = {"savedmodel": ("tensorflow",), "jax-export": ("jax",), "torch-export": ("torch",),
               "onnx": ("torch", "onnxruntime")}          # what each target's export and loading import
 PORTS = ("torch", "jax", "tf")
@@ -114,7 +112,7 @@ def fixed_greedy(namespace: dict[str, Any], config: TransformerConfig, src: np.n
     excluded, as ``CACHED_GREEDY``), no early stop: the tokens (B, steps)."""
     encode, step = namespace["encode"], namespace["step"]
     memory, cross_keys, cross_values = encode(src)
-    self_keys, self_values = namespace["empty_caches"](cross_keys, config.max_len)
+    self_keys, self_values = namespace["empty_caches"](cross_keys, steps)
     token, tokens = np.full((len(src), 1), config.bos_id, dtype=np.int64), []
     for index in range(steps):
         log_probs, self_keys, self_values = step(token, index, memory, src, self_keys, self_values, cross_keys,
@@ -126,22 +124,12 @@ def fixed_greedy(namespace: dict[str, Any], config: TransformerConfig, src: np.n
     return np.concatenate(tokens, axis=1)
 
 
-def on_device(namespace: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a jax-export namespace whose ``weights`` are placed on the device once (``jax.device_put``)
-    instead of passed as NumPy arrays on every call; its ``encode`` and ``step`` rebuilt from ``STEPS`` to read them."""
-    import jax
-    weights = {name: jax.device_put(value) for name, value in namespace["weights"].items()}
-    copy = {**namespace, "weights": weights}
-    exec(STEPS["jax-export"] + CACHED_GREEDY, copy)                 # noqa: S102 - the project's own text
-    return copy
-
-
 def profile_step(target: str, namespace: dict[str, Any], config: TransformerConfig, src: np.ndarray,
                  index: int, step_ms: float) -> dict[str, Any]:
     """One warm batch-1 step at ``index``: the matrix products' ms (mean over PROFILED_STEPS profiled steps) and the
     operators outside them that take the most, against the step's unprofiled median ``step_ms``."""
     memory, cross_keys, cross_values = namespace["encode"](src)
-    self_keys, self_values = namespace["empty_caches"](cross_keys, config.max_len)
+    self_keys, self_values = namespace["empty_caches"](cross_keys, 2 * index)      # the loop's: --steps
     token = np.full((len(src), 1), config.eos_id, dtype=np.int64)
     arguments = (token, index, memory, src, self_keys, self_values, cross_keys, cross_values)
     for _ in range(3):
@@ -183,7 +171,7 @@ def step_median(namespace: dict[str, Any], config: TransformerConfig, src: np.nd
                 repeats: int = 10) -> float:
     """The median ms of one warm batch-1 ``step`` call at ``index`` (NumPy in and out), unprofiled."""
     memory, cross_keys, cross_values = namespace["encode"](src)
-    self_keys, self_values = namespace["empty_caches"](cross_keys, config.max_len)
+    self_keys, self_values = namespace["empty_caches"](cross_keys, 2 * index)      # the loop's: --steps
     token = np.full((len(src), 1), config.eos_id, dtype=np.int64)
     call = lambda: namespace["step"](token, index, memory, src, self_keys, self_values, cross_keys, cross_values)
     call()
@@ -231,8 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _, _, decode_src = bench_inputs(config, 1, 1, 1, args.steps, max(batches))
     sources = {batch: decode_src[:batch] for batch in batches}
     lines = [f"preset {args.preset}, float32, {args.threads} threads; greedy decoding of exactly {args.steps} steps, "
-             f"source length {decode_src.shape[1]}, batch {', '.join(map(str, batches))}; step capacity max_len = "
-             f"{config.max_len}",
+             f"source length {decode_src.shape[1]}, batch {', '.join(map(str, batches))}; the caches' capacity "
+             f"{args.steps}",
              f"machine: {cpu_name()}; repeats {args.repeats} after a warm-up round, interleaved"]
     exports: dict[str, float] = {}
     calls: dict[tuple[str, int], Callable[[], object]] = {}
@@ -245,8 +233,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             export(target, checkpoint, Path(work) / target)
             exports[target] = time.perf_counter() - start
             namespaces[target] = load_artefact(target, Path(work) / target, args.threads)
-        if "jax-export" in namespaces:
-            namespaces[JAX_ON_DEVICE] = on_device(namespaces["jax-export"])
         runtime.apply()
         lines.append("export time: " + ", ".join(f"{target} {seconds:.1f} s" for target, seconds in exports.items()))
         for name, namespace in namespaces.items():
