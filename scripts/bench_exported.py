@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import functools
 import importlib
 import json
@@ -55,6 +54,7 @@ from transformer_cli.benchmarks.bench import BANDWIDTH, BANDWIDTH_MIB, bench_inp
 from transformer_cli.benchmarks.peers import CTranslate2Peer, OwnProcess  # noqa: E402
 from transformer_cli.benchmarks.timing import (  # noqa: E402
     Timing,
+    bench_lock,
     cpu_name,
     decode_step_bytes,
     memory_read,
@@ -64,7 +64,6 @@ from transformer_cli.benchmarks.timing import (  # noqa: E402
 from transformer_cli.commands.export import WRITERS, export  # noqa: E402
 from transformer_cli.commands.export_check import CACHED_GREEDY, LOADERS, STEPS  # noqa: E402
 
-LOCK = "/tmp/bench.lock"
 CT2 = "ctranslate2"
 FRAMEWORKS = {"savedmodel": ("tensorflow",), "jax-export": ("jax",), "torch-export": ("torch",),
               "onnx": ("torch", "onnxruntime")}          # what each target's export and loading import
@@ -72,17 +71,6 @@ PORTS = ("torch", "jax", "tf")
 PROFILED_STEPS = 10
 TORCH_PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 ORT_PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
-
-
-@contextlib.contextmanager
-def bench_lock() -> Iterator[None]:
-    """Hold /tmp/bench.lock exclusively (benchmarks sharing the machine do not overlap)."""
-    with open(LOCK, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_artefact(target: str, directory: Path, threads: int) -> dict[str, Any]:

@@ -26,12 +26,10 @@ itself (do not also wrap it in ``flock``):
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import platform
 import statistics
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from transformer_cli.benchmarks.timing import (  # noqa: E402
+    bench_lock,
     cpu_name,
     decode_flops,
     forward_flops,
@@ -54,7 +53,6 @@ from transformer_torch.decoding import beam_search, next_token_log_probs  # noqa
 from transformer_torch.device import devices, full_precision  # noqa: E402
 from transformer_torch.model import _linear, padding_mask  # noqa: E402
 
-LOCK = "/tmp/bench.lock"
 KEPT_SECTION = "## Before and after"
 PROFILED_STEPS = 20
 PROFILED_FORWARDS = 3
@@ -81,16 +79,6 @@ def forced_greedy(step, steps: int, bos: int, batch: int, device) -> list[float]
         times.append(seconds)
         tgt = synchronized(torch.cat([tgt, token[:, None]], dim=1))
     return times
-
-
-@contextmanager
-def bench_lock():
-    with open(LOCK, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def first_device() -> str:

@@ -19,12 +19,13 @@ quotient is the lower bound ``bench`` reports per-token times against.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -233,3 +234,19 @@ def cpu_name() -> str:
     except OSError:
         names = []
     return names[0] if names else platform.processor() or platform.machine() or "unknown"
+
+
+BENCH_LOCK = "/tmp/bench.lock"
+
+
+@contextlib.contextmanager
+def bench_lock(path: str = BENCH_LOCK) -> Iterator[None]:
+    """Hold ``path`` exclusively while timing, so that benchmark scripts sharing the machine do not overlap
+    (``fcntl``: POSIX)."""
+    import fcntl
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
