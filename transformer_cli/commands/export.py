@@ -399,9 +399,9 @@ DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel of the forward pa
                               "(tf.saved_model.load(OUTPUT_DIR).serve(src, tgt), .encode, .step)",
                 "jax-export": "a float32 jax.export forward pass, cached decoding step and their weights "
                               "(jax.export.deserialize)",
-                "torch-export": "float32 torch.export programs of the forward pass and cached decoding step "
+                "torch-export": "a float32 torch.export program of the forward pass and its cached decoding step "
                                 "(torch.export.load(OUTPUT_DIR/model.pt2), encode.pt2, step.pt2)",
-                "onnx": "float32 ONNX models of the forward pass and cached decoding step "
+                "onnx": "a float32 ONNX model of the forward pass and its cached decoding step "
                         "(onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx), encode.onnx, step.onnx)"}
 WRITERS = {"savedmodel": write_savedmodel, "jax-export": write_jax_export, "torch-export": write_torch_export,
            "onnx": write_onnx}
