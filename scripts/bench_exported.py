@@ -112,14 +112,20 @@ def fixed_greedy(namespace: dict[str, Any], config: TransformerConfig, src: np.n
     return np.concatenate(tokens, axis=1)
 
 
-def profile_step(target: str, namespace: dict[str, Any], config: TransformerConfig, src: np.ndarray,
-                 index: int, step_ms: float) -> dict[str, Any]:
-    """One warm batch-1 step at ``index``: the matrix products' ms (mean over PROFILED_STEPS profiled steps) and the
-    operators outside them that take the most, against the step's unprofiled median ``step_ms``."""
+def step_arguments(namespace: dict[str, Any], config: TransformerConfig, src: np.ndarray, index: int,
+                   capacity: int) -> tuple:
+    """The arguments of one ``step`` call at ``index`` on ``src``'s memory, caches of ``capacity`` positions."""
     memory, cross_keys, cross_values = namespace["encode"](src)
-    self_keys, self_values = namespace["empty_caches"](cross_keys, 2 * index)      # the loop's: --steps
+    self_keys, self_values = namespace["empty_caches"](cross_keys, capacity)
     token = np.full((len(src), 1), config.eos_id, dtype=np.int64)
-    arguments = (token, index, memory, src, self_keys, self_values, cross_keys, cross_values)
+    return token, index, memory, src, self_keys, self_values, cross_keys, cross_values
+
+
+def profile_step(target: str, namespace: dict[str, Any], arguments: tuple, step_ms: float) -> dict[str, Any]:
+    """One warm batch-1 step (``arguments``: :func:`step_arguments`): the matrix products' ms (mean over
+    PROFILED_STEPS profiled steps) and the operators outside them that take the most, against the step's unprofiled
+    median ``step_ms``."""
+    token, index = arguments[:2]
     for _ in range(3):
         namespace["step"](*arguments)
     per_op: dict[str, float] = defaultdict(float)           # operator -> ms per step
@@ -155,13 +161,10 @@ def profile_step(target: str, namespace: dict[str, Any], config: TransformerConf
             "operators_ms": sum(per_op.values()), "top_others": others[:4]}
 
 
-def step_median(namespace: dict[str, Any], config: TransformerConfig, src: np.ndarray, index: int,
-                repeats: int = 10) -> float:
-    """The median ms of one warm batch-1 ``step`` call at ``index`` (NumPy in and out), unprofiled."""
-    memory, cross_keys, cross_values = namespace["encode"](src)
-    self_keys, self_values = namespace["empty_caches"](cross_keys, 2 * index)      # the loop's: --steps
-    token = np.full((len(src), 1), config.eos_id, dtype=np.int64)
-    call = lambda: namespace["step"](token, index, memory, src, self_keys, self_values, cross_keys, cross_values)
+def step_median(namespace: dict[str, Any], arguments: tuple, repeats: int = 10) -> float:
+    """The median ms of one warm ``step`` call on ``arguments`` (:func:`step_arguments`; NumPy in and out),
+    unprofiled."""
+    call = lambda: namespace["step"](*arguments)
     call()
     return 1e3 * float(np.median([timed(call)[0] for _ in range(repeats)]))
 
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--targets: {unknown[0]!r} is not one of {', '.join(WRITERS)}")
     config = TransformerConfig.preset(args.preset)
-    if args.steps >= config.max_len:
+    if args.steps > config.max_len:
         raise ValueError(f"--steps {args.steps}: the step's cache holds max_len = {config.max_len} positions")
 
     runtime.quiet()
@@ -248,8 +251,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if 1 in batches else 1e3 * timed(lambda: ct2.greedy(src, args.steps))[0] / args.steps
             for target in ("torch-export", "onnx"):
                 if target in namespaces:
-                    step_ms = step_median(namespaces[target], config, src, index)
-                    profiles[target] = profile_step(target, namespaces[target], config, src, index, step_ms)
+                    arguments = step_arguments(namespaces[target], config, src, index, args.steps)
+                    profiles[target] = profile_step(target, namespaces[target], arguments,
+                                                    step_median(namespaces[target], arguments))
             lines += ["", f"profile of one warm batch-1 step at index {index} (operators: mean of {PROFILED_STEPS} "
                           "profiled steps; step: its unprofiled median, NumPy in and out; rest = step - products; "
                           f"CTranslate2's whole step {ct2_step:.2f} ms)",

@@ -118,7 +118,8 @@ def pytest_runtest_teardown(item, nextitem):
     """After the last test of a module in this process: drop what its tests and the shared helpers cached (models,
     their compiled functions, reference outputs) and give the freed memory back, so that a worker running many
     modules holds one module's caches at a time, not all of them: the agreement matrix alone caches ~4 GB, and two
-    workers holding every module's reached the machine's memory (XLA aborted in its compiler)."""
+    workers holding every module's used up the machine's memory (XLA aborting in its compiler and a worker losing
+    its connection were the crashes seen then)."""
     if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None):
         return
     namespaces = (getattr(item, "module", None), sys.modules.get("support"), sys.modules[__name__])

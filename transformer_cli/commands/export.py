@@ -263,16 +263,17 @@ def jax_step_functions(config: TransformerConfig, params: dict[str, np.ndarray],
         log_probs = transformer.generator(out)[:, 0]                                 # (B, V)
         return log_probs, jnp.stack([own.keys for own, _ in cache]), jnp.stack([own.values for own, _ in cache])
 
-    batch, src_len, capacity = jax.export.symbolic_shape(
-        "b, s, c", constraints=[f"s <= {config.max_len}", f"c <= {config.max_len}"])
     shapes = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in weights.items()}
+    batch, src_len = jax.export.symbolic_shape("b, s", constraints=[f"s <= {config.max_len}"])
+    encode_specs = (shapes, jax.ShapeDtypeStruct((batch, src_len), np.int32))
+    batch, src_len, capacity = jax.export.symbolic_shape(            # c only in the step's: a scope of its own
+        "b, s, c", constraints=[f"s <= {config.max_len}", f"c <= {config.max_len}"])
     own = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, capacity, config.d_k), np.float32)
     cross = jax.ShapeDtypeStruct((config.n_decoder_layers, batch, config.n_heads, src_len, config.d_k), np.float32)
     src = jax.ShapeDtypeStruct((batch, src_len), np.int32)
     step_specs = (shapes, jax.ShapeDtypeStruct((batch, 1), np.int32), jax.ShapeDtypeStruct((), np.int32),
                   jax.ShapeDtypeStruct((batch, src_len, config.d_model), np.float32), src, own, own, cross, cross)
-    batch, src_len = jax.export.symbolic_shape("b, s", constraints=[f"s <= {config.max_len}"])   # c: the step's only
-    return {"encode": (encode, (shapes, jax.ShapeDtypeStruct((batch, src_len), np.int32))), "step": (step, step_specs)}
+    return {"encode": (encode, encode_specs), "step": (step, step_specs)}
 
 
 def jax_input_specs(config: TransformerConfig, weights: dict[str, np.ndarray]) -> tuple:
@@ -337,11 +338,15 @@ def torch_programs(config: TransformerConfig, params: dict[str, np.ndarray]) -> 
             "step": (Step().eval(), step_example, ({0: batch}, None, *[{0: batch, 1: lengths[0]}] * 2, *caches))}
 
 
-TORCH_FILES = {"forward": "model", "encode": "encode", "step": "step"}
+def _program_files(suffix: str) -> dict[str, str]:
+    """Each PyTorch program's file: ``model.SUFFIX`` (the forward pass), ``encode.SUFFIX``, ``step.SUFFIX``."""
+    return {"forward": f"model.{suffix}", **{function: f"{function}.{suffix}" for function in STEP}}
 
 
-@_writer([f"{name}.pt2" for name in TORCH_FILES.values()], ("torch", "torch"),
-         steps={"encode": "encode.pt2", "step": "step.pt2"})
+PT2, ONNX = _program_files("pt2"), _program_files("onnx")
+
+
+@_writer(list(PT2.values()), ("torch", "torch"), steps={function: PT2[function] for function in STEP})
 def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
     """``torch.export.export`` of the PyTorch port's float32 model (``model.pt2``) and of its cached decoding step
     (``encode.pt2``, ``step.pt2``: :data:`STEP`)."""
@@ -350,11 +355,11 @@ def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray],
     for function, (module, example, dynamic) in torch_programs(config, params).items():
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dynamic)
-        torch.export.save(program, directory / f"{TORCH_FILES[function]}.pt2")
+        torch.export.save(program, directory / PT2[function])
 
 
-@_writer([f"{name}.onnx" for name in TORCH_FILES.values()], ("torch", "torch"), ("onnxscript", "export"),
-         ("onnx", "export"), steps={"encode": "encode.onnx", "step": "step.onnx"})
+@_writer(list(ONNX.values()), ("torch", "torch"), ("onnxscript", "export"), ("onnx", "export"),
+         steps={function: ONNX[function] for function in STEP})
 def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
     """torch's ONNX exporter (``dynamo=True``: from ``torch.export``'s program) on the PyTorch port's float32
     model, inputs ``src``, ``tgt`` and output ``log_probs`` (``model.onnx``), and on its cached decoding step
@@ -367,7 +372,7 @@ def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directo
             program = torch.onnx.export(module, example, dynamo=True, dynamic_shapes=dynamic,
                                         input_names=names[function]["inputs"],
                                         output_names=names[function]["outputs"], verbose=False)
-        program.save(str(directory / f"{TORCH_FILES[function]}.onnx"))   # type: ignore[union-attr]  # torch's stub
+        program.save(str(directory / ONNX[function]))   # type: ignore[union-attr]  # torch's stub: dynamo=True returns one
 
 
 @contextlib.contextmanager
