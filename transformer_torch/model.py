@@ -257,10 +257,9 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        positions = _positions(check_cache_index(cache_index, k.shape[2], cache.keys.shape[2]), k.shape[2])
-        beams = cache.beams if isinstance(cache.beams, tuple) else _written(  # the new positions: each row's own
-            cache.beams, torch.arange(cache.beams.shape[1], device=cache.beams.device)[:, None], positions)
-        cache = KVCache(_written(cache.keys, k, positions), _written(cache.values, v, positions), beams)
+        start = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
+        cache = KVCache(_written(cache.keys, k, start), _written(cache.values, v, start),
+                        _written_beams(cache.beams, start, k.shape[2]))
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
@@ -269,14 +268,29 @@ class MultiHeadAttention(nn.Module):
         return x.transpose(1, 2)                                           # (B, H, T, d_k)
 
 
-def _written(buffer: Tensor, new: Tensor, positions: slice | Tensor) -> Tensor:
-    """``buffer`` (B, H, C, d_k), or a beams table (B, K, C), with ``positions`` (:func:`_positions`) set to
-    ``new`` (broadcast to them): written in place at a slice (eager decoding: ``buffer`` itself is returned), into a
-    new tensor at traced positions (an exported step: its inputs stay as they were)."""
+def _written(buffer: Tensor, new: Tensor, index: Index) -> Tensor:
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k),
+    by :func:`_write_at`."""
+    return _write_at(buffer, new, _positions(index, new.shape[2]))
+
+
+def _written_beams(beams: Tensor | tuple, index: Index, length: int) -> Tensor | tuple:
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own (what
+    :func:`_written` wrote there), by :func:`_write_at`; ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    own = torch.arange(beams.shape[1], device=beams.device, dtype=beams.dtype)              # (K,)
+    return _write_at(beams, own[None, :, None].expand(beams.shape[0], -1, length), _positions(index, length))
+
+
+def _write_at(buffer: Tensor, new: Tensor, positions: slice | Tensor) -> Tensor:
+    """``buffer`` with ``positions`` (:func:`_positions`) of its third axis set to ``new``: in place at a slice
+    (eager decoding: ``buffer`` itself is returned), into a new tensor at traced positions (an exported step: its
+    inputs stay as they were)."""
     if isinstance(positions, slice):
         buffer[:, :, positions] = new
         return buffer
-    return buffer.index_copy(2, positions, new.expand(*buffer.shape[:2], positions.shape[0], *buffer.shape[3:]))
+    return buffer.index_copy(2, positions, new)
 
 
 def _positions(start: Index, length: int) -> slice | Tensor:
