@@ -1,7 +1,7 @@
 """Entry point of ``transformer-reference``.
 
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
-    transformer-reference bench [--preset base] [--peers] [--json] [--plot FILE.png]
+    transformer-reference bench [--preset base] [--peers] [--compiled] [--json] [--plot FILE.png]
     transformer-reference export --to ctranslate2|savedmodel|jax-export|torch-export|onnx CKPT OUT [--force] [--check]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
@@ -185,6 +185,9 @@ def add_bench(commands: Commands) -> None:
                             "without the uncached decoding (docs/peers.md)")
     bench.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                        help="the precision the backends run in (default: float32; --peers times float32 only)")
+    bench.add_argument("--compiled", action="store_true",
+                       help="also time the PyTorch port's cached decoding with each step compiled by torch.compile "
+                            "(transformer_torch.compile_decoding; float32; tens of seconds to compile each shape)")
     bench.add_argument("--device", type=device_name, default="cpu",
                        help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -200,7 +203,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
                    progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
-                   peers=args.peers, dtype=args.dtype, device=args.device)
+                   peers=args.peers, dtype=args.dtype, device=args.device, compiled=args.compiled)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if report.busy:
         print(f"{PROG} bench: warning: {report.busy}", file=sys.stderr)

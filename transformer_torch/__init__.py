@@ -40,6 +40,7 @@ from .model import (
     sinusoidal_positional_encoding,
     target_mask,
 )
+from .speed import compile_decoding as compile_decoding  # a port-only name, outside __all__
 from .training import (
     gradients,
     label_smoothed_cross_entropy,

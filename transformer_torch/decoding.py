@@ -47,6 +47,7 @@ from reference_numpy.decoding import (
     max_output_lengths,
 )
 
+from . import speed
 from .model import KVCache, Transformer, padding_mask
 from .precision import LOW
 
@@ -104,10 +105,11 @@ def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mas
     """One decoding step: the log-probabilities (N, V) of the token at position ``step`` after
     ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
     runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
-    cache) the whole prefix does, as in the reference. Shape: tokens (N, W), W > step."""
+    cache) the whole prefix does, as in the reference; a model given to ``speed.compile_decoding`` runs the cached
+    step as its compiled program (``speed.decoding_step``). Shape: tokens (N, W), W > step."""
     if not cache:
         return next_token_log_probs(model, tokens[:, :step], memory, src_mask), cache
-    return next_token_log_probs(model, tokens[:, step - 1:step], memory, src_mask, cache, step - 1)
+    return speed.decoding_step(model, next_token_log_probs)(tokens[:, step - 1:step], memory, src_mask, cache, step - 1)
 
 
 def _checked_source(model: Transformer, src: Tensor | np.ndarray) -> Tensor:

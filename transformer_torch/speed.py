@@ -10,9 +10,19 @@ which ``model.scaled_dot_product_attention`` (Eq. (1)) hands to torch's fused ke
 neither its weights nor its gradients are asked for (:func:`fused`), and whose products along a beam-search
 cache's hypotheses it computes without gathering keys and values (:func:`beam_scores`, :func:`beam_mix`). This
 module imports nothing from the model.
+
+And one opt-in: :func:`compile_decoding` has the decoders (``decoding.greedy_decode``, ``decoding.beam_search``) run
+each cached step of a float32 model as one program compiled by ``torch.compile`` (:func:`decoding_step`), where
+eager PyTorch dispatches about 300 operators a step and reads the decoder's small weights at half the bandwidth
+(docs/benchmarks.md, "The PyTorch port compiled").
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +33,13 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 # elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster
 # reading of the weight (docs/benchmarks-torch.md, "Before and after")
 _ONEDNN_MIN_WEIGHT = 1 << 16
+# Inductor's options for :func:`compile_decoding`'s program: the weights folded in as constants (``freezing``: each
+# packed once for the kernel chosen) and every product's kernel chosen by timing Inductor's C++ GEMM template
+# against aten's on its own shape (``max_autotune``).
+COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Callable[..., Any], Callable[..., Any]]] = (
+    weakref.WeakKeyDictionary())
+Model = TypeVar("Model", bound=torch.nn.Module)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -123,3 +140,54 @@ def _picked(beams: Tensor) -> Tensor:
     """(B, Ki, 1, Kj, 1, C) bool: position c of query row b*K + j is in key row b*K + i."""
     k = beams.shape[1]
     return beams[:, None, None, :, None, :] == torch.arange(k, device=beams.device).reshape(1, k, 1, 1, 1, 1)
+
+
+def compile_decoding(model: Model) -> Model:
+    """Have ``greedy_decode`` and ``beam_search`` run each cached step of ``model`` (float32, in ``eval()`` mode)
+    as one program of ``torch.compile`` (``fullgraph=True``: no graph break; :data:`COMPILE_OPTIONS`), the cache
+    index a 0-d tensor so that every position runs the same program; returns ``model``.
+
+    Each new shape (batch, source length, the cache's capacity) is compiled at its first step: tens of seconds
+    (max-autotune times each product's kernels), after which Dynamo treats the sizes that changed as symbols. The
+    weights are folded into the program (a second, packed copy of them): compile once they are final --
+    ``torch._dynamo.reset()`` drops every compiled program. Decoding without a cache (``use_cache=False``) stays
+    eager. A model of another dtype is refused (``ValueError``): Inductor fuses elementwise operations and keeps
+    their intermediates in float32, which would drop the roundings the bfloat16 and float16 recipes make, and
+    float64 is the checking precision, not a speed path.
+    """
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        raise ValueError(f"compile_decoding: the model is {str(dtype).removeprefix('torch.')}; "
+                         f"the compiled decoding step is float32 only")
+    _COMPILED[model] = {}
+    return model
+
+
+def decoding_step(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step(model, tgt, memory, src_mask, cache, cache_index)`` (the decoders' cached step) with ``model``
+    bound: as it is, or for a model given to :func:`compile_decoding` compiled once per model, its ``cache_index``
+    handed over as a 0-d tensor (the model then writes the cache as new tensors, ``index_copy``)."""
+    programs = _COMPILED.get(model)
+    if programs is None:
+        return functools.partial(step, model)
+    if step not in programs:
+        program = torch.compile(_Bound(model, step), fullgraph=True)
+
+        def compiled(tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple, cache_index: int) -> Any:
+            with torch._inductor.config.patch(COMPILE_OPTIONS):        # read while compiling, at a first call
+                return program(tgt, memory, src_mask, cache, torch.tensor(cache_index, device=tgt.device))
+
+        programs[step] = compiled
+    return programs[step]
+
+
+class _Bound(torch.nn.Module):
+    """``step`` with ``model`` bound, as a module: Inductor folds a compiled module's own weights into its program
+    (``freezing``), not those of a module a compiled function is handed."""
+
+    def __init__(self, model: torch.nn.Module, step: Callable[..., Any]):
+        super().__init__()
+        self.model, self.step = model, step
+
+    def forward(self, *args: Any) -> Any:
+        return self.step(self.model, *args)

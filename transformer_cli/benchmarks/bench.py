@@ -58,6 +58,7 @@ BUSY_SPREAD = 0.3       # a call whose slowest repeat is this much (of its media
 FORWARD = "forward"
 TASKS = (FORWARD, "greedy (cached)", "greedy (uncached)")                           # without --peers
 PEER_TASKS = (FORWARD, "greedy batch 1", f"greedy batch {PEER_BATCH}", "beam 4 batch 1")  # with --peers
+COMPILED = "torch (compiled)"   # --compiled: the PyTorch port's cached decoding under compile_decoding
 ROWS = {"greedy (cached)": 1, "greedy (uncached)": 1, "greedy batch 1": 1, f"greedy batch {PEER_BATCH}": PEER_BATCH,
         "beam 4 batch 1": BEAM_SIZE}            # rows a decoding step of each task runs (beam search: its beams)
 
@@ -209,12 +210,15 @@ def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
 def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
           names: tuple[str, ...] = tuple(backends.BACKENDS), repeats: int = 3, uncached: bool = True,
           progress: Callable[[list], Iterable] | None = None, peers: bool = False, dtype: str = "float32",
-          device: str = "cpu") -> BenchReport:
+          device: str = "cpu", compiled: bool = False) -> BenchReport:
     """Time every installed backend (in ``dtype``, on ``device``: cpu, gpu:N) -- and with ``peers`` every installed
-    peer, float32 only -- on one seeded checkpoint, interleaved; the anchors measured on the way."""
+    peer, float32 only; with ``compiled`` the PyTorch port's decoding compiled too (:data:`COMPILED`) -- on one
+    seeded checkpoint, interleaved; the anchors measured on the way."""
     config = TransformerConfig.preset(preset)
     if peers and dtype != "float32":
         raise ValueError(f"--peers times the peers in float32; --dtype {dtype} would compare unlike with unlike")
+    if compiled and dtype != "float32":
+        raise ValueError(f"--compiled times PyTorch's compiled decoding step, float32 only, not --dtype {dtype}")
     for flag, length in (("--src-len", src_len), ("--tgt-len", tgt_len), ("--decode-tokens", decode_tokens)):
         if length > config.max_len:
             raise ValueError(f"{flag} {length} exceeds the {preset} preset's max_len ({config.max_len})")
@@ -226,6 +230,11 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     inputs = Inputs((src, tgt), decode_src[:1], decode_src)
     engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype, devices[name])
                for name, adapter in adapters.items()]
+    if compiled and "torch" in adapters:
+        engines.append(backend_engine(adapters["torch"], config, params, inputs, peers, uncached, dtype,
+                                      devices["torch"], compiled=True))
+    elif compiled:
+        missing.append(backends.Missing(COMPILED, "not measured (the PyTorch backend is not loaded)"))
     if peers:
         from transformer_cli.benchmarks import peers as peer_module
         built, unavailable = peer_module.load(config, params, runtime.threads())
@@ -258,8 +267,10 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
 
 def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[str, np.ndarray], inputs: Inputs,
                    peers: bool, uncached: bool,
-                   dtype: str = "float32", device: str = "cpu") -> Engine:
-    """A backend's model (in ``dtype``, on the adapter's ``device``) and its timed calls (see the module docstring)."""
+                   dtype: str = "float32", device: str = "cpu", compiled: bool = False) -> Engine:
+    """A backend's model (in ``dtype``, on the adapter's ``device``) and its timed calls (see the module docstring);
+    ``compiled`` (PyTorch, :data:`COMPILED`): the model given to ``transformer_torch.compile_decoding``, its cached
+    decoding calls alone."""
     model = adapter.build(config, params, dtype, device)
     src, tgt = inputs.forward
     calls: dict[str, Callable[[], object]] = {FORWARD: lambda: adapter.log_probs(model, src, tgt)}
@@ -277,10 +288,17 @@ def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[
     if not peers and cached:
         calls["greedy (cached)"] = lambda: adapter.greedy(model, inputs.one, use_cache=True)
         computes["greedy (cached)"] = "greedy_decode with the key/value cache, up to source length + 50 tokens"
-    if not peers and uncached:
+    if not peers and uncached and not compiled:
         calls["greedy (uncached)"] = lambda: adapter.greedy(model, inputs.one, use_cache=False)
         computes["greedy (uncached)"] = "greedy_decode recomputing the whole prefix every step"
-    return Engine(adapter.NAME, "backend", device, calls, computes, ("greedy (uncached)",))
+    if not compiled:
+        return Engine(adapter.NAME, "backend", device, calls, computes, ("greedy (uncached)",))
+    from transformer_torch import compile_decoding
+
+    compile_decoding(model)
+    step = " -- each cached step one program of torch.compile (transformer_torch.compile_decoding)"
+    return Engine(COMPILED, "backend", device, {task: calls[task] for task in calls if task != FORWARD},
+                  {task: computes[task] + step for task in calls if task != FORWARD})
 
 
 def peer_engine(peer: Peer, inputs: Inputs, steps: int) -> Engine:
