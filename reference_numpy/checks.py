@@ -66,8 +66,9 @@ def check_mask(name: str, shape: tuple, dtype: str, scores_shape: tuple) -> None
     shape, scores_shape = tuple(shape), tuple(scores_shape)
     if dtype != "bool":
         raise ValueError(f"{name} must be boolean (True = may attend), got dtype {dtype}")
-    fits = len(shape) <= len(scores_shape) and all(
-        size is None or target is None or size in (1, target) for size, target in zip(shape[::-1], scores_shape[::-1]))
+    fits = len(shape) <= len(scores_shape) and all(   # == each, not `in`: Dynamo misreads `in` on symbolic sizes
+        size is None or target is None or size == 1 or size == target
+        for size, target in zip(shape[::-1], scores_shape[::-1]))
     if not fits:
         raise ValueError(f"{name} of shape {shape} does not broadcast to the attention "
                          f"scores (B, H, Tq, Tk) = {scores_shape}")

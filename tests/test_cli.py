@@ -189,6 +189,7 @@ USAGE_ERRORS = [
     (["compare", "tiny.safetensors", "--perturb", "torch:no.such.tensor"], "--perturb"),
     (["bench", "--dtype", "int8"], "--dtype"),
     (["bench", "--peers", "--dtype", "bfloat16"], "--peers"),
+    (["bench", "--compiled", "--dtype", "bfloat16"], "--compiled"),
     (["translate", "--dtype", "float8", "twelve"], "--dtype"),
     (["bench", "--batch", "0"], "--batch"),
     (["bench", "--batch", "-2"], "--batch"),

@@ -535,6 +535,58 @@ def test_torch_forward_compiles_in_one_graph_and_the_call_still_checks_ids(agree
         model(bad, tgt)
 
 
+def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_shape(agreement):
+    """``transformer_torch.compile_decoding``: each cached step one ``torch.compile`` program. Teacher-forced along
+    the float64 reference's greedy translations of the held-out sentences, its log-probabilities agree with the
+    reference's forward pass (float32 policy) at every position a decoding loop reads (input not padding; pad and
+    bos, which a step sets to -inf, left out); the port's greedy decoding and beam search (size 4, alpha 0.6) over
+    it write exactly the reference's greedy tokens and its beam tokens on every row the float32 rule compares
+    whole; Dynamo (its own counters) compiles one program per new shape, not per position (the cache index a
+    tensor, not a constant); a float64 model is refused."""
+    torch = require("torch", "torch")
+    from transformer_torch import beam_search as torch_beam_search
+    from transformer_torch import compile_decoding, speed
+    from transformer_torch import greedy_decode as torch_greedy_decode
+    from transformer_torch.checkpoint import load_checkpoint as torch_load
+    from transformer_torch.decoding import next_token_log_probs
+    from transformer_torch.model import padding_mask
+
+    config, params, tokenizer = load_translator()
+    model = compile_decoding(torch_load(SHIPPED, dtype=torch.float32).eval())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    src = tokenizer.batch(shipped_texts())
+    expected = greedy_decode(Transformer(config, params), src)
+    np.testing.assert_array_equal(torch_greedy_decode(model, src), expected,
+                                  err_msg="greedy tokens of the compiled decoding step")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), expected[:, :-1]], axis=1)        # (B, T)
+    step = speed.decoding_step(model, next_token_log_probs)
+    with torch.inference_mode():
+        memory = model.encode(torch.from_numpy(src))
+        mask, cache, log_probs = padding_mask(torch.from_numpy(src), config.pad_id), model.init_cache(memory,
+                                                                                                     tgt.shape[1]), []
+        for index in range(tgt.shape[1]):
+            out, cache = step(torch.from_numpy(tgt[:, index:index + 1]), memory, mask, cache, index)
+            log_probs.append(out.numpy())
+    read = tgt != config.pad_id                                             # (B, T): the positions a loop reads
+    emitted = np.setdiff1d(np.arange(config.tgt_vocab_size), [config.pad_id, config.bos_id])
+    agreement(np.stack(log_probs, axis=1)[read][:, emitted],
+              *(Transformer(config, params, dtype)(src, tgt)[read][:, emitted] for dtype in (np.float64, np.float32)),
+              port="torch compile_decoding", device="cpu", dtype="float32",
+              what="log-probs of the compiled decoding step: shipped model, teacher-forced")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2       # a new capacity: one program more
+
+    tokens, decisive = reference_beams()
+    beams = torch_beam_search(model, beam_source(), BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
+    np.testing.assert_array_equal(beams[decisive], tokens[decisive], err_msg="beam tokens of the compiled step")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3       # beams' rows: the sizes now symbols
+    with pytest.raises(ValueError, match="^compile_decoding: the model is float64; the compiled decoding step is "
+                                         "float32 only$"):
+        compile_decoding(torch_load(SHIPPED, dtype=torch.float64))
+
+
 # ----------------------------------------------------------------------------- the command's refusals
 
 def test_export_refuses_an_existing_output_its_input_and_a_missing_runtime(tmp_path, capsys, monkeypatch):

@@ -441,6 +441,21 @@ def test_a_peer_that_cannot_run_is_listed_with_the_reason(monkeypatch):
                                                                 "each residual)")]
 
 
+def test_bench_compiled_times_the_pytorch_ports_compiled_decoding_beside_the_eager_port(monkeypatch):
+    """``bench --compiled``: the PyTorch port's cached decoding under ``compile_decoding`` is one more engine,
+    beside the eager port (the forward pass and the uncached decoding are the eager port's alone)."""
+    require("torch", "torch")
+    monkeypatch.setattr(bench_module, "MATMUL_SIZE", 64)
+    monkeypatch.setattr(bench_module, "BANDWIDTH_MIB", 4)
+    monkeypatch.setattr(timing, "PRODUCTS", {"torch": timing.PRODUCTS["torch"]})
+    report = bench_module.bench("tiny", batch=1, src_len=6, tgt_len=5, decode_tokens=51, names=("torch",), repeats=1,
+                                compiled=True)
+    assert {(m.backend, m.task) for m in report.measurements} == {
+        ("torch", "forward"), ("torch", "greedy (cached)"), ("torch", "greedy (uncached)"),
+        (bench_module.COMPILED, "greedy (cached)")}
+    assert "compile_decoding" in report.computes[bench_module.COMPILED]["greedy (cached)"]
+
+
 def test_bench_peers_report(monkeypatch, tmp_path):
     """``bench --peers`` end to end on the tiny preset (NumPy and PyTorch backends, small anchors): every cell,
     the anchors, and every ratio equal to its value over its anchor, recomputed here."""

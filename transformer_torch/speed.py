@@ -36,7 +36,8 @@ _ONEDNN_MIN_WEIGHT = 1 << 16
 # Inductor's options for :func:`compile_decoding`'s program: the weights folded in as constants (``freezing``: each
 # packed once for the kernel chosen) and every product's kernel chosen by timing Inductor's C++ GEMM template
 # against aten's on its own shape (``max_autotune``).
-COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                   "max_autotune_report_choices_stats": False}
 _COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Callable[..., Any], Callable[..., Any]]] = (
     weakref.WeakKeyDictionary())
 Model = TypeVar("Model", bound=torch.nn.Module)
