@@ -5,13 +5,14 @@ with its BPE vocabulary): output tokens per second, side by side in one run.
 
 Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework), one
 after the other under /tmp/bench.lock. In each process the first pass over the sentences is timed apart (JAX and
-TensorFlow compile each new batch shape there), then ``--repeats`` warm passes; the table gives the first pass, the
-median warm pass, output tokens per second (every emitted token, eos included) over the warm median, its ratio to
-CTranslate2's time, and how many translations are the same text as CTranslate2's (its beam search divides by
-|Y|^alpha, not by GNMT's penalty, so a few may differ: docs/peers.md).
+TensorFlow compile each new batch shape there, and so does ``torch-compiled``, the PyTorch backend with
+``transformer_torch.compile_decoding``, its decoding step), then ``--repeats`` warm passes; the table gives the
+first pass, the median warm pass, output tokens per second (every emitted token, eos included) over the warm
+median, its ratio to CTranslate2's time, and how many translations are the same text as CTranslate2's (its beam
+search divides by |Y|^alpha, not by GNMT's penalty, so a few may differ: docs/peers.md).
 
     python scripts/bench_translate.py [--sentences N] [--batch-size 64] [--threads 1] [--repeats 3]
-                                      [--engines torch,jax,tf,ctranslate2] [--json FILE]
+                                      [--engines torch,torch-compiled,jax,tf,ctranslate2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from transformer_cli.commands.translate import BATCH_SIZE  # noqa: E402
 from transformer_cli.tasks.numbers import NumbersTask, english  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
-ENGINES = ("torch", "jax", "tf", "ctranslate2")
+ENGINES = ("torch", "torch-compiled", "jax", "tf", "ctranslate2")
 PEER = "ctranslate2"
+COMPILED = "torch-compiled"    # the PyTorch backend's Translator with transformer_torch.compile_decoding
 
 
 def sentences(count: int | None) -> list[str]:
@@ -56,12 +58,18 @@ def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
 
 
 def port_passes(name: str, texts: list[str], batch_size: int, repeats: int) -> tuple[list[float], int, list[str]]:
-    """Seconds of each pass of one backend's ``Translator`` over ``texts``, output tokens, translations."""
+    """Seconds of each pass of one backend's ``Translator`` over ``texts``, output tokens, translations
+    (:data:`COMPILED`: PyTorch's, its model given to ``compile_decoding``)."""
     from transformer_cli import backends
     from transformer_cli.commands.translate import translator
 
-    adapters, _ = backends.load((name,))
-    engine = translator(adapters[name], None, "float32", BEAM_SIZE, LENGTH_PENALTY_ALPHA, "cpu", batch_size)
+    backend = "torch" if name == COMPILED else name
+    adapters, _ = backends.load((backend,))
+    engine = translator(adapters[backend], None, "float32", BEAM_SIZE, LENGTH_PENALTY_ALPHA, "cpu", batch_size)
+    if name == COMPILED:
+        from transformer_torch import compile_decoding
+
+        compile_decoding(engine.model)
     rows, pad_id = [engine.encode(text) for text in texts], engine.tokenizer.config.pad_id
     seconds, outputs = [], []
     for _ in range(1 + repeats):
@@ -162,11 +170,11 @@ def main() -> None:
     count = len(sentences(args.sentences))
     print(f"{count} sentences, beam {BEAM_SIZE}, batches of {args.batch_size} by length, "
           f"{args.threads} thread(s), median of {args.repeats} warm passes")
-    print(f"{'engine':<12} {'first pass':>11} {'warm':>9} {'tokens/s':>9} {'x CT2':>6} {'same text as CT2':>17}")
+    print(f"{'engine':<15} {'first pass':>11} {'warm':>9} {'tokens/s':>9} {'x CT2':>6} {'same text as CT2':>17}")
     for row in rows:
         ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
         same = "" if row["same_as_peer"] is None else f"{row['same_as_peer']}/{count}"
-        print(f"{row['engine']:<12} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {row['tokens_per_s']:>9.0f} "
+        print(f"{row['engine']:<15} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {row['tokens_per_s']:>9.0f} "
               f"{ratio:>6} {same:>17}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

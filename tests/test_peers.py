@@ -454,6 +454,7 @@ def test_bench_compiled_times_the_pytorch_ports_compiled_decoding_beside_the_eag
         ("torch", "forward"), ("torch", "greedy (cached)"), ("torch", "greedy (uncached)"),
         (bench_module.COMPILED, "greedy (cached)")}
     assert "compile_decoding" in report.computes[bench_module.COMPILED]["greedy (cached)"]
+    assert bench_module.COMPILED in bench_module.format_bench(report)
 
 
 def test_bench_peers_report(monkeypatch, tmp_path):
