@@ -161,47 +161,10 @@ def test_ctranslate2_refuses_a_vocabulary_naming_two_ids_alike():
 RUNTIMES = {"savedmodel": ("tensorflow", "tf"), "jax-export": ("jax", "jax"), "torch-export": ("torch", "torch"),
             "onnx": ("onnxruntime", "export")}
 
-# How a serving process loads each artefact (``run(src, tgt) -> log_probs``) and greedy-decodes with it, NumPy only:
-# the loaders and the loop of ``export --check`` (transformer_cli/commands/export_check.py), checked here against
-# the reference.
-RUN, GREEDY = LOADERS, export_check.GREEDY
-# A serving process's beam search over ``run``, NumPy only, one sentence at a time, with the reference's rules
-# (``reference_numpy.decoding``'s docstring): candidates (beam, token) ranked by summed log-probability, ties to the
-# lower beam then the lower token; an eos among the first beam_size ranks finishes a hypothesis scored
-# log P / ((5 + |Y|) / 6)^alpha (|Y| counting eos); the first beam_size possible non-eos candidates live on; the
-# search stops at the length limit (the live beams then finish too), with no live beam, or when no live beam can
-# beat the best finished one; the best score wins, a tie going to the hypothesis finished first.
-BEAM = """
-def beam(src, pad_id, bos_id, eos_id, max_len, extra_length, beam_size, alpha):
-    penalty = lambda length: ((5.0 + length) / 6.0) ** alpha
-    limit = min(int((src != pad_id).sum()) + extra_length, max_len)
-    live, scores, finished = [[bos_id]], np.zeros(1, dtype=np.float32), []
-    for step in range(1, limit + 1):
-        log_probs = np.array(run(np.repeat(src[None], len(live), axis=0), np.array(live, dtype=np.int64))[:, -1])
-        log_probs[:, [pad_id, bos_id]] = -np.inf
-        candidates = scores[:, None] + log_probs                            # (n_live, V)
-        ranking = np.argsort(-candidates, axis=None, kind="stable")
-        beams, tokens = np.divmod(ranking, candidates.shape[1])
-        ranked = candidates.ravel()[ranking]
-        finished += [(ranked[r] / penalty(step), live[beams[r]][1:] + [eos_id]) for r in range(beam_size)
-                     if r < len(ranked) and tokens[r] == eos_id]
-        keep = [r for r in range(len(ranked)) if tokens[r] != eos_id and np.isfinite(ranked[r])][:beam_size]
-        live, scores = [live[beams[r]] + [int(tokens[r])] for r in keep], ranked[keep]
-        if step == limit:
-            finished += [(score / penalty(step), row[1:]) for score, row in zip(scores, live)]
-        best = max((score for score, _ in finished), default=-np.inf)
-        if step == limit or not live or scores.max() / penalty(limit) <= best:
-            break
-    return max(enumerate(finished), key=lambda item: (item[1][0], -item[0]))[1][1]
-
-
-def beams(src, pad_id, *rules):
-    rows = [beam(row, pad_id, *rules) for row in src]
-    out = np.full((len(rows), max(map(len, rows))), pad_id, dtype=np.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
-"""
+# How a serving process loads each artefact (``run(src, tgt) -> log_probs``), greedy-decodes and beam-searches with
+# it, NumPy only: the loaders and the loops of ``export --check`` (transformer_cli/commands/export_check.py), checked
+# here against the reference.
+RUN, GREEDY, BEAM = LOADERS, export_check.GREEDY, export_check.BEAM
 # Reads OUTPUT_DIR (transformer.json, tokenizer.json) and inputs.npz (src_i, tgt_i: the log-prob batches;
 # greedy_src, beam_src: source ids), writes outputs.npz (out_i: log-probs; tokens: greedy; beam_tokens: beam search,
 # size and alpha from argv), prints the greedy tokens' text (up to eos, by the artefact's tokenizer.json) and the
@@ -468,7 +431,7 @@ def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_
     imported = re.match(r"checked in a process without this project \(([a-z, ]+)\): log-probabilities max abs error ",
                         forward)
     assert imported and RUNTIMES[target][0] in imported[1].split(", "), report    # TensorFlow's import brings JAX
-    assert forward.endswith("greedy tokens of 4 sentences identical"), report
+    assert forward.endswith("greedy tokens of 4 sentences identical, beam-4 tokens identical"), report
     assert bool(step) == (target in STEPS), report
     assert not step or ("<= bound" in step and step.endswith("positions), greedy tokens identical")), report
     config, params = load_checkpoint(SHIPPED, dtype=np.float32)

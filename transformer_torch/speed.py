@@ -20,7 +20,6 @@ eager PyTorch dispatches about 300 operators a step and reads the decoder's smal
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,8 +37,7 @@ _ONEDNN_MIN_WEIGHT = 1 << 16
 # against aten's on its own shape (``max_autotune``).
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                    "max_autotune_report_choices_stats": False}
-_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Callable[..., Any], Callable[..., Any]]] = (
-    weakref.WeakKeyDictionary())
+_PROGRAMS = "_compiled_decoding"     # a compiled model's attribute: its programs, step function -> compiled call
 Model = TypeVar("Model", bound=torch.nn.Module)
 
 
@@ -160,7 +158,7 @@ def compile_decoding(model: Model) -> Model:
     if dtype != torch.float32:
         raise ValueError(f"compile_decoding: the model is {str(dtype).removeprefix('torch.')}; "
                          f"the compiled decoding step is float32 only")
-    _COMPILED[model] = {}
+    setattr(model, _PROGRAMS, {})       # on the model (not in a table keyed by it: its programs hold it)
     return model
 
 
@@ -168,7 +166,7 @@ def decoding_step(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[
     """``step(model, tgt, memory, src_mask, cache, cache_index)`` (the decoders' cached step) with ``model``
     bound: as it is, or for a model given to :func:`compile_decoding` compiled once per model, its ``cache_index``
     handed over as a 0-d tensor (the model then writes the cache as new tensors, ``index_copy``)."""
-    programs = _COMPILED.get(model)
+    programs = getattr(model, _PROGRAMS, None)
     if programs is None:
         return functools.partial(step, model)
     if step not in programs:

@@ -3,10 +3,13 @@ fresh Python process that cannot import this project, with only the artefact's r
 the reference (docs/deploy.md).
 
 The process loads the artefact (:data:`LOADERS`), computes the log-probabilities of a ragged batch (the checkpoint's
-own sentences when it has a tokenizer, else ``compare``'s seeded batch) and greedy-decodes the sources with a
-NumPy loop over the forward pass (:data:`GREEDY`: the reference's rules, section 6.1). Here, the log-probabilities
-are compared with the float64 reference under the float32 policy (``equivalence.tolerance``), and the tokens with
-the float64 reference's greedy tokens under the float32 token rule (identical up to a near-tie the bound allows).
+own sentences when it has a tokenizer, else ``compare``'s seeded batch), greedy-decodes the sources with a
+NumPy loop over the forward pass (:data:`GREEDY`: the reference's rules, section 6.1) and beam-searches them
+(:data:`BEAM`: size 4, alpha 0.6, the reference's rules). Here, the log-probabilities are compared with the float64
+reference under the float32 policy (``equivalence.tolerance``), the greedy tokens with the float64 reference's under
+the float32 token rule (identical up to a near-tie the bound allows), and the beam tokens with the float64
+reference's ``beam_search`` on every row the float32 rule compares whole (``tolerance.beam_row_is_decisive``: no
+step or final choice within the bound of a tie).
 
 A target that exports the cached decoding step (``transformer.json``'s ``decoding_step``, :data:`STEPS`) is also run
 through it in the same process: ``encode`` once and ``step`` per position along the reference's greedy translation
@@ -31,8 +34,10 @@ from typing import Any
 import numpy as np
 
 from equivalence import tolerance
+from equivalence.margins import beam_margins
+from reference_numpy import Transformer, TransformerConfig, beam_search
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer
-from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
+from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
 
 # The packages of this project: the checking process asserts that none of them can be imported.
@@ -83,6 +88,43 @@ def greedy(src, pad_id, bos_id, eos_id, max_len, extra_length):
     return tgt[:, 1:]
 """
 
+# A serving process's beam search over ``run``, NumPy only, one sentence at a time, with the reference's rules
+# (``reference_numpy.decoding``'s docstring): candidates (beam, token) ranked by summed log-probability, ties to the
+# lower beam then the lower token; an eos among the first beam_size ranks finishes a hypothesis scored
+# log P / ((5 + |Y|) / 6)^alpha (|Y| counting eos); the first beam_size possible non-eos candidates live on; the
+# search stops at the length limit (the live beams then finish too), with no live beam, or when no live beam can
+# beat the best finished one; the best score wins, a tie going to the hypothesis finished first.
+BEAM = """
+def beam(src, pad_id, bos_id, eos_id, max_len, extra_length, beam_size, alpha):
+    penalty = lambda length: ((5.0 + length) / 6.0) ** alpha
+    limit = min(int((src != pad_id).sum()) + extra_length, max_len)
+    live, scores, finished = [[bos_id]], np.zeros(1, dtype=np.float32), []
+    for step in range(1, limit + 1):
+        log_probs = np.array(run(np.repeat(src[None], len(live), axis=0), np.array(live, dtype=np.int64))[:, -1])
+        log_probs[:, [pad_id, bos_id]] = -np.inf
+        candidates = scores[:, None] + log_probs                            # (n_live, V)
+        ranking = np.argsort(-candidates, axis=None, kind="stable")
+        beams, tokens = np.divmod(ranking, candidates.shape[1])
+        ranked = candidates.ravel()[ranking]
+        finished += [(ranked[r] / penalty(step), live[beams[r]][1:] + [eos_id]) for r in range(beam_size)
+                     if r < len(ranked) and tokens[r] == eos_id]
+        keep = [r for r in range(len(ranked)) if tokens[r] != eos_id and np.isfinite(ranked[r])][:beam_size]
+        live, scores = [live[beams[r]] + [int(tokens[r])] for r in keep], ranked[keep]
+        if step == limit:
+            finished += [(score / penalty(step), row[1:]) for score, row in zip(scores, live)]
+        best = max((score for score, _ in finished), default=-np.inf)
+        if step == limit or not live or scores.max() / penalty(limit) <= best:
+            break
+    return max(enumerate(finished), key=lambda item: (item[1][0], -item[0]))[1][1]
+
+
+def beams(src, pad_id, *rules):
+    rows = [beam(row, pad_id, *rules) for row in src]
+    out = np.full((len(rows), max(map(len, rows))), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+"""
 # Each defines ``encode(src)`` and ``step(token, index, memory, src, self_keys, self_values, cross_keys,
 # cross_values)`` (transformer_cli.commands.export.STEP; NumPy in and out, int64 ids) from the artefact in sys.argv[1],
 # after its LOADERS entry.
@@ -168,7 +210,8 @@ manifest = json.load(open(sys.argv[1] + "/transformer.json"))
 config = manifest["config"]
 inputs = np.load(sys.argv[2])
 rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
-results = {"log_probs": run(inputs["src"], inputs["tgt"]), "tokens": greedy(inputs["src"], *rules)}
+results = {"log_probs": run(inputs["src"], inputs["tgt"]), "tokens": greedy(inputs["src"], *rules),
+           "beam_tokens": beams(inputs["src"], *rules, int(sys.argv[5]), float(sys.argv[6]))}
 """
 CHECK_STEP = """
 results.update(step_log_probs=stepped(inputs["src"], inputs["tgt"]), step_tokens=cached_greedy(inputs["src"], *rules))
@@ -188,25 +231,29 @@ def check_target(target: str) -> None:
 
 @dataclass
 class Checked:
-    """What ``export --check`` found: the log-probabilities' agreement, the greedy tokens' verdict, the runtimes
-    the checking process imported."""
+    """What ``export --check`` found: the log-probabilities' agreement, the greedy and beam tokens' verdicts, the
+    runtimes the checking process imported."""
 
     log_probs: tolerance.Agreement
     greedy_identical: bool
     greedy_note: str
+    beam_identical: bool
+    beam_note: str
     rows: int
     imported: list[str]
     step: CheckedStep | None = None       # the cached decoding step's, if the artefact exports one
 
     @property
     def ok(self) -> bool:
-        return self.log_probs.ok and self.greedy_identical and (self.step is None or self.step.ok)
+        return (self.log_probs.ok and self.greedy_identical and self.beam_identical
+                and (self.step is None or self.step.ok))
 
     def __str__(self) -> str:
         step = "" if self.step is None else f"; {self.step}"
         return (f"checked in a process without this project ({', '.join(self.imported)}): log-probabilities "
                 f"{self.log_probs} (float32 policy), greedy tokens of {self.rows} sentences "
-                f"{_verdict(self.greedy_identical, self.greedy_note)}{step}")
+                f"{_verdict(self.greedy_identical, self.greedy_note)}, beam-{BEAM_SIZE} tokens "
+                f"{_verdict(self.beam_identical, self.beam_note)}{step}")
 
 
 @dataclass
@@ -246,15 +293,17 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     with tempfile.TemporaryDirectory() as directory:
         inputs, outputs = Path(directory) / "inputs.npz", Path(directory) / "outputs.npz"
         np.savez(inputs, **oracle.inputs)     # type: ignore[arg-type]  # numpy's stub: a ** key might be allow_pickle
-        script = LOADERS[target] + GREEDY + CHECK
+        script = LOADERS[target] + GREEDY + BEAM + CHECK
         script += STEPS[target] + CACHED_GREEDY + CHECK_STEP + SAVE if has_step else SAVE
-        imported = run_isolated(script, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH)
+        imported = run_isolated(script, output_dir, inputs, outputs, EXTRA_OUTPUT_LENGTH, BEAM_SIZE,
+                                LENGTH_PENALTY_ALPHA)
         with np.load(outputs) as answers:
             results = dict(answers)
     agreement = tolerance.agreement(results["log_probs"], oracle.stages64["log_probs"],
                                     oracle.stages["float32"]["log_probs"], "float32")
     identical, note = greedy_verdict(results["tokens"], oracle, "float32", config.pad_id)
-    checked = Checked(agreement, identical, note, len(src), imported)
+    checked = Checked(agreement, identical, note, *beam_verdict(results["beam_tokens"], config, params, src), len(src),
+                      imported)
     if has_step:
         read = oracle.inputs["tgt"] != config.pad_id                      # (B, T): the positions a decoding loop reads
         step_agreement = tolerance.agreement(results["step_log_probs"][read], oracle.stages64["log_probs"][read],
@@ -262,6 +311,24 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
         checked.step = CheckedStep(step_agreement, int(read.sum()),
                                    *greedy_verdict(results["step_tokens"], oracle, "float32", config.pad_id))
     return checked
+
+
+def beam_verdict(tokens: np.ndarray, config: TransformerConfig, params: dict[str, np.ndarray], src: np.ndarray
+                 ) -> tuple[bool, str]:
+    """Whether ``tokens`` are the float64 reference's ``beam_search`` tokens (size 4, alpha 0.6) on every row the
+    float32 rule compares whole: no step or final choice of the reference's search within twice the float32 bound
+    (of the log-probabilities along its hypotheses) of a tie; the note counts the rows left out."""
+    model64 = Transformer(config, params)
+    expected = beam_search(model64, src, BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), expected[:, :-1]], axis=1)
+    bound = tolerance.float32_bound(model64(src, tgt), Transformer(config, params, np.float32)(src, tgt))
+    decisive = np.array([tolerance.beam_row_is_decisive(row, bound) for row in beam_margins(model64, src)])
+    width = max(tokens.shape[1], expected.shape[1])
+    tokens, expected = (np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=config.pad_id)
+                        for a in (tokens, expected))
+    left_out = len(src) - int(decisive.sum())
+    note = f"{left_out} of {len(src)} rows with a near-tie left out" if left_out else ""
+    return bool(np.array_equal(tokens[decisive], expected[decisive])), note
 
 
 def run_isolated(script: str, *args: object) -> Any:
