@@ -570,3 +570,18 @@ def test_export_refuses_an_existing_output_its_input_and_a_missing_runtime(tmp_p
         assert capsys.readouterr().err == f"transformer-reference: error: {message}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
+
+
+def test_export_shows_a_progress_bar_over_the_programs_it_traces(tmp_path, capsys, monkeypatch):
+    """On a terminal, ``export`` shows a bar over the programs it traces (jax-export: the forward pass, encode and
+    step), erased once done; off a terminal it prints its report alone."""
+    require("jax", "jax")
+    pytest.importorskip("tqdm", reason="the progress bar is tqdm's (the 'cli' extra)")
+    config = TransformerConfig.preset("tiny")
+    checkpoint = tmp_path / "m.safetensors"
+    save_checkpoint(checkpoint, config, init_params(config, seed=0))
+    for terminal in (True, False):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+        assert main(["export", "--to", "jax-export", str(checkpoint), str(tmp_path / f"out-{terminal}")]) == EXIT_OK
+        err = capsys.readouterr().err
+        assert (re.search(r"export jax-export: 100%.* 3/3 ", err) is not None) == terminal, err

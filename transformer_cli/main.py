@@ -304,7 +304,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     if args.check:
         check_target(args.to)                                              # before any work
-    output = export(args.to, args.checkpoint, args.output_dir, args.force)
+    output = export(args.to, args.checkpoint, args.output_dir, args.force,
+                    progress_bar(f"export {args.to}", "program", quiet=not sys.stderr.isatty(), leave=False))
     print(f"wrote {output}: {describe(args.to, output)}; docs/deploy.md")
     if not args.check:
         return EXIT_OK

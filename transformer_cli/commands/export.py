@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +76,14 @@ EXAMPLE_BATCH, EXAMPLE_LENGTH, EXAMPLE_CAPACITY = 2, 3, 5   # the example a trac
                                                             # keeps symbolic, each its own
 
 
-def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
+Progress = Callable[[Iterable], Iterable]
+
+
+def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False,
+           progress: Progress | None = None) -> Path:
     """Write ``checkpoint`` (a file or a shipped model's name) as ``target``'s artefact in ``output_dir`` (see the
-    module docstring). Returns the output directory."""
+    module docstring); ``progress`` wraps the list of programs traced (e.g. a ``tqdm`` bar: seconds to a minute
+    each). Returns the output directory."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "ctranslate2":
@@ -93,7 +98,7 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
     tokenizer = load_tokenizer_json(path)
 
     def write(directory: Path) -> None:
-        writer(config, params, directory)
+        writer(config, params, directory, progress or (lambda programs: programs))
         manifest: dict[str, Any] = {"target": target, "dtype": "float32", "inputs": list(INPUTS), "output": OUTPUT,
                                     "files": writer.files, "config": config.to_dict()}
         if writer.steps:
@@ -114,21 +119,23 @@ def _require(module: str, extra: str, target: str) -> None:
             from None
 
 
-Write = Callable[[TransformerConfig, dict[str, np.ndarray], Path], None]
+Write = Callable[[TransformerConfig, dict[str, np.ndarray], Path, Progress], None]
 
 
 @dataclass(frozen=True)
 class Writer:
-    """A writer ``(config, params, directory)`` of a target's artefact, the files it writes, the (module, extra)
-    it needs and, if it exports the cached decoding step, the names of its ``encode`` and ``step`` (:data:`STEP`)."""
+    """A writer ``(config, params, directory, progress)`` of a target's artefact (``progress`` wraps the list of
+    programs it traces), the files it writes, the (module, extra) it needs and, if it exports the cached decoding
+    step, the names of its ``encode`` and ``step`` (:data:`STEP`)."""
 
     write: Write
     files: list[str]
     requires: tuple[tuple[str, str], ...]
     steps: dict[str, str] | None = None
 
-    def __call__(self, config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
-        self.write(config, params, directory)
+    def __call__(self, config: TransformerConfig, params: dict[str, np.ndarray], directory: Path,
+                 progress: Progress) -> None:
+        self.write(config, params, directory, progress)
 
 
 def _writer(files: list[str], *requires: tuple[str, str], steps: dict[str, str] | None = None,
@@ -147,7 +154,8 @@ def example_tokens(config: TransformerConfig) -> np.ndarray:
 
 @_writer(["saved_model.pb", "variables/", "assets/", "fingerprint.pb"], ("tensorflow", "tf"),
          steps={"encode": "encode", "step": "step"})
-def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path,
+                     progress: Progress) -> None:
     """The Keras port's float32 model through Keras' ``ExportArchive`` (what ``model.export`` runs) with int64
     (B, S), (B, T) inputs as the ``serve`` endpoint, and beside it the cached decoding step's ``encode`` and
     ``step`` endpoints (:data:`STEP`; int64 ids, capacity up to ``max_len``) through the port's ``encode``,
@@ -187,14 +195,16 @@ def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], d
           for name in ("self_keys", "self_values")),
         *(tf.TensorSpec((layers, None, heads, None, d_k), tf.float32, name=name)
           for name in ("cross_keys", "cross_values"))])
-    archive.write_out(str(directory), verbose=False)
+    for program in progress([archive]):                 # one program: Keras traces its three endpoints here
+        program.write_out(str(directory), verbose=False)
 
 
 # ----------------------------------------------------------------------------- JAX: jax.export
 
 @_writer(["forward.jax", "encode.jax", "step.jax", "weights.npz"], ("jax", "jax"), ("flax", "jax"),
          steps={"encode": "encode.jax", "step": "step.jax"})
-def write_jax_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+def write_jax_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path,
+                     progress: Progress) -> None:
     """The JAX port's float32 forward pass and its cached decoding step (``encode.jax``, ``step.jax``: see
     :data:`STEP`), ``jax.export``-ed with symbolic batch and lengths, and its weights."""
     import jax
@@ -202,7 +212,7 @@ def write_jax_export(config: TransformerConfig, params: dict[str, np.ndarray], d
     weights = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in params.items()}
     functions = {"forward": (jax_forward(config, params), jax_input_specs(config, weights)),
                  **jax_step_functions(config, params, weights)}
-    for name, (function, specs) in functions.items():
+    for name, (function, specs) in progress(functions.items()):
         exported = jax.export.export(jax.jit(function))(*specs)
         (directory / f"{name}.jax").write_bytes(exported.serialize())
     np.savez(directory / "weights.npz", **weights)   # type: ignore[arg-type]  # numpy's stub: a ** key might be allow_pickle
@@ -347,12 +357,13 @@ PT2, ONNX = _program_files("pt2"), _program_files("onnx")
 
 
 @_writer(list(PT2.values()), ("torch", "torch"), steps={function: PT2[function] for function in STEP})
-def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path,
+                       progress: Progress) -> None:
     """``torch.export.export`` of the PyTorch port's float32 model (``model.pt2``) and of its cached decoding step
     (``encode.pt2``, ``step.pt2``: :data:`STEP`)."""
     import torch
 
-    for function, (module, example, dynamic) in torch_programs(config, params).items():
+    for function, (module, example, dynamic) in progress(torch_programs(config, params).items()):
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dynamic)
         torch.export.save(program, directory / PT2[function])
@@ -360,14 +371,15 @@ def write_torch_export(config: TransformerConfig, params: dict[str, np.ndarray],
 
 @_writer(list(ONNX.values()), ("torch", "torch"), ("onnxscript", "export"), ("onnx", "export"),
          steps={function: ONNX[function] for function in STEP})
-def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path) -> None:
+def write_onnx(config: TransformerConfig, params: dict[str, np.ndarray], directory: Path,
+               progress: Progress) -> None:
     """torch's ONNX exporter (``dynamo=True``: from ``torch.export``'s program) on the PyTorch port's float32
     model, inputs ``src``, ``tgt`` and output ``log_probs`` (``model.onnx``), and on its cached decoding step
     (``encode.onnx``, ``step.onnx``: :data:`STEP`'s names)."""
     import torch
 
     names = {"forward": {"inputs": list(INPUTS), "outputs": [OUTPUT]}, **STEP}
-    for function, (module, example, dynamic) in torch_programs(config, params).items():
+    for function, (module, example, dynamic) in progress(torch_programs(config, params).items()):
         with torch.no_grad(), _exporter_notices_held():
             program = torch.onnx.export(module, example, dynamo=True, dynamic_shapes=dynamic,
                                         input_names=names[function]["inputs"],
