@@ -498,14 +498,16 @@ def test_torch_forward_compiles_in_one_graph_and_the_call_still_checks_ids(agree
         model(bad, tgt)
 
 
-def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_shape(agreement):
+def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_shape(agreement, capsys, tmp_path,
+                                                                                      monkeypatch):
     """``transformer_torch.compile_decoding``: each cached step one ``torch.compile`` program. Teacher-forced along
     the float64 reference's greedy translations of the held-out sentences, its log-probabilities agree with the
     reference's forward pass (float32 policy) at every position a decoding loop reads (input not padding; pad and
     bos, which a step sets to -inf, left out); the port's greedy decoding and beam search (size 4, alpha 0.6) over
     it write exactly the reference's greedy tokens and its beam tokens on every row the float32 rule compares
     whole; Dynamo (its own counters) compiles one program per new shape, not per position (the cache index a
-    tensor, not a constant); a float64 model is refused."""
+    tensor, not a constant); compiling prints nothing (no table of Inductor's kernel timings); a float64 model is
+    refused."""
     torch = require("torch", "torch")
     from transformer_torch import beam_search as torch_beam_search
     from transformer_torch import compile_decoding, speed
@@ -516,6 +518,7 @@ def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_
 
     config, params, tokenizer = load_translator()
     model = compile_decoding(torch_load(SHIPPED, dtype=torch.float32).eval())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # compiled here, not read from an earlier run
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     src = tokenizer.batch(shipped_texts())
@@ -545,6 +548,7 @@ def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_
     beams = torch_beam_search(model, beam_source(), BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
     np.testing.assert_array_equal(beams[decisive], tokens[decisive], err_msg="beam tokens of the compiled step")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3       # beams' rows: the sizes now symbols
+    assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="^compile_decoding: the model is float64; the compiled decoding step is "
                                          "float32 only$"):
         compile_decoding(torch_load(SHIPPED, dtype=torch.float64))

@@ -20,6 +20,7 @@ eager PyTorch dispatches about 300 operators a step and reads the decoder's smal
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,9 +35,9 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _ONEDNN_MIN_WEIGHT = 1 << 16
 # Inductor's options for :func:`compile_decoding`'s program: the weights folded in as constants (``freezing``: each
 # packed once for the kernel chosen) and every product's kernel chosen by timing Inductor's C++ GEMM template
-# against aten's on its own shape (``max_autotune``).
+# against aten's on its own shape (``max_autotune``), without printing the timings (``..._displayed``: 0).
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                   "max_autotune_report_choices_stats": False}
+                   "max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0}
 _PROGRAMS = "_compiled_decoding"     # a compiled model's attribute: its programs, step function -> compiled call
 Model = TypeVar("Model", bound=torch.nn.Module)
 
@@ -173,7 +174,8 @@ def decoding_step(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[
         program = torch.compile(_Bound(model, step), fullgraph=True)
 
         def compiled(tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple, cache_index: int) -> Any:
-            with torch._inductor.config.patch(COMPILE_OPTIONS):        # read while compiling, at a first call
+            with torch._inductor.config.patch(COMPILE_OPTIONS), warnings.catch_warnings():  # read while compiling
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # inside Inductor
                 return program(tgt, memory, src_mask, cache, torch.tensor(cache_index, device=tgt.device))
 
         programs[step] = compiled
