@@ -7,6 +7,10 @@
   with XLA (``jit_compile=True``, the default) and with TensorFlow's graph executor: tracing
   time separately, then the median time after warm-up, the achieved GFLOP/s (matmul FLOPs
   counted analytically, formula printed) and its ratio to the matmul rate;
+* the same forward pass cut after each part (the encoder, the decoder, then the output projection and the
+  log-softmax: the whole pass), each XLA-compiled alone, timed interleaved with CTranslate2's whole forward pass on the
+  same weights (``bench --peers``'s engine, in a process of its own; when ``ctranslate2`` is installed): what
+  the gap to CTranslate2 is made of, as ratios;
 * greedy decoding of one sentence for 128 and 256 output tokens, with the key/value cache
   (``use_cache=True``, XLA) and without it (the whole prefix recomputed at every step);
 * cached greedy decoding of batch 1 and batch 8 (ms per step) and beam search (beam 4, alpha 0.6)
@@ -27,6 +31,7 @@ same cores skews the numbers: run it alone (the project runs it under ``flock /t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import sys
@@ -42,6 +47,8 @@ import transformer_tf  # noqa: E402  (refuses a Keras configured for another bac
 from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
+from transformer_cli.benchmarks.bench import bench_inputs  # noqa: E402
+from transformer_cli.benchmarks.peers import CTranslate2Peer, OwnProcess  # noqa: E402
 from transformer_cli.benchmarks.timing import (  # noqa: E402
     cpu_name,
     forward_flops,
@@ -53,6 +60,7 @@ from transformer_cli.benchmarks.timing import (  # noqa: E402
     tf_product,
     timed,
 )
+from transformer_tf.model import padding_mask  # noqa: E402
 from transformer_tf.speed import compiled_forward  # noqa: E402
 
 FORWARD_FLOPS = ("2 x multiply-adds of every matmul, masked attention entries included:\n"
@@ -70,6 +78,38 @@ def bench_forward(model, cfg, batch: int, length: int, repeats: int, jit_compile
     median = measure(lambda: forward(src, tgt).numpy(), repeats).median      # after a warm-up call
     flops = forward_flops(cfg, batch, length, length)
     return {"trace": trace, "median": median, "gflop": flops / 1e9, "rate": gflop_rate(flops, median)}
+
+
+PARTS = ("encoder", "+ decoder", "+ output projection and log-softmax")
+
+
+def bench_forward_parts(model, cfg, params, batch: int, length: int, repeats: int) -> dict:
+    """The XLA-compiled forward pass cut after each of :data:`PARTS` (the last is the whole pass), each compiled
+    alone, and CTranslate2's forward pass on the same weights and ids (``bench --peers``'s inputs and call), timed
+    interleaved: part -> timing."""
+    src, tgt, _ = bench_inputs(cfg, batch, length, length, length)
+
+    def cut(part: str):
+        @tf.function(jit_compile=True, autograph=False)
+        def run(src, tgt):
+            mask = padding_mask(src, cfg.pad_id)
+            memory = model.encode(src, mask, training=False)
+            if part == "encoder":
+                return memory
+            out = model.decode(tgt, memory, mask, training=False)
+            return out if part == "+ decoder" else model.generator(out)
+        return lambda: run(src, tgt).numpy()
+
+    calls = {part: cut(part) for part in PARTS}
+    peer = (OwnProcess(CTranslate2Peer, cfg, params, threads=len(os.sched_getaffinity(0)))
+            if importlib.util.find_spec("ctranslate2") else None)
+    if peer is not None:
+        calls["ctranslate2 (whole pass)"] = lambda: peer.forward(src, tgt)
+    try:
+        return round_robin(calls, repeats)
+    finally:
+        if peer is not None:
+            peer.close()
 
 
 def sources(cfg, rows: int, tokens: int, seed: int) -> np.ndarray:
@@ -156,6 +196,12 @@ def main() -> None:
         print(f"forward base float32, batch {batch} x {length} x {length}, {label}: tracing {fwd['trace']:.2f} s "
               f"(first call), median {fwd['median'] * 1e3:.1f} ms, {fwd['gflop']:.1f} GFLOP -> "
               f"{fwd['rate']:.1f} GFLOP/s = {fwd['rate'] / peak:.0%} of the matmul rate (target >= 70%)")
+
+    parts = bench_forward_parts(model, cfg, params, batch, length, repeats)
+    whole = parts.get("ctranslate2 (whole pass)")
+    for part, timing in parts.items():
+        ratio = f", {timing.median / whole.median:.2f}x CTranslate2's whole pass" if whole else ""
+        print(f"forward cut after: {part}: {timing.median * 1e3:.0f} ms{ratio}")
 
     results = {}
     for tokens in (short, long):
