@@ -82,8 +82,8 @@ Progress = Callable[[Iterable], Iterable]
 def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False,
            progress: Progress | None = None) -> Path:
     """Write ``checkpoint`` (a file or a shipped model's name) as ``target``'s artefact in ``output_dir`` (see the
-    module docstring); ``progress`` wraps the list of programs traced (e.g. a ``tqdm`` bar: seconds to a minute
-    each). Returns the output directory."""
+    module docstring); ``progress`` wraps the list of programs traced (e.g. a ``tqdm`` bar: seconds each).
+    Returns the output directory."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "ctranslate2":
