@@ -5,6 +5,9 @@ inputs per backend, the cases it and its issue found (regressions), and its own 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import types
 
 import numpy as np
 import pytest
@@ -211,48 +214,81 @@ def _layer_norm_jacobian(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndar
                      for unit in np.eye(len(x))], axis=1)
 
 
-def test_a_layer_norm_carries_a_port_s_input_error_further_than_the_reference_s():
-    """AMPLIFIED without the policy's machinery: PyTorch's decoder output is over the float32 policy's bound (9.05
-    times the reference's own error, k = 8) though the layer before it is within (6.84 times). The LayerNorm's
-    Jacobian, taken by finite differences of a LayerNorm written here, explains it: PyTorch's output error is its
-    input's carried through it (to 10%: the stage adds little), and the direction of PyTorch's input error is
-    carried with 1.5 times the gain of the reference's own (a LayerNorm removes the mean and the direction of x).
-    What the stage adds to PyTorch's input error is within the bound of what it adds to the reference's own."""
-    from transformer_cli.backends import torch as backend
+def _inf_norm_gain(jacobian: np.ndarray, direction: np.ndarray) -> float:
+    return float(np.abs(jacobian @ direction).max() / np.abs(direction).max())
 
+
+# How far AMPLIFIED's stand-in port (below) is off at the last decoder layer: this share of the stage's float32 bound.
+WITHIN = 0.8
+
+
+@functools.cache
+def _amplified_port() -> tuple[dict, dict, dict, dict, np.ndarray]:
+    """AMPLIFIED's stages as a port may give them, built from the float64 reference alone, so that no CPU's kernels
+    decide them: every stage the float64 reference's rounded once to float32, but for the last decoder layer's output,
+    off by WITHIN of that stage's bound in the direction (one of the 2^d_model sign patterns, tried all) that the
+    decoder's final LayerNorm carries furthest, and the stages after it computed exactly from it and rounded once.
+    The fuzzer met such a port on one CPU (PyTorch: 6.84 times the reference's own error at the layer, 9.05 after the
+    LayerNorm); how far a given CPU's kernels land in that direction is theirs to choose, so the rule is shown here
+    on a port whose error is placed there by construction. Returns (port, ref64, ref32, stage maps, the Jacobian)."""
     weights, batch = fuzz.params(AMPLIFIED), fuzz.inputs(AMPLIFIED)
     arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
-    ref64 = reference.forward(reference.build(AMPLIFIED.config, weights), **arguments)
+    model64 = reference.build(AMPLIFIED.config, weights)
+    ref64 = reference.forward(model64, **arguments)
     ref32 = reference.forward(reference.build(AMPLIFIED.config, weights, "float32"), **arguments)
-    port = backend.forward(backend.build(AMPLIFIED.config, weights, "float32"), **arguments)
+    maps = tolerance.stage_maps(model64, **arguments)
+    x = ref64["decoder.layers.0"]                                                          # (1, 1, d_model)
+    jacobian = _layer_norm_jacobian(x[0, 0], weights["decoder.norm.weight"], AMPLIFIED.config.layer_norm_eps)
+    signs = max((np.array(pattern) for pattern in itertools.product((-1.0, 1.0), repeat=x.shape[-1])),
+                key=lambda pattern: _inf_norm_gain(jacobian, pattern))
+    layer = x + WITHIN * tolerance.float32_bound(x, ref32["decoder.layers.0"]) * signs
+    port = {name: stage.astype(np.float32) for name, stage in ref64.items()}
+    port["decoder.layers.0"] = layer.astype(np.float32)
+    for name in ("decoder", "log_probs"):
+        port[name] = maps[name](port).astype(np.float32)
+    return port, ref64, ref32, maps, jacobian
+
+
+def test_a_layer_norm_carries_a_port_s_input_error_further_than_the_reference_s():
+    """AMPLIFIED without the policy's machinery: a port within the float32 bound at the last decoder layer (WITHIN
+    of it) is over the bound after the stack's final LayerNorm. The LayerNorm's Jacobian, taken by finite
+    differences of a LayerNorm written here, explains it: the port's output error is its input's carried through it
+    (to 10%: the stage adds little), and the direction of the port's input error is carried with 1.5 times the gain
+    (or more) of the reference's own (a LayerNorm removes the mean and the direction of x). What the stage adds to the
+    port's input error is within the bound of what it adds to the reference's own: the stage passes on that."""
+    port, ref64, ref32, maps, jacobian = _amplified_port()
+    x = ref64["decoder.layers.0"][0, 0]
     assert tolerance.agreement(port["decoder.layers.0"], ref64["decoder.layers.0"], ref32["decoder.layers.0"]).ok
     assert not tolerance.agreement(port["decoder"], ref64["decoder"], ref32["decoder"]).ok
-    x = ref64["decoder.layers.0"][0, 0]
-    jacobian = _layer_norm_jacobian(x, weights["decoder.norm.weight"], AMPLIFIED.config.layer_norm_eps)
-    carried = lambda stages: jacobian @ (stages["decoder.layers.0"][0, 0] - x)
-    gain = lambda stages: np.abs(carried(stages)).max() / np.abs(stages["decoder.layers.0"][0, 0] - x).max()
+    carried = lambda stages: jacobian @ (stages["decoder.layers.0"][0, 0].astype(np.float64) - x)
+    gain = lambda stages: _inf_norm_gain(jacobian, stages["decoder.layers.0"][0, 0].astype(np.float64) - x)
     error = port["decoder"][0, 0] - ref64["decoder"][0, 0]
     assert np.abs(error - carried(port)).max() < 0.1 * np.abs(error).max()
     assert gain(port) > 1.5 * gain(ref32)
-    maps = tolerance.stage_maps(reference.build(AMPLIFIED.config, weights), **arguments)
     added = tolerance.stage_agreement(port["decoder"], ref64["decoder"], ref32["decoder"], "float32",
                                       maps["decoder"], port, ref32)
     assert added.added and added.ok
 
 
 def test_compare_marks_a_stage_held_to_what_it_adds():
-    """`compare`'s table on AMPLIFIED (PyTorch, float32): the decoder and log-probability cells carry "+" (the error
-    they add to their inputs', within the bound), the run agrees, and the note says why."""
-    from transformer_cli.backends import torch as backend
+    """`compare`'s table on AMPLIFIED's stand-in port (float32; the test above): the cells of the stages over the
+    policy's bound on their total error -- the decoder's, and the log-probabilities' where the generator carries the
+    decoder's error that far (1.09 times the bound on this page's CPU: the float32 reference's own error, the
+    yardstick, is its kernels' choice) -- carry "+" (the error they add to their inputs', within the bound), every
+    other cell does not, the run agrees, and the note says why."""
     from transformer_cli.commands.compare import Report, build_oracle, run_backend
     from transformer_cli.commands.report import format_table
 
+    port, ref64, ref32, *_ = _amplified_port()
     weights, batch = fuzz.params(AMPLIFIED), fuzz.inputs(AMPLIFIED)
     oracle = build_oracle(AMPLIFIED.config, weights, batch["src"], batch["tgt"], ("float32",))
-    run = run_backend(backend, "cpu", "float32", AMPLIFIED.config, weights, oracle)
-    assert [stage.stage for stage in run.stages if stage.added] == ["decoder", "log_probs"] and run.ok
+    stand_in = types.SimpleNamespace(NAME="stand-in", build=lambda *args: None, forward=lambda *args, **kwargs: port,
+                                     greedy=lambda model, src: oracle.greedy)
+    run = run_backend(stand_in, "cpu", "float32", AMPLIFIED.config, weights, oracle)
+    over = [name for name in ref64 if not tolerance.agreement(port[name], ref64[name], ref32[name]).ok]
+    assert over[0] == "decoder" and [stage.stage for stage in run.stages if stage.added] == over and run.ok, run
     table = format_table(Report("AMPLIFIED", AMPLIFIED.config, [run], []))
-    assert [line.split()[0] for line in table.splitlines() if line.rstrip().endswith("+")] == ["decoder", "log_probs"]
+    assert [line.split()[0] for line in table.splitlines() if line.rstrip().endswith("+")] == over
     assert "the error the stage adds to its inputs'" in table
 
 
