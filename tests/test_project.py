@@ -6,6 +6,7 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
+import platform
 import re
 import shutil
 import subprocess
@@ -218,3 +219,25 @@ def test_the_suite_computes_with_the_pinned_openblas_kernel():
     corename = ctypes.CDLL(libraries[0]).scipy_openblas_get_corename64_
     corename.restype = ctypes.c_char_p
     assert corename().decode().lower() == pinned.lower()
+
+
+def test_ci_also_runs_the_numerical_tests_under_another_kernel_family():
+    """.ci/run runs scripts/kernel_families.py for a family other than the machine's own (docs/equivalence.md,
+    "Portable numerics")."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    family = re.search(r"scripts/kernel_families\.py --family (\w+)", ci)
+    assert family and family.group(1) != "native"
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the families cap x86-64 ISAs")
+def test_each_kernel_family_caps_what_the_frameworks_select():
+    """scripts/kernel_families.py's environments take effect: under "sse" PyTorch runs ATen's default kernels, NumPy
+    its baseline loops and oneDNN SSE4.1; under "avx2" none of them reaches AVX-512."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        families = importlib.import_module("kernel_families")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    sse, avx2 = families.probe("sse"), families.probe("avx2")
+    assert "torch capability: DEFAULT | numpy SIMD: baseline" in sse and "oneDNN: Intel SSE4.1" in sse, sse
+    assert not any(isa in avx2 for isa in ("capability: AVX512", "X86_V4", "AVX-512", "AVX10", "AMX")), avx2

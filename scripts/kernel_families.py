@@ -1,0 +1,121 @@
+"""Run the numerical tests under each family of CPU kernels a user's machine may select.
+
+Every framework picks its float kernels by the CPU it finds: PyTorch's ATen by ``ATEN_CPU_CAPABILITY`` (default,
+avx2, avx512), oneDNN -- PyTorch's linear maps and TensorFlow's oneDNN ops -- by ``ONEDNN_MAX_CPU_ISA``, MKL by
+``MKL_ENABLE_INSTRUCTIONS``, XLA:CPU (JAX, and TensorFlow's compiled functions) by ``--xla_cpu_max_isa``, NumPy's own
+loops by ``NPY_DISABLE_CPU_FEATURES``; TensorFlow runs its oneDNN ops or Eigen's by ``TF_ENABLE_ONEDNN_OPTS``. Each
+family below caps them all at one instruction set, so that one machine runs what an older (or differently built) CPU
+would: the suite's claims -- agreement within bounds derived from the float32 reference's own error, identical tokens
+wherever the bound decides them -- must hold under every family, since none of them is asserted of one CPU's
+roundings. (OpenBLAS, the reference's products, is pinned to one kernel on every machine by ``tests/conftest.py``.)
+
+    python scripts/kernel_families.py                      # every family, the numerical tests
+    python scripts/kernel_families.py --family avx2        # one family (CI runs this one)
+    python scripts/kernel_families.py --list               # the families and their environments
+    python scripts/kernel_families.py --family sse -- -k torch    # more pytest arguments after --
+
+Before its tests, each family's run prints what the frameworks report they selected (PyTorch's capability, NumPy's
+SIMD extensions, oneDNN's instruction set). Prints one line per family, ``family: N passed, N failed``; exits 1
+unless every family passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The agreement matrix, gradients, low precision, decoding and the fuzzer: every test whose outcome rests on the
+# frameworks' float kernels.
+NUMERICAL_TESTS = ("tests/test_agreement.py", "tests/test_agreement_low_precision.py", "tests/test_gradients.py",
+                   "tests/test_decoding.py", "tests/test_decoding_oracle.py", "tests/test_beam_cache.py",
+                   "tests/test_fuzz.py")
+
+_NUMPY_AVX512 = "X86_V4 AVX512_ICL AVX512_SPR"
+
+FAMILIES: dict[str, tuple[str, dict[str, str]]] = {
+    "native": ("what each framework selects on this CPU (nothing capped)", {}),
+    "avx2": ("AVX2 and FMA, as on a CPU without AVX-512 (most AMD Zen 1-3, Intel client parts)", {
+        "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "NPY_DISABLE_CPU_FEATURES": _NUMPY_AVX512,
+        "TF_ENABLE_ONEDNN_OPTS": "1"}),
+    "sse": ("SSE4 only, no vector FMA: ATen's default kernels, and TensorFlow with oneDNN off (Eigen's kernels)", {
+        "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2", "NPY_DISABLE_CPU_FEATURES": f"X86_V3 {_NUMPY_AVX512}",
+        "TF_ENABLE_ONEDNN_OPTS": "0"}),
+}
+
+# Run in the family's environment: what the frameworks say they selected.
+PROBE = """
+import torch
+from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+found = [name for name in __cpu_dispatch__ if __cpu_features__.get(name)]
+print("  torch capability:", torch.backends.cpu.get_cpu_capability(), "| numpy SIMD:", " ".join(found) or "baseline")
+x = torch.ones(64, 512)
+torch.ops.mkldnn._linear_pointwise(x, torch.ones(512, 512), None, "none", [], "")
+"""
+
+
+def family_environment(name: str) -> dict[str, str]:
+    """This process's environment with the family's variables set (a variable the user set is overridden)."""
+    return {**os.environ, **FAMILIES[name][1]}
+
+
+def probe(name: str) -> str:
+    """What the frameworks select under family ``name``: ATen's capability, NumPy's SIMD levels, oneDNN's ISA."""
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
+                          env={**family_environment(name), "ONEDNN_VERBOSE": "1"})
+    isa = re.search(r"onednn_verbose,.*?isa:(.*)", done.stdout + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("  torch")]
+    return "\n".join([*lines, f"  oneDNN: {isa.group(1).strip() if isa else 'not reported'}"])
+
+
+def run_family(name: str, pytest_args: list[str]) -> tuple[bool, str]:
+    """The numerical tests under family ``name``; (passed, pytest's closing line)."""
+    description, variables = FAMILIES[name]
+    print(f"== {name}: {description}", flush=True)
+    for key, value in variables.items():
+        print(f"  {key}={value}")
+    print(probe(name), flush=True)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
+                           *NUMERICAL_TESTS, *pytest_args], cwd=ROOT, env=family_environment(name),
+                          capture_output=True, text=True)
+    closing = next((line for line in reversed(done.stdout.splitlines()) if line.strip()), "(no output)")
+    if done.returncode != 0:
+        print(done.stdout[-20000:], done.stderr[-4000:], sep="\n")
+    print(f"  {closing.strip('= ')} [{time.monotonic() - start:.0f} s]", flush=True)
+    return done.returncode == 0, closing
+
+
+def counts(closing: str) -> str:
+    """'N passed, N failed' from pytest's closing line."""
+    found = {word: int(number) for number, word in re.findall(r"(\d+) (passed|failed|error)", closing)}
+    return f"{found.get('passed', 0)} passed, {found.get('failed', 0) + found.get('error', 0)} failed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", action="append", choices=list(FAMILIES), help="a family to run (repeatable); "
+                        "default: every one")
+    parser.add_argument("--list", action="store_true", help="print the families and their environments, exit")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, (description, variables) in FAMILIES.items():
+            print(f"{name}: {description}\n  " + (" ".join(f"{k}={v!r}" for k, v in variables.items()) or "-"))
+        return 0
+    results = {name: run_family(name, args.pytest_args) for name in args.family or FAMILIES}
+    for name, (_, closing) in results.items():
+        print(f"{name}: {counts(closing)}")
+    return 0 if all(ok for ok, _ in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
