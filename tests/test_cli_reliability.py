@@ -350,6 +350,7 @@ INTERRUPTED = re.compile(r"transformer-reference: interrupted: (\w+) saved (\S+)
                          r"\(continue with --resume \S+\)$")
 
 
+@pytest.mark.slow
 @needs_script
 @pytest.mark.parametrize("backend", INSTALLED)
 def test_ctrl_c_during_train_saves_the_run_at_its_last_step_and_it_resumes_elsewhere(backend, tmp_path, monkeypatch,

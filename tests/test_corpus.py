@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -128,6 +125,9 @@ def longest_sides(batch: dict[str, np.ndarray], config: TransformerConfig) -> tu
 
 # ----------------------------------------------------------------------------- train in every backend, average
 
+# About 45 s: one command trains and validates in every installed backend (the multi-backend run is what is
+# checked), compiling each framework's training step and greedy decoding once.
+@pytest.mark.slow
 def test_a_corpus_trains_in_every_backend_saves_every_step_and_averages(corpus, tmp_path, monkeypatch, capsys):
     """One command, every installed backend, float64, no dropout: each backend's losses are the reference run's
     within its training bound (equivalence/training_runs.py) on the same batches; the run is validated every 2
@@ -164,19 +164,18 @@ def test_a_corpus_trains_in_every_backend_saves_every_step_and_averages(corpus, 
     assert abs(results[INSTALLED[-1]]["validation"][0]["loss"] - results["numpy"]["validation"][0]["loss"]) < 1e-9
 
 
-def test_a_corpus_trains_data_parallel_its_batches_padded_to_equal_shards(corpus, tmp_path):
-    """``--data-parallel 2`` on a corpus (PyTorch's DDP, the installed command): a token-count batch of an odd
-    number of sentences gets a row of padding, which adds nothing to the loss or its gradient (section 5.4 counts
-    target tokens), so the run's losses, weights and Adam moments are the single-process reference's within the
-    training bound."""
-    script = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
-    if script is None or "torch" not in INSTALLED:
-        pytest.skip("needs the installed transformer-reference script and PyTorch (pip install -e '.[torch,text]')")
-    result = subprocess.run([script, "train", *corpus_flags(corpus), "--backends", "torch", "--data-parallel", "2",
-                             "--dtype", "float64", "--steps", "3", "--warmup-steps", "2", "--eval-every", "0",
-                             "--eval-size", "0", "--json", "--out", str(tmp_path / "run.safetensors")],
-                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_a_corpus_trains_data_parallel_its_batches_padded_to_equal_shards(corpus, tmp_path, monkeypatch, capsys):
+    """``--data-parallel 2`` on a corpus (PyTorch's DDP; the installed command's data-parallel runs:
+    tests/test_data_parallel.py): a token-count batch of an odd number of sentences gets a row of padding, which
+    adds nothing to the loss or its gradient (section 5.4 counts target tokens), so the run's losses, weights and
+    Adam moments are the single-process reference's within the training bound."""
+    if "torch" not in INSTALLED:
+        pytest.skip("needs PyTorch (pip install -e '.[torch,text]')")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = cli(capsys, "train", *corpus_flags(corpus), "--backends", "torch", "--data-parallel", "2",
+                           "--dtype", "float64", "--steps", "3", "--warmup-steps", "2", "--eval-every", "0",
+                           "--eval-size", "0", "--json", "--out", str(tmp_path / "run.safetensors"))
+    assert status == EXIT_OK, err
     config, params, state = load_run(tmp_path / "run.safetensors")
     made = CorpusTask(*read_corpus(corpus["train.en"], corpus["train.es"], None, corpus["valid.en"],
                                    corpus["valid.es"], None), load_tokenizer(tmp_path / "run.safetensors"),
@@ -185,7 +184,7 @@ def test_a_corpus_trains_data_parallel_its_batches_padded_to_equal_shards(corpus
     assert any(len(batch["src"]) % 2 for batch in batches), "no batch of an odd number of sentences: nothing padded"
     expected, bound = reference_run(config, init_params(config, seed=0),
                                     TrainingConfig(warmup_steps=2, learning_rate_scale=0.5), batches)
-    assert_float64_run(Run(json.loads(result.stdout)[0]["losses"], params, state), expected, bound,
+    assert_float64_run(Run(json.loads(out)[0]["losses"], params, state), expected, bound,
                        "torch, a corpus on 2 replicas")
 
 

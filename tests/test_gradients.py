@@ -23,11 +23,16 @@ DIRECTIONS = 3
 
 
 @functools.cache
-def port_gradients(port: str, variant: str):
+def port_model(port: str, variant: str, dtype: str):
+    """The port's model of ``variant`` in ``dtype`` from the seeded weights (gradients leave it unchanged)."""
     config = VARIANTS[variant]
-    backend = port_backend(port)
-    model = backend.build(config, seeded_params(config), "float64", "cpu")
-    value, grads = backend.gradients(model, **training_inputs(config))
+    return port_backend(port).build(config, seeded_params(config), dtype, "cpu")
+
+
+@functools.cache
+def port_gradients(port: str, variant: str):
+    value, grads = port_backend(port).gradients(port_model(port, variant, "float64"),
+                                                **training_inputs(VARIANTS[variant]))
     return float(value), grads
 
 
@@ -50,14 +55,13 @@ def test_port_loss_and_gradient_names(port, variant):
         assert np.isfinite(grad).all(), name
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("port", list(FRAMEWORKS))
-def test_gradient_matches_finite_differences_of_the_reference(port, variant):
-    """<grad, d> against the Richardson-extrapolated central difference of the reference's loss
-    along random unit directions d, within tolerance.finite_difference_bound."""
-    _, grads = port_gradients(port, variant)
+@functools.cache
+def finite_differences(variant: str) -> list[tuple[dict[str, np.ndarray], float, float]]:
+    """(d, estimate, bound) for random unit directions d: the Richardson-extrapolated central difference of the
+    reference's loss along d and its tolerance.finite_difference_bound (the same for every port)."""
     params = seeded_params(VARIANTS[variant])
     rng = np.random.default_rng(99)
+    result = []
     for _ in range(DIRECTIONS):
         direction = {name: rng.standard_normal(value.shape) for name, value in params.items()}
         norm = np.sqrt(sum(float((d ** 2).sum()) for d in direction.values()))
@@ -68,9 +72,19 @@ def test_gradient_matches_finite_differences_of_the_reference(port, variant):
             return (reference_loss(variant, shifted[0]) - reference_loss(variant, shifted[1])) / (2 * step)
 
         fd_h, fd_half = central(STEP), central(STEP / 2)
-        estimate = (4 * fd_half - fd_h) / 3
-        analytic = sum(float((grads[name] * direction[name]).sum()) for name in params)
         bound = tolerance.finite_difference_bound(fd_h, fd_half, reference_loss(variant, params), STEP)
+        result.append((direction, (4 * fd_half - fd_h) / 3, bound))
+    return result
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_gradient_matches_finite_differences_of_the_reference(port, variant):
+    """<grad, d> against the Richardson-extrapolated central difference of the reference's loss
+    along random unit directions d, within tolerance.finite_difference_bound."""
+    _, grads = port_gradients(port, variant)
+    for direction, estimate, bound in finite_differences(variant):
+        analytic = sum(float((grads[name] * direction[name]).sum()) for name in direction)
         assert abs(analytic - estimate) <= bound, f"{port}: <grad, d> = {analytic}, finite differences {estimate}"
 
 
@@ -101,10 +115,7 @@ def test_low_precision_gradients_agree_with_the_reference(port, variant, dtype):
     the low-precision policy of the float64 gradients, tensor by tensor: 8 x the reference-in-P's own error (its
     backward pass rounds where ``reference_numpy/backward.py`` says), at least one unit of P at the tensor's scale;
     the float32 loss likewise."""
-    config = VARIANTS[variant]
-    backend = port_backend(port)
-    value, grads = backend.gradients(backend.build(config, seeded_params(config), dtype, "cpu"),
-                                     **training_inputs(config))
+    value, grads = port_backend(port).gradients(port_model(port, variant, dtype), **training_inputs(VARIANTS[variant]))
     (value64, grads64), (value_low, grads_low) = reference_gradients(variant, "float64"), \
         reference_gradients(variant, dtype)
     tolerance.assert_agrees(value, value64, value_low, what=f"{port}: loss", precision=dtype)
@@ -135,8 +146,7 @@ def test_an_embedding_row_used_hundreds_of_times_sums_its_gradients_wide(port, d
     framework's own embedding backward may add them one by one in P instead, which loses most of them past a few
     hundred (in bfloat16 256 + 1 = 256). The batch repeats every row 512 times: each embedding's gradient stays within
     the policy."""
-    config, backend = VARIANTS["tiny"], port_backend(port)
-    _, grads = backend.gradients(backend.build(config, seeded_params(config), dtype, "cpu"), **repeated_batch())
+    _, grads = port_backend(port).gradients(port_model(port, "tiny", dtype), **repeated_batch())
     grads64, grads_low = repeated_batch_gradients("float64"), repeated_batch_gradients(dtype)
     for name in ("src_embed.weight", "tgt_embed.weight"):
         tolerance.assert_agrees(grads[name], grads64[name], grads_low[name], what=f"{port}: gradient of {name!r}",

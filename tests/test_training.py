@@ -55,22 +55,45 @@ def run(name: str, variant: str, dtype: str, steps=range(STEPS), state: Training
         params: dict[str, np.ndarray] | None = None, compute: str | None = None) -> Run:
     """``steps`` training steps in backend ``name`` from ``params`` (default: the seeded weights) and ``state``; with
     ``compute`` (bfloat16, float16) a float32 model trains in mixed precision."""
+    return stages(name, variant, dtype, steps, (steps.stop,), state, params, compute)[0]
+
+
+def stages(name: str, variant: str, dtype: str, steps: range, stops: tuple[int, ...],
+           state: TrainingState | None = None, params: dict[str, np.ndarray] | None = None,
+           compute: str | None = None) -> tuple[Run, ...]:
+    """The run of :func:`run` as it stood after each step count in ``stops`` (copies: its losses so far, weights
+    and training state), one model and one optimizer throughout."""
     module, config = backend(name), config_of(variant)
     model = module.build(config, seeded_params(config) if params is None else params, dtype, "cpu")
     optimizer = module.optimizer(model, TRAINING if state is None else None, state, compute)
-    inputs = batches(variant)
-    losses = [module.train_step(model, optimizer, **inputs[step]) for step in steps]
-    return Run(losses, module.export_params(model), module.training_state(model, optimizer))
+    inputs, losses, kept = batches(variant), [], []
+    for step in steps:
+        losses.append(module.train_step(model, optimizer, **inputs[step]))
+        if step + 1 in stops:
+            kept.append(copied(losses, module.export_params(model), module.training_state(model, optimizer)))
+    return tuple(kept)
+
+
+def copied(losses: list[float], params: dict[str, np.ndarray], state: TrainingState) -> Run:
+    """A run's record that the steps after it leave as it is (a port may export views of its live tensors)."""
+    owned = lambda tensors: {tensor: np.array(value) for tensor, value in tensors.items()}
+    return Run(list(losses), owned(params), state._replace(first_moments=owned(state.first_moments),
+                                                           second_moments=owned(state.second_moments)))
 
 
 @functools.cache
+def halves(name: str, variant: str, dtype: str = "float64", compute: str | None = None) -> tuple[Run, Run]:
+    """Ten steps from the seeded weights in backend ``name``: the run after five of them (where
+    test_a_run_moves_between_backends saves it) and after all ten."""
+    return stages(name, variant, dtype, range(STEPS), (STEPS // 2, STEPS), compute=compute)
+
+
 def reference_run(variant: str, dtype: str = "float64", compute: str | None = None) -> Run:
-    return run("numpy", variant, dtype, compute=compute)
+    return halves("numpy", variant, dtype, compute)[1]
 
 
-@functools.cache
 def backend_run(name: str, variant: str, dtype: str, compute: str | None = None) -> Run:
-    return run(name, variant, dtype, compute=compute)
+    return halves(name, variant, dtype, compute)[1]
 
 
 @functools.cache
@@ -80,12 +103,14 @@ def float64_bound(variant: str) -> tolerance.TrainingBound:
     return reference_float64_run(config, seeded_params(config), TRAINING, batches(variant))[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", TRAINING_VARIANTS)
 @pytest.mark.parametrize("name", FRAMEWORKS)
 def test_ten_steps_match_the_reference_in_float64(name, variant):
     assert_float64_run(backend_run(name, variant, "float64"), reference_run(variant), float64_bound(variant), name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tiny"])
 @pytest.mark.parametrize("name", FRAMEWORKS)
 def test_ten_steps_match_the_reference_in_float32(name, variant):
@@ -94,6 +119,7 @@ def test_ten_steps_match_the_reference_in_float32(name, variant):
     assert_run_agrees(backend_run(name, variant, "float32"), variant, "float32", name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", FRAMEWORKS)
 def test_ten_mixed_precision_steps_match_the_reference(name, compute):
@@ -142,7 +168,7 @@ def test_a_run_moves_between_backends(pair, tmp_path):
     (Each port's own tests resume in the same backend, bit for bit.)"""
     first, second = pair
     variant, path = "shared_embeddings", tmp_path / "run.safetensors"
-    halfway = run(first, variant, "float64", steps=range(STEPS // 2))
+    halfway = halves(first, variant)[0]             # the first five of the run test_ten_steps_... checks
     module = backend(first)
     module.save(module.build(config_of(variant), halfway.params, "float64", "cpu"), path, halfway.state)
     state = load_training_state(path)
@@ -262,6 +288,7 @@ def test_a_float16_step_whose_gradients_overflow_is_skipped(name, monkeypatch):
         assert not state.first_moments[tensor].any() and not state.second_moments[tensor].any(), tensor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BACKENDS)
 def test_the_float16_loss_scale_doubles_after_the_growth_interval(name, monkeypatch):
     """With a growth interval of 2, two finite float16 steps double the scale (2^15 -> 2^16) and both count."""
@@ -289,21 +316,36 @@ FLOAT16_RESUMES = [(name, name) for name in BACKENDS] + [("numpy", "torch"), ("t
                                                          ("tf", "numpy")]
 
 
+def scale_float16_as_above(patch: pytest.MonkeyPatch) -> None:
+    patch.setattr(precision, "LOSS_SCALE", 2.0 ** 16)
+    patch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+
+
 @pytest.fixture
 def float16_scaling(monkeypatch):
-    monkeypatch.setattr(precision, "LOSS_SCALE", 2.0 ** 16)
-    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_INTERVAL", 2)
+    scale_float16_as_above(monkeypatch)
 
 
+@functools.cache
+def float16_halves(name: str) -> tuple[Run, Run]:
+    """FLOAT16_STEPS float16 steps of "tiny" in backend ``name``, scaled as above: the run after FLOAT16_HALFWAY
+    steps and after all of them."""
+    with pytest.MonkeyPatch.context() as patch:
+        scale_float16_as_above(patch)
+        return stages(name, "tiny", "float32", range(FLOAT16_STEPS), (FLOAT16_HALFWAY, FLOAT16_STEPS),
+                      compute="float16")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", FLOAT16_RESUMES, ids="-then-".join)
 def test_a_float16_run_resumes_with_its_loss_scale(pair, float16_scaling, tmp_path):
     """Three float16 steps in one backend, saved with the training state, three more in another: the same loss
     scale, good steps and step count as six uninterrupted steps in the second backend (one of them skipped), and
     in one backend the same losses, weights and moments bit for bit."""
     first, second = pair
-    whole = run(second, "tiny", "float32", steps=range(FLOAT16_STEPS), compute="float16")
+    whole = float16_halves(second)[1]
     assert whole.state.step == FLOAT16_STEPS - 1 and whole.state.loss_scale == LossScaleState(2.0 ** 17, 1)
-    halfway = run(first, "tiny", "float32", steps=range(FLOAT16_HALFWAY), compute="float16")
+    halfway = float16_halves(first)[0]
     module, path = backend(first), tmp_path / "run.safetensors"
     module.save(module.build(config_of("tiny"), halfway.params, "float32", "cpu"), path, halfway.state)
     state = load_training_state(path)
@@ -405,6 +447,9 @@ def train_cli(capsys, *args: str) -> dict:
     return json.loads(out)[0]
 
 
+# The JAX case takes about 30 s: it compiles the copy model's training step twice, for the model the command builds
+# and for the one it loads to resume (a loaded model's graph also holds its tokenizer), about 15 s each.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BACKENDS)
 def test_train_resume_continues_the_run_bit_for_bit(name, tmp_path, monkeypatch, capsys):
     """``train --resume`` in each backend (its own loader and ``load_training_state``): two steps saved and two
