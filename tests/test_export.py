@@ -26,12 +26,15 @@ An engine that is not installed is a skip naming its extra.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -61,6 +64,27 @@ BEAM_TEXTS = ("thirteen seventy thirteen eight three", "sixty and thirteen thirt
 
 def require(module: str, extra: str):
     return pytest.importorskip(module, reason=f"{module} is not installed (pip install '.[{extra}]')")
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory) -> Callable[[], contextlib.AbstractContextManager]:
+    """``with serving():`` the artefacts' isolated processes (this module's and ``export --check``'s) run their
+    runtime on one thread -- the suite runs one test process per core, and a runtime's threads spinning beside
+    another process's cost more than they save (torch-export's beam search beside other tests: 62 s of CPU on two
+    threads, 1.6 s on one) -- and share one JAX compilation cache, new for the module: the planted bugs' artefacts
+    and the second ``export --check`` run the programs an earlier process compiled (jax-export's weights are
+    arguments: a planted bug changes no program, a changed program is compiled anew)."""
+    variables = {"OMP_NUM_THREADS": "1", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+    @contextlib.contextmanager
+    def environment() -> Iterator[None]:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in variables.items():
+                patch.setenv(name, value)
+            yield
+
+    return environment
 
 
 # ----------------------------------------------------------------------------- a process without the project
@@ -104,7 +128,14 @@ def shipped_texts() -> list[str]:
     return [english(n) for n in shipped_numbers()]
 
 
-def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys):
+@functools.cache
+def reference_greedy() -> np.ndarray:
+    """The float64 reference's ``greedy_decode`` tokens on :func:`shipped_texts`."""
+    config, params, tokenizer = load_translator()
+    return greedy_decode(Transformer(config, params), tokenizer.batch(shipped_texts()))
+
+
+def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys, serving):
     """The shipped model exported by the CLI: CTranslate2, given the tokenizer's pieces of English sentences (no
     eos: the model's config appends it), writes pieces whose text is exactly the float64 reference's greedy and
     beam-4 (alpha 0.6) translation of every sentence (``translate_options``: the reference's decoding rules as far
@@ -121,11 +152,12 @@ def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys):
     assert expected[:4] == ["<pad>", "<s>", "</s>", "<unk>"] and expected[-1] == f"<{config.tgt_vocab_size - 1}>"
     texts = shipped_texts()
     src, model = tokenizer.batch(texts), Transformer(config, params)
-    reference = {"greedy": greedy_decode(model, src),
+    reference = {"greedy": reference_greedy(),
                  "beam": beam_search(model, src, BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]}
     options = {"greedy": ctranslate2_export.translate_options(config.max_len),
                "beam": ctranslate2_export.translate_options(config.max_len, BEAM_SIZE, LENGTH_PENALTY_ALPHA)}
-    got = run_isolated(CT2_TRANSLATE, out, json.dumps(texts), json.dumps(options))
+    with serving():
+        got = run_isolated(CT2_TRANSLATE, out, json.dumps(texts), json.dumps(options))
     for kind, tokens in reference.items():
         assert got[kind] == [tokenizer.decode(row) for row in tokens], kind
     assert len(set(got["beam"])) == len(texts)
@@ -160,36 +192,55 @@ def test_ctranslate2_refuses_a_vocabulary_naming_two_ids_alike():
 
 RUNTIMES = {"savedmodel": ("tensorflow", "tf"), "jax-export": ("jax", "jax"), "torch-export": ("torch", "torch"),
             "onnx": ("onnxruntime", "export")}
+STEPS = list(export_check.STEPS)
+# The planted bugs: a transposed projection, square, so every shape still fits. The encoder's W_q spoils the forward
+# pass and, through the memory, the step; the decoder's self-attention W_k spoils what the step writes into its cache.
+ENCODER_W_Q, DECODER_W_K = "encoder.layers.0.self_attn.q_proj.weight", "decoder.layers.0.self_attn.k_proj.weight"
 
 # How a serving process loads each artefact (``run(src, tgt) -> log_probs``), greedy-decodes and beam-searches with
 # it, NumPy only: the loaders and the loops of ``export --check`` (transformer_cli/commands/export_check.py), checked
-# here against the reference.
+# here against the reference; and, for the cached decoding step, ``encode`` and ``step`` and a greedy loop and a
+# teacher-forced run over them.
 RUN, GREEDY, BEAM = LOADERS, export_check.GREEDY, export_check.BEAM
-# Reads OUTPUT_DIR (transformer.json, tokenizer.json) and inputs.npz (src_i, tgt_i: the log-prob batches;
-# greedy_src, beam_src: source ids), writes outputs.npz (out_i: log-probs; tokens: greedy; beam_tokens: beam search,
-# size and alpha from argv), prints the greedy tokens' text (up to eos, by the artefact's tokenizer.json) and the
-# frameworks its process imported (TensorFlow's import brings in JAX when it is installed; onnxruntime runs without
-# torch).
-RUN_INPUTS = """
-import tokenizers
-config = json.load(open(sys.argv[1] + "/transformer.json"))["config"]
-tokenizer = tokenizers.Tokenizer.from_file(sys.argv[1] + "/tokenizer.json")
+# Reads OUTPUT_DIR (transformer.json) and inputs.npz (greedy_src, beam_src: source ids; src_i, tgt_i: the log-prob
+# batches); argv: the greedy loops' extra output length, the beam size and alpha. The parts below fill ``results``
+# (written to outputs.npz) and ``answer`` (printed as JSON with the frameworks the process imported: TensorFlow's
+# import brings in JAX when it is installed; onnxruntime runs without torch).
+SERVE = """
+manifest = json.load(open(sys.argv[1] + "/transformer.json"))
+config = manifest["config"]
 inputs = np.load(sys.argv[2])
 rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
-tokens = greedy(inputs["greedy_src"], *rules)
-beam_tokens = beams(inputs["beam_src"], *rules, int(sys.argv[5]), float(sys.argv[6]))
-batches = [name.removeprefix("src_") for name in inputs.files if name.startswith("src_")]
-np.savez(sys.argv[3], tokens=tokens, beam_tokens=beam_tokens,
-         **{f"out_{i}": run(inputs[f"src_{i}"], inputs[f"tgt_{i}"]) for i in batches})
+results, answer = {}, {}
+"""
+# The forward pass: out_i (log-probs of each batch), tokens (greedy), beam_tokens (beam search); the greedy tokens'
+# text (up to eos, by the artefact's tokenizer.json).
+SERVE_FORWARD = """
+import tokenizers
+tokenizer = tokenizers.Tokenizer.from_file(sys.argv[1] + "/tokenizer.json")
+results.update(tokens=greedy(inputs["greedy_src"], *rules),
+               beam_tokens=beams(inputs["beam_src"], *rules, int(sys.argv[5]), float(sys.argv[6])),
+               **{f"out_{i}": run(inputs[name], inputs["tgt_" + name.removeprefix("src_")])
+                  for i, name in enumerate(name for name in inputs.files if name.startswith("src_"))})
 
 def text(row):
     ids = row.tolist()
     return tokenizer.decode(ids[:ids.index(config["eos_id"])] if config["eos_id"] in ids else ids,
                             skip_special_tokens=False)
 
-print(json.dumps({"texts": [text(row) for row in tokens],
-                  "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
-                                     if name in sys.modules)}))
+answer["texts"] = [text(row) for row in results["tokens"]]
+"""
+# The cached decoding step: step_tokens (the cached greedy loop's), step_log_probs (the step's along tgt_0, (B, T, V));
+# the manifest's decoding_step.
+SERVE_STEP = """
+results.update(step_tokens=cached_greedy(inputs["greedy_src"], *rules),
+               step_log_probs=stepped(inputs["src_0"], inputs["tgt_0"]))
+answer["decoding_step"] = manifest["decoding_step"]
+"""
+SERVED = """
+np.savez(sys.argv[3], **results)
+print(json.dumps({**answer, "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
+                                               if name in sys.modules)}))
 """
 
 
@@ -204,8 +255,23 @@ def shipped_batches() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     return (src, tgt), (src[-1:, :int((src[-1] != config.pad_id).sum())], tgt[:1, :1])
 
 
+@functools.cache
+def reference_log_probs() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """The float64 and the float32 reference's log-probabilities on each of :func:`shipped_batches`."""
+    config, params = load_checkpoint(SHIPPED)
+    models = Transformer(config, params), Transformer(config, params, np.float32)
+    return tuple((models[0](src, tgt), models[1](src, tgt)) for src, tgt in shipped_batches())
+
+
+class Exported(NamedTuple):
+    """An artefact the CLI wrote, and the command's report."""
+
+    path: Path
+    report: str
+
+
 class Served(NamedTuple):
-    """What an exported artefact answered in its isolated process."""
+    """What an exported artefact's forward pass answered in its isolated process."""
 
     log_probs: list[np.ndarray]    # on each of :func:`shipped_batches`
     tokens: np.ndarray             # the greedy loop's on :func:`shipped_texts`
@@ -213,52 +279,85 @@ class Served(NamedTuple):
     beam_tokens: np.ndarray        # the beam search's (size 4, alpha 0.6) on :func:`beam_source`
 
 
+class Stepped(NamedTuple):
+    """What an exported artefact's cached decoding step answered in its isolated process."""
+
+    tokens: np.ndarray             # the cached greedy loop's on :func:`shipped_texts`
+    log_probs: np.ndarray          # the step's along the ragged batch of :func:`shipped_batches`, (B, T, V)
+    decoding_step: dict            # the manifest's
+
+
 @pytest.fixture(scope="module")
-def shipped_exports() -> dict[str, Path]:
-    """The shipped model's artefact per target, once the forward-pass test has written it: the decoding step's
-    test reads the same directory (each export traces the forward pass and the step: seconds to a minute)."""
-    return {}
+def exported(tmp_path_factory) -> Callable[..., Exported]:
+    """``exported(target, transposed=None)``: the CLI's export of the shipped model to ``target`` -- with the
+    checkpoint tensor ``transposed`` transposed, a planted bug, if given -- in ``target`` under a directory of its
+    own, written once per module and read by every test of that artefact (each export traces the forward pass and
+    the step: seconds to a minute)."""
+
+    @functools.cache
+    def export(target: str, transposed: str | None) -> Exported:
+        require(*RUNTIMES[target])
+        out = tmp_path_factory.mktemp(f"{target}-{transposed or 'shipped'}") / target
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as report:
+            if transposed is not None:
+                config, params = load_checkpoint(SHIPPED, dtype=np.float32)
+                planted = {**params, transposed: np.ascontiguousarray(params[transposed].T)}
+                patch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, planted))
+            assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
+        return Exported(out, report.getvalue())
+
+    return lambda target, transposed=None: export(target, transposed)     # one key per artefact
 
 
-def export_shipped(target: str, tmp_path: Path) -> Path:
-    """The CLI's export of the shipped model to ``target``, in ``tmp_path / target``."""
-    require(*RUNTIMES[target])
-    out = tmp_path / target
-    assert main(["export", "--to", target, "numbers-en-fr", str(out)]) == EXIT_OK
-    return out
-
-
-def run_exported(target: str, tmp_path) -> Served:
-    """Export the shipped model with the CLI, and in one process that cannot import the project run it on
-    :func:`shipped_batches` and greedy-decode :func:`shipped_texts` with it (``GREEDY``)."""
+def run_exported(target: str, out: Path, forward: bool = True, step: bool = True
+                 ) -> tuple[Served | None, Stepped | None]:
+    """In one process that cannot import the project, run the artefact ``out``: its forward pass (``forward``) on
+    :func:`shipped_batches`, greedy-decoding :func:`shipped_texts` (``GREEDY``) and beam-searching
+    :func:`beam_source` (``BEAM``) with it; its cached decoding step (``step``), greedy-decoding :func:`shipped_texts`
+    (``export_check.CACHED_GREEDY``) and stepping along the ragged batch of :func:`shipped_batches` (teacher
+    forcing). inputs.npz and outputs.npz are written beside ``out``; a part not run is None."""
     require("tokenizers", "text")
-    out = export_shipped(target, tmp_path)
     _, _, tokenizer = load_translator()
-    np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), beam_src=beam_source(),
+    inputs, outputs = out.parent / "inputs.npz", out.parent / "outputs.npz"
+    np.savez(inputs, greedy_src=tokenizer.batch(shipped_texts()), beam_src=beam_source(),
              **{f"{name}_{i}": array for i, batch in enumerate(shipped_batches())
                 for name, array in zip(("src", "tgt"), batch)})
-    answer = run_isolated(RUN[target] + GREEDY + BEAM + RUN_INPUTS, out, tmp_path / "inputs.npz",
-                          tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
+    script = RUN[target] + SERVE
+    script += GREEDY + BEAM + SERVE_FORWARD if forward else ""
+    script += export_check.STEPS[target] + export_check.CACHED_GREEDY + SERVE_STEP if step else ""
+    answer = run_isolated(script + SERVED, out, inputs, outputs, EXTRA_OUTPUT_LENGTH, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
     imported = answer["imported"]
     assert RUNTIMES[target][0] in imported and (target != "onnx" or "torch" not in imported), imported
-    outputs = np.load(tmp_path / "outputs.npz")
-    return Served([outputs[f"out_{i}"] for i in range(len(shipped_batches()))], outputs["tokens"], answer["texts"],
-                  outputs["beam_tokens"])
+    results = np.load(outputs)
+    served = Served([results[f"out_{i}"] for i in range(len(shipped_batches()))], results["tokens"], answer["texts"],
+                    results["beam_tokens"]) if forward else None
+    stepped = Stepped(results["step_tokens"], results["step_log_probs"], answer["decoding_step"]) if step else None
+    return served, stepped
+
+
+@pytest.fixture(scope="module")
+def shipped_served(exported, serving) -> Callable[[str], tuple[Served, Stepped]]:
+    """``shipped_served(target)``: the forward pass's and the step's answers of the shipped model's artefact, from
+    one isolated process per target and module (loading a runtime takes seconds)."""
+
+    @functools.cache
+    def served(target: str) -> tuple[Served, Stepped]:
+        with serving():
+            return run_exported(target, exported(target).path)
+
+    return served
 
 
 def check_against_reference(target: str, log_probs: list[np.ndarray], agreement) -> None:
-    config, params = load_checkpoint(SHIPPED)
-    model64, model32 = Transformer(config, params), Transformer(config, params, np.float32)
-    for i, ((src, tgt), out) in enumerate(zip(shipped_batches(), log_probs)):
-        agreement(out, model64(src, tgt), model32(src, tgt), port=target, device="cpu", dtype="float32",
+    for i, ((src, tgt), out, (ref64, ref32)) in enumerate(zip(shipped_batches(), log_probs, reference_log_probs())):
+        agreement(out, ref64, ref32, port=target, device="cpu", dtype="float32",
                   what=f"log-probs of the exported forward pass: shipped model, batch {i} {src.shape} {tgt.shape}")
 
 
 def check_greedy_tokens(target: str, served: Served) -> None:
     """The artefact's greedy loop writes exactly the float64 reference's ``greedy_decode`` tokens, and its
     tokenizer.json their text."""
-    config, params, tokenizer = load_translator()
-    expected = greedy_decode(Transformer(config, params), tokenizer.batch(shipped_texts()))
+    tokenizer, expected = load_translator()[2], reference_greedy()
     np.testing.assert_array_equal(served.tokens, expected, err_msg=f"greedy tokens of the exported {target}")
     assert served.texts == [tokenizer.decode(row) for row in expected], target
 
@@ -295,37 +394,39 @@ def check_beam_tokens(target: str, served: Served) -> None:
                                   err_msg=f"beam tokens of the exported {target}")
 
 
+# Up to a minute for a target's first test: it writes the module's artefact (savedmodel: Keras traces three endpoints,
+# about 30 s of CPU) and runs it in the one process whose answers this and the step's test check (jax-export: XLA
+# compiles the forward pass for each new shape a serving loop calls it with, about 25 s).
+@pytest.mark.slow
 @pytest.mark.parametrize("target", list(RUNTIMES))
-def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_without_the_project(target, tmp_path,
-                                                                                                capsys, agreement,
-                                                                                                shipped_exports):
+def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_without_the_project(
+        target, agreement, exported, shipped_served):
     """The CLI's artefact, loaded by its runtime alone, computes the reference's log-probabilities (float32 policy)
     for any batch and lengths, and a plain greedy loop over it translates the 32 held-out sentences into exactly
-    the reference's greedy tokens and text; the directory also holds the config and the checkpoint's tokenizer."""
-    served = run_exported(target, tmp_path)
+    the reference's greedy tokens and text; the directory also holds the config and the checkpoint's tokenizer,
+    and the export wrote nothing beside it."""
+    served, _ = shipped_served(target)
     check_against_reference(target, served.log_probs, agreement)
     check_greedy_tokens(target, served)
     check_beam_tokens(target, served)
-    out = tmp_path / target
-    assert f"wrote {out}: a float32 " in capsys.readouterr().out
+    out, report = exported(target)
+    assert f"wrote {out}: a float32 " in report
     config, _, tokenizer = load_translator()
     manifest = json.loads((out / "transformer.json").read_text())
     assert TransformerConfig.from_dict(manifest["config"]) == config and manifest["target"] == target
     assert (out / "tokenizer.json").read_text() == tokenizer.to_json()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["inputs.npz", "outputs.npz", target])
-    shipped_exports[target] = out
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["inputs.npz", "outputs.npz", target])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["jax-export", "onnx"])
-def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_path, monkeypatch, agreement):
+def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, agreement, exported, serving):
     """The checks above can fail: an export whose graph multiplies by a transposed projection (the first encoder
     layer's W_q, square, so every shape still fits) is caught by the log-probabilities, the greedy and the beam
     tokens."""
-    config, params = load_checkpoint(SHIPPED, dtype=np.float32)
-    name = "encoder.layers.0.self_attn.q_proj.weight"
-    swapped = {**params, name: np.ascontiguousarray(params[name].T)}
-    monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
-    served = run_exported(target, tmp_path)
+    path = exported(target, ENCODER_W_Q).path
+    with serving():
+        served, _ = run_exported(target, path, step=False)
     with pytest.raises(AssertionError, match="log-probs of the exported forward pass"):
         check_against_reference(target, served.log_probs, agreement)
     with pytest.raises(AssertionError, match=f"greedy tokens of the exported {target}"):
@@ -336,97 +437,71 @@ def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, tmp_pat
 
 # ----------------------------------------------------------------------------- one cached decoding step
 
-# Reads OUTPUT_DIR (transformer.json) and inputs.npz (greedy_src: source ids; src, tgt: a teacher-forced batch), writes
-# outputs.npz (tokens: the cached greedy loop's; log_probs: the step's along tgt, (B, T, V)); prints the manifest's
-# decoding_step and the frameworks imported.
-STEP_INPUTS = """
-manifest = json.load(open(sys.argv[1] + "/transformer.json"))
-config = manifest["config"]
-inputs = np.load(sys.argv[2])
-rules = (config["pad_id"], config["bos_id"], config["eos_id"], config["max_len"], int(sys.argv[4]))
-np.savez(sys.argv[3], tokens=cached_greedy(inputs["greedy_src"], *rules),
-         log_probs=stepped(inputs["src"], inputs["tgt"]))
-print(json.dumps({"decoding_step": manifest["decoding_step"],
-                  "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
-                                     if name in sys.modules)}))
-"""
-STEPS = list(export_check.STEPS)
-
-
-def run_exported_step(target: str, tmp_path, out: Path | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Export the shipped model with the CLI (unless ``out`` holds its export) and, in one process that cannot
-    import the project, greedy-decode :func:`shipped_texts` through the exported step
-    (``export_check.CACHED_GREEDY``) and step along the ragged batch of :func:`shipped_batches` (teacher forcing):
-    the tokens, the log-probabilities (B, T, V) and the manifest's ``decoding_step``."""
-    out = export_shipped(target, tmp_path) if out is None else out
-    _, _, tokenizer = load_translator()
-    src, tgt = shipped_batches()[0]
-    np.savez(tmp_path / "inputs.npz", greedy_src=tokenizer.batch(shipped_texts()), src=src, tgt=tgt)
-    answer = run_isolated(RUN[target] + export_check.STEPS[target] + export_check.CACHED_GREEDY + STEP_INPUTS, out,
-                          tmp_path / "inputs.npz", tmp_path / "outputs.npz", EXTRA_OUTPUT_LENGTH)
-    assert RUNTIMES[target][0] in answer["imported"], answer["imported"]
-    outputs = np.load(tmp_path / "outputs.npz")
-    return outputs["tokens"], outputs["log_probs"], answer["decoding_step"]
-
-
-def check_step_against_reference(target: str, tokens: np.ndarray, log_probs: np.ndarray, agreement) -> None:
+def check_step_against_reference(target: str, stepped: Stepped, agreement) -> None:
     """The cached greedy tokens are exactly the float64 reference's ``greedy_decode`` tokens; the step's
     log-probabilities along the ragged batch agree with the reference's forward pass (float32 policy) at every
     position whose input is not padding (the step attends to every position written; the forward pass hides a
     padded target's positions, which no decoding loop reads)."""
-    config, params, tokenizer = load_translator()
-    model64, model32 = Transformer(config, params), Transformer(config, params, np.float32)
-    src, tgt = shipped_batches()[0]
-    read = tgt != config.pad_id
-    agreement(log_probs[read], model64(src, tgt)[read], model32(src, tgt)[read], port=target, device="cpu",
-              dtype="float32", what=f"log-probs of the exported decoding step: shipped model, {int(read.sum())} "
-                                    "positions")
-    expected = greedy_decode(model64, tokenizer.batch(shipped_texts()))
-    np.testing.assert_array_equal(tokens, expected, err_msg=f"cached greedy tokens of the exported {target}")
+    (_, tgt), (ref64, ref32) = shipped_batches()[0], reference_log_probs()[0]
+    read = tgt != load_translator()[0].pad_id
+    agreement(stepped.log_probs[read], ref64[read], ref32[read], port=target, device="cpu", dtype="float32",
+              what=f"log-probs of the exported decoding step: shipped model, {int(read.sum())} positions")
+    np.testing.assert_array_equal(stepped.tokens, reference_greedy(),
+                                  err_msg=f"cached greedy tokens of the exported {target}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", STEPS)
-def test_exported_decoding_step_agrees_with_the_reference_without_the_project(target, tmp_path, agreement,
-                                                                              shipped_exports):
+def test_exported_decoding_step_agrees_with_the_reference_without_the_project(target, agreement, shipped_served):
     """The CLI's artefact exports ``encode`` and ``step`` (named in transformer.json with their inputs and outputs,
     caches of any capacity up to ``max_len``); loaded by its runtime alone, a NumPy greedy loop calling encode once
     and step per position (its caches as long as its longest output) translates the 32 held-out sentences into
     exactly the reference's greedy tokens, and the step's log-probabilities agree with the reference's under the
     float32 policy."""
-    tokens, log_probs, manifest = run_exported_step(target, tmp_path, shipped_exports.get(target))
+    _, stepped = shipped_served(target)
     config = load_translator()[0]
+    manifest = dict(stepped.decoding_step)
     assert manifest.pop("max_capacity") == config.max_len
     assert {name: (entry["inputs"], entry["outputs"]) for name, entry in manifest.items()} == {
         name: (entry["inputs"], entry["outputs"]) for name, entry in export_module.STEP.items()}
-    check_step_against_reference(target, tokens, log_probs, agreement)
+    check_step_against_reference(target, stepped, agreement)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", STEPS)
-def test_a_planted_bug_in_the_exported_step_fails_the_agreement(target, tmp_path, monkeypatch, agreement):
+def test_a_planted_bug_in_the_exported_step_fails_the_agreement(target, agreement, exported, serving):
     """The step's check can fail: an export whose first decoder layer's self-attention keys -- what the step writes
     into its cache -- come from a transposed W_k (square, so every shape still fits) is caught by the step's
     log-probabilities and by the cached greedy tokens."""
-    config, params = load_checkpoint(SHIPPED, dtype=np.float32)
-    name = "decoder.layers.0.self_attn.k_proj.weight"
-    swapped = {**params, name: np.ascontiguousarray(params[name].T)}
-    monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
-    tokens, log_probs, _ = run_exported_step(target, tmp_path)
+    path = exported(target, DECODER_W_K).path
+    with serving():
+        _, stepped = run_exported(target, path, forward=False)
     with pytest.raises(AssertionError, match=f"cached greedy tokens of the exported {target}"):
-        check_step_against_reference(target, tokens, log_probs, lambda *args, **kwargs: None)
+        check_step_against_reference(target, stepped, lambda *args, **kwargs: None)
     with pytest.raises(AssertionError, match="log-probs of the exported decoding step"):
-        check_step_against_reference(target, tokens, log_probs, agreement)
+        check_step_against_reference(target, stepped, agreement)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["savedmodel", "jax-export", "onnx"])
 def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_reference(target, tmp_path, capsys,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, exported,
+                                                                                         serving):
     """``export --check``: the artefact of the shipped model agrees (exit 0, the report names the runtimes the
     checking process imported and the float32 policy's verdict); with the planted W_q bug the same command exits 1
     and says what differs (the log-probabilities, off by 3.0 -- through the cached decoding step too, where the
-    artefact has it; the 4 sentences' greedy tokens survive it)."""
-    require(*RUNTIMES[target])
-    assert main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "good"), "--check"]) == EXIT_OK
-    report = capsys.readouterr().out.splitlines()[-1]
+    artefact has it; the 4 sentences' greedy tokens survive it). The command's export writes what the same command
+    without ``--check`` wrote for the tests above (:func:`exported`): the check is run here."""
+    artefacts = {transposed: exported(target, transposed).path for transposed in (None, ENCODER_W_Q)}
+
+    def check(transposed: str | None) -> tuple[int, str]:
+        monkeypatch.setattr(export_module, "export", lambda *args, **kwargs: artefacts[transposed])
+        with serving():
+            status = main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "out"), "--check"])
+        return status, capsys.readouterr().out.splitlines()[-1]
+
+    status, report = check(None)
+    assert status == EXIT_OK, report
     forward, _, step = report.partition("; cached decoding step: ")
     imported = re.match(r"checked in a process without this project \(([a-z, ]+)\): log-probabilities max abs error ",
                         forward)
@@ -434,12 +509,8 @@ def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_
     assert forward.endswith("greedy tokens of 4 sentences identical, beam-4 tokens identical"), report
     assert bool(step) == (target in STEPS), report
     assert not step or ("<= bound" in step and step.endswith("positions), greedy tokens identical")), report
-    config, params = load_checkpoint(SHIPPED, dtype=np.float32)
-    name = "encoder.layers.0.self_attn.q_proj.weight"
-    swapped = {**params, name: np.ascontiguousarray(params[name].T)}
-    monkeypatch.setattr(export_module, "load_checkpoint", lambda path, dtype: (config, swapped))
-    assert main(["export", "--to", target, "numbers-en-fr", str(tmp_path / "bad"), "--check"]) == EXIT_DISAGREEMENT
-    report = capsys.readouterr().out.splitlines()[-1]
+    status, report = check(ENCODER_W_Q)
+    assert status == EXIT_DISAGREEMENT, report
     forward, _, step = report.partition("; cached decoding step: ")
     assert re.search(r"log-probabilities max abs error 3\.0\d\de\+00 > bound [0-9.]+e-05 \(float32 policy\)",
                      forward), report
@@ -475,6 +546,7 @@ def test_keras_model_export_after_a_call_serves_token_ids(tmp_path, agreement):
                             agreement)
 
 
+@pytest.mark.slow
 def test_torch_forward_compiles_in_one_graph_and_the_call_still_checks_ids(agreement):
     """``torch._dynamo.explain`` (torch's own report) finds no graph break in the forward pass; a model compiled
     with ``fullgraph=True`` agrees with the reference and still refuses an id outside the vocabulary."""
@@ -498,6 +570,10 @@ def test_torch_forward_compiles_in_one_graph_and_the_call_still_checks_ids(agree
         model(bad, tgt)
 
 
+# About a minute: Inductor compiles the step's three programs (the greedy batch, a new capacity, the beams' symbolic
+# sizes), max-autotune timing each product's kernels, into an empty cache: what compiling prints is checked (no table
+# of those timings), and a program read from a cache would print nothing.
+@pytest.mark.slow
 def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_shape(agreement, capsys, tmp_path,
                                                                                       monkeypatch):
     """``transformer_torch.compile_decoding``: each cached step one ``torch.compile`` program. Teacher-forced along
@@ -522,7 +598,7 @@ def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     src = tokenizer.batch(shipped_texts())
-    expected = greedy_decode(Transformer(config, params), src)
+    expected = reference_greedy()
     np.testing.assert_array_equal(torch_greedy_decode(model, src), expected,
                                   err_msg="greedy tokens of the compiled decoding step")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
