@@ -15,6 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = r"```python\n(.*?)```"
+# The documents whose examples compile programs (each port's forward pass, decoders, gradient and training steps;
+# torch.compile; the data-parallel runs): over ~10 s alone. jax.md (about 80 s), distributed.md and README.md (about
+# 30 s each) may take over 30 s: a document runs in a fresh interpreter, as a reader's session does, which shares
+# none of its compilations with the tests that make the same ones.
+SLOW = {"README.md", "distributed.md", "jax.md", "tf.md", "torch.md"}
 
 # Run in a fresh interpreter: argv[1] the document; a failing block is named on stderr, exit status 1.
 RUN_BLOCKS = f"""
@@ -34,11 +39,24 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(BLOCKS, path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("path", [p for p in DOCUMENTS if python_blocks(p)], ids=lambda p: p.name)
-def test_examples_run(path, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", RUN_BLOCKS, str(path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=900)
+@pytest.fixture(scope="module")
+def reader_environment(tmp_path_factory) -> dict[str, str]:
+    """The examples' environment (a value the user set is kept): the repository on the path; one OpenMP thread
+    (PyTorch's intra-op threads, OpenBLAS's), since the examples' ``tiny`` models gain nothing from a second thread,
+    which only spins on a CPU shared with another test process (beside one busy process, torch.md took 22 s of CPU
+    on two threads, 13 s on one); one JAX persistent compilation cache for the documents of this run, so that a
+    program compiled again is read back (jax.md resumes training on a loaded model: the same training step under
+    another NNX GraphDef, which nnx.jit traces again)."""
+    settings = {"OMP_NUM_THREADS": "1", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache"))}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**settings, **os.environ, "PYTHONPATH": path}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name in SLOW else [])
+                                  for p in DOCUMENTS if python_blocks(p)])
+def test_examples_run(path, tmp_path, reader_environment):
+    done = subprocess.run([sys.executable, "-c", RUN_BLOCKS, str(path)], cwd=tmp_path, env=reader_environment,
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
