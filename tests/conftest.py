@@ -13,7 +13,6 @@ import platform
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 
-
 import functools
 import gc
 import sys
