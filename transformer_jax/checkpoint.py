@@ -141,7 +141,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
     tensors = reader.read(lambda name, shape, stored: reference.mapped_array(shape, stored))   # JAX uses in place
     model = _assembled(reader.config, tensors, dtype, device, owned=True)
     reference.release_freed_memory()
-    model.tokenizer_json = reader.tokenizer_json  # type: ignore[attr-defined]  # model.py declares no such field
+    model.tokenizer_json = reader.tokenizer_json
     return model
 
 
