@@ -47,6 +47,14 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     return status, out, err
 
 
+def one_error_line(err: str, *words: str) -> str:
+    """The single line of a command's refusal, checked to be its error line (no traceback) and to name ``words``."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and lines[0].startswith("transformer-reference: error:"), err
+    assert all(word in lines[0] for word in words), err
+    return lines[0]
+
+
 class ScriptedModel:
     """Stands in for a Transformer: the next-token log-probabilities are a function of the
     generated prefix only (``script(prefix) -> (V,)`` probabilities)."""

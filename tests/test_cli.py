@@ -300,7 +300,7 @@ def test_init_never_replaces_a_file_without_force(tmp_path, monkeypatch, capsys)
     for name in ("trained.safetensors", "link.safetensors"):
         status, out, err = cli(capsys, "init", name)
         assert status == EXIT_USAGE and out == "" and "Traceback" not in err
-        assert err == f"transformer-reference: error: {name!r} already exists; pass --force to replace it\n"
+        assert err == f"transformer-reference: error: OUT: {name!r} already exists; pass --force to replace it\n"
     assert trained.read_bytes() == b"weights that took a week"
     assert dangling.is_symlink() and not (tmp_path / "elsewhere.safetensors").exists()
     status, out, err = cli(capsys, "init", "trained.safetensors", "--force", "--seed", "4")

@@ -641,7 +641,7 @@ def test_export_refuses_an_existing_output_its_input_and_a_missing_runtime(tmp_p
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("a user's file")
     monkeypatch.setitem(sys.modules, "onnxscript", None)                  # import onnxscript fails
-    cases = {("onnx", "out"): f"'{tmp_path / 'out'}' already exists; pass force=True (--force) to replace it",
+    cases = {("onnx", "out"): f"OUTPUT_DIR: '{tmp_path / 'out'}' already exists; pass --force to replace it",
              ("onnx", "."): f"OUTPUT_DIR: writing '{tmp_path}' would replace the input '{checkpoint}'; write elsewhere",
              ("onnx", "new"): "exporting to onnx needs onnxscript: pip install 'transformer-reference[export]'"}
     for (target, output), message in cases.items():

@@ -327,7 +327,7 @@ def test_export_command(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"wrote {out}: a float32 CTranslate2 model")
     assert main(["export", "--to", "ctranslate2", checkpoint, out]) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert err == f"transformer-reference: error: '{out}' already exists; pass force=True (--force) to replace it\n"
+    assert err == f"transformer-reference: error: OUTPUT_DIR: '{out}' already exists; pass --force to replace it\n"
     assert main(["export", "--to", "ctranslate2", checkpoint, out, "--force"]) == EXIT_OK
     assert main(["export", "--to", "tflite", checkpoint, out]) == EXIT_USAGE
     assert "argument --to: invalid choice: 'tflite'" in capsys.readouterr().err

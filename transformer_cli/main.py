@@ -18,9 +18,11 @@
     transformer-reference side-by-side --out DIR
     transformer-reference --version
 
-Every command that writes a file takes ``--force`` (an existing output is kept otherwise; an input is never
-replaced); every command that runs a model takes ``--threads N`` (:mod:`transformer_cli.runtime`). Ctrl-C or
-SIGTERM ends any command with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
+Every command that writes a file takes ``--force`` (an existing output is kept otherwise) and declares its inputs
+and outputs (:func:`add_outputs`): an output that is an input -- by path, link or hard link, a shipped model by name
+-- is refused before any work, even with ``--force`` (:func:`transformer_cli.arguments.refuse_input`). Every
+command that runs a model takes ``--threads N`` (:mod:`transformer_cli.runtime`). Ctrl-C or SIGTERM ends any command
+with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
 
 Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
 sets ``run``, the function that carries it out and returns the exit status (:data:`EXIT_STATUS`).
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from collections.abc import Iterable
@@ -57,6 +58,7 @@ from transformer_cli.arguments import (
 )
 from transformer_cli.commands import side_by_side
 from transformer_cli.commands.translate import BATCH_SIZE as TRANSLATE_BATCH
+from transformer_cli.commands.translate import DEFAULT_MODEL
 from transformer_cli.extras import progress_bar
 from transformer_cli.interrupts import StopRequest, terminate_as_interrupt
 from transformer_cli.tasks.copy import DEFAULTS as COPY
@@ -104,19 +106,40 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
                              f"process may use, here {runtime.visible_cores()})")
 
 
-def add_outputs(parser: argparse.ArgumentParser, *outputs: str, inputs: tuple[str, ...] = ()) -> None:
-    """``--force``, and the flags (``outputs``) of files the command writes: an existing one is replaced only with
-    ``--force``, an input (``inputs``) never (:func:`check_outputs`)."""
-    parser.add_argument("--force", action="store_true", help="replace an existing output file (kept otherwise)")
-    parser.set_defaults(outputs=outputs, inputs=inputs)
+def add_outputs(parser: argparse.ArgumentParser, *outputs: str, inputs: tuple[str, ...] = (),
+                default_model: str | None = None) -> None:
+    """``--force``, and what the command writes and reads, for :func:`check_outputs`: ``outputs``, the arguments
+    naming the files (or directories) it writes, each replaced only with ``--force``; ``inputs``, those naming the
+    files it reads (each a path or a shipped model's name, or a list of them), never replaced; ``default_model``,
+    the input that is the shipped model when it is not given (nor ``--preset``). Called once the arguments are
+    added: each output is named in messages as the command line names it (``--plot``, ``OUT``)."""
+    names = {action.dest: action.option_strings[0] if action.option_strings else action.metavar or action.dest
+             for action in parser._actions}
+    parser.add_argument("--force", action="store_true",
+                        help=f"replace {' or '.join(str(names[name]) for name in outputs)} if it exists (kept "
+                             "otherwise); an input of the command is never replaced, even with --force")
+    parser.set_defaults(outputs={name: str(names[name]) for name in outputs}, inputs=inputs,
+                        default_model=default_model)
+
+
+def declared_inputs(args: argparse.Namespace) -> list[str]:
+    """The files the command reads, as the command line gives them (paths, shipped models' names), with the
+    shipped model if it is the command's default input (:func:`add_outputs`)."""
+    given: list[str] = []
+    for name in args.inputs:
+        value = getattr(args, name, None)
+        if value is None and name == args.default_model and not getattr(args, "preset", None):
+            value = DEFAULT_MODEL
+        given.extend([value] if isinstance(value, str) else value or [])
+    return given
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Before any work: no output replaces an input, nor an existing file without ``--force``."""
-    inputs = [path for name in args.inputs if (path := getattr(args, name, None))]
-    for name in args.outputs:
+    """Before any work: no output replaces an input (the same file through any link, or a directory holding it;
+    never, even with ``--force``), nor an existing file without ``--force``."""
+    inputs = declared_inputs(args)
+    for name, flag in args.outputs.items():
         if path := getattr(args, name):
-            flag = f"--{name.replace('_', '-')}"
             refuse_input(path, inputs, flag)
             refuse_existing(path, flag, args.force)
 
@@ -144,7 +167,7 @@ def add_compare(commands: Commands) -> None:
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
     add_threads(compare)
-    add_outputs(compare, "plot", "precision_report", inputs=("checkpoint",))
+    add_outputs(compare, "plot", "precision_report", inputs=("checkpoint",), default_model="checkpoint")
     compare.set_defaults(run=run_compare)
 
 
@@ -237,7 +260,7 @@ def add_plot(commands: Commands) -> None:
                            help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     attention.add_argument("--out", type=image_file, default="attention.png")
     add_threads(attention)
-    add_outputs(attention, "out", inputs=("checkpoint",))
+    add_outputs(attention, "out", inputs=("checkpoint",), default_model="checkpoint")
     plot.set_defaults(run=run_plot)
 
 
@@ -265,13 +288,11 @@ def add_init(commands: Commands) -> None:
     init.add_argument("--seed", type=integer(0), default=0)
     init.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="the format the file stores "
                       "(default: float32; bfloat16 and float16 are safetensors' BF16 and F16)")
-    init.add_argument("--force", action="store_true", help="replace OUT if it exists (it is kept otherwise)")
+    add_outputs(init, "out")
     init.set_defaults(run=run_init)
 
 
 def run_init(args: argparse.Namespace) -> int:
-    if os.path.lexists(args.out) and not args.force:
-        raise ValueError(f"{args.out!r} already exists; pass --force to replace it")
     config = TransformerConfig.preset(args.preset)
     save_checkpoint(args.out, config, init_params(config, seed=args.seed, dtype=np.dtype(args.dtype)))
     print(f"wrote {args.out}: {args.preset} preset, seed {args.seed}, {args.dtype}")
@@ -290,11 +311,11 @@ def add_export(commands: Commands) -> None:
                         help="ctranslate2 (the 'peers' extra), savedmodel (tf), jax-export (jax), torch-export "
                              "(torch), onnx (export): a float32 artefact of the forward pass, and CTranslate2's "
                              "decoder (docs/deploy.md)")
-    export.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists (it is kept otherwise)")
     export.add_argument("--check", action="store_true",
                         help="then run the artefact in a process without this project (its runtime alone) and compare "
                              "its log-probabilities and greedy tokens with the reference's (float32 policy; exit 1 "
                              "if they disagree); the forward-pass targets")
+    add_outputs(export, "output_dir", inputs=("checkpoint",))
     export.set_defaults(run=run_export)
 
 
@@ -482,13 +503,18 @@ def _save_run(adapter: ModuleType, model: Model, state: TrainingState | None, to
 
 def _train_outputs(args: argparse.Namespace) -> dict[str, str]:
     """Where each backend's run is saved, checked before any work: one path per backend, none replaced
-    without --force, never a corpus file."""
+    without --force, never an input (the one exception: ``--resume RUN --out RUN --force``, the run replaced by its
+    continuation); nor the ``--save-every`` files beside it."""
+    from transformer_cli.commands.train import check_step_files, planned_steps
+
     if not args.out:
         return {}
     if len(args.backends) > 1 and "{backend}" not in args.out:
         raise ValueError("--out: with several backends the path must contain {backend}, e.g. run-{backend}.safetensors")
     outputs = {name: args.out.replace("{backend}", name) for name in args.backends}
+    inputs = declared_inputs(args)
     corpus = [file for name in CORPUS_FILES if (file := getattr(args, name))]
+    steps = planned_steps(args) if args.save_every else range(0)
     for path in outputs.values():
         try:
             output_file(path)
@@ -496,6 +522,7 @@ def _train_outputs(args: argparse.Namespace) -> dict[str, str]:
             raise ValueError(f"--out: {err}") from None
         refuse_input(path, corpus, "--out")
         refuse_existing(path, "--out", args.force)     # --resume RUN --out RUN --force: the run's continuation
+        check_step_files(path, steps, inputs, args.force)
     return outputs
 
 
@@ -511,18 +538,14 @@ def _check_snapshot_flags(args: argparse.Namespace) -> None:
 
 
 def _snapshots(args: argparse.Namespace, outputs: dict[str, str], plan: Plan) -> dict[str, Snapshots]:
-    """Each backend's ``--save-every`` checkpoints (:class:`train.Snapshots`); none of the files they may write
-    exists (or ``--force``)."""
+    """Each backend's ``--save-every`` checkpoints (:class:`train.Snapshots`); the files they may write are checked
+    before any work (:func:`_train_outputs`)."""
     from transformer_cli.commands.train import Snapshots
 
     if not args.save_every:
         return {}
-    first = plan.first_step
-    snapshots = {name: Snapshots(path, args.save_every, args.keep or max(KEEP, args.average or 0),
-                                 plan.tokenizer_json, args.weights_only) for name, path in outputs.items()}
-    for snapshot in snapshots.values():
-        snapshot.check(first, first + plan.steps, args.force)
-    return snapshots
+    return {name: Snapshots(path, args.save_every, args.keep or max(KEEP, args.average or 0), plan.tokenizer_json,
+                            args.weights_only) for name, path in outputs.items()}
 
 
 def add_average(commands: Commands) -> None:
@@ -531,7 +554,7 @@ def add_average(commands: Commands) -> None:
     average.add_argument("out", metavar="OUT", type=output_file, help="the averaged checkpoint to write")
     average.add_argument("checkpoints", metavar="RUN", nargs="+",
                          help="two or more checkpoints of one model (one config), e.g. a run's --save-every files")
-    average.add_argument("--force", action="store_true", help="replace OUT if it exists (it is kept otherwise)")
+    add_outputs(average, "out", inputs=("checkpoints",))
     average.set_defaults(run=run_average)
 
 
@@ -540,8 +563,6 @@ def run_average(args: argparse.Namespace) -> int:
     holds no training state: a model to use or ship, not a run to resume)."""
     from transformer_cli.commands.train import average_checkpoints
 
-    refuse_input(args.out, args.checkpoints, "OUT")
-    refuse_existing(args.out, "OUT", args.force)
     if len(args.checkpoints) < 2:
         raise ValueError("RUN: give two or more checkpoints to average")
     config, params, tokenizer = average_checkpoints(args.checkpoints)
@@ -566,7 +587,7 @@ def add_translate(commands: Commands) -> None:
                            help="write the translations to this file, one line per input line (default: standard "
                                 "output)")
     add_threads(translate)
-    add_outputs(translate, "output", inputs=("input",))
+    add_outputs(translate, "output", inputs=("input", "checkpoint"), default_model="checkpoint")
     translate.set_defaults(run=run_translate)
 
 

@@ -61,6 +61,15 @@ def start_up_notices_held() -> Iterator[None]:
             os.close(saved)
 
 
+def import_framework(name: str) -> ModuleType:
+    """Import ``name`` (a framework, or a module that imports one) as every command does: its start-up notices held
+    (:func:`start_up_notices_held`; TensorFlow's oneDNN lines) and ``--threads`` set in it (:func:`apply`)."""
+    with start_up_notices_held():
+        module = importlib.import_module(name)
+    apply()
+    return module
+
+
 def configure(threads: int) -> None:
     """Use ``threads`` intra-op threads in every framework of this process: the environment now (read by XLA when
     JAX starts), the APIs of the frameworks already imported now, the others when ``backends.load`` imports them."""

@@ -47,9 +47,7 @@ def load(names: tuple[str, ...] = PORTS) -> tuple[dict[str, ModuleType], list[Mi
             missing.append(Missing(name, f"not installed ({' and '.join(absent)} missing): "
                                          f"pip install 'transformer-reference[{extra}]'"))
             continue
-        with runtime.start_up_notices_held():
-            adapters[name] = importlib.import_module(module)
-    runtime.apply()                     # --threads in the frameworks just imported
+        adapters[name] = runtime.import_framework(module)        # quietly, with --threads
     return adapters, missing
 
 

@@ -32,6 +32,7 @@ from typing import TypeVar
 import numpy as np
 
 from reference_numpy import TransformerConfig
+from transformer_cli import runtime
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def jax_product(size: int) -> Callable[[], object]:
 def tf_product(size: int) -> Callable[[], object]:
     """The same product as :func:`numpy_product` with ``tf.linalg.matmul`` (eager), blocking on one entry of
     the result."""
-    import tensorflow as tf
+    tf = runtime.import_framework("tensorflow")          # its start-up notices held, as every command's
     a, b = (tf.constant(m) for m in _matrices(size))
     return lambda: tf.linalg.matmul(a, b)[0, 0].numpy()
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from transformer_cli.commands.translate import Translator
+from transformer_cli.textfiles import read_lines
 
 
 @dataclass(frozen=True)
@@ -54,26 +54,9 @@ class Evaluation:
                 "tokens_per_second": self.tokens_per_second}
 
 
-def text_lines(path: str, flag: str) -> list[str]:
-    """The lines of a UTF-8 text file, without their line ends; a file that cannot be read, or a line that is not
-    UTF-8, is a ``ValueError`` naming ``flag``, the file and the line."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as err:
-        raise ValueError(f"{flag}: cannot read {path!r}: {err.strerror or err}") from None
-    lines = data.splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{flag} {path!r}, line {number}: not UTF-8 text (byte {line[err.start]:#04x} at "
-                             f"offset {err.start})") from None
-    return [line.decode("utf-8") for line in lines]
-
-
 def parallel_lines(source: str, reference: str) -> tuple[list[str], list[str]]:
     """The source and reference lines of a test set, refused unless they pair line for line."""
-    sources, references = text_lines(source, "--source"), text_lines(reference, "--reference")
+    sources, references = read_lines(source, "--source"), read_lines(reference, "--reference")
     if len(sources) != len(references):
         raise ValueError(f"--source {source!r} has {len(sources)} lines and --reference {reference!r} has "
                          f"{len(references)}; they must pair line for line")

@@ -37,7 +37,6 @@ and renamed into place (:func:`.ctranslate2_export.write_into_place`).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ import numpy as np
 
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
+from transformer_cli import runtime
 from transformer_cli.arguments import refuse_input
 from transformer_cli.commands.ctranslate2_export import (
     TOKENIZER_FILE,
@@ -112,8 +112,10 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
 
 
 def _require(module: str, extra: str, target: str) -> None:
+    """Import ``module`` quietly (:func:`transformer_cli.runtime.import_framework`); a ``ValueError`` naming the
+    extra that installs it if it is not installed."""
     try:
-        importlib.import_module(module)
+        runtime.import_framework(module)
     except ModuleNotFoundError:
         raise ValueError(f"exporting to {target} needs {module}: pip install 'transformer-reference[{extra}]'") \
             from None

@@ -2,14 +2,14 @@
 fresh Python process that cannot import this project, with only the artefact's runtime -- and hold its answers to
 the reference (docs/deploy.md).
 
-The process loads the artefact (:data:`LOADERS`), computes the log-probabilities of a ragged batch (the checkpoint's
-own sentences when it has a tokenizer, else ``compare``'s seeded batch), greedy-decodes the sources with a
-NumPy loop over the forward pass (:data:`GREEDY`: the reference's rules, section 6.1) and beam-searches them
-(:data:`BEAM`: size 4, alpha 0.6, the reference's rules). Here, the log-probabilities are compared with the float64
-reference under the float32 policy (``equivalence.tolerance``), the greedy tokens with the float64 reference's under
-the float32 token rule (identical up to a near-tie the bound allows), and the beam tokens with the float64
-reference's ``beam_search`` on every row the float32 rule compares whole (``tolerance.beam_row_is_decisive``: no
-step or final choice within the bound of a tie).
+The process loads the artefact (:data:`LOADERS`), computes the log-probabilities of a ragged batch (``compare``'s
+sentences encoded by the artefact's own tokenizer, its ``tokenizer.json``, when it has one, else ``compare``'s
+seeded batch), greedy-decodes the sources with a NumPy loop over the forward pass (:data:`GREEDY`: the reference's
+rules, section 6.1) and beam-searches them (:data:`BEAM`: size 4, alpha 0.6, the reference's rules). Here, the
+log-probabilities are compared with the float64 reference under the float32 policy (``equivalence.tolerance``), the
+greedy tokens with the float64 reference's under the float32 token rule (identical up to a near-tie the bound
+allows), and the beam tokens with the float64 reference's ``beam_search`` on every row the float32 rule compares
+whole (``tolerance.beam_row_is_decisive``: no step or final choice within the bound of a tie).
 
 A target that exports the cached decoding step (``transformer.json``'s ``decoding_step``, :data:`STEPS`) is also run
 through it in the same process: ``encode`` once and ``step`` per position along the reference's greedy translation
@@ -17,6 +17,10 @@ through it in the same process: ``encode`` once and ``step`` per position along 
 reads (those whose input is not padding: the step attends to every position written, the forward pass hides a
 padded target's positions), and a cached greedy loop (:data:`CACHED_GREEDY`), whose tokens are held to the same
 token rule.
+
+The artefact's ``tokenizer.json`` is checked too (:func:`artefact_tokenizer`): a serving process encodes and decodes
+text with it, so it must be the checkpoint's tokenizer; one that is missing, cannot be read or holds another
+vocabulary fails the check (exit 1), as a wrong number does.
 """
 
 from __future__ import annotations
@@ -29,16 +33,18 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from equivalence import tolerance
 from equivalence.margins import beam_margins
 from reference_numpy import Transformer, TransformerConfig, beam_search
-from reference_numpy.checkpoint import load_checkpoint, load_tokenizer
+from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
+from reference_numpy.tokenizer import Tokenizer
 from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
+from transformer_cli.commands.ctranslate2_export import TOKENIZER_FILE
 
 # The packages of this project: the checking process asserts that none of them can be imported.
 PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",
@@ -232,7 +238,7 @@ def check_target(target: str) -> None:
 @dataclass
 class Checked:
     """What ``export --check`` found: the log-probabilities' agreement, the greedy and beam tokens' verdicts, the
-    runtimes the checking process imported."""
+    runtimes the checking process imported, and the artefact's tokenizer's verdict (:func:`artefact_tokenizer`)."""
 
     log_probs: tolerance.Agreement
     greedy_identical: bool
@@ -242,18 +248,30 @@ class Checked:
     rows: int
     imported: list[str]
     step: CheckedStep | None = None       # the cached decoding step's, if the artefact exports one
+    tokenizer: Verdict | None = None      # the artefact's tokenizer.json's (None: neither has a tokenizer)
 
     @property
     def ok(self) -> bool:
         return (self.log_probs.ok and self.greedy_identical and self.beam_identical
-                and (self.step is None or self.step.ok))
+                and (self.step is None or self.step.ok) and (self.tokenizer is None or self.tokenizer.identical))
 
     def __str__(self) -> str:
         step = "" if self.step is None else f"; {self.step}"
-        return (f"checked in a process without this project ({', '.join(self.imported)}): log-probabilities "
+        tokenizer = "" if self.tokenizer is None else f"{TOKENIZER_FILE} of the artefact: {self.tokenizer}\n"
+        return (f"{tokenizer}checked in a process without this project ({', '.join(self.imported)}): log-probabilities "
                 f"{self.log_probs} (float32 policy), greedy tokens of {self.rows} sentences "
                 f"{_verdict(self.greedy_identical, self.greedy_note)}, beam-{BEAM_SIZE} tokens "
                 f"{_verdict(self.beam_identical, self.beam_note)}{step}")
+
+
+class Verdict(NamedTuple):
+    """Whether a part of the artefact is what it must be, and a note saying how (or what differs)."""
+
+    identical: bool
+    note: str = ""
+
+    def __str__(self) -> str:
+        return _verdict(self.identical, self.note)
 
 
 @dataclass
@@ -280,11 +298,12 @@ def _verdict(identical: bool, note: str) -> str:
 
 
 def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> Checked:
-    """Run the ``target`` artefact in ``output_dir`` in a process without this project, on ``checkpoint``'s
-    sentences (or ``compare``'s seeded batch), and compare it with the reference (see the module docstring)."""
+    """Run the ``target`` artefact in ``output_dir`` in a process without this project, on ``compare``'s sentences
+    encoded by the artefact's tokenizer (or ``compare``'s seeded batch), and compare it with the reference and its
+    tokenizer with ``checkpoint``'s (see the module docstring)."""
     check_target(target)
     config, params = load_checkpoint(checkpoint)
-    tokenizer = load_tokenizer(checkpoint)
+    tokenizer, tokenizer_verdict = artefact_tokenizer(output_dir, config, load_tokenizer_json(checkpoint))
     src = translation_source(tokenizer) if tokenizer is not None else None
     src = compare_inputs(config)["src"] if src is None else src
     oracle = build_oracle(config, params, src, dtypes=("float32",))
@@ -303,7 +322,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
                                     oracle.stages["float32"]["log_probs"], "float32")
     identical, note = greedy_verdict(results["tokens"], oracle, "float32", config.pad_id)
     checked = Checked(agreement, identical, note, *beam_verdict(results["beam_tokens"], config, params, src), len(src),
-                      imported)
+                      imported, tokenizer=tokenizer_verdict)
     if has_step:
         read = oracle.inputs["tgt"] != config.pad_id                      # (B, T): the positions a decoding loop reads
         step_agreement = tolerance.agreement(results["step_log_probs"][read], oracle.stages64["log_probs"][read],
@@ -311,6 +330,26 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
         checked.step = CheckedStep(step_agreement, int(read.sum()),
                                    *greedy_verdict(results["step_tokens"], oracle, "float32", config.pad_id))
     return checked
+
+
+def artefact_tokenizer(output_dir: str | os.PathLike, config: TransformerConfig, expected: str | None
+                       ) -> tuple[Tokenizer | None, Verdict | None]:
+    """The tokenizer a serving process reads from the artefact (its ``tokenizer.json``, checked against the model's
+    ``config``; None if it has none or it cannot be read), and its verdict: identical if it is the checkpoint's
+    (``expected``, its JSON text: the same record), else what differs -- missing, unreadable, another vocabulary;
+    None if neither has a tokenizer."""
+    path = Path(output_dir) / TOKENIZER_FILE
+    if not path.exists():
+        return None, None if expected is None else Verdict(False, "missing; the checkpoint has a tokenizer")
+    try:
+        text = path.read_text(encoding="utf-8")
+        tokenizer = Tokenizer.from_json(text, config)
+    except (OSError, ValueError) as err:
+        return None, Verdict(False, f"unreadable: {err}")
+    if expected is None:
+        return tokenizer, Verdict(False, "the checkpoint has no tokenizer")
+    same = json.loads(text) == json.loads(expected)
+    return tokenizer, Verdict(same, "the checkpoint's" if same else "another vocabulary than the checkpoint's")
 
 
 def beam_verdict(tokens: np.ndarray, config: TransformerConfig, params: dict[str, np.ndarray], src: np.ndarray

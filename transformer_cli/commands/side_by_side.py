@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformer_cli.arguments import refuse_input
 from transformer_cli.extras import require
 
 PAGE_NAME = "side-by-side.html"
@@ -353,16 +354,25 @@ def _line_count(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
+def source_files() -> list[str]:
+    """The source files the page shows (its inputs): each backend's files that :data:`CONCEPTS` names."""
+    files = {(package, entry.partition(":")[0]) for concept in CONCEPTS for backend, _, package in BACKENDS
+             for entry in concept.code[backend]}
+    return sorted(str(package_dir(package) / file) for package, file in files)
+
+
 def write_page(out_dir: str | os.PathLike) -> Path:
     """Write ``out_dir/side-by-side.html`` (creating ``out_dir``), atomically. A file of that name
-    that this command did not write is refused, never replaced."""
+    that this command did not write is refused, never replaced, and so is one of the source files it shows
+    (through any link: :func:`transformer_cli.arguments.refuse_input`)."""
     if not os.fspath(out_dir):
         raise ValueError("--out: name a directory (\".\" for this one)")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out: {str(out_dir)!r} is a file; name the directory to write {PAGE_NAME} into")
-    page = render_page()
     path = out_dir / PAGE_NAME
+    refuse_input(str(path), source_files(), "--out")
+    page = render_page()
     if path.exists() and f'<meta name="generator" content="{GENERATOR}">' not in path.read_text(errors="replace"):
         raise ValueError(f"--out: {path} exists and was not written by {GENERATOR}; "
                          "move it away or choose another directory")

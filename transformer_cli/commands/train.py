@@ -34,7 +34,7 @@ from reference_numpy.precision import is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_cli import backends
-from transformer_cli.arguments import refuse_existing
+from transformer_cli.arguments import refuse_existing, refuse_input
 from transformer_cli.extras import finish
 from transformer_cli.tasks import copy as copy_task
 from transformer_cli.tasks import corpus as corpus_task
@@ -306,11 +306,38 @@ def fitted(task: Task, config: TransformerConfig, budget: int) -> Task:
     return task.fitted(config, budget) if isinstance(task, CorpusTask) else task
 
 
+def step_file(out: str, step: int) -> str:
+    """The file ``--save-every`` saves the run in at ``step``, beside ``out``: ``OUT-step{N}.safetensors``."""
+    stem, suffix = os.path.splitext(out)
+    return f"{stem}-step{step}{suffix}"
+
+
+def planned_steps(args: argparse.Namespace) -> range:
+    """The steps a run of ``train``'s flags may save at: after a resumed run's count (read from its header alone)
+    up to ``--steps`` more (the task's default), as :func:`plan_from` plans them."""
+    first = resume_from(args.resume)[1].record.step if args.resume else 0
+    steps = args.steps if args.steps is not None else TASKS[task_name(args)]["steps"]
+    return range(first + 1, first + steps + 1)
+
+
+def check_step_files(out: str, steps: range, inputs: list[str], force: bool) -> None:
+    """Before any work: no file ``--save-every`` may save beside ``out`` (at one of ``steps``) replaces one of the
+    run's ``inputs`` (through any link; never, even with ``--force``), nor an existing file without ``--force``."""
+    stem, suffix = os.path.splitext(os.path.basename(out))
+    pattern = re.compile(re.escape(stem) + r"-step(\d+)" + re.escape(suffix))
+    for entry in os.scandir(os.path.dirname(out) or "."):
+        if (match := pattern.fullmatch(entry.name)) and int(match.group(1)) in steps:
+            path = step_file(out, int(match.group(1)))
+            refuse_input(path, inputs, "--save-every")
+            refuse_existing(path, "--save-every", force)
+
+
 @dataclass
 class Snapshots:
     """``--save-every``: the run saved every ``every`` steps of the whole count (and at its last step) beside
     ``out``, as ``OUT-step{N}.safetensors``, with its training state (unless ``weights_only``) and ``tokenizer``;
-    the last ``keep`` files this run wrote are kept and older ones removed (never a file it did not write)."""
+    the last ``keep`` files this run wrote are kept and older ones removed (never a file it did not write, see
+    :func:`check_step_files`)."""
 
     out: str
     every: int
@@ -320,16 +347,7 @@ class Snapshots:
     saved: list[str] = field(default_factory=list)
 
     def path(self, step: int) -> str:
-        stem, suffix = os.path.splitext(self.out)
-        return f"{stem}-step{step}{suffix}"
-
-    def check(self, first: int, last: int, force: bool) -> None:
-        """Before any work: no file of a step this run may save (``first`` + 1 to ``last``) exists, or ``force``."""
-        stem, suffix = os.path.splitext(os.path.basename(self.out))
-        pattern = re.compile(re.escape(stem) + r"-step(\d+)" + re.escape(suffix))
-        for entry in os.scandir(os.path.dirname(self.out) or "."):
-            if (match := pattern.fullmatch(entry.name)) and first < int(match.group(1)) <= last:
-                refuse_existing(self.path(int(match.group(1))), "--save-every", force)
+        return step_file(self.out, step)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0

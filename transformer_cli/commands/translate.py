@@ -27,8 +27,10 @@ from reference_numpy.checks import check_token_layout
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import Tokenizer, pad_rows
 from transformer_cli import backends
+from transformer_cli.textfiles import decode, lines_of, stream_chunks
 
-SHIPPED = SHIPPED_MODELS["numbers-en-fr"]
+DEFAULT_MODEL = "numbers-en-fr"      # the shipped model a command runs when given none
+SHIPPED = SHIPPED_MODELS[DEFAULT_MODEL]
 SHIPPED_NAME = "the shipped English-to-French numbers model"
 BATCH_SIZE = 64                      # sentences decoded together (translate, evaluate)
 
@@ -128,17 +130,15 @@ class Translator:
             yield from self.lines([line], where)
 
 
-def read_lines(stream: Iterable[bytes | str]) -> Iterator[Line]:
-    """The numbered lines of a binary stream (a file, standard input's buffer), decoded as UTF-8 whatever the
-    locale; a line that is not UTF-8 is one with its problem. A text stream (no byte buffer) is read as it is."""
-    for number, raw in enumerate(stream, 1):
-        if isinstance(raw, str):
-            yield Line(number, raw.rstrip("\r\n"))
-            continue
+def read_lines(stream: IO) -> Iterator[Line]:
+    """The numbered lines of a stream (a file, standard input's buffer), each as soon as it has arrived, split as
+    every command splits a text file (:mod:`transformer_cli.textfiles`: at LF, CRLF or a lone CR) and decoded as
+    UTF-8 whatever the locale; a line that is not UTF-8 is one with its problem."""
+    for number, raw in enumerate(lines_of(stream_chunks(stream)), 1):
         try:
-            yield Line(number, raw.decode("utf-8").rstrip("\r\n"))
-        except UnicodeDecodeError as err:
-            yield Line(number, "", f"not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})")
+            yield Line(number, decode(raw))
+        except ValueError as err:
+            yield Line(number, "", str(err))
 
 
 def is_file(stream: IO) -> bool:

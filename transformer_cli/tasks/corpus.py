@@ -1,12 +1,12 @@
 """A user's parallel corpus, for ``train --source SRC.txt --target TGT.txt`` (or ``--corpus PAIRS.tsv``).
 
 **Files.** One sentence per line, UTF-8, line ``i`` of the source file translating line ``i`` of the target file
-(or a file of two tab-separated columns, source then target). Lines end at ``\\n`` (a ``\\r`` before it and a
-byte-order mark at the start are dropped); a line empty on both sides is skipped, a line empty on one side only is
-refused. Every problem -- a missing file, line counts that differ, a line that is not UTF-8, an empty side, a row
-of the wrong number of columns, characters the tokenizer never saw, a sentence longer than the model's ``max_len``
-or the batch budget after BPE -- is one ``ValueError`` naming the flag, the file and the line, raised before any
-training.
+(or a file of two tab-separated columns, source then target), read as every command reads a text file
+(:mod:`transformer_cli.textfiles`: a line ends at LF, CRLF or a lone CR; a byte-order mark at the start is dropped);
+a line empty on both sides is skipped, a line empty on one side only is refused. Every problem -- a missing file,
+line counts that differ, a line that is not UTF-8, an empty side, a row of the wrong number of columns, characters
+the tokenizer never saw, a sentence longer than the model's ``max_len`` or the batch budget after BPE -- is one
+``ValueError`` naming the flag, the file and the line, raised before any training.
 
 **Split.** Without ``--valid-source/--valid-target``, ``--valid-size`` pairs (default ``min(1000, 5%)``) are held
 out for validation by a shuffle seeded with ``SPLIT_SEED`` (the same split whatever ``--seed``, so runs of several
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from reference_numpy.tokenizer import Tokenizer, pad_rows
 from transformer_cli.tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
 from transformer_cli.tasks.numbers import MODEL as NUMBERS_MODEL
 from transformer_cli.tasks.numbers import SPLIT_SEED, bleu, learned_tokenizer
+from transformer_cli.textfiles import read_lines
 
 VALIDATION_SHARE, VALIDATION_MOST = 0.05, 1000     # the held-out split's default size: min(1000, 5%)
 VOCAB_SIZE = 8000                                  # --vocab-size's default
@@ -78,28 +78,6 @@ class Pairs:
     def subset(self, rows: Sequence[int] | np.ndarray) -> Pairs:
         pick = lambda items: [items[i] for i in rows]
         return replace(self, sources=pick(self.sources), targets=pick(self.targets), lines=pick(self.lines))
-
-
-def read_lines(path: str, flag: str) -> list[str]:
-    """The lines of a UTF-8 text file (line ends and a leading byte-order mark dropped); a ``ValueError`` naming
-    ``flag``, the file and the line otherwise."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as err:
-        raise ValueError(f"{flag} {path!r}: {err.strerror or err}") from None
-    rows = data.split(b"\n")
-    if rows[-1] == b"":
-        rows.pop()                                         # the last line's end
-    texts = []
-    for number, row in enumerate(rows, 1):
-        try:
-            texts.append(row.decode("utf-8").removesuffix("\r"))
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{flag} {path!r} line {number}: not UTF-8 (byte {row[err.start]:#04x} at column "
-                             f"{err.start + 1})") from None
-    if texts:
-        texts[0] = texts[0].removeprefix("\ufeff")
-    return texts
 
 
 def read_parallel(source: str, target: str, flags: tuple[str, str] = ("--source", "--target")) -> Pairs:
