@@ -44,7 +44,7 @@ import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as _safetensors_save
 
-from . import precision
+from . import precision, records
 from .config import TrainingConfig, TransformerConfig
 from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
 from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
@@ -678,13 +678,27 @@ def _read_metadata(metadata: dict[str, str] | None) -> tuple[TransformerConfig, 
     _check_tokenizer_record(metadata, config)
     if "training" not in metadata or metadata["format_version"] == "1":
         return config, None
+    return config, _read_training_record(metadata["training"])
+
+
+TRAINING_RECORD = {"step": int, "config": dict, "loss_scale": dict}    # a file's "training" record: its fields
+LOSS_SCALE_RECORD = {"value": records.NUMBER, "good_steps": int}        # and its loss scale's
+
+
+def _read_training_record(text: str) -> dict:
+    """A file's ``training`` record (JSON text) as ``{"step", "config", "loss_scale"}``, each field type-checked
+    (:mod:`.records`) before use; the values themselves are checked with the moments (:func:`_training_state`)."""
+    name = "training record"
+    training = records.record(records.parse_json(text, name), name, TRAINING_RECORD, optional=("loss_scale",))
+    scale = training.get("loss_scale")
+    if scale is not None:
+        records.record(scale, name, LOSS_SCALE_RECORD, within="loss_scale")
     try:
-        training = json.loads(metadata["training"])
-        loss_scale = training.get("loss_scale")
-        return config, {"step": training["step"], "config": TrainingConfig.from_dict(training["config"]),
-                        "loss_scale": None if loss_scale is None else LossScaleState(**loss_scale)}
-    except (ValueError, TypeError, KeyError) as err:
-        raise ValueError(f"checkpoint training record is invalid: {err}") from None
+        config = TrainingConfig.from_dict(training["config"])
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{name} field 'config' is invalid: {err}") from None
+    return {"step": training["step"], "config": config,
+            "loss_scale": None if scale is None else LossScaleState(scale["value"], scale["good_steps"])}
 
 
 def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:

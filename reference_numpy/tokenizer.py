@@ -16,12 +16,12 @@ installed; :meth:`Tokenizer.from_json` then builds the library's object.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from . import records
 from .config import TransformerConfig
 
 TOKENIZER_VERSION = "1"
@@ -52,11 +52,12 @@ class Tokenizer:
         self.unk_id = library_tokenizer.token_to_id(UNK)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, config: TransformerConfig) -> Tokenizer:
+    def train(cls, texts: Iterable[str], vocab_size: int, config: TransformerConfig,
+              name: str = "vocab_size") -> Tokenizer:
         """Learn up to ``vocab_size`` tokens (specials included) from ``texts`` of both languages (section 5.1's
         shared source-target vocabulary): every character of the texts, then merges until the size is reached or
-        none is left (so a size below the alphabet's gives the alphabet). The special ids must be 0, 1, 2 in some
-        order (they are the first tokens)."""
+        none is left. A size below the alphabet's and the four special tokens' is a ``ValueError`` naming ``name``
+        and the size the texts need. The special ids must be 0, 1, 2 in some order (they are the first tokens)."""
         lib = _library()
         ids = special_tokens(config)
         if sorted(ids.values()) != [0, 1, 2]:
@@ -71,6 +72,9 @@ class Tokenizer:
         trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                           special_tokens=[*sorted(ids, key=ids.__getitem__), UNK])
         tokenizer.train_from_iterator(texts, trainer)
+        if tokenizer.get_vocab_size() > vocab_size:
+            raise ValueError(f"{name} {vocab_size} is below the {tokenizer.get_vocab_size()} ids the texts' characters "
+                             f"and the 4 special tokens take; give at least {tokenizer.get_vocab_size()}")
         return cls.from_json(tokenizer.to_str(), config)
 
     @classmethod
@@ -140,17 +144,30 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> np.ndarray:
     return out
 
 
+TOKENIZER_RECORD = {"model": dict, "added_tokens": list}          # the fields of a tokenizer's JSON text read here,
+MODEL_RECORD = {"type": str, "vocab": dict}                         # of its model,
+ADDED_TOKEN_RECORD = {"content": str, "id": int}                    # and of each added (special) token
+
+
+def tokenizer_ids(text: str) -> tuple[str, dict[str, int]]:
+    """A tokenizer's JSON text, type-checked field by field (:mod:`.records`; its other fields are the library's):
+    its model's type and every token's id (the vocabulary's and the added tokens')."""
+    name = "tokenizer"
+    data = records.record(records.parse_json(text, name, "a tokenizers JSON text"), name, TOKENIZER_RECORD, others=True)
+    model = records.record(data["model"], name, MODEL_RECORD, others=True, within="model")
+    ids = {token: records.check(i, int, f"{name} field {'model.vocab.' + token!r}")
+           for token, i in model["vocab"].items()}
+    for index, token in enumerate(data["added_tokens"]):
+        records.record(token, name, ADDED_TOKEN_RECORD, others=True, within=f"added_tokens[{index}]")
+        ids[token["content"]] = token["id"]
+    return model["type"], ids
+
+
 def check_tokenizer_json(text: str, config: TransformerConfig) -> None:
     """Validate a tokenizer's JSON against ``config`` with the standard library alone: a BPE model, its special
     tokens at the config's pad/bos/eos ids, and every id inside both vocabularies (the vocabulary is shared).
-    One ``ValueError`` naming the problem."""
-    try:
-        data = json.loads(text)
-        vocab, added = data["model"]["vocab"], data["added_tokens"]
-        model_type = data["model"].get("type")
-        ids = {**{token: int(i) for token, i in vocab.items()}, **{t["content"]: int(t["id"]) for t in added}}
-    except (ValueError, TypeError, KeyError, AttributeError) as err:
-        raise ValueError(f"tokenizer is not a tokenizers JSON text ({type(err).__name__}: {err})") from None
+    One ``ValueError`` naming the problem (a field of the JSON text of another type: :mod:`.records`)."""
+    model_type, ids = tokenizer_ids(text)
     if model_type != "BPE":
         raise ValueError(f"tokenizer model is {model_type!r}; expected 'BPE'")
     for token, expected in special_tokens(config).items():

@@ -459,11 +459,13 @@ def test_a_bad_training_state_is_refused_naming_the_tensor(tmp_path, change, pro
 
 
 @pytest.mark.parametrize("metadata, tensors, problem", [
-    ({"training": "{not json"}, {}, "checkpoint training record is invalid"),
-    ({"training": json.dumps({"step": 1})}, {}, "checkpoint training record is invalid"),
+    ({"training": "{not json"}, {}, "training record is not JSON text (JSONDecodeError: "),
+    ({"training": json.dumps({"step": 1})}, {}, "training record field 'config' is missing"),
     ({"training": json.dumps({"step": 1, "config": {"warmup": 1}})}, {},
-     "checkpoint training record is invalid: unknown training config field 'warmup'"),
-    ({"training": json.dumps({"step": "1", "config": {}})}, {}, "training step must be an int >= 0, got '1'"),
+     "training record field 'config' is invalid: unknown training config field 'warmup'"),
+    ({"training": json.dumps({"step": "1", "config": {}})}, {},
+     "training record field 'step' must be an integer, got \"1\""),
+    ({"training": json.dumps({"step": -1, "config": {}})}, {}, "training step must be an int >= 0, got -1"),
     ({}, {"adam.m.generator.weight": np.zeros((16, 23))}, "unexpected tensor 'adam.m.generator.weight'"),
 ])
 def test_a_bad_training_record_in_a_file_is_one_line(tmp_path, metadata, tensors, problem):

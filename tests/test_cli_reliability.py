@@ -5,6 +5,7 @@ that is not UTF-8, ``--threads``, and the ``.partial`` files a killed save leave
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import io
@@ -29,8 +30,10 @@ from support import cli
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import PARTIAL_SUFFIX, load_training_state
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli import backends, runtime
-from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from transformer_cli import backends, plots, runtime
+from transformer_cli.arguments import RANGES, Range
+from transformer_cli.commands.train import saves
+from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, build_parser
 
 SCRIPT = shutil.which("transformer-reference", path=str(Path(sys.executable).parent))
 needs_script = pytest.mark.skipif(SCRIPT is None, reason="the package is not installed (pip install -e .), so the "
@@ -60,12 +63,119 @@ def no_backend(monkeypatch):
     (["plot"], ["plot: error:", "required"]),
     (["bench", "--preset", "huge"], ["bench: error:", "--preset", "invalid choice"]),
     (["translate", "--beam", "zero"], ["--beam", "must be an integer"]),
+    (["train", "--vocab-size", "1000000000000"], ["--vocab-size", "from 5 to 1,000,000"]),        # was an abort
+    (["train", "--vocab-size", "1" + "0" * 30], ["--vocab-size", "from 5 to 1,000,000"]),        # was exit 3
     (["export", "a.safetensors"], ["export: error:", "required"]),
 ])
 def test_a_usage_error_is_one_line_naming_the_flag(args, words, capsys):
     status, out, err = cli(capsys, *args)
     assert status == EXIT_USAGE and out == ""
     assert one_error_line(err, *words).startswith("transformer-reference")
+
+
+# ----------------------------------------------------------------------------- every numeric flag in its range
+
+def numeric_flags(parser: argparse.ArgumentParser | None = None, words: tuple[str, ...] = ()) -> list:
+    """(the command's words, the flag's action) of every numeric flag of every command: those typed by a range."""
+    found = []
+    for action in (parser or build_parser())._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [flag for name, sub in action.choices.items() for flag in numeric_flags(sub, (*words, name))]
+        elif isinstance(getattr(action.type, "__self__", None), Range):
+            found.append((words, action))
+    return found
+
+
+NUMERIC_FLAGS = [pytest.param(words, action, id=" ".join([*words, action.option_strings[0]]))
+                 for words, action in numeric_flags()]
+
+
+def refused_values(bounds: Range) -> list[str]:
+    """What a user can type that ``bounds`` refuses: past each end, huge, negative, not a number, nan and inf, a
+    fraction or an exponent for an integer, an odd number for an even one."""
+    huge = "1" + "0" * 30
+    values = ["", "abc", huge, f"-{huge}", "9" * 400, "9" * 5000, "-1", "nan", "inf", "-inf", "1e400", "0x10"]
+    if bounds.real:
+        return [*values, f"{bounds.low if bounds.open_low else bounds.low - 0.5:g}",
+                f"{bounds.high if bounds.open_high else bounds.high + 0.5:g}"]
+    return [*values, str(bounds.low - 1), str(bounds.high + 1), "1.5", "1e3", *([str(bounds.low + 1)] * bounds.even)]
+
+
+@pytest.mark.parametrize("words, action", NUMERIC_FLAGS)
+def test_every_numeric_flag_refuses_a_value_outside_its_range_in_one_line_naming_it(words, action, capsys):
+    flag = action.option_strings[0]
+    bounds = RANGES[flag]
+    for value in refused_values(bounds):
+        status, out, err = cli(capsys, *words, f"{flag}={value}")
+        assert status == EXIT_USAGE and out == "", (value, err)
+        one_error_line(err, f"argument {flag}: must be {bounds}")
+
+
+@pytest.mark.parametrize("words, action", NUMERIC_FLAGS)
+def test_every_numeric_flag_takes_its_ends_and_shows_its_range(words, action):
+    bounds = RANGES[action.option_strings[0]]
+    middle = (bounds.low + bounds.high) / 2                               # in place of an end the range leaves out
+    for value in (middle if bounds.open_low else bounds.low, middle if bounds.open_high else bounds.high):
+        assert bounds.parse(f"{value:g}" if bounds.real else str(value)) == value
+    assert action.default is None or bounds.holds(action.default)
+    assert str(bounds) in action.help
+
+
+def test_every_range_belongs_to_a_flag_and_every_number_flag_has_one():
+    """The table has no range of a flag that is gone, and no option takes a number without a range."""
+    actions = [action for _, action in numeric_flags()]
+    assert {action.option_strings[0] for action in actions} == set(RANGES)
+    parsers = [build_parser()]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+            elif action.type in (int, float) or (type(action.default) in (int, float) and action.nargs != 0):
+                assert action in actions or isinstance(getattr(action.type, "__self__", None), Range), action
+
+
+def test_the_readme_lists_every_numeric_flag_with_its_range():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    for flag, bounds in RANGES.items():
+        assert re.search(rf"^\| `{re.escape(flag)}` \| [^|]+ \| {re.escape(str(bounds))} \|", readme, re.M), flag
+
+
+def test_vocab_size_below_the_corpus_alphabet_is_refused_naming_the_flag(tmp_path, monkeypatch, no_backend, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("src.txt").write_text("one two three\nfour five\n" * 20)
+    Path("tgt.txt").write_text("un deux trois\nquatre cinq\n" * 20)
+    status, out, err = cli(capsys, "train", "--source", "src.txt", "--target", "tgt.txt", "--preset", "tiny",
+                           "--vocab-size", "5")
+    assert status == EXIT_USAGE and out == ""
+    needed = re.search(r"give at least (\d+)", one_error_line(err, "--vocab-size 5 is below"))
+    assert needed and int(needed.group(1)) > 5
+
+
+@pytest.mark.parametrize("every, first, steps", [(every, first, steps) for every in (1, 3, 4) for first in (0, 2, 8)
+                                                 for steps in (1, 4, 10)])
+def test_saves_counts_the_checkpoints_a_run_saves(every, first, steps):
+    last = first + steps
+    assert saves(every, first, steps) == len({step for step in range(first + 1, last + 1) if step % every == 0}
+                                             | {last})
+
+
+def test_average_of_more_checkpoints_than_the_run_saves_is_refused_before_work(tmp_path, monkeypatch, no_backend,
+                                                                                capsys):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = cli(capsys, "train", "--steps", "10", "--save-every", "4", "--average", "4", "--out",
+                           "run.safetensors")
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, "--average 4", "--steps 10 with --save-every 4 give 3 checkpoints")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_running_out_of_memory_is_one_line_and_a_usage_error(tmp_path, monkeypatch, capsys):
+    def exhausted(*args):
+        raise MemoryError
+    monkeypatch.setattr(plots, "plot_positional_encoding", exhausted)
+    status, out, err = cli(capsys, "plot", "pe", "--length", "10000", "--out", str(tmp_path / "pe.png"))
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, "error: out of memory")
 
 
 # ----------------------------------------------------------------------------- flags checked before any work
@@ -281,7 +391,7 @@ def test_threads_are_set_in_each_framework_and_recorded_with_the_versions(comman
 def test_threads_default_to_the_visible_cores_and_zero_is_refused(capsys):
     status, _, err = cli(capsys, "translate", "--threads", "0", "one")
     assert status == EXIT_USAGE
-    one_error_line(err, "--threads", "at least 1")
+    one_error_line(err, "--threads", "from 1 to")
     assert runtime.visible_cores() == len(os.sched_getaffinity(0))
 
 
@@ -304,21 +414,23 @@ def test_bench_warns_when_its_repeats_spread(monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- Ctrl-C and SIGTERM
 
-def signalled(args: list[str], cwd: Path, signum: int, steps: int) -> tuple[int, str, str]:
-    """Run the command with stderr on a terminal (so its progress bar shows), send ``signum`` once the bar shows
-    ``steps`` steps done or more; (exit status, stdout, stderr)."""
+def signalled(args: list[str], cwd: Path, signum: int, steps: int) -> tuple[int, str, str, list[int]]:
+    """Run the command in a process group of its own with stderr on a terminal (so its progress bar shows), send
+    ``signum`` to the whole group once the bar shows ``steps`` steps done or more (as a terminal's Ctrl-C reaches
+    every process of the command, its workers too); (exit status, stdout, stderr, the group's processes still
+    alive once it has exited)."""
     done = lambda text: any(int(n) >= steps for n in re.findall(rb"\| *(\d+)/\d+ ", text))
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 0 columns: tqdm draws nothing
     process = subprocess.Popen([SCRIPT, *args], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=follower)
+                               stderr=follower, start_new_session=True)
     os.close(follower)
     seen, deadline = b"", time.monotonic() + 600
     try:
         while not done(seen) and time.monotonic() < deadline and process.poll() is None:
             if select.select([leader], [], [], 1)[0]:
                 seen += os.read(leader, 65536)
-        process.send_signal(signum)
+        os.killpg(process.pid, signum)
         out = process.stdout.read()
         while True:
             try:
@@ -328,22 +440,31 @@ def signalled(args: list[str], cwd: Path, signum: int, steps: int) -> tuple[int,
             if not chunk:
                 break
             seen += chunk
-        return process.wait(timeout=600), out.decode(), seen.decode(errors="replace").replace("\r", "\n")
+        status = process.wait(timeout=600)
+        return status, out.decode(), seen.decode(errors="replace").replace("\r", "\n"), left_in_group(process.pid)
     finally:
         os.close(leader)
-        process.kill() if process.poll() is None else None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)                    # whatever a failed test left running
 
 
-def children_of(pid: int) -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()
-            and _parent(int(entry)) == pid]
+def left_in_group(group: int, seconds: float = 10.0) -> list[int]:
+    """The processes of process group ``group`` still alive (not zombies) after up to ``seconds``: a helper that
+    ends when its parent does (multiprocessing's resource tracker) gets that long."""
+    deadline = time.monotonic() + seconds
+    while (alive := [pid for pid, fields in _processes().items() if fields[2] == str(group) and fields[0] != "Z"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+def _processes() -> dict[int, list[str]]:
+    """Every process's /proc/PID/stat fields after its name: state, parent, process group, ..."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):
+            found[int(entry)] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+    return found
 
 
 INTERRUPTED = re.compile(r"transformer-reference: interrupted: (\w+) saved (\S+) at step (\d+) "
@@ -356,9 +477,9 @@ INTERRUPTED = re.compile(r"transformer-reference: interrupted: (\w+) saved (\S+)
 def test_ctrl_c_during_train_saves_the_run_at_its_last_step_and_it_resumes_elsewhere(backend, tmp_path, monkeypatch,
                                                                                       capsys):
     signum = signal.SIGINT if INSTALLED.index(backend) % 2 == 0 else signal.SIGTERM     # both, across backends
-    status, out, err = signalled(["train", "--backends", backend, "--steps", "100000", "--eval-size", "0",
-                                  "--out", "run.safetensors"], tmp_path, signum, 3)
-    assert status == EXIT_INTERRUPTED, err
+    status, out, err, left = signalled(["train", "--backends", backend, "--steps", "100000", "--eval-size", "0",
+                                        "--out", "run.safetensors"], tmp_path, signum, 3)
+    assert status == EXIT_INTERRUPTED and not left, err
     assert out == "" and "Traceback" not in err
     line = err.strip().splitlines()[-1]
     match = INTERRUPTED.match(line)
@@ -374,16 +495,24 @@ def test_ctrl_c_during_train_saves_the_run_at_its_last_step_and_it_resumes_elsew
     assert json.loads(out)[0]["first_step"] == step
 
 
+ENGINES = tuple(name for name in INSTALLED if name != "numpy")          # the ports: each its own data-parallel engine
+
+
+# A process per engine: the signal goes to the command's whole process group, as a terminal's Ctrl-C does, and
+# PyTorch's replicas are processes of their own; an engine's start-up, compilation and steps take 20 to 60 s
+@pytest.mark.slow
 @needs_script
-@pytest.mark.skipif("torch" not in INSTALLED, reason="PyTorch is not installed: no DDP workers to stop")
-def test_ctrl_c_during_data_parallel_training_saves_its_last_step_and_stops_the_workers(tmp_path, monkeypatch,
+@pytest.mark.parametrize("engine", ENGINES)
+def test_ctrl_c_during_data_parallel_training_saves_its_last_step_and_stops_the_workers(engine, tmp_path, monkeypatch,
                                                                                         capsys):
-    status, out, err = signalled(["train", "--backends", "torch", "--data-parallel", "2", "--steps", "100000",
-                                  "--eval-size", "0", "--stop-at", "0", "--out", "run.safetensors"], tmp_path,
-                                 signal.SIGINT, 2)
+    signum = signal.SIGINT if ENGINES.index(engine) % 2 == 0 else signal.SIGTERM       # both, across engines
+    status, out, err, left = signalled(["train", "--backends", engine, "--data-parallel", "2", "--steps", "100000",
+                                        "--batch-size", "8", "--eval-every", "0", "--eval-size", "0", "--threads",
+                                        "1", "--out", "run.safetensors"], tmp_path, signum, 2)
     assert status == EXIT_INTERRUPTED and out == "" and "Traceback" not in err, err
+    assert not left, f"processes of the run still alive: {left}"
     match = INTERRUPTED.match(err.strip().splitlines()[-1])
-    assert match and match.group(1) == "torch", err
+    assert match and match.group(1) == engine, err
     step = int(match.group(3))                       # within the piece of 100000 steps: the engine stopped early
     assert 2 <= step < 100000 and load_training_state(tmp_path / "run.safetensors").step == step
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.safetensors"]

@@ -425,8 +425,10 @@ def test_a_bad_loss_scale_in_a_file_is_refused_naming_the_file_and_the_field(flo
     for index, (scale, problem) in enumerate([({"value": -1.0, "good_steps": 0}, BAD_LOSS_SCALES[0][1]),
                                               ({"value": float("inf"), "good_steps": 0}, BAD_LOSS_SCALES[2][1]),
                                               ({"value": 2.0 ** 15, "good_steps": 2}, BAD_LOSS_SCALES[7][1]),
-                                              ({"value": 2.0 ** 15}, "checkpoint training record is invalid"),
-                                              ([2.0 ** 15, 0], "checkpoint training record is invalid")]):
+                                              ({"value": 2.0 ** 15},
+                                               "training record field 'loss_scale.good_steps' is missing"),
+                                              ([2.0 ** 15, 0], "training record field 'loss_scale' must be a JSON "
+                                                               "object, got [32768.0, 0]")]):
         bad = tmp_path / f"bad{index}.safetensors"
         save_file(load_file(good), bad, {**metadata, "training": json.dumps({**record, "loss_scale": scale})})
         with pytest.raises(ValueError) as caught:

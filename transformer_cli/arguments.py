@@ -1,5 +1,6 @@
 """Argument types of ``transformer-reference``: each checks one flag's value while the command
-line is parsed, before any work, so that a mistake is a usage error naming the flag (exit 2)."""
+line is parsed, before any work, so that a mistake is a usage error naming the flag (exit 2). Every numeric flag
+of every command has its range in one table, :data:`RANGES` (:func:`add_number` adds such a flag)."""
 
 from __future__ import annotations
 
@@ -8,28 +9,104 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reference_numpy.checkpoint import SHIPPED_MODELS
+from reference_numpy.config import MAX_LEN_LIMIT
+from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import DTYPE_NAMES
 from transformer_cli import backends
 from transformer_cli.extras import require
 
 
-def integer(minimum: int, even: bool = False) -> Callable[[str], int]:
-    """An int flag of at least ``minimum`` (and even, if asked)."""
-    def parse(text: str) -> int:
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag takes: integers (``real``: finite numbers) from ``low`` to ``high``, each bound
+    included unless ``open_low`` / ``open_high``, even ones only if ``even``; ``then`` names a bound checked once
+    the command knows it (the model's, the corpus's), before any work too."""
+
+    low: float
+    high: float
+    real: bool = False
+    open_low: bool = False
+    open_high: bool = False
+    even: bool = False
+    then: str = ""
+
+    def __str__(self) -> str:
+        if self.real:
+            opening, closing = "(" if self.open_low else "[", ")" if self.open_high else "]"
+            return f"a number in {opening}{self.low:g}, {self.high:g}{closing}"
+        return f"{'an even' if self.even else 'an'} integer from {self.low:,} to {self.high:,}"
+
+    def parse(self, text: str) -> int | float:
+        """``text`` as the flag's value; anything else (out of range, not a number, nan, inf) is an
+        ``ArgumentTypeError`` saying the range, which argparse reports naming the flag."""
         try:
-            value = int(text)
+            value = float(text) if self.real else int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        if even and value % 2:
-            raise argparse.ArgumentTypeError(f"must be even, got {value}")
+            value = None
+        if value is None or not self.holds(value):
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            raise argparse.ArgumentTypeError(f"must be {self}, got {shown!r}")
         return value
-    return parse
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` (an int of any size, or a float: nan and inf are in no range) is in the range."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below and not (self.even and value % 2)
+
+
+# Every numeric flag of every command and its range, checked while the command line is parsed (:func:`add_number`);
+# the bounds keep each command's memory and time finite whatever is typed (README, "Flags and their ranges")
+STEPS = 100_000_000
+RANGES: dict[str, Range] = {
+    "--threads": Range(1, 1024),
+    "--batch": Range(1, 1024),                                               # bench
+    "--src-len": Range(1, MAX_LEN_LIMIT, then="at most the preset's max_len"),
+    "--tgt-len": Range(1, MAX_LEN_LIMIT, then="at most the preset's max_len"),
+    "--decode-tokens": Range(EXTRA_OUTPUT_LENGTH + 1, MAX_LEN_LIMIT, then="at most the preset's max_len"),
+    "--repeats": Range(1, 1000),
+    "--length": Range(1, 10_000),                                            # plot pe
+    "--d-model": Range(2, 4096, even=True),
+    "--layer": Range(0, 1023, then="a layer of the model"),                  # plot attention
+    "--head": Range(0, 1023, then="a head of the model"),
+    "--seed": Range(0, 2 ** 32 - 1),                                         # init, train
+    "--steps": Range(1, STEPS),                                              # train
+    "--batch-size": Range(1, 4096),                                          # train; translate, evaluate
+    "--tokens-per-batch": Range(2, 100_000, then="at least a training pair's positions"),
+    "--vocab-size": Range(5, 1_000_000, then="at least the corpus's characters and 4 special tokens"),
+    "--valid-size": Range(1, 100_000, then="fewer than the corpus's pairs"),
+    "--eval-size": Range(0, 100_000, then="at most the held-out pairs"),
+    "--symbols": Range(1, 10_000),
+    "--max-length": Range(1, MAX_LEN_LIMIT, then="below the model's max_len"),
+    "--warmup-steps": Range(1, STEPS),
+    "--learning-rate-scale": Range(0, 100, real=True, open_low=True),
+    "--dropout": Range(0, 1, real=True, open_high=True),
+    "--label-smoothing": Range(0, 1, real=True, open_high=True),
+    "--eval-every": Range(0, STEPS),
+    "--stop-at": Range(0, 1, real=True),
+    "--data-parallel": Range(1, 16, then="dividing --batch-size"),
+    "--save-every": Range(1, STEPS),
+    "--keep": Range(1, 1000),
+    "--average": Range(2, 1000, then="at most the checkpoints the run saves and --keep"),
+    "--beam": Range(1, 64),                                                  # translate, evaluate
+    "--alpha": Range(0, 10, real=True),
+}
+
+
+def add_number(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
+    """Add the numeric flag ``flag`` to ``parser`` with its range of :data:`RANGES` as its type, checked while the
+    command line is parsed, and shown at the end of its help."""
+    bounds = RANGES[flag]
+    shown = f"{bounds}{'; ' + bounds.then if bounds.then else ''}"
+    parser.add_argument(flag, type=bounds.parse, help=f"{options.pop('help', '')} [{shown}]".lstrip(), **options)
 
 
 def backend_names(text: str) -> tuple[str, ...]:
@@ -84,21 +161,6 @@ def image_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} does not end in a picture format matplotlib writes "
                                          f"({', '.join(sorted(formats))})")
     return output_file(text)
-
-
-def real(minimum: float, below: float | None = None, inclusive: bool = True) -> Callable[[str], float]:
-    """A finite float flag of at least ``minimum`` (strictly above it unless ``inclusive``) and below ``below``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (not inclusive and value == minimum):
-            raise argparse.ArgumentTypeError(f"must be {'at least' if inclusive else 'above'} {minimum}, got {text}")
-        if below is not None and value >= below:
-            raise argparse.ArgumentTypeError(f"must be below {below}, got {text}")
-        return value
-    return parse
 
 
 def input_file(value: str) -> str:

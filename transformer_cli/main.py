@@ -46,13 +46,12 @@ from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENA
 from reference_numpy.precision import DTYPE_NAMES
 from transformer_cli import backends, runtime
 from transformer_cli.arguments import (
+    add_number,
     backend_names,
     device_name,
     dtype_names,
     image_file,
-    integer,
     output_file,
-    real,
     refuse_existing,
     refuse_input,
 )
@@ -79,11 +78,12 @@ EXIT_OK, EXIT_DISAGREEMENT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 
 EXIT_STATUS = f"""exit status:
   {EXIT_OK}  success (compare: every backend agrees with the reference)
   {EXIT_DISAGREEMENT}  compare: a backend breaks a bound, gives NaN/inf or fails to run
-  {EXIT_USAGE}  usage or input error: bad flag, bad checkpoint, nothing to compare, an output
-     that exists (without --force) or is an input; one line on stderr, no traceback
+  {EXIT_USAGE}  usage or input error: bad flag (a number outside its range: see --help), bad
+     checkpoint, nothing to compare, an output that exists (without --force) or is an input,
+     more memory than the machine holds; one line on stderr, no traceback
   {EXIT_INTERNAL}  internal error: a bug, reported with its traceback
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C, SIGTERM): one line; train saves its --out run at the
-     last completed step first"""
+     last step every replica completed first"""
 
 
 class Parser(argparse.ArgumentParser):
@@ -101,9 +101,9 @@ def subcommand(commands: Commands, name: str, summary: str) -> argparse.Argument
 
 def add_threads(parser: argparse.ArgumentParser) -> None:
     """``--threads N``: each framework's intra-op threads (``runtime.configure``), for a command that runs a model."""
-    parser.add_argument("--threads", metavar="N", type=integer(1), default=runtime.visible_cores(),
-                        help="intra-op threads of each framework (PyTorch, TensorFlow, XLA) (default: the cores this "
-                             f"process may use, here {runtime.visible_cores()})")
+    add_number(parser, "--threads", metavar="N", default=runtime.visible_cores(),
+               help="intra-op threads of each framework (PyTorch, TensorFlow, XLA) (default: the cores this "
+                    f"process may use, here {runtime.visible_cores()})")
 
 
 def add_outputs(parser: argparse.ArgumentParser, *outputs: str, inputs: tuple[str, ...] = (),
@@ -193,13 +193,13 @@ def run_compare(args: argparse.Namespace) -> int:
 def add_bench(commands: Commands) -> None:
     bench = subcommand(commands, "bench", "time forward and greedy decoding of every installed backend")
     bench.add_argument("--preset", default="base", choices=sorted(PRESETS))
-    bench.add_argument("--batch", type=integer(1), default=8)
-    bench.add_argument("--src-len", type=integer(1), default=128)
-    bench.add_argument("--tgt-len", type=integer(1), default=128)
-    bench.add_argument("--decode-tokens", type=integer(EXTRA_OUTPUT_LENGTH + 1), default=128,
-                       help=f"greedy decoding budget N (batch 1): a source of N - {EXTRA_OUTPUT_LENGTH} tokens "
-                            f"(section 6.1's budget is source length + {EXTRA_OUTPUT_LENGTH})")
-    bench.add_argument("--repeats", type=integer(1), default=3, help="timed repeats after the warm-up (median)")
+    add_number(bench, "--batch", default=8)
+    add_number(bench, "--src-len", default=128)
+    add_number(bench, "--tgt-len", default=128)
+    add_number(bench, "--decode-tokens", default=128,
+               help=f"greedy decoding budget N (batch 1): a source of N - {EXTRA_OUTPUT_LENGTH} tokens "
+                    f"(section 6.1's budget is source length + {EXTRA_OUTPUT_LENGTH})")
+    add_number(bench, "--repeats", default=3, help="timed repeats after the warm-up (median)")
     bench.add_argument("--no-uncached", action="store_true", help="skip the (slow) uncached decoding")
     bench.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS))
     bench.add_argument("--peers", action="store_true",
@@ -239,15 +239,15 @@ def add_plot(commands: Commands) -> None:
     plot = subcommand(commands, "plot", "draw the positional encoding or attention weights")
     pictures = plot.add_subparsers(dest="picture", required=True)
     pe = pictures.add_parser("pe", help="heat map of the sinusoidal positional-encoding table (section 3.5)")
-    pe.add_argument("--length", type=integer(1), default=100)
-    pe.add_argument("--d-model", type=integer(2, even=True), default=512)
+    add_number(pe, "--length", default=100)
+    add_number(pe, "--d-model", default=512)
     pe.add_argument("--out", type=image_file, default="pe.png")
     add_outputs(pe, "out")
     attention = pictures.add_parser("attention", help="attention weights of one layer and head, per backend")
     attention.add_argument("checkpoint", nargs="?", help="a shared checkpoint (default: the shipped numbers model)")
     attention.add_argument("--preset", choices=sorted(PRESETS), help="a preset with seeded random weights instead")
-    attention.add_argument("--layer", type=integer(0), help="the layer, from 0 (default: the last)")
-    attention.add_argument("--head", type=integer(0), default=0, help="the head, from 0 (default: 0)")
+    add_number(attention, "--layer", help="the layer, from 0 (default: the last)")
+    add_number(attention, "--head", default=0, help="the head, from 0 (default: 0)")
     attention.add_argument("--kind", default="decoder_cross", choices=["encoder", "decoder_self", "decoder_cross"],
                            help="which attention (default: decoder_cross, the source-target alignment)")
     attention.add_argument("--text", help="a source sentence, with a checkpoint that holds a tokenizer; the target is "
@@ -285,7 +285,7 @@ def add_init(commands: Commands) -> None:
     init = subcommand(commands, "init", "write a seeded checkpoint (docs/checkpoint-format.md)")
     init.add_argument("out", metavar="OUT", type=output_file, help="output .safetensors path")
     init.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    init.add_argument("--seed", type=integer(0), default=0)
+    add_number(init, "--seed", default=0)
     init.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="the format the file stores "
                       "(default: float32; bfloat16 and float16 are safetensors' BF16 and F16)")
     add_outputs(init, "out")
@@ -349,12 +349,12 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--valid-source", metavar="SRC.txt", help="corpus: validation sentences (default: pairs held "
                                                                  "out of the corpus, see --valid-size)")
     train.add_argument("--valid-target", metavar="TGT.txt", help="corpus: the validation sentences' translations")
-    train.add_argument("--valid-size", metavar="N", type=integer(1),
-                       help="corpus: pairs held out for validation by a seeded shuffle (default: min(1000, 5%%)); "
-                            "copy and numbers: validation pairs decoded at each check (default: 500)")
-    train.add_argument("--vocab-size", metavar="N", type=integer(4),
-                       help=f"corpus: ids of the shared BPE vocabulary at most, learned from the training side "
-                            f"(section 5.1; default: {VOCAB_SIZE})")
+    add_number(train, "--valid-size", metavar="N",
+               help="corpus: pairs held out for validation by a seeded shuffle (default: min(1000, 5%%)); copy and "
+                    "numbers: validation pairs decoded at each check (default: 500)")
+    add_number(train, "--vocab-size", metavar="N",
+               help=f"corpus: ids of the shared BPE vocabulary at most, learned from the training side (section 5.1; "
+                    f"default: {VOCAB_SIZE})")
     train.add_argument("--preset", choices=sorted(PRESETS),
                        help="corpus: a preset's model over the corpus's vocabulary (default: the numbers task's "
                             "model, max_len 256)")
@@ -365,24 +365,22 @@ def add_train(commands: Commands) -> None:
     defaults = lambda name: "(default: " + ", ".join(f"{task} {recipe[name]}" for task, recipe in
                                                      (("copy", COPY), ("numbers", NUMBERS), ("corpus", CORPUS))
                                                      if name in recipe) + ")"
-    train.add_argument("--steps", type=integer(1),
-                       help=f"optimizer steps at most (more, with --resume) {defaults('steps')}")
-    train.add_argument("--batch-size", type=integer(1), help=f"sentences per batch {defaults('batch_size')}")
-    train.add_argument("--tokens-per-batch", metavar="N", type=integer(2),
-                       help="corpus: positions of the source (and of the target) tensor per batch, padding "
-                            "included, sentences grouped by length (section 5.1; every sentence once an epoch) "
-                            f"{defaults('tokens_per_batch')}")
-    train.add_argument("--symbols", type=integer(1), help="copy task: distinct symbols (default: 10)")
-    train.add_argument("--max-length", type=integer(1), help="copy task: longest sequence, lengths 1 to this "
-                                                            "(default: 10)")
-    train.add_argument("--warmup-steps", type=integer(1), help=f"Eq. (3)'s warmup_steps {defaults('warmup_steps')}")
-    train.add_argument("--learning-rate-scale", type=real(0.0, inclusive=False),
-                       help=f"a factor on Eq. (3)'s learning rate, 1 = the paper {defaults('learning_rate_scale')}")
-    train.add_argument("--dropout", type=real(0.0, below=1.0),
-                       help="P_drop of section 5.4, 0.1 in the paper (the reference has no dropout; default 0 for "
-                            "every backend)")
-    train.add_argument("--label-smoothing", type=real(0.0, below=1.0), default=0.1, help="epsilon_ls, section 5.4")
-    train.add_argument("--seed", type=integer(0), default=0, help="initial weights and batches")
+    add_number(train, "--steps", help=f"optimizer steps at most (more, with --resume) {defaults('steps')}")
+    add_number(train, "--batch-size", help=f"sentences per batch {defaults('batch_size')}")
+    add_number(train, "--tokens-per-batch", metavar="N",
+               help="corpus: positions of the source (and of the target) tensor per batch, padding included, "
+                    "sentences grouped by length (section 5.1; every sentence once an epoch) "
+                    f"{defaults('tokens_per_batch')}")
+    add_number(train, "--symbols", help="copy task: distinct symbols (default: 10)")
+    add_number(train, "--max-length", help="copy task: longest sequence, lengths 1 to this (default: 10)")
+    add_number(train, "--warmup-steps", help=f"Eq. (3)'s warmup_steps {defaults('warmup_steps')}")
+    add_number(train, "--learning-rate-scale",
+               help=f"a factor on Eq. (3)'s learning rate, 1 = the paper {defaults('learning_rate_scale')}")
+    add_number(train, "--dropout",
+               help="P_drop of section 5.4, 0.1 in the paper (the reference has no dropout; default 0 for every "
+                    "backend)")
+    add_number(train, "--label-smoothing", default=0.1, help="epsilon_ls, section 5.4")
+    add_number(train, "--seed", default=0, help="initial weights and batches")
     train.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                        help="the precision of each step: float32 or float64 weights; bfloat16 or float16 compute in "
                             "that precision over float32 master weights and moments (mixed precision; float16 "
@@ -390,20 +388,21 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--device", type=device_name, default="cpu",
                        help="where the ports train: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU; "
                             "--data-parallel places its replicas itself)")
-    train.add_argument("--eval-size", type=integer(0),
-                       help="held-out pairs scored at the end: greedy exact match, BLEU for text (default: 1000, or "
-                            "a corpus's validation set, its only held-out set; 0: none)")
-    train.add_argument("--eval-every", metavar="N", type=integer(0),
-                       help=f"steps between validation checks: loss, greedy exact match, BLEU for text, shown in "
-                            f"the progress bar and --json (0: none) {defaults('eval_every')}")
-    train.add_argument("--stop-at", type=real(0.0, below=1.000001),
-                       help="stop once greedy decoding gets this share of the validation set exactly right, checked "
-                            f"every --eval-every steps; 0: run all --steps {defaults('stop_at')}")
-    train.add_argument("--data-parallel", metavar="N", type=integer(1), default=1,
-                       help="replicas of data-parallel training on each framework's own engine: PyTorch DDP over N "
-                            "processes, a JAX mesh of N devices, a TensorFlow MirroredStrategy over N devices (on "
-                            "a CPU: N processes, host devices, logical devices); the batch splits into N equal "
-                            "shards, so a corpus (batches of varying sizes) trains on one process (default: 1)")
+    add_number(train, "--eval-size",
+               help="held-out pairs scored at the end: greedy exact match, BLEU for text (default: 1000, or a "
+                    "corpus's validation set, its only held-out set; 0: none)")
+    add_number(train, "--eval-every", metavar="N",
+               help="steps between validation checks: loss, greedy exact match, BLEU for text, shown in the progress "
+                    f"bar and --json (0: none) {defaults('eval_every')}")
+    add_number(train, "--stop-at",
+               help="stop once greedy decoding gets this share of the validation set exactly right, checked every "
+                    f"--eval-every steps; 0: run all --steps {defaults('stop_at')}")
+    add_number(train, "--data-parallel", metavar="N", default=1,
+               help="replicas of data-parallel training on each framework's own engine: PyTorch DDP over N "
+                    "processes, a JAX mesh of N devices, a TensorFlow MirroredStrategy over N devices (on a CPU: N "
+                    "processes, host devices, logical devices); the batch splits into N equal shards (a corpus's "
+                    "gets rows of padding to fit); Ctrl-C stops every replica after the step they are in and saves "
+                    "the run there (default: 1)")
     train.add_argument("--resume", metavar="RUN.safetensors",
                        help="continue a saved run (from any backend) for --steps more steps: the model, optimizer "
                             "settings and tokenizer are the run's; pass the run's --task, --seed and task flags "
@@ -411,16 +410,16 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--out", metavar="RUN.safetensors",
                        help="save each run with its training state (and tokenizer); with several backends, the path "
                             "must contain {backend}")
-    train.add_argument("--save-every", metavar="N", type=integer(1),
-                       help="also save the run every N steps and at its last, beside --out as RUN-step{N}.safetensors "
-                            "(an existing one replaced only with --force)")
-    train.add_argument("--keep", metavar="K", type=integer(1),
-                       help="the --save-every checkpoints kept, the latest; older ones this run wrote are removed "
-                            f"(default: {KEEP}, or --average's K if more)")
-    train.add_argument("--average", metavar="K", type=integer(2),
-                       help="write into --out the element-wise average of the weights of the last K --save-every "
-                            "checkpoints (section 6.1 averages the last 5), with the tokenizer and no training state; "
-                            "the final scores are the average's")
+    add_number(train, "--save-every", metavar="N",
+               help="also save the run every N steps and at its last, beside --out as RUN-step{N}.safetensors (an "
+                    "existing one replaced only with --force)")
+    add_number(train, "--keep", metavar="K",
+               help="the --save-every checkpoints kept, the latest; older ones this run wrote are removed (default: "
+                    f"{KEEP}, or --average's K if more)")
+    add_number(train, "--average", metavar="K",
+               help="write into --out the element-wise average of the weights of the last K --save-every checkpoints "
+                    "(section 6.1 averages the last 5), with the tokenizer and no training state; the final scores "
+                    "are the average's")
     train.add_argument("--weights-only", action="store_true",
                        help="save the weights (and tokenizer) without the training state: a model to ship, a third "
                             "of the size, not a run to resume")
@@ -444,6 +443,7 @@ def run_train(args: argparse.Namespace) -> int:
     _check_snapshot_flags(args)
     outputs = _train_outputs(args)
     plan = train.plan_from(args)
+    train.check_average(args.average, args.save_every, plan)
     snapshots = _snapshots(args, outputs, plan)
     if chosen and task != "copy":
         print(f"{PROG} train: --backends {args.backends[0]}, the fastest backend installed here "
@@ -596,17 +596,17 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
     batch size."""
     parser.add_argument("--backend", choices=tuple(backends.BACKENDS), default="numpy",
                         help="the framework that runs the model (default: numpy, the reference)")
-    parser.add_argument("--beam", type=integer(1), default=1,
-                        help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
-    parser.add_argument("--alpha", type=real(0.0), default=LENGTH_PENALTY_ALPHA,
-                        help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
+    add_number(parser, "--beam", default=1,
+               help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
+    add_number(parser, "--alpha", default=LENGTH_PENALTY_ALPHA,
+               help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                         help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
                              "of docs/equivalence.md)")
     parser.add_argument("--device", type=device_name, default="cpu",
                         help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
-    parser.add_argument("--batch-size", metavar="N", type=integer(1), default=TRANSLATE_BATCH,
-                        help=f"sentences decoded together, of similar length (default: {TRANSLATE_BATCH})")
+    add_number(parser, "--batch-size", metavar="N", default=TRANSLATE_BATCH,
+               help=f"sentences decoded together, of similar length (default: {TRANSLATE_BATCH})")
 
 
 def run_translate(args: argparse.Namespace) -> int:
@@ -708,6 +708,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except (ValueError, OSError) as err:                # a user's mistake: bad value, file or path
         print(f"{PROG}: error: {(str(err) or type(err).__name__).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:                                 # flags within their ranges, more than this machine holds
+        print(f"{PROG}: error: out of memory: the flags ask for more than this machine holds (lower the batch, "
+              "lengths, vocabulary or model)", file=sys.stderr)
         return EXIT_USAGE
     except Exception:  # noqa: BLE001 - anything else is a bug: keep its traceback
         traceback.print_exc()

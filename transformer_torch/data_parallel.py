@@ -10,7 +10,10 @@ N x (shard sum / n). Every rank then takes the same Adam step of section 5.3 (``
 :func:`train` runs N processes on one machine: rank 0 in the calling process, ranks 1 .. N - 1 started by
 ``torch.multiprocessing`` with the "spawn" method, which read the run (weights, optimizer state, ``batches``) from
 a pickle in a private temporary directory and meet at a ``TCPStore`` on 127.0.0.1 (a port the system chooses); the
-process group is destroyed at the end, also on error, and every child is joined or terminated.
+process group is destroyed at the end, also on error, and every child is joined or killed. The children ignore
+SIGINT and SIGTERM (a terminal's Ctrl-C reaches every process of its group): the calling process alone decides,
+through ``progress``, after which step every rank stops, so that an interrupted run ends at a step all of them
+completed.
 Under ``torchrun`` (several machines or GPUs) each process calls :func:`train_step` itself (docs/distributed.md).
 """
 
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +48,7 @@ from .model import Transformer
 
 HOST = "127.0.0.1"
 _POLL_SECONDS = 0.05
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)                      # the signals that stop a run (rank 0 handles them)
 
 
 def train(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig | None,
@@ -72,8 +78,9 @@ def train(config: TransformerConfig, params: dict[str, np.ndarray], training: Tr
                         (config, params, training, state, batches, first_step, steps, dtype, device, epsilon))
         store = dist.TCPStore(HOST, 0, world_size, True, wait_for_workers=False)     # port 0: the system picks one
         threads, caller_threads = _threads(model.device, world_size), torch.get_num_threads()
-        children = mp.start_processes(_child, (run, store.port, world_size, torch.initial_seed(), threads),
-                                      nprocs=world_size - 1, join=False, daemon=True, start_method="spawn")
+        with _signals_blocked():                                    # the children start with them blocked
+            children = mp.start_processes(_child, (run, store.port, world_size, torch.initial_seed(), threads),
+                                          nprocs=world_size - 1, join=False, daemon=True, start_method="spawn")
         try:
             torch.set_num_threads(threads)
             _await_children(store, children, world_size)
@@ -184,6 +191,8 @@ def _threads(device: torch.device, world_size: int) -> int:
 def _child(index: int, run: str, port: int, world_size: int, seed: int, threads: int) -> None:
     """Rank ``index + 1`` in a spawned process: the run from its file, its own replica and dropout generator."""
     rank = index + 1
+    for number in _SIGNALS:
+        signal.signal(number, signal.SIG_IGN)                   # rank 0 decides when every rank stops
     torch.manual_seed(seed + rank)
     torch.set_num_threads(threads)
     with open(run, "rb") as file:
@@ -252,10 +261,25 @@ def _raise_reported_error(store: dist.TCPStore, world_size: int) -> None:
                                f"{store.get(f'error/{rank}').decode()}") from None
 
 
+@contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (delivered at the block's end) while the children are started: a child inherits
+    the blocked signals, so that none reaches it before :func:`_child` ignores them."""
+    if not hasattr(signal, "pthread_sigmask"):                   # no POSIX signal masks (Windows)
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _end(children: mp.ProcessContext) -> None:
-    """No orphans: terminate the children still running (after an error) and reap them all."""
+    """No orphans: kill the children still running (after an error or a second Ctrl-C; they ignore SIGTERM) and
+    reap them all."""
     for process in children.processes:
         if process.is_alive():
-            process.terminate()
+            process.kill()
         process.join()
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from reference_numpy import records
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
 from transformer_cli import runtime
@@ -60,6 +61,8 @@ from transformer_cli.commands.ctranslate2_export import (
 )
 
 MANIFEST = "transformer.json"
+MANIFEST_RECORD = {"target": str, "dtype": str, "inputs": list, "output": str, "files": list, "config": dict,
+                   "decoding_step": dict}                   # the fields of transformer.json (decoding_step: optional)
 INPUTS, OUTPUT = ("src", "tgt"), "log_probs"
 # One cached decoding step (docs/deploy.md), float32 arrays and int ids, batch B and source length S of any size,
 # the self-attention caches of any capacity C up to max_len (the caller's: the longest output it decodes; each step
@@ -109,6 +112,22 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
             (directory / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
 
     return write_into_place(output_dir, force, write)
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """An artefact's ``transformer.json``, type-checked before use (:mod:`reference_numpy.records`: one
+    ``ValueError`` naming the field), its config a valid ``TransformerConfig``."""
+    name = f"artefact manifest {MANIFEST}"
+    text = (Path(directory) / MANIFEST).read_text(encoding="utf-8")
+    manifest = records.record(records.parse_json(text, name), name, MANIFEST_RECORD, optional=("decoding_step",))
+    if "decoding_step" in manifest:
+        records.record(manifest["decoding_step"], name, {"max_capacity": int, **dict.fromkeys(STEP, dict)},
+                       within="decoding_step")
+    try:
+        TransformerConfig.from_dict(manifest["config"])
+    except ValueError as err:
+        raise ValueError(f"{name} field 'config' is invalid: {err}") from None
+    return manifest
 
 
 def _require(module: str, extra: str, target: str) -> None:

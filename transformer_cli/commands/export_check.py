@@ -45,6 +45,7 @@ from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENA
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
 from transformer_cli.commands.ctranslate2_export import TOKENIZER_FILE
+from transformer_cli.commands.export import read_manifest
 
 # The packages of this project: the checking process asserts that none of them can be imported.
 PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",
@@ -307,7 +308,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     src = translation_source(tokenizer) if tokenizer is not None else None
     src = compare_inputs(config)["src"] if src is None else src
     oracle = build_oracle(config, params, src, dtypes=("float32",))
-    manifest = json.loads((Path(output_dir) / "transformer.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(output_dir)
     has_step = target in STEPS and "decoding_step" in manifest
     with tempfile.TemporaryDirectory() as directory:
         inputs, outputs = Path(directory) / "inputs.npz", Path(directory) / "outputs.npz"

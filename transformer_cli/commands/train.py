@@ -388,10 +388,25 @@ def average_checkpoints(paths: list[str]) -> tuple[TransformerConfig, dict[str, 
     return config, {name: round_to(value / len(paths), first[name].dtype) for name, value in total.items()}, tokenizer
 
 
+def saves(every: int, first: int, steps: int) -> int:
+    """The checkpoints ``--save-every every`` saves in a run of ``steps`` steps after step ``first``: one at each
+    multiple of ``every`` and one at the last step."""
+    last = first + steps
+    return last // every - first // every + (1 if last % every else 0)
+
+
+def check_average(count: int | None, every: int | None, plan: Plan) -> None:
+    """``--average K``, before any work: the run, if it takes all its steps, saves at least K checkpoints."""
+    if count and every and count > (saved := saves(every, plan.first_step, plan.steps)):
+        raise ValueError(f"--average {count}: --steps {plan.steps} with --save-every {every} give {saved} "
+                         f"checkpoint{'s' if saved > 1 else ''}; average at most {saved}, or save more often")
+
+
 def average_run(adapter: ModuleType, plan: Plan, snapshots: Snapshots, count: int, path: str,
                 result: Result) -> Model:
-    """``--average``: the average of the run's last ``count`` checkpoints (as many as it saved, if fewer) written to
-    ``path`` (weights and tokenizer, no training state) and built in ``adapter`` for the final evaluation."""
+    """``--average``: the average of the run's last ``count`` checkpoints (fewer only if the run stopped before its
+    last step: :func:`check_average`) written to ``path`` (weights and tokenizer, no training state) and built in
+    ``adapter`` for the final evaluation."""
     result.averaged = snapshots.saved[-count:]
     config, params, tokenizer = average_checkpoints(result.averaged)
     save_checkpoint(path, config, params, tokenizer=tokenizer)

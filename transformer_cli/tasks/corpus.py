@@ -190,7 +190,7 @@ class CorpusTask:
         """This task with a BPE vocabulary of at most ``vocab_size`` ids learned from the training pairs, both
         languages together (section 5.1)."""
         texts = [*self.training.sources, *self.training.targets]
-        learned = Tokenizer.train(texts, vocab_size, self.model(vocab_size))
+        learned = Tokenizer.train(texts, vocab_size, self.model(vocab_size), name="--vocab-size")
         return replace(self, tokenizer=Tokenizer.from_json(learned.to_json(), self.model(learned.vocab_size)))
 
     def fitted(self, config: TransformerConfig, tokens_per_batch: int) -> CorpusTask:
