@@ -456,6 +456,28 @@ BEAM_END = [
         (FD, "live_scores = tf.gather(scores, keep, batch_dims=1)",
          "live_scores = tf.where(keep < k, tf.gather(scores, keep, batch_dims=1), never)"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
+    consistent("beam-end", "an eos ranked outside the beam becomes a live beam (extended past its eos)", [
+        (RD, "keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]",
+         "keep = np.flatnonzero(~(is_eos & (np.arange(len(scores)) < beam_size)) & np.isfinite(scores))[:beam_size]"),
+        (TD, "keep = torch.sort(torch.where(is_eos, rank + top, rank), dim=1).indices[:, :beam_size]",
+         "keep = torch.sort(torch.where(is_eos & (rank < beam_size), rank + top, rank), dim=1).indices[:, :beam_size]"),
+        (JD, "keep = lax.top_k(-jnp.where(is_eos, rank + ranked.shape[1], rank), beam_size)[1]",
+         "keep = lax.top_k(-jnp.where(is_eos & (rank < beam_size), rank + ranked.shape[1], rank), beam_size)[1]"),
+        (FD, "keep = tf.math.top_k(-tf.where(is_eos, rank + 2 * k, rank), k).indices",
+         "keep = tf.math.top_k(-tf.where(is_eos & (rank < k), rank + 2 * k, rank), k).indices"),
+    ], DECODING_ORACLE, decoding_agreement("and beam")),
+]
+
+# Section 6.1's budget, "input length + 50": the non-pad source tokens, eos included (the PyTorch and JAX ports
+# count them with the reference's max_output_lengths, TensorFlow in its graph).
+BUDGET = [
+    consistent("budget", "the output budget leaves out the source's eos (non-pad, non-eos tokens + 50)", [
+        (RD, "lengths = (np.asarray(src) != model.config.pad_id).sum(axis=1)",
+         "lengths = ((np.asarray(src) != model.config.pad_id) & (np.asarray(src) != model.config.eos_id)).sum(axis=1)"),
+        (FD, "lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id), tf.int32), axis=1)",
+         "lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id) & tf.not_equal(src, model.config.eos_id),"
+         " tf.int32), axis=1)"),
+    ], DECODING_ORACLE, decoding_agreement(), shared=(TORCH, JAX)),
 ]
 
 EARLY_STOPPING = [
@@ -526,6 +548,19 @@ TIES = [
         (TD, "first = scores.argmax(dim=1)", "first = scores.shape[1] - 1 - scores.flip(1).argmax(dim=1)"),
         (TD, "better = score > best[0]", "better = score >= best[0]"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
+]
+
+# The generator's log-softmax (section 3.4), the same formula in every backend.
+LOG_SOFTMAX = [
+    consistent("log-softmax", "log-softmax computed as log(softmax(x)): -inf where exp underflows", [
+        (RM, "    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))",
+         "    return np.log(np.exp(shifted) / np.exp(shifted).sum(axis=-1, keepdims=True))"),
+        (TM, "    return torch.log_softmax(x, dim=-1)", "    return torch.log(torch.softmax(x, dim=-1))"),
+        (JM, "    return shifted - jnp.log(speed.sum_exp(shifted))",
+         "    return jnp.log(jnp.exp(shifted) / speed.sum_exp(shifted))"),
+        (FM, "    return shifted - tf.math.log(tf.reduce_sum(tf.exp(shifted), axis=-1, keepdims=True))",
+         "    return tf.math.log(tf.exp(shifted) / tf.reduce_sum(tf.exp(shifted), axis=-1, keepdims=True))"),
+    ], ORACLE, agreement("tiny", decoding=True)),
 ]
 
 # Training (section 5): the reference's backward pass, Adam and schedule, and each port's optimizer.
@@ -638,7 +673,8 @@ PRECISION = [
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *EARLY_STOPPING, *TIES, *TRAINING, *TEXT, *DATA_PARALLEL, *PRECISION]
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *TIES, *LOG_SOFTMAX, *TRAINING, *TEXT,
+             *DATA_PARALLEL, *PRECISION]
 
 
 # ----------------------------------------------------------------------------- running

@@ -1,9 +1,11 @@
 """What more than one test module uses, in one place (``from support import ...``; no test module imports another):
-the ports and devices of the agreement matrix, a command run in-process, a scripted stand-in for a Transformer.
+the ports and devices of the agreement matrix, a command run in-process, a scripted stand-in for a Transformer,
+each framework's arrays and float64 context, a hand-set model whose logits are known.
 Fixtures stay in ``conftest.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -12,7 +14,7 @@ import pytest
 
 from equivalence import cases
 from equivalence.cases import FORWARD_VARIANTS
-from reference_numpy import TransformerConfig
+from reference_numpy import TransformerConfig, init_params
 from transformer_cli.main import main
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
@@ -96,3 +98,37 @@ def adam_moment_memory(port: str, model, optimizer) -> dict[str, tuple[int, int]
     variables = checkpoint._variables(model)
     return {name: tuple(slot.value.value()._numpy().ctypes.data for slot in optimizer.adam.moments(variable))
             for name, variable in variables.items()}
+
+
+def framework_array(name: str, x: np.ndarray):
+    """``x`` as an array of the backend ``name`` ("numpy" or a port; its dtype kept): a tensor of PyTorch, an array
+    of JAX (float64 under :func:`float64_inference`), a constant of TensorFlow."""
+    if name == "numpy":
+        return np.asarray(x)
+    module = importlib.import_module(FRAMEWORKS[name])
+    if name == "torch":
+        return module.as_tensor(x)
+    return module.numpy.asarray(x) if name == "jax" else module.constant(x)
+
+
+def float64_inference(name: str):
+    """The backend's context for float64 inference: torch without gradients, JAX with x64 on, nothing else."""
+    if name == "torch":
+        return importlib.import_module("torch").no_grad()
+    return importlib.import_module("jax").enable_x64(True) if name == "jax" else contextlib.nullcontext()
+
+
+def constant_logits_params(logits, **changes) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+    """A tiny post-LN model, one layer per stack (``changes`` override more of its config, e.g. ``max_len``), whose
+    next-token logits are exactly ``logits`` at every position, in every framework and dtype: the decoder's last
+    LayerNorm has gain 0 and bias e_0, so it outputs e_0 whatever its input, and row 0 of the output projection holds
+    ``logits`` (products by 1 and 0 are exact in any summation order). Returns its config and weights."""
+    config = TransformerConfig.preset("tiny", tgt_vocab_size=len(logits), n_encoder_layers=1, n_decoder_layers=1,
+                                      **changes)
+    params = init_params(config, seed=0, perturb=0.1)
+    last_norm = f"decoder.layers.{config.n_decoder_layers - 1}.ffn_norm"
+    params[f"{last_norm}.weight"] = np.zeros(config.d_model)
+    params[f"{last_norm}.bias"] = np.eye(config.d_model)[0]
+    params["generator.weight"] = np.zeros((config.d_model, len(logits)))
+    params["generator.weight"][0] = logits
+    return config, params

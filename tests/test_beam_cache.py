@@ -15,13 +15,13 @@ the attention they test:
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib
 import math
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, float64_inference, framework_array, port_backend
 
 from equivalence.tolerance import assert_agrees
 from reference_numpy import TransformerConfig, init_params
@@ -35,12 +35,9 @@ ROWS = BATCH * BEAMS
 def port(name: str):
     """(adapter, model module, decoding module, to-tensor) of a port, skipped with the reason when its
     framework is not installed (``port_backend``)."""
-    adapter, module = port_backend(name), importlib.import_module(FRAMEWORKS[name])
-    package = f"transformer_{name}"
+    adapter, package = port_backend(name), f"transformer_{name}"
     model, decoding = (importlib.import_module(f"{package}.{part}") for part in ("model", "decoding"))
-    convert = {"torch": lambda x: module.as_tensor(x), "jax": lambda x: module.numpy.asarray(x),
-               "tf": lambda x: module.constant(x)}[name]
-    return adapter, model, decoding, convert
+    return adapter, model, decoding, functools.partial(framework_array, name)
 
 
 def backend(name: str):
@@ -135,13 +132,6 @@ def built(name: str, config: TransformerConfig, params: dict):
         return reference.Transformer(config, params), np.asarray, reorder_table_rows
     adapter, _, decoding, convert = port(name)
     return adapter.build(config, params, "float64"), convert, decoding.reorder_cache
-
-
-def float64_inference(name: str):
-    """The backend's context for float64 inference: torch without gradients, JAX with x64 on."""
-    if name == "torch":
-        return importlib.import_module("torch").no_grad()
-    return importlib.import_module("jax").enable_x64(True) if name == "jax" else contextlib.nullcontext()
 
 
 TINY = TransformerConfig.preset("tiny")

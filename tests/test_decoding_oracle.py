@@ -16,22 +16,26 @@ simulation is the oracle for every beam size, and is itself checked against brut
 Scripted models (``next-token distribution = f(prefix)``) drive the reference and, through it,
 the beam rules the PyTorch port shares. Real tiny checkpoints whose next-token logits are exact
 constants drive every backend's own decoding, where exact ties and the "only eos can follow"
-case must come out the same.
+case must come out the same. Real tiny checkpoints whose logits follow the last token (bigrams
+set by hand) drive every backend through section 6.1's corners -- an eos at every rank the
+search sees, dropped outside the beam, hypotheses finishing at different steps, sources of every
+kind in one batch -- and through the output budget ("input length + 50") of a run that never
+emits eos.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import ScriptedModel
+from support import FRAMEWORKS, ScriptedModel, constant_logits_params, port_backend
 
-from equivalence.tolerance import assert_agrees, float64_bound
+from equivalence.margins import beam_step_margin
+from equivalence.tolerance import assert_agrees, beam_row_is_decisive, float64_bound
 from reference_numpy import TransformerConfig, beam_search, greedy_decode, init_params
 from transformer_cli.backends import numpy as reference
 
@@ -86,15 +90,19 @@ def every_hypothesis(script, limit: int, alpha: float) -> list[tuple[float, tupl
     return sorted(found, key=lambda found: (-found[0], found[2]))
 
 
-def simulate_beam(script, limit: int, beam_size: int, alpha: float, early_stopping: bool = True):
+def simulate_beam(script, limit: int, beam_size: int, alpha: float, early_stopping: bool = True,
+                  trace: list | None = None):
     """The beam rules of docs/reference.md, literally. Returns the finished hypotheses
-    [(score, tokens)] in the order they finished, and the number of steps taken."""
+    [(score, tokens)] in the order they finished, and the number of steps taken. A ``trace`` list
+    receives each step's ranking: every (summed log-prob, beam, token) candidate, best first."""
     live = [((), 0.0)]                                          # (tokens, summed log-prob), rank order
     finished = []
     for step in range(1, limit + 1):
         candidates = [(total + log_prob, beam, token) for beam, (tokens, total) in enumerate(live)
                       for token, log_prob in enumerate(emitted_log_probs(script, tokens))]
         candidates.sort(key=lambda candidate: (-candidate[0], candidate[1], candidate[2]))
+        if trace is not None:
+            trace.append(candidates)
         next_live = []
         for rank, (summed, beam, token) in enumerate(candidates):
             tokens = live[beam][0] + (token,)
@@ -193,6 +201,28 @@ def test_a_beam_that_ends_leaves_room_for_the_others():
     assert tokens == (B, B, EOS)
     assert_chooses(tokens, score, best_finished(simulate_beam(script, 4, 2, 0.6)[0]))
     assert steps == 3 == simulate_beam(script, 4, 2, 0.6)[1]
+
+
+def test_an_eos_ranked_outside_the_beam_is_dropped_not_kept_alive():
+    """Beam 2, alpha 2. Step 2 ranks [a, eos] (.30), [a, a] (.15), [b, eos] (.12), [b, a] (.105):
+    [a, eos] finishes at rank 1 (log .3 / lp(2) = -0.885); [b, eos] ranks 3, outside the beam, and
+    is dropped, so the second live beam is [b, a], which goes on to [b, a, a, a, eos]
+    (log .105 / lp(5) = -0.811) and wins. Had [b, eos] become a live beam in the free slot, it would
+    have been extended past its eos ([b, eos, eos]: -1.193) and [b, a] lost: [a, eos] would win."""
+    script = table_script({
+        (): [0, 0, 0.2, 0.5, 0.3],
+        (A,): [0, 0, 0.6, 0.3, 0.1],
+        (B,): [0, 0, 0.4, 0.35, 0.25],
+        (A, A): [0, 0, 1.0, 0, 0],
+        (B, A): [0, 0, 0, 1.0, 0],
+        (B, A, A): [0, 0, 0, 1.0, 0],
+    })
+    trace: list = []
+    finished, steps = simulate_beam(script, 6, 2, 2.0, trace=trace)
+    assert eos_ranks(trace[1]) == [1, 3]
+    tokens, score, decoded_steps = decode(script, 6, beam_size=2, alpha=2.0)
+    assert tokens == (B, A, A, A, EOS) and decoded_steps == steps == 5
+    assert_chooses(tokens, score, best_finished(finished))
 
 
 def test_early_stopping_uses_the_penalty_of_the_maximum_length():
@@ -340,7 +370,6 @@ def test_beam_search_follows_the_documented_rules(data, vocab, limit, beam_size,
 
 # ----------------------------------------------------------------------------- every backend
 
-FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 DTYPES = ("float64", "float32")
 
 
@@ -348,36 +377,27 @@ DTYPES = ("float64", "float32")
 def backend(request):
     """The backend adapter of the reference or of a port (skipped, with the reason, when its
     framework is not installed)."""
-    if request.param == "numpy":
-        return reference
-    framework = FRAMEWORKS[request.param]
-    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{request.param}]')")
-    return importlib.import_module(f"transformer_cli.backends.{request.param}")
+    return reference if request.param == "numpy" else port_backend(request.param)
 
 
 @functools.cache
 def constant_logits_model(backend, logits: tuple[float, ...], dtype: str):
-    """A tiny post-LN model whose next-token logits are exactly ``logits`` at every step, in every
-    framework and dtype: the decoder's last LayerNorm has gain 0 and bias e_0, so it outputs e_0
-    whatever its input, and row 0 of the output projection holds ``logits`` (products by 1 and 0
-    are exact in any summation order). Equal logits are bitwise-equal log-probabilities: exact
-    ties. One layer per stack (quick to compile); the maximum output length is 4 (``max_len``).
-    Cached: the compiled ports trace once per model."""
-    config = TransformerConfig.preset("tiny", tgt_vocab_size=len(logits), max_len=4, n_encoder_layers=1,
-                                      n_decoder_layers=1)
-    params = init_params(config, seed=0, perturb=0.1)
-    last_norm = f"decoder.layers.{config.n_decoder_layers - 1}.ffn_norm"
-    params[f"{last_norm}.weight"] = np.zeros(config.d_model)
-    params[f"{last_norm}.bias"] = np.eye(config.d_model)[0]
-    params["generator.weight"] = np.zeros((config.d_model, len(logits)))
-    params["generator.weight"][0] = logits
-    return backend.build(config, params, dtype)
+    """A model whose next-token logits are exactly ``logits`` at every step
+    (``support.constant_logits_params``): equal logits are bitwise-equal log-probabilities, exact
+    ties. The maximum output length is 4 (``max_len``). Cached: the compiled ports trace once per model."""
+    return backend.build(*constant_logits_params(logits, max_len=4), dtype)
+
+
+def softmax(logits) -> np.ndarray:
+    """The next-token distribution of ``logits`` (all of them: pad and bos take their share before the
+    decoder sets their log-probabilities to -inf)."""
+    probabilities = np.exp(np.array(logits) - max(logits))
+    return probabilities / probabilities.sum()
 
 
 def constant_script(logits: tuple[float, ...]):
     """The oracles' view of :func:`constant_logits_model`: softmax(logits) after every prefix."""
-    probabilities = np.exp(np.array(logits) - max(logits))
-    return lambda prefix: probabilities / probabilities.sum()
+    return lambda prefix: softmax(logits)
 
 
 # eos, 4 and 6 tie at the top (log-probability 2 - log(3e^2 + 4) = -1.2645 each), so every step
@@ -419,3 +439,171 @@ def test_every_backend_ends_the_search_when_only_eos_can_follow(backend):
         ref32 = reference.beam(constant_logits_model(reference, logits, "float32"), SOURCES, beam_size=beam_size)[1]
         assert_agrees(scores.astype(dtype), [1 - math.log(2 + math.e)] * 2, ref32,
                       what=f"{backend.NAME} {dtype} beam {beam_size} [eos] scores")
+
+
+# ----------------------------------------------------------------------------- the corners, in every backend
+#
+# Ties need exact logits, which only the constant-logit models above give every backend; a search whose
+# next-token distribution changes with the prefix needs a model that remembers it. The bigram models below
+# remember the last token, within a few float64 roundings, so their corners are chosen where every decision is
+# clear by far more than float64 can move it (``decisive``).
+
+def hadamard(n: int) -> np.ndarray:
+    """Sylvester's n x n Hadamard matrix (n a power of 2): entries +-1, rows orthogonal (H H^T = n I),
+    every row but the first summing to 0."""
+    rows = np.ones((1, 1))
+    while len(rows) < n:
+        rows = np.block([[rows, rows], [rows, -rows]])
+    return rows
+
+
+@functools.cache
+def bigram_model(backend, table: tuple[tuple[float, ...], ...], dtype: str):
+    """A tiny pre-LN model (one layer per stack, learned positions, ``max_len`` 64) whose next-token
+    logits are ``table[u]``, u the last token of the prefix (bos for the first step), whatever the
+    source: its decoder's three sublayers output 0 (their output projections are zero) and its
+    positions are 0, so the final LayerNorm sees sqrt(d_model) E[u] = 4 * 2^15 h_u, h_u row u + 1 of
+    the 16 x 16 Hadamard matrix: mean 0, variance 2^34 (which swallows epsilon), normalized h_u; the
+    output projection W = H^T table / 16 maps h_u to table[u]. The source is encoded and attended to,
+    and changes nothing but the budget. Cached: the compiled ports trace once per model."""
+    config = TransformerConfig.preset("tiny", tgt_vocab_size=len(table), n_encoder_layers=1, n_decoder_layers=1,
+                                      norm_first=True, positional_encoding="learned")
+    params = init_params(config, seed=0, perturb=0.1)
+    rows = hadamard(config.d_model)[1:len(table) + 1]                              # (V, D)
+    for sublayer in ("self_attn.o_proj", "cross_attn.o_proj", "ffn.linear2"):
+        name = f"decoder.layers.0.{sublayer}"
+        params[f"{name}.weight"], params[f"{name}.bias"] = 0 * params[f"{name}.weight"], np.zeros(config.d_model)
+    params["tgt_pos_embed.weight"] = 0 * params["tgt_pos_embed.weight"]
+    params["tgt_embed.weight"] = rows * 2.0 ** 15
+    params["decoder.norm.weight"], params["decoder.norm.bias"] = np.ones(config.d_model), np.zeros(config.d_model)
+    params["generator.weight"] = rows.T @ np.array(table) / config.d_model
+    return backend.build(config, params, dtype)
+
+
+def bigram_script(table):
+    """The oracles' view of :func:`bigram_model`: softmax(table[last token]), bos before the first."""
+    return lambda prefix: softmax(table[prefix[-1] if prefix else BOS])
+
+
+# Sources of every kind, and section 6.1's budget for each as docs/reference.md counts it -- the
+# source's non-pad tokens, its eos included, + 50 (max_len 64 caps none of them): no padding
+# without and with a trailing eos, padding without and with one, an eos alone, padding alone.
+EVERY_SOURCE = np.array([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+                         [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, EOS],
+                         [5, 6, 7, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD],
+                         [5, 6, 7, EOS, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD],
+                         [EOS, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD],
+                         [PAD] * 12])
+BUDGETS = (62, 62, 53, 54, 51, 50)
+
+
+def emitted(row) -> tuple:
+    """A decoded row without its padding."""
+    return tuple(int(t) for t in row if t != PAD)
+
+
+def test_the_budget_is_what_docs_reference_says():
+    """The table above against the documented rule, written out."""
+    assert BUDGETS == tuple(min(sum(token != PAD for token in row) + 50, 64) for row in EVERY_SOURCE)
+
+
+# Never eos: after token u, token 3 + (u - 2) mod 5 has logit 0 (bos is followed by 7, 7 by 3, 3 by 4,
+# ...), the other tokens -1 and eos -30, so greedy decoding cycles through 7, 3, 4, 5, 6 and no
+# beam-search step ranks an eos among its first 4 * 4 candidates. (pad and bos, logit 0, take their
+# share of the softmax and are never emitted.)
+NEVER_ENDS = tuple(tuple(0.0 if v == 3 + (u - 2) % 5 else -30.0 if v == EOS else 0.0 if v < EOS else -1.0
+                         for v in range(8)) for u in range(8))
+
+
+def test_every_backend_stops_a_run_without_eos_at_its_budget(backend):
+    """Section 6.1, "maximum output length to input length + 50": a model that never emits eos
+    decodes each source, greedy and beam, to exactly its budget (:data:`BUDGETS`), then pads."""
+    model, script = bigram_model(backend, NEVER_ENDS, "float64"), bigram_script(NEVER_ENDS)
+    greedy = backend.greedy(model, EVERY_SOURCE)
+    tokens, scores = backend.beam(model, EVERY_SOURCE)
+    assert greedy.shape[1] == tokens.shape[1] == max(BUDGETS)
+    for row, budget in enumerate(BUDGETS):
+        assert emitted(greedy[row]) == greedy_chain(script, budget) and len(emitted(greedy[row])) == budget, row
+        ranked = best_finished(simulate_beam(script, budget, 4, 0.6)[0])
+        assert len(ranked[0][1]) == budget and EOS not in ranked[0][1]
+        assert_chooses(tokens[row], scores[row], ranked)
+        assert not greedy[row, budget:].any() and not tokens[row, budget:].any(), f"row {row} not padded after"
+
+
+# The corners: the logits after pad (never an input), bos, eos, a, b, c, d, e -- a table drawn to 0.01
+# and kept for what its searches do (beam 4; alpha 0.6, 1 and 5; the budgets of EVERY_SOURCE), as
+# test_the_corner_model_reaches_every_corner checks: an eos stands at each rank 1..8 of some step (the
+# 2K ranks the ports' selection sees), finishing at ranks 1..4 and dropped at 5..8 -- in some steps
+# after an eos of the same step finished (step 2: ranks 1 and 5), where a rule that let the dropped one
+# become a live beam would change the answer at alpha 1 (scripts/check_mutations.py); hypotheses finish
+# at every step; alpha 0.6 stops at step 14 to 18 with [c, eos], while at alpha 1 and 5 the answer
+# [b, e, e, ...] runs to the budget, so that each source gets its own. d and e mostly repeat
+# themselves: the long searches meet no two hypotheses of equal probability (the same transitions in
+# another order) near a decision.
+CORNERS = ((0.0,) * 8,
+           (0.0, 0.0, -0.27, -1.5, -0.63, 0.62, -3.34, -3.8),
+           (0.0, 0.0, -2.29, -2.27, 0.32, -0.98, -1.91, 1.89),
+           (0.0, 0.0, -2.69, -2.61, -3.13, -0.61, -1.28, -1.29),
+           (0.0, 0.0, 0.62, -3.29, 1.54, 0.7, -2.47, 0.52),
+           (0.0, 0.0, 1.14, -3.99, -1.92, 0.27, -2.0, -2.97),
+           (0.0, 0.0, -4.29, -7.36, -6.29, -6.05, 2.84, -0.23),
+           (0.0, 0.0, -2.93, -7.41, -7.37, -7.35, -8.42, 2.33))
+CORNER_ALPHAS = (0.6, 1.0, 5.0)
+
+
+@functools.cache
+def corner_search(alpha: float, budget: int) -> tuple[list, list]:
+    """The simulation's finished hypotheses (best first) and its ranking at every step, for the
+    corner table, beam 4."""
+    trace: list = []
+    finished, _ = simulate_beam(bigram_script(CORNERS), budget, 4, alpha, trace=trace)
+    return best_finished(finished), trace
+
+
+def eos_ranks(ranking: list) -> list[int]:
+    """The ranks (from 1) of a step's eos candidates."""
+    return [rank for rank, (_, _, token) in enumerate(ranking, 1) if token == EOS]
+
+
+def decisive(ranked: list, trace: list, log_probs) -> bool:
+    """Whether float64 rounding cannot change the search (``tolerance.beam_row_is_decisive``): each
+    step's margin at its decisions (``margins.beam_step_margin`` of the candidates, beam by token) and
+    the final choice's margin against the float64 bound of the log-probabilities, summed step by step."""
+    steps = []
+    for ranking in trace:
+        candidates = np.empty((1 + max(beam for _, beam, _ in ranking), 1 + max(token for *_, token in ranking)))
+        for summed, beam, token in ranking:
+            candidates[beam, token] = summed
+        steps.append(beam_step_margin(candidates, EOS, 4))
+    final = ranked[0][0] - ranked[1][0] if len(ranked) > 1 else math.inf
+    return beam_row_is_decisive([*steps, final], float64_bound(np.abs(log_probs)))
+
+
+def test_the_corner_model_reaches_every_corner():
+    """What :data:`CORNERS` is kept for, on the oracle's side."""
+    script = bigram_script(CORNERS)
+    log_probs = [lp for row in CORNERS[1:] for lp in emitted_log_probs(script, (CORNERS.index(row),)) if lp > -math.inf]
+    ranks, finishing, outside_after_finish, answers = set(), set(), False, {}
+    for alpha in CORNER_ALPHAS:
+        for budget in BUDGETS:
+            ranked, trace = corner_search(alpha, budget)
+            assert decisive(ranked, trace, log_probs), (alpha, budget)
+            for ranking in trace:
+                step_ranks = eos_ranks(ranking)
+                ranks |= {rank for rank in step_ranks if rank <= 8}
+                outside_after_finish |= min(step_ranks) <= 4 < max(step_ranks)
+            finishing |= {len(tokens) for _, tokens in ranked if tokens[-1] == EOS}
+            answers[alpha, budget] = ranked[0][1]
+    assert ranks == set(range(1, 9)) and outside_after_finish
+    assert len(finishing) > 2
+    assert all(len(answers[alpha, budget]) == budget for alpha in (1.0, 5.0) for budget in BUDGETS)
+
+
+def test_every_backend_follows_the_oracle_in_the_corners(backend):
+    """Beam 4 on the corner model for every source of :data:`EVERY_SOURCE` (in one batch: each row's
+    own budget) at alpha 0.6, 1 and 5: the simulation's tokens, and its score within the float64 bound."""
+    model = bigram_model(backend, CORNERS, "float64")
+    for alpha in CORNER_ALPHAS:
+        tokens, scores = backend.beam(model, EVERY_SOURCE, beam_size=4, alpha=alpha)
+        for row, budget in enumerate(BUDGETS):
+            assert_chooses(tokens[row], scores[row], corner_search(alpha, budget)[0])

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, float64_inference, port_backend
 
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
 from equivalence.tolerance import assert_agrees, finite_difference_bound
@@ -90,7 +90,7 @@ def test_reference_model_loss_is_the_smoothed_cross_entropy_of_its_log_probs():
 def port_loss_and_logit_gradient(port: str, logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
     """The port's ``training.label_smoothed_cross_entropy`` of its framework's log_softmax of
     ``logits``, and its gradient with respect to the logits by the port's autodiff (float64)."""
-    port_backend(port)                               # a skip with its reason if missing; JAX float64 on
+    port_backend(port)                               # a skip with its reason if missing
     training = importlib.import_module(f"transformer_{port}.training")
     if port == "torch":
         import torch
@@ -100,8 +100,9 @@ def port_loss_and_logit_gradient(port: str, logits: np.ndarray, labels: np.ndarr
         return value.item(), z.grad.numpy()
     if port == "jax":
         import jax
-        value, grad = jax.value_and_grad(
-            lambda z: training.label_smoothed_cross_entropy(jax.nn.log_softmax(z), labels, PAD, EPS))(logits)
+        with float64_inference(port):
+            value, grad = jax.value_and_grad(
+                lambda z: training.label_smoothed_cross_entropy(jax.nn.log_softmax(z), labels, PAD, EPS))(logits)
         return float(value), np.asarray(grad)
     import tensorflow as tf
     z = tf.Variable(logits)

@@ -20,15 +20,19 @@ is interleaved (even columns sin, odd cos); LayerNorm uses the biased variance w
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import ml_dtypes
 import numpy as np
 import pytest
+from support import FRAMEWORKS, constant_logits_params, float64_inference, framework_array, port_backend
 
-from equivalence.tolerance import assert_agrees
+from equivalence.tolerance import FLOAT64_RELATIVE, assert_agrees
 from reference_numpy import Transformer, TransformerConfig, init_params
+from reference_numpy import model as reference_model
 from reference_numpy.precision import round_to
+from transformer_cli.backends import numpy as reference_backend
 
 # eps = 1e-2 moves every LayerNorm output by ~1e-3 relative to eps = 1e-6 or 1e-5: a wrong
 # epsilon anywhere is nine orders of magnitude over the float64 bound.
@@ -118,6 +122,15 @@ def embed(tokens, p, config, side, r=exact):
     return out
 
 
+def log_softmax_by_hand(logits) -> np.ndarray:
+    """Section 3.4's log-softmax of one row of logits, in float64: z_i - max - log(fsum_j exp(z_j - max)).
+    Shifting by the max keeps every exponential in [0, 1] and the sum in [1, V]: the ones that underflow to 0 are
+    those below the largest by more than exp's range, whose share of the sum is below float64's resolution."""
+    logits = np.asarray(logits, dtype=np.float64)
+    top = max(logits)
+    return logits - top - math.log(math.fsum(math.exp(z - top) for z in logits))
+
+
 def oracle_sentence(p, config, src, tgt, enc_allowed, cross_allowed, tgt_allowed, r=exact):
     """One sentence's stages; the masks are (H, S, S), (H, T, S) and (H, T, T)."""
     stages, h, eps = {}, config.n_heads, config.layer_norm_eps
@@ -140,10 +153,7 @@ def oracle_sentence(p, config, src, tgt, enc_allowed, cross_allowed, tgt_allowed
                                     config, r)
     out = stages["decoder"] = layer_norm(y, p, "decoder.norm", eps, r) if config.norm_first else y
     weight = p["shared_embed.weight"].T if config.share_embeddings else p["generator.weight"]   # (D, V), no bias
-    log_probs = np.zeros((len(tgt), weight.shape[1]))
-    for t, logits in enumerate(r(out @ weight)):
-        top = max(logits)
-        log_probs[t] = logits - top - math.log(math.fsum(math.exp(z - top) for z in logits))
+    log_probs = np.array([log_softmax_by_hand(logits) for logits in r(out @ weight)])
     stages["log_probs"] = log_probs if r is exact else log_probs.astype(np.float32)
     return stages
 
@@ -284,3 +294,95 @@ def test_round_to_is_the_oracles_rounding(dtype):
     assert np.all((numbers < midpoints) & (midpoints < next_up))
     x = np.concatenate([x, midpoints, midpoints + np.abs(midpoints) * 2.0 ** -40, midpoints * (1 - 2.0 ** -45)])
     np.testing.assert_array_equal(round_to(x, dtype).astype(np.float64), nearest(x))
+
+
+# ----------------------------------------------------------------------------- log-softmax beyond exp's range
+#
+# Logits far apart: float64's exp underflows below -745 and float32's below -104, so exp(z - max) is 0 for most
+# of these, where the log-softmax is finite (about z - max): log(softmax(z)) would be -inf there. Every value is a
+# float32 number (integers, halves and quarters below 2^24), so both formats see the same logits.
+EDGE_LOGITS = np.array([
+    [0.0, -1e3, -1e4, -1e5, 1.0, -0.5, -150.0, -400.0],                  # 1e3..1e5 below a top near 0
+    [1e5, 1e5, 99999.0, 0.0, -1e5, 99000.0, 99900.0, 99999.5],            # a shared top far above 0
+    [-1e5, -100001.0, -100150.0, -2e5, -100000.25, -1.1e5, -1e5, -3e5],   # every logit far below 0
+    [50.0, -50.0, 120.0, -120.0, 400.0, -400.0, 0.0, 800.0],              # within float64's range, not float32's
+    [7.0] * 8,                                                            # all equal: -log 8 each
+])
+# 1,536 classes (JAX sums them in chunks of 768): the first row repeated, each copy 1 lower than the last.
+WIDE_EDGE_LOGITS = (np.tile(EDGE_LOGITS[0], 192) - np.repeat(np.arange(192.0), 8))[None, :]
+LIBRARY_ULPS = 4    # float32 exp and log of the frameworks' math libraries: within 4 units in the last place
+
+
+def edge_bound(logits: np.ndarray, expected: np.ndarray, dtype: str) -> np.ndarray:
+    """Element-wise bound on a backend's log-softmax r of the rows ``logits`` (z; m = max z, V classes, S =
+    sum_j exp(z_j - m) in [1, V]), ``expected`` being :func:`log_softmax_by_hand`'s.
+
+    float64: the policy, FLOAT64_RELATIVE times the computation's scale max(1, |r_i|, |m|) (log-softmax depends on
+    z - m only, but an implementation may round at m's scale, forming m + log S).
+
+    float32, derived to first order in u = 2^-24 for the max-shifted computation any backend does:
+    z_i - m rounds by u|z_i - m| <= u|r_i| (log S >= 0); each exp is within LIBRARY_ULPS = C units (2Cu relative)
+    and carries its argument's rounding, a relative u|z_j - m| that weighted by exp(z_j - m) / S adds at most
+    u (V - 1) / e to S (x e^-x <= 1/e); summing V positive terms adds (V - 1) u; the log turns S's relative error
+    into an absolute one and adds its C units at log S <= log V; the last difference rounds by u|r_i|, or, formed
+    as z_i - (m + log S), by u (|m| + log V) more:
+        |r - r_i| <= u (2 |r_i| + |m| + log V + (V - 1)(1 + 1/e) + 2C (1 + log V)).
+    The second-order terms are u times these, 2^-24 of them."""
+    top = logits.max(axis=-1, keepdims=True)
+    if dtype == "float64":
+        return FLOAT64_RELATIVE * np.maximum(np.maximum(1.0, np.abs(expected)), np.abs(top))
+    classes = logits.shape[-1]
+    return 2.0 ** -24 * (2 * np.abs(expected) + np.abs(top) + math.log(classes) + (classes - 1) * (1 + 1 / math.e)
+                         + 2 * LIBRARY_ULPS * (1 + math.log(classes)))
+
+
+def assert_log_softmax(out, logits: np.ndarray, dtype: str, what: str) -> None:
+    """``out`` (..., V) is the log-softmax of every row of ``logits`` in ``dtype``: finite, within
+    :func:`edge_bound`."""
+    out = np.asarray(out)
+    assert out.dtype == np.dtype(dtype), f"{what}: {out.dtype}, expected {dtype}"
+    rows = logits.reshape(-1, logits.shape[-1])
+    expected = np.array([log_softmax_by_hand(row) for row in rows]).reshape(logits.shape)
+    assert np.isfinite(out).all(), f"{what}: {np.count_nonzero(~np.isfinite(out))} log-probabilities not finite"
+    error, bound = np.abs(out.astype(np.float64) - expected), edge_bound(logits, expected, dtype)
+    worst = np.unravel_index(np.argmax(error / bound), error.shape)
+    assert np.all(error <= bound), f"{what}: element {worst} is {error[worst]:.3e} off, over its {bound[worst]:.3e}"
+
+
+def test_the_log_softmax_by_hand_in_closed_form():
+    """The oracle where the sum is known: equal logits give -log 8; in the first edge row only 1, 0 and -0.5
+    count (the rest are more than 150 below the top), r = z - 1 - log(1 + e^-1 + e^-1.5)."""
+    assert_agrees(log_softmax_by_hand(EDGE_LOGITS[4]), np.full(8, -math.log(8)), what="equal logits")
+    assert_agrees(log_softmax_by_hand(EDGE_LOGITS[0]), EDGE_LOGITS[0] - 1 - math.log1p(math.exp(-1) + math.exp(-1.5)),
+                  what="edge row 0")
+
+
+def backend_log_softmax(name: str, logits: np.ndarray):
+    """The ``log_softmax`` of the backend's model.py (the generator's, section 3.4) on ``logits``, as NumPy."""
+    if name == "numpy":
+        module = reference_model
+    else:
+        port_backend(name)                               # a skip with its reason if the framework is missing
+        module = importlib.import_module(f"transformer_{name}.model")
+    with float64_inference(name):
+        return np.asarray(module.log_softmax(framework_array(name, logits)))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_log_softmax_beyond_exps_range(name, dtype):
+    """Every backend's log_softmax on :data:`EDGE_LOGITS` and the 1,536 classes of :data:`WIDE_EDGE_LOGITS`."""
+    for logits in (EDGE_LOGITS, WIDE_EDGE_LOGITS):
+        assert_log_softmax(backend_log_softmax(name, logits.astype(dtype)), logits, dtype,
+                           f"{name} {dtype} log_softmax of {logits.shape[1]} classes")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_model_log_probabilities_beyond_exps_range(name, dtype):
+    """A model whose logits are exactly the second edge row at every position (``support.constant_logits_params``:
+    a top of 1e5, the rest down to -1e5): every backend's forward pass gives their log-softmax at every position."""
+    backend = reference_backend if name == "numpy" else port_backend(name)
+    model = backend.build(*constant_logits_params(EDGE_LOGITS[1]), dtype)
+    out = backend.log_probs(model, np.array([[5, 6, 7], [8, 2, 0]]), np.array([[1, 3, 4], [1, 5, 0]]))
+    assert_log_softmax(out, np.broadcast_to(EDGE_LOGITS[1], out.shape), dtype, f"{name} {dtype} model log-probs")
