@@ -215,6 +215,17 @@ def test_plot_attention_refuses_text_with_token_ids(tmp_path, monkeypatch, no_ba
     assert not (tmp_path / "a.png").exists()
 
 
+@pytest.mark.parametrize("flag", ["--src", "--tgt"])
+@pytest.mark.parametrize("ids", ["5 x 2", "5,6", "5 99999999999999999999999"])
+def test_plot_attention_refuses_ids_that_are_not_int64_naming_the_flag(flag, ids, tmp_path, monkeypatch, no_backend,
+                                                                        capsys):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = cli(capsys, "plot", "attention", "--preset", "tiny", flag, ids, "--out", "a.png")
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, f"{flag} must be space-separated integer token ids", repr(ids))
+    assert not (tmp_path / "a.png").exists()
+
+
 # ----------------------------------------------------------------------------- files: --force, and never an input
 
 EXISTING_OUTPUTS = [

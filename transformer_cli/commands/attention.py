@@ -17,11 +17,13 @@ from transformer_cli.commands.compare import SENTENCES, compare_inputs, load_sou
 
 
 def parse_tokens(text: str | None, name: str) -> np.ndarray | None:
+    """``--src``/``--tgt``: space-separated token ids as a (1, T) int64 array (None: not given); anything else,
+    an id past int64's range included, is one error naming the flag."""
     if text is None:
         return None
     try:
-        return np.array([[int(token) for token in text.split()]])
-    except ValueError:
+        return np.array([[int(token) for token in text.split()]], dtype=np.int64)
+    except (ValueError, OverflowError):
         raise ValueError(f"--{name} must be space-separated integer token ids, got {text!r}") from None
 
 
