@@ -29,10 +29,21 @@ VARIANTS: dict[str, TransformerConfig] = {
 # in its forward-pass checks (components, stages, attention weights); a full variant (decoding,
 # port pairs, gradients, per-port tests) would run the suite's slowest checks once more for a config
 # that differs only in its epsilon.
+#
+# And the choices of Hugging Face's families (docs/reference.md, "The configuration"), each in at least one
+# variant of the forward matrix: "marian" is Marian/opus-mt's (post-LN, SiLU, the sinusoid in halves, a bias on the
+# logits); "fairseq" the M2M100/NLLB lineage's (pre-LN, fairseq's sinusoid, whose positions skip the padding of the
+# ragged and fully masked rows), with GELU and unscaled embeddings, the remaining choices. Their decoding, gradients
+# and training are tests/test_config_choices.py's.
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
     "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),
+    "marian": _TINY.replace(activation="silu", sinusoidal_layout="halves", output_bias=True),
+    "fairseq": _TINY.replace(norm_first=True, activation="gelu", sinusoidal_layout="fairseq",
+                             scale_embeddings=False),
 }
+# The variants of Hugging Face's choices, by name (a subset of FORWARD_VARIANTS).
+CHOICE_VARIANTS = ("marian", "fairseq")
 
 MASK_CASES = ("none", "causal", "source_padding", "ragged_batch", "fully_masked_row")
 

@@ -49,11 +49,13 @@ from .model import (
     PositionalEncoding,
     PositionwiseFeedForward,
     Transformer,
+    _erf,
     add,
     padding_mask,
     scaled_dot_product_attention,
     target_mask,
 )
+from .model import activation as model_activation
 from .precision import is_low, narrow, wide
 
 Grads = dict[str, np.ndarray]
@@ -174,19 +176,43 @@ def multi_head_attention(attn: MultiHeadAttention, name: str, query: np.ndarray,
 
 # ----------------------------------------------------------------------------- sublayers
 
+def activation(x: np.ndarray, name: str) -> tuple[np.ndarray, Backward]:
+    """The feed-forward network's nonlinearity, :func:`.model.activation` (``config.activation``).
+
+    Shape: x (...) -> (...); backward: dL/dout -> dL/dx, both (...).
+    """
+    dtype, h = x.dtype, wide(x)
+
+    def backward(grad_out: np.ndarray) -> np.ndarray:
+        """relu: dL/dout where x > 0, zero elsewhere; silu: dL/dout (s + x s (1 - s)), s = sigmoid(x);
+        gelu: dL/dout (Phi(x) + x phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi) the standard normal density."""
+        if name == "relu":
+            return np.where(x > 0, grad_out, np.zeros_like(grad_out))
+        if name == "silu":
+            with np.errstate(over="ignore"):
+                s = 1.0 / (1.0 + np.exp(-h))
+            derivative = s + h * s * (1.0 - s)
+        else:
+            cdf = 0.5 * (1.0 + _erf(h / math.sqrt(2.0)).astype(h.dtype))
+            derivative = cdf + h * np.exp(-0.5 * h * h) / math.sqrt(2.0 * math.pi)
+        return narrow(wide(grad_out) * derivative, dtype)
+
+    return model_activation(x, name), backward
+
+
 def feed_forward(ffn: PositionwiseFeedForward, name: str, x: np.ndarray,
                  grads: Grads) -> tuple[np.ndarray, Backward]:
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 -- Eq. (2), section 3.3.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2 -- Eq. (2), section 3.3 (act: :func:`activation`).
 
     Shape: x (B, T, D) -> (B, T, D), hidden (B, T, F); backward: dL/dout -> dL/dx, both (B, T, D).
     """
     hidden, hidden_backward = linear(ffn.linear1, f"{name}.linear1", x, grads)          # (B, T, F)
-    out, out_backward = linear(ffn.linear2, f"{name}.linear2", np.maximum(hidden, 0), grads)
+    active, active_backward = activation(hidden, ffn.activation)
+    out, out_backward = linear(ffn.linear2, f"{name}.linear2", active, grads)
 
     def backward(grad_out: np.ndarray) -> np.ndarray:
-        """The ReLU passes dL/dhidden where its input is positive and zero elsewhere."""
-        grad_hidden = out_backward(grad_out)                                          # (B, T, F)
-        return hidden_backward(np.where(hidden > 0, grad_hidden, np.zeros_like(grad_hidden)))
+        """Back through the second projection, the activation and the first projection."""
+        return hidden_backward(active_backward(out_backward(grad_out)))
 
     return out, backward
 
@@ -266,12 +292,13 @@ def embeddings(embed: Embeddings, name: str, tokens: np.ndarray,
     return embed(tokens), backward
 
 
-def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, x: np.ndarray,
+def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, x: np.ndarray, tokens: np.ndarray,
                         grads: Grads) -> tuple[np.ndarray, Backward]:
-    """x + PE[:T] -- section 3.5; the sinusoidal table is fixed, a ``learned`` one (Table 3, row E)
-    is the checkpoint tensor ``{name}.weight``.
+    """x + PE[rows] -- section 3.5 (rows 0 .. T-1, or :func:`.model.position_ids` of ``tokens`` in the ``fairseq``
+    layout); the sinusoidal table is fixed, a ``learned`` one (Table 3, row E) is the checkpoint tensor
+    ``{name}.weight``.
 
-    Shape: x (B, T, D) -> (B, T, D); backward: dL/dout -> dL/dx = dL/dout, both (B, T, D).
+    Shape: x (B, T, D), tokens (B, T) -> (B, T, D); backward: dL/dout -> dL/dx = dL/dout, both (B, T, D).
     """
     def backward(grad_out: np.ndarray) -> np.ndarray:
         """A learned table's row t receives dL/dout at position t summed over the batch; rows
@@ -282,12 +309,13 @@ def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, 
             _add(grads, f"{name}.weight", narrow(table, encoding.table.dtype))
         return grad_out
 
-    return encoding(x), backward
+    return encoding(x, 0, tokens), backward
 
 
 def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Grads) -> tuple[np.ndarray, Backward]:
-    """log_softmax(x W), no bias -- section 3.4. With ``shared`` (``share_embeddings``), W is the
-    transposed shared embedding ``{name}.weight`` (V, D); otherwise ``{name}.weight`` is W (D, V).
+    """log_softmax(x W (+ b)) -- section 3.4; the bias ``generator.bias`` only with ``output_bias`` (Marian's
+    ``final_logits_bias``). With ``shared`` (``share_embeddings``), W is the transposed shared embedding
+    ``{name}.weight`` (V, D); otherwise ``{name}.weight`` is W (D, V).
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V); backward: dL/dlog_probs (B, T, V) -> dL/dx (B, T, D).
     """
@@ -297,11 +325,13 @@ def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Gra
     def backward(grad_log_probs: np.ndarray) -> np.ndarray:
         """dL/dlogits = dL/dlog_probs - softmax * (sum over V of dL/dlog_probs) (the log-softmax),
         dL/dW = x^T dL/dlogits (D, V), given to a shared embedding transposed (V, D);
-        dL/dx = dL/dlogits W^T."""
+        dL/db = dL/dlogits summed over every position; dL/dx = dL/dlogits W^T."""
         grad = wide(grad_log_probs)
         grad_logits = narrow(grad - probs * grad.sum(axis=-1, keepdims=True), dtype)  # (B, T, V)
         grad_weight = narrow(_rows(wide(x)).T @ _rows(wide(grad_logits)), dtype)    # (D, V)
         _add(grads, f"{name}.weight", grad_weight.T if shared else grad_weight)
+        if gen.bias is not None:
+            _add(grads, "generator.bias", narrow(_rows(wide(grad_logits)).sum(axis=0), dtype))  # (V,)
         return narrow(wide(grad_logits) @ wide(gen.weight).T, dtype)            # (B, T, D)
 
     return log_probs, backward
@@ -456,10 +486,10 @@ def loss_and_gradients(model: Transformer, loss: Loss, src: np.ndarray, tgt: np.
     grads: Grads = {}
 
     x, src_embed_backward = embeddings(model.src_embed, src_name, src, grads)
-    x, src_pos_backward = positional_encoding(model.src_pos, "src_pos_embed", learned, x, grads)
+    x, src_pos_backward = positional_encoding(model.src_pos, "src_pos_embed", learned, x, src, grads)
     memory, encoder_backward = encoder(model.encoder, "encoder", x, src_mask, grads)
     y, tgt_embed_backward = embeddings(model.tgt_embed, tgt_name, tgt, grads)
-    y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, grads)
+    y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, tgt, grads)
     out, decoder_backward = decoder(model.decoder, "decoder", y, memory, src_mask, tgt_mask, grads)
     log_probs, generator_backward = generator(model.generator, generator_name, shared, out, grads)
     value, loss_backward = label_smoothed_cross_entropy(loss, log_probs, labels, config.pad_id, epsilon)

@@ -71,7 +71,8 @@ SHIPPED_MODELS = {"numbers-en-fr": _SHIPPED_DIRECTORY / "numbers-en-fr.safetenso
 class Parameter(NamedTuple):
     """One trained tensor of the architecture: its checkpoint ``name`` and ``shape``, its ``kind`` (what it is in
     any framework, the key of each port's layout table: ``shared_embedding``, ``embedding``, ``position``,
-    ``linear.weight``, ``linear.bias``, ``layernorm.gain``, ``layernorm.bias``, ``generator``) and its ``module``
+    ``linear.weight``, ``linear.bias``, ``layernorm.gain``, ``layernorm.bias``, ``generator``, ``generator.bias``) and
+    its ``module``
     (the layer it belongs to, its name's prefix; for an embedding or a learned position table, the side: ``src`` or
     ``tgt``)."""
 
@@ -131,6 +132,8 @@ def parameters(config: TransformerConfig) -> list[Parameter]:
         norm("decoder.norm")
     if not config.share_embeddings:
         tensors.append(Parameter("generator.weight", (d, config.tgt_vocab_size), "generator", "generator"))
+    if config.output_bias:                                                    # Marian's final_logits_bias
+        tensors.append(Parameter("generator.bias", (config.tgt_vocab_size,), "generator.bias", "generator"))
     return tensors
 
 

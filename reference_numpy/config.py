@@ -19,6 +19,11 @@ from typing import Any, ClassVar, Self
 import numpy as np
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
+# The feed-forward network's activation (section 3.3's ReLU; the others are Hugging Face families' choices).
+ACTIVATIONS = ("relu", "silu", "gelu")
+# How the sinusoidal table lays out its sines and cosines (section 3.5's interleaved pairs; Marian's halves;
+# fairseq's halves over other frequencies and positions, M2M100/NLLB).
+SINUSOIDAL_LAYOUTS = ("interleaved", "halves", "fairseq")
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -82,6 +87,21 @@ class TransformerConfig(_Config):
         share_embeddings: one matrix for source embedding, target embedding and the
             pre-softmax projection (section 3.4); requires equal vocabulary sizes.
         pad_id, bos_id, eos_id: special token ids (padding, beginning and end of sequence).
+        activation: the feed-forward network's nonlinearity (:func:`reference_numpy.model.activation`):
+            "relu" (section 3.3, Eq. 2), "silu" (x sigmoid(x), Marian/opus-mt's "swish") or "gelu" (x Phi(x), the
+            exact erf form, Hugging Face's "gelu").
+        sinusoidal_layout: the sinusoidal table (:func:`reference_numpy.model.sinusoidal_positional_encoding`):
+            "interleaved" (section 3.5: sin in even columns, cos in odd ones), "halves" (Marian: the same
+            frequencies, every sine first, then every cosine) or "fairseq" (M2M100/NLLB: halves over the frequencies
+            10000^(-i / (D/2 - 1)), positions counted from pad_id + 1 over the non-pad tokens, padding given zeros;
+            :func:`reference_numpy.model.position_ids`; needs d_model >= 4). Only with ``positional_encoding``
+            "sinusoidal".
+        scale_embeddings: multiply the token embeddings by sqrt(d_model) (section 3.4; Hugging Face's
+            ``scale_embedding``).
+        output_bias: a bias on the pre-softmax projection, the checkpoint tensor ``generator.bias`` (V_tgt,)
+            (Marian's ``final_logits_bias``); the paper's projection has none (section 3.4).
+
+    The last four default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
     """
 
     src_vocab_size: int = 37000
@@ -100,6 +120,10 @@ class TransformerConfig(_Config):
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    activation: str = "relu"
+    sinusoidal_layout: str = "interleaved"
+    scale_embeddings: bool = True
+    output_bias: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field; NumPy scalars (``np.int64(16)``, ``np.float32(0.1)``, ``np.bool_``)
@@ -109,12 +133,13 @@ class TransformerConfig(_Config):
             self._store(name, _as_int(name, getattr(self, name), minimum=1))
         for name in ("pad_id", "bos_id", "eos_id"):
             self._store(name, _as_int(name, getattr(self, name), minimum=0))
-        for name in ("norm_first", "share_embeddings"):
+        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias"):
             self._store(name, _as_bool(name, getattr(self, name)))
         for name in ("dropout", "layer_norm_eps"):
             self._store(name, _as_float(name, getattr(self, name)))
-        if isinstance(self.positional_encoding, str):
-            self._store("positional_encoding", str(self.positional_encoding))
+        for name in ("positional_encoding", "activation", "sinusoidal_layout"):
+            if isinstance(getattr(self, name), str):
+                self._store(name, str(getattr(self, name)))
         if self.max_len > MAX_LEN_LIMIT:
             raise ValueError(f"max_len must be <= {MAX_LEN_LIMIT}, got {self.max_len}")
         if self.d_model % self.n_heads:
@@ -128,6 +153,16 @@ class TransformerConfig(_Config):
         if self.positional_encoding not in POSITIONAL_ENCODINGS:
             raise ValueError(f"positional_encoding must be one of {POSITIONAL_ENCODINGS}, "
                              f"got {self.positional_encoding!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(f"sinusoidal_layout must be one of {SINUSOIDAL_LAYOUTS}, got {self.sinusoidal_layout!r}")
+        if self.sinusoidal_layout != "interleaved" and self.positional_encoding != "sinusoidal":
+            raise ValueError(f"sinusoidal_layout {self.sinusoidal_layout!r} needs positional_encoding 'sinusoidal', "
+                             f"got {self.positional_encoding!r}")
+        if self.sinusoidal_layout == "fairseq" and self.d_model < 4:
+            raise ValueError(f"sinusoidal_layout 'fairseq' needs d_model >= 4 (its frequencies divide by "
+                             f"d_model / 2 - 1), got d_model {self.d_model}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(f"share_embeddings needs src_vocab_size ({self.src_vocab_size}) == "
                              f"tgt_vocab_size ({self.tgt_vocab_size})")

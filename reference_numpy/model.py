@@ -274,8 +274,40 @@ def _written_beams(beams: np.ndarray | tuple, index: int, length: int) -> np.nda
 
 # ----------------------------------------------------------------------------- sublayers
 
+def activation(x: np.ndarray, name: str) -> np.ndarray:
+    """The feed-forward network's nonlinearity, ``config.activation``:
+
+    * ``relu``: max(0, x) -- Eq. (2), section 3.3 (the paper);
+    * ``silu``: x sigmoid(x) = x / (1 + exp(-x)) -- Hugging Face's "swish"/"silu" (``torch.nn.SiLU``), the
+      activation of Marian's opus-mt models (Elfwing et al., 2018; Ramachandran et al., 2017);
+    * ``gelu``: x Phi(x) = x / 2 (1 + erf(x / sqrt(2))), Phi the standard normal CDF -- Hendrycks & Gimpel (2016),
+      the exact (erf) form: Hugging Face's "gelu" (``GELUActivation``, ``torch.nn.functional.gelu`` without its tanh
+      approximation), M2M100's and NLLB's.
+
+    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P (:mod:`.precision`).
+
+    Shape: (...) -> (...).
+    """
+    if name == "relu":
+        return np.maximum(x, 0)
+    dtype, h = x.dtype, wide(x)
+    if name == "silu":
+        with np.errstate(over="ignore"):                                # exp(-x) -> inf: x / inf = -0
+            return narrow((h / (1.0 + np.exp(-h))).astype(h.dtype), dtype)
+    if name == "gelu":
+        return narrow((0.5 * h * (1.0 + _erf(h / math.sqrt(2.0)).astype(h.dtype))).astype(h.dtype), dtype)
+    raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """The error function, element by element: the C library's ``erf`` (Python's ``math.erf``; NumPy has none),
+    in float64. Shape: (...) -> (...)."""
+    return np.asarray(np.frompyfunc(math.erf, 1, 1)(np.asarray(x, dtype=np.float64)), dtype=np.float64)
+
+
 class PositionwiseFeedForward:
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
+    :func:`activation` of ``config.activation``.
 
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
@@ -283,9 +315,10 @@ class PositionwiseFeedForward:
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.linear1 = Linear(params, f"{name}.linear1")
         self.linear2 = Linear(params, f"{name}.linear2")
+        self.activation = config.activation
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.linear2(np.maximum(self.linear1(x), 0))
+        return self.linear2(activation(self.linear1(x), self.activation))
 
 
 class LayerNorm:
@@ -332,32 +365,72 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- embeddings
 
-def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLike = np.float64) -> np.ndarray:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
-    -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLike = np.float64,
+                                   layout: str = "interleaved", pad_id: int = 0) -> np.ndarray:
+    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``), row p the encoding of position p:
+
+    * ``interleaved`` -- section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
+      PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); sine and cosine **interleaved** (even columns sin, odd
+      columns cos). Returns (L, D), rows 0 .. L-1.
+    * ``halves`` -- Marian (``MarianSinusoidalPositionalEmbedding.create_weight``: "features are not interleaved,
+      the cos features are in the 2nd half"): the same angles, PE(pos, i) = sin(pos / 10000^(2i/d_model)) and
+      PE(pos, D/2 + i) = cos(pos / 10000^(2i/d_model)) for i < D/2. Returns (L, D), rows 0 .. L-1.
+    * ``fairseq`` -- M2M100/NLLB (fairseq's ``SinusoidalPositionalEmbedding.get_embedding``, tensor2tensor's
+      form): frequencies w_i = exp(-i ln(10000) / (D/2 - 1)) for i < D/2 (the last one exactly 1/10000), sines in
+      the first half, cosines in the second, at the positions pad_id + 1, pad_id + 2, ... (fairseq counts
+      positions from the padding index + 1, :func:`position_ids`). Returns (L + 1, D): row 0 is zeros (what a pad
+      token reads: fairseq's row ``padding_idx``), row k >= 1 is [sin((pad_id + k) w), cos((pad_id + k) w)].
 
     The table is computed in float64 and then rounded to ``dtype`` (correctly, also for bfloat16).
-
-    Shape: returns (L, D).
     """
+    if layout == "fairseq":
+        half = d_model // 2
+        frequency = np.exp(np.arange(half, dtype=np.float64) * -(math.log(10000.0) / (half - 1)))   # (D/2,)
+        position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]                     # (L, 1)
+        table = np.zeros((length + 1, d_model), dtype=np.float64)
+        table[1:, :half] = np.sin(position * frequency)
+        table[1:, half:] = np.cos(position * frequency)
+        return round_to(table, dtype)
     position = np.arange(length, dtype=np.float64)[:, None]              # (L, 1)
     two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]          # (1, D/2)
     angle = position / np.power(10000.0, two_i / d_model)                # (L, D/2)
     table = np.empty((length, d_model), dtype=np.float64)
+    if layout == "halves":
+        table[:, :d_model // 2] = np.sin(angle)
+        table[:, d_model // 2:] = np.cos(angle)
+        return round_to(table, dtype)
     table[:, 0::2] = np.sin(angle)
     table[:, 1::2] = np.cos(angle)
     return round_to(table, dtype)
 
 
+def position_ids(tokens: np.ndarray, pad_id: int, offset: int = 0) -> np.ndarray:
+    """The row of the ``fairseq`` table (:func:`sinusoidal_positional_encoding`) each token reads: 0 for a pad
+    token, else ``offset`` plus the number of non-pad tokens of its row up to and including it -- fairseq's
+    ``utils.make_positions`` and Hugging Face's ``create_position_ids_from_input_ids`` (M2M100/NLLB), whose position
+    ids are this row + pad_id (their table's row ``padding_idx`` is the zero row, here row 0).
+
+    Positions depend on the tokens: a padded row's first real token is at row 1 wherever the padding is. In cached
+    decoding ``tokens`` holds the new positions only and ``offset`` is the step's ``cache_index`` (the number of
+    earlier positions, pad tokens included, as Hugging Face's ``past_key_values_length``): one new non-pad token at
+    cache_index c reads row c + 1, the row it reads in the whole prefix when no earlier token is a pad.
+
+    Shape: tokens (B, T) int -> rows (B, T) int64.
+    """
+    real = (np.asarray(tokens) != pad_id).astype(np.int64)              # (B, T)
+    return (offset + np.cumsum(real, axis=1)) * real
+
+
 class Embeddings:
-    """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
+    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (Hugging Face's
+    ``scale_embedding``; else by 1); in a low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.weight = params[f"{name}.weight"]  # (V, D)
-        self.scale = math.sqrt(config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         return narrow(wide(self.weight[tokens]) * self.scale, self.weight.dtype)
@@ -366,29 +439,38 @@ class Embeddings:
 class PositionalEncoding:
     """Adds position information to the embeddings (section 3.5).
 
-    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding`;
-    ``learned``: a trained (L, D) table (Table 3, row E).
+    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``;
+    ``learned``: a trained (L, D) table (Table 3, row E). Position t of ``x`` reads row ``offset`` + t, except in
+    the ``fairseq`` layout, where it reads row :func:`position_ids` of ``tokens`` (the ids ``x`` embeds; None: no
+    pad among them, rows ``offset`` + 1 .. ``offset`` + T).
 
-    Shape: x (B, T, D) -> (B, T, D), T <= L.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str, dtype: npt.DTypeLike):
+        self.pad_id = config.pad_id if config.sinusoidal_layout == "fairseq" else None
         if config.positional_encoding == "learned":
             self.table = params[f"{name}.weight"]                           # (L, D)
         else:
-            self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype)
+            self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype,
+                                                        config.sinusoidal_layout, config.pad_id)
 
-    def __call__(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
-        return add(x, self.table[offset:offset + x.shape[1]])
+    def __call__(self, x: np.ndarray, offset: int = 0, tokens: np.ndarray | None = None) -> np.ndarray:
+        if self.pad_id is None:
+            return add(x, self.table[offset:offset + x.shape[1]])
+        if tokens is None:
+            return add(x, self.table[offset + 1:offset + 1 + x.shape[1]])
+        return add(x, self.table[position_ids(tokens, self.pad_id, offset)])
 
 
 class Generator:
-    """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
+    """Pre-softmax linear transformation and log-softmax (section 3.4): logits x W, no bias (the paper), or
+    x W + b with ``config.output_bias`` (Marian's ``final_logits_bias``, the checkpoint tensor ``generator.bias``).
 
     With ``share_embeddings`` its weight is the transposed shared embedding matrix. In a low precision P the
     logits are a linear map's (computed wide, rounded to P) and their log-softmax is float32.
 
-    Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
+    Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt); ``bias`` (V_tgt,) or None.
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -396,9 +478,11 @@ class Generator:
             self.weight = params["shared_embed.weight"].T                   # (D, V)
         else:
             self.weight = params[f"{name}.weight"]                          # (D, V)
+        self.bias = params[f"{name}.bias"] if config.output_bias else None  # (V,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)  # (B, T, V)
+        bias = 0.0 if self.bias is None else wide(self.bias)
+        logits = narrow(wide(x) @ wide(self.weight) + bias, self.weight.dtype)  # (B, T, V)
         return log_softmax(wide(logits)).astype(score_dtype(self.weight.dtype))
 
 
@@ -596,7 +680,7 @@ class Transformer:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
-        x = self.src_pos(self.src_embed(src))
+        x = self.src_pos(self.src_embed(src), 0, src)
         if not return_intermediates:
             return self.encoder(x, src_mask)
         memory, layers = self.encoder(x, src_mask, return_intermediates=True)
@@ -645,7 +729,7 @@ class Transformer:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(start, length, keys)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), start)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)

@@ -51,7 +51,8 @@ _LAYOUT = {"shared_embedding": ("generator.embeddings.embedding", False),   # sr
            "linear.bias": ("{module}.bias", False),
            "layernorm.gain": ("{module}.scale", False),                     # nnx.LayerNorm
            "layernorm.bias": ("{module}.bias", False),
-           "generator": ("generator.weight", False)}                        # (D, V) like the checkpoint
+           "generator": ("generator.weight", False),                        # (D, V) like the checkpoint
+           "generator.bias": ("generator.bias", False)}
 
 
 def name_table(config: TransformerConfig) -> dict[str, str]:

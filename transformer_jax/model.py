@@ -270,8 +270,26 @@ def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int
 
 # ----------------------------------------------------------------------------- sublayers
 
+def activation(x: jax.Array, name: str) -> jax.Array:
+    """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
+    :func:`~reference_numpy.model.activation`, where each is defined): ``relu`` max(0, x) (Eq. (2)), ``silu``
+    x sigmoid(x) (``jax.nn.silu``), ``gelu`` x Phi(x), the exact erf form (``jax.nn.gelu(approximate=False)``).
+    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P.
+
+    Shape: (...) -> (...).
+    """
+    if name == "relu":
+        return jnp.maximum(x, 0)
+    if name == "silu":
+        return narrow(jax.nn.silu(wide(x)), x.dtype)
+    if name == "gelu":
+        return narrow(jax.nn.gelu(wide(x), approximate=False), x.dtype)
+    raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
+
+
 class PositionwiseFeedForward(nnx.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
+    :func:`activation` of ``config.activation``.
 
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
@@ -279,9 +297,10 @@ class PositionwiseFeedForward(nnx.Module):
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.linear1 = _linear(config.d_model, config.d_ff, dtype, rngs)
         self.linear2 = _linear(config.d_ff, config.d_model, dtype, rngs)
+        self.activation = config.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.linear2(jnp.maximum(self.linear1(x), 0))
+        return self.linear2(activation(self.linear1(x), self.activation))
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -335,21 +354,36 @@ def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
 
 # ----------------------------------------------------------------------------- embeddings
 
-def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike = jnp.float64) -> jax.Array:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
-    -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike = jnp.float64,
+                                   layout: str = "interleaved", pad_id: int = 0) -> jax.Array:
+    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``): ``interleaved`` -- section 3.5,
+    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), sine and cosine
+    **interleaved** (even columns sin, odd columns cos); ``halves`` (Marian) and ``fairseq`` (M2M100/NLLB, (L + 1, D),
+    row 0 zeros) as the reference's :func:`~reference_numpy.model.sinusoidal_positional_encoding` defines them.
 
     The table is a constant: it is computed once on the host in float64 by the reference's
     formula and rounded to ``dtype`` by the reference (in one step, also for bfloat16, whose
     casts from float64 round twice), so every model holds the correctly rounded table.
 
-    Shape: returns (L, D).
+    Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
     """
-    return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model, dtype), dtype=dtype)
+    return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model, dtype, layout, pad_id), dtype=dtype)
+
+
+def position_ids(tokens: jax.Array, pad_id: int, offset: int | jax.Array = 0) -> jax.Array:
+    """The row of the ``fairseq`` table each token reads (the reference's
+    :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
+    tokens of its row up to and including it. ``offset`` may be traced.
+
+    Shape: tokens (B, T) int -> rows (B, T) int32.
+    """
+    real = (jnp.asarray(tokens) != pad_id).astype(jnp.int32)           # (B, T)
+    return (offset + jnp.cumsum(real, axis=1)) * real
 
 
 class Embeddings(nnx.Embed):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4); Flax names the weight ``embedding``.
+    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); Flax
+    names the weight ``embedding``.
     In a low precision the product is computed in float32 (Flax's ``dtype``) and rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
@@ -357,7 +391,7 @@ class Embeddings(nnx.Embed):
 
     def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs):
         super().__init__(vocab_size, config.d_model, dtype=computation(dtype), param_dtype=dtype, rngs=rngs)
-        self.scale = math.sqrt(config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # type: ignore[override]  # the reference's call: tokens
         return narrow(super().__call__(tokens) * self.scale, self.param_dtype)
@@ -371,29 +405,39 @@ class PositionalEncoding(nnx.Module):
     """Adds position information to the embeddings (section 3.5), then dropout (section 5.4:
     "to the sums of the embeddings and the positional encodings").
 
-    ``sinusoidal``: the fixed ``table`` of :func:`sinusoidal_positional_encoding` (a constant, not a
-    parameter); ``learned``: a trained (L, D) ``weight`` (Table 3, row E), an ``nnx.Param``.
+    ``sinusoidal``: the fixed ``table`` of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``
+    (a constant, not a parameter); ``learned``: a trained (L, D) ``weight`` (Table 3, row E), an ``nnx.Param``.
+    Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads row
+    :func:`position_ids` of ``tokens`` (None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
 
-    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced; tokens (B, T) or None.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.learned = config.positional_encoding == "learned"
+        self.fairseq_pad_id = config.pad_id if config.sinusoidal_layout == "fairseq" else None
         if self.learned:
             init = nnx.initializers.normal(config.d_model ** -0.5)
             self.weight = nnx.Param(init(rngs.params(), (config.max_len, config.d_model), dtype))  # (L, D)
         else:
-            self.table = _Constant(sinusoidal_positional_encoding(config.max_len, config.d_model, dtype))  # (L, D)
+            self.table = _Constant(sinusoidal_positional_encoding(config.max_len, config.d_model, dtype,
+                                                                  config.sinusoidal_layout, config.pad_id))  # (L, D)
         self.dropout = _dropout(config, rngs)
 
-    def __call__(self, x: jax.Array, offset: int | jax.Array = 0, *, deterministic: bool | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, offset: int | jax.Array = 0, tokens: jax.Array | None = None, *,
+                 deterministic: bool | None = None) -> jax.Array:
         table = self.weight if self.learned else self.table
-        positions = lax.dynamic_slice_in_dim(table[...], offset, x.shape[1], axis=0)   # (T, D)
-        return self.dropout(add(x, positions), deterministic=deterministic)
+        if self.fairseq_pad_id is None or tokens is None:
+            start = offset if self.fairseq_pad_id is None else offset + 1
+            positions = lax.dynamic_slice_in_dim(table[...], start, x.shape[1], axis=0)   # (T, D)
+            return self.dropout(add(x, positions), deterministic=deterministic)
+        return self.dropout(add(x, table[...][position_ids(tokens, self.fairseq_pad_id, offset)]),  # (B, T, D)
+                            deterministic=deterministic)
 
 
 class Generator(nnx.Module):
-    """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
+    """Pre-softmax linear transformation and log-softmax (section 3.4): no bias (the paper), or with
+    ``config.output_bias`` a ``bias`` (V,) (Marian's ``final_logits_bias``).
 
     ``weight`` is (D, V) like the checkpoint. With ``share_embeddings`` pass the shared
     :class:`Embeddings` as ``embeddings``: its transposed matrix is the projection (tied, not
@@ -411,10 +455,14 @@ class Generator(nnx.Module):
         if embeddings is None:
             init = nnx.initializers.xavier_uniform()
             self.weight = nnx.Param(init(rngs.params(), (config.d_model, config.tgt_vocab_size), dtype))  # (D, V)
+        self.bias = nnx.Param(jnp.zeros((config.tgt_vocab_size,), dtype)) if config.output_bias else None  # (V,)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
-        logits = narrow(jnp.matmul(wide(x), wide(weight), precision=_PRECISION), weight.dtype)  # (B, T, V)
+        logits = jnp.matmul(wide(x), wide(weight), precision=_PRECISION)
+        if self.bias is not None:
+            logits = logits + wide(self.bias[...])
+        logits = narrow(logits, weight.dtype)                                                    # (B, T, V)
         return log_softmax(wide(logits))
 
 
@@ -651,7 +699,7 @@ class Transformer(nnx.Module):
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
-        x = self.src_pos(self.src_embed(src), deterministic=deterministic)
+        x = self.src_pos(self.src_embed(src), 0, src, deterministic=deterministic)
         if not return_intermediates:
             return self.encoder(x, src_mask, deterministic=deterministic)
         memory, layers = self.encoder(x, src_mask, return_intermediates=True, deterministic=deterministic)
@@ -702,7 +750,7 @@ class Transformer(nnx.Module):
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(offset, length, keys)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), offset, deterministic=deterministic)
+        y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,
                                 deterministic=deterministic)

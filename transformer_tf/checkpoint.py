@@ -51,7 +51,8 @@ _LAYOUT = {"shared_embedding": ("src_embed.weight", False),                # tgt
            "linear.bias": ("{module}.bias", False),
            "layernorm.gain": ("{module}.gamma", False),                     # keras.layers.LayerNormalization
            "layernorm.bias": ("{module}.beta", False),
-           "generator": ("generator.weight", False)}
+           "generator": ("generator.weight", False),
+           "generator.bias": ("generator.bias", False)}
 
 
 def name_table(config: TransformerConfig) -> dict[str, str]:

@@ -121,7 +121,7 @@ def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: t
     output, pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
-    log_probs = _generated(out[:, position], weight)                                       # (N, V)
+    log_probs = _generated(out[:, position], weight, model.generator._bias())              # (N, V)
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
                                                                           model.config.bos_id], axis=1)  # (V,)
     return tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)

@@ -325,10 +325,29 @@ def _written_beams(beams: tf.Tensor | tuple, index: Index, length: int) -> tf.Te
 
 # ----------------------------------------------------------------------------- sublayers
 
+def activation(x: tf.Tensor, name: str) -> tf.Tensor:
+    """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
+    :func:`~reference_numpy.model.activation`, where each is defined): ``relu`` max(0, x) (Eq. (2)), ``silu``
+    x sigmoid(x) (``tf.nn.silu``), ``gelu`` x Phi(x) = x / 2 (1 + erf(x / sqrt(2))), the exact form, written with
+    ``tf.math.erf`` (``tf.nn.gelu(approximate=False)`` evaluates erfc(-x / sqrt(2)), 5e-9 off in float64).
+    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P.
+
+    Shape: (...) -> (...).
+    """
+    if name == "relu":
+        return tf.maximum(x, 0)
+    if name == "silu":
+        return narrow(tf.nn.silu(wide(x)), x.dtype)
+    if name == "gelu":
+        h = wide(x)
+        return narrow(0.5 * h * (1.0 + tf.math.erf(h / math.sqrt(2.0))), x.dtype)
+    raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
+
+
 @register
 class PositionwiseFeedForward(_TransformerLayer):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3. In a low precision the hidden layer is
-    stored in P (ReLU of a P number is exact).
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
+    :func:`activation` of ``config.activation``. In a low precision the hidden layer is stored in P.
 
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
@@ -343,7 +362,7 @@ class PositionwiseFeedForward(_TransformerLayer):
         self.linear2.build((None, self.config.d_ff))
 
     def call(self, x):
-        return self.linear2(tf.maximum(self.linear1(x), 0))
+        return self.linear2(activation(self.linear1(x), self.config.activation))
 
 
 @register
@@ -395,27 +414,55 @@ def add(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
 
 # ----------------------------------------------------------------------------- embeddings
 
-def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike | tf.DType = "float64") -> tf.Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
-    -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
+def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike | tf.DType = "float64",
+                                   layout: str = "interleaved", pad_id: int = 0) -> tf.Tensor:
+    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``), as the reference's
+    :func:`~reference_numpy.model.sinusoidal_positional_encoding` defines it: ``interleaved`` -- section 3.5,
+    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), sine and cosine
+    **interleaved** (even columns sin, odd columns cos); ``halves`` (Marian) the same angles, every sine first, then
+    every cosine; ``fairseq`` (M2M100/NLLB) sines then cosines of (pad_id + k) w_i, w_i = exp(-i ln(10000) / (D/2 - 1)),
+    at rows k = 1 .. L, row 0 zeros.
 
     The table is computed in float64 and then rounded to ``dtype``; to bfloat16 or float16 by the
     reference's ``round_to``, eagerly (TensorFlow's float64 -> bfloat16 cast rounds twice, through float32).
 
-    Shape: returns (L, D).
+    Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
     """
-    position = tf.range(length, dtype=tf.float64)[:, None]                # (L, 1)
-    two_i = tf.range(0, d_model, 2, dtype=tf.float64)[None, :]            # (1, D/2)
-    angle = position / tf.pow(tf.constant(10000.0, tf.float64), two_i / d_model)  # (L, D/2)
-    table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
+    if layout == "fairseq":
+        half = d_model // 2
+        frequency = tf.exp(tf.range(half, dtype=tf.float64) * -(math.log(10000.0) / (half - 1)))  # (D/2,)
+        position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]                    # (L, 1)
+        angle = position * frequency[None, :]                                                    # (L, D/2)
+        table = tf.concat([tf.zeros((1, d_model), tf.float64),
+                           tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)], axis=0)          # (L + 1, D)
+    else:
+        position = tf.range(length, dtype=tf.float64)[:, None]                # (L, 1)
+        two_i = tf.range(0, d_model, 2, dtype=tf.float64)[None, :]            # (1, D/2)
+        angle = position / tf.pow(tf.constant(10000.0, tf.float64), two_i / d_model)  # (L, D/2)
+        if layout == "halves":
+            table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)                               # (L, D)
+        else:
+            table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
     if is_low(dtype):
         return tf.constant(round_to(table.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
     return tf.cast(table, dtype)
 
 
+def position_ids(tokens: tf.Tensor, pad_id: int, offset: Index = 0) -> tf.Tensor:
+    """The row of the ``fairseq`` table each token reads (the reference's
+    :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
+    tokens of its row up to and including it. ``offset`` may be a tensor (cached decoding).
+
+    Shape: tokens (B, T) int -> rows (B, T) int32.
+    """
+    real = tf.cast(tf.not_equal(tokens, tf.cast(pad_id, tokens.dtype)), tf.int32)   # (B, T)
+    return (tf.cast(offset, tf.int32) + tf.cumsum(real, axis=1)) * real
+
+
 @register
 class Embeddings(_TransformerLayer):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
+    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); in a
+    low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
@@ -423,7 +470,7 @@ class Embeddings(_TransformerLayer):
     def __init__(self, config: TransformerConfig | dict, vocab_size: int, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.vocab_size = vocab_size
-        self.scale = math.sqrt(self.config.d_model)
+        self.scale = math.sqrt(self.config.d_model) if self.config.scale_embeddings else 1.0
 
     def build(self, input_shape=None):
         limit = math.sqrt(3.0 / self.config.d_model)  # standard deviation d_model^-0.5
@@ -441,12 +488,13 @@ class Embeddings(_TransformerLayer):
 class PositionalEncoding(_TransformerLayer):
     """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
 
-    ``weight`` is the (L, D) table: ``sinusoidal``, the fixed table of
-    :func:`sinusoidal_positional_encoding` (a constant, not a Keras weight); ``learned``, a
-    trained table (Table 3, row E).
+    ``weight`` is the table: ``sinusoidal``, the fixed table of :func:`sinusoidal_positional_encoding` in
+    ``config.sinusoidal_layout`` (a constant, not a Keras weight); ``learned``, a trained (L, D) table (Table 3,
+    row E). Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads row
+    :func:`position_ids` of ``tokens`` (None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
 
     Shape: x (B, T, D) -> (B, T, D): positions ``offset`` .. ``offset`` + T - 1 <= L - 1;
-    ``offset`` may be a tensor (cached decoding).
+    ``offset`` may be a tensor (cached decoding); tokens (B, T) or None.
     """
 
     def __init__(self, config, **kwargs):
@@ -461,17 +509,24 @@ class PositionalEncoding(_TransformerLayer):
             self.weight = self.add_weight(name="weight", shape=(cfg.max_len, cfg.d_model),
                                           initializer=keras.initializers.RandomUniform(-limit, limit))
         else:
-            self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype)
+            self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype,
+                                                         cfg.sinusoidal_layout, cfg.pad_id)
 
-    def call(self, x, offset=0, training=None):
-        table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
-                         (tf.shape(x)[1], self.config.d_model))            # (T, D)
-        return self.dropout(add(x, table), training=training)
+    def call(self, x, offset=0, tokens=None, training=None):
+        fairseq = self.config.sinusoidal_layout == "fairseq"
+        if not fairseq or tokens is None:
+            offset = offset + 1 if fairseq else offset
+            table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
+                             (tf.shape(x)[1], self.config.d_model))            # (T, D)
+            return self.dropout(add(x, table), training=training)
+        return self.dropout(add(x, tf.gather(tf.convert_to_tensor(self.weight),                 # (B, T, D)
+                                             position_ids(tokens, self.config.pad_id, offset))), training=training)
 
 
 @register
 class Generator(_TransformerLayer):
-    """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
+    """Pre-softmax linear transformation and log-softmax (section 3.4): no bias (the paper), or with
+    ``config.output_bias`` a ``bias`` (V,) (Marian's ``final_logits_bias``).
 
     With ``share_embeddings`` its weight is the transposed shared embedding matrix: pass the
     shared :class:`Embeddings` layer as ``embeddings``. In a low precision P the logits are a linear
@@ -490,9 +545,11 @@ class Generator(_TransformerLayer):
         if self.embeddings is None:
             self.weight = self.add_weight(name="weight", shape=(self.config.d_model, self.config.tgt_vocab_size),
                                           initializer="glorot_uniform")   # (D, V)
+        self.bias = self.add_weight(name="bias", shape=(self.config.tgt_vocab_size,), initializer="zeros") \
+            if self.config.output_bias else None                           # (V,)
 
     def call(self, x):
-        return _generated(x, self._weight())
+        return _generated(x, self._weight(), self._bias())
 
     def _weight(self) -> tf.Tensor:
         """The (D, V) weight: the shared embedding transposed, or the layer's own."""
@@ -500,14 +557,21 @@ class Generator(_TransformerLayer):
             return tf.transpose(self.embeddings.weight)
         return tf.convert_to_tensor(self.weight)
 
+    def _bias(self) -> tf.Tensor | None:
+        """The (V,) bias of ``output_bias``, or None."""
+        return None if self.bias is None else tf.convert_to_tensor(self.bias)
 
-def _generated(x: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
-    """The generator's log-probabilities with a given (D, V) ``weight`` (a search reads it once): the logits
-    x W (wide, rounded to x's P), then their log-softmax (float32 for P).
+
+def _generated(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
+    """The generator's log-probabilities with a given (D, V) ``weight`` (a search reads it once) and (V,) ``bias``
+    (None: none): the logits x W (+ b) (wide, rounded to x's P), then their log-softmax (float32 for P).
 
     Shape: x (..., D) -> (..., V).
     """
-    logits = narrow(tf.matmul(wide(x), wide(weight)), x.dtype)        # (..., V)
+    logits = tf.matmul(wide(x), wide(weight))
+    if bias is not None:
+        logits = logits + wide(bias)
+    logits = narrow(logits, x.dtype)                                   # (..., V)
     return log_softmax(wide(logits))
 
 
@@ -765,7 +829,7 @@ class Transformer(_TransformerLayer, keras.Model):
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
-        x = self.src_pos(self.src_embed(src), training=training)
+        x = self.src_pos(self.src_embed(src), 0, src, training=training)
         if not return_intermediates:
             return self.encoder(x, src_mask, training=training)
         memory, layers = self.encoder(x, src_mask, return_intermediates=True, training=training)
@@ -815,7 +879,7 @@ class Transformer(_TransformerLayer, keras.Model):
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(cache_index, length, tf.shape(cache[0][0].keys)[2])   # C, also when traced
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, training=training)
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, tgt, training=training)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index, training=training)

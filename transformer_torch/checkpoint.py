@@ -51,7 +51,8 @@ _LAYOUT = {"shared_embedding": ("src_embed.weight", False),     # tgt_embed and 
            "linear.bias": ("{module}.bias", False),
            "layernorm.gain": ("{module}.weight", False),
            "layernorm.bias": ("{module}.bias", False),
-           "generator": ("generator.weight", True)}             # checkpoint (D, V), torch (V, D)
+           "generator": ("generator.weight", True),             # checkpoint (D, V), torch (V, D)
+           "generator.bias": ("generator.bias", False)}
 
 
 def name_table(config: TransformerConfig) -> dict[str, str]:

@@ -303,8 +303,26 @@ def _positions(start: Index, length: int) -> slice | Tensor:
 
 # ----------------------------------------------------------------------------- sublayers
 
+def activation(x: Tensor, name: str) -> Tensor:
+    """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
+    :func:`~reference_numpy.model.activation`, where each is defined): ``relu`` max(0, x) (Eq. (2)), ``silu``
+    x sigmoid(x) (``F.silu``), ``gelu`` x Phi(x), the exact erf form (``F.gelu``, not its tanh approximation).
+    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P.
+
+    Shape: (...) -> (...).
+    """
+    if name == "relu":
+        return torch.relu(x)
+    if name == "silu":
+        return narrow(F.silu(wide(x)), x.dtype)
+    if name == "gelu":
+        return narrow(F.gelu(wide(x)), x.dtype)
+    raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
+
+
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  -- Eq. (2), section 3.3.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
+    :func:`activation` of ``config.activation``.
 
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
@@ -313,9 +331,10 @@ class PositionwiseFeedForward(nn.Module):
         super().__init__()
         self.linear1 = _Linear(config.d_model, config.d_ff)
         self.linear2 = _Linear(config.d_ff, config.d_model)
+        self.activation = config.activation
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(torch.relu(self.linear1(x)))
+        return self.linear2(activation(self.linear1(x), self.activation))
 
 
 class LayerNorm(nn.LayerNorm):
@@ -362,16 +381,31 @@ def add(x: Tensor, y: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- embeddings
 
 def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype = torch.float64,
-                                   device: torch.device | str | None = None) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))
-    -- section 3.5. Sine and cosine are **interleaved** (even columns sin, odd columns cos).
+                                   device: torch.device | str | None = None, layout: str = "interleaved",
+                                   pad_id: int = 0) -> Tensor:
+    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``): ``interleaved`` -- section 3.5,
+    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), sine and cosine
+    **interleaved** (even columns sin, odd columns cos); ``halves`` (Marian) and ``fairseq`` (M2M100/NLLB, (L + 1, D),
+    row 0 zeros) as the reference's :func:`~reference_numpy.model.sinusoidal_positional_encoding` defines them.
 
     The table is the reference's own (computed in float64 with NumPy's sin/cos and rounded once to
     ``dtype``, correctly also for bfloat16, whose torch cast from float64 rounds twice), on ``device``.
 
-    Shape: returns (L, D).
+    Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
     """
-    return from_numpy(reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype))).to(device=device)
+    table = reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype), layout, pad_id)
+    return from_numpy(table).to(device=device)
+
+
+def position_ids(tokens: Tensor, pad_id: int, offset: Index = 0) -> Tensor:
+    """The row of the ``fairseq`` table each token reads (the reference's
+    :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
+    tokens of its row up to and including it. ``offset`` may be a traced tensor (an exported decoding step).
+
+    Shape: tokens (B, T) int -> rows (B, T) int64.
+    """
+    real = (tokens != pad_id).long()                                    # (B, T)
+    return (offset + torch.cumsum(real, dim=1)) * real
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
@@ -383,7 +417,8 @@ def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
 
 
 class Embeddings(nn.Module):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4); in a low precision the product rounded to P.
+    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); in a
+    low precision the product rounded to P.
 
     Shape: tokens (B, T) int -> (B, T, D); ``weight`` (V, D).
     """
@@ -391,7 +426,7 @@ class Embeddings(nn.Module):
     def __init__(self, config: TransformerConfig, vocab_size: int):
         super().__init__()
         self.weight = _normal_parameter(vocab_size, config.d_model, std=config.d_model ** -0.5)  # (V, D)
-        self.scale = math.sqrt(config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
     def forward(self, tokens: Tensor) -> Tensor:
         weight = self.weight
@@ -407,45 +442,53 @@ class Embeddings(nn.Module):
 class PositionalEncoding(nn.Module):
     """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
 
-    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding`, a non-persistent
-    buffer (not in ``state_dict``) re-derived from float64 whenever the module is cast, so that a
+    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``, a
+    non-persistent buffer (not in ``state_dict``) re-derived from float64 whenever the module is cast, so that a
     float32 -> float64 round trip keeps exact positions; ``learned``: a trained (L, D) ``weight``
-    (Table 3, row E).
+    (Table 3, row E). Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads
+    row :func:`position_ids` of ``tokens`` (None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
 
-    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be a traced tensor.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be a traced tensor; tokens (B, T) or None.
     """
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.learned = config.positional_encoding == "learned"
         self.max_len, self.d_model = config.max_len, config.d_model
+        self.layout, self.pad_id = config.sinusoidal_layout, config.pad_id
         self.table: Tensor
         if self.learned:
             self.weight = _normal_parameter(config.max_len, config.d_model, std=config.d_model ** -0.5)  # (L, D)
         else:
             self.register_buffer("table", sinusoidal_positional_encoding(config.max_len, config.d_model,
-                                                                         torch.get_default_dtype()),
-                                 persistent=False)                        # (L, D)
+                                                                         torch.get_default_dtype(), None,
+                                                                         self.layout, self.pad_id),
+                                 persistent=False)                        # (L, D), or (L + 1, D)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, offset: Index = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: Index = 0, tokens: Tensor | None = None) -> Tensor:
         table = self.weight if self.learned else self.table
-        return self.dropout(add(x, table[_positions(offset, x.shape[1])]))
+        if self.layout != "fairseq":
+            return self.dropout(add(x, table[_positions(offset, x.shape[1])]))
+        if tokens is None:
+            return self.dropout(add(x, table[_positions(offset + 1, x.shape[1])]))
+        return self.dropout(add(x, table[position_ids(tokens, self.pad_id, offset)]))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if not self.learned:
             self.table = sinusoidal_positional_encoding(self.max_len, self.d_model, self.table.dtype,
-                                                        self.table.device)
+                                                        self.table.device, self.layout, self.pad_id)
         return self
 
 
 class Generator(nn.Module):
-    """Pre-softmax linear transformation and log-softmax (section 3.4); no bias.
+    """Pre-softmax linear transformation and log-softmax (section 3.4): no bias (the paper), or with
+    ``config.output_bias`` a ``bias`` (V,) (Marian's ``final_logits_bias``).
 
     ``weight`` is (V, D) as in ``nn.Linear``. With ``share_embeddings`` pass the shared
     :class:`Embeddings` as ``embeddings``: its weight is the projection (tied, not copied) and
-    the generator has no parameter of its own. In a low precision P the logits are a linear map's
+    the generator has no weight of its own. In a low precision P the logits are a linear map's
     (computed wide, rounded to P) and their log-softmax is float32.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
@@ -459,10 +502,11 @@ class Generator(nn.Module):
         if embeddings is None:
             self.weight = nn.Parameter(torch.empty(config.tgt_vocab_size, config.d_model))  # (V, D)
             nn.init.xavier_uniform_(self.weight)
+        self.bias = nn.Parameter(torch.zeros(config.tgt_vocab_size)) if config.output_bias else None  # (V,)
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
-        return log_softmax(wide(_linear(x, weight)))                                      # logits (B, T, V)
+        return log_softmax(wide(_linear(x, weight, self.bias)))                           # logits (B, T, V)
 
 
 def log_softmax(x: Tensor) -> Tensor:
@@ -680,7 +724,7 @@ class Transformer(nn.Module):
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), self.device)
-        x = self.src_pos(self.src_embed(src))
+        x = self.src_pos(self.src_embed(src), 0, src)
         if not return_intermediates:
             return self.encoder(x, src_mask)
         memory, layers = self.encoder(x, src_mask, return_intermediates=True)
@@ -730,7 +774,7 @@ class Transformer(nn.Module):
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(start, length, keys, self.device)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
-        y = self.tgt_pos(self.tgt_embed(tgt), start)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)
