@@ -3,12 +3,14 @@ against the reference under the one policy of :mod:`equivalence.tolerance` (``do
 configuration space").
 
 A :class:`Case` is a configuration (widths, head counts odd and even, one or two layers per side, pre- or post-LN,
-either positional encoding, shared or separate embeddings, vocabularies with the special ids anywhere, tiny and
-large LayerNorm epsilons), seeded weights times a scale, and a batch (lengths 1..max_len, padding down to fully
-padded rows, explicit bool masks or the default ones, the token ids' integer type). :func:`check` runs one backend
-on it against the reference: the forward stages in float64 and float32, greedy decoding in float64, the loss, its
-gradient and one Adam step in float64. Where the reference in a precision overflows, the backend must give the same
-non-finite values at the same places (NaN where NaN, the same infinities) and agree on the rest.
+either positional encoding and every sinusoidal layout (fairseq's from d_model 4), every feed-forward activation,
+scaled or unscaled embeddings, a logits bias or none, shared or separate embeddings, vocabularies with the special
+ids anywhere, tiny and large LayerNorm epsilons), seeded weights times a scale, and a batch (lengths 1..max_len,
+padding down to fully padded rows, explicit bool masks or the default ones, the token ids' integer type).
+:func:`check` runs one backend on it against the reference: the forward stages in float64 and float32, greedy
+decoding in float64, the loss, its gradient and one Adam step in float64. Where the reference in a precision
+overflows, the backend must give the same non-finite values at the same places (NaN where NaN, the same infinities)
+and agree on the rest.
 
 Hypothesis draws the cases (:func:`cases`) and shrinks a failing one to a minimal :class:`Case`, whose
 :meth:`Case.command` replays it: ``python scripts/fuzz_configs.py --replay '<json>'``.
@@ -26,7 +28,13 @@ from hypothesis import strategies as st
 
 from reference_numpy import decoding
 from reference_numpy import training as reference_training
-from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.config import (
+    ACTIVATIONS,
+    POSITIONAL_ENCODINGS,
+    SINUSOIDAL_LAYOUTS,
+    TrainingConfig,
+    TransformerConfig,
+)
 from reference_numpy.model import Transformer
 
 from . import tolerance
@@ -80,12 +88,17 @@ def configs(draw: st.DrawFn) -> TransformerConfig:
     src_vocab = draw(st.integers(3, 24))
     tgt_vocab = src_vocab if share else draw(st.integers(3, 24))
     pad, bos, eos = draw(st.permutations(range(min(src_vocab, tgt_vocab))))[:3]
+    positional_encoding = draw(st.sampled_from(POSITIONAL_ENCODINGS))
+    layouts = [layout for layout in SINUSOIDAL_LAYOUTS if layout != "fairseq" or n_heads * d_k >= 4] \
+        if positional_encoding == "sinusoidal" else ["interleaved"]
     return TransformerConfig(
         src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=n_heads * d_k, n_heads=n_heads,
         d_ff=draw(st.integers(1, 16)), n_encoder_layers=draw(st.integers(1, 2)),
         n_decoder_layers=draw(st.integers(1, 2)), dropout=0.0, layer_norm_eps=draw(st.sampled_from(EPSILONS)),
-        norm_first=draw(st.booleans()), positional_encoding=draw(st.sampled_from(("sinusoidal", "learned"))),
-        max_len=draw(st.integers(1, 6)), share_embeddings=share, pad_id=pad, bos_id=bos, eos_id=eos)
+        norm_first=draw(st.booleans()), positional_encoding=positional_encoding,
+        max_len=draw(st.integers(1, 6)), share_embeddings=share, pad_id=pad, bos_id=bos, eos_id=eos,
+        activation=draw(st.sampled_from(ACTIVATIONS)), sinusoidal_layout=draw(st.sampled_from(layouts)),
+        scale_embeddings=draw(st.booleans()), output_bias=draw(st.booleans()))
 
 
 @st.composite
