@@ -185,6 +185,21 @@ class TransformerConfig(_Config):
         return PRESETS[name].replace(**changes)
 
 
+def refuse_choices(config: TransformerConfig, target: str, **supported: tuple[Any, ...]) -> None:
+    """One ValueError naming the first field whose value ``target`` (an export, a peer library) cannot express:
+    ``supported`` maps a field to the values it can. Shape: nothing returned."""
+    for name, values in supported.items():
+        if getattr(config, name) not in values:
+            raise ValueError(f"{name} {getattr(config, name)!r} is not supported by {target} "
+                             f"(it supports {', '.join(repr(value) for value in values)})")
+
+
+# The paper's choices of the fields Hugging Face's families added (docs/reference.md, "The configuration"): what a
+# target written for the paper's model alone supports.
+PAPER_CHOICES: dict[str, tuple[Any, ...]] = {"activation": ("relu",), "sinusoidal_layout": ("interleaved",),
+                                             "scale_embeddings": (True,), "output_bias": (False,)}
+
+
 def _check_field_names(cls: type, changes: dict) -> None:
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)}, key=str)
     if unknown:

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reference_numpy.config import TransformerConfig
+from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 
 from . import checkpoint
 from .model import Embeddings, Generator, PositionalEncoding, Transformer, padding_mask, target_mask
@@ -118,7 +118,8 @@ def to_nn_mask(mask: Tensor, batch: int, n_heads: int, query_length: int, key_le
 
 def build_nn_transformer(config: TransformerConfig) -> nn.Transformer:
     """An ``nn.Transformer`` (batch_first, ReLU) with the paper's structure for ``config``:
-    final norms only for pre-LN (``norm_first``)."""
+    final norms only for pre-LN (``norm_first``). The paper's other choices only (``config.PAPER_CHOICES``)."""
+    refuse_choices(config, "torch.nn.Transformer interop", **PAPER_CHOICES)
     layer_args: dict[str, Any] = dict(d_model=config.d_model, nhead=config.n_heads, dim_feedforward=config.d_ff,
                       dropout=config.dropout, activation="relu", layer_norm_eps=config.layer_norm_eps,
                       batch_first=True, norm_first=config.norm_first)

@@ -38,7 +38,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from reference_numpy.config import TransformerConfig
+from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 from reference_numpy.decoding import max_output_lengths
 from reference_numpy.model import padding_mask, sinusoidal_positional_encoding
 from transformer_cli.backends import Missing
@@ -205,6 +205,7 @@ class MarianPeer:
         from transformers import MarianConfig, MarianMTModel
         if config.norm_first:
             raise ValueError("norm_first is True: MarianMTModel is post-LN only (a LayerNorm after each residual)")
+        refuse_choices(config, "this MarianMTModel peer (built with the paper's choices)", **PAPER_CHOICES)
         self.torch, self.config = torch, config
         share = config.share_embeddings
         marian = MarianConfig(vocab_size=config.src_vocab_size, decoder_vocab_size=config.tgt_vocab_size,

@@ -61,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
-from reference_numpy.config import TransformerConfig
+from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 from reference_numpy.model import sinusoidal_positional_encoding
 from transformer_cli.arguments import refuse_input
 
@@ -258,7 +258,9 @@ def variable_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
 # ----------------------------------------------------------------------------- building the spec
 
 def check_representable(config: TransformerConfig, params: dict[str, np.ndarray]) -> None:
-    """Refuse, with one ``ValueError`` naming the field or tensor, what a float32 CTranslate2 model cannot hold."""
+    """Refuse, with one ``ValueError`` naming the field or tensor, what a float32 CTranslate2 model cannot hold, and
+    the configuration choices this export does not write (it writes the paper's: ``config.PAPER_CHOICES``)."""
+    refuse_choices(config, "the CTranslate2 export", **PAPER_CHOICES)
     if config.n_heads > INT16_MAX:
         raise ValueError(f"n_heads ({config.n_heads}) exceeds {INT16_MAX}, the most CTranslate2 stores (int16)")
     eps = np.float32(config.layer_norm_eps)
