@@ -92,6 +92,7 @@ def consistent(kind: str, bug: str, edits: list[tuple[str, str, str]], catch: li
 ORACLE = ["tests/test_oracle.py"]
 LOSS_ORACLE = ["tests/test_loss_oracle.py"]
 DECODING_ORACLE = ["tests/test_decoding_oracle.py", "tests/test_decoding.py"]
+CHOICES_ORACLE = ["tests/test_config_choices.py"]
 
 
 def agreement(variants: str, decoding: bool = False) -> list[str]:
@@ -289,8 +290,8 @@ FINAL_NORMS = [
 
 EMBEDDING_SCALE = [
     consistent("embedding-scale", "source embeddings not scaled by sqrt(d_model) (the target's still are)", [
-        (RM, "x = self.src_pos(self.src_embed(src))", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
-        (TM, "x = self.src_pos(self.src_embed(src))", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale)"),
+        (RM, "x = self.src_pos(self.src_embed(src),", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
+        (TM, "x = self.src_pos(self.src_embed(src),", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
         (JM, "self.src_pos(self.src_embed(src),", "self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
         (FM, "x = self.src_pos(self.src_embed(src),", "x = self.src_pos(self.src_embed(src) / self.src_embed.scale,"),
     ], ORACLE, agreement("tiny or shared_embeddings")),
@@ -331,21 +332,62 @@ EPSILON = [
 
 ACTIVATION = [
     consistent("activation", "feed-forward: GELU (tanh approximation) instead of ReLU", [
-        (RM, "self.linear2(np.maximum(self.linear1(x), 0))",
-         "self.linear2((lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))))"
-         "(self.linear1(x)))"),
-        (TM, "self.linear2(torch.relu(self.linear1(x)))", "self.linear2(F.gelu(self.linear1(x), approximate=\"tanh\"))"),
-        (JM, "self.linear2(jnp.maximum(self.linear1(x), 0))", "self.linear2(jax.nn.gelu(self.linear1(x), approximate=True))"),
-        (FM, "self.linear2(tf.maximum(self.linear1(x), 0))",          # tf.nn.gelu is 9e-10 off this formula in float64
-         "self.linear2((lambda h: 0.5 * h * (1 + tf.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))))"
-         "(self.linear1(x)))"),
+        (RM, "        return np.maximum(x, 0)\n",
+         "        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))\n"),
+        (TM, "        return torch.relu(x)\n", "        return F.gelu(x, approximate=\"tanh\")\n"),
+        (JM, "        return jnp.maximum(x, 0)\n", "        return jax.nn.gelu(x, approximate=True)\n"),
+        (FM, "        return tf.maximum(x, 0)\n",          # tf.nn.gelu is 9e-10 off this formula in float64
+         "        return 0.5 * x * (1 + tf.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))\n"),
     ], ORACLE, agreement("tiny")),
     consistent("activation", "feed-forward: no activation (two stacked linear maps)", [
-        (RM, "self.linear2(np.maximum(self.linear1(x), 0))", "self.linear2(self.linear1(x))"),
-        (TM, "self.linear2(torch.relu(self.linear1(x)))", "self.linear2(self.linear1(x))"),
-        (JM, "self.linear2(jnp.maximum(self.linear1(x), 0))", "self.linear2(self.linear1(x))"),
-        (FM, "self.linear2(tf.maximum(self.linear1(x), 0))", "self.linear2(self.linear1(x))"),
+        (RM, "        return np.maximum(x, 0)\n", "        return x\n"),
+        (TM, "        return torch.relu(x)\n", "        return x\n"),
+        (JM, "        return jnp.maximum(x, 0)\n", "        return x\n"),
+        (FM, "        return tf.maximum(x, 0)\n", "        return x\n"),
     ], ORACLE, agreement("tiny")),
+    consistent("activation", "SiLU: x sigmoid(-x) (the sigmoid's sign flipped)", [
+        (RM, "return narrow((h / (1.0 + np.exp(-h))).astype(h.dtype), dtype)",
+         "return narrow((h / (1.0 + np.exp(h))).astype(h.dtype), dtype)"),
+        (TM, "return narrow(F.silu(wide(x)), x.dtype)", "return narrow(wide(x) * torch.sigmoid(-wide(x)), x.dtype)"),
+        (JM, "return narrow(jax.nn.silu(wide(x)), x.dtype)", "return narrow(wide(x) * jax.nn.sigmoid(-wide(x)), x.dtype)"),
+        (FM, "return narrow(tf.nn.silu(wide(x)), x.dtype)", "return narrow(wide(x) * tf.sigmoid(-wide(x)), x.dtype)"),
+    ], CHOICES_ORACLE + ["-k", "activations"], agreement("marian")),
+]
+
+# The choices of Hugging Face's families (tests/test_config_choices.py holds their oracles).
+CHOICES = [
+    single("positional-encoding", "keras: Marian's halves swapped (the cosines first, then the sines)",
+           "transformer_tf/model.py",
+           "table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
+           "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)",
+           ["tests/test_agreement.py", "-k", "tf and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
+    consistent("positional-encoding", "Marian's halves swapped (the cosines first, then the sines)", [
+        (RM, "        table[:, :d_model // 2] = np.sin(angle)\n        table[:, d_model // 2:] = np.cos(angle)",
+         "        table[:, :d_model // 2] = np.cos(angle)\n        table[:, d_model // 2:] = np.sin(angle)"),
+        (FM, "table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
+         "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)"),
+    ], CHOICES_ORACLE + ["-k", "halves_table or marian_table or embedded_source"], agreement("marian"), shared=(TORCH, JAX)),
+    single("output-bias", "torch: the logits bias dropped", "transformer_torch/model.py",
+           "return log_softmax(wide(_linear(x, weight, self.bias)))", "return log_softmax(wide(_linear(x, weight)))",
+           ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
+    consistent("output-bias", "the logits bias dropped", [
+        (RM, "bias = 0.0 if self.bias is None else wide(self.bias)", "bias = 0.0"),
+        (TM, "return log_softmax(wide(_linear(x, weight, self.bias)))", "return log_softmax(wide(_linear(x, weight)))"),
+        (JM, "        if self.bias is not None:\n            logits = logits + wide(self.bias[...])",
+         "        if False:\n            logits = logits + wide(self.bias[...])"),
+        (FM, "    if bias is not None:\n        logits = logits + wide(bias)",
+         "    if False:\n        logits = logits + wide(bias)"),
+    ], CHOICES_ORACLE + ["-k", "logits_bias_by_hand"], agreement("marian")),
+    single("positional-encoding", "jax: fairseq's positions one past their row (counted from pad_id + 2)",
+           "transformer_jax/model.py", "return (offset + jnp.cumsum(real, axis=1)) * real",
+           "return (offset + 1 + jnp.cumsum(real, axis=1)) * real",
+           ["tests/test_agreement.py", "-k", "jax and cpu and test_forward_stages and fairseq and float64 and ragged_batch"]),
+    consistent("positional-encoding", "fairseq's positions counted from pad_id, not pad_id + 1 (the offset off by one)", [
+        (RM, "position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]",
+         "position = pad_id + np.arange(0, length, dtype=np.float64)[:, None]"),
+        (FM, "position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]",
+         "position = pad_id + tf.range(0, length, dtype=tf.float64)[:, None]"),
+    ], CHOICES_ORACLE + ["-k", "fairseq_table or embedded_source"], agreement("fairseq"), shared=(TORCH, JAX)),
 ]
 
 LEARNED_PE = [
@@ -651,11 +693,12 @@ PRECISION = [
            "transformer_tf/speed.py", "    return not is_low(tf.as_dtype(model.compute_dtype).as_numpy_dtype)", "    return True",
            low_precision("tf and test_log_probs and float16")),
     consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
-        (RM, "logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)", "logits = wide(x) @ wide(self.weight)"),
-        (TM, "return log_softmax(wide(_linear(x, weight)))", "return log_softmax(_linear(wide(x), wide(weight)))"),
-        (JM, "logits = narrow(jnp.matmul(wide(x), wide(weight), precision=_PRECISION), weight.dtype)",
-         "logits = jnp.matmul(wide(x), wide(weight), precision=_PRECISION)"),
-        (FM, "logits = narrow(tf.matmul(wide(x), wide(weight)), x.dtype)", "logits = tf.matmul(wide(x), wide(weight))"),
+        (RM, "logits = narrow(wide(x) @ wide(self.weight) + bias, self.weight.dtype)",
+         "logits = wide(x) @ wide(self.weight) + bias"),
+        (TM, "return log_softmax(wide(_linear(x, weight, self.bias)))",
+         "return log_softmax(_linear(wide(x), wide(weight), None if self.bias is None else wide(self.bias)))"),
+        (JM, "logits = narrow(logits, weight.dtype)", "logits = logits"),
+        (FM, "logits = narrow(logits, x.dtype)", "logits = logits"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "torch: the embedding's gradient rows summed in P (torch's own embedding backward)",
            "transformer_torch/model.py",
@@ -672,7 +715,7 @@ PRECISION = [
            ["tests/test_training.py", "-k", "mixed_precision_steps and torch and bfloat16"]),
 ]
 
-MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,
+MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *TIES, *LOG_SOFTMAX, *TRAINING, *TEXT,
              *DATA_PARALLEL, *PRECISION]
 
