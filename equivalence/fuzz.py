@@ -88,17 +88,24 @@ def configs(draw: st.DrawFn) -> TransformerConfig:
     src_vocab = draw(st.integers(3, 24))
     tgt_vocab = src_vocab if share else draw(st.integers(3, 24))
     pad, bos, eos = draw(st.permutations(range(min(src_vocab, tgt_vocab))))[:3]
-    positional_encoding = draw(st.sampled_from(POSITIONAL_ENCODINGS))
-    layouts = [layout for layout in SINUSOIDAL_LAYOUTS if layout != "fairseq" or n_heads * d_k >= 4] \
-        if positional_encoding == "sinusoidal" else ["interleaved"]
     return TransformerConfig(
         src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=n_heads * d_k, n_heads=n_heads,
         d_ff=draw(st.integers(1, 16)), n_encoder_layers=draw(st.integers(1, 2)),
         n_decoder_layers=draw(st.integers(1, 2)), dropout=0.0, layer_norm_eps=draw(st.sampled_from(EPSILONS)),
-        norm_first=draw(st.booleans()), positional_encoding=positional_encoding,
-        max_len=draw(st.integers(1, 6)), share_embeddings=share, pad_id=pad, bos_id=bos, eos_id=eos,
-        activation=draw(st.sampled_from(ACTIVATIONS)), sinusoidal_layout=draw(st.sampled_from(layouts)),
-        scale_embeddings=draw(st.booleans()), output_bias=draw(st.booleans()))
+        norm_first=draw(st.booleans()), positional_encoding=draw(st.sampled_from(POSITIONAL_ENCODINGS)),
+        max_len=draw(st.integers(1, 6)), share_embeddings=share, pad_id=pad, bos_id=bos, eos_id=eos)
+
+
+@st.composite
+def choices(draw: st.DrawFn, config: TransformerConfig) -> TransformerConfig:
+    """``config`` with the choices of Hugging Face's families drawn: the activation, the sinusoidal layout
+    (fairseq's from d_model 4), scaled embeddings or not, a logits bias or not. Drawn after everything else of a
+    case, so that the cases drawn before these choices existed keep their sizes, ids and batches."""
+    layouts = [layout for layout in SINUSOIDAL_LAYOUTS if layout != "fairseq" or config.d_model >= 4] \
+        if config.positional_encoding == "sinusoidal" else ["interleaved"]
+    return config.replace(activation=draw(st.sampled_from(ACTIVATIONS)),
+                          sinusoidal_layout=draw(st.sampled_from(layouts)), scale_embeddings=draw(st.booleans()),
+                          output_bias=draw(st.booleans()))
 
 
 @st.composite
@@ -110,8 +117,9 @@ def cases(draw: st.DrawFn, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> 
     lengths = lambda length: tuple(draw(st.lists(st.integers(0, length), min_size=batch, max_size=batch)))
     fits = [name for name in TOKEN_DTYPES
             if np.iinfo(name).max >= max(config.src_vocab_size, config.tgt_vocab_size) - 1]
-    return Case(config, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(weight_scales)), lengths(src_len),
+    case = Case(config, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(weight_scales)), lengths(src_len),
                 lengths(tgt_len), src_len, tgt_len, draw(st.sampled_from(fits)), draw(st.booleans()))
+    return dataclasses.replace(case, config=draw(choices(config)))
 
 
 def params(case: Case) -> dict[str, np.ndarray]:
