@@ -93,15 +93,17 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
     """The generator's logits are one rounding of the recipe. Given the generator's input ``x`` (numbers of
     ``dtype``: a component's input, or a port's own decoder output) and ``model_in(precision)``, the reference in
     ``precision`` with the port's weights (numbers of ``dtype``): where a logit's rounding has one answer
-    (``tolerance.decided_by_rounding`` of x W, exact and in float32), a port's logit is the reference's, and its
+    (``tolerance.decided_by_rounding`` of x W, or x W + b with ``output_bias``, exact and in float32), a port's
+    logit is the reference's, and its
     float32 log-probability ``L_i - logsumexp(L)`` the reference generator's on the same ``x`` within the float32
     bound of that computation plus what the row's undecided logits may move the logsumexp: each by one unit of
     ``dtype`` at most, weighted by its probability. A compiler that keeps the logits in float32 (XLA's "excess
     precision") is up to a unit off at decided logits, 10^3-10^4 times that bound."""
     x = np.asarray(x).astype(np.float64)
     exact, wide = model_in("float64").generator, model_in("float32").generator
-    logits = x @ exact.weight                                                              # (B, T, V)
-    decided = tolerance.decided_by_rounding(logits, x.astype(np.float32) @ wide.weight, dtype)
+    logits = x @ exact.weight + (0.0 if exact.bias is None else exact.bias)               # (B, T, V)
+    wide_logits = x.astype(np.float32) @ wide.weight + (0.0 if wide.bias is None else wide.bias)
+    decided = tolerance.decided_by_rounding(logits, wide_logits, dtype)
     assert decided.any(), f"{what}: no logit's rounding is decided; nothing was checked"
     expected = model_in(dtype).generator(x.astype(dtype))                                 # log_softmax(round(x W))
     undecided = np.sum(np.where(decided, 0.0, np.exp(expected) * spacing(round_to(logits, dtype), dtype)), axis=-1,
