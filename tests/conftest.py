@@ -17,6 +17,7 @@ import functools
 import gc
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,6 +129,18 @@ def pytest_configure(config):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= count:
         os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` the tests ``slow_tests.txt`` names (each took seconds in a run of the whole suite:
+    ``scripts/slow_tests.py``), beside those marked in their code, so that ``-m "not slow"`` is a quick inner loop."""
+    slow = {line for line in SLOW_TESTS.read_text().splitlines() if line and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_teardown(item, nextitem):
