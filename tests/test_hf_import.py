@@ -300,6 +300,10 @@ def test_import_command_outputs_and_inputs(saved, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "replace the input" in err
     assert (copy / "model.safetensors").read_bytes() == before
+    (tmp_path / "link.safetensors").symlink_to(copy / "model.safetensors")         # the input through a link
+    assert main(["import", str(copy), str(tmp_path / "link.safetensors"), "--force"]) == EXIT_USAGE
+    assert "replace the input" in capsys.readouterr().err
+    assert (copy / "model.safetensors").read_bytes() == before
     assert main(["import", str(tmp_path / "absent"), str(tmp_path / "x.safetensors")]) == EXIT_USAGE
 
 

@@ -579,7 +579,7 @@ def add_import(commands: Commands) -> None:
     hf.add_argument("directory", metavar="DIR", help="the model directory: config.json and model.safetensors (or "
                                                      "pytorch_model.bin, read by torch's weights-only loader)")
     hf.add_argument("out", metavar="OUT", type=output_file, help="the shared checkpoint to write")
-    add_outputs(hf, "out", inputs=("directory",))
+    add_outputs(hf, "out")              # the files of DIR it reads (config, weights) are refused as OUT by import_hf
     hf.set_defaults(run=run_import)
 
 
