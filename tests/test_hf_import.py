@@ -194,6 +194,21 @@ def test_every_port_loading_the_import_matches_transformers_in_float64(saved, fl
     assert error <= bound
 
 
+@pytest.mark.parametrize("port", backends.PORTS)
+def test_every_port_builds_from_load_hf_as_from_the_file(saved, port):
+    """The Python API without a file: a port's model from ``load_hf``'s arrays computes what the imported file's
+    does, bit for bit (the same float32 weights, widened to float64)."""
+    if not backends.installed(port):
+        pytest.skip(f"{port} is not installed: {', '.join(backends.absent_frameworks(port))} missing")
+    adapter = backends.load((port,))[0][port]
+    _, _, directory, out = saved
+    config, params = load_hf(directory)
+    src, tgt = inputs(config, seed=3)
+    from_file = adapter.log_probs(adapter.load(out, "float64"), src, tgt, *masks(config, src, tgt))
+    from_arrays = adapter.log_probs(adapter.build(config, params, "float64"), src, tgt, *masks(config, src, tgt))
+    assert np.array_equal(from_file, from_arrays)
+
+
 def test_weights_are_the_files_bit_for_bit(saved):
     """The table inverted rebuilds every tensor of transformers' file from the checkpoint, bit for bit (the
     checkpoint keeps the file's float32)."""
