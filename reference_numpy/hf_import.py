@@ -74,6 +74,9 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         if name in hf and hf[name] not in values:
             raise ValueError(f"config.json {name} {hf[name]!r} is not supported (supported: "
                              f"{', '.join(repr(value) for value in values if value is not None)} or absent)")
+    for name in ("scale_embedding", "share_encoder_decoder_embeddings", "tie_word_embeddings"):
+        if name in hf and not isinstance(hf[name], bool):
+            raise ValueError(f"config.json {name} must be true or false, got {hf[name]!r}")
     activation = hf.get("activation_function", "gelu" if family == "marian" else "relu")
     if activation not in ACTIVATIONS:
         raise ValueError(f"config.json activation_function {activation!r} is not supported (supported: "
@@ -112,9 +115,10 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
 
 
 def _field(hf: dict[str, Any], name: str) -> int:
-    value = hf.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"config.json {name} must be an int, got {value!r}")
+    """An int field: ids >= 0, sizes >= 1."""
+    value, minimum = hf.get(name), 0 if name.endswith("_id") else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"config.json {name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
@@ -241,14 +245,26 @@ def read_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the file; bfloat16 ones (which NumPy has no type for) widened to float32 exactly, from their
+    bytes (a bfloat16 number is the upper half of the float32 with the same value)."""
     from safetensors import safe_open
     try:
         with safe_open(os.fspath(path), framework="numpy") as file:
-            return {name: _widened(file.get_tensor(name)) for name in file.keys()}  # noqa: SIM118 - not a dict
-    except (OSError, TypeError) as err:     # safetensors' numpy reader has no bfloat16: TypeError
+            names = list(file.keys())
+            brain = {name for name in names if file.get_slice(name).get_dtype() == "BF16"}
+            weights = {name: _widened(file.get_tensor(name)) for name in names if name not in brain}
+    except Exception as err:  # noqa: BLE001 - OSError, or safetensors' SafetensorError: not a safetensors file
         raise ValueError(f"cannot read {os.fspath(path)!r}: {str(err).splitlines()[0]}") from None
-    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError: a file that is not safetensors
-        raise ValueError(f"cannot read {os.fspath(path)!r}: {str(err).splitlines()[0]}") from None
+    if brain:
+        with open(path, "rb") as raw:               # the header safetensors has just validated
+            size = int.from_bytes(raw.read(8), "little")
+            header = json.loads(raw.read(size))
+            for name in brain:
+                begin, end = header[name]["data_offsets"]
+                raw.seek(8 + size + begin)
+                halves = np.frombuffer(raw.read(end - begin), dtype="<u2")
+                weights[name] = (halves.astype(np.uint32) << 16).view(np.float32).reshape(header[name]["shape"])
+    return weights
 
 
 def _read_pickle(path: Path) -> dict[str, np.ndarray]:

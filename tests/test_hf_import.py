@@ -251,7 +251,8 @@ def test_config_mapping():
 REFUSED = [("activation_function", "gelu_new"), ("normalize_embedding", True), ("normalize_before", True),
            ("layernorm_embedding", True), ("add_final_layer_norm", True), ("position_embedding_type", "relative_key"),
            ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32), ("model_type", "bart"),
-           ("max_position_embeddings", 2 ** 17), ("d_model", 18)]
+           ("max_position_embeddings", 2 ** 17), ("d_model", 18), ("scale_embedding", "false"),
+           ("pad_token_id", None), ("encoder_layers", 0)]
 
 
 @pytest.mark.parametrize(("field", "value"), REFUSED)
@@ -331,3 +332,21 @@ def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
     expected_config, expected = load_checkpoint(out)
     assert config == expected_config
     assert all(np.array_equal(params[name], expected[name]) for name in expected)
+
+
+def test_bfloat16_and_float16_files_are_widened_exactly(saved, tmp_path):
+    """A model saved in bfloat16 (NumPy has no such type: read from its bytes) or float16 imports as the float32
+    numbers those formats hold: torch's own widening of the same tensors."""
+    from safetensors.torch import save_file
+    family, _, directory, _ = saved
+    state = {name: torch.as_tensor(value) for name, value in read_weights(directory).items()}
+    for dtype in (torch.bfloat16, torch.float16):
+        (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+        save_file({name: value.to(dtype) for name, value in state.items()}, tmp_path / "model.safetensors",
+                  metadata={"format": "pt"})
+        widened = read_weights(tmp_path)
+        for name, value in state.items():
+            assert widened[name].dtype == np.float32
+            assert np.array_equal(widened[name], value.to(dtype).float().numpy()), (dtype, name)
+        load_hf(tmp_path)
+
