@@ -194,6 +194,23 @@ def test_every_port_loading_the_import_matches_transformers_in_float64(saved, fl
     assert error <= bound
 
 
+def test_transformers_float32_run_is_within_the_float32_policy(saved):
+    """transformers' own float32 model (its float32 sinusoid tables too) is held to the project's float32 policy
+    against the reference in float64, as a port is: max|hf32 - ref64| <= 8 x max(max|ref32 - ref64|, ulp32), ref32
+    the float32 reference on the same inputs (which rounds its table to float32 as well)."""
+    family, _, directory, out = saved
+    model = getattr(transformers, FAMILIES[family][1]).from_pretrained(directory).eval()
+    assert next(model.parameters()).dtype == torch.float32
+    config, params = load_checkpoint(out, dtype=np.float64)
+    src, tgt = inputs(config, seed=4)
+    hf32 = hf_log_probs(model, src, tgt, config.pad_id)
+    ref64 = Transformer(config, params)(src, tgt, *masks(config, src, tgt))
+    ref32 = Transformer(config, params, dtype=np.float32)(src, tgt, *masks(config, src, tgt))
+    error, bound = tolerance.max_abs(hf32, ref64), tolerance.float32_bound(ref64, ref32)
+    print(f"{family}: transformers float32 vs reference float64: max abs error {error:.3e} (bound {bound:.3e})")
+    assert error <= bound
+
+
 @pytest.mark.parametrize("port", backends.PORTS)
 def test_every_port_builds_from_load_hf_as_from_the_file(saved, port):
     """The Python API without a file: a port's model from ``load_hf``'s arrays computes what the imported file's
