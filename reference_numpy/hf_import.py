@@ -223,9 +223,12 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     if (root / SAFETENSORS_FILE).exists():
         return [root / SAFETENSORS_FILE]
     if (root / SHARDED_INDEX).exists():
-        index = json.loads((root / SHARDED_INDEX).read_text(encoding="utf-8"))
-        shards = sorted(set(index.get("weight_map", {}).values()))
-        if not shards or any(Path(shard).name != shard for shard in shards):
+        try:
+            index = json.loads((root / SHARDED_INDEX).read_text(encoding="utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"cannot read {os.fspath(root / SHARDED_INDEX)!r}: {err!s:.200}") from None
+        if not shards or any(not isinstance(shard, str) or Path(shard).name != shard for shard in shards):
             raise ValueError(f"{os.fspath(root / SHARDED_INDEX)!r}: weight_map must name shard files of the directory")
         return [root / shard for shard in shards]
     if (root / PICKLE_FILE).exists():

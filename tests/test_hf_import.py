@@ -367,3 +367,14 @@ def test_bfloat16_and_float16_files_are_widened_exactly(saved, tmp_path):
             assert np.array_equal(widened[name], value.to(dtype).float().numpy()), (dtype, name)
         load_hf(tmp_path)
 
+
+def test_a_sharded_directory_imports_as_the_whole_file(saved, tmp_path):
+    family, _, directory, out = saved
+    model = getattr(transformers, FAMILIES[family][1]).from_pretrained(directory)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    config, params = load_hf(tmp_path)
+    expected_config, expected = load_checkpoint(out)
+    assert config == expected_config and params.keys() == expected.keys()
+    assert all(np.array_equal(params[name], expected[name]) for name in expected)
+
