@@ -89,7 +89,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     vocab = _field(hf, "vocab_size")
     if family == "marian":
         share_sides = bool(hf.get("share_encoder_decoder_embeddings", True))
-        tgt_vocab = vocab if share_sides else int(hf.get("decoder_vocab_size") or vocab)
+        tgt_vocab = vocab if share_sides or hf.get("decoder_vocab_size") is None else _field(hf, "decoder_vocab_size")
     else:
         share_sides, tgt_vocab = True, vocab
     share = share_sides and bool(hf.get("tie_word_embeddings", True))
@@ -97,6 +97,9 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     bos = hf.get("bos_token_id")
     if family == "marian" or not isinstance(bos, int) or bos in (pad, eos):
         bos = min(set(range(3)) - {pad, eos})               # see the module docstring
+    dropout = hf.get("dropout", 0.1)
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise ValueError(f"config.json dropout must be a number in [0, 1), got {dropout!r}")
     max_len = _field(hf, "max_position_embeddings")
     if max_len > MAX_LEN_LIMIT:
         raise ValueError(f"config.json max_position_embeddings {max_len} is not supported (at most {MAX_LEN_LIMIT})")
@@ -105,7 +108,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             src_vocab_size=vocab, tgt_vocab_size=tgt_vocab, d_model=_field(hf, "d_model"),
             n_heads=_field(hf, "encoder_attention_heads"), d_ff=_field(hf, "encoder_ffn_dim"),
             n_encoder_layers=_field(hf, "encoder_layers"), n_decoder_layers=_field(hf, "decoder_layers"),
-            dropout=float(hf.get("dropout", 0.1)), layer_norm_eps=LAYER_NORM_EPS, norm_first=family == "m2m_100",
+            dropout=float(dropout), layer_norm_eps=LAYER_NORM_EPS, norm_first=family == "m2m_100",
             positional_encoding="sinusoidal", max_len=max_len, share_embeddings=share, pad_id=pad, bos_id=bos,
             eos_id=eos, activation=ACTIVATIONS[activation],
             sinusoidal_layout="halves" if family == "marian" else "fairseq",

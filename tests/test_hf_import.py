@@ -269,7 +269,7 @@ REFUSED = [("activation_function", "gelu_new"), ("normalize_embedding", True), (
            ("layernorm_embedding", True), ("add_final_layer_norm", True), ("position_embedding_type", "relative_key"),
            ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32), ("model_type", "bart"),
            ("max_position_embeddings", 2 ** 17), ("d_model", 18), ("scale_embedding", "false"),
-           ("pad_token_id", None), ("encoder_layers", 0)]
+           ("pad_token_id", None), ("encoder_layers", 0), ("dropout", "0.1"), ("eos_token_id", [0, 1])]
 
 
 @pytest.mark.parametrize(("field", "value"), REFUSED)
@@ -286,6 +286,15 @@ def test_a_model_outside_the_space_is_refused_naming_the_field(tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and field in err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [("normalize_before", False), ("add_final_layer_norm", False),
+                                              ("layernorm_embedding", True), ("activation_function", "swiglu")])
+def test_an_m2m100_outside_the_space_is_refused_naming_the_field(field, value):
+    """M2M100/NLLB are pre-LN with final norms: a config saying otherwise (BART's lineage) is another model."""
+    with pytest.raises(ValueError, match=field) as caught:
+        config_from_hf({**M2M100, "model_type": "m2m_100", field: value})
+    assert "\n" not in str(caught.value)
 
 
 def test_an_unknown_tensor_is_refused_naming_it(tmp_path):
