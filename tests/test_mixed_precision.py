@@ -1,0 +1,337 @@
+"""Mixed precision the way each framework does it: the autocast recipe (``reference_numpy/precision.py``, "The autocast
+recipe"; ``--dtype mixed-bfloat16``/``mixed-float16``) -- float32 parameters and residual stream, every linear map
+and attention product on P-rounded inputs accumulated in float32 and rounded to P, softmax, LayerNorm and
+log-softmax in float32.
+
+Each port runs it through its framework's own switch (the adapters' ``build(..., "mixed-bfloat16")``):
+``torch.autocast(device_type, dtype)``, Flax's ``dtype=P, param_dtype=float32``, Keras' ``mixed_bfloat16`` policy.
+The bound is the project's low-precision rule: k = 8 times the reference-in-the-recipe's own error against the
+float64 reference (``tolerance.low_precision_bound``), never tuned. An oracle written here from the definition, with
+NumPy and ml_dtypes alone (float32 sums of P-rounded inputs, nothing imported from ``reference_numpy``' model),
+checks the reference's recipe itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from support import FRAMEWORKS, port_backend
+
+from equivalence import cases, tolerance
+from equivalence.cases import FORWARD_VARIANTS
+from equivalence.margins import greedy_margins
+from reference_numpy.config import TransformerConfig
+from reference_numpy.precision import AUTOCAST_NAMES, autocast, parse_precision, spacing
+from transformer_cli.backends import numpy as reference
+
+VARIANTS = ("tiny", "pre_ln")                      # one per norm position
+LOW = {"mixed-bfloat16": "bfloat16", "mixed-float16": "float16"}
+CASE = "ragged_batch"                              # source and target padding in one batch
+RESIDUAL_STAGES = ("src_embed", "tgt_embed")       # + every layer's output and both stacks': float32
+
+
+def inputs(variant: str) -> dict:
+    return cases.model_inputs(FORWARD_VARIANTS[variant], CASE)
+
+
+@functools.cache
+def reference_stages(variant: str, precision: str) -> dict[str, np.ndarray]:
+    """The reference's stages on the seeded weights of ``variant`` in ``precision`` (a dtype or a mixed name)."""
+    config = FORWARD_VARIANTS[variant]
+    return reference.forward(reference.build(config, cases.seeded_params(config), precision), **inputs(variant))
+
+
+@functools.cache
+def port_model(port: str, variant: str, precision: str, params: str = "seeded"):
+    config = FORWARD_VARIANTS[variant]
+    return port_backend(port).build(config, cases.PARAMS[params](config), precision, "cpu")
+
+
+# ----------------------------------------------------------------------------- the names and their one error
+
+def test_the_precision_names():
+    """Today's dtypes keep their recipe; the mixed names are a float32 model under autocast in P; anything else is
+    one ValueError naming the argument and every choice, as ``autocast`` outside bfloat16 and float16 is."""
+    assert parse_precision("bfloat16") == (np.dtype(ml_dtypes.bfloat16), None)
+    assert parse_precision("mixed-bfloat16") == (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+    assert parse_precision("mixed-float16") == (np.dtype(np.float32), np.dtype(np.float16))
+    with pytest.raises(ValueError, match=r"^dtype must be one of float64, float32, bfloat16, float16, "
+                                         r"mixed-bfloat16, mixed-float16, got 'mixed-float32'$"):
+        parse_precision("mixed-float32")
+    with pytest.raises(ValueError, match="^dtype must be one of bfloat16, float16 under autocast, got float32$"):
+        with autocast("float32"):
+            pass
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_every_backend_refuses_a_bad_precision_with_the_same_error(port):
+    backend = reference if port == "numpy" else port_backend(port)
+    config = FORWARD_VARIANTS["tiny"]
+    with pytest.raises(ValueError) as refused:
+        backend.build(config, cases.seeded_params(config), "mixed-float64", "cpu")
+    assert str(refused.value) == ("dtype must be one of float64, float32, bfloat16, float16, mixed-bfloat16, "
+                                  "mixed-float16, got 'mixed-float64'")
+
+
+# ----------------------------------------------------------------------------- an oracle from the definition
+
+def _p(x: np.ndarray, low: str) -> np.ndarray:
+    """float32 values rounded once to P (ml_dtypes' and NumPy's float32 -> P casts round to nearest, ties to even)
+    and widened back to float32, exactly."""
+    return np.asarray(x, np.float32).astype(np.dtype(low)).astype(np.float32)
+
+
+def _oracle(config: TransformerConfig, params: dict, src: np.ndarray, tgt: np.ndarray, low: str) -> dict:
+    """The autocast recipe of the whole model written from its definition, one plain loop per concept: every
+    product's inputs rounded to P and summed in float32, its result rounded to P; everything else float32."""
+    w = {name: np.asarray(value, np.float32) for name, value in params.items()}
+    d, heads = config.d_model, config.n_heads
+
+    def linear(x, name):                      # y = x W + b: x, W, b in P, float32 sums, y rounded to P
+        return _p(_p(x, low) @ _p(w[f"{name}.weight"], low) + _p(w[f"{name}.bias"], low), low)
+
+    def layer_norm(x, name):                  # float32
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + np.float32(config.layer_norm_eps)) * w[f"{name}.weight"] + w[f"{name}.bias"]
+
+    def attention(xq, xkv, mask, name):       # mask (B, Tq, Tk), True = may attend
+        q, k, v = (linear(x, f"{name}.{p}_proj") for x, p in ((xq, "q"), (xkv, "k"), (xkv, "v")))
+        out = np.zeros_like(q)
+        dk = d // heads
+        for b in range(q.shape[0]):
+            for h in range(heads):
+                cols = slice(h * dk, (h + 1) * dk)
+                scores = _p(q[b, :, cols] @ k[b, :, cols].T, low) / np.float32(math.sqrt(dk))   # Q K^T in P
+                scores = np.where(mask[b], scores, -np.inf)
+                for i in range(len(scores)):
+                    if mask[b, i].any():        # a row that sees no key stays zero
+                        e = np.exp(scores[i] - scores[i].max())
+                        out[b, i, cols] = _p(_p(e / e.sum(), low) @ v[b, :, cols], low)        # weights V in P
+        return linear(out, f"{name}.o_proj")
+
+    def residual(x, sublayer, norm):          # a P output added to the float32 stream is float32
+        if config.norm_first:
+            return x + sublayer(layer_norm(x, norm))
+        return layer_norm(x + sublayer(x), norm)
+
+    def ffn(x, name):
+        return linear(np.maximum(linear(x, f"{name}.linear1"), 0), f"{name}.linear2")
+
+    position = np.arange(config.max_len)[:, None]
+    angle = position / np.power(10000.0, np.arange(0, d, 2) / d)
+    table = np.empty((config.max_len, d))
+    table[:, 0::2], table[:, 1::2] = np.sin(angle), np.cos(angle)
+    table = table.astype(np.float32)
+    stages = {}
+    x = w["src_embed.weight"][src] * np.float32(math.sqrt(d)) + table[:src.shape[1]]
+    stages["src_embed"] = x
+    keys = src != config.pad_id
+    src_mask = np.broadcast_to(keys[:, None, :], (len(src), src.shape[1], src.shape[1]))
+    for i in range(config.n_encoder_layers):
+        name = f"encoder.layers.{i}"
+        x = residual(x, lambda h, name=name: attention(h, h, src_mask, f"{name}.self_attn"), f"{name}.self_attn_norm")
+        x = residual(x, lambda h, name=name: ffn(h, f"{name}.ffn"), f"{name}.ffn_norm")
+        stages[name] = x
+    memory = layer_norm(x, "encoder.norm") if config.norm_first else x
+    stages["encoder"] = memory
+    y = w["tgt_embed.weight"][tgt] * np.float32(math.sqrt(d)) + table[:tgt.shape[1]]
+    stages["tgt_embed"] = y
+    length = tgt.shape[1]
+    tgt_mask = (tgt != config.pad_id)[:, None, :] & np.tril(np.ones((length, length), bool))[None]
+    cross_mask = np.broadcast_to(keys[:, None, :], (len(src), length, src.shape[1]))
+    for i in range(config.n_decoder_layers):
+        name = f"decoder.layers.{i}"
+        y = residual(y, lambda h, name=name: attention(h, h, tgt_mask, f"{name}.self_attn"), f"{name}.self_attn_norm")
+        y = residual(y, lambda h, name=name: attention(h, memory, cross_mask, f"{name}.cross_attn"),
+                     f"{name}.cross_attn_norm")
+        y = residual(y, lambda h, name=name: ffn(h, f"{name}.ffn"), f"{name}.ffn_norm")
+        stages[name] = y
+    y = layer_norm(y, "decoder.norm") if config.norm_first else y
+    stages["decoder"] = y
+    logits = _p(_p(y, low) @ _p(w["generator.weight"], low), low).astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    stages["log_probs"] = (shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))).astype(np.float32)
+    return stages
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_reference_recipe_against_an_oracle_from_the_definition(variant, precision):
+    """The reference's autocast recipe against :func:`_oracle`: every stage in the same dtype (float32), the same
+    float32 number at most elements, and each within the project's rule of the other. The reference sums the products
+    exactly and the oracle in float32, so they differ only where a float32 sum lands across a rounding boundary of P
+    and where that difference spreads (measured: every element identical in bfloat16, 78-100% of each stage in
+    float16); a residual stream, softmax or LayerNorm rounded to P, or a product left in float32, changes nearly every
+    float32 element of the stages after it."""
+    config = FORWARD_VARIANTS[variant]
+    case = inputs(variant)
+    low = LOW[precision]
+    mine = _oracle(config, cases.seeded_params(config), case["src"], case["tgt"], low)
+    ref, ref64 = reference_stages(variant, precision), reference_stages(variant, "float64")
+    assert list(mine) == list(ref)
+    for name, value in ref.items():
+        assert value.dtype == mine[name].dtype == np.float32, (name, value.dtype)
+        assert np.mean(value == mine[name]) >= 0.5, (name, np.mean(value == mine[name]))
+        assert tolerance.stage_agreement(mine[name], ref64[name], value, low).ok, name
+        assert tolerance.stage_agreement(value, ref64[name], mine[name], low).ok, name
+
+
+# ----------------------------------------------------------------------------- each port against the reference
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_forward_stages(port, variant, precision):
+    """Every stage of each port under its framework's switch within k x the reference-in-the-recipe's error against
+    float64 (the project's low-precision rule), in the reference's dtypes: the residual stream and every stage
+    float32."""
+    stages = port_backend(port).forward(port_model(port, variant, precision), **inputs(variant))
+    ref64, mixed = reference_stages(variant, "float64"), reference_stages(variant, precision)
+    assert list(stages) == list(ref64)
+    for name, value in stages.items():
+        assert value.dtype == mixed[name].dtype == np.float32, (name, value.dtype)
+        result = tolerance.stage_agreement(value, ref64[name], mixed[name], LOW[precision])
+        assert result.ok, f"{port}/{precision}/{variant}/{name}: {result}"
+        assert _share_in(value, LOW[precision]) < 0.5, f"{port}/{precision}/{variant}/{name} is rounded to P"
+
+
+def _share_in(values: np.ndarray, low: str) -> float:
+    """The share of ``values`` that are numbers of ``low``: all of a stream rounded to P, a few of a float32 stream
+    (one in 2^13 to 2^16 draws, and its exact zeros)."""
+    return float(np.mean(values.astype(np.dtype(low)).astype(values.dtype) == values))
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+@pytest.mark.parametrize("case", cases.MASK_CASES)
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_attention_products_in_p(port, case, precision):
+    """Eq. (1) alone under each switch, on inputs that are numbers of P (queries sharpened as in the low-precision
+    components): the output is P and the correctly rounded value of the recipe's own float32 computation -- Q K^T
+    rounded to P, the softmax in float32, the weights rounded to P for their product with V -- at 99% of the elements
+    or more, one unit apart at most elsewhere. A port's float32 sums differ from the reference's exact ones by ~2^-24
+    relative against P's units of 2^-8 or 2^-11, so its roundings land elsewhere at a few elements in a thousand; a
+    product left in float32 (the weights, or the scores, not rounded to P) moves a third of them."""
+    low = LOW[precision]
+    config = FORWARD_VARIANTS["tiny"]
+    given = cases.low_precision_component_inputs(config, "attention", case, low)
+    ref = reference.component(reference.build(config, cases.seeded_params(config), precision), "attention", given)
+    backend = reference if port == "numpy" else port_backend(port)
+    out = backend.component(port_model(port, "tiny", precision) if port != "numpy" else
+                            reference.build(config, cases.seeded_params(config), precision), "attention", given)
+    assert out.dtype == ref.dtype == np.dtype(low)
+    units = np.abs(out.astype(np.float64) - ref) / np.maximum(spacing(ref, low), spacing(out, low))
+    assert np.mean(units == 0) >= 0.99 and np.max(units) <= 1, (np.mean(units == 0), np.max(units))
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_attention_weights(port, precision):
+    """The decoder's cross-attention weights of a layer (the P weights its product with V read) within the rule."""
+    case = inputs("tiny")
+    weights = port_backend(port).attention_weights(port_model(port, "tiny", precision), case["src"], case["tgt"], 1,
+                                                   "decoder_cross")
+    refs = [reference.attention_weights(reference.build(FORWARD_VARIANTS["tiny"],
+                                                         cases.seeded_params(FORWARD_VARIANTS["tiny"]), p),
+                                        case["src"], case["tgt"], 1, "decoder_cross") for p in ("float64", precision)]
+    assert weights.dtype == refs[1].dtype == np.dtype(LOW[precision])
+    result = tolerance.stage_agreement(weights, refs[0], refs[1], LOW[precision])
+    assert result.ok, f"{port}/{precision}: decoder_cross weights: {result}"
+
+
+@functools.cache
+def reference_decoding(variant: str, precision: str):
+    """(src, float64 greedy tokens, their margins, the bound of the recipe's log-probabilities along them)."""
+    config = FORWARD_VARIANTS[variant]
+    params, src = cases.decoding_params(config), cases.decoding_inputs(config)
+    model64 = reference.build(config, params, "float64")
+    tokens = reference.greedy(model64, src)
+    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)
+    mixed = reference.build(config, params, precision)
+    bound = tolerance.low_precision_bound(reference.log_probs(model64, src, tgt), reference.log_probs(mixed, src, tgt),
+                                          LOW[precision])
+    return src, tokens, greedy_margins(model64, src, tokens), bound
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_greedy_decoding(port, precision):
+    """Greedy decoding with each framework's cache under its switch: identical to the float64 reference up to each
+    row's first step whose margin is below twice the recipe's bound (the project's token rule); in float16, whose
+    bound the seeded tiny models' decisions clear, at least one step compared."""
+    backend = reference if port == "numpy" else port_backend(port)
+    src, ref_tokens, margins, bound = reference_decoding("tiny", precision)
+    model = reference.build(FORWARD_VARIANTS["tiny"], cases.decoding_params(FORWARD_VARIANTS["tiny"]), precision) \
+        if port == "numpy" else port_model(port, "tiny", precision, "decoding")
+    tokens = backend.greedy(model, src)
+    agree, note, _ = tolerance.greedy_tokens_agree(tokens, ref_tokens, margins, bound, FORWARD_VARIANTS["tiny"].pad_id)
+    assert agree, note
+    if precision == "mixed-float16":
+        compared = [tolerance.greedy_decisive_steps(row, bound) for row in margins]
+        assert any(steps is None or steps > 0 for steps in compared), "no step compared"
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_beam_search_runs_and_agrees_with_the_ports_own_uncached_search(port, precision):
+    """Beam search (section 6.1) under each switch never crashes, and its cached search (the beam table, the cache in
+    the compute dtype) gives the tokens of the same port's search without a cache, scores within twice the rule's
+    bound of the reference's in the recipe. (Beam steps choose between close candidates: no row of the seeded models
+    is decisive below float32, docs/equivalence.md, so tokens are not compared with the reference.)"""
+    backend = port_backend(port)
+    model = port_model(port, "tiny", precision, "decoding")
+    src = cases.decoding_inputs(FORWARD_VARIANTS["tiny"])
+    tokens, scores = backend.beam(model, src)
+    uncached, uncached_scores = backend.beam(model, src, use_cache=False)
+    np.testing.assert_array_equal(tokens, uncached)
+    assert np.all(np.isfinite(scores))
+    config = FORWARD_VARIANTS["tiny"]
+    ref_model = reference.build(config, cases.decoding_params(config), precision)
+    _, ref_scores = reference.beam(ref_model, src)
+    _, ref64_scores = reference.beam(reference.build(config, cases.decoding_params(config), "float64"), src)
+    same = np.all(tokens == reference.beam(ref_model, src)[0], axis=1)
+    if same.any():
+        bound = tolerance.pair_bound(LOW[precision], ref64_scores[same], ref_scores[same])
+        assert tolerance.max_abs(scores[same], ref_scores[same]) <= bound
+
+
+# ----------------------------------------------------------------------------- the PyTorch port on `base`
+
+def test_every_linear_map_of_the_pytorch_port_on_base_returns_bfloat16_under_autocast(monkeypatch):
+    """Under ``torch.autocast("cpu", torch.bfloat16)`` every linear map of the PyTorch port on Table 3's base model
+    (random weights) returns bfloat16: each ``nn.Linear`` (a forward hook) and every call of the port's one linear
+    seam, the generator's logits included. The port's oneDNN fast path (weights of 65,536 elements and more: every
+    linear map of ``base``) would return float32 outside autocast's dispatch."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]')")
+    from transformer_torch import model as port
+    from transformer_torch import speed
+
+    config = TransformerConfig.preset("base")
+    with torch.device("cpu"):
+        model = port.Transformer(config).eval()
+    seen: list[tuple[str, torch.dtype]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, args, out, name=name: seen.append((name, out.dtype)))
+    products: list[torch.dtype] = []
+    linear = speed.linear
+
+    def recorded(*args):
+        out = linear(*args)
+        products.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(speed, "linear", recorded)
+    src = torch.tensor([[5, 6, 7, 2]])
+    tgt = torch.tensor([[1, 8, 9]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        log_probs = model(src, tgt)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert linears == config.n_encoder_layers * (4 + 2) + config.n_decoder_layers * (2 * 4 + 2)
+    assert len(seen) == linears and all(dtype == torch.bfloat16 for _, dtype in seen), seen
+    assert len(products) == linears + 1 and set(products) == {torch.bfloat16}     # + the generator's logits
+    assert log_probs.dtype == torch.float32
