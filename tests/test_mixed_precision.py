@@ -335,3 +335,71 @@ def test_every_linear_map_of_the_pytorch_port_on_base_returns_bfloat16_under_aut
     assert len(seen) == linears and all(dtype == torch.bfloat16 for _, dtype in seen), seen
     assert len(products) == linears + 1 and set(products) == {torch.bfloat16}     # + the generator's logits
     assert log_probs.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- Flax's idiom, written by hand
+
+def test_flax_dtype_bfloat16_param_dtype_float32_greedy_decodes():
+    """The Flax port built as Flax users write mixed precision, ``dtype=jnp.bfloat16, param_dtype=jnp.float32``:
+    float32 parameters, bfloat16 caches, and greedy decoding (section 6.1, with the cache) that writes the tokens of
+    the adapter's mixed-bfloat16 model; another ``param_dtype`` is one ValueError naming it."""
+    pytest.importorskip("jax", reason="jax is not installed (pip install '.[jax]')")
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from transformer_jax import checkpoint, decoding
+    from transformer_jax.model import Transformer
+
+    config = FORWARD_VARIANTS["tiny"]
+    loaded = checkpoint.from_params(config, cases.decoding_params(config), "float32")
+    model = Transformer(config, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(loaded, nnx.Param))
+    assert {leaf.dtype for leaf in jax_leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
+    src = cases.decoding_inputs(config)
+    memory = model.encode(jnp.asarray(src))
+    assert memory.dtype == jnp.float32
+    assert {c.keys.dtype for pair in model.init_cache(memory, 8) for c in pair} == {jnp.dtype(jnp.bfloat16)}
+    tokens = np.asarray(decoding.greedy_decode(model, src))
+    np.testing.assert_array_equal(tokens, port_backend("jax").greedy(port_model("jax", "tiny", "mixed-bfloat16",
+                                                                                 "decoding"), src))
+    with pytest.raises(ValueError, match="^param_dtype must be the dtype \\(bfloat16\\) or float32 beside a bfloat16 "
+                                         "or float16 dtype \\(mixed precision\\), got float16$"):
+        Transformer(config, dtype=jnp.bfloat16, param_dtype=jnp.float16, rngs=nnx.Rngs(0))
+
+
+def jax_leaves(state) -> list:
+    import jax
+    return jax.tree_util.tree_leaves(state)
+
+
+# ----------------------------------------------------------------------------- Keras' idiom, written by hand
+
+def test_keras_global_mixed_bfloat16_policy():
+    """The Keras port under ``keras.mixed_precision.set_global_policy("mixed_bfloat16")`` (``dtype=None``: the global
+    policy, Keras' meaning): float32 variables, the LayerNorms, embeddings and positional encodings float32, every
+    other layer computing in bfloat16, and the log-probabilities of the adapter's ``mixed-bfloat16`` model (built
+    with ``dtype="mixed_bfloat16"``) to the bit."""
+    keras = pytest.importorskip("keras", reason="keras is not installed (pip install '.[tf]')")
+    pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install '.[tf]')")
+    from transformer_tf import checkpoint
+    from transformer_tf.model import Transformer
+
+    config = FORWARD_VARIANTS["tiny"]
+    loaded = checkpoint.from_params(config, cases.seeded_params(config), "float32")
+    before = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = Transformer(config, dtype=None)
+    finally:
+        keras.mixed_precision.set_global_policy(before)
+    model.set_weights(loaded.get_weights())
+    assert model.dtype_policy.name == "mixed_bfloat16"
+    assert {v.dtype for v in model.weights} == {"float32"}
+    policies = {layer.name: layer.dtype_policy.name for layer in model._flatten_layers()}
+    assert policies["self_attn_norm"] == policies["src_embed"] == policies["src_pos"] == "float32"
+    assert policies["q_proj"] == policies["ffn"] == policies["generator"] == "mixed_bfloat16"
+    case = inputs("tiny")
+    mine = np.asarray(model(case["src"], case["tgt"]))
+    theirs = port_backend("tf").log_probs(port_model("tf", "tiny", "mixed-bfloat16"), case["src"], case["tgt"])
+    assert mine.dtype == np.float32
+    np.testing.assert_array_equal(mine, theirs)
