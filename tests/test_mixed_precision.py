@@ -19,7 +19,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from support import FRAMEWORKS, port_backend
+from support import FRAMEWORKS, cli, port_backend
 
 from equivalence import cases, tolerance
 from equivalence.cases import FORWARD_VARIANTS
@@ -403,3 +403,24 @@ def test_keras_global_mixed_bfloat16_policy():
     theirs = port_backend("tf").log_probs(port_model("tf", "tiny", "mixed-bfloat16"), case["src"], case["tgt"])
     assert mine.dtype == np.float32
     np.testing.assert_array_equal(mine, theirs)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def test_compare_dtype_mixed_bfloat16_exits_0(capsys):
+    """``compare --dtype mixed-bfloat16``: every installed backend under its framework's switch agrees with the
+    reference in the recipe (exit 0), its column named ``mixed-bf16``."""
+    status, out, err = cli(capsys, "compare", "--preset", "tiny", "--dtype", "mixed-bfloat16", "--threads", "1")
+    assert status == 0, out + err
+    assert "numpy/cpu/mixed-bf16" in out and "all backends agree with the reference" in out
+
+
+def test_translate_and_an_unknown_precision(capsys):
+    """``translate --dtype mixed-float16`` writes the shipped model's French; a precision that is no name is one
+    line naming the flag and every choice, exit 2."""
+    status, out, _ = cli(capsys, "translate", "--dtype", "mixed-float16", "--threads", "1",
+                         "eighty thousand and eighty")
+    assert status == 0 and out.strip() == "quatre-vingt mille quatre-vingts"
+    status, _, err = cli(capsys, "translate", "--dtype", "mixed-float32", "eighty")
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "--dtype" in err and "'mixed-bfloat16', 'mixed-float16'" in err
