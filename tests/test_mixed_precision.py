@@ -424,3 +424,28 @@ def test_translate_and_an_unknown_precision(capsys):
     status, _, err = cli(capsys, "translate", "--dtype", "mixed-float32", "eighty")
     assert status == 2 and len(err.strip().splitlines()) == 1
     assert "--dtype" in err and "'mixed-bfloat16', 'mixed-float16'" in err
+
+
+# ----------------------------------------------------------------------------- the shipped model
+
+@functools.cache
+def shipped_stages(backend_name: str, precision: str) -> dict[str, np.ndarray]:
+    """The shipped translator's stages on held-out sentences and their French (teacher forcing), in ``precision``:
+    trained weights (sharp attention, large activations) and linear maps past the PyTorch port's oneDNN size."""
+    from test_agreement import trained
+
+    config, params, _, inputs = trained()
+    backend = reference if backend_name == "numpy" else port_backend(backend_name)
+    return backend.forward(backend.build(config, params, precision, "cpu"), **inputs)
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_shipped_model_forward_stages(port, precision):
+    """Every stage of the shipped model under each framework's switch within the rule, float32 throughout."""
+    stages = shipped_stages(port, precision)
+    ref64, mixed = shipped_stages("numpy", "float64"), shipped_stages("numpy", precision)
+    for name, value in stages.items():
+        assert value.dtype == mixed[name].dtype == np.float32, (name, value.dtype)
+        result = tolerance.stage_agreement(value, ref64[name], mixed[name], LOW[precision])
+        assert result.ok, f"{port}/{precision}/shipped/{name}: {result}"

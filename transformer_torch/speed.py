@@ -59,9 +59,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
     if (_ONEDNN_LINEAR and x.dtype == torch.float32 and x.is_cpu and weight.is_cpu
-            and autocast_dtype(x) is None
             and weight.numel() >= _ONEDNN_MIN_WEIGHT and torch.backends.mkldnn.enabled
             and not torch.compiler.is_compiling()
+            and autocast_dtype(x) is None
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
