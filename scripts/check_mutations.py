@@ -704,6 +704,15 @@ PRECISION = [
            "        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **float32_under_autocast(kwargs))",
            "        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)",
            ["tests/test_mixed_precision.py", "-k", "forward_stages and tf"]),
+    single("precision", "reference: under autocast a sublayer's gradient left float32 (the promotion's backward)",
+           "reference_numpy/backward.py", "        return add(grad_summed, sublayer_backward(cast(grad_summed, out.dtype)))",
+           "        return add(grad_summed, sublayer_backward(grad_summed))",
+           ["tests/test_mixed_precision.py", "-k", "test_gradients and tiny"]),
+    single("precision", "reference: under autocast dL/dS left float32 (not rounded to P before dL/dQ, dL/dK)",
+           "reference_numpy/backward.py",
+           "        grad_scores = wide(round_to(softmax_backward(weights, grad_weights) / scale, low))",
+           "        grad_scores = (softmax_backward(weights, grad_weights) / scale).astype(np.float64)",
+           ["tests/test_mixed_precision.py", "-k", "test_gradients"]),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,

@@ -151,6 +151,7 @@ def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens,
     """The label-smoothed cross-entropy of section 5.4 (the reference computes inference: no dropout)."""
     return float(training.loss(model, src, tgt, labels, epsilon))
 
+@_in_recipe
 
 def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = training.LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:

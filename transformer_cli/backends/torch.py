@@ -196,6 +196,7 @@ def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: 
     """The label-smoothed cross-entropy of section 5.4 with dropout off (eval mode)."""
     return training.loss(model.eval(), src, tgt, labels, epsilon).item()    # arrays checked and placed by the port
 
+@_in_recipe
 
 def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
