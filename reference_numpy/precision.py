@@ -234,3 +234,11 @@ def product(a: np.ndarray, b: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
 def cast(x: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
     """``x`` in ``dtype``: unchanged if it is, rounded once otherwise (:func:`round_to`: an autocast input)."""
     return x if x.dtype == np.dtype(dtype) else round_to(x, dtype)
+
+
+def check_autocast_training(mixed: npt.DTypeLike | None, dtype: npt.DTypeLike | None) -> None:
+    """Training a model built in a mixed precision (``mixed``: its autocast dtype, None for any other model): its
+    float32 weights step with the framework's Adam, each step's loss and gradients its own under autocast (float16's
+    loss scaled by the framework's scaler); a ``dtype`` beside it is one ValueError, the same in every backend."""
+    if mixed is not None and dtype is not None:
+        raise ValueError(f"a mixed-{np.dtype(mixed).name} model trains in its own recipe, got dtype={dtype!r}")

@@ -713,6 +713,10 @@ PRECISION = [
            "        grad_scores = wide(round_to(softmax_backward(weights, grad_weights) / scale, low))",
            "        grad_scores = (softmax_backward(weights, grad_weights) / scale).astype(np.float64)",
            ["tests/test_mixed_precision.py", "-k", "test_gradients"]),
+    single("precision", "torch: automatic mixed precision in float16 without its GradScaler (unscaled float16 steps)",
+           "transformer_torch/training.py",
+           "        low, dtype = model, parse_dtype(dtype_name(torch.get_autocast_dtype(model.device.type)))   # autocast",
+           "        low = model", ["tests/test_mixed_precision.py", "-k", "ten_steps and torch"]),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *LEARNED_PE,

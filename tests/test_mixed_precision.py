@@ -486,3 +486,74 @@ def test_gradients(port, variant, precision):
         assert result.ok, f"{port}/{precision}/{variant}: gradient of {name}: {result}"
         if low == "bfloat16" and name.endswith(".weight") and "norm" not in name and "embed" not in name:
             assert np.mean(grad == grads_mixed[name]) >= 0.9, (name, np.mean(grad == grads_mixed[name]))
+
+
+# ----------------------------------------------------------------------------- training
+
+@functools.cache
+def training_run(backend_name: str, precision: str):
+    """Ten steps of section 5 (the training suite's config and batches, dropout off) from the seeded ``tiny`` weights:
+    a model built in ``precision`` and its backend's float32 Adam, each step's loss and gradients under the model's
+    recipe (``tests/test_training.py``'s runs for the float64 yardstick)."""
+    import test_training as runs
+
+    module, config = runs.backend(backend_name), runs.config_of("tiny")
+    model = module.build(config, cases.seeded_params(config), precision, "cpu")
+    optimizer = module.optimizer(model, runs.TRAINING)
+    inputs = runs.batches("tiny")
+    losses = [module.train_step(model, optimizer, **inputs[step]) for step in range(runs.STEPS)]
+    return runs.copied(losses, module.export_params(model), module.training_state(model, optimizer))
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+@pytest.mark.parametrize("precision", AUTOCAST_NAMES)
+def test_ten_steps(port, precision):
+    """Ten optimizer steps of a float32 model under each framework's switch -- torch's automatic mixed precision
+    (autocast with a ``GradScaler``), Flax's ``dtype``/``param_dtype`` model with a ``DynamicScale``, Keras' mixed
+    policy with a ``LossScaleOptimizer`` (float16; bfloat16 has float32's range and checks finiteness only): every
+    step taken where the reference's is, float16's loss scale and its good steps the reference's, and each step's loss
+    within the low-precision rule of the float64 reference's run, the reference's own run in the recipe (its float16
+    loss scaled) the yardstick. In bfloat16 each tensor's update and Adam moments too (:func:`assert_updates_agree`);
+    in float16 that per-tensor rule fails at a few entries whose exact first gradient is below float16's noise (a
+    gradient of 2e-5 whose sign a port computes otherwise: Adam's first update is lrate(1) times its sign, so the
+    entry moves 2 lrate(1) apart, 11 times the reference's own error there), which only a bound carried through
+    Adam's normalisation (``tolerance.TrainingBound``'s, for float16's gradient bound) would hold: not written yet."""
+    import test_training as runs
+
+    low = LOW[precision]
+    ref64, same, run = runs.reference_run("tiny"), training_run("numpy", precision), training_run(port, precision)
+    for step, (value, v_same, v64) in enumerate(zip(run.losses, same.losses, ref64.losses), 1):
+        assert tolerance.agreement(np.float32(value), v64, v_same, low).ok, f"loss at step {step}"
+    assert run.state.step == same.state.step == runs.STEPS
+    assert run.state.loss_scale == same.state.loss_scale and (same.state.loss_scale is None) == (low == "bfloat16")
+    if low == "bfloat16":
+        assert_updates_agree(run, same, ref64, low, port)
+
+
+def assert_updates_agree(run, same, ref64, low: str, port: str) -> None:
+    """Each tensor's update (weights after minus before) and Adam's moments of ``run`` within the low-precision rule
+    of the float64 run ``ref64``, the reference's run in the recipe ``same`` the yardstick."""
+    import test_training as runs
+
+    for tensor, before in cases.seeded_params(runs.config_of("tiny")).items():
+        start32 = before.astype(np.float32).astype(np.float64)
+        update = lambda r, start: np.asarray(r.params[tensor], dtype=np.float64) - start   # noqa: E731
+        result = tolerance.agreement(update(run, start32).astype(np.float32), update(ref64, before),
+                                     update(same, start32), low)
+        assert result.ok, f"{port}: update of {tensor}: {result}"
+        for which in (2, 3):
+            result = tolerance.agreement(run.state[which][tensor], ref64.state[which][tensor],
+                                         same.state[which][tensor], low)
+            assert result.ok, f"{port}: moment {which - 1} of {tensor}: {result}"
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_a_dtype_beside_a_mixed_model_is_refused(port):
+    """A mixed-precision model trains in its own recipe: a ``dtype`` given beside it is one ValueError, the same in
+    every backend."""
+    backend = reference if port == "numpy" else port_backend(port)
+    model = port_model(port, "tiny", "mixed-float16") if port != "numpy" else \
+        reference.build(FORWARD_VARIANTS["tiny"], cases.seeded_params(FORWARD_VARIANTS["tiny"]), "mixed-float16")
+    with pytest.raises(ValueError) as refused:
+        backend.optimizer(model, dtype="bfloat16")
+    assert str(refused.value) == "a mixed-float16 model trains in its own recipe, got dtype='bfloat16'"

@@ -29,7 +29,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import parse_precision, round_to
+from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
@@ -193,6 +193,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``,
     one ``Optimizer`` record); with ``dtype`` "bfloat16" or "float16" (a float32 model) over float32 master
     weights."""
+    check_autocast_training(autocast_dtype(model.dtype, model.param_dtype), dtype)
     return training.optimizer(model, config, state, dtype)
 
 

@@ -26,7 +26,7 @@ from reference_numpy import backward, checkpoint, data_parallel, decoding, train
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
-from reference_numpy.precision import autocast, parse_precision, round_to
+from reference_numpy.precision import autocast, check_autocast_training, parse_precision, round_to
 
 NAME = "numpy"
 # the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
@@ -160,12 +160,14 @@ def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsi
     value, grads = training.gradients(model, src, tgt, labels, epsilon)
     return float(value), grads
 
+@_in_recipe
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
               state: checkpoint.TrainingState | None = None,
               dtype: str | None = None) -> training.Optimizer:
     """The reference's Adam with the schedule of section 5.3 (``reference_numpy.training.optimizer``, one
     ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+    check_autocast_training(_AUTOCAST.get(model), dtype)
     return training.optimizer(model, config, state, dtype)
 
 
@@ -173,6 +175,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer; None for any other."""
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.value)
 
+@_in_recipe
 
 def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = training.LABEL_SMOOTHING) -> float:

@@ -27,7 +27,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import DTYPES, parse_precision, round_to
+from reference_numpy.precision import DTYPES, check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
@@ -203,6 +203,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
               dtype: str | None = None) -> training.Optimizer:
     """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``,
     one ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+    mixed = autocast_dtype(model.dtype_policy)
+    check_autocast_training(None if mixed is None else mixed.name, dtype)
     return training.optimizer(model, config, state, dtype)
 
 

@@ -35,7 +35,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import parse_precision, round_to
+from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
@@ -204,11 +204,13 @@ def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsi
     gradient for every checkpoint tensor, in checkpoint layout (a bfloat16 or float16 model's: P arrays)."""
     return training.gradients(model, src, tgt, labels, epsilon)
 
+@_in_recipe
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
               dtype: str | None = None) -> training.Optimizer:
     """``torch.optim.Adam`` with its ``LambdaLR`` schedule of section 5.3 (``transformer_torch.training.optimizer``,
     one ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+    check_autocast_training(dtype_name(_AUTOCAST[model]) if model in _AUTOCAST else None, dtype)
     return training.optimizer(model, config, state, dtype)
 
 
@@ -216,6 +218,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer (its ``GradScaler``'s); None for any other."""
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.get_scale())
 
+@_in_recipe
 
 def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = LABEL_SMOOTHING) -> float:
