@@ -557,3 +557,27 @@ def test_a_dtype_beside_a_mixed_model_is_refused(port):
     with pytest.raises(ValueError) as refused:
         backend.optimizer(model, dtype="bfloat16")
     assert str(refused.value) == "a mixed-float16 model trains in its own recipe, got dtype='bfloat16'"
+
+
+def test_train_dtype_mixed_float16(capsys, tmp_path):
+    """``train --dtype mixed-float16``: the reference and PyTorch (torch.autocast with a GradScaler) take the same
+    steps to the same loss, and each saved run holds float32 weights and float16's loss scale, from which
+    ``--resume`` goes on."""
+    from reference_numpy.checkpoint import load_checkpoint, load_training_state
+
+    out = str(tmp_path / "run-{backend}.safetensors")
+    arguments = ["--task", "copy", "--dtype", "mixed-float16", "--backends", "numpy,torch", "--eval-size", "0",
+                 "--threads", "1", "--json"]
+    status, text, err = cli(capsys, "train", "--steps", "2", "--out", out, *arguments)
+    assert status == 0, err
+    for backend in ("numpy", "torch"):
+        path = out.format(backend=backend)
+        _, params = load_checkpoint(path)
+        state = load_training_state(path)
+        assert {value.dtype for value in params.values()} == {np.dtype(np.float32)}
+        assert state is not None and state.step == 2 and state.loss_scale is not None
+    resumed = str(tmp_path / "more-{backend}.safetensors")
+    status, _, err = cli(capsys, "train", "--steps", "1", "--resume", out.format(backend="torch"), "--out", resumed,
+                         *arguments)
+    assert status == 0, err
+    assert load_training_state(resumed.format(backend="numpy")).step == 3

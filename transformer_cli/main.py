@@ -383,10 +383,12 @@ def add_train(commands: Commands) -> None:
                     "backend)")
     add_number(train, "--label-smoothing", default=0.1, help="epsilon_ls, section 5.4")
     add_number(train, "--seed", default=0, help="initial weights and batches")
-    train.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+    train.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",
                        help="the precision of each step: float32 or float64 weights; bfloat16 or float16 compute in "
                             "that precision over float32 master weights and moments (mixed precision; float16 "
-                            "scales the loss), and save float32")
+                            "scales the loss), and save float32; mixed-bfloat16 and mixed-float16: each framework's "
+                            "own mixed precision (torch.autocast with a GradScaler, Flax's dtype/param_dtype, "
+                            "Keras' mixed policy: docs/equivalence.md)")
     train.add_argument("--device", type=device_name, default="cpu",
                        help="where the ports train: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU; "
                             "--data-parallel places its replicas itself)")
