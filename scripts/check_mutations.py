@@ -651,10 +651,9 @@ PRECISION = [
            "transformer_tf/speed.py", "    return not is_low(tf.as_dtype(model.compute_dtype).as_numpy_dtype)", "    return True",
            low_precision("tf and test_log_probs and float16")),
     consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
-        (RM, "logits = narrow(wide(x) @ wide(self.weight), self.weight.dtype)", "logits = wide(x) @ wide(self.weight)"),
+        (RM, "logits = product(x, self.weight, product_dtype(self.weight.dtype))", "logits = wide(x) @ wide(self.weight)"),
         (TM, "return log_softmax(wide(_linear(x, weight)))", "return log_softmax(_linear(wide(x), wide(weight)))"),
-        (JM, "logits = narrow(jnp.matmul(wide(x), wide(weight), precision=_PRECISION), weight.dtype)",
-         "logits = jnp.matmul(wide(x), wide(weight), precision=_PRECISION)"),
+        (JM, "return log_softmax(wide(narrow(logits, dtype)))", "return log_softmax(wide(logits))"),
         (FM, "logits = narrow(tf.matmul(wide(x), wide(weight)), x.dtype)", "logits = tf.matmul(wide(x), wide(weight))"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "torch: the embedding's gradient rows summed in P (torch's own embedding backward)",
