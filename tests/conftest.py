@@ -17,6 +17,7 @@ import functools
 import gc
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,15 +94,17 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
     """The generator's logits are one rounding of the recipe. Given the generator's input ``x`` (numbers of
     ``dtype``: a component's input, or a port's own decoder output) and ``model_in(precision)``, the reference in
     ``precision`` with the port's weights (numbers of ``dtype``): where a logit's rounding has one answer
-    (``tolerance.decided_by_rounding`` of x W, exact and in float32), a port's logit is the reference's, and its
+    (``tolerance.decided_by_rounding`` of x W, or x W + b with ``output_bias``, exact and in float32), a port's
+    logit is the reference's, and its
     float32 log-probability ``L_i - logsumexp(L)`` the reference generator's on the same ``x`` within the float32
     bound of that computation plus what the row's undecided logits may move the logsumexp: each by one unit of
     ``dtype`` at most, weighted by its probability. A compiler that keeps the logits in float32 (XLA's "excess
     precision") is up to a unit off at decided logits, 10^3-10^4 times that bound."""
     x = np.asarray(x).astype(np.float64)
     exact, wide = model_in("float64").generator, model_in("float32").generator
-    logits = x @ exact.weight                                                              # (B, T, V)
-    decided = tolerance.decided_by_rounding(logits, x.astype(np.float32) @ wide.weight, dtype)
+    logits = x @ exact.weight + (0.0 if exact.bias is None else exact.bias)               # (B, T, V)
+    wide_logits = x.astype(np.float32) @ wide.weight + (0.0 if wide.bias is None else wide.bias)
+    decided = tolerance.decided_by_rounding(logits, wide_logits, dtype)
     assert decided.any(), f"{what}: no logit's rounding is decided; nothing was checked"
     expected = model_in(dtype).generator(x.astype(dtype))                                 # log_softmax(round(x W))
     undecided = np.sum(np.where(decided, 0.0, np.exp(expected) * spacing(round_to(logits, dtype), dtype)), axis=-1,
@@ -126,6 +129,18 @@ def pytest_configure(config):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= count:
         os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` the tests ``slow_tests.txt`` names (each took seconds in a run of the whole suite:
+    ``scripts/slow_tests.py``), beside those marked in their code, so that ``-m "not slow"`` is a quick inner loop."""
+    slow = {line for line in SLOW_TESTS.read_text().splitlines() if line and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -133,8 +133,7 @@ def test_forward_stages(port, device_kind, dtype, variant, case, agreement, logi
         agreement(stages[stage], ref64[stage], ref_same[stage], port=port, device=device, dtype=dtype,
                   what=f"forward {stage.split('.')[0]}: {variant}/{case}/{stage}", scores=stage == "log_probs",
                   added=(maps.get(stage), stages, ref_same))
-    if dtype in LOW_DTYPES and not FORWARD_VARIANTS[variant].output_bias:
-        # (the logits' rounding with a bias, x W + b: tests/test_config_choices.py)
+    if dtype in LOW_DTYPES:
         logits_rounding(stages["log_probs"], stages["decoder"], functools.partial(reference_model_in, dtype, variant),
                         dtype, f"{port}/{dtype}/forward: {variant}/{case}")
 

@@ -152,6 +152,8 @@ def test_train_data_parallel_in_the_reference_continues_a_single_process_run(tmp
     assert whole == expected.losses                      # the command's single-process run is the reference's
 
 
+# About 30 s: the installed command, a process per engine run, each starting its replicas (PyTorch: two worker
+# processes) and compiling its step: what a process shows (the command, its replicas and exit status) is checked.
 def test_train_data_parallel_runs_on_each_frameworks_engine(tmp_path):
     """``train --data-parallel 2`` through the installed command, every installed port in one process (the command
     asks XLA for host devices before JAX starts; TensorFlow splits its CPU): each run's losses, weights and moments

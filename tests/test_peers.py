@@ -441,6 +441,8 @@ def test_a_peer_that_cannot_run_is_listed_with_the_reason(monkeypatch):
                                                                 "each residual)")]
 
 
+# About 40 s on a new machine: Inductor compiles the cached decoding step's programs, the engine `bench --compiled`
+# times (its own persistent cache, once warm, shortens it).
 def test_bench_compiled_times_the_pytorch_ports_compiled_decoding_beside_the_eager_port(monkeypatch):
     """``bench --compiled``: the PyTorch port's cached decoding under ``compile_decoding`` is one more engine,
     beside the eager port (the forward pass and the uncached decoding are the eager port's alone)."""

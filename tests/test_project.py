@@ -112,6 +112,7 @@ def test_the_code_passes_the_linter_configured_in_pyproject():
     assert "All checks passed" in result.stdout
 
 
+# About 35 s: mypy checks every package against the frameworks' own stubs, with no cache (a clean clone's run).
 def test_the_code_passes_the_type_checker_mypy_configured_in_pyproject():
     """mypy, with ``[tool.mypy]`` in pyproject.toml, over the six packages: each ships ``py.typed``, so its
     annotations are part of the public API and must be true."""
@@ -241,3 +242,21 @@ def test_each_kernel_family_caps_what_the_frameworks_select():
     sse, avx2 = families.probe("sse"), families.probe("avx2")
     assert "torch capability: DEFAULT | numpy SIMD: baseline" in sse and "oneDNN: Intel SSE4.1" in sse, sse
     assert not any(isa in avx2 for isa in ("capability: AVX512", "X86_V4", "AVX-512", "AVX10", "AMX")), avx2
+
+
+def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_path):
+    """scripts/slow_tests.py sums each test's set-up, call and teardown in pytest's --durations report (ids with
+    spaces included) and lists those at or over the threshold; the list it keeps has only test ids."""
+    spec = importlib.util.spec_from_file_location("slow_tests", ROOT / "scripts" / "slow_tests.py")
+    slow_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slow_tests)
+    report = ("============ slowest durations ============\n"
+              "1.50s setup    tests/test_a.py::test_x[a b]\n"
+              "0.60s call     tests/test_a.py::test_x[a b]\n"
+              "1.99s call     tests/test_b.py::test_y\n"
+              "(3 durations < 0.005s hidden.  Use -vv to show these durations.)\n")
+    seconds = slow_tests.durations(report)
+    assert seconds == pytest.approx({"tests/test_a.py::test_x[a b]": 2.1, "tests/test_b.py::test_y": 1.99})
+    assert slow_tests.slow_tests(seconds, 2.0) == ["tests/test_a.py::test_x[a b]"]
+    listed = [line for line in slow_tests.SLOW_TESTS.read_text().splitlines() if not line.startswith("#")]
+    assert listed and all(re.fullmatch(r"tests/test_\w+\.py::test_\w+(\[.*\])?", line) for line in listed)

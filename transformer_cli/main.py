@@ -12,6 +12,7 @@
     transformer-reference train --source SRC.txt --target TGT.txt [--tokens-per-batch N] [--save-every N]
                                 [--average K] [--out RUN.safetensors]
     transformer-reference average OUT.safetensors RUN1.safetensors RUN2.safetensors ... [--force]
+    transformer-reference import HF_MODEL_DIR OUT.safetensors [--force]
     transformer-reference translate ["three hundred and twelve" ...] [--backend numpy] [--beam 4] [--checkpoint PATH]
                                     [--input FILE] [--output FILE] [--batch-size N]
     transformer-reference evaluate CHECKPOINT --source FILE --reference FILE [--backend numpy] [--beam 4] [--json]
@@ -576,6 +577,27 @@ def run_average(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def add_import(commands: Commands) -> None:
+    hf = subcommand(commands, "import", "write a Hugging Face Marian (opus-mt) or M2M100/NLLB model directory as a "
+                                        "shared checkpoint (docs/huggingface.md)")
+    hf.add_argument("directory", metavar="DIR", help="the model directory: config.json and model.safetensors (or "
+                                                     "pytorch_model.bin, read by torch's weights-only loader)")
+    hf.add_argument("out", metavar="OUT", type=output_file, help="the shared checkpoint to write")
+    add_outputs(hf, "out")              # the files of DIR it reads (config, weights) are refused as OUT by import_hf
+    hf.set_defaults(run=run_import)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from reference_numpy.hf_import import import_hf
+
+    config = import_hf(args.directory, args.out, args.force)
+    print(f"wrote {args.out}: {'pre-LN' if config.norm_first else 'post-LN'}, d_model {config.d_model}, "
+          f"{config.n_encoder_layers}+{config.n_decoder_layers} layers, {config.activation}, sinusoid "
+          f"{config.sinusoidal_layout}, vocabulary {config.src_vocab_size}"
+          f"{'' if config.share_embeddings else '/' + str(config.tgt_vocab_size)}; no tokenizer")
+    return EXIT_OK
+
+
 def add_translate(commands: Commands) -> None:
     translate = subcommand(commands, "translate", "translate text with a checkpoint that holds a tokenizer (default: "
                                                   "the shipped English-to-French numbers model)")
@@ -679,8 +701,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_average, add_translate, add_evaluate,
-            side_by_side.add_parser)
+COMMANDS = (add_compare, add_bench, add_export, add_plot, add_init, add_train, add_average, add_import, add_translate,
+            add_evaluate, side_by_side.add_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -138,14 +138,21 @@ def seeded_checkpoint(preset: str) -> tuple[TransformerConfig, dict[str, np.ndar
 def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     """A fixed batch of ids: two source sentences (the second padded) and their shifted targets."""
     rng = np.random.default_rng(2017)
-    first = max(config.pad_id, config.bos_id, config.eos_id) + 1
-    src = rng.integers(first, config.src_vocab_size, size=(2, 12))
-    tgt = rng.integers(first, config.tgt_vocab_size, size=(2, 10))
+    special = (config.pad_id, config.bos_id, config.eos_id)
+    src = _words(config.src_vocab_size, special)[rng.integers(0, len(_words(config.src_vocab_size, special)), (2, 12))]
+    tgt = _words(config.tgt_vocab_size, special)[rng.integers(0, len(_words(config.tgt_vocab_size, special)), (2, 10))]
     src[0, -1], src[1, 8] = config.eos_id, config.eos_id
     src[1, 9:] = config.pad_id
     tgt[:, 0] = config.bos_id
     tgt[1, 7:] = config.pad_id
     return {"src": src[:, :min(12, config.max_len)], "tgt": tgt[:, :min(10, config.max_len)]}
+
+
+def _words(vocab_size: int, special: tuple[int, ...]) -> np.ndarray:
+    """The ids above every special id, or, where a special id is the vocabulary's last (Marian's pad), every id but
+    the special ones (the same draws for a vocabulary that starts with its special ids)."""
+    first = max(special) + 1
+    return np.arange(first, vocab_size) if first < vocab_size else np.setdiff1d(np.arange(vocab_size), special)
 
 
 def translation_source(tokenizer: Tokenizer) -> np.ndarray | None:

@@ -1,0 +1,301 @@
+"""A Hugging Face Marian (opus-mt) or M2M100/NLLB model directory as this project's config and weights.
+
+``import_hf(DIRECTORY, OUT)`` (``transformer-reference import DIRECTORY OUT``) reads the directory's ``config.json``
+and its weights -- ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) through safetensors' own
+reader, or a pickled ``pytorch_model.bin`` only through ``torch.load(weights_only=True)`` -- and writes one shared
+checkpoint (docs/checkpoint-format.md). Nothing here runs transformers.
+
+The families, as transformers defines them (``models/marian/modeling_marian.py``, ``models/m2m_100/``):
+
+* ``marian``: post-LN layers (``LayerNorm(x + Sublayer(x))``), no final stack norms, the sinusoid in two halves
+  (sines, then cosines) at positions 0, 1, ..., the activation ``activation_function`` ("swish" is SiLU),
+  ``scale_embedding``, a bias on the logits (``final_logits_bias``, here ``generator.bias``);
+* ``m2m_100`` (M2M100 and NLLB): pre-LN layers with a final LayerNorm after each stack, fairseq's sinusoid (positions
+  from ``pad_token_id + 1`` over the non-pad tokens), ReLU or GELU, no logits bias.
+
+Both use ``nn.LayerNorm``'s epsilon 1e-5 and the same attention (q, k, v and out projections with biases; the
+queries scaled by d_k^-0.5 before the product, the same function as Eq. (1)). Every ``nn.Linear`` stores its
+weight (out, in), this project (in, out): the names in :data:`TRANSPOSED` are transposed, every tensor's shape is
+asserted against the config. Anything outside the space the reference defines is refused with one ``ValueError``
+line naming the field (or tensor).
+
+Special ids: the project's config holds three different ids pad, bos, eos, bos being the token decoding starts
+with. Marian starts decoding with its pad token (``decoder_start_token_id == pad_token_id``), which the config
+cannot hold as bos: the import keeps pad and eos and takes as ``bos_id`` the lowest id that is neither (Marian's
+``<unk>``, 1, in opus-mt's vocabularies); M2M100/NLLB's ``bos_token_id`` (0) is kept. The forward pass does not
+read bos; decoding as the families do (Marian from pad, M2M100 from eos and a forced language token) is a decoding
+convention the reference does not define yet (issue 40).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reference_numpy.checkpoint import parameter_shapes, save_checkpoint
+from reference_numpy.config import MAX_LEN_LIMIT, TransformerConfig
+
+FAMILIES = ("marian", "m2m_100")
+# transformers' ACT2FN names -> the reference's activation (reference_numpy.model.activation): "gelu" is the exact
+# erf form (GELUActivation), "swish" and "silu" are x sigmoid(x)
+ACTIVATIONS = {"relu": "relu", "swish": "silu", "silu": "silu", "gelu": "gelu"}
+LAYER_NORM_EPS = 1e-5                              # nn.LayerNorm's default, which both families construct with
+CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE = (
+    "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# Fields of older config.json files (BART's lineage) that transformers' Marian and M2M100 no longer read: each must
+# hold the value the family's code computes, or the file describes another model
+LEGACY_FIELDS: dict[str, dict[str, Any]] = {
+    "marian": {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
+               "static_position_embeddings": True, "add_bias_logits": False, "layernorm_embedding": False},
+    "m2m_100": {"normalize_before": True, "normalize_embedding": False, "add_final_layer_norm": True,
+                "static_position_embeddings": True, "add_bias_logits": False, "layernorm_embedding": False},
+}
+# Fields that name another model when present with any value but these
+ABSENT_OR: dict[str, tuple[Any, ...]] = {"position_embedding_type": ("absolute",), "num_experts": (0, None),
+                                         "is_decoder": (False,), "add_cross_attention": (False,)}
+
+
+def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
+    """The :class:`TransformerConfig` of a Hugging Face ``config.json`` (a dict); one ``ValueError`` line naming the
+    first field outside the supported space."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"config.json model_type {family!r} is not supported (supported: "
+                         f"{', '.join(repr(name) for name in FAMILIES)}: Marian/opus-mt, M2M100 and NLLB)")
+    for name, value in LEGACY_FIELDS[family].items():
+        if name in hf and hf[name] != value:
+            raise ValueError(f"config.json {name} {hf[name]!r} is not supported: {family} models here have "
+                             f"{name} {value!r}")
+    for name, values in ABSENT_OR.items():
+        if name in hf and hf[name] not in values:
+            raise ValueError(f"config.json {name} {hf[name]!r} is not supported (supported: "
+                             f"{', '.join(repr(value) for value in values if value is not None)} or absent)")
+    activation = hf.get("activation_function", "gelu" if family == "marian" else "relu")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"config.json activation_function {activation!r} is not supported (supported: "
+                         f"{', '.join(repr(name) for name in ACTIVATIONS)})")
+    for encoder, decoder in (("encoder_attention_heads", "decoder_attention_heads"),
+                             ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if _field(hf, encoder) != _field(hf, decoder):
+            raise ValueError(f"config.json {decoder} {hf[decoder]!r} differs from {encoder} {hf[encoder]!r}: the "
+                             "reference's encoder and decoder layers have one size")
+    vocab = _field(hf, "vocab_size")
+    if family == "marian":
+        share_sides = bool(hf.get("share_encoder_decoder_embeddings", True))
+        tgt_vocab = vocab if share_sides else int(hf.get("decoder_vocab_size") or vocab)
+    else:
+        share_sides, tgt_vocab = True, vocab
+    share = share_sides and bool(hf.get("tie_word_embeddings", True))
+    pad, eos = _field(hf, "pad_token_id"), _field(hf, "eos_token_id")
+    bos = hf.get("bos_token_id")
+    if family == "marian" or not isinstance(bos, int) or bos in (pad, eos):
+        bos = min(set(range(3)) - {pad, eos})               # see the module docstring
+    max_len = _field(hf, "max_position_embeddings")
+    if max_len > MAX_LEN_LIMIT:
+        raise ValueError(f"config.json max_position_embeddings {max_len} is not supported (at most {MAX_LEN_LIMIT})")
+    try:
+        return TransformerConfig(
+            src_vocab_size=vocab, tgt_vocab_size=tgt_vocab, d_model=_field(hf, "d_model"),
+            n_heads=_field(hf, "encoder_attention_heads"), d_ff=_field(hf, "encoder_ffn_dim"),
+            n_encoder_layers=_field(hf, "encoder_layers"), n_decoder_layers=_field(hf, "decoder_layers"),
+            dropout=float(hf.get("dropout", 0.1)), layer_norm_eps=LAYER_NORM_EPS, norm_first=family == "m2m_100",
+            positional_encoding="sinusoidal", max_len=max_len, share_embeddings=share, pad_id=pad, bos_id=bos,
+            eos_id=eos, activation=ACTIVATIONS[activation],
+            sinusoidal_layout="halves" if family == "marian" else "fairseq",
+            scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian")
+    except ValueError as err:
+        raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
+
+
+def _field(hf: dict[str, Any], name: str) -> int:
+    value = hf.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"config.json {name} must be an int, got {value!r}")
+    return value
+
+
+def weight_table(config: TransformerConfig, family: str) -> dict[str, tuple[str, ...]]:
+    """Checkpoint tensor name -> the Hugging Face state-dict names that may hold it, the first present wins (a file
+    saved with tied weights holds the shared matrix once, older files every copy). With ``share_embeddings`` false
+    the target embedding and the projection may be one tied matrix in the file: both are read from it."""
+    table: dict[str, tuple[str, ...]] = {}
+    if config.share_embeddings:
+        table["shared_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight",
+                                        "model.decoder.embed_tokens.weight", "lm_head.weight")
+    else:
+        table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")
+        table["tgt_embed.weight"] = ("model.decoder.embed_tokens.weight", "model.shared.weight")
+        table["generator.weight"] = ("lm_head.weight", "model.decoder.embed_tokens.weight", "model.shared.weight")
+    if config.output_bias:
+        table["generator.bias"] = ("final_logits_bias",)
+    for stack, layers in (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers)):
+        for i in range(layers):
+            ours, theirs = f"{stack}.layers.{i}", f"model.{stack}.layers.{i}"
+            sublayers = [("self_attn", "self_attn", "self_attn_norm", "self_attn_layer_norm")]
+            if stack == "decoder":
+                sublayers.append(("cross_attn", "encoder_attn", "cross_attn_norm", "encoder_attn_layer_norm"))
+            for attention, hf_attention, norm, hf_norm in sublayers:
+                for proj, hf_proj in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
+                                      ("o_proj", "out_proj")):
+                    _affine(table, f"{ours}.{attention}.{proj}", f"{theirs}.{hf_attention}.{hf_proj}")
+                _affine(table, f"{ours}.{norm}", f"{theirs}.{hf_norm}")
+            _affine(table, f"{ours}.ffn.linear1", f"{theirs}.fc1")
+            _affine(table, f"{ours}.ffn.linear2", f"{theirs}.fc2")
+            _affine(table, f"{ours}.ffn_norm", f"{theirs}.final_layer_norm")
+        if config.norm_first:
+            _affine(table, f"{stack}.norm", f"model.{stack}.layer_norm")
+    return table
+
+
+def _affine(table: dict[str, tuple[str, ...]], ours: str, theirs: str) -> None:
+    table[f"{ours}.weight"], table[f"{ours}.bias"] = (f"{theirs}.weight",), (f"{theirs}.bias",)
+
+
+def transposed(config: TransformerConfig) -> frozenset[str]:
+    """The checkpoint tensors stored as the transpose of their Hugging Face tensor: every ``nn.Linear`` weight (the
+    attention projections, fc1, fc2) and the separate output projection (HF's (V, D) ``lm_head`` or embedding)."""
+    return frozenset(name for name in parameter_shapes(config)
+                     if name.endswith(".weight") and ("_proj." in name or ".ffn.linear" in name
+                                                      or name == "generator.weight"))
+
+
+# Tensors a file may hold that the import does not read: the sinusoid tables of older files (computed from the
+# config here, as in transformers) and transformers' position-id buffers
+IGNORED_SUFFIXES = ("embed_positions.weight", "embed_positions.weights", "embed_positions._float_tensor")
+
+
+def convert(config: TransformerConfig, family: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors from a Hugging Face state dict (``weights``: name -> array), through
+    :func:`weight_table` and :func:`transposed`, each shape asserted; a tensor of the file that the table does not
+    read (other than a tied copy equal to the one read, or a sinusoid table) is refused, naming it."""
+    shapes, flip, params, read = parameter_shapes(config), transposed(config), {}, set()
+    for ours, candidates in weight_table(config, family).items():
+        present = [name for name in candidates if name in weights]
+        if not present:
+            raise ValueError(f"the weights lack {candidates[0]!r} (the checkpoint's {ours!r})")
+        value = np.asarray(weights[present[0]])
+        if ours == "generator.bias":
+            value = value.reshape(-1) if value.ndim == 2 and value.shape[0] == 1 else value   # (1, V) buffer
+        value = value.T if ours in flip else value
+        if value.shape != shapes[ours]:
+            raise ValueError(f"tensor {present[0]!r} has shape {np.shape(weights[present[0]])}; the config gives "
+                             f"the checkpoint's {ours!r} the shape {shapes[ours]}")
+        params[ours] = np.ascontiguousarray(value)
+        read.add(present[0])
+        for copy in present[1:]:                        # a tied matrix saved twice must be one matrix
+            if not np.array_equal(np.asarray(weights[copy]), np.asarray(weights[present[0]])):
+                raise ValueError(f"tensor {copy!r} differs from {present[0]!r}, which the config ties it to "
+                                 "(share_encoder_decoder_embeddings / tie_word_embeddings)")
+            read.add(copy)
+    unread = sorted(name for name in weights if name not in read and not name.endswith(IGNORED_SUFFIXES))
+    if unread:
+        raise ValueError(f"tensor {unread[0]!r} is not part of a supported {family} model ({len(unread)} such)")
+    return params
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    if not Path(directory).is_dir():
+        raise ValueError(f"{os.fspath(directory)!r} is not a directory (a Hugging Face model directory)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"cannot read {os.fspath(path)!r}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{os.fspath(path)!r} must hold a JSON object")
+    return data
+
+
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The files the weights are read from: ``model.safetensors``, the shards of its index, or (without either)
+    ``pytorch_model.bin``."""
+    root = Path(directory)
+    if (root / SAFETENSORS_FILE).exists():
+        return [root / SAFETENSORS_FILE]
+    if (root / SHARDED_INDEX).exists():
+        index = json.loads((root / SHARDED_INDEX).read_text(encoding="utf-8"))
+        shards = sorted(set(index.get("weight_map", {}).values()))
+        if not shards or any(Path(shard).name != shard for shard in shards):
+            raise ValueError(f"{os.fspath(root / SHARDED_INDEX)!r}: weight_map must name shard files of the directory")
+        return [root / shard for shard in shards]
+    if (root / PICKLE_FILE).exists():
+        return [root / PICKLE_FILE]
+    raise ValueError(f"{os.fspath(root)!r} holds no {SAFETENSORS_FILE}, {SHARDED_INDEX} or {PICKLE_FILE}")
+
+
+def read_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The directory's state dict as NumPy arrays, float16 and bfloat16 widened to float32 (exactly)."""
+    weights: dict[str, np.ndarray] = {}
+    for path in weight_files(directory):
+        if path.name == PICKLE_FILE:
+            weights.update(_read_pickle(path))
+        else:
+            weights.update(_read_safetensors(path))
+    return weights
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as file:
+            return {name: _widened(file.get_tensor(name)) for name in file.keys()}  # noqa: SIM118 - not a dict
+    except (OSError, TypeError) as err:     # safetensors' numpy reader has no bfloat16: TypeError
+        raise ValueError(f"cannot read {os.fspath(path)!r}: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError: a file that is not safetensors
+        raise ValueError(f"cannot read {os.fspath(path)!r}: {str(err).splitlines()[0]}") from None
+
+
+def _read_pickle(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{os.fspath(path)!r} is a pickle: reading it needs PyTorch (its weights-only loader); "
+                         "pip install 'transformer-reference[torch]', or give the model as model.safetensors") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - the weights-only unpickler refuses anything but tensors
+        raise ValueError(f"cannot read {os.fspath(path)!r} with torch's weights-only loader: "
+                         f"{str(err).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{os.fspath(path)!r} does not hold a state dict")
+    return {name: tensor.detach().float().numpy() if tensor.dtype in (torch.bfloat16, torch.float16)
+            else tensor.detach().numpy() for name, tensor in state.items()}
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.float32) if array.dtype == np.float16 else array
+
+
+def load_hf(directory: str | os.PathLike, dtype: Any = None) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+    """``(config, params)`` of a Hugging Face Marian or M2M100/NLLB directory, the weights in the file's float dtype
+    (float16 as float32) or ``dtype``: what :func:`reference_numpy.checkpoint.load_checkpoint` returns for a
+    shared checkpoint, so that ``reference_numpy.Transformer(*load_hf(directory))`` runs the model."""
+    hf = read_config(directory)
+    config = config_from_hf(hf)
+    weights = read_weights(directory)
+    floats = {np.dtype(value.dtype) for value in weights.values() if np.issubdtype(value.dtype, np.floating)}
+    params = convert(config, hf["model_type"], weights)
+    target = np.dtype(dtype) if dtype is not None else (np.dtype(np.float64) if np.dtype(np.float64) in floats
+                                                        else np.dtype(np.float32))
+    return config, {name: value.astype(target, copy=False) for name, value in params.items()}
+
+
+def import_hf(directory: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> TransformerConfig:
+    """Write the directory's model as the shared checkpoint ``out`` (refused if it exists, unless ``force``, and
+    never over a file the import reads); returns its config."""
+    sources = [Path(directory) / CONFIG_FILE, *weight_files(directory)] if Path(directory).is_dir() else []
+    for source in sources:
+        if os.path.exists(out) and os.path.samefile(out, source):
+            raise ValueError(f"OUT: writing {os.fspath(out)!r} would replace the input {os.fspath(source)!r}; "
+                             "write elsewhere")
+    if os.path.lexists(out) and not force:
+        raise ValueError(f"OUT: {os.fspath(out)!r} already exists; pass --force to replace it")
+    config, params = load_hf(directory)
+    save_checkpoint(out, config, params)
+    return config

@@ -1,0 +1,318 @@
+"""``reference_numpy.hf_import`` and ``transformer-reference import``: a Hugging Face Marian (and M2M100/NLLB) model
+directory, built by transformers from a tiny config with random weights and saved by ``save_pretrained``, against
+transformers' own forward pass in float64.
+
+* the log-probabilities of the imported checkpoint in the reference, and in every installed port loading the file,
+  within the float64 policy (``equivalence.tolerance.float64_bound``: 1e-12 x max(1, max|ref|)) of transformers';
+* the one place transformers computes in float32 in a float64 model: its sinusoid tables (Marian builds its table in
+  float64 and stores it through ``torch.FloatTensor``; M2M100 computes its frequencies and angles in float32). The
+  tables are checked against the reference's float64 table within their float32 rounding, derived below; then the
+  float64 comparison runs with transformers' table buffers set to the reference's table, so that every other
+  operation is held to 1e-12;
+* the weights bit-identical to the file's (the table inverted rebuilds every tensor of the file), ``compare`` on the
+  imported file exits 0, the refusals (one line naming the field), the command's outputs and inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from equivalence import tolerance
+from reference_numpy import Transformer
+from reference_numpy.checkpoint import load_checkpoint
+from reference_numpy.hf_import import config_from_hf, import_hf, load_hf, read_weights, transposed, weight_table
+from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
+from transformer_cli import backends
+from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+
+torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
+                                            "'.[torch]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
+                                                          "these tests import are built with it (pip install "
+                                                          "transformers)")
+
+# Every size different, so that a transposed or swapped tensor fails on its shape or its values
+MARIAN = dict(vocab_size=29, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+              activation_function="swish", scale_embedding=True, pad_token_id=28, eos_token_id=0,
+              decoder_start_token_id=28, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+M2M100 = dict(vocab_size=31, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+              activation_function="gelu", scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+              decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+              encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
+            "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100)}
+
+
+def build(family: str, seed: int = 0, **changes):
+    """A transformers model of the family with every parameter and buffer random (LayerNorms and biases included,
+    which transformers initialises to constants; Marian's ``final_logits_bias`` nonzero), in eval mode."""
+    config_name, model_name, sizes = FAMILIES[family]
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**sizes, **changes})).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if "embed_positions" not in name:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, transformers' model, its save_pretrained directory, the imported checkpoint)."""
+    family = request.param
+    model = build(family)
+    directory = tmp_path_factory.mktemp(family)
+    model.save_pretrained(directory)
+    out = directory.parent / f"{family}.safetensors"
+    import_hf(directory, out)
+    return family, model, directory, out
+
+
+def inputs(config, seed: int = 1):
+    """A batch with a padded source row; the target starts with the family's decoder start token and is unpadded
+    (transformers' decoder masks no target position by default: the reference gets the causal mask alone)."""
+    rng = np.random.default_rng(seed)
+    special = {config.pad_id, config.eos_id}
+    words = np.array([i for i in range(config.src_vocab_size) if i not in special])
+    src = rng.choice(words, size=(2, 7))
+    src[1, 5:] = config.pad_id
+    tgt = rng.choice(words, size=(2, 6))
+    return src, tgt
+
+
+def hf_log_probs(model, src, tgt, pad_id: int) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(src != pad_id).long(),
+                       decoder_input_ids=torch.as_tensor(tgt)).logits
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def masks(config, src, tgt):
+    """transformers' masks as the reference takes them: the source's padding, the target's causal mask alone."""
+    causal = np.repeat(causal_mask(tgt.shape[1]).reshape(1, 1, tgt.shape[1], tgt.shape[1]), len(tgt), axis=0)
+    return (src != config.pad_id)[:, None, None, :], causal
+
+
+def position_tables(family: str, model):
+    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives."""
+    if family == "marian":
+        modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
+        return [(module, "weight", module.weight.detach().double().numpy()) for module in modules]
+    modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
+    return [(module, "weights", module.weights.detach().double().numpy()) for module in modules]
+
+
+def reference_table(family: str, config, rows: int) -> tuple[np.ndarray, slice]:
+    """The reference's float64 table laid out as transformers' table of ``rows`` rows, and the rows transformers
+    reads. Marian: row p is position p. Fairseq: transformers' row pad_id + k is the reference's row k (row pad_id
+    the zeros a pad token reads); its rows below pad_id are never read (positions start at pad_id)."""
+    if family == "marian":
+        return sinusoidal_positional_encoding(rows, config.d_model, layout="halves"), slice(0, rows)
+    table = sinusoidal_positional_encoding(rows - config.pad_id - 1, config.d_model, layout="fairseq",
+                                           pad_id=config.pad_id)
+    return np.concatenate([np.zeros((config.pad_id, config.d_model)), table]), slice(config.pad_id, rows)
+
+
+def float32_table_bound(family: str, config, exact: np.ndarray) -> np.ndarray:
+    """How far transformers' float32 sinusoid may be from the exact one (``exact``, transformers' layout), element
+    by element. Marian: the float64 value rounded once to float32, half a float32 unit (2^-24 relative), plus the
+    float64 table's own error. M2M100 (fairseq, ``get_embedding``): the exponent -i log(10000) / (h - 1) rounded to
+    float32 (relative 2^-24), exp and the product with the position each rounded (2^-24 each, relative), so the
+    angle p w is off by at most p w (|log w| + 3) 2^-24, which moves sin and cos as much; their own rounding adds
+    2^-24 relative."""
+    u = 2.0 ** -24
+    if family == "marian":
+        return u * np.abs(exact) + 1e-15
+    half = config.d_model // 2
+    w = np.exp(-np.arange(half) * np.log(10000.0) / (half - 1))
+    positions = np.arange(len(exact))[:, None]                     # transformers' row p is position p
+    angle_error = positions * w * (np.abs(np.log(w)) + 3) * u
+    return np.concatenate([angle_error, angle_error], axis=1) + u * np.abs(exact) + 1e-15
+
+
+def test_transformers_sinusoid_tables_are_the_references_in_float32(saved):
+    """The layout (halves; fairseq's offset and frequencies) of transformers' table against the reference's float64
+    table, within the float32 rounding transformers makes (the halves swapped, or the offset off by one, is off by
+    O(1))."""
+    family, model, _, out = saved
+    config, _ = load_checkpoint(out)
+    for _, _, table in position_tables(family, model):
+        exact, read = reference_table(family, config, len(table))
+        error, bound = np.abs(table - exact)[read], float32_table_bound(family, config, exact)[read]
+        assert np.all(error <= bound), np.max(error / bound)
+        assert np.max(error) > 0, "transformers' table is float32: a float64 one would be exact"
+
+
+def exact_tables(family: str, model, config) -> None:
+    """Set transformers' sinusoid buffers to the reference's float64 table (checked above against transformers'
+    own within its float32 rounding), so that the rest of the comparison is float64 arithmetic alone."""
+    for module, attribute, table in position_tables(family, model):
+        exact, read = reference_table(family, config, len(table))
+        exact[:read.start] = table[:read.start]                    # rows never read: transformers' own
+        getattr(module, attribute).data = torch.as_tensor(exact, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def float64_model(saved):
+    family, model, _, out = saved
+    config, _ = load_checkpoint(out)
+    model = model.double()
+    exact_tables(family, model, config)
+    return model
+
+
+def test_reference_matches_transformers_in_float64(saved, float64_model):
+    family, _, _, out = saved
+    config, params = load_checkpoint(out, dtype=np.float64)
+    src, tgt = inputs(config)
+    expected = hf_log_probs(float64_model, src, tgt, config.pad_id)
+    got = Transformer(config, params)(src, tgt, *masks(config, src, tgt))
+    error, bound = tolerance.max_abs(got, expected), tolerance.float64_bound(expected)
+    print(f"{family}: reference vs transformers float64: max abs error {error:.3e} (bound {bound:.3e})")
+    assert error <= bound
+
+
+@pytest.mark.parametrize("port", backends.PORTS)
+def test_every_port_loading_the_import_matches_transformers_in_float64(saved, float64_model, port):
+    if not backends.installed(port):
+        pytest.skip(f"{port} is not installed: {', '.join(backends.absent_frameworks(port))} missing")
+    adapter, _ = backends.load((port,))
+    family, _, _, out = saved
+    config, _ = load_checkpoint(out)
+    src, tgt = inputs(config, seed=2)
+    expected = hf_log_probs(float64_model, src, tgt, config.pad_id)
+    model = adapter[port].load(out, "float64")
+    got = adapter[port].log_probs(model, src, tgt, *masks(config, src, tgt))
+    error, bound = tolerance.max_abs(got, expected), tolerance.float64_bound(expected)
+    print(f"{family}: {port} vs transformers float64: max abs error {error:.3e} (bound {bound:.3e})")
+    assert error <= bound
+
+
+def test_weights_are_the_files_bit_for_bit(saved):
+    """The table inverted rebuilds every tensor of transformers' file from the checkpoint, bit for bit (the
+    checkpoint keeps the file's float32)."""
+    family, _, directory, out = saved
+    config, params = load_checkpoint(out)
+    file = read_weights(directory)
+    assert all(value.dtype == np.float32 for value in params.values())
+    flip = transposed(config)
+    rebuilt = {}
+    for ours, candidates in weight_table(config, family).items():
+        value = params[ours].T if ours in flip else params[ours]
+        for name in candidates:
+            if name in file:
+                rebuilt[name] = value.reshape(file[name].shape)
+    assert set(rebuilt) == set(file)
+    for name, value in file.items():
+        assert np.array_equal(rebuilt[name], value), name
+    # one tensor by hand: a cross-attention query projection, (out, in) in the file, (in, out) here
+    assert np.array_equal(params["decoder.layers.1.cross_attn.q_proj.weight"],
+                          file["model.decoder.layers.1.encoder_attn.q_proj.weight"].T)
+
+
+def test_compare_on_the_import_exits_0(saved, capsys):
+    _, _, _, out = saved
+    status = main(["compare", str(out), "--backends", ",".join(b for b in backends.PORTS if backends.installed(b)),
+                   "--threads", "1"])
+    assert status == EXIT_OK, capsys.readouterr().out
+
+
+def test_config_mapping():
+    marian = config_from_hf({**MARIAN, "model_type": "marian"})
+    assert (marian.norm_first, marian.sinusoidal_layout, marian.activation, marian.output_bias,
+            marian.share_embeddings, marian.layer_norm_eps) == (False, "halves", "silu", True, True, 1e-5)
+    assert (marian.pad_id, marian.eos_id, marian.bos_id, marian.max_len) == (28, 0, 1, 40)
+    m2m = config_from_hf({**M2M100, "model_type": "m2m_100"})
+    assert (m2m.norm_first, m2m.sinusoidal_layout, m2m.activation, m2m.output_bias,
+            m2m.pad_id, m2m.bos_id, m2m.eos_id) == (True, "fairseq", "gelu", False, 1, 0, 2)
+
+
+REFUSED = [("activation_function", "gelu_new"), ("normalize_embedding", True), ("normalize_before", True),
+           ("layernorm_embedding", True), ("add_final_layer_norm", True), ("position_embedding_type", "relative_key"),
+           ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32), ("model_type", "bart"),
+           ("max_position_embeddings", 2 ** 17), ("d_model", 18)]
+
+
+@pytest.mark.parametrize(("field", "value"), REFUSED)
+def test_a_model_outside_the_space_is_refused_naming_the_field(tmp_path, capsys, field, value):
+    model = build("marian")
+    model.save_pretrained(tmp_path / "model")
+    path = tmp_path / "model" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    capsys.readouterr()                                             # transformers' progress bar
+    with pytest.raises(ValueError, match=field) as caught:
+        load_hf(tmp_path / "model")
+    assert "\n" not in str(caught.value)
+    assert main(["import", str(tmp_path / "model"), str(tmp_path / "out.safetensors")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and field in err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_an_unknown_tensor_is_refused_naming_it(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    model = build("marian")
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({**weights, "model.encoder.layernorm_embedding.weight": np.ones(16, np.float32)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.encoder.layernorm_embedding.weight'"):
+        load_hf(tmp_path)
+
+
+def test_separate_vocabularies_and_untied_projection(tmp_path):
+    """Marian with share_encoder_decoder_embeddings false (two vocabularies) imports as separate embeddings, the
+    decoder's tied projection read from the decoder's embedding; the forward pass still agrees in float64."""
+    model = build("marian", seed=3, share_encoder_decoder_embeddings=False, decoder_vocab_size=33)
+    model.save_pretrained(tmp_path / "model")
+    import_hf(tmp_path / "model", tmp_path / "out.safetensors")
+    config, params = load_checkpoint(tmp_path / "out.safetensors", dtype=np.float64)
+    assert (config.share_embeddings, config.src_vocab_size, config.tgt_vocab_size) == (False, 29, 33)
+    assert np.array_equal(params["generator.weight"], params["tgt_embed.weight"].T)
+    model = model.double()
+    exact_tables("marian", model, config)
+    src, tgt = inputs(config)
+    tgt = tgt % 27 + 1                       # a word of both vocabularies, not eos (0)
+    expected = hf_log_probs(model, src, tgt, config.pad_id)
+    got = Transformer(config, params)(src, tgt, *masks(config, src, tgt))
+    assert tolerance.max_abs(got, expected) <= tolerance.float64_bound(expected)
+
+
+def test_import_command_outputs_and_inputs(saved, tmp_path, capsys):
+    _, _, directory, _ = saved
+    out = tmp_path / "model.safetensors"
+    assert main(["import", str(directory), str(out)]) == EXIT_OK
+    assert "wrote" in capsys.readouterr().out
+    assert main(["import", str(directory), str(out)]) == EXIT_USAGE              # exists: kept without --force
+    assert "--force" in capsys.readouterr().err
+    assert main(["import", str(directory), str(out), "--force"]) == EXIT_OK
+    capsys.readouterr()
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    before = (copy / "model.safetensors").read_bytes()
+    assert main(["import", str(copy), str(copy / "model.safetensors"), "--force"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "replace the input" in err
+    assert (copy / "model.safetensors").read_bytes() == before
+    (tmp_path / "link.safetensors").symlink_to(copy / "model.safetensors")         # the input through a link
+    assert main(["import", str(copy), str(tmp_path / "link.safetensors"), "--force"]) == EXIT_USAGE
+    assert "replace the input" in capsys.readouterr().err
+    assert (copy / "model.safetensors").read_bytes() == before
+    assert main(["import", str(tmp_path / "absent"), str(tmp_path / "x.safetensors")]) == EXIT_USAGE
+
+
+def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
+    family, model, directory, out = saved
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    torch.save({name: torch.as_tensor(value) for name, value in read_weights(directory).items()},
+               tmp_path / "pytorch_model.bin")
+    config, params = load_hf(tmp_path)
+    expected_config, expected = load_checkpoint(out)
+    assert config == expected_config
+    assert all(np.array_equal(params[name], expected[name]) for name in expected)
