@@ -301,6 +301,7 @@ def test_beam_search_runs_and_agrees_with_the_ports_own_uncached_search(port, pr
 
 # ----------------------------------------------------------------------------- the PyTorch port on `base`
 
+@pytest.mark.slow
 def test_every_linear_map_of_the_pytorch_port_on_base_returns_bfloat16_under_autocast(monkeypatch):
     """Under ``torch.autocast("cpu", torch.bfloat16)`` every linear map of the PyTorch port on Table 3's base model
     (random weights) returns bfloat16: each ``nn.Linear`` (a forward hook) and every call of the port's one linear
@@ -407,6 +408,7 @@ def test_keras_global_mixed_bfloat16_policy():
 
 # ----------------------------------------------------------------------------- the command line
 
+@pytest.mark.slow
 def test_compare_dtype_mixed_bfloat16_exits_0(capsys):
     """``compare --dtype mixed-bfloat16``: every installed backend under its framework's switch agrees with the
     reference in the recipe (exit 0), its column named ``mixed-bf16``."""
@@ -439,6 +441,7 @@ def shipped_stages(backend_name: str, precision: str) -> dict[str, np.ndarray]:
     return backend.forward(backend.build(config, params, precision, "cpu"), **inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("precision", AUTOCAST_NAMES)
 def test_shipped_model_forward_stages(port, precision):
@@ -505,6 +508,7 @@ def training_run(backend_name: str, precision: str):
     return runs.copied(losses, module.export_params(model), module.training_state(model, optimizer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("precision", AUTOCAST_NAMES)
 def test_ten_steps(port, precision):
@@ -559,6 +563,7 @@ def test_a_dtype_beside_a_mixed_model_is_refused(port):
     assert str(refused.value) == "a mixed-float16 model trains in its own recipe, got dtype='bfloat16'"
 
 
+@pytest.mark.slow
 def test_train_dtype_mixed_float16(capsys, tmp_path):
     """``train --dtype mixed-float16``: the reference and PyTorch (torch.autocast with a GradScaler) take the same
     steps to the same loss, and each saved run holds float32 weights and float16's loss scale, from which
