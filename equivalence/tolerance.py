@@ -55,7 +55,7 @@ import numpy.typing as npt
 
 from reference_numpy import backward
 from reference_numpy.model import DecoderLayer, EncoderLayer, LayerNorm, Transformer, padding_mask, target_mask
-from reference_numpy.precision import is_low, parse_dtype, round_to, spacing
+from reference_numpy.precision import is_low, parse_precision, round_to, spacing
 
 FLOAT64_RELATIVE = 1e-12
 FLOAT32_FACTOR = 8
@@ -116,8 +116,10 @@ def low_precision_bound(ref64: npt.ArrayLike, ref_low: npt.ArrayLike, dtype: npt
 def bound_for(dtype: npt.DTypeLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None = None) -> float:
     """The policy's bound for an output computed in ``dtype``; float32, bfloat16 and float16 need ``ref_same``, the
     reference's output in that same precision (a low-precision model's log-probabilities are float32 arrays, but
-    their precision is the model's)."""
-    dtype = parse_dtype(dtype)
+    their precision is the model's). A mixed precision ("mixed-bfloat16", "mixed-float16": the autocast recipe) is
+    held to its P's rule, ``ref_same`` then being the reference in that recipe."""
+    stored, mixed = parse_precision(dtype)
+    dtype = stored if mixed is None else mixed
     if dtype == np.float64:
         return float64_bound(ref64)
     if ref_same is None:

@@ -25,6 +25,12 @@ self-attention, the memory read by every decoder layer, the three uses of a tied
 and the softmax of the logits are recomputed wide for the backward, as the frameworks' autodiff does from its
 float32 values.
 
+Under autocast (:func:`.precision.autocast`, a float32 model) the backward pass is what autodiff gives through the
+autocast recipe's casts: each product's gradients are products of P values rounded once to P and widened to their
+tensor's dtype (the backward of a cast), a sublayer's P output receives the residual stream's float32 gradient
+rounded to P (the backward of the addition's promotion), the softmax, LayerNorm, embedding and loss gradients are
+float32, and the parameters' gradients are float32, summed over their uses.
+
 Shapes as in :mod:`.model` (B, H, S, T, Tq, Tk, D, d_k, F, V, L); ``...`` is any leading axes.
 """
 
@@ -56,7 +62,7 @@ from .model import (
     target_mask,
 )
 from .model import activation as model_activation
-from .precision import is_low, narrow, wide
+from .precision import autocast_dtype, cast, is_low, narrow, product_dtype, round_to, wide
 
 Grads = dict[str, np.ndarray]
 Backward = Callable[[np.ndarray], np.ndarray]
@@ -91,14 +97,16 @@ def linear(layer: Linear, name: str, x: np.ndarray, grads: Grads) -> tuple[np.nd
 
     Shape: x (..., in) -> y (..., out); backward: dL/dy (..., out) -> dL/dx (..., in).
     """
-    dtype = layer.weight.dtype
+    dtype, stored = product_dtype(layer.weight.dtype), layer.weight.dtype   # under autocast: P, float32
 
     def backward(grad_y: np.ndarray) -> np.ndarray:
-        """dL/dW = x^T dL/dy, dL/db = dL/dy summed over rows, dL/dx = dL/dy W^T."""
+        """dL/dW = x^T dL/dy, dL/db = dL/dy summed over rows, dL/dx = dL/dy W^T; under autocast each one a product
+        of P values rounded once to P (the product's backward in P), then widened to its tensor's dtype (the backward
+        of autocast's cast), the parameters' gradients summed over uses in float32."""
         rows = _rows(wide(grad_y))
-        _add(grads, f"{name}.weight", narrow(_rows(wide(x)).T @ rows, dtype))   # (in, out)
-        _add(grads, f"{name}.bias", narrow(rows.sum(axis=0), dtype))            # (out,)
-        return narrow(wide(grad_y) @ wide(layer.weight).T, dtype)              # (..., in)
+        _add(grads, f"{name}.weight", narrow(_rows(wide(cast(x, dtype))).T @ rows, dtype).astype(stored))  # (in, out)
+        _add(grads, f"{name}.bias", narrow(rows.sum(axis=0), dtype).astype(stored))                     # (out,)
+        return narrow(wide(grad_y) @ wide(cast(layer.weight, dtype)).T, dtype).astype(x.dtype)          # (..., in)
 
     return layer(x), backward
 
@@ -124,6 +132,9 @@ def attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
     Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v) -> (..., Tq, d_v);
     backward: dL/dout (..., Tq, d_v) -> (dL/dQ, dL/dK, dL/dV), shaped like query, key, value.
     """
+    mixed = autocast_dtype()
+    if mixed is not None:
+        return _autocast_attention(query, key, value, mask, mixed)
     dtype = query.dtype
     out, weights = scaled_dot_product_attention(query, key, value, mask)  # weights (..., Tq, Tk)
     query, key, value = wide(query), wide(key), wide(value)
@@ -139,6 +150,35 @@ def attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
         grad_scores = softmax_backward(weights, grad_out @ np.swapaxes(value, -1, -2)) / scale  # (..., Tq, Tk)
         return (narrow(grad_scores @ key, dtype), narrow(np.swapaxes(grad_scores, -1, -2) @ query, dtype),
                 narrow(grad_value, dtype))
+
+    return out, backward
+
+
+def _autocast_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None,
+                        low: np.dtype) -> tuple[np.ndarray, Callable]:
+    """:func:`attention` under autocast in ``low`` (P): the forward of :func:`.model.scaled_dot_product_attention`
+    (S = Q K^T a P product, A = softmax(S / sqrt(d_k)) float32, out = A_P V a P product) and its backward as autodiff
+    gives it through the casts: dL/dA_P = dL/dout V^T and dL/dV = A_P^T dL/dout, P products; dL/dA widened;
+    dL/dS the float32 softmax backward over sqrt(d_k), rounded to P (the backward of widening S); dL/dQ = dL/dS K and
+    dL/dK = dL/dS^T Q, P products."""
+    out, rounded = scaled_dot_product_attention(query, key, value, mask)   # rounded: A_P (..., Tq, Tk)
+    query, key, value = (wide(cast(t, low)) for t in (query, key, value))
+    scale = math.sqrt(query.shape[-1])
+    scores = round_to(query @ np.swapaxes(key, -1, -2), low).astype(np.float32) / scale   # as the forward has them
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    exp = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0))
+    total = exp.sum(axis=-1, keepdims=True)
+    weights = exp / np.where(total > 0, total, 1.0)                            # A, float32
+
+    def backward(grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        grad_out = wide(grad_out)
+        grad_value = round_to(np.swapaxes(wide(rounded), -1, -2) @ grad_out, low)             # (..., Tk, d_v)
+        grad_weights = round_to(grad_out @ np.swapaxes(value, -1, -2), low).astype(np.float32)  # (..., Tq, Tk)
+        grad_scores = wide(round_to(softmax_backward(weights, grad_weights) / scale, low))     # (..., Tq, Tk)
+        return (round_to(grad_scores @ key, low), round_to(np.swapaxes(grad_scores, -1, -2) @ query, low),
+                grad_value)
 
     return out, backward
 
@@ -255,8 +295,9 @@ def residual(norm: LayerNorm, name: str, norm_first: bool, x: np.ndarray, sublay
         out, sublayer_backward = sublayer(normed)
 
         def pre_ln_backward(grad_out: np.ndarray) -> np.ndarray:
-            """dL/dx = dL/dout (the skip) + the sublayer's and the norm's chain."""
-            return add(grad_out, norm_backward(sublayer_backward(grad_out)))
+            """dL/dx = dL/dout (the skip) + the sublayer's and the norm's chain (the sublayer's P output under
+            autocast receiving dL/dout rounded to P: the backward of the addition's type promotion)."""
+            return add(grad_out, norm_backward(sublayer_backward(cast(grad_out, out.dtype))))
 
         return add(x, out), pre_ln_backward
     out, sublayer_backward = sublayer(x)
@@ -266,7 +307,7 @@ def residual(norm: LayerNorm, name: str, norm_first: bool, x: np.ndarray, sublay
     def post_ln_backward(grad_out: np.ndarray) -> np.ndarray:
         """dL/dsum through the norm; dL/dx = dL/dsum (the skip) + the sublayer's chain of dL/dsum."""
         grad_summed = norm_backward(grad_out)
-        return add(grad_summed, sublayer_backward(grad_summed))
+        return add(grad_summed, sublayer_backward(cast(grad_summed, out.dtype)))
 
     return result, post_ln_backward
 
@@ -319,7 +360,7 @@ def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Gra
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V); backward: dL/dlog_probs (B, T, V) -> dL/dx (B, T, D).
     """
-    log_probs, dtype = gen(x), gen.weight.dtype                                # (B, T, V)
+    log_probs, dtype, stored = gen(x), product_dtype(gen.weight.dtype), gen.weight.dtype   # (B, T, V)
     probs = np.exp(wide(log_probs))                                            # float32 in P, as autodiff keeps
 
     def backward(grad_log_probs: np.ndarray) -> np.ndarray:
@@ -328,11 +369,11 @@ def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Gra
         dL/db = dL/dlogits summed over every position; dL/dx = dL/dlogits W^T."""
         grad = wide(grad_log_probs)
         grad_logits = narrow(grad - probs * grad.sum(axis=-1, keepdims=True), dtype)  # (B, T, V)
-        grad_weight = narrow(_rows(wide(x)).T @ _rows(wide(grad_logits)), dtype)    # (D, V)
+        grad_weight = narrow(_rows(wide(cast(x, dtype))).T @ _rows(wide(grad_logits)), dtype).astype(stored)  # (D, V)
         _add(grads, f"{name}.weight", grad_weight.T if shared else grad_weight)
         if gen.bias is not None:
-            _add(grads, "generator.bias", narrow(_rows(wide(grad_logits)).sum(axis=0), dtype))  # (V,)
-        return narrow(wide(grad_logits) @ wide(gen.weight).T, dtype)            # (B, T, D)
+            _add(grads, "generator.bias", narrow(_rows(wide(grad_logits)).sum(axis=0), dtype).astype(stored))  # (V,)
+        return narrow(wide(grad_logits) @ wide(cast(gen.weight, dtype)).T, dtype).astype(x.dtype)   # (B, T, D)
 
     return log_probs, backward
 

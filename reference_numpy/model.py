@@ -40,7 +40,17 @@ from .checks import (
     describe,
 )
 from .config import TransformerConfig
-from .precision import narrow, parse_dtype, round_to, score_dtype, wide
+from .precision import (
+    autocast_dtype,
+    cast,
+    narrow,
+    parse_dtype,
+    product,
+    product_dtype,
+    round_to,
+    score_dtype,
+    wide,
+)
 
 Params = Mapping[str, np.ndarray]
 
@@ -96,7 +106,9 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     b*K + beams[b, j, c].
 
     In a low precision (:mod:`.precision`) the whole of Eq. (1) is computed wide from the P inputs and the output
-    and weights are rounded to P.
+    and weights are rounded to P. Under autocast in P (:func:`.precision.autocast`) Q K^T and weights . V are
+    products of the autocast recipe (P inputs, the result rounded to P) and the scaling, the mask and the softmax
+    are float32; the weights returned are the P weights the product read.
 
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
@@ -106,10 +118,14 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     """
     if beams is not None:
         key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, Tk, d_k)
-    dtype = query.dtype
-    query, key, value = wide(query), wide(key), wide(value)
+    dtype, mixed = query.dtype, autocast_dtype()
     d_k = query.shape[-1]
-    scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)         # (..., Tq, Tk)
+    if mixed is None:
+        query, key, value = wide(query), wide(key), wide(value)
+        scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)     # (..., Tq, Tk)
+    else:                                                               # autocast: Q K^T a P product, softmax float32
+        dtype, value = mixed, wide(cast(value, mixed))
+        scores = product(query, np.swapaxes(key, -1, -2), mixed).astype(np.float32) / math.sqrt(d_k)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
         scores = np.where(mask, scores, -np.inf)
@@ -118,7 +134,9 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     exp = np.exp(scores - row_max)                                      # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
-    out = weights @ value                                               # (..., Tq, d_v)
+    if mixed is not None:
+        weights = round_to(weights, mixed)                              # autocast: weights . V a P product
+    out = wide(weights) @ value                                         # (..., Tq, d_v)
     if mask is not None:
         out = np.where(mask.any(axis=-1, keepdims=True), out, 0.0)      # a row that sees no key -> zeros
     return narrow(out, dtype), narrow(weights, dtype)
@@ -134,7 +152,7 @@ def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:
 
 class Linear:
     """Affine map y = x @ W + b with W stored (in, out) (the checkpoint's layout); in a low precision computed wide
-    and rounded once to P.
+    and rounded once to P; under autocast in P (a float32 model) x, W and b rounded to P first.
 
     Shape: x (..., in) -> y (..., out).
     """
@@ -144,7 +162,8 @@ class Linear:
         self.bias = params[f"{name}.bias"]      # (out,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return narrow(wide(x) @ wide(self.weight) + wide(self.bias), self.weight.dtype)
+        dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
+        return narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + wide(cast(self.bias, dtype)), dtype)
 
 
 class KVCache(NamedTuple):
@@ -351,7 +370,8 @@ def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: 
     """Residual connection around a sublayer (section 3.1).
 
     Post-LN (the paper): LayerNorm(x + Sublayer(x)). Pre-LN: x + Sublayer(LayerNorm(x)). The addition is the
-    model's own arithmetic: in a low precision, the residual stream stays in P.
+    model's own arithmetic: in a low precision, the residual stream stays in P; under autocast (a float32 model,
+    :func:`.precision.autocast`) it is float32, the sublayer's P output widened.
     """
     if norm_first:
         return add(x, sublayer(norm(x)))
@@ -359,8 +379,9 @@ def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: 
 
 
 def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """x + y in x's precision: in a low precision P, the exact sum rounded to P (P arithmetic)."""
-    return narrow(wide(x) + wide(y), x.dtype)
+    """x + y in x's precision: in a low precision P, the exact sum rounded to P (P arithmetic); under autocast a
+    float32 x (the residual stream) plus a P y (a sublayer's output) is float32, y widened exactly (type promotion)."""
+    return narrow(wide(x) + wide(y).astype(wide(x).dtype, copy=False), x.dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -481,8 +502,9 @@ class Generator:
         self.bias = params[f"{name}.bias"] if config.output_bias else None  # (V,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        bias = 0.0 if self.bias is None else wide(self.bias)
-        logits = narrow(wide(x) @ wide(self.weight) + bias, self.weight.dtype)  # (B, T, V)
+        dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
+        bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))
+        logits = narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype)   # (B, T, V)
         return log_softmax(wide(logits)).astype(score_dtype(self.weight.dtype))
 
 

@@ -25,9 +25,16 @@ differ from the ideal only by float32 sums, and their P results only where a flo
 boundary.
 
 float32 and float64 models compute as before: ``wide`` and ``narrow`` are the identity for them.
+
+A second recipe, **autocast** (mixed precision, :func:`autocast`: "mixed-bfloat16", "mixed-float16"), is the one the
+frameworks' own mixed-precision switches are built for: see the section "The autocast recipe" below.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -49,6 +56,19 @@ def parse_dtype(dtype: npt.DTypeLike) -> np.dtype:
     if parsed is None or parsed not in DTYPES:                            # (np.dtype("float64") == None holds)
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype if parsed is None else parsed}")
     return parsed
+
+
+def parse_precision(name: npt.DTypeLike) -> tuple[np.dtype, np.dtype | None]:
+    """A precision's name as (the dtype the model is stored in, the autocast dtype or None): one of
+    :data:`DTYPE_NAMES` (the model in that dtype, today's recipe for bfloat16 and float16) or of
+    :data:`AUTOCAST_NAMES` ("mixed-bfloat16", "mixed-float16": a float32 model under :func:`autocast`); anything else
+    is one ValueError naming the argument, the same in every backend."""
+    if isinstance(name, str) and name in AUTOCAST_NAMES:
+        return np.dtype(np.float32), LOW[AUTOCAST_NAMES.index(name)]
+    try:
+        return parse_dtype(name), None
+    except ValueError:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES + AUTOCAST_NAMES)}, got {name!r}") from None
 
 
 def is_low(dtype: npt.DTypeLike) -> bool:
@@ -136,3 +156,89 @@ def uses_loss_scaling(dtype: npt.DTypeLike) -> bool:
     """float16 training scales the loss (its smallest normal number is 6e-5: small gradients would flush to zero);
     bfloat16 has float32's exponent range and does not."""
     return np.dtype(dtype) == FLOAT16
+
+
+# ----------------------------------------------------------------------------- the autocast recipe (mixed precision)
+#
+# What torch.autocast(device_type, dtype=P) does to a float32 model, read in torch's source
+# (torch/testing/_internal/autocast_test_lists.py, AutocastCPUTestLists and AutocastTestLists: the op lists of
+# aten/src/ATen/autocast_mode.cpp), named here as the recipe every backend follows:
+#
+# * parameters stay float32; the embeddings (embedding is on no list: it runs in its weight's float32), x sqrt(d_model)
+#   and the positional encoding are float32;
+# * each linear map (``linear``, ``matmul``, ``bmm``, ``addmm``: the lower-precision lists ``nn_16``/``torch_16``)
+#   casts its inputs to P -- x, W and the bias -- accumulates in float32 and returns P: y = round_P(x_P W_P + b_P),
+#   rounded once (measured: torch's CPU linear under autocast is this value but for float32 sums, the bias inside;
+#   Keras' ``Dense.call`` and Flax's ``nnx.Linear`` add the bias after a rounded product unless the product is
+#   kept in float32: the ports compute the product with a float32 result, add the bias, and round once);
+# * the attention products Q K^T and weights . V (``matmul``) likewise: P inputs, float32 accumulation, the result
+#   rounded to P -- the scores Q K^T are a P tensor, as in every framework's explicit attention under its switch
+#   (torch's ``matmul``, Keras' and Flax's ``einsum`` in the compute dtype);
+# * softmax (with the scaling by 1/sqrt(d_k) and the mask), LayerNorm, log-softmax and the loss are float32: CUDA's
+#   autocast list ``torch_fp32`` holds softmax, log_softmax and layer_norm. On the CPU they are on no list and run in
+#   their input's dtype, so the PyTorch port widens the scores explicitly; Keras' ``LayerNormalization.call``
+#   (keras/src/layers/normalization/layer_normalization.py) computes in float32 but casts its output to the compute
+#   dtype and Flax's ``nnx.LayerNorm`` returns its ``dtype`` (flax/nnx/nn/normalization.py, ``_normalize``), and
+#   Flax's attention runs the softmax in its ``dtype`` unless ``force_fp32_for_softmax`` (flax/nnx/nn/attention.py):
+#   the recipe takes torch's float32 everywhere and the Keras and Flax ports compute their own LayerNorm and softmax
+#   in float32 under their switch;
+# * a P tensor added to a float32 one is float32 (type promotion: ``torch_expect_builtin_promote`` lists add, mul,
+#   div of float32 and P as float32): the residual stream x + Sublayer(x) stays float32, and the LayerNorm it feeds
+#   and the decoder's output with it;
+# * ReLU of a P tensor is P (exact); the attention heads and the feed-forward hidden layer are P; the keys and
+#   values a decoding cache holds are the projections' P values.
+#
+# In the reference the products are exact (float64) from the P-rounded inputs and rounded once to P (correctly, by
+# :func:`round_to`); everything float32 is NumPy's float32 arithmetic, as in the float32 reference.
+
+AUTOCAST_NAMES = ("mixed-bfloat16", "mixed-float16")   # the command line's names of the autocast recipe in P
+_AUTOCAST: contextvars.ContextVar[np.dtype | None] = contextvars.ContextVar("autocast", default=None)
+
+
+@contextlib.contextmanager
+def autocast(dtype: npt.DTypeLike) -> Iterator[None]:
+    """Run a float32 reference model by the autocast recipe in ``dtype`` (bfloat16 or float16) inside the block, as
+    ``torch.autocast(device_type, dtype)`` does a torch module; a float64 model, or a model stored in P, is unchanged
+    (its own recipe). Anything but bfloat16 or float16 is one ValueError naming ``dtype``."""
+    parsed = parse_dtype(dtype)
+    if not is_low(parsed):
+        raise ValueError(f"dtype must be one of bfloat16, float16 under autocast, got {parsed.name}")
+    token = _AUTOCAST.set(parsed)
+    try:
+        yield
+    finally:
+        _AUTOCAST.reset(token)
+
+
+def autocast_dtype() -> np.dtype | None:
+    """The autocast dtype P of the enclosing :func:`autocast` block, None outside one."""
+    return _AUTOCAST.get()
+
+
+def product_dtype(dtype: npt.DTypeLike) -> np.dtype:
+    """The dtype a product (a linear map, Q K^T, weights . V) of a model in ``dtype`` computes in: under
+    :func:`autocast` a float32 model's products are P; otherwise the model's own ``dtype``."""
+    dtype, mixed = np.dtype(dtype), autocast_dtype()
+    return mixed if mixed is not None and dtype == np.float32 else dtype
+
+
+def product(a: np.ndarray, b: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
+    """a @ b by the recipe of its ``dtype`` (:func:`product_dtype`): in a low precision P both inputs rounded to P,
+    the products and their sum exact, the result rounded once to P; in float32 or float64 the plain product."""
+    dtype = np.dtype(dtype)
+    if not is_low(dtype):
+        return a @ b
+    return round_to(wide(cast(a, dtype)) @ wide(cast(b, dtype)), dtype)
+
+
+def cast(x: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
+    """``x`` in ``dtype``: unchanged if it is, rounded once otherwise (:func:`round_to`: an autocast input)."""
+    return x if x.dtype == np.dtype(dtype) else round_to(x, dtype)
+
+
+def check_autocast_training(mixed: npt.DTypeLike | None, dtype: npt.DTypeLike | None) -> None:
+    """Training a model built in a mixed precision (``mixed``: its autocast dtype, None for any other model): its
+    float32 weights step with the framework's Adam, each step's loss and gradients its own under autocast (float16's
+    loss scaled by the framework's scaler); a ``dtype`` beside it is one ValueError, the same in every backend."""
+    if mixed is not None and dtype is not None:
+        raise ValueError(f"a mixed-{np.dtype(mixed).name} model trains in its own recipe, got dtype={dtype!r}")

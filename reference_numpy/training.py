@@ -203,7 +203,9 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     from 1, uses ``learning_rate(t)``). With ``state`` (from ``load_training_state``) the saved run continues where it
     stopped: its moments (cast to the model's dtype), step count, float16 loss scale and, unless ``config`` is given,
     its training config. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that
-    precision over the model's float32 master weights (mixed precision, above)."""
+    precision over the model's float32 master weights (mixed precision, above). Built under
+    :func:`.precision.autocast` (a float32 model, no ``dtype``) every step is the model's own under the autocast
+    recipe (run it under the same block), with float16's loss scaling: ``low`` is the model itself."""
     dtype = training_dtype(model.dtype, dtype)
     if state is not None:
         state = state.astype(model.dtype)                                   # cast once: validated, then copied in
@@ -211,6 +213,9 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     config = config or (state.config if state is not None else PAPER)
     schedule = functools.partial(learning_rate, d_model=model.config.d_model, config=config)
     low = Transformer(model.config, model.params, dtype) if is_low(dtype) else None
+    mixed = precision.product_dtype(model.dtype) if precision.autocast_dtype() is not None else None
+    if mixed is not None and is_low(mixed) and not is_low(dtype):   # built under autocast: the model itself
+        low, dtype = model, mixed
     return Optimizer(Adam(model.params, schedule, config, state), schedule, config, low,
                      _loss_scale(state) if uses_loss_scaling(dtype) else None)
 
@@ -263,7 +268,8 @@ def _mixed_precision_step(model: Transformer, mixed: Optimizer, src: np.ndarray,
         mixed.loss_scale.update(finite)
     if finite:
         mixed.adam.update(grads)
-        mixed.low = Transformer(model.config, model.params, mixed.low.dtype)
+        if mixed.low is not model:                                        # autocast: the model itself, updated
+            mixed.low = Transformer(model.config, model.params, mixed.low.dtype)
     return value
 
 

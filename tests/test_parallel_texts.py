@@ -16,7 +16,8 @@ PORTS = ("transformer_torch", "transformer_jax", "transformer_tf")
 
 # Argument names that are framework idiom: PRNG streams, dropout switches and callables, device
 # and dtype placement, the reference's flat parameter dict, Keras's build/kwargs plumbing.
-IDIOM_ARGUMENTS = {"self", "rngs", "training", "deterministic", "device", "dtype", "dropout", "params", "name",
+IDIOM_ARGUMENTS = {"self", "rngs", "training", "deterministic", "device", "dtype", "param_dtype", "dropout", "params",
+                   "name",
                    "input_shape", "kwargs"}
 # Arguments only the ports have, the same in every port: what the reference reads off its
 # parameter dict (a vocabulary size, the shared embedding) and the decoders' cache switch.

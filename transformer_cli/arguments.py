@@ -17,9 +17,11 @@ from typing import Any
 from reference_numpy.checkpoint import SHIPPED_MODELS
 from reference_numpy.config import MAX_LEN_LIMIT
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
-from reference_numpy.precision import DTYPE_NAMES
+from reference_numpy.precision import AUTOCAST_NAMES, DTYPE_NAMES
 from transformer_cli import backends
 from transformer_cli.extras import require
+
+PRECISION_NAMES = DTYPE_NAMES + AUTOCAST_NAMES   # --dtype: a model in a dtype, or a float32 one under autocast
 
 
 @dataclass(frozen=True)
@@ -128,12 +130,13 @@ def device_name(text: str) -> str:
 
 
 def dtype_names(text: str) -> tuple[str, ...]:
-    """A comma-separated list of precisions (float64, float32, bfloat16, float16), at least one."""
+    """A comma-separated list of precisions (float64, float32, bfloat16, float16, and the autocast recipe's
+    mixed-bfloat16, mixed-float16), at least one."""
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = [name for name in names if name not in DTYPE_NAMES]
+    unknown = [name for name in names if name not in PRECISION_NAMES]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"{'unknown dtype ' + repr(unknown[0]) if unknown else 'names no dtype'}; "
-                                         f"choose from {', '.join(DTYPE_NAMES)}")
+                                         f"choose from {', '.join(PRECISION_NAMES)}")
     return names
 
 

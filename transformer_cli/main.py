@@ -47,6 +47,7 @@ from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENA
 from reference_numpy.precision import DTYPE_NAMES
 from transformer_cli import backends, runtime
 from transformer_cli.arguments import (
+    PRECISION_NAMES,
     add_number,
     backend_names,
     device_name,
@@ -207,8 +208,9 @@ def add_bench(commands: Commands) -> None:
                        help="also time the installed peers on the same weights (CTranslate2, torch.nn.Transformer, "
                             "HF Marian; the 'peers' extra): forward, greedy batch 1 and 8, beam 4 batch 1, "
                             "without the uncached decoding (docs/peers.md)")
-    bench.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
-                       help="the precision the backends run in (default: float32; --peers times float32 only)")
+    bench.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",
+                       help="the precision the backends run in (default: float32; mixed-bfloat16 and mixed-float16: "
+                            "each framework's own mixed precision, the autocast recipe; --peers times float32 only)")
     bench.add_argument("--compiled", action="store_true",
                        help="also time the PyTorch port's cached decoding with each step compiled by torch.compile "
                             "(transformer_torch.compile_decoding; float32; tens of seconds to compile each shape)")
@@ -382,10 +384,12 @@ def add_train(commands: Commands) -> None:
                     "backend)")
     add_number(train, "--label-smoothing", default=0.1, help="epsilon_ls, section 5.4")
     add_number(train, "--seed", default=0, help="initial weights and batches")
-    train.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+    train.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",
                        help="the precision of each step: float32 or float64 weights; bfloat16 or float16 compute in "
                             "that precision over float32 master weights and moments (mixed precision; float16 "
-                            "scales the loss), and save float32")
+                            "scales the loss), and save float32; mixed-bfloat16 and mixed-float16: each framework's "
+                            "own mixed precision (torch.autocast with a GradScaler, Flax's dtype/param_dtype, "
+                            "Keras' mixed policy: docs/equivalence.md)")
     train.add_argument("--device", type=device_name, default="cpu",
                        help="where the ports train: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU; "
                             "--data-parallel places its replicas itself)")
@@ -622,9 +626,10 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
                help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
     add_number(parser, "--alpha", default=LENGTH_PENALTY_ALPHA,
                help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+    parser.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",
                         help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
-                             "of docs/equivalence.md)")
+                             "of docs/equivalence.md; mixed-bfloat16 and mixed-float16 by its autocast recipe, each "
+                             "framework's own mixed precision)")
     parser.add_argument("--device", type=device_name, default="cpu",
                         help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     add_number(parser, "--batch-size", metavar="N", default=TRANSLATE_BATCH,

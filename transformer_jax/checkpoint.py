@@ -124,7 +124,7 @@ def _jax_layout(model: Transformer, arrays: dict[str, np.ndarray], owned: bool =
     (``jax.device_put`` uses an array aligned to 64 bytes in place on the CPU, such as the reference's
     ``load_training_state`` reads: see :func:`_own_copy`)."""
     targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    own = lambda value: value if owned and value.dtype == model.dtype else _cast(value, model.dtype)
+    own = lambda value: value if owned and value.dtype == model.param_dtype else _cast(value, model.param_dtype)
     placed = lambda value, like: jax.device_put(own(value), like.sharding if like.committed else None)
     return nnx.from_flat_state([(keys, target.replace(placed(value, target[...])))
                                 for keys, target, value in

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpy.typing as npt
 from flax import nnx
 from jax import lax
@@ -47,7 +48,7 @@ from reference_numpy.config import TransformerConfig
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
 from .device import _check_dtype
-from .precision import computation, narrow, wide
+from .precision import autocast_dtype, computation, narrow, rounding, storage, wide
 
 _PRECISION = lax.Precision.HIGHEST
 
@@ -92,7 +93,8 @@ def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int
 
 def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                                  mask: jax.Array | None = None,
-                                 beams: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                                 beams: jax.Array | None = None, *,
+                                 dtype: DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     Written out rather than taken from ``jax.nn.dot_product_attention`` or Flax: those give a
@@ -106,7 +108,11 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
     In a low precision the whole of Eq. (1) is computed wide (float32) from the P inputs and the
-    output and weights are rounded to P.
+    output and weights are rounded to P. With ``dtype`` P (Flax's computation dtype, as in
+    ``flax.nnx.dot_product_attention``; a model built with ``dtype=P, param_dtype=float32``), the autocast recipe:
+    Q, K and V rounded to P, Q K^T and weights . V each accumulated in float32 and rounded to P, the scaling, the
+    mask and the softmax in float32 (Flax's own attention would run the softmax in ``dtype`` unless
+    ``force_fp32_for_softmax``, flax/nnx/nn/attention.py).
 
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
@@ -114,13 +120,16 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
-    dtype = query.dtype
-    query, key, value = wide(query), wide(key), wide(value)
+    mixed, dtype = dtype, query.dtype if dtype is None else dtype
+    query, key, value = (wide(narrow(x, dtype)) for x in (query, key, value))   # P inputs exactly in float32
     d_k = query.shape[-1]
     if beams is None:
-        scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION) / math.sqrt(d_k)  # (..., Tq, Tk)
+        scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION)    # (..., Tq, Tk)
     else:
-        scores = speed.beam_scores(query, key, beams) / math.sqrt(d_k)
+        scores = speed.beam_scores(query, key, beams)
+    if mixed is not None:
+        scores = wide(narrow(scores, mixed))                            # autocast: Q K^T a P product
+    scores = scores / math.sqrt(d_k)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
@@ -129,6 +138,8 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     exp = jnp.exp(scores - row_max)                                     # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
+    if mixed is not None:
+        weights = wide(narrow(weights, mixed))                          # autocast: weights . V a P product
     out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
@@ -136,15 +147,25 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
 
 
 class _Linear(nnx.Linear):
-    """``nnx.Linear`` whose output is rounded to its ``param_dtype`` when that is low (computed wide before)."""
+    """``nnx.Linear`` whose output is rounded once to the low one of its ``dtype`` and ``param_dtype`` (computed
+    wide before)."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:  # type: ignore[override]  # without out_sharding (unused)
-        return narrow(super().__call__(inputs), self.param_dtype)
+        return narrow(super().__call__(inputs), rounding(self.dtype, self.param_dtype))
 
 
-def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs) -> _Linear:
+def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs,
+            param_dtype: DTypeLike | None = None) -> _Linear:
     """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout; in a low precision computed
-    wide and rounded once to P. Shape: (..., in) -> (..., out)."""
+    wide and rounded once to P. Under the autocast recipe (``dtype`` P, ``param_dtype`` float32) Flax's own
+    promotion rounds x, W and b to P (``nnx.Linear.__call__``: ``promote_dtype`` to ``dtype``), the product is
+    accumulated in float32 (``preferred_element_type``), the bias added to it, and the result rounded once to P;
+    ``nnx.Linear`` alone would return the product in P and add the bias in P, a second rounding
+    (flax/nnx/nn/linear.py). Shape: (..., in) -> (..., out)."""
+    mixed = autocast_dtype(dtype, param_dtype)
+    if mixed is not None:
+        return _Linear(in_features, out_features, dtype=mixed, param_dtype=jnp.float32,
+                       preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)
     return _Linear(in_features, out_features, dtype=computation(dtype), param_dtype=dtype, precision=_PRECISION,
                    rngs=rngs)
 
@@ -203,31 +224,35 @@ class MultiHeadAttention(nnx.Module):
         ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
         self.n_heads = config.n_heads
-        self.q_proj = _linear(config.d_model, config.d_model, dtype, rngs)
-        self.k_proj = _linear(config.d_model, config.d_model, dtype, rngs)
-        self.v_proj = _linear(config.d_model, config.d_model, dtype, rngs)
-        self.o_proj = _linear(config.d_model, config.d_model, dtype, rngs)
+        self.q_proj = _linear(config.d_model, config.d_model, dtype, rngs, param_dtype)
+        self.k_proj = _linear(config.d_model, config.d_model, dtype, rngs, param_dtype)
+        self.v_proj = _linear(config.d_model, config.d_model, dtype, rngs, param_dtype)
+        self.o_proj = _linear(config.d_model, config.d_model, dtype, rngs, param_dtype)
 
     def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
                  return_weights: bool = False, cache: KVCache | None = None,
                  cache_index: int | jax.Array | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
+                                                      dtype=autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype))
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
         return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions in the model's dtype.
+        """An empty self-attention cache of ``capacity`` positions in the dtype of the projections it holds: the
+        model's, or P under the autocast recipe (``dtype=P, param_dtype=float32``).
 
         Shape: keys, values (B, H, C, d_k), zeros.
         """
         d_k = self.q_proj.out_features // self.n_heads
-        empty = jnp.zeros((batch, self.n_heads, capacity, d_k), self.k_proj.kernel.dtype)  # (B, H, C, d_k)
+        dtype = rounding(self.k_proj.dtype, self.k_proj.param_dtype)       # the projections' P, or the model's
+        empty = jnp.zeros((batch, self.n_heads, capacity, d_k), dtype)      # (B, H, C, d_k)
         return KVCache(empty, empty)
 
     def memory_cache(self, memory: jax.Array) -> KVCache:
@@ -294,9 +319,10 @@ class PositionwiseFeedForward(nnx.Module):
     Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
-        self.linear1 = _linear(config.d_model, config.d_ff, dtype, rngs)
-        self.linear2 = _linear(config.d_ff, config.d_model, dtype, rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
+        self.linear1 = _linear(config.d_model, config.d_ff, dtype, rngs, param_dtype)
+        self.linear2 = _linear(config.d_ff, config.d_model, dtype, rngs, param_dtype)
         self.activation = config.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -311,13 +337,17 @@ class LayerNorm(nnx.LayerNorm):
     ``use_fast_variance=False`` computes var = mean((x - mean)^2) like the reference instead of
     the one-pass E[x^2] - E[x]^2, which loses digits. Flax names the weight ``scale``. In a low
     precision the statistics, the normalization, gain and bias are computed wide (Flax's ``dtype``
-    float32) and the output rounded to P. A variance past the format's largest number gives NaN, as in the
-    reference (Flax would give the bias).
+    float32) and the output rounded to P. Under the autocast recipe (``dtype=P, param_dtype=float32``) it is
+    float32 throughout, as torch's autocast list has it (Flax's own ``nnx.LayerNorm`` would return its ``dtype``,
+    ``_normalize`` in flax/nnx/nn/normalization.py). A variance past the format's largest number gives NaN, as in
+    the reference (Flax would give the bias).
 
     Shape: x (..., D) -> (..., D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
+        dtype = storage(dtype, param_dtype)                                 # float32 under autocast
         super().__init__(config.d_model, epsilon=config.layer_norm_eps, use_fast_variance=False,
                          dtype=computation(dtype), param_dtype=dtype, rngs=rngs)
 
@@ -384,12 +414,16 @@ def position_ids(tokens: jax.Array, pad_id: int, offset: int | jax.Array = 0) ->
 class Embeddings(nnx.Embed):
     """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); Flax
     names the weight ``embedding``.
-    In a low precision the product is computed in float32 (Flax's ``dtype``) and rounded to P.
+    In a low precision the product is computed in float32 (Flax's ``dtype``) and rounded to P; under the autocast
+    recipe it is float32 (torch's autocast runs an embedding in its weight's dtype; ``nnx.Embed`` would return
+    ``dtype``).
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
+        dtype = storage(dtype, param_dtype)                                 # float32 under autocast
         super().__init__(vocab_size, config.d_model, dtype=computation(dtype), param_dtype=dtype, rngs=rngs)
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
@@ -413,7 +447,9 @@ class PositionalEncoding(nnx.Module):
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced; tokens (B, T) or None.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
+        dtype = storage(dtype, param_dtype)                                 # float32 under autocast
         self.learned = config.positional_encoding == "learned"
         self.fairseq_pad_id = config.pad_id if config.sinusoidal_layout == "fairseq" else None
         if self.learned:
@@ -442,27 +478,32 @@ class Generator(nnx.Module):
     ``weight`` is (D, V) like the checkpoint. With ``share_embeddings`` pass the shared
     :class:`Embeddings` as ``embeddings``: its transposed matrix is the projection (tied, not
     copied) and the generator has no parameter of its own. In a low precision P the logits are a
-    linear map's (computed wide, rounded to P) and their log-softmax is float32.
+    linear map's (computed wide, rounded to P) and their log-softmax is float32; under the autocast recipe
+    (``dtype=P, param_dtype=float32``) a product of the P-rounded x and W, rounded to P.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
 
     def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None, *, dtype: DTypeLike,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, param_dtype: DTypeLike | None = None):
         if config.share_embeddings and embeddings is None:
             raise ValueError("a Generator with share_embeddings needs the shared Embeddings (embeddings=)")
         self.embeddings = embeddings
         if embeddings is None:
             init = nnx.initializers.xavier_uniform()
-            self.weight = nnx.Param(init(rngs.params(), (config.d_model, config.tgt_vocab_size), dtype))  # (D, V)
-        self.bias = nnx.Param(jnp.zeros((config.tgt_vocab_size,), dtype)) if config.output_bias else None  # (V,)
+            self.weight = nnx.Param(init(rngs.params(), (config.d_model, config.tgt_vocab_size),
+                                         storage(dtype, param_dtype)))   # (D, V)
+        self.bias = nnx.Param(jnp.zeros((config.tgt_vocab_size,), storage(dtype, param_dtype))) \
+            if config.output_bias else None                             # (V,)
+        self.mixed = autocast_dtype(dtype, param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
-        logits = jnp.matmul(wide(x), wide(weight), precision=_PRECISION)
+        dtype = weight.dtype if self.mixed is None else self.mixed      # autocast: x, W and b rounded to P
+        logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)
         if self.bias is not None:
-            logits = logits + wide(self.bias[...])
-        logits = narrow(logits, weight.dtype)                                                    # (B, T, V)
+            logits = logits + wide(narrow(self.bias[...], dtype))
+        logits = narrow(logits, dtype)                                  # (B, T, V)
         return log_softmax(wide(logits))
 
 
@@ -484,12 +525,13 @@ class EncoderLayer(nnx.Module):
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
         self.norm_first = config.norm_first
-        self.self_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs)
-        self.self_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
-        self.ffn = PositionwiseFeedForward(config, dtype=dtype, rngs=rngs)
-        self.ffn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
+        self.self_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.self_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.ffn = PositionwiseFeedForward(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.ffn_norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
         self.dropout = _dropout(config, rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *,
@@ -512,14 +554,15 @@ class DecoderLayer(nnx.Module):
     tgt_mask broadcastable to (B, H, T, T) (T, C with a cache) -> (B, T, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
         self.norm_first = config.norm_first
-        self.self_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs)
-        self.self_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
-        self.cross_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs)
-        self.cross_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
-        self.ffn = PositionwiseFeedForward(config, dtype=dtype, rngs=rngs)
-        self.ffn_norm = LayerNorm(config, dtype=dtype, rngs=rngs)
+        self.self_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.self_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.cross_attn = MultiHeadAttention(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.cross_attn_norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.ffn = PositionwiseFeedForward(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
+        self.ffn_norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
         self.dropout = _dropout(config, rngs)
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
@@ -572,10 +615,11 @@ class Encoder(nnx.Module):
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
-        self.layers = nnx.List([EncoderLayer(config, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
+        self.layers = nnx.List([EncoderLayer(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
                                 for _ in range(config.n_encoder_layers)])
-        self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
+        self.norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype) if config.norm_first else None
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, return_intermediates: bool = False, *,
                  deterministic: bool | None = None) -> Any:
@@ -599,10 +643,11 @@ class Decoder(nnx.Module):
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
+        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype)
                                 for _ in range(config.n_decoder_layers)])
-        self.norm = LayerNorm(config, dtype=dtype, rngs=rngs) if config.norm_first else None
+        self.norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype) if config.norm_first else None
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
@@ -626,6 +671,16 @@ class Decoder(nnx.Module):
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
+def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
+    """``param_dtype`` beside the computation ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16 (the
+    autocast recipe); anything else is one ValueError naming ``param_dtype``."""
+    parsed = _check_dtype(param_dtype)
+    if parsed != dtype and not (parsed == np.float32 and autocast_dtype(dtype, parsed) is not None):
+        raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
+                         f"dtype (mixed precision), got {parsed.name}")
+    return parsed
+
+
 def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
     """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
     (``{stack}.layers.{i}``) and the stack's output."""
@@ -642,8 +697,12 @@ class Transformer(nnx.Module):
 
     ``dtype`` (float64 by default, like the reference, or float32) is the dtype of every
     parameter and of the computation; float64 needs ``jax_enable_x64`` and is refused with a
-    ``ValueError`` otherwise. A low precision, bfloat16 or float16, stores the parameters, the
-    activations and the key/value caches in P and computes by the recipe of
+    ``ValueError`` otherwise. Flax's mixed precision, ``dtype=jnp.bfloat16`` (or float16) with
+    ``param_dtype=jnp.float32``, runs the autocast recipe of ``reference_numpy/precision.py``: float32 parameters,
+    embeddings, residual stream, LayerNorms and log-probabilities, every linear map and attention product in P, the
+    key/value caches in P; any other ``param_dtype`` than ``dtype`` or float32 is refused. A low precision alone,
+    bfloat16 or float16, stores the parameters, the activations and the key/value caches in P and computes by the
+    recipe of
     ``reference_numpy/precision.py`` (each concept in float32, rounded once to P; log-probabilities
     float32). Weights are random (``rngs``) until loaded with
     :func:`transformer_jax.checkpoint.from_params` or ``load_checkpoint``. With
@@ -657,10 +716,12 @@ class Transformer(nnx.Module):
         Returns log-probabilities (B, T, V_tgt).
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float64, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float64, rngs: nnx.Rngs,
+                 param_dtype: DTypeLike | None = None):
         self.config = config
         self.dtype = _check_dtype(dtype)
-        kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs}
+        self.param_dtype = self.dtype if param_dtype is None else _check_param_dtype(self.dtype, param_dtype)
+        kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs, "param_dtype": self.param_dtype}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
         self.tgt_embed = self.src_embed if config.share_embeddings \
             else Embeddings(config, config.tgt_vocab_size, **kw)
@@ -712,7 +773,7 @@ class Transformer(nnx.Module):
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
         shape, dtype = layout("memory", memory)
-        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.dtype.name)
+        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.param_dtype.name)
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(jnp.asarray(memory), capacity)
 
@@ -735,7 +796,7 @@ class Transformer(nnx.Module):
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.dtype.name)
+        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.param_dtype.name)
         memory = jnp.asarray(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C

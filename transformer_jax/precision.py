@@ -28,3 +28,24 @@ def narrow(x: jax.Array, dtype: DTypeLike) -> jax.Array:
 def computation(dtype: DTypeLike) -> DTypeLike:
     """The dtype Flax layers of a model in ``dtype`` compute in: float32 (wide) for P, ``dtype`` itself otherwise."""
     return jnp.float32 if is_low(dtype) else dtype
+
+
+def storage(dtype: DTypeLike, param_dtype: DTypeLike | None) -> DTypeLike:
+    """The dtype a layer stores its parameters in and, under the autocast recipe, computes its float32 concepts in:
+    ``param_dtype``, or ``dtype`` when none is given."""
+    return dtype if param_dtype is None else param_dtype
+
+
+def autocast_dtype(dtype: DTypeLike | None, param_dtype: DTypeLike | None) -> DTypeLike | None:
+    """P when a layer computes in P over float32 parameters (Flax's ``dtype=P, param_dtype=float32``: the autocast
+    recipe of ``reference_numpy/precision.py``); None otherwise."""
+    if dtype is None or param_dtype is None or not is_low(dtype) or jnp.dtype(param_dtype) != jnp.float32:
+        return None
+    return dtype
+
+
+def rounding(dtype: DTypeLike | None, param_dtype: DTypeLike) -> DTypeLike:
+    """The dtype a linear map's output is rounded to: P when either ``dtype`` (the autocast recipe) or
+    ``param_dtype`` (a model stored in P) is low; the model's own dtype otherwise."""
+    mixed = autocast_dtype(dtype, param_dtype)
+    return mixed if mixed is not None else param_dtype

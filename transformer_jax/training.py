@@ -52,7 +52,7 @@ from reference_numpy.training import (
 from . import checkpoint
 from .device import _check_dtype
 from .model import Transformer
-from .precision import narrow
+from .precision import autocast_dtype, narrow
 from .speed import _EXACT_ROUNDING, _split, _streams, _Structure
 
 Labels = np.ndarray | jax.Array   # a batch's labels, checked on the host (NumPy) or placed (a data-parallel shard)
@@ -152,13 +152,16 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
     ``load_training_state`` reads them, without a copy), and, unless ``config`` is given, its training config is
     used. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
     model's float32 master weights: the record holds the model in P (its dropout streams copied from the model's)
-    and, for float16, a ``DynamicScale``. The step count is int64 (built with 64-bit JAX on)."""
-    dtype = training_dtype(model.dtype, dtype)
-    _check_dtype(model.dtype)
+    and, for float16, a ``DynamicScale``. A model built with Flax's mixed precision (``dtype=P,
+    param_dtype=float32``, the autocast recipe) steps its own float32 parameters, each step's loss and gradients its
+    own (float16's loss scaled by the ``DynamicScale``): ``low`` is the model itself. The step count is int64 (built
+    with 64-bit JAX on)."""
+    dtype = training_dtype(model.param_dtype, dtype)
+    _check_dtype(model.param_dtype)
     if state is not None:
-        state = state.astype(model.dtype)
+        state = state.astype(model.param_dtype)
         reference_checkpoint.validate_training_state(
-            model.config, reference_checkpoint.parameter_stand_ins(model.config, model.dtype), state)
+            model.config, reference_checkpoint.parameter_stand_ins(model.config, model.param_dtype), state)
     config = config or (state.config if state is not None else PAPER)
     with jax.enable_x64(True):
         adam = _new_optimizer(model, _adam(model.config.d_model, config), abstract=state is not None)
@@ -167,6 +170,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None,
         if is_low(dtype):
             low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)  # the masters rounded to P
             nnx.update(low, nnx.state(model, nnx.RngState))                         # the model's dropout streams
+        elif autocast_dtype(model.dtype, model.param_dtype) is not None:    # Flax's mixed precision: the model itself
+            low, dtype = model, model.dtype
         _place_with(model, adam, low)
         return Optimizer(adam, _schedule(model.config.d_model, config), config, low,
                          _dynamic_scale(model, state) if uses_loss_scaling(dtype) else None)
@@ -223,7 +228,7 @@ def _check_batch(model: Transformer, optimizer: Optimizer, src: npt.ArrayLike, t
     """A training step's checks: a trainable dtype (the reference's ``check_trainable``), then
     :func:`_check_loss_inputs`, then the optimizer's step count (the reference's ``check_next_step``); the checked
     src, tgt and labels."""
-    check_trainable(model.dtype)
+    check_trainable(model.param_dtype)
     checked = _check_loss_inputs(model, src, tgt, labels)
     check_next_step(int(optimizer.adam.step[...]))
     return checked
@@ -234,7 +239,7 @@ def _check_loss_inputs(model: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLik
     """The host-side checks of a batch (ids cannot be checked once traced: the reference's ``check_batch``) and of
     64-bit JAX for a float64 model (which would otherwise be truncated to float32); the checked src, tgt and
     labels."""
-    _check_dtype(model.dtype)
+    _check_dtype(model.param_dtype)
     checked = check_batch(model, src, tgt, labels)
     if not np.any(checked[2] != model.config.pad_id):
         raise ValueError("labels hold no non-pad token; the loss is undefined")
@@ -359,4 +364,4 @@ def _update_masters(model: Transformer, optimizer: nnx.Optimizer, low: Transform
     """Compiled: Adam's update of the float32 masters with the float32 gradients (optax's count and the schedule
     advance), then the P model's weights the new masters rounded to P."""
     optimizer.update(model, grads)
-    nnx.update(low, jax.tree.map(lambda master: narrow(master, low.dtype), nnx.state(model, nnx.Param)))
+    nnx.update(low, jax.tree.map(lambda master: narrow(master, low.param_dtype), nnx.state(model, nnx.Param)))

@@ -45,9 +45,10 @@ from reference_numpy.precision import round_to
 
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
-from .precision import is_low, narrow, parse_dtype, wide
+from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
+MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
 
 Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
 
@@ -93,7 +94,8 @@ def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None = None,
-                                 beams: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+                                 beams: tf.Tensor | None = None, *,
+                                 dtype: DTypeLike | tf.DType | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
 
     A query row whose mask has no True entry sees no key: its weights are all zero and its
@@ -104,7 +106,10 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
     In a low precision the whole of Eq. (1) is computed in float32 from the P inputs and the output and
-    weights are rounded to P.
+    weights are rounded to P. With ``dtype`` P (the compute dtype of a ``mixed_bfloat16`` or ``mixed_float16``
+    layer: the autocast recipe of ``reference_numpy/precision.py``) Q, K and V are rounded to P, Q K^T and
+    weights . V are each accumulated in float32 and rounded to P, and the scaling, the mask and the softmax are
+    float32 (Keras' own ``Softmax`` would compute in the compute dtype, keras/src/layers/activations/softmax.py).
 
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
@@ -113,13 +118,16 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
         With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
     """
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
-    dtype = query.dtype
-    query, key, value = wide(query), wide(key), wide(value)
+    mixed, dtype = dtype, query.dtype if dtype is None else tf.as_dtype(dtype)
+    query, key, value = (wide(narrow(t, dtype)) for t in (query, key, value))   # P inputs exactly in float32
     d_k = query.shape[-1]
     if beams is None:
-        scores = tf.matmul(query, key, transpose_b=True) / math.sqrt(d_k)   # (..., Tq, Tk)
+        scores = tf.matmul(query, key, transpose_b=True)                  # (..., Tq, Tk)
     else:
-        scores = speed.beam_scores(query, key, beams) / math.sqrt(d_k)
+        scores = speed.beam_scores(query, key, beams)
+    if mixed is not None:
+        scores = wide(narrow(scores, dtype))                            # autocast: Q K^T a P product
+    scores = scores / math.sqrt(d_k)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
         scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
@@ -128,6 +136,8 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     exp = tf.exp(scores - row_max)                                      # exactly 0 where masked
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
+    if mixed is not None:
+        weights = wide(narrow(weights, dtype))                          # autocast: weights . V a P product
     out = tf.matmul(weights, value) if beams is None else speed.beam_mix(weights, value, beams)
     if mask is not None:
         out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
@@ -176,6 +186,15 @@ class _TransformerLayer(keras.layers.Layer):
 
     def _sublayer_kwargs(self, name: str) -> dict:
         return {"name": name, "dtype": self.dtype_policy}
+
+    @property
+    def input_dtype(self) -> str:
+        """The dtype Keras converts float inputs to: the compute dtype, but the variables' (float32) for a layer
+        that reads the residual stream under a mixed policy (``_STREAM``): Keras' conversion would round the stream
+        to P at every layer's entry, where the autocast recipe keeps it float32."""
+        return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype
+
+    _STREAM = False
 
 
 def _as_config(config: TransformerConfig | dict) -> TransformerConfig:
@@ -261,7 +280,8 @@ class MultiHeadAttention(_TransformerLayer):
     def call(self, query, key, value, mask=None, return_weights=False, cache=None, cache_index=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))   # (B, H, Tq, d_k)
+        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
+                                                      dtype=autocast_dtype(self.dtype_policy))
         shape = tf.shape(heads)
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
@@ -382,7 +402,7 @@ class LayerNorm(keras.layers.LayerNormalization):
 
     def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
         config = _as_config(config)
-        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)
+        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **float32_under_autocast(kwargs))
         self.config = config
 
     def call(self, x):
@@ -468,7 +488,7 @@ class Embeddings(_TransformerLayer):
     """
 
     def __init__(self, config: TransformerConfig | dict, vocab_size: int, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+        super().__init__(config, **float32_under_autocast(kwargs))
         self.vocab_size = vocab_size
         self.scale = math.sqrt(self.config.d_model) if self.config.scale_embeddings else 1.0
 
@@ -498,7 +518,7 @@ class PositionalEncoding(_TransformerLayer):
     """
 
     def __init__(self, config, **kwargs):
-        super().__init__(config, **kwargs)
+        super().__init__(config, **float32_under_autocast(kwargs))
         self.learned = self.config.positional_encoding == "learned"
         self.dropout = keras.layers.Dropout(self.config.dropout, **self._sublayer_kwargs("dropout"))
 
@@ -590,6 +610,8 @@ class EncoderLayer(_TransformerLayer):
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
+    _STREAM = True          # the residual stream, float32 under a mixed policy
+
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
         cfg, sub = self.config, self._sublayer_kwargs
@@ -624,6 +646,8 @@ class DecoderLayer(_TransformerLayer):
     encoder-decoder attention), x holds the T new positions written at ``cache_index``,
     tgt_mask is broadcastable to (B, H, T, C), and the call returns ``(x, cache)``.
     """
+
+    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -700,6 +724,8 @@ class Encoder(_TransformerLayer):
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
+    _STREAM = True          # the residual stream, float32 under a mixed policy
+
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
         cfg, sub = self.config, self._sublayer_kwargs
@@ -730,6 +756,8 @@ class Decoder(_TransformerLayer):
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
+
+    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -781,8 +809,13 @@ class Transformer(_TransformerLayer, keras.Model):
     called"). Inputs are checked before Keras' call, so nothing is ever cast to ``input_dtype``.
     ``dtype`` is the Keras dtype policy: "float64", "float32", or a low precision, "bfloat16" or
     "float16", computed by the recipe of ``reference_numpy/precision.py`` (log-probabilities then
-    float32); a NumPy, ml_dtypes or TensorFlow dtype names the same. Weights come from
-    :mod:`.checkpoint` (``load_checkpoint``, ``from_params``) or from Keras' ``load_weights``.
+    float32); a NumPy, ml_dtypes or TensorFlow dtype names the same. Keras' mixed precision,
+    ``dtype="mixed_bfloat16"`` or ``"mixed_float16"`` (or ``dtype=None`` under
+    ``keras.mixed_precision.set_global_policy("mixed_bfloat16")``), runs the autocast recipe: float32 variables,
+    embeddings, residual stream, LayerNorms (a float32 policy: Keras' ``LayerNormalization.call`` would cast its
+    output to the compute dtype) and log-probabilities, every linear map (``Dense`` in its autocast scope, the
+    product accumulated in float32 with its bias and rounded once) and attention product in P, the caches in P.
+    Weights come from :mod:`.checkpoint` (``load_checkpoint``, ``from_params``) or from Keras' ``load_weights``.
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
@@ -795,10 +828,12 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
-        if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)):   # a policy: checked below
+        if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)) \
+                and dtype not in MIXED_POLICIES:                         # a policy: checked below
             dtype = parse_dtype(dtype).name
         super().__init__(config, dtype=dtype, **kwargs)
-        parse_dtype(self.dtype_policy.name)                              # one of the four, not a mixed policy
+        if autocast_dtype(self.dtype_policy) is None:                    # a mixed policy: the autocast recipe
+            parse_dtype(self.dtype_policy.name)                          # else one of the four
         cfg, sub = self.config, self._sublayer_kwargs
         if cfg.share_embeddings:
             self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed"))
@@ -842,7 +877,7 @@ class Transformer(_TransformerLayer, keras.Model):
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
         shape, dtype = layout("memory", memory)
-        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.compute_dtype)
+        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.variable_dtype)
         checks.check_cache_capacity(capacity, self.config.max_len)
         return self.decoder.init_cache(tf.convert_to_tensor(memory), capacity)
 
@@ -865,7 +900,7 @@ class Transformer(_TransformerLayer, keras.Model):
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.compute_dtype)
+        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.variable_dtype)
         memory = tf.convert_to_tensor(memory)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C

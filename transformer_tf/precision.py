@@ -7,6 +7,7 @@ A model in a low precision P (bfloat16, float16) keeps Keras layer P inputs; eac
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 from numpy.typing import DTypeLike
@@ -35,3 +36,25 @@ def parse_dtype(dtype: DTypeLike | tf.DType) -> np.dtype:
     """The reference's ``parse_dtype`` (one ValueError for anything but float64, float32, bfloat16, float16),
     also for a TensorFlow dtype."""
     return reference.parse_dtype(dtype.as_numpy_dtype if isinstance(dtype, tf.DType) else dtype)
+
+
+def autocast_dtype(policy: keras.DTypePolicy) -> tf.DType | None:
+    """P for a mixed Keras policy (``mixed_bfloat16``, ``mixed_float16``: float32 variables, computation in P -- the
+    autocast recipe of ``reference_numpy/precision.py``); None for any other."""
+    if policy.variable_dtype == "float32" and policy.compute_dtype in ("bfloat16", "float16"):
+        return tf.as_dtype(policy.compute_dtype)
+    return None
+
+
+def float32_under_autocast(kwargs: dict) -> dict:
+    """A layer's keyword arguments with a mixed policy replaced by float32 (its variables' dtype): the autocast
+    recipe computes LayerNorm, the embeddings and the positional encoding in float32, where Keras' mixed policy
+    would cast their outputs to P."""
+    policy = kwargs.get("dtype")
+    if policy is None:
+        policy = keras.config.dtype_policy()
+    if isinstance(policy, (str, keras.DTypePolicy)):
+        policy = keras.DTypePolicy(policy) if isinstance(policy, str) else policy
+        if autocast_dtype(policy) is not None:
+            return {**kwargs, "dtype": policy.variable_dtype}
+    return kwargs

@@ -41,7 +41,7 @@ from reference_numpy.training import (
 from . import checkpoint
 from . import device as _device
 from .model import Transformer
-from .precision import narrow, wide
+from .precision import autocast_dtype, narrow, wide
 
 Batch: TypeAlias = "tf.Tensor | npt.ArrayLike"   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
 
@@ -229,13 +229,15 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     arrays the reference's ``load_training_state`` read are taken without a copy, :func:`_taken`) are the
     optimizer's variables, its step count theirs and, unless ``config`` is given, its training config is
     used. ``dtype`` bfloat16 or float16 (a float32 model only) makes every step compute in that precision over the
-    model's float32 master weights (:func:`_mixed_precision`)."""
-    dtype = training_dtype(model.compute_dtype, dtype)
+    model's float32 master weights (:func:`_mixed_precision`). A model under Keras' mixed policy (``mixed_bfloat16``,
+    ``mixed_float16``: the autocast recipe) steps its own float32 variables, each step's loss and gradients its own
+    (``mixed_float16``'s loss scaled by a ``LossScaleOptimizer``): ``low`` is the model itself."""
+    dtype = training_dtype(model.variable_dtype, dtype)
     moments = None
     if state is not None:
-        state = state.astype(model.compute_dtype)
+        state = state.astype(model.variable_dtype)
         reference_checkpoint.validate_training_state(
-            model.config, reference_checkpoint.parameter_stand_ins(model.config, model.compute_dtype), state)
+            model.config, reference_checkpoint.parameter_stand_ins(model.config, model.variable_dtype), state)
         first, second = (checkpoint.from_checkpoint_layout(model, arrays)
                          for arrays in (state.first_moments, state.second_moments))
         moments = {path: (first[path], second[path]) for path in first}
@@ -246,9 +248,15 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
         adam.build(model.trainable_variables, moments)
     if state is not None:
         adam.iterations.assign(state.step)
-    result = Optimizer(adam, schedule, config, *(_mixed_precision(model, adam, dtype, state) if is_low(dtype)
-                                                 else (None, None)))
-    step = functools.partial(_mixed_precision_step, result) if is_low(dtype) else functools.partial(_step, adam)
+    mixed = None if is_low(dtype) else autocast_dtype(model.dtype_policy)   # Keras' mixed policy: the autocast recipe
+    low_and_scale: tuple[Transformer | None, keras.optimizers.LossScaleOptimizer | None]
+    if mixed is not None:
+        low_and_scale = (model, _loss_scale(model, adam, state) if uses_loss_scaling(mixed.as_numpy_dtype) else None)
+    else:
+        low_and_scale = _mixed_precision(model, adam, dtype, state) if is_low(dtype) else (None, None)
+    result = Optimizer(adam, schedule, config, *low_and_scale)
+    step = functools.partial(_mixed_precision_step, result) if result.low is not None \
+        else functools.partial(_step, adam)
     result._compiled = tf.function(step)                                         # traced once per input shape
     return result
 
@@ -261,13 +269,20 @@ def _mixed_precision(model: Transformer, adam: _Adam, dtype: np.dtype, state: Tr
     ``step_counter``)."""
     with tf.device(_device.model_device(model)):
         low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype)
-        loss_scale = None
-        if uses_loss_scaling(dtype):
-            scale, good_steps = resumed_loss_scale(state)
-            loss_scale = keras.optimizers.LossScaleOptimizer(adam, scale, precision.LOSS_SCALE_GROWTH_INTERVAL)
-            loss_scale.build(model.trainable_variables)                    # its scale and counter; adam is built
-            loss_scale.step_counter.assign(good_steps)
-    return low, loss_scale
+    return low, _loss_scale(model, adam, state) if uses_loss_scaling(dtype) else None
+
+
+def _loss_scale(model: Transformer, adam: _Adam, state: TrainingState | None
+                ) -> keras.optimizers.LossScaleOptimizer:
+    """float16's ``LossScaleOptimizer`` around ``adam`` with ``reference_numpy.precision``'s growth interval, read
+    at each call, from the scale and good steps of ``resumed_loss_scale`` (its ``dynamic_scale`` and
+    ``step_counter``)."""
+    with tf.device(_device.model_device(model)):
+        scale, good_steps = resumed_loss_scale(state)
+        loss_scale = keras.optimizers.LossScaleOptimizer(adam, scale, precision.LOSS_SCALE_GROWTH_INTERVAL)
+        loss_scale.build(model.trainable_variables)                        # its scale and counter; adam is built
+        loss_scale.step_counter.assign(good_steps)
+    return loss_scale
 
 
 def train_step(model: Transformer, optimizer: Optimizer, src: Batch, tgt: Batch, labels: Batch,
@@ -280,7 +295,7 @@ def train_step(model: Transformer, optimizer: Optimizer, src: Batch, tgt: Batch,
     P model's, widened to float32 for the update of the masters (:func:`_mixed_precision_step`). The batch (the
     reference's ``check_batch``) and the step count (``check_next_step``: Keras' int64 ``iterations`` would wrap)
     are checked before."""
-    check_trainable(model.compute_dtype)
+    check_trainable(model.variable_dtype)
     src, tgt, labels = _check_batch(model, src, tgt, labels)              # ids cannot be checked once traced
     _check_labels(labels, model.config.pad_id, epsilon)
     check_next_step(int(optimizer.adam.iterations.numpy()))
@@ -321,7 +336,8 @@ def _mixed_precision_step(mixed: Optimizer, model: Transformer, src: Batch, tgt:
     else:
         mixed.loss_scale.apply(grads, masters)
     for variable, master in zip(low, masters):
-        variable.assign(tf.cast(master, variable.dtype))                 # float32 -> P: rounded once, to nearest even
+        if variable is not master:                                       # Keras' mixed policy: the model itself
+            variable.assign(tf.cast(master, variable.dtype))             # float32 -> P: rounded once, to nearest even
     return value
 
 

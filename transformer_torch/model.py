@@ -107,7 +107,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
     In a low precision P the whole of Eq. (1) is computed wide (float32, the same kernels) from the P inputs and
-    the output and weights are rounded to P.
+    the output and weights are rounded to P. Under ``torch.autocast`` (the autocast recipe of
+    ``reference_numpy/precision.py``) the two products are autocast's ``matmul``: Q K^T and weights V in its dtype,
+    accumulated in float32; the scores are widened to float32 for the scaling, the mask and the softmax (on CUDA's
+    autocast list, not on the CPU's), and the fused kernel is not used (:func:`.speed.fused`).
 
     Shape:
         query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
@@ -123,9 +126,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         return narrow(speed.attention(query, key, value, mask), dtype), None
     d_k = query.shape[-1]
     if beams is None:
-        scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_k)      # (..., Tq, Tk)
+        scores = wide(query @ key.transpose(-1, -2)) / math.sqrt(d_k)  # (..., Tq, Tk); P under autocast
     else:
-        scores = speed.beam_scores(query, key, beams) / math.sqrt(d_k)
+        scores = wide(speed.beam_scores(query, key, beams)) / math.sqrt(d_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     row_max = scores.amax(dim=-1, keepdim=True)                         # -inf on fully masked rows

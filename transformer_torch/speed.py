@@ -52,14 +52,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     (out, in) weight far below the memory bandwidth (batch-1 decoding) and whose large
     products run slower than oneDNN's on some CPUs (the numbers: docs/benchmarks-torch.md). Every other case
     (float64, a GPU, gradients, small weights, oneDNN switched off by
-    ``torch.backends.mkldnn.enabled = False``, and a traced call -- ``torch.compile`` chooses its own kernel,
-    ``torch.export`` and ONNX take the portable operator) is ``F.linear``.
+    ``torch.backends.mkldnn.enabled = False``, a traced call -- ``torch.compile`` chooses its own kernel,
+    ``torch.export`` and ONNX take the portable operator -- and a call under ``torch.autocast``, whose dispatch
+    casts ``F.linear``'s inputs to its dtype and which the direct oneDNN call would bypass) is ``F.linear``.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
     if (_ONEDNN_LINEAR and x.dtype == torch.float32 and x.is_cpu and weight.is_cpu
             and weight.numel() >= _ONEDNN_MIN_WEIGHT and torch.backends.mkldnn.enabled
             and not torch.compiler.is_compiling()
+            and autocast_dtype(x) is None
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -73,12 +75,23 @@ def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def fused(*tensors: Tensor) -> bool:
-    """Whether :func:`attention` (torch's fused kernel) may compute Eq. (1) of these tensors: not when autograd
-    records it. Its backward is then the softmax's own, w * (g - sum(w * g)), as in the reference and the other
-    frameworks: the fused kernel's backward forms g - sum(w * g) as dP - rowsum(dO * O), two equal numbers computed
-    differently, whose float64 rounding (eps |dO| |V|) a saturated softmax multiplies by |K| into dQ where the exact
-    gradient is zero (docs/equivalence.md, "The configuration space")."""
-    return not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors))
+    """Whether :func:`attention` (torch's fused kernel) may compute Eq. (1) of these tensors: not under
+    ``torch.autocast``, whose recipe rounds the scores Q K^T to its dtype (a ``matmul``; the fused kernel keeps them
+    in float32), and not when autograd records it. Its backward is then the softmax's own, w * (g - sum(w * g)),
+    as in the reference and the other frameworks: the fused kernel's backward forms g - sum(w * g) as
+    dP - rowsum(dO * O), two equal numbers computed differently, whose float64 rounding (eps |dO| |V|) a saturated
+    softmax multiplies by |K| into dQ where the exact gradient is zero (docs/equivalence.md, "The configuration
+    space")."""
+    return autocast_dtype(tensors[0]) is None and not (torch.is_grad_enabled()
+                                                       and any(tensor.requires_grad for tensor in tensors))
+
+
+def autocast_dtype(tensor: Tensor) -> torch.dtype | None:
+    """The dtype of an enclosing ``torch.autocast`` of ``tensor``'s device type (``torch.is_autocast_enabled``,
+    ``torch.get_autocast_dtype``), None outside one: the model then computes by the autocast recipe
+    (``reference_numpy/precision.py``)."""
+    device_type = tensor.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
@@ -113,8 +126,13 @@ def beam_scores(query: Tensor, key: Tensor, beams: Tensor) -> Tensor:
 
 def beam_mix(weights: Tensor, value: Tensor, beams: Tensor) -> Tensor:
     """weights V along each query row's hypothesis without gathering values: each key row's values weighted by
-    the weights of the positions it holds for every query row, summed over key rows.
+    the weights of the positions it holds for every query row, summed over key rows. Under ``torch.autocast`` the
+    autocast recipe's product: P-rounded weights and values, float32 sums, the result in P.
     Shape: weights (N, H, Tq, C), value (N, H, C, d_v), beams (B, K, C) -> (N, H, Tq, d_v)."""
+    mixed = autocast_dtype(weights)
+    if mixed is not None:     # autocast: one product of P inputs accumulated in float32, not a P sum of partial ones
+        with torch.autocast(weights.device.type, enabled=False):
+            return beam_mix(weights.to(mixed).float(), value.to(mixed).float(), beams).to(mixed)
     batch, k, capacity = beams.shape
     _, heads, length, _ = weights.shape
     every = _every_row(weights, beams).reshape(batch, k, heads, k, length, capacity)   # (B, Ki, H, Kj, Tq, C)

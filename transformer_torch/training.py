@@ -145,7 +145,10 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
 
     ``dtype`` bfloat16 or float16 (a float32 model only; the reference's ``training_dtype`` errors otherwise) adds
     the model in P over the float32 masters and, for float16, a ``GradScaler`` with the reference's
-    ``LOSS_SCALE_GROWTH_INTERVAL`` and the saved run's scale (else ``LOSS_SCALE``).
+    ``LOSS_SCALE_GROWTH_INTERVAL`` and the saved run's scale (else ``LOSS_SCALE``). Built under
+    ``torch.autocast(device_type, dtype)`` (a float32 model, no ``dtype``), each step differentiates the model itself
+    under autocast (run :func:`train_step` under the same block: torch's automatic mixed precision), float16's loss
+    scaled by the ``GradScaler``: ``low`` is the model.
     """
     dtype = training_dtype(dtype_name(model.dtype), dtype)
     if state is not None:
@@ -162,6 +165,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     low = None
     if is_low(dtype):
         low = checkpoint.from_params(model.config, checkpoint.to_params(model), dtype, model.device)
+    elif torch.is_autocast_enabled(model.device.type) and dtype == np.float32:
+        low, dtype = model, parse_dtype(dtype_name(torch.get_autocast_dtype(model.device.type)))   # autocast
     return Optimizer(adam, schedule, config, low,
                      _loss_scale(model.device, state) if uses_loss_scaling(dtype) else None)
 
@@ -253,7 +258,7 @@ def _mixed_precision_step(model: Transformer, mixed: Optimizer, src: Batch, tgt:
     value = _backward(low, src, tgt, labels, epsilon, scaler)
     pairs = list(zip(model.parameters(), low.parameters()))                 # the same Transformer(config) twice
     for master, parameter in pairs:
-        master.grad = _grad(parameter).float()                              # P -> float32, exactly
+        master.grad = _grad(parameter).float()                              # P -> float32, exactly (autocast: itself)
     if scaler is None:
         taken = all(bool(_grad(master).isfinite().all()) for master, _ in pairs)
         if taken:
@@ -267,7 +272,8 @@ def _mixed_precision_step(model: Transformer, mixed: Optimizer, src: Batch, tgt:
         mixed.schedule.step()
         with torch.no_grad():
             for master, parameter in pairs:
-                parameter.copy_(master)                                     # float32 -> P, rounded once
+                if parameter is not master:                                 # autocast: the model itself
+                    parameter.copy_(master)                                 # float32 -> P, rounded once
     return value.item()
 
 

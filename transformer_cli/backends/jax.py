@@ -15,6 +15,7 @@ from typing import ParamSpec, TypeVar
 
 import jax
 import numpy as np
+from flax import nnx
 
 from equivalence.contract import Mask, Path, Progress, Tokens
 from equivalence.recipes import (
@@ -28,11 +29,12 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import round_to
+from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_jax import checkpoint, data_parallel, decoding, training
 from transformer_jax import device as _device
 from transformer_jax.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
+from transformer_jax.precision import autocast_dtype
 from transformer_jax.speed import forward as _forward
 
 NAME = "jax"
@@ -59,14 +61,28 @@ def devices() -> list[str]:
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") on ``device`` from checkpoint-layout
-    arrays."""
-    return checkpoint.from_params(config, params, dtype, device)
+    arrays; "mixed-bfloat16" or "mixed-float16": Flax's mixed precision, ``dtype=P, param_dtype=float32``."""
+    stored, mixed = parse_precision(dtype)
+    return _mixed(checkpoint.from_params(config, params, stored.name, device), mixed)
 
 
 @_x64
 def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` (float32, float64, bfloat16 or float16) from a shared checkpoint file."""
-    return checkpoint.load_checkpoint(path, dtype, device)
+    """A model in ``dtype`` (float32, float64, bfloat16 or float16, or a mixed precision as :func:`build`) from a
+    shared checkpoint file."""
+    stored, mixed = parse_precision(dtype)
+    return _mixed(checkpoint.load_checkpoint(path, stored.name, device), mixed)
+
+
+def _mixed(model: Transformer, mixed: np.dtype | None) -> Transformer:
+    """``model`` (float32) as Flax's mixed precision in ``mixed`` (``Transformer(config, dtype=mixed,
+    param_dtype=float32)`` holding its parameters); ``model`` itself when ``mixed`` is None."""
+    if mixed is None:
+        return model
+    new = Transformer(model.config, dtype=mixed, param_dtype=np.float32, rngs=nnx.Rngs(params=0, dropout=0))
+    nnx.update(new, nnx.state(model, nnx.Param))
+    new.tokenizer_json = model.tokenizer_json
+    return new
 
 
 @_x64
@@ -113,7 +129,8 @@ def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> n
     decoder_layer and decoder take x, memory, src_mask, tgt_mask. Float inputs are rounded to the model's dtype
     (float32, float64, bfloat16 or float16) by ``round_to``, once.
     """
-    return np.asarray(run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention))
+    attention = functools.partial(scaled_dot_product_attention, dtype=autocast_dtype(model.dtype, model.param_dtype))
+    return np.asarray(run_component(model, name, rounded_inputs(inputs, model.param_dtype), attention))
 
 
 @_x64
@@ -176,6 +193,7 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
     """``nnx.Optimizer`` with optax's Adam and the schedule of section 5.3 (``transformer_jax.training.optimizer``,
     one ``Optimizer`` record); with ``dtype`` "bfloat16" or "float16" (a float32 model) over float32 master
     weights."""
+    check_autocast_training(autocast_dtype(model.dtype, model.param_dtype), dtype)
     return training.optimizer(model, config, state, dtype)
 
 

@@ -6,6 +6,12 @@ it against central finite differences of the loss (:mod:`equivalence.finite_diff
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 
 from equivalence.contract import Mask, Path, Progress, Tokens
@@ -20,9 +26,28 @@ from reference_numpy import backward, checkpoint, data_parallel, decoding, train
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
-from reference_numpy.precision import round_to
+from reference_numpy.precision import autocast, check_autocast_training, parse_precision, round_to
 
 NAME = "numpy"
+# the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
+# adapter on it runs under reference_numpy.precision.autocast, as the PyTorch adapter's under torch.autocast
+_AUTOCAST: weakref.WeakKeyDictionary[Transformer, np.dtype] = weakref.WeakKeyDictionary()
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def _recipe(model: Transformer) -> contextlib.AbstractContextManager:
+    """The autocast block of a model built in a mixed precision; nothing for any other."""
+    mixed = _AUTOCAST.get(model)
+    return contextlib.nullcontext() if mixed is None else autocast(mixed)
+
+
+def _in_recipe(function: Function) -> Function:
+    """``function(model, ...)`` run in the model's :func:`_recipe`."""
+    @functools.wraps(function)
+    def call(model: Transformer, *args: Any, **kwargs: Any) -> Any:
+        with _recipe(model):
+            return function(model, *args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 def devices() -> list[str]:
@@ -33,8 +58,12 @@ def devices() -> list[str]:
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float64", "float32", "bfloat16" or "float16") on ``device`` from checkpoint-layout
-    arrays."""
-    return Transformer(config, params, dtype=np.dtype(dtype))
+    arrays; "mixed-bfloat16" or "mixed-float16": a float32 model run by the autocast recipe."""
+    stored, mixed = parse_precision(dtype)
+    model = Transformer(config, params, dtype=stored)
+    if mixed is not None:
+        _AUTOCAST[model] = mixed
+    return model
 
 
 def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
@@ -60,6 +89,7 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
     return {name: np.array(value) for name, value in model.params.items()}
 
 
+@_in_recipe
 def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
             ) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names."""
@@ -67,16 +97,19 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
     return stages
 
 
+@_in_recipe
 def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone: the model call."""
     return model(src, tgt, src_mask, tgt_mask)
 
 
+@_in_recipe
 def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """Run one component (:data:`equivalence.recipes.COMPONENTS`) on NumPy inputs; weights from layer 0."""
     return run_component(model, name, rounded_inputs(inputs, model.dtype), scaled_dot_product_attention)
 
 
+@_in_recipe
 def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
                         ) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs, by the reference's
@@ -90,17 +123,20 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
     return dict(zip(keys, grads if name == "attention" else (grads,)))
 
 
+@_in_recipe
 def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled. The reference has no cache; ``use_cache`` is ignored."""
     return decoding.greedy_decode(model, src)
 
 
+@_in_recipe
 def beam(model: Transformer, src: Tokens, beam_size: int = decoding.BEAM_SIZE,
          alpha: float = decoding.LENGTH_PENALTY_ALPHA, use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,). The reference has no cache; ``use_cache`` is ignored."""
     return decoding.beam_search(model, src, beam_size, alpha)
 
 
+@_in_recipe
 def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks."""
     check_attention_request(model.config, layer, kind)
@@ -109,11 +145,13 @@ def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, 
                                       lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first))
 
 
+@_in_recipe
 def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens,
          epsilon: float = training.LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 (the reference computes inference: no dropout)."""
     return float(training.loss(model, src, tgt, labels, epsilon))
 
+@_in_recipe
 
 def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = training.LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
@@ -122,12 +160,14 @@ def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsi
     value, grads = training.gradients(model, src, tgt, labels, epsilon)
     return float(value), grads
 
+@_in_recipe
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
               state: checkpoint.TrainingState | None = None,
               dtype: str | None = None) -> training.Optimizer:
     """The reference's Adam with the schedule of section 5.3 (``reference_numpy.training.optimizer``, one
     ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+    check_autocast_training(_AUTOCAST.get(model), dtype)
     return training.optimizer(model, config, state, dtype)
 
 
@@ -135,6 +175,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer; None for any other."""
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.value)
 
+@_in_recipe
 
 def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = training.LABEL_SMOOTHING) -> float:

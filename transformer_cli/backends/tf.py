@@ -8,6 +8,7 @@ A bfloat16 or float16 model returns its stages and attention weights in that for
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -26,7 +27,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import DTYPES, round_to
+from reference_numpy.precision import DTYPES, check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
@@ -37,6 +38,7 @@ from transformer_tf.model import (
     scaled_dot_product_attention,
     target_mask,
 )
+from transformer_tf.precision import autocast_dtype
 from transformer_tf.speed import compiled_forward
 
 NAME = "tf"
@@ -50,18 +52,34 @@ def devices() -> list[str]:
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") on ``device`` from checkpoint-layout
-    arrays."""
+    arrays; "mixed-bfloat16" or "mixed-float16": Keras' mixed precision, the ``mixed_bfloat16`` or ``mixed_float16``
+    policy."""
     _device.full_precision()
+    stored, mixed = parse_precision(dtype)
     with tf.device(_device.resolve_device(device)):
-        return checkpoint.from_params(config, params, dtype)
+        return _mixed(checkpoint.from_params(config, params, stored.name), mixed)
 
 
 def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file
-    (``checkpoint.load_checkpoint``: each array read is released once its variable holds it)."""
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16", or a mixed precision as :func:`build`)
+    from a shared checkpoint file (``checkpoint.load_checkpoint``: each array read is released once its variable
+    holds it)."""
     _device.full_precision()
+    stored, mixed = parse_precision(dtype)
     with tf.device(_device.resolve_device(device)):
-        return checkpoint.load_checkpoint(path, dtype)
+        return _mixed(checkpoint.load_checkpoint(path, stored.name), mixed)
+
+
+def _mixed(model: Transformer, mixed: np.dtype | None) -> Transformer:
+    """``model`` (float32) under Keras' mixed policy in ``mixed`` (``Transformer(config, dtype="mixed_bfloat16")``
+    holding its weights); ``model`` itself when ``mixed`` is None."""
+    if mixed is None:
+        return model
+    new = Transformer(model.config, dtype=f"mixed_{mixed.name}")
+    new.set_weights(model.get_weights())
+    if hasattr(model, "tokenizer_json"):                                # set by load_checkpoint
+        new.tokenizer_json = model.tokenizer_json
+    return new
 
 
 def load_training_state(path: Path, dtype: str | None = None) -> TrainingState | None:
@@ -120,13 +138,14 @@ def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> n
     bfloat16, which TensorFlow's cast rounds twice), then become tensors of that dtype exactly.
     """
     with tf.device(_device.model_device(model)):
-        return run_component(model, name, _component_tensors(model, inputs), scaled_dot_product_attention).numpy()
+        attention = functools.partial(scaled_dot_product_attention, dtype=autocast_dtype(model.dtype_policy))
+        return run_component(model, name, _component_tensors(model, inputs), attention).numpy()
 
 
 def _component_tensors(model: Transformer, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     """A component's NumPy ``inputs`` with the float ones rounded to the model's dtype once, as constants."""
     return {key: tf.constant(value) if isinstance(value, np.ndarray) and value.dtype in DTYPES else value
-            for key, value in rounded_inputs(inputs, model.compute_dtype).items()}
+            for key, value in rounded_inputs(inputs, model.variable_dtype).items()}
 
 
 def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
@@ -184,6 +203,8 @@ def optimizer(model: Transformer, config: TrainingConfig | None = None, state: T
               dtype: str | None = None) -> training.Optimizer:
     """Keras's Adam made to compute the paper's update, with the schedule of Eq. (3) (``transformer_tf.training``,
     one ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+    mixed = autocast_dtype(model.dtype_policy)
+    check_autocast_training(None if mixed is None else mixed.name, dtype)
     return training.optimizer(model, config, state, dtype)
 
 

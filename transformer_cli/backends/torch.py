@@ -14,6 +14,12 @@ float32 model in mixed precision (``transformer_torch.training.optimizer``; :fun
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 import torch
 
@@ -29,7 +35,7 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import round_to
+from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
@@ -44,6 +50,25 @@ from transformer_torch.model import (
 from transformer_torch.precision import dtype_name, from_numpy, to_numpy
 
 NAME = "torch"
+# the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
+# adapter on it runs under torch.autocast(device_type, dtype), the framework's own switch
+_AUTOCAST: weakref.WeakKeyDictionary[Transformer, torch.dtype] = weakref.WeakKeyDictionary()
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def _recipe(model: Transformer) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` of a model built in a mixed precision, on its device's type; nothing for any other."""
+    mixed = _AUTOCAST.get(model)
+    return contextlib.nullcontext() if mixed is None else torch.autocast(model.device.type, dtype=mixed)
+
+
+def _in_recipe(function: Function) -> Function:
+    """``function(model, ...)`` run in the model's :func:`_recipe`."""
+    @functools.wraps(function)
+    def call(model: Transformer, *args: Any, **kwargs: Any) -> Any:
+        with _recipe(model):
+            return function(model, *args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 def devices() -> list[str]:
@@ -54,15 +79,25 @@ def devices() -> list[str]:
 def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str = "float64",
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") on ``device`` from checkpoint-layout
-    arrays."""
+    arrays; "mixed-bfloat16" or "mixed-float16": a float32 model whose calls run under ``torch.autocast``."""
     _prepare(device)
-    return checkpoint.from_params(config, params, dtype, device)
+    stored, mixed = parse_precision(dtype)
+    return _autocast(checkpoint.from_params(config, params, stored.name, device), mixed)
 
 
 def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16") from a shared checkpoint file."""
+    """A model in ``dtype`` ("float32", "float64", "bfloat16" or "float16", or a mixed precision as :func:`build`)
+    from a shared checkpoint file."""
     _prepare(device)
-    return checkpoint.load_checkpoint(path, dtype, device)
+    stored, mixed = parse_precision(dtype)
+    return _autocast(checkpoint.load_checkpoint(path, stored.name, device), mixed)
+
+
+def _autocast(model: Transformer, mixed: np.dtype | None) -> Transformer:
+    """``model``, its calls through this adapter under ``torch.autocast`` in ``mixed`` (None: none)."""
+    if mixed is not None:
+        _AUTOCAST[model] = getattr(torch, mixed.name)
+    return model
 
 
 def load_training_state(path: Path, dtype: str | None = None) -> TrainingState | None:
@@ -81,6 +116,7 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
     return checkpoint.to_params(model)
 
 
+@_in_recipe
 @torch.no_grad()
 def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
             ) -> dict[str, np.ndarray]:
@@ -90,12 +126,14 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
     return {name: _numpy(value) for name, value in stages.items()}
 
 
+@_in_recipe
 @torch.no_grad()
 def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone (inference); float32 for a bfloat16 or float16 model."""
     return _numpy(model.eval()(src, tgt, src_mask, tgt_mask))
 
 
+@_in_recipe
 @torch.no_grad()
 def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """Run one component on NumPy inputs; weights come from layer 0 of each stack.
@@ -113,7 +151,7 @@ def _component_tensors(model: Transformer, inputs: dict[str, np.ndarray]) -> dic
     return {key: None if value is None else from_numpy(np.ascontiguousarray(value)).to(model.device)
             for key, value in rounded_inputs(inputs, dtype_name(model.dtype)).items()}
 
-
+@_in_recipe
 def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndarray], grad_out: np.ndarray
                         ) -> dict[str, np.ndarray]:
     """The gradients of sum(component * grad_out) with respect to the component's float inputs (attention's query,
@@ -127,18 +165,19 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
         grads = torch.autograd.grad(out, wrt, seed)
     return {key: _numpy(grad) for key, grad in zip(keys, grads)}
 
-
+@_in_recipe
 def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
     """Greedy tokens (B, L) without bos, pad-filled."""
     return decoding.greedy_decode(model.eval(), src, use_cache)
 
-
+@_in_recipe
 def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
          use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,)."""
     return decoding.beam_search(model.eval(), src, beam_size, alpha, use_cache)
 
 
+@_in_recipe
 @torch.no_grad()
 def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks; in the model's dtype."""
@@ -151,11 +190,13 @@ def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, 
         lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, no_dropout)))
 
 
+@_in_recipe
 @torch.no_grad()
 def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING) -> float:
     """The label-smoothed cross-entropy of section 5.4 with dropout off (eval mode)."""
     return training.loss(model.eval(), src, tgt, labels, epsilon).item()    # arrays checked and placed by the port
 
+@_in_recipe
 
 def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
@@ -163,11 +204,13 @@ def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsi
     gradient for every checkpoint tensor, in checkpoint layout (a bfloat16 or float16 model's: P arrays)."""
     return training.gradients(model, src, tgt, labels, epsilon)
 
+@_in_recipe
 
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
               dtype: str | None = None) -> training.Optimizer:
     """``torch.optim.Adam`` with its ``LambdaLR`` schedule of section 5.3 (``transformer_torch.training.optimizer``,
     one ``Optimizer`` record); ``dtype`` bfloat16 or float16 trains a float32 model in mixed precision."""
+    check_autocast_training(dtype_name(_AUTOCAST[model]) if model in _AUTOCAST else None, dtype)
     return training.optimizer(model, config, state, dtype)
 
 
@@ -175,6 +218,7 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer (its ``GradScaler``'s); None for any other."""
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.get_scale())
 
+@_in_recipe
 
 def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = LABEL_SMOOTHING) -> float:

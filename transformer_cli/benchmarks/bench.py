@@ -30,7 +30,7 @@ import numpy as np
 
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
-from reference_numpy.precision import parse_dtype
+from reference_numpy.precision import parse_precision
 from transformer_cli import backends, runtime
 from transformer_cli.benchmarks.timing import (
     BANDWIDTH_OPERATION,
@@ -253,7 +253,8 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     anchors = Anchors({name: gflop_rate(2 * MATMUL_SIZE ** 3, timings[(GEMM, name)].median)
                        for kind, name in anchor_calls if kind == GEMM},
                       read_bytes / timings[(BANDWIDTH, "numpy")].median / 1e9,
-                      {task: decode_step_bytes(config, ROWS[task], source, decode_tokens, parse_dtype(dtype).itemsize)
+                      {task: decode_step_bytes(config, ROWS[task], source, decode_tokens,
+                                                        parse_precision(dtype)[0].itemsize)   # the stored weights
                        for task in tasks[1:]})
     kinds = {engine.name: (engine.kind, engine.device) for engine in engines}
     measurements = [measurement(config, key, timings[key], *kinds[key[0]], (batch, src_len, tgt_len), source)

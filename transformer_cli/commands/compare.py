@@ -24,7 +24,8 @@ from transformer_cli.benchmarks.timing import measure
 from transformer_cli.commands.translate import SHIPPED, SHIPPED_NAME
 
 DTYPES = ("float64", "float32")   # the default; any of reference_numpy.precision.DTYPE_NAMES may be asked for
-PRECISION_REPORT_DTYPES = ("float32", "bfloat16", "float16")   # --precision-report's default: one panel each
+# --precision-report's default: one panel each, the two recipes of each low format side by side
+PRECISION_REPORT_DTYPES = ("float32", "bfloat16", "mixed-bfloat16", "float16", "mixed-float16")
 DEFAULT_SEED = 0
 TIMED_REPEATS = 3
 # What compare translates with a tokenizer: rules of French number words (et un/onze, quatre-vingt(s), cent(s))
@@ -74,7 +75,8 @@ class Run:
         return f"{self.backend}/{self.device}/{SHORT_NAMES[self.dtype]}"
 
 
-SHORT_NAMES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+SHORT_NAMES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16",
+               "mixed-bfloat16": "mixed-bf16", "mixed-float16": "mixed-f16"}   # the autocast recipe
 
 
 @dataclass
@@ -195,7 +197,7 @@ def build_oracle(config: TransformerConfig, params: dict[str, np.ndarray], src: 
     for dtype in dict.fromkeys(dtype for dtype in dtypes if dtype != "float64"):
         model = reference.build(config, params, dtype)
         stages[dtype] = reference.forward(model, **inputs)
-        bounds[dtype] = tolerance.bound_for(dtype, log_probs64, model(src, forced))
+        bounds[dtype] = tolerance.bound_for(dtype, log_probs64, reference.log_probs(model, src, forced))
     return Oracle(inputs, stages64, stages, tokens, greedy_margins(model64, src, tokens), bounds,
                   tolerance.stage_maps(model64, **inputs))
 

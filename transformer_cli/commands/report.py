@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from equivalence import tolerance
-from reference_numpy.precision import is_low
+from reference_numpy.precision import is_low, parse_precision
 from transformer_cli.commands.compare import Report
 from transformer_cli.plots import pyplot
 
@@ -33,7 +33,7 @@ def format_table(report: Report) -> str:
              f"policy: float64 error <= {tolerance.FLOAT64_RELATIVE:g} x max(1, max|ref|); float32 error <= "
              f"{tolerance.FLOAT32_FACTOR} x max(float32 reference's own error, 1 ulp)"
              + (f"; bfloat16, float16 error <= {tolerance.LOW_PRECISION_FACTOR} x max(the reference's own error in "
-                "that format, 1 unit)" if any(is_low(run.dtype) for run in runs) else "")
+                "that format or recipe, 1 unit)" if any(_low(run.dtype) for run in runs) else "")
              + "; cells: max abs / max rel against the float64 reference",
              "",
              f"{'stage':<{STAGE_WIDTH}}" + "".join(_cell(run.label) for run in runs)]
@@ -114,6 +114,12 @@ def plot_errors(report: Report, path: str | os.PathLike) -> None:
     ax.legend(fontsize="small", ncol=2)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _low(precision: str) -> bool:
+    """Whether a run's precision is held to the low-precision rule: bfloat16, float16 or their autocast recipes."""
+    stored, mixed = parse_precision(precision)
+    return mixed is not None or is_low(stored)
 
 
 def plot_precision(report: Report, path: str | os.PathLike) -> None:

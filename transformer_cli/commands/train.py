@@ -30,7 +30,7 @@ from reference_numpy.checkpoint import (
     save_checkpoint,
 )
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.precision import is_low, round_to
+from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_cli import backends
@@ -113,8 +113,15 @@ class Plan:
 
     @property
     def weights(self) -> str:
-        """The dtype of the model's weights: ``dtype``, or float32 masters in mixed precision."""
-        return "float32" if is_low(self.dtype) else self.dtype
+        """The dtype the model is built in: ``dtype``, or float32 masters in mixed precision (bfloat16, float16); a
+        mixed precision's name (mixed-bfloat16, mixed-float16: float32 weights under the framework's switch) as it
+        is."""
+        return self.dtype if self.dtype in AUTOCAST_NAMES else self.masters
+
+    @property
+    def masters(self) -> str:
+        """The dtype of the weights and Adam's moments: ``dtype``, or float32 in any mixed precision."""
+        return "float32" if self.dtype in AUTOCAST_NAMES or is_low(self.dtype) else self.dtype
 
 
 @dataclass
@@ -174,7 +181,7 @@ def resumed(adapter: ModuleType, plan: Plan, device: str) -> tuple[Model, Traini
     assert plan.start is not None
     path = plan.start.path
     model = adapter.load(path, plan.weights, device)
-    state = adapter.load_training_state(path, plan.weights)
+    state = adapter.load_training_state(path, plan.masters)
     if state is None:
         raise no_training_state(path)
     if model.config != plan.config or state.step != plan.start.record.step:
@@ -218,7 +225,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
     reads its weights and moments when it trains). Every flag is checked here, and the file's header, before any
     backend is loaded."""
     task = task_name(args)
-    if args.data_parallel > 1 and is_low(args.dtype):
+    if args.data_parallel > 1 and (args.dtype in AUTOCAST_NAMES or is_low(args.dtype)):
         raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
               for name, default in TASKS[task].items()}
@@ -417,7 +424,7 @@ def set_up(adapter: ModuleType, plan: Plan) -> tuple[Model, Optimizer]:
     """The model and optimizer :func:`train` starts from in ``adapter``: the seeded weights and a new optimizer, or
     the run ``plan.start`` names (:func:`resumed`), whose moments the optimizer then holds alone (a port's are the
     arrays read, the reference's a copy of them); mixed precision with a low ``plan.dtype``."""
-    compute = plan.dtype if is_low(plan.dtype) else None
+    compute = plan.dtype if plan.dtype not in AUTOCAST_NAMES and is_low(plan.dtype) else None   # mixed-*: the model's
     device = backends.device_for(adapter, plan.device)
     model, state = resumed(adapter, plan, device) if plan.start else (
         adapter.build(plan.config, init_params(plan.config, seed=plan.seed), plan.weights, device), None)
