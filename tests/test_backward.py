@@ -219,14 +219,18 @@ def test_embeddings():
     assert (analytic["src_embed.weight"][unused] == 0).all()
 
 
-@pytest.mark.parametrize("kind", ["sinusoidal", "learned"])
-def test_positional_encoding(kind):
-    config = PIECE.replace(positional_encoding=kind)
+@pytest.mark.parametrize("kind,layout", [("sinusoidal", "interleaved"), ("learned", "interleaved"),
+                                         ("sinusoidal", "fairseq")])
+def test_positional_encoding(kind, layout):
+    """x + PE[rows]: dL/dx = dL/dout; a learned table's rows receive their positions' gradients; fairseq's rows
+    follow the tokens (a padded row's positions skip its pads)."""
+    config = PIECE.replace(positional_encoding=kind, sinusoidal_layout=layout)
+    tokens = np.array([[5, 6, 7, 8, 9, 2], [0, 0, 5, 6, 2, 0]]) if layout == "fairseq" else None   # (B, T)
     inputs = {"x": random((2, 6, 8), 4), **piece_params(config, "tgt_pos_embed")}
-    analytic = check_piece(lambda p: PositionalEncoding(config, p, "tgt_pos_embed", np.float64)(p["x"]),
+    analytic = check_piece(lambda p: PositionalEncoding(config, p, "tgt_pos_embed", np.float64)(p["x"], 0, tokens),
                            lambda p, grads: backward.positional_encoding(
                                PositionalEncoding(config, p, "tgt_pos_embed", np.float64), "tgt_pos_embed",
-                               kind == "learned", p["x"], grads), inputs, ("x",))
+                               kind == "learned", p["x"], tokens, grads), inputs, ("x",))
     assert set(analytic) == {"x"} | ({"tgt_pos_embed.weight"} if kind == "learned" else set())
 
 
