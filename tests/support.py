@@ -1,6 +1,7 @@
 """What more than one test module uses, in one place (``from support import ...``; no test module imports another):
 the ports and devices of the agreement matrix, a command run in-process, a scripted stand-in for a Transformer,
-each framework's arrays and float64 context, a hand-set model whose logits are known.
+each framework's arrays and float64 context, a hand-set model whose logits are known, the ten training steps of
+tests/test_training.py, the shipped model on held-out sentences.
 Fixtures stay in ``conftest.py``."""
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ import numpy as np
 import pytest
 
 from equivalence import cases
-from equivalence.cases import FORWARD_VARIANTS
+from equivalence.cases import FORWARD_VARIANTS, VARIANTS, training_inputs
+from equivalence.training_runs import Run
 from reference_numpy import TransformerConfig, init_params
+from reference_numpy.checkpoint import TrainingState
+from reference_numpy.config import TrainingConfig
+from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import main
+from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
@@ -132,3 +138,48 @@ def constant_logits_params(logits, **changes) -> tuple[TransformerConfig, dict[s
     params["generator.weight"] = np.zeros((config.d_model, len(logits)))
     params["generator.weight"][0] = logits
     return config, params
+
+
+# ----------------------------------------------------------------------------- ten training steps
+
+STEPS = 10
+# The paper's schedule and Adam (section 5.3); with warmup_steps = 4000 the first steps' learning rates are small
+# (about 7e-6 for d_model = 16), so that the weights' drift between backends stays second order (TrainingBound).
+TRAINING = TrainingConfig()
+
+
+def backend(name: str):
+    """The command line's backend ``name``: "numpy" (the reference) or a port (skipped if not installed)."""
+    return importlib.import_module("transformer_cli.backends.numpy") if name == "numpy" else port_backend(name)
+
+
+def config_of(variant: str):
+    return VARIANTS[variant].replace(dropout=0.0)
+
+
+def batches(variant: str) -> list[dict[str, np.ndarray]]:
+    """A different ragged batch for every step."""
+    return [training_inputs(config_of(variant), seed=step) for step in range(STEPS)]
+
+
+def copied(losses: list[float], params: dict[str, np.ndarray], state: TrainingState) -> Run:
+    """A run's record that the steps after it leave as it is (a port may export views of its live tensors)."""
+    owned = lambda tensors: {tensor: np.array(value) for tensor, value in tensors.items()}   # noqa: E731
+    return Run(list(losses), owned(params), state._replace(first_moments=owned(state.first_moments),
+                                                           second_moments=owned(state.second_moments)))
+
+
+# ----------------------------------------------------------------------------- the shipped model
+
+TRAINED_SENTENCES = 16   # from the numbers task's test split: numbers the model never saw in training
+
+
+@functools.cache
+def trained():
+    """The shipped English-to-French numbers model (realistic weights: sharp attention, larger activations) and
+    a sample of its test split: config, float64 params, tokenizer, inputs (src, tgt = the French references,
+    teacher-forced)."""
+    config, params, tokenizer = load_translator()
+    src, references = NumbersTask(tokenizer).held_out(config, TRAINED_SENTENCES, "test", 0)
+    inputs = teacher_forcing(tokenizer, [tokenizer.decode(row) for row in src], references)
+    return config, params, tokenizer, {"src": inputs["src"], "tgt": inputs["tgt"]}

@@ -16,15 +16,13 @@ import itertools
 import numpy as np
 import pytest
 from conftest import reference_model_in, rounded_reference
-from support import DEVICE_KINDS, FRAMEWORKS, LOW_DTYPES, device_for, port_backend, port_model
+from support import DEVICE_KINDS, FRAMEWORKS, LOW_DTYPES, device_for, port_backend, port_model, trained
 
 from equivalence import cases, tolerance
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import beam_margins, greedy_margins
 from equivalence.recipes import ATTENTION_KINDS
 from transformer_cli.backends import numpy as reference
-from transformer_cli.commands.translate import load_translator
-from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
 
 DTYPES = ("float64", "float32")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()
@@ -294,20 +292,6 @@ def _emitted(row: np.ndarray, variant: str) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- the shipped trained model
-
-TRAINED_SENTENCES = 16   # from the numbers task's test split: numbers the model never saw in training
-
-
-@functools.cache
-def trained():
-    """The shipped English-to-French numbers model (realistic weights: sharp attention, larger activations) and
-    a sample of its test split: config, float64 params, tokenizer, inputs (src, tgt = the French references,
-    teacher-forced)."""
-    config, params, tokenizer = load_translator()
-    src, references = NumbersTask(tokenizer).held_out(config, TRAINED_SENTENCES, "test", 0)
-    inputs = teacher_forcing(tokenizer, [tokenizer.decode(row) for row in src], references)
-    return config, params, tokenizer, {"src": inputs["src"], "tgt": inputs["tgt"]}
-
 
 @functools.cache
 def trained_model(backend_name: str, dtype: str, device: str = "cpu"):

@@ -210,7 +210,7 @@ def test_bad_arguments_give_one_line_value_errors():
         (lambda: scaled_dot_product_attention(*[jnp.ones((3, 1, 6, 4))] * 3, np.ones((2, 3, 1, 1, 6), bool)),
          "does not broadcast"),                                        # a mask may not enlarge the scores
         (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "int8"),
-         "^dtype must be one of float64, float32, bfloat16, float16, got int8$"),
+         "^dtype must be one of float64, float32, bfloat16, float16, mixed-bfloat16, mixed-float16, got 'int8'$"),
         (lambda: Transformer(VARIANTS["tiny"], dtype=jnp.float8_e4m3fn, rngs=nnx.Rngs(0)),
          "^dtype must be one of float64, float32, bfloat16, float16, got float8_e4m3fn$"),
         (lambda: backend.build(VARIANTS["tiny"], cases.seeded_params(VARIANTS["tiny"]), "float64", "gpu:7"),

@@ -19,7 +19,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from support import FRAMEWORKS, cli, port_backend
+from support import FRAMEWORKS, STEPS, TRAINING, backend, batches, cli, config_of, copied, port_backend, trained
 
 from equivalence import cases, tolerance
 from equivalence.cases import FORWARD_VARIANTS
@@ -434,8 +434,6 @@ def test_translate_and_an_unknown_precision(capsys):
 def shipped_stages(backend_name: str, precision: str) -> dict[str, np.ndarray]:
     """The shipped translator's stages on held-out sentences and their French (teacher forcing), in ``precision``:
     trained weights (sharp attention, large activations) and linear maps past the PyTorch port's oneDNN size."""
-    from test_agreement import trained
-
     config, params, _, inputs = trained()
     backend = reference if backend_name == "numpy" else port_backend(backend_name)
     return backend.forward(backend.build(config, params, precision, "cpu"), **inputs)
@@ -497,15 +495,14 @@ def test_gradients(port, variant, precision):
 def training_run(backend_name: str, precision: str):
     """Ten steps of section 5 (the training suite's config and batches, dropout off) from the seeded ``tiny`` weights:
     a model built in ``precision`` and its backend's float32 Adam, each step's loss and gradients under the model's
-    recipe (``tests/test_training.py``'s runs for the float64 yardstick)."""
-    import test_training as runs
-
-    module, config = runs.backend(backend_name), runs.config_of("tiny")
+    recipe; in "float64", the reference's or a port's float64 run of the same steps (the yardstick), as
+    tests/test_training.py runs them."""
+    module, config = backend(backend_name), config_of("tiny")
     model = module.build(config, cases.seeded_params(config), precision, "cpu")
-    optimizer = module.optimizer(model, runs.TRAINING)
-    inputs = runs.batches("tiny")
-    losses = [module.train_step(model, optimizer, **inputs[step]) for step in range(runs.STEPS)]
-    return runs.copied(losses, module.export_params(model), module.training_state(model, optimizer))
+    optimizer = module.optimizer(model, TRAINING)
+    inputs = batches("tiny")
+    losses = [module.train_step(model, optimizer, **inputs[step]) for step in range(STEPS)]
+    return copied(losses, module.export_params(model), module.training_state(model, optimizer))
 
 
 @pytest.mark.slow
@@ -522,13 +519,11 @@ def test_ten_steps(port, precision):
     gradient of 2e-5 whose sign a port computes otherwise: Adam's first update is lrate(1) times its sign, so the
     entry moves 2 lrate(1) apart, 11 times the reference's own error there), which only a bound carried through
     Adam's normalisation (``tolerance.TrainingBound``'s, for float16's gradient bound) would hold: not written yet."""
-    import test_training as runs
-
     low = LOW[precision]
-    ref64, same, run = runs.reference_run("tiny"), training_run("numpy", precision), training_run(port, precision)
+    ref64, same, run = training_run("numpy", "float64"), training_run("numpy", precision), training_run(port, precision)
     for step, (value, v_same, v64) in enumerate(zip(run.losses, same.losses, ref64.losses), 1):
         assert tolerance.agreement(np.float32(value), v64, v_same, low).ok, f"loss at step {step}"
-    assert run.state.step == same.state.step == runs.STEPS
+    assert run.state.step == same.state.step == STEPS
     assert run.state.loss_scale == same.state.loss_scale and (same.state.loss_scale is None) == (low == "bfloat16")
     if low == "bfloat16":
         assert_updates_agree(run, same, ref64, low, port)
@@ -537,9 +532,7 @@ def test_ten_steps(port, precision):
 def assert_updates_agree(run, same, ref64, low: str, port: str) -> None:
     """Each tensor's update (weights after minus before) and Adam's moments of ``run`` within the low-precision rule
     of the float64 run ``ref64``, the reference's run in the recipe ``same`` the yardstick."""
-    import test_training as runs
-
-    for tensor, before in cases.seeded_params(runs.config_of("tiny")).items():
+    for tensor, before in cases.seeded_params(config_of("tiny")).items():
         start32 = before.astype(np.float32).astype(np.float64)
         update = lambda r, start: np.asarray(r.params[tensor], dtype=np.float64) - start   # noqa: E731
         result = tolerance.agreement(update(run, start32).astype(np.float32), update(ref64, before),
@@ -575,8 +568,8 @@ def test_train_dtype_mixed_float16(capsys, tmp_path):
                  "--threads", "1", "--json"]
     status, text, err = cli(capsys, "train", "--steps", "2", "--out", out, *arguments)
     assert status == 0, err
-    for backend in ("numpy", "torch"):
-        path = out.format(backend=backend)
+    for name in ("numpy", "torch"):
+        path = out.format(backend=name)
         _, params = load_checkpoint(path)
         state = load_training_state(path)
         assert {value.dtype for value in params.values()} == {np.dtype(np.float32)}

@@ -15,10 +15,10 @@ import json
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS, adam_moment_memory
+from support import FRAMEWORKS, STEPS, TRAINING, adam_moment_memory, backend, batches, config_of, copied
 
 from equivalence import tolerance
-from equivalence.cases import VARIANTS, seeded_params, training_inputs
+from equivalence.cases import seeded_params
 from equivalence.training_runs import Run, assert_float64_run
 from equivalence.training_runs import reference_run as reference_float64_run
 from reference_numpy import precision
@@ -28,27 +28,8 @@ from reference_numpy.precision import round_to
 from reference_numpy.training import LossScale, learning_rate
 from transformer_cli.backends import numpy as reference
 
-STEPS = 10
-# The paper's schedule and Adam (section 5.3); with warmup_steps = 4000 the first steps' learning rates are small
-# (about 7e-6 for d_model = 16), so that the weights' drift between backends stays second order (TrainingBound).
-TRAINING = TrainingConfig()
 TRAINING_VARIANTS = ("tiny", "shared_embeddings")        # separate and tied embeddings (one pair of moments)
 BACKENDS = ("numpy", *FRAMEWORKS)
-
-
-def backend(name: str):
-    if name != "numpy":
-        pytest.importorskip(FRAMEWORKS[name], reason=f"{FRAMEWORKS[name]} is not installed (pip install '.[{name}]')")
-    return importlib.import_module(f"transformer_cli.backends.{name}")
-
-
-def config_of(variant: str):
-    return VARIANTS[variant].replace(dropout=0.0)
-
-
-def batches(variant: str) -> list[dict[str, np.ndarray]]:
-    """A different ragged batch for every step."""
-    return [training_inputs(config_of(variant), seed=step) for step in range(STEPS)]
 
 
 def run(name: str, variant: str, dtype: str, steps=range(STEPS), state: TrainingState | None = None,
@@ -72,13 +53,6 @@ def stages(name: str, variant: str, dtype: str, steps: range, stops: tuple[int, 
         if step + 1 in stops:
             kept.append(copied(losses, module.export_params(model), module.training_state(model, optimizer)))
     return tuple(kept)
-
-
-def copied(losses: list[float], params: dict[str, np.ndarray], state: TrainingState) -> Run:
-    """A run's record that the steps after it leave as it is (a port may export views of its live tensors)."""
-    owned = lambda tensors: {tensor: np.array(value) for tensor, value in tensors.items()}
-    return Run(list(losses), owned(params), state._replace(first_moments=owned(state.first_moments),
-                                                           second_moments=owned(state.second_moments)))
 
 
 @functools.cache
