@@ -7,7 +7,7 @@ README's command and CI run every test; the file only decides what the inner loo
 
     python scripts/slow_tests.py                       # run the suite with --durations=0, then write the file
     python scripts/slow_tests.py --from run.txt        # read the durations of a saved run (pytest --durations=0)
-    python scripts/slow_tests.py --threshold 1.0       # a smaller inner loop
+    python scripts/slow_tests.py --threshold 0.3       # a smaller inner loop
 
 A test's time depends on what ran before it in its process (a module's shared set-up is paid by its first test):
 after writing the file, time ``pytest -m "not slow"`` and write it again from a run of the whole suite if a test
@@ -59,7 +59,7 @@ def run_suite() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="report", type=Path, help="a saved pytest --durations=0 report")
-    parser.add_argument("--threshold", type=float, default=2.0, help="seconds (default 2.0)")
+    parser.add_argument("--threshold", type=float, default=0.7, help="seconds (default 0.7)")
     args = parser.parse_args(argv)
     if args.threshold <= 0:
         parser.error("--threshold must be > 0")
