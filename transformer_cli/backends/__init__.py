@@ -8,10 +8,14 @@ imports none.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, TypeVar
 
 from transformer_cli import runtime
 
@@ -23,6 +27,19 @@ BACKENDS = {
     "tf": ("transformer_cli.backends.tf", ("tensorflow", "keras"), "tf"),
 }
 PORTS = tuple(name for name in BACKENDS if name != "numpy")
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def in_recipe(recipe: Callable[[Any], contextlib.AbstractContextManager]) -> Callable[[Function], Function]:
+    """A decorator running ``function(model, ...)`` inside ``recipe(model)``: an adapter's precision block (the
+    autocast of a model built in a mixed precision, nothing for any other)."""
+    def decorate(function: Function) -> Function:
+        @functools.wraps(function)
+        def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+            with recipe(model):
+                return function(model, *args, **kwargs)
+        return call  # type: ignore[return-value]
+    return decorate
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,7 @@ it against central finite differences of the loss (:mod:`equivalence.finite_diff
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,12 +24,12 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from reference_numpy.precision import autocast, check_autocast_training, parse_precision, round_to
+from transformer_cli.backends import in_recipe
 
 NAME = "numpy"
 # the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
 # adapter on it runs under reference_numpy.precision.autocast, as the PyTorch adapter's under torch.autocast
 _AUTOCAST: weakref.WeakKeyDictionary[Transformer, np.dtype] = weakref.WeakKeyDictionary()
-Function = TypeVar("Function", bound=Callable[..., Any])
 
 
 def _recipe(model: Transformer) -> contextlib.AbstractContextManager:
@@ -41,13 +38,7 @@ def _recipe(model: Transformer) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if mixed is None else autocast(mixed)
 
 
-def _in_recipe(function: Function) -> Function:
-    """``function(model, ...)`` run in the model's :func:`_recipe`."""
-    @functools.wraps(function)
-    def call(model: Transformer, *args: Any, **kwargs: Any) -> Any:
-        with _recipe(model):
-            return function(model, *args, **kwargs)
-    return call  # type: ignore[return-value]
+_in_recipe = in_recipe(_recipe)
 
 
 def devices() -> list[str]:

@@ -15,10 +15,7 @@ float32 model in mixed precision (``transformer_torch.training.optimizer``; :fun
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +34,7 @@ from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
+from transformer_cli.backends import in_recipe
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
@@ -53,7 +51,6 @@ NAME = "torch"
 # the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
 # adapter on it runs under torch.autocast(device_type, dtype), the framework's own switch
 _AUTOCAST: weakref.WeakKeyDictionary[Transformer, torch.dtype] = weakref.WeakKeyDictionary()
-Function = TypeVar("Function", bound=Callable[..., Any])
 
 
 def _recipe(model: Transformer) -> contextlib.AbstractContextManager:
@@ -62,13 +59,7 @@ def _recipe(model: Transformer) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if mixed is None else torch.autocast(model.device.type, dtype=mixed)
 
 
-def _in_recipe(function: Function) -> Function:
-    """``function(model, ...)`` run in the model's :func:`_recipe`."""
-    @functools.wraps(function)
-    def call(model: Transformer, *args: Any, **kwargs: Any) -> Any:
-        with _recipe(model):
-            return function(model, *args, **kwargs)
-    return call  # type: ignore[return-value]
+_in_recipe = in_recipe(_recipe)
 
 
 def devices() -> list[str]:
