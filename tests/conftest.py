@@ -135,11 +135,12 @@ SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``slow`` the tests ``slow_tests.txt`` names (each took seconds in a run of the whole suite:
-    ``scripts/slow_tests.py``), beside those marked in their code, so that ``-m "not slow"`` is a quick inner loop."""
+    """Mark ``slow`` the tests ``slow_tests.txt`` names, and every test of a module it names (each took seconds in a
+    run: ``scripts/slow_tests.py``), beside those marked in their code, so that ``-m "not slow"`` is a quick inner
+    loop."""
     slow = {line for line in SLOW_TESTS.read_text().splitlines() if line and not line.startswith("#")}
     for item in items:
-        if item.nodeid in slow:
+        if item.nodeid in slow or item.nodeid.split("::")[0] in slow:
             item.add_marker(pytest.mark.slow)
 
 

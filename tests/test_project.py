@@ -246,7 +246,8 @@ def test_each_kernel_family_caps_what_the_frameworks_select():
 
 def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_path):
     """scripts/slow_tests.py sums each test's set-up, call and teardown in pytest's --durations report (ids with
-    spaces included) and lists those at or over the threshold; the list it keeps has only test ids."""
+    spaces included) and lists those at or over the threshold, over several reports; a module with a long set-up
+    leaves whole; the list it keeps has only test ids and module paths."""
     spec = importlib.util.spec_from_file_location("slow_tests", ROOT / "scripts" / "slow_tests.py")
     slow_tests = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(slow_tests)
@@ -258,5 +259,9 @@ def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_p
     seconds = slow_tests.durations(report)
     assert seconds == pytest.approx({"tests/test_a.py::test_x[a b]": 2.1, "tests/test_b.py::test_y": 1.99})
     assert slow_tests.slow_tests(seconds, 2.0) == ["tests/test_a.py::test_x[a b]"]
+    inner = "12.00s setup    tests/test_c.py::test_z\n0.10s call     tests/test_c.py::test_w\n"
+    entries, longest = slow_tests.slow_entries([report, inner], 1.6, 10.0)
+    assert entries == ["tests/test_c.py", "tests/test_a.py::test_x[a b]", "tests/test_b.py::test_y"]
+    assert longest["tests/test_c.py::test_z"] == 12.0
     listed = [line for line in slow_tests.SLOW_TESTS.read_text().splitlines() if not line.startswith("#")]
-    assert listed and all(re.fullmatch(r"tests/test_\w+\.py::test_\w+(\[.*\])?", line) for line in listed)
+    assert listed and all(re.fullmatch(r"tests/test_\w+\.py(::test_\w+(\[.*\])?)?", line) for line in listed)
