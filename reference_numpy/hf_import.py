@@ -22,9 +22,10 @@ line naming the field (or tensor).
 Special ids: the project's config holds three different ids pad, bos, eos, bos being the token decoding starts
 with. Marian starts decoding with its pad token (``decoder_start_token_id == pad_token_id``), which the config
 cannot hold as bos: the import keeps pad and eos and takes as ``bos_id`` the lowest id that is neither (Marian's
-``<unk>``, 1, in opus-mt's vocabularies); M2M100/NLLB's ``bos_token_id`` (0) is kept. The forward pass does not
-read bos; decoding as the families do (Marian from pad, M2M100 from eos and a forced language token) is a decoding
-convention the reference does not define yet (issue 40).
+``<unk>``, 1, in opus-mt's vocabularies) -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
+project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept. The
+forward pass does not read bos; decoding as the families do (Marian from pad, M2M100 from eos and a forced language
+token) is a decoding convention the reference does not define yet (issue 40).
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         share_sides, tgt_vocab = True, vocab
     share = share_sides and bool(hf.get("tie_word_embeddings", True))
     pad, eos = _field(hf, "pad_token_id"), _field(hf, "eos_token_id")
-    bos = hf.get("bos_token_id")
-    if family == "marian" or not isinstance(bos, int) or bos in (pad, eos):
+    bos = hf.get("decoder_start_token_id" if family == "marian" else "bos_token_id")
+    if not isinstance(bos, int) or isinstance(bos, bool) or bos in (pad, eos):
         bos = min(set(range(3)) - {pad, eos})               # see the module docstring
     dropout = hf.get("dropout", 0.1)
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
