@@ -196,9 +196,9 @@ def hf_tokenizer(tokenizer: str, config: TransformerConfig) -> tuple[str, dict[s
 
 
 def save_hf(config: TransformerConfig, params: dict[str, np.ndarray], directory: str | Path,
-            tokenizer: str | None = None) -> list[str]:
-    """Write the Hugging Face model directory (module docstring) into the existing ``directory``; returns the
-    names of the files written."""
+            tokenizer: str | None = None) -> None:
+    """Write the Hugging Face model directory (module docstring) into the existing ``directory``; the tokenizer's
+    files only if ``tokenizer`` (the checkpoint's JSON text) is given."""
     from safetensors.numpy import save_file
 
     root = Path(directory)
@@ -210,4 +210,3 @@ def save_hf(config: TransformerConfig, params: dict[str, np.ndarray], directory:
     for name, content in files.items():
         (root / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
     save_file(weights, root / SAFETENSORS_FILE, metadata={"format": "pt"})
-    return sorted([*files, SAFETENSORS_FILE, *([TOKENIZER_FILE] if tokenizer is not None else [])])

@@ -27,8 +27,7 @@ capacity and its functions' names, inputs and outputs, :data:`STEP`) and, if the
 * ``ctranslate2``: :mod:`.ctranslate2_export` (a CTranslate2 model directory, its vocabulary the tokenizer's
   pieces);
 * ``hf``: :mod:`reference_numpy.hf_export` (a Hugging Face Marian or M2M100 model directory, and the tokenizer,
-  for transformers' ``AutoModelForSeq2SeqLM`` and ``AutoTokenizer``; an existing empty OUTPUT_DIR is written
-  into, as ``save_pretrained`` does).
+  for transformers' ``AutoModelForSeq2SeqLM`` and ``AutoTokenizer``).
 
 The traced forward passes read no tensor on the host, so an artefact does not check that ids are below the
 vocabulary size (the ports' public calls do, before their compiled code): a serving process must pass ids of
@@ -123,16 +122,14 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
 def export_hf(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write ``checkpoint`` (a file or a shipped model's name) as a Hugging Face model directory ``output_dir``
     (:func:`reference_numpy.hf_export.save_hf`; its tokenizer too if it holds one): refused over the checkpoint,
-    and over an existing ``output_dir`` that is not empty unless ``force``."""
+    and over an existing ``output_dir`` unless ``force``."""
     path = resolve_checkpoint(checkpoint)
     refuse_input(os.fspath(output_dir), [os.fspath(path)], "OUTPUT_DIR")
-    replace = force or (Path(output_dir).is_dir() and not Path(output_dir).is_symlink()
-                        and not any(Path(output_dir).iterdir()))
-    check_output(output_dir, replace)
+    check_output(output_dir, force)
     config, params = load_checkpoint(path)
     family_of(config)                                                   # refused before anything is written
     tokenizer = load_tokenizer_json(path)
-    return write_into_place(output_dir, replace, lambda directory: save_hf(config, params, directory, tokenizer))
+    return write_into_place(output_dir, force, lambda directory: save_hf(config, params, directory, tokenizer))
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
