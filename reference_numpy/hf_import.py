@@ -22,9 +22,10 @@ line naming the field (or tensor).
 Special ids: the project's config holds three different ids pad, bos, eos, bos being the token decoding starts
 with. Marian starts decoding with its pad token (``decoder_start_token_id == pad_token_id``), which the config
 cannot hold as bos: the import keeps pad and eos and takes as ``bos_id`` the lowest id that is neither (Marian's
-``<unk>``, 1, in opus-mt's vocabularies); M2M100/NLLB's ``bos_token_id`` (0) is kept. The forward pass does not
-read bos; decoding as the families do (Marian from pad, M2M100 from eos and a forced language token) is a decoding
-convention the reference does not define yet (issue 40).
+``<unk>``, 1, in opus-mt's vocabularies) -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
+project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept. The
+forward pass does not read bos; decoding as the families do (Marian from pad, M2M100 from eos and a forced language
+token) is a decoding convention the reference does not define yet (issue 40).
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         share_sides, tgt_vocab = True, vocab
     share = share_sides and bool(hf.get("tie_word_embeddings", True))
     pad, eos = _field(hf, "pad_token_id"), _field(hf, "eos_token_id")
-    bos = hf.get("bos_token_id")
-    if family == "marian" or not isinstance(bos, int) or bos in (pad, eos):
+    bos = hf.get("decoder_start_token_id" if family == "marian" else "bos_token_id")
+    if not isinstance(bos, int) or isinstance(bos, bool) or bos in (pad, eos):
         bos = min(set(range(3)) - {pad, eos})               # see the module docstring
     dropout = hf.get("dropout", 0.1)
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
@@ -125,10 +126,11 @@ def _field(hf: dict[str, Any], name: str) -> int:
     return value
 
 
-def weight_table(config: TransformerConfig, family: str) -> dict[str, tuple[str, ...]]:
+def weight_table(config: TransformerConfig, family: str, tie_output: bool = True) -> dict[str, tuple[str, ...]]:
     """Checkpoint tensor name -> the Hugging Face state-dict names that may hold it, the first present wins (a file
     saved with tied weights holds the shared matrix once, older files every copy). With ``share_embeddings`` false
-    the target embedding and the projection may be one tied matrix in the file: both are read from it."""
+    the target embedding and the projection may be one tied matrix in the file (``tie_output``, the config's
+    ``tie_word_embeddings``): both are read from it; else the projection is ``lm_head`` alone."""
     table: dict[str, tuple[str, ...]] = {}
     if config.share_embeddings:
         table["shared_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight",
@@ -136,7 +138,8 @@ def weight_table(config: TransformerConfig, family: str) -> dict[str, tuple[str,
     else:
         table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")
         table["tgt_embed.weight"] = ("model.decoder.embed_tokens.weight", "model.shared.weight")
-        table["generator.weight"] = ("lm_head.weight", "model.decoder.embed_tokens.weight", "model.shared.weight")
+        table["generator.weight"] = (("lm_head.weight", "model.decoder.embed_tokens.weight", "model.shared.weight")
+                                     if tie_output else ("lm_head.weight",))
     if config.output_bias:
         table["generator.bias"] = ("final_logits_bias",)
     for stack, layers in (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers)):
@@ -175,12 +178,14 @@ def transposed(config: TransformerConfig) -> frozenset[str]:
 IGNORED_SUFFIXES = ("embed_positions.weight", "embed_positions.weights", "embed_positions._float_tensor")
 
 
-def convert(config: TransformerConfig, family: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def convert(config: TransformerConfig, family: str, weights: dict[str, np.ndarray], tie_output: bool = True,
+            ) -> dict[str, np.ndarray]:
     """The checkpoint's tensors from a Hugging Face state dict (``weights``: name -> array), through
-    :func:`weight_table` and :func:`transposed`, each shape asserted; a tensor of the file that the table does not
-    read (other than a tied copy equal to the one read, or a sinusoid table) is refused, naming it."""
+    :func:`weight_table` (``tie_output``: the config's ``tie_word_embeddings``) and :func:`transposed`, each shape
+    asserted; a tensor of the file that the table does not read (other than a tied copy equal to the one read, or a
+    sinusoid table) is refused, naming it."""
     shapes, flip, params, read = parameter_shapes(config), transposed(config), {}, set()
-    for ours, candidates in weight_table(config, family).items():
+    for ours, candidates in weight_table(config, family, tie_output).items():
         present = [name for name in candidates if name in weights]
         if not present:
             raise ValueError(f"the weights lack {candidates[0]!r} (the checkpoint's {ours!r})")
@@ -302,7 +307,7 @@ def load_hf(directory: str | os.PathLike, dtype: Any = None) -> tuple[Transforme
     config = config_from_hf(hf)
     weights = read_weights(directory)
     floats = {np.dtype(value.dtype) for value in weights.values() if np.issubdtype(value.dtype, np.floating)}
-    params = convert(config, hf["model_type"], weights)
+    params = convert(config, hf["model_type"], weights, tie_output=hf.get("tie_word_embeddings", True) is True)
     target = np.dtype(dtype) if dtype is not None else (np.dtype(np.float64) if np.dtype(np.float64) in floats
                                                         else np.dtype(np.float32))
     return config, {name: value.astype(target, copy=False) for name, value in params.items()}

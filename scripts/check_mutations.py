@@ -661,6 +661,27 @@ DATA_PARALLEL = [
            "tokens = None", ["tests/test_data_parallel_tf.py"]),
 ]
 
+# The Hugging Face export (reference_numpy/hf_export.py): transformers itself loads and runs what it writes.
+HF_EXPORT_ORACLE = ["tests/test_hf_export.py", "-k", "float64"]
+HF_EXPORT = [
+    single("hf export", "hf export: the attention projections written (in, out), their transpose dropped",
+           "reference_numpy/hf_export.py", "np.ascontiguousarray(value.T if ours in flip else value)",
+           'np.ascontiguousarray(value.T if ours in flip and "_proj." not in ours else value)', HF_EXPORT_ORACLE),
+    single("hf export", "hf export: the paper's features permuted one place off (sigma rolled by one)",
+           "reference_numpy/hf_export.py",
+           "return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])",
+           "return np.roll(np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)]), 1)",
+           ["tests/test_hf_export.py", "-k", "paper"]),
+    single("hf export", "hf import and export: W_q and W_k swapped in the shared name table",
+           "reference_numpy/hf_import.py", '(("q_proj", "q_proj"), ("k_proj", "k_proj")',
+           '(("q_proj", "k_proj"), ("k_proj", "q_proj")', HF_EXPORT_ORACLE),
+    single("hf export", "hf export: generate starts from pad, not bos (decoder_start_token_id)",
+           "reference_numpy/hf_export.py", '"decoder_start_token_id": config.bos_id', '"decoder_start_token_id": config.pad_id',
+           ["tests/test_hf_export.py", "-k", "generate"]),
+    single("hf export", "hf export: the tokenizer appends no eos to the source", "reference_numpy/hf_export.py",
+           'single=f"$A {EOS}"', 'single="$A"', ["tests/test_hf_export.py", "-k", "autotokenizer"]),
+]
+
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
 BEAM_TABLE = [
     consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
@@ -766,7 +787,7 @@ PRECISION = [
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *TIES, *LOG_SOFTMAX, *TRAINING, *TEXT,
-             *DATA_PARALLEL, *PRECISION]
+             *DATA_PARALLEL, *HF_EXPORT, *PRECISION]
 
 
 # ----------------------------------------------------------------------------- running

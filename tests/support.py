@@ -1,7 +1,8 @@
 """What more than one test module uses, in one place (``from support import ...``; no test module imports another):
 the ports and devices of the agreement matrix, a command run in-process, a scripted stand-in for a Transformer,
 each framework's arrays and float64 context, a hand-set model whose logits are known, the ten training steps of
-tests/test_training.py, the shipped model on held-out sentences.
+tests/test_training.py, the shipped model on held-out sentences, transformers' Marian and M2M100 models beside the
+reference (tests/test_hf_import.py, tests/test_hf_export.py).
 Fixtures stay in ``conftest.py``."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from equivalence.training_runs import Run
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
+from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
 from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import main
 from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
@@ -183,3 +185,53 @@ def trained():
     src, references = NumbersTask(tokenizer).held_out(config, TRAINED_SENTENCES, "test", 0)
     inputs = teacher_forcing(tokenizer, [tokenizer.decode(row) for row in src], references)
     return config, params, tokenizer, {"src": inputs["src"], "tgt": inputs["tgt"]}
+
+
+# ----------------------------------------------------------------------------- transformers' Marian and M2M100
+
+def hf_log_probs(model, src, tgt, pad_id: int) -> np.ndarray:
+    """A transformers seq2seq model's log-probabilities of ``tgt`` (the decoder's input) given ``src``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(src != pad_id).long(),
+                       decoder_input_ids=torch.as_tensor(tgt)).logits
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def masks(config, src, tgt):
+    """transformers' masks as the reference takes them: the source's padding, the target's causal mask alone."""
+    causal = np.repeat(causal_mask(tgt.shape[1]).reshape(1, 1, tgt.shape[1], tgt.shape[1]), len(tgt), axis=0)
+    return (src != config.pad_id)[:, None, None, :], causal
+
+
+def position_tables(family: str, model):
+    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives."""
+    if family == "marian":
+        modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
+        return [(module, "weight", module.weight.detach().double().numpy()) for module in modules]
+    modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
+    return [(module, "weights", module.weights.detach().double().numpy()) for module in modules]
+
+
+def reference_table(family: str, config, rows: int) -> tuple[np.ndarray, slice]:
+    """The reference's float64 table laid out as transformers' table of ``rows`` rows, and the rows transformers
+    reads. Marian: row p is position p. Fairseq: transformers' row pad_id + k is the reference's row k (row pad_id
+    the zeros a pad token reads); its rows below pad_id are never read (positions start at pad_id)."""
+    if family == "marian":
+        return sinusoidal_positional_encoding(rows, config.d_model, layout="halves"), slice(0, rows)
+    table = sinusoidal_positional_encoding(rows - config.pad_id - 1, config.d_model, layout="fairseq",
+                                           pad_id=config.pad_id)
+    return np.concatenate([np.zeros((config.pad_id, config.d_model)), table]), slice(config.pad_id, rows)
+
+
+def exact_tables(family: str, model, config) -> None:
+    """Set transformers' sinusoid buffers to the reference's float64 table (checked above against transformers'
+    own within its float32 rounding in tests/test_hf_import.py), so that the rest of a comparison is float64
+    arithmetic alone."""
+    import torch
+
+    for module, attribute, table in position_tables(family, model):
+        exact, read = reference_table(family, config, len(table))
+        exact[:read.start] = table[:read.start]                    # rows never read: transformers' own
+        getattr(module, attribute).data = torch.as_tensor(exact, dtype=torch.float64)

@@ -20,12 +20,12 @@ import shutil
 
 import numpy as np
 import pytest
+from support import exact_tables, hf_log_probs, masks, position_tables, reference_table
 
 from equivalence import tolerance
 from reference_numpy import Transformer
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.hf_import import config_from_hf, import_hf, load_hf, read_weights, transposed, weight_table
-from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
 from transformer_cli import backends
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
 
@@ -86,39 +86,6 @@ def inputs(config, seed: int = 1):
     return src, tgt
 
 
-def hf_log_probs(model, src, tgt, pad_id: int) -> np.ndarray:
-    with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(src != pad_id).long(),
-                       decoder_input_ids=torch.as_tensor(tgt)).logits
-    return torch.log_softmax(logits, dim=-1).numpy()
-
-
-def masks(config, src, tgt):
-    """transformers' masks as the reference takes them: the source's padding, the target's causal mask alone."""
-    causal = np.repeat(causal_mask(tgt.shape[1]).reshape(1, 1, tgt.shape[1], tgt.shape[1]), len(tgt), axis=0)
-    return (src != config.pad_id)[:, None, None, :], causal
-
-
-def position_tables(family: str, model):
-    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives."""
-    if family == "marian":
-        modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
-        return [(module, "weight", module.weight.detach().double().numpy()) for module in modules]
-    modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
-    return [(module, "weights", module.weights.detach().double().numpy()) for module in modules]
-
-
-def reference_table(family: str, config, rows: int) -> tuple[np.ndarray, slice]:
-    """The reference's float64 table laid out as transformers' table of ``rows`` rows, and the rows transformers
-    reads. Marian: row p is position p. Fairseq: transformers' row pad_id + k is the reference's row k (row pad_id
-    the zeros a pad token reads); its rows below pad_id are never read (positions start at pad_id)."""
-    if family == "marian":
-        return sinusoidal_positional_encoding(rows, config.d_model, layout="halves"), slice(0, rows)
-    table = sinusoidal_positional_encoding(rows - config.pad_id - 1, config.d_model, layout="fairseq",
-                                           pad_id=config.pad_id)
-    return np.concatenate([np.zeros((config.pad_id, config.d_model)), table]), slice(config.pad_id, rows)
-
-
 def float32_table_bound(family: str, config, exact: np.ndarray) -> np.ndarray:
     """How far transformers' float32 sinusoid may be from the exact one (``exact``, transformers' layout), element
     by element. Marian: the float64 value rounded once to float32, half a float32 unit (2^-24 relative), plus the
@@ -147,15 +114,6 @@ def test_transformers_sinusoid_tables_are_the_references_in_float32(saved):
         error, bound = np.abs(table - exact)[read], float32_table_bound(family, config, exact)[read]
         assert np.all(error <= bound), np.max(error / bound)
         assert np.max(error) > 0, "transformers' table is float32: a float64 one would be exact"
-
-
-def exact_tables(family: str, model, config) -> None:
-    """Set transformers' sinusoid buffers to the reference's float64 table (checked above against transformers'
-    own within its float32 rounding), so that the rest of the comparison is float64 arithmetic alone."""
-    for module, attribute, table in position_tables(family, model):
-        exact, read = reference_table(family, config, len(table))
-        exact[:read.start] = table[:read.start]                    # rows never read: transformers' own
-        getattr(module, attribute).data = torch.as_tensor(exact, dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
     transformer-reference bench [--preset base] [--peers] [--compiled] [--json] [--plot FILE.png]
-    transformer-reference export --to ctranslate2|savedmodel|jax-export|torch-export|onnx CKPT OUT [--force] [--check]
+    transformer-reference export --to ctranslate2|hf|savedmodel|jax-export|torch-export|onnx CKPT OUT [--force]
+                                 [--check]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
                                          [--out attention.png]
@@ -306,12 +307,14 @@ def add_export(commands: Commands) -> None:
     from transformer_cli.commands.export import TARGETS
 
     export = subcommand(commands, "export", "write a shared checkpoint as an artefact a runtime loads without this "
-                                            "project: CTranslate2, a SavedModel, jax.export, torch.export, ONNX")
+                                            "project: CTranslate2, Hugging Face transformers, a SavedModel, "
+                                            "jax.export, torch.export, ONNX")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a shared safetensors checkpoint, or a shipped "
                                                                  "model's name")
     export.add_argument("output_dir", metavar="OUTPUT_DIR", help="the directory to write")
     export.add_argument("--to", required=True, choices=list(TARGETS),
-                        help="ctranslate2 (the 'peers' extra), savedmodel (tf), jax-export (jax), torch-export "
+                        help="ctranslate2 (the 'peers' extra), hf (a transformers Marian or M2M100 model "
+                             "directory, docs/huggingface.md), savedmodel (tf), jax-export (jax), torch-export "
                              "(torch), onnx (export): a float32 artefact of the forward pass, and CTranslate2's "
                              "decoder (docs/deploy.md)")
     export.add_argument("--check", action="store_true",

@@ -25,7 +25,9 @@ capacity and its functions' names, inputs and outputs, :data:`STEP`) and, if the
   ``model.onnx``, inputs ``src``, ``tgt`` (int64), output ``log_probs``, and ``encode.onnx``, ``step.onnx``
   (:data:`STEP`'s input and output names); run by onnxruntime;
 * ``ctranslate2``: :mod:`.ctranslate2_export` (a CTranslate2 model directory, its vocabulary the tokenizer's
-  pieces).
+  pieces);
+* ``hf``: :mod:`reference_numpy.hf_export` (a Hugging Face Marian or M2M100 model directory, and the tokenizer,
+  for transformers' ``AutoModelForSeq2SeqLM`` and ``AutoTokenizer``).
 
 The traced forward passes read no tensor on the host, so an artefact does not check that ids are below the
 vocabulary size (the ports' public calls do, before their compiled code): a serving process must pass ids of
@@ -51,6 +53,7 @@ import numpy as np
 from reference_numpy import records
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
+from reference_numpy.hf_export import family_of, save_hf
 from transformer_cli import runtime
 from transformer_cli.arguments import refuse_input
 from transformer_cli.commands.ctranslate2_export import (
@@ -91,6 +94,8 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "ctranslate2":
         return export_ctranslate2(checkpoint, output_dir, force)
+    if target == "hf":
+        return export_hf(checkpoint, output_dir, force)
     path = resolve_checkpoint(checkpoint)
     refuse_input(os.fspath(output_dir), [os.fspath(path)], "OUTPUT_DIR")
     check_output(output_dir, force)
@@ -112,6 +117,19 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
             (directory / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
 
     return write_into_place(output_dir, force, write)
+
+
+def export_hf(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
+    """Write ``checkpoint`` (a file or a shipped model's name) as a Hugging Face model directory ``output_dir``
+    (:func:`reference_numpy.hf_export.save_hf`; its tokenizer too if it holds one): refused over the checkpoint,
+    and over an existing ``output_dir`` unless ``force``."""
+    path = resolve_checkpoint(checkpoint)
+    refuse_input(os.fspath(output_dir), [os.fspath(path)], "OUTPUT_DIR")
+    check_output(output_dir, force)
+    config, params = load_checkpoint(path)
+    family_of(config)                                                   # refused before anything is written
+    tokenizer = load_tokenizer_json(path)
+    return write_into_place(output_dir, force, lambda directory: save_hf(config, params, directory, tokenizer))
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -430,6 +448,11 @@ def describe(target: str, output: Path) -> str:
     if target == "ctranslate2":
         vocabulary = "the checkpoint's BPE vocabulary" if (output / TOKENIZER_FILE).exists() else "<N> token names"
         return f"a float32 CTranslate2 model with {vocabulary} (ctranslate2.Translator)"
+    if target == "hf":
+        family = json.loads((output / "config.json").read_text(encoding="utf-8"))["model_type"]
+        tokenizer = ("and its tokenizer (AutoTokenizer)" if (output / TOKENIZER_FILE).exists()
+                     else "without a tokenizer (the checkpoint holds none)")
+        return f"a Hugging Face {family} model (AutoModelForSeq2SeqLM.from_pretrained) {tokenizer}"
     return DESCRIPTIONS[target]
 
 
@@ -443,4 +466,4 @@ DESCRIPTIONS = {"savedmodel": "a float32 TensorFlow SavedModel of the forward pa
                         "(onnxruntime.InferenceSession(OUTPUT_DIR/model.onnx), encode.onnx, step.onnx)"}
 WRITERS = {"savedmodel": write_savedmodel, "jax-export": write_jax_export, "torch-export": write_torch_export,
            "onnx": write_onnx}
-TARGETS = ("ctranslate2", *WRITERS)
+TARGETS = ("ctranslate2", "hf", *WRITERS)
