@@ -3,8 +3,11 @@ roundings it decides) and a summary of the measured error/bound ratios printed a
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
+import shutil
+import tempfile
 
 # One OpenBLAS kernel on every x86-64 machine, set before NumPy loads OpenBLAS (here, or in any process a test
 # starts): OpenBLAS picks its kernels by CPU (DYNAMIC_ARCH: AVX-512 "SkylakeX" on some hosts, "Haswell" on others),
@@ -12,6 +15,15 @@ import platform
 # the float32 reference's own error (the bound of the float32 policy) depend on. A user's value is kept.
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
+
+# One JAX persistent compilation cache for the run, set before any process imports JAX: the test processes (xdist's
+# workers inherit it from the controller, which removes it at exit) and every process a test starts (CLI runs, the
+# documents' examples, data-parallel workers) read back a program compiled before -- in another process, or in this
+# one before a module's caches were dropped -- instead of compiling it again: the same executable, XLA's key covering
+# the program, its compile options and XLA_FLAGS. A user's own directory is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import functools
 import gc

@@ -40,14 +40,14 @@ def python_blocks(path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reader_environment(tmp_path_factory) -> dict[str, str]:
+def reader_environment() -> dict[str, str]:
     """The examples' environment (a value the user set is kept): the repository on the path; one OpenMP thread
     (PyTorch's intra-op threads, OpenBLAS's), since the examples' ``tiny`` models gain nothing from a second thread,
     which only spins on a CPU shared with another test process (beside one busy process, torch.md took 22 s of CPU
-    on two threads, 13 s on one); one JAX persistent compilation cache for the documents of this run, so that a
+    on two threads, 13 s on one); and the run's JAX persistent compilation cache (tests/conftest.py), so that a
     program compiled again is read back (jax.md resumes training on a loaded model: the same training step under
     another NNX GraphDef, which nnx.jit traces again)."""
-    settings = {"OMP_NUM_THREADS": "1", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache"))}
+    settings = {"OMP_NUM_THREADS": "1"}
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**settings, **os.environ, "PYTHONPATH": path}
 
