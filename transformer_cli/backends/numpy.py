@@ -142,8 +142,8 @@ def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens,
     """The label-smoothed cross-entropy of section 5.4 (the reference computes inference: no dropout)."""
     return float(training.loss(model, src, tgt, labels, epsilon))
 
-@_in_recipe
 
+@_in_recipe
 def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = training.LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the loss of section 5.4 and its gradient for every checkpoint tensor, in checkpoint
@@ -151,8 +151,8 @@ def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsi
     value, grads = training.gradients(model, src, tgt, labels, epsilon)
     return float(value), grads
 
-@_in_recipe
 
+@_in_recipe
 def optimizer(model: Transformer, config: TrainingConfig | None = None,
               state: checkpoint.TrainingState | None = None,
               dtype: str | None = None) -> training.Optimizer:
@@ -166,8 +166,8 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer; None for any other."""
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.value)
 
-@_in_recipe
 
+@_in_recipe
 def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = training.LABEL_SMOOTHING) -> float:
     """One training step (the reference has no dropout): the loss before the update."""

@@ -187,16 +187,16 @@ def loss(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: 
     """The label-smoothed cross-entropy of section 5.4 with dropout off (eval mode)."""
     return training.loss(model.eval(), src, tgt, labels, epsilon).item()    # arrays checked and placed by the port
 
-@_in_recipe
 
+@_in_recipe
 def gradients(model: Transformer, src: Tokens, tgt: Tokens, labels: Tokens, epsilon: float = LABEL_SMOOTHING
               ) -> tuple[float, dict[str, np.ndarray]]:
     """``(loss, grads)``: the label-smoothed cross-entropy (section 5.4, dropout off) and its
     gradient for every checkpoint tensor, in checkpoint layout (a bfloat16 or float16 model's: P arrays)."""
     return training.gradients(model, src, tgt, labels, epsilon)
 
-@_in_recipe
 
+@_in_recipe
 def optimizer(model: Transformer, config: TrainingConfig | None = None, state: TrainingState | None = None,
               dtype: str | None = None) -> training.Optimizer:
     """``torch.optim.Adam`` with its ``LambdaLR`` schedule of section 5.3 (``transformer_torch.training.optimizer``,
@@ -209,8 +209,8 @@ def loss_scale(optimizer: training.Optimizer) -> float | None:
     """The current loss scale of a float16 mixed-precision optimizer (its ``GradScaler``'s); None for any other."""
     return None if optimizer.loss_scale is None else float(optimizer.loss_scale.get_scale())
 
-@_in_recipe
 
+@_in_recipe
 def train_step(model: Transformer, optimizer: training.Optimizer, src: Tokens, tgt: Tokens, labels: Tokens,
                epsilon: float = LABEL_SMOOTHING) -> float:
     """One training step (dropout as the model's config says): the loss before the update."""
