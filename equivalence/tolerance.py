@@ -226,9 +226,12 @@ class TrainingBound:
 
     Each step's gradient may differ from the reference's by ``delta_s = GRADIENT_RELATIVE x max|g_s|`` (the gradient
     policy); let ``delta`` be the largest so far. Adam's m_hat is a weighted mean of past gradients (weights summing
-    to 1) and sqrt(v_hat) a weighted root-mean-square, so each moves by at most ``delta``; to first order the update
-    u = m_hat / (sqrt(v_hat) + eps) moves by at most ``delta / r + |m_hat| delta / r^2`` (r = sqrt(v_hat) + eps), and
-    a weight by the sum over steps of lrate(t) times that. The moments: ``|dm| <= delta``,
+    to 1) and s = sqrt(v_hat) a weighted root-mean-square (a weighted L2 norm), so each moves by at most ``delta``.
+    The update u = m_hat / (s + eps) then moves by at most ``delta / (s' + eps) + |m_hat| delta / ((s + eps)(s' +
+    eps))`` with s' = max(s - delta, 0) (u' - u = (m' - m) / (s' + eps) + m (s - s') / ((s + eps)(s' + eps))), and by
+    no more than ``|u| + adam_ratio_limit(t)``, the largest |u'| any gradients give (:func:`adam_ratio_limit`): a
+    gradient below its bound may take either sign, which at Adam's first step moves the update from +1 to -1. A
+    weight moves by the sum over steps of lrate(t) times that. The moments: ``|dm| <= delta``,
     ``|dv| <= 2 max|g| delta + delta^2`` (max over past steps, per entry). The loss at a step moves by
     ``sum |g| |dw|`` through the weights it is computed at. Each bound adds the float64 policy's rounding floor at the
     compared quantity's scale. (The gradient's own change through the weights' small drift is second order: the
@@ -249,12 +252,15 @@ class TrainingBound:
         :func:`gradient_bound`."""
         self.losses.append(float64_bound(value) + sum(float(np.sum(np.abs(grads[name]) * self.weights[name]))
                                                       for name in grads))
-        self.delta = max(self.delta, gradient_bound(grads, grads, sensitivity))
+        delta = self.delta = max(self.delta, gradient_bound(grads, grads, sensitivity))
+        limit = adam_ratio_limit(step, beta1, beta2)
         for name, grad in grads.items():
             self.largest_gradient[name] = np.maximum(self.largest_gradient[name], np.abs(grad))
-            m_hat = first_moments[name] / (1.0 - beta1 ** step)
-            root = np.sqrt(second_moments[name] / (1.0 - beta2 ** step)) + epsilon
-            self.weights[name] = self.weights[name] + lrate * self.delta * (1.0 / root + np.abs(m_hat) / root ** 2)
+            m_hat = np.abs(first_moments[name]) / (1.0 - beta1 ** step)
+            root = np.sqrt(second_moments[name] / (1.0 - beta2 ** step))
+            low = np.maximum(root - delta, 0.0) + epsilon
+            moved = delta / low + m_hat * delta / ((root + epsilon) * low)
+            self.weights[name] = self.weights[name] + lrate * np.minimum(moved, m_hat / (root + epsilon) + limit)
 
     def weight_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
         return self.weights[name] + float64_bound(reference)
@@ -265,6 +271,17 @@ class TrainingBound:
     def second_moment_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
         return (2 * self.largest_gradient[name] * self.delta + self.delta ** 2
                 + FLOAT64_RELATIVE * float(np.max(np.abs(reference), initial=0.0)))
+
+
+def adam_ratio_limit(step: int, beta1: float, beta2: float) -> float:
+    """The largest |m_hat| / sqrt(v_hat) of Adam at step ``step`` over every gradient sequence: m_hat = sum_i a_i g_i
+    and v_hat = sum_i b_i g_i^2 with a_i = (1 - beta1) beta1^(t-i) / (1 - beta1^t), b_i likewise with beta2, so by
+    Cauchy-Schwarz |m_hat| <= sqrt(sum_i a_i^2 / b_i) sqrt(v_hat), with equality for g_i proportional to a_i / b_i.
+    1 at the first step (|g| / |g|)."""
+    i = np.arange(1, step + 1)
+    a = (1.0 - beta1) * beta1 ** (step - i) / (1.0 - beta1 ** step)
+    b = (1.0 - beta2) * beta2 ** (step - i) / (1.0 - beta2 ** step)
+    return float(np.sqrt(np.sum(a * a / b)))
 
 
 def finite_difference_bound(fd_h: float, fd_half: float, loss_value: float, step: float) -> float:

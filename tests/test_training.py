@@ -136,6 +136,28 @@ def test_the_bound_is_tight_enough_to_decide():
         assert np.median(bound.weight_bound(name, before)[moved > 0] / moved[moved > 0]) < 1e-6, name
 
 
+@pytest.mark.parametrize("step", [1, 2, 10, 4000])
+def test_adams_largest_ratio_is_reached_and_never_passed(step):
+    """``tolerance.adam_ratio_limit`` (the cap of TrainingBound's per-step update change) against Adam's moments
+    computed by a loop over the gradients (Algorithm 1, section 5.3's betas): the gradient sequence proportional to
+    a_i / b_i reaches it, and no random sequence (signs, scales over 12 decades, zeros) passes it."""
+    beta1, beta2 = TRAINING.beta1, TRAINING.beta2
+
+    def ratio(grads: np.ndarray) -> float:
+        m = v = 0.0
+        for g in grads:
+            m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        return abs(m / (1 - beta1 ** len(grads))) / np.sqrt(v / (1 - beta2 ** len(grads)))
+
+    limit = tolerance.adam_ratio_limit(step, beta1, beta2)
+    i = np.arange(1, step + 1)
+    assert ratio((beta1 / beta2) ** (step - i)) == pytest.approx(limit, rel=1e-12)
+    rng = np.random.default_rng(step)
+    for _ in range(200):
+        grads = rng.standard_normal(step) * 10.0 ** rng.uniform(-6, 6, step) * (rng.random(step) < 0.9)
+        assert not grads.any() or ratio(grads) <= limit * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("pair", list(itertools.permutations(BACKENDS, 2)), ids="-then-".join)
 def test_a_run_moves_between_backends(pair, tmp_path):
     """Five steps in one backend, saved with its training state, five more in another: the ten reference steps.
