@@ -23,6 +23,7 @@ import numpy as np
 
 from . import records
 from .config import TransformerConfig
+from .hf_tokenizer import FAMILY_TOKENIZER_VERSION, FamilyTokenizer, check_family_record, is_family_record
 
 TOKENIZER_VERSION = "1"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -128,12 +129,15 @@ class Tokenizer:
                 kept.append(i)
         return self._tokenizer.decode(kept, skip_special_tokens=False)
 
+    def source(self, text: str, name: str = "text") -> list[int]:
+        """The source ids of ``text``: its ids (:meth:`encode`) and eos."""
+        return [*self.encode(text, name), self.config.eos_id]
+
     def batch(self, texts: list[str], name: str = "text") -> np.ndarray:
         """Source ids of ``texts``: each ``ids + [eos]``, right-padded with pad_id. Shape (B, S)."""
         if not texts:
             raise ValueError(f"{name} holds no sentence")
-        rows = [[*self.encode(text, name), self.config.eos_id] for text in texts]
-        return pad_rows(rows, self.config.pad_id)
+        return pad_rows([self.source(text, name) for text in texts], self.config.pad_id)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int) -> np.ndarray:
@@ -163,10 +167,27 @@ def tokenizer_ids(text: str) -> tuple[str, dict[str, int]]:
     return model["type"], ids
 
 
+def tokenizer_version(text: str) -> str:
+    """The ``tokenizer_version`` a checkpoint writes beside a tokenizer's text: "1" for the project's BPE
+    (a ``tokenizers`` JSON text), "2" for a Hugging Face family's record (:mod:`.hf_tokenizer`)."""
+    return FAMILY_TOKENIZER_VERSION if is_family_record(text) else TOKENIZER_VERSION
+
+
+def read_tokenizer(text: str, config: TransformerConfig) -> Tokenizer | FamilyTokenizer:
+    """The tokenizer of a checkpoint's tokenizer text: the project's BPE or a Hugging Face family's."""
+    if is_family_record(text):
+        return FamilyTokenizer.from_json(text, config)
+    return Tokenizer.from_json(text, config)
+
+
 def check_tokenizer_json(text: str, config: TransformerConfig) -> None:
     """Validate a tokenizer's JSON against ``config`` with the standard library alone: a BPE model, its special
-    tokens at the config's pad/bos/eos ids, and every id inside both vocabularies (the vocabulary is shared).
+    tokens at the config's pad/bos/eos ids, and every id inside both vocabularies (the vocabulary is shared); a
+    family's record by :func:`.hf_tokenizer.check_family_record`.
     One ``ValueError`` naming the problem (a field of the JSON text of another type: :mod:`.records`)."""
+    if is_family_record(text):
+        check_family_record(text, config)
+        return
     model_type, ids = tokenizer_ids(text)
     if model_type != "BPE":
         raise ValueError(f"tokenizer model is {model_type!r}; expected 'BPE'")
