@@ -46,8 +46,8 @@ from safetensors.numpy import save as _safetensors_save
 
 from . import precision, records
 from .config import TrainingConfig, TransformerConfig
-from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
 from .hf_tokenizer import FamilyTokenizer
+from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
 from .tokenizer import Tokenizer, check_tokenizer_json, read_tokenizer, tokenizer_version
 
 try:

@@ -270,7 +270,7 @@ def _converted(model_file: Path) -> str:
         def tokenizer(self, proto: Any) -> Any:
             if proto.trainer_spec.model_type != 2:                 # 1: Unigram, SpmConverter's own
                 return super().tokenizer(proto)
-            found = SentencePieceExtractor(os.fspath(model_file)).extract(None)    # 2: BPE
+            found: dict[str, Any] = SentencePieceExtractor(os.fspath(model_file)).extract(None)  # type: ignore[assignment]  # 2: BPE; transformers annotates a tuple, returns a dict
             tokenizer = Tokenizer(BPE(found["vocab"], found["merges"], unk_token=proto.trainer_spec.unk_piece,
                                       fuse_unk=True, byte_fallback=False, dropout=None))
             tokenizer.add_tokens(found["additional_special_tokens"])

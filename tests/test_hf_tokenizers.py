@@ -112,6 +112,35 @@ def m2m100(tmp_path_factory) -> dict:
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["nllb", "nllb-legacy"])
+def nllb(request, tmp_path_factory) -> dict:
+    """A tiny NLLB directory: NllbTokenizer (its tokenizer.json: a BPE model from a SentencePiece model trained
+    here, <s> 0, <pad> 1, </s> 2, <unk> 3, then the pieces, the 200+ codes eng_Latn... after them) saved with
+    save_pretrained (``legacy_behaviour`` as the parameter), with a tiny random M2M100 model."""
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+    root = tmp_path_factory.mktemp("nllb")
+    found = SentencePieceExtractor(str(train_spm(SOURCE * 3 + TARGET * 3, root / "m", "bpe", 120))).extract(None)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece in found["vocab"]:
+        vocab.setdefault(piece, len(vocab))
+    tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=found["merges"], legacy_behaviour=request.param,
+                                           _spm_precompiled_charsmap=found["_spm_precompiled_charsmap"])
+    directory = root / "tiny-nllb"
+    torch.manual_seed(0)
+    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-nllb.safetensors"
+    import_hf(directory, out)
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.AutoTokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                          split_special_tokens=True)
+    return {"checkpoint": out, "oracle": oracle, "size": len(vocab)}
+
+
 # ----------------------------------------------------------------------------- ids and text against transformers
 
 def test_marian_source_and_target_ids_equal_transformers(marian):
@@ -152,6 +181,23 @@ def test_m2m100_decode_equals_transformers_and_drops_the_language_codes(m2m100):
         assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
         # transformers 5.23 writes a language code into the text ("__fr__ ..."); here it is dropped
         assert mine.decode([french, *ids]) == oracle.decode(ids, skip_special_tokens=True)
+
+
+def test_nllb_ids_and_decode_equal_transformers(nllb):
+    tokenizer = load_tokenizer(nllb["checkpoint"])
+    assert tokenizer.family == "nllb"
+    for source, target in (("eng_Latn", "fra_Latn"), ("zul_Latn", "deu_Latn")):
+        mine, oracle = tokenizer.with_languages(source, target), nllb["oracle"](source, target)
+        for text in TEXTS + SOURCE + TARGET + random_texts(4, 100):
+            assert mine.ids(text) == oracle(text).input_ids, text
+            assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+        assert mine.forced_bos_id == oracle.convert_tokens_to_ids(target)
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [rng.randrange(3, nllb["size"]) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+        assert mine.decode([mine.forced_bos_id, *ids]) == oracle.decode([mine.forced_bos_id, *ids],
+                                                                        skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- languages: the flags' errors

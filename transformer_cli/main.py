@@ -598,19 +598,20 @@ def run_import(args: argparse.Namespace) -> int:
           f"{config.n_encoder_layers}+{config.n_decoder_layers} layers, {config.activation}, sinusoid "
           f"{config.sinusoidal_layout}, vocabulary {config.src_vocab_size}"
           f"{'' if config.share_embeddings else '/' + str(config.tgt_vocab_size)}; {describe_tokenizer(args.out)}")
+    return EXIT_OK
 
 
 def describe_tokenizer(path: str) -> str:
     """What an imported checkpoint's tokenizer is, for ``import``'s last line."""
     from reference_numpy.checkpoint import load_tokenizer
+    from reference_numpy.hf_tokenizer import FamilyTokenizer
 
     tokenizer = load_tokenizer(path)
-    if tokenizer is None:
+    if not isinstance(tokenizer, FamilyTokenizer):
         return "no tokenizer (the directory has no tokenizer_config.json)"
-    languages = getattr(tokenizer, "languages", [])
-    return (f"its {tokenizer.family} tokenizer" + (f", {len(languages)} languages (--source-lang/--target-lang)"
-                                                   if languages else ""))
-    return EXIT_OK
+    languages = tokenizer.languages
+    return f"its {tokenizer.family} tokenizer" + (f", {len(languages)} languages (--source-lang, --target-lang)"
+                                                  if languages else "")
 
 
 def add_translate(commands: Commands) -> None:
