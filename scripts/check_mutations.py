@@ -781,6 +781,9 @@ HF_TOKENIZERS = [
     single("hf-tokenizer", "conversion: SentencePiece's control pieces matched in a text (\"</s>\" typed is eos)",
            "reference_numpy/hf_tokenizer.py", 'piece.piece + "\\u2581" * (piece.type in (2, 3))', "piece.piece",
            HF_TOKENIZERS_ORACLE),
+    single("hf-tokenizer", "NLLB: legacy_behaviour ignored (the source's code first, not after eos)",
+           "reference_numpy/hf_tokenizer.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
+           ["tests/test_hf_tokenizers.py", "-k", "nllb"]),
     single("hf-tokenizer", "families: decoding keeps the special tokens", "reference_numpy/hf_tokenizer.py",
            "if i not in self._skipped and i in self._pieces:", "if i in self._pieces:", HF_TOKENIZERS_ORACLE),
 ]

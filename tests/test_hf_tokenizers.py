@@ -292,3 +292,14 @@ def test_ids_are_checked_against_the_model(marian):
     with pytest.raises(ValueError, match="^tokenizer ids run from 0 to"):
         FamilyTokenizer.from_json(json.dumps(record), config)
     assert np.all(load_tokenizer(marian["checkpoint"]).batch(["the cat", "a"]) >= 0)
+
+
+def test_compare_translates_an_imported_m2m100_model_with_its_languages(m2m100, capsys):
+    checkpoint = str(m2m100["checkpoint"])
+    assert main(["compare", checkpoint, "--backends", "torch", "--dtype", "float64"]) == 0
+    assert "translations" not in capsys.readouterr().out          # no languages: its sentences are not encoded
+    assert main(["compare", checkpoint, "--backends", "torch", "--dtype", "float64", "--source-lang", "en",
+                 "--target-lang", "fr"]) == 0
+    assert "translations (greedy decoding" in capsys.readouterr().out
+    assert main(["compare", "--preset", "tiny", "--source-lang", "en"]) == 2
+    assert "--source-lang: the model has no tokenizer to encode sentences with" in capsys.readouterr().err

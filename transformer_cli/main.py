@@ -168,6 +168,7 @@ def add_compare(commands: Commands) -> None:
                               "the reference's own drift in that precision")
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
+    add_languages(compare)
     add_threads(compare)
     add_outputs(compare, "plot", "precision_report", inputs=("checkpoint",), default_model="checkpoint")
     compare.set_defaults(run=run_compare)
@@ -182,7 +183,8 @@ def run_compare(args: argparse.Namespace) -> int:
         raise ValueError("--precision-report draws the precisions below float64: add one to --dtype")
     report = compare(args.checkpoint, args.backends, args.perturb,
                      progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
-                     preset=args.preset, dtypes=dtypes, device=args.device)
+                     preset=args.preset, dtypes=dtypes, device=args.device,
+                     languages=(args.source_lang, args.target_lang))
     print(json.dumps({**report.to_json(), "runtime": runtime.settings()}, indent=2, allow_nan=False) if args.json
           else format_table(report))
     if args.plot:
