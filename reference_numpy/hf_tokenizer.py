@@ -27,6 +27,7 @@ decoding skips the language codes (transformers 5.23's M2M100 tokenizer writes t
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Iterable
@@ -82,6 +83,15 @@ def check_family_record(text: str, config: TransformerConfig) -> dict[str, Any]:
     return data
 
 
+def _built(library: Any, record: dict[str, Any], side: str) -> Any:
+    """The ``tokenizers`` object of the record's ``source`` or ``target`` JSON text."""
+    try:
+        return library.Tokenizer.from_str(record[side])
+    except Exception as err:  # noqa: BLE001 - the library raises a bare Exception for JSON it cannot build
+        raise ValueError(f"tokenizer field {side!r} is not a tokenizers JSON text "
+                         f"({str(err).splitlines()[0]})") from None
+
+
 class FamilyTokenizer:
     """A Hugging Face family's tokenizer (module docstring): text to the model's ids and back, with the languages
     of a translation (:meth:`with_languages`) where the family needs them."""
@@ -91,8 +101,7 @@ class FamilyTokenizer:
         from .tokenizer import _library
         library = _library()
         self.record, self.config = record, config
-        self._source = library.Tokenizer.from_str(record["source"])
-        self._target = library.Tokenizer.from_str(record["target"])
+        self._source, self._target = (_built(library, record, side) for side in ("source", "target"))
         for tokenizer in (self._source, self._target):
             tokenizer.encode_special_tokens = True      # "</s>" typed in a text is text, never the control id
         self._pieces = {i: piece for piece, i in record["vocab"].items()}
@@ -109,10 +118,6 @@ class FamilyTokenizer:
     @property
     def family(self) -> str:
         return self.record["family"]
-
-    @property
-    def vocab_size(self) -> int:
-        return max(self._pieces.keys() | set(self.record["languages"].values())) + 1
 
     @property
     def languages(self) -> list[str]:
@@ -286,6 +291,15 @@ def _converted(model_file: Path) -> str:
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
+def _language_codes(module: str, root: Path) -> Any:
+    """``FAIRSEQ_LANGUAGE_CODES`` of a transformers tokenizer module (the family's published list of codes)."""
+    try:
+        return importlib.import_module(f"transformers.models.{module}").FAIRSEQ_LANGUAGE_CODES
+    except ImportError:
+        raise ValueError(f"importing the tokenizer of {os.fspath(root)!r} needs transformers' language codes: "
+                         "pip install 'transformer-reference[hf]'") from None
+
+
 def _family(root: Path, settings: dict[str, Any]) -> str:
     named = CLASSES.get(str(settings.get("tokenizer_class")))
     if named is not None:
@@ -359,11 +373,11 @@ def _marian(root: Path, settings: dict[str, Any], config: TransformerConfig) -> 
 
 def _m2m100(root: Path, settings: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
     _need(root, M2M100_FILES, "M2M100")
-    from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
-    codes = FAIRSEQ_LANGUAGE_CODES.get(str(settings.get("language_codes", "m2m100")))
+    tables = _language_codes("m2m_100.tokenization_m2m_100", root)
+    codes = tables.get(str(settings.get("language_codes", "m2m100")))
     if codes is None:
         raise ValueError(f"{os.fspath(root / TOKENIZER_CONFIG)!r}: language_codes "
-                         f"{settings.get('language_codes')!r} is not one of {', '.join(FAIRSEQ_LANGUAGE_CODES)}")
+                         f"{settings.get('language_codes')!r} is not one of {', '.join(tables)}")
     vocab = _vocabulary(root / "vocab.json")
     source = _converted(root / "sentencepiece.bpe.model")
     return {"family": "m2m_100", "source": source, "target": source, "vocab": vocab,
@@ -377,7 +391,6 @@ def _nllb(root: Path, settings: dict[str, Any], config: TransformerConfig) -> di
         raise ValueError(f"{os.fspath(root)!r}: an NLLB tokenizer is read from its {TOKENIZER_JSON}, which the "
                          "directory lacks")
     from tokenizers import Tokenizer
-    from transformers.models.nllb.tokenization_nllb import FAIRSEQ_LANGUAGE_CODES
     text = (root / TOKENIZER_JSON).read_text(encoding="utf-8")
     try:
         tokenizer = Tokenizer.from_str(text)
@@ -386,7 +399,7 @@ def _nllb(root: Path, settings: dict[str, Any], config: TransformerConfig) -> di
                          f"({str(err).splitlines()[0]})") from None
     tokenizer.post_processor = None                 # the language and eos are placed by the record, not the JSON
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    languages = {code: vocab[code] for code in FAIRSEQ_LANGUAGE_CODES if code in vocab}
+    languages = {code: vocab[code] for code in _language_codes("nllb.tokenization_nllb", root) if code in vocab}
     source = tokenizer.to_str()
     return {"family": "nllb", "source": source, "target": source, "vocab": vocab,
             "unk_id": _unk(vocab, settings, root), "special_ids": _special_ids(vocab, settings, config),

@@ -5,6 +5,7 @@ imported, and compared id for id on many texts (unicode, empty, white space, cha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import warnings
@@ -21,7 +22,7 @@ import sentencepiece as spm  # noqa: E402
 
 from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json  # noqa: E402
 from reference_numpy.hf_import import import_hf  # noqa: E402
-from reference_numpy.hf_tokenizer import FamilyTokenizer  # noqa: E402
+from reference_numpy.hf_tokenizer import FamilyTokenizer, read_hf_tokenizer  # noqa: E402
 from transformer_cli import backends  # noqa: E402
 from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
@@ -303,3 +304,34 @@ def test_compare_translates_an_imported_m2m100_model_with_its_languages(m2m100, 
     assert "translations (greedy decoding" in capsys.readouterr().out
     assert main(["compare", "--preset", "tiny", "--source-lang", "en"]) == 2
     assert "--source-lang: the model has no tokenizer to encode sentences with" in capsys.readouterr().err
+
+
+def test_a_multilingual_marian_model_takes_the_target_language_as_its_first_source_token(marian, tmp_path):
+    """opus-mt-en-ROMANCE's convention: codes >>fr<< in the vocabulary; the code starts the source text, which
+    MarianTokenizer keeps whole (remove_language_code); here --target-lang fr puts it there."""
+    vocab = {**marian["vocab"], ">>fr<<": len(marian["vocab"]), ">>de<<": len(marian["vocab"]) + 1}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.MarianTokenizer(str(marian["directory"] / "source.spm"), str(marian["directory"] / "target.spm"),
+                                     str(tmp_path / "vocab.json")).save_pretrained(tmp_path / "multi")
+        oracle = transformers.MarianTokenizer.from_pretrained(tmp_path / "multi", split_special_tokens=True)
+    config = dataclasses.replace(load_tokenizer(marian["checkpoint"]).config, src_vocab_size=len(vocab),
+                                 tgt_vocab_size=len(vocab))
+    tokenizer = FamilyTokenizer.from_json(read_hf_tokenizer(tmp_path / "multi", config), config)
+    assert tokenizer.languages == ["de", "fr"]                     # sorted, as the record stores them
+    with pytest.raises(ValueError, match=r"^--target-lang: this marian model needs the target language \(one of "
+                                         r"de, fr\)$"):
+        tokenizer.with_languages(None, None)
+    french = tokenizer.with_languages(None, "fr")
+    for text in TEXTS + SOURCE:
+        assert french.ids(text) == oracle(f">>fr<< {text}").input_ids, text
+        assert french.ids(f">>de<<{text}")[1:] == oracle(f">>de<<{text}").input_ids, text
+    assert french.forced_bos_id is None and french.decode(french.ids("the cat")) == "the cat"
+
+
+def test_the_ctranslate2_export_names_an_imported_models_tokens_by_its_pieces(marian):
+    from transformer_cli.commands.ctranslate2_export import token_names
+    config = load_tokenizer(marian["checkpoint"]).config
+    names = token_names(config, config.tgt_vocab_size, load_tokenizer_json(marian["checkpoint"]))
+    assert names == sorted(marian["vocab"], key=marian["vocab"].__getitem__)
