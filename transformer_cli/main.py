@@ -588,7 +588,7 @@ def add_import(commands: Commands) -> None:
                                                      "target.spm and vocab.json, M2M100's sentencepiece.bpe.model "
                                                      "and vocab.json, or NLLB's tokenizer.json)")
     hf.add_argument("out", metavar="OUT", type=output_file, help="the shared checkpoint to write")
-    add_outputs(hf, "out")              # the files of DIR it reads (config, weights) are refused as OUT by import_hf
+    add_outputs(hf, "out")      # the files of DIR it reads (config, weights, tokenizer) are refused as OUT by import_hf
     hf.set_defaults(run=run_import)
 
 
