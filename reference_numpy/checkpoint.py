@@ -46,9 +46,9 @@ from safetensors.numpy import save as _safetensors_save
 
 from . import precision, records
 from .config import TrainingConfig, TransformerConfig
-from .hf_tokenizer import FamilyTokenizer
+from .hf_tokenizer import FamilyTokenizer, check_any_tokenizer, read_tokenizer, tokenizer_version
 from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
-from .tokenizer import Tokenizer, check_tokenizer_json, read_tokenizer, tokenizer_version
+from .tokenizer import Tokenizer
 
 try:
     import fcntl
@@ -237,7 +237,7 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
                                zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
                                moments.items()}}
     if tokenizer is not None:
-        check_tokenizer_json(tokenizer, config)
+        check_any_tokenizer(tokenizer, config)
         metadata.update(tokenizer=tokenizer, tokenizer_version=tokenizer_version(tokenizer))
     data = _safetensors_save(params, metadata=metadata)
     try:
@@ -713,7 +713,7 @@ def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     if metadata.get("tokenizer_version") != expected:
         raise ValueError(f"unknown tokenizer_version {metadata.get('tokenizer_version')!r} "
                          f"(this library reads version {expected})")
-    check_tokenizer_json(metadata["tokenizer"], config)
+    check_any_tokenizer(metadata["tokenizer"], config)
 
 
 def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, allocate: Allocate) -> np.ndarray:

@@ -38,6 +38,7 @@ import numpy as np
 
 from . import records
 from .config import TransformerConfig
+from .tokenizer import TOKENIZER_VERSION, Tokenizer, _library, check_tokenizer_json, pad_rows
 
 FAMILY_TOKENIZER_VERSION = "2"
 FAMILIES = ("marian", "m2m_100", "nllb")
@@ -98,7 +99,6 @@ class FamilyTokenizer:
 
     def __init__(self, record: dict[str, Any], config: TransformerConfig, source_lang: str | None = None,
                  target_lang: str | None = None) -> None:
-        from .tokenizer import _library
         library = _library()
         self.record, self.config = record, config
         self._source, self._target = (_built(library, record, side) for side in ("source", "target"))
@@ -200,7 +200,6 @@ class FamilyTokenizer:
 
     def batch(self, texts: list[str], name: str = "text") -> np.ndarray:
         """Source ids of ``texts``, right-padded with pad_id. Shape (B, S)."""
-        from .tokenizer import pad_rows
         if not texts:
             raise ValueError(f"{name} holds no sentence")
         return pad_rows([self.source(text, name) for text in texts], self.config.pad_id)
@@ -220,6 +219,29 @@ class FamilyTokenizer:
                 pieces.append(self._pieces[i])
         text = self._source.decoder.decode(pieces) if pieces else ""
         return text.strip() if self.record["strip"] else text
+
+
+# ----------------------------------------------------------------------------- a checkpoint's tokenizer, either kind
+
+def tokenizer_version(text: str) -> str:
+    """The ``tokenizer_version`` a checkpoint writes beside a tokenizer's text: "1" for the project's BPE (a
+    ``tokenizers`` JSON text, :mod:`.tokenizer`), "2" for a Hugging Face family's record."""
+    return FAMILY_TOKENIZER_VERSION if is_family_record(text) else TOKENIZER_VERSION
+
+
+def check_any_tokenizer(text: str, config: TransformerConfig) -> None:
+    """A checkpoint's tokenizer text checked against ``config`` with the standard library, as its kind says."""
+    if is_family_record(text):
+        check_family_record(text, config)
+    else:
+        check_tokenizer_json(text, config)
+
+
+def read_tokenizer(text: str, config: TransformerConfig) -> Tokenizer | FamilyTokenizer:
+    """The tokenizer of a checkpoint's tokenizer text: the project's BPE or a Hugging Face family's."""
+    if is_family_record(text):
+        return FamilyTokenizer.from_json(text, config)
+    return Tokenizer.from_json(text, config)
 
 
 # ----------------------------------------------------------------------------- reading a Hugging Face directory

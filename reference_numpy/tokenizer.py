@@ -23,7 +23,6 @@ import numpy as np
 
 from . import records
 from .config import TransformerConfig
-from .hf_tokenizer import FAMILY_TOKENIZER_VERSION, FamilyTokenizer, check_family_record, is_family_record
 
 TOKENIZER_VERSION = "1"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -167,27 +166,10 @@ def tokenizer_ids(text: str) -> tuple[str, dict[str, int]]:
     return model["type"], ids
 
 
-def tokenizer_version(text: str) -> str:
-    """The ``tokenizer_version`` a checkpoint writes beside a tokenizer's text: "1" for the project's BPE
-    (a ``tokenizers`` JSON text), "2" for a Hugging Face family's record (:mod:`.hf_tokenizer`)."""
-    return FAMILY_TOKENIZER_VERSION if is_family_record(text) else TOKENIZER_VERSION
-
-
-def read_tokenizer(text: str, config: TransformerConfig) -> Tokenizer | FamilyTokenizer:
-    """The tokenizer of a checkpoint's tokenizer text: the project's BPE or a Hugging Face family's."""
-    if is_family_record(text):
-        return FamilyTokenizer.from_json(text, config)
-    return Tokenizer.from_json(text, config)
-
-
 def check_tokenizer_json(text: str, config: TransformerConfig) -> None:
     """Validate a tokenizer's JSON against ``config`` with the standard library alone: a BPE model, its special
-    tokens at the config's pad/bos/eos ids, and every id inside both vocabularies (the vocabulary is shared); a
-    family's record by :func:`.hf_tokenizer.check_family_record`.
+    tokens at the config's pad/bos/eos ids, and every id inside both vocabularies (the vocabulary is shared).
     One ``ValueError`` naming the problem (a field of the JSON text of another type: :mod:`.records`)."""
-    if is_family_record(text):
-        check_family_record(text, config)
-        return
     model_type, ids = tokenizer_ids(text)
     if model_type != "BPE":
         raise ValueError(f"tokenizer model is {model_type!r}; expected 'BPE'")

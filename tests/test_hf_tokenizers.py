@@ -335,3 +335,17 @@ def test_the_ctranslate2_export_names_an_imported_models_tokens_by_its_pieces(ma
     config = load_tokenizer(marian["checkpoint"]).config
     names = token_names(config, config.tgt_vocab_size, load_tokenizer_json(marian["checkpoint"]))
     assert names == sorted(marian["vocab"], key=marian["vocab"].__getitem__)
+
+
+def test_train_refuses_to_resume_with_an_imported_tokenizer(marian, capsys, tmp_path):
+    """A run's file holding a family's tokenizer (written through the library: train never writes one)."""
+    from reference_numpy.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from reference_numpy.config import TrainingConfig
+    config, params = load_checkpoint(marian["checkpoint"])
+    zeros = {name: np.zeros_like(value) for name, value in params.items()}
+    run = tmp_path / "run.safetensors"
+    save_checkpoint(run, config, params, TrainingState(TrainingConfig(), 1, zeros, zeros),
+                    load_tokenizer_json(marian["checkpoint"]))
+    assert main(["train", "--task", "numbers", "--resume", str(run), "--steps", "1"]) == 2
+    assert "holds an imported marian tokenizer; --task numbers trains with the project's own BPE" in \
+        capsys.readouterr().err
