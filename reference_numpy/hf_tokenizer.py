@@ -27,6 +27,7 @@ decoding skips the language codes (transformers 5.23's M2M100 tokenizer writes t
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -97,8 +98,7 @@ class FamilyTokenizer:
     """A Hugging Face family's tokenizer (module docstring): text to the model's ids and back, with the languages
     of a translation (:meth:`with_languages`) where the family needs them."""
 
-    def __init__(self, record: dict[str, Any], config: TransformerConfig, source_lang: str | None = None,
-                 target_lang: str | None = None) -> None:
+    def __init__(self, record: dict[str, Any], config: TransformerConfig) -> None:
         library = _library()
         self.record, self.config = record, config
         self._source, self._target = (_built(library, record, side) for side in ("source", "target"))
@@ -106,7 +106,8 @@ class FamilyTokenizer:
             tokenizer.encode_special_tokens = True      # "</s>" typed in a text is text, never the control id
         self._pieces = {i: piece for piece, i in record["vocab"].items()}
         self._skipped = {*record["special_ids"], *record["languages"].values()}
-        self.source_lang, self.target_lang = source_lang, target_lang
+        self.source_lang: str | None = None             # set by with_languages
+        self.target_lang: str | None = None
 
     @classmethod
     def from_json(cls, text: str, config: TransformerConfig) -> FamilyTokenizer:
@@ -131,11 +132,15 @@ class FamilyTokenizer:
             if place == "none" and value is not None:
                 raise ValueError(f"{flag}: this {self.family} model takes no {FLAGS[flag]}")
             if place != "none" and value is None:
-                raise ValueError(f"{flag}: this {self.family} model needs the {FLAGS[flag]} "
-                                 f"(one of {self._shown()})")
+                raise self._missing(flag)
             if value is not None and value not in self.record["languages"]:
                 raise ValueError(f"{flag}: {value!r} is not a language of this model (known: {self._shown()})")
-        return type(self)(self.record, self.config, source_lang, target_lang)
+        translating = copy.copy(self)                   # the tokenizers objects shared, not built again
+        translating.source_lang, translating.target_lang = source_lang, target_lang
+        return translating
+
+    def _missing(self, flag: str) -> ValueError:
+        return ValueError(f"{flag}: this {self.family} model needs the {FLAGS[flag]} (one of {self._shown()})")
 
     def _shown(self) -> str:
         codes = self.languages
@@ -144,8 +149,7 @@ class FamilyTokenizer:
 
     def _language_id(self, flag: str, value: str | None) -> int:
         if value is None:
-            raise ValueError(f"{flag}: this {self.family} model needs the {FLAGS[flag]} "
-                             f"(one of {self._shown()}); with_languages sets it")
+            raise self._missing(flag)
         return self.record["languages"][value]
 
     @property
