@@ -3,7 +3,9 @@
 ``import_hf(DIRECTORY, OUT)`` (``transformer-reference import DIRECTORY OUT``) reads the directory's ``config.json``
 and its weights -- ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) through safetensors' own
 reader, or a pickled ``pytorch_model.bin`` only through ``torch.load(weights_only=True)`` -- and writes one shared
-checkpoint (docs/checkpoint-format.md). Nothing here runs transformers.
+checkpoint (docs/checkpoint-format.md), with the directory's tokenizer when it has one
+(:mod:`reference_numpy.hf_tokenizer`, whose SentencePiece conversion uses transformers' converter). The weights'
+import runs no transformers code.
 
 The families, as transformers defines them (``models/marian/modeling_marian.py``, ``models/m2m_100/``):
 
