@@ -46,8 +46,9 @@ from safetensors.numpy import save as _safetensors_save
 
 from . import precision, records
 from .config import TrainingConfig, TransformerConfig
+from .hf_tokenizer import FamilyTokenizer, check_any_tokenizer, read_tokenizer, tokenizer_version
 from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
-from .tokenizer import TOKENIZER_VERSION, Tokenizer, check_tokenizer_json
+from .tokenizer import Tokenizer
 
 try:
     import fcntl
@@ -236,8 +237,8 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
                                zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
                                moments.items()}}
     if tokenizer is not None:
-        check_tokenizer_json(tokenizer, config)
-        metadata.update(tokenizer=tokenizer, tokenizer_version=TOKENIZER_VERSION)
+        check_any_tokenizer(tokenizer, config)
+        metadata.update(tokenizer=tokenizer, tokenizer_version=tokenizer_version(tokenizer))
     data = _safetensors_save(params, metadata=metadata)
     try:
         _replace_atomically(Path(os.path.realpath(path)), data)
@@ -434,11 +435,12 @@ def load_tokenizer_json(path: str | os.PathLike) -> str | None:
     return _read_header(path)[0].get("tokenizer")
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
-    """The checkpoint's tokenizer, ready to encode and decode (Hugging Face ``tokenizers``, the ``text`` extra),
-    or None if the file has none. Reads the file's header only."""
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | FamilyTokenizer | None:
+    """The checkpoint's tokenizer, ready to encode and decode (Hugging Face ``tokenizers``, the ``text`` extra): the
+    project's BPE, or an imported family's (:mod:`reference_numpy.hf_tokenizer`); None if the file has none. Reads
+    the file's header only."""
     metadata, config = _read_header(path)
-    return None if "tokenizer" not in metadata else Tokenizer.from_json(metadata["tokenizer"], config)
+    return None if "tokenizer" not in metadata else read_tokenizer(metadata["tokenizer"], config)
 
 
 def _read_header(path: str | os.PathLike) -> tuple[dict, TransformerConfig]:
@@ -707,10 +709,11 @@ def _read_training_record(text: str) -> dict:
 def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     if "tokenizer" not in metadata:
         return
-    if metadata.get("tokenizer_version") != TOKENIZER_VERSION:
+    expected = tokenizer_version(metadata["tokenizer"])      # 1: a tokenizers JSON text; 2: a family's record
+    if metadata.get("tokenizer_version") != expected:
         raise ValueError(f"unknown tokenizer_version {metadata.get('tokenizer_version')!r} "
-                         f"(this library reads version {TOKENIZER_VERSION})")
-    check_tokenizer_json(metadata["tokenizer"], config)
+                         f"(this library reads version {expected})")
+    check_any_tokenizer(metadata["tokenizer"], config)
 
 
 def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, allocate: Allocate) -> np.ndarray:

@@ -3,7 +3,9 @@
 ``import_hf(DIRECTORY, OUT)`` (``transformer-reference import DIRECTORY OUT``) reads the directory's ``config.json``
 and its weights -- ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) through safetensors' own
 reader, or a pickled ``pytorch_model.bin`` only through ``torch.load(weights_only=True)`` -- and writes one shared
-checkpoint (docs/checkpoint-format.md). Nothing here runs transformers.
+checkpoint (docs/checkpoint-format.md), with the directory's tokenizer when it has one
+(:mod:`reference_numpy.hf_tokenizer`, whose SentencePiece conversion uses transformers' converter). The weights'
+import runs no transformers code.
 
 The families, as transformers defines them (``models/marian/modeling_marian.py``, ``models/m2m_100/``):
 
@@ -39,6 +41,7 @@ import numpy as np
 
 from reference_numpy.checkpoint import parameter_shapes, save_checkpoint
 from reference_numpy.config import MAX_LEN_LIMIT, TransformerConfig
+from reference_numpy.hf_tokenizer import read_hf_tokenizer, tokenizer_files
 
 FAMILIES = ("marian", "m2m_100")
 # transformers' ACT2FN names -> the reference's activation (reference_numpy.model.activation): "gelu" is the exact
@@ -314,9 +317,11 @@ def load_hf(directory: str | os.PathLike, dtype: Any = None) -> tuple[Transforme
 
 
 def import_hf(directory: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> TransformerConfig:
-    """Write the directory's model as the shared checkpoint ``out`` (refused if it exists, unless ``force``, and
-    never over a file the import reads); returns its config."""
-    sources = [Path(directory) / CONFIG_FILE, *weight_files(directory)] if Path(directory).is_dir() else []
+    """Write the directory's model as the shared checkpoint ``out``, with its tokenizer when the directory holds
+    one (:mod:`reference_numpy.hf_tokenizer`; refused if it exists, unless ``force``, and never over a file the
+    import reads); returns its config."""
+    sources = ([Path(directory) / CONFIG_FILE, *weight_files(directory), *tokenizer_files(directory)]
+               if Path(directory).is_dir() else [])
     for source in sources:
         if os.path.exists(out) and os.path.samefile(out, source):
             raise ValueError(f"OUT: writing {os.fspath(out)!r} would replace the input {os.fspath(source)!r}; "
@@ -324,5 +329,5 @@ def import_hf(directory: str | os.PathLike, out: str | os.PathLike, force: bool 
     if os.path.lexists(out) and not force:
         raise ValueError(f"OUT: {os.fspath(out)!r} already exists; pass --force to replace it")
     config, params = load_hf(directory)
-    save_checkpoint(out, config, params)
+    save_checkpoint(out, config, params, tokenizer=read_hf_tokenizer(directory, config))
     return config

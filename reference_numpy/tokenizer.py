@@ -128,12 +128,15 @@ class Tokenizer:
                 kept.append(i)
         return self._tokenizer.decode(kept, skip_special_tokens=False)
 
+    def source(self, text: str, name: str = "text") -> list[int]:
+        """The source ids of ``text``: its ids (:meth:`encode`) and eos."""
+        return [*self.encode(text, name), self.config.eos_id]
+
     def batch(self, texts: list[str], name: str = "text") -> np.ndarray:
         """Source ids of ``texts``: each ``ids + [eos]``, right-padded with pad_id. Shape (B, S)."""
         if not texts:
             raise ValueError(f"{name} holds no sentence")
-        rows = [[*self.encode(text, name), self.config.eos_id] for text in texts]
-        return pad_rows(rows, self.config.pad_id)
+        return pad_rows([self.source(text, name) for text in texts], self.config.pad_id)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int) -> np.ndarray:

@@ -785,9 +785,33 @@ PRECISION = [
            "        low = model", ["tests/test_mixed_precision.py", "-k", "ten_steps and torch"]),
 ]
 
+HF_TOKENIZERS_ORACLE = ["tests/test_hf_tokenizers.py", "-k", "transformers"]
+HF_TOKENIZERS = [
+    single("hf-tokenizer", "M2M100/NLLB: the source language's code at the wrong end (after eos)",
+           "reference_numpy/hf_tokenizer.py", 'ids = [language, *ids] if place == "prefix" else [*ids, language]',
+           'ids = [*ids, language] if place == "prefix" else [language, *ids]', HF_TOKENIZERS_ORACLE),
+    single("hf-tokenizer", "families: eos not appended to the source", "reference_numpy/hf_tokenizer.py",
+           "ids = [*self.content_ids(text, side), self.config.eos_id]", "ids = self.content_ids(text, side)",
+           HF_TOKENIZERS_ORACLE),
+    single("hf-tokenizer", "Marian: the target SentencePiece model cuts the source", "reference_numpy/hf_tokenizer.py",
+           'tokenizer = self._source if side == "source" else self._target',
+           'tokenizer = self._target if side == "source" else self._source', HF_TOKENIZERS_ORACLE),
+    single("hf-tokenizer", "M2M100: the language codes one id off (after the vocabulary)",
+           "reference_numpy/hf_tokenizer.py", '"languages": {code: len(vocab) + i for',
+           '"languages": {code: len(vocab) + 1 + i for', HF_TOKENIZERS_ORACLE),
+    single("hf-tokenizer", "conversion: SentencePiece's control pieces matched in a text (\"</s>\" typed is eos)",
+           "reference_numpy/hf_tokenizer.py", 'piece.piece + "\\u2581" * (piece.type in (2, 3))', "piece.piece",
+           HF_TOKENIZERS_ORACLE),
+    single("hf-tokenizer", "NLLB: legacy_behaviour ignored (the source's code first, not after eos)",
+           "reference_numpy/hf_tokenizer.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
+           ["tests/test_hf_tokenizers.py", "-k", "nllb"]),
+    single("hf-tokenizer", "families: decoding keeps the special tokens", "reference_numpy/hf_tokenizer.py",
+           "if i not in self._skipped and i in self._pieces:", "if i in self._pieces:", HF_TOKENIZERS_ORACLE),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *TIES, *LOG_SOFTMAX, *TRAINING, *TEXT,
-             *DATA_PARALLEL, *HF_EXPORT, *PRECISION]
+             *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS]
 
 
 # ----------------------------------------------------------------------------- running

@@ -169,6 +169,7 @@ def add_compare(commands: Commands) -> None:
                               "the reference's own drift in that precision")
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
+    add_languages(compare)
     add_threads(compare)
     add_outputs(compare, "plot", "precision_report", inputs=("checkpoint",), default_model="checkpoint")
     compare.set_defaults(run=run_compare)
@@ -183,7 +184,8 @@ def run_compare(args: argparse.Namespace) -> int:
         raise ValueError("--precision-report draws the precisions below float64: add one to --dtype")
     report = compare(args.checkpoint, args.backends, args.perturb,
                      progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
-                     preset=args.preset, dtypes=dtypes, device=args.device)
+                     preset=args.preset, dtypes=dtypes, device=args.device,
+                     languages=(args.source_lang, args.target_lang))
     print(json.dumps({**report.to_json(), "runtime": runtime.settings()}, indent=2, allow_nan=False) if args.json
           else format_table(report))
     if args.plot:
@@ -584,9 +586,12 @@ def add_import(commands: Commands) -> None:
     hf = subcommand(commands, "import", "write a Hugging Face Marian (opus-mt) or M2M100/NLLB model directory as a "
                                         "shared checkpoint (docs/huggingface.md)")
     hf.add_argument("directory", metavar="DIR", help="the model directory: config.json and model.safetensors (or "
-                                                     "pytorch_model.bin, read by torch's weights-only loader)")
+                                                     "pytorch_model.bin, read by torch's weights-only loader), and "
+                                                     "its tokenizer (tokenizer_config.json with Marian's source.spm, "
+                                                     "target.spm and vocab.json, M2M100's sentencepiece.bpe.model "
+                                                     "and vocab.json, or NLLB's tokenizer.json)")
     hf.add_argument("out", metavar="OUT", type=output_file, help="the shared checkpoint to write")
-    add_outputs(hf, "out")              # the files of DIR it reads (config, weights) are refused as OUT by import_hf
+    add_outputs(hf, "out")      # the files of DIR it reads (config, weights, tokenizer) are refused as OUT by import_hf
     hf.set_defaults(run=run_import)
 
 
@@ -597,8 +602,21 @@ def run_import(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {'pre-LN' if config.norm_first else 'post-LN'}, d_model {config.d_model}, "
           f"{config.n_encoder_layers}+{config.n_decoder_layers} layers, {config.activation}, sinusoid "
           f"{config.sinusoidal_layout}, vocabulary {config.src_vocab_size}"
-          f"{'' if config.share_embeddings else '/' + str(config.tgt_vocab_size)}; no tokenizer")
+          f"{'' if config.share_embeddings else '/' + str(config.tgt_vocab_size)}; {describe_tokenizer(args.out)}")
     return EXIT_OK
+
+
+def describe_tokenizer(path: str) -> str:
+    """What an imported checkpoint's tokenizer is, for ``import``'s last line."""
+    from reference_numpy.checkpoint import load_tokenizer
+    from reference_numpy.hf_tokenizer import FamilyTokenizer
+
+    tokenizer = load_tokenizer(path)
+    if not isinstance(tokenizer, FamilyTokenizer):
+        return "no tokenizer (the directory has no tokenizer_config.json)"
+    languages = tokenizer.languages
+    return f"its {tokenizer.family} tokenizer" + (f", {len(languages)} languages (--source-lang, --target-lang)"
+                                                  if languages else "")
 
 
 def add_translate(commands: Commands) -> None:
@@ -637,6 +655,15 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
                         help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     add_number(parser, "--batch-size", metavar="N", default=TRANSLATE_BATCH,
                help=f"sentences decoded together, of similar length (default: {TRANSLATE_BATCH})")
+    add_languages(parser)
+
+
+def add_languages(parser: argparse.ArgumentParser) -> None:
+    """--source-lang and --target-lang: the languages of an imported M2M100/NLLB (or multilingual Marian) model."""
+    parser.add_argument("--source-lang", metavar="CODE", help="the source language of an imported M2M100 (en), NLLB "
+                        "(eng_Latn) model: its code starts the source (docs/huggingface.md)")
+    parser.add_argument("--target-lang", metavar="CODE", help="the target language of an imported M2M100 (fr), NLLB "
+                        "(fra_Latn) or multilingual Marian model (fr: its >>fr<< token starts the source)")
 
 
 def run_translate(args: argparse.Namespace) -> int:
@@ -660,7 +687,7 @@ def run_translate(args: argparse.Namespace) -> int:
     with source as stream:
         adapter = load_adapters((args.backend,), "--backend")[args.backend]
         translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device,
-                               args.batch_size)
+                               args.batch_size, args.source_lang, args.target_lang)
         results: Iterable[Translation]
         if args.text:
             results = map(Translation, translate(args.text))
@@ -695,7 +722,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]
-    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device, args.batch_size)
+    translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device, args.batch_size,
+                           args.source_lang, args.target_lang)
     result = evaluate(translate, sources, references, f"--source {args.source!r}",
                       progress_bar("evaluate", "batch", quiet=args.json or not sys.stderr.isatty()),
                       checkpoint=args.checkpoint, backend=args.backend, device=args.device, dtype=args.dtype)

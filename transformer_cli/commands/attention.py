@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from reference_numpy.config import TransformerConfig
+from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends
 from transformer_cli.backends import numpy as reference
@@ -27,7 +28,8 @@ def parse_tokens(text: str | None, name: str) -> np.ndarray | None:
         raise ValueError(f"--{name} must be space-separated integer token ids, got {text!r}") from None
 
 
-def default_inputs(config: TransformerConfig, params: dict[str, np.ndarray], tokenizer: Tokenizer | None,
+def default_inputs(config: TransformerConfig, params: dict[str, np.ndarray],
+                   tokenizer: Tokenizer | FamilyTokenizer | None,
                    text: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, tgt, the ids tgt's positions write) of one sentence: ``text`` (or the second of compare's sentences)
     and its float64 reference greedy translation; without a tokenizer, compare's first id sentence."""

@@ -16,12 +16,13 @@ import numpy as np
 from equivalence import tolerance
 from equivalence.margins import greedy_margins
 from reference_numpy import TransformerConfig, init_params, load_checkpoint
-from reference_numpy.checkpoint import load_tokenizer
+from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json
+from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends
 from transformer_cli.backends import numpy as reference
 from transformer_cli.benchmarks.timing import measure
-from transformer_cli.commands.translate import SHIPPED, SHIPPED_NAME
+from transformer_cli.commands.translate import SHIPPED, SHIPPED_NAME, with_languages
 
 DTYPES = ("float64", "float32")   # the default; any of reference_numpy.precision.DTYPE_NAMES may be asked for
 # --precision-report's default: one panel each, the two recipes of each low format side by side
@@ -155,7 +156,7 @@ def _words(vocab_size: int, special: tuple[int, ...]) -> np.ndarray:
     return np.arange(first, vocab_size) if first < vocab_size else np.setdiff1d(np.arange(vocab_size), special)
 
 
-def translation_source(tokenizer: Tokenizer) -> np.ndarray | None:
+def translation_source(tokenizer: Tokenizer | FamilyTokenizer) -> np.ndarray | None:
     """:data:`SENTENCES` as source ids (B, S), or None if the tokenizer cannot encode them (another language)."""
     try:
         return tokenizer.batch(list(SENTENCES))
@@ -252,22 +253,32 @@ def perturbed(params: dict[str, np.ndarray], tensor: str) -> dict[str, np.ndarra
     return changed
 
 
-def load_source(checkpoint: str | Path | None,
-                preset: str | None) -> tuple[str, TransformerConfig, dict[str, np.ndarray], Tokenizer | None]:
+def load_source(checkpoint: str | Path | None, preset: str | None,
+                languages: tuple[str | None, str | None] = (None, None)
+                ) -> tuple[str, TransformerConfig, dict[str, np.ndarray], Tokenizer | FamilyTokenizer | None]:
     """(description, config, float64 params, tokenizer or None) of ``compare``'s model: a checkpoint, a seeded
-    preset, or by default the shipped model."""
+    preset, or by default the shipped model; ``languages`` (``--source-lang``, ``--target-lang``), when given, set
+    the tokenizer's (an imported M2M100/NLLB model's sentences are encoded only with them)."""
+    if languages != (None, None) and (preset is not None or load_tokenizer_json(SHIPPED if checkpoint is None
+                                                                                  else checkpoint) is None):
+        flag = "--source-lang" if languages[0] is not None else "--target-lang"
+        raise ValueError(f"{flag}: the model has no tokenizer to encode sentences with")
     if preset is not None:
         if checkpoint is not None:
             raise ValueError("--preset: give a checkpoint or a preset, not both")
         return (f"{preset} preset, seeded random weights (seed {DEFAULT_SEED})", *seeded_checkpoint(preset), None)
     path = SHIPPED if checkpoint is None else checkpoint
     config, params = load_checkpoint(path, dtype=np.float64)
-    return SHIPPED_NAME if checkpoint is None else str(checkpoint), config, params, load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    if tokenizer is not None and languages != (None, None):
+        tokenizer = with_languages(tokenizer, *languages)
+    return SHIPPED_NAME if checkpoint is None else str(checkpoint), config, params, tokenizer
 
 
 def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backends.PORTS,
             perturb: str | None = None, progress: Callable[[list], Iterable] | None = None, preset: str | None = None,
-            dtypes: tuple[str, ...] = DTYPES, device: str | None = None) -> Report:
+            dtypes: tuple[str, ...] = DTYPES, device: str | None = None,
+            languages: tuple[str | None, str | None] = (None, None)) -> Report:
     """Run the comparison in ``dtypes``, on every device of each port or on ``device`` (cpu, gpu:N); ``progress`` wraps
     the list of runs (e.g. ``tqdm``).
 
@@ -279,7 +290,7 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
     stage, so NumPy's own overflow warnings are silenced here.
     """
     fault = parse_perturbation(perturb)
-    source, config, params, tokenizer = load_source(checkpoint, preset)
+    source, config, params, tokenizer = load_source(checkpoint, preset, languages)
     if fault:
         perturbed(params, fault[1])                                            # validate the tensor name early
     adapters, missing = backends.load(tuple(dict.fromkeys(("numpy", *names))))

@@ -42,6 +42,7 @@ from equivalence.margins import beam_margins
 from reference_numpy import Transformer, TransformerConfig, beam_search
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
+from reference_numpy.hf_tokenizer import FamilyTokenizer, read_tokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
 from transformer_cli.commands.ctranslate2_export import TOKENIZER_FILE
@@ -334,7 +335,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
 
 
 def artefact_tokenizer(output_dir: str | os.PathLike, config: TransformerConfig, expected: str | None
-                       ) -> tuple[Tokenizer | None, Verdict | None]:
+                       ) -> tuple[Tokenizer | FamilyTokenizer | None, Verdict | None]:
     """The tokenizer a serving process reads from the artefact (its ``tokenizer.json``, checked against the model's
     ``config``; None if it has none or it cannot be read), and its verdict: identical if it is the checkpoint's
     (``expected``, its JSON text: the same record), else what differs -- missing, unreadable, another vocabulary;
@@ -344,7 +345,7 @@ def artefact_tokenizer(output_dir: str | os.PathLike, config: TransformerConfig,
         return None, None if expected is None else Verdict(False, "missing; the checkpoint has a tokenizer")
     try:
         text = path.read_text(encoding="utf-8")
-        tokenizer = Tokenizer.from_json(text, config)
+        tokenizer = read_tokenizer(text, config)
     except (OSError, ValueError) as err:
         return None, Verdict(False, f"unreadable: {err}")
     if expected is None:

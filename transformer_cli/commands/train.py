@@ -30,6 +30,7 @@ from reference_numpy.checkpoint import (
     save_checkpoint,
 )
 from reference_numpy.config import TrainingConfig, TransformerConfig
+from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
@@ -278,6 +279,9 @@ def make_task(args: argparse.Namespace, task: str, config: TransformerConfig | N
     tokenizer = None if config is None else load_tokenizer(args.resume)
     if config is not None and tokenizer is None:
         raise ValueError(f"--resume: {args.resume!r} has no tokenizer; it is not a run of --task {task}")
+    if isinstance(tokenizer, FamilyTokenizer):
+        raise ValueError(f"--resume: {args.resume!r} holds an imported {tokenizer.family} tokenizer; --task {task} "
+                         "trains with the project's own BPE")
     if task == "numbers":
         return NumbersTask(tokenizer)
     made = CorpusTask(*read_corpus(args.source, args.target, args.corpus, args.valid_source, args.valid_target,

@@ -25,6 +25,7 @@ from reference_numpy import TransformerConfig, load_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
 from reference_numpy.checks import check_token_layout
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
+from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
 from transformer_cli import backends
 from transformer_cli.textfiles import decode, lines_of, stream_chunks
@@ -35,18 +36,33 @@ SHIPPED_NAME = "the shipped English-to-French numbers model"
 BATCH_SIZE = 64                      # sentences decoded together (translate, evaluate)
 
 
-def load_translator(checkpoint: str | Path | None = None,
-                    dtype: npt.DTypeLike = np.float64) -> tuple[TransformerConfig, dict[str, np.ndarray], Tokenizer]:
+def load_translator(checkpoint: str | Path | None = None, dtype: npt.DTypeLike = np.float64,
+                    source_lang: str | None = None, target_lang: str | None = None
+                    ) -> tuple[TransformerConfig, dict[str, np.ndarray], Tokenizer | FamilyTokenizer]:
     """The config, weights and tokenizer of ``checkpoint`` (a file or a shipped model's name; default: the shipped
-    model); a checkpoint without a tokenizer is refused with a message saying what it can still do."""
+    model), the tokenizer set to translate ``source_lang`` into ``target_lang`` (:func:`with_languages`); a
+    checkpoint without a tokenizer is refused with a message saying what it can still do."""
     path = SHIPPED if checkpoint is None else checkpoint
     config, params = load_checkpoint(path, dtype=dtype)
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"checkpoint {str(path)!r} has no tokenizer, so it reads and writes token ids only "
                          "(compare, plot attention --src); `train --task numbers --out` saves one with its "
-                         "tokenizer, and the shipped model (the default) has one")
-    return config, params, tokenizer
+                         "tokenizer, the shipped model (the default) has one, and `import` brings a Hugging Face "
+                         "model's")
+    return config, params, with_languages(tokenizer, source_lang, target_lang)
+
+
+def with_languages(tokenizer: Tokenizer | FamilyTokenizer, source_lang: str | None, target_lang: str | None
+                   ) -> Tokenizer | FamilyTokenizer:
+    """``tokenizer`` translating ``source_lang`` into ``target_lang`` (``--source-lang``, ``--target-lang``): a
+    Hugging Face family's checks them against what it needs and knows; the project's own BPE takes neither."""
+    if isinstance(tokenizer, FamilyTokenizer):
+        return tokenizer.with_languages(source_lang, target_lang)
+    for flag, value in (("--source-lang", source_lang), ("--target-lang", target_lang)):
+        if value is not None:
+            raise ValueError(f"{flag}: this model's tokenizer (one shared BPE vocabulary) takes no language")
+    return tokenizer
 
 
 class Line(NamedTuple):
@@ -69,15 +85,18 @@ class Translator:
     """Sentences to sentences with one backend's model: encode, decode (greedy, or beam search when
     ``beam_size`` > 1) ``batch_size`` sentences of similar length at a time, detokenize."""
 
-    def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer, beam_size: int = 1,
+    def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer, beam_size: int = 1,
                  alpha: float = LENGTH_PENALTY_ALPHA, batch_size: int = BATCH_SIZE) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
         self.beam_size, self.alpha, self.batch_size = beam_size, alpha, batch_size
+        # the target language's id that M2M100/NLLB force as the first output token (--target-lang), else None
+        self.forced_bos_id = getattr(tokenizer, "forced_bos_id", None)
 
     def encode(self, text: str, name: str = "text") -> list[int]:
-        """The source ids of ``text``: its tokens and eos. A ``ValueError`` naming ``name`` if the tokenizer cannot
-        encode it, or if it is longer than the model's ``max_len`` positions (the reference's check)."""
-        ids = [*self.tokenizer.encode(text, name), self.tokenizer.config.eos_id]
+        """The source ids of ``text``: its tokens and eos (and a family's language code). A ``ValueError`` naming
+        ``name`` if the tokenizer cannot encode it, or if it is longer than the model's ``max_len`` positions (the
+        reference's check)."""
+        ids = self.tokenizer.source(text, name)
         check_token_layout("source", (1, len(ids)), "int64", self.tokenizer.config.max_len)
         return ids
 
@@ -201,9 +220,11 @@ def write_translations(results: Iterable[Translation], output: str | None, stdou
 
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
                beam_size: int = 1, alpha: float = LENGTH_PENALTY_ALPHA, device: str = "cpu",
-               batch_size: int = BATCH_SIZE) -> Translator:
+               batch_size: int = BATCH_SIZE, source_lang: str | None = None,
+               target_lang: str | None = None) -> Translator:
     """A :class:`Translator` for ``checkpoint`` (a file or a shipped model's name; default: the shipped model) in
-    one backend on ``device`` (``cpu``, ``gpu:N``)."""
+    one backend on ``device`` (``cpu``, ``gpu:N``), from ``source_lang`` into ``target_lang`` where the model's
+    tokenizer needs them."""
     device = backends.device_for(adapter, device)
-    config, params, tokenizer = load_translator(checkpoint)
+    config, params, tokenizer = load_translator(checkpoint, source_lang=source_lang, target_lang=target_lang)
     return Translator(adapter, adapter.build(config, params, dtype, device), tokenizer, beam_size, alpha, batch_size)

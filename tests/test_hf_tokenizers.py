@@ -1,0 +1,351 @@
+"""The Hugging Face families' tokenizers carried in the checkpoint (reference_numpy/hf_tokenizer.py), proven against
+transformers' own tokenizer classes (the outside implementation): tiny SentencePiece models trained here on a few
+sentences, saved into tiny random Marian and M2M100 directories with the tokenizer classes' save_pretrained,
+imported, and compared id for id on many texts (unicode, empty, white space, characters the models never saw)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sentencepiece", reason="the tests train SentencePiece models: pip install sentencepiece")
+transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
+torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
+
+import sentencepiece as spm  # noqa: E402
+
+from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json  # noqa: E402
+from reference_numpy.hf_import import import_hf  # noqa: E402
+from reference_numpy.hf_tokenizer import FamilyTokenizer, read_hf_tokenizer  # noqa: E402
+from transformer_cli import backends  # noqa: E402
+from transformer_cli.commands.translate import translator  # noqa: E402
+from transformer_cli.main import main  # noqa: E402
+
+SOURCE = ["the cat sat on the mat", "a dog ran in the park", "hello world, how are you?", "numbers 12 and 345",
+          "Ünïcödé façade naïve", "the quick brown fox jumps over the lazy dog", "she sells sea shells"]
+TARGET = ["le chat est assis sur le tapis", "un chien a couru dans le parc", "bonjour le monde, comment ça va ?",
+          "les nombres 12 et 345", "l'été à Noël", "le renard brun saute", "elle vend des coquillages"]
+TEXTS = ["the cat", "Hello   World!", "", "   ", "\t\n", "Жук ел", "naïve façade", "a\tb\nc", "ｆｕｌｌ ｗｉｄｔｈ",
+         " leading", "trailing  ", "12 345 67", "l'été à Noël", "ça va ?", "x</s>y", "<unk> <pad>", "日本語", "🙂 ok"]
+ALPHABET = "abcdefghijklmnopqrstuvwxyz  ,.?'çéÜ12Ж\t日"
+
+
+def random_texts(seed: int, count: int = 200) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(ALPHABET) for _ in range(rng.randrange(30))) for _ in range(count)]
+
+
+def train_spm(texts: list[str], prefix: Path, model_type: str, size: int) -> Path:
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=size,
+                                   model_type=model_type, character_coverage=1.0, minloglevel=2,
+                                   hard_vocab_limit=False)
+    return prefix.with_suffix(".model")
+
+
+def pieces_of(model: Path) -> list[str]:
+    processor = spm.SentencePieceProcessor(model_file=str(model))
+    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory) -> dict:
+    """A tiny random MarianMTModel with its MarianTokenizer (unigram source.spm and target.spm, a shared vocab.json
+    with </s> 0, <unk> 1, <pad> last), saved with save_pretrained, and its imported checkpoint."""
+    root = tmp_path_factory.mktemp("marian")
+    source = train_spm(SOURCE * 3, root / "src", "unigram", 60)
+    target = train_spm(TARGET * 3, root / "tgt", "unigram", 60)
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in pieces_of(source) + pieces_of(target):
+        if piece not in vocab and piece not in ("<s>", "</s>", "<unk>"):
+            vocab[piece] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
+        tokenizer = transformers.MarianTokenizer(str(source), str(target), str(root / "vocab.json"))
+    directory = root / "tiny-marian"
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"]))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oracle = transformers.MarianTokenizer.from_pretrained(directory, split_special_tokens=True)
+    out = root / "tiny-marian.safetensors"
+    import_hf(directory, out)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab, "root": root}
+
+
+@pytest.fixture(scope="module")
+def m2m100(tmp_path_factory) -> dict:
+    """A tiny M2M100 directory: a BPE sentencepiece.bpe.model, vocab.json (<s> 0, <pad> 1, </s> 2, <unk> 3) and
+    the 100 language codes after it, from M2M100Tokenizer's save_pretrained, with a tiny random model."""
+    root = tmp_path_factory.mktemp("m2m100")
+    model_file = train_spm(SOURCE * 3 + TARGET * 3, root / "m", "bpe", 120)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece in pieces_of(model_file):
+        vocab.setdefault(piece, len(vocab))
+    (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tokenizer = transformers.M2M100Tokenizer(str(root / "vocab.json"), str(model_file), src_lang="en",
+                                             tgt_lang="fr")
+    directory = root / "tiny-m2m100"
+    torch.manual_seed(0)
+    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=len(vocab) + 108, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-m2m100.safetensors"
+    import_hf(directory, out)
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.M2M100Tokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                            split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["nllb", "nllb-legacy"])
+def nllb(request, tmp_path_factory) -> dict:
+    """A tiny NLLB directory: NllbTokenizer (its tokenizer.json: a BPE model from a SentencePiece model trained
+    here, <s> 0, <pad> 1, </s> 2, <unk> 3, then the pieces, the 200+ codes eng_Latn... after them) saved with
+    save_pretrained (``legacy_behaviour`` as the parameter), with a tiny random M2M100 model."""
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+    root = tmp_path_factory.mktemp("nllb")
+    found = SentencePieceExtractor(str(train_spm(SOURCE * 3 + TARGET * 3, root / "m", "bpe", 120))).extract(None)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece in found["vocab"]:
+        vocab.setdefault(piece, len(vocab))
+    tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=found["merges"], legacy_behaviour=request.param,
+                                           _spm_precompiled_charsmap=found["_spm_precompiled_charsmap"])
+    directory = root / "tiny-nllb"
+    torch.manual_seed(0)
+    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-nllb.safetensors"
+    import_hf(directory, out)
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.AutoTokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                          split_special_tokens=True)
+    return {"checkpoint": out, "oracle": oracle, "size": len(vocab)}
+
+
+# ----------------------------------------------------------------------------- ids and text against transformers
+
+def test_marian_source_and_target_ids_equal_transformers(marian):
+    mine, oracle = load_tokenizer(marian["checkpoint"]), marian["oracle"]
+    assert isinstance(mine, FamilyTokenizer) and mine.family == "marian"
+    for text in TEXTS + SOURCE + TARGET + random_texts(0):
+        assert mine.ids(text) == oracle(text).input_ids, text
+        assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+
+
+def test_marian_decode_equals_transformers(marian):
+    mine, oracle = load_tokenizer(marian["checkpoint"]), marian["oracle"]
+    rng, eos = random.Random(1), marian["vocab"]["</s>"]
+    for _ in range(300):
+        ids = [rng.randrange(1, len(marian["vocab"])) for _ in range(rng.randrange(12))]   # eos ends our decode
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+        assert mine.decode([*ids, eos, *ids]) == oracle.decode(ids, skip_special_tokens=True)
+    for text in TARGET + TEXTS:
+        assert mine.decode(mine.ids(text, "target")) == oracle.decode(oracle(text_target=text).input_ids,
+                                                                      skip_special_tokens=True)
+
+
+def test_m2m100_ids_with_the_language_codes_equal_transformers(m2m100):
+    tokenizer = load_tokenizer(m2m100["checkpoint"])
+    for source, target in (("en", "fr"), ("fr", "de"), ("zu", "af")):
+        mine, oracle = tokenizer.with_languages(source, target), m2m100["oracle"](source, target)
+        for text in TEXTS + SOURCE + TARGET + random_texts(2, 100):
+            assert mine.ids(text) == oracle(text).input_ids, text
+            assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+        assert mine.forced_bos_id == oracle.get_lang_id(target)
+
+
+def test_m2m100_decode_equals_transformers_and_drops_the_language_codes(m2m100):
+    mine, oracle = load_tokenizer(m2m100["checkpoint"]).with_languages("en", "fr"), m2m100["oracle"]("en", "fr")
+    rng, size, french = random.Random(3), len(m2m100["vocab"]), oracle.get_lang_id("fr")
+    for _ in range(300):
+        ids = [rng.randrange(3, size) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+        # transformers 5.23 writes a language code into the text ("__fr__ ..."); here it is dropped
+        assert mine.decode([french, *ids]) == oracle.decode(ids, skip_special_tokens=True)
+
+
+def test_nllb_ids_and_decode_equal_transformers(nllb):
+    tokenizer = load_tokenizer(nllb["checkpoint"])
+    assert tokenizer.family == "nllb"
+    for source, target in (("eng_Latn", "fra_Latn"), ("zul_Latn", "deu_Latn")):
+        mine, oracle = tokenizer.with_languages(source, target), nllb["oracle"](source, target)
+        for text in TEXTS + SOURCE + TARGET + random_texts(4, 100):
+            assert mine.ids(text) == oracle(text).input_ids, text
+            assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+        assert mine.forced_bos_id == oracle.convert_tokens_to_ids(target)
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [rng.randrange(3, nllb["size"]) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+        assert mine.decode([mine.forced_bos_id, *ids]) == oracle.decode([mine.forced_bos_id, *ids],
+                                                                        skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- languages: the flags' errors
+
+def test_a_model_that_needs_a_language_and_gets_none_names_the_flag(m2m100):
+    tokenizer = load_tokenizer(m2m100["checkpoint"])
+    with pytest.raises(ValueError, match=r"^--source-lang: this m2m_100 model needs the source language \(one of af"):
+        tokenizer.with_languages(None, "fr")
+    with pytest.raises(ValueError, match=r"^--target-lang: this m2m_100 model needs the target language"):
+        tokenizer.with_languages("en", None)
+    with pytest.raises(ValueError, match=r"^--target-lang: 'xx' is not a language of this model \(known: af, am, "
+                                         r"ar, ast, az, ba, be, bg, \.\.\. \(100 in all\)\)$"):
+        tokenizer.with_languages("en", "xx")
+
+
+def test_marian_takes_no_language_and_the_projects_bpe_none(marian, capsys):
+    with pytest.raises(ValueError, match="^--source-lang: this marian model takes no source language$"):
+        load_tokenizer(marian["checkpoint"]).with_languages("en", None)
+    assert main(["translate", "one", "--target-lang", "fr"]) == 2          # the shipped model: the project's BPE
+    out, err = capsys.readouterr()
+    assert out == "" and "--target-lang: this model's tokenizer (one shared BPE vocabulary) takes no language" in err
+
+
+# ----------------------------------------------------------------------------- the checkpoint and the commands
+
+def test_the_record_is_data_and_round_trips(marian):
+    text = load_tokenizer_json(marian["checkpoint"])
+    record = json.loads(text)
+    assert record["family"] == "marian" and record["vocab"] == marian["vocab"]
+    assert json.loads(record["source"])["model"]["type"] == "Unigram"
+    assert FamilyTokenizer.from_json(text, load_tokenizer(marian["checkpoint"]).config).to_json() == text
+
+
+def adapter(name: str):
+    """The backend's adapter, or a skip naming what to install."""
+    adapters, missing = backends.load((name,))
+    if missing:
+        pytest.skip(missing[0].reason)
+    return adapters[name]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(marian) -> list[np.ndarray]:
+    """The float64 reference's greedy tokens of SOURCE from the imported Marian checkpoint."""
+    return translator(adapter("numpy"), marian["checkpoint"], "float64").decode_all(
+        [load_tokenizer(marian["checkpoint"]).source(text) for text in SOURCE])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax", "tf"])
+def test_translate_and_evaluate_run_an_imported_marian_model(marian, reference_tokens, backend, capsys):
+    translate = translator(adapter(backend), marian["checkpoint"], "float64")
+    tokens = translate.decode_all([translate.encode(text) for text in SOURCE])
+    assert all(np.array_equal(mine, theirs) for mine, theirs in zip(tokens, reference_tokens, strict=True))
+    checkpoint = str(marian["checkpoint"])
+    assert main(["translate", "--checkpoint", checkpoint, "--backend", backend, "--dtype", "float64",
+                 *SOURCE[:3]]) == 0
+    assert capsys.readouterr().out.splitlines() == [translate.tokenizer.decode(ids) for ids in reference_tokens[:3]]
+    source, target = marian["root"] / f"{backend}.src", marian["root"] / f"{backend}.ref"
+    source.write_text("\n".join(SOURCE[:3]) + "\n", encoding="utf-8")
+    target.write_text("\n".join(TARGET[:3]) + "\n", encoding="utf-8")
+    assert main(["evaluate", checkpoint, "--source", str(source), "--reference", str(target), "--backend", backend,
+                 "--dtype", "float64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sentences"] == 3
+
+
+def test_translate_names_the_missing_language_of_an_imported_m2m100_model(m2m100, capsys):
+    assert main(["translate", "--checkpoint", str(m2m100["checkpoint"]), "hello"]) == 2
+    assert "--source-lang: this m2m_100 model needs the source language" in capsys.readouterr().err
+
+
+def test_a_directory_without_a_tokenizer_imports_the_weights_alone(marian, tmp_path):
+    directory = tmp_path / "weights-only"
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (directory / name).write_bytes((marian["directory"] / name).read_bytes())
+    import_hf(directory, tmp_path / "w.safetensors")
+    assert load_tokenizer(tmp_path / "w.safetensors") is None
+
+
+def test_import_never_writes_over_a_tokenizer_file(marian):
+    vocab = marian["directory"] / "vocab.json"
+    before = vocab.read_bytes()
+    with pytest.raises(ValueError, match="would replace the input"):
+        import_hf(marian["directory"], vocab, force=True)
+    assert vocab.read_bytes() == before
+
+
+def test_ids_are_checked_against_the_model(marian):
+    record = json.loads(load_tokenizer_json(marian["checkpoint"]))
+    config = load_tokenizer(marian["checkpoint"]).config
+    record["vocab"]["far"] = config.src_vocab_size
+    with pytest.raises(ValueError, match="^tokenizer ids run from 0 to"):
+        FamilyTokenizer.from_json(json.dumps(record), config)
+    assert np.all(load_tokenizer(marian["checkpoint"]).batch(["the cat", "a"]) >= 0)
+
+
+def test_compare_translates_an_imported_m2m100_model_with_its_languages(m2m100, capsys):
+    checkpoint = str(m2m100["checkpoint"])
+    assert main(["compare", checkpoint, "--backends", "torch", "--dtype", "float64"]) == 0
+    assert "translations" not in capsys.readouterr().out          # no languages: its sentences are not encoded
+    assert main(["compare", checkpoint, "--backends", "torch", "--dtype", "float64", "--source-lang", "en",
+                 "--target-lang", "fr"]) == 0
+    assert "translations (greedy decoding" in capsys.readouterr().out
+    assert main(["compare", "--preset", "tiny", "--source-lang", "en"]) == 2
+    assert "--source-lang: the model has no tokenizer to encode sentences with" in capsys.readouterr().err
+
+
+def test_a_multilingual_marian_model_takes_the_target_language_as_its_first_source_token(marian, tmp_path):
+    """opus-mt-en-ROMANCE's convention: codes >>fr<< in the vocabulary; the code starts the source text, which
+    MarianTokenizer keeps whole (remove_language_code); here --target-lang fr puts it there."""
+    vocab = {**marian["vocab"], ">>fr<<": len(marian["vocab"]), ">>de<<": len(marian["vocab"]) + 1}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.MarianTokenizer(str(marian["directory"] / "source.spm"), str(marian["directory"] / "target.spm"),
+                                     str(tmp_path / "vocab.json")).save_pretrained(tmp_path / "multi")
+        oracle = transformers.MarianTokenizer.from_pretrained(tmp_path / "multi", split_special_tokens=True)
+    config = dataclasses.replace(load_tokenizer(marian["checkpoint"]).config, src_vocab_size=len(vocab),
+                                 tgt_vocab_size=len(vocab))
+    tokenizer = FamilyTokenizer.from_json(read_hf_tokenizer(tmp_path / "multi", config), config)
+    assert tokenizer.languages == ["de", "fr"]                     # sorted, as the record stores them
+    with pytest.raises(ValueError, match=r"^--target-lang: this marian model needs the target language \(one of "
+                                         r"de, fr\)$"):
+        tokenizer.with_languages(None, None)
+    french = tokenizer.with_languages(None, "fr")
+    for text in TEXTS + SOURCE:
+        assert french.ids(text) == oracle(f">>fr<< {text}").input_ids, text
+        assert french.ids(f">>de<<{text}")[1:] == oracle(f">>de<<{text}").input_ids, text
+    assert french.forced_bos_id is None and french.decode(french.ids("the cat")) == "the cat"
+
+
+def test_the_ctranslate2_export_names_an_imported_models_tokens_by_its_pieces(marian):
+    from transformer_cli.commands.ctranslate2_export import token_names
+    config = load_tokenizer(marian["checkpoint"]).config
+    names = token_names(config, config.tgt_vocab_size, load_tokenizer_json(marian["checkpoint"]))
+    assert names == sorted(marian["vocab"], key=marian["vocab"].__getitem__)
+
+
+def test_train_refuses_to_resume_with_an_imported_tokenizer(marian, capsys, tmp_path):
+    """A run's file holding a family's tokenizer (written through the library: train never writes one)."""
+    from reference_numpy.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from reference_numpy.config import TrainingConfig
+    config, params = load_checkpoint(marian["checkpoint"])
+    zeros = {name: np.zeros_like(value) for name, value in params.items()}
+    run = tmp_path / "run.safetensors"
+    save_checkpoint(run, config, params, TrainingState(TrainingConfig(), 1, zeros, zeros),
+                    load_tokenizer_json(marian["checkpoint"]))
+    assert main(["train", "--task", "numbers", "--resume", str(run), "--steps", "1"]) == 2
+    assert "holds an imported marian tokenizer; --task numbers trains with the project's own BPE" in \
+        capsys.readouterr().err
