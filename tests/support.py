@@ -76,7 +76,7 @@ class ScriptedModel:
     def encode(self, src, src_mask=None):
         return np.zeros((len(src), np.shape(src)[1], 1))
 
-    def decode(self, tgt, memory, src_mask=None):
+    def decode(self, tgt, memory, src_mask=None, tgt_mask=None):
         return np.asarray(tgt)[:, None, :].repeat(np.shape(tgt)[1], axis=1)     # (B, T, T): the prefix
 
     def generator(self, hidden):

@@ -1,0 +1,233 @@
+"""Hugging Face's decoding conventions against transformers' own ``generate``: tiny random Marian and M2M100 models
+built by transformers (``test_hf_import.build``), saved with ``save_pretrained`` and imported, decode the same tokens
+in the reference and in every installed port as transformers does, greedy and beam 4 with the family's conventions
+(Marian: start from pad, pad never produced -- opus-mt's ``bad_words_ids`` [[pad]] --, eos forced at the maximum
+length; M2M100: start from eos, the forced target-language token), HF's length normalization |Y|^alpha and each of
+its ``early_stopping`` rules, on a padded batch of several source lengths.
+
+transformers is the outside implementation: it shares no code with the project's decoders. The models are made to
+end at different lengths (``natural``: LayerNorm gains near 1, flatter logits, eos more likely), and the test
+checks that the settings matter: the tokens change with the length penalty, the early stopping rule and the start
+and forced tokens, and the hypotheses end at different lengths (eos reached, or the maximum length).
+
+Budgets: transformers' maximum length is one per batch; the project's is per sentence (source length + 50, capped
+at ``max_len``). The sources here are short and ``max_len`` is 40, so every budget is 40 = ``max_new_tokens``.
+
+Precision: transformers ranks its candidates in float32 even in a float64 model (``generate`` casts the logits);
+the tokens are compared, which agree wherever no two candidates are within float32 rounding of each other, checked
+by :func:`separation`. float32 ports are compared where the float64 reference's candidates are separated by more
+than the float32 policy's bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support import FRAMEWORKS, float64_inference, port_backend
+from test_hf_import import build
+
+from reference_numpy import Transformer
+from reference_numpy.decoding import beam_search, greedy_decode
+from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
+
+torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
+                                            "'.[torch]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
+                                                          "these tests decode with are built with it")
+
+# (seed of test_hf_import.build, the decoder's output scale, the eos logit's shift), chosen so that hypotheses end
+# at different lengths and each rule changes the tokens (asserted in test_the_settings_matter)
+SETTINGS = {"marian": (2, 0.5, 1.0), "m2m_100": (2, 0.5, 2.0)}
+LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
+BUDGET = 40                        # max_position_embeddings of test_hf_import's configs: every sentence's budget
+EARLY_STOPPING = (False, True, "never")
+
+
+def natural(model, family: str, seed: int, scale: float, shift: float):
+    """The random model made to end at varied lengths: LayerNorm gains 1 + N(0, 0.01) and biases N(0, 0.01) (the
+    random 0.5-scale ones of ``build`` make every decoder repeat one token), other biases shrunk, the decoder's
+    last LayerNorm scaled by ``scale`` (flatter log-probabilities: beams diverge) and the eos logit raised by
+    ``shift`` (Marian: its ``final_logits_bias``; M2M100, which has none: its final decoder LayerNorm's bias along
+    the eos embedding)."""
+    generator = torch.Generator().manual_seed(seed + 100)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if "layer_norm" in name:
+                noise = 0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+                tensor.copy_((1.0 if name.endswith("weight") else 0.0) + noise)
+            elif name.endswith("bias"):
+                tensor.mul_(0.2)
+        norm = model.model.decoder.layers[-1].final_layer_norm if family == "marian" else model.model.decoder.layer_norm
+        norm.weight.mul_(scale)
+        norm.bias.mul_(scale)
+        if family == "marian":
+            model.final_logits_bias[0, eos] += shift
+        else:
+            direction = model.model.shared.weight[eos]
+            norm.bias.add_(shift * direction / direction.norm() ** 2)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def family_model(request, tmp_path_factory):
+    """(family, transformers' float64 model, the imported checkpoint's path, its (config, params), the sources)."""
+    family = request.param
+    seed, scale, shift = SETTINGS[family]
+    model = natural(build(family, seed=seed).double(), family, seed, scale, shift)
+    if family == "marian":
+        model.generation_config.bad_words_ids = [[model.config.pad_token_id]]     # as opus-mt's files hold it
+    directory = tmp_path_factory.mktemp(family)
+    model.save_pretrained(directory)
+    out = directory.parent / f"{family}-generate.safetensors"
+    import_hf(directory, out)
+    config, params = load_hf(directory)
+    return family, model, out, (config, params), sources(config)
+
+
+def sources(config) -> np.ndarray:
+    """Four sentences of 7, 5, 3 and 6 tokens ending with eos (as the families' tokenizers end them), padded."""
+    rng = np.random.default_rng(3)
+    words = np.array([i for i in range(config.src_vocab_size) if i not in (config.pad_id, config.eos_id)])
+    src = rng.choice(words, size=(4, 7))
+    for row, length in enumerate((7, 5, 3, 6)):
+        src[row, length - 1] = config.eos_id
+        src[row, length:] = config.pad_id
+    return src
+
+
+def forced(family: str) -> int | None:
+    return LANGUAGE if family == "m2m_100" else None
+
+
+def hf_generate(model, src, pad_id: int, num_beams: int, **options) -> np.ndarray:
+    """transformers' tokens without the decoder start token, as this project returns them."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(src != pad_id).long(),
+                             max_new_tokens=BUDGET, do_sample=False, num_beams=num_beams, **options)
+    return out.numpy()[:, 1:]
+
+
+def hf_options(family: str, early_stopping=False, alpha: float = 1.0) -> dict:
+    options = {"length_penalty": alpha, "early_stopping": early_stopping}
+    return {**options, "forced_bos_token_id": LANGUAGE} if family == "m2m_100" else options
+
+
+def padded(tokens: np.ndarray, width: int, pad_id: int) -> np.ndarray:
+    return np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=pad_id)
+
+
+def assert_same_tokens(mine: np.ndarray, theirs: np.ndarray, pad_id: int) -> None:
+    width = max(mine.shape[1], theirs.shape[1])
+    np.testing.assert_array_equal(padded(mine, width, pad_id), padded(theirs, width, pad_id))
+
+
+def lengths(tokens: np.ndarray, eos_id: int) -> list[int]:
+    """Each row's length up to its eos, or the full width where it has none."""
+    return [int(np.argmax(row == eos_id)) + 1 if (row == eos_id).any() else len(row) for row in tokens]
+
+
+CASES = [("greedy", None, 1.0)] + [("beam", stop, 1.0) for stop in EARLY_STOPPING] + [("beam", False, 2.0)]
+
+
+def decode(decoders, model, src, kind: str, family: str, early_stopping, alpha: float) -> np.ndarray:
+    """One case of :data:`CASES` with a backend's ``greedy_decode`` and ``beam_search`` (``decoders``)."""
+    if kind == "greedy":
+        return decoders.greedy_decode(model, src, forced_bos_id=forced(family))
+    return decoders.beam_search(model, src, 4, alpha, forced_bos_id=forced(family))[0]
+
+
+def with_rule(config, early_stopping):
+    return config.replace(early_stopping=early_stopping)
+
+
+@pytest.fixture(scope="module")
+def expected(family_model):
+    """transformers' tokens for every case of :data:`CASES`."""
+    family, model, _, (config, _), src = family_model
+    return {case: hf_generate(model, src, config.pad_id, 1 if case[0] == "greedy" else 4,
+                              **hf_options(family, *case[1:])) for case in CASES}
+
+
+def test_the_import_sets_the_family_conventions(family_model):
+    family, _, _, (config, _), _ = family_model
+    if family == "marian":
+        assert (config.start_id, config.never_emitted, config.forced_eos) == (config.pad_id, (config.pad_id,), True)
+    else:
+        assert (config.start_id, config.never_emitted, config.forced_eos) == (config.eos_id, (), False)
+    assert (config.length_normalization, config.length_penalty, config.early_stopping) == ("hf", 1.0, False)
+
+
+def test_the_settings_matter(family_model, expected):
+    """The cases are not all one: hypotheses end at different lengths, some at eos before the budget; the length
+    penalty and the early stopping rule change transformers' tokens; so do the start token and the forced token."""
+    family, model, _, (config, _), src = family_model
+    for case in (("greedy", None, 1.0), ("beam", False, 1.0)):
+        assert len(set(lengths(expected[case], config.eos_id))) > 1, case
+    assert min(lengths(expected[("beam", False, 1.0)], config.eos_id)) < BUDGET
+    beams = [expected[("beam", stop, 1.0)] for stop in EARLY_STOPPING] + [expected[("beam", False, 2.0)]]
+    assert len({tokens.tobytes() + bytes(tokens.shape) for tokens in beams}) >= 3
+    other_start = config.eos_id if family == "marian" else config.pad_id
+    changed = hf_generate(model, src, config.pad_id, 1, decoder_start_token_id=other_start, **hf_options(family))
+    assert not np.array_equal(padded(changed, BUDGET, config.pad_id), padded(expected[("greedy", None, 1.0)],
+                                                                             BUDGET, config.pad_id))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case)))
+def test_reference_decodes_as_transformers(family_model, expected, case):
+    family, _, _, (config, params), src = family_model
+    import reference_numpy.decoding as decoders
+    model = Transformer(with_rule(config, case[1] if case[0] == "beam" else False), params)
+    assert_same_tokens(decode(decoders, model, src, *case[:1], family, *case[1:]), expected[case], config.pad_id)
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_ports_decode_as_transformers(family_model, expected, port):
+    """Every port, loading the imported checkpoint in float64, every case with or without its cache in turn (one
+    compiled search per case in JAX and TensorFlow)."""
+    family, _, path, (config, _), src = family_model
+    backend = port_backend(port)
+    with float64_inference(port):
+        base = backend.load(path, "float64")
+        for number, case in enumerate(CASES):
+            model = base if case[0] == "greedy" or case[1] is False else backend.build(
+                with_rule(config, case[1]), backend.export_params(base), "float64")
+            use_cache = number % 2 == 0
+            if case[0] == "greedy":
+                mine = backend.greedy(model, src, use_cache, forced_bos_id=forced(family))
+            else:
+                mine = backend.beam(model, src, 4, case[2], use_cache, forced_bos_id=forced(family))[0]
+            assert_same_tokens(np.asarray(mine), expected[case], config.pad_id)
+
+
+def test_paper_decoding_differs(family_model, expected):
+    """The paper's conventions (start from bos, GNMT's length penalty, nothing forced) decode these models
+    otherwise: the family's conventions are what makes the tokens equal."""
+    family, _, _, (config, params), src = family_model
+    paper = Transformer(config.replace(decoder_start_id=None, suppressed_ids=None, forced_eos=False,
+                                       length_normalization="gnmt", length_penalty=0.6), params)
+    assert not np.array_equal(padded(greedy_decode(paper, src), BUDGET, config.pad_id),
+                              padded(expected[("greedy", None, 1.0)], BUDGET, config.pad_id))
+    assert not np.array_equal(padded(beam_search(paper, src)[0], BUDGET, config.pad_id),
+                              padded(expected[("beam", False, 1.0)], BUDGET, config.pad_id))
+
+
+def test_config_from_generation_config():
+    """generation_config.json's fields (or config.json's, in older files) set the conventions; what the reference
+    cannot follow is refused in one line naming the field."""
+    base = {"model_type": "marian", "vocab_size": 29, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 8, "decoder_ffn_dim": 8,
+            "max_position_embeddings": 8, "activation_function": "swish", "pad_token_id": 28, "eos_token_id": 0,
+            "decoder_start_token_id": 28}
+    generation = {"decoder_start_token_id": 28, "bad_words_ids": [[28]], "forced_eos_token_id": 0,
+                  "length_penalty": 1.5, "early_stopping": "never", "num_beams": 6}
+    config = config_from_hf(base, generation)
+    assert (config.decoder_start_id, config.suppressed_ids, config.forced_eos, config.length_penalty,
+            config.early_stopping) == (28, (28,), True, 1.5, "never")
+    legacy = config_from_hf({**base, "bad_words_ids": [[28]]})
+    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping) == ((28,), False, False)
+    for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", 5), ("early_stopping", 1),
+                         ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0)):
+        with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
+            config_from_hf(base, {**generation, field: value})
+        assert "\n" not in str(info.value)
