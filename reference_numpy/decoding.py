@@ -104,10 +104,34 @@ def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | 
     if forced_bos_id is None:
         return None
     if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
-            or not 0 <= forced_bos_id < config.tgt_vocab_size or forced_bos_id == config.eos_id):
+            or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id == config.eos_id):
         raise ValueError(f"forced_bos_id must be a target token id below tgt_vocab_size ({config.tgt_vocab_size}), "
                          f"not eos_id, got {forced_bos_id!r}")
     return int(forced_bos_id)
+
+
+def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
+                         cache: tuple | None = None, cache_index: int | None = None,
+                         ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
+    """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
+    ``config.never_emitted`` set to -inf so that they are never chosen.
+
+    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
+    :func:`.model.causal_mask` alone: no target position is masked); with a ``cache``
+    (``model.init_cache``) holding positions 0 .. cache_index - 1, ``tgt`` holds only the new positions,
+    from ``cache_index`` on (under the causal mask of ``Transformer.decode``), and the result is
+    ``(log_probs, cache)``. The
+    reference's decoders below do not use the cache: they recompute the whole prefix at every step.
+
+    Shape: tgt (B, T) -> log_probs (B, V).
+    """
+    if cache is None:
+        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
+    else:
+        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
+    log_probs[:, list(model.config.never_emitted)] = -np.inf
+    return log_probs if cache is None else (log_probs, cache)
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
@@ -124,29 +148,6 @@ def force(log_probs: np.ndarray, forced: np.ndarray) -> np.ndarray:
     other token -inf (transformers' forced-token processors), elsewhere they are unchanged. Shape: (B, V), (B,)."""
     one_hot = np.arange(log_probs.shape[1]) == forced[:, None]
     return np.where(forced[:, None] >= 0, np.where(one_hot, 0.0, -np.inf).astype(log_probs.dtype), log_probs)
-
-
-def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
-                         cache: tuple | None = None, cache_index: int | None = None,
-                         ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
-    """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
-    ``config.never_emitted`` set to -inf so that they are never chosen.
-
-    Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
-    :func:`.model.causal_mask` alone: no target position is masked); with a ``cache`` (``model.init_cache``) holding positions
-    0 .. cache_index - 1, ``tgt`` holds only the new positions, from ``cache_index`` on (under the
-    causal mask of ``Transformer.decode``), and the result is ``(log_probs, cache)``. The
-    reference's decoders below do not use the cache: they recompute the whole prefix at every step.
-
-    Shape: tgt (B, T) -> log_probs (B, V).
-    """
-    if cache is None:
-        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
-    else:
-        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
-    log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
-    log_probs[:, list(model.config.never_emitted)] = -np.inf
-    return log_probs if cache is None else (log_probs, cache)
 
 
 def greedy_decode(model: Transformer, src: np.ndarray, forced_bos_id: int | None = None) -> np.ndarray:

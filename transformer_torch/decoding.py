@@ -99,7 +99,7 @@ def forced_tokens(config: TransformerConfig, step: int, limits: Tensor, forced_b
     """The token each row is forced to emit at ``step`` (the reference's ``forced_tokens``): ``forced_bos_id`` at
     step 1, eos at the row's last step with ``config.forced_eos``, -1 where none. Shape: limits (N,) -> (N,)."""
     forced = torch.full_like(limits, -1 if forced_bos_id is None or step != 1 else forced_bos_id)
-    return torch.where((step == limits) & config.forced_eos, config.eos_id, forced)
+    return torch.where((limits == step) & config.forced_eos, config.eos_id, forced)
 
 
 def force(log_probs: Tensor, forced: Tensor) -> Tensor:
