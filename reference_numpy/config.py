@@ -30,6 +30,7 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "halves", "fairseq")
 LENGTH_NORMALIZATIONS = ("gnmt", "hf")
 # transformers' ``early_stopping`` (GenerationConfig): when an "hf" beam search stops (reference_numpy/decoding.py)
 EARLY_STOPPING = (False, True, "never")
+LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, the default of ``length_penalty``
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -149,7 +150,7 @@ class TransformerConfig(_Config):
     suppressed_ids: tuple[int, ...] | None = None
     forced_eos: bool = False
     length_normalization: str = "gnmt"
-    length_penalty: float = 0.6
+    length_penalty: float = LENGTH_PENALTY_ALPHA
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:

@@ -57,13 +57,12 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .config import TransformerConfig
+from .config import LENGTH_PENALTY_ALPHA, TransformerConfig
 from .model import Transformer, causal_mask, padding_mask
 from .precision import score_dtype
 
 EXTRA_OUTPUT_LENGTH = 50   # section 6.1: maximum output length = input length + 50
-BEAM_SIZE = 4              # section 6.1
-LENGTH_PENALTY_ALPHA = 0.6  # section 6.1
+BEAM_SIZE = 4              # section 6.1 (its alpha 0.6, LENGTH_PENALTY_ALPHA, is the config's length_penalty default)
 
 
 class _Configured(Protocol):
@@ -86,11 +85,13 @@ def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA, normalizati
     return ((5.0 + length) / 6.0) ** alpha if normalization == "gnmt" else float(length) ** alpha
 
 
-def check_decoding_args(config: TransformerConfig, beam_size: object, alpha: object) -> tuple[int, float]:
-    """``beam_size`` and ``alpha`` (None: ``config.length_penalty``) as a Python int and float, with one-line
-    errors shared by every backend: beam_size is a positive integer (not a bool); alpha a finite real number >= 0
-    (a negative alpha would make lp(Y) shrink with length, and the stopping rules rely on it growing)."""
-    alpha = config.length_penalty if alpha is None else alpha
+def check_decoding_args(beam_size: object, alpha: object, config: TransformerConfig | None = None) -> tuple[int, float]:
+    """``beam_size`` and ``alpha`` (None: ``config.length_penalty``, or section 6.1's 0.6 without a config) as a
+    Python int and float, with one-line errors shared by every backend: beam_size is a positive integer (not a
+    bool); alpha a finite real number >= 0 (a negative alpha would make lp(Y) shrink with length, and the stopping
+    rules rely on it growing)."""
+    if alpha is None:
+        alpha = LENGTH_PENALTY_ALPHA if config is None else config.length_penalty
     if not isinstance(beam_size, numbers.Integral) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
     if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or not 0.0 <= float(alpha) < math.inf:
@@ -217,7 +218,7 @@ def _beam_steps(model: Transformer, src: np.ndarray, beam_size: int, alpha: floa
     """The search of :func:`beam_search`, step by step: for each source sentence in turn, the iterator of its
     steps (consume each before the next). Its last step's ``finished`` holds every hypothesis the search scored."""
     cfg = model.config
-    beam_size, alpha = check_decoding_args(cfg, beam_size, alpha)
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
     search = _Search(beam_size, check_forced_bos(cfg, forced_bos_id), alpha, cfg.length_normalization,
                      cfg.early_stopping)
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids

@@ -21,6 +21,8 @@ than the float32 policy's bound.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from support import FRAMEWORKS, float64_inference, port_backend
@@ -210,6 +212,19 @@ def test_paper_decoding_differs(family_model, expected):
                               padded(expected[("greedy", None, 1.0)], BUDGET, config.pad_id))
     assert not np.array_equal(padded(beam_search(paper, src)[0], BUDGET, config.pad_id),
                               padded(expected[("beam", False, 1.0)], BUDGET, config.pad_id))
+
+
+def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, expected):
+    """translate's Translator (``--beam 4``, no ``--alpha``): the checkpoint's length_penalty and conventions, and
+    the forced first token it is given."""
+    family, _, path, (config, _), src = family_model
+    from transformer_cli.backends import numpy as adapter
+    from transformer_cli.commands.translate import Translator
+    tokenizer = SimpleNamespace(config=config)          # token_ids reads the tokenizer's config alone
+    translator = Translator(adapter, adapter.load(path), tokenizer, beam_size=4, forced_bos_id=forced(family))
+    assert translator.alpha == config.length_penalty == 1.0
+    rows = [[int(token) for token in row if token != config.pad_id] for row in src]
+    assert_same_tokens(translator.token_ids(rows), expected[("beam", False, 1.0)], config.pad_id)
 
 
 def test_config_from_generation_config():

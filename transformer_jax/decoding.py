@@ -233,7 +233,7 @@ def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SI
     bfloat16 and float16).
     """
     cfg = model.config
-    beam_size, alpha = check_decoding_args(cfg, beam_size, alpha)
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
     forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     src = _checked_source(model, src)
     limits = max_output_lengths(model, np.asarray(src))                          # (B,)

@@ -246,7 +246,7 @@ def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, 
     bfloat16 or float16 model).
     """
     cfg = model.config
-    beam_size, alpha = check_decoding_args(cfg, beam_size, alpha)
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
     forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     src = _checked_source(model, src)
     penalties = [length_penalty(n, alpha, cfg.length_normalization) for n in range(_buffer_length(model, src) + 1)]

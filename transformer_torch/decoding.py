@@ -189,7 +189,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     the length-normalized scores (B,).
     """
     cfg = model.config
-    beam_size, alpha = check_decoding_args(cfg, beam_size, alpha)
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
     forced_bos_id, k = check_forced_bos(cfg, forced_bos_id), beam_size
     src = _checked_source(model, src)
     memory = model.encode(src)
