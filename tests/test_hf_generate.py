@@ -21,6 +21,8 @@ than the float32 policy's bound.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,7 +30,8 @@ import pytest
 from support import FRAMEWORKS, float64_inference, port_backend
 from test_hf_import import build
 
-from reference_numpy import Transformer
+from reference_numpy import Transformer, TransformerConfig, init_params
+from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import beam_search, greedy_decode
 from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
 
@@ -43,6 +46,8 @@ SETTINGS = {"marian": (2, 0.5, 1.0), "m2m_100": (2, 0.5, 2.0)}
 LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
 BUDGET = 40                        # max_position_embeddings of test_hf_import's configs: every sentence's budget
 EARLY_STOPPING = (False, True, "never")
+CONVENTIONS = ("decoder_start_id", "suppressed_ids", "forced_eos", "length_normalization", "length_penalty",
+               "early_stopping")
 
 
 def natural(model, family: str, seed: int, scale: float, shift: float):
@@ -225,6 +230,51 @@ def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, e
     assert translator.alpha == config.length_penalty == 1.0
     rows = [[int(token) for token in row if token != config.pad_id] for row in src]
     assert_same_tokens(translator.token_ids(rows), expected[("beam", False, 1.0)], config.pad_id)
+
+
+def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
+    """The checkpoint records the conventions; a config without them (an older file's) is the paper's decoding."""
+    _, _, path, (config, _), _ = family_model
+    assert load_checkpoint(path)[0] == config
+    older = {name: value for name, value in config.to_dict().items() if name not in CONVENTIONS}
+    paper = TransformerConfig.from_dict(older)
+    assert (paper.start_id, paper.never_emitted, paper.forced_eos, paper.length_normalization, paper.length_penalty,
+            paper.early_stopping) == (paper.bos_id, (paper.pad_id, paper.bos_id), False, "gnmt", 0.6, False)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("decoder_start_id", 99, "decoder_start_id (99) must be below tgt_vocab_size"),
+    ("decoder_start_id", True, "decoder_start_id must be an int"),
+    ("suppressed_ids", "1", "suppressed_ids must be a list of token ids"),
+    ("suppressed_ids", [1, 2], "suppressed_ids must be ids below tgt_vocab_size (23), eos_id (2) not among them"),
+    ("forced_eos", 1, "forced_eos must be a bool"),
+    ("length_normalization", "marian", "length_normalization must be one of ('gnmt', 'hf')"),
+    ("length_penalty", -0.5, "length_penalty must be a finite number >= 0"),
+    ("early_stopping", "always", "early_stopping must be one of False, True, 'never'"),
+    ("early_stopping", True, "early_stopping True needs length_normalization 'hf'"),
+])
+def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
+    with pytest.raises(ValueError) as info:
+        TransformerConfig.preset("tiny", **{field: value})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [-1, 23, 2, 1.0, True, "5"])
+def test_a_bad_forced_bos_id_is_the_same_error_in_every_backend(bad):
+    """forced_bos_id: a target id, not eos (2), below the target vocabulary (23), in both decoders of every
+    installed backend, with the reference's text."""
+    config = TransformerConfig.preset("tiny")
+    params = init_params(config, seed=0)
+    src = np.array([[5, 6, 2]])
+    expected = (f"forced_bos_id must be a target token id below tgt_vocab_size (23), not eos_id, got {bad!r}")
+    for name in ["numpy", *(port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework))]:
+        backend = importlib.import_module(f"transformer_cli.backends.{name}")
+        model = backend.build(config, params, "float64")
+        for call in (lambda: backend.greedy(model, src, forced_bos_id=bad),
+                     lambda: backend.beam(model, src, 2, None, forced_bos_id=bad)):
+            with pytest.raises(ValueError) as info:
+                call()
+            assert str(info.value) == expected, name
 
 
 def test_config_from_generation_config():
