@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -296,3 +298,60 @@ def test_config_from_generation_config():
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def ctranslate2_marian(tmp_path_factory):
+    """The Marian model of :data:`SETTINGS` in float32 (CTranslate2 stores no float64), its pad embedding zero (as
+    in opus-mt's files: CTranslate2 starts the decoder from a zero embedding, not from pad's row), with a
+    MarianTokenizer (a SentencePiece model trained on the spot, which the converter only loads, and a vocabulary
+    naming the model's ids), converted by CTranslate2's own TransformersConverter; returns (CTranslate2's
+    translator, its vocabulary, transformers' model, the imported (config, params) in float64)."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2)")
+    sentencepiece = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed: MarianTokenizer, "
+                                                                "which CTranslate2's converter loads, needs it")
+    from ctranslate2.converters import TransformersConverter
+    seed, scale, shift = SETTINGS["marian"]
+    model = natural(build("marian", seed=seed).double(), "marian", seed, scale, shift).float()
+    pad = model.config.pad_token_id
+    with torch.no_grad():
+        model.model.shared.weight[pad] = 0.0
+    model.generation_config.bad_words_ids = [[pad]]
+    root = tmp_path_factory.mktemp("ctranslate2")
+    directory = root / "marian"
+    model.save_pretrained(directory)
+    (root / "text.txt").write_text("\n".join(["a b c d e f g h i j k l m n o p"] * 20))
+    sentencepiece.SentencePieceTrainer.train(input=str(root / "text.txt"), model_prefix=str(root / "sp"),
+                                             vocab_size=16, model_type="word", minloglevel=2)
+    vocabulary = {"</s>": 0, "<unk>": 1, **{f"t{i}": i for i in range(2, pad)}, "<pad>": pad}
+    (directory / "vocab.json").write_text(json.dumps(vocabulary))
+    for name in ("source.spm", "target.spm"):
+        shutil.copy(root / "sp.model", directory / name)
+    transformers.MarianTokenizer(str(directory / "source.spm"), str(directory / "target.spm"),
+                                 str(directory / "vocab.json")).save_pretrained(directory)
+    TransformersConverter(str(directory)).convert(str(root / "ct2"), force=True)
+    return (ctranslate2.Translator(str(root / "ct2"), device="cpu", intra_threads=1), vocabulary, model,
+            load_hf(directory, dtype=np.float64))
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_marian, beam_size):
+    """CTranslate2 as a third engine, where its rules are transformers': its Marian converter drops the pad token
+    (never produced, as ``bad_words_ids`` [[pad]]) and starts from a zero embedding (pad's row, zero here); its beam
+    search stops once ``beam_size`` hypotheses have finished, transformers' ``early_stopping=True``, with
+    ``min_decoding_length=0`` (its default 1 forbids eos first) and length_penalty |Y|^1. Where they differ: it
+    forces no eos at the maximum length (the comparison turns Marian's ``forced_eos_token_id`` off in all three)."""
+    translator, vocabulary, model, (config, params) = ctranslate2_marian
+    src, names = sources(config), {index: token for token, index in vocabulary.items()}
+    batch = [[names[int(token)] for token in row if token != config.pad_id] for row in src]
+    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=BUDGET, length_penalty=1.0,
+                                         min_decoding_length=0, return_end_token=True)
+    theirs = np.array([([vocabulary[token] for token in result.hypotheses[0]] + [config.pad_id] * BUDGET)[:BUDGET]
+                       for result in results])
+    expected = hf_generate(model, src, config.pad_id, beam_size, length_penalty=1.0, early_stopping=True,
+                           forced_eos_token_id=None)
+    mine = Transformer(config.replace(forced_eos=False, early_stopping=True), params)
+    ours = greedy_decode(mine, src) if beam_size == 1 else beam_search(mine, src, beam_size)[0]
+    assert_same_tokens(theirs, expected, config.pad_id)
+    assert_same_tokens(ours, expected, config.pad_id)
+    assert len(set(lengths(expected, config.eos_id))) > 1
