@@ -348,8 +348,8 @@ def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_maria
                                          min_decoding_length=0, return_end_token=True)
     theirs = np.array([([vocabulary[token] for token in result.hypotheses[0]] + [config.pad_id] * BUDGET)[:BUDGET]
                        for result in results])
-    expected = hf_generate(model, src, config.pad_id, beam_size, length_penalty=1.0, early_stopping=True,
-                           forced_eos_token_id=None)
+    beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
+    expected = hf_generate(model, src, config.pad_id, beam_size, forced_eos_token_id=None, **beam_options)
     mine = Transformer(config.replace(forced_eos=False, early_stopping=True), params)
     ours = greedy_decode(mine, src) if beam_size == 1 else beam_search(mine, src, beam_size)[0]
     assert_same_tokens(theirs, expected, config.pad_id)
