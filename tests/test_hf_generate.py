@@ -1,9 +1,9 @@
 """Hugging Face's decoding conventions against transformers' own ``generate``: tiny random Marian and M2M100 models
-built by transformers (``test_hf_import.build``), saved with ``save_pretrained`` and imported, decode the same tokens
-in the reference and in every installed port as transformers does, greedy and beam 4 with the family's conventions
-(Marian: start from pad, pad never produced -- opus-mt's ``bad_words_ids`` [[pad]] --, eos forced at the maximum
-length; M2M100: start from eos, the forced target-language token), HF's length normalization |Y|^alpha and each of
-its ``early_stopping`` rules, on a padded batch of several source lengths.
+built by transformers (``support.build``, tests/test_hf_import.py's), saved with ``save_pretrained`` and imported,
+decode the same tokens in the reference and in every installed port as transformers does, greedy and beam 4 with
+the family's conventions (Marian: start from pad, pad never produced -- opus-mt's ``bad_words_ids`` [[pad]] --, eos
+forced at the maximum length; M2M100: start from eos, the forced target-language token), HF's length normalization
+|Y|^alpha and each of its ``early_stopping`` rules, on a padded batch of several source lengths.
 
 transformers is the outside implementation: it shares no code with the project's decoders. The models are made to
 end at different lengths (``natural``: LayerNorm gains near 1, flatter logits, eos more likely), and the test
@@ -13,10 +13,11 @@ and forced tokens, and the hypotheses end at different lengths (eos reached, or 
 Budgets: transformers' maximum length is one per batch; the project's is per sentence (source length + 50, capped
 at ``max_len``). The sources here are short and ``max_len`` is 40, so every budget is 40 = ``max_new_tokens``.
 
-Precision: transformers ranks its candidates in float32 even in a float64 model (``generate`` casts the logits);
-the tokens are compared, which agree wherever no two candidates are within float32 rounding of each other, checked
-by :func:`separation`. float32 ports are compared where the float64 reference's candidates are separated by more
-than the float32 policy's bound.
+Precision: transformers ranks its candidates in float32 even in a float64 model (``generate`` casts the logits to
+float32 before its log-softmax and its sums); tokens are compared, not scores, and they agree unless two candidates
+fall within float32 rounding of each other (no tolerance enters; a near-tie would fail the test and be traced, not
+loosened). The ports run the imported checkpoint in float64. CTranslate2, which stores no float64, is compared in
+float32 on a Marian model (its own converter; :func:`test_ctranslate2_decodes_as_transformers_and_the_reference`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS, float64_inference, port_backend
-from test_hf_import import build
+from support import FRAMEWORKS, build, float64_inference, port_backend
 
 from reference_numpy import Transformer, TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
@@ -42,11 +42,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed: transformer
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
                                                           "these tests decode with are built with it")
 
-# (seed of test_hf_import.build, the decoder's output scale, the eos logit's shift), chosen so that hypotheses end
+# (seed of support.build, the decoder's output scale, the eos logit's shift), chosen so that hypotheses end
 # at different lengths and each rule changes the tokens (asserted in test_the_settings_matter)
 SETTINGS = {"marian": (2, 0.5, 1.0), "m2m_100": (2, 0.5, 2.0)}
 LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
-BUDGET = 40                        # max_position_embeddings of test_hf_import's configs: every sentence's budget
+BUDGET = 40                        # max_position_embeddings of support.MARIAN and M2M100: every sentence's budget
 EARLY_STOPPING = (False, True, "never")
 CONVENTIONS = ("decoder_start_id", "suppressed_ids", "forced_eos", "length_normalization", "length_penalty",
                "early_stopping")
