@@ -208,7 +208,8 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
     def advance(carry):
         index, history, done, cache = carry
         log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache)   # (B, V)
-        log_probs = force(log_probs, forced_tokens(cfg, index + 1, limits, forced_bos_id))
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, index + 1, limits, forced_bos_id))
         token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)              # first max = lowest id
         token = jnp.where(done, cfg.pad_id, token)
         history = history.at[:, index + 1].set(token)
@@ -277,13 +278,15 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
         index, history, live_scores, cache, best, kept, done = carry
         length = index + 1                                                       # tokens after this step
         log_probs, cache = _step(model, history, length, memory, src_mask, cache)   # (N, V)
-        log_probs = force(log_probs, forced_tokens(cfg, length, row_limits, forced_bos_id))
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, length, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.reshape(batch, k, -1)   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams].at[:, :, length].set(tokens)           # (B, 2K, M + 1)
         ended = jnp.where(finishing & ~done[:, None], scores / penalties[length], -jnp.inf)
         best = _keep_best(best, ended, rows, length)
-        kept = lax.top_k(jnp.concatenate([kept, ended], axis=1), k)[0]           # (B, K): best finished scores
+        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+            kept = lax.top_k(jnp.concatenate([kept, ended], axis=1), k)[0]       # (B, K): best finished scores
         live_scores = jnp.take_along_axis(scores, keep, axis=1)                  # (B, K), descending
         rows = jnp.take_along_axis(rows, keep[:, :, None], axis=1)               # (B, K, M + 1)
         cache = _reorder_own(cache, (first_row + jnp.take_along_axis(beams, keep, axis=1)).reshape(-1))

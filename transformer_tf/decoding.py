@@ -223,7 +223,8 @@ def _greedy(model: Transformer, use_cache: bool, forced_bos_id: int | None, src:
 
     def body(t, tokens, done, cache):
         log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight)   # (B, V)
-        log_probs = force(log_probs, forced_tokens(cfg, t, limits, forced_bos_id))
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, t, limits, forced_bos_id))
         token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
         token = tf.where(done, pad, token)
         done = done | (token == cfg.eos_id) | (t >= limits)
@@ -281,13 +282,15 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, forced_bos_id: in
 
     def body(t, history, live_scores, cache, best, kept, done):
         log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight)   # (N, V)
-        log_probs = force(log_probs, forced_tokens(cfg, t, row_limits, forced_bos_id))
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, t, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = _put(tf.gather(history, first_row + beams), tokens, t)         # (B, 2K, L + 1)
         ended = tf.where(finishing & ~done[:, None], scores / penalties[t], never)
         best = _keep_best(best, ended, rows, t)
-        kept = tf.math.top_k(tf.concat([kept, ended], axis=1), k).values     # (B, K): best finished scores
+        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+            kept = tf.math.top_k(tf.concat([kept, ended], axis=1), k).values  # (B, K): best finished scores
         live_scores = tf.gather(scores, keep, batch_dims=1)                  # (B, K), descending
         rows = tf.gather(rows, keep, batch_dims=1)                           # (B, K, L + 1)
         cache = _reorder_own(cache, tf.reshape(first_row + tf.gather(beams, keep, batch_dims=1), [-1]))

@@ -165,7 +165,8 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, tokens, step, memory, src_mask, cache)
-        log_probs = force(log_probs, forced_tokens(cfg, step, limits, forced_bos_id))
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, step, limits, forced_bos_id))
         token = log_probs.argmax(dim=-1)                                   # (B,)
         token = torch.where(done, cfg.pad_id, token)
         tokens[:, step] = token
@@ -215,14 +216,16 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, history, step, memory, src_mask, cache)   # (N, V)
-        log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams]                                        # (B, 2K, M + 1)
         rows[:, :, step] = tokens
         ended = torch.where(finishing & ~done[:, None], scores / penalties[step], -torch.inf)
         best = _keep_best(best, ended, rows, step)
-        kept = torch.cat([kept, ended], dim=1).topk(k, dim=1).values             # (B, K), descending
+        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+            kept = torch.cat([kept, ended], dim=1).topk(k, dim=1).values         # (B, K), descending
         live_scores = scores.gather(1, keep)                                     # (B, K), descending
         rows = rows.gather(1, keep[:, :, None].expand(-1, -1, rows.shape[2]))    # (B, K, M + 1)
         cache = _reorder_own(cache, (first_row + beams.gather(1, keep)).view(-1))
