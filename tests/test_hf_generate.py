@@ -16,8 +16,11 @@ at ``max_len``). The sources here are short and ``max_len`` is 40, so every budg
 Precision: transformers ranks its candidates in float32 even in a float64 model (``generate`` casts the logits to
 float32 before its log-softmax and its sums); tokens are compared, not scores, and they agree unless two candidates
 fall within float32 rounding of each other (no tolerance enters; a near-tie would fail the test and be traced, not
-loosened). The ports run the imported checkpoint in float64. CTranslate2, which stores no float64, is compared in
-float32 on a Marian model (its own converter; :func:`test_ctranslate2_decodes_as_transformers_and_the_reference`).
+loosened). The ports run the imported checkpoint in float64; in float32 their greedy tokens are compared on the rows
+whose every decision is separated by more than twice the float32 policy's bound
+(:func:`test_float32_ports_decode_as_transformers_where_well_separated`). CTranslate2, which stores no float64, is
+compared in float32 on a Marian model (its own converter;
+:func:`test_ctranslate2_decodes_as_transformers_and_the_reference`).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import numpy as np
 import pytest
 from support import FRAMEWORKS, build, float64_inference, port_backend
 
+from equivalence import tolerance
 from reference_numpy import Transformer, TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import beam_search, greedy_decode
 from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
+from reference_numpy.model import causal_mask
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
                                             "'.[torch]')")
@@ -207,6 +212,39 @@ def test_ports_decode_as_transformers(family_model, expected, port):
             else:
                 mine = backend.beam(model, src, 4, case[2], use_cache, forced_bos_id=forced(family))[0]
             assert_same_tokens(np.asarray(mine), expected[case], config.pad_id)
+
+
+def greedy_decisions(config, params, src, tokens, dtype) -> np.ndarray:
+    """The log-probabilities each greedy step chose from, teacher-forced on ``tokens`` (B, L) (the causal decoder
+    sees at step t exactly the prefix that step saw), the suppressed tokens at -inf. Shape: (B, L, V)."""
+    tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)
+    log_probs = Transformer(config, params, dtype)(src, tgt, tgt_mask=causal_mask(tgt.shape[1])).astype(np.float64)
+    log_probs[..., list(config.never_emitted)] = -np.inf
+    return log_probs
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_float32_ports_decode_as_transformers_where_well_separated(family_model, expected, port):
+    """Greedy in float32, on the rows whose every free decision (not a forced step, before the row's end) is
+    separated by more than twice the float32 policy's bound (``tolerance.float32_bound``: the float32 reference's
+    own error on these log-probabilities, x its factor): there a port within the bound cannot choose otherwise."""
+    family, _, path, (config, params), src = family_model
+    theirs = expected[("greedy", None, 1.0)]
+    lp64 = greedy_decisions(config, params, src, theirs, np.float64)
+    lp32 = greedy_decisions(config, params, src, theirs, np.float32)
+    finite = np.isfinite(lp64)
+    bound = tolerance.float32_bound(lp64[finite], lp32[finite])
+    top_two = np.sort(lp64, axis=-1)[..., -2:]
+    gaps = top_two[..., 1] - top_two[..., 0]                                          # (B, L)
+    step = np.arange(1, theirs.shape[1] + 1)
+    free = step[None, :] <= np.array(lengths(theirs, config.eos_id))[:, None]
+    free &= ~((step == 1) & (forced(family) is not None))[None, :]
+    free &= ~((step == BUDGET) & config.forced_eos)[None, :]
+    separated = np.all(np.where(free, gaps > 2 * bound, True), axis=1)              # (B,)
+    assert separated.sum() >= 2, (gaps, bound)
+    backend = port_backend(port)
+    mine = np.asarray(backend.greedy(backend.load(path, "float32"), src, forced_bos_id=forced(family)))
+    assert_same_tokens(mine[separated], theirs[separated], config.pad_id)
 
 
 def test_paper_decoding_differs(family_model, expected):
