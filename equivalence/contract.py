@@ -17,7 +17,7 @@ import numpy as np
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
-from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.decoding import BEAM_SIZE
 from reference_numpy.training import LABEL_SMOOTHING
 
 Model = Any       # the backend's own Transformer
@@ -87,13 +87,14 @@ class Backend(Protocol):
         own backward pass, in the model's dtype; ``grad_out`` is rounded to it first."""
         ...
 
-    def greedy(self, model: Model, src: Tokens, use_cache: bool = True) -> np.ndarray:
-        """Greedy tokens (B, L) without bos, right-padded with pad_id (section 6.1, the rules of
-        ``reference_numpy/decoding.py``)."""
+    def greedy(self, model: Model, src: Tokens, use_cache: bool = True, forced_bos_id: int | None = None
+               ) -> np.ndarray:
+        """Greedy tokens (B, L) without the start token, right-padded with pad_id (section 6.1, the rules of
+        ``reference_numpy/decoding.py``; ``forced_bos_id`` the forced first token)."""
         ...
 
-    def beam(self, model: Model, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
-             use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def beam(self, model: Model, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+             use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Beam-search tokens (B, L) as :meth:`greedy`, and the length-normalized scores (B,) (section 6.1)."""
         ...
 

@@ -24,6 +24,13 @@ ACTIVATIONS = ("relu", "silu", "gelu")
 # How the sinusoidal table lays out its sines and cosines (section 3.5's interleaved pairs; Marian's halves;
 # fairseq's halves over other frequencies and positions, M2M100/NLLB).
 SINUSOIDAL_LAYOUTS = ("interleaved", "halves", "fairseq")
+# How beam search normalizes a hypothesis's log-probability by its length, and which bookkeeping it follows
+# (reference_numpy/decoding.py): "gnmt", section 6.1's ((5 + |Y|) / 6)^alpha (Wu et al., 2016) with this project's
+# exact stopping rule; "hf", Hugging Face's |Y|^alpha with transformers' ``generate`` bookkeeping.
+LENGTH_NORMALIZATIONS = ("gnmt", "hf")
+# transformers' ``early_stopping`` (GenerationConfig): when an "hf" beam search stops (reference_numpy/decoding.py)
+EARLY_STOPPING = (False, True, "never")
+LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, the default of ``length_penalty``
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -102,6 +109,21 @@ class TransformerConfig(_Config):
             (Marian's ``final_logits_bias``); the paper's projection has none (section 3.4).
 
     The last four default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
+
+    Decoding conventions (``reference_numpy/decoding.py``; the defaults are section 6.1's, so a checkpoint without
+    them decodes as before; Hugging Face's families set them on import, ``reference_numpy/hf_import.py``):
+
+    Attributes:
+        decoder_start_id: the token the decoder starts from (transformers' ``decoder_start_token_id``: Marian's pad,
+            M2M100/NLLB's eos); None is ``bos_id``. The decoder masks no target position in decoding (the causal
+            mask alone), so a start token equal to pad is read, as transformers reads it.
+        suppressed_ids: the tokens decoding never produces (their log-probabilities are -inf; transformers'
+            ``bad_words_ids`` of one token each: Marian's pad); None is (pad_id, bos_id), the paper's.
+        forced_eos: the last token of the output budget is eos (transformers' ``forced_eos_token_id``, Marian's).
+        length_normalization: beam search's "gnmt" (section 6.1) or "hf" (transformers' ``generate``).
+        length_penalty: beam search's alpha when a call gives none (0.6, section 6.1; transformers'
+            ``length_penalty``, 1.0 by default).
+        early_stopping: transformers' ``early_stopping`` (False, True or "never"), for "hf" only.
     """
 
     src_vocab_size: int = 37000
@@ -124,6 +146,12 @@ class TransformerConfig(_Config):
     sinusoidal_layout: str = "interleaved"
     scale_embeddings: bool = True
     output_bias: bool = False
+    decoder_start_id: int | None = None
+    suppressed_ids: tuple[int, ...] | None = None
+    forced_eos: bool = False
+    length_normalization: str = "gnmt"
+    length_penalty: float = LENGTH_PENALTY_ALPHA
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         """Validate every field; NumPy scalars (``np.int64(16)``, ``np.float32(0.1)``, ``np.bool_``)
@@ -133,9 +161,9 @@ class TransformerConfig(_Config):
             self._store(name, _as_int(name, getattr(self, name), minimum=1))
         for name in ("pad_id", "bos_id", "eos_id"):
             self._store(name, _as_int(name, getattr(self, name), minimum=0))
-        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias"):
+        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias", "forced_eos"):
             self._store(name, _as_bool(name, getattr(self, name)))
-        for name in ("dropout", "layer_norm_eps"):
+        for name in ("dropout", "layer_norm_eps", "length_penalty"):
             self._store(name, _as_float(name, getattr(self, name)))
         for name in ("positional_encoding", "activation", "sinusoidal_layout"):
             if isinstance(getattr(self, name), str):
@@ -171,6 +199,46 @@ class TransformerConfig(_Config):
                 raise ValueError(f"{name} ({getattr(self, name)}) must be below both vocabulary sizes")
         if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
             raise ValueError("pad_id, bos_id and eos_id must be three different ids")
+        self._check_decoding_conventions()
+
+    def _check_decoding_conventions(self) -> None:
+        """The decoding fields (see the class docstring), validated; ``suppressed_ids`` stored as a tuple."""
+        vocab = self.tgt_vocab_size
+        if self.decoder_start_id is not None:
+            self._store("decoder_start_id", _as_int("decoder_start_id", self.decoder_start_id, minimum=0))
+            if self.decoder_start_id >= vocab:
+                raise ValueError(f"decoder_start_id ({self.decoder_start_id}) must be below tgt_vocab_size ({vocab})")
+        if self.suppressed_ids is not None:
+            if isinstance(self.suppressed_ids, (str, bytes)) or not isinstance(self.suppressed_ids, (list, tuple)):
+                raise ValueError(f"suppressed_ids must be a list of token ids, got {self.suppressed_ids!r}")
+            ids = tuple(_as_int("suppressed_ids", token, minimum=0) for token in self.suppressed_ids)
+            if any(token >= vocab for token in ids) or self.eos_id in ids:
+                raise ValueError(f"suppressed_ids must be ids below tgt_vocab_size ({vocab}), eos_id ({self.eos_id}) "
+                                 f"not among them, got {list(ids)}")
+            self._store("suppressed_ids", ids)
+        if self.length_normalization not in LENGTH_NORMALIZATIONS:
+            raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
+                             f"got {self.length_normalization!r}")
+        if not self.length_penalty >= 0.0:
+            raise ValueError(f"length_penalty must be a finite number >= 0, got {self.length_penalty!r}")
+        if isinstance(self.early_stopping, np.bool_):
+            self._store("early_stopping", bool(self.early_stopping))
+        if not any(self.early_stopping is value or (isinstance(value, str) and self.early_stopping == value)
+                   for value in EARLY_STOPPING):
+            raise ValueError(f"early_stopping must be one of False, True, 'never', got {self.early_stopping!r}")
+        if self.early_stopping is not False and self.length_normalization != "hf":
+            raise ValueError(f"early_stopping {self.early_stopping!r} needs length_normalization 'hf' (the 'gnmt' "
+                             "search stops by its own exact rule)")
+
+    @property
+    def start_id(self) -> int:
+        """The token decoding starts from: ``decoder_start_id``, or ``bos_id`` when it is None (section 6.1)."""
+        return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
+
+    @property
+    def never_emitted(self) -> tuple[int, ...]:
+        """The tokens decoding never produces: ``suppressed_ids``, or (pad_id, bos_id) when it is None."""
+        return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids
 
     @property
     def d_k(self) -> int:

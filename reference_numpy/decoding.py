@@ -3,26 +3,44 @@
 The rules, shared by every port so that all backends produce identical tokens
 (see ``docs/reference.md``):
 
-* the output starts after ``bos_id``; a sequence ends when it emits ``eos_id`` (kept in the
-  output) or when it has ``max_output_length`` tokens: its number of non-pad source tokens
-  + 50, capped at ``config.max_len`` (section 6.1: "maximum output length ... input length + 50");
-* outputs are returned without ``bos_id``, right-padded with ``pad_id``; the decoder never emits
-  ``pad_id`` or ``bos_id`` (their log-probabilities are set to -inf before choosing);
+* the output starts after the decoder start token ``config.start_id`` (``decoder_start_id``, by default
+  ``bos_id``); a sequence ends when it emits ``eos_id`` (kept in the output) or when it has
+  ``max_output_length`` tokens: its number of non-pad source tokens + 50, capped at ``config.max_len``
+  (section 6.1: "maximum output length ... input length + 50");
+* outputs are returned without the start token, right-padded with ``pad_id``; the decoder never emits the
+  tokens of ``config.never_emitted`` (``suppressed_ids``, by default pad_id and bos_id: their log-probabilities
+  are set to -inf before choosing); the decoder reads its prefix under the causal mask alone (no target position
+  is masked: a start token equal to pad, Marian's, is read as transformers reads it);
+* forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
+  ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code) the first output token is
+  it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is eos.
+  A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
-* beam search: beam size 4 and length penalty lp(Y) = ((5 + |Y|) / 6)^alpha, alpha = 0.6
-  (Wu et al., 2016); a finished hypothesis scores log P(Y) / lp(Y), |Y| counting eos.
-  Candidates (beam b, token v) are ranked by the summed log-probability, ties going to the
-  lower b, then the lower v. Walking the ranking, an eos candidate among the first
-  ``beam_size`` ranks finishes a hypothesis (other eos candidates are dropped) and the first
-  ``beam_size`` non-eos candidates of finite score are the next live beams (impossible ones,
-  such as pad and bos, never are; a small vocabulary can leave fewer than ``beam_size`` beams,
-  or none: when only eos can follow, the eos candidates finish and the search ends). Search
-  stops at the maximum length (the live beams are then scored as finished, after that step's
-  eos hypotheses), when no live beam is left, or as soon as no live beam can beat the best
-  finished one: max_b logP_b / lp(max length) <= best finished score (log-probabilities only
-  fall and lp only grows, so stopping never changes the result). The best score wins; a tie
-  goes to the hypothesis finished first: the earlier step, then, within a step, the eos
-  hypotheses in rank order, then the live beams the maximum length finishes, in rank order.
+* beam search: beam size 4. Candidates (beam b, token v) are ranked by the summed log-probability, ties going to
+  the lower b, then the lower v. Walking the ranking, an eos candidate of finite score among the first
+  ``beam_size`` ranks finishes a hypothesis (other eos candidates are dropped) and the first ``beam_size`` non-eos
+  candidates of finite score are the next live beams (impossible ones, such as pad and bos, never are; a small
+  vocabulary can leave fewer than ``beam_size`` beams, or none: when only eos can follow, the eos candidates
+  finish and the search ends). At the maximum length the live beams are scored as finished, after that step's
+  eos hypotheses. A finished hypothesis scores log P(Y) / lp(|Y|), |Y| counting eos (and a forced first token).
+  The best score wins; a tie goes to the hypothesis finished first: the earlier step, then, within a step, the
+  eos hypotheses in rank order, then the live beams the maximum length finishes, in rank order.
+  ``config.length_normalization`` chooses lp and when the search stops before the maximum length:
+
+  - "gnmt" (section 6.1): lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016), alpha = 0.6; the search also stops when
+    no live beam is left, or as soon as no live beam can beat the best finished one: max_b logP_b / lp(max length)
+    <= best finished score (log-probabilities only fall and lp only grows, so stopping never changes the result);
+  - "hf" (transformers 5's ``GenerationMixin._beam_search``): lp(Y) = |Y|^alpha (``length_penalty``, 1.0 by
+    default). transformers keeps the ``beam_size`` best finished hypotheses; once there are ``beam_size`` of them
+    its search stops, per ``config.early_stopping``, at once (True), or when the best live beam's logP / lp(bound)
+    is <= the worst kept finished score, bound = the current output length (False: a heuristic, a later
+    hypothesis might have scored better) or the maximum length ("never": exact); it also stops when no live beam
+    is left. Its other rules are the ones above: transformers ranks the 2 x beam_size best candidates, finishes
+    the eos ones among the first beam_size and continues the first beam_size others; at its maximum length it
+    finishes the first beam_size candidates, eos or not, which has the same best as finishing the live beams
+    (a non-eos candidate ranked after them has the same length and a lower sum). transformers' maximum length is
+    one per batch: the tokens are its tokens when every sentence's budget is the same (e.g. ``max_len`` caps
+    them all; ``max_new_tokens`` = that budget).
 
 The reference recomputes the whole prefix at each step; the ports use a key/value cache and
 must give the same tokens.
@@ -39,13 +57,12 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .config import TransformerConfig
-from .model import Transformer, padding_mask
+from .config import LENGTH_PENALTY_ALPHA, TransformerConfig
+from .model import Transformer, causal_mask, padding_mask
 from .precision import score_dtype
 
 EXTRA_OUTPUT_LENGTH = 50   # section 6.1: maximum output length = input length + 50
-BEAM_SIZE = 4              # section 6.1
-LENGTH_PENALTY_ALPHA = 0.6  # section 6.1
+BEAM_SIZE = 4              # section 6.1 (its alpha 0.6, LENGTH_PENALTY_ALPHA, is the config's length_penalty default)
 
 
 class _Configured(Protocol):
@@ -61,15 +78,20 @@ def max_output_lengths(model: _Configured, src: npt.ArrayLike) -> np.ndarray:
     return np.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
 
 
-def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA) -> float:
-    """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016; section 6.1)."""
-    return ((5.0 + length) / 6.0) ** alpha
+def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA, normalization: str = "gnmt") -> float:
+    """The length penalty lp(Y) that divides a finished hypothesis's log-probability: "gnmt",
+    ((5 + |Y|) / 6)^alpha (Wu et al., 2016; section 6.1), or "hf", |Y|^alpha (transformers' beam search:
+    ``sum_logprobs / generated_len ** length_penalty``)."""
+    return ((5.0 + length) / 6.0) ** alpha if normalization == "gnmt" else float(length) ** alpha
 
 
-def check_decoding_args(beam_size: object, alpha: object) -> tuple[int, float]:
-    """``beam_size`` and ``alpha`` as a Python int and float, with one-line errors shared by every
-    backend: beam_size is a positive integer (not a bool); alpha a finite real number >= 0 (a
-    negative alpha would make lp(Y) shrink with length, and the stopping rule relies on it growing)."""
+def check_decoding_args(beam_size: object, alpha: object, config: TransformerConfig | None = None) -> tuple[int, float]:
+    """``beam_size`` and ``alpha`` (None: ``config.length_penalty``, or section 6.1's 0.6 without a config) as a
+    Python int and float, with one-line errors shared by every backend: beam_size is a positive integer (not a
+    bool); alpha a finite real number >= 0 (a negative alpha would make lp(Y) shrink with length, and the stopping
+    rules rely on it growing)."""
+    if alpha is None:
+        alpha = LENGTH_PENALTY_ALPHA if config is None else config.length_penalty
     if not isinstance(beam_size, numbers.Integral) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
     if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or not 0.0 <= float(alpha) < math.inf:
@@ -77,43 +99,74 @@ def check_decoding_args(beam_size: object, alpha: object) -> tuple[int, float]:
     return int(beam_size), float(alpha)
 
 
+def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | None:
+    """``forced_bos_id`` as a Python int (or None), one error line shared by every backend: a target token id
+    other than eos (transformers' ``forced_bos_token_id``, e.g. M2M100/NLLB's target-language code)."""
+    if forced_bos_id is None:
+        return None
+    if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
+            or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id == config.eos_id):
+        raise ValueError(f"forced_bos_id must be a target token id below tgt_vocab_size ({config.tgt_vocab_size}), "
+                         f"not eos_id, got {forced_bos_id!r}")
+    return int(forced_bos_id)
+
+
 def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
                          cache: tuple | None = None, cache_index: int | None = None,
                          ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
-    """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
-    set to -inf so that they are never chosen.
+    """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
+    ``config.never_emitted`` set to -inf so that they are never chosen.
 
     Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
-    :func:`.model.target_mask`); with a ``cache`` (``model.init_cache``) holding positions
-    0 .. cache_index - 1, ``tgt`` holds only the new positions, from ``cache_index`` on (under the
-    causal mask of ``Transformer.decode``), and the result is ``(log_probs, cache)``. The
+    :func:`.model.causal_mask` alone: no target position is masked); with a ``cache``
+    (``model.init_cache``) holding positions 0 .. cache_index - 1, ``tgt`` holds only the new positions,
+    from ``cache_index`` on (under the causal mask of ``Transformer.decode``), and the result is
+    ``(log_probs, cache)``. The
     reference's decoders below do not use the cache: they recompute the whole prefix at every step.
 
     Shape: tgt (B, T) -> log_probs (B, V).
     """
     if cache is None:
-        out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
+        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
     else:
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
     log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
-    log_probs[:, [model.config.pad_id, model.config.bos_id]] = -np.inf
+    log_probs[:, list(model.config.never_emitted)] = -np.inf
     return log_probs if cache is None else (log_probs, cache)
 
 
-def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
-    """Greedy decoding; ties go to the lowest token id.
+def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
+    """The token each sequence is forced to emit at ``step`` (1 = the first output token), -1 where none: the
+    forced first token (``forced_bos_id``), and eos at the budget's last step with ``config.forced_eos`` (which
+    wins when both fall on one step, as transformers' ForcedEOS processor runs after its ForcedBOS one).
+    Shape: limits (B,) -> (B,)."""
+    forced = np.full(len(limits), -1 if forced_bos_id is None or step != 1 else forced_bos_id, dtype=np.int64)
+    return np.where(config.forced_eos & (step == limits), config.eos_id, forced)
 
-    Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
+
+def force(log_probs: np.ndarray, forced: np.ndarray) -> np.ndarray:
+    """The log-probabilities of a step with :func:`forced_tokens`: where a token is forced, it gets 0 and every
+    other token -inf (transformers' forced-token processors), elsewhere they are unchanged. Shape: (B, V), (B,)."""
+    one_hot = np.arange(log_probs.shape[1]) == forced[:, None]
+    return np.where(forced[:, None] >= 0, np.where(one_hot, 0.0, -np.inf).astype(log_probs.dtype), log_probs)
+
+
+def greedy_decode(model: Transformer, src: np.ndarray, forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy decoding; ties go to the lowest token id; ``forced_bos_id`` the forced first token (module docstring).
+
+    Shape: src (B, S) -> tokens (B, L), without the start token, right-padded with pad_id.
     """
     cfg = model.config
+    forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids
     src = np.asarray(src)
     src_mask = padding_mask(src, cfg.pad_id)
     limits = max_output_lengths(model, src)
-    tgt = np.full((len(src), 1), cfg.bos_id, dtype=np.int64)
+    tgt = np.full((len(src), 1), cfg.start_id, dtype=np.int64)
     done = np.zeros(len(src), dtype=bool)
     for step in range(1, int(limits.max()) + 1):
-        log_probs = next_token_log_probs(model, tgt, memory, src_mask)             # (B, V)
+        log_probs = force(next_token_log_probs(model, tgt, memory, src_mask),
+                          forced_tokens(cfg, step, limits, forced_bos_id))          # (B, V)
         token = log_probs.argmax(axis=-1)                                          # first max = lowest id
         token = np.where(done, cfg.pad_id, token)
         tgt = np.concatenate([tgt, token[:, None]], axis=1)
@@ -123,15 +176,16 @@ def greedy_decode(model: Transformer, src: np.ndarray) -> np.ndarray:
     return tgt[:, 1:]
 
 
-def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE,
-                alpha: float = LENGTH_PENALTY_ALPHA) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
+def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+                forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``, 0.6 by
+    default), the forced first token ``forced_bos_id`` and the tie-break of this module's docstring.
 
-    Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
+    Shape: src (B, S) -> tokens (B, L) without the start token, right-padded with pad_id, and the
     length-normalized scores (B,).
     """
     results = [best_hypothesis(deque(steps, maxlen=1)[0].finished)                 # each sentence's last step
-               for steps in _beam_steps(model, src, beam_size, alpha)]
+               for steps in _beam_steps(model, src, beam_size, alpha, forced_bos_id)]
     width = max(len(tokens) for tokens, _ in results)
     tokens = np.full((len(results), width), model.config.pad_id, dtype=np.int64)
     for b, (row, _) in enumerate(results):
@@ -146,53 +200,81 @@ class _BeamStep(NamedTuple):
     finished: tuple[tuple[float, list[int]], ...]   # the hypotheses finished so far, in the order they finished
 
 
-def _beam_steps(model: Transformer, src: np.ndarray, beam_size: int, alpha: float) -> Iterator[Iterator[_BeamStep]]:
+class _Search(NamedTuple):
+    """One beam search's settings: the beam size, the forced first token, lp's alpha and the config's rules."""
+
+    beam_size: int
+    forced_bos_id: int | None
+    alpha: float
+    normalization: str
+    early_stopping: bool | str
+
+    def lp(self, length: int) -> float:
+        return length_penalty(length, self.alpha, self.normalization)
+
+
+def _beam_steps(model: Transformer, src: np.ndarray, beam_size: int, alpha: float | None,
+                forced_bos_id: int | None = None) -> Iterator[Iterator[_BeamStep]]:
     """The search of :func:`beam_search`, step by step: for each source sentence in turn, the iterator of its
     steps (consume each before the next). Its last step's ``finished`` holds every hypothesis the search scored."""
-    beam_size, alpha = check_decoding_args(beam_size, alpha)
+    cfg = model.config
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
+    search = _Search(beam_size, check_forced_bos(cfg, forced_bos_id), alpha, cfg.length_normalization,
+                     cfg.early_stopping)
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids
     src = np.asarray(src)
     src_mask = padding_mask(src, model.config.pad_id)
     limits = max_output_lengths(model, src)
     for b in range(len(src)):
-        yield _sentence_steps(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), beam_size, alpha)
+        yield _sentence_steps(model, memory[b:b + 1], src_mask[b:b + 1], int(limits[b]), search)
 
 
 def _sentence_steps(model: Transformer, memory: np.ndarray, src_mask: np.ndarray, limit: int,
-                    beam_size: int, alpha: float) -> Iterator[_BeamStep]:
+                    search: _Search) -> Iterator[_BeamStep]:
     """Beam search for one source sentence, one step at a time. memory (1, S, D), src_mask (1, 1, 1, S)."""
     cfg = model.config
-    live = np.full((1, 1), cfg.bos_id, dtype=np.int64)   # (n_live, t): bos + generated tokens
+    live = np.full((1, 1), cfg.start_id, dtype=np.int64)   # (n_live, t): the start token + generated tokens
     live_scores = np.zeros(1, dtype=score_dtype(model.dtype))   # summed log-probabilities, (n_live,)
     finished: list[tuple[float, list[int]]] = []         # in the order they finished
     for step in range(1, limit + 1):
         n_live = len(live)
         log_probs = next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
                                          np.repeat(src_mask, n_live, axis=0))
+        log_probs = force(log_probs, np.repeat(forced_tokens(cfg, step, np.array([limit]), search.forced_bos_id),
+                                               n_live))
         candidates = live_scores[:, None] + log_probs                               # (n_live, V)
-        step_choice = select_candidates(candidates, cfg.eos_id, beam_size)
+        step_choice = select_candidates(candidates, cfg.eos_id, search.beam_size)
         for beam, score in step_choice.finishing:
-            finished.append((score / length_penalty(step, alpha), [*live[beam, 1:].tolist(), cfg.eos_id]))
+            finished.append((score / search.lp(step), [*live[beam, 1:].tolist(), cfg.eos_id]))
         live = np.concatenate([live[step_choice.beams], step_choice.tokens[:, None]], axis=1)
         live_scores = step_choice.scores
-        ends = search_ends(finished, live, live_scores, step, limit, alpha)
+        ends = search_ends(finished, live, live_scores, step, limit, search)
         yield _BeamStep(candidates, tuple(finished))
         if ends:
             return
 
 
-def search_ends(finished: list, live: np.ndarray, live_scores: np.ndarray, step: int, limit: int, alpha: float) -> bool:
-    """Whether the search stops after ``step``: at the maximum length (the live beams -- rows of
-    bos + tokens -- are then scored as finished, after this step's eos hypotheses), when no live
-    beam is left (every non-eos candidate was impossible, e.g. only eos could follow), or when no
-    live beam can beat the best finished hypothesis, max_b logP_b / lp(limit) <= best finished score."""
+def search_ends(finished: list, live: np.ndarray, live_scores: np.ndarray, step: int, limit: int,
+                search: _Search) -> bool:
+    """Whether the search stops after ``step``: at the maximum length (the live beams -- rows of the
+    start token + tokens -- are then scored as finished, after this step's eos hypotheses), when no live
+    beam is left (every non-eos candidate was impossible, e.g. only eos could follow), or by the
+    normalization's rule (module docstring): "gnmt", when no live beam can beat the best finished
+    hypothesis, max_b logP_b / lp(limit) <= best finished score; "hf", transformers' ``early_stopping``
+    once ``beam_size`` hypotheses have finished."""
     if step == limit:
-        finished += [(score / length_penalty(step, alpha), row[1:].tolist()) for score, row in zip(live_scores, live)]
+        finished += [(score / search.lp(step), row[1:].tolist()) for score, row in zip(live_scores, live)]
         return True
     if len(live_scores) == 0:
         return True
-    best_finished = max((score for score, _ in finished), default=-np.inf)
-    return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)
+    scores = sorted((score for score, _ in finished), reverse=True)
+    if search.normalization == "gnmt":
+        return bool(live_scores.max() / search.lp(limit) <= (scores[0] if scores else -np.inf))
+    if len(scores) < search.beam_size:
+        return False
+    bound = limit if search.early_stopping == "never" else step
+    worst_kept = scores[search.beam_size - 1]
+    return search.early_stopping is True or bool(live_scores.max() / search.lp(bound) <= worst_kept)
 
 
 def best_hypothesis(finished: Sequence[tuple[float, list[int]]]) -> tuple[list[int], float]:
@@ -220,7 +302,8 @@ def select_candidates(candidates: np.ndarray, eos_id: int, beam_size: int) -> St
     beams, tokens = np.divmod(ranking, candidates.shape[1])               # (n_live * V,) each
     scores = candidates.ravel()[ranking]                                  # descending
     is_eos = tokens == eos_id
-    finishing = [(int(beams[rank]), scores[rank]) for rank in np.flatnonzero(is_eos[:beam_size])]
+    ends = is_eos[:beam_size] & np.isfinite(scores[:beam_size])          # a finite eos among the first beam_size
+    finishing = [(int(beams[rank]), scores[rank]) for rank in np.flatnonzero(ends)]
     keep = np.flatnonzero(~is_eos & np.isfinite(scores))[:beam_size]      # first beam_size possible non-eos
     return StepChoice(finishing, beams[keep], tokens[keep], scores[keep])
 

@@ -21,13 +21,17 @@ weight (out, in), this project (in, out): the names in :data:`TRANSPOSED` are tr
 asserted against the config. Anything outside the space the reference defines is refused with one ``ValueError``
 line naming the field (or tensor).
 
-Special ids: the project's config holds three different ids pad, bos, eos, bos being the token decoding starts
-with. Marian starts decoding with its pad token (``decoder_start_token_id == pad_token_id``), which the config
-cannot hold as bos: the import keeps pad and eos and takes as ``bos_id`` the lowest id that is neither (Marian's
-``<unk>``, 1, in opus-mt's vocabularies) -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
-project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept. The
-forward pass does not read bos; decoding as the families do (Marian from pad, M2M100 from eos and a forced language
-token) is a decoding convention the reference does not define yet (issue 40).
+Special ids and decoding: the project's config holds three different ids pad, bos, eos, and the decoding
+conventions of ``reference_numpy/decoding.py``, set from ``generation_config.json`` (or, without it, the same fields
+of ``config.json``, as older files hold them) as transformers' ``generate`` reads them: ``decoder_start_token_id`` is
+``decoder_start_id`` (Marian's pad, M2M100/NLLB's eos); ``bad_words_ids`` of one token each are ``suppressed_ids``
+(Marian's pad; nothing else is suppressed: transformers may emit any other token); ``forced_eos_token_id`` (Marian's
+eos) is ``forced_eos``; beam search is transformers' (``length_normalization`` "hf") with its ``length_penalty``
+(1.0 by default) and ``early_stopping`` (False by default). ``forced_bos_token_id`` is not read: the forced first
+token (M2M100/NLLB's target language) is given per call (``forced_bos_id``). Marian has no bos of its own (its
+``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as ``bos_id`` the lowest id that is
+neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this project exported
+(:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ ACTIVATIONS = {"relu": "relu", "swish": "silu", "silu": "silu", "gelu": "gelu"}
 LAYER_NORM_EPS = 1e-5                              # nn.LayerNorm's default, which both families construct with
 CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE = (
     "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+GENERATION_FILE = "generation_config.json"
+# The fields of transformers' GenerationConfig that set the decoding conventions (module docstring)
+GENERATION_FIELDS = ("decoder_start_token_id", "bad_words_ids", "forced_eos_token_id", "length_penalty",
+                     "early_stopping")
 # Fields of older config.json files (BART's lineage) that transformers' Marian and M2M100 no longer read: each must
 # hold the value the family's code computes, or the file describes another model
 LEGACY_FIELDS: dict[str, dict[str, Any]] = {
@@ -63,9 +71,10 @@ ABSENT_OR: dict[str, tuple[Any, ...]] = {"position_embedding_type": ("absolute",
                                          "is_decoder": (False,), "add_cross_attention": (False,)}
 
 
-def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
-    """The :class:`TransformerConfig` of a Hugging Face ``config.json`` (a dict); one ``ValueError`` line naming the
-    first field outside the supported space."""
+def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> TransformerConfig:
+    """The :class:`TransformerConfig` of a Hugging Face ``config.json`` (a dict) and ``generation_config.json``
+    (``generation``; None: the same fields of ``config.json``); one ``ValueError`` line naming the first field outside
+    the supported space."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"config.json model_type {family!r} is not supported (supported: "
@@ -116,9 +125,36 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             positional_encoding="sinusoidal", max_len=max_len, share_embeddings=share, pad_id=pad, bos_id=bos,
             eos_id=eos, activation=ACTIVATIONS[activation],
             sinusoidal_layout="halves" if family == "marian" else "fairseq",
-            scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian")
+            scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian",
+            **decoding_conventions(hf if generation is None else generation, eos, "config.json" if generation is None
+                                   else GENERATION_FILE))
     except ValueError as err:
         raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
+
+
+def decoding_conventions(generation: dict[str, Any], eos: int, source: str) -> dict[str, Any]:
+    """The config's decoding fields from transformers' generation settings (``source``: the file they come from;
+    the module docstring says which), each refused in one line naming the field when transformers would decode
+    otherwise than the reference can: a bad word of several tokens, a forced eos other than eos."""
+    start = generation.get("decoder_start_token_id")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"{source} decoder_start_token_id must be an int >= 0, got {start!r}")
+    bad = generation.get("bad_words_ids") or []
+    if not isinstance(bad, list) or any(not isinstance(word, list) or len(word) != 1 for word in bad):
+        raise ValueError(f"{source} bad_words_ids {bad!r} is not supported: only words of one token each")
+    forced_eos = generation.get("forced_eos_token_id")
+    if forced_eos not in (None, eos):
+        raise ValueError(f"{source} forced_eos_token_id {forced_eos!r} is not supported: only eos_token_id ({eos}) "
+                         "or none")
+    length_penalty = generation.get("length_penalty", 1.0)
+    if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool) or not length_penalty >= 0:
+        raise ValueError(f"{source} length_penalty must be a number >= 0 (the reference's stopping rules need lp "
+                         f"to grow with length), got {length_penalty!r}")
+    early_stopping = generation.get("early_stopping", False)
+    if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
+        raise ValueError(f"{source} early_stopping must be true, false or \"never\", got {early_stopping!r}")
+    return dict(decoder_start_id=start, suppressed_ids=[word[0] for word in bad], forced_eos=forced_eos is not None,
+                length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping)
 
 
 def _field(hf: dict[str, Any], name: str) -> int:
@@ -212,8 +248,9 @@ def convert(config: TransformerConfig, family: str, weights: dict[str, np.ndarra
     return params
 
 
-def read_config(directory: str | os.PathLike) -> dict[str, Any]:
-    path = Path(directory) / CONFIG_FILE
+def read_config(directory: str | os.PathLike, name: str = CONFIG_FILE) -> dict[str, Any]:
+    """The JSON object of the directory's ``config.json`` (or the file ``name``)."""
+    path = Path(directory) / name
     if not Path(directory).is_dir():
         raise ValueError(f"{os.fspath(directory)!r} is not a directory (a Hugging Face model directory)")
     try:
@@ -307,7 +344,8 @@ def load_hf(directory: str | os.PathLike, dtype: Any = None) -> tuple[Transforme
     (float16 as float32) or ``dtype``: what :func:`reference_numpy.checkpoint.load_checkpoint` returns for a
     shared checkpoint, so that ``reference_numpy.Transformer(*load_hf(directory))`` runs the model."""
     hf = read_config(directory)
-    config = config_from_hf(hf)
+    generation_path = Path(directory) / GENERATION_FILE
+    config = config_from_hf(hf, read_config(directory, GENERATION_FILE) if generation_path.exists() else None)
     weights = read_weights(directory)
     floats = {np.dtype(value.dtype) for value in weights.values() if np.issubdtype(value.dtype, np.floating)}
     params = convert(config, hf["model_type"], weights, tie_output=hf.get("tie_word_embeddings", True) is True)
@@ -320,10 +358,10 @@ def import_hf(directory: str | os.PathLike, out: str | os.PathLike, force: bool 
     """Write the directory's model as the shared checkpoint ``out``, with its tokenizer when the directory holds
     one (:mod:`reference_numpy.hf_tokenizer`; refused if it exists, unless ``force``, and never over a file the
     import reads); returns its config."""
-    sources = ([Path(directory) / CONFIG_FILE, *weight_files(directory), *tokenizer_files(directory)]
-               if Path(directory).is_dir() else [])
+    sources = ([Path(directory) / CONFIG_FILE, Path(directory) / GENERATION_FILE, *weight_files(directory),
+                *tokenizer_files(directory)] if Path(directory).is_dir() else [])
     for source in sources:
-        if os.path.exists(out) and os.path.samefile(out, source):
+        if os.path.exists(out) and source.exists() and os.path.samefile(out, source):
             raise ValueError(f"OUT: writing {os.fspath(out)!r} would replace the input {os.fspath(source)!r}; "
                              "write elsewhere")
     if os.path.lexists(out) and not force:

@@ -469,10 +469,10 @@ LENGTH_PENALTY = [
                [(RD, _LP, "return ((5.0 + length) / 6.0) ** LENGTH_PENALTY_ALPHA")], DECODING_ORACLE,
                decoding_agreement("and beam"), shared=DECODING_PORTS),
     consistent("length-penalty", "default alpha 1.0 instead of the paper's 0.6",
-               [(RD, "LENGTH_PENALTY_ALPHA = 0.6", "LENGTH_PENALTY_ALPHA = 1.0")], DECODING_ORACLE,
+               [(f"{REF}/config.py", "LENGTH_PENALTY_ALPHA = 0.6", "LENGTH_PENALTY_ALPHA = 1.0")], DECODING_ORACLE,
                decoding_agreement("and beam"), shared=DECODING_PORTS),
     consistent("length-penalty", "|Y| of a hypothesis ending with eos does not count the eos", [
-        (RD, "score / length_penalty(step, alpha), [*live", "score / length_penalty(step - 1, alpha), [*live"),
+        (RD, "score / search.lp(step), [*live", "score / search.lp(step - 1), [*live"),
         (TD, "finishing & ~done[:, None], scores / penalties[step],", "finishing & ~done[:, None], scores / penalties[step - 1],"),
         (JD, "finishing & ~done[:, None], scores / penalties[length],",
          "finishing & ~done[:, None], scores / penalties[length - 1],"),
@@ -526,23 +526,53 @@ BUDGET = [
 
 EARLY_STOPPING = [
     consistent("early-stopping", "stops when no live beam beats the best at lp(current length), not lp(maximum length)", [
-        (RD, "live_scores.max() / length_penalty(limit, alpha) <= best_finished",
-         "live_scores.max() / length_penalty(step, alpha) <= best_finished"),
-        (JD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
-         "done = done | last | (live_scores[:, 0] / penalties[length] <= best[0])"),
-        (TD, "done |= last | (live_scores[:, 0] / limit_penalty <= best[0])",
-         "done |= last | (live_scores[:, 0] / penalties[step] <= best[0])"),
-        (FD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
-         "done = done | last | (live_scores[:, 0] / penalties[t] <= best[0])"),
+        (RD, "live_scores.max() / search.lp(limit) <= (scores[0]", "live_scores.max() / search.lp(step) <= (scores[0]"),
+        *[(port, "return best_live / limit_penalty <= best", "return best_live / penalty <= best")
+          for port in (JD, TD, FD)],
     ], DECODING_ORACLE, decoding_agreement("and beam")),
     consistent("early-stopping", "stops as soon as one hypothesis has finished", [
-        (RD, "return bool(live_scores.max() / length_penalty(limit, alpha) <= best_finished)", "return bool(finished)"),
-        (JD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
-         "done = done | last | (best[0] > -jnp.inf)"),
-        (TD, "done |= last | (live_scores[:, 0] / limit_penalty <= best[0])", "done |= last | (best[0] > -torch.inf)"),
-        (FD, "done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])",
-         "done = done | last | (best[0] > -np.inf)"),
+        (RD, "return bool(live_scores.max() / search.lp(limit) <= (scores[0] if scores else -np.inf))",
+         "return bool(finished)"),
+        (JD, "return best_live / limit_penalty <= best", "return best > -jnp.inf"),
+        (TD, "return best_live / limit_penalty <= best", "return best > -torch.inf"),
+        (FD, "return best_live / limit_penalty <= best", "return best > -np.inf"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
+]
+
+# Hugging Face's decoding conventions (the config's decoder_start_id, suppressed_ids, forced tokens, length
+# normalization "hf" and early_stopping): tests/test_hf_generate.py against transformers' generate. The paper's
+# decoding is unchanged by each, so the agreement of the paper's models still passes.
+HF_GENERATE = ["tests/test_hf_generate.py"]
+_CONFIG = f"{REF}/config.py"
+_FORCE = {RD: ("return np.where(forced[:, None] >= 0,", "return log_probs if True else np.where(forced[:, None] >= 0,"),
+          TD: ("return torch.where(forced[:, None] >= 0,", "return log_probs if True else torch.where(forced[:, None] >= 0,"),
+          JD: ("return jnp.where(forced[:, None] >= 0,", "return log_probs if True else jnp.where(forced[:, None] >= 0,"),
+          FD: ("return tf.where(forced[:, None] >= 0,", "return log_probs if True else tf.where(forced[:, None] >= 0,")}
+HF_DECODING = [
+    single("hf-decoding", "torch: decoding starts from bos, not the config's decoder start token", TD,
+           "tokens[:, 0] = config.start_id", "tokens[:, 0] = config.bos_id", HF_GENERATE + ["-k", "torch"]),
+    consistent("hf-decoding", "decoding starts from bos, not the config's decoder start token (Marian's pad, M2M100's eos)",
+               [(_CONFIG, "return self.bos_id if self.decoder_start_id is None else self.decoder_start_id",
+                 "return self.bos_id")], HF_GENERATE + ["-k", "reference"], decoding_agreement(), shared=DECODING_PORTS),
+    single("hf-decoding", "jax: beam search's length penalty the paper's ((5 + |Y|) / 6)^alpha, not |Y|^alpha", JD,
+           "length_penalty(n, alpha, cfg.length_normalization)", "length_penalty(n, alpha)", HF_GENERATE + ["-k", "jax"]),
+    consistent("hf-decoding", "length normalization \"hf\" ignored: lp(Y) always the paper's ((5 + |Y|) / 6)^alpha",
+               [(RD, 'if normalization == "gnmt" else float(length) ** alpha', "if normalization else 0.0")],
+               HF_GENERATE + ["-k", "reference"], decoding_agreement("and beam"), shared=DECODING_PORTS),
+    single("hf-decoding", "keras: the forced tokens ignored (no target-language token, no eos at the maximum length)",
+           FD, *_FORCE[FD], HF_GENERATE + ["-k", "tf"]),
+    consistent("hf-decoding", "the forced tokens ignored (M2M100's target-language token, Marian's eos at the limit)",
+               [(path, *edit) for path, edit in _FORCE.items()], HF_GENERATE + ["-k", "reference"],
+               decoding_agreement()),
+    consistent("hf-decoding", "the suppressed tokens always the paper's pad and bos, not the config's",
+               [(_CONFIG, "return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids",
+                 "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
+               shared=DECODING_PORTS),
+    consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [
+        (RD, 'bound = limit if search.early_stopping == "never" else step', "bound = step"),
+        *[(port, 'bound = limit_penalty if config.early_stopping == "never" else penalty', "bound = penalty")
+          for port in (JD, TD, FD)],
+    ], HF_GENERATE + ["-k", "reference"], decoding_agreement("and beam")),
 ]
 
 TIES = [
@@ -810,8 +840,8 @@ HF_TOKENIZERS = [
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *TIES, *LOG_SOFTMAX, *TRAINING, *TEXT,
-             *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS]
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
+             *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS]
 
 
 # ----------------------------------------------------------------------------- running

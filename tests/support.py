@@ -1,8 +1,8 @@
 """What more than one test module uses, in one place (``from support import ...``; no test module imports another):
 the ports and devices of the agreement matrix, a command run in-process, a scripted stand-in for a Transformer,
 each framework's arrays and float64 context, a hand-set model whose logits are known, the ten training steps of
-tests/test_training.py, the shipped model on held-out sentences, transformers' Marian and M2M100 models beside the
-reference (tests/test_hf_import.py, tests/test_hf_export.py).
+tests/test_training.py, the shipped model on held-out sentences, tiny random Hugging Face Marian and M2M100 models
+beside the reference (tests/test_hf_import.py, tests/test_hf_export.py, tests/test_hf_generate.py).
 Fixtures stay in ``conftest.py``."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ScriptedModel:
     def encode(self, src, src_mask=None):
         return np.zeros((len(src), np.shape(src)[1], 1))
 
-    def decode(self, tgt, memory, src_mask=None):
+    def decode(self, tgt, memory, src_mask=None, tgt_mask=None):
         return np.asarray(tgt)[:, None, :].repeat(np.shape(tgt)[1], axis=1)     # (B, T, T): the prefix
 
     def generator(self, hidden):
@@ -187,7 +187,35 @@ def trained():
     return config, params, tokenizer, {"src": inputs["src"], "tgt": inputs["tgt"]}
 
 
-# ----------------------------------------------------------------------------- transformers' Marian and M2M100
+# ----------------------------------------------------------------------------- Hugging Face's families
+
+# Every size different, so that a transposed or swapped tensor fails on its shape or its values
+MARIAN = dict(vocab_size=29, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+              activation_function="swish", scale_embedding=True, pad_token_id=28, eos_token_id=0,
+              decoder_start_token_id=28, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+M2M100 = dict(vocab_size=31, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+              activation_function="gelu", scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+              decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+              encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
+            "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100)}
+
+
+def build(family: str, seed: int = 0, **changes):
+    """A transformers model of the family with every parameter and buffer random (LayerNorms and biases included,
+    which transformers initialises to constants; Marian's ``final_logits_bias`` nonzero), in eval mode."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    config_name, model_name, sizes = FAMILIES[family]
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**sizes, **changes})).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if "embed_positions" not in name:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
+    return model
+
 
 def hf_log_probs(model, src, tgt, pad_id: int) -> np.ndarray:
     """A transformers seq2seq model's log-probabilities of ``tgt`` (the decoder's input) given ``src``."""

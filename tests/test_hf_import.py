@@ -20,7 +20,7 @@ import shutil
 
 import numpy as np
 import pytest
-from support import exact_tables, hf_log_probs, masks, position_tables, reference_table
+from support import FAMILIES, M2M100, MARIAN, build, exact_tables, hf_log_probs, masks, position_tables, reference_table
 
 from equivalence import tolerance
 from reference_numpy import Transformer
@@ -34,33 +34,6 @@ torch = pytest.importorskip("torch", reason="torch is not installed: transformer
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
                                                           "these tests import are built with it (pip install "
                                                           "transformers)")
-
-# Every size different, so that a transposed or swapped tensor fails on its shape or its values
-MARIAN = dict(vocab_size=29, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-              decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
-              activation_function="swish", scale_embedding=True, pad_token_id=28, eos_token_id=0,
-              decoder_start_token_id=28, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-M2M100 = dict(vocab_size=31, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-              decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
-              activation_function="gelu", scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-              decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-              encoder_layerdrop=0.0, decoder_layerdrop=0.0)
-FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
-            "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100)}
-
-
-def build(family: str, seed: int = 0, **changes):
-    """A transformers model of the family with every parameter and buffer random (LayerNorms and biases included,
-    which transformers initialises to constants; Marian's ``final_logits_bias`` nonzero), in eval mode."""
-    config_name, model_name, sizes = FAMILIES[family]
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**sizes, **changes})).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if "embed_positions" not in name:
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
-    return model
-
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def saved(request, tmp_path_factory):

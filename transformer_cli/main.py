@@ -645,8 +645,9 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
                         help="the framework that runs the model (default: numpy, the reference)")
     add_number(parser, "--beam", default=1,
                help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
-    add_number(parser, "--alpha", default=LENGTH_PENALTY_ALPHA,
-               help=f"beam search's length penalty alpha (default: {LENGTH_PENALTY_ALPHA})")
+    add_number(parser, "--alpha", default=None,
+               help=f"beam search's length penalty alpha (default: the checkpoint's length_penalty: "
+                    f"{LENGTH_PENALTY_ALPHA}, section 6.1's, or an imported model's own)")
     parser.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",
                         help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
                              "of docs/equivalence.md; mixed-bfloat16 and mixed-float16 by its autocast recipe, each "

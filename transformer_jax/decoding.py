@@ -1,15 +1,19 @@
 """Greedy decoding and beam search (section 6.1) for the JAX/Flax port, compiled.
 
 The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens:
-the output budget is the non-pad source length + 50 capped at ``max_len``; pad_id and bos_id are
-never emitted (their log-probabilities are set to -inf); greedy ties go to
+the output budget is the non-pad source length + 50 capped at ``max_len``; the output starts after
+``config.start_id``; the tokens of ``config.never_emitted`` are never emitted (their
+log-probabilities are set to -inf); the forced tokens (``forced_bos_id``, ``config.forced_eos``) are
+the reference's; the decoder reads its prefix under the causal mask alone; greedy ties go to
 the lowest token id; beam candidates are ranked by summed log-probability (in the score dtype:
 the model's, float32 for bfloat16 and float16) with ties to the lower beam, then the lower token
 (the order of a stable sort of the negated flat scores);
 an eos among the first ``beam_size`` ranks finishes a hypothesis, the first ``beam_size``
 non-eos candidates are the next live beams; the search stops at the budget (live beams then
-finish, in rank order, after that step's eos hypotheses), when no live beam is left, or when no
-live beam can beat the best finished one; the best score wins, ties going to the hypothesis
+finish, in rank order, after that step's eos hypotheses), when no live beam is left, or by the
+length normalization's rule (``config.length_normalization``: "gnmt", when no live beam can beat
+the best finished one; "hf", transformers' ``early_stopping`` over the ``beam_size`` best finished
+scores, :func:`_stops`); the best score wins, ties going to the hypothesis
 finished first. Outputs are NumPy, without bos, pad-filled. A bfloat16 or float16 model decodes
 with its key/value caches in its own dtype and float32 log-probabilities and scores.
 
@@ -60,14 +64,14 @@ from jax import lax
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
-    LENGTH_PENALTY_ALPHA,
     check_decoding_args,
+    check_forced_bos,
     length_penalty,
     max_output_lengths,
 )
 from reference_numpy.precision import score_dtype
 
-from .model import KVCache, Transformer, padding_mask
+from .model import KVCache, Transformer, causal_mask, padding_mask
 from .speed import _EXACT_ROUNDING, _split, _Structure
 
 _TOKEN_DTYPE = jnp.int32
@@ -78,17 +82,18 @@ _Best = tuple[jax.Array, jax.Array, jax.Array]
 def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
                          cache: tuple = (), cache_index: int | jax.Array | None = None,
                          ) -> Any:   # (N, V) log-probabilities; with a cache, (them, the new cache)
-    """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
-    set to -inf so that they are never chosen.
+    """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
+    ``config.never_emitted`` set to -inf so that they are never chosen.
 
-    Without a cache (``()``) ``tgt`` is the whole prefix (the decoder is recomputed); with one (see
+    Without a cache (``()``) ``tgt`` is the whole prefix (the decoder is recomputed, under the causal mask
+    alone); with one (see
     ``Transformer.decode``) ``tgt`` holds only the new positions, at ``cache_index`` .., and the
     result is ``(log_probs, cache)``.
 
     Shape: tgt (N, T), memory (N, S, D) -> log_probs (N, V).
     """
     if not cache:
-        out = model.decode(tgt, memory, src_mask, deterministic=True)                      # (N, T, D)
+        out = model.decode(tgt, memory, src_mask, causal_mask(tgt.shape[1]), deterministic=True)   # (N, T, D)
         return _log_probs_at(model, out, out.shape[1] - 1)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index, deterministic=True)
     return _log_probs_at(model, out, out.shape[1] - 1), cache
@@ -114,22 +119,42 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
     return cache._replace(beams=table[beams].reshape(cache.beams.shape))
 
 
+def forced_tokens(config: TransformerConfig, step: jax.Array, limits: jax.Array,
+                  forced_bos_id: int | None) -> jax.Array:
+    """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
+    ``forced_bos_id`` at step 1, eos at the row's last step with ``config.forced_eos``, -1 where none.
+    Shape: limits (N,) -> (N,)."""
+    first = -1 if forced_bos_id is None else forced_bos_id
+    forced = jnp.broadcast_to(jnp.where(step == 1, first, -1), limits.shape).astype(limits.dtype)
+    return jnp.where((step == limits) & config.forced_eos, config.eos_id, forced)
+
+
+def force(log_probs: jax.Array, forced: jax.Array) -> jax.Array:
+    """Where a token is forced, it gets the log-probability 0 and every other -inf (the reference's ``force``).
+    Shape: log_probs (N, V), forced (N,) -> (N, V)."""
+    one_hot = jnp.arange(log_probs.shape[1]) == forced[:, None]
+    forcing = jnp.where(one_hot, 0.0, -jnp.inf).astype(log_probs.dtype)
+    return jnp.where(forced[:, None] >= 0, forcing, log_probs)
+
+
 def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
-    output, pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
+    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them.
+    Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]   # (N, V)
-    return log_probs.at[:, jnp.array([model.config.pad_id, model.config.bos_id])].set(-jnp.inf)
+    return log_probs.at[:, jnp.array(model.config.never_emitted, dtype=_TOKEN_DTYPE)].set(-jnp.inf)
 
 
 def _step(model: Transformer, tokens: jax.Array, step: jax.Array, memory: jax.Array, src_mask: jax.Array,
           cache: tuple) -> tuple[jax.Array, tuple]:
     """One decoding step: the log-probabilities (N, V) of the token at (traced) position ``step`` after
-    ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
+    ``tokens[:, :step]`` (the start token at position 0), and the cache. With a cache only the token at ``step - 1``
     runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
     cache) the decoder reruns over the whole fixed-size buffer, the reference's recomputation (later
     positions are masked), and reads position ``step - 1``. Shape: tokens (N, M + 1)."""
     if not cache:
-        out = model.decode(tokens[:, :-1], memory, src_mask, deterministic=True)          # (N, M, D)
+        width = tokens.shape[1] - 1
+        out = model.decode(tokens[:, :-1], memory, src_mask, causal_mask(width), deterministic=True)   # (N, M, D)
         return _log_probs_at(model, out, step - 1), cache
     token = lax.dynamic_slice_in_dim(tokens, step - 1, 1, axis=1)                          # (N, 1)
     return next_token_log_probs(model, token, memory, src_mask, cache, step - 1)
@@ -141,30 +166,35 @@ def _checked_source(model: Transformer, src: npt.ArrayLike) -> jax.Array:
 
 
 def _start_tokens(config: TransformerConfig, rows: int, max_steps: int) -> jax.Array:
-    """The token buffer: bos, then pad_id up to position M (``max_steps``). Shape: (rows, M + 1)."""
-    return jnp.full((rows, max_steps + 1), config.pad_id, _TOKEN_DTYPE).at[:, 0].set(config.bos_id)
+    """The token buffer: the start token (``config.start_id``), then pad_id up to position M (``max_steps``).
+    Shape: (rows, M + 1)."""
+    return jnp.full((rows, max_steps + 1), config.pad_id, _TOKEN_DTYPE).at[:, 0].set(config.start_id)
 
 
 # ----------------------------------------------------------------------------- greedy
 
-def greedy_decode(model: Transformer, src: npt.ArrayLike, use_cache: bool = True) -> np.ndarray:
-    """Greedy decoding; ties go to the lowest token id.
+def greedy_decode(model: Transformer, src: npt.ArrayLike, use_cache: bool = True,
+                  forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy decoding; ties go to the lowest token id; ``forced_bos_id`` the forced first token.
 
-    Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id (NumPy int64).
+    Shape: src (B, S) -> tokens (B, L), without the start token, right-padded with pad_id (NumPy int64).
     """
+    forced_bos_id = check_forced_bos(model.config, forced_bos_id)
     src = _checked_source(model, src)
     limits = max_output_lengths(model, np.asarray(src))                          # (B,)
     split = _split(model)
-    history, steps = _greedy(split.structure, split.state, src, jnp.asarray(limits), int(limits.max()), use_cache)
+    history, steps = _greedy(split.structure, split.state, src, jnp.asarray(limits), int(limits.max()), use_cache,
+                             forced_bos_id)
     return np.asarray(history)[:, 1:int(steps) + 1].astype(np.int64)
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache"), compiler_options=_EXACT_ROUNDING)
+@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "use_cache", "forced_bos_id"),
+                   compiler_options=_EXACT_ROUNDING)
 def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, limits: jax.Array, max_steps: int,
-            use_cache: bool) -> tuple[jax.Array, jax.Array]:
+            use_cache: bool, forced_bos_id: int | None) -> tuple[jax.Array, jax.Array]:
     """JAX only: the jitted loop of :func:`greedy_decode` (TensorFlow's ``_greedy`` is a ``tf.function`` with
     its own plumbing; PyTorch loops in ``greedy_decode``) for the model ``structure.merge(state)``
-    (``speed._split``). Returns the token buffer (B, M + 1) (bos first) and the number of steps taken."""
+    (``speed._split``). Returns the token buffer (B, M + 1) (the start token first) and the number of steps taken."""
     model = structure.merge(state)
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
@@ -178,6 +208,8 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
     def advance(carry):
         index, history, done, cache = carry
         log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache)   # (B, V)
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, index + 1, limits, forced_bos_id))
         token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)              # first max = lowest id
         token = jnp.where(done, cfg.pad_id, token)
         history = history.at[:, index + 1].set(token)
@@ -192,37 +224,42 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
 
 # ----------------------------------------------------------------------------- beam search
 
-def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
-                use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
+def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+                use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``), the forced
+    first token ``forced_bos_id`` and the tie-break of this module's docstring.
 
-    Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id (NumPy int64), and
+    Shape: src (B, S) -> tokens (B, L) without the start token, right-padded with pad_id (NumPy int64), and
     the length-normalized scores (B,) (NumPy float64 holding score-dtype values: the model's, float32 for
     bfloat16 and float16).
     """
-    beam_size, alpha = check_decoding_args(beam_size, alpha)
+    cfg = model.config
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
+    forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     src = _checked_source(model, src)
     limits = max_output_lengths(model, np.asarray(src))                          # (B,)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then
     # rounded to the score dtype exactly as NumPy rounds a Python float in `score / lp`.
-    penalties = np.array([length_penalty(n, alpha) for n in range(max_steps + 1)]).astype(score_dtype(model.dtype))
+    penalties = np.array([length_penalty(n, alpha, cfg.length_normalization)
+                          for n in range(max_steps + 1)]).astype(score_dtype(model.dtype))
     split = _split(model)
     rows, lengths, scores = _beam(split.structure, split.state, src, jnp.asarray(limits), jnp.asarray(penalties),
-                                  max_steps, beam_size, use_cache)
+                                  max_steps, beam_size, use_cache, forced_bos_id)
     width = int(np.max(lengths))
     return np.asarray(rows)[:, :width].astype(np.int64), np.asarray(scores, dtype=np.float64)
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache"),
+@functools.partial(jax.jit, static_argnames=("structure", "max_steps", "beam_size", "use_cache", "forced_bos_id"),
                    compiler_options=_EXACT_ROUNDING)
 def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, limits: jax.Array, penalties: jax.Array,
-          max_steps: int, beam_size: int, use_cache: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+          max_steps: int, beam_size: int, use_cache: bool,
+          forced_bos_id: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """JAX only: the jitted search of :func:`beam_search` (TensorFlow's ``_beam`` is a ``tf.function`` with
     its own plumbing; PyTorch searches in ``beam_search``) over the batch of the model
     ``structure.merge(state)`` (``speed._split``): rows are
     (sentence, beam) pairs, N = B * K, all advanced by one loop until every sentence has stopped.
-    Returns the best hypotheses (B, M) without bos, their lengths (B,) and scores (B,)."""
+    Returns the best hypotheses (B, M) without the start token, their lengths (B,) and scores (B,)."""
     model = structure.merge(state)
     cfg, batch, k = model.config, src.shape[0], beam_size
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
@@ -231,32 +268,54 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
     cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
+    row_limits = jnp.repeat(limits, k)                                           # (N,)
     scores_dtype = score_dtype(model.dtype)                                      # float32 for P
     alive = jnp.full((batch, k), -jnp.inf, scores_dtype).at[:, 0].set(0.0)       # (B, K): only beam 0 at first
     no_best = (jnp.full(batch, -jnp.inf, scores_dtype), _start_tokens(cfg, batch, max_steps),
                jnp.zeros(batch, _TOKEN_DTYPE))
 
     def advance(carry):
-        index, history, live_scores, cache, best, done = carry
+        index, history, live_scores, cache, best, kept, done = carry
         length = index + 1                                                       # tokens after this step
         log_probs, cache = _step(model, history, length, memory, src_mask, cache)   # (N, V)
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, length, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.reshape(batch, k, -1)   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams].at[:, :, length].set(tokens)           # (B, 2K, M + 1)
         ended = jnp.where(finishing & ~done[:, None], scores / penalties[length], -jnp.inf)
         best = _keep_best(best, ended, rows, length)
+        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+            kept = lax.top_k(jnp.concatenate([kept, ended], axis=1), k)[0]       # (B, K): best finished scores
         live_scores = jnp.take_along_axis(scores, keep, axis=1)                  # (B, K), descending
         rows = jnp.take_along_axis(rows, keep[:, :, None], axis=1)               # (B, K, M + 1)
         cache = _reorder_own(cache, (first_row + jnp.take_along_axis(beams, keep, axis=1)).reshape(-1))
         last = ~done & (length == limits)                                        # (B,)
         best = _keep_best(best, jnp.where(last[:, None], live_scores / penalties[length], -jnp.inf), rows, length)
-        done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])
-        return length, rows.reshape(batch * k, -1), live_scores, cache, best, done
+        done = done | last | _stops(cfg, live_scores[:, 0], best[0], kept, penalties[length], limit_penalty)
+        return length, rows.reshape(batch * k, -1), live_scores, cache, best, kept, done
 
     start = (jnp.asarray(0, _TOKEN_DTYPE), _start_tokens(cfg, batch * k, max_steps), alive, cache, no_best,
-             jnp.zeros(batch, bool))
-    *_, (score, row, length), _ = lax.while_loop(lambda carry: ~carry[-1].all(), advance, start)
+             jnp.full((batch, k), -jnp.inf, scores_dtype), jnp.zeros(batch, bool))
+    *_, (score, row, length), _, _ = lax.while_loop(lambda carry: ~carry[-1].all(), advance, start)
     return row[:, 1:], length, score
+
+
+def _stops(config: TransformerConfig, best_live: jax.Array, best: jax.Array, kept: jax.Array, penalty: jax.Array,
+           limit_penalty: jax.Array) -> jax.Array:
+    """Which sentences stop by the normalization's rule after a step (the reference's ``search_ends``): "gnmt",
+    no live beam can beat the best finished score, best_live / lp(limit) <= best; "hf", once ``beam_size``
+    hypotheses have finished (``kept``, the best finished scores, full), transformers' ``early_stopping``: True at
+    once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
+    "never", the limit. A sentence with no live beam left (best_live -inf) stops.
+    Shape: best_live, best (B,); kept (B, K); penalty (); limit_penalty (B,) -> (B,) bool."""
+    if config.length_normalization == "gnmt":
+        return best_live / limit_penalty <= best
+    full = kept[:, -1] > -jnp.inf
+    if config.early_stopping is True:
+        return full | (best_live == -jnp.inf)
+    bound = limit_penalty if config.early_stopping == "never" else penalty
+    return (full & (best_live / bound <= kept[:, -1])) | (best_live == -jnp.inf)
 
 
 def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:

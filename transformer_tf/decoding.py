@@ -1,14 +1,18 @@
 """Greedy decoding and beam search (section 6.1) for the TensorFlow port, compiled.
 
 The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum output
-length = non-pad source tokens + 50 capped at ``max_len``; output without bos, right-padded with
-pad_id; pad_id and bos_id are never emitted (their log-probabilities are set to -inf before
-choosing); greedy ties go to the lowest token id; beam candidates are ranked by summed
+length = non-pad source tokens + 50 capped at ``max_len``; output after the start token
+``config.start_id``, without it, right-padded with pad_id; the tokens of ``config.never_emitted`` are
+never emitted (their log-probabilities are set to -inf before choosing); the forced tokens
+(``forced_bos_id``, ``config.forced_eos``) are the reference's; the decoder reads its prefix under the
+causal mask alone; greedy ties go to the lowest token id; beam candidates are ranked by summed
 log-probability (model dtype; float32 for bfloat16 and float16), ties to the lower beam then the
 lower token; eos finishes a hypothesis only among the first ``beam_size`` ranks; the search
 stops at the maximum length (live beams are then scored as finished, in rank order, after that
-step's eos hypotheses), when no live beam is left, or when no live beam can beat the best
-finished one; the best score wins, a tie going to the hypothesis finished first. Beam rows that
+step's eos hypotheses), when no live beam is left, or by the length normalization's rule
+(``config.length_normalization``: "gnmt", when no live beam can beat the best finished one; "hf",
+transformers' ``early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the
+best score wins, a tie going to the hypothesis finished first. Beam rows that
 hold no live beam (only one exists at first; none when only eos can follow) score -inf: they
 never finish, and when all of a sentence's rows do, the stopping rule (-inf <= best finished
 score) ends its search.
@@ -56,14 +60,14 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
     EXTRA_OUTPUT_LENGTH,
-    LENGTH_PENALTY_ALPHA,
     check_decoding_args,
+    check_forced_bos,
     length_penalty,
 )
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import Index, KVCache, Transformer, _generated, padding_mask
+from .model import Index, KVCache, Transformer, _generated, causal_mask, padding_mask
 from .precision import wide
 from .speed import _xla_keeps_roundings
 
@@ -81,16 +85,17 @@ def max_output_lengths(model: Transformer, src: tf.Tensor) -> tf.Tensor:
 
 def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None,
                          cache: Cache = (), cache_index: Index | None = None) -> tf.Tensor | tuple[tf.Tensor, Cache]:
-    """Log-probabilities of the token after ``tgt``, with pad_id and bos_id set to -inf so that
-    they are never chosen.
+    """Log-probabilities of the token after ``tgt``, with the tokens of ``config.never_emitted`` set to
+    -inf so that they are never chosen.
 
-    Without a cache (``()``) ``tgt`` is the whole prefix: tgt (B, T) -> (B, V). With a ``cache``
+    Without a cache (``()``) ``tgt`` is the whole prefix, read under the causal mask alone: tgt (B, T) ->
+    (B, V). With a ``cache``
     (``model.init_cache``) ``tgt`` holds the new positions only, starting at ``cache_index``,
     and the result is ``(log_probs (B, V), cache)``.
     """
     weight = model.generator._weight()
     if not cache:
-        out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
+        out = model.decode(tgt, memory, src_mask, causal_mask(tf.shape(tgt)[1]))           # (B, T, D)
         return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
     return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight), cache
@@ -116,25 +121,45 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
 
+def forced_tokens(config: TransformerConfig, step: Index, limits: tf.Tensor,
+                  forced_bos_id: int | None) -> tf.Tensor:
+    """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
+    ``forced_bos_id`` at step 1, eos at the row's last step with ``config.forced_eos``, -1 where none.
+    Shape: limits (N,) -> (N,) int64."""
+    first = tf.constant(-1 if forced_bos_id is None else forced_bos_id, tf.int64)
+    forced = tf.fill(tf.shape(limits), tf.where(tf.equal(step, 1), first, tf.constant(-1, tf.int64)))
+    eos = tf.constant(config.eos_id, tf.int64)
+    return tf.where(tf.equal(step, limits) & config.forced_eos, eos, forced)
+
+
+def force(log_probs: tf.Tensor, forced: tf.Tensor) -> tf.Tensor:
+    """Where a token is forced, it gets the log-probability 0 and every other -inf (the reference's ``force``).
+    Shape: log_probs (N, V), forced (N,) -> (N, V)."""
+    one_hot = tf.range(log_probs.shape[1], dtype=tf.int64) == forced[:, None]
+    forcing = tf.where(one_hot, tf.constant(0.0, log_probs.dtype), tf.constant(-np.inf, log_probs.dtype))
+    return tf.where(forced[:, None] >= 0, forcing, log_probs)
+
+
 def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
-    output, pad_id and bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V).
+    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them.
+    Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
     log_probs = _generated(out[:, position], weight, model.generator._bias())              # (N, V)
-    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == [model.config.pad_id,
-                                                                          model.config.bos_id], axis=1)  # (V,)
+    never = list(model.config.never_emitted) or [-1]                                        # -1: no token
+    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == never, axis=1)      # (V,)
     return tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
 
 
 def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor, src_mask: tf.Tensor,
           cache: Cache, weight: tf.Tensor) -> tuple[tf.Tensor, Cache]:
     """One decoding step: the log-probabilities (N, V) of the token at (traced) position ``step`` after
-    ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
+    ``tokens[:, :step]`` (the start token at position 0), and the cache. With a cache only the token at ``step - 1``
     runs through the decoder (``cache_index = step - 1``); with ``()`` (no cache) the whole prefix does, as
     in the reference. ``weight`` as for :func:`_log_probs_at`. Shape: tokens (N, L + 1)."""
     if not cache:
-        out = model.decode(tokens[:, :step], memory, src_mask)                              # (N, step, D)
+        out = model.decode(tokens[:, :step], memory, src_mask, causal_mask(step))           # (N, step, D)
         return _log_probs_at(model, out, step - 1, weight), cache
     out, cache = model.decode(tokens[:, step - 1, None], memory, src_mask, cache=cache, cache_index=step - 1)
     return _log_probs_at(model, out, 0, weight), cache                                     # out (N, 1, D)
@@ -147,9 +172,9 @@ def _checked_source(model: Transformer, src: ArrayLike) -> tf.Tensor:
 
 
 def _start_tokens(config: TransformerConfig, rows: int, max_steps: int) -> tf.Tensor:
-    """The token buffer: bos, then pad_id up to position L (``max_steps``, :func:`_buffer_length`).
-    Shape: (rows, L + 1)."""
-    return tf.concat([tf.fill([rows, 1], tf.constant(config.bos_id, tf.int64)),
+    """The token buffer: the start token (``config.start_id``), then pad_id up to position L (``max_steps``,
+    :func:`_buffer_length`). Shape: (rows, L + 1)."""
+    return tf.concat([tf.fill([rows, 1], tf.constant(config.start_id, tf.int64)),
                       tf.fill([rows, max_steps], tf.constant(config.pad_id, tf.int64))], axis=1)
 
 
@@ -168,18 +193,22 @@ def _buffer_length(model: Transformer, src: tf.Tensor) -> int:
 
 # ----------------------------------------------------------------------------- greedy
 
-def greedy_decode(model: Transformer, src: ArrayLike, use_cache: bool = True) -> np.ndarray:
-    """Greedy decoding; ties go to the lowest token id.
+def greedy_decode(model: Transformer, src: ArrayLike, use_cache: bool = True,
+                  forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy decoding; ties go to the lowest token id; ``forced_bos_id`` the forced first token.
 
-    Shape: src (B, S) -> tokens (B, L), without bos, right-padded with pad_id.
+    Shape: src (B, S) -> tokens (B, L), without the start token, right-padded with pad_id.
     """
+    forced_bos_id = check_forced_bos(model.config, forced_bos_id)
     src = _checked_source(model, src)
     with tf.device(model_device(model)):
-        tokens, steps = _compiled(model, ("greedy", use_cache), _greedy)(src, wide(model.generator._weight()))
+        greedy = _compiled(model, ("greedy", use_cache, forced_bos_id), _greedy)
+        tokens, steps = greedy(src, wide(model.generator._weight()))
     return tokens.numpy()[:, 1:int(steps) + 1]
 
 
-def _greedy(model: Transformer, use_cache: bool, src: tf.Tensor, weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _greedy(model: Transformer, use_cache: bool, forced_bos_id: int | None, src: tf.Tensor,
+            weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """TensorFlow only: the ``tf.function`` loop of :func:`greedy_decode` (:func:`_compiled`; JAX's ``_greedy``
     is a jitted loop with its own plumbing; PyTorch loops in ``greedy_decode``). Returns the token buffer
     (B, L + 1) (bos first) and the number of steps taken. ``weight`` is the generator's (D, V) weight
@@ -194,6 +223,8 @@ def _greedy(model: Transformer, use_cache: bool, src: tf.Tensor, weight: tf.Tens
 
     def body(t, tokens, done, cache):
         log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight)   # (B, V)
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, t, limits, forced_bos_id))
         token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
         token = tf.where(done, pad, token)
         done = done | (token == cfg.eos_id) | (t >= limits)
@@ -206,26 +237,29 @@ def _greedy(model: Transformer, use_cache: bool, src: tf.Tensor, weight: tf.Tens
 
 # ----------------------------------------------------------------------------- beam search
 
-def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
-                use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the GNMT length penalty and the tie-break of this module's docstring.
+def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+                use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``), the forced
+    first token ``forced_bos_id`` and the tie-break of this module's docstring.
 
-    Shape: src (B, S) -> tokens (B, L) without bos, right-padded with pad_id, and the
+    Shape: src (B, S) -> tokens (B, L) without the start token, right-padded with pad_id, and the
     length-normalized scores (B,) (float64, like the reference's Python floats; computed in float32 for a
     bfloat16 or float16 model).
     """
-    beam_size, alpha = check_decoding_args(beam_size, alpha)
+    cfg = model.config
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
+    forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     src = _checked_source(model, src)
-    penalties = [length_penalty(n, alpha) for n in range(_buffer_length(model, src) + 1)]
-    search = _compiled(model, ("beam", use_cache, beam_size), _beam)
+    penalties = [length_penalty(n, alpha, cfg.length_normalization) for n in range(_buffer_length(model, src) + 1)]
+    search = _compiled(model, ("beam", use_cache, beam_size, forced_bos_id), _beam)
     with tf.device(model_device(model)):
         tokens, lengths, scores = search(src, tf.constant(penalties, score_dtype(model.compute_dtype)),
                                          wide(model.generator._weight()))
     return tokens.numpy()[:, :int(tf.reduce_max(lengths))], scores.numpy().astype(np.float64)
 
 
-def _beam(model: Transformer, use_cache: bool, beam_size: int, src: tf.Tensor, penalties: tf.Tensor,
-          weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def _beam(model: Transformer, use_cache: bool, beam_size: int, forced_bos_id: int | None, src: tf.Tensor,
+          penalties: tf.Tensor, weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """TensorFlow only: the ``tf.function`` search of :func:`beam_search` (:func:`_compiled`; JAX's ``_beam``
     is a jitted search with its own plumbing; PyTorch searches in ``beam_search``). Returns the best
     hypotheses (B, L) pad-filled, their lengths (B,) and scores (B,).
@@ -243,30 +277,52 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, src: tf.Tensor, p
     cache = _in_place(model.init_cache(memory, length) if use_cache else (), batch, k)
     first_row = tf.range(batch)[:, None] * k                               # (B, 1): row of beam 0
     limit_penalty = tf.gather(penalties, limits)                           # (B,)
+    row_limits = tf.repeat(limits, k)                                      # (N,)
     never = tf.constant(-np.inf, dtype)                                    # the score of what does not finish
 
-    def body(t, history, live_scores, cache, best, done):
+    def body(t, history, live_scores, cache, best, kept, done):
         log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight)   # (N, V)
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, t, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = _put(tf.gather(history, first_row + beams), tokens, t)         # (B, 2K, L + 1)
         ended = tf.where(finishing & ~done[:, None], scores / penalties[t], never)
         best = _keep_best(best, ended, rows, t)
+        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+            kept = tf.math.top_k(tf.concat([kept, ended], axis=1), k).values  # (B, K): best finished scores
         live_scores = tf.gather(scores, keep, batch_dims=1)                  # (B, K), descending
         rows = tf.gather(rows, keep, batch_dims=1)                           # (B, K, L + 1)
         cache = _reorder_own(cache, tf.reshape(first_row + tf.gather(beams, keep, batch_dims=1), [-1]))
         last = ~done & (t == limits)                                         # (B,)
         best = _keep_best(best, tf.where(last[:, None], live_scores / penalties[t], never), rows, t)
-        done = done | last | (live_scores[:, 0] / limit_penalty <= best[0])
-        return t + 1, tf.reshape(rows, (batch * k, -1)), live_scores, cache, best, done
+        done = done | last | _stops(cfg, live_scores[:, 0], best[0], kept, penalties[t], limit_penalty)
+        return t + 1, tf.reshape(rows, (batch * k, -1)), live_scores, cache, best, kept, done
 
     alive = tf.constant([0.0] + [-np.inf] * (k - 1), dtype)               # (K,): only beam 0 exists at first
     no_best = (tf.fill([batch], never), _start_tokens(cfg, batch, length),
                tf.zeros([batch], tf.int32))                                # score, row (B, L + 1), length
     start = (tf.constant(1), _start_tokens(cfg, batch * k, length), tf.tile(alive[None], [batch, 1]), cache,
-             no_best, tf.zeros([batch], tf.bool))
-    *_, (score, row, lengths), _ = tf.while_loop(lambda *carry: ~tf.reduce_all(carry[-1]), body, start)
+             no_best, tf.fill([batch, k], never), tf.zeros([batch], tf.bool))
+    *_, (score, row, lengths), _, _ = tf.while_loop(lambda *carry: ~tf.reduce_all(carry[-1]), body, start)
     return row[:, 1:], lengths, score
+
+
+def _stops(config: TransformerConfig, best_live: tf.Tensor, best: tf.Tensor, kept: tf.Tensor, penalty: tf.Tensor,
+           limit_penalty: tf.Tensor) -> tf.Tensor:
+    """Which sentences stop by the normalization's rule after a step (the reference's ``search_ends``): "gnmt",
+    no live beam can beat the best finished score, best_live / lp(limit) <= best; "hf", once ``beam_size``
+    hypotheses have finished (``kept``, the best finished scores, full), transformers' ``early_stopping``: True at
+    once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
+    "never", the limit. A sentence with no live beam left (best_live -inf) stops.
+    Shape: best_live, best (B,); kept (B, K); penalty (); limit_penalty (B,) -> (B,) bool."""
+    if config.length_normalization == "gnmt":
+        return best_live / limit_penalty <= best
+    full = kept[:, -1] > -np.inf
+    if config.early_stopping is True:
+        return full | (best_live == -np.inf)
+    bound = limit_penalty if config.early_stopping == "never" else penalty
+    return (full & (best_live / bound <= kept[:, -1])) | (best_live == -np.inf)
 
 
 def _in_place(cache: Cache, batch: int, beam_size: int) -> Cache:

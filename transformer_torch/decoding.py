@@ -1,13 +1,16 @@
 """Greedy decoding and beam search (section 6.1) with a key/value cache.
 
 The rules are the reference's, to the letter (``reference_numpy/decoding.py``): the same
-maximum output length (non-pad source tokens + 50, capped at ``max_len``), pad_id and bos_id
-never emitted, greedy ties to the lowest token id, beam candidates ranked by summed
-log-probability (accumulated in the model's dtype; float32 for a bfloat16 or float16 model, whose
-log-probabilities are float32, ``reference_numpy.precision.score_dtype``) with ties to the lower beam then the lower
-token, eos only among the first ``beam_size`` ranks, the same stopping rule, and the final
-tie to the hypothesis finished first. Outputs are NumPy arrays in the reference's layout
-(no bos, right-padded with pad_id).
+maximum output length (non-pad source tokens + 50, capped at ``max_len``), the same start token
+(``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same forced tokens
+(``forced_bos_id``, ``config.forced_eos``), the decoder reading its prefix under the causal mask
+alone, greedy ties to the lowest token id, beam candidates ranked by summed log-probability
+(accumulated in the model's dtype; float32 for a bfloat16 or float16 model, whose log-probabilities
+are float32, ``reference_numpy.precision.score_dtype``) with ties to the lower beam then the lower
+token, eos only among the first ``beam_size`` ranks, the same length normalization and stopping rule
+(``config.length_normalization``, ``config.early_stopping``: "hf" keeps the ``beam_size`` best
+finished scores of each sentence, :func:`_stops`), and the final tie to the hypothesis finished
+first. Outputs are NumPy arrays in the reference's layout (no start token, right-padded with pad_id).
 
 With ``use_cache=True`` (the default) each new token costs one decoder step: the model's
 key/value cache (``model.init_cache``, :class:`.model.KVCache`) keeps the self-attention keys and
@@ -41,32 +44,32 @@ from torch import Tensor
 from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
-    LENGTH_PENALTY_ALPHA,
     check_decoding_args,
+    check_forced_bos,
     length_penalty,
     max_output_lengths,
 )
 
 from . import speed
-from .model import KVCache, Transformer, padding_mask
+from .model import KVCache, Transformer, causal_mask, padding_mask
 from .precision import LOW
 
 
 def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
                          cache: tuple = (), cache_index: int | None = None,
                          ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
-    """Log-probabilities of the token after the last position of ``tgt``, with pad_id and bos_id
-    set to -inf so that they are never chosen.
+    """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
+    ``config.never_emitted`` set to -inf so that they are never chosen.
 
     Without a cache (``()``) ``tgt`` is the whole prefix (the decoder is recomputed, under
-    :func:`.model.target_mask`); with a ``cache`` (``model.init_cache``) holding positions
+    :func:`.model.causal_mask` alone); with a ``cache`` (``model.init_cache``) holding positions
     0 .. cache_index - 1, ``tgt`` holds only the new positions, from ``cache_index`` on (under the
     causal mask of ``Transformer.decode``), and the result is ``(log_probs, cache)``.
 
     Shape: tgt (B, T) -> log_probs (B, V).
     """
     if not cache:
-        out = model.decode(tgt, memory, src_mask)                                          # (B, T, D)
+        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1], tgt.device))   # (B, T, D)
         return _log_probs_at(model, out, out.shape[1] - 1)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
     return _log_probs_at(model, out, out.shape[1] - 1), cache
@@ -92,18 +95,33 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 
 
+def forced_tokens(config: TransformerConfig, step: int, limits: Tensor, forced_bos_id: int | None) -> Tensor:
+    """The token each row is forced to emit at ``step`` (the reference's ``forced_tokens``): ``forced_bos_id`` at
+    step 1, eos at the row's last step with ``config.forced_eos``, -1 where none. Shape: limits (N,) -> (N,)."""
+    forced = torch.full_like(limits, -1 if forced_bos_id is None or step != 1 else forced_bos_id)
+    return torch.where((limits == step) & config.forced_eos, config.eos_id, forced)
+
+
+def force(log_probs: Tensor, forced: Tensor) -> Tensor:
+    """Where a token is forced, it gets the log-probability 0 and every other -inf (the reference's ``force``).
+    Shape: log_probs (N, V), forced (N,) -> (N, V)."""
+    one_hot = torch.arange(log_probs.shape[1], device=log_probs.device) == forced[:, None]
+    forcing = torch.where(one_hot, 0.0, -torch.inf).to(log_probs.dtype)
+    return torch.where(forced[:, None] >= 0, forcing, log_probs)
+
+
 def _log_probs_at(model: Transformer, out: Tensor, position: int) -> Tensor:
-    """The generator's log-probabilities (section 3.4) at one position of the decoder output, pad_id and
-    bos_id set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
+    """The generator's log-probabilities (section 3.4) at one position of the decoder output, the tokens of
+    ``config.never_emitted`` set to -inf: the decoder never emits them. Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(out[:, position:position + 1])[:, 0]                      # (N, V)
-    log_probs[:, [model.config.pad_id, model.config.bos_id]] = -torch.inf
+    log_probs[:, list(model.config.never_emitted)] = -torch.inf
     return log_probs
 
 
 def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mask: Tensor,
           cache: tuple) -> tuple[Tensor, tuple]:
     """One decoding step: the log-probabilities (N, V) of the token at position ``step`` after
-    ``tokens[:, :step]`` (bos at position 0), and the cache. With a cache only the token at ``step - 1``
+    ``tokens[:, :step]`` (the start token at position 0), and the cache. With a cache only the token at ``step - 1``
     runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
     cache) the whole prefix does, as in the reference; a model given to ``speed.compile_decoding`` runs the cached
     step as its compiled program (``speed.decoding_step``). Shape: tokens (N, W), W > step."""
@@ -118,21 +136,25 @@ def _checked_source(model: Transformer, src: Tensor | np.ndarray) -> Tensor:
 
 
 def _start_tokens(config: TransformerConfig, rows: int, max_steps: int, device: torch.device) -> Tensor:
-    """The token buffer: bos, then pad_id up to position M (``max_steps``). Shape: (rows, M + 1)."""
+    """The token buffer: the start token (``config.start_id``), then pad_id up to position M (``max_steps``).
+    Shape: (rows, M + 1)."""
     tokens = torch.full((rows, max_steps + 1), config.pad_id, dtype=torch.long, device=device)
-    tokens[:, 0] = config.bos_id
+    tokens[:, 0] = config.start_id
     return tokens
 
 
 # ----------------------------------------------------------------------------- greedy
 
 @torch.inference_mode()
-def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool = True) -> np.ndarray:
-    """Greedy decoding; ties go to the lowest token id (``torch.argmax`` returns the first maximum).
+def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool = True,
+                  forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy decoding; ties go to the lowest token id (``torch.argmax`` returns the first maximum);
+    ``forced_bos_id`` the forced first token.
 
-    Shape: src (B, S) -> tokens (B, L) NumPy int64, without bos, right-padded with pad_id.
+    Shape: src (B, S) -> tokens (B, L) NumPy int64, without the start token, right-padded with pad_id.
     """
     cfg = model.config
+    forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     src = _checked_source(model, src)
     memory = model.encode(src)
     src_mask = padding_mask(src, cfg.pad_id)
@@ -143,6 +165,8 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, tokens, step, memory, src_mask, cache)
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, step, limits, forced_bos_id))
         token = log_probs.argmax(dim=-1)                                   # (B,)
         token = torch.where(done, cfg.pad_id, token)
         tokens[:, step] = token
@@ -155,17 +179,19 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
 # ----------------------------------------------------------------------------- beam search
 
 @torch.inference_mode()
-def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = BEAM_SIZE,
-                alpha: float = LENGTH_PENALTY_ALPHA, use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the GNMT length penalty and the reference's tie-break (module docstring).
+def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+                use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``), the forced
+    first token ``forced_bos_id`` and the reference's tie-break (module docstring).
 
     Rows are (sentence, beam) pairs, N = B * K, advanced together until every sentence has stopped.
 
-    Shape: src (B, S) -> tokens (B, L) NumPy int64 without bos, right-padded with pad_id, and
+    Shape: src (B, S) -> tokens (B, L) NumPy int64 without the start token, right-padded with pad_id, and
     the length-normalized scores (B,).
     """
-    beam_size, alpha = check_decoding_args(beam_size, alpha)
-    cfg, k = model.config, beam_size
+    cfg = model.config
+    beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
+    forced_bos_id, k = check_forced_bos(cfg, forced_bos_id), beam_size
     src = _checked_source(model, src)
     memory = model.encode(src)
     batch, device = len(src), memory.device
@@ -173,12 +199,14 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=device)        # (B,)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M rounded to the scores' dtype, as NumPy rounds a Python float in `score / lp`
-    penalties = torch.tensor([length_penalty(n, alpha) for n in range(max_steps + 1)], dtype=torch.float64).to(
-        device, scores_dtype)
+    penalties = torch.tensor([length_penalty(n, alpha, cfg.length_normalization) for n in range(max_steps + 1)],
+                             dtype=torch.float64).to(device, scores_dtype)
     memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
     cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
+    row_limits = limits.repeat_interleave(k)                                     # (N,)
+    kept = torch.full((batch, k), -torch.inf, dtype=scores_dtype, device=device)   # (B, K): best finished scores
     first_row = torch.arange(batch, device=device)[:, None] * k                  # (B, 1): row of beam 0
     live_scores = torch.full((batch, k), -torch.inf, dtype=scores_dtype, device=device)
     live_scores[:, 0] = 0.0                                                      # (B, K): only beam 0 at first
@@ -188,23 +216,44 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, history, step, memory, src_mask, cache)   # (N, V)
+        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+            log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams]                                        # (B, 2K, M + 1)
         rows[:, :, step] = tokens
         ended = torch.where(finishing & ~done[:, None], scores / penalties[step], -torch.inf)
         best = _keep_best(best, ended, rows, step)
+        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+            kept = torch.cat([kept, ended], dim=1).topk(k, dim=1).values         # (B, K), descending
         live_scores = scores.gather(1, keep)                                     # (B, K), descending
         rows = rows.gather(1, keep[:, :, None].expand(-1, -1, rows.shape[2]))    # (B, K, M + 1)
         cache = _reorder_own(cache, (first_row + beams.gather(1, keep)).view(-1))
         last = ~done & (step == limits)                                          # (B,)
         best = _keep_best(best, torch.where(last[:, None], live_scores / penalties[step], -torch.inf), rows, step)
-        done |= last | (live_scores[:, 0] / limit_penalty <= best[0])
+        done |= last | _stops(cfg, live_scores[:, 0], best[0], kept, penalties[step], limit_penalty)
         history = rows.view(batch * k, -1)
         if bool(done.all()):
             break
     score, row, length = best
     return row[:, 1:int(length.max()) + 1].cpu().numpy(), score.cpu().numpy().astype(np.float64)
+
+
+def _stops(config: TransformerConfig, best_live: Tensor, best: Tensor, kept: Tensor, penalty: Tensor,
+           limit_penalty: Tensor) -> Tensor:
+    """Which sentences stop by the normalization's rule after a step (the reference's ``search_ends``): "gnmt",
+    no live beam can beat the best finished score, best_live / lp(limit) <= best; "hf", once ``beam_size``
+    hypotheses have finished (``kept``, the best finished scores, full), transformers' ``early_stopping``: True at
+    once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
+    "never", the limit. A sentence with no live beam left (best_live -inf) stops.
+    Shape: best_live, best (B,); kept (B, K); penalty () ; limit_penalty (B,) -> (B,) bool."""
+    if config.length_normalization == "gnmt":
+        return best_live / limit_penalty <= best
+    full = kept[:, -1] > -torch.inf
+    if config.early_stopping is True:
+        return full | (best_live == -torch.inf)
+    bound = limit_penalty if config.early_stopping == "never" else penalty
+    return (full & (best_live / bound <= kept[:, -1])) | (best_live == -torch.inf)
 
 
 def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:

@@ -115,16 +115,18 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
 
 
 @_in_recipe
-def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
-    """Greedy tokens (B, L) without bos, pad-filled. The reference has no cache; ``use_cache`` is ignored."""
-    return decoding.greedy_decode(model, src)
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True, forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy tokens (B, L) without the start token, pad-filled. The reference has no cache; ``use_cache`` is
+    ignored."""
+    return decoding.greedy_decode(model, src, forced_bos_id)
 
 
 @_in_recipe
 def beam(model: Transformer, src: Tokens, beam_size: int = decoding.BEAM_SIZE,
-         alpha: float = decoding.LENGTH_PENALTY_ALPHA, use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+         alpha: float | None = None, use_cache: bool = True, forced_bos_id: int | None = None
+         ) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,). The reference has no cache; ``use_cache`` is ignored."""
-    return decoding.beam_search(model, src, beam_size, alpha)
+    return decoding.beam_search(model, src, beam_size, alpha, forced_bos_id)
 
 
 @_in_recipe

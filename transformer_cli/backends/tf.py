@@ -26,7 +26,7 @@ from equivalence.recipes import (
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
-from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.decoding import BEAM_SIZE
 from reference_numpy.precision import DTYPES, check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
@@ -163,15 +163,15 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
     return {key: grad.numpy() for key, grad in zip(keys, grads)}
 
 
-def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
-    """Greedy tokens (B, L) without bos, pad-filled (compiled; with the key/value cache by default)."""
-    return decoding.greedy_decode(model, src, use_cache)
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True, forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy tokens (B, L) without the start token, pad-filled (compiled; with the key/value cache by default)."""
+    return decoding.greedy_decode(model, src, use_cache, forced_bos_id)
 
 
-def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
-         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+         use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,) (compiled; with the key/value cache by default)."""
-    return decoding.beam_search(model, src, beam_size, alpha, use_cache)
+    return decoding.beam_search(model, src, beam_size, alpha, use_cache, forced_bos_id)
 
 
 def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, kind: str = "encoder") -> np.ndarray:

@@ -31,7 +31,7 @@ from equivalence.recipes import (
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
-from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA
+from reference_numpy.decoding import BEAM_SIZE
 from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_cli.backends import in_recipe
@@ -157,15 +157,15 @@ def component_gradients(model: Transformer, name: str, inputs: dict[str, np.ndar
     return {key: _numpy(grad) for key, grad in zip(keys, grads)}
 
 @_in_recipe
-def greedy(model: Transformer, src: Tokens, use_cache: bool = True) -> np.ndarray:
-    """Greedy tokens (B, L) without bos, pad-filled."""
-    return decoding.greedy_decode(model.eval(), src, use_cache)
+def greedy(model: Transformer, src: Tokens, use_cache: bool = True, forced_bos_id: int | None = None) -> np.ndarray:
+    """Greedy tokens (B, L) without the start token, pad-filled."""
+    return decoding.greedy_decode(model.eval(), src, use_cache, forced_bos_id)
 
 @_in_recipe
-def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float = LENGTH_PENALTY_ALPHA,
-         use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def beam(model: Transformer, src: Tokens, beam_size: int = BEAM_SIZE, alpha: float | None = None,
+         use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Beam-search tokens (B, L) and scores (B,)."""
-    return decoding.beam_search(model.eval(), src, beam_size, alpha, use_cache)
+    return decoding.beam_search(model.eval(), src, beam_size, alpha, use_cache, forced_bos_id)
 
 
 @_in_recipe

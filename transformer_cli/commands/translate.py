@@ -24,7 +24,6 @@ import numpy.typing as npt
 from reference_numpy import TransformerConfig, load_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
 from reference_numpy.checks import check_token_layout
-from reference_numpy.decoding import LENGTH_PENALTY_ALPHA
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
 from transformer_cli import backends
@@ -83,14 +82,18 @@ class Translation(NamedTuple):
 
 class Translator:
     """Sentences to sentences with one backend's model: encode, decode (greedy, or beam search when
-    ``beam_size`` > 1) ``batch_size`` sentences of similar length at a time, detokenize."""
+    ``beam_size`` > 1) ``batch_size`` sentences of similar length at a time, detokenize. Decoding follows the
+    checkpoint's conventions (its config: start token, suppressed tokens, forced eos, length normalization;
+    ``reference_numpy/decoding.py``); ``alpha`` None is the checkpoint's ``length_penalty``; ``forced_bos_id`` the
+    forced first token of every output (M2M100/NLLB's target language), None for none."""
 
     def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer, beam_size: int = 1,
-                 alpha: float = LENGTH_PENALTY_ALPHA, batch_size: int = BATCH_SIZE) -> None:
+                 alpha: float | None = None, batch_size: int = BATCH_SIZE, forced_bos_id: int | None = None) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
-        self.beam_size, self.alpha, self.batch_size = beam_size, alpha, batch_size
-        # the target language's id that M2M100/NLLB force as the first output token (--target-lang), else None
-        self.forced_bos_id = getattr(tokenizer, "forced_bos_id", None)
+        self.alpha = model.config.length_penalty if alpha is None else alpha
+        # the target language's id M2M100/NLLB force as the first output token (the tokenizer's, from --target-lang)
+        self.beam_size, self.batch_size = beam_size, batch_size
+        self.forced_bos_id = getattr(tokenizer, "forced_bos_id", None) if forced_bos_id is None else forced_bos_id
 
     def encode(self, text: str, name: str = "text") -> list[int]:
         """The source ids of ``text``: its tokens and eos (and a family's language code). A ``ValueError`` naming
@@ -104,8 +107,9 @@ class Translator:
         """Output ids (B, L) of encoded sources (one batch), without bos, right-padded with pad_id."""
         src = pad_rows(rows, self.tokenizer.config.pad_id)
         if self.beam_size == 1:
-            return np.asarray(self.adapter.greedy(self.model, src))
-        return np.asarray(self.adapter.beam(self.model, src, self.beam_size, self.alpha)[0])
+            return np.asarray(self.adapter.greedy(self.model, src, forced_bos_id=self.forced_bos_id))
+        return np.asarray(self.adapter.beam(self.model, src, self.beam_size, self.alpha,
+                                            forced_bos_id=self.forced_bos_id)[0])
 
     def decode_all(self, rows: list[list[int]], progress: Callable[[list], Iterable] = lambda batches: batches
                    ) -> list[np.ndarray]:
@@ -219,7 +223,7 @@ def write_translations(results: Iterable[Translation], output: str | None, stdou
 
 
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
-               beam_size: int = 1, alpha: float = LENGTH_PENALTY_ALPHA, device: str = "cpu",
+               beam_size: int = 1, alpha: float | None = None, device: str = "cpu",
                batch_size: int = BATCH_SIZE, source_lang: str | None = None,
                target_lang: str | None = None) -> Translator:
     """A :class:`Translator` for ``checkpoint`` (a file or a shipped model's name; default: the shipped model) in

@@ -1,0 +1,395 @@
+"""Hugging Face's decoding conventions against transformers' own ``generate``: tiny random Marian and M2M100 models
+built by transformers (``support.build``, tests/test_hf_import.py's), saved with ``save_pretrained`` and imported,
+decode the same tokens in the reference and in every installed port as transformers does, greedy and beam 4 with
+the family's conventions (Marian: start from pad, pad never produced -- opus-mt's ``bad_words_ids`` [[pad]] --, eos
+forced at the maximum length; M2M100: start from eos, the forced target-language token), HF's length normalization
+|Y|^alpha and each of its ``early_stopping`` rules, on a padded batch of several source lengths.
+
+transformers is the outside implementation: it shares no code with the project's decoders. The models are made to
+end at different lengths (``natural``: LayerNorm gains near 1, flatter logits, eos more likely), and the test
+checks that the settings matter: the tokens change with the length penalty, the early stopping rule and the start
+and forced tokens, and the hypotheses end at different lengths (eos reached, or the maximum length).
+
+Budgets: transformers' maximum length is one per batch; the project's is per sentence (source length + 50, capped
+at ``max_len``). The sources here are short and ``max_len`` is 40, so every budget is 40 = ``max_new_tokens``.
+
+Precision: transformers ranks its candidates in float32 even in a float64 model (``generate`` casts the logits to
+float32 before its log-softmax and its sums); tokens are compared, not scores, and they agree unless two candidates
+fall within float32 rounding of each other (no tolerance enters; a near-tie would fail the test and be traced, not
+loosened). The ports run the imported checkpoint in float64; in float32 their greedy tokens are compared on the rows
+whose every decision is separated by more than twice the float32 policy's bound
+(:func:`test_float32_ports_decode_as_transformers_where_well_separated`). CTranslate2, which stores no float64, is
+compared in float32 on a Marian model (its own converter;
+:func:`test_ctranslate2_decodes_as_transformers_and_the_reference`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from support import FRAMEWORKS, build, float64_inference, port_backend
+
+from equivalence import tolerance
+from reference_numpy import Transformer, TransformerConfig, init_params
+from reference_numpy.checkpoint import load_checkpoint
+from reference_numpy.decoding import beam_search, greedy_decode
+from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
+from reference_numpy.model import causal_mask
+
+torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
+                                            "'.[torch]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
+                                                          "these tests decode with are built with it")
+
+# (seed of support.build, the decoder's output scale, the eos logit's shift), chosen so that hypotheses end
+# at different lengths and each rule changes the tokens (asserted in test_the_settings_matter)
+SETTINGS = {"marian": (2, 0.5, 1.0), "m2m_100": (2, 0.5, 2.0)}
+LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
+BUDGET = 40                        # max_position_embeddings of support.MARIAN and M2M100: every sentence's budget
+EARLY_STOPPING = (False, True, "never")
+CONVENTIONS = ("decoder_start_id", "suppressed_ids", "forced_eos", "length_normalization", "length_penalty",
+               "early_stopping")
+
+
+def natural(model, family: str, seed: int, scale: float, shift: float):
+    """The random model made to end at varied lengths: LayerNorm gains 1 + N(0, 0.01) and biases N(0, 0.01) (the
+    random 0.5-scale ones of ``build`` make every decoder repeat one token), other biases shrunk, the decoder's
+    last LayerNorm scaled by ``scale`` (flatter log-probabilities: beams diverge) and the eos logit raised by
+    ``shift`` (Marian: its ``final_logits_bias``; M2M100, which has none: its final decoder LayerNorm's bias along
+    the eos embedding)."""
+    generator = torch.Generator().manual_seed(seed + 100)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if "layer_norm" in name:
+                noise = 0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+                tensor.copy_((1.0 if name.endswith("weight") else 0.0) + noise)
+            elif name.endswith("bias"):
+                tensor.mul_(0.2)
+        norm = model.model.decoder.layers[-1].final_layer_norm if family == "marian" else model.model.decoder.layer_norm
+        norm.weight.mul_(scale)
+        norm.bias.mul_(scale)
+        if family == "marian":
+            model.final_logits_bias[0, eos] += shift
+        else:
+            direction = model.model.shared.weight[eos]
+            norm.bias.add_(shift * direction / direction.norm() ** 2)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def family_model(request, tmp_path_factory):
+    """(family, transformers' float64 model, the imported checkpoint's path, its (config, params), the sources)."""
+    family = request.param
+    seed, scale, shift = SETTINGS[family]
+    model = natural(build(family, seed=seed).double(), family, seed, scale, shift)
+    if family == "marian":
+        model.generation_config.bad_words_ids = [[model.config.pad_token_id]]     # as opus-mt's files hold it
+    directory = tmp_path_factory.mktemp(family)
+    model.save_pretrained(directory)
+    out = directory.parent / f"{family}-generate.safetensors"
+    import_hf(directory, out)
+    config, params = load_hf(directory)
+    return family, model, out, (config, params), sources(config)
+
+
+def sources(config) -> np.ndarray:
+    """Four sentences of 7, 5, 3 and 6 tokens ending with eos (as the families' tokenizers end them), padded."""
+    rng = np.random.default_rng(3)
+    words = np.array([i for i in range(config.src_vocab_size) if i not in (config.pad_id, config.eos_id)])
+    src = rng.choice(words, size=(4, 7))
+    for row, length in enumerate((7, 5, 3, 6)):
+        src[row, length - 1] = config.eos_id
+        src[row, length:] = config.pad_id
+    return src
+
+
+def forced(family: str) -> int | None:
+    return LANGUAGE if family == "m2m_100" else None
+
+
+def hf_generate(model, src, pad_id: int, num_beams: int, **options) -> np.ndarray:
+    """transformers' tokens without the decoder start token, as this project returns them."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(src != pad_id).long(),
+                             max_new_tokens=BUDGET, do_sample=False, num_beams=num_beams, **options)
+    return out.numpy()[:, 1:]
+
+
+def hf_options(family: str, early_stopping=False, alpha: float = 1.0) -> dict:
+    options = {"length_penalty": alpha, "early_stopping": early_stopping}
+    return {**options, "forced_bos_token_id": LANGUAGE} if family == "m2m_100" else options
+
+
+def padded(tokens: np.ndarray, width: int, pad_id: int) -> np.ndarray:
+    return np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=pad_id)
+
+
+def assert_same_tokens(mine: np.ndarray, theirs: np.ndarray, pad_id: int) -> None:
+    width = max(mine.shape[1], theirs.shape[1])
+    np.testing.assert_array_equal(padded(mine, width, pad_id), padded(theirs, width, pad_id))
+
+
+def lengths(tokens: np.ndarray, eos_id: int) -> list[int]:
+    """Each row's length up to its eos, or the full width where it has none."""
+    return [int(np.argmax(row == eos_id)) + 1 if (row == eos_id).any() else len(row) for row in tokens]
+
+
+CASES = [("greedy", None, 1.0)] + [("beam", stop, 1.0) for stop in EARLY_STOPPING] + [("beam", False, 2.0)]
+
+
+def decode(decoders, model, src, kind: str, family: str, early_stopping, alpha: float) -> np.ndarray:
+    """One case of :data:`CASES` with a backend's ``greedy_decode`` and ``beam_search`` (``decoders``)."""
+    if kind == "greedy":
+        return decoders.greedy_decode(model, src, forced_bos_id=forced(family))
+    return decoders.beam_search(model, src, 4, alpha, forced_bos_id=forced(family))[0]
+
+
+def with_rule(config, early_stopping):
+    return config.replace(early_stopping=early_stopping)
+
+
+@pytest.fixture(scope="module")
+def expected(family_model):
+    """transformers' tokens for every case of :data:`CASES`."""
+    family, model, _, (config, _), src = family_model
+    return {case: hf_generate(model, src, config.pad_id, 1 if case[0] == "greedy" else 4,
+                              **hf_options(family, *case[1:])) for case in CASES}
+
+
+def test_the_import_sets_the_family_conventions(family_model):
+    family, _, _, (config, _), _ = family_model
+    if family == "marian":
+        assert (config.start_id, config.never_emitted, config.forced_eos) == (config.pad_id, (config.pad_id,), True)
+    else:
+        assert (config.start_id, config.never_emitted, config.forced_eos) == (config.eos_id, (), False)
+    assert (config.length_normalization, config.length_penalty, config.early_stopping) == ("hf", 1.0, False)
+
+
+def test_the_settings_matter(family_model, expected):
+    """The cases are not all one: hypotheses end at different lengths, some at eos before the budget; the length
+    penalty and the early stopping rule change transformers' tokens; so do the start token and the forced token."""
+    family, model, _, (config, _), src = family_model
+    for case in (("greedy", None, 1.0), ("beam", False, 1.0)):
+        assert len(set(lengths(expected[case], config.eos_id))) > 1, case
+    assert min(lengths(expected[("beam", False, 1.0)], config.eos_id)) < BUDGET
+    beams = [expected[("beam", stop, 1.0)] for stop in EARLY_STOPPING] + [expected[("beam", False, 2.0)]]
+    assert len({tokens.tobytes() + bytes(tokens.shape) for tokens in beams}) >= 3
+    other_start = config.eos_id if family == "marian" else config.pad_id
+    changed = hf_generate(model, src, config.pad_id, 1, decoder_start_token_id=other_start, **hf_options(family))
+    assert not np.array_equal(padded(changed, BUDGET, config.pad_id), padded(expected[("greedy", None, 1.0)],
+                                                                             BUDGET, config.pad_id))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case)))
+def test_reference_decodes_as_transformers(family_model, expected, case):
+    family, _, _, (config, params), src = family_model
+    import reference_numpy.decoding as decoders
+    model = Transformer(with_rule(config, case[1] if case[0] == "beam" else False), params)
+    assert_same_tokens(decode(decoders, model, src, *case[:1], family, *case[1:]), expected[case], config.pad_id)
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_ports_decode_as_transformers(family_model, expected, port):
+    """Every port, loading the imported checkpoint in float64, every case with or without its cache in turn (one
+    compiled search per case in JAX and TensorFlow)."""
+    family, _, path, (config, _), src = family_model
+    backend = port_backend(port)
+    with float64_inference(port):
+        base = backend.load(path, "float64")
+        for number, case in enumerate(CASES):
+            model = base if case[0] == "greedy" or case[1] is False else backend.build(
+                with_rule(config, case[1]), backend.export_params(base), "float64")
+            use_cache = number % 2 == 0
+            if case[0] == "greedy":
+                mine = backend.greedy(model, src, use_cache, forced_bos_id=forced(family))
+            else:
+                mine = backend.beam(model, src, 4, case[2], use_cache, forced_bos_id=forced(family))[0]
+            assert_same_tokens(np.asarray(mine), expected[case], config.pad_id)
+
+
+def greedy_decisions(config, params, src, tokens, dtype) -> np.ndarray:
+    """The log-probabilities each greedy step chose from, teacher-forced on ``tokens`` (B, L) (the causal decoder
+    sees at step t exactly the prefix that step saw), the suppressed tokens at -inf. Shape: (B, L, V)."""
+    tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)
+    log_probs = Transformer(config, params, dtype)(src, tgt, tgt_mask=causal_mask(tgt.shape[1])).astype(np.float64)
+    log_probs[..., list(config.never_emitted)] = -np.inf
+    return log_probs
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_float32_ports_decode_as_transformers_where_well_separated(family_model, expected, port):
+    """Greedy in float32, on the rows whose every free decision (not a forced step, before the row's end) is
+    separated by more than twice the float32 policy's bound (``tolerance.float32_bound``: the float32 reference's
+    own error on these log-probabilities, x its factor): there a port within the bound cannot choose otherwise."""
+    family, _, path, (config, params), src = family_model
+    theirs = expected[("greedy", None, 1.0)]
+    lp64 = greedy_decisions(config, params, src, theirs, np.float64)
+    lp32 = greedy_decisions(config, params, src, theirs, np.float32)
+    finite = np.isfinite(lp64)
+    bound = tolerance.float32_bound(lp64[finite], lp32[finite])
+    top_two = np.sort(lp64, axis=-1)[..., -2:]
+    gaps = top_two[..., 1] - top_two[..., 0]                                          # (B, L)
+    step = np.arange(1, theirs.shape[1] + 1)
+    free = step[None, :] <= np.array(lengths(theirs, config.eos_id))[:, None]
+    free &= ~((step == 1) & (forced(family) is not None))[None, :]
+    free &= ~((step == BUDGET) & config.forced_eos)[None, :]
+    separated = np.all(np.where(free, gaps > 2 * bound, True), axis=1)              # (B,)
+    assert separated.sum() >= 2, (gaps, bound)
+    backend = port_backend(port)
+    mine = np.asarray(backend.greedy(backend.load(path, "float32"), src, forced_bos_id=forced(family)))
+    assert_same_tokens(mine[separated], theirs[separated], config.pad_id)
+
+
+def test_paper_decoding_differs(family_model, expected):
+    """The paper's conventions (start from bos, GNMT's length penalty, nothing forced) decode these models
+    otherwise: the family's conventions are what makes the tokens equal."""
+    family, _, _, (config, params), src = family_model
+    paper = Transformer(config.replace(decoder_start_id=None, suppressed_ids=None, forced_eos=False,
+                                       length_normalization="gnmt", length_penalty=0.6), params)
+    assert not np.array_equal(padded(greedy_decode(paper, src), BUDGET, config.pad_id),
+                              padded(expected[("greedy", None, 1.0)], BUDGET, config.pad_id))
+    assert not np.array_equal(padded(beam_search(paper, src)[0], BUDGET, config.pad_id),
+                              padded(expected[("beam", False, 1.0)], BUDGET, config.pad_id))
+
+
+def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, expected):
+    """translate's Translator (``--beam 4``, no ``--alpha``): the checkpoint's length_penalty and conventions, and
+    the forced first token it is given."""
+    family, _, path, (config, _), src = family_model
+    from transformer_cli.backends import numpy as adapter
+    from transformer_cli.commands.translate import Translator
+    tokenizer = SimpleNamespace(config=config)          # token_ids reads the tokenizer's config alone
+    translator = Translator(adapter, adapter.load(path), tokenizer, beam_size=4, forced_bos_id=forced(family))
+    assert translator.alpha == config.length_penalty == 1.0
+    rows = [[int(token) for token in row if token != config.pad_id] for row in src]
+    assert_same_tokens(translator.token_ids(rows), expected[("beam", False, 1.0)], config.pad_id)
+
+
+def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
+    """The checkpoint records the conventions; a config without them (an older file's) is the paper's decoding."""
+    _, _, path, (config, _), _ = family_model
+    assert load_checkpoint(path)[0] == config
+    older = {name: value for name, value in config.to_dict().items() if name not in CONVENTIONS}
+    paper = TransformerConfig.from_dict(older)
+    assert (paper.start_id, paper.never_emitted, paper.forced_eos, paper.length_normalization, paper.length_penalty,
+            paper.early_stopping) == (paper.bos_id, (paper.pad_id, paper.bos_id), False, "gnmt", 0.6, False)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("decoder_start_id", 99, "decoder_start_id (99) must be below tgt_vocab_size"),
+    ("decoder_start_id", True, "decoder_start_id must be an int"),
+    ("suppressed_ids", "1", "suppressed_ids must be a list of token ids"),
+    ("suppressed_ids", [1, 2], "suppressed_ids must be ids below tgt_vocab_size (23), eos_id (2) not among them"),
+    ("forced_eos", 1, "forced_eos must be a bool"),
+    ("length_normalization", "marian", "length_normalization must be one of ('gnmt', 'hf')"),
+    ("length_penalty", -0.5, "length_penalty must be a finite number >= 0"),
+    ("early_stopping", "always", "early_stopping must be one of False, True, 'never'"),
+    ("early_stopping", True, "early_stopping True needs length_normalization 'hf'"),
+])
+def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
+    with pytest.raises(ValueError) as info:
+        TransformerConfig.preset("tiny", **{field: value})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [-1, 23, 2, 1.0, True, "5"])
+def test_a_bad_forced_bos_id_is_the_same_error_in_every_backend(bad):
+    """forced_bos_id: a target id, not eos (2), below the target vocabulary (23), in both decoders of every
+    installed backend, with the reference's text."""
+    config = TransformerConfig.preset("tiny")
+    params = init_params(config, seed=0)
+    src = np.array([[5, 6, 2]])
+    expected = (f"forced_bos_id must be a target token id below tgt_vocab_size (23), not eos_id, got {bad!r}")
+    for name in ["numpy", *(port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework))]:
+        backend = importlib.import_module(f"transformer_cli.backends.{name}")
+        model = backend.build(config, params, "float64")
+        for call in (lambda: backend.greedy(model, src, forced_bos_id=bad),
+                     lambda: backend.beam(model, src, 2, None, forced_bos_id=bad)):
+            with pytest.raises(ValueError) as info:
+                call()
+            assert str(info.value) == expected, name
+
+
+def test_config_from_generation_config():
+    """generation_config.json's fields (or config.json's, in older files) set the conventions; what the reference
+    cannot follow is refused in one line naming the field."""
+    base = {"model_type": "marian", "vocab_size": 29, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 8, "decoder_ffn_dim": 8,
+            "max_position_embeddings": 8, "activation_function": "swish", "pad_token_id": 28, "eos_token_id": 0,
+            "decoder_start_token_id": 28}
+    generation = {"decoder_start_token_id": 28, "bad_words_ids": [[28]], "forced_eos_token_id": 0,
+                  "length_penalty": 1.5, "early_stopping": "never", "num_beams": 6}
+    config = config_from_hf(base, generation)
+    assert (config.decoder_start_id, config.suppressed_ids, config.forced_eos, config.length_penalty,
+            config.early_stopping) == (28, (28,), True, 1.5, "never")
+    legacy = config_from_hf({**base, "bad_words_ids": [[28]]})
+    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping) == ((28,), False, False)
+    for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", 5), ("early_stopping", 1),
+                         ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0)):
+        with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
+            config_from_hf(base, {**generation, field: value})
+        assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def ctranslate2_marian(tmp_path_factory):
+    """The Marian model of :data:`SETTINGS` in float32 (CTranslate2 stores no float64), its pad embedding zero (as
+    in opus-mt's files: CTranslate2 starts the decoder from a zero embedding, not from pad's row), with a
+    MarianTokenizer (a SentencePiece model trained on the spot, which the converter only loads, and a vocabulary
+    naming the model's ids), converted by CTranslate2's own TransformersConverter; returns (CTranslate2's
+    translator, its vocabulary, transformers' model, the imported (config, params) in float64)."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2)")
+    sentencepiece = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed: MarianTokenizer, "
+                                                                "which CTranslate2's converter loads, needs it")
+    from ctranslate2.converters import TransformersConverter
+    seed, scale, shift = SETTINGS["marian"]
+    model = natural(build("marian", seed=seed).double(), "marian", seed, scale, shift).float()
+    pad = model.config.pad_token_id
+    with torch.no_grad():
+        model.model.shared.weight[pad] = 0.0
+    model.generation_config.bad_words_ids = [[pad]]
+    root = tmp_path_factory.mktemp("ctranslate2")
+    directory = root / "marian"
+    model.save_pretrained(directory)
+    (root / "text.txt").write_text("\n".join(["a b c d e f g h i j k l m n o p"] * 20))
+    sentencepiece.SentencePieceTrainer.train(input=str(root / "text.txt"), model_prefix=str(root / "sp"),
+                                             vocab_size=16, model_type="word", minloglevel=2)
+    vocabulary = {"</s>": 0, "<unk>": 1, **{f"t{i}": i for i in range(2, pad)}, "<pad>": pad}
+    (directory / "vocab.json").write_text(json.dumps(vocabulary))
+    for name in ("source.spm", "target.spm"):
+        shutil.copy(root / "sp.model", directory / name)
+    transformers.MarianTokenizer(str(directory / "source.spm"), str(directory / "target.spm"),
+                                 str(directory / "vocab.json")).save_pretrained(directory)
+    TransformersConverter(str(directory)).convert(str(root / "ct2"), force=True)
+    return (ctranslate2.Translator(str(root / "ct2"), device="cpu", intra_threads=1), vocabulary, model,
+            load_hf(directory, dtype=np.float64))
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_marian, beam_size):
+    """CTranslate2 as a third engine, where its rules are transformers': its Marian converter drops the pad token
+    (never produced, as ``bad_words_ids`` [[pad]]) and starts from a zero embedding (pad's row, zero here); its beam
+    search stops once ``beam_size`` hypotheses have finished, transformers' ``early_stopping=True``, with
+    ``min_decoding_length=0`` (its default 1 forbids eos first) and length_penalty |Y|^1. Where they differ: it
+    forces no eos at the maximum length (the comparison turns Marian's ``forced_eos_token_id`` off in all three)."""
+    translator, vocabulary, model, (config, params) = ctranslate2_marian
+    src, names = sources(config), {index: token for token, index in vocabulary.items()}
+    batch = [[names[int(token)] for token in row if token != config.pad_id] for row in src]
+    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=BUDGET, length_penalty=1.0,
+                                         min_decoding_length=0, return_end_token=True)
+    theirs = np.array([([vocabulary[token] for token in result.hypotheses[0]] + [config.pad_id] * BUDGET)[:BUDGET]
+                       for result in results])
+    beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
+    expected = hf_generate(model, src, config.pad_id, beam_size, forced_eos_token_id=None, **beam_options)
+    mine = Transformer(config.replace(forced_eos=False, early_stopping=True), params)
+    ours = greedy_decode(mine, src) if beam_size == 1 else beam_search(mine, src, beam_size)[0]
+    assert_same_tokens(theirs, expected, config.pad_id)
+    assert_same_tokens(ours, expected, config.pad_id)
+    assert len(set(lengths(expected, config.eos_id))) > 1
