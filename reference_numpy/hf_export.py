@@ -33,11 +33,15 @@ pre-LN without fairseq's positions or post-LN with them (``sinusoidal_layout``),
 embeddings in M2M100 (``output_bias``, ``share_embeddings``), a LayerNorm epsilon other than the 1e-5 both
 families construct ``nn.LayerNorm`` with (``layer_norm_eps``; the presets' 1e-6 included: see docs/huggingface.md).
 
-Special ids: pad, bos and eos are kept; decoding starts from bos here (:mod:`.decoding`), so bos is the
-``decoder_start_token_id`` transformers' ``generate`` starts from. ``generation_config.json`` holds the reference's
-greedy rules as far as transformers' ``generate`` takes them: pad and bos never written (``suppress_tokens``, which
-sets their scores to -inf as the reference does), no forced eos, at most ``max_len`` tokens after the start
-token. The per-sentence budget (source length + 50, section 6.1) is the caller's (``max_new_tokens``).
+Special ids and decoding: pad, bos and eos are kept; ``generation_config.json`` holds the checkpoint's decoding
+conventions (:mod:`.decoding`; what :mod:`.hf_import` reads back): the start token (``decoder_start_token_id``:
+``decoder_start_id``, or bos), the tokens never written (``bad_words_ids`` of one token each, which set their scores
+to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise), eos forced at the end of the
+budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; greedy by default, at most ``max_len``
+tokens after the start token. The per-sentence budget (source length + 50, section 6.1) is the caller's
+(``max_new_tokens``). Beam search in transformers normalises by |Y|^length_penalty (``length_normalization`` "hf"):
+a checkpoint with the paper's ((5 + |Y|) / 6)^alpha ("gnmt") has no ``generate`` equivalent, so its export's greedy
+decoding is the reference's, its beam search transformers' own -- and it imports back as "hf".
 """
 
 from __future__ import annotations
@@ -108,16 +112,20 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
 
 
 def special_ids(config: TransformerConfig) -> dict[str, Any]:
-    """pad, bos, eos, and bos as the token decoding starts from; no forced eos (Marian's config forces one by
-    default, the reference does not)."""
+    """pad, bos, eos, the token decoding starts from (``config.start_id``) and the forced eos (Marian's config
+    forces one by default; the reference only with ``forced_eos``)."""
     return {"pad_token_id": config.pad_id, "bos_token_id": config.bos_id, "eos_token_id": config.eos_id,
-            "decoder_start_token_id": config.bos_id, "forced_eos_token_id": None}
+            "decoder_start_token_id": config.start_id, "forced_eos_token_id": config.eos_id if config.forced_eos
+            else None}
 
 
 def generation_config(config: TransformerConfig) -> dict[str, Any]:
-    """``generation_config.json``: greedy decoding with the reference's rules (module docstring)."""
+    """``generation_config.json``: the checkpoint's decoding conventions as transformers' ``generate`` reads them
+    (module docstring), greedy by default."""
+    suppressed = (config.pad_id, config.bos_id) if config.suppressed_ids is None else config.suppressed_ids
+    bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
     return {**special_ids(config), "num_beams": 1, "do_sample": False, "max_length": config.max_len + 1,
-            "suppress_tokens": sorted({config.pad_id, config.bos_id})}
+            **bad_words, "length_penalty": config.length_penalty, "early_stopping": config.early_stopping}
 
 
 def halves_order(d_model: int) -> np.ndarray:

@@ -126,16 +126,19 @@ def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None)
             eos_id=eos, activation=ACTIVATIONS[activation],
             sinusoidal_layout="halves" if family == "marian" else "fairseq",
             scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian",
-            **decoding_conventions(hf if generation is None else generation, eos, "config.json" if generation is None
-                                   else GENERATION_FILE))
+            **decoding_conventions(hf if generation is None else generation, (pad, bos, eos),
+                                   "config.json" if generation is None else GENERATION_FILE))
     except ValueError as err:
         raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
 
 
-def decoding_conventions(generation: dict[str, Any], eos: int, source: str) -> dict[str, Any]:
+def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], source: str) -> dict[str, Any]:
     """The config's decoding fields from transformers' generation settings (``source``: the file they come from;
-    the module docstring says which), each refused in one line naming the field when transformers would decode
-    otherwise than the reference can: a bad word of several tokens, a forced eos other than eos."""
+    the module docstring says which) for the model's (pad, bos, eos) ``ids``, each refused in one line naming the
+    field when transformers would decode otherwise than the reference can: a bad word of several tokens, a forced
+    eos other than eos. A start token that is bos and suppressed tokens that are pad and bos are the config's
+    defaults (None), as a checkpoint exported by :mod:`.hf_export` holds them."""
+    pad, bos, eos = ids
     start = generation.get("decoder_start_token_id")
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
         raise ValueError(f"{source} decoder_start_token_id must be an int >= 0, got {start!r}")
@@ -153,7 +156,10 @@ def decoding_conventions(generation: dict[str, Any], eos: int, source: str) -> d
     early_stopping = generation.get("early_stopping", False)
     if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
         raise ValueError(f"{source} early_stopping must be true, false or \"never\", got {early_stopping!r}")
-    return dict(decoder_start_id=start, suppressed_ids=[word[0] for word in bad], forced_eos=forced_eos is not None,
+    suppressed = [word[0] for word in bad]
+    return dict(decoder_start_id=None if start == bos else start,
+                suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
+                forced_eos=forced_eos is not None,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping)
 
 

@@ -21,7 +21,7 @@ import json
 
 import numpy as np
 import pytest
-from support import cli, exact_tables, hf_log_probs, masks, trained
+from support import build, cli, exact_tables, hf_log_probs, masks, trained
 
 from equivalence import tolerance
 from reference_numpy import Transformer, TransformerConfig, greedy_decode
@@ -150,6 +150,26 @@ def interleaved_to_halves(d_model: int, length: int = 40) -> np.ndarray:
     return np.array([found[0] for found in order])
 
 
+@pytest.mark.parametrize("family", ["marian", "m2m_100"])
+def test_an_imported_models_decoding_conventions_survive_export_and_import(family, tmp_path):
+    """A transformers model's own generation settings (Marian: start from pad, pad never written, eos forced;
+    M2M100: start from eos, early stopping), imported, exported and imported again: the same config, the same
+    tensors bit for bit, and the export's generation_config.json transformers' settings as they were."""
+    build(family, seed=3).save_pretrained(tmp_path / "hf")
+    first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
+    assert first.length_normalization == "hf" and first.decoder_start_id is not None
+    status = main(["export", "--to", "hf", str(tmp_path / "first.safetensors"), str(tmp_path / "exported")])
+    assert status == EXIT_OK
+    assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first
+    before, after = (load_checkpoint(tmp_path / name)[1] for name in ("first.safetensors", "second.safetensors"))
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    theirs, ours = (json.loads((tmp_path / where / "generation_config.json").read_text()) for where in ("hf", "exported"))
+    unset = {"decoder_start_token_id": None, "bad_words_ids": None, "forced_eos_token_id": None,
+             "early_stopping": False}                                # GenerationConfig's defaults
+    for field, default in unset.items():
+        assert ours.get(field, default) == theirs.get(field, default), field
+
+
 # The residual-stream axis of each kind of tensor (stored (in, out)), written out here for the round trip's check
 FEATURE_AXIS = {"embed.weight": 1, "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
                 "o_proj.bias": 0, "linear1.weight": 0, "linear2.weight": 1, "linear2.bias": 0, "norm.weight": 0,
@@ -163,13 +183,14 @@ def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
     case, config, params, _, directory = exported
     back = import_hf(directory, tmp_path / "back.safetensors")
     _, imported = load_checkpoint(tmp_path / "back.safetensors")
+    hf_decoding = config.replace(length_normalization="hf")    # transformers' beam normalisation (hf_export)
     if case != "paper":
-        assert back == config
+        assert back == hf_decoding
         assert imported.keys() == params.keys()
         assert all(imported[name].dtype == np.float32 and np.array_equal(imported[name], value)
                    for name, value in params.items())
         return
-    assert back == config.replace(sinusoidal_layout="halves", output_bias=True)
+    assert back == hf_decoding.replace(sinusoidal_layout="halves", output_bias=True)
     assert not imported.pop("generator.bias").any()
     assert imported.keys() == params.keys()
     sigma = interleaved_to_halves(config.d_model)
