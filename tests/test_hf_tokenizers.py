@@ -98,11 +98,7 @@ def m2m100(tmp_path_factory) -> dict:
     tokenizer = transformers.M2M100Tokenizer(str(root / "vocab.json"), str(model_file), src_lang="en",
                                              tgt_lang="fr")
     directory = root / "tiny-m2m100"
-    torch.manual_seed(0)
-    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
-        vocab_size=len(vocab) + 108, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    save_tiny_m2m100(directory, len(vocab) + 108)
     tokenizer.save_pretrained(directory)
     out = root / "tiny-m2m100.safetensors"
     import_hf(directory, out)
@@ -111,6 +107,16 @@ def m2m100(tmp_path_factory) -> dict:
         return transformers.M2M100Tokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
                                                             split_special_tokens=True)
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
+
+
+def save_tiny_m2m100(directory: Path, vocab_size: int) -> None:
+    """A tiny random M2M100 model of ``vocab_size`` ids (pad 1, bos 0, eos 2, decoding from eos) saved in
+    ``directory``: the weights beside an M2M100 or NLLB tokenizer."""
+    torch.manual_seed(0)
+    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=vocab_size, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["nllb", "nllb-legacy"])
@@ -127,11 +133,7 @@ def nllb(request, tmp_path_factory) -> dict:
     tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=found["merges"], legacy_behaviour=request.param,
                                            _spm_precompiled_charsmap=found["_spm_precompiled_charsmap"])
     directory = root / "tiny-nllb"
-    torch.manual_seed(0)
-    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
-        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    save_tiny_m2m100(directory, len(tokenizer))
     tokenizer.save_pretrained(directory)
     out = root / "tiny-nllb.safetensors"
     import_hf(directory, out)
