@@ -706,7 +706,7 @@ HF_EXPORT = [
            "reference_numpy/hf_import.py", '(("q_proj", "q_proj"), ("k_proj", "k_proj")',
            '(("q_proj", "k_proj"), ("k_proj", "q_proj")', HF_EXPORT_ORACLE),
     single("hf export", "hf export: generate starts from pad, not bos (decoder_start_token_id)",
-           "reference_numpy/hf_export.py", '"decoder_start_token_id": config.bos_id', '"decoder_start_token_id": config.pad_id',
+           "reference_numpy/hf_export.py", '"decoder_start_token_id": config.start_id', '"decoder_start_token_id": config.pad_id',
            ["tests/test_hf_export.py", "-k", "generate"]),
     single("hf export", "hf export: the tokenizer appends no eos to the source", "reference_numpy/hf_export.py",
            'single=f"$A {EOS}"', 'single="$A"', ["tests/test_hf_export.py", "-k", "autotokenizer"]),
