@@ -321,6 +321,7 @@ def make_task(args: argparse.Namespace, task: str, config: TransformerConfig | N
         raise ValueError(f"--{'source' if args.source_lang else 'target'}-lang: the run's tokenizer (the project's "
                          "BPE) takes no language; an imported Hugging Face model's (--init) may")
     if task == "numbers":
+        assert not isinstance(tokenizer, FamilyTokenizer)           # refused above
         return NumbersTask(tokenizer)
     made = CorpusTask(*read_corpus(args.source, args.target, args.corpus, args.valid_source, args.valid_target,
                                    args.valid_size), tokenizer, args.preset)

@@ -188,8 +188,11 @@ class CorpusTask:
         return TransformerConfig(**{**MODEL, **sizes})
 
     def config(self, **changes: Any) -> TransformerConfig:
-        """The model over the tokenizer's vocabulary."""
-        return self.model(self.learned.vocab_size, **changes)
+        """The model over the learned tokenizer's vocabulary (a family's tokenizer comes with its checkpoint's
+        model, ``train --init``)."""
+        tokenizer = self.learned
+        assert isinstance(tokenizer, Tokenizer), "an imported tokenizer's model is its checkpoint's"
+        return self.model(tokenizer.vocab_size, **changes)
 
     @property
     def learned(self) -> Tokenizer | FamilyTokenizer:
