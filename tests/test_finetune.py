@@ -99,6 +99,7 @@ def test_the_first_batch_is_what_transformers_forms_for_training(family):
         assert np.all(tgt[len(want_decoder):] == pad)
 
 
+@pytest.mark.slow                          # the runs: eight fine-tunes, JAX's and TensorFlow's compiled
 def test_the_first_loss_is_transformers_label_smoothed_loss_of_the_imported_weights(family, runs):
     """The reference's first loss (float64) equals PyTorch's label-smoothed cross-entropy (epsilon 0.1 over every
     class, padding ignored: section 5.4) of transformers' model, from the directory, on transformers' own batch."""
@@ -132,6 +133,7 @@ def runs(family) -> dict[str, dict]:
     return results
 
 
+@pytest.mark.slow                          # the runs: eight fine-tunes, JAX's and TensorFlow's compiled
 @pytest.mark.parametrize("name", BACKENDS)
 def test_every_backends_first_step_is_the_references_and_the_loss_falls(family, runs, name):
     if name not in runs:
@@ -146,6 +148,7 @@ def test_every_backends_first_step_is_the_references_and_the_loss_falls(family, 
     assert len(losses) == STEPS and losses[-1] < losses[0], losses      # one batch per epoch: the same pairs
 
 
+@pytest.mark.slow                          # the runs: eight fine-tunes, JAX's and TensorFlow's compiled
 @pytest.mark.parametrize("name", BACKENDS)
 def test_the_fine_tuned_model_translates(family, runs, name, capsys):
     assert main(["translate", "--checkpoint", str(runs[name]["out"]), "--backend", name, "--dtype", "float64",
@@ -153,6 +156,7 @@ def test_the_fine_tuned_model_translates(family, runs, name, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 2
 
 
+@pytest.mark.slow                          # the runs: eight fine-tunes, JAX's and TensorFlow's compiled
 def test_the_fine_tuned_run_resumes(family, runs, capsys):
     out = family["root"] / "resumed.safetensors"
     assert main(["train", "--resume", str(runs["numpy"]["out"]), *family["files"], *family["languages"],
@@ -171,8 +175,8 @@ def test_flags_that_conflict_with_the_checkpoint_are_refused(family, flags, mess
     assert message in capsys.readouterr().err
 
 
-def test_resume_and_init_together_are_refused(family, runs, capsys):
-    assert main([*finetune_args(family), "--resume", str(runs["numpy"]["out"])]) == 2
+def test_resume_and_init_together_are_refused(family, capsys):
+    assert main([*finetune_args(family), "--resume", str(family["checkpoint"])]) == 2
     assert "--resume: --init" in capsys.readouterr().err
 
 
