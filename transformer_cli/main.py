@@ -418,7 +418,8 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--resume", metavar="RUN.safetensors",
                        help="continue a saved run (from any backend) for --steps more steps: the model, optimizer "
                             "settings and tokenizer are the run's; pass the run's --task, --seed and task flags "
-                            "(a corpus: its files) to see its batches")
+                            "(a corpus: its files; an imported tokenizer: its --source-lang/--target-lang) to see its "
+                            "batches")
     train.add_argument("--init", metavar="CHECKPOINT",
                        help="fine-tune: a new run (step 0, a new optimizer, Eq. (3)'s warm-up again) starting from "
                             "the checkpoint's weights, model and tokenizer (a run, a model, or an imported Hugging "

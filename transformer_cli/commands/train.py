@@ -1,7 +1,8 @@
 """``transformer-reference train``: a task (the copy task, English to French number words, or a user's parallel
 corpus) learned in any backend with the recipe of section 5, validated as it goes, a run saved with its training
 state (and the task's tokenizer), every N steps too, the last checkpoints averaged (section 6.1), resumed in any
-backend, and the loss curves of several backends side by side."""
+backend, and the loss curves of several backends side by side. ``--init CHECKPOINT`` starts a new run on a corpus
+from a checkpoint's weights, model and tokenizer (a fine-tune; an imported Hugging Face model's included)."""
 
 from __future__ import annotations
 
