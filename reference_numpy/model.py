@@ -74,11 +74,14 @@ def causal_mask(length: int) -> np.ndarray:
 
 
 def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
-    """Causal mask combined with the target's padding mask.
+    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
+    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
+    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
-    return padding_mask(tgt, pad_id) & causal_mask(np.shape(tgt)[1])
+    length = np.shape(tgt)[1]
+    return (padding_mask(tgt, pad_id) | (np.arange(length) == 0)) & causal_mask(length)
 
 
 def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndarray:

@@ -839,9 +839,36 @@ HF_TOKENIZERS = [
            "if i not in self._skipped and i in self._pieces:", "if i in self._pieces:", HF_TOKENIZERS_ORACLE),
 ]
 
+# train --init: tests/test_finetune.py against transformers' tokenizer, shift_tokens_right and model loss, and every
+# backend's first step against the reference's
+FINETUNE_ORACLE = ["tests/test_finetune.py", "-k", "transformers"]
+FIRST_MASK = {REF: ("(padding_mask(tgt, pad_id) | (np.arange(length) == 0))", "padding_mask(tgt, pad_id)"),
+              TORCH: ("(padding_mask(tgt, pad_id) | first)", "padding_mask(tgt, pad_id)"),
+              JAX: ("(padding | (jnp.arange(padding.shape[-1]) == 0))", "padding"),
+              TF: ("(padding_mask(tgt, pad_id) | (tf.range(length) == 0))", "padding_mask(tgt, pad_id)")}
+FINETUNE = [
+    single("finetune", "the decoder input is the labels shifted left, not right", "transformer_cli/tasks/corpus.py",
+           '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels]',
+           '"tgt": pad_rows([[config.start_id, *ids[1:]] for ids in labels]', FINETUNE_ORACLE),
+    single("finetune", "the decoder starts from bos, not the family's decoder start token",
+           "transformer_cli/tasks/corpus.py", '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels]',
+           '"tgt": pad_rows([[config.bos_id, *ids[:-1]] for ids in labels]', FINETUNE_ORACLE),
+    single("finetune", "M2M100: the source's language code missing", "transformer_cli/tasks/corpus.py",
+           "return tokenizer.ids(text, side) if isinstance(tokenizer, FamilyTokenizer)",
+           'return tokenizer.ids(text, side) if isinstance(tokenizer, FamilyTokenizer) and side == "target"',
+           FINETUNE_ORACLE),
+    single("finetune", "--init's weights not loaded (the seeded initialisation)", "transformer_cli/commands/train.py",
+           "return load_checkpoint(plan.init)[1] if plan.init else", "return", FINETUNE_ORACLE),
+    single("finetune", "torch: the start token hidden when it is pad (Marian)", "transformer_torch/model.py",
+           *FIRST_MASK[TORCH], ["tests/test_finetune.py", "-k", "first_step and torch"]),
+    consistent("finetune", "every backend: the start token hidden when it is pad (Marian)",
+               [(f"{backend}/model.py", *FIRST_MASK[backend]) for backend in BACKENDS], FINETUNE_ORACLE,
+               ["tests/test_finetune.py", "-k", "first_step"]),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
-             *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS]
+             *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS, *FINETUNE]
 
 
 # ----------------------------------------------------------------------------- running

@@ -12,6 +12,8 @@
                                 [--resume RUN.safetensors] [--plot FILE.png] [--json]
     transformer-reference train --source SRC.txt --target TGT.txt [--tokens-per-batch N] [--save-every N]
                                 [--average K] [--out RUN.safetensors]
+    transformer-reference train --init CHECKPOINT --source SRC.txt --target TGT.txt [--source-lang en]
+                                [--target-lang fr] [--warmup-steps N] [--out RUN.safetensors]
     transformer-reference average OUT.safetensors RUN1.safetensors RUN2.safetensors ... [--force]
     transformer-reference import HF_MODEL_DIR OUT.safetensors [--force]
     transformer-reference translate ["three hundred and twelve" ...] [--backend numpy] [--beam 4] [--checkpoint PATH]
@@ -416,7 +418,19 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--resume", metavar="RUN.safetensors",
                        help="continue a saved run (from any backend) for --steps more steps: the model, optimizer "
                             "settings and tokenizer are the run's; pass the run's --task, --seed and task flags "
-                            "(a corpus: its files) to see its batches")
+                            "(a corpus: its files; an imported tokenizer: its --source-lang/--target-lang) to see its "
+                            "batches")
+    train.add_argument("--init", metavar="CHECKPOINT",
+                       help="fine-tune: a new run (step 0, a new optimizer, Eq. (3)'s warm-up again) starting from "
+                            "the checkpoint's weights, model and tokenizer (a run, a model, or an imported Hugging "
+                            "Face Marian/M2M100/NLLB model) on a corpus (--source/--target or --corpus); no BPE is "
+                            "learned (docs/huggingface.md, Fine-tune)")
+    train.add_argument("--source-lang", metavar="CODE",
+                       help="--init or --resume with an imported M2M100/NLLB tokenizer: the corpus's source language, "
+                            "as translate takes it")
+    train.add_argument("--target-lang", metavar="CODE",
+                       help="--init or --resume with an imported tokenizer that needs it (M2M100/NLLB, a "
+                            "multilingual Marian): the corpus's target language")
     train.add_argument("--out", metavar="RUN.safetensors",
                        help="save each run with its training state (and tokenizer); with several backends, the path "
                             "must contain {backend}")
@@ -437,7 +451,7 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--json", action="store_true", help="print the results (with every step's loss and every "
                                                            "validation check) as JSON")
     add_threads(train)
-    add_outputs(train, "plot", inputs=("resume", *CORPUS_FILES))
+    add_outputs(train, "plot", inputs=("resume", "init", *CORPUS_FILES))
     train.set_defaults(run=run_train)
 
 
@@ -523,7 +537,7 @@ def _train_outputs(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError("--out: with several backends the path must contain {backend}, e.g. run-{backend}.safetensors")
     outputs = {name: args.out.replace("{backend}", name) for name in args.backends}
     inputs = declared_inputs(args)
-    corpus = [file for name in CORPUS_FILES if (file := getattr(args, name))]
+    corpus = [file for name in (*CORPUS_FILES, "init") if (file := getattr(args, name))]
     steps = planned_steps(args) if args.save_every else range(0)
     for path in outputs.values():
         try:

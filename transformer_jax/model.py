@@ -72,12 +72,14 @@ def causal_mask(length: int) -> jax.Array:
 
 
 def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
-    """Causal mask combined with the target's padding mask.
+    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
+    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
+    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
     padding = padding_mask(tgt, pad_id)                                   # (B, 1, 1, T)
-    return padding & causal_mask(padding.shape[-1])
+    return (padding | (jnp.arange(padding.shape[-1]) == 0)) & causal_mask(padding.shape[-1])
 
 
 def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int) -> jax.Array:

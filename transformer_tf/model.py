@@ -73,11 +73,14 @@ def causal_mask(length: Index) -> tf.Tensor:
 
 
 def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
-    """Causal mask combined with the target's padding mask.
+    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
+    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
+    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
-    return padding_mask(tgt, pad_id) & causal_mask(tf.shape(tgt)[1])
+    length = tf.shape(tgt)[1]
+    return (padding_mask(tgt, pad_id) | (tf.range(length) == 0)) & causal_mask(length)
 
 
 def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.Tensor:

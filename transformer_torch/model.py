@@ -71,12 +71,15 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> Tensor
 
 
 def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
-    """Causal mask combined with the target's padding mask.
+    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
+    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
+    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
     tgt = torch.as_tensor(tgt)
-    return padding_mask(tgt, pad_id) & causal_mask(tgt.shape[1], tgt.device)
+    first = torch.arange(tgt.shape[1], device=tgt.device) == 0
+    return (padding_mask(tgt, pad_id) | first) & causal_mask(tgt.shape[1], tgt.device)
 
 
 def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: torch.device) -> Tensor:

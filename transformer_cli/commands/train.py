@@ -1,7 +1,8 @@
 """``transformer-reference train``: a task (the copy task, English to French number words, or a user's parallel
 corpus) learned in any backend with the recipe of section 5, validated as it goes, a run saved with its training
 state (and the task's tokenizer), every N steps too, the last checkpoints averaged (section 6.1), resumed in any
-backend, and the loss curves of several backends side by side."""
+backend, and the loss curves of several backends side by side. ``--init CHECKPOINT`` starts a new run on a corpus
+from a checkpoint's weights, model and tokenizer (a fine-tune; an imported Hugging Face model's included)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class Plan:
     start: Resumed | None = None          # a saved run to continue (its path and header, no arrays)
     device: str = "cpu"                   # --device: cpu or gpu:N (single-process runs)
     eval_size: int = 1000                 # held-out pairs scored at the end (0: none)
+    init: str | None = None               # a checkpoint whose weights a new run starts from (--init, a fine-tune)
 
     @property
     def tokenizer_json(self) -> str | None:
@@ -205,9 +207,12 @@ def refuse_overwritten_resume(args: argparse.Namespace) -> None:
 
 
 def task_name(args: argparse.Namespace) -> str:
-    """``--task``, or the one the flags imply (a corpus with its files, else copy); a flag of another task is
-    refused."""
-    task = args.task or ("corpus" if any(getattr(args, name) for name in corpus_task.FILES) else "copy")
+    """``--task``, or the one the flags imply (a corpus with its files or ``--init``, else copy); a flag of another
+    task is refused, and ``--init`` with another task than a corpus."""
+    task = args.task or ("corpus" if args.init or any(getattr(args, name) for name in corpus_task.FILES) else "copy")
+    if args.init and task != "corpus":
+        raise ValueError(f"--task {task}: --init fine-tunes a checkpoint on a corpus (--task corpus, with --source "
+                         "and --target or --corpus)")
     for name, tasks in TASK_FLAGS.items():
         if getattr(args, name) is not None and task not in tasks:
             raise ValueError(f"--{name.replace('_', '-')} is a flag of {' and '.join(f'--task {t}' for t in tasks)}")
@@ -226,6 +231,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
     reads its weights and moments when it trains). Every flag is checked here, and the file's header, before any
     backend is loaded."""
     task = task_name(args)
+    if args.init:
+        check_init_flags(args)
     if args.data_parallel > 1 and (args.dtype in AUTOCAST_NAMES or is_low(args.dtype)):
         raise ValueError(f"--data-parallel trains in float32 or float64; --dtype {args.dtype} runs on one process")
     recipe = {name: value if (value := getattr(args, name, None)) is not None else default
@@ -239,6 +246,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
         training = start.record.config
         check_saved_settings(args, config, training)
         refuse_overwritten_resume(args)
+    if args.init:
+        config = initial_config(args.init, args.dropout)
     made = make_task(args, task, config)
     eval_size = check_sizes(made, args.eval_size, None if task == "corpus" else recipe["validation_size"])
     if isinstance(made, CorpusTask) and made.tokenizer is None:
@@ -252,7 +261,31 @@ def plan_from(args: argparse.Namespace) -> Plan:
     return Plan(made, config, training, recipe["steps"], budget, args.seed, args.dtype, args.label_smoothing,
                 (recipe["stop_at"] or None) if recipe["eval_every"] else None, recipe["eval_every"],
                 made.held_out_size(VALIDATION) if isinstance(made, CorpusTask) else recipe["validation_size"],
-                args.data_parallel, start, args.device, eval_size)
+                args.data_parallel, start, args.device, eval_size, args.init)
+
+
+INIT_CONFLICTS = ("resume", "preset", "vocab_size")         # flags of a model --init's checkpoint already fixes
+
+
+def check_init_flags(args: argparse.Namespace) -> None:
+    """``--init`` fine-tunes with the checkpoint's model and tokenizer (on a corpus, :func:`task_name`): a flag
+    choosing another model or vocabulary, or a run to resume, is refused, naming the flag."""
+    for name in INIT_CONFLICTS:
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')}: --init {args.init!r} gives the model, its vocabulary "
+                             "and its tokenizer, and starts a new run; leave the flag out")
+
+
+def initial_config(path: str, dropout: float | None) -> TransformerConfig:
+    """The model of ``--init``'s checkpoint, read from its header alone (its weights are read as each backend
+    builds the model, :func:`initial_params`), with ``--dropout`` if given (default 0, as every run's)."""
+    config = reference_checkpoint.CheckpointReader(path).config
+    return dataclasses.replace(config, dropout=dropout or 0.0)
+
+
+def initial_params(plan: Plan) -> dict[str, np.ndarray]:
+    """The weights a new run starts from: ``--init``'s checkpoint's, else the seeded initialisation."""
+    return load_checkpoint(plan.init)[1] if plan.init else init_params(plan.config, seed=plan.seed)
 
 
 def check_saved_settings(args: argparse.Namespace, config: TransformerConfig, training: TrainingConfig) -> None:
@@ -276,13 +309,20 @@ def make_task(args: argparse.Namespace, task: str, config: TransformerConfig | N
                              f"{config.max_len}; --symbols {copy.symbols} and --max-length {copy.max_length} do "
                              "not fit")
         return copy
-    tokenizer = None if config is None else load_tokenizer(args.resume)
+    flag, path = ("--init", args.init) if args.init else ("--resume", args.resume)
+    tokenizer = None if config is None else load_tokenizer(path)
     if config is not None and tokenizer is None:
-        raise ValueError(f"--resume: {args.resume!r} has no tokenizer; it is not a run of --task {task}")
-    if isinstance(tokenizer, FamilyTokenizer):
-        raise ValueError(f"--resume: {args.resume!r} holds an imported {tokenizer.family} tokenizer; --task {task} "
+        raise ValueError(f"{flag}: {path!r} has no tokenizer; it is not a run of --task {task}")
+    if isinstance(tokenizer, FamilyTokenizer) and task != "corpus":
+        raise ValueError(f"{flag}: {path!r} holds an imported {tokenizer.family} tokenizer; --task {task} "
                          "trains with the project's own BPE")
+    if isinstance(tokenizer, FamilyTokenizer):
+        tokenizer = tokenizer.with_languages(args.source_lang, args.target_lang)
+    elif args.source_lang or args.target_lang:
+        raise ValueError(f"--{'source' if args.source_lang else 'target'}-lang: the run's tokenizer (the project's "
+                         "BPE) takes no language; an imported Hugging Face model's (--init) may")
     if task == "numbers":
+        assert not isinstance(tokenizer, FamilyTokenizer)           # refused above
         return NumbersTask(tokenizer)
     made = CorpusTask(*read_corpus(args.source, args.target, args.corpus, args.valid_source, args.valid_target,
                                    args.valid_size), tokenizer, args.preset)
@@ -431,7 +471,7 @@ def set_up(adapter: ModuleType, plan: Plan) -> tuple[Model, Optimizer]:
     compute = plan.dtype if plan.dtype not in AUTOCAST_NAMES and is_low(plan.dtype) else None   # mixed-*: the model's
     device = backends.device_for(adapter, plan.device)
     model, state = resumed(adapter, plan, device) if plan.start else (
-        adapter.build(plan.config, init_params(plan.config, seed=plan.seed), plan.weights, device), None)
+        adapter.build(plan.config, initial_params(plan), plan.weights, device), None)
     return model, adapter.optimizer(model, None if state else plan.training, state, compute)
 
 
@@ -540,7 +580,7 @@ def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
     (``seconds`` counts the engine's start-up too). Once ``stopping()``, the engine ends its piece after the step
     it is in (``progress`` returning true) and the run ends there. The engines take NumPy weights and moments: a
     resumed run is read into NumPy here (``load_run``), unlike :func:`train`'s, and each piece's result is too."""
-    params, state = init_params(plan.config, seed=plan.seed), None
+    params, state = initial_params(plan), None
     if plan.start:
         _, params, state = load_run(plan.start.path)
     if plan.start and state is None:
@@ -604,19 +644,27 @@ def evaluate(adapter: ModuleType, model: Model, plan: Plan, count: int, split: s
     total, tokens = 0.0, 0
     for rows in progress(token_batches(lengths, EVALUATION_TOKENS), "validate" if split == VALIDATION else "evaluate",
                          "batch"):
-        part = {name: trimmed(value[rows], pad) for name, value in batch.items()}
+        part = trimmed({name: value[rows] for name, value in batch.items()}, pad)
         labels = int((part["labels"] != pad).sum())
         total, tokens = total + labels * adapter.loss(model, **part, epsilon=plan.label_smoothing), tokens + labels
-        for row, output in zip(rows, adapter.greedy(model, part["src"])):
+        for row, output in zip(rows, adapter.greedy(model, part["src"], forced_bos_id=forced_bos_id(plan.task))):
             decoded[row] = list(output)
     # each task scores the references its own held_out_batch gave (sequences, or sentences)
     scores = plan.task.score(plan.config, pad_rows(decoded, pad), references)    # type: ignore[arg-type]
     return {"loss": total / tokens, **scores}
 
 
-def trimmed(rows: np.ndarray, pad_id: int) -> np.ndarray:
-    """Right-padded rows without the columns that hold padding only."""
-    return rows[:, :(rows != pad_id).sum(axis=1).max()]
+def forced_bos_id(task: Task) -> int | None:
+    """The token decoding emits first: an imported M2M100/NLLB tokenizer's target language, else none."""
+    return task.forced_bos_id if isinstance(task, CorpusTask) else None
+
+
+def trimmed(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+    """Right-padded rows without the columns that hold padding only: src by its own, tgt and labels by the labels
+    (the decoder's first token may be pad, Marian's start token)."""
+    width = lambda rows: int((rows != pad_id).sum(axis=1).max())
+    return {"src": batch["src"][:, :width(batch["src"])],
+            **{name: batch[name][:, :width(batch["labels"])] for name in ("tgt", "labels")}}
 
 
 def jax_host_devices(count: int) -> None:

@@ -15,7 +15,15 @@ seeds validate on the same pairs). The corpus has no test set: ``train`` scores 
 
 **Tokenizer.** One BPE vocabulary for both languages (section 5.1), learned with Hugging Face ``tokenizers`` from
 the training pairs (``--vocab-size`` at most; the model's vocabulary is what was learned) and saved inside every
-checkpoint of the run; a resumed run uses its checkpoint's.
+checkpoint of the run; a resumed run uses its checkpoint's, and a fine-tune (``train --init``) its checkpoint's, the
+project's BPE or an imported Hugging Face family's (:class:`reference_numpy.hf_tokenizer.FamilyTokenizer`).
+
+**Sequences** (transformers' convention for a seq2seq model's training, which the project's is a case of): the
+source is the tokenizer's ids of the source sentence (``input_ids``: the project's BPE its pieces and eos; a family's
+with its language codes); the labels are the target sentence's (``text_target``'s ``labels``: its pieces and eos,
+M2M100/NLLB's target language code first); the decoder reads the labels shifted right by one, the model's start
+token first (transformers' ``shift_tokens_right`` with ``decoder_start_token_id``, ``config.start_id``: the bos of
+section 3.1's "output embeddings are offset by one position", Marian's pad, M2M100/NLLB's eos).
 
 **Batches** (section 5.1: "Sentence pairs were batched together by approximate sequence length. Each training
 batch contained a set of sentence pairs containing approximately 25000 source tokens and 25000 target tokens").
@@ -37,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from reference_numpy.config import TransformerConfig
+from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
 from transformer_cli.tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
 from transformer_cli.tasks.numbers import MODEL as NUMBERS_MODEL
@@ -164,7 +173,7 @@ class CorpusTask:
 
     training: Pairs
     validation: Pairs
-    tokenizer: Tokenizer | None = None
+    tokenizer: Tokenizer | FamilyTokenizer | None = None
     preset: str | None = None
     name: str = "corpus"
     ids: tuple = field(default=(), repr=False)                  # (training, validation), each (sources, targets)
@@ -179,12 +188,21 @@ class CorpusTask:
         return TransformerConfig(**{**MODEL, **sizes})
 
     def config(self, **changes: Any) -> TransformerConfig:
-        """The model over the tokenizer's vocabulary."""
-        return self.model(self.learned.vocab_size, **changes)
+        """The model over the learned tokenizer's vocabulary (a family's tokenizer comes with its checkpoint's
+        model, ``train --init``)."""
+        tokenizer = self.learned
+        assert isinstance(tokenizer, Tokenizer), "an imported tokenizer's model is its checkpoint's"
+        return self.model(tokenizer.vocab_size, **changes)
 
     @property
-    def learned(self) -> Tokenizer:
-        return learned_tokenizer(self.tokenizer, self.name)
+    def learned(self) -> Tokenizer | FamilyTokenizer:
+        return self.tokenizer if isinstance(self.tokenizer, FamilyTokenizer) else \
+            learned_tokenizer(self.tokenizer, self.name)
+
+    @property
+    def forced_bos_id(self) -> int | None:
+        """The token decoding must emit first (M2M100/NLLB's target language), None for the project's BPE."""
+        return getattr(self.tokenizer, "forced_bos_id", None)
 
     def with_tokenizer(self, vocab_size: int) -> CorpusTask:
         """This task with a BPE vocabulary of at most ``vocab_size`` ids learned from the training pairs, both
@@ -205,17 +223,24 @@ class CorpusTask:
         return replace(self, ids=ids, epochs={})
 
     def encode(self, pairs: Pairs, config: TransformerConfig) -> tuple[list[list[int]], list[list[int]]]:
-        """The ids of every sentence of ``pairs`` (sources, targets), a ``ValueError`` naming the line of one the
-        tokenizer cannot encode or the model cannot hold."""
+        """The sequences of every pair (sources, labels: the module's docstring), a ``ValueError`` naming the line
+        of one the tokenizer cannot encode or the model cannot hold."""
         sides: tuple[list[list[int]], list[list[int]]] = ([], [])
         for row, texts in enumerate(zip(pairs.sources, pairs.targets)):
             for side, text in enumerate(texts):
-                ids = self.learned.encode(text, pairs.where(row, side))
-                if len(ids) + 1 > config.max_len:
-                    raise ValueError(f"{pairs.where(row, side)}: {len(ids) + 1} tokens after BPE (with its eos), "
+                ids = self.sequence(text, pairs.where(row, side), ("source", "target")[side], config)
+                if len(ids) > config.max_len:
+                    raise ValueError(f"{pairs.where(row, side)}: {len(ids)} tokens after BPE (with its eos), "
                                      f"more than the model's max_len {config.max_len}")
                 sides[side].append(ids)
         return sides
+
+    def sequence(self, text: str, where: str, side: str, config: TransformerConfig) -> list[int]:
+        """One sentence's ids, eos included: a family's ``input_ids`` (``side`` "source") or ``text_target``
+        labels (:meth:`FamilyTokenizer.ids`), the project's BPE pieces and eos on either side."""
+        tokenizer = self.learned
+        ids = tokenizer.encode(text, where)                        # a blank text or unknown characters refused
+        return tokenizer.ids(text, side) if isinstance(tokenizer, FamilyTokenizer) else [*ids, config.eos_id]
 
     def batch(self, config: TransformerConfig, tokens_per_batch: int, step: int, seed: int) -> dict[str, np.ndarray]:
         """The training batch of step ``step`` (0-based): src (B, S), tgt and labels (B, T), with B * S and B * T
@@ -248,8 +273,15 @@ class CorpusTask:
             raise ValueError(f"the validation set holds {len(self.validation)} pairs; {count} were asked for "
                              "(at least 1)")
         sources, targets = self.ids[1]
-        references = [self.learned.normalize(text) for text in self.validation.targets[:count]]
+        references = [self.reference(text) for text in self.validation.targets[:count]]
         return teacher_forcing(config, sources[:count], targets[:count]), references
+
+    def reference(self, text: str) -> str:
+        """A target sentence as a translation can match it: the project's BPE normalises (lower case), a family's
+        decoding gives back the text."""
+        tokenizer = self.learned
+        return tokenizer.decode(tokenizer.ids(text, "target")) if isinstance(tokenizer, FamilyTokenizer) \
+            else tokenizer.normalize(text)
 
     def held_out(self, config: TransformerConfig, count: int, split: str, seed: int) -> tuple[np.ndarray, list[str]]:
         """Source ids (B, S) and references of :meth:`held_out_batch`."""
@@ -268,8 +300,8 @@ class CorpusTask:
 
 
 def widths(sources: list[list[int]], targets: list[list[int]]) -> np.ndarray:
-    """Each pair's source and target positions in a batch (its ids and an eos, or a bos): (N, 2)."""
-    return np.array([[len(s) + 1, len(t) + 1] for s, t in zip(sources, targets)], dtype=np.int64).reshape(-1, 2)
+    """Each pair's source and target positions in a batch (its sequences, eos included): (N, 2)."""
+    return np.array([[len(s), len(t)] for s, t in zip(sources, targets)], dtype=np.int64).reshape(-1, 2)
 
 
 def token_batches(widths: np.ndarray, budget: int, order: np.ndarray | None = None) -> list[np.ndarray]:
@@ -290,8 +322,10 @@ def token_batches(widths: np.ndarray, budget: int, order: np.ndarray | None = No
 
 
 def teacher_forcing(config: TransformerConfig, sources: list[list[int]],
-                    targets: list[list[int]]) -> dict[str, np.ndarray]:
-    """src = ids + eos; tgt = bos + ids (the output embeddings offset by one, section 3.1); labels = ids + eos."""
-    return {"src": pad_rows([[*ids, config.eos_id] for ids in sources], config.pad_id),
-            "tgt": pad_rows([[config.bos_id, *ids] for ids in targets], config.pad_id),
-            "labels": pad_rows([[*ids, config.eos_id] for ids in targets], config.pad_id)}
+                    labels: list[list[int]]) -> dict[str, np.ndarray]:
+    """src = the source sequences; labels = the target sequences; tgt = the labels shifted right by one, the start
+    token first (the output embeddings offset by one, section 3.1; transformers' ``shift_tokens_right`` with
+    ``decoder_start_token_id``, ``config.start_id``)."""
+    return {"src": pad_rows(sources, config.pad_id),
+            "tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id),
+            "labels": pad_rows(labels, config.pad_id)}
