@@ -163,7 +163,8 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first
     before, after = (load_checkpoint(tmp_path / name)[1] for name in ("first.safetensors", "second.safetensors"))
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
-    theirs, ours = (json.loads((tmp_path / where / "generation_config.json").read_text()) for where in ("hf", "exported"))
+    theirs, ours = (json.loads((tmp_path / where / "generation_config.json").read_text())
+                    for where in ("hf", "exported"))
     unset = {"decoder_start_token_id": None, "bad_words_ids": None, "forced_eos_token_id": None,
              "early_stopping": False}                                # GenerationConfig's defaults
     for field, default in unset.items():

@@ -456,15 +456,16 @@ def test_uncached_decoding_gives_the_reference_tokens_in_float64():
 
 def _assert_same_choice(candidates: np.ndarray, eos_id: int, beam_size: int) -> None:
     """The port's top-k selection against the reference's select_candidates (a stable sort of every candidate: the
-    oracle), sentence by sentence of a batch (B, n_live, V): the same finishing (beam, score) pairs in rank order,
-    and the same beams, tokens and scores, to the bit, for the next live beams (the reference drops impossible
+    oracle), sentence by sentence of a batch (B, n_live, V): the same finite finishing (beam, score) pairs in rank
+    order, and the same beams, tokens and scores, to the bit, for the next live beams (the reference drops impossible
     ones, the port keeps them at -inf). Beams not live (n_live < beam size) are slots of -inf, as in the search."""
     batch, n_live, vocab = candidates.shape
     slots = np.concatenate([candidates, np.full((batch, beam_size - n_live, vocab), -np.inf, candidates.dtype)], 1)
     chosen = decoding._select(torch.from_numpy(slots), eos_id, beam_size)
     for one, (scores, beams, tokens, finishing, keep) in zip(slots, zip(*(t.numpy() for t in chosen)), strict=True):
         expected = select_candidates(one, eos_id, beam_size)
-        assert [(int(beam), score.tobytes()) for beam, score in zip(beams[finishing], scores[finishing])] == \
+        ends = finishing & np.isfinite(scores)        # an eos at -inf finishes nothing (the search scores it -inf)
+        assert [(int(beam), score.tobytes()) for beam, score in zip(beams[ends], scores[ends])] == \
             [(beam, score.tobytes()) for beam, score in expected.finishing], (one, eos_id, beam_size)
         live = keep[np.isfinite(scores[keep])]
         for mine, theirs in ((beams[live], expected.beams), (tokens[live], expected.tokens),
