@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from equivalence.training_runs import Run
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
+from reference_numpy.hf_import import import_hf
 from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
 from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import main
@@ -263,3 +267,90 @@ def exact_tables(family: str, model, config) -> None:
         exact, read = reference_table(family, config, len(table))
         exact[:read.start] = table[:read.start]                    # rows never read: transformers' own
         getattr(module, attribute).data = torch.as_tensor(exact, dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------- tiny Hugging Face models and tokenizers
+
+# Parallel sentences the tiny SentencePiece models are trained on (and fine-tuned with)
+SOURCE = ["the cat sat on the mat", "a dog ran in the park", "hello world, how are you?", "numbers 12 and 345",
+          "Ünïcödé façade naïve", "the quick brown fox jumps over the lazy dog", "she sells sea shells"]
+TARGET = ["le chat est assis sur le tapis", "un chien a couru dans le parc", "bonjour le monde, comment ça va ?",
+          "les nombres 12 et 345", "l'été à Noël", "le renard brun saute", "elle vend des coquillages"]
+
+def train_spm(texts: list[str], prefix: Path, model_type: str, size: int) -> Path:
+    """A SentencePiece model of ``model_type`` trained on ``texts`` (the trainer of the sentencepiece package)."""
+    spm = importlib.import_module("sentencepiece")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=size,
+                                   model_type=model_type, character_coverage=1.0, minloglevel=2,
+                                   hard_vocab_limit=False)
+    return prefix.with_suffix(".model")
+
+
+def pieces_of(model: Path) -> list[str]:
+    processor = importlib.import_module("sentencepiece").SentencePieceProcessor(model_file=str(model))
+    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+
+
+def tiny_marian(root: Path) -> dict:
+    """A tiny random MarianMTModel with its MarianTokenizer (unigram source.spm and target.spm, a shared vocab.json
+    with </s> 0, <unk> 1, <pad> last), saved with save_pretrained in ``root``, and its imported checkpoint."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    source = train_spm(SOURCE * 3, root / "src", "unigram", 60)
+    target = train_spm(TARGET * 3, root / "tgt", "unigram", 60)
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in pieces_of(source) + pieces_of(target):
+        if piece not in vocab and piece not in ("<s>", "</s>", "<unk>"):
+            vocab[piece] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
+        tokenizer = transformers.MarianTokenizer(str(source), str(target), str(root / "vocab.json"))
+    directory = root / "tiny-marian"
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"]))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oracle = transformers.MarianTokenizer.from_pretrained(directory, split_special_tokens=True)
+    out = root / "tiny-marian.safetensors"
+    import_hf(directory, out)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab, "root": root}
+
+
+def tiny_m2m100(root: Path) -> dict:
+    """A tiny M2M100 directory in ``root``: a BPE sentencepiece.bpe.model, vocab.json (<s> 0, <pad> 1, </s> 2,
+    <unk> 3) and the 100 language codes after it, from M2M100Tokenizer's save_pretrained, with a tiny random model."""
+    transformers = importlib.import_module("transformers")
+    model_file = train_spm(SOURCE * 3 + TARGET * 3, root / "m", "bpe", 120)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece in pieces_of(model_file):
+        vocab.setdefault(piece, len(vocab))
+    (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tokenizer = transformers.M2M100Tokenizer(str(root / "vocab.json"), str(model_file), src_lang="en",
+                                             tgt_lang="fr")
+    directory = root / "tiny-m2m100"
+    save_tiny_m2m100(directory, len(vocab) + 108)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-m2m100.safetensors"
+    import_hf(directory, out)
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.M2M100Tokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                            split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
+
+
+def save_tiny_m2m100(directory: Path, vocab_size: int) -> None:
+    """A tiny random M2M100 model of ``vocab_size`` ids (pad 1, bos 0, eos 2, decoding from eos) saved in
+    ``directory``: the weights beside an M2M100 or NLLB tokenizer."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    torch.manual_seed(0)
+    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=vocab_size, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)

@@ -14,8 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from support import exact_tables
-from test_hf_tokenizers import SOURCE, TARGET, adapter, m2m100, marian  # noqa: F401 - the shared fixtures
+from support import SOURCE, TARGET, backend, exact_tables, tiny_m2m100, tiny_marian
 
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy.checkpoint import load_checkpoint, load_run
@@ -33,8 +32,18 @@ LANGUAGES = {"marian": [], "m2m100": ["--source-lang", "en", "--target-lang", "f
 RECIPE = ["--warmup-steps", str(STEPS), "--learning-rate-scale", "1", "--eval-every", "0", "--eval-size", "2"]
 
 
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory) -> dict:
+    return tiny_marian(tmp_path_factory.mktemp("marian"))
+
+
+@pytest.fixture(scope="module")
+def m2m100(tmp_path_factory) -> dict:
+    return tiny_m2m100(tmp_path_factory.mktemp("m2m100"))
+
+
 @pytest.fixture(scope="module", params=["marian", "m2m100"])
-def family(request, marian, m2m100, tmp_path_factory) -> dict:  # noqa: F811 - the fixtures imported above
+def family(request, marian, m2m100, tmp_path_factory) -> dict:
     """One imported model, its corpus files (the training pairs, validated on themselves) and its oracles."""
     model = {"marian": marian, "m2m100": m2m100}[request.param]
     root = tmp_path_factory.mktemp(f"finetune-{request.param}")
@@ -137,7 +146,7 @@ def runs(family) -> dict[str, dict]:
 @pytest.mark.parametrize("name", BACKENDS)
 def test_every_backends_first_step_is_the_references_and_the_loss_falls(family, runs, name):
     if name not in runs:
-        adapter(name)                                                  # a skip naming what to install
+        backend(name)                                                  # a skip naming what to install
     plan, batch = first_batch(family)
     config, params = load_checkpoint(family["checkpoint"])
     expected, bound = reference_run(dataclasses.replace(config, dropout=0.0), params, plan.training, [batch])
@@ -180,7 +189,7 @@ def test_resume_and_init_together_are_refused(family, capsys):
     assert "--resume: --init" in capsys.readouterr().err
 
 
-def test_the_languages_are_checked(marian, m2m100, family, capsys):  # noqa: F811
+def test_the_languages_are_checked(marian, m2m100, family, capsys):
     if family["name"] == "m2m100":
         assert main(["train", "--init", str(m2m100["checkpoint"]), *family["files"], "--source-lang", "en"]) == 2
         assert "--target-lang: this m2m_100 model needs" in capsys.readouterr().err

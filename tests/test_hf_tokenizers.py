@@ -9,28 +9,21 @@ import dataclasses
 import json
 import random
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support import SOURCE, TARGET, backend, save_tiny_m2m100, tiny_m2m100, tiny_marian, train_spm
 
 pytest.importorskip("sentencepiece", reason="the tests train SentencePiece models: pip install sentencepiece")
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
 torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
 
-import sentencepiece as spm  # noqa: E402
-
 from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json  # noqa: E402
 from reference_numpy.hf_import import import_hf  # noqa: E402
 from reference_numpy.hf_tokenizer import FamilyTokenizer, read_hf_tokenizer  # noqa: E402
-from transformer_cli import backends  # noqa: E402
 from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
 
-SOURCE = ["the cat sat on the mat", "a dog ran in the park", "hello world, how are you?", "numbers 12 and 345",
-          "Ünïcödé façade naïve", "the quick brown fox jumps over the lazy dog", "she sells sea shells"]
-TARGET = ["le chat est assis sur le tapis", "un chien a couru dans le parc", "bonjour le monde, comment ça va ?",
-          "les nombres 12 et 345", "l'été à Noël", "le renard brun saute", "elle vend des coquillages"]
 TEXTS = ["the cat", "Hello   World!", "", "   ", "\t\n", "Жук ел", "naïve façade", "a\tb\nc", "ｆｕｌｌ ｗｉｄｔｈ",
          " leading", "trailing  ", "12 345 67", "l'été à Noël", "ça va ?", "x</s>y", "<unk> <pad>", "日本語", "🙂 ok"]
 ALPHABET = "abcdefghijklmnopqrstuvwxyz  ,.?'çéÜ12Ж\t日"
@@ -41,82 +34,14 @@ def random_texts(seed: int, count: int = 200) -> list[str]:
     return ["".join(rng.choice(ALPHABET) for _ in range(rng.randrange(30))) for _ in range(count)]
 
 
-def train_spm(texts: list[str], prefix: Path, model_type: str, size: int) -> Path:
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=size,
-                                   model_type=model_type, character_coverage=1.0, minloglevel=2,
-                                   hard_vocab_limit=False)
-    return prefix.with_suffix(".model")
-
-
-def pieces_of(model: Path) -> list[str]:
-    processor = spm.SentencePieceProcessor(model_file=str(model))
-    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-
-
 @pytest.fixture(scope="module")
 def marian(tmp_path_factory) -> dict:
-    """A tiny random MarianMTModel with its MarianTokenizer (unigram source.spm and target.spm, a shared vocab.json
-    with </s> 0, <unk> 1, <pad> last), saved with save_pretrained, and its imported checkpoint."""
-    root = tmp_path_factory.mktemp("marian")
-    source = train_spm(SOURCE * 3, root / "src", "unigram", 60)
-    target = train_spm(TARGET * 3, root / "tgt", "unigram", 60)
-    vocab = {"</s>": 0, "<unk>": 1}
-    for piece in pieces_of(source) + pieces_of(target):
-        if piece not in vocab and piece not in ("<s>", "</s>", "<unk>"):
-            vocab[piece] = len(vocab)
-    vocab["<pad>"] = len(vocab)
-    (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
-        tokenizer = transformers.MarianTokenizer(str(source), str(target), str(root / "vocab.json"))
-    directory = root / "tiny-marian"
-    torch.manual_seed(0)
-    model = transformers.MarianMTModel(transformers.MarianConfig(
-        vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
-        pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"]))
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oracle = transformers.MarianTokenizer.from_pretrained(directory, split_special_tokens=True)
-    out = root / "tiny-marian.safetensors"
-    import_hf(directory, out)
-    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab, "root": root}
+    return tiny_marian(tmp_path_factory.mktemp("marian"))
 
 
 @pytest.fixture(scope="module")
 def m2m100(tmp_path_factory) -> dict:
-    """A tiny M2M100 directory: a BPE sentencepiece.bpe.model, vocab.json (<s> 0, <pad> 1, </s> 2, <unk> 3) and
-    the 100 language codes after it, from M2M100Tokenizer's save_pretrained, with a tiny random model."""
-    root = tmp_path_factory.mktemp("m2m100")
-    model_file = train_spm(SOURCE * 3 + TARGET * 3, root / "m", "bpe", 120)
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    for piece in pieces_of(model_file):
-        vocab.setdefault(piece, len(vocab))
-    (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    tokenizer = transformers.M2M100Tokenizer(str(root / "vocab.json"), str(model_file), src_lang="en",
-                                             tgt_lang="fr")
-    directory = root / "tiny-m2m100"
-    save_tiny_m2m100(directory, len(vocab) + 108)
-    tokenizer.save_pretrained(directory)
-    out = root / "tiny-m2m100.safetensors"
-    import_hf(directory, out)
-
-    def oracle(src_lang: str, tgt_lang: str):
-        return transformers.M2M100Tokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
-                                                            split_special_tokens=True)
-    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
-
-
-def save_tiny_m2m100(directory: Path, vocab_size: int) -> None:
-    """A tiny random M2M100 model of ``vocab_size`` ids (pad 1, bos 0, eos 2, decoding from eos) saved in
-    ``directory``: the weights beside an M2M100 or NLLB tokenizer."""
-    torch.manual_seed(0)
-    transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
-        vocab_size=vocab_size, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    return tiny_m2m100(tmp_path_factory.mktemp("m2m100"))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["nllb", "nllb-legacy"])
@@ -234,34 +159,26 @@ def test_the_record_is_data_and_round_trips(marian):
     assert FamilyTokenizer.from_json(text, load_tokenizer(marian["checkpoint"]).config).to_json() == text
 
 
-def adapter(name: str):
-    """The backend's adapter, or a skip naming what to install."""
-    adapters, missing = backends.load((name,))
-    if missing:
-        pytest.skip(missing[0].reason)
-    return adapters[name]
-
-
 @pytest.fixture(scope="module")
 def reference_tokens(marian) -> list[np.ndarray]:
     """The float64 reference's greedy tokens of SOURCE from the imported Marian checkpoint."""
-    return translator(adapter("numpy"), marian["checkpoint"], "float64").decode_all(
+    return translator(backend("numpy"), marian["checkpoint"], "float64").decode_all(
         [load_tokenizer(marian["checkpoint"]).source(text) for text in SOURCE])
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch", "jax", "tf"])
-def test_translate_and_evaluate_run_an_imported_marian_model(marian, reference_tokens, backend, capsys):
-    translate = translator(adapter(backend), marian["checkpoint"], "float64")
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax", "tf"])
+def test_translate_and_evaluate_run_an_imported_marian_model(marian, reference_tokens, name, capsys):
+    translate = translator(backend(name), marian["checkpoint"], "float64")
     tokens = translate.decode_all([translate.encode(text) for text in SOURCE])
     assert all(np.array_equal(mine, theirs) for mine, theirs in zip(tokens, reference_tokens, strict=True))
     checkpoint = str(marian["checkpoint"])
-    assert main(["translate", "--checkpoint", checkpoint, "--backend", backend, "--dtype", "float64",
+    assert main(["translate", "--checkpoint", checkpoint, "--backend", name, "--dtype", "float64",
                  *SOURCE[:3]]) == 0
     assert capsys.readouterr().out.splitlines() == [translate.tokenizer.decode(ids) for ids in reference_tokens[:3]]
-    source, target = marian["root"] / f"{backend}.src", marian["root"] / f"{backend}.ref"
+    source, target = marian["root"] / f"{name}.src", marian["root"] / f"{name}.ref"
     source.write_text("\n".join(SOURCE[:3]) + "\n", encoding="utf-8")
     target.write_text("\n".join(TARGET[:3]) + "\n", encoding="utf-8")
-    assert main(["evaluate", checkpoint, "--source", str(source), "--reference", str(target), "--backend", backend,
+    assert main(["evaluate", checkpoint, "--source", str(source), "--reference", str(target), "--backend", name,
                  "--dtype", "float64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sentences"] == 3
 
