@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import tiny_m2m100, tiny_marian
 
 from equivalence import cases, tolerance
 from reference_numpy.checkpoint import release_freed_memory
@@ -215,3 +216,15 @@ def single_rounding():
 @pytest.fixture(scope="session")
 def logits_rounding():
     return check_logits_rounding
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory) -> dict:
+    """A tiny random Marian model with its SentencePiece tokenizer, imported (support.tiny_marian), per module."""
+    return tiny_marian(tmp_path_factory.mktemp("marian"))
+
+
+@pytest.fixture(scope="module")
+def m2m100(tmp_path_factory) -> dict:
+    """A tiny random M2M100 model with its tokenizer and language codes, imported (support.tiny_m2m100)."""
+    return tiny_m2m100(tmp_path_factory.mktemp("m2m100"))

@@ -333,11 +333,7 @@ def tiny_m2m100(root: Path) -> dict:
     (root / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
     tokenizer = transformers.M2M100Tokenizer(str(root / "vocab.json"), str(model_file), src_lang="en",
                                              tgt_lang="fr")
-    directory = root / "tiny-m2m100"
-    save_tiny_m2m100(directory, len(vocab) + 108)
-    tokenizer.save_pretrained(directory)
-    out = root / "tiny-m2m100.safetensors"
-    import_hf(directory, out)
+    directory, out = save_tiny_m2m100(root / "tiny-m2m100", tokenizer, len(vocab) + 108)
 
     def oracle(src_lang: str, tgt_lang: str):
         return transformers.M2M100Tokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
@@ -345,12 +341,16 @@ def tiny_m2m100(root: Path) -> dict:
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
 
 
-def save_tiny_m2m100(directory: Path, vocab_size: int) -> None:
+def save_tiny_m2m100(directory: Path, tokenizer, vocab_size: int) -> tuple[Path, Path]:
     """A tiny random M2M100 model of ``vocab_size`` ids (pad 1, bos 0, eos 2, decoding from eos) saved in
-    ``directory``: the weights beside an M2M100 or NLLB tokenizer."""
+    ``directory`` beside ``tokenizer`` (an M2M100 or NLLB tokenizer), and imported: (directory, checkpoint)."""
     torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
     torch.manual_seed(0)
     transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
         vocab_size=vocab_size, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = directory.with_suffix(".safetensors")
+    import_hf(directory, out)
+    return directory, out

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from support import SOURCE, TARGET, backend, exact_tables, tiny_m2m100, tiny_marian
+from support import SOURCE, TARGET, backend, exact_tables
 
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy.checkpoint import load_checkpoint, load_run
@@ -30,16 +30,6 @@ STEPS = 3
 LANGUAGES = {"marian": [], "m2m100": ["--source-lang", "en", "--target-lang", "fr"]}
 # Eq. (3) over a warm-up of STEPS steps at its full scale: steps of ~1e-2 on the tiny models, which the loss feels
 RECIPE = ["--warmup-steps", str(STEPS), "--learning-rate-scale", "1", "--eval-every", "0", "--eval-size", "2"]
-
-
-@pytest.fixture(scope="module")
-def marian(tmp_path_factory) -> dict:
-    return tiny_marian(tmp_path_factory.mktemp("marian"))
-
-
-@pytest.fixture(scope="module")
-def m2m100(tmp_path_factory) -> dict:
-    return tiny_m2m100(tmp_path_factory.mktemp("m2m100"))
 
 
 @pytest.fixture(scope="module", params=["marian", "m2m100"])

@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from support import SOURCE, TARGET, backend, save_tiny_m2m100, tiny_m2m100, tiny_marian, train_spm
+from support import SOURCE, TARGET, backend, save_tiny_m2m100, train_spm
 
 pytest.importorskip("sentencepiece", reason="the tests train SentencePiece models: pip install sentencepiece")
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
@@ -34,16 +34,6 @@ def random_texts(seed: int, count: int = 200) -> list[str]:
     return ["".join(rng.choice(ALPHABET) for _ in range(rng.randrange(30))) for _ in range(count)]
 
 
-@pytest.fixture(scope="module")
-def marian(tmp_path_factory) -> dict:
-    return tiny_marian(tmp_path_factory.mktemp("marian"))
-
-
-@pytest.fixture(scope="module")
-def m2m100(tmp_path_factory) -> dict:
-    return tiny_m2m100(tmp_path_factory.mktemp("m2m100"))
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["nllb", "nllb-legacy"])
 def nllb(request, tmp_path_factory) -> dict:
     """A tiny NLLB directory: NllbTokenizer (its tokenizer.json: a BPE model from a SentencePiece model trained
@@ -57,11 +47,7 @@ def nllb(request, tmp_path_factory) -> dict:
         vocab.setdefault(piece, len(vocab))
     tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=found["merges"], legacy_behaviour=request.param,
                                            _spm_precompiled_charsmap=found["_spm_precompiled_charsmap"])
-    directory = root / "tiny-nllb"
-    save_tiny_m2m100(directory, len(tokenizer))
-    tokenizer.save_pretrained(directory)
-    out = root / "tiny-nllb.safetensors"
-    import_hf(directory, out)
+    directory, out = save_tiny_m2m100(root / "tiny-nllb", tokenizer, len(tokenizer))
 
     def oracle(src_lang: str, tgt_lang: str):
         return transformers.AutoTokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
