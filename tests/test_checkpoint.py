@@ -481,6 +481,8 @@ def test_a_bad_training_record_in_a_file_is_one_line(tmp_path, metadata, tensors
 
 
 _TRIM_PROBE = """
+import ctypes
+ctypes.CDLL(None).mallopt(-1, 1 << 30)      # M_TRIM_THRESHOLD: free() itself gives back nothing
 import numpy as np
 from pathlib import Path
 from reference_numpy.checkpoint import release_freed_memory
@@ -507,7 +509,9 @@ def test_release_freed_memory_returns_the_freed_heap_pages():
     (above NumPy's small-block cache, so they sit between the large ones on the heap): freeing the large
     ones leaves 48 MiB of free pages between live chunks, which glibc keeps; the call must give most of
     them back. Run in a fresh interpreter: in a long-lived process the freed chunks may reuse pages that
-    earlier frees had already given back, and the measure would depend on what ran before."""
+    earlier frees had already given back, and the measure would depend on what ran before. glibc's trim threshold
+    is raised first: where the heap's earlier layout let the large arrays end up at its top (every run under a
+    fixed PYTHONHASHSEED, as tox sets), free() itself gave them back and the call had nothing to return."""
     out = subprocess.run([sys.executable, "-c", _TRIM_PROBE], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.split()
     assert float(out[0]) > 24, f"the freed heap pages stayed resident: {out[0]} MiB of 48 returned"
