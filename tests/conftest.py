@@ -153,8 +153,17 @@ def pytest_collection_modifyitems(config, items):
     loop."""
     slow = {line for line in SLOW_TESTS.read_text().splitlines() if line and not line.startswith("#")}
     for item in items:
-        if item.nodeid in slow or item.nodeid.split("::")[0] in slow:
+        if item.nodeid in slow or item.nodeid.split("::")[0] in slow or other_matrix_variant(item):
             item.add_marker(pytest.mark.slow)
+
+
+def other_matrix_variant(item: pytest.Item) -> bool:
+    """The agreement matrix (test_agreement.py) on a model variant other than ``tiny``: the same code of every port
+    on another configuration (pre-LN, learned positions, the families' choices...), each variant compiling its own
+    programs in JAX and TensorFlow (four fifths of the matrix's inner-loop time). The inner loop keeps ``tiny``;
+    the README's command runs every variant."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return item.nodeid.startswith("tests/test_agreement.py::") and params.get("variant", "tiny") != "tiny"
 
 
 def pytest_runtest_teardown(item, nextitem):
