@@ -306,8 +306,8 @@ class TrainingBound:
         self.losses.append(float64_bound(value) + sum(float(np.sum(np.abs(grads[name]) * self.weights[name]))
                                                       for name in grads))
         if deltas is None:
-            delta = gradient_bound(grads, grads, sensitivity)
-            deltas = {name: np.full(np.shape(grad), delta) for name, grad in grads.items()}
+            policy = gradient_bound(grads, grads, sensitivity)
+            deltas = {name: np.full(np.shape(grad), policy) for name, grad in grads.items()}
         limit, self.steps = adam_ratio_limit(step, beta1, beta2), self.steps + 1
         for name, grad in grads.items():
             delta = deltas[name]
@@ -341,7 +341,7 @@ class TrainingBound:
         scale = float(np.max(np.abs(reference), initial=0.0))
         if self.dtype == np.float64:
             return FLOAT64_RELATIVE * scale
-        return self.steps * float(np.spacing(self.dtype.type(scale)))
+        return self.steps * float(np.spacing(np.asarray(scale, dtype=self.dtype)))
 
 
 def adam_ratio_limit(step: int, beta1: float, beta2: float) -> float:

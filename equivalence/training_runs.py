@@ -71,7 +71,8 @@ def recipe_gradients(config: TransformerConfig, params: dict[str, np.ndarray], t
         seen: list[dict[str, np.ndarray]] = []
         with roundings, autocast(dtype):
             optimizer = reference.optimizer(model, training)
-            optimizer.adam.update = functools.partial(_recorded, optimizer.adam.update, seen)
+            recorded = functools.partial(_recorded, optimizer.adam.update, seen)        # Adam's own, gradients kept
+            optimizer.adam.update = recorded                                          # type: ignore[method-assign]
             for inputs in batches:
                 reference.train_step(model, optimizer, inputs["src"], inputs["tgt"], inputs["labels"])
         if len(seen) != len(batches):
