@@ -245,19 +245,21 @@ def recipe_gradient_bound(grads64: dict[str, np.ndarray], runs: list[dict[str, n
 @contextmanager
 def random_roundings(rng: np.random.Generator) -> Iterator[None]:
     """While open, every rounding of the reference to bfloat16 or float16 (``precision.round_to``, which the recipe's
-    products, casts and roundings of the forward and backward passes all call) is a random one: the wide value moved
-    by a uniform random fraction in (-1/2, 1/2) of a unit of P at its magnitude, then rounded to nearest -- stochastic
-    rounding, to either neighbour with probabilities in proportion to their closeness. Each rounding's error is then
-    independent of the reference's own (round to nearest) and of the same size (at most one unit instead of half a
-    unit; a root mean square sqrt(2) times as large): a run under it is another draw of P's rounding errors, where a
-    port's differ from the reference's at the roundings its float32 sums decide otherwise."""
+    products, casts and roundings of the forward and backward passes all call) is a random one: stochastic rounding,
+    to the number of P below the wide value or to the one above it, the one above with probability the value's
+    distance from the one below in units of P (a number of P is kept). Each rounding's error is then independent of
+    the reference's own (round to nearest) and of the same size (at most one unit instead of half a unit; a root
+    mean square sqrt(2) times as large): a run under it is another draw of P's rounding errors, where a port's differ
+    from the reference's at the roundings its float32 sums decide otherwise."""
     exact = precision.round_to
 
     def moved(x: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
         if not is_low(dtype):
             return exact(x, dtype)
         x = np.asarray(x, dtype=np.float64)
-        return exact(x + (rng.random(x.shape) - 0.5) * spacing(x, dtype), dtype)
+        unit = spacing(x, dtype)                                    # exact powers of two: x / unit is exact
+        below = np.floor(x / unit)
+        return exact((below + (rng.random(x.shape) < x / unit - below)) * unit, dtype)
 
     with mock.patch.object(precision, "round_to", moved), mock.patch.object(reference_model, "round_to", moved), \
             mock.patch.object(backward, "round_to", moved):
