@@ -37,7 +37,8 @@ implementation may make there.
 
 Training (float64): a port's weights, Adam moments and losses after each optimizer step stay within the
 reference's by the gradient bound carried through Adam's update (:class:`TrainingBound`); float32: the update
-``weights_after - weights_before`` under the float32 rule above.
+``weights_after - weights_before`` under the float32 rule above; mixed-float16: every weight and moment entry by entry
+within :class:`TrainingBound` carrying a per-entry gradient bound (:func:`recipe_gradient_bound`).
 
 Nothing else in the project chooses a tolerance.
 """
