@@ -37,7 +37,8 @@ implementation may make there.
 
 Training (float64): a port's weights, Adam moments and losses after each optimizer step stay within the
 reference's by the gradient bound carried through Adam's update (:class:`TrainingBound`); float32: the update
-``weights_after - weights_before`` under the float32 rule above.
+``weights_after - weights_before`` under the float32 rule above; mixed-float16: every weight and moment entry by entry
+within :class:`TrainingBound` carrying a per-entry gradient bound (:func:`recipe_gradient_bound`).
 
 Nothing else in the project chooses a tolerance.
 """
@@ -53,7 +54,8 @@ from unittest import mock
 import numpy as np
 import numpy.typing as npt
 
-from reference_numpy import backward
+from reference_numpy import backward, precision
+from reference_numpy import model as reference_model
 from reference_numpy.model import DecoderLayer, EncoderLayer, LayerNorm, Transformer, padding_mask, target_mask
 from reference_numpy.precision import is_low, parse_precision, round_to, spacing
 
@@ -221,56 +223,128 @@ def _rounded_activations(rng: np.random.Generator) -> Iterator[None]:
         yield
 
 
-class TrainingBound:
-    """Per-entry float64 bounds on a port's training run against the reference's, step by step (section 5.3).
+def recipe_gradient_bound(grads64: dict[str, np.ndarray], runs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The bound of a port's gradient at one training step in a mixed precision, entry by entry: LOW_PRECISION_FACTOR
+    x the largest |g - g64| over ``runs``, the reference's gradients at that step in the recipe -- its own run and
+    runs whose every rounding to P was a random one (:func:`random_roundings`) -- against the float64 reference's
+    ``grads64``.
 
-    Each step's gradient may differ from the reference's by ``delta_s = GRADIENT_RELATIVE x max|g_s|`` (the gradient
-    policy); let ``delta`` be the largest so far. Adam's m_hat is a weighted mean of past gradients (weights summing
-    to 1) and s = sqrt(v_hat) a weighted root-mean-square (a weighted L2 norm), so each moves by at most ``delta``.
-    The update u = m_hat / (s + eps) then moves by at most ``delta / (s' + eps) + |m_hat| delta / ((s + eps)(s' +
-    eps))`` with s' = max(s - delta, 0) (u' - u = (m' - m) / (s' + eps) + m (s - s') / ((s + eps)(s' + eps))), and by
-    no more than ``|u| + adam_ratio_limit(t)``, the largest |u'| any gradients give (:func:`adam_ratio_limit`): a
-    gradient below its bound may take either sign, which at Adam's first step moves the update from +1 to -1. A
-    weight moves by the sum over steps of lrate(t) times that. The moments: ``|dm| <= delta``,
-    ``|dv| <= 2 max|g| delta + delta^2`` (max over past steps, per entry). The loss at a step moves by
-    ``sum |g| |dw|`` through the weights it is computed at. Each bound adds the float64 policy's rounding floor at the
-    compared quantity's scale. (The gradient's own change through the weights' small drift is second order: the
-    drift is ~1e-15 while ``delta`` is 1e-10 of the gradient's scale.)
+    Why: the low-precision rule (a port is at most k times as wrong as the reference in P, :func:`low_precision_bound`)
+    taken per entry instead of per tensor. A port rounds the recipe's values at the same points from float32 sums, so
+    that where a sum falls across a rounding boundary of P it takes the other neighbour, and the difference spreads
+    through the layers and the steps (a weight's Adam update at the first step is the sign of its gradient: a
+    gradient below P's noise, computed with the other sign, puts the entry 2 lrate(1) apart). One run of the
+    reference is one draw of those choices, and at an entry it may be right by chance; the runs with random roundings
+    are independent draws, so that the largest error over them is the entry's own noise, the steps before it included
+    (each run is a whole run: its weights drift as a port's do). The tensor's largest error is no yardstick for an
+    entry: it exceeds most entries' gradients, and a port negating its updates would pass."""
+    return {name: LOW_PRECISION_FACTOR * np.max([np.abs(np.asarray(run[name], dtype=np.float64) - grad)
+                                                 for run in runs], axis=0)
+            for name, grad in grads64.items()}
+
+
+@contextmanager
+def random_roundings(rng: np.random.Generator) -> Iterator[None]:
+    """While open, every rounding of the reference to bfloat16 or float16 (``precision.round_to``, which the recipe's
+    products, casts and roundings of the forward and backward passes all call) is a random one: stochastic rounding,
+    to the number of P below the wide value or to the one above it, the one above with probability the value's
+    distance from the one below in units of P (a number of P is kept). Each rounding's error is then independent of
+    the reference's own (round to nearest) and of the same size (at most one unit instead of half a unit; a root
+    mean square sqrt(2) times as large): a run under it is another draw of P's rounding errors, where a port's differ
+    from the reference's at the roundings its float32 sums decide otherwise."""
+    exact = precision.round_to
+
+    def moved(x: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
+        if not is_low(dtype):
+            return exact(x, dtype)
+        x = np.asarray(x, dtype=np.float64)
+        unit = spacing(x, dtype)                                    # exact powers of two: x / unit is exact
+        below = np.floor(x / unit)
+        return exact((below + (rng.random(x.shape) < x / unit - below)) * unit, dtype)
+
+    with mock.patch.object(precision, "round_to", moved), mock.patch.object(reference_model, "round_to", moved), \
+            mock.patch.object(backward, "round_to", moved):
+        yield
+
+
+class TrainingBound:
+    """Per-entry bounds on a port's training run against the reference's, step by step (section 5.3).
+
+    Each step's gradient may differ from the reference's by ``delta_s``, per entry: in float64 the gradient policy,
+    ``GRADIENT_RELATIVE x max|g_s|`` (:func:`gradient_bound`); in a mixed precision, :func:`recipe_gradient_bound`.
+    Adam's m_hat = sum_i a_i g_i is a weighted mean of past gradients (weights a_i summing to 1), so it moves by at
+    most ``dm = sum_i a_i delta_i``; s = sqrt(v_hat) = sqrt(sum_i b_i g_i^2) is a weighted L2 norm, so it moves by at
+    most ``ds = sqrt(sum_i b_i delta_i^2)`` (the triangle inequality); both are Adam's own moment recurrences run on
+    the deltas, bias-corrected alike. The update u = m_hat / (s + eps) then moves by at most ``dm / (s' + eps) +
+    |m_hat| ds / ((s + eps)(s' + eps))`` with s' = max(s - ds, 0) (u' - u = (m' - m) / (s' + eps) + m (s - s') / ((s
+    + eps)(s' + eps))), and by no more than ``|u| + adam_ratio_limit(t)``, the largest |u'| any gradients give
+    (:func:`adam_ratio_limit`): a gradient below its bound may take either sign, which at Adam's first step moves the
+    update from +1 to -1. A weight moves by the sum over steps of lrate(t) times that. The moments (not
+    bias-corrected): ``|dm| <=`` the recurrence m of the deltas, ``|dv| <=`` the recurrence v of ``2 |g| delta +
+    delta^2`` (as |g'^2 - g^2| <= 2 |g| delta + delta^2). The loss at a step moves by ``sum |g| |dw|`` through the
+    weights it is computed at. (The gradient's own change through the weights' small drift is second order in
+    float64, where the drift is ~1e-15 and ``delta`` 1e-10 of the gradient's scale; in a mixed precision the drift is
+    inside ``delta``, which is measured on whole runs.)
+
+    Each bound adds a rounding floor at the compared quantity's scale for the precision of the run's masters
+    (``dtype``): float64, the float64 policy's; float32 (mixed precision: float32 masters and moments), one float32
+    unit per step at the quantity's scale (a step rounds each weight and each moment once, and a weight's
+    float32 computation of lrate(t) u is exact to far less than that unit), and one more for the weights'
+    float32 start: the weights at the entry's magnitude plus the farthest its updates can have taken it.
     """
 
-    def __init__(self, params: dict[str, np.ndarray]):
+    def __init__(self, params: dict[str, np.ndarray], dtype: npt.DTypeLike = np.float64):
         zeros = lambda: {name: np.zeros(np.shape(value)) for name, value in params.items()}
-        self.weights, self.largest_gradient = zeros(), zeros()
-        self.delta = 0.0
+        self.weights, self.reach = zeros(), zeros()
+        self.first, self.second, self.squares = zeros(), zeros(), zeros()
+        self.dtype, self.steps = np.dtype(dtype), 0
         self.losses: list[float] = []
 
     def step(self, value: float, grads: dict[str, np.ndarray], first_moments: dict[str, np.ndarray],
              second_moments: dict[str, np.ndarray], step: int, lrate: float, beta1: float, beta2: float,
-             epsilon: float, sensitivity: float = 0.0) -> None:
+             epsilon: float, sensitivity: float = 0.0, deltas: dict[str, np.ndarray] | None = None) -> None:
         """Account for one reference step: its loss ``value`` and gradient (at the weights before the step), and its
-        moments after the step, which was step number ``step`` with learning rate ``lrate``; ``sensitivity`` as in
-        :func:`gradient_bound`."""
+        moments after the step, which was step number ``step`` with learning rate ``lrate``; ``deltas`` the bound of
+        each gradient entry (default: :func:`gradient_bound` with ``sensitivity``, the same for every entry)."""
         self.losses.append(float64_bound(value) + sum(float(np.sum(np.abs(grads[name]) * self.weights[name]))
                                                       for name in grads))
-        delta = self.delta = max(self.delta, gradient_bound(grads, grads, sensitivity))
-        limit = adam_ratio_limit(step, beta1, beta2)
+        if deltas is None:
+            policy = gradient_bound(grads, grads, sensitivity)
+            deltas = {name: np.full(np.shape(grad), policy) for name, grad in grads.items()}
+        limit, self.steps = adam_ratio_limit(step, beta1, beta2), self.steps + 1
         for name, grad in grads.items():
-            self.largest_gradient[name] = np.maximum(self.largest_gradient[name], np.abs(grad))
+            delta = deltas[name]
+            self.first[name] = beta1 * self.first[name] + (1.0 - beta1) * delta
+            self.squares[name] = beta2 * self.squares[name] + (1.0 - beta2) * delta * delta
+            self.second[name] = beta2 * self.second[name] + (1.0 - beta2) * (2 * np.abs(grad) * delta + delta * delta)
+            moved_m = self.first[name] / (1.0 - beta1 ** step)
+            moved_s = np.sqrt(self.squares[name] / (1.0 - beta2 ** step))
             m_hat = np.abs(first_moments[name]) / (1.0 - beta1 ** step)
             root = np.sqrt(second_moments[name] / (1.0 - beta2 ** step))
-            low = np.maximum(root - delta, 0.0) + epsilon
-            moved = delta / low + m_hat * delta / ((root + epsilon) * low)
-            self.weights[name] = self.weights[name] + lrate * np.minimum(moved, m_hat / (root + epsilon) + limit)
+            low = np.maximum(root - moved_s, 0.0) + epsilon
+            moved = moved_m / low + m_hat * moved_s / ((root + epsilon) * low)
+            largest = m_hat / (root + epsilon) + limit
+            self.weights[name] = self.weights[name] + lrate * np.minimum(moved, largest)
+            self.reach[name] = self.reach[name] + lrate * largest
 
     def weight_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
-        return self.weights[name] + float64_bound(reference)
+        if self.dtype == np.float64:
+            return self.weights[name] + float64_bound(reference)
+        scale = np.abs(reference) + self.reach[name]
+        return self.weights[name] + (self.steps + 1) * np.spacing(scale.astype(self.dtype)).astype(np.float64)
 
-    def first_moment_bound(self, reference: np.ndarray) -> float:
-        return self.delta + FLOAT64_RELATIVE * float(np.max(np.abs(reference), initial=0.0))
+    def first_moment_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
+        return self.first[name] + self._floor(reference)
 
     def second_moment_bound(self, name: str, reference: np.ndarray) -> np.ndarray:
-        return (2 * self.largest_gradient[name] * self.delta + self.delta ** 2
-                + FLOAT64_RELATIVE * float(np.max(np.abs(reference), initial=0.0)))
+        return self.second[name] + self._floor(reference)
+
+    def _floor(self, reference: np.ndarray) -> float:
+        """The moments' rounding floor: the float64 policy's, or one float32 unit per step at the tensor's scale."""
+        scale = float(np.max(np.abs(reference), initial=0.0))
+        if self.dtype == np.float64:
+            return FLOAT64_RELATIVE * scale
+        return self.steps * float(np.spacing(np.asarray(scale, dtype=self.dtype)))
 
 
 def adam_ratio_limit(step: int, beta1: float, beta2: float) -> float:

@@ -4,7 +4,9 @@ against it, loss by loss, weight by weight, moment by moment."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,9 +15,10 @@ from reference_numpy import training as reference
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.model import Transformer
+from reference_numpy.precision import autocast
 from reference_numpy.training import learning_rate
 
-from .tolerance import TrainingBound, rounding_sensitivity
+from .tolerance import TrainingBound, random_roundings, recipe_gradient_bound, rounding_sensitivity
 
 
 @dataclass
@@ -28,14 +31,18 @@ class Run:
 
 
 def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig,
-                  batches: Iterable[dict[str, np.ndarray]], conditioned: bool = False) -> tuple[Run, TrainingBound]:
+                  batches: Iterable[dict[str, np.ndarray]], conditioned: bool = False,
+                  recipe: list[list[dict[str, np.ndarray]]] | None = None) -> tuple[Run, TrainingBound]:
     """The float64 reference trained from ``params`` with a new optimizer, one step per batch, and the bound of
     every quantity of another run of the same steps: each step accounted for by :class:`TrainingBound` (the
     gradient at the weights before the step, the moments after it); with ``conditioned``, each step's gradient bound
-    takes the gradient's sensitivity to the weights' rounding into account (:func:`~.tolerance.gradient_bound`)."""
+    takes the gradient's sensitivity to the weights' rounding into account (:func:`~.tolerance.gradient_bound`).
+    With ``recipe`` (:func:`recipe_gradients`: runs of the same steps in a mixed precision) the bound is that of a
+    mixed-precision run, float32 masters: each step's gradient bound is :func:`~.tolerance.recipe_gradient_bound`."""
     model = Transformer(config, params)
     optimizer = reference.optimizer(model, training)
-    bound, losses = TrainingBound(weights_of(model)), []
+    bound = TrainingBound(weights_of(model), np.float64 if recipe is None else np.float32)
+    losses: list[float] = []
     for step, inputs in enumerate(batches, start=1):
         batch = inputs["src"], inputs["tgt"], inputs["labels"]
         value, grads = reference.gradients(model, *batch)
@@ -44,10 +51,42 @@ def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], trai
             weights_of(model)) if conditioned else 0.0
         losses.append(float(reference.train_step(model, optimizer, *batch)))
         state = reference.training_state(model, optimizer)
+        deltas = None if recipe is None else recipe_gradient_bound(grads, [run[step - 1] for run in recipe])
         bound.step(float(value), grads, state.first_moments, state.second_moments, step,
                    learning_rate(step, config.d_model, training), training.beta1, training.beta2, training.epsilon,
-                   sensitivity)
+                   sensitivity, deltas)
     return Run(losses, weights_of(model), reference.training_state(model, optimizer)), bound
+
+
+def recipe_gradients(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig,
+                     batches: list[dict[str, np.ndarray]], dtype: str, draws: int) -> list[list[dict[str, np.ndarray]]]:
+    """The reference's run from ``params`` (a float32 model, one step per batch) under the autocast recipe in
+    ``dtype`` (bfloat16, float16: its loss scaled), and ``draws`` more runs with every rounding to P a random one
+    (:func:`~.tolerance.random_roundings`, seeds 0, 1, ...): each run's gradient at each step, as Adam receives it
+    (float32, divided by the loss scale). A run that skips a step (float16 overflowing) is a ValueError: it has no
+    gradient to compare there."""
+    def run(roundings: AbstractContextManager) -> list[dict[str, np.ndarray]]:
+        model = Transformer(config, {name: np.array(value, dtype=np.float32) for name, value in params.items()},
+                            np.float32)
+        seen: list[dict[str, np.ndarray]] = []
+        with roundings, autocast(dtype):
+            optimizer = reference.optimizer(model, training)
+            recorded = functools.partial(_recorded, optimizer.adam.update, seen)        # Adam's own, gradients kept
+            optimizer.adam.update = recorded                                          # type: ignore[method-assign]
+            for inputs in batches:
+                reference.train_step(model, optimizer, inputs["src"], inputs["tgt"], inputs["labels"])
+        if len(seen) != len(batches):
+            raise ValueError(f"a {dtype} run of the reference skipped {len(batches) - len(seen)} of its steps")
+        return seen
+
+    return [run(nullcontext())] + [run(random_roundings(np.random.default_rng(seed))) for seed in range(draws)]
+
+
+def _recorded(update: Callable[[dict[str, np.ndarray]], None], seen: list[dict[str, np.ndarray]],
+              grads: dict[str, np.ndarray]) -> None:
+    """Adam's ``update`` with ``grads``, a copy of them kept in ``seen``."""
+    seen.append({name: np.array(grad) for name, grad in grads.items()})
+    update(grads)
 
 
 def weights_of(model: Transformer) -> dict[str, np.ndarray]:
@@ -60,16 +99,27 @@ def assert_float64_run(result: Run, expected: Run, bound: TrainingBound, who: st
     ``AssertionError`` naming the quantity, the tensor and the entry otherwise."""
     for step, (loss, reference_loss, most) in enumerate(zip(result.losses, expected.losses, bound.losses), 1):
         assert abs(loss - reference_loss) <= most, f"{who}: loss at step {step}: {loss} vs {reference_loss}"
+    assert_weights_and_moments(result, expected, bound, who)
+
+
+def assert_weights_and_moments(result: Run, expected: Run, bound: TrainingBound, who: str) -> float:
+    """Every weight and both Adam moments of ``result`` within ``bound`` of the reference's run ``expected``, entry by
+    entry (the steps taken alike); an ``AssertionError`` naming the quantity, the tensor and the entry otherwise.
+    Returns the largest error / bound."""
     assert len(result.losses) == len(expected.losses) and result.state.step == expected.state.step, who
-    errors: dict[str, tuple[np.ndarray, np.ndarray | float]]            # quantity -> (error, its bound)
+    worst = 0.0
     for name, value in expected.params.items():
-        errors = {"weights": (np.abs(result.params[name] - value), bound.weight_bound(name, value)),
-                  "first moment": (np.abs(result.state.first_moments[name] - expected.state.first_moments[name]),
-                                   bound.first_moment_bound(expected.state.first_moments[name])),
-                  "second moment": (np.abs(result.state.second_moments[name] - expected.state.second_moments[name]),
+        errors = {"weights": (result.params[name], value, bound.weight_bound(name, value)),
+                  "first moment": (result.state.first_moments[name], expected.state.first_moments[name],
+                                   bound.first_moment_bound(name, expected.state.first_moments[name])),
+                  "second moment": (result.state.second_moments[name], expected.state.second_moments[name],
                                     bound.second_moment_bound(name, expected.state.second_moments[name]))}
-        for what, (error, limit) in errors.items():
+        for what, (got, want, limit) in errors.items():
+            error = np.abs(np.asarray(got, dtype=np.float64) - want)
             limits = np.broadcast_to(limit, error.shape)
-            worst = np.unravel_index(np.argmax(error - limits), error.shape)
-            assert np.all(error <= limits), (f"{who}: {what} of {name!r} at {worst}: "
-                                             f"error {error[worst]:.3e} > bound {limits[worst]:.3e}")
+            ratio = error / limits
+            at = np.unravel_index(np.argmax(ratio), ratio.shape) if ratio.size else ()
+            assert np.all(error <= limits), (f"{who}: {what} of {name!r} at {at}: "
+                                             f"error {error[at]:.3e} > bound {limits[at]:.3e}")
+            worst = max(worst, float(np.max(ratio, initial=0.0)))
+    return worst

@@ -95,7 +95,7 @@ def assert_within_bound(run, expected=None, factor: float = 1.0) -> dict[str, fl
         worst["loss"] = max(worst["loss"], abs(value - other) / (factor * limit))
     for name, value in reference_params.items():
         limits = {"weights": bound.weight_bound(name, value),
-                  "first moment": bound.first_moment_bound(reference_state.first_moments[name]),
+                  "first moment": bound.first_moment_bound(name, reference_state.first_moments[name]),
                   "second moment": bound.second_moment_bound(name, reference_state.second_moments[name])}
         compared = {"weights": (run[0][name], params[name]),
                     "first moment": (run[1].first_moments[name], state.first_moments[name]),

@@ -96,7 +96,7 @@ def assert_within_bound(result: Run, reference: Run, bound: tolerance.TrainingBo
     for name, value in reference.params.items():
         pairs = {"weights": (result.params[name], value, bound.weight_bound(name, value)),
                  "first moment": (result.state.first_moments[name], reference.state.first_moments[name],
-                                  bound.first_moment_bound(reference.state.first_moments[name])),
+                                  bound.first_moment_bound(name, reference.state.first_moments[name])),
                  "second moment": (result.state.second_moments[name], reference.state.second_moments[name],
                                    bound.second_moment_bound(name, reference.state.second_moments[name]))}
         for what, (mine, theirs, limit) in pairs.items():

@@ -110,7 +110,7 @@ def assert_within(result: Run, expected: Run, bound: tolerance.TrainingBound, wh
     for name, weight in expected.params.items():
         pairs = ((result.params[name], weight, bound.weight_bound(name, weight)),
                  (result.state.first_moments[name], expected.state.first_moments[name],
-                  bound.first_moment_bound(expected.state.first_moments[name])),
+                  bound.first_moment_bound(name, expected.state.first_moments[name])),
                  (result.state.second_moments[name], expected.state.second_moments[name],
                   bound.second_moment_bound(name, expected.state.second_moments[name])))
         ratios += [float(np.max(np.abs(value - other) / limit)) for value, other, limit in pairs]

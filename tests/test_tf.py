@@ -569,7 +569,8 @@ def test_train_step_is_the_papers_step():
         assert state.step == t
         for name in weights:
             assert np.all(np.abs(params[name] - weights[name]) <= bound.weight_bound(name, weights[name])), name
-            assert np.abs(state.first_moments[name] - first[name]).max() <= bound.first_moment_bound(first[name])
+            assert np.all(np.abs(state.first_moments[name] - first[name])
+                          <= bound.first_moment_bound(name, first[name])), name
             assert np.all(np.abs(state.second_moments[name] - second[name])
                           <= bound.second_moment_bound(name, second[name])), name
 

@@ -158,6 +158,40 @@ def test_adams_largest_ratio_is_reached_and_never_passed(step):
         assert not grads.any() or ratio(grads) <= limit * (1 + 1e-12)
 
 
+def test_the_carried_bound_holds_for_every_gradient_within_its_deltas():
+    """``tolerance.TrainingBound``'s carriage of per-entry gradient bounds through Adam, against Adam run by a loop
+    (Algorithm 1, section 5.3's betas and epsilon): ten steps of gradients over 12 decades (zeros and sign changes
+    among them), each entry's bound delta_t drawn per step from 1e-3 to 10 times the gradient, and another run
+    whose gradients differ by at most delta_t (at the extremes +-delta_t, or anywhere between): its weights and both
+    moments never leave the bound (with its float64 floor, for the loops' own rounding)."""
+    beta1, beta2, epsilon = TRAINING.beta1, TRAINING.beta2, TRAINING.epsilon
+    rng, shape, steps = np.random.default_rng(0), (400,), 10
+
+    def adam(grads: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple]]:
+        w, m, v, states = np.zeros(shape), np.zeros(shape), np.zeros(shape), []
+        for t, g in enumerate(grads, 1):
+            m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+            w = w - learning_rate(t, 16) * (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + epsilon)
+            states.append((m, v))
+        return w, m, v, states
+
+    for _ in range(20):
+        grads = [rng.standard_normal(shape) * 10.0 ** rng.uniform(-9, 3, shape) * (rng.random(shape) < 0.9)
+                 for _ in range(steps)]
+        deltas = [np.abs(g) * 10.0 ** rng.uniform(-3, 1, shape) + 1e-12 for g in grads]
+        w, m, v, states = adam(grads)
+        bound = tolerance.TrainingBound({"w": np.zeros(shape)})
+        for t, (g, delta, (m_t, v_t)) in enumerate(zip(grads, deltas, states), 1):
+            bound.step(0.0, {"w": g}, {"w": m_t}, {"w": v_t}, t, learning_rate(t, 16), beta1, beta2, epsilon,
+                       deltas={"w": delta})
+        for extreme in (True, False):
+            moves = [rng.choice([-1.0, 1.0], shape) if extreme else rng.uniform(-1, 1, shape) for _ in grads]
+            w2, m2, v2, _ = adam([g + move * delta for g, move, delta in zip(grads, moves, deltas)])
+            assert np.all(np.abs(w2 - w) <= bound.weight_bound("w", w))
+            assert np.all(np.abs(m2 - m) <= bound.first_moment_bound("w", m))
+            assert np.all(np.abs(v2 - v) <= bound.second_moment_bound("w", v))
+
+
 @pytest.mark.parametrize("pair", list(itertools.permutations(BACKENDS, 2)), ids="-then-".join)
 def test_a_run_moves_between_backends(pair, tmp_path):
     """Five steps in one backend, saved with its training state, five more in another: the ten reference steps.
