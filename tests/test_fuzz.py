@@ -163,7 +163,8 @@ def test_cases_found_by_fuzzing(port, case):
     not_compared = []
     assert fuzz.check(case, port_backend(port), not_compared) == []
     undetermined = case.weight_scale >= 1e9 and case.config == OVERFLOW.config         # the overflow cases
-    assert len(not_compared) == undetermined and all("undetermined" in note for note in not_compared)
+    training = [note for note in not_compared if not note.startswith(("greedy", "beam"))]   # decoding's near-ties
+    assert len(training) == undetermined and all("undetermined" in note for note in training)
 
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
