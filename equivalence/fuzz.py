@@ -185,7 +185,7 @@ def _padded(tokens: np.ndarray, lengths: tuple[int, ...], pad_id: int) -> np.nda
 
 
 def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
-    """The forward stages in float64 and float32, greedy and beam-search tokens (:func:`_decoding`), the loss,
+    """The forward stages in float64 and float32, greedy and beam-search tokens (:func:`check_decoding`), the loss,
     its gradient and one Adam step in float64 of ``backend`` (an adapter of :mod:`transformer_cli.backends`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
     leaves undefined -- a gradient that one rounding of the weights and activations moves by its whole scale
@@ -196,18 +196,21 @@ def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -
     found, not_compared = [], [] if not_compared is None else not_compared
     for precision in ("float64", "float32"):
         found += _forward(case, backend, weights, batch, precision, not_compared)
+    found += check_decoding(case, backend, not_compared)
     model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
-    found += _decoding(case, backend, model, ref64, _labelled(batch)[0], not_compared)
     return found + _training(case, backend, model, ref64, _labelled(batch), not_compared)
 
 
-def _decoding(case: Case, backend: Backend, model: Model, ref64: Transformer, src: np.ndarray,
-              not_compared: list[str]) -> list[str]:
+def check_decoding(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
     """Greedy decoding and beam search (``case.beam_size``, the config's alpha) with ``case.forced_bos_id``, in
     float64, against the reference: greedy tokens identical up to each row's first near-tie, beam rows without one
     identical with scores within L x the float64 bound (:func:`~.tolerance.greedy_tokens_agree`,
     :func:`~.tolerance.beam_row_is_decisive`), the bound being float64's at the scale of the log-probabilities the
-    reference's decoding read (:mod:`.margins`)."""
+    reference's decoding read (:mod:`.margins`). The disagreements found; the rows or steps left undecided by a
+    near-tie are said in ``not_compared``."""
+    not_compared = [] if not_compared is None else not_compared
+    weights, src = params(case), _labelled(inputs(case))[0]
+    model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
     forced, found = case.forced_bos_id, []
     with np.errstate(all="ignore"):
         greedy = decoding.greedy_decode(ref64, src, forced_bos_id=forced)

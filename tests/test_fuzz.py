@@ -52,6 +52,30 @@ def test_fuzzed_configurations_with_pad_above_eos(port):
     assert not found, "\n".join([PAD_ABOVE_EOS.command(port), *found])
 
 
+# Hugging Face's decoding conventions at once on PAD_ABOVE_EOS's model and batch: Marian's start from pad and forced
+# eos, M2M100's forced first token, "hf" scores (alpha 2) with early_stopping "never", beam size 3, and a suppressed
+# set that leaves pad and bos (and eos, 3 and 5) to the decoder. A port suppressing the paper's pad and bos instead
+# of the config's set shows here (scripts/check_mutations.py, kind "fuzz").
+CONVENTIONS = dataclasses.replace(
+    PAD_ABOVE_EOS, forced_bos_id=3, beam_size=3, config=PAD_ABOVE_EOS.config.replace(
+        max_len=8, sinusoidal_layout="halves", decoder_start_id=4, suppressed_ids=tuple(range(6, 23)), forced_eos=True,
+        length_normalization="hf", length_penalty=2.0, early_stopping="never"))
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_fuzzed_configurations_with_the_families_decoding_conventions(port):
+    """CONVENTIONS decodes alike in every backend, every row compared (no near-tie; its forward pass and training
+    are PAD_ABOVE_EOS's, checked above), and the conventions show in the reference's beams: the forced first token,
+    no suppressed token, eos forced at the budget's end (max_len 8) and a row ending early."""
+    not_compared = []
+    assert fuzz.check_decoding(CONVENTIONS, port_backend(port), not_compared) == [], CONVENTIONS.command(port)
+    assert not_compared == []
+    src, config = fuzz.inputs(CONVENTIONS)["src"], CONVENTIONS.config
+    tokens, _ = reference.beam(reference.build(config, fuzz.params(CONVENTIONS)), src, 3, forced_bos_id=3)
+    assert (tokens[:, 0] == 3).all() and not np.isin(tokens, config.suppressed_ids).any()
+    assert tokens.shape[1] == 8 and tokens[0, -1] == tokens[2, -1] == tokens[1, 1] == config.eos_id
+
+
 # The cases of the issue that asked for the fuzzer, each explained in docs/equivalence.md ("The configuration space").
 SATURATED = fuzz.Case(
     TransformerConfig(src_vocab_size=19, tgt_vocab_size=19, d_model=16, n_heads=2, d_ff=64, n_encoder_layers=1,
