@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from support import FRAMEWORKS, port_backend
 
-from equivalence import fuzz, tolerance
+from equivalence import fuzz, margins, tolerance
 from reference_numpy import TransformerConfig
 from reference_numpy.model import scaled_dot_product_attention
 from transformer_cli.backends import numpy as reference
@@ -74,6 +74,38 @@ def test_fuzzed_configurations_with_the_families_decoding_conventions(port):
     tokens, _ = reference.beam(reference.build(config, fuzz.params(CONVENTIONS)), src, 3, forced_bos_id=3)
     assert (tokens[:, 0] == 3).all() and not np.isin(tokens, config.suppressed_ids).any()
     assert tokens.shape[1] == 8 and tokens[0, -1] == tokens[2, -1] == tokens[1, 1] == config.eos_id
+
+
+def test_greedy_margins_follow_the_conventions():
+    """CONVENTIONS' greedy margins recomputed step by step by hand: the decoder on the start token (pad) and the
+    tokens so far under a lower-triangular mask written here, the suppressed set left out, the top-two gap of the
+    last position; inf once a row has ended and at the forced steps (the first, the budget's last)."""
+    config, src = CONVENTIONS.config, fuzz.inputs(CONVENTIONS)["src"]
+    model = reference.build(config, fuzz.params(CONVENTIONS))
+    tokens = reference.greedy(model, src, forced_bos_id=3)
+    found = margins.greedy_margins(model, src, tokens, 3)
+    budget = np.minimum((src != config.pad_id).sum(axis=1) + 50, config.max_len)         # section 6.1
+    for step in range(tokens.shape[1]):
+        prefix = np.concatenate([np.full((len(src), 1), 4), tokens[:, :step]], axis=1)
+        last = model(src, prefix, tgt_mask=np.tril(np.ones((step + 1, step + 1), dtype=bool))[None, None])[:, -1]
+        last[:, list(range(6, 23))] = -np.inf
+        ranked = np.sort(last, axis=1)
+        decided = ~(tokens[:, :step] == config.eos_id).any(axis=1) & (step < budget) & (step != 0) \
+            & (step != budget - 1)
+        assert np.array_equal(np.isinf(found[:, step]), ~decided), f"step {step}"
+        tolerance.assert_agrees(found[decided, step], (ranked[:, -1] - ranked[:, -2])[decided], what=f"step {step}")
+
+
+def test_the_stop_margin_by_hand():
+    """"hf" with early_stopping False, beam 2, after step 3 (alpha 1): the best live beam's -3 / 3 against the worst
+    kept of the finished -1 and -2, a gap of 1; no margin for True, "never", "gnmt" or fewer than 2 finished."""
+    candidates, finished = np.array([[-3.0, -5.0, -4.0]]), ((-1.0, [0, 1]), (-2.0, [2, 1]))
+    config = TransformerConfig(src_vocab_size=3, tgt_vocab_size=3, d_model=2, n_heads=1, pad_id=2, bos_id=0, eos_id=1,
+                               length_normalization="hf", length_penalty=1.0)
+    assert margins.stop_margin(candidates, finished, 3, config, 2, 1.0) == 1.0
+    for changed in ({"early_stopping": True}, {"early_stopping": "never"}, {"length_normalization": "gnmt"}):
+        assert margins.stop_margin(candidates, finished, 3, config.replace(**changed), 2, 1.0) == np.inf
+    assert margins.stop_margin(candidates, finished[:1], 3, config, 2, 1.0) == np.inf
 
 
 # Found by the fuzzer once it drew the decoding conventions: the fairseq layout (positions counted over the non-pad
