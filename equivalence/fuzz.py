@@ -5,12 +5,14 @@ configuration space").
 A :class:`Case` is a configuration (widths, head counts odd and even, one or two layers per side, pre- or post-LN,
 either positional encoding and every sinusoidal layout (fairseq's from d_model 4), every feed-forward activation,
 scaled or unscaled embeddings, a logits bias or none, shared or separate embeddings, vocabularies with the special
-ids anywhere, tiny and large LayerNorm epsilons), seeded weights times a scale, and a batch (lengths 1..max_len,
-padding down to fully padded rows, explicit bool masks or the default ones, the token ids' integer type).
-:func:`check` runs one backend on it against the reference: the forward stages in float64 and float32, greedy
-decoding in float64, the loss, its gradient and one Adam step in float64. Where the reference in a precision
-overflows, the backend must give the same non-finite values at the same places (NaN where NaN, the same infinities)
-and agree on the rest.
+ids anywhere, tiny and large LayerNorm epsilons, and the decoding conventions: any start token, suppressed tokens,
+forced eos, either length normalization with any alpha and every ``early_stopping``), seeded weights times a scale,
+a batch (lengths 1..max_len, padding down to fully padded rows, explicit bool masks or the default ones, the token
+ids' integer type), a forced first token or none and a beam size. :func:`check` runs one backend on it against the
+reference: the forward stages in float64 and float32, greedy decoding and beam search in float64 (token for token
+where the reference's margins decide, :mod:`.margins`), the loss, its gradient and one Adam step in float64. Where
+the reference in a precision overflows, the backend must give the same non-finite values at the same places (NaN
+where NaN, the same infinities) and agree on the rest.
 
 Hypothesis draws the cases (:func:`cases`) and shrinks a failing one to a minimal :class:`Case`, whose
 :meth:`Case.command` replays it: ``python scripts/fuzz_configs.py --replay '<json>'``.
@@ -30,6 +32,8 @@ from reference_numpy import decoding
 from reference_numpy import training as reference_training
 from reference_numpy.config import (
     ACTIVATIONS,
+    EARLY_STOPPING,
+    LENGTH_NORMALIZATIONS,
     POSITIONAL_ENCODINGS,
     SINUSOIDAL_LAYOUTS,
     TrainingConfig,
@@ -37,7 +41,7 @@ from reference_numpy.config import (
 )
 from reference_numpy.model import Transformer
 
-from . import tolerance
+from . import margins, tolerance
 from .cases import decoding_params
 from .contract import Backend, Model
 from .training_runs import Run, assert_float64_run, reference_run, weights_of
@@ -47,13 +51,17 @@ WEIGHT_SCALES = (1e-3, 1.0, 1e3)            # the suite's; scripts/fuzz_configs.
 EXTREME_WEIGHT_SCALES = (1e9, 1e12)
 TOKEN_DTYPES = ("int64", "int32", "int16", "uint8", "int8")
 TRAINING = TrainingConfig(warmup_steps=4)
+BEAM_SIZES = (2, 3)
+MAX_LENGTH_PENALTY = 3.0        # alpha drawn in [0, 3]: the paper's 0.6, transformers' 1.0 and beyond
 
 
 @dataclass(frozen=True)
 class Case:
     """One point of the space: a configuration, its weights (:func:`params`: seeded, times ``weight_scale``) and a
     batch: per row the source and target lengths before padding (0: a fully padded row),
-    the ids' seed, their integer type, and whether explicit random masks are passed instead of the default ones."""
+    the ids' seed, their integer type, and whether explicit random masks are passed instead of the default ones;
+    the decoders' forced first token (``forced_bos_id``) and beam size. (A case recorded before the last two
+    existed replays as it was: no forced token, beam size 2.)"""
 
     config: TransformerConfig
     seed: int
@@ -64,6 +72,8 @@ class Case:
     tgt_len: int
     token_dtype: str
     explicit_masks: bool
+    forced_bos_id: int | None = None
+    beam_size: int = BEAM_SIZES[0]
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()}, sort_keys=True)
@@ -119,7 +129,26 @@ def cases(draw: st.DrawFn, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> 
             if np.iinfo(name).max >= max(config.src_vocab_size, config.tgt_vocab_size) - 1]
     case = Case(config, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(weight_scales)), lengths(src_len),
                 lengths(tgt_len), src_len, tgt_len, draw(st.sampled_from(fits)), draw(st.booleans()))
-    return dataclasses.replace(case, config=draw(choices(config)))
+    config = draw(conventions(draw(choices(config))))
+    not_eos = [token for token in range(config.tgt_vocab_size) if token != config.eos_id]
+    return dataclasses.replace(case, config=config, forced_bos_id=draw(st.none() | st.sampled_from(not_eos)),
+                               beam_size=draw(st.sampled_from(BEAM_SIZES)))
+
+
+@st.composite
+def conventions(draw: st.DrawFn, config: TransformerConfig) -> TransformerConfig:
+    """``config`` with the decoding conventions of Hugging Face's families drawn (``reference_numpy/config.py``):
+    the start token (None: bos_id, or any target token), the suppressed tokens (None: pad_id and bos_id, or any set
+    that leaves eos and at least one other token), forced eos, the length normalization, alpha, and for "hf" each
+    ``early_stopping``. Drawn after :func:`choices`, for the reason given there."""
+    not_eos = [token for token in range(config.tgt_vocab_size) if token != config.eos_id]
+    normalization = draw(st.sampled_from(LENGTH_NORMALIZATIONS))
+    return config.replace(
+        decoder_start_id=draw(st.none() | st.integers(0, config.tgt_vocab_size - 1)),
+        suppressed_ids=draw(st.none() | st.lists(st.sampled_from(not_eos), unique=True, max_size=len(not_eos) - 1)),
+        forced_eos=draw(st.booleans()), length_normalization=normalization,
+        length_penalty=draw(st.floats(0.0, MAX_LENGTH_PENALTY)),
+        early_stopping=draw(st.sampled_from(EARLY_STOPPING)) if normalization == "hf" else False)
 
 
 def params(case: Case) -> dict[str, np.ndarray]:
@@ -156,22 +185,54 @@ def _padded(tokens: np.ndarray, lengths: tuple[int, ...], pad_id: int) -> np.nda
 
 
 def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
-    """The forward stages in float64 and float32, greedy tokens, the loss, its gradient and one Adam step in
-    float64 of ``backend`` (an adapter of :mod:`transformer_cli.backends`) against the
+    """The forward stages in float64 and float32, greedy and beam-search tokens (:func:`check_decoding`), the loss,
+    its gradient and one Adam step in float64 of ``backend`` (an adapter of :mod:`transformer_cli.backends`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
     leaves undefined -- a gradient that one rounding of the weights and activations moves by its whole scale
     (:func:`~.tolerance.gradient_determined`), a stage made non-finite by an overflow the reference's stage does
-    not show (:func:`_hidden_overflow`) -- is not compared, and said so in ``not_compared``."""
+    not show (:func:`_hidden_overflow`), tokens after a near-tie of the reference's decoding -- is not compared, and
+    said so in ``not_compared``."""
     weights, batch = params(case), inputs(case)
     found, not_compared = [], [] if not_compared is None else not_compared
     for precision in ("float64", "float32"):
         found += _forward(case, backend, weights, batch, precision, not_compared)
+    found += check_decoding(case, backend, not_compared)
     model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
-    with np.errstate(all="ignore"):
-        expected = decoding.greedy_decode(ref64, _labelled(batch)[0])
-    if not _same(np.asarray(backend.greedy(model, _labelled(batch)[0])), expected):
-        found.append("greedy float64: tokens differ")
     return found + _training(case, backend, model, ref64, _labelled(batch), not_compared)
+
+
+def check_decoding(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
+    """Greedy decoding and beam search (``case.beam_size``, the config's alpha) with ``case.forced_bos_id``, in
+    float64, against the reference: greedy tokens identical up to each row's first near-tie, beam rows without one
+    identical with scores within L x the float64 bound (:func:`~.tolerance.greedy_tokens_agree`,
+    :func:`~.tolerance.beam_row_is_decisive`), the bound being float64's at the scale of the log-probabilities the
+    reference's decoding read (:mod:`.margins`). The disagreements found; the rows or steps left undecided by a
+    near-tie are said in ``not_compared``."""
+    not_compared = [] if not_compared is None else not_compared
+    weights, src = params(case), _labelled(inputs(case))[0]
+    model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
+    forced, found = case.forced_bos_id, []
+    with np.errstate(all="ignore"):
+        greedy = decoding.greedy_decode(ref64, src, forced_bos_id=forced)
+        greedy_decisions = margins.greedy_decisions(ref64, src, greedy, forced)
+        beam_tokens, beam_scores = decoding.beam_search(ref64, src, case.beam_size, forced_bos_id=forced)
+        beam_decisions = margins.beam_decisions(ref64, src, case.beam_size, forced_bos_id=forced)
+    agree, note, _ = tolerance.greedy_tokens_agree(
+        np.asarray(backend.greedy(model, src, forced_bos_id=forced)), greedy, np.asarray(greedy_decisions.margins),
+        tolerance.float64_bound(greedy_decisions.scale), case.config.pad_id)
+    found += [] if agree else [f"greedy float64: {note}"]
+    not_compared += [f"greedy float64: {note}"] if agree and note else []
+    tokens, scores = backend.beam(model, src, case.beam_size, forced_bos_id=forced)
+    for row, (row_margins, scale) in enumerate(beam_decisions):
+        bound = tolerance.float64_bound(scale)        # each log-probability's; a score sums at most L of them / lp >= 1
+        if not tolerance.beam_row_is_decisive(list(row_margins), bound):
+            not_compared.append(f"beam float64: row {row}: the reference's search has a near-tie")
+        elif not tolerance.same_tokens(tokens[row], beam_tokens[row], case.config.pad_id):
+            found.append(f"beam float64: row {row}: tokens {tokens[row].tolist()}, the reference's "
+                         f"{beam_tokens[row].tolist()}")
+        elif not abs(scores[row] - beam_scores[row]) <= (len(row_margins) - 1) * bound:
+            found.append(f"beam float64: row {row}: score {scores[row]!r}, the reference's {beam_scores[row]!r}")
+    return found
 
 
 Labelled = tuple[np.ndarray, np.ndarray, np.ndarray]     # src, tgt and labels: what the loss and training read

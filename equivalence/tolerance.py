@@ -480,7 +480,8 @@ def greedy_decisive_steps(margins: np.ndarray, bound: float) -> int | None:
 
 def greedy_tokens_agree(tokens: np.ndarray, ref_tokens: np.ndarray, margins: np.ndarray, bound: float,
                         pad_id: int) -> tuple[bool, str, int]:
-    """The float32 rule for greedy tokens, row by row: identical up to each row's first near-tie
+    """The rule for greedy tokens under an error bound (float32's, or float64's in the fuzzer), row by row: identical
+    up to each row's first near-tie
     (:func:`greedy_decisive_steps`), and entirely in rows without one.
 
     ``margins`` is (B, steps). Returns (agree, a note naming the first difference or the rows
@@ -491,7 +492,7 @@ def greedy_tokens_agree(tokens: np.ndarray, ref_tokens: np.ndarray, margins: np.
         port_row = tokens[row] if row < len(tokens) else np.array([], dtype=ref_row.dtype)
         stop = greedy_decisive_steps(margins[row], bound)
         if stop is None:
-            if not np.array_equal(port_row[port_row != pad_id], ref_row[ref_row != pad_id]):
+            if not same_tokens(port_row, ref_row, pad_id):
                 return False, f"row {row} differs", full
             full += 1
         elif not np.array_equal(port_row[:stop], ref_row[:stop]):
@@ -499,6 +500,14 @@ def greedy_tokens_agree(tokens: np.ndarray, ref_tokens: np.ndarray, margins: np.
         else:
             notes.append(f"row {row} compared up to its near-tie at step {stop}")
     return True, "; ".join(notes), full
+
+
+def same_tokens(row: np.ndarray, ref_row: np.ndarray, pad_id: int) -> bool:
+    """Whether two decoded rows are the same tokens: equal once the shorter is right-padded with ``pad_id`` (a batch's
+    outputs are as wide as its longest row; a pad inside a row, which a config may let the decoder emit, counts)."""
+    width = max(len(row), len(ref_row))
+    pad = lambda tokens: np.pad(np.asarray(tokens), (0, width - len(tokens)), constant_values=pad_id)
+    return bool(np.array_equal(pad(row), pad(ref_row)))
 
 
 def beam_row_is_decisive(margins: list[float], bound: float) -> bool:

@@ -209,7 +209,10 @@ class FamilyTokenizer:
         return pad_rows([self.source(text, name) for text in texts], self.config.pad_id)
 
     def tokens(self, ids: Iterable[int]) -> list[str]:
-        return [self._pieces.get(int(i), "<unk>") for i in ids]
+        """Each id's piece, a language code's id by its code (M2M100's ``__fr__`` as "fr"), "<unk>" for an id
+        outside both (the labels of ``plot attention``)."""
+        names = {i: code for code, i in self.record["languages"].items()} | self._pieces
+        return [names.get(int(i), "<unk>") for i in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids``: stops at the first eos, skips the special tokens and the language codes (and ids

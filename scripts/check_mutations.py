@@ -193,6 +193,14 @@ SINGLE = [
            "            src_mask = padding_mask(src, self.config.pad_id)\n        (batch, length), heads",
            "            src_mask = padding_mask(src, min(self.config.pad_id, self.config.eos_id))\n"
            "        (batch, length), heads", FUZZ),
+    # The decoding conventions the fuzzer draws (equivalence/fuzz.py, `conventions`), checked in greedy decoding and
+    # beam search against the reference.
+    single("fuzz", "torch: the suppressed tokens the paper's pad and bos, not the config's suppressed_ids",
+           f"{TORCH}/decoding.py", "log_probs[:, list(model.config.never_emitted)] = -torch.inf",
+           "log_probs[:, [model.config.pad_id, model.config.bos_id]] = -torch.inf", FUZZ),
+    Mutation("fuzz", "every port's beam search: lp(Y) with alpha 1 whatever the config's (|Y| for \"hf\")", "single",
+             tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.length_normalization)",
+                        "length_penalty(n, 1.0, cfg.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
 ]
 
 

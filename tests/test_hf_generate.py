@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -393,3 +394,96 @@ def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_maria
     assert_same_tokens(theirs, expected, config.pad_id)
     assert_same_tokens(ours, expected, config.pad_id)
     assert len(set(lengths(expected, config.eos_id))) > 1
+
+
+class _LanguageCodes:
+    """An M2M100 tokenizer that lists its language codes as ``additional_special_tokens``, as transformers 4's did:
+    CTranslate2 4.8.5's M2M100 loader appends the codes it finds there to the vocabulary, and transformers 5's
+    tokenizer lists them under no special-token name (the plain conversion then fails:
+    :func:`test_ctranslate2_m2m100_decodes_as_transformers_but_after_the_prefix`)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    @property
+    def special_tokens_map(self) -> dict:
+        codes = list(self._tokenizer.lang_token_to_id)
+        return {**self._tokenizer.special_tokens_map, "additional_special_tokens": codes}
+
+
+@pytest.fixture(scope="module")
+def ctranslate2_m2m100(m2m100, tmp_path_factory):
+    """A random M2M100 (``support.build``, made to end at varied lengths by :func:`natural`) beside the tiny M2M100
+    tokenizer (``support.tiny_m2m100``: SentencePiece, 100 language codes), in float32; CTranslate2's own
+    converter's error on it, and its conversion with the language codes given (:class:`_LanguageCodes`). Returns
+    (the error, CTranslate2's translator, its vocabulary, transformers' float64 model, the imported (config, params)
+    in float64, the id of "__fr__")."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2)")
+    from ctranslate2.converters import TransformersConverter
+
+    class Converter(TransformersConverter):
+        def load_tokenizer(self, *args, **kwargs):
+            return _LanguageCodes(super().load_tokenizer(*args, **kwargs))
+
+    seed, scale, shift = SETTINGS["m2m_100"]
+    vocab_size = transformers.AutoConfig.from_pretrained(m2m100["directory"]).vocab_size
+    model = natural(build("m2m_100", seed=seed, vocab_size=vocab_size).double(), "m2m_100", seed, scale, shift).float()
+    root = tmp_path_factory.mktemp("ctranslate2-m2m100")
+    model.save_pretrained(root / "model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(m2m100["directory"])
+    tokenizer.save_pretrained(root / "model")
+    with pytest.raises(ValueError) as plain:
+        TransformersConverter(str(root / "model")).convert(str(root / "plain"))
+    Converter(str(root / "model")).convert(str(root / "ct2"))
+    vocabulary = json.loads((root / "ct2" / "shared_vocabulary.json").read_text(encoding="utf-8"))
+    return (str(plain.value), ctranslate2.Translator(str(root / "ct2"), device="cpu", intra_threads=1), vocabulary,
+            model.double(), load_hf(root / "model", dtype=np.float64), tokenizer.get_lang_id("fr"))
+
+
+def eos_rank_after(model: Transformer, src: np.ndarray, prefix: int) -> np.ndarray:
+    """Per sentence, eos's rank (1: the best) among the tokens the decoder may produce after the start token and
+    ``prefix``, by the reference's float64 log-probabilities. Shape: src (B, S) -> (B,)."""
+    config = model.config
+    log_probs = model(src, np.tile([config.start_id, prefix], (len(src), 1)), tgt_mask=causal_mask(2))[:, 1]
+    log_probs[:, list(config.never_emitted)] = -np.inf
+    return (log_probs > log_probs[:, [config.eos_id]]).sum(axis=1) + 1
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_ctranslate2_m2m100_decodes_as_transformers_but_after_the_prefix(ctranslate2_m2m100, beam_size):
+    """CTranslate2 on M2M100, the target-language token as its ``target_prefix`` (transformers'
+    ``forced_bos_token_id``), under its rules (``early_stopping=True``, |Y|^1, ``min_decoding_length=0``).
+
+    Its converter (4.8.5) refuses the directory transformers 5 writes: the vocabulary it builds lacks the 100
+    language codes (it reads them from ``special_tokens_map["additional_special_tokens"]``, which transformers 5's
+    M2M100Tokenizer no longer fills), one size short of the model's. Given the codes, greedy decoding is
+    transformers' and the reference's, token for token. Beam search is too, but where CTranslate2 departs on
+    purpose: at the first step after a target prefix it gives eos -1e10 in every beam slot but the first
+    (``update_sample_with_prefix`` in its src/decoding.cc, its issue #277), so a sentence whose eos ranks 2nd to
+    ``beam_size``-th there never ends right after the language token, as transformers' and the reference's best
+    hypothesis then does (eos ranked first finishes in all three)."""
+    plain, translator, vocabulary, model, (config, params), language = ctranslate2_m2m100
+    assert re.fullmatch(rf"Source vocabulary 0 has size {config.src_vocab_size - 100} but the model expected a "
+                        rf"vocabulary of size {config.src_vocab_size}", plain), plain
+    src, index = sources(config), {token: i for i, token in enumerate(vocabulary)}
+    batch = [[vocabulary[int(token)] for token in row if token != config.pad_id] for row in src]
+    results = translator.translate_batch(batch, target_prefix=[[vocabulary[language]]] * len(batch),
+                                         beam_size=beam_size, max_decoding_length=BUDGET, length_penalty=1.0,
+                                         min_decoding_length=0, return_end_token=True)
+    theirs = np.array([([index[token] for token in result.hypotheses[0]] + [config.pad_id] * BUDGET)[:BUDGET]
+                       for result in results])
+    beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
+    expected = hf_generate(model, src, config.pad_id, beam_size, forced_bos_token_id=language, **beam_options)
+    mine = Transformer(config.replace(max_len=BUDGET, early_stopping=True), params)
+    ours = (greedy_decode(mine, src, forced_bos_id=language) if beam_size == 1
+            else beam_search(mine, src, beam_size, forced_bos_id=language)[0])
+    assert_same_tokens(ours, expected, config.pad_id)
+    penalized = np.isin(eos_rank_after(mine, src, language), range(2, beam_size + 1))
+    ended = [lengths(row[None], config.eos_id)[0] == 2 for row in padded(expected, BUDGET, config.pad_id)]
+    assert penalized.any() == (beam_size > 1) and (~penalized).any()
+    for row in range(len(src)):
+        same = np.array_equal(theirs[row], padded(expected, BUDGET, config.pad_id)[row])
+        assert same != (penalized[row] and ended[row]), f"row {row}: CTranslate2 {theirs[row].tolist()}"

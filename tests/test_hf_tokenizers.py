@@ -254,3 +254,26 @@ def test_train_refuses_to_resume_with_an_imported_tokenizer(marian, capsys, tmp_
     assert main(["train", "--task", "numbers", "--resume", str(run), "--steps", "1"]) == 2
     assert "holds an imported marian tokenizer; --task numbers trains with the project's own BPE" in \
         capsys.readouterr().err
+
+
+def test_plot_attention_draws_an_imported_m2m100_sentence_with_its_languages(m2m100, tmp_path, capsys):
+    """`plot attention --text` takes --source-lang/--target-lang as `translate` does: the source is transformers'
+    encoding of the sentence (its language code first, labelled by the code), the target starts from the decoder start
+    token (eos) and writes the target language's code first (M2M100's forced first token); without them, one error
+    naming the flag."""
+    from transformer_cli.commands.attention import attention_by_backend
+
+    checkpoint, text = str(m2m100["checkpoint"]), "the cat"
+    out = tmp_path / "attention.png"
+    assert main(["plot", "attention", checkpoint, "--text", text, "--backends", "numpy", "--out", str(out)]) == 2
+    assert "--source-lang: this m2m_100 model needs the source language" in capsys.readouterr().err
+    assert main(["plot", "attention", checkpoint, "--text", text, "--backends", "numpy", "--out", str(out),
+                 "--source-lang", "en", "--target-lang", "fr"]) == 0 and out.stat().st_size > 0
+    _, written, sources, _ = attention_by_backend(checkpoint, None, 0, "decoder_cross", None, None, ("numpy",), text,
+                                                  languages=("en", "fr"))
+    oracle = m2m100["oracle"]("en", "fr")
+    assert sources == ["en", *oracle.convert_ids_to_tokens(oracle(text).input_ids)[1:]]     # a code by its name
+    assert oracle(text).input_ids[0] == oracle.get_lang_id("en") and written[0] == "fr"
+    _, _, targets, _ = attention_by_backend(checkpoint, None, 0, "decoder_self", None, None, ("numpy",), text,
+                                            languages=("en", "fr"))
+    assert targets[:2] == ["</s>", "fr"]

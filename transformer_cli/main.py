@@ -6,7 +6,7 @@
                                  [--check]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
     transformer-reference plot attention [CHECKPOINT] [--text "..."] [--layer L] [--head 0] [--kind decoder_cross]
-                                         [--out attention.png]
+                                         [--source-lang en --target-lang fr] [--out attention.png]
     transformer-reference init OUT.safetensors [--preset tiny] [--seed 0] [--force]
     transformer-reference train [--task copy|numbers] [--backends numpy] [--steps N] [--out RUN.safetensors]
                                 [--resume RUN.safetensors] [--plot FILE.png] [--json]
@@ -267,6 +267,7 @@ def add_plot(commands: Commands) -> None:
     attention.add_argument("--device", type=device_name, default="cpu",
                            help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     attention.add_argument("--out", type=image_file, default="attention.png")
+    add_languages(attention)
     add_threads(attention)
     add_outputs(attention, "out", inputs=("checkpoint",), default_model="checkpoint")
     plot.set_defaults(run=run_plot)
@@ -283,7 +284,7 @@ def run_plot(args: argparse.Namespace) -> int:
         from transformer_cli.commands.attention import attention_by_backend
         weights, query_tokens, key_tokens, title = attention_by_backend(
             args.checkpoint, args.layer, args.head, args.kind, args.src, args.tgt, args.backends, args.text,
-            args.preset, args.device)
+            args.preset, args.device, (args.source_lang, args.target_lang))
         plots.plot_attention(weights, query_tokens, key_tokens, title, args.out)
     print(f"wrote {args.out}")
     return EXIT_OK

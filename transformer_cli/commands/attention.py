@@ -32,27 +32,31 @@ def default_inputs(config: TransformerConfig, params: dict[str, np.ndarray],
                    tokenizer: Tokenizer | FamilyTokenizer | None,
                    text: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, tgt, the ids tgt's positions write) of one sentence: ``text`` (or the second of compare's sentences)
-    and its float64 reference greedy translation; without a tokenizer, compare's first id sentence."""
+    and its float64 reference greedy translation from the decoder start token (with an M2M100/NLLB tokenizer's
+    target language forced first, as ``translate`` does); without a tokenizer, compare's first id sentence."""
     if tokenizer is None:
         if text is not None:
             raise ValueError("--text: this checkpoint has no tokenizer; give token ids with --src and --tgt")
         defaults = compare_inputs(config)
         return defaults["src"][:1], defaults["tgt"][:1], defaults["tgt"][0, 1:]
     src = tokenizer.batch([SENTENCES[1] if text is None else text], "--text")
-    tokens = reference.greedy(reference.build(config, params, "float64"), src)[0]
+    tokens = reference.greedy(reference.build(config, params, "float64"), src,
+                              forced_bos_id=getattr(tokenizer, "forced_bos_id", None))[0]
     written = tokens[:np.argmax(tokens == config.eos_id) + 1] if (tokens == config.eos_id).any() else tokens
-    return src, np.array([[config.bos_id, *written[:-1]]]), written
+    return src, np.array([[config.start_id, *written[:-1]]]), written
 
 
 def attention_by_backend(checkpoint: str | Path | None, layer: int | None, head: int, kind: str, src_text: str | None,
                          tgt_text: str | None, names: tuple[str, ...], text: str | None = None,
                          preset: str | None = None, device: str = "cpu",
+                         languages: tuple[str | None, str | None] = (None, None),
                          ) -> tuple[dict[str, np.ndarray], list[str], list[str], str]:
     """(label -> (Tq, Tk) weights, query labels, key labels, title) for the first batch row (``layer`` None: the
     last of its stack). Decoder queries are
     labelled with the token each position writes (its input shifted by one), so a row of cross-attention reads
-    "to write this word, look at these source words"."""
-    _, config, params, tokenizer = load_source(checkpoint, preset)
+    "to write this word, look at these source words". ``languages`` (``--source-lang``, ``--target-lang``): an
+    imported M2M100/NLLB model's (or a multilingual Marian model's), as ``translate`` takes them."""
+    _, config, params, tokenizer = load_source(checkpoint, preset, languages)
     layers = config.n_encoder_layers if kind == "encoder" else config.n_decoder_layers
     layer = layers - 1 if layer is None else layer
     if not 0 <= layer < layers:
