@@ -428,11 +428,17 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLi
     return round_to(table, dtype)
 
 
-def position_ids(tokens: np.ndarray, pad_id: int, offset: int = 0) -> np.ndarray:
+def position_ids(tokens: np.ndarray, pad_id: int, offset: int = 0, by_step: bool = False) -> np.ndarray:
     """The row of the ``fairseq`` table (:func:`sinusoidal_positional_encoding`) each token reads: 0 for a pad
     token, else ``offset`` plus the number of non-pad tokens of its row up to and including it -- fairseq's
     ``utils.make_positions`` and Hugging Face's ``create_position_ids_from_input_ids`` (M2M100/NLLB), whose position
     ids are this row + pad_id (their table's row ``padding_idx`` is the zero row, here row 0).
+
+    ``by_step`` (the decoder's tokens): ``offset`` plus the token's own position in its row, counted from 1, pads
+    included -- the rows Hugging Face's ``generate`` gives a decoded prefix, one token per step at
+    ``past_key_values_length`` = the step (fairseq's incremental decoding counts steps alike). The two differ only
+    where a pad precedes a real token: never in a right-padded target; in decoding, after a pad start token or an
+    emitted pad, where counting steps is what makes decoding with and without a cache one computation.
 
     Positions depend on the tokens: a padded row's first real token is at row 1 wherever the padding is. In cached
     decoding ``tokens`` holds the new positions only and ``offset`` is the step's ``cache_index`` (the number of
@@ -442,7 +448,8 @@ def position_ids(tokens: np.ndarray, pad_id: int, offset: int = 0) -> np.ndarray
     Shape: tokens (B, T) int -> rows (B, T) int64.
     """
     real = (np.asarray(tokens) != pad_id).astype(np.int64)              # (B, T)
-    return (offset + np.cumsum(real, axis=1)) * real
+    counted = np.arange(1, real.shape[1] + 1) if by_step else np.cumsum(real, axis=1)
+    return (offset + counted) * real
 
 
 class Embeddings:
@@ -465,8 +472,8 @@ class PositionalEncoding:
 
     ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``;
     ``learned``: a trained (L, D) table (Table 3, row E). Position t of ``x`` reads row ``offset`` + t, except in
-    the ``fairseq`` layout, where it reads row :func:`position_ids` of ``tokens`` (the ids ``x`` embeds; None: no
-    pad among them, rows ``offset`` + 1 .. ``offset`` + T).
+    the ``fairseq`` layout, where it reads row :func:`position_ids` of ``tokens`` (the ids ``x`` embeds; counted
+    ``by_step`` for the decoder's; None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -479,12 +486,13 @@ class PositionalEncoding:
             self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype,
                                                         config.sinusoidal_layout, config.pad_id)
 
-    def __call__(self, x: np.ndarray, offset: int = 0, tokens: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, x: np.ndarray, offset: int = 0, tokens: np.ndarray | None = None,
+                 by_step: bool = False) -> np.ndarray:
         if self.pad_id is None:
             return add(x, self.table[offset:offset + x.shape[1]])
         if tokens is None:
             return add(x, self.table[offset + 1:offset + 1 + x.shape[1]])
-        return add(x, self.table[position_ids(tokens, self.pad_id, offset)])
+        return add(x, self.table[position_ids(tokens, self.pad_id, offset, by_step)])
 
 
 class Generator:
@@ -754,7 +762,7 @@ class Transformer:
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(start, length, keys)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)

@@ -104,6 +104,10 @@ def test_fairseq_positions_of_padded_rows_by_hand():
     tokens = np.array([[7, 8, 9, 2], [7, 8, 2, pad], [pad, pad, 7, 2], [7, pad, 8, pad]])
     assert position_ids(tokens, pad).tolist() == [[1, 2, 3, 4], [1, 2, 3, 0], [0, 0, 1, 2], [1, 0, 2, 0]]
     assert position_ids(tokens, pad, 5).tolist() == [[6, 7, 8, 9], [6, 7, 8, 0], [0, 0, 6, 7], [6, 0, 7, 0]]
+    assert position_ids(tokens, pad, by_step=True).tolist() == [[1, 2, 3, 4], [1, 2, 3, 0], [0, 0, 3, 4],
+                                                                [1, 0, 3, 0]]
+    assert position_ids(tokens, pad, 5, by_step=True).tolist() == [[6, 7, 8, 9], [6, 7, 8, 0], [0, 0, 8, 9],
+                                                                   [6, 0, 8, 0]]
     rng = np.random.default_rng(3)
     for pad_id in (0, 3):
         batch = rng.integers(0, 5, (6, 9))
@@ -214,6 +218,11 @@ def test_fairseq_table_and_positions_against_transformers(pad_id):
         ids = M2M100SinusoidalPositionalEmbedding.create_position_ids_from_input_ids(tokens, pad_id, past).numpy()
         rows = position_ids(tokens.numpy(), pad_id, past)
         assert np.array_equal(ids, np.where(rows == 0, pad_id, rows + pad_id))
+    # generate's cached decoding: one token a step at past_key_values_length = the step, the decoder's rows by_step
+    steps = np.concatenate([M2M100SinusoidalPositionalEmbedding.create_position_ids_from_input_ids(
+        tokens[:, i:i + 1], pad_id, i).numpy() for i in range(tokens.shape[1])], axis=1)
+    rows = position_ids(tokens.numpy(), pad_id, by_step=True)
+    assert np.array_equal(steps, np.where(rows == 0, pad_id, rows + pad_id))
 
 
 # ----------------------------------------------------------------------------- every port

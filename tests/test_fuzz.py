@@ -108,12 +108,11 @@ def test_the_stop_margin_by_hand():
     assert margins.stop_margin(candidates, finished[:1], 3, config, 2, 1.0) == np.inf
 
 
-# Found by the fuzzer once it drew the decoding conventions: the fairseq layout (positions counted over the non-pad
-# tokens) with a pad in the decoded prefix -- here the start token (decoder_start_id = pad_id) -- and a fully padded
-# source. The reference recomputes the prefix, where the token after the pad start reads row 1 (the first non-pad);
-# every port's cached step reads row cache_index + 1 = 2 (reference_numpy.model.position_ids: earlier positions
-# counted pads included, as transformers' past_key_values_length), their uncached decoding row 1. Greedy tokens
-# [0, 3] in the reference and each port without its cache, [0, 0] with it (PyTorch, JAX, TensorFlow alike).
+# Found by the fuzzer once it drew the decoding conventions: the fairseq layout with a pad in the decoded prefix --
+# here the start token (decoder_start_id = pad_id) -- and a fully padded source. With the decoder's positions counted
+# over its non-pad tokens (the encoder's rule), the reference's recomputed prefix read row 1 after the pad start and
+# every port's cached step row cache_index + 1 = 2 (transformers' past_key_values_length): greedy [0, 3] against
+# [0, 0]. The decoder's positions are now counted by step in every backend (position_ids' ``by_step``).
 PAD_IN_THE_PREFIX = fuzz.Case.from_json(
     '{"beam_size": 2, "config": {"activation": "relu", "bos_id": 1, "d_ff": 1, "d_model": 6, "decoder_start_id": 2, '
     '"dropout": 0.0, "early_stopping": false, "eos_id": 3, "forced_eos": false, "layer_norm_eps": 1e-12, '
@@ -125,15 +124,15 @@ PAD_IN_THE_PREFIX = fuzz.Case.from_json(
     '"tgt_lengths": [0], "token_dtype": "int64", "weight_scale": 0.001}')
 
 
-@pytest.mark.xfail(strict=True, reason="open: the fairseq positions of a decoded prefix holding a pad are defined two "
-                                       "ways, the reference's recomputation and the ports' cache (PAD_IN_THE_PREFIX)")
-def test_a_pad_in_the_decoded_prefix_reads_one_position_everywhere():
-    """The PyTorch port stands for the three (the same rule in each port's cache); JAX and TensorFlow replay it with
-    ``scripts/fuzz_configs.py --replay``."""
-    backend = port_backend("torch")
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_a_pad_in_the_decoded_prefix_reads_one_position_everywhere(port):
+    """The decoder's fairseq positions are counted by step (``position_ids(..., by_step=True)``: transformers'
+    cached ``generate``), so that the reference's recomputed prefix and every port's decoding, with and without its
+    cache, read the same rows: the same greedy and beam tokens."""
+    backend = port_backend(port)
     model = backend.build(PAD_IN_THE_PREFIX.config, fuzz.params(PAD_IN_THE_PREFIX))
     src = fuzz.inputs(PAD_IN_THE_PREFIX)["src"]
-    assert backend.greedy(model, src, use_cache=False).tolist() == [[0, 3]]
+    assert backend.greedy(model, src, use_cache=False).tolist() == backend.greedy(model, src).tolist()
     assert fuzz.check_decoding(PAD_IN_THE_PREFIX, backend) == []
 
 

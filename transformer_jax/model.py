@@ -402,15 +402,17 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike =
     return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model, dtype, layout, pad_id), dtype=dtype)
 
 
-def position_ids(tokens: jax.Array, pad_id: int, offset: int | jax.Array = 0) -> jax.Array:
+def position_ids(tokens: jax.Array, pad_id: int, offset: int | jax.Array = 0, by_step: bool = False) -> jax.Array:
     """The row of the ``fairseq`` table each token reads (the reference's
     :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
-    tokens of its row up to and including it. ``offset`` may be traced.
+    tokens of its row up to and including it; ``by_step`` (the decoder's tokens), plus its own position in the row
+    counted from 1, pads included. ``offset`` may be traced.
 
     Shape: tokens (B, T) int -> rows (B, T) int32.
     """
     real = (jnp.asarray(tokens) != pad_id).astype(jnp.int32)           # (B, T)
-    return (offset + jnp.cumsum(real, axis=1)) * real
+    counted = jnp.arange(1, real.shape[1] + 1, dtype=jnp.int32) if by_step else jnp.cumsum(real, axis=1)
+    return (offset + counted) * real
 
 
 class Embeddings(nnx.Embed):
@@ -444,7 +446,8 @@ class PositionalEncoding(nnx.Module):
     ``sinusoidal``: the fixed ``table`` of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``
     (a constant, not a parameter); ``learned``: a trained (L, D) ``weight`` (Table 3, row E), an ``nnx.Param``.
     Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads row
-    :func:`position_ids` of ``tokens`` (None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
+    :func:`position_ids` of ``tokens`` (counted ``by_step`` for the decoder's; None: no pad among them, rows
+    ``offset`` + 1 .. ``offset`` + T).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced; tokens (B, T) or None.
     """
@@ -462,15 +465,15 @@ class PositionalEncoding(nnx.Module):
                                                                   config.sinusoidal_layout, config.pad_id))  # (L, D)
         self.dropout = _dropout(config, rngs)
 
-    def __call__(self, x: jax.Array, offset: int | jax.Array = 0, tokens: jax.Array | None = None, *,
-                 deterministic: bool | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, offset: int | jax.Array = 0, tokens: jax.Array | None = None,
+                 by_step: bool = False, *, deterministic: bool | None = None) -> jax.Array:
         table = self.weight if self.learned else self.table
         if self.fairseq_pad_id is None or tokens is None:
             start = offset if self.fairseq_pad_id is None else offset + 1
             positions = lax.dynamic_slice_in_dim(table[...], start, x.shape[1], axis=0)   # (T, D)
             return self.dropout(add(x, positions), deterministic=deterministic)
-        return self.dropout(add(x, table[...][position_ids(tokens, self.fairseq_pad_id, offset)]),  # (B, T, D)
-                            deterministic=deterministic)
+        return self.dropout(add(x, table[...][position_ids(tokens, self.fairseq_pad_id, offset, by_step)]),
+                            deterministic=deterministic)                                  # (B, T, D)
 
 
 class Generator(nnx.Module):
@@ -813,7 +816,7 @@ class Transformer(nnx.Module):
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(offset, length, keys)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)
+        y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,
                                 deterministic=deterministic)

@@ -471,15 +471,17 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
     return tf.cast(table, dtype)
 
 
-def position_ids(tokens: tf.Tensor, pad_id: int, offset: Index = 0) -> tf.Tensor:
+def position_ids(tokens: tf.Tensor, pad_id: int, offset: Index = 0, by_step: bool = False) -> tf.Tensor:
     """The row of the ``fairseq`` table each token reads (the reference's
     :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
-    tokens of its row up to and including it. ``offset`` may be a tensor (cached decoding).
+    tokens of its row up to and including it; ``by_step`` (the decoder's tokens), plus its own position in the row
+    counted from 1, pads included. ``offset`` may be a tensor (cached decoding).
 
     Shape: tokens (B, T) int -> rows (B, T) int32.
     """
     real = tf.cast(tf.not_equal(tokens, tf.cast(pad_id, tokens.dtype)), tf.int32)   # (B, T)
-    return (tf.cast(offset, tf.int32) + tf.cumsum(real, axis=1)) * real
+    counted = tf.range(1, tf.shape(real)[1] + 1) if by_step else tf.cumsum(real, axis=1)
+    return (tf.cast(offset, tf.int32) + counted) * real
 
 
 @register
@@ -514,7 +516,8 @@ class PositionalEncoding(_TransformerLayer):
     ``weight`` is the table: ``sinusoidal``, the fixed table of :func:`sinusoidal_positional_encoding` in
     ``config.sinusoidal_layout`` (a constant, not a Keras weight); ``learned``, a trained (L, D) table (Table 3,
     row E). Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads row
-    :func:`position_ids` of ``tokens`` (None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
+    :func:`position_ids` of ``tokens`` (counted ``by_step`` for the decoder's; None: no pad among them, rows
+    ``offset`` + 1 .. ``offset`` + T).
 
     Shape: x (B, T, D) -> (B, T, D): positions ``offset`` .. ``offset`` + T - 1 <= L - 1;
     ``offset`` may be a tensor (cached decoding); tokens (B, T) or None.
@@ -535,7 +538,7 @@ class PositionalEncoding(_TransformerLayer):
             self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype,
                                                          cfg.sinusoidal_layout, cfg.pad_id)
 
-    def call(self, x, offset=0, tokens=None, training=None):
+    def call(self, x, offset=0, tokens=None, by_step=False, training=None):
         fairseq = self.config.sinusoidal_layout == "fairseq"
         if not fairseq or tokens is None:
             offset = offset + 1 if fairseq else offset
@@ -543,7 +546,8 @@ class PositionalEncoding(_TransformerLayer):
                              (tf.shape(x)[1], self.config.d_model))            # (T, D)
             return self.dropout(add(x, table), training=training)
         return self.dropout(add(x, tf.gather(tf.convert_to_tensor(self.weight),                 # (B, T, D)
-                                             position_ids(tokens, self.config.pad_id, offset))), training=training)
+                                             position_ids(tokens, self.config.pad_id, offset, by_step))),
+                            training=training)
 
 
 @register
@@ -917,7 +921,8 @@ class Transformer(_TransformerLayer, keras.Model):
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(cache_index, length, tf.shape(cache[0][0].keys)[2])   # C, also when traced
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, tgt, training=training)
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, tgt, by_step=True,
+                         training=training)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index, training=training)

@@ -403,15 +403,17 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     return from_numpy(table).to(device=device)
 
 
-def position_ids(tokens: Tensor, pad_id: int, offset: Index = 0) -> Tensor:
+def position_ids(tokens: Tensor, pad_id: int, offset: Index = 0, by_step: bool = False) -> Tensor:
     """The row of the ``fairseq`` table each token reads (the reference's
     :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
-    tokens of its row up to and including it. ``offset`` may be a traced tensor (an exported decoding step).
+    tokens of its row up to and including it; ``by_step`` (the decoder's tokens), plus its own position in the row
+    counted from 1, pads included. ``offset`` may be a traced tensor (an exported decoding step).
 
     Shape: tokens (B, T) int -> rows (B, T) int64.
     """
     real = (tokens != pad_id).long()                                    # (B, T)
-    return (offset + torch.cumsum(real, dim=1)) * real
+    counted = torch.arange(1, real.shape[1] + 1, device=real.device) if by_step else torch.cumsum(real, dim=1)
+    return (offset + counted) * real
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
@@ -452,7 +454,8 @@ class PositionalEncoding(nn.Module):
     non-persistent buffer (not in ``state_dict``) re-derived from float64 whenever the module is cast, so that a
     float32 -> float64 round trip keeps exact positions; ``learned``: a trained (L, D) ``weight``
     (Table 3, row E). Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads
-    row :func:`position_ids` of ``tokens`` (None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
+    row :func:`position_ids` of ``tokens`` (counted ``by_step`` for the decoder's; None: no pad among them, rows
+    ``offset`` + 1 .. ``offset`` + T).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be a traced tensor; tokens (B, T) or None.
     """
@@ -472,13 +475,13 @@ class PositionalEncoding(nn.Module):
                                  persistent=False)                        # (L, D), or (L + 1, D)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, offset: Index = 0, tokens: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, offset: Index = 0, tokens: Tensor | None = None, by_step: bool = False) -> Tensor:
         table = self.weight if self.learned else self.table
         if self.layout != "fairseq":
             return self.dropout(add(x, table[_positions(offset, x.shape[1])]))
         if tokens is None:
             return self.dropout(add(x, table[_positions(offset + 1, x.shape[1])]))
-        return self.dropout(add(x, table[position_ids(tokens, self.pad_id, offset)]))
+        return self.dropout(add(x, table[position_ids(tokens, self.pad_id, offset, by_step)]))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -780,7 +783,7 @@ class Transformer(nn.Module):
             tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
                 _cached_causal_mask(start, length, keys, self.device)
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
-        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)
