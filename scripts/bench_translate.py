@@ -73,7 +73,10 @@ OPUS_MT = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6
                forced_eos_token_id=0)
 TINY = {**OPUS_MT, "vocab_size": 101, "d_model": 16, "encoder_layers": 2, "decoder_layers": 2,
         "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32,
-        "pad_token_id": 100, "decoder_start_token_id": 100, "max_position_embeddings": 16}
+        "pad_token_id": 100, "decoder_start_token_id": 100, "max_position_embeddings": 16, "init_std": 0.2}
+# --tiny: eos's logit raised (``final_logits_bias``), so that with init_std 0.2 the outputs depend on the sources and
+# end at different lengths (the length penalty decides between them): a smoke test that can tell wrong conventions
+TINY_EOS_BIAS = 1.5
 DEFAULTS = {"numbers": {"sentences": None, "batch_size": BATCH_SIZE}, "opus-mt": {"sentences": 64, "batch_size": 16}}
 
 
@@ -106,9 +109,9 @@ def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def save_opus_mt(root: Path, sizes: dict) -> None:
-    """The random opus-mt-shaped model in ``root``: transformers' directory (``hf``), its imported checkpoint
-    (``model.safetensors``) and CTranslate2's conversion (``ct2``)."""
+def save_opus_mt(root: Path, sizes: dict, eos_bias: float = 0.0) -> None:
+    """The random opus-mt-shaped model of ``sizes`` (``eos_bias`` added to eos's logit) in ``root``: transformers'
+    directory (``hf``), its imported checkpoint (``model.safetensors``) and CTranslate2's conversion (``ct2``)."""
     import sentencepiece
     import torch
     import transformers
@@ -121,6 +124,7 @@ def save_opus_mt(root: Path, sizes: dict) -> None:
     pad = sizes["pad_token_id"]
     with torch.no_grad():
         model.model.shared.weight[pad] = 0.0
+        model.final_logits_bias[0, sizes["eos_token_id"]] += eos_bias
     model.generation_config.bad_words_ids = [[pad]]                       # as opus-mt's files hold it
     directory = root / "hf"
     model.save_pretrained(directory)
@@ -303,6 +307,8 @@ def rounds(engines: list[str], threads: list[int], args: argparse.Namespace) -> 
     for number in range(args.rounds):
         for key in order if number % 2 == 0 else order[::-1]:
             result = run(*key, args)
+            print(f"{key[0]}, {key[1]} thread(s): passes {', '.join(f'{s:.2f}' for s in result['seconds'])} s, "
+                  f"{result['tokens']} tokens, load {result['load']:.2f}", file=sys.stderr, flush=True)
             if key in results:
                 results[key]["seconds"] += result["seconds"][1:]
                 results[key]["load"] = max(results[key]["load"], result["load"])
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if args.model == "opus-mt":
             args.workdir = workdir
-            save_opus_mt(Path(workdir), sizes_of(args))
+            save_opus_mt(Path(workdir), sizes_of(args), TINY_EOS_BIAS if args.tiny else 0.0)
         rows = report(rounds(engines, threads, args))
     count = args.sentences or len(sentences(None))
     print_table(rows, count, args)
