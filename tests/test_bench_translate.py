@@ -38,6 +38,8 @@ def installed(bench) -> list[str]:
             if port(engine) not in FRAMEWORKS or importlib.util.find_spec(FRAMEWORKS[port(engine)])]
 
 
+# About 20 s: each framework's first import and JAX's and TensorFlow's compiling of the one batch's shape
+@pytest.mark.slow
 def test_the_opus_mt_benchmark_reports_every_engine(bench, tmp_path, monkeypatch, capsys):
     import transformer_torch
 
