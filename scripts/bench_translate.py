@@ -1,18 +1,39 @@
-"""Translating a file: the shipped English-to-French model on the sentences of its test split (812), beam search
-(4, alpha 0.6), sentences of similar length decoded together, in each backend (float32, ``translate``'s own
-``Translator``) and in CTranslate2 (``Translator.translate_batch`` on the model ``export --to ctranslate2`` writes,
-with its BPE vocabulary): output tokens per second, side by side in one run.
+"""Translating a file, side by side in one run: output tokens per second of each backend (float32, ``translate``'s
+own ``Translator``: beam search, sentences of similar length decoded together), CTranslate2 and, on a Hugging Face
+model, transformers' own ``generate``.
+
+``--model numbers`` (the default): the shipped English-to-French model on the sentences of its test split (812),
+beam 4, alpha 0.6; CTranslate2 runs ``Translator.translate_batch`` on the model ``export --to ctranslate2`` writes,
+with its BPE vocabulary. The table counts the translations that are the same text as CTranslate2's (its beam search
+divides by |Y|^alpha, not by GNMT's penalty, so a few may differ: docs/peers.md).
+
+``--model opus-mt``: a random model of Helsinki-NLP's opus-mt shape (:data:`OPUS_MT`: transformers' ``MarianMTModel``
+of a ``MarianConfig``, d_model 512, 6 + 6 layers, 8 heads, FFN 2048, SiLU, 58,101 shared ids, its weights
+transformers' own seeded initialisation, pad's embedding zero as in opus-mt's files), saved with ``save_pretrained``
+beside a ``MarianTokenizer`` (a SentencePiece model trained on the spot: CTranslate2's converter reads the
+vocabulary through it), then imported (``reference_numpy.hf_import``) for the ports and converted by CTranslate2's
+own ``TransformersConverter``. The "file" is seeded source id rows (5 to 30 tokens, eos last; a random model has no
+text to read). Every engine decodes with the checkpoint's conventions -- beam 4, |Y|^1 length normalisation, pad
+never produced, eos forced at the budget -- and the same budget: the model's ``max_position_embeddings``
+(:data:`BUDGET`), which caps the project's source length + 50 for every sentence and is transformers'
+``max_new_tokens`` and CTranslate2's ``max_decoding_length``. A random model rarely emits eos, so nearly every output
+is the whole budget: the same work in every engine. The table counts the outputs that are transformers' tokens;
+CTranslate2 forces no eos at the budget (and its beam search stops once 4 hypotheses have finished), so an output
+that reaches the budget differs from transformers' in at least its last token. ``--tiny``: a model of the same kind
+with d_model 16 and 101 ids whose outputs depend on the sources and end at different lengths (:data:`TINY`), for a
+smoke test of seconds (tests/test_bench_translate.py).
 
 Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework), one
-after the other under /tmp/bench.lock. In each process the first pass over the sentences is timed apart (JAX and
-TensorFlow compile each new batch shape there, and so does ``torch-compiled``, the PyTorch backend with
-``transformer_torch.compile_decoding``, its decoding step), then ``--repeats`` warm passes; the table gives the
-first pass, the median warm pass, output tokens per second (every emitted token, eos included) over the warm
-median, its ratio to CTranslate2's time, and how many translations are the same text as CTranslate2's (its beam
-search divides by |Y|^alpha, not by GNMT's penalty, so a few may differ: docs/peers.md).
+after the other under /tmp/bench.lock; ``--threads 1,2`` runs every engine at each count, ``--rounds R`` runs the
+whole sequence R times (every other round in reverse order) and pools the warm passes. In each process the first
+pass over the sentences is timed apart (JAX and TensorFlow compile each new batch shape there, and so does
+``torch-compiled``, the PyTorch backend with ``transformer_torch.compile_decoding``, its decoding step), then
+``--repeats`` warm passes; the table gives the first pass, the median warm pass, output tokens per second (every
+emitted token, eos included) over the warm median, its time as a ratio to CTranslate2's and to transformers', and
+the 1-minute load average of the machine when the engine finished (other work on it slows every engine).
 
-    python scripts/bench_translate.py [--sentences N] [--batch-size 64] [--threads 1] [--repeats 3]
-                                      [--engines torch,torch-compiled,jax,tf,ctranslate2] [--json FILE]
+    python scripts/bench_translate.py [--model numbers|opus-mt] [--tiny] [--sentences N] [--batch-size B]
+                                      [--threads 1,2] [--repeats 3] [--rounds 1] [--engines ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +41,8 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,9 +60,29 @@ from transformer_cli.commands.translate import BATCH_SIZE  # noqa: E402
 from transformer_cli.tasks.numbers import NumbersTask, english  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
-ENGINES = ("torch", "torch-compiled", "jax", "tf", "ctranslate2")
-PEER = "ctranslate2"
+PEER, HF = "ctranslate2", "transformers"
 COMPILED = "torch-compiled"    # the PyTorch backend's Translator with transformer_torch.compile_decoding
+PORTS = ("torch", COMPILED, "jax", "tf")
+ENGINES = (*PORTS, PEER, HF)
+MODELS = {"numbers": (*PORTS, PEER), "opus-mt": ENGINES}     # each model's engines
+BUDGET = 32                    # opus-mt: max_position_embeddings, every sentence's output budget
+SOURCE_LENGTHS = (5, 30)       # opus-mt: the shortest and longest source rows, eos included
+# Helsinki-NLP/opus-mt-*'s config.json (e.g. opus-mt-en-de), but for max_position_embeddings (512 there): BUDGET
+OPUS_MT = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+               decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, activation_function="swish",
+               scale_embedding=True, static_position_embeddings=True, share_encoder_decoder_embeddings=True,
+               max_position_embeddings=BUDGET, pad_token_id=58100, eos_token_id=0, decoder_start_token_id=58100,
+               forced_eos_token_id=0)
+TINY = {**OPUS_MT, "vocab_size": 101, "d_model": 16, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32,
+        "pad_token_id": 100, "decoder_start_token_id": 100, "max_position_embeddings": 16, "init_std": 0.2}
+# --tiny: eos's logit raised (``final_logits_bias``), so that with init_std 0.2 the outputs depend on the sources and
+# end at different lengths (the length penalty decides between them): a smoke test that can tell wrong conventions
+TINY_EOS_BIAS = 1.5
+DEFAULTS = {"numbers": {"sentences": None, "batch_size": BATCH_SIZE}, "opus-mt": {"sentences": 64, "batch_size": 16}}
+
+
+# ----------------------------------------------------------------------------- the inputs
 
 
 def sentences(count: int | None) -> list[str]:
@@ -51,37 +94,105 @@ def sentences(count: int | None) -> list[str]:
     return [english(int(n)) for n in np.random.default_rng(0).permutation(numbers)[:count]]
 
 
+def source_rows(count: int, sizes: dict) -> list[list[int]]:
+    """``count`` seeded source rows of :data:`SOURCE_LENGTHS` tokens (at most the budget): ids other than pad and
+    eos, then eos, as MarianTokenizer ends a source."""
+    rng = np.random.default_rng(0)
+    eos, pad = sizes["eos_token_id"], sizes["pad_token_id"]
+    words = np.array([i for i in range(sizes["vocab_size"]) if i not in (eos, pad)])
+    longest = min(SOURCE_LENGTHS[1], sizes["max_position_embeddings"])
+    lengths = rng.integers(min(SOURCE_LENGTHS[0], longest), longest + 1, size=count)
+    return [[*map(int, rng.choice(words, size=length - 1)), eos] for length in lengths]
+
+
 def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Indices in batches of ``batch_size``, shortest first (as ``Translator.decode_all`` orders them)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def port_passes(name: str, texts: list[str], batch_size: int, repeats: int) -> tuple[list[float], int, list[str]]:
-    """Seconds of each pass of one backend's ``Translator`` over ``texts``, output tokens, translations
-    (:data:`COMPILED`: PyTorch's, its model given to ``compile_decoding``)."""
+def save_opus_mt(root: Path, sizes: dict, eos_bias: float = 0.0) -> None:
+    """The random opus-mt-shaped model of ``sizes`` (``eos_bias`` added to eos's logit) in ``root``: transformers'
+    directory (``hf``), its imported checkpoint (``model.safetensors``) and CTranslate2's conversion (``ct2``)."""
+    import sentencepiece
+    import torch
+    import transformers
+    from ctranslate2.converters import TransformersConverter
+
+    from reference_numpy.hf_import import import_hf
+
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(**sizes)).eval()
+    pad = sizes["pad_token_id"]
+    with torch.no_grad():
+        model.model.shared.weight[pad] = 0.0
+        model.final_logits_bias[0, sizes["eos_token_id"]] += eos_bias
+    model.generation_config.bad_words_ids = [[pad]]                       # as opus-mt's files hold it
+    directory = root / "hf"
+    model.save_pretrained(directory)
+    del model
+    (root / "text.txt").write_text("\n".join(["a b c d e f g h i j k l m n o p"] * 20))
+    sentencepiece.SentencePieceTrainer.train(input=str(root / "text.txt"), model_prefix=str(root / "sp"),
+                                             vocab_size=20, model_type="unigram", minloglevel=2,
+                                             hard_vocab_limit=False)
+    vocabulary = {"</s>": 0, "<unk>": 1, **{f"t{i}": i for i in range(2, pad)}, "<pad>": pad}
+    (directory / "vocab.json").write_text(json.dumps(vocabulary))
+    for name in ("source.spm", "target.spm"):
+        shutil.copy(root / "sp.model", directory / name)
+    transformers.MarianTokenizer(str(directory / "source.spm"), str(directory / "target.spm"),
+                                 str(directory / "vocab.json")).save_pretrained(directory)
+    import_hf(directory, root / "model.safetensors")
+    TransformersConverter(str(directory)).convert(str(root / "ct2"), force=True)
+
+
+# ----------------------------------------------------------------------------- the engines
+
+
+def passes(run, repeats: int) -> tuple[list[float], list]:
+    """Seconds of the first call of ``run`` and of ``repeats`` more, and what the last returned."""
+    seconds, out = [], []
+    for _ in range(1 + repeats):
+        start = time.perf_counter()
+        out = run()
+        seconds.append(time.perf_counter() - start)
+    return seconds, out
+
+
+def port_passes(name: str, checkpoint: Path | None, texts: list[str] | None, rows: list[list[int]] | None,
+                args: argparse.Namespace) -> tuple[list[float], int, list]:
+    """Seconds of each pass of one backend's ``Translator`` over the sentences (``texts``, encoded by its tokenizer;
+    or the source ids ``rows``), output tokens, outputs (texts, or ids without pad) (:data:`COMPILED`: PyTorch's,
+    its model given to ``compile_decoding``). The numbers model decodes with alpha 0.6, an imported one with its
+    checkpoint's length penalty."""
     from transformer_cli import backends
     from transformer_cli.commands.translate import translator
 
     backend = "torch" if name == COMPILED else name
     adapters, _ = backends.load((backend,))
-    engine = translator(adapters[backend], None, "float32", BEAM_SIZE, LENGTH_PENALTY_ALPHA, "cpu", batch_size)
+    alpha = LENGTH_PENALTY_ALPHA if checkpoint is None else None
+    engine = translator(adapters[backend], checkpoint, "float32", BEAM_SIZE, alpha, "cpu", args.batch_size)
     if name == COMPILED:
         from transformer_torch import compile_decoding
 
         compile_decoding(engine.model)
-    rows, pad_id = [engine.encode(text) for text in texts], engine.tokenizer.config.pad_id
-    seconds, outputs = [], []
-    for _ in range(1 + repeats):
-        start = time.perf_counter()
-        outputs = engine.decode_all(rows)
-        seconds.append(time.perf_counter() - start)
-    tokens = sum(int(np.sum(np.asarray(ids) != pad_id)) for ids in outputs)
-    return seconds, tokens, [engine.tokenizer.decode(ids) for ids in outputs]
+    sources = [engine.encode(text) for text in texts] if rows is None else rows
+    seconds, outputs = passes(lambda: engine.decode_all(sources), args.repeats)
+    pad_id = engine.tokenizer.config.pad_id
+    ids = [[int(token) for token in row if token != pad_id] for row in outputs]
+    return seconds, sum(map(len, ids)), [engine.tokenizer.decode(row) for row in ids] if rows is None else ids
 
 
-def peer_passes(texts: list[str], batch_size: int, repeats: int) -> tuple[list[float], int, list[str]]:
-    """The same for CTranslate2's ``translate_batch`` on the exported model, same batches, same budget."""
+def ct2_batches(engine, sources: list[list[str]], options: dict, batch_size: int) -> list[list[str]]:
+    """CTranslate2's best hypothesis of every source (token names), decoded ``batch_size`` at a time by length."""
+    out: list = [None] * len(sources)
+    for batch in by_length([len(source) for source in sources], batch_size):
+        for i, result in zip(batch, engine.translate_batch([sources[i] for i in batch], **options)):
+            out[i] = result.hypotheses[0]
+    return out
+
+
+def peer_passes(texts: list[str], args: argparse.Namespace) -> tuple[list[float], int, list[str]]:
+    """The same for CTranslate2's ``translate_batch`` on the shipped model exported, same batches, same budget."""
     import ctranslate2
     import tokenizers
 
@@ -96,13 +207,7 @@ def peer_passes(texts: list[str], batch_size: int, repeats: int) -> tuple[list[f
     library = tokenizers.Tokenizer.from_str(tokenizer.to_json())
     sources = [library.encode(text, add_special_tokens=False).tokens for text in texts]
     options = translate_options(config.max_len, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
-    seconds, pieces = [], [[] for _ in texts]
-    for _ in range(1 + repeats):
-        start = time.perf_counter()
-        for batch in by_length([len(source) for source in sources], batch_size):
-            for i, result in zip(batch, engine.translate_batch([sources[i] for i in batch], **options)):
-                pieces[i] = result.hypotheses[0]
-        seconds.append(time.perf_counter() - start)
+    seconds, pieces = passes(lambda: ct2_batches(engine, sources, options, args.batch_size), args.repeats)
     eos = config.eos_id
 
     def text(row: list[str]) -> str:
@@ -112,70 +217,186 @@ def peer_passes(texts: list[str], batch_size: int, repeats: int) -> tuple[list[f
     return seconds, sum(len(row) for row in pieces), [text(row) for row in pieces]
 
 
-def worker(args: argparse.Namespace) -> None:
+def opus_mt_peer_passes(root: Path, rows: list[list[int]], args: argparse.Namespace
+                        ) -> tuple[list[float], int, list[list[int]]]:
+    """CTranslate2 on its own conversion of the opus-mt-shaped model: beam 4, the checkpoint's length penalty,
+    :data:`BUDGET` tokens at most, eos allowed from the first step and counted."""
+    import ctranslate2
+
+    vocabulary = json.loads((root / "hf" / "vocab.json").read_text())
+    names = {index: name for name, index in vocabulary.items()}
+    engine = ctranslate2.Translator(str(root / "ct2"), device="cpu", compute_type="float32",
+                                    intra_threads=runtime.threads())
+    generation = json.loads((root / "hf" / "generation_config.json").read_text())
+    options = {"beam_size": BEAM_SIZE, "length_penalty": generation.get("length_penalty", 1.0),
+               "max_decoding_length": budget(args), "min_decoding_length": 0, "return_end_token": True}
+    sources = [[names[token] for token in row] for row in rows]
+    seconds, pieces = passes(lambda: ct2_batches(engine, sources, options, args.batch_size), args.repeats)
+    ids = [[vocabulary[piece] for piece in row] for row in pieces]
+    return seconds, sum(map(len, ids)), ids
+
+
+def hf_passes(root: Path, rows: list[list[int]], args: argparse.Namespace) -> tuple[list[float], int, list[list[int]]]:
+    """transformers' ``generate`` on the saved directory (its generation config: pad never produced, eos forced at
+    the budget, |Y|^1), beam 4, ``max_new_tokens`` :data:`BUDGET`, the same batches; its outputs without the
+    decoder start token and pad."""
+    import torch
+    import transformers
+
+    from reference_numpy.tokenizer import pad_rows
+
+    runtime.apply()
+    model = transformers.MarianMTModel.from_pretrained(root / "hf").eval()
+    pad = model.config.pad_token_id
+
+    def run() -> list:
+        out: list = [None] * len(rows)
+        for batch in by_length(list(map(len, rows)), args.batch_size):
+            src = torch.as_tensor(pad_rows([rows[i] for i in batch], pad))
+            with torch.inference_mode():
+                tokens = model.generate(input_ids=src, attention_mask=(src != pad).long(), num_beams=BEAM_SIZE,
+                                        do_sample=False, max_new_tokens=budget(args))
+            for i, row in zip(batch, tokens[:, 1:].tolist()):
+                out[i] = [token for token in row if token != pad]
+        return out
+
+    seconds, outputs = passes(run, args.repeats)
+    return seconds, sum(map(len, outputs)), outputs
+
+
+def sizes_of(args: argparse.Namespace) -> dict:
+    return TINY if args.tiny else OPUS_MT
+
+
+def budget(args: argparse.Namespace) -> int:
+    return sizes_of(args)["max_position_embeddings"]
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The passes of the engine ``args.worker`` at ``args.threads`` threads: seconds, output tokens, outputs."""
     runtime.configure(args.threads)
-    texts = sentences(args.sentences)
-    if args.worker == PEER:
-        seconds, tokens, translations = peer_passes(texts, args.batch_size, args.repeats)
+    if args.model == "numbers":
+        texts = sentences(args.sentences)
+        result = (peer_passes(texts, args) if args.worker == PEER
+                  else port_passes(args.worker, None, texts, None, args))
     else:
-        seconds, tokens, translations = port_passes(args.worker, texts, args.batch_size, args.repeats)
-    print(json.dumps({"seconds": seconds, "tokens": tokens, "translations": translations}))
+        root, rows = Path(args.workdir), source_rows(args.sentences, sizes_of(args))
+        result = (opus_mt_peer_passes(root, rows, args) if args.worker == PEER else hf_passes(root, rows, args)
+                  if args.worker == HF else port_passes(args.worker, root / "model.safetensors", None, rows, args))
+    seconds, tokens, outputs = result
+    return {"seconds": seconds, "tokens": tokens, "outputs": outputs}
 
 
-def run(engine: str, args: argparse.Namespace) -> dict:
-    sentences_option = ["--sentences", str(args.sentences)] if args.sentences else []
-    command = [sys.executable, __file__, "--worker", engine, *sentences_option, "--batch-size", str(args.batch_size),
-               "--threads", str(args.threads), "--repeats", str(args.repeats)]
-    done = subprocess.run(command, capture_output=True, text=True)
+# ----------------------------------------------------------------------------- the run
+
+
+def run(engine: str, threads: int, args: argparse.Namespace) -> dict:
+    """One engine's passes in a process of its own, and the machine's 1-minute load average when it ended."""
+    options = ["--model", args.model, "--batch-size", str(args.batch_size), "--threads", str(threads),
+               "--repeats", str(args.repeats), *(["--sentences", str(args.sentences)] if args.sentences else []),
+               *(["--tiny"] if args.tiny else []), *(["--workdir", args.workdir] if args.workdir else [])]
+    done = subprocess.run([sys.executable, __file__, "--worker", engine, *options], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{engine}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'failed'}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": os.getloadavg()[0]}
 
 
-def report(results: dict[str, dict]) -> list[dict]:
-    """One row per engine: first pass, warm median, tokens/s, ratio to CTranslate2, translations equal to its."""
-    peer = results.get(PEER)
+def rounds(engines: list[str], threads: list[int], args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    """Every (engine, threads) run ``--rounds`` times, every other round in reverse order: the first pass of the
+    first round, the warm passes of all pooled, the highest load seen."""
+    order = [(engine, count) for count in threads for engine in engines]
+    results: dict[tuple[str, int], dict] = {}
+    for number in range(args.rounds):
+        for key in order if number % 2 == 0 else order[::-1]:
+            result = run(*key, args)
+            print(f"{key[0]}, {key[1]} thread(s): passes {', '.join(f'{s:.2f}' for s in result['seconds'])} s, "
+                  f"{result['tokens']} tokens, load {result['load']:.2f}", file=sys.stderr, flush=True)
+            if key in results:
+                results[key]["seconds"] += result["seconds"][1:]
+                results[key]["load"] = max(results[key]["load"], result["load"])
+            else:
+                results[key] = result
+    return results
+
+
+def report(results: dict[tuple[str, int], dict]) -> list[dict]:
+    """One row per engine and thread count: first pass, warm median, tokens/s, its time as a ratio to
+    CTranslate2's and to transformers' at the same threads, outputs equal to the reference engine's (transformers'
+    if it ran, else CTranslate2's)."""
+    reference = HF if any(engine == HF for engine, _ in results) else PEER
     rows = []
-    for engine, result in results.items():
+    for (engine, threads), result in results.items():
         warm = statistics.median(result["seconds"][1:])
-        rows.append({"engine": engine, "first_s": result["seconds"][0], "warm_s": warm,
-                     "tokens_per_s": result["tokens"] / warm,
-                     "ratio": warm / statistics.median(peer["seconds"][1:]) if peer else None,
-                     "same_as_peer": (sum(a == b for a, b in zip(result["translations"], peer["translations"]))
-                                      if peer else None)})
+        row = {"engine": engine, "threads": threads, "first_s": result["seconds"][0], "warm_s": warm,
+               "warm_passes": len(result["seconds"]) - 1, "tokens": result["tokens"],
+               "tokens_per_s": result["tokens"] / warm, "load": result["load"]}
+        for name in (PEER, HF):
+            other = results.get((name, threads))
+            row[f"x_{name}"] = warm / statistics.median(other["seconds"][1:]) if other else None
+        other = results.get((reference, threads))
+        row["same_as"] = reference
+        row["same"] = sum(a == b for a, b in zip(result["outputs"], other["outputs"])) if other else None
+        rows.append(row)
     return rows
 
 
-def main() -> None:
+def print_table(rows: list[dict], count: int, args: argparse.Namespace) -> None:
+    model = f"opus-mt-shaped ({'tiny' if args.tiny else 'random'}) model, budget {budget(args)} tokens" \
+        if args.model == "opus-mt" else "numbers model"
+    print(f"{count} sentences, {model}, beam {BEAM_SIZE}, batches of {args.batch_size} by length, "
+          f"median of {args.repeats * args.rounds} warm passes")
+    print(f"{'engine':<15} {'threads':>7} {'first pass':>11} {'warm':>9} {'tokens':>7} {'tokens/s':>9} "
+          f"{'x CT2':>6} {'x HF':>6} {'same as ' + rows[0]['same_as']:>21} {'load':>5}")
+    for row in rows:
+        ratios = [" " * 6 if row[f"x_{name}"] is None else f"{row[f'x_{name}']:>6.2f}" for name in (PEER, HF)]
+        same = "" if row["same"] is None else f"{row['same']}/{count}"
+        print(f"{row['engine']:<15} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s "
+              f"{row['tokens']:>7} {row['tokens_per_s']:>9.0f} {ratios[0]} {ratios[1]} {same:>21} {row['load']:>5.2f}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sentences", type=int, help="how many of the test split's sentences (default: all 812)")
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=list(MODELS), default="numbers")
+    parser.add_argument("--tiny", action="store_true", help="opus-mt: a tiny model of the same kind (a smoke test)")
+    parser.add_argument("--sentences", type=int, help="numbers: how many of the test split's sentences (default: "
+                                                      "all 812); opus-mt: how many source rows (default 64)")
+    parser.add_argument("--batch-size", type=int, help="default: 64 (numbers), 16 (opus-mt)")
+    parser.add_argument("--threads", default="1", help="intra-op threads, or a comma-separated list of counts")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--engines", help="comma-separated; default: every engine of the model")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, value in DEFAULTS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.tiny and args.model != "opus-mt":
+        parser.error("--tiny: only with --model opus-mt")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.worker:
-        worker(args)
+        args.threads = int(args.threads)
+        print(json.dumps(measure(args)))
         return
-    engines = [engine for engine in args.engines.split(",") if engine]
-    unknown = sorted(set(engines) - set(ENGINES))
+    engines = args.engines.split(",") if args.engines else list(MODELS[args.model])
+    unknown = sorted(set(engines) - set(MODELS[args.model]))
     if unknown:
-        raise SystemExit(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
-    with open(LOCK, "w") as lock:
+        raise SystemExit(f"--engines: unknown {unknown} for --model {args.model}; choose from "
+                         f"{list(MODELS[args.model])}")
+    threads = [int(count) for count in args.threads.split(",")]
+    with open(LOCK, "w") as lock, tempfile.TemporaryDirectory() as workdir:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        results = {engine: run(engine, args) for engine in engines}
-    rows = report(results)
-    count = len(sentences(args.sentences))
-    print(f"{count} sentences, beam {BEAM_SIZE}, batches of {args.batch_size} by length, "
-          f"{args.threads} thread(s), median of {args.repeats} warm passes")
-    print(f"{'engine':<15} {'first pass':>11} {'warm':>9} {'tokens/s':>9} {'x CT2':>6} {'same text as CT2':>17}")
-    for row in rows:
-        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        same = "" if row["same_as_peer"] is None else f"{row['same_as_peer']}/{count}"
-        print(f"{row['engine']:<15} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {row['tokens_per_s']:>9.0f} "
-              f"{ratio:>6} {same:>17}")
+        if args.model == "opus-mt":
+            args.workdir = workdir
+            save_opus_mt(Path(workdir), sizes_of(args), TINY_EOS_BIAS if args.tiny else 0.0)
+        rows = report(rounds(engines, threads, args))
+    count = args.sentences or len(sentences(None))
+    print_table(rows, count, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -900,9 +900,24 @@ FINETUNE = [
                ["tests/test_finetune.py", "-k", "first_step"]),
 ]
 
+# The file benchmark's opus-mt option (scripts/bench_translate.py) hands every engine the checkpoint's conventions:
+# tests/test_bench_translate.py compares each port's tokens and output count with transformers' generate
+_BENCH = "scripts/bench_translate.py"
+BENCH_TRANSLATE = ["tests/test_bench_translate.py"]
+BENCH = [
+    single("bench", "bench_translate: transformers given one token less than the budget", _BENCH,
+           "max_new_tokens=budget(args))", "max_new_tokens=budget(args) - 1)", BENCH_TRANSLATE),
+    single("bench", "bench_translate: transformers attends to the sources' padding", _BENCH,
+           "attention_mask=(src != pad).long()", "attention_mask=torch.ones_like(src)", BENCH_TRANSLATE),
+    single("bench", "bench_translate: every port decodes the imported model with the paper's alpha 0.6", _BENCH,
+           "alpha = LENGTH_PENALTY_ALPHA if checkpoint is None else None", "alpha = LENGTH_PENALTY_ALPHA",
+           BENCH_TRANSLATE),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
-             *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS, *FINETUNE]
+             *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS, *FINETUNE,
+             *BENCH]
 
 
 # ----------------------------------------------------------------------------- running
