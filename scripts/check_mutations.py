@@ -389,8 +389,7 @@ CHOICES = [
          "    if False:\n        logits = logits + wide(bias)"),
     ], CHOICES_ORACLE + ["-k", "logits_bias_by_hand"], agreement("marian")),
     single("positional-encoding", "jax: fairseq's positions one past their row (counted from pad_id + 2)",
-           "transformer_jax/model.py", "return (offset + jnp.cumsum(real, axis=1)) * real",
-           "return (offset + 1 + jnp.cumsum(real, axis=1)) * real",
+           "transformer_jax/model.py", "return (offset + counted) * real", "return (offset + 1 + counted) * real",
            ["tests/test_agreement.py", "-k", "jax and cpu and test_forward_stages and fairseq and float64 and ragged_batch"]),
     consistent("positional-encoding", "fairseq's positions counted from pad_id, not pad_id + 1 (the offset off by one)", [
         (RM, "position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]",
@@ -398,6 +397,19 @@ CHOICES = [
         (FM, "position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]",
          "position = pad_id + tf.range(0, length, dtype=tf.float64)[:, None]"),
     ], CHOICES_ORACLE + ["-k", "fairseq_table or embedded_source"], agreement("fairseq"), shared=(TORCH, JAX)),
+    single("positional-encoding", "torch: the decoder's fairseq positions counted over its tokens, not by step",
+           TM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
+           "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)",
+           ["tests/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"]),
+    consistent("positional-encoding", "the decoder's fairseq positions counted over its tokens, not by step", [
+        (RM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
+        (TM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
+        (JM, "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)"),
+        (FM, "tgt, by_step=True,\n", "tgt,\n"),
+    ], ["tests/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"], agreement("fairseq")),
 ]
 
 LEARNED_PE = [
