@@ -31,6 +31,7 @@ import json
 import re
 import shutil
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -373,6 +374,19 @@ def ctranslate2_marian(tmp_path_factory):
             load_hf(directory, dtype=np.float64))
 
 
+def ctranslate2_tokens(translator: Any, src: np.ndarray, vocabulary: dict[str, int], pad_id: int, beam_size: int,
+                       **options: Any) -> np.ndarray:
+    """CTranslate2's best hypothesis of each source row (its pieces by ``vocabulary``, pads dropped) under the rules
+    both comparisons use -- |Y|^1, ``min_decoding_length=0``, the end token returned, BUDGET tokens -- as ids padded
+    to BUDGET. Shape: src (B, S) -> (B, BUDGET)."""
+    names = {index: piece for piece, index in vocabulary.items()}
+    batch = [[names[int(token)] for token in row if token != pad_id] for row in src]
+    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=BUDGET, length_penalty=1.0,
+                                         min_decoding_length=0, return_end_token=True, **options)
+    return np.array([([vocabulary[piece] for piece in result.hypotheses[0]] + [pad_id] * BUDGET)[:BUDGET]
+                     for result in results])
+
+
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_marian, beam_size):
     """CTranslate2 as a third engine, where its rules are transformers': its Marian converter drops the pad token
@@ -381,12 +395,8 @@ def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_maria
     ``min_decoding_length=0`` (its default 1 forbids eos first) and length_penalty |Y|^1. Where they differ: it
     forces no eos at the maximum length (the comparison turns Marian's ``forced_eos_token_id`` off in all three)."""
     translator, vocabulary, model, (config, params) = ctranslate2_marian
-    src, names = sources(config), {index: token for token, index in vocabulary.items()}
-    batch = [[names[int(token)] for token in row if token != config.pad_id] for row in src]
-    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=BUDGET, length_penalty=1.0,
-                                         min_decoding_length=0, return_end_token=True)
-    theirs = np.array([([vocabulary[token] for token in result.hypotheses[0]] + [config.pad_id] * BUDGET)[:BUDGET]
-                       for result in results])
+    src = sources(config)
+    theirs = ctranslate2_tokens(translator, src, vocabulary, config.pad_id, beam_size)
     beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
     expected = hf_generate(model, src, config.pad_id, beam_size, forced_eos_token_id=None, **beam_options)
     mine = Transformer(config.replace(forced_eos=False, early_stopping=True), params)
@@ -468,13 +478,9 @@ def test_ctranslate2_m2m100_decodes_as_transformers_but_after_the_prefix(ctransl
     plain, translator, vocabulary, model, (config, params), language = ctranslate2_m2m100
     assert re.fullmatch(rf"Source vocabulary 0 has size {config.src_vocab_size - 100} but the model expected a "
                         rf"vocabulary of size {config.src_vocab_size}", plain), plain
-    src, index = sources(config), {token: i for i, token in enumerate(vocabulary)}
-    batch = [[vocabulary[int(token)] for token in row if token != config.pad_id] for row in src]
-    results = translator.translate_batch(batch, target_prefix=[[vocabulary[language]]] * len(batch),
-                                         beam_size=beam_size, max_decoding_length=BUDGET, length_penalty=1.0,
-                                         min_decoding_length=0, return_end_token=True)
-    theirs = np.array([([index[token] for token in result.hypotheses[0]] + [config.pad_id] * BUDGET)[:BUDGET]
-                       for result in results])
+    src = sources(config)
+    theirs = ctranslate2_tokens(translator, src, {token: i for i, token in enumerate(vocabulary)}, config.pad_id,
+                                beam_size, target_prefix=[[vocabulary[language]]] * len(src))
     beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
     expected = hf_generate(model, src, config.pad_id, beam_size, forced_bos_token_id=language, **beam_options)
     mine = Transformer(config.replace(max_len=BUDGET, early_stopping=True), params)
