@@ -22,7 +22,9 @@ from transformer_cli.backends import numpy as reference
 # Cases per backend in the suite: JAX and TensorFlow compile every new shape (seconds per case), PyTorch does not.
 # The first cases Hypothesis draws already hold odd head counts (scripts/check_mutations.py, kind "fuzz", plants a
 # bug that shows only there and sees this test fail); pad_id > eos_id, which the first cases held before the draws
-# of Hugging Face's choices moved them, is PAD_ABOVE_EOS's, below.
+# of Hugging Face's choices moved them, is PAD_ABOVE_EOS's, below. JAX's three cases take about 35 s: each config
+# compiles every program of the check (the forward pass in two precisions, greedy and beam search, the gradient
+# and an Adam step), which a fuzzed configuration cannot share with any other test.
 SUITE_EXAMPLES = {"torch": 12, "jax": 3, "tf": 3}
 
 
@@ -41,6 +43,7 @@ def test_backends_agree_on_fuzzed_configurations(port):
 
 
 # pad_id above eos_id, padded rows and the default masks: a mask built from the wrong special id shows only here.
+# JAX's about 40 s: the whole check's programs compiled for this config (its own ids change every mask's program).
 PAD_ABOVE_EOS = fuzz.Case(TransformerConfig.preset("tiny", dropout=0.0, pad_id=4, bos_id=1, eos_id=2), seed=3,
                           weight_scale=1.0, src_lengths=(7, 3, 1), tgt_lengths=(6, 2, 4), src_len=7, tgt_len=6,
                           token_dtype="int64", explicit_masks=False)
