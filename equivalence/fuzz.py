@@ -196,8 +196,8 @@ def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -
     found, not_compared = [], [] if not_compared is None else not_compared
     for precision in ("float64", "float32"):
         found += _forward(case, backend, weights, batch, precision, not_compared)
-    found += check_decoding(case, backend, not_compared)
     model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
+    found += _decoding(case, backend, model, ref64, _labelled(batch)[0], not_compared)
     return found + _training(case, backend, model, ref64, _labelled(batch), not_compared)
 
 
@@ -208,9 +208,16 @@ def check_decoding(case: Case, backend: Backend, not_compared: list[str] | None 
     :func:`~.tolerance.beam_row_is_decisive`), the bound being float64's at the scale of the log-probabilities the
     reference's decoding read (:mod:`.margins`). The disagreements found; the rows or steps left undecided by a
     near-tie are said in ``not_compared``."""
-    not_compared = [] if not_compared is None else not_compared
-    weights, src = params(case), _labelled(inputs(case))[0]
+    weights = params(case)
     model, ref64 = backend.build(case.config, weights), Transformer(case.config, weights)
+    return _decoding(case, backend, model, ref64, _labelled(inputs(case))[0],
+                     [] if not_compared is None else not_compared)
+
+
+def _decoding(case: Case, backend: Backend, model: Model, ref64: Transformer, src: np.ndarray,
+              not_compared: list[str]) -> list[str]:
+    """:func:`check_decoding` on the case's models, already built (:func:`check` builds them once for decoding and
+    training)."""
     forced, found = case.forced_bos_id, []
     with np.errstate(all="ignore"):
         greedy = decoding.greedy_decode(ref64, src, forced_bos_id=forced)
