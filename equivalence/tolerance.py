@@ -22,7 +22,10 @@
 
 A forward stage that is a map f of earlier stages (a layer, a stack's output, the log-probabilities) and fails the
 bound on its total error is held instead to what it adds to its inputs': ``|port - f(port's stages)|`` within the
-bound of what the reference adds, ``|ref_P - f(ref_P's stages)|`` (:func:`stage_agreement`, :func:`stage_maps`).
+bound of what the reference adds, ``|ref_P - f(ref_P's stages)|`` (:func:`stage_agreement`, :func:`stage_maps`), and
+where f ends with a LayerNorm, at least FLOAT32_FACTOR times float32 arithmetic's own error in that LayerNorm in
+either order kernels use (:func:`layer_norm_floor`: the reference subtracts the mean first, and a fused
+``x * s + t`` cancels where the mean is large against the spread).
 
 Two ports are compared with each other through the reference: by the triangle inequality
 their difference is at most the sum of their two bounds (:func:`pair_bound`).
@@ -45,10 +48,12 @@ Nothing else in the project chooses a tolerance.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 from unittest import mock
 
 import numpy as np
@@ -394,49 +399,128 @@ def assert_agrees(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.Array
 Stages = dict[str, np.ndarray]
 
 
+Norm = Callable[[np.ndarray], np.ndarray]          # a LayerNorm, or one that records its inputs (_Recorded)
+_Layer = TypeVar("_Layer", EncoderLayer, DecoderLayer)
+
+
+@dataclass(frozen=True)
+class StageMap:
+    """A forward stage as a map of earlier ones (:func:`stage_maps`): ``step(stages)`` computes it in the float64
+    reference; ``ending`` is the LayerNorm its computation ends with (a post-LN layer's last, a pre-LN stack's
+    final norm), or None."""
+
+    step: Callable[..., np.ndarray]
+    before: str
+    ending: LayerNorm | None = None
+
+    def __call__(self, stages: Stages) -> np.ndarray:
+        return self.step(_stage(stages, self.before), stages)
+
+    def layer_norm_error(self, stages: Stages) -> float:
+        """How far float32 arithmetic is from the stage's ending LayerNorm (0 without one), on the input it is given
+        here rounded to float32 (the rows of finite inputs): the largest error of the two orders of operations
+        LayerNorm kernels use (:func:`float32_layer_norms`) against the LayerNorm of the exact input, and at least
+        one float32 unit at the largest magnitude the fused order reaches, max |x| / sqrt(var + eps) x max|weight| +
+        max|bias| -- so that one order's lucky draw does not demand as much of every other."""
+        if self.ending is None:
+            return 0.0
+        seen: list[np.ndarray] = []
+        self.step(_stage(stages, self.before), stages, _Recorded(self.ending, seen))
+        x = seen[-1][np.isfinite(seen[-1]).all(axis=-1)]                     # (rows, D)
+        with np.errstate(all="ignore"):
+            exact = self.ending(x)
+            deviation = np.sqrt(((x - x.mean(axis=-1, keepdims=True)) ** 2).mean(axis=-1) + self.ending.eps)
+            reach = (np.max(np.max(np.abs(x), axis=-1) / deviation, initial=0.0) * np.max(np.abs(self.ending.weight))
+                     + np.max(np.abs(self.ending.bias)))
+            errors = [float(np.max(np.abs(order - exact), initial=0.0))
+                      for order in float32_layer_norms(x, self.ending)]
+        worst = max(*errors, float(np.spacing(np.float32(reach))))
+        return worst if np.isfinite(worst) else 0.0
+
+
+def float32_layer_norms(x: np.ndarray, norm: LayerNorm) -> tuple[np.ndarray, np.ndarray]:
+    """LayerNorm of ``x`` rounded to float32, in float32, in the two orders of operations kernels use (written out
+    here): the mean subtracted first, ``(x - mean) / sqrt(var + eps) * weight + bias``; and fused, ``x * s + t`` with
+    s = weight / sqrt(var + eps) and t = bias - mean * s. The mean and the variance are summed left to right, the
+    order whose float32 error grows fastest with the width (a blocked or pairwise sum adds fewer terms in sequence).
+    Where the mean is large against the spread, the fused order's two products cancel, each rounded at their own
+    magnitude, far above the output's."""
+    x, weight, bias = (np.asarray(a, dtype=np.float32) for a in (x, norm.weight, norm.bias))
+    width = np.float32(x.shape[-1])
+    mean = np.cumsum(x, axis=-1)[..., -1:] / width
+    centred = x - mean
+    deviation = np.sqrt(np.cumsum(centred ** 2, axis=-1)[..., -1:] / width + np.float32(norm.eps))
+    scale = weight / deviation
+    return centred / deviation * weight + bias, x * scale + (bias - mean * scale)
+
+
+class _Recorded:
+    """A LayerNorm that records each input it is given in ``seen``."""
+
+    def __init__(self, norm: LayerNorm, seen: list[np.ndarray]):
+        self.norm, self.seen = norm, seen
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.seen.append(x)
+        return self.norm(x)
+
+
 def stage_maps(model64: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: np.ndarray | None = None,
-               tgt_mask: np.ndarray | None = None) -> dict[str, Callable[[Stages], np.ndarray]]:
+               tgt_mask: np.ndarray | None = None) -> dict[str, StageMap]:
     """Every forward stage that is a map of earlier ones -- each layer of the stacks (section 3.1; a decoder layer
     also reads the encoder's output), a stack's output (its final LayerNorm in pre-LN), the log-probabilities
-    (section 3.4) -- as a function computing it in the float64 reference ``model64`` from the values of those
-    stages in a dict of stages, on the inputs of the forward pass (the default masks where none are given)."""
+    (section 3.4) -- as a :class:`StageMap` computing it in the float64 reference ``model64`` from the values of
+    those stages in a dict of stages, on the inputs of the forward pass (the default masks where none are given)."""
     config = model64.config
     src_mask = padding_mask(np.asarray(src), config.pad_id) if src_mask is None else src_mask
     tgt_mask = target_mask(np.asarray(tgt), config.pad_id) if tgt_mask is None else tgt_mask
 
-    def encoder_layer(layer: EncoderLayer, before: str, stages: Stages) -> np.ndarray:
-        return layer(_stage(stages, before), src_mask)
+    def encoder_layer(layer: EncoderLayer, x: np.ndarray, stages: Stages, norm: Norm | None = None) -> np.ndarray:
+        return _with_ending(layer, norm)(x, src_mask)
 
-    def decoder_layer(layer: DecoderLayer, before: str, stages: Stages) -> np.ndarray:
-        return layer(_stage(stages, before), _stage(stages, "encoder"), src_mask, tgt_mask)
+    def decoder_layer(layer: DecoderLayer, x: np.ndarray, stages: Stages, norm: Norm | None = None) -> np.ndarray:
+        return _with_ending(layer, norm)(x, _stage(stages, "encoder"), src_mask, tgt_mask)
 
-    maps: dict[str, Callable[[Stages], np.ndarray]] = {}
+    def stack_output(norm: LayerNorm | None, x: np.ndarray, stages: Stages, recorder: Norm | None = None,
+                     ) -> np.ndarray:
+        """A stack's output from its last layer's: its final LayerNorm in pre-LN, the same values in post-LN."""
+        return x if norm is None else (recorder or norm)(x)
+
+    maps: dict[str, StageMap] = {}
     before = "src_embed"
     for i, encoder in enumerate(model64.encoder.layers):
-        maps[f"encoder.layers.{i}"] = functools.partial(encoder_layer, encoder, before)
+        maps[f"encoder.layers.{i}"] = StageMap(functools.partial(encoder_layer, encoder), before, _ending(encoder))
         before = f"encoder.layers.{i}"
-    maps["encoder"] = functools.partial(_stack_output, model64.encoder.norm, before)
+    maps["encoder"] = StageMap(functools.partial(stack_output, model64.encoder.norm), before, model64.encoder.norm)
     before = "tgt_embed"
     for i, decoder in enumerate(model64.decoder.layers):
-        maps[f"decoder.layers.{i}"] = functools.partial(decoder_layer, decoder, before)
+        maps[f"decoder.layers.{i}"] = StageMap(functools.partial(decoder_layer, decoder), before, _ending(decoder))
         before = f"decoder.layers.{i}"
-    maps["decoder"] = functools.partial(_stack_output, model64.decoder.norm, before)
-    maps["log_probs"] = lambda stages: model64.generator(_stage(stages, "decoder"))
+    maps["decoder"] = StageMap(functools.partial(stack_output, model64.decoder.norm), before, model64.decoder.norm)
+    maps["log_probs"] = StageMap(lambda x, stages: model64.generator(x), "decoder")
     return maps
+
+
+def _ending(layer: EncoderLayer | DecoderLayer) -> LayerNorm | None:
+    """The LayerNorm a layer's computation ends with: post-LN's around the feed-forward network (section 3.1)."""
+    return None if layer.norm_first else layer.ffn_norm
+
+
+def _with_ending(layer: _Layer, norm: Norm | None) -> _Layer:
+    """``layer``, or a copy whose ending LayerNorm is ``norm`` (the shared reference model is left as it is)."""
+    if norm is None:
+        return layer
+    changed = copy.copy(layer)
+    changed.ffn_norm = norm
+    return changed
 
 
 def _stage(stages: Stages, name: str) -> np.ndarray:
     return np.asarray(stages[name], dtype=np.float64)
 
 
-def _stack_output(norm: LayerNorm | None, before: str, stages: Stages) -> np.ndarray:
-    """A stack's output from its last layer's: its final LayerNorm in pre-LN, the same values in post-LN."""
-    x = _stage(stages, before)
-    return x if norm is None else norm(x)
-
-
 def stage_agreement(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.ArrayLike | None, dtype: npt.DTypeLike,
-                    step: Callable[[Stages], np.ndarray] | None = None, port_stages: Stages | None = None,
+                    step: StageMap | Callable[[Stages], np.ndarray] | None = None, port_stages: Stages | None = None,
                     same_stages: Stages | None = None, where: np.ndarray | None = None) -> Agreement:
     """A forward stage of a port against the float64 reference under the policy (:func:`agreement`), over the
     entries ``where`` (default: all). For a stage that is a map ``step`` of earlier stages (:func:`stage_maps`;
@@ -450,7 +534,9 @@ def stage_agreement(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.Arr
     its order of operations chose: a LayerNorm removes the mean and the direction of x, so that its gain depends on
     the direction of the error it is given, and where a port's falls in another direction than the reference's
     (d_model 4, inputs of 2.8e9: 1.55 times the gain) the per-stage ratio of 8 can be passed by the input's error
-    alone. What a stage answers for is what it adds."""
+    alone. What a stage answers for is what it adds. A stage that ends with a LayerNorm (``step`` a
+    :class:`StageMap`) is allowed at least :func:`layer_norm_floor`: the float32 error of that LayerNorm in
+    either order of operations, which the reference's (the mean subtracted first) may not show."""
     port, ref64 = np.asarray(port), np.asarray(ref64)
     where = np.ones(ref64.shape, dtype=bool) if where is None else where
     same = None if ref_same is None else np.asarray(ref_same)[where]
@@ -460,8 +546,19 @@ def stage_agreement(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.Arr
     if port_stages is None or same_stages is None:
         raise ValueError("a stage that is a map of earlier ones needs port_stages and same_stages")
     exact_port, exact_same = step(port_stages)[where], step(same_stages)[where]
-    added = Agreement(max_abs(port[where], exact_port), bound_for(dtype, exact_same, same), result.scale, added=True)
+    bound = bound_for(dtype, exact_same, same)
+    if isinstance(step, StageMap):
+        bound = max(bound, layer_norm_floor(dtype, step.layer_norm_error(port_stages)))
+    added = Agreement(max_abs(port[where], exact_port), bound, result.scale, added=True)
     return added if added.ok else result
+
+
+def layer_norm_floor(dtype: npt.DTypeLike, error: float) -> float:
+    """The bound of what a stage ending with a LayerNorm adds, at least: FLOAT32_FACTOR x ``error``
+    (:meth:`StageMap.layer_norm_error`, float32 arithmetic's own error there) -- a port's LayerNorm may be as many
+    times as wrong as float32 arithmetic is, in whichever order it evaluates it -- in every precision but float64
+    (bfloat16 and float16 compute a LayerNorm in float32, then round once)."""
+    return 0.0 if parse_precision(dtype)[0] == np.float64 else FLOAT32_FACTOR * error
 
 
 # ----------------------------------------------------------------------------- decoded tokens

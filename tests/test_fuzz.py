@@ -16,7 +16,7 @@ from support import FRAMEWORKS, port_backend
 
 from equivalence import fuzz, margins, tolerance
 from reference_numpy import TransformerConfig
-from reference_numpy.model import scaled_dot_product_attention
+from reference_numpy.model import LayerNorm, scaled_dot_product_attention
 from transformer_cli.backends import numpy as reference
 
 # Cases per backend in the suite: JAX and TensorFlow compile every new shape (seconds per case), PyTorch does not.
@@ -192,6 +192,21 @@ AMPLIFIED = fuzz.Case.from_json(
 AMPLIFIED_LAYER = dataclasses.replace(AMPLIFIED, tgt_lengths=(1,))
 
 
+# Found by a 4-minute run: a post-LN layer of d_model 2 (weights x1e3) whose feed-forward output, 1.8e8 and 1.96e8,
+# feeds the layer's last LayerNorm: the mean is 19 times the spread. PyTorch's and TensorFlow's LayerNorm kernels
+# evaluate x * s + t (s = gain / deviation, t = bias - mean * s): two products of 2e4 that cancel to 1e3, each
+# rounded at 2e4 -- 10 and 8 units of the output's scale, where the reference's order (the mean subtracted first)
+# makes one. The stage is held to the units of the largest magnitude such an order reaches
+# (tolerance.layer_norm_floor).
+CANCELLING = fuzz.Case.from_json(
+    '{"config": {"activation": "relu", "bos_id": 1, "d_ff": 16, "d_model": 2, "dropout": 0.0, "eos_id": 2, '
+    '"layer_norm_eps": 1e-12, "max_len": 1, "n_decoder_layers": 1, "n_encoder_layers": 1, "n_heads": 1, '
+    '"norm_first": false, "output_bias": false, "pad_id": 0, "positional_encoding": "sinusoidal", '
+    '"scale_embeddings": false, "share_embeddings": false, "sinusoidal_layout": "interleaved", "src_vocab_size": 3, '
+    '"tgt_vocab_size": 3}, "explicit_masks": false, "seed": 65534, "src_len": 1, "src_lengths": [0], "tgt_len": 1, '
+    '"tgt_lengths": [0], "token_dtype": "int64", "weight_scale": 1000.0}')
+
+
 # Found by a 30-minute run: PyTorch's float64 gradient departed by 1e13 from the reference's (scale 1.7e9, moved by
 # 1.8e-6 by one rounding of the weights alone), JAX's and TensorFlow's agreed. The two source positions' encoder
 # outputs are equal in the reference and a few units apart in PyTorch; one rounding of the values computed from the
@@ -239,9 +254,10 @@ def test_the_gradient_at_weights_x1e9_is_a_rounding_of_the_values_choice(monkeyp
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("case", [SATURATED, OVERFLOW, dataclasses.replace(OVERFLOW, weight_scale=1e12), UNSEEN_NAN,
-                                  LAYER_NORM_BIAS, AMPLIFIED, AMPLIFIED_LAYER],
+                                  LAYER_NORM_BIAS, AMPLIFIED, AMPLIFIED_LAYER, CANCELLING],
                          ids=["saturated-softmax-x1e3", "float32-overflow-x1e9", "float32-overflow-x1e12",
-                              "unseen-nan-values", "layer-norm-bias", "layer-norm-amplified", "layer-amplified"])
+                              "unseen-nan-values", "layer-norm-bias", "layer-norm-amplified", "layer-amplified",
+                              "layer-norm-cancelling"])
 def test_cases_found_by_fuzzing(port, case):
     """Weights x1000 saturate every softmax: PyTorch's fused attention backward lost the gradient to rounding
     (0.13 against a bound of 1e-7). Weights x1e9 overflow float32's LayerNorm variance: PyTorch gave NaN where the
@@ -408,6 +424,46 @@ def test_what_a_stage_adds_is_held_to_the_policy():
     assert tolerance.stage_agreement(norm(port_in), exact, same, "float32", *step).ok
     assert not tolerance.stage_agreement(norm(port_in) * (1 + 1e-5), exact, same, "float32", *step).ok
     assert not tolerance.stage_agreement(norm(port_in), exact, same, "float32").ok
+
+
+def test_a_layer_norm_in_the_fused_order_is_held_to_float32_s_own_error_in_that_order():
+    """CANCELLING's encoder layer, without a port: its last LayerNorm computed in the fused order on the exact input
+    is over the policy's bound on what the stage adds (8 units at the output's scale, the reference adding one) and
+    within the floor (tolerance.layer_norm_floor); the bias dropped, or the gain off by one part in 1e4, is over it.
+    And on 2,000 random rows of widths 2 to 512, the mean up to 1e4 times the spread, a third order written here
+    (pairwise float32 sums, the reciprocal deviation multiplied in) is within the floor."""
+    weights, batch = fuzz.params(CANCELLING), fuzz.inputs(CANCELLING)
+    arguments = {key: batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask")}
+    model64 = reference.build(CANCELLING.config, weights)
+    ref64 = reference.forward(model64, **arguments)
+    ref32 = reference.forward(reference.build(CANCELLING.config, weights, "float32"), **arguments)
+    step = tolerance.stage_maps(model64, **arguments)["encoder.layers.0"]
+    seen = []
+    step.step(ref64["src_embed"], ref64, lambda x: seen.append(x) or step.ending(x))
+    norm, name = step.ending, "encoder.layers.0"
+    fused = tolerance.float32_layer_norms(seen[0], norm)[1]
+    plain = tolerance.bound_for("float32", step(ref32), ref32[name])
+    floor = tolerance.layer_norm_floor("float32", step.layer_norm_error(ref64))
+    assert tolerance.max_abs(fused, ref64[name]) > plain and floor > 8 * plain
+    assert tolerance.stage_agreement(fused, ref64[name], ref32[name], "float32", step, ref64, ref32).ok
+    for wrong in (types.SimpleNamespace(weight=norm.weight, bias=0 * norm.bias, eps=norm.eps),
+                  types.SimpleNamespace(weight=norm.weight * (1 + 1e-4), bias=norm.bias, eps=norm.eps)):
+        planted = tolerance.float32_layer_norms(seen[0], wrong)[1]
+        assert not tolerance.stage_agreement(planted, ref64[name], ref32[name], "float32", step, ref64, ref32).ok
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        width = int(rng.choice([2, 3, 4, 16, 64, 512]))
+        mean = 10.0 ** rng.uniform(-1, 4) * rng.choice([-1, 1])                     # in units of the spread
+        x = 10.0 ** rng.uniform(-3, 3) * (rng.normal(size=(1, 1, width)) + mean)
+        row = LayerNorm.__new__(LayerNorm)
+        row.weight, row.bias, row.eps = rng.normal(size=width), rng.normal(size=width), 1e-6
+        stage = tolerance.StageMap(lambda x, stages, norm=row: norm(x), "x", row)
+        x32, weight, bias = (a.astype(np.float32) for a in (x, row.weight, row.bias))
+        mean = x32.mean(axis=-1, keepdims=True)                                      # NumPy's pairwise sums
+        third = (x32 - mean) * (np.float32(1) / np.sqrt(((x32 - mean) ** 2).mean(axis=-1, keepdims=True)
+                                                         + np.float32(1e-6))) * weight + bias
+        assert np.abs(third - row(x)).max() <= tolerance.layer_norm_floor("float32", stage.layer_norm_error({"x": x}))
 
 
 def test_every_stage_but_the_embeddings_is_a_map_of_earlier_ones():
