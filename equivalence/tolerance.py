@@ -399,7 +399,6 @@ def assert_agrees(port: npt.ArrayLike, ref64: npt.ArrayLike, ref_same: npt.Array
 Stages = dict[str, np.ndarray]
 
 
-Norm = Callable[[np.ndarray], np.ndarray]          # a LayerNorm, or one that records its inputs (_Recorded)
 _Layer = TypeVar("_Layer", EncoderLayer, DecoderLayer)
 
 
@@ -454,15 +453,16 @@ def float32_layer_norms(x: np.ndarray, norm: LayerNorm) -> tuple[np.ndarray, np.
     return centred / deviation * weight + bias, x * scale + (bias - mean * scale)
 
 
-class _Recorded:
-    """A LayerNorm that records each input it is given in ``seen``."""
+class _Recorded(LayerNorm):
+    """The LayerNorm ``norm``, recording each input it is given in ``seen``."""
 
     def __init__(self, norm: LayerNorm, seen: list[np.ndarray]):
-        self.norm, self.seen = norm, seen
+        vars(self).update(vars(norm))
+        self.seen = seen
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         self.seen.append(x)
-        return self.norm(x)
+        return super().__call__(x)
 
 
 def stage_maps(model64: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: np.ndarray | None = None,
@@ -475,13 +475,13 @@ def stage_maps(model64: Transformer, src: npt.ArrayLike, tgt: npt.ArrayLike, src
     src_mask = padding_mask(np.asarray(src), config.pad_id) if src_mask is None else src_mask
     tgt_mask = target_mask(np.asarray(tgt), config.pad_id) if tgt_mask is None else tgt_mask
 
-    def encoder_layer(layer: EncoderLayer, x: np.ndarray, stages: Stages, norm: Norm | None = None) -> np.ndarray:
+    def encoder_layer(layer: EncoderLayer, x: np.ndarray, stages: Stages, norm: LayerNorm | None = None) -> np.ndarray:
         return _with_ending(layer, norm)(x, src_mask)
 
-    def decoder_layer(layer: DecoderLayer, x: np.ndarray, stages: Stages, norm: Norm | None = None) -> np.ndarray:
+    def decoder_layer(layer: DecoderLayer, x: np.ndarray, stages: Stages, norm: LayerNorm | None = None) -> np.ndarray:
         return _with_ending(layer, norm)(x, _stage(stages, "encoder"), src_mask, tgt_mask)
 
-    def stack_output(norm: LayerNorm | None, x: np.ndarray, stages: Stages, recorder: Norm | None = None,
+    def stack_output(norm: LayerNorm | None, x: np.ndarray, stages: Stages, recorder: LayerNorm | None = None,
                      ) -> np.ndarray:
         """A stack's output from its last layer's: its final LayerNorm in pre-LN, the same values in post-LN."""
         return x if norm is None else (recorder or norm)(x)
@@ -506,7 +506,7 @@ def _ending(layer: EncoderLayer | DecoderLayer) -> LayerNorm | None:
     return None if layer.norm_first else layer.ffn_norm
 
 
-def _with_ending(layer: _Layer, norm: Norm | None) -> _Layer:
+def _with_ending(layer: _Layer, norm: LayerNorm | None) -> _Layer:
     """``layer``, or a copy whose ending LayerNorm is ``norm`` (the shared reference model is left as it is)."""
     if norm is None:
         return layer
