@@ -164,11 +164,11 @@ def _autocast_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, m
     out, rounded = scaled_dot_product_attention(query, key, value, mask)   # rounded: A_P (..., Tq, Tk)
     query, key, value = (wide(cast(t, low)) for t in (query, key, value))
     scale = math.sqrt(query.shape[-1])
-    scores = round_to(query @ np.swapaxes(key, -1, -2), low).astype(np.float32) / scale   # as the forward has them
+    scores = round_to(query @ np.swapaxes(key, -1, -2), low).astype(np.float32)   # as the forward has them
     if mask is not None:
         scores = np.where(mask, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
-    exp = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0))
+    exp = np.exp((scores - np.where(np.isfinite(row_max), row_max, 0.0)) / scale)
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                            # A, float32
 

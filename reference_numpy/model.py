@@ -125,16 +125,18 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     d_k = query.shape[-1]
     if mixed is None:
         query, key, value = wide(query), wide(key), wide(value)
-        scores = (query @ np.swapaxes(key, -1, -2)) / math.sqrt(d_k)     # (..., Tq, Tk)
+        scores = query @ np.swapaxes(key, -1, -2)                       # (..., Tq, Tk)
     else:                                                               # autocast: Q K^T a P product, softmax float32
         dtype, value = mixed, wide(cast(value, mixed))
-        scores = product(query, np.swapaxes(key, -1, -2), mixed).astype(np.float32) / math.sqrt(d_k)
+        scores = product(query, np.swapaxes(key, -1, -2), mixed).astype(np.float32)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
         scores = np.where(mask, scores, -np.inf)
+    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
+    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
     row_max = scores.max(axis=-1, keepdims=True)                        # -inf on fully masked rows
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    exp = np.exp(scores - row_max)                                      # exactly 0 where masked
+    exp = np.exp((scores - row_max) / math.sqrt(d_k))                   # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
     if mixed is not None:

@@ -196,6 +196,15 @@ SINGLE = [
            "            src_mask = padding_mask(src, self.config.pad_id)\n        (batch, length), heads",
            "            src_mask = padding_mask(src, min(self.config.pad_id, self.config.eos_id))\n"
            "        (batch, length), heads", FUZZ),
+    Mutation("fuzz", "jax: the scores scaled before their row maximum (XLA:CPU computes the scaled scores twice, "
+             "once contracted into an FMA)", "single",
+             (Edit("transformer_jax/model.py", "    if mask is not None:\n        mask = checked_mask(\"mask\", mask, "
+                   "scores.shape)\n        scores = jnp.where(mask, scores, -jnp.inf)",
+                   "    scores = scores / math.sqrt(d_k)\n    if mask is not None:\n        mask = checked_mask(\"mask\", "
+                   "mask, scores.shape)\n        scores = jnp.where(mask, scores, -jnp.inf)"),
+              Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
+                   "exp = jnp.exp(scores - row_max)")),
+             ("tests/test_fuzz.py", "-k", "fused-maximum and jax")),
     # The decoding conventions the fuzzer draws (equivalence/fuzz.py, `conventions`), checked in greedy decoding and
     # beam search against the reference.
     single("fuzz", "torch: the suppressed tokens the paper's pad and bos, not the config's suppressed_ids",

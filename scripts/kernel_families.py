@@ -40,7 +40,9 @@ NUMERICAL_TESTS = ("tests/test_agreement.py", "tests/test_agreement_low_precisio
 _NUMPY_AVX512 = "X86_V4 AVX512_ICL AVX512_SPR"
 
 FAMILIES: dict[str, tuple[str, dict[str, str]]] = {
-    "native": ("what each framework selects on this CPU (nothing capped)", {}),
+    # XLA_FLAGS set (empty) keeps tests/conftest.py's faster-compiling XLA:CPU code generation off: XLA's defaults.
+    "native": ("what each framework selects on this CPU (nothing capped), XLA:CPU's default code generation",
+               {"XLA_FLAGS": ""}),
     "avx2": ("AVX2 and FMA, as on a CPU without AVX-512 (most AMD Zen 1-3, Intel client parts)", {
         "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "NPY_DISABLE_CPU_FEATURES": _NUMPY_AVX512,

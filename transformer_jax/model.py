@@ -131,13 +131,17 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         scores = speed.beam_scores(query, key, beams)
     if mixed is not None:
         scores = wide(narrow(scores, mixed))                            # autocast: Q K^T a P product
-    scores = scores / math.sqrt(d_k)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
+    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
+    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
+    # (Scaled first, XLA:CPU computed x / c twice, in the maximum's fusion and in the exponential's, contracting it
+    # with the subtraction into a fused multiply-add in one: the largest score minus its own maximum was the
+    # product's rounding error, and exp of it overflowed at scores of 1e11.)
     row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))   # -inf on fully masked rows
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    exp = jnp.exp(scores - row_max)                                     # exactly 0 where masked
+    exp = jnp.exp((scores - row_max) / math.sqrt(d_k))                 # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
     weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
     if mixed is not None:

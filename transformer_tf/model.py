@@ -130,13 +130,14 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
         scores = speed.beam_scores(query, key, beams)
     if mixed is not None:
         scores = wide(narrow(scores, dtype))                            # autocast: Q K^T a P product
-    scores = scores / math.sqrt(d_k)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
         scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
+    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
+    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
     row_max = tf.reduce_max(scores, axis=-1, keepdims=True)              # -inf on fully masked rows
     row_max = tf.where(tf.math.is_finite(row_max), row_max, tf.zeros_like(row_max))
-    exp = tf.exp(scores - row_max)                                      # exactly 0 where masked
+    exp = tf.exp((scores - row_max) / math.sqrt(d_k))                   # exactly 0 where masked
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
     weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
     if mixed is not None:

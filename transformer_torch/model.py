@@ -129,14 +129,16 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         return narrow(speed.attention(query, key, value, mask), dtype), None
     d_k = query.shape[-1]
     if beams is None:
-        scores = wide(query @ key.transpose(-1, -2)) / math.sqrt(d_k)  # (..., Tq, Tk); P under autocast
+        scores = wide(query @ key.transpose(-1, -2))                    # (..., Tq, Tk); P under autocast
     else:
-        scores = wide(speed.beam_scores(query, key, beams)) / math.sqrt(d_k)
+        scores = wide(speed.beam_scores(query, key, beams))
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
+    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
+    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
     row_max = scores.amax(dim=-1, keepdim=True)                         # -inf on fully masked rows
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    exp = torch.exp(scores - row_max)                                   # exactly 0 where masked
+    exp = torch.exp((scores - row_max) / math.sqrt(d_k))                # exactly 0 where masked
     total = exp.sum(dim=-1, keepdim=True)
     weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
     out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)
