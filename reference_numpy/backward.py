@@ -334,10 +334,10 @@ def embeddings(embed: Embeddings, name: str, tokens: np.ndarray,
 
 
 def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, x: np.ndarray, tokens: np.ndarray,
-                        grads: Grads) -> tuple[np.ndarray, Backward]:
+                        grads: Grads, by_step: bool = False) -> tuple[np.ndarray, Backward]:
     """x + PE[rows] -- section 3.5 (rows 0 .. T-1, or :func:`.model.position_ids` of ``tokens`` in the ``fairseq``
-    layout); the sinusoidal table is fixed, a ``learned`` one (Table 3, row E) is the checkpoint tensor
-    ``{name}.weight``.
+    layout, counted by step with ``by_step``: the decoder's, as :class:`.model.Decoder` counts them); the
+    sinusoidal table is fixed, a ``learned`` one (Table 3, row E) is the checkpoint tensor ``{name}.weight``.
 
     Shape: x (B, T, D), tokens (B, T) -> (B, T, D); backward: dL/dout -> dL/dx = dL/dout, both (B, T, D).
     """
@@ -350,7 +350,7 @@ def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, 
             _add(grads, f"{name}.weight", narrow(table, encoding.table.dtype))
         return grad_out
 
-    return encoding(x, 0, tokens), backward
+    return encoding(x, 0, tokens, by_step), backward
 
 
 def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Grads) -> tuple[np.ndarray, Backward]:
@@ -530,7 +530,7 @@ def loss_and_gradients(model: Transformer, loss: Loss, src: np.ndarray, tgt: np.
     x, src_pos_backward = positional_encoding(model.src_pos, "src_pos_embed", learned, x, src, grads)
     memory, encoder_backward = encoder(model.encoder, "encoder", x, src_mask, grads)
     y, tgt_embed_backward = embeddings(model.tgt_embed, tgt_name, tgt, grads)
-    y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, tgt, grads)
+    y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, tgt, grads, by_step=True)
     out, decoder_backward = decoder(model.decoder, "decoder", y, memory, src_mask, tgt_mask, grads)
     log_probs, generator_backward = generator(model.generator, generator_name, shared, out, grads)
     value, loss_backward = label_smoothed_cross_entropy(loss, log_probs, labels, config.pad_id, epsilon)

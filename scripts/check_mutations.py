@@ -205,6 +205,10 @@ SINGLE = [
               Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
                    "exp = jnp.exp(scores - row_max)")),
              ("tests/test_fuzz.py", "-k", "fused-maximum and jax")),
+    single("fuzz", "reference: its training pass counts the decoder's fairseq positions by token (its forward pass "
+           "and every port by step)", "reference_numpy/backward.py",
+           'learned, y, tgt, grads, by_step=True)', 'learned, y, tgt, grads)',
+           ["tests/test_fuzz.py", "-k", "pad-target and torch"]),
     # The decoding conventions the fuzzer draws (equivalence/fuzz.py, `conventions`), checked in greedy decoding and
     # beam search against the reference.
     single("fuzz", "torch: the suppressed tokens the paper's pad and bos, not the config's suppressed_ids",
