@@ -24,6 +24,11 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# Every program goes into that cache, not only those that took JAX's default of 1 s to compile: the op-by-op
+# primitives (eager JAX) and small jitted functions are compiled again in every module after the module's caches are
+# dropped (pytest_runtest_teardown below) and in every process a test starts; read back, a set of forward passes,
+# gradients, decoding loops and components compiled a second time took 52 s of CPU instead of 74 s.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # XLA:CPU (JAX's programs, TensorFlow's compiled ones) compiles the suite's programs with LLVM at optimisation level 1
 # and its loop emitters instead of the newer fusion emitters, set before any process imports JAX: the same HLO
@@ -165,6 +170,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in slow or item.nodeid.split("::")[0] in slow or other_matrix_variant(item):
             item.add_marker(pytest.mark.slow)
+
+
+# The modules split into several units of work, by port and dtype: their parts share no compiled program.
+SPLIT_MODULES = ("tests/test_agreement.py",)
+DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+
+
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs whole: a test module, whose tests share their models, compiled programs and
+    reference outputs (dropped at its end: :func:`pytest_runtest_teardown`); the agreement matrix by port and dtype
+    (each (port, variant, dtype) model compiles programs of its own; the reference's outputs are all they share).
+    Run as one unit, the matrix kept one worker busy for over half the run while the other ran every other module."""
+    module, _, test = nodeid.partition("::")
+    if module not in SPLIT_MODULES:
+        return module
+    ids = test.partition("[")[2].rstrip("]").split("-")               # the port's fixture first, then the test's
+    return f"{module}[{ids[0]}-{next((name for name in ids if name in DTYPE_NAMES), '')}]"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist=loadfile`` (``pyproject.toml``) by :func:`work_unit`: pytest-xdist's scheduling by scope, the largest
+    units first, each worker given a new unit as it finishes one; any other ``--dist`` is pytest-xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
 
 
 def other_matrix_variant(item: pytest.Item) -> bool:

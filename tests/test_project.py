@@ -265,3 +265,17 @@ def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_p
     assert longest["tests/test_c.py::test_z"] == 12.0
     listed = [line for line in slow_tests.SLOW_TESTS.read_text().splitlines() if not line.startswith("#")]
     assert listed and all(re.fullmatch(r"tests/test_\w+\.py(::test_\w+(\[.*\])?)?", line) for line in listed)
+
+
+def test_a_module_is_one_unit_of_work_and_the_agreement_matrix_one_per_port_and_dtype():
+    """tests/conftest.py's work_unit: what one pytest-xdist worker runs whole."""
+    from conftest import work_unit
+
+    assert work_unit("tests/test_jax.py::test_x[float32-jax]") == "tests/test_jax.py"
+    assert work_unit("tests/test_cli.py::test_y") == "tests/test_cli.py"
+    assert work_unit("tests/test_agreement.py::test_component[jax-cpu-bfloat16-tiny-attention-none]") == \
+        "tests/test_agreement.py[jax-bfloat16]"
+    assert work_unit("tests/test_agreement.py::test_attention_weights[tf-gpu-encoder-float16-pre_ln]") == \
+        "tests/test_agreement.py[tf-float16]"
+    assert work_unit("tests/test_agreement.py::test_layer_norm_with_a_large_common_offset_float32[torch-cpu-tiny]") \
+        == "tests/test_agreement.py[torch-]"
