@@ -52,7 +52,7 @@ from support import tiny_m2m100, tiny_marian
 
 from equivalence import cases, tolerance
 from reference_numpy.checkpoint import release_freed_memory
-from reference_numpy.precision import round_to, score_dtype, spacing
+from reference_numpy.precision import DTYPES, round_to, score_dtype, spacing
 from transformer_cli.backends import numpy as reference
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
@@ -174,7 +174,7 @@ def pytest_collection_modifyitems(config, items):
 
 # The modules split into several units of work, by port and dtype: their parts share no compiled program.
 SPLIT_MODULES = ("tests/test_agreement.py",)
-DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+DTYPE_NAMES = tuple(dtype.name for dtype in DTYPES)                 # the formats a model is stored in
 
 
 def work_unit(nodeid: str) -> str:
