@@ -10,7 +10,8 @@ wherever the bound decides them -- must hold under every family, since none of t
 roundings. (OpenBLAS, the reference's products, is pinned to one kernel on every machine by ``tests/conftest.py``.)
 
     python scripts/kernel_families.py                      # every family, the numerical tests
-    python scripts/kernel_families.py --family avx2        # one family (CI runs this one)
+    python scripts/kernel_families.py --family avx2        # one family
+    python scripts/kernel_families.py --family below-native -- -m "not slow"   # CI: the family below this CPU's
     python scripts/kernel_families.py --list               # the families and their environments
     python scripts/kernel_families.py --family sse -- -k torch    # more pytest arguments after --
 
@@ -67,6 +68,14 @@ torch.ops.mkldnn._linear_pointwise(x, torch.ones(512, 512), None, "none", [], ""
 """
 
 
+def below_native() -> str:
+    """The widest family below what this CPU selects: "avx2" on a CPU with AVX-512 (there it caps every framework's
+    choice), "sse" on one without (where "avx2" is what the frameworks select anyway)."""
+    from numpy._core._multiarray_umath import __cpu_features__
+
+    return "avx2" if __cpu_features__.get("AVX512F") else "sse"
+
+
 def family_environment(name: str) -> dict[str, str]:
     """This process's environment with the family's variables set (a variable the user set is overridden)."""
     return {**os.environ, **FAMILIES[name][1]}
@@ -107,8 +116,9 @@ def counts(closing: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", action="append", choices=list(FAMILIES), help="a family to run (repeatable); "
-                        "default: every one")
+    parser.add_argument("--family", action="append", choices=[*FAMILIES, "below-native"],
+                        help="a family to run (repeatable); below-native: the widest family below this CPU's own "
+                        "(avx2 on a CPU with AVX-512, sse on one without); default: every one")
     parser.add_argument("--list", action="store_true", help="print the families and their environments, exit")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
     args = parser.parse_args(argv)
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, (description, variables) in FAMILIES.items():
             print(f"{name}: {description}\n  " + (" ".join(f"{k}={v!r}" for k, v in variables.items()) or "-"))
         return 0
-    results = {name: run_family(name, args.pytest_args) for name in args.family or FAMILIES}
+    names = [below_native() if name == "below-native" else name for name in args.family or FAMILIES]
+    results = {name: run_family(name, args.pytest_args) for name in dict.fromkeys(names)}
     for name, (_, closing) in results.items():
         print(f"{name}: {counts(closing)}")
     return 0 if all(ok for ok, _ in results.values()) else 1

@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # programs after the same XLA passes (xla_allow_excess_precision off where the ports ask for it), generated with
 # fewer LLVM passes -- about 0.7 times the compile time of a training step, the suite's largest cost, and no bound
 # of the suite depends on it (docs/equivalence.md, "Kernel families"). A user's XLA_FLAGS, even an empty one, is
-# kept: scripts/kernel_families.py runs the numerical tests under XLA's own defaults (CI, the "avx2" family).
+# kept: scripts/kernel_families.py runs the numerical tests under XLA's own defaults (CI included).
 # Level 0 is not used: its code rounds float16 differently from XLA's other levels (a compiled float16 loss differed
 # from the op-by-op one in the fifth digit).
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false")

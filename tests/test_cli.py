@@ -144,14 +144,6 @@ def test_bench_reports_json_and_a_bar_chart(workdir):
     assert (workdir / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_plots_are_written(workdir):
-    assert run("plot", "pe", "--length", "40", "--d-model", "32", "--out", "pe.png", cwd=workdir).returncode == 0
-    result = run("plot", "attention", "tiny.safetensors", "--kind", "decoder_cross", "--layer", "1", "--head", "3",
-                 "--src", "5 6 7 2", "--tgt", "1 8 9", "--out", "attention.png", cwd=workdir)
-    assert result.returncode == 0, result.stderr
-    for name in ("pe.png", "attention.png"):
-        png = (workdir / name).read_bytes()
-        assert png.startswith(b"\x89PNG") and len(png) > 5_000
 
 
 # ----------------------------------------------------------------------------- error paths, in-process
@@ -645,3 +637,14 @@ def test_train_in_two_backends_draws_their_curves_side_by_side(workdir):
     for name in ("numpy", port):
         assert load_training_state(workdir / f"run-{name}.safetensors").step == 3
     assert (workdir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_are_written(in_workdir, capsys):
+    """In this process (the plots are drawn by the reference and matplotlib: a process shows nothing more)."""
+    assert cli(capsys, "plot", "pe", "--length", "40", "--d-model", "32", "--out", "pe.png")[0] == EXIT_OK
+    status, _, err = cli(capsys, "plot", "attention", "tiny.safetensors", "--kind", "decoder_cross", "--layer", "1",
+                         "--head", "3", "--src", "5 6 7 2", "--tgt", "1 8 9", "--out", "attention.png")
+    assert status == EXIT_OK, err
+    for name in ("pe.png", "attention.png"):
+        png = (in_workdir / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5_000

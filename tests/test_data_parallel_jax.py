@@ -37,13 +37,14 @@ WORST: dict[str, dict[str, float]] = {}     # check -> quantity -> worst error /
 
 
 # About 45 s, paid by the module's first test: one process with 4 host devices (JAX creates them at start-up, so
-# not in a test process) runs every data-parallel run the module checks, once, compiling each mesh's step.
+# not in a test process) runs every data-parallel run the module checks, once, compiling each mesh's step (with the
+# run's own XLA_FLAGS, tests/conftest.py's code generation or a kernel family's, beside the device count).
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The runner's JSON and the directory of its checkpoints."""
     out = tmp_path_factory.mktemp("data_parallel_jax")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={runner.DEVICES}"}
+    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={runner.DEVICES}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags).strip()}
     done = subprocess.run([sys.executable, runner.__file__, str(out)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr

@@ -226,22 +226,27 @@ def test_ci_also_runs_the_numerical_tests_under_another_kernel_family():
     """.ci/run runs scripts/kernel_families.py for a family other than the machine's own (docs/equivalence.md,
     "Portable numerics")."""
     ci = (ROOT / ".ci" / "run").read_text()
-    family = re.search(r"scripts/kernel_families\.py --family (\w+)", ci)
+    family = re.search(r"scripts/kernel_families\.py --family ([\w-]+)", ci)
     assert family and family.group(1) != "native"
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the families cap x86-64 ISAs")
 def test_each_kernel_family_caps_what_the_frameworks_select():
     """scripts/kernel_families.py's environments take effect: under "sse" PyTorch runs ATen's default kernels, NumPy
-    its baseline loops and oneDNN SSE4.1; under "avx2" none of them reaches AVX-512."""
+    its baseline loops and oneDNN SSE4.1; under "avx2" none of them reaches AVX-512; the family CI runs
+    ("below-native") makes PyTorch select other kernels than it does on this CPU uncapped."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         families = importlib.import_module("kernel_families")
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    sse, avx2 = families.probe("sse"), families.probe("avx2")
+    probes = {name: families.probe(name) for name in ("native", "avx2", "sse")}
+    sse, avx2 = probes["sse"], probes["avx2"]
     assert "torch capability: DEFAULT | numpy SIMD: baseline" in sse and "oneDNN: Intel SSE4.1" in sse, sse
     assert not any(isa in avx2 for isa in ("capability: AVX512", "X86_V4", "AVX-512", "AVX10", "AMX")), avx2
+    capability = {name: re.search(r"torch capability: (\w+)", found).group(1) for name, found in probes.items()}
+    if capability["native"] != "DEFAULT":                  # a CPU without AVX2 has no family below its own
+        assert capability[families.below_native()] != capability["native"], probes
 
 
 def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_path):
