@@ -53,6 +53,9 @@ def installed_port() -> str:
     return next(iter(adapters))
 
 
+# 30 to 70 s: the installed command in a fresh interpreter importing every framework, each backend's forward pass in
+# float64 and float32 and its greedy decoding (JAX's and TensorFlow's compiled): the one run of `compare` through the
+# console script, whose exit status, stdout and plot file only a process shows.
 def test_compare_prints_the_table_and_succeeds(workdir):
     result = run("compare", "tiny.safetensors", "--plot", "errors.png", cwd=workdir)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -123,6 +126,8 @@ def test_bad_input_is_one_line_and_exit_status_2(workdir):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+# 30 to 60 s: the installed command in a fresh interpreter timing every backend's forward pass and decoders (JAX's and
+# TensorFlow's compiled first) and the machine's GEMM and bandwidth anchors: the one end-to-end run of `bench`.
 def test_bench_reports_json_and_a_bar_chart(workdir):
     result = run("bench", "--preset", "tiny", "--batch", "2", "--src-len", "6", "--tgt-len", "5",
                  "--decode-tokens", "55", "--repeats", "1", "--json", "--plot", "bench.png", cwd=workdir)

@@ -145,6 +145,8 @@ def test_progress_returning_true_ends_the_run_after_that_step_on_every_rank():
     assert_within(result, expected, bound, "5 of 10 steps, N = 2 vs reference")
 
 
+# About 30 s: two process groups (4 ranks, then 2), each rank a process importing PyTorch, and two single-process
+# runs: the resumes across a process boundary are what it checks.
 def test_a_run_moves_between_one_process_and_several(tmp_path):
     """Five single-process steps saved with the port's ``save_checkpoint``, resumed over 4 processes (shards of
     one row, holding 1, 2, 5 and 6 labels); five steps over 2 processes saved with the reference's

@@ -418,6 +418,8 @@ def test_exported_forward_pass_and_greedy_decoding_agree_with_the_reference_with
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(["inputs.npz", "outputs.npz", target])
 
 
+# 20 to 40 s a target: an export of the shipped model with the bug planted (its own trace and serialisation) and its
+# run in the process without the project; a planted bug cannot share the correct artefact.
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["jax-export", "onnx"])
 def test_a_planted_bug_in_the_exported_graph_fails_the_agreement(target, agreement, exported, serving):
@@ -467,6 +469,7 @@ def test_exported_decoding_step_agrees_with_the_reference_without_the_project(ta
     check_step_against_reference(target, stepped, agreement)
 
 
+# 25 to 50 s a target: the planted export's decoding step, traced and serialised with its bug, run without the project.
 @pytest.mark.slow
 @pytest.mark.parametrize("target", STEPS)
 def test_a_planted_bug_in_the_exported_step_fails_the_agreement(target, agreement, exported, serving):
@@ -482,6 +485,8 @@ def test_a_planted_bug_in_the_exported_step_fails_the_agreement(target, agreemen
         check_step_against_reference(target, stepped, agreement)
 
 
+# 25 to 45 s a target: `export --check` twice (the artefact, then the planted one), each exporting and starting the
+# runtime's own process, as a user's command does.
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["savedmodel", "jax-export", "onnx"])
 def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_reference(target, tmp_path, capsys,

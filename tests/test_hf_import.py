@@ -179,6 +179,8 @@ def test_weights_are_the_files_bit_for_bit(saved):
                           file["model.decoder.layers.1.encoder_attn.q_proj.weight"].T)
 
 
+# About 30 s: `compare` runs every installed backend on the imported model in float64 and float32 (JAX's and
+# TensorFlow's programs compiled for its shapes, which no other test shares) and their greedy decoding.
 def test_compare_on_the_import_exits_0(saved, capsys):
     _, _, _, out = saved
     status = main(["compare", str(out), "--backends", ",".join(b for b in backends.PORTS if backends.installed(b)),

@@ -410,6 +410,8 @@ def test_keras_global_mixed_bfloat16_policy():
 
 # ----------------------------------------------------------------------------- the command line
 
+# About 30 s: every backend's forward pass and greedy decoding under its framework's mixed-precision switch, compiled
+# for the recipe (programs of their own), as the command runs them.
 @pytest.mark.slow
 def test_compare_dtype_mixed_bfloat16_exits_0(capsys):
     """``compare --dtype mixed-bfloat16``: every installed backend under its framework's switch agrees with the
@@ -507,6 +509,8 @@ def training_run(backend_name: str, precision: str):
     return copied(losses, module.export_params(model), module.training_state(model, optimizer))
 
 
+# 20 to 40 s in JAX and TensorFlow: the training step under the framework's switch, compiled for it (the float16
+# one with its loss scaling), beside the reference's ten steps in float64 and in the recipe.
 @pytest.mark.slow
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("precision", AUTOCAST_NAMES)
