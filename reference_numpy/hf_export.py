@@ -2,7 +2,8 @@
 
 ``save_hf(config, params, DIRECTORY, tokenizer)`` (``transformer-reference export --to hf CHECKPOINT DIRECTORY``)
 writes ``config.json``, ``model.safetensors`` and ``generation_config.json`` -- and, for a checkpoint holding the
-project's BPE tokenizer, ``tokenizer.json`` and ``tokenizer_config.json`` -- which transformers'
+project's BPE tokenizer, ``tokenizer.json`` and ``tokenizer_config.json``; for an imported family's tokenizer, the
+directory's tokenizer files as the import read them -- which transformers'
 ``AutoModelForSeq2SeqLM.from_pretrained(DIRECTORY)`` and ``AutoTokenizer.from_pretrained(DIRECTORY)`` load. The
 tensors go through the import's own table (:func:`.hf_import.weight_table`, each checkpoint tensor to the first
 Hugging Face name it is read from; :func:`.hf_import.transposed`), each shape checked. Nothing here runs
@@ -62,6 +63,7 @@ from .hf_import import (
     transposed,
     weight_table,
 )
+from .hf_tokenizer import check_family_record, hf_tokenizer_files, is_family_record
 from .tokenizer import BOS, EOS, PAD, UNK, tokenizer_ids
 
 GENERATION_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = (
@@ -206,13 +208,17 @@ def hf_tokenizer(tokenizer: str, config: TransformerConfig) -> tuple[str, dict[s
 def save_hf(config: TransformerConfig, params: dict[str, np.ndarray], directory: str | Path,
             tokenizer: str | None = None) -> None:
     """Write the Hugging Face model directory (module docstring) into the existing ``directory``; the tokenizer's
-    files only if ``tokenizer`` (the checkpoint's JSON text) is given."""
+    files only if ``tokenizer`` (the checkpoint's text: the project's BPE, or an imported family's record, whose
+    directory files are written back as they were: :func:`.hf_tokenizer.hf_tokenizer_files`) is given."""
     from safetensors.numpy import save_file
 
     root = Path(directory)
     files = {CONFIG_FILE: hf_config(config), GENERATION_FILE: generation_config(config)}
     weights = hf_weights(config, params)
-    if tokenizer is not None:
+    if tokenizer is not None and is_family_record(tokenizer):
+        for name, content in hf_tokenizer_files(check_family_record(tokenizer, config)).items():
+            (root / name).write_bytes(content)
+    elif tokenizer is not None:
         text, files[TOKENIZER_CONFIG_FILE] = hf_tokenizer(tokenizer, config)
         (root / TOKENIZER_FILE).write_text(text, encoding="utf-8")
     for name, content in files.items():

@@ -4,9 +4,12 @@ A family's tokenizer is a record (JSON text in the checkpoint's ``tokenizer`` me
 :data:`RECORD` lists its fields): the SentencePiece model(s) converted by transformers' own converter
 (``transformers.convert_slow_tokenizer``) to Hugging Face ``tokenizers`` JSON texts that cut a text into pieces,
 the model's vocabulary (piece -> id, the family's ``vocab.json`` or the ``tokenizer.json``'s own), the language
-codes (code -> id) and where they go. Nothing in it is code; ``tokenizers`` alone runs it (no sentencepiece at run
-time). The rules are transformers 5.23's (``models/marian/tokenization_marian.py``,
-``models/m2m_100/tokenization_m2m_100.py``, ``models/nllb/tokenization_nllb.py``):
+codes (code -> id) and where they go; and the directory's own tokenizer files that those fields do not hold as they
+are (``tokenizer_config.json``, the SentencePiece model files: :data:`KEPT_FILES`), byte for byte, which only
+``export --to hf`` reads, to write the directory's tokenizer back (:func:`hf_tokenizer_files`). Nothing in it is
+code; ``tokenizers`` alone runs it (no sentencepiece at run time). The rules are transformers 5.23's
+(``models/marian/tokenization_marian.py``, ``models/m2m_100/tokenization_m2m_100.py``,
+``models/nllb/tokenization_nllb.py``):
 
 * Marian (``MarianTokenizer``): the source text's pieces by ``source.spm`` (the target side's by ``target.spm``),
   each looked up in the shared ``vocab.json`` (a piece it lacks is ``<unk>``), then ``</s>``. A text starting with a
@@ -27,6 +30,8 @@ decoding skips the language codes (transformers 5.23's M2M100 tokenizer writes t
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import importlib
 import json
@@ -46,7 +51,13 @@ FAMILIES = ("marian", "m2m_100", "nllb")
 SOURCE_LANGUAGE = ("none", "prefix", "suffix")       # where the source language's code goes in the source ids
 TARGET_LANGUAGE = ("none", "forced", "source_prefix")  # forced first decoded token, or (Marian) the source's first
 RECORD = {"family": str, "source": str, "target": str, "vocab": dict, "unk_id": int, "special_ids": list,
-          "languages": dict, "source_language": str, "target_language": str, "strip": bool}
+          "languages": dict, "source_language": str, "target_language": str, "strip": bool, "files": dict}
+OPTIONAL = ("files",)                                 # absent in the records of imports before it was kept
+# The directory's tokenizer files that the other fields do not hold as they are, kept byte for byte (base64) in the
+# record's "files" for ``export --to hf`` alone, which writes them back (vocab.json, NLLB's tokenizer.json: from
+# "vocab" and "source"). Nothing reads them to tokenize.
+KEPT_FILES = {"marian": ("tokenizer_config.json", "source.spm", "target.spm"),
+              "m2m_100": ("tokenizer_config.json", "sentencepiece.bpe.model"), "nllb": ("tokenizer_config.json",)}
 SHOWN_LANGUAGES = 8                                   # codes a message about an unknown language lists
 FLAGS = {"--source-lang": "source language", "--target-lang": "target language"}
 
@@ -65,11 +76,16 @@ def check_family_record(text: str, config: TransformerConfig) -> dict[str, Any]:
     its choices, the config's pad and eos among its special ids, every id inside the model's vocabularies. Returns
     the record; anything else is one ``ValueError`` naming the field."""
     name = "tokenizer"
-    data = records.record(records.parse_json(text, name, "a JSON text"), name, RECORD)
+    data = records.record(records.parse_json(text, name, "a JSON text"), name, RECORD, OPTIONAL)
     for field, allowed in (("family", FAMILIES), ("source_language", SOURCE_LANGUAGE),
                            ("target_language", TARGET_LANGUAGE)):
         if data[field] not in allowed:
             raise ValueError(f"tokenizer field {field!r} is {data[field]!r}; expected one of {', '.join(allowed)}")
+    for file, content in (data.get("files") or {}).items():
+        if file not in KEPT_FILES[data["family"]]:
+            raise ValueError(f"tokenizer field 'files' holds {file!r}; a {data['family']} tokenizer keeps "
+                             f"{', '.join(KEPT_FILES[data['family']])}")
+        _decoded(records.check(content, str, f"tokenizer field 'files.{file}'"), file)
     ids = [records.check(i, int, f"tokenizer field 'vocab.{piece}'") for piece, i in data["vocab"].items()]
     ids += [records.check(i, int, f"tokenizer field 'languages.{code}'") for code, i in data["languages"].items()]
     ids += [records.check(i, int, "tokenizer field 'special_ids'") for i in data["special_ids"]]
@@ -83,6 +99,28 @@ def check_family_record(text: str, config: TransformerConfig) -> dict[str, Any]:
     if (data["source_language"] != "none" or data["target_language"] != "none") and not data["languages"]:
         raise ValueError("tokenizer places language codes but lists none (field 'languages')")
     return data
+
+
+def _decoded(content: str, file: str) -> bytes:
+    try:
+        return base64.b64decode(content, validate=True)
+    except binascii.Error:
+        raise ValueError(f"tokenizer field 'files.{file}' is not base64 text") from None
+
+
+def hf_tokenizer_files(record: dict[str, Any]) -> dict[str, bytes]:
+    """The Hugging Face tokenizer directory of a family's record (checked): its kept files as they were, and
+    ``vocab.json`` (Marian, M2M100) or ``tokenizer.json`` (NLLB) from the record's own fields. A record without
+    ``files`` (an import before they were kept) is one ``ValueError``: import the directory again."""
+    if not record.get("files"):
+        raise ValueError(f"tokenizer field 'files' is missing: the {record['family']} tokenizer was imported without "
+                         "its files (an earlier version); import the model directory again to export its tokenizer")
+    files = {name: _decoded(content, name) for name, content in record["files"].items()}
+    if record["family"] == "nllb":
+        files[TOKENIZER_JSON] = record["source"].encode("utf-8")
+    else:
+        files["vocab.json"] = (json.dumps(record["vocab"], ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+    return files
 
 
 def _built(library: Any, record: dict[str, Any], side: str) -> Any:
@@ -361,6 +399,8 @@ def read_hf_tokenizer(directory: str | os.PathLike, config: TransformerConfig) -
         raise ValueError(f"{os.fspath(root / TOKENIZER_CONFIG)!r} must hold a JSON object")
     family = _family(root, settings)
     record = {"marian": _marian, "m2m_100": _m2m100, "nllb": _nllb}[family](root, settings, config)
+    record["files"] = {name: base64.b64encode((root / name).read_bytes()).decode("ascii")
+                       for name in KEPT_FILES[family]}
     text = json.dumps(record, ensure_ascii=False, sort_keys=True)
     check_family_record(text, config)
     return text

@@ -746,6 +746,10 @@ HF_EXPORT = [
            ["tests/test_hf_export.py", "-k", "generate"]),
     single("hf export", "hf export: the tokenizer appends no eos to the source", "reference_numpy/hf_export.py",
            'single=f"$A {EOS}"', 'single="$A"', ["tests/test_hf_export.py", "-k", "autotokenizer"]),
+    single("hf export", "hf export: an imported family's vocab.json written with every id one place off",
+           "reference_numpy/hf_tokenizer.py", 'json.dumps(record["vocab"], ensure_ascii=False',
+           'json.dumps({k: (v + 1) % len(record["vocab"]) for k, v in record["vocab"].items()}, ensure_ascii=False',
+           ["tests/test_hf_tokenizers.py", "-k", "export_of_an_imported"]),
 ]
 
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")

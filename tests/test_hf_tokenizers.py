@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import warnings
 
 import numpy as np
@@ -18,9 +19,15 @@ pytest.importorskip("sentencepiece", reason="the tests train SentencePiece model
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
 torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
 
-from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json  # noqa: E402
+from reference_numpy.checkpoint import (  # noqa: E402
+    load_checkpoint,
+    load_tokenizer,
+    load_tokenizer_json,
+    save_checkpoint,
+)
 from reference_numpy.hf_import import import_hf  # noqa: E402
-from reference_numpy.hf_tokenizer import FamilyTokenizer, read_hf_tokenizer  # noqa: E402
+from reference_numpy.hf_tokenizer import KEPT_FILES, FamilyTokenizer, read_hf_tokenizer  # noqa: E402
+from transformer_cli.commands.export import export_hf  # noqa: E402
 from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
 
@@ -112,6 +119,66 @@ def test_nllb_ids_and_decode_equal_transformers(nllb):
         assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
         assert mine.decode([mine.forced_bos_id, *ids]) == oracle.decode([mine.forced_bos_id, *ids],
                                                                         skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- export --to hf writes it back
+
+def exported_tokenizer(checkpoint, directory, tmp_path, **languages):
+    """``export_hf`` of an imported checkpoint: transformers' AutoTokenizer of the export; the files the import kept
+    are the directory's, byte for byte; and the export imports back to the same record."""
+    out = export_hf(checkpoint, tmp_path / "hf")
+    record = json.loads(load_tokenizer_json(checkpoint))
+    for name in KEPT_FILES[record["family"]]:
+        assert (out / name).read_bytes() == (directory / name).read_bytes(), name
+    import_hf(out, tmp_path / "again.safetensors")
+    assert load_tokenizer_json(tmp_path / "again.safetensors") == load_tokenizer_json(checkpoint)
+    return transformers.AutoTokenizer.from_pretrained(out, split_special_tokens=True, **languages)
+
+
+def assert_same_ids(theirs, oracle, texts):
+    for text in texts:
+        assert theirs(text).input_ids == oracle(text).input_ids, text
+        assert theirs(text_target=text).input_ids == oracle(text_target=text).input_ids, text
+
+
+def test_the_export_of_an_imported_marian_model_holds_its_tokenizer(marian, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
+        theirs = exported_tokenizer(marian["checkpoint"], marian["directory"], tmp_path)
+    assert type(theirs).__name__ == "MarianTokenizer"
+    assert_same_ids(theirs, marian["oracle"], TEXTS + SOURCE + TARGET + random_texts(6, 100))
+
+
+def test_the_export_of_an_imported_m2m100_model_holds_its_tokenizer(m2m100, tmp_path):
+    theirs = exported_tokenizer(m2m100["checkpoint"], m2m100["directory"], tmp_path, src_lang="fr", tgt_lang="de")
+    assert type(theirs).__name__ == "M2M100Tokenizer"
+    assert_same_ids(theirs, m2m100["oracle"]("fr", "de"), TEXTS + SOURCE + TARGET + random_texts(7, 100))
+
+
+def test_the_export_of_an_imported_nllb_model_holds_its_tokenizer(nllb, tmp_path):
+    theirs = exported_tokenizer(nllb["checkpoint"], nllb["checkpoint"].with_suffix(""), tmp_path,
+                                src_lang="zul_Latn", tgt_lang="deu_Latn")
+    assert_same_ids(theirs, nllb["oracle"]("zul_Latn", "deu_Latn"), TEXTS + SOURCE + TARGET + random_texts(8, 100))
+
+
+def test_a_record_without_its_files_or_with_others_is_refused_naming_the_field(marian, tmp_path):
+    """A record of an import before the files were kept loads and translates, and its export names what to do; a
+    record keeping a file its family does not have, or a file that is not base64, is refused on load."""
+    config, params = load_checkpoint(marian["checkpoint"])
+    record = json.loads(load_tokenizer_json(marian["checkpoint"]))
+    older = {name: value for name, value in record.items() if name != "files"}
+    save_checkpoint(tmp_path / "older.safetensors", config, params, tokenizer=json.dumps(older))
+    assert load_tokenizer(tmp_path / "older.safetensors").ids("the cat") == marian["oracle"]("the cat").input_ids
+    with pytest.raises(ValueError, match="^tokenizer field 'files' is missing: the marian tokenizer was imported "
+                                         "without its files"):
+        export_hf(tmp_path / "older.safetensors", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    for files, message in (({**record["files"], "../config.json": ""}, "'files' holds '../config.json'; a marian "
+                                                                       "tokenizer keeps tokenizer_config.json, "
+                                                                       "source.spm, target.spm"),
+                           ({**record["files"], "source.spm": "not base64!"}, "'files.source.spm' is not base64")):
+        with pytest.raises(ValueError, match=re.escape(f"tokenizer field {message}")):
+            FamilyTokenizer.from_json(json.dumps({**record, "files": files}), config)
 
 
 # ----------------------------------------------------------------------------- languages: the flags' errors
