@@ -216,8 +216,8 @@ def save_hf(config: TransformerConfig, params: dict[str, np.ndarray], directory:
     files = {CONFIG_FILE: hf_config(config), GENERATION_FILE: generation_config(config)}
     weights = hf_weights(config, params)
     if tokenizer is not None and is_family_record(tokenizer):
-        for name, content in hf_tokenizer_files(check_family_record(tokenizer, config)).items():
-            (root / name).write_bytes(content)
+        for file, data in hf_tokenizer_files(check_family_record(tokenizer, config)).items():
+            (root / file).write_bytes(data)
     elif tokenizer is not None:
         text, files[TOKENIZER_CONFIG_FILE] = hf_tokenizer(tokenizer, config)
         (root / TOKENIZER_FILE).write_text(text, encoding="utf-8")
