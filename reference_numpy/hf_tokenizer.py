@@ -53,11 +53,15 @@ TARGET_LANGUAGE = ("none", "forced", "source_prefix")  # forced first decoded to
 RECORD = {"family": str, "source": str, "target": str, "vocab": dict, "unk_id": int, "special_ids": list,
           "languages": dict, "source_language": str, "target_language": str, "strip": bool, "files": dict}
 OPTIONAL = ("files",)                                 # absent in the records of imports before it was kept
+# A Hugging Face directory's tokenizer files
+TOKENIZER_CONFIG, VOCAB_FILE, TOKENIZER_JSON = "tokenizer_config.json", "vocab.json", "tokenizer.json"
+MARIAN_MODELS, M2M100_MODEL = ("source.spm", "target.spm"), "sentencepiece.bpe.model"
+MARIAN_FILES, M2M100_FILES = (*MARIAN_MODELS, VOCAB_FILE), (M2M100_MODEL, VOCAB_FILE)
 # The directory's tokenizer files that the other fields do not hold as they are, kept byte for byte (base64) in the
 # record's "files" for ``export --to hf`` alone, which writes them back (vocab.json, NLLB's tokenizer.json: from
 # "vocab" and "source"). Nothing reads them to tokenize.
-KEPT_FILES = {"marian": ("tokenizer_config.json", "source.spm", "target.spm"),
-              "m2m_100": ("tokenizer_config.json", "sentencepiece.bpe.model"), "nllb": ("tokenizer_config.json",)}
+KEPT_FILES = {"marian": (TOKENIZER_CONFIG, *MARIAN_MODELS), "m2m_100": (TOKENIZER_CONFIG, M2M100_MODEL),
+              "nllb": (TOKENIZER_CONFIG,)}
 SHOWN_LANGUAGES = 8                                   # codes a message about an unknown language lists
 FLAGS = {"--source-lang": "source language", "--target-lang": "target language"}
 
@@ -119,7 +123,7 @@ def hf_tokenizer_files(record: dict[str, Any]) -> dict[str, bytes]:
     if record["family"] == "nllb":
         files[TOKENIZER_JSON] = record["source"].encode("utf-8")
     else:
-        files["vocab.json"] = (json.dumps(record["vocab"], ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+        files[VOCAB_FILE] = (json.dumps(record["vocab"], ensure_ascii=False, indent=2) + "\n").encode("utf-8")
     return files
 
 
@@ -291,10 +295,6 @@ def read_tokenizer(text: str, config: TransformerConfig) -> Tokenizer | FamilyTo
 
 # ----------------------------------------------------------------------------- reading a Hugging Face directory
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
-MARIAN_FILES = ("source.spm", "target.spm", "vocab.json")
-M2M100_FILES = ("sentencepiece.bpe.model", "vocab.json")
-TOKENIZER_JSON = "tokenizer.json"
 CLASSES = {"MarianTokenizer": "marian", "M2M100Tokenizer": "m2m_100", "NllbTokenizer": "nllb",
            "NllbTokenizerFast": "nllb"}
 
@@ -432,9 +432,10 @@ def _marian(root: Path, settings: dict[str, Any], config: TransformerConfig) -> 
     if settings.get("separate_vocabs"):
         raise ValueError(f"{os.fspath(root / TOKENIZER_CONFIG)!r}: separate_vocabs (a target_vocab.json) is not "
                          "supported; the import reads Marian's shared vocab.json")
-    vocab = _vocabulary(root / "vocab.json")
+    vocab = _vocabulary(root / VOCAB_FILE)
     languages = {piece[2:-2]: i for piece, i in vocab.items() if piece.startswith(">>") and piece.endswith("<<")}
-    return {"family": "marian", "source": _converted(root / "source.spm"), "target": _converted(root / "target.spm"),
+    source, target = (_converted(root / name) for name in MARIAN_MODELS)
+    return {"family": "marian", "source": source, "target": target,
             "vocab": vocab, "unk_id": _unk(vocab, settings, root), "special_ids": _special_ids(vocab, settings, config),
             "languages": languages, "source_language": "none",
             "target_language": "source_prefix" if languages else "none", "strip": True}
@@ -447,8 +448,8 @@ def _m2m100(root: Path, settings: dict[str, Any], config: TransformerConfig) -> 
     if codes is None:
         raise ValueError(f"{os.fspath(root / TOKENIZER_CONFIG)!r}: language_codes "
                          f"{settings.get('language_codes')!r} is not one of {', '.join(tables)}")
-    vocab = _vocabulary(root / "vocab.json")
-    source = _converted(root / "sentencepiece.bpe.model")
+    vocab = _vocabulary(root / VOCAB_FILE)
+    source = _converted(root / M2M100_MODEL)
     return {"family": "m2m_100", "source": source, "target": source, "vocab": vocab,
             "unk_id": _unk(vocab, settings, root), "special_ids": _special_ids(vocab, settings, config),
             "languages": {code: len(vocab) + i for i, code in enumerate(codes)},

@@ -149,8 +149,6 @@ def test_bench_reports_json_and_a_bar_chart(workdir):
     assert (workdir / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
-
-
 # ----------------------------------------------------------------------------- error paths, in-process
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

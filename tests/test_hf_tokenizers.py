@@ -124,9 +124,10 @@ def test_nllb_ids_and_decode_equal_transformers(nllb):
 # ----------------------------------------------------------------------------- export --to hf writes it back
 
 def exported_tokenizer(checkpoint, directory, tmp_path, **languages):
-    """``export_hf`` of an imported checkpoint: transformers' AutoTokenizer of the export; the files the import kept
-    are the directory's, byte for byte; and the export imports back to the same record."""
-    out = export_hf(checkpoint, tmp_path / "hf")
+    """``export --to hf`` of an imported checkpoint: transformers' AutoTokenizer of the export; the files the import
+    kept are the directory's, byte for byte; and the export imports back to the same record."""
+    out = tmp_path / "hf"
+    assert main(["export", "--to", "hf", str(checkpoint), str(out)]) == 0
     record = json.loads(load_tokenizer_json(checkpoint))
     for name in KEPT_FILES[record["family"]]:
         assert (out / name).read_bytes() == (directory / name).read_bytes(), name
