@@ -31,6 +31,7 @@ LENGTH_NORMALIZATIONS = ("gnmt", "hf")
 # transformers' ``early_stopping`` (GenerationConfig): when an "hf" beam search stops (reference_numpy/decoding.py)
 EARLY_STOPPING = (False, True, "never")
 LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, the default of ``length_penalty``
+MAX_BEAM_SIZE = 64          # the widest beam a checkpoint's ``beam_size`` or a command's --beam may ask for
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -124,6 +125,8 @@ class TransformerConfig(_Config):
         length_penalty: beam search's alpha when a call gives none (0.6, section 6.1; transformers'
             ``length_penalty``, 1.0 by default).
         early_stopping: transformers' ``early_stopping`` (False, True or "never"), for "hf" only.
+        beam_size: the beam the decoding commands (``translate``, ``evaluate``) use when given none: 1 is greedy
+            decoding, the default; transformers' ``num_beams`` on import (section 6.1 uses 4).
     """
 
     src_vocab_size: int = 37000
@@ -152,6 +155,7 @@ class TransformerConfig(_Config):
     length_normalization: str = "gnmt"
     length_penalty: float = LENGTH_PENALTY_ALPHA
     early_stopping: bool | str = False
+    beam_size: int = 1
 
     def __post_init__(self) -> None:
         """Validate every field; NumPy scalars (``np.int64(16)``, ``np.float32(0.1)``, ``np.bool_``)
@@ -229,6 +233,9 @@ class TransformerConfig(_Config):
         if self.early_stopping is not False and self.length_normalization != "hf":
             raise ValueError(f"early_stopping {self.early_stopping!r} needs length_normalization 'hf' (the 'gnmt' "
                              "search stops by its own exact rule)")
+        self._store("beam_size", _as_int("beam_size", self.beam_size, minimum=1))
+        if self.beam_size > MAX_BEAM_SIZE:
+            raise ValueError(f"beam_size must be <= {MAX_BEAM_SIZE}, got {self.beam_size}")
 
     @property
     def start_id(self) -> int:

@@ -38,11 +38,12 @@ Special ids and decoding: pad, bos and eos are kept; ``generation_config.json`` 
 conventions (:mod:`.decoding`; what :mod:`.hf_import` reads back): the start token (``decoder_start_token_id``:
 ``decoder_start_id``, or bos), the tokens never written (``bad_words_ids`` of one token each, which set their scores
 to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise), eos forced at the end of the
-budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; greedy by default, at most ``max_len``
-tokens after the start token. The per-sentence budget (source length + 50, section 6.1) is the caller's
-(``max_new_tokens``). Beam search in transformers normalises by |Y|^length_penalty (``length_normalization`` "hf"):
-a checkpoint with the paper's ((5 + |Y|) / 6)^alpha ("gnmt") has no ``generate`` equivalent, so its export's greedy
-decoding is the reference's, its beam search transformers' own -- and it imports back as "hf".
+budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
+``num_beams`` (1, greedy, by default), at most ``max_len`` tokens after the start token. The per-sentence budget
+(source length + 50, section 6.1) is the caller's (``max_new_tokens``). Beam search in transformers normalises by
+|Y|^length_penalty (``length_normalization`` "hf"): a checkpoint with the paper's ((5 + |Y|) / 6)^alpha ("gnmt") has
+no ``generate`` equivalent, so its export's greedy decoding is the reference's, its beam search transformers' own --
+and it imports back as "hf".
 """
 
 from __future__ import annotations
@@ -123,10 +124,10 @@ def special_ids(config: TransformerConfig) -> dict[str, Any]:
 
 def generation_config(config: TransformerConfig) -> dict[str, Any]:
     """``generation_config.json``: the checkpoint's decoding conventions as transformers' ``generate`` reads them
-    (module docstring), greedy by default."""
+    (module docstring), its beam ``beam_size`` (greedy by default)."""
     suppressed = (config.pad_id, config.bos_id) if config.suppressed_ids is None else config.suppressed_ids
     bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
-    return {**special_ids(config), "num_beams": 1, "do_sample": False, "max_length": config.max_len + 1,
+    return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False, "max_length": config.max_len + 1,
             **bad_words, "length_penalty": config.length_penalty, "early_stopping": config.early_stopping}
 
 

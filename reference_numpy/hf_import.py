@@ -21,14 +21,15 @@ weight (out, in), this project (in, out): the names in :data:`TRANSPOSED` are tr
 asserted against the config. Anything outside the space the reference defines is refused with one ``ValueError``
 line naming the field (or tensor).
 
-Special ids and decoding: the project's config holds three different ids pad, bos, eos, and the decoding
-conventions of ``reference_numpy/decoding.py``, set from ``generation_config.json`` (or, without it, the same fields
-of ``config.json``, as older files hold them) as transformers' ``generate`` reads them: ``decoder_start_token_id`` is
+Special ids and decoding: the project's config holds three different ids pad, bos, eos, and the decoding conventions
+of ``reference_numpy/decoding.py``, set from ``generation_config.json`` (or, without it, the same fields of
+``config.json``, as older files hold them) as transformers' ``generate`` reads them: ``decoder_start_token_id`` is
 ``decoder_start_id`` (Marian's pad, M2M100/NLLB's eos); ``bad_words_ids`` of one token each are ``suppressed_ids``
 (Marian's pad; nothing else is suppressed: transformers may emit any other token); ``forced_eos_token_id`` (Marian's
 eos) is ``forced_eos``; beam search is transformers' (``length_normalization`` "hf") with its ``length_penalty``
-(1.0 by default) and ``early_stopping`` (False by default). ``forced_bos_token_id`` is not read: the forced first
-token (M2M100/NLLB's target language) is given per call (``forced_bos_id``). Marian has no bos of its own (its
+(1.0 by default) and ``early_stopping`` (False by default); ``num_beams`` (1 by default) is ``beam_size``, the beam
+the decoding commands use when given none. ``forced_bos_token_id`` is not read: the forced first token
+(M2M100/NLLB's target language) is given per call (``forced_bos_id``). Marian has no bos of its own (its
 ``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as ``bos_id`` the lowest id that is
 neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this project exported
 (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from reference_numpy.checkpoint import parameter_shapes, save_checkpoint
-from reference_numpy.config import MAX_LEN_LIMIT, TransformerConfig
+from reference_numpy.config import MAX_BEAM_SIZE, MAX_LEN_LIMIT, TransformerConfig
 from reference_numpy.hf_tokenizer import read_hf_tokenizer, tokenizer_files
 
 FAMILIES = ("marian", "m2m_100")
@@ -57,7 +58,7 @@ CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE = (
 GENERATION_FILE = "generation_config.json"
 # The fields of transformers' GenerationConfig that set the decoding conventions (module docstring)
 GENERATION_FIELDS = ("decoder_start_token_id", "bad_words_ids", "forced_eos_token_id", "length_penalty",
-                     "early_stopping")
+                     "early_stopping", "num_beams")
 # Fields of older config.json files (BART's lineage) that transformers' Marian and M2M100 no longer read: each must
 # hold the value the family's code computes, or the file describes another model
 LEGACY_FIELDS: dict[str, dict[str, Any]] = {
@@ -156,11 +157,15 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     early_stopping = generation.get("early_stopping", False)
     if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
         raise ValueError(f"{source} early_stopping must be true, false or \"never\", got {early_stopping!r}")
+    beams = generation.get("num_beams", 1)
+    if not isinstance(beams, int) or isinstance(beams, bool) or not 1 <= beams <= MAX_BEAM_SIZE:
+        raise ValueError(f"{source} num_beams must be an int from 1 to {MAX_BEAM_SIZE}, got {beams!r}")
     suppressed = [word[0] for word in bad]
     return dict(decoder_start_id=None if start == bos else start,
                 suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
                 forced_eos=forced_eos is not None,
-                length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping)
+                length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
+                beam_size=beams)
 
 
 def _field(hf: dict[str, Any], name: str) -> int:

@@ -56,7 +56,7 @@ LANGUAGE = 5                       # M2M100's forced first token: a target-langu
 BUDGET = 40                        # max_position_embeddings of support.MARIAN and M2M100: every sentence's budget
 EARLY_STOPPING = (False, True, "never")
 CONVENTIONS = ("decoder_start_id", "suppressed_ids", "forced_eos", "length_normalization", "length_penalty",
-               "early_stopping")
+               "early_stopping", "beam_size")
 
 
 def natural(model, family: str, seed: int, scale: float, shift: float):
@@ -93,6 +93,7 @@ def family_model(request, tmp_path_factory):
     model = natural(build(family, seed=seed).double(), family, seed, scale, shift)
     if family == "marian":
         model.generation_config.bad_words_ids = [[model.config.pad_token_id]]     # as opus-mt's files hold it
+    model.generation_config.num_beams = 4                                         # generate's beam when given none
     directory = tmp_path_factory.mktemp(family)
     model.save_pretrained(directory)
     out = directory.parent / f"{family}-generate.safetensors"
@@ -171,7 +172,8 @@ def test_the_import_sets_the_family_conventions(family_model):
         assert (config.start_id, config.never_emitted, config.forced_eos) == (config.pad_id, (config.pad_id,), True)
     else:
         assert (config.start_id, config.never_emitted, config.forced_eos) == (config.eos_id, (), False)
-    assert (config.length_normalization, config.length_penalty, config.early_stopping) == ("hf", 1.0, False)
+    assert (config.length_normalization, config.length_penalty, config.early_stopping, config.beam_size) == (
+        "hf", 1.0, False, 4)
 
 
 def test_the_settings_matter(family_model, expected):
@@ -262,16 +264,18 @@ def test_paper_decoding_differs(family_model, expected):
 
 
 def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, expected):
-    """translate's Translator (``--beam 4``, no ``--alpha``): the checkpoint's length_penalty and conventions, and
-    the forced first token it is given."""
+    """translate's Translator (no ``--beam``, no ``--alpha``): the checkpoint's beam (transformers' num_beams, 4),
+    length_penalty and conventions, and the forced first token it is given; ``--beam 1``: greedy decoding."""
     family, _, path, (config, _), src = family_model
     from transformer_cli.backends import numpy as adapter
     from transformer_cli.commands.translate import Translator
     tokenizer = SimpleNamespace(config=config)          # token_ids reads the tokenizer's config alone
-    translator = Translator(adapter, adapter.load(path), tokenizer, beam_size=4, forced_bos_id=forced(family))
-    assert translator.alpha == config.length_penalty == 1.0
+    translator = Translator(adapter, adapter.load(path), tokenizer, forced_bos_id=forced(family))
+    assert (translator.beam_size, translator.alpha) == (config.beam_size, config.length_penalty) == (4, 1.0)
     rows = [[int(token) for token in row if token != config.pad_id] for row in src]
     assert_same_tokens(translator.token_ids(rows), expected[("beam", False, 1.0)], config.pad_id)
+    greedy = Translator(adapter, adapter.load(path), tokenizer, beam_size=1, forced_bos_id=forced(family))
+    assert_same_tokens(greedy.token_ids(rows), expected[("greedy", None, 1.0)], config.pad_id)
 
 
 def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
@@ -281,7 +285,8 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     older = {name: value for name, value in config.to_dict().items() if name not in CONVENTIONS}
     paper = TransformerConfig.from_dict(older)
     assert (paper.start_id, paper.never_emitted, paper.forced_eos, paper.length_normalization, paper.length_penalty,
-            paper.early_stopping) == (paper.bos_id, (paper.pad_id, paper.bos_id), False, "gnmt", 0.6, False)
+            paper.early_stopping, paper.beam_size) == (paper.bos_id, (paper.pad_id, paper.bos_id), False, "gnmt", 0.6,
+                                                       False, 1)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -294,6 +299,9 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("length_penalty", -0.5, "length_penalty must be a finite number >= 0"),
     ("early_stopping", "always", "early_stopping must be one of False, True, 'never'"),
     ("early_stopping", True, "early_stopping True needs length_normalization 'hf'"),
+    ("beam_size", 0, "beam_size must be >= 1"),
+    ("beam_size", 65, "beam_size must be <= 64"),
+    ("beam_size", 2.0, "beam_size must be an int"),
 ])
 def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError) as info:
@@ -330,11 +338,14 @@ def test_config_from_generation_config():
                   "length_penalty": 1.5, "early_stopping": "never", "num_beams": 6}
     config = config_from_hf(base, generation)
     assert (config.decoder_start_id, config.suppressed_ids, config.forced_eos, config.length_penalty,
-            config.early_stopping) == (28, (28,), True, 1.5, "never")
-    legacy = config_from_hf({**base, "bad_words_ids": [[28]]})
-    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping) == ((28,), False, False)
+            config.early_stopping, config.beam_size) == (28, (28,), True, 1.5, "never", 6)
+    legacy = config_from_hf({**base, "bad_words_ids": [[28]], "num_beams": 4})
+    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping, legacy.beam_size) == ((28,), False,
+                                                                                                   False, 4)
+    assert config_from_hf(base, {"decoder_start_token_id": 28}).beam_size == 1           # GenerationConfig's default
     for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", 5), ("early_stopping", 1),
-                         ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0)):
+                         ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0),
+                         ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0)):
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 import warnings
 
 import numpy as np
@@ -235,6 +236,29 @@ def test_translate_and_evaluate_run_an_imported_marian_model(marian, reference_t
     assert main(["evaluate", checkpoint, "--source", str(source), "--reference", str(target), "--backend", name,
                  "--dtype", "float64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sentences"] == 3
+
+
+def test_the_commands_search_with_an_imported_models_own_beam(marian, tmp_path, capsys):
+    """A directory whose generation_config.json asks for num_beams 3: translate and evaluate without --beam search
+    with a beam of 3 (the checkpoint's beam_size), as transformers' generate does; --beam 1 is greedy decoding."""
+    directory = tmp_path / "beam-3"
+    shutil.copytree(marian["directory"], directory)
+    settings = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**settings, "num_beams": 3}))
+    checkpoint = str(tmp_path / "beam-3.safetensors")
+    assert import_hf(directory, checkpoint).beam_size == 3
+    outputs = {}
+    for beam in ([], ["--beam", "3"], ["--beam", "1"]):
+        assert main(["translate", "--checkpoint", checkpoint, "--dtype", "float64", *beam, *SOURCE]) == 0
+        outputs[tuple(beam)] = capsys.readouterr().out
+    assert outputs[()] == outputs[("--beam", "3")] != outputs[("--beam", "1")]
+    source, target = tmp_path / "test.src", tmp_path / "test.ref"
+    source.write_text("\n".join(SOURCE) + "\n", encoding="utf-8")
+    target.write_text("\n".join(TARGET) + "\n", encoding="utf-8")
+    for beam, expected in (([], 3), (["--beam", "1"], 1)):
+        assert main(["evaluate", checkpoint, "--source", str(source), "--reference", str(target), "--json",
+                     *beam]) == 0
+        assert json.loads(capsys.readouterr().out)["beam"] == expected
 
 
 def test_translate_names_the_missing_language_of_an_imported_m2m100_model(m2m100, capsys):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reference_numpy.checkpoint import SHIPPED_MODELS
-from reference_numpy.config import MAX_LEN_LIMIT
+from reference_numpy.config import MAX_BEAM_SIZE, MAX_LEN_LIMIT
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import AUTOCAST_NAMES, DTYPE_NAMES
 from transformer_cli import backends
@@ -98,7 +98,7 @@ RANGES: dict[str, Range] = {
     "--save-every": Range(1, STEPS),
     "--keep": Range(1, 1000),
     "--average": Range(2, 1000, then="at most the checkpoints the run saves and --keep"),
-    "--beam": Range(1, 64),                                                  # translate, evaluate
+    "--beam": Range(1, MAX_BEAM_SIZE),                                                  # translate, evaluate
     "--alpha": Range(0, 10, real=True),
 }
 

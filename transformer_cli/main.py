@@ -658,8 +658,9 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
     batch size."""
     parser.add_argument("--backend", choices=tuple(backends.BACKENDS), default="numpy",
                         help="the framework that runs the model (default: numpy, the reference)")
-    add_number(parser, "--beam", default=1,
-               help=f"beam size; 1 is greedy decoding (default), section 6.1 uses {BEAM_SIZE}")
+    add_number(parser, "--beam", default=None,
+               help=f"beam size; 1 is greedy decoding (default: the checkpoint's beam_size: 1, or an imported "
+                    f"model's num_beams), section 6.1 uses {BEAM_SIZE}")
     add_number(parser, "--alpha", default=None,
                help=f"beam search's length penalty alpha (default: the checkpoint's length_penalty: "
                     f"{LENGTH_PENALTY_ALPHA}, section 6.1's, or an imported model's own)")

@@ -84,15 +84,18 @@ class Translator:
     """Sentences to sentences with one backend's model: encode, decode (greedy, or beam search when
     ``beam_size`` > 1) ``batch_size`` sentences of similar length at a time, detokenize. Decoding follows the
     checkpoint's conventions (its config: start token, suppressed tokens, forced eos, length normalization;
-    ``reference_numpy/decoding.py``); ``alpha`` None is the checkpoint's ``length_penalty``; ``forced_bos_id`` the
-    forced first token of every output (M2M100/NLLB's target language), None for none."""
+    ``reference_numpy/decoding.py``); ``beam_size`` None is the checkpoint's ``beam_size``, ``alpha`` None its
+    ``length_penalty``; ``forced_bos_id`` the forced first token of every output (M2M100/NLLB's target language),
+    None for none."""
 
-    def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer, beam_size: int = 1,
-                 alpha: float | None = None, batch_size: int = BATCH_SIZE, forced_bos_id: int | None = None) -> None:
+    def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer,
+                 beam_size: int | None = None, alpha: float | None = None, batch_size: int = BATCH_SIZE,
+                 forced_bos_id: int | None = None) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
+        self.beam_size = model.config.beam_size if beam_size is None else beam_size
         self.alpha = model.config.length_penalty if alpha is None else alpha
+        self.batch_size = batch_size
         # the target language's id M2M100/NLLB force as the first output token (the tokenizer's, from --target-lang)
-        self.beam_size, self.batch_size = beam_size, batch_size
         self.forced_bos_id = getattr(tokenizer, "forced_bos_id", None) if forced_bos_id is None else forced_bos_id
 
     def encode(self, text: str, name: str = "text") -> list[int]:
@@ -223,7 +226,7 @@ def write_translations(results: Iterable[Translation], output: str | None, stdou
 
 
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
-               beam_size: int = 1, alpha: float | None = None, device: str = "cpu",
+               beam_size: int | None = None, alpha: float | None = None, device: str = "cpu",
                batch_size: int = BATCH_SIZE, source_lang: str | None = None,
                target_lang: str | None = None) -> Translator:
     """A :class:`Translator` for ``checkpoint`` (a file or a shipped model's name; default: the shipped model) in
