@@ -750,6 +750,12 @@ HF_EXPORT = [
            "reference_numpy/hf_tokenizer.py", 'json.dumps(record["vocab"], ensure_ascii=False',
            'json.dumps({k: (v + 1) % len(record["vocab"]) for k, v in record["vocab"].items()}, ensure_ascii=False',
            ["tests/test_hf_tokenizers.py", "-k", "export_of_an_imported"]),
+    single("hf import", "hf import: generation_config.json's num_beams not read (translate decodes greedily)",
+           "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
+           ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
+    single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
+           "transformer_cli/commands/translate.py", "self.beam_size = model.config.beam_size if beam_size is None",
+           "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
 ]
 
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
