@@ -13,7 +13,7 @@ Two scopes of mutation:
   ``--blind`` the script also runs the mutation's agreement selection and requires it to
   *pass*, which proves the plant really is the same everywhere.
 
-    python scripts/check_mutations.py                       # every mutation (a few minutes)
+    python scripts/check_mutations.py                       # every mutation (50 minutes on a 2-core machine)
     python scripts/check_mutations.py --scope consistent    # only the consistent ones
     python scripts/check_mutations.py --kind loss --kind ties
     python scripts/check_mutations.py --only "final LayerNorm" --blind
