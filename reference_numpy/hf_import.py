@@ -56,9 +56,6 @@ LAYER_NORM_EPS = 1e-5                              # nn.LayerNorm's default, whi
 CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE = (
     "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 GENERATION_FILE = "generation_config.json"
-# The fields of transformers' GenerationConfig that set the decoding conventions (module docstring)
-GENERATION_FIELDS = ("decoder_start_token_id", "bad_words_ids", "forced_eos_token_id", "length_penalty",
-                     "early_stopping", "num_beams")
 # Fields of older config.json files (BART's lineage) that transformers' Marian and M2M100 no longer read: each must
 # hold the value the family's code computes, or the file describes another model
 LEGACY_FIELDS: dict[str, dict[str, Any]] = {

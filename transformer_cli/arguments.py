@@ -98,7 +98,7 @@ RANGES: dict[str, Range] = {
     "--save-every": Range(1, STEPS),
     "--keep": Range(1, 1000),
     "--average": Range(2, 1000, then="at most the checkpoints the run saves and --keep"),
-    "--beam": Range(1, MAX_BEAM_SIZE),                                                  # translate, evaluate
+    "--beam": Range(1, MAX_BEAM_SIZE),                                       # translate, evaluate
     "--alpha": Range(0, 10, real=True),
 }
 
