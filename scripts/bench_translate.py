@@ -32,16 +32,28 @@ pass over the sentences is timed apart (JAX and TensorFlow compile each new batc
 emitted token, eos included) over the warm median, its time as a ratio to CTranslate2's and to transformers', and
 the 1-minute load average of the machine when the engine finished (other work on it slows every engine).
 
+``--profile``: after its timed passes, each port runs one more warm pass under its framework's own profiler (JAX's
+and TensorFlow's: XLA's trace of the compiled search's kernels, read with ``jax.profiler.ProfileData``, each kernel
+classed by its instruction in XLA's optimised HLO, dumped by the worker; PyTorch's: ``torch.profiler``, each
+operator's own CPU time), and a second table splits that pass's seconds by kind of work (:data:`PROFILE_KINDS`):
+the matrix products (and what XLA fused into them), top-k and sorting, copies/gathers/transposes, the other kernels
+(element-wise maps and reductions: log-softmax, the candidates' scores), and the rest of the pass outside any kernel
+(Python, dispatch); with the largest single kernel (the output projection over the vocabulary, on opus-mt) and its
+share. Meaningful at one thread (at more, kernels overlap and their seconds add up past the pass's).
+
     python scripts/bench_translate.py [--model numbers|opus-mt] [--tiny] [--sentences N] [--batch-size B]
                                       [--threads 1,2] [--repeats 3] [--rounds 1] [--engines ...] [--json FILE]
+                                      [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import fcntl
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -80,6 +92,17 @@ TINY = {**OPUS_MT, "vocab_size": 101, "d_model": 16, "encoder_layers": 2, "decod
 # end at different lengths (the length penalty decides between them): a smoke test that can tell wrong conventions
 TINY_EOS_BIAS = 1.5
 DEFAULTS = {"numbers": {"sentences": None, "batch_size": BATCH_SIZE}, "opus-mt": {"sentences": 64, "batch_size": 16}}
+# --profile: the kinds of work a profiled pass is split into, and how each framework's kernels fall into them
+PROFILE_KINDS = ("products", "top-k/sort", "copies", "other kernels", "outside kernels")
+XLA_PORTS = ("jax", "tf")                      # ports whose search is one XLA program
+XLA_PRODUCTS = {"dot", "convolution"}          # HLO opcodes; a fusion holding one is a product
+XLA_COPIES = {"copy", "transpose", "gather", "concatenate", "slice", "dynamic-slice", "dynamic-update-slice",
+              "reshape", "bitcast", "parameter"}   # a fusion of these alone moves data
+XLA_CONTROL = {"while", "conditional", "call"}     # their kernels are counted, not they
+TORCH_PRODUCTS = re.compile(r"aten::(mm|addmm|bmm|baddbmm|_scaled_dot_product\w*|_flash_attention\w*)$|mkldnn|"
+                            r"extern_kernels")
+TORCH_TOP_K = re.compile(r"aten::(topk|sort|argsort)$")
+TORCH_COPIES = re.compile(r"aten::(copy_|clone|contiguous|index|index_select|gather|cat|stack|_to_copy)$")
 
 
 # ----------------------------------------------------------------------------- the inputs
@@ -177,6 +200,8 @@ def port_passes(name: str, checkpoint: Path | None, texts: list[str] | None, row
         compile_decoding(engine.model)
     sources = [engine.encode(text) for text in texts] if rows is None else rows
     seconds, outputs = passes(lambda: engine.decode_all(sources), args.repeats)
+    if args.profile:
+        args.profiled = profiled_pass(backend, lambda: engine.decode_all(sources), args.hlo_dump)
     pad_id = engine.tokenizer.config.pad_id
     ids = [[int(token) for token in row if token != pad_id] for row in outputs]
     return seconds, sum(map(len, ids)), [engine.tokenizer.decode(row) for row in ids] if rows is None else ids
@@ -264,6 +289,118 @@ def hf_passes(root: Path, rows: list[list[int]], args: argparse.Namespace) -> tu
     return seconds, sum(map(len, outputs)), outputs
 
 
+# ----------------------------------------------------------------------------- --profile
+
+
+def profiled_pass(backend: str, run, hlo_dump: str | None) -> dict:
+    """One more pass of ``run`` under the framework's profiler: its seconds, the seconds of each of
+    :data:`PROFILE_KINDS` and the largest kernel's name and seconds."""
+    with tempfile.TemporaryDirectory() as trace:
+        if backend == "torch":
+            import torch.profiler
+
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        record_shapes=True) as profiler:
+                (seconds,), _ = passes(run, 0)
+            kernels = {f"{event.key} {event.input_shapes}": (torch_kind(event.key), event.self_cpu_time_total / 1e6)
+                       for event in profiler.key_averages(group_by_input_shape=True)}
+        else:
+            start_trace, stop_trace = xla_tracer(backend)
+            start_trace(trace)
+            (seconds,), _ = passes(run, 0)
+            stop_trace()
+            kernels = xla_kernels(trace, hlo_kinds(Path(hlo_dump)))
+    kinds = dict.fromkeys(PROFILE_KINDS, 0.0)
+    for kind, kernel_seconds in kernels.values():
+        kinds[kind] += kernel_seconds
+    kinds["outside kernels"] = seconds - sum(kinds.values())
+    largest = max(kernels, key=lambda name: kernels[name][1])
+    return {"seconds": seconds, "kinds": kinds, "largest": [largest, kernels[largest][1]]}
+
+
+def xla_tracer(backend: str):
+    """The framework's own start and stop of a trace into a directory (an XSpace file, XLA's profile)."""
+    if backend == "jax":
+        import jax.profiler
+
+        return jax.profiler.start_trace, jax.profiler.stop_trace
+    import tensorflow as tf
+
+    return tf.profiler.experimental.start, tf.profiler.experimental.stop
+
+
+def torch_kind(operator: str) -> str:
+    """The kind of work of one PyTorch operator (its own time: a composite's parts are counted apart)."""
+    for kind, pattern in (("products", TORCH_PRODUCTS), ("top-k/sort", TORCH_TOP_K), ("copies", TORCH_COPIES)):
+        if pattern.search(operator):
+            return kind
+    return "other kernels"
+
+
+def hlo_kinds(directory: Path) -> dict[tuple[int, str], tuple[str | None, str]]:
+    """(program id, instruction) -> (kind of work, the instruction's name and shape), for every instruction of the
+    optimised HLO modules XLA dumped (``--xla_dump_to``, files ``module_<id>.<name>.cpu_after_optimizations.txt``):
+    a dot or convolution, or a fusion holding one, is a product; a sort or XLA's TopK call top-k; an instruction (or
+    fusion) of nothing but data movement a copy; a while, conditional or call ``None`` (its body's kernels count)."""
+    kinds = {}
+    for path in directory.glob("module_*.cpu_after_optimizations.txt"):
+        program = int(path.name.split(".")[0].removeprefix("module_"))
+        computations = hlo_computations(path.read_text())
+        for instructions in computations.values():
+            for name, (opcode, shape, called, line) in instructions.items():
+                kinds[program, name] = (hlo_kind(opcode, called, line, computations), f"{name} {shape}")
+    return kinds
+
+
+def hlo_computations(text: str) -> dict[str, dict[str, tuple[str, str, list[str], str]]]:
+    """Each computation of an HLO module's text: instruction name -> (opcode, shape, the computations it calls,
+    its line)."""
+    computations: dict[str, dict] = {}
+    current: dict = {}
+    for line in text.splitlines():
+        if header := re.match(r"(?:ENTRY )?%(\S+) \(.*\{$", line):
+            current = computations.setdefault(header.group(1), {})
+        elif instruction := re.match(r"\s+(?:ROOT )?%(\S+) = (.*?[\]})]) ([a-z][\w-]*)\(", line):
+            called = re.findall(r"(?:calls|to_apply|body|condition)=%([\w.-]+)", line)
+            called += re.findall(r"%([\w.-]+)", "".join(re.findall(r"called_computations=\{([^}]*)\}", line)))
+            name, shape, opcode = instruction.groups()
+            current[name] = (opcode, re.sub(r"\{[\d,]*\}", "", shape), called, line)
+    return computations
+
+
+def hlo_kind(opcode: str, called: list[str], line: str, computations: dict) -> str | None:
+    """The kind of work of one instruction (:func:`hlo_kinds`)."""
+    if opcode in XLA_CONTROL:
+        return None
+    opcodes = {opcode} if opcode != "fusion" else {inner for name in called
+                                                   for inner, *_ in computations.get(name, {}).values()}
+    if opcodes & XLA_PRODUCTS:
+        return "products"
+    if "sort" in opcodes or (opcode == "custom-call" and 'custom_call_target="TopK"' in line):
+        return "top-k/sort"
+    return "copies" if opcodes <= XLA_COPIES else "other kernels"
+
+
+def xla_kernels(trace: str, kinds: dict[tuple[int, str], tuple[str | None, str]]) -> dict[str, tuple[str, float]]:
+    """Seconds of each XLA kernel in the trace (the events carrying an ``hlo_op``), by instruction name and shape,
+    with its kind (:func:`hlo_kinds`); control flow left out."""
+    import jax.profiler
+
+    (path,) = Path(trace).glob("**/*.xplane.pb")
+    seconds: collections.Counter = collections.Counter()
+    kind_of: dict[str, str] = {}
+    for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats:
+                    kind, label = kinds[int(stats["program_id"]), str(stats["hlo_op"])]
+                    if kind is not None:
+                        seconds[label] += event.duration_ns / 1e9
+                        kind_of[label] = kind
+    return {label: (kind_of[label], value) for label, value in seconds.items()}
+
+
 def sizes_of(args: argparse.Namespace) -> dict:
     return TINY if args.tiny else OPUS_MT
 
@@ -275,6 +412,10 @@ def budget(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace) -> dict:
     """The passes of the engine ``args.worker`` at ``args.threads`` threads: seconds, output tokens, outputs."""
     runtime.configure(args.threads)
+    args.profiled, args.hlo_dump = None, None
+    if args.profile and args.worker in XLA_PORTS:       # XLA reads its flags when the framework starts
+        args.hlo_dump = tempfile.mkdtemp(prefix="hlo-")
+        os.environ["XLA_FLAGS"] += f" --xla_dump_to={args.hlo_dump} --xla_dump_hlo_as_text"
     if args.model == "numbers":
         texts = sentences(args.sentences)
         result = (peer_passes(texts, args) if args.worker == PEER
@@ -284,7 +425,9 @@ def measure(args: argparse.Namespace) -> dict:
         result = (opus_mt_peer_passes(root, rows, args) if args.worker == PEER else hf_passes(root, rows, args)
                   if args.worker == HF else port_passes(args.worker, root / "model.safetensors", None, rows, args))
     seconds, tokens, outputs = result
-    return {"seconds": seconds, "tokens": tokens, "outputs": outputs}
+    if args.hlo_dump:
+        shutil.rmtree(args.hlo_dump)
+    return {"seconds": seconds, "tokens": tokens, "outputs": outputs, "profile": args.profiled}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -294,7 +437,8 @@ def run(engine: str, threads: int, args: argparse.Namespace) -> dict:
     """One engine's passes in a process of its own, and the machine's 1-minute load average when it ended."""
     options = ["--model", args.model, "--batch-size", str(args.batch_size), "--threads", str(threads),
                "--repeats", str(args.repeats), *(["--sentences", str(args.sentences)] if args.sentences else []),
-               *(["--tiny"] if args.tiny else []), *(["--workdir", args.workdir] if args.workdir else [])]
+               *(["--tiny"] if args.tiny else []), *(["--workdir", args.workdir] if args.workdir else []),
+               *(["--profile"] if args.profile else [])]
     done = subprocess.run([sys.executable, __file__, "--worker", engine, *options], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{engine}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'failed'}")
@@ -329,7 +473,7 @@ def report(results: dict[tuple[str, int], dict]) -> list[dict]:
         warm = statistics.median(result["seconds"][1:])
         row = {"engine": engine, "threads": threads, "first_s": result["seconds"][0], "warm_s": warm,
                "warm_passes": len(result["seconds"]) - 1, "tokens": result["tokens"],
-               "tokens_per_s": result["tokens"] / warm, "load": result["load"]}
+               "tokens_per_s": result["tokens"] / warm, "load": result["load"], "profile": result.get("profile")}
         for name in (PEER, HF):
             other = results.get((name, threads))
             row[f"x_{name}"] = warm / statistics.median(other["seconds"][1:]) if other else None
@@ -352,6 +496,17 @@ def print_table(rows: list[dict], count: int, args: argparse.Namespace) -> None:
         same = "" if row["same"] is None else f"{row['same']}/{count}"
         print(f"{row['engine']:<15} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s "
               f"{row['tokens']:>7} {row['tokens_per_s']:>9.0f} {ratios[0]} {ratios[1]} {same:>21} {row['load']:>5.2f}")
+    profiled = [row for row in rows if row["profile"]]
+    if profiled:
+        print("\none profiled warm pass of each port, seconds by kind of work (share of the pass):")
+        print(f"{'engine':<15} {'threads':>7} {'pass':>8} " + " ".join(f"{kind:>15}" for kind in PROFILE_KINDS)
+              + "  largest kernel")
+    for row in profiled:
+        profile = row["profile"]
+        share = lambda seconds: f"{seconds:.2f} ({seconds / profile['seconds']:.0%})"      # noqa: E731
+        kinds = " ".join(f"{share(seconds):>15}" for seconds in profile["kinds"].values())
+        name, seconds = profile["largest"]
+        print(f"{row['engine']:<15} {row['threads']:>7} {profile['seconds']:>7.2f}s {kinds}  {name}: {share(seconds)}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -366,6 +521,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--engines", help="comma-separated; default: every engine of the model")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more warm pass of each port under its framework's profiler, split by kind of work")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

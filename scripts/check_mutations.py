@@ -950,6 +950,12 @@ BENCH = [
     single("bench", "bench_translate: every port decodes the imported model with the paper's alpha 0.6", _BENCH,
            "alpha = LENGTH_PENALTY_ALPHA if checkpoint is None else None", "alpha = LENGTH_PENALTY_ALPHA",
            BENCH_TRANSLATE),
+    # --profile's split of XLA's trace: a fusion holding a dot is a product; the loop is its body's kernels
+    single("bench", "bench_translate --profile: a fusion holding a dot not counted a product", _BENCH,
+           'opcodes = {opcode} if opcode != "fusion" else', 'opcodes = {opcode} if True else', BENCH_TRANSLATE),
+    single("bench", "bench_translate --profile: the while loop counted beside its body's kernels", _BENCH,
+           'XLA_CONTROL = {"while", "conditional", "call"}', 'XLA_CONTROL = {"conditional", "call"}',
+           BENCH_TRANSLATE),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,

@@ -67,3 +67,65 @@ def test_the_opus_mt_benchmark_reports_every_engine(bench, tmp_path, monkeypatch
             assert (row["same"], row["tokens"]) == (SENTENCES, hf["tokens"]), engine
     peer = rows[bench.PEER]
     assert SENTENCES <= peer["tokens"] <= SENTENCES * budget and peer["x_ctranslate2"] == 1.0
+
+
+def test_an_xla_profile_is_split_by_the_instructions_of_the_optimised_program(bench, tmp_path):
+    """``--profile``'s reading of XLA's trace: each kernel classed by its instruction in the dumped optimised HLO --
+    a product (a dot, fused or not), top-k, a copy (a transpose), other work (exp) -- the loop itself not counted
+    beside its body's kernels; run here on a small JAX program dumped by its own compiler options."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed: XLA's profile of a JAX program")
+    import jax.numpy as jnp
+
+    def work(x, w):
+        def body(i, y):
+            logits = jnp.exp(y @ w)                                               # a product, an exp
+            return y + jax.lax.top_k(logits, 2)[0].sum() + jnp.transpose(y)       # top-k, a transpose
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    dump, trace = tmp_path / "hlo", tmp_path / "trace"
+    program = jax.jit(work, compiler_options={"xla_dump_to": str(dump), "xla_dump_hlo_as_text": True})
+    x, w = jnp.ones((64, 64)), jnp.full((64, 64), 1e-3)
+    program(x, w).block_until_ready()
+    jax.profiler.start_trace(str(trace))
+    program(x, w).block_until_ready()
+    jax.profiler.stop_trace()
+    kernels = bench.xla_kernels(str(trace), bench.hlo_kinds(dump))
+
+    kinds = {kind for kind, _ in kernels.values()}
+    assert kinds == set(bench.PROFILE_KINDS) - {"outside kernels"}, kernels
+    products = [label for label, (kind, _) in kernels.items() if kind == "products"]
+    assert len(products) == 1 and products[0].endswith(" f32[64,64]"), kernels      # the one dot, x @ w
+    assert not any(label.startswith("while") for label in kernels), kernels
+    assert all(seconds > 0 for _, seconds in kernels.values())
+
+
+def test_a_torch_profile_is_split_by_operator(bench):
+    """``--profile`` for PyTorch: each operator's own time under ``torch.profiler``, products (a linear map) apart
+    from top-k and the rest, the largest kernel named with its shapes, and the kinds summing to the pass."""
+    import torch
+
+    weight = torch.ones(256, 64)
+    profile = bench.profiled_pass("torch", lambda: torch.topk(torch.nn.functional.linear(torch.ones(8, 64), weight)
+                                                              .exp(), 2), None)
+
+    assert set(profile["kinds"]) == set(bench.PROFILE_KINDS)
+    assert profile["kinds"]["products"] > 0 and profile["kinds"]["top-k/sort"] > 0
+    assert sum(profile["kinds"].values()) == pytest.approx(profile["seconds"])
+    assert bench.torch_kind("aten::addmm") == "products" and bench.torch_kind("aten::exp") == "other kernels"
+    assert bench.torch_kind("aten::index_select") == "copies"
+
+
+# About 8 s: the JAX worker's own process (XLA dumps its programs only when told at start) compiling the search
+@pytest.mark.slow
+def test_profile_reports_each_port_s_pass_by_kind_of_work(bench, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("jax", reason="JAX is not installed: the profile of its compiled search")
+    monkeypatch.setattr(bench, "LOCK", str(tmp_path / "lock"))
+    bench.main(["--model", "opus-mt", "--tiny", "--sentences", str(SENTENCES), "--batch-size", str(BATCH),
+                "--repeats", "1", "--engines", "jax", "--profile", "--json", str(tmp_path / "rows.json")])
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    table = capsys.readouterr().out
+
+    profile = row["profile"]
+    assert list(profile["kinds"]) == list(bench.PROFILE_KINDS) and "one profiled warm pass" in table
+    assert profile["kinds"]["products"] > 0 and profile["kinds"]["top-k/sort"] > 0
+    assert sum(profile["kinds"].values()) == pytest.approx(profile["seconds"])
