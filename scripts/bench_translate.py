@@ -394,7 +394,11 @@ def xla_kernels(trace: str, kinds: dict[tuple[int, str], tuple[str | None, str]]
             for event in line.events:
                 stats = dict(event.stats)
                 if "hlo_op" in stats:
-                    kind, label = kinds[int(stats["program_id"]), str(stats["hlo_op"])]
+                    key = (int(stats["program_id"]), str(stats["hlo_op"]))
+                    if key not in kinds:
+                        raise SystemExit(f"--profile: XLA's program {key[0]} ({stats.get('hlo_module')}) ran without "
+                                         "being compiled here (read from a compilation cache?): its HLO was not dumped")
+                    kind, label = kinds[key]
                     if kind is not None:
                         seconds[label] += event.duration_ns / 1e9
                         kind_of[label] = kind
@@ -416,6 +420,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.profile and args.worker in XLA_PORTS:       # XLA reads its flags when the framework starts
         args.hlo_dump = tempfile.mkdtemp(prefix="hlo-")
         os.environ["XLA_FLAGS"] += f" --xla_dump_to={args.hlo_dump} --xla_dump_hlo_as_text"
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"   # a program read back from it is compiled (dumped) never
     if args.model == "numbers":
         texts = sentences(args.sentences)
         result = (peer_passes(texts, args) if args.worker == PEER

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -76,15 +77,17 @@ def test_an_xla_profile_is_split_by_the_instructions_of_the_optimised_program(be
     jax = pytest.importorskip("jax", reason="JAX is not installed: XLA's profile of a JAX program")
     import jax.numpy as jnp
 
+    unique = float(time.time_ns() % 2**20)     # a program no compilation cache holds: compiled here, so dumped
+
     def work(x, w):
         def body(i, y):
             logits = jnp.exp(y @ w)                                               # a product, an exp
             return y + jax.lax.top_k(logits, 2)[0].sum() + jnp.transpose(y)       # top-k, a transpose
-        return jax.lax.fori_loop(0, 3, body, x)
+        return jax.lax.fori_loop(0, 3, body, x) + unique
 
     dump, trace = tmp_path / "hlo", tmp_path / "trace"
     program = jax.jit(work, compiler_options={"xla_dump_to": str(dump), "xla_dump_hlo_as_text": True})
-    x, w = jnp.ones((64, 64)), jnp.full((64, 64), 1e-3)
+    x, w = jnp.ones((64, 64), jnp.float32), jnp.full((64, 64), 1e-3, jnp.float32)
     program(x, w).block_until_ready()
     jax.profiler.start_trace(str(trace))
     program(x, w).block_until_ready()
@@ -115,7 +118,7 @@ def test_a_torch_profile_is_split_by_operator(bench):
     assert bench.torch_kind("aten::index_select") == "copies"
 
 
-# About 8 s: the JAX worker's own process (XLA dumps its programs only when told at start) compiling the search
+# About 20 s: the JAX worker's own process (XLA dumps its programs only when told at start) compiling the search
 @pytest.mark.slow
 def test_profile_reports_each_port_s_pass_by_kind_of_work(bench, tmp_path, monkeypatch, capsys):
     pytest.importorskip("jax", reason="JAX is not installed: the profile of its compiled search")
