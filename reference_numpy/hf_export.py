@@ -82,7 +82,8 @@ def family_of(config: TransformerConfig) -> str:
                          "and M2M100 compute sinusoid tables (positional_encoding 'sinusoidal')")
     if config.layer_norm_eps != LAYER_NORM_EPS:
         raise ValueError(f"layer_norm_eps {config.layer_norm_eps!r} is not supported by {target}: Marian and M2M100 "
-                         f"construct nn.LayerNorm with epsilon {LAYER_NORM_EPS!r}")
+                         f"construct nn.LayerNorm with epsilon {LAYER_NORM_EPS!r} (a model trained with "
+                         f"`train --layer-norm-eps {LAYER_NORM_EPS!r}` has it)")
     family = "m2m_100" if config.norm_first else "marian"
     layouts = ("fairseq",) if config.norm_first else ("interleaved", "halves")
     if config.sinusoidal_layout not in layouts:

@@ -730,6 +730,12 @@ DATA_PARALLEL = [
 # The Hugging Face export (reference_numpy/hf_export.py): transformers itself loads and runs what it writes.
 HF_EXPORT_ORACLE = ["tests/test_hf_export.py", "-k", "float64"]
 HF_EXPORT = [
+    single("hf export", "train --layer-norm-eps left unread: a new run keeps the presets' 1e-6",
+           "transformer_cli/commands/train.py", "return made.config(dropout=args.dropout or 0.0, **eps)",
+           "return made.config(dropout=args.dropout or 0.0)", ["tests/test_hf_export.py"]),
+    single("hf export", "train --resume takes another --layer-norm-eps without a word", "transformer_cli/commands/train.py",
+           '"dropout": config.dropout, "layer_norm_eps": config.layer_norm_eps}',
+           '"dropout": config.dropout, "layer_norm_eps": args.layer_norm_eps}', ["tests/test_cli_reliability.py"]),
     single("hf export", "hf export: the attention projections written (in, out), their transpose dropped",
            "reference_numpy/hf_export.py", "np.ascontiguousarray(value.T if ours in flip else value)",
            'np.ascontiguousarray(value.T if ours in flip and "_proj." not in ours else value)', HF_EXPORT_ORACLE),

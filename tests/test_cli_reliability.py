@@ -192,7 +192,7 @@ def test_train_checks_eval_size_and_max_length_before_any_work(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("flag, value, saved", [("--warmup-steps", "50", "7"), ("--learning-rate-scale", "2", "0.5"),
-                                                ("--dropout", "0.1", "0.0")])
+                                                ("--dropout", "0.1", "0.0"), ("--layer-norm-eps", "1e-05", "1e-06")])
 def test_resume_refuses_the_flags_it_would_ignore(flag, value, saved, tmp_path, monkeypatch, capsys):
     """A value other than the saved one is refused naming both; the saved value itself is accepted."""
     monkeypatch.chdir(tmp_path)

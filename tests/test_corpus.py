@@ -239,6 +239,8 @@ def test_a_tsv_corpus_holds_out_its_validation_and_resumes_where_it_stopped(corp
     rest = run("--steps", "2", "--resume", "run.safetensors", "--out", "rest.safetensors")
     assert first["losses"] + rest["losses"] == whole["losses"] and rest["first_step"] == 3
     assert 0 <= rest["accuracy"] <= 1 and 0 <= rest["bleu"] <= 100
+    run("--steps", "1", "--eval-size", "0", "--layer-norm-eps", "1e-5", "--out", "eps.safetensors")
+    assert run("--steps", "1", "--eval-size", "0", "--resume", "eps.safetensors")["first_step"] == 1   # --preset kept
     status, _, err = cli(capsys, "train", *flags, "--steps", "1", "--eval-size", "21")
     one_error_line(err, "--eval-size 21", "validation set holds 20 pairs")
 

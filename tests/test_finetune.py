@@ -167,6 +167,7 @@ def test_the_fine_tuned_run_resumes(family, runs, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--preset", "tiny"], "--preset: --init"),
     (["--vocab-size", "100"], "--vocab-size: --init"),
+    (["--layer-norm-eps", "1e-5"], "--layer-norm-eps: --init"),
     (["--task", "numbers"], "--task numbers: --init fine-tunes a checkpoint on a corpus"),
 ])
 def test_flags_that_conflict_with_the_checkpoint_are_refused(family, flags, message, capsys):

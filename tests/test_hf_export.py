@@ -18,6 +18,7 @@ Face model directories, loaded and run by transformers itself (the outside imple
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,13 @@ from support import build, cli, exact_tables, hf_log_probs, masks, trained
 
 from equivalence import tolerance
 from reference_numpy import Transformer, TransformerConfig, greedy_decode
-from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, parameter_shapes, save_checkpoint
+from reference_numpy.checkpoint import (
+    CheckpointReader,
+    load_checkpoint,
+    load_tokenizer_json,
+    parameter_shapes,
+    save_checkpoint,
+)
 from reference_numpy.hf_export import family_of
 from reference_numpy.hf_import import import_hf, read_weights
 from reference_numpy.model import sinusoidal_positional_encoding
@@ -271,6 +278,20 @@ def test_what_no_family_expresses_is_refused_naming_the_field(tmp_path, capsys, 
     status, _, err = cli(capsys, "export", "--to", "hf", str(tmp_path / "model.safetensors"), str(tmp_path / "hf"))
     assert status == EXIT_USAGE and err.count("\n") == 1 and field in err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]       # nothing written
+
+
+def test_a_run_trained_with_the_families_layer_norm_epsilon_exports(tmp_path, monkeypatch, capsys):
+    """``train``'s models have the presets' LayerNorm epsilon 1e-6, which no family expresses: the refusal names the
+    flag that trains one with 1e-5, and a run trained with it exports (its checkpoint holds that epsilon)."""
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "--steps", "1", "--eval-size", "0", "--backends", "numpy"]
+    assert cli(capsys, *run, "--out", "paper.safetensors")[0] == EXIT_OK
+    status, _, err = cli(capsys, "export", "--to", "hf", "paper.safetensors", "paper-hf")
+    assert status == EXIT_USAGE and "layer_norm_eps 1e-06" in err and "train --layer-norm-eps 1e-05" in err
+    assert cli(capsys, *run, "--layer-norm-eps", "1e-5", "--out", "hf.safetensors")[0] == EXIT_OK
+    assert CheckpointReader("hf.safetensors").config.layer_norm_eps == 1e-5
+    assert cli(capsys, "export", "--to", "hf", "hf.safetensors", "hf")[0] == EXIT_OK
+    assert json.loads(Path("hf/config.json").read_text())["model_type"] == "marian"
 
 
 def test_export_command_outputs_and_inputs(exported, tmp_path, capsys):

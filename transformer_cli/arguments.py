@@ -91,6 +91,7 @@ RANGES: dict[str, Range] = {
     "--warmup-steps": Range(1, STEPS),
     "--learning-rate-scale": Range(0, 100, real=True, open_low=True),
     "--dropout": Range(0, 1, real=True, open_high=True),
+    "--layer-norm-eps": Range(0, 1, real=True, open_low=True),
     "--label-smoothing": Range(0, 1, real=True, open_high=True),
     "--eval-every": Range(0, STEPS),
     "--stop-at": Range(0, 1, real=True),

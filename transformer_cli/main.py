@@ -390,6 +390,9 @@ def add_train(commands: Commands) -> None:
     add_number(train, "--dropout",
                help="P_drop of section 5.4, 0.1 in the paper (the reference has no dropout; default 0 for every "
                     "backend)")
+    add_number(train, "--layer-norm-eps",
+               help="a new run's LayerNorm epsilon (default: the task's model, 1e-6 as in tensor2tensor; 1e-5, "
+                    "nn.LayerNorm's, for a model `export --to hf` ships to transformers)")
     add_number(train, "--label-smoothing", default=0.1, help="epsilon_ls, section 5.4")
     add_number(train, "--seed", default=0, help="initial weights and batches")
     train.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",

@@ -52,7 +52,7 @@ TASKS: dict[str, dict[str, Any]] = {"copy": copy_task.DEFAULTS, "numbers": numbe
 COPY_ONLY = {"symbols": 10, "max_length": 10}                           # flags of the copy task and their defaults
 TASK_FLAGS = {**{name: ("copy",) for name in COPY_ONLY}, "batch_size": ("copy", "numbers"),   # flags of some tasks
               **{name: ("corpus",) for name in corpus_task.FLAGS}}
-SAVED_SETTINGS = ("warmup_steps", "learning_rate_scale", "dropout")      # flags a resumed run takes from its file
+SAVED_SETTINGS = ("warmup_steps", "learning_rate_scale", "dropout", "layer_norm_eps")   # a resumed run's, from its file
 # The installed backend ``train --task numbers`` (and a corpus) runs by default: the first of these, fastest first on
 # the numbers model here (docs/training.md, "Which backend trains fastest"); the copy task runs the reference
 FASTEST = ("torch", "tf", "jax", "numpy")
@@ -252,7 +252,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
     eval_size = check_sizes(made, args.eval_size, None if task == "corpus" else recipe["validation_size"])
     if isinstance(made, CorpusTask) and made.tokenizer is None:
         made = made.with_tokenizer(args.vocab_size or corpus_task.VOCAB_SIZE)   # a new run's (seconds)
-    config = config or made.config(dropout=args.dropout or 0.0)
+    config = config or new_model(made, args)
     budget = recipe["tokens_per_batch" if task == "corpus" else "batch_size"]
     made = fitted(made, config, budget)
     if task != "corpus" and budget % args.data_parallel:                  # a corpus batch is padded to fit
@@ -264,7 +264,13 @@ def plan_from(args: argparse.Namespace) -> Plan:
                 args.data_parallel, start, args.device, eval_size, args.init)
 
 
-INIT_CONFLICTS = ("resume", "preset", "vocab_size")         # flags of a model --init's checkpoint already fixes
+def new_model(made: Task, args: argparse.Namespace) -> TransformerConfig:
+    """A new run's model: the task's, with ``--dropout`` (default 0) and ``--layer-norm-eps`` if given."""
+    eps = {} if args.layer_norm_eps is None else {"layer_norm_eps": args.layer_norm_eps}
+    return made.config(dropout=args.dropout or 0.0, **eps)
+
+
+INIT_CONFLICTS = ("resume", "preset", "vocab_size", "layer_norm_eps")   # flags of a model --init's checkpoint fixes
 
 
 def check_init_flags(args: argparse.Namespace) -> None:
@@ -292,7 +298,7 @@ def check_saved_settings(args: argparse.Namespace, config: TransformerConfig, tr
     """A resumed run keeps the model and optimizer settings saved with it: a flag asking for another value
     (``SAVED_SETTINGS``) is refused, never silently ignored."""
     saved = {"warmup_steps": training.warmup_steps, "learning_rate_scale": training.learning_rate_scale,
-             "dropout": config.dropout}
+             "dropout": config.dropout, "layer_norm_eps": config.layer_norm_eps}
     for name in SAVED_SETTINGS:
         if (value := getattr(args, name)) is not None and value != saved[name]:
             raise ValueError(f"--{name.replace('_', '-')} {value}: the run in {args.resume!r} was saved with "
@@ -326,7 +332,8 @@ def make_task(args: argparse.Namespace, task: str, config: TransformerConfig | N
         return NumbersTask(tokenizer)
     made = CorpusTask(*read_corpus(args.source, args.target, args.corpus, args.valid_source, args.valid_target,
                                    args.valid_size), tokenizer, args.preset)
-    if config is not None and args.preset and made.model(config.src_vocab_size, dropout=config.dropout) != config:
+    if config is not None and args.preset and config != made.model(config.src_vocab_size, dropout=config.dropout,
+                                                                    layer_norm_eps=config.layer_norm_eps):
         raise ValueError(f"--preset {args.preset}: the run in {args.resume!r} is another model, which resuming "
                          "keeps; leave the flag out")
     if config is not None and args.vocab_size and args.vocab_size < config.src_vocab_size:
