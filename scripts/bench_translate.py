@@ -295,16 +295,15 @@ def hf_passes(root: Path, rows: list[list[int]], args: argparse.Namespace) -> tu
 def profiled_pass(backend: str, run, hlo_dump: str | None) -> dict:
     """One more pass of ``run`` under the framework's profiler: its seconds, the seconds of each of
     :data:`PROFILE_KINDS` and the largest kernel's name and seconds."""
-    with tempfile.TemporaryDirectory() as trace:
-        if backend == "torch":
-            import torch.profiler
+    if backend == "torch":
+        import torch.profiler
 
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        record_shapes=True) as profiler:
-                (seconds,), _ = passes(run, 0)
-            kernels = {f"{event.key} {event.input_shapes}": (torch_kind(event.key), event.self_cpu_time_total / 1e6)
-                       for event in profiler.key_averages(group_by_input_shape=True)}
-        else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
+            (seconds,), _ = passes(run, 0)
+        kernels = {f"{event.key} {event.input_shapes}": (torch_kind(event.key), event.self_cpu_time_total / 1e6)
+                   for event in profiler.key_averages(group_by_input_shape=True)}
+    else:
+        with tempfile.TemporaryDirectory() as trace:
             start_trace, stop_trace = xla_tracer(backend)
             start_trace(trace)
             (seconds,), _ = passes(run, 0)
@@ -421,17 +420,19 @@ def measure(args: argparse.Namespace) -> dict:
         args.hlo_dump = tempfile.mkdtemp(prefix="hlo-")
         os.environ["XLA_FLAGS"] += f" --xla_dump_to={args.hlo_dump} --xla_dump_hlo_as_text"
         os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"   # a program read back from it is compiled (dumped) never
-    if args.model == "numbers":
-        texts = sentences(args.sentences)
-        result = (peer_passes(texts, args) if args.worker == PEER
-                  else port_passes(args.worker, None, texts, None, args))
-    else:
-        root, rows = Path(args.workdir), source_rows(args.sentences, sizes_of(args))
-        result = (opus_mt_peer_passes(root, rows, args) if args.worker == PEER else hf_passes(root, rows, args)
-                  if args.worker == HF else port_passes(args.worker, root / "model.safetensors", None, rows, args))
+    try:
+        if args.model == "numbers":
+            texts = sentences(args.sentences)
+            result = (peer_passes(texts, args) if args.worker == PEER
+                      else port_passes(args.worker, None, texts, None, args))
+        else:
+            root, rows = Path(args.workdir), source_rows(args.sentences, sizes_of(args))
+            result = (opus_mt_peer_passes(root, rows, args) if args.worker == PEER else hf_passes(root, rows, args)
+                      if args.worker == HF else port_passes(args.worker, root / "model.safetensors", None, rows, args))
+    finally:
+        if args.hlo_dump:
+            shutil.rmtree(args.hlo_dump)
     seconds, tokens, outputs = result
-    if args.hlo_dump:
-        shutil.rmtree(args.hlo_dump)
     return {"seconds": seconds, "tokens": tokens, "outputs": outputs, "profile": args.profiled}
 
 
