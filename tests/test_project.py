@@ -222,6 +222,34 @@ def test_the_suite_computes_with_the_pinned_openblas_kernel():
     assert corename().decode().lower() == pinned.lower()
 
 
+def test_the_run_keeps_its_compiled_programs_for_the_next_one_per_cpu(tmp_path, monkeypatch):
+    """tests/conftest.py points JAX at the checkout's cache of this machine's CPU (a user's own directory kept); the
+    directory names the CPU; past its limit it starts again empty, under it it is kept; ``clear`` removes every
+    machine's."""
+    import os
+
+    import compile_cache
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") != str(compile_cache.directory()):
+        pytest.skip("the run's JAX compilation cache is the user's own JAX_COMPILATION_CACHE_DIR")
+    assert compile_cache.directory().parent == ROOT / ".compile-cache"
+    with monkeypatch.context() as another_machine:
+        another_machine.setattr(Path, "read_text", lambda path: "model name : A\nflags : sse avx2\n")
+        other_cpu = compile_cache.cpu_fingerprint()
+    monkeypatch.setattr(compile_cache, "ROOT", tmp_path)
+    cache = compile_cache.directory()
+    assert cache.name == f"jax-{compile_cache.cpu_fingerprint()}" and other_cpu != compile_cache.cpu_fingerprint()
+    cache.mkdir()
+    (cache / "program-cache").write_bytes(bytes(10))
+    monkeypatch.setattr(compile_cache, "LIMIT", 10)
+    assert compile_cache.directory() == cache and (cache / "program-cache").exists()        # at the limit: kept
+    monkeypatch.setattr(compile_cache, "LIMIT", 9)
+    assert compile_cache.directory() == cache and not cache.exists()                       # past it: started again
+    (tmp_path / "jax-another-cpu").mkdir()
+    compile_cache.clear()
+    assert not tmp_path.exists()
+
+
 def test_ci_also_runs_the_numerical_tests_under_another_kernel_family():
     """.ci/run runs scripts/kernel_families.py for a family other than the machine's own (docs/equivalence.md,
     "Portable numerics")."""
