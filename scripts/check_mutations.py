@@ -984,9 +984,13 @@ def apply(mutation: Mutation, root: Path) -> None:
 
 
 def copy_repository(tmp: str) -> Path:
+    """A copy of the checkout in ``tmp`` that shares the checkout's compilation cache (tests/compile_cache.py): a
+    planted bug changes the programs it reaches, and so their keys; every other program is read back."""
     copy = Path(tmp) / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info",
-                                                              ".hypothesis", ".pytest_cache"))
+                                                              ".hypothesis", ".pytest_cache", ".compile-cache"))
+    (ROOT / ".compile-cache").mkdir(exist_ok=True)
+    (copy / ".compile-cache").symlink_to(ROOT / ".compile-cache", target_is_directory=True)
     return copy
 
 

@@ -152,7 +152,7 @@ def pytest_configure(config):
     the same tests up to 12 times slower (73 against 6 CPU-seconds for PyTorch's decoding tests). The CLI's
     ``--threads`` default follows the same affinity, and so do the processes a test starts. ``--cache-clear``
     empties the compilation cache too (in the controller, before any program is compiled)."""
-    if config.getoption("cacheclear") and "PYTEST_XDIST_WORKER" not in os.environ:
+    if config.getoption("cacheclear", default=False) and "PYTEST_XDIST_WORKER" not in os.environ:
         compile_cache.clear()
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or count < 2 or not hasattr(os, "sched_setaffinity"):

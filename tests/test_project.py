@@ -251,6 +251,15 @@ def test_the_run_keeps_its_compiled_programs_for_the_next_one_per_cpu(tmp_path, 
     assert not tmp_path.exists()
 
 
+def test_the_scripts_pytest_runs_configure_without_the_cache_provider():
+    """scripts/kernel_families.py, check_mutations.py and slow_tests.py run pytest with ``-p no:cacheprovider`` (no
+    ``--cache-clear`` option then): tests/conftest.py configures all the same, and the selected test runs."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0",
+                           f"{Path(__file__).relative_to(ROOT)}::test_ci_runs_the_readmes_test_command"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def test_ci_also_runs_the_numerical_tests_under_another_kernel_family():
     """.ci/run runs scripts/kernel_families.py for a family other than the machine's own (docs/equivalence.md,
     "Portable numerics")."""
