@@ -16,8 +16,8 @@ roundings. (OpenBLAS, the reference's products, is pinned to one kernel on every
     python scripts/kernel_families.py --family sse -- -k torch    # more pytest arguments after --
 
 Before its tests, each family's run prints what the frameworks report they selected (PyTorch's capability, NumPy's
-SIMD extensions, oneDNN's instruction set). Prints one line per family, ``family: N passed, N failed``; exits 1
-unless every family passes.
+SIMD extensions, oneDNN's instruction set), and after them the slowest test phases. Prints one line per family,
+``family: N passed, N failed``; exits 1 unless every family passes.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SLOWEST = 25                        # the slowest test phases a passing family's run prints
 
 # The agreement matrix, gradients, low precision, decoding and the fuzzer: every test whose outcome rests on the
 # frameworks' float kernels.
@@ -104,8 +105,16 @@ def run_family(name: str, pytest_args: list[str]) -> tuple[bool, str]:
     closing = next((line for line in reversed(done.stdout.splitlines()) if line.strip()), "(no output)")
     if done.returncode != 0:
         print(done.stdout[-20000:], done.stderr[-4000:], sep="\n")
+    else:
+        print(slowest(done.stdout, SLOWEST))
     print(f"  {closing.strip('= ')} [{time.monotonic() - start:.0f} s]", flush=True)
     return done.returncode == 0, closing
+
+
+def slowest(report: str, count: int) -> str:
+    """The first ``count`` lines of pytest's ``--durations`` report (slowest first), indented."""
+    lines = re.findall(r"^\d+\.\d+s (?:setup|call|teardown) .*$", report, flags=re.MULTILINE)
+    return "\n".join(f"  {line}" for line in lines[:count])
 
 
 def counts(closing: str) -> str:
