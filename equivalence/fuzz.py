@@ -275,7 +275,7 @@ def _training(case: Case, backend: Backend, model: Model, ref64: Transformer, tr
                             f"{scale:.1e})")
         return []
     found = _gradients(backend, model, ref64, training, sensitivity)
-    return found + _training_step(case, backend, training)
+    return found + _training_step(case, backend, training, sensitivity)
 
 
 def _same_refusal(message: str, call: Callable[[], object]) -> list[str]:
@@ -367,11 +367,12 @@ def _gradients(backend: Backend, model: Model, ref64: Transformer, training: Lab
                     if not tolerance.max_abs(grads[name], grad) <= bound]
 
 
-def _training_step(case: Case, backend: Backend, training: Labelled) -> list[str]:
-    """One Adam step (section 5.3) within :class:`tolerance.TrainingBound` of the reference's (each run from its own
-    copy of the weights: the reference's Adam updates its arrays in place)."""
+def _training_step(case: Case, backend: Backend, training: Labelled, sensitivity: float) -> list[str]:
+    """One Adam step (section 5.3) within :class:`tolerance.TrainingBound` of the reference's, its gradient bound
+    taking the reference's ``sensitivity`` at the weights into account (each run from its own copy of the weights:
+    the reference's Adam updates its arrays in place)."""
     batch = dict(zip(("src", "tgt", "labels"), training))
-    expected, bound = reference_run(case.config, params(case), TRAINING, [batch], conditioned=True)
+    expected, bound = reference_run(case.config, params(case), TRAINING, [batch], sensitivities=[sensitivity])
     model = backend.build(case.config, params(case))
     optimizer = backend.optimizer(model, TRAINING)
     losses = [backend.train_step(model, optimizer, *training)]

@@ -186,7 +186,7 @@ def gradient_determined(grads: dict, sensitivity: float) -> bool:
 
 
 def rounding_sensitivity(gradients: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
-                         params: dict[str, np.ndarray], draws: int = 8) -> float:
+                         params: dict[str, np.ndarray], draws: int = 64) -> float:
     """How far the reference's float64 gradient moves when every weight and every value its forward pass computes
     (each linear map's, attention's and LayerNorm's output) moves by one rounding: the largest max |g' - g| over
     ``draws`` seeded draws of w' = w (1 +- 2^-52) and the same for those values (random signs);
@@ -198,7 +198,12 @@ def rounding_sensitivity(gradients: Callable[[dict[str, np.ndarray]], dict[str, 
     reference (their difference absorbed by a larger term) stay equal under any rounding of the weights, but a
     port's own roundings may leave their keys equal and their values one unit apart, and the gradient into the keys
     of the half-and-half softmax that follows is then that unit times the queries' scale (docs/equivalence.md, "The
-    configuration space")."""
+    configuration space").
+
+    The largest move is a maximum over every choice of signs, which the draws sample: where it takes a particular
+    alignment of many signs, few draws reach it. 64 draws: in a fuzzed case of weights x1e3 (tests/test_fuzz.py,
+    ``MOVED_BY_FEW_DRAWS``), 7.5% of draws move the gradient by 2.8e-3 and the rest by at most 7.6e-9; eight draws
+    missed it (every port then 100 times over the bound), 64 miss such a move with probability 0.7%."""
     rng, exact = np.random.default_rng(0), gradients(params)
     moved = 0.0
     for _ in range(draws):

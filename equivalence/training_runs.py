@@ -5,7 +5,7 @@ against it, loss by loss, weight by weight, moment by moment."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ from reference_numpy.model import Transformer
 from reference_numpy.precision import autocast
 from reference_numpy.training import learning_rate
 
-from .tolerance import TrainingBound, random_roundings, recipe_gradient_bound, rounding_sensitivity
+from .tolerance import TrainingBound, random_roundings, recipe_gradient_bound
 
 
 @dataclass
@@ -31,12 +31,13 @@ class Run:
 
 
 def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], training: TrainingConfig,
-                  batches: Iterable[dict[str, np.ndarray]], conditioned: bool = False,
+                  batches: Iterable[dict[str, np.ndarray]], sensitivities: Sequence[float] = (),
                   recipe: list[list[dict[str, np.ndarray]]] | None = None) -> tuple[Run, TrainingBound]:
     """The float64 reference trained from ``params`` with a new optimizer, one step per batch, and the bound of
     every quantity of another run of the same steps: each step accounted for by :class:`TrainingBound` (the
-    gradient at the weights before the step, the moments after it); with ``conditioned``, each step's gradient bound
-    takes the gradient's sensitivity to the weights' rounding into account (:func:`~.tolerance.gradient_bound`).
+    gradient at the weights before the step, the moments after it); ``sensitivities``, one per step (the reference's
+    :func:`~.tolerance.rounding_sensitivity` at the weights before it), make each step's gradient bound take it into
+    account (:func:`~.tolerance.gradient_bound`; none given: every step well-conditioned).
     With ``recipe`` (:func:`recipe_gradients`: runs of the same steps in a mixed precision) the bound is that of a
     mixed-precision run, float32 masters: each step's gradient bound is :func:`~.tolerance.recipe_gradient_bound`."""
     model = Transformer(config, params)
@@ -46,9 +47,7 @@ def reference_run(config: TransformerConfig, params: dict[str, np.ndarray], trai
     for step, inputs in enumerate(batches, start=1):
         batch = inputs["src"], inputs["tgt"], inputs["labels"]
         value, grads = reference.gradients(model, *batch)
-        sensitivity = rounding_sensitivity(
-            lambda weights: reference.gradients(Transformer(config, weights), *batch)[1],
-            weights_of(model)) if conditioned else 0.0
+        sensitivity = sensitivities[step - 1] if sensitivities else 0.0
         losses.append(float(reference.train_step(model, optimizer, *batch)))
         state = reference.training_state(model, optimizer)
         deltas = None if recipe is None else recipe_gradient_bound(grads, [run[step - 1] for run in recipe])
