@@ -299,7 +299,7 @@ def test_the_gradient_at_weights_x1e9_is_a_rounding_of_the_values_choice(monkeyp
     assert np.max(np.abs(after[name])) > scale > 1e9
 
 
-# Up to 35 s a case in JAX and TensorFlow: each case's configuration compiles the whole check's programs (as
+# Up to 45 s a case in JAX and TensorFlow: each case's configuration compiles the whole check's programs (as
 # SUITE_EXAMPLES above says), shared with no other test.
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 @pytest.mark.parametrize("case", [SATURATED, OVERFLOW, dataclasses.replace(OVERFLOW, weight_scale=1e12), UNSEEN_NAN,
