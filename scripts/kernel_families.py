@@ -16,7 +16,7 @@ roundings. (OpenBLAS, the reference's products, is pinned to one kernel on every
     python scripts/kernel_families.py --family sse -- -k torch    # more pytest arguments after --
 
 Before its tests, each family's run prints what the frameworks report they selected (PyTorch's capability, NumPy's
-SIMD extensions, oneDNN's instruction set), and after them the slowest test phases. Prints one line per family,
+SIMD extensions, oneDNN's instruction set), and after them the slowest tests. Prints one line per family,
 ``family: N passed, N failed``; exits 1 unless every family passes.
 """
 
@@ -30,8 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+from slow_tests import durations
+
 ROOT = Path(__file__).resolve().parent.parent
-SLOWEST = 25                        # the slowest test phases a passing family's run prints
+SLOWEST = 25                        # the slowest tests a passing family's run prints
 
 # The agreement matrix, gradients, low precision, decoding and the fuzzer: every test whose outcome rests on the
 # frameworks' float kernels.
@@ -112,9 +114,10 @@ def run_family(name: str, pytest_args: list[str]) -> tuple[bool, str]:
 
 
 def slowest(report: str, count: int) -> str:
-    """The first ``count`` lines of pytest's ``--durations`` report (slowest first), indented."""
-    lines = re.findall(r"^\d+\.\d+s (?:setup|call|teardown) .*$", report, flags=re.MULTILINE)
-    return "\n".join(f"  {line}" for line in lines[:count])
+    """The ``count`` slowest tests of pytest's ``--durations`` report (set-up, call and teardown summed by
+    ``slow_tests.durations``), slowest first, indented."""
+    seconds = sorted(durations(report).items(), key=lambda item: -item[1])
+    return "\n".join(f"  {took:.2f}s {test}" for test, took in seconds[:count])
 
 
 def counts(closing: str) -> str:
