@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = r"```python\n(.*?)```"
 # The documents whose examples compile programs (each port's forward pass, decoders, gradient and training steps;
-# torch.compile; the data-parallel runs): over ~10 s alone. jax.md (about 80 s), distributed.md and README.md (about
-# 30 s each) may take over 30 s: a document runs in a fresh interpreter, as a reader's session does, which shares
-# none of its compilations with the tests that make the same ones.
+# torch.compile; the data-parallel runs): over ~10 s alone. Each takes over 30 s in a whole run, beside the other
+# worker (distributed.md 56 s, tf.md 48, jax.md 47, README.md 35, torch.md 34): a document runs in a fresh
+# interpreter, as a reader's session does, which shares none of its compilations with the tests that make the same
+# ones.
 SLOW = {"README.md", "distributed.md", "jax.md", "tf.md", "torch.md"}
 
 # Run in a fresh interpreter: argv[1] the document; a failing block is named on stderr, exit status 1.
