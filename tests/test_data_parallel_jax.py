@@ -36,9 +36,10 @@ CONFIG, TRAINING, STEPS, HALF = runner.CONFIG, runner.TRAINING, runner.STEPS, ru
 WORST: dict[str, dict[str, float]] = {}     # check -> quantity -> worst error / bound, printed with -s
 
 
-# About 45 s, paid by the module's first test: one process with 4 host devices (JAX creates them at start-up, so
-# not in a test process) runs every data-parallel run the module checks, once, compiling each mesh's step (with the
-# run's own XLA_FLAGS, tests/conftest.py's code generation or a kernel family's, beside the device count).
+# About 45 s (71 s on a clean clone, in a whole run), paid by the module's first test: one process with 4 host devices
+# (JAX creates them at start-up, so not in a test process) runs every data-parallel run the module checks, once,
+# compiling each mesh's step (with the run's own XLA_FLAGS, tests/conftest.py's code generation or a kernel family's,
+# beside the device count).
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The runner's JSON and the directory of its checkpoints."""

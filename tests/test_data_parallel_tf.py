@@ -52,9 +52,10 @@ def resumed_reference(path: Path) -> Run:
     return Run(losses, model.params, training.training_state(model, optimizer))
 
 
-# About 55 s alone (up to 2 minutes in a whole run, beside the other worker), paid by the module's first test: two
-# processes (one per core, each importing TensorFlow and tracing its training step) run every data-parallel run the
-# module checks, once; a test process cannot host them, since TensorFlow fixes its logical CPU devices at start-up.
+# About 55 s alone (up to 2 minutes in a whole run, beside the other worker: 116 s with the compilation cache filled,
+# 132 s on a clean clone), paid by the module's first test: two processes (one per core, each importing TensorFlow and
+# tracing its training step) run every data-parallel run the module checks, once; a test process cannot host them,
+# since TensorFlow fixes its logical CPU devices at start-up.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Iterator[tuple[Path, dict]]:
     """Both parts of the runner at once (one per core), after the reference's halfway checkpoint is written; the

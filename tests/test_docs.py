@@ -17,7 +17,8 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = r"```python\n(.*?)```"
 # The documents whose examples compile programs (each port's forward pass, decoders, gradient and training steps;
 # torch.compile; the data-parallel runs): over ~10 s alone. Each takes over 30 s in a whole run, beside the other
-# worker (distributed.md 56 s, tf.md 48, jax.md 47, README.md 35, torch.md 34): a document runs in a fresh
+# worker (with the compilation cache filled: distributed.md 56 s, tf.md 48, jax.md 47, README.md 35, torch.md 34; on a
+# clean clone jax.md 138 s, distributed.md 65, README.md 61, tf.md 54, torch.md 50): a document runs in a fresh
 # interpreter, as a reader's session does, which shares none of its compilations with the tests that make the same
 # ones.
 SLOW = {"README.md", "distributed.md", "jax.md", "tf.md", "torch.md"}
