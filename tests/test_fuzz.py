@@ -49,9 +49,9 @@ PAD_ABOVE_EOS = fuzz.Case(TransformerConfig.preset("tiny", dropout=0.0, pad_id=4
                           token_dtype="int64", explicit_masks=False)
 
 
-# Up to 40 s in TensorFlow (31 in a whole run), 19 in JAX: the whole check compiles each of its programs for this
-# configuration (pad_id 4: no other test's but the conventions' below) -- the forward pass in two precisions, greedy
-# and beam search, the gradient and an Adam step.
+# Up to 40 s in TensorFlow (31 in a whole run), 19 in JAX (58 on a clean clone, nothing compiled yet): the whole check
+# compiles each of its programs for this configuration (pad_id 4: no other test's but the conventions' below) -- the
+# forward pass in two precisions, greedy and beam search, the gradient and an Adam step.
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 def test_fuzzed_configurations_with_pad_above_eos(port):
     found = fuzz.check(PAD_ABOVE_EOS, port_backend(port))

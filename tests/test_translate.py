@@ -176,9 +176,8 @@ def number_words(count: int, seed: int, distinct: int | None = None, lang: str =
     return [num2words(int(n), lang=lang) for n in rng.choice(pool, count)]
 
 
-# 21 s alone (31 in a whole run): the reference decodes each of the 200 distinct lines alone, and the command the
-# 1,000 lines in 16 batches of 64 -- a count of lines at which every number recurs in other batches
-# and places.
+# 21 s alone (31 to 61 s in a whole run): the reference decodes each of the 200 distinct lines alone, and the command
+# the 1,000 lines in 16 batches of 64 -- a count of lines at which every number recurs in other batches and places.
 def test_a_file_in_batches_gives_each_lines_own_translation(tmp_path, capsys):
     """1,000 lines (200 distinct numbers, so each recurs in other batches and places), translated by ``--input`` in
     batches of 64 sorted by length, are the lines each decoded alone by the reference (greedy, float64), in the
