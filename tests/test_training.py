@@ -368,7 +368,7 @@ def float16_halves(name: str) -> tuple[Run, Run]:
 
 # Up to 41 s for the first pair ending in TensorFlow (36 in a whole run): it runs the six uninterrupted float16 steps
 # (float16_halves, then cached for the module), then the resumed three on the model it loads, TensorFlow tracing its
-# loss-scaled step for each new model and optimizer; the other pairs take 1-16 s.
+# loss-scaled step for each new model and optimizer; the other pairs take 0.6-16 s.
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", FLOAT16_RESUMES, ids="-then-".join)
 def test_a_float16_run_resumes_with_its_loss_scale(pair, float16_scaling, tmp_path):
