@@ -253,13 +253,13 @@ def pytest_terminal_summary(terminalreporter):
     if not AGREEMENT_LOG:
         return
     terminalreporter.section("agreement with the reference (worst error / bound)")
-    terminalreporter.write_line(f"{'port':<8}{'device':<9}{'dtype':<9}{'check':<22}{'n':>5}"
-                                f"{'max error':>12}{'worst ratio':>13}")
-    for (port, device, dtype, what), rows in sorted(AGREEMENT_LOG.items()):
-        errors = np.array(rows)
-        ratio = float(np.max(errors[:, 0] / errors[:, 1]))
-        terminalreporter.write_line(f"{port:<8}{device:<9}{dtype:<9}{what:<22}{len(rows):>5}"
-                                    f"{errors[:, 0].max():>12.2e}{ratio:>13.3f}")
+    header = ("port", "device", "dtype", "check", "n", "max error", "worst ratio")
+    rows = [(*key, str(len(log)), f"{np.array(log)[:, 0].max():.2e}",
+             f"{np.max(np.array(log)[:, 0] / np.array(log)[:, 1]):.3f}") for key, log in sorted(AGREEMENT_LOG.items())]
+    widths = [max(len(row[column]) for row in (header, *rows)) for column in range(len(header))]
+    for row in (header, *rows):            # text columns to the left, numbers to the right, each as wide as it needs
+        terminalreporter.write_line("  ".join(cell.ljust(width) if column < 4 else cell.rjust(width)
+                                              for column, (cell, width) in enumerate(zip(row, widths))).rstrip())
 
 
 @pytest.fixture(scope="session")

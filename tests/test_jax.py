@@ -558,17 +558,9 @@ def test_cache_layout_and_a_concrete_index_outside_it():
         model.init_cache(memory, config.max_len + 1)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cached_decoding_gives_the_reference_tokens_in_float64(variant):
-    model, src = port_model(variant, "float64", "decoding"), cases.decoding_inputs(VARIANTS[variant])
-    np.testing.assert_array_equal(decoding.greedy_decode(model, src), reference_tokens(variant, "greedy"))
-    tokens, scores = decoding.beam_search(model, src)
-    ref_tokens, ref_scores = reference_tokens(variant, "beam")
-    np.testing.assert_array_equal(tokens, ref_tokens)
-    tolerance.assert_agrees(scores, ref_scores, what="beam scores")
-
-
 def test_uncached_decoding_gives_the_reference_tokens_in_float64():
+    """Decoding without the cache (every step re-runs the decoder on the whole prefix). The cached search, every
+    variant, every port: test_agreement.py::test_decoded_tokens_float64."""
     model, src = port_model("tiny", "float64", "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
     greedy = reference_tokens("tiny", "greedy")
     assert len({row.tolist().count(VARIANTS["tiny"].pad_id) for row in greedy}) > 1  # rows end at different steps

@@ -410,21 +410,18 @@ def reference_search(variant: str, kind: str):
     return reference_decoding.beam_search(model, src)
 
 
-@pytest.mark.parametrize("kind", ["greedy", "beam"])
-@pytest.mark.parametrize("use_cache,variant", [(True, name) for name in VARIANTS] + [(False, "tiny")])
-def test_compiled_search_tokens_equal_the_reference_in_float64(variant, kind, use_cache, agreement):
-    model = port_model(variant, "float64", "decoding")
-    src = cases.decoding_inputs(VARIANTS[variant])
-    ref_tokens, ref_scores = reference_search(variant, kind)
-    lengths = (ref_tokens != VARIANTS[variant].pad_id).sum(axis=1)
-    assert len(set(lengths)) > 1, "the decoding inputs should end rows at different lengths"
-    if kind == "greedy":
-        tokens = transformer_tf.greedy_decode(model, src, use_cache=use_cache)
-    else:
-        tokens, scores = transformer_tf.beam_search(model, src, use_cache=use_cache)
-        agreement(scores, ref_scores, None, port="tf", device="cpu", dtype="float64", what="beam scores")
+def test_uncached_decoding_gives_the_reference_tokens_in_float64(agreement):
+    """Decoding without the cache (every step re-runs the decoder on the whole prefix), compiled. The cached search,
+    every variant, every port: test_agreement.py::test_decoded_tokens_float64."""
+    model, src = port_model("tiny", "float64", "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
+    greedy, (ref_tokens, ref_scores) = reference_search("tiny", "greedy")[0], reference_search("tiny", "beam")
+    assert len(set((greedy != VARIANTS["tiny"].pad_id).sum(axis=1))) > 1       # rows end at different steps
+    tokens = transformer_tf.greedy_decode(model, src, use_cache=False)
     assert tokens.dtype == np.int64
+    np.testing.assert_array_equal(tokens, greedy)
+    tokens, scores = transformer_tf.beam_search(model, src, use_cache=False)
     np.testing.assert_array_equal(tokens, ref_tokens)
+    agreement(scores, ref_scores, None, port="tf", device="cpu", dtype="float64", what="beam scores")
 
 
 def test_beam_search_rejects_a_bad_beam_size():

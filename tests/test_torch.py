@@ -434,20 +434,9 @@ def test_attention_cache_branches_equal_the_uncached_attention():
             tolerance.assert_agrees(out.numpy(), full[:, start:end].numpy(), what=f"self-attention {start}..{end - 1}")
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cached_decoding_gives_the_reference_tokens_in_float64(variant):
-    model, ref = port_model(variant, params="decoding"), reference_model(variant, params="decoding")
-    src = cases.decoding_inputs(VARIANTS[variant])
-    expected = reference.greedy(ref, src)
-    assert len({len(row[row != 0]) for row in expected}) > 1, "inputs should end rows at different steps"
-    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=True), expected)
-    ref_tokens, ref_scores = reference.beam(ref, src)
-    tokens, scores = decoding.beam_search(model, src, use_cache=True)
-    np.testing.assert_array_equal(tokens, ref_tokens)
-    tolerance.assert_agrees(scores, ref_scores, what="beam scores")
-
-
 def test_uncached_decoding_gives_the_reference_tokens_in_float64():
+    """Decoding without the cache (every step re-runs the decoder on the whole prefix). The cached search, every
+    variant, every port: test_agreement.py::test_decoded_tokens_float64."""
     model, ref = port_model("tiny", params="decoding"), reference_model("tiny", params="decoding")
     src = cases.decoding_inputs(VARIANTS["tiny"])
     np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), reference.greedy(ref, src))
