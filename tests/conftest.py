@@ -259,8 +259,10 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("agreement with the reference (worst error / bound)")
     header = ("port", "device", "dtype", "check", "n", "max error", "worst ratio")
-    rows = [(*key, str(len(log)), f"{np.array(log)[:, 0].max():.2e}",
-             f"{np.max(np.array(log)[:, 0] / np.array(log)[:, 1]):.3f}") for key, log in sorted(AGREEMENT_LOG.items())]
+    rows = []
+    for key, log in sorted(AGREEMENT_LOG.items()):
+        errors, bounds = np.array(log).T
+        rows.append((*key, str(len(log)), f"{errors.max():.2e}", f"{np.max(errors / bounds):.3f}"))
     widths = [max(len(row[column]) for row in (header, *rows)) for column in range(len(header))]
     for row in (header, *rows):            # text columns to the left, numbers to the right, each as wide as it needs
         terminalreporter.write_line("  ".join(cell.ljust(width) if column < 4 else cell.rjust(width)

@@ -227,6 +227,7 @@ def test_decoded_tokens_float64(port, device_kind, variant, kind, agreement):
     assert len(set((ref_tokens != VARIANTS[variant].pad_id).sum(axis=1))) > 1, "rows should end at different steps"
     out = _port_decode(port, device, "float64", variant, kind)
     tokens = out if kind == "greedy" else out[0]
+    assert tokens.dtype == np.int64
     np.testing.assert_array_equal(tokens, ref_tokens)
     if kind == "beam":
         agreement(out[1], ref_scores, None, port=port, device=device, dtype="float64", what=f"beam scores: {variant}")

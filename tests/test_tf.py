@@ -420,6 +420,7 @@ def test_uncached_decoding_gives_the_reference_tokens_in_float64(agreement):
     assert tokens.dtype == np.int64
     np.testing.assert_array_equal(tokens, greedy)
     tokens, scores = transformer_tf.beam_search(model, src, use_cache=False)
+    assert tokens.dtype == np.int64
     np.testing.assert_array_equal(tokens, ref_tokens)
     agreement(scores, ref_scores, None, port="tf", device="cpu", dtype="float64", what="beam scores")
 
