@@ -99,32 +99,29 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
     return checkpoint.to_params(model)
 
 
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {xla: its compiled forward pass}
-
-
-def _compiled(model: Transformer, xla: bool, *inputs: np.ndarray | None) -> Any:
-    """The model's forward pass, compiled once per model (and traced once per input shape): with XLA and the
-    output alone (``log_probs``), or without XLA, cheap to trace, and every stage (``forward``)."""
-    graphs = _GRAPHS.setdefault(model, {})
-    if xla not in graphs:
-        graphs[xla] = compiled_forward(model, jit_compile=xla, return_intermediates=not xla)
-    with tf.device(_device.model_device(model)):
-        return graphs[xla](*inputs)
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its XLA-compiled forward pass
 
 
 def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
             ) -> dict[str, np.ndarray]:
-    """Every stage of the forward pass (inference), by the shared stage names, from a graph
-    compiled once per model and input shape (``compiled_forward`` without XLA: cheap to trace). Every stage in
+    """Every stage of the forward pass (inference), by the shared stage names, from Keras's own eager call of the
+    model: a call made once (``compare``, the equivalence harness) needs no graph, whose tracing took about 1 s a
+    model and input shape on ``tiny``, 10-30 times the eager call (the graph without XLA is
+    ``transformer_tf.compiled_forward(model, jit_compile=False)``, checked in tests/test_tf.py). Every stage in
     the model's dtype, ``log_probs`` in float32 for a bfloat16 or float16 model."""
-    _, stages = _compiled(model, False, src, tgt, src_mask, tgt_mask)
+    src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
+    with tf.device(_device.model_device(model)):
+        _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True, training=False)
     return {name: value.numpy() for name, value in stages.items()}
 
 
 def log_probs(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None) -> np.ndarray:
     """The forward pass's (B, T, V) log-probabilities alone (inference), from ``compiled_forward`` with XLA,
-    compiled once per model and input shape; float32 for a bfloat16 or float16 model."""
-    return _compiled(model, True, src, tgt, src_mask, tgt_mask).numpy()
+    compiled once per model (and traced once per input shape); float32 for a bfloat16 or float16 model."""
+    if model not in _GRAPHS:
+        _GRAPHS[model] = compiled_forward(model)
+    with tf.device(_device.model_device(model)):
+        return _GRAPHS[model](src, tgt, src_mask, tgt_mask).numpy()
 
 
 def component(model: Transformer, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
