@@ -12,6 +12,10 @@
    built with) and by the port's ``_linear`` (oneDNN's inner product), and every weight a cached
    step reads, one row each, back to back (the step's products alone), with the weight bytes read
    per second.
+5. The same weights' products for ``--rows`` rows at once (a batched beam search's step: 16 sentences x beam 4 by
+   default), in GFLOP/s, by four kernels: the port's ``_linear``, ``F.linear``, ``torch.addmm`` on a copy of the
+   weight stored (in, out), and MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on the weight packed once for that
+   row count, as Inductor's freezing packs it), where torch has it.
 
 Times are medians over ``--repeats`` runs after a warm-up run. GFLOP/s count the matrix
 products only (formulas printed). The timed part holds an exclusive lock on /tmp/bench.lock
@@ -30,6 +34,7 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +103,8 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="also write the report (Markdown) to this file")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--decode-batch", type=int, default=1, help="sentences decoded at once (default 1)")
+    parser.add_argument("--rows", type=int, default=64,
+                        help="rows of the products timed by kernel (default 64: 16 sentences x beam 4)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,7 +168,7 @@ def main() -> None:
         rows.append((f"beam search, beam 4, alpha 0.6, S={beam_src.shape[1]}", beam.median, None,
                      f"{beam.result[0].shape[1]} steps, {1e3 * beam.median / beam.result[0].shape[1]:.2f} ms/step"))
         profile = [*forward_profile(model, src, tgt), "", *step_profile(model, memory, dec_mask)]
-        kernels = projection_kernels(model, device, repeats)
+        kernels = [*projection_kernels(model, device, repeats), "", *kernel_rates(model, device, args.rows, repeats)]
 
     lines += ["| what | median time | GFLOP/s | note |", "|---|---:|---:|---|"]
     for what, seconds, flops, note in rows:
@@ -278,6 +285,48 @@ def projection_kernels(model, device, repeats: int) -> list[str]:
                  f"the port's _linear | {1e3 * run.median:.2f} ms | {step_weight_bytes(model) / run.median / 1e9:.1f} "
                  "GB/s |")
     return lines
+
+
+def kernel_rates(model, device, rows: int, repeats: int) -> list[str]:
+    """Each distinct weight shape of a cached step (:func:`step_products`' weights) times ``rows`` rows, with its
+    bias, in GFLOP/s (median of ``10 * repeats`` calls) by each kernel of :func:`product_kernels`."""
+    layers = [module for name, module in model.decoder.named_modules()
+              if isinstance(module, torch.nn.Linear) and read_every_step(f"decoder.{name}")]
+    shapes = {tuple(module.weight.shape): module.bias for module in layers}
+    shapes[tuple(output_projection(model).shape)] = getattr(model.generator, "bias", None)
+    lines = [f"A step's products for {rows} rows, by kernel (GFLOP/s, median of {10 * repeats} calls):", ""]
+    table = {}
+    for (out, width), bias in shapes.items():
+        weight = torch.randn(out, width, device=device)
+        bias = torch.randn(out, device=device) if bias is not None else torch.zeros(out, device=device)
+        x = torch.randn(rows, width, device=device)
+        exact = x.double() @ weight.double().t() + bias.double()
+        bound = (width + 1) * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().t() + bias.double().abs())
+        for name, kernel in product_kernels(weight, bias, rows).items():
+            error = (kernel(x).double() - exact).abs()
+            assert bool((error <= bound).all()), f"{name}: off the exact product beyond float32's GEMM bound"
+            seconds = measure(lambda: synchronized(kernel(x)), 10 * repeats).median
+            table.setdefault(name, {})[(out, width)] = gflop_rate(2 * rows * width * out, seconds)
+    lines += ["| kernel | " + " | ".join(f"{rows} x {width} -> {out}" for out, width in shapes) + " |",
+              "|---|" + "---:|" * len(shapes)]
+    lines += [f"| {name} | " + " | ".join(f"{rate:.1f}" for rate in rates.values()) + " |"
+              for name, rates in table.items()]
+    return lines
+
+
+def product_kernels(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor],
+                                                                                              torch.Tensor]]:
+    """x W^T + b by the port's ``_linear`` (oneDNN's inner product on the CPU), ``F.linear`` (torch's BLAS on the
+    (out, in) weight), ``torch.addmm`` on a copy stored (in, out), and, on a CPU whose torch has it, MKL's GEMM on
+    the weight packed for ``rows`` rows."""
+    transposed = weight.t().contiguous()                                  # (in, out)
+    kernels = {"the port's _linear": lambda x: _linear(x, weight, bias),
+               "F.linear, weight (out, in)": lambda x: torch.nn.functional.linear(x, weight, bias),
+               "torch.addmm, weight (in, out)": lambda x: torch.addmm(bias, x, transposed)}
+    if weight.is_cpu and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        kernels["MKL packed GEMM"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    return kernels
 
 
 def step_products(model, device):
