@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -32,6 +33,14 @@ from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
 DEVICE_KINDS = ("cpu", "gpu")
+
+
+def script(name: str):
+    """``scripts/<name>.py`` loaded as a module (the scripts are files to run, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def port_backend(port: str):

@@ -11,26 +11,21 @@ import argparse
 import importlib.util
 import json
 import time
-from pathlib import Path
 
 import pytest
-from support import FRAMEWORKS
+from support import FRAMEWORKS, script
 
 for module in ("torch", "transformers", "ctranslate2", "sentencepiece"):
     pytest.importorskip(module, reason=f"{module} is not installed: the opus-mt benchmark builds its model with "
                                        "transformers (torch), converts it with ctranslate2 and gives it a "
                                        "SentencePiece tokenizer (pip install '.[peers]' transformers sentencepiece)")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_translate.py"
 SENTENCES, BATCH = 4, 4
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_translate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("bench_translate")
 
 
 def installed(bench) -> list[str]:

@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import script
 
 import reference_numpy
 
@@ -292,9 +293,7 @@ def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_p
     """scripts/slow_tests.py sums each test's set-up, call and teardown in pytest's --durations report (ids with
     spaces included) and lists those at or over the threshold, over several reports; a module with a long set-up
     leaves whole; the list it keeps has only test ids and module paths."""
-    spec = importlib.util.spec_from_file_location("slow_tests", ROOT / "scripts" / "slow_tests.py")
-    slow_tests = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(slow_tests)
+    slow_tests = script("slow_tests")
     report = ("============ slowest durations ============\n"
               "1.50s setup    tests/test_a.py::test_x[a b]\n"
               "0.60s call     tests/test_a.py::test_x[a b]\n"
