@@ -288,17 +288,14 @@ def projection_kernels(model, device, repeats: int) -> list[str]:
 
 
 def kernel_rates(model, device, rows: int, repeats: int) -> list[str]:
-    """Each distinct weight shape of a cached step (:func:`step_products`' weights) times ``rows`` rows, with its
-    bias, in GFLOP/s (median of ``10 * repeats`` calls) by each kernel of :func:`product_kernels`."""
-    layers = [module for name, module in model.decoder.named_modules()
-              if isinstance(module, torch.nn.Linear) and read_every_step(f"decoder.{name}")]
-    shapes = {tuple(module.weight.shape): module.bias for module in layers}
-    shapes[tuple(output_projection(model).shape)] = getattr(model.generator, "bias", None)
+    """Each distinct weight shape of a cached step (:func:`step_layers` and the output projection) times ``rows`` rows,
+    with a bias, in GFLOP/s (median of ``10 * repeats`` calls) by each kernel of :func:`product_kernels`."""
+    shapes = [*dict.fromkeys(tuple(module.weight.shape) for module in step_layers(model)),
+              tuple(output_projection(model).shape)]
     lines = [f"A step's products for {rows} rows, by kernel (GFLOP/s, median of {10 * repeats} calls):", ""]
     table = {}
-    for (out, width), bias in shapes.items():
-        weight = torch.randn(out, width, device=device)
-        bias = torch.randn(out, device=device) if bias is not None else torch.zeros(out, device=device)
+    for out, width in shapes:
+        weight, bias = torch.randn(out, width, device=device), torch.randn(out, device=device)
         x = torch.randn(rows, width, device=device)
         exact = x.double() @ weight.double().t() + bias.double()
         bound = (width + 1) * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().t() + bias.double().abs())
@@ -329,11 +326,16 @@ def product_kernels(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> dict
     return kernels
 
 
+def step_layers(model) -> list[torch.nn.Linear]:
+    """The decoder's linear layers a cached step reads (:func:`read_every_step`), in order."""
+    return [module for name, module in model.decoder.named_modules()
+            if isinstance(module, torch.nn.Linear) and read_every_step(f"decoder.{name}")]
+
+
 def step_products(model, device):
     """A call that runs one row through every weight a cached step reads (:func:`step_weight_bytes`), with its
     bias, by the port's ``_linear``: the step's matrix-vector products alone."""
-    layers = [module for name, module in model.decoder.named_modules()
-              if isinstance(module, torch.nn.Linear) and read_every_step(f"decoder.{name}")]
+    layers = step_layers(model)
     weight = output_projection(model)
     rows = {n: torch.randn(1, n, dtype=weight.dtype, device=device) for n in {m.in_features for m in layers}}
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=device)

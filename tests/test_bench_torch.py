@@ -4,25 +4,18 @@ refused, not timed."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+from support import script
 
 torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch port's benchmark needs it")
 
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_torch.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_torch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("bench_torch")
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +36,7 @@ def test_every_kernel_computes_the_product(bench):
 
 def test_the_table_has_a_rate_per_kernel_and_shape(bench, model):
     lines = bench.kernel_rates(model, "cpu", 4, 1)
-    shapes = {tuple(m.weight.shape) for name, m in model.decoder.named_modules()
-              if isinstance(m, torch.nn.Linear) and bench.read_every_step(f"decoder.{name}")}
-    shapes.add(tuple(bench.output_projection(model).shape))
+    shapes = {tuple(layer.weight.shape) for layer in bench.step_layers(model)} | {bench.output_projection(model).shape}
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| kernel")]
     assert len(rows) == len(bench.product_kernels(torch.ones(2, 2), torch.ones(2), 4))
     assert all(len(row.strip("|").split("|")) == 1 + len(shapes) for row in rows)
