@@ -109,8 +109,7 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
     model and input shape on ``tiny``, 10-30 times the eager call (the graph without XLA is
     ``transformer_tf.compiled_forward(model, jit_compile=False)``, checked in tests/test_tf.py). Every stage in
     the model's dtype, ``log_probs`` in float32 for a bfloat16 or float16 model."""
-    src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
-    with tf.device(_device.model_device(model)):
+    with tf.device(_device.model_device(model)):           # the model's __call__ checks the inputs first
         _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True, training=False)
     return {name: value.numpy() for name, value in stages.items()}
 
