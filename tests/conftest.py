@@ -57,6 +57,8 @@ from transformer_cli.backends import numpy as reference
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)
+# worker -> (its peak resident memory, the largest of its child processes'), in bytes; filled by pytest_testnodedown.
+PEAK_MEMORY: dict[str, tuple[int, int]] = {}
 
 
 def check_agreement(port_out, ref64, ref_same, *, port: str, device: str, dtype: str, what: str,
@@ -143,6 +145,30 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
     assert not wrong.any(), (f"{what}: {int(wrong.sum())} log-probabilities of logits whose rounding has one answer "
                              f"are off the reference's on the same input, by up to {error[wrong].max():.3e} against "
                              f"the float32 bound (plus the undecided logits' share) {bound.max():.3e}")
+
+
+# The memory one worker needs: its own peak (up to 4.4 GiB in a whole run on the 2-core machine) and, not at the same
+# moment, the largest process it starts (a data-parallel run's, a document's interpreter, mypy: up to 1.9 GiB), with
+# room for the system; the run's summary prints each worker's two peaks (pytest_terminal_summary). Sampled every 5 s,
+# two workers and their processes never held more than 6.6 GiB together. ``--numprocesses=auto`` starts no more
+# workers than the machine's memory holds at this much each.
+WORKER_MEMORY = 6 * 2**30
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """``--numprocesses=auto`` (pyproject.toml): one pytest-xdist worker per core this process may use (its affinity:
+    a container's or ``taskset``'s share, not the machine's count), as many as the machine's memory holds at
+    :data:`WORKER_MEMORY` each, at least one. pytest-xdist's own ``PYTEST_XDIST_AUTO_NUM_WORKERS`` is kept."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None                                                  # pytest-xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return worker_count(cores, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def worker_count(cores: int, memory: int) -> int:
+    """Workers for ``cores`` cores and ``memory`` bytes: a core each, :data:`WORKER_MEMORY` each, at least one."""
+    return max(1, min(cores, memory // WORKER_MEMORY))
 
 
 def pytest_configure(config):
@@ -241,20 +267,37 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session):
-    """In a pytest-xdist worker: hand this worker's agreement log to the controller, which prints the summary."""
+    """In a pytest-xdist worker: hand this worker's agreement log and peak memory to the controller, which prints
+    them."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["agreement"] = [[list(key), [[float(error), float(bound)] for error, bound in rows]]
                                                     for key, rows in AGREEMENT_LOG.items()]
+        session.config.workeroutput["peak_memory"] = peak_memory()
+
+
+def peak_memory() -> tuple[int, int]:
+    """This process's peak resident memory and the largest of the processes it started and waited for, in bytes
+    (``getrusage``: kilobytes on Linux)."""
+    import resource
+
+    return tuple(resource.getrusage(who).ru_maxrss * 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """In the pytest-xdist controller: gather a finished worker's agreement log."""
-    for key, rows in getattr(node, "workeroutput", {}).get("agreement", []):
+    """In the pytest-xdist controller: gather a finished worker's agreement log and peak memory."""
+    output = getattr(node, "workeroutput", {})
+    for key, rows in output.get("agreement", []):
         AGREEMENT_LOG[tuple(key)].extend(tuple(row) for row in rows)
+    if "peak_memory" in output:
+        PEAK_MEMORY[node.gateway.id] = tuple(output["peak_memory"])
 
 
 def pytest_terminal_summary(terminalreporter):
+    if PEAK_MEMORY:
+        peaks = (f"{worker} {own / 2**30:.1f} GiB + {child / 2**30:.1f} GiB"
+                 for worker, (own, child) in sorted(PEAK_MEMORY.items()))
+        terminalreporter.write_line(f"peak memory, each worker + the largest process it started: {', '.join(peaks)}")
     if not AGREEMENT_LOG:
         return
     terminalreporter.section("agreement with the reference (worst error / bound)")

@@ -310,6 +310,15 @@ def test_the_inner_loop_leaves_out_the_tests_a_durations_report_shows_slow(tmp_p
     assert listed and all(re.fullmatch(r"tests/test_\w+\.py(::test_\w+(\[.*\])?)?", line) for line in listed)
 
 
+def test_the_workers_are_one_per_core_as_many_as_the_memory_holds():
+    """tests/conftest.py's worker_count for ``--numprocesses=auto``: a core each, WORKER_MEMORY each, at least one."""
+    from conftest import WORKER_MEMORY, worker_count
+
+    assert worker_count(2, 24 * 2**30) == 2
+    assert worker_count(16, 4 * WORKER_MEMORY + WORKER_MEMORY // 2) == 4
+    assert worker_count(16, WORKER_MEMORY - 1) == worker_count(1, 64 * WORKER_MEMORY) == 1
+
+
 def test_a_module_is_one_unit_of_work_and_the_agreement_matrix_one_per_port_and_dtype():
     """tests/conftest.py's work_unit: what one pytest-xdist worker runs whole."""
     from conftest import work_unit
