@@ -319,6 +319,19 @@ def test_the_workers_are_one_per_core_as_many_as_the_memory_holds():
     assert worker_count(16, WORKER_MEMORY - 1) == worker_count(1, 64 * WORKER_MEMORY) == 1
 
 
+def test_the_units_of_work_are_handed_out_the_longest_first():
+    """tests/conftest.py's longest_first: units ordered by their tests' times from a run before, a guess for a test
+    not timed (slow or not), each unit's tests in their own order."""
+    from conftest import QUICK_GUESS, SLOW_GUESS, longest_first
+
+    tests = [("tests/test_a.py::test_1", False), ("tests/test_b.py::test_1", True), ("tests/test_a.py::test_2", False),
+             ("tests/test_agreement.py::test_x[jax-cpu-float32-tiny]", False), ("tests/test_c.py::test_1", False)]
+    assert longest_first(tests, {}) == [1, 0, 2, 3, 4]                     # b: one slow test; a: two quick ones
+    timed = {"tests/test_a.py::test_1": 1.0, "tests/test_c.py::test_1": 40.0,
+             "tests/test_agreement.py::test_x[jax-cpu-float32-tiny]": SLOW_GUESS + QUICK_GUESS}
+    assert longest_first(tests, timed) == [4, 3, 1, 0, 2]                  # c 40 s; the matrix's unit; b; a 1.3 s
+
+
 def test_a_module_is_one_unit_of_work_and_the_agreement_matrix_one_per_port_and_dtype():
     """tests/conftest.py's work_unit: what one pytest-xdist worker runs whole."""
     from conftest import work_unit
