@@ -321,7 +321,8 @@ def peak_memory() -> tuple[int, int]:
     (``getrusage``: kilobytes on Linux)."""
     import resource
 
-    return tuple(resource.getrusage(who).ru_maxrss * 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 
 @pytest.hookimpl(optionalhook=True)
