@@ -59,8 +59,8 @@ from transformer_cli.backends import numpy as reference
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)
 # test -> the seconds it took in this run (set-up, call and tear-down); filled by pytest_runtest_logreport.
 RUN_SECONDS: dict[str, float] = defaultdict(float)
-# worker -> (its peak resident memory, the largest of its child processes'), in bytes; filled by pytest_testnodedown.
-PEAK_MEMORY: dict[str, tuple[int, int]] = {}
+# worker -> its peak resident memory, in bytes; filled by pytest_testnodedown.
+PEAK_MEMORY: dict[str, int] = {}
 
 
 def check_agreement(port_out, ref64, ref_same, *, port: str, device: str, dtype: str, what: str,
@@ -149,12 +149,12 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
                              f"the float32 bound (plus the undecided logits' share) {bound.max():.3e}")
 
 
-# The memory one worker needs: its own peak (up to 4.4 GiB in a whole run on the 2-core machine) and, not at the same
-# moment, the largest process it starts (a data-parallel run's, a document's interpreter, mypy: up to 1.9 GiB), with
-# room for the system; the run's summary prints each worker's two peaks (pytest_terminal_summary). Sampled every 5 s,
-# two workers and their processes never held more than 6.6 GiB together. ``--numprocesses=auto`` starts no more
-# workers than the machine's memory holds at this much each.
-WORKER_MEMORY = 6 * 2**30
+# The memory one worker needs: its own peak (a clean clone's run on the 2-core machine: 7.9 GiB, the other worker 6.2;
+# the run's summary prints each worker's, pytest_terminal_summary) and the processes its tests start (a data-parallel
+# run's, a document's interpreter, mypy: up to 1.9 GiB), not all at the same moment: sampled every 5 s, the two
+# workers and their processes held up to 15 GiB together. ``--numprocesses=auto`` starts no more workers than the
+# machine's memory holds at this much each.
+WORKER_MEMORY = 8 * 2**30
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -316,13 +316,12 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["peak_memory"] = peak_memory()
 
 
-def peak_memory() -> tuple[int, int]:
-    """This process's peak resident memory and the largest of the processes it started and waited for, in bytes
-    (``getrusage``: kilobytes on Linux)."""
+def peak_memory() -> int:
+    """This process's peak resident memory, in bytes (``getrusage``: kilobytes on Linux). Not its children's: a
+    child forked from it counts every page it shares with the worker as its own."""
     import resource
 
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -332,14 +331,13 @@ def pytest_testnodedown(node, error):
     for key, rows in output.get("agreement", []):
         AGREEMENT_LOG[tuple(key)].extend(tuple(row) for row in rows)
     if "peak_memory" in output:
-        PEAK_MEMORY[node.gateway.id] = tuple(output["peak_memory"])
+        PEAK_MEMORY[node.gateway.id] = output["peak_memory"]
 
 
 def pytest_terminal_summary(terminalreporter):
     if PEAK_MEMORY:
-        peaks = (f"{worker} {own / 2**30:.1f} GiB + {child / 2**30:.1f} GiB"
-                 for worker, (own, child) in sorted(PEAK_MEMORY.items()))
-        terminalreporter.write_line(f"peak memory, each worker + the largest process it started: {', '.join(peaks)}")
+        peaks = ", ".join(f"{worker} {peak / 2**30:.1f} GiB" for worker, peak in sorted(PEAK_MEMORY.items()))
+        terminalreporter.write_line(f"peak memory of each worker: {peaks}")
     if not AGREEMENT_LOG:
         return
     terminalreporter.section("agreement with the reference (worst error / bound)")
