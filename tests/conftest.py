@@ -202,11 +202,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in slow or item.nodeid.split("::")[0] in slow or other_matrix_variant(item):
             item.add_marker(pytest.mark.slow)
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        cache = getattr(config, "cache", None)
+    if hasattr(config, "workerinput"):
         order = longest_first([(item.nodeid, item.get_closest_marker("slow") is not None) for item in items],
-                              cache.get(TEST_SECONDS, {}) if cache else {})
+                              config.workerinput["test_seconds"])
         items[:] = [items[index] for index in order]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """In the pytest-xdist controller: the tests' times of the run before (one reading of pytest's cache) for every
+    worker, so that all of them order their collection alike (pytest-xdist requires the same list from each)."""
+    cache = getattr(node.config, "cache", None)
+    node.workerinput["test_seconds"] = cache.get(TEST_SECONDS, {}) if cache else {}
 
 
 # The seconds each test took in the last run that ran it (pytest's cache, .pytest_cache in the checkout), and the
