@@ -44,6 +44,7 @@ import functools
 import gc
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -357,6 +358,23 @@ def pytest_terminal_summary(terminalreporter):
     for row in (header, *rows):            # text columns to the left, numbers to the right, each as wide as it needs
         terminalreporter.write_line("  ".join(cell.ljust(width) if column < 4 else cell.rjust(width)
                                               for column, (cell, width) in enumerate(zip(row, widths))).rstrip())
+
+
+@pytest.fixture(autouse=True)
+def environment_kept() -> Iterator[None]:
+    """Each test leaves the process's environment as it found it. A command run in the test process through
+    ``main(argv)`` writes its ``--threads`` into the environment (``PJRT_NPROC``, ``XLA_FLAGS``:
+    transformer_cli/runtime.py; ``train --data-parallel``'s host devices too), and JAX hashes ``XLA_FLAGS`` into the
+    key of every program it compiles: left behind, it changed the keys of every later program in that worker, so
+    that whether a JAX program was read back from the compilation cache depended on which modules had run before
+    in the same process (a working copy's run with its cache filled: test_jax.py 79 s in one order, 186 s in
+    another)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        for name in os.environ.keys() - saved.keys():
+            del os.environ[name]
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
