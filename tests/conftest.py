@@ -150,7 +150,7 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
                              f"the float32 bound (plus the undecided logits' share) {bound.max():.3e}")
 
 
-# The memory one worker needs: its own peak (a clean clone's run on the 2-core machine: 7.9 GiB, the other worker 6.2;
+# The memory one worker needs: its own peak (a clean clone's run on the 2-core machine: 8.0 GiB, the other worker 6.3;
 # the run's summary prints each worker's, pytest_terminal_summary) and the processes its tests start (a data-parallel
 # run's, a document's interpreter, mypy: up to 1.9 GiB), not all at the same moment: sampled every 5 s, the two
 # workers and their processes held up to 15 GiB together. ``--numprocesses=auto`` starts no more workers than the
