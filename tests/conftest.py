@@ -54,6 +54,7 @@ from support import tiny_m2m100, tiny_marian
 from equivalence import cases, tolerance
 from reference_numpy.checkpoint import release_freed_memory
 from reference_numpy.precision import DTYPES, round_to, score_dtype, spacing
+from transformer_cli import runtime
 from transformer_cli.backends import numpy as reference
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
@@ -165,8 +166,7 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
     :data:`WORKER_MEMORY` each, at least one. pytest-xdist's own ``PYTEST_XDIST_AUTO_NUM_WORKERS`` is kept."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None                                                  # pytest-xdist's own hook reads it
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return worker_count(cores, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return worker_count(runtime.visible_cores(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def worker_count(cores: int, memory: int) -> int:
@@ -233,8 +233,9 @@ def longest_first(tests: list[tuple[str, bool]], seconds: dict[str, float]) -> l
     units: dict[str, list[int]] = defaultdict(list)
     time: dict[str, float] = defaultdict(float)
     for index, (nodeid, slow) in enumerate(tests):
-        units[work_unit(nodeid)].append(index)
-        time[work_unit(nodeid)] += seconds.get(nodeid, SLOW_GUESS if slow else QUICK_GUESS)
+        unit = work_unit(nodeid)
+        units[unit].append(index)
+        time[unit] += seconds.get(nodeid, SLOW_GUESS if slow else QUICK_GUESS)
     ranked = sorted(units, key=lambda unit: -time[unit])
     return [index for unit in ranked for index in units[unit]]
 
@@ -316,12 +317,12 @@ def pytest_sessionfinish(session):
     """In a pytest-xdist worker: hand this worker's agreement log and peak memory to the controller, which prints
     them. In the controller: keep each test's time for the next run's order (:func:`longest_first`)."""
     cache = getattr(session.config, "cache", None)
-    if RUN_SECONDS and cache and "PYTEST_XDIST_WORKER" not in os.environ:
-        cache.set(TEST_SECONDS, {**cache.get(TEST_SECONDS, {}), **RUN_SECONDS})
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["agreement"] = [[list(key), [[float(error), float(bound)] for error, bound in rows]]
                                                     for key, rows in AGREEMENT_LOG.items()]
         session.config.workeroutput["peak_memory"] = peak_memory()
+    elif RUN_SECONDS and cache:
+        cache.set(TEST_SECONDS, {**cache.get(TEST_SECONDS, {}), **RUN_SECONDS})
 
 
 def peak_memory() -> int:
