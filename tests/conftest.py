@@ -364,9 +364,10 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(autouse=True)
 def environment_kept() -> Iterator[None]:
     """Each test leaves the process's environment as it found it. A command run in the test process through
-    ``main(argv)`` writes its ``--threads`` into the environment (``PJRT_NPROC``, ``XLA_FLAGS``:
-    transformer_cli/runtime.py; ``train --data-parallel``'s host devices too), and JAX hashes ``XLA_FLAGS`` into the
-    key of every program it compiles: left behind, it changed the keys of every later program in that worker, so
+    ``main(argv)`` before JAX's first operation in the process writes its ``--threads`` into the environment
+    (``PJRT_NPROC``, ``XLA_FLAGS``: transformer_cli/runtime.py; ``train --data-parallel``'s host devices too; after
+    it, the command leaves them alone), and JAX hashes ``XLA_FLAGS`` into the key of every program it compiles: left
+    behind, it changed the keys of every later program in that worker, so
     that whether a JAX program was read back from the compilation cache depended on which modules had run before
     in the same process (a working copy's run with its cache filled: test_jax.py 79 s in one order, 186 s in
     another)."""

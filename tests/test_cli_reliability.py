@@ -394,9 +394,30 @@ def test_threads_are_set_in_each_framework_and_recorded_with_the_versions(comman
         import torch
         assert recorded["frameworks"]["torch"] == {"version": torch.__version__, "intra_op_threads": 1}
         assert torch.get_num_threads() == 1
-    if "jax" in INSTALLED:
-        assert recorded["frameworks"]["jax"]["PJRT_NPROC"] == "1"
-        assert "--xla_cpu_multi_thread_eigen=false" in recorded["frameworks"]["jax"]["XLA_FLAGS"]
+    if "jax" in INSTALLED:                              # what XLA started with: the next test's concern
+        assert recorded["frameworks"]["jax"] == {"version": recorded["frameworks"]["jax"]["version"],
+                                                 "PJRT_NPROC": os.environ.get("PJRT_NPROC"),
+                                                 "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+
+@pytest.mark.skipif("jax" not in INSTALLED, reason="JAX is not installed: XLA's start-up settings need it")
+@pytest.mark.parametrize("started", [False, True])
+def test_xla_threads_go_into_the_environment_until_xla_starts_and_never_after(started, restore_threads,
+                                                                              monkeypatch):
+    """Before XLA's client starts, ``--threads 1`` is written where XLA reads it; after, the environment is left
+    alone, since XLA reads it no more and JAX hashes ``XLA_FLAGS`` into its compilation-cache keys."""
+    import jax.numpy as jnp
+    jnp.zeros(1).block_until_ready()
+    assert runtime.xla_started()                                           # JAX's own account, after an operation
+    level = "--xla_backend_optimization_level=1"
+    monkeypatch.setenv("PJRT_NPROC", "7")
+    monkeypatch.setenv("XLA_FLAGS", f"{level} --xla_cpu_multi_thread_eigen=true")
+    monkeypatch.setattr(runtime, "xla_started", lambda: started)
+    runtime.configure(1)
+    expected = ({"PJRT_NPROC": "7", "XLA_FLAGS": f"{level} --xla_cpu_multi_thread_eigen=true"} if started else
+                {"PJRT_NPROC": "1", "XLA_FLAGS": f"{level} --xla_cpu_multi_thread_eigen=false"})
+    assert {name: os.environ[name] for name in expected} == expected
+    assert runtime.threads() == 1
 
 
 def test_threads_default_to_the_visible_cores_and_zero_is_refused(capsys):

@@ -72,13 +72,26 @@ def import_framework(name: str) -> ModuleType:
 
 def configure(threads: int) -> None:
     """Use ``threads`` intra-op threads in every framework of this process: the environment now (read by XLA when
-    JAX starts), the APIs of the frameworks already imported now, the others when ``backends.load`` imports them."""
+    JAX's CPU client starts), the APIs of the frameworks already imported now, the others when ``backends.load``
+    imports them. Once XLA's client has started (a second command in one process) it keeps the pool it started
+    with, as TensorFlow does, and the environment is left as it is: JAX hashes ``XLA_FLAGS`` into every program's
+    compilation-cache key, so a changed value would only make each later program miss the cache."""
     global _requested
     _requested = threads
-    os.environ["PJRT_NPROC"] = str(threads)
-    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if not flag.startswith("--xla_cpu_multi_thread")]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, *(["--xla_cpu_multi_thread_eigen=false"] if threads == 1 else [])])
+    if not xla_started():
+        os.environ["PJRT_NPROC"] = str(threads)
+        flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                 if not flag.startswith("--xla_cpu_multi_thread")]
+        os.environ["XLA_FLAGS"] = " ".join([*flags, *(["--xla_cpu_multi_thread_eigen=false"] if threads == 1 else [])])
     apply()
+
+
+def xla_started() -> bool:
+    """Whether JAX's XLA backends have started in this process (after which they read no environment variable).
+    JAX says so only in ``jax._src.xla_bridge``; a JAX without that function is taken as started once imported."""
+    if (bridge := imported("jax._src.xla_bridge")) is None:
+        return False
+    return getattr(bridge, "backends_are_initialized", lambda: True)()
 
 
 def apply() -> None:

@@ -35,7 +35,7 @@ from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_cli import backends
+from transformer_cli import backends, runtime
 from transformer_cli.arguments import refuse_existing, refuse_input
 from transformer_cli.extras import finish
 from transformer_cli.tasks import copy as copy_task
@@ -676,7 +676,11 @@ def trimmed(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
 
 def jax_host_devices(count: int) -> None:
     """Ask XLA for ``count`` CPU devices (``--xla_force_host_platform_device_count``) for a JAX mesh on a machine
-    without accelerators; JAX reads the flag when it starts, so this runs before it is imported."""
+    without accelerators; JAX reads the flag when it starts, so this runs before it is imported. Once XLA has
+    started (a second command in one process) the environment is left as it is (``runtime.configure``), and a mesh
+    wider than the devices XLA started with is refused by ``transformer_jax.data_parallel``, naming the flag."""
+    if runtime.xla_started():
+        return
     flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
              if not flag.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
