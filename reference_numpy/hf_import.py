@@ -2,7 +2,8 @@
 
 ``import_hf(DIRECTORY, OUT)`` (``transformer-reference import DIRECTORY OUT``) reads the directory's ``config.json``
 and its weights -- ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) through safetensors' own
-reader, or a pickled ``pytorch_model.bin`` only through ``torch.load(weights_only=True)`` -- and writes one shared
+reader, or a pickled ``pytorch_model.bin`` (or the shards of ``pytorch_model.bin.index.json``) only through
+``torch.load(weights_only=True)`` -- and writes one shared
 checkpoint (docs/checkpoint-format.md), with the directory's tokenizer when it has one
 (:mod:`reference_numpy.hf_tokenizer`, whose SentencePiece conversion uses transformers' converter). The weights'
 import runs no transformers code.
@@ -53,8 +54,9 @@ FAMILIES = ("marian", "m2m_100")
 # erf form (GELUActivation), "swish" and "silu" are x sigmoid(x)
 ACTIVATIONS = {"relu": "relu", "swish": "silu", "silu": "silu", "gelu": "gelu"}
 LAYER_NORM_EPS = 1e-5                              # nn.LayerNorm's default, which both families construct with
-CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE = (
-    "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE, PICKLE_INDEX = (
+    "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json")              # in the order transformers' from_pretrained looks for them
 GENERATION_FILE = "generation_config.json"
 # Fields of older config.json files (BART's lineage) that transformers' Marian and M2M100 no longer read: each must
 # hold the value the family's code computes, or the file describes another model
@@ -273,30 +275,32 @@ def read_config(directory: str | os.PathLike, name: str = CONFIG_FILE) -> dict[s
 
 
 def weight_files(directory: str | os.PathLike) -> list[Path]:
-    """The files the weights are read from: ``model.safetensors``, the shards of its index, or (without either)
-    ``pytorch_model.bin``."""
+    """The files the weights are read from, the first of these the directory holds: ``model.safetensors``, the
+    shards its index names, ``pytorch_model.bin``, the shards its index names (a large M2M100 or NLLB model's)."""
     root = Path(directory)
-    if (root / SAFETENSORS_FILE).exists():
-        return [root / SAFETENSORS_FILE]
-    if (root / SHARDED_INDEX).exists():
-        try:
-            index = json.loads((root / SHARDED_INDEX).read_text(encoding="utf-8"))
-            shards = sorted(set(index["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"cannot read {os.fspath(root / SHARDED_INDEX)!r}: {err!s:.200}") from None
-        if not shards or any(not isinstance(shard, str) or Path(shard).name != shard for shard in shards):
-            raise ValueError(f"{os.fspath(root / SHARDED_INDEX)!r}: weight_map must name shard files of the directory")
-        return [root / shard for shard in shards]
-    if (root / PICKLE_FILE).exists():
-        return [root / PICKLE_FILE]
-    raise ValueError(f"{os.fspath(root)!r} holds no {SAFETENSORS_FILE}, {SHARDED_INDEX} or {PICKLE_FILE}")
+    for name in (SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE, PICKLE_INDEX):
+        if (root / name).exists():
+            return _shards(root / name) if name.endswith(".index.json") else [root / name]
+    raise ValueError(f"{os.fspath(root)!r} holds no {SAFETENSORS_FILE}, {SHARDED_INDEX}, {PICKLE_FILE} or "
+                     f"{PICKLE_INDEX}")
+
+
+def _shards(index_path: Path) -> list[Path]:
+    """The files a sharded checkpoint's index names in its ``weight_map``: files of its own directory."""
+    try:
+        shards = sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"cannot read {os.fspath(index_path)!r}: {err!s:.200}") from None
+    if not shards or any(not isinstance(shard, str) or Path(shard).name != shard for shard in shards):
+        raise ValueError(f"{os.fspath(index_path)!r}: weight_map must name shard files of the directory")
+    return [index_path.parent / shard for shard in shards]
 
 
 def read_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
     """The directory's state dict as NumPy arrays, float16 and bfloat16 widened to float32 (exactly)."""
     weights: dict[str, np.ndarray] = {}
     for path in weight_files(directory):
-        if path.name == PICKLE_FILE:
+        if path.suffix == ".bin":                   # pytorch_model.bin, or a shard of its index
             weights.update(_read_pickle(path))
         else:
             weights.update(_read_safetensors(path))

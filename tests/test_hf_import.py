@@ -293,6 +293,33 @@ def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
     assert all(np.array_equal(params[name], expected[name]) for name in expected)
 
 
+def test_pickled_shards_are_read_as_transformers_reads_them(saved, tmp_path):
+    """A directory as larger M2M100 and NLLB models come: ``pytorch_model.bin.index.json`` naming two pickled shards
+    (transformers' own index format, which its ``from_pretrained`` loads here too: the outside check of the layout)
+    imports as the whole file; an index naming a file outside the directory is refused naming the index."""
+    family, _, directory, out = saved
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    state = {name: torch.as_tensor(value) for name, value in read_weights(directory).items()}
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for shard, held in shards.items():
+        torch.save({name: state[name] for name in held}, tmp_path / shard)
+    index = {"metadata": {"total_size": sum(value.nbytes for value in state.values())},
+             "weight_map": {name: shard for shard, held in shards.items() for name in held}}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    config, params = load_hf(tmp_path)
+    expected_config, expected = load_checkpoint(out)
+    assert config == expected_config and params.keys() == expected.keys()
+    assert all(np.array_equal(params[name], expected[name]) for name in expected)
+    loaded = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path).state_dict()
+    assert state.keys() <= loaded.keys(), state.keys() - loaded.keys()
+    assert all(torch.equal(loaded[name], value) for name, value in state.items())
+    index["weight_map"][names[0]] = "../elsewhere.bin"
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="pytorch_model.bin.index.json'?: weight_map must name shard files"):
+        load_hf(tmp_path)
+
+
 def test_bfloat16_and_float16_files_are_widened_exactly(saved, tmp_path):
     """A model saved in bfloat16 (NumPy has no such type: read from its bytes) or float16 imports as the float32
     numbers those formats hold: torch's own widening of the same tensors."""

@@ -604,7 +604,8 @@ def add_import(commands: Commands) -> None:
     hf = subcommand(commands, "import", "write a Hugging Face Marian (opus-mt) or M2M100/NLLB model directory as a "
                                         "shared checkpoint (docs/huggingface.md)")
     hf.add_argument("directory", metavar="DIR", help="the model directory: config.json and model.safetensors (or "
-                                                     "pytorch_model.bin, read by torch's weights-only loader), and "
+                                                     "pytorch_model.bin, read by torch's weights-only loader, or "
+                                                     "the shards of either's index), and "
                                                      "its tokenizer (tokenizer_config.json with Marian's source.spm, "
                                                      "target.spm and vocab.json, M2M100's sentencepiece.bpe.model "
                                                      "and vocab.json, or NLLB's tokenizer.json)")
