@@ -280,6 +280,13 @@ def test_import_command_outputs_and_inputs(saved, tmp_path, capsys):
     assert "replace the input" in capsys.readouterr().err
     assert (copy / "model.safetensors").read_bytes() == before
     assert main(["import", str(tmp_path / "absent"), str(tmp_path / "x.safetensors")]) == EXIT_USAGE
+    capsys.readouterr()
+    (tmp_path / "bare").mkdir()
+    shutil.copy(directory / "config.json", tmp_path / "bare")                       # a config and no weights
+    assert main(["import", str(tmp_path / "bare"), str(tmp_path / "x.safetensors")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no model.safetensors, model.safetensors.index.json, pytorch_model.bin " \
+                                      "or pytorch_model.bin.index.json" in err
 
 
 def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
