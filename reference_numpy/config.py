@@ -120,6 +120,11 @@ class TransformerConfig(_Config):
             mask alone), so a start token equal to pad is read, as transformers reads it.
         suppressed_ids: the tokens decoding never produces (their log-probabilities are -inf; transformers'
             ``bad_words_ids`` of one token each: Marian's pad); None is (pad_id, bos_id), the paper's.
+        renormalize: after the suppressed tokens' -inf (and before forcing a token), each step's log-probabilities
+            are normalized again over the tokens left, log p - log(sum of the p left): transformers'
+            ``renormalize_logits``, which opus-mt's generation configs set (the same as leaving the suppressed
+            tokens out of the softmax); False keeps them as the softmax gave them (section 6.1, the paper's).
+            Greedy tokens are the same either way; beam scores and so beam search's choices are not.
         forced_eos: the last token of the output budget is eos (transformers' ``forced_eos_token_id``, Marian's).
         length_normalization: beam search's "gnmt" (section 6.1) or "hf" (transformers' ``generate``).
         length_penalty: beam search's alpha when a call gives none (0.6, section 6.1; transformers'
@@ -151,6 +156,7 @@ class TransformerConfig(_Config):
     output_bias: bool = False
     decoder_start_id: int | None = None
     suppressed_ids: tuple[int, ...] | None = None
+    renormalize: bool = False
     forced_eos: bool = False
     length_normalization: str = "gnmt"
     length_penalty: float = LENGTH_PENALTY_ALPHA
@@ -165,7 +171,8 @@ class TransformerConfig(_Config):
             self._store(name, _as_int(name, getattr(self, name), minimum=1))
         for name in ("pad_id", "bos_id", "eos_id"):
             self._store(name, _as_int(name, getattr(self, name), minimum=0))
-        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias", "forced_eos"):
+        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias", "forced_eos",
+                     "renormalize"):
             self._store(name, _as_bool(name, getattr(self, name)))
         for name in ("dropout", "layer_norm_eps", "length_penalty"):
             self._store(name, _as_float(name, getattr(self, name)))

@@ -9,8 +9,10 @@ The rules, shared by every port so that all backends produce identical tokens
   (section 6.1: "maximum output length ... input length + 50");
 * outputs are returned without the start token, right-padded with ``pad_id``; the decoder never emits the
   tokens of ``config.never_emitted`` (``suppressed_ids``, by default pad_id and bos_id: their log-probabilities
-  are set to -inf before choosing); the decoder reads its prefix under the causal mask alone (no target position
-  is masked: a start token equal to pad, Marian's, is read as transformers reads it);
+  are set to -inf before choosing; with ``config.renormalize``, transformers' ``renormalize_logits``, the
+  log-probabilities are then normalized again over the tokens left: :func:`renormalized`); the decoder reads its
+  prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
+  as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
   ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code) the first output token is
   it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is eos.
@@ -115,7 +117,8 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
                          cache: tuple | None = None, cache_index: int | None = None,
                          ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
     """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
-    ``config.never_emitted`` set to -inf so that they are never chosen.
+    ``config.never_emitted`` set to -inf so that they are never chosen (then :func:`renormalized` with
+    ``config.renormalize``).
 
     Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
     :func:`.model.causal_mask` alone: no target position is masked); with a ``cache``
@@ -132,7 +135,18 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
     log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
     log_probs[:, list(model.config.never_emitted)] = -np.inf
+    if model.config.renormalize:
+        log_probs = renormalized(log_probs)
     return log_probs if cache is None else (log_probs, cache)
+
+
+def renormalized(log_probs: np.ndarray) -> np.ndarray:
+    """``config.renormalize``: log-probabilities some of which are -inf (the suppressed tokens), normalized again
+    over the others -- log p_v - log sum_u p_u, the sum over the tokens left (transformers' ``LogitNormalization``,
+    a log-softmax of the log-probabilities; the row's maximum is subtracted first, as a log-softmax does).
+    Shape: (B, V) -> (B, V)."""
+    top = log_probs.max(axis=1, keepdims=True)                                             # (B, 1), finite: eos
+    return log_probs - (top + np.log(np.exp(log_probs - top).sum(axis=1, keepdims=True)))
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:

@@ -37,7 +37,8 @@ families construct ``nn.LayerNorm`` with (``layer_norm_eps``; the presets' 1e-6 
 Special ids and decoding: pad, bos and eos are kept; ``generation_config.json`` holds the checkpoint's decoding
 conventions (:mod:`.decoding`; what :mod:`.hf_import` reads back): the start token (``decoder_start_token_id``:
 ``decoder_start_id``, or bos), the tokens never written (``bad_words_ids`` of one token each, which set their scores
-to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise), eos forced at the end of the
+to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise; ``renormalize_logits`` its
+``renormalize``), eos forced at the end of the
 budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
 ``num_beams`` (1, greedy, by default), at most ``max_len`` tokens after the start token. The per-sentence budget
 (source length + 50, section 6.1) is the caller's (``max_new_tokens``). Beam search in transformers normalises by
@@ -129,7 +130,8 @@ def generation_config(config: TransformerConfig) -> dict[str, Any]:
     suppressed = (config.pad_id, config.bos_id) if config.suppressed_ids is None else config.suppressed_ids
     bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
     return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False, "max_length": config.max_len + 1,
-            **bad_words, "length_penalty": config.length_penalty, "early_stopping": config.early_stopping}
+            **bad_words, "renormalize_logits": config.renormalize, "length_penalty": config.length_penalty,
+            "early_stopping": config.early_stopping}
 
 
 def halves_order(d_model: int) -> np.ndarray:

@@ -26,14 +26,17 @@ Special ids and decoding: the project's config holds three different ids pad, bo
 of ``reference_numpy/decoding.py``, set from ``generation_config.json`` (or, without it, the same fields of
 ``config.json``, as older files hold them) as transformers' ``generate`` reads them: ``decoder_start_token_id`` is
 ``decoder_start_id`` (Marian's pad, M2M100/NLLB's eos); ``bad_words_ids`` of one token each are ``suppressed_ids``
-(Marian's pad; nothing else is suppressed: transformers may emit any other token); ``forced_eos_token_id`` (Marian's
+(Marian's pad; nothing else is suppressed: transformers may emit any other token), ``renormalize_logits`` is
+``renormalize`` (opus-mt's generation configs set it); ``forced_eos_token_id`` (Marian's
 eos) is ``forced_eos``; beam search is transformers' (``length_normalization`` "hf") with its ``length_penalty``
 (1.0 by default) and ``early_stopping`` (False by default); ``num_beams`` (1 by default) is ``beam_size``, the beam
-the decoding commands use when given none. ``forced_bos_token_id`` is not read: the forced first token
-(M2M100/NLLB's target language) is given per call (``forced_bos_id``). Marian has no bos of its own (its
-``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as ``bos_id`` the lowest id that is
-neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this project exported
-(:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
+the decoding commands use when given none. A setting with which ``generate`` would choose other tokens than the
+reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, n-gram blocking, a minimum length, ...) is
+refused, naming it. ``max_length`` is not read (the budget is the reference's). ``forced_bos_token_id`` is not
+read: the forced first token (M2M100/NLLB's target language) is given per call (``forced_bos_id``).
+Marian has no bos of its own (its ``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as
+``bos_id`` the lowest id that is neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
+project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
 """
 
 from __future__ import annotations
@@ -66,6 +69,17 @@ LEGACY_FIELDS: dict[str, dict[str, Any]] = {
     "m2m_100": {"normalize_before": True, "normalize_embedding": False, "add_final_layer_norm": True,
                 "static_position_embeddings": True, "add_bias_logits": False, "layernorm_embedding": False},
 }
+# transformers' generation settings that make ``generate`` choose other tokens than the reference's decoding, with
+# the values that leave it unchanged (transformers' own defaults, GenerationConfig._get_default_generation_params):
+# any other value is refused, naming the field. The sampling parameters (temperature, top_k, ...) act only with
+# do_sample, so they are not among them; a min_length of 1 is the start token every output has at its first step.
+GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "do_sample": (False,), "min_length": (0, 1), "min_new_tokens": (0,), "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,), "encoder_no_repeat_ngram_size": (0,),
+    "num_beam_groups": (1,), "diversity_penalty": (0.0,), "penalty_alpha": (0.0,), "guidance_scale": (1.0,),
+    "sequence_bias": ({}, []), "force_words_ids": ([],), "constraints": ([],), "suppress_tokens": ([],),
+    "begin_suppress_tokens": ([],), "exponential_decay_length_penalty": (), "stop_strings": ([],),
+    "token_healing": (False,), "dola_layers": (), "watermarking_config": (), "forced_decoder_ids": ([],)}
 # Fields that name another model when present with any value but these
 ABSENT_OR: dict[str, tuple[Any, ...]] = {"position_embedding_type": ("absolute",), "num_experts": (0, None),
                                          "is_decoder": (False,), "add_cross_attention": (False,)}
@@ -139,6 +153,7 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     eos other than eos. A start token that is bos and suppressed tokens that are pad and bos are the config's
     defaults (None), as a checkpoint exported by :mod:`.hf_export` holds them."""
     pad, bos, eos = ids
+    _check_neutral(generation, eos, source)
     start = generation.get("decoder_start_token_id")
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
         raise ValueError(f"{source} decoder_start_token_id must be an int >= 0, got {start!r}")
@@ -159,12 +174,29 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     beams = generation.get("num_beams", 1)
     if not isinstance(beams, int) or isinstance(beams, bool) or not 1 <= beams <= MAX_BEAM_SIZE:
         raise ValueError(f"{source} num_beams must be an int from 1 to {MAX_BEAM_SIZE}, got {beams!r}")
+    renormalize = generation.get("renormalize_logits", False)
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"{source} renormalize_logits must be true or false, got {renormalize!r}")
     suppressed = [word[0] for word in bad]
     return dict(decoder_start_id=None if start == bos else start,
                 suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
-                forced_eos=forced_eos is not None,
+                renormalize=renormalize, forced_eos=forced_eos is not None,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
                 beam_size=beams)
+
+
+def _check_neutral(generation: dict[str, Any], eos: int, source: str) -> None:
+    """One ``ValueError`` line naming the first generation setting (:data:`GENERATE_NEUTRAL`, or an
+    ``eos_token_id`` other than the model's) with which ``generate`` would choose other tokens than the reference."""
+    for name, neutral in GENERATE_NEUTRAL.items():
+        value = generation.get(name)
+        if value is not None and not any(value == allowed and isinstance(value, bool) == isinstance(allowed, bool)
+                                         for allowed in neutral):
+            raise ValueError(f"{source} {name} {value!r} is not supported: generate would choose other tokens than "
+                             "every backend here; without the field the model imports, decoding as the reference")
+    if generation.get("eos_token_id") not in (None, eos, [eos]):
+        raise ValueError(f"{source} eos_token_id {generation['eos_token_id']!r} is not supported: only config.json's "
+                         f"eos_token_id ({eos})")
 
 
 def _field(hf: dict[str, Any], name: str) -> int:

@@ -49,22 +49,25 @@ torch = pytest.importorskip("torch", reason="torch is not installed: transformer
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
                                                           "these tests decode with are built with it")
 
-# (seed of support.build, the decoder's output scale, the eos logit's shift), chosen so that hypotheses end
-# at different lengths and each rule changes the tokens (asserted in test_the_settings_matter)
-SETTINGS = {"marian": (2, 0.5, 1.0), "m2m_100": (2, 0.5, 2.0)}
+# Marian's pad logit raised: its suppressed token given a probability that varies from beam to beam, so that
+# renormalizing without it (opus-mt's renormalize_logits) changes beam search's choices
+PAD_SHIFT = 3.0
+# (seed of support.build, the decoder's output scale, the eos logit's shift, the pad logit's shift), chosen so that
+# hypotheses end at different lengths and each rule changes the tokens (asserted in test_the_settings_matter)
+SETTINGS = {"marian": (2, 0.5, 1.0, PAD_SHIFT), "m2m_100": (2, 0.5, 2.0, 0.0)}
 LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
 BUDGET = 40                        # max_position_embeddings of support.MARIAN and M2M100: every sentence's budget
 EARLY_STOPPING = (False, True, "never")
-CONVENTIONS = ("decoder_start_id", "suppressed_ids", "forced_eos", "length_normalization", "length_penalty",
-               "early_stopping", "beam_size")
+CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "forced_eos", "length_normalization",
+               "length_penalty", "early_stopping", "beam_size")
 
 
-def natural(model, family: str, seed: int, scale: float, shift: float):
+def natural(model, family: str, seed: int, scale: float, shift: float, pad_shift: float):
     """The random model made to end at varied lengths: LayerNorm gains 1 + N(0, 0.01) and biases N(0, 0.01) (the
     random 0.5-scale ones of ``build`` make every decoder repeat one token), other biases shrunk, the decoder's
     last LayerNorm scaled by ``scale`` (flatter log-probabilities: beams diverge) and the eos logit raised by
     ``shift`` (Marian: its ``final_logits_bias``; M2M100, which has none: its final decoder LayerNorm's bias along
-    the eos embedding)."""
+    the eos embedding), Marian's pad logit by ``pad_shift``."""
     generator = torch.Generator().manual_seed(seed + 100)
     eos = model.config.eos_token_id
     with torch.no_grad():
@@ -79,6 +82,7 @@ def natural(model, family: str, seed: int, scale: float, shift: float):
         norm.bias.mul_(scale)
         if family == "marian":
             model.final_logits_bias[0, eos] += shift
+            model.final_logits_bias[0, model.config.pad_token_id] += pad_shift
         else:
             direction = model.model.shared.weight[eos]
             norm.bias.add_(shift * direction / direction.norm() ** 2)
@@ -89,10 +93,11 @@ def natural(model, family: str, seed: int, scale: float, shift: float):
 def family_model(request, tmp_path_factory):
     """(family, transformers' float64 model, the imported checkpoint's path, its (config, params), the sources)."""
     family = request.param
-    seed, scale, shift = SETTINGS[family]
-    model = natural(build(family, seed=seed).double(), family, seed, scale, shift)
-    if family == "marian":
-        model.generation_config.bad_words_ids = [[model.config.pad_token_id]]     # as opus-mt's files hold it
+    seed, scale, shift, pad_shift = SETTINGS[family]
+    model = natural(build(family, seed=seed).double(), family, seed, scale, shift, pad_shift)
+    if family == "marian":                                                        # as opus-mt's files hold them
+        model.generation_config.bad_words_ids = [[model.config.pad_token_id]]
+        model.generation_config.renormalize_logits = True
     model.generation_config.num_beams = 4                                         # generate's beam when given none
     directory = tmp_path_factory.mktemp(family)
     model.save_pretrained(directory)
@@ -169,16 +174,19 @@ def expected(family_model):
 def test_the_import_sets_the_family_conventions(family_model):
     family, _, _, (config, _), _ = family_model
     if family == "marian":
-        assert (config.start_id, config.never_emitted, config.forced_eos) == (config.pad_id, (config.pad_id,), True)
+        assert (config.start_id, config.never_emitted, config.renormalize, config.forced_eos) == (
+            config.pad_id, (config.pad_id,), True, True)
     else:
-        assert (config.start_id, config.never_emitted, config.forced_eos) == (config.eos_id, (), False)
+        assert (config.start_id, config.never_emitted, config.renormalize, config.forced_eos) == (
+            config.eos_id, (), False, False)
     assert (config.length_normalization, config.length_penalty, config.early_stopping, config.beam_size) == (
         "hf", 1.0, False, 4)
 
 
 def test_the_settings_matter(family_model, expected):
     """The cases are not all one: hypotheses end at different lengths, some at eos before the budget; the length
-    penalty and the early stopping rule change transformers' tokens; so do the start token and the forced token."""
+    penalty and the early stopping rule change transformers' tokens; so do the start token, the forced token and
+    (Marian's beam search) the renormalization."""
     family, model, _, (config, _), src = family_model
     for case in (("greedy", None, 1.0), ("beam", False, 1.0)):
         assert len(set(lengths(expected[case], config.eos_id))) > 1, case
@@ -189,6 +197,10 @@ def test_the_settings_matter(family_model, expected):
     changed = hf_generate(model, src, config.pad_id, 1, decoder_start_token_id=other_start, **hf_options(family))
     assert not np.array_equal(padded(changed, BUDGET, config.pad_id), padded(expected[("greedy", None, 1.0)],
                                                                              BUDGET, config.pad_id))
+    if family == "marian":
+        unnormalized = hf_generate(model, src, config.pad_id, 4, renormalize_logits=False, **hf_options(family))
+        assert not np.array_equal(padded(unnormalized, BUDGET, config.pad_id),
+                                  padded(expected[("beam", False, 1.0)], BUDGET, config.pad_id))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case)))
@@ -285,9 +297,9 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     assert load_checkpoint(path)[0] == config
     older = {name: value for name, value in config.to_dict().items() if name not in CONVENTIONS}
     paper = TransformerConfig.from_dict(older)
-    assert (paper.start_id, paper.never_emitted, paper.forced_eos, paper.length_normalization, paper.length_penalty,
-            paper.early_stopping, paper.beam_size) == (paper.bos_id, (paper.pad_id, paper.bos_id), False, "gnmt", 0.6,
-                                                       False, 1)
+    assert (paper.start_id, paper.never_emitted, paper.renormalize, paper.forced_eos, paper.length_normalization,
+            paper.length_penalty, paper.early_stopping, paper.beam_size) == (
+        paper.bos_id, (paper.pad_id, paper.bos_id), False, False, "gnmt", 0.6, False, 1)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -296,6 +308,7 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("suppressed_ids", "1", "suppressed_ids must be a list of token ids"),
     ("suppressed_ids", [1, 2], "suppressed_ids must be ids below tgt_vocab_size (23), eos_id (2) not among them"),
     ("forced_eos", 1, "forced_eos must be a bool"),
+    ("renormalize", "yes", "renormalize must be a bool"),
     ("length_normalization", "marian", "length_normalization must be one of ('gnmt', 'hf')"),
     ("length_penalty", -0.5, "length_penalty must be a finite number >= 0"),
     ("early_stopping", "always", "early_stopping must be one of False, True, 'never'"),
@@ -336,20 +349,42 @@ def test_config_from_generation_config():
             "max_position_embeddings": 8, "activation_function": "swish", "pad_token_id": 28, "eos_token_id": 0,
             "decoder_start_token_id": 28}
     generation = {"decoder_start_token_id": 28, "bad_words_ids": [[28]], "forced_eos_token_id": 0,
-                  "length_penalty": 1.5, "early_stopping": "never", "num_beams": 6}
+                  "length_penalty": 1.5, "early_stopping": "never", "num_beams": 6, "renormalize_logits": True,
+                  "eos_token_id": 0, "max_length": 512, "min_length": 0, "repetition_penalty": 1, "temperature": 0.5,
+                  "top_k": 5, "do_sample": False, "no_repeat_ngram_size": 0, "suppress_tokens": None}
     config = config_from_hf(base, generation)
-    assert (config.decoder_start_id, config.suppressed_ids, config.forced_eos, config.length_penalty,
-            config.early_stopping, config.beam_size) == (28, (28,), True, 1.5, "never", 6)
+    assert (config.decoder_start_id, config.suppressed_ids, config.renormalize, config.forced_eos,
+            config.length_penalty, config.early_stopping, config.beam_size) == (28, (28,), True, True, 1.5, "never", 6)
     legacy = config_from_hf({**base, "bad_words_ids": [[28]], "num_beams": 4})
     assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping, legacy.beam_size) == ((28,), False,
                                                                                                    False, 4)
     assert config_from_hf(base, {"decoder_start_token_id": 28}).beam_size == 1           # GenerationConfig's default
     for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", 5), ("early_stopping", 1),
                          ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0),
-                         ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0)):
+                         ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0),
+                         ("renormalize_logits", 1)):
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("do_sample", True), ("min_length", 5), ("min_new_tokens", 2), ("repetition_penalty", 1.2),
+    ("encoder_repetition_penalty", 0.9), ("no_repeat_ngram_size", 3), ("encoder_no_repeat_ngram_size", 2),
+    ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("sequence_bias", [[[5], -1.0]]), ("force_words_ids", [[5]]),
+    ("suppress_tokens", [5]), ("begin_suppress_tokens", [5]), ("exponential_decay_length_penalty", [5, 1.1]),
+    ("stop_strings", ["."]), ("min_length", True), ("eos_token_id", [0, 5]), ("eos_token_id", 5)])
+def test_generation_settings_that_change_generates_tokens_are_refused_naming_them(field, value):
+    """A generation setting with which transformers' ``generate`` would choose other tokens than the reference's
+    decoding: one line naming the field and its value (transformers' default values import: the test above)."""
+    base = {"model_type": "marian", "vocab_size": 29, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 8, "decoder_ffn_dim": 8,
+            "max_position_embeddings": 8, "activation_function": "swish", "pad_token_id": 28, "eos_token_id": 0,
+            "decoder_start_token_id": 28}
+    with pytest.raises(ValueError) as info:
+        config_from_hf(base, {"decoder_start_token_id": 28, field: value})
+    assert f"generation_config.json {field} {value!r} is not supported" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 @pytest.fixture(scope="module")
@@ -363,12 +398,12 @@ def ctranslate2_marian(tmp_path_factory):
     sentencepiece = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed: MarianTokenizer, "
                                                                 "which CTranslate2's converter loads, needs it")
     from ctranslate2.converters import TransformersConverter
-    seed, scale, shift = SETTINGS["marian"]
-    model = natural(build("marian", seed=seed).double(), "marian", seed, scale, shift).float()
+    model = natural(build("marian", seed=SETTINGS["marian"][0]).double(), "marian", *SETTINGS["marian"]).float()
     pad = model.config.pad_token_id
     with torch.no_grad():
         model.model.shared.weight[pad] = 0.0
     model.generation_config.bad_words_ids = [[pad]]
+    model.generation_config.renormalize_logits = True         # opus-mt's: CTranslate2's softmax leaves pad out too
     root = tmp_path_factory.mktemp("ctranslate2")
     directory = root / "marian"
     model.save_pretrained(directory)
@@ -450,9 +485,9 @@ def ctranslate2_m2m100(m2m100, tmp_path_factory):
         def load_tokenizer(self, *args, **kwargs):
             return _LanguageCodes(super().load_tokenizer(*args, **kwargs))
 
-    seed, scale, shift = SETTINGS["m2m_100"]
     vocab_size = transformers.AutoConfig.from_pretrained(m2m100["directory"]).vocab_size
-    model = natural(build("m2m_100", seed=seed, vocab_size=vocab_size).double(), "m2m_100", seed, scale, shift).float()
+    model = natural(build("m2m_100", seed=SETTINGS["m2m_100"][0], vocab_size=vocab_size).double(), "m2m_100",
+                    *SETTINGS["m2m_100"]).float()
     root = tmp_path_factory.mktemp("ctranslate2-m2m100")
     model.save_pretrained(root / "model")
     tokenizer = transformers.AutoTokenizer.from_pretrained(m2m100["directory"])

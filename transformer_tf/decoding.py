@@ -121,6 +121,13 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
 
+def renormalized(log_probs: tf.Tensor) -> tf.Tensor:
+    """``config.renormalize`` (transformers' ``renormalize_logits``): the log-probabilities, some -inf (the suppressed
+    tokens), normalized again over the others, log p_v - log sum_u p_u (the reference's ``renormalized``).
+    Shape: (N, V) -> (N, V)."""
+    return log_probs - tf.reduce_logsumexp(log_probs, axis=-1, keepdims=True)
+
+
 def forced_tokens(config: TransformerConfig, step: Index, limits: tf.Tensor,
                   forced_bos_id: int | None) -> tf.Tensor:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
@@ -142,14 +149,16 @@ def force(log_probs: tf.Tensor, forced: tf.Tensor) -> tf.Tensor:
 
 def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
-    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them.
+    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (then
+    :func:`renormalized` with ``config.renormalize``).
     Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
     log_probs = _generated(out[:, position], weight, model.generator._bias())              # (N, V)
     never = list(model.config.never_emitted) or [-1]                                        # -1: no token
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == never, axis=1)      # (V,)
-    return tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
+    log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
+    return renormalized(log_probs) if model.config.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor, src_mask: tf.Tensor,
