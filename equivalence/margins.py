@@ -23,6 +23,7 @@ from reference_numpy.decoding import (
     forced_tokens,
     length_penalty,
     max_output_lengths,
+    renormalized,
     select_candidates,
 )
 from reference_numpy.model import Transformer, causal_mask
@@ -44,12 +45,16 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
 
     One teacher-forced pass gives every step's log-probabilities: the decoder is causal (section 3.2.3) and reads
     its prefix under the causal mask alone, so position t sees the start token and the first t tokens, exactly the
-    prefix the greedy step saw. The tokens of ``config.never_emitted`` are left out, as the decoder never emits them.
+    prefix the greedy step saw. The tokens of ``config.never_emitted`` are left out, as the decoder never emits them
+    (and the others renormalized with ``config.renormalize``, as the decoder does: the gaps are the same, the scale
+    is the decoder's).
     """
     config = model.config
     tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)   # (B, L)
     log_probs = model(src, tgt, tgt_mask=causal_mask(tgt.shape[1]))                        # (B, L, V)
     log_probs[..., list(config.never_emitted)] = -np.inf
+    if config.renormalize:
+        log_probs = renormalized(log_probs)
     top_two = np.sort(log_probs, axis=-1)[..., -2:]                                         # (B, L, 2)
     eos = (tokens == config.eos_id).astype(int)                                             # (B, L)
     ended = np.cumsum(eos, axis=1) - eos > 0                                                # an eos before step t

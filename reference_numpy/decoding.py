@@ -144,9 +144,9 @@ def renormalized(log_probs: np.ndarray) -> np.ndarray:
     """``config.renormalize``: log-probabilities some of which are -inf (the suppressed tokens), normalized again
     over the others -- log p_v - log sum_u p_u, the sum over the tokens left (transformers' ``LogitNormalization``,
     a log-softmax of the log-probabilities; the row's maximum is subtracted first, as a log-softmax does).
-    Shape: (B, V) -> (B, V)."""
-    top = log_probs.max(axis=1, keepdims=True)                                             # (B, 1), finite: eos
-    return log_probs - (top + np.log(np.exp(log_probs - top).sum(axis=1, keepdims=True)))
+    Shape: (..., V) -> (..., V)."""
+    top = log_probs.max(axis=-1, keepdims=True)                                            # (..., 1), finite: eos
+    return log_probs - (top + np.log(np.exp(log_probs - top).sum(axis=-1, keepdims=True)))
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:

@@ -604,6 +604,16 @@ HF_DECODING = [
                [(_CONFIG, "return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids",
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
                shared=DECODING_PORTS),
+    single("hf-decoding", "jax: the log-probabilities not renormalized after the suppressed tokens (renormalize "
+           "ignored)", JD, "return renormalized(log_probs) if model.config.renormalize else log_probs",
+           "return log_probs", HF_GENERATE + ["-k", "jax"]),
+    consistent("hf-decoding", "renormalize ignored: the log-probabilities left as the softmax gave them (opus-mt's "
+               "renormalize_logits)", [
+                   (RD, "    if model.config.renormalize:\n        log_probs = renormalized(log_probs)\n",
+                    "    if False:\n        log_probs = renormalized(log_probs)\n"),
+                   *[(port, "return renormalized(log_probs) if model.config.renormalize else log_probs",
+                      "return log_probs") for port in (TD, JD, FD)],
+               ], HF_GENERATE + ["-k", "reference"], ["tests/test_fuzz.py", "-k", "families_decoding_conventions"]),
     consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [
         (RD, 'bound = limit if search.early_stopping == "never" else step', "bound = step"),
         *[(port, 'bound = limit_penalty if config.early_stopping == "never" else penalty', "bound = penalty")

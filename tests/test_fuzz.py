@@ -60,26 +60,33 @@ def test_fuzzed_configurations_with_pad_above_eos(port):
 
 # Hugging Face's decoding conventions at once on PAD_ABOVE_EOS's model and batch: Marian's start from pad and forced
 # eos, M2M100's forced first token, "hf" scores (alpha 2) with early_stopping "never", beam size 3, and a suppressed
-# set that leaves pad and bos (and eos, 3 and 5) to the decoder. A port suppressing the paper's pad and bos instead
-# of the config's set shows here (scripts/check_mutations.py, kind "fuzz").
+# set that leaves pad and bos (and eos, 3 and 5) to the decoder, renormalized over them (opus-mt's
+# renormalize_logits: 17 of 23 tokens taken out moves every beam score). A port suppressing the paper's pad and bos
+# instead of the config's set, or not renormalizing, shows here (scripts/check_mutations.py, kind "fuzz").
 CONVENTIONS = dataclasses.replace(
     PAD_ABOVE_EOS, forced_bos_id=3, beam_size=3, config=PAD_ABOVE_EOS.config.replace(
         max_len=8, sinusoidal_layout="halves", decoder_start_id=4, suppressed_ids=tuple(range(6, 23)), forced_eos=True,
-        length_normalization="hf", length_penalty=2.0, early_stopping="never"))
+        renormalize=True, length_normalization="hf", length_penalty=2.0, early_stopping="never"))
 
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
 def test_fuzzed_configurations_with_the_families_decoding_conventions(port):
     """CONVENTIONS decodes alike in every backend, every row compared (no near-tie; its forward pass and training
-    are PAD_ABOVE_EOS's, checked above), and the conventions show in the reference's beams: the forced first token,
-    no suppressed token, eos forced at the budget's end (max_len 8) and a row ending early."""
+    are PAD_ABOVE_EOS's, checked above)."""
     not_compared = []
     assert fuzz.check_decoding(CONVENTIONS, port_backend(port), not_compared) == [], CONVENTIONS.command(port)
     assert not_compared == []
+
+
+def test_the_conventions_show_in_the_references_beams():
+    """CONVENTIONS' rules each leave a mark on the reference's beams: the forced first token, no suppressed token,
+    eos forced at the budget's end (max_len 8), rows ending early, and other beams without the renormalization."""
     src, config = fuzz.inputs(CONVENTIONS)["src"], CONVENTIONS.config
     tokens, _ = reference.beam(reference.build(config, fuzz.params(CONVENTIONS)), src, 3, forced_bos_id=3)
     assert (tokens[:, 0] == 3).all() and not np.isin(tokens, config.suppressed_ids).any()
-    assert tokens.shape[1] == 8 and tokens[0, -1] == tokens[2, -1] == tokens[1, 1] == config.eos_id
+    assert tokens.shape[1] == 8 and tokens[0, -1] == tokens[1, 1] == tokens[2, 1] == config.eos_id
+    unnormalized = reference.build(config.replace(renormalize=False), fuzz.params(CONVENTIONS))
+    assert not np.array_equal(reference.beam(unnormalized, src, 3, forced_bos_id=3)[0], tokens)
 
 
 def test_greedy_margins_follow_the_conventions():
@@ -95,6 +102,7 @@ def test_greedy_margins_follow_the_conventions():
         prefix = np.concatenate([np.full((len(src), 1), 4), tokens[:, :step]], axis=1)
         last = model(src, prefix, tgt_mask=np.tril(np.ones((step + 1, step + 1), dtype=bool))[None, None])[:, -1]
         last[:, list(range(6, 23))] = -np.inf
+        last -= np.log(np.sum(np.exp(last), axis=1, keepdims=True))                       # renormalized
         ranked = np.sort(last, axis=1)
         decided = ~(tokens[:, :step] == config.eos_id).any(axis=1) & (step < budget) & (step != 0) \
             & (step != budget - 1)

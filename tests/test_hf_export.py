@@ -159,15 +159,18 @@ def interleaved_to_halves(d_model: int, length: int = 40) -> np.ndarray:
 
 @pytest.mark.parametrize("family", ["marian", "m2m_100"])
 def test_an_imported_models_decoding_conventions_survive_export_and_import(family, tmp_path):
-    """A transformers model's own generation settings (Marian: start from pad, pad never written, eos forced;
-    M2M100: start from eos, early stopping; a beam of 3 for both), imported, exported and imported again: the same
-    config, the same tensors bit for bit, and the export's generation_config.json transformers' settings as they
-    were."""
+    """A transformers model's own generation settings (Marian: start from pad, pad never written, eos forced, the
+    rest renormalized as opus-mt's files ask; M2M100: start from eos, early stopping; a beam of 3 for both),
+    imported, exported and imported again: the same config, the same tensors bit for bit, and the export's
+    generation_config.json transformers' settings as they were."""
     model = build(family, seed=3)
     model.generation_config.num_beams = 3
+    if family == "marian":
+        model.generation_config.renormalize_logits = True
     model.save_pretrained(tmp_path / "hf")
     first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
     assert first.length_normalization == "hf" and first.decoder_start_id is not None and first.beam_size == 3
+    assert first.renormalize == (family == "marian")
     status = main(["export", "--to", "hf", str(tmp_path / "first.safetensors"), str(tmp_path / "exported")])
     assert status == EXIT_OK
     assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first
@@ -176,7 +179,7 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     theirs, ours = (json.loads((tmp_path / where / "generation_config.json").read_text())
                     for where in ("hf", "exported"))
     unset = {"decoder_start_token_id": None, "bad_words_ids": None, "forced_eos_token_id": None,
-             "early_stopping": False, "num_beams": 1}               # GenerationConfig's defaults
+             "early_stopping": False, "num_beams": 1, "renormalize_logits": False}   # GenerationConfig's defaults
     for field, default in unset.items():
         assert ours.get(field, default) == theirs.get(field, default), field
 
