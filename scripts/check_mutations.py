@@ -606,7 +606,7 @@ HF_DECODING = [
                shared=DECODING_PORTS),
     single("hf-decoding", "jax: the log-probabilities not renormalized after the suppressed tokens (renormalize "
            "ignored)", JD, "return renormalized(log_probs) if model.config.renormalize else log_probs",
-           "return log_probs", HF_GENERATE + ["-k", "jax"]),
+           "return log_probs", CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and jax"]),
     consistent("hf-decoding", "renormalize ignored: the log-probabilities left as the softmax gave them (opus-mt's "
                "renormalize_logits)", [
                    (RD, "    if model.config.renormalize:\n        log_probs = renormalized(log_probs)\n",
