@@ -33,9 +33,9 @@ VARIANTS: dict[str, TransformerConfig] = {
 # And the choices of Hugging Face's families (docs/reference.md, "The configuration"), each in at least one
 # variant of the forward matrix: "marian" is Marian/opus-mt's (post-LN, SiLU, the sinusoid in halves, a bias on the
 # logits; and its decoding conventions: start from pad, pad alone suppressed and the rest renormalized, eos forced at
-# the budget, transformers' |Y|^1 beam scores); "fairseq" the M2M100/NLLB lineage's (pre-LN, fairseq's sinusoid, whose positions skip the padding of the
-# ragged and fully masked rows), with GELU and unscaled embeddings, the remaining choices. Their decoding, gradients
-# and training are tests/test_config_choices.py's.
+# the budget, transformers' |Y|^1 beam scores); "fairseq" the M2M100/NLLB lineage's (pre-LN, fairseq's sinusoid,
+# whose positions skip the padding of the ragged and fully masked rows), with GELU and unscaled embeddings, the
+# remaining choices. Their decoding, gradients and training are tests/test_config_choices.py's.
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
     "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),
