@@ -579,6 +579,9 @@ EARLY_STOPPING = [
 # normalization "hf" and early_stopping): tests/test_hf_generate.py against transformers' generate. The paper's
 # decoding is unchanged by each, so the agreement of the paper's models still passes.
 HF_GENERATE = ["tests/test_hf_generate.py"]
+# Every port's decoding of the families' conventions at once against the reference's (tests/test_fuzz.py): the
+# agreement a consistent plant of them passes, and a plant in the reference alone fails
+CONVENTIONS = ["tests/test_fuzz.py", "-k", "families_decoding_conventions"]
 _CONFIG = f"{REF}/config.py"
 _FORCE = {RD: ("return np.where(forced[:, None] >= 0,", "return log_probs if True else np.where(forced[:, None] >= 0,"),
           TD: ("return torch.where(forced[:, None] >= 0,", "return log_probs if True else torch.where(forced[:, None] >= 0,"),
@@ -598,8 +601,7 @@ HF_DECODING = [
     single("hf-decoding", "keras: the forced tokens ignored (no target-language token, no eos at the maximum length)",
            FD, *_FORCE[FD], HF_GENERATE + ["-k", "tf"]),
     consistent("hf-decoding", "the forced tokens ignored (M2M100's target-language token, Marian's eos at the limit)",
-               [(path, *edit) for path, edit in _FORCE.items()], HF_GENERATE + ["-k", "reference"],
-               decoding_agreement()),
+               [(path, *edit) for path, edit in _FORCE.items()], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     consistent("hf-decoding", "the suppressed tokens always the paper's pad and bos, not the config's",
                [(_CONFIG, "return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids",
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
@@ -613,12 +615,12 @@ HF_DECODING = [
                     "    if False:\n        log_probs = renormalized(log_probs)\n"),
                    *[(port, "return renormalized(log_probs) if model.config.renormalize else log_probs",
                       "return log_probs") for port in (TD, JD, FD)],
-               ], HF_GENERATE + ["-k", "reference"], ["tests/test_fuzz.py", "-k", "families_decoding_conventions"]),
+               ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [
         (RD, 'bound = limit if search.early_stopping == "never" else step', "bound = step"),
         *[(port, 'bound = limit_penalty if config.early_stopping == "never" else penalty', "bound = penalty")
           for port in (JD, TD, FD)],
-    ], HF_GENERATE + ["-k", "reference"], decoding_agreement("and beam")),
+    ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
 ]
 
 TIES = [
