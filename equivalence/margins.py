@@ -19,11 +19,11 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.decoding import (
     BEAM_SIZE,
     _beam_steps,
+    _emittable,
     check_decoding_args,
     forced_tokens,
     length_penalty,
     max_output_lengths,
-    renormalized,
     select_candidates,
 )
 from reference_numpy.model import Transformer, causal_mask
@@ -52,9 +52,7 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
     config = model.config
     tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)   # (B, L)
     log_probs = model(src, tgt, tgt_mask=causal_mask(tgt.shape[1]))                        # (B, L, V)
-    log_probs[..., list(config.never_emitted)] = -np.inf
-    if config.renormalize:
-        log_probs = renormalized(log_probs)
+    log_probs = _emittable(config, log_probs)
     top_two = np.sort(log_probs, axis=-1)[..., -2:]                                         # (B, L, 2)
     eos = (tokens == config.eos_id).astype(int)                                             # (B, L)
     ended = np.cumsum(eos, axis=1) - eos > 0                                                # an eos before step t

@@ -10,7 +10,7 @@ The rules, shared by every port so that all backends produce identical tokens
 * outputs are returned without the start token, right-padded with ``pad_id``; the decoder never emits the
   tokens of ``config.never_emitted`` (``suppressed_ids``, by default pad_id and bos_id: their log-probabilities
   are set to -inf before choosing; with ``config.renormalize``, transformers' ``renormalize_logits``, the
-  log-probabilities are then normalized again over the tokens left: :func:`renormalized`); the decoder reads its
+  log-probabilities are then normalized again over the tokens left, a log-softmax of them); the decoder reads its
   prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
   as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .config import LENGTH_PENALTY_ALPHA, TransformerConfig
-from .model import Transformer, causal_mask, padding_mask
+from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .precision import score_dtype
 
 EXTRA_OUTPUT_LENGTH = 50   # section 6.1: maximum output length = input length + 50
@@ -117,8 +117,7 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
                          cache: tuple | None = None, cache_index: int | None = None,
                          ) -> Any:   # (B, V) log-probabilities; with a cache, (them, the new cache)
     """Log-probabilities of the token after the last position of ``tgt``, with the tokens of
-    ``config.never_emitted`` set to -inf so that they are never chosen (then :func:`renormalized` with
-    ``config.renormalize``).
+    ``config.never_emitted`` set to -inf so that they are never chosen (:func:`_emittable`).
 
     Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
     :func:`.model.causal_mask` alone: no target position is masked); with a ``cache``
@@ -133,20 +132,16 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
         out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
     else:
         out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
-    log_probs = model.generator(out[:, -1:])[:, 0]                                         # (B, V)
-    log_probs[:, list(model.config.never_emitted)] = -np.inf
-    if model.config.renormalize:
-        log_probs = renormalized(log_probs)
+    log_probs = _emittable(model.config, model.generator(out[:, -1:])[:, 0])               # (B, V)
     return log_probs if cache is None else (log_probs, cache)
 
 
-def renormalized(log_probs: np.ndarray) -> np.ndarray:
-    """``config.renormalize``: log-probabilities some of which are -inf (the suppressed tokens), normalized again
-    over the others -- log p_v - log sum_u p_u, the sum over the tokens left (transformers' ``LogitNormalization``,
-    a log-softmax of the log-probabilities; the row's maximum is subtracted first, as a log-softmax does).
-    Shape: (..., V) -> (..., V)."""
-    top = log_probs.max(axis=-1, keepdims=True)                                            # (..., 1), finite: eos
-    return log_probs - (top + np.log(np.exp(log_probs - top).sum(axis=-1, keepdims=True)))
+def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
+    """The log-probabilities with the tokens of ``config.never_emitted`` set to -inf (in place), and with
+    ``config.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them
+    (transformers' ``LogitNormalization``). Shape: (..., V) -> (..., V)."""
+    log_probs[..., list(config.never_emitted)] = -np.inf
+    return log_softmax(log_probs) if config.renormalize else log_probs
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:

@@ -607,13 +607,12 @@ HF_DECODING = [
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
                shared=DECODING_PORTS),
     single("hf-decoding", "jax: the log-probabilities not renormalized after the suppressed tokens (renormalize "
-           "ignored)", JD, "return renormalized(log_probs) if model.config.renormalize else log_probs",
+           "ignored)", JD, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
            "return log_probs", CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and jax"]),
     consistent("hf-decoding", "renormalize ignored: the log-probabilities left as the softmax gave them (opus-mt's "
                "renormalize_logits)", [
-                   (RD, "    if model.config.renormalize:\n        log_probs = renormalized(log_probs)\n",
-                    "    if False:\n        log_probs = renormalized(log_probs)\n"),
-                   *[(port, "return renormalized(log_probs) if model.config.renormalize else log_probs",
+                   (RD, "return log_softmax(log_probs) if config.renormalize else log_probs", "return log_probs"),
+                   *[(port, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
                       "return log_probs") for port in (TD, JD, FD)],
                ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [

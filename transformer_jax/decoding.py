@@ -71,7 +71,7 @@ from reference_numpy.decoding import (
 )
 from reference_numpy.precision import score_dtype
 
-from .model import KVCache, Transformer, causal_mask, padding_mask
+from .model import KVCache, Transformer, causal_mask, log_softmax, padding_mask
 from .speed import _EXACT_ROUNDING, _split, _Structure
 
 _TOKEN_DTYPE = jnp.int32
@@ -119,13 +119,6 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
     return cache._replace(beams=table[beams].reshape(cache.beams.shape))
 
 
-def renormalized(log_probs: jax.Array) -> jax.Array:
-    """``config.renormalize`` (transformers' ``renormalize_logits``): the log-probabilities, some -inf (the suppressed
-    tokens), normalized again over the others, log p_v - log sum_u p_u (the reference's ``renormalized``).
-    Shape: (N, V) -> (N, V)."""
-    return log_probs - jax.nn.logsumexp(log_probs, axis=-1, keepdims=True)
-
-
 def forced_tokens(config: TransformerConfig, step: jax.Array, limits: jax.Array,
                   forced_bos_id: int | None) -> jax.Array:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
@@ -146,12 +139,12 @@ def force(log_probs: jax.Array, forced: jax.Array) -> jax.Array:
 
 def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
-    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (then
-    :func:`renormalized` with ``config.renormalize``).
+    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (with
+    ``config.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
     Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]   # (N, V)
     log_probs = log_probs.at[:, jnp.array(model.config.never_emitted, dtype=_TOKEN_DTYPE)].set(-jnp.inf)
-    return renormalized(log_probs) if model.config.renormalize else log_probs
+    return log_softmax(log_probs) if model.config.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: jax.Array, step: jax.Array, memory: jax.Array, src_mask: jax.Array,

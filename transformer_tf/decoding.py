@@ -67,7 +67,7 @@ from reference_numpy.decoding import (
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import Index, KVCache, Transformer, _generated, causal_mask, padding_mask
+from .model import Index, KVCache, Transformer, _generated, causal_mask, log_softmax, padding_mask
 from .precision import wide
 from .speed import _xla_keeps_roundings
 
@@ -121,13 +121,6 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
 
-def renormalized(log_probs: tf.Tensor) -> tf.Tensor:
-    """``config.renormalize`` (transformers' ``renormalize_logits``): the log-probabilities, some -inf (the suppressed
-    tokens), normalized again over the others, log p_v - log sum_u p_u (the reference's ``renormalized``).
-    Shape: (N, V) -> (N, V)."""
-    return log_probs - tf.reduce_logsumexp(log_probs, axis=-1, keepdims=True)
-
-
 def forced_tokens(config: TransformerConfig, step: Index, limits: tf.Tensor,
                   forced_bos_id: int | None) -> tf.Tensor:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
@@ -149,8 +142,8 @@ def force(log_probs: tf.Tensor, forced: tf.Tensor) -> tf.Tensor:
 
 def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
-    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (then
-    :func:`renormalized` with ``config.renormalize``).
+    output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (with
+    ``config.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
     Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
@@ -158,7 +151,7 @@ def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: t
     never = list(model.config.never_emitted) or [-1]                                        # -1: no token
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == never, axis=1)      # (V,)
     log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
-    return renormalized(log_probs) if model.config.renormalize else log_probs
+    return log_softmax(log_probs) if model.config.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor, src_mask: tf.Tensor,

@@ -51,7 +51,7 @@ from reference_numpy.decoding import (
 )
 
 from . import speed
-from .model import KVCache, Transformer, causal_mask, padding_mask
+from .model import KVCache, Transformer, causal_mask, log_softmax, padding_mask
 from .precision import LOW
 
 
@@ -95,13 +95,6 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 
 
-def renormalized(log_probs: Tensor) -> Tensor:
-    """``config.renormalize`` (transformers' ``renormalize_logits``): the log-probabilities, some -inf (the suppressed
-    tokens), normalized again over the others, log p_v - log sum_u p_u (the reference's ``renormalized``).
-    Shape: (N, V) -> (N, V)."""
-    return log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)
-
-
 def forced_tokens(config: TransformerConfig, step: int, limits: Tensor, forced_bos_id: int | None) -> Tensor:
     """The token each row is forced to emit at ``step`` (the reference's ``forced_tokens``): ``forced_bos_id`` at
     step 1, eos at the row's last step with ``config.forced_eos``, -1 where none. Shape: limits (N,) -> (N,)."""
@@ -122,11 +115,11 @@ def force(log_probs: Tensor, forced: Tensor) -> Tensor:
 
 def _log_probs_at(model: Transformer, out: Tensor, position: int) -> Tensor:
     """The generator's log-probabilities (section 3.4) at one position of the decoder output, the tokens of
-    ``config.never_emitted`` set to -inf: the decoder never emits them (then :func:`renormalized` with
-    ``config.renormalize``). Shape: out (N, T, D) -> (N, V)."""
+    ``config.never_emitted`` set to -inf: the decoder never emits them (with ``config.renormalize``,
+    a log-softmax of the others: the reference's ``_emittable``). Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(out[:, position:position + 1])[:, 0]                      # (N, V)
     log_probs[:, list(model.config.never_emitted)] = -torch.inf
-    return renormalized(log_probs) if model.config.renormalize else log_probs
+    return log_softmax(log_probs) if model.config.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mask: Tensor,
