@@ -319,13 +319,11 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
 
 def _shards(index_path: Path) -> list[Path]:
     """The files a sharded checkpoint's index names in its ``weight_map``: files of its own directory."""
-    try:
-        shards = sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"cannot read {os.fspath(index_path)!r}: {err!s:.200}") from None
+    weight_map = read_config(index_path.parent, index_path.name).get("weight_map")
+    shards = list(weight_map.values()) if isinstance(weight_map, dict) else []
     if not shards or any(not isinstance(shard, str) or Path(shard).name != shard for shard in shards):
         raise ValueError(f"{os.fspath(index_path)!r}: weight_map must name shard files of the directory")
-    return [index_path.parent / shard for shard in shards]
+    return [index_path.parent / shard for shard in sorted(set(shards))]
 
 
 def read_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
