@@ -341,13 +341,17 @@ def test_a_bad_forced_bos_id_is_the_same_error_in_every_backend(bad):
             assert str(info.value) == expected, name
 
 
+# A config.json of a small Marian model: the generation settings' tests read it with each generation_config.json
+SMALL_MARIAN = {"model_type": "marian", "vocab_size": 29, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+                "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 8,
+                "decoder_ffn_dim": 8, "max_position_embeddings": 8, "activation_function": "swish",
+                "pad_token_id": 28, "eos_token_id": 0, "decoder_start_token_id": 28}
+
+
 def test_config_from_generation_config():
     """generation_config.json's fields (or config.json's, in older files) set the conventions; what the reference
     cannot follow is refused in one line naming the field."""
-    base = {"model_type": "marian", "vocab_size": 29, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
-            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 8, "decoder_ffn_dim": 8,
-            "max_position_embeddings": 8, "activation_function": "swish", "pad_token_id": 28, "eos_token_id": 0,
-            "decoder_start_token_id": 28}
+    base = SMALL_MARIAN
     generation = {"decoder_start_token_id": 28, "bad_words_ids": [[28]], "forced_eos_token_id": 0,
                   "length_penalty": 1.5, "early_stopping": "never", "num_beams": 6, "renormalize_logits": True,
                   "eos_token_id": 0, "max_length": 512, "min_length": 0, "repetition_penalty": 1, "temperature": 0.5,
@@ -377,10 +381,7 @@ def test_config_from_generation_config():
 def test_generation_settings_that_change_generates_tokens_are_refused_naming_them(field, value):
     """A generation setting with which transformers' ``generate`` would choose other tokens than the reference's
     decoding: one line naming the field and its value (transformers' default values import: the test above)."""
-    base = {"model_type": "marian", "vocab_size": 29, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
-            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 8, "decoder_ffn_dim": 8,
-            "max_position_embeddings": 8, "activation_function": "swish", "pad_token_id": 28, "eos_token_id": 0,
-            "decoder_start_token_id": 28}
+    base = SMALL_MARIAN
     with pytest.raises(ValueError) as info:
         config_from_hf(base, {"decoder_start_token_id": 28, field: value})
     assert f"generation_config.json {field} {value!r} is not supported" in str(info.value)
