@@ -62,10 +62,12 @@ def test_fuzzed_configurations_with_pad_above_eos(port):
 # eos, M2M100's forced first token, "hf" scores (alpha 2) with early_stopping "never", beam size 3, and a suppressed
 # set that leaves pad and bos (and eos, 3 and 5) to the decoder, renormalized over them (opus-mt's
 # renormalize_logits: 17 of 23 tokens taken out moves every beam score). A port suppressing the paper's pad and bos
-# instead of the config's set, or not renormalizing, shows here (scripts/check_mutations.py, kind "fuzz").
+# instead of the config's set, not renormalizing, or stopping as early_stopping False does shows here
+# (scripts/check_mutations.py, kinds "fuzz" and "hf-decoding"): max_len 12 leaves the third row's search room to
+# find, after three hypotheses have finished, a longer one that scores better.
 CONVENTIONS = dataclasses.replace(
     PAD_ABOVE_EOS, forced_bos_id=3, beam_size=3, config=PAD_ABOVE_EOS.config.replace(
-        max_len=8, sinusoidal_layout="halves", decoder_start_id=4, suppressed_ids=tuple(range(6, 23)), forced_eos=True,
+        max_len=12, sinusoidal_layout="halves", decoder_start_id=4, suppressed_ids=tuple(range(6, 23)), forced_eos=True,
         renormalize=True, length_normalization="hf", length_penalty=2.0, early_stopping="never"))
 
 
@@ -80,13 +82,15 @@ def test_fuzzed_configurations_with_the_families_decoding_conventions(port):
 
 def test_the_conventions_show_in_the_references_beams():
     """CONVENTIONS' rules each leave a mark on the reference's beams: the forced first token, no suppressed token,
-    eos forced at the budget's end (max_len 8), rows ending early, and other beams without the renormalization."""
+    eos forced at the budget's end (max_len 12), a row ending early, and other beams without the renormalization or
+    with early_stopping False (the third row then stops at its first eos, its search bounded at the current length)."""
     src, config = fuzz.inputs(CONVENTIONS)["src"], CONVENTIONS.config
     tokens, _ = reference.beam(reference.build(config, fuzz.params(CONVENTIONS)), src, 3, forced_bos_id=3)
     assert (tokens[:, 0] == 3).all() and not np.isin(tokens, config.suppressed_ids).any()
-    assert tokens.shape[1] == 8 and tokens[0, -1] == tokens[1, 1] == tokens[2, 1] == config.eos_id
-    unnormalized = reference.build(config.replace(renormalize=False), fuzz.params(CONVENTIONS))
-    assert not np.array_equal(reference.beam(unnormalized, src, 3, forced_bos_id=3)[0], tokens)
+    assert tokens.shape[1] == 12 and tokens[0, -1] == tokens[1, 1] == tokens[2, -1] == config.eos_id
+    for changed in ({"renormalize": False}, {"early_stopping": False}):
+        other = reference.build(config.replace(**changed), fuzz.params(CONVENTIONS))
+        assert not np.array_equal(reference.beam(other, src, 3, forced_bos_id=3)[0], tokens), changed
 
 
 def test_greedy_margins_follow_the_conventions():
