@@ -125,6 +125,9 @@ class TransformerConfig(_Config):
             ``renormalize_logits``, which opus-mt's generation configs set (the same as leaving the suppressed
             tokens out of the softmax); False keeps them as the softmax gave them (section 6.1, the paper's).
             Greedy tokens are the same either way; beam scores and so beam search's choices are not.
+        max_output_length: the output budget of every sentence, eos included (transformers' ``max_new_tokens``;
+            its ``max_length`` less the start token); None is section 6.1's, the sentence's non-pad source length
+            + 50. Either is capped at ``max_len``.
         forced_eos: the last token of the output budget is eos (transformers' ``forced_eos_token_id``, Marian's).
         length_normalization: beam search's "gnmt" (section 6.1) or "hf" (transformers' ``generate``).
         length_penalty: beam search's alpha when a call gives none (0.6, section 6.1; transformers'
@@ -157,6 +160,7 @@ class TransformerConfig(_Config):
     decoder_start_id: int | None = None
     suppressed_ids: tuple[int, ...] | None = None
     renormalize: bool = False
+    max_output_length: int | None = None
     forced_eos: bool = False
     length_normalization: str = "gnmt"
     length_penalty: float = LENGTH_PENALTY_ALPHA
@@ -227,6 +231,8 @@ class TransformerConfig(_Config):
                 raise ValueError(f"suppressed_ids must be ids below tgt_vocab_size ({vocab}), eos_id ({self.eos_id}) "
                                  f"not among them, got {list(ids)}")
             self._store("suppressed_ids", ids)
+        if self.max_output_length is not None:
+            self._store("max_output_length", _as_int("max_output_length", self.max_output_length, minimum=1))
         if self.length_normalization not in LENGTH_NORMALIZATIONS:
             raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
                              f"got {self.length_normalization!r}")

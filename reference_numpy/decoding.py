@@ -5,8 +5,9 @@ The rules, shared by every port so that all backends produce identical tokens
 
 * the output starts after the decoder start token ``config.start_id`` (``decoder_start_id``, by default
   ``bos_id``); a sequence ends when it emits ``eos_id`` (kept in the output) or when it has
-  ``max_output_length`` tokens: its number of non-pad source tokens + 50, capped at ``config.max_len``
-  (section 6.1: "maximum output length ... input length + 50");
+  its budget of tokens: its number of non-pad source tokens + 50 (section 6.1: "maximum output length ... input
+  length + 50"), or ``config.max_output_length`` for every sentence when set (transformers' ``max_new_tokens``),
+  capped at ``config.max_len``;
 * outputs are returned without the start token, right-padded with ``pad_id``; the decoder never emits the
   tokens of ``config.never_emitted`` (``suppressed_ids``, by default pad_id and bos_id: their log-probabilities
   are set to -inf before choosing; with ``config.renormalize``, transformers' ``renormalize_logits``, the
@@ -75,9 +76,13 @@ class _Configured(Protocol):
 
 
 def max_output_lengths(model: _Configured, src: npt.ArrayLike) -> np.ndarray:
-    """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``. Shape: (B,)."""
-    lengths = (np.asarray(src) != model.config.pad_id).sum(axis=1)
-    return np.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
+    """Per-sequence output budget: non-pad source tokens + 50 (section 6.1), or ``config.max_output_length``
+    when set, capped at ``max_len``. Shape: (B,)."""
+    cfg = model.config
+    lengths = (np.asarray(src) != cfg.pad_id).sum(axis=1)
+    budgets = lengths + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else np.full_like(lengths,
+                                                                                             cfg.max_output_length)
+    return np.minimum(budgets, cfg.max_len)
 
 
 def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA, normalization: str = "gnmt") -> float:

@@ -40,8 +40,10 @@ conventions (:mod:`.decoding`; what :mod:`.hf_import` reads back): the start tok
 to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise; ``renormalize_logits`` its
 ``renormalize``), eos forced at the end of the
 budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
-``num_beams`` (1, greedy, by default), at most ``max_len`` tokens after the start token. The per-sentence budget
-(source length + 50, section 6.1) is the caller's (``max_new_tokens``). Beam search in transformers normalises by
+``num_beams`` (1, greedy, by default); its ``max_output_length`` tokens after the start token (``max_length``
+counts the start token), or, without one, ``max_len``: section 6.1's per-sentence budget (source length + 50) has
+no ``generate`` equivalent (a caller gives it as ``max_new_tokens``), and the export imports back with the budget
+transformers decodes it with. Beam search in transformers normalises by
 |Y|^length_penalty (``length_normalization`` "hf"): a checkpoint with the paper's ((5 + |Y|) / 6)^alpha ("gnmt") has
 no ``generate`` equivalent, so its export's greedy decoding is the reference's, its beam search transformers' own --
 and it imports back as "hf".
@@ -129,9 +131,15 @@ def generation_config(config: TransformerConfig) -> dict[str, Any]:
     (module docstring), its beam ``beam_size`` (greedy by default)."""
     suppressed = (config.pad_id, config.bos_id) if config.suppressed_ids is None else config.suppressed_ids
     bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
-    return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False, "max_length": config.max_len + 1,
+    return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False, "max_length": _budget(config) + 1,
             **bad_words, "renormalize_logits": config.renormalize, "length_penalty": config.length_penalty,
             "early_stopping": config.early_stopping}
+
+
+def _budget(config: TransformerConfig) -> int:
+    """The output budget of every sentence in ``generate``: ``max_output_length`` (capped at ``max_len``, as
+    :func:`reference_numpy.decoding.max_output_lengths` caps it), or ``max_len``."""
+    return min(config.max_len if config.max_output_length is None else config.max_output_length, config.max_len)
 
 
 def halves_order(d_model: int) -> np.ndarray:

@@ -32,8 +32,11 @@ eos) is ``forced_eos``; beam search is transformers' (``length_normalization`` "
 (1.0 by default) and ``early_stopping`` (False by default); ``num_beams`` (1 by default) is ``beam_size``, the beam
 the decoding commands use when given none. A setting with which ``generate`` would choose other tokens than the
 reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, n-gram blocking, a minimum length, ...) is
-refused, naming it. ``max_length`` is not read (the budget is the reference's). ``forced_bos_token_id`` is not
-read: the forced first token (M2M100/NLLB's target language) is given per call (``forced_bos_id``).
+refused, naming it. The output budget is ``generate``'s: ``max_new_tokens``, or else ``max_length`` less the
+decoder start token it counts, or else transformers' default of 20 new tokens (:data:`GENERATE_NEW_TOKENS`), as
+``max_output_length`` (every sentence's, where section 6.1 gives each its source length + 50); ``max_len``
+(``max_position_embeddings``) caps it as it caps transformers' default. ``forced_bos_token_id`` is not read: the
+forced first token (M2M100/NLLB's target language) is given per call (``forced_bos_id``).
 Marian has no bos of its own (its ``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as
 ``bos_id`` the lowest id that is neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
 project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
@@ -61,6 +64,7 @@ CONFIG_FILE, SAFETENSORS_FILE, SHARDED_INDEX, PICKLE_FILE, PICKLE_INDEX = (
     "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
     "pytorch_model.bin.index.json")              # in the order transformers' from_pretrained looks for them
 GENERATION_FILE = "generation_config.json"
+GENERATE_NEW_TOKENS = 20         # generate's budget without max_new_tokens or max_length (its default max_length 20)
 # Fields of older config.json files (BART's lineage) that transformers' Marian and M2M100 no longer read: each must
 # hold the value the family's code computes, or the file describes another model
 LEGACY_FIELDS: dict[str, dict[str, Any]] = {
@@ -140,18 +144,20 @@ def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None)
             eos_id=eos, activation=ACTIVATIONS[activation],
             sinusoidal_layout="halves" if family == "marian" else "fairseq",
             scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian",
-            **decoding_conventions(hf if generation is None else generation, (pad, bos, eos),
+            **decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
                                    "config.json" if generation is None else GENERATION_FILE))
     except ValueError as err:
         raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
 
 
-def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], source: str) -> dict[str, Any]:
+def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], max_len: int,
+                         source: str) -> dict[str, Any]:
     """The config's decoding fields from transformers' generation settings (``source``: the file they come from;
-    the module docstring says which) for the model's (pad, bos, eos) ``ids``, each refused in one line naming the
-    field when transformers would decode otherwise than the reference can: a bad word of several tokens, a forced
-    eos other than eos. A start token that is bos and suppressed tokens that are pad and bos are the config's
-    defaults (None), as a checkpoint exported by :mod:`.hf_export` holds them."""
+    the module docstring says which) for the model's (pad, bos, eos) ``ids`` and ``max_position_embeddings``
+    (``max_len``), each refused in one line naming the field when transformers would decode otherwise than the
+    reference can: a bad word of several tokens, a forced eos other than eos. A start token that is bos and
+    suppressed tokens that are pad and bos are the config's defaults (None), as a checkpoint exported by
+    :mod:`.hf_export` holds them."""
     pad, bos, eos = ids
     _check_neutral(generation, eos, source)
     start = generation.get("decoder_start_token_id")
@@ -180,9 +186,24 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     suppressed = [word[0] for word in bad]
     return dict(decoder_start_id=None if start == bos else start,
                 suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
-                renormalize=renormalize, forced_eos=forced_eos is not None,
+                renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
+                forced_eos=forced_eos is not None,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
                 beam_size=beams)
+
+
+def _new_tokens(generation: dict[str, Any], max_len: int, source: str) -> int:
+    """``generate``'s budget of new tokens (transformers' ``_prepare_generated_length`` for an encoder-decoder,
+    whose decoder input is the start token alone): ``max_new_tokens``, else ``max_length`` - 1, else 20 -- its
+    default, which it caps at ``max_position_embeddings`` (``max_len``) with the start token."""
+    for name, minimum in (("max_new_tokens", 1), ("max_length", 2)):
+        value = generation.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{source} {name} must be an int >= {minimum}, got {value!r}")
+        return value if name == "max_new_tokens" else value - 1
+    return max(1, min(GENERATE_NEW_TOKENS, max_len - 1))
 
 
 def _check_neutral(generation: dict[str, Any], eos: int, source: str) -> None:

@@ -15,9 +15,10 @@ vocabulary through it), then imported (``reference_numpy.hf_import``) for the po
 own ``TransformersConverter``. The "file" is seeded source id rows (5 to 30 tokens, eos last; a random model has no
 text to read). Every engine decodes with the checkpoint's conventions -- beam 4, |Y|^1 length normalisation, pad
 never produced, eos forced at the budget -- and the same budget: the model's ``max_position_embeddings``
-(:data:`BUDGET`), which caps the project's source length + 50 for every sentence and is transformers'
-``max_new_tokens`` and CTranslate2's ``max_decoding_length``. A random model rarely emits eos, so nearly every output
-is the whole budget: the same work in every engine. The table counts the outputs that are transformers' tokens;
+(:data:`BUDGET`), the generation config's ``max_length`` less the start token (the imported checkpoint's
+``max_output_length``), transformers' ``max_new_tokens`` and CTranslate2's ``max_decoding_length``. A random
+model rarely emits eos, so nearly every output is the whole budget: the same work in every engine. The table
+counts the outputs that are transformers' tokens;
 CTranslate2 forces no eos at the budget (and its beam search stops once 4 hypotheses have finished), so an output
 that reaches the budget differs from transformers' in at least its last token. ``--tiny``: a model of the same kind
 with d_model 16 and 101 ids whose outputs depend on the sources and end at different lengths (:data:`TINY`), for a
@@ -151,6 +152,7 @@ def save_opus_mt(root: Path, sizes: dict, eos_bias: float = 0.0) -> None:
         model.model.shared.weight[pad] = 0.0
         model.final_logits_bias[0, sizes["eos_token_id"]] += eos_bias
     model.generation_config.bad_words_ids = [[pad]]                       # as opus-mt's files hold it
+    model.generation_config.max_length = sizes["max_position_embeddings"] + 1   # and a budget: the start token + BUDGET
     directory = root / "hf"
     model.save_pretrained(directory)
     del model

@@ -552,10 +552,10 @@ BEAM_END = [
 # count them with the reference's max_output_lengths, TensorFlow in its graph).
 BUDGET = [
     consistent("budget", "the output budget leaves out the source's eos (non-pad, non-eos tokens + 50)", [
-        (RD, "lengths = (np.asarray(src) != model.config.pad_id).sum(axis=1)",
-         "lengths = ((np.asarray(src) != model.config.pad_id) & (np.asarray(src) != model.config.eos_id)).sum(axis=1)"),
-        (FD, "lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id), tf.int32), axis=1)",
-         "lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id) & tf.not_equal(src, model.config.eos_id),"
+        (RD, "lengths = (np.asarray(src) != cfg.pad_id).sum(axis=1)",
+         "lengths = ((np.asarray(src) != cfg.pad_id) & (np.asarray(src) != cfg.eos_id)).sum(axis=1)"),
+        (FD, "lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, cfg.pad_id), tf.int32), axis=1)",
+         "lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, cfg.pad_id) & tf.not_equal(src, cfg.eos_id),"
          " tf.int32), axis=1)"),
     ], DECODING_ORACLE, decoding_agreement(), shared=(TORCH, JAX)),
 ]
@@ -615,6 +615,16 @@ HF_DECODING = [
                    *[(port, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
                       "return log_probs") for port in (TD, JD, FD)],
                ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
+    single("hf-decoding", "keras: the budget the source length + 50 whatever max_output_length says (transformers' "
+           "max_new_tokens)", FD, "if cfg.max_output_length is None else tf.fill(", "if True else tf.fill(",
+           CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and tf"]),
+    consistent("hf-decoding", "max_output_length ignored: every budget the source length + 50, not generate's", [
+        (RD, "if cfg.max_output_length is None else np.full_like(", "if True else np.full_like("),
+        (FD, "if cfg.max_output_length is None else tf.fill(", "if True else tf.fill("),
+        (FD, "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else",
+         "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if True else"),
+    ], HF_GENERATE + ["-k", "budget"], CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian"],
+               shared=(TORCH, JAX)),
     consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [
         (RD, 'bound = limit if search.early_stopping == "never" else step', "bound = step"),
         *[(port, 'bound = limit_penalty if config.early_stopping == "never" else penalty', "bound = penalty")

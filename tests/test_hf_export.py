@@ -53,8 +53,9 @@ CONFIGS = {
     # bos (3) not the lowest id beside pad and eos: the import must read it from decoder_start_token_id
     "marian": PAPER.replace(sinusoidal_layout="halves", activation="silu", output_bias=True, share_embeddings=False,
                             tgt_vocab_size=33, pad_id=5, bos_id=3, eos_id=0),
+    # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
     "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
-                             pad_id=1, bos_id=0, eos_id=2),
+                             pad_id=1, bos_id=0, eos_id=2, max_output_length=9),
 }
 HF_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100"}
 HF_CLASS = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}
@@ -197,7 +198,9 @@ def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
     case, config, params, _, directory = exported
     back = import_hf(directory, tmp_path / "back.safetensors")
     _, imported = load_checkpoint(tmp_path / "back.safetensors")
-    hf_decoding = config.replace(length_normalization="hf")    # transformers' beam normalisation (hf_export)
+    # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (hf_export)
+    hf_decoding = config.replace(length_normalization="hf",
+                                 max_output_length=config.max_output_length or config.max_len)
     if case != "paper":
         assert back == hf_decoding
         assert imported.keys() == params.keys()

@@ -10,8 +10,11 @@ end at different lengths (``natural``: LayerNorm gains near 1, flatter logits, e
 checks that the settings matter: the tokens change with the length penalty, the early stopping rule and the start
 and forced tokens, and the hypotheses end at different lengths (eos reached, or the maximum length).
 
-Budgets: transformers' maximum length is one per batch; the project's is per sentence (source length + 50, capped
-at ``max_len``). The sources here are short and ``max_len`` is 40, so every budget is 40 = ``max_new_tokens``.
+Budgets: transformers' is one for every sentence, read from the generation config (``max_new_tokens``, else
+``max_length`` less the start token, else 20), which the import makes the checkpoint's ``max_output_length`` (the
+paper's is per sentence, source length + 50). The models here hold ``max_length`` 41, as opus-mt's files hold one:
+40 tokens after the start token, ``max_position_embeddings`` too, and ``max_new_tokens`` in the calls
+(:func:`test_the_budget_is_generates`: other budgets, transformers' default among them).
 
 Precision: transformers ranks its candidates in float32 even in a float64 model (``generate`` casts the logits to
 float32 before its log-softmax and its sums); tokens are compared, not scores, and they agree unless two candidates
@@ -58,8 +61,8 @@ SETTINGS = {"marian": (2, 0.5, 1.0, PAD_SHIFT), "m2m_100": (2, 0.5, 2.0, 0.0)}
 LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
 BUDGET = 40                        # max_position_embeddings of support.MARIAN and M2M100: every sentence's budget
 EARLY_STOPPING = (False, True, "never")
-CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "forced_eos", "length_normalization",
-               "length_penalty", "early_stopping", "beam_size")
+CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "max_output_length", "forced_eos",
+               "length_normalization", "length_penalty", "early_stopping", "beam_size")
 
 
 def natural(model, family: str, seed: int, scale: float, shift: float, pad_shift: float):
@@ -99,6 +102,7 @@ def family_model(request, tmp_path_factory):
         model.generation_config.bad_words_ids = [[model.config.pad_token_id]]
         model.generation_config.renormalize_logits = True
     model.generation_config.num_beams = 4                                         # generate's beam when given none
+    model.generation_config.max_length = BUDGET + 1                               # its budget, the start token too
     directory = tmp_path_factory.mktemp(family)
     model.save_pretrained(directory)
     out = directory.parent / f"{family}-generate.safetensors"
@@ -179,8 +183,41 @@ def test_the_import_sets_the_family_conventions(family_model):
     else:
         assert (config.start_id, config.never_emitted, config.renormalize, config.forced_eos) == (
             config.eos_id, (), False, False)
-    assert (config.length_normalization, config.length_penalty, config.early_stopping, config.beam_size) == (
-        "hf", 1.0, False, 4)
+    assert (config.length_normalization, config.length_penalty, config.early_stopping, config.beam_size,
+            config.max_output_length) == ("hf", 1.0, False, 4, BUDGET)
+
+
+@pytest.mark.parametrize("budget, setting", [(8, {"max_length": 9}), (6, {"max_new_tokens": 6, "max_length": 30}),
+                                             (20, {})], ids=["max_length", "max_new_tokens", "default"])
+def test_the_budget_is_generates(family_model, budget, setting):
+    """``generate`` on the generation config's own budget -- ``max_length`` counting the start token,
+    ``max_new_tokens`` taking precedence, transformers' default of 20 new tokens without either -- greedy and beam 4:
+    the reference on the config imported from the same settings decodes the same tokens, some row cut at the
+    budget (where the paper's source length + 50 would have let it go on)."""
+    family, model, _, (config, params), src = family_model
+    generation = transformers.GenerationConfig(**{**model.generation_config.to_diff_dict(), "max_length": None,
+                                                  **setting})
+    imported = config_from_hf(model.config.to_diff_dict(), generation.to_diff_dict())
+    assert imported.max_output_length == budget
+    saved, model.generation_config = model.generation_config, generation
+    try:
+        for beam in (1, 4):
+            with torch.no_grad():
+                theirs = model.generate(input_ids=torch.as_tensor(src), num_beams=beam, **hf_options(family),
+                                        attention_mask=torch.as_tensor(src != config.pad_id).long()).numpy()[:, 1:]
+            assert_same_tokens(reference_tokens(imported, params, src, beam, family), theirs, config.pad_id)
+            paper = reference_tokens(imported.replace(max_output_length=None), params, src, beam, family)
+            assert max(lengths(theirs, config.eos_id)) == budget < max(lengths(paper, config.eos_id))
+    finally:
+        model.generation_config = saved
+
+
+def reference_tokens(config, params, src, beam: int, family: str) -> np.ndarray:
+    """The reference's greedy (``beam`` 1) or beam search tokens, alpha 1."""
+    model = Transformer(config, params)
+    if beam == 1:
+        return greedy_decode(model, src, forced_bos_id=forced(family))
+    return beam_search(model, src, beam, 1.0, forced_bos_id=forced(family))[0]
 
 
 def test_the_settings_matter(family_model, expected):
@@ -297,9 +334,9 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     assert load_checkpoint(path)[0] == config
     older = {name: value for name, value in config.to_dict().items() if name not in CONVENTIONS}
     paper = TransformerConfig.from_dict(older)
-    assert (paper.start_id, paper.never_emitted, paper.renormalize, paper.forced_eos, paper.length_normalization,
-            paper.length_penalty, paper.early_stopping, paper.beam_size) == (
-        paper.bos_id, (paper.pad_id, paper.bos_id), False, False, "gnmt", 0.6, False, 1)
+    assert (paper.start_id, paper.never_emitted, paper.renormalize, paper.max_output_length, paper.forced_eos,
+            paper.length_normalization, paper.length_penalty, paper.early_stopping, paper.beam_size) == (
+        paper.bos_id, (paper.pad_id, paper.bos_id), False, None, False, "gnmt", 0.6, False, 1)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -309,6 +346,8 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("suppressed_ids", [1, 2], "suppressed_ids must be ids below tgt_vocab_size (23), eos_id (2) not among them"),
     ("forced_eos", 1, "forced_eos must be a bool"),
     ("renormalize", "yes", "renormalize must be a bool"),
+    ("max_output_length", 0, "max_output_length must be >= 1"),
+    ("max_output_length", 5.5, "max_output_length must be an int"),
     ("length_normalization", "marian", "length_normalization must be one of ('gnmt', 'hf')"),
     ("length_penalty", -0.5, "length_penalty must be a finite number >= 0"),
     ("early_stopping", "always", "early_stopping must be one of False, True, 'never'"),
@@ -405,6 +444,7 @@ def ctranslate2_marian(tmp_path_factory):
         model.model.shared.weight[pad] = 0.0
     model.generation_config.bad_words_ids = [[pad]]
     model.generation_config.renormalize_logits = True         # opus-mt's: CTranslate2's softmax leaves pad out too
+    model.generation_config.max_length = BUDGET + 1           # BUDGET tokens after the start token, as the calls' own
     root = tmp_path_factory.mktemp("ctranslate2")
     directory = root / "marian"
     model.save_pretrained(directory)
@@ -490,6 +530,7 @@ def ctranslate2_m2m100(m2m100, tmp_path_factory):
     model = natural(build("m2m_100", seed=SETTINGS["m2m_100"][0], vocab_size=vocab_size).double(), "m2m_100",
                     *SETTINGS["m2m_100"]).float()
     root = tmp_path_factory.mktemp("ctranslate2-m2m100")
+    model.generation_config.max_length = BUDGET + 1           # BUDGET tokens after the start token, as the calls' own
     model.save_pretrained(root / "model")
     tokenizer = transformers.AutoTokenizer.from_pretrained(m2m100["directory"])
     tokenizer.save_pretrained(root / "model")

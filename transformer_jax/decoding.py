@@ -1,10 +1,10 @@
 """Greedy decoding and beam search (section 6.1) for the JAX/Flax port, compiled.
 
 The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens:
-the output budget is the non-pad source length + 50 capped at ``max_len``; the output starts after
-``config.start_id``; the tokens of ``config.never_emitted`` are never emitted (their
-log-probabilities are set to -inf); the forced tokens (``forced_bos_id``, ``config.forced_eos``) are
-the reference's; the decoder reads its prefix under the causal mask alone; greedy ties go to
+the output budget is the non-pad source length + 50 (or ``config.max_output_length``) capped at
+``max_len``; the output starts after ``config.start_id``; the tokens of ``config.never_emitted`` are
+never emitted (their log-probabilities are set to -inf); the forced tokens (``forced_bos_id``,
+``config.forced_eos``) are the reference's; the decoder reads its prefix under the causal mask alone; greedy ties go to
 the lowest token id; beam candidates are ranked by summed log-probability (in the score dtype:
 the model's, float32 for bfloat16 and float16) with ties to the lower beam, then the lower token
 (the order of a stable sort of the negated flat scores);

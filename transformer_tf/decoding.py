@@ -1,9 +1,9 @@
 """Greedy decoding and beam search (section 6.1) for the TensorFlow port, compiled.
 
 The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum output
-length = non-pad source tokens + 50 capped at ``max_len``; output after the start token
-``config.start_id``, without it, right-padded with pad_id; the tokens of ``config.never_emitted`` are
-never emitted (their log-probabilities are set to -inf before choosing); the forced tokens
+length = non-pad source tokens + 50 (or ``config.max_output_length``) capped at ``max_len``; output
+after the start token ``config.start_id``, without it, right-padded with pad_id; the tokens of
+``config.never_emitted`` are never emitted (their log-probabilities are set to -inf before choosing); the forced tokens
 (``forced_bos_id``, ``config.forced_eos``) are the reference's; the decoder reads its prefix under the
 causal mask alone; greedy ties go to the lowest token id; beam candidates are ranked by summed
 log-probability (model dtype; float32 for bfloat16 and float16), ties to the lower beam then the
@@ -77,10 +77,13 @@ Cache = tuple[tuple[KVCache, KVCache], ...]   # per decoder layer (self-attentio
 
 
 def max_output_lengths(model: Transformer, src: tf.Tensor) -> tf.Tensor:
-    """Per-sequence output budget: non-pad source tokens + 50, capped at ``max_len``
-    (section 6.1), computed in-graph. Shape: (B,)."""
-    lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, model.config.pad_id), tf.int32), axis=1)
-    return tf.minimum(lengths + EXTRA_OUTPUT_LENGTH, model.config.max_len)
+    """Per-sequence output budget: non-pad source tokens + 50 (section 6.1), or ``config.max_output_length``
+    when set, capped at ``max_len``, computed in-graph. Shape: (B,)."""
+    cfg = model.config
+    lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, cfg.pad_id), tf.int32), axis=1)
+    budgets = lengths + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else tf.fill(tf.shape(lengths),
+                                                                                        cfg.max_output_length)
+    return tf.minimum(budgets, cfg.max_len)
 
 
 def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None,
@@ -187,10 +190,12 @@ def _put(tokens: tf.Tensor, token: tf.Tensor, t: Index) -> tf.Tensor:
 
 
 def _buffer_length(model: Transformer, src: tf.Tensor) -> int:
-    """TensorFlow only: L, the static bound on every output length (source width + 50, capped at
-    ``max_len``), known when tracing; the per-sequence budgets are computed in-graph
-    (:func:`max_output_lengths`). PyTorch and JAX read the budgets' maximum on the host."""
-    return min(src.shape[1] + EXTRA_OUTPUT_LENGTH, model.config.max_len)
+    """TensorFlow only: L, the static bound on every output length (source width + 50, or
+    ``max_output_length``, capped at ``max_len``), known when tracing; the per-sequence budgets are computed
+    in-graph (:func:`max_output_lengths`). PyTorch and JAX read the budgets' maximum on the host."""
+    cfg = model.config
+    return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else cfg.max_output_length,
+               cfg.max_len)
 
 
 # ----------------------------------------------------------------------------- greedy

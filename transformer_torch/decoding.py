@@ -1,8 +1,8 @@
 """Greedy decoding and beam search (section 6.1) with a key/value cache.
 
 The rules are the reference's, to the letter (``reference_numpy/decoding.py``): the same
-maximum output length (non-pad source tokens + 50, capped at ``max_len``), the same start token
-(``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same forced tokens
+maximum output length (non-pad source tokens + 50, or ``config.max_output_length``, capped at ``max_len``),
+the same start token (``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same forced tokens
 (``forced_bos_id``, ``config.forced_eos``), the decoder reading its prefix under the causal mask
 alone, greedy ties to the lowest token id, beam candidates ranked by summed log-probability
 (accumulated in the model's dtype; float32 for a bfloat16 or float16 model, whose log-probabilities
