@@ -32,6 +32,9 @@ LENGTH_NORMALIZATIONS = ("gnmt", "hf")
 EARLY_STOPPING = (False, True, "never")
 LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, the default of ``length_penalty``
 MAX_BEAM_SIZE = 64          # the widest beam a checkpoint's ``beam_size`` or a command's --beam may ask for
+# The fields of TransformerConfig's decoding conventions (its docstring), whose defaults are section 6.1's decoding
+DECODING_CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "max_output_length", "forced_eos",
+                        "length_normalization", "length_penalty", "early_stopping", "beam_size")
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -249,6 +252,11 @@ class TransformerConfig(_Config):
         self._store("beam_size", _as_int("beam_size", self.beam_size, minimum=1))
         if self.beam_size > MAX_BEAM_SIZE:
             raise ValueError(f"beam_size must be <= {MAX_BEAM_SIZE}, got {self.beam_size}")
+
+    def paper_decoding(self) -> Self:
+        """This model with section 6.1's decoding: every field of :data:`DECODING_CONVENTIONS` at its default."""
+        return self.replace(**{name: field.default for name, field in self.__dataclass_fields__.items()
+                               if name in DECODING_CONVENTIONS})
 
     @property
     def start_id(self) -> int:

@@ -170,6 +170,9 @@ SINGLE = [
            "transformer_torch/model.py", "return start + torch.arange(length, device=start.device)",
            "return start + 1 + torch.arange(length, device=start.device)",
            ["tests/test_export.py", "-k", "decoding_step_agrees and torch-export"]),
+    single("export", "export --check: the serving loops (section 6.1's rules) held to the checkpoint's own decoding "
+           "conventions", "transformer_cli/commands/export_check.py", "config = config.paper_decoding()",
+           "config = config", ["tests/test_export.py", "-k", "whatever_the_checkpoints"]),
     single("export", "torch: the compiled decoding step handed a constant cache index (position 0)",
            "transformer_torch/speed.py", "torch.tensor(cache_index, device=tgt.device)",
            "torch.tensor(0, device=tgt.device)",

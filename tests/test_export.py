@@ -44,7 +44,7 @@ import pytest
 from equivalence import tolerance
 from equivalence.margins import beam_margins
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
-from reference_numpy.checkpoint import load_checkpoint
+from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import pad_rows
 from transformer_cli.commands import ctranslate2_export, export_check
@@ -520,6 +520,32 @@ def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_
     assert re.search(r"log-probabilities max abs error 3\.0\d\de\+00 > bound [0-9.]+e-05 \(float32 policy\)",
                      forward), report
     assert bool(step) == (target in STEPS) and (not step or " > bound " in step), report   # the step's too
+
+
+def test_export_check_decodes_as_section_6_1_whatever_the_checkpoints_conventions(tmp_path, capsys, monkeypatch,
+                                                                                   exported, serving):
+    """The shipped model's weights with an imported Marian model's decoding conventions -- start from pad (which the
+    forward pass would mask), pad alone suppressed and the rest renormalized, a budget of 5 tokens with eos forced
+    at it, |Y|^1 -- and the shipped model's ONNX artefact: ``export --check`` runs its serving loops with section
+    6.1's rules and holds them to the reference decoding so too (``paper_decoding``): exit 0, every verdict
+    identical, as for the shipped model itself (held to the checkpoint's own conventions, the greedy tokens differ
+    in every row)."""
+    config, params = load_checkpoint(SHIPPED)
+    marian = config.replace(decoder_start_id=config.pad_id, suppressed_ids=(config.pad_id,), renormalize=True,
+                            max_output_length=5, forced_eos=True, length_normalization="hf", length_penalty=1.0)
+    save_checkpoint(tmp_path / "marian.safetensors", marian, params, tokenizer=load_tokenizer_json(SHIPPED))
+    artefact = exported("onnx").path
+    monkeypatch.setattr(export_module, "export", lambda *args, **kwargs: artefact)
+    with serving():
+        status = main(["export", "--to", "onnx", str(tmp_path / "marian.safetensors"), str(tmp_path / "out"),
+                       "--check"])
+    report = capsys.readouterr().out.splitlines()[-1]
+    assert status == EXIT_OK, report
+    assert "greedy tokens of 4 sentences identical, beam-4 tokens identical; " in report, report
+    assert report.endswith("positions), greedy tokens identical"), report
+    src = load_translator()[2].batch(shipped_texts())
+    own = greedy_decode(Transformer(marian, params), src)
+    assert all(not np.array_equal(a, b) for a, b in zip(own, greedy_decode(Transformer(config, params), src)))
 
 
 def test_export_check_is_for_the_forward_pass_targets(tmp_path, capsys):

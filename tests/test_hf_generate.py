@@ -43,6 +43,7 @@ from support import FRAMEWORKS, build, float64_inference, port_backend
 from equivalence import tolerance
 from reference_numpy import Transformer, TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
+from reference_numpy.config import DECODING_CONVENTIONS
 from reference_numpy.decoding import beam_search, greedy_decode
 from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
 from reference_numpy.model import causal_mask
@@ -61,8 +62,6 @@ SETTINGS = {"marian": (2, 0.5, 1.0, PAD_SHIFT), "m2m_100": (2, 0.5, 2.0, 0.0)}
 LANGUAGE = 5                       # M2M100's forced first token: a target-language code's id
 BUDGET = 40                        # max_position_embeddings of support.MARIAN and M2M100: every sentence's budget
 EARLY_STOPPING = (False, True, "never")
-CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "max_output_length", "forced_eos",
-               "length_normalization", "length_penalty", "early_stopping", "beam_size")
 
 
 def natural(model, family: str, seed: int, scale: float, shift: float, pad_shift: float):
@@ -332,11 +331,12 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     """The checkpoint records the conventions; a config without them (an older file's) is the paper's decoding."""
     _, _, path, (config, _), _ = family_model
     assert load_checkpoint(path)[0] == config
-    older = {name: value for name, value in config.to_dict().items() if name not in CONVENTIONS}
+    older = {name: value for name, value in config.to_dict().items() if name not in DECODING_CONVENTIONS}
     paper = TransformerConfig.from_dict(older)
     assert (paper.start_id, paper.never_emitted, paper.renormalize, paper.max_output_length, paper.forced_eos,
             paper.length_normalization, paper.length_penalty, paper.early_stopping, paper.beam_size) == (
         paper.bos_id, (paper.pad_id, paper.bos_id), False, None, False, "gnmt", 0.6, False, 1)
+    assert config.paper_decoding() == paper != config
 
 
 @pytest.mark.parametrize("field, value, message", [

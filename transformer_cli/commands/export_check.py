@@ -11,6 +11,13 @@ greedy tokens with the float64 reference's under the float32 token rule (identic
 allows), and the beam tokens with the float64 reference's ``beam_search`` on every row the float32 rule compares
 whole (``tolerance.beam_row_is_decisive``: no step or final choice within the bound of a tie).
 
+The loops decode as section 6.1 does, whatever decoding conventions the checkpoint holds (an imported Hugging Face
+model's start token, suppressed and forced tokens, budget, length normalization: reference_numpy/config.py), and the
+reference they are held to decodes so too (``TransformerConfig.paper_decoding``): what the check proves is the
+artefact's numbers, which a serving loop of the model's own conventions reads alike -- but for a start token that is
+pad (Marian's), which the forward pass masks as padding: such a model is served through its cached decoding step,
+whose attention reads every position written.
+
 A target that exports the cached decoding step (``transformer.json``'s ``decoding_step``, :data:`STEPS`) is also run
 through it in the same process: ``encode`` once and ``step`` per position along the reference's greedy translation
 (teacher forcing), whose log-probabilities are held to the same float32 policy at every position a decoding loop
@@ -296,6 +303,8 @@ class CheckedStep:
 
 
 def _verdict(identical: bool, note: str) -> str:
+    if note.startswith("not compared"):
+        return note
     return ("identical" if identical else "DIFFER") + (f" ({note})" if note else "")
 
 
@@ -305,6 +314,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     tokenizer with ``checkpoint``'s (see the module docstring)."""
     check_target(target)
     config, params = load_checkpoint(checkpoint)
+    config = config.paper_decoding()                     # the serving loops' rules (GREEDY, BEAM, CACHED_GREEDY)
     tokenizer, tokenizer_verdict = artefact_tokenizer(output_dir, config, load_tokenizer_json(checkpoint))
     src = translation_source(tokenizer) if tokenizer is not None else None
     src = compare_inputs(config)["src"] if src is None else src
@@ -358,7 +368,8 @@ def beam_verdict(tokens: np.ndarray, config: TransformerConfig, params: dict[str
                  ) -> tuple[bool, str]:
     """Whether ``tokens`` are the float64 reference's ``beam_search`` tokens (size 4, alpha 0.6) on every row the
     float32 rule compares whole: no step or final choice of the reference's search within twice the float32 bound
-    (of the log-probabilities along its hypotheses) of a tie; the note counts the rows left out."""
+    (of the log-probabilities along its hypotheses) of a tie; the note counts the rows left out, or says that none
+    was compared (every row with a near-tie: the report then says so instead of "identical")."""
     model64 = Transformer(config, params)
     expected = beam_search(model64, src, BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
     tgt = np.concatenate([np.full((len(src), 1), config.bos_id), expected[:, :-1]], axis=1)
@@ -368,6 +379,8 @@ def beam_verdict(tokens: np.ndarray, config: TransformerConfig, params: dict[str
     tokens, expected = (np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=config.pad_id)
                         for a in (tokens, expected))
     left_out = len(src) - int(decisive.sum())
+    if not decisive.any():
+        return True, f"not compared: each of the {len(src)} rows has a near-tie"
     note = f"{left_out} of {len(src)} rows with a near-tie left out" if left_out else ""
     return bool(np.array_equal(tokens[decisive], expected[decisive])), note
 
