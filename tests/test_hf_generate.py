@@ -397,15 +397,20 @@ def test_config_from_generation_config():
                   "top_k": 5, "do_sample": False, "no_repeat_ngram_size": 0, "suppress_tokens": None}
     config = config_from_hf(base, generation)
     assert (config.decoder_start_id, config.suppressed_ids, config.renormalize, config.forced_eos,
-            config.length_penalty, config.early_stopping, config.beam_size) == (28, (28,), True, True, 1.5, "never", 6)
-    legacy = config_from_hf({**base, "bad_words_ids": [[28]], "num_beams": 4})
-    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping, legacy.beam_size) == ((28,), False,
-                                                                                                   False, 4)
-    assert config_from_hf(base, {"decoder_start_token_id": 28}).beam_size == 1           # GenerationConfig's default
+            config.length_penalty, config.early_stopping, config.beam_size, config.max_output_length) == (
+        28, (28,), True, True, 1.5, "never", 6, 511)
+    legacy = config_from_hf({**base, "bad_words_ids": [[28]], "num_beams": 4, "max_length": 9})
+    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping, legacy.beam_size,
+            legacy.max_output_length) == ((28,), False, False, 4, 8)
+    defaults = config_from_hf({**base, "max_position_embeddings": 40}, {"decoder_start_token_id": 28})
+    assert (defaults.beam_size, defaults.max_output_length) == (1, 20)                 # GenerationConfig's defaults
+    assert config_from_hf(base, {"decoder_start_token_id": 28}).max_output_length == 7  # capped by 8 positions
+    assert config_from_hf(base, {**generation, "max_new_tokens": 7}).max_output_length == 7   # over max_length
     for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", 5), ("early_stopping", 1),
                          ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0),
                          ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0),
-                         ("renormalize_logits", 1)):
+                         ("renormalize_logits", 1), ("max_length", 1), ("max_length", 30.0), ("max_new_tokens", 0),
+                         ("max_new_tokens", False)):
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)
