@@ -522,6 +522,8 @@ def test_export_check_runs_the_artefact_without_the_project_and_holds_it_to_the_
     assert bool(step) == (target in STEPS) and (not step or " > bound " in step), report   # the step's too
 
 
+# Up to 30 s alone: the shipped model's ONNX export (shared with this module's other ONNX tests in the same worker)
+# and one checking process.
 def test_export_check_decodes_as_section_6_1_whatever_the_checkpoints_conventions(tmp_path, capsys, monkeypatch,
                                                                                    exported, serving):
     """The shipped model's weights with an imported Marian model's decoding conventions -- start from pad (which the
