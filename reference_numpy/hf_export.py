@@ -131,12 +131,12 @@ def generation_config(config: TransformerConfig) -> dict[str, Any]:
     (module docstring), its beam ``beam_size`` (greedy by default)."""
     suppressed = (config.pad_id, config.bos_id) if config.suppressed_ids is None else config.suppressed_ids
     bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
-    return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False, "max_length": _budget(config) + 1,
-            **bad_words, "renormalize_logits": config.renormalize, "length_penalty": config.length_penalty,
-            "early_stopping": config.early_stopping}
+    return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False,
+            "max_length": generate_budget(config) + 1, **bad_words, "renormalize_logits": config.renormalize,
+            "length_penalty": config.length_penalty, "early_stopping": config.early_stopping}
 
 
-def _budget(config: TransformerConfig) -> int:
+def generate_budget(config: TransformerConfig) -> int:
     """The output budget of every sentence in ``generate``: ``max_output_length`` (capped at ``max_len``, as
     :func:`reference_numpy.decoding.max_output_lengths` caps it), or ``max_len``."""
     return min(config.max_len if config.max_output_length is None else config.max_output_length, config.max_len)

@@ -263,7 +263,9 @@ def test_import_command_outputs_and_inputs(saved, tmp_path, capsys):
     _, _, directory, _ = saved
     out = tmp_path / "model.safetensors"
     assert main(["import", str(directory), str(out)]) == EXIT_OK
-    assert "wrote" in capsys.readouterr().out
+    line = capsys.readouterr().out
+    assert line.startswith(f"wrote {out}: ") and line.endswith("; decoding as generate: greedy, at most 20 tokens a "
+                                                                "sentence (docs/huggingface.md)\n"), line
     assert main(["import", str(directory), str(out)]) == EXIT_USAGE              # exists: kept without --force
     assert "--force" in capsys.readouterr().err
     assert main(["import", str(directory), str(out), "--force"]) == EXIT_OK

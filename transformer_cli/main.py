@@ -621,8 +621,19 @@ def run_import(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {'pre-LN' if config.norm_first else 'post-LN'}, d_model {config.d_model}, "
           f"{config.n_encoder_layers}+{config.n_decoder_layers} layers, {config.activation}, sinusoid "
           f"{config.sinusoidal_layout}, vocabulary {config.src_vocab_size}"
-          f"{'' if config.share_embeddings else '/' + str(config.tgt_vocab_size)}; {describe_tokenizer(args.out)}")
+          f"{'' if config.share_embeddings else '/' + str(config.tgt_vocab_size)}; {describe_tokenizer(args.out)}; "
+          f"{describe_decoding(config)}")
     return EXIT_OK
+
+
+def describe_decoding(config: TransformerConfig) -> str:
+    """How ``translate`` searches with an imported checkpoint when given no --beam: as ``generate`` does without
+    arguments (its beam, its budget of tokens: ``hf_export.generate_budget``, which an import's
+    ``max_output_length`` sets), for ``import``'s last line."""
+    from reference_numpy.hf_export import generate_budget
+
+    search = "greedy" if config.beam_size == 1 else f"beam {config.beam_size}"
+    return f"decoding as generate: {search}, at most {generate_budget(config)} tokens a sentence (docs/huggingface.md)"
 
 
 def describe_tokenizer(path: str) -> str:
