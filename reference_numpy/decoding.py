@@ -42,8 +42,8 @@ The rules, shared by every port so that all backends produce identical tokens
     the eos ones among the first beam_size and continues the first beam_size others; at its maximum length it
     finishes the first beam_size candidates, eos or not, which has the same best as finishing the live beams
     (a non-eos candidate ranked after them has the same length and a lower sum). transformers' maximum length is
-    one per batch: the tokens are its tokens when every sentence's budget is the same (e.g. ``max_len`` caps
-    them all; ``max_new_tokens`` = that budget).
+    one for every sentence, ``config.max_output_length`` (an imported model's): the tokens are its tokens when
+    every sentence's budget is the same.
 
 The reference recomputes the whole prefix at each step; the ports use a key/value cache and
 must give the same tokens.
