@@ -15,8 +15,9 @@ Shape legend used in every docstring:
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 
 Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
-(C: the cache's capacity in target positions); the reference's own decoders recompute the whole
-prefix (``reference_numpy/decoding.py``), and the cache is shown to give the same numbers.
+(C: the cache's capacity in target positions; W: the positions a step reads, :func:`attended_widths`); the
+reference's own decoders recompute the whole prefix (``reference_numpy/decoding.py``), and the cache is shown
+to give the same numbers.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
     return (padding_mask(tgt, pad_id) | (np.arange(length) == 0)) & causal_mask(length)
 
 
+# The narrowest width a causal step over a self-attention cache reads (:func:`attended_widths`): the tests' models
+# (max_len 64) read their whole cache; a budget of hundreds of positions reads 64, 128, 256 ... as it fills.
+ATTENDED_WIDTH = 64
+
+
 def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndarray:
     """New position q (absolute position cache_index + q) may attend to cache positions
     j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
@@ -91,6 +97,24 @@ def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndar
     Shape: mask (1, 1, T_new, C), bool, True = may attend.
     """
     return (np.arange(capacity) <= cache_index + np.arange(length)[:, None])[None, None]
+
+
+def attended_widths(capacity: int) -> tuple[int, ...]:
+    """The widths W a causal step over a self-attention cache of ``capacity`` C reads: :data:`ATTENDED_WIDTH`,
+    twice that, and so on below C, then C. A step reads the narrowest W holding every position written so far
+    (:func:`attended_width`): the positions after them are not yet written and the causal mask hides them, so a
+    step's work grows with its hypothesis, not with C -- an imported opus-mt model's budget of 511 tokens (its
+    ``max_length``) would otherwise have every step read 511 positions of every layer's cache. Every port reads
+    the same W (a program traced with the step's position unknown holds one branch per width)."""
+    widths: list[int] = []
+    while (width := ATTENDED_WIDTH << len(widths)) < capacity:
+        widths.append(width)
+    return (*widths, capacity)
+
+
+def attended_width(capacity: int, written: int) -> int:
+    """The narrowest of :func:`attended_widths` holding the ``written`` positions 0 .. written - 1."""
+    return next(width for width in attended_widths(capacity) if width >= written)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -217,7 +241,8 @@ class MultiHeadAttention:
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache at positions
     cache_index .. cache_index + Tk - 1 (a new cache; the given one is left as it was) and the
-    queries attend over all C positions, ``mask`` hiding the ones not yet written.
+    queries attend over the C positions through ``mask``; without a ``mask``, causally (query q sees
+    positions j <= cache_index + q), reading only the first W positions of the cache (:func:`attended_width`).
 
     Shape:
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
@@ -237,7 +262,10 @@ class MultiHeadAttention:
                  cache: KVCache | None = None, cache_index: int | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
+        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
+            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index)
+        else:
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
@@ -276,6 +304,21 @@ class MultiHeadAttention:
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
+
+
+def _attend_written(query: np.ndarray, key: np.ndarray, value: np.ndarray, beams: np.ndarray | None,
+                    cache_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
+    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (:func:`attended_width`: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+    width = attended_width(capacity, cache_index + length)
+    heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
+                                                  _cached_causal_mask(cache_index, length, width),
+                                                  None if beams is None else beams[:, :, :width])
+    return heads, np.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)])       # (N, H, Tq, C)
 
 
 def _written(buffer: np.ndarray, new: np.ndarray, index: int) -> np.ndarray:
@@ -745,7 +788,8 @@ class Transformer:
         cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
         the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
         over the cache's C positions and defaults to the causal mask over absolute positions
-        (query q sees key j <= cache_index + q, which also hides the positions not yet written).
+        (query q sees key j <= cache_index + q, which also hides the positions not yet written; each
+        self-attention then reads only the first W positions of its cache, :func:`attended_width`).
         Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
@@ -760,10 +804,10 @@ class Transformer:
                 _beam_table(own)
         if src_mask is not None:
             src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(start, length, keys)
-        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+        if tgt_mask is None and cache is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id)
+        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
+            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)

@@ -796,6 +796,25 @@ BEAM_TABLE = [
     ], ["tests/test_beam_cache.py", "-k", "naive_loop"]),
 ]
 
+# A cached step reads the first W positions of its self-attention cache (reference.attended_widths): reading more
+# gives the same numbers (the agreement cannot see it); positions past W filled with NaN can.
+ATTENDED = ["tests/test_attended_width.py", "-k"]
+ATTENDED_WIDTH = [
+    single("cache", "torch: a cached step reads every position of its self-attention cache", TM,
+           "width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + "
+           "length)", "width = capacity", [*ATTENDED, "torch"]),
+    single("cache", "jax: a traced step reads every position of its self-attention cache (the widest branch)", JM,
+           "branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length)", "branch = len(widths) - 1",
+           [*ATTENDED, "searches and jax"]),
+    single("cache", "keras: a traced step reads every position of its self-attention cache (the widest branch)", FM,
+           "branch = tf.searchsorted(tf.constant(widths), tf.reshape(tf.cast(cache_index, tf.int32) + length, [1]))[0]",
+           "branch = len(widths) - 1", [*ATTENDED, "searches and tf"]),
+    consistent("cache", "every backend: a cached step reads every position of its self-attention cache", [
+        (RM, "while (width := ATTENDED_WIDTH << len(widths)) < capacity:",
+         "while (width := ATTENDED_WIDTH << len(widths)) < 0:"),
+    ], [*ATTENDED, "reads_no_position"], decoding_agreement(), shared=(TORCH, JAX, TF)),
+]
+
 # ----------------------------------------------------------------------------- low precision (the recipe)
 
 def low_precision(checks: str, components: bool = False) -> list[str]:
@@ -988,7 +1007,7 @@ BENCH = [
            BENCH_TRANSLATE),
 ]
 
-MUTATIONS = [*SINGLE, *BEAM_TABLE, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
+MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *HF_TOKENIZERS, *FINETUNE,
              *BENCH]

@@ -44,6 +44,7 @@ from jax.typing import DTypeLike
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
+from reference_numpy.model import attended_width, attended_widths
 
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
@@ -221,8 +222,10 @@ class MultiHeadAttention(nnx.Module):
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache at positions
     cache_index .. cache_index + Tk - 1 (``lax.dynamic_update_slice_in_dim``: a new cache, the
-    given one is left as it was; ``cache_index`` may be traced) and the queries attend over all C
-    positions, ``mask`` hiding the ones not yet written.
+    given one is left as it was; ``cache_index`` may be traced) and the queries attend over the C positions
+    through ``mask``; without a ``mask``, causally (query q sees positions j <= cache_index + q), reading only
+    the first W positions of the cache (``attended_width``; at a traced ``cache_index``, ``lax.switch``
+    over one branch per width of ``attended_widths``).
 
     Shape:
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
@@ -243,8 +246,12 @@ class MultiHeadAttention(nnx.Module):
                  cache_index: int | jax.Array | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
-                                                      dtype=autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype))
+        dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
+        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
+            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index, return_weights, dtype)
+        else:
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
+                                                          dtype=dtype)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
@@ -287,6 +294,30 @@ class MultiHeadAttention(nnx.Module):
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
+
+
+def _attend_written(query: jax.Array, key: jax.Array, value: jax.Array, beams: jax.Array | None,
+                    cache_index: int | jax.Array, return_weights: bool,
+                    dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
+    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
+    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written; at a traced ``cache_index``, ``lax.switch`` picks
+    the branch of W among ``attended_widths``); the weights (N, H, Tq, C), zero after W, when asked.
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+
+    def over(width: int) -> tuple[jax.Array, jax.Array | None]:
+        heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
+                                                      _cached_causal_mask(cache_index, length, width),
+                                                      None if beams is None else beams[:, :, :width], dtype=dtype)
+        return heads, jnp.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)]) if return_weights else None
+
+    if isinstance(cache_index, int):
+        return over(attended_width(capacity, cache_index + length))
+    widths = attended_widths(capacity)
+    branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length)      # the narrowest W >= written
+    return lax.switch(branch, [functools.partial(over, width) for width in widths])
 
 
 def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
@@ -816,10 +847,10 @@ class Transformer(nnx.Module):
                 _beam_table(own)
         if src_mask is not None:
             src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(offset, length, keys)
-        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+        if tgt_mask is None and cache is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id)
+        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
+            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,

@@ -30,6 +30,7 @@ plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeAlias
@@ -41,6 +42,7 @@ from numpy.typing import DTypeLike
 
 from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
+from reference_numpy.model import attended_width, attended_widths
 from reference_numpy.precision import round_to
 
 from . import speed
@@ -264,8 +266,10 @@ class MultiHeadAttention(_TransformerLayer):
       projected once by :meth:`memory_cache`; ``key`` and ``value`` are not projected again);
     * ``cache_index`` given: project ``key`` and ``value`` (the T_new new positions), write them
       at positions ``cache_index .. cache_index + T_new - 1`` of the fixed-size buffers (from
-      :meth:`init_cache`) and attend over the whole buffer; ``mask`` (B, H, Tq, C) must hide
-      the positions not written yet. The cache returned is a new one (tensors are immutable).
+      :meth:`init_cache`) and attend over the whole buffer through ``mask`` (B, H, Tq, C); without a
+      ``mask``, causally (query q sees positions j <= cache_index + q), reading only the first W positions of
+      the buffer (``attended_width``; at a traced ``cache_index``, ``tf.switch_case`` over one branch
+      per width of ``attended_widths``). The cache returned is a new one (tensors are immutable).
     """
 
     def __init__(self, config, **kwargs):
@@ -284,8 +288,12 @@ class MultiHeadAttention(_TransformerLayer):
     def call(self, query, key, value, mask=None, return_weights=False, cache=None, cache_index=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
-                                                      dtype=autocast_dtype(self.dtype_policy))
+        dtype = autocast_dtype(self.dtype_policy)
+        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
+            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index, return_weights, dtype)
+        else:
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
+                                                          dtype=dtype)
         shape = tf.shape(heads)
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
@@ -325,6 +333,34 @@ class MultiHeadAttention(_TransformerLayer):
         shape = tf.shape(x)
         x = tf.reshape(x, (shape[0], shape[1], self.n_heads, self.config.d_k))  # (B, T, H, d_k)
         return tf.transpose(x, (0, 2, 1, 3))                                    # (B, H, T, d_k)
+
+
+def _attend_written(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, beams: tf.Tensor | None, cache_index: Index,
+                    return_weights: bool, dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
+    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written; at a traced ``cache_index``, ``tf.switch_case``
+    picks the branch of W among ``attended_widths``; all C when C is not known when tracing); the
+    weights (N, H, Tq, C), zero after W, when asked.
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+
+    def over(width: Index) -> tuple[tf.Tensor, tf.Tensor | None]:
+        heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
+                                                      _cached_causal_mask(cache_index, length, width),
+                                                      None if beams is None else beams[:, :, :width], dtype=dtype)
+        return heads, tf.pad(weights, [[0, 0]] * 3 + [[0, tf.shape(key)[2] - width]]) if return_weights else None
+
+    if capacity is None:
+        return over(tf.shape(key)[2])
+    if isinstance(cache_index, int):
+        return over(attended_width(capacity, cache_index + length))
+    widths = attended_widths(capacity)
+    branch = tf.searchsorted(tf.constant(widths), tf.reshape(tf.cast(cache_index, tf.int32) + length, [1]))[0]
+    if return_weights:
+        return tuple(tf.switch_case(branch, [functools.partial(over, width) for width in widths]))
+    return tf.switch_case(branch, [lambda width=width: over(width)[0] for width in widths]), None
 
 
 def _written(buffer: tf.Tensor, new: tf.Tensor, index: Index) -> tf.Tensor:
@@ -918,10 +954,10 @@ class Transformer(_TransformerLayer, keras.Model):
                 _beam_table(own)
         if src_mask is not None:
             src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(cache_index, length, tf.shape(cache[0][0].keys)[2])   # C, also when traced
-        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+        if tgt_mask is None and cache is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id)
+        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
+            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, tgt, by_step=True,
                          training=training)
         if not return_intermediates:

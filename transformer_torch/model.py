@@ -41,9 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# every text takes both widths functions: a traced position (JAX, TensorFlow) picks among the widths; a compiled
+# PyTorch step reads them all
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
+from reference_numpy.model import attended_width, attended_widths  # noqa: F401
 
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
@@ -211,8 +214,9 @@ class MultiHeadAttention(nn.Module):
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache's tensors, in
     place, at positions cache_index .. cache_index + Tk - 1 (the same tensors are returned; at a traced
-    ``cache_index``, new ones) and the queries attend over all C positions, ``mask`` hiding the ones not
-    yet written.
+    ``cache_index``, new ones) and the queries attend over the C positions through ``mask``; without a
+    ``mask``, causally (query q sees positions j <= cache_index + q), reading only the first W positions of the
+    cache (``attended_width``; all C at a traced ``cache_index``: one program for every position).
 
     Shape:
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
@@ -232,8 +236,11 @@ class MultiHeadAttention(nn.Module):
                 return_weights: bool = False, cache: KVCache | None = None, cache_index: Index | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
-                                                      return_weights)     # (B, H, Tq, d_k)
+        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
+            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index, return_weights)
+        else:
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
+                                                          return_weights)     # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
@@ -274,6 +281,22 @@ class MultiHeadAttention(nn.Module):
         batch, length, width = x.shape
         x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)
         return x.transpose(1, 2)                                           # (B, H, T, d_k)
+
+
+def _attend_written(query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None, cache_index: Index,
+                    return_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
+    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written; W = C at a traced ``cache_index``); the weights
+    (N, H, Tq, C), zero after W. Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or
+    None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+    width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + length)
+    heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
+                                                  _cached_causal_mask(cache_index, length, width, query.device),
+                                                  None if beams is None else beams[:, :, :width], return_weights)
+    return heads, None if weights is None else F.pad(weights, (0, capacity - width))   # (N, H, Tq, C)
 
 
 def _written(buffer: Tensor, new: Tensor, index: Index) -> Tensor:
@@ -781,10 +804,10 @@ class Transformer(nn.Module):
                 _beam_table(own)
         if src_mask is not None:
             src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]), self.device)
-        if tgt_mask is None:
-            tgt_mask = target_mask(tgt, self.config.pad_id) if cache is None else \
-                _cached_causal_mask(start, length, keys, self.device)
-        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
+        if tgt_mask is None and cache is None:
+            tgt_mask = target_mask(tgt, self.config.pad_id)
+        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
+            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
         if not return_intermediates:
             return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)

@@ -1,0 +1,123 @@
+"""A cached decoding step reads the written part of its self-attention cache, not the whole capacity.
+
+A cache holds C positions (the budget: an imported opus-mt model's is 511 tokens); a step at position t reads
+the narrowest width W of ``reference.attended_widths(C)`` holding positions 0 .. t (64, 128, 256, ... then C),
+so that a step's work grows with its hypothesis, not with C. Checked without looking at the attention's code:
+
+* the widths against their definition, by brute force over every capacity up to 600;
+* positions past W are never read: filled with NaN, which any product over them would spread (0 x NaN is NaN),
+  they leave a decoding step, greedy decoding and beam search exactly as a cache of zeros does -- in every
+  backend, with the step's position known (eager) and, in the ports' searches, traced (JAX's ``lax.switch``,
+  TensorFlow's ``tf.switch_case``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from support import FRAMEWORKS, float64_inference, framework_array, port_backend
+
+from equivalence.tolerance import assert_agrees
+from reference_numpy import TransformerConfig, init_params
+from reference_numpy import model as reference
+from reference_numpy.decoding import beam_search, greedy_decode
+
+CAPACITY = 200                  # wider than the first width (64): three widths, 64, 128 and 200
+# tiny, with room for the wide cache; a budget that stays inside the first width
+CONFIG = TransformerConfig.preset("tiny").replace(max_len=CAPACITY, max_output_length=30)
+FIRST = 64
+
+
+def test_the_widths_are_64_doubled_below_the_capacity_then_the_capacity():
+    for capacity in range(1, 601):
+        expected = sorted({64 * 2 ** i for i in range(10) if 64 * 2 ** i < capacity} | {capacity})
+        assert list(reference.attended_widths(capacity)) == expected
+        for written in range(1, capacity + 1):
+            assert reference.attended_width(capacity, written) == min(w for w in expected if w >= written)
+
+
+def tail_filled(name: str, cache: tuple, start: int) -> tuple:
+    """The caches with every self-attention key and value from position ``start`` on made NaN (the memory's
+    keys and values as they are), in the backend's own arrays (traced ones included)."""
+    def filled(x):
+        if name == "torch":
+            x = x.clone()
+            x[:, :, start:] = float("nan")
+            return x
+        if name == "jax":
+            return x.at[:, :, start:].set(np.nan)
+        if name == "tf":
+            tf = importlib.import_module("tensorflow")
+            return tf.concat([x[:, :, :start], tf.fill(tf.shape(x[:, :, start:]), tf.constant(np.nan, x.dtype))], 2)
+        x = x.copy()
+        x[:, :, start:] = np.nan
+        return x
+    return tuple((own._replace(keys=filled(own.keys), values=filled(own.values)), memory) for own, memory in cache)
+
+
+def model_of(name: str, params: dict):
+    if name == "numpy":
+        return reference.Transformer(CONFIG, params)
+    return port_backend(name).build(CONFIG, params, "float64")
+
+
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+@pytest.mark.parametrize("position", [3, 100])
+def test_a_decoding_step_reads_no_position_past_its_width(name, position):
+    """One step at ``position`` (width 64, then 128) over a cache of 200 positions whose first ``position``
+    hold keys and values: NaN from the width on gives the output that zeros there give, finite, and the
+    reference's."""
+    params = init_params(CONFIG, seed=0, perturb=0.1)
+    rng = np.random.default_rng(0)
+    src, tgt = rng.integers(3, CONFIG.src_vocab_size, (2, 5)), rng.integers(3, CONFIG.tgt_vocab_size, (2, 1))
+    width = reference.attended_width(CAPACITY, position + 1)
+    assert width == (FIRST if position < FIRST else 2 * FIRST)
+
+    def step(name: str, tail: bool) -> np.ndarray:
+        model, convert = model_of(name, params), (lambda x: framework_array(name, x))
+        with float64_inference(name):
+            memory = model.encode(convert(src))
+            cache = model.init_cache(memory, CAPACITY)
+            for own, _ in cache:                           # the written positions: seeded keys and values
+                for buffer in (own.keys, own.values):
+                    assert tuple(buffer.shape)[2] == CAPACITY
+            cache = tuple((own._replace(keys=convert(rng_keys(own.keys.shape)), values=convert(rng_keys(
+                own.values.shape))), memory_cache) for own, memory_cache in cache)
+            if tail:
+                cache = tail_filled(name, cache, width)
+            out, _ = model.decode(convert(tgt), memory, cache=cache, cache_index=position)
+            return np.asarray(out)
+
+    def rng_keys(shape):
+        keys = np.random.default_rng(1).standard_normal(tuple(shape))
+        keys[:, :, position:] = 0.0                        # not written yet: zeros, as init_cache makes them
+        return keys
+
+    expected = step("numpy", tail=False)
+    out = step(name, tail=True)
+    assert np.isfinite(out).all(), f"{name}: a position past the width {width} was read"
+    assert_agrees(out, expected, what=f"{name}: a step at position {position}, NaN past the width")
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_a_port_s_searches_read_no_position_past_the_width(name, monkeypatch):
+    """Greedy decoding and beam search (each a compiled loop in JAX and TensorFlow, the step's position traced)
+    on caches of 200 positions whose positions from 64 on are NaN, while the budget (30 tokens) stays inside the
+    first width: the reference's tokens."""
+    params = init_params(CONFIG, seed=0, perturb=0.1)
+    src = np.random.default_rng(2).integers(3, CONFIG.src_vocab_size, (2, 6))
+    model = model_of(name, params)
+    init_cache = type(model).init_cache
+    monkeypatch.setattr(type(model), "init_cache",
+                        lambda self, memory, capacity: tail_filled(name, init_cache(self, memory, CAPACITY), FIRST))
+    decoding = importlib.import_module(f"transformer_{name}.decoding")
+    if name == "jax":                                      # traced anew, through the patch
+        decoding._greedy.clear_cache()
+        decoding._beam.clear_cache()
+    expected_model = reference.Transformer(CONFIG, params)
+    with float64_inference(name):
+        greedy, (beams, _) = decoding.greedy_decode(model, src), decoding.beam_search(model, src, 3)
+    np.testing.assert_array_equal(greedy, greedy_decode(expected_model, src))
+    np.testing.assert_array_equal(beams, beam_search(expected_model, src, 3)[0])
