@@ -8,7 +8,9 @@ so that a step's work grows with its hypothesis, not with C. Checked without loo
 * positions past W are never read: filled with NaN, which any product over them would spread (0 x NaN is NaN),
   they leave a decoding step, greedy decoding and beam search exactly as a cache of zeros does -- in every
   backend, with the step's position known (eager) and, in the ports' searches, traced (JAX's ``lax.switch``,
-  TensorFlow's ``tf.switch_case``).
+  TensorFlow's ``tf.switch_case``);
+* with the first width made 2, whole searches cross one width after another and still give the reference's
+  tokens and scores (the reference's decoders use no cache).
 """
 
 from __future__ import annotations
@@ -64,39 +66,34 @@ def model_of(name: str, params: dict):
 
 
 @pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
-@pytest.mark.parametrize("position", [3, 100])
+@pytest.mark.parametrize("position", [3, 64, 100])
 def test_a_decoding_step_reads_no_position_past_its_width(name, position):
-    """One step at ``position`` (width 64, then 128) over a cache of 200 positions whose first ``position``
-    hold keys and values: NaN from the width on gives the output that zeros there give, finite, and the
-    reference's."""
+    """One step at ``position`` (width 64, then 128: the written positions 0 .. 64 no longer fit in 64) over a
+    cache of 200 positions whose first ``position`` hold seeded keys and values, NaN from the width on: finite,
+    and the reference's step over a cache of exactly the written positions (one width: the whole cache)."""
     params = init_params(CONFIG, seed=0, perturb=0.1)
     rng = np.random.default_rng(0)
     src, tgt = rng.integers(3, CONFIG.src_vocab_size, (2, 5)), rng.integers(3, CONFIG.tgt_vocab_size, (2, 1))
     width = reference.attended_width(CAPACITY, position + 1)
     assert width == (FIRST if position < FIRST else 2 * FIRST)
+    seeded = np.random.default_rng(1).standard_normal((2, CONFIG.n_heads, CAPACITY, CONFIG.d_k, 2))   # K and V
+    seeded[:, :, position:] = 0.0                           # not written yet: zeros, as init_cache makes them
 
-    def step(name: str, tail: bool) -> np.ndarray:
+    def step(name: str, capacity: int, tail: bool) -> np.ndarray:
         model, convert = model_of(name, params), (lambda x: framework_array(name, x))
         with float64_inference(name):
             memory = model.encode(convert(src))
-            cache = model.init_cache(memory, CAPACITY)
-            for own, _ in cache:                           # the written positions: seeded keys and values
-                for buffer in (own.keys, own.values):
-                    assert tuple(buffer.shape)[2] == CAPACITY
-            cache = tuple((own._replace(keys=convert(rng_keys(own.keys.shape)), values=convert(rng_keys(
-                own.values.shape))), memory_cache) for own, memory_cache in cache)
+            cache = tuple((own._replace(keys=convert(seeded[:, :, :capacity, :, 0]),
+                                        values=convert(seeded[:, :, :capacity, :, 1])), memory_cache)
+                          for own, memory_cache in model.init_cache(memory, capacity))
             if tail:
                 cache = tail_filled(name, cache, width)
             out, _ = model.decode(convert(tgt), memory, cache=cache, cache_index=position)
             return np.asarray(out)
 
-    def rng_keys(shape):
-        keys = np.random.default_rng(1).standard_normal(tuple(shape))
-        keys[:, :, position:] = 0.0                        # not written yet: zeros, as init_cache makes them
-        return keys
-
-    expected = step("numpy", tail=False)
-    out = step(name, tail=True)
+    assert reference.attended_width(position + 1, position + 1) == position + 1     # reads its whole cache
+    expected = step("numpy", position + 1, tail=False)
+    out = step(name, CAPACITY, tail=True)
     assert np.isfinite(out).all(), f"{name}: a position past the width {width} was read"
     assert_agrees(out, expected, what=f"{name}: a step at position {position}, NaN past the width")
 
@@ -121,3 +118,32 @@ def test_a_port_s_searches_read_no_position_past_the_width(name, monkeypatch):
         greedy, (beams, _) = decoding.greedy_decode(model, src), decoding.beam_search(model, src, 3)
     np.testing.assert_array_equal(greedy, greedy_decode(expected_model, src))
     np.testing.assert_array_equal(beams, beam_search(expected_model, src, 3)[0])
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_searches_that_cross_every_width_decode_as_the_reference(name, monkeypatch):
+    """The first width made 2 (widths 2, 4, 8, 16, 32, then the capacity): every port's greedy decoding and beam
+    search of a ragged batch cross one width after another (JAX's and TensorFlow's compiled loops switch branch
+    at each), in float64, and give the reference's tokens and beam scores (the reference decodes without a
+    cache)."""
+    monkeypatch.setattr(reference, "ATTENDED_WIDTH", 2)
+    config = TransformerConfig.preset("tiny").replace(max_output_length=40)
+    params = init_params(config, seed=4, perturb=0.1)
+    src = np.random.default_rng(3).integers(3, config.src_vocab_size, (3, 7))
+    src[1, 4:], src[2, 2:] = config.pad_id, config.pad_id
+    decoding = importlib.import_module(f"transformer_{name}.decoding")
+    if name == "jax":                                      # traced anew with these widths
+        decoding._greedy.clear_cache()
+        decoding._beam.clear_cache()
+    model = port_backend(name).build(config, params, "float64")
+    expected_model = reference.Transformer(config, params)
+    expected_tokens, expected_scores = beam_search(expected_model, src, 3)
+    with float64_inference(name):
+        greedy, (tokens, scores) = decoding.greedy_decode(model, src), decoding.beam_search(model, src, 3)
+    if name == "jax":                                      # no program of these widths left for other tests
+        decoding._greedy.clear_cache()
+        decoding._beam.clear_cache()
+    assert greedy.shape[1] > 32 or tokens.shape[1] > 32, "the searches crossed too few widths to test them"
+    np.testing.assert_array_equal(greedy, greedy_decode(expected_model, src))
+    np.testing.assert_array_equal(tokens, expected_tokens)
+    assert_agrees(scores, expected_scores, what=f"{name}: beam scores across the widths")
