@@ -313,7 +313,7 @@ def _attend_written(query: np.ndarray, key: np.ndarray, value: np.ndarray, beams
     (:func:`attended_width`: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
     Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
     capacity, length = key.shape[2], query.shape[2]
-    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+    cache_index = check_cache_index(cache_index, length, capacity)
     width = attended_width(capacity, cache_index + length)
     heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
                                                   _cached_causal_mask(cache_index, length, width),

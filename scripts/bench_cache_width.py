@@ -19,7 +19,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,12 +49,7 @@ def passes(port: str, root: Path, steps: int, capacity: int, rows: int, repeats:
     init_cache = type(model).init_cache
     type(model).init_cache = lambda self, memory, _: init_cache(self, memory, capacity)   # type: ignore[method-assign]
     src = pad_rows(bench_translate.source_rows(rows, bench_translate.OPUS_MT), config.pad_id)
-    seconds = []
-    for _ in range(1 + repeats):
-        start = time.perf_counter()
-        package.beam_search(model, src, beam_size=4)
-        seconds.append(time.perf_counter() - start)
-    return seconds
+    return bench_translate.passes(lambda: package.beam_search(model, src, beam_size=4), repeats)[0]
 
 
 def main() -> None:
