@@ -208,6 +208,12 @@ SINGLE = [
               Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
                    "exp = jnp.exp(scores - row_max)")),
              ("tests/test_fuzz.py", "-k", "fused-maximum and jax")),
+    *(single("fuzz", f"{port}: no select between a one-term Q K^T and the subtraction of its row maximum (XLA:CPU "
+             "recomputes the product and contracts it into an FMA)", f"{package}/model.py", guard, "",
+             ["tests/test_fuzz.py", "-k", f"one_dimension_a_head and {port}"])
+      for port, package, guard in (
+          ("jax", JAX, "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n"),
+          ("tf", TF, "    scores = tf.where(tf.math.is_nan(scores), tf.constant(np.nan, scores.dtype), scores)\n"))),
     single("fuzz", "reference: its training pass counts the decoder's fairseq positions by token (its forward pass "
            "and every port by step)", "reference_numpy/backward.py",
            'learned, y, tgt, grads, by_step=True)', 'learned, y, tgt, grads)',

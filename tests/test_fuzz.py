@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
 import types
 
@@ -333,6 +334,33 @@ def test_cases_found_by_fuzzing(port, case):
     undetermined = case.weight_scale >= 1e9 and case.config == OVERFLOW.config         # the overflow cases
     training = [note for note in not_compared if not note.startswith(("greedy", "beam"))]   # decoding's near-ties
     assert len(training) == undetermined and all("undetermined" in note for note in training)
+
+
+# Found by a 10-minute run of JAX (d_model 4 in 4 heads, weights x1e3): the compiled forward pass gave NaN from the
+# first decoder layer on, in float32, where the reference is finite. With d_k = 1, Q K^T is a product of one term:
+# XLA:CPU computed it in the maximum's fusion and again in the exponential's, there contracted with the subtraction
+# of the row maximum into a fused multiply-add, so that the largest score minus its own maximum was the product's
+# rounding error (up to 5e5 at scores of 1e13, not 0) and exp of it infinite. The XLA-compiled attentions are held
+# here to the exact shift; PyTorch's Inductor compiles its C++ without contraction (-ffp-contract=off).
+@pytest.mark.parametrize("port", ["jax", "tf"])
+def test_compiled_attention_with_one_dimension_a_head_shifts_by_the_exact_maximum(port):
+    """Scores of 1e13 whose gaps are past exp's range: each row's weights are exactly the one-hot vector of its
+    largest product, found by NumPy from the exact (float64) products."""
+    rng = np.random.default_rng(0)
+    query, key, value = (rng.normal(size=(3, 2, 4, 8, 1)) * 3e6).astype(np.float32)     # (B, H, T, d_k = 1)
+    products = query.astype(np.float64) @ key.astype(np.float64).swapaxes(-1, -2)         # exact: 24 + 24 bits
+    top_two = np.sort(products, axis=-1)[..., -2:]
+    assert np.min(top_two[..., 1] - top_two[..., 0]) > 1e3                                # exp(-gap) is 0
+    expected = (products == products.max(axis=-1, keepdims=True)).astype(np.float32)
+    port_backend(port)                                                                    # skips without it
+    attention = importlib.import_module(f"transformer_{port}.model").scaled_dot_product_attention
+    if port == "jax":
+        compiled = importlib.import_module("jax").jit(attention)
+    else:
+        compiled = importlib.import_module("tensorflow").function(attention, jit_compile=True, autograph=False)
+    out, weights = compiled(query, key, value)
+    assert np.array_equal(np.asarray(weights), expected)
+    assert np.array_equal(np.asarray(out), np.sum(expected * value.swapaxes(-1, -2), axis=-1, keepdims=True))
 
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
