@@ -62,6 +62,7 @@ def test_evaluate_agrees_with_sacrebleu_run_on_the_same_translations(test_set, t
     assert result["chrf_signature"] == f"nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|{version}"
     assert result["tokens"] >= SENTENCES and result["tokens_per_second"] > 0 and result["seconds"] > 0
     assert (result["backend"], result["dtype"], result["beam"], result["batch_size"]) == ("numpy", "float32", 1, 16)
+    assert result["max_output_length"] is None                           # section 6.1's: the source's length + 50
 
 
 def test_evaluate_prints_the_scores_with_their_signatures(test_set, capsys):
@@ -75,6 +76,21 @@ def test_evaluate_prints_the_scores_with_their_signatures(test_set, capsys):
     assert lines[2].startswith("  chrF") and "nc:6" in lines[2]
     assert lines[3].startswith("  exact") and "of 60)" in lines[3]
     assert "tokens/s" in lines[4]
+
+
+def test_an_output_budget_is_applied_and_recorded(test_set, capsys):
+    """``--max-output-length 1``: every sentence's output is one token (no eos fits after it), so the tokens
+    generated are the sentences; the record and the header line carry the budget."""
+    source, reference = test_set
+    status, out, err = cli(capsys, "evaluate", "numbers-en-fr", "--source", source, "--reference", reference,
+                           "--max-output-length", "1", "--json")
+    assert status == EXIT_OK, err
+    result = json.loads(out)
+    assert (result["max_output_length"], result["tokens"]) == (1, result["sentences"])
+    status, out, err = cli(capsys, "evaluate", "numbers-en-fr", "--source", source, "--reference", reference,
+                           "--max-output-length", "1")
+    assert status == EXIT_OK, err
+    assert ", max_output_length 1, batches of 64" in out.splitlines()[0]
 
 
 def test_files_that_do_not_pair_line_for_line_are_refused_before_any_work(test_set, tmp_path, no_backend, capsys):

@@ -63,6 +63,21 @@ def test_translate_in_every_backend_with_beam_search(backend, capsys):
     assert out.splitlines() == [french for _, french in GRAMMAR[:3]]
 
 
+@pytest.mark.parametrize("backend", list(backends.BACKENDS))
+def test_an_output_budget_keeps_the_first_words(backend, capsys):
+    """``--max-output-length 2``: greedy decoding stops after two tokens (the shipped model's tokens are words), so
+    each translation is the first two words of its French; 0 is refused naming the flag."""
+    adapters, missing = backends.load((backend,))
+    if not adapters:
+        pytest.skip(missing[0].reason)
+    status, out, err = cli(capsys, "translate", "--backend", backend, "--max-output-length", "2",
+                           *(english for english, _ in GRAMMAR))
+    assert status == EXIT_OK, err
+    assert out.splitlines() == [" ".join(french.split()[:2]) for _, french in GRAMMAR]
+    status, out, err = cli(capsys, "translate", "--backend", backend, "--max-output-length", "0", "twenty-one")
+    assert (status, out) == (EXIT_USAGE, "") and "--max-output-length" in err
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("backend", list(backends.BACKENDS))
 def test_translate_in_low_precision(backend, dtype, capsys):

@@ -101,6 +101,7 @@ RANGES: dict[str, Range] = {
     "--average": Range(2, 1000, then="at most the checkpoints the run saves and --keep"),
     "--beam": Range(1, MAX_BEAM_SIZE),                                       # translate, evaluate
     "--alpha": Range(0, 10, real=True),
+    "--max-output-length": Range(1, MAX_LEN_LIMIT, then="capped at the model's max_len"),   # translate, evaluate
 }
 
 

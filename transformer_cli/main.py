@@ -679,6 +679,10 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
     add_number(parser, "--alpha", default=None,
                help=f"beam search's length penalty alpha (default: the checkpoint's length_penalty: "
                     f"{LENGTH_PENALTY_ALPHA}, section 6.1's, or an imported model's own)")
+    add_number(parser, "--max-output-length", metavar="N", default=None,
+               help="the output budget of every sentence, eos included (transformers' max_new_tokens; default: the "
+                    "checkpoint's max_output_length: an imported model's max_length - 1, else the sentence's length "
+                    "+ 50, section 6.1)")
     parser.add_argument("--dtype", choices=PRECISION_NAMES, default="float32",
                         help="the precision the model runs in (default: float32; bfloat16 and float16 by the recipe "
                              "of docs/equivalence.md; mixed-bfloat16 and mixed-float16 by its autocast recipe, each "
@@ -719,7 +723,7 @@ def run_translate(args: argparse.Namespace) -> int:
     with source as stream:
         adapter = load_adapters((args.backend,), "--backend")[args.backend]
         translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device,
-                               args.batch_size, args.source_lang, args.target_lang)
+                               args.batch_size, args.source_lang, args.target_lang, args.max_output_length)
         results: Iterable[Translation]
         if args.text:
             results = map(Translation, translate(args.text))
@@ -755,7 +759,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]
     translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device, args.batch_size,
-                           args.source_lang, args.target_lang)
+                           args.source_lang, args.target_lang, args.max_output_length)
     result = evaluate(translate, sources, references, f"--source {args.source!r}",
                       progress_bar("evaluate", "batch", quiet=args.json or not sys.stderr.isatty()),
                       checkpoint=args.checkpoint, backend=args.backend, device=args.device, dtype=args.dtype)

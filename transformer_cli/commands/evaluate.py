@@ -27,6 +27,7 @@ class Evaluation:
     dtype: str
     beam: int
     alpha: float
+    max_output_length: int | None    # every sentence's output budget; None: section 6.1's, its length + 50
     batch_size: int
     sentences: int
     bleu: float
@@ -99,7 +100,8 @@ def evaluate(translator: Translator, sources: list[str], references: list[str], 
     hypotheses = [translator.tokenizer.decode(ids) for ids in outputs]
     pad = translator.tokenizer.config.pad_id
     return Evaluation(
-        **run, beam=translator.beam_size, alpha=translator.alpha, batch_size=translator.batch_size,
+        **run, beam=translator.beam_size, alpha=translator.alpha,
+        max_output_length=translator.model.config.max_output_length, batch_size=translator.batch_size,
         sentences=len(sources),
         bleu=bleu.corpus_score(hypotheses, [references]).score, bleu_signature=str(bleu.get_signature()),
         chrf=chrf.corpus_score(hypotheses, [references]).score, chrf_signature=str(chrf.get_signature()),
@@ -109,6 +111,8 @@ def evaluate(translator: Translator, sources: list[str], references: list[str], 
 
 def format_evaluation(result: Evaluation) -> str:
     decoding = "greedy" if result.beam == 1 else f"beam {result.beam}, alpha {result.alpha}"
+    if result.max_output_length is not None:
+        decoding += f", max_output_length {result.max_output_length}"
     return "\n".join([
         f"{result.checkpoint}: {result.backend} on {result.device}, {result.dtype}, {decoding}, batches of "
         f"{result.batch_size}, {result.sentences:,} sentences",

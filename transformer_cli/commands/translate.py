@@ -228,10 +228,13 @@ def write_translations(results: Iterable[Translation], output: str | None, stdou
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
                beam_size: int | None = None, alpha: float | None = None, device: str = "cpu",
                batch_size: int = BATCH_SIZE, source_lang: str | None = None,
-               target_lang: str | None = None) -> Translator:
+               target_lang: str | None = None, max_output_length: int | None = None) -> Translator:
     """A :class:`Translator` for ``checkpoint`` (a file or a shipped model's name; default: the shipped model) in
     one backend on ``device`` (``cpu``, ``gpu:N``), from ``source_lang`` into ``target_lang`` where the model's
-    tokenizer needs them."""
+    tokenizer needs them; ``max_output_length`` the output budget of every sentence in place of the checkpoint's
+    (:class:`~reference_numpy.config.TransformerConfig`'s ``max_output_length``), None keeps it."""
     device = backends.device_for(adapter, device)
     config, params, tokenizer = load_translator(checkpoint, source_lang=source_lang, target_lang=target_lang)
+    if max_output_length is not None:
+        config = config.replace(max_output_length=max_output_length)
     return Translator(adapter, adapter.build(config, params, dtype, device), tokenizer, beam_size, alpha, batch_size)
