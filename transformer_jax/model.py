@@ -140,10 +140,9 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     # (Scaled first, XLA:CPU computed x / c twice, in the maximum's fusion and in the exponential's, contracting it
     # with the subtraction into a fused multiply-add in one: the largest score minus its own maximum was the
     # product's rounding error, and exp of it overflowed at scores of 1e11.)
-    # With d_k = 1, Q K^T is itself a product of one term, which XLA:CPU recomputes in the maximum's fusion and in
-    # the exponential's alike: the select below (an identity) stands between the product and the subtraction, so
-    # that no fused multiply-add can take them together (contracted, the largest score minus its own maximum was
-    # the product's rounding error, and exp of it overflowed at scores of 1e13).
+    # With d_k = 1, Q K^T is itself a product of one term, which XLA:CPU recomputes in both fusions in the same way:
+    # the select below (an identity) stands between the product and the subtraction, so that no fused multiply-add
+    # can take them together (contracted, exp overflowed at scores of 1e13).
     scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)
     row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))   # -inf on fully masked rows
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
