@@ -6,13 +6,13 @@ layout, from which :func:`name_table` (checkpoint name -> NNX parameter path) an
 NNX parameter has the checkpoint's layout) are computed; :func:`to_checkpoint_layout` and
 :func:`from_checkpoint_layout` apply them to any per-parameter tensors (parameters, gradients,
 Adam's moments). Loading never initializes weights at random: ``nnx.eval_shape`` gives the
-model's structure and its parameters' paths, shapes and dtypes without creating an array (once per
-config and dtype), and every tensor is checked against its parameter and placed from memory of its own that
-``jax.device_put`` uses in place on the CPU: :func:`load_checkpoint` has the reference's ``CheckpointReader`` read
-each tensor straight there, so that loading holds the weights once; the state that is not a parameter (the
-dropout RNG streams, seeded with ``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal tables) is computed by the
-constructor under ``jax.jit``, which leaves the parameters' random initialization out, and ``nnx.merge`` assembles
-the model. File validation is the reference's
+model's structure and its parameters' paths, shapes and dtypes without creating an array, and every tensor is
+checked against its parameter and placed from memory of its own that ``jax.device_put`` uses in place on the CPU:
+:func:`load_checkpoint` has the reference's ``CheckpointReader`` read each tensor straight there, so that loading
+holds the weights once; the state that is not a parameter (the dropout RNG streams, seeded with
+``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal tables) is computed by the same trace of the constructor
+under ``jax.jit``, which leaves the parameters' random initialization out (once per config and dtype), and
+``nnx.merge`` assembles the model. File validation is the reference's
 (``reference_numpy.checkpoint.CheckpointReader`` and ``validate_params``), so a bad file gives
 the reference's one-line ``ValueError``.
 
@@ -168,7 +168,7 @@ def _assembled(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarra
     weights are held twice only one tensor at a time -- or, ``owned``, an array already in such memory
     (:func:`load_checkpoint` has the reader read each tensor into such memory) and of ``dtype`` is placed as it
     is, and the weights are held once (see the module docstring)."""
-    graphdef, targets = _skeleton(config, dtype)
+    graphdef, targets, constants = _skeleton(config, dtype)
     if set(name_table(config).values()) != set(targets):
         raise ValueError(f"the name table and the NNX parameters differ: "
                          f"{sorted(set(name_table(config).values()) ^ set(targets))}")
@@ -176,7 +176,7 @@ def _assembled(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarra
     own = lambda value: value if owned and value.dtype == dtype else _own_copy(value, dtype)
     state = nnx.from_flat_state([(keys, target.replace(jax.device_put(own(value), where)))
                                  for keys, target, value in _converted(config, tensors, targets)])
-    return nnx.merge(graphdef, state, jax.device_put(_constants(config, dtype), where))
+    return nnx.merge(graphdef, state, jax.device_put(constants, where))   # the constants' own Variables
 
 
 def _own_copy(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -220,19 +220,22 @@ def _converted(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarra
         yield keys, target, value
 
 
-@functools.cache
-def _skeleton(config: TransformerConfig, dtype: np.dtype) -> tuple[nnx.GraphDef, dict[str, tuple[tuple, nnx.Param]]]:
-    """The model's structure and every ``nnx.Param`` as ``nnx.eval_shape`` gives them (shapes and dtypes,
-    no array): the ``GraphDef`` and dotted path -> (state keys, abstract parameter)."""
-    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0)))
-    graphdef, params, *_ = nnx.split(abstract, nnx.Param, ...)
-    return graphdef, {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(params)}
+@functools.lru_cache(maxsize=64)
+def _skeleton(config: TransformerConfig, dtype: np.dtype) -> tuple[nnx.GraphDef, dict[str, tuple[tuple, nnx.Param]],
+                                                                     nnx.State]:
+    """One trace of the constructor under ``jax.jit``: the model's ``GraphDef``, every ``nnx.Param`` as an abstract
+    parameter (shape and dtype, no array) by dotted path -> (state keys, parameter), and the computed state that is
+    not a parameter (the dropout streams of ``nnx.Rngs(params=0, dropout=0)``, the sinusoidal tables). The
+    parameters' random initialization is traced but not an output, so XLA never computes it (tracing the constructor
+    once more, as ``nnx.eval_shape`` would for the structure, doubled a model's loading time)."""
+    traced = {}
 
+    def constants() -> nnx.State:
+        model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0))
+        traced["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
+        traced["params"] = jax.tree.map(lambda value: jax.ShapeDtypeStruct(value.shape, value.dtype), params)
+        return rest
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _constants(config: TransformerConfig, dtype: np.dtype) -> nnx.State:
-    """The model's state that is not an ``nnx.Param``: the dropout streams of ``nnx.Rngs(params=0,
-    dropout=0)`` and the sinusoidal tables, by the constructor compiled (the parameters' random
-    initialization is traced but not an output, so it is never computed)."""
-    model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0))   # nnx.reseed(model, dropout=)
-    return nnx.state(model, nnx.Not(nnx.Param))
+    rest = jax.jit(constants)()
+    targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(traced["params"])}
+    return traced["graphdef"], targets, rest
