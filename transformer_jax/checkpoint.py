@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -228,13 +229,13 @@ def _skeleton(config: TransformerConfig, dtype: np.dtype) -> tuple[nnx.GraphDef,
     not a parameter (the dropout streams of ``nnx.Rngs(params=0, dropout=0)``, the sinusoidal tables). The
     parameters' random initialization is traced but not an output, so XLA never computes it (tracing the constructor
     once more, as ``nnx.eval_shape`` would for the structure, doubled a model's loading time)."""
-    traced = {}
+    traced: dict[str, Any] = {}
 
     def constants() -> nnx.State:
         model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0))
-        traced["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
+        traced["graphdef"], params, *rest = nnx.split(model, nnx.Param, ...)         # rest: one State, the others
         traced["params"] = jax.tree.map(lambda value: jax.ShapeDtypeStruct(value.shape, value.dtype), params)
-        return rest
+        return rest[0]
 
     rest = jax.jit(constants)()
     targets = {_dotted(keys): (keys, variable) for keys, variable in nnx.to_flat_state(traced["params"])}
