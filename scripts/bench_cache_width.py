@@ -10,6 +10,7 @@ steps and tokens unchanged -- what a budget of ``--capacity`` costs a search tha
 a process of its own, one thread by default, the first pass apart, then the best of ``--repeats`` warm passes.
 
     python scripts/bench_cache_width.py                       # torch, jax, tf; capacities 32 and 511; 16 rows
+    python scripts/bench_cache_width.py --ports torch-compiled   # PyTorch's step under compile_decoding
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ def passes(port: str, root: Path, steps: int, capacity: int, rows: int, repeats:
     config, params = load_checkpoint(root / "model.safetensors")
     path = root / f"model-{steps}-{capacity}.safetensors"
     save_checkpoint(path, config.replace(max_len=max(capacity, steps + 1), max_output_length=steps), params)
-    if port == "torch":
+    if port in ("torch", "torch-compiled"):
         import torch
 
         import transformer_torch as package
         model = package.load_checkpoint(path, dtype=torch.float32)
+        if port == "torch-compiled":
+            package.compile_decoding(model)
     else:
         package = __import__(f"transformer_{port}")
         model = package.load_checkpoint(path, dtype="float32")

@@ -827,6 +827,12 @@ ATTENDED_WIDTH = [
     single("cache", "keras: a traced step's width one position short (the newest position unread)", FM,
            "tf.reshape(tf.cast(cache_index, tf.int32) + length, [1])",
            "tf.reshape(tf.cast(cache_index, tf.int32) + length - 1, [1])", [*ATTENDED, "cross and tf"]),
+    single("cache", "torch compiled: the program is handed every position of the self-attention caches",
+           "transformer_torch/speed.py", "program(tgt, memory, src_mask, _narrowed(cache, written),",
+           "program(tgt, memory, src_mask, cache,", [*ATTENDED, "compiled_pytorch_step"]),
+    single("cache", "torch compiled: the step's new positions never written back into the search's caches",
+           "transformer_torch/speed.py", "tensor[:, :, start:end] = written[:, :, start:end]", "pass",
+           [*ATTENDED, "compiled_pytorch_step"]),
     consistent("cache", "every backend: a cached step reads every position of its self-attention cache", [
         (RM, "while (width := ATTENDED_WIDTH << len(widths)) < capacity:",
          "while (width := ATTENDED_WIDTH << len(widths)) < 0:"),

@@ -147,3 +147,53 @@ def test_searches_that_cross_every_width_decode_as_the_reference(name, monkeypat
     np.testing.assert_array_equal(greedy, greedy_decode(expected_model, src))
     np.testing.assert_array_equal(tokens, expected_tokens)
     assert_agrees(scores, expected_scores, what=f"{name}: beam scores across the widths")
+
+
+@pytest.mark.slow            # Inductor compiles the step twice (max_autotune): the first width, then W a symbol
+def test_the_compiled_pytorch_step_reads_the_written_width_and_crosses_widths(agreement, monkeypatch):
+    """``transformer_torch.compile_decoding`` with the first width made 2: steps 0 .. 9 fed ``tgt`` over caches of
+    40 positions (widths 2, 4, 8, 16, 32, 40), each step's cache NaN from its width on (zeros from the step's
+    position to the width, as ``init_cache`` leaves them), give log-probabilities finite
+    and within the float32 policy of the reference's forward pass (float64 and float32) -- the program is handed the
+    first W positions only -- and Dynamo compiles two programs in all: the first width's, then one with W a symbol
+    that serves every later width."""
+    torch = pytest.importorskip("torch", reason="the compiled step is the PyTorch port's")
+    from transformer_torch import compile_decoding, speed
+    from transformer_torch.decoding import next_token_log_probs
+    from transformer_torch.model import padding_mask
+
+    monkeypatch.setattr(reference, "ATTENDED_WIDTH", 2)
+    config = CONFIG.replace(max_len=40)
+    params = init_params(config, seed=5, perturb=0.1)
+    rng = np.random.default_rng(4)
+    src, tgt = rng.integers(3, config.src_vocab_size, (2, 6)), rng.integers(3, config.tgt_vocab_size, (2, 10))
+    src[1, 3:] = config.pad_id
+    model = compile_decoding(port_backend("torch").build(config, params, "float32").eval())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step, log_probs = speed.decoding_step(model, next_token_log_probs), []
+
+    def unwritten(cache: tuple, written: int, width: int) -> tuple:
+        """The caches with positions written .. width - 1 zero (not yet written, as ``init_cache`` leaves them) and
+        NaN from the width on."""
+        def filled(x):
+            x = x.clone()
+            x[:, :, written:width], x[:, :, width:] = 0.0, float("nan")
+            return x
+        return tuple((own._replace(keys=filled(own.keys), values=filled(own.values)), memory) for own, memory in cache)
+
+    with torch.inference_mode():
+        memory = model.encode(torch.from_numpy(src))
+        mask, cache = padding_mask(torch.from_numpy(src), config.pad_id), model.init_cache(memory, 40)
+        for index in range(tgt.shape[1]):
+            cache = unwritten(cache, index, reference.attended_width(40, index + 1))
+            out, cache = step(torch.from_numpy(tgt[:, index:index + 1]), memory, mask, cache, index)
+            log_probs.append(out.numpy())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    emitted = np.setdiff1d(np.arange(config.tgt_vocab_size), config.never_emitted)
+    out = np.stack(log_probs, axis=1)[:, :, emitted]                                       # (B, T, V - never)
+    assert np.isfinite(out).all(), "the compiled step read a position past its width"
+    agreement(out, *(reference.Transformer(config, params, dtype)(src, tgt)[:, :, emitted]
+                     for dtype in (np.float64, np.float32)),
+              port="torch compile_decoding", device="cpu", dtype="float32",
+              what="log-probs of the compiled step across widths, NaN past each width")

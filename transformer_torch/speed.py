@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from reference_numpy.model import attended_width
+
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster
 # reading of the weight (docs/benchmarks-torch.md, "Before and after")
@@ -163,9 +165,10 @@ def _picked(beams: Tensor) -> Tensor:
 def compile_decoding(model: Model) -> Model:
     """Have ``greedy_decode`` and ``beam_search`` run each cached step of ``model`` (float32, in ``eval()`` mode)
     as one program of ``torch.compile`` (``fullgraph=True``: no graph break; :data:`COMPILE_OPTIONS`), the cache
-    index a 0-d tensor so that every position runs the same program; returns ``model``.
+    index a 0-d tensor so that every position runs the same program, each self-attention cache handed over as the
+    first W positions an eager step reads (``attended_width``: :func:`decoding_step`); returns ``model``.
 
-    Each new shape (batch, source length, the cache's capacity) is compiled at its first step: tens of seconds
+    Each new shape (batch, source length, the width W) is compiled at its first step: tens of seconds
     (max-autotune times each product's kernels), after which Dynamo treats the sizes that changed as symbols. The
     weights are folded into the program (a second, packed copy of them): compile once they are final --
     ``torch._dynamo.reset()`` drops every compiled program. Decoding without a cache (``use_cache=False``) stays
@@ -182,9 +185,12 @@ def compile_decoding(model: Model) -> Model:
 
 
 def decoding_step(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step(model, tgt, memory, src_mask, cache, cache_index)`` (the decoders' cached step) with ``model``
-    bound: as it is, or for a model given to :func:`compile_decoding` compiled once per model, its ``cache_index``
-    handed over as a 0-d tensor (the model then writes the cache as new tensors, ``index_copy``)."""
+    """``step(model, tgt, memory, src_mask, cache, cache_index)`` (the decoders' cached step, returning
+    ``(log_probs, cache)``) with ``model`` bound: as it is, or for a model given to :func:`compile_decoding` compiled
+    once per model, its ``cache_index`` handed over as a 0-d tensor (the model then writes the cache as new tensors,
+    ``index_copy``) and each self-attention cache as its first W positions (``attended_width``, as an eager step
+    reads them: :func:`_narrowed`), the new positions then written back in place (:func:`_written_back`). A search
+    that crosses a width hands the program a wider cache: Dynamo compiles it once more, with W a symbol."""
     programs = getattr(model, _PROGRAMS, None)
     if programs is None:
         return functools.partial(step, model)
@@ -193,12 +199,39 @@ def decoding_step(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[
         options = torch._inductor.config.patch(COMPILE_OPTIONS)    # built once: entering it costs 17 us, not 76
 
         def compiled(tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple, cache_index: int) -> Any:
+            written = cache_index + tgt.shape[1]
             with options, warnings.catch_warnings():                   # read while compiling, at a shape's first call
                 warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # inside Inductor
-                return program(tgt, memory, src_mask, cache, torch.tensor(cache_index, device=tgt.device))
+                out, stepped = program(tgt, memory, src_mask, _narrowed(cache, written),
+                                       torch.tensor(cache_index, device=tgt.device))
+            return out, _written_back(cache, stepped, cache_index, written)
 
         programs[step] = compiled
     return programs[step]
+
+
+def _narrowed(cache: tuple, written: int) -> tuple:
+    """Each layer's self-attention cache (:class:`~.model.KVCache`: keys, values, a beams table) as views of its first W
+    positions, W = ``attended_width(C, written)``: the narrowest width holding the ``written`` positions (section
+    3.2.3's mask hides the rest), so that a compiled step's work grows with the hypothesis, not with the capacity C;
+    the memory's keys and values as they are. Shape: keys, values (N, H, C, d_k) -> (N, H, W, d_k); a table
+    (B, K, C) -> (B, K, W)."""
+    def narrow(own: Any) -> Any:
+        width = attended_width(own.keys.shape[2], written)
+        beams = own.beams if isinstance(own.beams, tuple) else own.beams[:, :, :width]
+        return own._replace(keys=own.keys[:, :, :width], values=own.values[:, :, :width], beams=beams)
+    return tuple((narrow(own), memory) for own, memory in cache)
+
+
+def _written_back(cache: tuple, stepped: tuple, start: int, end: int) -> tuple:
+    """``cache`` with positions start .. end - 1 of each self-attention cache (keys, values, beams table) set, in
+    place, to those of the compiled step's new caches ``stepped`` (W positions each, :func:`_narrowed`), as an
+    eager step writes them; returns ``cache``."""
+    for (own, _), (new, _) in zip(cache, stepped):
+        for tensor, written in zip(own, new):
+            if not isinstance(tensor, tuple):
+                tensor[:, :, start:end] = written[:, :, start:end]
+    return cache
 
 
 class _Bound(torch.nn.Module):
