@@ -5,14 +5,13 @@ The whole conversion is data: the architecture's tensors as the reference walks 
 layout, from which :func:`name_table` (checkpoint name -> NNX parameter path) and :func:`transposed` (empty: every
 NNX parameter has the checkpoint's layout) are computed; :func:`to_checkpoint_layout` and
 :func:`from_checkpoint_layout` apply them to any per-parameter tensors (parameters, gradients,
-Adam's moments). Loading never initializes weights at random: ``nnx.eval_shape`` gives the
-model's structure and its parameters' paths, shapes and dtypes without creating an array, and every tensor is
-checked against its parameter and placed from memory of its own that ``jax.device_put`` uses in place on the CPU:
-:func:`load_checkpoint` has the reference's ``CheckpointReader`` read each tensor straight there, so that loading
-holds the weights once; the state that is not a parameter (the dropout RNG streams, seeded with
-``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal tables) is computed by the same trace of the constructor
-under ``jax.jit``, which leaves the parameters' random initialization out (once per config and dtype), and
-``nnx.merge`` assembles the model. File validation is the reference's
+Adam's moments). Loading never initializes weights at random: one trace of the constructor under ``jax.jit``
+(once per config and dtype, :func:`_skeleton`) gives the model's structure and its parameters' paths, shapes and
+dtypes without creating an array, and computes the state that is not a parameter (the dropout RNG streams, seeded
+with ``nnx.Rngs(params=0, dropout=0)``, and the sinusoidal tables), leaving the parameters' random initialization
+out; every tensor is checked against its parameter and placed from memory of its own that ``jax.device_put`` uses
+in place on the CPU: :func:`load_checkpoint` has the reference's ``CheckpointReader`` read each tensor straight
+there, so that loading holds the weights once; and ``nnx.merge`` assembles the model. File validation is the reference's
 (``reference_numpy.checkpoint.CheckpointReader`` and ``validate_params``), so a bad file gives
 the reference's one-line ``ValueError``.
 
