@@ -130,8 +130,8 @@ def cases(draw: st.DrawFn, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> 
     case = Case(config, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(weight_scales)), lengths(src_len),
                 lengths(tgt_len), src_len, tgt_len, draw(st.sampled_from(fits)), draw(st.booleans()))
     config = draw(conventions(draw(choices(config))))
-    not_eos = [token for token in range(config.tgt_vocab_size) if token != config.eos_id]
-    return dataclasses.replace(case, config=config, forced_bos_id=draw(st.none() | st.sampled_from(not_eos)),
+    forcible = [token for token in range(config.tgt_vocab_size) if token not in (config.eos_id, config.pad_id)]
+    return dataclasses.replace(case, config=config, forced_bos_id=draw(st.none() | st.sampled_from(forcible)),
                                beam_size=draw(st.sampled_from(BEAM_SIZES)))
 
 

@@ -62,10 +62,14 @@ def check_token_values(name: str, tokens: np.ndarray, vocab_size: int) -> None:
 
 
 def check_mask(name: str, shape: tuple, dtype: str, scores_shape: tuple) -> None:
-    """A mask is boolean (True = may attend) and broadcasts to the attention scores without enlarging them."""
+    """A mask is boolean (True = may attend), has an axis of key positions at least, and broadcasts to the attention
+    scores without enlarging them."""
     shape, scores_shape = tuple(shape), tuple(scores_shape)
     if dtype != "bool":
         raise ValueError(f"{name} must be boolean (True = may attend), got dtype {dtype}")
+    if not shape:
+        raise ValueError(f"{name} must have an axis of key positions at least (..., Tk), got a 0-d array; "
+                         "None attends everywhere")
     fits = len(shape) <= len(scores_shape) and all(   # == each, not `in`: Dynamo misreads `in` on symbolic sizes
         size is None or target is None or size == 1 or size == target
         for size, target in zip(shape[::-1], scores_shape[::-1]))

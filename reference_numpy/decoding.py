@@ -108,13 +108,14 @@ def check_decoding_args(beam_size: object, alpha: object, config: TransformerCon
 
 def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | None:
     """``forced_bos_id`` as a Python int (or None), one error line shared by every backend: a target token id
-    other than eos (transformers' ``forced_bos_token_id``, e.g. M2M100/NLLB's target-language code)."""
+    other than eos and pad (an output is padded after its eos: a pad first would read as an empty output), as
+    transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's target-language code."""
     if forced_bos_id is None:
         return None
     if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
-            or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id == config.eos_id):
+            or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id in (config.eos_id, config.pad_id)):
         raise ValueError(f"forced_bos_id must be a target token id below tgt_vocab_size ({config.tgt_vocab_size}), "
-                         f"not eos_id, got {forced_bos_id!r}")
+                         f"not eos_id or pad_id, got {forced_bos_id!r}")
     return int(forced_bos_id)
 
 

@@ -146,8 +146,10 @@ def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None)
             scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian",
             **decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
                                    "config.json" if generation is None else GENERATION_FILE))
-    except ValueError as err:
-        raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
+    except ValueError as err:                          # a field's own message names its file already
+        message = str(err).splitlines()[0]
+        raise ValueError(message if message.startswith(("config.json", GENERATION_FILE)) else
+                         f"config.json: {message}") from None
 
 
 def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], max_len: int,

@@ -73,6 +73,37 @@ def test_a_usage_error_is_one_line_naming_the_flag(args, words, capsys):
     assert one_error_line(err, *words).startswith("transformer-reference")
 
 
+@pytest.mark.parametrize("args, words", [
+    (["translate", "--backend", "numpy", "--device", "gpu:3", "eighty"], ["--device gpu:3", "reference", "CPU only"]),
+    (["translate", "--alpha", "0.5", "eighty"], ["--alpha 0.5", "greedy decoding", "--beam"]),
+    (["evaluate", "numbers-en-fr", "--source", "en.txt", "--reference", "fr.txt", "--beam", "1", "--alpha", "1.0"],
+     ["--alpha 1.0", "greedy decoding"]),
+])
+def test_a_flag_that_would_change_nothing_is_refused(args, words, capsys, tmp_path, monkeypatch):
+    """A flag the command would ignore -- a GPU for the CPU-only reference, a length penalty for greedy
+    decoding -- is one line naming it, not a silent success."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "en.txt").write_text("eighty\n")
+    (tmp_path / "fr.txt").write_text("quatre-vingts\n")
+    status, out, err = cli(capsys, *args)
+    assert status == EXIT_USAGE and out == ""
+    one_error_line(err, *words)
+
+
+@pytest.mark.parametrize("args", [["init", "{file}/x.safetensors"],
+                                  ["translate", "--output", "{file}/fr.txt", "eighty"],
+                                  ["export", "--to", "ctranslate2", "m.safetensors", "{file}/model"]])
+def test_an_output_inside_a_file_is_refused_as_not_a_directory(args, tmp_path, capsys, no_backend):
+    """An output path whose directory is a file: one line saying so (not that the directory does not exist), and
+    the file kept."""
+    file = tmp_path / "afile"
+    file.write_text("a user's file")
+    status, out, err = cli(capsys, *[arg.format(file=file) for arg in args])
+    assert status == EXIT_USAGE and out == ""
+    assert "does not exist" not in one_error_line(err, repr(str(file)), "is not a directory")
+    assert file.read_text() == "a user's file"
+
+
 # ----------------------------------------------------------------------------- every numeric flag in its range
 
 def numeric_flags(parser: argparse.ArgumentParser | None = None, words: tuple[str, ...] = ()) -> list:

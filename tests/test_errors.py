@@ -66,8 +66,10 @@ class Driver:
     def encode(self, src, src_mask=None):
         return self.model.encode(src, src_mask)
 
-    def decode(self, tgt, memory: np.ndarray, src_mask=None, tgt_mask=None):
-        return self.model.decode(tgt, self.tensor(memory), src_mask, tgt_mask)
+    def decode(self, tgt, memory: np.ndarray | list, src_mask=None, tgt_mask=None):
+        """``decode`` given ``memory`` as the backend's own tensor, or nested lists as they are."""
+        memory = self.tensor(memory) if isinstance(memory, np.ndarray) else memory
+        return self.model.decode(tgt, memory, src_mask, tgt_mask)
 
     def greedy(self, src):
         return self.module.greedy_decode(self.model, src)
@@ -201,6 +203,11 @@ def bad_memory(shape: tuple) -> str:
                      f"got {shape}") + "$"
 
 
+def zero_dimensional(name: str) -> str:
+    return re.escape(f"{name} must have an axis of key positions at least (..., Tk), got a 0-d array; None attends "
+                     "everywhere") + "$"
+
+
 def bad_alpha(value: str) -> str:
     return re.escape(f"alpha must be a finite number >= 0, got {value}") + "$"
 
@@ -258,6 +265,9 @@ REFUSED = [
     Refused("tgt_mask of the wrong shape", lambda d: d.forward(SRC, TGT, None, np.ones((4, 4), bool)),
             misfit("tgt_mask", (4, 4), (2, 4, 3, 3))),
     Refused("ragged src_mask lists", lambda d: d.forward(SRC, TGT, [[True, True], [True]]), ragged("src_mask")),
+    Refused("0-d src_mask", lambda d: d.forward(SRC, TGT, np.array(True)), zero_dimensional("src_mask")),
+    Refused("0-d tgt_mask as a Python bool", lambda d: d.forward(SRC, TGT, None, False),
+            zero_dimensional("tgt_mask")),
     # ---- compiled entry points check before compiling (JAX's gave NaN, TensorFlow's clamped the id)
     Refused("compiled: src id = vocabulary size", lambda d: d.compiled(with_id(SRC, 0, 1, 19), TGT),
             outside("src", 19)),
@@ -269,6 +279,7 @@ REFUSED = [
             empty("src", (0, 4))),
     Refused("compiled: src_mask of the wrong shape", lambda d: d.compiled(SRC, TGT, np.ones((2, 3), bool)),
             misfit("src_mask", (2, 3), (2, 4, 4, 4))),
+    Refused("compiled: 0-d src_mask", lambda d: d.compiled(SRC, TGT, np.array(True)), zero_dimensional("src_mask")),
     Refused("adapter forward: src id = vocabulary size", lambda d: d.adapter_forward(with_id(SRC, 0, 1, 19), TGT),
             outside("src", 19)),
     Refused("training loss: src id = vocabulary size",
@@ -280,6 +291,7 @@ REFUSED = [
             not_boolean("src_mask", "float64")),
     Refused("encode: src_mask of the wrong shape", lambda d: d.encode(SRC, np.ones((2, 3), bool)),
             misfit("src_mask", (2, 3), (2, 4, 4, 4))),
+    Refused("encode: 0-d src_mask", lambda d: d.encode(SRC, True), zero_dimensional("src_mask")),
     # ---- decode
     Refused("decode: memory of the wrong width", lambda d: d.decode(TGT, np.zeros((2, 4, 8))), bad_memory((2, 4, 8))),
     Refused("decode: memory of the wrong batch", lambda d: d.decode(TGT, np.zeros((3, 4, 16))), bad_memory((3, 4, 16))),
@@ -292,6 +304,7 @@ REFUSED = [
     Refused("decode: zero-length tgt", lambda d: d.decode(np.zeros((2, 0), int), MEMORY), empty("tgt", (2, 0))),
     Refused("decode: src_mask not fitting the memory", lambda d: d.decode(TGT, MEMORY, np.ones((2, 1, 1, 5), bool)),
             misfit("src_mask", (2, 1, 1, 5), (2, 4, 3, 4))),
+    Refused("decode: 0-d src_mask", lambda d: d.decode(TGT, MEMORY, np.array(True)), zero_dimensional("src_mask")),
     Refused("decode: tgt_mask of the wrong shape",
             lambda d: d.decode(TGT, MEMORY, SRC_MASK, np.ones((2, 1, 3, 4), bool)),
             misfit("tgt_mask", (2, 1, 3, 4), (2, 4, 3, 3))),
@@ -327,6 +340,8 @@ ACCEPTED = [
     Accepted("compiled: uint8 token ids", lambda d: d.compiled(SRC.astype(np.uint8), TGT.astype(np.uint8)),
              lambda d: d.compiled(SRC, TGT)),
     Accepted("encode: uint16 token ids", lambda d: d.encode(SRC.astype(np.uint16)), lambda d: d.encode(SRC)),
+    Accepted("decode: memory as nested lists of Python floats (float64, as NumPy reads them)",
+             lambda d: d.decode(TGT, MEMORY.tolist()), lambda d: d.decode(TGT, MEMORY)),
 ]
 
 

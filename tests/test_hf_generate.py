@@ -362,14 +362,15 @@ def test_bad_conventions_are_one_value_error_naming_the_field(field, value, mess
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("bad", [-1, 23, 2, 1.0, True, "5"])
+@pytest.mark.parametrize("bad", [-1, 23, 2, 0, 1.0, True, "5"])
 def test_a_bad_forced_bos_id_is_the_same_error_in_every_backend(bad):
-    """forced_bos_id: a target id, not eos (2), below the target vocabulary (23), in both decoders of every
-    installed backend, with the reference's text."""
+    """forced_bos_id: a target id, not eos (2) nor pad (0), below the target vocabulary (23), in both decoders of
+    every installed backend, with the reference's text."""
     config = TransformerConfig.preset("tiny")
     params = init_params(config, seed=0)
     src = np.array([[5, 6, 2]])
-    expected = (f"forced_bos_id must be a target token id below tgt_vocab_size (23), not eos_id, got {bad!r}")
+    expected = (f"forced_bos_id must be a target token id below tgt_vocab_size (23), not eos_id or pad_id, got "
+                f"{bad!r}")
     for name in ["numpy", *(port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework))]:
         backend = importlib.import_module(f"transformer_cli.backends.{name}")
         model = backend.build(config, params, "float64")
@@ -428,7 +429,7 @@ def test_generation_settings_that_change_generates_tokens_are_refused_naming_the
     base = SMALL_MARIAN
     with pytest.raises(ValueError) as info:
         config_from_hf(base, {"decoder_start_token_id": 28, field: value})
-    assert f"generation_config.json {field} {value!r} is not supported" in str(info.value)
+    assert str(info.value).startswith(f"generation_config.json {field} {value!r} is not supported")   # that file
     assert "\n" not in str(info.value)
 
 

@@ -230,6 +230,13 @@ def test_an_m2m100_outside_the_space_is_refused_naming_the_field(field, value):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(("field", "value"), [("d_model", "16"), ("encoder_layers", 0), ("dropout", -0.1)])
+def test_a_field_s_refusal_names_its_file_once(field, value):
+    with pytest.raises(ValueError) as caught:
+        config_from_hf({**MARIAN, "model_type": "marian", field: value})
+    assert str(caught.value).startswith(f"config.json {field} ") and str(caught.value).count("config.json") == 1
+
+
 def test_an_unknown_tensor_is_refused_naming_it(tmp_path):
     from safetensors.numpy import load_file, save_file
     model = build("marian")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import sys
 
 import numpy as np
@@ -309,6 +310,29 @@ def test_export_never_replaces_without_force(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.bin", "source_vocabulary.json",
                                                     "target_vocabulary.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "m.safetensors", "model", "written"]
+
+
+def test_export_refuses_an_output_that_names_no_directory_of_its_own(tmp_path, monkeypatch):
+    """``.`` and ``..`` (the current directory, its parent) are refused with --force too, naming the output, and
+    leave the directory as it was; an output that cannot be moved aside leaves no holder directory behind."""
+    require("ctranslate2", "peers")
+    checkpoint = write_checkpoint(tmp_path / "m.safetensors", TINY)
+    work = tmp_path / "work" / "inner"
+    work.mkdir(parents=True)
+    (work / "mine.txt").write_text("a user's file")
+    monkeypatch.chdir(work)
+    for target in (".", "..", "../inner/.."):
+        with pytest.raises(ValueError, match=rf"^'{re.escape(target)}' names no directory of its own to write into"):
+            export.export_ctranslate2(checkpoint, target, force=True)
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+    def refused(source, destination):
+        raise OSError("Device or resource busy")
+
+    monkeypatch.setattr(export.os, "rename", refused)
+    with pytest.raises(OSError, match="busy"):
+        export._move_into_place(tmp_path / "staging", work)
+    assert sorted(p.name for p in work.parent.iterdir()) == ["inner"]
 
 
 def test_export_without_ctranslate2_names_the_extra(tmp_path, monkeypatch):

@@ -149,7 +149,8 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
     directory = path.parent
     if not directory.is_dir():
-        raise argparse.ArgumentTypeError(f"directory {str(directory)!r} does not exist")
+        raise argparse.ArgumentTypeError(f"{str(directory)!r} is not a directory" if directory.exists()
+                                         else f"directory {str(directory)!r} does not exist")
     if not os.access(directory, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable")
     return text

@@ -33,6 +33,16 @@ def checked_mask(name: str, mask: npt.ArrayLike, scores_shape: tuple[int, ...]) 
     return jnp.asarray(mask)
 
 
+def checked_memory(memory: npt.ArrayLike, batch: int | None, d_model: int, model_dtype: str) -> jax.Array:
+    """The encoder output given to ``decode`` or ``init_cache`` (``batch`` None: any) after the reference's
+    ``check_memory``, as a JAX array: an array or nested lists as NumPy reads them (Python floats are float64), the
+    dtype that was checked."""
+    if not isinstance(memory, jax.Array):
+        memory = checks.as_array("memory", memory)
+    checks.check_memory(*layout("memory", memory), batch, d_model, model_dtype)
+    return jnp.asarray(memory)
+
+
 def check_tokens(name: str, tokens: npt.ArrayLike, vocab_size: int, max_len: int) -> jax.Array:
     """Token ids after the reference's checks: shape and dtype always, the id range only on concrete (untraced)
     arrays."""

@@ -47,7 +47,7 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.model import attended_width, attended_widths
 
 from . import speed
-from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
+from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .device import _check_dtype
 from .precision import autocast_dtype, computation, narrow, rounding, storage, wide
 
@@ -816,10 +816,9 @@ class Transformer(nnx.Module):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = layout("memory", memory)
-        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.param_dtype.name)
+        memory = checked_memory(memory, None, self.config.d_model, self.param_dtype.name)
         checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(jnp.asarray(memory), capacity)
+        return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
@@ -840,8 +839,7 @@ class Transformer(nnx.Module):
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.param_dtype.name)
-        memory = jnp.asarray(memory)
+        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.param_dtype.name)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
         offset: int | jax.Array = 0                                              # the position of tgt[:, 0]

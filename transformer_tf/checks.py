@@ -35,6 +35,16 @@ def checked_mask(name: str, mask: tf.Tensor, scores_shape: tuple) -> tf.Tensor:
     return tf.convert_to_tensor(mask)
 
 
+def checked_memory(memory: tf.Tensor, batch: int | None, d_model: int, model_dtype: str) -> tf.Tensor:
+    """The encoder output given to ``decode`` or ``init_cache`` (``batch`` None: any) after the reference's
+    ``check_memory``, as a tensor: an array or nested lists as NumPy reads them (Python floats are float64), the
+    dtype that was checked."""
+    if not tf.is_tensor(memory):
+        memory = checks.as_array("memory", memory)
+    checks.check_memory(*layout("memory", memory), batch, d_model, model_dtype)
+    return tf.convert_to_tensor(memory)
+
+
 def check_tokens(name: str, tokens: tf.Tensor, vocab_size: int, max_len: int) -> tf.Tensor:
     """Token ids after the reference's checks -- shape and dtype always, the id range unless the tensor is
     symbolic (traced) -- as int64 (``tf.gather`` takes no unsigned indices)."""

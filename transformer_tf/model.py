@@ -46,7 +46,7 @@ from reference_numpy.model import attended_width, attended_widths
 from reference_numpy.precision import round_to
 
 from . import speed
-from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
+from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
@@ -925,10 +925,9 @@ class Transformer(_TransformerLayer, keras.Model):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = layout("memory", memory)
-        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model, self.variable_dtype)
+        memory = checked_memory(memory, None, self.config.d_model, self.variable_dtype)
         checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(tf.convert_to_tensor(memory), capacity)
+        return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
                tgt_mask: tf.Tensor | None = None, return_intermediates: bool = False,
@@ -949,8 +948,7 @@ class Transformer(_TransformerLayer, keras.Model):
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, self.variable_dtype)
-        memory = tf.convert_to_tensor(memory)
+        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:

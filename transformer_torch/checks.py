@@ -39,6 +39,17 @@ def checked_mask(name: str, mask: Tensor | np.ndarray, scores_shape: tuple[int, 
     return torch.as_tensor(mask, device=device)
 
 
+def checked_memory(memory: Tensor | np.ndarray, batch: int | None, d_model: int, model_dtype: str,
+                   device: torch.device | str | None = None) -> Tensor:
+    """The encoder output given to ``decode`` or ``init_cache`` (``batch`` None: any) after the reference's
+    ``check_memory``, as a tensor on ``device``: an array or nested lists as NumPy reads them (Python floats are
+    float64), the dtype that was checked."""
+    if not isinstance(memory, Tensor):
+        memory = checks.as_array("memory", memory)
+    checks.check_memory(*layout("memory", memory), batch, d_model, model_dtype)
+    return torch.as_tensor(memory, device=device)
+
+
 def check_tokens(name: str, tokens: Tensor | np.ndarray, vocab_size: int, max_len: int,
                  device: torch.device) -> Tensor:
     """Token ids after the reference's checks -- shape and dtype always, the id range unless the tensor is traced

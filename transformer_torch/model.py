@@ -49,7 +49,7 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.model import attended_width, attended_widths  # noqa: F401
 
 from . import speed
-from .checks import check_beams, check_cache_index, check_tokens, checked_mask, describe, layout
+from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .precision import LOW, dtype_name, from_numpy, narrow, wide
 
 Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
@@ -770,11 +770,9 @@ class Transformer(nn.Module):
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
-        shape, dtype = layout("memory", memory)
-        checks.check_memory(shape, dtype, shape[0] if shape else None, self.config.d_model,
-                               dtype_name(self.dtype))
+        memory = checked_memory(memory, None, self.config.d_model, dtype_name(self.dtype), self.device)
         checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(torch.as_tensor(memory, device=self.device), capacity)
+        return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
                tgt_mask: Tensor | np.ndarray | None = None, return_intermediates: bool = False,
@@ -794,8 +792,7 @@ class Transformer(nn.Module):
         "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_memory(*layout("memory", memory), tgt.shape[0], self.config.d_model, dtype_name(self.dtype))
-        memory = torch.as_tensor(memory, device=self.device)
+        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         start = 0 if cache is None else check_cache_index(cache_index, length, keys)   # the first new position

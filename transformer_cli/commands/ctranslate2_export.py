@@ -340,12 +340,17 @@ def export_ctranslate2(checkpoint: str | os.PathLike, output_dir: str | os.PathL
 
 
 def check_output(output_dir: str | os.PathLike, force: bool) -> Path:
-    """Refuse an existing ``output_dir`` (unless ``force``) and one whose parent directory does not exist."""
+    """Refuse an existing ``output_dir`` (unless ``force``), one whose parent directory does not exist, and one that
+    names no directory of its own (``.``, ``..``: the directory is written beside it and renamed into place)."""
     output = Path(output_dir)
+    if output.name in ("", "..") or output.resolve() == output.resolve().parent:
+        raise ValueError(f"{str(output)!r} names no directory of its own to write into; give the new directory's "
+                         "name, e.g. model-dir")
     if os.path.lexists(output) and not force:
         raise ValueError(f"{str(output)!r} already exists; pass force=True (--force) to replace it")
     if not output.parent.is_dir():
-        raise ValueError(f"directory {str(output.parent)!r} of the output does not exist")
+        raise ValueError(f"{str(output.parent)!r}, where the output goes, is not a directory" if output.parent.exists()
+                         else f"directory {str(output.parent)!r} of the output does not exist")
     return output
 
 
@@ -397,7 +402,11 @@ def _move_into_place(staging: Path, output: Path) -> None:
         os.rename(staging, output)
         return
     holder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-    os.rename(output, holder / output.name)
+    try:
+        os.rename(output, holder / output.name)
+    except OSError:
+        os.rmdir(holder)
+        raise
     try:
         os.rename(staging, output)
     except OSError:

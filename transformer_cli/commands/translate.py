@@ -93,6 +93,9 @@ class Translator:
                  forced_bos_id: int | None = None) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
         self.beam_size = model.config.beam_size if beam_size is None else beam_size
+        if alpha is not None and self.beam_size == 1:
+            raise ValueError(f"--alpha {alpha}: the length penalty is beam search's; greedy decoding (beam size 1) "
+                             "has none (pass --beam K > 1)")
         self.alpha = model.config.length_penalty if alpha is None else alpha
         self.batch_size = batch_size
         # the target language's id M2M100/NLLB force as the first output token (the tokenizer's, from --target-lang)
@@ -233,6 +236,8 @@ def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype:
     one backend on ``device`` (``cpu``, ``gpu:N``), from ``source_lang`` into ``target_lang`` where the model's
     tokenizer needs them; ``max_output_length`` the output budget of every sentence in place of the checkpoint's
     (:class:`~reference_numpy.config.TransformerConfig`'s ``max_output_length``), None keeps it."""
+    if adapter.NAME == "numpy" and device != "cpu":            # device_for places the ports only
+        raise ValueError(f"--device {device}: the numpy reference runs on the CPU only (--device places a port)")
     device = backends.device_for(adapter, device)
     config, params, tokenizer = load_translator(checkpoint, source_lang=source_lang, target_lang=target_lang)
     if max_output_length is not None:
