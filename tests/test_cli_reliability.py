@@ -59,7 +59,9 @@ def no_backend(monkeypatch):
 # ----------------------------------------------------------------------------- usage errors: one line
 
 @pytest.mark.parametrize("args, words", [
-    (["train", "--nope"], ["unrecognized arguments: --nope"]),
+    (["train", "--nope"], ["train: error:", "unrecognized arguments: --nope",
+                           "(see transformer-reference train --help)"]),
+    (["average", "a.safetensors", "--out", "x"], ["average: error:", "--out", "transformer-reference average --help"]),
     (["plot"], ["plot: error:", "required"]),
     (["bench", "--preset", "huge"], ["bench: error:", "--preset", "invalid choice"]),
     (["translate", "--beam", "zero"], ["--beam", "must be an integer"]),

@@ -97,6 +97,16 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message.splitlines()[0]} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, with arguments no command knows reported by the command given (its ``--help``)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = next((action.choices[parsed.command] for action in self._actions
+                            if isinstance(action, argparse._SubParsersAction)
+                            and getattr(parsed, "command", None) in action.choices), self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def subcommand(commands: Commands, name: str, summary: str) -> argparse.ArgumentParser:
     """Register one subcommand; its ``--help`` ends with the exit status table."""
