@@ -716,12 +716,20 @@ def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: An
 
 # ----------------------------------------------------------------------------- the model
 
+def _owned(rounded: np.ndarray, given: np.ndarray, copy: bool) -> np.ndarray:
+    """``rounded`` (``given`` in the model's dtype), copied if ``copy`` and it is still the caller's memory."""
+    return rounded.copy() if copy and np.may_share_memory(rounded, given) else rounded
+
+
 class Transformer:
     """The encoder-decoder Transformer (section 3, Figure 1), inference only.
 
     ``params`` is the flat dictionary of the shared checkpoint (see :mod:`.checkpoint`);
     it is rounded to ``dtype``: float64 by default, float32, or a low precision, bfloat16 or float16, computed by
-    the recipe of :mod:`.precision` (log-probabilities then float32).
+    the recipe of :mod:`.precision` (log-probabilities then float32). The model's weights are arrays of its own, as a
+    port's are (training updates them in place: the caller's dictionary, and any other model built from it, stay
+    as they were); ``copy=False`` takes the caller's arrays that are already in ``dtype`` as they are, for a caller
+    handing them over (a loader: no weight held twice).
 
     Shape:
         src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
@@ -734,10 +742,11 @@ class Transformer:
     the positions i, i + 1, ... of the target (see :meth:`decode`).
     """
 
-    def __init__(self, config: TransformerConfig, params: Params, dtype: npt.DTypeLike = np.float64):
+    def __init__(self, config: TransformerConfig, params: Params, dtype: npt.DTypeLike = np.float64, *,
+                 copy: bool = True):
         self.config = config
         self.dtype = parse_dtype(dtype)
-        self.params = {name: round_to(value, self.dtype) for name, value in params.items()}
+        self.params = {name: _owned(round_to(value, self.dtype), value, copy) for name, value in params.items()}
         p = self.params
         src_name, tgt_name = ("shared_embed", "shared_embed") if config.share_embeddings \
             else ("src_embed", "tgt_embed")

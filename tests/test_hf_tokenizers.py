@@ -124,11 +124,12 @@ def test_nllb_ids_and_decode_equal_transformers(nllb):
 
 # ----------------------------------------------------------------------------- export --to hf writes it back
 
-def exported_tokenizer(checkpoint, directory, tmp_path, **languages):
+def exported_tokenizer(checkpoint, directory, tmp_path, capsys, **languages):
     """``export --to hf`` of an imported checkpoint: transformers' AutoTokenizer of the export; the files the import
     kept are the directory's, byte for byte; and the export imports back to the same record."""
     out = tmp_path / "hf"
     assert main(["export", "--to", "hf", str(checkpoint), str(out)]) == 0
+    assert "and its tokenizer (AutoTokenizer)" in capsys.readouterr().out
     record = json.loads(load_tokenizer_json(checkpoint))
     for name in KEPT_FILES[record["family"]]:
         assert (out / name).read_bytes() == (directory / name).read_bytes(), name
@@ -143,22 +144,23 @@ def assert_same_ids(theirs, oracle, texts):
         assert theirs(text_target=text).input_ids == oracle(text_target=text).input_ids, text
 
 
-def test_the_export_of_an_imported_marian_model_holds_its_tokenizer(marian, tmp_path):
+def test_the_export_of_an_imported_marian_model_holds_its_tokenizer(marian, tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
-        theirs = exported_tokenizer(marian["checkpoint"], marian["directory"], tmp_path)
+        theirs = exported_tokenizer(marian["checkpoint"], marian["directory"], tmp_path, capsys)
     assert type(theirs).__name__ == "MarianTokenizer"
     assert_same_ids(theirs, marian["oracle"], TEXTS + SOURCE + TARGET + random_texts(6, 100))
 
 
-def test_the_export_of_an_imported_m2m100_model_holds_its_tokenizer(m2m100, tmp_path):
-    theirs = exported_tokenizer(m2m100["checkpoint"], m2m100["directory"], tmp_path, src_lang="fr", tgt_lang="de")
+def test_the_export_of_an_imported_m2m100_model_holds_its_tokenizer(m2m100, tmp_path, capsys):
+    theirs = exported_tokenizer(m2m100["checkpoint"], m2m100["directory"], tmp_path, capsys, src_lang="fr",
+                                tgt_lang="de")
     assert type(theirs).__name__ == "M2M100Tokenizer"
     assert_same_ids(theirs, m2m100["oracle"]("fr", "de"), TEXTS + SOURCE + TARGET + random_texts(7, 100))
 
 
-def test_the_export_of_an_imported_nllb_model_holds_its_tokenizer(nllb, tmp_path):
-    theirs = exported_tokenizer(nllb["checkpoint"], nllb["checkpoint"].with_suffix(""), tmp_path,
+def test_the_export_of_an_imported_nllb_model_holds_its_tokenizer(nllb, tmp_path, capsys):
+    theirs = exported_tokenizer(nllb["checkpoint"], nllb["checkpoint"].with_suffix(""), tmp_path, capsys,
                                 src_lang="zul_Latn", tgt_lang="deu_Latn")
     assert_same_ids(theirs, nllb["oracle"]("zul_Latn", "deu_Latn"), TEXTS + SOURCE + TARGET + random_texts(8, 100))
 

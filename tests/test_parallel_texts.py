@@ -15,10 +15,10 @@ REFERENCE = "reference_numpy"
 PORTS = ("transformer_torch", "transformer_jax", "transformer_tf")
 
 # Argument names that are framework idiom: PRNG streams, dropout switches and callables, device
-# and dtype placement, the reference's flat parameter dict, Keras's build/kwargs plumbing.
+# and dtype placement, the reference's flat parameter dict (and whether it copies it: a port's weights are its
+# framework's tensors), Keras's build/kwargs plumbing.
 IDIOM_ARGUMENTS = {"self", "rngs", "training", "deterministic", "device", "dtype", "param_dtype", "dropout", "params",
-                   "name",
-                   "input_shape", "kwargs"}
+                   "copy", "name", "input_shape", "kwargs"}
 # Arguments only the ports have, the same in every port: what the reference reads off its
 # parameter dict (a vocabulary size, the shared embedding) and the decoders' cache switch.
 PORT_ARGUMENTS = {"vocab_size", "embeddings", "use_cache"}

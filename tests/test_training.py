@@ -569,3 +569,36 @@ def test_train_resume_checks_the_saved_run_before_any_backend_and_its_values_in_
         err = capsys.readouterr().err
         assert ("checkpoint 'nan.safetensors': tensor 'adam.v.generator.weight' holds non-finite or negative "
                 "values") in err, (name, err)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_model_owns_its_weights_so_training_leaves_the_callers_arrays_alone(name):
+    """A step of a model built from a dictionary changes that model's weights only: the dictionary, and a second
+    model built from it, stay as they were -- the reference as every port (its Adam updates the model's arrays in
+    place, which were the caller's when their dtype matched)."""
+    adapter = backend(name)
+    config, batch = config_of("tiny"), batches("tiny")[0]
+    params = seeded_params(config)
+    before = {tensor: value.copy() for tensor, value in params.items()}
+    trained, untouched = adapter.build(config, params), adapter.build(config, params)
+    adapter.train_step(trained, adapter.optimizer(trained, TRAINING), batch["src"], batch["tgt"], batch["labels"])
+    moved = adapter.export_params(trained)
+    assert any(not np.array_equal(moved[tensor], before[tensor]) for tensor in before)
+    kept = adapter.export_params(untouched)
+    for tensor, value in before.items():
+        assert np.array_equal(params[tensor], value) and np.array_equal(kept[tensor], value), tensor
+
+
+def test_the_reference_takes_the_callers_arrays_when_asked_and_never_rounds_into_them():
+    """``copy=False`` (a loader handing its arrays over) holds the caller's arrays already in the model's dtype; a
+    model in another dtype holds its own roundings either way."""
+    from reference_numpy import Transformer
+
+    config = config_of("tiny")
+    params = seeded_params(config)
+    assert all(value is params[tensor] for tensor, value in Transformer(config, params, copy=False).params.items())
+    for copy in (True, False):
+        model = Transformer(config, params, np.float32, copy=copy)
+        assert not any(np.may_share_memory(value, params[tensor]) for tensor, value in model.params.items())
+    assert not any(np.may_share_memory(value, params[tensor])
+                   for tensor, value in Transformer(config, params).params.items())

@@ -50,17 +50,22 @@ def build(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str =
           device: str = "cpu") -> Transformer:
     """A model in ``dtype`` ("float64", "float32", "bfloat16" or "float16") on ``device`` from checkpoint-layout
     arrays; "mixed-bfloat16" or "mixed-float16": a float32 model run by the autocast recipe."""
-    stored, mixed = parse_precision(dtype)
-    model = Transformer(config, params, dtype=stored)
-    if mixed is not None:
-        _AUTOCAST[model] = mixed
-    return model
+    return _built(config, params, dtype, copy=True)
 
 
 def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer:
-    """A model from a shared checkpoint file."""
+    """A model from a shared checkpoint file, holding the arrays read (no weight held twice)."""
     config, params = checkpoint.load_checkpoint(path)
-    return build(config, params, dtype, device)
+    return _built(config, params, dtype, copy=False)
+
+
+def _built(config: TransformerConfig, params: dict[str, np.ndarray], dtype: str, copy: bool) -> Transformer:
+    """:func:`build`'s model; ``copy=False``: the arrays already in the model's dtype taken as they are."""
+    stored, mixed = parse_precision(dtype)
+    model = Transformer(config, params, dtype=stored, copy=copy)
+    if mixed is not None:
+        _AUTOCAST[model] = mixed
+    return model
 
 
 def load_training_state(path: Path, dtype: str | None = None) -> checkpoint.TrainingState | None:

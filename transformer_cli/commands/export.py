@@ -54,6 +54,7 @@ from reference_numpy import records
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_export import family_of, save_hf
+from reference_numpy.hf_tokenizer import TOKENIZER_CONFIG
 from transformer_cli import runtime
 from transformer_cli.arguments import refuse_input
 from transformer_cli.commands.ctranslate2_export import (
@@ -450,7 +451,7 @@ def describe(target: str, output: Path) -> str:
         return f"a float32 CTranslate2 model with {vocabulary} (ctranslate2.Translator)"
     if target == "hf":
         family = json.loads((output / "config.json").read_text(encoding="utf-8"))["model_type"]
-        tokenizer = ("and its tokenizer (AutoTokenizer)" if (output / TOKENIZER_FILE).exists()
+        tokenizer = ("and its tokenizer (AutoTokenizer)" if (output / TOKENIZER_CONFIG).exists()   # every family's
                      else "without a tokenizer (the checkpoint holds none)")
         return f"a Hugging Face {family} model (AutoModelForSeq2SeqLM.from_pretrained) {tokenizer}"
     return DESCRIPTIONS[target]
