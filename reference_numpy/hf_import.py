@@ -134,22 +134,22 @@ def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     max_len = _field(hf, "max_position_embeddings")
     if max_len > MAX_LEN_LIMIT:
         raise ValueError(f"config.json max_position_embeddings {max_len} is not supported (at most {MAX_LEN_LIMIT})")
-    try:
+    sizes = {field: _field(hf, name) for field, name in (
+        ("d_model", "d_model"), ("n_heads", "encoder_attention_heads"), ("d_ff", "encoder_ffn_dim"),
+        ("n_encoder_layers", "encoder_layers"), ("n_decoder_layers", "decoder_layers"))}
+    conventions = decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
+                                       "config.json" if generation is None else GENERATION_FILE)
+    try:                                   # the fields above name their own file; the config's checks name none
         return TransformerConfig(
-            src_vocab_size=vocab, tgt_vocab_size=tgt_vocab, d_model=_field(hf, "d_model"),
-            n_heads=_field(hf, "encoder_attention_heads"), d_ff=_field(hf, "encoder_ffn_dim"),
-            n_encoder_layers=_field(hf, "encoder_layers"), n_decoder_layers=_field(hf, "decoder_layers"),
+            src_vocab_size=vocab, tgt_vocab_size=tgt_vocab, **sizes,
             dropout=float(dropout), layer_norm_eps=LAYER_NORM_EPS, norm_first=family == "m2m_100",
             positional_encoding="sinusoidal", max_len=max_len, share_embeddings=share, pad_id=pad, bos_id=bos,
             eos_id=eos, activation=ACTIVATIONS[activation],
             sinusoidal_layout="halves" if family == "marian" else "fairseq",
             scale_embeddings=bool(hf.get("scale_embedding", family == "m2m_100")), output_bias=family == "marian",
-            **decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
-                                   "config.json" if generation is None else GENERATION_FILE))
-    except ValueError as err:                          # a field's own message names its file already
-        message = str(err).splitlines()[0]
-        raise ValueError(message if message.startswith(("config.json", GENERATION_FILE)) else
-                         f"config.json: {message}") from None
+            **conventions)
+    except ValueError as err:
+        raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
 
 
 def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], max_len: int,

@@ -343,13 +343,13 @@ def check_output(output_dir: str | os.PathLike, force: bool) -> Path:
     """Refuse an existing ``output_dir`` (unless ``force``), one whose parent directory does not exist, and one that
     names no directory of its own (``.``, ``..``: the directory is written beside it and renamed into place)."""
     output = Path(output_dir)
-    if output.name in ("", "..") or output.resolve() == output.resolve().parent:
+    if output.name in ("", ".."):                                         # ".", "..", "/" (pathlib drops "x/.")
         raise ValueError(f"{str(output)!r} names no directory of its own to write into; give the new directory's "
                          "name, e.g. model-dir")
     if os.path.lexists(output) and not force:
         raise ValueError(f"{str(output)!r} already exists; pass force=True (--force) to replace it")
     if not output.parent.is_dir():
-        raise ValueError(f"{str(output.parent)!r}, where the output goes, is not a directory" if output.parent.exists()
+        raise ValueError(f"{str(output.parent)!r} is not a directory" if output.parent.exists()
                          else f"directory {str(output.parent)!r} of the output does not exist")
     return output
 
