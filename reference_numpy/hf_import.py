@@ -134,7 +134,7 @@ def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     max_len = _field(hf, "max_position_embeddings")
     if max_len > MAX_LEN_LIMIT:
         raise ValueError(f"config.json max_position_embeddings {max_len} is not supported (at most {MAX_LEN_LIMIT})")
-    sizes = {field: _field(hf, name) for field, name in (
+    sizes: dict[str, Any] = {field: _field(hf, name) for field, name in (
         ("d_model", "d_model"), ("n_heads", "encoder_attention_heads"), ("d_ff", "encoder_ffn_dim"),
         ("n_encoder_layers", "encoder_layers"), ("n_decoder_layers", "decoder_layers"))}
     conventions = decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
