@@ -63,6 +63,7 @@ def no_backend(monkeypatch):
                            "(see transformer-reference train --help)"]),
     (["average", "a.safetensors", "--out", "x"], ["average: error:", "--out", "transformer-reference average --help"]),
     (["plot"], ["plot: error:", "required"]),
+    (["plot", "pe", "--nope"], ["plot pe: error:", "--nope", "(see transformer-reference plot pe --help)"]),
     (["bench", "--preset", "huge"], ["bench: error:", "--preset", "invalid choice"]),
     (["translate", "--beam", "zero"], ["--beam", "must be an integer"]),
     (["train", "--vocab-size", "1000000000000"], ["--vocab-size", "from 5 to 1,000,000"]),        # was an abort

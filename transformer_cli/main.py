@@ -101,9 +101,11 @@ class Parser(argparse.ArgumentParser):
         """argparse's, with arguments no command knows reported by the command given (its ``--help``)."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            command = next((action.choices[parsed.command] for action in self._actions
-                            if isinstance(action, argparse._SubParsersAction)
-                            and getattr(parsed, "command", None) in action.choices), self)
+            command: argparse.ArgumentParser = self
+            while chosen := next((action.choices[getattr(parsed, action.dest)] for action in command._actions
+                                  if isinstance(action, argparse._SubParsersAction)
+                                  and getattr(parsed, action.dest, None) in action.choices), None):
+                command = chosen                            # the innermost command given (plot pe)
             command.error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
