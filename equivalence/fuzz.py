@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
 
+import reference_numpy
 from reference_numpy import decoding
 from reference_numpy import training as reference_training
 from reference_numpy.config import (
@@ -52,6 +55,7 @@ EXTREME_WEIGHT_SCALES = (1e9, 1e12)
 TOKEN_DTYPES = ("int64", "int32", "int16", "uint8", "int8")
 TRAINING = TrainingConfig(warmup_steps=4)
 BEAM_SIZES = (2, 3)
+REFERENCE = str(Path(reference_numpy.__file__).parent)   # the reference's files: where an overflow is located
 MAX_LENGTH_PENALTY = 3.0        # alpha drawn in [0, 3]: the paper's 0.6, transformers' 1.0 and beyond
 
 
@@ -191,8 +195,8 @@ def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -
     its gradient and one Adam step in float64 of ``backend`` (an adapter of :mod:`transformer_cli.backends`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
     leaves undefined -- a gradient that one rounding of the weights and activations moves by its whole scale
-    (:func:`~.tolerance.gradient_determined`), a stage made non-finite by an overflow the reference's stage does
-    not show (:func:`_hidden_overflow`), tokens after a near-tie of the reference's decoding -- is not compared, and
+    (:func:`~.tolerance.gradient_determined`), a stage whose non-finite values an overflow leaves to the order of
+    operations (:func:`_undetermined`), tokens after a near-tie of the reference's decoding -- is not compared, and
     said so in ``not_compared``."""
     weights, batch = params(case), inputs(case)
     found, not_compared = [], [] if not_compared is None else not_compared
@@ -292,7 +296,7 @@ def _same_refusal(message: str, call: Callable[[], object]) -> list[str]:
 def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch: dict[str, np.ndarray | None],
              precision: str, not_compared: list[str]) -> list[str]:
     """The forward stages in ``precision`` against the float64 reference (and the reference in ``precision``).
-    A stage left undetermined by an overflow (:func:`_hidden_overflow`) is not compared, and said so."""
+    A stage left undetermined by an overflow (:func:`_undetermined`) is not compared, and said so."""
     src, tgt, _ = _labelled(batch)
     arguments: Arguments = (src, tgt, batch["src_mask"], batch["tgt_mask"])
     model64 = Transformer(case.config, weights)
@@ -303,10 +307,9 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
     found, maps = [], tolerance.stage_maps(model64, src, tgt, batch["src_mask"], batch["tgt_mask"])
     for name in ref64:
         port = np.asarray(out[name])
-        if _hidden_overflow(case, weights, arguments, precision, port, same[name]):
-            not_compared.append(f"forward {precision}: {name}: non-finite where the reference in {precision} is "
-                                f"finite, after an operation that overflows {precision}: which value an overflowed "
-                                "product takes (an infinity of either sign or NaN) is its order of operations' choice")
+        if note := _undetermined(case, weights, arguments, precision, port, same[name]):
+            not_compared.append(f"forward {precision}: {name}: {note}: which value an overflowed product takes (an "
+                                "infinity of either sign or NaN) is its order of operations' choice")
         elif problem := disagreement(port, ref64[name], same[name], precision, maps.get(name), out,
                                          same):
             found.append(f"forward {precision}: {name}: {problem}")
@@ -318,13 +321,33 @@ def _stages(model: Transformer, arguments: Arguments) -> dict[str, np.ndarray]:
     return model(*arguments, return_intermediates=True)[1]
 
 
+def _undetermined(case: Case, weights: dict[str, np.ndarray], arguments: Arguments, precision: str,
+                  port: np.ndarray, same: np.ndarray) -> str | None:
+    """Why ``port``'s stage departs from the reference's ``same`` (in ``precision``) only where an overflow leaves the
+    values undetermined, or None (the stage is compared). Two departures are the overflow's:
+
+    * non-finite values where the reference's are finite (:func:`_hidden_overflow`), after an overflow anywhere;
+    * finite values where the reference's are not, when every overflow or invalid operation of the reference's
+      pass is in Eq. (1) (:func:`_overflow_sites`): a score q.k past the format's range is an infinity of either
+      sign or NaN as the order of its multiply-adds falls (-2.9e48, -2.5e47 and 2.6e47 exactly, NaN in the
+      reference's float32 and -inf in XLA's fused multiply-adds, which then reads as a masked position). An
+      overflow elsewhere too (a LayerNorm's variance past 1e38: NaN in every backend) keeps the stage compared,
+      so that a backend hiding it is found."""
+    if _hidden_overflow(case, weights, arguments, precision, port, same):
+        return f"non-finite where the reference in {precision} is finite, after an operation that overflows"
+    if (np.isfinite(port) & ~np.isfinite(same)).any() and _overflow_sites(case, weights, arguments, precision) == {
+            "scaled_dot_product_attention"}:
+        return f"finite where the reference in {precision} is not, after Eq. (1)'s scores overflow (nothing else does)"
+    return None
+
+
 def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: Arguments,
                      precision: str, port: np.ndarray, same: np.ndarray) -> bool:
     """Whether ``port``'s stage departs from the reference's ``same`` only by non-finite values where the reference
     is finite, while the reference in ``precision`` overflows in some operation (NumPy raises when asked to): e.g. a
     float32 score q.k of 1.6e47 summed from terms past float32's range is -inf in NumPy's order of fused
     multiply-adds and NaN in PyTorch's and TensorFlow's kernels, and the reference's -inf then reads as a masked
-    position. A backend finite where the reference is not is never excused (an overflow the reference shows)."""
+    position. A backend finite where the reference is not is not excused here (an overflow the reference shows)."""
     shown = ~np.isfinite(same)
     extra = ~np.isfinite(port) & ~shown
     if not extra.any() or not np.array_equal(port[shown], same[shown], equal_nan=True):
@@ -335,6 +358,22 @@ def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: Argu
     except FloatingPointError:
         return True
     return False
+
+
+def _overflow_sites(case: Case, weights: dict[str, np.ndarray], arguments: Arguments, precision: str) -> set[str]:
+    """The reference's functions in which its forward pass in ``precision`` overflows or meets an invalid operation
+    (each the innermost function of :mod:`reference_numpy` on the stack when NumPy reports it)."""
+    sites: set[str] = set()
+
+    def record(_kind: str, _flag: int) -> None:
+        frame = sys._getframe(1)
+        while frame.f_back is not None and not frame.f_code.co_filename.startswith(REFERENCE):
+            frame = frame.f_back
+        sites.add(frame.f_code.co_qualname)
+
+    with np.errstate(over="call", invalid="call", call=record):
+        _stages(Transformer(case.config, weights, np.dtype(precision)), arguments)
+    return sites
 
 
 def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str,

@@ -214,6 +214,10 @@ SINGLE = [
       for port, package, guard in (
           ("jax", JAX, "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n"),
           ("tf", TF, "    scores = tf.where(tf.math.is_nan(scores), tf.constant(np.nan, scores.dtype), scores)\n"))),
+    single("fuzz", "torch: a LayerNorm whose float32 variance overflows gives the kernel's bias, not NaN (finite "
+           "where the reference is not, after an overflow outside Eq. (1))", "transformer_torch/model.py",
+           "return narrow(torch.where(rstd == 0, torch.nan, y), x.dtype)", "return narrow(y, x.dtype)",
+           ["tests/test_fuzz.py", "-k", "layer-norm-bias and torch"]),
     single("fuzz", "reference: its training pass counts the decoder's fairseq positions by token (its forward pass "
            "and every port by step)", "reference_numpy/backward.py",
            'learned, y, tgt, grads, by_step=True)', 'learned, y, tgt, grads)',
