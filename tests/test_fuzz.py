@@ -442,7 +442,7 @@ def test_scores_past_float32_s_range_are_the_only_overflow(monkeypatch):
     monkeypatch.undo()
     exact = [math.fsum(float(a) * float(b) for a, b in zip(q, k)) for query, key in seen
              for q, k in itertools.product(query.reshape(-1, query.shape[-1]), key.reshape(-1, key.shape[-1]))]
-    assert max(map(abs, exact)) > np.finfo(np.float32).max
+    assert max(map(abs, exact)) > float(np.finfo(np.float32).max)
     with np.errstate(all="ignore"):
         stages32 = reference.forward(reference.build(SCORES_PAST_RANGE.config, weights, "float32"), *arguments)
     layer32, layer64 = stages32["decoder.layers.0"], stages64["decoder.layers.0"]
