@@ -302,12 +302,12 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
     model64 = Transformer(case.config, weights)
     with np.errstate(all="ignore"):
         ref64 = _stages(model64, arguments)
-        same = _stages(Transformer(case.config, weights, np.dtype(precision)), arguments)
+    same, sites = _overflow_sites(Transformer(case.config, weights, np.dtype(precision)), arguments)
     out = backend.forward(backend.build(case.config, weights, precision), *arguments)
     found, maps = [], tolerance.stage_maps(model64, src, tgt, batch["src_mask"], batch["tgt_mask"])
     for name in ref64:
         port = np.asarray(out[name])
-        if note := _undetermined(case, weights, arguments, precision, port, same[name]):
+        if note := _undetermined(port, same[name], sites, precision):
             not_compared.append(f"forward {precision}: {name}: {note}: which value an overflowed product takes (an "
                                 "infinity of either sign or NaN) is its order of operations' choice")
         elif problem := disagreement(port, ref64[name], same[name], precision, maps.get(name), out,
@@ -321,42 +321,39 @@ def _stages(model: Transformer, arguments: Arguments) -> dict[str, np.ndarray]:
     return model(*arguments, return_intermediates=True)[1]
 
 
-def _undetermined(case: Case, weights: dict[str, np.ndarray], arguments: Arguments, precision: str,
-                  port: np.ndarray, same: np.ndarray) -> str | None:
-    """Why ``port``'s stage departs from the reference's ``same`` (in ``precision``) only where an overflow leaves the
-    values undetermined, or None (the stage is compared). Two departures are the overflow's:
+def _undetermined(port: np.ndarray, same: np.ndarray, sites: set[str], precision: str) -> str | None:
+    """Why ``port``'s stage departs from the reference's ``same`` (in ``precision``; ``sites``: where the reference's
+    pass overflows, :func:`_overflow_sites`) only where an overflow leaves the values undetermined, or None (the
+    stage is compared). Two departures are the overflow's:
 
     * non-finite values where the reference's are finite (:func:`_hidden_overflow`), after an overflow anywhere;
     * finite values where the reference's are not, when every overflow or invalid operation of the reference's
-      pass is in Eq. (1) (:func:`_overflow_sites`): a score q.k past the format's range is an infinity of either
-      sign or NaN as the order of its multiply-adds falls (-2.9e48, -2.5e47 and 2.6e47 exactly, NaN in the
-      reference's float32 and -inf in XLA's fused multiply-adds, which then reads as a masked position). An
-      overflow elsewhere too (a LayerNorm's variance past 1e38: NaN in every backend) keeps the stage compared,
-      so that a backend hiding it is found."""
-    if _hidden_overflow(case, weights, arguments, precision, port, same):
+      pass is in Eq. (1): a score q.k past the format's range is an infinity of either sign or NaN as the order of
+      its multiply-adds falls (-2.9e48, -2.5e47 and 2.6e47 exactly, NaN in the reference's float32 and -inf in
+      XLA's fused multiply-adds, which then reads as a masked position). An overflow elsewhere too (a LayerNorm's
+      variance past 1e38: NaN in every backend) keeps the stage compared, so that a backend hiding it is found."""
+    if _hidden_overflow(port, same, sites):
         return f"non-finite where the reference in {precision} is finite, after an operation that overflows"
-    if (np.isfinite(port) & ~np.isfinite(same)).any() and _overflow_sites(case, weights, arguments, precision) == {
-            "scaled_dot_product_attention"}:
+    if (np.isfinite(port) & ~np.isfinite(same)).any() and sites == {"scaled_dot_product_attention"}:
         return f"finite where the reference in {precision} is not, after Eq. (1)'s scores overflow (nothing else does)"
     return None
 
 
-def _hidden_overflow(case: Case, weights: dict[str, np.ndarray], arguments: Arguments,
-                     precision: str, port: np.ndarray, same: np.ndarray) -> bool:
+def _hidden_overflow(port: np.ndarray, same: np.ndarray, sites: set[str]) -> bool:
     """Whether ``port``'s stage departs from the reference's ``same`` only by non-finite values where the reference
-    is finite, while the reference in ``precision`` overflows in some operation (:func:`_overflow_sites`): e.g. a
+    is finite, while the reference's pass overflows in some operation (``sites``, :func:`_overflow_sites`): e.g. a
     float32 score q.k of 1.6e47 summed from terms past float32's range is -inf in NumPy's order of fused
     multiply-adds and NaN in PyTorch's and TensorFlow's kernels, and the reference's -inf then reads as a masked
     position. A backend finite where the reference is not is not excused here (an overflow the reference shows)."""
     shown = ~np.isfinite(same)
     extra = ~np.isfinite(port) & ~shown
-    return bool(extra.any() and np.array_equal(port[shown], same[shown], equal_nan=True)
-                and _overflow_sites(case, weights, arguments, precision))
+    return bool(extra.any() and np.array_equal(port[shown], same[shown], equal_nan=True) and sites)
 
 
-def _overflow_sites(case: Case, weights: dict[str, np.ndarray], arguments: Arguments, precision: str) -> set[str]:
-    """The reference's functions in which its forward pass in ``precision`` overflows or meets an invalid operation
-    (each the innermost function of :mod:`reference_numpy` on the stack when NumPy reports it)."""
+def _overflow_sites(model: Transformer, arguments: Arguments) -> tuple[dict[str, np.ndarray], set[str]]:
+    """The stages of the reference ``model``'s forward pass (:func:`_stages`), and the reference's functions in which
+    that pass overflows or meets an invalid operation (each the innermost function of :mod:`reference_numpy` on the
+    stack when NumPy reports it)."""
     sites: set[str] = set()
 
     def record(_kind: str, _flag: int) -> None:
@@ -365,9 +362,9 @@ def _overflow_sites(case: Case, weights: dict[str, np.ndarray], arguments: Argum
             frame = frame.f_back
         sites.add(frame.f_code.co_qualname)
 
-    with np.errstate(over="call", invalid="call", call=record):
-        _stages(Transformer(case.config, weights, np.dtype(precision)), arguments)
-    return sites
+    with np.errstate(all="ignore", over="call", invalid="call", call=record):
+        stages = _stages(model, arguments)
+    return stages, sites
 
 
 def disagreement(port: np.ndarray, ref64: np.ndarray, same: np.ndarray, precision: str,

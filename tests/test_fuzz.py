@@ -407,9 +407,11 @@ def test_the_hidden_overflow_is_an_overflow_in_float32_only():
     with np.errstate(over="raise", invalid="raise"):
         reference.forward(reference.build(HIDDEN.config, weights), *arguments)
     nan = np.where(np.arange(layer.size).reshape(layer.shape) == 0, np.nan, layer)
-    assert fuzz._hidden_overflow(HIDDEN, weights, arguments, "float32", nan, layer)
-    assert not fuzz._hidden_overflow(HIDDEN, weights, arguments, "float64", nan, layer)
-    assert not fuzz._hidden_overflow(HIDDEN, weights, arguments, "float32", layer, nan)
+    sites = {precision: fuzz._overflow_sites(reference.build(HIDDEN.config, weights, precision), arguments)[1]
+             for precision in ("float32", "float64")}
+    assert fuzz._hidden_overflow(nan, layer, sites["float32"])
+    assert not fuzz._hidden_overflow(nan, layer, sites["float64"])
+    assert not fuzz._hidden_overflow(layer, nan, sites["float32"])
 
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
@@ -447,17 +449,18 @@ def test_scores_past_float32_s_range_are_the_only_overflow(monkeypatch):
         stages32 = reference.forward(reference.build(SCORES_PAST_RANGE.config, weights, "float32"), *arguments)
     layer32, layer64 = stages32["decoder.layers.0"], stages64["decoder.layers.0"]
     assert np.isnan(layer32).all() and np.isfinite(layer64).all()
-    assert fuzz._overflow_sites(SCORES_PAST_RANGE, weights, arguments, "float32") == {"scaled_dot_product_attention"}
-    assert fuzz._overflow_sites(SCORES_PAST_RANGE, weights, arguments, "float64") == set()
-    assert fuzz._undetermined(SCORES_PAST_RANGE, weights, arguments, "float32", np.zeros_like(layer32), layer32)
+    _, sites = fuzz._overflow_sites(reference.build(SCORES_PAST_RANGE.config, weights, "float32"), arguments)
+    assert sites == {"scaled_dot_product_attention"}
+    assert fuzz._overflow_sites(reference.build(SCORES_PAST_RANGE.config, weights), arguments)[1] == set()
+    assert fuzz._undetermined(np.zeros_like(layer32), layer32, sites, "float32")
     weights, batch = fuzz.params(OVERFLOW), fuzz.inputs(OVERFLOW)
     arguments = tuple(batch[key] for key in ("src", "tgt", "src_mask", "tgt_mask"))
     with np.errstate(all="ignore"):
         stages32 = reference.forward(reference.build(OVERFLOW.config, weights, "float32"), *arguments)
     name = next(name for name, stage in stages32.items() if np.isnan(stage).any())
-    assert fuzz._overflow_sites(OVERFLOW, weights, arguments, "float32") == {"LayerNorm.__call__"}
-    assert fuzz._undetermined(OVERFLOW, weights, arguments, "float32", np.nan_to_num(stages32[name]),
-                              stages32[name]) is None
+    _, sites = fuzz._overflow_sites(reference.build(OVERFLOW.config, weights, "float32"), arguments)
+    assert sites == {"LayerNorm.__call__"}
+    assert fuzz._undetermined(np.nan_to_num(stages32[name]), stages32[name], sites, "float32") is None
 
 
 def test_the_gradient_at_weights_x1e9_is_rounding_s_choice():

@@ -103,7 +103,7 @@ class Parser(argparse.ArgumentParser):
         if extras:
             command: argparse.ArgumentParser = self
             while chosen := next((action.choices[getattr(parsed, action.dest)] for action in command._actions
-                                  if isinstance(action, argparse._SubParsersAction)
+                                  if isinstance(action, Commands)
                                   and getattr(parsed, action.dest, None) in action.choices), None):
                 command = chosen                            # the innermost command given (plot pe)
             command.error(f"unrecognized arguments: {' '.join(extras)}")
