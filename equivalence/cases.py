@@ -34,15 +34,18 @@ VARIANTS: dict[str, TransformerConfig] = {
 # variant of the forward matrix: "marian" is Marian/opus-mt's (post-LN, SiLU, the sinusoid in halves, a bias on the
 # logits; and its decoding conventions: start from pad, pad alone suppressed and the rest renormalized, one budget of
 # 12 tokens for every sentence (transformers' max_new_tokens; the paper's source length + 50 gives the decoding
-# batch's rows 52-57), eos forced at it, transformers' |Y|^1 beam scores); "fairseq" the M2M100/NLLB lineage's
-# (pre-LN, fairseq's sinusoid, whose positions skip the padding of the ragged and fully masked rows), with GELU and
-# unscaled embeddings, the remaining choices. Their decoding, gradients and training are tests/test_config_choices.py's.
+# batch's rows 52-57), a token forced at its end -- not eos: token 4, as a Marian config whose eos is not 0 forces
+# id 0 (forced_eos_id; opus-mt's files force their eos) --, transformers' |Y|^1 beam scores); "fairseq" the
+# M2M100/NLLB lineage's (pre-LN, fairseq's sinusoid, whose positions skip the padding of the ragged and fully masked
+# rows), with GELU and unscaled embeddings, the remaining choices. Their decoding, gradients and training are
+# tests/test_config_choices.py's.
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
     "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),
     "marian": _TINY.replace(activation="silu", sinusoidal_layout="halves", output_bias=True,
                             decoder_start_id=_TINY.pad_id, suppressed_ids=(_TINY.pad_id,), renormalize=True,
-                            max_output_length=12, forced_eos=True, length_normalization="hf", length_penalty=1.0),
+                            max_output_length=12, forced_eos=True, forced_eos_id=4, length_normalization="hf",
+                            length_penalty=1.0),
     "fairseq": _TINY.replace(norm_first=True, activation="gelu", sinusoidal_layout="fairseq",
                              scale_embeddings=False),
 }

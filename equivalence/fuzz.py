@@ -143,15 +143,19 @@ def cases(draw: st.DrawFn, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> 
 def conventions(draw: st.DrawFn, config: TransformerConfig) -> TransformerConfig:
     """``config`` with the decoding conventions of Hugging Face's families drawn (``reference_numpy/config.py``):
     the start token (None: bos_id, or any target token), the suppressed tokens (None: pad_id and bos_id, or any set
-    that leaves eos and at least one other token), their renormalization, forced eos, the length normalization,
-    alpha, for "hf" each ``early_stopping``, and the output budget (None: the source length + 50; or one for every
-    sentence, up to two past ``max_len``, which caps it). Drawn after :func:`choices`, for the reason given there."""
+    that leaves eos and at least one other token), their renormalization, forced eos (the token forced: None, eos,
+    or any target token, suppressed ones included), the length normalization, alpha, for "hf" each
+    ``early_stopping``, and the output budget (None: the source length + 50; or one for every sentence, up to two
+    past ``max_len``, which caps it). Drawn after :func:`choices`, for the reason given there."""
     not_eos = [token for token in range(config.tgt_vocab_size) if token != config.eos_id]
     normalization = draw(st.sampled_from(LENGTH_NORMALIZATIONS))
+    forced_eos = draw(st.booleans())
     return config.replace(
         decoder_start_id=draw(st.none() | st.integers(0, config.tgt_vocab_size - 1)),
         suppressed_ids=draw(st.none() | st.lists(st.sampled_from(not_eos), unique=True, max_size=len(not_eos) - 1)),
-        renormalize=draw(st.booleans()), forced_eos=draw(st.booleans()), length_normalization=normalization,
+        renormalize=draw(st.booleans()), forced_eos=forced_eos,
+        forced_eos_id=draw(st.none() | st.integers(0, config.tgt_vocab_size - 1)) if forced_eos else None,
+        length_normalization=normalization,
         length_penalty=draw(st.floats(0.0, MAX_LENGTH_PENALTY)),
         early_stopping=draw(st.sampled_from(EARLY_STOPPING)) if normalization == "hf" else False,
         max_output_length=draw(st.none() | st.integers(1, config.max_len + 2)))

@@ -34,7 +34,7 @@ LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, t
 MAX_BEAM_SIZE = 64          # the widest beam a checkpoint's ``beam_size`` or a command's --beam may ask for
 # The fields of TransformerConfig's decoding conventions (its docstring), whose defaults are section 6.1's decoding
 DECODING_CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "max_output_length", "forced_eos",
-                        "length_normalization", "length_penalty", "early_stopping", "beam_size")
+                        "forced_eos_id", "length_normalization", "length_penalty", "early_stopping", "beam_size")
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -131,7 +131,10 @@ class TransformerConfig(_Config):
         max_output_length: the output budget of every sentence, eos included (transformers' ``max_new_tokens``;
             its ``max_length`` less the start token); None is section 6.1's, the sentence's non-pad source length
             + 50. Either is capped at ``max_len``.
-        forced_eos: the last token of the output budget is eos (transformers' ``forced_eos_token_id``, Marian's).
+        forced_eos: the last token of the output budget is forced (transformers' ``forced_eos_token_id``, Marian's):
+            ``forced_last_id``.
+        forced_eos_id: the token ``forced_eos`` forces, when it is not eos (transformers' Marian config forces id 0
+            whatever the model's eos); None is ``eos_id``.
         length_normalization: beam search's "gnmt" (section 6.1) or "hf" (transformers' ``generate``).
         length_penalty: beam search's alpha when a call gives none (0.6, section 6.1; transformers'
             ``length_penalty``, 1.0 by default).
@@ -165,6 +168,7 @@ class TransformerConfig(_Config):
     renormalize: bool = False
     max_output_length: int | None = None
     forced_eos: bool = False
+    forced_eos_id: int | None = None
     length_normalization: str = "gnmt"
     length_penalty: float = LENGTH_PENALTY_ALPHA
     early_stopping: bool | str = False
@@ -234,6 +238,13 @@ class TransformerConfig(_Config):
                 raise ValueError(f"suppressed_ids must be ids below tgt_vocab_size ({vocab}), eos_id ({self.eos_id}) "
                                  f"not among them, got {list(ids)}")
             self._store("suppressed_ids", ids)
+        if self.forced_eos_id is not None:
+            self._store("forced_eos_id", _as_int("forced_eos_id", self.forced_eos_id, minimum=0))
+            if self.forced_eos_id >= vocab:
+                raise ValueError(f"forced_eos_id ({self.forced_eos_id}) must be below tgt_vocab_size ({vocab})")
+            if not self.forced_eos:
+                raise ValueError(f"forced_eos_id ({self.forced_eos_id}) needs forced_eos true (it names the token "
+                                 "forced_eos forces)")
         if self.max_output_length is not None:
             self._store("max_output_length", _as_int("max_output_length", self.max_output_length, minimum=1))
         if self.length_normalization not in LENGTH_NORMALIZATIONS:
@@ -267,6 +278,12 @@ class TransformerConfig(_Config):
     def never_emitted(self) -> tuple[int, ...]:
         """The tokens decoding never produces: ``suppressed_ids``, or (pad_id, bos_id) when it is None."""
         return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids
+
+    @property
+    def forced_last_id(self) -> int:
+        """The token ``forced_eos`` forces at the budget's last position: ``forced_eos_id``, or ``eos_id`` when it
+        is None."""
+        return self.eos_id if self.forced_eos_id is None else self.forced_eos_id
 
     @property
     def d_k(self) -> int:

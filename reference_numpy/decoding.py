@@ -16,7 +16,9 @@ The rules, shared by every port so that all backends produce identical tokens
   as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
   ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code) the first output token is
-  it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is eos.
+  it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
+  ``config.forced_last_id``: eos, or the ``forced_eos_id`` a Marian config names (a sequence it ends without eos
+  ends there by its budget).
   A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
 * beam search: beam size 4. Candidates (beam b, token v) are ranked by the summed log-probability, ties going to
@@ -152,11 +154,12 @@ def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
     """The token each sequence is forced to emit at ``step`` (1 = the first output token), -1 where none: the
-    forced first token (``forced_bos_id``), and eos at the budget's last step with ``config.forced_eos`` (which
+    forced first token (``forced_bos_id``), and ``config.forced_last_id`` at the budget's last step with
+    ``config.forced_eos`` (which
     wins when both fall on one step, as transformers' ForcedEOS processor runs after its ForcedBOS one).
     Shape: limits (B,) -> (B,)."""
     forced = np.full(len(limits), -1 if forced_bos_id is None or step != 1 else forced_bos_id, dtype=np.int64)
-    return np.where(config.forced_eos & (step == limits), config.eos_id, forced)
+    return np.where(config.forced_eos & (step == limits), config.forced_last_id, forced)
 
 
 def force(log_probs: np.ndarray, forced: np.ndarray) -> np.ndarray:

@@ -38,8 +38,8 @@ Special ids and decoding: pad, bos and eos are kept; ``generation_config.json`` 
 conventions (:mod:`.decoding`; what :mod:`.hf_import` reads back): the start token (``decoder_start_token_id``:
 ``decoder_start_id``, or bos), the tokens never written (``bad_words_ids`` of one token each, which set their scores
 to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise; ``renormalize_logits`` its
-``renormalize``), eos forced at the end of the
-budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
+``renormalize``), eos (or ``forced_eos_id``) forced at the
+end of the budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
 ``num_beams`` (1, greedy, by default); its ``max_output_length`` tokens after the start token (``max_length``
 counts the start token), or, without one, ``max_len``: section 6.1's per-sentence budget (source length + 50) has
 no ``generate`` equivalent (a caller gives it as ``max_new_tokens``), and the export imports back with the budget
@@ -120,10 +120,10 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
 
 def special_ids(config: TransformerConfig) -> dict[str, Any]:
     """pad, bos, eos, the token decoding starts from (``config.start_id``) and the forced eos (Marian's config
-    forces one by default; the reference only with ``forced_eos``)."""
+    forces one by default; the reference only with ``forced_eos``: ``forced_last_id``)."""
+    forced = config.forced_last_id if config.forced_eos else None
     return {"pad_token_id": config.pad_id, "bos_token_id": config.bos_id, "eos_token_id": config.eos_id,
-            "decoder_start_token_id": config.start_id, "forced_eos_token_id": config.eos_id if config.forced_eos
-            else None}
+            "decoder_start_token_id": config.start_id, "forced_eos_token_id": forced}
 
 
 def generation_config(config: TransformerConfig) -> dict[str, Any]:

@@ -28,7 +28,8 @@ of ``reference_numpy/decoding.py``, set from ``generation_config.json`` (or, wit
 ``decoder_start_id`` (Marian's pad, M2M100/NLLB's eos); ``bad_words_ids`` of one token each are ``suppressed_ids``
 (Marian's pad; nothing else is suppressed: transformers may emit any other token), ``renormalize_logits`` is
 ``renormalize`` (opus-mt's generation configs set it); ``forced_eos_token_id`` (Marian's
-eos) is ``forced_eos``; beam search is transformers' (``length_normalization`` "hf") with its ``length_penalty``
+eos; id 0 in a Marian config that names no other, whatever its eos) is ``forced_eos`` with ``forced_eos_id`` when it is
+not eos; beam search is transformers' (``length_normalization`` "hf") with its ``length_penalty``
 (1.0 by default) and ``early_stopping`` (False by default); ``num_beams`` (1 by default) is ``beam_size``, the beam
 the decoding commands use when given none. A setting with which ``generate`` would choose other tokens than the
 reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, n-gram blocking, a minimum length, ...) is
@@ -157,7 +158,7 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     """The config's decoding fields from transformers' generation settings (``source``: the file they come from;
     the module docstring says which) for the model's (pad, bos, eos) ``ids`` and ``max_position_embeddings``
     (``max_len``), each refused in one line naming the field when transformers would decode otherwise than the
-    reference can: a bad word of several tokens, a forced eos other than eos. A start token that is bos and
+    reference can: a bad word of several tokens, several forced eos tokens. A start token that is bos and
     suppressed tokens that are pad and bos are the config's defaults (None), as a checkpoint exported by
     :mod:`.hf_export` holds them."""
     pad, bos, eos = ids
@@ -168,10 +169,7 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     bad = generation.get("bad_words_ids") or []
     if not isinstance(bad, list) or any(not isinstance(word, list) or len(word) != 1 for word in bad):
         raise ValueError(f"{source} bad_words_ids {bad!r} is not supported: only words of one token each")
-    forced_eos = generation.get("forced_eos_token_id")
-    if forced_eos not in (None, eos):
-        raise ValueError(f"{source} forced_eos_token_id {forced_eos!r} is not supported: only eos_token_id ({eos}) "
-                         "or none")
+    forced_eos = _forced_eos(generation, source)
     length_penalty = generation.get("length_penalty", 1.0)
     if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool) or not length_penalty >= 0:
         raise ValueError(f"{source} length_penalty must be a number >= 0 (the reference's stopping rules need lp "
@@ -189,9 +187,20 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     return dict(decoder_start_id=None if start == bos else start,
                 suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
                 renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
-                forced_eos=forced_eos is not None,
+                forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
                 beam_size=beams)
+
+
+def _forced_eos(generation: dict[str, Any], source: str) -> int | None:
+    """The token ``generate`` forces at the last step (``forced_eos_token_id``: an id, or a list of one), or None;
+    several are refused (transformers would give each the same score 0 and choose by ties)."""
+    forced = generation.get("forced_eos_token_id")
+    if isinstance(forced, list) and len(forced) == 1:
+        forced = forced[0]
+    if forced is None or (isinstance(forced, int) and not isinstance(forced, bool) and forced >= 0):
+        return forced
+    raise ValueError(f"{source} forced_eos_token_id {forced!r} is not supported: only one token id or none")
 
 
 def _new_tokens(generation: dict[str, Any], max_len: int, source: str) -> int:

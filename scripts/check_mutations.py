@@ -618,6 +618,14 @@ HF_DECODING = [
            FD, *_FORCE[FD], HF_GENERATE + ["-k", "tf"]),
     consistent("hf-decoding", "the forced tokens ignored (M2M100's target-language token, Marian's eos at the limit)",
                [(path, *edit) for path, edit in _FORCE.items()], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
+    single("hf-decoding", "jax: the token forced at the budget's end always eos, not the config's forced_eos_id "
+           "(a Marian config's id 0)", JD, "config.forced_eos, config.forced_last_id, forced)",
+           "config.forced_eos, config.eos_id, forced)", HF_GENERATE + ["-k", "forced_token_other and jax"]),
+    consistent("hf-decoding", "the token forced at the budget's end always eos, not the config's forced_eos_id (a "
+               "Marian config's id 0)",
+               [(_CONFIG, "return self.eos_id if self.forced_eos_id is None else self.forced_eos_id",
+                 "return self.eos_id")], HF_GENERATE + ["-k", "forced_token_other and numpy"], CONVENTIONS,
+               shared=DECODING_PORTS),
     consistent("hf-decoding", "the suppressed tokens always the paper's pad and bos, not the config's",
                [(_CONFIG, "return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids",
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),

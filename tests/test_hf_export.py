@@ -161,17 +161,20 @@ def interleaved_to_halves(d_model: int, length: int = 40) -> np.ndarray:
 @pytest.mark.parametrize("family", ["marian", "m2m_100"])
 def test_an_imported_models_decoding_conventions_survive_export_and_import(family, tmp_path):
     """A transformers model's own generation settings (Marian: start from pad, pad never written, eos forced, the
-    rest renormalized as opus-mt's files ask; M2M100: start from eos, early stopping; a beam of 3 for both),
-    imported, exported and imported again: the same config, the same tensors bit for bit, and the export's
-    generation_config.json transformers' settings as they were."""
+    rest renormalized as opus-mt's files ask; M2M100: start from eos, early stopping, a token other than eos forced
+    at the budget's end; a beam of 3 for both), imported, exported and imported again: the same config, the same
+    tensors bit for bit, and the export's generation_config.json transformers' settings as they were."""
     model = build(family, seed=3)
     model.generation_config.num_beams = 3
     if family == "marian":
         model.generation_config.renormalize_logits = True
+    else:
+        model.generation_config.forced_eos_token_id = 4
     model.save_pretrained(tmp_path / "hf")
     first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
     assert first.length_normalization == "hf" and first.decoder_start_id is not None and first.beam_size == 3
     assert first.renormalize == (family == "marian")
+    assert (first.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
     status = main(["export", "--to", "hf", str(tmp_path / "first.safetensors"), str(tmp_path / "exported")])
     assert status == EXIT_OK
     assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first

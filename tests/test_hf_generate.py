@@ -219,6 +219,39 @@ def reference_tokens(config, params, src, beam: int, family: str) -> np.ndarray:
     return beam_search(model, src, beam, 1.0, forced_bos_id=forced(family))[0]
 
 
+# The token forced at the budget's last step instead of eos: Marian's pad (a suppressed token: the forced step wins, as
+# transformers' ForcedEOS processor runs after its bad-words one), an ordinary word for M2M100
+FORCED_LAST = {"marian": "pad", "m2m_100": 3}
+FORCED_BUDGET = 8
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_a_forced_token_other_than_eos_is_generates(family_model, port):
+    """transformers' Marian config forces id 0 at the last step whatever the model's eos (``forced_eos_token_id``
+    defaults to 0 in ``MarianConfig``): a forced token that is not eos ends a row at its budget without eos. The
+    import keeps it (``forced_eos_id``), and the reference and every port (float64) decode as ``generate``, greedy
+    and beam 4, on a budget some rows reach."""
+    family, model, _, (config, params), src = family_model
+    token = config.pad_id if FORCED_LAST[family] == "pad" else FORCED_LAST[family]
+    assert token != config.eos_id
+    generation = {**model.generation_config.to_diff_dict(), "forced_eos_token_id": token,
+                  "max_new_tokens": FORCED_BUDGET}
+    imported = config_from_hf(model.config.to_diff_dict(), generation)
+    assert (imported.forced_eos, imported.forced_last_id, imported.max_output_length) == (True, token, FORCED_BUDGET)
+    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    with float64_inference(port):
+        mine_model = backend.build(imported, params, "float64")
+        for beam in (1, 4):
+            with torch.no_grad():
+                theirs = model.generate(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(
+                    src != config.pad_id).long(), num_beams=beam, max_new_tokens=FORCED_BUDGET, do_sample=False,
+                    forced_eos_token_id=token, **hf_options(family)).numpy()[:, 1:]
+            assert theirs.shape[1] == FORCED_BUDGET and (theirs[:, -1] == token).any()      # some row forced
+            mine = backend.greedy(mine_model, src, forced_bos_id=forced(family)) if beam == 1 else backend.beam(
+                mine_model, src, beam, 1.0, forced_bos_id=forced(family))[0]
+            assert_same_tokens(np.asarray(mine), theirs, config.pad_id)
+
+
 def test_the_settings_matter(family_model, expected):
     """The cases are not all one: hypotheses end at different lengths, some at eos before the budget; the length
     penalty and the early stopping rule change transformers' tokens; so do the start token, the forced token and
@@ -345,6 +378,9 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("suppressed_ids", "1", "suppressed_ids must be a list of token ids"),
     ("suppressed_ids", [1, 2], "suppressed_ids must be ids below tgt_vocab_size (23), eos_id (2) not among them"),
     ("forced_eos", 1, "forced_eos must be a bool"),
+    ("forced_eos_id", 99, "forced_eos_id (99) must be below tgt_vocab_size (23)"),
+    ("forced_eos_id", 3, "forced_eos_id (3) needs forced_eos true"),
+    ("forced_eos_id", 3.0, "forced_eos_id must be an int"),
     ("renormalize", "yes", "renormalize must be a bool"),
     ("max_output_length", 0, "max_output_length must be >= 1"),
     ("max_output_length", 5.5, "max_output_length must be an int"),
@@ -407,7 +443,12 @@ def test_config_from_generation_config():
     assert (defaults.beam_size, defaults.max_output_length) == (1, 20)                 # GenerationConfig's defaults
     assert config_from_hf(base, {"decoder_start_token_id": 28}).max_output_length == 7  # capped by 8 positions
     assert config_from_hf(base, {**generation, "max_new_tokens": 7}).max_output_length == 7   # over max_length
-    for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", 5), ("early_stopping", 1),
+    for forced, last in ((5, 5), ([5], 5), ([0], 0), (28, 28)):                      # any one id; eos is the default
+        other = config_from_hf(base, {**generation, "forced_eos_token_id": forced})
+        assert (other.forced_eos, other.forced_eos_id, other.forced_last_id) == (True, None if last == 0 else last,
+                                                                                 last)
+    for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", [0, 5]), ("forced_eos_token_id", -1),
+                         ("forced_eos_token_id", True), ("forced_eos_token_id", 29), ("early_stopping", 1),
                          ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0),
                          ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0),
                          ("renormalize_logits", 1), ("max_length", 1), ("max_length", 30.0), ("max_new_tokens", 0),

@@ -122,11 +122,11 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
 def forced_tokens(config: TransformerConfig, step: jax.Array, limits: jax.Array,
                   forced_bos_id: int | None) -> jax.Array:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
-    ``forced_bos_id`` at step 1, eos at the row's last step with ``config.forced_eos``, -1 where none.
-    Shape: limits (N,) -> (N,)."""
+    ``forced_bos_id`` at step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1
+    where none. Shape: limits (N,) -> (N,)."""
     first = -1 if forced_bos_id is None else forced_bos_id
     forced = jnp.broadcast_to(jnp.where(step == 1, first, -1), limits.shape).astype(limits.dtype)
-    return jnp.where((step == limits) & config.forced_eos, config.eos_id, forced)
+    return jnp.where((step == limits) & config.forced_eos, config.forced_last_id, forced)
 
 
 def force(log_probs: jax.Array, forced: jax.Array) -> jax.Array:

@@ -127,12 +127,12 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
 def forced_tokens(config: TransformerConfig, step: Index, limits: tf.Tensor,
                   forced_bos_id: int | None) -> tf.Tensor:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
-    ``forced_bos_id`` at step 1, eos at the row's last step with ``config.forced_eos``, -1 where none.
-    Shape: limits (N,) -> (N,) int64."""
+    ``forced_bos_id`` at step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1
+    where none. Shape: limits (N,) -> (N,) int64."""
     first = tf.constant(-1 if forced_bos_id is None else forced_bos_id, tf.int64)
     forced = tf.fill(tf.shape(limits), tf.where(tf.equal(step, 1), first, tf.constant(-1, tf.int64)))
-    eos = tf.constant(config.eos_id, tf.int64)
-    return tf.where(tf.equal(step, limits) & config.forced_eos, eos, forced)
+    last = tf.constant(config.forced_last_id, tf.int64)
+    return tf.where(tf.equal(step, limits) & config.forced_eos, last, forced)
 
 
 def force(log_probs: tf.Tensor, forced: tf.Tensor) -> tf.Tensor:

@@ -97,9 +97,10 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
 
 def forced_tokens(config: TransformerConfig, step: int, limits: Tensor, forced_bos_id: int | None) -> Tensor:
     """The token each row is forced to emit at ``step`` (the reference's ``forced_tokens``): ``forced_bos_id`` at
-    step 1, eos at the row's last step with ``config.forced_eos``, -1 where none. Shape: limits (N,) -> (N,)."""
+    step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1 where none.
+    Shape: limits (N,) -> (N,)."""
     forced = torch.full_like(limits, -1 if forced_bos_id is None or step != 1 else forced_bos_id)
-    return torch.where((limits == step) & config.forced_eos, config.eos_id, forced)
+    return torch.where((limits == step) & config.forced_eos, config.forced_last_id, forced)
 
 
 def force(log_probs: Tensor, forced: Tensor) -> Tensor:
