@@ -243,7 +243,9 @@ def weight_table(config: TransformerConfig, family: str, tie_output: bool = True
     """Checkpoint tensor name -> the Hugging Face state-dict names that may hold it, the first present wins (a file
     saved with tied weights holds the shared matrix once, older files every copy). With ``share_embeddings`` false
     the target embedding and the projection may be one tied matrix in the file (``tie_output``, the config's
-    ``tie_word_embeddings``): both are read from it; else the projection is ``lm_head`` alone."""
+    ``tie_word_embeddings``): both are read from it; else the projection is ``lm_head`` alone, and each side's
+    embedding its own ``embed_tokens`` (transformers 5 ties nothing without ``tie_word_embeddings``, leaving
+    ``model.shared`` unread by the forward pass), ``model.shared`` only where a file lacks it."""
     table: dict[str, tuple[str, ...]] = {}
     if config.share_embeddings:
         table["shared_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight",
@@ -295,8 +297,9 @@ def convert(config: TransformerConfig, family: str, weights: dict[str, np.ndarra
             ) -> dict[str, np.ndarray]:
     """The checkpoint's tensors from a Hugging Face state dict (``weights``: name -> array), through
     :func:`weight_table` (``tie_output``: the config's ``tie_word_embeddings``) and :func:`transposed`, each shape
-    asserted; a tensor of the file that the table does not read (other than a tied copy equal to the one read, or a
-    sinusoid table) is refused, naming it."""
+    asserted; a tensor of the file that the table does not read (other than a tied copy equal to the one read -- with
+    ``tie_output`` false, the untied ``model.shared`` whatever it holds -- or a sinusoid table) is refused, naming
+    it."""
     shapes, flip, params, read = parameter_shapes(config), transposed(config), {}, set()
     for ours, candidates in weight_table(config, family, tie_output).items():
         present = [name for name in candidates if name in weights]
@@ -312,7 +315,7 @@ def convert(config: TransformerConfig, family: str, weights: dict[str, np.ndarra
         params[ours] = np.ascontiguousarray(value)
         read.add(present[0])
         for copy in present[1:]:                        # a tied matrix saved twice must be one matrix
-            if not np.array_equal(np.asarray(weights[copy]), np.asarray(weights[present[0]])):
+            if tie_output and not np.array_equal(np.asarray(weights[copy]), np.asarray(weights[present[0]])):
                 raise ValueError(f"tensor {copy!r} differs from {present[0]!r}, which the config ties it to "
                                  "(share_encoder_decoder_embeddings / tie_word_embeddings)")
             read.add(copy)

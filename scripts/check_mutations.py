@@ -805,6 +805,11 @@ HF_EXPORT = [
            "reference_numpy/hf_tokenizer.py", 'json.dumps(record["vocab"], ensure_ascii=False',
            'json.dumps({k: (v + 1) % len(record["vocab"]) for k, v in record["vocab"].items()}, ensure_ascii=False',
            ["tests/test_hf_tokenizers.py", "-k", "export_of_an_imported"]),
+    single("hf import", "hf import: an untied encoder embedding read from model.shared (transformers 4's ties, which "
+           "tie_word_embeddings false no longer makes in 5)", "reference_numpy/hf_import.py",
+           'table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")',
+           'table["src_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight")',
+           ["tests/test_hf_import.py", "-k", "untied"]),
     single("hf import", "hf import: generation_config.json's num_beams not read (translate decodes greedily)",
            "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
            ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),

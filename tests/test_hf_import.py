@@ -266,6 +266,30 @@ def test_separate_vocabularies_and_untied_projection(tmp_path):
     assert tolerance.max_abs(got, expected) <= tolerance.float64_bound(expected)
 
 
+@pytest.mark.parametrize("family", ["marian", "m2m_100"])
+def test_untied_word_embeddings_are_three_matrices(family, tmp_path):
+    """tie_word_embeddings false with one vocabulary: transformers 5 then ties nothing (``model.shared`` stays in the
+    file, unread by its forward pass), so the encoder's and the decoder's ``embed_tokens`` and ``lm_head`` are three
+    matrices: separate embeddings here, each read from its own tensor, and the forward pass agrees in float64."""
+    model = build(family, seed=4, tie_word_embeddings=False)
+    model.save_pretrained(tmp_path / "model")
+    hf = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    embeddings = ["model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+                  "lm_head.weight"]
+    assert all(not np.array_equal(hf[a], hf[b]) for i, a in enumerate(embeddings) for b in embeddings[i + 1:])
+    config, params = load_hf(tmp_path / "model", dtype=np.float64)
+    assert not config.share_embeddings and config.src_vocab_size == config.tgt_vocab_size
+    for ours, theirs in (("src_embed.weight", hf[embeddings[1]]), ("tgt_embed.weight", hf[embeddings[2]]),
+                         ("generator.weight", hf[embeddings[3]].T)):
+        assert np.array_equal(params[ours], theirs), ours
+    model = model.double()
+    exact_tables(family, model, config)
+    src, tgt = inputs(config)
+    expected = hf_log_probs(model, src, tgt, config.pad_id)
+    got = Transformer(config, params)(src, tgt, *masks(config, src, tgt))
+    assert tolerance.max_abs(got, expected) <= tolerance.float64_bound(expected)
+
+
 def test_import_command_outputs_and_inputs(saved, tmp_path, capsys):
     _, _, directory, _ = saved
     out = tmp_path / "model.safetensors"
