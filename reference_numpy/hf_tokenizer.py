@@ -16,7 +16,10 @@ code; ``tokenizers`` alone runs it (no sentencepiece at run time). The rules are
   code ``>>xx<<`` keeps it as one token before the pieces (``remove_language_code``); a multilingual model (codes
   ``>>xx<<`` in its vocabulary) takes ``--target-lang xx`` as that code starting the source. Decoding skips the
   special tokens (``</s>``, ``<unk>``, ``<pad>``), joins the pieces with the source model's decoder (transformers
-  decodes with the source ``spm`` when the vocabulary is shared) and strips the ends.
+  decodes with the source ``spm`` when the vocabulary is shared) and strips the ends. With separate vocabularies
+  (``separate_vocabs``: the model's ``share_encoder_decoder_embeddings`` false) the target side's pieces are
+  looked up in ``target_vocab.json`` (the record's ``target_vocab``), and decoding reads the target ids by it and
+  joins the pieces with the target model's decoder, as transformers does.
 * M2M100 (``M2M100Tokenizer``): ``[__src__] + pieces' ids + [</s>]``; the codes ``__xx__`` sit after the
   vocabulary (``len(vocab.json) + i``, in the order of ``FAIRSEQ_LANGUAGE_CODES``); the target language's id is the
   first decoded token (``forced_bos_token_id``).
@@ -51,15 +54,19 @@ FAMILIES = ("marian", "m2m_100", "nllb")
 SOURCE_LANGUAGE = ("none", "prefix", "suffix")       # where the source language's code goes in the source ids
 TARGET_LANGUAGE = ("none", "forced", "source_prefix")  # forced first decoded token, or (Marian) the source's first
 RECORD = {"family": str, "source": str, "target": str, "vocab": dict, "unk_id": int, "special_ids": list,
-          "languages": dict, "source_language": str, "target_language": str, "strip": bool, "files": dict}
-OPTIONAL = ("files",)                                 # absent in the records of imports before it was kept
+          "languages": dict, "source_language": str, "target_language": str, "strip": bool, "files": dict,
+          "target_vocab": dict}
+# "files": absent in the records of imports before it was kept; "target_vocab": a Marian model's separate target
+# vocabulary, absent where one vocabulary serves both sides
+OPTIONAL = ("files", "target_vocab")
 # A Hugging Face directory's tokenizer files
 TOKENIZER_CONFIG, VOCAB_FILE, TOKENIZER_JSON = "tokenizer_config.json", "vocab.json", "tokenizer.json"
+TARGET_VOCAB_FILE = "target_vocab.json"              # Marian's separate target vocabulary (``separate_vocabs``)
 MARIAN_MODELS, M2M100_MODEL = ("source.spm", "target.spm"), "sentencepiece.bpe.model"
 MARIAN_FILES, M2M100_FILES = (*MARIAN_MODELS, VOCAB_FILE), (M2M100_MODEL, VOCAB_FILE)
 # The directory's tokenizer files that the other fields do not hold as they are, kept byte for byte (base64) in the
-# record's "files" for ``export --to hf`` alone, which writes them back (vocab.json, NLLB's tokenizer.json: from
-# "vocab" and "source"). Nothing reads them to tokenize.
+# record's "files" for ``export --to hf`` alone, which writes them back (vocab.json, target_vocab.json, NLLB's
+# tokenizer.json: from "vocab", "target_vocab" and "source"). Nothing reads them to tokenize.
 KEPT_FILES = {"marian": (TOKENIZER_CONFIG, *MARIAN_MODELS), "m2m_100": (TOKENIZER_CONFIG, M2M100_MODEL),
               "nllb": (TOKENIZER_CONFIG,)}
 SHOWN_LANGUAGES = 8                                   # codes a message about an unknown language lists
@@ -77,8 +84,9 @@ def is_family_record(text: str) -> bool:
 
 def check_family_record(text: str, config: TransformerConfig) -> dict[str, Any]:
     """A family tokenizer's record, type-checked field by field with the standard library and against ``config``:
-    its choices, the config's pad and eos among its special ids, every id inside the model's vocabularies. Returns
-    the record; anything else is one ``ValueError`` naming the field."""
+    its choices, the config's pad and eos among its special ids, every id inside the model's vocabularies (with a
+    separate ``target_vocab``, each vocabulary's inside its side's). Returns the record; anything else is one
+    ``ValueError`` naming the field."""
     name = "tokenizer"
     data = records.record(records.parse_json(text, name, "a JSON text"), name, RECORD, OPTIONAL)
     for field, allowed in (("family", FAMILIES), ("source_language", SOURCE_LANGUAGE),
@@ -90,19 +98,36 @@ def check_family_record(text: str, config: TransformerConfig) -> dict[str, Any]:
             raise ValueError(f"tokenizer field 'files' holds {file!r}; a {data['family']} tokenizer keeps "
                              f"{', '.join(KEPT_FILES[data['family']])}")
         _decoded(records.check(content, str, f"tokenizer field 'files.{file}'"), file)
-    ids = [records.check(i, int, f"tokenizer field 'vocab.{piece}'") for piece, i in data["vocab"].items()]
-    ids += [records.check(i, int, f"tokenizer field 'languages.{code}'") for code, i in data["languages"].items()]
-    ids += [records.check(i, int, "tokenizer field 'special_ids'") for i in data["special_ids"]]
-    limit = min(config.src_vocab_size, config.tgt_vocab_size)
-    if not ids or min(ids) < 0 or max(ids) >= limit:
-        raise ValueError(f"tokenizer ids run from {min(ids, default=None)} to {max(ids, default=None)}; the model's "
-                         f"vocabularies hold ids 0 to {limit - 1}")
+    both = min(config.src_vocab_size, config.tgt_vocab_size)
+    separate = data.get("target_vocab") is not None
+    if separate and data["family"] != "marian":
+        raise ValueError(f"tokenizer field 'target_vocab' is Marian's separate target vocabulary; a "
+                         f"{data['family']} tokenizer has one vocabulary")
+    limits = {"vocab": config.src_vocab_size if separate else both, "target_vocab": config.tgt_vocab_size,
+              "languages": both}
+    for field, limit in limits.items():
+        _check_ids([records.check(i, int, f"tokenizer field '{field}.{piece}'")
+                    for piece, i in (data.get(field) or {}).items()], limit, field == "target_vocab")
+    _check_ids([records.check(i, int, "tokenizer field 'special_ids'") for i in data["special_ids"]], both)
+    unk = {i: piece for piece, i in data["vocab"].items()}.get(data["unk_id"])
+    for field in ("vocab", "target_vocab") if separate else ("vocab",):
+        if unk is None or unk not in data[field]:
+            raise ValueError(f"tokenizer field {field!r} lacks the unknown token (unk_id {data['unk_id']})")
     for field, expected in (("pad", config.pad_id), ("eos", config.eos_id)):
         if expected not in data["special_ids"]:
             raise ValueError(f"tokenizer special_ids lack the config's {field} id {expected}")
     if (data["source_language"] != "none" or data["target_language"] != "none") and not data["languages"]:
         raise ValueError("tokenizer places language codes but lists none (field 'languages')")
     return data
+
+
+def _check_ids(ids: list[int], limit: int, target: bool = False) -> None:
+    """Every id of a vocabulary, a language or a special token is one of the model's (``target``: its target
+    vocabulary's, below ``limit``)."""
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        side = "target vocabulary holds" if target else "vocabularies hold"
+        raise ValueError(f"tokenizer ids run from {min(ids)} to {max(ids)}; the model's {side} ids 0 to "
+                         f"{limit - 1}")
 
 
 def _decoded(content: str, file: str) -> bytes:
@@ -114,7 +139,8 @@ def _decoded(content: str, file: str) -> bytes:
 
 def hf_tokenizer_files(record: dict[str, Any]) -> dict[str, bytes]:
     """The Hugging Face tokenizer directory of a family's record (checked): its kept files as they were, and
-    ``vocab.json`` (Marian, M2M100) or ``tokenizer.json`` (NLLB) from the record's own fields. A record without
+    ``vocab.json`` (Marian, M2M100; and Marian's ``target_vocab.json``) or ``tokenizer.json`` (NLLB) from the
+    record's own fields. A record without
     ``files`` (an import before they were kept) is one ``ValueError``: import the directory again."""
     if not record.get("files"):
         raise ValueError(f"tokenizer field 'files' is missing: the {record['family']} tokenizer was imported without "
@@ -123,7 +149,9 @@ def hf_tokenizer_files(record: dict[str, Any]) -> dict[str, bytes]:
     if record["family"] == "nllb":
         files[TOKENIZER_JSON] = record["source"].encode("utf-8")
     else:
-        files[VOCAB_FILE] = (json.dumps(record["vocab"], ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+        for name, field in ((VOCAB_FILE, "vocab"), (TARGET_VOCAB_FILE, "target_vocab")):
+            if record.get(field) is not None:
+                files[name] = (json.dumps(record[field], ensure_ascii=False, indent=2) + "\n").encode("utf-8")
     return files
 
 
@@ -146,7 +174,13 @@ class FamilyTokenizer:
         self._source, self._target = (_built(library, record, side) for side in ("source", "target"))
         for tokenizer in (self._source, self._target):
             tokenizer.encode_special_tokens = True      # "</s>" typed in a text is text, never the control id
-        self._pieces = {i: piece for piece, i in record["vocab"].items()}
+        self._vocabs = {"source": record["vocab"], "target": record.get("target_vocab") or record["vocab"]}
+        self._pieces = {side: {i: piece for piece, i in vocab.items()} for side, vocab in self._vocabs.items()}
+        unk = self._pieces["source"][record["unk_id"]]
+        self._unk = {side: vocab[unk] for side, vocab in self._vocabs.items()}
+        # transformers joins a shared vocabulary's pieces with the source model's decoder, separate ones' with the
+        # target model's
+        self._joiner = self._target if record.get("target_vocab") else self._source
         self._skipped = {*record["special_ids"], *record["languages"].values()}
         self.source_lang: str | None = None             # set by with_languages
         self.target_lang: str | None = None
@@ -211,8 +245,9 @@ class FamilyTokenizer:
         return code + tokenizer.encode(text, add_special_tokens=False).tokens
 
     def content_ids(self, text: str, side: str = "source") -> list[int]:
-        """The ids of the pieces of ``text``, a piece outside the vocabulary as ``<unk>`` (no special token)."""
-        vocab, unk = self.record["vocab"], self.record["unk_id"]
+        """The ids of the pieces of ``text``, a piece outside the side's vocabulary as ``<unk>`` (no special
+        token)."""
+        vocab, unk = self._vocabs[side], self._unk[side]
         return [vocab.get(piece, unk) for piece in self.pieces(text, side)]
 
     def ids(self, text: str, side: str = "source") -> list[int]:
@@ -250,10 +285,10 @@ class FamilyTokenizer:
             raise ValueError(f"{name} holds no sentence")
         return pad_rows([self.source(text, name) for text in texts], self.config.pad_id)
 
-    def tokens(self, ids: Iterable[int]) -> list[str]:
-        """Each id's piece, a language code's id by its code (M2M100's ``__fr__`` as "fr"), "<unk>" for an id
-        outside both (the labels of ``plot attention``)."""
-        names = {i: code for code, i in self.record["languages"].items()} | self._pieces
+    def tokens(self, ids: Iterable[int], side: str = "target") -> list[str]:
+        """Each id's piece in the side's vocabulary, a language code's id by its code (M2M100's ``__fr__`` as
+        "fr"), "<unk>" for an id outside both (the labels of ``plot attention``)."""
+        names = {i: code for code, i in self.record["languages"].items()} | self._pieces[side]
         return [names.get(int(i), "<unk>") for i in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -264,9 +299,9 @@ class FamilyTokenizer:
         for i in map(int, ids):
             if i == self.config.eos_id:
                 break
-            if i not in self._skipped and i in self._pieces:
-                pieces.append(self._pieces[i])
-        text = self._source.decoder.decode(pieces) if pieces else ""
+            if i not in self._skipped and i in self._pieces["target"]:
+                pieces.append(self._pieces["target"][i])
+        text = self._joiner.decoder.decode(pieces) if pieces else ""
         return text.strip() if self.record["strip"] else text
 
 
@@ -307,7 +342,7 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
     """The tokenizer files of the directory that the import reads (never written over)."""
     root = Path(directory)
-    names = (TOKENIZER_CONFIG, *MARIAN_FILES, *M2M100_FILES, TOKENIZER_JSON)
+    names = (TOKENIZER_CONFIG, *MARIAN_FILES, TARGET_VOCAB_FILE, *M2M100_FILES, TOKENIZER_JSON)
     return [root / name for name in dict.fromkeys(names) if (root / name).is_file()]
 
 
@@ -428,17 +463,16 @@ def _unk(vocab: dict[str, int], settings: dict[str, Any], root: Path) -> int:
 
 
 def _marian(root: Path, settings: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
-    _need(root, MARIAN_FILES, "Marian")
-    if settings.get("separate_vocabs"):
-        raise ValueError(f"{os.fspath(root / TOKENIZER_CONFIG)!r}: separate_vocabs (a target_vocab.json) is not "
-                         "supported; the import reads Marian's shared vocab.json")
+    separate = settings.get("separate_vocabs") is True
+    _need(root, (*MARIAN_FILES, TARGET_VOCAB_FILE) if separate else MARIAN_FILES, "Marian")
     vocab = _vocabulary(root / VOCAB_FILE)
     languages = {piece[2:-2]: i for piece, i in vocab.items() if piece.startswith(">>") and piece.endswith("<<")}
     source, target = (_converted(root / name) for name in MARIAN_MODELS)
     return {"family": "marian", "source": source, "target": target,
             "vocab": vocab, "unk_id": _unk(vocab, settings, root), "special_ids": _special_ids(vocab, settings, config),
             "languages": languages, "source_language": "none",
-            "target_language": "source_prefix" if languages else "none", "strip": True}
+            "target_language": "source_prefix" if languages else "none", "strip": True,
+            **({"target_vocab": _vocabulary(root / TARGET_VOCAB_FILE)} if separate else {})}
 
 
 def _m2m100(root: Path, settings: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:

@@ -99,8 +99,8 @@ class Tokenizer:
         """The text the tokenizer sees: NFKC, lower case, single spaces, trimmed."""
         return self._tokenizer.normalizer.normalize_str(text)
 
-    def tokens(self, ids: Iterable[int]) -> list[str]:
-        """The piece of each id (for labelling pictures)."""
+    def tokens(self, ids: Iterable[int], side: str = "target") -> list[str]:
+        """The piece of each id (for labelling pictures; one vocabulary serves either ``side``)."""
         return [self._tokenizer.id_to_token(int(i)) for i in ids]
 
     def encode(self, text: str, name: str = "text") -> list[int]:

@@ -810,6 +810,10 @@ HF_EXPORT = [
            'table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")',
            'table["src_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight")',
            ["tests/test_hf_import.py", "-k", "untied"]),
+    single("hf import", "hf tokenizer: Marian's target side looked up in the source vocabulary (separate_vocabs' "
+           "target_vocab.json not read)", "reference_numpy/hf_tokenizer.py",
+           '"target": record.get("target_vocab") or record["vocab"]}', '"target": record["vocab"]}',
+           ["tests/test_hf_tokenizers.py", "-k", "separate"]),
     single("hf import", "hf import: generation_config.json's num_beams not read (translate decodes greedily)",
            "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
            ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),

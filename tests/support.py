@@ -331,6 +331,49 @@ def tiny_marian(root: Path) -> dict:
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab, "root": root}
 
 
+def tiny_separate_marian(root: Path) -> dict:
+    """A tiny random MarianMTModel with separate vocabularies (``share_encoder_decoder_embeddings`` false): a
+    MarianTokenizer with ``separate_vocabs`` (vocab.json of the source model's pieces, target_vocab.json of the
+    target's, of another size; </s> 0, <unk> 1, <pad> 2 in both, the model's one pad id), saved with save_pretrained
+    in ``root``, and its imported checkpoint."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    vocabs = []
+    for name, texts in (("src", SOURCE), ("tgt", TARGET)):
+        vocab = {"</s>": 0, "<unk>": 1, "<pad>": 2}
+        for piece in pieces_of(train_spm(texts * 3, root / name, "unigram", 50 if name == "src" else 45)):
+            if piece != "<s>":                                # as in opus-mt's vocabularies
+                vocab.setdefault(piece, len(vocab))
+        vocabs.append(vocab)
+    for name, vocab in zip(("vocab.json", "target_vocab.json"), vocabs, strict=True):
+        (root / name).write_text(json.dumps(vocab), encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
+        tokenizer = transformers.MarianTokenizer(str(root / "src.model"), str(root / "tgt.model"),
+                                                 str(root / "vocab.json"), str(root / "target_vocab.json"),
+                                                 separate_vocabs=True)
+    directory = root / "tiny-separate-marian"
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=len(vocabs[0]), decoder_vocab_size=len(vocabs[1]), share_encoder_decoder_embeddings=False,
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64, pad_token_id=2, eos_token_id=0,
+        decoder_start_token_id=2))
+    with torch.no_grad():                                     # every weight random: sentences translate apart
+        for name, tensor in model.state_dict().items():
+            if "layer_norm" in name:
+                tensor.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(tensor.shape))
+            elif "embed_positions" not in name:
+                tensor.copy_(torch.randn(tensor.shape) * 0.3)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oracle = transformers.MarianTokenizer.from_pretrained(directory, split_special_tokens=True)
+    out = root / "tiny-separate-marian.safetensors"
+    import_hf(directory, out)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocabs": vocabs, "model": model.eval()}
+
+
 def tiny_m2m100(root: Path) -> dict:
     """A tiny M2M100 directory in ``root``: a BPE sentencepiece.bpe.model, vocab.json (<s> 0, <pad> 1, </s> 2,
     <unk> 3) and the 100 language codes after it, from M2M100Tokenizer's save_pretrained, with a tiny random model."""

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
-from support import SOURCE, TARGET, backend, save_tiny_m2m100, train_spm
+from support import SOURCE, TARGET, backend, save_tiny_m2m100, tiny_separate_marian, train_spm
 
 pytest.importorskip("sentencepiece", reason="the tests train SentencePiece models: pip install sentencepiece")
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
@@ -83,6 +83,51 @@ def test_marian_decode_equals_transformers(marian):
     for text in TARGET + TEXTS:
         assert mine.decode(mine.ids(text, "target")) == oracle.decode(oracle(text_target=text).input_ids,
                                                                       skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def separate_marian(tmp_path_factory) -> dict:
+    """A tiny random Marian model with separate source and target vocabularies, imported
+    (support.tiny_separate_marian)."""
+    return tiny_separate_marian(tmp_path_factory.mktemp("separate-marian"))
+
+
+def test_marian_separate_vocabularies_ids_and_decode_equal_transformers(separate_marian):
+    """``separate_vocabs``: the source side's ids by vocab.json, the target side's by target_vocab.json (of another
+    size), and the target ids decoded by it with the target model's decoder, as transformers does."""
+    mine, oracle = load_tokenizer(separate_marian["checkpoint"]), separate_marian["oracle"]
+    source, target = separate_marian["vocabs"]
+    assert mine.record["target_vocab"] == target and mine.record["vocab"] == source and len(source) != len(target)
+    for text in TEXTS + SOURCE + TARGET + random_texts(10):
+        assert mine.ids(text) == oracle(text).input_ids, text
+        assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+    assert any(mine.ids(text) != mine.ids(text, "target") for text in TARGET)        # the two sides differ
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.randrange(1, len(target)) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+    assert mine.tokens([5, 6], "source") == [next(p for p, i in source.items() if i == k) for k in (5, 6)]
+    assert mine.tokens([5, 6]) == [next(p for p, i in target.items() if i == k) for k in (5, 6)]
+
+
+def test_a_separate_vocabularies_marian_model_translates_as_generate(separate_marian, capsys):
+    """``translate --backend jax`` on the import: transformers' ``generate`` tokens, decoded to its text."""
+    model, oracle = separate_marian["model"], separate_marian["oracle"]
+    batch = oracle(SOURCE, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = oracle.batch_decode(model.generate(**batch), skip_special_tokens=True)
+    assert len(set(expected)) > 1 and all(expected)                     # sentences translated apart, none empty
+    assert main(["translate", "--checkpoint", str(separate_marian["checkpoint"]), "--backend", "jax", *SOURCE]) == 0
+    assert capsys.readouterr().out.splitlines() == expected
+
+
+def test_the_export_of_a_separate_vocabularies_marian_model_holds_its_tokenizer(separate_marian, tmp_path, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = exported_tokenizer(separate_marian["checkpoint"], separate_marian["directory"], tmp_path, capsys)
+    assert theirs.separate_vocabs and json.loads((tmp_path / "hf" / "target_vocab.json").read_text()) == \
+        separate_marian["vocabs"][1]
+    assert_same_ids(theirs, separate_marian["oracle"], TEXTS + SOURCE + TARGET + random_texts(11, 100))
 
 
 def test_m2m100_ids_with_the_language_codes_equal_transformers(m2m100):

@@ -77,8 +77,9 @@ def attention_by_backend(checkpoint: str | Path | None, layer: int | None, head:
         model = adapter.build(config, params, "float64", devices[adapter.NAME])
         weights[f"{adapter.NAME} (float64)"] = np.asarray(
             adapter.attention_weights(model, src, tgt, layer, kind))[0, head]
-    label = (lambda ids: tokenizer.tokens(ids)) if tokenizer else (lambda ids: [str(int(t)) for t in ids])
-    src_labels, tgt_labels = label(src[0]), label(tgt[0])
+    def label(ids, side: str = "target") -> list[str]:
+        return tokenizer.tokens(ids, side) if tokenizer else [str(int(t)) for t in ids]
+    src_labels, tgt_labels = label(src[0], "source"), label(tgt[0])
     written_labels = [*label(written), "(next)"][:tgt.shape[1]]
     query, key = (src_labels, src_labels) if kind == "encoder" else \
         (written_labels, tgt_labels) if kind == "decoder_self" else (written_labels, src_labels)
