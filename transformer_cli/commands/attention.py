@@ -6,6 +6,7 @@ words each target word is written from."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,7 @@ def attention_by_backend(checkpoint: str | Path | None, layer: int | None, head:
         model = adapter.build(config, params, "float64", devices[adapter.NAME])
         weights[f"{adapter.NAME} (float64)"] = np.asarray(
             adapter.attention_weights(model, src, tgt, layer, kind))[0, head]
-    def label(ids: np.ndarray, side: str = "target") -> list[str]:
+    def label(ids: Any, side: str = "target") -> list[str]:
         return tokenizer.tokens(ids, side) if tokenizer else [str(int(t)) for t in ids]
     src_labels, tgt_labels = label(src[0], "source"), label(tgt[0])
     written_labels = [*label(written), "(next)"][:tgt.shape[1]]
