@@ -3,7 +3,8 @@ here, tests/test_hf_tokenizers.py) fine-tuned on a small parallel corpus in ever
 transformers (the outside implementation): the first batch's ids are its tokenizer's ``input_ids`` and
 ``text_target`` labels with the decoder input its ``shift_tokens_right`` makes; the first loss is its model's
 label-smoothed cross-entropy on that batch; every backend's first step is the float64 reference's
-(:class:`~equivalence.tolerance.TrainingBound`); the loss falls, the result translates and resumes."""
+(:class:`~equivalence.tolerance.TrainingBound`); the loss falls, the result translates and resumes. A Marian model
+with separate vocabularies: its first batch and loss."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from support import SOURCE, TARGET, backend, exact_tables
+from support import SOURCE, TARGET, backend, exact_tables, tiny_separate_marian
 
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy.checkpoint import load_checkpoint, load_run
@@ -114,6 +115,31 @@ def test_the_first_loss_is_transformers_label_smoothed_loss_of_the_imported_weig
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                      ignore_index=-100, label_smoothing=0.1).item()
     assert runs["numpy"]["losses"][0] == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory) -> dict:
+    """The tiny Marian model with separate source and target vocabularies (support.tiny_separate_marian), as
+    :func:`family` gives a model."""
+    model = tiny_separate_marian(tmp_path_factory.mktemp("finetune-separate"))
+    root = model["directory"].parent
+    (root / "train.src").write_text("\n".join(SOURCE) + "\n", encoding="utf-8")
+    (root / "train.tgt").write_text("\n".join(TARGET) + "\n", encoding="utf-8")
+    files = ["--source", str(root / "train.src"), "--target", str(root / "train.tgt"),
+             "--valid-source", str(root / "train.src"), "--valid-target", str(root / "train.tgt")]
+    return {**model, "name": "marian", "root": root, "files": files, "languages": [], "tokenizer": model["oracle"]}
+
+
+def test_separate_vocabularies_fine_tune_on_transformers_batch_and_loss(separate):
+    """Marian's separate vocabularies: the labels by the target vocabulary, the first batch the one transformers
+    forms, and the reference's first loss (one float64 step) its model's label-smoothed loss on it."""
+    test_the_first_batch_is_what_transformers_forms_for_training(separate)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(finetune_args(separate, "--backends", "numpy", "--dtype", "float64", "--steps", "1", "--out",
+                                  str(separate["root"] / "numpy.safetensors"), "--json")) == 0
+    test_the_first_loss_is_transformers_label_smoothed_loss_of_the_imported_weights(
+        separate, {"numpy": json.loads(printed.getvalue())[0]})
 
 
 @pytest.fixture(scope="module")
