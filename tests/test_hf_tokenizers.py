@@ -28,6 +28,7 @@ from reference_numpy.checkpoint import (  # noqa: E402
 )
 from reference_numpy.hf_import import import_hf  # noqa: E402
 from reference_numpy.hf_tokenizer import KEPT_FILES, FamilyTokenizer, read_hf_tokenizer  # noqa: E402
+from transformer_cli.commands.compare import SENTENCES  # noqa: E402
 from transformer_cli.commands.export import export_hf  # noqa: E402
 from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
@@ -119,6 +120,15 @@ def test_a_separate_vocabularies_marian_model_translates_as_generate(separate_ma
     assert len(set(expected)) > 1 and all(expected)                     # sentences translated apart, none empty
     assert main(["translate", "--checkpoint", str(separate_marian["checkpoint"]), "--backend", "jax", *SOURCE]) == 0
     assert capsys.readouterr().out.splitlines() == expected
+
+
+def test_compare_on_a_model_too_short_for_its_sentences_compares_its_id_batch(separate_marian, capsys):
+    """compare's sentences, cut by this tokenizer's short pieces, are longer than the model's 64 positions: compare
+    runs on its fixed batch of ids instead (as for a tokenizer that cannot encode them), and agrees."""
+    tokenizer = load_tokenizer(separate_marian["checkpoint"])
+    assert tokenizer.batch(list(SENTENCES)).shape[1] > load_checkpoint(separate_marian["checkpoint"])[0].max_len
+    assert main(["compare", str(separate_marian["checkpoint"]), "--backends", "numpy"]) == 0
+    assert "all backends agree" in capsys.readouterr().out
 
 
 def test_the_export_of_a_separate_vocabularies_marian_model_holds_its_tokenizer(separate_marian, tmp_path, capsys):

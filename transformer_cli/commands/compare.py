@@ -156,12 +156,15 @@ def _words(vocab_size: int, special: tuple[int, ...]) -> np.ndarray:
     return np.arange(first, vocab_size) if first < vocab_size else np.setdiff1d(np.arange(vocab_size), special)
 
 
-def translation_source(tokenizer: Tokenizer | FamilyTokenizer) -> np.ndarray | None:
-    """:data:`SENTENCES` as source ids (B, S), or None if the tokenizer cannot encode them (another language)."""
+def translation_source(tokenizer: Tokenizer | FamilyTokenizer, config: TransformerConfig) -> np.ndarray | None:
+    """:data:`SENTENCES` as source ids (B, S), or None if the tokenizer cannot encode them (another language) or
+    they are longer than the model's ``max_len`` (a model of few positions, a tokenizer of short pieces): the
+    comparison then runs on :func:`compare_inputs`."""
     try:
-        return tokenizer.batch(list(SENTENCES))
+        src = tokenizer.batch(list(SENTENCES))
     except ValueError:
         return None
+    return src if src.shape[1] <= config.max_len else None
 
 
 @dataclass
@@ -300,7 +303,7 @@ def compare(checkpoint: str | Path | None = None, names: tuple[str, ...] = backe
                          "(not in --backends, or not installed)")
     devices = {name: adapter.devices() if device is None else [backends.device_for(adapter, device)]
                for name, adapter in adapters.items()}
-    src = translation_source(tokenizer) if tokenizer else None
+    src = translation_source(tokenizer, config) if tokenizer else None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         oracle = build_oracle(config, params, **(compare_inputs(config) if src is None else {"src": src}),
                               dtypes=dtypes)

@@ -316,7 +316,7 @@ def check_export(target: str, output_dir: str | os.PathLike, checkpoint: str | o
     config, params = load_checkpoint(checkpoint)
     config = config.paper_decoding()                     # the serving loops' rules (GREEDY, BEAM, CACHED_GREEDY)
     tokenizer, tokenizer_verdict = artefact_tokenizer(output_dir, config, load_tokenizer_json(checkpoint))
-    src = translation_source(tokenizer) if tokenizer is not None else None
+    src = translation_source(tokenizer, config) if tokenizer is not None else None
     src = compare_inputs(config)["src"] if src is None else src
     oracle = build_oracle(config, params, src, dtypes=("float32",))
     manifest = read_manifest(output_dir)
