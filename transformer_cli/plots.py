@@ -4,11 +4,14 @@ all side by side."""
 from __future__ import annotations
 
 import os
+import textwrap
 
 import numpy as np
 
 from reference_numpy import sinusoidal_positional_encoding
 from transformer_cli.extras import require
+
+TITLE_CHARACTERS_PER_INCH = 11      # of a "medium" (10 pt) title: a longer one is wrapped to the figure's width
 
 
 def pyplot():
@@ -42,8 +45,8 @@ def plot_attention(weights: dict[str, np.ndarray], query_tokens: list[str], key_
                    title: str, path: str | os.PathLike) -> None:
     """One heat map per backend, side by side; ``weights`` maps a label to a (Tq, Tk) matrix."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(weights), figsize=(3.2 * len(weights) + 1, 3.6), squeeze=False,
-                             constrained_layout=True)
+    width = 3.2 * len(weights) + 1                      # inches
+    fig, axes = plt.subplots(1, len(weights), figsize=(width, 3.6), squeeze=False, constrained_layout=True)
     for ax, (label, matrix) in zip(axes[0], weights.items()):
         image = ax.imshow(matrix, cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(label, fontsize="small")
@@ -52,6 +55,6 @@ def plot_attention(weights: dict[str, np.ndarray], query_tokens: list[str], key_
         ax.set_xlabel("key")
     axes[0][0].set_ylabel("query")
     fig.colorbar(image, ax=axes[0].tolist(), label="attention weight", shrink=0.8)
-    fig.suptitle(title, fontsize="medium")
+    fig.suptitle(textwrap.fill(title, int(width * TITLE_CHARACTERS_PER_INCH)), fontsize="medium")
     fig.savefig(path, dpi=120)
     plt.close(fig)
