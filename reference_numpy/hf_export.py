@@ -30,8 +30,9 @@ sigma reads the halves table and computes the paper model's log-probabilities: t
 floating-point sums over d_model taken in another order. Every exported weight is a checkpoint weight, bit for bit.
 
 Refused, in one line naming the field: what neither family computes -- learned positions (``positional_encoding``),
-pre-LN without fairseq's positions or post-LN with them (``sinusoidal_layout``), a logits bias or separate
-embeddings in M2M100 (``output_bias``, ``share_embeddings``), a LayerNorm epsilon other than the 1e-5 both
+pre-LN without fairseq's positions or post-LN with them (``sinusoidal_layout``), a logits bias or two vocabularies
+in M2M100 (``output_bias``, ``tgt_vocab_size``: separate embeddings of one vocabulary are M2M100's
+``tie_word_embeddings`` false), a LayerNorm epsilon other than the 1e-5 both
 families construct ``nn.LayerNorm`` with (``layer_norm_eps``; the presets' 1e-6 included: see docs/huggingface.md).
 
 Special ids and decoding: pad, bos and eos are kept; ``generation_config.json`` holds the checkpoint's decoding
@@ -92,11 +93,12 @@ def family_of(config: TransformerConfig) -> str:
     if config.sinusoidal_layout not in layouts:
         raise ValueError(f"sinusoidal_layout {config.sinusoidal_layout!r} is not supported by {target} with "
                          f"norm_first {config.norm_first}: {family} has {' or '.join(map(repr, layouts))}")
-    if family == "m2m_100":
-        for name, value in (("output_bias", False), ("share_embeddings", True)):
-            if getattr(config, name) != value:
-                raise ValueError(f"{name} {getattr(config, name)!r} is not supported by {target} with norm_first "
-                                 f"True: M2M100 has {name} {value!r}")
+    if family == "m2m_100" and config.output_bias:
+        raise ValueError(f"output_bias True is not supported by {target} with norm_first True: M2M100 has "
+                         "output_bias False")
+    if family == "m2m_100" and config.src_vocab_size != config.tgt_vocab_size:
+        raise ValueError(f"tgt_vocab_size {config.tgt_vocab_size} is not supported by {target} with norm_first "
+                         f"True: M2M100 has one vocabulary (src_vocab_size {config.src_vocab_size})")
     return family
 
 
@@ -194,6 +196,8 @@ def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict
         dtype = next(iter(out.values())).dtype
         bias = params["generator.bias"] if config.output_bias else np.zeros(config.tgt_vocab_size, dtype)
         out["final_logits_bias"] = np.asarray(bias).reshape(1, config.tgt_vocab_size)
+    elif not config.share_embeddings:           # M2M100 always builds model.shared; untied, its forward pass reads
+        out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]    # the encoder's own embed_tokens
     return out
 
 

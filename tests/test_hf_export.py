@@ -56,8 +56,11 @@ CONFIGS = {
     # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
     "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
                              pad_id=1, bos_id=0, eos_id=2, max_output_length=9),
+    # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
+    "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
+                                    share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
 }
-HF_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100"}
+HF_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100"}
 HF_CLASS = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}
 
 
@@ -275,7 +278,7 @@ REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
            ("sinusoidal_layout", PAPER.replace(norm_first=True)),
            ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
            ("output_bias", CONFIGS["m2m_100"].replace(output_bias=True)),
-           ("share_embeddings", CONFIGS["m2m_100"].replace(share_embeddings=False))]
+           ("tgt_vocab_size", CONFIGS["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]
 
 
 @pytest.mark.parametrize(("field", "config"), REFUSED, ids=[f"{field}-{i}" for i, (field, _) in enumerate(REFUSED)])
