@@ -802,8 +802,8 @@ HF_EXPORT = [
     single("hf export", "hf export: the tokenizer appends no eos to the source", "reference_numpy/hf_export.py",
            'single=f"$A {EOS}"', 'single="$A"', ["tests/test_hf_export.py", "-k", "autotokenizer"]),
     single("hf export", "hf export: an imported family's vocab.json written with every id one place off",
-           "reference_numpy/hf_tokenizer.py", 'json.dumps(record["vocab"], ensure_ascii=False',
-           'json.dumps({k: (v + 1) % len(record["vocab"]) for k, v in record["vocab"].items()}, ensure_ascii=False',
+           "reference_numpy/hf_tokenizer.py", 'json.dumps(record[field], ensure_ascii=False',
+           'json.dumps({k: (v + 1) % len(record[field]) for k, v in record[field].items()}, ensure_ascii=False',
            ["tests/test_hf_tokenizers.py", "-k", "export_of_an_imported"]),
     single("hf import", "hf import: an untied encoder embedding read from model.shared (transformers 4's ties, which "
            "tie_word_embeddings false no longer makes in 5)", "reference_numpy/hf_import.py",
