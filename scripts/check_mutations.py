@@ -1009,7 +1009,8 @@ HF_TOKENIZERS = [
            "reference_numpy/hf_tokenizer.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
            ["tests/test_hf_tokenizers.py", "-k", "nllb"]),
     single("hf-tokenizer", "families: decoding keeps the special tokens", "reference_numpy/hf_tokenizer.py",
-           "if i not in self._skipped and i in self._pieces:", "if i in self._pieces:", HF_TOKENIZERS_ORACLE),
+           "if i not in self._skipped and i in self._pieces[\"target\"]:", "if i in self._pieces[\"target\"]:",
+           HF_TOKENIZERS_ORACLE),
 ]
 
 # train --init: tests/test_finetune.py against transformers' tokenizer, shift_tokens_right and model loss, and every
