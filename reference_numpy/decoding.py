@@ -155,8 +155,8 @@ def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
     """The token each sequence is forced to emit at ``step`` (1 = the first output token), -1 where none: the
     forced first token (``forced_bos_id``), and ``config.forced_last_id`` at the budget's last step with
-    ``config.forced_eos`` (which
-    wins when both fall on one step, as transformers' ForcedEOS processor runs after its ForcedBOS one).
+    ``config.forced_eos`` (which wins when both fall on one step, as transformers' ForcedEOS processor runs after its
+    ForcedBOS one).
     Shape: limits (B,) -> (B,)."""
     forced = np.full(len(limits), -1 if forced_bos_id is None or step != 1 else forced_bos_id, dtype=np.int64)
     return np.where(config.forced_eos & (step == limits), config.forced_last_id, forced)

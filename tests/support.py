@@ -321,14 +321,22 @@ def tiny_marian(root: Path) -> dict:
         vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
         pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"]))
+    out = root / "tiny-marian.safetensors"
+    oracle = saved_marian(model, tokenizer, directory, out)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab, "root": root}
+
+
+def saved_marian(model, tokenizer, directory: Path, out: Path):
+    """``model`` and its MarianTokenizer saved with save_pretrained in ``directory``, imported as ``out``; returns
+    transformers' tokenizer read back from the directory (``split_special_tokens``, as the project tokenizes)."""
+    transformers = importlib.import_module("transformers")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")                       # "Recommended: pip install sacremoses."
         oracle = transformers.MarianTokenizer.from_pretrained(directory, split_special_tokens=True)
-    out = root / "tiny-marian.safetensors"
     import_hf(directory, out)
-    return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab, "root": root}
+    return oracle
 
 
 def tiny_separate_marian(root: Path) -> dict:
@@ -364,13 +372,8 @@ def tiny_separate_marian(root: Path) -> dict:
                 tensor.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(tensor.shape))
             elif "embed_positions" not in name:
                 tensor.copy_(torch.randn(tensor.shape) * 0.3)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oracle = transformers.MarianTokenizer.from_pretrained(directory, split_special_tokens=True)
     out = root / "tiny-separate-marian.safetensors"
-    import_hf(directory, out)
+    oracle = saved_marian(model, tokenizer, directory, out)
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocabs": vocabs, "model": model.eval()}
 
 
