@@ -408,6 +408,45 @@ def test_nn_transformer_peer(agreement):
                    "log-probs: pre_ln/ragged_batch", "torch.nn.Transformer")
 
 
+# The Hugging Face families' variants of the matrix (equivalence/cases.py) with the epsilon both families construct
+# nn.LayerNorm with (the export's one), fairseq's with one vocabulary (M2M100 has one).
+EXPORTABLE = {"marian": cases.FORWARD_VARIANTS["marian"].replace(layer_norm_eps=1e-5),
+              "fairseq": cases.FORWARD_VARIANTS["fairseq"].replace(layer_norm_eps=1e-5, src_vocab_size=23)}
+
+
+@pytest.mark.parametrize("variant", list(EXPORTABLE))
+def test_transformers_peer_computes_the_reference_function_and_decodes_by_the_checkpoints_conventions(
+        variant, agreement):
+    """The ``transformers`` peer -- transformers' own class on the checkpoint's ``export --to hf`` directory -- gives
+    the reference's log-probabilities (float32 policy) at every real target position of a ragged batch, and its
+    forced-length greedy decoding (exactly N tokens) writes the float64 reference's greedy tokens before each row's
+    eos, the checkpoint's start token, suppressed and forced tokens (generation_config.json) included."""
+    require("transformers", "peers")
+    config = EXPORTABLE[variant]
+    params = cases.decoding_params(config)
+    peer = peers().TransformersPeer(config, params, 1)
+    inputs = cases.model_inputs(config, "ragged_batch")
+    src, tgt = inputs["src"], inputs["tgt"]
+    tgt[:, 0] = config.start_id
+    keep = tgt != config.pad_id
+    agreement(peer.log_probs(src, tgt)[keep], *(Transformer(config, params, dtype)(src, tgt)[keep]
+                                                for dtype in (np.float64, np.float32)),
+              port="transformers", device="cpu", dtype="float32", what=f"log-probs: {variant}/ragged_batch")
+    expected = greedy_decode(Transformer(config, params), src)
+    out = peer.greedy(src, expected.shape[1])
+    assert out.shape == expected.shape
+    for row, ref in zip(out, expected):
+        length = int((ref != config.pad_id).sum()) - int(config.eos_id in ref) - config.forced_eos
+        assert length > 0
+        np.testing.assert_array_equal(row[:length], ref[:length])
+
+
+def test_transformers_peer_refuses_what_the_hugging_face_export_refuses():
+    require("transformers", "peers")
+    with pytest.raises(ValueError, match=r"^layer_norm_eps"):
+        peers().TransformersPeer(TINY, weights("tiny"), 1)
+
+
 @pytest.mark.parametrize("name", ["ctranslate2", "torch.nn.Transformer", "marian"])
 def test_forced_length_greedy_is_the_reference_up_to_eos(name):
     """What ``bench --peers`` times as greedy decoding (exactly N tokens: eos can neither stop it nor, in
@@ -498,11 +537,13 @@ def test_bench_peers_report(monkeypatch, tmp_path):
     cells = {(m["backend"], m["task"]) for m in data["measurements"]}
     expected = {("numpy", "forward"), *(("torch", task) for task in bench_module.PEER_TASKS)}
     expected |= {(peer, task) for peer in installed for task in bench_module.PEER_TASKS
-                 if (peer, task) != ("torch.nn.Transformer", "beam 4 batch 1")}
+                 if (peer, task) != ("torch.nn.Transformer", "beam 4 batch 1") and peer != "transformers"}
     assert cells == expected
     missing = {(m["name"], m["reason"].split(":")[0]) for m in data["missing"]}
     if "torch.nn.Transformer" in installed:
         assert ("torch.nn.Transformer", "beam 4 batch 1") in missing
+    if "transformers" in installed:                      # the preset's epsilon of 1e-6: the export refuses it
+        assert ("transformers", "cannot run this config") in missing
 
     anchors = data["anchors"]
     assert set(anchors["gemm_gflops"]) == {"numpy", "torch"}
@@ -541,3 +582,48 @@ def test_bench_peers_report(monkeypatch, tmp_path):
     require("matplotlib", "cli")
     bench_module.plot_bench(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_times_a_checkpoint_with_its_own_config_and_conventions(monkeypatch, tmp_path):
+    """``bench CHECKPOINT --peers`` on an imported Marian model (a random ``MarianMTModel`` saved by transformers,
+    then ``import``): the ports decode with the checkpoint's conventions (its length penalty), within
+    ``--decode-tokens``' budget, not the checkpoint's own; the ``transformers`` peer runs the model as transformers
+    loads its export, exactly N tokens; the peers built with the paper's choices say why they cannot run it; the
+    inputs avoid the special ids (pad is Marian's last id); the report names the checkpoint."""
+    require("torch", "torch")
+    require("transformers", "peers")
+    from support import build
+
+    from reference_numpy.checkpoint import load_checkpoint
+    from reference_numpy.hf_import import import_hf
+
+    model = build("marian", seed=1, vocab_size=40, pad_token_id=39, eos_token_id=0, decoder_start_token_id=39,
+                  max_position_embeddings=64)
+    model.generation_config.max_length = 9
+    model.save_pretrained(tmp_path / "marian")
+    path = tmp_path / "marian.safetensors"
+    import_hf(tmp_path / "marian", path)
+    config, _ = load_checkpoint(path)
+    assert config.max_output_length == 8 and config.pad_id == config.src_vocab_size - 1
+    monkeypatch.setattr(bench_module, "MATMUL_SIZE", 64)
+    monkeypatch.setattr(bench_module, "BANDWIDTH_MIB", 4)
+    monkeypatch.setattr(timing, "PRODUCTS", {"torch": timing.PRODUCTS["torch"]})
+    shapes = {"batch": 2, "src_len": 6, "tgt_len": 5, "decode_tokens": 55}
+    report = bench_module.bench(checkpoint=path, **shapes, names=("torch",), repeats=1, peers=True)
+    data = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert (data["preset"], data["checkpoint"]) == (None, str(path))
+    assert data["shapes"]["alpha"] == config.length_penalty == 1.0
+    tokens = {(m["backend"], m["task"]): m["tokens"] for m in data["measurements"]}
+    assert set(tokens) == {(engine, task) for engine in ("torch", "transformers") for task in bench_module.PEER_TASKS}
+    assert all(8 < tokens["torch", task] <= 55 for task in bench_module.PEER_TASKS[1:])      # N, not 8 (no eos)
+    assert all(tokens["transformers", task] == 55 for task in bench_module.PEER_TASKS[1:])   # exactly N
+    assert "|Y|^alpha" in data["computes"]["torch"]["beam 4 batch 1"]
+    reasons = {m["name"]: m["reason"] for m in data["missing"]}
+    assert {name for name in reasons if name in peers().PEERS} == set(peers().PEERS) - {"transformers"}
+    assert all(reasons[name].startswith("cannot run this config: activation 'silu'")
+               for name in ("ctranslate2", "torch.nn.Transformer", "marian"))
+    src, tgt, decode_src = bench_module.bench_inputs(config, 2, 6, 5, 55, 8)
+    for ids in (src, tgt[:, 1:], decode_src):
+        assert not np.isin(ids, [config.pad_id, config.bos_id, config.eos_id]).any()
+    assert (tgt[:, 0] == config.start_id).all()
+    assert bench_module.format_bench(report).startswith(f"checkpoint {path}, float32;")

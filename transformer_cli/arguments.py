@@ -71,9 +71,9 @@ STEPS = 100_000_000
 RANGES: dict[str, Range] = {
     "--threads": Range(1, 1024),
     "--batch": Range(1, 1024),                                               # bench
-    "--src-len": Range(1, MAX_LEN_LIMIT, then="at most the preset's max_len"),
-    "--tgt-len": Range(1, MAX_LEN_LIMIT, then="at most the preset's max_len"),
-    "--decode-tokens": Range(EXTRA_OUTPUT_LENGTH + 1, MAX_LEN_LIMIT, then="at most the preset's max_len"),
+    "--src-len": Range(1, MAX_LEN_LIMIT, then="at most the model's max_len"),
+    "--tgt-len": Range(1, MAX_LEN_LIMIT, then="at most the model's max_len"),
+    "--decode-tokens": Range(EXTRA_OUTPUT_LENGTH + 1, MAX_LEN_LIMIT, then="at most the model's max_len"),
     "--repeats": Range(1, 1000),
     "--length": Range(1, 10_000),                                            # plot pe
     "--d-model": Range(2, 4096, even=True),

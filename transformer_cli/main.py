@@ -1,7 +1,7 @@
 """Entry point of ``transformer-reference``.
 
     transformer-reference compare [CHECKPOINT | --preset base] [--backends torch,jax,tf] [--json] [--plot FILE.png]
-    transformer-reference bench [--preset base] [--peers] [--compiled] [--json] [--plot FILE.png]
+    transformer-reference bench [CHECKPOINT | --preset base] [--peers] [--compiled] [--json] [--plot FILE.png]
     transformer-reference export --to ctranslate2|hf|savedmodel|jax-export|torch-export|onnx CKPT OUT [--force]
                                  [--check]
     transformer-reference plot pe [--length 100] [--d-model 512] [--out pe.png]
@@ -211,13 +211,17 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def add_bench(commands: Commands) -> None:
     bench = subcommand(commands, "bench", "time forward and greedy decoding of every installed backend")
-    bench.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    bench.add_argument("checkpoint", nargs="?", help="a safetensors checkpoint to time, with its own config, decoding "
+                                                     "conventions and weights (e.g. an imported opus-mt model; "
+                                                     "default: --preset's seeded random weights)")
+    bench.add_argument("--preset", choices=sorted(PRESETS), help="a preset with seeded random weights (default: base)")
     add_number(bench, "--batch", default=8)
     add_number(bench, "--src-len", default=128)
     add_number(bench, "--tgt-len", default=128)
     add_number(bench, "--decode-tokens", default=128,
                help=f"greedy decoding budget N (batch 1): a source of N - {EXTRA_OUTPUT_LENGTH} tokens "
-                    f"(section 6.1's budget is source length + {EXTRA_OUTPUT_LENGTH})")
+                    f"(section 6.1's budget is source length + {EXTRA_OUTPUT_LENGTH}; also a checkpoint's, whatever "
+                    "output budget it holds; --peers emit exactly N tokens)")
     add_number(bench, "--repeats", default=3, help="timed repeats after the warm-up (median)")
     bench.add_argument("--no-uncached", action="store_true", help="skip the (slow) uncached decoding")
     bench.add_argument("--backends", type=backend_names, default=tuple(backends.BACKENDS))
@@ -236,7 +240,7 @@ def add_bench(commands: Commands) -> None:
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
     add_threads(bench)
-    add_outputs(bench, "plot")
+    add_outputs(bench, "plot", inputs=("checkpoint",))
     bench.set_defaults(run=run_bench)
 
 
@@ -246,7 +250,8 @@ def run_bench(args: argparse.Namespace) -> int:
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
                    progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
-                   peers=args.peers, dtype=args.dtype, device=args.device, compiled=args.compiled)
+                   peers=args.peers, dtype=args.dtype, device=args.device, compiled=args.compiled,
+                   checkpoint=args.checkpoint)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
     if report.busy:
         print(f"{PROG} bench: warning: {report.busy}", file=sys.stderr)

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 import numpy as np
 
 from reference_numpy import TransformerConfig, init_params
-from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
+from reference_numpy.checkpoint import load_checkpoint
+from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import parse_precision
 from transformer_cli import backends, runtime
 from transformer_cli.benchmarks.timing import (
@@ -45,6 +46,7 @@ from transformer_cli.benchmarks.timing import (
     memory_read,
     round_robin,
 )
+from transformer_cli.commands.compare import ordinary_ids
 
 if TYPE_CHECKING:
     from transformer_cli.benchmarks.peers import Peer
@@ -124,7 +126,7 @@ class Anchors:
 
 @dataclass
 class BenchReport:
-    preset: str
+    preset: str                # the preset's name, or the checkpoint's path (``checkpoint``)
     shapes: dict
     machine: dict
     anchors: Anchors
@@ -132,6 +134,12 @@ class BenchReport:
     missing: list
     computes: dict = field(default_factory=dict)    # engine -> {task: what its timed call computes}
     peers: bool = False
+    checkpoint: bool = False   # the weights and config a checkpoint's, not a preset's seeded ones
+
+    @property
+    def model(self) -> str:
+        """What was timed, in words: "preset NAME" or "checkpoint PATH"."""
+        return f"{'checkpoint' if self.checkpoint else 'preset'} {self.preset}"
 
     def best_peer(self, task: str) -> Measurement | None:
         runs = [m for m in self.measurements if m.kind == "peer" and m.task == task]
@@ -157,8 +165,9 @@ class BenchReport:
                 "the machine was busy, so these times are not its own; rerun with the cores free")
 
     def to_json(self) -> dict:
-        return {"preset": self.preset, "shapes": self.shapes, "machine": self.machine, "peers": self.peers,
-                "busy": self.busy,
+        return {"preset": None if self.checkpoint else self.preset,
+                "checkpoint": self.preset if self.checkpoint else None, "shapes": self.shapes,
+                "machine": self.machine, "peers": self.peers, "busy": self.busy,
                 "anchors": self.anchors.to_json(), "missing": [asdict(m) for m in self.missing],
                 "computes": self.computes,
                 "measurements": [{**asdict(m), "compile_seconds": m.compile_seconds, "gflops": m.gflops,
@@ -194,38 +203,58 @@ class Inputs(NamedTuple):
 
 def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int,
                  decode_batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Seeded token ids: a (batch, src_len) source and (batch, tgt_len) target for the forward pass, and
-    ``decode_batch`` source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget:
-    source length + 50) to decode."""
+    """Seeded token ids, none of them pad, bos or eos (:func:`.compare.ordinary_ids`): a (batch, src_len) source and
+    (batch, tgt_len) target for the forward pass (starting with the decoder's start token), and ``decode_batch``
+    source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget: source length + 50) to
+    decode."""
     rng = np.random.default_rng(0)
-    first = max(config.pad_id, config.bos_id, config.eos_id) + 1
-    src = rng.integers(first, config.src_vocab_size, size=(batch, src_len))
-    tgt = rng.integers(first, config.tgt_vocab_size, size=(batch, tgt_len))
-    tgt[:, 0] = config.bos_id
+    special = (config.pad_id, config.bos_id, config.eos_id)
+    source_ids, target_ids = (ordinary_ids(size, special) for size in (config.src_vocab_size, config.tgt_vocab_size))
+    src = source_ids[rng.integers(0, len(source_ids), size=(batch, src_len))]
+    tgt = target_ids[rng.integers(0, len(target_ids), size=(batch, tgt_len))]
+    tgt[:, 0] = config.start_id
     source_length = max(1, decode_tokens - EXTRA_OUTPUT_LENGTH)
-    decode_src = rng.integers(first, config.src_vocab_size, size=(decode_batch, source_length))
+    decode_src = source_ids[rng.integers(0, len(source_ids), size=(decode_batch, source_length))]
     return src, tgt, decode_src
 
 
-def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
+def bench_model(preset: str | None, checkpoint: str | os.PathLike | None
+                ) -> tuple[str, TransformerConfig, dict[str, np.ndarray]]:
+    """(name, config, float32 weights) of what ``bench`` times: ``checkpoint`` (a path or a shipped model's name:
+    its config, decoding conventions and weights -- an imported opus-mt model's, say), or ``preset`` with seeded
+    random weights (``base`` when neither is given). A checkpoint's own output budget (``max_output_length``) gives
+    way to section 6.1's, ``--decode-tokens`` for every engine: an imported model's 511 tokens would have the ports
+    decode 511 steps where the peers decode N."""
+    if checkpoint is None:
+        preset = preset or "base"
+        config = TransformerConfig.preset(preset)
+        return preset, config, init_params(config, seed=0, dtype=np.float32)
+    if preset is not None:
+        raise ValueError("--preset: give a checkpoint or a preset, not both")
+    config, params = load_checkpoint(checkpoint, dtype=np.float32)
+    return os.fspath(checkpoint), config.replace(max_output_length=None), params
+
+
+def bench(preset: str | None = None, batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
           names: tuple[str, ...] = tuple(backends.BACKENDS), repeats: int = 3, uncached: bool = True,
           progress: Callable[[list], Iterable] | None = None, peers: bool = False, dtype: str = "float32",
-          device: str = "cpu", compiled: bool = False) -> BenchReport:
+          device: str = "cpu", compiled: bool = False, checkpoint: str | os.PathLike | None = None) -> BenchReport:
     """Time every installed backend (in ``dtype``, on ``device``: cpu, gpu:N) -- and with ``peers`` every installed
     peer, float32 only; with ``compiled`` the PyTorch port's decoding compiled too (:data:`COMPILED`) -- on one
-    seeded checkpoint, interleaved; the anchors measured on the way."""
-    config = TransformerConfig.preset(preset)
+    model (:func:`bench_model`: a seeded preset, or a checkpoint's weights and decoding conventions), interleaved;
+    the anchors measured on the way. Beam search uses the model's length penalty (the presets': alpha 0.6)."""
+    name, config, params = bench_model(preset, checkpoint)
     if peers and dtype != "float32":
         raise ValueError(f"--peers times the peers in float32; --dtype {dtype} would compare unlike with unlike")
     if compiled and dtype != "float32":
         raise ValueError(f"--compiled times PyTorch's compiled decoding step, float32 only, not --dtype {dtype}")
     for flag, length in (("--src-len", src_len), ("--tgt-len", tgt_len), ("--decode-tokens", decode_tokens)):
         if length > config.max_len:
-            raise ValueError(f"{flag} {length} exceeds the {preset} preset's max_len ({config.max_len})")
+            model = f"the {name} preset's" if checkpoint is None else "the checkpoint's"
+            raise ValueError(f"{flag} {length} exceeds {model} max_len ({config.max_len})")
     adapters, missing = backends.load(tuple(names))
     backends.require_any(tuple(names), adapters, missing)
     devices = {name: backends.device_for(adapter, device) for name, adapter in adapters.items()}
-    params = init_params(config, seed=0, dtype=np.float32)
     src, tgt, decode_src = bench_inputs(config, batch, src_len, tgt_len, decode_tokens, PEER_BATCH if peers else 1)
     inputs = Inputs((src, tgt), decode_src[:1], decode_src)
     engines = [backend_engine(adapter, config, params, inputs, peers, uncached, dtype, devices[name])
@@ -238,7 +267,7 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
     if peers:
         from transformer_cli.benchmarks import peers as peer_module
         built, unavailable = peer_module.load(config, params, runtime.threads())
-        engines += [peer_engine(peer, inputs, decode_tokens) for peer in built.values()]
+        engines += [peer_engine(peer, inputs, decode_tokens, config.length_penalty) for peer in built.values()]
         missing += unavailable + [backends.Missing(peer.NAME, f"{task}: not measured ({reason})")
                                   for peer in built.values() for task, reason in peer.NOT_MEASURED.items()]
     tasks = PEER_TASKS if peers else TASKS
@@ -261,9 +290,9 @@ def bench(preset: str = "base", batch: int = 8, src_len: int = 128, tgt_len: int
                     for key in calls]
     shapes = {"batch": batch, "src_len": src_len, "tgt_len": tgt_len, "decode_tokens": decode_tokens,
               "decode_batch": PEER_BATCH if peers else 1, "beam_size": BEAM_SIZE,
-              "alpha": LENGTH_PENALTY_ALPHA, "dtype": dtype}
-    return BenchReport(preset, shapes, machine_description(), anchors, measurements, missing,
-                       {engine.name: engine.computes for engine in engines}, peers)
+              "alpha": config.length_penalty, "dtype": dtype}
+    return BenchReport(name, shapes, machine_description(), anchors, measurements, missing,
+                       {engine.name: engine.computes for engine in engines}, peers, checkpoint is not None)
 
 
 def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[str, np.ndarray], inputs: Inputs,
@@ -282,10 +311,13 @@ def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[
         calls.update({"greedy batch 1": lambda: adapter.greedy(model, inputs.one),
                       f"greedy batch {PEER_BATCH}": lambda: adapter.greedy(model, inputs.batch),
                       "beam 4 batch 1": lambda: adapter.beam(model, inputs.one)[0]})
-        greedy = "greedy_decode with the key/value cache, section 6.1's rules: stops at eos or after source length + 50"
+        greedy = "greedy_decode with the key/value cache, the model's decoding rules: stops at eos or after source " \
+                 "length + 50"
+        normalization = {"gnmt": "((5 + |Y|) / 6)^alpha, section 6.1", "hf": "|Y|^alpha, Hugging Face's"}
         computes.update({"greedy batch 1": greedy, f"greedy batch {PEER_BATCH}": greedy,
-                         "beam 4 batch 1": "beam_search(beam 4, alpha 0.6) with the key/value cache, section 6.1's "
-                                           "rules (stops when no live beam can beat the best finished hypothesis)"})
+                         "beam 4 batch 1": f"beam_search(beam 4, alpha {config.length_penalty}; scores divided by "
+                                           f"{normalization[config.length_normalization]}) with the key/value "
+                                           "cache, the model's decoding rules: up to source length + 50 tokens"})
     if not peers and cached:
         calls["greedy (cached)"] = lambda: adapter.greedy(model, inputs.one, use_cache=True)
         computes["greedy (cached)"] = "greedy_decode with the key/value cache, up to source length + 50 tokens"
@@ -302,15 +334,16 @@ def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[
                   {task: computes[task] + step for task in calls if task != FORWARD})
 
 
-def peer_engine(peer: Peer, inputs: Inputs, steps: int) -> Engine:
-    """A peer's timed calls: forward, greedy batch 1 and PEER_BATCH, beam 4 batch 1 -- those it has."""
+def peer_engine(peer: Peer, inputs: Inputs, steps: int, alpha: float) -> Engine:
+    """A peer's timed calls: forward, greedy batch 1 and PEER_BATCH, beam 4 batch 1 (length penalty ``alpha``) --
+    those it has."""
     src, tgt = inputs.forward
     calls: dict[str, Callable[[], object]] = {FORWARD: lambda: peer.forward(src, tgt),
                                               "greedy batch 1": lambda: peer.greedy(inputs.one, steps),
                                               f"greedy batch {PEER_BATCH}": lambda: peer.greedy(inputs.batch, steps)}
     beam = peer.beam
     if beam is not None:
-        calls["beam 4 batch 1"] = lambda: beam(inputs.one, steps, BEAM_SIZE, LENGTH_PENALTY_ALPHA)
+        calls["beam 4 batch 1"] = lambda: beam(inputs.one, steps, BEAM_SIZE, alpha)
     return Engine(peer.NAME, "peer", "cpu", calls, {task: peer.COMPUTES[task.split()[0]] for task in calls},
                   tuple(task for task in calls if task.split()[0] in peer.UNCACHED))
 
@@ -335,7 +368,7 @@ def format_bench(report: BenchReport) -> str:
     decoding = (f"greedy decoding of {shapes['decode_tokens']} tokens, batch 1 and {shapes['decode_batch']}; beam "
                 f"{shapes['beam_size']} (alpha {shapes['alpha']}), batch 1" if report.peers else
                 f"greedy decoding of up to {shapes['decode_tokens']} tokens (batch 1)")
-    lines = [f"preset {report.preset}, {shapes['dtype']}; forward batch {shapes['batch']} x {shapes['src_len']} x "
+    lines = [f"{report.model}, {shapes['dtype']}; forward batch {shapes['batch']} x {shapes['src_len']} x "
              f"{shapes['tgt_len']}; {decoding}",
              f"machine: {report.machine['cpu']}, {report.machine['cores']} cores",
              f"best float32 GEMM ({MATMUL_SIZE}^2): {rate:.1f} GFLOP/s ({name}{'; ' + others if others else ''})",
@@ -427,7 +460,7 @@ def plot_bench(report: BenchReport, path: str | os.PathLike) -> None:
     right.set_ylabel("ms per decoding step (log scale)")
     right.set_title(f"decoding, {report.shapes['decode_tokens']} tokens")
     right.legend(fontsize="small")
-    fig.suptitle(f"{report.preset} preset, {report.shapes['dtype']} ({report.machine['cpu']}, "
+    fig.suptitle(f"{report.model}, {report.shapes['dtype']} ({report.machine['cpu']}, "
                  f"{report.machine['cores']} cores)")
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,11 @@ ports, run on the same weights (docs/peers.md).
   sinusoidal positions and sqrt(d_model)-scaled embeddings, built from a ``MarianConfig`` of our shapes
   (ReLU, ``scale_embedding``) and given our weights by :func:`marian_name_table`, our interleaved sinusoid
   table copied into its position embeddings (its own puts sines then cosines) and every LayerNorm's epsilon
-  set to ``layer_norm_eps``. Pre-LN configs (``norm_first``) are not Marian's architecture: refused.
+  set to ``layer_norm_eps``. Pre-LN configs (``norm_first``) are not Marian's architecture: refused;
+* ``transformers``: Hugging Face ``transformers`` on the checkpoint as ``export --to hf`` writes it (``MarianMTModel``
+  or ``M2M100ForConditionalGeneration`` through ``AutoModelForSeq2SeqLM``), decoding with the checkpoint's own
+  conventions: the engine a user of an imported opus-mt, M2M100 or NLLB model (``bench CHECKPOINT --peers``) has
+  in transformers. It refuses what the export refuses, the presets' ``layer_norm_eps`` of 1e-6 among it.
 
 Each peer is built from a config, checkpoint-layout weights and a thread count (CTranslate2's
 ``intra_threads``; the PyTorch-based peers keep torch's own setting, as the PyTorch backend does). It has
@@ -83,8 +87,8 @@ class CTranslate2Peer:
                    "worker process of its own, a pipe round trip included",
         "greedy": "Translator.translate_batch(beam_size=1), exactly N tokens (min_decoding_length = "
                   "max_decoding_length = N): the encoder once, then one cached decoder step per token",
-        "beam": "Translator.translate_batch(beam_size=4, length_penalty=0.6), exactly N tokens: CTranslate2's beam "
-                "search (scores divided by |Y|^0.6), cached",
+        "beam": "Translator.translate_batch(beam_size=4, length_penalty=alpha), exactly N tokens: CTranslate2's beam "
+                "search (scores divided by |Y|^alpha), cached",
     }
     NOT_MEASURED: dict[str, str] = {}
     UNCACHED: tuple[str, ...] = ()
@@ -183,43 +187,18 @@ class NNTransformerPeer:
     beam = None
 
 
-class MarianPeer:
-    """Hugging Face ``MarianMTModel`` (eager, float32, eval mode) with our weights: see the module docstring.
-    It computes the reference's function for every post-LN config (tests/test_peers.py)."""
+class Seq2SeqPeer:
+    """What the peers of transformers share: a ``PreTrainedModel`` for sequence-to-sequence generation (eager,
+    float32, eval mode) in ``self.model``, its forward pass and ``generate``, given ``self.generation``'s settings
+    beside the directory's own generation config."""
 
-    NAME = "marian"
-    COMPUTES = {
-        "forward": "MarianMTModel(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask).logits: "
-                   "the embeddings, encoder, decoder and output projection (B, T, V), no log-softmax",
-        "greedy": "MarianMTModel.generate(num_beams=1, min_new_tokens=N, max_new_tokens=N): its cached decoder, "
-                  "exactly N tokens",
-        "beam": "MarianMTModel.generate(num_beams=4, length_penalty=0.6, min_new_tokens=N, max_new_tokens=N): "
-                "transformers' beam search (scores divided by |Y|^0.6), cached",
-    }
     NOT_MEASURED: dict[str, str] = {}
     UNCACHED: tuple[str, ...] = ()
     OWN_PROCESS = False
 
-    def __init__(self, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
+    def __init__(self, config: TransformerConfig, model: Any, generation: dict[str, Any]):
         import torch
-        from transformers import MarianConfig, MarianMTModel
-        if config.norm_first:
-            raise ValueError("norm_first is True: MarianMTModel is post-LN only (a LayerNorm after each residual)")
-        refuse_choices(config, "this MarianMTModel peer (built with the paper's choices)", **PAPER_CHOICES)
-        self.torch, self.config = torch, config
-        share = config.share_embeddings
-        marian = MarianConfig(vocab_size=config.src_vocab_size, decoder_vocab_size=config.tgt_vocab_size,
-                              d_model=config.d_model, encoder_layers=config.n_encoder_layers,
-                              decoder_layers=config.n_decoder_layers, encoder_attention_heads=config.n_heads,
-                              decoder_attention_heads=config.n_heads, encoder_ffn_dim=config.d_ff,
-                              decoder_ffn_dim=config.d_ff, activation_function="relu",
-                              max_position_embeddings=config.max_len, scale_embedding=True,
-                              pad_token_id=config.pad_id, eos_token_id=config.eos_id, bos_token_id=config.bos_id,
-                              decoder_start_token_id=config.bos_id, forced_eos_token_id=None,
-                              share_encoder_decoder_embeddings=share, tie_word_embeddings=share, dropout=0.0,
-                              attention_dropout=0.0, activation_dropout=0.0)
-        self.model = MarianMTModel(marian).eval()
-        load_marian_weights(self.model, config, params)
+        self.torch, self.config, self.model, self.generation = torch, config, model.eval(), generation
 
     def _inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike | None = None) -> dict[str, torch.Tensor]:
         torch, pad = self.torch, self.config.pad_id
@@ -227,11 +206,13 @@ class MarianPeer:
         inputs = {"input_ids": source, "attention_mask": (source != pad).long()}
         if tgt is not None:
             target = torch.as_tensor(np.asarray(tgt))
-            inputs.update(decoder_input_ids=target, decoder_attention_mask=(target != pad).long())
+            read = target != pad
+            read[:, 0] = True                  # the start token, even a pad one (Marian's): the reference's target_mask
+            inputs.update(decoder_input_ids=target, decoder_attention_mask=read.long())
         return inputs
 
     def log_probs(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-        """(B, T, V) float32 log-probabilities: log-softmax of Marian's logits."""
+        """(B, T, V) float32 log-probabilities: log-softmax of the model's logits."""
         with self.torch.no_grad():
             return self.torch.log_softmax(self.model(**self._inputs(src, tgt)).logits, dim=-1).numpy()
 
@@ -246,12 +227,83 @@ class MarianPeer:
         return self._generate(src, steps, num_beams=beam_size, length_penalty=alpha)
 
     def _generate(self, src: np.ndarray, steps: int, **search: float) -> np.ndarray:
-        cfg = self.config
         with self.torch.no_grad():
             out = self.model.generate(**self._inputs(src), do_sample=False, min_new_tokens=steps, max_new_tokens=steps,
-                                      bad_words_ids=[[cfg.pad_id], [cfg.bos_id]], pad_token_id=cfg.pad_id,
-                                      eos_token_id=cfg.eos_id, decoder_start_token_id=cfg.bos_id, **search)
+                                      **self.generation, **search)
         return out[:, 1:].numpy()                                                       # without the start token
+
+
+class MarianPeer(Seq2SeqPeer):
+    """Hugging Face ``MarianMTModel`` (eager, float32, eval mode) with our weights: see the module docstring.
+    It computes the reference's function for every post-LN config (tests/test_peers.py)."""
+
+    NAME = "marian"
+    COMPUTES = {
+        "forward": "MarianMTModel(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask).logits: "
+                   "the embeddings, encoder, decoder and output projection (B, T, V), no log-softmax",
+        "greedy": "MarianMTModel.generate(num_beams=1, min_new_tokens=N, max_new_tokens=N): its cached decoder, "
+                  "exactly N tokens",
+        "beam": "MarianMTModel.generate(num_beams=4, length_penalty=alpha, min_new_tokens=N, max_new_tokens=N): "
+                "transformers' beam search (scores divided by |Y|^alpha), cached",
+    }
+
+    def __init__(self, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
+        from transformers import MarianConfig, MarianMTModel
+        if config.norm_first:
+            raise ValueError("norm_first is True: MarianMTModel is post-LN only (a LayerNorm after each residual)")
+        refuse_choices(config, "this MarianMTModel peer (built with the paper's choices)", **PAPER_CHOICES)
+        share = config.share_embeddings
+        marian = MarianConfig(vocab_size=config.src_vocab_size, decoder_vocab_size=config.tgt_vocab_size,
+                              d_model=config.d_model, encoder_layers=config.n_encoder_layers,
+                              decoder_layers=config.n_decoder_layers, encoder_attention_heads=config.n_heads,
+                              decoder_attention_heads=config.n_heads, encoder_ffn_dim=config.d_ff,
+                              decoder_ffn_dim=config.d_ff, activation_function="relu",
+                              max_position_embeddings=config.max_len, scale_embedding=True,
+                              pad_token_id=config.pad_id, eos_token_id=config.eos_id, bos_token_id=config.bos_id,
+                              decoder_start_token_id=config.bos_id, forced_eos_token_id=None,
+                              share_encoder_decoder_embeddings=share, tie_word_embeddings=share, dropout=0.0,
+                              attention_dropout=0.0, activation_dropout=0.0)
+        model = MarianMTModel(marian)
+        load_marian_weights(model, config, params)
+        super().__init__(config, model, {"bad_words_ids": [[config.pad_id], [config.bos_id]],
+                                         "pad_token_id": config.pad_id, "eos_token_id": config.eos_id,
+                                         "decoder_start_token_id": config.bos_id})
+
+
+class TransformersPeer(Seq2SeqPeer):
+    """Hugging Face transformers on the checkpoint as ``export --to hf`` writes it
+    (:func:`reference_numpy.hf_export.save_hf`, into a temporary directory that
+    ``AutoModelForSeq2SeqLM.from_pretrained`` reads: ``MarianMTModel`` or ``M2M100ForConditionalGeneration``, eager,
+    float32, eval mode), decoding with the checkpoint's conventions from the directory's generation config: what a
+    user of an imported opus-mt, M2M100 or NLLB model runs in transformers. What the export refuses, this peer
+    refuses (the presets' ``layer_norm_eps`` of 1e-6 among it: the ``marian`` peer runs those)."""
+
+    NAME = "transformers"
+    COMPUTES = {
+        "forward": "AutoModelForSeq2SeqLM on the export --to hf directory: model(input_ids, attention_mask, "
+                   "decoder_input_ids, decoder_attention_mask).logits (B, T, V), no log-softmax",
+        "greedy": "generate(num_beams=1, min_new_tokens=N, max_new_tokens=N) with the directory's generation config "
+                  "(the checkpoint's start token, suppressed and forced tokens): its cached decoder, exactly N tokens",
+        "beam": "generate(num_beams=4, length_penalty=alpha, min_new_tokens=N, max_new_tokens=N) with the "
+                "directory's generation config: transformers' beam search (scores divided by |Y|^alpha), cached",
+    }
+
+    def __init__(self, config: TransformerConfig, params: dict[str, np.ndarray], threads: int):
+        import torch
+        from transformers import AutoModelForSeq2SeqLM
+        from transformers.utils import logging
+
+        from reference_numpy.hf_export import save_hf
+        bar = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()                          # from_pretrained's "Loading weights" bar
+        try:
+            with tempfile.TemporaryDirectory() as directory:
+                save_hf(config, params, directory)
+                model = AutoModelForSeq2SeqLM.from_pretrained(directory, dtype=torch.float32)
+        finally:
+            if bar:
+                logging.enable_progress_bar()
+        super().__init__(config, model, {"max_length": None})  # the export's budget gives way to N, unwarned
 
 
 def marian_name_table(config: TransformerConfig) -> dict[str, str]:
@@ -424,12 +476,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     answers.close()
 
 
-PeerClass = type[CTranslate2Peer] | type[NNTransformerPeer] | type[MarianPeer]
+PeerClass = type[CTranslate2Peer] | type[NNTransformerPeer] | type[MarianPeer] | type[TransformersPeer]
 # peer name -> (its class, every module it needs, the pip extra that installs them)
 PEERS: dict[str, tuple[PeerClass, tuple[str, ...], str]] = {
     "ctranslate2": (CTranslate2Peer, ("ctranslate2",), "peers"),
     "torch.nn.Transformer": (NNTransformerPeer, ("torch",), "torch"),
     "marian": (MarianPeer, ("transformers", "torch"), "peers"),
+    "transformers": (TransformersPeer, ("transformers", "torch", "safetensors"), "peers"),
 }
 
 

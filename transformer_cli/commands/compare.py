@@ -140,8 +140,9 @@ def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     """A fixed batch of ids: two source sentences (the second padded) and their shifted targets."""
     rng = np.random.default_rng(2017)
     special = (config.pad_id, config.bos_id, config.eos_id)
-    src = _words(config.src_vocab_size, special)[rng.integers(0, len(_words(config.src_vocab_size, special)), (2, 12))]
-    tgt = _words(config.tgt_vocab_size, special)[rng.integers(0, len(_words(config.tgt_vocab_size, special)), (2, 10))]
+    source_ids, target_ids = (ordinary_ids(size, special) for size in (config.src_vocab_size, config.tgt_vocab_size))
+    src = source_ids[rng.integers(0, len(source_ids), (2, 12))]
+    tgt = target_ids[rng.integers(0, len(target_ids), (2, 10))]
     src[0, -1], src[1, 8] = config.eos_id, config.eos_id
     src[1, 9:] = config.pad_id
     tgt[:, 0] = config.bos_id
@@ -149,7 +150,7 @@ def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     return {"src": src[:, :min(12, config.max_len)], "tgt": tgt[:, :min(10, config.max_len)]}
 
 
-def _words(vocab_size: int, special: tuple[int, ...]) -> np.ndarray:
+def ordinary_ids(vocab_size: int, special: tuple[int, ...]) -> np.ndarray:
     """The ids above every special id, or, where a special id is the vocabulary's last (Marian's pad), every id but
     the special ones (the same draws for a vocabulary that starts with its special ids)."""
     first = max(special) + 1
