@@ -1044,6 +1044,8 @@ FINETUNE = [
 # tests/test_bench_translate.py compares each port's tokens and output count with transformers' generate
 _BENCH = "scripts/bench_translate.py"
 BENCH_TRANSLATE = ["tests/test_bench_translate.py"]
+_BENCH_MODULE = "transformer_cli/benchmarks/bench.py"
+BENCH_CHECKPOINT = ["tests/test_peers.py", "-k", "transformers_peer or checkpoint_with"]
 BENCH = [
     single("bench", "bench_translate: transformers given one token less than the budget", _BENCH,
            "max_new_tokens=budget(args))", "max_new_tokens=budget(args) - 1)", BENCH_TRANSLATE),
@@ -1058,6 +1060,14 @@ BENCH = [
     single("bench", "bench_translate --profile: the while loop counted beside its body's kernels", _BENCH,
            'XLA_CONTROL = {"while", "conditional", "call"}', 'XLA_CONTROL = {"conditional", "call"}',
            BENCH_TRANSLATE),
+    # `bench CHECKPOINT --peers`: the transformers peer reads Marian's pad start token; every engine decodes within
+    # --decode-tokens' budget; the inputs hold no special id (tests/test_peers.py)
+    single("bench", "bench's transformers peer masks a target's pad start token", "transformer_cli/benchmarks/peers.py",
+           "read[:, 0] = True", "read[:, 0] = read[:, 0]", BENCH_CHECKPOINT),
+    single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
+           "config.replace(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
+    single("bench", "bench: the inputs drawn from every id, special ones included", _BENCH_MODULE,
+           "ordinary_ids(size, special) for size in", "np.arange(size) for size in", BENCH_CHECKPOINT),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
