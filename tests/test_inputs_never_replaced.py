@@ -70,6 +70,7 @@ ROWS = (
     Row("compare --precision-report", ("compare", "{in}", "--precision-report", "{out}"), "--precision-report",
         "checkpoint", ".png"),
     Row("compare, its default model", ("compare", "--plot", "{out}"), "--plot", "default", ".png"),
+    Row("bench --plot", ("bench", "{in}", "--plot", "{out}"), "--plot", "checkpoint", ".png"),
     Row("plot attention", ("plot", "attention", "{in}", "--out", "{out}"), "--out", "checkpoint", ".png"),
     Row("plot attention, its default model", ("plot", "attention", "--out", "{out}"), "--out", "default", ".png"),
     *(Row(f"export --to {target}", ("export", "--to", target, "{in}", "{out}"), "OUTPUT_DIR", "checkpoint")
@@ -202,8 +203,8 @@ def test_no_output_of_any_command_replaces_one_of_its_inputs(row, how, tmp_path,
 
 
 def test_the_table_covers_every_command_that_reads_and_writes_files():
-    """A command declaring an input beside its outputs is in the table (``bench``, ``plot pe`` and ``init`` read no
-    file, ``evaluate`` writes none); so is ``side-by-side``, which checks its page against its sources itself."""
+    """A command declaring an input beside its outputs is in the table (``plot pe`` and ``init`` read no file,
+    ``evaluate`` writes none); so is ``side-by-side``, which checks its page against its sources itself."""
     choices = build_parser()._subparsers._group_actions[0].choices
     pictures = choices["plot"]._subparsers._group_actions[0].choices
     commands = {**choices, **{f"plot {name}": parser for name, parser in pictures.items()}}
