@@ -1067,7 +1067,9 @@ BENCH = [
     single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
            "config.replace(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
     single("bench", "bench: the inputs drawn from every id, special ones included", _BENCH_MODULE,
-           "ordinary_ids(size, special) for size in", "np.arange(size) for size in", BENCH_CHECKPOINT),
+           "source_ids, target_ids = ordinary_ids(config)\n    src =",
+           "source_ids, target_ids = (np.arange(config.src_vocab_size), np.arange(config.tgt_vocab_size))\n    src =",
+           BENCH_CHECKPOINT),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,

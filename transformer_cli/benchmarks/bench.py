@@ -126,7 +126,7 @@ class Anchors:
 
 @dataclass
 class BenchReport:
-    preset: str                # the preset's name, or the checkpoint's path (``checkpoint``)
+    name: str                  # the preset's name, or the checkpoint's path (``checkpoint``)
     shapes: dict
     machine: dict
     anchors: Anchors
@@ -139,7 +139,7 @@ class BenchReport:
     @property
     def model(self) -> str:
         """What was timed, in words: "preset NAME" or "checkpoint PATH"."""
-        return f"{'checkpoint' if self.checkpoint else 'preset'} {self.preset}"
+        return f"{'checkpoint' if self.checkpoint else 'preset'} {self.name}"
 
     def best_peer(self, task: str) -> Measurement | None:
         runs = [m for m in self.measurements if m.kind == "peer" and m.task == task]
@@ -165,8 +165,8 @@ class BenchReport:
                 "the machine was busy, so these times are not its own; rerun with the cores free")
 
     def to_json(self) -> dict:
-        return {"preset": None if self.checkpoint else self.preset,
-                "checkpoint": self.preset if self.checkpoint else None, "shapes": self.shapes,
+        return {"preset": None if self.checkpoint else self.name,
+                "checkpoint": self.name if self.checkpoint else None, "shapes": self.shapes,
                 "machine": self.machine, "peers": self.peers, "busy": self.busy,
                 "anchors": self.anchors.to_json(), "missing": [asdict(m) for m in self.missing],
                 "computes": self.computes,
@@ -208,8 +208,7 @@ def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
     source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget: source length + 50) to
     decode."""
     rng = np.random.default_rng(0)
-    special = (config.pad_id, config.bos_id, config.eos_id)
-    source_ids, target_ids = (ordinary_ids(size, special) for size in (config.src_vocab_size, config.tgt_vocab_size))
+    source_ids, target_ids = ordinary_ids(config)
     src = source_ids[rng.integers(0, len(source_ids), size=(batch, src_len))]
     tgt = target_ids[rng.integers(0, len(target_ids), size=(batch, tgt_len))]
     tgt[:, 0] = config.start_id

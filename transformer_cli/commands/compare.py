@@ -139,8 +139,7 @@ def seeded_checkpoint(preset: str) -> tuple[TransformerConfig, dict[str, np.ndar
 def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     """A fixed batch of ids: two source sentences (the second padded) and their shifted targets."""
     rng = np.random.default_rng(2017)
-    special = (config.pad_id, config.bos_id, config.eos_id)
-    source_ids, target_ids = (ordinary_ids(size, special) for size in (config.src_vocab_size, config.tgt_vocab_size))
+    source_ids, target_ids = ordinary_ids(config)
     src = source_ids[rng.integers(0, len(source_ids), (2, 12))]
     tgt = target_ids[rng.integers(0, len(target_ids), (2, 10))]
     src[0, -1], src[1, 8] = config.eos_id, config.eos_id
@@ -150,11 +149,14 @@ def compare_inputs(config: TransformerConfig) -> dict[str, np.ndarray]:
     return {"src": src[:, :min(12, config.max_len)], "tgt": tgt[:, :min(10, config.max_len)]}
 
 
-def ordinary_ids(vocab_size: int, special: tuple[int, ...]) -> np.ndarray:
-    """The ids above every special id, or, where a special id is the vocabulary's last (Marian's pad), every id but
-    the special ones (the same draws for a vocabulary that starts with its special ids)."""
+def ordinary_ids(config: TransformerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The source's and the target's ids that are none of pad, bos and eos: those above every special id, or, where
+    a special id is the vocabulary's last (Marian's pad), every id but the special ones (the same draws for a
+    vocabulary that starts with its special ids)."""
+    special = (config.pad_id, config.bos_id, config.eos_id)
     first = max(special) + 1
-    return np.arange(first, vocab_size) if first < vocab_size else np.setdiff1d(np.arange(vocab_size), special)
+    ids = lambda size: np.arange(first, size) if first < size else np.setdiff1d(np.arange(size), special)
+    return ids(config.src_vocab_size), ids(config.tgt_vocab_size)
 
 
 def translation_source(tokenizer: Tokenizer | FamilyTokenizer, config: TransformerConfig) -> np.ndarray | None:
