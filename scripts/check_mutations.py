@@ -1102,12 +1102,22 @@ def copy_repository(tmp: str) -> Path:
     return copy
 
 
-def pytest(copy: Path, selection: tuple[str, ...], first_failure: bool) -> subprocess.CompletedProcess:
-    """Run pytest in ``copy`` (its packages shadow the installed ones: PYTHONPATH and the working directory)."""
+def pytest(copy: Path, selection: tuple[str, ...], first_failure: bool, full: bool = True
+           ) -> subprocess.CompletedProcess:
+    """Run pytest in ``copy`` (its packages shadow the installed ones: PYTHONPATH and the working directory): the
+    selection's tests in the whole suite, or with ``full`` false those in the default tier."""
     env = {**os.environ, "PYTHONPATH": str(copy)}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0", "-rf",
-                           *(["-x"] if first_failure else []), *selection],
+                           *(["-x"] if first_failure else []), *(["--full"] if full else []), *selection],
                           cwd=copy, capture_output=True, text=True, env=env)
+
+
+def slow_reason(result: subprocess.CompletedProcess) -> str:
+    """Why the default tier leaves out the first failing test: the line tests/conftest.py prints for it."""
+    failed = failed_tests(result)
+    section = result.stdout.partition("failed tests that the default tier leaves out")[2]
+    return next((line.removeprefix(f"{failed[0]}: ") for line in section.splitlines()
+                 if failed and line.startswith(f"{failed[0]}: ")), "")
 
 
 def failed_tests(result: subprocess.CompletedProcess) -> list[str]:
@@ -1121,6 +1131,8 @@ class Outcome:
     caught_by: list[str]   # the failing tests' node ids (the first only, unless --every-test)
     blind: str             # with --blind: "passes (N passed)", "FAILS (...)" or ""
     seconds: float
+    tier: str = ""         # caught by the selection's tests in the "default" tier, or only in the "full" suite
+    why_full: str = ""     # for "full": why the default tier leaves the catching test out (tests/conftest.py)
 
 
 def control(mutation: Mutation) -> str:
@@ -1138,18 +1150,25 @@ def control(mutation: Mutation) -> str:
 
 
 def run_mutation(mutation: Mutation, blind: bool, every_test: bool) -> Outcome:
+    """Plant ``mutation`` in a copy and run its selection: first the tests of the default tier (``pytest``), then,
+    unless they caught it, the whole suite's (``pytest --full``)."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         copy = copy_repository(tmp)
         apply(mutation, copy)
-        result = pytest(copy, mutation.catch, first_failure=not every_test)
+        tier, why_full = "default", ""
+        result = pytest(copy, mutation.catch, first_failure=not every_test, full=False)
+        if not (result.returncode == 1 and failed_tests(result)):   # passed, or the tier holds none of them
+            tier = "full"
+            result = pytest(copy, mutation.catch, first_failure=not every_test)
+            why_full = slow_reason(result)
         failed = failed_tests(result)
         if result.returncode == 1 and failed:
             status = "caught"
         elif result.returncode == 0:
-            status = "MISSED"
+            status, tier = "MISSED", ""
         else:                                     # collection error, interrupted, no test selected
-            status, failed = "ERROR", [_last_line(result)]
+            status, failed, tier = "ERROR", [_last_line(result)], ""
         blind_note = ""
         if blind and mutation.blind:
             check = pytest(copy, mutation.blind, first_failure=True)
@@ -1157,7 +1176,7 @@ def run_mutation(mutation: Mutation, blind: bool, every_test: bool) -> Outcome:
                 else f"FAILS ({_last_line(check)}; {failed_tests(check)[:1]})"
             if any(not edit.path.startswith(f"{REF}/") for edit in mutation.edits):   # a port's own code is edited
                 blind_note += f"\n{'':<8}control: {control(mutation)}"
-    return Outcome(status, failed, blind_note, time.monotonic() - start)
+    return Outcome(status, failed, blind_note, time.monotonic() - start, tier, why_full)
 
 
 def _last_line(result: subprocess.CompletedProcess) -> str:
@@ -1181,8 +1200,9 @@ def report(mutation: Mutation, outcome: Outcome) -> str:
     else:
         tests = "; ".join(outcome.caught_by) or "-"
     blind = f"\n{'':<8}agreement: {outcome.blind}" if outcome.blind else ""
+    tier = {"default": "  [default tier]", "full": f"  [whole suite only: {outcome.why_full}]"}.get(outcome.tier, "")
     return (f"{outcome.status:<8}{mutation.kind:<21}{mutation.scope:<12}{mutation.bug}\n{'':<8}{tests}  "
-            f"{outcome.seconds:.0f} s{blind}")
+            f"{outcome.seconds:.0f} s{tier}{blind}")
 
 
 def summarize(results: list[tuple[Mutation, Outcome]]) -> None:
@@ -1196,6 +1216,13 @@ def summarize(results: list[tuple[Mutation, Outcome]]) -> None:
         print(f"{kind:<21}{scope:<12}{f'{caught}/{len(outcomes)}':>8}  {', '.join(sorted(tests))}")
     caught = sum(outcome.status == "caught" for _, outcome in results)
     print(f"{'total':<33}{f'{caught}/{len(results)}':>8}")
+    default = sum(outcome.tier == "default" for _, outcome in results)
+    print(f"{'caught by the default tier':<33}{f'{default}/{len(results)}':>8}  ({100 * default / len(results):.0f} %)")
+    only_full = [(mutation, outcome) for mutation, outcome in results if outcome.tier == "full"]
+    if only_full:
+        print("caught only by the whole suite (pytest --full):")
+    for mutation, outcome in only_full:
+        print(f"  {mutation.bug}\n    {function_name(outcome.caught_by[0])}: {outcome.why_full}")
 
 
 def select(args: argparse.Namespace) -> list[Mutation]:

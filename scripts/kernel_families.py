@@ -9,9 +9,9 @@ would: the suite's claims -- agreement within bounds derived from the float32 re
 wherever the bound decides them -- must hold under every family, since none of them is asserted of one CPU's
 roundings. (OpenBLAS, the reference's products, is pinned to one kernel on every machine by ``tests/conftest.py``.)
 
-    python scripts/kernel_families.py                      # every family, the numerical tests
+    python scripts/kernel_families.py                      # every family, every numerical test (--full)
     python scripts/kernel_families.py --family avx2        # one family
-    python scripts/kernel_families.py --family below-native -- -m "not slow"   # CI: the family below this CPU's
+    python scripts/kernel_families.py --family below-native -- -m "not slow"   # CI: the default tier, below this CPU
     python scripts/kernel_families.py --list               # the families and their environments
     python scripts/kernel_families.py --family sse -- -k torch    # more pytest arguments after --
 
@@ -101,7 +101,7 @@ def run_family(name: str, pytest_args: list[str]) -> tuple[bool, str]:
         print(f"  {key}={value}")
     print(probe(name), flush=True)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0", "--full",
                            *NUMERICAL_TESTS, *pytest_args], cwd=ROOT, env=family_environment(name),
                           capture_output=True, text=True)
     closing = next((line for line in reversed(done.stdout.splitlines()) if line.strip()), "(no output)")

@@ -73,7 +73,7 @@ def slow_entries(reports: list[str], threshold: float, module_setup: float) -> t
 
 def run_suite() -> str:
     """The ``--durations=0`` report of the whole suite, run as the README runs it."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0", "--full"],
                           cwd=ROOT, capture_output=True, text=True)
     return done.stdout
 

@@ -192,21 +192,65 @@ def pytest_configure(config):
 
 
 SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
+# node id -> why the default tier leaves the test out (:func:`slow_reason`), and the tests this run's default tier
+# left out; filled at collection (in pytest-xdist's workers, then handed to the controller).
+SLOW_REASONS: dict[str, str] = {}
+LEFT_OUT: list[str] = []
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the whole suite: the default tier and the tests marked slow (what CI runs)")
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` the tests ``slow_tests.txt`` names, and every test of a module it names (each took seconds in a
-    run: ``scripts/slow_tests.py``), beside those marked in their code, so that ``-m "not slow"`` is a quick inner
-    loop. In a pytest-xdist worker, put the units of work in the order they are handed out: the longest first
-    (:func:`longest_first`), so that no long unit starts when the others are nearly done."""
-    slow = {line for line in SLOW_TESTS.read_text().splitlines() if line and not line.startswith("#")}
+    run: ``scripts/slow_tests.py``), beside those marked in their code; then, unless the run is whole
+    (:func:`whole_suite`), leave them out: the default tier. In a pytest-xdist worker, put the units of work in the
+    order they are handed out: the longest first (:func:`longest_first`), so that no long unit starts when the
+    others are nearly done."""
+    listed = {line for line in SLOW_TESTS.read_text().splitlines() if line and not line.startswith("#")}
     for item in items:
-        if item.nodeid in slow or item.nodeid.split("::")[0] in slow or other_matrix_variant(item):
-            item.add_marker(pytest.mark.slow)
+        reason = slow_reason(item, listed)
+        if reason:
+            SLOW_REASONS[item.nodeid] = reason
+            if item.get_closest_marker("slow") is None:
+                item.add_marker(pytest.mark.slow)
+    if not whole_suite(config):
+        named = tuple(arg for arg in config.args if "::" in arg)
+        left = [item for item in items if item.nodeid in SLOW_REASONS and not item.nodeid.startswith(named)]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            LEFT_OUT.extend(item.nodeid for item in left)
+            kept = set(items) - set(left)
+            items[:] = [item for item in items if item in kept]
     if hasattr(config, "workerinput"):
-        order = longest_first([(item.nodeid, item.get_closest_marker("slow") is not None) for item in items],
+        order = longest_first([(item.nodeid, item.nodeid in SLOW_REASONS) for item in items],
                               config.workerinput["test_seconds"])
         items[:] = [items[index] for index in order]
+
+
+def whole_suite(config) -> bool:
+    """Whether every collected test runs: with ``--full``, or when a marker expression (``-m``) chooses for itself.
+    Otherwise the run is the default tier: every test not marked ``slow``, and those the command line names by node
+    id (``tests/test_x.py::test_y``) whether slow or not."""
+    return bool(config.getoption("full") or config.getoption("markexpr"))
+
+
+def slow_reason(item: pytest.Item, listed: set[str]) -> str | None:
+    """Why the default tier leaves ``item`` out (None: it runs in the default tier). ``listed``: the node ids and
+    modules ``slow_tests.txt`` names."""
+    module = item.nodeid.split("::")[0]
+    if item.get_closest_marker("slow") is not None:
+        return "marked slow in its code (a whole run, an export, a fresh interpreter)"
+    if module in listed:
+        return "its module's shared set-up took 10 s or more in a timed run (tests/slow_tests.txt)"
+    if item.nodeid in listed:
+        return "took 0.7 s or more in a timed run (tests/slow_tests.txt)"
+    if other_matrix_variant(item):
+        return (f"the agreement matrix on the variant {item.callspec.params['variant']}: the same code the tier "
+                f"runs on `tiny`, on another configuration")
+    return None
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -321,6 +365,7 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["agreement"] = [[list(key), [[float(error), float(bound)] for error, bound in rows]]
                                                     for key, rows in AGREEMENT_LOG.items()]
         session.config.workeroutput["peak_memory"] = peak_memory()
+        session.config.workeroutput["tier"] = [SLOW_REASONS, LEFT_OUT]
     elif RUN_SECONDS and cache:
         cache.set(TEST_SECONDS, {**cache.get(TEST_SECONDS, {}), **RUN_SECONDS})
 
@@ -341,9 +386,14 @@ def pytest_testnodedown(node, error):
         AGREEMENT_LOG[tuple(key)].extend(tuple(row) for row in rows)
     if "peak_memory" in output:
         PEAK_MEMORY[node.gateway.id] = output["peak_memory"]
+    if "tier" in output:                           # every worker collects the whole selection: the same lists
+        reasons, left_out = output["tier"]
+        SLOW_REASONS.update(reasons)
+        LEFT_OUT[:] = left_out
 
 
 def pytest_terminal_summary(terminalreporter):
+    tier_summary(terminalreporter)
     if PEAK_MEMORY:
         peaks = ", ".join(f"{worker} {peak / 2**30:.1f} GiB" for worker, peak in sorted(PEAK_MEMORY.items()))
         terminalreporter.write_line(f"peak memory of each worker: {peaks}")
@@ -359,6 +409,18 @@ def pytest_terminal_summary(terminalreporter):
     for row in (header, *rows):            # text columns to the left, numbers to the right, each as wide as it needs
         terminalreporter.write_line("  ".join(cell.ljust(width) if column < 4 else cell.rjust(width)
                                               for column, (cell, width) in enumerate(zip(row, widths))).rstrip())
+
+
+def tier_summary(terminalreporter) -> None:
+    """Say what the default tier left out, and why each failed test that only the whole suite runs is slow."""
+    failed = [report.nodeid for report in terminalreporter.stats.get("failed", []) if report.nodeid in SLOW_REASONS]
+    if failed:
+        terminalreporter.section("failed tests that the default tier leaves out")
+        for nodeid in failed:
+            terminalreporter.write_line(f"{nodeid}: {SLOW_REASONS[nodeid]}")
+    if LEFT_OUT:
+        terminalreporter.write_line(f"default tier: {len(LEFT_OUT)} tests marked slow left out; `pytest --full` runs "
+                                    f"the whole suite, as CI does")
 
 
 @pytest.fixture(autouse=True)

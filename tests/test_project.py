@@ -40,9 +40,31 @@ def test_readme_has_exactly_two_setup_commands_main_job_then_tests():
     assert all("-c constraints.txt" in command for command in commands)
 
 
-def test_ci_runs_the_readmes_test_command():
+def test_ci_runs_the_readmes_test_command_on_the_whole_suite():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert readme_commands()[1] in ci
+    assert f"{readme_commands()[1]} --full" in ci
+
+
+def collected(*args: str) -> list[str]:
+    """The node ids ``pytest --collect-only`` selects with ``args`` (one process, tests/conftest.py's tiers)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-n0",
+                           *args], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_default_tier_leaves_out_the_slow_tests_and_full_runs_them():
+    """``pytest`` runs the default tier: the tests not marked slow (in their code, by tests/slow_tests.txt, or the
+    agreement matrix's other variants); ``--full`` every test; a marker expression (``-m``) chooses for itself, and a
+    test named by node id runs whatever its tier."""
+    module = "tests/test_export.py"
+    tier, full = collected(module), collected(module, "--full")
+    slow = collected(module, "-m", "slow")
+    assert tier and slow and sorted(tier + slow) == sorted(full)
+    assert collected(module, "-m", "not slow") == tier
+    assert collected(slow[0]) == [slow[0]]
+    matrix = collected("tests/test_agreement.py", "-k", "test_forward_stages and cpu and float64 and ragged_batch")
+    assert matrix and all(test.endswith("-tiny]") for test in matrix)
 
 
 def test_packaging_declares_every_backend_and_extra():
@@ -257,7 +279,7 @@ def test_the_scripts_pytest_runs_configure_without_the_cache_provider():
     """scripts/kernel_families.py, check_mutations.py and slow_tests.py run pytest with ``-p no:cacheprovider`` (no
     ``--cache-clear`` option then): tests/conftest.py configures all the same, and the selected test runs."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0",
-                           f"{Path(__file__).relative_to(ROOT)}::test_ci_runs_the_readmes_test_command"],
+                           f"{Path(__file__).relative_to(ROOT)}::test_ci_runs_the_readmes_test_command_on_the_whole_suite"],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
