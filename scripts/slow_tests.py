@@ -1,11 +1,11 @@
 """Write ``tests/slow_tests.txt``: the tests that leave the developers' inner loop, ``pytest -m "not slow"``.
 
 A test is *slow* when it took at least ``--threshold`` seconds (set-up, call and teardown together) in a run of the
-whole suite as the README runs it (two pytest-xdist workers). A module is slow as a whole when one of its tests' set-up
+whole suite, ``pytest --full`` (pytest-xdist's workers). A module is slow as a whole when one of its tests' set-up
 took at least ``--module-setup`` seconds: a shared set-up (a module fixture: the data-parallel runs) would otherwise
 move to the module's first quick test. ``tests/conftest.py`` marks every test the file names, or whose module it
 names, ``slow``, beside those marked in their code (``@pytest.mark.slow``: whole training runs, exports, documents).
-The README's command and CI run every test; the file only decides what the inner loop leaves out.
+`pytest --full` and CI run every test; the file only decides what the default tier leaves out.
 
     python scripts/slow_tests.py                       # run the suite with --durations=0, then write the file
     python scripts/slow_tests.py --from run.txt        # read the durations of a saved run (pytest --durations=0)
@@ -33,8 +33,8 @@ DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S.*)$")
 HEADER = """\
 # The tests `pytest -m "not slow"` leaves out besides those marked in their code: each took at least {threshold} s
 # (set-up, call and teardown) in a run of the whole suite or of the inner loop; a module named alone had a test
-# set-up of {module_setup} s or more. Written by scripts/slow_tests.py; tests/conftest.py marks them. The README's
-# command and CI run every test.
+# set-up of {module_setup} s or more. Written by scripts/slow_tests.py; tests/conftest.py marks them. `pytest --full`
+# and CI run every test.
 """
 
 
@@ -72,7 +72,7 @@ def slow_entries(reports: list[str], threshold: float, module_setup: float) -> t
 
 
 def run_suite() -> str:
-    """The ``--durations=0`` report of the whole suite, run as the README runs it."""
+    """The ``--durations=0`` report of the whole suite (``pytest --full``)."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0", "--full"],
                           cwd=ROOT, capture_output=True, text=True)
     return done.stdout

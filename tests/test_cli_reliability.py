@@ -168,10 +168,11 @@ def test_every_range_belongs_to_a_flag_and_every_number_flag_has_one():
                 assert action in actions or isinstance(getattr(action.type, "__self__", None), Range), action
 
 
-def test_the_readme_lists_every_numeric_flag_with_its_range():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+def test_the_cli_docs_list_every_numeric_flag_with_its_range():
+    """docs/cli.md, "Flags and their ranges": a row per flag of ``RANGES``, with its range as ``--help`` says it."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
     for flag, bounds in RANGES.items():
-        assert re.search(rf"^\| `{re.escape(flag)}` \| [^|]+ \| {re.escape(str(bounds))} \|", readme, re.M), flag
+        assert re.search(rf"^\| `{re.escape(flag)}` \| [^|]+ \| {re.escape(str(bounds))} \|", docs, re.M), flag
 
 
 def test_vocab_size_below_the_corpus_alphabet_is_refused_naming_the_flag(tmp_path, monkeypatch, no_backend, capsys):

@@ -66,7 +66,7 @@ class Range:
 
 
 # Every numeric flag of every command and its range, checked while the command line is parsed (:func:`add_number`);
-# the bounds keep each command's memory and time finite whatever is typed (README, "Flags and their ranges")
+# the bounds keep each command's memory and time finite whatever is typed (docs/cli.md, "Flags and their ranges")
 STEPS = 100_000_000
 RANGES: dict[str, Range] = {
     "--threads": Range(1, 1024),
