@@ -233,6 +233,13 @@ SINGLE = [
     Mutation("fuzz", "every port's beam search: lp(Y) with alpha 1 whatever the config's (|Y| for \"hf\")", "single",
              tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.length_normalization)",
                         "length_penalty(n, 1.0, cfg.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
+    # The documentation names files that exist, and documents the command's exit codes.
+    single("docs", "docs: a test module named by a path that does not exist", "docs/testing.md",
+           "* `tests/test_oracle.py` recomputes", "* `tests/test_oracles.py` recomputes", ["tests/test_references.py"]),
+    single("docs", "a docstring names a test file that does not exist", "equivalence/contract.py",
+           "``tests/test_equivalence.py`` checks", "``tests/test_contract.py`` checks", ["tests/test_references.py"]),
+    single("docs", "docs/cli.md: the internal error's exit code left out of the table", "docs/cli.md",
+           "| `3` | internal error", "| 3 | internal error", ["tests/test_cli.py", "-k", "exit_codes_are_documented"]),
 ]
 
 
