@@ -19,15 +19,14 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 # process imports JAX: the test processes (xdist's workers inherit it from the controller) and every process a test
 # starts (CLI runs, the documents' examples, data-parallel workers) read back a program compiled before -- in an
 # earlier run, in another process, or in this one before a module's caches were dropped -- instead of compiling it
-# again: the same executable, XLA's key covering the program, its compile options, XLA_FLAGS and jaxlib's version
-# (test_jax.py alone: 410 s with the cache empty, 155 s with it filled by the run before). A user's own directory is
-# kept; xdist's workers and the processes a test starts find the controller's set.
+# again: the same executable, XLA's key covering the program, its compile options, XLA_FLAGS and jaxlib's version.
+# A user's own directory is kept; xdist's workers and the processes a test starts find the controller's set.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache.directory())
 # Every program goes into that cache, not only those that took JAX's default of 1 s to compile: the op-by-op
 # primitives (eager JAX) and small jitted functions are compiled again in every module after the module's caches are
-# dropped (pytest_runtest_teardown below) and in every process a test starts; read back, a set of forward passes,
-# gradients, decoding loops and components compiled a second time took 52 s of CPU instead of 74 s.
+# dropped (pytest_runtest_teardown below) and in every process a test starts, and reading a program back costs
+# less than compiling it again.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # XLA:CPU (JAX's programs, TensorFlow's compiled ones) compiles the suite's programs with LLVM at optimisation level 1
@@ -151,10 +150,9 @@ def check_logits_rounding(log_probs, x, model_in, dtype: str, what: str) -> None
                              f"the float32 bound (plus the undecided logits' share) {bound.max():.3e}")
 
 
-# The memory one worker needs: its own peak (a clean clone's run on the 2-core machine: 8.0 GiB, the other worker 6.3;
-# the run's summary prints each worker's, pytest_terminal_summary) and the processes its tests start (a data-parallel
-# run's, a document's interpreter, mypy: up to 1.9 GiB), not all at the same moment: sampled every 5 s, the two
-# workers and their processes held up to 15 GiB together. ``--numprocesses=auto`` starts no more workers than the
+# The memory one worker needs: its own peak in a whole run (the run's summary prints each worker's,
+# pytest_terminal_summary) and the processes its tests start (a data-parallel run's, a document's interpreter, mypy),
+# which do not all run at the same moment. ``--numprocesses=auto`` starts no more workers than the
 # machine's memory holds at this much each.
 WORKER_MEMORY = 8 * 2**30
 
@@ -177,8 +175,7 @@ def worker_count(cores: int, memory: int) -> int:
 def pytest_configure(config):
     """Each pytest-xdist worker runs on cores of its own (its share of this process's affinity), set before the test
     modules load a framework: PyTorch, XLA and TensorFlow size their thread pools by the cores a process may use,
-    and two workers each running as many threads as the machine has cores, spinning while they wait for one, made
-    the same tests up to 12 times slower (73 against 6 CPU-seconds for PyTorch's decoding tests). The CLI's
+    and two workers each running as many threads as the machine has cores spin while they wait for one. The CLI's
     ``--threads`` default follows the same affinity, and so do the processes a test starts. ``--cache-clear``
     empties the compilation cache too (in the controller, before any program is compiled)."""
     if config.getoption("cacheclear", default=False) and "PYTEST_XDIST_WORKER" not in os.environ:
@@ -270,10 +267,9 @@ SLOW_GUESS, QUICK_GUESS = 6.0, 0.3
 def longest_first(tests: list[tuple[str, bool]], seconds: dict[str, float]) -> list[int]:
     """The indices of ``tests`` (node id, marked slow) with the units of work (:func:`work_unit`) ordered by the
     time their tests took (``seconds``; a guess for a test not there), the longest first; each unit's tests keep
-    their order. pytest-xdist hands the units out in this order (:func:`pytest_xdist_make_scheduler`): handed out
-    over 8 workers, the clean clone's per-unit times come to 8.5 minutes in the order of those times (a run before
-    timed every test), 10.2 in the guesses' (none did), 11.7 in pytest-xdist's own (the most tests first); over 2,
-    33.7-33.8 in all three."""
+    their order. pytest-xdist hands the units out in this order (:func:`pytest_xdist_make_scheduler`), so that no
+    long unit starts when the other workers are nearly done: with more workers than two, the run ends sooner than in
+    pytest-xdist's own order (the units with the most tests first)."""
     units: dict[str, list[int]] = defaultdict(list)
     time: dict[str, float] = defaultdict(float)
     for index, (nodeid, slow) in enumerate(tests):
@@ -299,7 +295,8 @@ def work_unit(nodeid: str) -> str:
     """What one pytest-xdist worker runs whole: a test module, whose tests share their models, compiled programs and
     reference outputs (dropped at its end: :func:`pytest_runtest_teardown`); the agreement matrix by port and dtype
     (each (port, variant, dtype) model compiles programs of its own; the reference's outputs are all they share).
-    Run as one unit, the matrix kept one worker busy for over half the run while the other ran every other module."""
+    As one unit, the matrix would keep one worker busy for over half the run while the others ran every other
+    module."""
     module, _, test = nodeid.partition("::")
     if module not in SPLIT_MODULES:
         return module
@@ -327,8 +324,8 @@ def pytest_xdist_make_scheduler(config, log):
 def other_matrix_variant(item: pytest.Item) -> bool:
     """The agreement matrix (test_agreement.py) on a model variant other than ``tiny``: the same code of every port
     on another configuration (pre-LN, learned positions, the families' choices...), each variant compiling its own
-    programs in JAX and TensorFlow (four fifths of the matrix's inner-loop time). The inner loop keeps ``tiny``;
-    the README's command runs every variant."""
+    programs in JAX and TensorFlow (most of the matrix's time). The default tier keeps ``tiny``; the whole suite
+    (``--full``) runs every variant."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     return item.nodeid.startswith("tests/test_agreement.py::") and params.get("variant", "tiny") != "tiny"
 
@@ -336,13 +333,12 @@ def other_matrix_variant(item: pytest.Item) -> bool:
 def pytest_runtest_teardown(item, nextitem):
     """After the last test of a module in this process: drop what its tests and the shared helpers cached (models,
     their compiled functions, reference outputs) and give the freed memory back, so that a worker running many
-    modules holds one module's caches at a time, not all of them: the agreement matrix alone caches ~4 GB, and two
-    workers holding every module's used up the machine's memory (XLA aborting in its compiler and a worker losing
-    its connection were the crashes seen then). What survives the collection (the frameworks' modules and their
-    registries: 3 to 5 million objects by the end of a run) is moved out of the collector's sight (``gc.freeze``), so
-    that the next module's collection, and pytest's own two at the end of a worker, walk only what was made since:
-    each walk of the whole heap took 3-9 s, 193 s of a run at the modules' ends, and at the end pytest-xdist stops a
-    worker whose last steps take over 5 s with a SIGINT (printed as a KeyboardInterrupt)."""
+    modules holds one module's caches at a time, not all of them: the agreement matrix alone caches ~4 GB, and
+    every module's together are more than a worker's share of the machine's memory. What survives the collection
+    (the frameworks' modules and their registries: millions of objects by the end of a run) is moved out of the
+    collector's sight (``gc.freeze``), so that the next module's collection, and pytest's own two at the end of a
+    worker, walk only what was made since: a walk of the whole heap takes seconds, and at the end pytest-xdist stops
+    a worker whose last steps take over 5 s with a SIGINT (printed as a KeyboardInterrupt)."""
     if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None):
         return
     namespaces = (getattr(item, "module", None), sys.modules.get("support"), sys.modules[__name__])
@@ -429,10 +425,8 @@ def environment_kept() -> Iterator[None]:
     ``main(argv)`` before JAX's first operation in the process writes its ``--threads`` into the environment
     (``PJRT_NPROC``, ``XLA_FLAGS``: transformer_cli/runtime.py; ``train --data-parallel``'s host devices too; after
     it, the command leaves them alone), and JAX hashes ``XLA_FLAGS`` into the key of every program it compiles: left
-    behind, it changed the keys of every later program in that worker, so
-    that whether a JAX program was read back from the compilation cache depended on which modules had run before
-    in the same process (a working copy's run with its cache filled: test_jax.py 79 s in one order, 186 s in
-    another)."""
+    behind, it would change the keys of every later program in that worker, so that whether a JAX program is read
+    back from the compilation cache would depend on which modules had run before in the same process."""
     saved = dict(os.environ)
     yield
     if os.environ != saved:
