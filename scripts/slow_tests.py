@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.7, help="seconds (default 0.7)")
     parser.add_argument("--module-setup", type=float, default=10.0,
                         help="a module with a test set-up this long leaves whole (seconds, default 10)")
+    parser.add_argument("--add", metavar="RUN", help="keep the file's entries and add the reports' slow tests, "
+                        "RUN describing the reports' run in the file's header (e.g. 'a clean clone's default tier')")
     args = parser.parse_args(argv)
     if args.threshold <= 0 or args.module_setup <= 0:
         parser.error("--threshold and --module-setup must be > 0")
@@ -92,8 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     entries, seconds = slow_entries(reports, args.threshold, args.module_setup)
     if not seconds:
         parser.error("the report lists no test durations (was it run with --durations=0?)")
-    SLOW_TESTS.write_text(HEADER.format(threshold=args.threshold, module_setup=args.module_setup)
-                          + "".join(f"{entry}\n" for entry in entries))
+    header = HEADER.format(threshold=args.threshold, module_setup=args.module_setup)
+    if args.add:
+        kept = SLOW_TESTS.read_text().splitlines()
+        header = "".join(f"{line}\n" for line in kept if line.startswith("#"))
+        header += f"# Added: each test that took at least {args.threshold} s in {args.add}.\n"
+        entries = [*dict.fromkeys([*(line for line in kept if line and not line.startswith("#")), *entries])]
+    SLOW_TESTS.write_text(header + "".join(f"{entry}\n" for entry in entries))
     left = [test for test in seconds if test not in entries and test.split("::")[0] not in entries]
     kept = sum(seconds[test] for test in left)
     print(f"{len(seconds) - len(left)} of {len(seconds)} tests slow ({sum(seconds.values()) - kept:.0f} s); the "
