@@ -34,6 +34,9 @@ class Backend(Protocol):
     NAME: str
     """The backend's name: "numpy", "torch", "jax" or "tf"."""
 
+    FORWARD_PATH: str
+    """How :meth:`log_probs` runs the forward pass, in a few words (``compare``'s speed row names it)."""
+
     def devices(self) -> list[str]:
         """Devices usable here: "cpu", then accelerators ("cuda:N" or "gpu:N")."""
         ...

@@ -62,7 +62,7 @@ def test_compare_prints_the_table_and_succeeds(workdir):
     table = result.stdout
     for row in ("src_embed", "encoder.layers.0", "encoder.layers.1", "encoder", "decoder.layers.2", "log_probs",
                 "worst error/bound", "first over bound", "first non-finite", "greedy identical", "forward ms",
-                "status"):
+                "forward path", "status"):
         assert f"\n{row} " in table, f"row {row!r} missing from:\n{table}"
     assert "numpy/cpu/f32" in table
     for port in backends.load()[0]:

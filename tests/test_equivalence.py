@@ -25,8 +25,8 @@ from transformer_cli.backends import numpy as reference
 
 # backend -> the framework module its adapter needs (None: NumPy only)
 ADAPTERS = {"numpy": None, "torch": "torch", "jax": "flax", "tf": "keras"}
-CONTRACT = ("NAME", "devices", "build", "load", "load_training_state", "save", "export_params", "forward",
-            "log_probs", "component", "component_gradients", "greedy", "beam", "attention_weights", "loss",
+CONTRACT = ("NAME", "FORWARD_PATH", "devices", "build", "load", "load_training_state", "save", "export_params",
+            "forward", "log_probs", "component", "component_gradients", "greedy", "beam", "attention_weights", "loss",
             "gradients", "optimizer", "loss_scale", "train_step", "training_state", "train_data_parallel")
 # Small enough for the reference's gradient by finite differences (four loss evaluations per entry).
 MICRO = TransformerConfig.preset("tiny").replace(d_model=4, n_heads=2, d_ff=8, n_encoder_layers=1,

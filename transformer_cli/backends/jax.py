@@ -38,6 +38,7 @@ from transformer_jax.precision import autocast_dtype
 from transformer_jax.speed import forward as _forward
 
 NAME = "jax"
+FORWARD_PATH = "jax.jit"
 _Arguments = ParamSpec("_Arguments")
 _Result = TypeVar("_Result")
 

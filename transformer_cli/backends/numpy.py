@@ -27,6 +27,7 @@ from reference_numpy.precision import autocast, check_autocast_training, parse_p
 from transformer_cli.backends import in_recipe
 
 NAME = "numpy"
+FORWARD_PATH = "NumPy"
 # the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
 # adapter on it runs under reference_numpy.precision.autocast, as the PyTorch adapter's under torch.autocast
 _AUTOCAST: weakref.WeakKeyDictionary[Transformer, np.dtype] = weakref.WeakKeyDictionary()

@@ -42,6 +42,7 @@ from transformer_tf.precision import autocast_dtype
 from transformer_tf.speed import compiled_forward
 
 NAME = "tf"
+FORWARD_PATH = "tf.function, XLA"
 
 
 def devices() -> list[str]:

@@ -48,6 +48,7 @@ from transformer_torch.model import (
 from transformer_torch.precision import dtype_name, from_numpy, to_numpy
 
 NAME = "torch"
+FORWARD_PATH = "eager"
 # the autocast dtype of each model built in "mixed-bfloat16" or "mixed-float16" (a float32 model): every call of this
 # adapter on it runs under torch.autocast(device_type, dtype), the framework's own switch
 _AUTOCAST: weakref.WeakKeyDictionary[Transformer, torch.dtype] = weakref.WeakKeyDictionary()

@@ -51,7 +51,8 @@ class Run:
     device: str
     dtype: str
     stages: list[StageResult] = field(default_factory=list)
-    forward_ms: float | None = None
+    forward_ms: float | None = None         # the forward pass by the framework's production path (log_probs)
+    forward_path: str = ""                  # that path, in words (the adapter's FORWARD_PATH)
     greedy_identical: bool | None = None
     greedy_note: str = ""
     translations: list[str] | None = None   # the greedy outputs as text, when the checkpoint has a tokenizer
@@ -223,8 +224,9 @@ def run_backend(adapter: ModuleType, device: str, dtype: str, config: Transforme
     run, inputs = Run(adapter.NAME, device, dtype), oracle.inputs
     try:
         model = adapter.build(config, params, dtype, device)
-        timing = measure(lambda: adapter.forward(model, **inputs), TIMED_REPEATS)  # after a warm-up (compilation)
-        stages, run.forward_ms = cast(tolerance.Stages, timing.result), 1e3 * timing.median   # forward's stages
+        stages = cast(tolerance.Stages, adapter.forward(model, **inputs))
+        timing = measure(lambda: adapter.log_probs(model, **inputs), TIMED_REPEATS)  # after a warm-up (compilation)
+        run.forward_ms, run.forward_path = 1e3 * timing.median, adapter.FORWARD_PATH
         same = oracle.stages.get(dtype, oracle.stages64)                   # the reference in dtype (float64: itself)
         for name, ref64 in oracle.stages64.items():
             stage = np.asarray(stages[name])

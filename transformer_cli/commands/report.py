@@ -58,6 +58,7 @@ def format_table(report: Report) -> str:
         "greedy identical": lambda run: "-" if run.greedy_identical is None else
         ("yes" + ("*" if run.greedy_note else "") if run.greedy_identical else "NO"),
         "forward ms": lambda run: "-" if run.forward_ms is None else f"{run.forward_ms:.1f}",
+        "forward path": lambda run: run.forward_path or "-",
         "status": lambda run: "ok" if run.ok else ("ERROR" if run.error else "FAILED"),
     }
     for name, describe in footer.items():
