@@ -1048,6 +1048,10 @@ LINEAR_MAPS_IN_P = [
            "added (nnx.Linear's own second rounding)", JM,
            "preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)", "precision=_PRECISION, rngs=rngs)",
            [*LINEAR_MAPS, "-k", "jax and model"]),
+    single("precision", "keras: a layer built with no dtype computes in float32 whatever the global policy says",
+           FM, "        super().__init__(**kwargs)\n        self.config = _as_config(config)",
+           "        super().__init__(**{**kwargs, \"dtype\": kwargs.get(\"dtype\") or \"float32\"})\n"
+           "        self.config = _as_config(config)", [*LINEAR_MAPS, "-k", "alone and tf"]),
     consistent("precision", "every backend: under autocast the generator reads its input unrounded (float32 x, W and "
                "b in P: logits more accurate than the recipe)", [
                    (RM, "logits = narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype)",
