@@ -30,7 +30,8 @@ from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import backends, extras
 from transformer_cli.commands import train as train_module
-from transformer_cli.main import EXIT_OK, EXIT_USAGE
+from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
+from transformer_cli.tasks.copy import VALIDATION as VALIDATION_SPLIT
 from transformer_cli.tasks.copy import CopyTask
 from transformer_cli.tasks.corpus import CorpusTask, read_corpus
 
@@ -115,6 +116,32 @@ def test_token_batches_hold_every_sentence_once_an_epoch_within_the_budget(task)
     assert shapes[0] == shapes[1]                     # JAX and TensorFlow compile each shape once, in epoch 0
     again = made.batch(config, BUDGET, per_epoch + 3, 0)
     assert all(np.array_equal(again[name], made.batch(config, BUDGET, per_epoch + 3, 0)[name]) for name in again)
+
+
+def test_the_held_out_split_is_disjoint_from_the_pairs_the_trainer_draws(corpus, tmp_path):
+    """``train --corpus PAIRS.tsv`` without validation files: the streams the trainer consumes -- the plan's
+    training batches of a whole epoch and its validation batch -- are read back as text. The validation pairs are
+    the default min(1000, 5%) of the file's (15 of 300), none of them in the training stream, and training plus
+    validation is the file's pairs, each exactly once."""
+    english, spanish = (Path(corpus[name]).read_text(encoding="utf-8").splitlines() for name in ("train.en",
+                                                                                                 "train.es"))
+    write_lines(tmp_path / "pairs.tsv", [f"{e}\t{s}" for e, s in zip(english, spanish)])
+    plan = train_module.plan_from(build_parser().parse_args(
+        ["train", "--corpus", str(tmp_path / "pairs.tsv"), "--preset", "tiny", "--vocab-size", "200",
+         "--tokens-per-batch", str(BUDGET), "--backends", "numpy"]))
+    made, config = plan.task, plan.config
+    assert isinstance(made, CorpusTask)
+    texts = lambda batch: Counter((made.learned.decode(source), made.learned.decode(labels))
+                                  for source, labels in zip(batch["src"], batch["labels"]))
+    per_epoch = len(made.epoch_batches(plan.batch_size, 0, plan.seed))
+    trained = sum((texts(made.batch(config, plan.batch_size, step, plan.seed)) for step in range(per_epoch)),
+                  Counter())
+    validated = texts(made.held_out_batch(config, plan.validation_size, VALIDATION_SPLIT, plan.seed)[0])
+    everything = Counter((made.learned.normalize(e), made.learned.normalize(s)) for e, s in zip(english, spanish))
+    assert len(everything) == TRAINING                            # no pair twice in the file: a pair is one line
+    assert plan.validation_size == sum(validated.values()) == round(0.05 * TRAINING)
+    assert not set(validated) & set(trained), "validation pairs in the training stream"
+    assert trained + validated == everything and sum(trained.values()) == TRAINING - plan.validation_size
 
 
 def longest_sides(batch: dict[str, np.ndarray], config: TransformerConfig) -> tuple[int, int]:

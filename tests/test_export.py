@@ -32,6 +32,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -548,6 +549,65 @@ def test_export_check_decodes_as_section_6_1_whatever_the_checkpoints_convention
     src = load_translator()[2].batch(shipped_texts())
     own = greedy_decode(Transformer(marian, params), src)
     assert all(not np.array_equal(a, b) for a, b in zip(own, greedy_decode(Transformer(config, params), src)))
+
+
+# An artefact with exactly one part wrong, the other the shipped model's: lines a serving script runs after the
+# artefact's loader (export_check's LOADERS) or step (its STEPS), rebinding what that defined -- a forward pass that
+# reads the source reversed (its padding first), or a cached step handed empty self-attention caches at every
+# position (it forgets every position before the one it writes).
+ONE_PART_WRONG = {
+    "forward": ("LOADERS", "\n_run = run\nrun = lambda src, tgt: _run(np.ascontiguousarray(src[:, ::-1]), tgt)\n"),
+    "step": ("STEPS", "\n_step = step\nstep = lambda token, index, memory, src, keys, values, *cross: _step(\n"
+                      "    token, index, memory, src, np.zeros_like(keys), np.zeros_like(values), *cross)\n"),
+}
+
+
+def check_one_part_wrong(target: str, part: str, artefact: Path, tmp_path: Path, capsys, serving,
+                         script: str = "") -> None:
+    """``export --check`` of ``artefact`` (as the command's export, with ``script`` run after the loader or the
+    step, :data:`ONE_PART_WRONG`) exits 1, and its report says that ``part`` -- the forward pass or the cached
+    decoding step -- and that part alone is off: its log-probabilities beyond the bound; the other part's
+    log-probabilities within it and its tokens identical."""
+    table, _ = ONE_PART_WRONG[part]
+    with pytest.MonkeyPatch.context() as patch, serving():
+        patch.setattr(export_module, "export", lambda *args, **kwargs: artefact)
+        patch.setitem(getattr(export_check, table), target, getattr(export_check, table)[target] + script)
+        status = main(["export", "--to", target, "numbers-en-fr", str(tmp_path / f"out-{part}"), "--check"])
+    report = capsys.readouterr().out.splitlines()[-1]
+    forward, _, step = report.partition("; cached decoding step: ")
+    assert status == EXIT_DISAGREEMENT and step, report
+    wrong, right = (forward, step) if part == "forward" else (step, forward)
+    assert " > bound " in wrong, report
+    assert "<= bound" in right and "DIFFER" not in right and "identical" in right, report
+
+
+# About 20 s a part for ONNX (the shipped model's artefact is the module's, shared with the test above): one checking
+# process each; the other targets' artefacts take up to a minute to write.
+@pytest.mark.parametrize("part", list(ONE_PART_WRONG))
+@pytest.mark.parametrize("target", [pytest.param(target, marks=() if target == "onnx" else pytest.mark.slow)
+                                    for target in STEPS])
+def test_export_check_names_the_one_part_of_the_artefact_that_is_wrong(target, part, tmp_path, capsys, exported,
+                                                                       serving):
+    """The case the step's check exists for: an artefact whose forward pass is right and whose cached decoding
+    step is wrong (and the converse), each target: ``export --check`` exits 1 and its report names the wrong part."""
+    check_one_part_wrong(target, part, exported(target).path, tmp_path, capsys, serving, ONE_PART_WRONG[part][1])
+
+
+# 30 to 60 s a target: the planted export (its own trace and serialisation) and two checking processes.
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["torch-export", "onnx"])
+def test_export_check_of_an_artefact_whose_files_mix_two_exports(target, tmp_path, capsys, exported, serving):
+    """The same, each program its own file: the shipped model's artefact with the step's programs (``encode``,
+    ``step``) taken from the export of the planted decoder W_k bug, and the converse (its forward pass taken from
+    it) -- the bug is in every program of that export."""
+    suffix = target.split("-")[-1].replace("export", "pt2")
+    programs = {"forward": [f"model.{suffix}"], "step": [f"encode.{suffix}", f"step.{suffix}"]}
+    for part, names in programs.items():
+        mixed = tmp_path / part / target
+        shutil.copytree(exported(target).path, mixed)
+        for name in names:
+            shutil.copy(exported(target, DECODER_W_K).path / name, mixed / name)
+        check_one_part_wrong(target, part, mixed, tmp_path, capsys, serving)
 
 
 def test_export_check_is_for_the_forward_pass_targets(tmp_path, capsys):

@@ -11,6 +11,7 @@ import pytest
 from reference_numpy.tokenizer import pad_rows
 from transformer_cli.backends import numpy as numpy_adapter
 from transformer_cli.commands.translate import load_translator
+from transformer_cli.tasks.copy import TEST, VALIDATION
 from transformer_cli.tasks.numbers import (
     DIGIT_WEIGHTS,
     SPLIT_SEED,
@@ -127,9 +128,19 @@ def test_training_numbers_never_hold_a_held_out_number(split):
 
 
 def test_training_batches_hold_no_held_out_text(task, shipped, split):
+    """The streams the trainer consumes, read back as text: no source or target of the whole test and validation
+    sets (``held_out_batch``, every pair of each) in training batches, and the two sets, disjoint, hold as many
+    numbers as the split leaves out of the training pool."""
     config, tokenizer = shipped[0], shipped[2]
-    held_out = np.concatenate([split.test, split.validation])
-    held_out_english, held_out_french = {english(n) for n in held_out}, {french(n) for n in held_out}
+    held_out_english, held_out_french = set(), set()
+    for name in (TEST, VALIDATION):
+        batch, references = task.held_out_batch(config, task.held_out_size(name), name, seed=0)
+        sources = {tokenizer.decode(row) for row in batch["src"]}
+        assert len(sources) == len(set(references)) == len(batch["src"]) == task.held_out_size(name)
+        assert not sources & held_out_english, f"{name} pairs in another held-out set"
+        held_out_english, held_out_french = held_out_english | sources, held_out_french | set(references)
+    pool = sum(len(numbers) for numbers in split.pool.values())
+    assert len(held_out_english) == len(held_out_french) == ALL - pool
     for step in range(12):
         batch = task.batch(config, 64, step, seed=step % 3)
         sources = {tokenizer.decode(row) for row in batch["src"]}
