@@ -25,6 +25,7 @@ from .checkpoint import (  # noqa: E402
 )
 from .decoding import beam_search, greedy_decode  # noqa: E402
 from .device import deterministic, devices, full_precision, resolve_device  # noqa: E402
+from .ecosystem import LabelSmoothedCrossEntropy, TokenAccuracy, adam, fit_state  # noqa: E402
 from .model import (  # noqa: E402
     Decoder,
     DecoderLayer,
@@ -71,4 +72,6 @@ __all__ = [
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
+    # Keras' compile/fit (ecosystem.py): this port's own
+    "LabelSmoothedCrossEntropy", "TokenAccuracy", "adam", "fit_state",
 ]
