@@ -92,6 +92,9 @@ def test_keras_loss_and_token_accuracy_are_the_naive_sums():
     accuracy = ecosystem.TokenAccuracy(CONFIG.pad_id)
     accuracy.update_state(batch["labels"], log_probs)
     assert float(accuracy.result()) == hits / count
+    accuracy.reset_state()                               # every label the most likely token, the padding's too: 1
+    accuracy.update_state(batch["labels"], np.log(np.eye(vocab)[batch["labels"]] * 0.5 + 0.5 / vocab))
+    assert float(accuracy.result()) == 1.0
     with pytest.raises(ValueError, match=r"^epsilon must be in \[0, 1\), got 1.5$"):
         ecosystem.LabelSmoothedCrossEntropy(CONFIG.pad_id, epsilon=1.5)
     with pytest.raises(ValueError, match=r"^pad_id must be a token id \(an int >= 0\), got -1$"):
