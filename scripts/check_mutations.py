@@ -1090,6 +1090,13 @@ ECOSYSTEM = [
            "training.learning_rate_schedule(model.config.d_model, config)",
            "training.learning_rate_schedule(2 * model.config.d_model, config)",
            [ECOSYSTEM_TESTS, "-k", "keras_fit_makes_the_reference_updates and numpy"]),
+    single("ecosystem", "tf: from_pretrained of a Hugging Face directory drops its tokenizer", "transformer_tf/checkpoint.py",
+           "        model.tokenizer_json = text\n", "        model.tokenizer_json = None\n",
+           ["tests/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory and tf"]),
+    single("ecosystem", "jax: from_pretrained of a file ignores dtype", "transformer_jax/checkpoint.py",
+           "model = load_checkpoint(name_or_path, dtype, device=device)",
+           "model = load_checkpoint(name_or_path, device=device)",
+           ["tests/test_from_pretrained.py", "-k", "checkpoint_file and jax"]),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
