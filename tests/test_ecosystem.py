@@ -15,7 +15,7 @@ from support import TRAINING, port_backend
 
 from equivalence import tolerance
 from equivalence.cases import VARIANTS, seeded_params, training_inputs
-from equivalence.training_runs import Run, assert_weights_and_moments, reference_run
+from equivalence.training_runs import Run, assert_float64_run, assert_weights_and_moments, reference_run
 from reference_numpy import training as reference_training
 from reference_numpy.model import Transformer as ReferenceTransformer
 
@@ -205,3 +205,85 @@ def test_keras_fit_under_the_global_mixed_bfloat16_policy_makes_train_steps_upda
     for name, value in expected.items():
         np.testing.assert_array_equal(params[name], value, err_msg=name)
     assert_weights_equal(ecosystem.fit_state(fitted), training.training_state(stepped, optimizer))
+
+
+# ----------------------------------------------------------------------------- PyTorch: Dataset, DataLoader, optim
+
+def torch_modules():
+    port_backend("torch")
+    import torch
+
+    import transformer_torch
+    from transformer_torch import ecosystem
+    return torch, transformer_torch, ecosystem
+
+
+def sentences(batches: list[dict[str, np.ndarray]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Every sentence pair of the batches as ids without their padding: (sources, labels)."""
+    rows = lambda key: [[int(t) for t in row if t != CONFIG.pad_id] for batch in batches for row in batch[key]]
+    return rows("src"), rows("labels")
+
+
+def test_torch_dataset_collates_pairs_as_the_training_batches():
+    """``collate`` against a loop that pads each row by hand; a DataLoader over the dataset gives those batches."""
+    torch, transformer_torch, ecosystem = torch_modules()
+    sources, targets = [[5, 6, 7, 2], [8, 2]], [[9, 2], [10, 11, 12, 2]]
+    dataset = ecosystem.TranslationDataset(sources, targets, CONFIG)
+    assert len(dataset) == 2 and dataset[1] == ([8, 2], [10, 11, 12, 2])
+    pad, start = CONFIG.pad_id, CONFIG.start_id
+    expected = {"src": [[5, 6, 7, 2], [8, 2, pad, pad]], "tgt": [[start, 9, pad, pad], [start, 10, 11, 12]],
+                "labels": [[9, 2, pad, pad], [10, 11, 12, 2]]}
+    (batch,) = list(torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=dataset.collate))
+    for key, rows in expected.items():
+        assert batch[key].dtype == torch.int64
+        assert batch[key].tolist() == rows, key
+    with pytest.raises(ValueError, match=r"^targets holds 1 sentences, sources 2: one target per source$"):
+        ecosystem.TranslationDataset(sources, targets[:1], CONFIG)
+    with pytest.raises(ValueError, match=r"^sources\[1\] is empty: every sentence has at least its eos$"):
+        ecosystem.TranslationDataset([[5, 2], []], targets, CONFIG)
+
+
+def torch_loop(model, forward, loader, torch, transformer_torch) -> Run:
+    """The loop of docs/torch.md, "Train it your framework's way": torch.optim's Adam and LambdaLR of Eq. (3),
+    ``forward`` the model itself or ``torch.compile(model)`` (which shares its parameters)."""
+    adam = torch.optim.Adam(model.parameters(), lr=1.0, betas=(TRAINING.beta1, TRAINING.beta2), eps=TRAINING.epsilon)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adam, transformer_torch.learning_rate_schedule(CONFIG.d_model,
+                                                                                                 TRAINING))
+    losses = []
+    for batch in loader:
+        adam.zero_grad()
+        loss = transformer_torch.label_smoothed_cross_entropy(forward(batch["src"], batch["tgt"]), batch["labels"],
+                                                              CONFIG.pad_id)
+        loss.backward()
+        adam.step()
+        schedule.step()
+        losses.append(loss.item())
+    record = transformer_torch.training.Optimizer(adam, schedule, TRAINING)
+    return Run(losses, transformer_torch.to_params(model), transformer_torch.training_state(model, record))
+
+
+def torch_run(compiled: bool) -> tuple[Run, Run, object]:
+    """10 steps of the loop over a DataLoader (one pair of the Keras steps' sentences per batch of 3), and the
+    float64 reference's run of the batches the loader gives, with its bound."""
+    torch, transformer_torch, ecosystem = torch_modules()
+    dataset = ecosystem.TranslationDataset(*sentences(fit_batches(10)), CONFIG)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=3, shuffle=False, collate_fn=dataset.collate)
+    batches = [{key: value.numpy() for key, value in batch.items()} for batch in loader]
+    expected, bound = reference_run(CONFIG, seeded_params(CONFIG), TRAINING, batches)
+    model = transformer_torch.from_params(CONFIG, seeded_params(CONFIG)).train()
+    forward = torch.compile(model) if compiled else model
+    return torch_loop(model, forward, loader, torch, transformer_torch), expected, bound
+
+
+def test_a_torch_dataloader_loop_makes_the_reference_updates():
+    """The documented loop (``torch.optim.Adam``, ``LambdaLR``, the port's loss) over a DataLoader of the dataset:
+    every loss, weight and moment of the float64 reference's 10 ``train_step`` updates, within its TrainingBound."""
+    result, expected, bound = torch_run(compiled=False)
+    assert_float64_run(result, expected, bound, "torch DataLoader loop")
+
+
+@pytest.mark.slow
+def test_torch_compiled_model_makes_the_reference_updates():
+    """The same loop on ``torch.compile(model)`` (Inductor's kernels): the reference's updates within its bound."""
+    result, expected, bound = torch_run(compiled=True)
+    assert_float64_run(result, expected, bound, "torch.compile loop")

@@ -188,9 +188,9 @@ def exported(package: str) -> list[str]:
 
 
 # Each port's ecosystem.py: its framework's own training idiom (docs/ports.md, "Parallel texts"), exported last and
-# in no other port: Keras' loss, metric and optimizer for compile/fit, PyTorch's Dataset and collate function, the
-# optax loop's step and orbax's saving of the training state.
-ECOSYSTEM_EXPORTS = {"transformer_torch": [],
+# in no other port: Keras' loss, metric and optimizer for compile/fit and the training state of a fit, PyTorch's
+# Dataset with its collate function, orbax's saving and restoring of the JAX training state.
+ECOSYSTEM_EXPORTS = {"transformer_torch": ["TranslationDataset"],
                      "transformer_jax": [],
                      "transformer_tf": ["LabelSmoothedCrossEntropy", "TokenAccuracy", "adam", "fit_state"]}
 

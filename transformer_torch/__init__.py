@@ -20,6 +20,7 @@ from .checkpoint import (
 )
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
+from .ecosystem import TranslationDataset
 from .model import (
     Decoder,
     DecoderLayer,
@@ -66,4 +67,6 @@ __all__ = [
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
+    # torch.utils.data (ecosystem.py): this port's own
+    "TranslationDataset",
 ]
