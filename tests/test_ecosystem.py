@@ -287,3 +287,70 @@ def test_torch_compiled_model_makes_the_reference_updates():
     """The same loop on ``torch.compile(model)`` (Inductor's kernels): the reference's updates within its bound."""
     result, expected, bound = torch_run(compiled=True)
     assert_float64_run(result, expected, bound, "torch.compile loop")
+
+
+# ----------------------------------------------------------------------------- JAX: nnx.Optimizer, nnx.jit, orbax
+
+def jax_modules():
+    port_backend("jax")
+    import jax
+    from flax import nnx
+
+    import transformer_jax
+    from transformer_jax import ecosystem
+    return jax, nnx, transformer_jax, ecosystem
+
+
+def jax_state(model, optimizer, transformer_jax):
+    return transformer_jax.training_state(model, transformer_jax.training.Optimizer(optimizer, None, TRAINING))
+
+
+@pytest.mark.slow
+def test_a_flax_optax_loop_makes_the_reference_updates_and_orbax_resumes_it(tmp_path):
+    """The documented ``nnx.jit`` step over ``ecosystem.adam`` (nnx.Optimizer, optax's Adam, Eq. (3)): 10 steps, saved
+    by orbax after 5 and restored into a model and optimizer of other weights, give every loss, weight and moment of
+    the float64 reference's 10 ``train_step`` updates within its TrainingBound."""
+    jax, nnx, transformer_jax, ecosystem = jax_modules()
+    batches = fit_batches(10)
+    expected, bound = reference_run(CONFIG, seeded_params(CONFIG), TRAINING, batches)
+
+    @nnx.jit
+    def step(model, optimizer, src, tgt, labels):
+        loss = lambda model: transformer_jax.label_smoothed_cross_entropy(model(src, tgt), labels, CONFIG.pad_id)
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    with jax.enable_x64(True):
+        model = transformer_jax.from_params(CONFIG, seeded_params(CONFIG))
+        optimizer = ecosystem.adam(model, TRAINING)
+        losses = [float(step(model, optimizer, **batch)) for batch in batches[:5]]
+        ecosystem.save_training(tmp_path / "run", model, optimizer)
+        model = transformer_jax.from_params(CONFIG, {k: v + 1.0 for k, v in seeded_params(CONFIG).items()})
+        optimizer = ecosystem.adam(model, TRAINING)
+        ecosystem.restore_training(tmp_path / "run", model, optimizer)
+        losses += [float(step(model, optimizer, **batch)) for batch in batches[5:]]
+        result = Run(losses, transformer_jax.to_params(model), jax_state(model, optimizer, transformer_jax))
+    assert_float64_run(result, expected, bound, "flax optax loop")
+
+
+def test_orbax_round_trips_the_training_state(tmp_path):
+    """save_training, then restore_training into a model of other weights and a new optimizer: the saved weights,
+    moments and step count, bit for bit."""
+    jax, nnx, transformer_jax, ecosystem = jax_modules()
+    with jax.enable_x64(True):
+        model = transformer_jax.from_params(CONFIG, seeded_params(CONFIG))
+        optimizer = ecosystem.adam(model, TRAINING)
+        batch = training_inputs(CONFIG)
+        grads = nnx.grad(lambda m: transformer_jax.label_smoothed_cross_entropy(m(batch["src"], batch["tgt"]),
+                                                                                 batch["labels"], CONFIG.pad_id))(model)
+        optimizer.update(model, grads)
+        ecosystem.save_training(tmp_path / "state", model, optimizer)
+        other = transformer_jax.from_params(CONFIG, {k: v + 1.0 for k, v in seeded_params(CONFIG).items()})
+        fresh = ecosystem.adam(other, TRAINING)
+        ecosystem.restore_training(tmp_path / "state", other, fresh)
+        saved, restored = jax_state(model, optimizer, transformer_jax), jax_state(other, fresh, transformer_jax)
+        for name, value in transformer_jax.to_params(model).items():
+            np.testing.assert_array_equal(transformer_jax.to_params(other)[name], value, err_msg=name)
+    assert restored.step == saved.step == 1
+    assert_weights_equal(restored, saved)

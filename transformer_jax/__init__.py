@@ -20,6 +20,7 @@ from .checkpoint import (
 )
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
+from .ecosystem import adam, restore_training, save_training
 from .model import (
     Decoder,
     DecoderLayer,
@@ -67,4 +68,6 @@ __all__ = [
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
+    # optax and orbax (ecosystem.py): this port's own
+    "adam", "restore_training", "save_training",
 ]
