@@ -147,6 +147,16 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> np.ndarray:
     return out
 
 
+def teacher_forcing(config: TransformerConfig, sources: list[list[int]],
+                    labels: list[list[int]]) -> dict[str, np.ndarray]:
+    """src = the source sequences; labels = the target sequences; tgt = the labels shifted right by one, the start
+    token first (the output embeddings offset by one, section 3.1; transformers' ``shift_tokens_right`` with
+    ``decoder_start_token_id``, ``config.start_id``)."""
+    return {"src": pad_rows(sources, config.pad_id),
+            "tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id),
+            "labels": pad_rows(labels, config.pad_id)}
+
+
 TOKENIZER_RECORD = {"model": dict, "added_tokens": list}          # the fields of a tokenizer's JSON text read here,
 MODEL_RECORD = {"type": str, "vocab": dict}                         # of its model,
 ADDED_TOKEN_RECORD = {"content": str, "id": int}                    # and of each added (special) token

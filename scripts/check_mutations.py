@@ -1162,10 +1162,41 @@ BENCH = [
            BENCH_CHECKPOINT),
 ]
 
+# Each framework's own training idiom (ecosystem.py): the independent checks are tests/test_ecosystem.py's naive loops
+# over the tokens and the float64 reference's run of the same steps.
+ECOSYSTEM_TESTS = "tests/test_ecosystem.py"
+ECOSYSTEM = [
+    single("ecosystem", "tf: Keras' one input read as (tgt, src) from a dict", "transformer_tf/model.py",
+           'return inputs["src"], inputs["tgt"]', 'return inputs["tgt"], inputs["src"]',
+           [ECOSYSTEM_TESTS, "-k", "one_input"]),
+    single("ecosystem", "tf: the Keras loss without label smoothing", "transformer_tf/ecosystem.py",
+           "training.label_smoothed_cross_entropy(y_pred, y_true, self.pad_id, self.epsilon)",
+           "training.label_smoothed_cross_entropy(y_pred, y_true, self.pad_id, 0.0)",
+           [ECOSYSTEM_TESTS, "-k", "naive_sums"]),
+    single("ecosystem", "tf: the token accuracy counts the padding", "transformer_tf/ecosystem.py",
+           "hits = tf.logical_and(real, tf.argmax(y_pred, axis=-1) == labels)",
+           "hits = tf.argmax(y_pred, axis=-1) == labels", [ECOSYSTEM_TESTS, "-k", "naive_sums"]),
+    single("ecosystem", "tf: the compile optimizer's schedule for twice the model's width", "transformer_tf/ecosystem.py",
+           "training.learning_rate_schedule(model.config.d_model, config)",
+           "training.learning_rate_schedule(2 * model.config.d_model, config)",
+           [ECOSYSTEM_TESTS, "-k", "keras_fit_makes_the_reference_updates and numpy"]),
+    single("ecosystem", "torch: collate shifts the target without its start token", "reference_numpy/tokenizer.py",
+           '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id)',
+           '"tgt": pad_rows([ids[:-1] for ids in labels], config.pad_id)',
+           [ECOSYSTEM_TESTS, "-k", "torch_dataset_collates"]),
+    single("ecosystem", "tf: from_pretrained of a Hugging Face directory drops its tokenizer", "transformer_tf/checkpoint.py",
+           "        model.tokenizer_json = text\n", "        model.tokenizer_json = None\n",
+           ["tests/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory and tf"]),
+    single("ecosystem", "jax: from_pretrained of a file ignores dtype", "transformer_jax/checkpoint.py",
+           "model = load_checkpoint(name_or_path, dtype, device=device)",
+           "model = load_checkpoint(name_or_path, device=device)",
+           ["tests/test_from_pretrained.py", "-k", "checkpoint_file and jax"]),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH]
+             *BENCH, *ECOSYSTEM]
 
 
 # ----------------------------------------------------------------------------- running

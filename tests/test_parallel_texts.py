@@ -187,9 +187,26 @@ def exported(package: str) -> list[str]:
     raise AssertionError(f"{package}/__init__.py has no __all__")
 
 
-@pytest.mark.parametrize("port", PORTS[1:])
+# Each port's ecosystem.py: its framework's own training idiom (docs/ports.md, "Parallel texts"), exported last and
+# in no other port: Keras' loss, metric and optimizer for compile/fit and the training state of a fit, PyTorch's
+# Dataset with its collate function, orbax's saving and restoring of the JAX training state.
+ECOSYSTEM_EXPORTS = {"transformer_torch": ["TranslationDataset"],
+                     "transformer_jax": ["adam", "restore_training", "save_training"],
+                     "transformer_tf": ["LabelSmoothedCrossEntropy", "TokenAccuracy", "adam", "fit_state"]}
+
+
+@pytest.mark.parametrize("port", PORTS)
 def test_every_port_exports_the_same_names(port):
-    assert exported(port) == exported(PORTS[0])
+    """The same names in every port, then the port's own ecosystem names, which its ecosystem.py defines."""
+    own = ECOSYSTEM_EXPORTS[port]
+    assert shared_exports(port) == shared_exports(PORTS[0])
+    assert exported(port)[len(shared_exports(port)):] == own
+    assert set(own) <= {name for name, _ in public_text(ROOT / port / "ecosystem.py")}
+
+
+def shared_exports(port: str) -> list[str]:
+    names = exported(port)
+    return names[:len(names) - len(ECOSYSTEM_EXPORTS[port])]
 
 
 def test_a_divergence_is_named_by_file_and_name():

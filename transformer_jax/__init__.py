@@ -10,6 +10,7 @@ from reference_numpy import __version__ as __version__
 from .checkpoint import (
     from_checkpoint_layout,
     from_params,
+    from_pretrained,
     load_checkpoint,
     name_table,
     save_checkpoint,
@@ -19,6 +20,7 @@ from .checkpoint import (
 )
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
+from .ecosystem import adam, restore_training, save_training
 from .model import (
     Decoder,
     DecoderLayer,
@@ -61,9 +63,11 @@ __all__ = [
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "beam_search", "greedy_decode",
-    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
+    "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
+    # optax and orbax (ecosystem.py): this port's own
+    "adam", "restore_training", "save_training",
 ]

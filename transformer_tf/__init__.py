@@ -16,6 +16,7 @@ if keras.backend.backend() != "tensorflow":
 from .checkpoint import (  # noqa: E402
     from_checkpoint_layout,
     from_params,
+    from_pretrained,
     load_checkpoint,
     name_table,
     save_checkpoint,
@@ -25,6 +26,7 @@ from .checkpoint import (  # noqa: E402
 )
 from .decoding import beam_search, greedy_decode  # noqa: E402
 from .device import deterministic, devices, full_precision, resolve_device  # noqa: E402
+from .ecosystem import LabelSmoothedCrossEntropy, TokenAccuracy, adam, fit_state  # noqa: E402
 from .model import (  # noqa: E402
     Decoder,
     DecoderLayer,
@@ -66,9 +68,11 @@ __all__ = [
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "beam_search", "greedy_decode",
-    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
+    "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",
     "deterministic", "devices", "full_precision", "resolve_device",
+    # Keras' compile/fit (ecosystem.py): this port's own
+    "LabelSmoothedCrossEntropy", "TokenAccuracy", "adam", "fit_state",
 ]

@@ -836,6 +836,19 @@ class Decoder(_TransformerLayer):
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
+def _one_input(inputs: Any) -> tuple[Any, Any]:
+    """(src, tgt) of Keras' one model input: a pair (a tuple or a list of two) or a dict of exactly the keys
+    "src" and "tgt"; anything else is one ``ValueError`` naming ``src``."""
+    if isinstance(inputs, dict) and sorted(inputs) == ["src", "tgt"]:
+        return inputs["src"], inputs["tgt"]
+    if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+        return inputs[0], inputs[1]
+    kind = f"a dict with the keys {sorted(inputs)}" if isinstance(inputs, dict) else \
+        f"a {type(inputs).__name__} of {len(inputs)}" if isinstance(inputs, (tuple, list)) else "one tensor"
+    raise ValueError(f"src: without tgt, the model's input must be a (src, tgt) pair or a dict with the keys 'src' "
+                     f"and 'tgt', got {kind}")
+
+
 def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
     """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
     (``{stack}.layers.{i}``) and the stack's output."""
@@ -968,9 +981,13 @@ class Transformer(_TransformerLayer, keras.Model):
         out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index, training=training)
         return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
 
-    def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
+    def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Checks the inputs before Keras' ``Layer.__call__``: an error raised inside ``call`` is
-        re-raised by Keras as a multi-line report of the call's arguments, not the one-line error."""
+        re-raised by Keras as a multi-line report of the call's arguments, not the one-line error.
+        ``src`` alone is Keras' one input, as ``fit``, ``evaluate`` and ``predict`` pass it: a ``(src, tgt)``
+        pair or a dict ``{"src": ..., "tgt": ...}`` (:func:`_one_input`)."""
+        if tgt is None:
+            src, tgt = _one_input(src)
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 

@@ -40,7 +40,7 @@ from reference_numpy.training import (
 
 from . import checkpoint
 from . import device as _device
-from .model import Transformer
+from .model import Transformer, register
 from .precision import autocast_dtype, narrow, wide
 
 Batch: TypeAlias = "tf.Tensor | npt.ArrayLike"   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
@@ -129,14 +129,18 @@ def learning_rate_schedule(d_model: int, config: TrainingConfig = PAPER
     return _Schedule(d_model, config)
 
 
+@register
 class _Schedule(keras.optimizers.schedules.LearningRateSchedule):
-    """lrate(iterations + 1) of :func:`learning_rate`."""
+    """lrate(iterations + 1) of :func:`learning_rate`; its config is what Keras saves of it in a ``.keras`` file."""
 
-    def __init__(self, d_model: int, config: TrainingConfig):
-        self.d_model, self.config = d_model, config
+    def __init__(self, d_model: int, config: TrainingConfig | dict):
+        self.d_model, self.config = d_model, TrainingConfig.from_dict(config) if isinstance(config, dict) else config
 
     def __call__(self, step):
         return learning_rate(tf.cast(step, tf.float64) + 1.0, self.d_model, self.config)
+
+    def get_config(self) -> dict:
+        return {"d_model": self.d_model, "config": self.config.to_dict()}
 
 
 def learning_rate(step: int | tf.Tensor, d_model: int, config: TrainingConfig = PAPER) -> tf.Tensor:
@@ -146,6 +150,7 @@ def learning_rate(step: int | tf.Tensor, d_model: int, config: TrainingConfig = 
     return config.learning_rate_scale * d_model ** -0.5 * tf.minimum(step ** -0.5, step * config.warmup_steps ** -1.5)
 
 
+@register
 class _Adam(keras.optimizers.Adam):
     """``keras.optimizers.Adam`` computing Kingma & Ba's Algorithm 1 as section 5.3 uses it.
 
@@ -161,9 +166,27 @@ class _Adam(keras.optimizers.Adam):
     (``_get_variable_index``).
     """
 
-    def __init__(self, schedule: keras.optimizers.schedules.LearningRateSchedule, config: TrainingConfig):
-        super().__init__(schedule, config.beta1, config.beta2, config.epsilon, name="adam")
+    def __init__(self, schedule: keras.optimizers.schedules.LearningRateSchedule, config: TrainingConfig,
+                 name: str = "adam"):
+        super().__init__(schedule, config.beta1, config.beta2, config.epsilon, name=name)
+        self.schedule, self.config = schedule, config
         self.slots: list[tuple] = []
+
+    def get_config(self) -> dict:
+        """What a ``.keras`` file holds of the optimizer (``model.save`` of a compiled model, ``ModelCheckpoint``):
+        the schedule (d_model and the training config) and the name; :meth:`from_config` builds it again."""
+        return {"name": self.name, "schedule": keras.saving.serialize_keras_object(self.schedule)}
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> _Adam:
+        schedule = keras.saving.deserialize_keras_object(config["schedule"], custom_objects)
+        return cls(schedule, schedule.config, config["name"])
+
+    def apply(self, grads: list, trainable_variables: list | None = None) -> None:
+        """Keras' ``apply`` with every gradient dense (:func:`_dense`): Keras' own ``fit`` hands an embedding's
+        gradient over as ``tf.IndexedSlices``, which :meth:`update_step`'s arithmetic would make dense by
+        TensorFlow's conversion (the sum in P that :func:`_dense` avoids)."""
+        return super().apply([_dense(grad) for grad in grads], trainable_variables)
 
     def build(self, variables: list[keras.Variable],
               moments: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from reference_numpy import checkpoint as reference_checkpoint
+from reference_numpy import pretrained
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import parse_dtype, round_to
@@ -180,6 +181,21 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     reference_checkpoint.release_freed_memory()                          # arrays cast to another dtype, dropped
     model.tokenizer_json = reader.tokenizer_json
     return model
+
+
+def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
+                    device: str | torch.device = "cpu") -> tuple[Transformer, pretrained.Loaded]:
+    """``(model, tokenizer)`` of a shared checkpoint file, a shipped model's name (``"numbers-en-fr"``) or a Hugging
+    Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
+    ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
+    the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
+    if pretrained.is_hf_directory(name_or_path):
+        config, params, text = pretrained.read_hf_directory(name_or_path)
+        model = from_params(config, params, pretrained.model_dtype(params, dtype), device=device)
+        model.tokenizer_json = text
+    else:
+        model = load_checkpoint(name_or_path, dtype, device=device)
+    return model, pretrained.tokenizer_of(model.tokenizer_json, model.config)
 
 
 def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:

@@ -46,7 +46,7 @@ import numpy as np
 
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_tokenizer import FamilyTokenizer
-from reference_numpy.tokenizer import Tokenizer, pad_rows
+from reference_numpy.tokenizer import Tokenizer, teacher_forcing
 from transformer_cli.tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
 from transformer_cli.tasks.numbers import MODEL as NUMBERS_MODEL
 from transformer_cli.tasks.numbers import SPLIT_SEED, bleu, learned_tokenizer
@@ -321,11 +321,3 @@ def token_batches(widths: np.ndarray, budget: int, order: np.ndarray | None = No
     return batches
 
 
-def teacher_forcing(config: TransformerConfig, sources: list[list[int]],
-                    labels: list[list[int]]) -> dict[str, np.ndarray]:
-    """src = the source sequences; labels = the target sequences; tgt = the labels shifted right by one, the start
-    token first (the output embeddings offset by one, section 3.1; transformers' ``shift_tokens_right`` with
-    ``decoder_start_token_id``, ``config.start_id``)."""
-    return {"src": pad_rows(sources, config.pad_id),
-            "tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id),
-            "labels": pad_rows(labels, config.pad_id)}
