@@ -1111,11 +1111,11 @@ FIRST_MASK = {REF: ("(padding_mask(tgt, pad_id) | (np.arange(length) == 0))", "p
               JAX: ("(padding | (jnp.arange(padding.shape[-1]) == 0))", "padding"),
               TF: ("(padding_mask(tgt, pad_id) | (tf.range(length) == 0))", "padding_mask(tgt, pad_id)")}
 FINETUNE = [
-    single("finetune", "the decoder input is the labels shifted left, not right", "transformer_cli/tasks/corpus.py",
+    single("finetune", "the decoder input is the labels shifted left, not right", "reference_numpy/tokenizer.py",
            '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels]',
            '"tgt": pad_rows([[config.start_id, *ids[1:]] for ids in labels]', FINETUNE_ORACLE),
     single("finetune", "the decoder starts from bos, not the family's decoder start token",
-           "transformer_cli/tasks/corpus.py", '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels]',
+           "reference_numpy/tokenizer.py", '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels]',
            '"tgt": pad_rows([[config.bos_id, *ids[:-1]] for ids in labels]', FINETUNE_ORACLE),
     single("finetune", "M2M100: the source's language code missing", "transformer_cli/tasks/corpus.py",
            "return tokenizer.ids(text, side) if isinstance(tokenizer, FamilyTokenizer)",
