@@ -67,6 +67,15 @@ def test_the_default_tier_leaves_out_the_slow_tests_and_full_runs_them():
     assert matrix and all(test.endswith("-tiny]") for test in matrix)
 
 
+def test_the_tests_the_default_tier_keeps_exist_and_run_in_it():
+    """Each test tests/default_tier.txt names is collected, and in the default tier."""
+    from conftest import KEPT_TESTS, entries
+
+    kept = entries(KEPT_TESTS)
+    tier = set(collected(*sorted({test.split("::")[0] for test in kept})))
+    assert kept <= tier, sorted(kept - tier)
+
+
 def test_packaging_declares_every_backend_and_extra():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extras = project["project"]["optional-dependencies"]
