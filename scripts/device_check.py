@@ -14,7 +14,8 @@ Sections (``--sections``), each check one row:
   float64, float32, bfloat16); the row is the stage of the largest error / bound.
 * ``decoding``: greedy and beam-search tokens on the shipped model and on a tiny random Marian built by transformers
   in-process and imported (``reference_numpy/hf_import.py``): float64 identical to the reference's (beam scores
-  within the float64 bound), float32 identical except past a near-tie its bound allows (``equivalence.margins``).
+  within the float64 bound), float32 identical except past a near-tie its bound allows (``equivalence.margins``;
+  the random Marian's float32 beam search has no decisive row, :data:`DECODED`).
 * ``training``: optimizer steps from seeded weights (``equivalence/training_runs.py``): float64 within the carried
   ``TrainingBound``, float32 and the mixed precisions by the rule on the update (``--quick``: float64, float32).
 * ``determinism``: forward, greedy, beam and two training steps twice, under each port's ``device.deterministic``
@@ -56,7 +57,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 PORTS = ("torch", "jax", "tf")
 SECTIONS = ("forward", "decoding", "training", "determinism", "speed")
@@ -538,6 +538,7 @@ def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
     from transformer_cli.benchmarks import bench
 
     if model_name == "opus-mt shape":
+        sys.path.insert(0, str(ROOT / "scripts"))
         from bench_translate import OPUS_MT
 
         checkpoint = marian_checkpoint(workdir / "opus-mt", {**OPUS_MT, "max_position_embeddings": 512}, False)
