@@ -117,10 +117,10 @@ def assert_precision_run(result: Run, ref64: Run, same: Run, start: dict[str, np
         start32 = before.astype(np.float32).astype(np.float64)                               # where float32 starts
         results.append(assert_agrees(update(result, start32).astype(np.float32), update(ref64, before),
                                      update(same, start32), what=f"{who}: update of {tensor!r}", precision=precision))
-        for which, label in ((2, "first moment"), (3, "second moment")):
-            results.append(assert_agrees(result.state[which][tensor], ref64.state[which][tensor],
-                                         same.state[which][tensor], what=f"{who}: {label} of {tensor!r}",
-                                         precision=precision))
+        for label, moments in (("first moment", lambda run: run.state.first_moments),
+                               ("second moment", lambda run: run.state.second_moments)):
+            results.append(assert_agrees(moments(result)[tensor], moments(ref64)[tensor], moments(same)[tensor],
+                                         what=f"{who}: {label} of {tensor!r}", precision=precision))
     return max((agreement.error / agreement.bound if agreement.bound else 0.0 for agreement in results), default=0.0)
 
 
