@@ -40,6 +40,7 @@ import contextlib
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
