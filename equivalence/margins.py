@@ -20,13 +20,17 @@ from reference_numpy.decoding import (
     BEAM_SIZE,
     _beam_steps,
     _emittable,
+    beam_search,
     check_decoding_args,
     forced_tokens,
+    greedy_decode,
     length_penalty,
     max_output_lengths,
     select_candidates,
 )
 from reference_numpy.model import Transformer, causal_mask
+
+from .tolerance import bound_for
 
 
 class Decisions(NamedTuple):
@@ -140,3 +144,33 @@ def beam_margins(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE
                  forced_bos_id: int | None = None) -> list[list[float]]:
     """The margins of :func:`beam_decisions`, per source sentence."""
     return [list(decision.margins) for decision in beam_decisions(model, src, beam_size, alpha, forced_bos_id)]
+
+
+class DecodingOracle(NamedTuple):
+    """What the float64 reference decides on ``src`` (:func:`decoding_oracle`): its tokens (beam search: and scores),
+    the margins of its decisions, and the bound of a lower precision's log-probabilities along its output."""
+
+    src: np.ndarray
+    tokens: np.ndarray
+    scores: np.ndarray | None
+    margins: np.ndarray | list[list[float]]
+    bound: float
+
+
+def decoding_oracle(model64: Transformer, model: Transformer, src: np.ndarray, kind: str) -> DecodingOracle:
+    """The float64 reference's greedy or beam search (``kind``) of ``src``, its margins, and the bound of the
+    log-probabilities of ``model`` (the reference in the precision the tokens are compared in) along its output
+    (:func:`teacher_forced_bound`): what the token rules of :mod:`equivalence.tolerance` take."""
+    if kind == "greedy":
+        tokens, scores = greedy_decode(model64, src), None
+        margins: np.ndarray | list[list[float]] = greedy_margins(model64, src, tokens)
+    else:
+        (tokens, scores), margins = beam_search(model64, src), beam_margins(model64, src)
+    return DecodingOracle(src, tokens, scores, margins, teacher_forced_bound(model64, model, src, tokens))
+
+
+def teacher_forced_bound(model64: Transformer, model: Transformer, src: np.ndarray, tokens: np.ndarray) -> float:
+    """The policy's bound for ``model``'s log-probabilities along the float64 reference's own output ``tokens``
+    (the decoder fed its start token and the tokens before each step)."""
+    tgt = np.concatenate([np.full((len(src), 1), model64.config.start_id), tokens[:, :-1]], axis=1)
+    return bound_for(model.dtype, model64(src, tgt), model(src, tgt))

@@ -18,7 +18,7 @@ from reference_numpy.model import Transformer
 from reference_numpy.precision import autocast
 from reference_numpy.training import learning_rate
 
-from .tolerance import TrainingBound, random_roundings, recipe_gradient_bound
+from .tolerance import TrainingBound, assert_agrees, random_roundings, recipe_gradient_bound
 
 
 @dataclass
@@ -93,12 +93,35 @@ def weights_of(model: Transformer) -> dict[str, np.ndarray]:
     return {name: np.array(value) for name, value in model.params.items()}
 
 
-def assert_float64_run(result: Run, expected: Run, bound: TrainingBound, who: str) -> None:
+def assert_float64_run(result: Run, expected: Run, bound: TrainingBound, who: str) -> float:
     """``result`` within ``bound`` of the reference's run ``expected``: every loss, weight and moment; an
-    ``AssertionError`` naming the quantity, the tensor and the entry otherwise."""
+    ``AssertionError`` naming the quantity, the tensor and the entry otherwise. Returns the largest error / bound."""
+    worst = 0.0
     for step, (loss, reference_loss, most) in enumerate(zip(result.losses, expected.losses, bound.losses), 1):
         assert abs(loss - reference_loss) <= most, f"{who}: loss at step {step}: {loss} vs {reference_loss}"
-    assert_weights_and_moments(result, expected, bound, who)
+        worst = max(worst, abs(loss - reference_loss) / most)
+    return max(worst, assert_weights_and_moments(result, expected, bound, who))
+
+
+def assert_precision_run(result: Run, ref64: Run, same: Run, start: dict[str, np.ndarray], precision: str,
+                         who: str) -> float:
+    """``result`` (a float32 model's run from the float64 weights ``start``, computing in ``precision``: float32, or
+    bfloat16 or float16 in mixed precision) within the policy for ``precision`` of the float64 reference's run
+    ``ref64``, the reference's own run in that precision (``same``) the yardstick: each step's loss, each tensor's
+    update (weights after minus weights before, exact in float64) and both Adam moments. An ``AssertionError``
+    naming the quantity otherwise; returns the largest error / bound."""
+    results = [assert_agrees(np.float32(value), v64, v_same, what=f"{who}: loss at step {step}", precision=precision)
+               for step, (value, v_same, v64) in enumerate(zip(result.losses, same.losses, ref64.losses), 1)]
+    for tensor, before in start.items():
+        update = lambda run, first: np.asarray(run.params[tensor], dtype=np.float64) - first   # noqa: E731
+        start32 = before.astype(np.float32).astype(np.float64)                               # where float32 starts
+        results.append(assert_agrees(update(result, start32).astype(np.float32), update(ref64, before),
+                                     update(same, start32), what=f"{who}: update of {tensor!r}", precision=precision))
+        for label, moments in (("first moment", lambda run: run.state.first_moments),
+                               ("second moment", lambda run: run.state.second_moments)):
+            results.append(assert_agrees(moments(result)[tensor], moments(ref64)[tensor], moments(same)[tensor],
+                                         what=f"{who}: {label} of {tensor!r}", precision=precision))
+    return max((agreement.error / agreement.bound if agreement.bound else 0.0 for agreement in results), default=0.0)
 
 
 def assert_weights_and_moments(result: Run, expected: Run, bound: TrainingBound, who: str) -> float:

@@ -1193,10 +1193,26 @@ ECOSYSTEM = [
            ["tests/test_from_pretrained.py", "-k", "checkpoint_file and jax"]),
 ]
 
+# The prepared GPU check (scripts/device_check.py) must be able to fail: tests/test_device_check.py runs it on the CPU
+# with a port bug planted through --perturb, and its verdicts on rows of its own
+_DEVICE_CHECK = "scripts/device_check.py"
+DEVICE_CHECK = ["tests/test_device_check.py", "-m", "not slow"]
+DEVICE = [
+    single("device", "device_check: a forward run over its bound reported as agreement", _DEVICE_CHECK,
+           "+ f\"; forward {run.forward_ms:.1f} ms\",\n                   ok=run.ok)",
+           "+ f\"; forward {run.forward_ms:.1f} ms\",\n                   ok=run.error is None)", DEVICE_CHECK),
+    single("device", "device_check: a disagreement leaves the exit status 0", _DEVICE_CHECK,
+           'if any(row.status in ("FAIL", "error") for row in rows):', 'if any(row.status == "error" for row in rows):',
+           DEVICE_CHECK),
+    single("device", "device_check: a run in which no port compared anything passes", _DEVICE_CHECK,
+           'return 0 if any(row.status == "ok" and row.backend in PORTS for row in rows) else 1', "return 0",
+           DEVICE_CHECK),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH, *ECOSYSTEM]
+             *BENCH, *ECOSYSTEM, *DEVICE]
 
 
 # ----------------------------------------------------------------------------- running

@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -36,9 +37,11 @@ DEVICE_KINDS = ("cpu", "gpu")
 
 
 def script(name: str):
-    """``scripts/<name>.py`` loaded as a module (the scripts are files to run, not a package)."""
+    """``scripts/<name>.py`` loaded as a module (the scripts are files to run, not a package), registered in
+    ``sys.modules`` as its name while it runs (a dataclass of the script looks its module up there)."""
     spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -20,7 +20,7 @@ from support import DEVICE_KINDS, FRAMEWORKS, LOW_DTYPES, device_for, port_backe
 
 from equivalence import cases, tolerance
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
-from equivalence.margins import beam_margins, greedy_margins
+from equivalence.margins import decoding_oracle, teacher_forced_bound
 from equivalence.recipes import ATTENTION_KINDS
 from transformer_cli.backends import numpy as reference
 
@@ -198,18 +198,6 @@ def reference_decoding(variant: str, kind: str):
                            kind)
 
 
-def decoding_oracle(model64, model32, src: np.ndarray, kind: str):
-    """(src, tokens, scores or None, margins, float32 bound) of the reference's greedy or beam search."""
-    if kind == "greedy":
-        tokens, scores = reference.greedy(model64, src), None
-        margins = greedy_margins(model64, src, tokens)
-    else:
-        (tokens, scores), margins = reference.beam(model64, src), beam_margins(model64, src)
-    tgt = np.concatenate([np.full((len(src), 1), model64.config.bos_id), tokens[:, :-1]], axis=1)
-    bound = tolerance.float32_bound(model64(src, tgt), model32(src, tgt))
-    return src, tokens, scores, margins, bound
-
-
 def _port_decode(port, device, dtype, variant, kind):
     model = port_model(port, variant, dtype, device, "decoding")
     src = cases.decoding_inputs(VARIANTS[variant])
@@ -266,12 +254,6 @@ def reference_decoding_in(variant: str, kind: str, dtype: str):
     src, tokens, scores, margins, _ = reference_decoding(variant, kind)
     return src, tokens, scores, margins, teacher_forced_bound(reference_model(variant, "float64", "decoding"),
                                                               reference_model(variant, dtype, "decoding"), src, tokens)
-
-
-def teacher_forced_bound(model64, model, src: np.ndarray, tokens: np.ndarray) -> float:
-    """The policy's bound for ``model``'s log-probabilities along the float64 reference's own output."""
-    tgt = np.concatenate([np.full((len(src), 1), model64.config.bos_id), tokens[:, :-1]], axis=1)
-    return tolerance.bound_for(model.dtype, model64(src, tgt), model(src, tgt))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

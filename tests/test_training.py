@@ -19,7 +19,7 @@ from support import FRAMEWORKS, STEPS, TRAINING, adam_moment_memory, backend, ba
 
 from equivalence import tolerance
 from equivalence.cases import seeded_params
-from equivalence.training_runs import Run, assert_float64_run
+from equivalence.training_runs import Run, assert_float64_run, assert_precision_run
 from equivalence.training_runs import reference_run as reference_float64_run
 from reference_numpy import precision
 from reference_numpy.checkpoint import LossScaleState, TrainingState, load_training_state
@@ -106,19 +106,9 @@ def test_ten_mixed_precision_steps_match_the_reference(name, compute):
 def assert_run_agrees(result: Run, variant: str, precision: str, name: str) -> None:
     """``result`` (a float32 model's run, computing in ``precision``) within the policy for ``precision`` of the
     float64 reference's run, the reference's own run in that precision being the yardstick."""
-    ref64 = reference_run(variant)
-    same = reference_run(variant, "float32", None if precision == "float32" else precision)
-    for step, (value, v_same, v64) in enumerate(zip(result.losses, same.losses, ref64.losses), 1):
-        tolerance.assert_agrees(np.float32(value), v64, v_same, what=f"{name}: loss at step {step}",
-                                precision=precision)
-    for tensor, before in seeded_params(config_of(variant)).items():
-        update = lambda r, start: np.asarray(r.params[tensor], dtype=np.float64) - start   # exact in float64
-        start32 = before.astype(np.float32).astype(np.float64)                             # where float32 runs start
-        tolerance.assert_agrees(update(result, start32).astype(np.float32), update(ref64, before),
-                                update(same, start32), what=f"{name}: update of {tensor!r}", precision=precision)
-        for which, label in ((2, "first moment"), (3, "second moment")):
-            tolerance.assert_agrees(result.state[which][tensor], ref64.state[which][tensor], same.state[which][tensor],
-                                    what=f"{name}: {label} of {tensor!r}", precision=precision)
+    assert_precision_run(result, reference_run(variant), reference_run(variant, "float32",
+                                                                       None if precision == "float32" else precision),
+                         seeded_params(config_of(variant)), precision, name)
 
 
 def test_the_bound_is_tight_enough_to_decide():
