@@ -599,8 +599,8 @@ def nvidia_smi() -> list[dict] | str:
 
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages the checks use (and any JAX CUDA plugin), by their distributions."""
-    names = {"numpy", "safetensors", "ml-dtypes", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow", "keras",
-             "transformers", "tokenizers", "sentencepiece"}
+    names = {"numpy", "safetensors", "ml-dtypes", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow",
+             "tensorflow-cpu", "keras", "transformers", "tokenizers", "sentencepiece"}
     names |= {dist.metadata["Name"] for dist in importlib.metadata.distributions()
               if (dist.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "nvidia-cudnn"))}
     versions = {}
