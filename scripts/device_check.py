@@ -26,7 +26,8 @@ Sections (``--sections``), each check one row:
 A backend that is not installed, or that sees no such device, is a ``skip`` row with its reason; a check that raises
 is an ``error`` row with the exception's line, and the run goes on. Progress lines go out as the checks run; at the
 end one table, and with ``--out DIR`` ``DIR/device_check.json`` (rows and environment: GPUs and driver from
-``nvidia-smi``, framework, CUDA and cuDNN versions, the TF32 settings, the date) and ``DIR/device_check.txt``.
+``nvidia-smi``, framework, CUDA and cuDNN versions, the TF32 settings, the date; rewritten after every row, with
+``"finished": false`` until the run ends) and ``DIR/device_check.txt`` (the table).
 ``--perturb BACKEND:TENSOR`` (as ``compare``'s) changes one tensor of that backend's forward-section weights by one
 part in a million: a simulated port bug the check must report.
 
@@ -125,13 +126,27 @@ class Checks:
     """The rows so far, each printed as it is made (a run cut short still shows where it was)."""
 
     device: str
+    out: Path | None = None            # DIR/device_check.json, rewritten after every row (a run cut short keeps them)
+    report: dict = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
     start: float = field(default_factory=time.monotonic)
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
         print(f"[{time.monotonic() - self.start:6.0f}s] {row_line(row)}", flush=True)
+        self.save(finished=False)
         return row
+
+    def save(self, finished: bool) -> None:
+        """Write the JSON report: the rows so far, ``finished`` once the run has ended (and its verdict)."""
+        if self.out is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        status = exit_status(self.rows)
+        report = {**self.report, "finished": finished, "ok": finished and status == 0,
+                  "seconds": time.monotonic() - self.start,
+                  "rows": [{**asdict(row), "ratio": row.ratio} for row in self.rows]}
+        (self.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
 
     def run(self, section: str, backend: str, check: str, measure: Callable[[], Outcome], device: str | None = None,
             info: bool = False) -> Row:
@@ -599,8 +614,8 @@ def nvidia_smi() -> list[dict] | str:
 
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages the checks use (and any JAX CUDA plugin), by their distributions."""
-    names = {"numpy", "safetensors", "ml-dtypes", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow", "keras",
-             "transformers", "tokenizers", "sentencepiece"}
+    names = {"numpy", "safetensors", "ml-dtypes", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow",
+             "tensorflow-cpu", "keras", "transformers", "tokenizers", "sentencepiece"}
     names |= {dist.metadata["Name"] for dist in importlib.metadata.distributions()
               if (dist.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "nvidia-cudnn"))}
     versions = {}
@@ -687,21 +702,18 @@ def run_sections(checks: Checks, ports: dict, args: argparse.Namespace, workdir:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     isolate(args.device)
-    checks = Checks(args.device)
+    checks = Checks(args.device, args.out, {"arguments": sys.argv[1:] if argv is None else argv})
     ports = load_ports(checks, args.backends)
-    env = environment(ports)
-    print(json.dumps(env, indent=1), flush=True)
+    checks.report["environment"] = environment(ports)
+    print(json.dumps(checks.report["environment"], indent=1), flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         run_sections(checks, ports, args, Path(workdir))
     status, text = exit_status(checks.rows), table(checks.rows)
     seconds = time.monotonic() - checks.start
     text += f"\n{'every check agrees' if status == 0 else 'DISAGREEMENT OR ERROR'}; {seconds:.0f} s"
     print("\n" + text, flush=True)
+    checks.save(finished=True)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        report = {"ok": status == 0, "seconds": seconds, "arguments": sys.argv[1:] if argv is None else argv,
-                  "environment": env, "rows": [{**asdict(row), "ratio": row.ratio} for row in checks.rows]}
-        (args.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
         (args.out / "device_check.txt").write_text(text + "\n")
     return status
 

@@ -36,7 +36,7 @@ def test_the_quick_check_passes_on_the_cpu(tmp_path):
     """``device_check.py --device cpu --quick``: exit 0, one table, every installed port ok in every section, each
     forward precision of the quick subset compared, the environment recorded."""
     status, out, report = run_check(tmp_path, "--quick")
-    assert status == 0 and report["ok"], out[-4000:]
+    assert status == 0 and report["ok"] and report["finished"], out[-4000:]
     installed = {port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)}
     assert installed, "no port installed: nothing to check"
     assert {row["status"] for row in report["rows"]} <= {"ok", "info", "skip"}
@@ -57,7 +57,7 @@ def test_a_planted_port_bug_is_a_disagreement(tmp_path):
     pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]')")
     status, out, report = run_check(tmp_path, "--quick", "--backends", "torch", "--sections", "forward",
                                     "--perturb", "torch:encoder.layers.0.ffn.linear1.weight")
-    assert status == 1 and not report["ok"]
+    assert status == 1 and report["finished"] and not report["ok"]
     (float64,) = rows_of(report, backend="torch", check="stages+greedy float64")
     assert float64["status"] == "FAIL" and float64["error"] > float64["bound"]
     assert "first over its bound: encoder.layers.0" in float64["note"]
