@@ -189,9 +189,8 @@ def pytest_configure(config):
 
 
 SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
-# The tests the default tier keeps whatever slow_tests.txt says: each the one test of a planted bug's selection that
-# catches it (scripts/check_mutations.py), so that the default tier catches the plant. A test marked slow in its code
-# stays out.
+# The tests the default tier keeps whatever slow_tests.txt or a marker in their code says: each the test of a planted
+# bug's selection that catches it (scripts/check_mutations.py), so that the default tier catches the plant.
 KEPT_TESTS = Path(__file__).with_name("default_tier.txt")
 # node id -> why the default tier leaves the test out (:func:`slow_reason`), and the tests this run's default tier
 # left out; filled at collection (in pytest-xdist's workers, then handed to the controller).
@@ -206,14 +205,14 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` the tests ``slow_tests.txt`` names, and every test of a module it names (each took seconds in a
-    run: ``scripts/slow_tests.py``) but ``default_tier.txt`` keeps, beside those marked in their code; then, unless
-    the run is whole
+    run: ``scripts/slow_tests.py``), beside those marked in their code, but those ``default_tier.txt`` keeps; then,
+    unless the run is whole
     (:func:`whole_suite`), leave them out: the default tier. In a pytest-xdist worker, put the units of work in the
     order they are handed out: the longest first (:func:`longest_first`), so that no long unit starts when the
     others are nearly done."""
     listed, kept = entries(SLOW_TESTS), entries(KEPT_TESTS)
     for item in items:
-        reason = None if item.nodeid in kept and item.get_closest_marker("slow") is None else slow_reason(item, listed)
+        reason = None if item.nodeid in kept else slow_reason(item, listed)
         if reason:
             SLOW_REASONS[item.nodeid] = reason
             if item.get_closest_marker("slow") is None:
