@@ -562,7 +562,9 @@ def test_compare_marks_a_stage_held_to_what_it_adds():
     port, ref64, ref32, *_ = _amplified_port()
     weights, batch = fuzz.params(AMPLIFIED), fuzz.inputs(AMPLIFIED)
     oracle = build_oracle(AMPLIFIED.config, weights, batch["src"], batch["tgt"], ("float32",))
-    stand_in = types.SimpleNamespace(NAME="stand-in", build=lambda *args: None, forward=lambda *args, **kwargs: port,
+    stand_in = types.SimpleNamespace(NAME="stand-in", FORWARD_PATH="stages", build=lambda *args: None,
+                                     forward=lambda *args, **kwargs: port,
+                                     log_probs=lambda *args, **kwargs: port["log_probs"],
                                      greedy=lambda model, src: oracle.greedy)
     run = run_backend(stand_in, "cpu", "float32", AMPLIFIED.config, weights, oracle)
     over = [name for name in ref64 if not tolerance.agreement(port[name], ref64[name], ref32[name]).ok]
