@@ -213,6 +213,8 @@ def pytest_collection_modifyitems(config, items):
     listed, kept = entries(SLOW_TESTS), entries(KEPT_TESTS)
     for item in items:
         reason = None if item.nodeid in kept else slow_reason(item, listed)
+        if item.nodeid in kept:                             # -m "not slow" selects it too, as the default tier does
+            item.own_markers = [mark for mark in item.own_markers if mark.name != "slow"]
         if reason:
             SLOW_REASONS[item.nodeid] = reason
             if item.get_closest_marker("slow") is None:
