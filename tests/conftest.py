@@ -206,15 +206,15 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` the tests ``slow_tests.txt`` names, and every test of a module it names (each took seconds in a
     run: ``scripts/slow_tests.py``), beside those marked in their code, but those ``default_tier.txt`` keeps; then,
-    unless the run is whole
-    (:func:`whole_suite`), leave them out: the default tier. In a pytest-xdist worker, put the units of work in the
-    order they are handed out: the longest first (:func:`longest_first`), so that no long unit starts when the
-    others are nearly done."""
+    unless the run is whole (:func:`whole_suite`), leave them out: the default tier. In a pytest-xdist worker, put
+    the units of work in the order they are handed out: the longest first (:func:`longest_first`), so that no long
+    unit starts when the others are nearly done."""
     listed, kept = entries(SLOW_TESTS), entries(KEPT_TESTS)
     for item in items:
-        reason = None if item.nodeid in kept else slow_reason(item, listed)
         if item.nodeid in kept:                             # -m "not slow" selects it too, as the default tier does
             item.own_markers = [mark for mark in item.own_markers if mark.name != "slow"]
+            continue
+        reason = slow_reason(item, listed)
         if reason:
             SLOW_REASONS[item.nodeid] = reason
             if item.get_closest_marker("slow") is None:
@@ -225,8 +225,8 @@ def pytest_collection_modifyitems(config, items):
         if left:
             config.hook.pytest_deselected(items=left)
             LEFT_OUT.extend(item.nodeid for item in left)
-            kept = set(items) - set(left)
-            items[:] = [item for item in items if item in kept]
+            remaining = set(items) - set(left)
+            items[:] = [item for item in items if item in remaining]
     if hasattr(config, "workerinput"):
         order = longest_first([(item.nodeid, item.nodeid in SLOW_REASONS) for item in items],
                               config.workerinput["test_seconds"])
