@@ -2,8 +2,8 @@
 under the project's one tolerance policy (``equivalence/tolerance.py``), with no install step and nothing from the
 network -- the frameworks already there, the project read from the checkout (``PYTHONPATH``).
 
-    PYTHONPATH=. python3 scripts/device_check.py --out DIR              # every check, first GPU (H200: < 8 minutes)
-    PYTHONPATH=. python3 scripts/device_check.py --quick --out DIR      # a subset (< 3 minutes)
+    PYTHONPATH=. python3 scripts/device_check.py --out DIR              # every check, first GPU (H200: 315 s)
+    PYTHONPATH=. python3 scripts/device_check.py --quick --out DIR      # a subset (H200: 132 s)
     python scripts/device_check.py --device cpu --quick                 # the same code on the CPU (the suite's run)
 
 Sections (``--sections``), each check one row:
@@ -664,7 +664,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="gpu", help="gpu (the first), gpu:N, or cpu (every GPU hidden)")
     parser.add_argument("--backends", default=",".join(PORTS), help=f"comma-separated, of {', '.join(PORTS)}")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
-    parser.add_argument("--quick", action="store_true", help="a subset (GPU: under 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="a subset (H200: 132 s)")
     parser.add_argument("--repeats", type=int, default=SPEED_REPEATS, help="timed calls per speed measurement")
     parser.add_argument("--perturb", metavar="BACKEND:TENSOR",
                         help="change one tensor of BACKEND's forward weights by 1e-6 (a simulated bug)")
