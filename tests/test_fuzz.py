@@ -1,5 +1,6 @@
 """The differential fuzzer (``equivalence/fuzz.py``): a small derandomized budget of random configurations and
-inputs per backend, the cases it and its issue found (regressions), and its own rules checked by hand.
+inputs per backend, fixed cases at the edges of the rules it checks (saturated and overflowing weights, a row that
+sees no key over a NaN memory, a score masked after it overflowed), and its own rules checked by hand.
 ``scripts/fuzz_configs.py --minutes N`` runs it long."""
 
 from __future__ import annotations
@@ -128,11 +129,10 @@ def test_the_stop_margin_by_hand():
     assert margins.stop_margin(candidates, finished[:1], 3, config, 2, 1.0) == np.inf
 
 
-# Found by the fuzzer once it drew the decoding conventions: the fairseq layout with a pad in the decoded prefix --
-# here the start token (decoder_start_id = pad_id) -- and a fully padded source. With the decoder's positions counted
-# over its non-pad tokens (the encoder's rule), the reference's recomputed prefix read row 1 after the pad start and
-# every port's cached step row cache_index + 1 = 2 (transformers' past_key_values_length): greedy [0, 3] against
-# [0, 0]. The decoder's positions are now counted by step in every backend (position_ids' ``by_step``).
+# The fairseq layout with a pad in the decoded prefix -- here the start token (decoder_start_id = pad_id) -- and a
+# fully padded source. The decoder's positions are counted by step in every backend (position_ids' ``by_step``,
+# transformers' past_key_values_length): counted over non-pad tokens (the encoder's rule), the recomputed prefix
+# would read row 1 after the pad start where a cached step reads row cache_index + 1 = 2, and greedy would differ.
 PAD_IN_THE_PREFIX = fuzz.Case.from_json(
     '{"beam_size": 2, "config": {"activation": "relu", "bos_id": 1, "d_ff": 1, "d_model": 6, "decoder_start_id": 2, '
     '"dropout": 0.0, "early_stopping": false, "eos_id": 3, "forced_eos": false, "layer_norm_eps": 1e-12, '
@@ -167,8 +167,8 @@ OVERFLOW = fuzz.Case(TransformerConfig.preset("tiny", dropout=0.0), seed=0, weig
                      src_lengths=(5, 3), tgt_lengths=(4, 2), src_len=5, tgt_len=4, token_dtype="int64",
                      explicit_masks=False)
 
-# Found by a 30-minute run: a fully padded source whose float32 memory overflowed to NaN; the cross-attention row
-# that sees no key gave 0 x NaN = NaN in the reference, JAX and TensorFlow, and zero in PyTorch's fused path.
+# A fully padded source whose float32 memory overflows to NaN: the cross-attention row that sees no key is zero in
+# every backend (Eq. (1)'s fully masked row), never 0 x NaN = NaN, whichever kernel a backend's path takes.
 UNSEEN_NAN = fuzz.Case(
     TransformerConfig(src_vocab_size=4, tgt_vocab_size=4, d_model=2, n_heads=1, d_ff=1, n_encoder_layers=1,
                       n_decoder_layers=1, dropout=0.0, layer_norm_eps=1e-12, norm_first=False, max_len=1,
@@ -176,9 +176,9 @@ UNSEEN_NAN = fuzz.Case(
     seed=0, weight_scale=1e9, src_lengths=(0,), tgt_lengths=(0,), src_len=1, tgt_len=1, token_dtype="int64",
     explicit_masks=False)
 
-# Found by a 30-minute run: weights x1e12 make a float32 score q.k of 1.6e47, -inf from NumPy's fused multiply-add,
-# NaN from PyTorch's and TensorFlow's kernels; the mask then hides it and every float32 stage of the reference is
-# finite. What a backend returns there is its order of operations' choice: not compared (docs/equivalence.md).
+# Weights x1e12 make a float32 score q.k of 1.6e47, -inf or NaN by the kernel's order of operations; the mask then
+# hides it and every float32 stage of the reference is finite. What a backend returns there is its order of
+# operations' choice: not compared (docs/equivalence.md).
 HIDDEN = fuzz.Case.from_json(
     '{"config": {"bos_id": 4, "d_ff": 14, "d_model": 2, "dropout": 0.0, "eos_id": 5, "layer_norm_eps": 1e-12, '
     '"max_len": 2, "n_decoder_layers": 1, "n_encoder_layers": 1, "n_heads": 1, "norm_first": true, "pad_id": 12, '
@@ -187,11 +187,11 @@ HIDDEN = fuzz.Case.from_json(
     '"token_dtype": "int64", "weight_scale": 1e12}')
 
 
-# Found by a 10-minute run of JAX and TensorFlow with --extreme (seed 9300): weights x1e12, pre-LN, d_model 6 in 3
-# heads (d_k 2), a fully padded source and target. The decoder's self-attention scores, one per head, are -2.9e48,
-# -2.5e47 and 2.6e47 exactly, past float32's range: -inf, NaN and NaN in the reference's float32 (the last two each
-# inf - inf) and in PyTorch's; -inf in all three in XLA's fused multiply-adds, which reads as a masked position, so
-# that JAX's and TensorFlow's decoder layer is finite where the reference's is NaN. Not compared (fuzz._undetermined).
+# Weights x1e12, pre-LN, d_model 6 in 3 heads (d_k 2), a fully padded source and target (--extreme, seed 9300). The
+# decoder's self-attention scores, one per head, are -2.9e48, -2.5e47 and 2.6e47 exactly, past float32's range:
+# -inf, NaN and NaN by the reference's order of operations (the last two each inf - inf), -inf in all three through
+# XLA's fused multiply-adds, which reads as a masked position. Which one a backend gives is its order of operations'
+# choice: not compared (fuzz._undetermined).
 SCORES_PAST_RANGE = fuzz.Case.from_json(
     '{"beam_size": 2, "config": {"activation": "relu", "beam_size": 1, "bos_id": 16, "d_ff": 1, '
     '"d_model": 6, "decoder_start_id": null, "dropout": 0.0, "early_stopping": false, "eos_id": 15, '
@@ -204,17 +204,17 @@ SCORES_PAST_RANGE = fuzz.Case.from_json(
     '"src_lengths": [0], "tgt_len": 1, "tgt_lengths": [0], "token_dtype": "int64", '
     '"weight_scale": 1000000000000.0}')
 
-# Found by a 30-minute run: a float32 variance past the largest float32 (an input of 1e27 after a d_ff of 1), where
-# torch's F.layer_norm gave the bias (finite and wrong) instead of the NaN the policy and the other backends give.
+# A float32 variance past the largest float32 (an input of 1e27 after a d_ff of 1): LayerNorm is NaN there in every
+# backend, as the policy says -- torch's F.layer_norm alone would give the bias, finite and wrong.
 LAYER_NORM_BIAS = dataclasses.replace(                  # UNSEEN_NAN's inputs and weights, another model
     UNSEEN_NAN, config=TransformerConfig(src_vocab_size=3, tgt_vocab_size=3, d_model=10, n_heads=5, d_ff=1,
                                          n_encoder_layers=2, n_decoder_layers=1, dropout=0.0, layer_norm_eps=1e-12,
                                          norm_first=False, max_len=1, share_embeddings=True, pad_id=0, bos_id=1,
                                          eos_id=2))
 
-# Found by a 30-minute run: the decoder's float32 output at scale 2.8e9 over d_model 4 (pre-LN, weights x1e3); its
-# final LayerNorm left PyTorch's error 9.05 times and TensorFlow's 8.66 times the reference's own (k = 8), the
-# input's being within 6.84 and 6.41: the stage is held to the error it adds (tolerance.stage_agreement).
+# The decoder's float32 output at scale 2.8e9 over d_model 4 (pre-LN, weights x1e3): its final LayerNorm leaves
+# PyTorch's error 9.05 times and TensorFlow's 8.66 times the reference's own (k = 8), the input's being within 6.84
+# and 6.41: a stage is held to the error it adds (tolerance.stage_agreement), not to the error it inherits.
 AMPLIFIED = fuzz.Case.from_json(
     '{"config": {"bos_id": 1, "d_ff": 9, "d_model": 4, "dropout": 0.0, "eos_id": 2, "layer_norm_eps": 1e-12, '
     '"max_len": 2, "n_decoder_layers": 1, "n_encoder_layers": 1, "n_heads": 4, "norm_first": true, "pad_id": 0, '
@@ -226,7 +226,7 @@ AMPLIFIED = fuzz.Case.from_json(
 AMPLIFIED_LAYER = dataclasses.replace(AMPLIFIED, tgt_lengths=(1,))
 
 
-# Found by a 4-minute run: a post-LN layer of d_model 2 (weights x1e3) whose feed-forward output, 1.8e8 and 1.96e8,
+# A post-LN layer of d_model 2 (weights x1e3) whose feed-forward output, 1.8e8 and 1.96e8,
 # feeds the layer's last LayerNorm: the mean is 19 times the spread. PyTorch's and TensorFlow's LayerNorm kernels
 # evaluate x * s + t (s = gain / deviation, t = bias - mean * s): two products of 2e4 that cancel to 1e3, each
 # rounded at 2e4 -- 10 and 8 units of the output's scale, where the reference's order (the mean subtracted first)
@@ -241,11 +241,10 @@ CANCELLING = fuzz.Case.from_json(
     '"tgt_lengths": [0], "token_dtype": "int64", "weight_scale": 1000.0}')
 
 
-# Found by an 8-minute run: scores of -3.8e11 (pre-LN, d_model 8, weights x1e3) where JAX gave NaN from the first
-# decoder layer on, in float32, and float64 gradients 0.76 off: XLA:CPU computed the scaled score twice, once
-# contracted with the subtraction of its row maximum into a fused multiply-add, so that the largest score minus its
-# own maximum was the product's rounding error (4.3e3, not 0) and exp of it infinite. Every backend now takes the
-# maximum of the unscaled products and scales the differences (Eq. (1), scaled_dot_product_attention).
+# Scores of -3.8e11 (pre-LN, d_model 8, weights x1e3). Every backend takes the maximum of the unscaled products and
+# scales the differences (Eq. (1), scaled_dot_product_attention): were the scaled score computed twice, once
+# contracted with the subtraction of its row maximum into a fused multiply-add (XLA:CPU), the largest score minus its
+# own maximum would be the product's rounding error (4.3e3, not 0) and exp of it infinite.
 FUSED_MAXIMUM = fuzz.Case.from_json(
     '{"beam_size": 2, "config": {"activation": "relu", "bos_id": 4, "d_ff": 9, "d_model": 8, "decoder_start_id": '
     'null, "dropout": 0.0, "early_stopping": false, "eos_id": 8, "forced_eos": false, "layer_norm_eps": 1e-12, '
@@ -257,10 +256,10 @@ FUSED_MAXIMUM = fuzz.Case.from_json(
     '"tgt_lengths": [0, 2], "token_dtype": "int64", "weight_scale": 1000.0}')
 
 
-# Found by a 5-minute run: a fully padded target row (fairseq's positions, weights x1e-3), where every backend's loss
-# was 1.94591001 and the reference's 1.94591089: the reference's training pass (reference_numpy/backward.py) counted
-# the decoder's positions by token, its forward pass and every port by step (a pad inside a target reads the row of
-# its step, as in transformers' cached generate). Now by step in both.
+# A fully padded target row (fairseq's positions, weights x1e-3): the reference's training pass
+# (reference_numpy/backward.py) counts the decoder's positions by step, as its forward pass and every port do (a pad
+# inside a target reads the row of its step, as in transformers' cached generate); counted by token, its loss would
+# be 1.94591089 against the others' 1.94591001.
 PAD_TARGET = fuzz.Case.from_json(
     '{"beam_size": 2, "config": {"activation": "relu", "bos_id": 1, "d_ff": 1, "d_model": 6, '
     '"decoder_start_id": null, "dropout": 0.0, "early_stopping": false, "eos_id": 2, "forced_eos": false, '
@@ -272,11 +271,11 @@ PAD_TARGET = fuzz.Case.from_json(
     '"tgt_len": 3, "tgt_lengths": [0, 0, 3], "token_dtype": "int64", "weight_scale": 0.001}')
 
 
-# Found by a 20-minute run of PyTorch (weights x1e3, pre-LN, two fully padded rows): every port's float64 gradient
-# 1e-6 to 1e-5 from the reference's (scale 180), 100 times the bound, the three ports' Adam moments alike. The
-# reference's own gradient moves by 2.8e-3 under 7.5% of the draws of one rounding of the values its forward pass
-# computes (the linear maps' outputs together: no one map's alone moves it) and by 7.6e-9 under the rest: the bound's
-# measure, tolerance.rounding_sensitivity, drew eight and saw none of them. It now draws 64.
+# Weights x1e3, pre-LN, two fully padded rows: every port's float64 gradient is 1e-6 to 1e-5 from the reference's
+# (scale 180), 100 times the bound, the three ports' Adam moments alike. The reference's own gradient moves by 2.8e-3
+# under 7.5% of the draws of one rounding of the values its forward pass computes (the linear maps' outputs
+# together: no one map's alone moves it) and by 7.6e-9 under the rest: the bound's measure,
+# tolerance.rounding_sensitivity, draws 64, enough to see such a minority (eight would likely see none).
 MOVED_BY_FEW_DRAWS = fuzz.Case.from_json(
     '{"beam_size": 2, "config": {"activation": "relu", "beam_size": 1, "bos_id": 4, "d_ff": 15, "d_model": 8,'
     ' "decoder_start_id": null, "dropout": 0.0, "early_stopping": false, "eos_id": 5, "forced_eos": false,'
@@ -288,8 +287,8 @@ MOVED_BY_FEW_DRAWS = fuzz.Case.from_json(
     ' "tgt_len": 1, "tgt_lengths": [0, 1, 0], "token_dtype": "int64", "weight_scale": 1000.0}')
 
 
-# Found by a 30-minute run: PyTorch's float64 gradient departed by 1e13 from the reference's (scale 1.7e9, moved by
-# 1.8e-6 by one rounding of the weights alone), JAX's and TensorFlow's agreed. The two source positions' encoder
+# PyTorch's float64 gradient departs by 1e13 from the reference's (scale 1.7e9, moved by 1.8e-6 by one rounding of
+# the weights alone), JAX's and TensorFlow's agree. The two source positions' encoder
 # outputs are equal in the reference and a few units apart in PyTorch; one rounding of the values computed from the
 # weights moves the reference's own gradient by up to 1e29 (tolerance.rounding_sensitivity): undetermined.
 GRADIENT_X1E9 = dataclasses.replace(AMPLIFIED_LAYER, config=dataclasses.replace(AMPLIFIED.config, eos_id=3),
@@ -354,12 +353,12 @@ def test_cases_found_by_fuzzing(port, case):
     assert len(training) == undetermined and all("undetermined" in note for note in training)
 
 
-# Found by a 10-minute run of JAX (d_model 4 in 4 heads, weights x1e3): the compiled forward pass gave NaN from the
-# first decoder layer on, in float32, where the reference is finite. With d_k = 1, Q K^T is a product of one term:
-# XLA:CPU computed it in the maximum's fusion and again in the exponential's, there contracted with the subtraction
-# of the row maximum into a fused multiply-add, so that the largest score minus its own maximum was the product's
-# rounding error (up to 5e5 at scores of 1e13, not 0) and exp of it infinite. The XLA-compiled attentions are held
-# here to the exact shift; PyTorch's Inductor compiles its C++ without contraction (-ffp-contract=off).
+# d_model 4 in 4 heads (weights x1e3): with d_k = 1, Q K^T is a product of one term, which XLA:CPU computes in the
+# maximum's fusion and again in the exponential's; contracted there with the subtraction of the row maximum into a
+# fused multiply-add, the largest score minus its own maximum would be the product's rounding error (up to 5e5 at
+# scores of 1e13, not 0) and exp of it infinite -- NaN from the first decoder layer on, in float32. The XLA-compiled
+# attentions are held here to the exact shift; PyTorch's Inductor compiles its C++ without contraction
+# (-ffp-contract=off).
 @pytest.mark.parametrize("port", ["jax", "tf"])
 def test_compiled_attention_with_one_dimension_a_head_shifts_by_the_exact_maximum(port):
     """Scores of 1e13 whose gaps are past exp's range: each row's weights are exactly the one-hot vector of its

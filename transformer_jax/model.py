@@ -137,12 +137,12 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         scores = jnp.where(mask, scores, -jnp.inf)
     # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
     # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
-    # (Scaled first, XLA:CPU computed x / c twice, in the maximum's fusion and in the exponential's, contracting it
-    # with the subtraction into a fused multiply-add in one: the largest score minus its own maximum was the
-    # product's rounding error, and exp of it overflowed at scores of 1e11.)
+    # Scaling first would let XLA:CPU compute x / c twice, in the maximum's fusion and in the exponential's, and
+    # contract one with the subtraction into a fused multiply-add: the largest score minus its own maximum would be
+    # the product's rounding error, not 0, and its exp could overflow for large scores.
     # With d_k = 1, Q K^T is itself a product of one term, which XLA:CPU recomputes in both fusions in the same way:
     # the select below (an identity) stands between the product and the subtraction, so that no fused multiply-add
-    # can take them together (contracted, exp overflowed at scores of 1e13).
+    # can take them together.
     scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)
     row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))   # -inf on fully masked rows
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)

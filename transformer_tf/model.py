@@ -139,8 +139,8 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
     # With d_k = 1, Q K^T is itself a product of one term, which XLA:CPU recomputes in the maximum's fusion and in
     # the exponential's alike: the select below (an identity) stands between the product and the subtraction, so
-    # that no fused multiply-add can take them together (contracted, the largest score minus its own maximum was
-    # the product's rounding error, and exp of it overflowed at scores of 1e13).
+    # that no fused multiply-add can take them together (contracted, the largest score minus its own maximum would
+    # be the product's rounding error, not 0, and its exp could overflow for large scores).
     scores = tf.where(tf.math.is_nan(scores), tf.constant(np.nan, scores.dtype), scores)
     row_max = tf.reduce_max(scores, axis=-1, keepdims=True)              # -inf on fully masked rows
     row_max = tf.where(tf.math.is_finite(row_max), row_max, tf.zeros_like(row_max))
