@@ -17,6 +17,7 @@ by default they keep the file's dtype (a directory's float16 weights load as flo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,18 @@ def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None
         config, params, _ = load_run(name_or_path, dtype)
         text = load_tokenizer_json(name_or_path)
     return Transformer(config, params, model_dtype(params, dtype)), tokenizer_of(text, config)
+
+
+def port_from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None,
+                         build: Callable[[TransformerConfig, dict[str, np.ndarray], np.dtype], Any],
+                         load: Callable[[str | os.PathLike, npt.DTypeLike | None], Any]) -> tuple[Any, Loaded]:
+    """A port's ``from_pretrained``: a Hugging Face directory's model ``build(config, params, dtype)`` with the
+    directory's tokenizer text kept as ``model.tokenizer_json``, anything else ``load(name_or_path, dtype)`` (the
+    port's ``load_checkpoint``, which keeps the file's); then ``(model, tokenizer)``."""
+    if is_hf_directory(name_or_path):
+        config, params, text = read_hf_directory(name_or_path)
+        model = build(config, params, model_dtype(params, dtype))
+        model.tokenizer_json = text
+    else:
+        model = load(name_or_path, dtype)
+    return model, tokenizer_of(model.tokenizer_json, model.config)

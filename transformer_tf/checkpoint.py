@@ -132,13 +132,7 @@ def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None
     Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
     ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
     the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    if pretrained.is_hf_directory(name_or_path):
-        config, params, text = pretrained.read_hf_directory(name_or_path)
-        model = from_params(config, params, pretrained.model_dtype(params, dtype))
-        model.tokenizer_json = text
-    else:
-        model = load_checkpoint(name_or_path, dtype)
-    return model, pretrained.tokenizer_of(model.tokenizer_json, model.config)
+    return pretrained.port_from_pretrained(name_or_path, dtype, from_params, load_checkpoint)
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,

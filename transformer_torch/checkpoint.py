@@ -25,6 +25,7 @@ model in P saves a BF16 or F16 file.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator
 
@@ -189,13 +190,8 @@ def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None
     Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
     ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
     the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    if pretrained.is_hf_directory(name_or_path):
-        config, params, text = pretrained.read_hf_directory(name_or_path)
-        model = from_params(config, params, pretrained.model_dtype(params, dtype), device=device)
-        model.tokenizer_json = text
-    else:
-        model = load_checkpoint(name_or_path, dtype, device=device)
-    return model, pretrained.tokenizer_of(model.tokenizer_json, model.config)
+    return pretrained.port_from_pretrained(name_or_path, dtype, functools.partial(from_params, device=device),
+                                           functools.partial(load_checkpoint, device=device))
 
 
 def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:
