@@ -37,13 +37,13 @@ from .model import (
     causal_mask,
     log_softmax,
     padding_mask,
-    position_ids,
     residual,
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
     target_mask,
 )
 from .pretrained import from_pretrained
+from .variants import position_ids
 
 __all__ = [
     "FORMAT_VERSION", "PRESETS", "TrainingConfig", "TrainingState", "TransformerConfig",

@@ -55,7 +55,6 @@ from .model import (
     PositionalEncoding,
     PositionwiseFeedForward,
     Transformer,
-    _erf,
     add,
     padding_mask,
     scaled_dot_product_attention,
@@ -63,6 +62,7 @@ from .model import (
 )
 from .model import activation as model_activation
 from .precision import autocast_dtype, cast, is_low, narrow, product_dtype, round_to, wide
+from .variants import _erf
 
 Grads = dict[str, np.ndarray]
 Backward = Callable[[np.ndarray], np.ndarray]
@@ -335,7 +335,7 @@ def embeddings(embed: Embeddings, name: str, tokens: np.ndarray,
 
 def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, x: np.ndarray, tokens: np.ndarray,
                         grads: Grads, by_step: bool = False) -> tuple[np.ndarray, Backward]:
-    """x + PE[rows] -- section 3.5 (rows 0 .. T-1, or :func:`.model.position_ids` of ``tokens`` in the ``fairseq``
+    """x + PE[rows] -- section 3.5 (rows 0 .. T-1, or :func:`.variants.position_ids` of ``tokens`` in the ``fairseq``
     layout, counted by step with ``by_step``: the decoder's, as :class:`.model.Decoder` counts them); the
     sinusoidal table is fixed, a ``learned`` one (Table 3, row E) is the checkpoint tensor ``{name}.weight``.
 

@@ -105,7 +105,7 @@ class TransformerConfig(_Config):
             "interleaved" (section 3.5: sin in even columns, cos in odd ones), "halves" (Marian: the same
             frequencies, every sine first, then every cosine) or "fairseq" (M2M100/NLLB: halves over the frequencies
             10000^(-i / (D/2 - 1)), positions counted from pad_id + 1 over the non-pad tokens, padding given zeros;
-            :func:`reference_numpy.model.position_ids`; needs d_model >= 4). Only with ``positional_encoding``
+            :func:`reference_numpy.variants.position_ids`; needs d_model >= 4). Only with ``positional_encoding``
             "sinusoidal".
         scale_embeddings: multiply the token embeddings by sqrt(d_model) (section 3.4; Hugging Face's
             ``scale_embedding``).

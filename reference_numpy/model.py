@@ -52,8 +52,10 @@ from .precision import (
     score_dtype,
     wide,
 )
+from .variants import fairseq_table, gelu, halves_table, position_ids, silu
 
 Params = Mapping[str, np.ndarray]
+ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -342,34 +344,17 @@ def _written_beams(beams: np.ndarray | tuple, index: int, length: int) -> np.nda
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: np.ndarray, name: str) -> np.ndarray:
-    """The feed-forward network's nonlinearity, ``config.activation``:
-
-    * ``relu``: max(0, x) -- Eq. (2), section 3.3 (the paper);
-    * ``silu``: x sigmoid(x) = x / (1 + exp(-x)) -- Hugging Face's "swish"/"silu" (``torch.nn.SiLU``), the
-      activation of Marian's opus-mt models (Elfwing et al., 2018; Ramachandran et al., 2017);
-    * ``gelu``: x Phi(x) = x / 2 (1 + erf(x / sqrt(2))), Phi the standard normal CDF -- Hendrycks & Gimpel (2016),
-      the exact (erf) form: Hugging Face's "gelu" (``GELUActivation``, ``torch.nn.functional.gelu`` without its tanh
-      approximation), M2M100's and NLLB's.
-
-    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P (:mod:`.precision`).
+    """The feed-forward network's nonlinearity, ``config.activation``: ``relu``, max(0, x) -- Eq. (2), section 3.3
+    (the paper); ``silu`` and ``gelu`` as :mod:`.variants` defines them. ReLU of a P number is exact; the others are
+    computed wide and rounded once to P (:mod:`.precision`).
 
     Shape: (...) -> (...).
     """
     if name == "relu":
         return np.maximum(x, 0)
-    dtype, h = x.dtype, wide(x)
-    if name == "silu":
-        with np.errstate(over="ignore"):                                # exp(-x) -> inf: x / inf = -0
-            return narrow((h / (1.0 + np.exp(-h))).astype(h.dtype), dtype)
-    if name == "gelu":
-        return narrow((0.5 * h * (1.0 + _erf(h / math.sqrt(2.0)).astype(h.dtype))).astype(h.dtype), dtype)
+    if name in ACTIVATIONS:
+        return narrow(ACTIVATIONS[name](wide(x)), x.dtype)
     raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """The error function, element by element: the C library's ``erf`` (Python's ``math.erf``; NumPy has none),
-    in float64. Shape: (...) -> (...)."""
-    return np.asarray(np.frompyfunc(math.erf, 1, 1)(np.asarray(x, dtype=np.float64)), dtype=np.float64)
 
 
 class PositionwiseFeedForward:
@@ -436,65 +421,27 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLike = np.float64,
                                    layout: str = "interleaved", pad_id: int = 0) -> np.ndarray:
-    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``), row p the encoding of position p:
-
-    * ``interleaved`` -- section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
-      PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); sine and cosine **interleaved** (even columns sin, odd
-      columns cos). Returns (L, D), rows 0 .. L-1.
-    * ``halves`` -- Marian (``MarianSinusoidalPositionalEmbedding.create_weight``: "features are not interleaved,
-      the cos features are in the 2nd half"): the same angles, PE(pos, i) = sin(pos / 10000^(2i/d_model)) and
-      PE(pos, D/2 + i) = cos(pos / 10000^(2i/d_model)) for i < D/2. Returns (L, D), rows 0 .. L-1.
-    * ``fairseq`` -- M2M100/NLLB (fairseq's ``SinusoidalPositionalEmbedding.get_embedding``, tensor2tensor's
-      form): frequencies w_i = exp(-i ln(10000) / (D/2 - 1)) for i < D/2 (the last one exactly 1/10000), sines in
-      the first half, cosines in the second, at the positions pad_id + 1, pad_id + 2, ... (fairseq counts
-      positions from the padding index + 1, :func:`position_ids`). Returns (L + 1, D): row 0 is zeros (what a pad
-      token reads: fairseq's row ``padding_idx``), row k >= 1 is [sin((pad_id + k) w), cos((pad_id + k) w)].
+    """The fixed sinusoidal table, row p the encoding of position p -- section 3.5:
+    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); sine and cosine
+    **interleaved** (even columns sin, odd columns cos). Another ``layout`` (``config.sinusoidal_layout``) is
+    :mod:`.variants`' table of that name: ``halves`` (:func:`.variants.halves_table`) or ``fairseq``
+    (:func:`.variants.fairseq_table`, (L + 1, D), row 0 zeros).
 
     The table is computed in float64 and then rounded to ``dtype`` (correctly, also for bfloat16).
+
+    Shape: returns (L, D), rows 0 .. L-1.
     """
+    if layout == "halves":
+        return round_to(halves_table(length, d_model), dtype)
     if layout == "fairseq":
-        half = d_model // 2
-        frequency = np.exp(np.arange(half, dtype=np.float64) * -(math.log(10000.0) / (half - 1)))   # (D/2,)
-        position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]                     # (L, 1)
-        table = np.zeros((length + 1, d_model), dtype=np.float64)
-        table[1:, :half] = np.sin(position * frequency)
-        table[1:, half:] = np.cos(position * frequency)
-        return round_to(table, dtype)
+        return round_to(fairseq_table(length, d_model, pad_id), dtype)
     position = np.arange(length, dtype=np.float64)[:, None]              # (L, 1)
     two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]          # (1, D/2)
     angle = position / np.power(10000.0, two_i / d_model)                # (L, D/2)
     table = np.empty((length, d_model), dtype=np.float64)
-    if layout == "halves":
-        table[:, :d_model // 2] = np.sin(angle)
-        table[:, d_model // 2:] = np.cos(angle)
-        return round_to(table, dtype)
     table[:, 0::2] = np.sin(angle)
     table[:, 1::2] = np.cos(angle)
     return round_to(table, dtype)
-
-
-def position_ids(tokens: np.ndarray, pad_id: int, offset: int = 0, by_step: bool = False) -> np.ndarray:
-    """The row of the ``fairseq`` table (:func:`sinusoidal_positional_encoding`) each token reads: 0 for a pad
-    token, else ``offset`` plus the number of non-pad tokens of its row up to and including it -- fairseq's
-    ``utils.make_positions`` and Hugging Face's ``create_position_ids_from_input_ids`` (M2M100/NLLB), whose position
-    ids are this row + pad_id (their table's row ``padding_idx`` is the zero row, here row 0).
-
-    ``by_step`` (the decoder's tokens): ``offset`` plus the token's own position in its row, counted from 1, pads
-    included -- the rows Hugging Face's ``generate`` gives a decoded prefix, one token per step at
-    ``past_key_values_length`` = the step (fairseq's incremental decoding counts steps alike). The two differ only
-    where a pad precedes a real token: never in a right-padded target; in decoding, after a pad start token or an
-    emitted pad, where counting steps is what makes decoding with and without a cache one computation.
-
-    Positions depend on the tokens: a padded row's first real token is at row 1 wherever the padding is. In cached
-    decoding ``tokens`` holds the new positions only and ``offset`` is the step's ``cache_index`` (the number of
-    earlier positions, pad tokens included, as Hugging Face's ``past_key_values_length``): one new non-pad token at
-    cache_index c reads row c + 1, the row it reads in the whole prefix when no earlier token is a pad.
-
-    Shape: tokens (B, T) int -> rows (B, T) int64.
-    """
-    real = (np.asarray(tokens) != pad_id).astype(np.int64)              # (B, T)
-    counted = np.arange(1, real.shape[1] + 1) if by_step else np.cumsum(real, axis=1)
-    return (offset + counted) * real
 
 
 class Embeddings:

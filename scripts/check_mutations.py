@@ -425,11 +425,11 @@ ACTIVATION = [
         (FM, "        return tf.maximum(x, 0)\n", "        return x\n"),
     ], ORACLE, agreement("tiny")),
     consistent("activation", "SiLU: x sigmoid(-x) (the sigmoid's sign flipped)", [
-        (RM, "return narrow((h / (1.0 + np.exp(-h))).astype(h.dtype), dtype)",
-         "return narrow((h / (1.0 + np.exp(h))).astype(h.dtype), dtype)"),
-        (TM, "return narrow(F.silu(wide(x)), x.dtype)", "return narrow(wide(x) * torch.sigmoid(-wide(x)), x.dtype)"),
-        (JM, "return narrow(jax.nn.silu(wide(x)), x.dtype)", "return narrow(wide(x) * jax.nn.sigmoid(-wide(x)), x.dtype)"),
-        (FM, "return narrow(tf.nn.silu(wide(x)), x.dtype)", "return narrow(wide(x) * tf.sigmoid(-wide(x)), x.dtype)"),
+        ("reference_numpy/variants.py", "return (x / (1.0 + np.exp(-x))).astype(x.dtype)",
+         "return (x / (1.0 + np.exp(x))).astype(x.dtype)"),
+        ("transformer_torch/variants.py", "    return F.silu(x)\n", "    return x * torch.sigmoid(-x)\n"),
+        ("transformer_jax/variants.py", "    return jax.nn.silu(x)\n", "    return x * jax.nn.sigmoid(-x)\n"),
+        ("transformer_tf/variants.py", "    return tf.nn.silu(x)\n", "    return x * tf.sigmoid(-x)\n"),
     ], CHOICES_ORACLE + ["-k", "activations"], agreement("marian")),
 ]
 
@@ -441,8 +441,8 @@ CHOICES = [
            "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)",
            ["tests/test_agreement.py", "-k", "tf and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
     consistent("positional-encoding", "Marian's halves swapped (the cosines first, then the sines)", [
-        (RM, "        table[:, :d_model // 2] = np.sin(angle)\n        table[:, d_model // 2:] = np.cos(angle)",
-         "        table[:, :d_model // 2] = np.cos(angle)\n        table[:, d_model // 2:] = np.sin(angle)"),
+        ("reference_numpy/variants.py", "np.concatenate([np.sin(angle), np.cos(angle)], axis=1)",
+         "np.concatenate([np.cos(angle), np.sin(angle)], axis=1)"),
         (FM, "table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
          "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)"),
     ], CHOICES_ORACLE + ["-k", "halves_table or marian_table or embedded_source"], agreement("marian"), shared=(TORCH, JAX)),
@@ -458,10 +458,10 @@ CHOICES = [
          "    if False:\n        logits = logits + wide(bias)"),
     ], CHOICES_ORACLE + ["-k", "logits_bias_by_hand"], agreement("marian")),
     single("positional-encoding", "jax: fairseq's positions one past their row (counted from pad_id + 2)",
-           "transformer_jax/model.py", "return (offset + counted) * real", "return (offset + 1 + counted) * real",
+           "transformer_jax/variants.py", "return (offset + counted) * real", "return (offset + 1 + counted) * real",
            ["tests/test_agreement.py", "-k", "jax and cpu and test_forward_stages and fairseq and float64 and ragged_batch"]),
     consistent("positional-encoding", "fairseq's positions counted from pad_id, not pad_id + 1 (the offset off by one)", [
-        (RM, "position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]",
+        ("reference_numpy/variants.py", "position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]",
          "position = pad_id + np.arange(0, length, dtype=np.float64)[:, None]"),
         (FM, "position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]",
          "position = pad_id + tf.range(0, length, dtype=tf.float64)[:, None]"),

@@ -21,7 +21,8 @@ from equivalence import cases, fuzz, tolerance
 from equivalence.cases import CHOICE_VARIANTS, FORWARD_VARIANTS
 from reference_numpy import Transformer, TransformerConfig, init_params, load_checkpoint, save_checkpoint
 from reference_numpy import decoding as reference_decoding
-from reference_numpy.model import activation, position_ids, sinusoidal_positional_encoding
+from reference_numpy.model import activation, sinusoidal_positional_encoding
+from reference_numpy.variants import position_ids
 
 TINY = TransformerConfig.preset("tiny")
 # Inputs of the activations: both signs, zero, the knees near +-1, and values where exp(-x) overflows.

@@ -38,7 +38,6 @@ from .model import (
     causal_mask,
     log_softmax,
     padding_mask,
-    position_ids,
     residual,
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
@@ -55,6 +54,7 @@ from .training import (
     train_step,
     training_state,
 )
+from .variants import position_ids
 
 __all__ = [
     "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",

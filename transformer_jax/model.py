@@ -50,8 +50,10 @@ from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .device import _check_dtype
 from .precision import autocast_dtype, computation, narrow, rounding, storage, wide
+from .variants import gelu, position_ids, silu
 
 _PRECISION = lax.Precision.HIGHEST
+ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -338,18 +340,15 @@ def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int
 
 def activation(x: jax.Array, name: str) -> jax.Array:
     """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
-    :func:`~reference_numpy.model.activation`, where each is defined): ``relu`` max(0, x) (Eq. (2)), ``silu``
-    x sigmoid(x) (``jax.nn.silu``), ``gelu`` x Phi(x), the exact erf form (``jax.nn.gelu(approximate=False)``).
-    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P.
+    :func:`~reference_numpy.model.activation`): ``relu`` max(0, x) (Eq. (2)); ``silu`` and ``gelu`` from
+    :mod:`.variants`. ReLU of a P number is exact; the others are computed wide and rounded once to P.
 
     Shape: (...) -> (...).
     """
     if name == "relu":
         return jnp.maximum(x, 0)
-    if name == "silu":
-        return narrow(jax.nn.silu(wide(x)), x.dtype)
-    if name == "gelu":
-        return narrow(jax.nn.gelu(wide(x), approximate=False), x.dtype)
+    if name in ACTIVATIONS:
+        return narrow(ACTIVATIONS[name](wide(x)), x.dtype)
     raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
 
 
@@ -439,19 +438,6 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike =
     Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
     """
     return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model, dtype, layout, pad_id), dtype=dtype)
-
-
-def position_ids(tokens: jax.Array, pad_id: int, offset: int | jax.Array = 0, by_step: bool = False) -> jax.Array:
-    """The row of the ``fairseq`` table each token reads (the reference's
-    :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
-    tokens of its row up to and including it; ``by_step`` (the decoder's tokens), plus its own position in the row
-    counted from 1, pads included. ``offset`` may be traced.
-
-    Shape: tokens (B, T) int -> rows (B, T) int32.
-    """
-    real = (jnp.asarray(tokens) != pad_id).astype(jnp.int32)           # (B, T)
-    counted = jnp.arange(1, real.shape[1] + 1, dtype=jnp.int32) if by_step else jnp.cumsum(real, axis=1)
-    return (offset + counted) * real
 
 
 class Embeddings(nnx.Embed):

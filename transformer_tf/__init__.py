@@ -44,7 +44,6 @@ from .model import (  # noqa: E402
     causal_mask,
     log_softmax,
     padding_mask,
-    position_ids,
     residual,
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
@@ -60,6 +59,7 @@ from .training import (  # noqa: E402
     train_step,
     training_state,
 )
+from .variants import position_ids  # noqa: E402
 
 __all__ = [
     "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",

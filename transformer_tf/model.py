@@ -48,11 +48,13 @@ from reference_numpy.precision import round_to
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
+from .variants import gelu, position_ids, silu
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
 
 Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
+ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -392,20 +394,15 @@ def _written_beams(beams: tf.Tensor | tuple, index: Index, length: int) -> tf.Te
 
 def activation(x: tf.Tensor, name: str) -> tf.Tensor:
     """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
-    :func:`~reference_numpy.model.activation`, where each is defined): ``relu`` max(0, x) (Eq. (2)), ``silu``
-    x sigmoid(x) (``tf.nn.silu``), ``gelu`` x Phi(x) = x / 2 (1 + erf(x / sqrt(2))), the exact form, written with
-    ``tf.math.erf`` (``tf.nn.gelu(approximate=False)`` evaluates erfc(-x / sqrt(2)), 5e-9 off in float64).
-    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P.
+    :func:`~reference_numpy.model.activation`): ``relu`` max(0, x) (Eq. (2)); ``silu`` and ``gelu`` from
+    :mod:`.variants`. ReLU of a P number is exact; the others are computed wide and rounded once to P.
 
     Shape: (...) -> (...).
     """
     if name == "relu":
         return tf.maximum(x, 0)
-    if name == "silu":
-        return narrow(tf.nn.silu(wide(x)), x.dtype)
-    if name == "gelu":
-        h = wide(x)
-        return narrow(0.5 * h * (1.0 + tf.math.erf(h / math.sqrt(2.0))), x.dtype)
+    if name in ACTIVATIONS:
+        return narrow(ACTIVATIONS[name](wide(x)), x.dtype)
     raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
 
 
@@ -511,19 +508,6 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
     if is_low(dtype):
         return tf.constant(round_to(table.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
     return tf.cast(table, dtype)
-
-
-def position_ids(tokens: tf.Tensor, pad_id: int, offset: Index = 0, by_step: bool = False) -> tf.Tensor:
-    """The row of the ``fairseq`` table each token reads (the reference's
-    :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
-    tokens of its row up to and including it; ``by_step`` (the decoder's tokens), plus its own position in the row
-    counted from 1, pads included. ``offset`` may be a tensor (cached decoding).
-
-    Shape: tokens (B, T) int -> rows (B, T) int32.
-    """
-    real = tf.cast(tf.not_equal(tokens, tf.cast(pad_id, tokens.dtype)), tf.int32)   # (B, T)
-    counted = tf.range(1, tf.shape(real)[1] + 1) if by_step else tf.cumsum(real, axis=1)
-    return (tf.cast(offset, tf.int32) + counted) * real
 
 
 @register

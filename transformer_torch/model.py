@@ -51,8 +51,10 @@ from reference_numpy.model import attended_width, attended_widths  # noqa: F401
 from . import speed
 from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .precision import LOW, dtype_name, from_numpy, narrow, wide
+from .variants import gelu, position_ids, silu
 
 Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
+ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -336,18 +338,15 @@ def _positions(start: Index, length: int) -> slice | Tensor:
 
 def activation(x: Tensor, name: str) -> Tensor:
     """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
-    :func:`~reference_numpy.model.activation`, where each is defined): ``relu`` max(0, x) (Eq. (2)), ``silu``
-    x sigmoid(x) (``F.silu``), ``gelu`` x Phi(x), the exact erf form (``F.gelu``, not its tanh approximation).
-    ReLU of a P number is exact; SiLU and GELU are computed wide and rounded once to P.
+    :func:`~reference_numpy.model.activation`): ``relu`` max(0, x) (Eq. (2)); ``silu`` and ``gelu`` from
+    :mod:`.variants`. ReLU of a P number is exact; the others are computed wide and rounded once to P.
 
     Shape: (...) -> (...).
     """
     if name == "relu":
         return torch.relu(x)
-    if name == "silu":
-        return narrow(F.silu(wide(x)), x.dtype)
-    if name == "gelu":
-        return narrow(F.gelu(wide(x)), x.dtype)
+    if name in ACTIVATIONS:
+        return narrow(ACTIVATIONS[name](wide(x)), x.dtype)
     raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
 
 
@@ -426,19 +425,6 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     """
     table = reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype), layout, pad_id)
     return from_numpy(table).to(device=device)
-
-
-def position_ids(tokens: Tensor, pad_id: int, offset: Index = 0, by_step: bool = False) -> Tensor:
-    """The row of the ``fairseq`` table each token reads (the reference's
-    :func:`~reference_numpy.model.position_ids`): 0 for a pad token, else ``offset`` plus the number of non-pad
-    tokens of its row up to and including it; ``by_step`` (the decoder's tokens), plus its own position in the row
-    counted from 1, pads included. ``offset`` may be a traced tensor (an exported decoding step).
-
-    Shape: tokens (B, T) int -> rows (B, T) int64.
-    """
-    real = (tokens != pad_id).long()                                    # (B, T)
-    counted = torch.arange(1, real.shape[1] + 1, device=real.device) if by_step else torch.cumsum(real, dim=1)
-    return (offset + counted) * real
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
