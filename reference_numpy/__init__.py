@@ -36,6 +36,7 @@ from .model import (
     activation,
     causal_mask,
     log_softmax,
+    masked_softmax,
     padding_mask,
     residual,
     scaled_dot_product_attention,
@@ -54,6 +55,6 @@ __all__ = [
     "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "Linear", "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
-    "scaled_dot_product_attention",
+    "masked_softmax", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
 ]

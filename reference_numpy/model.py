@@ -157,6 +157,23 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
         scores = product(query, np.swapaxes(key, -1, -2), mixed).astype(np.float32)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
+    if mixed is not None:
+        weights = round_to(weights, mixed)                              # autocast: weights . V a P product
+    out = wide(weights) @ value                                         # (..., Tq, d_v)
+    if mask is not None:
+        out = np.where(mask.any(axis=-1, keepdims=True), out, 0.0)      # a row that sees no key -> zeros
+    return narrow(out, dtype), narrow(weights, dtype)
+
+
+def masked_softmax(scores: np.ndarray, mask: np.ndarray | None, d_k: int) -> np.ndarray:
+    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
+    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
+    average), the project's convention for a fully masked row (docs/ports.md).
+
+    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    """
+    if mask is not None:
         scores = np.where(mask, scores, -np.inf)
     # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
     # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
@@ -164,13 +181,7 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     exp = np.exp((scores - row_max) / math.sqrt(d_k))                   # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
-    weights = exp / np.where(total > 0, total, 1.0)                     # fully masked row -> zeros
-    if mixed is not None:
-        weights = round_to(weights, mixed)                              # autocast: weights . V a P product
-    out = wide(weights) @ value                                         # (..., Tq, d_v)
-    if mask is not None:
-        out = np.where(mask.any(axis=-1, keepdims=True), out, 0.0)      # a row that sees no key -> zeros
-    return narrow(out, dtype), narrow(weights, dtype)
+    return exp / np.where(total > 0, total, 1.0)                        # fully masked row -> zeros
 
 
 def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:

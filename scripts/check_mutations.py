@@ -212,10 +212,9 @@ SINGLE = [
     # subtraction too, and alone keeps this bug from showing: it goes with it, as the code was when the case was found.
     Mutation("fuzz", "jax: the scores scaled before their row maximum, no select between them and the subtraction "
              "(XLA:CPU computes the scaled scores twice, once contracted into an FMA)", "single",
-             (Edit("transformer_jax/model.py", "    if mask is not None:\n        mask = checked_mask(\"mask\", mask, "
-                   "scores.shape)\n        scores = jnp.where(mask, scores, -jnp.inf)",
-                   "    scores = scores / math.sqrt(d_k)\n    if mask is not None:\n        mask = checked_mask(\"mask\", "
-                   "mask, scores.shape)\n        scores = jnp.where(mask, scores, -jnp.inf)"),
+             (Edit("transformer_jax/model.py", "    if mask is not None:\n        scores = jnp.where(mask, scores, -jnp.inf)",
+                   "    scores = scores / math.sqrt(d_k)\n    if mask is not None:\n"
+                   "        scores = jnp.where(mask, scores, -jnp.inf)"),
               Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
                    "exp = jnp.exp(scores - row_max)"),
               Edit("transformer_jax/model.py", "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n", "")),

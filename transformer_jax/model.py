@@ -136,6 +136,25 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         scores = wide(narrow(scores, mixed))                            # autocast: Q K^T a P product
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
+    if mixed is not None:
+        weights = wide(narrow(weights, mixed))                          # autocast: weights . V a P product
+    out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else speed.beam_mix(weights, value, beams)
+    if mask is not None:
+        out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
+    return narrow(out, dtype), narrow(weights, dtype)
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array | None, d_k: int) -> jax.Array:
+    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
+    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
+    average), the project's convention for a fully masked row (the reference's
+    :func:`~reference_numpy.model.masked_softmax`); the row maximum is held constant for gradients (it cancels
+    mathematically), so that such a row's gradients are finite too.
+
+    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    """
+    if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
     # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
     # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
@@ -150,13 +169,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     exp = jnp.exp((scores - row_max) / math.sqrt(d_k))                 # exactly 0 where masked
     total = exp.sum(axis=-1, keepdims=True)
-    weights = exp / jnp.where(total > 0, total, 1.0)                    # fully masked row -> zeros
-    if mixed is not None:
-        weights = wide(narrow(weights, mixed))                          # autocast: weights . V a P product
-    out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else speed.beam_mix(weights, value, beams)
-    if mask is not None:
-        out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
-    return narrow(out, dtype), narrow(weights, dtype)
+    return exp / jnp.where(total > 0, total, 1.0)                       # fully masked row -> zeros
 
 
 class _Linear(nnx.Linear):

@@ -136,6 +136,24 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
         scores = wide(narrow(scores, dtype))                            # autocast: Q K^T a P product
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
+    if mixed is not None:
+        weights = wide(narrow(weights, dtype))                          # autocast: weights . V a P product
+    out = tf.matmul(weights, value) if beams is None else speed.beam_mix(weights, value, beams)
+    if mask is not None:
+        out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
+    return narrow(out, dtype), narrow(weights, dtype)
+
+
+def masked_softmax(scores: tf.Tensor, mask: tf.Tensor | None, d_k: int) -> tf.Tensor:
+    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
+    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
+    average), the project's convention for a fully masked row (the reference's
+    :func:`~reference_numpy.model.masked_softmax`).
+
+    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    """
+    if mask is not None:
         scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
     # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
     # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
@@ -148,13 +166,7 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     row_max = tf.where(tf.math.is_finite(row_max), row_max, tf.zeros_like(row_max))
     exp = tf.exp((scores - row_max) / math.sqrt(d_k))                   # exactly 0 where masked
     total = tf.reduce_sum(exp, axis=-1, keepdims=True)
-    weights = exp / tf.where(total > 0, total, tf.ones_like(total))     # fully masked row -> zeros
-    if mixed is not None:
-        weights = wide(narrow(weights, dtype))                          # autocast: weights . V a P product
-    out = tf.matmul(weights, value) if beams is None else speed.beam_mix(weights, value, beams)
-    if mask is not None:
-        out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
-    return narrow(out, dtype), narrow(weights, dtype)
+    return exp / tf.where(total > 0, total, tf.ones_like(total))        # fully masked row -> zeros
 
 
 @register

@@ -137,6 +137,21 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         scores = wide(query @ key.transpose(-1, -2))                    # (..., Tq, Tk); P under autocast
     else:
         scores = wide(speed.beam_scores(query, key, beams))
+    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
+    out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)
+    if mask is not None:
+        out = torch.where(mask.any(dim=-1, keepdim=True), out, 0.0)     # a row that sees no key -> zeros
+    return narrow(out, dtype), (narrow(weights, dtype) if return_weights else None)
+
+
+def masked_softmax(scores: Tensor, mask: Tensor | None, d_k: int) -> Tensor:
+    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
+    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
+    average), the project's convention for a fully masked row (the reference's
+    :func:`~reference_numpy.model.masked_softmax`).
+
+    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    """
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
@@ -145,11 +160,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     exp = torch.exp((scores - row_max) / math.sqrt(d_k))                # exactly 0 where masked
     total = exp.sum(dim=-1, keepdim=True)
-    weights = exp / torch.where(total > 0, total, 1.0)                  # fully masked row -> zeros
-    out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)
-    if mask is not None:
-        out = torch.where(mask.any(dim=-1, keepdim=True), out, 0.0)     # a row that sees no key -> zeros
-    return narrow(out, dtype), (narrow(weights, dtype) if return_weights else None)
+    return exp / torch.where(total > 0, total, 1.0)                     # fully masked row -> zeros
 
 
 class KVCache(NamedTuple):

@@ -67,7 +67,7 @@ CONCEPTS = (
     Concept("Scaled dot-product attention", "Eq. (1), section 3.2.1",
             "Attention(<i>Q</i>, <i>K</i>, <i>V</i>) = "
             "softmax(<i>QK</i><sup>T</sup> / &radic;<i>d<sub>k</sub></i>) <i>V</i>",
-            _same("model.py:scaled_dot_product_attention")),
+            _same("model.py:scaled_dot_product_attention", "model.py:masked_softmax")),
     Concept("Multi-head attention", "section 3.2.2",
             "MultiHead(<i>Q</i>, <i>K</i>, <i>V</i>) = Concat(head<sub>1</sub>, &hellip;, "
             "head<sub><i>h</i></sub>) <i>W</i><sup><i>O</i></sup>, &nbsp; head<sub><i>i</i></sub> = "
