@@ -246,6 +246,13 @@ SINGLE = [
            "* `tests/test_oracle.py` recomputes", "* `tests/test_oracles.py` recomputes", ["tests/test_references.py"]),
     single("docs", "a docstring names a test file that does not exist", "equivalence/contract.py",
            "``tests/test_equivalence.py`` checks", "``tests/test_contract.py`` checks", ["tests/test_references.py"]),
+    single("docs", "docs/benchmarks.md: a section named as a before/after comparison", "docs/benchmarks.md",
+           "## Training throughput: `scripts/bench_training.py`",
+           "## Training throughput before and after: `scripts/bench_training.py`",
+           ["tests/test_references.py", "-k", "state_what_is"]),
+    single("docs", "docs/benchmarks.md: a result file no document cites", "docs/benchmarks.md",
+           "**16.1 s** wall ([results/2026-11-22-compare.md](results/2026-11-22-compare.md))", "**16.1 s** wall",
+           ["tests/test_references.py", "-k", "state_what_is"]),
     single("docs", "docs/cli.md: the internal error's exit code left out of the table", "docs/cli.md",
            "| `3` | internal error", "| 3 | internal error", ["tests/test_cli.py", "-k", "exit_codes_are_documented"]),
 ]

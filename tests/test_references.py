@@ -1,6 +1,11 @@
 """Every repository file the documentation and the code's own prose name exists: the paths in README.md and
-docs/*.md (and their relative links), and in the docstrings and comments of every module of the packages, the
-scripts and the tests. A renamed or moved file leaves no reference to its old name behind."""
+docs/*.md (and their relative links, and the links of the result files in docs/results/), and in the docstrings and
+comments of every module of the packages, the scripts and the tests. A renamed or moved file leaves no reference to
+its old name behind.
+
+The documents explain what is: a measurement lives in a dated result file in docs/results/, which some document
+cites, and no document outside docs/results/ keeps a run's history (past targets, before/after comparisons, earlier
+versions' runs)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,13 @@ LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
 # The placeholder the prose uses for "some test module" (a node id's form, a --durations line's form).
 PLACEHOLDER = "tests/test_x.py"
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The recorded runs: each file one run's date, machine, command and output, cited by a document.
+RESULTS = sorted(path for path in (ROOT / "docs" / "results").iterdir() if path.is_file())
+# Phrases that only a run's history uses: a document that needs one is telling what happened, not what is.
+HISTORY = re.compile("|".join([
+    r"\bprevious (?:runs?|versions?|search|commit)\b", r"\bearlier (?:runs?|versions?)\b", r"\bthis version's\b",
+    r"\buntil this version\b", r"\bissue \d+'s\b", r"\b(?:targets|yardsticks) of issue \d+", r"\bbefore issue \d+",
+    r"\bbefore and after\b", r"\ba first trial\b", r"\(was \d"]), re.IGNORECASE)
 MODULES = [path for folder in FOLDERS[:-2] for path in sorted((ROOT / folder).rglob("*.py"))]
 
 
@@ -52,20 +64,24 @@ def prose(path: Path) -> str:
 def references(text: str, document: Path | None = None) -> list[str]:
     """The repository paths ``text`` names; with ``document`` (a Markdown file) its local links too, as paths from
     the repository root."""
-    found = PATH.findall(text)
-    if document is not None:
-        for link in LINK.findall(text):
-            if not re.match(r"[a-z][a-z0-9+.-]*:", link):                    # http:, mailto:...: not a file
-                found.append((document.parent / link).resolve().relative_to(ROOT).as_posix())
-    return found
+    return PATH.findall(text) + (local_links(text, document) if document is not None else [])
+
+
+def local_links(text: str, document: Path) -> list[str]:
+    """The local files the Markdown links of ``document`` point to, as paths from the repository root."""
+    return [(document.parent / link).resolve().relative_to(ROOT).as_posix() for link in LINK.findall(text)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", link)]                   # http:, mailto:...: not a file
 
 
 def all_references() -> list[tuple[str, str]]:
-    """(where, path) for every reference of the documents and of the modules' prose."""
+    """(where, path) for every reference of the documents and of the modules' prose, and every local link of the
+    result files (whose other paths name files as they were when the run was made)."""
     named = [(document.name, path) for document in DOCUMENTS
              for path in references(document.read_text(encoding="utf-8"), document)]
-    return named + [(module.relative_to(ROOT).as_posix(), path) for module in MODULES
-                    for path in references(prose(module))]
+    linked = [(result.relative_to(ROOT).as_posix(), path) for result in RESULTS if result.suffix == ".md"
+              for path in local_links(result.read_text(encoding="utf-8"), result)]
+    return named + linked + [(module.relative_to(ROOT).as_posix(), path) for module in MODULES
+                             for path in references(prose(module))]
 
 
 def test_every_file_reference_names_a_file_that_exists():
@@ -90,3 +106,31 @@ def test_the_reference_finder_reads_paths_links_and_prose(tmp_path):
     module = tmp_path / "module.py"
     module.write_text('"""Checked by tests/test_a.py."""\nPATH = "tests/test_b.py"  # and tests/test_c.py\n')
     assert references(prose(module)) == ["tests/test_c.py", "tests/test_a.py"]
+
+
+
+def history(text: str) -> list[str]:
+    """The lines of ``text`` that use a phrase of a run's history, each with its number."""
+    return [f"{number}: {line.strip()}" for number, line in enumerate(text.splitlines(), start=1) if HISTORY.search(line)]
+
+
+def test_documents_state_what_is_and_cite_their_measurements():
+    """No document outside docs/results/ tells a run's history, and every result file is cited by a document."""
+    told = {document.name: history(document.read_text(encoding="utf-8")) for document in DOCUMENTS}
+    assert {name: lines for name, lines in told.items() if lines} == {}, "history outside docs/results/"
+    cited = {path for document in DOCUMENTS for path in references(document.read_text(encoding="utf-8"), document)}
+    assert len(RESULTS) > 10
+    uncited = [result.name for result in RESULTS if result.relative_to(ROOT).as_posix() not in cited]
+    assert uncited == [], "result files no document cites: " + ", ".join(uncited)
+
+
+def test_the_history_finder_tells_history_from_explanation():
+    """The phrases the check above rejects are found, and explanation that shares their words is not."""
+    told = ("Issue 15's targets, as ratios\nThe same run before and after the split\nin the two previous runs\n"
+            "A first trial on the step module\nan earlier version's 5,552 in 36:34\npeak 1.04 x (was 2.24 x)\n"
+            "against the yardsticks of issue 15\nBefore issue 27's work the peaks were")
+    assert [line.split(": ", 1)[0] for line in history(told)] == [str(number) for number in range(1, 9)]
+    explained = ("a tie goes to the earlier step\nthe earlier positions, as Hugging Face's past_key_values_length\n"
+                 "a layer of its stack's previous output\nread back in this run or an earlier one\n"
+                 "the latest run, its date and machine in docs/results/")
+    assert history(explained) == []
