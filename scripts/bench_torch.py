@@ -22,9 +22,10 @@ products only (formulas printed). The timed part holds an exclusive lock on /tmp
 so that benchmarks of workers sharing the machine do not overlap; the script takes the lock
 itself (do not also wrap it in ``flock``):
 
-    python scripts/bench_torch.py [--quick] [--threads N] [--decode-batch B] [--write docs/benchmarks-torch.md]
+    python scripts/bench_torch.py [--quick] [--threads N] [--decode-batch B] [--write docs/results/DATE-bench-torch.md]
 
-``--write`` keeps the file's own section "## Before and after", if it has one, below the report.
+``--write`` writes the report as a result file (docs/benchmarks-torch.md cites the latest); an existing file is
+refused, never replaced.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ from transformer_torch.decoding import beam_search, next_token_log_probs  # noqa
 from transformer_torch.device import devices, full_precision  # noqa: E402
 from transformer_torch.model import _linear, padding_mask  # noqa: E402
 
-KEPT_SECTION = "## Before and after"
 PROFILED_STEPS = 20
 PROFILED_FORWARDS = 3
 FORWARD_FLOPS = ("forward FLOPs = 2 x [N_enc (4 B S D^2 + 2 B S^2 D + 2 B S D F) + N_dec (6 B T D^2 + 2 B S D^2 "
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64,
                         help="rows of the products timed by kernel (default 64: 16 sentences x beam 4)")
     args = parser.parse_args()
+    if args.write is not None and args.write.exists():
+        parser.error(f"--write: {args.write} exists; a result file is never replaced")
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else 5
@@ -190,13 +192,8 @@ def main() -> None:
     report = "\n".join(lines) + "\n"
     print(report)
     if args.write:
-        args.write.write_text(report + kept_section(args.write))
-
-
-def kept_section(path: Path) -> str:
-    """The file's own "Before and after" section (from its heading to the end), or nothing."""
-    text = path.read_text() if path.exists() else ""
-    return "\n" + text[text.index(KEPT_SECTION):] if KEPT_SECTION in text else ""
+        with args.write.open("x") as file:                   # "x": an existing result file is never replaced
+            file.write(report)
 
 
 def forward_profile(model, src, tgt) -> list[str]:

@@ -5,7 +5,7 @@ Two seams. :func:`linear`, which ``model._linear`` (every linear map of the mode
 :class:`~.model.Generator`) calls for x W^T + b once the precision recipe has made its operands float32 or
 float64. It computes what ``F.linear`` computes, by oneDNN's inner product where that is faster: batch-1 decoding
 reads the 37000 x 512 output projection at about 50 GB/s instead of MKL's 16 GB/s, and large products run at twice
-MKL's rate (docs/benchmarks-torch.md, "Before and after"; docs/torch.md, "Speed and memory"). And attention,
+MKL's rate (docs/benchmarks-torch.md; docs/torch.md, "Speed and memory"). And attention,
 which ``model.scaled_dot_product_attention`` (Eq. (1)) hands to torch's fused kernel (:func:`attention`) when
 neither its weights nor its gradients are asked for (:func:`fused`), and whose products along a beam-search
 cache's hypotheses it computes without gathering keys and values (:func:`beam_scores`, :func:`beam_mix`). This
@@ -33,7 +33,7 @@ from reference_numpy.model import attended_width
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster
-# reading of the weight (docs/benchmarks-torch.md, "Before and after")
+# reading of the weight (docs/benchmarks-torch.md)
 _ONEDNN_MIN_WEIGHT = 1 << 16
 # Inductor's options for :func:`compile_decoding`'s program: the weights folded in as constants (``freezing``: each
 # packed once for the kernel chosen) and every product's kernel chosen by timing Inductor's C++ GEMM template

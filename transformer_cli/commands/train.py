@@ -54,7 +54,8 @@ TASK_FLAGS = {**{name: ("copy",) for name in COPY_ONLY}, "batch_size": ("copy", 
               **{name: ("corpus",) for name in corpus_task.FLAGS}}
 SAVED_SETTINGS = ("warmup_steps", "learning_rate_scale", "dropout", "layer_norm_eps")   # a resumed run's, from its file
 # The installed backend ``train --task numbers`` (and a corpus) runs by default: the first of these, fastest first on
-# the numbers model here (docs/training.md, "Which backend trains fastest"); the copy task runs the reference
+# the numbers model here (time per step: docs/results/2026-11-23-numbers-task-training.md); the copy task, the
+# reference
 FASTEST = ("torch", "tf", "jax", "numpy")
 EVALUATION_TOKENS = 2048          # positions of src (and of tgt) in one batch of validation or evaluation
 
