@@ -111,7 +111,8 @@ def test_the_reference_finder_reads_paths_links_and_prose(tmp_path):
 
 def history(text: str) -> list[str]:
     """The lines of ``text`` that use a phrase of a run's history, each with its number."""
-    return [f"{number}: {line.strip()}" for number, line in enumerate(text.splitlines(), start=1) if HISTORY.search(line)]
+    return [f"{number}: {line.strip()}" for number, line in enumerate(text.splitlines(), start=1)
+            if HISTORY.search(line)]
 
 
 def test_documents_state_what_is_and_cite_their_measurements():
