@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import backends  # noqa: E402
 from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from transformer_cli import backends  # noqa: E402
 from transformer_cli.commands.train import CountedBatches, jax_host_devices  # noqa: E402
 from transformer_cli.tasks.numbers import DEFAULTS, NumbersTask  # noqa: E402
 

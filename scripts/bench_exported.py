@@ -9,7 +9,7 @@
    pad and bos excluded; the caches start as ``export_check.CACHED_GREEDY``'s zeros of capacity ``--steps``), for
    each ``--batch`` size. Beside them: CTranslate2 on the same weights (``CTranslate2Peer`` in a process of its own,
    ``intra_threads`` = ``--threads``, exactly ``--steps`` tokens), and, for reference, the ports' own cached greedy
-   decoding (``transformer_cli.backends``: section 6.1's rules, it stops at eos or after source length + 50 tokens,
+   decoding (``equivalence.backends``: section 6.1's rules, it stops at eos or after source length + 50 tokens,
    so its step count is reported).
 3. Every call timed interleaved (``timing.round_robin``: a warm-up round reported apart, then ``--repeats`` rounds),
    medians with their min-max, in ms per step (the call's time over its steps, the encoder included), as a ratio to
@@ -47,9 +47,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import backends, runtime  # noqa: E402
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from reference_numpy.checkpoint import save_checkpoint  # noqa: E402
-from transformer_cli import backends, runtime  # noqa: E402
 from transformer_cli.benchmarks.bench import BANDWIDTH, BANDWIDTH_MIB, bench_inputs  # noqa: E402
 from transformer_cli.benchmarks.peers import CTranslate2Peer, OwnProcess  # noqa: E402
 from transformer_cli.benchmarks.timing import (  # noqa: E402

@@ -67,8 +67,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import runtime  # noqa: E402
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E402
-from transformer_cli import runtime  # noqa: E402
 from transformer_cli.commands.translate import BATCH_SIZE  # noqa: E402
 from transformer_cli.tasks.numbers import NumbersTask, english  # noqa: E402
 
@@ -189,7 +189,7 @@ def port_passes(name: str, checkpoint: Path | None, texts: list[str] | None, row
     or the source ids ``rows``), output tokens, outputs (texts, or ids without pad) (:data:`COMPILED`: PyTorch's,
     its model given to ``compile_decoding``). The numbers model decodes with alpha 0.6, an imported one with its
     checkpoint's length penalty."""
-    from transformer_cli import backends
+    from equivalence import backends
     from transformer_cli.commands.translate import translator
 
     backend = "torch" if name == COMPILED else name

@@ -144,7 +144,7 @@ SINGLE = [
            "if _LAYOUT[tensor.kind][1])",
            'if _LAYOUT[tensor.kind][1] and not tensor.name.endswith("o_proj.weight"))',
            ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
-    single("dropout", "torch: dropout left on at inference", "transformer_cli/backends/torch.py",
+    single("dropout", "torch: dropout left on at inference", "equivalence/backends/torch.py",
            "_, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
            "_, stages = model.train()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
            ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformer_cli import backends  # noqa: E402
+from equivalence import backends  # noqa: E402
 from transformer_cli.commands.translate import SHIPPED, translator  # noqa: E402
 from transformer_cli.tasks.numbers import SPLIT_SEED, NumbersTask, english, french, patterns, zero_pattern  # noqa: E402
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from equivalence import backends
 from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
 from reference_numpy.checkpoint import load_training_state
-from transformer_cli import backends
 from transformer_cli import main as cli_main
 from transformer_cli.benchmarks import timing
 from transformer_cli.commands import compare as compare_module
@@ -274,7 +274,7 @@ def test_compare_in_low_precision_and_the_precision_report(in_workdir, capsys):
 def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
     """Requested backends none of which is installed compare nothing: an error, never agreement."""
     monkeypatch.setitem(backends.BACKENDS, "torch",
-                        ("transformer_cli.backends.torch", ("no_such_framework_here",), "torch"))
+                        ("equivalence.backends.torch", ("no_such_framework_here",), "torch"))
     for args in (["compare", "tiny.safetensors", "--backends", "torch"],
                  ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
                   "--backends", "torch"],

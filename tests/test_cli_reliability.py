@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 from support import cli
 
+from equivalence import backends, runtime
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import PARTIAL_SUFFIX, load_training_state
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli import backends, plots, runtime
+from transformer_cli import plots
 from transformer_cli.arguments import RANGES, Range
 from transformer_cli.commands.train import saves
 from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, build_parser

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support import cli
 
-from equivalence import tolerance
+from equivalence import backends, tolerance
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy import Transformer, TransformerConfig, init_params, save_checkpoint, training
 from reference_numpy.checkpoint import (
@@ -28,7 +28,7 @@ from reference_numpy.checkpoint import (
 )
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli import backends, extras
+from transformer_cli import extras
 from transformer_cli.commands import train as train_module
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
 from transformer_cli.tasks.copy import VALIDATION as VALIDATION_SPLIT

@@ -20,6 +20,7 @@ pytest.importorskip("sentencepiece", reason="the tests train SentencePiece model
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
 torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
 
+from equivalence.oracle import SENTENCES  # noqa: E402
 from reference_numpy.checkpoint import (  # noqa: E402
     load_checkpoint,
     load_tokenizer,
@@ -28,7 +29,6 @@ from reference_numpy.checkpoint import (  # noqa: E402
 )
 from reference_numpy.hf_import import import_hf  # noqa: E402
 from reference_numpy.hf_tokenizer import KEPT_FILES, FamilyTokenizer, read_hf_tokenizer  # noqa: E402
-from transformer_cli.commands.compare import SENTENCES  # noqa: E402
 from transformer_cli.commands.export import export_hf  # noqa: E402
 from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402

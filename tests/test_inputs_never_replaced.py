@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from support import cli, one_error_line
 
+from equivalence import backends
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, TrainingState
 from reference_numpy.config import TrainingConfig
-from transformer_cli import backends
 from transformer_cli.commands import export as export_module
 from transformer_cli.commands import side_by_side
 from transformer_cli.commands import train as train_module

@@ -80,7 +80,7 @@ MALFORMED_TOKENIZERS = {
 
 def adapter(name: str):
     """The command line's adapter of backend ``name``: the reference's, or an installed port's."""
-    return importlib.import_module("transformer_cli.backends.numpy") if name == "numpy" else port_backend(name)
+    return importlib.import_module("equivalence.backends.numpy") if name == "numpy" else port_backend(name)
 
 
 def checkpoint_with(path, **metadata: str):
@@ -122,7 +122,7 @@ def test_a_malformed_tokenizer_is_one_error_naming_its_field_in_every_backend(ba
 def test_resuming_a_run_whose_record_is_a_list_is_one_line_before_any_backend_loads(backend, tmp_path, monkeypatch,
                                                                                      capsys):
     """The AttributeError of issue 42 (an internal error): ``train --resume`` reads the record from the header."""
-    from transformer_cli import backends
+    from equivalence import backends
     monkeypatch.chdir(tmp_path)
     checkpoint_with(tmp_path / "run.safetensors", training=json.dumps([3, {}]))
     monkeypatch.setattr(backends, "load", lambda *_: pytest.fail("a backend was loaded before the record was read"))

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from support import cli, one_error_line
 
+from equivalence import runtime
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
-from transformer_cli import runtime
 from transformer_cli.commands import export as export_module
 from transformer_cli.commands import export_check
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE

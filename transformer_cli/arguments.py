@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from equivalence import backends
 from reference_numpy.checkpoint import SHIPPED_MODELS
 from reference_numpy.config import MAX_BEAM_SIZE, MAX_LEN_LIMIT
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import AUTOCAST_NAMES, DTYPE_NAMES
-from transformer_cli import backends
 from transformer_cli.extras import require
 
 PRECISION_NAMES = DTYPE_NAMES + AUTOCAST_NAMES   # --dtype: a model in a dtype, or a float32 one under autocast

@@ -25,7 +25,7 @@
 Every command that writes a file takes ``--force`` (an existing output is kept otherwise) and declares its inputs
 and outputs (:func:`add_outputs`): an output that is an input -- by path, link or hard link, a shipped model by name
 -- is refused before any work, even with ``--force`` (:func:`transformer_cli.arguments.refuse_input`). Every
-command that runs a model takes ``--threads N`` (:mod:`transformer_cli.runtime`). Ctrl-C or SIGTERM ends any command
+command that runs a model takes ``--threads N`` (:mod:`equivalence.runtime`). Ctrl-C or SIGTERM ends any command
 with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
 
 Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from equivalence import backends, runtime
 from reference_numpy import TransformerConfig, __version__, init_params, save_checkpoint
 from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import DTYPE_NAMES
-from transformer_cli import backends, runtime
 from transformer_cli.arguments import (
     PRECISION_NAMES,
     add_number,

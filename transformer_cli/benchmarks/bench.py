@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
+from equivalence import backends, runtime
+from equivalence.oracle import ordinary_ids
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import parse_precision
-from transformer_cli import backends, runtime
 from transformer_cli.benchmarks.timing import (
     BANDWIDTH_OPERATION,
     Timing,
@@ -46,7 +47,6 @@ from transformer_cli.benchmarks.timing import (
     memory_read,
     round_robin,
 )
-from transformer_cli.commands.compare import ordinary_ids
 
 if TYPE_CHECKING:
     from transformer_cli.benchmarks.peers import Peer
@@ -203,10 +203,10 @@ class Inputs(NamedTuple):
 
 def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int,
                  decode_batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Seeded token ids, none of them pad, bos or eos (:func:`.compare.ordinary_ids`): a (batch, src_len) source and
-    (batch, tgt_len) target for the forward pass (starting with the decoder's start token), and ``decode_batch``
-    source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget: source length + 50) to
-    decode."""
+    """Seeded token ids, none of them pad, bos or eos (:func:`equivalence.oracle.ordinary_ids`): a (batch, src_len)
+    source and (batch, tgt_len) target for the forward pass (starting with the decoder's start token), and
+    ``decode_batch`` source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget: source
+    length + 50) to decode."""
     rng = np.random.default_rng(0)
     source_ids, target_ids = ordinary_ids(config)
     src = source_ids[rng.integers(0, len(source_ids), size=(batch, src_len))]

@@ -42,10 +42,10 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from equivalence.backends import Missing
 from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 from reference_numpy.decoding import max_output_lengths
 from reference_numpy.model import padding_mask, sinusoidal_positional_encoding
-from transformer_cli.backends import Missing
 from transformer_cli.commands.ctranslate2_export import (
     is_projection_weight,
     require_ctranslate2,

@@ -50,12 +50,12 @@ from typing import Any
 
 import numpy as np
 
+from equivalence import runtime
 from reference_numpy import records
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_export import family_of, save_hf
 from reference_numpy.hf_tokenizer import TOKENIZER_CONFIG
-from transformer_cli import runtime
 from transformer_cli.arguments import refuse_input
 from transformer_cli.commands.ctranslate2_export import (
     TOKENIZER_FILE,
@@ -150,7 +150,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def _require(module: str, extra: str, target: str) -> None:
-    """Import ``module`` quietly (:func:`transformer_cli.runtime.import_framework`); a ``ValueError`` naming the
+    """Import ``module`` quietly (:func:`equivalence.runtime.import_framework`); a ``ValueError`` naming the
     extra that installs it if it is not installed."""
     try:
         runtime.import_framework(module)

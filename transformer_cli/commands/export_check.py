@@ -46,12 +46,12 @@ import numpy as np
 
 from equivalence import tolerance
 from equivalence.margins import beam_margins
+from equivalence.oracle import build_oracle, compare_inputs, greedy_verdict, translation_source
 from reference_numpy import Transformer, TransformerConfig, beam_search
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.hf_tokenizer import FamilyTokenizer, read_tokenizer
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
 from transformer_cli.commands.ctranslate2_export import TOKENIZER_FILE
 from transformer_cli.commands.export import read_manifest
 

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from equivalence import backends, runtime
 from equivalence.contract import Model, Optimizer
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import (
@@ -35,7 +36,6 @@ from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_cli import backends, runtime
 from transformer_cli.arguments import refuse_existing, refuse_input
 from transformer_cli.extras import finish
 from transformer_cli.tasks import copy as copy_task

@@ -21,12 +21,12 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from equivalence import backends
 from reference_numpy import TransformerConfig, load_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
 from reference_numpy.checks import check_token_layout
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
-from transformer_cli import backends
 from transformer_cli.textfiles import decode, lines_of, stream_chunks
 
 DEFAULT_MODEL = "numbers-en-fr"      # the shipped model a command runs when given none

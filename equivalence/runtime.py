@@ -1,6 +1,7 @@
-"""How the frameworks run in this process: ``--threads`` (each framework's intra-op threads, so that one backend
-cannot oversubscribe cores it shares with others), their log noise, and the versions and thread settings a
-``--json`` result records.
+"""How the frameworks run in this process: the intra-op threads of each (the command line's ``--threads``, so that
+one backend cannot oversubscribe cores it shares with others), their log noise, and the versions and thread
+settings a result records. The adapters (:mod:`equivalence.backends`), the benchmarks and the exporters import
+every framework through :func:`import_framework`.
 
 Each framework reads its setting where it can: XLA (JAX) from the environment when its CPU client starts
 (``PJRT_NPROC``, its thread pool's size; with one thread ``--xla_cpu_multi_thread_eigen=false`` too), so
