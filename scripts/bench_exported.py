@@ -1,7 +1,7 @@
 """Benchmark of the exported artefacts' cached greedy decoding against CTranslate2 (float32, CPU).
 
 1. The preset's seeded weights (``init_params(seed=0)``, as ``transformer-reference bench --peers`` makes them), saved
-   to a temporary checkpoint and exported to each target (``transformer_cli.commands.export.export``: SavedModel,
+   to a temporary checkpoint and exported to each target (``transformer_export.export.export``: SavedModel,
    jax.export, torch.export, ONNX); the export time reported.
 2. Each artefact loaded in this process as ``export --check`` loads it (``export_check.LOADERS`` and ``STEPS``;
    ONNX Runtime sessions with ``intra_op_num_threads`` = ``--threads``, ``inter_op_num_threads`` = 1) and
@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from equivalence import backends, runtime  # noqa: E402
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from reference_numpy.checkpoint import save_checkpoint  # noqa: E402
-from transformer_cli.benchmarks.bench import BANDWIDTH, BANDWIDTH_MIB, bench_inputs  # noqa: E402
-from transformer_cli.benchmarks.peers import CTranslate2Peer, OwnProcess  # noqa: E402
-from transformer_cli.benchmarks.timing import (  # noqa: E402
+from transformer_bench.bench import BANDWIDTH, BANDWIDTH_MIB, bench_inputs  # noqa: E402
+from transformer_bench.peers import CTranslate2Peer, OwnProcess  # noqa: E402
+from transformer_bench.timing import (  # noqa: E402
     Timing,
     bench_lock,
     cpu_name,
@@ -61,8 +61,8 @@ from transformer_cli.benchmarks.timing import (  # noqa: E402
     round_robin,
     timed,
 )
-from transformer_cli.commands.export import WRITERS, export  # noqa: E402
-from transformer_cli.commands.export_check import CACHED_GREEDY, LOADERS, STEPS  # noqa: E402
+from transformer_export.check import CACHED_GREEDY, LOADERS, STEPS  # noqa: E402
+from transformer_export.export import WRITERS, export  # noqa: E402
 
 CT2 = "ctranslate2"
 FRAMEWORKS = {"savedmodel": ("tensorflow",), "jax-export": ("jax",), "torch-export": ("torch",),

@@ -223,8 +223,8 @@ def peer_passes(texts: list[str], args: argparse.Namespace) -> tuple[list[float]
     import ctranslate2
     import tokenizers
 
-    from transformer_cli.commands.ctranslate2_export import save_ctranslate2, translate_options
     from transformer_cli.commands.translate import load_translator
+    from transformer_export.ctranslate2 import save_ctranslate2, translate_options
 
     config, params, tokenizer = load_translator()
     with tempfile.TemporaryDirectory() as directory:

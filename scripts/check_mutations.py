@@ -171,14 +171,14 @@ SINGLE = [
            "return start + 1 + torch.arange(length, device=start.device)",
            ["tests/test_export.py", "-k", "decoding_step_agrees and torch-export"]),
     single("export", "export --check: the serving loops (section 6.1's rules) held to the checkpoint's own decoding "
-           "conventions", "transformer_cli/commands/export_check.py", "config = config.paper_decoding()",
+           "conventions", "transformer_export/check.py", "config = config.paper_decoding()",
            "config = config", ["tests/test_export.py", "-k", "whatever_the_checkpoints"]),
     # export --check on artefacts with one part wrong, the other right (tests/test_export.py, ONE_PART_WRONG)
     single("export", "export --check: the cached decoding step's verdict left out of the exit status",
-           "transformer_cli/commands/export_check.py", "and (self.step is None or self.step.ok)",
+           "transformer_export/check.py", "and (self.step is None or self.step.ok)",
            "and (self.step is None or True)", ["tests/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
     single("export", "export --check: the cached decoding step's log-probabilities compared at the first position "
-           "alone", "transformer_cli/commands/export_check.py",
+           "alone", "transformer_export/check.py",
            "read = oracle.inputs[\"tgt\"] != config.pad_id ",
            "read = (oracle.inputs[\"tgt\"] != config.pad_id) & (np.arange(oracle.inputs[\"tgt\"].shape[1]) == 0) ",
            ["tests/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
@@ -1134,7 +1134,7 @@ FINETUNE = [
 # tests/test_bench_translate.py compares each port's tokens and output count with transformers' generate
 _BENCH = "scripts/bench_translate.py"
 BENCH_TRANSLATE = ["tests/test_bench_translate.py"]
-_BENCH_MODULE = "transformer_cli/benchmarks/bench.py"
+_BENCH_MODULE = "transformer_bench/bench.py"
 BENCH_CHECKPOINT = ["tests/test_peers.py", "-k", "transformers_peer or checkpoint_with"]
 BENCH = [
     single("bench", "bench_translate: transformers given one token less than the budget", _BENCH,
@@ -1152,7 +1152,7 @@ BENCH = [
            BENCH_TRANSLATE),
     # `bench CHECKPOINT --peers`: the transformers peer reads Marian's pad start token; every engine decodes within
     # --decode-tokens' budget; the inputs hold no special id (tests/test_peers.py)
-    single("bench", "bench's transformers peer masks a target's pad start token", "transformer_cli/benchmarks/peers.py",
+    single("bench", "bench's transformers peer masks a target's pad start token", "transformer_bench/peers.py",
            "read[:, 0] = True", "read[:, 0] = read[:, 0]", BENCH_CHECKPOINT),
     single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
            "config.replace(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),

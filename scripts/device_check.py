@@ -20,7 +20,7 @@ Sections (``--sections``), each check one row:
   ``TrainingBound``, float32 and the mixed precisions by the rule on the update (``--quick``: float64, float32).
 * ``determinism``: forward, greedy, beam and two training steps twice, under each port's ``device.deterministic``
   switch (PyTorch's deterministic algorithms, XLA's deterministic GPU ops, TensorFlow's op determinism): bit-identical.
-* ``speed``: ``bench``'s calls (``transformer_cli/benchmarks/bench.py``: forward, greedy batch 1 and 8, beam 4) on the
+* ``speed``: ``bench``'s calls (``transformer_bench/bench.py``: forward, greedy batch 1 and 8, beam 4) on the
   ``base`` preset and an opus-mt-shaped import (``--quick``: the ``tiny`` preset), median ms; informational.
 
 A backend that is not installed, or that sees no such device, is a ``skip`` row with its reason; a check that raises
@@ -552,7 +552,7 @@ def speed_section(checks: Checks, ports: dict, quick: bool, repeats: int, workdi
 def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
     """bench's weights: a seeded preset, or the opus-mt-shaped import (scripts/bench_translate.py's OPUS_MT with
     opus-mt's own 512 positions, transformers' seeded initialisation); bench's shapes (``tiny``: small ones)."""
-    from transformer_cli.benchmarks import bench
+    from transformer_bench import bench
 
     if model_name == "opus-mt shape":
         sys.path.insert(0, str(ROOT / "scripts"))
@@ -574,8 +574,8 @@ def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
 def _timed(timings: dict, adapter, config, params, shapes: tuple, device: str, repeats: int) -> Outcome:
     """bench's backend engine with its ``--peers`` calls (forward, greedy batch 1 and 8, beam 4 batch 1), float32,
     timed interleaved after a warm-up call each (bench's ``round_robin``)."""
-    from transformer_cli.benchmarks import bench
-    from transformer_cli.benchmarks.timing import round_robin
+    from transformer_bench import bench
+    from transformer_bench.timing import round_robin
 
     batch, src_len, tgt_len, decode_tokens = shapes
     src, tgt, decode_src = bench.bench_inputs(config, batch, src_len, tgt_len, decode_tokens, bench.PEER_BATCH)

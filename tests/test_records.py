@@ -18,8 +18,8 @@ from reference_numpy import TransformerConfig, init_params, records, save_checkp
 from reference_numpy.checkpoint import FORMAT_VERSION, MOMENTS
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import TOKENIZER_VERSION
-from transformer_cli.commands.export import MANIFEST, read_manifest
 from transformer_cli.main import EXIT_USAGE
+from transformer_export.export import MANIFEST, read_manifest
 
 TINY = TransformerConfig.preset("tiny")
 BACKENDS = ("numpy", *FRAMEWORKS)
@@ -161,7 +161,7 @@ def test_a_malformed_artefact_manifest_is_one_error_naming_its_field(case, tmp_p
 def test_a_good_manifest_reads_back_and_export_check_reads_it_so(tmp_path, monkeypatch):
     (tmp_path / MANIFEST).write_text(json.dumps(MANIFEST_RECORD))
     assert read_manifest(tmp_path) == MANIFEST_RECORD
-    from transformer_cli.commands import export_check
+    from transformer_export import check as export_check
     assert export_check.read_manifest is read_manifest
 
 

@@ -23,10 +23,10 @@ from support import cli, one_error_line
 from equivalence import runtime
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
-from transformer_cli.commands import export as export_module
-from transformer_cli.commands import export_check
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE
 from transformer_cli.textfiles import lines_of
+from transformer_export import check as export_check
+from transformer_export import export as export_module
 
 SENTENCES = ("eighty", "seventy-one", "twelve")
 TRANSLATIONS = ("quatre-vingts", "soixante et onze", "douze")

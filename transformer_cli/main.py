@@ -24,7 +24,7 @@
 
 Every command that writes a file takes ``--force`` (an existing output is kept otherwise) and declares its inputs
 and outputs (:func:`add_outputs`): an output that is an input -- by path, link or hard link, a shipped model by name
--- is refused before any work, even with ``--force`` (:func:`transformer_cli.arguments.refuse_input`). Every
+-- is refused before any work, even with ``--force`` (:func:`transformer_export.outputs.refuse_input`). Every
 command that runs a model takes ``--threads N`` (:mod:`equivalence.runtime`). Ctrl-C or SIGTERM ends any command
 with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
 
@@ -58,7 +58,6 @@ from transformer_cli.arguments import (
     image_file,
     output_file,
     refuse_existing,
-    refuse_input,
 )
 from transformer_cli.commands import side_by_side
 from transformer_cli.commands.translate import BATCH_SIZE as TRANSLATE_BATCH
@@ -70,6 +69,7 @@ from transformer_cli.tasks.corpus import DEFAULTS as CORPUS
 from transformer_cli.tasks.corpus import FILES as CORPUS_FILES
 from transformer_cli.tasks.corpus import VOCAB_SIZE
 from transformer_cli.tasks.numbers import DEFAULTS as NUMBERS
+from transformer_export.outputs import refuse_input
 
 if TYPE_CHECKING:
     from equivalence.contract import Model
@@ -245,7 +245,8 @@ def add_bench(commands: Commands) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from transformer_cli.benchmarks.bench import bench, format_bench, plot_bench
+    from transformer_bench.bench import bench, format_bench
+    from transformer_cli.plots import plot_bench
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
@@ -326,7 +327,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def add_export(commands: Commands) -> None:
-    from transformer_cli.commands.export import TARGETS
+    from transformer_export.export import TARGETS
 
     export = subcommand(commands, "export", "write a shared checkpoint as an artefact a runtime loads without this "
                                             "project: CTranslate2, Hugging Face transformers, a SavedModel, "
@@ -348,8 +349,8 @@ def add_export(commands: Commands) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from transformer_cli.commands.export import describe, export
-    from transformer_cli.commands.export_check import check_export, check_target
+    from transformer_export.check import check_export, check_target
+    from transformer_export.export import describe, export
 
     if args.check:
         check_target(args.to)                                              # before any work

@@ -36,7 +36,7 @@ from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_cli.arguments import refuse_existing, refuse_input
+from transformer_cli.arguments import refuse_existing
 from transformer_cli.extras import finish
 from transformer_cli.tasks import copy as copy_task
 from transformer_cli.tasks import corpus as corpus_task
@@ -44,6 +44,7 @@ from transformer_cli.tasks import numbers as numbers_task
 from transformer_cli.tasks.copy import TEST, VALIDATION, CopyTask
 from transformer_cli.tasks.corpus import CorpusTask, read_corpus, token_batches
 from transformer_cli.tasks.numbers import NumbersTask
+from transformer_export.outputs import refuse_input
 
 Task = CopyTask | NumbersTask | CorpusTask
 # each task's recipe (docs/training.md)

@@ -56,13 +56,13 @@ from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, res
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_export import family_of, save_hf
 from reference_numpy.hf_tokenizer import TOKENIZER_CONFIG
-from transformer_cli.arguments import refuse_input
-from transformer_cli.commands.ctranslate2_export import (
+from transformer_export.ctranslate2 import (
     TOKENIZER_FILE,
     check_output,
     export_ctranslate2,
     write_into_place,
 )
+from transformer_export.outputs import refuse_input
 
 MANIFEST = "transformer.json"
 MANIFEST_RECORD = {"target": str, "dtype": str, "inputs": list, "output": str, "files": list, "config": dict,

@@ -46,7 +46,7 @@ from equivalence.backends import Missing
 from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 from reference_numpy.decoding import max_output_lengths
 from reference_numpy.model import padding_mask, sinusoidal_positional_encoding
-from transformer_cli.commands.ctranslate2_export import (
+from transformer_export.ctranslate2 import (
     is_projection_weight,
     require_ctranslate2,
     save_ctranslate2,
@@ -375,7 +375,7 @@ def load_marian_weights(model: torch.nn.Module, config: TransformerConfig, param
             module.eps = config.layer_norm_eps
 
 
-SERVE = "from transformer_cli.benchmarks.peers import serve; serve()"   # what an OwnProcess's worker runs
+SERVE = "from transformer_bench.peers import serve; serve()"   # what an OwnProcess's worker runs
 
 
 class OwnProcess:

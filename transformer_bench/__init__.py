@@ -1,0 +1,3 @@
+"""The benchmarks: the timing of each backend side by side (:mod:`transformer_bench.bench`, which the ``bench``
+command prints), the outside engines it is measured against (:mod:`transformer_bench.peers`) and the timing rules
+and analytic FLOP counts (:mod:`transformer_bench.timing`) that ``scripts/bench_*.py`` share."""
