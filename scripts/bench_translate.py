@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from equivalence import runtime  # noqa: E402
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E402
 from transformer_cli.commands.translate import BATCH_SIZE  # noqa: E402
-from transformer_cli.tasks.numbers import NumbersTask, english  # noqa: E402
+from transformer_tasks.numbers import NumbersTask, english  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 PEER, HF = "ctranslate2", "transformers"

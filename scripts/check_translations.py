@@ -37,7 +37,7 @@ from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E4
 from reference_numpy.tokenizer import Tokenizer  # noqa: E402
 from transformer_cli.commands.translate import SHIPPED, load_translator  # noqa: E402
 from transformer_cli.extras import progress_bar  # noqa: E402
-from transformer_cli.tasks.numbers import TEST, NumbersTask  # noqa: E402
+from transformer_tasks.numbers import TEST, NumbersTask  # noqa: E402
 
 REFERENCE = "numpy"
 KINDS = ("greedy", "beam")

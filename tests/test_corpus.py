@@ -31,9 +31,9 @@ from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import extras
 from transformer_cli.commands import train as train_module
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
-from transformer_cli.tasks.copy import VALIDATION as VALIDATION_SPLIT
-from transformer_cli.tasks.copy import CopyTask
-from transformer_cli.tasks.corpus import CorpusTask, read_corpus
+from transformer_tasks.copy import VALIDATION as VALIDATION_SPLIT
+from transformer_tasks.copy import CopyTask
+from transformer_tasks.corpus import CorpusTask, read_corpus
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")

@@ -20,7 +20,7 @@ from reference_numpy import Transformer, TransformerConfig, data_parallel, init_
 from reference_numpy.checkpoint import load_run
 from reference_numpy.config import TrainingConfig
 from transformer_cli.main import main
-from transformer_cli.tasks.copy import CopyTask
+from transformer_tasks.copy import CopyTask
 
 CONFIG = TransformerConfig.preset("tiny", dropout=0.0)
 TRAINING = TrainingConfig(warmup_steps=20)       # large enough steps that Adam's update is far from round-off

@@ -11,8 +11,8 @@ import pytest
 from equivalence.backends import numpy as numpy_adapter
 from reference_numpy.tokenizer import pad_rows
 from transformer_cli.commands.translate import load_translator
-from transformer_cli.tasks.copy import TEST, VALIDATION
-from transformer_cli.tasks.numbers import (
+from transformer_tasks.copy import TEST, VALIDATION
+from transformer_tasks.numbers import (
     DIGIT_WEIGHTS,
     SPLIT_SEED,
     NumbersTask,

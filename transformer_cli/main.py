@@ -64,12 +64,12 @@ from transformer_cli.commands.translate import BATCH_SIZE as TRANSLATE_BATCH
 from transformer_cli.commands.translate import DEFAULT_MODEL
 from transformer_cli.extras import progress_bar
 from transformer_cli.interrupts import StopRequest, terminate_as_interrupt
-from transformer_cli.tasks.copy import DEFAULTS as COPY
-from transformer_cli.tasks.corpus import DEFAULTS as CORPUS
-from transformer_cli.tasks.corpus import FILES as CORPUS_FILES
-from transformer_cli.tasks.corpus import VOCAB_SIZE
-from transformer_cli.tasks.numbers import DEFAULTS as NUMBERS
 from transformer_export.outputs import refuse_input
+from transformer_tasks.copy import DEFAULTS as COPY
+from transformer_tasks.corpus import DEFAULTS as CORPUS
+from transformer_tasks.corpus import FILES as CORPUS_FILES
+from transformer_tasks.corpus import VOCAB_SIZE
+from transformer_tasks.numbers import DEFAULTS as NUMBERS
 
 if TYPE_CHECKING:
     from equivalence.contract import Model

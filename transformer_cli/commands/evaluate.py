@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from transformer_cli.commands.translate import Translator
-from transformer_cli.textfiles import read_lines
+from transformer_tasks.textfiles import read_lines
 
 
 @dataclass(frozen=True)

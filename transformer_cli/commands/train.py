@@ -38,13 +38,13 @@ from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_cli.arguments import refuse_existing
 from transformer_cli.extras import finish
-from transformer_cli.tasks import copy as copy_task
-from transformer_cli.tasks import corpus as corpus_task
-from transformer_cli.tasks import numbers as numbers_task
-from transformer_cli.tasks.copy import TEST, VALIDATION, CopyTask
-from transformer_cli.tasks.corpus import CorpusTask, read_corpus, token_batches
-from transformer_cli.tasks.numbers import NumbersTask
 from transformer_export.outputs import refuse_input
+from transformer_tasks import copy as copy_task
+from transformer_tasks import corpus as corpus_task
+from transformer_tasks import numbers as numbers_task
+from transformer_tasks.copy import TEST, VALIDATION, CopyTask
+from transformer_tasks.corpus import CorpusTask, read_corpus, token_batches
+from transformer_tasks.numbers import NumbersTask
 
 Task = CopyTask | NumbersTask | CorpusTask
 # each task's recipe (docs/training.md)

@@ -27,7 +27,7 @@ from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
 from reference_numpy.checks import check_token_layout
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
-from transformer_cli.textfiles import decode, lines_of, stream_chunks
+from transformer_tasks.textfiles import decode, lines_of, stream_chunks
 
 DEFAULT_MODEL = "numbers-en-fr"      # the shipped model a command runs when given none
 SHIPPED = SHIPPED_MODELS[DEFAULT_MODEL]
@@ -161,7 +161,7 @@ class Translator:
 
 def read_lines(stream: IO) -> Iterator[Line]:
     """The numbered lines of a stream (a file, standard input's buffer), each as soon as it has arrived, split as
-    every command splits a text file (:mod:`transformer_cli.textfiles`: at LF, CRLF or a lone CR) and decoded as
+    every command splits a text file (:mod:`transformer_tasks.textfiles`: at LF, CRLF or a lone CR) and decoded as
     UTF-8 whatever the locale; a line that is not UTF-8 is one with its problem."""
     for number, raw in enumerate(lines_of(stream_chunks(stream)), 1):
         try:

@@ -1,0 +1,3 @@
+"""The training tasks (``train`` runs them; the tests and scripts build their batches too): the copy task, the
+numbers task (English number words to French) and a user's parallel corpus, each making batches, held-out sets and
+scores; and how every command reads a text file (:mod:`transformer_tasks.textfiles`)."""
