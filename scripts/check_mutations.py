@@ -1209,10 +1209,18 @@ DEVICE = [
            DEVICE_CHECK),
 ]
 
+# The packages import only downward (tests/test_layers.py runs import-linter's layers contract of pyproject.toml)
+LAYERS = [
+    single("layers", "the adapters import from the command line above them", "equivalence/backends/__init__.py",
+           "from equivalence import runtime\n",
+           "from equivalence import runtime\nfrom transformer_cli.extras import INSTALL  # noqa: F401\n",
+           ["tests/test_layers.py", "-k", "only_downward"]),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH, *ECOSYSTEM, *DEVICE]
+             *BENCH, *ECOSYSTEM, *DEVICE, *LAYERS]
 
 
 # ----------------------------------------------------------------------------- running

@@ -3,3 +3,5 @@ torch.export, a SavedModel, jax.export (:mod:`transformer_export.export`), a CTr
 (:mod:`transformer_export.ctranslate2`) -- and the check that runs an artefact in a fresh process and holds its
 answers to the reference (:mod:`transformer_export.check`). The ``export`` command parses its flags and calls these;
 no exporter writes over one of its inputs (:mod:`transformer_export.outputs`)."""
+
+from reference_numpy import __version__ as __version__
