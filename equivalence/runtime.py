@@ -87,6 +87,18 @@ def configure(threads: int) -> None:
     apply()
 
 
+def jax_host_devices(count: int) -> None:
+    """Ask XLA for ``count`` CPU devices (``--xla_force_host_platform_device_count``) for a JAX mesh on a machine
+    without accelerators; JAX reads the flag when it starts, so this runs before it is imported. Once XLA has
+    started (a second command in one process) the environment is left as it is (:func:`configure`), and a mesh
+    wider than the devices XLA started with is refused by ``transformer_jax.data_parallel``, naming the flag."""
+    if xla_started():
+        return
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+             if not flag.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+
+
 def xla_started() -> bool:
     """Whether JAX's XLA backends have started in this process (after which they read no environment variable).
     JAX says so only in ``jax._src.xla_bridge``; a JAX without that function is taken as started once imported."""

@@ -29,9 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from equivalence import backends  # noqa: E402
+from equivalence.runtime import jax_host_devices  # noqa: E402
 from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from transformer_cli.commands.train import CountedBatches, jax_host_devices  # noqa: E402
+from transformer_tasks.batches import CountedBatches  # noqa: E402
 from transformer_tasks.numbers import DEFAULTS, NumbersTask  # noqa: E402
 
 LOCK = "/tmp/bench.lock"

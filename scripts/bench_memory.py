@@ -77,7 +77,7 @@ print(json.dumps({{"imported": imported, "loaded": loaded, "ran": ran, "peak_aft
 """
 
 # The resume case, in a port's fresh process: the same readings around loading the run (weights, state, optimizer).
-RESUME = PROBE.split("from transformer_cli")[0] + """
+RESUME = PROBE.split("from equivalence import backends")[0] + """
 import importlib
 checkpoint = importlib.import_module({package!r} + ".checkpoint")
 training = importlib.import_module({package!r} + ".training")
@@ -90,7 +90,7 @@ peak_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({{"imported": imported, "loaded": loaded, "peak_after_load": peak_after_load}}))
 """
 # The command line's resume (``--cli``), in a backend's fresh process: ``train --resume`` planned and set up.
-CLI = PROBE.split("from transformer_cli")[0] + """
+CLI = PROBE.split("from equivalence import backends")[0] + """
 from equivalence import backends
 from transformer_cli.commands import train
 from transformer_cli.main import build_parser

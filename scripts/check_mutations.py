@@ -868,7 +868,7 @@ HF_EXPORT = [
            "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
            ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
-           "transformer_cli/commands/translate.py", "self.beam_size = model.config.beam_size if beam_size is None",
+           "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
            "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
 ]
 

@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from equivalence import backends  # noqa: E402
-from transformer_cli.commands.translate import SHIPPED, translator  # noqa: E402
 from transformer_tasks.numbers import SPLIT_SEED, NumbersTask, english, french, patterns, zero_pattern  # noqa: E402
+from transformer_tasks.translation import SHIPPED, translator  # noqa: E402
 
 
 def sets(per_pattern: int) -> dict[str, dict[str, np.ndarray]]:

@@ -27,9 +27,9 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.hf_import import import_hf
 from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
-from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import main
 from transformer_tasks.numbers import NumbersTask, teacher_forcing
+from transformer_tasks.translation import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py

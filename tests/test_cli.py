@@ -23,8 +23,8 @@ from reference_numpy.checkpoint import load_training_state
 from transformer_bench import timing
 from transformer_cli import main as cli_main
 from transformer_cli.commands import compare as compare_module
-from transformer_cli.extras import progress_bar
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
+from transformer_tasks.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = TransformerConfig.preset("tiny")

@@ -31,6 +31,7 @@ from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import extras
 from transformer_cli.commands import train as train_module
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
+from transformer_tasks.batches import CountedBatches
 from transformer_tasks.copy import VALIDATION as VALIDATION_SPLIT
 from transformer_tasks.copy import CopyTask
 from transformer_tasks.corpus import CorpusTask, read_corpus
@@ -220,7 +221,7 @@ def test_rows_of_padding_change_neither_the_loss_nor_its_gradient(task):
     appended are the batch's own (float64 policy)."""
     made, config = task
     batch = made.batch(config, BUDGET, 0, 0)
-    padded = train_module.CountedBatches(made, config, BUDGET, 0, world_size=len(batch["src"]) + 2)(0)
+    padded = CountedBatches(made, config, BUDGET, 0, world_size=len(batch["src"]) + 2)(0)
     rows = len(batch["src"])
     assert len(padded["src"]) == rows + 2 and (padded["src"][rows:] == config.pad_id).all()
     assert (padded["labels"][rows:] == config.pad_id).all() and (padded["tgt"][rows:] == config.pad_id).all()

@@ -350,7 +350,7 @@ def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, e
     length_penalty and conventions, and the forced first token it is given; ``--beam 1``: greedy decoding."""
     family, _, path, (config, _), src = family_model
     from equivalence.backends import numpy as adapter
-    from transformer_cli.commands.translate import Translator
+    from transformer_tasks.translation import Translator
     tokenizer = SimpleNamespace(config=config)          # token_ids reads the tokenizer's config alone
     translator = Translator(adapter, adapter.load(path), tokenizer, forced_bos_id=forced(family))
     assert (translator.beam_size, translator.alpha) == (config.beam_size, config.length_penalty) == (4, 1.0)

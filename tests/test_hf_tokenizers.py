@@ -29,9 +29,9 @@ from reference_numpy.checkpoint import (  # noqa: E402
 )
 from reference_numpy.hf_import import import_hf  # noqa: E402
 from reference_numpy.hf_tokenizer import KEPT_FILES, FamilyTokenizer, read_hf_tokenizer  # noqa: E402
-from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
 from transformer_export.export import export_hf  # noqa: E402
+from transformer_tasks.translation import translator  # noqa: E402
 
 TEXTS = ["the cat", "Hello   World!", "", "   ", "\t\n", "Жук ел", "naïve façade", "a\tb\nc", "ｆｕｌｌ ｗｉｄｔｈ",
          " leading", "trailing  ", "12 345 67", "l'été à Noël", "ça va ?", "x</s>y", "<unk> <pad>", "日本語", "🙂 ok"]

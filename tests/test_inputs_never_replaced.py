@@ -27,10 +27,10 @@ from reference_numpy.checkpoint import SHIPPED_MODELS, TrainingState
 from reference_numpy.config import TrainingConfig
 from transformer_cli.commands import side_by_side
 from transformer_cli.commands import train as train_module
-from transformer_cli.commands.translate import DEFAULT_MODEL
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
 from transformer_export import export as export_module
 from transformer_export.export import TARGETS
+from transformer_tasks.translation import DEFAULT_MODEL
 
 TINY = TransformerConfig.preset("tiny")
 RESUMED_STEP = 3                            # the step of the run --resume reads: --save-every saves after it

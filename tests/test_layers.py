@@ -1,5 +1,5 @@
-"""The packages import only downward (docs/ports.md, "Layers"): the command line over the benchmarks, the exporters,
-the harness and the tasks, those over the three ports, and the ports over the NumPy reference; the ports import
+"""The packages import only downward (docs/ports.md, "Layers"): the command line over the benchmarks, over the
+exporters, over the tasks, over the harness, over the three ports, over the NumPy reference; the ports import
 nothing from each other. import-linter checks the layers contract of ``[tool.importlinter]`` in pyproject.toml, on
 the sources as they are and on copies into which an import against the layers is planted."""
 

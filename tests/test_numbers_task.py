@@ -10,7 +10,6 @@ import pytest
 
 from equivalence.backends import numpy as numpy_adapter
 from reference_numpy.tokenizer import pad_rows
-from transformer_cli.commands.translate import load_translator
 from transformer_tasks.copy import TEST, VALIDATION
 from transformer_tasks.numbers import (
     DIGIT_WEIGHTS,
@@ -22,6 +21,7 @@ from transformer_tasks.numbers import (
     patterns,
     zero_pattern,
 )
+from transformer_tasks.translation import load_translator
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")
@@ -335,7 +335,7 @@ def test_the_shipped_model_translates_every_kind_of_number(split):
     greedy, in the first installed port (the whole split; scripts/numbers_patterns.py runs every backend on larger
     samples). The French is checked by the grammar oracle above, not by num2words."""
     from equivalence import backends
-    from transformer_cli.commands.translate import translator
+    from transformer_tasks.translation import translator
 
     ports = backends.load()[0]
     if not ports:

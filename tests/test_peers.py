@@ -40,10 +40,10 @@ from reference_numpy.decoding import LENGTH_PENALTY_ALPHA, length_penalty
 from transformer_bench import bench as bench_module
 from transformer_bench import timing
 from transformer_cli import plots
-from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
 from transformer_export import ctranslate2 as export
 from transformer_tasks.numbers import NumbersTask
+from transformer_tasks.translation import load_translator
 
 TINY = TransformerConfig.preset("tiny")
 VARIANTS = {**cases.VARIANTS, "special_ids": TINY.replace(pad_id=5, bos_id=3, eos_id=7)}

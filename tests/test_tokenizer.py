@@ -33,7 +33,7 @@ from reference_numpy.tokenizer import (
     pad_rows,
     special_tokens,
 )
-from transformer_cli.commands.translate import SHIPPED, load_translator
+from transformer_tasks.translation import SHIPPED, load_translator
 
 TINY = TransformerConfig.preset("tiny")
 SMALL = TINY.replace(src_vocab_size=64, tgt_vocab_size=64)            # room for the small tokenizer below

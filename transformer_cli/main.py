@@ -60,9 +60,6 @@ from transformer_cli.arguments import (
     refuse_existing,
 )
 from transformer_cli.commands import side_by_side
-from transformer_cli.commands.translate import BATCH_SIZE as TRANSLATE_BATCH
-from transformer_cli.commands.translate import DEFAULT_MODEL
-from transformer_cli.extras import progress_bar
 from transformer_cli.interrupts import StopRequest, terminate_as_interrupt
 from transformer_export.outputs import refuse_input
 from transformer_tasks.copy import DEFAULTS as COPY
@@ -70,6 +67,9 @@ from transformer_tasks.corpus import DEFAULTS as CORPUS
 from transformer_tasks.corpus import FILES as CORPUS_FILES
 from transformer_tasks.corpus import VOCAB_SIZE
 from transformer_tasks.numbers import DEFAULTS as NUMBERS
+from transformer_tasks.progress import progress_bar
+from transformer_tasks.translation import BATCH_SIZE as TRANSLATE_BATCH
+from transformer_tasks.translation import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from equivalence.contract import Model
@@ -495,7 +495,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"{PROG} train: --backends {args.backends[0]}, the fastest backend installed here "
               "(docs/training.md)", file=sys.stderr)
     if args.data_parallel > 1 and "jax" in args.backends:
-        train.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
+        runtime.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
     adapters = train.load_adapters(args.backends)
     for adapter in adapters.values():
         backends.device_for(adapter, args.device)           # every backend's device checked before any trains
@@ -724,14 +724,8 @@ def run_translate(args: argparse.Namespace) -> int:
     """A line that cannot be translated is one line on stderr naming it, an empty output line, and exit status 2
     once the rest is translated; sentences given as arguments are all checked before any is translated."""
     from transformer_cli.commands.train import load_adapters
-    from transformer_cli.commands.translate import (
-        Translation,
-        open_input,
-        read_lines,
-        refuse_stdin_as_output,
-        translator,
-        write_translations,
-    )
+    from transformer_cli.commands.translate import open_input, read_lines, refuse_stdin_as_output, write_translations
+    from transformer_tasks.translation import Translation, translator
 
     if args.text and args.input:
         raise ValueError("--input: give sentences as arguments or --input FILE, not both")
@@ -772,7 +766,7 @@ def add_evaluate(commands: Commands) -> None:
 def run_evaluate(args: argparse.Namespace) -> int:
     from transformer_cli.commands.evaluate import evaluate, format_evaluation, parallel_lines
     from transformer_cli.commands.train import load_adapters
-    from transformer_cli.commands.translate import translator
+    from transformer_tasks.translation import translator
 
     sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]

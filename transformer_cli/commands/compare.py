@@ -29,7 +29,7 @@ from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_bench.timing import measure
-from transformer_cli.commands.translate import SHIPPED, SHIPPED_NAME, with_languages
+from transformer_tasks.translation import SHIPPED, SHIPPED_NAME, with_languages
 
 # --precision-report's default: one panel each, the two recipes of each low format side by side
 PRECISION_REPORT_DTYPES = ("float32", "bfloat16", "mixed-bfloat16", "float16", "mixed-float16")
