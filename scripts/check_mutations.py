@@ -785,6 +785,9 @@ TRAINING = [
 # Text (section 5.1's shared BPE, the numbers task): one copy serves every backend, so the agreement matrix cannot
 # see these; the tokenizer's round trip, its checks and the task's structure (written from French grammar) can.
 TEXT = [
+    single("text", "a lone carriage return read as part of its line", "transformer_tasks/textfiles.py",
+           'LINE_END = re.compile(rb"\\r\\n|\\r|\\n")', 'LINE_END = re.compile(rb"\\r\\n|\\n")',
+           ["tests/test_text_files.py", "-k", "every_line_end"]),
     single("text", "tokenizer: decoding runs past eos", "reference_numpy/tokenizer.py",
            "            if i == self.config.eos_id:\n                break",
            "            if i == self.config.eos_id:\n                continue", ["tests/test_tokenizer.py"]),
@@ -1209,6 +1212,13 @@ DEVICE = [
            DEVICE_CHECK),
 ]
 
+# No command or exporter writes over one of its inputs (transformer_export/outputs.py)
+OUTPUTS = [
+    single("outputs", "a hard link to an input not taken for that input (written over)", "transformer_export/outputs.py",
+           "if os.path.samestat(target, status):", "if os.path.realpath(output) == os.path.realpath(source):",
+           ["tests/test_inputs_never_replaced.py", "-k", "no_output_of_any_command and hard"]),
+]
+
 # The packages import only downward (tests/test_layers.py runs import-linter's layers contract of pyproject.toml)
 LAYERS = [
     single("layers", "the adapters import from the command line above them", "equivalence/backends/__init__.py",
@@ -1220,7 +1230,7 @@ LAYERS = [
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH, *ECOSYSTEM, *DEVICE, *LAYERS]
+             *BENCH, *ECOSYSTEM, *DEVICE, *OUTPUTS, *LAYERS]
 
 
 # ----------------------------------------------------------------------------- running
