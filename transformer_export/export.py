@@ -24,7 +24,7 @@ capacity and its functions' names, inputs and outputs, :data:`STEP`) and, if the
 * ``onnx``: the same captured programs through torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``),
   ``model.onnx``, inputs ``src``, ``tgt`` (int64), output ``log_probs``, and ``encode.onnx``, ``step.onnx``
   (:data:`STEP`'s input and output names); run by onnxruntime;
-* ``ctranslate2``: :mod:`.ctranslate2_export` (a CTranslate2 model directory, its vocabulary the tokenizer's
+* ``ctranslate2``: :mod:`transformer_export.ctranslate2` (a CTranslate2 model directory, its vocabulary the tokenizer's
   pieces);
 * ``hf``: :mod:`reference_numpy.hf_export` (a Hugging Face Marian or M2M100 model directory, and the tokenizer,
   for transformers' ``AutoModelForSeq2SeqLM`` and ``AutoTokenizer``).
@@ -33,7 +33,7 @@ The traced forward passes read no tensor on the host, so an artefact does not ch
 vocabulary size (the ports' public calls do, before their compiled code): a serving process must pass ids of
 the vocabulary. Each export is refused, with one ``ValueError``, when OUTPUT_DIR exists (unless ``force``) or
 holds the checkpoint, or when the framework is not installed; it is written into a temporary sibling directory
-and renamed into place (:func:`.ctranslate2_export.write_into_place`).
+and renamed into place (:func:`transformer_export.ctranslate2.write_into_place`).
 """
 
 from __future__ import annotations
