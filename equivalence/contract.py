@@ -1,6 +1,6 @@
 """The adapter contract: the module every backend provides to the harness, NumPy in and NumPy out.
 
-An adapter is a module (``transformer_cli.backends.numpy``, ``.torch``, ``.jax``, ``.tf``) whose attributes are the
+An adapter is a module (``equivalence.backends.numpy``, ``.torch``, ``.jax``, ``.tf``) whose attributes are the
 members of :class:`Backend`, with the same argument names and defaults; a type checker accepts the module where a
 ``Backend`` is expected, and ``tests/test_equivalence.py`` checks each module's signatures against this class.
 ``model`` is the backend's own model object; every array argument or result is a NumPy array.

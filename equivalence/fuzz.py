@@ -196,7 +196,7 @@ def _padded(tokens: np.ndarray, lengths: tuple[int, ...], pad_id: int) -> np.nda
 
 def check(case: Case, backend: Backend, not_compared: list[str] | None = None) -> list[str]:
     """The forward stages in float64 and float32, greedy and beam-search tokens (:func:`check_decoding`), the loss,
-    its gradient and one Adam step in float64 of ``backend`` (an adapter of :mod:`transformer_cli.backends`) against the
+    its gradient and one Adam step in float64 of ``backend`` (an adapter of :mod:`equivalence.backends`) against the
     reference on ``case``; the disagreements found, each named (an empty list: the backend agrees). What the case
     leaves undefined -- a gradient that one rounding of the weights and activations moves by its whole scale
     (:func:`~.tolerance.gradient_determined`), a stage whose non-finite values an overflow leaves to the order of

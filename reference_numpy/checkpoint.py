@@ -61,9 +61,9 @@ MOMENTS = ("adam.m.", "adam.v.")  # prefixes of Adam's first and second moments 
 DTYPES = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64), "BF16": BFLOAT16, "F16": FLOAT16}
 MAX_STEP = 2 ** 63 - 1  # a run's step count is an int64 in every backend: [0, MAX_STEP] (docs/training.md)
 PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, or one that was interrupted
-# The trained models shipped with the package, by name: package data of this one distribution (pyproject.toml),
-# beside the command line that uses them by default; the reference finds them by path, never importing that package.
-_SHIPPED_DIRECTORY = Path(__file__).resolve().parent.parent / "transformer_cli" / "models"
+# The trained models shipped with the package, by name: package data of the reference (pyproject.toml), so that
+# every layer above it -- the ports, the harness, the command line's default model -- finds them by name.
+_SHIPPED_DIRECTORY = Path(__file__).resolve().parent / "models"
 SHIPPED_MODELS = {"numbers-en-fr": _SHIPPED_DIRECTORY / "numbers-en-fr.safetensors"}
 
 

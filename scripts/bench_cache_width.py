@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_translate  # noqa: E402
 
-from transformer_cli import runtime  # noqa: E402
+from equivalence import runtime  # noqa: E402
 
 
 def passes(port: str, root: Path, steps: int, capacity: int, rows: int, repeats: int) -> list[float]:

@@ -1,5 +1,5 @@
 """Data-parallel training throughput of every installed backend, side by side: the numbers task's model
-(``transformer_cli.tasks.numbers``: d_model 128, 3 + 3 layers, 1.4M parameters) in float32 on its batches of 128
+(``transformer_tasks.numbers``: d_model 128, 3 + 3 layers, 1.4M parameters) in float32 on its batches of 128
 sentences, one process (each backend's ``train_step``) against N = 1, 2, ... replicas on the framework's own engine
 (``train_data_parallel``: PyTorch DDP over N processes with gloo, a JAX mesh of N host devices, a TensorFlow
 MirroredStrategy over N logical CPUs; the reference's shards one after another).
@@ -28,11 +28,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import backends  # noqa: E402
+from equivalence.runtime import jax_host_devices  # noqa: E402
 from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from transformer_cli import backends  # noqa: E402
-from transformer_cli.commands.train import CountedBatches, jax_host_devices  # noqa: E402
-from transformer_cli.tasks.numbers import DEFAULTS, NumbersTask  # noqa: E402
+from transformer_tasks.batches import CountedBatches  # noqa: E402
+from transformer_tasks.numbers import DEFAULTS, NumbersTask  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 

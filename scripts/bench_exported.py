@@ -1,16 +1,16 @@
 """Benchmark of the exported artefacts' cached greedy decoding against CTranslate2 (float32, CPU).
 
 1. The preset's seeded weights (``init_params(seed=0)``, as ``transformer-reference bench --peers`` makes them), saved
-   to a temporary checkpoint and exported to each target (``transformer_cli.commands.export.export``: SavedModel,
+   to a temporary checkpoint and exported to each target (``transformer_export.export.export``: SavedModel,
    jax.export, torch.export, ONNX); the export time reported.
-2. Each artefact loaded in this process as ``export --check`` loads it (``export_check.LOADERS`` and ``STEPS``;
-   ONNX Runtime sessions with ``intra_op_num_threads`` = ``--threads``, ``inter_op_num_threads`` = 1) and
-   greedy-decoded through ``encode`` and exactly ``--steps`` calls of ``step`` (no early stop, the argmax fed back,
-   pad and bos excluded; the caches start as ``export_check.CACHED_GREEDY``'s zeros of capacity ``--steps``), for
-   each ``--batch`` size. Beside them: CTranslate2 on the same weights (``CTranslate2Peer`` in a process of its own,
-   ``intra_threads`` = ``--threads``, exactly ``--steps`` tokens), and, for reference, the ports' own cached greedy
-   decoding (``transformer_cli.backends``: section 6.1's rules, it stops at eos or after source length + 50 tokens,
-   so its step count is reported).
+2. Each artefact loaded in this process as ``export --check`` loads it (``LOADERS`` and ``STEPS`` of
+   ``transformer_export.check``; ONNX Runtime sessions with ``intra_op_num_threads`` = ``--threads``,
+   ``inter_op_num_threads`` = 1) and greedy-decoded through ``encode`` and exactly ``--steps`` calls of ``step`` (no
+   early stop, the argmax fed back, pad and bos excluded; the caches start as ``CACHED_GREEDY``'s zeros of capacity
+   ``--steps``), for each ``--batch`` size. Beside them: CTranslate2 on the same weights (``CTranslate2Peer`` in a
+   process of its own, ``intra_threads`` = ``--threads``, exactly ``--steps`` tokens), and, for reference, the
+   ports' own cached greedy decoding (``equivalence.backends``: section 6.1's rules, it stops at eos or after source
+   length + 50 tokens, so its step count is reported).
 3. Every call timed interleaved (``timing.round_robin``: a warm-up round reported apart, then ``--repeats`` rounds),
    medians with their min-max, in ms per step (the call's time over its steps, the encoder included), as a ratio to
    CTranslate2's and to the bandwidth lower bound of a cached step (``timing.decode_step_bytes`` over the measured
@@ -47,12 +47,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import backends, runtime  # noqa: E402
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from reference_numpy.checkpoint import save_checkpoint  # noqa: E402
-from transformer_cli import backends, runtime  # noqa: E402
-from transformer_cli.benchmarks.bench import BANDWIDTH, BANDWIDTH_MIB, bench_inputs  # noqa: E402
-from transformer_cli.benchmarks.peers import CTranslate2Peer, OwnProcess  # noqa: E402
-from transformer_cli.benchmarks.timing import (  # noqa: E402
+from transformer_bench.bench import BANDWIDTH, BANDWIDTH_MIB, bench_inputs  # noqa: E402
+from transformer_bench.peers import CTranslate2Peer, OwnProcess  # noqa: E402
+from transformer_bench.timing import (  # noqa: E402
     Timing,
     bench_lock,
     cpu_name,
@@ -61,8 +61,8 @@ from transformer_cli.benchmarks.timing import (  # noqa: E402
     round_robin,
     timed,
 )
-from transformer_cli.commands.export import WRITERS, export  # noqa: E402
-from transformer_cli.commands.export_check import CACHED_GREEDY, LOADERS, STEPS  # noqa: E402
+from transformer_export.check import CACHED_GREEDY, LOADERS, STEPS  # noqa: E402
+from transformer_export.export import WRITERS, export  # noqa: E402
 
 CT2 = "ctranslate2"
 FRAMEWORKS = {"savedmodel": ("tensorflow",), "jax-export": ("jax",), "torch-export": ("torch",),
@@ -74,8 +74,8 @@ ORT_PRODUCTS = {"MatMul", "Gemm", "FusedMatMul"}
 
 
 def load_artefact(target: str, directory: Path, threads: int) -> dict[str, Any]:
-    """The namespace in which ``export_check``'s ``LOADERS[target]``, ``STEPS[target]`` and ``CACHED_GREEDY`` ran
-    on the artefact in ``directory`` (its ``encode``, ``step`` and ``empty_caches``); ONNX Runtime's sessions get
+    """The namespace in which ``LOADERS[target]``, ``STEPS[target]`` and ``CACHED_GREEDY`` ran on the artefact in
+    ``directory`` (its ``encode``, ``step`` and ``empty_caches``); ONNX Runtime's sessions get
     ``threads`` intra-op threads and one inter-op thread."""
     namespace: dict[str, Any] = {"np": np, "sys": SimpleNamespace(argv=["", str(directory)])}
     with contextlib.ExitStack() as stack:

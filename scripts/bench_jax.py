@@ -1,6 +1,6 @@
 """Benchmark of the JAX/Flax port on this machine (a script, not a test).
 
-* the machine's float32 matmul rate: ``transformer_cli.benchmarks.timing.jax_product``, a jitted ``jnp.matmul``
+* the machine's float32 matmul rate: ``transformer_bench.timing.jax_product``, a jitted ``jnp.matmul``
   (n x n by n x n, 2 n^3 FLOPs);
 * the compiled forward pass of the ``base`` model (Table 3) in float32, batch 8, 128 source and
   128 target tokens: compile time, median time, achieved GFLOP/s from matmul FLOPs counted
@@ -14,7 +14,7 @@
   as products with ones over chunks; time, and worst error against float64);
 * the per-call overhead: a batch-1 forward pass of 64 source and 64 target tokens by the port's
   ``compiled_forward`` against plain ``jax.jit`` of the same function with the state split once
-  (interleaved, ``transformer_cli.benchmarks.timing.round_robin``; target: within 10%);
+  (interleaved, ``transformer_bench.timing.round_robin``; target: within 10%);
 * cached greedy decoding of batch 1 and batch 8 (ms per step) and beam search (beam 4, alpha 0.6)
   over 128 steps, interleaved;
 * the batch-1 cached step's matrix-vector products alone (the weights it reads, in one compiled loop):
@@ -48,7 +48,7 @@ from flax import nnx  # noqa: E402
 
 from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402
-from transformer_cli.benchmarks.timing import (  # noqa: E402
+from transformer_bench.timing import (  # noqa: E402
     cpu_name,
     forward_flops,
     gflop_rate,

@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformer_cli import backends  # noqa: E402
+from equivalence import backends  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 TARGET = 1.15   # RSS after loading - import footprint, in weights
@@ -61,7 +61,7 @@ def status():
         if key in ("VmRSS", "RssAnon", "RssFile"):
             fields[key] = int(value.split()[0]) / 1024
     return fields
-from transformer_cli import backends
+from equivalence import backends
 adapters, _ = backends.load(({name!r},))
 adapter = adapters[{name!r}]
 adapter.devices()
@@ -77,7 +77,7 @@ print(json.dumps({{"imported": imported, "loaded": loaded, "ran": ran, "peak_aft
 """
 
 # The resume case, in a port's fresh process: the same readings around loading the run (weights, state, optimizer).
-RESUME = PROBE.split("from transformer_cli")[0] + """
+RESUME = PROBE.split("from equivalence import backends")[0] + """
 import importlib
 checkpoint = importlib.import_module({package!r} + ".checkpoint")
 training = importlib.import_module({package!r} + ".training")
@@ -90,8 +90,8 @@ peak_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({{"imported": imported, "loaded": loaded, "peak_after_load": peak_after_load}}))
 """
 # The command line's resume (``--cli``), in a backend's fresh process: ``train --resume`` planned and set up.
-CLI = PROBE.split("from transformer_cli")[0] + """
-from transformer_cli import backends
+CLI = PROBE.split("from equivalence import backends")[0] + """
+from equivalence import backends
 from transformer_cli.commands import train
 from transformer_cli.main import build_parser
 adapters, _ = backends.load(({name!r},))

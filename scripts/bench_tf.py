@@ -1,6 +1,6 @@
 """Benchmark of the TensorFlow/Keras port (float32, the ``base`` preset of Table 3; a script, not a test).
 
-* this machine's float32 matmul rate (``transformer_cli.benchmarks.timing.tf_product``: tf.linalg.matmul,
+* this machine's float32 matmul rate (``transformer_bench.timing.tf_product``: tf.linalg.matmul,
   n x n by n x n);
 * ``from_params`` of ``base`` (seeded weights of the reference's ``init_params``), first and second call;
 * the compiled forward pass (``compiled_forward``) on batch 8 x 128 source x 128 target tokens,
@@ -14,7 +14,7 @@
 * greedy decoding of one sentence for 128 and 256 output tokens, with the key/value cache
   (``use_cache=True``, XLA) and without it (the whole prefix recomputed at every step);
 * cached greedy decoding of batch 1 and batch 8 (ms per step) and beam search (beam 4, alpha 0.6)
-  over 128 steps, interleaved (``transformer_cli.benchmarks.timing.round_robin``), with each first call
+  over 128 steps, interleaved (``transformer_bench.timing.round_robin``), with each first call
   (tracing and XLA compilation);
 * the batch-1 cached step's matrix-vector products alone (the weights it reads, in one XLA loop):
   how much of a step is reading the weights, and at what rate.
@@ -47,9 +47,9 @@ import transformer_tf  # noqa: E402  (refuses a Keras configured for another bac
 from reference_numpy import init_params  # noqa: E402
 from reference_numpy.config import TransformerConfig  # noqa: E402
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
-from transformer_cli.benchmarks.bench import bench_inputs  # noqa: E402
-from transformer_cli.benchmarks.peers import CTranslate2Peer, OwnProcess  # noqa: E402
-from transformer_cli.benchmarks.timing import (  # noqa: E402
+from transformer_bench.bench import bench_inputs  # noqa: E402
+from transformer_bench.peers import CTranslate2Peer, OwnProcess  # noqa: E402
+from transformer_bench.timing import (  # noqa: E402
     cpu_name,
     forward_flops,
     gflop_rate,

@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
-from transformer_cli.benchmarks.timing import (  # noqa: E402
+from transformer_bench.timing import (  # noqa: E402
     bench_lock,
     cpu_name,
     decode_flops,

@@ -2,11 +2,11 @@
 model (Table 3) in float32 on a batch of about 4,000 target tokens, dropout as the paper (P_drop = 0.1; the NumPy
 reference has no dropout), label smoothing 0.1, Adam with the schedule of Eq. (3).
 
-Each backend runs through its adapter (``transformer_cli/backends``): ``train_step`` = forward, loss, gradient (the
+Each backend runs through its adapter (``equivalence/backends``): ``train_step`` = forward, loss, gradient (the
 reference's hand-written backward pass, the ports' autodiff) and the framework's own Adam. The first step
 (tracing/compilation) is reported apart; the time is the median of ``--repeats`` further steps. FLOPs: a training
 step is counted as 3 x the forward pass's matrix products (the backward pass computes two products for each
-forward one: the input's and the weight's gradients), from ``transformer_cli.benchmarks.timing.forward_flops``;
+forward one: the input's and the weight's gradients), from ``transformer_bench.timing.forward_flops``;
 "of matmul" is
 the achieved rate over this machine's float32 matrix-multiply rate, measured in the same run (NumPy, 2048^2).
 
@@ -30,10 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import backends  # noqa: E402
 from reference_numpy import TransformerConfig, init_params  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from transformer_cli import backends  # noqa: E402
-from transformer_cli.benchmarks.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, numpy_product  # noqa: E402
+from transformer_bench.timing import cpu_name, forward_flops, gflop_rate, matmul_rate, numpy_product  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 BATCH, SRC_LEN, TGT_LEN = 32, 128, 128          # 4,096 target tokens (and as many source tokens) per step

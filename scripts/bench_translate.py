@@ -67,10 +67,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import runtime  # noqa: E402
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E402
-from transformer_cli import runtime  # noqa: E402
-from transformer_cli.commands.translate import BATCH_SIZE  # noqa: E402
-from transformer_cli.tasks.numbers import NumbersTask, english  # noqa: E402
+from transformer_tasks.numbers import NumbersTask, english  # noqa: E402
+from transformer_tasks.translation import BATCH_SIZE  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 PEER, HF = "ctranslate2", "transformers"
@@ -189,8 +189,8 @@ def port_passes(name: str, checkpoint: Path | None, texts: list[str] | None, row
     or the source ids ``rows``), output tokens, outputs (texts, or ids without pad) (:data:`COMPILED`: PyTorch's,
     its model given to ``compile_decoding``). The numbers model decodes with alpha 0.6, an imported one with its
     checkpoint's length penalty."""
-    from transformer_cli import backends
-    from transformer_cli.commands.translate import translator
+    from equivalence import backends
+    from transformer_tasks.translation import translator
 
     backend = "torch" if name == COMPILED else name
     adapters, _ = backends.load((backend,))
@@ -223,8 +223,8 @@ def peer_passes(texts: list[str], args: argparse.Namespace) -> tuple[list[float]
     import ctranslate2
     import tokenizers
 
-    from transformer_cli.commands.ctranslate2_export import save_ctranslate2, translate_options
-    from transformer_cli.commands.translate import load_translator
+    from transformer_export.ctranslate2 import save_ctranslate2, translate_options
+    from transformer_tasks.translation import load_translator
 
     config, params, tokenizer = load_translator()
     with tempfile.TemporaryDirectory() as directory:

@@ -144,7 +144,7 @@ SINGLE = [
            "if _LAYOUT[tensor.kind][1])",
            'if _LAYOUT[tensor.kind][1] and not tensor.name.endswith("o_proj.weight"))',
            ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
-    single("dropout", "torch: dropout left on at inference", "transformer_cli/backends/torch.py",
+    single("dropout", "torch: dropout left on at inference", "equivalence/backends/torch.py",
            "_, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
            "_, stages = model.train()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
            ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),
@@ -171,14 +171,14 @@ SINGLE = [
            "return start + 1 + torch.arange(length, device=start.device)",
            ["tests/test_export.py", "-k", "decoding_step_agrees and torch-export"]),
     single("export", "export --check: the serving loops (section 6.1's rules) held to the checkpoint's own decoding "
-           "conventions", "transformer_cli/commands/export_check.py", "config = config.paper_decoding()",
+           "conventions", "transformer_export/check.py", "config = config.paper_decoding()",
            "config = config", ["tests/test_export.py", "-k", "whatever_the_checkpoints"]),
     # export --check on artefacts with one part wrong, the other right (tests/test_export.py, ONE_PART_WRONG)
     single("export", "export --check: the cached decoding step's verdict left out of the exit status",
-           "transformer_cli/commands/export_check.py", "and (self.step is None or self.step.ok)",
+           "transformer_export/check.py", "and (self.step is None or self.step.ok)",
            "and (self.step is None or True)", ["tests/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
     single("export", "export --check: the cached decoding step's log-probabilities compared at the first position "
-           "alone", "transformer_cli/commands/export_check.py",
+           "alone", "transformer_export/check.py",
            "read = oracle.inputs[\"tgt\"] != config.pad_id ",
            "read = (oracle.inputs[\"tgt\"] != config.pad_id) & (np.arange(oracle.inputs[\"tgt\"].shape[1]) == 0) ",
            ["tests/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
@@ -791,30 +791,33 @@ TRAINING = [
 # Text (section 5.1's shared BPE, the numbers task): one copy serves every backend, so the agreement matrix cannot
 # see these; the tokenizer's round trip, its checks and the task's structure (written from French grammar) can.
 TEXT = [
+    single("text", "a lone carriage return read as part of its line", "transformer_tasks/textfiles.py",
+           'LINE_END = re.compile(rb"\\r\\n|\\r|\\n")', 'LINE_END = re.compile(rb"\\r\\n|\\n")',
+           ["tests/test_text_files.py", "-k", "every_line_end"]),
     single("text", "tokenizer: decoding runs past eos", "reference_numpy/tokenizer.py",
            "            if i == self.config.eos_id:\n                break",
            "            if i == self.config.eos_id:\n                continue", ["tests/test_tokenizer.py"]),
     single("text", "tokenizer: ids beyond the model's vocabulary accepted", "reference_numpy/tokenizer.py",
            "if max(ids.values()) >= limit or min(ids.values()) < 0:", "if min(ids.values()) < 0:",
            ["tests/test_tokenizer.py"]),
-    single("text", "numbers task: test and validation numbers left in the training pool", "transformer_cli/tasks/numbers.py",
+    single("text", "numbers task: test and validation numbers left in the training pool", "transformer_tasks/numbers.py",
            "numbers = np.sort(numbers[n_test + n_valid:])", "numbers = np.sort(numbers)",
            ["tests/test_numbers_task.py"]),
     single("text", "numbers task: the validation numbers drawn past the test's and the validation's share (half of "
-           "them left in the training pool)", "transformer_cli/tasks/numbers.py",
+           "them left in the training pool)", "transformer_tasks/numbers.py",
            "validation.append(numbers[n_test:n_test + n_valid])",
            "validation.append(numbers[n_test + n_valid // 2:n_test + n_valid + n_valid // 2])",
            ["tests/test_numbers_task.py", "-k", "hold_no_held_out"]),
-    single("text", "corpus: the held-out validation pairs left in the training pairs too", "transformer_cli/tasks/corpus.py",
+    single("text", "corpus: the held-out validation pairs left in the training pairs too", "transformer_tasks/corpus.py",
            "return pairs.subset(np.flatnonzero(~held)), pairs.subset(np.flatnonzero(held))",
            "return pairs, pairs.subset(np.flatnonzero(held))", ["tests/test_corpus.py", "-k", "disjoint"]),
     single("text", "corpus: the validation pairs the file's first ones, not the pairs held out of training",
-           "transformer_cli/tasks/corpus.py",
+           "transformer_tasks/corpus.py",
            "return pairs.subset(np.flatnonzero(~held)), pairs.subset(np.flatnonzero(held))",
            "return pairs.subset(np.flatnonzero(~held)), pairs.subset(np.arange(size))",
            ["tests/test_corpus.py", "-k", "disjoint"]),
     single("text", "numbers task: labels not shifted (the decoder sees the token it must predict)",
-           "transformer_cli/tasks/numbers.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
+           "transformer_tasks/numbers.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
            '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/test_numbers_task.py"]),
 ]
 
@@ -874,7 +877,7 @@ HF_EXPORT = [
            "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
            ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
-           "transformer_cli/commands/translate.py", "self.beam_size = model.config.beam_size if beam_size is None",
+           "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
            "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
 ]
 
@@ -1123,7 +1126,7 @@ FINETUNE = [
     single("finetune", "the decoder starts from bos, not the family's decoder start token",
            "reference_numpy/tokenizer.py", '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels]',
            '"tgt": pad_rows([[config.bos_id, *ids[:-1]] for ids in labels]', FINETUNE_ORACLE),
-    single("finetune", "M2M100: the source's language code missing", "transformer_cli/tasks/corpus.py",
+    single("finetune", "M2M100: the source's language code missing", "transformer_tasks/corpus.py",
            "return tokenizer.ids(text, side) if isinstance(tokenizer, FamilyTokenizer)",
            'return tokenizer.ids(text, side) if isinstance(tokenizer, FamilyTokenizer) and side == "target"',
            FINETUNE_ORACLE),
@@ -1140,7 +1143,7 @@ FINETUNE = [
 # tests/test_bench_translate.py compares each port's tokens and output count with transformers' generate
 _BENCH = "scripts/bench_translate.py"
 BENCH_TRANSLATE = ["tests/test_bench_translate.py"]
-_BENCH_MODULE = "transformer_cli/benchmarks/bench.py"
+_BENCH_MODULE = "transformer_bench/bench.py"
 BENCH_CHECKPOINT = ["tests/test_peers.py", "-k", "transformers_peer or checkpoint_with"]
 BENCH = [
     single("bench", "bench_translate: transformers given one token less than the budget", _BENCH,
@@ -1158,7 +1161,7 @@ BENCH = [
            BENCH_TRANSLATE),
     # `bench CHECKPOINT --peers`: the transformers peer reads Marian's pad start token; every engine decodes within
     # --decode-tokens' budget; the inputs hold no special id (tests/test_peers.py)
-    single("bench", "bench's transformers peer masks a target's pad start token", "transformer_cli/benchmarks/peers.py",
+    single("bench", "bench's transformers peer masks a target's pad start token", "transformer_bench/peers.py",
            "read[:, 0] = True", "read[:, 0] = read[:, 0]", BENCH_CHECKPOINT),
     single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
            "config.replace(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
@@ -1217,10 +1220,25 @@ DEVICE = [
            DEVICE_CHECK),
 ]
 
+# No command or exporter writes over one of its inputs (transformer_export/outputs.py)
+OUTPUTS = [
+    single("outputs", "a hard link to an input not taken for that input (written over)", "transformer_export/outputs.py",
+           "if os.path.samestat(target, status):", "if os.path.realpath(output) == os.path.realpath(source):",
+           ["tests/test_inputs_never_replaced.py", "-k", "no_output_of_any_command and hard"]),
+]
+
+# The packages import only downward (tests/test_layers.py runs import-linter's layers contract of pyproject.toml)
+LAYERS = [
+    single("layers", "the adapters import from the command line above them", "equivalence/backends/__init__.py",
+           "from equivalence import runtime\n",
+           "from equivalence import runtime\nfrom transformer_cli.extras import INSTALL  # noqa: F401\n",
+           ["tests/test_layers.py", "-k", "only_downward"]),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH, *ECOSYSTEM, *DEVICE]
+             *BENCH, *ECOSYSTEM, *DEVICE, *OUTPUTS, *LAYERS]
 
 
 # ----------------------------------------------------------------------------- running

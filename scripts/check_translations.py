@@ -30,14 +30,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from equivalence import backends  # noqa: E402
 from equivalence.tolerance import FLOAT64_RELATIVE, float64_bound  # noqa: E402
 from reference_numpy import TransformerConfig  # noqa: E402
 from reference_numpy.decoding import BEAM_SIZE, LENGTH_PENALTY_ALPHA  # noqa: E402
 from reference_numpy.tokenizer import Tokenizer  # noqa: E402
-from transformer_cli import backends  # noqa: E402
-from transformer_cli.commands.translate import SHIPPED, load_translator  # noqa: E402
-from transformer_cli.extras import progress_bar  # noqa: E402
-from transformer_cli.tasks.numbers import TEST, NumbersTask  # noqa: E402
+from transformer_tasks.numbers import TEST, NumbersTask  # noqa: E402
+from transformer_tasks.progress import progress_bar  # noqa: E402
+from transformer_tasks.translation import SHIPPED, load_translator  # noqa: E402
 
 REFERENCE = "numpy"
 KINDS = ("greedy", "beam")

@@ -20,7 +20,7 @@ Sections (``--sections``), each check one row:
   ``TrainingBound``, float32 and the mixed precisions by the rule on the update (``--quick``: float64, float32).
 * ``determinism``: forward, greedy, beam and two training steps twice, under each port's ``device.deterministic``
   switch (PyTorch's deterministic algorithms, XLA's deterministic GPU ops, TensorFlow's op determinism): bit-identical.
-* ``speed``: ``bench``'s calls (``transformer_cli/benchmarks/bench.py``: forward, greedy batch 1 and 8, beam 4) on the
+* ``speed``: ``bench``'s calls (``transformer_bench/bench.py``: forward, greedy batch 1 and 8, beam 4) on the
   ``base`` preset and an opus-mt-shaped import (``--quick``: the ``tiny`` preset), median ms; informational.
 
 A backend that is not installed, or that sees no such device, is a ``skip`` row with its reason; a check that raises
@@ -208,7 +208,7 @@ def isolate(device: str) -> None:
 def load_ports(checks: Checks, names: tuple[str, ...]) -> dict[str, tuple[ModuleType, str]]:
     """Each port that runs here: its adapter and its name of the device. A port not installed, or without the
     device, is a skip row with its reason; one that fails to import, an error row."""
-    from transformer_cli import backends
+    from equivalence import backends
 
     ports = {}
     for name in names:
@@ -227,7 +227,7 @@ def _prepare(name: str, device: str, loaded: dict) -> Outcome:
     """Import the port's adapter and find the device; before its first computation JAX's deterministic GPU ops are
     asked for, and PyTorch's cuBLAS workspace fixed before its CUDA context starts (its determinism switch thrown
     once, then off until the determinism section); TF32 off (each port's ``device.full_precision``)."""
-    from transformer_cli import backends
+    from equivalence import backends
 
     adapter = backends.load((name,))[0][name]
     port_device = importlib.import_module(f"transformer_{name}.device")
@@ -374,8 +374,9 @@ def marian_checkpoint(directory: Path, sizes: dict, randomize: bool) -> Path:
 
 
 def marian_source(config) -> np.ndarray:
-    """Source rows of ordinary ids (:func:`compare.ordinary_ids`) of :data:`MARIAN_SOURCE_LENGTHS`, eos last, padded."""
-    from transformer_cli.commands.compare import ordinary_ids
+    """Source rows of ordinary ids (:func:`equivalence.oracle.ordinary_ids`) of :data:`MARIAN_SOURCE_LENGTHS`, eos
+    last, padded."""
+    from equivalence.oracle import ordinary_ids
 
     ids = ordinary_ids(config)[0]
     rng = np.random.default_rng(0)
@@ -389,8 +390,8 @@ def marian_source(config) -> np.ndarray:
 def _decoding_oracles(oracles: dict, config, params, src) -> Outcome:
     """The float64 reference's greedy and beam search, their margins and the bound of float64's and float32's
     log-probabilities along them (``equivalence.margins.decoding_oracle``)."""
+    from equivalence.backends import numpy as reference
     from equivalence.margins import decoding_oracle
-    from transformer_cli.backends import numpy as reference
 
     model64 = reference.build(config, params, "float64")
     for dtype in ("float64", "float32"):
@@ -468,8 +469,8 @@ def train(adapter, config, params, training, batches, dtype: str, device: str, c
 
 def _reference_runs(reference: dict, steps: int, precisions: tuple[str, ...]) -> Outcome:
     """The float64 reference's run with its bound, and the reference's own run in every other precision."""
+    from equivalence.backends import numpy as numpy_backend
     from equivalence.training_runs import reference_run
-    from transformer_cli.backends import numpy as numpy_backend
 
     config, params, training, batches = case = training_case(steps)
     reference["case"] = case
@@ -551,7 +552,7 @@ def speed_section(checks: Checks, ports: dict, quick: bool, repeats: int, workdi
 def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
     """bench's weights: a seeded preset, or the opus-mt-shaped import (scripts/bench_translate.py's OPUS_MT with
     opus-mt's own 512 positions, transformers' seeded initialisation); bench's shapes (``tiny``: small ones)."""
-    from transformer_cli.benchmarks import bench
+    from transformer_bench import bench
 
     if model_name == "opus-mt shape":
         sys.path.insert(0, str(ROOT / "scripts"))
@@ -573,8 +574,8 @@ def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
 def _timed(timings: dict, adapter, config, params, shapes: tuple, device: str, repeats: int) -> Outcome:
     """bench's backend engine with its ``--peers`` calls (forward, greedy batch 1 and 8, beam 4 batch 1), float32,
     timed interleaved after a warm-up call each (bench's ``round_robin``)."""
-    from transformer_cli.benchmarks import bench
-    from transformer_cli.benchmarks.timing import round_robin
+    from transformer_bench import bench
+    from transformer_bench.timing import round_robin
 
     batch, src_len, tgt_len, decode_tokens = shapes
     src, tgt, decode_src = bench.bench_inputs(config, batch, src_len, tgt_len, decode_tokens, bench.PEER_BATCH)

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
     warnings.simplefilter("ignore")                         # the frameworks' notices; disagreements are printed
-    adapters = {name: importlib.import_module(f"transformer_cli.backends.{name}") for name in names}
+    adapters = {name: importlib.import_module(f"equivalence.backends.{name}") for name in names}
     if args.replay:
         return replay(fuzz.Case.from_json(args.replay), adapters)
     scales = fuzz.WEIGHT_SCALES + (fuzz.EXTREME_WEIGHT_SCALES if args.extreme else ())

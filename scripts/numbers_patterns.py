@@ -1,5 +1,5 @@
 """How the shipped model (or any numbers-task checkpoint) translates each kind of number: exact match per zero
-pattern (``transformer_cli.tasks.numbers.zero_pattern``: ``x00,00x`` is "one hundred thousand and two"), in every
+pattern (``transformer_tasks.numbers.zero_pattern``: ``x00,00x`` is "one hundred thousand and two"), in every
 backend, greedy decoding, over the test split's numbers of the pattern and over a seeded sample of all numbers of the
 pattern (which may hold numbers seen in training: the test split, a uniform sample, holds few numbers of the rare
 patterns). Prints a Markdown table (docs/training.md, the model card) or ``--json``.
@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformer_cli import backends  # noqa: E402
-from transformer_cli.commands.translate import SHIPPED, translator  # noqa: E402
-from transformer_cli.tasks.numbers import SPLIT_SEED, NumbersTask, english, french, patterns, zero_pattern  # noqa: E402
+from equivalence import backends  # noqa: E402
+from transformer_tasks.numbers import SPLIT_SEED, NumbersTask, english, french, patterns, zero_pattern  # noqa: E402
+from transformer_tasks.translation import SHIPPED, translator  # noqa: E402
 
 
 def sets(per_pattern: int) -> dict[str, dict[str, np.ndarray]]:

@@ -50,11 +50,10 @@ import numpy as np
 import pytest
 from support import tiny_m2m100, tiny_marian
 
-from equivalence import cases, tolerance
+from equivalence import cases, runtime, tolerance
+from equivalence.backends import numpy as reference
 from reference_numpy.checkpoint import release_freed_memory
 from reference_numpy.precision import DTYPES, round_to, score_dtype, spacing
-from transformer_cli import runtime
-from transformer_cli.backends import numpy as reference
 
 # (port, device, dtype, what) -> list of (error, bound); filled by ``check_agreement``.
 AGREEMENT_LOG: dict[tuple[str, str, str, str], list[tuple[float, float]]] = defaultdict(list)
@@ -434,7 +433,7 @@ def tier_summary(terminalreporter) -> None:
 def environment_kept() -> Iterator[None]:
     """Each test leaves the process's environment as it found it. A command run in the test process through
     ``main(argv)`` before JAX's first operation in the process writes its ``--threads`` into the environment
-    (``PJRT_NPROC``, ``XLA_FLAGS``: transformer_cli/runtime.py; ``train --data-parallel``'s host devices too; after
+    (``PJRT_NPROC``, ``XLA_FLAGS``: equivalence/runtime.py; ``train --data-parallel``'s host devices too; after
     it, the command leaves them alone), and JAX hashes ``XLA_FLAGS`` into the key of every program it compiles: left
     behind, it would change the keys of every later program in that worker, so that whether a JAX program is read
     back from the compilation cache would depend on which modules had run before in the same process."""

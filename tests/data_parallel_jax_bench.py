@@ -17,7 +17,7 @@ import numpy as np
 
 from reference_numpy.checkpoint import init_params
 from reference_numpy.config import TrainingConfig
-from transformer_cli.tasks.numbers import DEFAULTS, NumbersTask
+from transformer_tasks.numbers import DEFAULTS, NumbersTask
 
 WARM_UP, MEASURED, BATCH, SEED = 3, 20, DEFAULTS["batch_size"], 0
 

@@ -54,7 +54,7 @@ def throughput(world_size: int, steps: int, warmup: int, batch_size: int = 128) 
     target tokens / seconds between consecutive ``progress`` calls (rank 0 ends a step after the all-reduce)."""
     from reference_numpy.checkpoint import init_params
     from reference_numpy.config import TrainingConfig
-    from transformer_cli.tasks.numbers import NumbersTask
+    from transformer_tasks.numbers import NumbersTask
     from transformer_torch import data_parallel
 
     task = NumbersTask()

@@ -27,9 +27,9 @@ from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
 from reference_numpy.hf_import import import_hf
 from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
-from transformer_cli.commands.translate import load_translator
 from transformer_cli.main import main
-from transformer_cli.tasks.numbers import NumbersTask, teacher_forcing
+from transformer_tasks.numbers import NumbersTask, teacher_forcing
+from transformer_tasks.translation import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
@@ -49,7 +49,7 @@ def script(name: str):
 def port_backend(port: str):
     framework = FRAMEWORKS[port]
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{port}]')")
-    return importlib.import_module(f"transformer_cli.backends.{port}")
+    return importlib.import_module(f"equivalence.backends.{port}")
 
 
 def device_for(backend, kind: str) -> str:
@@ -168,7 +168,7 @@ TRAINING = TrainingConfig()
 
 def backend(name: str):
     """The command line's backend ``name``: "numpy" (the reference) or a port (skipped if not installed)."""
-    return importlib.import_module("transformer_cli.backends.numpy") if name == "numpy" else port_backend(name)
+    return importlib.import_module("equivalence.backends.numpy") if name == "numpy" else port_backend(name)
 
 
 def config_of(variant: str):

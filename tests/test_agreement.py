@@ -19,10 +19,10 @@ from conftest import reference_model_in, rounded_reference
 from support import DEVICE_KINDS, FRAMEWORKS, LOW_DTYPES, device_for, port_backend, port_model, trained
 
 from equivalence import cases, tolerance
+from equivalence.backends import numpy as reference
 from equivalence.cases import COMPONENT_MASKED, FORWARD_VARIANTS, MASK_CASES, VARIANTS
 from equivalence.margins import decoding_oracle, teacher_forced_bound
 from equivalence.recipes import ATTENTION_KINDS
-from transformer_cli.backends import numpy as reference
 
 DTYPES = ("float64", "float32")
 COMPONENT_CASES = [(component, case) for component, masked in COMPONENT_MASKED.items()

@@ -21,9 +21,9 @@ from support import (
 )
 
 from equivalence import cases
+from equivalence.backends import numpy as reference
 from equivalence.cases import FORWARD_VARIANTS, MASK_CASES
 from reference_numpy.precision import round_to
-from transformer_cli.backends import numpy as reference
 
 # The recipe's concepts computed wide and rounded once: checked element by element (tolerance.single_rounding_bound)
 # and exactly wherever the float32 bound decides the rounding (tolerance.decided_by_rounding).

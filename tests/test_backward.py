@@ -310,7 +310,7 @@ def test_loss_is_the_reference_loss(variant, dtype):
 def test_gradients_match_torch_autograd(variant):
     """The tiny configs (2 encoder and 3 decoder layers) against PyTorch's autograd in float64."""
     pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]'): no outside implementation")
-    from transformer_cli.backends import torch as torch_backend
+    from equivalence.backends import torch as torch_backend
 
     config = FORWARD_VARIANTS[variant]
     params, inputs = seeded_params(config), batch(config)

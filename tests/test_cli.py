@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from equivalence import backends
 from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
 from reference_numpy.checkpoint import load_training_state
-from transformer_cli import backends
+from transformer_bench import timing
 from transformer_cli import main as cli_main
-from transformer_cli.benchmarks import timing
 from transformer_cli.commands import compare as compare_module
-from transformer_cli.extras import progress_bar
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
+from transformer_tasks.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = TransformerConfig.preset("tiny")
@@ -274,7 +274,7 @@ def test_compare_in_low_precision_and_the_precision_report(in_workdir, capsys):
 def test_a_comparison_of_nothing_fails(in_workdir, monkeypatch, capsys):
     """Requested backends none of which is installed compare nothing: an error, never agreement."""
     monkeypatch.setitem(backends.BACKENDS, "torch",
-                        ("transformer_cli.backends.torch", ("no_such_framework_here",), "torch"))
+                        ("equivalence.backends.torch", ("no_such_framework_here",), "torch"))
     for args in (["compare", "tiny.safetensors", "--backends", "torch"],
                  ["bench", "--preset", "tiny", "--src-len", "4", "--tgt-len", "4", "--decode-tokens", "60",
                   "--backends", "torch"],

@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 from support import cli
 
+from equivalence import backends, runtime
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import PARTIAL_SUFFIX, load_training_state
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli import backends, plots, runtime
+from transformer_cli import plots
 from transformer_cli.arguments import RANGES, Range
 from transformer_cli.commands.train import saves
 from transformer_cli.main import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, build_parser
@@ -463,8 +464,8 @@ def test_threads_default_to_the_visible_cores_and_zero_is_refused(capsys):
 
 
 def test_bench_warns_when_its_repeats_spread(monkeypatch, capsys):
-    from transformer_cli.benchmarks import bench as bench_module
-    from transformer_cli.benchmarks.bench import BUSY_SPREAD, Measurement
+    from transformer_bench import bench as bench_module
+    from transformer_bench.bench import BUSY_SPREAD, Measurement
 
     steady = Measurement("numpy", "cpu", "forward", 1.0, 1.2, 1e9, min_seconds=0.95, max_seconds=1.05, repeats=3)
     busy = Measurement("torch", "cpu", "forward", 1.0, 1.2, 1e9, min_seconds=0.5, max_seconds=2.0, repeats=3)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support import cli
 
-from equivalence import tolerance
+from equivalence import backends, tolerance
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy import Transformer, TransformerConfig, init_params, save_checkpoint, training
 from reference_numpy.checkpoint import (
@@ -28,12 +28,13 @@ from reference_numpy.checkpoint import (
 )
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli import backends, extras
+from transformer_cli import extras
 from transformer_cli.commands import train as train_module
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
-from transformer_cli.tasks.copy import VALIDATION as VALIDATION_SPLIT
-from transformer_cli.tasks.copy import CopyTask
-from transformer_cli.tasks.corpus import CorpusTask, read_corpus
+from transformer_tasks.batches import CountedBatches
+from transformer_tasks.copy import VALIDATION as VALIDATION_SPLIT
+from transformer_tasks.copy import CopyTask
+from transformer_tasks.corpus import CorpusTask, read_corpus
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")
@@ -220,7 +221,7 @@ def test_rows_of_padding_change_neither_the_loss_nor_its_gradient(task):
     appended are the batch's own (float64 policy)."""
     made, config = task
     batch = made.batch(config, BUDGET, 0, 0)
-    padded = train_module.CountedBatches(made, config, BUDGET, 0, world_size=len(batch["src"]) + 2)(0)
+    padded = CountedBatches(made, config, BUDGET, 0, world_size=len(batch["src"]) + 2)(0)
     rows = len(batch["src"])
     assert len(padded["src"]) == rows + 2 and (padded["src"][rows:] == config.pad_id).all()
     assert (padded["labels"][rows:] == config.pad_id).all() and (padded["tgt"][rows:] == config.pad_id).all()

@@ -13,15 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from equivalence import tolerance
+from equivalence import backends, tolerance
 from equivalence.cases import seeded_params
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy import Transformer, TransformerConfig, data_parallel, init_params, training
 from reference_numpy.checkpoint import load_run
 from reference_numpy.config import TrainingConfig
-from transformer_cli import backends
 from transformer_cli.main import main
-from transformer_cli.tasks.copy import CopyTask
+from transformer_tasks.copy import CopyTask
 
 CONFIG = TransformerConfig.preset("tiny", dropout=0.0)
 TRAINING = TrainingConfig(warmup_steps=20)       # large enough steps that Adam's update is far from round-off

@@ -24,11 +24,11 @@ import data_parallel_jax_runner as runner  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from equivalence import tolerance  # noqa: E402
+from equivalence.backends import numpy as reference  # noqa: E402
 from equivalence.cases import seeded_params  # noqa: E402
 from reference_numpy import data_parallel as reference_data_parallel  # noqa: E402
 from reference_numpy import training as reference_training  # noqa: E402
 from reference_numpy.checkpoint import load_run  # noqa: E402
-from transformer_cli.backends import numpy as reference  # noqa: E402
 from transformer_jax import training  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

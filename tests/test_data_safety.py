@@ -283,7 +283,7 @@ def test_ports_save_through_the_reference():
     """Every port's save goes through reference_numpy.checkpoint.save_checkpoint, so all of the
     above holds for every backend; no port writes a file itself."""
     for port, adapter in (("transformer_torch", "torch"), ("transformer_jax", "jax"), ("transformer_tf", "tf")):
-        for module in (f"{port}/checkpoint.py", f"transformer_cli/backends/{adapter}.py"):
+        for module in (f"{port}/checkpoint.py", f"equivalence/backends/{adapter}.py"):
             source = (ROOT / module).read_text()
             assert not re.search(r"\bopen\(|write_bytes|safetensors\.\w+ import save|save_file|os\.replace", source), \
                 f"{module} writes files itself"

@@ -34,10 +34,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import FRAMEWORKS, ScriptedModel, constant_logits_params, port_backend
 
+from equivalence.backends import numpy as reference
 from equivalence.margins import beam_step_margin
 from equivalence.tolerance import assert_agrees, beam_row_is_decisive, float64_bound
 from reference_numpy import TransformerConfig, beam_search, greedy_decode, init_params
-from transformer_cli.backends import numpy as reference
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 IMPOSSIBLE = -math.inf

@@ -90,7 +90,7 @@ def test_a_check_that_raises_is_an_error_row_and_the_run_goes_on(capsys):
 def test_a_backend_that_is_not_installed_is_a_skip_with_its_reason(monkeypatch):
     """TensorFlow absent (as on the GPU machine): a skip row naming it, nothing imported; a run in which no port
     compared anything exits 1, whatever the reference's own rows say."""
-    from transformer_cli import backends
+    from equivalence import backends
 
     monkeypatch.setattr(backends, "absent_frameworks", lambda name: ["tensorflow", "keras"] if name == "tf" else [])
     checks = device_check.Checks("gpu:0")

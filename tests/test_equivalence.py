@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equivalence import cases, tolerance
+from equivalence.backends import numpy as reference
 from equivalence.cases import VARIANTS
 from equivalence.contract import Backend
 from equivalence.finite_differences import finite_difference_gradients
 from equivalence.margins import beam_margins, beam_step_margin, greedy_margins
 from reference_numpy import Transformer, TransformerConfig
 from reference_numpy.decoding import select_candidates
-from transformer_cli.backends import numpy as reference
 
 # backend -> the framework module its adapter needs (None: NumPy only)
 ADAPTERS = {"numpy": None, "torch": "torch", "jax": "flax", "tf": "keras"}
@@ -36,7 +36,7 @@ MICRO = TransformerConfig.preset("tiny").replace(d_model=4, n_heads=2, d_ff=8, n
 def adapter(name: str) -> types.ModuleType:
     if ADAPTERS[name]:
         pytest.importorskip(ADAPTERS[name], reason=f"the {name} adapter needs {ADAPTERS[name]}, not installed here")
-    return importlib.import_module(f"transformer_cli.backends.{name}")
+    return importlib.import_module(f"equivalence.backends.{name}")
 
 
 def contract_methods() -> dict[str, inspect.Signature]:
@@ -72,7 +72,7 @@ def test_the_contract_declares_every_method_once_with_a_docstring():
 @pytest.mark.parametrize("name", ADAPTERS)
 def test_every_adapter_module_satisfies_the_contract(name):
     module = adapter(name)
-    assert contract_violations(module) == [], f"transformer_cli.backends.{name}"
+    assert contract_violations(module) == [], f"equivalence.backends.{name}"
     assert module.NAME == name
 
 

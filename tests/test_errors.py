@@ -45,7 +45,7 @@ class Driver:
 
     def __init__(self):
         self.module = importlib.import_module(self.package)
-        self.backend = importlib.import_module(f"transformer_cli.backends.{self.name}")
+        self.backend = importlib.import_module(f"equivalence.backends.{self.name}")
         self.model = self.backend.build(CONFIG, cases.seeded_params(CONFIG), "float64")
 
     def tensor(self, array: np.ndarray):

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from transformer_cli import backends
+from equivalence import backends
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
 
 sacrebleu = pytest.importorskip("sacrebleu", reason="evaluate scores with sacrebleu (the text extra)")

@@ -48,12 +48,13 @@ from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.tokenizer import pad_rows
-from transformer_cli.commands import ctranslate2_export, export_check
-from transformer_cli.commands import export as export_module
-from transformer_cli.commands.export_check import ISOLATION, LOADERS, run_isolated
-from transformer_cli.commands.translate import SHIPPED, load_translator
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE, main
-from transformer_cli.tasks.numbers import NumbersTask, english, french
+from transformer_export import check as export_check
+from transformer_export import ctranslate2 as ctranslate2_export
+from transformer_export import export as export_module
+from transformer_export.check import ISOLATION, LOADERS, run_isolated
+from transformer_tasks.numbers import NumbersTask, english, french
+from transformer_tasks.translation import SHIPPED, load_translator
 
 SHIPPED_TEXTS = 32                 # held-out sentences of the shipped model, every length of the test split
 # Number words in no English number's order, on which the shipped model's beam search (size 4, alpha 0.6) and greedy
@@ -199,7 +200,7 @@ STEPS = list(export_check.STEPS)
 ENCODER_W_Q, DECODER_W_K = "encoder.layers.0.self_attn.q_proj.weight", "decoder.layers.0.self_attn.k_proj.weight"
 
 # How a serving process loads each artefact (``run(src, tgt) -> log_probs``), greedy-decodes and beam-searches with
-# it, NumPy only: the loaders and the loops of ``export --check`` (transformer_cli/commands/export_check.py), checked
+# it, NumPy only: the loaders and the loops of ``export --check`` (transformer_export/check.py), checked
 # here against the reference; and, for the cached decoding step, ``encode`` and ``step`` and a greedy loop and a
 # teacher-forced run over them.
 RUN, GREEDY, BEAM = LOADERS, export_check.GREEDY, export_check.BEAM

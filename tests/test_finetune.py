@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from support import SOURCE, TARGET, backend, exact_tables, tiny_separate_marian
 
+from equivalence import backends
 from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy.checkpoint import load_checkpoint, load_run
-from transformer_cli import backends
 from transformer_cli.commands import train
 from transformer_cli.main import build_parser, main
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from support import FRAMEWORKS, port_backend
 
 from equivalence import fuzz, margins, tolerance
+from equivalence.backends import numpy as reference
 from reference_numpy import TransformerConfig, model
 from reference_numpy.model import LayerNorm, scaled_dot_product_attention
-from transformer_cli.backends import numpy as reference
 
 # Cases per backend in the suite: JAX and TensorFlow compile every new shape (seconds per case), PyTorch does not.
 # The first cases Hypothesis draws already hold odd head counts (scripts/check_mutations.py, kind "fuzz", plants a
@@ -555,7 +555,8 @@ def test_compare_marks_a_stage_held_to_what_it_adds():
     decoder's error that far (1.09 times the bound on this page's CPU: the float32 reference's own error, the
     yardstick, is its kernels' choice) -- carry "+" (the error they add to their inputs', within the bound), every
     other cell does not, the run agrees, and the note says why."""
-    from transformer_cli.commands.compare import Report, build_oracle, run_backend
+    from equivalence.oracle import build_oracle
+    from transformer_cli.commands.compare import Report, run_backend
     from transformer_cli.commands.report import format_table
 
     port, ref64, ref32, *_ = _amplified_port()

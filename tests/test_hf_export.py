@@ -37,8 +37,8 @@ from reference_numpy.hf_export import family_of
 from reference_numpy.hf_import import import_hf, read_weights
 from reference_numpy.model import sinusoidal_positional_encoding
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli.commands.translate import SHIPPED
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_tasks.translation import SHIPPED
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
                                             "'.[torch]')")

@@ -238,7 +238,7 @@ def test_a_forced_token_other_than_eos_is_generates(family_model, port):
                   "max_new_tokens": FORCED_BUDGET}
     imported = config_from_hf(model.config.to_diff_dict(), generation)
     assert (imported.forced_eos, imported.forced_last_id, imported.max_output_length) == (True, token, FORCED_BUDGET)
-    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    backend = importlib.import_module("equivalence.backends.numpy") if port == "numpy" else port_backend(port)
     with float64_inference(port):
         mine_model = backend.build(imported, params, "float64")
         for beam in (1, 4):
@@ -349,8 +349,8 @@ def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, e
     """translate's Translator (no ``--beam``, no ``--alpha``): the checkpoint's beam (transformers' num_beams, 4),
     length_penalty and conventions, and the forced first token it is given; ``--beam 1``: greedy decoding."""
     family, _, path, (config, _), src = family_model
-    from transformer_cli.backends import numpy as adapter
-    from transformer_cli.commands.translate import Translator
+    from equivalence.backends import numpy as adapter
+    from transformer_tasks.translation import Translator
     tokenizer = SimpleNamespace(config=config)          # token_ids reads the tokenizer's config alone
     translator = Translator(adapter, adapter.load(path), tokenizer, forced_bos_id=forced(family))
     assert (translator.beam_size, translator.alpha) == (config.beam_size, config.length_penalty) == (4, 1.0)
@@ -408,7 +408,7 @@ def test_a_bad_forced_bos_id_is_the_same_error_in_every_backend(bad):
     expected = (f"forced_bos_id must be a target token id below tgt_vocab_size (23), not eos_id or pad_id, got "
                 f"{bad!r}")
     for name in ["numpy", *(port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework))]:
-        backend = importlib.import_module(f"transformer_cli.backends.{name}")
+        backend = importlib.import_module(f"equivalence.backends.{name}")
         model = backend.build(config, params, "float64")
         for call in (lambda: backend.greedy(model, src, forced_bos_id=bad),
                      lambda: backend.beam(model, src, 2, None, forced_bos_id=bad)):

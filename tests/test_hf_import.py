@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 from support import FAMILIES, M2M100, MARIAN, build, exact_tables, hf_log_probs, masks, position_tables, reference_table
 
-from equivalence import tolerance
+from equivalence import backends, tolerance
 from reference_numpy import Transformer
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.hf_import import config_from_hf, import_hf, load_hf, read_weights, transposed, weight_table
-from transformer_cli import backends
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "

@@ -20,6 +20,7 @@ pytest.importorskip("sentencepiece", reason="the tests train SentencePiece model
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
 torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
 
+from equivalence.oracle import SENTENCES  # noqa: E402
 from reference_numpy.checkpoint import (  # noqa: E402
     load_checkpoint,
     load_tokenizer,
@@ -28,10 +29,9 @@ from reference_numpy.checkpoint import (  # noqa: E402
 )
 from reference_numpy.hf_import import import_hf  # noqa: E402
 from reference_numpy.hf_tokenizer import KEPT_FILES, FamilyTokenizer, read_hf_tokenizer  # noqa: E402
-from transformer_cli.commands.compare import SENTENCES  # noqa: E402
-from transformer_cli.commands.export import export_hf  # noqa: E402
-from transformer_cli.commands.translate import translator  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
+from transformer_export.export import export_hf  # noqa: E402
+from transformer_tasks.translation import translator  # noqa: E402
 
 TEXTS = ["the cat", "Hello   World!", "", "   ", "\t\n", "Жук ел", "naïve façade", "a\tb\nc", "ｆｕｌｌ ｗｉｄｔｈ",
          " leading", "trailing  ", "12 345 67", "l'été à Noël", "ça va ?", "x</s>y", "<unk> <pad>", "日本語", "🙂 ok"]
@@ -385,7 +385,7 @@ def test_a_multilingual_marian_model_takes_the_target_language_as_its_first_sour
 
 
 def test_the_ctranslate2_export_names_an_imported_models_tokens_by_its_pieces(marian):
-    from transformer_cli.commands.ctranslate2_export import token_names
+    from transformer_export.ctranslate2 import token_names
     config = load_tokenizer(marian["checkpoint"]).config
     names = token_names(config, config.tgt_vocab_size, load_tokenizer_json(marian["checkpoint"]))
     assert names == sorted(marian["vocab"], key=marian["vocab"].__getitem__)

@@ -3,7 +3,7 @@ shipped model's name, the shipped model it runs by default, corpora, references,
 the side-by-side page -- and the files it writes -- pictures, translations, checkpoints, averages, export
 directories, ``train --save-every``'s step files, the page -- and refuses, before any work and even with
 ``--force``, an output that is an input: the same file by path, through a symbolic or a hard link, or a directory
-holding it (``transformer_cli.arguments.refuse_input``).
+holding it (``transformer_export.outputs.refuse_input``).
 
 A table tries each command's each output against each of its inputs, in every way one can be the other, in-process
 through ``main(argv)``: one error line naming the output and the input, exit 2, the input's bytes unchanged, no
@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 from support import cli, one_error_line
 
+from equivalence import backends
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS, TrainingState
 from reference_numpy.config import TrainingConfig
-from transformer_cli import backends
-from transformer_cli.commands import export as export_module
 from transformer_cli.commands import side_by_side
 from transformer_cli.commands import train as train_module
-from transformer_cli.commands.export import TARGETS
-from transformer_cli.commands.translate import DEFAULT_MODEL
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
+from transformer_export import export as export_module
+from transformer_export.export import TARGETS
+from transformer_tasks.translation import DEFAULT_MODEL
 
 TINY = TransformerConfig.preset("tiny")
 RESUMED_STEP = 3                            # the step of the run --resume reads: --save-every saves after it

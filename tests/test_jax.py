@@ -31,6 +31,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from equivalence import cases, tolerance  # noqa: E402
+from equivalence.backends import jax as backend  # noqa: E402
+from equivalence.backends import numpy as reference  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy import precision  # noqa: E402
@@ -43,8 +45,6 @@ from reference_numpy.model import scaled_dot_product_attention as reference_atte
 from reference_numpy.precision import check_trainable, round_to, training_dtype  # noqa: E402
 from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
-from transformer_cli.backends import jax as backend  # noqa: E402
-from transformer_cli.backends import numpy as reference  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
 from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,

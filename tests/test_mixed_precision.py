@@ -22,12 +22,12 @@ import pytest
 from support import FRAMEWORKS, STEPS, TRAINING, backend, batches, cli, config_of, copied, port_backend, trained
 
 from equivalence import cases, tolerance
+from equivalence.backends import numpy as reference
 from equivalence.cases import FORWARD_VARIANTS
 from equivalence.margins import greedy_margins
 from equivalence.training_runs import Run, assert_weights_and_moments, recipe_gradients, reference_run
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import AUTOCAST_NAMES, autocast, parse_precision, spacing
-from transformer_cli.backends import numpy as reference
 
 VARIANTS = ("tiny", "pre_ln")                      # one per norm position
 LOW = {"mixed-bfloat16": "bfloat16", "mixed-float16": "float16"}

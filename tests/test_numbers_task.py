@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from equivalence.backends import numpy as numpy_adapter
 from reference_numpy.tokenizer import pad_rows
-from transformer_cli.backends import numpy as numpy_adapter
-from transformer_cli.commands.translate import load_translator
-from transformer_cli.tasks.copy import TEST, VALIDATION
-from transformer_cli.tasks.numbers import (
+from transformer_tasks.copy import TEST, VALIDATION
+from transformer_tasks.numbers import (
     DIGIT_WEIGHTS,
     SPLIT_SEED,
     NumbersTask,
@@ -22,6 +21,7 @@ from transformer_cli.tasks.numbers import (
     patterns,
     zero_pattern,
 )
+from transformer_tasks.translation import load_translator
 
 for _library in ("tokenizers", "num2words", "sacrebleu"):
     pytest.importorskip(_library, reason=f"{_library} (the text extra) is not installed")
@@ -334,8 +334,8 @@ def test_the_shipped_model_translates_every_kind_of_number(split):
     """Every zero pattern of the test split is translated at least 99% exactly (its 10 or 16 numbers: all of them),
     greedy, in the first installed port (the whole split; scripts/numbers_patterns.py runs every backend on larger
     samples). The French is checked by the grammar oracle above, not by num2words."""
-    from transformer_cli import backends
-    from transformer_cli.commands.translate import translator
+    from equivalence import backends
+    from transformer_tasks.translation import translator
 
     ports = backends.load()[0]
     if not ports:

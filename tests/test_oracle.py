@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 from support import FRAMEWORKS, constant_logits_params, float64_inference, framework_array, port_backend
 
+from equivalence.backends import numpy as reference_backend
 from equivalence.tolerance import FLOAT64_RELATIVE, assert_agrees
 from reference_numpy import Transformer, TransformerConfig, init_params
 from reference_numpy import model as reference_model
 from reference_numpy.precision import round_to
-from transformer_cli.backends import numpy as reference_backend
 
 # eps = 1e-2 moves every LayerNorm output by ~1e-3 relative to eps = 1e-6 or 1e-5: a wrong
 # epsilon anywhere is nine orders of magnitude over the float64 bound.

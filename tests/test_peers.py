@@ -1,8 +1,8 @@
-"""The peers on our weights (``transformer_cli/benchmarks/peers.py``, docs/peers.md) against the float64 NumPy
+"""The peers on our weights (``transformer_bench/peers.py``, docs/peers.md) against the float64 NumPy
 reference,
 under the project's one float32 policy (``equivalence.tolerance``, used as tests/test_agreement.py uses it):
 
-* the CTranslate2 exporter (``transformer_cli/commands/ctranslate2_export.py``): each target token's log-probability
+* the CTranslate2 exporter (``transformer_export/ctranslate2.py``): each target token's log-probability
   (``Translator.score_batch``), greedy tokens, beam-search scores, on ``tiny`` configs (post-LN, pre-LN, learned
   positions, shared embeddings, other pad/bos/eos ids) and on the shipped trained model, whose beam-search
   tokens are compared too; its refusals, its rule for an existing output directory, the ``export`` command;
@@ -37,12 +37,13 @@ from reference_numpy import (
     save_checkpoint,
 )
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA, length_penalty
-from transformer_cli.benchmarks import bench as bench_module
-from transformer_cli.benchmarks import timing
-from transformer_cli.commands import ctranslate2_export as export
-from transformer_cli.commands.translate import load_translator
+from transformer_bench import bench as bench_module
+from transformer_bench import timing
+from transformer_cli import plots
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
-from transformer_cli.tasks.numbers import NumbersTask
+from transformer_export import ctranslate2 as export
+from transformer_tasks.numbers import NumbersTask
+from transformer_tasks.translation import load_translator
 
 TINY = TransformerConfig.preset("tiny")
 VARIANTS = {**cases.VARIANTS, "special_ids": TINY.replace(pad_id=5, bos_id=3, eos_id=7)}
@@ -56,7 +57,7 @@ def require(module: str, extra: str):
 
 
 def peers():
-    from transformer_cli.benchmarks import peers as module
+    from transformer_bench import peers as module
     return module
 
 
@@ -580,7 +581,7 @@ def test_bench_peers_report(monkeypatch, tmp_path):
                     "memory bandwidth", "what each timed call computes"):
         assert heading in text
     require("matplotlib", "cli")
-    bench_module.plot_bench(report, tmp_path / "bench.png")
+    plots.plot_bench(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 

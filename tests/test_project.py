@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGES = [name for name in PYPROJECT["tool"]["setuptools"]["packages"] if "." not in name]  # subpackages ship inside
 # package -> the framework module it needs (None: NumPy only)
-FRAMEWORKS = {"reference_numpy": None, "transformer_cli": None, "equivalence": None, "transformer_torch": "torch",
+FRAMEWORKS = {"reference_numpy": None, "transformer_cli": None, "equivalence": None, "transformer_tasks": None,
+              "transformer_export": None, "transformer_bench": None, "transformer_torch": "torch",
               "transformer_jax": "flax", "transformer_tf": "keras"}
 
 
@@ -151,7 +152,7 @@ def test_the_code_passes_the_linter_configured_in_pyproject():
 # 102 s on a clean clone, beside the other worker (3 s with the .mypy_cache of an earlier run): mypy checks every
 # package against the frameworks' own stubs.
 def test_the_code_passes_the_type_checker_mypy_configured_in_pyproject():
-    """mypy, with ``[tool.mypy]`` in pyproject.toml, over the six packages: each ships ``py.typed``, so its
+    """mypy, with ``[tool.mypy]`` in pyproject.toml, over every package: each ships ``py.typed``, so its
     annotations are part of the public API and must be true."""
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (it comes with the `test` extra)")

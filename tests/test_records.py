@@ -18,8 +18,8 @@ from reference_numpy import TransformerConfig, init_params, records, save_checkp
 from reference_numpy.checkpoint import FORMAT_VERSION, MOMENTS
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import TOKENIZER_VERSION
-from transformer_cli.commands.export import MANIFEST, read_manifest
 from transformer_cli.main import EXIT_USAGE
+from transformer_export.export import MANIFEST, read_manifest
 
 TINY = TransformerConfig.preset("tiny")
 BACKENDS = ("numpy", *FRAMEWORKS)
@@ -80,7 +80,7 @@ MALFORMED_TOKENIZERS = {
 
 def adapter(name: str):
     """The command line's adapter of backend ``name``: the reference's, or an installed port's."""
-    return importlib.import_module("transformer_cli.backends.numpy") if name == "numpy" else port_backend(name)
+    return importlib.import_module("equivalence.backends.numpy") if name == "numpy" else port_backend(name)
 
 
 def checkpoint_with(path, **metadata: str):
@@ -122,7 +122,7 @@ def test_a_malformed_tokenizer_is_one_error_naming_its_field_in_every_backend(ba
 def test_resuming_a_run_whose_record_is_a_list_is_one_line_before_any_backend_loads(backend, tmp_path, monkeypatch,
                                                                                      capsys):
     """The AttributeError of issue 42 (an internal error): ``train --resume`` reads the record from the header."""
-    from transformer_cli import backends
+    from equivalence import backends
     monkeypatch.chdir(tmp_path)
     checkpoint_with(tmp_path / "run.safetensors", training=json.dumps([3, {}]))
     monkeypatch.setattr(backends, "load", lambda *_: pytest.fail("a backend was loaded before the record was read"))
@@ -161,7 +161,7 @@ def test_a_malformed_artefact_manifest_is_one_error_naming_its_field(case, tmp_p
 def test_a_good_manifest_reads_back_and_export_check_reads_it_so(tmp_path, monkeypatch):
     (tmp_path / MANIFEST).write_text(json.dumps(MANIFEST_RECORD))
     assert read_manifest(tmp_path) == MANIFEST_RECORD
-    from transformer_cli.commands import export_check
+    from transformer_export import check as export_check
     assert export_check.read_manifest is read_manifest
 
 

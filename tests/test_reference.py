@@ -374,7 +374,7 @@ def test_attention_weights_are_distributions_or_zero(batch, heads, tq, tk, d_k, 
 
 
 def test_reference_imports_no_framework():
-    code = ("import sys, reference_numpy, transformer_cli.backends.numpy, equivalence.cases; "
+    code = ("import sys, reference_numpy, equivalence.backends.numpy, equivalence.cases; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'jax', 'jaxlib', 'flax', 'tensorflow', 'keras')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -384,7 +384,7 @@ def test_reference_imports_no_framework():
 def test_attention_weights_reproduce_the_layer_output():
     """The adapter's weights are the ones the layer uses: weights @ V (per head) and W^O give
     the self-attention sublayer's output."""
-    from transformer_cli.backends import numpy as backend
+    from equivalence.backends import numpy as backend
     config = VARIANTS["pre_ln"]
     model = backend.build(config, init_params(config, seed=17, perturb=0.1))
     src, tgt = np.array([[5, 6, 7, 2, 0]]), np.array([[1, 8, 9]])

@@ -1,6 +1,6 @@
 """One reading of text files (issue 42): ``translate --input`` (and standard input), ``evaluate`` and ``train
 --source/--target`` read a file's lines alike -- a line ends at LF, CRLF or a lone CR, a byte-order mark at the start
-is dropped (``transformer_cli.textfiles``); ``export --check`` checks the artefact's own tokenizer; a framework's
+is dropped (``transformer_tasks.textfiles``); ``export --check`` checks the artefact's own tokenizer; a framework's
 start-up notices (TensorFlow's oneDNN lines) are held on every path that imports one, ``export`` included.
 
 In-process through ``main(argv)``; the TensorFlow case through the installed command (a fresh interpreter is the
@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from support import cli, one_error_line
 
+from equivalence import runtime
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
-from transformer_cli import runtime
-from transformer_cli.commands import export as export_module
-from transformer_cli.commands import export_check
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE
-from transformer_cli.textfiles import lines_of
+from transformer_export import check as export_check
+from transformer_export import export as export_module
+from transformer_tasks.textfiles import lines_of
 
 SENTENCES = ("eighty", "seventy-one", "twelve")
 TRANSLATIONS = ("quatre-vingts", "soixante et onze", "douze")

@@ -24,6 +24,8 @@ keras = pytest.importorskip("keras", reason="keras is not installed (pip install
 
 import transformer_tf  # noqa: E402
 from equivalence import cases, tolerance  # noqa: E402
+from equivalence.backends import numpy as reference  # noqa: E402
+from equivalence.backends import tf as backend  # noqa: E402
 from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy import decoding as reference_decoding  # noqa: E402
@@ -32,8 +34,6 @@ from reference_numpy import precision  # noqa: E402
 from reference_numpy import training as reference_training  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
 from reference_numpy.precision import round_to, training_dtype  # noqa: E402
-from transformer_cli.backends import numpy as reference  # noqa: E402
-from transformer_cli.backends import tf as backend  # noqa: E402
 from transformer_tf import checkpoint, data_parallel, decoding, device, training  # noqa: E402
 from transformer_tf.model import (  # noqa: E402
     Transformer,

@@ -33,7 +33,7 @@ from reference_numpy.tokenizer import (
     pad_rows,
     special_tokens,
 )
-from transformer_cli.commands.translate import SHIPPED, load_translator
+from transformer_tasks.translation import SHIPPED, load_translator
 
 TINY = TransformerConfig.preset("tiny")
 SMALL = TINY.replace(src_vocab_size=64, tgt_vocab_size=64)            # room for the small tokenizer below
@@ -86,7 +86,7 @@ def one_line_error(call, *args, **kwargs) -> str:
 
 def test_the_corpus_round_trips_in_both_languages(shipped):
     pytest.importorskip("num2words", reason="num2words (the text extra) is not installed")
-    from transformer_cli.tasks.numbers import english, french
+    from transformer_tasks.numbers import english, french
 
     rng = np.random.Generator(np.random.PCG64(5))
     numbers = [*range(100), *rng.integers(100, 1_000_000, size=400)]

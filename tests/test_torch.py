@@ -19,6 +19,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 
 from equivalence import cases, tolerance  # noqa: E402
+from equivalence.backends import numpy as reference  # noqa: E402
+from equivalence.backends import torch as backend  # noqa: E402
 from equivalence.cases import MASK_CASES, VARIANTS  # noqa: E402
 from equivalence.margins import greedy_margins  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
@@ -29,8 +31,6 @@ from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.precision import check_trainable, round_to, training_dtype  # noqa: E402
 from reference_numpy.training import PAPER, learning_rate  # noqa: E402
-from transformer_cli.backends import numpy as reference  # noqa: E402
-from transformer_cli.backends import torch as backend  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop, speed, training  # noqa: E402
 from transformer_torch import precision as torch_precision  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402

@@ -18,6 +18,7 @@ import pytest
 from support import FRAMEWORKS, STEPS, TRAINING, adam_moment_memory, backend, batches, config_of, copied
 
 from equivalence import tolerance
+from equivalence.backends import numpy as reference
 from equivalence.cases import seeded_params
 from equivalence.training_runs import Run, assert_float64_run, assert_precision_run
 from equivalence.training_runs import reference_run as reference_float64_run
@@ -26,7 +27,6 @@ from reference_numpy.checkpoint import LossScaleState, TrainingState, load_train
 from reference_numpy.config import TrainingConfig
 from reference_numpy.precision import round_to
 from reference_numpy.training import LossScale, learning_rate
-from transformer_cli.backends import numpy as reference
 
 TRAINING_VARIANTS = ("tiny", "shared_embeddings")        # separate and tied embeddings (one pair of moments)
 BACKENDS = ("numpy", *FRAMEWORKS)

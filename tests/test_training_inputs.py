@@ -3,7 +3,7 @@
 as they were), and a run's step count is an int64 everywhere -- saved and resumed at 2**24 + 1 (past float32's
 exact integers), 2**31 (past int32) and 2**63 - 2, and refused past 2**63 - 1 (docs/training.md, "Bad input" and
 "The step count"). Every case runs the NumPy reference and every installed port through its adapter
-(``transformer_cli.backends``), which calls the port's public functions.
+(``equivalence.backends``), which calls the port's public functions.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def adapter(name: str):
     if name in FRAMEWORKS:
         framework = FRAMEWORKS[name]
         pytest.importorskip(framework, reason=f"{framework} is not installed (pip install '.[{name}]')")
-    return importlib.import_module(f"transformer_cli.backends.{name}")
+    return importlib.import_module(f"equivalence.backends.{name}")
 
 
 def build(name: str):

@@ -12,14 +12,13 @@ import os
 import numpy as np
 import pytest
 
-from equivalence import tolerance
+from equivalence import backends, tolerance
+from equivalence.oracle import SENTENCES
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_tokenizer_json, load_training_state
-from transformer_cli import backends
 from transformer_cli.commands.attention import attention_by_backend
-from transformer_cli.commands.compare import SENTENCES
-from transformer_cli.commands.translate import SHIPPED
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_tasks.translation import SHIPPED
 
 # (English, French) by the rules: "et" in 21..71, "quatre-vingts" and "cents" take an s only at the end
 GRAMMAR = [("three hundred and twelve", "trois cent douze"),
@@ -197,8 +196,8 @@ def test_a_file_in_batches_gives_each_lines_own_translation(tmp_path, capsys):
     """1,000 lines (200 distinct numbers, so each recurs in other batches and places), translated by ``--input`` in
     batches of 64 sorted by length, are the lines each decoded alone by the reference (greedy, float64), in the
     file's order."""
-    from transformer_cli.backends import numpy as reference_adapter
-    from transformer_cli.commands.translate import load_translator
+    from equivalence.backends import numpy as reference_adapter
+    from transformer_tasks.translation import load_translator
 
     lines = number_words(1000, seed=26, distinct=200)
     (tmp_path / "en.txt").write_text("".join(f"{line}\n" for line in lines))

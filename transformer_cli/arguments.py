@@ -8,17 +8,14 @@ import argparse
 import math
 import os
 import re
-import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reference_numpy.checkpoint import SHIPPED_MODELS
+from equivalence import backends
 from reference_numpy.config import MAX_BEAM_SIZE, MAX_LEN_LIMIT
 from reference_numpy.decoding import EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import AUTOCAST_NAMES, DTYPE_NAMES
-from transformer_cli import backends
 from transformer_cli.extras import require
 
 PRECISION_NAMES = DTYPE_NAMES + AUTOCAST_NAMES   # --dtype: a model in a dtype, or a float32 one under autocast
@@ -167,39 +164,6 @@ def image_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} does not end in a picture format matplotlib writes "
                                          f"({', '.join(sorted(formats))})")
     return output_file(text)
-
-
-def input_file(value: str) -> str:
-    """The file a command reads for the input ``value``: the path itself, or, when no file has that name, the
-    shipped model it names (``numbers-en-fr``: :func:`reference_numpy.checkpoint.resolve_checkpoint`'s rule)."""
-    if not os.path.lexists(value) and value in SHIPPED_MODELS:
-        return os.fspath(SHIPPED_MODELS[value])
-    return value
-
-
-def replaces(output: str, source: str) -> bool:
-    """Whether writing ``output`` replaces the existing file ``source``: the same file through any symbolic or hard
-    link (the same device and inode), or a directory holding it. An output that does not exist replaces nothing."""
-    try:
-        target, status = os.stat(output), os.stat(source)
-    except (OSError, ValueError):                   # nothing there, a dangling link, or a name no file can have
-        return False
-    if os.path.samestat(target, status):
-        return True
-    return stat.S_ISDIR(target.st_mode) and any(os.path.samestat(target, os.stat(parent))
-                                               for parent in Path(os.path.realpath(source)).parents)
-
-
-def refuse_input(output: str, inputs: Iterable[str], flag: str) -> None:
-    """A ``ValueError`` naming ``flag``, the output and the input if writing ``output`` would replace one of the
-    command's ``inputs`` (:func:`replaces`; an input given as a shipped model's name is its file): never done,
-    even with ``--force``. Every command checks each file it writes with it, before any work."""
-    for source in inputs:
-        path = input_file(source)
-        if replaces(output, path):
-            shipped = f" (the shipped model {path!r})" if path != source else ""
-            raise ValueError(f"{flag}: writing {output!r} would replace the input {source!r}{shipped}; write "
-                             "elsewhere")
 
 
 def refuse_existing(path: str, flag: str, force: bool) -> None:

@@ -5,8 +5,6 @@ status 2) whose one line names the missing module and the extra to install."""
 from __future__ import annotations
 
 import importlib
-import sys
-from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -20,19 +18,6 @@ def require(module: str, purpose: str) -> ModuleType:
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
         raise ValueError(f"{purpose} needs {(err.name or module).partition('.')[0]}: {INSTALL}") from None
-
-
-def progress_bar(description: str, unit: str, quiet: bool, leave: bool = True) -> Callable[[Iterable], Iterable]:
-    """A wrapper of a list of work items that shows a tqdm progress bar on stderr (erased once done unless
-    ``leave``); the list unchanged when ``quiet`` or when tqdm is not installed."""
-    if not quiet:
-        try:
-            from tqdm import tqdm
-        except ModuleNotFoundError:
-            pass
-        else:
-            return lambda items: tqdm(items, desc=description, unit=unit, file=sys.stderr, leave=leave)
-    return lambda items: items
 
 
 def finish(bar: Any, done: int, note: str) -> None:

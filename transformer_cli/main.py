@@ -24,8 +24,8 @@
 
 Every command that writes a file takes ``--force`` (an existing output is kept otherwise) and declares its inputs
 and outputs (:func:`add_outputs`): an output that is an input -- by path, link or hard link, a shipped model by name
--- is refused before any work, even with ``--force`` (:func:`transformer_cli.arguments.refuse_input`). Every
-command that runs a model takes ``--threads N`` (:mod:`transformer_cli.runtime`). Ctrl-C or SIGTERM ends any command
+-- is refused before any work, even with ``--force`` (:func:`transformer_export.outputs.refuse_input`). Every
+command that runs a model takes ``--threads N`` (:mod:`equivalence.runtime`). Ctrl-C or SIGTERM ends any command
 with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
 
 Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from equivalence import backends, runtime
 from reference_numpy import TransformerConfig, __version__, init_params, save_checkpoint
 from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.precision import DTYPE_NAMES
-from transformer_cli import backends, runtime
 from transformer_cli.arguments import (
     PRECISION_NAMES,
     add_number,
@@ -58,18 +58,18 @@ from transformer_cli.arguments import (
     image_file,
     output_file,
     refuse_existing,
-    refuse_input,
 )
 from transformer_cli.commands import side_by_side
-from transformer_cli.commands.translate import BATCH_SIZE as TRANSLATE_BATCH
-from transformer_cli.commands.translate import DEFAULT_MODEL
-from transformer_cli.extras import progress_bar
 from transformer_cli.interrupts import StopRequest, terminate_as_interrupt
-from transformer_cli.tasks.copy import DEFAULTS as COPY
-from transformer_cli.tasks.corpus import DEFAULTS as CORPUS
-from transformer_cli.tasks.corpus import FILES as CORPUS_FILES
-from transformer_cli.tasks.corpus import VOCAB_SIZE
-from transformer_cli.tasks.numbers import DEFAULTS as NUMBERS
+from transformer_export.outputs import refuse_input
+from transformer_tasks.copy import DEFAULTS as COPY
+from transformer_tasks.corpus import DEFAULTS as CORPUS
+from transformer_tasks.corpus import FILES as CORPUS_FILES
+from transformer_tasks.corpus import VOCAB_SIZE
+from transformer_tasks.numbers import DEFAULTS as NUMBERS
+from transformer_tasks.progress import progress_bar
+from transformer_tasks.translation import BATCH_SIZE as TRANSLATE_BATCH
+from transformer_tasks.translation import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from equivalence.contract import Model
@@ -245,7 +245,8 @@ def add_bench(commands: Commands) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from transformer_cli.benchmarks.bench import bench, format_bench, plot_bench
+    from transformer_bench.bench import bench, format_bench
+    from transformer_cli.plots import plot_bench
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
@@ -326,7 +327,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def add_export(commands: Commands) -> None:
-    from transformer_cli.commands.export import TARGETS
+    from transformer_export.export import TARGETS
 
     export = subcommand(commands, "export", "write a shared checkpoint as an artefact a runtime loads without this "
                                             "project: CTranslate2, Hugging Face transformers, a SavedModel, "
@@ -348,8 +349,8 @@ def add_export(commands: Commands) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from transformer_cli.commands.export import describe, export
-    from transformer_cli.commands.export_check import check_export, check_target
+    from transformer_export.check import check_export, check_target
+    from transformer_export.export import describe, export
 
     if args.check:
         check_target(args.to)                                              # before any work
@@ -494,7 +495,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"{PROG} train: --backends {args.backends[0]}, the fastest backend installed here "
               "(docs/training.md)", file=sys.stderr)
     if args.data_parallel > 1 and "jax" in args.backends:
-        train.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
+        runtime.jax_host_devices(args.data_parallel)          # read by JAX once, when it starts: before it is imported
     adapters = train.load_adapters(args.backends)
     for adapter in adapters.values():
         backends.device_for(adapter, args.device)           # every backend's device checked before any trains
@@ -723,14 +724,8 @@ def run_translate(args: argparse.Namespace) -> int:
     """A line that cannot be translated is one line on stderr naming it, an empty output line, and exit status 2
     once the rest is translated; sentences given as arguments are all checked before any is translated."""
     from transformer_cli.commands.train import load_adapters
-    from transformer_cli.commands.translate import (
-        Translation,
-        open_input,
-        read_lines,
-        refuse_stdin_as_output,
-        translator,
-        write_translations,
-    )
+    from transformer_cli.commands.translate import open_input, read_lines, refuse_stdin_as_output, write_translations
+    from transformer_tasks.translation import Translation, translator
 
     if args.text and args.input:
         raise ValueError("--input: give sentences as arguments or --input FILE, not both")
@@ -771,7 +766,7 @@ def add_evaluate(commands: Commands) -> None:
 def run_evaluate(args: argparse.Namespace) -> int:
     from transformer_cli.commands.evaluate import evaluate, format_evaluation, parallel_lines
     from transformer_cli.commands.train import load_adapters
-    from transformer_cli.commands.translate import translator
+    from transformer_tasks.translation import translator
 
     sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]

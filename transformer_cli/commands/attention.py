@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from equivalence import backends
+from equivalence.backends import numpy as reference
+from equivalence.oracle import SENTENCES, compare_inputs
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli import backends
-from transformer_cli.backends import numpy as reference
-from transformer_cli.commands.compare import SENTENCES, compare_inputs, load_source
+from transformer_cli.commands.compare import load_source
 
 
 def parse_tokens(text: str | None, name: str) -> np.ndarray | None:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from transformer_cli.commands.translate import Translator
-from transformer_cli.textfiles import read_lines
+from transformer_tasks.textfiles import read_lines
+from transformer_tasks.translation import Translator
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformer_cli.arguments import refuse_input
 from transformer_cli.extras import require
+from transformer_export.outputs import refuse_input
 
 PAGE_NAME = "side-by-side.html"
 GENERATOR = "transformer-reference side-by-side"
@@ -364,7 +364,7 @@ def source_files() -> list[str]:
 def write_page(out_dir: str | os.PathLike) -> Path:
     """Write ``out_dir/side-by-side.html`` (creating ``out_dir``), atomically. A file of that name
     that this command did not write is refused, never replaced, and so is one of the source files it shows
-    (through any link: :func:`transformer_cli.arguments.refuse_input`)."""
+    (through any link: :func:`transformer_export.outputs.refuse_input`)."""
     if not os.fspath(out_dir):
         raise ValueError("--out: name a directory (\".\" for this one)")
     out_dir = Path(out_dir)

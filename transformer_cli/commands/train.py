@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from equivalence import backends
 from equivalence.contract import Model, Optimizer
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.checkpoint import (
@@ -35,17 +36,17 @@ from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_cli import backends, runtime
-from transformer_cli.arguments import refuse_existing, refuse_input
+from transformer_cli.arguments import refuse_existing
 from transformer_cli.extras import finish
-from transformer_cli.tasks import copy as copy_task
-from transformer_cli.tasks import corpus as corpus_task
-from transformer_cli.tasks import numbers as numbers_task
-from transformer_cli.tasks.copy import TEST, VALIDATION, CopyTask
-from transformer_cli.tasks.corpus import CorpusTask, read_corpus, token_batches
-from transformer_cli.tasks.numbers import NumbersTask
+from transformer_export.outputs import refuse_input
+from transformer_tasks import copy as copy_task
+from transformer_tasks import corpus as corpus_task
+from transformer_tasks import numbers as numbers_task
+from transformer_tasks.batches import CountedBatches, Task
+from transformer_tasks.copy import TEST, VALIDATION, CopyTask
+from transformer_tasks.corpus import CorpusTask, read_corpus, token_batches
+from transformer_tasks.numbers import NumbersTask
 
-Task = CopyTask | NumbersTask | CorpusTask
 # each task's recipe (docs/training.md)
 TASKS: dict[str, dict[str, Any]] = {"copy": copy_task.DEFAULTS, "numbers": numbers_task.DEFAULTS,
                                     "corpus": corpus_task.DEFAULTS}
@@ -558,28 +559,6 @@ def validated(adapter: ModuleType, model: Model, plan: Plan, result: Result, don
     return plan.stop_at is not None and scores["exact"] >= plan.stop_at
 
 
-@dataclass
-class CountedBatches:
-    """``task.batch`` of one plan as a picklable function of the step (the engines shard it), counting the
-    target tokens of the batches drawn in this process. A batch whose rows do not split into ``world_size`` equal
-    shards (a corpus batched by token count) gets rows of padding at its end: their labels are padding, so they add
-    nothing to the loss, which counts target tokens (section 5.4), nor to its gradient."""
-
-    task: Task
-    config: TransformerConfig
-    batch_size: int
-    seed: int
-    world_size: int = 1
-    tokens: dict[int, int] = field(default_factory=dict)
-
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
-        batch = self.task.batch(self.config, self.batch_size, step, self.seed)
-        self.tokens[step] = int((batch["labels"] != self.config.pad_id).sum())
-        missing = -len(batch["src"]) % self.world_size
-        return {name: np.pad(rows, ((0, missing), (0, 0)), constant_values=self.config.pad_id)
-                for name, rows in batch.items()}
-
-
 def train_data_parallel(adapter: ModuleType, plan: Plan, progress: Progress,
                         stopping: Callable[[], bool] = lambda: False, snapshots: Snapshots | None = None
           ) -> tuple[Result, Model, TrainingState]:
@@ -673,18 +652,6 @@ def trimmed(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
     width = lambda rows: int((rows != pad_id).sum(axis=1).max())
     return {"src": batch["src"][:, :width(batch["src"])],
             **{name: batch[name][:, :width(batch["labels"])] for name in ("tgt", "labels")}}
-
-
-def jax_host_devices(count: int) -> None:
-    """Ask XLA for ``count`` CPU devices (``--xla_force_host_platform_device_count``) for a JAX mesh on a machine
-    without accelerators; JAX reads the flag when it starts, so this runs before it is imported. Once XLA has
-    started (a second command in one process) the environment is left as it is (``runtime.configure``), and a mesh
-    wider than the devices XLA started with is refused by ``transformer_jax.data_parallel``, naming the flag."""
-    if runtime.xla_started():
-        return
-    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-             if not flag.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
 
 
 def load_adapters(names: tuple[str, ...], flag: str = "--backends") -> dict[str, ModuleType]:

@@ -1,7 +1,7 @@
 """The peers of ``transformer-reference bench --peers``: the engines a user would pick instead of this project's
 ports, run on the same weights (docs/peers.md).
 
-* ``ctranslate2``: CTranslate2's ``Translator`` on the model written by :mod:`.ctranslate2_export` (float32);
+* ``ctranslate2``: CTranslate2's ``Translator`` on the model written by :mod:`transformer_export.ctranslate2` (float32);
 * ``torch.nn.Transformer``: PyTorch's own encoder-decoder, holding our weights through
   :func:`transformer_torch.interop.to_nn_transformer` (the port's embeddings, positional encodings and
   generator around an ``nn.Transformer``);
@@ -42,11 +42,11 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from equivalence.backends import Missing
 from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 from reference_numpy.decoding import max_output_lengths
 from reference_numpy.model import padding_mask, sinusoidal_positional_encoding
-from transformer_cli.backends import Missing
-from transformer_cli.commands.ctranslate2_export import (
+from transformer_export.ctranslate2 import (
     is_projection_weight,
     require_ctranslate2,
     save_ctranslate2,
@@ -76,8 +76,9 @@ class Peer(Protocol):
 
 
 class CTranslate2Peer:
-    """CTranslate2 (float32, ``intra_threads`` threads) on the model :func:`.ctranslate2_export.save_ctranslate2`
-    writes into a temporary directory, deleted once the ``Translator`` has read it."""
+    """CTranslate2 (float32, ``intra_threads`` threads) on the model
+    :func:`transformer_export.ctranslate2.save_ctranslate2` writes into a temporary directory, deleted once the
+    ``Translator`` has read it."""
 
     NAME = "ctranslate2"
     COMPUTES = {
@@ -117,7 +118,7 @@ class CTranslate2Peer:
     def translate(self, src: npt.ArrayLike, beam_size: int = 1, alpha: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Tokens (B, L) without bos, pad-filled, and CTranslate2's scores (B,), each row within the reference's
         budget (non-pad source tokens + 50, capped at max_len: one call per row) and
-        :func:`.ctranslate2_export.translate_options`."""
+        :func:`transformer_export.ctranslate2.translate_options`."""
         source = np.asarray(src)
         limits = max_output_lengths(self, source)                           # reads self.config only
         rows, scores = [], []
@@ -375,7 +376,7 @@ def load_marian_weights(model: torch.nn.Module, config: TransformerConfig, param
             module.eps = config.layer_norm_eps
 
 
-SERVE = "from transformer_cli.benchmarks.peers import serve; serve()"   # what an OwnProcess's worker runs
+SERVE = "from transformer_bench.peers import serve; serve()"   # what an OwnProcess's worker runs
 
 
 class OwnProcess:

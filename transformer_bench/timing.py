@@ -31,8 +31,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from equivalence import runtime
 from reference_numpy import TransformerConfig
-from transformer_cli import runtime
 
 
 @dataclass(frozen=True)

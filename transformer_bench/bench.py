@@ -1,14 +1,14 @@
 """``bench``: the forward pass and decoding of every installed backend -- and, with ``--peers``, of the engines
-a user would pick instead (:mod:`transformer_cli.benchmarks.peers`) -- on the same weights and inputs, timed interleaved
-(:func:`transformer_cli.benchmarks.timing.round_robin`: each round runs every engine once, in turn), medians with their
+a user would pick instead (:mod:`transformer_bench.peers`) -- on the same weights and inputs, timed interleaved
+(:func:`transformer_bench.timing.round_robin`: each round runs every engine once, in turn), medians with their
 spread, the warm-up call reported apart as compile time.
 
 Every figure is set against anchors the command measures itself, in every round beside the engines
 (:class:`Anchors`): the machine's best float32 matrix-multiply rate (the fastest of NumPy, PyTorch, JAX and
 TensorFlow, whichever are installed, each named), its memory bandwidth, and from it the lower bound of a
-cached decoding step, the bytes it must read (:func:`transformer_cli.benchmarks.timing.decode_step_bytes`) over the
+cached decoding step, the bytes it must read (:func:`transformer_bench.timing.decode_step_bytes`) over the
 bandwidth. FLOPs are counted analytically
-(2 per multiply-add of every matrix product, see :mod:`transformer_cli.benchmarks.timing`).
+(2 per multiply-add of every matrix product, see :mod:`transformer_bench.timing`).
 
 Without ``--peers``: forward, cached and uncached greedy decoding of batch 1 (section 6.1's budget: source
 length + 50 tokens). With ``--peers``: forward, greedy decoding of batch 1 and of batch :data:`PEER_BATCH`,
@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
+from equivalence import backends, runtime
+from equivalence.oracle import ordinary_ids
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH
 from reference_numpy.precision import parse_precision
-from transformer_cli import backends, runtime
-from transformer_cli.benchmarks.timing import (
+from transformer_bench.timing import (
     BANDWIDTH_OPERATION,
     Timing,
     cpu_name,
@@ -46,10 +47,9 @@ from transformer_cli.benchmarks.timing import (
     memory_read,
     round_robin,
 )
-from transformer_cli.commands.compare import ordinary_ids
 
 if TYPE_CHECKING:
-    from transformer_cli.benchmarks.peers import Peer
+    from transformer_bench.peers import Peer
 
 MATMUL_SIZE = 2048
 BANDWIDTH_MIB = 256
@@ -203,10 +203,10 @@ class Inputs(NamedTuple):
 
 def bench_inputs(config: TransformerConfig, batch: int, src_len: int, tgt_len: int, decode_tokens: int,
                  decode_batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Seeded token ids, none of them pad, bos or eos (:func:`.compare.ordinary_ids`): a (batch, src_len) source and
-    (batch, tgt_len) target for the forward pass (starting with the decoder's start token), and ``decode_batch``
-    source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget: source length + 50) to
-    decode."""
+    """Seeded token ids, none of them pad, bos or eos (:func:`equivalence.oracle.ordinary_ids`): a (batch, src_len)
+    source and (batch, tgt_len) target for the forward pass (starting with the decoder's start token), and
+    ``decode_batch`` source sentences of decode_tokens - EXTRA_OUTPUT_LENGTH tokens (section 6.1's budget: source
+    length + 50) to decode."""
     rng = np.random.default_rng(0)
     source_ids, target_ids = ordinary_ids(config)
     src = source_ids[rng.integers(0, len(source_ids), size=(batch, src_len))]
@@ -264,7 +264,7 @@ def bench(preset: str | None = None, batch: int = 8, src_len: int = 128, tgt_len
     elif compiled:
         missing.append(backends.Missing(COMPILED, "not measured (the PyTorch backend is not loaded)"))
     if peers:
-        from transformer_cli.benchmarks import peers as peer_module
+        from transformer_bench import peers as peer_module
         built, unavailable = peer_module.load(config, params, runtime.threads())
         engines += [peer_engine(peer, inputs, decode_tokens, config.length_penalty) for peer in built.values()]
         missing += unavailable + [backends.Missing(peer.NAME, f"{task}: not measured ({reason})")
@@ -429,37 +429,3 @@ def cache_speedups(report: BenchReport) -> list[tuple[str, float]]:
         if cached and uncached:
             speedups.append((name, uncached.unit_seconds / cached.unit_seconds))
     return speedups
-
-
-def plot_bench(report: BenchReport, path: str | os.PathLike) -> None:
-    """Two bar charts: forward GFLOP/s per engine against the best GEMM rate, and milliseconds per decoding
-    step of each decoding task (log scale) against the batch-1 bandwidth bound."""
-    from transformer_cli.plots import pyplot
-    plt = pyplot()
-    names = list(dict.fromkeys(m.backend for m in report.measurements))
-    find = {(m.backend, m.task): m for m in report.measurements}
-    tasks = [task for task in dict.fromkeys(m.task for m in report.measurements) if task != FORWARD]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
-    left.bar(names, [find[(n, FORWARD)].gflops if (n, FORWARD) in find else np.nan for n in names], color="tab:blue")
-    best, rate = report.anchors.best_gemm
-    left.axhline(rate, color="black", linestyle="--", label=f"best float32 GEMM rate ({best})")
-    left.set_ylabel("achieved GFLOP/s")
-    left.set_title(f"forward, batch {report.shapes['batch']} x {report.shapes['src_len']} x {report.shapes['tgt_len']}")
-    left.legend(fontsize="small", loc="lower right")
-    left.set_xticks(range(len(names)), names, rotation=25, ha="right")
-    width = 0.8 / max(1, len(tasks))
-    for i, task in enumerate(tasks):
-        per_step = [1e3 * find[(n, task)].unit_seconds if (n, task) in find else np.nan for n in names]
-        right.bar(np.arange(len(names)) + (i - (len(tasks) - 1) / 2) * width, per_step, width, label=task)
-    if tasks:
-        right.axhline(1e3 * report.anchors.bound_seconds(tasks[0]), color="black", linestyle="--",
-                      label="batch-1 bandwidth bound")
-    right.set_xticks(range(len(names)), names, rotation=25, ha="right")
-    right.set_yscale("log")                                     # cached steps and prefix-recomputing loops alike
-    right.set_ylabel("ms per decoding step (log scale)")
-    right.set_title(f"decoding, {report.shapes['decode_tokens']} tokens")
-    right.legend(fontsize="small")
-    fig.suptitle(f"{report.model}, {report.shapes['dtype']} ({report.machine['cpu']}, "
-                 f"{report.machine['cores']} cores)")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -20,6 +20,7 @@ import weakref
 import numpy as np
 import torch
 
+from equivalence.backends import in_recipe
 from equivalence.contract import Mask, Path, Progress, Tokens
 from equivalence.recipes import (
     check_attention_request,
@@ -34,7 +35,6 @@ from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE
 from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_cli.backends import in_recipe
 from transformer_torch import checkpoint, data_parallel, decoding, training
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device

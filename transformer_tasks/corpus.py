@@ -2,7 +2,7 @@
 
 **Files.** One sentence per line, UTF-8, line ``i`` of the source file translating line ``i`` of the target file
 (or a file of two tab-separated columns, source then target), read as every command reads a text file
-(:mod:`transformer_cli.textfiles`: a line ends at LF, CRLF or a lone CR; a byte-order mark at the start is dropped);
+(:mod:`transformer_tasks.textfiles`: a line ends at LF, CRLF or a lone CR; a byte-order mark at the start is dropped);
 a line empty on both sides is skipped, a line empty on one side only is refused. Every problem -- a missing file,
 line counts that differ, a line that is not UTF-8, an empty side, a row of the wrong number of columns, characters
 the tokenizer never saw, a sentence longer than the model's ``max_len`` or the batch budget after BPE -- is one
@@ -47,10 +47,10 @@ import numpy as np
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, teacher_forcing
-from transformer_cli.tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
-from transformer_cli.tasks.numbers import MODEL as NUMBERS_MODEL
-from transformer_cli.tasks.numbers import SPLIT_SEED, bleu, learned_tokenizer
-from transformer_cli.textfiles import read_lines
+from transformer_tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
+from transformer_tasks.numbers import MODEL as NUMBERS_MODEL
+from transformer_tasks.numbers import SPLIT_SEED, bleu, learned_tokenizer
+from transformer_tasks.textfiles import read_lines
 
 VALIDATION_SHARE, VALIDATION_MOST = 0.05, 1000     # the held-out split's default size: min(1000, 5%)
 VOCAB_SIZE = 8000                                  # --vocab-size's default

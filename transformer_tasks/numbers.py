@@ -31,7 +31,7 @@ import numpy as np
 
 from reference_numpy.config import TransformerConfig
 from reference_numpy.tokenizer import Tokenizer, pad_rows
-from transformer_cli.tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
+from transformer_tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
 
 SPLIT_SEED = 1706_03762                                    # the paper's arXiv number
 DIGITS = range(1, 7)                                       # 0 .. 999,999

@@ -24,7 +24,7 @@ capacity and its functions' names, inputs and outputs, :data:`STEP`) and, if the
 * ``onnx``: the same captured programs through torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``),
   ``model.onnx``, inputs ``src``, ``tgt`` (int64), output ``log_probs``, and ``encode.onnx``, ``step.onnx``
   (:data:`STEP`'s input and output names); run by onnxruntime;
-* ``ctranslate2``: :mod:`.ctranslate2_export` (a CTranslate2 model directory, its vocabulary the tokenizer's
+* ``ctranslate2``: :mod:`transformer_export.ctranslate2` (a CTranslate2 model directory, its vocabulary the tokenizer's
   pieces);
 * ``hf``: :mod:`reference_numpy.hf_export` (a Hugging Face Marian or M2M100 model directory, and the tokenizer,
   for transformers' ``AutoModelForSeq2SeqLM`` and ``AutoTokenizer``).
@@ -33,7 +33,7 @@ The traced forward passes read no tensor on the host, so an artefact does not ch
 vocabulary size (the ports' public calls do, before their compiled code): a serving process must pass ids of
 the vocabulary. Each export is refused, with one ``ValueError``, when OUTPUT_DIR exists (unless ``force``) or
 holds the checkpoint, or when the framework is not installed; it is written into a temporary sibling directory
-and renamed into place (:func:`.ctranslate2_export.write_into_place`).
+and renamed into place (:func:`transformer_export.ctranslate2.write_into_place`).
 """
 
 from __future__ import annotations
@@ -50,19 +50,19 @@ from typing import Any
 
 import numpy as np
 
+from equivalence import runtime
 from reference_numpy import records
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_export import family_of, save_hf
 from reference_numpy.hf_tokenizer import TOKENIZER_CONFIG
-from transformer_cli import runtime
-from transformer_cli.arguments import refuse_input
-from transformer_cli.commands.ctranslate2_export import (
+from transformer_export.ctranslate2 import (
     TOKENIZER_FILE,
     check_output,
     export_ctranslate2,
     write_into_place,
 )
+from transformer_export.outputs import refuse_input
 
 MANIFEST = "transformer.json"
 MANIFEST_RECORD = {"target": str, "dtype": str, "inputs": list, "output": str, "files": list, "config": dict,
@@ -150,7 +150,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def _require(module: str, extra: str, target: str) -> None:
-    """Import ``module`` quietly (:func:`transformer_cli.runtime.import_framework`); a ``ValueError`` naming the
+    """Import ``module`` quietly (:func:`equivalence.runtime.import_framework`); a ``ValueError`` naming the
     extra that installs it if it is not installed."""
     try:
         runtime.import_framework(module)

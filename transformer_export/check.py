@@ -46,18 +46,18 @@ import numpy as np
 
 from equivalence import tolerance
 from equivalence.margins import beam_margins
+from equivalence.oracle import build_oracle, compare_inputs, greedy_verdict, translation_source
 from reference_numpy import Transformer, TransformerConfig, beam_search
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
 from reference_numpy.hf_tokenizer import FamilyTokenizer, read_tokenizer
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli.commands.compare import build_oracle, compare_inputs, greedy_verdict, translation_source
-from transformer_cli.commands.ctranslate2_export import TOKENIZER_FILE
-from transformer_cli.commands.export import read_manifest
+from transformer_export.ctranslate2 import TOKENIZER_FILE
+from transformer_export.export import read_manifest
 
 # The packages of this project: the checking process asserts that none of them can be imported.
-PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_cli",
-           "equivalence")
+PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "equivalence",
+           "transformer_tasks", "transformer_export", "transformer_bench", "transformer_cli")
 
 # Each defines ``run(src, tgt) -> log_probs`` from the artefact in the directory sys.argv[1] (int64 ids in, float32
 # (B, T, V) out): how a serving process loads it with its runtime alone.
@@ -141,7 +141,7 @@ def beams(src, pad_id, *rules):
     return out
 """
 # Each defines ``encode(src)`` and ``step(token, index, memory, src, self_keys, self_values, cross_keys,
-# cross_values)`` (transformer_cli.commands.export.STEP; NumPy in and out, int64 ids) from the artefact in sys.argv[1],
+# cross_values)`` (transformer_export.export.STEP; NumPy in and out, int64 ids) from the artefact in sys.argv[1],
 # after its LOADERS entry.
 STEPS = {
     "savedmodel": """

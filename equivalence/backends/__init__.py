@@ -1,5 +1,5 @@
-"""The four backends the command line runs, one adapter module each: ``numpy`` (the reference), ``torch``, ``jax``,
-``tf``; and which of them are installed here (``docs/ports.md``).
+"""The four backends the harness and the command line run, one adapter module each: ``numpy`` (the reference),
+``torch``, ``jax``, ``tf``; and which of them are installed here (``docs/ports.md``).
 
 Each adapter implements :class:`equivalence.contract.Backend` (NumPy in, NumPy out), so the commands and the
 agreement suite drive every backend through one interface. Importing an adapter imports its framework; this module
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
-from transformer_cli import runtime
+from equivalence import runtime
 
 # backend name -> (adapter module, every framework module it needs, the pip extra that installs them)
 BACKENDS = {
-    "numpy": ("transformer_cli.backends.numpy", ("numpy",), None),
-    "torch": ("transformer_cli.backends.torch", ("torch",), "torch"),
-    "jax": ("transformer_cli.backends.jax", ("jax", "flax", "optax"), "jax"),
-    "tf": ("transformer_cli.backends.tf", ("tensorflow", "keras"), "tf"),
+    "numpy": ("equivalence.backends.numpy", ("numpy",), None),
+    "torch": ("equivalence.backends.torch", ("torch",), "torch"),
+    "jax": ("equivalence.backends.jax", ("jax", "flax", "optax"), "jax"),
+    "tf": ("equivalence.backends.tf", ("tensorflow", "keras"), "tf"),
 }
 PORTS = tuple(name for name in BACKENDS if name != "numpy")
 Function = TypeVar("Function", bound=Callable[..., Any])

@@ -11,6 +11,7 @@ import weakref
 
 import numpy as np
 
+from equivalence.backends import in_recipe
 from equivalence.contract import Mask, Path, Progress, Tokens
 from equivalence.recipes import (
     check_attention_request,
@@ -24,7 +25,6 @@ from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
 from reference_numpy.precision import autocast, check_autocast_training, parse_precision, round_to
-from transformer_cli.backends import in_recipe
 
 NAME = "numpy"
 FORWARD_PATH = "NumPy"

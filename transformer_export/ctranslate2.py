@@ -64,7 +64,7 @@ from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
 from reference_numpy.hf_tokenizer import is_family_record
 from reference_numpy.model import sinusoidal_positional_encoding
-from transformer_cli.arguments import refuse_input
+from transformer_export.outputs import refuse_input
 
 INSTALL = "pip install 'transformer-reference[peers]'"
 SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}

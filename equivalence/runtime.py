@@ -1,6 +1,7 @@
-"""How the frameworks run in this process: ``--threads`` (each framework's intra-op threads, so that one backend
-cannot oversubscribe cores it shares with others), their log noise, and the versions and thread settings a
-``--json`` result records.
+"""How the frameworks run in this process: the intra-op threads of each (the command line's ``--threads``, so that
+one backend cannot oversubscribe cores it shares with others), their log noise, and the versions and thread
+settings a result records. The adapters (:mod:`equivalence.backends`), the benchmarks and the exporters import
+every framework through :func:`import_framework`.
 
 Each framework reads its setting where it can: XLA (JAX) from the environment when its CPU client starts
 (``PJRT_NPROC``, its thread pool's size; with one thread ``--xla_cpu_multi_thread_eigen=false`` too), so
@@ -84,6 +85,18 @@ def configure(threads: int) -> None:
                  if not flag.startswith("--xla_cpu_multi_thread")]
         os.environ["XLA_FLAGS"] = " ".join([*flags, *(["--xla_cpu_multi_thread_eigen=false"] if threads == 1 else [])])
     apply()
+
+
+def jax_host_devices(count: int) -> None:
+    """Ask XLA for ``count`` CPU devices (``--xla_force_host_platform_device_count``) for a JAX mesh on a machine
+    without accelerators; JAX reads the flag when it starts, so this runs before it is imported. Once XLA has
+    started (a second command in one process) the environment is left as it is (:func:`configure`), and a mesh
+    wider than the devices XLA started with is refused by ``transformer_jax.data_parallel``, naming the flag."""
+    if xla_started():
+        return
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+             if not flag.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
 
 
 def xla_started() -> bool:
