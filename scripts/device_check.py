@@ -8,7 +8,7 @@ network -- the frameworks already there, the project read from the checkout (``P
 
 Sections (``--sections``), each check one row:
 
-* ``forward``: ``compare``'s run of each port (``transformer_cli/commands/compare.py``: every forward stage under the
+* ``forward``: ``compare``'s run of each port (``transformer_bench/compare.py``: every forward stage under the
   policy, the greedy tokens by its rule) on the shipped model's sentences, in float64, float32 (TF32 off: each port's
   ``device.full_precision``), bfloat16, float16 and the autocast recipes mixed-bfloat16 and mixed-float16 (``--quick``:
   float64, float32, bfloat16); the row is the stage of the largest error / bound.
@@ -258,7 +258,7 @@ def deterministic(name: str) -> Iterator[None]:
 # ----------------------------------------------------------------------------- forward: compare's runs
 
 def forward_section(checks: Checks, ports: dict, quick: bool, perturb: str | None) -> None:
-    from transformer_cli.commands import compare
+    from transformer_bench import compare
 
     dtypes = QUICK_FORWARD_DTYPES if quick else FORWARD_DTYPES
     fault = compare.parse_perturbation(perturb)
@@ -278,7 +278,7 @@ def forward_section(checks: Checks, ports: dict, quick: bool, perturb: str | Non
 def _forward_oracle(state: dict, dtypes: tuple[str, ...]) -> Outcome:
     """compare's oracle on the shipped model's sentences: the float64 reference's stages and translations, the
     reference's own stages in every other precision (the yardsticks)."""
-    from transformer_cli.commands import compare
+    from transformer_bench import compare
 
     _, config, params, tokenizer = compare.load_source(None, None)
     src = compare.translation_source(tokenizer, config) if tokenizer else None
@@ -331,7 +331,7 @@ def _transformers_missing() -> str:
 
 
 def _shipped_model(models: dict) -> Outcome:
-    from transformer_cli.commands import compare
+    from transformer_bench import compare
 
     _, config, params, tokenizer = compare.load_source(None, None)
     src = compare.translation_source(tokenizer, config) if tokenizer else None
@@ -507,7 +507,7 @@ def _twice(name: str, adapter, device: str) -> Outcome:
     """Forward, greedy and beam search of the shipped model on compare's sentences and two training steps of the
     training case, each run twice from the same weights under the port's switch: the number of outputs whose bits
     differ (0 allowed)."""
-    from transformer_cli.commands import compare
+    from transformer_bench import compare
 
     _, config, params, tokenizer = compare.load_source(None, None)
     src = compare.translation_source(tokenizer, config) if tokenizer else None
@@ -681,7 +681,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     try:
-        from transformer_cli.commands.compare import parse_perturbation
+        from transformer_bench.compare import parse_perturbation
 
         parse_perturbation(args.perturb)
     except ValueError as err:

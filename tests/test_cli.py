@@ -20,9 +20,9 @@ from safetensors import safe_open
 from equivalence import backends
 from reference_numpy import TransformerConfig, init_params, load_checkpoint, parameter_shapes, save_checkpoint
 from reference_numpy.checkpoint import load_training_state
+from transformer_bench import compare as compare_module
 from transformer_bench import timing
 from transformer_cli import main as cli_main
-from transformer_cli.commands import compare as compare_module
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
 from transformer_tasks.progress import progress_bar
 

@@ -556,7 +556,7 @@ def test_compare_marks_a_stage_held_to_what_it_adds():
     yardstick, is its kernels' choice) -- carry "+" (the error they add to their inputs', within the bound), every
     other cell does not, the run agrees, and the note says why."""
     from equivalence.oracle import build_oracle
-    from transformer_cli.commands.compare import Report, run_backend
+    from transformer_bench.compare import Report, run_backend
     from transformer_cli.commands.report import format_table
 
     port, ref64, ref32, *_ = _amplified_port()

@@ -190,7 +190,7 @@ def add_compare(commands: Commands) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from transformer_cli.commands.compare import DTYPES, PRECISION_REPORT_DTYPES, compare
+    from transformer_bench.compare import DTYPES, PRECISION_REPORT_DTYPES, compare
     from transformer_cli.commands.report import format_table, plot_errors, plot_precision
 
     dtypes = args.dtype or (PRECISION_REPORT_DTYPES if args.precision_report else DTYPES)

@@ -16,7 +16,7 @@ from equivalence.oracle import SENTENCES, compare_inputs
 from reference_numpy.config import TransformerConfig
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli.commands.compare import load_source
+from transformer_bench.compare import load_source
 
 
 def parse_tokens(text: str | None, name: str) -> np.ndarray | None:

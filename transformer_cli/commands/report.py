@@ -8,7 +8,7 @@ import numpy as np
 
 from equivalence import tolerance
 from reference_numpy.precision import is_low, parse_precision
-from transformer_cli.commands.compare import Report
+from transformer_bench.compare import Report
 from transformer_cli.plots import pyplot
 
 STAGE_WIDTH, CELL_WIDTH = 18, 21
