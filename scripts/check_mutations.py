@@ -1209,10 +1209,26 @@ DEVICE = [
            DEVICE_CHECK),
 ]
 
+# The command line's cache of compiled programs (transformer_cli/compile_cache.py) and the imports it defers: only
+# fresh processes see them (tests/test_compile_cache.py)
+_CACHE_TEST = "tests/test_compile_cache.py::test_a_second_process_reads_back_what_the_first_compiled"
+CACHE = [
+    single("cache", "cache: JAX is not pointed at the cache's directory", "transformer_cli/compile_cache.py",
+           'os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(jax))',
+           'os.environ.setdefault("JAX_COMPILATION_CACHE_DIRECTORY", str(jax))', [f"{_CACHE_TEST}[jax]"]),
+    single("cache", "cache: --no-cache still reads and writes the cache", "transformer_cli/compile_cache.py",
+           "    if not enabled:\n", "    if not enabled and False:\n",
+           ["tests/test_compile_cache.py::test_a_user_s_own_framework_cache_is_kept_and_no_cache_sets_none"]),
+    single("cache", "cache: TensorFlow's notices of a program read back are printed", "transformer_cli/runtime.py",
+           "if failed or keep(line)", "if failed or True", [f"{_CACHE_TEST}[tf]"]),
+    single("cache", "imports: translate --backend tf imports JAX with TensorFlow", "transformer_cli/runtime.py",
+           'UNNEEDED = {"transformer_cli.backends.tf": ("jax",)}', "UNNEEDED: dict = {}", [f"{_CACHE_TEST}[tf]"]),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH, *ECOSYSTEM, *DEVICE]
+             *BENCH, *ECOSYSTEM, *DEVICE, *CACHE]
 
 
 # ----------------------------------------------------------------------------- running

@@ -17,7 +17,7 @@ import importlib.metadata
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}   # TensorFlow's C++ info and warnings (oneDNN, CPU features), read at import
@@ -37,11 +37,23 @@ def quiet() -> None:
         os.environ.setdefault(name, value)
 
 
+# module -> the modules it imports that no command needs from it, kept out while :func:`import_framework` imports it
+# (those not imported already): TensorFlow imports JAX, where installed, for TFLite's conversion of JAX functions
+# alone (tensorflow/lite/python/util.py, which takes its absence), about a sixth of TensorFlow's import time.
+UNNEEDED = {"transformer_cli.backends.tf": ("jax",)}
+# Lines TensorFlow's C++ logs as errors each time it reads a program back from its persistent XLA cache
+# (compile_cache.py), though the program runs: the entry is parsed as text before as binary, and the loader compares
+# the CPU features XLA compiled for, tuning preferences (prefer-no-gather, prefer-no-scatter) included, with the
+# host's, which never list those (the cache's directory already names the CPU).
+CACHE_NOTICES = (b"Error parsing text-format tensorflow.XlaSerializedCacheEntry",
+                 b"Loading XLA:CPU AOT result. Target machine feature +prefer-no-")
+
+
 @contextlib.contextmanager
-def start_up_notices_held() -> Iterator[None]:
-    """Standard error (file descriptor 2) held aside while frameworks load, when :func:`quiet` is in force (a
-    ``TF_CPP_MIN_LOG_LEVEL`` above 0): some TensorFlow builds print their C++ start-up notices (oneDNN) through
-    absl before that setting is read. If loading fails, what it printed is written out before the error goes on."""
+def standard_error_held(keep: Callable[[bytes], bool]) -> Iterator[None]:
+    """Standard error (file descriptor 2, the frameworks' C++ logs included) held aside, when :func:`quiet` is in
+    force (a ``TF_CPP_MIN_LOG_LEVEL`` above 0), and written out once the block ends: the lines for which ``keep``
+    is true, or, if the block fails, every line before the error goes on."""
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
         yield
         return
@@ -49,23 +61,43 @@ def start_up_notices_held() -> Iterator[None]:
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
+        failed = True
         try:
             yield
-        except BaseException:
-            os.dup2(saved, 2)
-            held.seek(0)
-            os.write(2, held.read())
-            raise
+            failed = False
         finally:
+            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+            held.seek(0)
+            os.write(2, b"".join(line for line in held.read().splitlines(keepends=True) if failed or keep(line)))
+
+
+def start_up_notices_held() -> contextlib.AbstractContextManager[None]:
+    """Standard error held while frameworks load (:func:`standard_error_held`), none of it kept unless loading
+    fails: some TensorFlow builds print their C++ start-up notices (oneDNN) through absl before
+    ``TF_CPP_MIN_LOG_LEVEL`` is read."""
+    return standard_error_held(lambda line: False)
+
+
+def cache_notices_dropped() -> contextlib.AbstractContextManager[None]:
+    """Standard error held while a model runs (:func:`standard_error_held`), every line kept but TensorFlow's
+    :data:`CACHE_NOTICES`."""
+    return standard_error_held(lambda line: not any(notice in line for notice in CACHE_NOTICES))
 
 
 def import_framework(name: str) -> ModuleType:
     """Import ``name`` (a framework, or a module that imports one) as every command does: its start-up notices held
-    (:func:`start_up_notices_held`; TensorFlow's oneDNN lines) and ``--threads`` set in it (:func:`apply`)."""
-    with start_up_notices_held():
-        module = importlib.import_module(name)
+    (:func:`start_up_notices_held`; TensorFlow's oneDNN lines), the modules :data:`UNNEEDED` names for it kept out,
+    and ``--threads`` set in it (:func:`apply`)."""
+    kept_out = [unneeded for unneeded in UNNEEDED.get(name, ()) if unneeded not in sys.modules]
+    sys.modules.update(dict.fromkeys(kept_out))          # None: Python's marker of a module that must not be imported
+    try:
+        with start_up_notices_held():
+            module = importlib.import_module(name)
+    finally:
+        for unneeded in kept_out:                        # importable again, by a backend that needs it
+            del sys.modules[unneeded]
     apply()
     return module
 
