@@ -47,7 +47,8 @@ def run(cache: Path, *args: str) -> tuple[list[str], list[str]]:
 
 def files(directory: Path) -> dict[str, int]:
     """Every file under ``directory`` and its modification time."""
-    return {str(path.relative_to(directory)): path.stat().st_mtime_ns for path in directory.rglob("*") if path.is_file()}
+    return {str(path.relative_to(directory)): path.stat().st_mtime_ns
+            for path in directory.rglob("*") if path.is_file()}
 
 
 def test_the_cache_lives_where_documented(monkeypatch, tmp_path):

@@ -91,7 +91,8 @@ def import_framework(name: str) -> ModuleType:
     (:func:`start_up_notices_held`; TensorFlow's oneDNN lines), the modules :data:`UNNEEDED` names for it kept out,
     and ``--threads`` set in it (:func:`apply`)."""
     kept_out = [unneeded for unneeded in UNNEEDED.get(name, ()) if unneeded not in sys.modules]
-    sys.modules.update(dict.fromkeys(kept_out))          # None: Python's marker of a module that must not be imported
+    for unneeded in kept_out:
+        sys.modules[unneeded] = None  # type: ignore[assignment]  # Python's marker of a module not to import
     try:
         with start_up_notices_held():
             module = importlib.import_module(name)
