@@ -5,7 +5,8 @@ For each backend, in each round: the import floor (``python -c "import jax"``: n
 cold translate (an empty cache of compiled programs, transformer_cli/compile_cache.py: everything compiled) and a
 warm one (the same command again: its programs read back). The backends take turns within a round, in reverse order
 every other round, so that a change of the machine's load falls on all of them. Each command's wall time is timed
-from outside (process start to exit); every process gets the same threads (``--threads``: the command's flag and the
+from outside (process start to exit), and its CPU time (user and system, every thread: less changed than the wall
+time by other work on the machine); every process gets the same threads (``--threads``: the command's flag and the
 BLAS's and OpenMP's environment). The shipped model, translate's default. A framework cache the user set
 (``JAX_COMPILATION_CACHE_DIR``, ``TF_XLA_FLAGS``, ``TORCHINDUCTOR_CACHE_DIR``) is removed from the commands'
 environment, so that they use the cache under test.
@@ -25,6 +26,7 @@ import fcntl
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +48,7 @@ FRAMEWORK_CACHES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPI
                     "JAX_ENABLE_COMPILATION_CACHE", "TF_XLA_FLAGS", "TORCHINDUCTOR_CACHE_DIR")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 KINDS = ("floor", "cold", "warm")
+CPU_KINDS = tuple(f"{kind}_cpu" for kind in KINDS)
 
 
 def environment(threads: int, cache: Path) -> dict[str, str]:
@@ -54,33 +57,42 @@ def environment(threads: int, cache: Path) -> dict[str, str]:
                                                                    "PYTHONPATH": str(ROOT)}
 
 
-def timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
-    """Wall seconds of ``command`` from start to exit, and its output; a failure stops the benchmark."""
-    start = time.perf_counter()
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Wall seconds of ``command`` from start to exit, the CPU seconds it used (user and system, every thread),
+    and its output; a failure stops the benchmark."""
+    start, used = time.perf_counter(), cpu_of_children()
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_of_children() - used
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
-    return seconds, done.stdout
+    return seconds, cpu, done.stdout
+
+
+def cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def one_round(backend: str, threads: int, workdir: Path, round_number: int) -> dict[str, float]:
     cache = workdir / f"{backend}-{round_number}"                       # empty: the cold run compiles everything
     env = environment(threads, cache)
-    floor, _ = timed([sys.executable, "-c", f"import {FLOOR[backend]}"], env)
+    floor, floor_cpu, _ = timed([sys.executable, "-c", f"import {FLOOR[backend]}"], env)
     translate = [sys.executable, "-m", "transformer_cli", "translate", "--backend", backend, "--threads", str(threads),
                  SENTENCE]
-    cold, cold_text = timed(translate, env)
-    warm, warm_text = timed(translate, env)
+    cold, cold_cpu, cold_text = timed(translate, env)
+    warm, warm_cpu, warm_text = timed(translate, env)
     if warm_text != cold_text:
         raise SystemExit(f"{backend}: the warm run translated {warm_text!r}, the cold one {cold_text!r}")
-    return {"floor": floor, "cold": cold, "warm": warm, "load": os.getloadavg()[0]}
+    return {"floor": floor, "cold": cold, "warm": warm, "floor_cpu": floor_cpu, "cold_cpu": cold_cpu,
+            "warm_cpu": warm_cpu, "load": os.getloadavg()[0]}
 
 
 def summary(runs: list[dict[str, float]]) -> dict:
+    """Per kind (wall and CPU seconds), the median of the rounds and their spread; warm less floor, and the bar."""
     row = {kind: {"median": statistics.median(run[kind] for run in runs), "min": min(run[kind] for run in runs),
-                  "max": max(run[kind] for run in runs)} for kind in KINDS}
+                  "max": max(run[kind] for run in runs)} for kind in (*KINDS, *CPU_KINDS)}
     row["warm_above_floor"] = row["warm"]["median"] - row["floor"]["median"]
+    row["warm_above_floor_cpu"] = row["warm_cpu"]["median"] - row["floor_cpu"]["median"]
     row["meets_bar"] = row["warm_above_floor"] <= BAR
     return row
 
@@ -102,10 +114,18 @@ def markdown(result: dict) -> str:
              "| backend | import floor | cold translate | warm translate | warm - floor | bar |",
              "|---|---|---|---|---|---|"]
     for backend, row in result["backends"].items():
-        cells = [f"{row[kind]['median']:.2f} ({row[kind]['min']:.2f}-{row[kind]['max']:.2f})" for kind in KINDS]
-        lines.append(f"| {backend} | {' | '.join(cells)} | {row['warm_above_floor']:.2f} | "
+        lines.append(f"| {backend} | {' | '.join(cells(row, KINDS))} | {row['warm_above_floor']:.2f} | "
                      f"{'met' if row['meets_bar'] else 'missed'} |")
+    lines += ["", "CPU seconds of the same processes (user and system, every thread), which other work on the "
+              "machine changes less than their wall time:", "",
+              "| backend | import floor | cold translate | warm translate | warm - floor |", "|---|---|---|---|---|"]
+    for backend, row in result["backends"].items():
+        lines.append(f"| {backend} | {' | '.join(cells(row, CPU_KINDS))} | {row['warm_above_floor_cpu']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def cells(row: dict, kinds: tuple[str, ...]) -> list[str]:
+    return [f"{row[kind]['median']:.2f} ({row[kind]['min']:.2f}-{row[kind]['max']:.2f})" for kind in kinds]
 
 
 def main() -> None:
