@@ -1213,15 +1213,15 @@ DEVICE = [
 # fresh processes see them (tests/test_compile_cache.py)
 _CACHE_TEST = "tests/test_compile_cache.py::test_a_second_process_reads_back_what_the_first_compiled"
 CACHE = [
-    single("cache", "cache: JAX is not pointed at the cache's directory", "transformer_cli/compile_cache.py",
+    single("compile-cache", "cache: JAX is not pointed at the cache's directory", "transformer_cli/compile_cache.py",
            'os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(jax))',
            'os.environ.setdefault("JAX_COMPILATION_CACHE_DIRECTORY", str(jax))', [f"{_CACHE_TEST}[jax]"]),
-    single("cache", "cache: --no-cache still reads and writes the cache", "transformer_cli/compile_cache.py",
+    single("compile-cache", "cache: --no-cache still reads and writes the cache", "transformer_cli/compile_cache.py",
            "    if not enabled:\n", "    if not enabled and False:\n",
            ["tests/test_compile_cache.py::test_a_user_s_own_framework_cache_is_kept_and_no_cache_sets_none"]),
-    single("cache", "cache: TensorFlow's notices of a program read back are printed", "transformer_cli/runtime.py",
+    single("compile-cache", "cache: TensorFlow's notices of a program read back are printed", "transformer_cli/runtime.py",
            "if failed or keep(line)", "if failed or True", [f"{_CACHE_TEST}[tf]"]),
-    single("cache", "imports: translate --backend tf imports JAX with TensorFlow", "transformer_cli/runtime.py",
+    single("compile-cache", "imports: translate --backend tf imports JAX with TensorFlow", "transformer_cli/runtime.py",
            'UNNEEDED = {"transformer_cli.backends.tf": ("jax",)}', "UNNEEDED: dict = {}", [f"{_CACHE_TEST}[tf]"]),
 ]
 
