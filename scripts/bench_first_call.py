@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def main() -> None:
                                                                for kind in KINDS), file=sys.stderr)
     loads = [run["load"] for rows in runs.values() for run in rows]
     date = datetime.date.today().isoformat()
-    result = {"date": date, "command": " ".join(["python scripts/bench_first_call.py", *sys.argv[1:]]),
+    result = {"date": date, "command": shlex.join(["python", "scripts/bench_first_call.py", *sys.argv[1:]]),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
               "versions": versions(), "threads": args.threads, "rounds": args.rounds, "sentence": SENTENCE,
               "load": {"min": min(loads), "max": max(loads)}, "note": args.note,
