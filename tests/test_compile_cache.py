@@ -16,7 +16,7 @@ import pytest
 
 from reference_numpy import save_checkpoint
 from reference_numpy.checkpoint import load_tokenizer_json
-from transformer_cli import backends, compile_cache
+from transformer_cli import backends, compile_cache, runtime
 from transformer_cli.commands.translate import SHIPPED, load_translator
 from transformer_cli.main import EXIT_OK, main
 
@@ -89,6 +89,18 @@ def test_a_user_s_own_framework_cache_is_kept_and_no_cache_sets_none(monkeypatch
     assert {name: os.environ[name] for name in SETTINGS if name in os.environ} == {"JAX_ENABLE_COMPILATION_CACHE":
                                                                                      "false"}
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_tensorflow_s_notices_of_a_program_read_back_are_dropped(capfd, monkeypatch):
+    """Every other line written to file descriptor 2 passes, in order, a partial one (a progress bar's) at once."""
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    notice = (b"E0000 00:00:1795886969.930124    9338 text_format.cc:378] Error parsing text-format "
+              b"tensorflow.XlaSerializedCacheEntry: 2:1: Expected identifier, got: 4\n")
+    with runtime.cache_notices_dropped():
+        os.write(2, b"first\n" + notice + b"E0000 a real error\nprogress 10%\r")
+        os.write(2, notice[:20])
+        os.write(2, notice[20:] + b"progress 20%")
+    assert capfd.readouterr().err == "first\nE0000 a real error\nprogress 10%\rprogress 20%"
 
 
 def swapped_checkpoint(path: Path) -> Path:

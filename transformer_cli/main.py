@@ -36,6 +36,7 @@ sets ``run``, the function that carries it out and returns the exit status (:dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
@@ -813,12 +814,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_as_interrupt():
             args = build_parser().parse_args(argv)
-            if hasattr(args, "threads"):
-                compile_cache.use(not args.no_cache)        # before any framework is imported
-                runtime.configure(args.threads)
             if hasattr(args, "outputs"):
                 check_outputs(args)
-            return args.run(args)
+            if not hasattr(args, "threads"):
+                return args.run(args)
+            compile_cache.use(not args.no_cache)            # before any framework is imported
+            runtime.configure(args.threads)
+            with runtime.cache_notices_dropped() if not args.no_cache else contextlib.nullcontext():
+                return args.run(args)
     except SystemExit as stop:                          # --help, or a usage error argparse has printed
         return stop.code if isinstance(stop.code, int) else int(stop.code is not None)   # as Python exits with it
     except KeyboardInterrupt:                           # Ctrl-C or SIGTERM

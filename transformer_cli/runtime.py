@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}   # TensorFlow's C++ info and warnings (oneDNN, CPU features), read at import
@@ -47,13 +49,16 @@ UNNEEDED = {"transformer_cli.backends.tf": ("jax",)}
 # host's, which never list those (the cache's directory already names the CPU).
 CACHE_NOTICES = (b"Error parsing text-format tensorflow.XlaSerializedCacheEntry",
                  b"Loading XLA:CPU AOT result. Target machine feature +prefer-no-")
+LINES = re.compile(rb"(?<=[\r\n])")      # splits after each line's end, a progress bar's \r included
+PIPE_CHUNK = 65536                      # bytes read from the pipe at a time
+COPIER_WAIT = 5.0                       # s: how long the end of a command waits for the copier to finish
 
 
 @contextlib.contextmanager
-def standard_error_held(keep: Callable[[bytes], bool]) -> Iterator[None]:
-    """Standard error (file descriptor 2, the frameworks' C++ logs included) held aside, when :func:`quiet` is in
-    force (a ``TF_CPP_MIN_LOG_LEVEL`` above 0), and written out once the block ends: the lines for which ``keep``
-    is true, or, if the block fails, every line before the error goes on."""
+def start_up_notices_held() -> Iterator[None]:
+    """Standard error (file descriptor 2) held aside while frameworks load, when :func:`quiet` is in force (a
+    ``TF_CPP_MIN_LOG_LEVEL`` above 0): some TensorFlow builds print their C++ start-up notices (oneDNN) through
+    absl before that setting is read. If loading fails, what it printed is written out before the error goes on."""
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
         yield
         return
@@ -61,29 +66,56 @@ def standard_error_held(keep: Callable[[bytes], bool]) -> Iterator[None]:
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
-        failed = True
         try:
             yield
-            failed = False
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read())
+            raise
         finally:
-            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
-            held.seek(0)
-            os.write(2, b"".join(line for line in held.read().splitlines(keepends=True) if failed or keep(line)))
 
 
-def start_up_notices_held() -> contextlib.AbstractContextManager[None]:
-    """Standard error held while frameworks load (:func:`standard_error_held`), none of it kept unless loading
-    fails: some TensorFlow builds print their C++ start-up notices (oneDNN) through absl before
-    ``TF_CPP_MIN_LOG_LEVEL`` is read."""
-    return standard_error_held(lambda line: False)
+@contextlib.contextmanager
+def cache_notices_dropped() -> Iterator[None]:
+    """Standard error (file descriptor 2, the frameworks' C++ logs included) passed on as it is written while the
+    block runs, but for the lines of :data:`CACHE_NOTICES`, when :func:`quiet` is in force (a
+    ``TF_CPP_MIN_LOG_LEVEL`` above 0): it goes through a pipe, which a thread reads and copies out line by line (a
+    partial line as it comes, unless it starts as absl's error lines do, with ``E``; a progress bar's ``\r`` ends a
+    line)."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+    copier = threading.Thread(target=_copy_but_notices, args=(read, saved), daemon=True)
+    copier.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)                   # the pipe's last write end closed: the copier reads its end and stops
+        copier.join(timeout=COPIER_WAIT)    # (a process started in the block and still running holds it open)
+        os.close(saved)
 
 
-def cache_notices_dropped() -> contextlib.AbstractContextManager[None]:
-    """Standard error held while a model runs (:func:`standard_error_held`), every line kept but TensorFlow's
-    :data:`CACHE_NOTICES`."""
-    return standard_error_held(lambda line: not any(notice in line for notice in CACHE_NOTICES))
+def _copy_but_notices(read: int, out: int) -> None:
+    """:func:`cache_notices_dropped`'s copier: from the pipe ``read`` to the file descriptor ``out``."""
+    pending = b""
+    with os.fdopen(read, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(PIPE_CHUNK):
+            *lines, pending = LINES.split(pending + chunk)                     # each line with its \n or \r
+            kept = [line for line in lines if not any(notice in line for notice in CACHE_NOTICES)]
+            if not pending.startswith(b"E"):
+                kept.append(pending)
+                pending = b""
+            os.write(out, b"".join(kept))
+    os.write(out, pending)
 
 
 def import_framework(name: str) -> ModuleType:

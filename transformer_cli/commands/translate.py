@@ -26,7 +26,7 @@ from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
 from reference_numpy.checks import check_token_layout
 from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
-from transformer_cli import backends, runtime
+from transformer_cli import backends
 from transformer_cli.textfiles import decode, lines_of, stream_chunks
 
 DEFAULT_MODEL = "numbers-en-fr"      # the shipped model a command runs when given none
@@ -110,14 +110,12 @@ class Translator:
         return ids
 
     def token_ids(self, rows: list[list[int]]) -> np.ndarray:
-        """Output ids (B, L) of encoded sources (one batch), without bos, right-padded with pad_id. A program read
-        back from the cache of compiled programs prints no notice (``runtime.cache_notices_dropped``)."""
+        """Output ids (B, L) of encoded sources (one batch), without bos, right-padded with pad_id."""
         src = pad_rows(rows, self.tokenizer.config.pad_id)
-        with runtime.cache_notices_dropped():
-            if self.beam_size == 1:
-                return np.asarray(self.adapter.greedy(self.model, src, forced_bos_id=self.forced_bos_id))
-            return np.asarray(self.adapter.beam(self.model, src, self.beam_size, self.alpha,
-                                                forced_bos_id=self.forced_bos_id)[0])
+        if self.beam_size == 1:
+            return np.asarray(self.adapter.greedy(self.model, src, forced_bos_id=self.forced_bos_id))
+        return np.asarray(self.adapter.beam(self.model, src, self.beam_size, self.alpha,
+                                            forced_bos_id=self.forced_bos_id)[0])
 
     def decode_all(self, rows: list[list[int]], progress: Callable[[list], Iterable] = lambda batches: batches
                    ) -> list[np.ndarray]:
