@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -36,6 +38,21 @@ def quiet() -> None:
     """Silence the frameworks' start-up notices (a value the user set is kept)."""
     for name, value in QUIET.items():
         os.environ.setdefault(name, value)
+
+
+# module -> the modules it imports that no command needs from it, kept out while :func:`import_framework` imports it
+# (those not imported already): TensorFlow imports JAX, where installed, for TFLite's conversion of JAX functions
+# alone (tensorflow/lite/python/util.py, which takes its absence), about a sixth of TensorFlow's import time.
+UNNEEDED = {"equivalence.backends.tf": ("jax",)}
+# Lines TensorFlow's C++ logs as errors each time it reads a program back from its persistent XLA cache
+# (equivalence/compile_cache.py), though the program runs: the entry is parsed as text before as binary, and the
+# loader compares the CPU features XLA compiled for, tuning preferences (prefer-no-gather, prefer-no-scatter)
+# included, with the host's, which never list those (the cache's directory already names the CPU).
+CACHE_NOTICES = (b"Error parsing text-format tensorflow.XlaSerializedCacheEntry",
+                 b"Loading XLA:CPU AOT result. Target machine feature +prefer-no-")
+LINES = re.compile(rb"(?<=[\r\n])")      # splits after each line's end, a progress bar's \r included
+PIPE_CHUNK = 65536                      # bytes read from the pipe at a time
+COPIER_WAIT = 5.0                       # s: how long the end of a command waits for the copier to finish
 
 
 @contextlib.contextmanager
@@ -62,11 +79,59 @@ def start_up_notices_held() -> Iterator[None]:
             os.close(saved)
 
 
+@contextlib.contextmanager
+def cache_notices_dropped() -> Iterator[None]:
+    """Standard error (file descriptor 2, the frameworks' C++ logs included) passed on as it is written while the
+    block runs, but for the lines of :data:`CACHE_NOTICES`, when :func:`quiet` is in force (a
+    ``TF_CPP_MIN_LOG_LEVEL`` above 0): it goes through a pipe, which a thread reads and copies out line by line (a
+    partial line as it comes, unless it starts as absl's error lines do, with ``E``; a progress bar's ``\r`` ends a
+    line)."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+    copier = threading.Thread(target=_copy_but_notices, args=(read, saved), daemon=True)
+    copier.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)                   # the pipe's last write end closed: the copier reads its end and stops
+        copier.join(timeout=COPIER_WAIT)    # (a process started in the block and still running holds it open)
+        os.close(saved)
+
+
+def _copy_but_notices(read: int, out: int) -> None:
+    """:func:`cache_notices_dropped`'s copier: from the pipe ``read`` to the file descriptor ``out``."""
+    pending = b""
+    with os.fdopen(read, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(PIPE_CHUNK):
+            *lines, pending = LINES.split(pending + chunk)                     # each line with its \n or \r
+            kept = [line for line in lines if not any(notice in line for notice in CACHE_NOTICES)]
+            if not pending.startswith(b"E"):
+                kept.append(pending)
+                pending = b""
+            os.write(out, b"".join(kept))
+    os.write(out, pending)
+
+
 def import_framework(name: str) -> ModuleType:
     """Import ``name`` (a framework, or a module that imports one) as every command does: its start-up notices held
-    (:func:`start_up_notices_held`; TensorFlow's oneDNN lines) and ``--threads`` set in it (:func:`apply`)."""
-    with start_up_notices_held():
-        module = importlib.import_module(name)
+    (:func:`start_up_notices_held`; TensorFlow's oneDNN lines), the modules :data:`UNNEEDED` names for it kept out,
+    and ``--threads`` set in it (:func:`apply`)."""
+    kept_out = [unneeded for unneeded in UNNEEDED.get(name, ()) if unneeded not in sys.modules]
+    for unneeded in kept_out:
+        sys.modules[unneeded] = None  # type: ignore[assignment]  # Python's marker of a module not to import
+    try:
+        with start_up_notices_held():
+            module = importlib.import_module(name)
+    finally:
+        for unneeded in kept_out:                        # importable again, by a backend that needs it
+            del sys.modules[unneeded]
     apply()
     return module
 

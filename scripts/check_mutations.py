@@ -1235,10 +1235,28 @@ LAYERS = [
            ["tests/test_layers.py", "-k", "only_downward"]),
 ]
 
+# The command line's cache of compiled programs (equivalence/compile_cache.py) and the imports it defers: only
+# fresh processes see them (tests/test_compile_cache.py)
+_CACHE_TEST = "tests/test_compile_cache.py::test_a_second_process_reads_back_what_the_first_compiled"
+CACHE = [
+    single("compile-cache", "cache: JAX is not pointed at the cache's directory", "equivalence/compile_cache.py",
+           'os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(jax))',
+           'os.environ.setdefault("JAX_COMPILATION_CACHE_DIRECTORY", str(jax))', [f"{_CACHE_TEST}[jax]"]),
+    single("compile-cache", "cache: --no-cache still reads and writes the cache", "equivalence/compile_cache.py",
+           "    if not enabled:\n", "    if not enabled and False:\n",
+           ["tests/test_compile_cache.py::test_a_user_s_own_framework_cache_is_kept_and_no_cache_sets_none"]),
+    single("compile-cache", "cache: TensorFlow's notices of a program read back are printed", "equivalence/runtime.py",
+           "kept = [line for line in lines if not any(notice in line for notice in CACHE_NOTICES)]",
+           "kept = list(lines)",
+           [f"{_CACHE_TEST}[tf]", "tests/test_compile_cache.py::test_tensorflow_s_notices_of_a_program_read_back_are_dropped"]),
+    single("compile-cache", "imports: translate --backend tf imports JAX with TensorFlow", "equivalence/runtime.py",
+           'UNNEEDED = {"equivalence.backends.tf": ("jax",)}', "UNNEEDED: dict = {}", [f"{_CACHE_TEST}[tf]"]),
+]
+
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
              *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
-             *BENCH, *ECOSYSTEM, *DEVICE, *OUTPUTS, *LAYERS]
+             *BENCH, *ECOSYSTEM, *DEVICE, *OUTPUTS, *LAYERS, *CACHE]
 
 
 # ----------------------------------------------------------------------------- running

@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import platform
 
-import compile_cache
-
 # One OpenBLAS kernel on every x86-64 machine, set before NumPy loads OpenBLAS (here, or in any process a test
 # starts): OpenBLAS picks its kernels by CPU (DYNAMIC_ARCH: AVX-512 "SkylakeX" on some hosts, "Haswell" on others),
 # and its summation order decides the last bits of the reference's products, which the fuzzer's overflow cases and
 # the float32 reference's own error (the bound of the float32 policy) depend on. A user's value is kept.
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
+
+import compile_cache  # noqa: E402 - imports NumPy (through transformer_cli), so after OpenBLAS's kernel is set
 
 # One JAX persistent compilation cache for the checkout, kept from run to run (tests/compile_cache.py), set before any
 # process imports JAX: the test processes (xdist's workers inherit it from the controller) and every process a test
@@ -28,6 +28,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # dropped (pytest_runtest_teardown below) and in every process a test starts, and reading a program back costs
 # less than compiling it again.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The commands run by tests keep their other compiled programs (TensorFlow's XLA cache, Inductor's) in the checkout's
+# cache too (equivalence/compile_cache.py), never in the user's; cleared with it.
+os.environ.setdefault("TRANSFORMER_REFERENCE_CACHE", str(compile_cache.CLI))
 
 # XLA:CPU (JAX's programs, TensorFlow's compiled ones) compiles the suite's programs with LLVM at optimisation level 1
 # and its loop emitters instead of the newer fusion emitters, set before any process imports JAX: the same HLO

@@ -25,7 +25,8 @@
 Every command that writes a file takes ``--force`` (an existing output is kept otherwise) and declares its inputs
 and outputs (:func:`add_outputs`): an output that is an input -- by path, link or hard link, a shipped model by name
 -- is refused before any work, even with ``--force`` (:func:`transformer_export.outputs.refuse_input`). Every
-command that runs a model takes ``--threads N`` (:mod:`equivalence.runtime`). Ctrl-C or SIGTERM ends any command
+command that runs a model takes ``--threads N`` (:mod:`equivalence.runtime`) and ``--no-cache`` (the cache of
+compiled programs skipped: :mod:`equivalence.compile_cache`). Ctrl-C or SIGTERM ends any command
 with one line and status 130, ``train`` after saving its run (:mod:`.interrupts`).
 
 Each subcommand is one ``add_*`` function in :data:`COMMANDS` that registers its parser and
@@ -35,6 +36,7 @@ sets ``run``, the function that carries it out and returns the exit status (:dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from equivalence import backends, runtime
+from equivalence import backends, compile_cache, runtime
 from reference_numpy import TransformerConfig, __version__, init_params, save_checkpoint
 from reference_numpy.config import PRESETS
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
@@ -116,11 +118,16 @@ def subcommand(commands: Commands, name: str, summary: str) -> argparse.Argument
                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def add_threads(parser: argparse.ArgumentParser) -> None:
-    """``--threads N``: each framework's intra-op threads (``runtime.configure``), for a command that runs a model."""
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command that runs a model: ``--threads N``, each framework's intra-op threads
+    (``runtime.configure``), and ``--no-cache``, the cache of compiled programs skipped (``compile_cache.use``)."""
     add_number(parser, "--threads", metavar="N", default=runtime.visible_cores(),
                help="intra-op threads of each framework (PyTorch, TensorFlow, XLA) (default: the cores this "
                     f"process may use, here {runtime.visible_cores()})")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="neither read nor write the cache of compiled programs (default: kept in "
+                             f"${compile_cache.ENVIRONMENT}, else $XDG_CACHE_HOME/{compile_cache.NAME}, else "
+                             f"~/.cache/{compile_cache.NAME}; safe to delete)")
 
 
 def add_outputs(parser: argparse.ArgumentParser, *outputs: str, inputs: tuple[str, ...] = (),
@@ -184,7 +191,7 @@ def add_compare(commands: Commands) -> None:
     compare.add_argument("--perturb", metavar="BACKEND:TENSOR",
                          help="change one tensor of one backend by 1e-6 to see where the comparison catches it")
     add_languages(compare)
-    add_threads(compare)
+    add_runtime_flags(compare)
     add_outputs(compare, "plot", "precision_report", inputs=("checkpoint",), default_model="checkpoint")
     compare.set_defaults(run=run_compare)
 
@@ -239,7 +246,7 @@ def add_bench(commands: Commands) -> None:
                        help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", type=image_file, help="bar chart of achieved GFLOP/s")
-    add_threads(bench)
+    add_runtime_flags(bench)
     add_outputs(bench, "plot", inputs=("checkpoint",))
     bench.set_defaults(run=run_bench)
 
@@ -286,7 +293,7 @@ def add_plot(commands: Commands) -> None:
                            help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     attention.add_argument("--out", type=image_file, default="attention.png")
     add_languages(attention)
-    add_threads(attention)
+    add_runtime_flags(attention)
     add_outputs(attention, "out", inputs=("checkpoint",), default_model="checkpoint")
     plot.set_defaults(run=run_plot)
 
@@ -472,7 +479,7 @@ def add_train(commands: Commands) -> None:
     train.add_argument("--plot", metavar="FILE.png", type=image_file, help="the loss curves, backends side by side")
     train.add_argument("--json", action="store_true", help="print the results (with every step's loss and every "
                                                            "validation check) as JSON")
-    add_threads(train)
+    add_runtime_flags(train)
     add_outputs(train, "plot", inputs=("resume", "init", *CORPUS_FILES))
     train.set_defaults(run=run_train)
 
@@ -681,7 +688,7 @@ def add_translate(commands: Commands) -> None:
     translate.add_argument("--output", metavar="FILE", type=output_file,
                            help="write the translations to this file, one line per input line (default: standard "
                                 "output)")
-    add_threads(translate)
+    add_runtime_flags(translate)
     add_outputs(translate, "output", inputs=("input", "checkpoint"), default_model="checkpoint")
     translate.set_defaults(run=run_translate)
 
@@ -759,7 +766,7 @@ def add_evaluate(commands: Commands) -> None:
                           help="their reference translations, line for line")
     add_decoding(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print the scores as one JSON object")
-    add_threads(evaluate)
+    add_runtime_flags(evaluate)
     evaluate.set_defaults(run=run_evaluate)
 
 
@@ -802,11 +809,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_as_interrupt():
             args = build_parser().parse_args(argv)
-            if hasattr(args, "threads"):
-                runtime.configure(args.threads)
             if hasattr(args, "outputs"):
                 check_outputs(args)
-            return args.run(args)
+            if not hasattr(args, "threads"):
+                return args.run(args)
+            compile_cache.use(not args.no_cache)            # before any framework is imported
+            runtime.configure(args.threads)
+            with runtime.cache_notices_dropped() if not args.no_cache else contextlib.nullcontext():
+                return args.run(args)
     except SystemExit as stop:                          # --help, or a usage error argparse has printed
         return stop.code if isinstance(stop.code, int) else int(stop.code is not None)   # as Python exits with it
     except KeyboardInterrupt:                           # Ctrl-C or SIGTERM
