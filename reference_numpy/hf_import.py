@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -413,12 +414,25 @@ def _read_pickle(path: Path) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - the weights-only unpickler refuses anything but tensors
-        raise ValueError(f"cannot read {os.fspath(path)!r} with torch's weights-only loader: "
-                         f"{str(err).splitlines()[0]}") from None
+        raise ValueError(f"cannot read {os.fspath(path)!r}: {_pickle_refusal(err)}; the import reads a pickle only "
+                         "with torch's weights-only loader (or give the model as model.safetensors)") from None
     if not isinstance(state, dict):
         raise ValueError(f"{os.fspath(path)!r} does not hold a state dict")
     return {name: tensor.detach().float().numpy() if tensor.dtype in (torch.bfloat16, torch.float16)
             else tensor.detach().numpy() for name, tensor in state.items()}
+
+
+def _pickle_refusal(err: Exception) -> str:
+    """The reason torch's weights-only loader gave for refusing a file, in one line: the Python object it holds (a
+    class the loader will not construct: unpickling one may run code), or torch's own words for a file that is no
+    pickle of tensors -- without its advice to load the file anyway, or its terminal codes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    unsafe = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+    if unsafe:
+        return f"it holds a Python object ({unsafe.group(1)}) besides tensors, and unpickling one may run code"
+    detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    first = detail.group(1) if detail else (text.strip().splitlines() or [type(err).__name__])[0]
+    return f"it is not a pickle of tensors alone ({first.strip()})"
 
 
 def _widened(array: np.ndarray) -> np.ndarray:

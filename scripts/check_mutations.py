@@ -897,6 +897,12 @@ HF_EXPORT = [
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
            "transformer_cli/commands/translate.py", "self.beam_size = model.config.beam_size if beam_size is None",
            "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
+    single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
+           "holds", "reference_numpy/hf_import.py", "    if unsafe:\n", "    if False:\n",
+           ["tests/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),
+    single("hf import", "hf import: generation_config.json's min_new_tokens not read (eos held back by min_length "
+           "alone)", "reference_numpy/hf_import.py", '    min_new_tokens = generation.get("min_new_tokens")\n',
+           "    min_new_tokens = None\n", HF_GENERATE + ["-k", "config_from_generation_config"]),
 ]
 
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
