@@ -22,6 +22,7 @@ from reference_numpy.decoding import (
     _emittable,
     beam_search,
     check_decoding_args,
+    check_forced_bos,
     forced_tokens,
     greedy_decode,
     length_penalty,
@@ -54,6 +55,7 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
     is the decoder's).
     """
     config = model.config
+    forced_bos_id = check_forced_bos(config, forced_bos_id)                                 # or the config's
     tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)   # (B, L)
     log_probs = model(src, tgt, tgt_mask=causal_mask(tgt.shape[1]))                        # (B, L, V)
     log_probs = _emittable(config, log_probs)

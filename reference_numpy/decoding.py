@@ -15,8 +15,8 @@ The rules, shared by every port so that all backends produce identical tokens
   prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
   as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
-  ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code) the first output token is
-  it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
+  ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code; without one,
+  ``config.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
   ``config.forced_last_id``: eos, or the ``forced_eos_id`` a Marian config names (a sequence it ends without eos
   ends there by its budget).
   A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;
@@ -115,11 +115,12 @@ def check_decoding_args(beam_size: object, alpha: object, config: TransformerCon
 
 
 def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | None:
-    """``forced_bos_id`` as a Python int (or None), one error line shared by every backend: a target token id
-    other than eos and pad (an output is padded after its eos: a pad first would read as an empty output), as
-    transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's target-language code."""
+    """A call's ``forced_bos_id`` as a Python int, or ``config.forced_bos_id`` (None: nothing forced) when it is None;
+    one error line shared by every backend: a target token id other than eos and pad (an output is padded after its
+    eos: a pad first would read as an empty output), as transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's
+    target-language code."""
     if forced_bos_id is None:
-        return None
+        return config.forced_bos_id
     if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
             or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id in (config.eos_id, config.pad_id)):
         raise ValueError(f"forced_bos_id must be a target token id below tgt_vocab_size ({config.tgt_vocab_size}), "

@@ -38,8 +38,9 @@ below that output step), ``min_new_tokens`` + 1 when that is set (``generate`` l
 ``no_repeat_ngram_size`` the config's. The output budget is ``generate``'s: ``max_new_tokens``, or else ``max_length`` less the
 decoder start token it counts, or else transformers' default of 20 new tokens (:data:`GENERATE_NEW_TOKENS`), as
 ``max_output_length`` (every sentence's, where section 6.1 gives each its source length + 50); ``max_len``
-(``max_position_embeddings``) caps it as it caps transformers' default. ``forced_bos_token_id`` is not read: the
-forced first token (M2M100/NLLB's target language) is given per call (``forced_bos_id``).
+(``max_position_embeddings``) caps it as it caps transformers' default. ``forced_bos_token_id`` is ``forced_bos_id``,
+the first token decoding forces when a call names none (M2M100/NLLB's target language is given per call, by
+``translate --target-lang``).
 Marian has no bos of its own (its ``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as
 ``bos_id`` the lowest id that is neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
 project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
@@ -191,6 +192,11 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
         value = generation.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"{source} {name} must be an int >= 0, got {value!r}")
+    forced_bos = generation.get("forced_bos_token_id")
+    if forced_bos is not None and (not isinstance(forced_bos, int) or isinstance(forced_bos, bool)
+                                   or forced_bos < 0 or forced_bos in (pad, eos)):
+        raise ValueError(f"{source} forced_bos_token_id {forced_bos!r} is not supported: only a token id other than "
+                         f"pad ({pad}) and eos ({eos}), or none")
     # generate replaces min_length by min_new_tokens + its input length (the start token) when min_new_tokens is set
     min_new_tokens = generation.get("min_new_tokens")
     return dict(decoder_start_id=None if start == bos else start,
@@ -198,7 +204,7 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
                 renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
                 forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
-                beam_size=beams, no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
+                beam_size=beams, forced_bos_id=forced_bos, no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
                 min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1)
 
 

@@ -706,6 +706,14 @@ _NGRAM_SIZE = {RD: ("    n = config.no_repeat_ngram_size\n",
                          "n, vocab = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0), "
                          "log_probs.shape[1]") for port in (TD, JD, FD)}}
 HELD_BACK_DECODING = [
+    single("hf-decoding", "jax: beam search forces no first token when the call names none (the config's "
+           "forced_bos_id, a generation config's forced_bos_token_id, ignored)", JD,
+           "forced_bos_id = check_forced_bos(cfg, forced_bos_id)",
+           "forced_bos_id = forced_bos_id if forced_bos_id is None else check_forced_bos(cfg, forced_bos_id)",
+           HF_GENERATE + ["-k", "forced_first and jax"]),
+    consistent("hf-decoding", "the config's forced_bos_id ignored: nothing forced when a call names no first token",
+               [(RD, "        return config.forced_bos_id\n", "        return None\n")],
+               HF_GENERATE + ["-k", "forced_first and numpy"], CONVENTIONS, shared=DECODING_PORTS),
     single("held-back", "jax: eos held back one output step less than min_output_length says", JD, _HELD_EOS[JD],
            _HELD_EOS[JD].replace("step <", "step + 1 <"), [*HELD_BACK[:-1], HELD_BACK[-1] + " jax"]),
     consistent("held-back", "eos held back one output step less than min_output_length says (transformers' "

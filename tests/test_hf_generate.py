@@ -252,6 +252,33 @@ def test_a_forced_token_other_than_eos_is_generates(family_model, port):
             assert_same_tokens(np.asarray(mine), theirs, config.pad_id)
 
 
+FORCED_FIRST = 7                   # a generation config's forced_bos_token_id: a word of either family
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_the_generation_configs_forced_first_token_is_generates(family_model, port):
+    """A generation config's ``forced_bos_token_id`` is the config's ``forced_bos_id``: every backend (float64)
+    forces it when a call names none, decoding as ``generate`` (which reads it from that config), greedy and beam 4;
+    a call's ``forced_bos_id`` takes precedence."""
+    family, model, _, (config, params), src = family_model
+    assert FORCED_FIRST not in (config.pad_id, config.eos_id)
+    imported = config_from_hf(model.config.to_diff_dict(), {**model.generation_config.to_diff_dict(),
+                                                            "forced_bos_token_id": FORCED_FIRST})
+    assert imported.forced_bos_id == FORCED_FIRST and config.forced_bos_id is None
+    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    with float64_inference(port):
+        mine_model = backend.build(imported, params, "float64")
+        for beam in (1, 4):
+            theirs = hf_generate(model, src, config.pad_id, beam, length_penalty=1.0, early_stopping=False,
+                                 forced_bos_token_id=FORCED_FIRST)
+            unforced = hf_generate(model, src, config.pad_id, beam, length_penalty=1.0, early_stopping=False)
+            assert (theirs[:, 0] == FORCED_FIRST).all() and not (unforced[:, 0] == FORCED_FIRST).all()
+            mine = backend.greedy(mine_model, src) if beam == 1 else backend.beam(mine_model, src, beam, 1.0)[0]
+            assert_same_tokens(np.asarray(mine), theirs, config.pad_id)
+        called = backend.greedy(mine_model, src, forced_bos_id=LANGUAGE)
+        assert (np.asarray(called)[:, 0] == LANGUAGE).all()
+
+
 # transformers' generation settings that hold tokens back (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
 # NoRepeatNGramLogitsProcessor), with values that change these models' tokens (test_held_back_tokens_change_generates)
 HELD_BACK = {"min_length": {"min_length": 12}, "min_new_tokens": {"min_new_tokens": 9},
@@ -490,6 +517,9 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("min_output_length", 2.0, "min_output_length must be an int"),
     ("no_repeat_ngram_size", -1, "no_repeat_ngram_size must be >= 0"),
     ("no_repeat_ngram_size", True, "no_repeat_ngram_size must be an int"),
+    ("forced_bos_id", 2, "forced_bos_id (2) must be a target token id below tgt_vocab_size (23), not eos_id or pad_id"),
+    ("forced_bos_id", 23, "forced_bos_id (23) must be a target token id below tgt_vocab_size (23)"),
+    ("forced_bos_id", 1.0, "forced_bos_id must be an int"),
 ])
 def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError) as info:
@@ -546,6 +576,8 @@ def test_config_from_generation_config():
                            ({"min_length": 1}, 1), ({"min_new_tokens": None, "min_length": 0}, 0)):
         assert config_from_hf(base, {**generation, **setting}).min_output_length == least   # min_new_tokens first
     assert config_from_hf(base, {**generation, "no_repeat_ngram_size": 3}).no_repeat_ngram_size == 3
+    assert (config.forced_bos_id, config_from_hf(base, {**generation, "forced_bos_token_id": 5}).forced_bos_id) == (
+        None, 5)
     for forced, last in ((5, 5), ([5], 5), ([0], 0), (28, 28)):                      # any one id; eos is the default
         other = config_from_hf(base, {**generation, "forced_eos_token_id": forced})
         assert (other.forced_eos, other.forced_eos_id, other.forced_last_id) == (True, None if last == 0 else last,
@@ -556,7 +588,8 @@ def test_config_from_generation_config():
                          ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0),
                          ("renormalize_logits", 1), ("max_length", 1), ("max_length", 30.0), ("max_new_tokens", 0),
                          ("max_new_tokens", False), ("min_length", True), ("min_length", -1), ("min_new_tokens", 2.0),
-                         ("no_repeat_ngram_size", -2), ("no_repeat_ngram_size", "3")):
+                         ("no_repeat_ngram_size", -2), ("no_repeat_ngram_size", "3"), ("forced_bos_token_id", 28),
+                         ("forced_bos_token_id", 0), ("forced_bos_token_id", True), ("forced_bos_token_id", [5])):
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)
