@@ -16,7 +16,8 @@ The rules, shared by every port so that all backends produce identical tokens
   as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
   ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code; without one,
-  ``config.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
+  ``config.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with
+  ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
   ``config.forced_last_id``: eos, or the ``forced_eos_id`` a Marian config names (a sequence it ends without eos
   ends there by its budget).
   A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;

@@ -42,7 +42,8 @@ to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherw
 ``renormalize``), eos (or ``forced_eos_id``) forced at the
 end of the budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
 ``num_beams`` (1, greedy, by default); ``min_output_length`` as ``min_length`` (one number: ``min_length`` counts the
-start token and not eos, ``min_output_length`` eos and not the start token) and ``no_repeat_ngram_size``; ``forced_bos_id`` as ``forced_bos_token_id``; its ``max_output_length`` tokens after the start token (``max_length``
+start token and not eos, ``min_output_length`` eos and not the start token) and ``no_repeat_ngram_size``;
+``forced_bos_id`` as ``forced_bos_token_id``; its ``max_output_length`` tokens after the start token (``max_length``
 counts the start token), or, without one, ``max_len``: section 6.1's per-sentence budget (source length + 50) has
 no ``generate`` equivalent (a caller gives it as ``max_new_tokens``), and the export imports back with the budget
 transformers decodes it with. Beam search in transformers normalises by

@@ -35,9 +35,10 @@ the decoding commands use when given none. A setting with which ``generate`` wou
 reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, the encoder's n-gram blocking, ...) is
 refused, naming it; ``min_length`` (counting the start token and not eos) is ``min_output_length`` (eos held back
 below that output step), ``min_new_tokens`` + 1 when that is set (``generate`` lets it take precedence), and
-``no_repeat_ngram_size`` the config's. The output budget is ``generate``'s: ``max_new_tokens``, or else ``max_length`` less the
-decoder start token it counts, or else transformers' default of 20 new tokens (:data:`GENERATE_NEW_TOKENS`), as
-``max_output_length`` (every sentence's, where section 6.1 gives each its source length + 50); ``max_len``
+``no_repeat_ngram_size`` the config's. The output budget is ``generate``'s: ``max_new_tokens``, or else
+``max_length`` less the decoder start token it counts, or else transformers' default of 20 new tokens
+(:data:`GENERATE_NEW_TOKENS`), as ``max_output_length`` (every sentence's, where section 6.1 gives each its source
+length + 50); ``max_len``
 (``max_position_embeddings``) caps it as it caps transformers' default. ``forced_bos_token_id`` is ``forced_bos_id``,
 the first token decoding forces when a call names none (M2M100/NLLB's target language is given per call, by
 ``translate --target-lang``).
@@ -204,7 +205,8 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
                 renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
                 forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
-                beam_size=beams, forced_bos_id=forced_bos, no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
+                beam_size=beams, forced_bos_id=forced_bos,
+                no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
                 min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1)
 
 

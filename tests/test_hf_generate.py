@@ -572,8 +572,9 @@ def test_config_from_generation_config():
     assert (defaults.beam_size, defaults.max_output_length) == (1, 20)                 # GenerationConfig's defaults
     assert config_from_hf(base, {"decoder_start_token_id": 28}).max_output_length == 7  # capped by 8 positions
     assert config_from_hf(base, {**generation, "max_new_tokens": 7}).max_output_length == 7   # over max_length
-    for setting, least in (({"min_length": 5}, 5), ({"min_new_tokens": 4}, 5), ({"min_length": 9, "min_new_tokens": 2}, 3),
-                           ({"min_length": 1}, 1), ({"min_new_tokens": None, "min_length": 0}, 0)):
+    for setting, least in (({"min_length": 5}, 5), ({"min_new_tokens": 4}, 5),
+                           ({"min_length": 9, "min_new_tokens": 2}, 3), ({"min_length": 1}, 1),
+                           ({"min_new_tokens": None, "min_length": 0}, 0)):
         assert config_from_hf(base, {**generation, **setting}).min_output_length == least   # min_new_tokens first
     assert config_from_hf(base, {**generation, "no_repeat_ngram_size": 3}).no_repeat_ngram_size == 3
     assert (config.forced_bos_id, config_from_hf(base, {**generation, "forced_bos_token_id": 5}).forced_bos_id) == (

@@ -145,8 +145,9 @@ def constrain(config: TransformerConfig, log_probs: tf.Tensor, history: tf.Tenso
         matches = tf.reduce_all(windows[:, :, :-1] == tail[:, None, :], axis=2) & (tf.range(width) < step - n + 1)
         rows = tf.broadcast_to(tf.range(tf.shape(history, tf.int64)[0])[:, None], tf.shape(matches))
         columns = tf.where(matches, windows[:, :, -1], tf.constant(vocab, tf.int64))       # column V: no token
+        shape = tf.stack([tf.shape(history, tf.int64)[0], vocab + 1])                       # (N, V + 1)
         counts = tf.scatter_nd(tf.reshape(tf.stack([rows, columns], axis=2), (-1, 2)),
-                               tf.ones(tf.size(matches), tf.int32), tf.stack([tf.shape(history, tf.int64)[0], vocab + 1]))
+                               tf.ones(tf.size(matches), tf.int32), shape)
         log_probs = tf.where(counts[:, :vocab] > 0, never, log_probs)
     return log_softmax(log_probs) if config.renormalize else log_probs
 

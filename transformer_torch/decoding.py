@@ -101,7 +101,8 @@ def constrain(config: TransformerConfig, log_probs: Tensor, history: Tensor, ste
     ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
     would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the prefix whose first n - 1 tokens
     are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them (at every step of a config
-    with either setting). ``log_probs`` unchanged without them. Shape: log_probs (N, V), history (N, W), W > step -> (N, V)."""
+    with either setting). ``log_probs`` unchanged without them.
+    Shape: log_probs (N, V), history (N, W), W > step -> (N, V)."""
     n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
     if not (config.min_output_length or n):
         return log_probs
