@@ -4,9 +4,9 @@ The token rules of :mod:`equivalence.tolerance` (``greedy_tokens_agree``, ``beam
 backend's tokens only where the reference decided by more than the backend's error can move (float32's bound, or
 float64's in the fuzzer). The margins are computed here, from the reference's public model and the step iterator of
 its beam search, so that the decoders' public API returns tokens and scores only. They follow every decoding
-convention of the config (``reference_numpy/decoding.py``): the start token, the suppressed tokens, the forced
-ones (a forced step decides nothing: its token is the rule's) and the length normalization, with "hf"'s stopping
-rule.
+convention of the config (``reference_numpy/decoding.py``): the start token, the suppressed and held-back tokens,
+the forced ones (a forced step decides nothing: its token is the rule's) and the length normalization, with "hf"'s
+stopping rule.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from reference_numpy.decoding import (
     _emittable,
     beam_search,
     check_decoding_args,
+    check_forced_bos,
+    constrain,
     forced_tokens,
     greedy_decode,
     length_penalty,
@@ -49,14 +51,17 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
 
     One teacher-forced pass gives every step's log-probabilities: the decoder is causal (section 3.2.3) and reads
     its prefix under the causal mask alone, so position t sees the start token and the first t tokens, exactly the
-    prefix the greedy step saw. The tokens of ``config.never_emitted`` are left out, as the decoder never emits them
-    (and the others renormalized with ``config.renormalize``, as the decoder does: the gaps are the same, the scale
-    is the decoder's).
+    prefix the greedy step saw. The tokens of ``config.never_emitted`` and the held-back ones (``constrain``) are left
+    out, as the decoder never emits them (and the others renormalized with ``config.renormalize``, as the decoder
+    does: the gaps are the same, the scale is the decoder's).
     """
     config = model.config
+    forced_bos_id = check_forced_bos(config, forced_bos_id)                                 # or the config's
     tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)   # (B, L)
     log_probs = model(src, tgt, tgt_mask=causal_mask(tgt.shape[1]))                        # (B, L, V)
-    log_probs = _emittable(config, log_probs)
+    history = np.concatenate([tgt, tokens[:, -1:]], axis=1)                                # (B, L + 1)
+    log_probs = np.stack([constrain(config, _emittable(config, log_probs[:, t - 1]), history, t)
+                          for t in range(1, tokens.shape[1] + 1)], axis=1)                  # (B, L, V)
     top_two = np.sort(log_probs, axis=-1)[..., -2:]                                         # (B, L, 2)
     eos = (tokens == config.eos_id).astype(int)                                             # (B, L)
     ended = np.cumsum(eos, axis=1) - eos > 0                                                # an eos before step t

@@ -34,7 +34,8 @@ LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, t
 MAX_BEAM_SIZE = 64          # the widest beam a checkpoint's ``beam_size`` or a command's --beam may ask for
 # The fields of TransformerConfig's decoding conventions (its docstring), whose defaults are section 6.1's decoding
 DECODING_CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "max_output_length", "forced_eos",
-                        "forced_eos_id", "length_normalization", "length_penalty", "early_stopping", "beam_size")
+                        "forced_eos_id", "length_normalization", "length_penalty", "early_stopping", "beam_size",
+                        "min_output_length", "no_repeat_ngram_size", "forced_bos_id")
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -141,6 +142,17 @@ class TransformerConfig(_Config):
         early_stopping: transformers' ``early_stopping`` (False, True or "never"), for "hf" only.
         beam_size: the beam the decoding commands (``translate``, ``evaluate``) use when given none: 1 is greedy
             decoding, the default; transformers' ``num_beams`` on import (section 6.1 uses 4).
+        min_output_length: eos is not emitted at an output step below it (its log-probability -inf; step 1 is the
+            first output token, so an output holds at least ``min_output_length`` tokens, eos included, unless its
+            budget ends it first): transformers' ``min_length`` (which counts the start token) and
+            ``min_new_tokens`` + 1. 0 (the default) and 1 hold nothing back.
+        no_repeat_ngram_size: n > 0: a token that would complete an n-gram already in the hypothesis (the start
+            token and the tokens so far) is not emitted (transformers' ``no_repeat_ngram_size``); 0, the default,
+            bans nothing.
+        forced_bos_id: the first output token every decoding call forces when it is given none (transformers'
+            ``forced_bos_token_id``: ``ForcedBOSTokenLogitsProcessor``; a call's ``forced_bos_id``, e.g. ``translate
+            --target-lang``'s language code, takes precedence): a target token other than eos and pad; None forces
+            nothing.
     """
 
     src_vocab_size: int = 37000
@@ -173,6 +185,9 @@ class TransformerConfig(_Config):
     length_penalty: float = LENGTH_PENALTY_ALPHA
     early_stopping: bool | str = False
     beam_size: int = 1
+    min_output_length: int = 0
+    no_repeat_ngram_size: int = 0
+    forced_bos_id: int | None = None
 
     def __post_init__(self) -> None:
         """Validate every field; NumPy scalars (``np.int64(16)``, ``np.float32(0.1)``, ``np.bool_``)
@@ -263,6 +278,13 @@ class TransformerConfig(_Config):
         self._store("beam_size", _as_int("beam_size", self.beam_size, minimum=1))
         if self.beam_size > MAX_BEAM_SIZE:
             raise ValueError(f"beam_size must be <= {MAX_BEAM_SIZE}, got {self.beam_size}")
+        for name in ("min_output_length", "no_repeat_ngram_size"):
+            self._store(name, _as_int(name, getattr(self, name), minimum=0))
+        if self.forced_bos_id is not None:
+            self._store("forced_bos_id", _as_int("forced_bos_id", self.forced_bos_id, minimum=0))
+            if self.forced_bos_id >= vocab or self.forced_bos_id in (self.eos_id, self.pad_id):
+                raise ValueError(f"forced_bos_id ({self.forced_bos_id}) must be a target token id below tgt_vocab_size "
+                                 f"({vocab}), not eos_id or pad_id")
 
     def paper_decoding(self) -> Self:
         """This model with section 6.1's decoding: every field of :data:`DECODING_CONVENTIONS` at its default."""

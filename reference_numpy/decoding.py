@@ -15,11 +15,18 @@ The rules, shared by every port so that all backends produce identical tokens
   prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
   as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
-  ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code) the first output token is
-  it; with ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
+  ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code; without one,
+  ``config.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with
+  ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
   ``config.forced_last_id``: eos, or the ``forced_eos_id`` a Marian config names (a sequence it ends without eos
   ends there by its budget).
   A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;
+* held-back tokens (:func:`constrain`; transformers' ``MinLengthLogitsProcessor`` and
+  ``NoRepeatNGramLogitsProcessor``, which its ``generate`` applies before the forced tokens and its renormalization):
+  eos gets -inf at an output step below ``config.min_output_length``, and with ``config.no_repeat_ngram_size`` n > 0
+  every token that would complete an n-gram already in the hypothesis (read with its start token) gets -inf; with
+  ``config.renormalize`` the log-probabilities are then normalized again over the tokens left (a log-softmax of
+  log-probabilities: the same as transformers' one normalization after every processor, to rounding);
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
 * beam search: beam size 4. Candidates (beam b, token v) are ranked by the summed log-probability, ties going to
   the lower b, then the lower v. Walking the ranking, an eos candidate of finite score among the first
@@ -109,11 +116,12 @@ def check_decoding_args(beam_size: object, alpha: object, config: TransformerCon
 
 
 def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | None:
-    """``forced_bos_id`` as a Python int (or None), one error line shared by every backend: a target token id
-    other than eos and pad (an output is padded after its eos: a pad first would read as an empty output), as
-    transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's target-language code."""
+    """A call's ``forced_bos_id`` as a Python int, or ``config.forced_bos_id`` (None: nothing forced) when it is None;
+    one error line shared by every backend: a target token id other than eos and pad (an output is padded after its
+    eos: a pad first would read as an empty output), as transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's
+    target-language code."""
     if forced_bos_id is None:
-        return None
+        return config.forced_bos_id
     if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
             or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id in (config.eos_id, config.pad_id)):
         raise ValueError(f"forced_bos_id must be a target token id below tgt_vocab_size ({config.tgt_vocab_size}), "
@@ -149,7 +157,34 @@ def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
     ``config.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them
     (transformers' ``LogitNormalization``). Shape: (..., V) -> (..., V)."""
     log_probs[..., list(config.never_emitted)] = -np.inf
+    return _renormalized(config, log_probs)
+
+
+def _renormalized(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
+    """With ``config.renormalize``, the log-probabilities normalized again over the tokens left (a log-softmax of
+    them); else as they are. Shape: (..., V) -> (..., V)."""
     return log_softmax(log_probs) if config.renormalize else log_probs
+
+
+def constrain(config: TransformerConfig, log_probs: np.ndarray, history: np.ndarray, step: int) -> np.ndarray:
+    """The log-probabilities of the token at output ``step`` t, after the prefix ``history[:, :t]`` (the start token
+    and the tokens so far), with the held-back tokens of the module docstring at -inf: eos while t <
+    ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token v such that the last n - 1
+    tokens of the prefix followed by v is an n-gram of the prefix; then, with ``config.renormalize``, normalized
+    again over the others (at every step of a config with either setting).
+    Shape: log_probs (N, V), history (N, W), W >= t -> (N, V)."""
+    n = config.no_repeat_ngram_size
+    if not (config.min_output_length or n):
+        return log_probs
+    log_probs = log_probs.copy()
+    if step < config.min_output_length:
+        log_probs[:, config.eos_id] = -np.inf
+    for row, tokens in enumerate(history[:, :step].tolist() if n else ()):
+        tail = tokens[step - n + 1:]                       # the n - 1 tokens a new n-gram would start with
+        for start in range(step - n + 1):                  # every n-gram of the prefix
+            if tokens[start:start + n - 1] == tail:
+                log_probs[row, tokens[start + n - 1]] = -np.inf
+    return _renormalized(config, log_probs)
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
@@ -183,7 +218,7 @@ def greedy_decode(model: Transformer, src: np.ndarray, forced_bos_id: int | None
     tgt = np.full((len(src), 1), cfg.start_id, dtype=np.int64)
     done = np.zeros(len(src), dtype=bool)
     for step in range(1, int(limits.max()) + 1):
-        log_probs = force(next_token_log_probs(model, tgt, memory, src_mask),
+        log_probs = force(constrain(cfg, next_token_log_probs(model, tgt, memory, src_mask), tgt, step),
                           forced_tokens(cfg, step, limits, forced_bos_id))          # (B, V)
         token = log_probs.argmax(axis=-1)                                          # first max = lowest id
         token = np.where(done, cfg.pad_id, token)
@@ -256,8 +291,8 @@ def _sentence_steps(model: Transformer, memory: np.ndarray, src_mask: np.ndarray
     finished: list[tuple[float, list[int]]] = []         # in the order they finished
     for step in range(1, limit + 1):
         n_live = len(live)
-        log_probs = next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
-                                         np.repeat(src_mask, n_live, axis=0))
+        log_probs = constrain(cfg, next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
+                                                        np.repeat(src_mask, n_live, axis=0)), live, step)
         log_probs = force(log_probs, np.repeat(forced_tokens(cfg, step, np.array([limit]), search.forced_bos_id),
                                                n_live))
         candidates = live_scores[:, None] + log_probs                               # (n_live, V)

@@ -41,7 +41,9 @@ conventions (:mod:`.decoding`; what :mod:`.hf_import` reads back): the start tok
 to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherwise; ``renormalize_logits`` its
 ``renormalize``), eos (or ``forced_eos_id``) forced at the
 end of the budget only with ``forced_eos``, ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as
-``num_beams`` (1, greedy, by default); its ``max_output_length`` tokens after the start token (``max_length``
+``num_beams`` (1, greedy, by default); ``min_output_length`` as ``min_length`` (one number: ``min_length`` counts the
+start token and not eos, ``min_output_length`` eos and not the start token) and ``no_repeat_ngram_size``;
+``forced_bos_id`` as ``forced_bos_token_id``; its ``max_output_length`` tokens after the start token (``max_length``
 counts the start token), or, without one, ``max_len``: section 6.1's per-sentence budget (source length + 50) has
 no ``generate`` equivalent (a caller gives it as ``max_new_tokens``), and the export imports back with the budget
 transformers decodes it with. Beam search in transformers normalises by
@@ -135,7 +137,9 @@ def generation_config(config: TransformerConfig) -> dict[str, Any]:
     bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
     return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False,
             "max_length": generate_budget(config) + 1, **bad_words, "renormalize_logits": config.renormalize,
-            "length_penalty": config.length_penalty, "early_stopping": config.early_stopping}
+            "length_penalty": config.length_penalty, "early_stopping": config.early_stopping,
+            "min_length": config.min_output_length, "no_repeat_ngram_size": config.no_repeat_ngram_size,
+            "forced_bos_token_id": config.forced_bos_id}
 
 
 def generate_budget(config: TransformerConfig) -> int:

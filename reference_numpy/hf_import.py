@@ -32,12 +32,16 @@ eos; id 0 in a Marian config that names no other, whatever its eos) is ``forced_
 not eos; beam search is transformers' (``length_normalization`` "hf") with its ``length_penalty``
 (1.0 by default) and ``early_stopping`` (False by default); ``num_beams`` (1 by default) is ``beam_size``, the beam
 the decoding commands use when given none. A setting with which ``generate`` would choose other tokens than the
-reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, n-gram blocking, a minimum length, ...) is
-refused, naming it. The output budget is ``generate``'s: ``max_new_tokens``, or else ``max_length`` less the
-decoder start token it counts, or else transformers' default of 20 new tokens (:data:`GENERATE_NEW_TOKENS`), as
-``max_output_length`` (every sentence's, where section 6.1 gives each its source length + 50); ``max_len``
-(``max_position_embeddings``) caps it as it caps transformers' default. ``forced_bos_token_id`` is not read: the
-forced first token (M2M100/NLLB's target language) is given per call (``forced_bos_id``).
+reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, the encoder's n-gram blocking, ...) is
+refused, naming it; ``min_length`` (counting the start token and not eos) is ``min_output_length`` (eos held back
+below that output step), ``min_new_tokens`` + 1 when that is set (``generate`` lets it take precedence), and
+``no_repeat_ngram_size`` the config's. The output budget is ``generate``'s: ``max_new_tokens``, or else
+``max_length`` less the decoder start token it counts, or else transformers' default of 20 new tokens
+(:data:`GENERATE_NEW_TOKENS`), as ``max_output_length`` (every sentence's, where section 6.1 gives each its source
+length + 50); ``max_len``
+(``max_position_embeddings``) caps it as it caps transformers' default. ``forced_bos_token_id`` is ``forced_bos_id``,
+the first token decoding forces when a call names none (M2M100/NLLB's target language is given per call, by
+``translate --target-lang``).
 Marian has no bos of its own (its ``bos_token_id``, if any, is eos): the import keeps pad and eos and takes as
 ``bos_id`` the lowest id that is neither -- unless ``decoder_start_token_id`` is neither, as in a Marian model this
 project exported (:mod:`.hf_export`), which starts from its bos; M2M100/NLLB's ``bos_token_id`` (0) is kept.
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +82,10 @@ LEGACY_FIELDS: dict[str, dict[str, Any]] = {
 # transformers' generation settings that make ``generate`` choose other tokens than the reference's decoding, with
 # the values that leave it unchanged (transformers' own defaults, GenerationConfig._get_default_generation_params):
 # any other value is refused, naming the field. The sampling parameters (temperature, top_k, ...) act only with
-# do_sample, so they are not among them; a min_length of 1 is the start token every output has at its first step.
+# do_sample, so they are not among them.
 GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "do_sample": (False,), "min_length": (0, 1), "min_new_tokens": (0,), "repetition_penalty": (1.0,),
-    "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,), "encoder_no_repeat_ngram_size": (0,),
+    "do_sample": (False,), "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,), "encoder_no_repeat_ngram_size": (0,),
     "num_beam_groups": (1,), "diversity_penalty": (0.0,), "penalty_alpha": (0.0,), "guidance_scale": (1.0,),
     "sequence_bias": ({}, []), "force_words_ids": ([],), "constraints": ([],), "suppress_tokens": ([],),
     "begin_suppress_tokens": ([],), "exponential_decay_length_penalty": (), "stop_strings": ([],),
@@ -184,12 +189,25 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     if not isinstance(renormalize, bool):
         raise ValueError(f"{source} renormalize_logits must be true or false, got {renormalize!r}")
     suppressed = [word[0] for word in bad]
+    for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size"):
+        value = generation.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{source} {name} must be an int >= 0, got {value!r}")
+    forced_bos = generation.get("forced_bos_token_id")
+    if forced_bos is not None and (not isinstance(forced_bos, int) or isinstance(forced_bos, bool)
+                                   or forced_bos < 0 or forced_bos in (pad, eos)):
+        raise ValueError(f"{source} forced_bos_token_id {forced_bos!r} is not supported: only a token id other than "
+                         f"pad ({pad}) and eos ({eos}), or none")
+    # generate replaces min_length by min_new_tokens + its input length (the start token) when min_new_tokens is set
+    min_new_tokens = generation.get("min_new_tokens")
     return dict(decoder_start_id=None if start == bos else start,
                 suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
                 renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
                 forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
                 length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
-                beam_size=beams)
+                beam_size=beams, forced_bos_id=forced_bos,
+                no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
+                min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1)
 
 
 def _forced_eos(generation: dict[str, Any], source: str) -> int | None:
@@ -404,12 +422,25 @@ def _read_pickle(path: Path) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - the weights-only unpickler refuses anything but tensors
-        raise ValueError(f"cannot read {os.fspath(path)!r} with torch's weights-only loader: "
-                         f"{str(err).splitlines()[0]}") from None
+        raise ValueError(f"cannot read {os.fspath(path)!r}: {_pickle_refusal(err)}; the import reads a pickle only "
+                         "with torch's weights-only loader (or give the model as model.safetensors)") from None
     if not isinstance(state, dict):
         raise ValueError(f"{os.fspath(path)!r} does not hold a state dict")
     return {name: tensor.detach().float().numpy() if tensor.dtype in (torch.bfloat16, torch.float16)
             else tensor.detach().numpy() for name, tensor in state.items()}
+
+
+def _pickle_refusal(err: Exception) -> str:
+    """The reason torch's weights-only loader gave for refusing a file, in one line: the Python object it holds (a
+    class the loader will not construct: unpickling one may run code), or torch's own words for a file that is no
+    pickle of tensors -- without its advice to load the file anyway, or its terminal codes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    unsafe = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+    if unsafe:
+        return f"it holds a Python object ({unsafe.group(1)}) besides tensors, and unpickling one may run code"
+    detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    first = detail.group(1) if detail else (text.strip().splitlines() or [type(err).__name__])[0]
+    return f"it is not a pickle of tensors alone ({first.strip()})"
 
 
 def _widened(array: np.ndarray) -> np.ndarray:

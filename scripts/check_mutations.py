@@ -699,6 +699,41 @@ HF_DECODING = [
     ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
 ]
 
+# transformers' held-back tokens (the config's min_output_length and no_repeat_ngram_size, each backend's
+# constrain): tests/test_hf_generate.py's settings against generate and a naive check of the rules; a plant alike in
+# every backend passes the ports' agreement with the reference on them
+HELD_BACK = ["tests/test_hf_generate.py", "-k", "held_back_tokens_decode_as_generate and marian and"]
+HELD_BACK_AGREEMENT = ["tests/test_hf_generate.py", "-k", "held_back_tokens_agree_across_backends"]
+_HELD_EOS = {RD: "if step < config.min_output_length:", TD: "if step < config.min_output_length:",
+             JD: "& (step < config.min_output_length)", FD: "& (step < config.min_output_length)"}
+_NGRAM_SIZE = {RD: ("    n = config.no_repeat_ngram_size\n",
+                    "    n = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0)\n"),
+               **{port: ("n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]",
+                         "n, vocab = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0), "
+                         "log_probs.shape[1]") for port in (TD, JD, FD)}}
+HELD_BACK_DECODING = [
+    single("hf-decoding", "jax: beam search forces no first token when the call names none (the config's "
+           "forced_bos_id, a generation config's forced_bos_token_id, ignored)", JD,
+           "forced_bos_id = check_forced_bos(cfg, forced_bos_id)",
+           "forced_bos_id = forced_bos_id if forced_bos_id is None else check_forced_bos(cfg, forced_bos_id)",
+           HF_GENERATE + ["-k", "forced_first and jax"]),
+    consistent("hf-decoding", "the config's forced_bos_id ignored: nothing forced when a call names no first token",
+               [(RD, "        return config.forced_bos_id\n", "        return None\n")],
+               HF_GENERATE + ["-k", "forced_first and numpy"], CONVENTIONS, shared=DECODING_PORTS),
+    single("held-back", "jax: eos held back one output step less than min_output_length says", JD, _HELD_EOS[JD],
+           _HELD_EOS[JD].replace("step <", "step + 1 <"), [*HELD_BACK[:-1], HELD_BACK[-1] + " jax"]),
+    consistent("held-back", "eos held back one output step less than min_output_length says (transformers' "
+               "min_length counted without its start token)",
+               [(path, text, text.replace("step <", "step + 1 <")) for path, text in _HELD_EOS.items()],
+               [*HELD_BACK[:-1], HELD_BACK[-1] + " numpy"], HELD_BACK_AGREEMENT),
+    single("held-back", "torch: the n-gram ban matches the windows against the n - 1 tokens before the prefix's last",
+           TD, "tail = history[:, step - n + 1:step]", "tail = history[:, step - n:step - 1]",
+           [*HELD_BACK[:-1], HELD_BACK[-1] + " torch"]),
+    consistent("held-back", "no_repeat_ngram_size n bans repeated (n + 1)-grams",
+               [(path, *edit) for path, edit in _NGRAM_SIZE.items()], [*HELD_BACK[:-1], HELD_BACK[-1] + " numpy"],
+               HELD_BACK_AGREEMENT),
+]
+
 TIES = [
     consistent("ties", "greedy: ties go to the highest token id", [
         (RD, "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)"),
@@ -879,6 +914,12 @@ HF_EXPORT = [
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
            "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
            "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
+    single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
+           "holds", "reference_numpy/hf_import.py", "    if unsafe:\n", "    if False:\n",
+           ["tests/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),
+    single("hf import", "hf import: generation_config.json's min_new_tokens not read (eos held back by min_length "
+           "alone)", "reference_numpy/hf_import.py", '    min_new_tokens = generation.get("min_new_tokens")\n',
+           "    min_new_tokens = None\n", HF_GENERATE + ["-k", "config_from_generation_config"]),
 ]
 
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
@@ -1254,7 +1295,7 @@ CACHE = [
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *HELD_BACK_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
              *BENCH, *ECOSYSTEM, *DEVICE, *OUTPUTS, *LAYERS, *CACHE]
 

@@ -171,10 +171,16 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     model.generation_config.num_beams = 3
     if family == "marian":
         model.generation_config.renormalize_logits = True
+        model.generation_config.min_length = 5
     else:
         model.generation_config.forced_eos_token_id = 4
+        model.generation_config.min_new_tokens = 3
+        model.generation_config.forced_bos_token_id = 6
+    model.generation_config.no_repeat_ngram_size = 3
     model.save_pretrained(tmp_path / "hf")
     first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
+    assert (first.min_output_length, first.no_repeat_ngram_size, first.forced_bos_id) == (
+        (5, 3, None) if family == "marian" else (4, 3, 6))
     assert first.length_normalization == "hf" and first.decoder_start_id is not None and first.beam_size == 3
     assert first.renormalize == (family == "marian")
     assert (first.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
@@ -186,7 +192,8 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     theirs, ours = (json.loads((tmp_path / where / "generation_config.json").read_text())
                     for where in ("hf", "exported"))
     unset = {"decoder_start_token_id": None, "bad_words_ids": None, "forced_eos_token_id": None,
-             "early_stopping": False, "num_beams": 1, "renormalize_logits": False}   # GenerationConfig's defaults
+             "early_stopping": False, "num_beams": 1, "renormalize_logits": False,   # GenerationConfig's defaults
+             "no_repeat_ngram_size": 0, "forced_bos_token_id": None}
     for field, default in unset.items():
         assert ours.get(field, default) == theirs.get(field, default), field
 

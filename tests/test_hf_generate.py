@@ -252,6 +252,128 @@ def test_a_forced_token_other_than_eos_is_generates(family_model, port):
             assert_same_tokens(np.asarray(mine), theirs, config.pad_id)
 
 
+FORCED_FIRST = 7                   # a generation config's forced_bos_token_id: a word of either family
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_the_generation_configs_forced_first_token_is_generates(family_model, port):
+    """A generation config's ``forced_bos_token_id`` is the config's ``forced_bos_id``: every backend (float64)
+    forces it when a call names none, decoding as ``generate`` (which reads it from that config), greedy and beam 4;
+    a call's ``forced_bos_id`` takes precedence."""
+    family, model, _, (config, params), src = family_model
+    assert FORCED_FIRST not in (config.pad_id, config.eos_id)
+    imported = config_from_hf(model.config.to_diff_dict(), {**model.generation_config.to_diff_dict(),
+                                                            "forced_bos_token_id": FORCED_FIRST})
+    assert imported.forced_bos_id == FORCED_FIRST and config.forced_bos_id is None
+    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    with float64_inference(port):
+        mine_model = backend.build(imported, params, "float64")
+        for beam in (1, 4):
+            theirs = hf_generate(model, src, config.pad_id, beam, length_penalty=1.0, early_stopping=False,
+                                 forced_bos_token_id=FORCED_FIRST)
+            unforced = hf_generate(model, src, config.pad_id, beam, length_penalty=1.0, early_stopping=False)
+            assert (theirs[:, 0] == FORCED_FIRST).all() and not (unforced[:, 0] == FORCED_FIRST).all()
+            mine = backend.greedy(mine_model, src) if beam == 1 else backend.beam(mine_model, src, beam, 1.0)[0]
+            assert_same_tokens(np.asarray(mine), theirs, config.pad_id)
+        called = backend.greedy(mine_model, src, forced_bos_id=LANGUAGE)
+        assert (np.asarray(called)[:, 0] == LANGUAGE).all()
+
+
+# transformers' generation settings that hold tokens back (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+# NoRepeatNGramLogitsProcessor), with values that change these models' tokens (test_held_back_tokens_change_generates)
+HELD_BACK = {"min_length": {"min_length": 12}, "min_new_tokens": {"min_new_tokens": 9},
+             "no_repeat_ngram_size": {"no_repeat_ngram_size": 2}, "both": {"min_length": 12, "no_repeat_ngram_size": 3}}
+
+
+@pytest.fixture(scope="module")
+def held_back(family_model, expected):
+    """Per setting of :data:`HELD_BACK`: the config imported with it and transformers' tokens, greedy and beam 4."""
+    family, model, _, (config, _), src = family_model
+    generation = model.generation_config.to_diff_dict()
+    return {name: (config_from_hf(model.config.to_diff_dict(), {**generation, **setting}),
+                   {beam: hf_generate(model, src, config.pad_id, beam, **hf_options(family), **setting)
+                    for beam in (1, 4)}) for name, setting in HELD_BACK.items()}
+
+
+def test_held_back_tokens_change_generates_tokens(family_model, expected, held_back):
+    """Each setting of :data:`HELD_BACK` changes transformers' greedy or beam tokens (so matching them is a test of
+    it), and the import reads it into the config's ``min_output_length`` / ``no_repeat_ngram_size``."""
+    _, _, _, (config, _), _ = family_model
+    for name, (imported, theirs) in held_back.items():
+        setting = HELD_BACK[name]
+        assert (imported.min_output_length, imported.no_repeat_ngram_size) == (
+            setting.get("min_new_tokens", -1) + 1 or setting.get("min_length", 0),
+            setting.get("no_repeat_ngram_size", 0)), name
+        off = (expected[("greedy", None, 1.0)], expected[("beam", False, 1.0)])
+        assert any(not np.array_equal(padded(tokens, BUDGET, config.pad_id), padded(base, BUDGET, config.pad_id))
+                   for tokens, base in zip((theirs[1], theirs[4]), off)), name
+
+
+def violations(config, tokens: np.ndarray, least: int, n: int) -> list[str]:
+    """What a naive reading of the two rules finds wrong in decoded ``tokens`` (B, L): an eos before output step
+    ``least``; an n-gram (of the start token and the tokens up to eos) that occurs twice, where its last token was
+    not forced (the budget's last step with ``forced_eos``). Written from the rules' statement alone."""
+    found = []
+    for b, row in enumerate(tokens.tolist()):
+        ends = [i for i, token in enumerate(row) if token == config.eos_id]
+        out = row[:ends[0] + 1] if ends else row
+        if ends and ends[0] + 1 < least:
+            found.append(f"row {b}: eos at step {ends[0] + 1} < {least}")
+        sequence = [config.start_id, *out]
+        seen = set()
+        for i in range(len(sequence) - n + 1 if n else 0):
+            gram = tuple(sequence[i:i + n])
+            forced_step = config.forced_eos and i + n - 1 == BUDGET
+            if gram in seen and not forced_step:
+                found.append(f"row {b}: {gram} repeated at step {i + n - 1}")
+            seen.add(gram)
+    return found
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_held_back_tokens_decode_as_generate(family_model, held_back, port):
+    """Every setting of :data:`HELD_BACK` in the reference and every port (float64; greedy with and without the
+    cache in turn, beam 4): transformers' tokens, token for token; and a naive check of the rules on them
+    (:func:`violations`) finds nothing, where it finds the rules broken in the tokens decoded without them."""
+    family, _, _, (config, params), src = family_model
+    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    broken = 0
+    with float64_inference(port):
+        for number, (name, (imported, theirs)) in enumerate(held_back.items()):
+            model = backend.build(imported, params, "float64")
+            greedy = np.asarray(backend.greedy(model, src, number % 2 == 0, forced_bos_id=forced(family)))
+            beam = np.asarray(backend.beam(model, src, 4, 1.0, forced_bos_id=forced(family))[0])
+            assert_same_tokens(greedy, theirs[1], config.pad_id)
+            assert_same_tokens(beam, theirs[4], config.pad_id)
+            least, n = imported.min_output_length, imported.no_repeat_ngram_size
+            for tokens in (greedy, beam):
+                assert violations(imported, tokens, least, n) == [], name
+            if port == "numpy":
+                off = Transformer(config, params)
+                broken += bool(violations(imported, greedy_decode(off, src, forced_bos_id=forced(family)), least, n))
+    assert port != "numpy" or broken >= 2
+
+
+def test_held_back_tokens_agree_across_backends():
+    """A paper's model (tiny preset, float64) with both rules and renormalize: every port decodes the reference's
+    tokens, greedy with and without its cache and beam 3 -- the agreement a rule planted alike in every backend
+    passes (scripts/check_mutations.py)."""
+    config = TransformerConfig.preset("tiny", min_output_length=6, no_repeat_ngram_size=2, renormalize=True)
+    params = init_params(config, seed=0)
+    src = np.array([[5, 6, 7, 2], [8, 9, 2, 0]])
+    reference = Transformer(config, params)
+    greedy, (beam, scores) = greedy_decode(reference, src), beam_search(reference, src, 3)
+    for port in (port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)):
+        backend = port_backend(port)
+        with float64_inference(port):
+            model = backend.build(config, params, "float64")
+            for use_cache in (True, False):
+                assert_same_tokens(np.asarray(backend.greedy(model, src, use_cache)), greedy, config.pad_id)
+            mine, mine_scores = backend.beam(model, src, 3)
+            assert_same_tokens(np.asarray(mine), beam, config.pad_id)
+            np.testing.assert_allclose(np.asarray(mine_scores), scores, rtol=1e-12)
+
+
 def test_the_settings_matter(family_model, expected):
     """The cases are not all one: hypotheses end at different lengths, some at eos before the budget; the length
     penalty and the early stopping rule change transformers' tokens; so do the start token, the forced token and
@@ -391,6 +513,13 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("beam_size", 0, "beam_size must be >= 1"),
     ("beam_size", 65, "beam_size must be <= 64"),
     ("beam_size", 2.0, "beam_size must be an int"),
+    ("min_output_length", -1, "min_output_length must be >= 0"),
+    ("min_output_length", 2.0, "min_output_length must be an int"),
+    ("no_repeat_ngram_size", -1, "no_repeat_ngram_size must be >= 0"),
+    ("no_repeat_ngram_size", True, "no_repeat_ngram_size must be an int"),
+    ("forced_bos_id", 2, "forced_bos_id (2) must be a target token id below tgt_vocab_size (23), not eos_id or pad_id"),
+    ("forced_bos_id", 23, "forced_bos_id (23) must be a target token id below tgt_vocab_size (23)"),
+    ("forced_bos_id", 1.0, "forced_bos_id must be an int"),
 ])
 def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError) as info:
@@ -443,6 +572,13 @@ def test_config_from_generation_config():
     assert (defaults.beam_size, defaults.max_output_length) == (1, 20)                 # GenerationConfig's defaults
     assert config_from_hf(base, {"decoder_start_token_id": 28}).max_output_length == 7  # capped by 8 positions
     assert config_from_hf(base, {**generation, "max_new_tokens": 7}).max_output_length == 7   # over max_length
+    for setting, least in (({"min_length": 5}, 5), ({"min_new_tokens": 4}, 5),
+                           ({"min_length": 9, "min_new_tokens": 2}, 3), ({"min_length": 1}, 1),
+                           ({"min_new_tokens": None, "min_length": 0}, 0)):
+        assert config_from_hf(base, {**generation, **setting}).min_output_length == least   # min_new_tokens first
+    assert config_from_hf(base, {**generation, "no_repeat_ngram_size": 3}).no_repeat_ngram_size == 3
+    assert (config.forced_bos_id, config_from_hf(base, {**generation, "forced_bos_token_id": 5}).forced_bos_id) == (
+        None, 5)
     for forced, last in ((5, 5), ([5], 5), ([0], 0), (28, 28)):                      # any one id; eos is the default
         other = config_from_hf(base, {**generation, "forced_eos_token_id": forced})
         assert (other.forced_eos, other.forced_eos_id, other.forced_last_id) == (True, None if last == 0 else last,
@@ -452,18 +588,20 @@ def test_config_from_generation_config():
                          ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0),
                          ("num_beams", 0), ("num_beams", 65), ("num_beams", True), ("num_beams", 4.0),
                          ("renormalize_logits", 1), ("max_length", 1), ("max_length", 30.0), ("max_new_tokens", 0),
-                         ("max_new_tokens", False)):
+                         ("max_new_tokens", False), ("min_length", True), ("min_length", -1), ("min_new_tokens", 2.0),
+                         ("no_repeat_ngram_size", -2), ("no_repeat_ngram_size", "3"), ("forced_bos_token_id", 28),
+                         ("forced_bos_token_id", 0), ("forced_bos_token_id", True), ("forced_bos_token_id", [5])):
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("do_sample", True), ("min_length", 5), ("min_new_tokens", 2), ("repetition_penalty", 1.2),
-    ("encoder_repetition_penalty", 0.9), ("no_repeat_ngram_size", 3), ("encoder_no_repeat_ngram_size", 2),
+    ("do_sample", True), ("repetition_penalty", 1.2),
+    ("encoder_repetition_penalty", 0.9), ("encoder_no_repeat_ngram_size", 2),
     ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("sequence_bias", [[[5], -1.0]]), ("force_words_ids", [[5]]),
     ("suppress_tokens", [5]), ("begin_suppress_tokens", [5]), ("exponential_decay_length_penalty", [5, 1.1]),
-    ("stop_strings", ["."]), ("min_length", True), ("eos_token_id", [0, 5]), ("eos_token_id", 5)])
+    ("stop_strings", ["."]), ("eos_token_id", [0, 5]), ("eos_token_id", 5)])
 def test_generation_settings_that_change_generates_tokens_are_refused_naming_them(field, value):
     """A generation setting with which transformers' ``generate`` would choose other tokens than the reference's
     decoding: one line naming the field and its value (transformers' default values import: the test above)."""

@@ -15,6 +15,7 @@ transformers' own forward pass in float64.
 
 from __future__ import annotations
 
+import fractions
 import json
 import shutil
 
@@ -330,6 +331,30 @@ def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
     expected_config, expected = load_checkpoint(out)
     assert config == expected_config
     assert all(np.array_equal(params[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("content, reason", [
+    ({"weight": torch.zeros(2), "ratio": fractions.Fraction(1, 3)},
+     "it holds a Python object (fractions.Fraction) besides tensors, and unpickling one may run code"),
+    (b"not a pickle", "it is not a pickle of tensors alone (")], ids=["object", "garbage"])
+def test_a_pickle_the_weights_only_loader_refuses_is_one_line_naming_the_file(saved, tmp_path, content, reason):
+    """A ``pytorch_model.bin`` holding a Python object besides tensors (which torch's weights-only loader will not
+    construct), or not a pickle at all: one line naming the file and the reason, without torch's advice to load it
+    anyway or its terminal codes."""
+    _, _, directory, _ = saved
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    path = tmp_path / "pytorch_model.bin"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    with pytest.raises(ValueError) as info:
+        load_hf(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"cannot read {str(path)!r}: {reason}"), message
+    assert "\n" not in message and "\x1b" not in message and "weights_only=" not in message.split(": ", 1)[1]
+    assert message.endswith("the import reads a pickle only with torch's weights-only loader (or give the model as "
+                            "model.safetensors)")
 
 
 def test_pickled_shards_are_read_as_transformers_reads_them(saved, tmp_path):

@@ -3,7 +3,8 @@
 The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens:
 the output budget is the non-pad source length + 50 (or ``config.max_output_length``) capped at
 ``max_len``; the output starts after ``config.start_id``; the tokens of ``config.never_emitted`` are
-never emitted (their log-probabilities are set to -inf); the forced tokens (``forced_bos_id``,
+never emitted (their log-probabilities are set to -inf), nor the held-back tokens (``config.min_output_length``,
+``config.no_repeat_ngram_size``: :func:`constrain`); the forced tokens (``forced_bos_id``,
 ``config.forced_eos``) are the reference's; the decoder reads its prefix under the causal mask alone; greedy ties go to
 the lowest token id; beam candidates are ranked by summed log-probability (in the score dtype:
 the model's, float32 for bfloat16 and float16) with ties to the lower beam, then the lower token
@@ -119,6 +120,30 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
     return cache._replace(beams=table[beams].reshape(cache.beams.shape))
 
 
+def constrain(config: TransformerConfig, log_probs: jax.Array, history: jax.Array, step: jax.Array) -> jax.Array:
+    """The log-probabilities of the token at (traced) ``step`` with the reference's held-back tokens at -inf (its
+    ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
+    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the buffer that lie in the prefix and
+    whose first n - 1 tokens are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them
+    (at every step of a config with either setting). ``log_probs`` unchanged without them.
+    Shape: log_probs (N, V), history (N, M + 1) -> (N, V)."""
+    n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
+    if not (config.min_output_length or n):
+        return log_probs
+    held = (jnp.arange(vocab) == config.eos_id) & (step < config.min_output_length)            # (V,)
+    log_probs = jnp.where(held, -jnp.inf, log_probs)
+    width = history.shape[1] - n + 1                                                       # windows of the buffer
+    if n and width > 0:
+        windows = jnp.stack([history[:, j:j + width] for j in range(n)], axis=2)             # (N, width, n)
+        tail = lax.dynamic_slice_in_dim(history, jnp.maximum(step - n + 1, 0), n - 1, axis=1)   # (N, n - 1)
+        matches = (windows[:, :, :-1] == tail[:, None, :]).all(axis=2) & (jnp.arange(width) < step - n + 1)
+        rows = jnp.arange(len(log_probs))[:, None]
+        banned = jnp.zeros((len(log_probs), vocab + 1), bool).at[rows, jnp.where(matches, windows[:, :, -1],
+                                                                                   vocab)].set(True)
+        log_probs = jnp.where(banned[:, :vocab], -jnp.inf, log_probs)                      # column V: no token
+    return log_softmax(log_probs) if config.renormalize else log_probs
+
+
 def forced_tokens(config: TransformerConfig, step: jax.Array, limits: jax.Array,
                   forced_bos_id: int | None) -> jax.Array:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
@@ -210,6 +235,7 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
     def advance(carry):
         index, history, done, cache = carry
         log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache)   # (B, V)
+        log_probs = constrain(cfg, log_probs, history, index + 1)
         if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, index + 1, limits, forced_bos_id))
         token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)              # first max = lowest id
@@ -280,6 +306,7 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
         index, history, live_scores, cache, best, kept, done = carry
         length = index + 1                                                       # tokens after this step
         log_probs, cache = _step(model, history, length, memory, src_mask, cache)   # (N, V)
+        log_probs = constrain(cfg, log_probs, history, length)
         if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, length, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.reshape(batch, k, -1)   # (B, K, V)

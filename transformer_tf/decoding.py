@@ -3,7 +3,8 @@
 The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum output
 length = non-pad source tokens + 50 (or ``config.max_output_length``) capped at ``max_len``; output
 after the start token ``config.start_id``, without it, right-padded with pad_id; the tokens of
-``config.never_emitted`` are never emitted (their log-probabilities are set to -inf before choosing); the forced tokens
+``config.never_emitted`` are never emitted (their log-probabilities are set to -inf before choosing), nor the
+held-back tokens (``config.min_output_length``, ``config.no_repeat_ngram_size``: :func:`constrain`); the forced tokens
 (``forced_bos_id``, ``config.forced_eos``) are the reference's; the decoder reads its prefix under the
 causal mask alone; greedy ties go to the lowest token id; beam candidates are ranked by summed
 log-probability (model dtype; float32 for bfloat16 and float16), ties to the lower beam then the
@@ -124,6 +125,33 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
 
+def constrain(config: TransformerConfig, log_probs: tf.Tensor, history: tf.Tensor, step: Index) -> tf.Tensor:
+    """The log-probabilities of the token at (traced) ``step`` with the reference's held-back tokens at -inf (its
+    ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
+    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the buffer that lie in the prefix and
+    whose first n - 1 tokens are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them
+    (at every step of a config with either setting). ``log_probs`` unchanged without them.
+    Shape: log_probs (N, V), history (N, L + 1) -> (N, V)."""
+    n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
+    if not (config.min_output_length or n):
+        return log_probs
+    never = tf.constant(-np.inf, log_probs.dtype)
+    held = (tf.range(vocab) == config.eos_id) & (step < config.min_output_length)             # (V,)
+    log_probs = tf.where(held, never, log_probs)
+    width = history.shape[1] - n + 1                                                       # windows of the buffer
+    if n and width > 0:
+        windows = tf.stack([history[:, j:j + width] for j in range(n)], axis=2)              # (N, width, n)
+        tail = tf.gather(history, tf.maximum(step - n + 1, 0) + tf.range(n - 1), axis=1)     # (N, n - 1)
+        matches = tf.reduce_all(windows[:, :, :-1] == tail[:, None, :], axis=2) & (tf.range(width) < step - n + 1)
+        rows = tf.broadcast_to(tf.range(tf.shape(history, tf.int64)[0])[:, None], tf.shape(matches))
+        columns = tf.where(matches, windows[:, :, -1], tf.constant(vocab, tf.int64))       # column V: no token
+        shape = tf.stack([tf.shape(history, tf.int64)[0], vocab + 1])                       # (N, V + 1)
+        counts = tf.scatter_nd(tf.reshape(tf.stack([rows, columns], axis=2), (-1, 2)),
+                               tf.ones(tf.size(matches), tf.int32), shape)
+        log_probs = tf.where(counts[:, :vocab] > 0, never, log_probs)
+    return log_softmax(log_probs) if config.renormalize else log_probs
+
+
 def forced_tokens(config: TransformerConfig, step: Index, limits: tf.Tensor,
                   forced_bos_id: int | None) -> tf.Tensor:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
@@ -230,6 +258,7 @@ def _greedy(model: Transformer, use_cache: bool, forced_bos_id: int | None, src:
 
     def body(t, tokens, done, cache):
         log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight)   # (B, V)
+        log_probs = constrain(cfg, log_probs, tokens, t)
         if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, t, limits, forced_bos_id))
         token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
@@ -289,6 +318,7 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, forced_bos_id: in
 
     def body(t, history, live_scores, cache, best, kept, done):
         log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight)   # (N, V)
+        log_probs = constrain(cfg, log_probs, history, t)
         if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, t, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)

@@ -2,7 +2,8 @@
 
 The rules are the reference's, to the letter (``reference_numpy/decoding.py``): the same
 maximum output length (non-pad source tokens + 50, or ``config.max_output_length``, capped at ``max_len``),
-the same start token (``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same forced tokens
+the same start token (``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same held-back
+tokens (``config.min_output_length``, ``config.no_repeat_ngram_size``: :func:`constrain`), the same forced tokens
 (``forced_bos_id``, ``config.forced_eos``), the decoder reading its prefix under the causal mask
 alone, greedy ties to the lowest token id, beam candidates ranked by summed log-probability
 (accumulated in the model's dtype; float32 for a bfloat16 or float16 model, whose log-probabilities
@@ -95,6 +96,29 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 
 
+def constrain(config: TransformerConfig, log_probs: Tensor, history: Tensor, step: int) -> Tensor:
+    """The log-probabilities of the token at ``step`` with the reference's held-back tokens at -inf (its
+    ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
+    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the prefix whose first n - 1 tokens
+    are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them (at every step of a config
+    with either setting). ``log_probs`` unchanged without them.
+    Shape: log_probs (N, V), history (N, W), W > step -> (N, V)."""
+    n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
+    if not (config.min_output_length or n):
+        return log_probs
+    if step < config.min_output_length:
+        log_probs = log_probs.clone()
+        log_probs[:, config.eos_id] = -torch.inf
+    if n and step >= n:
+        windows = history[:, :step].unfold(1, n, 1)                                # (N, step - n + 1, n)
+        tail = history[:, step - n + 1:step]                                        # (N, n - 1)
+        matches = (windows[:, :, :-1] == tail[:, None, :]).all(dim=2)               # (N, step - n + 1)
+        banned = torch.zeros((len(log_probs), vocab + 1), dtype=torch.bool, device=log_probs.device)
+        banned.scatter_(1, torch.where(matches, windows[:, :, -1], vocab), True)    # column V: no token
+        log_probs = log_probs.masked_fill(banned[:, :vocab], -torch.inf)
+    return log_softmax(log_probs) if config.renormalize else log_probs
+
+
 def forced_tokens(config: TransformerConfig, step: int, limits: Tensor, forced_bos_id: int | None) -> Tensor:
     """The token each row is forced to emit at ``step`` (the reference's ``forced_tokens``): ``forced_bos_id`` at
     step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1 where none.
@@ -170,6 +194,7 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, tokens, step, memory, src_mask, cache)
+        log_probs = constrain(cfg, log_probs, tokens, step)
         if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, limits, forced_bos_id))
         token = log_probs.argmax(dim=-1)                                   # (B,)
@@ -221,6 +246,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, history, step, memory, src_mask, cache)   # (N, V)
+        log_probs = constrain(cfg, log_probs, history, step)
         if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
