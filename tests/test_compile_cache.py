@@ -17,8 +17,8 @@ import pytest
 from equivalence import backends, compile_cache, runtime
 from reference_numpy import save_checkpoint
 from reference_numpy.checkpoint import load_tokenizer_json
-from transformer_tasks.translation import SHIPPED, load_translator
 from transformer_cli.main import EXIT_OK, main
+from transformer_tasks.translation import SHIPPED, load_translator
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = "three hundred and twelve"

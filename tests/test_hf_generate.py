@@ -265,7 +265,7 @@ def test_the_generation_configs_forced_first_token_is_generates(family_model, po
     imported = config_from_hf(model.config.to_diff_dict(), {**model.generation_config.to_diff_dict(),
                                                             "forced_bos_token_id": FORCED_FIRST})
     assert imported.forced_bos_id == FORCED_FIRST and config.forced_bos_id is None
-    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    backend = importlib.import_module("equivalence.backends.numpy") if port == "numpy" else port_backend(port)
     with float64_inference(port):
         mine_model = backend.build(imported, params, "float64")
         for beam in (1, 4):
@@ -336,7 +336,7 @@ def test_held_back_tokens_decode_as_generate(family_model, held_back, port):
     cache in turn, beam 4): transformers' tokens, token for token; and a naive check of the rules on them
     (:func:`violations`) finds nothing, where it finds the rules broken in the tokens decoded without them."""
     family, _, _, (config, params), src = family_model
-    backend = importlib.import_module("transformer_cli.backends.numpy") if port == "numpy" else port_backend(port)
+    backend = importlib.import_module("equivalence.backends.numpy") if port == "numpy" else port_backend(port)
     broken = 0
     with float64_inference(port):
         for number, (name, (imported, theirs)) in enumerate(held_back.items()):
