@@ -11,8 +11,9 @@ BLAS's and OpenMP's environment). The shipped model, translate's default. A fram
 (``JAX_COMPILATION_CACHE_DIR``, ``TF_XLA_FLAGS``, ``TORCHINDUCTOR_CACHE_DIR``) is removed from the commands'
 environment, so that they use the cache under test.
 
-Writes ``docs/results/<date>-first-call.json`` and ``.md`` (``--out``): per backend the medians of the rounds, their
-spread (min-max), warm less floor, and whether it meets issue 73's bar (warm within :data:`BAR` s of the import),
+Writes ``docs/results/<date>-first-call.json`` and ``.md`` (``--out``; existing files are refused, never replaced):
+per backend the medians of the rounds, their spread (min-max), warm less floor, and whether it meets the target
+(warm within :data:`BAR` s of the import),
 with the machine, the versions and the 1-minute load average over the run (``--note`` says what else ran).
 
     python scripts/bench_first_call.py [--rounds 3] [--threads 1] [--backends numpy,torch,jax,tf] [--note TEXT]
@@ -137,6 +138,10 @@ def main() -> None:
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args()
+    date = datetime.date.today().isoformat()
+    written = [args.out / f"{date}-first-call{suffix}" for suffix in (".json", ".md")]
+    if any(path.exists() for path in written):
+        parser.error(f"--out: {args.out} already holds today's result files; a result file is never replaced")
     names = [name for name in args.backends.split(",") if backends.installed(name)]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     with open(LOCK, "w") as lock, tempfile.TemporaryDirectory() as workdir:
@@ -147,15 +152,14 @@ def main() -> None:
                 print(f"round {number + 1}: {name} " + ", ".join(f"{kind} {runs[name][-1][kind]:.2f} s"
                                                                for kind in KINDS), file=sys.stderr)
     loads = [run["load"] for rows in runs.values() for run in rows]
-    date = datetime.date.today().isoformat()
     result = {"date": date, "command": shlex.join(["python", "scripts/bench_first_call.py", *sys.argv[1:]]),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
               "versions": versions(), "threads": args.threads, "rounds": args.rounds, "sentence": SENTENCE,
               "load": {"min": min(loads), "max": max(loads)}, "note": args.note,
               "backends": {name: summary(rows) for name, rows in runs.items()}, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{date}-first-call.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{date}-first-call.md").write_text(markdown(result))
+    written[0].write_text(json.dumps(result, indent=2) + "\n")
+    written[1].write_text(markdown(result))
     print(markdown(result))
 
 
