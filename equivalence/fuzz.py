@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 import reference_numpy
 from reference_numpy import decoding
 from reference_numpy import training as reference_training
+from reference_numpy.capture import capture_stages
 from reference_numpy.config import (
     ACTIVATIONS,
     EARLY_STOPPING,
@@ -322,7 +323,7 @@ def _forward(case: Case, backend: Backend, weights: dict[str, np.ndarray], batch
 
 def _stages(model: Transformer, arguments: Arguments) -> dict[str, np.ndarray]:
     """Every stage of the reference's forward pass, by the shared stage names."""
-    return model(*arguments, return_intermediates=True)[1]
+    return capture_stages(model, *arguments)[1]
 
 
 def _undetermined(port: np.ndarray, same: np.ndarray, sites: set[str], precision: str) -> str | None:

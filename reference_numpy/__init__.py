@@ -6,6 +6,7 @@ checked against. It imports nothing but NumPy, ml_dtypes (bfloat16) and the NumP
 
 __version__ = "0.1.0"  # the distribution's one version: pyproject.toml and every package read it here
 
+from .capture import capture_stages
 from .checkpoint import (
     FORMAT_VERSION,
     TrainingState,
@@ -57,4 +58,5 @@ __all__ = [
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
     "masked_softmax", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
+    "capture_stages",
 ]

@@ -609,9 +609,6 @@ def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.nd
 class Encoder:
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
-    layer's output.
-
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
@@ -620,23 +617,17 @@ class Encoder:
                        for i in range(config.n_encoder_layers)]
         self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
-    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
-        stages = {}
-        for i, layer in enumerate(self.layers):
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        for layer in self.layers:
             x = layer(x, mask)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
-        x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None)
+        return self.norm(x) if self.norm is not None else x
 
 
 class Decoder:
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
-    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
-    or ``(x, stages, cache)``.
+    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -647,29 +638,21 @@ class Decoder:
         self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, return_intermediates: bool = False,
-                 cache: tuple | None = None, cache_index: int | None = None) -> Any:
-        stages, kept = {}, []
+                 tgt_mask: np.ndarray | None = None, cache: tuple | None = None,
+                 cache_index: int | None = None) -> Any:
+        kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
                 kept.append(layer_cache)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
+        return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
-
-
-def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
-    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
-    (``{stack}.layers.{i}``) and the stack's output."""
-    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -716,20 +699,15 @@ class Transformer:
         self.decoder = Decoder(config, p, "decoder")
         self.generator = Generator(config, p, "generator")
 
-    def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
-
-        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
+    def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src)
-        if not return_intermediates:
-            return self.encoder(x, src_mask)
-        memory, layers = self.encoder(x, src_mask, return_intermediates=True)
-        return memory, _stages("src_embed", x, "encoder", layers, memory)
+        return self.encoder(x, src_mask)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -744,8 +722,8 @@ class Transformer:
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-               tgt_mask: np.ndarray | None = None, return_intermediates: bool = False,
-               cache: tuple | None = None, cache_index: int | None = None) -> Any:
+               tgt_mask: np.ndarray | None = None, cache: tuple | None = None,
+               cache_index: int | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -757,8 +735,7 @@ class Transformer:
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written; each
         self-attention then reads only the first W positions of its cache, :func:`attended_width`).
-        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
-        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
+        Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = as_array("memory", memory)
@@ -776,29 +753,16 @@ class Transformer:
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
-        if not return_intermediates:
-            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
-        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)
-        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
 
     def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, return_intermediates: bool = False) -> Any:
-        """Log-probabilities of the next target token at every target position.
-
-        With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
-        "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
-        "decoder" and "log_probs" to arrays, in that order (the shared stage names of every port).
-        """
+                 tgt_mask: np.ndarray | None = None) -> np.ndarray:
+        """Log-probabilities of the next target token at every target position."""
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        if not return_intermediates:
-            memory = self.encode(src, src_mask)
-            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask))
-        memory, encoded = self.encode(src, src_mask, return_intermediates=True)
-        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True)
-        log_probs = self.generator(out)
-        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
+        memory = self.encode(src, src_mask)
+        return self.generator(self.decode(tgt, memory, src_mask, tgt_mask))
 
     def _check_inputs(self, src: object, tgt: object, src_mask: object, tgt_mask: object
                       ) -> tuple[np.ndarray, np.ndarray]:

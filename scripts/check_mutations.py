@@ -145,8 +145,8 @@ SINGLE = [
            'if _LAYOUT[tensor.kind][1] and not tensor.name.endswith("o_proj.weight"))',
            ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
     single("dropout", "torch: dropout left on at inference", "equivalence/backends/torch.py",
-           "_, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
-           "_, stages = model.train()(src, tgt, src_mask, tgt_mask, return_intermediates=True)",
+           "_, stages = capture_stages(model.eval(), src, tgt, src_mask, tgt_mask)",
+           "_, stages = capture_stages(model.train(), src, tgt, src_mask, tgt_mask)",
            ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),
     single("epsilon", "keras: LayerNorm epsilon left at Keras' default 1e-3", "transformer_tf/model.py",
            "super().__init__(axis=-1, epsilon=config.layer_norm_eps, **float32_under_autocast(kwargs))",
@@ -279,14 +279,14 @@ STACKING = [
         (FM, "x = layer(x, mask, training=training)", "x = layer(layer(x, mask, training=training), mask, training=training)"),
     ], ORACLE, agreement("tiny")),
     consistent("stacking", "encoder: layers run in reverse order", [
-        (RM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask)",
-         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask)"),
-        (TM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask)",
-         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask)"),
-        (JM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask,",
-         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask,"),
-        (FM, "for i, layer in enumerate(self.layers):\n            x = layer(x, mask,",
-         "for i, layer in enumerate(list(self.layers)[::-1]):\n            x = layer(x, mask,"),
+        (RM, "for layer in self.layers:\n            x = layer(x, mask)",
+         "for layer in list(self.layers)[::-1]:\n            x = layer(x, mask)"),
+        (TM, "for layer in self.layers:\n            x = layer(x, mask)",
+         "for layer in list(self.layers)[::-1]:\n            x = layer(x, mask)"),
+        (JM, "for layer in self.layers:\n            x = layer(x, mask,",
+         "for layer in list(self.layers)[::-1]:\n            x = layer(x, mask,"),
+        (FM, "for layer in self.layers:\n            x = layer(x, mask,",
+         "for layer in list(self.layers)[::-1]:\n            x = layer(x, mask,"),
     ], ORACLE, agreement("tiny")),
     consistent("stacking", "decoder: the first layer's weights at every depth", [
         *[(module, *edit) for module in (RM, TM, JM, FM) for edit in _FIRST_DECODER_LAYER],
@@ -340,14 +340,12 @@ RESIDUAL = [
 
 FINAL_NORMS = [
     consistent("final-norm", "pre-LN: the encoder's final LayerNorm left out", [
-        (module, "        x = self.norm(x) if self.norm is not None else x\n"
-                 "        return _returned(x, stages if return_intermediates else None)\n",
-         "        return _returned(x, stages if return_intermediates else None)\n")
+        (module, "        return self.norm(x) if self.norm is not None else x\n", "        return x\n")
         for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln")),
     consistent("final-norm", "pre-LN: the decoder's final LayerNorm left out", [
-        (module, "x = self.norm(x) if self.norm is not None else x\n        return _returned(x, stages if return_intermediates else None, ",
-         "x = x\n        return _returned(x, stages if return_intermediates else None, ") for module in (RM, TM, JM, FM)
+        (module, "x = self.norm(x) if self.norm is not None else x\n        return x if cache is None else (x, tuple(kept))",
+         "x = x\n        return x if cache is None else (x, tuple(kept))") for module in (RM, TM, JM, FM)
     ], ORACLE, agreement("pre_ln", decoding=True)),
 ]
 

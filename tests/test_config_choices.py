@@ -19,7 +19,14 @@ from support import FRAMEWORKS, port_backend
 
 from equivalence import cases, fuzz, tolerance
 from equivalence.cases import CHOICE_VARIANTS, FORWARD_VARIANTS
-from reference_numpy import Transformer, TransformerConfig, init_params, load_checkpoint, save_checkpoint
+from reference_numpy import (
+    Transformer,
+    TransformerConfig,
+    capture_stages,
+    init_params,
+    load_checkpoint,
+    save_checkpoint,
+)
 from reference_numpy import decoding as reference_decoding
 from reference_numpy.model import activation, sinusoidal_positional_encoding
 from reference_numpy.variants import position_ids
@@ -124,7 +131,7 @@ def test_the_embedded_source_by_hand(variant):
     config = FORWARD_VARIANTS[variant]
     params = cases.seeded_params(config)
     src = cases.model_inputs(config, "ragged_batch")["src"]
-    stage = Transformer(config, params)(src, src[:, :3] * 0 + config.bos_id, return_intermediates=True)[1]["src_embed"]
+    stage = capture_stages(Transformer(config, params), src, src[:, :3] * 0 + config.bos_id)[1]["src_embed"]
     embed = params["src_embed.weight"]
     scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
     d, half = config.d_model, config.d_model // 2

@@ -46,6 +46,7 @@ from reference_numpy.precision import check_trainable, round_to, training_dtype 
 from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
+from transformer_jax.capture import capture_stages  # noqa: E402
 from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
@@ -632,8 +633,8 @@ def test_dropout_is_off_by_default_and_on_with_deterministic_false():
     ref64 = reference_model("tiny")(**inputs)
     tolerance.assert_agrees(np.asarray(model(**inputs)), ref64, what="default (deterministic)")
     tolerance.assert_agrees(np.asarray(model(**inputs, deterministic=True)), ref64, what="deterministic=True")
-    _, clean = model(**inputs, return_intermediates=True)
-    first, stages = model(**inputs, return_intermediates=True, deterministic=False)
+    _, clean = capture_stages(model, **inputs)
+    first, stages = capture_stages(model, **inputs, deterministic=False)
     second = nnx.view(model, deterministic=False)(**inputs)
     for noisy in (first, second):
         assert tolerance.max_abs(noisy, ref64) > tolerance.float64_bound(ref64)

@@ -30,7 +30,7 @@ from support import FRAMEWORKS, constant_logits_params, float64_inference, frame
 
 from equivalence.backends import numpy as reference_backend
 from equivalence.tolerance import FLOAT64_RELATIVE, assert_agrees
-from reference_numpy import Transformer, TransformerConfig, init_params
+from reference_numpy import Transformer, TransformerConfig, capture_stages, init_params
 from reference_numpy import model as reference_model
 from reference_numpy.precision import round_to
 
@@ -203,8 +203,8 @@ def test_reference_matches_the_oracle_stage_by_stage(variant, case):
     params = init_params(config, seed=1, perturb=0.1)          # non-trivial biases and LayerNorm weights
     src, tgt, src_key_mask, tgt_mask = inputs(config, case)
     expected = oracle(params, config, src, tgt, src_key_mask, tgt_mask)
-    _, stages = Transformer(config, params)(src, tgt, None if src_key_mask is None else src_key_mask[:, None, None, :],
-                                            tgt_mask, return_intermediates=True)
+    _, stages = capture_stages(Transformer(config, params), src, tgt,
+                               None if src_key_mask is None else src_key_mask[:, None, None, :], tgt_mask)
     assert list(stages) == list(expected)
     for name, value in expected.items():
         assert_agrees(stages[name], value, what=f"{variant}/{case}/{name}")
@@ -272,7 +272,7 @@ def test_reference_in_low_precision_matches_the_oracle_bit_for_bit(variant, dtyp
     params = {name: nearest(value) for name, value in init_params(config, seed=1, perturb=0.1).items()}
     src, tgt, _, _ = inputs(config, "padding")
     expected = oracle(params, config, src, tgt, r=nearest)
-    _, stages = Transformer(config, params, dtype)(src, tgt, return_intermediates=True)
+    _, stages = capture_stages(Transformer(config, params, dtype), src, tgt)
     assert list(stages) == list(expected)
     for name, value in expected.items():
         assert stages[name].dtype == (np.float32 if name == "log_probs" else np.dtype(dtype)), name

@@ -39,7 +39,9 @@ REFERENCE_ONLY = {"model.py": {"Linear"},
                   # host-side beam bookkeeping: the ports' batched searches re-express it on tensors
                   "decoding.py": {"StepChoice", "select_candidates", "search_ends", "best_hypothesis"},
                  # the layouts' tables: computed once in float64, every port reads the reference's
-                 "variants.py": {"halves_table", "fairseq_table"}}
+                 "variants.py": {"halves_table", "fairseq_table"},
+                 # the stages' table (which module's output each stage is), written once: every port reads it
+                 "capture.py": {"stage_paths", "stage_modules"}}
 # the training inputs' checks (check_labels, ...), written once in reference_numpy/training.py for the ports to call
 REFERENCE_ONLY_PREFIXES = ("check_",)
 PORT_ONLY = {"decoding.py": {"reorder_cache"},
@@ -51,7 +53,7 @@ PORT_ONLY = {"decoding.py": {"reorder_cache"},
              "device.py": {"model_device"}}
 # Files whose template is the reference; the others have no reference counterpart and are
 # compared port against port (the first port is the template).
-AGAINST_REFERENCE = ("model.py", "variants.py", "decoding.py", "training.py")
+AGAINST_REFERENCE = ("model.py", "variants.py", "decoding.py", "training.py", "capture.py")
 PORT_FILES = ("checkpoint.py", "device.py")
 
 

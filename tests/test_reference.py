@@ -20,6 +20,7 @@ from reference_numpy import (
     MultiHeadAttention,
     Transformer,
     TransformerConfig,
+    capture_stages,
     causal_mask,
     count_parameters,
     init_params,
@@ -269,8 +270,8 @@ def test_log_probabilities_are_normalized(model):
 def test_float32_on_request_stays_float32(model):
     config, rng = model.config, np.random.default_rng(12)
     model32 = Transformer(config, model.params, dtype=np.float32)
-    _, stages = model32(tokens(rng, config, (2, 4), config.src_vocab_size),
-                        tokens(rng, config, (2, 3), config.tgt_vocab_size), return_intermediates=True)
+    _, stages = capture_stages(model32, tokens(rng, config, (2, 4), config.src_vocab_size),
+                               tokens(rng, config, (2, 3), config.tgt_vocab_size))
     assert {name: value.dtype for name, value in stages.items()} == {name: np.float32 for name in stages}
 
 

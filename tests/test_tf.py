@@ -269,14 +269,13 @@ def test_dropout_only_in_training(agreement):
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_compiled_forward_agrees_in_float64(jit_compile, agreement):
-    """The graph (``jit_compile``: XLA's program) of the forward pass, its output and, with ``return_intermediates``,
+    """The graph (``jit_compile``: XLA's program) of the forward pass, its output and, with ``stages``,
     every stage against the reference's (``backend.forward`` runs the model eagerly)."""
     inputs = cases.model_inputs(VARIANTS["learned_pe"], "fully_masked_row")
     ref64, ref32 = reference_log_probs("learned_pe", inputs)
     out = compiled_forward(port_model("learned_pe", "float64"), jit_compile=jit_compile)(**inputs)
     agreement(out.numpy(), ref64, ref32, port="tf", device="cpu", dtype="float64", what="compiled forward")
-    _, stages = compiled_forward(port_model("learned_pe", "float64"), jit_compile=jit_compile,
-                                 return_intermediates=True)(**inputs)
+    _, stages = compiled_forward(port_model("learned_pe", "float64"), jit_compile=jit_compile, stages=True)(**inputs)
     reference_stages = {dtype: reference.forward(reference_model("learned_pe", dtype, "test"), **inputs)
                         for dtype in DTYPES}
     assert list(stages) == list(reference_stages["float64"])

@@ -652,9 +652,6 @@ def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Arr
 class Encoder(nnx.Module):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
-    layer's output.
-
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
@@ -664,24 +661,17 @@ class Encoder(nnx.Module):
                                 for _ in range(config.n_encoder_layers)])
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype) if config.norm_first else None
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None = None, return_intermediates: bool = False, *,
-                 deterministic: bool | None = None) -> Any:
-        stages = {}
-        for i, layer in enumerate(self.layers):
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool | None = None) -> jax.Array:
+        for layer in self.layers:
             x = layer(x, mask, deterministic=deterministic)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
-        x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None)
+        return self.norm(x) if self.norm is not None else x
 
 
 class Decoder(nnx.Module):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
-    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
-    or ``(x, stages, cache)``.
+    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -693,10 +683,9 @@ class Decoder(nnx.Module):
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype) if config.norm_first else None
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
-                 cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
+                 tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                  cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
-        stages, kept = {}, []
+        kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
@@ -704,10 +693,8 @@ class Decoder(nnx.Module):
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index,
                                        deterministic=deterministic)
                 kept.append(layer_cache)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
+        return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One :meth:`DecoderLayer.init_cache` pair per layer."""
@@ -722,12 +709,6 @@ def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
         raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
                          f"dtype (mixed precision), got {parsed.name}")
     return parsed
-
-
-def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
-    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
-    (``{stack}.layers.{i}``) and the stack's output."""
-    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -793,21 +774,16 @@ class Transformer(nnx.Module):
         else:
             super().__setattr__(name, value)
 
-    def encode(self, src: jax.Array, src_mask: jax.Array | None = None, return_intermediates: bool = False,
-               *, deterministic: bool | None = None) -> Any:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
-
-        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
+    def encode(self, src: jax.Array, src_mask: jax.Array | None = None, *,
+               deterministic: bool | None = None) -> jax.Array:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, deterministic=deterministic)
-        if not return_intermediates:
-            return self.encoder(x, src_mask, deterministic=deterministic)
-        memory, layers = self.encoder(x, src_mask, return_intermediates=True, deterministic=deterministic)
-        return memory, _stages("src_embed", x, "encoder", layers, memory)
+        return self.encoder(x, src_mask, deterministic=deterministic)
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -820,8 +796,7 @@ class Transformer(nnx.Module):
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-               tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
-               cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
+               tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
@@ -834,8 +809,7 @@ class Transformer(nnx.Module):
         cache; ``tgt_mask`` is then broadcastable to (B, H, T, C) over the cache's C positions and
         defaults to the causal mask over absolute positions (query q sees key j <= cache_index + q,
         which also hides the positions not yet written).
-        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
-        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
+        Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.param_dtype.name)
@@ -853,34 +827,17 @@ class Transformer(nnx.Module):
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)
-        if not return_intermediates:
-            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,
-                                deterministic=deterministic)
-        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index,
-                                          deterministic=deterministic)
-        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,
+                            deterministic=deterministic)
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, return_intermediates: bool = False,
-                 *, deterministic: bool | None = None) -> Any:
-        """Log-probabilities of the next target token at every target position.
-
-        With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
-        "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
-        "decoder" and "log_probs" to arrays, in that order (the shared stage names of every port;
-        ``jax.jit`` returns dicts with sorted keys, see :func:`.speed.stage_names`).
-        """
+                 tgt_mask: jax.Array | None = None, *, deterministic: bool | None = None) -> jax.Array:
+        """Log-probabilities of the next target token at every target position."""
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        if not return_intermediates:
-            memory = self.encode(src, src_mask, deterministic=deterministic)
-            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask, deterministic=deterministic))
-        memory, encoded = self.encode(src, src_mask, return_intermediates=True, deterministic=deterministic)
-        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True,
-                                   deterministic=deterministic)
-        log_probs = self.generator(out)
-        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
+        memory = self.encode(src, src_mask, deterministic=deterministic)
+        return self.generator(self.decode(tgt, memory, src_mask, tgt_mask, deterministic=deterministic))
 
     def _check_inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
                       tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:

@@ -30,7 +30,10 @@ import numpy.typing as npt
 from flax import nnx
 from jax import lax
 
+from reference_numpy.capture import stage_paths
 from reference_numpy.config import TransformerConfig
+
+from .capture import capture_stages
 
 _HIGHEST = lax.Precision.HIGHEST   # every product in full float32, as the model's (GPUs included)
 
@@ -118,7 +121,7 @@ class _Model(Protocol):
     config: TransformerConfig
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, return_intermediates: bool = False) -> Any: ...
+                 tgt_mask: jax.Array | None = None) -> Any: ...
 
     def _check_inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
                       tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]: ...
@@ -128,11 +131,11 @@ _M = TypeVar("_M")   # the model a structure rebuilds (``model.Transformer``)
 
 
 def compiled_forward(model: _Model, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None = None,
-                     tgt_mask: npt.ArrayLike | None = None, return_intermediates: bool = False) -> Any:
-    """``model(src, tgt, src_mask, tgt_mask, return_intermediates)`` compiled with ``jax.jit`` on the
-    model's split state (one compilation per model structure, input shapes and mask presence; the
-    model is split once, see :func:`_split`); dropout streams the call draws from advance, as in
-    ``nnx.jit``.
+                     tgt_mask: npt.ArrayLike | None = None, stages: bool = False) -> Any:
+    """``model(src, tgt, src_mask, tgt_mask)`` compiled with ``jax.jit`` on the model's split state (one
+    compilation per model structure, input shapes, mask presence and ``stages``; the model is split once, see
+    :func:`_split`); dropout streams the call draws from advance, as in ``nnx.jit``. With ``stages``, the call is
+    ``capture_stages(model, ...)`` (:mod:`.capture`), which returns ``(log_probs, stages)``.
 
     The inputs are checked on the host first: once traced, token ids can no longer be compared
     with the vocabulary size (an id out of range would give NaN log-probabilities).
@@ -140,32 +143,24 @@ def compiled_forward(model: _Model, src: npt.ArrayLike, tgt: npt.ArrayLike, src_
     """
     src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)
     split = _split(model)
-    result, streams = _jitted_forward(split.structure, split.state, src, tgt, src_mask, tgt_mask,
-                                      return_intermediates)
+    result, streams = _jitted_forward(split.structure, split.state, src, tgt, src_mask, tgt_mask, stages)
     for variable, value in zip(split.streams, streams):
         variable.set_raw_value(value)
     return result
 
 
 def forward(model: _Model, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None = None,
-            tgt_mask: npt.ArrayLike | None = None, return_intermediates: bool = False) -> Any:
-    """:func:`compiled_forward` with the stages in forward order (:func:`stage_names`).
+            tgt_mask: npt.ArrayLike | None = None, stages: bool = False) -> Any:
+    """:func:`compiled_forward` with the stages in forward order (``jax.jit`` returns dicts with sorted keys;
+    :func:`~reference_numpy.capture.stage_paths` holds the order).
 
     Shape: as :class:`~.model.Transformer`.
     """
-    result = compiled_forward(model, src, tgt, src_mask, tgt_mask, return_intermediates)
-    if not return_intermediates:
+    result = compiled_forward(model, src, tgt, src_mask, tgt_mask, stages)
+    if not stages:
         return result
-    log_probs, stages = result
-    return log_probs, {name: stages[name] for name in stage_names(model.config)}
-
-
-def stage_names(config: TransformerConfig) -> list[str]:
-    """The shared stage names of ``return_intermediates``, in forward order (``jax.jit`` returns dicts with
-    sorted keys)."""
-    return ["src_embed", *[f"encoder.layers.{i}" for i in range(config.n_encoder_layers)], "encoder",
-            "tgt_embed", *[f"decoder.layers.{i}" for i in range(config.n_decoder_layers)], "decoder",
-            "log_probs"]
+    log_probs, found = result
+    return log_probs, {name: found[name] for name in stage_paths(model.config)}
 
 
 # XLA may leave out a conversion to bfloat16 or float16 when the next operation reads the value in float32
@@ -176,13 +171,14 @@ def stage_names(config: TransformerConfig) -> list[str]:
 _EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "return_intermediates"), compiler_options=_EXACT_ROUNDING)
+@functools.partial(jax.jit, static_argnames=("structure", "stages"), compiler_options=_EXACT_ROUNDING)
 def _jitted_forward(structure: _Structure[_Model], state: nnx.State, src: jax.Array, tgt: jax.Array,
                     src_mask: jax.Array | None, tgt_mask: jax.Array | None,
-                    return_intermediates: bool) -> tuple[Any, list[jax.Array]]:
-    """The forward pass and the values of the model's dropout streams after it (as :func:`_streams` lists them)."""
+                    stages: bool) -> tuple[Any, list[jax.Array]]:
+    """The forward pass (with ``stages``, :func:`.capture.capture_stages` of it) and the values of the model's
+    dropout streams after it (as :func:`_streams` lists them)."""
     model = structure.merge(state)
-    result = model(src, tgt, src_mask, tgt_mask, return_intermediates)
+    result = capture_stages(model, src, tgt, src_mask, tgt_mask) if stages else model(src, tgt, src_mask, tgt_mask)
     return result, [variable.get_raw_value() for variable in _streams(model)]
 
 

@@ -13,6 +13,7 @@ if keras.backend.backend() != "tensorflow":
     raise ImportError(f"transformer_tf needs the TensorFlow backend of Keras, but Keras is configured for "
                       f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before importing keras")
 
+from .capture import capture_stages  # noqa: E402
 from .checkpoint import (  # noqa: E402
     from_checkpoint_layout,
     from_params,
@@ -68,6 +69,7 @@ __all__ = [
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
     "masked_softmax", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
+    "capture_stages",
     "beam_search", "greedy_decode",
     "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",

@@ -763,9 +763,6 @@ def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) 
 class Encoder(_TransformerLayer):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
-    layer's output.
-
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
@@ -780,14 +777,10 @@ class Encoder(_TransformerLayer):
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, mask=None, return_intermediates=False, training=None):
-        stages = {}
-        for i, layer in enumerate(self.layers):
+    def call(self, x, mask=None, training=None):
+        for layer in self.layers:
             x = layer(x, mask, training=training)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
-        x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None)
+        return self.norm(x) if self.norm is not None else x
 
 
 @register
@@ -795,9 +788,7 @@ class Decoder(_TransformerLayer):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
-    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
-    or ``(x, stages, cache)``.
+    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -813,19 +804,17 @@ class Decoder(_TransformerLayer):
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, return_intermediates=False, cache=None, cache_index=None,
+    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, cache_index=None,
              training=None):
-        stages, kept = {}, []
+        kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, training=training)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index, training=training)
                 kept.append(layer_cache)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
+        return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
@@ -843,12 +832,6 @@ def _one_input(inputs: Any) -> tuple[Any, Any]:
         f"a {type(inputs).__name__} of {len(inputs)}" if isinstance(inputs, (tuple, list)) else "one tensor"
     raise ValueError(f"src: without tgt, the model's input must be a (src, tgt) pair or a dict with the keys 'src' "
                      f"and 'tgt', got {kind}")
-
-
-def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
-    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
-    (``{stack}.layers.{i}``) and the stack's output."""
-    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -912,21 +895,15 @@ class Transformer(_TransformerLayer, keras.Model):
             if not layer.built:  # with share_embeddings, src_embed is tgt_embed
                 layer.build()
 
-    def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, return_intermediates: bool = False,
-               training: bool | None = None) -> Any:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
-
-        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
+    def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, training=training)
-        if not return_intermediates:
-            return self.encoder(x, src_mask, training=training)
-        memory, layers = self.encoder(x, src_mask, return_intermediates=True, training=training)
-        return memory, _stages("src_embed", x, "encoder", layers, memory)
+        return self.encoder(x, src_mask, training=training)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -939,9 +916,8 @@ class Transformer(_TransformerLayer, keras.Model):
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
-               tgt_mask: tf.Tensor | None = None, return_intermediates: bool = False,
-               cache: tuple[tuple[KVCache, KVCache], ...] | None = None, cache_index: Index | None = None,
-               training: bool | None = None) -> Any:
+               tgt_mask: tf.Tensor | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
+               cache_index: Index | None = None, training: bool | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -953,8 +929,7 @@ class Transformer(_TransformerLayer, keras.Model):
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written).
         ``cache_index`` may be a tensor (checked only when its value is known).
-        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
-        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
+        Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
@@ -972,10 +947,7 @@ class Transformer(_TransformerLayer, keras.Model):
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, tgt, by_step=True,
                          training=training)
-        if not return_intermediates:
-            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
-        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index, training=training)
-        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
 
     def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Checks the inputs before Keras' ``Layer.__call__``: an error raised inside ``call`` is
@@ -987,23 +959,13 @@ class Transformer(_TransformerLayer, keras.Model):
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
-    def call(self, src, tgt, src_mask=None, tgt_mask=None, return_intermediates=False, training=None):
-        """Log-probabilities of the next target token at every target position.
-
-        With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
-        "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
-        "decoder" and "log_probs" to tensors, in that order (the shared stage names of every port).
-        """
+    def call(self, src, tgt, src_mask=None, tgt_mask=None, training=None):
+        """Log-probabilities of the next target token at every target position."""
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        if not return_intermediates:
-            memory = self.encode(src, src_mask, training=training)
-            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask, training=training))
-        memory, encoded = self.encode(src, src_mask, return_intermediates=True, training=training)
-        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True, training=training)
-        log_probs = self.generator(out)
-        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
+        memory = self.encode(src, src_mask, training=training)
+        return self.generator(self.decode(tgt, memory, src_mask, tgt_mask, training=training))
 
     def _check_inputs(self, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:

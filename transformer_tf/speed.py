@@ -13,12 +13,16 @@ cache's hypotheses without gathering keys and values. This module imports nothin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import tensorflow as tf
 
+from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low
+
+from .capture import capture_stages
 
 
 class _Model(Protocol):
@@ -26,6 +30,7 @@ class _Model(Protocol):
     :func:`beam_scores` and :func:`beam_mix`)."""
 
     compute_dtype: str
+    config: TransformerConfig
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -40,7 +45,7 @@ def _xla_keeps_roundings(model: _Model) -> bool:
     return not is_low(tf.as_dtype(model.compute_dtype).as_numpy_dtype)
 
 
-def compiled_forward(model: _Model, jit_compile: bool = True, return_intermediates: bool = False) -> Callable:
+def compiled_forward(model: _Model, jit_compile: bool = True, stages: bool = False) -> Callable:
     """The inference forward pass as one ``tf.function``, traced (and with ``jit_compile``
     XLA-compiled) on the first call for each input shape. XLA handles float64 on CPU for every
     op used, and it is the default because its fused program ran the ``base`` forward pass faster on the CPU
@@ -51,11 +56,12 @@ def compiled_forward(model: _Model, jit_compile: bool = True, return_intermediat
     can no longer be compared with the vocabulary size (``tf.gather`` would clamp an id out of range).
 
     Shape: as :class:`~.model.Transformer`; returns log-probabilities (B, T, V_tgt), or with
-    ``return_intermediates`` ``(log_probs, stages)``.
+    ``stages`` ``(log_probs, stages)``: the traced call is then ``capture_stages(model, ...)`` (:mod:`.capture`).
     """
     @tf.function(jit_compile=jit_compile and _xla_keeps_roundings(model), autograph=False)   # no control flow
     def graph(src, tgt, src_mask=None, tgt_mask=None):
-        return model(src, tgt, src_mask, tgt_mask, return_intermediates=return_intermediates, training=False)
+        call = functools.partial(capture_stages, model) if stages else model
+        return call(src, tgt, src_mask, tgt_mask, training=False)
 
     def forward(src, tgt, src_mask=None, tgt_mask=None):
         src, tgt = model._check_inputs(src, tgt, src_mask, tgt_mask)

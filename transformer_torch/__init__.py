@@ -7,6 +7,7 @@ See ``docs/torch.md``.
 
 from reference_numpy import __version__ as __version__
 
+from .capture import capture_stages
 from .checkpoint import (
     from_checkpoint_layout,
     from_params,
@@ -62,6 +63,7 @@ __all__ = [
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
     "masked_softmax", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
+    "capture_stages",
     "beam_search", "greedy_decode",
     "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",

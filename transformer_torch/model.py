@@ -631,9 +631,6 @@ def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCac
 class Encoder(nn.Module):
     """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
-    With ``return_intermediates`` the call returns ``(x, stages)``, ``stages`` mapping ``layers.{i}`` to each
-    layer's output.
-
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
 
@@ -642,23 +639,17 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
         self.norm = LayerNorm(config) if config.norm_first else None
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, return_intermediates: bool = False) -> Any:
-        stages = {}
-        for i, layer in enumerate(self.layers):
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        for layer in self.layers:
             x = layer(x, mask)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
-        x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None)
+        return self.norm(x) if self.norm is not None else x
 
 
 class Decoder(nn.Module):
     """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
 
     ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``; with ``return_intermediates`` also ``stages``, mapping
-    ``layers.{i}`` to each layer's output; with a ``cache`` also the cache, last: ``(x, stages)``, ``(x, cache)``
-    or ``(x, stages, cache)``.
+    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -669,30 +660,21 @@ class Decoder(nn.Module):
         self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                return_intermediates: bool = False, cache: tuple | None = None,
-                cache_index: Index | None = None) -> Any:
-        stages, kept = {}, []
+                cache: tuple | None = None, cache_index: Index | None = None) -> Any:
+        kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask)
             else:
                 x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
                 kept.append(layer_cache)
-            if return_intermediates:
-                stages[f"layers.{i}"] = x
         x = self.norm(x) if self.norm is not None else x
-        return _returned(x, stages if return_intermediates else None, None if cache is None else tuple(kept))
+        return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
         # nn.ModuleList yields each layer as a Module, whose attributes torch types Tensor | Module
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)  # type: ignore[operator]
-
-
-def _stages(embedded_name: str, embedded: Any, stack: str, layers: dict, out: Any) -> dict:
-    """One side's stages under the shared stage names, in forward order: the embedded input, each layer's output
-    (``{stack}.layers.{i}``) and the stack's output."""
-    return {embedded_name: embedded, **{f"{stack}.{key}": value for key, value in layers.items()}, stack: out}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -745,21 +727,15 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.src_embed.weight.device
 
-    def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
-               return_intermediates: bool = False) -> Any:
-        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D).
-
-        With ``return_intermediates`` returns ``(memory, stages)``: "src_embed", "encoder.layers.{i}", "encoder"."""
+    def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None) -> Tensor:
+        """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), self.device)
         x = self.src_pos(self.src_embed(src), 0, src)
-        if not return_intermediates:
-            return self.encoder(x, src_mask)
-        memory, layers = self.encoder(x, src_mask, return_intermediates=True)
-        return memory, _stages("src_embed", x, "encoder", layers, memory)
+        return self.encoder(x, src_mask)
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
@@ -772,8 +748,8 @@ class Transformer(nn.Module):
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
-               tgt_mask: Tensor | np.ndarray | None = None, return_intermediates: bool = False,
-               cache: tuple | None = None, cache_index: Index | None = None) -> Any:
+               tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None,
+               cache_index: Index | None = None) -> Any:
         """Embed the shifted target and run the decoder stack.
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
@@ -785,8 +761,7 @@ class Transformer(nn.Module):
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written).
         ``cache_index`` may be a 0-d tensor (checked only when its value is known).
-        Returns ``(out, cache)``. With ``return_intermediates`` the stages "tgt_embed", "decoder.layers.{i}",
-        "decoder" come second: ``(out, stages)`` or ``(out, stages, cache)``.
+        Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
@@ -803,10 +778,7 @@ class Transformer(nn.Module):
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
-        if not return_intermediates:
-            return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
-        out, layers, *kept = self.decoder(y, memory, src_mask, tgt_mask, True, cache, cache_index)
-        return (out, _stages("tgt_embed", y, "decoder", layers, out), *kept)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Checks the inputs (ids read on the host) before ``nn.Module.__call__``, which may run a compiled
@@ -815,23 +787,13 @@ class Transformer(nn.Module):
         return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
     def forward(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
-                tgt_mask: Tensor | np.ndarray | None = None, return_intermediates: bool = False) -> Any:
-        """Log-probabilities of the next target token at every target position.
-
-        With ``return_intermediates`` returns ``(log_probs, stages)`` where ``stages`` maps
-        "src_embed", "encoder.layers.{i}", "encoder", "tgt_embed", "decoder.layers.{i}",
-        "decoder" and "log_probs" to tensors, in that order (the shared stage names of every port).
-        """
+                tgt_mask: Tensor | np.ndarray | None = None) -> Tensor:
+        """Log-probabilities of the next target token at every target position."""
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        if not return_intermediates:
-            memory = self.encode(src, src_mask)
-            return self.generator(self.decode(tgt, memory, src_mask, tgt_mask))
-        memory, encoded = self.encode(src, src_mask, return_intermediates=True)
-        out, decoded = self.decode(tgt, memory, src_mask, tgt_mask, return_intermediates=True)
-        log_probs = self.generator(out)
-        return log_probs, {**encoded, **decoded, "log_probs": log_probs}
+        memory = self.encode(src, src_mask)
+        return self.generator(self.decode(tgt, memory, src_mask, tgt_mask))
 
     def _check_inputs(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
                       tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:

@@ -110,7 +110,7 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
             ) -> dict[str, np.ndarray]:
     """Every stage of the compiled forward pass (inference), by the shared stage names, in order, in the model's
     dtype (float32, float64, bfloat16 or float16); a bfloat16 or float16 model's log-probabilities are float32."""
-    _, stages = _forward(model, src, tgt, src_mask, tgt_mask, return_intermediates=True)
+    _, stages = _forward(model, src, tgt, src_mask, tgt_mask, stages=True)
     return {name: np.asarray(value) for name, value in stages.items()}
 
 

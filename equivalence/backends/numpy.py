@@ -21,6 +21,7 @@ from equivalence.recipes import (
     sublayer_attention_weights,
 )
 from reference_numpy import backward, checkpoint, data_parallel, decoding, training
+from reference_numpy.capture import capture_stages
 from reference_numpy.config import TrainingConfig, TransformerConfig
 from reference_numpy.data_parallel import Batches
 from reference_numpy.model import Transformer, padding_mask, residual, scaled_dot_product_attention, target_mask
@@ -90,7 +91,7 @@ def export_params(model: Transformer) -> dict[str, np.ndarray]:
 def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None, tgt_mask: Mask = None
             ) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names."""
-    _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True)
+    _, stages = capture_stages(model, src, tgt, src_mask, tgt_mask)
     return stages
 
 

@@ -31,6 +31,7 @@ from reference_numpy.precision import DTYPES, check_autocast_training, parse_pre
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_tf import checkpoint, data_parallel, decoding, training
 from transformer_tf import device as _device
+from transformer_tf.capture import capture_stages
 from transformer_tf.model import (
     Transformer,
     padding_mask,
@@ -111,7 +112,7 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
     ``transformer_tf.compiled_forward(model, jit_compile=False)``, checked in tests/test_tf.py). Every stage in
     the model's dtype, ``log_probs`` in float32 for a bfloat16 or float16 model."""
     with tf.device(_device.model_device(model)):           # the model's __call__ checks the inputs first
-        _, stages = model(src, tgt, src_mask, tgt_mask, return_intermediates=True, training=False)
+        _, stages = capture_stages(model, src, tgt, src_mask, tgt_mask, training=False)
     return {name: value.numpy() for name, value in stages.items()}
 
 
@@ -176,7 +177,7 @@ def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, 
     (rounded to bfloat16 or float16 in a low precision)."""
     check_attention_request(model.config, layer, kind)
     with tf.device(_device.model_device(model)):
-        _, stages = model(src, tgt, return_intermediates=True, training=False)
+        _, stages = capture_stages(model, src, tgt, training=False)
         return sublayer_attention_weights(
             model, stages, padding_mask(src, model.config.pad_id), target_mask(tgt, model.config.pad_id), layer, kind,
             lambda x, sublayer, norm: residual(x, sublayer, norm, model.config.norm_first, tf.identity)).numpy()

@@ -36,6 +36,7 @@ from reference_numpy.decoding import BEAM_SIZE
 from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_torch import checkpoint, data_parallel, decoding, training
+from transformer_torch.capture import capture_stages
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
 from transformer_torch.model import (
@@ -114,7 +115,7 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
             ) -> dict[str, np.ndarray]:
     """Every stage of the forward pass (inference), by the shared stage names: in the model's dtype, log_probs in
     float32 for a bfloat16 or float16 model."""
-    _, stages = model.eval()(src, tgt, src_mask, tgt_mask, return_intermediates=True)
+    _, stages = capture_stages(model.eval(), src, tgt, src_mask, tgt_mask)
     return {name: _numpy(value) for name, value in stages.items()}
 
 
@@ -175,7 +176,7 @@ def attention_weights(model: Transformer, src: Tokens, tgt: Tokens, layer: int, 
     """Attention weights (B, H, Tq, Tk) of one layer's ``kind`` of attention, default masks; in the model's dtype."""
     check_attention_request(model.config, layer, kind)
     source, target = (torch.as_tensor(np.asarray(tokens), device=model.device) for tokens in (src, tgt))
-    _, stages = model.eval()(source, target, return_intermediates=True)
+    _, stages = capture_stages(model.eval(), source, target)
     no_dropout = lambda y: y
     return _numpy(sublayer_attention_weights(
         model, stages, padding_mask(source, model.config.pad_id), target_mask(target, model.config.pad_id), layer, kind,

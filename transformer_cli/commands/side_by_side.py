@@ -149,6 +149,13 @@ CONCEPTS = (
              "jax": ("checkpoint.py:_LAYOUT", "checkpoint.py:name_table", "checkpoint.py:transposed",
                      "checkpoint.py:from_params"),
              "tf": ("checkpoint.py:_LAYOUT", "checkpoint.py:name_table", "checkpoint.py:transposed")}),
+    Concept("Intermediate stages", "the stages compare reads (not in the paper)",
+            "the embedded inputs, each layer's output, each stack's, the log-probabilities: each the output of one "
+            "module, recorded from outside the model by the framework's own capture (no argument of the math)",
+            {"numpy": ("capture.py:stage_paths", "capture.py:capture_stages", "capture.py:_Recorder"),
+             "torch": ("capture.py:capture_stages", "capture.py:_recorder"),
+             "jax": ("capture.py:capture_stages",),
+             "tf": ("capture.py:capture_stages", "capture.py:_recorder")}),
 )
 
 
