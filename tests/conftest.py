@@ -15,12 +15,12 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 
 import compile_cache  # noqa: E402 - imports NumPy (through transformer_cli), so after OpenBLAS's kernel is set
 
-# One JAX persistent compilation cache for the checkout, kept from run to run (tests/compile_cache.py), set before any
-# process imports JAX: the test processes (xdist's workers inherit it from the controller) and every process a test
-# starts (CLI runs, the documents' examples, data-parallel workers) read back a program compiled before -- in an
+# One JAX persistent compilation cache for the checkout, kept from run to run (tests/helpers/compile_cache.py), set
+# before any process imports JAX: the test processes (xdist's workers inherit it from the controller) and every process
+# a test starts (CLI runs, the documents' examples, data-parallel workers) read back a program compiled before -- in an
 # earlier run, in another process, or in this one before a module's caches were dropped -- instead of compiling it
-# again: the same executable, XLA's key covering the program, its compile options, XLA_FLAGS and jaxlib's version.
-# A user's own directory is kept; xdist's workers and the processes a test starts find the controller's set.
+# again: the same executable, XLA's key covering the program, its compile options, XLA_FLAGS and jaxlib's version. A
+# user's own directory is kept; xdist's workers and the processes a test starts find the controller's set.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache.directory())
 # Every program goes into that cache, not only those that took JAX's default of 1 s to compile: the op-by-op
@@ -300,7 +300,7 @@ def pytest_runtest_logreport(report):
 
 
 # The modules split into several units of work, by port and dtype: their parts share no compiled program.
-SPLIT_MODULES = ("tests/test_agreement.py",)
+SPLIT_MODULES = ("tests/equivalence/test_agreement.py",)
 DTYPE_NAMES = tuple(dtype.name for dtype in DTYPES)                 # the formats a model is stored in
 
 
@@ -340,7 +340,7 @@ def other_matrix_variant(item: pytest.Item) -> bool:
     programs in JAX and TensorFlow (most of the matrix's time). The default tier keeps ``tiny``; the whole suite
     (``--full``) runs every variant."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return item.nodeid.startswith("tests/test_agreement.py::") and params.get("variant", "tiny") != "tiny"
+    return item.nodeid.startswith("tests/equivalence/test_agreement.py::") and params.get("variant", "tiny") != "tiny"
 
 
 def pytest_runtest_teardown(item, nextitem):
