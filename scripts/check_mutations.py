@@ -875,7 +875,8 @@ HF_EXPORT_ORACLE = ["tests/families/test_hf_export.py", "-k", "float64"]
 HF_EXPORT = [
     single("hf export", "train --layer-norm-eps left unread: a new run keeps the presets' 1e-6",
            "transformer_cli/commands/train.py", "return made.config(dropout=args.dropout or 0.0, **eps)",
-           "return made.config(dropout=args.dropout or 0.0)", ["tests/families/test_hf_export.py"]),
+           "return made.config(dropout=args.dropout or 0.0)",
+           ["tests/cli/test_families_commands.py", "-k", "families_layer_norm_epsilon"]),
     single("hf export", "train --resume takes another --layer-norm-eps without a word", "transformer_cli/commands/train.py",
            '"dropout": config.dropout, "layer_norm_eps": config.layer_norm_eps}',
            '"dropout": config.dropout, "layer_norm_eps": args.layer_norm_eps}', ["tests/cli/test_cli_reliability.py"]),
@@ -898,7 +899,7 @@ HF_EXPORT = [
     single("hf export", "hf export: an imported family's vocab.json written with every id one place off",
            "reference_numpy/hf_tokenizer.py", 'json.dumps(record[field], ensure_ascii=False',
            'json.dumps({k: (v + 1) % len(record[field]) for k, v in record[field].items()}, ensure_ascii=False',
-           ["tests/families/test_hf_tokenizers.py", "-k", "export_of_an_imported"]),
+           ["tests/cli/test_families_commands.py", "-k", "export_of_an_imported"]),
     single("hf import", "hf import: an untied encoder embedding read from model.shared (transformers 4's ties, which "
            "tie_word_embeddings false no longer makes in 5)", "reference_numpy/hf_import.py",
            'table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")',
@@ -910,10 +911,10 @@ HF_EXPORT = [
            ["tests/families/test_hf_tokenizers.py", "-k", "separate"]),
     single("hf import", "hf import: generation_config.json's num_beams not read (translate decodes greedily)",
            "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
-           ["tests/families/test_hf_tokenizers.py", "-k", "own_beam"]),
+           ["tests/cli/test_families_commands.py", "-k", "own_beam"]),
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
            "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
-           "self.beam_size = 1 if beam_size is None", ["tests/families/test_hf_tokenizers.py", "-k", "own_beam"]),
+           "self.beam_size = 1 if beam_size is None", ["tests/cli/test_families_commands.py", "-k", "own_beam"]),
     single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
            "holds", "reference_numpy/hf_import.py", "    if unsafe:\n", "    if False:\n",
            ["tests/families/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),

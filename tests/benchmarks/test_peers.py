@@ -1,15 +1,17 @@
-"""The peers on our weights (``transformer_bench/peers.py``, docs/peers.md) against the float64 NumPy
-reference,
-under the project's one float32 policy (``equivalence.tolerance``, used as tests/equivalence/test_agreement.py uses it):
+"""The peers on our weights (``transformer_bench/peers.py``, docs/peers.md) against the float64 NumPy reference,
+under the project's one float32 policy (``equivalence.tolerance``, used as tests/equivalence/test_agreement.py uses
+it):
 
 * the CTranslate2 exporter (``transformer_export/ctranslate2.py``): each target token's log-probability
   (``Translator.score_batch``), greedy tokens, beam-search scores, on ``tiny`` configs (post-LN, pre-LN, learned
   positions, shared embeddings, other pad/bos/eos ids) and on the shipped trained model, whose beam-search
-  tokens are compared too; its refusals, its rule for an existing output directory, the ``export`` command;
+  tokens are compared too; its refusals, its rule for an existing output directory (the ``export`` command:
+  tests/cli/test_export.py);
 * HF Marian: its log-probabilities for every post-LN config (it computes the reference's function), its
   refusal of pre-LN; ``torch.nn.Transformer``'s wrapper likewise;
 * the forced-length decoders ``bench --peers`` times: each writes the reference's greedy tokens up to eos;
-* ``bench --peers``' report: every cell, the anchors, and every ratio recomputed from them.
+* ``bench --peers``' report's tasks on an imported checkpoint (the whole report and its chart:
+  tests/cli/test_bench_report.py).
 
 An engine that is not installed is a skip with its reason. No time is asserted.
 """
@@ -24,6 +26,7 @@ import sys
 
 import numpy as np
 import pytest
+from support import require
 
 from equivalence import cases, tolerance
 from equivalence.margins import greedy_margins
@@ -39,8 +42,6 @@ from reference_numpy import (
 from reference_numpy.decoding import LENGTH_PENALTY_ALPHA, length_penalty
 from transformer_bench import bench as bench_module
 from transformer_bench import timing
-from transformer_cli import plots
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
 from transformer_export import ctranslate2 as export
 from transformer_tasks.numbers import NumbersTask
 from transformer_tasks.translation import load_translator
@@ -50,10 +51,6 @@ VARIANTS = {**cases.VARIANTS, "special_ids": TINY.replace(pad_id=5, bos_id=3, eo
 POST_LN = [name for name, config in VARIANTS.items() if not config.norm_first]
 MASK_CASES = ("causal", "source_padding", "ragged_batch")     # the model's default masks (CTranslate2 has no others)
 SHIPPED_SENTENCES = 8
-
-
-def require(module: str, extra: str):
-    return pytest.importorskip(module, reason=f"{module} is not installed (pip install '.[{extra}]')")
 
 
 def peers():
@@ -345,20 +342,6 @@ def test_export_without_ctranslate2_names_the_extra(tmp_path, monkeypatch):
     assert not (tmp_path / "model").exists()
 
 
-def test_export_command(tmp_path, capsys):
-    require("ctranslate2", "peers")
-    checkpoint = write_checkpoint(tmp_path / "m.safetensors", TINY)
-    out = str(tmp_path / "model")
-    assert main(["export", "--to", "ctranslate2", checkpoint, out]) == EXIT_OK
-    assert capsys.readouterr().out.startswith(f"wrote {out}: a float32 CTranslate2 model")
-    assert main(["export", "--to", "ctranslate2", checkpoint, out]) == EXIT_USAGE
-    err = capsys.readouterr().err
-    assert err == f"transformer-reference: error: OUTPUT_DIR: '{out}' already exists; pass --force to replace it\n"
-    assert main(["export", "--to", "ctranslate2", checkpoint, out, "--force"]) == EXIT_OK
-    assert main(["export", "--to", "tflite", checkpoint, out]) == EXIT_USAGE
-    assert "argument --to: invalid choice: 'tflite'" in capsys.readouterr().err
-
-
 # ----------------------------------------------------------------------------- Marian and nn.Transformer
 
 def marian(variant_or_config, params=None):
@@ -522,68 +505,6 @@ def test_bench_compiled_times_the_pytorch_ports_compiled_decoding_beside_the_eag
         (bench_module.COMPILED, "greedy (cached)")}
     assert "compile_decoding" in report.computes[bench_module.COMPILED]["greedy (cached)"]
     assert bench_module.COMPILED in bench_module.format_bench(report)
-
-
-def test_bench_peers_report(monkeypatch, tmp_path):
-    """``bench --peers`` end to end on the tiny preset (NumPy and PyTorch backends, small anchors): every cell,
-    the anchors, and every ratio equal to its value over its anchor, recomputed here."""
-    require("torch", "torch")
-    monkeypatch.setattr(bench_module, "MATMUL_SIZE", 64)
-    monkeypatch.setattr(bench_module, "BANDWIDTH_MIB", 4)
-    monkeypatch.setattr(timing, "PRODUCTS", {name: timing.PRODUCTS[name] for name in ("numpy", "torch")})
-    shapes = {"batch": 2, "src_len": 6, "tgt_len": 5, "decode_tokens": 51}
-    report = bench_module.bench("tiny", **shapes, names=("numpy", "torch"), repeats=2, peers=True)
-    data = json.loads(json.dumps(report.to_json(), allow_nan=False))
-    installed = [name for name, (_, modules, _) in peers().PEERS.items()
-                 if all(importlib.util.find_spec(m) for m in modules)]
-    cells = {(m["backend"], m["task"]) for m in data["measurements"]}
-    expected = {("numpy", "forward"), *(("torch", task) for task in bench_module.PEER_TASKS)}
-    expected |= {(peer, task) for peer in installed for task in bench_module.PEER_TASKS
-                 if (peer, task) != ("torch.nn.Transformer", "beam 4 batch 1") and peer != "transformers"}
-    assert cells == expected
-    missing = {(m["name"], m["reason"].split(":")[0]) for m in data["missing"]}
-    if "torch.nn.Transformer" in installed:
-        assert ("torch.nn.Transformer", "beam 4 batch 1") in missing
-    if "transformers" in installed:                      # the preset's epsilon of 1e-6: the export refuses it
-        assert ("transformers", "cannot run this config") in missing
-
-    anchors = data["anchors"]
-    assert set(anchors["gemm_gflops"]) == {"numpy", "torch"}
-    assert anchors["best_gemm"]["gflops"] == max(anchors["gemm_gflops"].values()) > 0
-    assert anchors["gemm_gflops"][anchors["best_gemm"]["framework"]] == anchors["best_gemm"]["gflops"]
-    bandwidth = anchors["bandwidth"]["gb_per_s"]
-    config, source = TransformerConfig.preset("tiny"), shapes["decode_tokens"] - 50
-    for task, rows in (("greedy batch 1", 1), ("greedy batch 8", 8), ("beam 4 batch 1", 4)):
-        assert anchors["step_bytes"][task] == timing.decode_step_bytes(config, rows, source, shapes["decode_tokens"])
-        assert anchors["bound_seconds_per_step"][task] == pytest.approx(anchors["step_bytes"][task] / bandwidth / 1e9)
-
-    for m in data["measurements"]:
-        assert m["min_seconds"] <= m["seconds"] <= m["max_seconds"] and m["compile_seconds"] >= 0
-        assert m["gflops"] == pytest.approx(m["flops"] / m["seconds"] / 1e9)
-        same_task_peers = [p["unit_seconds"] for p in data["measurements"] if p["kind"] == "peer" and
-                           p["task"] == m["task"]]
-        if m["task"] == "forward":
-            assert m["tokens"] is None and m["unit_seconds"] == m["seconds"] and m["ratio_to_bound"] is None
-            assert m["ratio_to_best_gemm"] == pytest.approx(m["gflops"] / anchors["best_gemm"]["gflops"])
-        else:
-            assert 1 <= m["tokens"] <= shapes["decode_tokens"] and m["ratio_to_best_gemm"] is None
-            assert m["unit_seconds"] == pytest.approx(m["seconds"] / m["tokens"])
-            bound = anchors["bound_seconds_per_step"][m["task"]]
-            assert m["ratio_to_bound"] == pytest.approx(m["unit_seconds"] / bound)
-        if m["kind"] == "peer" and m["task"] != "forward":
-            assert m["tokens"] == shapes["decode_tokens"]                 # forced to the same length
-        if same_task_peers:
-            assert m["ratio_to_best_peer"] == pytest.approx(m["unit_seconds"] / min(same_task_peers))
-        assert m["task"] in data["computes"][m["backend"]]
-        uncached = m["backend"] == "torch.nn.Transformer" and m["task"].startswith("greedy")
-        assert m["repeats"] == (1 if uncached else 2)                      # decoding without a cache: timed once
-    text = bench_module.format_bench(report)
-    for heading in ("forward", "greedy batch 1 per token", "greedy batch 8 per step", "best float32 GEMM",
-                    "memory bandwidth", "what each timed call computes"):
-        assert heading in text
-    require("matplotlib", "cli")
-    plots.plot_bench(report, tmp_path / "bench.png")
-    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_bench_times_a_checkpoint_with_its_own_config_and_conventions(monkeypatch, tmp_path):

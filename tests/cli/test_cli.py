@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from in_process import cli
 from safetensors import safe_open
 
 from equivalence import backends
@@ -23,7 +24,7 @@ from reference_numpy.checkpoint import load_training_state
 from transformer_bench import compare as compare_module
 from transformer_bench import timing
 from transformer_cli import main as cli_main
-from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, main
+from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from transformer_tasks.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,13 +151,6 @@ def test_bench_reports_json_and_a_bar_chart(workdir):
 
 
 # ----------------------------------------------------------------------------- error paths, in-process
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``main(args)`` in this process: (exit status, stdout, stderr)."""
-    status = main(list(args))
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 @pytest.fixture
 def in_workdir(workdir, monkeypatch):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import cli
+from in_process import cli
 
 from equivalence import backends, runtime
 from reference_numpy import TransformerConfig, init_params, save_checkpoint

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import cli
+from in_process import cli
 
 from equivalence import backends, tolerance
 from equivalence.training_runs import Run, assert_float64_run, reference_run

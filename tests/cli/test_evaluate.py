@@ -8,20 +8,15 @@ import json
 
 import numpy as np
 import pytest
+from in_process import cli
 
 from equivalence import backends
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_cli.main import EXIT_OK, EXIT_USAGE
 
 sacrebleu = pytest.importorskip("sacrebleu", reason="evaluate scores with sacrebleu (the text extra)")
 num2words = pytest.importorskip("num2words", reason="the test set is written by num2words (the text extra)").num2words
 
 SENTENCES = 60
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    status = main(list(args))
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from support import require
 
 from equivalence import tolerance
 from equivalence.margins import beam_margins
@@ -62,10 +63,6 @@ SHIPPED_TEXTS = 32                 # held-out sentences of the shipped model, ev
 BEAM_TEXTS = ("thirteen seventy thirteen eight three", "sixty and thirteen thirty and",
               "six twelve thirty hundred four seventy", "ten thirteen thirteen seventy thirteen hundred",
               "four fifty hundred eight seven seventy", "eleven five thirteen and", "six ten twenty seventy eighty and")
-
-
-def require(module: str, extra: str):
-    return pytest.importorskip(module, reason=f"{module} is not installed (pip install '.[{extra}]')")
 
 
 @pytest.fixture(scope="module")
@@ -761,3 +758,20 @@ def test_export_shows_a_progress_bar_over_the_programs_it_traces(tmp_path, capsy
         assert main(["export", "--to", "jax-export", str(checkpoint), str(tmp_path / f"out-{terminal}")]) == EXIT_OK
         err = capsys.readouterr().err
         assert (re.search(r"export jax-export: 100%.* 3/3 ", err) is not None) == terminal, err
+
+
+def test_export_command(tmp_path, capsys):
+    """``export --to ctranslate2``: what it wrote; an existing directory replaced only with ``--force``; a target
+    that is none refused by name."""
+    require("ctranslate2", "peers")
+    config, checkpoint = TransformerConfig.preset("tiny"), str(tmp_path / "m.safetensors")
+    save_checkpoint(checkpoint, config, init_params(config, seed=0, dtype=np.float32))
+    out = str(tmp_path / "model")
+    assert main(["export", "--to", "ctranslate2", checkpoint, out]) == EXIT_OK
+    assert capsys.readouterr().out.startswith(f"wrote {out}: a float32 CTranslate2 model")
+    assert main(["export", "--to", "ctranslate2", checkpoint, out]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == f"transformer-reference: error: OUTPUT_DIR: '{out}' already exists; pass --force to replace it\n"
+    assert main(["export", "--to", "ctranslate2", checkpoint, out, "--force"]) == EXIT_OK
+    assert main(["export", "--to", "tflite", checkpoint, out]) == EXIT_USAGE
+    assert "argument --to: invalid choice: 'tflite'" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from support import cli, one_error_line
+from in_process import cli, one_error_line
 
 from equivalence import backends
 from reference_numpy import TransformerConfig, init_params, save_checkpoint

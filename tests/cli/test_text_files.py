@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import cli, one_error_line
+from in_process import cli, one_error_line
 
 from equivalence import runtime
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
@@ -161,20 +161,11 @@ def test_a_framework_imported_by_any_command_has_its_notices_held(tmp_path, monk
     monkeypatch.setitem(export_module.WRITERS, "savedmodel", export_module.Writer(
         writer.write, writer.files, (("noisy_framework", "tf"),), writer.steps))
     (tmp_path / "broken.safetensors").write_bytes(b"not a checkpoint")
-    status, out, err = cli_fd(capfd, "export", "--to", "savedmodel", str(tmp_path / "broken.safetensors"),
+    status, out, err = cli(capfd, "export", "--to", "savedmodel", str(tmp_path / "broken.safetensors"),
                               str(tmp_path / "out"))
     assert status == EXIT_USAGE and out == ""
     one_error_line(err, "broken.safetensors")
     assert "noisy_framework" in sys.modules and runtime.imported("noisy_framework")
-
-
-def cli_fd(capfd, *args: str) -> tuple[int, str, str]:
-    """A command run in-process, its output read at the file descriptors (where native code writes)."""
-    from transformer_cli.main import main
-
-    status = main(list(args))
-    out, err = capfd.readouterr()
-    return status, out, err
 
 
 @pytest.mark.slow

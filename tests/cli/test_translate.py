@@ -11,13 +11,14 @@ import os
 
 import numpy as np
 import pytest
+from in_process import cli
 
 from equivalence import backends, tolerance
 from equivalence.oracle import SENTENCES
 from reference_numpy import TransformerConfig, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_tokenizer_json, load_training_state
 from transformer_cli.commands.attention import attention_by_backend
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_cli.main import EXIT_OK, EXIT_USAGE
 from transformer_tasks.translation import SHIPPED
 
 # (English, French) by the rules: "et" in 21..71, "quatre-vingts" and "cents" take an s only at the end
@@ -26,14 +27,6 @@ GRAMMAR = [("three hundred and twelve", "trois cent douze"),
            ("eighty thousand and eighty", "quatre-vingt mille quatre-vingts"),
            ("twenty-one", "vingt et un"),
            ("two hundred thousand and one", "deux cent mille un")]
-
-
-def cli(capsys, *args: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
-    if stdin is not None:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    status = main(list(args))
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def test_translate_sentences_given_as_arguments(capsys):

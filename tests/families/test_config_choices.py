@@ -379,16 +379,3 @@ def test_the_checkpoint_records_the_choices_and_refuses_others_alike_in_every_ba
             port_backend(port).load(bad)
         assert str(port_error.value) == str(reference_error.value), port
 
-
-def test_compare_on_a_checkpoint_with_the_choices(tmp_path, capsys):
-    """``compare`` on a checkpoint of fairseq's lineage (pre-LN, GELU, fairseq's positions, unscaled embeddings, a
-    logits bias): every stage of PyTorch within its bound, exit 0."""
-    from support import cli
-
-    config = FORWARD_VARIANTS["fairseq"].replace(output_bias=True)
-    path = tmp_path / "fairseq.safetensors"
-    save_checkpoint(path, config, init_params(config, 0, perturb=0.1))
-    port_backend("torch")
-    status, out, err = cli(capsys, "compare", str(path), "--backends", "torch", "--threads", "1")
-    assert status == 0, out + err
-    assert "all backends agree with the reference" in out

@@ -12,7 +12,7 @@ import importlib
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS, SOURCE, float64_inference, port_backend, tiny_separate_marian
+from support import FRAMEWORKS, SOURCE, float64_inference, port_backend
 
 from equivalence.cases import VARIANTS, seeded_params
 from reference_numpy.checkpoint import SHIPPED_MODELS, save_checkpoint
@@ -20,14 +20,6 @@ from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
 
 BACKENDS = ("numpy", *FRAMEWORKS)
-
-
-@pytest.fixture(scope="module")
-def separate_marian(tmp_path_factory) -> dict:
-    """A tiny Marian directory whose every weight is random (its sentences translate apart), and its import."""
-    for library in ("torch", "transformers", "sentencepiece"):
-        pytest.importorskip(library, reason=f"{library} is not installed: the Marian directory is built with it")
-    return tiny_separate_marian(tmp_path_factory.mktemp("separate-marian"))
 
 
 def package(name: str):

@@ -1,5 +1,6 @@
-"""``reference_numpy.hf_export`` and ``transformer-reference export --to hf``: this project's checkpoints as Hugging
-Face model directories, loaded and run by transformers itself (the outside implementation).
+"""``reference_numpy.hf_export`` (``transformer_export.export.export_hf``, what ``export --to hf`` runs): this
+project's checkpoints as Hugging Face model directories, loaded and run by transformers itself (the outside
+implementation).
 
 * transformers' ``AutoModelForSeq2SeqLM`` loads every tensor of the export (none missing, none unexpected, the file
   what its own ``save_pretrained`` writes back) and reproduces the reference's float64 log-probabilities within
@@ -12,32 +13,29 @@ Face model directories, loaded and run by transformers itself (the outside imple
 * the shipped model (its LayerNorm epsilon set to Marian's 1e-5, a model of its own): ``AutoTokenizer`` gives the
   project's ids and text, and transformers' ``generate`` with the export's generation config writes exactly the
   reference's greedy tokens;
-* the refusals (one line naming the field) and the command's outputs and inputs.
+* (the refusals, one line naming the field, and the command's outputs and inputs:
+  tests/cli/test_families_commands.py).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from support import build, cli, exact_tables, hf_log_probs, masks, trained
+from support import EXPORTED, EXPORTED_FAMILY, build, exact_tables, hf_log_probs, masks, random_params, trained
 
 from equivalence import tolerance
 from reference_numpy import Transformer, TransformerConfig, greedy_decode
 from reference_numpy.checkpoint import (
-    CheckpointReader,
     load_checkpoint,
     load_tokenizer_json,
-    parameter_shapes,
     save_checkpoint,
 )
-from reference_numpy.hf_export import family_of
 from reference_numpy.hf_import import import_hf, read_weights
 from reference_numpy.model import sinusoidal_positional_encoding
 from reference_numpy.tokenizer import Tokenizer
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_export.export import export_hf
 from transformer_tasks.translation import SHIPPED
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
@@ -45,40 +43,18 @@ torch = pytest.importorskip("torch", reason="torch is not installed: transformer
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: the exported directories "
                                                           "are loaded by it (pip install transformers)")
 
-# Every size different, so that a transposed or swapped tensor fails on its shape or its values
-PAPER = TransformerConfig(src_vocab_size=29, tgt_vocab_size=29, d_model=16, n_heads=4, d_ff=24, n_encoder_layers=2,
-                          n_decoder_layers=3, dropout=0.0, layer_norm_eps=1e-5, max_len=40)
-CONFIGS = {
-    "paper": PAPER,
-    # bos (3) not the lowest id beside pad and eos: the import must read it from decoder_start_token_id
-    "marian": PAPER.replace(sinusoidal_layout="halves", activation="silu", output_bias=True, share_embeddings=False,
-                            tgt_vocab_size=33, pad_id=5, bos_id=3, eos_id=0),
-    # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
-    "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
-                             pad_id=1, bos_id=0, eos_id=2, max_output_length=9),
-    # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
-    "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
-                                    share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
-}
-HF_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100"}
 HF_CLASS = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}
 
 
-def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Every tensor random (LayerNorms and biases too), float32."""
-    rng = np.random.default_rng(seed)
-    return {name: (rng.standard_normal(shape) * 0.5).astype(np.float32)
-            for name, shape in parameter_shapes(config).items()}
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=list(EXPORTED))
 def exported(request, tmp_path_factory):
-    """(case, config, float32 params, the checkpoint, the directory ``export --to hf`` wrote)."""
-    case, config = request.param, CONFIGS[request.param]
+    """(case, config, float32 params, the checkpoint, the directory its export wrote: ``export_hf``, what ``export
+    --to hf`` runs)."""
+    case, config = request.param, EXPORTED[request.param]
     params = random_params(config)
     root = tmp_path_factory.mktemp(case)
     save_checkpoint(root / "model.safetensors", config, params)
-    assert main(["export", "--to", "hf", str(root / "model.safetensors"), str(root / "hf")]) == EXIT_OK
+    export_hf(root / "model.safetensors", root / "hf")
     return case, config, params, root / "model.safetensors", root / "hf"
 
 
@@ -106,7 +82,7 @@ def test_transformers_loads_every_tensor_of_the_export(exported, tmp_path):
     ``save_pretrained`` writes back holds the same tensors, bit for bit."""
     case, _, _, _, directory = exported
     model, info = from_export(directory)
-    assert type(model).__name__ == HF_CLASS[HF_FAMILY[case]]
+    assert type(model).__name__ == HF_CLASS[EXPORTED_FAMILY[case]]
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set()), info
     model.save_pretrained(tmp_path)
     ours, theirs = read_weights(directory), read_weights(tmp_path)
@@ -120,7 +96,7 @@ def float64_model(exported):
     """transformers' float64 model of the export, its sinusoid buffers the reference's float64 table."""
     case, config, _, _, directory = exported
     model, _ = from_export(directory, torch.float64)
-    exact_tables(HF_FAMILY[case], model, config)
+    exact_tables(EXPORTED_FAMILY[case], model, config)
     return model
 
 
@@ -184,8 +160,7 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     assert first.length_normalization == "hf" and first.decoder_start_id is not None and first.beam_size == 3
     assert first.renormalize == (family == "marian")
     assert (first.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
-    status = main(["export", "--to", "hf", str(tmp_path / "first.safetensors"), str(tmp_path / "exported")])
-    assert status == EXIT_OK
+    export_hf(tmp_path / "first.safetensors", tmp_path / "exported")
     assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first
     before, after = (load_checkpoint(tmp_path / name)[1] for name in ("first.safetensors", "second.safetensors"))
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
@@ -242,7 +217,7 @@ def shipped(tmp_path_factory):
     root = tmp_path_factory.mktemp("shipped")
     text = load_tokenizer_json(SHIPPED)
     save_checkpoint(root / "model.safetensors", config, params, tokenizer=text)
-    assert main(["export", "--to", "hf", str(root / "model.safetensors"), str(root / "hf")]) == EXIT_OK
+    export_hf(root / "model.safetensors", root / "hf")
     _, _, _, held_out = trained()
     params64 = {name: value.astype(np.float64) for name, value in params.items()}
     return config, params64, Tokenizer.from_json(text, config), held_out["src"], root / "hf"
@@ -279,57 +254,3 @@ def test_generate_writes_the_references_greedy_tokens(shipped):
 
 
 # ----------------------------------------------------------------------------- refusals, outputs, inputs
-
-REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
-           ("positional_encoding", PAPER.replace(positional_encoding="learned")),
-           ("sinusoidal_layout", PAPER.replace(norm_first=True)),
-           ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
-           ("output_bias", CONFIGS["m2m_100"].replace(output_bias=True)),
-           ("tgt_vocab_size", CONFIGS["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]
-
-
-@pytest.mark.parametrize(("field", "config"), REFUSED, ids=[f"{field}-{i}" for i, (field, _) in enumerate(REFUSED)])
-def test_what_no_family_expresses_is_refused_naming_the_field(tmp_path, capsys, field, config):
-    with pytest.raises(ValueError, match=field) as caught:
-        family_of(config)
-    assert "\n" not in str(caught.value)
-    save_checkpoint(tmp_path / "model.safetensors", config, random_params(config))
-    status, _, err = cli(capsys, "export", "--to", "hf", str(tmp_path / "model.safetensors"), str(tmp_path / "hf"))
-    assert status == EXIT_USAGE and err.count("\n") == 1 and field in err
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]       # nothing written
-
-
-def test_a_run_trained_with_the_families_layer_norm_epsilon_exports(tmp_path, monkeypatch, capsys):
-    """``train``'s models have the presets' LayerNorm epsilon 1e-6, which no family expresses: the refusal names the
-    flag that trains one with 1e-5, and a run trained with it exports (its checkpoint holds that epsilon)."""
-    monkeypatch.chdir(tmp_path)
-    run = ["train", "--steps", "1", "--eval-size", "0", "--backends", "numpy"]
-    assert cli(capsys, *run, "--out", "paper.safetensors")[0] == EXIT_OK
-    status, _, err = cli(capsys, "export", "--to", "hf", "paper.safetensors", "paper-hf")
-    assert status == EXIT_USAGE and "layer_norm_eps 1e-06" in err and "train --layer-norm-eps 1e-05" in err
-    assert cli(capsys, *run, "--layer-norm-eps", "1e-5", "--out", "hf.safetensors")[0] == EXIT_OK
-    assert CheckpointReader("hf.safetensors").config.layer_norm_eps == 1e-5
-    assert cli(capsys, "export", "--to", "hf", "hf.safetensors", "hf")[0] == EXIT_OK
-    assert json.loads(Path("hf/config.json").read_text())["model_type"] == "marian"
-
-
-def test_export_command_outputs_and_inputs(exported, tmp_path, capsys):
-    """An existing directory is replaced only with --force (as every output of the command); never the
-    checkpoint's own directory, even with --force; a checkpoint without a tokenizer exports the model alone, and
-    says so."""
-    case, _, _, checkpoint, _ = exported
-    out = tmp_path / "hf"
-    status, printed, _ = cli(capsys, "export", "--to", "hf", str(checkpoint), str(out))
-    assert status == EXIT_OK and "without a tokenizer" in printed
-    assert sorted(path.name for path in out.iterdir()) == ["config.json", "generation_config.json",
-                                                           "model.safetensors"]
-    (out / "config.json").write_text("{}")
-    status, _, err = cli(capsys, "export", "--to", "hf", str(checkpoint), str(out))
-    assert status == EXIT_USAGE and "--force" in err and err.count("\n") == 1
-    assert (out / "config.json").read_text() == "{}"
-    status, _, _ = cli(capsys, "export", "--to", "hf", str(checkpoint), str(out), "--force")
-    assert status == EXIT_OK and json.loads((out / "config.json").read_text())["model_type"] == HF_FAMILY[case]
-    before = checkpoint.read_bytes()
-    status, _, err = cli(capsys, "export", "--to", "hf", str(checkpoint), str(checkpoint.parent), "--force")
-    assert status == EXIT_USAGE and "replace the input" in err and err.count("\n") == 1
-    assert checkpoint.read_bytes() == before

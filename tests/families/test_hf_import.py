@@ -1,4 +1,4 @@
-"""``reference_numpy.hf_import`` and ``transformer-reference import``: a Hugging Face Marian (and M2M100/NLLB) model
+"""``reference_numpy.hf_import``: a Hugging Face Marian (and M2M100/NLLB) model
 directory, built by transformers from a tiny config with random weights and saved by ``save_pretrained``, against
 transformers' own forward pass in float64.
 
@@ -9,15 +9,15 @@ transformers' own forward pass in float64.
   tables are checked against the reference's float64 table within their float32 rounding, derived below; then the
   float64 comparison runs with transformers' table buffers set to the reference's table, so that every other
   operation is held to 1e-12;
-* the weights bit-identical to the file's (the table inverted rebuilds every tensor of the file), ``compare`` on the
-  imported file exits 0, the refusals (one line naming the field), the command's outputs and inputs.
+* the weights bit-identical to the file's (the table inverted rebuilds every tensor of the file), and the refusals
+  (one line naming the field; ``transformer-reference import``'s, its outputs and inputs and ``compare`` on the
+  imported file: tests/cli/test_families_commands.py).
 """
 
 from __future__ import annotations
 
 import fractions
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -27,25 +27,12 @@ from equivalence import backends, tolerance
 from reference_numpy import Transformer
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.hf_import import config_from_hf, import_hf, load_hf, read_weights, transposed, weight_table
-from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
                                             "'.[torch]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models "
                                                           "these tests import are built with it (pip install "
                                                           "transformers)")
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def saved(request, tmp_path_factory):
-    """(family, transformers' model, its save_pretrained directory, the imported checkpoint)."""
-    family = request.param
-    model = build(family)
-    directory = tmp_path_factory.mktemp(family)
-    model.save_pretrained(directory)
-    out = directory.parent / f"{family}.safetensors"
-    import_hf(directory, out)
-    return family, model, directory, out
-
 
 def inputs(config, seed: int = 1):
     """A batch with a padded source row; the target starts with the family's decoder start token and is unpadded
@@ -76,11 +63,11 @@ def float32_table_bound(family: str, config, exact: np.ndarray) -> np.ndarray:
     return np.concatenate([angle_error, angle_error], axis=1) + u * np.abs(exact) + 1e-15
 
 
-def test_transformers_sinusoid_tables_are_the_references_in_float32(saved):
+def test_transformers_sinusoid_tables_are_the_references_in_float32(saved_family):
     """The layout (halves; fairseq's offset and frequencies) of transformers' table against the reference's float64
     table, within the float32 rounding transformers makes (the halves swapped, or the offset off by one, is off by
     O(1))."""
-    family, model, _, out = saved
+    family, model, _, out = saved_family
     config, _ = load_checkpoint(out)
     for _, _, table in position_tables(family, model):
         exact, read = reference_table(family, config, len(table))
@@ -90,16 +77,16 @@ def test_transformers_sinusoid_tables_are_the_references_in_float32(saved):
 
 
 @pytest.fixture(scope="module")
-def float64_model(saved):
-    family, model, _, out = saved
+def float64_model(saved_family):
+    family, model, _, out = saved_family
     config, _ = load_checkpoint(out)
     model = model.double()
     exact_tables(family, model, config)
     return model
 
 
-def test_reference_matches_transformers_in_float64(saved, float64_model):
-    family, _, _, out = saved
+def test_reference_matches_transformers_in_float64(saved_family, float64_model):
+    family, _, _, out = saved_family
     config, params = load_checkpoint(out, dtype=np.float64)
     src, tgt = inputs(config)
     expected = hf_log_probs(float64_model, src, tgt, config.pad_id)
@@ -110,11 +97,11 @@ def test_reference_matches_transformers_in_float64(saved, float64_model):
 
 
 @pytest.mark.parametrize("port", backends.PORTS)
-def test_every_port_loading_the_import_matches_transformers_in_float64(saved, float64_model, port):
+def test_every_port_loading_the_import_matches_transformers_in_float64(saved_family, float64_model, port):
     if not backends.installed(port):
         pytest.skip(f"{port} is not installed: {', '.join(backends.absent_frameworks(port))} missing")
     adapter, _ = backends.load((port,))
-    family, _, _, out = saved
+    family, _, _, out = saved_family
     config, _ = load_checkpoint(out)
     src, tgt = inputs(config, seed=2)
     expected = hf_log_probs(float64_model, src, tgt, config.pad_id)
@@ -125,11 +112,11 @@ def test_every_port_loading_the_import_matches_transformers_in_float64(saved, fl
     assert error <= bound
 
 
-def test_transformers_float32_run_is_within_the_float32_policy(saved):
+def test_transformers_float32_run_is_within_the_float32_policy(saved_family):
     """transformers' own float32 model (its float32 sinusoid tables too) is held to the project's float32 policy
     against the reference in float64, as a port is: max|hf32 - ref64| <= 8 x max(max|ref32 - ref64|, ulp32), ref32
     the float32 reference on the same inputs (which rounds its table to float32 as well)."""
-    family, _, directory, out = saved
+    family, _, directory, out = saved_family
     model = getattr(transformers, FAMILIES[family][1]).from_pretrained(directory).eval()
     assert next(model.parameters()).dtype == torch.float32
     config, params = load_checkpoint(out, dtype=np.float64)
@@ -143,13 +130,13 @@ def test_transformers_float32_run_is_within_the_float32_policy(saved):
 
 
 @pytest.mark.parametrize("port", backends.PORTS)
-def test_every_port_builds_from_load_hf_as_from_the_file(saved, port):
+def test_every_port_builds_from_load_hf_as_from_the_file(saved_family, port):
     """The Python API without a file: a port's model from ``load_hf``'s arrays computes what the imported file's
     does, bit for bit (the same float32 weights, widened to float64)."""
     if not backends.installed(port):
         pytest.skip(f"{port} is not installed: {', '.join(backends.absent_frameworks(port))} missing")
     adapter = backends.load((port,))[0][port]
-    _, _, directory, out = saved
+    _, _, directory, out = saved_family
     config, params = load_hf(directory)
     src, tgt = inputs(config, seed=3)
     from_file = adapter.log_probs(adapter.load(out, "float64"), src, tgt, *masks(config, src, tgt))
@@ -157,10 +144,10 @@ def test_every_port_builds_from_load_hf_as_from_the_file(saved, port):
     assert np.array_equal(from_file, from_arrays)
 
 
-def test_weights_are_the_files_bit_for_bit(saved):
+def test_weights_are_the_files_bit_for_bit(saved_family):
     """The table inverted rebuilds every tensor of transformers' file from the checkpoint, bit for bit (the
     checkpoint keeps the file's float32)."""
-    family, _, directory, out = saved
+    family, _, directory, out = saved_family
     config, params = load_checkpoint(out)
     file = read_weights(directory)
     assert all(value.dtype == np.float32 for value in params.values())
@@ -179,15 +166,6 @@ def test_weights_are_the_files_bit_for_bit(saved):
                           file["model.decoder.layers.1.encoder_attn.q_proj.weight"].T)
 
 
-# About 30 s: `compare` runs every installed backend on the imported model in float64 and float32 (JAX's and
-# TensorFlow's programs compiled for its shapes, which no other test shares) and their greedy decoding.
-def test_compare_on_the_import_exits_0(saved, capsys):
-    _, _, _, out = saved
-    status = main(["compare", str(out), "--backends", ",".join(b for b in backends.PORTS if backends.installed(b)),
-                   "--threads", "1"])
-    assert status == EXIT_OK, capsys.readouterr().out
-
-
 def test_config_mapping():
     marian = config_from_hf({**MARIAN, "model_type": "marian"})
     assert (marian.norm_first, marian.sinusoidal_layout, marian.activation, marian.output_bias,
@@ -196,29 +174,6 @@ def test_config_mapping():
     m2m = config_from_hf({**M2M100, "model_type": "m2m_100"})
     assert (m2m.norm_first, m2m.sinusoidal_layout, m2m.activation, m2m.output_bias,
             m2m.pad_id, m2m.bos_id, m2m.eos_id) == (True, "fairseq", "gelu", False, 1, 0, 2)
-
-
-REFUSED = [("activation_function", "gelu_new"), ("normalize_embedding", True), ("normalize_before", True),
-           ("layernorm_embedding", True), ("add_final_layer_norm", True), ("position_embedding_type", "relative_key"),
-           ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32), ("model_type", "bart"),
-           ("max_position_embeddings", 2 ** 17), ("d_model", 18), ("scale_embedding", "false"),
-           ("pad_token_id", None), ("encoder_layers", 0), ("dropout", "0.1"), ("eos_token_id", [0, 1])]
-
-
-@pytest.mark.parametrize(("field", "value"), REFUSED)
-def test_a_model_outside_the_space_is_refused_naming_the_field(tmp_path, capsys, field, value):
-    model = build("marian")
-    model.save_pretrained(tmp_path / "model")
-    path = tmp_path / "model" / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
-    capsys.readouterr()                                             # transformers' progress bar
-    with pytest.raises(ValueError, match=field) as caught:
-        load_hf(tmp_path / "model")
-    assert "\n" not in str(caught.value)
-    assert main(["import", str(tmp_path / "model"), str(tmp_path / "out.safetensors")]) == EXIT_USAGE
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and field in err
-    assert not (tmp_path / "out.safetensors").exists()
 
 
 @pytest.mark.parametrize(("field", "value"), [("normalize_before", False), ("add_final_layer_norm", False),
@@ -290,40 +245,8 @@ def test_untied_word_embeddings_are_three_matrices(family, tmp_path):
     assert tolerance.max_abs(got, expected) <= tolerance.float64_bound(expected)
 
 
-def test_import_command_outputs_and_inputs(saved, tmp_path, capsys):
-    _, _, directory, _ = saved
-    out = tmp_path / "model.safetensors"
-    assert main(["import", str(directory), str(out)]) == EXIT_OK
-    line = capsys.readouterr().out
-    assert line.startswith(f"wrote {out}: ") and line.endswith("; decoding as generate: greedy, at most 20 tokens a "
-                                                                "sentence (docs/huggingface.md)\n"), line
-    assert main(["import", str(directory), str(out)]) == EXIT_USAGE              # exists: kept without --force
-    assert "--force" in capsys.readouterr().err
-    assert main(["import", str(directory), str(out), "--force"]) == EXIT_OK
-    capsys.readouterr()
-    copy = tmp_path / "copy"
-    shutil.copytree(directory, copy)
-    before = (copy / "model.safetensors").read_bytes()
-    assert main(["import", str(copy), str(copy / "model.safetensors"), "--force"]) == EXIT_USAGE
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "replace the input" in err
-    assert (copy / "model.safetensors").read_bytes() == before
-    (tmp_path / "link.safetensors").symlink_to(copy / "model.safetensors")         # the input through a link
-    assert main(["import", str(copy), str(tmp_path / "link.safetensors"), "--force"]) == EXIT_USAGE
-    assert "replace the input" in capsys.readouterr().err
-    assert (copy / "model.safetensors").read_bytes() == before
-    assert main(["import", str(tmp_path / "absent"), str(tmp_path / "x.safetensors")]) == EXIT_USAGE
-    capsys.readouterr()
-    (tmp_path / "bare").mkdir()
-    shutil.copy(directory / "config.json", tmp_path / "bare")                       # a config and no weights
-    assert main(["import", str(tmp_path / "bare"), str(tmp_path / "x.safetensors")]) == EXIT_USAGE
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "holds no model.safetensors, model.safetensors.index.json, pytorch_model.bin " \
-                                      "or pytorch_model.bin.index.json" in err
-
-
-def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
-    family, model, directory, out = saved
+def test_a_pickle_is_read_by_torchs_weights_only_loader(saved_family, tmp_path):
+    family, model, directory, out = saved_family
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     torch.save({name: torch.as_tensor(value) for name, value in read_weights(directory).items()},
                tmp_path / "pytorch_model.bin")
@@ -337,11 +260,11 @@ def test_a_pickle_is_read_by_torchs_weights_only_loader(saved, tmp_path):
     ({"weight": torch.zeros(2), "ratio": fractions.Fraction(1, 3)},
      "it holds a Python object (fractions.Fraction) besides tensors, and unpickling one may run code"),
     (b"not a pickle", "it is not a pickle of tensors alone (")], ids=["object", "garbage"])
-def test_a_pickle_the_weights_only_loader_refuses_is_one_line_naming_the_file(saved, tmp_path, content, reason):
+def test_a_pickle_the_weights_only_loader_refuses_is_one_line_naming_the_file(saved_family, tmp_path, content, reason):
     """A ``pytorch_model.bin`` holding a Python object besides tensors (which torch's weights-only loader will not
     construct), or not a pickle at all: one line naming the file and the reason, without torch's advice to load it
     anyway or its terminal codes."""
-    _, _, directory, _ = saved
+    _, _, directory, _ = saved_family
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     path = tmp_path / "pytorch_model.bin"
     if isinstance(content, bytes):
@@ -357,11 +280,11 @@ def test_a_pickle_the_weights_only_loader_refuses_is_one_line_naming_the_file(sa
                             "model.safetensors)")
 
 
-def test_pickled_shards_are_read_as_transformers_reads_them(saved, tmp_path):
+def test_pickled_shards_are_read_as_transformers_reads_them(saved_family, tmp_path):
     """A directory as larger M2M100 and NLLB models come: ``pytorch_model.bin.index.json`` naming two pickled shards
     (transformers' own index format, which its ``from_pretrained`` loads here too: the outside check of the layout)
     imports as the whole file; an index naming a file outside the directory is refused naming the index."""
-    family, _, directory, out = saved
+    family, _, directory, out = saved_family
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     state = {name: torch.as_tensor(value) for name, value in read_weights(directory).items()}
     names = sorted(state)
@@ -384,11 +307,11 @@ def test_pickled_shards_are_read_as_transformers_reads_them(saved, tmp_path):
         load_hf(tmp_path)
 
 
-def test_bfloat16_and_float16_files_are_widened_exactly(saved, tmp_path):
+def test_bfloat16_and_float16_files_are_widened_exactly(saved_family, tmp_path):
     """A model saved in bfloat16 (NumPy has no such type: read from its bytes) or float16 imports as the float32
     numbers those formats hold: torch's own widening of the same tensors."""
     from safetensors.torch import save_file
-    family, _, directory, _ = saved
+    family, _, directory, _ = saved_family
     state = {name: torch.as_tensor(value) for name, value in read_weights(directory).items()}
     for dtype in (torch.bfloat16, torch.float16):
         (tmp_path / "config.json").write_text((directory / "config.json").read_text())
@@ -401,8 +324,8 @@ def test_bfloat16_and_float16_files_are_widened_exactly(saved, tmp_path):
         load_hf(tmp_path)
 
 
-def test_a_sharded_directory_imports_as_the_whole_file(saved, tmp_path):
-    family, _, directory, out = saved
+def test_a_sharded_directory_imports_as_the_whole_file(saved_family, tmp_path):
+    family, _, directory, out = saved_family
     model = getattr(transformers, FAMILIES[family][1]).from_pretrained(directory)
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()

@@ -12,26 +12,28 @@ import functools
 import importlib
 import importlib.util
 import json
+import random
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from equivalence import cases
 from equivalence.cases import FORWARD_VARIANTS, VARIANTS, training_inputs
 from equivalence.training_runs import Run
 from reference_numpy import TransformerConfig, init_params
-from reference_numpy.checkpoint import TrainingState
+from reference_numpy.checkpoint import FORMAT_VERSION, MOMENTS, TrainingState, parameter_shapes
 from reference_numpy.config import TrainingConfig
 from reference_numpy.hf_import import import_hf
 from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
-from transformer_cli.main import main
 from transformer_tasks.numbers import NumbersTask, teacher_forcing
 from transformer_tasks.translation import load_translator
 
 FRAMEWORKS = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
+BACKENDS = ("numpy", *FRAMEWORKS)      # the reference and the ports, as the command line names them
 LOW_DTYPES = ("bfloat16", "float16")   # their components: test_agreement_low_precision.py
 DEVICE_KINDS = ("cpu", "gpu")
 
@@ -44,6 +46,11 @@ def script(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def require(module: str, extra: str):
+    """``module``, or the test skipped: it is not installed (the project's ``extra`` installs it)."""
+    return pytest.importorskip(module, reason=f"{module} is not installed (pip install '.[{extra}]')")
 
 
 def port_backend(port: str):
@@ -67,18 +74,14 @@ def port_model(port: str, variant: str, dtype: str, device: str, params: str = "
     return port_backend(port).build(config, cases.PARAMS[params](config), dtype, device)
 
 
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    status = main(list(args))
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def one_error_line(err: str, *words: str) -> str:
-    """The single line of a command's refusal, checked to be its error line (no traceback) and to name ``words``."""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err and lines[0].startswith("transformer-reference: error:"), err
-    assert all(word in lines[0] for word in words), err
-    return lines[0]
+def checkpoint_with(path, **metadata: str):
+    """A tiny model's checkpoint with Adam's moments and these metadata fields (records as JSON text)."""
+    config = TransformerConfig.preset("tiny")
+    params = init_params(config, dtype=np.float32)
+    moments = {prefix + name: np.zeros_like(value) for prefix in MOMENTS for name, value in params.items()}
+    save_file({**params, **moments}, str(path), {"format_version": FORMAT_VERSION, "config": config.to_json(),
+                                                 **metadata})
+    return path
 
 
 class ScriptedModel:
@@ -219,6 +222,43 @@ FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
             "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100)}
 
 
+# The checkpoints the Hugging Face export writes (tests/families/test_hf_export.py, the export command's tests): the
+# paper's model and each family's choices, every size different, so that a transposed or swapped tensor fails on its
+# shape or its values
+PAPER = TransformerConfig(src_vocab_size=29, tgt_vocab_size=29, d_model=16, n_heads=4, d_ff=24, n_encoder_layers=2,
+                          n_decoder_layers=3, dropout=0.0, layer_norm_eps=1e-5, max_len=40)
+EXPORTED = {
+    "paper": PAPER,
+    # bos (3) not the lowest id beside pad and eos: the import must read it from decoder_start_token_id
+    "marian": PAPER.replace(sinusoidal_layout="halves", activation="silu", output_bias=True, share_embeddings=False,
+                            tgt_vocab_size=33, pad_id=5, bos_id=3, eos_id=0),
+    # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
+    "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
+                             pad_id=1, bos_id=0, eos_id=2, max_output_length=9),
+    # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
+    "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
+                                    share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
+}
+EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100"}
+
+
+def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every tensor random (LayerNorms and biases too), float32."""
+    rng = np.random.default_rng(seed)
+    return {name: (rng.standard_normal(shape) * 0.5).astype(np.float32)
+            for name, shape in parameter_shapes(config).items()}
+
+
+def imported_family(family: str, root: Path) -> tuple:
+    """:func:`build`'s model of ``family`` saved with save_pretrained in a directory of ``root`` and imported beside
+    it: (family, transformers' model, its directory, the imported checkpoint)."""
+    model = build(family)
+    directory, out = root / family, root / f"{family}.safetensors"
+    model.save_pretrained(directory)
+    import_hf(directory, out)
+    return family, model, directory, out
+
+
 def build(family: str, seed: int = 0, **changes):
     """A transformers model of the family with every parameter and buffer random (LayerNorms and biases included,
     which transformers initialises to constants; Marian's ``final_logits_bias`` nonzero), in eval mode."""
@@ -288,6 +328,18 @@ SOURCE = ["the cat sat on the mat", "a dog ran in the park", "hello world, how a
           "Ünïcödé façade naïve", "the quick brown fox jumps over the lazy dog", "she sells sea shells"]
 TARGET = ["le chat est assis sur le tapis", "un chien a couru dans le parc", "bonjour le monde, comment ça va ?",
           "les nombres 12 et 345", "l'été à Noël", "le renard brun saute", "elle vend des coquillages"]
+
+# Texts a tokenizer meets: white space alone, unicode, characters the tiny models never saw, special tokens typed
+TEXTS = ["the cat", "Hello   World!", "", "   ", "\t\n", "Жук ел", "naïve façade", "a\tb\nc", "ｆｕｌｌ ｗｉｄｔｈ",
+         " leading", "trailing  ", "12 345 67", "l'été à Noël", "ça va ?", "x</s>y", "<unk> <pad>", "日本語", "🙂 ok"]
+ALPHABET = "abcdefghijklmnopqrstuvwxyz  ,.?'çéÜ12Ж\t日"
+
+
+def random_texts(seed: int, count: int = 200) -> list[str]:
+    """``count`` texts of up to 30 characters drawn from ALPHABET."""
+    rng = random.Random(seed)
+    return ["".join(rng.choice(ALPHABET) for _ in range(rng.randrange(30))) for _ in range(count)]
+
 
 def train_spm(texts: list[str], prefix: Path, model_type: str, size: int) -> Path:
     """A SentencePiece model of ``model_type`` trained on ``texts`` (the trainer of the sentencepiece package)."""
@@ -397,6 +449,26 @@ def tiny_m2m100(root: Path) -> dict:
         return transformers.M2M100Tokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
                                                             split_special_tokens=True)
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "vocab": vocab}
+
+
+def tiny_nllb(root: Path, legacy: bool) -> dict:
+    """A tiny NLLB directory in ``root``: NllbTokenizer (its tokenizer.json: a BPE model from a SentencePiece model
+    trained here, <s> 0, <pad> 1, </s> 2, <unk> 3, then the pieces, the 200+ codes eng_Latn... after them) saved with
+    save_pretrained (``legacy_behaviour`` as ``legacy``), with a tiny random M2M100 model."""
+    transformers = importlib.import_module("transformers")
+    extractor = importlib.import_module("transformers.convert_slow_tokenizer").SentencePieceExtractor
+    found = extractor(str(train_spm(SOURCE * 3 + TARGET * 3, root / "m", "bpe", 120))).extract(None)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece in found["vocab"]:
+        vocab.setdefault(piece, len(vocab))
+    tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=found["merges"], legacy_behaviour=legacy,
+                                           _spm_precompiled_charsmap=found["_spm_precompiled_charsmap"])
+    directory, out = save_tiny_m2m100(root / "tiny-nllb", tokenizer, len(tokenizer))
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.AutoTokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                          split_special_tokens=True)
+    return {"checkpoint": out, "oracle": oracle, "size": len(vocab)}
 
 
 def save_tiny_m2m100(directory: Path, tokenizer, vocab_size: int) -> tuple[Path, Path]:

@@ -19,7 +19,6 @@ from equivalence.training_runs import Run, assert_float64_run, reference_run
 from reference_numpy import Transformer, TransformerConfig, data_parallel, init_params, training
 from reference_numpy.checkpoint import load_run
 from reference_numpy.config import TrainingConfig
-from transformer_cli.main import main
 from transformer_tasks.copy import CopyTask
 
 CONFIG = TransformerConfig.preset("tiny", dropout=0.0)
@@ -126,29 +125,6 @@ def test_a_run_with_bad_steps_is_refused_before_any_work(first_step, steps, mess
     batches = lambda step: pytest.fail("a batch was drawn")
     with pytest.raises(ValueError, match=f"^{message}$"):
         data_parallel.train(CONFIG, seeded_params(CONFIG), TRAINING, None, batches, first_step, steps, 2)
-
-
-def test_train_data_parallel_in_the_reference_continues_a_single_process_run(tmp_path, capsys):
-    """``train --data-parallel 2`` (the reference's shards, in pieces between validation checks): its losses are
-    the single-process run's, and it resumes a single-process run's checkpoint and is resumed by one."""
-
-    def run(*args: str) -> list[float]:
-        assert main(["train", "--symbols", "4", "--max-length", "4", "--batch-size", "8", "--warmup-steps", "20",
-                     "--eval-size", "0", "--dtype", "float64", "--json", *args]) == 0
-        return json.loads(capsys.readouterr().out)[0]["losses"]
-
-    path = str(tmp_path / "run.safetensors")
-    whole = run("--steps", "6", "--out", str(tmp_path / "whole.safetensors"))
-    first = run("--steps", "2", "--out", path)
-    middle = run("--steps", "2", "--data-parallel", "2", "--resume", path, "--out", path, "--force")
-    last = run("--steps", "2", "--resume", path, "--out", path, "--force")
-    task, training_config = CopyTask(4, 4), TrainingConfig(warmup_steps=20, learning_rate_scale=0.5)
-    config = task.config(dropout=0.0)
-    expected, bound = reference_run(config, init_params(config, seed=0), training_config,
-                                    [task.batch(config, 8, step, 0) for step in range(6)])
-    _, params, state = load_run(path)
-    assert_float64_run(Run(first + middle + last, params, state), expected, bound, "reference: 2 + 2 shards + 2")
-    assert whole == expected.losses                      # the command's single-process run is the reference's
 
 
 # About 30 s: the installed command, a process per engine run, each starting its replicas (PyTorch: two worker

@@ -2,7 +2,7 @@
 exported artefact's manifest (``transformer.json``), malformed as a file can be -- not an object (a list, a string,
 a number, null), a field missing, a field of another type -- are each one ``ValueError`` naming the record and the
 field, the same message in every backend (each reads files through the reference's readers,
-``reference_numpy.records``), and one line through the command line."""
+``reference_numpy.records``; through the command line, one line: tests/cli/test_train_runs.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,14 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-from support import FRAMEWORKS, cli, port_backend
+from support import BACKENDS, checkpoint_with, port_backend
 
 from reference_numpy import TransformerConfig, init_params, records, save_checkpoint
-from reference_numpy.checkpoint import FORMAT_VERSION, MOMENTS
 from reference_numpy.config import TrainingConfig
 from reference_numpy.tokenizer import TOKENIZER_VERSION
-from transformer_cli.main import EXIT_USAGE
 from transformer_export.export import MANIFEST, read_manifest
 
 TINY = TransformerConfig.preset("tiny")
-BACKENDS = ("numpy", *FRAMEWORKS)
 TRAINING = {"step": 3, "config": TrainingConfig().to_dict()}
 SCALE = {"value": 2.0 ** 15, "good_steps": 0}
 RECORD = "training record"
@@ -83,15 +79,6 @@ def adapter(name: str):
     return importlib.import_module("equivalence.backends.numpy") if name == "numpy" else port_backend(name)
 
 
-def checkpoint_with(path, **metadata: str):
-    """A tiny model's checkpoint with Adam's moments and these metadata fields (records as JSON text)."""
-    params = init_params(TINY, dtype=np.float32)
-    moments = {prefix + name: np.zeros_like(value) for prefix in MOMENTS for name, value in params.items()}
-    save_file({**params, **moments}, str(path), {"format_version": FORMAT_VERSION, "config": TINY.to_json(),
-                                                 **metadata})
-    return path
-
-
 def refusal(read, *args) -> str:
     with pytest.raises(ValueError) as caught:
         read(*args)
@@ -116,20 +103,6 @@ def test_a_malformed_tokenizer_is_one_error_naming_its_field_in_every_backend(ba
     path = checkpoint_with(tmp_path / "model.safetensors", tokenizer=json.dumps(text),
                            tokenizer_version=TOKENIZER_VERSION)
     assert refusal(adapter(backend).load, path, "float32", "cpu") == f"checkpoint {str(path)!r}: {problem}"
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_resuming_a_run_whose_record_is_a_list_is_one_line_before_any_backend_loads(backend, tmp_path, monkeypatch,
-                                                                                     capsys):
-    """The AttributeError of issue 42 (an internal error): ``train --resume`` reads the record from the header."""
-    from equivalence import backends
-    monkeypatch.chdir(tmp_path)
-    checkpoint_with(tmp_path / "run.safetensors", training=json.dumps([3, {}]))
-    monkeypatch.setattr(backends, "load", lambda *_: pytest.fail("a backend was loaded before the record was read"))
-    status, out, err = cli(capsys, "train", "--backends", backend, "--resume", "run.safetensors", "--steps", "1")
-    assert status == EXIT_USAGE and out == ""
-    assert err == (f"transformer-reference: error: checkpoint 'run.safetensors': {RECORD} must be a JSON object, "
-                   "got [3, {}]\n")
 
 
 MANIFEST_RECORD = {"target": "onnx", "dtype": "float32", "inputs": ["src", "tgt"], "output": "log_probs",
