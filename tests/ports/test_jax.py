@@ -1,7 +1,8 @@
-"""Tests of the JAX/Flax port beyond the shared agreement matrix (tests/equivalence/test_agreement.py):
-checkpoint I/O against the reference, the name table, float64 and x64, bfloat16 and float16 (where each stage is
-stored, checkpoints, P gradients, mixed-precision training and the refusal to train a P model), the fully masked row,
-the key/value cache and the compiled decoding loop, dropout, devices, and training (section 5:
+"""Tests of the JAX/Flax port beyond the shared agreement matrix (tests/equivalence/test_agreement.py) and what every
+port must do (tests/ports/test_every_port.py):
+checkpoint I/O against the reference, the name table, float64 and x64, bfloat16 and float16 (rounding once,
+checkpoints, mixed-precision training and its loss scale), the fully masked row, the key/value cache's layout and
+the compiled decoding loop, dropout, devices, and training (section 5:
 optax's Adam and schedule against the paper's, written out here; dropout's statistics; resuming a saved run).
 
 The port is used directly in float64 here, so this module enables x64 for the pytest process
@@ -37,12 +38,10 @@ from equivalence.cases import VARIANTS  # noqa: E402
 from reference_numpy import checkpoint as reference_checkpoint  # noqa: E402
 from reference_numpy import precision  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
-from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs  # noqa: E402
 from reference_numpy.decoding import select_candidates  # noqa: E402
 from reference_numpy.model import log_softmax as reference_log_softmax  # noqa: E402
-from reference_numpy.model import padding_mask as reference_padding_mask  # noqa: E402
 from reference_numpy.model import scaled_dot_product_attention as reference_attention  # noqa: E402
-from reference_numpy.precision import check_trainable, round_to, training_dtype  # noqa: E402
+from reference_numpy.precision import round_to  # noqa: E402
 from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
@@ -51,7 +50,6 @@ from transformer_jax.model import (  # noqa: E402
     Transformer,
     log_softmax,
     narrow,
-    padding_mask,
     scaled_dot_product_attention,
 )
 from transformer_jax.speed import forward  # noqa: E402
@@ -69,12 +67,6 @@ def port_model(variant: str, dtype: str = "float64", params: str = "seeded") -> 
 @functools.cache
 def reference_model(variant: str, dtype: str = "float64", params: str = "seeded"):
     return reference.build(VARIANTS[variant], cases.PARAMS[params](VARIANTS[variant]), dtype)
-
-
-@functools.cache
-def reference_tokens(variant: str, kind: str):
-    model, src = reference_model(variant, "float64", "decoding"), cases.decoding_inputs(VARIANTS[variant])
-    return reference.greedy(model, src) if kind == "greedy" else reference.beam(model, src)
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -242,31 +234,11 @@ def test_narrow_rounds_float32_once_to_nearest_even(dtype):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_every_stage_of_a_low_precision_model_is_stored_in_its_format(dtype):
-    """Weights, stages, components, attention weights and caches in P; log-probabilities, the loss and beam
-    scores in float32."""
-    config, low = VARIANTS["tiny"], np.dtype(dtype)
-    model = port_model("tiny", dtype)
-    assert model.dtype == low
-    assert {value.dtype for value in backend.export_params(model).values()} == {low}
-    inputs = cases.model_inputs(config, "ragged_batch")
-    stages = backend.forward(model, **inputs)
-    assert {name: value.dtype for name, value in stages.items()} == \
-        {name: np.dtype(np.float32) if name == "log_probs" else low for name in stages}
-    assert np.array_equal(backend.log_probs(model, **inputs), stages["log_probs"])
-    for component, masked in cases.COMPONENT_MASKED.items():
-        case = "causal" if masked else "none"
-        expected = np.dtype(np.float32) if component == "generator" else low          # log-probabilities
-        assert backend.component(model, component, cases.component_inputs(config, component, case)).dtype == expected
-    for kind in ("encoder", "decoder_self", "decoder_cross"):
-        assert backend.attention_weights(model, inputs["src"], inputs["tgt"], 1, kind).dtype == low
-    memory = model.encode(inputs["src"])
-    assert memory.dtype == low
-    assert {array.dtype for layer in model.init_cache(memory, 4) for cache in layer
-            for array in (cache.keys, cache.values)} == {low}
-    assert training.loss(model, **cases.training_inputs(config), deterministic=True).dtype == np.float32
-    _, scores = decoding.beam_search(port_model("tiny", dtype, "decoding"), cases.decoding_inputs(config))
-    assert np.array_equal(scores.astype(np.float32), scores)                           # float32 values
+def test_a_low_precision_model_s_log_probs_are_its_forward_pass_s_last_stage(dtype):
+    """The adapter's ``log_probs`` and ``forward`` run one compiled program: the same float32 log-probabilities, bit
+    for bit (where each stage is stored, every port: tests/ports/test_every_port.py)."""
+    model, inputs = port_model("tiny", dtype), cases.model_inputs(VARIANTS["tiny"], "ragged_batch")
+    assert np.array_equal(backend.log_probs(model, **inputs), backend.forward(model, **inputs)["log_probs"])
 
 
 def test_a_bf16_file_loads_in_its_format_and_any_other(tmp_path):
@@ -302,47 +274,6 @@ def test_a_low_precision_model_saves_its_format_and_reloads_bitwise(tmp_path, dt
     for name, value in saved.items():
         assert np.array_equal(stored[name].view(np.uint16), value.view(np.uint16)), name
         assert np.array_equal(again[name].view(np.uint16), value.view(np.uint16)), name
-
-
-@pytest.mark.parametrize("dtype", LOW)
-def test_training_refuses_a_low_precision_model_before_any_work(dtype):
-    """Training updates float32 or float64 weights: the optimizer, a step and data-parallel training refuse a P
-    model with the reference's ``check_trainable`` message, and a float64 model asking for P steps gets
-    ``training_dtype``'s (mixed precision keeps float32 masters)."""
-    config = VARIANTS["tiny"]
-    model, inputs = port_model("tiny", dtype), cases.training_inputs(config)
-    with pytest.raises(ValueError) as expected:
-        check_trainable(dtype)
-    message = f"^{re.escape(str(expected.value))}$"
-
-    def no_batch(step):
-        raise AssertionError("a batch was asked for")
-
-    adam = backend.optimizer(port_model("tiny", "float32"))
-    for call in (lambda: backend.optimizer(model), lambda: backend.optimizer(model, dtype=dtype),
-                 lambda: backend.train_step(model, adam, **inputs),
-                 lambda: backend.train_data_parallel(config, cases.seeded_params(config), PAPER, None, no_batch, 1,
-                                                     1, 1, dtype)):
-        with pytest.raises(ValueError, match=message):
-            call()
-    with pytest.raises(ValueError) as expected:
-        training_dtype("float64", dtype)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(expected.value))}$"):
-        backend.optimizer(port_model("tiny"), dtype=dtype)
-
-
-@pytest.mark.parametrize("dtype", LOW)
-def test_a_low_precision_models_gradients_are_p_by_checkpoint_name(dtype):
-    """By autodiff through the P forward pass: every checkpoint tensor's gradient, in P and finite; the loss is the
-    model's float32 loss."""
-    config = VARIANTS["shared_embeddings"]
-    model, inputs = port_model("shared_embeddings", dtype), cases.training_inputs(config)
-    value, grads = backend.gradients(model, **inputs)
-    assert list(grads) == list(reference_checkpoint.parameter_shapes(config))
-    for name, grad in grads.items():
-        assert grad.dtype == np.dtype(dtype) and np.isfinite(grad.astype(np.float32)).all(), name
-    assert np.abs(grads["shared_embed.weight"].astype(np.float32)).max() > 0
-    assert value == float(training.loss(model, **inputs, deterministic=True))
 
 
 def mixed_precision_run(dtype: str) -> tuple[Transformer, training.Optimizer]:
@@ -410,14 +341,6 @@ def test_a_float16_step_that_overflows_is_skipped_and_finite_steps_grow_the_scal
     assert_low_is_the_rounded_masters(model, mixed)
 
 
-@pytest.mark.parametrize("dtype", LOW)
-def test_cached_and_uncached_greedy_decoding_give_the_same_tokens_in_low_precision(dtype):
-    model, src = port_model("tiny", dtype, "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
-    tokens = decoding.greedy_decode(model, src)
-    assert tokens.shape[1] > 1
-    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), tokens)
-
-
 # ----------------------------------------------------------------------------- log-softmax
 
 def exact_log_softmax(x: np.ndarray) -> np.ndarray:
@@ -481,62 +404,6 @@ def test_a_fully_masked_source_row_runs_through_the_whole_model():
 
 # ----------------------------------------------------------------------------- key/value cache and decoding
 
-def _step_log_probs(model, src, tgt, use_cache: bool, first: int = 1) -> np.ndarray:
-    """Next-token log-probabilities after every prefix of tgt (from the ``first`` tokens on), one
-    decoding step at a time; with the cache the ``first`` tokens go in at once, then one per step."""
-    src_mask = padding_mask(src, model.config.pad_id)
-    memory = model.encode(src, src_mask)
-    cache = model.init_cache(memory, tgt.shape[1])
-    steps = []
-    for end in range(first, tgt.shape[1] + 1):
-        if use_cache:
-            start = 0 if end == first else end - 1
-            log_probs, cache = decoding.next_token_log_probs(model, tgt[:, start:end], memory, src_mask, cache, start)
-        else:
-            log_probs = decoding.next_token_log_probs(model, tgt[:, :end], memory, src_mask)
-        steps.append(np.asarray(log_probs))
-    return np.stack(steps, axis=1)                                   # (B, T - first + 1, V)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cached_and_uncached_steps_give_the_same_log_probs(variant, dtype="float64"):
-    config = VARIANTS[variant]
-    src = cases.decoding_inputs(config)
-    tgt = np.random.default_rng(1).integers(3, config.tgt_vocab_size, size=(len(src), 6))
-    tgt[:, 0] = config.bos_id
-    model = port_model(variant, dtype, "decoding")
-    cached, uncached = _step_log_probs(model, src, tgt, True), _step_log_probs(model, src, tgt, False)
-    assert cached.dtype == np.dtype(dtype)
-    special = [config.pad_id, config.bos_id]
-    assert np.all(cached[..., special] == -np.inf) and np.all(uncached[..., special] == -np.inf)
-    ordinary = np.setdiff1d(np.arange(config.tgt_vocab_size), special)
-    refs = {}
-    for ref_dtype in ("float64", "float32"):
-        ref = reference_model(variant, ref_dtype, "decoding")
-        src_mask = reference_padding_mask(src, config.pad_id)
-        memory = ref.encode(src, src_mask)
-        refs[ref_dtype] = np.stack([reference_next_token_log_probs(ref, tgt[:, :t + 1], memory, src_mask)
-                                    for t in range(tgt.shape[1])], axis=1)[..., ordinary]
-    for port in (cached, uncached):
-        tolerance.assert_agrees(port[..., ordinary], refs["float64"], refs["float32"], what=f"{variant}/{dtype}")
-    if dtype == "float64":
-        tolerance.assert_agrees(cached[..., ordinary], uncached[..., ordinary], what="cached vs uncached")
-
-
-def test_several_new_positions_at_once_give_the_uncached_log_probs():
-    """The cache filled with 3 positions in one call, then one per call: the same log-probabilities
-    as recomputing every prefix (float64, the policy's bound)."""
-    config = VARIANTS["pre_ln"]
-    src = cases.decoding_inputs(config)
-    tgt = np.random.default_rng(2).integers(3, config.tgt_vocab_size, size=(len(src), 6))
-    tgt[:, 0] = config.bos_id
-    model = port_model("pre_ln", "float64", "decoding")
-    ordinary = np.setdiff1d(np.arange(config.tgt_vocab_size), [config.pad_id, config.bos_id])
-    cached, uncached = (_step_log_probs(model, src, tgt, use_cache, first=3)[..., ordinary]
-                        for use_cache in (True, False))
-    tolerance.assert_agrees(cached, uncached, what="3 positions, then 1 per step")
-
-
 def test_cache_layout_and_a_concrete_index_outside_it():
     model = port_model("tiny")
     config, attention = model.config, model.decoder.layers[0].self_attn
@@ -556,18 +423,6 @@ def test_cache_layout_and_a_concrete_index_outside_it():
     expected = f"capacity must be an int in [1, {config.max_len}], got {config.max_len + 1}"
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         model.init_cache(memory, config.max_len + 1)
-
-
-def test_uncached_decoding_gives_the_reference_tokens_in_float64():
-    """Decoding without the cache (every step re-runs the decoder on the whole prefix). The cached search, every
-    variant, every port: test_agreement.py::test_decoded_tokens_float64."""
-    model, src = port_model("tiny", "float64", "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
-    greedy = reference_tokens("tiny", "greedy")
-    assert len({row.tolist().count(VARIANTS["tiny"].pad_id) for row in greedy}) > 1  # rows end at different steps
-    np.testing.assert_array_equal(decoding.greedy_decode(model, src, use_cache=False), greedy)
-    tokens, scores = decoding.beam_search(model, src, use_cache=False)
-    np.testing.assert_array_equal(tokens, reference_tokens("tiny", "beam")[0])
-    tolerance.assert_agrees(scores, reference_tokens("tiny", "beam")[1], what="beam scores")
 
 
 def test_the_decoding_loop_is_traced_once_not_per_token(monkeypatch):
@@ -929,18 +784,10 @@ def test_a_saved_run_resumes_exactly(tmp_path):
             np.testing.assert_array_equal(states[1][which][name], states[0][which][name], err_msg=name)
 
 
-def test_a_bad_training_state_gives_the_references_error():
+def test_training_refuses_float64_without_x64_and_labels_of_pad_alone():
+    """A float64 step with x64 off, and a batch whose labels are all pad, are refused in one line (a saved run's bad
+    moments, every port: tests/ports/test_every_port.py)."""
     model = training_model()
-    state = training.training_state(model, training.optimizer(model, TRAINING))
-    name = "decoder.layers.1.ffn.linear1.weight"
-    missing = state._replace(first_moments={k: v for k, v in state.first_moments.items() if k != name})
-    misshaped = state._replace(second_moments={**state.second_moments, name: np.zeros(3)})
-    for bad, tensor in ((missing, f"adam.m.{name}"), (misshaped, f"adam.v.{name}")):
-        with pytest.raises(ValueError) as expected:
-            reference_checkpoint.validate_training_state(model.config, checkpoint.to_params(model), bad)
-        with pytest.raises(ValueError, match=re.escape(tensor)) as err:
-            training.optimizer(model, state=bad)
-        assert str(err.value) == str(expected.value) and "\n" not in str(err.value)
     inputs = cases.training_inputs(model.config)
     with jax.enable_x64(False), pytest.raises(ValueError, match="float64 needs 64-bit JAX"):
         training.train_step(model, training.optimizer(model), **inputs)

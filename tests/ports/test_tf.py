@@ -1,9 +1,10 @@
-"""Checks specific to the TensorFlow/Keras port (the shared matrix is in ``test_agreement.py``):
+"""Checks specific to the TensorFlow/Keras port (the shared matrix is in ``test_agreement.py``, what every port must
+do in tests/ports/test_every_port.py):
 checkpoint interchange with the reference, Keras serialization and ``.weights.h5`` saving, the
 backend guard, masking, dropout, the key/value cache, the compiled searches, training
 (section 5: the schedule, Keras's Adam made to compute the paper's update, dropout, resuming), and
-bfloat16 and float16 models (the recipe of ``reference_numpy/precision.py``: dtypes, files, decoding, P
-gradients, mixed-precision training over float32 masters with Keras' ``LossScaleOptimizer``)."""
+bfloat16 and float16 models (the recipe of ``reference_numpy/precision.py``: the formats' names, files, the port's
+own refusal to train one, mixed-precision training over float32 masters with Keras' ``LossScaleOptimizer``)."""
 
 from __future__ import annotations
 
@@ -420,21 +421,6 @@ def reference_search(variant: str, kind: str):
     return reference_decoding.beam_search(model, src)
 
 
-def test_uncached_decoding_gives_the_reference_tokens_in_float64(agreement):
-    """Decoding without the cache (every step re-runs the decoder on the whole prefix), compiled. The cached search,
-    every variant, every port: test_agreement.py::test_decoded_tokens_float64."""
-    model, src = port_model("tiny", "float64", "decoding"), cases.decoding_inputs(VARIANTS["tiny"])
-    greedy, (ref_tokens, ref_scores) = reference_search("tiny", "greedy")[0], reference_search("tiny", "beam")
-    assert len(set((greedy != VARIANTS["tiny"].pad_id).sum(axis=1))) > 1       # rows end at different steps
-    tokens = transformer_tf.greedy_decode(model, src, use_cache=False)
-    assert tokens.dtype == np.int64
-    np.testing.assert_array_equal(tokens, greedy)
-    tokens, scores = transformer_tf.beam_search(model, src, use_cache=False)
-    assert tokens.dtype == np.int64
-    np.testing.assert_array_equal(tokens, ref_tokens)
-    agreement(scores, ref_scores, None, port="tf", device="cpu", dtype="float64", what="beam scores")
-
-
 def test_beam_search_rejects_a_bad_beam_size():
     with pytest.raises(ValueError, match="beam_size must be a positive int"):
         transformer_tf.beam_search(port_model("tiny", "float64"), cases.decoding_inputs(VARIANTS["tiny"]),
@@ -663,22 +649,6 @@ def test_a_float64_run_resumes_in_float32():
     assert {m.dtype for m in moments} == {np.dtype(np.float32)}
 
 
-@pytest.mark.parametrize("change", ["missing", "shape"])
-def test_a_bad_training_state_gives_the_reference_error(change):
-    model = training_model()
-    state = training.training_state(model, training.optimizer(model))
-    name = "decoder.layers.1.ffn.linear2.weight"
-    if change == "missing":
-        del state.first_moments[name]
-    else:
-        state.second_moments[name] = state.second_moments[name].T
-    with pytest.raises(ValueError) as expected:
-        reference_training.optimizer(reference.build(model.config, checkpoint.to_params(model)), state=state)
-    with pytest.raises(ValueError, match=name) as port:
-        training.optimizer(model, state=state)
-    assert str(port.value) == str(expected.value) and "\n" not in str(port.value)
-
-
 # ----------------------------------------------------------------------------- bfloat16 and float16
 
 @pytest.mark.parametrize("dtype", [*LOW_DTYPES, np.float16, ml_dtypes.bfloat16, tf.bfloat16, tf.float16,
@@ -701,24 +671,6 @@ def test_a_bad_dtype_gives_the_reference_error(tmp_path, call):
             "data_parallel.train": lambda: data_parallel.train(config, params, None, None, None, 0, 1, 1, "int8")}
     with pytest.raises(ValueError, match=f"^{BAD_DTYPE}(int8|float8_e4m3fn)$"):
         runs[call]()
-
-
-@pytest.mark.parametrize("variant", ["tiny", "pre_ln"])
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_every_stage_is_stored_in_the_low_precision(variant, dtype):
-    """The recipe's storage: every stage, the caches and the attention weights in P; the log-probabilities, from
-    the graph and from XLA, float32."""
-    config = VARIANTS[variant]
-    model = port_model(variant, dtype)
-    inputs = cases.model_inputs(config, "ragged_batch")
-    stages = backend.forward(model, **inputs)
-    assert {name: value.dtype for name, value in stages.items()} == {
-        name: np.dtype(np.float32 if name == "log_probs" else dtype) for name in stages}
-    assert backend.log_probs(model, **inputs).dtype == np.float32
-    assert backend.attention_weights(model, inputs["src"], inputs["tgt"], 0, "decoder_cross").dtype == dtype
-    memory = model.encode(inputs["src"])
-    for own, cross in model.init_cache(memory, 4):
-        assert {own.keys.dtype, own.values.dtype, cross.keys.dtype, cross.values.dtype} == {tf.as_dtype(dtype)}
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
@@ -795,20 +747,6 @@ def test_a_low_precision_model_is_refused_training_before_any_work(dtype):
         training.optimizer(port_model("tiny", "float64"), dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_a_low_precision_model_has_p_gradients_by_checkpoint_name(dtype):
-    """``gradients`` of a P model: a float32 loss and one finite P array per checkpoint tensor, in its layout."""
-    config, model = VARIANTS["tiny"], port_model("tiny", dtype)
-    inputs = cases.training_inputs(config)
-    value, grads = training.gradients(model, **inputs)
-    assert isinstance(value, float) and np.isfinite(value) and training.loss(model, **inputs).dtype == tf.float32
-    shapes = reference_checkpoint.parameter_shapes(config)
-    assert list(grads) == list(shapes)
-    for name, grad in grads.items():
-        assert grad.dtype == dtype and grad.shape == shapes[name], name
-        assert np.isfinite(grad.astype(np.float64)).all(), name
-
-
 def assert_masters_and_their_rounding(model: Transformer, mixed: training.Optimizer) -> None:
     """The model's weights (the masters) and Adam's moments are float32; the P model holds the masters rounded to
     P, bit for bit."""
@@ -869,17 +807,3 @@ def assert_an_overflowing_step_is_skipped(model: Transformer, mixed: training.Op
     training.train_step(model, mixed, **inputs)
     assert training.training_state(model, mixed).step == state.step + 1
 
-
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_cached_and_uncached_searches_give_the_same_tokens_in_low_precision(dtype):
-    """The key/value cache (in P) changes no token: greedy and beam search on the tiny decoding case, with and
-    without it; beam scores are float32 numbers."""
-    model = port_model("tiny", dtype, "decoding")
-    src = cases.decoding_inputs(VARIANTS["tiny"])
-    np.testing.assert_array_equal(transformer_tf.greedy_decode(model, src, use_cache=True),
-                                  transformer_tf.greedy_decode(model, src, use_cache=False))
-    (cached, cached_scores), (uncached, uncached_scores) = (transformer_tf.beam_search(model, src, use_cache=use_cache)
-                                                            for use_cache in (True, False))
-    np.testing.assert_array_equal(cached, uncached)
-    for scores in (cached_scores, uncached_scores):
-        assert np.all(scores.astype(np.float32) == scores)                 # float32 numbers, returned as float64
