@@ -71,10 +71,11 @@ def test_compare_on_the_import_exits_0(saved_family, capsys):
 
 
 IMPORT_REFUSED = [("activation_function", "gelu_new"), ("normalize_embedding", True), ("normalize_before", True),
-           ("layernorm_embedding", True), ("add_final_layer_norm", True), ("position_embedding_type", "relative_key"),
-           ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32), ("model_type", "bart"),
-           ("max_position_embeddings", 2 ** 17), ("d_model", 18), ("scale_embedding", "false"),
-           ("pad_token_id", None), ("encoder_layers", 0), ("dropout", "0.1"), ("eos_token_id", [0, 1])]
+                  ("layernorm_embedding", True), ("add_final_layer_norm", True),
+                  ("position_embedding_type", "relative_key"), ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32),
+                  ("model_type", "bart"),
+                  ("max_position_embeddings", 2 ** 17), ("d_model", 18), ("scale_embedding", "false"),
+                  ("pad_token_id", None), ("encoder_layers", 0), ("dropout", "0.1"), ("eos_token_id", [0, 1])]
 
 
 @pytest.mark.parametrize(("field", "value"), IMPORT_REFUSED)
@@ -128,11 +129,11 @@ def test_import_command_outputs_and_inputs(saved_family, tmp_path, capsys):
 # ----------------------------------------------------------------------------- export --to hf
 
 EXPORT_REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
-           ("positional_encoding", PAPER.replace(positional_encoding="learned")),
-           ("sinusoidal_layout", PAPER.replace(norm_first=True)),
-           ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
-           ("output_bias", EXPORTED["m2m_100"].replace(output_bias=True)),
-           ("tgt_vocab_size", EXPORTED["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]
+                  ("positional_encoding", PAPER.replace(positional_encoding="learned")),
+                  ("sinusoidal_layout", PAPER.replace(norm_first=True)),
+                  ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
+                  ("output_bias", EXPORTED["m2m_100"].replace(output_bias=True)),
+                  ("tgt_vocab_size", EXPORTED["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]
 
 
 @pytest.mark.parametrize(("field", "config"), EXPORT_REFUSED,
