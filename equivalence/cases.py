@@ -38,7 +38,7 @@ VARIANTS: dict[str, TransformerConfig] = {
 # id 0 (forced_eos_id; opus-mt's files force their eos) --, transformers' |Y|^1 beam scores); "fairseq" the
 # M2M100/NLLB lineage's (pre-LN, fairseq's sinusoid, whose positions skip the padding of the ragged and fully masked
 # rows), with GELU and unscaled embeddings, the remaining choices. Their decoding, gradients and training are
-# tests/test_config_choices.py's.
+# tests/families/test_config_choices.py's.
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
     "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),

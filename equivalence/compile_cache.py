@@ -14,8 +14,8 @@ Deleting it is always safe: what is missing is compiled again.
 before any is (``main`` calls it once the arguments are parsed); a framework already imported in this process keeps
 its own setting. A user's own setting of a framework's cache (``JAX_COMPILATION_CACHE_DIR``, a
 ``--tf_xla_persistent_cache_directory`` in ``TF_XLA_FLAGS``, ``TORCHINDUCTOR_CACHE_DIR``) is kept.
-Imports nothing beyond the standard library (and the package's own ``__init__``): tests/compile_cache.py names the
-test run's JAX cache by :func:`cpu_fingerprint` before any framework loads.
+Imports nothing beyond the standard library (and the package's own ``__init__``): tests/helpers/compile_cache.py names
+the test run's JAX cache by :func:`cpu_fingerprint` before any framework loads.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 An adapter is a module (``equivalence.backends.numpy``, ``.torch``, ``.jax``, ``.tf``) whose attributes are the
 members of :class:`Backend`, with the same argument names and defaults; a type checker accepts the module where a
-``Backend`` is expected, and ``tests/test_equivalence.py`` checks each module's signatures against this class.
-``model`` is the backend's own model object; every array argument or result is a NumPy array.
+``Backend`` is expected, and ``tests/equivalence/test_equivalence.py`` checks each module's signatures against this
+class. ``model`` is the backend's own model object; every array argument or result is a NumPy array.
 """
 
 from __future__ import annotations

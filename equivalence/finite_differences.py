@@ -13,7 +13,7 @@ import numpy as np
 
 from .tolerance import finite_difference_bound
 
-STEP = 1e-3   # h, along a unit direction (the scale of tests/test_gradients.py's directional check)
+STEP = 1e-3   # h, along a unit direction (the scale of tests/equivalence/test_gradients.py's directional check)
 
 
 def finite_difference_gradients(loss: Callable[[dict[str, np.ndarray]], float], params: dict[str, np.ndarray],

@@ -201,9 +201,10 @@ def rounding_sensitivity(gradients: Callable[[dict[str, np.ndarray]], dict[str, 
     configuration space").
 
     The largest move is a maximum over every choice of signs, which the draws sample: where it takes a particular
-    alignment of many signs, few draws reach it. 64 draws: in a fuzzed case of weights x1e3 (tests/test_fuzz.py,
-    ``MOVED_BY_FEW_DRAWS``), 7.5% of draws move the gradient by 2.8e-3 and the rest by at most 7.6e-9; eight draws
-    missed it (every port then 100 times over the bound), 64 miss such a move with probability 0.7%."""
+    alignment of many signs, few draws reach it. 64 draws: in a fuzzed case of weights x1e3
+    (tests/equivalence/test_fuzz.py, ``MOVED_BY_FEW_DRAWS``), 7.5% of draws move the gradient by 2.8e-3 and the rest by
+    at most 7.6e-9; eight draws missed it (every port then 100 times over the bound), 64 miss such a move with
+    probability 0.7%."""
     rng, exact = np.random.default_rng(0), gradients(params)
     moved = 0.0
     for _ in range(draws):

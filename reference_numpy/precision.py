@@ -19,9 +19,9 @@ log-softmax in float32 and products with float32 accumulation; Flax's ``dtype`` 
 ``param_dtype`` for storage; Keras' float32 LayerNorm and softmax under ``mixed_bfloat16``), written once so that
 the four backends round at the same points. "Wide" is float32 in the ports (their frameworks' accumulation
 width) and float64 in the reference, whose every rounding is then the *correct* rounding of the exact result
-(:func:`round_to`): the recipe's ideal, which ``tests/test_oracle.py`` checks bit for bit against a hand computation.
-Products of two P numbers are exact in float32 (8 + 8 and 11 + 11 significant bits), so the ports' wide values
-differ from the ideal only by float32 sums, and their P results only where a float32 sum lands across a rounding
+(:func:`round_to`): the recipe's ideal, which ``tests/reference/test_oracle.py`` checks bit for bit against a hand
+computation. Products of two P numbers are exact in float32 (8 + 8 and 11 + 11 significant bits), so the ports' wide
+values differ from the ideal only by float32 sums, and their P results only where a float32 sum lands across a rounding
 boundary.
 
 float32 and float64 models compute as before: ``wide`` and ``narrow`` are the identity for them.

@@ -22,7 +22,7 @@ counts the outputs that are transformers' tokens;
 CTranslate2 forces no eos at the budget (and its beam search stops once 4 hypotheses have finished), so an output
 that reaches the budget differs from transformers' in at least its last token. ``--tiny``: a model of the same kind
 with d_model 16 and 101 ids whose outputs depend on the sources and end at different lengths (:data:`TINY`), for a
-smoke test of seconds (tests/test_bench_translate.py).
+smoke test of seconds (tests/benchmarks/test_bench_translate.py).
 
 Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework), one
 after the other under /tmp/bench.lock; ``--threads 1,2`` runs every engine at each count, ``--rounds R`` runs the

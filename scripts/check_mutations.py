@@ -89,10 +89,10 @@ def consistent(kind: str, bug: str, edits: list[tuple[str, str, str]], catch: li
 
 
 # The independent checks, and the agreement selections a consistent bug passes (float64, CPU).
-ORACLE = ["tests/test_oracle.py"]
-LOSS_ORACLE = ["tests/test_loss_oracle.py"]
-DECODING_ORACLE = ["tests/test_decoding_oracle.py", "tests/test_decoding.py"]
-CHOICES_ORACLE = ["tests/test_config_choices.py"]
+ORACLE = ["tests/reference/test_oracle.py"]
+LOSS_ORACLE = ["tests/equivalence/test_loss_oracle.py"]
+DECODING_ORACLE = ["tests/equivalence/test_decoding_oracle.py", "tests/reference/test_decoding.py"]
+CHOICES_ORACLE = ["tests/families/test_config_choices.py"]
 
 
 def agreement(variants: str, decoding: bool = False) -> list[str]:
@@ -100,104 +100,104 @@ def agreement(variants: str, decoding: bool = False) -> list[str]:
     expression), and with ``decoding`` the float64 greedy and beam tokens too."""
     checks = "(test_forward_stages and ragged_batch or test_decoded_tokens_float64)" if decoding \
         else "test_forward_stages and ragged_batch"
-    return ["tests/test_agreement.py", "-k", f"cpu and float64 and {checks} and ({variants})"]
+    return ["tests/equivalence/test_agreement.py", "-k", f"cpu and float64 and {checks} and ({variants})"]
 
 
-GRADIENTS = ["tests/test_gradients.py", "-k", "tiny"]
-FUZZ = ["tests/test_fuzz.py", "-k", "configurations and torch"]
+GRADIENTS = ["tests/equivalence/test_gradients.py", "-k", "tiny"]
+FUZZ = ["tests/equivalence/test_fuzz.py", "-k", "configurations and torch"]
 
 
 # ----------------------------------------------------------------------------- single-backend bugs
 
 SINGLE = [
     single("layer-norm", "reference: LayerNorm epsilon outside the square root", "reference_numpy/model.py",
-           "np.sqrt(var + self.eps)", "(np.sqrt(var) + self.eps)", ["tests/test_reference.py", "-k", "layer_norm"]),
+           "np.sqrt(var + self.eps)", "(np.sqrt(var) + self.eps)", ["tests/reference/test_reference.py", "-k", "layer_norm"]),
     single("positional-encoding", "reference: positional encoding [sin | cos] instead of interleaved",
            "reference_numpy/model.py",
            "    table[:, 0::2] = np.sin(angle)\n    table[:, 1::2] = np.cos(angle)",
            "    table[:, :d_model // 2] = np.sin(angle)\n    table[:, d_model // 2:] = np.cos(angle)",
-           ["tests/test_reference.py", "-k", "positional"]),
+           ["tests/reference/test_reference.py", "-k", "positional"]),
     single("masks", "reference: decoder may see one future position", "reference_numpy/model.py",
            "np.tril(np.ones((length, length), dtype=bool))", "np.tril(np.ones((length, length), dtype=bool), k=1)",
-           ["tests/test_reference.py", "-k", "causal"]),
+           ["tests/reference/test_reference.py", "-k", "causal"]),
     single("attention", "reference: heads split token-major", "reference_numpy/model.py",
            "x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)\n"
            "        return x.transpose(0, 2, 1, 3)",
            "x = x.reshape(batch, self.n_heads, length, width // self.n_heads)\n        return x",
-           ["tests/test_reference.py", "-k", "multi_head"]),
+           ["tests/reference/test_reference.py", "-k", "multi_head"]),
     single("embedding-scale", "reference: embeddings not scaled by sqrt(d_model)", "reference_numpy/model.py",
            "return narrow(wide(self.weight[tokens]) * self.scale, self.weight.dtype)", "return self.weight[tokens]",
-           ["tests/test_reference.py", "-k", "shared_embeddings"]),
+           ["tests/reference/test_reference.py", "-k", "shared_embeddings"]),
     single("ties", "reference: greedy ties go to the highest token id", "reference_numpy/decoding.py",
            "token = log_probs.argmax(axis=-1)", "token = log_probs.shape[-1] - 1 - log_probs[:, ::-1].argmax(axis=-1)",
-           ["tests/test_decoding.py", "-k", "ties_to_the_lowest_id"]),
+           ["tests/reference/test_decoding.py", "-k", "ties_to_the_lowest_id"]),
     single("ties", "reference: equal beam scores go to the later hypothesis", "reference_numpy/decoding.py",
            "key=lambda i: (finished[i][0], -i)", "key=lambda i: (finished[i][0], i)",
-           ["tests/test_decoding.py", "-k", "equal_scores"]),
+           ["tests/reference/test_decoding.py", "-k", "equal_scores"]),
     single("ties", "torch: the beam's candidate selection never sees a candidate topk left out at the boundary",
            f"{TORCH}/decoding.py", "values[:, top] == boundary[:, 0]", "values[:, top] != values[:, top]",
-           ["tests/test_torch.py", "-k", "candidate_selection"]),
+           ["tests/ports/test_torch.py", "-k", "candidate_selection"]),
     single("epsilon", "torch: LayerNorm epsilon left at torch's default 1e-5", "transformer_torch/model.py",
            "super().__init__(config.d_model, eps=config.layer_norm_eps)", "super().__init__(config.d_model)",
-           ["tests/test_agreement.py", "-k", "torch and cpu and test_component and encoder_layer and none"]),
+           ["tests/equivalence/test_agreement.py", "-k", "torch and cpu and test_component and encoder_layer and none"]),
     single("checkpoint", "torch: a square projection not transposed on load", "transformer_torch/checkpoint.py",
            "if _LAYOUT[tensor.kind][1])",
            'if _LAYOUT[tensor.kind][1] and not tensor.name.endswith("o_proj.weight"))',
-           ["tests/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
+           ["tests/equivalence/test_agreement.py", "-k", "torch and cpu and test_component and multi_head_attention and none"]),
     single("dropout", "torch: dropout left on at inference", "equivalence/backends/torch.py",
            "_, stages = capture_stages(model.eval(), src, tgt, src_mask, tgt_mask)",
            "_, stages = capture_stages(model.train(), src, tgt, src_mask, tgt_mask)",
-           ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),
+           ["tests/equivalence/test_agreement.py", "-k", "torch and cpu and test_forward_stages and tiny and none"]),
     single("epsilon", "keras: LayerNorm epsilon left at Keras' default 1e-3", "transformer_tf/model.py",
            "super().__init__(axis=-1, epsilon=config.layer_norm_eps, **float32_under_autocast(kwargs))",
            "super().__init__(axis=-1, **float32_under_autocast(kwargs))",
-           ["tests/test_agreement.py", "-k", "tf and cpu and test_component and encoder_layer and none"]),
+           ["tests/equivalence/test_agreement.py", "-k", "tf and cpu and test_component and encoder_layer and none"]),
     single("embedding-scale", "keras: embeddings not scaled by sqrt(d_model)", "transformer_tf/model.py",
            "self.scale = math.sqrt(self.config.d_model)", "self.scale = 1.0",
-           ["tests/test_agreement.py", "-k", "tf and cpu and test_forward_stages and tiny and none"]),
+           ["tests/equivalence/test_agreement.py", "-k", "tf and cpu and test_forward_stages and tiny and none"]),
     single("masks", "jax: masked scores filled with -1e9 (uniform average on a fully masked row)",
            "transformer_jax/model.py",
            "scores = jnp.where(mask, scores, -jnp.inf)", "scores = jnp.where(mask, scores, -1e9)",
-           ["tests/test_masked_rows.py", "-k", "jax"]),
+           ["tests/ports/test_masked_rows.py", "-k", "jax"]),
     single("cache", "reference: key/value cache written one position late", "reference_numpy/model.py",
            "buffer[:, :, index:index + new.shape[2]] = new", "buffer[:, :, index + 1:index + 1 + new.shape[2]] = new",
-           ["tests/test_reference.py", "-k", "cached"]),
+           ["tests/reference/test_reference.py", "-k", "cached"]),
     single("cache", "torch: key/value cache written one position late", "transformer_torch/model.py",
            "        buffer[:, :, positions] = new",
            "        buffer[:, :, positions.start + 1:positions.stop + 1] = new",
-           ["tests/test_torch.py", "-k", "cache"]),
+           ["tests/ports/test_every_port.py", "tests/ports/test_torch.py", "-k", "cache and torch"]),
     single("export", "torch: an exported step's cache written one position late (a traced index)",
            "transformer_torch/model.py", "return start + torch.arange(length, device=start.device)",
            "return start + 1 + torch.arange(length, device=start.device)",
-           ["tests/test_export.py", "-k", "decoding_step_agrees and torch-export"]),
+           ["tests/cli/test_export.py", "-k", "decoding_step_agrees and torch-export"]),
     single("export", "export --check: the serving loops (section 6.1's rules) held to the checkpoint's own decoding "
            "conventions", "transformer_export/check.py", "config = config.paper_decoding()",
-           "config = config", ["tests/test_export.py", "-k", "whatever_the_checkpoints"]),
-    # export --check on artefacts with one part wrong, the other right (tests/test_export.py, ONE_PART_WRONG)
+           "config = config", ["tests/cli/test_export.py", "-k", "whatever_the_checkpoints"]),
+    # export --check on artefacts with one part wrong, the other right (tests/cli/test_export.py, ONE_PART_WRONG)
     single("export", "export --check: the cached decoding step's verdict left out of the exit status",
            "transformer_export/check.py", "and (self.step is None or self.step.ok)",
-           "and (self.step is None or True)", ["tests/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
+           "and (self.step is None or True)", ["tests/cli/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
     single("export", "export --check: the cached decoding step's log-probabilities compared at the first position "
            "alone", "transformer_export/check.py",
            "read = oracle.inputs[\"tgt\"] != config.pad_id ",
            "read = (oracle.inputs[\"tgt\"] != config.pad_id) & (np.arange(oracle.inputs[\"tgt\"].shape[1]) == 0) ",
-           ["tests/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
+           ["tests/cli/test_export.py", "-k", "one_part_of_the_artefact and onnx"]),
     single("export", "torch: the compiled decoding step handed a constant cache index (position 0)",
            "transformer_torch/speed.py", "torch.tensor(cache_index, device=tgt.device)",
            "torch.tensor(0, device=tgt.device)",
-           ["tests/test_export.py", "-k", "compiled_decoding"]),
+           ["tests/cli/test_export.py", "-k", "compiled_decoding"]),
     single("cache", "keras: key/value cache written one position late", "transformer_tf/model.py",
            "positions = tf.cast(index, tf.int32) + tf.range(shape[2])",
            "positions = tf.cast(index, tf.int32) + 1 + tf.range(shape[2])",
-           ["tests/test_tf.py", "-k", "cache"]),
+           ["tests/ports/test_every_port.py", "tests/ports/test_tf.py", "-k", "cache and tf"]),
     single("cache", "jax: key/value cache written one position late", "transformer_jax/model.py",
            "cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),",
            "cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index + 1, axis=2),",
-           ["tests/test_jax.py", "-k", "cache"]),
+           ["tests/ports/test_every_port.py", "tests/ports/test_jax.py", "-k", "cache and jax"]),
     single("cache", "keras: a beam table not marked at the new positions (read from the row that held them)",
            "transformer_tf/model.py", "return tf.where((position >= 0) & (position < length), own, beams)",
-           "return beams", ["tests/test_beam_cache.py", "-k", "tf"]),
-    # Bugs only some configurations show: the fuzzer's suite budget must find them (tests/test_fuzz.py).
+           "return beams", ["tests/ports/test_beam_cache.py", "-k", "tf"]),
+    # Bugs only some configurations show: the fuzzer's suite budget must find them (tests/equivalence/test_fuzz.py).
     single("fuzz", "torch: heads split token-major when their count is odd", "transformer_torch/model.py",
            "x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)",
            "x = (x.view(batch, length, width // self.n_heads, self.n_heads).transpose(2, 3) if self.n_heads % 2\n"
@@ -218,21 +218,21 @@ SINGLE = [
               Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
                    "exp = jnp.exp(scores - row_max)"),
               Edit("transformer_jax/model.py", "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n", "")),
-             ("tests/test_fuzz.py", "-k", "fused-maximum and jax")),
+             ("tests/equivalence/test_fuzz.py", "-k", "fused-maximum and jax")),
     *(single("fuzz", f"{port}: no select between a one-term Q K^T and the subtraction of its row maximum (XLA:CPU "
              "recomputes the product and contracts it into an FMA)", f"{package}/model.py", guard, "",
-             ["tests/test_fuzz.py", "-k", f"one_dimension_a_head and {port}"])
+             ["tests/equivalence/test_fuzz.py", "-k", f"one_dimension_a_head and {port}"])
       for port, package, guard in (
           ("jax", JAX, "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n"),
           ("tf", TF, "    scores = tf.where(tf.math.is_nan(scores), tf.constant(np.nan, scores.dtype), scores)\n"))),
     single("fuzz", "torch: a LayerNorm whose float32 variance overflows gives the kernel's bias, not NaN (finite "
            "where the reference is not, after an overflow outside Eq. (1))", "transformer_torch/model.py",
            "return narrow(torch.where(rstd == 0, torch.nan, y), x.dtype)", "return narrow(y, x.dtype)",
-           ["tests/test_fuzz.py", "-k", "layer-norm-bias and torch"]),
+           ["tests/equivalence/test_fuzz.py", "-k", "layer-norm-bias and torch"]),
     single("fuzz", "reference: its training pass counts the decoder's fairseq positions by token (its forward pass "
            "and every port by step)", "reference_numpy/backward.py",
            'learned, y, tgt, grads, by_step=True)', 'learned, y, tgt, grads)',
-           ["tests/test_fuzz.py", "-k", "pad-target and torch"]),
+           ["tests/equivalence/test_fuzz.py", "-k", "pad-target and torch"]),
     # The decoding conventions the fuzzer draws (equivalence/fuzz.py, `conventions`), checked in greedy decoding and
     # beam search against the reference.
     single("fuzz", "torch: the suppressed tokens the paper's pad and bos, not the config's suppressed_ids",
@@ -243,18 +243,18 @@ SINGLE = [
                         "length_penalty(n, 1.0, cfg.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
     # The documentation names files that exist, and documents the command's exit codes.
     single("docs", "docs: a test module named by a path that does not exist", "docs/testing.md",
-           "* `tests/test_oracle.py` recomputes", "* `tests/test_oracles.py` recomputes", ["tests/test_references.py"]),
+           "* `tests/reference/test_oracle.py` recomputes", "* `tests/reference/test_oracles.py` recomputes", ["tests/project/test_references.py"]),
     single("docs", "a docstring names a test file that does not exist", "equivalence/contract.py",
-           "``tests/test_equivalence.py`` checks", "``tests/test_contract.py`` checks", ["tests/test_references.py"]),
+           "``tests/equivalence/test_equivalence.py`` checks", "``tests/equivalence/test_contract.py`` checks", ["tests/project/test_references.py"]),
     single("docs", "docs/benchmarks.md: a section named as a before/after comparison", "docs/benchmarks.md",
            "## Training throughput: `scripts/bench_training.py`",
            "## Training throughput before and after: `scripts/bench_training.py`",
-           ["tests/test_references.py", "-k", "state_what_is"]),
+           ["tests/project/test_references.py", "-k", "state_what_is"]),
     single("docs", "docs/benchmarks.md: a result file no document cites", "docs/benchmarks.md",
            "**16.1 s** wall ([results/2026-11-22-compare.md](results/2026-11-22-compare.md))", "**16.1 s** wall",
-           ["tests/test_references.py", "-k", "state_what_is"]),
+           ["tests/project/test_references.py", "-k", "state_what_is"]),
     single("docs", "docs/cli.md: the internal error's exit code left out of the table", "docs/cli.md",
-           "| `3` | internal error", "| 3 | internal error", ["tests/test_cli.py", "-k", "exit_codes_are_documented"]),
+           "| `3` | internal error", "| 3 | internal error", ["tests/cli/test_cli.py", "-k", "exit_codes_are_documented"]),
 ]
 
 
@@ -362,8 +362,8 @@ EMBEDDING_SCALE = [
     ], ORACLE, agreement("tiny or shared_embeddings", decoding=True)),
 ]
 
-# Every combination of the embedding choices by hand and against transformers (tests/test_embedding_choices.py)
-EMBEDDINGS = ["tests/test_embedding_choices.py"]
+# Every combination of the embedding choices by hand and against transformers (tests/families/test_embedding_choices.py)
+EMBEDDINGS = ["tests/families/test_embedding_choices.py"]
 _TARGET_SCALED = {
     RM: ("self.tgt_embed = Embeddings(config, p, tgt_name)",
          "self.tgt_embed = Embeddings(config.replace(scale_embeddings=config.scale_embeddings or not "
@@ -437,13 +437,13 @@ ACTIVATION = [
     ], CHOICES_ORACLE + ["-k", "activations"], agreement("marian")),
 ]
 
-# The choices of Hugging Face's families (tests/test_config_choices.py holds their oracles).
+# The choices of Hugging Face's families (tests/families/test_config_choices.py holds their oracles).
 CHOICES = [
     single("positional-encoding", "keras: Marian's halves swapped (the cosines first, then the sines)",
            "transformer_tf/model.py",
            "table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
            "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)",
-           ["tests/test_agreement.py", "-k", "tf and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
+           ["tests/equivalence/test_agreement.py", "-k", "tf and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
     consistent("positional-encoding", "Marian's halves swapped (the cosines first, then the sines)", [
         ("reference_numpy/variants.py", "np.concatenate([np.sin(angle), np.cos(angle)], axis=1)",
          "np.concatenate([np.cos(angle), np.sin(angle)], axis=1)"),
@@ -452,7 +452,7 @@ CHOICES = [
     ], CHOICES_ORACLE + ["-k", "halves_table or marian_table or embedded_source"], agreement("marian"), shared=(TORCH, JAX)),
     single("output-bias", "torch: the logits bias dropped", "transformer_torch/model.py",
            "return log_softmax(wide(_linear(x, weight, self.bias)))", "return log_softmax(wide(_linear(x, weight)))",
-           ["tests/test_agreement.py", "-k", "torch and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
+           ["tests/equivalence/test_agreement.py", "-k", "torch and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
     consistent("output-bias", "the logits bias dropped", [
         (RM, "bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))", "bias = 0.0"),
         (TM, "return log_softmax(wide(_linear(x, weight, self.bias)))", "return log_softmax(wide(_linear(x, weight)))"),
@@ -463,7 +463,7 @@ CHOICES = [
     ], CHOICES_ORACLE + ["-k", "logits_bias_by_hand"], agreement("marian")),
     single("positional-encoding", "jax: fairseq's positions one past their row (counted from pad_id + 2)",
            "transformer_jax/variants.py", "return (offset + counted) * real", "return (offset + 1 + counted) * real",
-           ["tests/test_agreement.py", "-k", "jax and cpu and test_forward_stages and fairseq and float64 and ragged_batch"]),
+           ["tests/equivalence/test_agreement.py", "-k", "jax and cpu and test_forward_stages and fairseq and float64 and ragged_batch"]),
     consistent("positional-encoding", "fairseq's positions counted from pad_id, not pad_id + 1 (the offset off by one)", [
         ("reference_numpy/variants.py", "position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]",
          "position = pad_id + np.arange(0, length, dtype=np.float64)[:, None]"),
@@ -473,7 +473,7 @@ CHOICES = [
     single("positional-encoding", "torch: the decoder's fairseq positions counted over its tokens, not by step",
            TM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
            "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)",
-           ["tests/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"]),
+           ["tests/equivalence/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"]),
     consistent("positional-encoding", "the decoder's fairseq positions counted over its tokens, not by step", [
         (RM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
          "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
@@ -482,7 +482,7 @@ CHOICES = [
         (JM, "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)",
          "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)"),
         (FM, "tgt, by_step=True,\n", "tgt,\n"),
-    ], ["tests/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"], agreement("fairseq")),
+    ], ["tests/equivalence/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"], agreement("fairseq")),
 ]
 
 LEARNED_PE = [
@@ -551,7 +551,7 @@ _LP = "return ((5.0 + length) / 6.0) ** alpha"
 
 def decoding_agreement(kind: str = "") -> list[str]:
     """The float64 greedy and beam tokens (and beam scores) of every port against the reference."""
-    return ["tests/test_agreement.py", "-k", f"cpu and test_decoded_tokens_float64 and tiny {kind}".strip()]
+    return ["tests/equivalence/test_agreement.py", "-k", f"cpu and test_decoded_tokens_float64 and tiny {kind}".strip()]
 
 
 LENGTH_PENALTY = [
@@ -633,12 +633,12 @@ EARLY_STOPPING = [
 ]
 
 # Hugging Face's decoding conventions (the config's decoder_start_id, suppressed_ids, forced tokens, length
-# normalization "hf" and early_stopping): tests/test_hf_generate.py against transformers' generate. The paper's
+# normalization "hf" and early_stopping): tests/families/test_hf_generate.py against transformers' generate. The paper's
 # decoding is unchanged by each, so the agreement of the paper's models still passes.
-HF_GENERATE = ["tests/test_hf_generate.py"]
-# Every port's decoding of the families' conventions at once against the reference's (tests/test_fuzz.py): the
+HF_GENERATE = ["tests/families/test_hf_generate.py"]
+# Every port's decoding of the families' conventions at once against the reference's (tests/equivalence/test_fuzz.py): the
 # agreement a consistent plant of them passes, and a plant in the reference alone fails
-CONVENTIONS = ["tests/test_fuzz.py", "-k", "families_decoding_conventions"]
+CONVENTIONS = ["tests/equivalence/test_fuzz.py", "-k", "families_decoding_conventions"]
 _CONFIG = f"{REF}/config.py"
 _FORCE = {RD: ("return np.where(forced[:, None] >= 0,", "return log_probs if True else np.where(forced[:, None] >= 0,"),
           TD: ("return torch.where(forced[:, None] >= 0,", "return log_probs if True else torch.where(forced[:, None] >= 0,"),
@@ -698,10 +698,10 @@ HF_DECODING = [
 ]
 
 # transformers' held-back tokens (the config's min_output_length and no_repeat_ngram_size, each backend's
-# constrain): tests/test_hf_generate.py's settings against generate and a naive check of the rules; a plant alike in
+# constrain): tests/families/test_hf_generate.py's settings against generate and a naive check of the rules; a plant alike in
 # every backend passes the ports' agreement with the reference on them
-HELD_BACK = ["tests/test_hf_generate.py", "-k", "held_back_tokens_decode_as_generate and marian and"]
-HELD_BACK_AGREEMENT = ["tests/test_hf_generate.py", "-k", "held_back_tokens_agree_across_backends"]
+HELD_BACK = ["tests/families/test_hf_generate.py", "-k", "held_back_tokens_decode_as_generate and marian and"]
+HELD_BACK_AGREEMENT = ["tests/families/test_hf_generate.py", "-k", "held_back_tokens_agree_across_backends"]
 _HELD_EOS = {RD: "if step < config.min_output_length:", TD: "if step < config.min_output_length:",
              JD: "& (step < config.min_output_length)", FD: "& (step < config.min_output_length)"}
 _NGRAM_SIZE = {RD: ("    n = config.no_repeat_ngram_size\n",
@@ -799,26 +799,26 @@ TRAINING = [
     single("backward", "reference: the embeddings' gradient not scaled by sqrt(d_model)", "reference_numpy/backward.py",
            "np.add.at(table, tokens, wide(narrow(wide(grad_out) * embed.scale, dtype)))",
            "np.add.at(table, tokens, wide(narrow(wide(grad_out), dtype)))",
-           ["tests/test_backward.py"]),
+           ["tests/reference/test_backward.py"]),
     single("adam", "reference: Adam's epsilon added before the bias correction (Keras's placement)",
            "reference_numpy/training.py", "self.params[name] -= lr * m_hat / (np.sqrt(v_hat) + c.epsilon)",
            "self.params[name] -= lr * m_hat / (np.sqrt(v_hat) + c.epsilon / np.sqrt(1.0 - c.beta2 ** self.step))",
-           ["tests/test_training.py", "-k", "closed_form or constant"]),
+           ["tests/equivalence/test_training.py", "-k", "closed_form or constant"]),
     single("adam", "reference: the model holds the caller's arrays (its Adam writes into them)",
            "reference_numpy/model.py",
            "return rounded.copy() if copy and np.may_share_memory(rounded, given) else rounded", "return rounded",
-           ["tests/test_training.py", "-k", "owns_its_weights and numpy"]),
+           ["tests/equivalence/test_training.py", "-k", "owns_its_weights and numpy"]),
     single("schedule", "torch: Eq. (3) evaluated at LambdaLR's count, from 0", "transformer_torch/training.py",
            "return learning_rate(count + 1, self.d_model, self.config)",
            "return learning_rate(max(count, 1), self.d_model, self.config)",
-           ["tests/test_training.py", "-k", "torch and float64"]),
+           ["tests/equivalence/test_training.py", "-k", "torch and float64"]),
     single("adam", "jax: optax's epsilon under the square root too (eps_root = eps)", "transformer_jax/training.py",
            "eps=config.epsilon, eps_root=0.0)", "eps=config.epsilon, eps_root=config.epsilon)",
-           ["tests/test_training.py", "-k", "jax and float64"]),
+           ["tests/equivalence/test_training.py", "-k", "jax and float64"]),
     single("adam", "tf: Keras's own epsilon placement (before the bias correction)", "transformer_tf/training.py",
            "self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon))",
            "self.assign_sub(variable, lr * (m / c1) / (tf.sqrt(v / c2) + self.epsilon / tf.sqrt(c2)))",
-           ["tests/test_training.py", "-k", "tf and float64"]),
+           ["tests/equivalence/test_training.py", "-k", "tf and float64"]),
 ]
 
 # Text (section 5.1's shared BPE, the numbers task): one copy serves every backend, so the agreement matrix cannot
@@ -826,32 +826,32 @@ TRAINING = [
 TEXT = [
     single("text", "a lone carriage return read as part of its line", "transformer_tasks/textfiles.py",
            'LINE_END = re.compile(rb"\\r\\n|\\r|\\n")', 'LINE_END = re.compile(rb"\\r\\n|\\n")',
-           ["tests/test_text_files.py", "-k", "every_line_end"]),
+           ["tests/cli/test_text_files.py", "-k", "every_line_end"]),
     single("text", "tokenizer: decoding runs past eos", "reference_numpy/tokenizer.py",
            "            if i == self.config.eos_id:\n                break",
-           "            if i == self.config.eos_id:\n                continue", ["tests/test_tokenizer.py"]),
+           "            if i == self.config.eos_id:\n                continue", ["tests/reference/test_tokenizer.py"]),
     single("text", "tokenizer: ids beyond the model's vocabulary accepted", "reference_numpy/tokenizer.py",
            "if max(ids.values()) >= limit or min(ids.values()) < 0:", "if min(ids.values()) < 0:",
-           ["tests/test_tokenizer.py"]),
+           ["tests/reference/test_tokenizer.py"]),
     single("text", "numbers task: test and validation numbers left in the training pool", "transformer_tasks/numbers.py",
            "numbers = np.sort(numbers[n_test + n_valid:])", "numbers = np.sort(numbers)",
-           ["tests/test_numbers_task.py"]),
+           ["tests/tasks/test_numbers_task.py"]),
     single("text", "numbers task: the validation numbers drawn past the test's and the validation's share (half of "
            "them left in the training pool)", "transformer_tasks/numbers.py",
            "validation.append(numbers[n_test:n_test + n_valid])",
            "validation.append(numbers[n_test + n_valid // 2:n_test + n_valid + n_valid // 2])",
-           ["tests/test_numbers_task.py", "-k", "hold_no_held_out"]),
+           ["tests/tasks/test_numbers_task.py", "-k", "hold_no_held_out"]),
     single("text", "corpus: the held-out validation pairs left in the training pairs too", "transformer_tasks/corpus.py",
            "return pairs.subset(np.flatnonzero(~held)), pairs.subset(np.flatnonzero(held))",
-           "return pairs, pairs.subset(np.flatnonzero(held))", ["tests/test_corpus.py", "-k", "disjoint"]),
+           "return pairs, pairs.subset(np.flatnonzero(held))", ["tests/cli/test_corpus.py", "-k", "disjoint"]),
     single("text", "corpus: the validation pairs the file's first ones, not the pairs held out of training",
            "transformer_tasks/corpus.py",
            "return pairs.subset(np.flatnonzero(~held)), pairs.subset(np.flatnonzero(held))",
            "return pairs.subset(np.flatnonzero(~held)), pairs.subset(np.arange(size))",
-           ["tests/test_corpus.py", "-k", "disjoint"]),
+           ["tests/cli/test_corpus.py", "-k", "disjoint"]),
     single("text", "numbers task: labels not shifted (the decoder sees the token it must predict)",
            "transformer_tasks/numbers.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
-           '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/test_numbers_task.py"]),
+           '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/tasks/test_numbers_task.py"]),
 ]
 
 # Data parallelism: each shard's loss over the whole batch's token count, the replicas' gradients summed.
@@ -859,24 +859,25 @@ DATA_PARALLEL = [
     single("data parallel", "reference: shards weighted equally (the mean of the shards' means)",
            "reference_numpy/data_parallel.py",
            'weight = token_count(part["labels"], model.config.pad_id) / total', "weight = 1 / world_size",
-           ["tests/test_data_parallel.py"]),
+           ["tests/reference/test_data_parallel.py"]),
     single("data parallel", "torch: DDP's average not undone (each rank's loss not multiplied by N)",
            "transformer_torch/data_parallel.py", "(world_size * value).backward()", "value.backward()",
-           ["tests/test_data_parallel_torch.py"]),
+           ["tests/ports/test_data_parallel_torch.py"]),
     single("data parallel", "tf: each replica divides by its own shard's count", "transformer_tf/data_parallel.py",
            "tokens = tf.constant(token_count(label_ids, model.config.pad_id), model.compute_dtype)",
-           "tokens = None", ["tests/test_data_parallel_tf.py"]),
+           "tokens = None", ["tests/ports/test_data_parallel_tf.py"]),
 ]
 
 # The Hugging Face export (reference_numpy/hf_export.py): transformers itself loads and runs what it writes.
-HF_EXPORT_ORACLE = ["tests/test_hf_export.py", "-k", "float64"]
+HF_EXPORT_ORACLE = ["tests/families/test_hf_export.py", "-k", "float64"]
 HF_EXPORT = [
     single("hf export", "train --layer-norm-eps left unread: a new run keeps the presets' 1e-6",
            "transformer_cli/commands/train.py", "return made.config(dropout=args.dropout or 0.0, **eps)",
-           "return made.config(dropout=args.dropout or 0.0)", ["tests/test_hf_export.py"]),
+           "return made.config(dropout=args.dropout or 0.0)",
+           ["tests/cli/test_families_commands.py", "-k", "families_layer_norm_epsilon"]),
     single("hf export", "train --resume takes another --layer-norm-eps without a word", "transformer_cli/commands/train.py",
            '"dropout": config.dropout, "layer_norm_eps": config.layer_norm_eps}',
-           '"dropout": config.dropout, "layer_norm_eps": args.layer_norm_eps}', ["tests/test_cli_reliability.py"]),
+           '"dropout": config.dropout, "layer_norm_eps": args.layer_norm_eps}', ["tests/cli/test_cli_reliability.py"]),
     single("hf export", "hf export: the attention projections written (in, out), their transpose dropped",
            "reference_numpy/hf_export.py", "np.ascontiguousarray(value.T if ours in flip else value)",
            'np.ascontiguousarray(value.T if ours in flip and "_proj." not in ours else value)', HF_EXPORT_ORACLE),
@@ -884,37 +885,37 @@ HF_EXPORT = [
            "reference_numpy/hf_export.py",
            "return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])",
            "return np.roll(np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)]), 1)",
-           ["tests/test_hf_export.py", "-k", "paper"]),
+           ["tests/families/test_hf_export.py", "-k", "paper"]),
     single("hf export", "hf import and export: W_q and W_k swapped in the shared name table",
            "reference_numpy/hf_import.py", '(("q_proj", "q_proj"), ("k_proj", "k_proj")',
            '(("q_proj", "k_proj"), ("k_proj", "q_proj")', HF_EXPORT_ORACLE),
     single("hf export", "hf export: generate starts from pad, not bos (decoder_start_token_id)",
            "reference_numpy/hf_export.py", '"decoder_start_token_id": config.start_id', '"decoder_start_token_id": config.pad_id',
-           ["tests/test_hf_export.py", "-k", "generate"]),
+           ["tests/families/test_hf_export.py", "-k", "generate"]),
     single("hf export", "hf export: the tokenizer appends no eos to the source", "reference_numpy/hf_export.py",
-           'single=f"$A {EOS}"', 'single="$A"', ["tests/test_hf_export.py", "-k", "autotokenizer"]),
+           'single=f"$A {EOS}"', 'single="$A"', ["tests/families/test_hf_export.py", "-k", "autotokenizer"]),
     single("hf export", "hf export: an imported family's vocab.json written with every id one place off",
            "reference_numpy/hf_tokenizer.py", 'json.dumps(record[field], ensure_ascii=False',
            'json.dumps({k: (v + 1) % len(record[field]) for k, v in record[field].items()}, ensure_ascii=False',
-           ["tests/test_hf_tokenizers.py", "-k", "export_of_an_imported"]),
+           ["tests/cli/test_families_commands.py", "-k", "export_of_an_imported"]),
     single("hf import", "hf import: an untied encoder embedding read from model.shared (transformers 4's ties, which "
            "tie_word_embeddings false no longer makes in 5)", "reference_numpy/hf_import.py",
            'table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")',
            'table["src_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight")',
-           ["tests/test_hf_import.py", "-k", "untied"]),
+           ["tests/families/test_hf_import.py", "-k", "untied"]),
     single("hf import", "hf tokenizer: Marian's target side looked up in the source vocabulary (separate_vocabs' "
            "target_vocab.json not read)", "reference_numpy/hf_tokenizer.py",
            '"target": record.get("target_vocab") or record["vocab"]}', '"target": record["vocab"]}',
-           ["tests/test_hf_tokenizers.py", "-k", "separate"]),
+           ["tests/families/test_hf_tokenizers.py", "-k", "separate"]),
     single("hf import", "hf import: generation_config.json's num_beams not read (translate decodes greedily)",
            "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
-           ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
+           ["tests/cli/test_families_commands.py", "-k", "own_beam"]),
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
            "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
-           "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
+           "self.beam_size = 1 if beam_size is None", ["tests/cli/test_families_commands.py", "-k", "own_beam"]),
     single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
            "holds", "reference_numpy/hf_import.py", "    if unsafe:\n", "    if False:\n",
-           ["tests/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),
+           ["tests/families/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),
     single("hf import", "hf import: generation_config.json's min_new_tokens not read (eos held back by min_length "
            "alone)", "reference_numpy/hf_import.py", '    min_new_tokens = generation.get("min_new_tokens")\n',
            "    min_new_tokens = None\n", HF_GENERATE + ["-k", "config_from_generation_config"]),
@@ -925,12 +926,12 @@ BEAM_TABLE = [
     consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
         (RM, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
         *((f"{package}/speed.py", *_PICKED) for package in BACKENDS[1:]),
-    ], ["tests/test_beam_cache.py", "-k", "naive_loop"]),
+    ], ["tests/ports/test_beam_cache.py", "-k", "naive_loop"]),
 ]
 
 # A cached step reads the first W positions of its self-attention cache (reference.attended_widths): reading more
 # gives the same numbers (the agreement cannot see it); positions past W filled with NaN can.
-ATTENDED = ["tests/test_attended_width.py", "-k"]
+ATTENDED = ["tests/ports/test_attended_width.py", "-k"]
 ATTENDED_WIDTH = [
     single("cache", "torch: a cached step reads every position of its self-attention cache", TM,
            "width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + "
@@ -976,7 +977,7 @@ def low_precision(checks: str, components: bool = False) -> list[str]:
 PRECISION = [
     single("precision", "reference: float64 rounded to bfloat16 through float32 (twice)", "reference_numpy/precision.py",
            "    if not is_low(dtype):\n        return x.astype(dtype, copy=False)",
-           "    if True:\n        return x.astype(dtype, copy=False)", ["tests/test_oracle.py", "-k", "round_to"]),
+           "    if True:\n        return x.astype(dtype, copy=False)", ["tests/reference/test_oracle.py", "-k", "round_to"]),
     single("precision", "torch: attention (Eq. (1)), its softmax included, computed in P instead of wide",
            "transformer_torch/model.py",
            "dtype, query, key, value = query.dtype, wide(query), wide(key), wide(value)", "dtype = query.dtype",
@@ -1002,92 +1003,92 @@ PRECISION = [
            "transformer_torch/model.py",
            "        if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():",
            "        if False:",
-           ["tests/test_gradients.py", "-k", "hundreds and torch"]),
+           ["tests/equivalence/test_gradients.py", "-k", "hundreds and torch"]),
     single("precision", "torch: the schedule stepped on a skipped float16 step (Adam's t and Eq. (3)'s count part)",
            "transformer_torch/training.py", "        taken = scaler.get_scale() >= scale", "        taken = True",
-           ["tests/test_training.py", "-k", "overflow and torch"]),
+           ["tests/equivalence/test_training.py", "-k", "overflow and torch"]),
     single("precision", "reference: mixed precision differentiates the float32 masters (no P model)",
            "reference_numpy/training.py",
            "value, grads = backward.loss_and_gradients(mixed.low, label_smoothed_cross_entropy,",
            "value, grads = backward.loss_and_gradients(model, label_smoothed_cross_entropy,",
-           ["tests/test_training.py", "-k", "mixed_precision_steps and torch and bfloat16"]),
+           ["tests/equivalence/test_training.py", "-k", "mixed_precision_steps and torch and bfloat16"]),
     single("precision", "torch: under autocast the product weights . V left in float32 (autocast switched off)",
            "transformer_torch/model.py",
            "    out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)",
            "    with torch.autocast(query.device.type, enabled=False):\n"
            "        out = weights @ wide(value) if beams is None else speed.beam_mix(weights, value, beams)",
-           ["tests/test_mixed_precision.py", "-k", "attention_products and torch"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "attention_products and torch"]),
     single("precision", "torch: the oneDNN fast path taken under autocast (large linear maps stay float32)",
            "transformer_torch/speed.py", "            and autocast_dtype(x) is None\n", "",
-           ["tests/test_mixed_precision.py", "-k", "every_linear_map"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "every_linear_map"]),
     single("precision", "torch: under autocast the residual stream rounded to P (its dtype still float32)",
            "transformer_torch/model.py", "    return narrow(wide(x) + wide(y), x.dtype)",
            "    return narrow(wide(x) + wide(y), y.dtype if y.dtype in LOW else x.dtype).to(x.dtype)",
-           ["tests/test_mixed_precision.py", "-k", "forward_stages and torch"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and torch"]),
     single("precision", "reference: under autocast the residual stream rounded to P (its dtype still float32)",
            "reference_numpy/model.py",
            "    return narrow(wide(x) + wide(y).astype(wide(x).dtype, copy=False), x.dtype)",
            "    return round_to(wide(x) + wide(y), y.dtype).astype(x.dtype)",
-           ["tests/test_mixed_precision.py", "-k", "oracle"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "oracle"]),
     single("precision", "jax: under Flax's mixed precision the scores Q K^T left in float32 (not rounded to P)",
            "transformer_jax/model.py", "        scores = wide(narrow(scores, mixed))", "        scores = scores",
-           ["tests/test_mixed_precision.py", "-k", "attention_products and jax"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "attention_products and jax"]),
     single("precision", "jax: under Flax's mixed precision the residual stream rounded to P (its dtype still float32)",
            "transformer_jax/model.py", "    return narrow(wide(x) + wide(y), x.dtype)",
            "    return narrow(wide(x) + wide(y), y.dtype).astype(x.dtype)",
-           ["tests/test_mixed_precision.py", "-k", "forward_stages and jax and pre_ln"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and jax and pre_ln"]),
     single("precision", "keras: under mixed_bfloat16 the residual stream converted to P at every layer's entry",
            "transformer_tf/model.py",
            "        return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype",
-           "        return self.compute_dtype", ["tests/test_mixed_precision.py", "-k", "forward_stages and tf"]),
+           "        return self.compute_dtype", ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and tf"]),
     single("precision", "keras: under mixed_bfloat16 LayerNorm's output cast to P (Keras' own LayerNormalization)",
            "transformer_tf/model.py",
            "        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **float32_under_autocast(kwargs))",
            "        super().__init__(axis=-1, epsilon=config.layer_norm_eps, **kwargs)",
-           ["tests/test_mixed_precision.py", "-k", "forward_stages and tf"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and tf"]),
     single("precision", "reference: under autocast a sublayer's gradient left float32 (the promotion's backward)",
            "reference_numpy/backward.py", "        return add(grad_summed, sublayer_backward(cast(grad_summed, out.dtype)))",
            "        return add(grad_summed, sublayer_backward(grad_summed))",
-           ["tests/test_mixed_precision.py", "-k", "test_gradients and tiny"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "test_gradients and tiny"]),
     single("precision", "reference: under autocast dL/dS left float32 (not rounded to P before dL/dQ, dL/dK)",
            "reference_numpy/backward.py",
            "        grad_scores = wide(round_to(softmax_backward(weights, grad_weights) / scale, low))",
            "        grad_scores = (softmax_backward(weights, grad_weights) / scale).astype(np.float64)",
-           ["tests/test_mixed_precision.py", "-k", "test_gradients"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "test_gradients"]),
     single("bound", "TrainingBound: the update's change through sqrt(v_hat)'s change left out",
            "equivalence/tolerance.py",
            "            moved = moved_m / low + m_hat * moved_s / ((root + epsilon) * low)",
-           "            moved = moved_m / low", ["tests/test_training.py", "-k", "carried"]),
+           "            moved = moved_m / low", ["tests/equivalence/test_training.py", "-k", "carried"]),
     single("bound", "TrainingBound: the change of sqrt(v_hat) not bias-corrected",
            "equivalence/tolerance.py",
            "            moved_s = np.sqrt(self.squares[name] / (1.0 - beta2 ** step))",
-           "            moved_s = np.sqrt(self.squares[name])", ["tests/test_training.py", "-k", "carried"]),
+           "            moved_s = np.sqrt(self.squares[name])", ["tests/equivalence/test_training.py", "-k", "carried"]),
     single("precision", "torch: mixed-float16 training steps against the gradient (the update negated)",
            "transformer_torch/training.py",
            "        master.grad = _grad(parameter).float()  ", "        master.grad = -_grad(parameter).float()  ",
-           ["tests/test_mixed_precision.py", "-k", "ten_steps and torch and mixed-float16"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "ten_steps and torch and mixed-float16"]),
     single("precision", "keras: mixed-float16 training steps against the gradient (the update negated)",
            "transformer_tf/training.py",
            "    grads = [tf.cast(_dense(grad), tf.float32) for grad in tape.gradient(scaled, low)]",
            "    grads = [-tf.cast(_dense(grad), tf.float32) for grad in tape.gradient(scaled, low)]",
-           ["tests/test_mixed_precision.py", "-k", "ten_steps and tf and mixed-float16"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "ten_steps and tf and mixed-float16"]),
     single("precision", "torch: mixed-float16 training with Eq. (3) evaluated at LambdaLR's count, from 0",
            "transformer_torch/training.py", "return learning_rate(count + 1, self.d_model, self.config)",
            "return learning_rate(max(count, 1), self.d_model, self.config)",
-           ["tests/test_mixed_precision.py", "-k", "ten_steps and torch and mixed-float16"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "ten_steps and torch and mixed-float16"]),
     single("precision", "torch: mixed-float16 training with the loss scale not divided out of the gradients",
            "transformer_torch/training.py",
            "        master.grad = _grad(parameter).float()  ",
            "        master.grad = _grad(parameter).float() * (1.0 if scaler is None else scaler.get_scale())  ",
-           ["tests/test_mixed_precision.py", "-k", "ten_steps and torch and mixed-float16"]),
+           ["tests/ports/test_mixed_precision.py", "-k", "ten_steps and torch and mixed-float16"]),
     single("precision", "torch: automatic mixed precision in float16 without its GradScaler (unscaled float16 steps)",
            "transformer_torch/training.py",
            "        low, dtype = model, parse_dtype(dtype_name(torch.get_autocast_dtype(model.device.type)))   # autocast",
-           "        low = model", ["tests/test_mixed_precision.py", "-k", "ten_steps and torch"]),
+           "        low = model", ["tests/ports/test_mixed_precision.py", "-k", "ten_steps and torch"]),
 ]
 
-# Every linear map of the autocast recipe against the recipe's rounding of its own input (tests/test_linear_maps_in_p.py)
-LINEAR_MAPS = ["tests/test_linear_maps_in_p.py"]
+# Every linear map of the autocast recipe against the recipe's rounding of its own input (tests/ports/test_linear_maps_in_p.py)
+LINEAR_MAPS = ["tests/ports/test_linear_maps_in_p.py"]
 _TORCH_FFN = "        return self.linear2(activation(self.linear1(x), self.activation))"
 _TORCH_LOGITS = "        return log_softmax(wide(_linear(x, weight, self.bias)))                           # logits (B, T, V)"
 LINEAR_MAPS_IN_P = [
@@ -1123,10 +1124,10 @@ LINEAR_MAPS_IN_P = [
                    (FM, "        return _generated(x, self._weight(), self._bias())",
                     "        return _generated(x, self._weight(), self._bias())\n\n    _STREAM = True"),
                    (FM, "    logits = narrow(logits, x.dtype)  ", "    logits = narrow(logits, weight.dtype)  "),
-               ], [*LINEAR_MAPS, "-k", "model"], ["tests/test_mixed_precision.py", "-k", "test_forward_stages"]),
+               ], [*LINEAR_MAPS, "-k", "model"], ["tests/ports/test_mixed_precision.py", "-k", "test_forward_stages"]),
 ]
 
-HF_TOKENIZERS_ORACLE = ["tests/test_hf_tokenizers.py", "-k", "transformers"]
+HF_TOKENIZERS_ORACLE = ["tests/families/test_hf_tokenizers.py", "-k", "transformers"]
 HF_TOKENIZERS = [
     single("hf-tokenizer", "M2M100/NLLB: the source language's code at the wrong end (after eos)",
            "reference_numpy/hf_tokenizer.py", 'ids = [language, *ids] if place == "prefix" else [*ids, language]',
@@ -1145,15 +1146,15 @@ HF_TOKENIZERS = [
            HF_TOKENIZERS_ORACLE),
     single("hf-tokenizer", "NLLB: legacy_behaviour ignored (the source's code first, not after eos)",
            "reference_numpy/hf_tokenizer.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
-           ["tests/test_hf_tokenizers.py", "-k", "nllb"]),
+           ["tests/families/test_hf_tokenizers.py", "-k", "nllb"]),
     single("hf-tokenizer", "families: decoding keeps the special tokens", "reference_numpy/hf_tokenizer.py",
            "if i not in self._skipped and i in self._pieces[\"target\"]:", "if i in self._pieces[\"target\"]:",
            HF_TOKENIZERS_ORACLE),
 ]
 
-# train --init: tests/test_finetune.py against transformers' tokenizer, shift_tokens_right and model loss, and every
+# train --init: tests/cli/test_finetune.py against transformers' tokenizer, shift_tokens_right and model loss, and every
 # backend's first step against the reference's
-FINETUNE_ORACLE = ["tests/test_finetune.py", "-k", "transformers"]
+FINETUNE_ORACLE = ["tests/cli/test_finetune.py", "-k", "transformers"]
 FIRST_MASK = {REF: ("(padding_mask(tgt, pad_id) | (np.arange(length) == 0))", "padding_mask(tgt, pad_id)"),
               TORCH: ("(padding_mask(tgt, pad_id) | first)", "padding_mask(tgt, pad_id)"),
               JAX: ("(padding | (jnp.arange(padding.shape[-1]) == 0))", "padding"),
@@ -1172,18 +1173,18 @@ FINETUNE = [
     single("finetune", "--init's weights not loaded (the seeded initialisation)", "transformer_cli/commands/train.py",
            "return load_checkpoint(plan.init)[1] if plan.init else", "return", FINETUNE_ORACLE),
     single("finetune", "torch: the start token hidden when it is pad (Marian)", "transformer_torch/model.py",
-           *FIRST_MASK[TORCH], ["tests/test_finetune.py", "-k", "first_step and torch"]),
+           *FIRST_MASK[TORCH], ["tests/cli/test_finetune.py", "-k", "first_step and torch"]),
     consistent("finetune", "every backend: the start token hidden when it is pad (Marian)",
                [(f"{backend}/model.py", *FIRST_MASK[backend]) for backend in BACKENDS], FINETUNE_ORACLE,
-               ["tests/test_finetune.py", "-k", "first_step"]),
+               ["tests/cli/test_finetune.py", "-k", "first_step"]),
 ]
 
 # The file benchmark's opus-mt option (scripts/bench_translate.py) hands every engine the checkpoint's conventions:
-# tests/test_bench_translate.py compares each port's tokens and output count with transformers' generate
+# tests/benchmarks/test_bench_translate.py compares each port's tokens and output count with transformers' generate
 _BENCH = "scripts/bench_translate.py"
-BENCH_TRANSLATE = ["tests/test_bench_translate.py"]
+BENCH_TRANSLATE = ["tests/benchmarks/test_bench_translate.py"]
 _BENCH_MODULE = "transformer_bench/bench.py"
-BENCH_CHECKPOINT = ["tests/test_peers.py", "-k", "transformers_peer or checkpoint_with"]
+BENCH_CHECKPOINT = ["tests/benchmarks/test_peers.py", "-k", "transformers_peer or checkpoint_with"]
 BENCH = [
     single("bench", "bench_translate: transformers given one token less than the budget", _BENCH,
            "max_new_tokens=budget(args))", "max_new_tokens=budget(args) - 1)", BENCH_TRANSLATE),
@@ -1199,7 +1200,7 @@ BENCH = [
            'XLA_CONTROL = {"while", "conditional", "call"}', 'XLA_CONTROL = {"conditional", "call"}',
            BENCH_TRANSLATE),
     # `bench CHECKPOINT --peers`: the transformers peer reads Marian's pad start token; every engine decodes within
-    # --decode-tokens' budget; the inputs hold no special id (tests/test_peers.py)
+    # --decode-tokens' budget; the inputs hold no special id (tests/benchmarks/test_peers.py)
     single("bench", "bench's transformers peer masks a target's pad start token", "transformer_bench/peers.py",
            "read[:, 0] = True", "read[:, 0] = read[:, 0]", BENCH_CHECKPOINT),
     single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
@@ -1210,9 +1211,9 @@ BENCH = [
            BENCH_CHECKPOINT),
 ]
 
-# Each framework's own training idiom (ecosystem.py): the independent checks are tests/test_ecosystem.py's naive loops
+# Each framework's own training idiom (ecosystem.py): the independent checks are tests/ports/test_ecosystem.py's naive loops
 # over the tokens and the float64 reference's run of the same steps.
-ECOSYSTEM_TESTS = "tests/test_ecosystem.py"
+ECOSYSTEM_TESTS = "tests/ports/test_ecosystem.py"
 ECOSYSTEM = [
     single("ecosystem", "tf: Keras' one input read as (tgt, src) from a dict", "transformer_tf/model.py",
            'return inputs["src"], inputs["tgt"]', 'return inputs["tgt"], inputs["src"]',
@@ -1235,18 +1236,18 @@ ECOSYSTEM = [
     consistent("ecosystem", "every port's from_pretrained of a Hugging Face directory drops its tokenizer",
                [("reference_numpy/pretrained.py", "        model.tokenizer_json = text\n",
                  "        model.tokenizer_json = None\n")],
-               ["tests/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory"],
+               ["tests/families/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory"],
                shared=("transformer_torch", "transformer_jax", "transformer_tf")),
     single("ecosystem", "jax: from_pretrained of a file ignores dtype", "transformer_jax/checkpoint.py",
            "functools.partial(load_checkpoint, device=device))",
            "lambda path, dtype: load_checkpoint(path, device=device))",
-           ["tests/test_from_pretrained.py", "-k", "checkpoint_file and jax"]),
+           ["tests/families/test_from_pretrained.py", "-k", "checkpoint_file and jax"]),
 ]
 
-# The prepared GPU check (scripts/device_check.py) must be able to fail: tests/test_device_check.py runs it on the CPU
+# The prepared GPU check (scripts/device_check.py) must be able to fail: tests/benchmarks/test_device_check.py runs it on the CPU
 # with a port bug planted through --perturb, and its verdicts on rows of its own
 _DEVICE_CHECK = "scripts/device_check.py"
-DEVICE_CHECK = ["tests/test_device_check.py", "-m", "not slow"]
+DEVICE_CHECK = ["tests/benchmarks/test_device_check.py", "-m", "not slow"]
 DEVICE = [
     single("device", "device_check: a forward run over its bound reported as agreement", _DEVICE_CHECK,
            "+ f\"; forward {run.forward_ms:.1f} ms\",\n                   ok=run.ok)",
@@ -1263,31 +1264,31 @@ DEVICE = [
 OUTPUTS = [
     single("outputs", "a hard link to an input not taken for that input (written over)", "transformer_export/outputs.py",
            "if os.path.samestat(target, status):", "if os.path.realpath(output) == os.path.realpath(source):",
-           ["tests/test_inputs_never_replaced.py", "-k", "no_output_of_any_command and hard"]),
+           ["tests/cli/test_inputs_never_replaced.py", "-k", "no_output_of_any_command and hard"]),
 ]
 
-# The packages import only downward (tests/test_layers.py runs import-linter's layers contract of pyproject.toml)
+# The packages import only downward (tests/project/test_layers.py runs import-linter's layers contract of pyproject.toml)
 LAYERS = [
     single("layers", "the adapters import from the command line above them", "equivalence/backends/__init__.py",
            "from equivalence import runtime\n",
            "from equivalence import runtime\nfrom transformer_cli.extras import INSTALL  # noqa: F401\n",
-           ["tests/test_layers.py", "-k", "only_downward"]),
+           ["tests/project/test_layers.py", "-k", "only_downward"]),
 ]
 
 # The command line's cache of compiled programs (equivalence/compile_cache.py) and the imports it defers: only
-# fresh processes see them (tests/test_compile_cache.py)
-_CACHE_TEST = "tests/test_compile_cache.py::test_a_second_process_reads_back_what_the_first_compiled"
+# fresh processes see them (tests/cli/test_compile_cache.py)
+_CACHE_TEST = "tests/cli/test_compile_cache.py::test_a_second_process_reads_back_what_the_first_compiled"
 CACHE = [
     single("compile-cache", "cache: JAX is not pointed at the cache's directory", "equivalence/compile_cache.py",
            'os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(jax))',
            'os.environ.setdefault("JAX_COMPILATION_CACHE_DIRECTORY", str(jax))', [f"{_CACHE_TEST}[jax]"]),
     single("compile-cache", "cache: --no-cache still reads and writes the cache", "equivalence/compile_cache.py",
            "    if not enabled:\n", "    if not enabled and False:\n",
-           ["tests/test_compile_cache.py::test_a_user_s_own_framework_cache_is_kept_and_no_cache_sets_none"]),
+           ["tests/cli/test_compile_cache.py::test_a_user_s_own_framework_cache_is_kept_and_no_cache_sets_none"]),
     single("compile-cache", "cache: TensorFlow's notices of a program read back are printed", "equivalence/runtime.py",
            "kept = [line for line in lines if not any(notice in line for notice in CACHE_NOTICES)]",
            "kept = list(lines)",
-           [f"{_CACHE_TEST}[tf]", "tests/test_compile_cache.py::test_tensorflow_s_notices_of_a_program_read_back_are_dropped"]),
+           [f"{_CACHE_TEST}[tf]", "tests/cli/test_compile_cache.py::test_tensorflow_s_notices_of_a_program_read_back_are_dropped"]),
     single("compile-cache", "imports: translate --backend tf imports JAX with TensorFlow", "equivalence/runtime.py",
            'UNNEEDED = {"equivalence.backends.tf": ("jax",)}', "UNNEEDED: dict = {}", [f"{_CACHE_TEST}[tf]"]),
 ]
@@ -1312,7 +1313,7 @@ def apply(mutation: Mutation, root: Path) -> None:
 
 
 def copy_repository(tmp: str) -> Path:
-    """A copy of the checkout in ``tmp`` that shares the checkout's compilation cache (tests/compile_cache.py): a
+    """A copy of the checkout in ``tmp`` that shares the checkout's compilation cache (tests/helpers/compile_cache.py): a
     planted bug changes the programs it reaches, and so their keys; every other program is read back."""
     copy = Path(tmp) / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info",

@@ -1,7 +1,7 @@
 """Run (part of) the suite several times and check every run reports the same results: the
 same outcome for every test and the same measured errors in the agreement summary.
 
-    python scripts/check_repeatability.py --runs 20 -- tests/test_agreement.py -k "cpu and tiny"
+    python scripts/check_repeatability.py --runs 20 -- tests/equivalence/test_agreement.py -k "cpu and tiny"
 
 The comparison ignores only timings.
 """

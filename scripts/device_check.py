@@ -65,10 +65,12 @@ SECTIONS = ("forward", "decoding", "training", "determinism", "speed")
 FORWARD_DTYPES = ("float64", "float32", "bfloat16", "float16", "mixed-bfloat16", "mixed-float16")
 QUICK_FORWARD_DTYPES = FORWARD_DTYPES[:3]
 TRAINING_PRECISIONS = ("float64", "float32", "bfloat16", "float16")   # the last two: mixed precision
-TRAINING_STEPS = 10      # tests/test_training.py's run: the float32 rule's yardstick is that run's own error
+# tests/equivalence/test_training.py's run: the float32 rule's yardstick is that run's own error
+TRAINING_STEPS = 10
 SPEED_REPEATS = 3
 QUICK_DECODE_TOKENS = 8
-# Every size different, so that a transposed or swapped tensor fails on its shape or its values (tests/support.py)
+# Every size different, so that a transposed or swapped tensor fails on its shape or its values
+# (tests/helpers/support.py)
 TINY_MARIAN = dict(vocab_size=29, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
                    decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
                    activation_function="swish", scale_embedding=True, pad_token_id=28, eos_token_id=0,
@@ -447,8 +449,8 @@ def training_section(checks: Checks, ports: dict, quick: bool) -> None:
 
 
 def training_case(steps: int) -> tuple:
-    """tests/test_training.py's case: the ``tiny`` variant without dropout, its seeded weights, the paper's Adam and
-    schedule, a different ragged batch each step."""
+    """tests/equivalence/test_training.py's case: the ``tiny`` variant without dropout, its seeded weights, the paper's
+    Adam and schedule, a different ragged batch each step."""
     from equivalence.cases import VARIANTS, seeded_params, training_inputs
     from reference_numpy.config import TrainingConfig
 

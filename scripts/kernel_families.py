@@ -37,9 +37,10 @@ SLOWEST = 25                        # the slowest tests a passing family's run p
 
 # The agreement matrix, gradients, low precision, decoding and the fuzzer: every test whose outcome rests on the
 # frameworks' float kernels.
-NUMERICAL_TESTS = ("tests/test_agreement.py", "tests/test_agreement_low_precision.py", "tests/test_gradients.py",
-                   "tests/test_decoding.py", "tests/test_decoding_oracle.py", "tests/test_beam_cache.py",
-                   "tests/test_fuzz.py")
+NUMERICAL_TESTS = ("tests/equivalence/test_agreement.py", "tests/equivalence/test_agreement_low_precision.py",
+                   "tests/equivalence/test_gradients.py", "tests/reference/test_decoding.py",
+                   "tests/equivalence/test_decoding_oracle.py", "tests/ports/test_beam_cache.py",
+                   "tests/equivalence/test_fuzz.py")
 
 _NUMPY_AVX512 = "X86_V4 AVX512_ICL AVX512_SPR"
 

@@ -13,14 +13,14 @@ import platform
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 
-import compile_cache  # noqa: E402 - imports NumPy (through transformer_cli), so after OpenBLAS's kernel is set
+import compile_cache  # noqa: E402 - imports NumPy (through the equivalence package), so after OpenBLAS's kernel is set
 
-# One JAX persistent compilation cache for the checkout, kept from run to run (tests/compile_cache.py), set before any
-# process imports JAX: the test processes (xdist's workers inherit it from the controller) and every process a test
-# starts (CLI runs, the documents' examples, data-parallel workers) read back a program compiled before -- in an
+# One JAX persistent compilation cache for the checkout, kept from run to run (tests/helpers/compile_cache.py), set
+# before any process imports JAX: the test processes (xdist's workers inherit it from the controller) and every process
+# a test starts (CLI runs, the documents' examples, data-parallel workers) read back a program compiled before -- in an
 # earlier run, in another process, or in this one before a module's caches were dropped -- instead of compiling it
-# again: the same executable, XLA's key covering the program, its compile options, XLA_FLAGS and jaxlib's version.
-# A user's own directory is kept; xdist's workers and the processes a test starts find the controller's set.
+# again: the same executable, XLA's key covering the program, its compile options, XLA_FLAGS and jaxlib's version. A
+# user's own directory is kept; xdist's workers and the processes a test starts find the controller's set.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache.directory())
 # Every program goes into that cache, not only those that took JAX's default of 1 s to compile: the op-by-op
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import tiny_m2m100, tiny_marian
+from support import FAMILIES, imported_family, tiny_m2m100, tiny_marian, tiny_nllb, tiny_separate_marian
 
 from equivalence import cases, runtime, tolerance
 from equivalence.backends import numpy as reference
@@ -300,7 +300,7 @@ def pytest_runtest_logreport(report):
 
 
 # The modules split into several units of work, by port and dtype: their parts share no compiled program.
-SPLIT_MODULES = ("tests/test_agreement.py",)
+SPLIT_MODULES = ("tests/equivalence/test_agreement.py",)
 DTYPE_NAMES = tuple(dtype.name for dtype in DTYPES)                 # the formats a model is stored in
 
 
@@ -340,7 +340,7 @@ def other_matrix_variant(item: pytest.Item) -> bool:
     programs in JAX and TensorFlow (most of the matrix's time). The default tier keeps ``tiny``; the whole suite
     (``--full``) runs every variant."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return item.nodeid.startswith("tests/test_agreement.py::") and params.get("variant", "tiny") != "tiny"
+    return item.nodeid.startswith("tests/equivalence/test_agreement.py::") and params.get("variant", "tiny") != "tiny"
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -473,3 +473,26 @@ def marian(tmp_path_factory) -> dict:
 def m2m100(tmp_path_factory) -> dict:
     """A tiny random M2M100 model with its tokenizer and language codes, imported (support.tiny_m2m100)."""
     return tiny_m2m100(tmp_path_factory.mktemp("m2m100"))
+
+
+@pytest.fixture(scope="module")
+def separate_marian(tmp_path_factory) -> dict:
+    """A tiny random Marian model with separate source and target vocabularies, every weight random (its sentences
+    translate apart), imported (support.tiny_separate_marian), per module."""
+    for library in ("torch", "transformers", "sentencepiece"):
+        pytest.importorskip(library, reason=f"{library} is not installed: the Marian directory is built with it")
+    return tiny_separate_marian(tmp_path_factory.mktemp("separate-marian"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["nllb", "nllb-legacy"])
+def nllb(request, tmp_path_factory) -> dict:
+    """A tiny NLLB model and tokenizer (``legacy_behaviour`` as the parameter), imported (support.tiny_nllb), per
+    module."""
+    return tiny_nllb(tmp_path_factory.mktemp("nllb"), request.param)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved_family(request, tmp_path_factory) -> tuple:
+    """A tiny random model of each Hugging Face family saved and imported (support.imported_family), per module:
+    (family, transformers' model, its save_pretrained directory, the imported checkpoint)."""
+    return imported_family(request.param, tmp_path_factory.mktemp(request.param))

@@ -22,7 +22,7 @@ has no such call, with the reason in ``NOT_MEASURED``), the timed calls of the b
 ``COMPUTES`` (``UNCACHED`` names the calls without a cache, timed once). The decoders emit exactly ``steps``
 tokens where the engine can be told to (CTranslate2's ``min_decoding_length``, ``generate``'s
 ``min_new_tokens``, a fixed loop for ``nn.Transformer``) and return token ids (B, L). ``log_probs`` and
-``score`` give what the agreement tests compare (tests/test_peers.py).
+``score`` give what the agreement tests compare (tests/benchmarks/test_peers.py).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class Seq2SeqPeer:
 
 class MarianPeer(Seq2SeqPeer):
     """Hugging Face ``MarianMTModel`` (eager, float32, eval mode) with our weights: see the module docstring.
-    It computes the reference's function for every post-LN config (tests/test_peers.py)."""
+    It computes the reference's function for every post-LN config (tests/benchmarks/test_peers.py)."""
 
     NAME = "marian"
     COMPUTES = {

@@ -5,7 +5,7 @@
 The pieces are the port's own, not a second copy of the math: :class:`LabelSmoothedCrossEntropy` is
 :func:`.training.label_smoothed_cross_entropy` as a Keras loss, :func:`adam` the paper's Adam with the schedule of
 Eq. (3) of :mod:`.training` (the optimizer ``train_step`` steps with), so that ``fit`` makes ``train_step``'s
-updates (tests/test_ecosystem.py). Each port's ``ecosystem.py`` holds its framework's own training idiom: Keras'
+updates (tests/ports/test_ecosystem.py). Each port's ``ecosystem.py`` holds its framework's own training idiom: Keras'
 ``fit`` here, ``torch.utils.data`` in PyTorch, optax and orbax in JAX.
 """
 

@@ -109,7 +109,7 @@ def forward(model: Transformer, src: Tokens, tgt: Tokens, src_mask: Mask = None,
     """Every stage of the forward pass (inference), by the shared stage names, from Keras's own eager call of the
     model: a call made once (``compare``, the equivalence harness) needs no graph, whose tracing took about 1 s a
     model and input shape on ``tiny``, 10-30 times the eager call (the graph without XLA is
-    ``transformer_tf.compiled_forward(model, jit_compile=False)``, checked in tests/test_tf.py). Every stage in
+    ``transformer_tf.compiled_forward(model, jit_compile=False)``, checked in tests/ports/test_tf.py). Every stage in
     the model's dtype, ``log_probs`` in float32 for a bfloat16 or float16 model."""
     with tf.device(_device.model_device(model)):           # the model's __call__ checks the inputs first
         _, stages = capture_stages(model, src, tgt, src_mask, tgt_mask, training=False)
