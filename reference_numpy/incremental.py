@@ -63,6 +63,14 @@ class KVCache(NamedTuple):
     values: np.ndarray  # (B, H, C, d_k)
     beams: np.ndarray | tuple = ()   # (B / K, K, C) int, or ()
 
+    def update(self, keys: np.ndarray, values: np.ndarray, cache_index: int) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        a new cache, this one left as it was."""
+        start = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
+                       _written_beams(self.beams, start, keys.shape[2]))
+
 
 def _beam_table(cache: KVCache | None) -> np.ndarray | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""

@@ -40,7 +40,7 @@ from .checks import (
     describe,
 )
 from .config import TransformerConfig
-from .incremental import KVCache, _attend_written, _beam_table, _own_hypothesis, _written, _written_beams
+from .incremental import KVCache, _attend_written, _beam_table, _own_hypothesis
 from .precision import (
     autocast_dtype,
     cast,
@@ -242,9 +242,7 @@ class MultiHeadAttention:
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        start = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, start), _written(cache.values, v, start),
-                        _written_beams(cache.beams, start, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:

@@ -42,6 +42,15 @@ class KVCache(NamedTuple):
     values: jax.Array   # (B, H, C, d_k)
     beams: jax.Array | tuple = ()   # (B / K, K, C) int, or ()
 
+    def update(self, keys: jax.Array, values: jax.Array, cache_index: int | jax.Array) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        a new cache (``lax.dynamic_update_slice_in_dim``; ``cache_index`` may be traced)."""
+        cache_index = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(lax.dynamic_update_slice_in_dim(self.keys, keys, cache_index, axis=2),
+                       lax.dynamic_update_slice_in_dim(self.values, values, cache_index, axis=2),
+                       _written_beams(self.beams, cache_index, keys.shape[2]))
+
 
 def _beam_table(cache: KVCache | None) -> jax.Array | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""

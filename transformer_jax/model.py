@@ -48,7 +48,7 @@ from reference_numpy.config import TransformerConfig
 from . import speed
 from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .device import _check_dtype
-from .incremental import KVCache, _attend_written, _beam_table, _written_beams
+from .incremental import KVCache, _attend_written, _beam_table
 from .precision import autocast_dtype, computation, narrow, rounding, storage, wide
 from .variants import gelu, position_ids, silu
 
@@ -269,10 +269,7 @@ class MultiHeadAttention(nnx.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        cache_index = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),
-                        lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2),
-                        _written_beams(cache.beams, cache_index, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:

@@ -41,6 +41,14 @@ class KVCache(NamedTuple):
     values: tf.Tensor   # (B, H, C, d_k)
     beams: tf.Tensor | tuple = ()   # (B / K, K, C) int, or ()
 
+    def update(self, keys: tf.Tensor, values: tf.Tensor, cache_index: Index) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        a new cache (a scatter, also under XLA; ``cache_index`` may be traced)."""
+        cache_index = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(_written(self.keys, keys, cache_index), _written(self.values, values, cache_index),
+                       _written_beams(self.beams, cache_index, keys.shape[2]))
+
 
 def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""

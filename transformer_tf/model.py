@@ -45,7 +45,7 @@ from reference_numpy.precision import round_to
 
 from . import speed
 from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
-from .incremental import Index, KVCache, _attend_written, _beam_table, _written, _written_beams
+from .incremental import Index, KVCache, _attend_written, _beam_table
 from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
 from .variants import gelu, position_ids, silu
 
@@ -305,9 +305,7 @@ class MultiHeadAttention(_TransformerLayer):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        cache_index = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index),
-                        _written_beams(cache.beams, cache_index, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: tf.Tensor) -> tf.Tensor:

@@ -43,6 +43,14 @@ class KVCache(NamedTuple):
     values: Tensor  # (B, H, C, d_k)
     beams: Tensor | tuple = ()   # (B / K, K, C) int, or ()
 
+    def update(self, keys: Tensor, values: Tensor, cache_index: Index) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        in place at an int position (the same tensors), into new tensors at a traced one."""
+        start = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
+                       _written_beams(self.beams, start, keys.shape[2]))
+
 
 def _beam_table(cache: KVCache | None) -> Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""

@@ -52,8 +52,6 @@ from .incremental import (
     _attend_written,
     _beam_table,
     _positions,
-    _written,
-    _written_beams,
 )
 from .precision import LOW, dtype_name, from_numpy, narrow, wide
 from .variants import gelu, position_ids, silu
@@ -253,9 +251,7 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        start = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, start), _written(cache.values, v, start),
-                        _written_beams(cache.beams, start, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
