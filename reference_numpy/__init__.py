@@ -20,6 +20,7 @@ from .checkpoint import (
 )
 from .config import PRESETS, TrainingConfig, TransformerConfig
 from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
+from .incremental import KVCache
 from .model import (
     Decoder,
     DecoderLayer,
@@ -27,7 +28,6 @@ from .model import (
     Encoder,
     EncoderLayer,
     Generator,
-    KVCache,
     LayerNorm,
     Linear,
     MultiHeadAttention,

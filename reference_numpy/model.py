@@ -14,24 +14,23 @@ Shape legend used in every docstring:
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 
-Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
-(C: the cache's capacity in target positions; W: the positions a step reads, :func:`attended_widths`); the
-reference's own decoders recompute the whole prefix (``reference_numpy/decoding.py``), and the cache is shown
-to give the same numbers.
+Incremental decoding keeps each attention sublayer's keys and values in a :class:`.incremental.KVCache`
+(C: the cache's capacity in target positions); the cache's machinery is in :mod:`.incremental`. The reference's
+own decoders recompute the whole prefix (``reference_numpy/decoding.py``), and the cache is shown to give the
+same numbers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .checks import (
     as_array,
-    check_beams,
     check_cache_capacity,
     check_cache_index,
     check_forward_inputs,
@@ -41,6 +40,7 @@ from .checks import (
     describe,
 )
 from .config import TransformerConfig
+from .incremental import KVCache, _attend_written, _beam_table, _own_hypothesis
 from .precision import (
     autocast_dtype,
     cast,
@@ -87,38 +87,6 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
     return (padding_mask(tgt, pad_id) | (np.arange(length) == 0)) & causal_mask(length)
 
 
-# The narrowest width a causal step over a self-attention cache reads (:func:`attended_widths`): the tests' models
-# (max_len 64) read their whole cache; a budget of hundreds of positions reads 64, 128, 256 ... as it fills.
-ATTENDED_WIDTH = 64
-
-
-def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndarray:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
-
-    Shape: mask (1, 1, T_new, C), bool, True = may attend.
-    """
-    return (np.arange(capacity) <= cache_index + np.arange(length)[:, None])[None, None]
-
-
-def attended_widths(capacity: int) -> tuple[int, ...]:
-    """The widths W a causal step over a self-attention cache of ``capacity`` C reads: :data:`ATTENDED_WIDTH`,
-    twice that, and so on below C, then C. A step reads the narrowest W holding every position written so far
-    (:func:`attended_width`): the positions after them are not yet written and the causal mask hides them, so a
-    step's work grows with its hypothesis, not with C -- an imported opus-mt model's budget of 511 tokens (its
-    ``max_length``) would otherwise have every step read 511 positions of every layer's cache. Every port reads
-    the same W (a program traced with the step's position unknown holds one branch per width)."""
-    widths: list[int] = []
-    while (width := ATTENDED_WIDTH << len(widths)) < capacity:
-        widths.append(width)
-    return (*widths, capacity)
-
-
-def attended_width(capacity: int, written: int) -> int:
-    """The narrowest of :func:`attended_widths` holding the ``written`` positions 0 .. written - 1."""
-    return next(width for width in attended_widths(capacity) if width >= written)
-
-
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
@@ -130,7 +98,7 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     output is zero (never NaN, never a uniform average), whatever the values hold. A row that
     sees a key is A V in IEEE arithmetic: a NaN value it gives weight 0 still enters as 0 x NaN.
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
     b*K + beams[b, j, c].
 
@@ -184,14 +152,6 @@ def masked_softmax(scores: np.ndarray, mask: np.ndarray | None, d_k: int) -> np.
     return exp / np.where(total > 0, total, 1.0)                        # fully masked row -> zeros
 
 
-def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:
-    """Each row's keys (or values) along its hypothesis: position c of row b*K + j taken from
-    row b*K + beams[b, j, c]. Shape: x (N, H, C, d_k), beams (B, K, C) -> (N, H, C, d_k)."""
-    batch, k, capacity = beams.shape
-    rows = (np.arange(batch)[:, None, None] * k + beams).reshape(batch * k, capacity)   # (N, C)
-    return x[rows, :, np.arange(capacity)].transpose(0, 2, 1, 3)        # (N, C, H, d_k) -> (N, H, C, d_k)
-
-
 class Linear:
     """Affine map y = x @ W + b with W stored (in, out) (the checkpoint's layout); in a low precision computed wide
     and rounded once to P; under autocast in P (a float32 model) x, W and b rounded to P first.
@@ -208,33 +168,6 @@ class Linear:
         return narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + wide(cast(self.bias, dtype)), dtype)
 
 
-class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
-
-    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
-    encoder-decoder attention: the projected memory, C = S.
-
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
-    """
-
-    keys: np.ndarray    # (B, H, C, d_k)
-    values: np.ndarray  # (B, H, C, d_k)
-    beams: np.ndarray | tuple = ()   # (B / K, K, C) int, or ()
-
-
-def _beam_table(cache: KVCache | None) -> np.ndarray | None:
-    """The cache's ``beams`` table, checked against its keys; None without one."""
-    if cache is None or isinstance(cache.beams, tuple):
-        return None
-    beams = as_array("cache.beams", cache.beams)
-    check_beams(beams.shape, beams.dtype.name, cache.keys.shape[0], cache.keys.shape[2])
-    return beams
-
-
 def _returned(out: Any, *optional: Any) -> Any:
     """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
     (None: not asked), in the order the docstring names them (the cache last)."""
@@ -249,13 +182,14 @@ class MultiHeadAttention:
     The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
     projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
 
-    With a ``cache`` (:class:`KVCache`, incremental decoding) and no ``cache_index``, the queries
+    With a ``cache`` (:class:`.incremental.KVCache`, incremental decoding) and no ``cache_index``, the queries
     attend over the cached keys and values (encoder-decoder attention over the projected memory;
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache at positions
     cache_index .. cache_index + Tk - 1 (a new cache; the given one is left as it was) and the
     queries attend over the C positions through ``mask``; without a ``mask``, causally (query q sees
-    positions j <= cache_index + q), reading only the first W positions of the cache (:func:`attended_width`).
+    positions j <= cache_index + q), reading only the first W positions of the cache
+    (:func:`.incremental.attended_width`).
 
     Shape:
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
@@ -276,7 +210,7 @@ class MultiHeadAttention:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index)
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index)
         else:
             heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
@@ -308,48 +242,13 @@ class MultiHeadAttention:
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        start = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, start), _written(cache.values, v, start),
-                        _written_beams(cache.beams, start, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
-
-
-def _attend_written(query: np.ndarray, key: np.ndarray, value: np.ndarray, beams: np.ndarray | None,
-                    cache_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
-    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (:func:`attended_width`: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
-    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
-    capacity, length = key.shape[2], query.shape[2]
-    cache_index = check_cache_index(cache_index, length, capacity)
-    width = attended_width(capacity, cache_index + length)
-    heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
-                                                  _cached_causal_mask(cache_index, length, width),
-                                                  None if beams is None else beams[:, :, :width])
-    return heads, np.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)])       # (N, H, Tq, C)
-
-
-def _written(buffer: np.ndarray, new: np.ndarray, index: int) -> np.ndarray:
-    """A copy of ``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
-    (B, H, T_new, d_k)."""
-    buffer = buffer.copy()
-    buffer[:, :, index:index + new.shape[2]] = new
-    return buffer
-
-
-def _written_beams(beams: np.ndarray | tuple, index: int, length: int) -> np.ndarray | tuple:
-    """A copy of the ``beams`` table (B, K, C) whose positions index .. index + length - 1 are each
-    row's own (what :func:`_written` wrote there); ``()`` stays ``()``."""
-    if isinstance(beams, tuple):
-        return beams
-    beams = beams.copy()
-    beams[:, :, index:index + length] = np.arange(beams.shape[1])[:, None]
-    return beams
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -553,8 +452,8 @@ class DecoderLayer:
     values from the encoder output), then feed-forward; each wrapped in :func:`residual`
     (sections 3.1 and 3.2.3).
 
-    ``cache`` (incremental decoding) is the pair (self-attention :class:`KVCache`, encoder-decoder
-    attention :class:`KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
+    ``cache`` (incremental decoding) is the pair (self-attention :class:`.incremental.KVCache`, encoder-decoder
+    attention :class:`.incremental.KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
     into the self-attention cache from ``cache_index``, and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
@@ -711,7 +610,7 @@ class Transformer:
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """
@@ -734,7 +633,7 @@ class Transformer:
         the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
         over the cache's C positions and defaults to the causal mask over absolute positions
         (query q sees key j <= cache_index + q, which also hides the positions not yet written; each
-        self-attention then reads only the first W positions of its cache, :func:`attended_width`).
+        self-attention then reads only the first W positions of its cache, :func:`.incremental.attended_width`).
         Returns ``(out, cache)``.
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)

@@ -159,15 +159,15 @@ SINGLE = [
            "transformer_jax/model.py",
            "scores = jnp.where(mask, scores, -jnp.inf)", "scores = jnp.where(mask, scores, -1e9)",
            ["tests/ports/test_masked_rows.py", "-k", "jax"]),
-    single("cache", "reference: key/value cache written one position late", "reference_numpy/model.py",
+    single("cache", "reference: key/value cache written one position late", "reference_numpy/incremental.py",
            "buffer[:, :, index:index + new.shape[2]] = new", "buffer[:, :, index + 1:index + 1 + new.shape[2]] = new",
            ["tests/reference/test_reference.py", "-k", "cached"]),
-    single("cache", "torch: key/value cache written one position late", "transformer_torch/model.py",
+    single("cache", "torch: key/value cache written one position late", "transformer_torch/incremental.py",
            "        buffer[:, :, positions] = new",
            "        buffer[:, :, positions.start + 1:positions.stop + 1] = new",
            ["tests/ports/test_every_port.py", "tests/ports/test_torch.py", "-k", "cache and torch"]),
     single("export", "torch: an exported step's cache written one position late (a traced index)",
-           "transformer_torch/model.py", "return start + torch.arange(length, device=start.device)",
+           "transformer_torch/incremental.py", "return start + torch.arange(length, device=start.device)",
            "return start + 1 + torch.arange(length, device=start.device)",
            ["tests/cli/test_export.py", "-k", "decoding_step_agrees and torch-export"]),
     single("export", "export --check: the serving loops (section 6.1's rules) held to the checkpoint's own decoding "
@@ -186,16 +186,16 @@ SINGLE = [
            "transformer_torch/speed.py", "torch.tensor(cache_index, device=tgt.device)",
            "torch.tensor(0, device=tgt.device)",
            ["tests/cli/test_export.py", "-k", "compiled_decoding"]),
-    single("cache", "keras: key/value cache written one position late", "transformer_tf/model.py",
+    single("cache", "keras: key/value cache written one position late", "transformer_tf/incremental.py",
            "positions = tf.cast(index, tf.int32) + tf.range(shape[2])",
            "positions = tf.cast(index, tf.int32) + 1 + tf.range(shape[2])",
            ["tests/ports/test_every_port.py", "tests/ports/test_tf.py", "-k", "cache and tf"]),
-    single("cache", "jax: key/value cache written one position late", "transformer_jax/model.py",
-           "cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),",
-           "cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index + 1, axis=2),",
+    single("cache", "jax: key/value cache written one position late", "transformer_jax/incremental.py",
+           "return KVCache(lax.dynamic_update_slice_in_dim(self.keys, keys, cache_index, axis=2),",
+           "return KVCache(lax.dynamic_update_slice_in_dim(self.keys, keys, cache_index + 1, axis=2),",
            ["tests/ports/test_every_port.py", "tests/ports/test_jax.py", "-k", "cache and jax"]),
     single("cache", "keras: a beam table not marked at the new positions (read from the row that held them)",
-           "transformer_tf/model.py", "return tf.where((position >= 0) & (position < length), own, beams)",
+           "transformer_tf/incremental.py", "return tf.where((position >= 0) & (position < length), own, beams)",
            "return beams", ["tests/ports/test_beam_cache.py", "-k", "tf"]),
     # Bugs only some configurations show: the fuzzer's suite budget must find them (tests/equivalence/test_fuzz.py).
     single("fuzz", "torch: heads split token-major when their count is odd", "transformer_torch/model.py",
@@ -261,6 +261,7 @@ SINGLE = [
 # ----------------------------------------------------------------------------- consistent model bugs
 
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
+RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the cache beside each model.py
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
 
 # The cached path and its cache, in every backend's model.py (the same text in all four).
@@ -924,34 +925,34 @@ HF_EXPORT = [
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
 BEAM_TABLE = [
     consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
-        (RM, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
+        (RI, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
         *((f"{package}/speed.py", *_PICKED) for package in BACKENDS[1:]),
     ], ["tests/ports/test_beam_cache.py", "-k", "naive_loop"]),
 ]
 
-# A cached step reads the first W positions of its self-attention cache (reference.attended_widths): reading more
+# A cached step reads the first W positions of its self-attention cache (reference_numpy.incremental.attended_widths): reading more
 # gives the same numbers (the agreement cannot see it); positions past W filled with NaN can.
 ATTENDED = ["tests/ports/test_attended_width.py", "-k"]
 ATTENDED_WIDTH = [
-    single("cache", "torch: a cached step reads every position of its self-attention cache", TM,
+    single("cache", "torch: a cached step reads every position of its self-attention cache", TI,
            "width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + "
            "length)", "width = capacity", [*ATTENDED, "torch"]),
-    single("cache", "jax: a traced step reads every position of its self-attention cache (the widest branch)", JM,
+    single("cache", "jax: a traced step reads every position of its self-attention cache (the widest branch)", JI,
            "branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length)", "branch = len(widths) - 1",
            [*ATTENDED, "searches and jax"]),
-    single("cache", "keras: a traced step reads every position of its self-attention cache (the widest branch)", FM,
+    single("cache", "keras: a traced step reads every position of its self-attention cache (the widest branch)", FI,
            "branch = tf.searchsorted(tf.constant(widths), tf.reshape(tf.cast(cache_index, tf.int32) + length, [1]))[0]",
            "branch = len(widths) - 1", [*ATTENDED, "searches and tf"]),
-    single("cache", "reference: a cached step's width one position short (the newest position unread)", RM,
+    single("cache", "reference: a cached step's width one position short (the newest position unread)", RI,
            "width = attended_width(capacity, cache_index + length)",
            "width = attended_width(capacity, cache_index + length - 1)", [*ATTENDED, "decoding_step and 64"]),
-    single("cache", "torch: a cached step's width one position short (the newest position unread)", TM,
+    single("cache", "torch: a cached step's width one position short (the newest position unread)", TI,
            "else attended_width(capacity, cache_index + length)",
            "else attended_width(capacity, cache_index + length - 1)", [*ATTENDED, "cross and torch"]),
-    single("cache", "jax: a traced step's width one position short (the newest position unread)", JM,
+    single("cache", "jax: a traced step's width one position short (the newest position unread)", JI,
            "branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length)",
            "branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length - 1)", [*ATTENDED, "cross and jax"]),
-    single("cache", "keras: a traced step's width one position short (the newest position unread)", FM,
+    single("cache", "keras: a traced step's width one position short (the newest position unread)", FI,
            "tf.reshape(tf.cast(cache_index, tf.int32) + length, [1])",
            "tf.reshape(tf.cast(cache_index, tf.int32) + length - 1, [1])", [*ATTENDED, "cross and tf"]),
     single("cache", "torch compiled: the program is handed every position of the self-attention caches",
@@ -961,7 +962,7 @@ ATTENDED_WIDTH = [
            "transformer_torch/speed.py", "tensor[:, :, start:end] = written[:, :, start:end]", "pass",
            [*ATTENDED, "compiled_pytorch_step"]),
     consistent("cache", "every backend: a cached step reads every position of its self-attention cache", [
-        (RM, "while (width := ATTENDED_WIDTH << len(widths)) < capacity:",
+        (RI, "while (width := ATTENDED_WIDTH << len(widths)) < capacity:",
          "while (width := ATTENDED_WIDTH << len(widths)) < 0:"),
     ], [*ATTENDED, "reads_no_position"], decoding_agreement(), shared=(TORCH, JAX, TF)),
 ]

@@ -20,7 +20,7 @@ with its key/value caches in its own dtype and float32 log-probabilities and sco
 
 How it runs:
 * the encoder runs once; with ``use_cache=True`` the model's key/value caches
-  (``model.init_cache``: per decoder layer a :class:`.model.KVCache` of self-attention keys/values
+  (``model.init_cache``: per decoder layer a :class:`.incremental.KVCache` of self-attention keys/values
   (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
   through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
   position's keys/values and attends up to it; beam search, as in every port, keeps each row's
@@ -72,7 +72,8 @@ from reference_numpy.decoding import (
 )
 from reference_numpy.precision import score_dtype
 
-from .model import KVCache, Transformer, causal_mask, log_softmax, padding_mask
+from .incremental import KVCache
+from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .speed import _EXACT_ROUNDING, _split, _Structure
 
 _TOKEN_DTYPE = jnp.int32
@@ -103,7 +104,7 @@ def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, 
 def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search keeps the caches of the hypotheses it extends). A
-    :class:`.model.KVCache` without a ``beams`` table is gathered along the batch axis; one with
+    :class:`.incremental.KVCache` without a ``beams`` table is gathered along the batch axis; one with
     a table keeps its keys and values where they are and gathers the table's rows (beams never
     move between sentences).
 
@@ -113,7 +114,7 @@ def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:
 
 
 def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
-    """One :class:`.model.KVCache` of :func:`reorder_cache`."""
+    """One :class:`.incremental.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
         return KVCache(cache.keys[beams], cache.values[beams])
     table = cache.beams.reshape(-1, cache.beams.shape[2])                # (N, C)

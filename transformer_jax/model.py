@@ -31,7 +31,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +44,11 @@ from jax.typing import DTypeLike
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
-from reference_numpy.model import attended_width, attended_widths
 
 from . import speed
-from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .device import _check_dtype
+from .incremental import KVCache, _attend_written, _beam_table
 from .precision import autocast_dtype, computation, narrow, rounding, storage, wide
 from .variants import gelu, position_ids, silu
 
@@ -85,15 +85,6 @@ def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
     return (padding | (jnp.arange(padding.shape[-1]) == 0)) & causal_mask(padding.shape[-1])
 
 
-def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int) -> jax.Array:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
-
-    Shape: mask (1, 1, T_new, C), bool, True = may attend.
-    """
-    return (jnp.arange(capacity) <= cache_index + jnp.arange(length)[:, None])[None, None]
-
-
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -108,7 +99,7 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     held constant for gradients (it cancels mathematically), so fully masked rows have finite
     gradients too.
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
     b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
@@ -196,32 +187,6 @@ def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rng
                    rngs=rngs)
 
 
-class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
-
-    Fixed sizes, so that a decoding loop compiles once: a self-attention cache holds C =
-    capacity positions (zeros until written), an encoder-decoder one the projected memory (C = S).
-
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
-    """
-
-    keys: jax.Array     # (B, H, C, d_k)
-    values: jax.Array   # (B, H, C, d_k)
-    beams: jax.Array | tuple = ()   # (B / K, K, C) int, or ()
-
-
-def _beam_table(cache: KVCache | None) -> jax.Array | None:
-    """The cache's ``beams`` table, checked against its keys; None without one."""
-    if cache is None or isinstance(cache.beams, tuple):
-        return None
-    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
-    return cache.beams
-
-
 def _returned(out: Any, *optional: Any) -> Any:
     """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
     (None: not asked), in the order the docstring names them (the cache last)."""
@@ -236,7 +201,7 @@ class MultiHeadAttention(nnx.Module):
     The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
     projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
 
-    With a ``cache`` (:class:`KVCache`, incremental decoding) and no ``cache_index``, the queries
+    With a ``cache`` (:class:`.incremental.KVCache`, incremental decoding) and no ``cache_index``, the queries
     attend over the cached keys and values (encoder-decoder attention over the projected memory;
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache at positions
@@ -267,7 +232,8 @@ class MultiHeadAttention(nnx.Module):
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
         if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index, return_weights, dtype)
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index,
+                                             return_weights, dtype)
         else:
             heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
                                                           dtype=dtype)
@@ -303,50 +269,13 @@ class MultiHeadAttention(nnx.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        cache_index = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(lax.dynamic_update_slice_in_dim(cache.keys, k, cache_index, axis=2),
-                        lax.dynamic_update_slice_in_dim(cache.values, v, cache_index, axis=2),
-                        _written_beams(cache.beams, cache_index, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
         x = x.reshape(batch, length, self.n_heads, width // self.n_heads)  # (B, T, H, d_k)
         return x.transpose(0, 2, 1, 3)                                     # (B, H, T, d_k)
-
-
-def _attend_written(query: jax.Array, key: jax.Array, value: jax.Array, beams: jax.Array | None,
-                    cache_index: int | jax.Array, return_weights: bool,
-                    dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
-    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
-    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written; at a traced ``cache_index``, ``lax.switch`` picks
-    the branch of W among ``attended_widths``); the weights (N, H, Tq, C), zero after W, when asked.
-    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
-    capacity, length = key.shape[2], query.shape[2]
-    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
-
-    def over(width: int) -> tuple[jax.Array, jax.Array | None]:
-        heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
-                                                      _cached_causal_mask(cache_index, length, width),
-                                                      None if beams is None else beams[:, :, :width], dtype=dtype)
-        return heads, jnp.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)]) if return_weights else None
-
-    if isinstance(cache_index, int):
-        return over(attended_width(capacity, cache_index + length))
-    widths = attended_widths(capacity)
-    branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length)      # the narrowest W >= written
-    return lax.switch(branch, [functools.partial(over, width) for width in widths])
-
-
-def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
-    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
-    (what ``lax.dynamic_update_slice_in_dim`` wrote there); ``()`` stays ``()``."""
-    if isinstance(beams, tuple):
-        return beams
-    position = jnp.arange(beams.shape[2]) - index                        # (C,)
-    own = jnp.arange(beams.shape[1], dtype=beams.dtype)[None, :, None]   # (1, K, 1)
-    return jnp.where((position >= 0) & (position < length), own, beams)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -787,7 +716,7 @@ class Transformer(nnx.Module):
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """

@@ -28,6 +28,7 @@ from .checkpoint import (  # noqa: E402
 from .decoding import beam_search, greedy_decode  # noqa: E402
 from .device import deterministic, devices, full_precision, resolve_device  # noqa: E402
 from .ecosystem import LabelSmoothedCrossEntropy, TokenAccuracy, adam, fit_state  # noqa: E402
+from .incremental import KVCache  # noqa: E402
 from .model import (  # noqa: E402
     Decoder,
     DecoderLayer,
@@ -35,7 +36,6 @@ from .model import (  # noqa: E402
     Encoder,
     EncoderLayer,
     Generator,
-    KVCache,
     LayerNorm,
     MultiHeadAttention,
     PositionalEncoding,

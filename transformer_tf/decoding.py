@@ -68,7 +68,8 @@ from reference_numpy.decoding import (
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .model import Index, KVCache, Transformer, _generated, causal_mask, log_softmax, padding_mask
+from .incremental import Index, KVCache
+from .model import Transformer, _generated, causal_mask, log_softmax, padding_mask
 from .precision import wide
 from .speed import _xla_keeps_roundings
 
@@ -108,7 +109,7 @@ def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, 
 def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> tuple[tuple[KVCache, ...], ...]:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search keeps the caches of the hypotheses it extends). A
-    :class:`~.model.KVCache` without a ``beams`` table is gathered along the batch axis; one with
+    :class:`~.incremental.KVCache` without a ``beams`` table is gathered along the batch axis; one with
     a table keeps its keys and values where they are and gathers the table's rows (beams never
     move between sentences).
 
@@ -118,7 +119,7 @@ def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> t
 
 
 def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
-    """One :class:`~.model.KVCache` of :func:`reorder_cache`."""
+    """One :class:`~.incremental.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
         return KVCache(tf.gather(cache.keys, beams), tf.gather(cache.values, beams))
     table = tf.reshape(cache.beams, (-1, cache.beams.shape[2]))            # (N, C)

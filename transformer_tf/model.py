@@ -30,10 +30,9 @@ plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any
 
 import keras
 import numpy as np
@@ -42,18 +41,17 @@ from numpy.typing import DTypeLike
 
 from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
-from reference_numpy.model import attended_width, attended_widths
 from reference_numpy.precision import round_to
 
 from . import speed
-from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .incremental import Index, KVCache, _attend_written, _beam_table
 from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
 from .variants import gelu, position_ids, silu
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
 
-Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
@@ -87,17 +85,6 @@ def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
     return (padding_mask(tgt, pad_id) | (tf.range(length) == 0)) & causal_mask(length)
 
 
-def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.Tensor:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
-    ``cache_index`` may be a tensor (traced decoding).
-
-    Shape: mask (1, 1, T_new, C), bool, True = may attend.
-    """
-    query = tf.cast(cache_index, tf.int32) + tf.range(length)             # (T_new,)
-    return (tf.range(capacity)[None, :] <= query[:, None])[None, None]
-
-
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None = None,
@@ -108,7 +95,7 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     A query row whose mask has no True entry sees no key: its weights are all zero and its
     output is zero (never NaN, never a uniform average).
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
     b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
@@ -233,32 +220,6 @@ def _without_keras_mask(value: object) -> object:
     return value
 
 
-class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
-
-    C is the capacity (self-attention: a fixed buffer written at ``cache_index``, so every shape
-    stays static under XLA) or S (encoder-decoder attention: the projected memory).
-
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
-    """
-
-    keys: tf.Tensor     # (B, H, C, d_k)
-    values: tf.Tensor   # (B, H, C, d_k)
-    beams: tf.Tensor | tuple = ()   # (B / K, K, C) int, or ()
-
-
-def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
-    """The cache's ``beams`` table, checked against its keys; None without one."""
-    if cache is None or isinstance(cache.beams, tuple):
-        return None
-    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
-    return cache.beams
-
-
 def _returned(out: Any, *optional: Any) -> Any:
     """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
     (None: not asked), in the order the docstring names them (the cache last)."""
@@ -278,7 +239,7 @@ class MultiHeadAttention(_TransformerLayer):
         query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
         Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
 
-    With a key/value ``cache`` (:class:`KVCache`, keras-hub's ``CachedMultiHeadAttention`` style)
+    With a key/value ``cache`` (:class:`.incremental.KVCache`, keras-hub's ``CachedMultiHeadAttention`` style)
     the call also returns the cache, last:
 
     * ``cache_index`` None: attend over ``cache.keys``/``cache.values`` as they are (the memory
@@ -309,7 +270,8 @@ class MultiHeadAttention(_TransformerLayer):
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.dtype_policy)
         if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index, return_weights, dtype)
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index,
+                                             return_weights, dtype)
         else:
             heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
                                                           dtype=dtype)
@@ -343,63 +305,13 @@ class MultiHeadAttention(_TransformerLayer):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        cache_index = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, cache_index), _written(cache.values, v, cache_index),
-                        _written_beams(cache.beams, cache_index, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
         shape = tf.shape(x)
         x = tf.reshape(x, (shape[0], shape[1], self.n_heads, self.config.d_k))  # (B, T, H, d_k)
         return tf.transpose(x, (0, 2, 1, 3))                                    # (B, H, T, d_k)
-
-
-def _attend_written(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, beams: tf.Tensor | None, cache_index: Index,
-                    return_weights: bool, dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
-    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
-    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written; at a traced ``cache_index``, ``tf.switch_case``
-    picks the branch of W among ``attended_widths``; all C when C is not known when tracing); the
-    weights (N, H, Tq, C), zero after W, when asked.
-    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
-    capacity, length = key.shape[2], query.shape[2]
-    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
-
-    def over(width: Index) -> tuple[tf.Tensor, tf.Tensor | None]:
-        heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
-                                                      _cached_causal_mask(cache_index, length, width),
-                                                      None if beams is None else beams[:, :, :width], dtype=dtype)
-        return heads, tf.pad(weights, [[0, 0]] * 3 + [[0, tf.shape(key)[2] - width]]) if return_weights else None
-
-    if capacity is None:
-        return over(tf.shape(key)[2])
-    if isinstance(cache_index, int):
-        return over(attended_width(capacity, cache_index + length))
-    widths = attended_widths(capacity)
-    branch = tf.searchsorted(tf.constant(widths), tf.reshape(tf.cast(cache_index, tf.int32) + length, [1]))[0]
-    if return_weights:
-        return tuple(tf.switch_case(branch, [functools.partial(over, width) for width in widths]))
-    return tf.switch_case(branch, [lambda width=width: over(width)[0] for width in widths]), None
-
-
-def _written(buffer: tf.Tensor, new: tf.Tensor, index: Index) -> tf.Tensor:
-    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
-    (B, H, T_new, d_k): a new tensor, by a scatter (also under XLA; ``index`` may be traced)."""
-    shape = tf.shape(new)
-    positions = tf.cast(index, tf.int32) + tf.range(shape[2])               # (T_new,)
-    batch, heads, position = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions,
-                                         indexing="ij")                   # each (B, H, T_new)
-    return tf.tensor_scatter_nd_update(buffer, tf.stack([batch, heads, position], axis=-1), new)
-
-
-def _written_beams(beams: tf.Tensor | tuple, index: Index, length: int) -> tf.Tensor | tuple:
-    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
-    (what :func:`_written` wrote there); ``()`` stays ``()``."""
-    if isinstance(beams, tuple):
-        return beams
-    position = tf.range(beams.shape[2]) - tf.cast(index, tf.int32)       # (C,)
-    own = tf.range(beams.shape[1], dtype=beams.dtype)[None, :, None]     # (1, K, 1)
-    return tf.where((position >= 0) & (position < length), own, beams)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -687,7 +599,7 @@ class DecoderLayer(_TransformerLayer):
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
     tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
 
-    With a ``cache`` (the pair of :class:`KVCache` of :meth:`init_cache`: self-attention,
+    With a ``cache`` (the pair of :class:`.incremental.KVCache` of :meth:`init_cache`: self-attention,
     encoder-decoder attention), x holds the T new positions written at ``cache_index``,
     tgt_mask is broadcastable to (B, H, T, C), and the call returns ``(x, cache)``.
     """
@@ -724,7 +636,7 @@ class DecoderLayer(_TransformerLayer):
         return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[KVCache, KVCache]:
-        """The layer's cache: an empty self-attention :class:`KVCache` of ``capacity`` positions
+        """The layer's cache: an empty self-attention :class:`.incremental.KVCache` of ``capacity`` positions
         and the projected memory for encoder-decoder attention.
 
         Shape: memory (B, S, D) -> ((B, H, C, d_k) twice, (B, H, S, d_k) twice).
@@ -907,7 +819,7 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """

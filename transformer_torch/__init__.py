@@ -22,6 +22,7 @@ from .checkpoint import (
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
 from .ecosystem import TranslationDataset
+from .incremental import KVCache
 from .model import (
     Decoder,
     DecoderLayer,
@@ -29,7 +30,6 @@ from .model import (
     Encoder,
     EncoderLayer,
     Generator,
-    KVCache,
     LayerNorm,
     MultiHeadAttention,
     PositionalEncoding,

@@ -14,7 +14,7 @@ finished scores of each sentence, :func:`_stops`), and the final tie to the hypo
 first. Outputs are NumPy arrays in the reference's layout (no start token, right-padded with pad_id).
 
 With ``use_cache=True`` (the default) each new token costs one decoder step: the model's
-key/value cache (``model.init_cache``, :class:`.model.KVCache`) keeps the self-attention keys and
+key/value cache (``model.init_cache``, :class:`.incremental.KVCache`) keeps the self-attention keys and
 values of earlier positions in preallocated buffers, written in place, and the memory's
 encoder-decoder keys and values projected once per sentence. Beam search has the design of the JAX
 and TensorFlow ports, helper for helper: it keeps each row's self-attention keys and values where
@@ -52,7 +52,8 @@ from reference_numpy.decoding import (
 )
 
 from . import speed
-from .model import KVCache, Transformer, causal_mask, log_softmax, padding_mask
+from .incremental import KVCache
+from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .precision import LOW
 
 
@@ -79,7 +80,7 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
 def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search: the beam that the i-th next live beam extends). A
-    :class:`.model.KVCache` without a ``beams`` table keeps batch rows ``beams``; one with a table
+    :class:`.incremental.KVCache` without a ``beams`` table keeps batch rows ``beams``; one with a table
     keeps its keys and values where they are and gathers the table's rows (beams never move
     between sentences).
 
@@ -89,7 +90,7 @@ def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
 
 
 def _follow(cache: KVCache, beams: Tensor) -> KVCache:
-    """One :class:`.model.KVCache` of :func:`reorder_cache`."""
+    """One :class:`.incremental.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
         return KVCache(cache.keys.index_select(0, beams), cache.values.index_select(0, beams))
     table = cache.beams.reshape(-1, cache.beams.shape[2])                 # (N, C)

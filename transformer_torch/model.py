@@ -18,9 +18,8 @@ Shape legend used in every docstring:
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). Token ids
 and masks may be given as tensors or NumPy arrays; they are moved to the model's device.
 
-Incremental decoding keeps each attention sublayer's keys and values in a :class:`KVCache`
-(C: the cache's capacity in target positions), written in place (at a traced position, as in an exported
-decoding step, into new tensors, as JAX's and TensorFlow's ports write).
+Incremental decoding keeps each attention sublayer's keys and values in a :class:`.incremental.KVCache`
+(C: the cache's capacity in target positions); the cache's machinery is in :mod:`.incremental`.
 
 A model in bfloat16 or float16 (P: built or loaded in P by :mod:`.checkpoint`, or a float32 model's
 ``.to(torch.bfloat16)``) computes by the reference's recipe (``reference_numpy/precision.py``): weights,
@@ -34,26 +33,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# every text takes both widths functions: a traced position (JAX, TensorFlow) picks among the widths; a compiled
-# PyTorch step reads them all
 from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
-from reference_numpy.model import attended_width, attended_widths  # noqa: F401
 
 from . import speed
-from .checks import check_beams, check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .incremental import (
+    Index,
+    KVCache,
+    _attend_written,
+    _beam_table,
+    _positions,
+)
 from .precision import LOW, dtype_name, from_numpy, narrow, wide
 from .variants import gelu, position_ids, silu
 
-Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
@@ -87,17 +89,6 @@ def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
     return (padding_mask(tgt, pad_id) | first) & causal_mask(tgt.shape[1], tgt.device)
 
 
-def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: torch.device) -> Tensor:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
-    ``cache_index`` may be a traced tensor (an exported decoding step).
-
-    Shape: mask (1, 1, T_new, C), bool, True = may attend.
-    """
-    keys, queries = torch.arange(capacity, device=device), torch.arange(length, device=device)
-    return (keys <= cache_index + queries[:, None])[None, None]
-
-
 # ----------------------------------------------------------------------------- attention
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
@@ -110,7 +101,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     ``return_weights`` the second result is None. A query row whose mask has no True entry sees no key: its
     output (and its weights) are zero, never NaN.
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`KVCache`) query
+    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
     row b*K + j attends over its own hypothesis: at position c, the key and value of row
     b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
 
@@ -163,32 +154,6 @@ def masked_softmax(scores: Tensor, mask: Tensor | None, d_k: int) -> Tensor:
     return exp / torch.where(total > 0, total, 1.0)                     # fully masked row -> zeros
 
 
-class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
-
-    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
-    encoder-decoder attention: the projected memory, C = S.
-
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
-    """
-
-    keys: Tensor    # (B, H, C, d_k)
-    values: Tensor  # (B, H, C, d_k)
-    beams: Tensor | tuple = ()   # (B / K, K, C) int, or ()
-
-
-def _beam_table(cache: KVCache | None) -> Tensor | None:
-    """The cache's ``beams`` table, checked against its keys; None without one."""
-    if cache is None or isinstance(cache.beams, tuple):
-        return None
-    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
-    return cache.beams
-
-
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear` (the kernel choice; the
     only function of this module that calls into :mod:`.speed`). A weight in a low precision P is computed wide:
@@ -222,7 +187,7 @@ class MultiHeadAttention(nn.Module):
     The h heads are split head-major: head i owns output features i*d_k .. (i+1)*d_k - 1 of
     the projections W^Q, W^K, W^V (and input features of W^O). Every projection has a bias.
 
-    With a ``cache`` (:class:`KVCache`, incremental decoding) and no ``cache_index``, the queries
+    With a ``cache`` (:class:`.incremental.KVCache`, incremental decoding) and no ``cache_index``, the queries
     attend over the cached keys and values (encoder-decoder attention over the projected memory;
     ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
     ``value`` are the new positions: their projections are written into the cache's tensors, in
@@ -250,7 +215,8 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
         if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(q, k, v, _beam_table(cache), cache_index, return_weights)
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index,
+                                             return_weights)
         else:
             heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
                                                           return_weights)     # (B, H, Tq, d_k)
@@ -285,64 +251,13 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
         if cache is None:
             return k, v, None
-        start = check_cache_index(cache_index, k.shape[2], cache.keys.shape[2])
-        cache = KVCache(_written(cache.keys, k, start), _written(cache.values, v, start),
-                        _written_beams(cache.beams, start, k.shape[2]))
+        cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
         x = x.view(batch, length, self.n_heads, width // self.n_heads)     # (B, T, H, d_k)
         return x.transpose(1, 2)                                           # (B, H, T, d_k)
-
-
-def _attend_written(query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None, cache_index: Index,
-                    return_weights: bool) -> tuple[Tensor, Tensor | None]:
-    """:func:`scaled_dot_product_attention` of the new positions cache_index .. cache_index + Tq - 1 over a
-    self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written; W = C at a traced ``cache_index``); the weights
-    (N, H, Tq, C), zero after W. Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or
-    None."""
-    capacity, length = key.shape[2], query.shape[2]
-    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
-    width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + length)
-    heads, weights = scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width],
-                                                  _cached_causal_mask(cache_index, length, width, query.device),
-                                                  None if beams is None else beams[:, :, :width], return_weights)
-    return heads, None if weights is None else F.pad(weights, (0, capacity - width))   # (N, H, Tq, C)
-
-
-def _written(buffer: Tensor, new: Tensor, index: Index) -> Tensor:
-    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k),
-    by :func:`_write_at`."""
-    return _write_at(buffer, new, _positions(index, new.shape[2]))
-
-
-def _written_beams(beams: Tensor | tuple, index: Index, length: int) -> Tensor | tuple:
-    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own (what
-    :func:`_written` wrote there), by :func:`_write_at`; ``()`` stays ``()``."""
-    if isinstance(beams, tuple):
-        return beams
-    own = torch.arange(beams.shape[1], device=beams.device, dtype=beams.dtype)              # (K,)
-    return _write_at(beams, own[None, :, None].expand(beams.shape[0], -1, length), _positions(index, length))
-
-
-def _write_at(buffer: Tensor, new: Tensor, positions: slice | Tensor) -> Tensor:
-    """``buffer`` with ``positions`` (:func:`_positions`) of its third axis set to ``new``: in place at a slice
-    (eager decoding: ``buffer`` itself is returned), into a new tensor at traced positions (an exported step: its
-    inputs stay as they were)."""
-    if isinstance(positions, slice):
-        buffer[:, :, positions] = new
-        return buffer
-    return buffer.index_copy(2, positions, new)
-
-
-def _positions(start: Index, length: int) -> slice | Tensor:
-    """Positions start .. start + length - 1 as an index: a slice, or, from a traced ``start`` (an exported
-    decoding step), a (length,) tensor."""
-    if isinstance(start, Tensor):
-        return start + torch.arange(length, device=start.device)
-    return slice(start, start + length)
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -573,8 +488,8 @@ class DecoderLayer(nn.Module):
     values from the encoder output), then feed-forward; each wrapped in :func:`residual`
     (sections 3.1 and 3.2.3).
 
-    ``cache`` (incremental decoding) is the pair (self-attention :class:`KVCache`, encoder-decoder
-    attention :class:`KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
+    ``cache`` (incremental decoding) is the pair (self-attention :class:`.incremental.KVCache`, encoder-decoder
+    attention :class:`.incremental.KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
     into the self-attention cache from ``cache_index``, and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
@@ -739,7 +654,7 @@ class Transformer(nn.Module):
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
         """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`KVCache` and the memory's projected keys and values (section 3.2.3).
+        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
 
         Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
         """

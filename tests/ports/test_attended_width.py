@@ -1,7 +1,7 @@
 """A cached decoding step reads the written part of its self-attention cache, not the whole capacity.
 
 A cache holds C positions (the budget: an imported opus-mt model's is 511 tokens); a step at position t reads
-the narrowest width W of ``reference.attended_widths(C)`` holding positions 0 .. t (64, 128, 256, ... then C),
+the narrowest width W of ``incremental.attended_widths(C)`` holding positions 0 .. t (64, 128, 256, ... then C),
 so that a step's work grows with its hypothesis, not with C. Checked without looking at the attention's code:
 
 * the widths against their definition, by brute force over every capacity up to 600;
@@ -22,7 +22,7 @@ import pytest
 from support import FRAMEWORKS, float64_inference, framework_array, port_backend
 
 from equivalence.tolerance import assert_agrees
-from reference_numpy import TransformerConfig, init_params
+from reference_numpy import TransformerConfig, incremental, init_params
 from reference_numpy import model as reference
 from reference_numpy.decoding import beam_search, greedy_decode
 
@@ -35,9 +35,9 @@ FIRST = 64
 def test_the_widths_are_64_doubled_below_the_capacity_then_the_capacity():
     for capacity in range(1, 601):
         expected = sorted({64 * 2 ** i for i in range(10) if 64 * 2 ** i < capacity} | {capacity})
-        assert list(reference.attended_widths(capacity)) == expected
+        assert list(incremental.attended_widths(capacity)) == expected
         for written in range(1, capacity + 1):
-            assert reference.attended_width(capacity, written) == min(w for w in expected if w >= written)
+            assert incremental.attended_width(capacity, written) == min(w for w in expected if w >= written)
 
 
 def tail_filled(name: str, cache: tuple, start: int) -> tuple:
@@ -74,7 +74,7 @@ def test_a_decoding_step_reads_no_position_past_its_width(name, position):
     params = init_params(CONFIG, seed=0, perturb=0.1)
     rng = np.random.default_rng(0)
     src, tgt = rng.integers(3, CONFIG.src_vocab_size, (2, 5)), rng.integers(3, CONFIG.tgt_vocab_size, (2, 1))
-    width = reference.attended_width(CAPACITY, position + 1)
+    width = incremental.attended_width(CAPACITY, position + 1)
     assert width == (FIRST if position < FIRST else 2 * FIRST)
     seeded = np.random.default_rng(1).standard_normal((2, CONFIG.n_heads, CAPACITY, CONFIG.d_k, 2))   # K and V
     seeded[:, :, position:] = 0.0                           # not written yet: zeros, as init_cache makes them
@@ -91,7 +91,7 @@ def test_a_decoding_step_reads_no_position_past_its_width(name, position):
             out, _ = model.decode(convert(tgt), memory, cache=cache, cache_index=position)
             return np.asarray(out)
 
-    assert reference.attended_width(position + 1, position + 1) == position + 1     # reads its whole cache
+    assert incremental.attended_width(position + 1, position + 1) == position + 1     # reads its whole cache
     expected = step("numpy", position + 1, tail=False)
     out = step(name, CAPACITY, tail=True)
     assert np.isfinite(out).all(), f"{name}: a position past the width {width} was read"
@@ -126,7 +126,7 @@ def test_searches_that_cross_every_width_decode_as_the_reference(name, monkeypat
     search of a ragged batch cross one width after another (JAX's and TensorFlow's compiled loops switch branch
     at each), in float64, and give the reference's tokens and beam scores (the reference decodes without a
     cache)."""
-    monkeypatch.setattr(reference, "ATTENDED_WIDTH", 2)
+    monkeypatch.setattr(incremental, "ATTENDED_WIDTH", 2)
     config = TransformerConfig.preset("tiny").replace(max_output_length=40)
     params = init_params(config, seed=4, perturb=0.1)
     src = np.random.default_rng(3).integers(3, config.src_vocab_size, (3, 7))
@@ -162,7 +162,7 @@ def test_the_compiled_pytorch_step_reads_the_written_width_and_crosses_widths(ag
     from transformer_torch.decoding import next_token_log_probs
     from transformer_torch.model import padding_mask
 
-    monkeypatch.setattr(reference, "ATTENDED_WIDTH", 2)
+    monkeypatch.setattr(incremental, "ATTENDED_WIDTH", 2)
     config = CONFIG.replace(max_len=40)
     params = init_params(config, seed=5, perturb=0.1)
     rng = np.random.default_rng(4)
@@ -186,7 +186,7 @@ def test_the_compiled_pytorch_step_reads_the_written_width_and_crosses_widths(ag
         memory = model.encode(torch.from_numpy(src))
         mask, cache = padding_mask(torch.from_numpy(src), config.pad_id), model.init_cache(memory, 40)
         for index in range(tgt.shape[1]):
-            cache = unwritten(cache, index, reference.attended_width(40, index + 1))
+            cache = unwritten(cache, index, incremental.attended_width(40, index + 1))
             out, cache = step(torch.from_numpy(tgt[:, index:index + 1]), memory, mask, cache, index)
             log_probs.append(out.numpy())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2

@@ -53,7 +53,7 @@ PORT_ONLY = {"decoding.py": {"reorder_cache"},
              "device.py": {"model_device"}}
 # Files whose template is the reference; the others have no reference counterpart and are
 # compared port against port (the first port is the template).
-AGAINST_REFERENCE = ("model.py", "variants.py", "decoding.py", "training.py", "capture.py")
+AGAINST_REFERENCE = ("model.py", "incremental.py", "variants.py", "decoding.py", "training.py", "capture.py")
 PORT_FILES = ("checkpoint.py", "device.py")
 
 
@@ -106,7 +106,7 @@ def without_port_arguments(body):
 
 
 def reference_only(file: str, name: str) -> bool:
-    return name in REFERENCE_ONLY[file] or name.startswith(REFERENCE_ONLY_PREFIXES)
+    return name in REFERENCE_ONLY.get(file, set()) or name.startswith(REFERENCE_ONLY_PREFIXES)
 
 
 def same_text(mine, theirs) -> bool:

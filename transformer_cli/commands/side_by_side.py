@@ -63,7 +63,8 @@ def _same(*entries: str) -> dict[str, tuple[str, ...]]:
     return {backend: entries for backend, _, _ in BACKENDS}
 
 
-CONCEPTS = (
+# The paper's concepts (section 3), first on the page.
+PAPER = (
     Concept("Scaled dot-product attention", "Eq. (1), section 3.2.1",
             "Attention(<i>Q</i>, <i>K</i>, <i>V</i>) = "
             "softmax(<i>QK</i><sup>T</sup> / &radic;<i>d<sub>k</sub></i>) <i>V</i>",
@@ -106,25 +107,33 @@ CONCEPTS = (
             "LayerNorm(<i>y</i> + Attention(<i>y</i>, memory, memory)), &nbsp; "
             "<i>y</i> &larr; LayerNorm(<i>y</i> + FFN(<i>y</i>))",
             _same("model.py:DecoderLayer", "model.py:Decoder")),
+)
+
+# The machinery beside them (incremental decoding, beam search, checkpoints, stages): a part of its own, after them.
+MACHINERY = (
     Concept("Cached decoding step", "section 6.1 (the key/value cache is not in the paper)",
             "log <i>p</i>(<i>y<sub>t</sub></i> | <i>y</i><sub>&lt;<i>t</i></sub>, <i>x</i>): "
             "one new position per step, "
             "earlier keys and values kept (the reference recomputes the prefix)",
-            {"numpy": ("model.py:KVCache", "model.py:MultiHeadAttention.__call__",
+            {"numpy": ("incremental.py:KVCache", "incremental.py:_attend_written",
+                       "model.py:MultiHeadAttention.__call__",
                        "model.py:MultiHeadAttention.init_cache",
                        "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
                        "model.py:DecoderLayer.init_cache", "decoding.py:next_token_log_probs"),
-             "torch": ("model.py:KVCache", "model.py:MultiHeadAttention.forward",
+             "torch": ("incremental.py:KVCache", "incremental.py:_attend_written",
+                       "model.py:MultiHeadAttention.forward",
                        "model.py:MultiHeadAttention.init_cache",
                        "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
                        "model.py:DecoderLayer.init_cache", "decoding.py:next_token_log_probs",
                        "decoding.py:reorder_cache"),
-             "jax": ("model.py:KVCache", "model.py:MultiHeadAttention.__call__",
+             "jax": ("incremental.py:KVCache", "incremental.py:_attend_written",
+                     "model.py:MultiHeadAttention.__call__",
                      "model.py:MultiHeadAttention.init_cache",
                      "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
                      "model.py:DecoderLayer.init_cache",
                      "decoding.py:next_token_log_probs", "decoding.py:reorder_cache"),
-             "tf": ("model.py:KVCache", "model.py:MultiHeadAttention.call",
+             "tf": ("incremental.py:KVCache", "incremental.py:_attend_written",
+                    "model.py:MultiHeadAttention.call",
                     "model.py:MultiHeadAttention.init_cache",
                     "model.py:MultiHeadAttention.memory_cache", "model.py:DecoderLayer.init_cache",
                     "decoding.py:next_token_log_probs", "decoding.py:reorder_cache")}),
@@ -157,6 +166,7 @@ CONCEPTS = (
              "jax": ("capture.py:capture_stages",),
              "tf": ("capture.py:capture_stages", "capture.py:_recorder")}),
 )
+CONCEPTS = PAPER + MACHINERY
 
 
 # ----------------------------------------------------------------------------- reading the sources
@@ -279,6 +289,7 @@ code { font-family: ui-monospace, monospace; }
 .columns { position: sticky; top: 0; height: 2rem; box-sizing: border-box; align-items: center;
            background: #ffffff; border-bottom: 2px solid #1f2328; font-weight: bold; z-index: 2; }
 .concept { margin: 1.25rem 0 2rem; }
+.part { font-size: 1.4rem; margin: 2.5rem 0 0; padding-top: .5rem; border-top: 2px solid #1f2328; }
 .concept h2 { position: sticky; top: 2rem; z-index: 1; background: #ffffff; font-size: 1.15rem;
               margin: 0; padding: .3rem 0; }
 .source { font-family: system-ui, sans-serif; font-size: .85rem; font-weight: normal; color: #57606a; }
@@ -318,6 +329,9 @@ def render_page() -> str:
     rows: list[str] = []
     sources: dict[str, tuple[list[str], ast.Module]] = {}
     for concept in CONCEPTS:
+        if concept is MACHINERY[0]:
+            rows.append('<h2 class="part" id="beside-the-paper">Beside the paper: incremental decoding, beam search, '
+                        "checkpoints, stages</h2>\n")
         cells = []
         for backend, _, _ in BACKENDS:
             blocks = "".join(f'<p class="where">{html.escape(b.where)} <b>{html.escape(b.names)}</b></p>\n'
@@ -350,7 +364,8 @@ def render_page() -> str:
             f"<code>{GENERATOR} --out DIR</code>; do not edit.</p>\n"
             "<p>Each <code>model.py</code> holds the paper's math alone -- the input checks are in "
             "<code>checks.py</code>, the low-precision recipe's casts in <code>precision.py</code>, the kernel "
-            f"choices and compile machinery in each port's <code>speed.py</code> -- in lines: {sizes}.</p>\n"
+            "choices and compile machinery in each port's <code>speed.py</code>, the key/value cache in "
+            f"<code>incremental.py</code> (shown after the paper's concepts) -- in lines: {sizes}.</p>\n"
             f"<nav><ol>{toc}</ol></nav>\n"
             f'<p class="show">Columns shown (untick some to compare two backends on wider columns): {toggles}</p>\n'
             f'<div class="columns">{headings}</div>\n'

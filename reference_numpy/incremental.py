@@ -1,0 +1,132 @@
+"""Incremental decoding beside the model (section 3.2.3): the key/value cache, attention over a cache and over beam
+hypotheses, and the widths a cached step reads.
+
+:mod:`.model` is section 3 alone; its attention takes one :class:`KVCache` and the position its new keys are
+written at, and hands the cached case to this module (:func:`_attend_written`). This module imports nothing from
+:mod:`.model`: the attention it narrows to the written positions is handed to it. Every port's ``incremental.py``
+has the same names in the same order (tests/project/test_parallel_texts.py).
+
+Shape legend (besides :mod:`.model`'s): C the cache's capacity in target positions, W the positions a step reads
+(:func:`attended_widths`), K beams per sentence, N = B * K rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from .checks import as_array, check_beams, check_cache_index
+
+# Eq. (1) with its mask and beam table: (query, key, value, mask, beams) -> (output, weights)
+Attention = Callable[..., tuple[np.ndarray, np.ndarray]]
+
+
+# The narrowest width a causal step over a self-attention cache reads (:func:`attended_widths`): the tests' models
+# (max_len 64) read their whole cache; a budget of hundreds of positions reads 64, 128, 256 ... as it fills.
+ATTENDED_WIDTH = 64
+
+
+def attended_widths(capacity: int) -> tuple[int, ...]:
+    """The widths W a causal step over a self-attention cache of ``capacity`` C reads: :data:`ATTENDED_WIDTH`,
+    twice that, and so on below C, then C. A step reads the narrowest W holding every position written so far
+    (:func:`attended_width`): the positions after them are not yet written and the causal mask hides them, so a
+    step's work grows with its hypothesis, not with C -- an imported opus-mt model's budget of 511 tokens (its
+    ``max_length``) would otherwise have every step read 511 positions of every layer's cache. Every port reads
+    the same W (a program traced with the step's position unknown holds one branch per width)."""
+    widths: list[int] = []
+    while (width := ATTENDED_WIDTH << len(widths)) < capacity:
+        widths.append(width)
+    return (*widths, capacity)
+
+
+def attended_width(capacity: int, written: int) -> int:
+    """The narrowest of :func:`attended_widths` holding the ``written`` positions 0 .. written - 1."""
+    return next(width for width in attended_widths(capacity) if width >= written)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
+    encoder-decoder attention: the projected memory, C = S.
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
+    """
+
+    keys: np.ndarray    # (B, H, C, d_k)
+    values: np.ndarray  # (B, H, C, d_k)
+    beams: np.ndarray | tuple = ()   # (B / K, K, C) int, or ()
+
+    def update(self, keys: np.ndarray, values: np.ndarray, cache_index: int) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        a new cache, this one left as it was."""
+        start = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
+                       _written_beams(self.beams, start, keys.shape[2]))
+
+
+def _beam_table(cache: KVCache | None) -> np.ndarray | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    beams = as_array("cache.beams", cache.beams)
+    check_beams(beams.shape, beams.dtype.name, cache.keys.shape[0], cache.keys.shape[2])
+    return beams
+
+
+def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndarray:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    return (np.arange(capacity) <= cache_index + np.arange(length)[:, None])[None, None]
+
+
+def _attend_written(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                    beams: np.ndarray | None, cache_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
+    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
+    reading only its first W positions (:func:`attended_width`: the rest are not yet written); the weights
+    (N, H, Tq, C), zero after W.
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)
+    width = attended_width(capacity, cache_index + length)
+    heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
+                               _cached_causal_mask(cache_index, length, width),
+                               None if beams is None else beams[:, :, :width])
+    return heads, np.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)])       # (N, H, Tq, C)
+
+
+def _written(buffer: np.ndarray, new: np.ndarray, index: int) -> np.ndarray:
+    """A copy of ``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
+    (B, H, T_new, d_k)."""
+    buffer = buffer.copy()
+    buffer[:, :, index:index + new.shape[2]] = new
+    return buffer
+
+
+def _written_beams(beams: np.ndarray | tuple, index: int, length: int) -> np.ndarray | tuple:
+    """A copy of the ``beams`` table (B, K, C) whose positions index .. index + length - 1 are each
+    row's own (what :func:`_written` wrote there); ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    beams = beams.copy()
+    beams[:, :, index:index + length] = np.arange(beams.shape[1])[:, None]
+    return beams
+
+
+def _own_hypothesis(x: np.ndarray, beams: np.ndarray) -> np.ndarray:
+    """Each row's keys (or values) along its hypothesis: position c of row b*K + j taken from
+    row b*K + beams[b, j, c]. Shape: x (N, H, C, d_k), beams (B, K, C) -> (N, H, C, d_k)."""
+    batch, k, capacity = beams.shape
+    rows = (np.arange(batch)[:, None, None] * k + beams).reshape(batch * k, capacity)   # (N, C)
+    return x[rows, :, np.arange(capacity)].transpose(0, 2, 1, 3)        # (N, C, H, d_k) -> (N, H, C, d_k)

@@ -1,0 +1,104 @@
+"""Incremental decoding beside the model in JAX: a parallel text of ``reference_numpy/incremental.py`` (the
+key/value cache, attention over a cache and over beam hypotheses, the widths a cached step reads).
+
+A cache is a pytree (a ``NamedTuple`` of arrays) passed in and returned, never module state, so that a decoding
+loop under ``jit`` / ``lax.while_loop`` carries it; a traced step's position picks its width by ``lax.switch``.
+This module imports nothing from :mod:`.model`: the attention it narrows to the written positions is handed to it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
+
+from reference_numpy.incremental import attended_width, attended_widths
+
+from .checks import check_beams, check_cache_index
+
+# Eq. (1) with its mask and beam table: (query, key, value, mask, beams, dtype=) -> (output, weights)
+Attention = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    Fixed sizes, so that a decoding loop compiles once: a self-attention cache holds C =
+    capacity positions (zeros until written), an encoder-decoder one the projected memory (C = S).
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
+    """
+
+    keys: jax.Array     # (B, H, C, d_k)
+    values: jax.Array   # (B, H, C, d_k)
+    beams: jax.Array | tuple = ()   # (B / K, K, C) int, or ()
+
+    def update(self, keys: jax.Array, values: jax.Array, cache_index: int | jax.Array) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        a new cache (``lax.dynamic_update_slice_in_dim``; ``cache_index`` may be traced)."""
+        cache_index = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(lax.dynamic_update_slice_in_dim(self.keys, keys, cache_index, axis=2),
+                       lax.dynamic_update_slice_in_dim(self.values, values, cache_index, axis=2),
+                       _written_beams(self.beams, cache_index, keys.shape[2]))
+
+
+def _beam_table(cache: KVCache | None) -> jax.Array | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
+
+
+def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int) -> jax.Array:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    return (jnp.arange(capacity) <= cache_index + jnp.arange(length)[:, None])[None, None]
+
+
+def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array,
+                    beams: jax.Array | None, cache_index: int | jax.Array, return_weights: bool,
+                    dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
+    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
+    reading only its first W positions (``attended_width``: the rest are not yet written; at a traced
+    ``cache_index``, ``lax.switch`` picks the branch of W among ``attended_widths``); the weights (N, H, Tq, C),
+    zero after W, when asked.
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+
+    def over(width: int) -> tuple[jax.Array, jax.Array | None]:
+        heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
+                                   _cached_causal_mask(cache_index, length, width),
+                                   None if beams is None else beams[:, :, :width], dtype=dtype)
+        return heads, jnp.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)]) if return_weights else None
+
+    if isinstance(cache_index, int):
+        return over(attended_width(capacity, cache_index + length))
+    widths = attended_widths(capacity)
+    branch = jnp.searchsorted(jnp.asarray(widths), cache_index + length)      # the narrowest W >= written
+    return lax.switch(branch, [functools.partial(over, width) for width in widths])
+
+
+def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
+    (what ``lax.dynamic_update_slice_in_dim`` wrote there); ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    position = jnp.arange(beams.shape[2]) - index                        # (C,)
+    own = jnp.arange(beams.shape[1], dtype=beams.dtype)[None, :, None]   # (1, K, 1)
+    return jnp.where((position >= 0) & (position < length), own, beams)

@@ -1,0 +1,118 @@
+"""Incremental decoding beside the model in TensorFlow: a parallel text of ``reference_numpy/incremental.py`` (the
+key/value cache, attention over a cache and over beam hypotheses, the widths a cached step reads).
+
+A cache is a ``NamedTuple`` of tensors passed in and returned (tensors are immutable: a write makes a new one), so
+that a decoding loop under ``tf.function`` / XLA carries it; a traced step's position picks its width by
+``tf.switch_case``. This module imports nothing from :mod:`.model`: the attention it narrows to the written
+positions is handed to it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeAlias
+
+import tensorflow as tf
+
+from reference_numpy.incremental import attended_width, attended_widths
+
+from .checks import check_beams, check_cache_index
+
+Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
+# Eq. (1) with its mask and beam table: (query, key, value, mask, beams, dtype=) -> (output, weights)
+Attention = Callable[..., tuple[tf.Tensor, tf.Tensor]]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    C is the capacity (self-attention: a fixed buffer written at ``cache_index``, so every shape
+    stays static under XLA) or S (encoder-decoder attention: the projected memory).
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
+    """
+
+    keys: tf.Tensor     # (B, H, C, d_k)
+    values: tf.Tensor   # (B, H, C, d_k)
+    beams: tf.Tensor | tuple = ()   # (B / K, K, C) int, or ()
+
+    def update(self, keys: tf.Tensor, values: tf.Tensor, cache_index: Index) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        a new cache (a scatter, also under XLA; ``cache_index`` may be traced)."""
+        cache_index = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(_written(self.keys, keys, cache_index), _written(self.values, values, cache_index),
+                       _written_beams(self.beams, cache_index, keys.shape[2]))
+
+
+def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
+
+
+def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.Tensor:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+    ``cache_index`` may be a tensor (traced decoding).
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    query = tf.cast(cache_index, tf.int32) + tf.range(length)             # (T_new,)
+    return (tf.range(capacity)[None, :] <= query[:, None])[None, None]
+
+
+def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
+                    beams: tf.Tensor | None, cache_index: Index, return_weights: bool,
+                    dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
+    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
+    reading only its first W positions (``attended_width``: the rest are not yet written; at a traced
+    ``cache_index``, ``tf.switch_case`` picks the branch of W among ``attended_widths``; all C when C is not
+    known when tracing); the weights (N, H, Tq, C), zero after W, when asked.
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+
+    def over(width: Index) -> tuple[tf.Tensor, tf.Tensor | None]:
+        heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
+                                   _cached_causal_mask(cache_index, length, width),
+                                   None if beams is None else beams[:, :, :width], dtype=dtype)
+        return heads, tf.pad(weights, [[0, 0]] * 3 + [[0, tf.shape(key)[2] - width]]) if return_weights else None
+
+    if capacity is None:
+        return over(tf.shape(key)[2])
+    if isinstance(cache_index, int):
+        return over(attended_width(capacity, cache_index + length))
+    widths = attended_widths(capacity)
+    branch = tf.searchsorted(tf.constant(widths), tf.reshape(tf.cast(cache_index, tf.int32) + length, [1]))[0]
+    if return_weights:
+        return tuple(tf.switch_case(branch, [functools.partial(over, width) for width in widths]))
+    return tf.switch_case(branch, [lambda width=width: over(width)[0] for width in widths]), None
+
+
+def _written(buffer: tf.Tensor, new: tf.Tensor, index: Index) -> tf.Tensor:
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
+    (B, H, T_new, d_k): a new tensor, by a scatter (also under XLA; ``index`` may be traced)."""
+    shape = tf.shape(new)
+    positions = tf.cast(index, tf.int32) + tf.range(shape[2])               # (T_new,)
+    batch, heads, position = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions,
+                                         indexing="ij")                   # each (B, H, T_new)
+    return tf.tensor_scatter_nd_update(buffer, tf.stack([batch, heads, position], axis=-1), new)
+
+
+def _written_beams(beams: tf.Tensor | tuple, index: Index, length: int) -> tf.Tensor | tuple:
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
+    (what :func:`_written` wrote there); ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    position = tf.range(beams.shape[2]) - tf.cast(index, tf.int32)       # (C,)
+    own = tf.range(beams.shape[1], dtype=beams.dtype)[None, :, None]     # (1, K, 1)
+    return tf.where((position >= 0) & (position < length), own, beams)

@@ -1,0 +1,120 @@
+"""Incremental decoding beside the model in PyTorch: a parallel text of ``reference_numpy/incremental.py`` (the
+key/value cache, attention over a cache and over beam hypotheses, the widths a cached step reads).
+
+A cache is written in place (at a traced position, as in an exported decoding step, into new tensors, as JAX's
+and TensorFlow's ports write). This module imports nothing from :mod:`.model`: the attention it narrows to the
+written positions is handed to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, TypeAlias
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# every text takes both widths functions: a traced position (JAX, TensorFlow) picks among the widths; a compiled
+# PyTorch step reads them all
+from reference_numpy.incremental import attended_width, attended_widths  # noqa: F401
+
+from .checks import check_beams, check_cache_index
+
+Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
+# Eq. (1) with its mask and beam table: (query, key, value, mask, beams, return_weights) -> (output, weights)
+Attention = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
+    encoder-decoder attention: the projected memory, C = S.
+
+    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
+    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
+    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
+    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
+    this table, not the keys and values). ``()``: every row holds its own positions.
+    """
+
+    keys: Tensor    # (B, H, C, d_k)
+    values: Tensor  # (B, H, C, d_k)
+    beams: Tensor | tuple = ()   # (B / K, K, C) int, or ()
+
+    def update(self, keys: Tensor, values: Tensor, cache_index: Index) -> KVCache:
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
+        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        in place at an int position (the same tensors), into new tensors at a traced one."""
+        start = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
+                       _written_beams(self.beams, start, keys.shape[2]))
+
+
+def _beam_table(cache: KVCache | None) -> Tensor | None:
+    """The cache's ``beams`` table, checked against its keys; None without one."""
+    if cache is None or isinstance(cache.beams, tuple):
+        return None
+    check_beams(cache.beams, cache.keys.shape[0], cache.keys.shape[2])
+    return cache.beams
+
+
+def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: torch.device) -> Tensor:
+    """New position q (absolute position cache_index + q) may attend to cache positions
+    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+    ``cache_index`` may be a traced tensor (an exported decoding step).
+
+    Shape: mask (1, 1, T_new, C), bool, True = may attend.
+    """
+    keys, queries = torch.arange(capacity, device=device), torch.arange(length, device=device)
+    return (keys <= cache_index + queries[:, None])[None, None]
+
+
+def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None,
+                    cache_index: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
+    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
+    reading only its first W positions (``attended_width``: the rest are not yet written; W = C at a traced
+    ``cache_index``); the weights (N, H, Tq, C), zero after W. Shape: query (N, H, Tq, d_k), key and value
+    (N, H, C, d_k), beams (B, K, C) or None."""
+    capacity, length = key.shape[2], query.shape[2]
+    cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
+    width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + length)
+    heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
+                               _cached_causal_mask(cache_index, length, width, query.device),
+                               None if beams is None else beams[:, :, :width], return_weights)
+    return heads, None if weights is None else F.pad(weights, (0, capacity - width))   # (N, H, Tq, C)
+
+
+def _written(buffer: Tensor, new: Tensor, index: Index) -> Tensor:
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k),
+    by :func:`_write_at`."""
+    return _write_at(buffer, new, _positions(index, new.shape[2]))
+
+
+def _written_beams(beams: Tensor | tuple, index: Index, length: int) -> Tensor | tuple:
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own (what
+    :func:`_written` wrote there), by :func:`_write_at`; ``()`` stays ``()``."""
+    if isinstance(beams, tuple):
+        return beams
+    own = torch.arange(beams.shape[1], device=beams.device, dtype=beams.dtype)              # (K,)
+    return _write_at(beams, own[None, :, None].expand(beams.shape[0], -1, length), _positions(index, length))
+
+
+def _write_at(buffer: Tensor, new: Tensor, positions: slice | Tensor) -> Tensor:
+    """``buffer`` with ``positions`` (:func:`_positions`) of its third axis set to ``new``: in place at a slice
+    (eager decoding: ``buffer`` itself is returned), into a new tensor at traced positions (an exported step: its
+    inputs stay as they were)."""
+    if isinstance(positions, slice):
+        buffer[:, :, positions] = new
+        return buffer
+    return buffer.index_copy(2, positions, new)
+
+
+def _positions(start: Index, length: int) -> slice | Tensor:
+    """Positions start .. start + length - 1 as an index: a slice, or, from a traced ``start`` (an exported
+    decoding step), a (length,) tensor."""
+    if isinstance(start, Tensor):
+        return start + torch.arange(length, device=start.device)
+    return slice(start, start + length)
