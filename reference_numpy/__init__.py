@@ -43,12 +43,11 @@ from .model import (
     sinusoidal_positional_encoding,
     target_mask,
 )
-from .pretrained import from_pretrained
 from .variants import position_ids
 
 __all__ = [
     "FORMAT_VERSION", "PRESETS", "TrainingConfig", "TrainingState", "TransformerConfig",
-    "count_parameters", "from_pretrained", "init_params",
+    "count_parameters", "init_params",
     "load_checkpoint", "load_training_state", "parameter_shapes", "save_checkpoint",
     "validate_params",
     "beam_search", "greedy_decode", "length_penalty", "max_output_lengths",

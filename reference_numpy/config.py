@@ -116,7 +116,7 @@ class TransformerConfig(_Config):
     The last four default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
 
     Decoding conventions (``reference_numpy/decoding.py``; the defaults are section 6.1's, so a checkpoint without
-    them decodes as before; Hugging Face's families set them on import, ``reference_numpy/hf_import.py``):
+    them decodes as before; an import of a Hugging Face model sets them, docs/huggingface.md):
 
     Attributes:
         decoder_start_id: the token the decoder starts from (transformers' ``decoder_start_token_id``: Marian's pad,

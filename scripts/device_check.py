@@ -13,7 +13,7 @@ Sections (``--sections``), each check one row:
   ``device.full_precision``), bfloat16, float16 and the autocast recipes mixed-bfloat16 and mixed-float16 (``--quick``:
   float64, float32, bfloat16); the row is the stage of the largest error / bound.
 * ``decoding``: greedy and beam-search tokens on the shipped model and on a tiny random Marian built by transformers
-  in-process and imported (``reference_numpy/hf_import.py``): float64 identical to the reference's (beam scores
+  in-process and imported (``transformer_hf/importer.py``): float64 identical to the reference's (beam scores
   within the float64 bound), float32 identical except past a near-tie its bound allows (``equivalence.margins``;
   the random Marian's float32 beam search has no decisive row, :data:`DECODED`).
 * ``training``: optimizer steps from seeded weights (``equivalence/training_runs.py``): float64 within the carried
@@ -358,7 +358,7 @@ def marian_checkpoint(directory: Path, sizes: dict, randomize: bool) -> Path:
     import torch
     import transformers
 
-    from reference_numpy.hf_import import import_hf
+    from transformer_hf.importer import import_hf
 
     torch.manual_seed(0)
     model = transformers.MarianMTModel(transformers.MarianConfig(**sizes)).eval()

@@ -25,9 +25,9 @@ from equivalence.training_runs import Run
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TrainingConfig
-from reference_numpy.hf_import import import_hf
 from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
 from transformer_cli.main import main
+from transformer_hf.importer import import_hf
 from transformer_tasks.numbers import NumbersTask, teacher_forcing
 from transformer_tasks.translation import load_translator
 

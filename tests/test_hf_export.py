@@ -1,11 +1,11 @@
-"""``reference_numpy.hf_export`` and ``transformer-reference export --to hf``: this project's checkpoints as Hugging
+"""``transformer_hf.exporter`` and ``transformer-reference export --to hf``: this project's checkpoints as Hugging
 Face model directories, loaded and run by transformers itself (the outside implementation).
 
 * transformers' ``AutoModelForSeq2SeqLM`` loads every tensor of the export (none missing, none unexpected, the file
   what its own ``save_pretrained`` writes back) and reproduces the reference's float64 log-probabilities within
   1e-12 x max(1, max|ref|) -- its sinusoid buffers set to the reference's float64 table, as in
   tests/test_hf_import.py, which checks transformers' float32 tables against the reference's -- for the paper's
-  model (post-LN, interleaved table: through the feature permutation of :mod:`reference_numpy.hf_export`), a
+  model (post-LN, interleaved table: through the feature permutation of :mod:`transformer_hf.marian`), a
   Marian-style and an M2M100-style config; its own float32 run is within the float32 policy;
 * ``import(export(x))``: the families' configs and tensors bit for bit; the paper's model as the Marian model whose
   features are reordered by the permutation this test derives from the two tables (not the module's), bit for bit;
@@ -33,11 +33,12 @@ from reference_numpy.checkpoint import (
     parameter_shapes,
     save_checkpoint,
 )
-from reference_numpy.hf_export import family_of
-from reference_numpy.hf_import import import_hf, read_weights
 from reference_numpy.model import sinusoidal_positional_encoding
 from reference_numpy.tokenizer import Tokenizer
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main
+from transformer_hf.files import read_weights
+from transformer_hf.importer import import_hf
+from transformer_hf.registry import family_for
 from transformer_tasks.translation import SHIPPED
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
@@ -211,7 +212,7 @@ def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
     case, config, params, _, directory = exported
     back = import_hf(directory, tmp_path / "back.safetensors")
     _, imported = load_checkpoint(tmp_path / "back.safetensors")
-    # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (hf_export)
+    # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (export)
     hf_decoding = config.replace(length_normalization="hf",
                                  max_output_length=config.max_output_length or config.max_len)
     if case != "paper":
@@ -291,7 +292,7 @@ REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
 @pytest.mark.parametrize(("field", "config"), REFUSED, ids=[f"{field}-{i}" for i, (field, _) in enumerate(REFUSED)])
 def test_what_no_family_expresses_is_refused_naming_the_field(tmp_path, capsys, field, config):
     with pytest.raises(ValueError, match=field) as caught:
-        family_of(config)
+        family_for(config)
     assert "\n" not in str(caught.value)
     save_checkpoint(tmp_path / "model.safetensors", config, random_params(config))
     status, _, err = cli(capsys, "export", "--to", "hf", str(tmp_path / "model.safetensors"), str(tmp_path / "hf"))

@@ -45,8 +45,8 @@ from reference_numpy import Transformer, TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.config import DECODING_CONVENTIONS
 from reference_numpy.decoding import beam_search, greedy_decode
-from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
 from reference_numpy.model import causal_mask
+from transformer_hf.importer import config_from_hf, import_hf, load_hf
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
                                             "'.[torch]')")

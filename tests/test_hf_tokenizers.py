@@ -1,4 +1,4 @@
-"""The Hugging Face families' tokenizers carried in the checkpoint (reference_numpy/hf_tokenizer.py), proven against
+"""The Hugging Face families' tokenizers carried in the checkpoint (transformer_hf/tokenizers.py), proven against
 transformers' own tokenizer classes (the outside implementation): tiny SentencePiece models trained here on a few
 sentences, saved into tiny random Marian and M2M100 directories with the tokenizer classes' save_pretrained,
 imported, and compared id for id on many texts (unicode, empty, white space, characters the models never saw)."""
@@ -21,16 +21,12 @@ transformers = pytest.importorskip("transformers", reason="the oracle is transfo
 torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
 
 from equivalence.oracle import SENTENCES  # noqa: E402
-from reference_numpy.checkpoint import (  # noqa: E402
-    load_checkpoint,
-    load_tokenizer,
-    load_tokenizer_json,
-    save_checkpoint,
-)
-from reference_numpy.hf_import import import_hf  # noqa: E402
-from reference_numpy.hf_tokenizer import KEPT_FILES, FamilyTokenizer, read_hf_tokenizer  # noqa: E402
+from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, save_checkpoint  # noqa: E402
 from transformer_cli.main import main  # noqa: E402
 from transformer_export.export import export_hf  # noqa: E402
+from transformer_hf.importer import import_hf  # noqa: E402
+from transformer_hf.registry import TOKENIZER_KINDS  # noqa: E402
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer, read_hf_tokenizer  # noqa: E402
 from transformer_tasks.translation import translator  # noqa: E402
 
 TEXTS = ["the cat", "Hello   World!", "", "   ", "\t\n", "Жук ел", "naïve façade", "a\tb\nc", "ｆｕｌｌ ｗｉｄｔｈ",
@@ -186,7 +182,7 @@ def exported_tokenizer(checkpoint, directory, tmp_path, capsys, **languages):
     assert main(["export", "--to", "hf", str(checkpoint), str(out)]) == 0
     assert "and its tokenizer (AutoTokenizer)" in capsys.readouterr().out
     record = json.loads(load_tokenizer_json(checkpoint))
-    for name in KEPT_FILES[record["family"]]:
+    for name in TOKENIZER_KINDS[record["family"]].kept:
         assert (out / name).read_bytes() == (directory / name).read_bytes(), name
     import_hf(out, tmp_path / "again.safetensors")
     assert load_tokenizer_json(tmp_path / "again.safetensors") == load_tokenizer_json(checkpoint)

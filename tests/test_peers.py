@@ -596,7 +596,7 @@ def test_bench_times_a_checkpoint_with_its_own_config_and_conventions(monkeypatc
     from support import build
 
     from reference_numpy.checkpoint import load_checkpoint
-    from reference_numpy.hf_import import import_hf
+    from transformer_hf.importer import import_hf
 
     model = build("marian", seed=1, vocab_size=40, pad_token_id=39, eos_token_id=0, decoder_start_token_id=39,
                   max_position_embeddings=64)

@@ -16,10 +16,10 @@ import numpy.typing as npt
 
 from equivalence import backends
 from reference_numpy import TransformerConfig, load_checkpoint
-from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
+from reference_numpy.checkpoint import SHIPPED_MODELS
 from reference_numpy.checks import check_token_layout
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer
 
 DEFAULT_MODEL = "numbers-en-fr"      # the shipped model a command runs when given none
 SHIPPED = SHIPPED_MODELS[DEFAULT_MODEL]

@@ -16,7 +16,6 @@ if keras.backend.backend() != "tensorflow":
 from .checkpoint import (  # noqa: E402
     from_checkpoint_layout,
     from_params,
-    from_pretrained,
     load_checkpoint,
     name_table,
     save_checkpoint,
@@ -69,7 +68,7 @@ __all__ = [
     "masked_softmax", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "beam_search", "greedy_decode",
-    "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
+    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",

@@ -34,7 +34,6 @@ import tensorflow as tf
 from keras.src.backend.common.variables import initialize_all_variables
 
 from reference_numpy import checkpoint as reference
-from reference_numpy import pretrained
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.checkpoint import load_training_state as load_training_state  # moments TF takes as they are
 from reference_numpy.config import TransformerConfig
@@ -124,15 +123,6 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None)
     reference.release_freed_memory()                                     # arrays rounded and assigned, dropped
     model.tokenizer_json = reader.tokenizer_json
     return model
-
-
-def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None = None
-                    ) -> tuple[Transformer, pretrained.Loaded]:
-    """``(model, tokenizer)`` of a shared checkpoint file, a shipped model's name (``"numbers-en-fr"``) or a Hugging
-    Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
-    ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
-    the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    return pretrained.port_from_pretrained(name_or_path, dtype, from_params, load_checkpoint)
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,

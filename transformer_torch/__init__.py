@@ -10,7 +10,6 @@ from reference_numpy import __version__ as __version__
 from .checkpoint import (
     from_checkpoint_layout,
     from_params,
-    from_pretrained,
     load_checkpoint,
     name_table,
     save_checkpoint,
@@ -63,7 +62,7 @@ __all__ = [
     "masked_softmax", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "beam_search", "greedy_decode",
-    "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
+    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",

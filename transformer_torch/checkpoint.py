@@ -25,7 +25,6 @@ model in P saves a BF16 or F16 file.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable, Iterator
 
@@ -35,7 +34,6 @@ import torch
 from torch import nn
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy import pretrained
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import parse_dtype, round_to
@@ -182,16 +180,6 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
     reference_checkpoint.release_freed_memory()                          # arrays cast to another dtype, dropped
     model.tokenizer_json = reader.tokenizer_json
     return model
-
-
-def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
-                    device: str | torch.device = "cpu") -> tuple[Transformer, pretrained.Loaded]:
-    """``(model, tokenizer)`` of a shared checkpoint file, a shipped model's name (``"numbers-en-fr"``) or a Hugging
-    Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
-    ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
-    the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    return pretrained.port_from_pretrained(name_or_path, dtype, functools.partial(from_params, device=device),
-                                           functools.partial(load_checkpoint, device=device))
 
 
 def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:

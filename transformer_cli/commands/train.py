@@ -27,18 +27,16 @@ from reference_numpy.checkpoint import (
     init_params,
     load_checkpoint,
     load_run,
-    load_tokenizer,
-    load_tokenizer_json,
     save_checkpoint,
 )
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_cli.arguments import refuse_existing
 from transformer_cli.extras import finish
 from transformer_export.outputs import refuse_input
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer, load_tokenizer_json
 from transformer_tasks import copy as copy_task
 from transformer_tasks import corpus as corpus_task
 from transformer_tasks import numbers as numbers_task
