@@ -17,7 +17,7 @@ from .checkpoint import (
     save_checkpoint,
     validate_params,
 )
-from .config import PRESETS, TrainingConfig, TransformerConfig
+from .config import PRESETS, DecodingConfig, TrainingConfig, TransformerConfig
 from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
 from .model import (
     Decoder,
@@ -46,7 +46,7 @@ from .model import (
 from .variants import position_ids
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "TrainingConfig", "TrainingState", "TransformerConfig",
+    "FORMAT_VERSION", "PRESETS", "DecodingConfig", "TrainingConfig", "TrainingState", "TransformerConfig",
     "count_parameters", "init_params",
     "load_checkpoint", "load_training_state", "parameter_shapes", "save_checkpoint",
     "validate_params",

@@ -239,8 +239,8 @@ SINGLE = [
            f"{TORCH}/decoding.py", "log_probs[:, list(model.config.never_emitted)] = -torch.inf",
            "log_probs[:, [model.config.pad_id, model.config.bos_id]] = -torch.inf", FUZZ),
     Mutation("fuzz", "every port's beam search: lp(Y) with alpha 1 whatever the config's (|Y| for \"hf\")", "single",
-             tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.length_normalization)",
-                        "length_penalty(n, 1.0, cfg.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
+             tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.decoding.length_normalization)",
+                        "length_penalty(n, 1.0, cfg.decoding.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
     # The documentation names files that exist, and documents the command's exit codes.
     single("docs", "docs: a test module named by a path that does not exist", "docs/testing.md",
            "* `tests/test_oracle.py` recomputes", "* `tests/test_oracles.py` recomputes", ["tests/test_references.py"]),
@@ -650,10 +650,10 @@ HF_DECODING = [
     single("hf-decoding", "torch: decoding starts from bos, not the config's decoder start token", TD,
            "tokens[:, 0] = config.start_id", "tokens[:, 0] = config.bos_id", HF_GENERATE + ["-k", "torch"]),
     consistent("hf-decoding", "decoding starts from bos, not the config's decoder start token (Marian's pad, M2M100's eos)",
-               [(_CONFIG, "return self.bos_id if self.decoder_start_id is None else self.decoder_start_id",
+               [(_CONFIG, "return self.bos_id if start is None else start",
                  "return self.bos_id")], HF_GENERATE + ["-k", "reference"], decoding_agreement(), shared=DECODING_PORTS),
     single("hf-decoding", "jax: beam search's length penalty the paper's ((5 + |Y|) / 6)^alpha, not |Y|^alpha", JD,
-           "length_penalty(n, alpha, cfg.length_normalization)", "length_penalty(n, alpha)", HF_GENERATE + ["-k", "jax"]),
+           "length_penalty(n, alpha, cfg.decoding.length_normalization)", "length_penalty(n, alpha)", HF_GENERATE + ["-k", "jax"]),
     consistent("hf-decoding", "length normalization \"hf\" ignored: lp(Y) always the paper's ((5 + |Y|) / 6)^alpha",
                [(RD, 'if normalization == "gnmt" else float(length) ** alpha', "if normalization else 0.0")],
                HF_GENERATE + ["-k", "reference"], decoding_agreement("and beam"), shared=DECODING_PORTS),
@@ -662,39 +662,39 @@ HF_DECODING = [
     consistent("hf-decoding", "the forced tokens ignored (M2M100's target-language token, Marian's eos at the limit)",
                [(path, *edit) for path, edit in _FORCE.items()], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     single("hf-decoding", "jax: the token forced at the budget's end always eos, not the config's forced_eos_id "
-           "(a Marian config's id 0)", JD, "config.forced_eos, config.forced_last_id, forced)",
-           "config.forced_eos, config.eos_id, forced)", HF_GENERATE + ["-k", "forced_token_other and jax"]),
+           "(a Marian config's id 0)", JD, "config.decoding.forced_eos, config.forced_last_id, forced)",
+           "config.decoding.forced_eos, config.eos_id, forced)", HF_GENERATE + ["-k", "forced_token_other and jax"]),
     consistent("hf-decoding", "the token forced at the budget's end always eos, not the config's forced_eos_id (a "
                "Marian config's id 0)",
-               [(_CONFIG, "return self.eos_id if self.forced_eos_id is None else self.forced_eos_id",
+               [(_CONFIG, "return self.eos_id if forced is None else forced",
                  "return self.eos_id")], HF_GENERATE + ["-k", "forced_token_other and numpy"], CONVENTIONS,
                shared=DECODING_PORTS),
     consistent("hf-decoding", "the suppressed tokens always the paper's pad and bos, not the config's",
-               [(_CONFIG, "return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids",
+               [(_CONFIG, "return (self.pad_id, self.bos_id) if suppressed is None else suppressed",
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
                shared=DECODING_PORTS),
     single("hf-decoding", "jax: the log-probabilities not renormalized after the suppressed tokens (renormalize "
-           "ignored)", JD, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
+           "ignored)", JD, "return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs",
            "return log_probs", CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and jax"]),
     consistent("hf-decoding", "renormalize ignored: the log-probabilities left as the softmax gave them (opus-mt's "
                "renormalize_logits)", [
-                   (RD, "return log_softmax(log_probs) if config.renormalize else log_probs", "return log_probs"),
-                   *[(port, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
+                   (RD, "return log_softmax(log_probs) if config.decoding.renormalize else log_probs", "return log_probs"),
+                   *[(port, "return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs",
                       "return log_probs") for port in (TD, JD, FD)],
                ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     single("hf-decoding", "keras: the budget the source length + 50 whatever max_output_length says (transformers' "
-           "max_new_tokens)", FD, "if cfg.max_output_length is None else tf.fill(", "if True else tf.fill(",
+           "max_new_tokens)", FD, "if cfg.decoding.max_output_length is None else tf.fill(", "if True else tf.fill(",
            CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and tf"]),
     consistent("hf-decoding", "max_output_length ignored: every budget the source length + 50, not generate's", [
-        (RD, "if cfg.max_output_length is None else np.full_like(", "if True else np.full_like("),
-        (FD, "if cfg.max_output_length is None else tf.fill(", "if True else tf.fill("),
-        (FD, "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else",
+        (RD, "if cfg.decoding.max_output_length is None else np.full_like(", "if True else np.full_like("),
+        (FD, "if cfg.decoding.max_output_length is None else tf.fill(", "if True else tf.fill("),
+        (FD, "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.decoding.max_output_length is None else",
          "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if True else"),
     ], HF_GENERATE + ["-k", "budget"], CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian"],
                shared=(TORCH, JAX)),
     consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [
         (RD, 'bound = limit if search.early_stopping == "never" else step', "bound = step"),
-        *[(port, 'bound = limit_penalty if config.early_stopping == "never" else penalty', "bound = penalty")
+        *[(port, 'bound = limit_penalty if config.decoding.early_stopping == "never" else penalty', "bound = penalty")
           for port in (JD, TD, FD)],
     ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
 ]
@@ -704,12 +704,12 @@ HF_DECODING = [
 # every backend passes the ports' agreement with the reference on them
 HELD_BACK = ["tests/test_hf_generate.py", "-k", "held_back_tokens_decode_as_generate and marian and"]
 HELD_BACK_AGREEMENT = ["tests/test_hf_generate.py", "-k", "held_back_tokens_agree_across_backends"]
-_HELD_EOS = {RD: "if step < config.min_output_length:", TD: "if step < config.min_output_length:",
-             JD: "& (step < config.min_output_length)", FD: "& (step < config.min_output_length)"}
-_NGRAM_SIZE = {RD: ("    n = config.no_repeat_ngram_size\n",
-                    "    n = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0)\n"),
-               **{port: ("n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]",
-                         "n, vocab = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0), "
+_HELD_EOS = {RD: "if step < config.decoding.min_output_length:", TD: "if step < config.decoding.min_output_length:",
+             JD: "& (step < config.decoding.min_output_length)", FD: "& (step < config.decoding.min_output_length)"}
+_NGRAM_SIZE = {RD: ("    n = config.decoding.no_repeat_ngram_size\n",
+                    "    n = config.decoding.no_repeat_ngram_size + (config.decoding.no_repeat_ngram_size > 0)\n"),
+               **{port: ("n, vocab = config.decoding.no_repeat_ngram_size, log_probs.shape[1]",
+                         "n, vocab = config.decoding.no_repeat_ngram_size + (config.decoding.no_repeat_ngram_size > 0), "
                          "log_probs.shape[1]") for port in (TD, JD, FD)}}
 HELD_BACK_DECODING = [
     single("hf-decoding", "jax: beam search forces no first token when the call names none (the config's "
@@ -718,7 +718,7 @@ HELD_BACK_DECODING = [
            "forced_bos_id = forced_bos_id if forced_bos_id is None else check_forced_bos(cfg, forced_bos_id)",
            HF_GENERATE + ["-k", "forced_first and jax"]),
     consistent("hf-decoding", "the config's forced_bos_id ignored: nothing forced when a call names no first token",
-               [(RD, "        return config.forced_bos_id\n", "        return None\n")],
+               [(RD, "        return config.decoding.forced_bos_id\n", "        return None\n")],
                HF_GENERATE + ["-k", "forced_first and numpy"], CONVENTIONS, shared=DECODING_PORTS),
     single("held-back", "jax: eos held back one output step less than min_output_length says", JD, _HELD_EOS[JD],
            _HELD_EOS[JD].replace("step <", "step + 1 <"), [*HELD_BACK[:-1], HELD_BACK[-1] + " jax"]),
@@ -913,7 +913,7 @@ HF_EXPORT = [
            "transformer_hf/generation.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
            ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
-           "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
+           "transformer_tasks/translation.py", "self.beam_size = model.config.decoding.beam_size if beam_size is None",
            "self.beam_size = 1 if beam_size is None", ["tests/test_hf_tokenizers.py", "-k", "own_beam"]),
     single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
            "holds", "transformer_hf/files.py", "    if unsafe:\n", "    if False:\n",
@@ -1206,7 +1206,7 @@ BENCH = [
     single("bench", "bench's transformers peer masks a target's pad start token", "transformer_bench/peers.py",
            "read[:, 0] = True", "read[:, 0] = read[:, 0]", BENCH_CHECKPOINT),
     single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
-           "config.replace(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
+           "config.with_decoding(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
     single("bench", "bench: the inputs drawn from every id, special ones included", _BENCH_MODULE,
            "source_ids, target_ids = ordinary_ids(config)\n    src =",
            "source_ids, target_ids = (np.arange(config.src_vocab_size), np.arange(config.tgt_vocab_size))\n    src =",
@@ -1235,9 +1235,9 @@ ECOSYSTEM = [
            '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id)',
            '"tgt": pad_rows([ids[:-1] for ids in labels], config.pad_id)',
            [ECOSYSTEM_TESTS, "-k", "torch_dataset_collates"]),
-    single("ecosystem", "from_pretrained: a port's model of a Hugging Face directory without its tokenizer",
-           "transformer_hf/pretrained.py", "            model.tokenizer_json = text\n",
-           "            model.tokenizer_json = None\n",
+    single("ecosystem", "from_pretrained: a Hugging Face directory's model without its tokenizer",
+           "transformer_hf/pretrained.py", "        config, params, text = read_hf_directory(name_or_path)\n",
+           "        config, params, _ = read_hf_directory(name_or_path)\n        text = None\n",
            ["tests/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory"]),
     single("ecosystem", "from_pretrained: a port's model of a file ignores dtype", "transformer_hf/pretrained.py",
            "port.load_checkpoint(name_or_path, dtype, **placed)", "port.load_checkpoint(name_or_path, **placed)",

@@ -348,7 +348,7 @@ def _tiny_marian(models: dict, workdir: Path) -> Outcome:
     config, params = load_checkpoint(path)
     models["tiny Marian"] = (config, params, marian_source(config))
     return Outcome(ok=True, note=f"imported: {config.n_encoder_layers}+{config.n_decoder_layers} layers, "
-                                 f"{config.tgt_vocab_size} ids, beam {config.beam_size}")
+                                 f"{config.tgt_vocab_size} ids, beam {config.decoding.beam_size}")
 
 
 def marian_checkpoint(directory: Path, sizes: dict, randomize: bool) -> Path:
@@ -563,7 +563,7 @@ def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
     else:
         _, config, params = bench.bench_model(model_name, None)
     if model_name == "tiny":                   # a smoke test of the calls: a short budget, small shapes
-        config = config.replace(max_output_length=QUICK_DECODE_TOKENS)
+        config = config.with_decoding(max_output_length=QUICK_DECODE_TOKENS)
     shapes = (2, 16, 16, QUICK_DECODE_TOKENS) if model_name == "tiny" else (8, 128, 128, 128)   # B, S, T, decoded
     models[model_name] = (config, params, shapes)
     return Outcome(ok=True, note=f"d_model {config.d_model}, {config.n_encoder_layers}+{config.n_decoder_layers} "

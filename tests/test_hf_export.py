@@ -56,7 +56,7 @@ CONFIGS = {
                             tgt_vocab_size=33, pad_id=5, bos_id=3, eos_id=0),
     # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
     "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
-                             pad_id=1, bos_id=0, eos_id=2, max_output_length=9),
+                             pad_id=1, bos_id=0, eos_id=2).with_decoding(max_output_length=9),
     # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
     "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
@@ -180,11 +180,12 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     model.generation_config.no_repeat_ngram_size = 3
     model.save_pretrained(tmp_path / "hf")
     first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
-    assert (first.min_output_length, first.no_repeat_ngram_size, first.forced_bos_id) == (
+    assert (first.decoding.min_output_length, first.decoding.no_repeat_ngram_size, first.decoding.forced_bos_id) == (
         (5, 3, None) if family == "marian" else (4, 3, 6))
-    assert first.length_normalization == "hf" and first.decoder_start_id is not None and first.beam_size == 3
-    assert first.renormalize == (family == "marian")
-    assert (first.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
+    decoding = first.decoding
+    assert decoding.length_normalization == "hf" and decoding.decoder_start_id is not None and decoding.beam_size == 3
+    assert decoding.renormalize == (family == "marian")
+    assert (first.decoding.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
     status = main(["export", "--to", "hf", str(tmp_path / "first.safetensors"), str(tmp_path / "exported")])
     assert status == EXIT_OK
     assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first
@@ -213,8 +214,8 @@ def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
     back = import_hf(directory, tmp_path / "back.safetensors")
     _, imported = load_checkpoint(tmp_path / "back.safetensors")
     # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (export)
-    hf_decoding = config.replace(length_normalization="hf",
-                                 max_output_length=config.max_output_length or config.max_len)
+    hf_decoding = config.with_decoding(length_normalization="hf",
+                                       max_output_length=config.decoding.max_output_length or config.max_len)
     if case != "paper":
         assert back == hf_decoding
         assert imported.keys() == params.keys()

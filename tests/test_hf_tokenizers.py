@@ -299,7 +299,7 @@ def test_the_commands_search_with_an_imported_models_own_beam(marian, tmp_path, 
     settings = json.loads((directory / "generation_config.json").read_text())
     (directory / "generation_config.json").write_text(json.dumps({**settings, "num_beams": 3}))
     checkpoint = str(tmp_path / "beam-3.safetensors")
-    assert import_hf(directory, checkpoint).beam_size == 3
+    assert import_hf(directory, checkpoint).decoding.beam_size == 3
     outputs = {}
     for beam in ([], ["--beam", "3"], ["--beam", "1"]):
         assert main(["translate", "--checkpoint", checkpoint, "--dtype", "float64", *beam, *SOURCE]) == 0

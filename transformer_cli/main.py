@@ -657,7 +657,7 @@ def describe_decoding(config: TransformerConfig) -> str:
     ``max_output_length`` sets), for ``import``'s last line."""
     from transformer_hf.generation import generate_budget
 
-    search = "greedy" if config.beam_size == 1 else f"beam {config.beam_size}"
+    search = "greedy" if config.decoding.beam_size == 1 else f"beam {config.decoding.beam_size}"
     return f"decoding as generate: {search}, at most {generate_budget(config)} tokens a sentence (docs/huggingface.md)"
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reference_numpy.config import MAX_BEAM_SIZE, TransformerConfig
+from reference_numpy.config import MAX_BEAM_SIZE, DecodingConfig, TransformerConfig
 
 GENERATE_NEW_TOKENS = 20         # generate's budget without max_new_tokens or max_length (its default max_length 20)
 # transformers' generation settings that make ``generate`` choose other tokens than the reference's decoding, with
@@ -54,13 +54,12 @@ GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 
 def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], max_len: int,
-                         source: str) -> dict[str, Any]:
-    """The config's decoding fields from transformers' generation settings (``source``: the file they come from;
-    the module docstring says which) for the model's (pad, bos, eos) ``ids`` and ``max_position_embeddings``
-    (``max_len``), each refused in one line naming the field when transformers would decode otherwise than the
-    reference can: a bad word of several tokens, several forced eos tokens. A start token that is bos and
-    suppressed tokens that are pad and bos are the config's defaults (None), as an exported checkpoint holds
-    them."""
+                         source: str) -> DecodingConfig:
+    """The config's decoding (:class:`DecodingConfig`) from transformers' generation settings (``source``: the file they
+    come from; the module docstring says which) for the model's (pad, bos, eos) ``ids`` and ``max_position_embeddings``
+    (``max_len``), each refused in one line naming the field when transformers would decode otherwise than the reference
+    can: a bad word of several tokens, several forced eos tokens. A start token that is bos and suppressed tokens that
+    are pad and bos are the config's defaults (None), as an exported checkpoint holds them."""
     pad, bos, eos = ids
     _check_neutral(generation, eos, source)
     start = generation.get("decoder_start_token_id")
@@ -95,14 +94,14 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
                          f"pad ({pad}) and eos ({eos}), or none")
     # generate replaces min_length by min_new_tokens + its input length (the start token) when min_new_tokens is set
     min_new_tokens = generation.get("min_new_tokens")
-    return dict(decoder_start_id=None if start == bos else start,
-                suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else suppressed,
-                renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
-                forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
-                length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping,
-                beam_size=beams, forced_bos_id=forced_bos,
-                no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
-                min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1)
+    return DecodingConfig(
+        decoder_start_id=None if start == bos else start,
+        suppressed_ids=None if sorted(suppressed) == sorted({pad, bos}) else tuple(suppressed),
+        renormalize=renormalize, max_output_length=_new_tokens(generation, max_len, source),
+        forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
+        length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping, beam_size=beams,
+        forced_bos_id=forced_bos, no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
+        min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1)
 
 
 def _forced_eos(generation: dict[str, Any], source: str) -> int | None:
@@ -149,7 +148,7 @@ def _check_neutral(generation: dict[str, Any], eos: int, source: str) -> None:
 def special_ids(config: TransformerConfig) -> dict[str, Any]:
     """pad, bos, eos, the token decoding starts from (``config.start_id``) and the forced eos (Marian's config
     forces one by default; the reference only with ``forced_eos``: ``forced_last_id``)."""
-    forced = config.forced_last_id if config.forced_eos else None
+    forced = config.forced_last_id if config.decoding.forced_eos else None
     return {"pad_token_id": config.pad_id, "bos_token_id": config.bos_id, "eos_token_id": config.eos_id,
             "decoder_start_token_id": config.start_id, "forced_eos_token_id": forced}
 
@@ -157,16 +156,18 @@ def special_ids(config: TransformerConfig) -> dict[str, Any]:
 def generation_config(config: TransformerConfig) -> dict[str, Any]:
     """``generation_config.json``: the checkpoint's decoding conventions as transformers' ``generate`` reads them
     (module docstring), its beam ``beam_size`` (greedy by default)."""
-    suppressed = (config.pad_id, config.bos_id) if config.suppressed_ids is None else config.suppressed_ids
-    bad_words = {"bad_words_ids": [[token] for token in sorted(set(suppressed))]} if suppressed else {}
-    return {**special_ids(config), "num_beams": config.beam_size, "do_sample": False,
-            "max_length": generate_budget(config) + 1, **bad_words, "renormalize_logits": config.renormalize,
-            "length_penalty": config.length_penalty, "early_stopping": config.early_stopping,
-            "min_length": config.min_output_length, "no_repeat_ngram_size": config.no_repeat_ngram_size,
-            "forced_bos_token_id": config.forced_bos_id}
+    decoding = config.decoding
+    bad_words = {"bad_words_ids": [[token] for token in sorted(set(config.never_emitted))]} if config.never_emitted \
+        else {}
+    return {**special_ids(config), "num_beams": decoding.beam_size, "do_sample": False,
+            "max_length": generate_budget(config) + 1, **bad_words, "renormalize_logits": decoding.renormalize,
+            "length_penalty": decoding.length_penalty, "early_stopping": decoding.early_stopping,
+            "min_length": decoding.min_output_length, "no_repeat_ngram_size": decoding.no_repeat_ngram_size,
+            "forced_bos_token_id": decoding.forced_bos_id}
 
 
 def generate_budget(config: TransformerConfig) -> int:
-    """The output budget of every sentence in ``generate``: ``max_output_length`` (capped at ``max_len``, as
+    """The output budget of every sentence in ``generate``: ``decoding.max_output_length`` (capped at ``max_len``, as
     :func:`reference_numpy.decoding.max_output_lengths` caps it), or ``max_len``."""
-    return min(config.max_len if config.max_output_length is None else config.max_output_length, config.max_len)
+    budget = config.decoding.max_output_length
+    return min(config.max_len if budget is None else budget, config.max_len)

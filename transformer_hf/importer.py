@@ -84,13 +84,13 @@ def config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     sizes: dict[str, Any] = {name: field(hf, hf_name) for name, hf_name in (
         ("d_model", "d_model"), ("n_heads", "encoder_attention_heads"), ("d_ff", "encoder_ffn_dim"),
         ("n_encoder_layers", "encoder_layers"), ("n_decoder_layers", "decoder_layers"))}
-    conventions = decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
-                                       CONFIG_FILE if generation is None else GENERATION_FILE)
+    decoding = decoding_conventions(hf if generation is None else generation, (pad, bos, eos), max_len,
+                                    CONFIG_FILE if generation is None else GENERATION_FILE)
     try:                                   # the fields above name their own file; the config's checks name none
         return TransformerConfig(
             **sizes, **architecture, dropout=float(dropout), layer_norm_eps=LAYER_NORM_EPS, max_len=max_len,
             pad_id=pad, bos_id=bos, eos_id=eos, activation=ACTIVATIONS[activation],
-            scale_embeddings=bool(hf.get("scale_embedding", chosen.DEFAULTS["scale_embedding"])), **conventions)
+            scale_embeddings=bool(hf.get("scale_embedding", chosen.DEFAULTS["scale_embedding"])), decoding=decoding)
     except ValueError as err:
         raise ValueError(f"config.json: {str(err).splitlines()[0]}") from None
 

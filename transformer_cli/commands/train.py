@@ -432,10 +432,10 @@ def average_checkpoints(paths: list[str]) -> tuple[TransformerConfig, dict[str, 
     for path in paths[1:]:
         other, params = load_checkpoint(path)
         if other != config:
-            changed = next(f.name for f in dataclasses.fields(config)
-                           if getattr(other, f.name) != getattr(config, f.name))
-            raise ValueError(f"{path!r} is another model than {paths[0]!r}: {changed} {getattr(other, changed)}, not "
-                             f"{getattr(config, changed)}")
+            ours, theirs = config.to_dict(), other.to_dict()                  # the header's fields, decoding's too
+            changed = next(name for name in ours if theirs[name] != ours[name])
+            raise ValueError(f"{path!r} is another model than {paths[0]!r}: {changed} {theirs[changed]}, not "
+                             f"{ours[changed]}")
         for name, value in params.items():
             if value.dtype != first[name].dtype:
                 raise ValueError(f"{path!r}: tensor {name!r} is {value.dtype}, {first[name].dtype} in {paths[0]!r}; "
