@@ -269,6 +269,9 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
                                zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
                                moments.items()}}
     if tokenizer is not None:
+        if not isinstance(tokenizer, str):
+            raise ValueError(f"tokenizer must be a tokenizer's JSON text (Tokenizer.to_json()) or None, got "
+                             f"{tokenizer!r}")
         stored = stored_tokenizer(tokenizer)
         check_stored_tokenizer(stored, config)
         metadata.update(tokenizer=tokenizer, tokenizer_version=TOKENIZER_VERSIONS[stored.kind])
@@ -447,21 +450,6 @@ def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = N
     return CheckpointReader(path).read_training(dtype=dtype)
 
 
-def tokenizer_to_save(model: object, tokenizer: str | bool | None = None) -> str | None:
-    """The tokenizer a port's ``save_checkpoint(model, path, training, tokenizer)`` writes: ``tokenizer`` (its JSON
-    text), none (``False``), or by default (``None``) the one the model was loaded with, which every port's
-    ``load_checkpoint`` keeps as ``model.tokenizer_json`` (None: the file had none, or the model was not loaded from
-    a file). So a loaded model saved after fine-tuning still translates text. Anything else is one ``ValueError``."""
-    if tokenizer is None:
-        return getattr(model, "tokenizer_json", None)
-    if tokenizer is False:
-        return None
-    if not isinstance(tokenizer, str):
-        raise ValueError(f"tokenizer must be a tokenizer's JSON text (Tokenizer.to_json()), None (the model's own) or "
-                         f"False (none), got {tokenizer!r}")
-    return tokenizer
-
-
 def load_tokenizer_json(path: str | os.PathLike) -> str | None:
     """The JSON text of the tokenizer saved in the checkpoint (checked as :func:`check_stored_tokenizer` checks it),
     or None if it has none. Reads the file's header only. (The project's BPE tokenizer, ready to encode and
@@ -502,9 +490,9 @@ class CheckpointReader:
     """A checkpoint read one tensor at a time, so that a backend puts each tensor straight into its framework's
     memory and never holds the weights twice (docs/checkpoint-format.md, "Reading a file").
 
-    Made, it has read and checked the file's header: the metadata, ``config``, ``dtype`` (the tensors' one dtype),
-    ``tokenizer_json`` (the saved tokenizer's JSON text, checked against the config; None if the file has none)
-    and every tensor's name, shape and dtype (:func:`validate_params`'s checks but finiteness). A problem is
+    Made, it has read and checked the file's header: the metadata (a tokenizer's included, which it does not
+    keep: :func:`load_stored_tokenizer` reads it), ``config``, ``dtype`` (the tensors' one dtype) and every tensor's
+    name, shape and dtype (:func:`validate_params`'s checks but finiteness). A problem is
     :func:`load_checkpoint`'s one ``ValueError``, raised where it is met: a header's before any tensor is read.
     """
 
@@ -512,9 +500,8 @@ class CheckpointReader:
         self.path, self._file = path, resolve_checkpoint(path)
         self.training: TrainingState | None = None
         with _naming(path):
-            metadata, self.config, self._record, self._start, self._entries = _read_file(self._file)
+            _, self.config, self._record, self._start, self._entries = _read_file(self._file)
             self.dtype = _check_entries(self.config, self._entries)
-        self.tokenizer_json: str | None = metadata.get("tokenizer")
 
     def read(self, allocate: Allocate | None = None, moments: Allocate | None = None,
              ) -> Iterator[tuple[str, np.ndarray]]:

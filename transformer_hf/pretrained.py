@@ -8,9 +8,9 @@ jax or tf) from
   :mod:`.importer`, nothing written.
 
 ``tokenizer`` is the one the file or directory holds, ready to encode and decode (the project's BPE, or the family's
-:class:`.tokenizers.FamilyTokenizer`; the ``text`` extra's ``tokenizers``), or None where it holds none; a port's
-model keeps its JSON text as ``model.tokenizer_json``, as its ``load_checkpoint`` does, so that its
-``save_checkpoint`` writes it. ``dtype`` (float64, float32, bfloat16 or float16) rounds the weights; by default they
+:class:`.tokenizers.FamilyTokenizer`; the ``text`` extra's ``tokenizers``), or None where it holds none. The model holds
+no tokenizer: the pair travels together, and a save writes the tokenizer it is given (``save_checkpoint(model, path,
+tokenizer=tokenizer.to_json())``). ``dtype`` (float64, float32, bfloat16 or float16) rounds the weights; by default they
 keep the file's dtype (a directory's float16 weights load as float32, as :func:`.importer.load_hf` reads them).
 ``device`` places a PyTorch or JAX model (by default the framework's own choice); TensorFlow places its model by
 ``tf.device``, the reference on the CPU.
@@ -60,11 +60,8 @@ def from_pretrained(name_or_path: str | os.PathLike, backend: str = "numpy", dty
     if is_hf_directory(name_or_path):
         config, params, text = read_hf_directory(name_or_path)
         dtype = model_dtype(params, dtype)
-        if port is None:
-            model = Transformer(config, params, dtype)
-        else:
-            model = port.from_params(config, params, dtype, **placed)
-            model.tokenizer_json = text
+        model = Transformer(config, params, dtype) if port is None else port.from_params(config, params, dtype,
+                                                                                         **placed)
     elif port is None:
         config, params, _ = load_run(name_or_path, dtype)
         model, text = Transformer(config, params, model_dtype(params, dtype)), load_tokenizer_json(name_or_path)

@@ -116,23 +116,21 @@ def _check_shape(model: Transformer, name: str, shape: tuple[int, ...], variable
 def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> Transformer:
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as
     ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
-    the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    the dtype the file holds). The file's tokenizer is read beside it, not kept in the model
+    (``reference_numpy.checkpoint.load_tokenizer_json``)."""
     reader = reference.CheckpointReader(path)
     model = _empty_model(reader.config, (reader.dtype if dtype is None else parse_dtype(dtype)).name)
     _read_into(model, reader)
     reference.release_freed_memory()                                     # arrays rounded and assigned, dropped
-    model.tokenizer_json = reader.tokenizer_json
     return model
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
-                    tokenizer: str | bool | None = None) -> None:
+                    tokenizer: str | None = None) -> None:
     """Write the model (and a run's ``training`` state, from ``training.training_state``) as a shared checkpoint,
-    atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or F16 file), with the tokenizer the
-    model was loaded with, unless ``tokenizer`` gives another (its JSON text) or ``False`` (none)
-    (``reference_numpy.checkpoint.tokenizer_to_save``)."""
-    reference.save_checkpoint(path, model.config, to_params(model), training,
-                              reference.tokenizer_to_save(model, tokenizer))
+    atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or F16 file), and with ``tokenizer`` (its
+    JSON text: the model holds none, it travels beside it) the tokenizer."""
+    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
 def _empty_model(config: TransformerConfig, dtype: str) -> Transformer:
