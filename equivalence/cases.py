@@ -42,10 +42,9 @@ VARIANTS: dict[str, TransformerConfig] = {
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
     "layer_norm_eps": _TINY.replace(norm_first=True, layer_norm_eps=1e-2),
-    "marian": _TINY.replace(activation="silu", sinusoidal_layout="halves", output_bias=True,
-                            decoder_start_id=_TINY.pad_id, suppressed_ids=(_TINY.pad_id,), renormalize=True,
-                            max_output_length=12, forced_eos=True, forced_eos_id=4, length_normalization="hf",
-                            length_penalty=1.0),
+    "marian": _TINY.replace(activation="silu", sinusoidal_layout="halves", output_bias=True).with_decoding(
+        decoder_start_id=_TINY.pad_id, suppressed_ids=(_TINY.pad_id,), renormalize=True, max_output_length=12,
+        forced_eos=True, forced_eos_id=4, length_normalization="hf", length_penalty=1.0),
     "fairseq": _TINY.replace(norm_first=True, activation="gelu", sinusoidal_layout="fairseq",
                              scale_embeddings=False),
 }

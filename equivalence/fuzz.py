@@ -151,7 +151,7 @@ def conventions(draw: st.DrawFn, config: TransformerConfig) -> TransformerConfig
     not_eos = [token for token in range(config.tgt_vocab_size) if token != config.eos_id]
     normalization = draw(st.sampled_from(LENGTH_NORMALIZATIONS))
     forced_eos = draw(st.booleans())
-    return config.replace(
+    return config.with_decoding(
         decoder_start_id=draw(st.none() | st.integers(0, config.tgt_vocab_size - 1)),
         suppressed_ids=draw(st.none() | st.lists(st.sampled_from(not_eos), unique=True, max_size=len(not_eos) - 1)),
         renormalize=draw(st.booleans()), forced_eos=forced_eos,

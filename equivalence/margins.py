@@ -49,11 +49,11 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
     reference's own greedy output (with ``forced_bos_id``); ``inf`` once a row has finished (ended with eos or
     reached its length budget) and at a forced step; 0 where a log-probability is NaN (it decides nothing).
 
-    One teacher-forced pass gives every step's log-probabilities: the decoder is causal (section 3.2.3) and reads
-    its prefix under the causal mask alone, so position t sees the start token and the first t tokens, exactly the
-    prefix the greedy step saw. The tokens of ``config.never_emitted`` and the held-back ones (``constrain``) are left
-    out, as the decoder never emits them (and the others renormalized with ``config.renormalize``, as the decoder
-    does: the gaps are the same, the scale is the decoder's).
+    One teacher-forced pass gives every step's log-probabilities: the decoder is causal (section 3.2.3) and reads its
+    prefix under the causal mask alone, so position t sees the start token and the first t tokens, exactly the prefix
+    the greedy step saw. The tokens of ``config.never_emitted`` and the held-back ones (``constrain``) are left out, as
+    the decoder never emits them (and the others renormalized with ``config.decoding.renormalize``, as the decoder does:
+    the gaps are the same, the scale is the decoder's).
     """
     config = model.config
     forced_bos_id = check_forced_bos(config, forced_bos_id)                                 # or the config's
@@ -110,7 +110,8 @@ def stop_margin(candidates: np.ndarray, finished: tuple[tuple[float, list[int]],
     "never" (exact: a later hypothesis cannot beat what they keep, so a near-tie there changes no result), True
     (it counts the finished hypotheses, which the step margins decide), fewer than ``beam_size`` finished or no live
     beam left."""
-    if config.length_normalization != "hf" or config.early_stopping is not False or len(finished) < beam_size:
+    decoding = config.decoding
+    if decoding.length_normalization != "hf" or decoding.early_stopping is not False or len(finished) < beam_size:
         return np.inf
     live = select_candidates(candidates, config.eos_id, beam_size).scores
     if len(live) == 0:

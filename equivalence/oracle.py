@@ -13,8 +13,8 @@ from equivalence import tolerance
 from equivalence.backends import numpy as reference
 from equivalence.margins import greedy_margins
 from reference_numpy import TransformerConfig
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
+from transformer_hf.tokenizers import FamilyTokenizer
 
 DTYPES = ("float64", "float32")   # the default; any of reference_numpy.precision.DTYPE_NAMES may be asked for
 # What compare translates with a tokenizer: rules of French number words (et un/onze, quatre-vingt(s), cent(s))

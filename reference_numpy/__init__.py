@@ -18,7 +18,7 @@ from .checkpoint import (
     save_checkpoint,
     validate_params,
 )
-from .config import PRESETS, TrainingConfig, TransformerConfig
+from .config import PRESETS, DecodingConfig, TrainingConfig, TransformerConfig
 from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
 from .incremental import KVCache
 from .model import (
@@ -44,12 +44,11 @@ from .model import (
     sinusoidal_positional_encoding,
     target_mask,
 )
-from .pretrained import from_pretrained
 from .variants import position_ids
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "TrainingConfig", "TrainingState", "TransformerConfig",
-    "count_parameters", "from_pretrained", "init_params",
+    "FORMAT_VERSION", "PRESETS", "DecodingConfig", "TrainingConfig", "TrainingState", "TransformerConfig",
+    "count_parameters", "init_params",
     "load_checkpoint", "load_training_state", "parameter_shapes", "save_checkpoint",
     "validate_params",
     "beam_search", "greedy_decode", "length_penalty", "max_output_lengths",

@@ -6,8 +6,9 @@
 * optionally (format version 2) a training run's state: Adam's moments as ``adam.m.NAME`` and
   ``adam.v.NAME`` beside each tensor, and ``training`` (step count, training config and a float16 run's loss
   scale, JSON);
-* optionally a tokenizer (``tokenizer``: its JSON text, with ``tokenizer_version``; see
-  :mod:`reference_numpy.tokenizer`), so that one file is a complete translator;
+* optionally a tokenizer (``tokenizer``: its JSON text, with ``tokenizer_version``), so that one file is a complete
+  translator: the project's BPE (:mod:`reference_numpy.tokenizer`), checked here, or a record another layer writes and
+  reads, which the reference stores and returns as data (:class:`StoredTokenizer`);
 * all tensors have one dtype: float32, float64, bfloat16 or float16 (safetensors' F32, F64, BF16, F16);
 * nothing in a checkpoint is ever executed: safetensors is a JSON header plus raw bytes.
 
@@ -46,9 +47,8 @@ from safetensors.numpy import save as _safetensors_save
 
 from . import precision, records
 from .config import TrainingConfig, TransformerConfig
-from .hf_tokenizer import FamilyTokenizer, check_any_tokenizer, read_tokenizer, tokenizer_version
 from .precision import BFLOAT16, FLOAT16, parse_dtype, round_to
-from .tokenizer import Tokenizer
+from .tokenizer import TOKENIZER_VERSION, check_tokenizer_json
 
 try:
     import fcntl
@@ -65,6 +65,38 @@ PARTIAL_SUFFIX = ".partial"  # NAME.<8 hex digits>.partial: a save in progress, 
 # every layer above it -- the ports, the harness, the command line's default model -- finds them by name.
 _SHIPPED_DIRECTORY = Path(__file__).resolve().parent / "models"
 SHIPPED_MODELS = {"numbers-en-fr": _SHIPPED_DIRECTORY / "numbers-en-fr.safetensors"}
+# A checkpoint's tokenizer is of one of two kinds, told apart by its text and written beside it as tokenizer_version:
+# BPE, the project's own (reference_numpy/tokenizer.py), checked against the config here; RECORD, a record that another
+# layer writes and reads (a Hugging Face family's tokenizer: its fields, checks and code live with the families,
+# docs/checkpoint-format.md), which the reference stores and returns as data: a JSON object naming its "family".
+BPE, RECORD = "bpe", "record"
+TOKENIZER_VERSIONS = {BPE: TOKENIZER_VERSION, RECORD: "2"}
+
+
+class StoredTokenizer(NamedTuple):
+    """A checkpoint's tokenizer as data: its JSON ``text`` and its ``kind``, :data:`BPE` or :data:`RECORD`."""
+
+    text: str
+    kind: str
+
+
+def stored_tokenizer(text: str) -> StoredTokenizer:
+    """``text`` with its kind: a record when it is a JSON object naming its ``family``, else the project's BPE."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        data = None
+    return StoredTokenizer(text, RECORD if isinstance(data, dict) and "family" in data else BPE)
+
+
+def check_stored_tokenizer(stored: StoredTokenizer, config: TransformerConfig) -> None:
+    """A tokenizer as the reference checks it, with the standard library: the project's BPE against ``config``
+    (:func:`reference_numpy.tokenizer.check_tokenizer_json`); a record as a JSON object whose ``family`` is a
+    string (the layer that reads a record checks its other fields). One ``ValueError`` naming the field."""
+    if stored.kind == BPE:
+        check_tokenizer_json(stored.text, config)
+    else:
+        records.record(records.parse_json(stored.text, "tokenizer"), "tokenizer", {"family": str}, others=True)
 
 
 # ----------------------------------------------------------------------------- the name table
@@ -237,8 +269,12 @@ def save_checkpoint(path: str | os.PathLike, config: TransformerConfig, params: 
                                zip(MOMENTS, (training.first_moments, training.second_moments)) for name, value in
                                moments.items()}}
     if tokenizer is not None:
-        check_any_tokenizer(tokenizer, config)
-        metadata.update(tokenizer=tokenizer, tokenizer_version=tokenizer_version(tokenizer))
+        if not isinstance(tokenizer, str):
+            raise ValueError(f"tokenizer must be a tokenizer's JSON text (Tokenizer.to_json()) or None, got "
+                             f"{tokenizer!r}")
+        stored = stored_tokenizer(tokenizer)
+        check_stored_tokenizer(stored, config)
+        metadata.update(tokenizer=tokenizer, tokenizer_version=TOKENIZER_VERSIONS[stored.kind])
     data = _safetensors_save(params, metadata=metadata)
     try:
         _replace_atomically(Path(os.path.realpath(path)), data)
@@ -414,33 +450,18 @@ def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = N
     return CheckpointReader(path).read_training(dtype=dtype)
 
 
-def tokenizer_to_save(model: object, tokenizer: str | bool | None = None) -> str | None:
-    """The tokenizer a port's ``save_checkpoint(model, path, training, tokenizer)`` writes: ``tokenizer`` (its JSON
-    text), none (``False``), or by default (``None``) the one the model was loaded with, which every port's
-    ``load_checkpoint`` keeps as ``model.tokenizer_json`` (None: the file had none, or the model was not loaded from
-    a file). So a loaded model saved after fine-tuning still translates text. Anything else is one ``ValueError``."""
-    if tokenizer is None:
-        return getattr(model, "tokenizer_json", None)
-    if tokenizer is False:
-        return None
-    if not isinstance(tokenizer, str):
-        raise ValueError(f"tokenizer must be a tokenizer's JSON text (Tokenizer.to_json()), None (the model's own) or "
-                         f"False (none), got {tokenizer!r}")
-    return tokenizer
-
-
 def load_tokenizer_json(path: str | os.PathLike) -> str | None:
-    """The JSON text of the tokenizer saved in the checkpoint (validated against its config), or None if it has
-    none. Reads the file's header only."""
+    """The JSON text of the tokenizer saved in the checkpoint (checked as :func:`check_stored_tokenizer` checks it),
+    or None if it has none. Reads the file's header only. (The project's BPE tokenizer, ready to encode and
+    decode: ``Tokenizer.from_json(text, config)``.)"""
     return _read_header(path)[0].get("tokenizer")
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer | FamilyTokenizer | None:
-    """The checkpoint's tokenizer, ready to encode and decode (Hugging Face ``tokenizers``, the ``text`` extra): the
-    project's BPE, or an imported family's (:mod:`reference_numpy.hf_tokenizer`); None if the file has none. Reads
-    the file's header only."""
+def load_stored_tokenizer(path: str | os.PathLike) -> tuple[StoredTokenizer, TransformerConfig] | None:
+    """The checkpoint's tokenizer as data (:class:`StoredTokenizer`), with the config it belongs to; None if the file
+    has none. Reads the file's header only."""
     metadata, config = _read_header(path)
-    return None if "tokenizer" not in metadata else read_tokenizer(metadata["tokenizer"], config)
+    return None if "tokenizer" not in metadata else (stored_tokenizer(metadata["tokenizer"]), config)
 
 
 def _read_header(path: str | os.PathLike) -> tuple[dict, TransformerConfig]:
@@ -469,9 +490,9 @@ class CheckpointReader:
     """A checkpoint read one tensor at a time, so that a backend puts each tensor straight into its framework's
     memory and never holds the weights twice (docs/checkpoint-format.md, "Reading a file").
 
-    Made, it has read and checked the file's header: the metadata, ``config``, ``dtype`` (the tensors' one dtype),
-    ``tokenizer_json`` (the saved tokenizer's JSON text, checked against the config; None if the file has none)
-    and every tensor's name, shape and dtype (:func:`validate_params`'s checks but finiteness). A problem is
+    Made, it has read and checked the file's header: the metadata (a tokenizer's included, which it does not
+    keep: :func:`load_stored_tokenizer` reads it), ``config``, ``dtype`` (the tensors' one dtype) and every tensor's
+    name, shape and dtype (:func:`validate_params`'s checks but finiteness). A problem is
     :func:`load_checkpoint`'s one ``ValueError``, raised where it is met: a header's before any tensor is read.
     """
 
@@ -479,9 +500,8 @@ class CheckpointReader:
         self.path, self._file = path, resolve_checkpoint(path)
         self.training: TrainingState | None = None
         with _naming(path):
-            metadata, self.config, self._record, self._start, self._entries = _read_file(self._file)
+            _, self.config, self._record, self._start, self._entries = _read_file(self._file)
             self.dtype = _check_entries(self.config, self._entries)
-        self.tokenizer_json: str | None = metadata.get("tokenizer")
 
     def read(self, allocate: Allocate | None = None, moments: Allocate | None = None,
              ) -> Iterator[tuple[str, np.ndarray]]:
@@ -709,11 +729,12 @@ def _read_training_record(text: str) -> dict:
 def _check_tokenizer_record(metadata: dict, config: TransformerConfig) -> None:
     if "tokenizer" not in metadata:
         return
-    expected = tokenizer_version(metadata["tokenizer"])      # 1: a tokenizers JSON text; 2: a family's record
+    stored = stored_tokenizer(metadata["tokenizer"])
+    expected = TOKENIZER_VERSIONS[stored.kind]              # 1: a tokenizers JSON text; 2: a record
     if metadata.get("tokenizer_version") != expected:
         raise ValueError(f"unknown tokenizer_version {metadata.get('tokenizer_version')!r} "
                          f"(this library reads version {expected})")
-    check_any_tokenizer(metadata["tokenizer"], config)
+    check_stored_tokenizer(stored, config)
 
 
 def _read_tensor(file: io.BufferedReader, start: int, name: str, entry: dict, allocate: Allocate) -> np.ndarray:

@@ -1,4 +1,7 @@
-"""One frozen configuration shared by the reference and every port.
+"""One frozen configuration shared by the reference and every port: the architecture (:class:`TransformerConfig`:
+Table 3 and the variants) holding the decoding (:class:`DecodingConfig`: section 6.1 and transformers' ``generate``
+conventions) as its field ``decoding``. A checkpoint's header holds both as one flat JSON object
+(:meth:`TransformerConfig.to_dict`, :meth:`TransformerConfig.from_dict`; docs/checkpoint-format.md).
 
 Presets follow Table 3 of "Attention Is All You Need" (Vaswani et al., 2017):
 ``base`` (N=6, d_model=512, d_ff=2048, h=8) and ``big`` (N=6, d_model=1024,
@@ -13,7 +16,8 @@ import dataclasses
 import json
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 import numpy as np
@@ -32,10 +36,6 @@ LENGTH_NORMALIZATIONS = ("gnmt", "hf")
 EARLY_STOPPING = (False, True, "never")
 LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, the default of ``length_penalty``
 MAX_BEAM_SIZE = 64          # the widest beam a checkpoint's ``beam_size`` or a command's --beam may ask for
-# The fields of TransformerConfig's decoding conventions (its docstring), whose defaults are section 6.1's decoding
-DECODING_CONVENTIONS = ("decoder_start_id", "suppressed_ids", "renormalize", "max_output_length", "forced_eos",
-                        "forced_eos_id", "length_normalization", "length_penalty", "early_stopping", "beam_size",
-                        "min_output_length", "no_repeat_ngram_size", "forced_bos_id")
 # The longest wavelength of the sinusoidal encoding is 10000 * 2 pi ~ 62,832 positions (section 3.5):
 # the encoding is designed for positions below it, and 2^16 is the next power of two. It also bounds
 # the (max_len, d_model) position tables, allocated at construction: 512 MiB each for ``big`` in float64.
@@ -78,45 +78,11 @@ class _Config:
 
 
 @dataclass(frozen=True)
-class TransformerConfig(_Config):
-    """Hyper-parameters of the encoder-decoder Transformer (section 3, Table 3).
-
-    Attributes:
-        src_vocab_size: number of source tokens.
-        tgt_vocab_size: number of target tokens.
-        d_model: model width (section 3.1); must be even (section 3.5) and divisible by ``n_heads``.
-        n_heads: number of attention heads h (section 3.2.2); d_k = d_v = d_model / h.
-        d_ff: inner width of the position-wise feed-forward network (section 3.3).
-        n_encoder_layers: N for the encoder stack (section 3.1).
-        n_decoder_layers: N for the decoder stack (section 3.1).
-        dropout: P_drop (section 5.4); used by the ports in training, ignored at inference.
-        layer_norm_eps: epsilon added to the biased variance in every LayerNorm.
-        norm_first: False is the paper's post-LN, LayerNorm(x + Sublayer(x)); True is pre-LN,
-            x + Sublayer(LayerNorm(x)), with a final LayerNorm after each stack.
-        positional_encoding: "sinusoidal" (section 3.5) or "learned" (Table 3, row E).
-        max_len: number of positions in the positional table; longest sequence the model accepts
-            (at most ``MAX_LEN_LIMIT`` = 65,536).
-        share_embeddings: one matrix for source embedding, target embedding and the
-            pre-softmax projection (section 3.4); requires equal vocabulary sizes.
-        pad_id, bos_id, eos_id: special token ids (padding, beginning and end of sequence).
-        activation: the feed-forward network's nonlinearity (:func:`reference_numpy.model.activation`):
-            "relu" (section 3.3, Eq. 2), "silu" (x sigmoid(x), Marian/opus-mt's "swish") or "gelu" (x Phi(x), the
-            exact erf form, Hugging Face's "gelu").
-        sinusoidal_layout: the sinusoidal table (:func:`reference_numpy.model.sinusoidal_positional_encoding`):
-            "interleaved" (section 3.5: sin in even columns, cos in odd ones), "halves" (Marian: the same
-            frequencies, every sine first, then every cosine) or "fairseq" (M2M100/NLLB: halves over the frequencies
-            10000^(-i / (D/2 - 1)), positions counted from pad_id + 1 over the non-pad tokens, padding given zeros;
-            :func:`reference_numpy.variants.position_ids`; needs d_model >= 4). Only with ``positional_encoding``
-            "sinusoidal".
-        scale_embeddings: multiply the token embeddings by sqrt(d_model) (section 3.4; Hugging Face's
-            ``scale_embedding``).
-        output_bias: a bias on the pre-softmax projection, the checkpoint tensor ``generator.bias`` (V_tgt,)
-            (Marian's ``final_logits_bias``); the paper's projection has none (section 3.4).
-
-    The last four default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
-
-    Decoding conventions (``reference_numpy/decoding.py``; the defaults are section 6.1's, so a checkpoint without
-    them decodes as before; Hugging Face's families set them on import, ``reference_numpy/hf_import.py``):
+class DecodingConfig(_Config):
+    """How the model decodes (``reference_numpy/decoding.py``): section 6.1's beam search and budget by default, and
+    the conventions of transformers' ``generate`` that an imported Hugging Face model sets (docs/huggingface.md).
+    Each field is checked on its own here; against the model (its vocabulary and special ids) by the
+    :class:`TransformerConfig` that holds it.
 
     Attributes:
         decoder_start_id: the token the decoder starts from (transformers' ``decoder_start_token_id``: Marian's pad,
@@ -155,6 +121,105 @@ class TransformerConfig(_Config):
             nothing.
     """
 
+    decoder_start_id: int | None = None
+    suppressed_ids: tuple[int, ...] | None = None
+    renormalize: bool = False
+    max_output_length: int | None = None
+    forced_eos: bool = False
+    forced_eos_id: int | None = None
+    length_normalization: str = "gnmt"
+    length_penalty: float = LENGTH_PENALTY_ALPHA
+    early_stopping: bool | str = False
+    beam_size: int = 1
+    min_output_length: int = 0
+    no_repeat_ngram_size: int = 0
+    forced_bos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        """Validate every field; NumPy scalars are accepted and stored as the Python values they equal,
+        ``suppressed_ids`` as a tuple."""
+        for name in ("forced_eos", "renormalize"):
+            self._store(name, _as_bool(name, getattr(self, name)))
+        self._store("length_penalty", _as_float("length_penalty", self.length_penalty))
+        for name in ("decoder_start_id", "forced_eos_id", "forced_bos_id"):
+            if getattr(self, name) is not None:
+                self._store(name, _as_int(name, getattr(self, name), minimum=0))
+        if self.suppressed_ids is not None:
+            if isinstance(self.suppressed_ids, (str, bytes)) or not isinstance(self.suppressed_ids, (list, tuple)):
+                raise ValueError(f"suppressed_ids must be a list of token ids, got {self.suppressed_ids!r}")
+            self._store("suppressed_ids", tuple(_as_int("suppressed_ids", token, minimum=0)
+                                                for token in self.suppressed_ids))
+        if self.forced_eos_id is not None and not self.forced_eos:
+            raise ValueError(f"forced_eos_id ({self.forced_eos_id}) needs forced_eos true (it names the token "
+                             "forced_eos forces)")
+        if self.max_output_length is not None:
+            self._store("max_output_length", _as_int("max_output_length", self.max_output_length, minimum=1))
+        if self.length_normalization not in LENGTH_NORMALIZATIONS:
+            raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
+                             f"got {self.length_normalization!r}")
+        if not self.length_penalty >= 0.0:
+            raise ValueError(f"length_penalty must be a finite number >= 0, got {self.length_penalty!r}")
+        if isinstance(self.early_stopping, np.bool_):
+            self._store("early_stopping", bool(self.early_stopping))
+        if not any(self.early_stopping is value or (isinstance(value, str) and self.early_stopping == value)
+                   for value in EARLY_STOPPING):
+            raise ValueError(f"early_stopping must be one of False, True, 'never', got {self.early_stopping!r}")
+        if self.early_stopping is not False and self.length_normalization != "hf":
+            raise ValueError(f"early_stopping {self.early_stopping!r} needs length_normalization 'hf' (the 'gnmt' "
+                             "search stops by its own exact rule)")
+        self._store("beam_size", _as_int("beam_size", self.beam_size, minimum=1))
+        if self.beam_size > MAX_BEAM_SIZE:
+            raise ValueError(f"beam_size must be <= {MAX_BEAM_SIZE}, got {self.beam_size}")
+        for name in ("min_output_length", "no_repeat_ngram_size"):
+            self._store(name, _as_int(name, getattr(self, name), minimum=0))
+
+
+# The fields of the decoding (DecodingConfig), whose defaults are section 6.1's decoding: in a checkpoint's header,
+# beside the architecture's own
+DECODING_CONVENTIONS = tuple(f.name for f in dataclasses.fields(DecodingConfig))
+
+
+@dataclass(frozen=True)
+class TransformerConfig(_Config):
+    """Hyper-parameters of the encoder-decoder Transformer (section 3, Table 3).
+
+    Attributes:
+        src_vocab_size: number of source tokens.
+        tgt_vocab_size: number of target tokens.
+        d_model: model width (section 3.1); must be even (section 3.5) and divisible by ``n_heads``.
+        n_heads: number of attention heads h (section 3.2.2); d_k = d_v = d_model / h.
+        d_ff: inner width of the position-wise feed-forward network (section 3.3).
+        n_encoder_layers: N for the encoder stack (section 3.1).
+        n_decoder_layers: N for the decoder stack (section 3.1).
+        dropout: P_drop (section 5.4); used by the ports in training, ignored at inference.
+        layer_norm_eps: epsilon added to the biased variance in every LayerNorm.
+        norm_first: False is the paper's post-LN, LayerNorm(x + Sublayer(x)); True is pre-LN,
+            x + Sublayer(LayerNorm(x)), with a final LayerNorm after each stack.
+        positional_encoding: "sinusoidal" (section 3.5) or "learned" (Table 3, row E).
+        max_len: number of positions in the positional table; longest sequence the model accepts
+            (at most ``MAX_LEN_LIMIT`` = 65,536).
+        share_embeddings: one matrix for source embedding, target embedding and the
+            pre-softmax projection (section 3.4); requires equal vocabulary sizes.
+        pad_id, bos_id, eos_id: special token ids (padding, beginning and end of sequence).
+        activation: the feed-forward network's nonlinearity (:func:`reference_numpy.model.activation`):
+            "relu" (section 3.3, Eq. 2), "silu" (x sigmoid(x), Marian/opus-mt's "swish") or "gelu" (x Phi(x), the
+            exact erf form, Hugging Face's "gelu").
+        sinusoidal_layout: the sinusoidal table (:func:`reference_numpy.model.sinusoidal_positional_encoding`):
+            "interleaved" (section 3.5: sin in even columns, cos in odd ones), "halves" (Marian: the same
+            frequencies, every sine first, then every cosine) or "fairseq" (M2M100/NLLB: halves over the frequencies
+            10000^(-i / (D/2 - 1)), positions counted from pad_id + 1 over the non-pad tokens, padding given zeros;
+            :func:`reference_numpy.variants.position_ids`; needs d_model >= 4). Only with ``positional_encoding``
+            "sinusoidal".
+        scale_embeddings: multiply the token embeddings by sqrt(d_model) (section 3.4; Hugging Face's
+            ``scale_embedding``).
+        output_bias: a bias on the pre-softmax projection, the checkpoint tensor ``generator.bias`` (V_tgt,)
+            (Marian's ``final_logits_bias``); the paper's projection has none (section 3.4).
+
+    The last four default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
+
+    ``decoding`` (a :class:`DecodingConfig`) holds how the model decodes; its defaults are section 6.1's.
+    """
+
     src_vocab_size: int = 37000
     tgt_vocab_size: int = 37000
     d_model: int = 512
@@ -175,19 +240,7 @@ class TransformerConfig(_Config):
     sinusoidal_layout: str = "interleaved"
     scale_embeddings: bool = True
     output_bias: bool = False
-    decoder_start_id: int | None = None
-    suppressed_ids: tuple[int, ...] | None = None
-    renormalize: bool = False
-    max_output_length: int | None = None
-    forced_eos: bool = False
-    forced_eos_id: int | None = None
-    length_normalization: str = "gnmt"
-    length_penalty: float = LENGTH_PENALTY_ALPHA
-    early_stopping: bool | str = False
-    beam_size: int = 1
-    min_output_length: int = 0
-    no_repeat_ngram_size: int = 0
-    forced_bos_id: int | None = None
+    decoding: DecodingConfig = field(default_factory=lambda: DecodingConfig())
 
     def __post_init__(self) -> None:
         """Validate every field; NumPy scalars (``np.int64(16)``, ``np.float32(0.1)``, ``np.bool_``)
@@ -197,10 +250,9 @@ class TransformerConfig(_Config):
             self._store(name, _as_int(name, getattr(self, name), minimum=1))
         for name in ("pad_id", "bos_id", "eos_id"):
             self._store(name, _as_int(name, getattr(self, name), minimum=0))
-        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias", "forced_eos",
-                     "renormalize"):
+        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias"):
             self._store(name, _as_bool(name, getattr(self, name)))
-        for name in ("dropout", "layer_norm_eps", "length_penalty"):
+        for name in ("dropout", "layer_norm_eps"):
             self._store(name, _as_float(name, getattr(self, name)))
         for name in ("positional_encoding", "activation", "sinusoidal_layout"):
             if isinstance(getattr(self, name), str):
@@ -236,76 +288,78 @@ class TransformerConfig(_Config):
                 raise ValueError(f"{name} ({getattr(self, name)}) must be below both vocabulary sizes")
         if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
             raise ValueError("pad_id, bos_id and eos_id must be three different ids")
-        self._check_decoding_conventions()
+        self._check_decoding()
 
-    def _check_decoding_conventions(self) -> None:
-        """The decoding fields (see the class docstring), validated; ``suppressed_ids`` stored as a tuple."""
-        vocab = self.tgt_vocab_size
-        if self.decoder_start_id is not None:
-            self._store("decoder_start_id", _as_int("decoder_start_id", self.decoder_start_id, minimum=0))
-            if self.decoder_start_id >= vocab:
-                raise ValueError(f"decoder_start_id ({self.decoder_start_id}) must be below tgt_vocab_size ({vocab})")
-        if self.suppressed_ids is not None:
-            if isinstance(self.suppressed_ids, (str, bytes)) or not isinstance(self.suppressed_ids, (list, tuple)):
-                raise ValueError(f"suppressed_ids must be a list of token ids, got {self.suppressed_ids!r}")
-            ids = tuple(_as_int("suppressed_ids", token, minimum=0) for token in self.suppressed_ids)
-            if any(token >= vocab for token in ids) or self.eos_id in ids:
-                raise ValueError(f"suppressed_ids must be ids below tgt_vocab_size ({vocab}), eos_id ({self.eos_id}) "
-                                 f"not among them, got {list(ids)}")
-            self._store("suppressed_ids", ids)
-        if self.forced_eos_id is not None:
-            self._store("forced_eos_id", _as_int("forced_eos_id", self.forced_eos_id, minimum=0))
-            if self.forced_eos_id >= vocab:
-                raise ValueError(f"forced_eos_id ({self.forced_eos_id}) must be below tgt_vocab_size ({vocab})")
-            if not self.forced_eos:
-                raise ValueError(f"forced_eos_id ({self.forced_eos_id}) needs forced_eos true (it names the token "
-                                 "forced_eos forces)")
-        if self.max_output_length is not None:
-            self._store("max_output_length", _as_int("max_output_length", self.max_output_length, minimum=1))
-        if self.length_normalization not in LENGTH_NORMALIZATIONS:
-            raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
-                             f"got {self.length_normalization!r}")
-        if not self.length_penalty >= 0.0:
-            raise ValueError(f"length_penalty must be a finite number >= 0, got {self.length_penalty!r}")
-        if isinstance(self.early_stopping, np.bool_):
-            self._store("early_stopping", bool(self.early_stopping))
-        if not any(self.early_stopping is value or (isinstance(value, str) and self.early_stopping == value)
-                   for value in EARLY_STOPPING):
-            raise ValueError(f"early_stopping must be one of False, True, 'never', got {self.early_stopping!r}")
-        if self.early_stopping is not False and self.length_normalization != "hf":
-            raise ValueError(f"early_stopping {self.early_stopping!r} needs length_normalization 'hf' (the 'gnmt' "
-                             "search stops by its own exact rule)")
-        self._store("beam_size", _as_int("beam_size", self.beam_size, minimum=1))
-        if self.beam_size > MAX_BEAM_SIZE:
-            raise ValueError(f"beam_size must be <= {MAX_BEAM_SIZE}, got {self.beam_size}")
-        for name in ("min_output_length", "no_repeat_ngram_size"):
-            self._store(name, _as_int(name, getattr(self, name), minimum=0))
-        if self.forced_bos_id is not None:
-            self._store("forced_bos_id", _as_int("forced_bos_id", self.forced_bos_id, minimum=0))
-            if self.forced_bos_id >= vocab or self.forced_bos_id in (self.eos_id, self.pad_id):
-                raise ValueError(f"forced_bos_id ({self.forced_bos_id}) must be a target token id below tgt_vocab_size "
-                                 f"({vocab}), not eos_id or pad_id")
+    def _check_decoding(self) -> None:
+        """``decoding`` (a :class:`DecodingConfig`, valid on its own) against the model: its token ids below
+        ``tgt_vocab_size``, eos never suppressed, the forced first token neither eos nor pad."""
+        if not isinstance(self.decoding, DecodingConfig):
+            raise ValueError(f"decoding must be a DecodingConfig, got {type(self.decoding).__name__}")
+        vocab, decoding = self.tgt_vocab_size, self.decoding
+        if decoding.decoder_start_id is not None and decoding.decoder_start_id >= vocab:
+            raise ValueError(f"decoder_start_id ({decoding.decoder_start_id}) must be below tgt_vocab_size ({vocab})")
+        ids = decoding.suppressed_ids
+        if ids is not None and (any(token >= vocab for token in ids) or self.eos_id in ids):
+            raise ValueError(f"suppressed_ids must be ids below tgt_vocab_size ({vocab}), eos_id ({self.eos_id}) "
+                             f"not among them, got {list(ids)}")
+        if decoding.forced_eos_id is not None and decoding.forced_eos_id >= vocab:
+            raise ValueError(f"forced_eos_id ({decoding.forced_eos_id}) must be below tgt_vocab_size ({vocab})")
+        forced_bos = decoding.forced_bos_id
+        if forced_bos is not None and (forced_bos >= vocab or forced_bos in (self.eos_id, self.pad_id)):
+            raise ValueError(f"forced_bos_id ({forced_bos}) must be a target token id below tgt_vocab_size "
+                             f"({vocab}), not eos_id or pad_id")
 
     def paper_decoding(self) -> Self:
-        """This model with section 6.1's decoding: every field of :data:`DECODING_CONVENTIONS` at its default."""
-        return self.replace(**{name: field.default for name, field in self.__dataclass_fields__.items()
-                               if name in DECODING_CONVENTIONS})
+        """This model with section 6.1's decoding: every field of ``decoding`` at its default."""
+        return self.replace(decoding=DecodingConfig())
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with some fields changed (validated like a new config); a decoding field is changed by
+        :meth:`with_decoding`."""
+        for name in changes:
+            if name in DECODING_CONVENTIONS:
+                raise ValueError(f"{name} is a field of the config's decoding: config.with_decoding({name}=...)")
+        return super().replace(**changes)
+
+    def with_decoding(self, **changes: Any) -> Self:
+        """A copy whose ``decoding`` has some fields changed (validated like a new config)."""
+        return self.replace(decoding=self.decoding.replace(**changes))
 
     @property
     def start_id(self) -> int:
-        """The token decoding starts from: ``decoder_start_id``, or ``bos_id`` when it is None (section 6.1)."""
-        return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
+        """The token decoding starts from: ``decoding.decoder_start_id``, or ``bos_id`` when it is None (section
+        6.1)."""
+        start = self.decoding.decoder_start_id
+        return self.bos_id if start is None else start
 
     @property
     def never_emitted(self) -> tuple[int, ...]:
-        """The tokens decoding never produces: ``suppressed_ids``, or (pad_id, bos_id) when it is None."""
-        return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids
+        """The tokens decoding never produces: ``decoding.suppressed_ids``, or (pad_id, bos_id) when it is None."""
+        suppressed = self.decoding.suppressed_ids
+        return (self.pad_id, self.bos_id) if suppressed is None else suppressed
 
     @property
     def forced_last_id(self) -> int:
-        """The token ``forced_eos`` forces at the budget's last position: ``forced_eos_id``, or ``eos_id`` when it
-        is None."""
-        return self.eos_id if self.forced_eos_id is None else self.forced_eos_id
+        """The token ``decoding.forced_eos`` forces at the budget's last position: ``decoding.forced_eos_id``, or
+        ``eos_id`` when it is None."""
+        forced = self.decoding.forced_eos_id
+        return self.eos_id if forced is None else forced
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint header's one flat JSON object: every architecture field and every field of ``decoding``."""
+        architecture = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "decoding"}
+        return {**architecture, **self.decoding.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The config of a flat header object (:meth:`to_dict`): its decoding fields (:data:`DECODING_CONVENTIONS`)
+        make ``decoding``; a header without them decodes as section 6.1 says."""
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        _check_field_names(cls, data, allowed=FLAT_FIELDS)
+        decoding = DecodingConfig(**{name: value for name, value in data.items() if name in DECODING_CONVENTIONS})
+        return cls(**{name: value for name, value in data.items() if name not in DECODING_CONVENTIONS},
+                   decoding=decoding)
 
     @property
     def d_k(self) -> int:
@@ -335,8 +389,11 @@ PAPER_CHOICES: dict[str, tuple[Any, ...]] = {"activation": ("relu",), "sinusoida
                                              "scale_embeddings": (True,), "output_bias": (False,)}
 
 
-def _check_field_names(cls: type, changes: dict) -> None:
-    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)}, key=str)
+def _check_field_names(cls: type, changes: dict, allowed: Collection[str] | None = None) -> None:
+    """Every name of ``changes`` a field of ``cls`` (or one of ``allowed``), or one ``ValueError`` naming the first
+    that is not."""
+    names = {f.name for f in dataclasses.fields(cls)} if allowed is None else set(allowed)
+    unknown = sorted(set(changes) - names, key=str)
     if unknown:
         raise ValueError(f"unknown {_KINDS[cls]} field {unknown[0]!r}")
 
@@ -395,7 +452,10 @@ class TrainingConfig(_Config):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
 
 
-_KINDS = {TransformerConfig: "config", TrainingConfig: "training config"}
+_KINDS = {TransformerConfig: "config", DecodingConfig: "decoding config", TrainingConfig: "training config"}
+# The names of a checkpoint header's config: the architecture's fields and the decoding's, side by side
+FLAT_FIELDS = frozenset({f.name for f in dataclasses.fields(TransformerConfig)} - {"decoding"}) | \
+    frozenset(DECODING_CONVENTIONS)
 
 
 PRESETS: dict[str, TransformerConfig] = {

@@ -4,28 +4,28 @@ The rules, shared by every port so that all backends produce identical tokens
 (see ``docs/reference.md``):
 
 * the output starts after the decoder start token ``config.start_id`` (``decoder_start_id``, by default
-  ``bos_id``); a sequence ends when it emits ``eos_id`` (kept in the output) or when it has
-  its budget of tokens: its number of non-pad source tokens + 50 (section 6.1: "maximum output length ... input
-  length + 50"), or ``config.max_output_length`` for every sentence when set (transformers' ``max_new_tokens``),
-  capped at ``config.max_len``;
+  ``bos_id``); a sequence ends when it emits ``eos_id`` (kept in the output) or when it has its budget of tokens: its
+  number of non-pad source tokens + 50 (section 6.1: "maximum output length ... input length + 50"), or
+  ``config.decoding.max_output_length`` for every sentence when set (transformers' ``max_new_tokens``), capped at
+  ``config.max_len``;
 * outputs are returned without the start token, right-padded with ``pad_id``; the decoder never emits the
   tokens of ``config.never_emitted`` (``suppressed_ids``, by default pad_id and bos_id: their log-probabilities
-  are set to -inf before choosing; with ``config.renormalize``, transformers' ``renormalize_logits``, the
+  are set to -inf before choosing; with ``config.decoding.renormalize``, transformers' ``renormalize_logits``, the
   log-probabilities are then normalized again over the tokens left, a log-softmax of them); the decoder reads its
   prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
   as transformers reads it);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
   ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code; without one,
-  ``config.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with
-  ``config.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
+  ``config.decoding.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with
+  ``config.decoding.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
   ``config.forced_last_id``: eos, or the ``forced_eos_id`` a Marian config names (a sequence it ends without eos
   ends there by its budget).
   A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;
-* held-back tokens (:func:`constrain`; transformers' ``MinLengthLogitsProcessor`` and
-  ``NoRepeatNGramLogitsProcessor``, which its ``generate`` applies before the forced tokens and its renormalization):
-  eos gets -inf at an output step below ``config.min_output_length``, and with ``config.no_repeat_ngram_size`` n > 0
-  every token that would complete an n-gram already in the hypothesis (read with its start token) gets -inf; with
-  ``config.renormalize`` the log-probabilities are then normalized again over the tokens left (a log-softmax of
+* held-back tokens (:func:`constrain`; transformers' ``MinLengthLogitsProcessor`` and ``NoRepeatNGramLogitsProcessor``,
+  which its ``generate`` applies before the forced tokens and its renormalization): eos gets -inf at an output step
+  below ``config.decoding.min_output_length``, and with ``config.decoding.no_repeat_ngram_size`` n > 0 every token that
+  would complete an n-gram already in the hypothesis (read with its start token) gets -inf; with
+  ``config.decoding.renormalize`` the log-probabilities are then normalized again over the tokens left (a log-softmax of
   log-probabilities: the same as transformers' one normalization after every processor, to rounding);
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
 * beam search: beam size 4. Candidates (beam b, token v) are ranked by the summed log-probability, ties going to
@@ -37,22 +37,22 @@ The rules, shared by every port so that all backends produce identical tokens
   eos hypotheses. A finished hypothesis scores log P(Y) / lp(|Y|), |Y| counting eos (and a forced first token).
   The best score wins; a tie goes to the hypothesis finished first: the earlier step, then, within a step, the
   eos hypotheses in rank order, then the live beams the maximum length finishes, in rank order.
-  ``config.length_normalization`` chooses lp and when the search stops before the maximum length:
+  ``config.decoding.length_normalization`` chooses lp and when the search stops before the maximum length:
 
   - "gnmt" (section 6.1): lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016), alpha = 0.6; the search also stops when
     no live beam is left, or as soon as no live beam can beat the best finished one: max_b logP_b / lp(max length)
     <= best finished score (log-probabilities only fall and lp only grows, so stopping never changes the result);
-  - "hf" (transformers 5's ``GenerationMixin._beam_search``): lp(Y) = |Y|^alpha (``length_penalty``, 1.0 by
-    default). transformers keeps the ``beam_size`` best finished hypotheses; once there are ``beam_size`` of them
-    its search stops, per ``config.early_stopping``, at once (True), or when the best live beam's logP / lp(bound)
-    is <= the worst kept finished score, bound = the current output length (False: a heuristic, a later
-    hypothesis might have scored better) or the maximum length ("never": exact); it also stops when no live beam
-    is left. Its other rules are the ones above: transformers ranks the 2 x beam_size best candidates, finishes
-    the eos ones among the first beam_size and continues the first beam_size others; at its maximum length it
-    finishes the first beam_size candidates, eos or not, which has the same best as finishing the live beams
-    (a non-eos candidate ranked after them has the same length and a lower sum). transformers' maximum length is
-    one for every sentence, ``config.max_output_length`` (an imported model's): the tokens are its tokens when
-    every sentence's budget is the same.
+  - "hf" (transformers 5's ``GenerationMixin._beam_search``): lp(Y) = |Y|^alpha (``length_penalty``, 1.0 by default).
+    transformers keeps the ``beam_size`` best finished hypotheses; once there are ``beam_size`` of them its search
+    stops, per ``config.decoding.early_stopping``, at once (True), or when the best live beam's logP / lp(bound) is <=
+    the worst kept finished score, bound = the current output length (False: a heuristic, a later hypothesis might have
+    scored better) or the maximum length ("never": exact); it also stops when no live beam is left. Its other rules are
+    the ones above: transformers ranks the 2 x beam_size best candidates, finishes the eos ones among the first
+    beam_size and continues the first beam_size others; at its maximum length it finishes the first beam_size
+    candidates, eos or not, which has the same best as finishing the live beams (a non-eos candidate ranked after them
+    has the same length and a lower sum). transformers' maximum length is one for every sentence,
+    ``config.decoding.max_output_length`` (an imported model's): the tokens are its tokens when every sentence's budget
+    is the same.
 
 The reference recomputes the whole prefix at each step; the ports use a key/value cache and
 must give the same tokens.
@@ -85,12 +85,12 @@ class _Configured(Protocol):
 
 
 def max_output_lengths(model: _Configured, src: npt.ArrayLike) -> np.ndarray:
-    """Per-sequence output budget: non-pad source tokens + 50 (section 6.1), or ``config.max_output_length``
+    """Per-sequence output budget: non-pad source tokens + 50 (section 6.1), or ``config.decoding.max_output_length``
     when set, capped at ``max_len``. Shape: (B,)."""
     cfg = model.config
     lengths = (np.asarray(src) != cfg.pad_id).sum(axis=1)
-    budgets = lengths + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else np.full_like(lengths,
-                                                                                             cfg.max_output_length)
+    budgets = lengths + EXTRA_OUTPUT_LENGTH if cfg.decoding.max_output_length is None else np.full_like(
+        lengths, cfg.decoding.max_output_length)
     return np.minimum(budgets, cfg.max_len)
 
 
@@ -102,12 +102,12 @@ def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA, normalizati
 
 
 def check_decoding_args(beam_size: object, alpha: object, config: TransformerConfig | None = None) -> tuple[int, float]:
-    """``beam_size`` and ``alpha`` (None: ``config.length_penalty``, or section 6.1's 0.6 without a config) as a
-    Python int and float, with one-line errors shared by every backend: beam_size is a positive integer (not a
-    bool); alpha a finite real number >= 0 (a negative alpha would make lp(Y) shrink with length, and the stopping
-    rules rely on it growing)."""
+    """``beam_size`` and ``alpha`` (None: ``config.decoding.length_penalty``, or section 6.1's 0.6 without a config) as
+    a Python int and float, with one-line errors shared by every backend: beam_size is a positive integer (not a bool);
+    alpha a finite real number >= 0 (a negative alpha would make lp(Y) shrink with length, and the stopping rules rely
+    on it growing)."""
     if alpha is None:
-        alpha = LENGTH_PENALTY_ALPHA if config is None else config.length_penalty
+        alpha = LENGTH_PENALTY_ALPHA if config is None else config.decoding.length_penalty
     if not isinstance(beam_size, numbers.Integral) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
     if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or not 0.0 <= float(alpha) < math.inf:
@@ -116,12 +116,12 @@ def check_decoding_args(beam_size: object, alpha: object, config: TransformerCon
 
 
 def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | None:
-    """A call's ``forced_bos_id`` as a Python int, or ``config.forced_bos_id`` (None: nothing forced) when it is None;
-    one error line shared by every backend: a target token id other than eos and pad (an output is padded after its
-    eos: a pad first would read as an empty output), as transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's
+    """A call's ``forced_bos_id`` as a Python int, or ``config.decoding.forced_bos_id`` (None: nothing forced) when it
+    is None; one error line shared by every backend: a target token id other than eos and pad (an output is padded after
+    its eos: a pad first would read as an empty output), as transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's
     target-language code."""
     if forced_bos_id is None:
-        return config.forced_bos_id
+        return config.decoding.forced_bos_id
     if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
             or not 0 <= int(forced_bos_id) < config.tgt_vocab_size or forced_bos_id in (config.eos_id, config.pad_id)):
         raise ValueError(f"forced_bos_id must be a target token id below tgt_vocab_size ({config.tgt_vocab_size}), "
@@ -154,30 +154,30 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
 
 def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
     """The log-probabilities with the tokens of ``config.never_emitted`` set to -inf (in place), and with
-    ``config.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them
+    ``config.decoding.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them
     (transformers' ``LogitNormalization``). Shape: (..., V) -> (..., V)."""
     log_probs[..., list(config.never_emitted)] = -np.inf
     return _renormalized(config, log_probs)
 
 
 def _renormalized(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
-    """With ``config.renormalize``, the log-probabilities normalized again over the tokens left (a log-softmax of
-    them); else as they are. Shape: (..., V) -> (..., V)."""
-    return log_softmax(log_probs) if config.renormalize else log_probs
+    """With ``config.decoding.renormalize``, the log-probabilities normalized again over the tokens left (a log-softmax
+    of them); else as they are. Shape: (..., V) -> (..., V)."""
+    return log_softmax(log_probs) if config.decoding.renormalize else log_probs
 
 
 def constrain(config: TransformerConfig, log_probs: np.ndarray, history: np.ndarray, step: int) -> np.ndarray:
     """The log-probabilities of the token at output ``step`` t, after the prefix ``history[:, :t]`` (the start token
     and the tokens so far), with the held-back tokens of the module docstring at -inf: eos while t <
-    ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token v such that the last n - 1
-    tokens of the prefix followed by v is an n-gram of the prefix; then, with ``config.renormalize``, normalized
-    again over the others (at every step of a config with either setting).
+    ``config.decoding.min_output_length``; with ``config.decoding.no_repeat_ngram_size`` n, each token v such that the
+    last n - 1 tokens of the prefix followed by v is an n-gram of the prefix; then, with
+    ``config.decoding.renormalize``, normalized again over the others (at every step of a config with either setting).
     Shape: log_probs (N, V), history (N, W), W >= t -> (N, V)."""
-    n = config.no_repeat_ngram_size
-    if not (config.min_output_length or n):
+    n = config.decoding.no_repeat_ngram_size
+    if not (config.decoding.min_output_length or n):
         return log_probs
     log_probs = log_probs.copy()
-    if step < config.min_output_length:
+    if step < config.decoding.min_output_length:
         log_probs[:, config.eos_id] = -np.inf
     for row, tokens in enumerate(history[:, :step].tolist() if n else ()):
         tail = tokens[step - n + 1:]                       # the n - 1 tokens a new n-gram would start with
@@ -188,13 +188,13 @@ def constrain(config: TransformerConfig, log_probs: np.ndarray, history: np.ndar
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
-    """The token each sequence is forced to emit at ``step`` (1 = the first output token), -1 where none: the
-    forced first token (``forced_bos_id``), and ``config.forced_last_id`` at the budget's last step with
-    ``config.forced_eos`` (which wins when both fall on one step, as transformers' ForcedEOS processor runs after its
-    ForcedBOS one).
+    """The token each sequence is forced to emit at ``step`` (1 = the first output token), -1 where none: the forced
+    first token (``forced_bos_id``), and ``config.forced_last_id`` at the budget's last step with
+    ``config.decoding.forced_eos`` (which wins when both fall on one step, as transformers' ForcedEOS processor runs
+    after its ForcedBOS one).
     Shape: limits (B,) -> (B,)."""
     forced = np.full(len(limits), -1 if forced_bos_id is None or step != 1 else forced_bos_id, dtype=np.int64)
-    return np.where(config.forced_eos & (step == limits), config.forced_last_id, forced)
+    return np.where(config.decoding.forced_eos & (step == limits), config.forced_last_id, forced)
 
 
 def force(log_probs: np.ndarray, forced: np.ndarray) -> np.ndarray:
@@ -231,7 +231,7 @@ def greedy_decode(model: Transformer, src: np.ndarray, forced_bos_id: int | None
 
 def beam_search(model: Transformer, src: np.ndarray, beam_size: int = BEAM_SIZE, alpha: float | None = None,
                 forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``, 0.6 by
+    """Beam search with the config's length normalization (alpha: None is ``config.decoding.length_penalty``, 0.6 by
     default), the forced first token ``forced_bos_id`` and the tie-break of this module's docstring.
 
     Shape: src (B, S) -> tokens (B, L) without the start token, right-padded with pad_id, and the
@@ -272,8 +272,8 @@ def _beam_steps(model: Transformer, src: np.ndarray, beam_size: int, alpha: floa
     steps (consume each before the next). Its last step's ``finished`` holds every hypothesis the search scored."""
     cfg = model.config
     beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
-    search = _Search(beam_size, check_forced_bos(cfg, forced_bos_id), alpha, cfg.length_normalization,
-                     cfg.early_stopping)
+    search = _Search(beam_size, check_forced_bos(cfg, forced_bos_id), alpha, cfg.decoding.length_normalization,
+                     cfg.decoding.early_stopping)
     memory = model.encode(src)                        # checks src: shape, dtype, length, ids
     src = np.asarray(src)
     src_mask = padding_mask(src, model.config.pad_id)

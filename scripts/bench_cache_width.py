@@ -38,7 +38,8 @@ def passes(port: str, root: Path, steps: int, capacity: int, rows: int, repeats:
 
     config, params = load_checkpoint(root / "model.safetensors")
     path = root / f"model-{steps}-{capacity}.safetensors"
-    save_checkpoint(path, config.replace(max_len=max(capacity, steps + 1), max_output_length=steps), params)
+    config = config.replace(max_len=max(capacity, steps + 1)).with_decoding(max_output_length=steps)
+    save_checkpoint(path, config, params)
     if port in ("torch", "torch-compiled"):
         import torch
 

@@ -11,7 +11,7 @@ divides by |Y|^alpha, not by GNMT's penalty, so a few may differ: docs/peers.md)
 of a ``MarianConfig``, d_model 512, 6 + 6 layers, 8 heads, FFN 2048, SiLU, 58,101 shared ids, its weights
 transformers' own seeded initialisation, pad's embedding zero as in opus-mt's files), saved with ``save_pretrained``
 beside a ``MarianTokenizer`` (a SentencePiece model trained on the spot: CTranslate2's converter reads the
-vocabulary through it), then imported (``reference_numpy.hf_import``) for the ports and converted by CTranslate2's
+vocabulary through it), then imported (``transformer_hf.importer``) for the ports and converted by CTranslate2's
 own ``TransformersConverter``. The "file" is seeded source id rows (5 to 30 tokens, eos last; a random model has no
 text to read). Every engine decodes with the checkpoint's conventions -- beam 4, |Y|^1 length normalisation, pad
 never produced, eos forced at the budget -- and the same budget: the model's ``max_position_embeddings``
@@ -143,7 +143,7 @@ def save_opus_mt(root: Path, sizes: dict, eos_bias: float = 0.0) -> None:
     import transformers
     from ctranslate2.converters import TransformersConverter
 
-    from reference_numpy.hf_import import import_hf
+    from transformer_hf.importer import import_hf
 
     torch.manual_seed(0)
     model = transformers.MarianMTModel(transformers.MarianConfig(**sizes)).eval()

@@ -239,8 +239,8 @@ SINGLE = [
            f"{TORCH}/decoding.py", "log_probs[:, list(model.config.never_emitted)] = -torch.inf",
            "log_probs[:, [model.config.pad_id, model.config.bos_id]] = -torch.inf", FUZZ),
     Mutation("fuzz", "every port's beam search: lp(Y) with alpha 1 whatever the config's (|Y| for \"hf\")", "single",
-             tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.length_normalization)",
-                        "length_penalty(n, 1.0, cfg.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
+             tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.decoding.length_normalization)",
+                        "length_penalty(n, 1.0, cfg.decoding.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
     # The documentation names files that exist, and documents the command's exit codes.
     single("docs", "docs: a test module named by a path that does not exist", "docs/testing.md",
            "* `tests/reference/test_oracle.py` recomputes", "* `tests/reference/test_oracles.py` recomputes", ["tests/project/test_references.py"]),
@@ -649,10 +649,10 @@ HF_DECODING = [
     single("hf-decoding", "torch: decoding starts from bos, not the config's decoder start token", TD,
            "tokens[:, 0] = config.start_id", "tokens[:, 0] = config.bos_id", HF_GENERATE + ["-k", "torch"]),
     consistent("hf-decoding", "decoding starts from bos, not the config's decoder start token (Marian's pad, M2M100's eos)",
-               [(_CONFIG, "return self.bos_id if self.decoder_start_id is None else self.decoder_start_id",
+               [(_CONFIG, "return self.bos_id if start is None else start",
                  "return self.bos_id")], HF_GENERATE + ["-k", "reference"], decoding_agreement(), shared=DECODING_PORTS),
     single("hf-decoding", "jax: beam search's length penalty the paper's ((5 + |Y|) / 6)^alpha, not |Y|^alpha", JD,
-           "length_penalty(n, alpha, cfg.length_normalization)", "length_penalty(n, alpha)", HF_GENERATE + ["-k", "jax"]),
+           "length_penalty(n, alpha, cfg.decoding.length_normalization)", "length_penalty(n, alpha)", HF_GENERATE + ["-k", "jax"]),
     consistent("hf-decoding", "length normalization \"hf\" ignored: lp(Y) always the paper's ((5 + |Y|) / 6)^alpha",
                [(RD, 'if normalization == "gnmt" else float(length) ** alpha', "if normalization else 0.0")],
                HF_GENERATE + ["-k", "reference"], decoding_agreement("and beam"), shared=DECODING_PORTS),
@@ -661,39 +661,39 @@ HF_DECODING = [
     consistent("hf-decoding", "the forced tokens ignored (M2M100's target-language token, Marian's eos at the limit)",
                [(path, *edit) for path, edit in _FORCE.items()], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     single("hf-decoding", "jax: the token forced at the budget's end always eos, not the config's forced_eos_id "
-           "(a Marian config's id 0)", JD, "config.forced_eos, config.forced_last_id, forced)",
-           "config.forced_eos, config.eos_id, forced)", HF_GENERATE + ["-k", "forced_token_other and jax"]),
+           "(a Marian config's id 0)", JD, "config.decoding.forced_eos, config.forced_last_id, forced)",
+           "config.decoding.forced_eos, config.eos_id, forced)", HF_GENERATE + ["-k", "forced_token_other and jax"]),
     consistent("hf-decoding", "the token forced at the budget's end always eos, not the config's forced_eos_id (a "
                "Marian config's id 0)",
-               [(_CONFIG, "return self.eos_id if self.forced_eos_id is None else self.forced_eos_id",
+               [(_CONFIG, "return self.eos_id if forced is None else forced",
                  "return self.eos_id")], HF_GENERATE + ["-k", "forced_token_other and numpy"], CONVENTIONS,
                shared=DECODING_PORTS),
     consistent("hf-decoding", "the suppressed tokens always the paper's pad and bos, not the config's",
-               [(_CONFIG, "return (self.pad_id, self.bos_id) if self.suppressed_ids is None else self.suppressed_ids",
+               [(_CONFIG, "return (self.pad_id, self.bos_id) if suppressed is None else suppressed",
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
                shared=DECODING_PORTS),
     single("hf-decoding", "jax: the log-probabilities not renormalized after the suppressed tokens (renormalize "
-           "ignored)", JD, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
+           "ignored)", JD, "return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs",
            "return log_probs", CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and jax"]),
     consistent("hf-decoding", "renormalize ignored: the log-probabilities left as the softmax gave them (opus-mt's "
                "renormalize_logits)", [
-                   (RD, "return log_softmax(log_probs) if config.renormalize else log_probs", "return log_probs"),
-                   *[(port, "return log_softmax(log_probs) if model.config.renormalize else log_probs",
+                   (RD, "return log_softmax(log_probs) if config.decoding.renormalize else log_probs", "return log_probs"),
+                   *[(port, "return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs",
                       "return log_probs") for port in (TD, JD, FD)],
                ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     single("hf-decoding", "keras: the budget the source length + 50 whatever max_output_length says (transformers' "
-           "max_new_tokens)", FD, "if cfg.max_output_length is None else tf.fill(", "if True else tf.fill(",
+           "max_new_tokens)", FD, "if cfg.decoding.max_output_length is None else tf.fill(", "if True else tf.fill(",
            CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and tf"]),
     consistent("hf-decoding", "max_output_length ignored: every budget the source length + 50, not generate's", [
-        (RD, "if cfg.max_output_length is None else np.full_like(", "if True else np.full_like("),
-        (FD, "if cfg.max_output_length is None else tf.fill(", "if True else tf.fill("),
-        (FD, "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else",
+        (RD, "if cfg.decoding.max_output_length is None else np.full_like(", "if True else np.full_like("),
+        (FD, "if cfg.decoding.max_output_length is None else tf.fill(", "if True else tf.fill("),
+        (FD, "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.decoding.max_output_length is None else",
          "return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if True else"),
     ], HF_GENERATE + ["-k", "budget"], CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian"],
                shared=(TORCH, JAX)),
     consistent("hf-decoding", "early_stopping \"never\" bounds the live beams at the current length, as False does", [
         (RD, 'bound = limit if search.early_stopping == "never" else step', "bound = step"),
-        *[(port, 'bound = limit_penalty if config.early_stopping == "never" else penalty', "bound = penalty")
+        *[(port, 'bound = limit_penalty if config.decoding.early_stopping == "never" else penalty', "bound = penalty")
           for port in (JD, TD, FD)],
     ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
 ]
@@ -703,12 +703,12 @@ HF_DECODING = [
 # every backend passes the ports' agreement with the reference on them
 HELD_BACK = ["tests/families/test_hf_generate.py", "-k", "held_back_tokens_decode_as_generate and marian and"]
 HELD_BACK_AGREEMENT = ["tests/families/test_hf_generate.py", "-k", "held_back_tokens_agree_across_backends"]
-_HELD_EOS = {RD: "if step < config.min_output_length:", TD: "if step < config.min_output_length:",
-             JD: "& (step < config.min_output_length)", FD: "& (step < config.min_output_length)"}
-_NGRAM_SIZE = {RD: ("    n = config.no_repeat_ngram_size\n",
-                    "    n = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0)\n"),
-               **{port: ("n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]",
-                         "n, vocab = config.no_repeat_ngram_size + (config.no_repeat_ngram_size > 0), "
+_HELD_EOS = {RD: "if step < config.decoding.min_output_length:", TD: "if step < config.decoding.min_output_length:",
+             JD: "& (step < config.decoding.min_output_length)", FD: "& (step < config.decoding.min_output_length)"}
+_NGRAM_SIZE = {RD: ("    n = config.decoding.no_repeat_ngram_size\n",
+                    "    n = config.decoding.no_repeat_ngram_size + (config.decoding.no_repeat_ngram_size > 0)\n"),
+               **{port: ("n, vocab = config.decoding.no_repeat_ngram_size, log_probs.shape[1]",
+                         "n, vocab = config.decoding.no_repeat_ngram_size + (config.decoding.no_repeat_ngram_size > 0), "
                          "log_probs.shape[1]") for port in (TD, JD, FD)}}
 HELD_BACK_DECODING = [
     single("hf-decoding", "jax: beam search forces no first token when the call names none (the config's "
@@ -717,7 +717,7 @@ HELD_BACK_DECODING = [
            "forced_bos_id = forced_bos_id if forced_bos_id is None else check_forced_bos(cfg, forced_bos_id)",
            HF_GENERATE + ["-k", "forced_first and jax"]),
     consistent("hf-decoding", "the config's forced_bos_id ignored: nothing forced when a call names no first token",
-               [(RD, "        return config.forced_bos_id\n", "        return None\n")],
+               [(RD, "        return config.decoding.forced_bos_id\n", "        return None\n")],
                HF_GENERATE + ["-k", "forced_first and numpy"], CONVENTIONS, shared=DECODING_PORTS),
     single("held-back", "jax: eos held back one output step less than min_output_length says", JD, _HELD_EOS[JD],
            _HELD_EOS[JD].replace("step <", "step + 1 <"), [*HELD_BACK[:-1], HELD_BACK[-1] + " jax"]),
@@ -869,7 +869,8 @@ DATA_PARALLEL = [
            "tokens = None", ["tests/ports/test_data_parallel_tf.py"]),
 ]
 
-# The Hugging Face export (reference_numpy/hf_export.py): transformers itself loads and runs what it writes.
+# The Hugging Face export (transformer_hf/exporter.py, the family modules): transformers itself loads and runs what it
+# writes.
 HF_EXPORT_ORACLE = ["tests/families/test_hf_export.py", "-k", "float64"]
 HF_EXPORT = [
     single("hf export", "train --layer-norm-eps left unread: a new run keeps the presets' 1e-6",
@@ -880,45 +881,45 @@ HF_EXPORT = [
            '"dropout": config.dropout, "layer_norm_eps": config.layer_norm_eps}',
            '"dropout": config.dropout, "layer_norm_eps": args.layer_norm_eps}', ["tests/cli/test_cli_reliability.py"]),
     single("hf export", "hf export: the attention projections written (in, out), their transpose dropped",
-           "reference_numpy/hf_export.py", "np.ascontiguousarray(value.T if ours in flip else value)",
-           'np.ascontiguousarray(value.T if ours in flip and "_proj." not in ours else value)', HF_EXPORT_ORACLE),
+           "transformer_hf/weights.py", "np.ascontiguousarray(value.T if entry.transpose else value)",
+           'np.ascontiguousarray(value.T if entry.transpose and "_proj." not in ours else value)', HF_EXPORT_ORACLE),
     single("hf export", "hf export: the paper's features permuted one place off (sigma rolled by one)",
-           "reference_numpy/hf_export.py",
+           "transformer_hf/weights.py",
            "return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])",
            "return np.roll(np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)]), 1)",
            ["tests/families/test_hf_export.py", "-k", "paper"]),
     single("hf export", "hf import and export: W_q and W_k swapped in the shared name table",
-           "reference_numpy/hf_import.py", '(("q_proj", "q_proj"), ("k_proj", "k_proj")',
+           "transformer_hf/weights.py", '(("q_proj", "q_proj"), ("k_proj", "k_proj")',
            '(("q_proj", "k_proj"), ("k_proj", "q_proj")', HF_EXPORT_ORACLE),
     single("hf export", "hf export: generate starts from pad, not bos (decoder_start_token_id)",
-           "reference_numpy/hf_export.py", '"decoder_start_token_id": config.start_id', '"decoder_start_token_id": config.pad_id',
+           "transformer_hf/generation.py", '"decoder_start_token_id": config.start_id', '"decoder_start_token_id": config.pad_id',
            ["tests/families/test_hf_export.py", "-k", "generate"]),
-    single("hf export", "hf export: the tokenizer appends no eos to the source", "reference_numpy/hf_export.py",
+    single("hf export", "hf export: the tokenizer appends no eos to the source", "transformer_hf/exporter.py",
            'single=f"$A {EOS}"', 'single="$A"', ["tests/families/test_hf_export.py", "-k", "autotokenizer"]),
     single("hf export", "hf export: an imported family's vocab.json written with every id one place off",
-           "reference_numpy/hf_tokenizer.py", 'json.dumps(record[field], ensure_ascii=False',
+           "transformer_hf/tokenizer_files.py", 'json.dumps(record[field], ensure_ascii=False',
            'json.dumps({k: (v + 1) % len(record[field]) for k, v in record[field].items()}, ensure_ascii=False',
            ["tests/cli/test_families_commands.py", "-k", "export_of_an_imported"]),
     single("hf import", "hf import: an untied encoder embedding read from model.shared (transformers 4's ties, which "
-           "tie_word_embeddings false no longer makes in 5)", "reference_numpy/hf_import.py",
-           'table["src_embed.weight"] = ("model.encoder.embed_tokens.weight", "model.shared.weight")',
-           'table["src_embed.weight"] = ("model.shared.weight", "model.encoder.embed_tokens.weight")',
+           "tie_word_embeddings false no longer makes in 5)", "transformer_hf/weights.py",
+           'table["src_embed.weight"] = Entry(("model.encoder.embed_tokens.weight", "model.shared.weight"))',
+           'table["src_embed.weight"] = Entry(("model.shared.weight", "model.encoder.embed_tokens.weight"))',
            ["tests/families/test_hf_import.py", "-k", "untied"]),
     single("hf import", "hf tokenizer: Marian's target side looked up in the source vocabulary (separate_vocabs' "
-           "target_vocab.json not read)", "reference_numpy/hf_tokenizer.py",
+           "target_vocab.json not read)", "transformer_hf/tokenizers.py",
            '"target": record.get("target_vocab") or record["vocab"]}', '"target": record["vocab"]}',
            ["tests/families/test_hf_tokenizers.py", "-k", "separate"]),
     single("hf import", "hf import: generation_config.json's num_beams not read (translate decodes greedily)",
-           "reference_numpy/hf_import.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
+           "transformer_hf/generation.py", 'beams = generation.get("num_beams", 1)', "beams = 1",
            ["tests/cli/test_families_commands.py", "-k", "own_beam"]),
     single("hf import", "translate: a checkpoint's beam_size not the default beam (greedy unless --beam)",
-           "transformer_tasks/translation.py", "self.beam_size = model.config.beam_size if beam_size is None",
+           "transformer_tasks/translation.py", "self.beam_size = model.config.decoding.beam_size if beam_size is None",
            "self.beam_size = 1 if beam_size is None", ["tests/cli/test_families_commands.py", "-k", "own_beam"]),
     single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
-           "holds", "reference_numpy/hf_import.py", "    if unsafe:\n", "    if False:\n",
+           "holds", "transformer_hf/files.py", "    if unsafe:\n", "    if False:\n",
            ["tests/families/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),
     single("hf import", "hf import: generation_config.json's min_new_tokens not read (eos held back by min_length "
-           "alone)", "reference_numpy/hf_import.py", '    min_new_tokens = generation.get("min_new_tokens")\n',
+           "alone)", "transformer_hf/generation.py", '    min_new_tokens = generation.get("min_new_tokens")\n',
            "    min_new_tokens = None\n", HF_GENERATE + ["-k", "config_from_generation_config"]),
 ]
 
@@ -972,7 +973,7 @@ ATTENDED_WIDTH = [
 def low_precision(checks: str, components: bool = False) -> list[str]:
     """The CPU low-precision agreement tests selected by ``checks`` (a -k expression): the stages and decoding, or
     with ``components`` the components."""
-    return [f"tests/test_agreement{'_low_precision' if components else ''}.py", "-k", f"cpu and ({checks})"]
+    return [f"tests/equivalence/test_agreement{'_low_precision' if components else ''}.py", "-k", f"cpu and ({checks})"]
 
 
 PRECISION = [
@@ -1131,24 +1132,24 @@ LINEAR_MAPS_IN_P = [
 HF_TOKENIZERS_ORACLE = ["tests/families/test_hf_tokenizers.py", "-k", "transformers"]
 HF_TOKENIZERS = [
     single("hf-tokenizer", "M2M100/NLLB: the source language's code at the wrong end (after eos)",
-           "reference_numpy/hf_tokenizer.py", 'ids = [language, *ids] if place == "prefix" else [*ids, language]',
+           "transformer_hf/tokenizers.py", 'ids = [language, *ids] if place == "prefix" else [*ids, language]',
            'ids = [*ids, language] if place == "prefix" else [language, *ids]', HF_TOKENIZERS_ORACLE),
-    single("hf-tokenizer", "families: eos not appended to the source", "reference_numpy/hf_tokenizer.py",
+    single("hf-tokenizer", "families: eos not appended to the source", "transformer_hf/tokenizers.py",
            "ids = [*self.content_ids(text, side), self.config.eos_id]", "ids = self.content_ids(text, side)",
            HF_TOKENIZERS_ORACLE),
-    single("hf-tokenizer", "Marian: the target SentencePiece model cuts the source", "reference_numpy/hf_tokenizer.py",
+    single("hf-tokenizer", "Marian: the target SentencePiece model cuts the source", "transformer_hf/tokenizers.py",
            'tokenizer = self._source if side == "source" else self._target',
            'tokenizer = self._target if side == "source" else self._source', HF_TOKENIZERS_ORACLE),
     single("hf-tokenizer", "M2M100: the language codes one id off (after the vocabulary)",
-           "reference_numpy/hf_tokenizer.py", '"languages": {code: len(vocab) + i for',
+           "transformer_hf/m2m_100.py", '"languages": {code: len(vocab) + i for',
            '"languages": {code: len(vocab) + 1 + i for', HF_TOKENIZERS_ORACLE),
     single("hf-tokenizer", "conversion: SentencePiece's control pieces matched in a text (\"</s>\" typed is eos)",
-           "reference_numpy/hf_tokenizer.py", 'piece.piece + "\\u2581" * (piece.type in (2, 3))', "piece.piece",
+           "transformer_hf/tokenizer_files.py", 'piece.piece + "\\u2581" * (piece.type in (2, 3))', "piece.piece",
            HF_TOKENIZERS_ORACLE),
     single("hf-tokenizer", "NLLB: legacy_behaviour ignored (the source's code first, not after eos)",
-           "reference_numpy/hf_tokenizer.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
+           "transformer_hf/m2m_100.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
            ["tests/families/test_hf_tokenizers.py", "-k", "nllb"]),
-    single("hf-tokenizer", "families: decoding keeps the special tokens", "reference_numpy/hf_tokenizer.py",
+    single("hf-tokenizer", "families: decoding keeps the special tokens", "transformer_hf/tokenizers.py",
            "if i not in self._skipped and i in self._pieces[\"target\"]:", "if i in self._pieces[\"target\"]:",
            HF_TOKENIZERS_ORACLE),
 ]
@@ -1205,7 +1206,7 @@ BENCH = [
     single("bench", "bench's transformers peer masks a target's pad start token", "transformer_bench/peers.py",
            "read[:, 0] = True", "read[:, 0] = read[:, 0]", BENCH_CHECKPOINT),
     single("bench", "bench CHECKPOINT: the ports decode to the checkpoint's own budget", _BENCH_MODULE,
-           "config.replace(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
+           "config.with_decoding(max_output_length=None), params", "config, params", BENCH_CHECKPOINT),
     single("bench", "bench: the inputs drawn from every id, special ones included", _BENCH_MODULE,
            "source_ids, target_ids = ordinary_ids(config)\n    src =",
            "source_ids, target_ids = (np.arange(config.src_vocab_size), np.arange(config.tgt_vocab_size))\n    src =",
@@ -1234,14 +1235,12 @@ ECOSYSTEM = [
            '"tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id)',
            '"tgt": pad_rows([ids[:-1] for ids in labels], config.pad_id)',
            [ECOSYSTEM_TESTS, "-k", "torch_dataset_collates"]),
-    consistent("ecosystem", "every port's from_pretrained of a Hugging Face directory drops its tokenizer",
-               [("reference_numpy/pretrained.py", "        model.tokenizer_json = text\n",
-                 "        model.tokenizer_json = None\n")],
-               ["tests/families/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory"],
-               shared=("transformer_torch", "transformer_jax", "transformer_tf")),
-    single("ecosystem", "jax: from_pretrained of a file ignores dtype", "transformer_jax/checkpoint.py",
-           "functools.partial(load_checkpoint, device=device))",
-           "lambda path, dtype: load_checkpoint(path, device=device))",
+    single("ecosystem", "from_pretrained: a Hugging Face directory's model without its tokenizer",
+           "transformer_hf/pretrained.py", "        config, params, text = read_hf_directory(name_or_path)\n",
+           "        config, params, _ = read_hf_directory(name_or_path)\n        text = None\n",
+           ["tests/families/test_from_pretrained.py", "-k", "hugging_face_directory_in_memory"]),
+    single("ecosystem", "from_pretrained: a port's model of a file ignores dtype", "transformer_hf/pretrained.py",
+           "port.load_checkpoint(name_or_path, dtype, **placed)", "port.load_checkpoint(name_or_path, **placed)",
            ["tests/families/test_from_pretrained.py", "-k", "checkpoint_file and jax"]),
 ]
 

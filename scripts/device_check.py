@@ -13,7 +13,7 @@ Sections (``--sections``), each check one row:
   ``device.full_precision``), bfloat16, float16 and the autocast recipes mixed-bfloat16 and mixed-float16 (``--quick``:
   float64, float32, bfloat16); the row is the stage of the largest error / bound.
 * ``decoding``: greedy and beam-search tokens on the shipped model and on a tiny random Marian built by transformers
-  in-process and imported (``reference_numpy/hf_import.py``): float64 identical to the reference's (beam scores
+  in-process and imported (``transformer_hf/importer.py``): float64 identical to the reference's (beam scores
   within the float64 bound), float32 identical except past a near-tie its bound allows (``equivalence.margins``;
   the random Marian's float32 beam search has no decisive row, :data:`DECODED`).
 * ``training``: optimizer steps from seeded weights (``equivalence/training_runs.py``): float64 within the carried
@@ -350,7 +350,7 @@ def _tiny_marian(models: dict, workdir: Path) -> Outcome:
     config, params = load_checkpoint(path)
     models["tiny Marian"] = (config, params, marian_source(config))
     return Outcome(ok=True, note=f"imported: {config.n_encoder_layers}+{config.n_decoder_layers} layers, "
-                                 f"{config.tgt_vocab_size} ids, beam {config.beam_size}")
+                                 f"{config.tgt_vocab_size} ids, beam {config.decoding.beam_size}")
 
 
 def marian_checkpoint(directory: Path, sizes: dict, randomize: bool) -> Path:
@@ -360,7 +360,7 @@ def marian_checkpoint(directory: Path, sizes: dict, randomize: bool) -> Path:
     import torch
     import transformers
 
-    from reference_numpy.hf_import import import_hf
+    from transformer_hf.importer import import_hf
 
     torch.manual_seed(0)
     model = transformers.MarianMTModel(transformers.MarianConfig(**sizes)).eval()
@@ -565,7 +565,7 @@ def _bench_model(models: dict, model_name: str, workdir: Path) -> Outcome:
     else:
         _, config, params = bench.bench_model(model_name, None)
     if model_name == "tiny":                   # a smoke test of the calls: a short budget, small shapes
-        config = config.replace(max_output_length=QUICK_DECODE_TOKENS)
+        config = config.with_decoding(max_output_length=QUICK_DECODE_TOKENS)
     shapes = (2, 16, 16, QUICK_DECODE_TOKENS) if model_name == "tiny" else (8, 128, 128, 128)   # B, S, T, decoded
     models[model_name] = (config, params, shapes)
     return Outcome(ok=True, note=f"d_model {config.d_model}, {config.n_encoder_layers}+{config.n_decoder_layers} "

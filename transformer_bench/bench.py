@@ -231,7 +231,7 @@ def bench_model(preset: str | None, checkpoint: str | os.PathLike | None
     if preset is not None:
         raise ValueError("--preset: give a checkpoint or a preset, not both")
     config, params = load_checkpoint(checkpoint, dtype=np.float32)
-    return os.fspath(checkpoint), config.replace(max_output_length=None), params
+    return os.fspath(checkpoint), config.with_decoding(max_output_length=None), params
 
 
 def bench(preset: str | None = None, batch: int = 8, src_len: int = 128, tgt_len: int = 128, decode_tokens: int = 128,
@@ -266,7 +266,7 @@ def bench(preset: str | None = None, batch: int = 8, src_len: int = 128, tgt_len
     if peers:
         from transformer_bench import peers as peer_module
         built, unavailable = peer_module.load(config, params, runtime.threads())
-        engines += [peer_engine(peer, inputs, decode_tokens, config.length_penalty) for peer in built.values()]
+        engines += [peer_engine(peer, inputs, decode_tokens, config.decoding.length_penalty) for peer in built.values()]
         missing += unavailable + [backends.Missing(peer.NAME, f"{task}: not measured ({reason})")
                                   for peer in built.values() for task, reason in peer.NOT_MEASURED.items()]
     tasks = PEER_TASKS if peers else TASKS
@@ -289,7 +289,7 @@ def bench(preset: str | None = None, batch: int = 8, src_len: int = 128, tgt_len
                     for key in calls]
     shapes = {"batch": batch, "src_len": src_len, "tgt_len": tgt_len, "decode_tokens": decode_tokens,
               "decode_batch": PEER_BATCH if peers else 1, "beam_size": BEAM_SIZE,
-              "alpha": config.length_penalty, "dtype": dtype}
+              "alpha": config.decoding.length_penalty, "dtype": dtype}
     return BenchReport(name, shapes, machine_description(), anchors, measurements, missing,
                        {engine.name: engine.computes for engine in engines}, peers, checkpoint is not None)
 
@@ -313,9 +313,10 @@ def backend_engine(adapter: ModuleType, config: TransformerConfig, params: dict[
         greedy = "greedy_decode with the key/value cache, the model's decoding rules: stops at eos or after source " \
                  "length + 50"
         normalization = {"gnmt": "((5 + |Y|) / 6)^alpha, section 6.1", "hf": "|Y|^alpha, Hugging Face's"}
+        decoding = config.decoding
         computes.update({"greedy batch 1": greedy, f"greedy batch {PEER_BATCH}": greedy,
-                         "beam 4 batch 1": f"beam_search(beam 4, alpha {config.length_penalty}; scores divided by "
-                                           f"{normalization[config.length_normalization]}) with the key/value "
+                         "beam 4 batch 1": f"beam_search(beam 4, alpha {decoding.length_penalty}; scores divided by "
+                                           f"{normalization[decoding.length_normalization]}) with the key/value "
                                            "cache, the model's decoding rules: up to source length + 50 tokens"})
     if not peers and cached:
         calls["greedy (cached)"] = lambda: adapter.greedy(model, inputs.one, use_cache=True)

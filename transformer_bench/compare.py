@@ -25,10 +25,10 @@ from equivalence.oracle import (
     translation_source,
 )
 from reference_numpy import TransformerConfig, init_params, load_checkpoint
-from reference_numpy.checkpoint import load_tokenizer, load_tokenizer_json
-from reference_numpy.hf_tokenizer import FamilyTokenizer
+from reference_numpy.checkpoint import load_tokenizer_json
 from reference_numpy.tokenizer import Tokenizer
 from transformer_bench.timing import measure
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer
 from transformer_tasks.translation import SHIPPED, SHIPPED_NAME, with_languages
 
 # --precision-report's default: one panel each, the two recipes of each low format side by side

@@ -273,7 +273,7 @@ class MarianPeer(Seq2SeqPeer):
 
 class TransformersPeer(Seq2SeqPeer):
     """Hugging Face transformers on the checkpoint as ``export --to hf`` writes it
-    (:func:`reference_numpy.hf_export.save_hf`, into a temporary directory that
+    (:func:`transformer_hf.exporter.save_hf`, into a temporary directory that
     ``AutoModelForSeq2SeqLM.from_pretrained`` reads: ``MarianMTModel`` or ``M2M100ForConditionalGeneration``, eager,
     float32, eval mode), decoding with the checkpoint's conventions from the directory's generation config: what a
     user of an imported opus-mt, M2M100 or NLLB model runs in transformers. What the export refuses, this peer
@@ -294,7 +294,7 @@ class TransformersPeer(Seq2SeqPeer):
         from transformers import AutoModelForSeq2SeqLM
         from transformers.utils import logging
 
-        from reference_numpy.hf_export import save_hf
+        from transformer_hf.exporter import save_hf
         bar = logging.is_progress_bar_enabled()
         logging.disable_progress_bar()                          # from_pretrained's "Loading weights" bar
         try:

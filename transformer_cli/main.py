@@ -640,7 +640,7 @@ def add_import(commands: Commands) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from reference_numpy.hf_import import import_hf
+    from transformer_hf.importer import import_hf
 
     config = import_hf(args.directory, args.out, args.force)
     print(f"wrote {args.out}: {'pre-LN' if config.norm_first else 'post-LN'}, d_model {config.d_model}, "
@@ -653,18 +653,17 @@ def run_import(args: argparse.Namespace) -> int:
 
 def describe_decoding(config: TransformerConfig) -> str:
     """How ``translate`` searches with an imported checkpoint when given no --beam: as ``generate`` does without
-    arguments (its beam, its budget of tokens: ``hf_export.generate_budget``, which an import's
+    arguments (its beam, its budget of tokens: ``transformer_hf.generation.generate_budget``, which an import's
     ``max_output_length`` sets), for ``import``'s last line."""
-    from reference_numpy.hf_export import generate_budget
+    from transformer_hf.generation import generate_budget
 
-    search = "greedy" if config.beam_size == 1 else f"beam {config.beam_size}"
+    search = "greedy" if config.decoding.beam_size == 1 else f"beam {config.decoding.beam_size}"
     return f"decoding as generate: {search}, at most {generate_budget(config)} tokens a sentence (docs/huggingface.md)"
 
 
 def describe_tokenizer(path: str) -> str:
     """What an imported checkpoint's tokenizer is, for ``import``'s last line."""
-    from reference_numpy.checkpoint import load_tokenizer
-    from reference_numpy.hf_tokenizer import FamilyTokenizer
+    from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     if not isinstance(tokenizer, FamilyTokenizer):

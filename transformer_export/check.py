@@ -48,16 +48,16 @@ from equivalence import tolerance
 from equivalence.margins import beam_margins
 from equivalence.oracle import build_oracle, compare_inputs, greedy_verdict, translation_source
 from reference_numpy import Transformer, TransformerConfig, beam_search
-from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
+from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
-from reference_numpy.hf_tokenizer import FamilyTokenizer, read_tokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_export.ctranslate2 import TOKENIZER_FILE
 from transformer_export.export import read_manifest
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer_json, tokenizer_of
 
 # The packages of this project: the checking process asserts that none of them can be imported.
-PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "equivalence",
-           "transformer_tasks", "transformer_export", "transformer_bench", "transformer_cli")
+PROJECT = ("reference_numpy", "transformer_torch", "transformer_jax", "transformer_tf", "transformer_hf",
+           "equivalence", "transformer_tasks", "transformer_export", "transformer_bench", "transformer_cli")
 
 # Each defines ``run(src, tgt) -> log_probs`` from the artefact in the directory sys.argv[1] (int64 ids in, float32
 # (B, T, V) out): how a serving process loads it with its runtime alone.
@@ -355,7 +355,7 @@ def artefact_tokenizer(output_dir: str | os.PathLike, config: TransformerConfig,
         return None, None if expected is None else Verdict(False, "missing; the checkpoint has a tokenizer")
     try:
         text = path.read_text(encoding="utf-8")
-        tokenizer = read_tokenizer(text, config)
+        tokenizer = tokenizer_of(text, config)
     except (OSError, ValueError) as err:
         return None, Verdict(False, f"unreadable: {err}")
     if expected is None:

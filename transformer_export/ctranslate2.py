@@ -60,11 +60,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
+from reference_numpy.checkpoint import RECORD, load_checkpoint, stored_tokenizer
 from reference_numpy.config import PAPER_CHOICES, TransformerConfig, refuse_choices
-from reference_numpy.hf_tokenizer import is_family_record
 from reference_numpy.model import sinusoidal_positional_encoding
 from transformer_export.outputs import refuse_input
+from transformer_hf.tokenizers import load_tokenizer_json
 
 INSTALL = "pip install 'transformer-reference[peers]'"
 SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}
@@ -99,9 +99,9 @@ def token_names(config: TransformerConfig, size: int, tokenizer: str | None = No
 
 def tokenizer_pieces(tokenizer: str) -> dict[int, str]:
     """``{id: piece}`` of a tokenizer's JSON text (its BPE vocabulary and its added special tokens; an imported
-    family's record: its vocabulary, :mod:`reference_numpy.hf_tokenizer`)."""
+    family's record: its vocabulary, :mod:`transformer_hf.tokenizers`)."""
     data = json.loads(tokenizer)
-    if is_family_record(tokenizer):
+    if stored_tokenizer(tokenizer).kind == RECORD:
         return {int(i): piece for piece, i in data["vocab"].items()}
     pieces = {int(i): token for token, i in data["model"]["vocab"].items()}
     pieces.update({int(token["id"]): token["content"] for token in data["added_tokens"]})

@@ -26,7 +26,7 @@ capacity and its functions' names, inputs and outputs, :data:`STEP`) and, if the
   (:data:`STEP`'s input and output names); run by onnxruntime;
 * ``ctranslate2``: :mod:`transformer_export.ctranslate2` (a CTranslate2 model directory, its vocabulary the tokenizer's
   pieces);
-* ``hf``: :mod:`reference_numpy.hf_export` (a Hugging Face Marian or M2M100 model directory, and the tokenizer,
+* ``hf``: :mod:`transformer_hf.exporter` (a Hugging Face Marian or M2M100 model directory, and the tokenizer,
   for transformers' ``AutoModelForSeq2SeqLM`` and ``AutoTokenizer``).
 
 The traced forward passes read no tensor on the host, so an artefact does not check that ids are below the
@@ -52,10 +52,8 @@ import numpy as np
 
 from equivalence import runtime
 from reference_numpy import records
-from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, resolve_checkpoint
+from reference_numpy.checkpoint import load_checkpoint, resolve_checkpoint
 from reference_numpy.config import TransformerConfig
-from reference_numpy.hf_export import family_of, save_hf
-from reference_numpy.hf_tokenizer import TOKENIZER_CONFIG
 from transformer_export.ctranslate2 import (
     TOKENIZER_FILE,
     check_output,
@@ -63,6 +61,10 @@ from transformer_export.ctranslate2 import (
     write_into_place,
 )
 from transformer_export.outputs import refuse_input
+from transformer_hf.exporter import save_hf
+from transformer_hf.registry import family_for
+from transformer_hf.tokenizer_files import TOKENIZER_CONFIG
+from transformer_hf.tokenizers import load_tokenizer_json
 
 MANIFEST = "transformer.json"
 MANIFEST_RECORD = {"target": str, "dtype": str, "inputs": list, "output": str, "files": list, "config": dict,
@@ -122,13 +124,13 @@ def export(target: str, checkpoint: str | os.PathLike, output_dir: str | os.Path
 
 def export_hf(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write ``checkpoint`` (a file or a shipped model's name) as a Hugging Face model directory ``output_dir``
-    (:func:`reference_numpy.hf_export.save_hf`; its tokenizer too if it holds one): refused over the checkpoint,
+    (:func:`transformer_hf.exporter.save_hf`; its tokenizer too if it holds one): refused over the checkpoint,
     and over an existing ``output_dir`` unless ``force``."""
     path = resolve_checkpoint(checkpoint)
     refuse_input(os.fspath(output_dir), [os.fspath(path)], "OUTPUT_DIR")
     check_output(output_dir, force)
     config, params = load_checkpoint(path)
-    family_of(config)                                                   # refused before anything is written
+    family_for(config)                                                  # refused before anything is written
     tokenizer = load_tokenizer_json(path)
     return write_into_place(output_dir, force, lambda directory: save_hf(config, params, directory, tokenizer))
 

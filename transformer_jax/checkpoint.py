@@ -35,7 +35,6 @@ import numpy.typing as npt
 from flax import nnx
 
 from reference_numpy import checkpoint as reference
-from reference_numpy import pretrained
 from reference_numpy.checkpoint import load_training_state as load_training_state  # moments JAX uses in place
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import is_low, round_to
@@ -137,34 +136,23 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
     """Read, validate (the reference's checks and errors) and load a shared checkpoint (a file, or a
     shipped model's name such as ``"numbers-en-fr"``), in the file's dtype unless ``dtype`` is given
     (float32, bfloat16, float16, or float64 with ``jax_enable_x64`` on); a file of any of the four loads
-    into any other. The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    into any other. The file's tokenizer is read beside it, not kept in the model
+    (``reference_numpy.checkpoint.load_tokenizer_json``)."""
     reader = reference.CheckpointReader(path)
     dtype = _check_dtype(reader.dtype if dtype is None else dtype)
     tensors = reader.read(lambda name, shape, stored: reference.mapped_array(shape, stored))   # JAX uses in place
     model = _assembled(reader.config, tensors, dtype, device, owned=True)
     reference.release_freed_memory()
-    model.tokenizer_json = reader.tokenizer_json
     return model
 
 
-def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None = None, device: str | None = None
-                    ) -> tuple[Transformer, pretrained.Loaded]:
-    """``(model, tokenizer)`` of a shared checkpoint file, a shipped model's name (``"numbers-en-fr"``) or a Hugging
-    Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
-    ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
-    the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    return pretrained.port_from_pretrained(name_or_path, dtype, functools.partial(from_params, device=device),
-                                           functools.partial(load_checkpoint, device=device))
-
-
 def save_checkpoint(model: Transformer, path: str | os.PathLike,
-                    training: reference.TrainingState | None = None, tokenizer: str | bool | None = None) -> None:
+                    training: reference.TrainingState | None = None, tokenizer: str | None = None) -> None:
     """Write the model (and a run's ``training`` state, from :func:`.training.training_state`) as a
     shared checkpoint, atomically, by the reference's writer, in the model's dtype (a bfloat16 model
-    writes a BF16 file), with the tokenizer the model was loaded with, unless ``tokenizer`` gives another
-    (its JSON text) or ``False`` (none) (``reference_numpy.checkpoint.tokenizer_to_save``)."""
-    reference.save_checkpoint(path, model.config, to_params(model), training,
-                              reference.tokenizer_to_save(model, tokenizer))
+    writes a BF16 file), and with ``tokenizer`` (its JSON text: the model holds none, it travels beside it) the
+    tokenizer."""
+    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
 def _dotted(keys: tuple) -> str:

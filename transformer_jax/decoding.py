@@ -1,22 +1,19 @@
 """Greedy decoding and beam search (section 6.1) for the JAX/Flax port, compiled.
 
-The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens:
-the output budget is the non-pad source length + 50 (or ``config.max_output_length``) capped at
-``max_len``; the output starts after ``config.start_id``; the tokens of ``config.never_emitted`` are
-never emitted (their log-probabilities are set to -inf), nor the held-back tokens (``config.min_output_length``,
-``config.no_repeat_ngram_size``: :func:`constrain`); the forced tokens (``forced_bos_id``,
-``config.forced_eos``) are the reference's; the decoder reads its prefix under the causal mask alone; greedy ties go to
-the lowest token id; beam candidates are ranked by summed log-probability (in the score dtype:
-the model's, float32 for bfloat16 and float16) with ties to the lower beam, then the lower token
-(the order of a stable sort of the negated flat scores);
-an eos among the first ``beam_size`` ranks finishes a hypothesis, the first ``beam_size``
-non-eos candidates are the next live beams; the search stops at the budget (live beams then
-finish, in rank order, after that step's eos hypotheses), when no live beam is left, or by the
-length normalization's rule (``config.length_normalization``: "gnmt", when no live beam can beat
-the best finished one; "hf", transformers' ``early_stopping`` over the ``beam_size`` best finished
-scores, :func:`_stops`); the best score wins, ties going to the hypothesis
-finished first. Outputs are NumPy, without bos, pad-filled. A bfloat16 or float16 model decodes
-with its key/value caches in its own dtype and float32 log-probabilities and scores.
+The rules are the reference's (``reference_numpy/decoding.py``) and give the same tokens: the output budget is the
+non-pad source length + 50 (or ``config.decoding.max_output_length``) capped at ``max_len``; the output starts after
+``config.start_id``; the tokens of ``config.never_emitted`` are never emitted (their log-probabilities are set to -inf),
+nor the held-back tokens (``config.decoding.min_output_length``, ``config.decoding.no_repeat_ngram_size``:
+:func:`constrain`); the forced tokens (``forced_bos_id``, ``config.decoding.forced_eos``) are the reference's; the
+decoder reads its prefix under the causal mask alone; greedy ties go to the lowest token id; beam candidates are ranked
+by summed log-probability (in the score dtype: the model's, float32 for bfloat16 and float16) with ties to the lower
+beam, then the lower token (the order of a stable sort of the negated flat scores); an eos among the first ``beam_size``
+ranks finishes a hypothesis, the first ``beam_size`` non-eos candidates are the next live beams; the search stops at the
+budget (live beams then finish, in rank order, after that step's eos hypotheses), when no live beam is left, or by the
+length normalization's rule (``config.decoding.length_normalization``: "gnmt", when no live beam can beat the best
+finished one; "hf", transformers' ``early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the
+best score wins, ties going to the hypothesis finished first. Outputs are NumPy, without bos, pad-filled. A bfloat16 or
+float16 model decodes with its key/value caches in its own dtype and float32 log-probabilities and scores.
 
 How it runs:
 * the encoder runs once; with ``use_cache=True`` the model's key/value caches
@@ -123,15 +120,15 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
 
 def constrain(config: TransformerConfig, log_probs: jax.Array, history: jax.Array, step: jax.Array) -> jax.Array:
     """The log-probabilities of the token at (traced) ``step`` with the reference's held-back tokens at -inf (its
-    ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
-    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the buffer that lie in the prefix and
-    whose first n - 1 tokens are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them
-    (at every step of a config with either setting). ``log_probs`` unchanged without them.
+    ``constrain``): eos below ``config.decoding.min_output_length``; with ``config.decoding.no_repeat_ngram_size`` n,
+    each token that would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the buffer that lie in
+    the prefix and whose first n - 1 tokens are its last n - 1 name it); then, with ``config.decoding.renormalize``, a
+    log-softmax of them (at every step of a config with either setting). ``log_probs`` unchanged without them.
     Shape: log_probs (N, V), history (N, M + 1) -> (N, V)."""
-    n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
-    if not (config.min_output_length or n):
+    n, vocab = config.decoding.no_repeat_ngram_size, log_probs.shape[1]
+    if not (config.decoding.min_output_length or n):
         return log_probs
-    held = (jnp.arange(vocab) == config.eos_id) & (step < config.min_output_length)            # (V,)
+    held = (jnp.arange(vocab) == config.eos_id) & (step < config.decoding.min_output_length)   # (V,)
     log_probs = jnp.where(held, -jnp.inf, log_probs)
     width = history.shape[1] - n + 1                                                       # windows of the buffer
     if n and width > 0:
@@ -142,17 +139,17 @@ def constrain(config: TransformerConfig, log_probs: jax.Array, history: jax.Arra
         banned = jnp.zeros((len(log_probs), vocab + 1), bool).at[rows, jnp.where(matches, windows[:, :, -1],
                                                                                    vocab)].set(True)
         log_probs = jnp.where(banned[:, :vocab], -jnp.inf, log_probs)                      # column V: no token
-    return log_softmax(log_probs) if config.renormalize else log_probs
+    return log_softmax(log_probs) if config.decoding.renormalize else log_probs
 
 
 def forced_tokens(config: TransformerConfig, step: jax.Array, limits: jax.Array,
                   forced_bos_id: int | None) -> jax.Array:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
-    ``forced_bos_id`` at step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1
-    where none. Shape: limits (N,) -> (N,)."""
+    ``forced_bos_id`` at step 1, ``config.forced_last_id`` at the row's last step with
+    ``config.decoding.forced_eos``, -1 where none. Shape: limits (N,) -> (N,)."""
     first = -1 if forced_bos_id is None else forced_bos_id
     forced = jnp.broadcast_to(jnp.where(step == 1, first, -1), limits.shape).astype(limits.dtype)
-    return jnp.where((step == limits) & config.forced_eos, config.forced_last_id, forced)
+    return jnp.where((step == limits) & config.decoding.forced_eos, config.forced_last_id, forced)
 
 
 def force(log_probs: jax.Array, forced: jax.Array) -> jax.Array:
@@ -166,11 +163,11 @@ def force(log_probs: jax.Array, forced: jax.Array) -> jax.Array:
 def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
     output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (with
-    ``config.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
+    ``config.decoding.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
     Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]   # (N, V)
     log_probs = log_probs.at[:, jnp.array(model.config.never_emitted, dtype=_TOKEN_DTYPE)].set(-jnp.inf)
-    return log_softmax(log_probs) if model.config.renormalize else log_probs
+    return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: jax.Array, step: jax.Array, memory: jax.Array, src_mask: jax.Array,
@@ -237,7 +234,7 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
         index, history, done, cache = carry
         log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache)   # (B, V)
         log_probs = constrain(cfg, log_probs, history, index + 1)
-        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+        if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, index + 1, limits, forced_bos_id))
         token = jnp.argmax(log_probs, axis=-1).astype(_TOKEN_DTYPE)              # first max = lowest id
         token = jnp.where(done, cfg.pad_id, token)
@@ -255,8 +252,8 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
 
 def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SIZE, alpha: float | None = None,
                 use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``), the forced
-    first token ``forced_bos_id`` and the tie-break of this module's docstring.
+    """Beam search with the config's length normalization (alpha: None is ``config.decoding.length_penalty``), the
+    forced first token ``forced_bos_id`` and the tie-break of this module's docstring.
 
     Shape: src (B, S) -> tokens (B, L) without the start token, right-padded with pad_id (NumPy int64), and
     the length-normalized scores (B,) (NumPy float64 holding score-dtype values: the model's, float32 for
@@ -270,7 +267,7 @@ def beam_search(model: Transformer, src: npt.ArrayLike, beam_size: int = BEAM_SI
     max_steps = int(limits.max())
     # lp(n) for n = 0..M, computed on the host like the reference's Python floats, then
     # rounded to the score dtype exactly as NumPy rounds a Python float in `score / lp`.
-    penalties = np.array([length_penalty(n, alpha, cfg.length_normalization)
+    penalties = np.array([length_penalty(n, alpha, cfg.decoding.length_normalization)
                           for n in range(max_steps + 1)]).astype(score_dtype(model.dtype))
     split = _split(model)
     rows, lengths, scores = _beam(split.structure, split.state, src, jnp.asarray(limits), jnp.asarray(penalties),
@@ -308,14 +305,14 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
         length = index + 1                                                       # tokens after this step
         log_probs, cache = _step(model, history, length, memory, src_mask, cache)   # (N, V)
         log_probs = constrain(cfg, log_probs, history, length)
-        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+        if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, length, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.reshape(batch, k, -1)   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams].at[:, :, length].set(tokens)           # (B, 2K, M + 1)
         ended = jnp.where(finishing & ~done[:, None], scores / penalties[length], -jnp.inf)
         best = _keep_best(best, ended, rows, length)
-        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+        if cfg.decoding.length_normalization == "hf":                     # the gnmt rule reads best alone
             kept = lax.top_k(jnp.concatenate([kept, ended], axis=1), k)[0]       # (B, K): best finished scores
         live_scores = jnp.take_along_axis(scores, keep, axis=1)                  # (B, K), descending
         rows = jnp.take_along_axis(rows, keep[:, :, None], axis=1)               # (B, K, M + 1)
@@ -339,12 +336,12 @@ def _stops(config: TransformerConfig, best_live: jax.Array, best: jax.Array, kep
     once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
     "never", the limit. A sentence with no live beam left (best_live -inf) stops.
     Shape: best_live, best (B,); kept (B, K); penalty (); limit_penalty (B,) -> (B,) bool."""
-    if config.length_normalization == "gnmt":
+    if config.decoding.length_normalization == "gnmt":
         return best_live / limit_penalty <= best
     full = kept[:, -1] > -jnp.inf
-    if config.early_stopping is True:
+    if config.decoding.early_stopping is True:
         return full | (best_live == -jnp.inf)
-    bound = limit_penalty if config.early_stopping == "never" else penalty
+    bound = limit_penalty if config.decoding.early_stopping == "never" else penalty
     return (full & (best_live / bound <= kept[:, -1])) | (best_live == -jnp.inf)
 
 

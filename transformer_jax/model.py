@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -642,9 +641,6 @@ def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
 
 # ----------------------------------------------------------------------------- the model
 
-_TOKENIZERS: weakref.WeakKeyDictionary[Transformer, str | None] = weakref.WeakKeyDictionary()
-
-
 class Transformer(nnx.Module):
     """The encoder-decoder Transformer (section 3, Figure 1).
 
@@ -683,25 +679,6 @@ class Transformer(nnx.Module):
         self.encoder = Encoder(config, **kw)
         self.decoder = Decoder(config, **kw)
         self.generator = Generator(config, self.src_embed if config.share_embeddings else None, **kw)
-
-    @property
-    def tokenizer_json(self) -> str | None:
-        """Set by ``load_checkpoint``: the file's tokenizer (its JSON text), or None. Kept beside the model,
-        not in it: NNX's graph holds every attribute of a module, so a text attribute would give a loaded model
-        and a new one of the same structure different compilations of every compiled function (18 CPU-s for
-        the first training step of ``tiny``)."""
-        return _TOKENIZERS.get(self)
-
-    @tokenizer_json.setter
-    def tokenizer_json(self, text: str | None) -> None:
-        _TOKENIZERS[self] = text
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """NNX's bookkeeping of a module's attributes, which its graph also holds, except for the property."""
-        if name == "tokenizer_json":
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def encode(self, src: jax.Array, src_mask: jax.Array | None = None, *,
                deterministic: bool | None = None) -> jax.Array:

@@ -16,7 +16,7 @@ seeds validate on the same pairs). The corpus has no test set: ``train`` scores 
 **Tokenizer.** One BPE vocabulary for both languages (section 5.1), learned with Hugging Face ``tokenizers`` from
 the training pairs (``--vocab-size`` at most; the model's vocabulary is what was learned) and saved inside every
 checkpoint of the run; a resumed run uses its checkpoint's, and a fine-tune (``train --init``) its checkpoint's, the
-project's BPE or an imported Hugging Face family's (:class:`reference_numpy.hf_tokenizer.FamilyTokenizer`).
+project's BPE or an imported Hugging Face family's (:class:`transformer_hf.tokenizers.FamilyTokenizer`).
 
 **Sequences** (transformers' convention for a seq2seq model's training, which the project's is a case of): the
 source is the tokenizer's ids of the source sentence (``input_ids``: the project's BPE its pieces and eos; a family's
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from reference_numpy.config import TransformerConfig
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, teacher_forcing
+from transformer_hf.tokenizers import FamilyTokenizer
 from transformer_tasks.copy import TEST, VALIDATION  # the held-out splits every task names alike
 from transformer_tasks.numbers import MODEL as NUMBERS_MODEL
 from transformer_tasks.numbers import SPLIT_SEED, bleu, learned_tokenizer

@@ -16,10 +16,10 @@ import numpy.typing as npt
 
 from equivalence import backends
 from reference_numpy import TransformerConfig, load_checkpoint
-from reference_numpy.checkpoint import SHIPPED_MODELS, load_tokenizer
+from reference_numpy.checkpoint import SHIPPED_MODELS
 from reference_numpy.checks import check_token_layout
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer, pad_rows
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer
 
 DEFAULT_MODEL = "numbers-en-fr"      # the shipped model a command runs when given none
 SHIPPED = SHIPPED_MODELS[DEFAULT_MODEL]
@@ -84,11 +84,11 @@ class Translator:
                  beam_size: int | None = None, alpha: float | None = None, batch_size: int = BATCH_SIZE,
                  forced_bos_id: int | None = None) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
-        self.beam_size = model.config.beam_size if beam_size is None else beam_size
+        self.beam_size = model.config.decoding.beam_size if beam_size is None else beam_size
         if alpha is not None and self.beam_size == 1:
             raise ValueError(f"--alpha {alpha}: the length penalty is beam search's; greedy decoding (beam size 1) "
                              "has none (pass --beam K > 1)")
-        self.alpha = model.config.length_penalty if alpha is None else alpha
+        self.alpha = model.config.decoding.length_penalty if alpha is None else alpha
         self.batch_size = batch_size
         # the target language's id M2M100/NLLB force as the first output token (the tokenizer's, from --target-lang)
         self.forced_bos_id = getattr(tokenizer, "forced_bos_id", None) if forced_bos_id is None else forced_bos_id
@@ -164,5 +164,5 @@ def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype:
     device = backends.device_for(adapter, device)
     config, params, tokenizer = load_translator(checkpoint, source_lang=source_lang, target_lang=target_lang)
     if max_output_length is not None:
-        config = config.replace(max_output_length=max_output_length)
+        config = config.with_decoding(max_output_length=max_output_length)
     return Translator(adapter, adapter.build(config, params, dtype, device), tokenizer, beam_size, alpha, batch_size)

@@ -17,7 +17,6 @@ from .capture import capture_stages  # noqa: E402
 from .checkpoint import (  # noqa: E402
     from_checkpoint_layout,
     from_params,
-    from_pretrained,
     load_checkpoint,
     name_table,
     save_checkpoint,
@@ -71,7 +70,7 @@ __all__ = [
     "sinusoidal_positional_encoding", "target_mask",
     "capture_stages",
     "beam_search", "greedy_decode",
-    "from_checkpoint_layout", "from_params", "from_pretrained", "load_checkpoint", "name_table", "save_checkpoint",
+    "from_checkpoint_layout", "from_params", "load_checkpoint", "name_table", "save_checkpoint",
     "to_checkpoint_layout", "to_params", "transposed",
     "gradients", "label_smoothed_cross_entropy", "learning_rate_schedule", "loss", "optimizer", "train_step",
     "training_state",

@@ -34,7 +34,6 @@ import tensorflow as tf
 from keras.src.backend.common.variables import initialize_all_variables
 
 from reference_numpy import checkpoint as reference
-from reference_numpy import pretrained
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.checkpoint import load_training_state as load_training_state  # moments TF takes as they are
 from reference_numpy.config import TransformerConfig
@@ -117,32 +116,21 @@ def _check_shape(model: Transformer, name: str, shape: tuple[int, ...], variable
 def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> Transformer:
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as
     ``"numbers-en-fr"``) into a new model, in ``dtype`` (float64, float32, bfloat16 or float16; by default
-    the dtype the file holds). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    the dtype the file holds). The file's tokenizer is read beside it, not kept in the model
+    (``reference_numpy.checkpoint.load_tokenizer_json``)."""
     reader = reference.CheckpointReader(path)
     model = _empty_model(reader.config, (reader.dtype if dtype is None else parse_dtype(dtype)).name)
     _read_into(model, reader)
     reference.release_freed_memory()                                     # arrays rounded and assigned, dropped
-    model.tokenizer_json = reader.tokenizer_json
     return model
 
 
-def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None = None
-                    ) -> tuple[Transformer, pretrained.Loaded]:
-    """``(model, tokenizer)`` of a shared checkpoint file, a shipped model's name (``"numbers-en-fr"``) or a Hugging
-    Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
-    ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
-    the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    return pretrained.port_from_pretrained(name_or_path, dtype, from_params, load_checkpoint)
-
-
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
-                    tokenizer: str | bool | None = None) -> None:
+                    tokenizer: str | None = None) -> None:
     """Write the model (and a run's ``training`` state, from ``training.training_state``) as a shared checkpoint,
-    atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or F16 file), with the tokenizer the
-    model was loaded with, unless ``tokenizer`` gives another (its JSON text) or ``False`` (none)
-    (``reference_numpy.checkpoint.tokenizer_to_save``)."""
-    reference.save_checkpoint(path, model.config, to_params(model), training,
-                              reference.tokenizer_to_save(model, tokenizer))
+    atomically, in the model's dtype (a bfloat16 or float16 model: a BF16 or F16 file), and with ``tokenizer`` (its
+    JSON text: the model holds none, it travels beside it) the tokenizer."""
+    reference.save_checkpoint(path, model.config, to_params(model), training, tokenizer)
 
 
 def _empty_model(config: TransformerConfig, dtype: str) -> Transformer:

@@ -1,22 +1,20 @@
 """Greedy decoding and beam search (section 6.1) for the TensorFlow port, compiled.
 
-The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum output
-length = non-pad source tokens + 50 (or ``config.max_output_length``) capped at ``max_len``; output
-after the start token ``config.start_id``, without it, right-padded with pad_id; the tokens of
-``config.never_emitted`` are never emitted (their log-probabilities are set to -inf before choosing), nor the
-held-back tokens (``config.min_output_length``, ``config.no_repeat_ngram_size``: :func:`constrain`); the forced tokens
-(``forced_bos_id``, ``config.forced_eos``) are the reference's; the decoder reads its prefix under the
-causal mask alone; greedy ties go to the lowest token id; beam candidates are ranked by summed
-log-probability (model dtype; float32 for bfloat16 and float16), ties to the lower beam then the
-lower token; eos finishes a hypothesis only among the first ``beam_size`` ranks; the search
-stops at the maximum length (live beams are then scored as finished, in rank order, after that
-step's eos hypotheses), when no live beam is left, or by the length normalization's rule
-(``config.length_normalization``: "gnmt", when no live beam can beat the best finished one; "hf",
-transformers' ``early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the
-best score wins, a tie going to the hypothesis finished first. Beam rows that
-hold no live beam (only one exists at first; none when only eos can follow) score -inf: they
-never finish, and when all of a sentence's rows do, the stopping rule (-inf <= best finished
-score) ends its search.
+The rules are the reference's, word for word (``reference_numpy/decoding.py``): maximum output length = non-pad source
+tokens + 50 (or ``config.decoding.max_output_length``) capped at ``max_len``; output after the start token
+``config.start_id``, without it, right-padded with pad_id; the tokens of ``config.never_emitted`` are never emitted
+(their log-probabilities are set to -inf before choosing), nor the held-back tokens
+(``config.decoding.min_output_length``, ``config.decoding.no_repeat_ngram_size``: :func:`constrain`); the forced tokens
+(``forced_bos_id``, ``config.decoding.forced_eos``) are the reference's; the decoder reads its prefix under the causal
+mask alone; greedy ties go to the lowest token id; beam candidates are ranked by summed log-probability (model dtype;
+float32 for bfloat16 and float16), ties to the lower beam then the lower token; eos finishes a hypothesis only among the
+first ``beam_size`` ranks; the search stops at the maximum length (live beams are then scored as finished, in rank
+order, after that step's eos hypotheses), when no live beam is left, or by the length normalization's rule
+(``config.decoding.length_normalization``: "gnmt", when no live beam can beat the best finished one; "hf", transformers'
+``early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the best score wins, a tie going to the
+hypothesis finished first. Beam rows that hold no live beam (only one exists at first; none when only eos can follow)
+score -inf: they never finish, and when all of a sentence's rows do, the stopping rule (-inf <= best finished score)
+ends its search.
 
 Each search is one ``tf.function`` holding a ``tf.while_loop`` over output positions, for the
 whole batch at once (beam search keeps B x beam_size rows):
@@ -79,12 +77,12 @@ Cache = tuple[tuple[KVCache, KVCache], ...]   # per decoder layer (self-attentio
 
 
 def max_output_lengths(model: Transformer, src: tf.Tensor) -> tf.Tensor:
-    """Per-sequence output budget: non-pad source tokens + 50 (section 6.1), or ``config.max_output_length``
+    """Per-sequence output budget: non-pad source tokens + 50 (section 6.1), or ``config.decoding.max_output_length``
     when set, capped at ``max_len``, computed in-graph. Shape: (B,)."""
     cfg = model.config
     lengths = tf.reduce_sum(tf.cast(tf.not_equal(src, cfg.pad_id), tf.int32), axis=1)
-    budgets = lengths + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else tf.fill(tf.shape(lengths),
-                                                                                        cfg.max_output_length)
+    budgets = lengths + EXTRA_OUTPUT_LENGTH if cfg.decoding.max_output_length is None else tf.fill(
+        tf.shape(lengths), cfg.decoding.max_output_length)
     return tf.minimum(budgets, cfg.max_len)
 
 
@@ -128,16 +126,16 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
 
 def constrain(config: TransformerConfig, log_probs: tf.Tensor, history: tf.Tensor, step: Index) -> tf.Tensor:
     """The log-probabilities of the token at (traced) ``step`` with the reference's held-back tokens at -inf (its
-    ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
-    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the buffer that lie in the prefix and
-    whose first n - 1 tokens are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them
-    (at every step of a config with either setting). ``log_probs`` unchanged without them.
+    ``constrain``): eos below ``config.decoding.min_output_length``; with ``config.decoding.no_repeat_ngram_size`` n,
+    each token that would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the buffer that lie in
+    the prefix and whose first n - 1 tokens are its last n - 1 name it); then, with ``config.decoding.renormalize``, a
+    log-softmax of them (at every step of a config with either setting). ``log_probs`` unchanged without them.
     Shape: log_probs (N, V), history (N, L + 1) -> (N, V)."""
-    n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
-    if not (config.min_output_length or n):
+    n, vocab = config.decoding.no_repeat_ngram_size, log_probs.shape[1]
+    if not (config.decoding.min_output_length or n):
         return log_probs
     never = tf.constant(-np.inf, log_probs.dtype)
-    held = (tf.range(vocab) == config.eos_id) & (step < config.min_output_length)             # (V,)
+    held = (tf.range(vocab) == config.eos_id) & (step < config.decoding.min_output_length)    # (V,)
     log_probs = tf.where(held, never, log_probs)
     width = history.shape[1] - n + 1                                                       # windows of the buffer
     if n and width > 0:
@@ -150,18 +148,18 @@ def constrain(config: TransformerConfig, log_probs: tf.Tensor, history: tf.Tenso
         counts = tf.scatter_nd(tf.reshape(tf.stack([rows, columns], axis=2), (-1, 2)),
                                tf.ones(tf.size(matches), tf.int32), shape)
         log_probs = tf.where(counts[:, :vocab] > 0, never, log_probs)
-    return log_softmax(log_probs) if config.renormalize else log_probs
+    return log_softmax(log_probs) if config.decoding.renormalize else log_probs
 
 
 def forced_tokens(config: TransformerConfig, step: Index, limits: tf.Tensor,
                   forced_bos_id: int | None) -> tf.Tensor:
     """The token each row is forced to emit at (traced) ``step`` (the reference's ``forced_tokens``):
-    ``forced_bos_id`` at step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1
-    where none. Shape: limits (N,) -> (N,) int64."""
+    ``forced_bos_id`` at step 1, ``config.forced_last_id`` at the row's last step with
+    ``config.decoding.forced_eos``, -1 where none. Shape: limits (N,) -> (N,) int64."""
     first = tf.constant(-1 if forced_bos_id is None else forced_bos_id, tf.int64)
     forced = tf.fill(tf.shape(limits), tf.where(tf.equal(step, 1), first, tf.constant(-1, tf.int64)))
     last = tf.constant(config.forced_last_id, tf.int64)
-    return tf.where(tf.equal(step, limits) & config.forced_eos, last, forced)
+    return tf.where(tf.equal(step, limits) & config.decoding.forced_eos, last, forced)
 
 
 def force(log_probs: tf.Tensor, forced: tf.Tensor) -> tf.Tensor:
@@ -175,7 +173,7 @@ def force(log_probs: tf.Tensor, forced: tf.Tensor) -> tf.Tensor:
 def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:
     """The generator's log-probabilities (section 3.4) at one (possibly traced) position of the decoder
     output, the tokens of ``config.never_emitted`` set to -inf: the decoder never emits them (with
-    ``config.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
+    ``config.decoding.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
     Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
@@ -183,7 +181,7 @@ def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: t
     never = list(model.config.never_emitted) or [-1]                                        # -1: no token
     forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == never, axis=1)      # (V,)
     log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
-    return log_softmax(log_probs) if model.config.renormalize else log_probs
+    return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor, src_mask: tf.Tensor,
@@ -223,8 +221,8 @@ def _buffer_length(model: Transformer, src: tf.Tensor) -> int:
     ``max_output_length``, capped at ``max_len``), known when tracing; the per-sequence budgets are computed
     in-graph (:func:`max_output_lengths`). PyTorch and JAX read the budgets' maximum on the host."""
     cfg = model.config
-    return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.max_output_length is None else cfg.max_output_length,
-               cfg.max_len)
+    return min(src.shape[1] + EXTRA_OUTPUT_LENGTH if cfg.decoding.max_output_length is None else
+               cfg.decoding.max_output_length, cfg.max_len)
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -260,7 +258,7 @@ def _greedy(model: Transformer, use_cache: bool, forced_bos_id: int | None, src:
     def body(t, tokens, done, cache):
         log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight)   # (B, V)
         log_probs = constrain(cfg, log_probs, tokens, t)
-        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+        if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, t, limits, forced_bos_id))
         token = tf.argmax(log_probs, axis=-1, output_type=tf.int64)        # ties: the lowest id
         token = tf.where(done, pad, token)
@@ -276,8 +274,8 @@ def _greedy(model: Transformer, use_cache: bool, forced_bos_id: int | None, src:
 
 def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, alpha: float | None = None,
                 use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``), the forced
-    first token ``forced_bos_id`` and the tie-break of this module's docstring.
+    """Beam search with the config's length normalization (alpha: None is ``config.decoding.length_penalty``), the
+    forced first token ``forced_bos_id`` and the tie-break of this module's docstring.
 
     Shape: src (B, S) -> tokens (B, L) without the start token, right-padded with pad_id, and the
     length-normalized scores (B,) (float64, like the reference's Python floats; computed in float32 for a
@@ -287,7 +285,8 @@ def beam_search(model: Transformer, src: ArrayLike, beam_size: int = BEAM_SIZE, 
     beam_size, alpha = check_decoding_args(beam_size, alpha, cfg)
     forced_bos_id = check_forced_bos(cfg, forced_bos_id)
     src = _checked_source(model, src)
-    penalties = [length_penalty(n, alpha, cfg.length_normalization) for n in range(_buffer_length(model, src) + 1)]
+    penalties = [length_penalty(n, alpha, cfg.decoding.length_normalization)
+                 for n in range(_buffer_length(model, src) + 1)]
     search = _compiled(model, ("beam", use_cache, beam_size, forced_bos_id), _beam)
     with tf.device(model_device(model)):
         tokens, lengths, scores = search(src, tf.constant(penalties, score_dtype(model.compute_dtype)),
@@ -320,14 +319,14 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, forced_bos_id: in
     def body(t, history, live_scores, cache, best, kept, done):
         log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight)   # (N, V)
         log_probs = constrain(cfg, log_probs, history, t)
-        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+        if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, t, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + tf.reshape(log_probs, (batch, k, -1))   # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = _put(tf.gather(history, first_row + beams), tokens, t)         # (B, 2K, L + 1)
         ended = tf.where(finishing & ~done[:, None], scores / penalties[t], never)
         best = _keep_best(best, ended, rows, t)
-        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+        if cfg.decoding.length_normalization == "hf":                     # the gnmt rule reads best alone
             kept = tf.math.top_k(tf.concat([kept, ended], axis=1), k).values  # (B, K): best finished scores
         live_scores = tf.gather(scores, keep, batch_dims=1)                  # (B, K), descending
         rows = tf.gather(rows, keep, batch_dims=1)                           # (B, K, L + 1)
@@ -354,12 +353,12 @@ def _stops(config: TransformerConfig, best_live: tf.Tensor, best: tf.Tensor, kep
     once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
     "never", the limit. A sentence with no live beam left (best_live -inf) stops.
     Shape: best_live, best (B,); kept (B, K); penalty (); limit_penalty (B,) -> (B,) bool."""
-    if config.length_normalization == "gnmt":
+    if config.decoding.length_normalization == "gnmt":
         return best_live / limit_penalty <= best
     full = kept[:, -1] > -np.inf
-    if config.early_stopping is True:
+    if config.decoding.early_stopping is True:
         return full | (best_live == -np.inf)
-    bound = limit_penalty if config.early_stopping == "never" else penalty
+    bound = limit_penalty if config.decoding.early_stopping == "never" else penalty
     return (full & (best_live / bound <= kept[:, -1])) | (best_live == -np.inf)
 
 

@@ -25,7 +25,6 @@ model in P saves a BF16 or F16 file.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable, Iterator
 
@@ -35,7 +34,6 @@ import torch
 from torch import nn
 
 from reference_numpy import checkpoint as reference_checkpoint
-from reference_numpy import pretrained
 from reference_numpy.checkpoint import TrainingState
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import parse_dtype, round_to
@@ -175,23 +173,13 @@ def load_checkpoint(path: str | os.PathLike, dtype: npt.DTypeLike | torch.dtype 
                     device: str | torch.device = "cpu") -> Transformer:
     """Read, validate and load a shared checkpoint (a file, or a shipped model's name such as ``"numbers-en-fr"``)
     into a :class:`Transformer` (eval mode) on ``device``, in ``dtype`` (default: the file's own: float32, float64,
-    bfloat16 or float16). The file's tokenizer (its JSON text, or None) is kept as ``model.tokenizer_json``."""
+    bfloat16 or float16). The file's tokenizer is read beside it, not kept in the model
+    (``reference_numpy.checkpoint.load_tokenizer_json``)."""
     reader = reference_checkpoint.CheckpointReader(path)
     model = _build(reader.config, reader.read(_reading_memory(reader.config)), reader.dtype if dtype is None else dtype,
                    device, owned=True)
     reference_checkpoint.release_freed_memory()                          # arrays cast to another dtype, dropped
-    model.tokenizer_json = reader.tokenizer_json
     return model
-
-
-def from_pretrained(name_or_path: str | os.PathLike, dtype: npt.DTypeLike | None = None,
-                    device: str | torch.device = "cpu") -> tuple[Transformer, pretrained.Loaded]:
-    """``(model, tokenizer)`` of a shared checkpoint file, a shipped model's name (``"numbers-en-fr"``) or a Hugging
-    Face model directory (Marian, M2M100, NLLB: imported in memory, nothing written), as transformers'
-    ``from_pretrained`` loads by name or path (``reference_numpy/pretrained.py``): the model in ``dtype`` (by default
-    the file's), its tokenizer's JSON text kept as ``model.tokenizer_json``, and the tokenizer (None: it has none)."""
-    return pretrained.port_from_pretrained(name_or_path, dtype, functools.partial(from_params, device=device),
-                                           functools.partial(load_checkpoint, device=device))
 
 
 def load_training_state(path: str | os.PathLike, dtype: npt.DTypeLike | None = None) -> TrainingState | None:
@@ -227,10 +215,9 @@ def _reading_memory(config: TransformerConfig) -> reference_checkpoint.Allocate:
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, training: TrainingState | None = None,
-                    tokenizer: str | bool | None = None) -> None:
+                    tokenizer: str | None = None) -> None:
     """Write the model's weights (in its dtype: a BF16 or F16 file for a low-precision model) and config as a
     shared checkpoint, atomically; with ``training`` (from :func:`.training.training_state`) also the run's Adam
-    moments and step count; and the tokenizer the model was loaded with, unless ``tokenizer`` gives another (its
-    JSON text) or ``False`` (none) (``reference_numpy.checkpoint.tokenizer_to_save``)."""
-    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training,
-                                         reference_checkpoint.tokenizer_to_save(model, tokenizer))
+    moments and step count; and with ``tokenizer`` (its JSON text: the model holds none, it travels beside it) the
+    tokenizer."""
+    reference_checkpoint.save_checkpoint(path, model.config, to_params(model), training, tokenizer)

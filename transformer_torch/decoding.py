@@ -1,17 +1,16 @@
 """Greedy decoding and beam search (section 6.1) with a key/value cache.
 
-The rules are the reference's, to the letter (``reference_numpy/decoding.py``): the same
-maximum output length (non-pad source tokens + 50, or ``config.max_output_length``, capped at ``max_len``),
-the same start token (``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same held-back
-tokens (``config.min_output_length``, ``config.no_repeat_ngram_size``: :func:`constrain`), the same forced tokens
-(``forced_bos_id``, ``config.forced_eos``), the decoder reading its prefix under the causal mask
-alone, greedy ties to the lowest token id, beam candidates ranked by summed log-probability
-(accumulated in the model's dtype; float32 for a bfloat16 or float16 model, whose log-probabilities
-are float32, ``reference_numpy.precision.score_dtype``) with ties to the lower beam then the lower
-token, eos only among the first ``beam_size`` ranks, the same length normalization and stopping rule
-(``config.length_normalization``, ``config.early_stopping``: "hf" keeps the ``beam_size`` best
-finished scores of each sentence, :func:`_stops`), and the final tie to the hypothesis finished
-first. Outputs are NumPy arrays in the reference's layout (no start token, right-padded with pad_id).
+The rules are the reference's, to the letter (``reference_numpy/decoding.py``): the same maximum output length (non-pad
+source tokens + 50, or ``config.decoding.max_output_length``, capped at ``max_len``), the same start token
+(``config.start_id``), the tokens of ``config.never_emitted`` never emitted, the same held-back tokens
+(``config.decoding.min_output_length``, ``config.decoding.no_repeat_ngram_size``: :func:`constrain`), the same forced
+tokens (``forced_bos_id``, ``config.decoding.forced_eos``), the decoder reading its prefix under the causal mask alone,
+greedy ties to the lowest token id, beam candidates ranked by summed log-probability (accumulated in the model's dtype;
+float32 for a bfloat16 or float16 model, whose log-probabilities are float32, ``reference_numpy.precision.score_dtype``)
+with ties to the lower beam then the lower token, eos only among the first ``beam_size`` ranks, the same length
+normalization and stopping rule (``config.decoding.length_normalization``, ``config.decoding.early_stopping``: "hf"
+keeps the ``beam_size`` best finished scores of each sentence, :func:`_stops`), and the final tie to the hypothesis
+finished first. Outputs are NumPy arrays in the reference's layout (no start token, right-padded with pad_id).
 
 With ``use_cache=True`` (the default) each new token costs one decoder step: the model's
 key/value cache (``model.init_cache``, :class:`.incremental.KVCache`) keeps the self-attention keys and
@@ -98,16 +97,16 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
 
 
 def constrain(config: TransformerConfig, log_probs: Tensor, history: Tensor, step: int) -> Tensor:
-    """The log-probabilities of the token at ``step`` with the reference's held-back tokens at -inf (its
-    ``constrain``): eos below ``config.min_output_length``; with ``config.no_repeat_ngram_size`` n, each token that
-    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the prefix whose first n - 1 tokens
-    are its last n - 1 name it); then, with ``config.renormalize``, a log-softmax of them (at every step of a config
-    with either setting). ``log_probs`` unchanged without them.
+    """The log-probabilities of the token at ``step`` with the reference's held-back tokens at -inf (its ``constrain``):
+    eos below ``config.decoding.min_output_length``; with ``config.decoding.no_repeat_ngram_size`` n, each token that
+    would complete an n-gram of the prefix ``history[:, :step]`` (the windows of the prefix whose first n - 1 tokens are
+    its last n - 1 name it); then, with ``config.decoding.renormalize``, a log-softmax of them (at every step of a
+    config with either setting). ``log_probs`` unchanged without them.
     Shape: log_probs (N, V), history (N, W), W > step -> (N, V)."""
-    n, vocab = config.no_repeat_ngram_size, log_probs.shape[1]
-    if not (config.min_output_length or n):
+    n, vocab = config.decoding.no_repeat_ngram_size, log_probs.shape[1]
+    if not (config.decoding.min_output_length or n):
         return log_probs
-    if step < config.min_output_length:
+    if step < config.decoding.min_output_length:
         log_probs = log_probs.clone()
         log_probs[:, config.eos_id] = -torch.inf
     if n and step >= n:
@@ -117,15 +116,15 @@ def constrain(config: TransformerConfig, log_probs: Tensor, history: Tensor, ste
         banned = torch.zeros((len(log_probs), vocab + 1), dtype=torch.bool, device=log_probs.device)
         banned.scatter_(1, torch.where(matches, windows[:, :, -1], vocab), True)    # column V: no token
         log_probs = log_probs.masked_fill(banned[:, :vocab], -torch.inf)
-    return log_softmax(log_probs) if config.renormalize else log_probs
+    return log_softmax(log_probs) if config.decoding.renormalize else log_probs
 
 
 def forced_tokens(config: TransformerConfig, step: int, limits: Tensor, forced_bos_id: int | None) -> Tensor:
     """The token each row is forced to emit at ``step`` (the reference's ``forced_tokens``): ``forced_bos_id`` at
-    step 1, ``config.forced_last_id`` at the row's last step with ``config.forced_eos``, -1 where none.
+    step 1, ``config.forced_last_id`` at the row's last step with ``config.decoding.forced_eos``, -1 where none.
     Shape: limits (N,) -> (N,)."""
     forced = torch.full_like(limits, -1 if forced_bos_id is None or step != 1 else forced_bos_id)
-    return torch.where((limits == step) & config.forced_eos, config.forced_last_id, forced)
+    return torch.where((limits == step) & config.decoding.forced_eos, config.forced_last_id, forced)
 
 
 def force(log_probs: Tensor, forced: Tensor) -> Tensor:
@@ -141,11 +140,11 @@ def force(log_probs: Tensor, forced: Tensor) -> Tensor:
 
 def _log_probs_at(model: Transformer, out: Tensor, position: int) -> Tensor:
     """The generator's log-probabilities (section 3.4) at one position of the decoder output, the tokens of
-    ``config.never_emitted`` set to -inf: the decoder never emits them (with ``config.renormalize``,
+    ``config.never_emitted`` set to -inf: the decoder never emits them (with ``config.decoding.renormalize``,
     a log-softmax of the others: the reference's ``_emittable``). Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(out[:, position:position + 1])[:, 0]                      # (N, V)
     log_probs[:, list(model.config.never_emitted)] = -torch.inf
-    return log_softmax(log_probs) if model.config.renormalize else log_probs
+    return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs
 
 
 def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mask: Tensor,
@@ -196,7 +195,7 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, tokens, step, memory, src_mask, cache)
         log_probs = constrain(cfg, log_probs, tokens, step)
-        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+        if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, limits, forced_bos_id))
         token = log_probs.argmax(dim=-1)                                   # (B,)
         token = torch.where(done, cfg.pad_id, token)
@@ -212,8 +211,8 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
 @torch.inference_mode()
 def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = BEAM_SIZE, alpha: float | None = None,
                 use_cache: bool = True, forced_bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Beam search with the config's length normalization (alpha: None is ``config.length_penalty``), the forced
-    first token ``forced_bos_id`` and the reference's tie-break (module docstring).
+    """Beam search with the config's length normalization (alpha: None is ``config.decoding.length_penalty``), the
+    forced first token ``forced_bos_id`` and the reference's tie-break (module docstring).
 
     Rows are (sentence, beam) pairs, N = B * K, advanced together until every sentence has stopped.
 
@@ -230,8 +229,8 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     limits = torch.as_tensor(max_output_lengths(model, src.cpu().numpy()), device=device)        # (B,)
     max_steps = int(limits.max())
     # lp(n) for n = 0..M rounded to the scores' dtype, as NumPy rounds a Python float in `score / lp`
-    penalties = torch.tensor([length_penalty(n, alpha, cfg.length_normalization) for n in range(max_steps + 1)],
-                             dtype=torch.float64).to(device, scores_dtype)
+    penalties = torch.tensor([length_penalty(n, alpha, cfg.decoding.length_normalization)
+                              for n in range(max_steps + 1)], dtype=torch.float64).to(device, scores_dtype)
     memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
     cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
@@ -248,7 +247,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     for step in range(1, max_steps + 1):
         log_probs, cache = _step(model, history, step, memory, src_mask, cache)   # (N, V)
         log_probs = constrain(cfg, log_probs, history, step)
-        if forced_bos_id is not None or cfg.forced_eos:                    # nothing to force: no work
+        if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))
         candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
@@ -256,7 +255,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
         rows[:, :, step] = tokens
         ended = torch.where(finishing & ~done[:, None], scores / penalties[step], -torch.inf)
         best = _keep_best(best, ended, rows, step)
-        if cfg.length_normalization == "hf":                              # the gnmt rule reads best alone
+        if cfg.decoding.length_normalization == "hf":                     # the gnmt rule reads best alone
             kept = torch.cat([kept, ended], dim=1).topk(k, dim=1).values         # (B, K), descending
         live_scores = scores.gather(1, keep)                                     # (B, K), descending
         rows = rows.gather(1, keep[:, :, None].expand(-1, -1, rows.shape[2]))    # (B, K, M + 1)
@@ -279,12 +278,12 @@ def _stops(config: TransformerConfig, best_live: Tensor, best: Tensor, kept: Ten
     once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
     "never", the limit. A sentence with no live beam left (best_live -inf) stops.
     Shape: best_live, best (B,); kept (B, K); penalty () ; limit_penalty (B,) -> (B,) bool."""
-    if config.length_normalization == "gnmt":
+    if config.decoding.length_normalization == "gnmt":
         return best_live / limit_penalty <= best
     full = kept[:, -1] > -torch.inf
-    if config.early_stopping is True:
+    if config.decoding.early_stopping is True:
         return full | (best_live == -torch.inf)
-    bound = limit_penalty if config.early_stopping == "never" else penalty
+    bound = limit_penalty if config.decoding.early_stopping == "never" else penalty
     return (full & (best_live / bound <= kept[:, -1])) | (best_live == -torch.inf)
 
 

@@ -621,8 +621,6 @@ class Transformer(nn.Module):
     and ``model(src, tgt)`` still refuses bad ids with the reference's message.
     """
 
-    tokenizer_json: str | None   # set by load_checkpoint: the file's tokenizer (its JSON text), or None
-
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config

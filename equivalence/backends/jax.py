@@ -82,7 +82,6 @@ def _mixed(model: Transformer, mixed: np.dtype | None) -> Transformer:
         return model
     new = Transformer(model.config, dtype=mixed, param_dtype=np.float32, rngs=nnx.Rngs(params=0, dropout=0))
     nnx.update(new, nnx.state(model, nnx.Param))
-    new.tokenizer_json = model.tokenizer_json
     return new
 
 

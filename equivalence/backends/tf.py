@@ -79,8 +79,6 @@ def _mixed(model: Transformer, mixed: np.dtype | None) -> Transformer:
         return model
     new = Transformer(model.config, dtype=f"mixed_{mixed.name}")
     new.set_weights(model.get_weights())
-    if hasattr(model, "tokenizer_json"):                                # set by load_checkpoint
-        new.tokenizer_json = model.tokenizer_json
     return new
 
 

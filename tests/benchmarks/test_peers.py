@@ -421,7 +421,7 @@ def test_transformers_peer_computes_the_reference_function_and_decodes_by_the_ch
     out = peer.greedy(src, expected.shape[1])
     assert out.shape == expected.shape
     for row, ref in zip(out, expected):
-        length = int((ref != config.pad_id).sum()) - int(config.eos_id in ref) - config.forced_eos
+        length = int((ref != config.pad_id).sum()) - int(config.eos_id in ref) - config.decoding.forced_eos
         assert length > 0
         np.testing.assert_array_equal(row[:length], ref[:length])
 
@@ -518,7 +518,7 @@ def test_bench_times_a_checkpoint_with_its_own_config_and_conventions(monkeypatc
     from support import build
 
     from reference_numpy.checkpoint import load_checkpoint
-    from reference_numpy.hf_import import import_hf
+    from transformer_hf.importer import import_hf
 
     model = build("marian", seed=1, vocab_size=40, pad_token_id=39, eos_token_id=0, decoder_start_token_id=39,
                   max_position_embeddings=64)
@@ -527,7 +527,7 @@ def test_bench_times_a_checkpoint_with_its_own_config_and_conventions(monkeypatc
     path = tmp_path / "marian.safetensors"
     import_hf(tmp_path / "marian", path)
     config, _ = load_checkpoint(path)
-    assert config.max_output_length == 8 and config.pad_id == config.src_vocab_size - 1
+    assert config.decoding.max_output_length == 8 and config.pad_id == config.src_vocab_size - 1
     monkeypatch.setattr(bench_module, "MATMUL_SIZE", 64)
     monkeypatch.setattr(bench_module, "BANDWIDTH_MIB", 4)
     monkeypatch.setattr(timing, "PRODUCTS", {"torch": timing.PRODUCTS["torch"]})
@@ -535,7 +535,7 @@ def test_bench_times_a_checkpoint_with_its_own_config_and_conventions(monkeypatc
     report = bench_module.bench(checkpoint=path, **shapes, names=("torch",), repeats=1, peers=True)
     data = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert (data["preset"], data["checkpoint"]) == (None, str(path))
-    assert data["shapes"]["alpha"] == config.length_penalty == 1.0
+    assert data["shapes"]["alpha"] == config.decoding.length_penalty == 1.0
     tokens = {(m["backend"], m["task"]): m["tokens"] for m in data["measurements"]}
     assert set(tokens) == {(engine, task) for engine in ("torch", "transformers") for task in bench_module.PEER_TASKS}
     assert all(8 < tokens["torch", task] <= 55 for task in bench_module.PEER_TASKS[1:])      # N, not 8 (no eos)

@@ -22,7 +22,6 @@ from reference_numpy import Transformer, TransformerConfig, init_params, save_ch
 from reference_numpy.checkpoint import (
     load_checkpoint,
     load_run,
-    load_tokenizer,
     load_tokenizer_json,
     load_training_state,
 )
@@ -31,6 +30,7 @@ from reference_numpy.tokenizer import Tokenizer
 from transformer_cli import extras
 from transformer_cli.commands import train as train_module
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, build_parser
+from transformer_hf.tokenizers import load_tokenizer
 from transformer_tasks.batches import CountedBatches
 from transformer_tasks.copy import VALIDATION as VALIDATION_SPLIT
 from transformer_tasks.copy import CopyTask

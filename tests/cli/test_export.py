@@ -532,8 +532,8 @@ def test_export_check_decodes_as_section_6_1_whatever_the_checkpoints_convention
     identical, as for the shipped model itself (held to the checkpoint's own conventions, the greedy tokens differ
     in every row)."""
     config, params = load_checkpoint(SHIPPED)
-    marian = config.replace(decoder_start_id=config.pad_id, suppressed_ids=(config.pad_id,), renormalize=True,
-                            max_output_length=5, forced_eos=True, length_normalization="hf", length_penalty=1.0)
+    marian = config.with_decoding(decoder_start_id=config.pad_id, suppressed_ids=(config.pad_id,), renormalize=True,
+                                  max_output_length=5, forced_eos=True, length_normalization="hf", length_penalty=1.0)
     save_checkpoint(tmp_path / "marian.safetensors", marian, params, tokenizer=load_tokenizer_json(SHIPPED))
     artefact = exported("onnx").path
     monkeypatch.setattr(export_module, "export", lambda *args, **kwargs: artefact)

@@ -40,14 +40,13 @@ from reference_numpy import init_params  # noqa: E402
 from reference_numpy.checkpoint import (  # noqa: E402
     CheckpointReader,
     load_checkpoint,
-    load_tokenizer,
     load_tokenizer_json,
     save_checkpoint,
 )
-from reference_numpy.hf_export import family_of  # noqa: E402
-from reference_numpy.hf_import import import_hf, load_hf  # noqa: E402
-from reference_numpy.hf_tokenizer import KEPT_FILES  # noqa: E402
 from transformer_cli.main import EXIT_OK, EXIT_USAGE, main  # noqa: E402
+from transformer_hf.importer import import_hf, load_hf  # noqa: E402
+from transformer_hf.registry import TOKENIZER_KINDS, family_for  # noqa: E402
+from transformer_hf.tokenizers import load_tokenizer  # noqa: E402
 from transformer_tasks.translation import translator  # noqa: E402
 
 
@@ -140,7 +139,7 @@ EXPORT_REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
                          ids=[f"{field}-{i}" for i, (field, _) in enumerate(EXPORT_REFUSED)])
 def test_what_no_family_expresses_is_refused_naming_the_field(tmp_path, capsys, field, config):
     with pytest.raises(ValueError, match=field) as caught:
-        family_of(config)
+        family_for(config)
     assert "\n" not in str(caught.value)
     save_checkpoint(tmp_path / "model.safetensors", config, random_params(config))
     status, _, err = cli(capsys, "export", "--to", "hf", str(tmp_path / "model.safetensors"), str(tmp_path / "hf"))
@@ -222,7 +221,7 @@ def exported_tokenizer(checkpoint, directory, tmp_path, capsys, **languages):
     assert main(["export", "--to", "hf", str(checkpoint), str(out)]) == 0
     assert "and its tokenizer (AutoTokenizer)" in capsys.readouterr().out
     record = json.loads(load_tokenizer_json(checkpoint))
-    for name in KEPT_FILES[record["family"]]:
+    for name in TOKENIZER_KINDS[record["family"]].kept:
         assert (out / name).read_bytes() == (directory / name).read_bytes(), name
     import_hf(out, tmp_path / "again.safetensors")
     assert load_tokenizer_json(tmp_path / "again.safetensors") == load_tokenizer_json(checkpoint)
@@ -296,7 +295,7 @@ def test_the_commands_search_with_an_imported_models_own_beam(marian, tmp_path, 
     settings = json.loads((directory / "generation_config.json").read_text())
     (directory / "generation_config.json").write_text(json.dumps({**settings, "num_beams": 3}))
     checkpoint = str(tmp_path / "beam-3.safetensors")
-    assert import_hf(directory, checkpoint).beam_size == 3
+    assert import_hf(directory, checkpoint).decoding.beam_size == 3
     outputs = {}
     for beam in ([], ["--beam", "3"], ["--beam", "1"]):
         assert main(["translate", "--checkpoint", checkpoint, "--dtype", "float64", *beam, *SOURCE]) == 0

@@ -295,7 +295,7 @@ def test_the_shipped_model_loads_by_name_in_every_backend():
         assert model.config == config
         weights = module.to_params(model)
         assert all(np.array_equal(weights[n], shipped[n]) for n in shipped), name
-        assert model.tokenizer_json == load_tokenizer_json(SHIPPED)
+    assert load_tokenizer_json("numbers-en-fr") == load_tokenizer_json(SHIPPED) is not None
 
 
 def test_a_file_wins_over_a_name_and_an_unknown_name_lists_the_shipped_ones(tmp_path, monkeypatch, capsys):
@@ -325,22 +325,23 @@ def test_translate_takes_a_shipped_models_name(capsys):
 
 
 @pytest.mark.parametrize("backend", list(backends.BACKENDS))
-def test_a_loaded_model_saved_keeps_its_tokenizer(backend, tmp_path, capsys):
-    """Load the shipped model, save it (as after fine-tuning), and ``translate --checkpoint`` reads the copy: each
-    port keeps the tokenizer the model was loaded with; ``tokenizer=False`` drops it, and anything but a JSON text,
-    None or False is the reference's one message. The reference's functions take plain data: its save writes the
-    tokenizer it is given."""
-    from reference_numpy import load_checkpoint
+def test_a_loaded_model_saved_with_its_tokenizer_translates(backend, tmp_path, capsys):
+    """The tokenizer travels beside the model, never in it: ``from_pretrained`` gives the shipped model and its
+    tokenizer, each backend's save (as after fine-tuning) writes the tokenizer it is given, and ``translate
+    --checkpoint`` reads the copy; a port's save given none writes none, and anything but a JSON text or None is the
+    reference's one message."""
+    from transformer_hf import from_pretrained
 
     saved = tmp_path / "saved.safetensors"
     if backend == "numpy":
-        config, params = load_checkpoint("numbers-en-fr")
-        save_checkpoint(saved, config, params, tokenizer=load_tokenizer_json("numbers-en-fr"))
+        model, tokenizer = from_pretrained("numbers-en-fr")
+        save_checkpoint(saved, model.config, model.params, tokenizer=tokenizer.to_json())
     else:
         module = port(backend)
-        model = module.load_checkpoint("numbers-en-fr")
-        module.save_checkpoint(model, saved)
-        module.save_checkpoint(model, tmp_path / "bare.safetensors", tokenizer=False)
+        model, tokenizer = from_pretrained("numbers-en-fr", backend)
+        assert not hasattr(model, "tokenizer_json")
+        module.save_checkpoint(model, saved, tokenizer=tokenizer.to_json())
+        module.save_checkpoint(model, tmp_path / "bare.safetensors")
         assert load_tokenizer_json(tmp_path / "bare.safetensors") is None
         with pytest.raises(ValueError, match=r"^tokenizer must be a tokenizer's JSON text .*, got True$"):
             module.save_checkpoint(model, tmp_path / "bad.safetensors", tokenizer=True)

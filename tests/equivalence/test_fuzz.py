@@ -70,8 +70,9 @@ def test_fuzzed_configurations_with_pad_above_eos(port):
 # find, after three hypotheses have finished, a longer one that scores better.
 CONVENTIONS = dataclasses.replace(
     PAD_ABOVE_EOS, forced_bos_id=3, beam_size=3, config=PAD_ABOVE_EOS.config.replace(
-        max_len=12, sinusoidal_layout="halves", decoder_start_id=4, suppressed_ids=tuple(range(6, 23)), forced_eos=True,
-        renormalize=True, length_normalization="hf", length_penalty=2.0, early_stopping="never"))
+        max_len=12, sinusoidal_layout="halves").with_decoding(
+        decoder_start_id=4, suppressed_ids=tuple(range(6, 23)), forced_eos=True, renormalize=True,
+        length_normalization="hf", length_penalty=2.0, early_stopping="never"))
 
 
 @pytest.mark.parametrize("port", list(FRAMEWORKS))
@@ -89,10 +90,10 @@ def test_the_conventions_show_in_the_references_beams():
     with early_stopping False (the third row then stops at its first eos, its search bounded at the current length)."""
     src, config = fuzz.inputs(CONVENTIONS)["src"], CONVENTIONS.config
     tokens, _ = reference.beam(reference.build(config, fuzz.params(CONVENTIONS)), src, 3, forced_bos_id=3)
-    assert (tokens[:, 0] == 3).all() and not np.isin(tokens, config.suppressed_ids).any()
+    assert (tokens[:, 0] == 3).all() and not np.isin(tokens, config.decoding.suppressed_ids).any()
     assert tokens.shape[1] == 12 and tokens[0, -1] == tokens[1, 1] == tokens[2, -1] == config.eos_id
     for changed in ({"renormalize": False}, {"early_stopping": False}):
-        other = reference.build(config.replace(**changed), fuzz.params(CONVENTIONS))
+        other = reference.build(config.with_decoding(**changed), fuzz.params(CONVENTIONS))
         assert not np.array_equal(reference.beam(other, src, 3, forced_bos_id=3)[0], tokens), changed
 
 
@@ -121,11 +122,11 @@ def test_the_stop_margin_by_hand():
     """"hf" with early_stopping False, beam 2, after step 3 (alpha 1): the best live beam's -3 / 3 against the worst
     kept of the finished -1 and -2, a gap of 1; no margin for True, "never", "gnmt" or fewer than 2 finished."""
     candidates, finished = np.array([[-3.0, -5.0, -4.0]]), ((-1.0, [0, 1]), (-2.0, [2, 1]))
-    config = TransformerConfig(src_vocab_size=3, tgt_vocab_size=3, d_model=2, n_heads=1, pad_id=2, bos_id=0, eos_id=1,
-                               length_normalization="hf", length_penalty=1.0)
+    config = TransformerConfig(src_vocab_size=3, tgt_vocab_size=3, d_model=2, n_heads=1, pad_id=2, bos_id=0,
+                               eos_id=1).with_decoding(length_normalization="hf", length_penalty=1.0)
     assert margins.stop_margin(candidates, finished, 3, config, 2, 1.0) == 1.0
     for changed in ({"early_stopping": True}, {"early_stopping": "never"}, {"length_normalization": "gnmt"}):
-        assert margins.stop_margin(candidates, finished, 3, config.replace(**changed), 2, 1.0) == np.inf
+        assert margins.stop_margin(candidates, finished, 3, config.with_decoding(**changed), 2, 1.0) == np.inf
     assert margins.stop_margin(candidates, finished[:1], 3, config, 2, 1.0) == np.inf
 
 

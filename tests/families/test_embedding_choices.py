@@ -27,7 +27,7 @@ from support import backend, build, exact_tables, hf_log_probs, masks
 
 from equivalence import cases, tolerance
 from reference_numpy import Transformer, TransformerConfig
-from reference_numpy.hf_import import load_hf
+from transformer_hf.importer import load_hf
 
 STRUCTURES = ("shared", "separate", "untied")
 COMBINATIONS = [pytest.param(structure, scale, bias, id=f"{structure}-{'scaled' if scale else 'unscaled'}-"

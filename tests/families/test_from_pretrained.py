@@ -1,6 +1,6 @@
-"""``from_pretrained(name_or_path, dtype=None)`` -> ``(model, tokenizer)`` in the reference and every port
-(``reference_numpy/pretrained.py``): a checkpoint file, the shipped ``numbers-en-fr`` and a tiny random Hugging Face
-Marian directory (support.tiny_separate_marian, built and saved by transformers), imported in memory.
+"""``transformer_hf.from_pretrained(name_or_path, backend, dtype=None)`` -> ``(model, tokenizer)`` in the reference
+and every port (``transformer_hf/pretrained.py``): a checkpoint file, the shipped ``numbers-en-fr`` and a tiny random
+Hugging Face Marian directory (support.tiny_separate_marian, built and saved by transformers), imported in memory.
 
 Oracles: the file's tensors as the safetensors library reads them (no code of the project's reader), transformers'
 MarianTokenizer for the directory's tokenizer and transformers' ``generate`` for its greedy tokens."""
@@ -8,7 +8,6 @@ MarianTokenizer for the directory's tokenizer and transformers' ``generate`` for
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import numpy as np
 import pytest
@@ -16,25 +15,21 @@ from support import FRAMEWORKS, SOURCE, float64_inference, port_backend
 
 from equivalence.cases import VARIANTS, seeded_params
 from reference_numpy.checkpoint import SHIPPED_MODELS, save_checkpoint
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
+from transformer_hf import from_pretrained
+from transformer_hf.tokenizers import FamilyTokenizer
 
 BACKENDS = ("numpy", *FRAMEWORKS)
 
 
-def package(name: str):
-    if name == "numpy":
-        return importlib.import_module("reference_numpy")
-    port_backend(name)
-    return importlib.import_module(f"transformer_{name}")
 
 
 def loaded(name: str, name_or_path, dtype=None):
-    """``(params in checkpoint layout, tokenizer)`` of the backend's ``from_pretrained``."""
-    module = package(name)
+    """``(params in checkpoint layout, tokenizer)`` of ``from_pretrained`` in backend ``name``."""
+    adapter = port_backend(name) if name != "numpy" else None
     with float64_inference(name) if name != "torch" else contextlib.nullcontext():
-        model, tokenizer = module.from_pretrained(name_or_path, dtype=dtype)
-        params = model.params if name == "numpy" else module.to_params(model)
+        model, tokenizer = from_pretrained(name_or_path, name, dtype=dtype)
+        params = model.params if adapter is None else adapter.export_params(model)
         return {key: np.asarray(value) for key, value in params.items()}, tokenizer
 
 
@@ -88,13 +83,13 @@ def test_jax_from_pretrained_greedy_decodes_a_hugging_face_directory_as_generate
     """transformers' ``generate`` (greedy, the directory's generation config) on the sentences its tokenizer
     encodes; the JAX port from ``from_pretrained(directory, dtype="float64")``, on the ids its own tokenizer gives."""
     torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it")
-    jax, transformer_jax = pytest.importorskip("jax", reason="jax is not installed (pip install '.[jax]')"), \
-        package("jax")
+    jax = pytest.importorskip("jax", reason="jax is not installed (pip install '.[jax]')")
+    transformer_jax = pytest.importorskip("transformer_jax")
     batch = separate_marian["oracle"](SOURCE, return_tensors="pt", padding=True)
     with torch.no_grad():
         expected = separate_marian["model"].generate(**batch, do_sample=False, num_beams=1).numpy()[:, 1:]
     with jax.enable_x64(True):
-        model, tokenizer = transformer_jax.from_pretrained(separate_marian["directory"], dtype="float64")
+        model, tokenizer = from_pretrained(separate_marian["directory"], "jax", dtype="float64")
         src = tokenizer.batch(SOURCE)
         np.testing.assert_array_equal(src, batch["input_ids"].numpy())
         tokens = np.asarray(transformer_jax.greedy_decode(model, src))

@@ -1,4 +1,4 @@
-"""``reference_numpy.hf_export`` (``transformer_export.export.export_hf``, what ``export --to hf`` runs): this
+"""``transformer_hf.exporter`` (``transformer_export.export.export_hf``, what ``export --to hf`` runs): this
 project's checkpoints as Hugging Face model directories, loaded and run by transformers itself (the outside
 implementation).
 
@@ -6,7 +6,7 @@ implementation).
   what its own ``save_pretrained`` writes back) and reproduces the reference's float64 log-probabilities within
   1e-12 x max(1, max|ref|) -- its sinusoid buffers set to the reference's float64 table, as in
   tests/families/test_hf_import.py, which checks transformers' float32 tables against the reference's -- for the paper's
-  model (post-LN, interleaved table: through the feature permutation of :mod:`reference_numpy.hf_export`), a
+  model (post-LN, interleaved table: through the feature permutation of :mod:`transformer_hf.marian`), a
   Marian-style and an M2M100-style config; its own float32 run is within the float32 policy;
 * ``import(export(x))``: the families' configs and tensors bit for bit; the paper's model as the Marian model whose
   features are reordered by the permutation this test derives from the two tables (not the module's), bit for bit;
@@ -32,10 +32,11 @@ from reference_numpy.checkpoint import (
     load_tokenizer_json,
     save_checkpoint,
 )
-from reference_numpy.hf_import import import_hf, read_weights
 from reference_numpy.model import sinusoidal_positional_encoding
 from reference_numpy.tokenizer import Tokenizer
 from transformer_export.export import export_hf
+from transformer_hf.files import read_weights
+from transformer_hf.importer import import_hf
 from transformer_tasks.translation import SHIPPED
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
@@ -155,11 +156,12 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     model.generation_config.no_repeat_ngram_size = 3
     model.save_pretrained(tmp_path / "hf")
     first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
-    assert (first.min_output_length, first.no_repeat_ngram_size, first.forced_bos_id) == (
+    assert (first.decoding.min_output_length, first.decoding.no_repeat_ngram_size, first.decoding.forced_bos_id) == (
         (5, 3, None) if family == "marian" else (4, 3, 6))
-    assert first.length_normalization == "hf" and first.decoder_start_id is not None and first.beam_size == 3
-    assert first.renormalize == (family == "marian")
-    assert (first.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
+    decoding = first.decoding
+    assert decoding.length_normalization == "hf" and decoding.decoder_start_id is not None and decoding.beam_size == 3
+    assert decoding.renormalize == (family == "marian")
+    assert (first.decoding.forced_eos, first.forced_last_id) == ((True, 0) if family == "marian" else (True, 4))
     export_hf(tmp_path / "first.safetensors", tmp_path / "exported")
     assert import_hf(tmp_path / "exported", tmp_path / "second.safetensors") == first
     before, after = (load_checkpoint(tmp_path / name)[1] for name in ("first.safetensors", "second.safetensors"))
@@ -186,9 +188,9 @@ def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
     case, config, params, _, directory = exported
     back = import_hf(directory, tmp_path / "back.safetensors")
     _, imported = load_checkpoint(tmp_path / "back.safetensors")
-    # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (hf_export)
-    hf_decoding = config.replace(length_normalization="hf",
-                                 max_output_length=config.max_output_length or config.max_len)
+    # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (export)
+    hf_decoding = config.with_decoding(length_normalization="hf",
+                                       max_output_length=config.decoding.max_output_length or config.max_len)
     if case != "paper":
         assert back == hf_decoding
         assert imported.keys() == params.keys()

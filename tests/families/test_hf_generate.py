@@ -45,8 +45,8 @@ from reference_numpy import Transformer, TransformerConfig, init_params
 from reference_numpy.checkpoint import load_checkpoint
 from reference_numpy.config import DECODING_CONVENTIONS
 from reference_numpy.decoding import beam_search, greedy_decode
-from reference_numpy.hf_import import config_from_hf, import_hf, load_hf
 from reference_numpy.model import causal_mask
+from transformer_hf.importer import config_from_hf, import_hf, load_hf
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
                                             "'.[torch]')")
@@ -163,7 +163,7 @@ def decode(decoders, model, src, kind: str, family: str, early_stopping, alpha: 
 
 
 def with_rule(config, early_stopping):
-    return config.replace(early_stopping=early_stopping)
+    return config.with_decoding(early_stopping=early_stopping)
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +177,14 @@ def expected(family_model):
 def test_the_import_sets_the_family_conventions(family_model):
     family, _, _, (config, _), _ = family_model
     if family == "marian":
-        assert (config.start_id, config.never_emitted, config.renormalize, config.forced_eos) == (
+        assert (config.start_id, config.never_emitted, config.decoding.renormalize, config.decoding.forced_eos) == (
             config.pad_id, (config.pad_id,), True, True)
     else:
-        assert (config.start_id, config.never_emitted, config.renormalize, config.forced_eos) == (
+        assert (config.start_id, config.never_emitted, config.decoding.renormalize, config.decoding.forced_eos) == (
             config.eos_id, (), False, False)
-    assert (config.length_normalization, config.length_penalty, config.early_stopping, config.beam_size,
-            config.max_output_length) == ("hf", 1.0, False, 4, BUDGET)
+    decoding = config.decoding
+    assert (decoding.length_normalization, decoding.length_penalty, decoding.early_stopping, decoding.beam_size,
+            decoding.max_output_length) == ("hf", 1.0, False, 4, BUDGET)
 
 
 @pytest.mark.parametrize("budget, setting", [(8, {"max_length": 9}), (6, {"max_new_tokens": 6, "max_length": 30}),
@@ -197,7 +198,7 @@ def test_the_budget_is_generates(family_model, budget, setting):
     generation = transformers.GenerationConfig(**{**model.generation_config.to_diff_dict(), "max_length": None,
                                                   **setting})
     imported = config_from_hf(model.config.to_diff_dict(), generation.to_diff_dict())
-    assert imported.max_output_length == budget
+    assert imported.decoding.max_output_length == budget
     saved, model.generation_config = model.generation_config, generation
     try:
         for beam in (1, 4):
@@ -205,7 +206,7 @@ def test_the_budget_is_generates(family_model, budget, setting):
                 theirs = model.generate(input_ids=torch.as_tensor(src), num_beams=beam, **hf_options(family),
                                         attention_mask=torch.as_tensor(src != config.pad_id).long()).numpy()[:, 1:]
             assert_same_tokens(reference_tokens(imported, params, src, beam, family), theirs, config.pad_id)
-            paper = reference_tokens(imported.replace(max_output_length=None), params, src, beam, family)
+            paper = reference_tokens(imported.with_decoding(max_output_length=None), params, src, beam, family)
             assert max(lengths(theirs, config.eos_id)) == budget < max(lengths(paper, config.eos_id))
     finally:
         model.generation_config = saved
@@ -237,7 +238,8 @@ def test_a_forced_token_other_than_eos_is_generates(family_model, port):
     generation = {**model.generation_config.to_diff_dict(), "forced_eos_token_id": token,
                   "max_new_tokens": FORCED_BUDGET}
     imported = config_from_hf(model.config.to_diff_dict(), generation)
-    assert (imported.forced_eos, imported.forced_last_id, imported.max_output_length) == (True, token, FORCED_BUDGET)
+    assert (imported.decoding.forced_eos, imported.forced_last_id, imported.decoding.max_output_length) == (
+        True, token, FORCED_BUDGET)
     backend = importlib.import_module("equivalence.backends.numpy") if port == "numpy" else port_backend(port)
     with float64_inference(port):
         mine_model = backend.build(imported, params, "float64")
@@ -264,7 +266,7 @@ def test_the_generation_configs_forced_first_token_is_generates(family_model, po
     assert FORCED_FIRST not in (config.pad_id, config.eos_id)
     imported = config_from_hf(model.config.to_diff_dict(), {**model.generation_config.to_diff_dict(),
                                                             "forced_bos_token_id": FORCED_FIRST})
-    assert imported.forced_bos_id == FORCED_FIRST and config.forced_bos_id is None
+    assert imported.decoding.forced_bos_id == FORCED_FIRST and config.decoding.forced_bos_id is None
     backend = importlib.import_module("equivalence.backends.numpy") if port == "numpy" else port_backend(port)
     with float64_inference(port):
         mine_model = backend.build(imported, params, "float64")
@@ -301,7 +303,7 @@ def test_held_back_tokens_change_generates_tokens(family_model, expected, held_b
     _, _, _, (config, _), _ = family_model
     for name, (imported, theirs) in held_back.items():
         setting = HELD_BACK[name]
-        assert (imported.min_output_length, imported.no_repeat_ngram_size) == (
+        assert (imported.decoding.min_output_length, imported.decoding.no_repeat_ngram_size) == (
             setting.get("min_new_tokens", -1) + 1 or setting.get("min_length", 0),
             setting.get("no_repeat_ngram_size", 0)), name
         off = (expected[("greedy", None, 1.0)], expected[("beam", False, 1.0)])
@@ -323,7 +325,7 @@ def violations(config, tokens: np.ndarray, least: int, n: int) -> list[str]:
         seen = set()
         for i in range(len(sequence) - n + 1 if n else 0):
             gram = tuple(sequence[i:i + n])
-            forced_step = config.forced_eos and i + n - 1 == BUDGET
+            forced_step = config.decoding.forced_eos and i + n - 1 == BUDGET
             if gram in seen and not forced_step:
                 found.append(f"row {b}: {gram} repeated at step {i + n - 1}")
             seen.add(gram)
@@ -345,7 +347,7 @@ def test_held_back_tokens_decode_as_generate(family_model, held_back, port):
             beam = np.asarray(backend.beam(model, src, 4, 1.0, forced_bos_id=forced(family))[0])
             assert_same_tokens(greedy, theirs[1], config.pad_id)
             assert_same_tokens(beam, theirs[4], config.pad_id)
-            least, n = imported.min_output_length, imported.no_repeat_ngram_size
+            least, n = imported.decoding.min_output_length, imported.decoding.no_repeat_ngram_size
             for tokens in (greedy, beam):
                 assert violations(imported, tokens, least, n) == [], name
             if port == "numpy":
@@ -358,7 +360,8 @@ def test_held_back_tokens_agree_across_backends():
     """A paper's model (tiny preset, float64) with both rules and renormalize: every port decodes the reference's
     tokens, greedy with and without its cache and beam 3 -- the agreement a rule planted alike in every backend
     passes (scripts/check_mutations.py)."""
-    config = TransformerConfig.preset("tiny", min_output_length=6, no_repeat_ngram_size=2, renormalize=True)
+    config = TransformerConfig.preset("tiny").with_decoding(min_output_length=6, no_repeat_ngram_size=2,
+                                                              renormalize=True)
     params = init_params(config, seed=0)
     src = np.array([[5, 6, 7, 2], [8, 9, 2, 0]])
     reference = Transformer(config, params)
@@ -447,7 +450,7 @@ def test_float32_ports_decode_as_transformers_where_well_separated(family_model,
     step = np.arange(1, theirs.shape[1] + 1)
     free = step[None, :] <= np.array(lengths(theirs, config.eos_id))[:, None]
     free &= ~((step == 1) & (forced(family) is not None))[None, :]
-    free &= ~((step == BUDGET) & config.forced_eos)[None, :]
+    free &= ~((step == BUDGET) & config.decoding.forced_eos)[None, :]
     separated = np.all(np.where(free, gaps > 2 * bound, True), axis=1)              # (B,)
     assert separated.sum() >= 2, (gaps, bound)
     backend = port_backend(port)
@@ -459,8 +462,8 @@ def test_paper_decoding_differs(family_model, expected):
     """The paper's conventions (start from bos, GNMT's length penalty, nothing forced) decode these models
     otherwise: the family's conventions are what makes the tokens equal."""
     family, _, _, (config, params), src = family_model
-    paper = Transformer(config.replace(decoder_start_id=None, suppressed_ids=None, forced_eos=False,
-                                       length_normalization="gnmt", length_penalty=0.6), params)
+    paper = Transformer(config.with_decoding(decoder_start_id=None, suppressed_ids=None, forced_eos=False,
+                                             length_normalization="gnmt", length_penalty=0.6), params)
     assert not np.array_equal(padded(greedy_decode(paper, src), BUDGET, config.pad_id),
                               padded(expected[("greedy", None, 1.0)], BUDGET, config.pad_id))
     assert not np.array_equal(padded(beam_search(paper, src)[0], BUDGET, config.pad_id),
@@ -475,7 +478,8 @@ def test_the_translator_decodes_with_the_checkpoints_conventions(family_model, e
     from transformer_tasks.translation import Translator
     tokenizer = SimpleNamespace(config=config)          # token_ids reads the tokenizer's config alone
     translator = Translator(adapter, adapter.load(path), tokenizer, forced_bos_id=forced(family))
-    assert (translator.beam_size, translator.alpha) == (config.beam_size, config.length_penalty) == (4, 1.0)
+    assert (translator.beam_size, translator.alpha) == (config.decoding.beam_size, config.decoding.length_penalty) == (
+        4, 1.0)
     rows = [[int(token) for token in row if token != config.pad_id] for row in src]
     assert_same_tokens(translator.token_ids(rows), expected[("beam", False, 1.0)], config.pad_id)
     greedy = Translator(adapter, adapter.load(path), tokenizer, beam_size=1, forced_bos_id=forced(family))
@@ -488,8 +492,9 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     assert load_checkpoint(path)[0] == config
     older = {name: value for name, value in config.to_dict().items() if name not in DECODING_CONVENTIONS}
     paper = TransformerConfig.from_dict(older)
-    assert (paper.start_id, paper.never_emitted, paper.renormalize, paper.max_output_length, paper.forced_eos,
-            paper.length_normalization, paper.length_penalty, paper.early_stopping, paper.beam_size) == (
+    decoding = paper.decoding
+    assert (paper.start_id, paper.never_emitted, decoding.renormalize, decoding.max_output_length, decoding.forced_eos,
+            decoding.length_normalization, decoding.length_penalty, decoding.early_stopping, decoding.beam_size) == (
         paper.bos_id, (paper.pad_id, paper.bos_id), False, None, False, "gnmt", 0.6, False, 1)
     assert config.paper_decoding() == paper != config
 
@@ -522,8 +527,11 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("forced_bos_id", 1.0, "forced_bos_id must be an int"),
 ])
 def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
+    """The decoding checks its own fields (a forced_eos_id needs forced_eos), the config them against the model (an
+    id below its vocabulary): each row's other settings valid, so that its own check is the one that fails."""
+    valid = {"forced_eos": True} if (field, value) == ("forced_eos_id", 99) else {}
     with pytest.raises(ValueError) as info:
-        TransformerConfig.preset("tiny", **{field: value})
+        TransformerConfig.preset("tiny").with_decoding(**valid, **{field: value})
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
@@ -562,27 +570,30 @@ def test_config_from_generation_config():
                   "eos_token_id": 0, "max_length": 512, "min_length": 0, "repetition_penalty": 1, "temperature": 0.5,
                   "top_k": 5, "do_sample": False, "no_repeat_ngram_size": 0, "suppress_tokens": None}
     config = config_from_hf(base, generation)
-    assert (config.decoder_start_id, config.suppressed_ids, config.renormalize, config.forced_eos,
-            config.length_penalty, config.early_stopping, config.beam_size, config.max_output_length) == (
+    decoding = config.decoding
+    assert (decoding.decoder_start_id, decoding.suppressed_ids, decoding.renormalize, decoding.forced_eos,
+            decoding.length_penalty, decoding.early_stopping, decoding.beam_size, decoding.max_output_length) == (
         28, (28,), True, True, 1.5, "never", 6, 511)
     legacy = config_from_hf({**base, "bad_words_ids": [[28]], "num_beams": 4, "max_length": 9})
-    assert (legacy.suppressed_ids, legacy.forced_eos, legacy.early_stopping, legacy.beam_size,
-            legacy.max_output_length) == ((28,), False, False, 4, 8)
+    decoding = legacy.decoding
+    assert (decoding.suppressed_ids, decoding.forced_eos, decoding.early_stopping, decoding.beam_size,
+            decoding.max_output_length) == ((28,), False, False, 4, 8)
     defaults = config_from_hf({**base, "max_position_embeddings": 40}, {"decoder_start_token_id": 28})
-    assert (defaults.beam_size, defaults.max_output_length) == (1, 20)                 # GenerationConfig's defaults
-    assert config_from_hf(base, {"decoder_start_token_id": 28}).max_output_length == 7  # capped by 8 positions
-    assert config_from_hf(base, {**generation, "max_new_tokens": 7}).max_output_length == 7   # over max_length
+    assert (defaults.decoding.beam_size, defaults.decoding.max_output_length) == (1, 20)  # GenerationConfig's defaults
+    assert config_from_hf(base, {"decoder_start_token_id": 28}).decoding.max_output_length == 7  # capped by 8 positions
+    assert config_from_hf(base, {**generation, "max_new_tokens": 7}).decoding.max_output_length == 7  # over max_length
     for setting, least in (({"min_length": 5}, 5), ({"min_new_tokens": 4}, 5),
                            ({"min_length": 9, "min_new_tokens": 2}, 3), ({"min_length": 1}, 1),
                            ({"min_new_tokens": None, "min_length": 0}, 0)):
-        assert config_from_hf(base, {**generation, **setting}).min_output_length == least   # min_new_tokens first
-    assert config_from_hf(base, {**generation, "no_repeat_ngram_size": 3}).no_repeat_ngram_size == 3
-    assert (config.forced_bos_id, config_from_hf(base, {**generation, "forced_bos_token_id": 5}).forced_bos_id) == (
-        None, 5)
+        imported = config_from_hf(base, {**generation, **setting})
+        assert imported.decoding.min_output_length == least               # min_new_tokens first
+    assert config_from_hf(base, {**generation, "no_repeat_ngram_size": 3}).decoding.no_repeat_ngram_size == 3
+    forced_first = config_from_hf(base, {**generation, "forced_bos_token_id": 5})
+    assert (config.decoding.forced_bos_id, forced_first.decoding.forced_bos_id) == (None, 5)
     for forced, last in ((5, 5), ([5], 5), ([0], 0), (28, 28)):                      # any one id; eos is the default
         other = config_from_hf(base, {**generation, "forced_eos_token_id": forced})
-        assert (other.forced_eos, other.forced_eos_id, other.forced_last_id) == (True, None if last == 0 else last,
-                                                                                 last)
+        assert (other.decoding.forced_eos, other.decoding.forced_eos_id, other.forced_last_id) == (
+            True, None if last == 0 else last, last)
     for field, value in (("bad_words_ids", [[3, 4]]), ("forced_eos_token_id", [0, 5]), ("forced_eos_token_id", -1),
                          ("forced_eos_token_id", True), ("forced_eos_token_id", 29), ("early_stopping", 1),
                          ("decoder_start_token_id", None), ("decoder_start_token_id", 40), ("length_penalty", -1.0),
@@ -672,7 +683,7 @@ def test_ctranslate2_decodes_as_transformers_and_the_reference(ctranslate2_maria
     theirs = ctranslate2_tokens(translator, src, vocabulary, config.pad_id, beam_size)
     beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
     expected = hf_generate(model, src, config.pad_id, beam_size, forced_eos_token_id=None, **beam_options)
-    mine = Transformer(config.replace(forced_eos=False, early_stopping=True), params)
+    mine = Transformer(config.with_decoding(forced_eos=False, early_stopping=True), params)
     ours = greedy_decode(mine, src) if beam_size == 1 else beam_search(mine, src, beam_size)[0]
     assert_same_tokens(theirs, expected, config.pad_id)
     assert_same_tokens(ours, expected, config.pad_id)
@@ -757,7 +768,7 @@ def test_ctranslate2_m2m100_decodes_as_transformers_but_after_the_prefix(ctransl
                                 beam_size, target_prefix=[[vocabulary[language]]] * len(src))
     beam_options = {"length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
     expected = hf_generate(model, src, config.pad_id, beam_size, forced_bos_token_id=language, **beam_options)
-    mine = Transformer(config.replace(max_len=BUDGET, early_stopping=True), params)
+    mine = Transformer(config.replace(max_len=BUDGET).with_decoding(early_stopping=True), params)
     ours = (greedy_decode(mine, src, forced_bos_id=language) if beam_size == 1
             else beam_search(mine, src, beam_size, forced_bos_id=language)[0])
     assert_same_tokens(ours, expected, config.pad_id)

@@ -1,4 +1,4 @@
-"""``reference_numpy.hf_import``: a Hugging Face Marian (and M2M100/NLLB) model
+"""``transformer_hf.importer``: a Hugging Face Marian (and M2M100/NLLB) model
 directory, built by transformers from a tiny config with random weights and saved by ``save_pretrained``, against
 transformers' own forward pass in float64.
 
@@ -26,7 +26,9 @@ from support import FAMILIES, M2M100, MARIAN, build, exact_tables, hf_log_probs,
 from equivalence import backends, tolerance
 from reference_numpy import Transformer
 from reference_numpy.checkpoint import load_checkpoint
-from reference_numpy.hf_import import config_from_hf, import_hf, load_hf, read_weights, transposed, weight_table
+from transformer_hf.files import read_weights
+from transformer_hf.importer import config_from_hf, import_hf, load_hf
+from transformer_hf.registry import family as family_module
 
 torch = pytest.importorskip("torch", reason="torch is not installed: transformers' models need it (pip install "
                                             "'.[torch]')")
@@ -151,11 +153,10 @@ def test_weights_are_the_files_bit_for_bit(saved_family):
     config, params = load_checkpoint(out)
     file = read_weights(directory)
     assert all(value.dtype == np.float32 for value in params.values())
-    flip = transposed(config)
     rebuilt = {}
-    for ours, candidates in weight_table(config, family).items():
-        value = params[ours].T if ours in flip else params[ours]
-        for name in candidates:
+    for ours, entry in family_module(family).weight_table(config).items():
+        value = params[ours].T if entry.transpose else params[ours]
+        for name in entry.names:
             if name in file:
                 rebuilt[name] = value.reshape(file[name].shape)
     assert set(rebuilt) == set(file)

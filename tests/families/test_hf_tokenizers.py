@@ -1,4 +1,4 @@
-"""The Hugging Face families' tokenizers carried in the checkpoint (reference_numpy/hf_tokenizer.py), proven against
+"""The Hugging Face families' tokenizers carried in the checkpoint (transformer_hf/tokenizers.py), proven against
 transformers' own tokenizer classes (the outside implementation): tiny SentencePiece models trained here on a few
 sentences, saved into tiny random Marian and M2M100 directories with the tokenizer classes' save_pretrained,
 imported, and compared id for id on many texts (unicode, empty, white space, characters the models never saw)."""
@@ -19,15 +19,10 @@ pytest.importorskip("sentencepiece", reason="the tests train SentencePiece model
 transformers = pytest.importorskip("transformers", reason="the oracle is transformers' tokenizers (peers extra)")
 torch = pytest.importorskip("torch", reason="transformers' tiny models are built with PyTorch")
 
-from reference_numpy.checkpoint import (  # noqa: E402
-    load_checkpoint,
-    load_tokenizer,
-    load_tokenizer_json,
-    save_checkpoint,
-)
-from reference_numpy.hf_import import import_hf  # noqa: E402
-from reference_numpy.hf_tokenizer import FamilyTokenizer, read_hf_tokenizer  # noqa: E402
+from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json, save_checkpoint  # noqa: E402
 from transformer_export.export import export_hf  # noqa: E402
+from transformer_hf.importer import import_hf  # noqa: E402
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer, read_hf_tokenizer  # noqa: E402
 
 # ----------------------------------------------------------------------------- ids and text against transformers
 

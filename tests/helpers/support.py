@@ -27,8 +27,8 @@ from equivalence.training_runs import Run
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy.checkpoint import FORMAT_VERSION, MOMENTS, TrainingState, parameter_shapes
 from reference_numpy.config import TrainingConfig
-from reference_numpy.hf_import import import_hf
 from reference_numpy.model import causal_mask, sinusoidal_positional_encoding
+from transformer_hf.importer import import_hf
 from transformer_tasks.numbers import NumbersTask, teacher_forcing
 from transformer_tasks.translation import load_translator
 
@@ -234,7 +234,7 @@ EXPORTED = {
                             tgt_vocab_size=33, pad_id=5, bos_id=3, eos_id=0),
     # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
     "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
-                             pad_id=1, bos_id=0, eos_id=2, max_output_length=9),
+                             pad_id=1, bos_id=0, eos_id=2).with_decoding(max_output_length=9),
     # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
     "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),

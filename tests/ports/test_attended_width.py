@@ -28,7 +28,7 @@ from reference_numpy.decoding import beam_search, greedy_decode
 
 CAPACITY = 200                  # wider than the first width (64): three widths, 64, 128 and 200
 # tiny, with room for the wide cache; a budget that stays inside the first width
-CONFIG = TransformerConfig.preset("tiny").replace(max_len=CAPACITY, max_output_length=30)
+CONFIG = TransformerConfig.preset("tiny", max_len=CAPACITY).with_decoding(max_output_length=30)
 FIRST = 64
 
 
@@ -127,7 +127,7 @@ def test_searches_that_cross_every_width_decode_as_the_reference(name, monkeypat
     at each), in float64, and give the reference's tokens and beam scores (the reference decodes without a
     cache)."""
     monkeypatch.setattr(incremental, "ATTENDED_WIDTH", 2)
-    config = TransformerConfig.preset("tiny").replace(max_output_length=40)
+    config = TransformerConfig.preset("tiny").with_decoding(max_output_length=40)
     params = init_params(config, seed=4, perturb=0.1)
     src = np.random.default_rng(3).integers(3, config.src_vocab_size, (3, 7))
     src[1, 4:], src[2, 2:] = config.pad_id, config.pad_id

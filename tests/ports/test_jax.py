@@ -124,13 +124,13 @@ def test_load_checkpoint_keeps_the_file_dtype(tmp_path, dtype):
 
 
 def test_a_loaded_model_shares_the_structure_and_compilations_of_a_new_one():
-    """The file's tokenizer is kept beside the model (``model.tokenizer_json``), not in NNX's graph: the shipped
-    model, loaded with its tokenizer, has the structure of a new model of its config, so every compiled function
-    (a training step: 18 CPU-s for ``tiny``) serves both."""
+    """The file's tokenizer is read beside the model, never held by it: NNX's graph holds every attribute of a
+    module, so a text attribute would give a loaded model and a new one of the same structure different compilations
+    of every compiled function (a training step: 18 CPU-s for ``tiny``). The shipped model, whose file holds a
+    tokenizer, loads with the structure of a new model of its config."""
     loaded = checkpoint.load_checkpoint("numbers-en-fr")
     new = Transformer(loaded.config, dtype=loaded.dtype, rngs=nnx.Rngs(params=1, dropout=1))
-    assert loaded.tokenizer_json == reference_checkpoint.load_tokenizer_json("numbers-en-fr") is not None
-    assert new.tokenizer_json is None
+    assert reference_checkpoint.load_tokenizer_json("numbers-en-fr") is not None
     assert nnx.graphdef(loaded) == nnx.graphdef(new)
 
 

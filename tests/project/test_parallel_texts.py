@@ -26,9 +26,8 @@ PORT_ARGUMENTS = {"vocab_size", "embeddings", "use_cache"}
 IDIOM_BY_NAME = {"scaled_dot_product_attention": {"return_weights"}}
 # The call method of a module in each framework: NumPy and Flax ``__call__``, torch ``forward``, Keras ``call``.
 CALL_METHODS = ("call", "forward", "__call__")
-# Framework plumbing that is not part of the model's text: Keras build/config, torch properties, and Flax's
-# property for the loaded tokenizer (an attribute in torch and Keras; NNX's graph would hold an attribute).
-IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", "device", "tokenizer_json"}
+# Framework plumbing that is not part of the model's text: Keras build/config, torch properties.
+IDIOM_METHODS = {"build", "get_config", "from_config", "compute_mask", "dtype", "device"}
 # Public names only the reference has (it has no framework to provide them; the input checks the ports
 # call are written once, in reference_numpy/checks.py) and names only ports have (the compiled entry points are in
 # each port's speed.py, not in model.py).

@@ -25,8 +25,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGES = [name for name in PYPROJECT["tool"]["setuptools"]["packages"] if "." not in name]  # subpackages ship inside
 # package -> the framework module it needs (None: NumPy only)
 FRAMEWORKS = {"reference_numpy": None, "transformer_cli": None, "equivalence": None, "transformer_tasks": None,
-              "transformer_export": None, "transformer_bench": None, "transformer_torch": "torch",
-              "transformer_jax": "flax", "transformer_tf": "keras"}
+              "transformer_export": None, "transformer_bench": None, "transformer_hf": None,
+              "transformer_torch": "torch", "transformer_jax": "flax", "transformer_tf": "keras"}
 
 
 def readme_commands() -> list[str]:

@@ -287,6 +287,6 @@ def test_ports_save_through_the_reference():
             source = (ROOT / module).read_text()
             assert not re.search(r"\bopen\(|write_bytes|safetensors\.\w+ import save|save_file|os\.replace", source), \
                 f"{module} writes files itself"
-        saves = (r"\breference(_checkpoint)?\.save_checkpoint\(path, model\.config, to_params\(model\), training,\s+"
-                 r"reference(_checkpoint)?\.tokenizer_to_save\(model, tokenizer\)\)")
+        saves = (r"\breference(_checkpoint)?\.save_checkpoint\(path, model\.config, to_params\(model\), training, "
+                 r"tokenizer\)")
         assert re.search(saves, (ROOT / port / "checkpoint.py").read_text()), port

@@ -14,9 +14,9 @@ from equivalence import backends
 from equivalence.backends import numpy as reference
 from equivalence.oracle import SENTENCES, compare_inputs
 from reference_numpy.config import TransformerConfig
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.tokenizer import Tokenizer
 from transformer_bench.compare import load_source
+from transformer_hf.tokenizers import FamilyTokenizer
 
 
 def parse_tokens(text: str | None, name: str) -> np.ndarray | None:

@@ -101,7 +101,7 @@ def evaluate(translator: Translator, sources: list[str], references: list[str], 
     pad = translator.tokenizer.config.pad_id
     return Evaluation(
         **run, beam=translator.beam_size, alpha=translator.alpha,
-        max_output_length=translator.model.config.max_output_length, batch_size=translator.batch_size,
+        max_output_length=translator.model.config.decoding.max_output_length, batch_size=translator.batch_size,
         sentences=len(sources),
         bleu=bleu.corpus_score(hypotheses, [references]).score, bleu_signature=str(bleu.get_signature()),
         chrf=chrf.corpus_score(hypotheses, [references]).score, chrf_signature=str(chrf.get_signature()),

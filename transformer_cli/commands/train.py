@@ -27,18 +27,16 @@ from reference_numpy.checkpoint import (
     init_params,
     load_checkpoint,
     load_run,
-    load_tokenizer,
-    load_tokenizer_json,
     save_checkpoint,
 )
 from reference_numpy.config import TrainingConfig, TransformerConfig
-from reference_numpy.hf_tokenizer import FamilyTokenizer
 from reference_numpy.precision import AUTOCAST_NAMES, is_low, round_to
 from reference_numpy.tokenizer import pad_rows
 from reference_numpy.training import LABEL_SMOOTHING
 from transformer_cli.arguments import refuse_existing
 from transformer_cli.extras import finish
 from transformer_export.outputs import refuse_input
+from transformer_hf.tokenizers import FamilyTokenizer, load_tokenizer, load_tokenizer_json
 from transformer_tasks import copy as copy_task
 from transformer_tasks import corpus as corpus_task
 from transformer_tasks import numbers as numbers_task
@@ -434,10 +432,10 @@ def average_checkpoints(paths: list[str]) -> tuple[TransformerConfig, dict[str, 
     for path in paths[1:]:
         other, params = load_checkpoint(path)
         if other != config:
-            changed = next(f.name for f in dataclasses.fields(config)
-                           if getattr(other, f.name) != getattr(config, f.name))
-            raise ValueError(f"{path!r} is another model than {paths[0]!r}: {changed} {getattr(other, changed)}, not "
-                             f"{getattr(config, changed)}")
+            ours, theirs = config.to_dict(), other.to_dict()                  # the header's fields, decoding's too
+            changed = next(name for name in ours if theirs[name] != ours[name])
+            raise ValueError(f"{path!r} is another model than {paths[0]!r}: {changed} {theirs[changed]}, not "
+                             f"{ours[changed]}")
         for name, value in params.items():
             if value.dtype != first[name].dtype:
                 raise ValueError(f"{path!r}: tensor {name!r} is {value.dtype}, {first[name].dtype} in {paths[0]!r}; "
