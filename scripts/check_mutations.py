@@ -1446,6 +1446,13 @@ def summarize(results: list[tuple[Mutation, Outcome]]) -> None:
         print(f"  {mutation.bug}\n    {function_name(outcome.caught_by[0])}: {outcome.why_full}")
 
 
+def missing_test_files(mutations: list[Mutation]) -> list[str]:
+    """The test files named by the selections (``catch`` and ``blind``) that do not exist: a selection of a moved
+    file would collect nothing and prove nothing."""
+    named = {arg.split("::")[0] for m in mutations for arg in (*m.catch, *m.blind) if arg.startswith("tests/")}
+    return sorted(path for path in named if not (ROOT / path).exists())
+
+
 def select(args: argparse.Namespace) -> list[Mutation]:
     chosen = [m for m in MUTATIONS
               if (not args.kind or m.kind in args.kind) and (not args.scope or m.scope == args.scope)
@@ -1472,6 +1479,9 @@ def main() -> int:
     args = parser.parse_args()
     chosen = select(args)
     if args.list:
+        missing = missing_test_files(chosen)
+        if missing:
+            raise SystemExit("selections name test files that do not exist: " + ", ".join(missing))
         with tempfile.TemporaryDirectory() as tmp:
             copy = copy_repository(tmp)
             for mutation in chosen:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -383,3 +384,11 @@ def test_a_module_is_one_unit_of_work_and_the_agreement_matrix_one_per_port_and_
     matrix = "tests/equivalence/test_agreement.py"
     assert work_unit(f"{matrix}::test_layer_norm_with_a_large_common_offset_float32[torch-cpu-tiny]") == \
         f"{matrix}[torch-]"
+
+
+def test_every_plants_selection_names_test_files_that_exist():
+    """A planted bug's selection of a moved or renamed test file collects nothing: ``--list`` refuses it."""
+    mutations = script("check_mutations")
+    assert mutations.missing_test_files(mutations.MUTATIONS) == []
+    moved = dataclasses.replace(mutations.MUTATIONS[0], catch=("tests/test_gone.py", "-k", "x"))
+    assert mutations.missing_test_files([moved]) == ["tests/test_gone.py"]
