@@ -204,7 +204,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.precision_report and set(dtypes) == {"float64"}:
         raise ValueError("--precision-report draws the precisions below float64: add one to --dtype")
     report = compare(args.checkpoint, args.backends, args.perturb,
-                     progress=progress_bar("compare", "run", quiet=args.json or not sys.stderr.isatty()),
+                     progress=progress_bar("compare", "run", quiet=args.json or not args.terminal),
                      preset=args.preset, dtypes=dtypes, device=args.device,
                      languages=(args.source_lang, args.target_lang))
     print(json.dumps({**report.to_json(), "runtime": runtime.settings()}, indent=2, allow_nan=False) if args.json
@@ -257,7 +257,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     report = bench(args.preset, args.batch, args.src_len, args.tgt_len, args.decode_tokens,
                    args.backends, args.repeats, not args.no_uncached,
-                   progress=progress_bar("bench", "call", quiet=args.json or not sys.stderr.isatty()),
+                   progress=progress_bar("bench", "call", quiet=args.json or not args.terminal),
                    peers=args.peers, dtype=args.dtype, device=args.device, compiled=args.compiled,
                    checkpoint=args.checkpoint)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_bench(report))
@@ -362,7 +362,7 @@ def run_export(args: argparse.Namespace) -> int:
     if args.check:
         check_target(args.to)                                              # before any work
     output = export(args.to, args.checkpoint, args.output_dir, args.force,
-                    progress_bar(f"export {args.to}", "program", quiet=not sys.stderr.isatty(), leave=False))
+                    progress_bar(f"export {args.to}", "program", quiet=not args.terminal, leave=False))
     print(f"wrote {output}: {describe(args.to, output)}; docs/deploy.md")
     if not args.check:
         return EXIT_OK
@@ -508,7 +508,7 @@ def run_train(args: argparse.Namespace) -> int:
         backends.device_for(adapter, args.device)           # every backend's device checked before any trains
     results = []
     for name, adapter in adapters.items():
-        progress = _progress(name, quiet=args.json or not sys.stderr.isatty())
+        progress = _progress(name, quiet=args.json or not args.terminal)
         with StopRequest() as stop:                         # Ctrl-C: stop after the current step, then save
             result, model, state = train.train(adapter, plan, progress, lambda: stop.requested, snapshots.get(name))
             if args.average and not result.interrupted:
@@ -747,7 +747,7 @@ def run_translate(args: argparse.Namespace) -> int:
             results = map(Translation, translate(args.text))
         elif whole:
             results = translate.lines(list(read_lines(stream)), where,
-                                      progress_bar("translate", "batch", quiet=not sys.stderr.isatty()))
+                                      progress_bar("translate", "batch", quiet=not args.terminal))
         else:
             results = translate.stream(read_lines(stream), where)
         problems = write_translations(results, args.output, sys.stdout,
@@ -779,7 +779,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device, args.batch_size,
                            args.source_lang, args.target_lang, args.max_output_length)
     result = evaluate(translate, sources, references, f"--source {args.source!r}",
-                      progress_bar("evaluate", "batch", quiet=args.json or not sys.stderr.isatty()),
+                      progress_bar("evaluate", "batch", quiet=args.json or not args.terminal),
                       checkpoint=args.checkpoint, backend=args.backend, device=args.device, dtype=args.dtype)
     print(json.dumps({**result.to_json(), "runtime": runtime.settings()}, indent=2) if args.json
           else format_evaluation(result))
@@ -808,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_as_interrupt():
             args = build_parser().parse_args(argv)
+            args.terminal = sys.stderr.isatty()     # progress bars: read before the notices' filter puts a pipe there
             if hasattr(args, "outputs"):
                 check_outputs(args)
             if not hasattr(args, "threads"):
