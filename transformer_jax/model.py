@@ -266,7 +266,7 @@ class MultiHeadAttention(nnx.Module):
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None:
+        if cache is None or cache_index is None:                           # (cache_index None: cache is None too)
             return k, v, None
         cache = cache.update(k, v, cache_index)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
