@@ -1,23 +1,18 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in plain NumPy.
 
-This module *defines* the math every port is checked against. Each paper concept is one
-small function or class; parameters come from the flat checkpoint dictionary described in
-``docs/checkpoint-format.md`` (every projection stored (in, out), so y = x @ W + b).
-Inference only: dropout (section 5.4) is a training-time operation of the ports.
+The math every port is checked against: each concept of section 3 one short function or class, in the order of
+the paper. Parameters come from the flat checkpoint dictionary (docs/checkpoint-format.md; every projection stored
+(in, out), y = x W + b); low precisions follow :mod:`.precision`; the design notes are in docs/ports.md.
 
-Shape legend used in every docstring:
+Shape legend:
     B: batch size          H: number of heads h        D: d_model
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
+    C: a key/value cache's capacity (:mod:`.incremental`)
     K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
-
-Incremental decoding keeps each attention sublayer's keys and values in a :class:`.incremental.KVCache`
-(C: the cache's capacity in target positions); the cache's machinery is in :mod:`.incremental`. The reference's
-own decoders recompute the whole prefix (``reference_numpy/decoding.py``), and the cache is shown to give the
-same numbers.
 """
 
 from __future__ import annotations
@@ -69,7 +64,7 @@ def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
 
 
 def causal_mask(length: int) -> np.ndarray:
-    """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
+    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
 
     Shape: mask (1, 1, T, T), bool, True = may attend.
     """
@@ -77,9 +72,8 @@ def causal_mask(length: int) -> np.ndarray:
 
 
 def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
-    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
-    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
-    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
+    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
+    (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -92,26 +86,11 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
 def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
                                  mask: np.ndarray | None = None,
                                  beams: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
-    A query row whose mask has no True entry sees no key: its weights are all zero and its
-    output is zero (never NaN, never a uniform average), whatever the values hold. A row that
-    sees a key is A V in IEEE arithmetic: a NaN value it gives weight 0 still enters as 0 x NaN.
-
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
-    row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c].
-
-    In a low precision (:mod:`.precision`) the whole of Eq. (1) is computed wide from the P inputs and the output
-    and weights are rounded to P. Under autocast in P (:func:`.precision.autocast`) Q K^T and weights . V are
-    products of the autocast recipe (P inputs, the result rounded to P) and the scaling, the mask and the softmax
-    are float32; the weights returned are the P weights the product read.
-
-    Shape:
-        query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
-        mask broadcastable to (..., Tq, Tk), bool, True = may attend.
-        Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
-        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
+    Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
+    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
+    value (N, H, T, d_k).
     """
     if beams is not None:
         key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, Tk, d_k)
@@ -135,11 +114,10 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
 
 
 def masked_softmax(scores: np.ndarray, mask: np.ndarray | None, d_k: int) -> np.ndarray:
-    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
-    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
-    average), the project's convention for a fully masked row (docs/ports.md).
+    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
+    no key gets zero weights and a zero output, never NaN (docs/ports.md).
 
-    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
     """
     if mask is not None:
         scores = np.where(mask, scores, -np.inf)
@@ -153,8 +131,7 @@ def masked_softmax(scores: np.ndarray, mask: np.ndarray | None, d_k: int) -> np.
 
 
 class Linear:
-    """Affine map y = x @ W + b with W stored (in, out) (the checkpoint's layout); in a low precision computed wide
-    and rounded once to P; under autocast in P (a float32 model) x, W and b rounded to P first.
+    """Affine map y = x W + b, W stored (in, out) as in the checkpoint.
 
     Shape: x (..., in) -> y (..., out).
     """
@@ -169,32 +146,22 @@ class Linear:
 
 
 def _returned(out: Any, *optional: Any) -> Any:
-    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
-    (None: not asked), in the order the docstring names them (the cache last)."""
+    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
+    the cache last.
+    """
     asked = tuple(result for result in optional if result is not None)
     return (out, *asked) if asked else out
 
 
 class MultiHeadAttention:
-    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
-    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
-    projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
+    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
+    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
+    the new positions are written from ``cache_index`` (docs/ports.md).
 
-    With a ``cache`` (:class:`.incremental.KVCache`, incremental decoding) and no ``cache_index``, the queries
-    attend over the cached keys and values (encoder-decoder attention over the projected memory;
-    ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
-    ``value`` are the new positions: their projections are written into the cache at positions
-    cache_index .. cache_index + Tk - 1 (a new cache; the given one is left as it was) and the
-    queries attend over the C positions through ``mask``; without a ``mask``, causally (query q sees
-    positions j <= cache_index + q), reading only the first W positions of the cache
-    (:func:`.incremental.attended_width`).
-
-    Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk or C); with a
-        ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
+    Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
+    ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -219,7 +186,7 @@ class MultiHeadAttention:
         return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions, in the weights' dtype.
+        """An empty self-attention cache of ``capacity`` positions.
 
         Shape: keys and values (B, H, C, d_k), zeros.
         """
@@ -235,7 +202,7 @@ class MultiHeadAttention:
 
     def _keys_values(self, key: np.ndarray, value: np.ndarray, cache: KVCache | None,
                      cache_index: int | None) -> tuple[np.ndarray, np.ndarray, KVCache | None]:
-        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        """The keys and values to attend over and the cache to return."""
         if cache is not None and cache_index is None:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
@@ -254,9 +221,8 @@ class MultiHeadAttention:
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: np.ndarray, name: str) -> np.ndarray:
-    """The feed-forward network's nonlinearity, ``config.activation``: ``relu``, max(0, x) -- Eq. (2), section 3.3
-    (the paper); ``silu`` and ``gelu`` as :mod:`.variants` defines them. ReLU of a P number is exact; the others are
-    computed wide and rounded once to P (:mod:`.precision`).
+    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
+    ``gelu`` of :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -268,10 +234,9 @@ def activation(x: np.ndarray, name: str) -> np.ndarray:
 
 
 class PositionwiseFeedForward:
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
-    :func:`activation` of ``config.activation``.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act :func:`activation` (max(0, .) in the paper) -- Eq. (2), section 3.3.
 
-    Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
+    Shape: x (B, T, D) -> (B, T, D); the hidden layer (B, T, F).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -284,13 +249,8 @@ class PositionwiseFeedForward:
 
 
 class LayerNorm:
-    """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
-
-    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6). In a low precision the
-    statistics, the normalization, gain and bias are computed wide and the output rounded to P. A variance past the
-    format's largest number gives NaN, not the bias that dividing by an infinite deviation would: the normalized
-    values are then no number of the format (docs/equivalence.md, "The configuration space").
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
+    Ba et al. (2016), section 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -310,11 +270,10 @@ class LayerNorm:
 
 def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: LayerNorm,
              norm_first: bool) -> np.ndarray:
-    """Residual connection around a sublayer (section 3.1).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
+    training drops the sublayer's output out (section 5.4).
 
-    Post-LN (the paper): LayerNorm(x + Sublayer(x)). Pre-LN: x + Sublayer(LayerNorm(x)). The addition is the
-    model's own arithmetic: in a low precision, the residual stream stays in P; under autocast (a float32 model,
-    :func:`.precision.autocast`) it is float32, the sublayer's P output widened.
+    Shape: x (B, T, D) -> (B, T, D).
     """
     if norm_first:
         return add(x, sublayer(norm(x)))
@@ -322,8 +281,7 @@ def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: 
 
 
 def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """x + y in x's precision: in a low precision P, the exact sum rounded to P (P arithmetic); under autocast a
-    float32 x (the residual stream) plus a P y (a sublayer's output) is float32, y widened exactly (type promotion)."""
+    """x + y in x's precision (:mod:`.precision`). Shape: x (...), y broadcastable to x -> (...)."""
     return narrow(wide(x) + wide(y).astype(wide(x).dtype, copy=False), x.dtype)
 
 
@@ -331,15 +289,10 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLike = np.float64,
                                    layout: str = "interleaved", pad_id: int = 0) -> np.ndarray:
-    """The fixed sinusoidal table, row p the encoding of position p -- section 3.5:
-    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); sine and cosine
-    **interleaved** (even columns sin, odd columns cos). Another ``layout`` (``config.sinusoidal_layout``) is
-    :mod:`.variants`' table of that name: ``halves`` (:func:`.variants.halves_table`) or ``fairseq``
-    (:func:`.variants.fairseq_table`, (L + 1, D), row 0 zeros).
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) -- section 3.5;
+    another ``layout`` (``config.sinusoidal_layout``) as ``reference_numpy/variants.py`` defines it.
 
-    The table is computed in float64 and then rounded to ``dtype`` (correctly, also for bfloat16).
-
-    Shape: returns (L, D), rows 0 .. L-1.
+    Shape: returns (L, D) in ``dtype``, rows 0 .. L-1 ((L + 1, D) for ``fairseq``).
     """
     if layout == "halves":
         return round_to(halves_table(length, d_model), dtype)
@@ -355,8 +308,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLi
 
 
 class Embeddings:
-    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (Hugging Face's
-    ``scale_embedding``; else by 1); in a low precision the product rounded to P.
+    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
@@ -370,12 +322,9 @@ class Embeddings:
 
 
 class PositionalEncoding:
-    """Adds position information to the embeddings (section 3.5).
-
-    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``;
-    ``learned``: a trained (L, D) table (Table 3, row E). Position t of ``x`` reads row ``offset`` + t, except in
-    the ``fairseq`` layout, where it reads row :func:`position_ids` of ``tokens`` (the ids ``x`` embeds; counted
-    ``by_step`` for the decoder's; None: no pad among them, rows ``offset`` + 1 .. ``offset`` + T).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
+    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
+    (counted ``by_step`` for the decoder's).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -398,13 +347,10 @@ class PositionalEncoding:
 
 
 class Generator:
-    """Pre-softmax linear transformation and log-softmax (section 3.4): logits x W, no bias (the paper), or
-    x W + b with ``config.output_bias`` (Marian's ``final_logits_bias``, the checkpoint tensor ``generator.bias``).
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
+    section 3.4.
 
-    With ``share_embeddings`` its weight is the transposed shared embedding matrix. In a low precision P the
-    logits are a linear map's (computed wide, rounded to P) and their log-softmax is float32.
-
-    Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt); ``bias`` (V_tgt,) or None.
+    Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -422,7 +368,7 @@ class Generator:
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
-    """log softmax over the last axis, computed stably."""
+    """log softmax over the last axis, computed stably. Shape: (..., V) -> (..., V)."""
     shifted = x - x.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
@@ -430,7 +376,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- layers and stacks
 
 class EncoderLayer:
-    """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
+    """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -448,16 +394,13 @@ class EncoderLayer:
 
 
 class DecoderLayer:
-    """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
-    values from the encoder output), then feed-forward; each wrapped in :func:`residual`
-    (sections 3.1 and 3.2.3).
+    """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    ``cache`` (incremental decoding) is the pair (self-attention :class:`.incremental.KVCache`, encoder-decoder
-    attention :class:`.incremental.KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
-    into the self-attention cache from ``cache_index``, and the call returns ``(x, cache)``.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
+    returns ``(x, cache)``.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a cache -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
+    T, D).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -481,14 +424,13 @@ class DecoderLayer:
         return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
+        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
         return self.self_attn.init_cache(len(memory), capacity), self.cross_attn.memory_cache(memory)
 
 
 def _attend(attention: MultiHeadAttention, query: np.ndarray, memory: np.ndarray, mask: np.ndarray | None,
             cache: KVCache | None, cache_index: int | None) -> tuple[np.ndarray, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
-    (None without a cache)."""
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
     return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
@@ -496,8 +438,7 @@ def _attend(attention: MultiHeadAttention, query: np.ndarray, memory: np.ndarray
 
 def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.ndarray, KVCache | None]],
                      norm: LayerNorm, norm_first: bool) -> tuple[np.ndarray, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
-    ``(the residual connection's output, the cache)``, both as values."""
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
     if norm_first:
         out, cache = sublayer(norm(x))
         return add(x, out), cache
@@ -506,7 +447,7 @@ def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.nd
 
 
 class Encoder:
-    """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
+    """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -523,10 +464,8 @@ class Encoder:
 
 
 class Decoder:
-    """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
-
-    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
+    call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -550,36 +489,29 @@ class Decoder:
         return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
+        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 # ----------------------------------------------------------------------------- the model
 
 def _owned(rounded: np.ndarray, given: np.ndarray, copy: bool) -> np.ndarray:
-    """``rounded`` (``given`` in the model's dtype), copied if ``copy`` and it is still the caller's memory."""
+    """``rounded`` (``given`` in the model's dtype), copied if ``copy`` and still the caller's memory."""
     return rounded.copy() if copy and np.may_share_memory(rounded, given) else rounded
 
 
 class Transformer:
-    """The encoder-decoder Transformer (section 3, Figure 1), inference only.
+    """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    ``params`` is the flat dictionary of the shared checkpoint (see :mod:`.checkpoint`);
-    it is rounded to ``dtype``: float64 by default, float32, or a low precision, bfloat16 or float16, computed by
-    the recipe of :mod:`.precision` (log-probabilities then float32). The model's weights are arrays of its own, as a
-    port's are (training updates them in place: the caller's dictionary, and any other model built from it, stay
-    as they were); ``copy=False`` takes the caller's arrays that are already in ``dtype`` as they are, for a caller
-    handing them over (a loader: no weight held twice).
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
+    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
+    log-probabilities (B, T, V_tgt).
 
-    Shape:
-        src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
-        src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
-        tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
-        Returns log-probabilities (B, T, V_tgt).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
+    memory, src_mask, cache=cache, cache_index=i)``.
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then
-    ``out, cache = model.decode(new_tokens, memory, src_mask, cache=cache, cache_index=i)`` with
-    the positions i, i + 1, ... of the target (see :meth:`decode`).
+    NumPy: ``params`` the checkpoint's dictionary, rounded to ``dtype`` (float64, float32, bfloat16 or float16) into
+    arrays of the model's own (``copy=False``: arrays already in ``dtype`` taken as they are).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, dtype: npt.DTypeLike = np.float64, *,
@@ -609,10 +541,10 @@ class Transformer:
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
+        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
+        memory's keys and values -- section 3.2.3.
 
-        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
         """
         memory = as_array("memory", memory)
         check_memory(memory.shape, memory.dtype.name, memory.shape[0] if memory.ndim else None,
@@ -623,18 +555,11 @@ class Transformer:
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, cache: tuple | None = None,
                cache_index: int | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack.
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
+        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
-        source had padding (the decoder cannot see source tokens).
-
-        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
-        cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
-        the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
-        over the cache's C positions and defaults to the causal mask over absolute positions
-        (query q sees key j <= cache_index + q, which also hides the positions not yet written; each
-        self-attention then reads only the first W positions of its cache, :func:`.incremental.attended_width`).
-        Returns ``(out, cache)``.
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
+        cache (default: causal over absolute positions).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = as_array("memory", memory)
@@ -665,7 +590,7 @@ class Transformer:
 
     def _check_inputs(self, src: object, tgt: object, src_mask: object, tgt_mask: object
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Every check of the forward pass, made before any computation (see :func:`check_forward_inputs`)."""
+        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         check_forward_inputs(self.config, src.shape, tgt.shape, describe("src_mask", src_mask),
@@ -673,4 +598,5 @@ class Transformer:
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: object, vocab_size: int) -> np.ndarray:
+        """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""
         return check_tokens(name, tokens, vocab_size, self.config.max_len)

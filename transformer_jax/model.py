@@ -1,25 +1,16 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in JAX with Flax NNX.
 
-A parallel text of ``reference_numpy/model.py``: the same pieces, names, argument order and
-shape comments; only framework idiom differs. Constructors take the config first, then
-``dtype`` (float32 or float64: both the parameter and the computation dtype; float64 needs
-``jax_enable_x64``, see :mod:`.device`) and ``rngs`` as keywords. A model in a low precision P
-(bfloat16 or float16) follows the recipe of ``reference_numpy/precision.py``: Flax's
-``param_dtype=P`` stores the weights, ``dtype=float32`` computes each concept wide (the framework's
-accumulation width; the reference's is float64), and :func:`narrow` rounds its output once to P at
-the reference's rounding points; the log-probabilities are float32. Parameters are random until
-loaded from the shared checkpoint by :mod:`.checkpoint`. Dropout (section 5.4) is applied to
-every sublayer output before the residual add and, in :class:`PositionalEncoding`, to the sums of
-embeddings and positional encodings; it is off unless ``deterministic=False`` is passed (or set with
-``nnx.view(model, deterministic=False)``). Every matmul passes ``precision=HIGHEST`` (full float32
-on GPUs too).
+A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
+framework idiom differs (constructors take the config, then ``dtype`` and ``rngs`` as keywords; dropout, section
+5.4, off unless ``deterministic=False``; every matmul at ``precision=HIGHEST``). The design notes are in
+docs/ports.md.
 
-Shape legend used in every docstring:
+Shape legend:
     B: batch size          H: number of heads h        D: d_model
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
-    C: key/value cache capacity (self-attention: the decoding budget; encoder-decoder: S)
+    C: a key/value cache's capacity (:mod:`.incremental`)
     K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
@@ -66,7 +57,7 @@ def padding_mask(tokens: npt.ArrayLike, pad_id: int) -> jax.Array:
 
 
 def causal_mask(length: int) -> jax.Array:
-    """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
+    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
 
     Shape: mask (1, 1, T, T), bool, True = may attend.
     """
@@ -74,9 +65,8 @@ def causal_mask(length: int) -> jax.Array:
 
 
 def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
-    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
-    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
-    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
+    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
+    (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -90,30 +80,13 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
                                  mask: jax.Array | None = None,
                                  beams: jax.Array | None = None, *,
                                  dtype: DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
-    Written out rather than taken from ``jax.nn.dot_product_attention`` or Flax: those give a
-    query row whose mask has no True entry the uniform average of the values; here its weights
-    are all zero and its output is zero (never NaN), as in the reference. The row maximum is
-    held constant for gradients (it cancels mathematically), so fully masked rows have finite
-    gradients too.
+    Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
+    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
+    value (N, H, T, d_k).
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
-    row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
-
-    In a low precision the whole of Eq. (1) is computed wide (float32) from the P inputs and the
-    output and weights are rounded to P. With ``dtype`` P (Flax's computation dtype, as in
-    ``flax.nnx.dot_product_attention``; a model built with ``dtype=P, param_dtype=float32``), the autocast recipe:
-    Q, K and V rounded to P, Q K^T and weights . V each accumulated in float32 and rounded to P, the scaling, the
-    mask and the softmax in float32 (Flax's own attention would run the softmax in ``dtype`` unless
-    ``force_fp32_for_softmax``, flax/nnx/nn/attention.py).
-
-    Shape:
-        query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
-        mask broadcastable to (..., Tq, Tk), bool, True = may attend.
-        Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
-        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
+    JAX: ``dtype`` P (Flax's computation dtype beside float32 parameters) computes by the autocast recipe.
     """
     mixed, dtype = dtype, query.dtype if dtype is None else dtype
     query, key, value = (wide(narrow(x, dtype)) for x in (query, key, value))   # P inputs exactly in float32
@@ -136,13 +109,10 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
 
 
 def masked_softmax(scores: jax.Array, mask: jax.Array | None, d_k: int) -> jax.Array:
-    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
-    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
-    average), the project's convention for a fully masked row (the reference's
-    :func:`~reference_numpy.model.masked_softmax`); the row maximum is held constant for gradients (it cancels
-    mathematically), so that such a row's gradients are finite too.
+    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
+    no key gets zero weights and a zero output, never NaN (docs/ports.md).
 
-    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
     """
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
@@ -163,8 +133,7 @@ def masked_softmax(scores: jax.Array, mask: jax.Array | None, d_k: int) -> jax.A
 
 
 class _Linear(nnx.Linear):
-    """``nnx.Linear`` whose output is rounded once to the low one of its ``dtype`` and ``param_dtype`` (computed
-    wide before)."""
+    """``nnx.Linear`` with its output rounded once to the lower of ``dtype`` and ``param_dtype``."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:  # type: ignore[override]  # without out_sharding (unused)
         return narrow(super().__call__(inputs), rounding(self.dtype, self.param_dtype))
@@ -172,12 +141,7 @@ class _Linear(nnx.Linear):
 
 def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs,
             param_dtype: DTypeLike | None = None) -> _Linear:
-    """y = x @ W + b with ``kernel`` W stored (in, out), the checkpoint's layout; in a low precision computed
-    wide and rounded once to P. Under the autocast recipe (``dtype`` P, ``param_dtype`` float32) Flax's own
-    promotion rounds x, W and b to P (``nnx.Linear.__call__``: ``promote_dtype`` to ``dtype``), the product is
-    accumulated in float32 (``preferred_element_type``), the bias added to it, and the result rounded once to P;
-    ``nnx.Linear`` alone would return the product in P and add the bias in P, a second rounding
-    (flax/nnx/nn/linear.py). Shape: (..., in) -> (..., out)."""
+    """y = x W + b with ``kernel`` W stored (in, out), as in the checkpoint. Shape: (..., in) -> (..., out)."""
     mixed = autocast_dtype(dtype, param_dtype)
     if mixed is not None:
         return _Linear(in_features, out_features, dtype=mixed, param_dtype=jnp.float32,
@@ -187,33 +151,22 @@ def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rng
 
 
 def _returned(out: Any, *optional: Any) -> Any:
-    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
-    (None: not asked), in the order the docstring names them (the cache last)."""
+    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
+    the cache last.
+    """
     asked = tuple(result for result in optional if result is not None)
     return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nnx.Module):
-    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
-    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
-    projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
+    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
+    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
+    the new positions are written from ``cache_index`` (docs/ports.md).
 
-    With a ``cache`` (:class:`.incremental.KVCache`, incremental decoding) and no ``cache_index``, the queries
-    attend over the cached keys and values (encoder-decoder attention over the projected memory;
-    ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
-    ``value`` are the new positions: their projections are written into the cache at positions
-    cache_index .. cache_index + Tk - 1 (``lax.dynamic_update_slice_in_dim``: a new cache, the
-    given one is left as it was; ``cache_index`` may be traced) and the queries attend over the C positions
-    through ``mask``; without a ``mask``, causally (query q sees positions j <= cache_index + q), reading only
-    the first W positions of the cache (``attended_width``; at a traced ``cache_index``, ``lax.switch``
-    over one branch per width of ``attended_widths``).
-
-    Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk or C); with a
-        ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
+    Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
+    ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -242,10 +195,9 @@ class MultiHeadAttention(nnx.Module):
         return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions in the dtype of the projections it holds: the
-        model's, or P under the autocast recipe (``dtype=P, param_dtype=float32``).
+        """An empty self-attention cache of ``capacity`` positions.
 
-        Shape: keys, values (B, H, C, d_k), zeros.
+        Shape: keys and values (B, H, C, d_k), zeros.
         """
         d_k = self.q_proj.out_features // self.n_heads
         dtype = rounding(self.k_proj.dtype, self.k_proj.param_dtype)       # the projections' P, or the model's
@@ -253,15 +205,15 @@ class MultiHeadAttention(nnx.Module):
         return KVCache(empty, empty)
 
     def memory_cache(self, memory: jax.Array) -> KVCache:
-        """The encoder-decoder attention cache: the memory projected by W^K and W^V once.
+        """The memory's keys and values, projected once for encoder-decoder attention.
 
-        Shape: memory (B, S, D) -> keys, values (B, H, S, d_k).
+        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
     def _keys_values(self, key: jax.Array, value: jax.Array, cache: KVCache | None,
                      cache_index: int | jax.Array | None) -> tuple[jax.Array, jax.Array, KVCache | None]:
-        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        """The keys and values to attend over and the cache to return."""
         if cache is not None and cache_index is None:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
@@ -280,9 +232,8 @@ class MultiHeadAttention(nnx.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: jax.Array, name: str) -> jax.Array:
-    """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
-    :func:`~reference_numpy.model.activation`): ``relu`` max(0, x) (Eq. (2)); ``silu`` and ``gelu`` from
-    :mod:`.variants`. ReLU of a P number is exact; the others are computed wide and rounded once to P.
+    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
+    ``gelu`` of :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -294,10 +245,9 @@ def activation(x: jax.Array, name: str) -> jax.Array:
 
 
 class PositionwiseFeedForward(nnx.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
-    :func:`activation` of ``config.activation``.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act :func:`activation` (max(0, .) in the paper) -- Eq. (2), section 3.3.
 
-    Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
+    Shape: x (B, T, D) -> (B, T, D); the hidden layer (B, T, F).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -311,17 +261,8 @@ class PositionwiseFeedForward(nnx.Module):
 
 
 class LayerNorm(nnx.LayerNorm):
-    """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
-
-    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance; eps is ``config.layer_norm_eps`` (never Flax's default).
-    ``use_fast_variance=False`` computes var = mean((x - mean)^2) like the reference instead of
-    the one-pass E[x^2] - E[x]^2, which loses digits. Flax names the weight ``scale``. In a low
-    precision the statistics, the normalization, gain and bias are computed wide (Flax's ``dtype``
-    float32) and the output rounded to P. Under the autocast recipe (``dtype=P, param_dtype=float32``) it is
-    float32 throughout, as torch's autocast list has it (Flax's own ``nnx.LayerNorm`` would return its ``dtype``,
-    ``_normalize`` in flax/nnx/nn/normalization.py). A variance past the format's largest number gives NaN, as in
-    the reference (Flax would give the bias).
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
+    Ba et al. (2016), section 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -339,12 +280,8 @@ class LayerNorm(nnx.LayerNorm):
 
 def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: LayerNorm,
              norm_first: bool, dropout: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Residual connection around a sublayer (section 3.1), with dropout on the sublayer's
-    output before the addition (section 5.4).
-
-    Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))).
-    Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The addition is the model's own arithmetic: in a
-    low precision, the residual stream stays in P.
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
+    training drops the sublayer's output out (section 5.4).
 
     Shape: x (B, T, D) -> (B, T, D).
     """
@@ -354,12 +291,12 @@ def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: Lay
 
 
 def add(x: jax.Array, y: jax.Array) -> jax.Array:
-    """x + y in x's precision: in a low precision P, the float32 sum rounded to P (P arithmetic)."""
+    """x + y in x's precision (:mod:`.precision`). Shape: x (...), y broadcastable to x -> (...)."""
     return narrow(wide(x) + wide(y), x.dtype)
 
 
 def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
-    """Dropout with P_drop = config.dropout (section 5.4), off (deterministic) unless asked for."""
+    """Dropout with P_drop = ``config.dropout`` (section 5.4), off unless asked for."""
     return nnx.Dropout(config.dropout, deterministic=True, rngs=rngs)
 
 
@@ -367,26 +304,16 @@ def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
 
 def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike = jnp.float64,
                                    layout: str = "interleaved", pad_id: int = 0) -> jax.Array:
-    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``): ``interleaved`` -- section 3.5,
-    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), sine and cosine
-    **interleaved** (even columns sin, odd columns cos); ``halves`` (Marian) and ``fairseq`` (M2M100/NLLB, (L + 1, D),
-    row 0 zeros) as the reference's :func:`~reference_numpy.model.sinusoidal_positional_encoding` defines them.
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) -- section 3.5;
+    another ``layout`` (``config.sinusoidal_layout``) as ``reference_numpy/variants.py`` defines it.
 
-    The table is a constant: it is computed once on the host in float64 by the reference's
-    formula and rounded to ``dtype`` by the reference (in one step, also for bfloat16, whose
-    casts from float64 round twice), so every model holds the correctly rounded table.
-
-    Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
+    Shape: returns (L, D) in ``dtype``, rows 0 .. L-1 ((L + 1, D) for ``fairseq``).
     """
     return jnp.asarray(reference.sinusoidal_positional_encoding(length, d_model, dtype, layout, pad_id), dtype=dtype)
 
 
 class Embeddings(nnx.Embed):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); Flax
-    names the weight ``embedding``.
-    In a low precision the product is computed in float32 (Flax's ``dtype``) and rounded to P; under the autocast
-    recipe it is float32 (torch's autocast runs an embedding in its weight's dtype; ``nnx.Embed`` would return
-    ``dtype``).
+    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
@@ -402,20 +329,15 @@ class Embeddings(nnx.Embed):
 
 
 class _Constant(nnx.Variable):
-    """A fixed array that is part of the model state but never trained (the sinusoidal table)."""
+    """A fixed array of the model's state, never trained (the sinusoidal table)."""
 
 
 class PositionalEncoding(nnx.Module):
-    """Adds position information to the embeddings (section 3.5), then dropout (section 5.4:
-    "to the sums of the embeddings and the positional encodings").
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
+    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
+    (counted ``by_step`` for the decoder's).
 
-    ``sinusoidal``: the fixed ``table`` of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``
-    (a constant, not a parameter); ``learned``: a trained (L, D) ``weight`` (Table 3, row E), an ``nnx.Param``.
-    Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads row
-    :func:`position_ids` of ``tokens`` (counted ``by_step`` for the decoder's; None: no pad among them, rows
-    ``offset`` + 1 .. ``offset`` + T).
-
-    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be traced; tokens (B, T) or None.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -443,16 +365,12 @@ class PositionalEncoding(nnx.Module):
 
 
 class Generator(nnx.Module):
-    """Pre-softmax linear transformation and log-softmax (section 3.4): no bias (the paper), or with
-    ``config.output_bias`` a ``bias`` (V,) (Marian's ``final_logits_bias``).
-
-    ``weight`` is (D, V) like the checkpoint. With ``share_embeddings`` pass the shared
-    :class:`Embeddings` as ``embeddings``: its transposed matrix is the projection (tied, not
-    copied) and the generator has no parameter of its own. In a low precision P the logits are a
-    linear map's (computed wide, rounded to P) and their log-softmax is float32; under the autocast recipe
-    (``dtype=P, param_dtype=float32``) a product of the P-rounded x and W, rounded to P.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
+    section 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
+
+    JAX: ``weight`` (D, V); with ``share_embeddings`` the shared ``embeddings``' matrix, transposed.
     """
 
     def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None, *, dtype: DTypeLike,
@@ -479,11 +397,7 @@ class Generator(nnx.Module):
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
-    """log softmax over the last axis (section 3.4), max-shifted: ``s - log(sum(exp(s)))``, ``s = x - max(x)``;
-    the row sums are :func:`.speed.sum_exp`'s (by chunks, faster under XLA:CPU).
-
-    Shape: (..., V) -> (..., V).
-    """
+    """log softmax over the last axis, computed stably. Shape: (..., V) -> (..., V)."""
     shifted = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return shifted - jnp.log(speed.sum_exp(shifted))
 
@@ -491,7 +405,7 @@ def log_softmax(x: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- layers and stacks
 
 class EncoderLayer(nnx.Module):
-    """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
+    """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -513,16 +427,13 @@ class EncoderLayer(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
-    values from the encoder output), then feed-forward; each wrapped in :func:`residual`
-    (sections 3.1 and 3.2.3).
+    """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` -- the pair (self-attention, encoder-decoder attention) of :meth:`init_cache`
-    -- ``x`` holds the new positions at ``cache_index`` .. (see :class:`MultiHeadAttention`) and
-    the result is ``(x, cache)``, the pair updated.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
+    returns ``(x, cache)``.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T) (T, C with a cache) -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
+    T, D).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -549,17 +460,13 @@ class DecoderLayer(nnx.Module):
         return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[KVCache, KVCache]:
-        """An empty self-attention cache of ``capacity`` positions and the memory's projected keys/values.
-
-        Shape: memory (B, S, D) -> (keys/values (B, H, C, d_k), keys/values (B, H, S, d_k)).
-        """
+        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
         return self.self_attn.init_cache(memory.shape[0], capacity), self.cross_attn.memory_cache(memory)
 
 
 def _attend(attention: MultiHeadAttention, query: jax.Array, memory: jax.Array, mask: jax.Array | None,
             cache: KVCache | None, cache_index: int | jax.Array | None) -> tuple[jax.Array, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
-    (None without a cache)."""
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
     return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
@@ -568,8 +475,7 @@ def _attend(attention: MultiHeadAttention, query: jax.Array, memory: jax.Array, 
 def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, KVCache | None]],
                      norm: LayerNorm, norm_first: bool,
                      dropout: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
-    ``(the residual connection's output, the cache)``, both as values."""
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
     if norm_first:
         out, cache = sublayer(norm(x))
         return add(x, dropout(out)), cache
@@ -578,7 +484,7 @@ def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Arr
 
 
 class Encoder(nnx.Module):
-    """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
+    """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -596,10 +502,8 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
-
-    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
+    call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -625,13 +529,14 @@ class Decoder(nnx.Module):
         return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One :meth:`DecoderLayer.init_cache` pair per layer."""
+        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
-    """``param_dtype`` beside the computation ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16 (the
-    autocast recipe); anything else is one ValueError naming ``param_dtype``."""
+    """``param_dtype`` beside ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16; else one ValueError
+    naming ``param_dtype``.
+    """
     parsed = _check_dtype(param_dtype)
     if parsed != dtype and not (parsed == np.float32 and autocast_dtype(dtype, parsed) is not None):
         raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
@@ -642,27 +547,17 @@ def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
 # ----------------------------------------------------------------------------- the model
 
 class Transformer(nnx.Module):
-    """The encoder-decoder Transformer (section 3, Figure 1).
+    """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    ``dtype`` (float64 by default, like the reference, or float32) is the dtype of every
-    parameter and of the computation; float64 needs ``jax_enable_x64`` and is refused with a
-    ``ValueError`` otherwise. Flax's mixed precision, ``dtype=jnp.bfloat16`` (or float16) with
-    ``param_dtype=jnp.float32``, runs the autocast recipe of ``reference_numpy/precision.py``: float32 parameters,
-    embeddings, residual stream, LayerNorms and log-probabilities, every linear map and attention product in P, the
-    key/value caches in P; any other ``param_dtype`` than ``dtype`` or float32 is refused. A low precision alone,
-    bfloat16 or float16, stores the parameters, the activations and the key/value caches in P and computes by the
-    recipe of
-    ``reference_numpy/precision.py`` (each concept in float32, rounded once to P; log-probabilities
-    float32). Weights are random (``rngs``) until loaded with
-    :func:`transformer_jax.checkpoint.from_params` or ``load_checkpoint``. With
-    ``share_embeddings`` one ``Embeddings`` module is ``src_embed``, ``tgt_embed`` and
-    ``generator.embeddings``.
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
+    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
+    log-probabilities (B, T, V_tgt).
 
-    Shape:
-        src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
-        src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
-        tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
-        Returns log-probabilities (B, T, V_tgt).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
+    memory, src_mask, cache=cache, cache_index=i)``.
+
+    JAX: ``dtype`` float64 (needs ``jax_enable_x64``), float32, bfloat16 or float16; ``param_dtype`` float32 beside
+    bfloat16 or float16 is Flax's mixed precision; weights random (``rngs``) until loaded by :mod:`.checkpoint`.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float64, rngs: nnx.Rngs,
@@ -692,10 +587,10 @@ class Transformer(nnx.Module):
         return self.encoder(x, src_mask, deterministic=deterministic)
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
+        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
+        memory's keys and values -- section 3.2.3.
 
-        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
         """
         memory = checked_memory(memory, None, self.config.d_model, self.param_dtype.name)
         checks.check_cache_capacity(capacity, self.config.max_len)
@@ -704,18 +599,11 @@ class Transformer(nnx.Module):
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack.
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
+        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
-        source had padding (the decoder cannot see source tokens).
-
-        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
-        cache_index .. cache_index + T - 1 (their positional encodings are those positions'; a
-        traced ``cache_index`` is the compiled loop's to bound), the earlier ones being in the
-        cache; ``tgt_mask`` is then broadcastable to (B, H, T, C) over the cache's C positions and
-        defaults to the causal mask over absolute positions (query q sees key j <= cache_index + q,
-        which also hides the positions not yet written).
-        Returns ``(out, cache)``.
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
+        cache (default: causal over absolute positions).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.param_dtype.name)
@@ -747,8 +635,7 @@ class Transformer(nnx.Module):
 
     def _check_inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
                       tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
-        """Every check of the forward pass, made before any computation (the reference's
-        :func:`~reference_numpy.checks.check_forward_inputs`)."""
+        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         checks.check_forward_inputs(self.config, src.shape, tgt.shape, describe("src_mask", src_mask),
@@ -756,6 +643,5 @@ class Transformer(nnx.Module):
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: npt.ArrayLike, vocab_size: int) -> jax.Array:
-        """The reference's token checks (:func:`.checks.check_tokens`: the id range only on concrete, untraced
-        arrays, which is why public entry points check before compiled code)."""
+        """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""
         return check_tokens(name, tokens, vocab_size, self.config.max_len)

@@ -1,31 +1,19 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Keras 3 layers.
 
-A parallel text of ``reference_numpy/model.py``: same classes and functions in the same
-order, same argument names, same math. Keras idiom: every component is a named layer whose
-weights are created in ``build()`` (all shapes come from the config), ``get_config()`` holds
-the :class:`TransformerConfig` as a dict, ``training=`` switches dropout (section 5.4) and the
-dtype comes from the Keras dtype policy (``dtype="float64"`` per layer or model, so float32
-and float64 models live side by side). The reference's ``Linear`` is ``keras.layers.Dense``,
-whose kernel is stored (in, out) like the checkpoint: y = x @ W + b.
+A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
+framework idiom differs (weights created in ``build()``, the config in ``get_config()``, ``training=`` for dropout,
+section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``). The
+design notes are in docs/ports.md.
 
-bfloat16 and float16 (a low precision P) follow the reference's recipe (``reference_numpy/precision.py``) with
-the Keras idiom: the dtype policy ``"bfloat16"`` or ``"float16"`` stores every variable in P and hands every
-layer P inputs; each concept's ``call`` computes wide, in float32, from them (:func:`wide`) and rounds its
-output once to P (:func:`narrow`), as Keras itself runs LayerNorm in float32 under ``mixed_bfloat16``. The
-rounding points are the reference's: each linear map, Eq. (1), LayerNorm, each elementwise step (residual
-addition, x sqrt(d_model), the positional encoding) and the logits; the log-probabilities are float32.
-float32 and float64 models compute exactly as without the recipe: both helpers are the identity for them.
-
-Shape legend used in every docstring:
+Shape legend:
     B: batch size          H: number of heads h        D: d_model
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
-    C: capacity of a key/value cache                   T_new: positions added to it in one call
+    C: a key/value cache's capacity (:mod:`.incremental`)
     K: beams per sentence (beam search), N = B * K rows
 
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). They are
-plain inputs: Keras' implicit masks (``_keras_mask``) are never consulted.
+Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
 
 from __future__ import annotations
@@ -66,7 +54,7 @@ def padding_mask(tokens: tf.Tensor, pad_id: int) -> tf.Tensor:
 
 
 def causal_mask(length: Index) -> tf.Tensor:
-    """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
+    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
 
     Shape: mask (1, 1, T, T), bool, True = may attend.
     """
@@ -75,9 +63,8 @@ def causal_mask(length: Index) -> tf.Tensor:
 
 
 def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
-    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
-    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
-    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
+    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
+    (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -90,26 +77,13 @@ def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
 def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None = None,
                                  beams: tf.Tensor | None = None, *,
                                  dtype: DTypeLike | tf.DType | None = None) -> tuple[tf.Tensor, tf.Tensor]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
-    A query row whose mask has no True entry sees no key: its weights are all zero and its
-    output is zero (never NaN, never a uniform average).
+    Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
+    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
+    value (N, H, T, d_k).
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
-    row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
-
-    In a low precision the whole of Eq. (1) is computed in float32 from the P inputs and the output and
-    weights are rounded to P. With ``dtype`` P (the compute dtype of a ``mixed_bfloat16`` or ``mixed_float16``
-    layer: the autocast recipe of ``reference_numpy/precision.py``) Q, K and V are rounded to P, Q K^T and
-    weights . V are each accumulated in float32 and rounded to P, and the scaling, the mask and the softmax are
-    float32 (Keras' own ``Softmax`` would compute in the compute dtype, keras/src/layers/activations/softmax.py).
-
-    Shape:
-        query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
-        mask broadcastable to (..., Tq, Tk), bool, True = may attend.
-        Returns output (..., Tq, d_v) and weights (..., Tq, Tk).
-        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
+    TensorFlow: ``dtype`` P (a mixed policy's compute dtype) computes by the autocast recipe.
     """
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
     mixed, dtype = dtype, query.dtype if dtype is None else tf.as_dtype(dtype)
@@ -133,12 +107,10 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 
 
 def masked_softmax(scores: tf.Tensor, mask: tf.Tensor | None, d_k: int) -> tf.Tensor:
-    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
-    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
-    average), the project's convention for a fully masked row (the reference's
-    :func:`~reference_numpy.model.masked_softmax`).
+    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
+    no key gets zero weights and a zero output, never NaN (docs/ports.md).
 
-    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
     """
     if mask is not None:
         scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
@@ -158,9 +130,7 @@ def masked_softmax(scores: tf.Tensor, mask: tf.Tensor | None, d_k: int) -> tf.Te
 
 @register
 class _Dense(keras.layers.Dense):
-    """The reference's ``Linear``: ``keras.layers.Dense``, y = x @ W + b with W stored (in, out). In a low
-    precision the P input is made float32 and Keras' matmul and bias addition promote the P kernel and bias to
-    float32 too (exactly), so y is computed wide and rounded once to P.
+    """The reference's ``Linear``: ``keras.layers.Dense``, y = x W + b, W stored (in, out).
 
     Shape: x (..., in) -> y (..., out).
     """
@@ -170,15 +140,7 @@ class _Dense(keras.layers.Dense):
 
 
 class _TransformerLayer(keras.layers.Layer):
-    """Keras plumbing shared by the layers below (the Transformer mixes it in before ``keras.Model``).
-
-    * ``config`` (a TransformerConfig or its dict) is kept and travels as a dict in
-      ``get_config``, so ``from_config`` round-trips;
-    * masks are plain inputs. Keras fills an argument named ``mask`` (or ``src_mask`` for an
-      argument ``src``) from a ``_keras_mask`` attribute of the inputs, by keyword: so inputs
-      lose that attribute, and the arguments are bound to ``call()``'s signature and passed by
-      keyword (a mask given by position would otherwise collide with Keras' keyword).
-    """
+    """Keras plumbing of the layers below: the config kept for ``get_config``, masks as plain inputs (docs/ports.md)."""
 
     def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -192,8 +154,7 @@ class _TransformerLayer(keras.layers.Layer):
         return {**super().get_config(), "config": self.config.to_dict()}
 
     def compute_mask(self, inputs: object, previous_mask: object) -> None:
-        """Attention masks are not Keras sequence masks: outputs carry none (a layer that computes no mask would
-        warn of every ``mask`` argument that it destroys the mask)."""
+        """Attention masks are not Keras sequence masks: outputs carry none."""
         return None
 
     def _sublayer_kwargs(self, name: str) -> dict:
@@ -201,9 +162,9 @@ class _TransformerLayer(keras.layers.Layer):
 
     @property
     def input_dtype(self) -> str:
-        """The dtype Keras converts float inputs to: the compute dtype, but the variables' (float32) for a layer
-        that reads the residual stream under a mixed policy (``_STREAM``): Keras' conversion would round the stream
-        to P at every layer's entry, where the autocast recipe keeps it float32."""
+        """The dtype Keras converts float inputs to: the compute dtype, or float32 for a layer reading the residual
+        stream under a mixed policy.
+        """
         return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype
 
     _STREAM = False
@@ -221,35 +182,23 @@ def _without_keras_mask(value: object) -> object:
 
 
 def _returned(out: Any, *optional: Any) -> Any:
-    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
-    (None: not asked), in the order the docstring names them (the cache last)."""
+    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
+    the cache last.
+    """
     asked = tuple(result for result in optional if result is not None)
     return (out, *asked) if asked else out
 
 
 @register
 class MultiHeadAttention(_TransformerLayer):
-    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
-    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    The h heads are split head-major: head i owns columns i*d_k .. (i+1)*d_k - 1 of the
-    projections W^Q, W^K, W^V (and rows of W^O). Every projection has a bias.
+    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
+    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
+    the new positions are written from ``cache_index`` (docs/ports.md).
 
-    Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk).
-
-    With a key/value ``cache`` (:class:`.incremental.KVCache`, keras-hub's ``CachedMultiHeadAttention`` style)
-    the call also returns the cache, last:
-
-    * ``cache_index`` None: attend over ``cache.keys``/``cache.values`` as they are (the memory
-      projected once by :meth:`memory_cache`; ``key`` and ``value`` are not projected again);
-    * ``cache_index`` given: project ``key`` and ``value`` (the T_new new positions), write them
-      at positions ``cache_index .. cache_index + T_new - 1`` of the fixed-size buffers (from
-      :meth:`init_cache`) and attend over the whole buffer through ``mask`` (B, H, Tq, C); without a
-      ``mask``, causally (query q sees positions j <= cache_index + q), reading only the first W positions of
-      the buffer (``attended_width``; at a traced ``cache_index``, ``tf.switch_case`` over one branch
-      per width of ``attended_widths``). The cache returned is a new one (tensors are immutable).
+    Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
+    ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
 
     def __init__(self, config, **kwargs):
@@ -282,23 +231,23 @@ class MultiHeadAttention(_TransformerLayer):
         return _returned(out, weights if return_weights else None, cache)
 
     def init_cache(self, batch: Index, capacity: int) -> KVCache:
-        """An empty (zeros) self-attention cache of ``capacity`` positions in the layer's dtype.
+        """An empty self-attention cache of ``capacity`` positions.
 
-        Shape: keys, values (B, H, C, d_k) with B = ``batch``, C = ``capacity``.
+        Shape: keys and values (B, H, C, d_k), zeros.
         """
         empty = tf.zeros((batch, self.n_heads, capacity, self.config.d_k), self.compute_dtype)
         return KVCache(empty, empty)
 
     def memory_cache(self, memory: tf.Tensor) -> KVCache:
-        """The encoder output projected once, for encoder-decoder attention (section 3.2.3).
+        """The memory's keys and values, projected once for encoder-decoder attention.
 
-        Shape: memory (B, S, D) -> keys, values (B, H, S, d_k).
+        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
     def _keys_values(self, key: tf.Tensor, value: tf.Tensor, cache: KVCache | None,
                      cache_index: Index | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
-        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        """The keys and values to attend over and the cache to return."""
         if cache is not None and cache_index is None:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
@@ -317,9 +266,8 @@ class MultiHeadAttention(_TransformerLayer):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: tf.Tensor, name: str) -> tf.Tensor:
-    """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
-    :func:`~reference_numpy.model.activation`): ``relu`` max(0, x) (Eq. (2)); ``silu`` and ``gelu`` from
-    :mod:`.variants`. ReLU of a P number is exact; the others are computed wide and rounded once to P.
+    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
+    ``gelu`` of :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -332,10 +280,9 @@ def activation(x: tf.Tensor, name: str) -> tf.Tensor:
 
 @register
 class PositionwiseFeedForward(_TransformerLayer):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
-    :func:`activation` of ``config.activation``. In a low precision the hidden layer is stored in P.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act :func:`activation` (max(0, .) in the paper) -- Eq. (2), section 3.3.
 
-    Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
+    Shape: x (B, T, D) -> (B, T, D); the hidden layer (B, T, F).
     """
 
     def __init__(self, config, **kwargs):
@@ -353,15 +300,8 @@ class PositionwiseFeedForward(_TransformerLayer):
 
 @register
 class LayerNorm(keras.layers.LayerNormalization):
-    """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
-
-    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps = ``config.layer_norm_eps`` added to the variance (Keras' own default would be
-    1e-3). Keras evaluates it as x * g + (beta - mean * g) with g = rsqrt(var + eps) * gamma:
-    the same function, rounded differently by a few ulps. In a low precision Keras computes it wide
-    already (``keras.ops.layer_normalization`` makes P inputs, gamma and beta float32 and casts the
-    output back once): the recipe's rounding point, with nothing to add. A variance past the format's largest
-    number gives NaN, as in the reference (Keras would give beta).
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
+    Ba et al. (2016), section 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -381,12 +321,10 @@ class LayerNorm(keras.layers.LayerNormalization):
 
 def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: LayerNorm, norm_first: bool,
              dropout: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
-    """Residual connection around a sublayer (section 3.1), with dropout on the sublayer's
-    output before it is added (section 5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
+    training drops the sublayer's output out (section 5.4).
 
-    Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))).
-    Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The addition is the model's own arithmetic: in a
-    low precision, the residual stream stays in P.
+    Shape: x (B, T, D) -> (B, T, D).
     """
     if norm_first:
         return add(x, dropout(sublayer(norm(x))))
@@ -394,7 +332,7 @@ def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: Lay
 
 
 def add(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-    """x + y in x's precision: in a low precision P, the sum computed in float32 and rounded to P (P arithmetic)."""
+    """x + y in x's precision (:mod:`.precision`). Shape: x (...), y broadcastable to x -> (...)."""
     return narrow(wide(x) + wide(y), x.dtype)
 
 
@@ -402,17 +340,10 @@ def add(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
 
 def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike | tf.DType = "float64",
                                    layout: str = "interleaved", pad_id: int = 0) -> tf.Tensor:
-    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``), as the reference's
-    :func:`~reference_numpy.model.sinusoidal_positional_encoding` defines it: ``interleaved`` -- section 3.5,
-    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), sine and cosine
-    **interleaved** (even columns sin, odd columns cos); ``halves`` (Marian) the same angles, every sine first, then
-    every cosine; ``fairseq`` (M2M100/NLLB) sines then cosines of (pad_id + k) w_i, w_i = exp(-i ln(10000) / (D/2 - 1)),
-    at rows k = 1 .. L, row 0 zeros.
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) -- section 3.5;
+    another ``layout`` (``config.sinusoidal_layout``) as ``reference_numpy/variants.py`` defines it.
 
-    The table is computed in float64 and then rounded to ``dtype``; to bfloat16 or float16 by the
-    reference's ``round_to``, eagerly (TensorFlow's float64 -> bfloat16 cast rounds twice, through float32).
-
-    Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
+    Shape: returns (L, D) in ``dtype``, rows 0 .. L-1 ((L + 1, D) for ``fairseq``).
     """
     if layout == "fairseq":
         half = d_model // 2
@@ -436,8 +367,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
 
 @register
 class Embeddings(_TransformerLayer):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); in a
-    low precision the product rounded to P.
+    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
 
     Shape: tokens (B, T) int -> (B, T, D).
     """
@@ -461,16 +391,11 @@ class Embeddings(_TransformerLayer):
 
 @register
 class PositionalEncoding(_TransformerLayer):
-    """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
+    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
+    (counted ``by_step`` for the decoder's).
 
-    ``weight`` is the table: ``sinusoidal``, the fixed table of :func:`sinusoidal_positional_encoding` in
-    ``config.sinusoidal_layout`` (a constant, not a Keras weight); ``learned``, a trained (L, D) table (Table 3,
-    row E). Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads row
-    :func:`position_ids` of ``tokens`` (counted ``by_step`` for the decoder's; None: no pad among them, rows
-    ``offset`` + 1 .. ``offset`` + T).
-
-    Shape: x (B, T, D) -> (B, T, D): positions ``offset`` .. ``offset`` + T - 1 <= L - 1;
-    ``offset`` may be a tensor (cached decoding); tokens (B, T) or None.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
 
     def __init__(self, config, **kwargs):
@@ -502,14 +427,12 @@ class PositionalEncoding(_TransformerLayer):
 
 @register
 class Generator(_TransformerLayer):
-    """Pre-softmax linear transformation and log-softmax (section 3.4): no bias (the paper), or with
-    ``config.output_bias`` a ``bias`` (V,) (Marian's ``final_logits_bias``).
-
-    With ``share_embeddings`` its weight is the transposed shared embedding matrix: pass the
-    shared :class:`Embeddings` layer as ``embeddings``. In a low precision P the logits are a linear
-    map's (computed wide, rounded to P) and their log-softmax is float32.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
+    section 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
+
+    TensorFlow: with ``share_embeddings`` the shared ``embeddings``' matrix, transposed.
     """
 
     def __init__(self, config: TransformerConfig | dict, embeddings: Embeddings | None = None, **kwargs: Any) -> None:
@@ -540,8 +463,7 @@ class Generator(_TransformerLayer):
 
 
 def _generated(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
-    """The generator's log-probabilities with a given (D, V) ``weight`` (a search reads it once) and (V,) ``bias``
-    (None: none): the logits x W (+ b) (wide, rounded to x's P), then their log-softmax (float32 for P).
+    """log softmax(x W (+ b)) with a given (D, V) ``weight`` (a search reads it once) and (V,) ``bias`` or None.
 
     Shape: x (..., D) -> (..., V).
     """
@@ -553,7 +475,7 @@ def _generated(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -
 
 
 def log_softmax(x: tf.Tensor) -> tf.Tensor:
-    """log softmax over the last axis, computed stably."""
+    """log softmax over the last axis, computed stably. Shape: (..., V) -> (..., V)."""
     shifted = x - tf.reduce_max(x, axis=-1, keepdims=True)
     return shifted - tf.math.log(tf.reduce_sum(tf.exp(shifted), axis=-1, keepdims=True))
 
@@ -562,7 +484,7 @@ def log_softmax(x: tf.Tensor) -> tf.Tensor:
 
 @register
 class EncoderLayer(_TransformerLayer):
-    """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
+    """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -592,16 +514,13 @@ class EncoderLayer(_TransformerLayer):
 
 @register
 class DecoderLayer(_TransformerLayer):
-    """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
-    values from the encoder output), then feed-forward; each wrapped in :func:`residual`
-    (sections 3.1 and 3.2.3).
+    """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T) -> (B, T, D).
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
+    returns ``(x, cache)``.
 
-    With a ``cache`` (the pair of :class:`.incremental.KVCache` of :meth:`init_cache`: self-attention,
-    encoder-decoder attention), x holds the T new positions written at ``cache_index``,
-    tgt_mask is broadcastable to (B, H, T, C), and the call returns ``(x, cache)``.
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
+    T, D).
     """
 
     _STREAM = True          # the residual stream, float32 under a mixed policy
@@ -636,18 +555,13 @@ class DecoderLayer(_TransformerLayer):
         return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[KVCache, KVCache]:
-        """The layer's cache: an empty self-attention :class:`.incremental.KVCache` of ``capacity`` positions
-        and the projected memory for encoder-decoder attention.
-
-        Shape: memory (B, S, D) -> ((B, H, C, d_k) twice, (B, H, S, d_k) twice).
-        """
+        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
         return self.self_attn.init_cache(tf.shape(memory)[0], capacity), self.cross_attn.memory_cache(memory)
 
 
 def _attend(attention: MultiHeadAttention, query: tf.Tensor, memory: tf.Tensor, mask: tf.Tensor | None,
             cache: KVCache | None, cache_index: int | tf.Tensor | None) -> tuple[tf.Tensor, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
-    (None without a cache)."""
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
     return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
@@ -656,8 +570,7 @@ def _attend(attention: MultiHeadAttention, query: tf.Tensor, memory: tf.Tensor, 
 def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tensor, KVCache | None]],
                      norm: LayerNorm, norm_first: bool,
                      dropout: Callable[[tf.Tensor], tf.Tensor]) -> tuple[tf.Tensor, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
-    ``(the residual connection's output, the cache)``, both as values."""
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
     if norm_first:
         out, cache = sublayer(norm(x))
         return add(x, dropout(out)), cache
@@ -666,14 +579,14 @@ def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tens
 
 
 def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) -> None:
-    """Build sublayers whose weight shapes depend only on the config (inputs are (..., D))."""
+    """Build sublayers whose weight shapes depend only on the config (inputs (..., D))."""
     for layer in layers:
         layer.build((None, config.d_model))
 
 
 @register
 class Encoder(_TransformerLayer):
-    """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
+    """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -697,10 +610,8 @@ class Encoder(_TransformerLayer):
 
 @register
 class Decoder(_TransformerLayer):
-    """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
-
-    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
+    call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -729,13 +640,14 @@ class Decoder(_TransformerLayer):
         return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
+        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 def _one_input(inputs: Any) -> tuple[Any, Any]:
-    """(src, tgt) of Keras' one model input: a pair (a tuple or a list of two) or a dict of exactly the keys
-    "src" and "tgt"; anything else is one ``ValueError`` naming ``src``."""
+    """(src, tgt) of Keras' one model input: a pair or a dict of exactly "src" and "tgt"; else one ValueError naming
+    ``src``.
+    """
     if isinstance(inputs, dict) and sorted(inputs) == ["src", "tgt"]:
         return inputs["src"], inputs["tgt"]
     if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
@@ -753,28 +665,17 @@ _TOKEN_SHAPE = (None, None)      # (batch, length) of the call's token ids, both
 
 @register
 class Transformer(_TransformerLayer, keras.Model):
-    """The encoder-decoder Transformer (section 3, Figure 1).
+    """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    Built on construction (every weight shape comes from ``config``), with the call's inputs recorded as
-    Keras records a first call's: token ids (B, S) and (B, T) of any batch and length, ``input_dtype``
-    int64. From that record Keras' ``model.export(path)`` (a SavedModel, after one call, as Keras asks of
-    a subclassed model) takes its serving signature; a model built from nothing gave it none ("has never
-    called"). Inputs are checked before Keras' call, so nothing is ever cast to ``input_dtype``.
-    ``dtype`` is the Keras dtype policy: "float64", "float32", or a low precision, "bfloat16" or
-    "float16", computed by the recipe of ``reference_numpy/precision.py`` (log-probabilities then
-    float32); a NumPy, ml_dtypes or TensorFlow dtype names the same. Keras' mixed precision,
-    ``dtype="mixed_bfloat16"`` or ``"mixed_float16"`` (or ``dtype=None`` under
-    ``keras.mixed_precision.set_global_policy("mixed_bfloat16")``), runs the autocast recipe: float32 variables,
-    embeddings, residual stream, LayerNorms (a float32 policy: Keras' ``LayerNormalization.call`` would cast its
-    output to the compute dtype) and log-probabilities, every linear map (``Dense`` in its autocast scope, the
-    product accumulated in float32 with its bias and rounded once) and attention product in P, the caches in P.
-    Weights come from :mod:`.checkpoint` (``load_checkpoint``, ``from_params``) or from Keras' ``load_weights``.
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
+    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
+    log-probabilities (B, T, V_tgt).
 
-    Shape:
-        src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
-        src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
-        tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
-        Returns log-probabilities (B, T, V_tgt).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
+    memory, src_mask, cache=cache, cache_index=i)``.
+
+    TensorFlow: ``dtype`` a Keras dtype policy ("float64", "float32", "bfloat16", "float16", "mixed_bfloat16",
+    "mixed_float16"); built on construction; weights from :mod:`.checkpoint` or ``load_weights``.
     """
 
     input_dtype = "int64"                                               # token ids (Keras' property, overridden)
@@ -818,10 +719,10 @@ class Transformer(_TransformerLayer, keras.Model):
         return self.encoder(x, src_mask, training=training)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
+        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
+        memory's keys and values -- section 3.2.3.
 
-        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
         """
         memory = checked_memory(memory, None, self.config.d_model, self.variable_dtype)
         checks.check_cache_capacity(capacity, self.config.max_len)
@@ -830,18 +731,11 @@ class Transformer(_TransformerLayer, keras.Model):
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
                tgt_mask: tf.Tensor | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                cache_index: Index | None = None, training: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack.
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
+        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
-        source had padding (the decoder cannot see source tokens).
-
-        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
-        cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
-        the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
-        over the cache's C positions and defaults to the causal mask over absolute positions
-        (query q sees key j <= cache_index + q, which also hides the positions not yet written).
-        ``cache_index`` may be a tensor (checked only when its value is known).
-        Returns ``(out, cache)``.
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
+        cache (default: causal over absolute positions).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
@@ -862,10 +756,11 @@ class Transformer(_TransformerLayer, keras.Model):
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
 
     def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
-        """Checks the inputs before Keras' ``Layer.__call__``: an error raised inside ``call`` is
-        re-raised by Keras as a multi-line report of the call's arguments, not the one-line error.
-        ``src`` alone is Keras' one input, as ``fit``, ``evaluate`` and ``predict`` pass it: a ``(src, tgt)``
-        pair or a dict ``{"src": ..., "tgt": ...}`` (:func:`_one_input`)."""
+        """Log-probabilities of the next target token at every target position.
+
+        TensorFlow: the inputs checked before Keras' ``__call__``; ``src`` alone may be Keras' one input, a (src, tgt)
+        pair or a dict (:func:`_one_input`).
+        """
         if tgt is None:
             src, tgt = _one_input(src)
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
@@ -881,8 +776,7 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def _check_inputs(self, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
-        """Every check of the forward pass, made before any computation (the reference's
-        :func:`~reference_numpy.checks.check_forward_inputs`)."""
+        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
@@ -890,6 +784,8 @@ class Transformer(_TransformerLayer, keras.Model):
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
-        """The reference's token checks (:func:`.checks.check_tokens`: the id range unless the tensor is symbolic,
-        which is why public entry points check before compiled code); int64 ids."""
+        """The token ids checked by ``check_tokens`` (their range wherever their values are known).
+
+        TensorFlow: int64 ids.
+        """
         return check_tokens(name, tokens, vocab_size, self.config.max_len)

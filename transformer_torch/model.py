@@ -1,32 +1,19 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
 
-A parallel text of ``reference_numpy/model.py``: the same pieces, names, argument order and
-shape legend; only framework idiom differs. Parameters live in ``nn.Module``s (``nn.Linear``
-stores its weight (out, in); :mod:`.checkpoint` converts from the shared (in, out) layout),
-``.to(device, dtype)`` moves and casts, and ``train()``/``eval()`` switch dropout on and off.
-Dropout (section 5.4) is applied to the output of every sublayer before the residual addition
-and to the sums of the embeddings and the positional encodings; in ``eval()`` mode the model
-computes exactly the reference's function.
+A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
+framework idiom differs (``nn.Module`` parameters, ``nn.Linear``'s (out, in) weights, ``train()``/``eval()`` for
+dropout, section 5.4). In ``eval()`` mode the model computes the reference's function; the design notes are in
+docs/ports.md.
 
-Shape legend used in every docstring:
+Shape legend:
     B: batch size          H: number of heads h        D: d_model
     S: source length       T: target length            d_k: D / H
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
+    C: a key/value cache's capacity (:mod:`.incremental`)
     K: beams per sentence (beam search), N = B * K rows
 
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk). Token ids
-and masks may be given as tensors or NumPy arrays; they are moved to the model's device.
-
-Incremental decoding keeps each attention sublayer's keys and values in a :class:`.incremental.KVCache`
-(C: the cache's capacity in target positions); the cache's machinery is in :mod:`.incremental`.
-
-A model in bfloat16 or float16 (P: built or loaded in P by :mod:`.checkpoint`, or a float32 model's
-``.to(torch.bfloat16)``) computes by the reference's recipe (``reference_numpy/precision.py``): weights,
-activations and the cache are stored in P; a linear map, attention (Eq. (1)) and LayerNorm are computed wide, in
-float32, from the P values (:func:`wide`, torch's float32 kernels) and rounded once to P (:func:`narrow`); the
-residual addition, x sqrt(d_model) and adding the positional encoding are P arithmetic; the log-probabilities are
-float32. float32 and float64 models compute as before: both helpers are the identity for them.
+Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
 
 from __future__ import annotations
@@ -70,7 +57,7 @@ def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
 
 
 def causal_mask(length: int, device: torch.device | str | None = None) -> Tensor:
-    """Position i may attend to positions j <= i (decoder self-attention, section 3.2.3).
+    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
 
     Shape: mask (1, 1, T, T), bool, True = may attend.
     """
@@ -78,9 +65,8 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> Tensor
 
 
 def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
-    """Causal mask combined with the target's padding mask; the first position, the start token, is read even when
-    it is pad (Marian's ``decoder_start_token_id`` is its pad, which transformers' decoder reads: it masks no
-    target position, so a right-padded target's pad keys are hidden by the causal mask from every real position).
+    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
+    (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -94,28 +80,13 @@ def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                                  beams: Tensor | None = None,
                                  return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  -- Eq. (1), section 3.2.1.
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
-    Computed as written below; where neither the weights (``return_weights``, for plots) nor gradients are asked
-    for, by torch's fused kernel instead (:func:`.speed.attention`, the same function); without
-    ``return_weights`` the second result is None. A query row whose mask has no True entry sees no key: its
-    output (and its weights) are zero, never NaN.
+    Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
+    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
+    value (N, H, T, d_k).
 
-    With ``beams`` (a beam-search cache whose rows stay in place, see :class:`.incremental.KVCache`) query
-    row b*K + j attends over its own hypothesis: at position c, the key and value of row
-    b*K + beams[b, j, c] (without moving keys or values: :func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
-
-    In a low precision P the whole of Eq. (1) is computed wide (float32, the same kernels) from the P inputs and
-    the output and weights are rounded to P. Under ``torch.autocast`` (the autocast recipe of
-    ``reference_numpy/precision.py``) the two products are autocast's ``matmul``: Q K^T and weights V in its dtype,
-    accumulated in float32; the scores are widened to float32 for the scaling, the mask and the softmax (on CUDA's
-    autocast list, not on the CPU's), and the fused kernel is not used (:func:`.speed.fused`).
-
-    Shape:
-        query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v),
-        mask broadcastable to (..., Tq, Tk), bool, True = may attend.
-        Returns output (..., Tq, d_v) and weights (..., Tq, Tk) or None.
-        With ``beams`` (B, K, Tk) int: query, key, value (N, H, T, d_k).
+    PyTorch: torch's fused kernel where neither ``return_weights`` nor gradients are asked for; the weights then None.
     """
     batch = speed.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     if mask is not None:
@@ -136,12 +107,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
 
 
 def masked_softmax(scores: Tensor, mask: Tensor | None, d_k: int) -> Tensor:
-    """softmax(scores / sqrt(d_k)) over the keys each query row may attend to -- Eq. (1)'s weights, section 3.2.1.
-    A row whose mask has no True entry attends to nothing: its weights are all zero (never NaN, never a uniform
-    average), the project's convention for a fully masked row (the reference's
-    :func:`~reference_numpy.model.masked_softmax`).
+    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
+    no key gets zero weights and a zero output, never NaN (docs/ports.md).
 
-    Shape: scores (..., Tq, Tk), mask broadcastable to them, bool, True = may attend -> weights (..., Tq, Tk).
+    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
     """
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
@@ -155,9 +124,7 @@ def masked_softmax(scores: Tensor, mask: Tensor | None, d_k: int) -> Tensor:
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear` (the kernel choice; the
-    only function of this module that calls into :mod:`.speed`). A weight in a low precision P is computed wide:
-    x, W and b as float32, the result rounded once to P.
+    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear`.
 
     Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
     """
@@ -174,32 +141,22 @@ class _Linear(nn.Linear):
 
 
 def _returned(out: Any, *optional: Any) -> Any:
-    """What a call returns: ``out`` alone, or ``(out, *results)`` with each optional result that was asked for
-    (None: not asked), in the order the docstring names them (the cache last)."""
+    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
+    the cache last.
+    """
     asked = tuple(result for result in optional if result is not None)
     return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nn.Module):
-    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
-    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)  -- section 3.2.2.
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    The h heads are split head-major: head i owns output features i*d_k .. (i+1)*d_k - 1 of
-    the projections W^Q, W^K, W^V (and input features of W^O). Every projection has a bias.
+    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
+    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
+    the new positions are written from ``cache_index`` (docs/ports.md).
 
-    With a ``cache`` (:class:`.incremental.KVCache`, incremental decoding) and no ``cache_index``, the queries
-    attend over the cached keys and values (encoder-decoder attention over the projected memory;
-    ``key`` and ``value`` are not projected again). With a ``cache_index`` too, ``key`` and
-    ``value`` are the new positions: their projections are written into the cache's tensors, in
-    place, at positions cache_index .. cache_index + Tk - 1 (the same tensors are returned; at a traced
-    ``cache_index``, new ones) and the queries attend over the C positions through ``mask``; without a
-    ``mask``, causally (query q sees positions j <= cache_index + q), reading only the first W positions of the
-    cache (``attended_width``; all C at a traced ``cache_index``: one program for every position).
-
-    Shape:
-        query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C).
-        Returns (B, Tq, D); with ``return_weights`` also the weights (B, H, Tq, Tk or C); with a
-        ``cache`` also the cache, last: ``(out, cache)`` or ``(out, weights, cache)``.
+    Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
+    ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -226,7 +183,7 @@ class MultiHeadAttention(nn.Module):
         return _returned(out, weights, cache)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions, in the weights' dtype and device.
+        """An empty self-attention cache of ``capacity`` positions.
 
         Shape: keys and values (B, H, C, d_k), zeros.
         """
@@ -244,7 +201,7 @@ class MultiHeadAttention(nn.Module):
 
     def _keys_values(self, key: Tensor, value: Tensor, cache: KVCache | None,
                      cache_index: Index | None) -> tuple[Tensor, Tensor, KVCache | None]:
-        """The keys and values to attend over and the cache to return (see the class docstring)."""
+        """The keys and values to attend over and the cache to return."""
         if cache is not None and cache_index is None:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
@@ -263,9 +220,8 @@ class MultiHeadAttention(nn.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: Tensor, name: str) -> Tensor:
-    """The feed-forward network's nonlinearity, ``config.activation`` (the reference's
-    :func:`~reference_numpy.model.activation`): ``relu`` max(0, x) (Eq. (2)); ``silu`` and ``gelu`` from
-    :mod:`.variants`. ReLU of a P number is exact; the others are computed wide and rounded once to P.
+    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
+    ``gelu`` of :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -277,10 +233,9 @@ def activation(x: Tensor, name: str) -> Tensor:
 
 
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act = max(0, .) in the paper -- Eq. (2), section 3.3; ``act`` is
-    :func:`activation` of ``config.activation``.
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act :func:`activation` (max(0, .) in the paper) -- Eq. (2), section 3.3.
 
-    Shape: x (B, T, D) -> (B, T, D); the hidden layer is (B, T, F).
+    Shape: x (B, T, D) -> (B, T, D); the hidden layer (B, T, F).
     """
 
     def __init__(self, config: TransformerConfig):
@@ -294,15 +249,8 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """Layer normalization (Ba et al., 2016) used around every sublayer (section 3.1).
-
-    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
-    axis and eps added to the variance (eps = ``config.layer_norm_eps``, default 1e-6; torch's
-    own default, 1e-5, is not the project's). In a low precision the statistics, the normalization,
-    gain and bias are computed wide (float32, ``torch.native_layer_norm``, ``F.layer_norm``'s kernel) and the output
-    rounded to P. A variance past the format's largest number gives NaN, as in the reference (the kernel alone gives
-    NaN or the bias, depending on the values): it is read from the kernel's own 1 / sqrt(var + eps), which is 0 only
-    when the variance overflowed, so the variance is not computed twice.
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
+    Ba et al. (2016), section 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -318,10 +266,10 @@ class LayerNorm(nn.LayerNorm):
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
              dropout: Callable[[Tensor], Tensor]) -> Tensor:
-    """Residual connection around a sublayer (section 3.1), dropout on the sublayer output (5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
+    training drops the sublayer's output out (section 5.4).
 
-    Post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x))). Pre-LN: x + Dropout(Sublayer(LayerNorm(x))). The
-    addition is the model's own arithmetic: in a low precision, the residual stream stays in P.
+    Shape: x (B, T, D) -> (B, T, D).
     """
     if norm_first:
         return add(x, dropout(sublayer(norm(x))))
@@ -329,8 +277,7 @@ def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, n
 
 
 def add(x: Tensor, y: Tensor) -> Tensor:
-    """x + y in x's precision: in a low precision P, the float32 sum rounded to P (P arithmetic; the correctly
-    rounded sum, as two P numbers' float32 sum is exact or far from any rounding boundary of P)."""
+    """x + y in x's precision (:mod:`.precision`). Shape: x (...), y broadcastable to x -> (...)."""
     return narrow(wide(x) + wide(y), x.dtype)
 
 
@@ -339,33 +286,25 @@ def add(x: Tensor, y: Tensor) -> Tensor:
 def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype = torch.float64,
                                    device: torch.device | str | None = None, layout: str = "interleaved",
                                    pad_id: int = 0) -> Tensor:
-    """The fixed sinusoidal table of ``layout`` (``config.sinusoidal_layout``): ``interleaved`` -- section 3.5,
-    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), sine and cosine
-    **interleaved** (even columns sin, odd columns cos); ``halves`` (Marian) and ``fairseq`` (M2M100/NLLB, (L + 1, D),
-    row 0 zeros) as the reference's :func:`~reference_numpy.model.sinusoidal_positional_encoding` defines them.
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) -- section 3.5;
+    another ``layout`` (``config.sinusoidal_layout``) as ``reference_numpy/variants.py`` defines it.
 
-    The table is the reference's own (computed in float64 with NumPy's sin/cos and rounded once to
-    ``dtype``, correctly also for bfloat16, whose torch cast from float64 rounds twice), on ``device``.
-
-    Shape: returns (L, D), or (L + 1, D) for ``fairseq``.
+    Shape: returns (L, D) in ``dtype``, rows 0 .. L-1 ((L + 1, D) for ``fairseq``).
     """
     table = reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype), layout, pad_id)
     return from_numpy(table).to(device=device)
 
 
 def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
-    """A parameter drawn from N(0, std^2); on the meta device (shapes only: :mod:`.checkpoint` builds
-    there) nothing is drawn, since torch's meta ``normal_`` first imports its symbolic-shape
-    machinery (SymPy, slow to import and large: docs/benchmarks-torch.md)."""
+    """A parameter drawn from N(0, std^2); nothing drawn on the meta device (docs/ports.md)."""
     weight = torch.empty(*shape)
     return nn.Parameter(weight if weight.is_meta else nn.init.normal_(weight, std=std))
 
 
 class Embeddings(nn.Module):
-    """Token embedding multiplied by sqrt(d_model) (section 3.4) when ``config.scale_embeddings`` (else by 1); in a
-    low precision the product rounded to P.
+    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
 
-    Shape: tokens (B, T) int -> (B, T, D); ``weight`` (V, D).
+    Shape: tokens (B, T) int -> (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int):
@@ -385,16 +324,11 @@ class Embeddings(nn.Module):
 
 
 class PositionalEncoding(nn.Module):
-    """Adds position information to the embeddings (section 3.5), then dropout (section 5.4).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
+    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
+    (counted ``by_step`` for the decoder's).
 
-    ``sinusoidal``: the fixed table of :func:`sinusoidal_positional_encoding` in ``config.sinusoidal_layout``, a
-    non-persistent buffer (not in ``state_dict``) re-derived from float64 whenever the module is cast, so that a
-    float32 -> float64 round trip keeps exact positions; ``learned``: a trained (L, D) ``weight``
-    (Table 3, row E). Position t of ``x`` reads row ``offset`` + t, except in the ``fairseq`` layout, where it reads
-    row :func:`position_ids` of ``tokens`` (counted ``by_step`` for the decoder's; None: no pad among them, rows
-    ``offset`` + 1 .. ``offset`` + T).
-
-    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; ``offset`` may be a traced tensor; tokens (B, T) or None.
+    Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -429,15 +363,12 @@ class PositionalEncoding(nn.Module):
 
 
 class Generator(nn.Module):
-    """Pre-softmax linear transformation and log-softmax (section 3.4): no bias (the paper), or with
-    ``config.output_bias`` a ``bias`` (V,) (Marian's ``final_logits_bias``).
-
-    ``weight`` is (V, D) as in ``nn.Linear``. With ``share_embeddings`` pass the shared
-    :class:`Embeddings` as ``embeddings``: its weight is the projection (tied, not copied) and
-    the generator has no weight of its own. In a low precision P the logits are a linear map's
-    (computed wide, rounded to P) and their log-softmax is float32.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
+    section 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
+
+    PyTorch: ``weight`` (V, D) as ``nn.Linear``'s; with ``share_embeddings`` the shared ``embeddings``' weight.
     """
 
     def __init__(self, config: TransformerConfig, embeddings: Embeddings | None = None):
@@ -456,14 +387,14 @@ class Generator(nn.Module):
 
 
 def log_softmax(x: Tensor) -> Tensor:
-    """log softmax over the last axis, computed stably (``torch.log_softmax``)."""
+    """log softmax over the last axis, computed stably. Shape: (..., V) -> (..., V)."""
     return torch.log_softmax(x, dim=-1)
 
 
 # ----------------------------------------------------------------------------- layers and stacks
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each wrapped in :func:`residual` (section 3.1).
+    """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -484,16 +415,13 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, encoder-decoder attention (queries from the decoder, keys and
-    values from the encoder output), then feed-forward; each wrapped in :func:`residual`
-    (sections 3.1 and 3.2.3).
+    """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    ``cache`` (incremental decoding) is the pair (self-attention :class:`.incremental.KVCache`, encoder-decoder
-    attention :class:`.incremental.KVCache`) of :meth:`init_cache`; ``x`` then holds the new positions, written
-    into the self-attention cache from ``cache_index``, and the call returns ``(x, cache)``.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
+    returns ``(x, cache)``.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S),
-    tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a cache -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
+    T, D).
     """
 
     def __init__(self, config: TransformerConfig):
@@ -519,14 +447,13 @@ class DecoderLayer(nn.Module):
         return x if cache is None else (x, (self_cache, cross_cache))
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's projected keys and values)."""
+        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
         return self.self_attn.init_cache(memory.shape[0], capacity), self.cross_attn.memory_cache(memory)
 
 
 def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: Tensor | None,
             cache: KVCache | None, cache_index: Index | None) -> tuple[Tensor, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` (keys and values) and the cache it returns
-    (None without a cache)."""
+    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
     return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
@@ -534,8 +461,7 @@ def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: 
 
 def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCache | None]], norm: LayerNorm,
                      norm_first: bool, dropout: Callable[[Tensor], Tensor]) -> tuple[Tensor, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)`` (incremental decoding):
-    ``(the residual connection's output, the cache)``, both as values."""
+    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
     if norm_first:
         out, cache = sublayer(norm(x))
         return add(x, dropout(out)), cache
@@ -544,7 +470,7 @@ def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCac
 
 
 class Encoder(nn.Module):
-    """A stack of N encoder layers (section 3.1); pre-LN adds a final LayerNorm.
+    """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
@@ -561,10 +487,8 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of N decoder layers (section 3.1); pre-LN adds a final LayerNorm.
-
-    ``cache``, for incremental decoding, holds one cache pair per layer (:meth:`init_cache`,
-    see :class:`DecoderLayer`). The call returns ``x``, with a ``cache`` ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
+    call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
@@ -587,7 +511,7 @@ class Decoder(nn.Module):
         return x if cache is None else (x, tuple(kept))
 
     def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (see :meth:`DecoderLayer.init_cache`)."""
+        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
         # nn.ModuleList yields each layer as a Module, whose attributes torch types Tensor | Module
         return tuple(layer.init_cache(memory, capacity) for layer in self.layers)  # type: ignore[operator]
 
@@ -595,30 +519,17 @@ class Decoder(nn.Module):
 # ----------------------------------------------------------------------------- the model
 
 class Transformer(nn.Module):
-    """The encoder-decoder Transformer (section 3, Figure 1).
+    """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    Built with torch's default initialization; :func:`.checkpoint.from_params` and
-    :func:`.checkpoint.load_checkpoint` give it the shared checkpoint's weights. With
-    ``share_embeddings`` one module (``src_embed``, also ``tgt_embed`` and ``generator.embeddings``)
-    holds the source embedding, the target embedding and the pre-softmax projection (section 3.4).
-    Its dtype is float64, float32, or a low precision, bfloat16 or float16, computed by the recipe of
-    ``reference_numpy/precision.py`` (log-probabilities then float32).
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
+    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
+    log-probabilities (B, T, V_tgt).
 
-    Shape:
-        src (B, S) int, tgt (B, T) int: the target shifted right (starting with bos_id).
-        src_mask broadcastable to (B, H, T or S, S), default :func:`padding_mask` of src;
-        tgt_mask broadcastable to (B, H, T, T), default :func:`target_mask` of tgt.
-        Returns log-probabilities (B, T, V_tgt).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
+    memory, src_mask, cache=cache, cache_index=i)``.
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then
-    ``out, cache = model.decode(new_tokens, memory, src_mask, cache=cache, cache_index=i)`` with
-    the positions i, i + 1, ... of the target (see :meth:`decode`).
-
-    Capture: ``model(src, tgt)`` checks the inputs, token ids included, on the host before
-    ``nn.Module``'s call; a traced ``forward`` (``torch.compile``, ``torch.export``, the ONNX exporter)
-    reads no tensor on the host: there the ids' range is not checked (they hold no values while traced),
-    only shapes and dtypes. So ``model.compile(fullgraph=True)`` captures the forward pass in one graph
-    and ``model(src, tgt)`` still refuses bad ids with the reference's message.
+    PyTorch: weights from :mod:`.checkpoint`; ``model(src, tgt)`` checks the ids on the host before a compiled
+    ``forward``.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -651,10 +562,10 @@ class Transformer(nn.Module):
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer, an empty self-attention
-        :class:`.incremental.KVCache` and the memory's projected keys and values (section 3.2.3).
+        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
+        memory's keys and values -- section 3.2.3.
 
-        Shape: memory (B, S, D) -> per layer keys and values (B, H, C, d_k) and (B, H, S, d_k).
+        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
         """
         memory = checked_memory(memory, None, self.config.d_model, dtype_name(self.dtype), self.device)
         checks.check_cache_capacity(capacity, self.config.max_len)
@@ -663,18 +574,11 @@ class Transformer(nn.Module):
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
                tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None,
                cache_index: Index | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack.
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
+        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D). ``src_mask`` is required when the
-        source had padding (the decoder cannot see source tokens).
-
-        With a ``cache`` (:meth:`init_cache`), ``tgt`` holds only the new positions
-        cache_index .. cache_index + T - 1 (their positional encodings are those positions'),
-        the earlier ones being in the cache; ``tgt_mask`` is then broadcastable to (B, H, T, C)
-        over the cache's C positions and defaults to the causal mask over absolute positions
-        (query q sees key j <= cache_index + q, which also hides the positions not yet written).
-        ``cache_index`` may be a 0-d tensor (checked only when its value is known).
-        Returns ``(out, cache)``.
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
+        cache (default: causal over absolute positions).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
@@ -694,8 +598,11 @@ class Transformer(nn.Module):
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
-        """Checks the inputs (ids read on the host) before ``nn.Module.__call__``, which may run a compiled
-        ``forward`` (see the class docstring)."""
+        """Log-probabilities of the next target token at every target position.
+
+        PyTorch: the inputs checked (ids on the host) before ``nn.Module.__call__``, which may run a compiled
+        ``forward``.
+        """
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
         return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
@@ -710,8 +617,7 @@ class Transformer(nn.Module):
 
     def _check_inputs(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
                       tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:
-        """Every check of the forward pass, made before any computation (the reference's
-        :func:`~reference_numpy.checks.check_forward_inputs`)."""
+        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
         src = self._check_tokens("src", src, self.config.src_vocab_size)
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
@@ -719,6 +625,8 @@ class Transformer(nn.Module):
         return src, tgt
 
     def _check_tokens(self, name: str, tokens: Tensor | np.ndarray, vocab_size: int) -> Tensor:
-        """The reference's token checks (:func:`.checks.check_tokens`: the id range only on a tensor that holds
-        values, which is why ``__call__`` checks before a compiled ``forward``); int64 ids on the model's device."""
+        """The token ids checked by ``check_tokens`` (their range wherever their values are known).
+
+        PyTorch: int64 ids on the model's device.
+        """
         return check_tokens(name, tokens, vocab_size, self.config.max_len, self.device)

@@ -418,3 +418,82 @@ def test_the_decoders_share_their_private_helpers(where, old, new, expected):
         assert not problems, "\n".join(problems)
     else:
         assert any(problem.startswith(expected) for problem in problems), problems
+
+
+# ----------------------------------------------------------------------------- model.py's docstrings
+#
+# A concept's docstring is written once and read the same in every backend (the idea of transformers'
+# check_copies): each name of model.py that the reference and a port share has the reference's docstring, word for
+# word, but for one last paragraph that a backend may add in its own words, starting with its framework's name
+# ("PyTorch: ...", "NumPy: ..."). The why of a design choice is in docs/ports.md, not in the docstrings.
+
+FRAMEWORK_TAGS = {REFERENCE: "NumPy", **FRAMEWORK_NAMES}
+
+
+def docstrings(text: str) -> dict[str, str]:
+    """name (``Class.method`` for a method) -> docstring of every function and class of a model.py ``text``."""
+    found: dict[str, str] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                if (doc := ast.get_docstring(node)) is not None:
+                    found[prefix + node.name] = doc
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{node.name}.")
+
+    visit(ast.parse(text).body, "")
+    return found
+
+
+def shared_part(docstring: str, backend: str) -> str:
+    """The docstring without its last paragraph when that paragraph is the backend's own ("PyTorch: ...")."""
+    paragraphs = docstring.split("\n\n")
+    if len(paragraphs) > 1 and paragraphs[-1].startswith(f"{FRAMEWORK_TAGS[backend]}:"):
+        paragraphs = paragraphs[:-1]
+    return "\n\n".join(paragraphs)
+
+
+def docstring_divergences(texts: dict[str, str]) -> list[str]:
+    """A line per shared name whose docstring, the backend's own paragraph aside, is not the reference's."""
+    reference = {name: shared_part(doc, REFERENCE) for name, doc in docstrings(texts[REFERENCE]).items()}
+    problems = []
+    for port in PORTS:
+        for name, doc in docstrings(texts[port]).items():
+            base = name.split(".")[0]
+            own = base not in reference and not name.startswith(tuple(CALL_METHODS))
+            if name in reference and shared_part(doc, port) != reference[name]:
+                problems.append(f"{port}/model.py: the docstring of {name} is not the reference's")
+            elif not own and name not in reference and base in reference and "." not in name:
+                problems.append(f"{port}/model.py: {name} has a docstring the reference lacks")
+    return problems
+
+
+@pytest.mark.parametrize(("where", "old", "new", "expected"), [
+    (None, None, None, None),
+    # a word changed in one port's copy
+    ("transformer_jax", "head_i = Attention(Q W_i^Q,", "head_i = Attention(W_i^Q Q,",
+     "transformer_jax/model.py: the docstring of MultiHeadAttention is not the reference's"),
+    # a framework paragraph under another framework's name
+    ("transformer_torch", "PyTorch: torch's fused kernel", "JAX: torch's fused kernel",
+     "transformer_torch/model.py: the docstring of scaled_dot_product_attention is not the reference's"),
+])
+def test_model_docstrings_are_written_once(where, old, new, expected):
+    """Every docstring model.py's backends share is the reference's, word for word, each backend's own last paragraph
+    aside; the checker reports a word changed in one port and a paragraph under another framework's name."""
+    texts = {backend: model_text(backend) for backend in (REFERENCE, *PORTS)}
+    if where is not None:
+        assert old in texts[where], f"{where}/model.py no longer has {old!r}: update this test"
+        texts[where] = texts[where].replace(old, new, 1)
+    problems = docstring_divergences(texts)
+    if expected is None:
+        assert not problems, "\n".join(problems)
+    else:
+        assert expected in problems, problems
+
+
+def test_model_docstrings_are_one_line_and_shapes():
+    """Each concept's docstring in the reference's model.py: a first line naming its equation or section, then at most
+    two paragraphs (its behaviour with a cache or a choice of the config, and its Shape line)."""
+    long = {name: doc for name, doc in docstrings(model_text(REFERENCE)).items() if doc.count("\n\n") > 3}
+    assert not long, long
