@@ -20,7 +20,7 @@ from .checkpoint import (
 )
 from .config import PRESETS, DecodingConfig, TrainingConfig, TransformerConfig
 from .decoding import beam_search, greedy_decode, length_penalty, max_output_lengths
-from .incremental import KVCache
+from .incremental import KVCache, at_position
 from .model import (
     Decoder,
     DecoderLayer,
@@ -52,7 +52,8 @@ __all__ = [
     "load_checkpoint", "load_training_state", "parameter_shapes", "save_checkpoint",
     "validate_params",
     "beam_search", "greedy_decode", "length_penalty", "max_output_lengths",
-    "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "KVCache", "at_position",
+    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "Linear", "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
     "masked_softmax", "scaled_dot_product_attention",

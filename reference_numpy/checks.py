@@ -104,10 +104,10 @@ def check_cache_capacity(capacity: object, max_len: int) -> None:
 
 
 def check_cache_index(cache_index: object, length: int, capacity: int) -> int:
-    """``cache_index`` is an int >= 0 and the ``length`` new positions from it fit in a cache of ``capacity``;
+    """A cache's ``position`` is an int >= 0 and the ``length`` new positions from it fit in a cache of ``capacity``;
     returns it as an ``int``."""
     if not isinstance(cache_index, numbers.Integral) or isinstance(cache_index, bool) or int(cache_index) < 0:
-        raise ValueError(f"cache_index must be an int >= 0, got {cache_index!r}")
+        raise ValueError(f"cache.position must be an int >= 0, got {cache_index!r}")
     if int(cache_index) + length > capacity:
         raise ValueError(f"cache holds {capacity} positions; decoding needs {cache_index + length}")
     return int(cache_index)

@@ -70,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .config import LENGTH_PENALTY_ALPHA, TransformerConfig
+from .incremental import at_position
 from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .precision import score_dtype
 
@@ -138,7 +139,8 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
     Without a cache ``tgt`` is the whole prefix (the decoder is recomputed, under
     :func:`.model.causal_mask` alone: no target position is masked); with a ``cache``
     (``model.init_cache``) holding positions 0 .. cache_index - 1, ``tgt`` holds only the new positions,
-    from ``cache_index`` on (under the causal mask of ``Transformer.decode``), and the result is
+    from ``cache_index`` on (None: from the cache's own ``position``; under the causal mask of ``Transformer.decode``),
+    and the result is
     ``(log_probs, cache)``. The
     reference's decoders below do not use the cache: they recompute the whole prefix at every step.
 
@@ -147,7 +149,8 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
     if cache is None:
         out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
     else:
-        out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+        cache = cache if cache_index is None else at_position(cache, cache_index)
+        out, cache = model.decode(tgt, memory, src_mask, cache=cache)
     log_probs = _emittable(model.config, model.generator(out[:, -1:])[:, 0])               # (B, V)
     return log_probs if cache is None else (log_probs, cache)
 

@@ -13,7 +13,7 @@ Shape legend (besides :mod:`.model`'s): C the cache's capacity in target positio
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,8 +49,9 @@ def attended_width(capacity: int, written: int) -> int:
 class KVCache(NamedTuple):
     """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
 
-    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
-    encoder-decoder attention: the projected memory, C = S.
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written), ``position`` the position
+    the next keys are written at; encoder-decoder attention: the projected memory, C = S, ``position`` ``()`` (never
+    written).
 
     ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
     in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
@@ -62,14 +63,26 @@ class KVCache(NamedTuple):
     keys: np.ndarray    # (B, H, C, d_k)
     values: np.ndarray  # (B, H, C, d_k)
     beams: np.ndarray | tuple = ()   # (B / K, K, C) int, or ()
+    position: Any = ()   # the next position written (an int, or traced); () for the memory's keys and values
 
-    def update(self, keys: np.ndarray, values: np.ndarray, cache_index: int) -> KVCache:
+    @property
+    def is_memory(self) -> bool:
+        """Whether this is the memory's cache (encoder-decoder attention), which is read and never written."""
+        return isinstance(self.position, tuple)
+
+    def update(self, keys: np.ndarray, values: np.ndarray) -> KVCache:
         """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
-        a new cache, this one left as it was."""
-        start = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position``
+        advanced past them: a new cache, this one left as it was."""
+        start = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
-                       _written_beams(self.beams, start, keys.shape[2]))
+                       _written_beams(self.beams, start, keys.shape[2]), start + keys.shape[2])
+
+
+def at_position(cache: tuple, position: int) -> tuple:
+    """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
+    ``position``: the positions before it are the prefix decoded so far."""
+    return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
 def _beam_table(cache: KVCache | None) -> np.ndarray | None:

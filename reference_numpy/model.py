@@ -157,8 +157,8 @@ class MultiHeadAttention:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
-    the new positions are written from ``cache_index`` (docs/ports.md).
+    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
+    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -172,18 +172,18 @@ class MultiHeadAttention:
         self.o_proj = Linear(params, f"{name}.o_proj")
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-                 mask: np.ndarray | None = None, return_weights: bool = False,
-                 cache: KVCache | None = None, cache_index: int | None = None) -> Any:
+                 mask: np.ndarray | None = None, return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index)
+        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
+                                             cache.position)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache))  # (B, H, Tq, d_k)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written))  # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
-        return _returned(out, weights if return_weights else None, cache)
+        return _returned(out, weights if return_weights else None, written)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions.
@@ -191,7 +191,7 @@ class MultiHeadAttention:
         Shape: keys and values (B, H, C, d_k), zeros.
         """
         shape = (batch, self.n_heads, capacity, self.q_proj.weight.shape[1] // self.n_heads)
-        return KVCache(np.zeros(shape, self.q_proj.weight.dtype), np.zeros(shape, self.q_proj.weight.dtype))
+        return KVCache(np.zeros(shape, self.q_proj.weight.dtype), np.zeros(shape, self.q_proj.weight.dtype), position=0)
 
     def memory_cache(self, memory: np.ndarray) -> KVCache:
         """The memory's keys and values, projected once for encoder-decoder attention.
@@ -200,16 +200,16 @@ class MultiHeadAttention:
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
-    def _keys_values(self, key: np.ndarray, value: np.ndarray, cache: KVCache | None,
-                     cache_index: int | None) -> tuple[np.ndarray, np.ndarray, KVCache | None]:
+    def _keys_values(self, key: np.ndarray, value: np.ndarray,
+                     cache: KVCache | None) -> tuple[np.ndarray, np.ndarray, KVCache | None]:
         """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache_index is None:
+        if cache is not None and cache.is_memory:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None or cache_index is None:                           # (cache_index None: cache is None too)
+        if cache is None:
             return k, v, None
-        cache = cache.update(k, v, cache_index)
+        cache = cache.update(k, v)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
@@ -396,8 +396,8 @@ class EncoderLayer:
 class DecoderLayer:
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
-    returns ``(x, cache)``.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
+    ``position`` and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
     T, D).
@@ -413,12 +413,11 @@ class DecoderLayer:
         self.ffn_norm = LayerNorm(config, params, f"{name}.ffn_norm")
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                 cache_index: int | None = None) -> Any:
+                 tgt_mask: np.ndarray | None = None, cache: tuple[KVCache, KVCache] | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
                                          self.self_attn_norm, self.norm_first)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
                                           self.cross_attn_norm, self.norm_first)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first)
         return x if cache is None else (x, (self_cache, cross_cache))
@@ -429,11 +428,11 @@ class DecoderLayer:
 
 
 def _attend(attention: MultiHeadAttention, query: np.ndarray, memory: np.ndarray, mask: np.ndarray | None,
-            cache: KVCache | None, cache_index: int | None) -> tuple[np.ndarray, KVCache | None]:
+            cache: KVCache | None) -> tuple[np.ndarray, KVCache | None]:
     """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    return attention(query, memory, memory, mask, cache=cache)
 
 
 def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.ndarray, KVCache | None]],
@@ -476,14 +475,13 @@ class Decoder:
         self.norm = LayerNorm(config, params, f"{name}.norm") if config.norm_first else None
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-                 tgt_mask: np.ndarray | None = None, cache: tuple | None = None,
-                 cache_index: int | None = None) -> Any:
+                 tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask)
             else:
-                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i])
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
@@ -508,7 +506,7 @@ class Transformer:
     log-probabilities (B, T, V_tgt).
 
     Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache, cache_index=i)``.
+    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
 
     NumPy: ``params`` the checkpoint's dictionary, rounded to ``dtype`` (float64, float32, bfloat16 or float16) into
     arrays of the model's own (``copy=False``: arrays already in ``dtype`` taken as they are).
@@ -553,10 +551,9 @@ class Transformer:
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
-               tgt_mask: np.ndarray | None = None, cache: tuple | None = None,
-               cache_index: int | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
-        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
+               tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
+        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
@@ -566,7 +563,7 @@ class Transformer:
         check_memory(memory.shape, memory.dtype.name, len(tgt), self.config.d_model, self.dtype.name)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        start = 0 if cache is None else check_cache_index(cache_index, length, keys)   # the first new position
+        start = 0 if cache is None else check_cache_index(cache[0][0].position, length, keys)   # the first new position
         if cache is not None:
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
@@ -577,7 +574,7 @@ class Transformer:
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
-        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache)
 
     def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,
                  tgt_mask: np.ndarray | None = None) -> np.ndarray:

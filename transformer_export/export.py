@@ -220,10 +220,9 @@ def write_savedmodel(config: TransformerConfig, params: dict[str, np.ndarray], d
 
     def step(token: tf.Tensor, index: tf.Tensor, memory: tf.Tensor, src: tf.Tensor, self_keys: tf.Tensor,
              self_values: tf.Tensor, cross_keys: tf.Tensor, cross_values: tf.Tensor) -> tuple:
-        cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
+        cache = tuple((KVCache(self_keys[i], self_values[i], position=index), KVCache(cross_keys[i], cross_values[i]))
                       for i in range(config.n_decoder_layers))
-        out, cache = model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache, cache_index=index,
-                                  training=False)
+        out, cache = model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache, training=False)
         log_probs = model.generator(out)[:, 0]                                       # (B, V)
         return log_probs, tf.stack([own.keys for own, _ in cache]), tf.stack([own.values for own, _ in cache])
 
@@ -308,10 +307,10 @@ def jax_step_functions(config: TransformerConfig, params: dict[str, np.ndarray],
              src: jnp.ndarray, self_keys: jnp.ndarray, self_values: jnp.ndarray, cross_keys: jnp.ndarray,
              cross_values: jnp.ndarray) -> tuple:
         transformer = model(weights)
-        cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
+        cache = tuple((KVCache(self_keys[i], self_values[i], position=index), KVCache(cross_keys[i], cross_values[i]))
                       for i in range(config.n_decoder_layers))
         out, cache = transformer.decode(token, memory, padding_mask(src, config.pad_id), cache=cache,
-                                        cache_index=index, deterministic=True)
+                                        deterministic=True)
         log_probs = transformer.generator(out)[:, 0]                                 # (B, V)
         return log_probs, jnp.stack([own.keys for own, _ in cache]), jnp.stack([own.values for own, _ in cache])
 
@@ -371,10 +370,10 @@ def torch_programs(config: TransformerConfig, params: dict[str, np.ndarray]) -> 
         def forward(self, token: torch.Tensor, index: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
                     self_keys: torch.Tensor, self_values: torch.Tensor, cross_keys: torch.Tensor,
                     cross_values: torch.Tensor) -> tuple:
-            cache = tuple((KVCache(self_keys[i], self_values[i]), KVCache(cross_keys[i], cross_values[i]))
+            cache = tuple((KVCache(self_keys[i], self_values[i], position=index),
+                           KVCache(cross_keys[i], cross_values[i]))
                           for i in range(config.n_decoder_layers))
-            out, cache = self.model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache,
-                                           cache_index=index)                  # a traced index: new caches
+            out, cache = self.model.decode(token, memory, padding_mask(src, config.pad_id), cache=cache)
             log_probs = self.model.generator(out)[:, 0]                                 # (B, V)
             return log_probs, torch.stack([own.keys for own, _ in cache]), torch.stack([own.values for own, _ in cache])
 

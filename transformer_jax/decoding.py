@@ -19,7 +19,7 @@ How it runs:
 * the encoder runs once; with ``use_cache=True`` the model's key/value caches
   (``model.init_cache``: per decoder layer a :class:`.incremental.KVCache` of self-attention keys/values
   (N, H, M, d_k), M = the longest budget, and one of the memory's keys/values projected once) go
-  through ``model.decode(token, memory, src_mask, cache=, cache_index=)``, which writes the new
+  through ``model.decode(token, memory, src_mask, cache=)``, which writes the new
   position's keys/values and attends up to it; beam search, as in every port, keeps each row's
   self-attention keys and values where they are, and a ``beams`` table of which row holds each
   position of each hypothesis (``KVCache.beams``, :func:`_in_place`) follows the beams
@@ -69,7 +69,7 @@ from reference_numpy.decoding import (
 )
 from reference_numpy.precision import score_dtype
 
-from .incremental import KVCache
+from .incremental import KVCache, at_position
 from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .speed import _EXACT_ROUNDING, _split, _Structure
 
@@ -94,7 +94,8 @@ def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, 
     if not cache:
         out = model.decode(tgt, memory, src_mask, causal_mask(tgt.shape[1]), deterministic=True)   # (N, T, D)
         return _log_probs_at(model, out, out.shape[1] - 1)
-    out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index, deterministic=True)
+    cache = cache if cache_index is None else at_position(cache, cache_index)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache, deterministic=True)
     return _log_probs_at(model, out, out.shape[1] - 1), cache
 
 
@@ -113,7 +114,7 @@ def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:
 def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
     """One :class:`.incremental.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
-        return KVCache(cache.keys[beams], cache.values[beams])
+        return cache._replace(keys=cache.keys[beams], values=cache.values[beams])
     table = cache.beams.reshape(-1, cache.beams.shape[2])                # (N, C)
     return cache._replace(beams=table[beams].reshape(cache.beams.shape))
 

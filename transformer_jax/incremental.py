@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +41,28 @@ class KVCache(NamedTuple):
     keys: jax.Array     # (B, H, C, d_k)
     values: jax.Array   # (B, H, C, d_k)
     beams: jax.Array | tuple = ()   # (B / K, K, C) int, or ()
+    position: Any = ()   # the next position written (an int, or traced); () for the memory's keys and values
 
-    def update(self, keys: jax.Array, values: jax.Array, cache_index: int | jax.Array) -> KVCache:
+    @property
+    def is_memory(self) -> bool:
+        """Whether this is the memory's cache (encoder-decoder attention), which is read and never written."""
+        return isinstance(self.position, tuple)
+
+    def update(self, keys: jax.Array, values: jax.Array) -> KVCache:
         """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
-        a new cache (``lax.dynamic_update_slice_in_dim``; ``cache_index`` may be traced)."""
-        cache_index = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position`` advanced
+        past them:
+        a new cache (``lax.dynamic_update_slice_in_dim``; ``position`` may be traced)."""
+        cache_index = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(lax.dynamic_update_slice_in_dim(self.keys, keys, cache_index, axis=2),
                        lax.dynamic_update_slice_in_dim(self.values, values, cache_index, axis=2),
-                       _written_beams(self.beams, cache_index, keys.shape[2]))
+                       _written_beams(self.beams, cache_index, keys.shape[2]), cache_index + keys.shape[2])
+
+
+def at_position(cache: tuple, position: int | jax.Array) -> tuple:
+    """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
+    ``position``: the positions before it are the prefix decoded so far."""
+    return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
 def _beam_table(cache: KVCache | None) -> jax.Array | None:

@@ -162,8 +162,8 @@ class MultiHeadAttention(nnx.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
-    the new positions are written from ``cache_index`` (docs/ports.md).
+    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
+    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -178,21 +178,20 @@ class MultiHeadAttention(nnx.Module):
         self.o_proj = _linear(config.d_model, config.d_model, dtype, rngs, param_dtype)
 
     def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
-                 return_weights: bool = False, cache: KVCache | None = None,
-                 cache_index: int | jax.Array | None = None) -> Any:
+                 return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
+        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
-        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index,
-                                             return_weights, dtype)
+        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
+                                             cache.position, return_weights, dtype)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written),   # (B, H, Tq, d_k)
                                                           dtype=dtype)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
-        return _returned(out, weights if return_weights else None, cache)
+        return _returned(out, weights if return_weights else None, written)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions.
@@ -202,7 +201,7 @@ class MultiHeadAttention(nnx.Module):
         d_k = self.q_proj.out_features // self.n_heads
         dtype = rounding(self.k_proj.dtype, self.k_proj.param_dtype)       # the projections' P, or the model's
         empty = jnp.zeros((batch, self.n_heads, capacity, d_k), dtype)      # (B, H, C, d_k)
-        return KVCache(empty, empty)
+        return KVCache(empty, empty, position=0)
 
     def memory_cache(self, memory: jax.Array) -> KVCache:
         """The memory's keys and values, projected once for encoder-decoder attention.
@@ -211,16 +210,16 @@ class MultiHeadAttention(nnx.Module):
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
-    def _keys_values(self, key: jax.Array, value: jax.Array, cache: KVCache | None,
-                     cache_index: int | jax.Array | None) -> tuple[jax.Array, jax.Array, KVCache | None]:
+    def _keys_values(self, key: jax.Array, value: jax.Array,
+                     cache: KVCache | None) -> tuple[jax.Array, jax.Array, KVCache | None]:
         """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache_index is None:
+        if cache is not None and cache.is_memory:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None or cache_index is None:                           # (cache_index None: cache is None too)
+        if cache is None:
             return k, v, None
-        cache = cache.update(k, v, cache_index)
+        cache = cache.update(k, v)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
@@ -429,8 +428,8 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
-    returns ``(x, cache)``.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
+    ``position`` and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
     T, D).
@@ -448,13 +447,13 @@ class DecoderLayer(nnx.Module):
         self.dropout = _dropout(config, rngs)
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
+                 tgt_mask: jax.Array | None = None, cache: tuple[KVCache, KVCache] | None = None, *,
+                 deterministic: bool | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
         drop = functools.partial(self.dropout, deterministic=deterministic)
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
                                          self.self_attn_norm, self.norm_first, drop)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
                                           self.cross_attn_norm, self.norm_first, drop)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)
         return x if cache is None else (x, (self_cache, cross_cache))
@@ -465,11 +464,11 @@ class DecoderLayer(nnx.Module):
 
 
 def _attend(attention: MultiHeadAttention, query: jax.Array, memory: jax.Array, mask: jax.Array | None,
-            cache: KVCache | None, cache_index: int | jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+            cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
     """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    return attention(query, memory, memory, mask, cache=cache)
 
 
 def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, KVCache | None]],
@@ -515,14 +514,14 @@ class Decoder(nnx.Module):
         self.norm = LayerNorm(config, dtype=dtype, rngs=rngs, param_dtype=param_dtype) if config.norm_first else None
 
     def __call__(self, x: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-                 tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
-                 cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
+                 tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None, *,
+                 deterministic: bool | None = None) -> Any:
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
             else:
-                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index,
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i],
                                        deterministic=deterministic)
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
@@ -554,7 +553,7 @@ class Transformer(nnx.Module):
     log-probabilities (B, T, V_tgt).
 
     Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache, cache_index=i)``.
+    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
 
     JAX: ``dtype`` float64 (needs ``jax_enable_x64``), float32, bfloat16 or float16; ``param_dtype`` float32 beside
     bfloat16 or float16 is Flax's mixed precision; weights random (``rngs``) until loaded by :mod:`.checkpoint`.
@@ -597,10 +596,10 @@ class Transformer(nnx.Module):
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
-               tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
-               cache_index: int | jax.Array | None = None, *, deterministic: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
-        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
+               tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None, *,
+               deterministic: bool | None = None) -> Any:
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
+        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
@@ -611,7 +610,7 @@ class Transformer(nnx.Module):
         keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
         offset: int | jax.Array = 0                                              # the position of tgt[:, 0]
         if cache is not None:
-            offset = check_cache_index(cache_index, length, keys)
+            offset = check_cache_index(cache[0][0].position, length, keys)
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
@@ -621,7 +620,7 @@ class Transformer(nnx.Module):
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)
-        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index,
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache,
                             deterministic=deterministic)
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,

@@ -27,7 +27,7 @@ from .checkpoint import (  # noqa: E402
 from .decoding import beam_search, greedy_decode  # noqa: E402
 from .device import deterministic, devices, full_precision, resolve_device  # noqa: E402
 from .ecosystem import LabelSmoothedCrossEntropy, TokenAccuracy, adam, fit_state  # noqa: E402
-from .incremental import KVCache  # noqa: E402
+from .incremental import KVCache, at_position  # noqa: E402
 from .model import (  # noqa: E402
     Decoder,
     DecoderLayer,
@@ -63,7 +63,8 @@ from .training import (  # noqa: E402
 from .variants import position_ids  # noqa: E402
 
 __all__ = [
-    "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "KVCache", "at_position",
+    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
     "masked_softmax", "scaled_dot_product_attention",

@@ -20,7 +20,7 @@ Each search is one ``tf.function`` holding a ``tf.while_loop`` over output posit
 whole batch at once (beam search keeps B x beam_size rows):
 
 * ``use_cache=True``: the decoder runs one position per step through the model's key/value
-  cache (``model.init_cache``, ``model.decode(..., cache=, cache_index=)``): each layer's
+  cache (``model.init_cache``, ``model.decode(..., cache=)``): each layer's
   self-attention keys and values live in a preallocated (rows, H, L, d_k) buffer written at
   step t, and the encoder-decoder attention's keys and values are projected once from the
   encoder output. Every shape is static, so the loop is XLA-compiled (``jit_compile=True``; XLA
@@ -66,7 +66,7 @@ from reference_numpy.decoding import (
 from reference_numpy.precision import score_dtype
 
 from .device import model_device
-from .incremental import Index, KVCache
+from .incremental import Index, KVCache, at_position
 from .model import Transformer, _generated, causal_mask, log_softmax, padding_mask
 from .precision import wide
 from .speed import _xla_keeps_roundings
@@ -100,7 +100,8 @@ def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, 
     if not cache:
         out = model.decode(tgt, memory, src_mask, causal_mask(tf.shape(tgt)[1]))           # (B, T, D)
         return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight)
-    out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    cache = cache if cache_index is None else at_position(cache, cache_index)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache)
     return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight), cache
 
 
@@ -119,7 +120,7 @@ def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> t
 def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
     """One :class:`~.incremental.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
-        return KVCache(tf.gather(cache.keys, beams), tf.gather(cache.values, beams))
+        return cache._replace(keys=tf.gather(cache.keys, beams), values=tf.gather(cache.values, beams))
     table = tf.reshape(cache.beams, (-1, cache.beams.shape[2]))            # (N, C)
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
 
@@ -193,7 +194,7 @@ def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor,
     if not cache:
         out = model.decode(tokens[:, :step], memory, src_mask, causal_mask(step))           # (N, step, D)
         return _log_probs_at(model, out, step - 1, weight), cache
-    out, cache = model.decode(tokens[:, step - 1, None], memory, src_mask, cache=cache, cache_index=step - 1)
+    out, cache = model.decode(tokens[:, step - 1, None], memory, src_mask, cache=at_position(cache, step - 1))
     return _log_probs_at(model, out, 0, weight), cache                                     # out (N, 1, D)
 
 

@@ -40,14 +40,28 @@ class KVCache(NamedTuple):
     keys: tf.Tensor     # (B, H, C, d_k)
     values: tf.Tensor   # (B, H, C, d_k)
     beams: tf.Tensor | tuple = ()   # (B / K, K, C) int, or ()
+    position: Any = ()   # the next position written (an int, or traced); () for the memory's keys and values
 
-    def update(self, keys: tf.Tensor, values: tf.Tensor, cache_index: Index) -> KVCache:
+    @property
+    def is_memory(self) -> bool:
+        """Whether this is the memory's cache (encoder-decoder attention), which is read and never written."""
+        return isinstance(self.position, tuple)
+
+    def update(self, keys: tf.Tensor, values: tf.Tensor) -> KVCache:
         """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
-        a new cache (a scatter, also under XLA; ``cache_index`` may be traced)."""
-        cache_index = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position`` advanced
+        past them:
+        a new cache (a scatter, also under XLA; ``position`` may be traced)."""
+        cache_index = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(_written(self.keys, keys, cache_index), _written(self.values, values, cache_index),
-                       _written_beams(self.beams, cache_index, keys.shape[2]))
+                       _written_beams(self.beams, cache_index, keys.shape[2]),
+                       tf.convert_to_tensor(cache_index + keys.shape[2]))
+
+
+def at_position(cache: tuple, position: Index) -> tuple:
+    """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
+    ``position``: the positions before it are the prefix decoded so far."""
+    return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
 def _beam_table(cache: KVCache | None) -> tf.Tensor | None:

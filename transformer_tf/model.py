@@ -33,7 +33,7 @@ from reference_numpy.precision import round_to
 
 from . import speed
 from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
-from .incremental import Index, KVCache, _attend_written, _beam_table
+from .incremental import Index, KVCache, _attend_written, _beam_table, at_position
 from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
 from .variants import gelu, position_ids, silu
 
@@ -194,8 +194,8 @@ class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
-    the new positions are written from ``cache_index`` (docs/ports.md).
+    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
+    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -214,21 +214,21 @@ class MultiHeadAttention(_TransformerLayer):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.build((None, self.config.d_model))
 
-    def call(self, query, key, value, mask=None, return_weights=False, cache=None, cache_index=None):
+    def call(self, query, key, value, mask=None, return_weights=False, cache=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
+        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.dtype_policy)
-        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index,
-                                             return_weights, dtype)
+        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
+                                             cache.position, return_weights, dtype)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),   # (B, H, Tq, d_k)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written),   # (B, H, Tq, d_k)
                                                           dtype=dtype)
         shape = tf.shape(heads)
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
         out = self.o_proj(concat)
-        return _returned(out, weights if return_weights else None, cache)
+        return _returned(out, weights if return_weights else None, written)
 
     def init_cache(self, batch: Index, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions.
@@ -236,7 +236,7 @@ class MultiHeadAttention(_TransformerLayer):
         Shape: keys and values (B, H, C, d_k), zeros.
         """
         empty = tf.zeros((batch, self.n_heads, capacity, self.config.d_k), self.compute_dtype)
-        return KVCache(empty, empty)
+        return KVCache(empty, empty, position=tf.constant(0))
 
     def memory_cache(self, memory: tf.Tensor) -> KVCache:
         """The memory's keys and values, projected once for encoder-decoder attention.
@@ -245,16 +245,16 @@ class MultiHeadAttention(_TransformerLayer):
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
-    def _keys_values(self, key: tf.Tensor, value: tf.Tensor, cache: KVCache | None,
-                     cache_index: Index | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
+    def _keys_values(self, key: tf.Tensor, value: tf.Tensor,
+                     cache: KVCache | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
         """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache_index is None:
+        if cache is not None and cache.is_memory:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None or cache_index is None:                           # (cache_index None: cache is None too)
+        if cache is None:
             return k, v, None
-        cache = cache.update(k, v, cache_index)
+        cache = cache.update(k, v)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
@@ -516,8 +516,8 @@ class EncoderLayer(_TransformerLayer):
 class DecoderLayer(_TransformerLayer):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
-    returns ``(x, cache)``.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
+    ``position`` and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
     T, D).
@@ -541,15 +541,15 @@ class DecoderLayer(_TransformerLayer):
         _build_all((self.self_attn, self.self_attn_norm, self.cross_attn, self.cross_attn_norm,
                     self.ffn, self.ffn_norm), self.config)
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, cache_index=None, training=None):
+    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, training=None):
         self_cache, cross_cache = (None, None) if cache is None else cache
 
         def dropout(h: tf.Tensor) -> tf.Tensor:
             return self.dropout(h, training=training)
 
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
                                          self.self_attn_norm, self.norm_first, dropout)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
                                           self.cross_attn_norm, self.norm_first, dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
         return x if cache is None else (x, (self_cache, cross_cache))
@@ -560,11 +560,11 @@ class DecoderLayer(_TransformerLayer):
 
 
 def _attend(attention: MultiHeadAttention, query: tf.Tensor, memory: tf.Tensor, mask: tf.Tensor | None,
-            cache: KVCache | None, cache_index: int | tf.Tensor | None) -> tuple[tf.Tensor, KVCache | None]:
+            cache: KVCache | None) -> tuple[tf.Tensor, KVCache | None]:
     """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    return attention(query, memory, memory, mask, cache=cache)
 
 
 def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tensor, KVCache | None]],
@@ -627,14 +627,14 @@ class Decoder(_TransformerLayer):
     def build(self, input_shape=None):
         _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, cache_index=None,
+    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None,
              training=None):
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, training=training)
             else:
-                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index, training=training)
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], training=training)
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
@@ -672,7 +672,7 @@ class Transformer(_TransformerLayer, keras.Model):
     log-probabilities (B, T, V_tgt).
 
     Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache, cache_index=i)``.
+    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
 
     TensorFlow: ``dtype`` a Keras dtype policy ("float64", "float32", "bfloat16", "float16", "mixed_bfloat16",
     "mixed_float16"); built on construction; weights from :mod:`.checkpoint` or ``load_weights``.
@@ -730,9 +730,9 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
                tgt_mask: tf.Tensor | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
-               cache_index: Index | None = None, training: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
-        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
+               training: bool | None = None) -> Any:
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
+        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
@@ -742,7 +742,8 @@ class Transformer(_TransformerLayer, keras.Model):
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
         if cache is not None:
-            check_cache_index(cache_index, length, keys)
+            check_cache_index(cache[0][0].position, length, keys)
+            cache = at_position(cache, tf.convert_to_tensor(cache[0][0].position))   # Keras: no int among tensors
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
         if src_mask is not None:
@@ -751,9 +752,9 @@ class Transformer(_TransformerLayer, keras.Model):
             tgt_mask = target_mask(tgt, self.config.pad_id)
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache_index, tgt, by_step=True,
+        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache[0][0].position, tgt, by_step=True,
                          training=training)
-        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index, training=training)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, training=training)
 
     def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Log-probabilities of the next target token at every target position.

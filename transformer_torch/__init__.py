@@ -21,7 +21,7 @@ from .checkpoint import (
 from .decoding import beam_search, greedy_decode
 from .device import deterministic, devices, full_precision, resolve_device
 from .ecosystem import TranslationDataset
-from .incremental import KVCache
+from .incremental import KVCache, at_position
 from .model import (
     Decoder,
     DecoderLayer,
@@ -57,7 +57,8 @@ from .training import (
 from .variants import position_ids
 
 __all__ = [
-    "KVCache", "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
+    "KVCache", "at_position",
+    "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
     "masked_softmax", "scaled_dot_product_attention",

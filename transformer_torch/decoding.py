@@ -51,7 +51,7 @@ from reference_numpy.decoding import (
 )
 
 from . import speed
-from .incremental import KVCache
+from .incremental import KVCache, at_position
 from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .precision import LOW
 
@@ -72,7 +72,8 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
     if not cache:
         out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1], tgt.device))   # (B, T, D)
         return _log_probs_at(model, out, out.shape[1] - 1)
-    out, cache = model.decode(tgt, memory, src_mask, cache=cache, cache_index=cache_index)
+    cache = cache if cache_index is None else at_position(cache, cache_index)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache)
     return _log_probs_at(model, out, out.shape[1] - 1), cache
 
 
@@ -91,7 +92,7 @@ def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
 def _follow(cache: KVCache, beams: Tensor) -> KVCache:
     """One :class:`.incremental.KVCache` of :func:`reorder_cache`."""
     if isinstance(cache.beams, tuple):
-        return KVCache(cache.keys.index_select(0, beams), cache.values.index_select(0, beams))
+        return cache._replace(keys=cache.keys.index_select(0, beams), values=cache.values.index_select(0, beams))
     table = cache.beams.reshape(-1, cache.beams.shape[2])                 # (N, C)
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
 

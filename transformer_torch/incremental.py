@@ -9,7 +9,7 @@ written positions is handed to it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +42,27 @@ class KVCache(NamedTuple):
     keys: Tensor    # (B, H, C, d_k)
     values: Tensor  # (B, H, C, d_k)
     beams: Tensor | tuple = ()   # (B / K, K, C) int, or ()
+    position: Any = ()   # the next position written (an int, or traced); () for the memory's keys and values
 
-    def update(self, keys: Tensor, values: Tensor, cache_index: Index) -> KVCache:
+    @property
+    def is_memory(self) -> bool:
+        """Whether this is the memory's cache (encoder-decoder attention), which is read and never written."""
+        return isinstance(self.position, tuple)
+
+    def update(self, keys: Tensor, values: Tensor) -> KVCache:
         """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        cache_index .. cache_index + T_new - 1 and the beam table marking them each row's own:
+        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position`` advanced
+        past them:
         in place at an int position (the same tensors), into new tensors at a traced one."""
-        start = check_cache_index(cache_index, keys.shape[2], self.keys.shape[2])
+        start = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
-                       _written_beams(self.beams, start, keys.shape[2]))
+                       _written_beams(self.beams, start, keys.shape[2]), start + keys.shape[2])
+
+
+def at_position(cache: tuple, position: Index) -> tuple:
+    """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
+    ``position``: the positions before it are the prefix decoded so far."""
+    return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
 def _beam_table(cache: KVCache | None) -> Tensor | None:

@@ -152,8 +152,8 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or, with ``cache_index``, over a self-attention cache into which
-    the new positions are written from ``cache_index`` (docs/ports.md).
+    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
+    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -168,19 +168,19 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = _Linear(config.d_model, config.d_model)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                return_weights: bool = False, cache: KVCache | None = None, cache_index: Index | None = None) -> Any:
+                return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, cache = self._keys_values(key, value, cache, cache_index)    # (B, H, Tk or C, d_k)
-        if cache is not None and cache_index is not None and mask is None:    # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(cache), cache_index,
-                                             return_weights)
+        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
+            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
+                                             cache.position, return_weights)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(cache),
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written),
                                                           return_weights)     # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
-        return _returned(out, weights, cache)
+        return _returned(out, weights, written)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty self-attention cache of ``capacity`` positions.
@@ -190,7 +190,7 @@ class MultiHeadAttention(nn.Module):
         d_k = self.q_proj.out_features // self.n_heads
         weight = self.q_proj.weight
         return KVCache(weight.new_zeros(batch, self.n_heads, capacity, d_k),
-                       weight.new_zeros(batch, self.n_heads, capacity, d_k))
+                       weight.new_zeros(batch, self.n_heads, capacity, d_k), position=0)
 
     def memory_cache(self, memory: Tensor) -> KVCache:
         """The memory's keys and values, projected once for encoder-decoder attention.
@@ -199,16 +199,15 @@ class MultiHeadAttention(nn.Module):
         """
         return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
 
-    def _keys_values(self, key: Tensor, value: Tensor, cache: KVCache | None,
-                     cache_index: Index | None) -> tuple[Tensor, Tensor, KVCache | None]:
+    def _keys_values(self, key: Tensor, value: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor, KVCache | None]:
         """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache_index is None:
+        if cache is not None and cache.is_memory:
             return cache.keys, cache.values, cache                         # (B, H, S, d_k)
         k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
         v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None or cache_index is None:                           # (cache_index None: cache is None too)
+        if cache is None:
             return k, v, None
-        cache = cache.update(k, v, cache_index)
+        cache = cache.update(k, v)
         return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
@@ -417,8 +416,8 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from ``cache_index`` and the call
-    returns ``(x, cache)``.
+    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
+    ``position`` and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
     T, D).
@@ -436,12 +435,11 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None,
-                cache_index: Index | None = None) -> Any:
+                tgt_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, cache_index),
+        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
                                          self.self_attn_norm, self.norm_first, self.dropout)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, None),
+        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
                                           self.cross_attn_norm, self.norm_first, self.dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
         return x if cache is None else (x, (self_cache, cross_cache))
@@ -452,11 +450,11 @@ class DecoderLayer(nn.Module):
 
 
 def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: Tensor | None,
-            cache: KVCache | None, cache_index: Index | None) -> tuple[Tensor, KVCache | None]:
+            cache: KVCache | None) -> tuple[Tensor, KVCache | None]:
     """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
     if cache is None:
         return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache, cache_index=cache_index)
+    return attention(query, memory, memory, mask, cache=cache)
 
 
 def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCache | None]], norm: LayerNorm,
@@ -499,13 +497,13 @@ class Decoder(nn.Module):
         self.norm = LayerNorm(config) if config.norm_first else None
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                cache: tuple | None = None, cache_index: Index | None = None) -> Any:
+                cache: tuple | None = None) -> Any:
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask)
             else:
-                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], cache_index)
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i])
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
@@ -526,7 +524,7 @@ class Transformer(nn.Module):
     log-probabilities (B, T, V_tgt).
 
     Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache, cache_index=i)``.
+    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
 
     PyTorch: weights from :mod:`.checkpoint`; ``model(src, tgt)`` checks the ids on the host before a compiled
     ``forward``.
@@ -572,10 +570,9 @@ class Transformer(nn.Module):
         return self.decoder.init_cache(memory, capacity)
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
-               tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None,
-               cache_index: Index | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from
-        ``cache_index`` and the call returns ``(out, cache)`` (docs/ports.md).
+               tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None) -> Any:
+        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
+        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
@@ -584,7 +581,7 @@ class Transformer(nn.Module):
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
         (batch, length), heads = tgt.shape, self.config.n_heads
         keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        start = 0 if cache is None else check_cache_index(cache_index, length, keys)   # the first new position
+        start = 0 if cache is None else check_cache_index(cache[0][0].position, length, keys)   # the first new position
         if cache is not None:
             for own, _ in cache:                                               # every table, before any layer runs
                 _beam_table(own)
@@ -595,7 +592,7 @@ class Transformer(nn.Module):
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
-        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, cache_index=cache_index)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):
         """Log-probabilities of the next target token at every target position.

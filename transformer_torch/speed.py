@@ -31,6 +31,8 @@ from torch import Tensor
 
 from reference_numpy.incremental import attended_width
 
+from .incremental import at_position
+
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster
 # reading of the weight (docs/benchmarks-torch.md)
@@ -226,12 +228,12 @@ def _narrowed(cache: tuple, written: int) -> tuple:
 def _written_back(cache: tuple, stepped: tuple, start: int, end: int) -> tuple:
     """``cache`` with positions start .. end - 1 of each self-attention cache (keys, values, beams table) set, in
     place, to those of the compiled step's new caches ``stepped`` (W positions each, :func:`_narrowed`), as an
-    eager step writes them; returns ``cache``."""
+    eager step writes them; returns ``cache`` at position ``end``."""
     for (own, _), (new, _) in zip(cache, stepped):
-        for tensor, written in zip(own, new):
+        for tensor, written in zip((own.keys, own.values, own.beams), (new.keys, new.values, new.beams)):
             if not isinstance(tensor, tuple):
                 tensor[:, :, start:end] = written[:, :, start:end]
-    return cache
+    return at_position(cache, end)
 
 
 class _Bound(torch.nn.Module):

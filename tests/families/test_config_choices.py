@@ -28,6 +28,7 @@ from reference_numpy import (
     save_checkpoint,
 )
 from reference_numpy import decoding as reference_decoding
+from reference_numpy.incremental import at_position
 from reference_numpy.model import activation, sinusoidal_positional_encoding
 from reference_numpy.variants import position_ids
 
@@ -247,7 +248,7 @@ def test_cached_steps_read_the_positions_of_the_whole_prefix(variant):
     whole = model.decode(inputs["tgt"], memory, src_mask)
     cache = model.init_cache(memory, inputs["tgt"].shape[1])
     for step in range(inputs["tgt"].shape[1]):
-        out, cache = model.decode(inputs["tgt"][:, step:step + 1], memory, src_mask, cache=cache, cache_index=step)
+        out, cache = model.decode(inputs["tgt"][:, step:step + 1], memory, src_mask, cache=at_position(cache, step))
         assert close64(out[:, 0], whole[:, step]), step
 
 

@@ -88,7 +88,7 @@ def test_a_decoding_step_reads_no_position_past_its_width(name, position):
                           for own, memory_cache in model.init_cache(memory, capacity))
             if tail:
                 cache = tail_filled(name, cache, width)
-            out, _ = model.decode(convert(tgt), memory, cache=cache, cache_index=position)
+            out, _ = model.decode(convert(tgt), memory, cache=incremental.at_position(cache, position))
             return np.asarray(out)
 
     assert incremental.attended_width(position + 1, position + 1) == position + 1     # reads its whole cache

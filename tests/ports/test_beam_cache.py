@@ -27,6 +27,7 @@ from equivalence.tolerance import assert_agrees
 from reference_numpy import TransformerConfig, init_params
 from reference_numpy import model as reference
 from reference_numpy.decoding import beam_search as reference_beam_search
+from reference_numpy.incremental import at_position
 
 BATCH, BEAMS, HEADS, CAPACITY, D_K = 2, 3, 2, 5, 4
 ROWS = BATCH * BEAMS
@@ -115,7 +116,7 @@ def decoder_steps(model, src, tgt, parents, convert, reorder_cache, table: bool)
     cache = in_place(cache, convert) if table else cache
     outputs = []
     for t, rows in enumerate(parents):
-        out, cache = model.decode(convert(tgt[:, t:t + 1]), memory, cache=cache, cache_index=t)
+        out, cache = model.decode(convert(tgt[:, t:t + 1]), memory, cache=at_position(cache, t))
         outputs.append(np.asarray(out))
         before = cache
         cache, tgt = reordered(cache, convert(rows), reorder_cache), tgt[rows]
@@ -167,7 +168,7 @@ def test_a_table_of_the_wrong_shape_gets_the_reference_error(name):
         table = convert(np.zeros((BATCH, BEAMS, CAPACITY + 1), np.int64))
         cache = tuple((own._replace(beams=table), mem) for own, mem in model.init_cache(memory, CAPACITY))
         with pytest.raises(ValueError) as error:
-            model.decode(convert(np.full((ROWS, 1), 3)), memory, cache=cache, cache_index=0)
+            model.decode(convert(np.full((ROWS, 1), 3)), memory, cache=at_position(cache, 0))
     expected = (f"cache.beams must be an int array (B, K, C) for a cache of {ROWS} rows of {CAPACITY} positions "
                 f"(B * K = {ROWS}, C = {CAPACITY}), got int64 of shape ({BATCH}, {BEAMS}, {CAPACITY + 1})")
     assert str(error.value) == expected

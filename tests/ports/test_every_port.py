@@ -32,6 +32,7 @@ from equivalence.backends import numpy as reference
 from equivalence.cases import VARIANTS
 from reference_numpy import checkpoint as reference_checkpoint
 from reference_numpy.decoding import next_token_log_probs as reference_next_token_log_probs
+from reference_numpy.incremental import at_position
 from reference_numpy.model import padding_mask as reference_padding_mask
 from reference_numpy.precision import check_trainable, training_dtype
 from reference_numpy.training import PAPER
@@ -274,7 +275,7 @@ def test_a_low_precision_model_keeps_every_stage_in_its_dtype(port, dtype, varia
         memory = model.encode(port.tensor(inputs["src"]))
         assert port.dtype(memory) == dtype
         caches = model.init_cache(memory, 4)
-        _, written = model.decode(port.tensor(inputs["tgt"][:, :2]), memory, cache=caches, cache_index=0)
+        _, written = model.decode(port.tensor(inputs["tgt"][:, :2]), memory, cache=at_position(caches, 0))
         for cached in (caches, written):
             assert {port.dtype(array) for layer in cached for cache in layer for array in (cache.keys, cache.values)} \
                 == {dtype}

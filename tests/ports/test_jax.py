@@ -46,6 +46,7 @@ from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
 from transformer_jax.capture import capture_stages  # noqa: E402
+from transformer_jax.incremental import at_position  # noqa: E402
 from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
@@ -416,11 +417,11 @@ def test_cache_layout_and_a_concrete_index_outside_it():
     assert memory_cache.keys.shape == (2, config.n_heads, 5, config.d_k)
     x = jnp.ones((2, 1, config.d_model), model.dtype)
     for index, message in ((4, "cache holds 4 positions; decoding needs 5"),
-                           (-1, "cache_index must be an int >= 0, got -1")):
+                           (-1, "cache.position must be an int >= 0, got -1")):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-            attention(x, x, x, cache=cache, cache_index=index)
-    with pytest.raises(ValueError, match=r"^cache_index must be an int >= 0, got None$"):
-        model.decode(np.ones((2, 1), int), memory, cache=model.init_cache(memory, 4))
+            attention(x, x, x, cache=cache._replace(position=index))
+    with pytest.raises(ValueError, match=r"^cache.position must be an int >= 0, got None$"):
+        model.decode(np.ones((2, 1), int), memory, cache=at_position(model.init_cache(memory, 4), None))
     expected = f"capacity must be an int in [1, {config.max_len}], got {config.max_len + 1}"
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         model.init_cache(memory, config.max_len + 1)

@@ -34,8 +34,10 @@ from reference_numpy import model as reference_model_module  # noqa: E402
 from reference_numpy import precision  # noqa: E402
 from reference_numpy import training as reference_training  # noqa: E402
 from reference_numpy.config import TrainingConfig  # noqa: E402
+from reference_numpy.incremental import at_position as reference_at_position  # noqa: E402
 from reference_numpy.precision import round_to, training_dtype  # noqa: E402
 from transformer_tf import checkpoint, data_parallel, decoding, device, training  # noqa: E402
+from transformer_tf.incremental import at_position  # noqa: E402
 from transformer_tf.model import (  # noqa: E402
     Transformer,
     scaled_dot_product_attention,
@@ -313,7 +315,7 @@ def test_cached_decode_equals_the_reference_forward_pass(variant, dtype, step, a
     for start in range(0, length, step):                                # T_new = step (the last call: fewer)
         queries = np.arange(start, min(start + step, length))
         tgt_mask = written[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]   # (B, 1, T_new, C)
-        out, cache = model.decode(tgt[:, queries], memory, src_mask, tgt_mask, cache=cache, cache_index=start)
+        out, cache = model.decode(tgt[:, queries], memory, src_mask, tgt_mask, cache=at_position(cache, start))
         outs.append(out)
     cached = model.generator(tf.concat(outs, axis=1)).numpy()
     agreement(cached, ref64, ref32, port="tf", device="cpu", dtype=dtype, what="cached log-probs")
@@ -355,11 +357,11 @@ def test_bad_cache_arguments_give_the_reference_errors(capacity, tgt_slice, cach
     tgt = tokens["tgt"][:, tgt_slice]
     plain_index = cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index
     messages = []
-    for model, index in ((reference_model("tiny", "float64"), plain_index),
-                         (port_model("tiny", "float64"), cache_index)):
+    for model, index, placed in ((reference_model("tiny", "float64"), plain_index, reference_at_position),
+                                 (port_model("tiny", "float64"), cache_index, at_position)):
         memory = model.encode(tokens["src"])
         with pytest.raises(ValueError) as error:
-            model.decode(tgt, memory, cache=model.init_cache(memory, capacity), cache_index=index)
+            model.decode(tgt, memory, cache=placed(model.init_cache(memory, capacity), index))
         messages.append(str(error.value))
     assert messages[0] == messages[1] and "\n" not in messages[1]
 

@@ -33,6 +33,7 @@ from reference_numpy.precision import check_trainable, round_to  # noqa: E402
 from reference_numpy.training import PAPER, learning_rate  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop, speed, training  # noqa: E402
 from transformer_torch import precision as torch_precision  # noqa: E402
+from transformer_torch.incremental import at_position  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
 NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
@@ -375,7 +376,7 @@ def test_decode_with_a_cache_equals_the_uncached_decoder(variant):
         memory = model.encode(src)
         cache = model.init_cache(memory, 10)
         for start, end in ((0, 1), (1, 3), (3, 4), (4, 8)):
-            out, cache = model.decode(tgt[:, start:end], memory, cache=cache, cache_index=start)
+            out, cache = model.decode(tgt[:, start:end], memory, cache=at_position(cache, start))
             tolerance.assert_agrees(out.numpy(), model.decode(tgt[:, :end], memory)[:, start:].numpy(),
                                     what=f"{variant} positions {start}..{end - 1}")
         padded = tgt.clone()
@@ -384,8 +385,8 @@ def test_decode_with_a_cache_equals_the_uncached_decoder(variant):
         for start, end in ((0, 4), (4, 5), (5, 8)):
             rows = target_mask(padded[:, :end], config.pad_id)[:, :, start:]  # (B, 1, T_new, end)
             tgt_mask = torch.nn.functional.pad(rows, (0, 10 - end))            # (B, 1, T_new, C)
-            out, padded_cache = model.decode(padded[:, start:end], memory, tgt_mask=tgt_mask, cache=padded_cache,
-                                             cache_index=start)
+            out, padded_cache = model.decode(padded[:, start:end], memory, tgt_mask=tgt_mask,
+                                             cache=at_position(padded_cache, start))
             tolerance.assert_agrees(out.numpy(), model.decode(padded[:, :end], memory)[:, start:].numpy(),
                                     what=f"{variant} padded row, positions {start}..{end - 1}")
         beams = torch.tensor([2, 0, 0])
@@ -397,7 +398,7 @@ def test_decode_with_a_cache_equals_the_uncached_decoder(variant):
 
 def test_attention_cache_branches_equal_the_uncached_attention():
     """MultiHeadAttention with a cache: encoder-decoder attention over memory_cache, and masked
-    self-attention written into init_cache's buffers from cache_index (section 3.2.3)."""
+    self-attention written into init_cache's buffers from its position (section 3.2.3)."""
     config = VARIANTS["tiny"]
     layer = port_model("tiny").decoder.layers[0]
     generator = torch.Generator().manual_seed(3)
@@ -414,7 +415,7 @@ def test_attention_cache_branches_equal_the_uncached_attention():
         for start, end in ((0, 2), (2, 3), (3, 5)):
             visible = torch.arange(7) <= torch.arange(start, end)[:, None]  # (T_new, C)
             out, cache = layer.self_attn(x[:, start:end], x[:, start:end], x[:, start:end], visible,
-                                         cache=cache, cache_index=start)
+                                         cache=cache._replace(position=start))
             tolerance.assert_agrees(out.numpy(), full[:, start:end].numpy(), what=f"self-attention {start}..{end - 1}")
 
 
@@ -483,12 +484,11 @@ def test_cache_refuses_to_overflow_and_bad_arguments():
         with pytest.raises(ValueError, match="cache holds 1 positions; decoding needs 2"):
             decoding.next_token_log_probs(model, torch.ones(3, 1, dtype=torch.long), memory, mask, cache, 1)
         with pytest.raises(ValueError, match="cache holds 1 positions; decoding needs 2"):
-            model.decoder.layers[0].self_attn(memory[:, :2], memory[:, :2], memory[:, :2], cache=cache[0][0],
-                                              cache_index=0)
-        with pytest.raises(ValueError, match="cache_index must be an int >= 0, got -1"):
-            model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache=cache, cache_index=-1)
-        with pytest.raises(ValueError, match="cache_index must be an int >= 0, got None"):
-            model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache=cache)
+            model.decoder.layers[0].self_attn(memory[:, :2], memory[:, :2], memory[:, :2], cache=cache[0][0])
+        with pytest.raises(ValueError, match="cache.position must be an int >= 0, got -1"):
+            model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache=at_position(cache, -1))
+        with pytest.raises(ValueError, match="cache.position must be an int >= 0, got None"):
+            model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache=at_position(cache, None))
         with pytest.raises(ValueError, match=r"capacity must be an int in \[1, 64\], got 65"):
             model.init_cache(memory, 65)
         with pytest.raises(ValueError, match=r"memory must have shape \(batch, source length, d_model\)"):
@@ -503,17 +503,17 @@ def test_a_0_d_tensor_cache_index_is_read_and_checked_as_an_int():
     tgt = torch.ones(3, 1, dtype=torch.long)
     with torch.no_grad():
         memory, mask = model.encode(src), (src != 0)[:, None, None, :]
-        outs = [model.decode(tgt, memory, mask, cache=model.init_cache(memory, 4), cache_index=index)
+        outs = [model.decode(tgt, memory, mask, cache=at_position(model.init_cache(memory, 4), index))
                 for index in (2, torch.tensor(2))]
         for (out, cache), (expected, expected_cache) in zip(outs[1:], outs[:1]):
             torch.testing.assert_close(out, expected, rtol=0, atol=0)
             torch.testing.assert_close(cache[0][0].keys, expected_cache[0][0].keys, rtol=0, atol=0)
         assert outs[0][1][0][0].keys[:, :, 2].abs().sum() > 0 == outs[0][1][0][0].keys[:, :, 3].abs().sum()
         for index, shown in ((torch.tensor(-1), "-1"), (torch.tensor(1.0), "1.0"), (torch.tensor([1]), r"tensor\(")):
-            with pytest.raises(ValueError, match=f"cache_index must be an int >= 0, got {shown}"):
-                model.decode(tgt, memory, mask, cache=model.init_cache(memory, 4), cache_index=index)
+            with pytest.raises(ValueError, match=f"cache.position must be an int >= 0, got {shown}"):
+                model.decode(tgt, memory, mask, cache=at_position(model.init_cache(memory, 4), index))
         with pytest.raises(ValueError, match="cache holds 4 positions; decoding needs 5"):
-            model.decode(tgt, memory, mask, cache=model.init_cache(memory, 4), cache_index=torch.tensor(4))
+            model.decode(tgt, memory, mask, cache=at_position(model.init_cache(memory, 4), torch.tensor(4)))
 
 
 # ----------------------------------------------------------------------------- low precision

@@ -30,6 +30,7 @@ from reference_numpy import (
     target_mask,
 )
 from reference_numpy.decoding import next_token_log_probs
+from reference_numpy.incremental import at_position
 
 TINY = VARIANTS["tiny"]
 
@@ -188,7 +189,8 @@ def test_decoder_is_causal(model):
 
 def test_cached_decoding_equals_uncached_step_by_step(model):
     """Section 3.2.3 with a key/value cache: feeding the target a few positions at a time through
-    init_cache and decode(cache=, cache_index=) gives every position the uncached decoder's output
+    init_cache and decode(cache=) (at_position, or the cache's own position) gives every position the uncached
+    decoder's output
     on the whole prefix (with the default causal mask, and with an explicit mask over the cache
     for a target row with padding), and next_token_log_probs with a cache the uncached
     log-probabilities, in float64 within the policy. The cache is a value: a step returns a new
@@ -203,10 +205,16 @@ def test_cached_decoding_equals_uncached_step_by_step(model):
     steps = ((0, 1), (1, 2), (2, 5), (5, 6), (6, 8))                        # one or several new positions
     cache = empty = model.init_cache(memory, 10)
     for start, end in steps:
-        out, cache = model.decode(tgt[:, start:end], memory, src_mask, cache=cache, cache_index=start)
+        out, cache = model.decode(tgt[:, start:end], memory, src_mask, cache=at_position(cache, start))
         close64(out, model.decode(tgt[:, :end], memory, src_mask)[:, start:], what=f"positions {start}..{end - 1}")
     assert not any(kv.keys.any() or kv.values.any() for layer in empty for kv in layer[:1])
     assert not cache[0][0].keys[:, :, 8:].any()                             # never written
+    assert [own.position for own, _ in cache] == [8] * config.n_decoder_layers   # advanced past the last write
+    assert all(memory_cache.is_memory and memory_cache.position == () for _, memory_cache in cache)
+    stepped = model.init_cache(memory, 10)                                  # no position given: the cache's own
+    for start, end in steps:
+        out, stepped = model.decode(tgt[:, start:end], memory, src_mask, cache=stepped)
+        close64(out, model.decode(tgt[:, :end], memory, src_mask)[:, start:], what=f"own position {start}..{end - 1}")
     cache = model.init_cache(memory, 8)
     for start, end in steps:
         cached, cache = next_token_log_probs(model, tgt[:, start:end], memory, src_mask, cache, start)
@@ -218,7 +226,7 @@ def test_cached_decoding_equals_uncached_step_by_step(model):
     for start, end in steps:
         rows = target_mask(tgt[:, :end], config.pad_id)[:, :, start:]        # (B, 1, T_new, end)
         tgt_mask = np.pad(rows, [(0, 0), (0, 0), (0, 0), (0, 8 - end)])     # (B, 1, T_new, C)
-        out, cache = model.decode(tgt[:, start:end], memory, src_mask, tgt_mask, cache=cache, cache_index=start)
+        out, cache = model.decode(tgt[:, start:end], memory, src_mask, tgt_mask, cache=at_position(cache, start))
         close64(out, model.decode(tgt[:, :end], memory, src_mask)[:, start:], what=f"padded, {start}..{end - 1}")
 
 
@@ -227,9 +235,9 @@ def test_cache_arguments_are_checked():
     memory = model.encode(np.array([[5, 6, 7]]))
     cache = model.init_cache(memory, 2)
     with pytest.raises(ValueError, match="cache holds 2 positions; decoding needs 3"):
-        model.decode(np.array([[1, 5]]), memory, cache=cache, cache_index=1)
-    with pytest.raises(ValueError, match="cache_index must be an int >= 0, got 1.0"):
-        model.decode(np.array([[1]]), memory, cache=cache, cache_index=1.0)
+        model.decode(np.array([[1, 5]]), memory, cache=at_position(cache, 1))
+    with pytest.raises(ValueError, match="cache.position must be an int >= 0, got 1.0"):
+        model.decode(np.array([[1]]), memory, cache=at_position(cache, 1.0))
     with pytest.raises(ValueError, match=r"capacity must be an int in \[1, 64\], got 0"):
         model.init_cache(memory, 0)
     with pytest.raises(ValueError, match="memory must have the model's dtype float64, got float32"):
