@@ -158,7 +158,7 @@ class MultiHeadAttention:
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
     attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
+    written from its ``index`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -397,10 +397,10 @@ class DecoderLayer:
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
     With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    ``index`` and the call returns ``(x, cache)``.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
-    T, D).
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
+    (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -501,12 +501,13 @@ def _owned(rounded: np.ndarray, given: np.ndarray, copy: bool) -> np.ndarray:
 class Transformer:
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
-    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
-    log-probabilities (B, T, V_tgt).
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
+    (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
+    -> log-probabilities (B, T, V_tgt).
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
+    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
+    (``incremental.at_position`` sets them).
 
     NumPy: ``params`` the checkpoint's dictionary, rounded to ``dtype`` (float64, float32, bfloat16 or float16) into
     arrays of the model's own (``copy=False``: arrays already in ``dtype`` taken as they are).
@@ -553,7 +554,7 @@ class Transformer:
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
         """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        self-attention caches' ``index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).

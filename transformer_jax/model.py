@@ -163,7 +163,7 @@ class MultiHeadAttention(nnx.Module):
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
     attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
+    written from its ``index`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -429,10 +429,10 @@ class DecoderLayer(nnx.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
     With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    ``index`` and the call returns ``(x, cache)``.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
-    T, D).
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
+    (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -548,12 +548,13 @@ def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
 class Transformer(nnx.Module):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
-    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
-    log-probabilities (B, T, V_tgt).
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
+    (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
+    -> log-probabilities (B, T, V_tgt).
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
+    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
+    (``incremental.at_position`` sets them).
 
     JAX: ``dtype`` float64 (needs ``jax_enable_x64``), float32, bfloat16 or float16; ``param_dtype`` float32 beside
     bfloat16 or float16 is Flax's mixed precision; weights random (``rngs``) until loaded by :mod:`.checkpoint`.
@@ -599,7 +600,7 @@ class Transformer(nnx.Module):
                tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None, *,
                deterministic: bool | None = None) -> Any:
         """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        self-attention caches' ``index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).

@@ -153,7 +153,7 @@ class MultiHeadAttention(nn.Module):
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
     attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
+    written from its ``index`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -417,10 +417,10 @@ class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
     With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    ``index`` and the call returns ``(x, cache)``.
 
-    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) -> (B,
-    T, D).
+    Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
+    (B, T, D).
     """
 
     def __init__(self, config: TransformerConfig):
@@ -519,12 +519,13 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
-    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to (B, H, T or
-    S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt ->
-    log-probabilities (B, T, V_tgt).
+    Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
+    (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
+    -> log-probabilities (B, T, V_tgt).
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache = model.decode(new_tokens,
-    memory, src_mask, cache=cache)`` at the next positions (``incremental.at_position`` sets them).
+    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
+    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
+    (``incremental.at_position`` sets them).
 
     PyTorch: weights from :mod:`.checkpoint`; ``model(src, tgt)`` checks the ids on the host before a compiled
     ``forward``.
@@ -572,7 +573,7 @@ class Transformer(nn.Module):
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
                tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None) -> Any:
         """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        self-attention caches' ``index`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
