@@ -158,7 +158,7 @@ class MultiHeadAttention:
 
     Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
     attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``index`` (docs/ports.md).
+    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -397,7 +397,7 @@ class DecoderLayer:
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
     With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``index`` and the call returns ``(x, cache)``.
+    ``position`` and the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -554,7 +554,7 @@ class Transformer:
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
         """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``index`` and the call returns ``(out, cache)`` (docs/ports.md).
+        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
 
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
