@@ -47,17 +47,12 @@ def attended_width(capacity: int, written: int) -> int:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+    """Keys and values of one attention sublayer kept between decoding steps -- section 3.2.3.
 
-    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written), ``position`` the position
-    the next keys are written at; encoder-decoder attention: the projected memory, C = S, ``position`` ``()`` (never
-    written).
-
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written), ``position`` the next one
+    written; encoder-decoder attention: the projected memory, C = S, ``position`` ``()`` (never written). ``beams``
+    (B, K, C) int, in a beam search (section 6.1) whose N = B * K rows stay in place: position c of the hypothesis in
+    row b*K + j is in row b*K + beams[b, j, c]; ``()``: every row holds its own positions.
     """
 
     keys: np.ndarray    # (B, H, C, d_k)
@@ -71,9 +66,11 @@ class KVCache(NamedTuple):
         return isinstance(self.position, tuple)
 
     def update(self, keys: np.ndarray, values: np.ndarray) -> KVCache:
-        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position``
-        advanced past them: a new cache, this one left as it was."""
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions ``position`` .. ``position``
+        + T_new - 1, the beam table marking them each row's own, and ``position`` advanced past them.
+
+        NumPy: a new cache, this one left as it was.
+        """
         start = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
                        _written_beams(self.beams, start, keys.shape[2]), start + keys.shape[2])
@@ -81,7 +78,8 @@ class KVCache(NamedTuple):
 
 def at_position(cache: tuple, position: int) -> tuple:
     """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
-    ``position``: the positions before it are the prefix decoded so far."""
+    ``position``: the positions before it are the prefix decoded so far.
+    """
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
@@ -95,8 +93,8 @@ def _beam_table(cache: KVCache | None) -> np.ndarray | None:
 
 
 def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndarray:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+    """New position q (absolute position cache_index + q) may attend to cache positions j <= cache_index + q -- section
+    3.2.3; later positions, not yet written, are hidden.
 
     Shape: mask (1, 1, T_new, C), bool, True = may attend.
     """
@@ -105,11 +103,12 @@ def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndar
 
 def _attend_written(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
                     beams: np.ndarray | None, cache_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
-    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
-    reading only its first W positions (:func:`attended_width`: the rest are not yet written); the weights
-    (N, H, Tq, C), zero after W.
-    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
+    - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
+    """
     capacity, length = key.shape[2], query.shape[2]
     cache_index = check_cache_index(cache_index, length, capacity)
     width = attended_width(capacity, cache_index + length)
@@ -120,16 +119,21 @@ def _attend_written(attention: Attention, query: np.ndarray, key: np.ndarray, va
 
 
 def _written(buffer: np.ndarray, new: np.ndarray, index: int) -> np.ndarray:
-    """A copy of ``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
-    (B, H, T_new, d_k)."""
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k).
+
+    NumPy: a copy.
+    """
     buffer = buffer.copy()
     buffer[:, :, index:index + new.shape[2]] = new
     return buffer
 
 
 def _written_beams(beams: np.ndarray | tuple, index: int, length: int) -> np.ndarray | tuple:
-    """A copy of the ``beams`` table (B, K, C) whose positions index .. index + length - 1 are each
-    row's own (what :func:`_written` wrote there); ``()`` stays ``()``."""
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
+    (what the keys' write wrote there); ``()`` stays ``()``.
+
+    NumPy: a copy.
+    """
     if isinstance(beams, tuple):
         return beams
     beams = beams.copy()

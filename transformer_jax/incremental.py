@@ -26,16 +26,14 @@ Attention = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+    """Keys and values of one attention sublayer kept between decoding steps -- section 3.2.3.
 
-    Fixed sizes, so that a decoding loop compiles once: a self-attention cache holds C =
-    capacity positions (zeros until written), an encoder-decoder one the projected memory (C = S).
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written), ``position`` the next one
+    written; encoder-decoder attention: the projected memory, C = S, ``position`` ``()`` (never written). ``beams``
+    (B, K, C) int, in a beam search (section 6.1) whose N = B * K rows stay in place: position c of the hypothesis in
+    row b*K + j is in row b*K + beams[b, j, c]; ``()``: every row holds its own positions.
 
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
+    JAX: fixed sizes, so that a decoding loop compiles once.
     """
 
     keys: jax.Array     # (B, H, C, d_k)
@@ -49,10 +47,11 @@ class KVCache(NamedTuple):
         return isinstance(self.position, tuple)
 
     def update(self, keys: jax.Array, values: jax.Array) -> KVCache:
-        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position`` advanced
-        past them:
-        a new cache (``lax.dynamic_update_slice_in_dim``; ``position`` may be traced)."""
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions ``position`` .. ``position``
+        + T_new - 1, the beam table marking them each row's own, and ``position`` advanced past them.
+
+        JAX: a new cache (``lax.dynamic_update_slice_in_dim``; ``position`` may be traced).
+        """
         cache_index = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(lax.dynamic_update_slice_in_dim(self.keys, keys, cache_index, axis=2),
                        lax.dynamic_update_slice_in_dim(self.values, values, cache_index, axis=2),
@@ -61,7 +60,8 @@ class KVCache(NamedTuple):
 
 def at_position(cache: tuple, position: int | jax.Array) -> tuple:
     """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
-    ``position``: the positions before it are the prefix decoded so far."""
+    ``position``: the positions before it are the prefix decoded so far.
+    """
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
@@ -74,8 +74,8 @@ def _beam_table(cache: KVCache | None) -> jax.Array | None:
 
 
 def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int) -> jax.Array:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
+    """New position q (absolute position cache_index + q) may attend to cache positions j <= cache_index + q -- section
+    3.2.3; later positions, not yet written, are hidden.
 
     Shape: mask (1, 1, T_new, C), bool, True = may attend.
     """
@@ -85,12 +85,15 @@ def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int
 def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array,
                     beams: jax.Array | None, cache_index: int | jax.Array, return_weights: bool,
                     dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
-    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
-    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
-    reading only its first W positions (``attended_width``: the rest are not yet written; at a traced
-    ``cache_index``, ``lax.switch`` picks the branch of W among ``attended_widths``); the weights (N, H, Tq, C),
-    zero after W, when asked.
-    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
+    - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
+
+    JAX: at a traced ``cache_index`` ``lax.switch`` picks the branch of W among ``attended_widths``; the weights when
+    asked.
+    """
     capacity, length = key.shape[2], query.shape[2]
     cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
 
@@ -109,7 +112,10 @@ def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, valu
 
 def _written_beams(beams: jax.Array | tuple, index: int | jax.Array, length: int) -> jax.Array | tuple:
     """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
-    (what ``lax.dynamic_update_slice_in_dim`` wrote there); ``()`` stays ``()``."""
+    (what the keys' write wrote there); ``()`` stays ``()``.
+
+    JAX: a new array (``jnp.where``; ``index`` may be traced).
+    """
     if isinstance(beams, tuple):
         return beams
     position = jnp.arange(beams.shape[2]) - index                        # (C,)

@@ -25,16 +25,14 @@ Attention = Callable[..., tuple[tf.Tensor, tf.Tensor]]
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+    """Keys and values of one attention sublayer kept between decoding steps -- section 3.2.3.
 
-    C is the capacity (self-attention: a fixed buffer written at ``cache_index``, so every shape
-    stays static under XLA) or S (encoder-decoder attention: the projected memory).
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written), ``position`` the next one
+    written; encoder-decoder attention: the projected memory, C = S, ``position`` ``()`` (never written). ``beams``
+    (B, K, C) int, in a beam search (section 6.1) whose N = B * K rows stay in place: position c of the hypothesis in
+    row b*K + j is in row b*K + beams[b, j, c]; ``()``: every row holds its own positions.
 
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
+    TensorFlow: fixed sizes, so that every shape stays static under XLA.
     """
 
     keys: tf.Tensor     # (B, H, C, d_k)
@@ -48,10 +46,11 @@ class KVCache(NamedTuple):
         return isinstance(self.position, tuple)
 
     def update(self, keys: tf.Tensor, values: tf.Tensor) -> KVCache:
-        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position`` advanced
-        past them:
-        a new cache (a scatter, also under XLA; ``position`` may be traced)."""
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions ``position`` .. ``position``
+        + T_new - 1, the beam table marking them each row's own, and ``position`` advanced past them.
+
+        TensorFlow: a new cache (a scatter, also under XLA; ``position`` may be traced).
+        """
         cache_index = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(_written(self.keys, keys, cache_index), _written(self.values, values, cache_index),
                        _written_beams(self.beams, cache_index, keys.shape[2]),
@@ -60,7 +59,8 @@ class KVCache(NamedTuple):
 
 def at_position(cache: tuple, position: Index) -> tuple:
     """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
-    ``position``: the positions before it are the prefix decoded so far."""
+    ``position``: the positions before it are the prefix decoded so far.
+    """
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
@@ -73,11 +73,12 @@ def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
 
 
 def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.Tensor:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
-    ``cache_index`` may be a tensor (traced decoding).
+    """New position q (absolute position cache_index + q) may attend to cache positions j <= cache_index + q -- section
+    3.2.3; later positions, not yet written, are hidden.
 
     Shape: mask (1, 1, T_new, C), bool, True = may attend.
+
+    TensorFlow: ``cache_index`` may be a tensor (traced decoding).
     """
     query = tf.cast(cache_index, tf.int32) + tf.range(length)             # (T_new,)
     return (tf.range(capacity)[None, :] <= query[:, None])[None, None]
@@ -86,12 +87,15 @@ def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.
 def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
                     beams: tf.Tensor | None, cache_index: Index, return_weights: bool,
                     dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
-    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
-    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
-    reading only its first W positions (``attended_width``: the rest are not yet written; at a traced
-    ``cache_index``, ``tf.switch_case`` picks the branch of W among ``attended_widths``; all C when C is not
-    known when tracing); the weights (N, H, Tq, C), zero after W, when asked.
-    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None."""
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
+    - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
+
+    TensorFlow: at a traced ``cache_index`` ``tf.switch_case`` picks the branch of W among ``attended_widths``
+    (all C when C is not known when tracing); the weights when asked.
+    """
     capacity, length = key.shape[2], query.shape[2]
     cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
 
@@ -113,8 +117,10 @@ def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, valu
 
 
 def _written(buffer: tf.Tensor, new: tf.Tensor, index: Index) -> tf.Tensor:
-    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new``
-    (B, H, T_new, d_k): a new tensor, by a scatter (also under XLA; ``index`` may be traced)."""
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k).
+
+    TensorFlow: a new tensor, by a scatter (also under XLA; ``index`` may be traced).
+    """
     shape = tf.shape(new)
     positions = tf.cast(index, tf.int32) + tf.range(shape[2])               # (T_new,)
     batch, heads, position = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions,
@@ -124,7 +130,8 @@ def _written(buffer: tf.Tensor, new: tf.Tensor, index: Index) -> tf.Tensor:
 
 def _written_beams(beams: tf.Tensor | tuple, index: Index, length: int) -> tf.Tensor | tuple:
     """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
-    (what :func:`_written` wrote there); ``()`` stays ``()``."""
+    (what the keys' write wrote there); ``()`` stays ``()``.
+    """
     if isinstance(beams, tuple):
         return beams
     position = tf.range(beams.shape[2]) - tf.cast(index, tf.int32)       # (C,)

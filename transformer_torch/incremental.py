@@ -27,16 +27,12 @@ Attention = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention sublayer kept between decoding steps (section 3.2.3).
+    """Keys and values of one attention sublayer kept between decoding steps -- section 3.2.3.
 
-    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written);
-    encoder-decoder attention: the projected memory, C = S.
-
-    ``beams``: in beam search (section 6.1) the N = B * K rows of a self-attention cache may stay
-    in place while hypotheses move between rows; ``beams`` (B, K, C) int then says where each
-    hypothesis's positions are: position c of the hypothesis in row b*K + j is in row
-    b*K + beams[b, j, c] (positions written by that row are its own; reordering beams reorders
-    this table, not the keys and values). ``()``: every row holds its own positions.
+    Masked self-attention: C = the capacity, target positions 0 .. C-1 (zeros until written), ``position`` the next one
+    written; encoder-decoder attention: the projected memory, C = S, ``position`` ``()`` (never written). ``beams``
+    (B, K, C) int, in a beam search (section 6.1) whose N = B * K rows stay in place: position c of the hypothesis in
+    row b*K + j is in row b*K + beams[b, j, c]; ``()``: every row holds its own positions.
     """
 
     keys: Tensor    # (B, H, C, d_k)
@@ -50,10 +46,11 @@ class KVCache(NamedTuple):
         return isinstance(self.position, tuple)
 
     def update(self, keys: Tensor, values: Tensor) -> KVCache:
-        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions
-        ``position`` .. ``position`` + T_new - 1, the beam table marking them each row's own, and ``position`` advanced
-        past them:
-        in place at an int position (the same tensors), into new tensors at a traced one."""
+        """This cache with ``keys`` and ``values`` (B, H, T_new, d_k) written at positions ``position`` .. ``position``
+        + T_new - 1, the beam table marking them each row's own, and ``position`` advanced past them.
+
+        PyTorch: in place at an int position (the same tensors), into new tensors at a traced one.
+        """
         start = check_cache_index(self.position, keys.shape[2], self.keys.shape[2])
         return KVCache(_written(self.keys, keys, start), _written(self.values, values, start),
                        _written_beams(self.beams, start, keys.shape[2]), start + keys.shape[2])
@@ -61,7 +58,8 @@ class KVCache(NamedTuple):
 
 def at_position(cache: tuple, position: Index) -> tuple:
     """The decoder's caches (:meth:`.model.Transformer.init_cache`) with every self-attention cache's next write at
-    ``position``: the positions before it are the prefix decoded so far."""
+    ``position``: the positions before it are the prefix decoded so far.
+    """
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
@@ -74,11 +72,12 @@ def _beam_table(cache: KVCache | None) -> Tensor | None:
 
 
 def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: torch.device) -> Tensor:
-    """New position q (absolute position cache_index + q) may attend to cache positions
-    j <= cache_index + q (section 3.2.3); later positions, not yet written, are hidden.
-    ``cache_index`` may be a traced tensor (an exported decoding step).
+    """New position q (absolute position cache_index + q) may attend to cache positions j <= cache_index + q -- section
+    3.2.3; later positions, not yet written, are hidden.
 
     Shape: mask (1, 1, T_new, C), bool, True = may attend.
+
+    PyTorch: ``cache_index`` may be a traced tensor (an exported step).
     """
     keys, queries = torch.arange(capacity, device=device), torch.arange(length, device=device)
     return (keys <= cache_index + queries[:, None])[None, None]
@@ -86,11 +85,14 @@ def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: 
 
 def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None,
                     cache_index: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
-    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions
-    cache_index .. cache_index + Tq - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`),
-    reading only its first W positions (``attended_width``: the rest are not yet written; W = C at a traced
-    ``cache_index``); the weights (N, H, Tq, C), zero after W. Shape: query (N, H, Tq, d_k), key and value
-    (N, H, C, d_k), beams (B, K, C) or None."""
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
+    - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
+    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
+
+    PyTorch: W = C at a traced ``cache_index``; the weights when asked.
+    """
     capacity, length = key.shape[2], query.shape[2]
     cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
     width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + length)
@@ -101,14 +103,19 @@ def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Ten
 
 
 def _written(buffer: Tensor, new: Tensor, index: Index) -> Tensor:
-    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k),
-    by :func:`_write_at`."""
+    """``buffer`` (B, H, C, d_k) with positions index .. index + T_new - 1 set to ``new`` (B, H, T_new, d_k).
+
+    PyTorch: by :func:`_write_at`.
+    """
     return _write_at(buffer, new, _positions(index, new.shape[2]))
 
 
 def _written_beams(beams: Tensor | tuple, index: Index, length: int) -> Tensor | tuple:
-    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own (what
-    :func:`_written` wrote there), by :func:`_write_at`; ``()`` stays ``()``."""
+    """The ``beams`` table (B, K, C) with positions index .. index + length - 1 each row's own
+    (what the keys' write wrote there); ``()`` stays ``()``.
+
+    PyTorch: by :func:`_write_at`.
+    """
     if isinstance(beams, tuple):
         return beams
     own = torch.arange(beams.shape[1], device=beams.device, dtype=beams.dtype)              # (K,)

@@ -454,7 +454,7 @@ def shared_part(docstring: str, backend: str) -> str:
     return "\n\n".join(paragraphs)
 
 
-def docstring_divergences(texts: dict[str, str]) -> list[str]:
+def docstring_divergences(texts: dict[str, str], file: str = "model.py") -> list[str]:
     """A line per shared name whose docstring, the backend's own paragraph aside, is not the reference's."""
     reference = {name: shared_part(doc, REFERENCE) for name, doc in docstrings(texts[REFERENCE]).items()}
     problems = []
@@ -463,29 +463,33 @@ def docstring_divergences(texts: dict[str, str]) -> list[str]:
             base = name.split(".")[0]
             own = base not in reference and not name.startswith(tuple(CALL_METHODS))
             if name in reference and shared_part(doc, port) != reference[name]:
-                problems.append(f"{port}/model.py: the docstring of {name} is not the reference's")
+                problems.append(f"{port}/{file}: the docstring of {name} is not the reference's")
             elif not own and name not in reference and base in reference and "." not in name:
-                problems.append(f"{port}/model.py: {name} has a docstring the reference lacks")
+                problems.append(f"{port}/{file}: {name} has a docstring the reference lacks")
     return problems
 
 
-@pytest.mark.parametrize(("where", "old", "new", "expected"), [
-    (None, None, None, None),
+@pytest.mark.parametrize(("file", "where", "old", "new", "expected"), [
+    ("model.py", None, None, None, None),
+    ("incremental.py", None, None, None, None),
     # a word changed in one port's copy
-    ("transformer_jax", "head_i = Attention(Q W_i^Q,", "head_i = Attention(W_i^Q Q,",
+    ("model.py", "transformer_jax", "head_i = Attention(Q W_i^Q,", "head_i = Attention(W_i^Q Q,",
      "transformer_jax/model.py: the docstring of MultiHeadAttention is not the reference's"),
+    ("incremental.py", "transformer_tf", "the positions before it are", "the positions after it are",
+     "transformer_tf/incremental.py: the docstring of at_position is not the reference's"),
     # a framework paragraph under another framework's name
-    ("transformer_torch", "PyTorch: torch's fused kernel", "JAX: torch's fused kernel",
+    ("model.py", "transformer_torch", "PyTorch: torch's fused kernel", "JAX: torch's fused kernel",
      "transformer_torch/model.py: the docstring of scaled_dot_product_attention is not the reference's"),
 ])
-def test_model_docstrings_are_written_once(where, old, new, expected):
-    """Every docstring model.py's backends share is the reference's, word for word, each backend's own last paragraph
-    aside; the checker reports a word changed in one port and a paragraph under another framework's name."""
-    texts = {backend: model_text(backend) for backend in (REFERENCE, *PORTS)}
+def test_docstrings_are_written_once(file, where, old, new, expected):
+    """Every docstring model.py's (and incremental.py's) backends share is the reference's, word for word, each
+    backend's own last paragraph aside; the checker reports a word changed in one port and a paragraph under another
+    framework's name."""
+    texts = {backend: (ROOT / backend / file).read_text() for backend in (REFERENCE, *PORTS)}
     if where is not None:
-        assert old in texts[where], f"{where}/model.py no longer has {old!r}: update this test"
+        assert old in texts[where], f"{where}/{file} no longer has {old!r}: update this test"
         texts[where] = texts[where].replace(old, new, 1)
-    problems = docstring_divergences(texts)
+    problems = docstring_divergences(texts, file)
     if expected is None:
         assert not problems, "\n".join(problems)
     else:
