@@ -185,7 +185,7 @@ SINGLE = [
     single("export", "torch: the compiled decoding step handed a constant cache index (position 0)",
            "transformer_torch/speed.py", "torch.tensor(cache_index, device=tgt.device)",
            "torch.tensor(0, device=tgt.device)",
-           ["tests/cli/test_export.py", "-k", "compiled_decoding"]),
+           ["tests/export/test_exporters.py", "-k", "compiled_decoding"]),
     single("cache", "keras: key/value cache written one position late", "transformer_tf/incremental.py",
            "positions = tf.cast(index, tf.int32) + tf.range(shape[2])",
            "positions = tf.cast(index, tf.int32) + 1 + tf.range(shape[2])",

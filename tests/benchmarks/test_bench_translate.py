@@ -3,7 +3,7 @@ row, the same work (output tokens) as transformers' ``generate``, and the ports 
 benchmark hands every engine the checkpoint's conventions: a wrong budget, start token or length penalty would show
 here). The engines run in this process (``run`` replaced: a process of each framework's own would add its imports'
 seconds) and ``compile_decoding`` is recorded, not run (Inductor compiles for about a minute at any size;
-tests/cli/test_export.py checks the compiled decoding). No time is asserted."""
+tests/export/test_exporters.py checks the compiled decoding). No time is asserted."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ and ``equivalence`` are not importable), and its answers are compared with the N
 
 * ``ctranslate2`` with the checkpoint's BPE vocabulary: CTranslate2 translates English *text* (the tokenizer's
   pieces in, pieces out) into exactly the reference's greedy and beam-4 French on held-out sentences of the shipped
-  model; a checkpoint without a tokenizer keeps the ``<N>`` names;
+  model;
 * ``savedmodel``, ``jax-export``, ``torch-export``, ``onnx``: the forward pass of the shipped model, loaded by
   TensorFlow, JAX, PyTorch or onnxruntime alone, gives log-probabilities within the float32 policy
   (``equivalence.tolerance``) of the float64 reference's on a ragged batch of held-out sentences and on a batch
@@ -17,11 +17,10 @@ and ``equivalence`` are not importable), and its answers are compared with the N
   ``step`` per position), run by a NumPy greedy loop in the same kind of process, writes the reference's greedy
   tokens for the 32 held-out sentences and log-probabilities within the float32 policy; a transposed decoder
   self-attention W_k in the exported weights fails both; ``export --check`` runs it too;
-* what capture needed in the ports: Keras' ``model.export`` after a call (the model records its token inputs),
-  ``torch.compile(fullgraph=True)`` with no graph break in torch's own report, the public calls still refusing
-  bad ids with the reference's message; the command's refusals.
+* the command's refusals and its progress bar.
 
-An engine that is not installed is a skip naming its extra.
+The exporters' library and the ports' compile and export paths are checked in tests/export/test_exporters.py. An
+engine that is not installed is a skip naming its extra.
 """
 
 from __future__ import annotations
@@ -30,10 +29,8 @@ import contextlib
 import functools
 import io
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,28 +38,26 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from shipped import (
+    beam_source,
+    check_against_reference,
+    reference_beams,
+    reference_greedy,
+    reference_log_probs,
+    shipped_batches,
+    shipped_texts,
+)
 from support import require
 
-from equivalence import tolerance
-from equivalence.margins import beam_margins
 from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params, save_checkpoint
 from reference_numpy.checkpoint import load_checkpoint, load_tokenizer_json
 from reference_numpy.decoding import BEAM_SIZE, EXTRA_OUTPUT_LENGTH, LENGTH_PENALTY_ALPHA
-from reference_numpy.tokenizer import pad_rows
 from transformer_cli.main import EXIT_DISAGREEMENT, EXIT_OK, EXIT_USAGE, main
 from transformer_export import check as export_check
 from transformer_export import ctranslate2 as ctranslate2_export
 from transformer_export import export as export_module
-from transformer_export.check import ISOLATION, LOADERS, run_isolated
-from transformer_tasks.numbers import NumbersTask, english, french
+from transformer_export.check import LOADERS, run_isolated
 from transformer_tasks.translation import SHIPPED, load_translator
-
-SHIPPED_TEXTS = 32                 # held-out sentences of the shipped model, every length of the test split
-# Number words in no English number's order, on which the shipped model's beam search (size 4, alpha 0.6) and greedy
-# decoding part (on the held-out sentences they agree): "treize" against greedy's "treize mille huit".
-BEAM_TEXTS = ("thirteen seventy thirteen eight three", "sixty and thirteen thirty and",
-              "six twelve thirty hundred four seventy", "ten thirteen thirteen seventy thirteen hundred",
-              "four fifty hundred eight seven seventy", "eleven five thirteen and", "six ten twenty seventy eighty and")
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +83,6 @@ def serving(tmp_path_factory) -> Callable[[], contextlib.AbstractContextManager]
 
 # ----------------------------------------------------------------------------- a process without the project
 
-def test_the_isolated_process_cannot_import_the_project(tmp_path):
-    """The check every isolated run starts with can fail: here the project is importable (its path is added)."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", f"import sys; sys.path.append({repo!r})" + ISOLATION],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "the project is importable" in done.stderr
-    assert run_isolated("print(json.dumps([sys.flags.no_site, sys.flags.isolated]))") == [1, 1]
-
 
 # ----------------------------------------------------------------------------- CTranslate2 with the BPE vocabulary
 
@@ -115,23 +101,6 @@ sources = [tokenizer.encode(text, add_special_tokens=False).tokens for text in t
 print(json.dumps({name: [text(result.hypotheses[0]) for result in translator.translate_batch(sources, **kwargs)]
                   for name, kwargs in options.items()}))
 """
-
-
-def shipped_numbers() -> np.ndarray:
-    """Numbers spread over the shipped model's test split (3 to 6 digits)."""
-    numbers = NumbersTask().split.held_out("test")
-    return numbers[::len(numbers) // SHIPPED_TEXTS][:SHIPPED_TEXTS]
-
-
-def shipped_texts() -> list[str]:
-    return [english(n) for n in shipped_numbers()]
-
-
-@functools.cache
-def reference_greedy() -> np.ndarray:
-    """The float64 reference's ``greedy_decode`` tokens on :func:`shipped_texts`."""
-    config, params, tokenizer = load_translator()
-    return greedy_decode(Transformer(config, params), tokenizer.batch(shipped_texts()))
 
 
 def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys, serving):
@@ -160,31 +129,6 @@ def test_ctranslate2_translates_text_as_the_reference(tmp_path, capsys, serving)
     for kind, tokens in reference.items():
         assert got[kind] == [tokenizer.decode(row) for row in tokens], kind
     assert len(set(got["beam"])) == len(texts)
-
-
-def test_ctranslate2_without_a_tokenizer_keeps_id_names(tmp_path):
-    """A checkpoint without a tokenizer: ``<N>`` names, the specials at their ids, no tokenizer.json, and no eos
-    appended to the source (the caller's id rows carry it, ``to_tokens``)."""
-    require("ctranslate2", "peers")
-    config = TransformerConfig.preset("tiny")
-    save_checkpoint(tmp_path / "m.safetensors", config, init_params(config, seed=0))
-    out = ctranslate2_export.export_ctranslate2(tmp_path / "m.safetensors", tmp_path / "model")
-    names = json.loads((out / "target_vocabulary.json").read_text())
-    assert names[:5] == ["<pad>", "<s>", "</s>", "<3>", "<4>"] and len(names) == config.tgt_vocab_size
-    assert not (out / "tokenizer.json").exists()
-    assert json.loads((out / "config.json").read_text())["add_source_eos"] is False
-
-
-def test_ctranslate2_refuses_a_vocabulary_naming_two_ids_alike():
-    """A BPE piece spelled like the name of an id beyond the tokenizer's vocabulary would make two ids one token."""
-    config, _, tokenizer = load_translator()
-    data = json.loads(tokenizer.to_json())
-    piece = next(token for token, i in data["model"]["vocab"].items() if i == 10)
-    data["model"]["vocab"][f"<{config.tgt_vocab_size - 1}>"] = data["model"]["vocab"].pop(piece)
-    with pytest.raises(ValueError, match=rf"^token '<{config.tgt_vocab_size - 1}>' names two ids of the vocabulary"):
-        ctranslate2_export.token_names(config, config.tgt_vocab_size, json.dumps(data))
-    names = ctranslate2_export.token_names(config, config.tgt_vocab_size, tokenizer.to_json())
-    assert np.unique(names).size == config.tgt_vocab_size
 
 
 # ----------------------------------------------------------------------------- the forward pass in each runtime
@@ -241,25 +185,6 @@ np.savez(sys.argv[3], **results)
 print(json.dumps({**answer, "imported": sorted(name for name in ("tensorflow", "jax", "torch", "onnxruntime")
                                                if name in sys.modules)}))
 """
-
-
-@functools.cache
-def shipped_batches() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """A ragged batch of 8 held-out sentences (src = ids + eos, tgt = bos + the French ids, both right-padded),
-    and one sentence with a target of one position (bos): a batch and lengths no export was traced with."""
-    config, _, tokenizer = load_translator()
-    numbers = shipped_numbers()[::4]
-    src = tokenizer.batch([english(n) for n in numbers])
-    tgt = pad_rows([[config.bos_id, *tokenizer.encode(french(n))] for n in numbers], config.pad_id)
-    return (src, tgt), (src[-1:, :int((src[-1] != config.pad_id).sum())], tgt[:1, :1])
-
-
-@functools.cache
-def reference_log_probs() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """The float64 and the float32 reference's log-probabilities on each of :func:`shipped_batches`."""
-    config, params = load_checkpoint(SHIPPED)
-    models = Transformer(config, params), Transformer(config, params, np.float32)
-    return tuple((models[0](src, tgt), models[1](src, tgt)) for src, tgt in shipped_batches())
 
 
 class Exported(NamedTuple):
@@ -347,41 +272,12 @@ def shipped_served(exported, serving) -> Callable[[str], tuple[Served, Stepped]]
     return served
 
 
-def check_against_reference(target: str, log_probs: list[np.ndarray], agreement) -> None:
-    for i, ((src, tgt), out, (ref64, ref32)) in enumerate(zip(shipped_batches(), log_probs, reference_log_probs())):
-        agreement(out, ref64, ref32, port=target, device="cpu", dtype="float32",
-                  what=f"log-probs of the exported forward pass: shipped model, batch {i} {src.shape} {tgt.shape}")
-
-
 def check_greedy_tokens(target: str, served: Served) -> None:
     """The artefact's greedy loop writes exactly the float64 reference's ``greedy_decode`` tokens, and its
     tokenizer.json their text."""
     tokenizer, expected = load_translator()[2], reference_greedy()
     np.testing.assert_array_equal(served.tokens, expected, err_msg=f"greedy tokens of the exported {target}")
     assert served.texts == [tokenizer.decode(row) for row in expected], target
-
-
-def beam_source() -> np.ndarray:
-    """:func:`shipped_texts` and :data:`BEAM_TEXTS` as source ids."""
-    return load_translator()[2].batch([*shipped_texts(), *BEAM_TEXTS])
-
-
-@functools.cache
-def reference_beams() -> tuple[np.ndarray, np.ndarray]:
-    """The float64 reference's beam-4 tokens on :func:`beam_source`, and which rows the float32 token rule compares
-    whole (no near-tie: ``tolerance.beam_row_is_decisive`` with the float32 bound of the log-probabilities along
-    them; one held-out sentence has a step margin of 3e-4 against 7.7e-4), after checking that those include every
-    row of :data:`BEAM_TEXTS` and that there beam search parts from greedy decoding."""
-    config, params, _ = load_translator()
-    model64, model32, src = Transformer(config, params), Transformer(config, params, np.float32), beam_source()
-    tokens = beam_search(model64, src, BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
-    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), tokens[:, :-1]], axis=1)
-    bound = tolerance.float32_bound(model64(src, tgt), model32(src, tgt))
-    decisive = np.array([tolerance.beam_row_is_decisive(row, bound) for row in beam_margins(model64, src)])
-    greedy = greedy_decode(model64, src)
-    assert decisive[-len(BEAM_TEXTS):].all() and decisive.sum() >= len(src) - 2
-    assert all(not np.array_equal(greedy[i], tokens[i]) for i in range(len(src) - len(BEAM_TEXTS), len(src)))
-    return tokens, decisive
 
 
 def check_beam_tokens(target: str, served: Served) -> None:
@@ -617,110 +513,6 @@ def test_export_check_is_for_the_forward_pass_targets(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- capture in the ports
-
-def test_keras_model_export_after_a_call_serves_token_ids(tmp_path, agreement):
-    """Keras' own ``model.export(path)`` (no signature given) works once the model was called, as Keras asks of a
-    subclassed model: the serving signature takes int64 src and tgt of any batch and length, and serves the
-    reference's log-probabilities (float32 policy: the served graph is optimised by Grappler, not the eager one)."""
-    tf = require("tensorflow", "tf")
-    from transformer_tf.checkpoint import load_checkpoint as tf_load
-
-    model = tf_load(SHIPPED, dtype="float32")
-    src, tgt = shipped_batches()[0]
-    model(src, tgt)
-    model.export(str(tmp_path / "saved"), verbose=False)
-    loaded = tf.saved_model.load(str(tmp_path / "saved"))
-    spec = loaded.signatures["serving_default"].structured_input_signature[1]
-    assert {name: (tuple(s.shape), s.dtype) for name, s in spec.items()} == {
-        "src": ((None, None), tf.int64), "tgt": ((None, None), tf.int64)}
-    check_against_reference("keras model.export", [loaded.serve(tf.constant(src), tf.constant(tgt)).numpy()],
-                            agreement)
-
-
-# 20 to 45 s (41 s in a clean clone's run on the AMD EPYC): Dynamo traces the forward pass twice (`explain`, then the
-# compile) and Inductor compiles it, with C++ kernels, for the shipped model: what `model.compile` users run.
-@pytest.mark.slow
-def test_torch_forward_compiles_in_one_graph_and_the_call_still_checks_ids(agreement):
-    """``torch._dynamo.explain`` (torch's own report) finds no graph break in the forward pass; a model compiled
-    with ``fullgraph=True`` agrees with the reference and still refuses an id outside the vocabulary."""
-    torch = require("torch", "torch")
-    from transformer_torch.checkpoint import load_checkpoint as torch_load
-
-    model = torch_load(SHIPPED, dtype=torch.float32)
-    src, tgt = (torch.from_numpy(a) for a in shipped_batches()[0])
-    with torch.no_grad():
-        report = torch._dynamo.explain(model.forward)(src, tgt)
-        assert (report.graph_count, report.graph_break_count) == (1, 0), report.break_reasons
-        model.compile(fullgraph=True)
-        out = model(src, tgt).numpy()
-    config, params = load_checkpoint(SHIPPED)
-    agreement(out, Transformer(config, params)(src.numpy(), tgt.numpy()),
-              Transformer(config, params, np.float32)(src.numpy(), tgt.numpy()), port="torch.compile", device="cpu",
-              dtype="float32", what="log-probs of the compiled forward pass: shipped model")
-    bad = src.clone()
-    bad[0, 0] = config.src_vocab_size
-    with pytest.raises(ValueError, match=rf"^src holds token ids outside \[0, {config.src_vocab_size}\)$"):
-        model(bad, tgt)
-
-
-# About a minute: Inductor compiles the step's three programs (the greedy batch, a new capacity, the beams' symbolic
-# sizes), max-autotune timing each product's kernels, into an empty cache: what compiling prints is checked (no table
-# of those timings), and a program read from a cache would print nothing.
-@pytest.mark.slow
-def test_torch_compiled_decoding_agrees_with_the_reference_with_one_program_per_shape(agreement, capsys, tmp_path,
-                                                                                      monkeypatch):
-    """``transformer_torch.compile_decoding``: each cached step one ``torch.compile`` program. Teacher-forced along
-    the float64 reference's greedy translations of the held-out sentences, its log-probabilities agree with the
-    reference's forward pass (float32 policy) at every position a decoding loop reads (input not padding; pad and
-    bos, which a step sets to -inf, left out); the port's greedy decoding and beam search (size 4, alpha 0.6) over
-    it write exactly the reference's greedy tokens and its beam tokens on every row the float32 rule compares
-    whole; Dynamo (its own counters) compiles one program per new shape, not per position (the cache index a
-    tensor, not a constant); compiling prints nothing (no table of Inductor's kernel timings); a float64 model is
-    refused."""
-    torch = require("torch", "torch")
-    from transformer_torch import beam_search as torch_beam_search
-    from transformer_torch import compile_decoding, speed
-    from transformer_torch import greedy_decode as torch_greedy_decode
-    from transformer_torch.checkpoint import load_checkpoint as torch_load
-    from transformer_torch.decoding import next_token_log_probs
-    from transformer_torch.model import padding_mask
-
-    config, params, tokenizer = load_translator()
-    model = compile_decoding(torch_load(SHIPPED, dtype=torch.float32).eval())
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # compiled here, not read from an earlier run
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    src = tokenizer.batch(shipped_texts())
-    expected = reference_greedy()
-    np.testing.assert_array_equal(torch_greedy_decode(model, src), expected,
-                                  err_msg="greedy tokens of the compiled decoding step")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-
-    tgt = np.concatenate([np.full((len(src), 1), config.bos_id), expected[:, :-1]], axis=1)        # (B, T)
-    step = speed.decoding_step(model, next_token_log_probs)
-    with torch.inference_mode():
-        memory = model.encode(torch.from_numpy(src))
-        mask, cache, log_probs = padding_mask(torch.from_numpy(src), config.pad_id), model.init_cache(memory,
-                                                                                                     tgt.shape[1]), []
-        for index in range(tgt.shape[1]):
-            out, cache = step(torch.from_numpy(tgt[:, index:index + 1]), memory, mask, cache, index)
-            log_probs.append(out.numpy())
-    read = tgt != config.pad_id                                             # (B, T): the positions a loop reads
-    emitted = np.setdiff1d(np.arange(config.tgt_vocab_size), [config.pad_id, config.bos_id])
-    agreement(np.stack(log_probs, axis=1)[read][:, emitted],
-              *(Transformer(config, params, dtype)(src, tgt)[read][:, emitted] for dtype in (np.float64, np.float32)),
-              port="torch compile_decoding", device="cpu", dtype="float32",
-              what="log-probs of the compiled decoding step: shipped model, teacher-forced")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2       # a new capacity: one program more
-
-    tokens, decisive = reference_beams()
-    beams = torch_beam_search(model, beam_source(), BEAM_SIZE, LENGTH_PENALTY_ALPHA)[0]
-    np.testing.assert_array_equal(beams[decisive], tokens[decisive], err_msg="beam tokens of the compiled step")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3       # beams' rows: the sizes now symbols
-    assert capsys.readouterr().err == ""
-    with pytest.raises(ValueError, match="^compile_decoding: the model is float64; the compiled decoding step is "
-                                         "float32 only$"):
-        compile_decoding(torch_load(SHIPPED, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- the command's refusals

@@ -11,12 +11,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 # Each folder of tests and the packages whose code it checks; project: the repository itself (its documents, layers,
-# parallel texts, packaging). The Hugging Face families' modules are the reference's, run in every port.
+# parallel texts, packaging).
 FOLDERS = {"reference": ("reference_numpy",), "ports": ("transformer_torch", "transformer_jax", "transformer_tf"),
-           "equivalence": ("equivalence",), "families": ("reference_numpy",), "tasks": ("transformer_tasks",),
-           "benchmarks": ("transformer_bench",), "cli": ("transformer_cli",), "project": ()}
-# What the tests share (tests/helpers: support.py, compile_cache.py) and the scripts they start in processes of their
-# own (tests/runners): on pytest's path (pyproject.toml's pythonpath), never collected.
+           "equivalence": ("equivalence",), "families": ("transformer_hf",), "export": ("transformer_export",),
+           "tasks": ("transformer_tasks",), "benchmarks": ("transformer_bench",), "cli": ("transformer_cli",),
+           "project": ()}
+# What the tests share (tests/helpers: support.py, compile_cache.py, shipped.py) and the scripts they start in
+# processes of their own (tests/runners): on pytest's path (pyproject.toml's pythonpath), never collected.
 APART = ("helpers", "runners")
 
 
