@@ -25,13 +25,16 @@ pytest.importorskip("transformers", reason="transformers is not installed: the m
                                            "built with it")
 
 # The generation fields of the published models' files (generation_config.json, or config.json where the file
-# predates it), by family: google/pegasus-xsum's
+# predates it), by family: google/pegasus-xsum's, facebook/bart-large-cnn's
 PUBLISHED = {
     "pegasus": {"num_beams": 8, "length_penalty": 0.6, "max_length": 64, "decoder_start_token_id": 0,
                 "pad_token_id": 0, "eos_token_id": 1, "forced_eos_token_id": 1},
+    "bart": {"num_beams": 4, "length_penalty": 2.0, "max_length": 142, "min_length": 56, "no_repeat_ngram_size": 3,
+             "early_stopping": True, "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2,
+             "decoder_start_token_id": 2, "forced_bos_token_id": 0, "forced_eos_token_id": 2},
 }
 # The models' positions cover the published budgets (max_length counts the start token)
-POSITIONS = {"pegasus": 72}
+POSITIONS = {"pegasus": 72, "bart": 150}
 SEED = 5
 
 

@@ -224,9 +224,19 @@ PEGASUS = dict(vocab_size=37, d_model=16, encoder_layers=2, decoder_layers=3, en
                activation_function="relu", scale_embedding=True, pad_token_id=0, eos_token_id=1,
                decoder_start_token_id=0, forced_eos_token_id=1, dropout=0.0, attention_dropout=0.0,
                activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+# facebook/bart-large-cnn's choices (GELU, unscaled embeddings, bos 0, pad 1, eos 2, decoding from eos), the sizes
+# shrunk
+BART = dict(vocab_size=41, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+            activation_function="gelu", scale_embedding=False, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+            decoder_start_token_id=2, forced_bos_token_id=0, forced_eos_token_id=2, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
 FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
             "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100),
-            "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", PEGASUS)}
+            "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", PEGASUS),
+            "bart": ("BartConfig", "BartForConditionalGeneration", BART)}
+# The families whose position tables are trained (read from the file, random in the tiny models)
+LEARNED_FAMILIES = ("bart",)
 # The families whose sinusoid is Marian's halves table at positions 0, 1, ... (transformers' ``weight`` buffer)
 HALVES_FAMILIES = ("marian", "pegasus")
 
@@ -247,12 +257,15 @@ EXPORTED = {
     # pre-LN with the halves table and a logits bias: Pegasus
     "pegasus": PAPER.replace(norm_first=True, sinusoidal_layout="halves", output_bias=True, pad_id=0, bos_id=2,
                              eos_id=1),
+    # post-LN with learned positions from row 2, the embedding LayerNorm and a logits bias: BART
+    "bart": PAPER.replace(positional_encoding="learned", position_offset=2, embedding_norm=True, activation="gelu",
+                          scale_embeddings=False, output_bias=True, pad_id=1, bos_id=0, eos_id=2),
     # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
     "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
 }
 EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100",
-                   "pegasus": "pegasus"}
+                   "pegasus": "pegasus", "bart": "bart"}
 
 
 def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -281,7 +294,7 @@ def build(family: str, seed: int = 0, **changes):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if "embed_positions" not in name:
+            if "embed_positions" not in name or family in LEARNED_FAMILIES:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
     return model
 
@@ -303,7 +316,10 @@ def masks(config, src, tgt):
 
 
 def position_tables(family: str, model):
-    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives."""
+    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives (none for a family
+    of learned positions)."""
+    if family in LEARNED_FAMILIES:
+        return []
     if family in HALVES_FAMILIES:
         modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
         return [(module, "weight", module.weight.detach().double().numpy()) for module in modules]
