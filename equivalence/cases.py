@@ -37,7 +37,9 @@ VARIANTS: dict[str, TransformerConfig] = {
 # batch's rows 52-57), a token forced at its end -- not eos: token 4, as a Marian config whose eos is not 0 forces
 # id 0 (forced_eos_id; opus-mt's files force their eos) --, transformers' |Y|^1 beam scores); "fairseq" the
 # M2M100/NLLB lineage's (pre-LN, fairseq's sinusoid, whose positions skip the padding of the ragged and fully masked
-# rows), with GELU and unscaled embeddings, the remaining choices. Their decoding, gradients and training are
+# rows), with GELU and unscaled embeddings, the remaining choices; "bart" the BART/mBART lineage's (learned positions
+# read from row t + 2 of a table of max_len + 2 rows, a LayerNorm of the embeddings plus positions before each
+# stack, GELU, unscaled embeddings, a bias on the logits). Their decoding, gradients and training are
 # tests/families/test_config_choices.py's.
 FORWARD_VARIANTS: dict[str, TransformerConfig] = {
     **VARIANTS,
@@ -47,9 +49,11 @@ FORWARD_VARIANTS: dict[str, TransformerConfig] = {
         forced_eos=True, forced_eos_id=4, length_normalization="hf", length_penalty=1.0),
     "fairseq": _TINY.replace(norm_first=True, activation="gelu", sinusoidal_layout="fairseq",
                              scale_embeddings=False),
+    "bart": _TINY.replace(positional_encoding="learned", position_offset=2, embedding_norm=True, activation="gelu",
+                          scale_embeddings=False, output_bias=True),
 }
 # The variants of Hugging Face's choices, by name (a subset of FORWARD_VARIANTS).
-CHOICE_VARIANTS = ("marian", "fairseq")
+CHOICE_VARIANTS = ("marian", "fairseq", "bart")
 
 MASK_CASES = ("none", "causal", "source_padding", "ragged_batch", "fully_masked_row")
 

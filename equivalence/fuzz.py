@@ -114,13 +114,17 @@ def configs(draw: st.DrawFn) -> TransformerConfig:
 @st.composite
 def choices(draw: st.DrawFn, config: TransformerConfig) -> TransformerConfig:
     """``config`` with the choices of Hugging Face's families drawn: the activation, the sinusoidal layout
-    (fairseq's from d_model 4), scaled embeddings or not, a logits bias or not. Drawn after everything else of a
+    (fairseq's from d_model 4), scaled embeddings or not, a logits bias or not, the embedding LayerNorm or not, a
+    learned table's position offset (0 to 2). Drawn after everything else of a
     case, so that the cases drawn before these choices existed keep their sizes, ids and batches."""
     layouts = [layout for layout in SINUSOIDAL_LAYOUTS if layout != "fairseq" or config.d_model >= 4] \
         if config.positional_encoding == "sinusoidal" else ["interleaved"]
-    return config.replace(activation=draw(st.sampled_from(ACTIVATIONS)),
-                          sinusoidal_layout=draw(st.sampled_from(layouts)), scale_embeddings=draw(st.booleans()),
-                          output_bias=draw(st.booleans()))
+    config = config.replace(activation=draw(st.sampled_from(ACTIVATIONS)),
+                            sinusoidal_layout=draw(st.sampled_from(layouts)), scale_embeddings=draw(st.booleans()),
+                            output_bias=draw(st.booleans()))
+    # the embedding LayerNorm and a learned table's rows before position 0 (BART's), drawn last of all
+    offsets = st.integers(0, 2) if config.positional_encoding == "learned" else st.just(0)
+    return config.replace(embedding_norm=draw(st.booleans()), position_offset=draw(offsets))
 
 
 @st.composite

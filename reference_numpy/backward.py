@@ -334,7 +334,7 @@ def embeddings(embed: Embeddings, name: str, tokens: np.ndarray,
 
 
 def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, x: np.ndarray, tokens: np.ndarray,
-                        grads: Grads, by_step: bool = False) -> tuple[np.ndarray, Backward]:
+                        grads: Grads, by_step: bool = False, position_offset: int = 0) -> tuple[np.ndarray, Backward]:
     """x + PE[rows] -- section 3.5 (rows 0 .. T-1, or :func:`.variants.position_ids` of ``tokens`` in the ``fairseq``
     layout, counted by step with ``by_step``: the decoder's, as :class:`.model.Decoder` counts them); the
     sinusoidal table is fixed, a ``learned`` one (Table 3, row E) is the checkpoint tensor ``{name}.weight``.
@@ -342,15 +342,24 @@ def positional_encoding(encoding: PositionalEncoding, name: str, learned: bool, 
     Shape: x (B, T, D), tokens (B, T) -> (B, T, D); backward: dL/dout -> dL/dx = dL/dout, both (B, T, D).
     """
     def backward(grad_out: np.ndarray) -> np.ndarray:
-        """A learned table's row t receives dL/dout at position t summed over the batch; rows
-        t >= T are unused and receive zero."""
+        """A learned table's row t + ``position_offset`` receives dL/dout at position t summed over the batch;
+        the rows before position 0 and those after T are unused and receive zero."""
         if learned:
-            table = np.zeros(encoding.table.shape, wide(grad_out).dtype)       # (L, D)
-            table[:grad_out.shape[1]] = wide(grad_out).sum(axis=0)
+            rows, width = encoding.table.shape
+            table = np.zeros((rows + position_offset, width), wide(grad_out).dtype)   # (L + offset, D)
+            table[position_offset:position_offset + grad_out.shape[1]] = wide(grad_out).sum(axis=0)
             _add(grads, f"{name}.weight", narrow(table, encoding.table.dtype))
         return grad_out
 
     return encoding(x, 0, tokens, by_step), backward
+
+
+def _embedding_norm(norm: LayerNorm | None, name: str, x: np.ndarray, grads: Grads) -> tuple[np.ndarray, Backward]:
+    """``config.embedding_norm``'s LayerNorm of the embeddings plus positions (:func:`layer_norm`), or x itself
+    without one. Shape: (B, T, D) -> (B, T, D)."""
+    if norm is None:
+        return x, lambda grad_out: grad_out
+    return layer_norm(norm, name, x, grads)
 
 
 def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Grads) -> tuple[np.ndarray, Backward]:
@@ -527,15 +536,19 @@ def loss_and_gradients(model: Transformer, loss: Loss, src: np.ndarray, tgt: np.
     grads: Grads = {}
 
     x, src_embed_backward = embeddings(model.src_embed, src_name, src, grads)
-    x, src_pos_backward = positional_encoding(model.src_pos, "src_pos_embed", learned, x, src, grads)
+    x, src_pos_backward = positional_encoding(model.src_pos, "src_pos_embed", learned, x, src, grads,
+                                              position_offset=config.position_offset)
+    x, src_norm_backward = _embedding_norm(model.src_embed_norm, "src_embed_norm", x, grads)
     memory, encoder_backward = encoder(model.encoder, "encoder", x, src_mask, grads)
     y, tgt_embed_backward = embeddings(model.tgt_embed, tgt_name, tgt, grads)
-    y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, tgt, grads, by_step=True)
+    y, tgt_pos_backward = positional_encoding(model.tgt_pos, "tgt_pos_embed", learned, y, tgt, grads, by_step=True,
+                                              position_offset=config.position_offset)
+    y, tgt_norm_backward = _embedding_norm(model.tgt_embed_norm, "tgt_embed_norm", y, grads)
     out, decoder_backward = decoder(model.decoder, "decoder", y, memory, src_mask, tgt_mask, grads)
     log_probs, generator_backward = generator(model.generator, generator_name, shared, out, grads)
     value, loss_backward = label_smoothed_cross_entropy(loss, log_probs, labels, config.pad_id, epsilon)
 
     grad_y, grad_memory = decoder_backward(generator_backward(loss_backward(scale)))
-    tgt_embed_backward(tgt_pos_backward(grad_y))
-    src_embed_backward(src_pos_backward(encoder_backward(grad_memory)))
+    tgt_embed_backward(tgt_pos_backward(tgt_norm_backward(grad_y)))
+    src_embed_backward(src_pos_backward(src_norm_backward(encoder_backward(grad_memory))))
     return value, {name: grads[name].astype(model.dtype, copy=False) for name in parameter_shapes(config)}

@@ -36,8 +36,9 @@ def stage_paths(config: TransformerConfig) -> dict[str, Path]:
     def stack(name: str, layers: int) -> dict[str, Path]:
         return {**{f"{name}.layers.{i}": (name, "layers", i) for i in range(layers)}, name: (name,)}
 
-    return {"src_embed": ("src_pos",), **stack("encoder", config.n_encoder_layers),
-            "tgt_embed": ("tgt_pos",), **stack("decoder", config.n_decoder_layers), "log_probs": ("generator",)}
+    embedded = ("src_embed_norm", "tgt_embed_norm") if config.embedding_norm else ("src_pos", "tgt_pos")
+    return {"src_embed": (embedded[0],), **stack("encoder", config.n_encoder_layers),
+            "tgt_embed": (embedded[1],), **stack("decoder", config.n_decoder_layers), "log_probs": ("generator",)}
 
 
 def stage_modules(model: StagedModel) -> dict[str, Any]:

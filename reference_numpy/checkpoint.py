@@ -143,8 +143,11 @@ def parameters(config: TransformerConfig) -> list[Parameter]:
         tensors.extend(Parameter(f"{side}_embed.weight", (vocab, d), "embedding", side)
                        for side, vocab in (("src", config.src_vocab_size), ("tgt", config.tgt_vocab_size)))
     if config.positional_encoding == "learned":                               # section 3.5's alternative
-        tensors.extend(Parameter(f"{side}_pos_embed.weight", (config.max_len, d), "position", side)
-                       for side in ("src", "tgt"))
+        tensors.extend(Parameter(f"{side}_pos_embed.weight", (config.max_len + config.position_offset, d),
+                                 "position", side) for side in ("src", "tgt"))
+    if config.embedding_norm:                                                 # before each stack's first layer
+        norm("src_embed_norm")
+        norm("tgt_embed_norm")
     for i in range(config.n_encoder_layers):                                  # section 3.1
         layer = f"encoder.layers.{i}"
         attention(f"{layer}.self_attn")

@@ -214,8 +214,14 @@ class TransformerConfig(_Config):
             ``scale_embedding``).
         output_bias: a bias on the pre-softmax projection, the checkpoint tensor ``generator.bias`` (V_tgt,)
             (Marian's ``final_logits_bias``); the paper's projection has none (section 3.4).
+        embedding_norm: a LayerNorm of each side's embeddings plus positions before its stack's first layer (the
+            checkpoint tensors ``src_embed_norm``, ``tgt_embed_norm``; BART's and mBART's ``layernorm_embedding``);
+            the paper has none.
+        position_offset: with ``positional_encoding`` "learned", the rows of the trained table before position 0:
+            the table holds max_len + position_offset rows and position t reads row t + position_offset (BART's
+            and mBART's offset of 2); 0 (the paper's Table 3 row E) reads row t.
 
-    The last four default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
+    The last six default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
 
     ``decoding`` (a :class:`DecodingConfig`) holds how the model decodes; its defaults are section 6.1's.
     """
@@ -240,6 +246,8 @@ class TransformerConfig(_Config):
     sinusoidal_layout: str = "interleaved"
     scale_embeddings: bool = True
     output_bias: bool = False
+    embedding_norm: bool = False
+    position_offset: int = 0
     decoding: DecodingConfig = field(default_factory=lambda: DecodingConfig())
 
     def __post_init__(self) -> None:
@@ -248,9 +256,9 @@ class TransformerConfig(_Config):
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
                      "n_encoder_layers", "n_decoder_layers", "max_len"):
             self._store(name, _as_int(name, getattr(self, name), minimum=1))
-        for name in ("pad_id", "bos_id", "eos_id"):
+        for name in ("pad_id", "bos_id", "eos_id", "position_offset"):
             self._store(name, _as_int(name, getattr(self, name), minimum=0))
-        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias"):
+        for name in ("norm_first", "share_embeddings", "scale_embeddings", "output_bias", "embedding_norm"):
             self._store(name, _as_bool(name, getattr(self, name)))
         for name in ("dropout", "layer_norm_eps"):
             self._store(name, _as_float(name, getattr(self, name)))
@@ -277,6 +285,12 @@ class TransformerConfig(_Config):
         if self.sinusoidal_layout != "interleaved" and self.positional_encoding != "sinusoidal":
             raise ValueError(f"sinusoidal_layout {self.sinusoidal_layout!r} needs positional_encoding 'sinusoidal', "
                              f"got {self.positional_encoding!r}")
+        if self.position_offset and self.positional_encoding != "learned":
+            raise ValueError(f"position_offset {self.position_offset} needs positional_encoding 'learned' (the rows "
+                             f"of a trained table before position 0), got {self.positional_encoding!r}")
+        if self.max_len + self.position_offset > MAX_LEN_LIMIT:
+            raise ValueError(f"max_len + position_offset must be <= {MAX_LEN_LIMIT}, got "
+                             f"{self.max_len + self.position_offset}")
         if self.sinusoidal_layout == "fairseq" and self.d_model < 4:
             raise ValueError(f"sinusoidal_layout 'fairseq' needs d_model >= 4 (its frequencies divide by "
                              f"d_model / 2 - 1), got d_model {self.d_model}")
@@ -386,7 +400,8 @@ def refuse_choices(config: TransformerConfig, target: str, **supported: tuple[An
 # The paper's choices of the fields Hugging Face's families added (docs/reference.md, "The configuration"): what a
 # target written for the paper's model alone supports.
 PAPER_CHOICES: dict[str, tuple[Any, ...]] = {"activation": ("relu",), "sinusoidal_layout": ("interleaved",),
-                                             "scale_embeddings": (True,), "output_bias": (False,)}
+                                             "scale_embeddings": (True,), "output_bias": (False,),
+                                             "embedding_norm": (False,), "position_offset": (0,)}
 
 
 def _check_field_names(cls: type, changes: dict, allowed: Collection[str] | None = None) -> None:

@@ -332,7 +332,7 @@ class PositionalEncoding:
     def __init__(self, config: TransformerConfig, params: Params, name: str, dtype: npt.DTypeLike):
         self.pad_id = config.pad_id if config.sinusoidal_layout == "fairseq" else None
         if config.positional_encoding == "learned":
-            self.table = params[f"{name}.weight"]                           # (L, D)
+            self.table = params[f"{name}.weight"][config.position_offset:]  # (L, D): position t at row t + offset
         else:
             self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype,
                                                         config.sinusoidal_layout, config.pad_id)
@@ -525,6 +525,8 @@ class Transformer:
         self.tgt_embed = Embeddings(config, p, tgt_name)
         self.src_pos = PositionalEncoding(config, p, "src_pos_embed", self.dtype)
         self.tgt_pos = PositionalEncoding(config, p, "tgt_pos_embed", self.dtype)
+        self.src_embed_norm = LayerNorm(config, p, "src_embed_norm") if config.embedding_norm else None
+        self.tgt_embed_norm = LayerNorm(config, p, "tgt_embed_norm") if config.embedding_norm else None
         self.encoder = Encoder(config, p, "encoder")
         self.decoder = Decoder(config, p, "decoder")
         self.generator = Generator(config, p, "generator")
@@ -537,6 +539,7 @@ class Transformer:
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src)
+        x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
@@ -575,6 +578,7 @@ class Transformer:
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
+        y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache)
 
     def __call__(self, src: np.ndarray, tgt: np.ndarray, src_mask: np.ndarray | None = None,

@@ -231,7 +231,7 @@ SINGLE = [
            ["tests/equivalence/test_fuzz.py", "-k", "layer-norm-bias and torch"]),
     single("fuzz", "reference: its training pass counts the decoder's fairseq positions by token (its forward pass "
            "and every port by step)", "reference_numpy/backward.py",
-           'learned, y, tgt, grads, by_step=True)', 'learned, y, tgt, grads)',
+           'learned, y, tgt, grads, by_step=True,', 'learned, y, tgt, grads,',
            ["tests/equivalence/test_fuzz.py", "-k", "pad-target and torch"]),
     # The decoding conventions the fuzzer draws (equivalence/fuzz.py, `conventions`), checked in greedy decoding and
     # beam search against the reference.
@@ -484,13 +484,35 @@ CHOICES = [
          "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)"),
         (FM, "tgt, by_step=True,\n", "tgt,\n"),
     ], ["tests/equivalence/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"], agreement("fairseq")),
+    single("embedding-norm", "jax: the encoder's embedding LayerNorm skipped",
+           JM, "x = self.src_embed_norm(x) if self.src_embed_norm is not None else x", "x = x",
+           ["tests/equivalence/test_agreement.py", "-k", "jax and cpu and test_forward_stages and bart and float64 and ragged_batch"]),
+    consistent("embedding-norm", "the decoder's embedding LayerNorm skipped", [
+        (RM, "y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y", "y = y"),
+        (TM, "y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y", "y = y"),
+        (JM, "y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y", "y = y"),
+        (FM, "y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y", "y = y"),
+    ], ["tests/families/test_hf_import.py", "-k", "reference_matches_transformers_in_float64 and bart"], agreement("bart")),
+    single("position-offset", "torch: learned positions read from row t, not t + position_offset",
+           TM, "table = self.weight[self.position_offset:] if self.learned else self.table",
+           "table = self.weight if self.learned else self.table",
+           ["tests/equivalence/test_agreement.py", "-k", "torch and cpu and test_forward_stages and bart and float64 and ragged_batch"]),
+    consistent("position-offset", "learned positions read from row t, not t + position_offset", [
+        (RM, 'self.table = params[f"{name}.weight"][config.position_offset:]', 'self.table = params[f"{name}.weight"]'),
+        (TM, "table = self.weight[self.position_offset:] if self.learned else self.table",
+         "table = self.weight if self.learned else self.table"),
+        (JM, "start = offset + self.position_offset if self.fairseq_pad_id is None else offset + 1",
+         "start = offset if self.fairseq_pad_id is None else offset + 1"),
+        (FM, "offset = offset + 1 if fairseq else offset + self.config.position_offset",
+         "offset = offset + 1 if fairseq else offset"),
+    ], CHOICES_ORACLE + ["-k", "embedded_source and bart"], agreement("bart")),
 ]
 
 LEARNED_PE = [
     consistent("learned-pe", "learned positions: the trained table ignored, the sinusoid added instead", [
         (RM, 'self.table = params[f"{name}.weight"]',
          "self.table = sinusoidal_positional_encoding(config.max_len, config.d_model, dtype)"),
-        (TM, "table = self.weight if self.learned else self.table",
+        (TM, "table = self.weight[self.position_offset:] if self.learned else self.table",
          "table = sinusoidal_positional_encoding(self.max_len, self.d_model, self.weight.dtype, self.weight.device) "
          "if self.learned else self.table"),
         (JM, "table = self.weight if self.learned else self.table",
@@ -502,7 +524,8 @@ LEARNED_PE = [
     ], ORACLE, agreement("learned_pe", decoding=True)),
     consistent("learned-pe", "learned positions: no positional information added at all", [
         (RM, 'self.table = params[f"{name}.weight"]', 'self.table = 0 * params[f"{name}.weight"]'),
-        (TM, "table = self.weight if self.learned else self.table", "table = 0 * self.weight if self.learned else self.table"),
+        (TM, "table = self.weight[self.position_offset:] if self.learned else self.table",
+         "table = 0 * self.weight[self.position_offset:] if self.learned else self.table"),
         (JM, "return self.dropout(add(x, positions), deterministic=deterministic)",
          "return self.dropout(add(x, positions * (0.0 if self.learned else 1.0)), deterministic=deterministic)"),
         (FM, "return self.dropout(add(x, table), training=training)",

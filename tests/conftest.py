@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import FAMILIES, imported_family, tiny_m2m100, tiny_marian, tiny_nllb, tiny_separate_marian
+from support import FAMILIES, imported_family, tiny_m2m100, tiny_marian, tiny_nllb, tiny_pegasus, tiny_separate_marian
 
 from equivalence import cases, runtime, tolerance
 from equivalence.backends import numpy as reference
@@ -489,6 +489,12 @@ def nllb(request, tmp_path_factory) -> dict:
     """A tiny NLLB model and tokenizer (``legacy_behaviour`` as the parameter), imported (support.tiny_nllb), per
     module."""
     return tiny_nllb(tmp_path_factory.mktemp("nllb"), request.param)
+
+
+@pytest.fixture(scope="module")
+def pegasus(tmp_path_factory) -> dict:
+    """A tiny random Pegasus model with its tokenizer, imported (support.tiny_pegasus), per module."""
+    return tiny_pegasus(tmp_path_factory.mktemp("pegasus"))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

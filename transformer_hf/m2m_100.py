@@ -79,7 +79,7 @@ def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.
 # ----------------------------------------------------------------------------- the export
 
 def claims(config: TransformerConfig) -> bool:
-    return config.norm_first
+    return config.norm_first and config.sinusoidal_layout == "fairseq"
 
 
 def check_export(config: TransformerConfig) -> None:

@@ -101,7 +101,7 @@ def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.
 # ----------------------------------------------------------------------------- the export
 
 def claims(config: TransformerConfig) -> bool:
-    return not config.norm_first
+    return not config.norm_first and config.positional_encoding == "sinusoidal"
 
 
 def check_export(config: TransformerConfig) -> None:

@@ -344,9 +344,11 @@ class PositionalEncoding(nnx.Module):
         dtype = storage(dtype, param_dtype)                                 # float32 under autocast
         self.learned = config.positional_encoding == "learned"
         self.fairseq_pad_id = config.pad_id if config.sinusoidal_layout == "fairseq" else None
-        if self.learned:
+        self.position_offset = config.position_offset
+        if self.learned:                                            # (L + offset, D): position t at row t + offset
             init = nnx.initializers.normal(config.d_model ** -0.5)
-            self.weight = nnx.Param(init(rngs.params(), (config.max_len, config.d_model), dtype))  # (L, D)
+            self.weight = nnx.Param(init(rngs.params(), (config.max_len + config.position_offset, config.d_model),
+                                         dtype))
         else:
             self.table = _Constant(sinusoidal_positional_encoding(config.max_len, config.d_model, dtype,
                                                                   config.sinusoidal_layout, config.pad_id))  # (L, D)
@@ -356,7 +358,7 @@ class PositionalEncoding(nnx.Module):
                  by_step: bool = False, *, deterministic: bool | None = None) -> jax.Array:
         table = self.weight if self.learned else self.table
         if self.fairseq_pad_id is None or tokens is None:
-            start = offset if self.fairseq_pad_id is None else offset + 1
+            start = offset + self.position_offset if self.fairseq_pad_id is None else offset + 1
             positions = lax.dynamic_slice_in_dim(table[...], start, x.shape[1], axis=0)   # (T, D)
             return self.dropout(add(x, positions), deterministic=deterministic)
         return self.dropout(add(x, table[...][position_ids(tokens, self.fairseq_pad_id, offset, by_step)]),
@@ -571,6 +573,8 @@ class Transformer(nnx.Module):
             else Embeddings(config, config.tgt_vocab_size, **kw)
         self.src_pos = PositionalEncoding(config, **kw)
         self.tgt_pos = PositionalEncoding(config, **kw)
+        self.src_embed_norm = LayerNorm(config, **kw) if config.embedding_norm else None
+        self.tgt_embed_norm = LayerNorm(config, **kw) if config.embedding_norm else None
         self.encoder = Encoder(config, **kw)
         self.decoder = Decoder(config, **kw)
         self.generator = Generator(config, self.src_embed if config.share_embeddings else None, **kw)
@@ -584,6 +588,7 @@ class Transformer(nnx.Module):
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, deterministic=deterministic)
+        x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask, deterministic=deterministic)
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
@@ -621,6 +626,7 @@ class Transformer(nnx.Module):
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)
+        y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache,
                             deterministic=deterministic)
 

@@ -407,7 +407,7 @@ class PositionalEncoding(_TransformerLayer):
         cfg = self.config
         if self.learned:
             limit = math.sqrt(3.0 / cfg.d_model)
-            self.weight = self.add_weight(name="weight", shape=(cfg.max_len, cfg.d_model),
+            self.weight = self.add_weight(name="weight", shape=(cfg.max_len + cfg.position_offset, cfg.d_model),
                                           initializer=keras.initializers.RandomUniform(-limit, limit))
         else:
             self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype,
@@ -415,8 +415,8 @@ class PositionalEncoding(_TransformerLayer):
 
     def call(self, x, offset=0, tokens=None, by_step=False, training=None):
         fairseq = self.config.sinusoidal_layout == "fairseq"
-        if not fairseq or tokens is None:
-            offset = offset + 1 if fairseq else offset
+        if not fairseq or tokens is None:           # a learned table's position t at row t + position_offset
+            offset = offset + 1 if fairseq else offset + self.config.position_offset
             table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
                              (tf.shape(x)[1], self.config.d_model))            # (T, D)
             return self.dropout(add(x, table), training=training)
@@ -699,6 +699,8 @@ class Transformer(_TransformerLayer, keras.Model):
             self.tgt_embed = Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
         self.src_pos = PositionalEncoding(cfg, **sub("src_pos"))
         self.tgt_pos = PositionalEncoding(cfg, **sub("tgt_pos"))
+        self.src_embed_norm = LayerNorm(cfg, **sub("src_embed_norm")) if cfg.embedding_norm else None
+        self.tgt_embed_norm = LayerNorm(cfg, **sub("tgt_embed_norm")) if cfg.embedding_norm else None
         self.encoder = Encoder(cfg, **sub("encoder"))
         self.decoder = Decoder(cfg, **sub("decoder"))
         self.generator = Generator(cfg, self.tgt_embed if cfg.share_embeddings else None, **sub("generator"))
@@ -709,6 +711,8 @@ class Transformer(_TransformerLayer, keras.Model):
                       self.generator):
             if not layer.built:  # with share_embeddings, src_embed is tgt_embed
                 layer.build()
+        if self.src_embed_norm is not None and self.tgt_embed_norm is not None:
+            _build_all((self.src_embed_norm, self.tgt_embed_norm), self.config)
 
     def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
@@ -718,6 +722,7 @@ class Transformer(_TransformerLayer, keras.Model):
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, training=training)
+        x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask, training=training)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
@@ -756,6 +761,7 @@ class Transformer(_TransformerLayer, keras.Model):
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
         y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache[0][0].position, tgt, by_step=True,
                          training=training)
+        y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, training=training)
 
     def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):

@@ -336,8 +336,10 @@ class PositionalEncoding(nn.Module):
         self.max_len, self.d_model = config.max_len, config.d_model
         self.layout, self.pad_id = config.sinusoidal_layout, config.pad_id
         self.table: Tensor
-        if self.learned:
-            self.weight = _normal_parameter(config.max_len, config.d_model, std=config.d_model ** -0.5)  # (L, D)
+        self.position_offset = config.position_offset
+        if self.learned:                                            # (L + offset, D): position t at row t + offset
+            self.weight = _normal_parameter(config.max_len + config.position_offset, config.d_model,
+                                            std=config.d_model ** -0.5)
         else:
             self.register_buffer("table", sinusoidal_positional_encoding(config.max_len, config.d_model,
                                                                          torch.get_default_dtype(), None,
@@ -346,7 +348,7 @@ class PositionalEncoding(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, offset: Index = 0, tokens: Tensor | None = None, by_step: bool = False) -> Tensor:
-        table = self.weight if self.learned else self.table
+        table = self.weight[self.position_offset:] if self.learned else self.table
         if self.layout != "fairseq":
             return self.dropout(add(x, table[_positions(offset, x.shape[1])]))
         if tokens is None:
@@ -538,6 +540,8 @@ class Transformer(nn.Module):
         self.tgt_embed = self.src_embed if config.share_embeddings else Embeddings(config, config.tgt_vocab_size)
         self.src_pos = PositionalEncoding(config)
         self.tgt_pos = PositionalEncoding(config)
+        self.src_embed_norm = LayerNorm(config) if config.embedding_norm else None
+        self.tgt_embed_norm = LayerNorm(config) if config.embedding_norm else None
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         self.generator = Generator(config, self.tgt_embed if config.share_embeddings else None)
@@ -558,6 +562,7 @@ class Transformer(nn.Module):
         (batch, length), heads = src.shape, self.config.n_heads
         src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), self.device)
         x = self.src_pos(self.src_embed(src), 0, src)
+        x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
@@ -593,6 +598,7 @@ class Transformer(nn.Module):
         if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
+        y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache)
 
     def __call__(self, src, tgt, src_mask=None, tgt_mask=None, *args, **kwargs):

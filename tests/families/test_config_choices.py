@@ -128,7 +128,9 @@ def test_fairseq_positions_of_padded_rows_by_hand():
 @pytest.mark.parametrize("variant", CHOICE_VARIANTS)
 def test_the_embedded_source_by_hand(variant):
     """The "src_embed" stage of a ragged batch: E[token] x sqrt(d_model) (or x 1 unscaled) + the table row each
-    position reads (fairseq: counting only the row's non-pad tokens), every element by a loop."""
+    position reads (fairseq: counting only the row's non-pad tokens; a learned table: row t + position_offset), every
+    element by a loop; with ``embedding_norm`` that sum's LayerNorm, (v - mean) / sqrt(var + eps) x gain + bias with
+    math.fsum."""
     config = FORWARD_VARIANTS[variant]
     params = cases.seeded_params(config)
     src = cases.model_inputs(config, "ragged_batch")["src"]
@@ -140,18 +142,27 @@ def test_the_embedded_source_by_hand(variant):
         count = 0
         for t, token in enumerate(row):
             count += token != config.pad_id
-            for i in range(half):
-                if config.sinusoidal_layout == "halves":
-                    angle = t / 10000 ** (2 * i / d)
-                    pe = (math.sin(angle), math.cos(angle))
-                elif token == config.pad_id:
-                    pe = (0.0, 0.0)
-                else:
-                    angle = (config.pad_id + count) * math.exp(-i * math.log(10000) / (half - 1))
-                    pe = (math.sin(angle), math.cos(angle))
-                for column, value in ((i, pe[0]), (half + i, pe[1])):
-                    expected = embed[token, column] * scale + value
-                    assert abs(stage[b, t, column] - expected) <= 1e-12 * max(1.0, abs(expected)), (b, t, column)
+            if config.positional_encoding == "learned":
+                pe = [float(value) for value in params["src_pos_embed.weight"][t + config.position_offset]]
+            else:
+                pe = [0.0] * d
+                for i in range(half):
+                    if config.sinusoidal_layout == "halves":
+                        angle = t / 10000 ** (2 * i / d)
+                    elif token == config.pad_id:
+                        continue
+                    else:
+                        angle = (config.pad_id + count) * math.exp(-i * math.log(10000) / (half - 1))
+                    pe[i], pe[half + i] = math.sin(angle), math.cos(angle)
+            expected = [float(embed[token, column]) * scale + pe[column] for column in range(d)]
+            if config.embedding_norm:
+                mean = math.fsum(expected) / d
+                var = math.fsum((value - mean) ** 2 for value in expected) / d
+                gain, bias = params["src_embed_norm.weight"], params["src_embed_norm.bias"]
+                expected = [(value - mean) / math.sqrt(var + config.layer_norm_eps) * float(gain[column])
+                            + float(bias[column]) for column, value in enumerate(expected)]
+            for column, value in enumerate(expected):
+                assert abs(stage[b, t, column] - value) <= 1e-12 * max(1.0, abs(value)), (b, t, column)
 
 
 def test_the_logits_bias_by_hand():
@@ -340,7 +351,8 @@ def test_reference_gradients_against_finite_differences(variant):
 
 @pytest.mark.parametrize("field,value", [("activation", "tanh"), ("activation", "swish"),
                                          ("sinusoidal_layout", "sin_cos"), ("scale_embeddings", 1),
-                                         ("output_bias", "yes")])
+                                         ("output_bias", "yes"), ("embedding_norm", 1), ("position_offset", -1),
+                                         ("position_offset", 2.0)])
 def test_a_value_outside_the_choices_is_one_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be"):
         TINY.replace(**{field: value})
@@ -351,14 +363,19 @@ def test_choices_that_do_not_fit_together_are_refused():
         TINY.replace(positional_encoding="learned", sinusoidal_layout="halves")
     with pytest.raises(ValueError, match="^sinusoidal_layout 'fairseq' needs d_model >= 4"):
         TINY.replace(d_model=2, n_heads=1, sinusoidal_layout="fairseq")
+    with pytest.raises(ValueError, match="^position_offset 2 needs positional_encoding 'learned'"):
+        TINY.replace(position_offset=2)
+    with pytest.raises(ValueError, match=r"^max_len \+ position_offset must be <= 65536, got 65537$"):
+        TINY.replace(positional_encoding="learned", max_len=65536, position_offset=1)
 
 
 def test_a_config_without_the_fields_is_the_papers_model():
     data = {name: value for name, value in TINY.to_dict().items()
-            if name not in ("activation", "sinusoidal_layout", "scale_embeddings", "output_bias")}
+            if name not in ("activation", "sinusoidal_layout", "scale_embeddings", "output_bias", "embedding_norm",
+                            "position_offset")}
     config = TransformerConfig.from_dict(data)
-    assert (config.activation, config.sinusoidal_layout, config.scale_embeddings, config.output_bias) == \
-        ("relu", "interleaved", True, False)
+    assert (config.activation, config.sinusoidal_layout, config.scale_embeddings, config.output_bias,
+            config.embedding_norm, config.position_offset) == ("relu", "interleaved", True, False, False, 0)
     assert config == TINY
 
 

@@ -93,15 +93,21 @@ def test_the_registry_holds_each_family_by_its_model_type():
         assert all(hasattr(module, member) for member in protocol), model_type
     classes = [name for kind in TOKENIZER_KINDS.values() for name in kind.classes]
     assert len(classes) == len(set(classes))                                  # one kind per tokenizer class
-    with pytest.raises(ValueError, match=r"^config.json model_type 'bart' is not supported \(supported: 'marian', "
-                                         r"'m2m_100': Marian/opus-mt, M2M100 and NLLB\)$"):
-        family("bart")
+    with pytest.raises(ValueError, match=r"^config.json model_type 't5' is not supported \(supported: 'marian', "
+                                         r"'m2m_100', 'pegasus', 'bart': Marian/opus-mt, M2M100 and NLLB, Pegasus, "
+                                         r"BART\)$"):
+        family("t5")
 
 
 def test_the_export_writes_each_config_as_the_one_family_that_claims_it():
     for config, expected in ((TransformerConfig.preset("tiny", layer_norm_eps=1e-5), "marian"),
                              (TransformerConfig.preset("tiny", layer_norm_eps=1e-5, norm_first=True,
-                                                       sinusoidal_layout="fairseq", tgt_vocab_size=19), "m2m_100")):
+                                                       sinusoidal_layout="fairseq", tgt_vocab_size=19), "m2m_100"),
+                             (TransformerConfig.preset("tiny", layer_norm_eps=1e-5, norm_first=True,
+                                                       tgt_vocab_size=19), "pegasus"),
+                             (TransformerConfig.preset("tiny", layer_norm_eps=1e-5, positional_encoding="learned",
+                                                       position_offset=2, embedding_norm=True, tgt_vocab_size=19),
+                              "bart")):
         assert [module.MODEL_TYPE for module in FAMILIES.values() if module.claims(config)] == [expected]
         assert family_for(config) is FAMILIES[expected]
 

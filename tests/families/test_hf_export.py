@@ -44,7 +44,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed: transformer
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: the exported directories "
                                                           "are loaded by it (pip install transformers)")
 
-HF_CLASS = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}
+HF_CLASS = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration",
+            "pegasus": "PegasusForConditionalGeneration", "bart": "BartForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module", params=list(EXPORTED))

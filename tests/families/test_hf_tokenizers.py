@@ -101,6 +101,41 @@ def test_nllb_ids_and_decode_equal_transformers(nllb):
                                                                         skip_special_tokens=True)
 
 
+def test_pegasus_ids_and_decode_equal_transformers(pegasus):
+    """Pegasus's Unigram pieces then </s>, on both sides; decoding skips every special token (<mask_1>, the
+    <unk_k> block) as transformers' decode(skip_special_tokens=True) does."""
+    mine, oracle = load_tokenizer(pegasus["checkpoint"]), pegasus["oracle"]
+    assert isinstance(mine, FamilyTokenizer) and mine.family == "pegasus"
+    for text in TEXTS + SOURCE + TARGET + random_texts(6, 100):
+        assert mine.ids(text) == oracle(text).input_ids, text
+        assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(2, pegasus["size"]) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+    for text in TARGET + TEXTS:
+        ids = mine.ids(text, "target")
+        if mine.config.eos_id in ids[:-1]:
+            # Pegasus's Unigram vocabulary holds "</s>" as a piece, which a typed "</s>" matches (in transformers
+            # too: the ids above are equal); decoding stops at the first eos, as a decoded output ends there
+            assert text == "x</s>y" and mine.decode(ids) == "x"
+            continue
+        assert mine.decode(ids) == oracle.decode(oracle(text_target=text).input_ids, skip_special_tokens=True)
+
+
+def test_pegasus_tokenizer_exports_back_as_transformers_reads_it(pegasus, tmp_path):
+    """``export --to hf`` writes the record's tokenizer.json and the kept tokenizer_config.json; transformers'
+    AutoTokenizer loads them and gives the original directory's ids and text."""
+    export_hf(pegasus["checkpoint"], tmp_path / "hf")
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", split_special_tokens=True)
+    oracle = pegasus["oracle"]
+    assert type(again) is type(oracle)
+    for text in TEXTS + SOURCE + TARGET:
+        assert again(text).input_ids == oracle(text).input_ids, text
+        ids = oracle(text).input_ids
+        assert again.decode(ids, skip_special_tokens=True) == oracle.decode(ids, skip_special_tokens=True)
+
+
 # ----------------------------------------------------------------------------- export --to hf writes it back
 
 def test_a_record_without_its_files_or_with_others_is_refused_naming_the_field(marian, tmp_path):

@@ -218,8 +218,27 @@ M2M100 = dict(vocab_size=31, d_model=16, encoder_layers=2, decoder_layers=3, enc
               activation_function="gelu", scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
               decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
               encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+# google/pegasus-xsum's choices (ReLU, scaled embeddings, pad 0, eos 1, decoding from pad), the sizes shrunk
+PEGASUS = dict(vocab_size=37, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+               activation_function="relu", scale_embedding=True, pad_token_id=0, eos_token_id=1,
+               decoder_start_token_id=0, forced_eos_token_id=1, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+# facebook/bart-large-cnn's choices (GELU, unscaled embeddings, bos 0, pad 1, eos 2, decoding from eos), the sizes
+# shrunk
+BART = dict(vocab_size=41, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+            activation_function="gelu", scale_embedding=False, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+            decoder_start_token_id=2, forced_bos_token_id=0, forced_eos_token_id=2, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
 FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
-            "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100)}
+            "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100),
+            "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", PEGASUS),
+            "bart": ("BartConfig", "BartForConditionalGeneration", BART)}
+# The families whose position tables are trained (read from the file, random in the tiny models)
+LEARNED_FAMILIES = ("bart",)
+# The families whose sinusoid is Marian's halves table at positions 0, 1, ... (transformers' ``weight`` buffer)
+HALVES_FAMILIES = ("marian", "pegasus")
 
 
 # The checkpoints the Hugging Face export writes (tests/families/test_hf_export.py, the export command's tests): the
@@ -235,11 +254,18 @@ EXPORTED = {
     # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
     "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
                              pad_id=1, bos_id=0, eos_id=2).with_decoding(max_output_length=9),
+    # pre-LN with the halves table and a logits bias: Pegasus
+    "pegasus": PAPER.replace(norm_first=True, sinusoidal_layout="halves", output_bias=True, pad_id=0, bos_id=2,
+                             eos_id=1),
+    # post-LN with learned positions from row 2, the embedding LayerNorm and a logits bias: BART
+    "bart": PAPER.replace(positional_encoding="learned", position_offset=2, embedding_norm=True, activation="gelu",
+                          scale_embeddings=False, output_bias=True, pad_id=1, bos_id=0, eos_id=2),
     # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
     "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
 }
-EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100"}
+EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100",
+                   "pegasus": "pegasus", "bart": "bart"}
 
 
 def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -268,7 +294,7 @@ def build(family: str, seed: int = 0, **changes):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if "embed_positions" not in name:
+            if "embed_positions" not in name or family in LEARNED_FAMILIES:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
     return model
 
@@ -290,8 +316,11 @@ def masks(config, src, tgt):
 
 
 def position_tables(family: str, model):
-    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives."""
-    if family == "marian":
+    """transformers' sinusoid tables (encoder, decoder) as float64 arrays, and where each lives (none for a family
+    of learned positions)."""
+    if family in LEARNED_FAMILIES:
+        return []
+    if family in HALVES_FAMILIES:
         modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
         return [(module, "weight", module.weight.detach().double().numpy()) for module in modules]
     modules = [model.model.encoder.embed_positions, model.model.decoder.embed_positions]
@@ -302,7 +331,7 @@ def reference_table(family: str, config, rows: int) -> tuple[np.ndarray, slice]:
     """The reference's float64 table laid out as transformers' table of ``rows`` rows, and the rows transformers
     reads. Marian: row p is position p. Fairseq: transformers' row pad_id + k is the reference's row k (row pad_id
     the zeros a pad token reads); its rows below pad_id are never read (positions start at pad_id)."""
-    if family == "marian":
+    if family in HALVES_FAMILIES:
         return sinusoidal_positional_encoding(rows, config.d_model, layout="halves"), slice(0, rows)
     table = sinusoidal_positional_encoding(rows - config.pad_id - 1, config.d_model, layout="fairseq",
                                            pad_id=config.pad_id)
@@ -484,3 +513,32 @@ def save_tiny_m2m100(directory: Path, tokenizer, vocab_size: int) -> tuple[Path,
     out = directory.with_suffix(".safetensors")
     import_hf(directory, out)
     return directory, out
+
+
+def tiny_pegasus(root: Path) -> dict:
+    """A tiny Pegasus directory in ``root``: PegasusTokenizer (its tokenizer.json: a Unigram model from a
+    SentencePiece model trained here, with Pegasus's ids below the pieces -- <pad> 0, </s> 1, <mask_1> 2, <mask_2> 3,
+    <unk_2> ... <unk_102>, <unk> 105 -- and the model's normalizer) saved with save_pretrained beside a tiny random
+    PegasusForConditionalGeneration of its size, and imported: its directory, checkpoint and transformers' tokenizer
+    read back from it (``split_special_tokens``, as the project tokenizes)."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    model_file = train_spm(SOURCE * 3 + TARGET * 3, root / "m", "unigram", 90)
+    processor = importlib.import_module("sentencepiece").SentencePieceProcessor(model_file=str(model_file))
+    extractor = importlib.import_module("transformers.convert_slow_tokenizer").SentencePieceExtractor
+    charsmap = extractor(str(model_file)).extract(None)["_spm_precompiled_charsmap"]
+    offset = 103
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<mask_1>", 0.0), ("<mask_2>", 0.0),
+             *[(f"<unk_{i}>", 0.0) for i in range(2, offset)], ("<unk>", 0.0)]
+    vocab += [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())
+              if processor.id_to_piece(i) not in ("<unk>", "<s>", "</s>")]
+    tokenizer = transformers.PegasusTokenizer(vocab=vocab, offset=offset, _spm_precompiled_charsmap=charsmap)
+    directory = root / "tiny-pegasus"
+    torch.manual_seed(0)
+    transformers.PegasusForConditionalGeneration(transformers.PegasusConfig(
+        **{**PEGASUS, "vocab_size": len(vocab), "encoder_layers": 1, "decoder_layers": 1,
+           "max_position_embeddings": 64})).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-pegasus.safetensors"
+    import_hf(directory, out)
+    oracle = transformers.AutoTokenizer.from_pretrained(directory, split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "size": len(vocab)}

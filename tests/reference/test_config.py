@@ -83,10 +83,12 @@ def test_unknown_preset_and_unknown_json_field():
 # The header of a config with imported conventions, as the checkpoint holds it: one flat object, sorted
 FLAT_HEADER = (
     '{"activation": "silu", "beam_size": 4, "bos_id": 1, "d_ff": 40, "d_model": 16, "decoder_start_id": 0, '
-    '"dropout": 0.1, "early_stopping": true, "eos_id": 2, "forced_bos_id": null, "forced_eos": true, '
+    '"dropout": 0.1, "early_stopping": true, "embedding_norm": false, "eos_id": 2, "forced_bos_id": null, '
+    '"forced_eos": true, '
     '"forced_eos_id": null, "layer_norm_eps": 1e-06, "length_normalization": "hf", "length_penalty": 1.0, '
     '"max_len": 64, "max_output_length": 20, "min_output_length": 3, "n_decoder_layers": 3, "n_encoder_layers": 2, '
     '"n_heads": 4, "no_repeat_ngram_size": 2, "norm_first": false, "output_bias": true, "pad_id": 0, '
+    '"position_offset": 0, '
     '"positional_encoding": "sinusoidal", "renormalize": true, "scale_embeddings": true, "share_embeddings": false, '
     '"sinusoidal_layout": "halves", "src_vocab_size": 19, "suppressed_ids": [0], "tgt_vocab_size": 23}')
 
@@ -104,6 +106,10 @@ def test_the_header_is_one_flat_object_of_the_architecture_and_its_decoding():
     older = {name: value for name, value in json.loads(FLAT_HEADER).items() if name not in DECODING_CONVENTIONS}
     assert TransformerConfig.from_dict(older) == config.paper_decoding()     # a header without them: section 6.1's
     assert config.paper_decoding().decoding == DecodingConfig()
+    # a header before the embedding LayerNorm and the position offset: the paper's choices of both
+    before = {name: value for name, value in json.loads(FLAT_HEADER).items()
+              if name not in ("embedding_norm", "position_offset")}
+    assert TransformerConfig.from_dict(before) == config
 
 
 def test_the_decoding_is_changed_through_its_own_config():
