@@ -97,11 +97,14 @@ def field(hf: dict[str, Any], name: str) -> int:
 
 def check_sinusoid_export(config: TransformerConfig, models: str, layouts: tuple[str, ...]) -> None:
     """What a family with a sinusoid table and ``nn.LayerNorm``'s epsilon refuses (one ``ValueError`` naming the
-    field): learned positions, a layout other than ``layouts``, another LayerNorm epsilon (``models``: the family's
-    name in the message)."""
+    field): learned positions, a LayerNorm of the embeddings, a layout other than ``layouts``, another LayerNorm
+    epsilon (``models``: the family's name in the message)."""
     if config.positional_encoding != "sinusoidal":
         raise ValueError(f"positional_encoding {config.positional_encoding!r} is not supported by {HF_EXPORT}: "
                          f"{models} computes sinusoid tables (positional_encoding 'sinusoidal')")
+    if config.embedding_norm:
+        raise ValueError(f"embedding_norm True is not supported by {HF_EXPORT} with sinusoid tables: {models} has no "
+                         f"LayerNorm of the embeddings")
     if config.layer_norm_eps != LAYER_NORM_EPS:
         raise ValueError(f"layer_norm_eps {config.layer_norm_eps!r} is not supported by {HF_EXPORT}: {models} "
                          f"constructs nn.LayerNorm with epsilon {LAYER_NORM_EPS!r} (a model trained with "

@@ -72,7 +72,7 @@ def test_compare_on_the_import_exits_0(saved_family, capsys):
 IMPORT_REFUSED = [("activation_function", "gelu_new"), ("normalize_embedding", True), ("normalize_before", True),
                   ("layernorm_embedding", True), ("add_final_layer_norm", True),
                   ("position_embedding_type", "relative_key"), ("decoder_attention_heads", 2), ("decoder_ffn_dim", 32),
-                  ("model_type", "bart"),
+                  ("model_type", "t5"),
                   ("max_position_embeddings", 2 ** 17), ("d_model", 18), ("scale_embedding", "false"),
                   ("pad_token_id", None), ("encoder_layers", 0), ("dropout", "0.1"), ("eos_token_id", [0, 1])]
 
@@ -129,7 +129,7 @@ def test_import_command_outputs_and_inputs(saved_family, tmp_path, capsys):
 
 EXPORT_REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
                   ("positional_encoding", PAPER.replace(positional_encoding="learned")),
-                  ("sinusoidal_layout", PAPER.replace(norm_first=True)),
+                  ("embedding_norm", PAPER.replace(embedding_norm=True)),
                   ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
                   ("output_bias", EXPORTED["m2m_100"].replace(output_bias=True)),
                   ("tgt_vocab_size", EXPORTED["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]

@@ -183,16 +183,16 @@ FEATURE_AXIS = {"embed.weight": 1, "q_proj.weight": 0, "k_proj.weight": 0, "v_pr
 
 
 def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
-    """The families: the config and every tensor bit for bit. The paper's model: the Marian model with the halves
-    table and a zero logits bias, every tensor the checkpoint's with its residual features reordered by sigma,
-    bit for bit."""
+    """The families: the config and every tensor bit for bit. The paper's model, post-LN or pre-LN: the Marian (or
+    Pegasus) model with the halves table and a zero logits bias, every tensor the checkpoint's with its residual
+    features reordered by sigma, bit for bit."""
     case, config, params, _, directory = exported
     back = import_hf(directory, tmp_path / "back.safetensors")
     _, imported = load_checkpoint(tmp_path / "back.safetensors")
     # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (export)
     hf_decoding = config.with_decoding(length_normalization="hf",
                                        max_output_length=config.decoding.max_output_length or config.max_len)
-    if case != "paper":
+    if config.sinusoidal_layout != "interleaved":
         assert back == hf_decoding
         assert imported.keys() == params.keys()
         assert all(imported[name].dtype == np.float32 and np.array_equal(imported[name], value)

@@ -254,6 +254,8 @@ EXPORTED = {
     # a budget of its own: generation_config.json's max_length 10 (9 tokens after the start token)
     "m2m_100": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="gelu", scale_embeddings=False,
                              pad_id=1, bos_id=0, eos_id=2).with_decoding(max_output_length=9),
+    # the paper's model pre-LN, its interleaved table permuted to the halves layout: Pegasus
+    "pre_ln": PAPER.replace(norm_first=True),
     # pre-LN with the halves table and a logits bias: Pegasus
     "pegasus": PAPER.replace(norm_first=True, sinusoidal_layout="halves", output_bias=True, pad_id=0, bos_id=2,
                              eos_id=1),
@@ -265,7 +267,7 @@ EXPORTED = {
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
 }
 EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100",
-                   "pegasus": "pegasus", "bart": "bart"}
+                   "pre_ln": "pegasus", "pegasus": "pegasus", "bart": "bart"}
 
 
 def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
