@@ -225,7 +225,9 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
     cfg = model.config
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = model.encode(src, src_mask, deterministic=True)                     # (B, S, D)
-    cache = model.init_cache(memory, max_steps) if use_cache else ()
+    # the caches' position an int32 array, as the loop's steps write it: a weakly typed 0 would have while_loop
+    # trace the step twice
+    cache = at_position(model.init_cache(memory, max_steps), jnp.int32(0)) if use_cache else ()
 
     def running(carry):
         index, _, done, _ = carry
@@ -292,7 +294,7 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
     memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
     src_mask = jnp.repeat(src_mask, k, axis=0)                                  # (N, 1, 1, S)
-    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
+    cache = _in_place(at_position(model.init_cache(memory, max_steps), jnp.int32(0)) if use_cache else (), batch, k)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     row_limits = jnp.repeat(limits, k)                                           # (N,)

@@ -192,7 +192,7 @@ def test_import_of_the_export_is_the_checkpoint(exported, tmp_path):
     # transformers' beam normalisation, and its one budget for every sentence: the paper's model's max_len (export)
     hf_decoding = config.with_decoding(length_normalization="hf",
                                        max_output_length=config.decoding.max_output_length or config.max_len)
-    if config.sinusoidal_layout != "interleaved":
+    if config.positional_encoding != "sinusoidal" or config.sinusoidal_layout != "interleaved":
         assert back == hf_decoding
         assert imported.keys() == params.keys()
         assert all(imported[name].dtype == np.float32 and np.array_equal(imported[name], value)
