@@ -56,8 +56,7 @@ def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.
     lineage's layers."""
     table: weights.WeightTable = {}
     weights.embeddings(table, config, tie_output)
-    if config.output_bias:
-        table["generator.bias"] = weights.Entry(("final_logits_bias",), row=True)
+    weights.logits_bias(table, config)
     for side, stack in (("src", "encoder"), ("tgt", "decoder")):
         table[f"{side}_pos_embed.weight"] = weights.Entry((f"model.{stack}.embed_positions.weight",))
         weights.norm(table, f"{side}_embed_norm", f"model.{stack}.layernorm_embedding")
@@ -96,9 +95,7 @@ def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict
     """The state dict, a zero ``final_logits_bias`` without ``output_bias``, and ``model.shared`` a copy of the
     encoder's embedding when the embeddings are separate (transformers builds it; untied, its forward pass reads
     each side's own)."""
-    out = weights.written(config, weight_table(config), params)
-    if not config.output_bias:
-        out["final_logits_bias"] = np.zeros((1, config.tgt_vocab_size), next(iter(out.values())).dtype)
+    out = weights.written_with_logits_bias(config, weight_table(config), params)
     if not config.share_embeddings:
         out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
     return out

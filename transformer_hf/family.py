@@ -95,6 +95,13 @@ def field(hf: dict[str, Any], name: str) -> int:
     return value
 
 
+# Fields of older config.json files (BART's lineage; published M2M100 and Pegasus files hold them) that transformers'
+# pre-LN families no longer read: each must hold the value their code computes, or the file describes another model
+PRE_LN_LEGACY_FIELDS: dict[str, Any] = {"normalize_before": True, "normalize_embedding": False,
+                                        "add_final_layer_norm": True, "static_position_embeddings": True,
+                                        "add_bias_logits": False, "layernorm_embedding": False}
+
+
 def check_sinusoid_export(config: TransformerConfig, models: str, layouts: tuple[str, ...]) -> None:
     """What a family with a sinusoid table and ``nn.LayerNorm``'s epsilon refuses (one ``ValueError`` naming the
     field): learned positions, a LayerNorm of the embeddings, a layout other than ``layouts``, another LayerNorm

@@ -32,7 +32,7 @@ import numpy as np
 from reference_numpy.config import TransformerConfig
 
 from . import weights
-from .family import HF_EXPORT, TokenizerKind, check_sinusoid_export, field
+from .family import HF_EXPORT, PRE_LN_LEGACY_FIELDS, TokenizerKind, check_sinusoid_export, field
 from .tokenizer_files import (
     TOKENIZER_CONFIG,
     TOKENIZER_JSON,
@@ -40,6 +40,7 @@ from .tokenizer_files import (
     converted,
     language_codes,
     need,
+    read_tokenizer_json,
     special_ids,
     unknown_id,
     vocabulary,
@@ -48,11 +49,7 @@ from .tokenizer_files import (
 
 MODEL_TYPE, MODELS, ARCHITECTURE = "m2m_100", "M2M100 and NLLB", "M2M100ForConditionalGeneration"
 DEFAULTS: dict[str, Any] = {"activation_function": "relu", "scale_embedding": True}       # M2M100Config's
-# Fields of older config.json files (BART's lineage) that transformers' M2M100 no longer reads: each must hold the
-# value M2M100's code computes, or the file describes another model
-LEGACY_FIELDS: dict[str, Any] = {"normalize_before": True, "normalize_embedding": False, "add_final_layer_norm": True,
-                                 "static_position_embeddings": True, "add_bias_logits": False,
-                                 "layernorm_embedding": False}
+LEGACY_FIELDS = PRE_LN_LEGACY_FIELDS
 BOS_FIELD = "bos_token_id"
 IGNORED = weights.SINUSOID_BUFFERS
 
@@ -129,17 +126,7 @@ def m2m100_record(root: Path, settings: dict[str, Any], config: TransformerConfi
 
 def nllb_record(root: Path, settings: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
     """The record of an ``NllbTokenizer`` directory, read from its ``tokenizer.json`` (module docstring)."""
-    if not (root / TOKENIZER_JSON).is_file():
-        raise ValueError(f"{os.fspath(root)!r}: an NLLB tokenizer is read from its {TOKENIZER_JSON}, which the "
-                         "directory lacks")
-    from tokenizers import Tokenizer
-    text = (root / TOKENIZER_JSON).read_text(encoding="utf-8")
-    try:
-        tokenizer = Tokenizer.from_str(text)
-    except Exception as err:  # noqa: BLE001 - the library raises a bare Exception for JSON it cannot build
-        raise ValueError(f"{os.fspath(root / TOKENIZER_JSON)!r} is not a tokenizers JSON text "
-                         f"({str(err).splitlines()[0]})") from None
-    tokenizer.post_processor = None                 # the language and eos are placed by the record, not the JSON
+    tokenizer = read_tokenizer_json(root, "an NLLB tokenizer")
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     languages = {code: vocab[code] for code in language_codes("nllb.tokenization_nllb", root) if code in vocab}
     source = tokenizer.to_str()

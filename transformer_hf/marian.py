@@ -92,8 +92,7 @@ def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.
     """The embeddings, the BART lineage's layers and ``final_logits_bias`` (with ``output_bias``)."""
     table: weights.WeightTable = {}
     weights.embeddings(table, config, tie_output)
-    if config.output_bias:
-        table["generator.bias"] = weights.Entry(("final_logits_bias",), row=True)
+    weights.logits_bias(table, config)
     weights.layers(table, config)
     return table
 
@@ -117,9 +116,7 @@ def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict
     ``final_logits_bias`` without ``output_bias``."""
     if config.sinusoidal_layout == "interleaved":
         params = weights.permute_features(params, weights.halves_order(config.d_model))
-    out = weights.written(config, weight_table(config), params)
-    if not config.output_bias:
-        out["final_logits_bias"] = np.zeros((1, config.tgt_vocab_size), next(iter(out.values())).dtype)
+    out = weights.written_with_logits_bias(config, weight_table(config), params)
     return out
 
 

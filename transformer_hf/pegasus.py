@@ -41,16 +41,12 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.model import sinusoidal_positional_encoding
 
 from . import weights
-from .family import HF_EXPORT, TokenizerKind, check_sinusoid_export, field
+from .family import HF_EXPORT, PRE_LN_LEGACY_FIELDS, TokenizerKind, check_sinusoid_export, field
 from .tokenizer_files import TOKENIZER_CONFIG, TOKENIZER_JSON, json_files, json_tokenizer, unknown_id
 
 MODEL_TYPE, MODELS, ARCHITECTURE = "pegasus", "Pegasus", "PegasusForConditionalGeneration"
 DEFAULTS: dict[str, Any] = {"activation_function": "gelu", "scale_embedding": False}      # PegasusConfig's
-# Fields of older config.json files (BART's lineage; the published Pegasus files hold them) that transformers' Pegasus
-# no longer reads: each must hold the value Pegasus's code computes, or the file describes another model
-LEGACY_FIELDS: dict[str, Any] = {"normalize_before": True, "normalize_embedding": False, "add_final_layer_norm": True,
-                                 "static_position_embeddings": True, "add_bias_logits": False,
-                                 "layernorm_embedding": False}
+LEGACY_FIELDS = PRE_LN_LEGACY_FIELDS
 BOS_FIELD = "decoder_start_token_id"
 IGNORED = weights.SINUSOID_BUFFERS
 
@@ -68,8 +64,7 @@ def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.
     """The embeddings, ``final_logits_bias``, the BART lineage's layers and each stack's final ``layer_norm``."""
     table: weights.WeightTable = {}
     weights.embeddings(table, config, tie_output)
-    if config.output_bias:
-        table["generator.bias"] = weights.Entry(("final_logits_bias",), row=True)
+    weights.logits_bias(table, config)
     weights.layers(table, config)
     for stack in ("encoder", "decoder"):
         weights.norm(table, f"{stack}.norm", f"model.{stack}.layer_norm")
@@ -100,9 +95,7 @@ def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict
     embeddings are separate (transformers builds it; untied, its forward pass reads each side's own)."""
     if config.sinusoidal_layout == "interleaved":
         params = weights.permute_features(params, weights.halves_order(config.d_model))
-    out = weights.written(config, weight_table(config), params)
-    if not config.output_bias:
-        out["final_logits_bias"] = np.zeros((1, config.tgt_vocab_size), next(iter(out.values())).dtype)
+    out = weights.written_with_logits_bias(config, weight_table(config), params)
     if not config.share_embeddings:
         out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
     table = sinusoidal_positional_encoding(config.max_len, config.d_model, layout="halves")

@@ -107,15 +107,12 @@ def converted(model_file: Path) -> str:
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
-def json_tokenizer(root: Path, settings: dict[str, Any], config: TransformerConfig,
-                   family: str) -> tuple[str, dict[str, int], list[int]]:
-    """``(source, vocab, special_ids)`` of a tokenizer read from a directory's ``tokenizer.json`` (transformers'
-    ``TokenizersBackend`` classes: Pegasus, BART, mBART-50): the JSON text without its post-processor (the record
-    places the special tokens), its vocabulary with the added tokens, and the ids ``decode(skip_special_tokens=True)``
-    skips -- :func:`special_ids` and every added token the JSON marks special (``<mask_1>``, a language code)."""
+def read_tokenizer_json(root: Path, what: str) -> Any:
+    """The ``tokenizers.Tokenizer`` of a directory's ``tokenizer.json`` without its post-processor (the record places
+    the special tokens and language codes, not the JSON); one ``ValueError`` naming the directory or the file, ``what``
+    (``"a Pegasus tokenizer"``) in the message."""
     if not (root / TOKENIZER_JSON).is_file():
-        raise ValueError(f"{os.fspath(root)!r}: a {family} tokenizer is read from its {TOKENIZER_JSON}, which the "
-                         "directory lacks")
+        raise ValueError(f"{os.fspath(root)!r}: {what} is read from its {TOKENIZER_JSON}, which the directory lacks")
     from tokenizers import Tokenizer
     text = (root / TOKENIZER_JSON).read_text(encoding="utf-8")
     try:
@@ -123,7 +120,17 @@ def json_tokenizer(root: Path, settings: dict[str, Any], config: TransformerConf
     except Exception as err:  # noqa: BLE001 - the library raises a bare Exception for JSON it cannot build
         raise ValueError(f"{os.fspath(root / TOKENIZER_JSON)!r} is not a tokenizers JSON text "
                          f"({str(err).splitlines()[0]})") from None
-    tokenizer.post_processor = None                 # the special tokens are placed by the record, not the JSON
+    tokenizer.post_processor = None
+    return tokenizer
+
+
+def json_tokenizer(root: Path, settings: dict[str, Any], config: TransformerConfig,
+                   family: str) -> tuple[str, dict[str, int], list[int]]:
+    """``(source, vocab, special_ids)`` of a tokenizer read from a directory's ``tokenizer.json`` (transformers'
+    ``TokenizersBackend`` classes: Pegasus, BART, mBART-50): the JSON text without its post-processor (the record
+    places the special tokens), its vocabulary with the added tokens, and the ids ``decode(skip_special_tokens=True)``
+    skips -- :func:`special_ids` and every added token the JSON marks special (``<mask_1>``, a language code)."""
+    tokenizer = read_tokenizer_json(root, f"a {family} tokenizer")
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     added = {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.special}
     special = sorted(set(special_ids(vocab, settings, config)) | {vocab[name] for name in added if name in vocab})

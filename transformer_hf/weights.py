@@ -118,6 +118,22 @@ def read(config: TransformerConfig, table: WeightTable, weights: dict[str, np.nd
     return params
 
 
+def logits_bias(table: WeightTable, config: TransformerConfig) -> None:
+    """``output_bias``'s ``generator.bias``: the (1, V) buffer ``final_logits_bias`` (Marian, Pegasus, BART)."""
+    if config.output_bias:
+        table["generator.bias"] = Entry(("final_logits_bias",), row=True)
+
+
+def written_with_logits_bias(config: TransformerConfig, table: WeightTable,
+                             params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`written`, with a zero ``final_logits_bias`` for a model without ``output_bias`` (the families' class
+    always holds the buffer; adding zero changes no logit)."""
+    out = written(config, table, params)
+    if not config.output_bias:
+        out["final_logits_bias"] = np.zeros((1, config.tgt_vocab_size), next(iter(out.values())).dtype)
+    return out
+
+
 def written(config: TransformerConfig, table: WeightTable, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The Hugging Face state dict of ``params`` (the checkpoint's dtype): each tensor under the first name its
     entry gives, transposed as it says (a ``row`` as its (1, N) buffer), its shape checked against the config's."""
