@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import ModuleType
 
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from reference_numpy.config import TrainingConfig
@@ -33,7 +33,7 @@ def adam(model: Transformer, config: TrainingConfig = PAPER) -> nnx.Optimizer:
 def save_training(directory: str | os.PathLike, model: Transformer, optimizer: nnx.Optimizer) -> None:
     """The model's weights and the optimizer's state (Adam's moments and step counts) as an orbax checkpoint in
     ``directory`` (a new directory; an absolute path is made of a relative one), written when this returns."""
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = _orbax().StandardCheckpointer()
     checkpointer.save(Path(directory).absolute(), nnx.state((model, optimizer)))
     checkpointer.wait_until_finished()
 
@@ -41,5 +41,13 @@ def save_training(directory: str | os.PathLike, model: Transformer, optimizer: n
 def restore_training(directory: str | os.PathLike, model: Transformer, optimizer: nnx.Optimizer) -> None:
     """Put the weights and optimizer state that :func:`save_training` wrote into ``model`` and ``optimizer`` (of the
     same config and dtype: orbax restores into their state's shapes and dtypes), so that the run goes on."""
-    restored = ocp.StandardCheckpointer().restore(Path(directory).absolute(), nnx.state((model, optimizer)))
+    restored = _orbax().StandardCheckpointer().restore(Path(directory).absolute(), nnx.state((model, optimizer)))
     nnx.update((model, optimizer), restored)
+
+
+def _orbax() -> ModuleType:
+    """``orbax.checkpoint``, imported when a training state is saved or restored: importing it with the package would
+    add about 0.2 s to every command's start (docs/benchmarks.md, "The first translation")."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
