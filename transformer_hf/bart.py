@@ -28,7 +28,7 @@ import numpy as np
 from reference_numpy.config import TransformerConfig
 
 from . import weights
-from .family import HF_EXPORT, LAYER_NORM_EPS, TokenizerKind, field
+from .family import TokenizerKind, check_learned_export, field
 
 MODEL_TYPE, MODELS, ARCHITECTURE = "bart", "BART", "BartForConditionalGeneration"
 DEFAULTS: dict[str, Any] = {"activation_function": "gelu", "scale_embedding": False}      # BartConfig's
@@ -73,18 +73,7 @@ def claims(config: TransformerConfig) -> bool:
 def check_export(config: TransformerConfig) -> None:
     """What BART cannot express: no embedding LayerNorm, another position offset or LayerNorm epsilon, two
     vocabularies."""
-    if not config.embedding_norm:
-        raise ValueError(f"embedding_norm False is not supported by {HF_EXPORT} with positional_encoding 'learned' "
-                         "and norm_first False: BART has embedding_norm True (layernorm_embedding)")
-    if config.position_offset != POSITION_OFFSET:
-        raise ValueError(f"position_offset {config.position_offset} is not supported by {HF_EXPORT}: BART reads "
-                         f"position t at row t + {POSITION_OFFSET}")
-    if config.layer_norm_eps != LAYER_NORM_EPS:
-        raise ValueError(f"layer_norm_eps {config.layer_norm_eps!r} is not supported by {HF_EXPORT}: BART constructs "
-                         f"nn.LayerNorm with epsilon {LAYER_NORM_EPS!r}")
-    if config.src_vocab_size != config.tgt_vocab_size:
-        raise ValueError(f"tgt_vocab_size {config.tgt_vocab_size} is not supported by {HF_EXPORT}: BART has one "
-                         f"vocabulary (src_vocab_size {config.src_vocab_size})")
+    check_learned_export(config, MODELS, POSITION_OFFSET)
 
 
 def hf_config(config: TransformerConfig) -> dict[str, Any]:

@@ -231,12 +231,20 @@ BART = dict(vocab_size=41, d_model=16, encoder_layers=2, decoder_layers=3, encod
             activation_function="gelu", scale_embedding=False, pad_token_id=1, bos_token_id=0, eos_token_id=2,
             decoder_start_token_id=2, forced_bos_token_id=0, forced_eos_token_id=2, dropout=0.0,
             attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+# facebook/mbart-large-50-many-to-many-mmt's choices (ReLU, scaled embeddings, bos 0, pad 1, eos 2, decoding from
+# eos), the sizes shrunk
+MBART = dict(vocab_size=43, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+             activation_function="relu", scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+             decoder_start_token_id=2, forced_eos_token_id=2, dropout=0.0, attention_dropout=0.0,
+             activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
 FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
             "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100),
             "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", PEGASUS),
-            "bart": ("BartConfig", "BartForConditionalGeneration", BART)}
+            "bart": ("BartConfig", "BartForConditionalGeneration", BART),
+            "mbart": ("MBartConfig", "MBartForConditionalGeneration", MBART)}
 # The families whose position tables are trained (read from the file, random in the tiny models)
-LEARNED_FAMILIES = ("bart",)
+LEARNED_FAMILIES = ("bart", "mbart")
 # The families whose sinusoid is Marian's halves table at positions 0, 1, ... (transformers' ``weight`` buffer)
 HALVES_FAMILIES = ("marian", "pegasus")
 
@@ -262,12 +270,15 @@ EXPORTED = {
     # post-LN with learned positions from row 2, the embedding LayerNorm and a logits bias: BART
     "bart": PAPER.replace(positional_encoding="learned", position_offset=2, embedding_norm=True, activation="gelu",
                           scale_embeddings=False, output_bias=True, pad_id=1, bos_id=0, eos_id=2),
+    # pre-LN with learned positions from row 2, the embedding LayerNorm, final norms and a logits bias: mBART
+    "mbart": PAPER.replace(norm_first=True, positional_encoding="learned", position_offset=2, embedding_norm=True,
+                           activation="relu", output_bias=True, pad_id=1, bos_id=0, eos_id=2),
     # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
     "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
 }
 EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100",
-                   "pre_ln": "pegasus", "pegasus": "pegasus", "bart": "bart"}
+                   "pre_ln": "pegasus", "pegasus": "pegasus", "bart": "bart", "mbart": "mbart"}
 
 
 def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
