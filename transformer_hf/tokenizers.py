@@ -11,8 +11,8 @@ SentencePiece model files: each kind's ``kept``), byte for byte, which only ``ex
 directory's tokenizer back (:func:`hf_tokenizer_files`). Nothing in it is code; ``tokenizers`` alone runs it (no
 sentencepiece at run time). The record's ``family`` names the :class:`.family.TokenizerKind` of a family module,
 whose docstring gives the family's rules (transformers 5.23's): :mod:`.marian` (``marian``), :mod:`.m2m_100`
-(``m2m_100``, ``nllb``). The reference stores a record and returns it as it is; this module checks it
-(:func:`check_record`) wherever it is read.
+(``m2m_100``, ``nllb``), :mod:`.pegasus` (``pegasus``), :mod:`.mbart` (``mbart50``). The reference stores a record
+and returns it as it is; this module checks it (:func:`check_record`) wherever it is read.
 
 Where this project differs from transformers, on purpose: a special token's name typed in a text (``"</s>"``) is
 text, never the control id (transformers' ``split_special_tokens=True``), as for the project's own tokenizer; and
@@ -198,8 +198,8 @@ class FamilyTokenizer:
 
     @property
     def forced_bos_id(self) -> int | None:
-        """The target language's id, the first token decoding must emit (M2M100/NLLB's ``forced_bos_token_id``);
-        None for a family that forces none."""
+        """The target language's id, the first token decoding must emit (M2M100/NLLB/mBART-50's
+        ``forced_bos_token_id``); None for a family that forces none."""
         if self.record["target_language"] != "forced":
             return None
         return self._language_id("--target-lang", self.target_lang)

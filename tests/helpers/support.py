@@ -555,3 +555,52 @@ def tiny_pegasus(root: Path) -> dict:
     import_hf(directory, out)
     oracle = transformers.AutoTokenizer.from_pretrained(directory, split_special_tokens=True)
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "size": len(vocab)}
+
+
+# facebook/mbart-large-50-many-to-many-mmt's generation fields (its config.json's: num_beams 5, max_length 200,
+# early stopping, decoding from eos with eos forced at the end; the target language forced per call)
+MBART50_GENERATION = {"num_beams": 5, "max_length": 200, "early_stopping": True, "bos_token_id": 0, "pad_token_id": 1,
+                      "eos_token_id": 2, "decoder_start_token_id": 2, "forced_eos_token_id": 2}
+
+
+def tiny_mbart50(root: Path) -> dict:
+    """A tiny mBART-50 directory in ``root``: MBart50Tokenizer (its tokenizer.json: a Unigram model from a
+    SentencePiece model trained here, fairseq's ids -- <s> 0, <pad> 1, </s> 2, <unk> 3, the pieces one above their own
+    ids, the 52 language codes en_XX ... and <mask> after them -- and the model's normalizer) saved with
+    save_pretrained beside a tiny random MBartForConditionalGeneration of its size (every weight random, eos made
+    likely so sentences end at varied lengths) holding mBART-50's generation config, and imported: its directory,
+    checkpoint, transformers' model and tokenizer read back (``split_special_tokens``, as the project tokenizes)."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    model_file = train_spm(SOURCE * 3 + TARGET * 3, root / "m", "unigram", 90)
+    processor = importlib.import_module("sentencepiece").SentencePieceProcessor(model_file=str(model_file))
+    extractor = importlib.import_module("transformers.convert_slow_tokenizer").SentencePieceExtractor
+    charsmap = extractor(str(model_file)).extract(None)["_spm_precompiled_charsmap"]
+    pieces = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
+    assert [piece for piece, _ in pieces[:3]] == ["<unk>", "<s>", "</s>"]     # the layout the class offsets by one
+    tokenizer = transformers.MBart50Tokenizer(vocab=pieces, _spm_precompiled_charsmap=charsmap, src_lang="en_XX",
+                                              tgt_lang="fr_XX")
+    directory = root / "tiny-mbart50"
+    torch.manual_seed(0)
+    model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(
+        **{**MBART, "vocab_size": len(tokenizer), "encoder_layers": 1, "decoder_layers": 2,
+           "max_position_embeddings": 208})).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():                                     # every weight random: sentences translate apart
+        for name, tensor in model.state_dict().items():
+            if "norm" in name:
+                tensor.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(tensor.shape,
+                                                                                           generator=generator))
+            else:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.3)
+        model.final_logits_bias[0, 2] += 1.5                  # eos likely: sentences end well before the budget
+    model.generation_config = transformers.GenerationConfig(**MBART50_GENERATION)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-mbart50.safetensors"
+    import_hf(directory, out)
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.AutoTokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                          split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "model": model, "size": len(tokenizer)}
+
