@@ -54,6 +54,7 @@ import pytest
 from support import (
     FAMILIES,
     imported_family,
+    tiny_bart,
     tiny_m2m100,
     tiny_marian,
     tiny_mbart50,
@@ -504,6 +505,13 @@ def nllb(request, tmp_path_factory) -> dict:
 def pegasus(tmp_path_factory) -> dict:
     """A tiny random Pegasus model with its tokenizer, imported (support.tiny_pegasus), per module."""
     return tiny_pegasus(tmp_path_factory.mktemp("pegasus"))
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory) -> dict:
+    """A tiny random BART model with its byte-level BPE tokenizer and bart-large-cnn's generation config, imported
+    (support.tiny_bart), per module."""
+    return tiny_bart(tmp_path_factory.mktemp("bart"))
 
 
 @pytest.fixture(scope="module")

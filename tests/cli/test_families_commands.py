@@ -285,6 +285,33 @@ def test_an_mbart50_model_translates_into_its_target_language_as_generate(mbart5
     assert capsys.readouterr().out.splitlines() == expected
 
 
+def test_the_export_of_an_imported_bart_model_holds_its_tokenizer(bart, tmp_path, capsys):
+    theirs = exported_tokenizer(bart["checkpoint"], bart["directory"], tmp_path, capsys)
+    assert type(theirs).__name__ == "RobertaTokenizer"                  # transformers 5's BartTokenizer
+    assert_same_ids(theirs, bart["oracle"], TEXTS + SOURCE + TARGET + random_texts(14, 100))
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax", "tf"])
+def test_a_bart_model_translates_as_generate(bart, name, capsys):
+    """``translate`` on an imported BART with bart-large-cnn's generation config (beam 4, length penalty 2, at least
+    56 tokens, no repeated trigram, <s> forced first) gives ``generate``'s tokens, token for token (the translator
+    the command runs), and its text."""
+    model, oracle = bart["model"].double(), bart["oracle"]
+    batch = oracle(SOURCE, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        tokens = model.generate(**batch).numpy()[:, 1:]
+    expected = oracle.batch_decode(tokens, skip_special_tokens=True)
+    assert (tokens[:, 0] == 0).all() and len(set(expected)) > 1 and all(expected)
+    checkpoint = str(bart["checkpoint"])
+    run = translator(backend(name), checkpoint, "float64")
+    assert run.beam_size == 4
+    for mine, theirs in zip(run.decode_all([run.encode(text) for text in SOURCE]), tokens, strict=True):
+        theirs = theirs[theirs != 1]                                       # generate pads finished rows with pad
+        assert list(np.asarray(mine)[:len(theirs)]) == list(theirs) and (np.asarray(mine)[len(theirs):] == 1).all()
+    assert main(["translate", "--checkpoint", checkpoint, "--backend", name, "--dtype", "float64", *SOURCE]) == 0
+    assert capsys.readouterr().out.split("\n") == [*expected, ""]      # random bytes: "\x1e" is no line's end
+
+
 def test_marian_takes_no_language_and_the_projects_bpe_none(marian, capsys):
     with pytest.raises(ValueError, match="^--source-lang: this marian model takes no source language$"):
         load_tokenizer(marian["checkpoint"]).with_languages("en", None)

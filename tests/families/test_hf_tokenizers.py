@@ -121,6 +121,24 @@ def test_mbart50_ids_and_decode_equal_transformers(mbart50):
                                                                         skip_special_tokens=True)
 
 
+def test_bart_ids_and_decode_equal_transformers(bart):
+    """BART's byte-level BPE: <s> X </s> on both sides, every text's bytes pieces of the vocabulary (nothing unknown);
+    decoding skips every special token and joins the pieces' bytes, as transformers' decode(skip_special_tokens=True)
+    does (a byte sequence that is no UTF-8 text replaced alike)."""
+    mine, oracle = load_tokenizer(bart["checkpoint"]), bart["oracle"]
+    assert isinstance(mine, FamilyTokenizer) and mine.family == "bart" and mine.record["prefix_ids"] == [0]
+    for text in TEXTS + SOURCE + TARGET + random_texts(12, 100):
+        assert mine.ids(text) == oracle(text).input_ids, text
+        assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+    rng = random.Random(13)
+    for _ in range(300):
+        ids = [rng.randrange(3, bart["size"]) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+    for text in TARGET + TEXTS:
+        ids = oracle(text_target=text).input_ids
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True) == text, text
+
+
 def test_pegasus_ids_and_decode_equal_transformers(pegasus):
     """Pegasus's Unigram pieces then </s>, on both sides; decoding skips every special token (<mask_1>, the
     <unk_k> block) as transformers' decode(skip_special_tokens=True) does."""

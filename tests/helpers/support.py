@@ -604,3 +604,45 @@ def tiny_mbart50(root: Path) -> dict:
                                                           split_special_tokens=True)
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "model": model, "size": len(tokenizer)}
 
+
+# facebook/bart-large-cnn's generation fields (its config.json's: beam 4, length penalty 2, at least 56 tokens, no
+# repeated trigram, bos forced first and eos at the end, decoding from eos)
+BART_CNN_GENERATION = {"num_beams": 4, "length_penalty": 2.0, "max_length": 142, "min_length": 56,
+                       "no_repeat_ngram_size": 3, "early_stopping": True, "bos_token_id": 0, "pad_token_id": 1,
+                       "eos_token_id": 2, "decoder_start_token_id": 2, "forced_bos_token_id": 0,
+                       "forced_eos_token_id": 2}
+
+
+def tiny_bart(root: Path) -> dict:
+    """A tiny BART directory in ``root``: BartTokenizer (its tokenizer.json: a byte-level BPE trained here with the
+    ``tokenizers`` library, <s> 0, <pad> 1, </s> 2, <unk> 3, the 256 byte pieces and the merges' pieces, <mask> last)
+    saved with save_pretrained beside a tiny random BartForConditionalGeneration of its size (every weight random)
+    holding bart-large-cnn's generation config, and imported: its directory, checkpoint, transformers' model and its
+    tokenizer read back (``split_special_tokens``, as the project tokenizes)."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    tokenizers = importlib.import_module("tokenizers")
+    trained = tokenizers.Tokenizer(tokenizers.models.BPE())
+    trained.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.train_from_iterator(SOURCE * 3 + TARGET * 3, tokenizers.trainers.BpeTrainer(
+        vocab_size=360, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    vocab = trained.get_vocab()
+    vocab["<mask>"] = len(vocab)
+    merges = [tuple(pair) for pair in json.loads(trained.to_str())["model"]["merges"]]
+    tokenizer = transformers.BartTokenizer(vocab=vocab, merges=merges)
+    directory = root / "tiny-bart"
+    # generate ranks its beams in float32 even in float64: a random model whose best hypotheses differ by two
+    # tokens swapped scores them within float32's resolution (seed 11: 6e-6 apart at -184), and generate's choice
+    # between them is its rounding's; this seed's hypotheses stand apart, and end at varied lengths
+    model = build("bart", seed=16, vocab_size=len(vocab), encoder_layers=1, decoder_layers=2,
+                  max_position_embeddings=150)
+    with torch.no_grad():
+        model.final_logits_bias[0, 2] += 4.0                  # eos likely once min_length allows it
+    model.generation_config = transformers.GenerationConfig(**BART_CNN_GENERATION)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-bart.safetensors"
+    import_hf(directory, out)
+    oracle = transformers.AutoTokenizer.from_pretrained(directory, split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "model": model, "size": len(vocab)}
+
