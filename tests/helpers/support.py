@@ -578,7 +578,7 @@ def tiny_mbart50(root: Path) -> dict:
     pieces = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
     assert [piece for piece, _ in pieces[:3]] == ["<unk>", "<s>", "</s>"]     # the layout the class offsets by one
     tokenizer = transformers.MBart50Tokenizer(vocab=pieces, _spm_precompiled_charsmap=charsmap, src_lang="en_XX",
-                                              tgt_lang="fr_XX")
+                                              tgt_lang="fr_XX", bos_token="<s>")   # the published file names it
     directory = root / "tiny-mbart50"
     torch.manual_seed(0)
     model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(
