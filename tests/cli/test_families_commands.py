@@ -130,6 +130,8 @@ def test_import_command_outputs_and_inputs(saved_family, tmp_path, capsys):
 EXPORT_REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
                   ("positional_encoding", PAPER.replace(positional_encoding="learned")),
                   ("embedding_norm", PAPER.replace(embedding_norm=True)),
+                  ("embedding_norm", EXPORTED["mbart"].replace(embedding_norm=False)),
+                  ("position_offset", EXPORTED["mbart"].replace(position_offset=1)),
                   ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
                   ("output_bias", EXPORTED["m2m_100"].replace(output_bias=True)),
                   ("tgt_vocab_size", EXPORTED["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]
