@@ -941,6 +941,11 @@ HF_EXPORT = [
     single("hf import", "hf import: a pickle holding a Python object refused in torch's words, not by the object it "
            "holds", "transformer_hf/files.py", "    if unsafe:\n", "    if False:\n",
            ["tests/families/test_hf_import.py", "-k", "weights_only_loader_refuses and marian"]),
+    single("hf import", "mBART: the encoder's and the decoder's final LayerNorms swapped",
+           "transformer_hf/mbart.py", 'weights.norm(table, f"{stack}.norm", f"model.{stack}.layer_norm")',
+           'weights.norm(table, f"{stack}.norm", f"model.{\'decoder\' if stack == \'encoder\' else \'encoder\'}'
+           '.layer_norm")',
+           ["tests/families/test_hf_import.py", "-k", "reference_matches_transformers_in_float64 and mbart"]),
     single("hf import", "hf import: generation_config.json's min_new_tokens not read (eos held back by min_length "
            "alone)", "transformer_hf/generation.py", '    min_new_tokens = generation.get("min_new_tokens")\n',
            "    min_new_tokens = None\n", HF_GENERATE + ["-k", "config_from_generation_config"]),
@@ -1172,6 +1177,13 @@ HF_TOKENIZERS = [
     single("hf-tokenizer", "NLLB: legacy_behaviour ignored (the source's code first, not after eos)",
            "transformer_hf/m2m_100.py", '"suffix" if settings.get("legacy_behaviour") else "prefix"', '"prefix"',
            ["tests/families/test_hf_tokenizers.py", "-k", "nllb"]),
+    single("hf-tokenizer", "mBART-50: the source language's code after eos (mBART-cc25's layout)",
+           "transformer_hf/mbart.py", '"source_language": "prefix", "target_language": "forced"',
+           '"source_language": "suffix", "target_language": "forced"',
+           ["tests/families/test_hf_tokenizers.py", "-k", "mbart50"]),
+    single("hf-tokenizer", "BART: the record's prefix (<s>) not placed before the pieces", "transformer_hf/tokenizers.py",
+           'ids = [*(self.record.get("prefix_ids") or []), *self.content_ids(text, side)',
+           'ids = [*self.content_ids(text, side)', ["tests/families/test_hf_tokenizers.py", "-k", "bart"]),
     single("hf-tokenizer", "families: decoding keeps the special tokens", "transformer_hf/tokenizers.py",
            "if i not in self._skipped and i in self._pieces[\"target\"]:", "if i in self._pieces[\"target\"]:",
            HF_TOKENIZERS_ORACLE),

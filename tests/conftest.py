@@ -51,7 +51,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import FAMILIES, imported_family, tiny_m2m100, tiny_marian, tiny_nllb, tiny_pegasus, tiny_separate_marian
+from support import (
+    FAMILIES,
+    imported_family,
+    tiny_bart,
+    tiny_m2m100,
+    tiny_marian,
+    tiny_mbart50,
+    tiny_nllb,
+    tiny_pegasus,
+    tiny_separate_marian,
+)
 
 from equivalence import cases, runtime, tolerance
 from equivalence.backends import numpy as reference
@@ -495,6 +505,20 @@ def nllb(request, tmp_path_factory) -> dict:
 def pegasus(tmp_path_factory) -> dict:
     """A tiny random Pegasus model with its tokenizer, imported (support.tiny_pegasus), per module."""
     return tiny_pegasus(tmp_path_factory.mktemp("pegasus"))
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory) -> dict:
+    """A tiny random BART model with its byte-level BPE tokenizer and bart-large-cnn's generation config, imported
+    (support.tiny_bart), per module."""
+    return tiny_bart(tmp_path_factory.mktemp("bart"))
+
+
+@pytest.fixture(scope="module")
+def mbart50(tmp_path_factory) -> dict:
+    """A tiny random mBART-50 model with its tokenizer, language codes and published generation config, imported
+    (support.tiny_mbart50), per module."""
+    return tiny_mbart50(tmp_path_factory.mktemp("mbart50"))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

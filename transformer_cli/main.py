@@ -719,11 +719,13 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
 
 
 def add_languages(parser: argparse.ArgumentParser) -> None:
-    """--source-lang and --target-lang: the languages of an imported M2M100/NLLB (or multilingual Marian) model."""
+    """--source-lang and --target-lang: the languages of an imported M2M100/NLLB/mBART-50 (or multilingual Marian)
+    model."""
     parser.add_argument("--source-lang", metavar="CODE", help="the source language of an imported M2M100 (en), NLLB "
-                        "(eng_Latn) model: its code starts the source (docs/huggingface.md)")
+                        "(eng_Latn) or mBART-50 (en_XX) model: its code starts the source (docs/huggingface.md)")
     parser.add_argument("--target-lang", metavar="CODE", help="the target language of an imported M2M100 (fr), NLLB "
-                        "(fra_Latn) or multilingual Marian model (fr: its >>fr<< token starts the source)")
+                        "(fra_Latn), mBART-50 (fr_XX) or multilingual Marian model (fr: its >>fr<< token starts the "
+                        "source)")
 
 
 def run_translate(args: argparse.Namespace) -> int:

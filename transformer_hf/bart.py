@@ -15,12 +15,19 @@ with ``tie_word_embeddings`` false separate ones (:func:`.weights.embeddings`).
 the budget's end, holds eos back below ``min_length`` 56 and blocks repeated trigrams (``no_repeat_ngram_size`` 3),
 all read by :mod:`.generation` as every family's.
 
+**The tokenizer** (``BartTokenizer``, transformers 5's alias of ``RobertaTokenizer``; its ``tokenizer.json``): GPT-2's
+byte-level BPE (the ``ByteLevel`` pre-tokenizer and decoder: every byte a piece, so no text is unknown), ``<s>``,
+``<pad>``, ``</s>``, ``<unk>`` and ``<mask>`` among its ids; a source and a target are ``<s> + ids + </s>``
+(``RobertaProcessing``: the record's ``prefix_ids``); no language. Decoding skips every special token and joins the
+pieces with the byte-level decoder.
+
 **The export** writes a post-LN config with learned positions (:func:`claims`) as ``BartForConditionalGeneration``:
 the embedding LayerNorm and the offset of 2 are BART's own, so a config without them is refused naming the field.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +35,8 @@ import numpy as np
 from reference_numpy.config import TransformerConfig
 
 from . import weights
-from .family import HF_EXPORT, LAYER_NORM_EPS, TokenizerKind, field
+from .family import TokenizerKind, check_learned_export, field
+from .tokenizer_files import TOKENIZER_CONFIG, TOKENIZER_JSON, json_files, json_tokenizer, unknown_id
 
 MODEL_TYPE, MODELS, ARCHITECTURE = "bart", "BART", "BartForConditionalGeneration"
 DEFAULTS: dict[str, Any] = {"activation_function": "gelu", "scale_embedding": False}      # BartConfig's
@@ -73,18 +81,7 @@ def claims(config: TransformerConfig) -> bool:
 def check_export(config: TransformerConfig) -> None:
     """What BART cannot express: no embedding LayerNorm, another position offset or LayerNorm epsilon, two
     vocabularies."""
-    if not config.embedding_norm:
-        raise ValueError(f"embedding_norm False is not supported by {HF_EXPORT} with positional_encoding 'learned' "
-                         "and norm_first False: BART has embedding_norm True (layernorm_embedding)")
-    if config.position_offset != POSITION_OFFSET:
-        raise ValueError(f"position_offset {config.position_offset} is not supported by {HF_EXPORT}: BART reads "
-                         f"position t at row t + {POSITION_OFFSET}")
-    if config.layer_norm_eps != LAYER_NORM_EPS:
-        raise ValueError(f"layer_norm_eps {config.layer_norm_eps!r} is not supported by {HF_EXPORT}: BART constructs "
-                         f"nn.LayerNorm with epsilon {LAYER_NORM_EPS!r}")
-    if config.src_vocab_size != config.tgt_vocab_size:
-        raise ValueError(f"tgt_vocab_size {config.tgt_vocab_size} is not supported by {HF_EXPORT}: BART has one "
-                         f"vocabulary (src_vocab_size {config.src_vocab_size})")
+    check_learned_export(config, MODELS, POSITION_OFFSET)
 
 
 def hf_config(config: TransformerConfig) -> dict[str, Any]:
@@ -101,4 +98,22 @@ def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict
     return out
 
 
-TOKENIZERS: tuple[TokenizerKind, ...] = ()
+# ----------------------------------------------------------------------------- the tokenizer
+
+def tokenizer_record(root: Path, settings: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
+    """The record of a ``BartTokenizer`` directory, read from its ``tokenizer.json`` (module docstring): its
+    ``cls_token`` (``<s>``) before every sequence."""
+    source, vocab, special = json_tokenizer(root, settings, config, "BART")
+    cls = settings.get("cls_token", "<s>")
+    cls = cls.get("content") if isinstance(cls, dict) else cls
+    if cls not in vocab:
+        raise ValueError(f"{str(root)!r}: the BART tokenizer's vocabulary lacks its cls_token {cls!r}")
+    return {"family": "bart", "source": source, "target": source, "vocab": vocab,
+            "unk_id": unknown_id(vocab, settings, root), "special_ids": special, "languages": {},
+            "source_language": "none", "target_language": "none", "strip": False, "prefix_ids": [vocab[cls]]}
+
+
+TOKENIZERS = (TokenizerKind("bart", classes=("BartTokenizer", "BartTokenizerFast", "RobertaTokenizer",
+                                             "RobertaTokenizerFast"), files=(TOKENIZER_JSON,),
+                            reads=(TOKENIZER_CONFIG, TOKENIZER_JSON), kept=(TOKENIZER_CONFIG,),
+                            record=tokenizer_record, written=json_files),)

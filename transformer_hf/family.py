@@ -119,3 +119,21 @@ def check_sinusoid_export(config: TransformerConfig, models: str, layouts: tuple
     if config.sinusoidal_layout not in layouts:
         raise ValueError(f"sinusoidal_layout {config.sinusoidal_layout!r} is not supported by {HF_EXPORT} with "
                          f"norm_first {config.norm_first}: {models} has {' or '.join(map(repr, layouts))}")
+
+
+def check_learned_export(config: TransformerConfig, models: str, offset: int) -> None:
+    """What a family of learned positions read from row ``offset`` on, with the embedding LayerNorm and
+    ``nn.LayerNorm``'s epsilon, refuses (one ``ValueError`` naming the field; ``models``: the family's name in the
+    message): no embedding LayerNorm, another position offset or LayerNorm epsilon, two vocabularies."""
+    if not config.embedding_norm:
+        raise ValueError(f"embedding_norm False is not supported by {HF_EXPORT} with positional_encoding 'learned' "
+                         f"and norm_first {config.norm_first}: {models} has embedding_norm True (layernorm_embedding)")
+    if config.position_offset != offset:
+        raise ValueError(f"position_offset {config.position_offset} is not supported by {HF_EXPORT}: {models} reads "
+                         f"position t at row t + {offset}")
+    if config.layer_norm_eps != LAYER_NORM_EPS:
+        raise ValueError(f"layer_norm_eps {config.layer_norm_eps!r} is not supported by {HF_EXPORT}: {models} "
+                         f"constructs nn.LayerNorm with epsilon {LAYER_NORM_EPS!r}")
+    if config.src_vocab_size != config.tgt_vocab_size:
+        raise ValueError(f"tgt_vocab_size {config.tgt_vocab_size} is not supported by {HF_EXPORT}: {models} has one "
+                         f"vocabulary (src_vocab_size {config.src_vocab_size})")

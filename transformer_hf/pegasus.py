@@ -23,10 +23,10 @@ then ``</s>``; no language. The ids below the pieces are pad, eos, ``<mask_1>``,
 ``<unk_102>`` (``offset`` 103) and ``<unk>``; decoding skips every special token (those the tokenizer config names
 and the added tokens the JSON marks special) and joins the pieces with the Metaspace decoder.
 
-**The export** writes a pre-LN config with a sinusoid other than fairseq's (:func:`claims`) as
-``PegasusForConditionalGeneration``: the ``halves`` table as it is, the paper's ``interleaved`` table through the
-feature permutation of :mod:`.marian` ("The paper's model as a Marian model": the symmetry holds with the final
-norms too, each a LayerNorm over the reordered features); a model without ``output_bias`` gets a zero
+**The export** writes a pre-LN config with a sinusoid other than fairseq's (:func:`claims`; learned positions are
+:mod:`.mbart`'s) as ``PegasusForConditionalGeneration``: the ``halves`` table as it is, the paper's ``interleaved``
+table through the feature permutation of :mod:`.marian` ("The paper's model as a Marian model": the symmetry holds
+with the final norms too, each a LayerNorm over the reordered features); a model without ``output_bias`` gets a zero
 ``final_logits_bias``.
 """
 
@@ -74,7 +74,7 @@ def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.
 # ----------------------------------------------------------------------------- the export
 
 def claims(config: TransformerConfig) -> bool:
-    return config.norm_first and config.sinusoidal_layout != "fairseq"
+    return config.norm_first and config.positional_encoding != "learned" and config.sinusoidal_layout != "fairseq"
 
 
 def check_export(config: TransformerConfig) -> None:

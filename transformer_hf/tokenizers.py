@@ -11,8 +11,8 @@ SentencePiece model files: each kind's ``kept``), byte for byte, which only ``ex
 directory's tokenizer back (:func:`hf_tokenizer_files`). Nothing in it is code; ``tokenizers`` alone runs it (no
 sentencepiece at run time). The record's ``family`` names the :class:`.family.TokenizerKind` of a family module,
 whose docstring gives the family's rules (transformers 5.23's): :mod:`.marian` (``marian``), :mod:`.m2m_100`
-(``m2m_100``, ``nllb``). The reference stores a record and returns it as it is; this module checks it
-(:func:`check_record`) wherever it is read.
+(``m2m_100``, ``nllb``), :mod:`.pegasus` (``pegasus``), :mod:`.bart` (``bart``), :mod:`.mbart` (``mbart50``). The
+reference stores a record and returns it as it is; this module checks it (:func:`check_record`) wherever it is read.
 
 Where this project differs from transformers, on purpose: a special token's name typed in a text (``"</s>"``) is
 text, never the control id (transformers' ``split_special_tokens=True``), as for the project's own tokenizer; and
@@ -46,10 +46,11 @@ SOURCE_LANGUAGE = ("none", "prefix", "suffix")       # where the source language
 TARGET_LANGUAGE = ("none", "forced", "source_prefix")  # forced first decoded token, or (Marian) the source's first
 RECORD_FIELDS = {"family": str, "source": str, "target": str, "vocab": dict, "unk_id": int, "special_ids": list,
                  "languages": dict, "source_language": str, "target_language": str, "strip": bool, "files": dict,
-                 "target_vocab": dict}
+                 "target_vocab": dict, "prefix_ids": list}
 # "files": absent in the records of imports before it was kept; "target_vocab": a Marian model's separate target
-# vocabulary, absent where one vocabulary serves both sides
-OPTIONAL = ("files", "target_vocab")
+# vocabulary, absent where one vocabulary serves both sides; "prefix_ids": the ids before every sequence's pieces
+# (BART's <s>), absent where none go there
+OPTIONAL = ("files", "target_vocab", "prefix_ids")
 SHOWN_LANGUAGES = 8                                   # codes a message about an unknown language lists
 FLAGS = {"--source-lang": "source language", "--target-lang": "target language"}
 
@@ -81,7 +82,8 @@ def check_record(text: str, config: TransformerConfig) -> dict[str, Any]:
     for field, limit in limits.items():
         _check_ids([records.check(i, int, f"tokenizer field '{field}.{piece}'")
                     for piece, i in (data.get(field) or {}).items()], limit, field == "target_vocab")
-    _check_ids([records.check(i, int, "tokenizer field 'special_ids'") for i in data["special_ids"]], both)
+    for field in ("special_ids", "prefix_ids"):
+        _check_ids([records.check(i, int, f"tokenizer field '{field}'") for i in data.get(field) or []], both)
     unk = {i: piece for piece, i in data["vocab"].items()}.get(data["unk_id"])
     for field in ("vocab", "target_vocab") if separate else ("vocab",):
         if unk is None or unk not in data[field]:
@@ -198,8 +200,8 @@ class FamilyTokenizer:
 
     @property
     def forced_bos_id(self) -> int | None:
-        """The target language's id, the first token decoding must emit (M2M100/NLLB's ``forced_bos_token_id``);
-        None for a family that forces none."""
+        """The target language's id, the first token decoding must emit (M2M100/NLLB/mBART-50's
+        ``forced_bos_token_id``); None for a family that forces none."""
         if self.record["target_language"] != "forced":
             return None
         return self._language_id("--target-lang", self.target_lang)
@@ -222,8 +224,9 @@ class FamilyTokenizer:
 
     def ids(self, text: str, side: str = "source") -> list[int]:
         """The model's ids of ``text`` as the family's tokenizer gives them (transformers' ``input_ids``; the
-        ``target`` side: its ``text_target`` labels), with the languages set by :meth:`with_languages`."""
-        ids = [*self.content_ids(text, side), self.config.eos_id]
+        ``target`` side: its ``text_target`` labels): the record's ``prefix_ids`` (BART's ``<s>``), the pieces' ids,
+        eos, with the languages set by :meth:`with_languages`."""
+        ids = [*(self.record.get("prefix_ids") or []), *self.content_ids(text, side), self.config.eos_id]
         if side == "source" and self.record["target_language"] == "source_prefix":
             ids = [self._language_id("--target-lang", self.target_lang), *ids]
         place = self.record["source_language"]

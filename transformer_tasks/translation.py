@@ -77,8 +77,8 @@ class Translator:
     ``beam_size`` > 1) ``batch_size`` sentences of similar length at a time, detokenize. Decoding follows the
     checkpoint's conventions (its config: start token, suppressed tokens, forced eos, length normalization;
     ``reference_numpy/decoding.py``); ``beam_size`` None is the checkpoint's ``beam_size``, ``alpha`` None its
-    ``length_penalty``; ``forced_bos_id`` the forced first token of every output (M2M100/NLLB's target language),
-    None for none."""
+    ``length_penalty``; ``forced_bos_id`` the forced first token of every output (M2M100/NLLB/mBART-50's target
+    language), None for none."""
 
     def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer,
                  beam_size: int | None = None, alpha: float | None = None, batch_size: int = BATCH_SIZE,

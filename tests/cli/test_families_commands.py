@@ -130,6 +130,8 @@ def test_import_command_outputs_and_inputs(saved_family, tmp_path, capsys):
 EXPORT_REFUSED = [("layer_norm_eps", PAPER.replace(layer_norm_eps=1e-6)),
                   ("positional_encoding", PAPER.replace(positional_encoding="learned")),
                   ("embedding_norm", PAPER.replace(embedding_norm=True)),
+                  ("embedding_norm", EXPORTED["mbart"].replace(embedding_norm=False)),
+                  ("position_offset", EXPORTED["mbart"].replace(position_offset=1)),
                   ("sinusoidal_layout", PAPER.replace(sinusoidal_layout="fairseq")),
                   ("output_bias", EXPORTED["m2m_100"].replace(output_bias=True)),
                   ("tgt_vocab_size", EXPORTED["m2m_100"].replace(share_embeddings=False, tgt_vocab_size=33))]
@@ -253,6 +255,63 @@ def test_the_export_of_an_imported_nllb_model_holds_its_tokenizer(nllb, tmp_path
     theirs = exported_tokenizer(nllb["checkpoint"], nllb["checkpoint"].with_suffix(""), tmp_path, capsys,
                                 src_lang="zul_Latn", tgt_lang="deu_Latn")
     assert_same_ids(theirs, nllb["oracle"]("zul_Latn", "deu_Latn"), TEXTS + SOURCE + TARGET + random_texts(8, 100))
+
+
+def test_the_export_of_an_imported_mbart50_model_holds_its_tokenizer(mbart50, tmp_path, capsys):
+    theirs = exported_tokenizer(mbart50["checkpoint"], mbart50["directory"], tmp_path, capsys, src_lang="ro_RO",
+                                tgt_lang="de_DE")
+    assert type(theirs).__name__ == "MBart50Tokenizer"
+    assert_same_ids(theirs, mbart50["oracle"]("ro_RO", "de_DE"), TEXTS + SOURCE + TARGET + random_texts(9, 100))
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax", "tf"])
+def test_an_mbart50_model_translates_into_its_target_language_as_generate(mbart50, name, capsys):
+    """``translate --target-lang`` on an imported mBART-50 (mBART-50's published generation config: beam 5,
+    max_length 200, early stopping) gives ``generate(forced_bos_token_id=<the language's id>)``'s tokens, token for
+    token (the translator the command runs), and its text."""
+    model, oracle = mbart50["model"].double(), mbart50["oracle"]("en_XX", "fr_XX")
+    forced = oracle.convert_tokens_to_ids("fr_XX")
+    batch = oracle(SOURCE, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        tokens = model.generate(**batch, forced_bos_token_id=forced).numpy()[:, 1:]
+    expected = oracle.batch_decode(tokens, skip_special_tokens=True)
+    assert (tokens[:, 0] == forced).all() and len(set(expected)) > 1 and all(expected)
+    checkpoint = str(mbart50["checkpoint"])
+    run = translator(backend(name), checkpoint, "float64", source_lang="en_XX", target_lang="fr_XX")
+    assert run.beam_size == 5
+    for mine, theirs in zip(run.decode_all([run.encode(text) for text in SOURCE]), tokens, strict=True):
+        theirs = theirs[theirs != 1]                                       # generate pads finished rows with pad
+        assert list(np.asarray(mine)[:len(theirs)]) == list(theirs) and (np.asarray(mine)[len(theirs):] == 1).all()
+    assert main(["translate", "--checkpoint", checkpoint, "--backend", name, "--dtype", "float64", "--source-lang",
+                 "en_XX", "--target-lang", "fr_XX", *SOURCE]) == 0
+    assert capsys.readouterr().out.splitlines() == expected
+
+
+def test_the_export_of_an_imported_bart_model_holds_its_tokenizer(bart, tmp_path, capsys):
+    theirs = exported_tokenizer(bart["checkpoint"], bart["directory"], tmp_path, capsys)
+    assert type(theirs).__name__ == "RobertaTokenizer"                  # transformers 5's BartTokenizer
+    assert_same_ids(theirs, bart["oracle"], TEXTS + SOURCE + TARGET + random_texts(14, 100))
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax", "tf"])
+def test_a_bart_model_translates_as_generate(bart, name, capsys):
+    """``translate`` on an imported BART with bart-large-cnn's generation config (beam 4, length penalty 2, at least
+    56 tokens, no repeated trigram, <s> forced first) gives ``generate``'s tokens, token for token (the translator
+    the command runs), and its text."""
+    model, oracle = bart["model"].double(), bart["oracle"]
+    batch = oracle(SOURCE, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        tokens = model.generate(**batch).numpy()[:, 1:]
+    expected = oracle.batch_decode(tokens, skip_special_tokens=True)
+    assert (tokens[:, 0] == 0).all() and len(set(expected)) > 1 and all(expected)
+    checkpoint = str(bart["checkpoint"])
+    run = translator(backend(name), checkpoint, "float64")
+    assert run.beam_size == 4
+    for mine, theirs in zip(run.decode_all([run.encode(text) for text in SOURCE]), tokens, strict=True):
+        theirs = theirs[theirs != 1]                                       # generate pads finished rows with pad
+        assert list(np.asarray(mine)[:len(theirs)]) == list(theirs) and (np.asarray(mine)[len(theirs):] == 1).all()
+    assert main(["translate", "--checkpoint", checkpoint, "--backend", name, "--dtype", "float64", *SOURCE]) == 0
+    assert capsys.readouterr().out.split("\n") == [*expected, ""]      # random bytes: "\x1e" is no line's end
 
 
 def test_marian_takes_no_language_and_the_projects_bpe_none(marian, capsys):

@@ -94,8 +94,8 @@ def test_the_registry_holds_each_family_by_its_model_type():
     classes = [name for kind in TOKENIZER_KINDS.values() for name in kind.classes]
     assert len(classes) == len(set(classes))                                  # one kind per tokenizer class
     with pytest.raises(ValueError, match=r"^config.json model_type 't5' is not supported \(supported: 'marian', "
-                                         r"'m2m_100', 'pegasus', 'bart': Marian/opus-mt, M2M100 and NLLB, Pegasus, "
-                                         r"BART\)$"):
+                                         r"'m2m_100', 'pegasus', 'bart', 'mbart': Marian/opus-mt, M2M100 and "
+                                         r"NLLB, Pegasus, BART, mBART and mBART-50\)$"):
         family("t5")
 
 
@@ -107,7 +107,10 @@ def test_the_export_writes_each_config_as_the_one_family_that_claims_it():
                                                        tgt_vocab_size=19), "pegasus"),
                              (TransformerConfig.preset("tiny", layer_norm_eps=1e-5, positional_encoding="learned",
                                                        position_offset=2, embedding_norm=True, tgt_vocab_size=19),
-                              "bart")):
+                              "bart"),
+                             (TransformerConfig.preset("tiny", layer_norm_eps=1e-5, norm_first=True,
+                                                       positional_encoding="learned", position_offset=2,
+                                                       embedding_norm=True, tgt_vocab_size=19), "mbart")):
         assert [module.MODEL_TYPE for module in FAMILIES.values() if module.claims(config)] == [expected]
         assert family_for(config) is FAMILIES[expected]
 

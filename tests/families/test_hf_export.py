@@ -45,7 +45,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
                                                           "are loaded by it (pip install transformers)")
 
 HF_CLASS = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration",
-            "pegasus": "PegasusForConditionalGeneration", "bart": "BartForConditionalGeneration"}
+            "pegasus": "PegasusForConditionalGeneration", "bart": "BartForConditionalGeneration",
+            "mbart": "MBartForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module", params=list(EXPORTED))

@@ -15,7 +15,7 @@ import importlib
 
 import numpy as np
 import pytest
-from support import FRAMEWORKS, build, float64_inference, port_backend
+from support import FRAMEWORKS, MBART50_GENERATION, build, float64_inference, port_backend
 
 from transformer_hf.importer import import_hf, load_hf
 
@@ -25,16 +25,18 @@ pytest.importorskip("transformers", reason="transformers is not installed: the m
                                            "built with it")
 
 # The generation fields of the published models' files (generation_config.json, or config.json where the file
-# predates it), by family: google/pegasus-xsum's, facebook/bart-large-cnn's
+# predates it), by family: google/pegasus-xsum's, facebook/bart-large-cnn's, facebook/mbart-large-50-many-to-many-mmt's
+# (its target language is forced per call: tests/cli/test_families_commands.py)
 PUBLISHED = {
     "pegasus": {"num_beams": 8, "length_penalty": 0.6, "max_length": 64, "decoder_start_token_id": 0,
                 "pad_token_id": 0, "eos_token_id": 1, "forced_eos_token_id": 1},
     "bart": {"num_beams": 4, "length_penalty": 2.0, "max_length": 142, "min_length": 56, "no_repeat_ngram_size": 3,
              "early_stopping": True, "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2,
              "decoder_start_token_id": 2, "forced_bos_token_id": 0, "forced_eos_token_id": 2},
+    "mbart": MBART50_GENERATION,
 }
 # The models' positions cover the published budgets (max_length counts the start token)
-POSITIONS = {"pegasus": 72, "bart": 150}
+POSITIONS = {"pegasus": 72, "bart": 150, "mbart": 208}
 SEED = 5
 
 
@@ -103,7 +105,8 @@ def test_the_import_reads_the_published_fields(published):
     fields = PUBLISHED[family]
     decoding = config.decoding
     assert (decoding.beam_size, decoding.length_penalty, decoding.max_output_length, config.start_id) == (
-        fields["num_beams"], fields["length_penalty"], fields["max_length"] - 1, fields["decoder_start_token_id"])
+        fields["num_beams"], fields.get("length_penalty", 1.0), fields["max_length"] - 1,
+        fields["decoder_start_token_id"])
     assert (decoding.min_output_length, decoding.no_repeat_ngram_size, decoding.forced_bos_id) == (
         fields.get("min_length", 0), fields.get("no_repeat_ngram_size", 0), fields.get("forced_bos_token_id"))
     beam = expected[decoding.beam_size]

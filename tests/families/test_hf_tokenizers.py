@@ -101,6 +101,44 @@ def test_nllb_ids_and_decode_equal_transformers(nllb):
                                                                         skip_special_tokens=True)
 
 
+def test_mbart50_ids_and_decode_equal_transformers(mbart50):
+    """mBART-50's [src_code] X </s> and [tgt_code] X </s>, its forced target code, and decoding that skips every
+    special token (the codes, <mask>) as transformers' decode(skip_special_tokens=True) does."""
+    tokenizer = load_tokenizer(mbart50["checkpoint"])
+    assert isinstance(tokenizer, FamilyTokenizer) and tokenizer.family == "mbart50"
+    assert len(tokenizer.languages) == 52
+    for source, target in (("en_XX", "fr_XX"), ("ro_RO", "zh_CN")):
+        mine, oracle = tokenizer.with_languages(source, target), mbart50["oracle"](source, target)
+        for text in TEXTS + SOURCE + TARGET + random_texts(10, 100):
+            assert mine.ids(text) == oracle(text).input_ids, text
+            assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+        assert mine.forced_bos_id == oracle.convert_tokens_to_ids(target)
+    rng = random.Random(11)
+    for _ in range(300):
+        ids = [rng.randrange(3, mbart50["size"]) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+        assert mine.decode([mine.forced_bos_id, *ids]) == oracle.decode([mine.forced_bos_id, *ids],
+                                                                        skip_special_tokens=True)
+
+
+def test_bart_ids_and_decode_equal_transformers(bart):
+    """BART's byte-level BPE: <s> X </s> on both sides, every text's bytes pieces of the vocabulary (nothing unknown);
+    decoding skips every special token and joins the pieces' bytes, as transformers' decode(skip_special_tokens=True)
+    does (a byte sequence that is no UTF-8 text replaced alike)."""
+    mine, oracle = load_tokenizer(bart["checkpoint"]), bart["oracle"]
+    assert isinstance(mine, FamilyTokenizer) and mine.family == "bart" and mine.record["prefix_ids"] == [0]
+    for text in TEXTS + SOURCE + TARGET + random_texts(12, 100):
+        assert mine.ids(text) == oracle(text).input_ids, text
+        assert mine.ids(text, "target") == oracle(text_target=text).input_ids, text
+    rng = random.Random(13)
+    for _ in range(300):
+        ids = [rng.randrange(3, bart["size"]) for _ in range(rng.randrange(12))]
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), ids
+    for text in TARGET + TEXTS:
+        ids = oracle(text_target=text).input_ids
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True) == text, text
+
+
 def test_pegasus_ids_and_decode_equal_transformers(pegasus):
     """Pegasus's Unigram pieces then </s>, on both sides; decoding skips every special token (<mask_1>, the
     <unk_k> block) as transformers' decode(skip_special_tokens=True) does."""

@@ -231,12 +231,20 @@ BART = dict(vocab_size=41, d_model=16, encoder_layers=2, decoder_layers=3, encod
             activation_function="gelu", scale_embedding=False, pad_token_id=1, bos_token_id=0, eos_token_id=2,
             decoder_start_token_id=2, forced_bos_token_id=0, forced_eos_token_id=2, dropout=0.0,
             attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+# facebook/mbart-large-50-many-to-many-mmt's choices (ReLU, scaled embeddings, bos 0, pad 1, eos 2, decoding from
+# eos), the sizes shrunk
+MBART = dict(vocab_size=43, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=40,
+             activation_function="relu", scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+             decoder_start_token_id=2, forced_eos_token_id=2, dropout=0.0, attention_dropout=0.0,
+             activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
 FAMILIES = {"marian": ("MarianConfig", "MarianMTModel", MARIAN),
             "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", M2M100),
             "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", PEGASUS),
-            "bart": ("BartConfig", "BartForConditionalGeneration", BART)}
+            "bart": ("BartConfig", "BartForConditionalGeneration", BART),
+            "mbart": ("MBartConfig", "MBartForConditionalGeneration", MBART)}
 # The families whose position tables are trained (read from the file, random in the tiny models)
-LEARNED_FAMILIES = ("bart",)
+LEARNED_FAMILIES = ("bart", "mbart")
 # The families whose sinusoid is Marian's halves table at positions 0, 1, ... (transformers' ``weight`` buffer)
 HALVES_FAMILIES = ("marian", "pegasus")
 
@@ -262,12 +270,15 @@ EXPORTED = {
     # post-LN with learned positions from row 2, the embedding LayerNorm and a logits bias: BART
     "bart": PAPER.replace(positional_encoding="learned", position_offset=2, embedding_norm=True, activation="gelu",
                           scale_embeddings=False, output_bias=True, pad_id=1, bos_id=0, eos_id=2),
+    # pre-LN with learned positions from row 2, the embedding LayerNorm, final norms and a logits bias: mBART
+    "mbart": PAPER.replace(norm_first=True, positional_encoding="learned", position_offset=2, embedding_norm=True,
+                           activation="relu", output_bias=True, pad_id=1, bos_id=0, eos_id=2),
     # separate embeddings of one vocabulary: M2M100's tie_word_embeddings false
     "m2m_100-untied": PAPER.replace(norm_first=True, sinusoidal_layout="fairseq", activation="relu",
                                     share_embeddings=False, pad_id=1, bos_id=0, eos_id=2),
 }
 EXPORTED_FAMILY = {"paper": "marian", "marian": "marian", "m2m_100": "m2m_100", "m2m_100-untied": "m2m_100",
-                   "pre_ln": "pegasus", "pegasus": "pegasus", "bart": "bart"}
+                   "pre_ln": "pegasus", "pegasus": "pegasus", "bart": "bart", "mbart": "mbart"}
 
 
 def random_params(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -544,3 +555,94 @@ def tiny_pegasus(root: Path) -> dict:
     import_hf(directory, out)
     oracle = transformers.AutoTokenizer.from_pretrained(directory, split_special_tokens=True)
     return {"directory": directory, "checkpoint": out, "oracle": oracle, "size": len(vocab)}
+
+
+# facebook/mbart-large-50-many-to-many-mmt's generation fields (its config.json's: num_beams 5, max_length 200,
+# early stopping, decoding from eos with eos forced at the end; the target language forced per call)
+MBART50_GENERATION = {"num_beams": 5, "max_length": 200, "early_stopping": True, "bos_token_id": 0, "pad_token_id": 1,
+                      "eos_token_id": 2, "decoder_start_token_id": 2, "forced_eos_token_id": 2}
+
+
+def tiny_mbart50(root: Path) -> dict:
+    """A tiny mBART-50 directory in ``root``: MBart50Tokenizer (its tokenizer.json: a Unigram model from a
+    SentencePiece model trained here, fairseq's ids -- <s> 0, <pad> 1, </s> 2, <unk> 3, the pieces one above their own
+    ids, the 52 language codes en_XX ... and <mask> after them -- and the model's normalizer) saved with
+    save_pretrained beside a tiny random MBartForConditionalGeneration of its size (every weight random, eos made
+    likely so sentences end at varied lengths) holding mBART-50's generation config, and imported: its directory,
+    checkpoint, transformers' model and tokenizer read back (``split_special_tokens``, as the project tokenizes)."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    model_file = train_spm(SOURCE * 3 + TARGET * 3, root / "m", "unigram", 90)
+    processor = importlib.import_module("sentencepiece").SentencePieceProcessor(model_file=str(model_file))
+    extractor = importlib.import_module("transformers.convert_slow_tokenizer").SentencePieceExtractor
+    charsmap = extractor(str(model_file)).extract(None)["_spm_precompiled_charsmap"]
+    pieces = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
+    assert [piece for piece, _ in pieces[:3]] == ["<unk>", "<s>", "</s>"]     # the layout the class offsets by one
+    tokenizer = transformers.MBart50Tokenizer(vocab=pieces, _spm_precompiled_charsmap=charsmap, src_lang="en_XX",
+                                              tgt_lang="fr_XX", bos_token="<s>")   # the published file names it
+    directory = root / "tiny-mbart50"
+    torch.manual_seed(0)
+    model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(
+        **{**MBART, "vocab_size": len(tokenizer), "encoder_layers": 1, "decoder_layers": 2,
+           "max_position_embeddings": 208})).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():                                     # every weight random: sentences translate apart
+        for name, tensor in model.state_dict().items():
+            if "norm" in name:
+                tensor.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(tensor.shape,
+                                                                                           generator=generator))
+            else:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.3)
+        model.final_logits_bias[0, 2] += 1.5                  # eos likely: sentences end well before the budget
+    model.generation_config = transformers.GenerationConfig(**MBART50_GENERATION)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-mbart50.safetensors"
+    import_hf(directory, out)
+
+    def oracle(src_lang: str, tgt_lang: str):
+        return transformers.AutoTokenizer.from_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang,
+                                                          split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "model": model, "size": len(tokenizer)}
+
+
+# facebook/bart-large-cnn's generation fields (its config.json's: beam 4, length penalty 2, at least 56 tokens, no
+# repeated trigram, bos forced first and eos at the end, decoding from eos)
+BART_CNN_GENERATION = {"num_beams": 4, "length_penalty": 2.0, "max_length": 142, "min_length": 56,
+                       "no_repeat_ngram_size": 3, "early_stopping": True, "bos_token_id": 0, "pad_token_id": 1,
+                       "eos_token_id": 2, "decoder_start_token_id": 2, "forced_bos_token_id": 0,
+                       "forced_eos_token_id": 2}
+
+
+def tiny_bart(root: Path) -> dict:
+    """A tiny BART directory in ``root``: BartTokenizer (its tokenizer.json: a byte-level BPE trained here with the
+    ``tokenizers`` library, <s> 0, <pad> 1, </s> 2, <unk> 3, the 256 byte pieces and the merges' pieces, <mask> last)
+    saved with save_pretrained beside a tiny random BartForConditionalGeneration of its size (every weight random)
+    holding bart-large-cnn's generation config, and imported: its directory, checkpoint, transformers' model and its
+    tokenizer read back (``split_special_tokens``, as the project tokenizes)."""
+    torch, transformers = importlib.import_module("torch"), importlib.import_module("transformers")
+    tokenizers = importlib.import_module("tokenizers")
+    trained = tokenizers.Tokenizer(tokenizers.models.BPE())
+    trained.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.train_from_iterator(SOURCE * 3 + TARGET * 3, tokenizers.trainers.BpeTrainer(
+        vocab_size=360, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    vocab = trained.get_vocab()
+    vocab["<mask>"] = len(vocab)
+    merges = [tuple(pair) for pair in json.loads(trained.to_str())["model"]["merges"]]
+    tokenizer = transformers.BartTokenizer(vocab=vocab, merges=merges)
+    directory = root / "tiny-bart"
+    # generate ranks its beams in float32 even in float64: a random model whose best hypotheses differ by two
+    # tokens swapped scores them within float32's resolution (seed 11: 6e-6 apart at -184), and generate's choice
+    # between them is its rounding's; this seed's hypotheses stand apart, and end at varied lengths
+    model = build("bart", seed=16, vocab_size=len(vocab), encoder_layers=1, decoder_layers=2,
+                  max_position_embeddings=150)
+    with torch.no_grad():
+        model.final_logits_bias[0, 2] += 4.0                  # eos likely once min_length allows it
+    model.generation_config = transformers.GenerationConfig(**BART_CNN_GENERATION)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    out = root / "tiny-bart.safetensors"
+    import_hf(directory, out)
+    oracle = transformers.AutoTokenizer.from_pretrained(directory, split_special_tokens=True)
+    return {"directory": directory, "checkpoint": out, "oracle": oracle, "model": model, "size": len(vocab)}
+
