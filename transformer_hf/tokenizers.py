@@ -54,6 +54,10 @@ OPTIONAL = ("files", "target_vocab", "prefix_ids")
 SHOWN_LANGUAGES = 8                                   # codes a message about an unknown language lists
 FLAGS = {"--source-lang": "source language", "--target-lang": "target language"}
 
+# tokenizer_config.json classes that name no family (the export's own, transformers' generic fast tokenizer): the
+# directory's files say which kind it is
+GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
 
 def check_record(text: str, config: TransformerConfig) -> dict[str, Any]:
     """A family tokenizer's record, type-checked field by field with the standard library and against ``config``:
@@ -333,12 +337,15 @@ def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
 
 
 def _kind(root: Path, settings: dict[str, Any]) -> TokenizerKind:
-    """The tokenizer kind its ``tokenizer_class`` names, else the first whose files the directory holds."""
+    """The tokenizer kind its ``tokenizer_class`` names, else (no class, or a class of no family:
+    :data:`GENERIC_CLASSES`) the first whose files the directory holds. A family's class no kind lists is refused:
+    another family's files may be there (mBART-cc25's ``MBartTokenizer`` holds a tokenizer.json, as NLLB's does)."""
+    named = settings.get("tokenizer_class")
     for kind in TOKENIZER_KINDS.values():
-        if str(settings.get("tokenizer_class")) in kind.classes:
+        if str(named) in kind.classes:
             return kind
     for kind in TOKENIZER_KINDS.values():
-        if all((root / name).is_file() for name in kind.files):
+        if (named is None or named in GENERIC_CLASSES) and all((root / name).is_file() for name in kind.files):
             return kind
     classes = (name for kind in TOKENIZER_KINDS.values() for name in kind.classes)
     raise ValueError(f"{os.fspath(root / TOKENIZER_CONFIG)!r}: tokenizer_class "

@@ -228,6 +228,21 @@ def test_a_directory_without_a_tokenizer_imports_the_weights_alone(marian, tmp_p
     assert load_tokenizer(tmp_path / "w.safetensors") is None
 
 
+def test_a_tokenizer_class_of_no_kind_is_refused_by_name(mbart50, tmp_path):
+    """mBART-cc25's MBartTokenizer puts the language code after eos and is not mBART-50's: its directory holds a
+    tokenizer.json as NLLB's and mBART-50's do, and the class it names is refused, not read as either."""
+    directory = tmp_path / "mbart-cc25"
+    directory.mkdir()
+    for path in mbart50["directory"].iterdir():
+        (directory / path.name).write_bytes(path.read_bytes())
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "MBartTokenizer"}))
+    with pytest.raises(ValueError, match=r"tokenizer_class 'MBartTokenizer' is not a supported tokenizer "
+                                         r"\(supported: .*MBart50Tokenizer"):
+        import_hf(directory, tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
+
+
 def test_import_never_writes_over_a_tokenizer_file(marian):
     vocab = marian["directory"] / "vocab.json"
     before = vocab.read_bytes()
