@@ -118,13 +118,13 @@ def beam_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: 
 
 
 def _attend_cache(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-                  mask: np.ndarray | None, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
-    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions, the last Tq that ``cache``
-    (a self-attention cache) has written, over its keys and values: without a ``mask`` causally over its written
-    positions (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table."""
+                  mask: np.ndarray | None, cache: KVCache, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
+    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
+    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table."""
     beams = _beam_table(cache)
     if mask is None:
-        return _attend_written(attention, query, key, value, beams, cache.position - query.shape[2])
+        return _attend_written(attention, query, key, value, beams, position)
     if beams is None:
         return attention(query, key, value, mask)
     return beam_attention(query, key, value, mask, beams)

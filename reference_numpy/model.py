@@ -174,7 +174,8 @@ class MultiHeadAttention:
         if cache is None or cache.is_memory:
             heads, weights = scaled_dot_product_attention(q, k, v, mask)   # (B, H, Tq, d_k)
         else:                                                              # over a self-attention cache
-            heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written)
+            heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written,
+                                           cache.position)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
