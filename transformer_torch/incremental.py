@@ -99,7 +99,8 @@ def beam_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
     """
     if mask is not None:
         mask = checked_mask("mask", mask, (*query.shape[:-1], key.shape[-2]), query.device)
-    weights = model.masked_softmax(speed.beam_scores(query, key, beams), mask, query.shape[-1])   # (N, H, Tq, C)
+    scores = speed.beam_scores(query, key, beams)                       # (N, H, Tq, C)
+    weights = model.masked_softmax(scores, mask, query.shape[-1])
     return model.zero_fully_masked_rows(speed.beam_mix(weights, value, beams), mask), weights
 
 
