@@ -118,7 +118,7 @@ def beam_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: 
 
 
 def _attend_cache(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-                  mask: np.ndarray | None, cache: KVCache, position: int) -> tuple[np.ndarray, np.ndarray]:
+                  mask: np.ndarray | None, cache: KVCache | None, position: int) -> tuple[np.ndarray, np.ndarray]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
     Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
     (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table."""

@@ -106,7 +106,7 @@ def beam_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax
 
 
 def _attend_cache(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None,
-                  cache: KVCache, position: int | jax.Array, return_weights: bool,
+                  cache: KVCache | None, position: int | jax.Array, return_weights: bool,
                   dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
     Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions

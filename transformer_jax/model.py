@@ -192,11 +192,11 @@ class MultiHeadAttention(nnx.Module):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
-        if cache is None or cache.is_memory:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, dtype=dtype)   # (B, H, Tq, d_k)
-        else:                                                              # over a self-attention cache
+        if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
                                            return_weights, dtype)
+        else:
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, dtype=dtype)   # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)

@@ -107,7 +107,7 @@ def beam_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.
 
 
 def _attend_cache(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None,
-                  cache: KVCache, position: Index, return_weights: bool,
+                  cache: KVCache | None, position: Index, return_weights: bool,
                   dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
     Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions

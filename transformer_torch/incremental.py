@@ -105,7 +105,7 @@ def beam_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
 
 
 def _attend_cache(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                  cache: KVCache, position: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
+                  cache: KVCache | None, position: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
     Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
     (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table.
@@ -141,7 +141,7 @@ def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Ten
         heads, weights = attention(query, key, value, mask, return_weights)
     else:
         heads, weights = beam_attention(query, key, value, mask, beams[:, :, :width])
-    if not return_weights:
+    if weights is None or not return_weights:
         return heads, None
     return heads, F.pad(weights, (0, capacity - width))                  # (N, H, Tq, C)
 

@@ -175,11 +175,11 @@ class MultiHeadAttention(nn.Module):
                 return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
-        if cache is None or cache.is_memory:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, return_weights)   # (B, H, Tq, d_k)
-        else:                                                              # over a self-attention cache
+        if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
                                            return_weights)
+        else:
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, return_weights)   # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
