@@ -4,8 +4,8 @@ hypotheses, and the widths a cached step reads.
 :mod:`.model` is section 3 alone; its attention takes one :class:`KVCache`, which carries the position its new keys
 are written at, and hands attention over a self-attention cache to this module (:func:`_attend_cache`): causal over
 the written positions (:func:`_attend_written`), and along each hypothesis of a beam search (:func:`beam_attention`).
-Eq. (1) is handed to it by the attention layer; :func:`beam_attention` reads :mod:`.model`'s names when it is called
-(model.py imports this module first). Every port's ``incremental.py`` has the same names in the same order
+Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares Eq. (1)'s masked softmax and fully
+masked row with it (:mod:`.softmax`). Every port's ``incremental.py`` has the same names in the same order
 (tests/project/test_parallel_texts.py).
 
 Shape legend (besides :mod:`.model`'s): C the cache's capacity in target positions, W the positions a step reads
@@ -19,8 +19,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import model
-from .checks import as_array, check_beams, check_cache_index
+from .checks import as_array, check_beams, check_cache_index, checked_mask
+from .precision import attention_product, computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
 # Eq. (1) with its mask: (query, key, value, mask) -> (output, weights)
 Attention = Callable[..., tuple[np.ndarray, np.ndarray]]
@@ -104,6 +105,7 @@ def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndar
     return (np.arange(capacity) <= cache_index + np.arange(length)[:, None])[None, None]
 
 
+@computed_wide
 def beam_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None,
                    beams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eq. (1) along each beam hypothesis (section 6.1): row b*K + j's queries attend over the keys and values of its
@@ -112,9 +114,14 @@ def beam_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: 
     Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), mask broadcastable to (N, H, Tq, C), beams (B, K, C) ->
     output (N, H, Tq, d_k), weights (N, H, Tq, C).
 
-    NumPy: the definition, by gathering each hypothesis's keys and values (:func:`_own_hypothesis`).
+    NumPy: the definition, Eq. (1) over each hypothesis's keys and values gathered (:func:`_own_hypothesis`).
     """
-    return model.scaled_dot_product_attention(query, _own_hypothesis(key, beams), _own_hypothesis(value, beams), mask)
+    key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, C, d_k)
+    scores = attention_product(query, np.swapaxes(key, -1, -2))        # (N, H, Tq, C)
+    if mask is not None:
+        mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, query.shape[-1])
+    return zero_fully_masked_rows(attention_product(weights, value), mask), weights
 
 
 def _attend_cache(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,

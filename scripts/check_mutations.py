@@ -156,16 +156,16 @@ SINGLE = [
            "self.scale = math.sqrt(self.config.d_model)", "self.scale = 1.0",
            ["tests/equivalence/test_agreement.py", "-k", "tf and cpu and test_forward_stages and tiny and none"]),
     single("masks", "jax: masked scores filled with -1e9 (uniform average on a fully masked row)",
-           "transformer_jax/model.py",
+           "transformer_jax/softmax.py",
            "scores = jnp.where(mask, scores, -jnp.inf)", "scores = jnp.where(mask, scores, -1e9)",
            ["tests/ports/test_masked_rows.py", "-k", "jax"]),
     single("masks", "torch: a row that sees no key outputs its zero weights times the values (NaN over an infinite "
-           "value)", "transformer_torch/model.py",
+           "value)", "transformer_torch/softmax.py",
            "    return torch.where(mask.any(dim=-1, keepdim=True), x, 0.0)", "    return x",
            ["tests/ports/test_masked_rows.py", "-k", "infinite and torch"]),
     single("cache", "keras: attention along beam hypotheses ignores its mask (a step sees positions not yet written)",
-           "transformer_tf/incremental.py", "weights = model.masked_softmax(scores, mask, query.shape[-1])",
-           "weights = model.masked_softmax(scores, None, query.shape[-1])",
+           "transformer_tf/incremental.py", "weights = masked_softmax(scores, mask, query.shape[-1])",
+           "weights = masked_softmax(scores, None, query.shape[-1])",
            ["tests/ports/test_beam_cache.py", "-k", "naive_loop and tf"]),
     single("cache", "reference: key/value cache written one position late", "reference_numpy/incremental.py",
            "buffer[:, :, index:index + new.shape[2]] = new", "buffer[:, :, index + 1:index + 1 + new.shape[2]] = new",
@@ -220,15 +220,15 @@ SINGLE = [
     # subtraction too, and alone keeps this bug from showing: it goes with it, as the code was when the case was found.
     Mutation("fuzz", "jax: the scores scaled before their row maximum, no select between them and the subtraction "
              "(XLA:CPU computes the scaled scores twice, once contracted into an FMA)", "single",
-             (Edit("transformer_jax/model.py", "    if mask is not None:\n        scores = jnp.where(mask, scores, -jnp.inf)",
+             (Edit("transformer_jax/softmax.py", "    if mask is not None:\n        scores = jnp.where(mask, scores, -jnp.inf)",
                    "    scores = scores / math.sqrt(d_k)\n    if mask is not None:\n"
                    "        scores = jnp.where(mask, scores, -jnp.inf)"),
-              Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
+              Edit("transformer_jax/softmax.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
                    "exp = jnp.exp(scores - row_max)"),
-              Edit("transformer_jax/model.py", "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n", "")),
+              Edit("transformer_jax/softmax.py", "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n", "")),
              ("tests/equivalence/test_fuzz.py", "-k", "fused-maximum and jax")),
     *(single("fuzz", f"{port}: no select between a one-term Q K^T and the subtraction of its row maximum (XLA:CPU "
-             "recomputes the product and contracts it into an FMA)", f"{package}/model.py", guard, "",
+             "recomputes the product and contracts it into an FMA)", f"{package}/softmax.py", guard, "",
              ["tests/equivalence/test_fuzz.py", "-k", f"one_dimension_a_head and {port}"])
       for port, package, guard in (
           ("jax", JAX, "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n"),
@@ -270,6 +270,7 @@ SINGLE = [
 
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
 RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the cache beside each model.py
+RS, TS, JS, FS = (f"{package}/softmax.py" for package in BACKENDS)   # Eq. (1)'s masked softmax and fully masked row
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
 
 # The cached path and its cache, in every backend's model.py (the same text in all four).
@@ -957,15 +958,14 @@ HF_EXPORT = [
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
 BEAM_TABLE = [
     consistent("cache", "every backend: attention along beam hypotheses ignores its mask", [
-        (RI, "_own_hypothesis(value, beams), mask)", "_own_hypothesis(value, beams), None)"),
-        *((f"{package}/incremental.py", "weights = model.masked_softmax(scores, mask, query.shape[-1])",
-           "weights = model.masked_softmax(scores, None, query.shape[-1])") for package in BACKENDS[1:]),
+        *((f"{package}/incremental.py", "weights = masked_softmax(scores, mask, query.shape[-1])",
+           "weights = masked_softmax(scores, None, query.shape[-1])") for package in BACKENDS),
     ], ["tests/ports/test_beam_cache.py", "-k", "naive_loop"]),
     consistent("masks", "every backend: a row that sees no key outputs its zero weights times the values", [
-        (RM, "    return np.where(mask.any(axis=-1, keepdims=True), x, 0.0)", "    return x"),
-        (TM, "    return torch.where(mask.any(dim=-1, keepdim=True), x, 0.0)", "    return x"),
-        (JM, "    return jnp.where(mask.any(axis=-1, keepdims=True), x, 0.0)", "    return x"),
-        (FM, "    return tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), x, tf.zeros_like(x))", "    return x"),
+        (RS, "    return np.where(mask.any(axis=-1, keepdims=True), x, 0.0)", "    return x"),
+        (TS, "    return torch.where(mask.any(dim=-1, keepdim=True), x, 0.0)", "    return x"),
+        (JS, "    return jnp.where(mask.any(axis=-1, keepdims=True), x, 0.0)", "    return x"),
+        (FS, "    return tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), x, tf.zeros_like(x))", "    return x"),
     ], ["tests/ports/test_masked_rows.py", "-k", "infinite"]),
     consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
         (RI, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
@@ -1026,7 +1026,7 @@ PRECISION = [
              (Edit("transformer_torch/precision.py",
                    "results = concept(wide(first), *(wide(a) if isinstance(a, Tensor) else a for a in args), **kwargs)",
                    "results = concept(first, *args, **kwargs)"),
-              Edit("transformer_torch/model.py", "    scores = wide(scores)\n", "")),
+              Edit("transformer_torch/softmax.py", "    scores = wide(scores)\n", "")),
              tuple(low_precision("torch and attention and tiny", components=True))),
     single("precision", "torch: the residual stream kept in float32", "transformer_torch/model.py",
            "    return narrow(wide(x) + wide(y), x.dtype)", "    return wide(x) + wide(y)",

@@ -3,8 +3,8 @@ key/value cache, attention over a cache and over beam hypotheses, the widths a c
 
 A cache is a pytree (a ``NamedTuple`` of arrays) passed in and returned, never module state, so that a decoding
 loop under ``jit`` / ``lax.while_loop`` carries it; a traced step's position picks its width by ``lax.switch``.
-Eq. (1) is handed to it by the attention layer; :func:`beam_attention` reads :mod:`.model`'s ``masked_softmax`` and
-``zero_fully_masked_rows`` when it is called (model.py imports this module first).
+Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares Eq. (1)'s masked softmax and
+fully masked row with it (:mod:`.softmax`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from jax.typing import DTypeLike
 
 from reference_numpy.incremental import attended_width, attended_widths
 
-from . import model, speed
+from . import speed
 from .checks import check_beams, check_cache_index, checked_mask
 from .precision import attention_product, computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
 # Eq. (1) with its mask: (query, key, value, mask, dtype=) -> (output, weights)
 Attention = Callable[..., tuple[jax.Array, jax.Array]]
@@ -100,9 +101,9 @@ def beam_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax
     scores = attention_product(functools.partial(speed.beam_scores, beams=beams), query, key, dtype)  # (N, H, Tq, C)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
-    weights = model.masked_softmax(scores, mask, query.shape[-1])
+    weights = masked_softmax(scores, mask, query.shape[-1])
     out = attention_product(functools.partial(speed.beam_mix, beams=beams), weights, value, dtype)
-    return model.zero_fully_masked_rows(out, mask), weights
+    return zero_fully_masked_rows(out, mask), weights
 
 
 def _attend_cache(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None,

@@ -3,8 +3,8 @@ key/value cache, attention over a cache and over beam hypotheses, the widths a c
 
 A cache is a ``NamedTuple`` of tensors passed in and returned (tensors are immutable: a write makes a new one), so
 that a decoding loop under ``tf.function`` / XLA carries it; a traced step's position picks its width by
-``tf.switch_case``. Eq. (1) is handed to it by the attention layer; :func:`beam_attention` reads :mod:`.model`'s
-``masked_softmax`` and ``zero_fully_masked_rows`` when it is called (model.py imports this module first).
+``tf.switch_case``. Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares Eq. (1)'s
+masked softmax and fully masked row with it (:mod:`.softmax`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import tensorflow as tf
 
 from reference_numpy.incremental import attended_width, attended_widths
 
-from . import model, speed
+from . import speed
 from .checks import check_beams, check_cache_index, checked_mask
 from .precision import attention_product, computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
 Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
 # Eq. (1) with its mask: (query, key, value, mask, dtype=) -> (output, weights)
@@ -101,9 +102,9 @@ def beam_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.
     scores = attention_product(functools.partial(speed.beam_scores, beams=beams), query, key, dtype)  # (N, H, Tq, C)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
-    weights = model.masked_softmax(scores, mask, query.shape[-1])
+    weights = masked_softmax(scores, mask, query.shape[-1])
     out = attention_product(functools.partial(speed.beam_mix, beams=beams), weights, value, dtype)
-    return model.zero_fully_masked_rows(out, mask), weights
+    return zero_fully_masked_rows(out, mask), weights
 
 
 def _attend_cache(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None,

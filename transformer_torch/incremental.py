@@ -2,9 +2,8 @@
 key/value cache, attention over a cache and over beam hypotheses, the widths a cached step reads).
 
 A cache is written in place (at a traced position, as in an exported decoding step, into new tensors, as JAX's
-and TensorFlow's ports write). Eq. (1) is handed to it by the attention layer; :func:`beam_attention` reads
-:mod:`.model`'s ``masked_softmax`` and ``zero_fully_masked_rows`` when it is called (model.py imports this module
-first).
+and TensorFlow's ports write). Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares
+Eq. (1)'s masked softmax and fully masked row with it (:mod:`.softmax`).
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from torch import Tensor
 # PyTorch step reads them all
 from reference_numpy.incremental import attended_width, attended_widths  # noqa: F401
 
-from . import model, speed
+from . import speed
 from .checks import check_beams, check_cache_index, checked_mask
 from .precision import computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
 Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
 # Eq. (1) with its mask: (query, key, value, mask, return_weights) -> (output, weights)
@@ -100,8 +100,8 @@ def beam_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
     if mask is not None:
         mask = checked_mask("mask", mask, (*query.shape[:-1], key.shape[-2]), query.device)
     scores = speed.beam_scores(query, key, beams)                       # (N, H, Tq, C)
-    weights = model.masked_softmax(scores, mask, query.shape[-1])
-    return model.zero_fully_masked_rows(speed.beam_mix(weights, value, beams), mask), weights
+    weights = masked_softmax(scores, mask, query.shape[-1])
+    return zero_fully_masked_rows(speed.beam_mix(weights, value, beams), mask), weights
 
 
 def _attend_cache(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,

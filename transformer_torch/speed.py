@@ -29,9 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reference_numpy.incremental import attended_width
-
-from .incremental import at_position
+from reference_numpy.incremental import at_position, attended_width
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster

@@ -72,7 +72,7 @@ PAPER = (
     Concept("Masked softmax and the fully masked row", "Eq. (1), section 3.2.3",
             "softmax over the keys a query may attend to (masked scores: &minus;&infin;); a row that may attend to "
             "no key: zero weights and a zero output",
-            _same("model.py:masked_softmax", "model.py:zero_fully_masked_rows")),
+            _same("softmax.py:masked_softmax", "softmax.py:zero_fully_masked_rows")),
     Concept("Multi-head attention", "section 3.2.2",
             "MultiHead(<i>Q</i>, <i>K</i>, <i>V</i>) = Concat(head<sub>1</sub>, &hellip;, "
             "head<sub><i>h</i></sub>) <i>W</i><sup><i>O</i></sup>, &nbsp; head<sub><i>i</i></sub> = "
