@@ -330,6 +330,11 @@ def _stages(model: Transformer, arguments: Arguments) -> dict[str, np.ndarray]:
     return capture_stages(model, *arguments)[1]
 
 
+# Where the reference's Eq. (1) meets its scores' overflow: its products Q K^T and weights . V, computed by
+# reference_numpy.precision.attention_product (the innermost reference function on the stack, _overflow_sites).
+EQ1_SITES = {"attention_product"}
+
+
 def _undetermined(port: np.ndarray, same: np.ndarray, sites: set[str], precision: str) -> str | None:
     """Why ``port``'s stage departs from the reference's ``same`` (in ``precision``; ``sites``: where the reference's
     pass overflows, :func:`_overflow_sites`) only where an overflow leaves the values undetermined, or None (the
@@ -343,7 +348,7 @@ def _undetermined(port: np.ndarray, same: np.ndarray, sites: set[str], precision
       variance past 1e38: NaN in every backend) keeps the stage compared, so that a backend hiding it is found."""
     if _hidden_overflow(port, same, sites):
         return f"non-finite where the reference in {precision} is finite, after an operation that overflows"
-    if (np.isfinite(port) & ~np.isfinite(same)).any() and sites == {"scaled_dot_product_attention"}:
+    if (np.isfinite(port) & ~np.isfinite(same)).any() and sites == EQ1_SITES:
         return f"finite where the reference in {precision} is not, after Eq. (1)'s scores overflow (nothing else does)"
     return None
 

@@ -43,6 +43,7 @@ from .model import (
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
     target_mask,
+    zero_fully_masked_rows,
 )
 from .variants import position_ids
 
@@ -56,7 +57,7 @@ __all__ = [
     "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "Linear", "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
-    "masked_softmax", "scaled_dot_product_attention",
+    "masked_softmax", "zero_fully_masked_rows", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "capture_stages",
 ]

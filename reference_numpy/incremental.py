@@ -1,10 +1,12 @@
 """Incremental decoding beside the model (section 3.2.3): the key/value cache, attention over a cache and over beam
 hypotheses, and the widths a cached step reads.
 
-:mod:`.model` is section 3 alone; its attention takes one :class:`KVCache` and the position its new keys are
-written at, and hands the cached case to this module (:func:`_attend_written`). This module imports nothing from
-:mod:`.model`: the attention it narrows to the written positions is handed to it. Every port's ``incremental.py``
-has the same names in the same order (tests/project/test_parallel_texts.py).
+:mod:`.model` is section 3 alone; its attention takes one :class:`KVCache`, which carries the position its new keys
+are written at, and hands attention over a self-attention cache to this module (:func:`_attend_cache`): causal over
+the written positions (:func:`_attend_written`), and along each hypothesis of a beam search (:func:`beam_attention`).
+Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares Eq. (1)'s masked softmax and fully
+masked row with it (:mod:`.softmax`). Every port's ``incremental.py`` has the same names in the same order
+(tests/project/test_parallel_texts.py).
 
 Shape legend (besides :mod:`.model`'s): C the cache's capacity in target positions, W the positions a step reads
 (:func:`attended_widths`), K beams per sentence, N = B * K rows.
@@ -17,9 +19,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .checks import as_array, check_beams, check_cache_index
+from .checks import as_array, check_beams, check_cache_index, checked_mask
+from .precision import attention_product, computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
-# Eq. (1) with its mask and beam table: (query, key, value, mask, beams) -> (output, weights)
+# Eq. (1) with its mask: (query, key, value, mask) -> (output, weights)
 Attention = Callable[..., tuple[np.ndarray, np.ndarray]]
 
 
@@ -101,20 +105,55 @@ def _cached_causal_mask(cache_index: int, length: int, capacity: int) -> np.ndar
     return (np.arange(capacity) <= cache_index + np.arange(length)[:, None])[None, None]
 
 
+@computed_wide
+def beam_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None,
+                   beams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. (1) along each beam hypothesis (section 6.1): row b*K + j's queries attend over the keys and values of its
+    own hypothesis, position c read from row b*K + beams[b, j, c] (:class:`KVCache`).
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), mask broadcastable to (N, H, Tq, C), beams (B, K, C) ->
+    output (N, H, Tq, d_k), weights (N, H, Tq, C).
+
+    NumPy: the definition, Eq. (1) over each hypothesis's keys and values gathered (:func:`_own_hypothesis`).
+    """
+    key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, C, d_k)
+    scores = attention_product(query, np.swapaxes(key, -1, -2))        # (N, H, Tq, C)
+    if mask is not None:
+        mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, query.shape[-1])
+    return zero_fully_masked_rows(attention_product(weights, value), mask), weights
+
+
+def _attend_cache(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                  mask: np.ndarray | None, cache: KVCache | None, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
+    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
+    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table."""
+    beams = _beam_table(cache)
+    if mask is None:
+        return _attend_written(attention, query, key, value, beams, position)
+    if beams is None:
+        return attention(query, key, value, mask)
+    return beam_attention(query, key, value, mask, beams)
+
+
 def _attend_written(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
                     beams: np.ndarray | None, cache_index: int) -> tuple[np.ndarray, np.ndarray]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
     - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+    (``attended_width``: the rest are not yet written), along each hypothesis with ``beams`` (:func:`beam_attention`);
+    the weights (N, H, Tq, C), zero after W.
 
     Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
     """
     capacity, length = key.shape[2], query.shape[2]
     cache_index = check_cache_index(cache_index, length, capacity)
     width = attended_width(capacity, cache_index + length)
-    heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
-                               _cached_causal_mask(cache_index, length, width),
-                               None if beams is None else beams[:, :, :width])
+    key, value, mask = key[:, :, :width], value[:, :, :width], _cached_causal_mask(cache_index, length, width)
+    if beams is None:
+        heads, weights = attention(query, key, value, mask)
+    else:
+        heads, weights = beam_attention(query, key, value, mask, beams[:, :, :width])
     return heads, np.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)])       # (N, H, Tq, C)
 
 

@@ -35,18 +35,19 @@ from .checks import (
     describe,
 )
 from .config import TransformerConfig
-from .incremental import KVCache, _attend_written, _beam_table, _own_hypothesis
+from .incremental import KVCache, _attend_cache, _beam_table
 from .precision import (
-    autocast_dtype,
+    attention_product,
     cast,
+    computed_wide,
     narrow,
     parse_dtype,
-    product,
     product_dtype,
     round_to,
     score_dtype,
     wide,
 )
+from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import fairseq_table, gelu, halves_table, position_ids, silu
 
 Params = Mapping[str, np.ndarray]
@@ -83,51 +84,19 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- attention
 
+@computed_wide
 def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
-                                 mask: np.ndarray | None = None,
-                                 beams: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                                 mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
     Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
-    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
-    value (N, H, T, d_k).
+    (..., Tq, d_v), weights (..., Tq, Tk).
     """
-    if beams is not None:
-        key, value = _own_hypothesis(key, beams), _own_hypothesis(value, beams)   # (N, H, Tk, d_k)
-    dtype, mixed = query.dtype, autocast_dtype()
-    d_k = query.shape[-1]
-    if mixed is None:
-        query, key, value = wide(query), wide(key), wide(value)
-        scores = query @ np.swapaxes(key, -1, -2)                       # (..., Tq, Tk)
-    else:                                                               # autocast: Q K^T a P product, softmax float32
-        dtype, value = mixed, wide(cast(value, mixed))
-        scores = product(query, np.swapaxes(key, -1, -2), mixed).astype(np.float32)
+    scores = attention_product(query, np.swapaxes(key, -1, -2))        # (..., Tq, Tk)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
-    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
-    if mixed is not None:
-        weights = round_to(weights, mixed)                              # autocast: weights . V a P product
-    out = wide(weights) @ value                                         # (..., Tq, d_v)
-    if mask is not None:
-        out = np.where(mask.any(axis=-1, keepdims=True), out, 0.0)      # a row that sees no key -> zeros
-    return narrow(out, dtype), narrow(weights, dtype)
-
-
-def masked_softmax(scores: np.ndarray, mask: np.ndarray | None, d_k: int) -> np.ndarray:
-    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
-    no key gets zero weights and a zero output, never NaN (docs/ports.md).
-
-    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
-    """
-    if mask is not None:
-        scores = np.where(mask, scores, -np.inf)
-    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
-    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
-    row_max = scores.max(axis=-1, keepdims=True)                        # -inf on fully masked rows
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    exp = np.exp((scores - row_max) / math.sqrt(d_k))                   # exactly 0 where masked
-    total = exp.sum(axis=-1, keepdims=True)
-    return exp / np.where(total > 0, total, 1.0)                        # fully masked row -> zeros
+    weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
+    return zero_fully_masked_rows(attention_product(weights, value), mask), weights
 
 
 class Linear:
@@ -175,11 +144,11 @@ class MultiHeadAttention:
                  mask: np.ndarray | None = None, return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
-        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
-                                             cache.position)
+        if cache is not None and not cache.is_memory:                      # over a self-attention cache
+            heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written,
+                                           cache.position)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written))  # (B, H, Tq, d_k)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask)   # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -234,6 +236,31 @@ def product(a: np.ndarray, b: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
 def cast(x: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
     """``x`` in ``dtype``: unchanged if it is, rounded once otherwise (:func:`round_to`: an autocast input)."""
     return x if x.dtype == np.dtype(dtype) else round_to(x, dtype)
+
+
+def attention_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b, a product of Eq. (1) (Q K^T, weights . V) of wide inputs: under :func:`autocast` the recipe's P product
+    (:func:`product`) read as float32, the precision the softmax computes in; otherwise the plain product."""
+    mixed = autocast_dtype()
+    return a @ b if mixed is None else product(a, b, mixed).astype(np.float32)
+
+
+Concept = TypeVar("Concept", bound=Callable[..., Any])
+
+
+def computed_wide(concept: Concept) -> Concept:
+    """``concept`` (a function of arrays returning a tuple of arrays) entered and left by the recipe: its P array
+    arguments widened on entry (:func:`wide`), each array it returns rounded once (:func:`narrow`) to the precision it
+    computes for -- its first argument's dtype, or under :func:`autocast` the autocast dtype P."""
+
+    @functools.wraps(concept)
+    def entered_and_left(first: np.ndarray, *args: Any, **kwargs: Any) -> tuple:
+        mixed = autocast_dtype()
+        dtype = first.dtype if mixed is None else mixed
+        results = concept(wide(first), *(wide(a) if isinstance(a, np.ndarray) else a for a in args), **kwargs)
+        return tuple(None if result is None else narrow(result, dtype) for result in results)
+
+    return entered_and_left  # type: ignore[return-value]
 
 
 def check_autocast_training(mixed: npt.DTypeLike | None, dtype: npt.DTypeLike | None) -> None:

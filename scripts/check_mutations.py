@@ -156,9 +156,17 @@ SINGLE = [
            "self.scale = math.sqrt(self.config.d_model)", "self.scale = 1.0",
            ["tests/equivalence/test_agreement.py", "-k", "tf and cpu and test_forward_stages and tiny and none"]),
     single("masks", "jax: masked scores filled with -1e9 (uniform average on a fully masked row)",
-           "transformer_jax/model.py",
+           "transformer_jax/softmax.py",
            "scores = jnp.where(mask, scores, -jnp.inf)", "scores = jnp.where(mask, scores, -1e9)",
            ["tests/ports/test_masked_rows.py", "-k", "jax"]),
+    single("masks", "torch: a row that sees no key outputs its zero weights times the values (NaN over an infinite "
+           "value)", "transformer_torch/softmax.py",
+           "    return torch.where(mask.any(dim=-1, keepdim=True), x, 0.0)", "    return x",
+           ["tests/ports/test_masked_rows.py", "-k", "infinite and torch"]),
+    single("cache", "keras: attention along beam hypotheses ignores its mask (a step sees positions not yet written)",
+           "transformer_tf/incremental.py", "weights = masked_softmax(scores, mask, query.shape[-1])",
+           "weights = masked_softmax(scores, None, query.shape[-1])",
+           ["tests/ports/test_beam_cache.py", "-k", "naive_loop and tf"]),
     single("cache", "reference: key/value cache written one position late", "reference_numpy/incremental.py",
            "buffer[:, :, index:index + new.shape[2]] = new", "buffer[:, :, index + 1:index + 1 + new.shape[2]] = new",
            ["tests/reference/test_reference.py", "-k", "cached"]),
@@ -212,15 +220,15 @@ SINGLE = [
     # subtraction too, and alone keeps this bug from showing: it goes with it, as the code was when the case was found.
     Mutation("fuzz", "jax: the scores scaled before their row maximum, no select between them and the subtraction "
              "(XLA:CPU computes the scaled scores twice, once contracted into an FMA)", "single",
-             (Edit("transformer_jax/model.py", "    if mask is not None:\n        scores = jnp.where(mask, scores, -jnp.inf)",
+             (Edit("transformer_jax/softmax.py", "    if mask is not None:\n        scores = jnp.where(mask, scores, -jnp.inf)",
                    "    scores = scores / math.sqrt(d_k)\n    if mask is not None:\n"
                    "        scores = jnp.where(mask, scores, -jnp.inf)"),
-              Edit("transformer_jax/model.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
+              Edit("transformer_jax/softmax.py", "exp = jnp.exp((scores - row_max) / math.sqrt(d_k))",
                    "exp = jnp.exp(scores - row_max)"),
-              Edit("transformer_jax/model.py", "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n", "")),
+              Edit("transformer_jax/softmax.py", "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n", "")),
              ("tests/equivalence/test_fuzz.py", "-k", "fused-maximum and jax")),
     *(single("fuzz", f"{port}: no select between a one-term Q K^T and the subtraction of its row maximum (XLA:CPU "
-             "recomputes the product and contracts it into an FMA)", f"{package}/model.py", guard, "",
+             "recomputes the product and contracts it into an FMA)", f"{package}/softmax.py", guard, "",
              ["tests/equivalence/test_fuzz.py", "-k", f"one_dimension_a_head and {port}"])
       for port, package, guard in (
           ("jax", JAX, "    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)\n"),
@@ -262,6 +270,7 @@ SINGLE = [
 
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
 RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the cache beside each model.py
+RS, TS, JS, FS = (f"{package}/softmax.py" for package in BACKENDS)   # Eq. (1)'s masked softmax and fully masked row
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
 
 # The cached path and its cache, in every backend's model.py (the same text in all four).
@@ -953,6 +962,16 @@ HF_EXPORT = [
 
 _PICKED = ("return beams[:, None, None, :, None, :] ==", "return (beams[:, None, None, :, None, :] + 1) % k ==")
 BEAM_TABLE = [
+    consistent("cache", "every backend: attention along beam hypotheses ignores its mask", [
+        *((f"{package}/incremental.py", "weights = masked_softmax(scores, mask, query.shape[-1])",
+           "weights = masked_softmax(scores, None, query.shape[-1])") for package in BACKENDS),
+    ], ["tests/ports/test_beam_cache.py", "-k", "naive_loop"]),
+    consistent("masks", "every backend: a row that sees no key outputs its zero weights times the values", [
+        (RS, "    return np.where(mask.any(axis=-1, keepdims=True), x, 0.0)", "    return x"),
+        (TS, "    return torch.where(mask.any(dim=-1, keepdim=True), x, 0.0)", "    return x"),
+        (JS, "    return jnp.where(mask.any(axis=-1, keepdims=True), x, 0.0)", "    return x"),
+        (FS, "    return tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), x, tf.zeros_like(x))", "    return x"),
+    ], ["tests/ports/test_masked_rows.py", "-k", "infinite"]),
     consistent("cache", "every backend: each position of a beam table read from the next beam's row", [
         (RI, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
         *((f"{package}/speed.py", *_PICKED) for package in BACKENDS[1:]),
@@ -1008,10 +1027,12 @@ PRECISION = [
     single("precision", "reference: float64 rounded to bfloat16 through float32 (twice)", "reference_numpy/precision.py",
            "    if not is_low(dtype):\n        return x.astype(dtype, copy=False)",
            "    if True:\n        return x.astype(dtype, copy=False)", ["tests/reference/test_oracle.py", "-k", "round_to"]),
-    single("precision", "torch: attention (Eq. (1)), its softmax included, computed in P instead of wide",
-           "transformer_torch/model.py",
-           "dtype, query, key, value = query.dtype, wide(query), wide(key), wide(value)", "dtype = query.dtype",
-           low_precision("torch and attention and tiny", components=True)),
+    Mutation("precision", "torch: attention (Eq. (1)), its softmax included, computed in P instead of wide", "single",
+             (Edit("transformer_torch/precision.py",
+                   "results = concept(wide(first), *(wide(a) if isinstance(a, Tensor) else a for a in args), **kwargs)",
+                   "results = concept(first, *args, **kwargs)"),
+              Edit("transformer_torch/softmax.py", "    scores = wide(scores)\n", "")),
+             tuple(low_precision("torch and attention and tiny", components=True))),
     single("precision", "torch: the residual stream kept in float32", "transformer_torch/model.py",
            "    return narrow(wide(x) + wide(y), x.dtype)", "    return wide(x) + wide(y)",
            low_precision("torch and test_forward_stages and bfloat16 and tiny and ragged_batch")),
@@ -1044,9 +1065,9 @@ PRECISION = [
            ["tests/equivalence/test_training.py", "-k", "mixed_precision_steps and torch and bfloat16"]),
     single("precision", "torch: under autocast the product weights . V left in float32 (autocast switched off)",
            "transformer_torch/model.py",
-           "    out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)",
+           "    return zero_fully_masked_rows(weights @ value, mask), (weights if return_weights else None)",
            "    with torch.autocast(query.device.type, enabled=False):\n"
-           "        out = weights @ wide(value) if beams is None else speed.beam_mix(weights, value, beams)",
+           "        return zero_fully_masked_rows(weights @ wide(value), mask), (weights if return_weights else None)",
            ["tests/ports/test_mixed_precision.py", "-k", "attention_products and torch"]),
     single("precision", "torch: the oneDNN fast path taken under autocast (large linear maps stay float32)",
            "transformer_torch/speed.py", "            and autocast_dtype(x) is None\n", "",
@@ -1061,7 +1082,8 @@ PRECISION = [
            "    return round_to(wide(x) + wide(y), y.dtype).astype(x.dtype)",
            ["tests/ports/test_mixed_precision.py", "-k", "oracle"]),
     single("precision", "jax: under Flax's mixed precision the scores Q K^T left in float32 (not rounded to P)",
-           "transformer_jax/model.py", "        scores = wide(narrow(scores, mixed))", "        scores = scores",
+           "transformer_jax/model.py", "scores = attention_product(_matmul, query, jnp.swapaxes(key, -1, -2), dtype)",
+           "scores = _matmul(query, jnp.swapaxes(key, -1, -2))",
            ["tests/ports/test_mixed_precision.py", "-k", "attention_products and jax"]),
     single("precision", "jax: under Flax's mixed precision the residual stream rounded to P (its dtype still float32)",
            "transformer_jax/model.py", "    return narrow(wide(x) + wide(y), x.dtype)",

@@ -43,6 +43,7 @@ from .model import (
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
     target_mask,
+    zero_fully_masked_rows,
 )
 from .speed import compiled_forward as compiled_forward
 from .speed import forward as forward
@@ -62,7 +63,7 @@ __all__ = [
     "Decoder", "DecoderLayer", "Embeddings", "Encoder", "EncoderLayer", "Generator", "LayerNorm",
     "MultiHeadAttention", "PositionalEncoding", "PositionwiseFeedForward", "Transformer",
     "activation", "causal_mask", "log_softmax", "padding_mask", "position_ids", "residual",
-    "masked_softmax", "scaled_dot_product_attention",
+    "masked_softmax", "zero_fully_masked_rows", "scaled_dot_product_attention",
     "sinusoidal_positional_encoding", "target_mask",
     "capture_stages",
     "beam_search", "greedy_decode",

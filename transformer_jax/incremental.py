@@ -3,7 +3,8 @@ key/value cache, attention over a cache and over beam hypotheses, the widths a c
 
 A cache is a pytree (a ``NamedTuple`` of arrays) passed in and returned, never module state, so that a decoding
 loop under ``jit`` / ``lax.while_loop`` carries it; a traced step's position picks its width by ``lax.switch``.
-This module imports nothing from :mod:`.model`: the attention it narrows to the written positions is handed to it.
+Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares Eq. (1)'s masked softmax and
+fully masked row with it (:mod:`.softmax`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from jax.typing import DTypeLike
 
 from reference_numpy.incremental import attended_width, attended_widths
 
-from .checks import check_beams, check_cache_index
+from . import speed
+from .checks import check_beams, check_cache_index, checked_mask
+from .precision import attention_product, computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
-# Eq. (1) with its mask and beam table: (query, key, value, mask, beams, dtype=) -> (output, weights)
+# Eq. (1) with its mask: (query, key, value, mask, dtype=) -> (output, weights)
 Attention = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -82,12 +86,50 @@ def _cached_causal_mask(cache_index: int | jax.Array, length: int, capacity: int
     return (jnp.arange(capacity) <= cache_index + jnp.arange(length)[:, None])[None, None]
 
 
+@computed_wide
+def beam_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, beams: jax.Array, *,
+                   dtype: DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
+    """Eq. (1) along each beam hypothesis (section 6.1): row b*K + j's queries attend over the keys and values of its
+    own hypothesis, position c read from row b*K + beams[b, j, c] (:class:`KVCache`).
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), mask broadcastable to (N, H, Tq, C), beams (B, K, C) ->
+    output (N, H, Tq, d_k), weights (N, H, Tq, C).
+
+    JAX: without gathering keys and values (:func:`.speed.beam_scores`, :func:`.speed.beam_mix`); ``dtype`` P
+    computes by the autocast recipe.
+    """
+    scores = attention_product(functools.partial(speed.beam_scores, beams=beams), query, key, dtype)  # (N, H, Tq, C)
+    if mask is not None:
+        mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, query.shape[-1])
+    out = attention_product(functools.partial(speed.beam_mix, beams=beams), weights, value, dtype)
+    return zero_fully_masked_rows(out, mask), weights
+
+
+def _attend_cache(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None,
+                  cache: KVCache | None, position: int | jax.Array, return_weights: bool,
+                  dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
+    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
+    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table.
+
+    JAX: the weights when asked; ``dtype`` P computes by the autocast recipe.
+    """
+    beams = _beam_table(cache)
+    if mask is None:
+        return _attend_written(attention, query, key, value, beams, position, return_weights, dtype)
+    if beams is None:
+        return attention(query, key, value, mask, dtype=dtype)
+    return beam_attention(query, key, value, mask, beams, dtype=dtype)
+
+
 def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array,
                     beams: jax.Array | None, cache_index: int | jax.Array, return_weights: bool,
                     dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
     - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+    (``attended_width``: the rest are not yet written), along each hypothesis with ``beams`` (:func:`beam_attention`);
+    the weights (N, H, Tq, C), zero after W.
 
     Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
 
@@ -98,9 +140,11 @@ def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, valu
     cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
 
     def over(width: int) -> tuple[jax.Array, jax.Array | None]:
-        heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
-                                   _cached_causal_mask(cache_index, length, width),
-                                   None if beams is None else beams[:, :, :width], dtype=dtype)
+        key_w, value_w, mask = key[:, :, :width], value[:, :, :width], _cached_causal_mask(cache_index, length, width)
+        if beams is None:
+            heads, weights = attention(query, key_w, value_w, mask, dtype=dtype)
+        else:
+            heads, weights = beam_attention(query, key_w, value_w, mask, beams[:, :, :width], dtype=dtype)
         return heads, jnp.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)]) if return_weights else None
 
     if isinstance(cache_index, int):

@@ -38,8 +38,18 @@ from reference_numpy.config import TransformerConfig
 from . import speed
 from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
 from .device import _check_dtype
-from .incremental import KVCache, _attend_written, _beam_table
-from .precision import autocast_dtype, computation, narrow, rounding, storage, wide
+from .incremental import KVCache, _attend_cache, _beam_table
+from .precision import (
+    attention_product,
+    autocast_dtype,
+    computation,
+    computed_wide,
+    narrow,
+    rounding,
+    storage,
+    wide,
+)
+from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
 _PRECISION = lax.Precision.HIGHEST
@@ -76,60 +86,26 @@ def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
 
 # ----------------------------------------------------------------------------- attention
 
-def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
-                                 mask: jax.Array | None = None,
-                                 beams: jax.Array | None = None, *,
+@computed_wide
+def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None, *,
                                  dtype: DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
     Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
-    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
-    value (N, H, T, d_k).
+    (..., Tq, d_v), weights (..., Tq, Tk).
 
     JAX: ``dtype`` P (Flax's computation dtype beside float32 parameters) computes by the autocast recipe.
     """
-    mixed, dtype = dtype, query.dtype if dtype is None else dtype
-    query, key, value = (wide(narrow(x, dtype)) for x in (query, key, value))   # P inputs exactly in float32
-    d_k = query.shape[-1]
-    if beams is None:
-        scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=_PRECISION)    # (..., Tq, Tk)
-    else:
-        scores = speed.beam_scores(query, key, beams)
-    if mixed is not None:
-        scores = wide(narrow(scores, mixed))                            # autocast: Q K^T a P product
+    scores = attention_product(_matmul, query, jnp.swapaxes(key, -1, -2), dtype)     # (..., Tq, Tk)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
-    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
-    if mixed is not None:
-        weights = wide(narrow(weights, mixed))                          # autocast: weights . V a P product
-    out = jnp.matmul(weights, value, precision=_PRECISION) if beams is None else speed.beam_mix(weights, value, beams)
-    if mask is not None:
-        out = jnp.where(mask.any(axis=-1, keepdims=True), out, 0.0)     # a row that sees no key -> zeros
-    return narrow(out, dtype), narrow(weights, dtype)
+    weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
+    return zero_fully_masked_rows(attention_product(_matmul, weights, value, dtype), mask), weights
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array | None, d_k: int) -> jax.Array:
-    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
-    no key gets zero weights and a zero output, never NaN (docs/ports.md).
-
-    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
-    """
-    if mask is not None:
-        scores = jnp.where(mask, scores, -jnp.inf)
-    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
-    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
-    # Scaling first would let XLA:CPU compute x / c twice, in the maximum's fusion and in the exponential's, and
-    # contract one with the subtraction into a fused multiply-add: the largest score minus its own maximum would be
-    # the product's rounding error, not 0, and its exp could overflow for large scores.
-    # With d_k = 1, Q K^T is itself a product of one term, which XLA:CPU recomputes in both fusions in the same way:
-    # the select below (an identity) stands between the product and the subtraction, so that no fused multiply-add
-    # can take them together.
-    scores = jnp.where(jnp.isnan(scores), jnp.nan, scores)
-    row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))   # -inf on fully masked rows
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    exp = jnp.exp((scores - row_max) / math.sqrt(d_k))                 # exactly 0 where masked
-    total = exp.sum(axis=-1, keepdims=True)
-    return exp / jnp.where(total > 0, total, 1.0)                       # fully masked row -> zeros
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b at float32's full precision (XLA's default on some devices would round the inputs to bfloat16)."""
+    return jnp.matmul(a, b, precision=_PRECISION)
 
 
 class _Linear(nnx.Linear):
@@ -182,12 +158,11 @@ class MultiHeadAttention(nnx.Module):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
-        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
-                                             cache.position, return_weights, dtype)
+        if cache is not None and not cache.is_memory:                      # over a self-attention cache
+            heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
+                                           return_weights, dtype)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written),   # (B, H, Tq, d_k)
-                                                          dtype=dtype)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, dtype=dtype)   # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)

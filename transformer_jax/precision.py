@@ -7,8 +7,13 @@ reference's rounding points; for float32 and float64 all three are the identity.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 
 from reference_numpy.precision import is_low
@@ -49,3 +54,36 @@ def rounding(dtype: DTypeLike | None, param_dtype: DTypeLike) -> DTypeLike:
     ``param_dtype`` (a model stored in P) is low; the model's own dtype otherwise."""
     mixed = autocast_dtype(dtype, param_dtype)
     return mixed if mixed is not None else param_dtype
+
+
+def attention_product(product: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array, b: jax.Array,
+                      mixed: DTypeLike | None) -> jax.Array:
+    """``product(a, b)``, a product of Eq. (1) (Q K^T, weights . V, or their forms along beam hypotheses) of float32
+    inputs: with ``mixed`` P the autocast recipe's P product -- both inputs rounded to P, float32 sums, the result
+    rounded once to P and read as float32, the precision the softmax computes in; otherwise the product itself."""
+    if mixed is None:
+        return product(a, b)
+    return wide(narrow(product(wide(narrow(a, mixed)), wide(narrow(b, mixed))), mixed))
+
+
+Concept = TypeVar("Concept", bound=Callable[..., Any])
+
+
+def computed_wide(concept: Concept) -> Concept:
+    """``concept`` (a function of arrays returning a tuple of arrays, with a keyword ``dtype``: P for the autocast
+    recipe, or None) entered and left by the recipe: its floating arguments rounded to its precision -- ``dtype``, or
+    its first argument's dtype -- and widened on entry, each array it returns rounded once (:func:`narrow`) to it."""
+
+    @functools.wraps(concept)
+    def entered_and_left(*args: Any, dtype: DTypeLike | None = None, **kwargs: Any) -> tuple:
+        rounding = args[0].dtype if dtype is None else dtype
+        args = tuple(wide(narrow(a, rounding)) if _floating(a) else a for a in args)
+        results = concept(*args, dtype=dtype, **kwargs)
+        return tuple(None if result is None else narrow(result, rounding) for result in results)
+
+    return entered_and_left  # type: ignore[return-value]
+
+
+def _floating(x: Any) -> bool:
+    """Whether ``x`` is an array of floating-point numbers (a mask or a beam table is not)."""
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)

@@ -7,8 +7,9 @@ Three jobs, one seam each:
   :func:`_split`: the model is split once per model object and rebuilt inside the function compiled by plain
   ``jax.jit`` (``_Structure.merge``), where ``nnx.jit`` walks the whole module graph at every call;
   :data:`_EXACT_ROUNDING` keeps XLA from dropping the precision recipe's roundings to bfloat16 or float16.
-* **Attention along beams.** :func:`beam_scores` and :func:`beam_mix` are where ``model.scaled_dot_product_attention``
-  (Eq. (1)) computes the products along a beam-search cache's hypotheses without gathering keys and values.
+* **Attention along beams.** :func:`beam_scores` and :func:`beam_mix` are where ``incremental.beam_attention``
+  (Eq. (1) along beam hypotheses) computes its products along a beam-search cache's hypotheses without gathering
+  keys and values.
 * **The log-softmax's row sums.** :func:`sum_exp` is the one place ``model.log_softmax`` calls into this module:
   the sum of ``exp`` over a row as matrix products with ones over chunks of it, which XLA:CPU runs faster than a
   row sum of ``exp``, at the same float32 error.

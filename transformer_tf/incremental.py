@@ -3,8 +3,8 @@ key/value cache, attention over a cache and over beam hypotheses, the widths a c
 
 A cache is a ``NamedTuple`` of tensors passed in and returned (tensors are immutable: a write makes a new one), so
 that a decoding loop under ``tf.function`` / XLA carries it; a traced step's position picks its width by
-``tf.switch_case``. This module imports nothing from :mod:`.model`: the attention it narrows to the written
-positions is handed to it.
+``tf.switch_case``. Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares Eq. (1)'s
+masked softmax and fully masked row with it (:mod:`.softmax`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import tensorflow as tf
 
 from reference_numpy.incremental import attended_width, attended_widths
 
-from .checks import check_beams, check_cache_index
+from . import speed
+from .checks import check_beams, check_cache_index, checked_mask
+from .precision import attention_product, computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
 Index: TypeAlias = int | tf.Tensor          # a position or count: a Python int, or a scalar tensor (traced decoding)
-# Eq. (1) with its mask and beam table: (query, key, value, mask, beams, dtype=) -> (output, weights)
+# Eq. (1) with its mask: (query, key, value, mask, dtype=) -> (output, weights)
 Attention = Callable[..., tuple[tf.Tensor, tf.Tensor]]
 
 
@@ -84,12 +87,50 @@ def _cached_causal_mask(cache_index: Index, length: int, capacity: Index) -> tf.
     return (tf.range(capacity)[None, :] <= query[:, None])[None, None]
 
 
+@computed_wide
+def beam_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None, beams: tf.Tensor, *,
+                   dtype: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """Eq. (1) along each beam hypothesis (section 6.1): row b*K + j's queries attend over the keys and values of its
+    own hypothesis, position c read from row b*K + beams[b, j, c] (:class:`KVCache`).
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), mask broadcastable to (N, H, Tq, C), beams (B, K, C) ->
+    output (N, H, Tq, d_k), weights (N, H, Tq, C).
+
+    TensorFlow: without gathering keys and values (:func:`.speed.beam_scores`, :func:`.speed.beam_mix`); ``dtype`` P
+    computes by the autocast recipe.
+    """
+    scores = attention_product(functools.partial(speed.beam_scores, beams=beams), query, key, dtype)  # (N, H, Tq, C)
+    if mask is not None:
+        mask = checked_mask("mask", mask, scores.shape)
+    weights = masked_softmax(scores, mask, query.shape[-1])
+    out = attention_product(functools.partial(speed.beam_mix, beams=beams), weights, value, dtype)
+    return zero_fully_masked_rows(out, mask), weights
+
+
+def _attend_cache(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None,
+                  cache: KVCache | None, position: Index, return_weights: bool,
+                  dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
+    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
+    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table.
+
+    TensorFlow: the weights when asked; ``dtype`` P computes by the autocast recipe.
+    """
+    beams = _beam_table(cache)
+    if mask is None:
+        return _attend_written(attention, query, key, value, beams, position, return_weights, dtype)
+    if beams is None:
+        return attention(query, key, value, mask, dtype=dtype)
+    return beam_attention(query, key, value, mask, beams, dtype=dtype)
+
+
 def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
                     beams: tf.Tensor | None, cache_index: Index, return_weights: bool,
                     dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
     - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+    (``attended_width``: the rest are not yet written), along each hypothesis with ``beams`` (:func:`beam_attention`);
+    the weights (N, H, Tq, C), zero after W.
 
     Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
 
@@ -100,9 +141,11 @@ def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, valu
     cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
 
     def over(width: Index) -> tuple[tf.Tensor, tf.Tensor | None]:
-        heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
-                                   _cached_causal_mask(cache_index, length, width),
-                                   None if beams is None else beams[:, :, :width], dtype=dtype)
+        key_w, value_w, mask = key[:, :, :width], value[:, :, :width], _cached_causal_mask(cache_index, length, width)
+        if beams is None:
+            heads, weights = attention(query, key_w, value_w, mask, dtype=dtype)
+        else:
+            heads, weights = beam_attention(query, key_w, value_w, mask, beams[:, :, :width], dtype=dtype)
         return heads, tf.pad(weights, [[0, 0]] * 3 + [[0, tf.shape(key)[2] - width]]) if return_weights else None
 
     if capacity is None:

@@ -31,10 +31,19 @@ from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
-from . import speed
 from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
-from .incremental import Index, KVCache, _attend_written, _beam_table, at_position
-from .precision import autocast_dtype, float32_under_autocast, is_low, narrow, parse_dtype, wide
+from .incremental import Index, KVCache, _attend_cache, _beam_table, at_position
+from .precision import (
+    attention_product,
+    autocast_dtype,
+    computed_wide,
+    float32_under_autocast,
+    is_low,
+    narrow,
+    parse_dtype,
+    wide,
+)
+from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
@@ -74,58 +83,26 @@ def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
 
 # ----------------------------------------------------------------------------- attention
 
-def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None = None,
-                                 beams: tf.Tensor | None = None, *,
+@computed_wide
+def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None = None, *,
                                  dtype: DTypeLike | tf.DType | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
     Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
-    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
-    value (N, H, T, d_k).
+    (..., Tq, d_v), weights (..., Tq, Tk).
 
     TensorFlow: ``dtype`` P (a mixed policy's compute dtype) computes by the autocast recipe.
     """
-    query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
-    mixed, dtype = dtype, query.dtype if dtype is None else tf.as_dtype(dtype)
-    query, key, value = (wide(narrow(t, dtype)) for t in (query, key, value))   # P inputs exactly in float32
-    d_k = query.shape[-1]
-    if beams is None:
-        scores = tf.matmul(query, key, transpose_b=True)                  # (..., Tq, Tk)
-    else:
-        scores = speed.beam_scores(query, key, beams)
-    if mixed is not None:
-        scores = wide(narrow(scores, dtype))                            # autocast: Q K^T a P product
+    scores = attention_product(_matmul_transposed, query, key, dtype)   # (..., Tq, Tk)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
-    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
-    if mixed is not None:
-        weights = wide(narrow(weights, dtype))                          # autocast: weights . V a P product
-    out = tf.matmul(weights, value) if beams is None else speed.beam_mix(weights, value, beams)
-    if mask is not None:
-        out = tf.where(tf.reduce_any(mask, axis=-1, keepdims=True), out, tf.zeros_like(out))  # sees no key -> zeros
-    return narrow(out, dtype), narrow(weights, dtype)
+    weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
+    return zero_fully_masked_rows(attention_product(tf.matmul, weights, value, dtype), mask), weights
 
 
-def masked_softmax(scores: tf.Tensor, mask: tf.Tensor | None, d_k: int) -> tf.Tensor:
-    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
-    no key gets zero weights and a zero output, never NaN (docs/ports.md).
-
-    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
-    """
-    if mask is not None:
-        scores = tf.where(mask, scores, tf.constant(-np.inf, scores.dtype))
-    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
-    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
-    # With d_k = 1, Q K^T is itself a product of one term, which XLA:CPU recomputes in the maximum's fusion and in
-    # the exponential's alike: the select below (an identity) stands between the product and the subtraction, so
-    # that no fused multiply-add can take them together (contracted, the largest score minus its own maximum would
-    # be the product's rounding error, not 0, and its exp could overflow for large scores).
-    scores = tf.where(tf.math.is_nan(scores), tf.constant(np.nan, scores.dtype), scores)
-    row_max = tf.reduce_max(scores, axis=-1, keepdims=True)              # -inf on fully masked rows
-    row_max = tf.where(tf.math.is_finite(row_max), row_max, tf.zeros_like(row_max))
-    exp = tf.exp((scores - row_max) / math.sqrt(d_k))                   # exactly 0 where masked
-    total = tf.reduce_sum(exp, axis=-1, keepdims=True)
-    return exp / tf.where(total > 0, total, tf.ones_like(total))        # fully masked row -> zeros
+def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
+    return tf.matmul(a, b, transpose_b=True)
 
 
 @register
@@ -218,12 +195,11 @@ class MultiHeadAttention(_TransformerLayer):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.dtype_policy)
-        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
-                                             cache.position, return_weights, dtype)
+        if cache is not None and not cache.is_memory:                      # over a self-attention cache
+            heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
+                                           return_weights, dtype)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written),   # (B, H, Tq, d_k)
-                                                          dtype=dtype)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, dtype=dtype)   # (B, H, Tq, d_k)
         shape = tf.shape(heads)
         concat = tf.reshape(tf.transpose(heads, (0, 2, 1, 3)),
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)

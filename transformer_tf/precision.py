@@ -7,6 +7,10 @@ A model in a low precision P (bfloat16, float16) keeps Keras layer P inputs; eac
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -30,6 +34,43 @@ def narrow(x: tf.Tensor, dtype: DTypeLike | tf.DType) -> tf.Tensor:
     """A concept's wide (float32) result rounded once to the model's ``dtype`` when it is low (TensorFlow's and
     XLA's float32 -> P casts round to nearest, ties to even); unchanged otherwise."""
     return tf.cast(x, dtype) if is_low(dtype) else x
+
+
+def attention_product(product: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], a: tf.Tensor, b: tf.Tensor,
+                      mixed: tf.DType | None) -> tf.Tensor:
+    """``product(a, b)``, a product of Eq. (1) (Q K^T, weights . V, or their forms along beam hypotheses) of float32
+    inputs: with ``mixed`` P the autocast recipe's P product -- both inputs rounded to P, float32 sums, the result
+    rounded once to P and read as float32, the precision the softmax computes in; otherwise the product itself."""
+    if mixed is None:
+        return product(a, b)
+    return wide(narrow(product(wide(narrow(a, mixed)), wide(narrow(b, mixed))), mixed))
+
+
+Concept = TypeVar("Concept", bound=Callable[..., Any])
+
+
+def computed_wide(concept: Concept) -> Concept:
+    """``concept`` (a function of tensors returning a tuple of tensors, with a keyword ``dtype``: P for the autocast
+    recipe, or None) entered and left by the recipe: its floating arguments rounded to its precision -- ``dtype``, or
+    its first argument's dtype -- and widened on entry, each tensor it returns rounded once (:func:`narrow`) to it."""
+
+    @functools.wraps(concept)
+    def entered_and_left(*args: Any, dtype: DTypeLike | tf.DType | None = None, **kwargs: Any) -> tuple:
+        args = tuple(tf.convert_to_tensor(a) if _floating(a) else a for a in args)
+        mixed = None if dtype is None else tf.as_dtype(dtype)
+        rounding = args[0].dtype if mixed is None else mixed
+        args = tuple(wide(narrow(a, rounding)) if _floating(a) else a for a in args)
+        results = concept(*args, dtype=mixed, **kwargs)
+        return tuple(None if result is None else narrow(result, rounding) for result in results)
+
+    return entered_and_left  # type: ignore[return-value]
+
+
+def _floating(x: Any) -> bool:
+    """Whether ``x`` is a tensor or array of floating-point numbers (a mask or a beam table is not)."""
+    if tf.is_tensor(x):
+        return x.dtype.is_floating
+    return isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating)
 
 
 def parse_dtype(dtype: DTypeLike | tf.DType) -> np.dtype:

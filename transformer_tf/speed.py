@@ -7,8 +7,8 @@ It exists for speed: XLA's fused program ran the ``base`` forward pass faster on
 graph executor with its oneDNN matmuls (measured in ``docs/benchmarks-tf.md``), and every forward pass the
 adapters, ``bench`` and the equivalence harness time goes through it. :func:`_xla_keeps_roundings` says when XLA
 may compile a model at all; the compiled searches of :mod:`.decoding` ask it too. And :func:`beam_scores` and
-:func:`beam_mix`, where ``model.scaled_dot_product_attention`` (Eq. (1)) computes the products along a beam-search
-cache's hypotheses without gathering keys and values. This module imports nothing from the model.
+:func:`beam_mix`, where ``incremental.beam_attention`` (Eq. (1) along beam hypotheses) computes its products along a
+beam-search cache's hypotheses without gathering keys and values. This module imports nothing from the model.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from .capture import capture_stages
 
 
 class _Model(Protocol):
-    """What this module uses of a :class:`~.model.Transformer` (it imports nothing from the model, which calls
-    :func:`beam_scores` and :func:`beam_mix`)."""
+    """What this module uses of a :class:`~.model.Transformer` (it imports nothing from the model; ``incremental``
+    calls :func:`beam_scores` and :func:`beam_mix`)."""
 
     compute_dtype: str
     config: TransformerConfig

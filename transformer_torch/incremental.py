@@ -2,8 +2,8 @@
 key/value cache, attention over a cache and over beam hypotheses, the widths a cached step reads).
 
 A cache is written in place (at a traced position, as in an exported decoding step, into new tensors, as JAX's
-and TensorFlow's ports write). This module imports nothing from :mod:`.model`: the attention it narrows to the
-written positions is handed to it.
+and TensorFlow's ports write). Eq. (1) is handed to it by the attention layer; :func:`beam_attention` shares
+Eq. (1)'s masked softmax and fully masked row with it (:mod:`.softmax`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from torch import Tensor
 # PyTorch step reads them all
 from reference_numpy.incremental import attended_width, attended_widths  # noqa: F401
 
-from .checks import check_beams, check_cache_index
+from . import speed
+from .checks import check_beams, check_cache_index, checked_mask
+from .precision import computed_wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 
 Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
-# Eq. (1) with its mask and beam table: (query, key, value, mask, beams, return_weights) -> (output, weights)
+# Eq. (1) with its mask: (query, key, value, mask, return_weights) -> (output, weights)
 Attention = Callable[..., tuple[Tensor, Tensor | None]]
 
 
@@ -83,11 +86,47 @@ def _cached_causal_mask(cache_index: Index, length: int, capacity: int, device: 
     return (keys <= cache_index + queries[:, None])[None, None]
 
 
+@computed_wide
+def beam_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                   beams: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. (1) along each beam hypothesis (section 6.1): row b*K + j's queries attend over the keys and values of its
+    own hypothesis, position c read from row b*K + beams[b, j, c] (:class:`KVCache`).
+
+    Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), mask broadcastable to (N, H, Tq, C), beams (B, K, C) ->
+    output (N, H, Tq, d_k), weights (N, H, Tq, C).
+
+    PyTorch: without gathering keys and values (:func:`.speed.beam_scores`, :func:`.speed.beam_mix`).
+    """
+    if mask is not None:
+        mask = checked_mask("mask", mask, (*query.shape[:-1], key.shape[-2]), query.device)
+    scores = speed.beam_scores(query, key, beams)                       # (N, H, Tq, C)
+    weights = masked_softmax(scores, mask, query.shape[-1])
+    return zero_fully_masked_rows(speed.beam_mix(weights, value, beams), mask), weights
+
+
+def _attend_cache(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                  cache: KVCache | None, position: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
+    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
+    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table.
+
+    PyTorch: the weights when asked.
+    """
+    beams = _beam_table(cache)
+    if mask is None:
+        return _attend_written(attention, query, key, value, beams, position, return_weights)
+    if beams is None:
+        return attention(query, key, value, mask, return_weights)
+    heads, weights = beam_attention(query, key, value, mask, beams)
+    return heads, (weights if return_weights else None)
+
+
 def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None,
                     cache_index: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions cache_index .. cache_index + Tq
     - 1 over a self-attention cache, causally (:func:`_cached_causal_mask`), reading only its first W positions
-    (``attended_width``: the rest are not yet written); the weights (N, H, Tq, C), zero after W.
+    (``attended_width``: the rest are not yet written), along each hypothesis with ``beams`` (:func:`beam_attention`);
+    the weights (N, H, Tq, C), zero after W.
 
     Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), beams (B, K, C) or None.
 
@@ -96,10 +135,15 @@ def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Ten
     capacity, length = key.shape[2], query.shape[2]
     cache_index = check_cache_index(cache_index, length, capacity)     # an int, unless traced
     width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + length)
-    heads, weights = attention(query, key[:, :, :width], value[:, :, :width],
-                               _cached_causal_mask(cache_index, length, width, query.device),
-                               None if beams is None else beams[:, :, :width], return_weights)
-    return heads, None if weights is None else F.pad(weights, (0, capacity - width))   # (N, H, Tq, C)
+    key, value = key[:, :, :width], value[:, :, :width]
+    mask = _cached_causal_mask(cache_index, length, width, query.device)
+    if beams is None:
+        heads, weights = attention(query, key, value, mask, return_weights)
+    else:
+        heads, weights = beam_attention(query, key, value, mask, beams[:, :, :width])
+    if weights is None or not return_weights:
+        return heads, None
+    return heads, F.pad(weights, (0, capacity - width))                  # (N, H, Tq, C)
 
 
 def _written(buffer: Tensor, new: Tensor, index: Index) -> Tensor:

@@ -36,11 +36,12 @@ from .checks import check_cache_index, check_tokens, checked_mask, checked_memor
 from .incremental import (
     Index,
     KVCache,
-    _attend_written,
+    _attend_cache,
     _beam_table,
     _positions,
 )
-from .precision import LOW, dtype_name, from_numpy, narrow, wide
+from .precision import LOW, computed_wide, dtype_name, from_numpy, narrow, wide
+from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
@@ -77,50 +78,23 @@ def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
 
 # ----------------------------------------------------------------------------- attention
 
+@computed_wide
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                                 beams: Tensor | None = None,
                                  return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V -- Eq. (1), section 3.2.1.
 
     Shape: query (..., Tq, d_k), key (..., Tk, d_k), value (..., Tk, d_v), mask broadcastable to (..., Tq, Tk) -> output
-    (..., Tq, d_v), weights (..., Tq, Tk). With ``beams`` (B, K, Tk) int (:class:`.incremental.KVCache`): query, key,
-    value (N, H, T, d_k).
+    (..., Tq, d_v), weights (..., Tq, Tk).
 
     PyTorch: torch's fused kernel where neither ``return_weights`` nor gradients are asked for; the weights then None.
     """
-    batch = speed.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     if mask is not None:
+        batch = speed.broadcast_shapes(query.shape[:-2], key.shape[:-2])
         mask = checked_mask("mask", mask, (*batch, query.shape[-2], key.shape[-2]), query.device)
-    dtype, query, key, value = query.dtype, wide(query), wide(key), wide(value)
-    if not return_weights and beams is None and speed.fused(query, key, value):
-        return narrow(speed.attention(query, key, value, mask), dtype), None
-    d_k = query.shape[-1]
-    if beams is None:
-        scores = wide(query @ key.transpose(-1, -2))                    # (..., Tq, Tk); P under autocast
-    else:
-        scores = wide(speed.beam_scores(query, key, beams))
-    weights = masked_softmax(scores, mask, d_k)                         # (..., Tq, Tk)
-    out = weights @ value if beams is None else speed.beam_mix(weights, value, beams)
-    if mask is not None:
-        out = torch.where(mask.any(dim=-1, keepdim=True), out, 0.0)     # a row that sees no key -> zeros
-    return narrow(out, dtype), (narrow(weights, dtype) if return_weights else None)
-
-
-def masked_softmax(scores: Tensor, mask: Tensor | None, d_k: int) -> Tensor:
-    """softmax(scores / sqrt(d_k)) over the keys each row may attend to -- Eq. (1)'s weights; a row that may attend to
-    no key gets zero weights and a zero output, never NaN (docs/ports.md).
-
-    Shape: scores (..., Tq, Tk), mask broadcastable to them -> weights (..., Tq, Tk).
-    """
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
-    # softmax(x / sqrt(d_k)) from exp((x - max x) / sqrt(d_k)): the maximum of the unscaled products, so that the
-    # largest entry's difference is an exact 0, however a compiler fuses the scaling (max(x / c) = max(x) / c).
-    row_max = scores.amax(dim=-1, keepdim=True)                         # -inf on fully masked rows
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    exp = torch.exp((scores - row_max) / math.sqrt(d_k))                # exactly 0 where masked
-    total = exp.sum(dim=-1, keepdim=True)
-    return exp / torch.where(total > 0, total, 1.0)                     # fully masked row -> zeros
+    if not return_weights and speed.fused(query, key, value):
+        return speed.attention(query, key, value, mask), None
+    weights = masked_softmax(query @ key.transpose(-1, -2), mask, query.shape[-1])   # (..., Tq, Tk)
+    return zero_fully_masked_rows(weights @ value, mask), (weights if return_weights else None)
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -171,12 +145,11 @@ class MultiHeadAttention(nn.Module):
                 return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
-        if cache is not None and not cache.is_memory and mask is None:     # causal, over the written positions
-            heads, weights = _attend_written(scaled_dot_product_attention, q, k, v, _beam_table(written),
-                                             cache.position, return_weights)
+        if cache is not None and not cache.is_memory:                      # over a self-attention cache
+            heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
+                                           return_weights)
         else:
-            heads, weights = scaled_dot_product_attention(q, k, v, mask, _beam_table(written),
-                                                          return_weights)     # (B, H, Tq, d_k)
+            heads, weights = scaled_dot_product_attention(q, k, v, mask, return_weights)   # (B, H, Tq, d_k)
         batch, _, length, _ = heads.shape
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)

@@ -8,6 +8,10 @@ float32 and float64 both are the identity.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -31,6 +35,23 @@ def narrow(x: Tensor, dtype: torch.dtype) -> Tensor:
     """A concept's wide result rounded once (to nearest, ties to even) to the model's ``dtype`` when it is a low
     precision P; unchanged otherwise."""
     return x.to(dtype) if dtype in LOW else x
+
+
+Concept = TypeVar("Concept", bound=Callable[..., Any])
+
+
+def computed_wide(concept: Concept) -> Concept:
+    """``concept`` (a function of tensors returning a tuple of tensors or None) entered and left by the recipe: its P
+    tensor arguments widened on entry (:func:`wide`), each tensor it returns rounded once (:func:`narrow`) to its
+    first argument's dtype (under ``torch.autocast`` the products inside are the framework's P products)."""
+
+    @functools.wraps(concept)
+    def entered_and_left(first: Tensor, *args: Any, **kwargs: Any) -> tuple:
+        dtype = first.dtype
+        results = concept(wide(first), *(wide(a) if isinstance(a, Tensor) else a for a in args), **kwargs)
+        return tuple(None if result is None else narrow(result, dtype) for result in results)
+
+    return entered_and_left  # type: ignore[return-value]
 
 
 def from_numpy(array: np.ndarray) -> Tensor:

@@ -8,8 +8,8 @@ reads the 37000 x 512 output projection at about 50 GB/s instead of MKL's 16 GB/
 MKL's rate (docs/benchmarks-torch.md; docs/torch.md, "Speed and memory"). And attention,
 which ``model.scaled_dot_product_attention`` (Eq. (1)) hands to torch's fused kernel (:func:`attention`) when
 neither its weights nor its gradients are asked for (:func:`fused`), and whose products along a beam-search
-cache's hypotheses it computes without gathering keys and values (:func:`beam_scores`, :func:`beam_mix`). This
-module imports nothing from the model.
+cache's hypotheses ``incremental.beam_attention`` computes without gathering keys and values (:func:`beam_scores`,
+:func:`beam_mix`). This module imports nothing from the model, nor from :mod:`.incremental`, which imports it.
 
 And one opt-in: :func:`compile_decoding` has the decoders (``decoding.greedy_decode``, ``decoding.beam_search``) run
 each cached step of a float32 model as one program compiled by ``torch.compile`` (:func:`decoding_step`), where
@@ -29,9 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reference_numpy.incremental import attended_width
-
-from .incremental import at_position
+from reference_numpy.incremental import at_position, attended_width
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # elements (256 KB in float32): below, oneDNN's fixed cost per call, higher than MKL's, outweighs its faster

@@ -450,7 +450,7 @@ def test_scores_past_float32_s_range_are_the_only_overflow(monkeypatch):
     layer32, layer64 = stages32["decoder.layers.0"], stages64["decoder.layers.0"]
     assert np.isnan(layer32).all() and np.isfinite(layer64).all()
     _, sites = fuzz._overflow_sites(reference.build(SCORES_PAST_RANGE.config, weights, "float32"), arguments)
-    assert sites == {"scaled_dot_product_attention"}
+    assert sites == fuzz.EQ1_SITES == {"attention_product"}         # Eq. (1)'s products, nowhere else
     assert fuzz._overflow_sites(reference.build(SCORES_PAST_RANGE.config, weights), arguments)[1] == set()
     assert fuzz._undetermined(np.zeros_like(layer32), layer32, sites, "float32")
     weights, batch = fuzz.params(OVERFLOW), fuzz.inputs(OVERFLOW)

@@ -49,6 +49,13 @@ def backend(name: str):
     return model, convert
 
 
+def incremental(name: str):
+    """The ``incremental`` module of the reference or a port (attention over a cache and over beam hypotheses)."""
+    backend(name)                                   # a port whose framework is not installed is skipped
+    return importlib.import_module("reference_numpy.incremental" if name == "numpy"
+                                   else f"transformer_{name}.incremental")
+
+
 def naive_attention_along_hypotheses(query, key, value, beams, allowed):
     """Row b*K + j, position c: key and value of row b*K + beams[b, j, c]; Eq. (1) with Python floats,
     query by query. Shape: query (N, H, Tq, d_k), key and value (N, H, C, d_k), allowed (Tq, C)."""
@@ -72,14 +79,14 @@ def naive_attention_along_hypotheses(query, key, value, beams, allowed):
 def test_attention_along_each_hypothesis_equals_a_naive_loop(name):
     """Two queries per row, a causal mask over the capacity (the first query sees 3 positions, the
     second 4), a table with every row of each sentence used."""
-    model, convert = backend(name)
+    _, convert = backend(name)
     rng = np.random.default_rng(0)
     query = rng.standard_normal((ROWS, HEADS, 2, D_K))
     key, value = rng.standard_normal((2, ROWS, HEADS, CAPACITY, D_K))
     beams = rng.integers(0, BEAMS, (BATCH, BEAMS, CAPACITY))
     allowed = np.arange(CAPACITY)[None, :] <= np.array([2, 3])[:, None]    # (Tq, C)
     with float64_inference(name):
-        out, _ = model.scaled_dot_product_attention(*map(convert, (query, key, value, allowed, beams)))
+        out, _ = incremental(name).beam_attention(*map(convert, (query, key, value, allowed, beams)))
     expected = naive_attention_along_hypotheses(query, key, value, beams, allowed)
     assert_agrees(np.asarray(out), expected, what=f"{name}: attention along each hypothesis")
 

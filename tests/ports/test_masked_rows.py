@@ -51,3 +51,43 @@ def test_a_row_that_sees_no_key_has_zero_weights_and_a_zero_output(name):
     seen = [row for row in range(QUERIES) if row != EMPTY]
     np.testing.assert_allclose(weights[..., seen, :].sum(axis=-1), 1.0, rtol=1e-6)
     assert not weights[..., seen, :][~mask[..., seen, :]].any()     # a masked key gets no weight
+
+
+def beam_attention(name: str, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray,
+                   beams: np.ndarray) -> np.ndarray:
+    """The output of the backend's ``incremental.beam_attention`` (Eq. (1) along beam hypotheses) on NumPy inputs."""
+    if name != "numpy":
+        pytest.importorskip(FRAMEWORKS[name], reason=f"{FRAMEWORKS[name]} is not installed (pip install '.[{name}]')")
+    incremental = importlib.import_module("reference_numpy.incremental" if name == "numpy"
+                                          else f"transformer_{name}.incremental")
+    if name == "torch":
+        import torch
+
+        inputs = tuple(map(torch.as_tensor, (query, key, value, mask, beams)))
+        return incremental.beam_attention(*inputs)[0].numpy()
+    return np.asarray(incremental.beam_attention(query, key, value, mask, beams)[0])
+
+
+@pytest.mark.parametrize("path", ["attention", "beams"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_row_that_sees_no_key_outputs_zero_over_infinite_values(name, path):
+    """Zero weights alone do not make a zero output: 0 x inf is NaN, so a value holding an infinity (an overflowed
+    projection) reaches the output of every row through weights . V. The convention says the row that sees no key
+    outputs zeros all the same, in Eq. (1) and along beam hypotheses (each of the two rows of one sentence reading its
+    keys from the rows the table names)."""
+    rng = np.random.default_rng(11)
+    rows = 2 if path == "beams" else 1
+    query = rng.standard_normal((rows, 1, QUERIES, D_K)).astype(np.float32)
+    key, value = (rng.standard_normal((rows, 1, KEYS, D_K)).astype(np.float32) for _ in range(2))
+    value[..., KEYS - 1, 0] = np.inf
+    mask = np.ones((1, 1, QUERIES, KEYS), dtype=bool)
+    mask[..., EMPTY, :] = False
+    with np.errstate(invalid="ignore"):                                  # 0 x inf, in NumPy
+        if path == "beams":
+            beams = np.array([[[0, 1, 0, 1, 1], [1, 1, 0, 0, 1]]])             # (B, K, C): B = 1, K = 2
+            out = beam_attention(name, query, key, value, mask, beams)
+        else:
+            out = attention(name, query, key, value, mask)[0]
+    assert (out[..., EMPTY, :] == 0).all(), out[..., EMPTY, :]
+    seen = [row for row in range(QUERIES) if row != EMPTY]
+    assert not np.isfinite(out[..., seen, 0]).any()                    # the infinity reaches every other row

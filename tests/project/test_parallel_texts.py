@@ -52,7 +52,8 @@ PORT_ONLY = {"decoding.py": {"reorder_cache"},
              "device.py": {"model_device"}}
 # Files whose template is the reference; the others have no reference counterpart and are
 # compared port against port (the first port is the template).
-AGAINST_REFERENCE = ("model.py", "incremental.py", "variants.py", "decoding.py", "training.py", "capture.py")
+AGAINST_REFERENCE = ("model.py", "softmax.py", "incremental.py", "variants.py", "decoding.py", "training.py",
+                     "capture.py")
 PORT_FILES = ("checkpoint.py", "device.py")
 
 
@@ -471,6 +472,7 @@ def docstring_divergences(texts: dict[str, str], file: str = "model.py") -> list
 
 @pytest.mark.parametrize(("file", "where", "old", "new", "expected"), [
     ("model.py", None, None, None, None),
+    ("softmax.py", None, None, None, None),
     ("incremental.py", None, None, None, None),
     # a word changed in one port's copy
     ("model.py", "transformer_jax", "head_i = Attention(Q W_i^Q,", "head_i = Attention(W_i^Q Q,",
@@ -482,9 +484,9 @@ def docstring_divergences(texts: dict[str, str], file: str = "model.py") -> list
      "transformer_torch/model.py: the docstring of scaled_dot_product_attention is not the reference's"),
 ])
 def test_docstrings_are_written_once(file, where, old, new, expected):
-    """Every docstring model.py's (and incremental.py's) backends share is the reference's, word for word, each
-    backend's own last paragraph aside; the checker reports a word changed in one port and a paragraph under another
-    framework's name."""
+    """Every docstring model.py's (and softmax.py's and incremental.py's) backends share is the reference's, word for
+    word, each backend's own last paragraph aside; the checker reports a word changed in one port and a paragraph under
+    another framework's name."""
     texts = {backend: (ROOT / backend / file).read_text() for backend in (REFERENCE, *PORTS)}
     if where is not None:
         assert old in texts[where], f"{where}/{file} no longer has {old!r}: update this test"

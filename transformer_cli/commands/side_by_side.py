@@ -68,7 +68,11 @@ PAPER = (
     Concept("Scaled dot-product attention", "Eq. (1), section 3.2.1",
             "Attention(<i>Q</i>, <i>K</i>, <i>V</i>) = "
             "softmax(<i>QK</i><sup>T</sup> / &radic;<i>d<sub>k</sub></i>) <i>V</i>",
-            _same("model.py:scaled_dot_product_attention", "model.py:masked_softmax")),
+            _same("model.py:scaled_dot_product_attention")),
+    Concept("Masked softmax and the fully masked row", "Eq. (1), section 3.2.3",
+            "softmax over the keys a query may attend to (masked scores: &minus;&infin;); a row that may attend to "
+            "no key: zero weights and a zero output",
+            _same("softmax.py:masked_softmax", "softmax.py:zero_fully_masked_rows")),
     Concept("Multi-head attention", "section 3.2.2",
             "MultiHead(<i>Q</i>, <i>K</i>, <i>V</i>) = Concat(head<sub>1</sub>, &hellip;, "
             "head<sub><i>h</i></sub>) <i>W</i><sup><i>O</i></sup>, &nbsp; head<sub><i>i</i></sub> = "
@@ -115,28 +119,43 @@ MACHINERY = (
             "log <i>p</i>(<i>y<sub>t</sub></i> | <i>y</i><sub>&lt;<i>t</i></sub>, <i>x</i>): "
             "one new position per step, "
             "earlier keys and values kept (the reference recomputes the prefix)",
-            {"numpy": ("incremental.py:KVCache", "incremental.py:_attend_written",
+            {"numpy": ("incremental.py:KVCache", "incremental.py:_attend_cache", "incremental.py:_attend_written",
                        "model.py:MultiHeadAttention.__call__",
                        "model.py:MultiHeadAttention.init_cache",
                        "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
                        "model.py:DecoderLayer.init_cache", "decoding.py:next_token_log_probs"),
-             "torch": ("incremental.py:KVCache", "incremental.py:_attend_written",
+             "torch": ("incremental.py:KVCache", "incremental.py:_attend_cache", "incremental.py:_attend_written",
                        "model.py:MultiHeadAttention.forward",
                        "model.py:MultiHeadAttention.init_cache",
                        "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
                        "model.py:DecoderLayer.init_cache", "decoding.py:next_token_log_probs",
                        "decoding.py:reorder_cache"),
-             "jax": ("incremental.py:KVCache", "incremental.py:_attend_written",
+             "jax": ("incremental.py:KVCache", "incremental.py:_attend_cache", "incremental.py:_attend_written",
                      "model.py:MultiHeadAttention.__call__",
                      "model.py:MultiHeadAttention.init_cache",
                      "model.py:MultiHeadAttention.memory_cache", "model.py:MultiHeadAttention._keys_values",
                      "model.py:DecoderLayer.init_cache",
                      "decoding.py:next_token_log_probs", "decoding.py:reorder_cache"),
-             "tf": ("incremental.py:KVCache", "incremental.py:_attend_written",
+             "tf": ("incremental.py:KVCache", "incremental.py:_attend_cache", "incremental.py:_attend_written",
                     "model.py:MultiHeadAttention.call",
                     "model.py:MultiHeadAttention.init_cache",
                     "model.py:MultiHeadAttention.memory_cache", "model.py:DecoderLayer.init_cache",
                     "decoding.py:next_token_log_probs", "decoding.py:reorder_cache")}),
+    Concept("Attention over beam hypotheses", "Eq. (1) in a beam search, section 6.1",
+            "row <i>b</i>&middot;<i>K</i> + <i>j</i> reads position <i>c</i> of its hypothesis from row "
+            "<i>b</i>&middot;<i>K</i> + beams[<i>b</i>, <i>j</i>, <i>c</i>]: the reference gathers the keys and "
+            "values, the ports leave them in place",
+            {"numpy": ("incremental.py:beam_attention", "incremental.py:_own_hypothesis"),
+             "torch": ("incremental.py:beam_attention", "speed.py:beam_scores", "speed.py:beam_mix"),
+             "jax": ("incremental.py:beam_attention", "speed.py:beam_scores", "speed.py:beam_mix"),
+             "tf": ("incremental.py:beam_attention", "speed.py:beam_scores", "speed.py:beam_mix")}),
+    Concept("Precision at the boundaries", "docs/equivalence.md (low precision is not in the paper)",
+            "in bfloat16 or float16 a concept is entered wide and left rounded once; under the autocast recipe "
+            "Q<i>K</i><sup>T</sup> and weights &middot; <i>V</i> are products in the low precision",
+            {"numpy": ("precision.py:computed_wide", "precision.py:attention_product", "precision.py:product"),
+             "torch": ("precision.py:computed_wide", "precision.py:wide", "precision.py:narrow"),
+             "jax": ("precision.py:computed_wide", "precision.py:attention_product"),
+             "tf": ("precision.py:computed_wide", "precision.py:attention_product")}),
     Concept("Beam search", "section 6.1",
             "beam size 4; a finished hypothesis <i>Y</i> scores log <i>P</i>(<i>Y</i>) / <i>lp</i>(<i>Y</i>), "
             "<i>lp</i>(<i>Y</i>) = ((5 + |<i>Y</i>|) / 6)<sup>&alpha;</sup>, &alpha; = 0.6; "
