@@ -1185,7 +1185,7 @@ HF_TOKENIZERS = [
            "transformer_hf/tokenizers.py", 'ids = [language, *ids] if place == "prefix" else [*ids, language]',
            'ids = [*ids, language] if place == "prefix" else [language, *ids]', HF_TOKENIZERS_ORACLE),
     single("hf-tokenizer", "families: eos not appended to the source", "transformer_hf/tokenizers.py",
-           "ids = [*self.content_ids(text, side), self.config.eos_id]", "ids = self.content_ids(text, side)",
+           "*self.content_ids(text, side), self.config.eos_id]", "*self.content_ids(text, side)]",
            HF_TOKENIZERS_ORACLE),
     single("hf-tokenizer", "Marian: the target SentencePiece model cuts the source", "transformer_hf/tokenizers.py",
            'tokenizer = self._source if side == "source" else self._target',
