@@ -89,10 +89,15 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
 
 
 def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The state dict, a zero ``final_logits_bias`` without ``output_bias``, and ``model.shared`` a copy of the
-    encoder's embedding when the embeddings are separate (transformers builds it; untied, its forward pass reads
-    each side's own)."""
-    out = weights.written_with_logits_bias(config, weight_table(config), params)
+    return state_dict(config, weight_table(config), params)
+
+
+def state_dict(config: TransformerConfig, table: weights.WeightTable,
+               params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The state dict of the BART lineage's ``table``, a zero ``final_logits_bias`` without ``output_bias``, and
+    ``model.shared`` a copy of the encoder's embedding when the embeddings are separate (transformers builds it;
+    untied, its forward pass reads each side's own)."""
+    out = weights.written_with_logits_bias(config, table, params)
     if not config.share_embeddings:
         out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
     return out

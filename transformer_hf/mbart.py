@@ -37,7 +37,7 @@ import numpy as np
 
 from reference_numpy.config import TransformerConfig
 
-from . import weights
+from . import bart, weights
 from .family import TokenizerKind, check_learned_export, field
 from .tokenizer_files import TOKENIZER_CONFIG, TOKENIZER_JSON, json_files, json_tokenizer, language_codes, unknown_id
 
@@ -63,15 +63,9 @@ def architecture(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def weight_table(config: TransformerConfig, tie_output: bool = True) -> weights.WeightTable:
-    """The embeddings, ``final_logits_bias``, each stack's position table and ``layernorm_embedding``, the BART
-    lineage's layers and each stack's final ``layer_norm``."""
-    table: weights.WeightTable = {}
-    weights.embeddings(table, config, tie_output)
-    weights.logits_bias(table, config)
-    for side, stack in (("src", "encoder"), ("tgt", "decoder")):
-        table[f"{side}_pos_embed.weight"] = weights.Entry((f"model.{stack}.embed_positions.weight",))
-        weights.norm(table, f"{side}_embed_norm", f"model.{stack}.layernorm_embedding")
-    weights.layers(table, config)
+    """BART's table (:func:`.bart.weight_table`: the embeddings, ``final_logits_bias``, each stack's position table
+    and ``layernorm_embedding``, the lineage's layers) and each stack's final ``layer_norm``."""
+    table = bart.weight_table(config, tie_output)
     for stack in ("encoder", "decoder"):
         weights.norm(table, f"{stack}.norm", f"model.{stack}.layer_norm")
     return table
@@ -94,13 +88,8 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
 
 
 def hf_weights(config: TransformerConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The state dict, a zero ``final_logits_bias`` without ``output_bias``, and ``model.shared`` a copy of the
-    encoder's embedding when the embeddings are separate (transformers builds it; untied, its forward pass reads
-    each side's own)."""
-    out = weights.written_with_logits_bias(config, weight_table(config), params)
-    if not config.share_embeddings:
-        out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
-    return out
+    """The state dict as BART's (:func:`.bart.state_dict`) over this table."""
+    return bart.state_dict(config, weight_table(config), params)
 
 
 # ----------------------------------------------------------------------------- the tokenizer
