@@ -1181,6 +1181,9 @@ LINEAR_MAPS_IN_P = [
 
 HF_TOKENIZERS_ORACLE = ["tests/families/test_hf_tokenizers.py", "-k", "transformers"]
 HF_TOKENIZERS = [
+    single("hf-tokenizer", "families: a tokenizer_class of no kind read by another family's files",
+           "transformer_hf/tokenizers.py", "if (named is None or named in GENERIC_CLASSES) and all(", "if all(",
+           ["tests/families/test_hf_tokenizers.py", "-k", "no_kind"]),
     single("hf-tokenizer", "M2M100/NLLB: the source language's code at the wrong end (after eos)",
            "transformer_hf/tokenizers.py", 'ids = [language, *ids] if place == "prefix" else [*ids, language]',
            'ids = [*ids, language] if place == "prefix" else [language, *ids]', HF_TOKENIZERS_ORACLE),
