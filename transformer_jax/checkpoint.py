@@ -226,11 +226,17 @@ def _skeleton(config: TransformerConfig, dtype: np.dtype) -> tuple[nnx.GraphDef,
     parameter (shape and dtype, no array) by dotted path -> (state keys, parameter), and the computed state that is
     not a parameter (the dropout streams of ``nnx.Rngs(params=0, dropout=0)``, the sinusoidal tables). The
     parameters' random initialization is traced but not an output, so XLA never computes it (tracing the constructor
-    once more, as ``nnx.eval_shape`` would for the structure, doubled a model's loading time)."""
+    once more, as ``nnx.eval_shape`` would for the structure, doubled a model's loading time). The random streams
+    hold their counts as references: Flax updates an array-valued Variable after comparing the new value's sharding
+    with the old one's, and a tracer, which has none, answers by walking the trace for its error message -- once per
+    initializer, a cost that grows with the constructor's length (0.3 s of loading the shipped model); a reference
+    is written in place. The streams come back from the trace as plain arrays, as before."""
     traced: dict[str, Any] = {}
 
     def constants() -> nnx.State:
-        model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(params=0, dropout=0))
+        with nnx.var_defaults(ref=True):    # streams whose count updates are plain writes (see below)
+            rngs = nnx.Rngs(params=0, dropout=0)
+        model = Transformer(config, dtype=dtype, rngs=rngs)
         traced["graphdef"], params, *rest = nnx.split(model, nnx.Param, ...)         # rest: one State, the others
         traced["params"] = jax.tree.map(lambda value: jax.ShapeDtypeStruct(value.shape, value.dtype), params)
         return rest[0]
