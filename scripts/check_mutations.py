@@ -273,12 +273,12 @@ RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the c
 RS, TS, JS, FS = (f"{package}/softmax.py" for package in BACKENDS)   # Eq. (1)'s masked softmax and fully masked row
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
 
-# The cached path and its cache, in every backend's model.py (the same text in all four).
+# The cached path in every backend's model.py and its cache in every incremental.py (the same text in all four).
 _FIRST_DECODER_LAYER = [
     ("x, layer_cache = layer(x, memory", "x, layer_cache = self.layers[0](x, memory"),
-    ("tuple(layer.init_cache(memory, capacity) for layer in self.layers)",
-     "tuple(self.layers[0].init_cache(memory, capacity) for layer in self.layers)"),
 ]
+_FIRST_DECODER_LAYER_CACHE = ("memory_cache(layer.cross_attn, memory)) for layer in model.decoder.layers)",
+                              "memory_cache(model.decoder.layers[0].cross_attn, memory)) for layer in model.decoder.layers)")
 
 STACKING = [
     consistent("stacking", "encoder: every layer applied twice", [
@@ -300,6 +300,7 @@ STACKING = [
     ], ORACLE, agreement("tiny")),
     consistent("stacking", "decoder: the first layer's weights at every depth", [
         *[(module, *edit) for module in (RM, TM, JM, FM) for edit in _FIRST_DECODER_LAYER],
+        *[(module, *_FIRST_DECODER_LAYER_CACHE) for module in (RI, TI, JI, FI)],
         (RM, "x = layer(x, memory, src_mask, tgt_mask)\n", "x = self.layers[0](x, memory, src_mask, tgt_mask)\n"),
         (TM, "x = layer(x, memory, src_mask, tgt_mask)\n", "x = self.layers[0](x, memory, src_mask, tgt_mask)\n"),
         (JM, "x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)",
@@ -489,9 +490,10 @@ CHOICES = [
          "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
         (TM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
          "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
-        (JM, "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)",
-         "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)"),
-        (FM, "tgt, by_step=True,\n", "tgt,\n"),
+        (JM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, deterministic=deterministic)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, deterministic=deterministic)"),
+        (FM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, training=training)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, training=training)"),
     ], ["tests/equivalence/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"], agreement("fairseq")),
     single("embedding-norm", "jax: the encoder's embedding LayerNorm skipped",
            JM, "x = self.src_embed_norm(x) if self.src_embed_norm is not None else x", "x = x",

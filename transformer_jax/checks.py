@@ -9,6 +9,8 @@ holds the math alone.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy.typing as npt
@@ -63,3 +65,26 @@ def check_cache_index(cache_index: int | jax.Array | None, length: int, capacity
     if isinstance(cache_index, jax.core.Tracer):
         return cache_index
     return checks.check_cache_index(cache_index, length, capacity)
+
+
+def checked_forward_inputs(config: Any, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
+                           tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
+    """The forward pass's token ids after :func:`check_tokens` and the reference's ``check_forward_inputs``."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    checks.check_forward_inputs(config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
+                                describe("tgt_mask", tgt_mask))
+    return src, tgt
+
+
+def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int, src_mask: npt.ArrayLike | None,
+                          tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """``decode``'s masks (None stays None) after the reference's ``check_mask``: ``src_mask`` against the decoder's
+    (B, H, T, S) scores, ``tgt_mask`` against its (B, H, T, ``keys``) self-attention scores (the reference's
+    ``checked_decoder_masks``)."""
+    (batch, length), heads = tgt_shape, config.n_heads
+    if src_mask is not None:
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory_length))
+    if tgt_mask is not None:
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+    return src_mask, tgt_mask

@@ -27,12 +27,11 @@ import numpy as np
 import tensorflow as tf
 from numpy.typing import DTypeLike
 
-from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
-from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
-from .incremental import Index, KVCache, _attend_cache, _beam_table, at_position
+from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
 from .precision import (
     attention_product,
     autocast_dtype,
@@ -193,7 +192,7 @@ class MultiHeadAttention(_TransformerLayer):
 
     def call(self, query, key, value, mask=None, return_weights=False, cache=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.dtype_policy)
         if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
@@ -205,33 +204,6 @@ class MultiHeadAttention(_TransformerLayer):
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
         out = self.o_proj(concat)
         return _returned(out, weights if return_weights else None, written)
-
-    def init_cache(self, batch: Index, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions.
-
-        Shape: keys and values (B, H, C, d_k), zeros.
-        """
-        empty = tf.zeros((batch, self.n_heads, capacity, self.config.d_k), self.compute_dtype)
-        return KVCache(empty, empty, position=tf.constant(0))
-
-    def memory_cache(self, memory: tf.Tensor) -> KVCache:
-        """The memory's keys and values, projected once for encoder-decoder attention.
-
-        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
-        """
-        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
-
-    def _keys_values(self, key: tf.Tensor, value: tf.Tensor,
-                     cache: KVCache | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
-        """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache.is_memory:
-            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None:
-            return k, v, None
-        cache = cache.update(k, v)
-        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
         shape = tf.shape(x)
@@ -523,35 +495,13 @@ class DecoderLayer(_TransformerLayer):
         def dropout(h: tf.Tensor) -> tf.Tensor:
             return self.dropout(h, training=training)
 
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
-                                         self.self_attn_norm, self.norm_first, dropout)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
-                                          self.cross_attn_norm, self.norm_first, dropout)
+        kept: list[KVCache] = []                                           # the caches the attentions return
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
+                     self.self_attn_norm, self.norm_first, dropout)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, kept),
+                     self.cross_attn_norm, self.norm_first, dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
-        return x if cache is None else (x, (self_cache, cross_cache))
-
-    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
-        return self.self_attn.init_cache(tf.shape(memory)[0], capacity), self.cross_attn.memory_cache(memory)
-
-
-def _attend(attention: MultiHeadAttention, query: tf.Tensor, memory: tf.Tensor, mask: tf.Tensor | None,
-            cache: KVCache | None) -> tuple[tf.Tensor, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
-    if cache is None:
-        return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache)
-
-
-def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tensor, KVCache | None]],
-                     norm: LayerNorm, norm_first: bool,
-                     dropout: Callable[[tf.Tensor], tf.Tensor]) -> tuple[tf.Tensor, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
-    if norm_first:
-        out, cache = sublayer(norm(x))
-        return add(x, dropout(out)), cache
-    out, cache = sublayer(x)
-    return norm(add(x, dropout(out))), cache
+        return x if cache is None else (x, tuple(kept))
 
 
 def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) -> None:
@@ -614,10 +564,6 @@ class Decoder(_TransformerLayer):
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
-
-    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
-        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
 
 
 def _one_input(inputs: Any) -> tuple[Any, Any]:
@@ -707,9 +653,7 @@ class Transformer(_TransformerLayer, keras.Model):
 
         Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
         """
-        memory = checked_memory(memory, None, self.config.d_model, self.variable_dtype)
-        checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(memory, capacity)
+        return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
                tgt_mask: tf.Tensor | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
@@ -722,21 +666,12 @@ class Transformer(_TransformerLayer, keras.Model):
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
-        (batch, length), heads = tgt.shape, self.config.n_heads
-        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        if cache is not None:
-            check_cache_index(cache[0][0].position, length, keys)
-            cache = at_position(cache, tf.convert_to_tensor(cache[0][0].position))   # Keras: no int among tensors
-            for own, _ in cache:                                               # every table, before any layer runs
-                _beam_table(own)
-        if src_mask is not None:
-            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None and cache is None:
+        cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
+        if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
-        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
-            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache[0][0].position, tgt, by_step=True,
-                         training=training)
+        src_mask, tgt_mask = checked_decoder_masks(self.config, tuple(tgt.shape), memory.shape[1], keys, src_mask,
+                                                   tgt_mask)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, training=training)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, training=training)
 
@@ -761,12 +696,8 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def _check_inputs(self, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
-        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
-                                    describe("tgt_mask", tgt_mask))
-        return src, tgt
+        """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
+        return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
 
     def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
         """The token ids checked by ``check_tokens`` (their range wherever their values are known).
