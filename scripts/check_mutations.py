@@ -269,6 +269,7 @@ SINGLE = [
 # ----------------------------------------------------------------------------- consistent model bugs
 
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
+FL = f"{TF}/layers.py"   # TensorFlow's Keras plumbing beside its model.py
 RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the cache beside each model.py
 RS, TS, JS, FS = (f"{package}/softmax.py" for package in BACKENDS)   # Eq. (1)'s masked softmax and fully masked row
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
@@ -1092,7 +1093,7 @@ PRECISION = [
            "    return narrow(wide(x) + wide(y), y.dtype).astype(x.dtype)",
            ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and jax and pre_ln"]),
     single("precision", "keras: under mixed_bfloat16 the residual stream converted to P at every layer's entry",
-           "transformer_tf/model.py",
+           FL,
            "        return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype",
            "        return self.compute_dtype", ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and tf"]),
     single("precision", "keras: under mixed_bfloat16 LayerNorm's output cast to P (Keras' own LayerNormalization)",
@@ -1159,7 +1160,7 @@ LINEAR_MAPS_IN_P = [
            "preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)", "precision=_PRECISION, rngs=rngs)",
            [*LINEAR_MAPS, "-k", "jax and model"]),
     single("precision", "keras: a layer built with no dtype computes in float32 whatever the global policy says",
-           FM, "        super().__init__(**kwargs)\n        self.config = _as_config(config)",
+           FL, "        super().__init__(**kwargs)\n        self.config = _as_config(config)",
            "        super().__init__(**{**kwargs, \"dtype\": kwargs.get(\"dtype\") or \"float32\"})\n"
            "        self.config = _as_config(config)", [*LINEAR_MAPS, "-k", "alone and tf"]),
     consistent("precision", "every backend: under autocast the generator reads its input unrounded (float32 x, W and "
@@ -1279,7 +1280,7 @@ BENCH = [
 # over the tokens and the float64 reference's run of the same steps.
 ECOSYSTEM_TESTS = "tests/ports/test_ecosystem.py"
 ECOSYSTEM = [
-    single("ecosystem", "tf: Keras' one input read as (tgt, src) from a dict", "transformer_tf/model.py",
+    single("ecosystem", "tf: Keras' one input read as (tgt, src) from a dict", FL,
            'return inputs["src"], inputs["tgt"]', 'return inputs["tgt"], inputs["src"]',
            [ECOSYSTEM_TESTS, "-k", "one_input"]),
     single("ecosystem", "tf: the Keras loss without label smoothing", "transformer_tf/ecosystem.py",

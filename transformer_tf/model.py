@@ -19,7 +19,7 @@ Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, T
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -32,6 +32,7 @@ from reference_numpy.precision import round_to
 
 from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .layers import MIXED_POLICIES, _as_config, _build_all, _Dense, _one_input, _TransformerLayer, register
 from .precision import (
     attention_product,
     autocast_dtype,
@@ -44,9 +45,6 @@ from .precision import (
 )
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
-
-register = keras.saving.register_keras_serializable(package="transformer_tf")
-MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
@@ -102,59 +100,6 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
     return tf.matmul(a, b, transpose_b=True)
-
-
-@register
-class _Dense(keras.layers.Dense):
-    """The reference's ``Linear``: ``keras.layers.Dense``, y = x W + b, W stored (in, out).
-
-    Shape: x (..., in) -> y (..., out).
-    """
-
-    def call(self, inputs, training=None):
-        return narrow(super().call(wide(inputs)), self.compute_dtype)
-
-
-class _TransformerLayer(keras.layers.Layer):
-    """Keras plumbing of the layers below: the config kept for ``get_config``, masks as plain inputs (docs/ports.md)."""
-
-    def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.config = _as_config(config)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arguments = self._call_signature.bind(*args, **kwargs).arguments
-        return super().__call__(**tf.nest.map_structure(_without_keras_mask, arguments))
-
-    def get_config(self) -> dict:
-        return {**super().get_config(), "config": self.config.to_dict()}
-
-    def compute_mask(self, inputs: object, previous_mask: object) -> None:
-        """Attention masks are not Keras sequence masks: outputs carry none."""
-        return None
-
-    def _sublayer_kwargs(self, name: str) -> dict:
-        return {"name": name, "dtype": self.dtype_policy}
-
-    @property
-    def input_dtype(self) -> str:
-        """The dtype Keras converts float inputs to: the compute dtype, or float32 for a layer reading the residual
-        stream under a mixed policy.
-        """
-        return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype
-
-    _STREAM = False
-
-
-def _as_config(config: TransformerConfig | dict) -> TransformerConfig:
-    """The config given to a layer, or rebuilt from its dict (``from_config``)."""
-    return config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
-
-
-def _without_keras_mask(value: object) -> object:
-    if getattr(value, "_keras_mask", None) is not None:
-        return tf.identity(value)  # a new tensor, without the mask attribute
-    return value
 
 
 def _returned(out: Any, *optional: Any) -> Any:
@@ -504,12 +449,6 @@ class DecoderLayer(_TransformerLayer):
         return x if cache is None else (x, tuple(kept))
 
 
-def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) -> None:
-    """Build sublayers whose weight shapes depend only on the config (inputs (..., D))."""
-    for layer in layers:
-        layer.build((None, config.d_model))
-
-
 @register
 class Encoder(_TransformerLayer):
     """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
@@ -564,20 +503,6 @@ class Decoder(_TransformerLayer):
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
-
-
-def _one_input(inputs: Any) -> tuple[Any, Any]:
-    """(src, tgt) of Keras' one model input: a pair or a dict of exactly "src" and "tgt"; else one ValueError naming
-    ``src``.
-    """
-    if isinstance(inputs, dict) and sorted(inputs) == ["src", "tgt"]:
-        return inputs["src"], inputs["tgt"]
-    if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
-        return inputs[0], inputs[1]
-    kind = f"a dict with the keys {sorted(inputs)}" if isinstance(inputs, dict) else \
-        f"a {type(inputs).__name__} of {len(inputs)}" if isinstance(inputs, (tuple, list)) else "one tensor"
-    raise ValueError(f"src: without tgt, the model's input must be a (src, tgt) pair or a dict with the keys 'src' "
-                     f"and 'tgt', got {kind}")
 
 
 # ----------------------------------------------------------------------------- the model

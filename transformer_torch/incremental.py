@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeAlias
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -67,7 +68,7 @@ def at_position(cache: tuple, position: Index) -> tuple:
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
-def decoder_cache(model: Any, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+def decoder_cache(model: Any, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
     """The caches of ``model``'s decoder (:meth:`.model.Transformer.init_cache`) for ``capacity`` target positions: per
     layer an empty self-attention cache and the memory's keys and values -- section 3.2.3.
 
