@@ -116,10 +116,6 @@ def _returned(out: Any, *optional: Any) -> Any:
 class MultiHeadAttention:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
-
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
@@ -329,8 +325,7 @@ class EncoderLayer:
 class DecoderLayer:
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -413,10 +408,6 @@ class Transformer:
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
-    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
-    (``incremental.at_position`` sets them).
-
     NumPy: ``params`` the checkpoint's dictionary, rounded to ``dtype`` (float64, float32, bfloat16 or float16) into
     arrays of the model's own (``copy=False``: arrays already in ``dtype`` taken as they are).
     """
@@ -451,11 +442,7 @@ class Transformer:
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
-        memory's keys and values -- section 3.2.3.
-
-        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
-        """
+        """The decoder's caches for ``capacity`` target positions -- section 3.2.3 (:func:`.incremental.decoder_cache`)."""
         return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,

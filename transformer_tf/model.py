@@ -114,10 +114,6 @@ def _returned(out: Any, *optional: Any) -> Any:
 class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
-
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
@@ -409,8 +405,7 @@ class EncoderLayer(_TransformerLayer):
 class DecoderLayer(_TransformerLayer):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -518,10 +513,6 @@ class Transformer(_TransformerLayer, keras.Model):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
-    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
-    (``incremental.at_position`` sets them).
-
     TensorFlow: ``dtype`` a Keras dtype policy
     ("float64", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16"); built on construction; weights
     from :mod:`.checkpoint` or ``load_weights``.
@@ -573,11 +564,7 @@ class Transformer(_TransformerLayer, keras.Model):
         return self.encoder(x, src_mask, training=training)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
-        memory's keys and values -- section 3.2.3.
-
-        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
-        """
+        """The decoder's caches for ``capacity`` target positions -- section 3.2.3 (:func:`.incremental.decoder_cache`)."""
         return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
