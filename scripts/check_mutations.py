@@ -269,7 +269,7 @@ SINGLE = [
 # ----------------------------------------------------------------------------- consistent model bugs
 
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
-FL = f"{TF}/layers.py"   # TensorFlow's Keras plumbing beside its model.py
+JL, FL = f"{JAX}/layers.py", f"{TF}/layers.py"   # Flax's and Keras' plumbing beside model.py
 RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the cache beside each model.py
 RS, TS, JS, FS = (f"{package}/softmax.py" for package in BACKENDS)   # Eq. (1)'s masked softmax and fully masked row
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
@@ -1156,7 +1156,7 @@ LINEAR_MAPS_IN_P = [
            "            return self.linear2(activation(hidden, self.activation))\n" + _TORCH_FFN,
            [*LINEAR_MAPS, "-k", "torch and bfloat16"]),
     single("precision", "jax: under Flax's mixed precision a linear map's product rounded to P before its bias is "
-           "added (nnx.Linear's own second rounding)", JM,
+           "added (nnx.Linear's own second rounding)", JL,
            "preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)", "precision=_PRECISION, rngs=rngs)",
            [*LINEAR_MAPS, "-k", "jax and model"]),
     single("precision", "keras: a layer built with no dtype computes in float32 whatever the global policy says",

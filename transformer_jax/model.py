@@ -38,20 +38,19 @@ from . import speed
 from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
 from .device import _check_dtype
 from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .layers import _PRECISION, _dropout, _linear, _matmul
 from .precision import (
     attention_product,
     autocast_dtype,
     computation,
     computed_wide,
     narrow,
-    rounding,
     storage,
     wide,
 )
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
-_PRECISION = lax.Precision.HIGHEST
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
@@ -100,29 +99,6 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         mask = checked_mask("mask", mask, scores.shape)
     weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
     return zero_fully_masked_rows(attention_product(_matmul, weights, value, dtype), mask), weights
-
-
-def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b at float32's full precision (XLA's default on some devices would round the inputs to bfloat16)."""
-    return jnp.matmul(a, b, precision=_PRECISION)
-
-
-class _Linear(nnx.Linear):
-    """``nnx.Linear`` with its output rounded once to the lower of ``dtype`` and ``param_dtype``."""
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:  # type: ignore[override]  # without out_sharding (unused)
-        return narrow(super().__call__(inputs), rounding(self.dtype, self.param_dtype))
-
-
-def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs,
-            param_dtype: DTypeLike | None = None) -> _Linear:
-    """y = x W + b with ``kernel`` W stored (in, out), as in the checkpoint. Shape: (..., in) -> (..., out)."""
-    mixed = autocast_dtype(dtype, param_dtype)
-    if mixed is not None:
-        return _Linear(in_features, out_features, dtype=mixed, param_dtype=jnp.float32,
-                       preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)
-    return _Linear(in_features, out_features, dtype=computation(dtype), param_dtype=dtype, precision=_PRECISION,
-                   rngs=rngs)
 
 
 def _returned(out: Any, *optional: Any) -> Any:
@@ -233,11 +209,6 @@ def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: Lay
 def add(x: jax.Array, y: jax.Array) -> jax.Array:
     """x + y in x's precision (:mod:`.precision`). Shape: x (...), y broadcastable to x -> (...)."""
     return narrow(wide(x) + wide(y), x.dtype)
-
-
-def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
-    """Dropout with P_drop = ``config.dropout`` (section 5.4), off unless asked for."""
-    return nnx.Dropout(config.dropout, deterministic=True, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -502,7 +473,7 @@ class Transformer(nnx.Module):
         return self.encoder(x, src_mask, deterministic=deterministic)
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions -- section 3.2.3 (:func:`.incremental.decoder_cache`)."""
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
         return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,

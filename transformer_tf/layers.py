@@ -34,7 +34,7 @@ class _Dense(keras.layers.Dense):
 
 
 class _TransformerLayer(keras.layers.Layer):
-    """Keras plumbing of the layers below: the config kept for ``get_config``, masks as plain inputs (docs/ports.md)."""
+    """Keras plumbing of :mod:`.model`'s layers: the config kept for ``get_config``, masks as plain inputs."""
 
     def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
         super().__init__(**kwargs)

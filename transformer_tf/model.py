@@ -2,8 +2,8 @@
 
 A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
 framework idiom differs (weights created in ``build()``, the config in ``get_config()``, ``training=`` for dropout,
-section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``). The
-design notes are in docs/ports.md.
+section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``), its
+plumbing in :mod:`.layers`. The design notes are in docs/ports.md.
 
 Shape legend:
     B: batch size          H: number of heads h        D: d_model
@@ -564,7 +564,7 @@ class Transformer(_TransformerLayer, keras.Model):
         return self.encoder(x, src_mask, training=training)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions -- section 3.2.3 (:func:`.incremental.decoder_cache`)."""
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
         return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,

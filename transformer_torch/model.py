@@ -42,6 +42,7 @@ from .incremental import (
     _positions,
     decoder_cache,
 )
+from .layers import _Linear, _linear, _normal_parameter
 from .precision import LOW, computed_wide, dtype_name, from_numpy, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
@@ -97,23 +98,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         return speed.attention(query, key, value, mask), None
     weights = masked_softmax(query @ key.transpose(-1, -2), mask, query.shape[-1])   # (..., Tq, Tk)
     return zero_fully_masked_rows(weights @ value, mask), (weights if return_weights else None)
-
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear`.
-
-    Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
-    """
-    if weight.dtype in LOW:
-        return narrow(speed.linear(wide(x), wide(weight), None if bias is None else wide(bias)), weight.dtype)
-    return speed.linear(x, weight, bias)
-
-
-class _Linear(nn.Linear):
-    """``nn.Linear`` (weight (out, in), bias (out,)) computed by :func:`_linear`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _linear(x, self.weight, self.bias)
 
 
 def _returned(out: Any, *optional: Any) -> Any:
@@ -235,12 +219,6 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     """
     table = reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype), layout, pad_id)
     return from_numpy(table).to(device=device)
-
-
-def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
-    """A parameter drawn from N(0, std^2); nothing drawn on the meta device (docs/ports.md)."""
-    weight = torch.empty(*shape)
-    return nn.Parameter(weight if weight.is_meta else nn.init.normal_(weight, std=std))
 
 
 class Embeddings(nn.Module):
@@ -478,7 +456,7 @@ class Transformer(nn.Module):
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions -- section 3.2.3 (:func:`.incremental.decoder_cache`)."""
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
         return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,

@@ -80,7 +80,7 @@ PAPER = (
             "<i>VW<sub>i</sub><sup>V</sup></i>)",
             {**_same("model.py:MultiHeadAttention"),
              "numpy": ("model.py:Linear", "model.py:MultiHeadAttention"),
-             "jax": ("model.py:_linear", "model.py:_Linear", "model.py:MultiHeadAttention")}),
+             "jax": ("layers.py:_linear", "layers.py:_Linear", "model.py:MultiHeadAttention")}),
     Concept("Position-wise feed-forward network", "Eq. (2), section 3.3",
             "FFN(<i>x</i>) = max(0, <i>xW</i><sub>1</sub> + <i>b</i><sub>1</sub>) <i>W</i><sub>2</sub> + "
             "<i>b</i><sub>2</sub>",
