@@ -10,7 +10,6 @@ Shape legend:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: a key/value cache's capacity (:mod:`.incremental`)
-    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -442,7 +441,7 @@ class Transformer:
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions -- section 3.2.3 (:func:`.incremental.decoder_cache`)."""
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
         return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,

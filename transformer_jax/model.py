@@ -11,7 +11,6 @@ Shape legend:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: a key/value cache's capacity (:mod:`.incremental`)
-    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
