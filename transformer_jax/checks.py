@@ -13,9 +13,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpy.typing as npt
+from jax.typing import DTypeLike
 
 from reference_numpy import checks
+
+from .device import _check_dtype
+from .precision import autocast_dtype
 
 
 def layout(name: str, value: object) -> tuple[tuple, str]:
@@ -88,3 +93,14 @@ def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, key
     if tgt_mask is not None:
         tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
     return src_mask, tgt_mask
+
+
+def check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
+    """``param_dtype`` beside ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16; else one ValueError
+    naming ``param_dtype``.
+    """
+    parsed = _check_dtype(param_dtype)
+    if parsed != dtype and not (parsed == np.float32 and autocast_dtype(dtype, parsed) is not None):
+        raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
+                         f"dtype (mixed precision), got {parsed.name}")
+    return parsed

@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import numpy.typing as npt
 from flax import nnx
 from jax import lax
@@ -34,7 +33,14 @@ from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 from . import speed
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .checks import (
+    check_param_dtype,
+    check_tokens,
+    checked_decoder_masks,
+    checked_forward_inputs,
+    checked_mask,
+    checked_memory,
+)
 from .device import _check_dtype
 from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
 from .layers import _PRECISION, _dropout, _linear, _matmul
@@ -418,17 +424,6 @@ class Decoder(nnx.Module):
         return x if cache is None else (x, tuple(kept))
 
 
-def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
-    """``param_dtype`` beside ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16; else one ValueError
-    naming ``param_dtype``.
-    """
-    parsed = _check_dtype(param_dtype)
-    if parsed != dtype and not (parsed == np.float32 and autocast_dtype(dtype, parsed) is not None):
-        raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
-                         f"dtype (mixed precision), got {parsed.name}")
-    return parsed
-
-
 # ----------------------------------------------------------------------------- the model
 
 class Transformer(nnx.Module):
@@ -446,7 +441,7 @@ class Transformer(nnx.Module):
                  param_dtype: DTypeLike | None = None):
         self.config = config
         self.dtype = _check_dtype(dtype)
-        self.param_dtype = self.dtype if param_dtype is None else _check_param_dtype(self.dtype, param_dtype)
+        self.param_dtype = self.dtype if param_dtype is None else check_param_dtype(self.dtype, param_dtype)
         kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs, "param_dtype": self.param_dtype}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
         self.tgt_embed = self.src_embed if config.share_embeddings \
