@@ -142,3 +142,32 @@ def check_forward_inputs(config: TransformerConfig, src_shape: tuple, tgt_shape:
             check_mask("src_mask", *src_mask, (batch, heads, queries, src_len))
     if tgt_mask is not None:
         check_mask("tgt_mask", *tgt_mask, (batch, heads, tgt_len, tgt_len))
+
+
+def checked_forward_inputs(config: TransformerConfig, src: object, tgt: object, src_mask: object,
+                           tgt_mask: object) -> tuple[np.ndarray, np.ndarray]:
+    """The forward pass's token ids as NumPy arrays, after :func:`check_tokens` and :func:`check_forward_inputs`."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    check_forward_inputs(config, src.shape, tgt.shape, describe("src_mask", src_mask), describe("tgt_mask", tgt_mask))
+    return src, tgt
+
+
+def checked_memory(memory: object, batch: int | None, d_model: int, model_dtype: str) -> np.ndarray:
+    """The encoder output given to ``decode`` as a NumPy array, after :func:`check_memory`."""
+    memory = as_array("memory", memory)
+    check_memory(memory.shape, memory.dtype.name, batch, d_model, model_dtype)
+    return memory
+
+
+def checked_decoder_masks(config: TransformerConfig, tgt_shape: tuple, memory_length: int, keys: int,
+                          src_mask: object, tgt_mask: object) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``decode``'s masks (None stays None) after :func:`check_mask`: ``src_mask`` against the decoder's
+    (B, H, T, S) scores, ``tgt_mask`` against its (B, H, T, ``keys``) self-attention scores (``keys`` T, or a cache's
+    capacity C)."""
+    (batch, length), heads = tgt_shape, config.n_heads
+    if src_mask is not None:
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory_length))
+    if tgt_mask is not None:
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+    return src_mask, tgt_mask

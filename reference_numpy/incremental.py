@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .checks import as_array, check_beams, check_cache_index, checked_mask
+from .checks import as_array, check_beams, check_cache_capacity, check_cache_index, check_memory, checked_mask
 from .precision import attention_product, computed_wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 
@@ -87,6 +87,75 @@ def at_position(cache: tuple, position: int) -> tuple:
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
+def decoder_cache(model: Any, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    """The caches of ``model``'s decoder (:meth:`.model.Transformer.init_cache`) for ``capacity`` target positions: per
+    layer an empty self-attention cache and the memory's keys and values -- section 3.2.3.
+
+    Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
+    """
+    memory = as_array("memory", memory)
+    check_memory(memory.shape, memory.dtype.name, memory.shape[0] if memory.ndim else None,
+                 model.config.d_model, model.dtype.name)
+    check_cache_capacity(capacity, model.config.max_len)
+    return tuple((self_attention_cache(layer.self_attn, len(memory), capacity),
+                  memory_cache(layer.cross_attn, memory)) for layer in model.decoder.layers)
+
+
+def self_attention_cache(attention: Any, batch: int, capacity: int) -> KVCache:
+    """An empty self-attention cache of ``capacity`` positions for ``attention`` (a :class:`.model.MultiHeadAttention`).
+
+    Shape: keys and values (B, H, C, d_k), zeros.
+    """
+    weight = attention.q_proj.weight
+    shape = (batch, attention.n_heads, capacity, weight.shape[1] // attention.n_heads)
+    return KVCache(np.zeros(shape, weight.dtype), np.zeros(shape, weight.dtype), position=0)
+
+
+def memory_cache(attention: Any, memory: np.ndarray) -> KVCache:
+    """The memory's keys and values, projected once by ``attention`` for encoder-decoder attention.
+
+    Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
+    """
+    return KVCache(attention._split_heads(attention.k_proj(memory)), attention._split_heads(attention.v_proj(memory)))
+
+
+def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
+    """``(cache, start, keys)``: the decoder's caches (None: none), the position of the first of the ``length`` new
+    positions and the number of key positions a self-attention reads (T without a cache, else the capacity C); every
+    layer's beam table checked before any layer runs."""
+    if cache is None:
+        return None, 0, length
+    keys = cache[0][0].keys.shape[2]
+    start = check_cache_index(cache[0][0].position, length, keys)
+    for own, _ in cache:
+        _beam_table(own)
+    return cache, start, keys
+
+
+def _keys_values(attention: Any, key: np.ndarray, value: np.ndarray,
+                 cache: KVCache | None) -> tuple[np.ndarray, np.ndarray, KVCache | None]:
+    """The keys and values ``attention`` attends over and the cache it returns: the memory's cached ones, or the new
+    ones projected (and, with a self-attention cache, written into it)."""
+    if cache is not None and cache.is_memory:
+        return cache.keys, cache.values, cache                             # (B, H, S, d_k)
+    k = attention._split_heads(attention.k_proj(key))                      # (B, H, Tk, d_k)
+    v = attention._split_heads(attention.v_proj(value))                    # (B, H, Tk, d_k)
+    if cache is None:
+        return k, v, None
+    cache = cache.update(k, v)
+    return cache.keys, cache.values, cache                                 # (B, H, C, d_k)
+
+
+def _attend(attention: Any, query: np.ndarray, memory: np.ndarray, mask: np.ndarray | None, cache: KVCache | None,
+            kept: list) -> np.ndarray:
+    """``attention`` of ``query`` over ``memory``; with a ``cache``, the cache it returns appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache)
+    kept.append(cache)
+    return out
+
+
 def _beam_table(cache: KVCache | None) -> np.ndarray | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
@@ -124,6 +193,15 @@ def beam_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: 
     return zero_fully_masked_rows(attention_product(weights, value), mask), weights
 
 
+def _along_beams(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None,
+                 beams: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the queries over ``key`` and ``value`` under
+    ``mask``: Eq. (1) itself without a beam table, along each hypothesis (:func:`beam_attention`) with ``beams``."""
+    if beams is None:
+        return attention(query, key, value, mask)
+    return beam_attention(query, key, value, mask, beams)
+
+
 def _attend_cache(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
                   mask: np.ndarray | None, cache: KVCache | None, position: int) -> tuple[np.ndarray, np.ndarray]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
@@ -132,9 +210,7 @@ def _attend_cache(attention: Attention, query: np.ndarray, key: np.ndarray, valu
     beams = _beam_table(cache)
     if mask is None:
         return _attend_written(attention, query, key, value, beams, position)
-    if beams is None:
-        return attention(query, key, value, mask)
-    return beam_attention(query, key, value, mask, beams)
+    return _along_beams(attention, query, key, value, mask, beams)
 
 
 def _attend_written(attention: Attention, query: np.ndarray, key: np.ndarray, value: np.ndarray,
@@ -150,10 +226,7 @@ def _attend_written(attention: Attention, query: np.ndarray, key: np.ndarray, va
     cache_index = check_cache_index(cache_index, length, capacity)
     width = attended_width(capacity, cache_index + length)
     key, value, mask = key[:, :, :width], value[:, :, :width], _cached_causal_mask(cache_index, length, width)
-    if beams is None:
-        heads, weights = attention(query, key, value, mask)
-    else:
-        heads, weights = beam_attention(query, key, value, mask, beams[:, :, :width])
+    heads, weights = _along_beams(attention, query, key, value, mask, None if beams is None else beams[:, :, :width])
     return heads, np.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)])       # (N, H, Tq, C)
 
 

@@ -10,7 +10,6 @@ Shape legend:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: a key/value cache's capacity (:mod:`.incremental`)
-    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -24,18 +23,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .checks import (
-    as_array,
-    check_cache_capacity,
-    check_cache_index,
-    check_forward_inputs,
-    check_memory,
-    check_tokens,
-    checked_mask,
-    describe,
-)
+from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
 from .config import TransformerConfig
-from .incremental import KVCache, _attend_cache, _beam_table
+from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
 from .precision import (
     attention_product,
     cast,
@@ -125,10 +115,6 @@ def _returned(out: Any, *optional: Any) -> Any:
 class MultiHeadAttention:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
-    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
-
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
     """
@@ -143,7 +129,7 @@ class MultiHeadAttention:
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray,
                  mask: np.ndarray | None = None, return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
         if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written,
                                            cache.position)
@@ -153,33 +139,6 @@ class MultiHeadAttention:
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
         return _returned(out, weights if return_weights else None, written)
-
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions.
-
-        Shape: keys and values (B, H, C, d_k), zeros.
-        """
-        shape = (batch, self.n_heads, capacity, self.q_proj.weight.shape[1] // self.n_heads)
-        return KVCache(np.zeros(shape, self.q_proj.weight.dtype), np.zeros(shape, self.q_proj.weight.dtype), position=0)
-
-    def memory_cache(self, memory: np.ndarray) -> KVCache:
-        """The memory's keys and values, projected once for encoder-decoder attention.
-
-        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
-        """
-        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
-
-    def _keys_values(self, key: np.ndarray, value: np.ndarray,
-                     cache: KVCache | None) -> tuple[np.ndarray, np.ndarray, KVCache | None]:
-        """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache.is_memory:
-            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None:
-            return k, v, None
-        cache = cache.update(k, v)
-        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
         batch, length, width = x.shape
@@ -365,8 +324,7 @@ class EncoderLayer:
 class DecoderLayer:
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -384,34 +342,13 @@ class DecoderLayer:
     def __call__(self, x: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                  tgt_mask: np.ndarray | None = None, cache: tuple[KVCache, KVCache] | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
-                                         self.self_attn_norm, self.norm_first)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
-                                          self.cross_attn_norm, self.norm_first)
+        kept: list[KVCache] = []                                           # the caches the attentions return
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
+                     self.self_attn_norm, self.norm_first)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, kept),
+                     self.cross_attn_norm, self.norm_first)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first)
-        return x if cache is None else (x, (self_cache, cross_cache))
-
-    def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
-        return self.self_attn.init_cache(len(memory), capacity), self.cross_attn.memory_cache(memory)
-
-
-def _attend(attention: MultiHeadAttention, query: np.ndarray, memory: np.ndarray, mask: np.ndarray | None,
-            cache: KVCache | None) -> tuple[np.ndarray, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
-    if cache is None:
-        return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache)
-
-
-def _cached_residual(x: np.ndarray, sublayer: Callable[[np.ndarray], tuple[np.ndarray, KVCache | None]],
-                     norm: LayerNorm, norm_first: bool) -> tuple[np.ndarray, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
-    if norm_first:
-        out, cache = sublayer(norm(x))
-        return add(x, out), cache
-    out, cache = sublayer(x)
-    return norm(add(x, out)), cache
+        return x if cache is None else (x, tuple(kept))
 
 
 class Encoder:
@@ -455,10 +392,6 @@ class Decoder:
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
 
-    def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
-        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
-
 
 # ----------------------------------------------------------------------------- the model
 
@@ -473,10 +406,6 @@ class Transformer:
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
-
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
-    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
-    (``incremental.at_position`` sets them).
 
     NumPy: ``params`` the checkpoint's dictionary, rounded to ``dtype`` (float64, float32, bfloat16 or float16) into
     arrays of the model's own (``copy=False``: arrays already in ``dtype`` taken as they are).
@@ -512,16 +441,8 @@ class Transformer:
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
-        memory's keys and values -- section 3.2.3.
-
-        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
-        """
-        memory = as_array("memory", memory)
-        check_memory(memory.shape, memory.dtype.name, memory.shape[0] if memory.ndim else None,
-                     self.config.d_model, self.dtype.name)
-        check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(memory, capacity)
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
+        return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
@@ -532,20 +453,11 @@ class Transformer:
         cache (default: causal over absolute positions).
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = as_array("memory", memory)
-        check_memory(memory.shape, memory.dtype.name, len(tgt), self.config.d_model, self.dtype.name)
-        (batch, length), heads = tgt.shape, self.config.n_heads
-        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        start = 0 if cache is None else check_cache_index(cache[0][0].position, length, keys)   # the first new position
-        if cache is not None:
-            for own, _ in cache:                                               # every table, before any layer runs
-                _beam_table(own)
-        if src_mask is not None:
-            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None and cache is None:
+        memory = checked_memory(memory, len(tgt), self.config.d_model, self.dtype.name)
+        cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
+        if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
-        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
-            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+        src_mask, tgt_mask = checked_decoder_masks(self.config, tgt.shape, memory.shape[1], keys, src_mask, tgt_mask)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache)
@@ -561,12 +473,8 @@ class Transformer:
 
     def _check_inputs(self, src: object, tgt: object, src_mask: object, tgt_mask: object
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        check_forward_inputs(self.config, src.shape, tgt.shape, describe("src_mask", src_mask),
-                             describe("tgt_mask", tgt_mask))
-        return src, tgt
+        """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
+        return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
 
     def _check_tokens(self, name: str, tokens: object, vocab_size: int) -> np.ndarray:
         """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""

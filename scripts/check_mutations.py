@@ -269,16 +269,17 @@ SINGLE = [
 # ----------------------------------------------------------------------------- consistent model bugs
 
 RM, TM, JM, FM = (f"{package}/model.py" for package in BACKENDS)
+JL, FL = f"{JAX}/layers.py", f"{TF}/layers.py"   # Flax's and Keras' plumbing beside model.py
 RI, TI, JI, FI = (f"{package}/incremental.py" for package in BACKENDS)   # the cache beside each model.py
 RS, TS, JS, FS = (f"{package}/softmax.py" for package in BACKENDS)   # Eq. (1)'s masked softmax and fully masked row
 JD, FD = f"{JAX}/decoding.py", f"{TF}/decoding.py"
 
-# The cached path and its cache, in every backend's model.py (the same text in all four).
+# The cached path in every backend's model.py and its cache in every incremental.py (the same text in all four).
 _FIRST_DECODER_LAYER = [
     ("x, layer_cache = layer(x, memory", "x, layer_cache = self.layers[0](x, memory"),
-    ("tuple(layer.init_cache(memory, capacity) for layer in self.layers)",
-     "tuple(self.layers[0].init_cache(memory, capacity) for layer in self.layers)"),
 ]
+_FIRST_DECODER_LAYER_CACHE = ("memory_cache(layer.cross_attn, memory)) for layer in model.decoder.layers)",
+                              "memory_cache(model.decoder.layers[0].cross_attn, memory)) for layer in model.decoder.layers)")
 
 STACKING = [
     consistent("stacking", "encoder: every layer applied twice", [
@@ -300,6 +301,7 @@ STACKING = [
     ], ORACLE, agreement("tiny")),
     consistent("stacking", "decoder: the first layer's weights at every depth", [
         *[(module, *edit) for module in (RM, TM, JM, FM) for edit in _FIRST_DECODER_LAYER],
+        *[(module, *_FIRST_DECODER_LAYER_CACHE) for module in (RI, TI, JI, FI)],
         (RM, "x = layer(x, memory, src_mask, tgt_mask)\n", "x = self.layers[0](x, memory, src_mask, tgt_mask)\n"),
         (TM, "x = layer(x, memory, src_mask, tgt_mask)\n", "x = self.layers[0](x, memory, src_mask, tgt_mask)\n"),
         (JM, "x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)",
@@ -489,9 +491,10 @@ CHOICES = [
          "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
         (TM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)",
          "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt)"),
-        (JM, "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)",
-         "y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, deterministic=deterministic)"),
-        (FM, "tgt, by_step=True,\n", "tgt,\n"),
+        (JM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, deterministic=deterministic)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, deterministic=deterministic)"),
+        (FM, "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, training=training)",
+         "y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, training=training)"),
     ], ["tests/equivalence/test_fuzz.py", "-k", "pad_in_the_decoded_prefix and torch"], agreement("fairseq")),
     single("embedding-norm", "jax: the encoder's embedding LayerNorm skipped",
            JM, "x = self.src_embed_norm(x) if self.src_embed_norm is not None else x", "x = x",
@@ -1090,7 +1093,7 @@ PRECISION = [
            "    return narrow(wide(x) + wide(y), y.dtype).astype(x.dtype)",
            ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and jax and pre_ln"]),
     single("precision", "keras: under mixed_bfloat16 the residual stream converted to P at every layer's entry",
-           "transformer_tf/model.py",
+           FL,
            "        return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype",
            "        return self.compute_dtype", ["tests/ports/test_mixed_precision.py", "-k", "forward_stages and tf"]),
     single("precision", "keras: under mixed_bfloat16 LayerNorm's output cast to P (Keras' own LayerNormalization)",
@@ -1153,11 +1156,11 @@ LINEAR_MAPS_IN_P = [
            "            return self.linear2(activation(hidden, self.activation))\n" + _TORCH_FFN,
            [*LINEAR_MAPS, "-k", "torch and bfloat16"]),
     single("precision", "jax: under Flax's mixed precision a linear map's product rounded to P before its bias is "
-           "added (nnx.Linear's own second rounding)", JM,
+           "added (nnx.Linear's own second rounding)", JL,
            "preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)", "precision=_PRECISION, rngs=rngs)",
            [*LINEAR_MAPS, "-k", "jax and model"]),
     single("precision", "keras: a layer built with no dtype computes in float32 whatever the global policy says",
-           FM, "        super().__init__(**kwargs)\n        self.config = _as_config(config)",
+           FL, "        super().__init__(**kwargs)\n        self.config = _as_config(config)",
            "        super().__init__(**{**kwargs, \"dtype\": kwargs.get(\"dtype\") or \"float32\"})\n"
            "        self.config = _as_config(config)", [*LINEAR_MAPS, "-k", "alone and tf"]),
     consistent("precision", "every backend: under autocast the generator reads its input unrounded (float32 x, W and "
@@ -1277,7 +1280,7 @@ BENCH = [
 # over the tokens and the float64 reference's run of the same steps.
 ECOSYSTEM_TESTS = "tests/ports/test_ecosystem.py"
 ECOSYSTEM = [
-    single("ecosystem", "tf: Keras' one input read as (tgt, src) from a dict", "transformer_tf/model.py",
+    single("ecosystem", "tf: Keras' one input read as (tgt, src) from a dict", FL,
            'return inputs["src"], inputs["tgt"]', 'return inputs["tgt"], inputs["src"]',
            [ECOSYSTEM_TESTS, "-k", "one_input"]),
     single("ecosystem", "tf: the Keras loss without label smoothing", "transformer_tf/ecosystem.py",

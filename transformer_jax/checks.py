@@ -9,11 +9,18 @@ holds the math alone.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpy.typing as npt
+from jax.typing import DTypeLike
 
 from reference_numpy import checks
+
+from .device import _check_dtype
+from .precision import autocast_dtype
 
 
 def layout(name: str, value: object) -> tuple[tuple, str]:
@@ -63,3 +70,37 @@ def check_cache_index(cache_index: int | jax.Array | None, length: int, capacity
     if isinstance(cache_index, jax.core.Tracer):
         return cache_index
     return checks.check_cache_index(cache_index, length, capacity)
+
+
+def checked_forward_inputs(config: Any, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
+                           tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
+    """The forward pass's token ids after :func:`check_tokens` and the reference's ``check_forward_inputs``."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    checks.check_forward_inputs(config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
+                                describe("tgt_mask", tgt_mask))
+    return src, tgt
+
+
+def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int, src_mask: npt.ArrayLike | None,
+                          tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """``decode``'s masks (None stays None) after the reference's ``check_mask``: ``src_mask`` against the decoder's
+    (B, H, T, S) scores, ``tgt_mask`` against its (B, H, T, ``keys``) self-attention scores (the reference's
+    ``checked_decoder_masks``)."""
+    (batch, length), heads = tgt_shape, config.n_heads
+    if src_mask is not None:
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory_length))
+    if tgt_mask is not None:
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+    return src_mask, tgt_mask
+
+
+def check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
+    """``param_dtype`` beside ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16; else one ValueError
+    naming ``param_dtype``.
+    """
+    parsed = _check_dtype(param_dtype)
+    if parsed != dtype and not (parsed == np.float32 and autocast_dtype(dtype, parsed) is not None):
+        raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
+                         f"dtype (mixed precision), got {parsed.name}")
+    return parsed

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
+from reference_numpy import checks
 from reference_numpy.incremental import attended_width, attended_widths
 
 from . import speed
-from .checks import check_beams, check_cache_index, checked_mask
-from .precision import attention_product, computed_wide
+from .checks import check_beams, check_cache_index, checked_mask, checked_memory
+from .precision import attention_product, computed_wide, rounding
 from .softmax import masked_softmax, zero_fully_masked_rows
 
 # Eq. (1) with its mask: (query, key, value, mask, dtype=) -> (output, weights)
@@ -69,6 +70,74 @@ def at_position(cache: tuple, position: int | jax.Array) -> tuple:
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
+def decoder_cache(model: Any, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    """The caches of ``model``'s decoder (:meth:`.model.Transformer.init_cache`) for ``capacity`` target positions: per
+    layer an empty self-attention cache and the memory's keys and values -- section 3.2.3.
+
+    Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
+    """
+    memory = checked_memory(memory, None, model.config.d_model, model.param_dtype.name)
+    checks.check_cache_capacity(capacity, model.config.max_len)
+    return tuple((self_attention_cache(layer.self_attn, memory.shape[0], capacity),
+                  memory_cache(layer.cross_attn, memory)) for layer in model.decoder.layers)
+
+
+def self_attention_cache(attention: Any, batch: int, capacity: int) -> KVCache:
+    """An empty self-attention cache of ``capacity`` positions for ``attention`` (a :class:`.model.MultiHeadAttention`).
+
+    Shape: keys and values (B, H, C, d_k), zeros.
+    """
+    d_k = attention.q_proj.out_features // attention.n_heads
+    dtype = rounding(attention.k_proj.dtype, attention.k_proj.param_dtype)   # the projections' P, or the model's
+    empty = jnp.zeros((batch, attention.n_heads, capacity, d_k), dtype)      # (B, H, C, d_k)
+    return KVCache(empty, empty, position=0)
+
+
+def memory_cache(attention: Any, memory: jax.Array) -> KVCache:
+    """The memory's keys and values, projected once by ``attention`` for encoder-decoder attention.
+
+    Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
+    """
+    return KVCache(attention._split_heads(attention.k_proj(memory)), attention._split_heads(attention.v_proj(memory)))
+
+
+def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
+    """``(cache, start, keys)``: the decoder's caches (None: none), the position of the first of the ``length`` new
+    positions and the number of key positions a self-attention reads (T without a cache, else the capacity C); every
+    layer's beam table checked before any layer runs."""
+    if cache is None:
+        return None, 0, length
+    keys = cache[0][0].keys.shape[2]
+    start = check_cache_index(cache[0][0].position, length, keys)
+    for own, _ in cache:
+        _beam_table(own)
+    return cache, start, keys
+
+
+def _keys_values(attention: Any, key: jax.Array, value: jax.Array,
+                 cache: KVCache | None) -> tuple[jax.Array, jax.Array, KVCache | None]:
+    """The keys and values ``attention`` attends over and the cache it returns: the memory's cached ones, or the new
+    ones projected (and, with a self-attention cache, written into it)."""
+    if cache is not None and cache.is_memory:
+        return cache.keys, cache.values, cache                             # (B, H, S, d_k)
+    k = attention._split_heads(attention.k_proj(key))                      # (B, H, Tk, d_k)
+    v = attention._split_heads(attention.v_proj(value))                    # (B, H, Tk, d_k)
+    if cache is None:
+        return k, v, None
+    cache = cache.update(k, v)
+    return cache.keys, cache.values, cache                                 # (B, H, C, d_k)
+
+
+def _attend(attention: Any, query: jax.Array, memory: jax.Array, mask: jax.Array | None, cache: KVCache | None,
+            kept: list) -> jax.Array:
+    """``attention`` of ``query`` over ``memory``; with a ``cache``, the cache it returns appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache)
+    kept.append(cache)
+    return out
+
+
 def _beam_table(cache: KVCache | None) -> jax.Array | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
@@ -106,6 +175,18 @@ def beam_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax
     return zero_fully_masked_rows(out, mask), weights
 
 
+def _along_beams(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None,
+                 beams: jax.Array | None, dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the queries over ``key`` and ``value`` under
+    ``mask``: Eq. (1) itself without a beam table, along each hypothesis (:func:`beam_attention`) with ``beams``.
+
+    JAX: ``dtype`` P computes by the autocast recipe.
+    """
+    if beams is None:
+        return attention(query, key, value, mask, dtype=dtype)
+    return beam_attention(query, key, value, mask, beams, dtype=dtype)
+
+
 def _attend_cache(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None,
                   cache: KVCache | None, position: int | jax.Array, return_weights: bool,
                   dtype: DTypeLike | None) -> tuple[jax.Array, jax.Array | None]:
@@ -118,9 +199,7 @@ def _attend_cache(attention: Attention, query: jax.Array, key: jax.Array, value:
     beams = _beam_table(cache)
     if mask is None:
         return _attend_written(attention, query, key, value, beams, position, return_weights, dtype)
-    if beams is None:
-        return attention(query, key, value, mask, dtype=dtype)
-    return beam_attention(query, key, value, mask, beams, dtype=dtype)
+    return _along_beams(attention, query, key, value, mask, beams, dtype)
 
 
 def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, value: jax.Array,
@@ -141,10 +220,8 @@ def _attend_written(attention: Attention, query: jax.Array, key: jax.Array, valu
 
     def over(width: int) -> tuple[jax.Array, jax.Array | None]:
         key_w, value_w, mask = key[:, :, :width], value[:, :, :width], _cached_causal_mask(cache_index, length, width)
-        if beams is None:
-            heads, weights = attention(query, key_w, value_w, mask, dtype=dtype)
-        else:
-            heads, weights = beam_attention(query, key_w, value_w, mask, beams[:, :, :width], dtype=dtype)
+        beams_w = None if beams is None else beams[:, :, :width]
+        heads, weights = _along_beams(attention, query, key_w, value_w, mask, beams_w, dtype)
         return heads, jnp.pad(weights, [(0, 0)] * 3 + [(0, capacity - width)]) if return_weights else None
 
     if isinstance(cache_index, int):

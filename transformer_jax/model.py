@@ -11,7 +11,6 @@ Shape legend:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: a key/value cache's capacity (:mod:`.incremental`)
-    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -25,34 +24,38 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import numpy.typing as npt
 from flax import nnx
 from jax import lax
 from jax.typing import DTypeLike
 
-from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 from . import speed
-from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .checks import (
+    check_param_dtype,
+    check_tokens,
+    checked_decoder_masks,
+    checked_forward_inputs,
+    checked_mask,
+    checked_memory,
+)
 from .device import _check_dtype
-from .incremental import KVCache, _attend_cache, _beam_table
+from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .layers import _PRECISION, _dropout, _linear, _matmul
 from .precision import (
     attention_product,
     autocast_dtype,
     computation,
     computed_wide,
     narrow,
-    rounding,
     storage,
     wide,
 )
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
-_PRECISION = lax.Precision.HIGHEST
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
 
@@ -103,29 +106,6 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
     return zero_fully_masked_rows(attention_product(_matmul, weights, value, dtype), mask), weights
 
 
-def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b at float32's full precision (XLA's default on some devices would round the inputs to bfloat16)."""
-    return jnp.matmul(a, b, precision=_PRECISION)
-
-
-class _Linear(nnx.Linear):
-    """``nnx.Linear`` with its output rounded once to the lower of ``dtype`` and ``param_dtype``."""
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:  # type: ignore[override]  # without out_sharding (unused)
-        return narrow(super().__call__(inputs), rounding(self.dtype, self.param_dtype))
-
-
-def _linear(in_features: int, out_features: int, dtype: DTypeLike, rngs: nnx.Rngs,
-            param_dtype: DTypeLike | None = None) -> _Linear:
-    """y = x W + b with ``kernel`` W stored (in, out), as in the checkpoint. Shape: (..., in) -> (..., out)."""
-    mixed = autocast_dtype(dtype, param_dtype)
-    if mixed is not None:
-        return _Linear(in_features, out_features, dtype=mixed, param_dtype=jnp.float32,
-                       preferred_element_type=jnp.float32, precision=_PRECISION, rngs=rngs)
-    return _Linear(in_features, out_features, dtype=computation(dtype), param_dtype=dtype, precision=_PRECISION,
-                   rngs=rngs)
-
-
 def _returned(out: Any, *optional: Any) -> Any:
     """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
     the cache last.
@@ -136,10 +116,6 @@ def _returned(out: Any, *optional: Any) -> Any:
 
 class MultiHeadAttention(nnx.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
-
-    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -156,7 +132,7 @@ class MultiHeadAttention(nnx.Module):
     def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
                  return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
         if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
@@ -167,35 +143,6 @@ class MultiHeadAttention(nnx.Module):
         concat = heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)    # (B, Tq, D)
         out = self.o_proj(concat)
         return _returned(out, weights if return_weights else None, written)
-
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions.
-
-        Shape: keys and values (B, H, C, d_k), zeros.
-        """
-        d_k = self.q_proj.out_features // self.n_heads
-        dtype = rounding(self.k_proj.dtype, self.k_proj.param_dtype)       # the projections' P, or the model's
-        empty = jnp.zeros((batch, self.n_heads, capacity, d_k), dtype)      # (B, H, C, d_k)
-        return KVCache(empty, empty, position=0)
-
-    def memory_cache(self, memory: jax.Array) -> KVCache:
-        """The memory's keys and values, projected once for encoder-decoder attention.
-
-        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
-        """
-        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
-
-    def _keys_values(self, key: jax.Array, value: jax.Array,
-                     cache: KVCache | None) -> tuple[jax.Array, jax.Array, KVCache | None]:
-        """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache.is_memory:
-            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None:
-            return k, v, None
-        cache = cache.update(k, v)
-        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
@@ -267,11 +214,6 @@ def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: Lay
 def add(x: jax.Array, y: jax.Array) -> jax.Array:
     """x + y in x's precision (:mod:`.precision`). Shape: x (...), y broadcastable to x -> (...)."""
     return narrow(wide(x) + wide(y), x.dtype)
-
-
-def _dropout(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Dropout:
-    """Dropout with P_drop = ``config.dropout`` (section 5.4), off unless asked for."""
-    return nnx.Dropout(config.dropout, deterministic=True, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -405,8 +347,7 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -428,35 +369,13 @@ class DecoderLayer(nnx.Module):
                  deterministic: bool | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
         drop = functools.partial(self.dropout, deterministic=deterministic)
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
-                                         self.self_attn_norm, self.norm_first, drop)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
-                                          self.cross_attn_norm, self.norm_first, drop)
+        kept: list[KVCache] = []                                           # the caches the attentions return
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
+                     self.self_attn_norm, self.norm_first, drop)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, kept),
+                     self.cross_attn_norm, self.norm_first, drop)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, drop)
-        return x if cache is None else (x, (self_cache, cross_cache))
-
-    def init_cache(self, memory: jax.Array, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
-        return self.self_attn.init_cache(memory.shape[0], capacity), self.cross_attn.memory_cache(memory)
-
-
-def _attend(attention: MultiHeadAttention, query: jax.Array, memory: jax.Array, mask: jax.Array | None,
-            cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
-    if cache is None:
-        return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache)
-
-
-def _cached_residual(x: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, KVCache | None]],
-                     norm: LayerNorm, norm_first: bool,
-                     dropout: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
-    if norm_first:
-        out, cache = sublayer(norm(x))
-        return add(x, dropout(out)), cache
-    out, cache = sublayer(x)
-    return norm(add(x, dropout(out))), cache
+        return x if cache is None else (x, tuple(kept))
 
 
 class Encoder(nnx.Module):
@@ -504,21 +423,6 @@ class Decoder(nnx.Module):
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
 
-    def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
-        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
-
-
-def _check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
-    """``param_dtype`` beside ``dtype``: ``dtype`` itself, or float32 beside bfloat16 or float16; else one ValueError
-    naming ``param_dtype``.
-    """
-    parsed = _check_dtype(param_dtype)
-    if parsed != dtype and not (parsed == np.float32 and autocast_dtype(dtype, parsed) is not None):
-        raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
-                         f"dtype (mixed precision), got {parsed.name}")
-    return parsed
-
 
 # ----------------------------------------------------------------------------- the model
 
@@ -529,10 +433,6 @@ class Transformer(nnx.Module):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
-    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
-    (``incremental.at_position`` sets them).
-
     JAX: ``dtype`` float64 (needs ``jax_enable_x64``), float32, bfloat16 or float16; ``param_dtype`` float32 beside
     bfloat16 or float16 is Flax's mixed precision; weights random (``rngs``) until loaded by :mod:`.checkpoint`.
     """
@@ -541,7 +441,7 @@ class Transformer(nnx.Module):
                  param_dtype: DTypeLike | None = None):
         self.config = config
         self.dtype = _check_dtype(dtype)
-        self.param_dtype = self.dtype if param_dtype is None else _check_param_dtype(self.dtype, param_dtype)
+        self.param_dtype = self.dtype if param_dtype is None else check_param_dtype(self.dtype, param_dtype)
         kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs, "param_dtype": self.param_dtype}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
         self.tgt_embed = self.src_embed if config.share_embeddings \
@@ -567,14 +467,8 @@ class Transformer(nnx.Module):
         return self.encoder(x, src_mask, deterministic=deterministic)
 
     def init_cache(self, memory: jax.Array, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
-        memory's keys and values -- section 3.2.3.
-
-        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
-        """
-        memory = checked_memory(memory, None, self.config.d_model, self.param_dtype.name)
-        checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(memory, capacity)
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
+        return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None, *,
@@ -587,20 +481,12 @@ class Transformer(nnx.Module):
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.param_dtype.name)
-        (batch, length), heads = tgt.shape, self.config.n_heads
-        keys = length if cache is None else cache[0][0].keys.shape[2]            # T, or the capacity C
-        offset: int | jax.Array = 0                                              # the position of tgt[:, 0]
-        if cache is not None:
-            offset = check_cache_index(cache[0][0].position, length, keys)
-            for own, _ in cache:                                               # every table, before any layer runs
-                _beam_table(own)
-        if src_mask is not None:
-            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None and cache is None:
+        cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
+        if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
-        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
-            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), offset, tgt, by_step=True, deterministic=deterministic)
+        src_mask, tgt_mask = checked_decoder_masks(self.config, tuple(tgt.shape), memory.shape[1], keys, src_mask,
+                                                   tgt_mask)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, deterministic=deterministic)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache,
                             deterministic=deterministic)
@@ -616,12 +502,8 @@ class Transformer(nnx.Module):
 
     def _check_inputs(self, src: npt.ArrayLike, tgt: npt.ArrayLike, src_mask: npt.ArrayLike | None,
                       tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
-        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, src.shape, tgt.shape, describe("src_mask", src_mask),
-                                    describe("tgt_mask", tgt_mask))
-        return src, tgt
+        """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
+        return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
 
     def _check_tokens(self, name: str, tokens: npt.ArrayLike, vocab_size: int) -> jax.Array:
         """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""

@@ -70,3 +70,26 @@ def check_cache_index(cache_index: Any, length: int, capacity: int) -> Any:   # 
         return cache_index
     return checks.check_cache_index(cache_index.numpy().item() if tf.is_tensor(cache_index) else cache_index,
                                     length, capacity)
+
+
+def checked_forward_inputs(config: Any, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
+                           tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
+    """The forward pass's token ids after :func:`check_tokens` and the reference's ``check_forward_inputs``."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    checks.check_forward_inputs(config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
+                                describe("tgt_mask", tgt_mask))
+    return src, tgt
+
+
+def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int, src_mask: tf.Tensor | None,
+                          tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor | None, tf.Tensor | None]:
+    """``decode``'s masks (None stays None) after the reference's ``check_mask``: ``src_mask`` against the decoder's
+    (B, H, T, S) scores, ``tgt_mask`` against its (B, H, T, ``keys``) self-attention scores (the reference's
+    ``checked_decoder_masks``)."""
+    (batch, length), heads = tgt_shape, config.n_heads
+    if src_mask is not None:
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory_length))
+    if tgt_mask is not None:
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
+    return src_mask, tgt_mask

@@ -15,10 +15,11 @@ from typing import Any, NamedTuple, TypeAlias
 
 import tensorflow as tf
 
+from reference_numpy import checks
 from reference_numpy.incremental import attended_width, attended_widths
 
 from . import speed
-from .checks import check_beams, check_cache_index, checked_mask
+from .checks import check_beams, check_cache_index, checked_mask, checked_memory
 from .precision import attention_product, computed_wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 
@@ -67,6 +68,76 @@ def at_position(cache: tuple, position: Index) -> tuple:
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
+def decoder_cache(model: Any, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    """The caches of ``model``'s decoder (:meth:`.model.Transformer.init_cache`) for ``capacity`` target positions: per
+    layer an empty self-attention cache and the memory's keys and values -- section 3.2.3.
+
+    Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
+    """
+    memory = checked_memory(memory, None, model.config.d_model, model.variable_dtype)
+    checks.check_cache_capacity(capacity, model.config.max_len)
+    return tuple((self_attention_cache(layer.self_attn, tf.shape(memory)[0], capacity),
+                  memory_cache(layer.cross_attn, memory)) for layer in model.decoder.layers)
+
+
+def self_attention_cache(attention: Any, batch: Index, capacity: int) -> KVCache:
+    """An empty self-attention cache of ``capacity`` positions for ``attention`` (a :class:`.model.MultiHeadAttention`).
+
+    Shape: keys and values (B, H, C, d_k), zeros.
+    """
+    empty = tf.zeros((batch, attention.n_heads, capacity, attention.config.d_k), attention.compute_dtype)
+    return KVCache(empty, empty, position=tf.constant(0))
+
+
+def memory_cache(attention: Any, memory: tf.Tensor) -> KVCache:
+    """The memory's keys and values, projected once by ``attention`` for encoder-decoder attention.
+
+    Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
+    """
+    return KVCache(attention._split_heads(attention.k_proj(memory)), attention._split_heads(attention.v_proj(memory)))
+
+
+def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
+    """``(cache, start, keys)``: the decoder's caches (None: none), the position of the first of the ``length`` new
+    positions and the number of key positions a self-attention reads (T without a cache, else the capacity C); every
+    layer's beam table checked before any layer runs.
+
+    TensorFlow: the position a tensor in the caches returned (Keras takes no int among a call's tensors).
+    """
+    if cache is None:
+        return None, 0, length
+    keys = cache[0][0].keys.shape[2]
+    check_cache_index(cache[0][0].position, length, keys)
+    cache = at_position(cache, tf.convert_to_tensor(cache[0][0].position))
+    for own, _ in cache:
+        _beam_table(own)
+    return cache, cache[0][0].position, keys
+
+
+def _keys_values(attention: Any, key: tf.Tensor, value: tf.Tensor,
+                 cache: KVCache | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
+    """The keys and values ``attention`` attends over and the cache it returns: the memory's cached ones, or the new
+    ones projected (and, with a self-attention cache, written into it)."""
+    if cache is not None and cache.is_memory:
+        return cache.keys, cache.values, cache                             # (B, H, S, d_k)
+    k = attention._split_heads(attention.k_proj(key))                      # (B, H, Tk, d_k)
+    v = attention._split_heads(attention.v_proj(value))                    # (B, H, Tk, d_k)
+    if cache is None:
+        return k, v, None
+    cache = cache.update(k, v)
+    return cache.keys, cache.values, cache                                 # (B, H, C, d_k)
+
+
+def _attend(attention: Any, query: tf.Tensor, memory: tf.Tensor, mask: tf.Tensor | None, cache: KVCache | None,
+            kept: list) -> tf.Tensor:
+    """``attention`` of ``query`` over ``memory``; with a ``cache``, the cache it returns appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache)
+    kept.append(cache)
+    return out
+
+
 def _beam_table(cache: KVCache | None) -> tf.Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
@@ -107,6 +178,18 @@ def beam_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.
     return zero_fully_masked_rows(out, mask), weights
 
 
+def _along_beams(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None,
+                 beams: tf.Tensor | None, dtype: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the queries over ``key`` and ``value`` under
+    ``mask``: Eq. (1) itself without a beam table, along each hypothesis (:func:`beam_attention`) with ``beams``.
+
+    TensorFlow: ``dtype`` P computes by the autocast recipe.
+    """
+    if beams is None:
+        return attention(query, key, value, mask, dtype=dtype)
+    return beam_attention(query, key, value, mask, beams, dtype=dtype)
+
+
 def _attend_cache(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None,
                   cache: KVCache | None, position: Index, return_weights: bool,
                   dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
@@ -119,9 +202,7 @@ def _attend_cache(attention: Attention, query: tf.Tensor, key: tf.Tensor, value:
     beams = _beam_table(cache)
     if mask is None:
         return _attend_written(attention, query, key, value, beams, position, return_weights, dtype)
-    if beams is None:
-        return attention(query, key, value, mask, dtype=dtype)
-    return beam_attention(query, key, value, mask, beams, dtype=dtype)
+    return _along_beams(attention, query, key, value, mask, beams, dtype)
 
 
 def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
@@ -142,10 +223,8 @@ def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, valu
 
     def over(width: Index) -> tuple[tf.Tensor, tf.Tensor | None]:
         key_w, value_w, mask = key[:, :, :width], value[:, :, :width], _cached_causal_mask(cache_index, length, width)
-        if beams is None:
-            heads, weights = attention(query, key_w, value_w, mask, dtype=dtype)
-        else:
-            heads, weights = beam_attention(query, key_w, value_w, mask, beams[:, :, :width], dtype=dtype)
+        beams_w = None if beams is None else beams[:, :, :width]
+        heads, weights = _along_beams(attention, query, key_w, value_w, mask, beams_w, dtype)
         return heads, tf.pad(weights, [[0, 0]] * 3 + [[0, tf.shape(key)[2] - width]]) if return_weights else None
 
     if capacity is None:

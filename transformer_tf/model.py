@@ -2,8 +2,8 @@
 
 A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
 framework idiom differs (weights created in ``build()``, the config in ``get_config()``, ``training=`` for dropout,
-section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``). The
-design notes are in docs/ports.md.
+section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``), its
+plumbing in :mod:`.layers`. The design notes are in docs/ports.md.
 
 Shape legend:
     B: batch size          H: number of heads h        D: d_model
@@ -11,7 +11,6 @@ Shape legend:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: a key/value cache's capacity (:mod:`.incremental`)
-    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -19,7 +18,7 @@ Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, T
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -27,12 +26,12 @@ import numpy as np
 import tensorflow as tf
 from numpy.typing import DTypeLike
 
-from reference_numpy import checks
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
-from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
-from .incremental import Index, KVCache, _attend_cache, _beam_table, at_position
+from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .layers import MIXED_POLICIES, _as_config, _build_all, _Dense, _one_input, _TransformerLayer, register
 from .precision import (
     attention_product,
     autocast_dtype,
@@ -45,9 +44,6 @@ from .precision import (
 )
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
-
-register = keras.saving.register_keras_serializable(package="transformer_tf")
-MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
@@ -105,59 +101,6 @@ def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     return tf.matmul(a, b, transpose_b=True)
 
 
-@register
-class _Dense(keras.layers.Dense):
-    """The reference's ``Linear``: ``keras.layers.Dense``, y = x W + b, W stored (in, out).
-
-    Shape: x (..., in) -> y (..., out).
-    """
-
-    def call(self, inputs, training=None):
-        return narrow(super().call(wide(inputs)), self.compute_dtype)
-
-
-class _TransformerLayer(keras.layers.Layer):
-    """Keras plumbing of the layers below: the config kept for ``get_config``, masks as plain inputs (docs/ports.md)."""
-
-    def __init__(self, config: TransformerConfig | dict, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.config = _as_config(config)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arguments = self._call_signature.bind(*args, **kwargs).arguments
-        return super().__call__(**tf.nest.map_structure(_without_keras_mask, arguments))
-
-    def get_config(self) -> dict:
-        return {**super().get_config(), "config": self.config.to_dict()}
-
-    def compute_mask(self, inputs: object, previous_mask: object) -> None:
-        """Attention masks are not Keras sequence masks: outputs carry none."""
-        return None
-
-    def _sublayer_kwargs(self, name: str) -> dict:
-        return {"name": name, "dtype": self.dtype_policy}
-
-    @property
-    def input_dtype(self) -> str:
-        """The dtype Keras converts float inputs to: the compute dtype, or float32 for a layer reading the residual
-        stream under a mixed policy.
-        """
-        return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype
-
-    _STREAM = False
-
-
-def _as_config(config: TransformerConfig | dict) -> TransformerConfig:
-    """The config given to a layer, or rebuilt from its dict (``from_config``)."""
-    return config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
-
-
-def _without_keras_mask(value: object) -> object:
-    if getattr(value, "_keras_mask", None) is not None:
-        return tf.identity(value)  # a new tensor, without the mask attribute
-    return value
-
-
 def _returned(out: Any, *optional: Any) -> Any:
     """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
     the cache last.
@@ -169,10 +112,6 @@ def _returned(out: Any, *optional: Any) -> Any:
 @register
 class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
-
-    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -193,7 +132,7 @@ class MultiHeadAttention(_TransformerLayer):
 
     def call(self, query, key, value, mask=None, return_weights=False, cache=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.dtype_policy)
         if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
@@ -205,33 +144,6 @@ class MultiHeadAttention(_TransformerLayer):
                             (shape[0], shape[2], self.config.d_model))     # (B, Tq, D)
         out = self.o_proj(concat)
         return _returned(out, weights if return_weights else None, written)
-
-    def init_cache(self, batch: Index, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions.
-
-        Shape: keys and values (B, H, C, d_k), zeros.
-        """
-        empty = tf.zeros((batch, self.n_heads, capacity, self.config.d_k), self.compute_dtype)
-        return KVCache(empty, empty, position=tf.constant(0))
-
-    def memory_cache(self, memory: tf.Tensor) -> KVCache:
-        """The memory's keys and values, projected once for encoder-decoder attention.
-
-        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
-        """
-        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
-
-    def _keys_values(self, key: tf.Tensor, value: tf.Tensor,
-                     cache: KVCache | None) -> tuple[tf.Tensor, tf.Tensor, KVCache | None]:
-        """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache.is_memory:
-            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None:
-            return k, v, None
-        cache = cache.update(k, v)
-        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
         shape = tf.shape(x)
@@ -492,8 +404,7 @@ class EncoderLayer(_TransformerLayer):
 class DecoderLayer(_TransformerLayer):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -523,41 +434,13 @@ class DecoderLayer(_TransformerLayer):
         def dropout(h: tf.Tensor) -> tf.Tensor:
             return self.dropout(h, training=training)
 
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
-                                         self.self_attn_norm, self.norm_first, dropout)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
-                                          self.cross_attn_norm, self.norm_first, dropout)
+        kept: list[KVCache] = []                                           # the caches the attentions return
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
+                     self.self_attn_norm, self.norm_first, dropout)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, kept),
+                     self.cross_attn_norm, self.norm_first, dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
-        return x if cache is None else (x, (self_cache, cross_cache))
-
-    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
-        return self.self_attn.init_cache(tf.shape(memory)[0], capacity), self.cross_attn.memory_cache(memory)
-
-
-def _attend(attention: MultiHeadAttention, query: tf.Tensor, memory: tf.Tensor, mask: tf.Tensor | None,
-            cache: KVCache | None) -> tuple[tf.Tensor, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
-    if cache is None:
-        return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache)
-
-
-def _cached_residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tuple[tf.Tensor, KVCache | None]],
-                     norm: LayerNorm, norm_first: bool,
-                     dropout: Callable[[tf.Tensor], tf.Tensor]) -> tuple[tf.Tensor, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
-    if norm_first:
-        out, cache = sublayer(norm(x))
-        return add(x, dropout(out)), cache
-    out, cache = sublayer(x)
-    return norm(add(x, dropout(out))), cache
-
-
-def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) -> None:
-    """Build sublayers whose weight shapes depend only on the config (inputs (..., D))."""
-    for layer in layers:
-        layer.build((None, config.d_model))
+        return x if cache is None else (x, tuple(kept))
 
 
 @register
@@ -615,24 +498,6 @@ class Decoder(_TransformerLayer):
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
 
-    def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
-        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)
-
-
-def _one_input(inputs: Any) -> tuple[Any, Any]:
-    """(src, tgt) of Keras' one model input: a pair or a dict of exactly "src" and "tgt"; else one ValueError naming
-    ``src``.
-    """
-    if isinstance(inputs, dict) and sorted(inputs) == ["src", "tgt"]:
-        return inputs["src"], inputs["tgt"]
-    if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
-        return inputs[0], inputs[1]
-    kind = f"a dict with the keys {sorted(inputs)}" if isinstance(inputs, dict) else \
-        f"a {type(inputs).__name__} of {len(inputs)}" if isinstance(inputs, (tuple, list)) else "one tensor"
-    raise ValueError(f"src: without tgt, the model's input must be a (src, tgt) pair or a dict with the keys 'src' "
-                     f"and 'tgt', got {kind}")
-
 
 # ----------------------------------------------------------------------------- the model
 
@@ -646,10 +511,6 @@ class Transformer(_TransformerLayer, keras.Model):
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
-
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
-    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
-    (``incremental.at_position`` sets them).
 
     TensorFlow: ``dtype`` a Keras dtype policy
     ("float64", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16"); built on construction; weights
@@ -702,14 +563,8 @@ class Transformer(_TransformerLayer, keras.Model):
         return self.encoder(x, src_mask, training=training)
 
     def init_cache(self, memory: tf.Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
-        memory's keys and values -- section 3.2.3.
-
-        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
-        """
-        memory = checked_memory(memory, None, self.config.d_model, self.variable_dtype)
-        checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(memory, capacity)
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
+        return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
                tgt_mask: tf.Tensor | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
@@ -722,21 +577,12 @@ class Transformer(_TransformerLayer, keras.Model):
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
-        (batch, length), heads = tgt.shape, self.config.n_heads
-        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        if cache is not None:
-            check_cache_index(cache[0][0].position, length, keys)
-            cache = at_position(cache, tf.convert_to_tensor(cache[0][0].position))   # Keras: no int among tensors
-            for own, _ in cache:                                               # every table, before any layer runs
-                _beam_table(own)
-        if src_mask is not None:
-            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]))
-        if tgt_mask is None and cache is None:
+        cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
+        if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
-        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
-            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys))
-        y = self.tgt_pos(self.tgt_embed(tgt), 0 if cache is None else cache[0][0].position, tgt, by_step=True,
-                         training=training)
+        src_mask, tgt_mask = checked_decoder_masks(self.config, tuple(tgt.shape), memory.shape[1], keys, src_mask,
+                                                   tgt_mask)
+        y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, training=training)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, training=training)
 
@@ -761,12 +607,8 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def _check_inputs(self, src: tf.Tensor, tgt: tf.Tensor, src_mask: tf.Tensor | None,
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
-        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
-                                    describe("tgt_mask", tgt_mask))
-        return src, tgt
+        """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
+        return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
 
     def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
         """The token ids checked by ``check_tokens`` (their range wherever their values are known).

@@ -77,3 +77,28 @@ def check_cache_index(cache_index: Any, length: int, capacity: int) -> Any:   # 
 def check_beams(beams: Tensor, rows: int, capacity: int) -> None:
     """A cache's ``beams`` table: (rows / K, K, capacity), integer (the reference's ``check_beams``)."""
     checks.check_beams(*layout("cache.beams", beams), rows, capacity)
+
+
+def checked_forward_inputs(config: Any, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray,
+                           src_mask: Tensor | np.ndarray | None, tgt_mask: Tensor | np.ndarray | None,
+                           device: torch.device) -> tuple[Tensor, Tensor]:
+    """The forward pass's token ids after :func:`check_tokens` and the reference's ``check_forward_inputs``."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len, device)
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len, device)
+    checks.check_forward_inputs(config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
+                                describe("tgt_mask", tgt_mask))
+    return src, tgt
+
+
+def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int,
+                          src_mask: Tensor | np.ndarray | None, tgt_mask: Tensor | np.ndarray | None,
+                          device: torch.device | str | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """``decode``'s masks (None stays None) as tensors on ``device`` after the reference's ``check_mask``:
+    ``src_mask`` against the decoder's (B, H, T, S) scores, ``tgt_mask`` against its (B, H, T, ``keys``)
+    self-attention scores (the reference's ``checked_decoder_masks``)."""
+    (batch, length), heads = tgt_shape, config.n_heads
+    if src_mask is not None:
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory_length), device)
+    if tgt_mask is not None:
+        tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), device)
+    return src_mask, tgt_mask

@@ -11,17 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeAlias
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 # every text takes both widths functions: a traced position (JAX, TensorFlow) picks among the widths; a compiled
 # PyTorch step reads them all
+from reference_numpy import checks
 from reference_numpy.incremental import attended_width, attended_widths  # noqa: F401
 
 from . import speed
-from .checks import check_beams, check_cache_index, checked_mask
-from .precision import computed_wide
+from .checks import check_beams, check_cache_index, checked_mask, checked_memory
+from .precision import computed_wide, dtype_name
 from .softmax import masked_softmax, zero_fully_masked_rows
 
 Index: TypeAlias = int | Tensor             # a position: a Python int, or a 0-d tensor (an exported decoding step)
@@ -66,6 +68,74 @@ def at_position(cache: tuple, position: Index) -> tuple:
     return tuple((own._replace(position=position), memory) for own, memory in cache)
 
 
+def decoder_cache(model: Any, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
+    """The caches of ``model``'s decoder (:meth:`.model.Transformer.init_cache`) for ``capacity`` target positions: per
+    layer an empty self-attention cache and the memory's keys and values -- section 3.2.3.
+
+    Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
+    """
+    memory = checked_memory(memory, None, model.config.d_model, dtype_name(model.dtype), model.device)
+    checks.check_cache_capacity(capacity, model.config.max_len)
+    return tuple((self_attention_cache(layer.self_attn, memory.shape[0], capacity),
+                  memory_cache(layer.cross_attn, memory)) for layer in model.decoder.layers)
+
+
+def self_attention_cache(attention: Any, batch: int, capacity: int) -> KVCache:
+    """An empty self-attention cache of ``capacity`` positions for ``attention`` (a :class:`.model.MultiHeadAttention`).
+
+    Shape: keys and values (B, H, C, d_k), zeros.
+    """
+    d_k = attention.q_proj.out_features // attention.n_heads
+    weight = attention.q_proj.weight
+    return KVCache(weight.new_zeros(batch, attention.n_heads, capacity, d_k),
+                   weight.new_zeros(batch, attention.n_heads, capacity, d_k), position=0)
+
+
+def memory_cache(attention: Any, memory: Tensor) -> KVCache:
+    """The memory's keys and values, projected once by ``attention`` for encoder-decoder attention.
+
+    Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
+    """
+    return KVCache(attention._split_heads(attention.k_proj(memory)), attention._split_heads(attention.v_proj(memory)))
+
+
+def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
+    """``(cache, start, keys)``: the decoder's caches (None: none), the position of the first of the ``length`` new
+    positions and the number of key positions a self-attention reads (T without a cache, else the capacity C); every
+    layer's beam table checked before any layer runs."""
+    if cache is None:
+        return None, 0, length
+    keys = cache[0][0].keys.shape[2]
+    start = check_cache_index(cache[0][0].position, length, keys)
+    for own, _ in cache:
+        _beam_table(own)
+    return cache, start, keys
+
+
+def _keys_values(attention: Any, key: Tensor, value: Tensor,
+                 cache: KVCache | None) -> tuple[Tensor, Tensor, KVCache | None]:
+    """The keys and values ``attention`` attends over and the cache it returns: the memory's cached ones, or the new
+    ones projected (and, with a self-attention cache, written into it)."""
+    if cache is not None and cache.is_memory:
+        return cache.keys, cache.values, cache                             # (B, H, S, d_k)
+    k = attention._split_heads(attention.k_proj(key))                      # (B, H, Tk, d_k)
+    v = attention._split_heads(attention.v_proj(value))                    # (B, H, Tk, d_k)
+    if cache is None:
+        return k, v, None
+    cache = cache.update(k, v)
+    return cache.keys, cache.values, cache                                 # (B, H, C, d_k)
+
+
+def _attend(attention: Any, query: Tensor, memory: Tensor, mask: Tensor | None, cache: KVCache | None,
+            kept: list) -> Tensor:
+    """``attention`` of ``query`` over ``memory``; with a ``cache``, the cache it returns appended to ``kept``."""
+    if cache is None:
+        return attention(query, memory, memory, mask)
+    out, cache = attention(query, memory, memory, mask, cache=cache)
+    kept.append(cache)
+    return out
+
+
 def _beam_table(cache: KVCache | None) -> Tensor | None:
     """The cache's ``beams`` table, checked against its keys; None without one."""
     if cache is None or isinstance(cache.beams, tuple):
@@ -104,6 +174,19 @@ def beam_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
     return zero_fully_masked_rows(speed.beam_mix(weights, value, beams), mask), weights
 
 
+def _along_beams(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                 beams: Tensor | None, return_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the queries over ``key`` and ``value`` under
+    ``mask``: Eq. (1) itself without a beam table, along each hypothesis (:func:`beam_attention`) with ``beams``.
+
+    PyTorch: the weights when asked.
+    """
+    if beams is None:
+        return attention(query, key, value, mask, return_weights)
+    heads, weights = beam_attention(query, key, value, mask, beams)
+    return heads, (weights if return_weights else None)
+
+
 def _attend_cache(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
                   cache: KVCache | None, position: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
@@ -115,10 +198,7 @@ def _attend_cache(attention: Attention, query: Tensor, key: Tensor, value: Tenso
     beams = _beam_table(cache)
     if mask is None:
         return _attend_written(attention, query, key, value, beams, position, return_weights)
-    if beams is None:
-        return attention(query, key, value, mask, return_weights)
-    heads, weights = beam_attention(query, key, value, mask, beams)
-    return heads, (weights if return_weights else None)
+    return _along_beams(attention, query, key, value, mask, beams, return_weights)
 
 
 def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None,
@@ -137,10 +217,8 @@ def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Ten
     width = capacity if isinstance(cache_index, Tensor) else attended_width(capacity, cache_index + length)
     key, value = key[:, :, :width], value[:, :, :width]
     mask = _cached_causal_mask(cache_index, length, width, query.device)
-    if beams is None:
-        heads, weights = attention(query, key, value, mask, return_weights)
-    else:
-        heads, weights = beam_attention(query, key, value, mask, beams[:, :, :width])
+    heads, weights = _along_beams(attention, query, key, value, mask, None if beams is None else beams[:, :, :width],
+                                  return_weights)
     if weights is None or not return_weights:
         return heads, None
     return heads, F.pad(weights, (0, capacity - width))                  # (N, H, Tq, C)

@@ -11,7 +11,6 @@ Shape legend:
     Tq, Tk: query and key lengths                      F: d_ff
     V: vocabulary size     L: number of positions (config.max_len)
     C: a key/value cache's capacity (:mod:`.incremental`)
-    K: beams per sentence (beam search), N = B * K rows
 
 Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
 """
@@ -27,19 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reference_numpy import checks
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 from . import speed
-from .checks import check_cache_index, check_tokens, checked_mask, checked_memory, describe
+from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
 from .incremental import (
     Index,
     KVCache,
+    _attend,
     _attend_cache,
-    _beam_table,
+    _checked_cache,
+    _keys_values,
     _positions,
+    decoder_cache,
 )
+from .layers import _Linear, _linear, _normal_parameter
 from .precision import LOW, computed_wide, dtype_name, from_numpy, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
@@ -97,23 +99,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     return zero_fully_masked_rows(weights @ value, mask), (weights if return_weights else None)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T + b for a weight stored (out, in), as ``F.linear``, by :func:`.speed.linear`.
-
-    Shape: x (..., in), weight (out, in), bias (out,) -> (..., out).
-    """
-    if weight.dtype in LOW:
-        return narrow(speed.linear(wide(x), wide(weight), None if bias is None else wide(bias)), weight.dtype)
-    return speed.linear(x, weight, bias)
-
-
-class _Linear(nn.Linear):
-    """``nn.Linear`` (weight (out, in), bias (out,)) computed by :func:`_linear`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _linear(x, self.weight, self.bias)
-
-
 def _returned(out: Any, *optional: Any) -> Any:
     """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
     the cache last.
@@ -124,10 +109,6 @@ def _returned(out: Any, *optional: Any) -> Any:
 
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
-
-    Head i owns features i*d_k .. (i+1)*d_k - 1 of every projection. With a ``cache`` (:mod:`.incremental`) the queries
-    attend over the memory's cached keys and values, or over a self-attention cache into which the new positions are
-    written from its ``position`` (docs/ports.md).
 
     Shape: query (B, Tq, D), key and value (B, Tk, D), mask broadcastable to (B, H, Tq, Tk or C) -> (B, Tq, D); with
     ``return_weights`` also the weights (B, H, Tq, Tk or C); with a ``cache`` also the cache, last.
@@ -144,7 +125,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                 return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
-        k, v, written = self._keys_values(key, value, cache)               # (B, H, Tk or C, d_k)
+        k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
         if cache is not None and not cache.is_memory:                      # over a self-attention cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
                                            return_weights)
@@ -154,34 +135,6 @@ class MultiHeadAttention(nn.Module):
         concat = heads.transpose(1, 2).reshape(batch, length, -1)          # (B, Tq, D)
         out = self.o_proj(concat)
         return _returned(out, weights, written)
-
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty self-attention cache of ``capacity`` positions.
-
-        Shape: keys and values (B, H, C, d_k), zeros.
-        """
-        d_k = self.q_proj.out_features // self.n_heads
-        weight = self.q_proj.weight
-        return KVCache(weight.new_zeros(batch, self.n_heads, capacity, d_k),
-                       weight.new_zeros(batch, self.n_heads, capacity, d_k), position=0)
-
-    def memory_cache(self, memory: Tensor) -> KVCache:
-        """The memory's keys and values, projected once for encoder-decoder attention.
-
-        Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
-        """
-        return KVCache(self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory)))
-
-    def _keys_values(self, key: Tensor, value: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor, KVCache | None]:
-        """The keys and values to attend over and the cache to return."""
-        if cache is not None and cache.is_memory:
-            return cache.keys, cache.values, cache                         # (B, H, S, d_k)
-        k = self._split_heads(self.k_proj(key))                            # (B, H, Tk, d_k)
-        v = self._split_heads(self.v_proj(value))                          # (B, H, Tk, d_k)
-        if cache is None:
-            return k, v, None
-        cache = cache.update(k, v)
-        return cache.keys, cache.values, cache                             # (B, H, C, d_k)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
@@ -265,12 +218,6 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
     """
     table = reference.sinusoidal_positional_encoding(length, d_model, dtype_name(dtype), layout, pad_id)
     return from_numpy(table).to(device=device)
-
-
-def _normal_parameter(*shape: int, std: float) -> nn.Parameter:
-    """A parameter drawn from N(0, std^2); nothing drawn on the meta device (docs/ports.md)."""
-    weight = torch.empty(*shape)
-    return nn.Parameter(weight if weight.is_meta else nn.init.normal_(weight, std=std))
 
 
 class Embeddings(nn.Module):
@@ -391,8 +338,7 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (the pair of :meth:`init_cache`) ``x`` holds the new positions from the self-attention cache's
-    ``position`` and the call returns ``(x, cache)``.
+    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
@@ -412,34 +358,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None) -> Any:
         self_cache, cross_cache = (None, None) if cache is None else cache
-        x, self_cache = _cached_residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache),
-                                         self.self_attn_norm, self.norm_first, self.dropout)
-        x, cross_cache = _cached_residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache),
-                                          self.cross_attn_norm, self.norm_first, self.dropout)
+        kept: list[KVCache] = []                                           # the caches the attentions return
+        x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
+                     self.self_attn_norm, self.norm_first, self.dropout)
+        x = residual(x, lambda h: _attend(self.cross_attn, h, memory, src_mask, cross_cache, kept),
+                     self.cross_attn_norm, self.norm_first, self.dropout)
         x = residual(x, self.ffn, self.ffn_norm, self.norm_first, self.dropout)
-        return x if cache is None else (x, (self_cache, cross_cache))
-
-    def init_cache(self, memory: Tensor, capacity: int) -> tuple[KVCache, KVCache]:
-        """(an empty self-attention cache of ``capacity`` positions, the memory's keys and values)."""
-        return self.self_attn.init_cache(memory.shape[0], capacity), self.cross_attn.memory_cache(memory)
-
-
-def _attend(attention: MultiHeadAttention, query: Tensor, memory: Tensor, mask: Tensor | None,
-            cache: KVCache | None) -> tuple[Tensor, KVCache | None]:
-    """``(out, cache)``: ``attention`` of ``query`` over ``memory`` and the cache it returns (None without one)."""
-    if cache is None:
-        return attention(query, memory, memory, mask), None
-    return attention(query, memory, memory, mask, cache=cache)
-
-
-def _cached_residual(x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, KVCache | None]], norm: LayerNorm,
-                     norm_first: bool, dropout: Callable[[Tensor], Tensor]) -> tuple[Tensor, KVCache | None]:
-    """:func:`residual` around an attention sublayer that returns ``(out, cache)``: ``(x, cache)``."""
-    if norm_first:
-        out, cache = sublayer(norm(x))
-        return add(x, dropout(out)), cache
-    out, cache = sublayer(x)
-    return norm(add(x, dropout(out))), cache
+        return x if cache is None else (x, tuple(kept))
 
 
 class Encoder(nn.Module):
@@ -483,11 +408,6 @@ class Decoder(nn.Module):
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
 
-    def init_cache(self, memory: Tensor, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """One cache pair per layer (:meth:`DecoderLayer.init_cache`)."""
-        # nn.ModuleList yields each layer as a Module, whose attributes torch types Tensor | Module
-        return tuple(layer.init_cache(memory, capacity) for layer in self.layers)  # type: ignore[operator]
-
 
 # ----------------------------------------------------------------------------- the model
 
@@ -497,10 +417,6 @@ class Transformer(nn.Module):
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
-
-    Incremental decoding: ``cache = model.init_cache(memory, capacity)``, then ``out, cache =
-    model.decode(new_tokens, memory, src_mask, cache=cache)`` at the next positions
-    (``incremental.at_position`` sets them).
 
     PyTorch: weights from :mod:`.checkpoint`; ``model(src, tgt)`` checks the ids on the host before a compiled
     ``forward``.
@@ -539,14 +455,8 @@ class Transformer(nn.Module):
         return self.encoder(x, src_mask)
 
     def init_cache(self, memory: Tensor | np.ndarray, capacity: int) -> tuple[tuple[KVCache, KVCache], ...]:
-        """The decoder's caches for ``capacity`` target positions: per layer an empty self-attention cache and the
-        memory's keys and values -- section 3.2.3.
-
-        Shape: memory (B, S, D) -> per layer (B, H, C, d_k), (B, H, S, d_k).
-        """
-        memory = checked_memory(memory, None, self.config.d_model, dtype_name(self.dtype), self.device)
-        checks.check_cache_capacity(capacity, self.config.max_len)
-        return self.decoder.init_cache(memory, capacity)
+        """The decoder's caches of ``capacity`` target positions (:func:`.incremental.decoder_cache`) -- 3.2.3."""
+        return decoder_cache(self, memory, capacity)
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
                tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None) -> Any:
@@ -558,18 +468,11 @@ class Transformer(nn.Module):
         """
         tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
         memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
-        (batch, length), heads = tgt.shape, self.config.n_heads
-        keys = length if cache is None else cache[0][0].keys.shape[2]      # T, or the capacity C
-        start = 0 if cache is None else check_cache_index(cache[0][0].position, length, keys)   # the first new position
-        if cache is not None:
-            for own, _ in cache:                                               # every table, before any layer runs
-                _beam_table(own)
-        if src_mask is not None:
-            src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, memory.shape[1]), self.device)
-        if tgt_mask is None and cache is None:
+        cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
+        if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
-        if tgt_mask is not None:           # with a cache and none given, each self-attention's causal mask over W
-            tgt_mask = checked_mask("tgt_mask", tgt_mask, (batch, heads, length, keys), self.device)
+        src_mask, tgt_mask = checked_decoder_masks(self.config, tuple(tgt.shape), memory.shape[1], keys, src_mask,
+                                                   tgt_mask, self.device)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache)
@@ -594,12 +497,8 @@ class Transformer(nn.Module):
 
     def _check_inputs(self, src: Tensor | np.ndarray, tgt: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
                       tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:
-        """Every check of the forward pass, made before any computation (``check_forward_inputs``)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        checks.check_forward_inputs(self.config, tuple(src.shape), tuple(tgt.shape), describe("src_mask", src_mask),
-                                    describe("tgt_mask", tgt_mask))
-        return src, tgt
+        """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
+        return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask, self.device)
 
     def _check_tokens(self, name: str, tokens: Tensor | np.ndarray, vocab_size: int) -> Tensor:
         """The token ids checked by ``check_tokens`` (their range wherever their values are known).

@@ -1,6 +1,6 @@
 """The kernel choice that makes the PyTorch port's inference fast on a CPU; the math is in :mod:`.model`.
 
-Two seams. :func:`linear`, which ``model._linear`` (every linear map of the model: the projections of
+Two seams. :func:`linear`, which ``layers._linear`` (every linear map of the model: the projections of
 :class:`~.model.MultiHeadAttention`, both layers of :class:`~.model.PositionwiseFeedForward`, the
 :class:`~.model.Generator`) calls for x W^T + b once the precision recipe has made its operands float32 or
 float64. It computes what ``F.linear`` computes, by oneDNN's inner product where that is faster: batch-1 decoding

@@ -46,7 +46,7 @@ from reference_numpy.training import PAPER  # noqa: E402
 from reference_numpy.training import learning_rate as reference_learning_rate  # noqa: E402
 from transformer_jax import checkpoint, decoding, device, training  # noqa: E402
 from transformer_jax.capture import capture_stages  # noqa: E402
-from transformer_jax.incremental import at_position  # noqa: E402
+from transformer_jax.incremental import at_position, memory_cache, self_attention_cache  # noqa: E402
 from transformer_jax.model import (  # noqa: E402
     PositionalEncoding,
     Transformer,
@@ -409,12 +409,12 @@ def test_a_fully_masked_source_row_runs_through_the_whole_model():
 def test_cache_layout_and_a_concrete_index_outside_it():
     model = port_model("tiny")
     config, attention = model.config, model.decoder.layers[0].self_attn
-    cache = attention.init_cache(2, 4)
+    cache = self_attention_cache(attention, 2, 4)
     assert cache.keys.shape == cache.values.shape == (2, config.n_heads, 4, config.d_k)
     assert cache.keys.dtype == model.dtype and not np.any(np.asarray(cache.keys))
     memory = jnp.ones((2, 5, config.d_model), model.dtype)
-    memory_cache = model.decoder.layers[0].cross_attn.memory_cache(memory)
-    assert memory_cache.keys.shape == (2, config.n_heads, 5, config.d_k)
+    cross_cache = memory_cache(model.decoder.layers[0].cross_attn, memory)
+    assert cross_cache.keys.shape == (2, config.n_heads, 5, config.d_k)
     x = jnp.ones((2, 1, config.d_model), model.dtype)
     for index, message in ((4, "cache holds 4 positions; decoding needs 5"),
                            (-1, "cache.position must be an int >= 0, got -1")):

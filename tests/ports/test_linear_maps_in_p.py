@@ -42,6 +42,8 @@ U = 2.0 ** -24                                     # float32's unit roundoff
 # (the framework's own call: Keras converts a layer's inputs in ``__call__``), and the generator's class and method
 MODULES = {"numpy": "reference_numpy.model", "torch": "transformer_torch.model", "jax": "transformer_jax.model",
            "tf": "transformer_tf.model"}
+# The module of a port's linear-map class where it is framework plumbing beside model.py
+LINEAR_MODULES = {"torch": "transformer_torch.layers", "jax": "transformer_jax.layers", "tf": "transformer_tf.layers"}
 SEAMS = {"numpy": ("Linear", "__call__", "__call__"), "torch": ("_Linear", "forward", "forward"),
          "jax": ("_Linear", "__call__", "__call__"), "tf": ("_Dense", "__call__", "__call__")}
 
@@ -83,7 +85,8 @@ def captured(name: str, params: dict[str, np.ndarray] | None = None) -> Iterator
     module = importlib.import_module(MODULES[name])
     linear_class, linear_method, generator_method = SEAMS[name]
     maps: list[Map] = []
-    linear = getattr(getattr(module, linear_class), linear_method)
+    linear_type = getattr(importlib.import_module(LINEAR_MODULES.get(name, MODULES[name])), linear_class)
+    linear = getattr(linear_type, linear_method)
     generator = getattr(module.Generator, generator_method)
     log_softmax = module.log_softmax
     generated: list[np.ndarray] = []
@@ -106,7 +109,7 @@ def captured(name: str, params: dict[str, np.ndarray] | None = None) -> Iterator
         return log_softmax(logits)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(getattr(module, linear_class), linear_method, linear_call)
+        patch.setattr(linear_type, linear_method, linear_call)
         if params is not None:
             patch.setattr(module.Generator, generator_method, generator_call)
             patch.setattr(module, "log_softmax", logits_read)

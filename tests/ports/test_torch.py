@@ -33,7 +33,7 @@ from reference_numpy.precision import check_trainable, round_to  # noqa: E402
 from reference_numpy.training import PAPER, learning_rate  # noqa: E402
 from transformer_torch import checkpoint, decoding, device, interop, speed, training  # noqa: E402
 from transformer_torch import precision as torch_precision  # noqa: E402
-from transformer_torch.incremental import at_position  # noqa: E402
+from transformer_torch.incremental import at_position, memory_cache, self_attention_cache  # noqa: E402
 from transformer_torch.model import Transformer, scaled_dot_product_attention, target_mask  # noqa: E402
 
 NO_GPU = "no CUDA GPU present: the GPU tests need torch.cuda.is_available()"
@@ -398,17 +398,17 @@ def test_decode_with_a_cache_equals_the_uncached_decoder(variant):
 
 def test_attention_cache_branches_equal_the_uncached_attention():
     """MultiHeadAttention with a cache: encoder-decoder attention over memory_cache, and masked
-    self-attention written into init_cache's buffers from its position (section 3.2.3)."""
+    self-attention written into self_attention_cache's buffers from its position (section 3.2.3)."""
     config = VARIANTS["tiny"]
     layer = port_model("tiny").decoder.layers[0]
     generator = torch.Generator().manual_seed(3)
     x, memory = (torch.randn(2, n, config.d_model, dtype=torch.float64, generator=generator) for n in (5, 4))
     with torch.no_grad():
-        cache = layer.cross_attn.memory_cache(memory)
+        cache = memory_cache(layer.cross_attn, memory)
         out, same = layer.cross_attn(x, memory, memory, cache=cache)
         assert same is cache and cache.keys.shape == (2, config.n_heads, 4, config.d_model // config.n_heads)
         tolerance.assert_agrees(out.numpy(), layer.cross_attn(x, memory, memory).numpy(), what="memory cache")
-        cache = layer.self_attn.init_cache(2, 7)
+        cache = self_attention_cache(layer.self_attn, 2, 7)
         assert cache.keys.dtype == torch.float64 and not cache.keys.any() and cache.values.shape[2] == 7
         causal = torch.ones(5, 5, dtype=torch.bool).tril()
         full = layer.self_attn(x, x, x, causal)

@@ -367,6 +367,30 @@ def test_a_changed_body_is_named(where, old, new, expected):
     assert any(expected in problem for problem in problems), problems
 
 
+# Each port's layers.py: its framework's plumbing beside model.py (docs/ports.md, the layout table), private names
+# only, but for TensorFlow's serialization registry and its mixed policies' names (training.py and ecosystem.py
+# register their Keras objects with it). No concept of section 3 moves there: it defines no name the reference's
+# model.py defines, so the checks above still read every concept in model.py.
+LAYERS_PUBLIC = {"transformer_torch": set(), "transformer_jax": set(), "transformer_tf": {"register", "MIXED_POLICIES"}}
+
+
+def top_level_names(text: str) -> set[str]:
+    names = set()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+    return names
+
+
+@pytest.mark.parametrize("port", PORTS)
+def test_a_ports_layers_py_holds_plumbing_alone(port):
+    defined = top_level_names((ROOT / port / "layers.py").read_text())
+    assert {name for name in defined if not name.startswith("_")} == LAYERS_PUBLIC[port]
+    assert not defined & top_level_names(model_text(REFERENCE))
+
+
 # ----------------------------------------------------------------------------- decoding's private helpers
 #
 # Every private helper of the three decoding.py files -- the generator's log-probabilities at one position, one
