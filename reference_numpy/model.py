@@ -339,7 +339,8 @@ class Generator:
         """
         dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
         bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))
-        return wide(narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype))   # (B, T, V)
+        logits = narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype)   # (B, T, V)
+        return wide(logits)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

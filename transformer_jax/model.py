@@ -375,7 +375,8 @@ class Generator(nnx.Module):
         logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)
         if self.bias is not None:
             logits = logits + wide(narrow(self.bias[...], dtype))
-        return wide(narrow(logits, dtype))                              # (B, T, V)
+        logits = narrow(logits, dtype)                                  # (B, T, V)
+        return wide(logits)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:

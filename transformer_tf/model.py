@@ -459,7 +459,8 @@ def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> t
     logits = tf.matmul(wide(x), wide(weight))
     if bias is not None:
         logits = logits + wide(bias)
-    return wide(narrow(logits, x.dtype))                               # (..., V)
+    logits = narrow(logits, x.dtype)                                   # (..., V)
+    return wide(logits)
 
 
 def log_softmax(x: tf.Tensor) -> tf.Tensor:

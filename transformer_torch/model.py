@@ -364,7 +364,7 @@ class Generator(nn.Module):
         Shape: x (B, T, D) -> (B, T, V_tgt).
         """
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
-        return wide(_linear(x, weight, self.bias))                                        # (B, T, V)
+        return wide(_linear(x, weight, self.bias))                                        # logits (B, T, V)
 
 
 def log_softmax(x: Tensor) -> Tensor:

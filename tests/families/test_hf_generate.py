@@ -421,6 +421,31 @@ def test_held_back_tokens_agree_across_backends():
             np.testing.assert_allclose(np.asarray(mine_scores), scores, rtol=1e-12)
 
 
+@pytest.mark.parametrize("penalty", PENALTIES)
+def test_the_repetition_penalty_agrees_across_backends(penalty):
+    """A paper's model (tiny preset, float64) with a repetition penalty, renormalize and n-gram blocking: every port
+    decodes the reference's tokens, greedy with and without its cache and beam 3 with its scores -- the agreement a
+    rule planted alike in every backend passes (scripts/check_mutations.py)."""
+    config = TransformerConfig.preset("tiny").with_decoding(repetition_penalty=penalty, renormalize=True,
+                                                              no_repeat_ngram_size=3)
+    params = init_params(config, seed=0)
+    src = np.array([[5, 6, 7, 2], [8, 9, 2, 0]])
+    reference = Transformer(config, params)
+    greedy, (beam, scores) = greedy_decode(reference, src), beam_search(reference, src, 3)
+    plain = Transformer(config.with_decoding(repetition_penalty=1.0), params)
+    assert not np.array_equal(padded(greedy, 64, 0), padded(greedy_decode(plain, src), 64, 0)) or not np.array_equal(
+        padded(beam, 64, 0), padded(beam_search(plain, src, 3)[0], 64, 0))
+    for port in (port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)):
+        backend = port_backend(port)
+        with float64_inference(port):
+            model = backend.build(config, params, "float64")
+            for use_cache in (True, False):
+                assert_same_tokens(np.asarray(backend.greedy(model, src, use_cache)), greedy, config.pad_id)
+            mine, mine_scores = backend.beam(model, src, 3)
+            assert_same_tokens(np.asarray(mine), beam, config.pad_id)
+            np.testing.assert_allclose(np.asarray(mine_scores), scores, rtol=1e-12)
+
+
 def test_the_settings_matter(family_model, expected):
     """The cases are not all one: hypotheses end at different lengths, some at eos before the budget; the length
     penalty and the early stopping rule change transformers' tokens; so do the start token, the forced token and
