@@ -119,6 +119,11 @@ class DecodingConfig(_Config):
             ``forced_bos_token_id``: ``ForcedBOSTokenLogitsProcessor``; a call's ``forced_bos_id``, e.g. ``translate
             --target-lang``'s language code, takes precedence): a target token other than eos and pad; None forces
             nothing.
+        repetition_penalty: p > 0: at each step the score of every token already in the hypothesis (the start token
+            and the tokens so far) is divided by p where it is > 0 and multiplied by p where it is < 0, before any
+            other rule (transformers' ``repetition_penalty``: p > 1 holds repeats back, p < 1 favours them); greedy
+            decoding penalizes the generator's logits, beam search its log-probabilities, as transformers' greedy and
+            beam searches do (``reference_numpy/decoding.py``); 1.0, the default, changes nothing.
     """
 
     decoder_start_id: int | None = None
@@ -134,6 +139,7 @@ class DecodingConfig(_Config):
     min_output_length: int = 0
     no_repeat_ngram_size: int = 0
     forced_bos_id: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         """Validate every field; NumPy scalars are accepted and stored as the Python values they equal,
@@ -141,6 +147,10 @@ class DecodingConfig(_Config):
         for name in ("forced_eos", "renormalize"):
             self._store(name, _as_bool(name, getattr(self, name)))
         self._store("length_penalty", _as_float("length_penalty", self.length_penalty))
+        penalty = self.repetition_penalty
+        if not isinstance(penalty, numbers.Real) or isinstance(penalty, (bool, np.bool_)) or not 0 < penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
+        self._store("repetition_penalty", float(penalty))
         for name in ("decoder_start_id", "forced_eos_id", "forced_bos_id"):
             if getattr(self, name) is not None:
                 self._store(name, _as_int(name, getattr(self, name), minimum=0))

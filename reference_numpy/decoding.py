@@ -14,6 +14,14 @@ The rules, shared by every port so that all backends produce identical tokens
   log-probabilities are then normalized again over the tokens left, a log-softmax of them); the decoder reads its
   prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
   as transformers reads it);
+* the repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``, the first rule its ``generate`` applies):
+  with ``config.decoding.repetition_penalty`` p != 1, at each step the score of every token already in the hypothesis
+  (its start token included) is divided by p where it is > 0 and multiplied by p where it is < 0 (:func:`penalize`),
+  before the never-emitted tokens, the held-back ones, the renormalization and the forced tokens below. The score is
+  the generator's logit in greedy decoding and its log-probability in beam search, as transformers' greedy search
+  (whose rules read the logits) and beam search (which read their log-softmax) have it: greedy chooses the highest
+  penalized logit, beam search sums penalized log-probabilities (the per-row constant a log-softmax subtracts changes
+  which tokens the penalty divides and which it multiplies, so the two are not one rule);
 * forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
   ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code; without one,
   ``config.decoding.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with
@@ -155,6 +163,34 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
     return log_probs if cache is None else (log_probs, cache)
 
 
+def next_token_logits(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
+                      cache: tuple | None = None, cache_index: int | None = None,
+                      ) -> Any:   # (B, V) logits; with a cache, (them, the new cache)
+    """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
+    last position of ``tgt``, what greedy decoding's repetition penalty reads (:func:`penalize`); ``tgt``, ``cache``
+    and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (B, T) -> logits (B, V)."""
+    if cache is None:
+        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
+    else:
+        cache = cache if cache_index is None else at_position(cache, cache_index)
+        out, cache = model.decode(tgt, memory, src_mask, cache=cache)
+    logits = model.generator.logits(out[:, -1:])[:, 0]                                     # (B, V)
+    return logits if cache is None else (logits, cache)
+
+
+def _scores(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, greedy: bool) -> np.ndarray:
+    """The scores a step ranks the next token by, after the whole prefix ``tgt``: :func:`next_token_log_probs`; with a
+    ``repetition_penalty`` p != 1 (module docstring), :func:`penalize` first, on the logits in greedy decoding
+    (``greedy``) and on the log-probabilities in beam search, then the never-emitted tokens' -inf and ``renormalize``
+    (:func:`_emittable`). Shape: tgt (B, T) -> (B, V) in the scores' dtype."""
+    cfg = model.config
+    if cfg.decoding.repetition_penalty == 1.0:
+        return next_token_log_probs(model, tgt, memory, src_mask)
+    logits = next_token_logits(model, tgt, memory, src_mask)
+    scores = (logits if greedy else log_softmax(logits)).astype(score_dtype(model.dtype))
+    return _emittable(cfg, penalize(cfg, scores, tgt, tgt.shape[1]))
+
+
 def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
     """The log-probabilities with the tokens of ``config.never_emitted`` set to -inf (in place), and with
     ``config.decoding.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them
@@ -167,6 +203,23 @@ def _renormalized(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarra
     """With ``config.decoding.renormalize``, the log-probabilities normalized again over the tokens left (a log-softmax
     of them); else as they are. Shape: (..., V) -> (..., V)."""
     return log_softmax(log_probs) if config.decoding.renormalize else log_probs
+
+
+def penalize(config: TransformerConfig, scores: np.ndarray, history: np.ndarray, step: int) -> np.ndarray:
+    """The scores of the token at output ``step`` t with ``config.decoding.repetition_penalty`` p applied (transformers'
+    ``RepetitionPenaltyLogitsProcessor``): each token of the prefix ``history[:, :t]`` (the start token and the tokens
+    so far), counted once however often it occurs, has its score s divided by p where s > 0 and multiplied by p where
+    s < 0 (0 and -inf stay as they are); the others unchanged. ``scores`` unchanged when p is 1.
+    Shape: scores (N, V), history (N, W), W >= t -> (N, V)."""
+    penalty = config.decoding.repetition_penalty
+    if penalty == 1.0:
+        return scores
+    scores = scores.copy()
+    for row, tokens in enumerate(history[:, :step].tolist()):
+        for token in set(tokens):
+            score = scores[row, token]
+            scores[row, token] = score * penalty if score < 0 else score / penalty
+    return scores
 
 
 def constrain(config: TransformerConfig, log_probs: np.ndarray, history: np.ndarray, step: int) -> np.ndarray:
@@ -221,7 +274,7 @@ def greedy_decode(model: Transformer, src: np.ndarray, forced_bos_id: int | None
     tgt = np.full((len(src), 1), cfg.start_id, dtype=np.int64)
     done = np.zeros(len(src), dtype=bool)
     for step in range(1, int(limits.max()) + 1):
-        log_probs = force(constrain(cfg, next_token_log_probs(model, tgt, memory, src_mask), tgt, step),
+        log_probs = force(constrain(cfg, _scores(model, tgt, memory, src_mask, greedy=True), tgt, step),
                           forced_tokens(cfg, step, limits, forced_bos_id))          # (B, V)
         token = log_probs.argmax(axis=-1)                                          # first max = lowest id
         token = np.where(done, cfg.pad_id, token)
@@ -294,8 +347,8 @@ def _sentence_steps(model: Transformer, memory: np.ndarray, src_mask: np.ndarray
     finished: list[tuple[float, list[int]]] = []         # in the order they finished
     for step in range(1, limit + 1):
         n_live = len(live)
-        log_probs = constrain(cfg, next_token_log_probs(model, live, np.repeat(memory, n_live, axis=0),
-                                                        np.repeat(src_mask, n_live, axis=0)), live, step)
+        log_probs = constrain(cfg, _scores(model, live, np.repeat(memory, n_live, axis=0),
+                                           np.repeat(src_mask, n_live, axis=0), greedy=False), live, step)
         log_probs = force(log_probs, np.repeat(forced_tokens(cfg, step, np.array([limit]), search.forced_bos_id),
                                                n_live))
         candidates = live_scores[:, None] + log_probs                               # (n_live, V)

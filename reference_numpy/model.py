@@ -289,10 +289,17 @@ class Generator:
         self.bias = params[f"{name}.bias"] if config.output_bias else None  # (V,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        return log_softmax(self.logits(x)).astype(score_dtype(self.weight.dtype))
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
+
+        Shape: x (B, T, D) -> (B, T, V_tgt).
+        """
         dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
         bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))
         logits = narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype)   # (B, T, V)
-        return log_softmax(wide(logits)).astype(score_dtype(self.weight.dtype))
+        return wide(logits)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -244,8 +244,8 @@ SINGLE = [
     # The decoding conventions the fuzzer draws (equivalence/fuzz.py, `conventions`), checked in greedy decoding and
     # beam search against the reference.
     single("fuzz", "torch: the suppressed tokens the paper's pad and bos, not the config's suppressed_ids",
-           f"{TORCH}/decoding.py", "log_probs[:, list(model.config.never_emitted)] = -torch.inf",
-           "log_probs[:, [model.config.pad_id, model.config.bos_id]] = -torch.inf", FUZZ),
+           f"{TORCH}/decoding.py", "scores[:, list(config.never_emitted)] = -torch.inf",
+           "scores[:, [config.pad_id, config.bos_id]] = -torch.inf", FUZZ),
     Mutation("fuzz", "every port's beam search: lp(Y) with alpha 1 whatever the config's (|Y| for \"hf\")", "single",
              tuple(Edit(f"{port}/decoding.py", "length_penalty(n, alpha, cfg.decoding.length_normalization)",
                         "length_penalty(n, 1.0, cfg.decoding.length_normalization)") for port in (TORCH, JAX, TF)), tuple(FUZZ)),
@@ -463,11 +463,11 @@ CHOICES = [
          "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)"),
     ], CHOICES_ORACLE + ["-k", "halves_table or marian_table or embedded_source"], agreement("marian"), shared=(TORCH, JAX)),
     single("output-bias", "torch: the logits bias dropped", "transformer_torch/model.py",
-           "return log_softmax(wide(_linear(x, weight, self.bias)))", "return log_softmax(wide(_linear(x, weight)))",
+           "return wide(_linear(x, weight, self.bias))", "return wide(_linear(x, weight))",
            ["tests/equivalence/test_agreement.py", "-k", "torch and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
     consistent("output-bias", "the logits bias dropped", [
         (RM, "bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))", "bias = 0.0"),
-        (TM, "return log_softmax(wide(_linear(x, weight, self.bias)))", "return log_softmax(wide(_linear(x, weight)))"),
+        (TM, "return wide(_linear(x, weight, self.bias))", "return wide(_linear(x, weight))"),
         (JM, "        if self.bias is not None:\n            logits = logits + wide(narrow(self.bias[...], dtype))",
          "        if False:\n            logits = logits + wide(narrow(self.bias[...], dtype))"),
         (FM, "    if bias is not None:\n        logits = logits + wide(bias)",
@@ -708,13 +708,13 @@ HF_DECODING = [
                  "return (self.pad_id, self.bos_id)")], HF_GENERATE + ["-k", "reference"], decoding_agreement(),
                shared=DECODING_PORTS),
     single("hf-decoding", "jax: the log-probabilities not renormalized after the suppressed tokens (renormalize "
-           "ignored)", JD, "return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs",
-           "return log_probs", CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and jax"]),
+           "ignored)", JD, "return log_softmax(scores) if config.decoding.renormalize else scores",
+           "return scores", CHOICES_ORACLE + ["-k", "test_decoded_tokens_float64 and marian and jax"]),
     consistent("hf-decoding", "renormalize ignored: the log-probabilities left as the softmax gave them (opus-mt's "
                "renormalize_logits)", [
                    (RD, "return log_softmax(log_probs) if config.decoding.renormalize else log_probs", "return log_probs"),
-                   *[(port, "return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs",
-                      "return log_probs") for port in (TD, JD, FD)],
+                   *[(port, "return log_softmax(scores) if config.decoding.renormalize else scores",
+                      "return scores") for port in (TD, JD, FD)],
                ], HF_GENERATE + ["-k", "reference"], CONVENTIONS),
     single("hf-decoding", "keras: the budget the source length + 50 whatever max_output_length says (transformers' "
            "max_new_tokens)", FD, "if cfg.decoding.max_output_length is None else tf.fill(", "if True else tf.fill(",
@@ -766,6 +766,33 @@ HELD_BACK_DECODING = [
     consistent("held-back", "no_repeat_ngram_size n bans repeated (n + 1)-grams",
                [(path, *edit) for path, edit in _NGRAM_SIZE.items()], [*HELD_BACK[:-1], HELD_BACK[-1] + " numpy"],
                HELD_BACK_AGREEMENT),
+]
+
+# transformers' repetition_penalty (each backend's penalize, and the scores it reads: logits in greedy decoding,
+# log-probabilities in beam search): tests/families/test_hf_generate.py against generate and the reference's hand-computed
+# penalties; a plant alike in every backend passes the ports' agreement with the reference on a penalized model
+REPETITION = ["tests/families/test_hf_generate.py", "-k", "repetition_penalty_decodes_as_generate and marian and"]
+REPETITION_AGREEMENT = ["tests/families/test_hf_generate.py", "-k", "repetition_penalty_agrees_across_backends"]
+_PENALTY_SIGN = {RD: ("scores[row, token] = score * penalty if score < 0 else score / penalty",
+                      "scores[row, token] = score / penalty"),
+                 TD: ("torch.where(scores < 0, scores * penalty, scores / penalty)",
+                      "torch.where(scores < 0, scores / penalty, scores / penalty)"),
+                 JD: ("jnp.where(scores < 0, scores * penalty, scores / penalty)",
+                      "jnp.where(scores < 0, scores / penalty, scores / penalty)"),
+                 FD: ("tf.where(scores < 0, scores * penalty, scores / penalty)",
+                      "tf.where(scores < 0, scores / penalty, scores / penalty)")}
+_PENALIZED_SCORES = {RD: ("(logits if greedy else log_softmax(logits))", "log_softmax(logits)"),
+                     **{port: ("penalize(cfg, scores if greedy else log_softmax(scores), tokens, step)",
+                               "penalize(cfg, log_softmax(scores), tokens, step)") for port in (TD, JD, FD)}}
+REPETITION_PENALTY = [
+    single("repetition", "torch: the repetition penalty divides a seen token's negative score too (raising it "
+           "where it should lower it)", TD, *_PENALTY_SIGN[TD], [*REPETITION[:-1], REPETITION[-1] + " torch"]),
+    consistent("repetition", "the repetition penalty divides a seen token's negative score too (raising it where it "
+               "should lower it)", [(path, *edit) for path, edit in _PENALTY_SIGN.items()],
+               [*REPETITION[:-1], REPETITION[-1] + " numpy"], REPETITION_AGREEMENT),
+    consistent("repetition", "greedy decoding penalizes the log-probabilities, as beam search does, not the logits",
+               [(path, *edit) for path, edit in _PENALIZED_SCORES.items()],
+               ["tests/reference/test_decoding.py", "-k", "greedy_penalizes"], REPETITION_AGREEMENT),
 ]
 
 TIES = [
@@ -1048,8 +1075,8 @@ PRECISION = [
     consistent("precision", "every backend: the logits left unrounded (log-softmax of the wide product)", [
         (RM, "logits = narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype)",
          "logits = wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias"),
-        (TM, "return log_softmax(wide(_linear(x, weight, self.bias)))",
-         "return log_softmax(_linear(wide(x), wide(weight), None if self.bias is None else wide(self.bias)))"),
+        (TM, "return wide(_linear(x, weight, self.bias))",
+         "return _linear(wide(x), wide(weight), None if self.bias is None else wide(self.bias))"),
         (JM, "logits = narrow(logits, dtype)", "logits = logits"),
         (FM, "logits = narrow(logits, x.dtype)", "logits = logits"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
@@ -1145,7 +1172,7 @@ PRECISION = [
 # Every linear map of the autocast recipe against the recipe's rounding of its own input (tests/ports/test_linear_maps_in_p.py)
 LINEAR_MAPS = ["tests/ports/test_linear_maps_in_p.py"]
 _TORCH_FFN = "        return self.linear2(activation(self.linear1(x), self.activation))"
-_TORCH_LOGITS = "        return log_softmax(wide(_linear(x, weight, self.bias)))                           # logits (B, T, V)"
+_TORCH_LOGITS = "        return wide(_linear(x, weight, self.bias))                                        # logits (B, T, V)"
 LINEAR_MAPS_IN_P = [
     single("precision", "torch: under autocast the feed-forward network's first linear map reads its input unrounded "
            "(float32 x, W and b in P: more accurate than the recipe)", TM, _TORCH_FFN,
@@ -1171,8 +1198,8 @@ LINEAR_MAPS_IN_P = [
                     "        low = speed.autocast_dtype(x)\n"
                     "        if low is not None:\n"
                     "            with torch.autocast(x.device.type, enabled=False):\n"
-                    "                return log_softmax(wide(_linear(x.float(), narrow(weight, low),\n"
-                    "                                                None if self.bias is None else narrow(self.bias, low))))\n"
+                    "                return wide(_linear(x.float(), narrow(weight, low),\n"
+                    "                                    None if self.bias is None else narrow(self.bias, low)))\n"
                     + _TORCH_LOGITS),
                    (JM, "logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)",
                     "logits = jnp.matmul(wide(x), wide(narrow(weight, dtype)), precision=_PRECISION)"),
@@ -1357,7 +1384,7 @@ CACHE = [
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,
-             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *HELD_BACK_DECODING, *TIES, *LOG_SOFTMAX, *TRAINING,
+             *LOSS, *LENGTH_PENALTY, *BEAM_END, *BUDGET, *EARLY_STOPPING, *HF_DECODING, *HELD_BACK_DECODING, *REPETITION_PENALTY, *TIES, *LOG_SOFTMAX, *TRAINING,
              *TEXT, *DATA_PARALLEL, *HF_EXPORT, *PRECISION, *LINEAR_MAPS_IN_P, *HF_TOKENIZERS, *FINETUNE,
              *BENCH, *ECOSYSTEM, *DEVICE, *OUTPUTS, *LAYERS, *CACHE]
 

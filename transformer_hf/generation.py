@@ -8,8 +8,9 @@ transformers may emit any other token), ``renormalize_logits`` is ``renormalize`
 ``forced_eos`` with ``forced_eos_id`` when it is not eos; beam search is transformers' (``length_normalization``
 "hf") with its ``length_penalty`` (1.0 by default) and ``early_stopping`` (False by default); ``num_beams`` (1 by
 default) is ``beam_size``, the beam the decoding commands use when given none. A setting with which ``generate``
-would choose other tokens than the reference can (:data:`GENERATE_NEUTRAL`: sampling, repetition penalties, the
-encoder's n-gram blocking, ...) is refused, naming it; ``min_length`` (counting the start token and not eos) is
+would choose other tokens than the reference can (:data:`GENERATE_NEUTRAL`: sampling, the encoder's repetition
+penalty and n-gram blocking, ...) is refused, naming it; ``repetition_penalty`` (1.0 by default) is the config's;
+``min_length`` (counting the start token and not eos) is
 ``min_output_length`` (eos held back below that output step), ``min_new_tokens`` + 1 when that is set (``generate``
 lets it take precedence), and ``no_repeat_ngram_size`` the config's. The output budget is ``generate``'s:
 ``max_new_tokens``, or else ``max_length`` less the decoder start token it counts, or else transformers' default of
@@ -24,7 +25,8 @@ to -inf as the reference does: pad and bos unless ``suppressed_ids`` says otherw
 ``renormalize``), eos (or ``forced_eos_id``) forced at the end of the budget only with ``forced_eos``,
 ``length_penalty`` and ``early_stopping``; the checkpoint's ``beam_size`` as ``num_beams`` (1, greedy, by default);
 ``min_output_length`` as ``min_length`` (one number: ``min_length`` counts the start token and not eos,
-``min_output_length`` eos and not the start token) and ``no_repeat_ngram_size``; ``forced_bos_id`` as
+``min_output_length`` eos and not the start token), ``no_repeat_ngram_size`` and ``repetition_penalty``;
+``forced_bos_id`` as
 ``forced_bos_token_id``; its ``max_output_length`` tokens after the start token (``max_length`` counts the start
 token), or, without one, ``max_len``: section 6.1's per-sentence budget (source length + 50) has no ``generate``
 equivalent (a caller gives it as ``max_new_tokens``), and the export imports back with the budget transformers
@@ -35,6 +37,7 @@ decoding is the reference's, its beam search transformers' own -- and it imports
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from reference_numpy.config import MAX_BEAM_SIZE, DecodingConfig, TransformerConfig
@@ -45,8 +48,7 @@ GENERATE_NEW_TOKENS = 20         # generate's budget without max_new_tokens or m
 # any other value is refused, naming the field. The sampling parameters (temperature, top_k, ...) act only with
 # do_sample, so they are not among them.
 GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "do_sample": (False,), "repetition_penalty": (1.0,),
-    "encoder_repetition_penalty": (1.0,), "encoder_no_repeat_ngram_size": (0,),
+    "do_sample": (False,), "encoder_repetition_penalty": (1.0,), "encoder_no_repeat_ngram_size": (0,),
     "num_beam_groups": (1,), "diversity_penalty": (0.0,), "penalty_alpha": (0.0,), "guidance_scale": (1.0,),
     "sequence_bias": ({}, []), "force_words_ids": ([],), "constraints": ([],), "suppress_tokens": ([],),
     "begin_suppress_tokens": ([],), "exponential_decay_length_penalty": (), "stop_strings": ([],),
@@ -83,6 +85,11 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
     if not isinstance(renormalize, bool):
         raise ValueError(f"{source} renormalize_logits must be true or false, got {renormalize!r}")
     suppressed = [word[0] for word in bad]
+    penalty = generation.get("repetition_penalty", 1.0)
+    if penalty is None:
+        penalty = 1.0
+    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not 0 < penalty < math.inf:
+        raise ValueError(f"{source} repetition_penalty must be a finite number > 0, got {penalty!r}")
     for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size"):
         value = generation.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -101,7 +108,8 @@ def decoding_conventions(generation: dict[str, Any], ids: tuple[int, int, int], 
         forced_eos=forced_eos is not None, forced_eos_id=None if forced_eos in (None, eos) else forced_eos,
         length_normalization="hf", length_penalty=length_penalty, early_stopping=early_stopping, beam_size=beams,
         forced_bos_id=forced_bos, no_repeat_ngram_size=generation.get("no_repeat_ngram_size") or 0,
-        min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1)
+        min_output_length=(generation.get("min_length") or 0) if min_new_tokens is None else min_new_tokens + 1,
+        repetition_penalty=penalty)
 
 
 def _forced_eos(generation: dict[str, Any], source: str) -> int | None:
@@ -163,7 +171,7 @@ def generation_config(config: TransformerConfig) -> dict[str, Any]:
             "max_length": generate_budget(config) + 1, **bad_words, "renormalize_logits": decoding.renormalize,
             "length_penalty": decoding.length_penalty, "early_stopping": decoding.early_stopping,
             "min_length": decoding.min_output_length, "no_repeat_ngram_size": decoding.no_repeat_ngram_size,
-            "forced_bos_token_id": decoding.forced_bos_id}
+            "forced_bos_token_id": decoding.forced_bos_id, "repetition_penalty": decoding.repetition_penalty}
 
 
 def generate_budget(config: TransformerConfig) -> int:

@@ -99,6 +99,20 @@ def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, 
     return _log_probs_at(model, out, out.shape[1] - 1), cache
 
 
+def next_token_logits(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
+                      cache: tuple = (), cache_index: int | jax.Array | None = None,
+                      ) -> Any:   # (N, V) logits; with a cache, (them, the new cache)
+    """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
+    last position of ``tgt``, what greedy decoding's repetition penalty reads (the reference's ``next_token_logits``);
+    ``tgt``, ``cache`` and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (N, T) -> logits (N, V)."""
+    if not cache:
+        out = model.decode(tgt, memory, src_mask, causal_mask(tgt.shape[1]), deterministic=True)   # (N, T, D)
+        return _logits_at(model, out, out.shape[1] - 1)
+    cache = cache if cache_index is None else at_position(cache, cache_index)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache, deterministic=True)
+    return _logits_at(model, out, out.shape[1] - 1), cache
+
+
 def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search keeps the caches of the hypotheses it extends). A
@@ -117,6 +131,19 @@ def _follow(cache: KVCache, beams: jax.Array) -> KVCache:
         return cache._replace(keys=cache.keys[beams], values=cache.values[beams])
     table = cache.beams.reshape(-1, cache.beams.shape[2])                # (N, C)
     return cache._replace(beams=table[beams].reshape(cache.beams.shape))
+
+
+def penalize(config: TransformerConfig, scores: jax.Array, history: jax.Array, step: jax.Array) -> jax.Array:
+    """The scores of the token at (traced) ``step`` with ``config.decoding.repetition_penalty`` p applied (the
+    reference's ``penalize``): every token of the prefix ``history[:, :step]`` has its score divided by p where > 0
+    and multiplied by p where < 0. ``scores`` unchanged when p is 1.
+    Shape: scores (N, V), history (N, M + 1) -> (N, V)."""
+    penalty, vocab = config.decoding.repetition_penalty, scores.shape[1]
+    if penalty == 1.0:
+        return scores
+    tokens = jnp.where(jnp.arange(history.shape[1]) < step, history, vocab)               # column V: no token
+    seen = jnp.zeros((len(scores), vocab + 1), bool).at[jnp.arange(len(scores))[:, None], tokens].set(True)
+    return jnp.where(seen[:, :vocab], jnp.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
 def constrain(config: TransformerConfig, log_probs: jax.Array, history: jax.Array, step: jax.Array) -> jax.Array:
@@ -167,23 +194,44 @@ def _log_probs_at(model: Transformer, out: jax.Array, position: int | jax.Array)
     ``config.decoding.renormalize``, a log-softmax of the others: the reference's ``_emittable``).
     Shape: out (N, T, D) -> (N, V)."""
     log_probs = model.generator(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]   # (N, V)
-    log_probs = log_probs.at[:, jnp.array(model.config.never_emitted, dtype=_TOKEN_DTYPE)].set(-jnp.inf)
-    return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs
+    return _emittable(model.config, log_probs)
+
+
+def _logits_at(model: Transformer, out: jax.Array, position: int | jax.Array) -> jax.Array:
+    """The generator's logits (before its log-softmax) at one (possibly traced) position of the decoder output, nothing
+    suppressed. Shape: out (N, T, D) -> (N, V)."""
+    return model.generator.logits(lax.dynamic_slice_in_dim(out, position, 1, axis=1))[:, 0]
+
+
+def _emittable(config: TransformerConfig, scores: jax.Array) -> jax.Array:
+    """The scores with the tokens of ``config.never_emitted`` at -inf and, with ``config.decoding.renormalize``, a
+    log-softmax of them (the reference's ``_emittable``). Shape: (N, V) -> (N, V)."""
+    scores = scores.at[:, jnp.array(config.never_emitted, dtype=_TOKEN_DTYPE)].set(-jnp.inf)
+    return log_softmax(scores) if config.decoding.renormalize else scores
 
 
 def _step(model: Transformer, tokens: jax.Array, step: jax.Array, memory: jax.Array, src_mask: jax.Array,
-          cache: tuple) -> tuple[jax.Array, tuple]:
-    """One decoding step: the log-probabilities (N, V) of the token at (traced) position ``step`` after
-    ``tokens[:, :step]`` (the start token at position 0), and the cache. With a cache only the token at ``step - 1``
-    runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
-    cache) the decoder reruns over the whole fixed-size buffer, the reference's recomputation (later
-    positions are masked), and reads position ``step - 1``. Shape: tokens (N, M + 1)."""
+          cache: tuple, greedy: bool) -> tuple[jax.Array, tuple]:
+    """One decoding step: the scores (N, V) of the token at (traced) position ``step`` after ``tokens[:, :step]`` (the
+    start token at position 0), and the cache: the log-probabilities; with a ``repetition_penalty`` p != 1 (the
+    reference's ``_scores``), :func:`penalize` first, on the logits in greedy decoding (``greedy``) and on the
+    log-probabilities in beam search, then :func:`_emittable`. With a cache only the token at ``step - 1`` runs through
+    the decoder (:func:`next_token_log_probs` or :func:`next_token_logits` at ``cache_index = step - 1``); with ``()``
+    (no cache) the decoder reruns over the whole fixed-size buffer, the reference's recomputation (later positions are
+    masked), and reads position ``step - 1``. Shape: tokens (N, M + 1)."""
+    cfg = model.config
+    penalized = cfg.decoding.repetition_penalty != 1.0
     if not cache:
         width = tokens.shape[1] - 1
         out = model.decode(tokens[:, :-1], memory, src_mask, causal_mask(width), deterministic=True)   # (N, M, D)
-        return _log_probs_at(model, out, step - 1), cache
-    token = lax.dynamic_slice_in_dim(tokens, step - 1, 1, axis=1)                          # (N, 1)
-    return next_token_log_probs(model, token, memory, src_mask, cache, step - 1)
+        scores = (_logits_at if penalized else _log_probs_at)(model, out, step - 1)
+    else:
+        token = lax.dynamic_slice_in_dim(tokens, step - 1, 1, axis=1)                      # (N, 1)
+        next_token = next_token_logits if penalized else next_token_log_probs
+        scores, cache = next_token(model, token, memory, src_mask, cache, step - 1)
+    if penalized:
+        scores = _emittable(cfg, penalize(cfg, scores if greedy else log_softmax(scores), tokens, step))
+    return scores, cache
 
 
 def _checked_source(model: Transformer, src: npt.ArrayLike) -> jax.Array:
@@ -235,7 +283,7 @@ def _greedy(structure: _Structure[Transformer], state: nnx.State, src: jax.Array
 
     def advance(carry):
         index, history, done, cache = carry
-        log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache)   # (B, V)
+        log_probs, cache = _step(model, history, index + 1, memory, src_mask, cache, greedy=True)   # (B, V)
         log_probs = constrain(cfg, log_probs, history, index + 1)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, index + 1, limits, forced_bos_id))
@@ -306,7 +354,7 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
     def advance(carry):
         index, history, live_scores, cache, best, kept, done = carry
         length = index + 1                                                       # tokens after this step
-        log_probs, cache = _step(model, history, length, memory, src_mask, cache)   # (N, V)
+        log_probs, cache = _step(model, history, length, memory, src_mask, cache, greedy=False)   # (N, V)
         log_probs = constrain(cfg, log_probs, history, length)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, length, row_limits, forced_bos_id))

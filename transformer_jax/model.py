@@ -305,13 +305,20 @@ class Generator(nnx.Module):
         self.mixed = autocast_dtype(dtype, param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return log_softmax(self.logits(x))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
+
+        Shape: x (B, T, D) -> (B, T, V_tgt).
+        """
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
         dtype = weight.dtype if self.mixed is None else self.mixed      # autocast: x, W and b rounded to P
         logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)
         if self.bias is not None:
             logits = logits + wide(narrow(self.bias[...], dtype))
         logits = narrow(logits, dtype)                                  # (B, T, V)
-        return log_softmax(wide(logits))
+        return wide(logits)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:

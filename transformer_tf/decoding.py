@@ -67,7 +67,7 @@ from reference_numpy.precision import score_dtype
 
 from .device import model_device
 from .incremental import Index, KVCache, at_position
-from .model import Transformer, _generated, causal_mask, log_softmax, padding_mask
+from .model import Transformer, _generated, _logits, causal_mask, log_softmax, padding_mask
 from .precision import wide
 from .speed import _xla_keeps_roundings
 
@@ -105,6 +105,20 @@ def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, 
     return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight), cache
 
 
+def next_token_logits(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None,
+                      cache: Cache = (), cache_index: Index | None = None) -> tf.Tensor | tuple[tf.Tensor, Cache]:
+    """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
+    last position of ``tgt``, what greedy decoding's repetition penalty reads (the reference's ``next_token_logits``);
+    ``tgt``, ``cache`` and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (B, T) -> logits (B, V)."""
+    weight = model.generator._weight()
+    if not cache:
+        out = model.decode(tgt, memory, src_mask, causal_mask(tf.shape(tgt)[1]))           # (B, T, D)
+        return _logits_at(model, out, tf.shape(out)[1] - 1, weight)
+    cache = cache if cache_index is None else at_position(cache, cache_index)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache)
+    return _logits_at(model, out, tf.shape(out)[1] - 1, weight), cache
+
+
 def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> tuple[tuple[KVCache, ...], ...]:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search keeps the caches of the hypotheses it extends). A
@@ -123,6 +137,23 @@ def _follow(cache: KVCache, beams: tf.Tensor) -> KVCache:
         return cache._replace(keys=tf.gather(cache.keys, beams), values=tf.gather(cache.values, beams))
     table = tf.reshape(cache.beams, (-1, cache.beams.shape[2]))            # (N, C)
     return cache._replace(beams=tf.reshape(tf.gather(table, beams), cache.beams.shape))
+
+
+def penalize(config: TransformerConfig, scores: tf.Tensor, history: tf.Tensor, step: Index) -> tf.Tensor:
+    """The scores of the token at (traced) ``step`` with ``config.decoding.repetition_penalty`` p applied (the
+    reference's ``penalize``): every token of the prefix ``history[:, :step]`` has its score divided by p where > 0
+    and multiplied by p where < 0. ``scores`` unchanged when p is 1.
+    Shape: scores (N, V), history (N, L + 1) -> (N, V)."""
+    penalty, vocab = config.decoding.repetition_penalty, scores.shape[1]
+    if penalty == 1.0:
+        return scores
+    tokens = tf.where(tf.range(history.shape[1]) < step, history, tf.constant(vocab, tf.int64))   # column V: no token
+    rows = tf.broadcast_to(tf.range(tf.shape(history, tf.int64)[0])[:, None], tf.shape(tokens))
+    shape = tf.stack([tf.shape(history, tf.int64)[0], vocab + 1])                           # (N, V + 1)
+    counts = tf.scatter_nd(tf.reshape(tf.stack([rows, tokens], axis=2), (-1, 2)), tf.ones(tf.size(tokens), tf.int32),
+                           shape)
+    penalized = tf.where(scores < 0, scores * penalty, scores / penalty)
+    return tf.where(counts[:, :vocab] > 0, penalized, scores)
 
 
 def constrain(config: TransformerConfig, log_probs: tf.Tensor, history: tf.Tensor, step: Index) -> tf.Tensor:
@@ -178,24 +209,44 @@ def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: t
     Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
-    log_probs = _generated(out[:, position], weight, model.generator._bias())              # (N, V)
-    never = list(model.config.never_emitted) or [-1]                                        # -1: no token
-    forbidden = tf.reduce_any(tf.range(log_probs.shape[-1])[:, None] == never, axis=1)      # (V,)
-    log_probs = tf.where(forbidden, tf.constant(-np.inf, log_probs.dtype), log_probs)
-    return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs
+    return _emittable(model.config, _generated(out[:, position], weight, model.generator._bias()))   # (N, V)
+
+
+def _logits_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:
+    """The generator's logits (before its log-softmax) at one (possibly traced) position of the decoder output, nothing
+    suppressed. Shape: out (N, T, D) -> (N, V). ``weight`` as for :func:`_log_probs_at`."""
+    return _logits(out[:, position], weight, model.generator._bias())
+
+
+def _emittable(config: TransformerConfig, scores: tf.Tensor) -> tf.Tensor:
+    """The scores with the tokens of ``config.never_emitted`` at -inf and, with ``config.decoding.renormalize``, a
+    log-softmax of them (the reference's ``_emittable``). Shape: (N, V) -> (N, V)."""
+    never = list(config.never_emitted) or [-1]                                              # -1: no token
+    forbidden = tf.reduce_any(tf.range(scores.shape[-1])[:, None] == never, axis=1)         # (V,)
+    scores = tf.where(forbidden, tf.constant(-np.inf, scores.dtype), scores)
+    return log_softmax(scores) if config.decoding.renormalize else scores
 
 
 def _step(model: Transformer, tokens: tf.Tensor, step: Index, memory: tf.Tensor, src_mask: tf.Tensor,
-          cache: Cache, weight: tf.Tensor) -> tuple[tf.Tensor, Cache]:
-    """One decoding step: the log-probabilities (N, V) of the token at (traced) position ``step`` after
-    ``tokens[:, :step]`` (the start token at position 0), and the cache. With a cache only the token at ``step - 1``
-    runs through the decoder (``cache_index = step - 1``); with ``()`` (no cache) the whole prefix does, as
-    in the reference. ``weight`` as for :func:`_log_probs_at`. Shape: tokens (N, L + 1)."""
+          cache: Cache, weight: tf.Tensor, greedy: bool) -> tuple[tf.Tensor, Cache]:
+    """One decoding step: the scores (N, V) of the token at (traced) position ``step`` after ``tokens[:, :step]`` (the
+    start token at position 0), and the cache: the log-probabilities; with a ``repetition_penalty`` p != 1 (the
+    reference's ``_scores``), :func:`penalize` first, on the logits in greedy decoding (``greedy``) and on the
+    log-probabilities in beam search, then :func:`_emittable`. With a cache only the token at ``step - 1`` runs through
+    the decoder (``cache_index = step - 1``); with ``()`` (no cache) the whole prefix does, as in the reference.
+    ``weight`` as for :func:`_log_probs_at`. Shape: tokens (N, L + 1)."""
+    cfg = model.config
+    penalized = cfg.decoding.repetition_penalty != 1.0
+    read = _logits_at if penalized else _log_probs_at
     if not cache:
         out = model.decode(tokens[:, :step], memory, src_mask, causal_mask(step))           # (N, step, D)
-        return _log_probs_at(model, out, step - 1, weight), cache
-    out, cache = model.decode(tokens[:, step - 1, None], memory, src_mask, cache=at_position(cache, step - 1))
-    return _log_probs_at(model, out, 0, weight), cache                                     # out (N, 1, D)
+        scores = read(model, out, step - 1, weight)
+    else:
+        out, cache = model.decode(tokens[:, step - 1, None], memory, src_mask, cache=at_position(cache, step - 1))
+        scores = read(model, out, 0, weight)                                               # out (N, 1, D)
+    if penalized:
+        scores = _emittable(cfg, penalize(cfg, scores if greedy else log_softmax(scores), tokens, step))
+    return scores, cache
 
 
 def _checked_source(model: Transformer, src: ArrayLike) -> tf.Tensor:
@@ -257,7 +308,7 @@ def _greedy(model: Transformer, use_cache: bool, forced_bos_id: int | None, src:
     pad = tf.constant(cfg.pad_id, tf.int64)
 
     def body(t, tokens, done, cache):
-        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight)   # (B, V)
+        log_probs, cache = _step(model, tokens, t, memory, src_mask, cache, weight, greedy=True)   # (B, V)
         log_probs = constrain(cfg, log_probs, tokens, t)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, t, limits, forced_bos_id))
@@ -318,7 +369,7 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, forced_bos_id: in
     never = tf.constant(-np.inf, dtype)                                    # the score of what does not finish
 
     def body(t, history, live_scores, cache, best, kept, done):
-        log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight)   # (N, V)
+        log_probs, cache = _step(model, history, t, memory, src_mask, cache, weight, greedy=False)   # (N, V)
         log_probs = constrain(cfg, log_probs, history, t)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, t, row_limits, forced_bos_id))

@@ -339,6 +339,13 @@ class Generator(_TransformerLayer):
     def call(self, x):
         return _generated(x, self._weight(), self._bias())
 
+    def logits(self, x: tf.Tensor) -> tf.Tensor:
+        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
+
+        Shape: x (B, T, D) -> (B, T, V_tgt).
+        """
+        return _logits(x, self._weight(), self._bias())
+
     def _weight(self) -> tf.Tensor:
         """The (D, V) weight: the shared embedding transposed, or the layer's own."""
         if self.embeddings is not None:
@@ -355,11 +362,17 @@ def _generated(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -
 
     Shape: x (..., D) -> (..., V).
     """
+    return log_softmax(_logits(x, weight, bias))
+
+
+def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
+    """x W (+ b) with a given (D, V) ``weight`` and (V,) ``bias`` or None, as the log-softmax reads them (a low
+    precision's widened). Shape: x (..., D) -> (..., V)."""
     logits = tf.matmul(wide(x), wide(weight))
     if bias is not None:
         logits = logits + wide(bias)
     logits = narrow(logits, x.dtype)                                   # (..., V)
-    return log_softmax(wide(logits))
+    return wide(logits)
 
 
 def log_softmax(x: tf.Tensor) -> tf.Tensor:

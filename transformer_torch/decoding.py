@@ -77,6 +77,20 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
     return _log_probs_at(model, out, out.shape[1] - 1), cache
 
 
+def next_token_logits(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
+                      cache: tuple = (), cache_index: int | None = None,
+                      ) -> Any:   # (B, V) logits; with a cache, (them, the new cache)
+    """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
+    last position of ``tgt``, what greedy decoding's repetition penalty reads (the reference's ``next_token_logits``);
+    ``tgt``, ``cache`` and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (B, T) -> logits (B, V)."""
+    if not cache:
+        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1], tgt.device))   # (B, T, D)
+        return _logits_at(model, out, out.shape[1] - 1)
+    cache = cache if cache_index is None else at_position(cache, cache_index)
+    out, cache = model.decode(tgt, memory, src_mask, cache=cache)
+    return _logits_at(model, out, out.shape[1] - 1), cache
+
+
 def reorder_cache(cache: tuple, beams: Tensor) -> tuple:
     """Every layer's caches follow their beams: row i of the result holds the hypothesis of row
     ``beams[i]`` (beam search: the beam that the i-th next live beam extends). A
@@ -95,6 +109,17 @@ def _follow(cache: KVCache, beams: Tensor) -> KVCache:
         return cache._replace(keys=cache.keys.index_select(0, beams), values=cache.values.index_select(0, beams))
     table = cache.beams.reshape(-1, cache.beams.shape[2])                 # (N, C)
     return cache._replace(beams=table.index_select(0, beams).reshape(cache.beams.shape))
+
+
+def penalize(config: TransformerConfig, scores: Tensor, history: Tensor, step: int) -> Tensor:
+    """The scores of the token at ``step`` with ``config.decoding.repetition_penalty`` p applied (the reference's
+    ``penalize``): every token of the prefix ``history[:, :step]`` has its score divided by p where > 0 and multiplied
+    by p where < 0. ``scores`` unchanged when p is 1. Shape: scores (N, V), history (N, W), W >= step -> (N, V)."""
+    penalty = config.decoding.repetition_penalty
+    if penalty == 1.0:
+        return scores
+    seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, history[:, :step], True)
+    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
 def constrain(config: TransformerConfig, log_probs: Tensor, history: Tensor, step: int) -> Tensor:
@@ -143,21 +168,42 @@ def _log_probs_at(model: Transformer, out: Tensor, position: int) -> Tensor:
     """The generator's log-probabilities (section 3.4) at one position of the decoder output, the tokens of
     ``config.never_emitted`` set to -inf: the decoder never emits them (with ``config.decoding.renormalize``,
     a log-softmax of the others: the reference's ``_emittable``). Shape: out (N, T, D) -> (N, V)."""
-    log_probs = model.generator(out[:, position:position + 1])[:, 0]                      # (N, V)
-    log_probs[:, list(model.config.never_emitted)] = -torch.inf
-    return log_softmax(log_probs) if model.config.decoding.renormalize else log_probs
+    return _emittable(model.config, model.generator(out[:, position:position + 1])[:, 0])
+
+
+def _logits_at(model: Transformer, out: Tensor, position: int) -> Tensor:
+    """The generator's logits (before its log-softmax) at one position of the decoder output, nothing suppressed.
+    Shape: out (N, T, D) -> (N, V)."""
+    return model.generator.logits(out[:, position:position + 1])[:, 0]
+
+
+def _emittable(config: TransformerConfig, scores: Tensor) -> Tensor:
+    """The scores with the tokens of ``config.never_emitted`` at -inf (in place) and, with
+    ``config.decoding.renormalize``, a log-softmax of them (the reference's ``_emittable``). Shape: (N, V) -> (N, V)."""
+    scores[:, list(config.never_emitted)] = -torch.inf
+    return log_softmax(scores) if config.decoding.renormalize else scores
 
 
 def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mask: Tensor,
-          cache: tuple) -> tuple[Tensor, tuple]:
-    """One decoding step: the log-probabilities (N, V) of the token at position ``step`` after
-    ``tokens[:, :step]`` (the start token at position 0), and the cache. With a cache only the token at ``step - 1``
-    runs through the decoder (:func:`next_token_log_probs` at ``cache_index = step - 1``); with ``()`` (no
-    cache) the whole prefix does, as in the reference; a model given to ``speed.compile_decoding`` runs the cached
-    step as its compiled program (``speed.decoding_step``). Shape: tokens (N, W), W > step."""
+          cache: tuple, greedy: bool) -> tuple[Tensor, tuple]:
+    """One decoding step: the scores (N, V) of the token at position ``step`` after ``tokens[:, :step]`` (the start
+    token at position 0), and the cache: the log-probabilities; with a ``repetition_penalty`` p != 1 (the reference's
+    ``_scores``), :func:`penalize` first, on the logits in greedy decoding (``greedy``) and on the log-probabilities in
+    beam search, then :func:`_emittable`. With a cache only the token at ``step - 1`` runs through the decoder
+    (:func:`next_token_log_probs` or :func:`next_token_logits` at ``cache_index = step - 1``); with ``()`` (no cache)
+    the whole prefix does, as in the reference; a model given to ``speed.compile_decoding`` runs the cached step as its
+    compiled program (``speed.decoding_step``). Shape: tokens (N, W), W > step."""
+    cfg = model.config
+    penalized = cfg.decoding.repetition_penalty != 1.0
+    next_token = next_token_logits if penalized else next_token_log_probs
     if not cache:
-        return next_token_log_probs(model, tokens[:, :step], memory, src_mask), cache
-    return speed.decoding_step(model, next_token_log_probs)(tokens[:, step - 1:step], memory, src_mask, cache, step - 1)
+        scores = next_token(model, tokens[:, :step], memory, src_mask)
+    else:
+        scores, cache = speed.decoding_step(model, next_token)(tokens[:, step - 1:step], memory, src_mask, cache,
+                                                               step - 1)
+    if penalized:
+        scores = _emittable(cfg, penalize(cfg, scores if greedy else log_softmax(scores), tokens, step))
+    return scores, cache
 
 
 def _checked_source(model: Transformer, src: Tensor | np.ndarray) -> Tensor:
@@ -194,7 +240,7 @@ def greedy_decode(model: Transformer, src: Tensor | np.ndarray, use_cache: bool 
     tokens = _start_tokens(cfg, len(src), max_steps, src.device)               # (B, M + 1)
     done = torch.zeros(len(src), dtype=torch.bool, device=src.device)
     for step in range(1, max_steps + 1):
-        log_probs, cache = _step(model, tokens, step, memory, src_mask, cache)
+        log_probs, cache = _step(model, tokens, step, memory, src_mask, cache, greedy=True)
         log_probs = constrain(cfg, log_probs, tokens, step)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, limits, forced_bos_id))
@@ -246,7 +292,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
             torch.zeros(batch, dtype=torch.long, device=device))                # score, row, length
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(1, max_steps + 1):
-        log_probs, cache = _step(model, history, step, memory, src_mask, cache)   # (N, V)
+        log_probs, cache = _step(model, history, step, memory, src_mask, cache, greedy=False)   # (N, V)
         log_probs = constrain(cfg, log_probs, history, step)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))

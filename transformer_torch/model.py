@@ -303,8 +303,15 @@ class Generator(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.tgt_vocab_size)) if config.output_bias else None  # (V,)
 
     def forward(self, x: Tensor) -> Tensor:
+        return log_softmax(self.logits(x))
+
+    def logits(self, x: Tensor) -> Tensor:
+        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
+
+        Shape: x (B, T, D) -> (B, T, V_tgt).
+        """
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
-        return log_softmax(wide(_linear(x, weight, self.bias)))                           # logits (B, T, V)
+        return wide(_linear(x, weight, self.bias))                                        # logits (B, T, V)
 
 
 def log_softmax(x: Tensor) -> Tensor:

@@ -145,7 +145,8 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
     """A transformers model's own generation settings (Marian: start from pad, pad never written, eos forced, the
     rest renormalized as opus-mt's files ask; M2M100: start from eos, early stopping, a token other than eos forced
     at the budget's end; a beam of 3 for both), imported, exported and imported again: the same config, the same
-    tensors bit for bit, and the export's generation_config.json transformers' settings as they were."""
+    tensors bit for bit, and the export's generation_config.json transformers' settings as they were (a repetition
+    penalty of 1.2 among them)."""
     model = build(family, seed=3)
     model.generation_config.num_beams = 3
     if family == "marian":
@@ -156,10 +157,11 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
         model.generation_config.min_new_tokens = 3
         model.generation_config.forced_bos_token_id = 6
     model.generation_config.no_repeat_ngram_size = 3
+    model.generation_config.repetition_penalty = 1.2
     model.save_pretrained(tmp_path / "hf")
     first = import_hf(tmp_path / "hf", tmp_path / "first.safetensors")
-    assert (first.decoding.min_output_length, first.decoding.no_repeat_ngram_size, first.decoding.forced_bos_id) == (
-        (5, 3, None) if family == "marian" else (4, 3, 6))
+    assert (first.decoding.min_output_length, first.decoding.no_repeat_ngram_size, first.decoding.forced_bos_id,
+            first.decoding.repetition_penalty) == ((5, 3, None, 1.2) if family == "marian" else (4, 3, 6, 1.2))
     decoding = first.decoding
     assert decoding.length_normalization == "hf" and decoding.decoder_start_id is not None and decoding.beam_size == 3
     assert decoding.renormalize == (family == "marian")
@@ -172,7 +174,7 @@ def test_an_imported_models_decoding_conventions_survive_export_and_import(famil
                     for where in ("hf", "exported"))
     unset = {"decoder_start_token_id": None, "bad_words_ids": None, "forced_eos_token_id": None,
              "early_stopping": False, "num_beams": 1, "renormalize_logits": False,   # GenerationConfig's defaults
-             "no_repeat_ngram_size": 0, "forced_bos_token_id": None}
+             "no_repeat_ngram_size": 0, "forced_bos_token_id": None, "repetition_penalty": 1.0}
     for field, default in unset.items():
         assert ours.get(field, default) == theirs.get(field, default), field
 

@@ -356,6 +356,50 @@ def test_held_back_tokens_decode_as_generate(family_model, held_back, port):
     assert port != "numpy" or broken >= 2
 
 
+# transformers' repetition_penalty both ways: above 1 it holds repeated tokens back, below 1 it favours them
+PENALTIES = (1.3, 0.7)
+
+
+@pytest.fixture(scope="module")
+def penalized(family_model):
+    """Per penalty of :data:`PENALTIES`: the config imported with it as a generation config's ``repetition_penalty``
+    and transformers' tokens with it, greedy and beam 4, the family's conventions otherwise as the fixture's."""
+    family, model, _, (config, _), src = family_model
+    generation = model.generation_config.to_diff_dict()
+    return {penalty: (config_from_hf(model.config.to_diff_dict(), {**generation, "repetition_penalty": penalty}),
+                      {beam: hf_generate(model, src, config.pad_id, beam, repetition_penalty=penalty,
+                                         **hf_options(family)) for beam in (1, 4)}) for penalty in PENALTIES}
+
+
+def test_the_repetition_penalty_changes_generates_tokens(family_model, expected, penalized):
+    """Each penalty of :data:`PENALTIES` changes transformers' greedy tokens and its beam tokens (so matching them
+    is a test of it), and the import reads it into the config's ``repetition_penalty``."""
+    _, _, _, (config, _), _ = family_model
+    off = {1: expected[("greedy", None, 1.0)], 4: expected[("beam", False, 1.0)]}
+    for penalty, (imported, theirs) in penalized.items():
+        assert imported.decoding.repetition_penalty == penalty and config.decoding.repetition_penalty == 1.0
+        for beam in (1, 4):
+            assert not np.array_equal(padded(theirs[beam], BUDGET, config.pad_id),
+                                      padded(off[beam], BUDGET, config.pad_id)), (penalty, beam)
+
+
+@pytest.mark.parametrize("port", ["numpy", *FRAMEWORKS])
+def test_the_repetition_penalty_decodes_as_generate(family_model, penalized, port):
+    """Every penalty of :data:`PENALTIES` in the reference and every port (float64; greedy with and without the cache
+    in turn, beam 4): transformers' tokens, token for token -- greedy penalizing the logits, beam search the
+    log-probabilities (before Marian's renormalization, M2M100's forced first token and start token eos, which the
+    penalty counts as seen)."""
+    family, _, _, (config, params), src = family_model
+    backend = importlib.import_module("equivalence.backends.numpy") if port == "numpy" else port_backend(port)
+    with float64_inference(port):
+        for number, (imported, theirs) in enumerate(penalized.values()):
+            model = backend.build(imported, params, "float64")
+            greedy = np.asarray(backend.greedy(model, src, number % 2 == 0, forced_bos_id=forced(family)))
+            beam = np.asarray(backend.beam(model, src, 4, 1.0, number % 2 == 1, forced_bos_id=forced(family))[0])
+            assert_same_tokens(greedy, theirs[1], config.pad_id)
+            assert_same_tokens(beam, theirs[4], config.pad_id)
+
+
 def test_held_back_tokens_agree_across_backends():
     """A paper's model (tiny preset, float64) with both rules and renormalize: every port decodes the reference's
     tokens, greedy with and without its cache and beam 3 -- the agreement a rule planted alike in every backend
@@ -366,6 +410,31 @@ def test_held_back_tokens_agree_across_backends():
     src = np.array([[5, 6, 7, 2], [8, 9, 2, 0]])
     reference = Transformer(config, params)
     greedy, (beam, scores) = greedy_decode(reference, src), beam_search(reference, src, 3)
+    for port in (port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)):
+        backend = port_backend(port)
+        with float64_inference(port):
+            model = backend.build(config, params, "float64")
+            for use_cache in (True, False):
+                assert_same_tokens(np.asarray(backend.greedy(model, src, use_cache)), greedy, config.pad_id)
+            mine, mine_scores = backend.beam(model, src, 3)
+            assert_same_tokens(np.asarray(mine), beam, config.pad_id)
+            np.testing.assert_allclose(np.asarray(mine_scores), scores, rtol=1e-12)
+
+
+@pytest.mark.parametrize("penalty", PENALTIES)
+def test_the_repetition_penalty_agrees_across_backends(penalty):
+    """A paper's model (tiny preset, float64) with a repetition penalty, renormalize and n-gram blocking: every port
+    decodes the reference's tokens, greedy with and without its cache and beam 3 with its scores -- the agreement a
+    rule planted alike in every backend passes (scripts/check_mutations.py)."""
+    config = TransformerConfig.preset("tiny").with_decoding(repetition_penalty=penalty, renormalize=True,
+                                                              no_repeat_ngram_size=3)
+    params = init_params(config, seed=0)
+    src = np.array([[5, 6, 7, 2], [8, 9, 2, 0]])
+    reference = Transformer(config, params)
+    greedy, (beam, scores) = greedy_decode(reference, src), beam_search(reference, src, 3)
+    plain = Transformer(config.with_decoding(repetition_penalty=1.0), params)
+    assert not np.array_equal(padded(greedy, 64, 0), padded(greedy_decode(plain, src), 64, 0)) or not np.array_equal(
+        padded(beam, 64, 0), padded(beam_search(plain, src, 3)[0], 64, 0))
     for port in (port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)):
         backend = port_backend(port)
         with float64_inference(port):
@@ -525,6 +594,12 @@ def test_the_conventions_round_trip_the_checkpoint(family_model, tmp_path):
     ("forced_bos_id", 2, "forced_bos_id (2) must be a target token id below tgt_vocab_size (23), not eos_id or pad_id"),
     ("forced_bos_id", 23, "forced_bos_id (23) must be a target token id below tgt_vocab_size (23)"),
     ("forced_bos_id", 1.0, "forced_bos_id must be an int"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0, got 0.0"),
+    ("repetition_penalty", -1.3, "repetition_penalty must be a finite number > 0, got -1.3"),
+    ("repetition_penalty", float("nan"), "repetition_penalty must be a finite number > 0, got nan"),
+    ("repetition_penalty", float("inf"), "repetition_penalty must be a finite number > 0, got inf"),
+    ("repetition_penalty", True, "repetition_penalty must be a finite number > 0, got True"),
+    ("repetition_penalty", "1.3", "repetition_penalty must be a finite number > 0, got '1.3'"),
 ])
 def test_bad_conventions_are_one_value_error_naming_the_field(field, value, message):
     """The decoding checks its own fields (a forced_eos_id needs forced_eos), the config them against the model (an
@@ -588,6 +663,9 @@ def test_config_from_generation_config():
         imported = config_from_hf(base, {**generation, **setting})
         assert imported.decoding.min_output_length == least               # min_new_tokens first
     assert config_from_hf(base, {**generation, "no_repeat_ngram_size": 3}).decoding.no_repeat_ngram_size == 3
+    for penalty in (1.2, 0.8, 2):
+        imported = config_from_hf(base, {**generation, "repetition_penalty": penalty})
+        assert imported.decoding.repetition_penalty == penalty
     forced_first = config_from_hf(base, {**generation, "forced_bos_token_id": 5})
     assert (config.decoding.forced_bos_id, forced_first.decoding.forced_bos_id) == (None, 5)
     for forced, last in ((5, 5), ([5], 5), ([0], 0), (28, 28)):                      # any one id; eos is the default
@@ -601,15 +679,16 @@ def test_config_from_generation_config():
                          ("renormalize_logits", 1), ("max_length", 1), ("max_length", 30.0), ("max_new_tokens", 0),
                          ("max_new_tokens", False), ("min_length", True), ("min_length", -1), ("min_new_tokens", 2.0),
                          ("no_repeat_ngram_size", -2), ("no_repeat_ngram_size", "3"), ("forced_bos_token_id", 28),
-                         ("forced_bos_token_id", 0), ("forced_bos_token_id", True), ("forced_bos_token_id", [5])):
+                         ("forced_bos_token_id", 0), ("forced_bos_token_id", True), ("forced_bos_token_id", [5]),
+                         ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", True),
+                         ("repetition_penalty", "1.2"), ("repetition_penalty", float("inf"))):
         with pytest.raises(ValueError, match=field.split("_token")[0].replace("_token_id", "")) as info:
             config_from_hf(base, {**generation, field: value})
         assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("do_sample", True), ("repetition_penalty", 1.2),
-    ("encoder_repetition_penalty", 0.9), ("encoder_no_repeat_ngram_size", 2),
+    ("do_sample", True), ("encoder_repetition_penalty", 0.9), ("encoder_no_repeat_ngram_size", 2),
     ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("sequence_bias", [[[5], -1.0]]), ("force_words_ids", [[5]]),
     ("suppress_tokens", [5]), ("begin_suppress_tokens", [5]), ("exponential_decay_length_penalty", [5, 1.1]),
     ("stop_strings", ["."]), ("eos_token_id", [0, 5]), ("eos_token_id", 5)])

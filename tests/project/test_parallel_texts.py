@@ -421,7 +421,7 @@ def shared_helpers(text: str, port: str) -> list[tuple[str, list[str]]]:
     # a decoding step's arguments in another order
     ("transformer_tf", "def _step(model: Transformer, tokens: tf.Tensor, step: Index,",
      "def _step(model: Transformer, step: Index, tokens: tf.Tensor,",
-     "transformer_tf/decoding.py: _step has ['model', 'step', 'tokens', 'memory', 'src_mask', 'cache']"),
+     "transformer_tf/decoding.py: _step has ['model', 'step', 'tokens', 'memory', 'src_mask', 'cache', 'greedy']"),
     # a port's own helper not declared as such
     ("transformer_tf", '"""TensorFlow only: tokens[..., t] = token', '"""tokens[..., t] = token',
      "transformer_tf/decoding.py: _put is not in the transformer_torch"),

@@ -89,7 +89,8 @@ FLAT_HEADER = (
     '"max_len": 64, "max_output_length": 20, "min_output_length": 3, "n_decoder_layers": 3, "n_encoder_layers": 2, '
     '"n_heads": 4, "no_repeat_ngram_size": 2, "norm_first": false, "output_bias": true, "pad_id": 0, '
     '"position_offset": 0, '
-    '"positional_encoding": "sinusoidal", "renormalize": true, "scale_embeddings": true, "share_embeddings": false, '
+    '"positional_encoding": "sinusoidal", "renormalize": true, "repetition_penalty": 1.3, "scale_embeddings": true, '
+    '"share_embeddings": false, '
     '"sinusoidal_layout": "halves", "src_vocab_size": 19, "suppressed_ids": [0], "tgt_vocab_size": 23}')
 
 
@@ -99,7 +100,7 @@ def test_the_header_is_one_flat_object_of_the_architecture_and_its_decoding():
     assert config.decoding == DecodingConfig(
         decoder_start_id=0, suppressed_ids=(0,), renormalize=True, max_output_length=20, forced_eos=True,
         length_normalization="hf", length_penalty=1.0, early_stopping=True, beam_size=4, min_output_length=3,
-        no_repeat_ngram_size=2)
+        no_repeat_ngram_size=2, repetition_penalty=1.3)
     assert config.to_json() == FLAT_HEADER                                   # the same bytes written back
     assert set(config.to_dict()) == {f.name for f in dataclasses.fields(TransformerConfig)} - {"decoding"} \
         | set(DECODING_CONVENTIONS)

@@ -12,7 +12,8 @@ from support import ScriptedModel
 
 from equivalence.cases import VARIANTS
 from equivalence.tolerance import assert_agrees
-from reference_numpy import Transformer, beam_search, greedy_decode, init_params
+from reference_numpy import Transformer, TransformerConfig, beam_search, greedy_decode, init_params
+from reference_numpy.decoding import penalize
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
 
@@ -127,3 +128,60 @@ def test_real_model_decoding_is_deterministic_and_well_formed():
     np.testing.assert_array_equal(first, second)
     tokens, scores = beam_search(model, src)
     assert np.isfinite(scores).all() and not np.isin(tokens[:, :1], [config.pad_id, config.bos_id]).any()
+
+
+# ----------------------------------------------------------------------------- the repetition penalty
+
+@pytest.mark.parametrize("penalty, expected", [
+    (2.0, [[0.5, -1.0, 0.0, 1.5, -np.inf, 2.0], [1.0, -2.0, 0.0, 3.0, -np.inf, 2.0]]),
+    (0.5, [[2.0, -1.0, 0.0, 6.0, -np.inf, 2.0], [1.0, -0.5, 0.0, 3.0, -np.inf, 2.0]]),
+    (1.0, [[1.0, -1.0, 0.0, 3.0, -np.inf, 2.0], [1.0, -1.0, 0.0, 3.0, -np.inf, 2.0]])])
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_scores_of_seen_tokens(penalty, expected):
+    """Written out by hand: at step 4 row 0 has seen 3 (its start token), 0 (twice: once counted) and 4 (-inf stays
+    -inf), not 5 (beyond the prefix); row 1 has seen 1, 2 and 4 (0 stays 0). A penalty below 1 raises what it
+    touches; 1 touches nothing."""
+    config = TransformerConfig(src_vocab_size=6, tgt_vocab_size=6, d_model=2, n_heads=1, d_ff=2, n_encoder_layers=1,
+                               n_decoder_layers=1).with_decoding(repetition_penalty=penalty)
+    scores = np.array([[1.0, -1.0, 0.0, 3.0, -np.inf, 2.0]] * 2)
+    history = np.array([[3, 0, 0, 4, 5, 0], [1, 2, 4, 2, 0, 3]])
+    np.testing.assert_array_equal(penalize(config, scores, history, 4), expected)
+    np.testing.assert_array_equal(scores, [[1.0, -1.0, 0.0, 3.0, -np.inf, 2.0]] * 2)      # not in place
+
+
+class _Logits:
+    """A scripted generator: ``logits`` the script's, its call their log-softmax (as the model's Generator)."""
+
+    def __init__(self, script):
+        self.script = script
+
+    def logits(self, hidden):
+        return np.stack([self.script(tuple(int(t) for t in prefix[1:])) for prefix in hidden[:, -1]])[:, None, :]
+
+    def __call__(self, hidden):
+        logits = self.logits(hidden)
+        return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+
+
+def test_greedy_penalizes_the_logits_and_beam_search_the_log_probabilities():
+    """transformers' greedy search penalizes the logits, its beam search their log-softmax, and the two choose
+    differently. After A, the logits (A 2, B 1, the rest -10) penalized 4 times: greedy reads A 2 / 4 = 0.5 < B's 1
+    and writes B; beam search (one beam) reads log p(A) = -0.3133 x 4 = -1.253 > log p(B) = -1.3133 and writes A.
+    Without the penalty both write A."""
+    def script(prefix):
+        if len(prefix) == 0:
+            return np.array([-10.0, -10.0, -10.0, 3.0, 0.0])
+        if len(prefix) == 1:
+            return np.array([-10.0, -10.0, -10.0, 2.0, 1.0])
+        return np.array([-10.0, -10.0, 10.0, 0.0, 0.0])
+
+    def model(penalty):
+        scripted = ScriptedModel(script)
+        scripted.config = scripted.config.with_decoding(repetition_penalty=penalty)
+        scripted.generator = _Logits(script)
+        return scripted
+
+    src = np.array([[A, B]])
+    np.testing.assert_array_equal(greedy_decode(model(4.0), src), [[A, B, EOS]])
+    np.testing.assert_array_equal(beam_search(model(4.0), src, 1)[0], [[A, A, EOS]])
+    np.testing.assert_array_equal(greedy_decode(model(1.0), src), [[A, A, EOS]])
+    np.testing.assert_array_equal(beam_search(model(1.0), src, 1)[0], [[A, A, EOS]])
