@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -154,13 +154,7 @@ def next_token_log_probs(model: Transformer, tgt: np.ndarray, memory: np.ndarray
 
     Shape: tgt (B, T) -> log_probs (B, V).
     """
-    if cache is None:
-        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
-    else:
-        cache = cache if cache_index is None else at_position(cache, cache_index)
-        out, cache = model.decode(tgt, memory, src_mask, cache=cache)
-    log_probs = _emittable(model.config, model.generator(out[:, -1:])[:, 0])               # (B, V)
-    return log_probs if cache is None else (log_probs, cache)
+    return _next_token(_log_probs_at, model, tgt, memory, src_mask, cache, cache_index)
 
 
 def next_token_logits(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray,
@@ -169,13 +163,33 @@ def next_token_logits(model: Transformer, tgt: np.ndarray, memory: np.ndarray, s
     """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
     last position of ``tgt``, what greedy decoding's repetition penalty reads (:func:`penalize`); ``tgt``, ``cache``
     and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (B, T) -> logits (B, V)."""
+    return _next_token(_logits_at, model, tgt, memory, src_mask, cache, cache_index)
+
+
+def _next_token(read: Callable[..., np.ndarray], model: Transformer, tgt: np.ndarray, memory: np.ndarray,
+                src_mask: np.ndarray, cache: tuple | None, cache_index: int | None) -> Any:
+    """What ``read`` (the log-probabilities or the logits) gives at the last position of the decoder's
+    output after ``tgt``: the body of :func:`next_token_log_probs` and :func:`next_token_logits`, their arguments as
+    there."""
     if cache is None:
         out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1]))      # (B, T, D)
     else:
         cache = cache if cache_index is None else at_position(cache, cache_index)
         out, cache = model.decode(tgt, memory, src_mask, cache=cache)
-    logits = model.generator.logits(out[:, -1:])[:, 0]                                     # (B, V)
-    return logits if cache is None else (logits, cache)
+    scores = read(model, out[:, -1:])                                                      # (B, V)
+    return scores if cache is None else (scores, cache)
+
+
+def _log_probs_at(model: Transformer, last: np.ndarray) -> np.ndarray:
+    """The generator's log-probabilities of the decoder's output ``last``, the never-emitted tokens at -inf
+    (:func:`_emittable`). Shape: last (B, 1, D) -> (B, V)."""
+    return _emittable(model.config, model.generator(last)[:, 0])
+
+
+def _logits_at(model: Transformer, last: np.ndarray) -> np.ndarray:
+    """The generator's logits (before its log-softmax) of the decoder's output ``last``, nothing suppressed.
+    Shape: last (B, 1, D) -> (B, V)."""
+    return model.generator.logits(last)[:, 0]
 
 
 def _scores(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, greedy: bool) -> np.ndarray:

@@ -50,6 +50,7 @@ V target vocabulary, K beam_size.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -91,12 +92,7 @@ def next_token_log_probs(model: Transformer, tgt: jax.Array, memory: jax.Array, 
 
     Shape: tgt (N, T), memory (N, S, D) -> log_probs (N, V).
     """
-    if not cache:
-        out = model.decode(tgt, memory, src_mask, causal_mask(tgt.shape[1]), deterministic=True)   # (N, T, D)
-        return _log_probs_at(model, out, out.shape[1] - 1)
-    cache = cache if cache_index is None else at_position(cache, cache_index)
-    out, cache = model.decode(tgt, memory, src_mask, cache=cache, deterministic=True)
-    return _log_probs_at(model, out, out.shape[1] - 1), cache
+    return _next_token(_log_probs_at, model, tgt, memory, src_mask, cache, cache_index)
 
 
 def next_token_logits(model: Transformer, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array,
@@ -105,12 +101,20 @@ def next_token_logits(model: Transformer, tgt: jax.Array, memory: jax.Array, src
     """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
     last position of ``tgt``, what greedy decoding's repetition penalty reads (the reference's ``next_token_logits``);
     ``tgt``, ``cache`` and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (N, T) -> logits (N, V)."""
+    return _next_token(_logits_at, model, tgt, memory, src_mask, cache, cache_index)
+
+
+def _next_token(read: Callable[..., jax.Array], model: Transformer, tgt: jax.Array, memory: jax.Array,
+                src_mask: jax.Array, cache: tuple, cache_index: int | jax.Array | None) -> Any:
+    """What ``read`` (``_log_probs_at`` or ``_logits_at``) gives at the last position of the decoder's
+    output after ``tgt``: the body of :func:`next_token_log_probs` and :func:`next_token_logits`, their arguments as
+    there."""
     if not cache:
         out = model.decode(tgt, memory, src_mask, causal_mask(tgt.shape[1]), deterministic=True)   # (N, T, D)
-        return _logits_at(model, out, out.shape[1] - 1)
+        return read(model, out, out.shape[1] - 1)
     cache = cache if cache_index is None else at_position(cache, cache_index)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache, deterministic=True)
-    return _logits_at(model, out, out.shape[1] - 1), cache
+    return read(model, out, out.shape[1] - 1), cache
 
 
 def reorder_cache(cache: tuple, beams: jax.Array) -> tuple:

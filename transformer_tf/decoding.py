@@ -96,13 +96,7 @@ def next_token_log_probs(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, 
     (``model.init_cache``) ``tgt`` holds the new positions only, starting at ``cache_index``,
     and the result is ``(log_probs (B, V), cache)``.
     """
-    weight = model.generator._weight()
-    if not cache:
-        out = model.decode(tgt, memory, src_mask, causal_mask(tf.shape(tgt)[1]))           # (B, T, D)
-        return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight)
-    cache = cache if cache_index is None else at_position(cache, cache_index)
-    out, cache = model.decode(tgt, memory, src_mask, cache=cache)
-    return _log_probs_at(model, out, tf.shape(out)[1] - 1, weight), cache
+    return _next_token(_log_probs_at, model, tgt, memory, src_mask, cache, cache_index)
 
 
 def next_token_logits(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None,
@@ -110,13 +104,21 @@ def next_token_logits(model: Transformer, tgt: tf.Tensor, memory: tf.Tensor, src
     """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
     last position of ``tgt``, what greedy decoding's repetition penalty reads (the reference's ``next_token_logits``);
     ``tgt``, ``cache`` and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (B, T) -> logits (B, V)."""
+    return _next_token(_logits_at, model, tgt, memory, src_mask, cache, cache_index)
+
+
+def _next_token(read: Callable[..., tf.Tensor], model: Transformer, tgt: tf.Tensor, memory: tf.Tensor,
+                src_mask: tf.Tensor | None, cache: Cache, cache_index: Index | None) -> Any:
+    """What ``read`` (``_log_probs_at`` or ``_logits_at``) gives at the last position of the decoder's
+    output after ``tgt``: the body of :func:`next_token_log_probs` and :func:`next_token_logits`, their arguments as
+    there."""
     weight = model.generator._weight()
     if not cache:
         out = model.decode(tgt, memory, src_mask, causal_mask(tf.shape(tgt)[1]))           # (B, T, D)
-        return _logits_at(model, out, tf.shape(out)[1] - 1, weight)
+        return read(model, out, tf.shape(out)[1] - 1, weight)
     cache = cache if cache_index is None else at_position(cache, cache_index)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache)
-    return _logits_at(model, out, tf.shape(out)[1] - 1, weight), cache
+    return read(model, out, tf.shape(out)[1] - 1, weight), cache
 
 
 def reorder_cache(cache: tuple[tuple[KVCache, ...], ...], beams: tf.Tensor) -> tuple[tuple[KVCache, ...], ...]:

@@ -35,6 +35,7 @@ gradients, and less bookkeeping per operation than ``torch.no_grad()``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,12 +70,7 @@ def next_token_log_probs(model: Transformer, tgt: Tensor, memory: Tensor, src_ma
 
     Shape: tgt (B, T) -> log_probs (B, V).
     """
-    if not cache:
-        out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1], tgt.device))   # (B, T, D)
-        return _log_probs_at(model, out, out.shape[1] - 1)
-    cache = cache if cache_index is None else at_position(cache, cache_index)
-    out, cache = model.decode(tgt, memory, src_mask, cache=cache)
-    return _log_probs_at(model, out, out.shape[1] - 1), cache
+    return _next_token(_log_probs_at, model, tgt, memory, src_mask, cache, cache_index)
 
 
 def next_token_logits(model: Transformer, tgt: Tensor, memory: Tensor, src_mask: Tensor,
@@ -83,12 +79,20 @@ def next_token_logits(model: Transformer, tgt: Tensor, memory: Tensor, src_mask:
     """The generator's logits (``Generator.logits``: before its log-softmax, nothing suppressed) of the token after the
     last position of ``tgt``, what greedy decoding's repetition penalty reads (the reference's ``next_token_logits``);
     ``tgt``, ``cache`` and ``cache_index`` as for :func:`next_token_log_probs`. Shape: tgt (B, T) -> logits (B, V)."""
+    return _next_token(_logits_at, model, tgt, memory, src_mask, cache, cache_index)
+
+
+def _next_token(read: Callable[..., Tensor], model: Transformer, tgt: Tensor, memory: Tensor,
+                src_mask: Tensor, cache: tuple, cache_index: int | None) -> Any:
+    """What ``read`` (``_log_probs_at`` or ``_logits_at``) gives at the last position of the decoder's
+    output after ``tgt``: the body of :func:`next_token_log_probs` and :func:`next_token_logits`, their arguments as
+    there."""
     if not cache:
         out = model.decode(tgt, memory, src_mask, tgt_mask=causal_mask(tgt.shape[1], tgt.device))   # (B, T, D)
-        return _logits_at(model, out, out.shape[1] - 1)
+        return read(model, out, out.shape[1] - 1)
     cache = cache if cache_index is None else at_position(cache, cache_index)
     out, cache = model.decode(tgt, memory, src_mask, cache=cache)
-    return _logits_at(model, out, out.shape[1] - 1), cache
+    return read(model, out, out.shape[1] - 1), cache
 
 
 def reorder_cache(cache: tuple, beams: Tensor) -> tuple:

@@ -410,6 +410,13 @@ def test_held_back_tokens_agree_across_backends():
     src = np.array([[5, 6, 7, 2], [8, 9, 2, 0]])
     reference = Transformer(config, params)
     greedy, (beam, scores) = greedy_decode(reference, src), beam_search(reference, src, 3)
+    assert_every_port_decodes(config, params, src, greedy, (beam, scores))
+
+
+def assert_every_port_decodes(config, params, src, greedy, beam_and_scores):
+    """Every installed port (float64) decodes the reference's ``greedy`` tokens with and without its cache, and its
+    beam-3 tokens with their scores to 1e-12."""
+    beam, scores = beam_and_scores
     for port in (port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)):
         backend = port_backend(port)
         with float64_inference(port):
@@ -435,15 +442,7 @@ def test_the_repetition_penalty_agrees_across_backends(penalty):
     plain = Transformer(config.with_decoding(repetition_penalty=1.0), params)
     assert not np.array_equal(padded(greedy, 64, 0), padded(greedy_decode(plain, src), 64, 0)) or not np.array_equal(
         padded(beam, 64, 0), padded(beam_search(plain, src, 3)[0], 64, 0))
-    for port in (port for port, framework in FRAMEWORKS.items() if importlib.util.find_spec(framework)):
-        backend = port_backend(port)
-        with float64_inference(port):
-            model = backend.build(config, params, "float64")
-            for use_cache in (True, False):
-                assert_same_tokens(np.asarray(backend.greedy(model, src, use_cache)), greedy, config.pad_id)
-            mine, mine_scores = backend.beam(model, src, 3)
-            assert_same_tokens(np.asarray(mine), beam, config.pad_id)
-            np.testing.assert_allclose(np.asarray(mine_scores), scores, rtol=1e-12)
+    assert_every_port_decodes(config, params, src, greedy, (beam, scores))
 
 
 def test_the_settings_matter(family_model, expected):
