@@ -6,7 +6,8 @@ A :class:`Case` is a configuration (widths, head counts odd and even, one or two
 either positional encoding and every sinusoidal layout (fairseq's from d_model 4), every feed-forward activation,
 scaled or unscaled embeddings, a logits bias or none, shared or separate embeddings, vocabularies with the special
 ids anywhere, tiny and large LayerNorm epsilons, and the decoding conventions: any start token, suppressed tokens,
-forced eos, either length normalization with any alpha and every ``early_stopping``), seeded weights times a scale,
+forced eos, either length normalization with any alpha and every ``early_stopping``, a minimum output length,
+n-gram blocking and a repetition penalty either way), seeded weights times a scale,
 a batch (lengths 1..max_len, padding down to fully padded rows, explicit bool masks or the default ones, the token
 ids' integer type), a forced first token or none and a beam size. :func:`check` runs one backend on it against the
 reference: the forward stages in float64 and float32, greedy decoding and beam search in float64 (token for token
@@ -58,6 +59,7 @@ TRAINING = TrainingConfig(warmup_steps=4)
 BEAM_SIZES = (2, 3)
 REFERENCE = str(Path(reference_numpy.__file__).parent)   # the reference's files: where an overflow is located
 MAX_LENGTH_PENALTY = 3.0        # alpha drawn in [0, 3]: the paper's 0.6, transformers' 1.0 and beyond
+MIN_REPETITION_PENALTY = 0.25   # p drawn in [1/4, 4]: transformers' documented 1.2 and its inverse, and beyond
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,21 @@ def cases(draw: st.DrawFn, weight_scales: tuple[float, ...] = WEIGHT_SCALES) -> 
                 lengths(tgt_len), src_len, tgt_len, draw(st.sampled_from(fits)), draw(st.booleans()))
     config = draw(conventions(draw(choices(config))))
     forcible = [token for token in range(config.tgt_vocab_size) if token not in (config.eos_id, config.pad_id)]
-    return dataclasses.replace(case, config=config, forced_bos_id=draw(st.none() | st.sampled_from(forcible)),
+    case = dataclasses.replace(case, config=config, forced_bos_id=draw(st.none() | st.sampled_from(forcible)),
                                beam_size=draw(st.sampled_from(BEAM_SIZES)))
+    return dataclasses.replace(case, config=draw(held_back(case.config)))
+
+
+@st.composite
+def held_back(draw: st.DrawFn, config: TransformerConfig) -> TransformerConfig:
+    """``config`` with the rules that hold tokens back drawn (``reference_numpy/config.py``): the minimum output
+    length (0, or up to two past ``max_len``), the n-gram size no hypothesis repeats (0, or 1 to 3) and the
+    repetition penalty (1: none, or any p in [1/4, 4], above 1 holding repeats back, below favouring them). Drawn
+    last of all, so that the cases drawn before these rules existed keep everything else."""
+    return config.with_decoding(
+        min_output_length=draw(st.just(0) | st.integers(1, config.max_len + 2)),
+        no_repeat_ngram_size=draw(st.just(0) | st.integers(1, 3)),
+        repetition_penalty=draw(st.just(1.0) | st.floats(MIN_REPETITION_PENALTY, 1 / MIN_REPETITION_PENALTY)))
 
 
 @st.composite
@@ -252,7 +267,8 @@ def _decoding(case: Case, backend: Backend, model: Model, ref64: Transformer, sr
         elif not tolerance.same_tokens(tokens[row], beam_tokens[row], case.config.pad_id):
             found.append(f"beam float64: row {row}: tokens {tokens[row].tolist()}, the reference's "
                          f"{beam_tokens[row].tolist()}")
-        elif not abs(scores[row] - beam_scores[row]) <= (len(row_margins) - 1) * bound:
+        elif scores[row] != beam_scores[row] and not (                   # equal infinities agree: no hypothesis
+                abs(scores[row] - beam_scores[row]) <= (len(row_margins) - 1) * bound):
             found.append(f"beam float64: row {row}: score {scores[row]!r}, the reference's {beam_scores[row]!r}")
     return found
 

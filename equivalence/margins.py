@@ -4,9 +4,9 @@ The token rules of :mod:`equivalence.tolerance` (``greedy_tokens_agree``, ``beam
 backend's tokens only where the reference decided by more than the backend's error can move (float32's bound, or
 float64's in the fuzzer). The margins are computed here, from the reference's public model and the step iterator of
 its beam search, so that the decoders' public API returns tokens and scores only. They follow every decoding
-convention of the config (``reference_numpy/decoding.py``): the start token, the suppressed and held-back tokens,
-the forced ones (a forced step decides nothing: its token is the rule's) and the length normalization, with "hf"'s
-stopping rule.
+convention of the config (``reference_numpy/decoding.py``): the start token, the repetition penalty, the suppressed
+and held-back tokens, the forced ones (a forced step decides nothing: its token is the rule's) and the length
+normalization, with "hf"'s stopping rule.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from reference_numpy.decoding import (
     greedy_decode,
     length_penalty,
     max_output_lengths,
+    penalize,
     select_candidates,
 )
-from reference_numpy.model import Transformer, causal_mask
+from reference_numpy.model import Transformer, causal_mask, padding_mask
 
 from .tolerance import bound_for
 
@@ -53,14 +54,16 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
     prefix under the causal mask alone, so position t sees the start token and the first t tokens, exactly the prefix
     the greedy step saw. The tokens of ``config.never_emitted`` and the held-back ones (``constrain``) are left out, as
     the decoder never emits them (and the others renormalized with ``config.decoding.renormalize``, as the decoder does:
-    the gaps are the same, the scale is the decoder's).
+    the gaps are the same, the scale is the decoder's). With a repetition penalty the gaps are those of the penalized
+    logits greedy decoding ranks (:func:`_teacher_forced_scores`), at their scale.
     """
     config = model.config
     forced_bos_id = check_forced_bos(config, forced_bos_id)                                 # or the config's
     tgt = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1)   # (B, L)
-    log_probs = model(src, tgt, tgt_mask=causal_mask(tgt.shape[1]))                        # (B, L, V)
+    scores = _teacher_forced_scores(model, src, tgt)                                       # (B, L, V)
     history = np.concatenate([tgt, tokens[:, -1:]], axis=1)                                # (B, L + 1)
-    log_probs = np.stack([constrain(config, _emittable(config, log_probs[:, t - 1]), history, t)
+    log_probs = np.stack([constrain(config, _emittable(config, penalize(config, scores[:, t - 1], history, t)),
+                                    history, t)
                           for t in range(1, tokens.shape[1] + 1)], axis=1)                  # (B, L, V)
     top_two = np.sort(log_probs, axis=-1)[..., -2:]                                         # (B, L, 2)
     eos = (tokens == config.eos_id).astype(int)                                             # (B, L)
@@ -72,6 +75,16 @@ def greedy_decisions(model: Transformer, src: np.ndarray, tokens: np.ndarray,
     gaps = np.nan_to_num(top_two[..., 1] - top_two[..., 0], nan=0.0, posinf=np.inf)
     finite = log_probs[np.isfinite(log_probs)]
     return Decisions(np.where(finished | forced, np.inf, gaps), float(np.max(np.abs(finite), initial=0.0)))
+
+
+def _teacher_forced_scores(model: Transformer, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    """What greedy decoding ranks at every position of ``tgt`` (one causal pass): the log-probabilities, or with a
+    repetition penalty the generator's logits, which greedy decoding penalizes (``reference_numpy/decoding.py``).
+    Shape: src (B, S), tgt (B, L) -> (B, L, V)."""
+    if model.config.decoding.repetition_penalty == 1.0:
+        return model(src, tgt, tgt_mask=causal_mask(tgt.shape[1]))
+    src_mask = padding_mask(src, model.config.pad_id)
+    return model.generator.logits(model.decode(tgt, model.encode(src, src_mask), src_mask, causal_mask(tgt.shape[1])))
 
 
 def greedy_margins(model: Transformer, src: np.ndarray, tokens: np.ndarray,

@@ -401,7 +401,10 @@ def search_ends(finished: list, live: np.ndarray, live_scores: np.ndarray, step:
 
 
 def best_hypothesis(finished: Sequence[tuple[float, list[int]]]) -> tuple[list[int], float]:
-    """The best-scoring finished hypothesis; a tie goes to the one finished first."""
+    """The best-scoring finished hypothesis; a tie goes to the one finished first. None finished (at some step every
+    token of every hypothesis was held back or suppressed): the empty output, scored -inf."""
+    if not finished:
+        return [], -math.inf
     best = max(range(len(finished)), key=lambda i: (finished[i][0], -i))
     score, hypothesis = finished[best]
     return hypothesis, float(score)

@@ -118,6 +118,49 @@ def test_greedy_margins_follow_the_conventions():
         tolerance.assert_agrees(found[decided, step], (ranked[:, -1] - ranked[:, -2])[decided], what=f"step {step}")
 
 
+
+# CONVENTIONS with the rules that hold tokens back: eos held back for 3 steps, no repeated bigram, and a repetition
+# penalty of 1.5 (greedy penalizes the logits, beam search the log-probabilities).
+HELD_BACK = dataclasses.replace(CONVENTIONS, config=CONVENTIONS.config.with_decoding(
+    min_output_length=3, no_repeat_ngram_size=2, repetition_penalty=1.5))
+
+
+@pytest.mark.parametrize("port", list(FRAMEWORKS))
+def test_fuzzed_configurations_with_the_rules_that_hold_tokens_back(port):
+    not_compared = []
+    assert fuzz.check_decoding(HELD_BACK, port_backend(port), not_compared) == [], HELD_BACK.command(port)
+
+
+def test_greedy_margins_follow_the_repetition_penalty():
+    """HELD_BACK's greedy margins recomputed by hand: the generator's logits after the prefix (encoder and decoder
+    run here step by step), every token seen so far divided by 1.5 where positive and multiplied where negative, the
+    suppressed set, the renormalization, eos below step 3 and the repeated bigrams left out; the top-two gap."""
+    config, src = HELD_BACK.config, fuzz.inputs(HELD_BACK)["src"]
+    model = reference.build(config, fuzz.params(HELD_BACK))
+    tokens = reference.greedy(model, src, forced_bos_id=3)
+    found = margins.greedy_margins(model, src, tokens, 3)
+    budget = np.minimum((src != config.pad_id).sum(axis=1) + 50, config.max_len)
+    src_mask = (src != config.pad_id)[:, None, None, :]
+    for step in range(1, tokens.shape[1]):
+        prefix = np.concatenate([np.full((len(src), 1), 4), tokens[:, :step]], axis=1)
+        hidden = model.decode(prefix, model.encode(src, src_mask), src_mask,
+                              np.tril(np.ones((step + 1, step + 1), dtype=bool))[None, None])[:, -1]
+        logits = hidden @ model.generator.weight + (model.generator.bias if config.output_bias else 0.0)
+        for row in range(len(src)):
+            for token in set(prefix[row].tolist()):
+                logits[row, token] *= 1.5 if logits[row, token] < 0 else 1 / 1.5
+            logits[row, list(range(6, 23))] = -np.inf
+            logits[row] -= np.log(np.sum(np.exp(logits[row])))                               # renormalized
+            if step + 1 < 3:
+                logits[row, config.eos_id] = -np.inf
+            history = prefix[row].tolist()
+            for start in range(len(history) - 1):
+                if history[start] == history[-1]:
+                    logits[row, history[start + 1]] = -np.inf
+        ranked = np.sort(logits, axis=1)
+        decided = ~(tokens[:, :step] == config.eos_id).any(axis=1) & (step < budget) & (step != budget - 1)
+        tolerance.assert_agrees(found[decided, step], (ranked[:, -1] - ranked[:, -2])[decided], what=f"step {step}")
+
 def test_the_stop_margin_by_hand():
     """"hf" with early_stopping False, beam 2, after step 3 (alpha 1): the best live beam's -3 / 3 against the worst
     kept of the finished -1 and -2, a gap of 1; no margin for True, "never", "gnmt" or fewer than 2 finished."""

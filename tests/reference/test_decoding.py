@@ -120,6 +120,14 @@ def test_impossible_candidates_never_become_beams():
     assert np.isfinite(scores).all() and set(tokens[0].tolist()) <= {A, B, EOS, PAD}
 
 
+def test_a_search_that_finishes_no_hypothesis_gives_the_empty_output_scored_minus_inf():
+    """Every token but pad and bos impossible at step 1, and those two never emitted: no beam lives, none finishes;
+    the search's result is the empty output with score -inf (what every port gives, the fuzzer compares)."""
+    config = ScriptedModel(seeded_script).config
+    only_specials = lambda prefix: np.eye(5)[[config.pad_id, config.bos_id]].sum(axis=0) / 2
+    tokens, scores = beam_search(ScriptedModel(only_specials, max_len=3), np.array([[A]]), beam_size=2)
+    assert tokens.shape == (1, 0) and scores.tolist() == [-np.inf]
+
 def test_real_model_decoding_is_deterministic_and_well_formed():
     config = VARIANTS["tiny"]
     model = Transformer(config, init_params(config, seed=2, perturb=0.1))
