@@ -116,7 +116,8 @@ def memory_cache(attention: Any, memory: np.ndarray) -> KVCache:
 
     Shape: memory (B, S, D) -> keys and values (B, H, S, d_k).
     """
-    return KVCache(attention._split_heads(attention.k_proj(memory)), attention._split_heads(attention.v_proj(memory)))
+    keys, values, _ = _keys_values(attention, memory, memory, None)                 # (B, H, S, d_k)
+    return KVCache(keys, values)
 
 
 def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
