@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .config import TransformerConfig
 from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
 from .precision import (
@@ -438,11 +438,9 @@ class Transformer:
 
     def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask)
@@ -459,8 +457,7 @@ class Transformer:
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, len(tgt), self.config.d_model, self.dtype.name)
+        tgt, memory = checked_target(self.config, tgt, memory, self.dtype.name)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -482,7 +479,3 @@ class Transformer:
                       ) -> tuple[np.ndarray, np.ndarray]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
-
-    def _check_tokens(self, name: str, tokens: object, vocab_size: int) -> np.ndarray:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""
-        return check_tokens(name, tokens, vocab_size, self.config.max_len)

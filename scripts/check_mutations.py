@@ -213,9 +213,9 @@ SINGLE = [
            FUZZ),
     single("fuzz", "torch: the encoder's source mask hides min(pad_id, eos_id) (wrong only when pad_id > eos_id)",
            "transformer_torch/model.py",
-           "            src_mask = padding_mask(src, self.config.pad_id)\n        (batch, length), heads",
+           "            src_mask = padding_mask(src, self.config.pad_id)\n        x = self.src_pos",
            "            src_mask = padding_mask(src, min(self.config.pad_id, self.config.eos_id))\n"
-           "        (batch, length), heads", FUZZ),
+           "        x = self.src_pos", FUZZ),
     # The select that guards a one-term product (the next mutation) stands between the scaled scores and the
     # subtraction too, and alone keeps this bug from showing: it goes with it, as the code was when the case was found.
     Mutation("fuzz", "jax: the scores scaled before their row maximum, no select between them and the subtraction "

@@ -29,7 +29,7 @@ from numpy.typing import DTypeLike
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
 from .layers import MIXED_POLICIES, _as_config, _build_all, _Dense, _one_input, _TransformerLayer, register
 from .precision import (
@@ -566,11 +566,9 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, training=training)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask, training=training)
@@ -588,8 +586,7 @@ class Transformer(_TransformerLayer, keras.Model):
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
+        tgt, memory = checked_target(self.config, tgt, memory, self.variable_dtype)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -622,10 +619,3 @@ class Transformer(_TransformerLayer, keras.Model):
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
-
-    def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known).
-
-        TensorFlow: int64 ids.
-        """
-        return check_tokens(name, tokens, vocab_size, self.config.max_len)

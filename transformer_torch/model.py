@@ -30,7 +30,7 @@ from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 from . import speed
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import (
     Index,
     KVCache,
@@ -452,11 +452,9 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None) -> Tensor:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask, self.device)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), self.device)
         x = self.src_pos(self.src_embed(src), 0, src)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask)
@@ -473,8 +471,7 @@ class Transformer(nn.Module):
         Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
         cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
+        tgt, memory = checked_target(self.config, tgt, memory, dtype_name(self.dtype), self.device)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -506,10 +503,3 @@ class Transformer(nn.Module):
                       tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask, self.device)
-
-    def _check_tokens(self, name: str, tokens: Tensor | np.ndarray, vocab_size: int) -> Tensor:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known).
-
-        PyTorch: int64 ids on the model's device.
-        """
-        return check_tokens(name, tokens, vocab_size, self.config.max_len, self.device)
