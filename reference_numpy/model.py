@@ -1,8 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in plain NumPy.
 
-The math every port is checked against: each concept of section 3 one short function or class, in the order of
-the paper. Parameters come from the flat checkpoint dictionary (docs/checkpoint-format.md; every projection stored
-(in, out), y = x W + b); low precisions follow :mod:`.precision`; the design notes are in docs/ports.md.
+The math every port is checked against, section 3 in the paper's order; parameters from the flat checkpoint
+dictionary (docs/checkpoint-format.md), low precisions by :mod:`.precision`, the design notes in docs/ports.md.
 
 Shape legend:
     B: batch size          H: number of heads h        D: d_model
@@ -25,7 +24,7 @@ import numpy.typing as npt
 
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .config import TransformerConfig
-from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
 from .precision import (
     attention_product,
     cast,
@@ -102,14 +101,6 @@ class Linear:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
         return narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + wide(cast(self.bias, dtype)), dtype)
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention:

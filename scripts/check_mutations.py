@@ -1203,8 +1203,8 @@ LINEAR_MAPS_IN_P = [
                     + _TORCH_LOGITS),
                    (JM, "logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)",
                     "logits = jnp.matmul(wide(x), wide(narrow(weight, dtype)), precision=_PRECISION)"),
-                   (FM, "        return _generated(x, self._weight(), self._bias())",
-                    "        return _generated(x, self._weight(), self._bias())\n\n    _STREAM = True"),
+                   (FM, "        return log_softmax(_logits(x, self._weight(), self._bias()))",
+                    "        return log_softmax(_logits(x, self._weight(), self._bias()))\n\n    _STREAM = True"),
                    (FM, "    logits = narrow(logits, x.dtype)  ", "    logits = narrow(logits, weight.dtype)  "),
                ], [*LINEAR_MAPS, "-k", "model"], ["tests/ports/test_mixed_precision.py", "-k", "test_forward_stages"]),
 ]

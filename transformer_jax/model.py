@@ -1,18 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in JAX with Flax NNX.
 
-A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
-framework idiom differs (constructors take the config, then ``dtype`` and ``rngs`` as keywords; dropout, section
-5.4, off unless ``deterministic=False``; every matmul at ``precision=HIGHEST``). The design notes are in
-docs/ports.md.
-
-Shape legend:
-    B: batch size          H: number of heads h        D: d_model
-    S: source length       T: target length            d_k: D / H
-    Tq, Tk: query and key lengths                      F: d_ff
-    V: vocabulary size     L: number of positions (config.max_len)
-    C: a key/value cache's capacity (:mod:`.incremental`)
-
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+A parallel text of ``reference_numpy/model.py``: its concepts, names, argument order, shape legend and masks
+(bool, True = may attend); the framework's idiom is listed in docs/ports.md.
 """
 
 from __future__ import annotations
@@ -42,7 +31,7 @@ from .checks import (
     checked_target,
 )
 from .device import _check_dtype
-from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
 from .layers import _PRECISION, _dropout, _linear, _matmul
 from .precision import (
     attention_product,
@@ -104,14 +93,6 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         mask = checked_mask("mask", mask, scores.shape)
     weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
     return zero_fully_masked_rows(attention_product(_matmul, weights, value, dtype), mask), weights
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nnx.Module):

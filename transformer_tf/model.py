@@ -1,18 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Keras 3 layers.
 
-A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
-framework idiom differs (weights created in ``build()``, the config in ``get_config()``, ``training=`` for dropout,
-section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``), its
-plumbing in :mod:`.layers`. The design notes are in docs/ports.md.
-
-Shape legend:
-    B: batch size          H: number of heads h        D: d_model
-    S: source length       T: target length            d_k: D / H
-    Tq, Tk: query and key lengths                      F: d_ff
-    V: vocabulary size     L: number of positions (config.max_len)
-    C: a key/value cache's capacity (:mod:`.incremental`)
-
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+A parallel text of ``reference_numpy/model.py``: its concepts, names, argument order, shape legend and masks
+(bool, True = may attend); the framework's idiom is listed in docs/ports.md.
 """
 
 from __future__ import annotations
@@ -30,8 +19,8 @@ from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
-from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
-from .layers import MIXED_POLICIES, _as_config, _build_all, _Dense, _one_input, _TransformerLayer, register
+from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
+from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _TransformerLayer, register
 from .precision import (
     attention_product,
     autocast_dtype,
@@ -39,7 +28,6 @@ from .precision import (
     float32_under_autocast,
     is_low,
     narrow,
-    parse_dtype,
     wide,
 )
 from .softmax import masked_softmax, zero_fully_masked_rows
@@ -99,14 +87,6 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
     return tf.matmul(a, b, transpose_b=True)
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 @register
@@ -337,7 +317,7 @@ class Generator(_TransformerLayer):
             if self.config.output_bias else None                           # (V,)
 
     def call(self, x):
-        return _generated(x, self._weight(), self._bias())
+        return log_softmax(_logits(x, self._weight(), self._bias()))
 
     def logits(self, x: tf.Tensor) -> tf.Tensor:
         """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
@@ -355,14 +335,6 @@ class Generator(_TransformerLayer):
     def _bias(self) -> tf.Tensor | None:
         """The (V,) bias of ``output_bias``, or None."""
         return None if self.bias is None else tf.convert_to_tensor(self.bias)
-
-
-def _generated(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
-    """log softmax(x W (+ b)) with a given (D, V) ``weight`` (a search reads it once) and (V,) ``bias`` or None.
-
-    Shape: x (..., D) -> (..., V).
-    """
-    return log_softmax(_logits(x, weight, bias))
 
 
 def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
@@ -534,12 +506,7 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
-        if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)) \
-                and dtype not in MIXED_POLICIES:                         # a policy: checked below
-            dtype = parse_dtype(dtype).name
-        super().__init__(config, dtype=dtype, **kwargs)
-        if autocast_dtype(self.dtype_policy) is None:                    # a mixed policy: the autocast recipe
-            parse_dtype(self.dtype_policy.name)                          # else one of the four
+        super().__init__(config, dtype=_checked_dtype(dtype), **kwargs)
         cfg, sub = self.config, self._sublayer_kwargs
         if cfg.share_embeddings:
             self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed"))

@@ -1,18 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
 
-A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
-framework idiom differs (``nn.Module`` parameters, ``nn.Linear``'s (out, in) weights, ``train()``/``eval()`` for
-dropout, section 5.4). In ``eval()`` mode the model computes the reference's function; the design notes are in
-docs/ports.md.
-
-Shape legend:
-    B: batch size          H: number of heads h        D: d_model
-    S: source length       T: target length            d_k: D / H
-    Tq, Tk: query and key lengths                      F: d_ff
-    V: vocabulary size     L: number of positions (config.max_len)
-    C: a key/value cache's capacity (:mod:`.incremental`)
-
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+A parallel text of ``reference_numpy/model.py``: its concepts, names, argument order, shape legend and masks
+(bool, True = may attend); the framework's idiom is listed in docs/ports.md.
 """
 
 from __future__ import annotations
@@ -39,6 +28,7 @@ from .incremental import (
     _checked_cache,
     _keys_values,
     _positions,
+    _returned,
     decoder_cache,
 )
 from .layers import _Linear, _linear, _normal_parameter
@@ -97,14 +87,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         return speed.attention(query, key, value, mask), None
     weights = masked_softmax(query @ key.transpose(-1, -2), mask, query.shape[-1])   # (..., Tq, Tk)
     return zero_fully_masked_rows(weights @ value, mask), (weights if return_weights else None)
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nn.Module):
