@@ -76,6 +76,12 @@ class _TransformerLayer(keras.layers.Layer):
     _STREAM = False
 
 
+class _Stream(_TransformerLayer):
+    """A layer of the residual stream (the encoder's and decoder's layers and stacks): float32 under a mixed policy."""
+
+    _STREAM = True
+
+
 def _as_config(config: TransformerConfig | dict) -> TransformerConfig:
     """The config given to a layer, or rebuilt from its dict (``from_config``)."""
     return config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)

@@ -20,7 +20,7 @@ from reference_numpy.precision import round_to
 
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
-from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _TransformerLayer, register
+from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _Stream, _TransformerLayer, register
 from .precision import (
     attention_product,
     autocast_dtype,
@@ -356,13 +356,11 @@ def log_softmax(x: tf.Tensor) -> tf.Tensor:
 # ----------------------------------------------------------------------------- layers and stacks
 
 @register
-class EncoderLayer(_TransformerLayer):
+class EncoderLayer(_Stream):
     """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -386,7 +384,7 @@ class EncoderLayer(_TransformerLayer):
 
 
 @register
-class DecoderLayer(_TransformerLayer):
+class DecoderLayer(_Stream):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
     With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
@@ -394,8 +392,6 @@ class DecoderLayer(_TransformerLayer):
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
     (B, T, D).
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -429,13 +425,11 @@ class DecoderLayer(_TransformerLayer):
 
 
 @register
-class Encoder(_TransformerLayer):
+class Encoder(_Stream):
     """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -453,14 +447,12 @@ class Encoder(_TransformerLayer):
 
 
 @register
-class Decoder(_TransformerLayer):
+class Decoder(_Stream):
     """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
     call returns ``(x, cache)``.
 
     Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
