@@ -67,8 +67,7 @@ def causal_mask(length: int) -> jax.Array:
 
 
 def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
-    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
-    (docs/ports.md).
+    """The causal mask and the target's padding mask, the start token read even when it is pad (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -134,8 +133,7 @@ class MultiHeadAttention(nnx.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: jax.Array, name: str) -> jax.Array:
-    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
-    ``gelu`` of :mod:`.variants`.
+    """The feed-forward network's ``config.activation``: ``relu``, max(0, x) -- Eq. (2); the others :mod:`.variants`'.
 
     Shape: (...) -> (...).
     """
@@ -163,8 +161,7 @@ class PositionwiseFeedForward(nnx.Module):
 
 
 class LayerNorm(nnx.LayerNorm):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
-    Ba et al. (2016), section 3.1.
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -182,8 +179,7 @@ class LayerNorm(nnx.LayerNorm):
 
 def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: LayerNorm,
              norm_first: bool, dropout: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
-    training drops the sublayer's output out (section 5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- 3.1 (its dropout: 5.4).
 
     Shape: x (B, T, D) -> (B, T, D).
     """
@@ -230,9 +226,8 @@ class _Constant(nnx.Variable):
 
 
 class PositionalEncoding(nnx.Module):
-    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
-    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
-    (counted ``by_step`` for the decoder's).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
+    the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -264,8 +259,7 @@ class PositionalEncoding(nnx.Module):
 
 
 class Generator(nnx.Module):
-    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
-    section 3.4.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
 
@@ -289,10 +283,7 @@ class Generator(nnx.Module):
         return log_softmax(self.logits(x))
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
-
-        Shape: x (B, T, D) -> (B, T, V_tgt).
-        """
+        """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
         dtype = weight.dtype if self.mixed is None else self.mixed      # autocast: x, W and b rounded to P
         logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)
@@ -335,10 +326,8 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
-
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
-    (B, T, D).
+    (B, T, D); with a ``cache`` (a self-attention's and the memory's, :mod:`.incremental`) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -385,10 +374,9 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
-    call returns ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
-    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D); with a ``cache`` (a pair per layer) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
