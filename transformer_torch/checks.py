@@ -91,7 +91,7 @@ def checked_forward_inputs(config: Any, src: Tensor | np.ndarray, tgt: Tensor | 
 
 
 def checked_source(config: Any, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
-                   device: torch.device | str | None = None) -> tuple[Tensor, Tensor | None]:
+                   device: torch.device) -> tuple[Tensor, Tensor | None]:
     """``encode``'s inputs as tensors on ``device``: the source ids after :func:`check_tokens`, ``src_mask`` (None
     stays None) after the reference's ``check_mask`` against the encoder's (B, H, S, S) scores (the reference's
     ``checked_source``)."""
@@ -103,7 +103,7 @@ def checked_source(config: Any, src: Tensor | np.ndarray, src_mask: Tensor | np.
 
 
 def checked_target(config: Any, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, model_dtype: str,
-                   device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+                   device: torch.device) -> tuple[Tensor, Tensor]:
     """``decode``'s inputs as tensors on ``device``: the target ids after :func:`check_tokens`, the encoder output
     after :func:`checked_memory` (the reference's ``checked_target``)."""
     tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len, device)
