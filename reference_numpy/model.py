@@ -430,11 +430,10 @@ class Transformer:
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        """Embed the shifted target and run the decoder stack; with a ``cache``, from its ``position`` on -- 3.2.3.
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
-        cache (default: causal over absolute positions).
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D), with a cache ``(out, cache)``; tgt_mask broadcastable to
+        (B, H, T, T), or (B, H, T, C) with a cache (default: causal over absolute positions).
         """
         tgt, memory = checked_target(self.config, tgt, memory, self.dtype.name)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position

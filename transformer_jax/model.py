@@ -447,11 +447,10 @@ class Transformer(nnx.Module):
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None, *,
                deterministic: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        """Embed the shifted target and run the decoder stack; with a ``cache``, from its ``position`` on -- 3.2.3.
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
-        cache (default: causal over absolute positions).
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D), with a cache ``(out, cache)``; tgt_mask broadcastable to
+        (B, H, T, T), or (B, H, T, C) with a cache (default: causal over absolute positions).
         """
         tgt, memory = checked_target(self.config, tgt, memory, self.param_dtype.name)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
