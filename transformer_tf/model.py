@@ -477,9 +477,8 @@ class Transformer(_TransformerLayer, keras.Model):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    TensorFlow: ``dtype`` a Keras dtype policy
-    ("float64", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16"); built on construction; weights
-    from :mod:`.checkpoint` or ``load_weights``.
+    TensorFlow: ``dtype`` a Keras dtype policy (the four dtypes' names, "mixed_bfloat16", "mixed_float16"); built on
+    construction; weights from :mod:`.checkpoint` or ``load_weights``.
     """
 
     input_dtype = "int64"                                               # token ids (Keras' property, overridden)
@@ -487,13 +486,9 @@ class Transformer(_TransformerLayer, keras.Model):
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
         super().__init__(config, dtype=_checked_dtype(dtype), **kwargs)
-        cfg, sub = self.config, self._sublayer_kwargs
-        if cfg.share_embeddings:
-            self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed"))
-            self.tgt_embed = self.src_embed
-        else:
-            self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("src_embed"))
-            self.tgt_embed = Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
+        cfg, sub, shared = self.config, self._sublayer_kwargs, self.config.share_embeddings
+        self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed" if shared else "src_embed"))
+        self.tgt_embed = self.src_embed if shared else Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
         self.src_pos = PositionalEncoding(cfg, **sub("src_pos"))
         self.tgt_pos = PositionalEncoding(cfg, **sub("tgt_pos"))
         self.src_embed_norm = LayerNorm(cfg, **sub("src_embed_norm")) if cfg.embedding_norm else None
