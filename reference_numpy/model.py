@@ -54,10 +54,7 @@ def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
 
 
 def causal_mask(length: int) -> np.ndarray:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     return np.tril(np.ones((length, length), dtype=bool))[None, None]
 
 
@@ -88,10 +85,7 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
 
 
 class Linear:
-    """Affine map y = x W + b, W stored (in, out) as in the checkpoint.
-
-    Shape: x (..., in) -> y (..., out).
-    """
+    """Affine map y = x W + b, W stored (in, out) as in the checkpoint. Shape: x (..., in) -> y (..., out)."""
 
     def __init__(self, params: Params, name: str):
         self.weight = params[f"{name}.weight"]  # (in, out)
@@ -223,10 +217,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLi
 
 
 class Embeddings:
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.weight = params[f"{name}.weight"]  # (V, D)

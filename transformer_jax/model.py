@@ -59,10 +59,7 @@ def padding_mask(tokens: npt.ArrayLike, pad_id: int) -> jax.Array:
 
 
 def causal_mask(length: int) -> jax.Array:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
 
 
@@ -206,10 +203,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike =
 
 
 class Embeddings(nnx.Embed):
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs,
                  param_dtype: DTypeLike | None = None):

@@ -47,10 +47,7 @@ def padding_mask(tokens: tf.Tensor, pad_id: int) -> tf.Tensor:
 
 
 def causal_mask(length: Index) -> tf.Tensor:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     position = tf.range(length)
     return (position[:, None] >= position[None, :])[None, None]
 
@@ -231,10 +228,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
 
 @register
 class Embeddings(_TransformerLayer):
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig | dict, vocab_size: int, **kwargs: Any) -> None:
         super().__init__(config, **float32_under_autocast(kwargs))

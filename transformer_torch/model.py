@@ -50,10 +50,7 @@ def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
 
 
 def causal_mask(length: int, device: torch.device | str | None = None) -> Tensor:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
 
 
@@ -199,10 +196,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
 
 
 class Embeddings(nn.Module):
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int):
         super().__init__()
