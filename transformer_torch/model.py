@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reference_numpy import model as reference
@@ -31,8 +30,8 @@ from .incremental import (
     _returned,
     decoder_cache,
 )
-from .layers import _Linear, _linear, _normal_parameter
-from .precision import LOW, computed_wide, dtype_name, from_numpy, narrow, wide
+from .layers import _embedding, _Linear, _linear, _normal_parameter
+from .precision import computed_wide, dtype_name, from_numpy, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
@@ -204,14 +203,7 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
     def forward(self, tokens: Tensor) -> Tensor:
-        weight = self.weight
-        if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():
-            # torch's embedding backward would sum a row's gradients in P; looked up wide, they sum wide (the
-            # recipe, reference_numpy/backward.py), and the exact round trip through P rounds each one first
-            rows = wide(narrow(F.embedding(tokens, wide(weight)), weight.dtype))     # (B, T, D)
-        else:
-            rows = wide(F.embedding(tokens, weight))                                    # (B, T, D)
-        return narrow(rows * self.scale, weight.dtype)
+        return narrow(_embedding(tokens, self.weight) * self.scale, self.weight.dtype)
 
 
 class PositionalEncoding(nn.Module):
