@@ -30,7 +30,7 @@ from .incremental import (
     _returned,
     decoder_cache,
 )
-from .layers import _embedding, _Linear, _linear, _normal_parameter
+from .layers import _embedding, _Linear, _linear, _Model, _normal_parameter
 from .precision import computed_wide, dtype_name, from_numpy, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
@@ -374,15 +374,12 @@ class Decoder(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-class Transformer(nn.Module):
+class Transformer(_Model):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
-
-    PyTorch: weights from :mod:`.checkpoint`; ``model(src, tgt)`` checks the ids on the host before a compiled
-    ``forward``.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -397,14 +394,6 @@ class Transformer(nn.Module):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         self.generator = Generator(config, self.tgt_embed if config.share_embeddings else None)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.src_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.src_embed.weight.device
 
     def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None) -> Tensor:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
