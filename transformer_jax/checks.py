@@ -123,3 +123,10 @@ def check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
         raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
                          f"dtype (mixed precision), got {parsed.name}")
     return parsed
+
+
+def checked_dtypes(dtype: DTypeLike, param_dtype: DTypeLike | None) -> tuple[np.dtype, np.dtype]:
+    """A model's ``dtype`` (``device._check_dtype``) and ``param_dtype``: ``dtype`` unless given, else
+    :func:`check_param_dtype`'s."""
+    dtype = _check_dtype(dtype)
+    return dtype, dtype if param_dtype is None else check_param_dtype(dtype, param_dtype)

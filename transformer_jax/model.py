@@ -23,25 +23,16 @@ from reference_numpy.config import TransformerConfig
 
 from . import speed
 from .checks import (
-    check_param_dtype,
     checked_decoder_masks,
+    checked_dtypes,
     checked_forward_inputs,
     checked_mask,
     checked_source,
     checked_target,
 )
-from .device import _check_dtype
 from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
-from .layers import _PRECISION, _dropout, _linear, _matmul
-from .precision import (
-    attention_product,
-    autocast_dtype,
-    computation,
-    computed_wide,
-    narrow,
-    storage,
-    wide,
-)
+from .layers import _affine, _Constant, _dropout, _linear, _matmul
+from .precision import attention_product, autocast_dtype, computation, computed_wide, narrow, storage, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
@@ -215,10 +206,6 @@ class Embeddings(nnx.Embed):
         return narrow(super().__call__(tokens) * self.scale, self.param_dtype)
 
 
-class _Constant(nnx.Variable):
-    """A fixed array of the model's state, never trained (the sinusoidal table)."""
-
-
 class PositionalEncoding(nnx.Module):
     """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
     the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
@@ -280,11 +267,7 @@ class Generator(nnx.Module):
         """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
         dtype = weight.dtype if self.mixed is None else self.mixed      # autocast: x, W and b rounded to P
-        logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)
-        if self.bias is not None:
-            logits = logits + wide(narrow(self.bias[...], dtype))
-        logits = narrow(logits, dtype)                                  # (B, T, V)
-        return wide(logits)
+        return wide(_affine(x, weight, None if self.bias is None else self.bias[...], dtype))   # (B, T, V)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
@@ -387,8 +370,7 @@ class Decoder(nnx.Module):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
             else:
-                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i],
-                                       deterministic=deterministic)
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], deterministic=deterministic)
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
@@ -403,19 +385,16 @@ class Transformer(nnx.Module):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    JAX: ``dtype`` float64 (needs ``jax_enable_x64``), float32, bfloat16 or float16; ``param_dtype`` float32 beside
-    bfloat16 or float16 is Flax's mixed precision; weights random (``rngs``) until loaded by :mod:`.checkpoint`.
+    JAX: ``dtype`` float64 (``jax_enable_x64``), float32, bfloat16, float16; ``param_dtype`` float32 beside P: mixed.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float64, rngs: nnx.Rngs,
                  param_dtype: DTypeLike | None = None):
         self.config = config
-        self.dtype = _check_dtype(dtype)
-        self.param_dtype = self.dtype if param_dtype is None else check_param_dtype(self.dtype, param_dtype)
+        self.dtype, self.param_dtype = checked_dtypes(dtype, param_dtype)
         kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs, "param_dtype": self.param_dtype}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
-        self.tgt_embed = self.src_embed if config.share_embeddings \
-            else Embeddings(config, config.tgt_vocab_size, **kw)
+        self.tgt_embed = self.src_embed if config.share_embeddings else Embeddings(config, config.tgt_vocab_size, **kw)
         self.src_pos = PositionalEncoding(config, **kw)
         self.tgt_pos = PositionalEncoding(config, **kw)
         self.src_embed_norm = LayerNorm(config, **kw) if config.embedding_norm else None
@@ -454,8 +433,7 @@ class Transformer(nnx.Module):
                                                    tgt_mask)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, deterministic=deterministic)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
-        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache,
-                            deterministic=deterministic)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, deterministic=deterministic)
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, *, deterministic: bool | None = None) -> jax.Array:

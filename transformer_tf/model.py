@@ -21,15 +21,7 @@ from reference_numpy.precision import round_to
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
 from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _Stream, _TransformerLayer, register
-from .precision import (
-    attention_product,
-    autocast_dtype,
-    computed_wide,
-    float32_under_autocast,
-    is_low,
-    narrow,
-    wide,
-)
+from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, is_low, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
