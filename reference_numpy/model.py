@@ -133,7 +133,7 @@ class MultiHeadAttention:
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: np.ndarray, name: str) -> np.ndarray:
-    """The feed-forward network's ``config.activation``: ``relu``, max(0, x) -- Eq. (2); the others :mod:`.variants`'.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """

@@ -121,7 +121,7 @@ class MultiHeadAttention(nnx.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: jax.Array, name: str) -> jax.Array:
-    """The feed-forward network's ``config.activation``: ``relu``, max(0, x) -- Eq. (2); the others :mod:`.variants`'.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """

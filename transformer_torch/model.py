@@ -122,7 +122,7 @@ class MultiHeadAttention(nn.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: Tensor, name: str) -> Tensor:
-    """The feed-forward network's ``config.activation``: ``relu``, max(0, x) -- Eq. (2); the others :mod:`.variants`'.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
