@@ -160,6 +160,24 @@ def checked_memory(memory: object, batch: int | None, d_model: int, model_dtype:
     return memory
 
 
+def checked_source(config: TransformerConfig, src: object, src_mask: object) -> tuple[np.ndarray, np.ndarray | None]:
+    """``encode``'s inputs: the source ids after :func:`check_tokens`, ``src_mask`` (None stays None) after
+    :func:`check_mask` against the encoder's (B, H, S, S) scores."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    if src_mask is not None:
+        (batch, length), heads = src.shape, config.n_heads
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
+    return src, src_mask
+
+
+def checked_target(config: TransformerConfig, tgt: object, memory: object, model_dtype: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``decode``'s inputs: the target ids after :func:`check_tokens`, the encoder output after
+    :func:`checked_memory`."""
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    return tgt, checked_memory(memory, len(tgt), config.d_model, model_dtype)
+
+
 def checked_decoder_masks(config: TransformerConfig, tgt_shape: tuple, memory_length: int, keys: int,
                           src_mask: object, tgt_mask: object) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``decode``'s masks (None stays None) after :func:`check_mask`: ``src_mask`` against the decoder's

@@ -1,8 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in plain NumPy.
 
-The math every port is checked against: each concept of section 3 one short function or class, in the order of
-the paper. Parameters come from the flat checkpoint dictionary (docs/checkpoint-format.md; every projection stored
-(in, out), y = x W + b); low precisions follow :mod:`.precision`; the design notes are in docs/ports.md.
+The math every port is checked against, section 3 in the paper's order; parameters from the flat checkpoint
+dictionary (docs/checkpoint-format.md), low precisions by :mod:`.precision`, the design notes in docs/ports.md.
 
 Shape legend:
     B: batch size          H: number of heads h        D: d_model
@@ -23,9 +22,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .config import TransformerConfig
-from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
+from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
 from .precision import (
     attention_product,
     cast,
@@ -55,16 +54,12 @@ def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
 
 
 def causal_mask(length: int) -> np.ndarray:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     return np.tril(np.ones((length, length), dtype=bool))[None, None]
 
 
 def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
-    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
-    (docs/ports.md).
+    """The causal mask and the target's padding mask, the start token read even when it is pad (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -90,10 +85,7 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
 
 
 class Linear:
-    """Affine map y = x W + b, W stored (in, out) as in the checkpoint.
-
-    Shape: x (..., in) -> y (..., out).
-    """
+    """Affine map y = x W + b, W stored (in, out) as in the checkpoint. Shape: x (..., in) -> y (..., out)."""
 
     def __init__(self, params: Params, name: str):
         self.weight = params[f"{name}.weight"]  # (in, out)
@@ -102,14 +94,6 @@ class Linear:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
         return narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + wide(cast(self.bias, dtype)), dtype)
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention:
@@ -149,8 +133,7 @@ class MultiHeadAttention:
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: np.ndarray, name: str) -> np.ndarray:
-    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
-    ``gelu`` of :mod:`.variants`.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -177,8 +160,7 @@ class PositionwiseFeedForward:
 
 
 class LayerNorm:
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
-    Ba et al. (2016), section 3.1.
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -198,8 +180,7 @@ class LayerNorm:
 
 def residual(x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray], norm: LayerNorm,
              norm_first: bool) -> np.ndarray:
-    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
-    training drops the sublayer's output out (section 5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- 3.1 (its dropout: 5.4).
 
     Shape: x (B, T, D) -> (B, T, D).
     """
@@ -236,10 +217,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: npt.DTypeLi
 
 
 class Embeddings:
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
         self.weight = params[f"{name}.weight"]  # (V, D)
@@ -250,9 +228,8 @@ class Embeddings:
 
 
 class PositionalEncoding:
-    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
-    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
-    (counted ``by_step`` for the decoder's).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
+    the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -275,8 +252,7 @@ class PositionalEncoding:
 
 
 class Generator:
-    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
-    section 3.4.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
     """
@@ -292,10 +268,7 @@ class Generator:
         return log_softmax(self.logits(x)).astype(score_dtype(self.weight.dtype))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
-
-        Shape: x (B, T, D) -> (B, T, V_tgt).
-        """
+        """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         dtype = product_dtype(self.weight.dtype)                        # P under autocast: x, W and b rounded to P
         bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))
         logits = narrow(wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias, dtype)   # (B, T, V)
@@ -331,10 +304,8 @@ class EncoderLayer:
 class DecoderLayer:
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
-
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
-    (B, T, D).
+    (B, T, D); with a ``cache`` (a self-attention's and the memory's, :mod:`.incremental`) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -376,10 +347,9 @@ class Encoder:
 
 
 class Decoder:
-    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
-    call returns ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
-    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D); with a ``cache`` (a pair per layer) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, params: Params, name: str):
@@ -438,11 +408,9 @@ class Transformer:
 
     def encode(self, src: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask)
@@ -453,14 +421,12 @@ class Transformer:
 
     def decode(self, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray | None = None,
                tgt_mask: np.ndarray | None = None, cache: tuple | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        """Embed the shifted target and run the decoder stack; with a ``cache``, from its ``position`` on -- 3.2.3.
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
-        cache (default: causal over absolute positions).
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D), with a cache ``(out, cache)``; tgt_mask broadcastable to
+        (B, H, T, T), or (B, H, T, C) with a cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, len(tgt), self.config.d_model, self.dtype.name)
+        tgt, memory = checked_target(self.config, tgt, memory, self.dtype.name)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -482,7 +448,3 @@ class Transformer:
                       ) -> tuple[np.ndarray, np.ndarray]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
-
-    def _check_tokens(self, name: str, tokens: object, vocab_size: int) -> np.ndarray:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""
-        return check_tokens(name, tokens, vocab_size, self.config.max_len)

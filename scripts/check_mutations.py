@@ -213,9 +213,9 @@ SINGLE = [
            FUZZ),
     single("fuzz", "torch: the encoder's source mask hides min(pad_id, eos_id) (wrong only when pad_id > eos_id)",
            "transformer_torch/model.py",
-           "            src_mask = padding_mask(src, self.config.pad_id)\n        (batch, length), heads",
+           "            src_mask = padding_mask(src, self.config.pad_id)\n        x = self.src_pos",
            "            src_mask = padding_mask(src, min(self.config.pad_id, self.config.eos_id))\n"
-           "        (batch, length), heads", FUZZ),
+           "        x = self.src_pos", FUZZ),
     # The select that guards a one-term product (the next mutation) stands between the scaled scores and the
     # subtraction too, and alone keeps this bug from showing: it goes with it, as the code was when the case was found.
     Mutation("fuzz", "jax: the scores scaled before their row maximum, no select between them and the subtraction "
@@ -384,8 +384,8 @@ _TARGET_SCALED = {
          "else Embeddings(config.replace(scale_embeddings=True), config.tgt_vocab_size)"),
     JM: ("else Embeddings(config, config.tgt_vocab_size, **kw)",
          "else Embeddings(config.replace(scale_embeddings=True), config.tgt_vocab_size, **kw)"),
-    FM: ('self.tgt_embed = Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))',
-         'self.tgt_embed = Embeddings(cfg.replace(scale_embeddings=True), cfg.tgt_vocab_size, **sub("tgt_embed"))'),
+    FM: ('else Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))',
+         'else Embeddings(cfg.replace(scale_embeddings=True), cfg.tgt_vocab_size, **sub("tgt_embed"))'),
 }
 EMBEDDING_CHOICES = [
     single("embedding-scale", "torch: separate target embeddings scaled by sqrt(d_model) whatever scale_embeddings "
@@ -468,8 +468,8 @@ CHOICES = [
     consistent("output-bias", "the logits bias dropped", [
         (RM, "bias = 0.0 if self.bias is None else wide(cast(self.bias, dtype))", "bias = 0.0"),
         (TM, "return wide(_linear(x, weight, self.bias))", "return wide(_linear(x, weight))"),
-        (JM, "        if self.bias is not None:\n            logits = logits + wide(narrow(self.bias[...], dtype))",
-         "        if False:\n            logits = logits + wide(narrow(self.bias[...], dtype))"),
+        (JM, "return wide(_affine(x, weight, None if self.bias is None else self.bias[...], dtype))",
+         "return wide(_affine(x, weight, None, dtype))"),
         (FM, "    if bias is not None:\n        logits = logits + wide(bias)",
          "    if False:\n        logits = logits + wide(bias)"),
     ], CHOICES_ORACLE + ["-k", "logits_bias_by_hand"], agreement("marian")),
@@ -1077,13 +1077,13 @@ PRECISION = [
          "logits = wide(cast(x, dtype)) @ wide(cast(self.weight, dtype)) + bias"),
         (TM, "return wide(_linear(x, weight, self.bias))",
          "return _linear(wide(x), wide(weight), None if self.bias is None else wide(self.bias))"),
-        (JM, "logits = narrow(logits, dtype)", "logits = logits"),
+        (JL, "    return narrow(logits, dtype)", "    return logits"),
         (FM, "logits = narrow(logits, x.dtype)", "logits = logits"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "torch: the embedding's gradient rows summed in P (torch's own embedding backward)",
-           "transformer_torch/model.py",
-           "        if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():",
-           "        if False:",
+           "transformer_torch/layers.py",
+           "    if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():",
+           "    if False:",
            ["tests/equivalence/test_gradients.py", "-k", "hundreds and torch"]),
     single("precision", "torch: the schedule stepped on a skipped float16 step (Adam's t and Eq. (3)'s count part)",
            "transformer_torch/training.py", "        taken = scaler.get_scale() >= scale", "        taken = True",
@@ -1201,10 +1201,10 @@ LINEAR_MAPS_IN_P = [
                     "                return wide(_linear(x.float(), narrow(weight, low),\n"
                     "                                    None if self.bias is None else narrow(self.bias, low)))\n"
                     + _TORCH_LOGITS),
-                   (JM, "logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)",
+                   (JL, "logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)",
                     "logits = jnp.matmul(wide(x), wide(narrow(weight, dtype)), precision=_PRECISION)"),
-                   (FM, "        return _generated(x, self._weight(), self._bias())",
-                    "        return _generated(x, self._weight(), self._bias())\n\n    _STREAM = True"),
+                   (FM, "        return log_softmax(_logits(x, self._weight(), self._bias()))",
+                    "        return log_softmax(_logits(x, self._weight(), self._bias()))\n\n    _STREAM = True"),
                    (FM, "    logits = narrow(logits, x.dtype)  ", "    logits = narrow(logits, weight.dtype)  "),
                ], [*LINEAR_MAPS, "-k", "model"], ["tests/ports/test_mixed_precision.py", "-k", "test_forward_stages"]),
 ]

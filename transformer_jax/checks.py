@@ -82,6 +82,25 @@ def checked_forward_inputs(config: Any, src: npt.ArrayLike, tgt: npt.ArrayLike, 
     return src, tgt
 
 
+def checked_source(config: Any, src: npt.ArrayLike, src_mask: npt.ArrayLike | None
+                   ) -> tuple[jax.Array, jax.Array | None]:
+    """``encode``'s inputs: the source ids after :func:`check_tokens`, ``src_mask`` (None stays None) after the
+    reference's ``check_mask`` against the encoder's (B, H, S, S) scores (the reference's ``checked_source``)."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    if src_mask is not None:
+        (batch, length), heads = src.shape, config.n_heads
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
+    return src, src_mask
+
+
+def checked_target(config: Any, tgt: npt.ArrayLike, memory: npt.ArrayLike, model_dtype: str
+                   ) -> tuple[jax.Array, jax.Array]:
+    """``decode``'s inputs: the target ids after :func:`check_tokens`, the encoder output after
+    :func:`checked_memory` (the reference's ``checked_target``)."""
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    return tgt, checked_memory(memory, tgt.shape[0], config.d_model, model_dtype)
+
+
 def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int, src_mask: npt.ArrayLike | None,
                           tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array | None, jax.Array | None]:
     """``decode``'s masks (None stays None) after the reference's ``check_mask``: ``src_mask`` against the decoder's
@@ -104,3 +123,10 @@ def check_param_dtype(dtype: np.dtype, param_dtype: DTypeLike) -> np.dtype:
         raise ValueError(f"param_dtype must be the dtype ({dtype.name}) or float32 beside a bfloat16 or float16 "
                          f"dtype (mixed precision), got {parsed.name}")
     return parsed
+
+
+def checked_dtypes(dtype: DTypeLike, param_dtype: DTypeLike | None) -> tuple[np.dtype, np.dtype]:
+    """A model's ``dtype`` (``device._check_dtype``) and ``param_dtype``: ``dtype`` unless given, else
+    :func:`check_param_dtype`'s."""
+    dtype = _check_dtype(dtype)
+    return dtype, dtype if param_dtype is None else check_param_dtype(dtype, param_dtype)

@@ -70,6 +70,7 @@ from reference_numpy.decoding import (
 )
 from reference_numpy.precision import score_dtype
 
+from .checks import check_tokens
 from .incremental import KVCache, at_position
 from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .speed import _EXACT_ROUNDING, _split, _Structure
@@ -240,7 +241,7 @@ def _step(model: Transformer, tokens: jax.Array, step: jax.Array, memory: jax.Ar
 
 def _checked_source(model: Transformer, src: npt.ArrayLike) -> jax.Array:
     """The source after the reference's checks (ids too, before any compiled code)."""
-    return model._check_tokens("src", src, model.config.src_vocab_size)
+    return check_tokens("src", src, model.config.src_vocab_size, model.config.max_len)
 
 
 def _start_tokens(config: TransformerConfig, rows: int, max_steps: int) -> jax.Array:

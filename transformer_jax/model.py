@@ -1,18 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in JAX with Flax NNX.
 
-A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
-framework idiom differs (constructors take the config, then ``dtype`` and ``rngs`` as keywords; dropout, section
-5.4, off unless ``deterministic=False``; every matmul at ``precision=HIGHEST``). The design notes are in
-docs/ports.md.
-
-Shape legend:
-    B: batch size          H: number of heads h        D: d_model
-    S: source length       T: target length            d_k: D / H
-    Tq, Tk: query and key lengths                      F: d_ff
-    V: vocabulary size     L: number of positions (config.max_len)
-    C: a key/value cache's capacity (:mod:`.incremental`)
-
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+A parallel text of ``reference_numpy/model.py``: its concepts, names, argument order, shape legend and masks
+(bool, True = may attend); the framework's idiom is listed in docs/ports.md.
 """
 
 from __future__ import annotations
@@ -34,25 +23,16 @@ from reference_numpy.config import TransformerConfig
 
 from . import speed
 from .checks import (
-    check_param_dtype,
-    check_tokens,
     checked_decoder_masks,
+    checked_dtypes,
     checked_forward_inputs,
     checked_mask,
-    checked_memory,
+    checked_source,
+    checked_target,
 )
-from .device import _check_dtype
-from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
-from .layers import _PRECISION, _dropout, _linear, _matmul
-from .precision import (
-    attention_product,
-    autocast_dtype,
-    computation,
-    computed_wide,
-    narrow,
-    storage,
-    wide,
-)
+from .incremental import KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
+from .layers import _affine, _Constant, _dropout, _linear, _matmul
+from .precision import attention_product, autocast_dtype, computation, computed_wide, narrow, storage, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
@@ -70,16 +50,12 @@ def padding_mask(tokens: npt.ArrayLike, pad_id: int) -> jax.Array:
 
 
 def causal_mask(length: int) -> jax.Array:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
 
 
 def target_mask(tgt: npt.ArrayLike, pad_id: int) -> jax.Array:
-    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
-    (docs/ports.md).
+    """The causal mask and the target's padding mask, the start token read even when it is pad (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -104,14 +80,6 @@ def scaled_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Ar
         mask = checked_mask("mask", mask, scores.shape)
     weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
     return zero_fully_masked_rows(attention_product(_matmul, weights, value, dtype), mask), weights
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nnx.Module):
@@ -153,8 +121,7 @@ class MultiHeadAttention(nnx.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: jax.Array, name: str) -> jax.Array:
-    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
-    ``gelu`` of :mod:`.variants`.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -182,8 +149,7 @@ class PositionwiseFeedForward(nnx.Module):
 
 
 class LayerNorm(nnx.LayerNorm):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
-    Ba et al. (2016), section 3.1.
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -201,8 +167,7 @@ class LayerNorm(nnx.LayerNorm):
 
 def residual(x: jax.Array, sublayer: Callable[[jax.Array], jax.Array], norm: LayerNorm,
              norm_first: bool, dropout: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
-    training drops the sublayer's output out (section 5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- 3.1 (its dropout: 5.4).
 
     Shape: x (B, T, D) -> (B, T, D).
     """
@@ -229,10 +194,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike =
 
 
 class Embeddings(nnx.Embed):
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, *, dtype: DTypeLike, rngs: nnx.Rngs,
                  param_dtype: DTypeLike | None = None):
@@ -244,14 +206,9 @@ class Embeddings(nnx.Embed):
         return narrow(super().__call__(tokens) * self.scale, self.param_dtype)
 
 
-class _Constant(nnx.Variable):
-    """A fixed array of the model's state, never trained (the sinusoidal table)."""
-
-
 class PositionalEncoding(nnx.Module):
-    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
-    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
-    (counted ``by_step`` for the decoder's).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
+    the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -283,8 +240,7 @@ class PositionalEncoding(nnx.Module):
 
 
 class Generator(nnx.Module):
-    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
-    section 3.4.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
 
@@ -308,17 +264,10 @@ class Generator(nnx.Module):
         return log_softmax(self.logits(x))
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
-
-        Shape: x (B, T, D) -> (B, T, V_tgt).
-        """
+        """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         weight = self.weight[...] if self.embeddings is None else self.embeddings.embedding[...].T  # (D, V)
         dtype = weight.dtype if self.mixed is None else self.mixed      # autocast: x, W and b rounded to P
-        logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)
-        if self.bias is not None:
-            logits = logits + wide(narrow(self.bias[...], dtype))
-        logits = narrow(logits, dtype)                                  # (B, T, V)
-        return wide(logits)
+        return wide(_affine(x, weight, None if self.bias is None else self.bias[...], dtype))   # (B, T, V)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
@@ -354,10 +303,8 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
-
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
-    (B, T, D).
+    (B, T, D); with a ``cache`` (a self-attention's and the memory's, :mod:`.incremental`) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -404,10 +351,9 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
-    call returns ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
-    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D); with a ``cache`` (a pair per layer) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs,
@@ -424,8 +370,7 @@ class Decoder(nnx.Module):
             if cache is None:
                 x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic)
             else:
-                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i],
-                                       deterministic=deterministic)
+                x, layer_cache = layer(x, memory, src_mask, tgt_mask, cache[i], deterministic=deterministic)
                 kept.append(layer_cache)
         x = self.norm(x) if self.norm is not None else x
         return x if cache is None else (x, tuple(kept))
@@ -440,19 +385,16 @@ class Transformer(nnx.Module):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    JAX: ``dtype`` float64 (needs ``jax_enable_x64``), float32, bfloat16 or float16; ``param_dtype`` float32 beside
-    bfloat16 or float16 is Flax's mixed precision; weights random (``rngs``) until loaded by :mod:`.checkpoint`.
+    JAX: ``dtype`` float64 (``jax_enable_x64``), float32, bfloat16, float16; ``param_dtype`` float32 beside P: mixed.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float64, rngs: nnx.Rngs,
                  param_dtype: DTypeLike | None = None):
         self.config = config
-        self.dtype = _check_dtype(dtype)
-        self.param_dtype = self.dtype if param_dtype is None else check_param_dtype(self.dtype, param_dtype)
+        self.dtype, self.param_dtype = checked_dtypes(dtype, param_dtype)
         kw: dict[str, Any] = {"dtype": self.dtype, "rngs": rngs, "param_dtype": self.param_dtype}
         self.src_embed = Embeddings(config, config.src_vocab_size, **kw)
-        self.tgt_embed = self.src_embed if config.share_embeddings \
-            else Embeddings(config, config.tgt_vocab_size, **kw)
+        self.tgt_embed = self.src_embed if config.share_embeddings else Embeddings(config, config.tgt_vocab_size, **kw)
         self.src_pos = PositionalEncoding(config, **kw)
         self.tgt_pos = PositionalEncoding(config, **kw)
         self.src_embed_norm = LayerNorm(config, **kw) if config.embedding_norm else None
@@ -464,11 +406,9 @@ class Transformer(nnx.Module):
     def encode(self, src: jax.Array, src_mask: jax.Array | None = None, *,
                deterministic: bool | None = None) -> jax.Array:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, deterministic=deterministic)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask, deterministic=deterministic)
@@ -480,14 +420,12 @@ class Transformer(nnx.Module):
     def decode(self, tgt: jax.Array, memory: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None, *,
                deterministic: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        """Embed the shifted target and run the decoder stack; with a ``cache``, from its ``position`` on -- 3.2.3.
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
-        cache (default: causal over absolute positions).
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D), with a cache ``(out, cache)``; tgt_mask broadcastable to
+        (B, H, T, T), or (B, H, T, C) with a cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.param_dtype.name)
+        tgt, memory = checked_target(self.config, tgt, memory, self.param_dtype.name)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -495,8 +433,7 @@ class Transformer(nnx.Module):
                                                    tgt_mask)
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, deterministic=deterministic)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
-        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache,
-                            deterministic=deterministic)
+        return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, deterministic=deterministic)
 
     def __call__(self, src: jax.Array, tgt: jax.Array, src_mask: jax.Array | None = None,
                  tgt_mask: jax.Array | None = None, *, deterministic: bool | None = None) -> jax.Array:
@@ -511,7 +448,3 @@ class Transformer(nnx.Module):
                       tgt_mask: npt.ArrayLike | None) -> tuple[jax.Array, jax.Array]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
-
-    def _check_tokens(self, name: str, tokens: npt.ArrayLike, vocab_size: int) -> jax.Array:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known)."""
-        return check_tokens(name, tokens, vocab_size, self.config.max_len)

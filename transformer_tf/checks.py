@@ -82,6 +82,23 @@ def checked_forward_inputs(config: Any, src: tf.Tensor, tgt: tf.Tensor, src_mask
     return src, tgt
 
 
+def checked_source(config: Any, src: tf.Tensor, src_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """``encode``'s inputs: the source ids after :func:`check_tokens`, ``src_mask`` (None stays None) after the
+    reference's ``check_mask`` against the encoder's (B, H, S, S) scores (the reference's ``checked_source``)."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len)
+    if src_mask is not None:
+        (batch, length), heads = src.shape, config.n_heads
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
+    return src, src_mask
+
+
+def checked_target(config: Any, tgt: tf.Tensor, memory: tf.Tensor, model_dtype: str) -> tuple[tf.Tensor, tf.Tensor]:
+    """``decode``'s inputs: the target ids after :func:`check_tokens`, the encoder output after
+    :func:`checked_memory` (the reference's ``checked_target``)."""
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len)
+    return tgt, checked_memory(memory, tgt.shape[0], config.d_model, model_dtype)
+
+
 def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int, src_mask: tf.Tensor | None,
                           tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor | None, tf.Tensor | None]:
     """``decode``'s masks (None stays None) after the reference's ``check_mask``: ``src_mask`` against the decoder's

@@ -67,7 +67,7 @@ from reference_numpy.precision import score_dtype
 
 from .device import model_device
 from .incremental import Index, KVCache, at_position
-from .model import Transformer, _generated, _logits, causal_mask, log_softmax, padding_mask
+from .model import Transformer, _logits, causal_mask, log_softmax, padding_mask
 from .precision import wide
 from .speed import _xla_keeps_roundings
 
@@ -211,7 +211,7 @@ def _log_probs_at(model: Transformer, out: tf.Tensor, position: Index, weight: t
     Shape: out (N, T, D) -> (N, V).
     ``weight`` is the generator's (D, V) weight (``Generator._weight``, float32 for a low precision),
     given so that a search reads it once, not at every step (TensorFlow only: XLA does not hoist it)."""
-    return _emittable(model.config, _generated(out[:, position], weight, model.generator._bias()))   # (N, V)
+    return _emittable(model.config, log_softmax(_logits(out[:, position], weight, model.generator._bias())))  # (N, V)
 
 
 def _logits_at(model: Transformer, out: tf.Tensor, position: Index, weight: tf.Tensor) -> tf.Tensor:

@@ -16,10 +16,22 @@ import tensorflow as tf
 
 from reference_numpy.config import TransformerConfig
 
-from .precision import narrow, wide
+from .precision import autocast_dtype, narrow, parse_dtype, wide
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
+
+
+def _checked_dtype(dtype: Any) -> Any:
+    """``Transformer``'s ``dtype`` for Keras: one of the four dtypes of ``parse_dtype`` by name, or a dtype policy (a
+    mixed one's name, a ``keras.DTypePolicy`` or its config, None: Keras' global one) that computes by the autocast
+    recipe (a mixed policy) or in one of the four."""
+    if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)) and dtype not in MIXED_POLICIES:
+        return parse_dtype(dtype).name
+    policy = keras.dtype_policies.get(dtype)
+    if autocast_dtype(policy) is None:
+        parse_dtype(policy.name)
+    return dtype
 
 
 @register
@@ -62,6 +74,12 @@ class _TransformerLayer(keras.layers.Layer):
         return self.dtype_policy.variable_dtype if self._STREAM else self.compute_dtype
 
     _STREAM = False
+
+
+class _Stream(_TransformerLayer):
+    """A layer of the residual stream (the encoder's and decoder's layers and stacks): float32 under a mixed policy."""
+
+    _STREAM = True
 
 
 def _as_config(config: TransformerConfig | dict) -> TransformerConfig:

@@ -1,18 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Keras 3 layers.
 
-A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
-framework idiom differs (weights created in ``build()``, the config in ``get_config()``, ``training=`` for dropout,
-section 5.4, the dtype from the Keras dtype policy; masks are plain inputs, never Keras' ``_keras_mask``), its
-plumbing in :mod:`.layers`. The design notes are in docs/ports.md.
-
-Shape legend:
-    B: batch size          H: number of heads h        D: d_model
-    S: source length       T: target length            d_k: D / H
-    Tq, Tk: query and key lengths                      F: d_ff
-    V: vocabulary size     L: number of positions (config.max_len)
-    C: a key/value cache's capacity (:mod:`.incremental`)
-
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+A parallel text of ``reference_numpy/model.py``: its concepts, names, argument order, shape legend and masks
+(bool, True = may attend); the framework's idiom is listed in docs/ports.md.
 """
 
 from __future__ import annotations
@@ -29,19 +18,10 @@ from numpy.typing import DTypeLike
 from reference_numpy.config import TransformerConfig
 from reference_numpy.precision import round_to
 
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
-from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, decoder_cache
-from .layers import MIXED_POLICIES, _as_config, _build_all, _Dense, _one_input, _TransformerLayer, register
-from .precision import (
-    attention_product,
-    autocast_dtype,
-    computed_wide,
-    float32_under_autocast,
-    is_low,
-    narrow,
-    parse_dtype,
-    wide,
-)
+from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
+from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
+from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _Stream, _TransformerLayer, register
+from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, is_low, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
@@ -59,17 +39,13 @@ def padding_mask(tokens: tf.Tensor, pad_id: int) -> tf.Tensor:
 
 
 def causal_mask(length: Index) -> tf.Tensor:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     position = tf.range(length)
     return (position[:, None] >= position[None, :])[None, None]
 
 
 def target_mask(tgt: tf.Tensor, pad_id: int) -> tf.Tensor:
-    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
-    (docs/ports.md).
+    """The causal mask and the target's padding mask, the start token read even when it is pad (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -99,14 +75,6 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
     return tf.matmul(a, b, transpose_b=True)
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 @register
@@ -154,8 +122,7 @@ class MultiHeadAttention(_TransformerLayer):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: tf.Tensor, name: str) -> tf.Tensor:
-    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
-    ``gelu`` of :mod:`.variants`.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -188,8 +155,7 @@ class PositionwiseFeedForward(_TransformerLayer):
 
 @register
 class LayerNorm(keras.layers.LayerNormalization):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
-    Ba et al. (2016), section 3.1.
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -209,8 +175,7 @@ class LayerNorm(keras.layers.LayerNormalization):
 
 def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: LayerNorm, norm_first: bool,
              dropout: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
-    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
-    training drops the sublayer's output out (section 5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- 3.1 (its dropout: 5.4).
 
     Shape: x (B, T, D) -> (B, T, D).
     """
@@ -255,10 +220,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
 
 @register
 class Embeddings(_TransformerLayer):
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig | dict, vocab_size: int, **kwargs: Any) -> None:
         super().__init__(config, **float32_under_autocast(kwargs))
@@ -279,9 +241,8 @@ class Embeddings(_TransformerLayer):
 
 @register
 class PositionalEncoding(_TransformerLayer):
-    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
-    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
-    (counted ``by_step`` for the decoder's).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
+    the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -315,8 +276,7 @@ class PositionalEncoding(_TransformerLayer):
 
 @register
 class Generator(_TransformerLayer):
-    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
-    section 3.4.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
 
@@ -337,13 +297,10 @@ class Generator(_TransformerLayer):
             if self.config.output_bias else None                           # (V,)
 
     def call(self, x):
-        return _generated(x, self._weight(), self._bias())
+        return log_softmax(_logits(x, self._weight(), self._bias()))
 
     def logits(self, x: tf.Tensor) -> tf.Tensor:
-        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
-
-        Shape: x (B, T, D) -> (B, T, V_tgt).
-        """
+        """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         return _logits(x, self._weight(), self._bias())
 
     def _weight(self) -> tf.Tensor:
@@ -355,14 +312,6 @@ class Generator(_TransformerLayer):
     def _bias(self) -> tf.Tensor | None:
         """The (V,) bias of ``output_bias``, or None."""
         return None if self.bias is None else tf.convert_to_tensor(self.bias)
-
-
-def _generated(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
-    """log softmax(x W (+ b)) with a given (D, V) ``weight`` (a search reads it once) and (V,) ``bias`` or None.
-
-    Shape: x (..., D) -> (..., V).
-    """
-    return log_softmax(_logits(x, weight, bias))
 
 
 def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
@@ -384,13 +333,11 @@ def log_softmax(x: tf.Tensor) -> tf.Tensor:
 # ----------------------------------------------------------------------------- layers and stacks
 
 @register
-class EncoderLayer(_TransformerLayer):
+class EncoderLayer(_Stream):
     """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -414,16 +361,12 @@ class EncoderLayer(_TransformerLayer):
 
 
 @register
-class DecoderLayer(_TransformerLayer):
+class DecoderLayer(_Stream):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
-
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
-    (B, T, D).
+    (B, T, D); with a ``cache`` (a self-attention's and the memory's, :mod:`.incremental`) ``(x, cache)``.
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -457,13 +400,11 @@ class DecoderLayer(_TransformerLayer):
 
 
 @register
-class Encoder(_TransformerLayer):
+class Encoder(_Stream):
     """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
     Shape: x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D).
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -481,14 +422,11 @@ class Encoder(_TransformerLayer):
 
 
 @register
-class Decoder(_TransformerLayer):
-    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
-    call returns ``(x, cache)``.
+class Decoder(_Stream):
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
-    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D); with a ``cache`` (a pair per layer) ``(x, cache)``.
     """
-
-    _STREAM = True          # the residual stream, float32 under a mixed policy
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -525,28 +463,18 @@ class Transformer(_TransformerLayer, keras.Model):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    TensorFlow: ``dtype`` a Keras dtype policy
-    ("float64", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16"); built on construction; weights
-    from :mod:`.checkpoint` or ``load_weights``.
+    TensorFlow: ``dtype`` a Keras dtype policy (the four dtypes' names, "mixed_bfloat16", "mixed_float16"); built on
+    construction; weights from :mod:`.checkpoint` or ``load_weights``.
     """
 
     input_dtype = "int64"                                               # token ids (Keras' property, overridden)
 
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
-        if dtype is not None and not isinstance(dtype, (keras.DTypePolicy, dict)) \
-                and dtype not in MIXED_POLICIES:                         # a policy: checked below
-            dtype = parse_dtype(dtype).name
-        super().__init__(config, dtype=dtype, **kwargs)
-        if autocast_dtype(self.dtype_policy) is None:                    # a mixed policy: the autocast recipe
-            parse_dtype(self.dtype_policy.name)                          # else one of the four
-        cfg, sub = self.config, self._sublayer_kwargs
-        if cfg.share_embeddings:
-            self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed"))
-            self.tgt_embed = self.src_embed
-        else:
-            self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("src_embed"))
-            self.tgt_embed = Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
+        super().__init__(config, dtype=_checked_dtype(dtype), **kwargs)
+        cfg, sub, shared = self.config, self._sublayer_kwargs, self.config.share_embeddings
+        self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed" if shared else "src_embed"))
+        self.tgt_embed = self.src_embed if shared else Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
         self.src_pos = PositionalEncoding(cfg, **sub("src_pos"))
         self.tgt_pos = PositionalEncoding(cfg, **sub("tgt_pos"))
         self.src_embed_norm = LayerNorm(cfg, **sub("src_embed_norm")) if cfg.embedding_norm else None
@@ -566,11 +494,9 @@ class Transformer(_TransformerLayer, keras.Model):
 
     def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length))
         x = self.src_pos(self.src_embed(src), 0, src, training=training)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask, training=training)
@@ -582,14 +508,12 @@ class Transformer(_TransformerLayer, keras.Model):
     def decode(self, tgt: tf.Tensor, memory: tf.Tensor, src_mask: tf.Tensor | None = None,
                tgt_mask: tf.Tensor | None = None, cache: tuple[tuple[KVCache, KVCache], ...] | None = None,
                training: bool | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        """Embed the shifted target and run the decoder stack; with a ``cache``, from its ``position`` on -- 3.2.3.
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
-        cache (default: causal over absolute positions).
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D), with a cache ``(out, cache)``; tgt_mask broadcastable to
+        (B, H, T, T), or (B, H, T, C) with a cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, self.variable_dtype)
+        tgt, memory = checked_target(self.config, tgt, memory, self.variable_dtype)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -622,10 +546,3 @@ class Transformer(_TransformerLayer, keras.Model):
                       tgt_mask: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask)
-
-    def _check_tokens(self, name: str, tokens: tf.Tensor, vocab_size: int) -> tf.Tensor:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known).
-
-        TensorFlow: int64 ids.
-        """
-        return check_tokens(name, tokens, vocab_size, self.config.max_len)

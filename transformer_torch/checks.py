@@ -90,6 +90,26 @@ def checked_forward_inputs(config: Any, src: Tensor | np.ndarray, tgt: Tensor | 
     return src, tgt
 
 
+def checked_source(config: Any, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None,
+                   device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """``encode``'s inputs as tensors on ``device``: the source ids after :func:`check_tokens`, ``src_mask`` (None
+    stays None) after the reference's ``check_mask`` against the encoder's (B, H, S, S) scores (the reference's
+    ``checked_source``)."""
+    src = check_tokens("src", src, config.src_vocab_size, config.max_len, device)
+    if src_mask is not None:
+        (batch, length), heads = src.shape, config.n_heads
+        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), device)
+    return src, src_mask
+
+
+def checked_target(config: Any, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, model_dtype: str,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """``decode``'s inputs as tensors on ``device``: the target ids after :func:`check_tokens`, the encoder output
+    after :func:`checked_memory` (the reference's ``checked_target``)."""
+    tgt = check_tokens("tgt", tgt, config.tgt_vocab_size, config.max_len, device)
+    return tgt, checked_memory(memory, tgt.shape[0], config.d_model, model_dtype, device)
+
+
 def checked_decoder_masks(config: Any, tgt_shape: tuple, memory_length: int, keys: int,
                           src_mask: Tensor | np.ndarray | None, tgt_mask: Tensor | np.ndarray | None,
                           device: torch.device | str | None = None) -> tuple[Tensor | None, Tensor | None]:

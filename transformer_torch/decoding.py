@@ -52,6 +52,7 @@ from reference_numpy.decoding import (
 )
 
 from . import speed
+from .checks import check_tokens
 from .incremental import KVCache, at_position
 from .model import Transformer, causal_mask, log_softmax, padding_mask
 from .precision import LOW
@@ -212,7 +213,7 @@ def _step(model: Transformer, tokens: Tensor, step: int, memory: Tensor, src_mas
 
 def _checked_source(model: Transformer, src: Tensor | np.ndarray) -> Tensor:
     """The source after the reference's checks (shape, dtype, ids), as int64 on the model's device."""
-    return model._check_tokens("src", src, model.config.src_vocab_size)
+    return check_tokens("src", src, model.config.src_vocab_size, model.config.max_len, model.device)
 
 
 def _start_tokens(config: TransformerConfig, rows: int, max_steps: int, device: torch.device) -> Tensor:

@@ -113,6 +113,14 @@ def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any,
     return cache, start, keys
 
 
+def _returned(out: Any, *optional: Any) -> Any:
+    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
+    the cache last.
+    """
+    asked = tuple(result for result in optional if result is not None)
+    return (out, *asked) if asked else out
+
+
 def _keys_values(attention: Any, key: Tensor, value: Tensor,
                  cache: KVCache | None) -> tuple[Tensor, Tensor, KVCache | None]:
     """The keys and values ``attention`` attends over and the cache it returns: the memory's cached ones, or the new

@@ -1,18 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
 
-A parallel text of ``reference_numpy/model.py``: the same concepts, names, argument order and shape legend; only
-framework idiom differs (``nn.Module`` parameters, ``nn.Linear``'s (out, in) weights, ``train()``/``eval()`` for
-dropout, section 5.4). In ``eval()`` mode the model computes the reference's function; the design notes are in
-docs/ports.md.
-
-Shape legend:
-    B: batch size          H: number of heads h        D: d_model
-    S: source length       T: target length            d_k: D / H
-    Tq, Tk: query and key lengths                      F: d_ff
-    V: vocabulary size     L: number of positions (config.max_len)
-    C: a key/value cache's capacity (:mod:`.incremental`)
-
-Masks are boolean and **True means "may attend"**, broadcastable to (B, H, Tq, Tk).
+A parallel text of ``reference_numpy/model.py``: its concepts, names, argument order, shape legend and masks
+(bool, True = may attend); the framework's idiom is listed in docs/ports.md.
 """
 
 from __future__ import annotations
@@ -23,14 +12,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reference_numpy import model as reference
 from reference_numpy.config import TransformerConfig
 
 from . import speed
-from .checks import check_tokens, checked_decoder_masks, checked_forward_inputs, checked_mask, checked_memory
+from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import (
     Index,
     KVCache,
@@ -39,10 +27,11 @@ from .incremental import (
     _checked_cache,
     _keys_values,
     _positions,
+    _returned,
     decoder_cache,
 )
-from .layers import _Linear, _linear, _normal_parameter
-from .precision import LOW, computed_wide, dtype_name, from_numpy, narrow, wide
+from .layers import _embedding, _Linear, _linear, _Model, _normal_parameter
+from .precision import computed_wide, dtype_name, from_numpy, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
 
@@ -60,16 +49,12 @@ def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
 
 
 def causal_mask(length: int, device: torch.device | str | None = None) -> Tensor:
-    """Position i may attend to positions j <= i -- decoder self-attention, section 3.2.3.
-
-    Shape: mask (1, 1, T, T), bool, True = may attend.
-    """
+    """Position i may attend to positions j <= i -- decoder self-attention, 3.2.3. Shape: (1, 1, T, T), bool."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
 
 
 def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
-    """The causal mask and the target's padding mask; the first position, the start token, is read even when it is pad
-    (docs/ports.md).
+    """The causal mask and the target's padding mask, the start token read even when it is pad (docs/ports.md).
 
     Shape: tgt (B, T) -> mask (B, 1, T, T).
     """
@@ -97,14 +82,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         return speed.attention(query, key, value, mask), None
     weights = masked_softmax(query @ key.transpose(-1, -2), mask, query.shape[-1])   # (..., Tq, Tk)
     return zero_fully_masked_rows(weights @ value, mask), (weights if return_weights else None)
-
-
-def _returned(out: Any, *optional: Any) -> Any:
-    """``out``, or ``(out, *results)`` with each optional result asked for (None: not asked), in the docstring's order,
-    the cache last.
-    """
-    asked = tuple(result for result in optional if result is not None)
-    return (out, *asked) if asked else out
 
 
 class MultiHeadAttention(nn.Module):
@@ -145,8 +122,7 @@ class MultiHeadAttention(nn.Module):
 # ----------------------------------------------------------------------------- sublayers
 
 def activation(x: Tensor, name: str) -> Tensor:
-    """The feed-forward network's nonlinearity ``config.activation``: ``relu``, max(0, x) -- Eq. (2); ``silu`` or
-    ``gelu`` of :mod:`.variants`.
+    """The feed-forward network's ``config.activation``: max(0, x) -- Eq. (2); ``silu``, ``gelu``: :mod:`.variants`.
 
     Shape: (...) -> (...).
     """
@@ -174,8 +150,7 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var biased, eps ``config.layer_norm_eps`` --
-    Ba et al. (2016), section 3.1.
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
     """
@@ -191,8 +166,7 @@ class LayerNorm(nn.LayerNorm):
 
 def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: LayerNorm, norm_first: bool,
              dropout: Callable[[Tensor], Tensor]) -> Tensor:
-    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- section 3.1; a port's
-    training drops the sublayer's output out (section 5.4).
+    """Post-LN LayerNorm(x + Sublayer(x)) (the paper) or pre-LN x + Sublayer(LayerNorm(x)) -- 3.1 (its dropout: 5.4).
 
     Shape: x (B, T, D) -> (B, T, D).
     """
@@ -221,10 +195,7 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: torch.dtype
 
 
 class Embeddings(nn.Module):
-    """Token embedding times sqrt(d_model) -- section 3.4 (times 1 unless ``config.scale_embeddings``).
-
-    Shape: tokens (B, T) int -> (B, T, D).
-    """
+    """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int):
         super().__init__()
@@ -232,20 +203,12 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
     def forward(self, tokens: Tensor) -> Tensor:
-        weight = self.weight
-        if weight.dtype in LOW and weight.requires_grad and torch.is_grad_enabled():
-            # torch's embedding backward would sum a row's gradients in P; looked up wide, they sum wide (the
-            # recipe, reference_numpy/backward.py), and the exact round trip through P rounds each one first
-            rows = wide(narrow(F.embedding(tokens, wide(weight)), weight.dtype))     # (B, T, D)
-        else:
-            rows = wide(F.embedding(tokens, weight))                                    # (B, T, D)
-        return narrow(rows * self.scale, weight.dtype)
+        return narrow(_embedding(tokens, self.weight) * self.scale, self.weight.dtype)
 
 
 class PositionalEncoding(nn.Module):
-    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5: the fixed sinusoidal table, or
-    a trained one (``learned``, Table 3 row E); the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens``
-    (counted ``by_step`` for the decoder's).
+    """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
+    the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
 
     Shape: x (B, T, D) -> (B, T, D), offset + T <= L; tokens (B, T) int or None.
     """
@@ -284,8 +247,7 @@ class PositionalEncoding(nn.Module):
 
 
 class Generator(nn.Module):
-    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear transformation of
-    section 3.4.
+    """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
 
@@ -306,10 +268,7 @@ class Generator(nn.Module):
         return log_softmax(self.logits(x))
 
     def logits(self, x: Tensor) -> Tensor:
-        """x W (+ b), the logits before the log-softmax, as it reads them (a low precision's widened).
-
-        Shape: x (B, T, D) -> (B, T, V_tgt).
-        """
+        """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         weight = self.weight if self.embeddings is None else self.embeddings.weight          # (V, D)
         return wide(_linear(x, weight, self.bias))                                        # logits (B, T, V)
 
@@ -345,10 +304,8 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
-    With a ``cache`` (its self-attention's and the memory's, :mod:`.incremental`) the call returns ``(x, cache)``.
-
     Shape: x (B, T, D), memory (B, S, D), src_mask broadcastable to (B, H, T, S), tgt_mask to (B, H, T, T or C) ->
-    (B, T, D).
+    (B, T, D); with a ``cache`` (a self-attention's and the memory's, :mod:`.incremental`) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -392,10 +349,9 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm. With a ``cache`` (a pair per layer) the
-    call returns ``(x, cache)``.
+    """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
-    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D).
+    Shape: x (B, T, D), memory (B, S, D) -> (B, T, D); with a ``cache`` (a pair per layer) ``(x, cache)``.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -418,15 +374,12 @@ class Decoder(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-class Transformer(nn.Module):
+class Transformer(_Model):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
-
-    PyTorch: weights from :mod:`.checkpoint`; ``model(src, tgt)`` checks the ids on the host before a compiled
-    ``forward``.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -442,21 +395,11 @@ class Transformer(nn.Module):
         self.decoder = Decoder(config)
         self.generator = Generator(config, self.tgt_embed if config.share_embeddings else None)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.src_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.src_embed.weight.device
-
     def encode(self, src: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None) -> Tensor:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
-        src = self._check_tokens("src", src, self.config.src_vocab_size)
+        src, src_mask = checked_source(self.config, src, src_mask, self.device)
         if src_mask is None:
             src_mask = padding_mask(src, self.config.pad_id)
-        (batch, length), heads = src.shape, self.config.n_heads
-        src_mask = checked_mask("src_mask", src_mask, (batch, heads, length, length), self.device)
         x = self.src_pos(self.src_embed(src), 0, src)
         x = self.src_embed_norm(x) if self.src_embed_norm is not None else x
         return self.encoder(x, src_mask)
@@ -467,14 +410,12 @@ class Transformer(nn.Module):
 
     def decode(self, tgt: Tensor | np.ndarray, memory: Tensor | np.ndarray, src_mask: Tensor | np.ndarray | None = None,
                tgt_mask: Tensor | np.ndarray | None = None, cache: tuple | None = None) -> Any:
-        """Embed the shifted target and run the decoder stack; with a ``cache``, ``tgt`` holds the positions from the
-        self-attention caches' ``position`` and the call returns ``(out, cache)`` (docs/ports.md).
+        """Embed the shifted target and run the decoder stack; with a ``cache``, from its ``position`` on -- 3.2.3.
 
-        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D); tgt_mask broadcastable to (B, H, T, T), or (B, H, T, C) with a
-        cache (default: causal over absolute positions).
+        Shape: tgt (B, T), memory (B, S, D) -> (B, T, D), with a cache ``(out, cache)``; tgt_mask broadcastable to
+        (B, H, T, T), or (B, H, T, C) with a cache (default: causal over absolute positions).
         """
-        tgt = self._check_tokens("tgt", tgt, self.config.tgt_vocab_size)
-        memory = checked_memory(memory, tgt.shape[0], self.config.d_model, dtype_name(self.dtype), self.device)
+        tgt, memory = checked_target(self.config, tgt, memory, dtype_name(self.dtype), self.device)
         cache, start, keys = _checked_cache(cache, tgt.shape[1])          # start: the first new position
         if tgt_mask is None and cache is None:  # with a cache and none given, each self-attention's causal mask over W
             tgt_mask = target_mask(tgt, self.config.pad_id)
@@ -506,10 +447,3 @@ class Transformer(nn.Module):
                       tgt_mask: Tensor | np.ndarray | None) -> tuple[Tensor, Tensor]:
         """Every check of the forward pass, made before any computation (``checks.checked_forward_inputs``)."""
         return checked_forward_inputs(self.config, src, tgt, src_mask, tgt_mask, self.device)
-
-    def _check_tokens(self, name: str, tokens: Tensor | np.ndarray, vocab_size: int) -> Tensor:
-        """The token ids checked by ``check_tokens`` (their range wherever their values are known).
-
-        PyTorch: int64 ids on the model's device.
-        """
-        return check_tokens(name, tokens, vocab_size, self.config.max_len, self.device)
