@@ -363,9 +363,9 @@ def _embedding_norm(norm: LayerNorm | None, name: str, x: np.ndarray, grads: Gra
 
 
 def generator(gen: Generator, name: str, shared: bool, x: np.ndarray, grads: Grads) -> tuple[np.ndarray, Backward]:
-    """log_softmax(x W (+ b)) -- section 3.4; the bias ``generator.bias`` only with ``output_bias`` (Marian's
-    ``final_logits_bias``). With ``shared`` (``share_embeddings``), W is the transposed shared embedding
-    ``{name}.weight`` (V, D); otherwise ``{name}.weight`` is W (D, V).
+    """log_softmax(x W (+ b)) -- section 3.4; the bias ``generator.bias`` only with ``output_bias``. With ``shared``
+    (``share_embeddings``), W is the transposed shared embedding ``{name}.weight`` (V, D); otherwise ``{name}.weight``
+    is W (D, V).
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V); backward: dL/dlog_probs (B, T, V) -> dL/dx (B, T, D).
     """

@@ -67,7 +67,7 @@ _SHIPPED_DIRECTORY = Path(__file__).resolve().parent / "models"
 SHIPPED_MODELS = {"numbers-en-fr": _SHIPPED_DIRECTORY / "numbers-en-fr.safetensors"}
 # A checkpoint's tokenizer is of one of two kinds, told apart by its text and written beside it as tokenizer_version:
 # BPE, the project's own (reference_numpy/tokenizer.py), checked against the config here; RECORD, a record that another
-# layer writes and reads (a Hugging Face family's tokenizer: its fields, checks and code live with the families,
+# layer writes and reads (an imported model's tokenizer: its fields, checks and code live in that layer,
 # docs/checkpoint-format.md), which the reference stores and returns as data: a JSON object naming its "family".
 BPE, RECORD = "bpe", "record"
 TOKENIZER_VERSIONS = {BPE: TOKENIZER_VERSION, RECORD: "2"}
@@ -168,7 +168,7 @@ def parameters(config: TransformerConfig) -> list[Parameter]:
         norm("decoder.norm")
     if not config.share_embeddings:
         tensors.append(Parameter("generator.weight", (d, config.tgt_vocab_size), "generator", "generator"))
-    if config.output_bias:                                                    # Marian's final_logits_bias
+    if config.output_bias:                                                    # a bias added to every logit
         tensors.append(Parameter("generator.bias", (config.tgt_vocab_size,), "generator.bias", "generator"))
     return tensors
 

@@ -1,6 +1,6 @@
 """One frozen configuration shared by the reference and every port: the architecture (:class:`TransformerConfig`:
-Table 3 and the variants) holding the decoding (:class:`DecodingConfig`: section 6.1 and transformers' ``generate``
-conventions) as its field ``decoding``. A checkpoint's header holds both as one flat JSON object
+Table 3 and the variants) holding the decoding (:class:`DecodingConfig`: section 6.1 and the further decoding rules
+of ``reference_numpy/decoding.py``) as its field ``decoding``. A checkpoint's header holds both as one flat JSON object
 (:meth:`TransformerConfig.to_dict`, :meth:`TransformerConfig.from_dict`; docs/checkpoint-format.md).
 
 Presets follow Table 3 of "Attention Is All You Need" (Vaswani et al., 2017):
@@ -23,16 +23,19 @@ from typing import Any, ClassVar, Self
 import numpy as np
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
-# The feed-forward network's activation (section 3.3's ReLU; the others are Hugging Face families' choices).
+# The feed-forward network's activation (section 3.3's ReLU; SiLU and the exact GELU are variants).
+# Which model family each variant of this module comes from: docs/huggingface.md, "Where the reference's variants come
+# from".
 ACTIVATIONS = ("relu", "silu", "gelu")
-# How the sinusoidal table lays out its sines and cosines (section 3.5's interleaved pairs; Marian's halves;
-# fairseq's halves over other frequencies and positions, M2M100/NLLB).
+# How the sinusoidal table lays out its sines and cosines (section 3.5's interleaved pairs; halves: every sine first,
+# then every cosine; "fairseq": halves over other frequencies, at positions that skip pads).
 SINUSOIDAL_LAYOUTS = ("interleaved", "halves", "fairseq")
 # How beam search normalizes a hypothesis's log-probability by its length, and which bookkeeping it follows
 # (reference_numpy/decoding.py): "gnmt", section 6.1's ((5 + |Y|) / 6)^alpha (Wu et al., 2016) with this project's
-# exact stopping rule; "hf", Hugging Face's |Y|^alpha with transformers' ``generate`` bookkeeping.
+# exact stopping rule; "hf", |Y|^alpha, keeping ``beam_size`` finished hypotheses and stopping by ``early_stopping``.
 LENGTH_NORMALIZATIONS = ("gnmt", "hf")
-# transformers' ``early_stopping`` (GenerationConfig): when an "hf" beam search stops (reference_numpy/decoding.py)
+# When an "hf" beam search with ``beam_size`` finished hypotheses stops (reference_numpy/decoding.py): at once (True),
+# when no live beam can beat the worst kept one at the current length (False) or at the maximum length ("never")
 EARLY_STOPPING = (False, True, "never")
 LENGTH_PENALTY_ALPHA = 0.6  # section 6.1: beam search's length penalty alpha, the default of ``length_penalty``
 MAX_BEAM_SIZE = 64          # the widest beam a checkpoint's ``beam_size`` or a command's --beam may ask for
@@ -80,50 +83,45 @@ class _Config:
 @dataclass(frozen=True)
 class DecodingConfig(_Config):
     """How the model decodes (``reference_numpy/decoding.py``): section 6.1's beam search and budget by default, and
-    the conventions of transformers' ``generate`` that an imported Hugging Face model sets (docs/huggingface.md).
+    the further rules an imported model may set (docs/huggingface.md says which field of which file sets each).
     Each field is checked on its own here; against the model (its vocabulary and special ids) by the
     :class:`TransformerConfig` that holds it.
 
     Attributes:
-        decoder_start_id: the token the decoder starts from (transformers' ``decoder_start_token_id``: Marian's pad,
-            M2M100/NLLB's eos); None is ``bos_id``. The decoder masks no target position in decoding (the causal
-            mask alone), so a start token equal to pad is read, as transformers reads it.
-        suppressed_ids: the tokens decoding never produces (their log-probabilities are -inf; transformers'
-            ``bad_words_ids`` of one token each: Marian's pad); None is (pad_id, bos_id), the paper's.
+        decoder_start_id: the token the decoder starts from (pad or eos, say); None is ``bos_id``. The decoder
+            masks no target position in decoding (the causal mask alone), so a start token equal to pad is read
+            like any other token.
+        suppressed_ids: the tokens decoding never produces (their log-probabilities are -inf: pad alone, say);
+            None is (pad_id, bos_id), the paper's.
         renormalize: after the suppressed tokens' -inf (and before forcing a token), each step's log-probabilities
-            are normalized again over the tokens left, log p - log(sum of the p left): transformers'
-            ``renormalize_logits``, which opus-mt's generation configs set (the same as leaving the suppressed
-            tokens out of the softmax); False keeps them as the softmax gave them (section 6.1, the paper's).
+            are normalized again over the tokens left, log p - log(sum of the p left) (the same as leaving the
+            suppressed tokens out of the softmax); False keeps them as the softmax gave them (section 6.1, the paper's).
             Greedy tokens are the same either way; beam scores and so beam search's choices are not.
-        max_output_length: the output budget of every sentence, eos included (transformers' ``max_new_tokens``;
-            its ``max_length`` less the start token); None is section 6.1's, the sentence's non-pad source length
-            + 50. Either is capped at ``max_len``.
-        forced_eos: the last token of the output budget is forced (transformers' ``forced_eos_token_id``, Marian's):
-            ``forced_last_id``.
-        forced_eos_id: the token ``forced_eos`` forces, when it is not eos (transformers' Marian config forces id 0
-            whatever the model's eos); None is ``eos_id``.
-        length_normalization: beam search's "gnmt" (section 6.1) or "hf" (transformers' ``generate``).
-        length_penalty: beam search's alpha when a call gives none (0.6, section 6.1; transformers'
-            ``length_penalty``, 1.0 by default).
-        early_stopping: transformers' ``early_stopping`` (False, True or "never"), for "hf" only.
+        max_output_length: the output budget of every sentence, eos included, the start token not; None is
+            section 6.1's, the sentence's non-pad source length + 50. Either is capped at ``max_len``.
+        forced_eos: the last token of the output budget is forced: ``forced_last_id``.
+        forced_eos_id: the token ``forced_eos`` forces, when it is not eos (a fixed id whatever the model's eos);
+            None is ``eos_id``.
+        length_normalization: beam search's "gnmt" (section 6.1: ((5 + |Y|) / 6)^alpha and an exact stopping rule)
+            or "hf" (|Y|^alpha, ``beam_size`` finished hypotheses kept, ``early_stopping``'s rule).
+        length_penalty: beam search's alpha when a call gives none (0.6, section 6.1).
+        early_stopping: when an "hf" beam search stops once ``beam_size`` hypotheses have finished (False, True or
+            "never"; ``EARLY_STOPPING``), for "hf" only.
         beam_size: the beam the decoding commands (``translate``, ``evaluate``) use when given none: 1 is greedy
-            decoding, the default; transformers' ``num_beams`` on import (section 6.1 uses 4).
+            decoding, the default (section 6.1 uses 4).
         min_output_length: eos is not emitted at an output step below it (its log-probability -inf; step 1 is the
             first output token, so an output holds at least ``min_output_length`` tokens, eos included, unless its
-            budget ends it first): transformers' ``min_length`` (which counts the start token) and
-            ``min_new_tokens`` + 1. 0 (the default) and 1 hold nothing back.
+            budget ends it first). 0 (the default) and 1 hold nothing back.
         no_repeat_ngram_size: n > 0: a token that would complete an n-gram already in the hypothesis (the start
-            token and the tokens so far) is not emitted (transformers' ``no_repeat_ngram_size``); 0, the default,
-            bans nothing.
-        forced_bos_id: the first output token every decoding call forces when it is given none (transformers'
-            ``forced_bos_token_id``: ``ForcedBOSTokenLogitsProcessor``; a call's ``forced_bos_id``, e.g. ``translate
-            --target-lang``'s language code, takes precedence): a target token other than eos and pad; None forces
-            nothing.
+            token and the tokens so far) is not emitted; 0, the default, bans nothing.
+        forced_bos_id: the first output token every decoding call forces when it is given none (a call's
+            ``forced_bos_id``, e.g. ``translate --target-lang``'s language code, takes precedence): a target token
+            other than eos and pad; None forces nothing.
         repetition_penalty: p > 0: at each step the score of every token already in the hypothesis (the start token
             and the tokens so far) is divided by p where it is > 0 and multiplied by p where it is < 0, before any
-            other rule (transformers' ``repetition_penalty``: p > 1 holds repeats back, p < 1 favours them); greedy
-            decoding penalizes the generator's logits, beam search its log-probabilities, as transformers' greedy and
-            beam searches do (``reference_numpy/decoding.py``); 1.0, the default, changes nothing.
+            other rule (p > 1 holds repeats back, p < 1 favours them); greedy decoding penalizes the generator's
+            logits, beam search its log-probabilities (``reference_numpy/decoding.py``); 1.0, the default, changes
+            nothing.
     """
 
     decoder_start_id: int | None = None
@@ -212,24 +210,23 @@ class TransformerConfig(_Config):
             pre-softmax projection (section 3.4); requires equal vocabulary sizes.
         pad_id, bos_id, eos_id: special token ids (padding, beginning and end of sequence).
         activation: the feed-forward network's nonlinearity (:func:`reference_numpy.model.activation`):
-            "relu" (section 3.3, Eq. 2), "silu" (x sigmoid(x), Marian/opus-mt's "swish") or "gelu" (x Phi(x), the
-            exact erf form, Hugging Face's "gelu").
+            "relu" (section 3.3, Eq. 2), "silu" (x sigmoid(x)) or "gelu" (x Phi(x), the exact erf form, not the tanh
+            approximation).
         sinusoidal_layout: the sinusoidal table (:func:`reference_numpy.model.sinusoidal_positional_encoding`):
-            "interleaved" (section 3.5: sin in even columns, cos in odd ones), "halves" (Marian: the same
-            frequencies, every sine first, then every cosine) or "fairseq" (M2M100/NLLB: halves over the frequencies
+            "interleaved" (section 3.5: sin in even columns, cos in odd ones), "halves" (the same frequencies, every
+            sine first, then every cosine) or "fairseq" (halves over the frequencies
             10000^(-i / (D/2 - 1)), positions counted from pad_id + 1 over the non-pad tokens, padding given zeros;
             :func:`reference_numpy.variants.position_ids`; needs d_model >= 4). Only with ``positional_encoding``
             "sinusoidal".
-        scale_embeddings: multiply the token embeddings by sqrt(d_model) (section 3.4; Hugging Face's
-            ``scale_embedding``).
+        scale_embeddings: multiply the token embeddings by sqrt(d_model) (section 3.4); False leaves them
+            unscaled.
         output_bias: a bias on the pre-softmax projection, the checkpoint tensor ``generator.bias`` (V_tgt,)
-            (Marian's ``final_logits_bias``); the paper's projection has none (section 3.4).
+            added to every logit; the paper's projection has none (section 3.4).
         embedding_norm: a LayerNorm of each side's embeddings plus positions before its stack's first layer (the
-            checkpoint tensors ``src_embed_norm``, ``tgt_embed_norm``; BART's and mBART's ``layernorm_embedding``);
-            the paper has none.
+            checkpoint tensors ``src_embed_norm``, ``tgt_embed_norm``); the paper has none.
         position_offset: with ``positional_encoding`` "learned", the rows of the trained table before position 0:
-            the table holds max_len + position_offset rows and position t reads row t + position_offset (BART's
-            and mBART's offset of 2); 0 (the paper's Table 3 row E) reads row t.
+            the table holds max_len + position_offset rows and position t reads row t + position_offset (rows never
+            read, such as 2 of them); 0 (the paper's Table 3 row E) reads row t.
 
     The last six default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
 
@@ -407,8 +404,8 @@ def refuse_choices(config: TransformerConfig, target: str, **supported: tuple[An
                              f"(it supports {', '.join(repr(value) for value in values)})")
 
 
-# The paper's choices of the fields Hugging Face's families added (docs/reference.md, "The configuration"): what a
-# target written for the paper's model alone supports.
+# The paper's choices of the variant fields (docs/reference.md, "The configuration"): what a target written for the
+# paper's model alone supports.
 PAPER_CHOICES: dict[str, tuple[Any, ...]] = {"activation": ("relu",), "sinusoidal_layout": ("interleaved",),
                                              "scale_embeddings": (True,), "output_bias": (False,),
                                              "embedding_norm": (False,), "position_offset": (0,)}

@@ -6,35 +6,32 @@ The rules, shared by every port so that all backends produce identical tokens
 * the output starts after the decoder start token ``config.start_id`` (``decoder_start_id``, by default
   ``bos_id``); a sequence ends when it emits ``eos_id`` (kept in the output) or when it has its budget of tokens: its
   number of non-pad source tokens + 50 (section 6.1: "maximum output length ... input length + 50"), or
-  ``config.decoding.max_output_length`` for every sentence when set (transformers' ``max_new_tokens``), capped at
+  ``config.decoding.max_output_length`` for every sentence when set (one budget for all), capped at
   ``config.max_len``;
 * outputs are returned without the start token, right-padded with ``pad_id``; the decoder never emits the
   tokens of ``config.never_emitted`` (``suppressed_ids``, by default pad_id and bos_id: their log-probabilities
-  are set to -inf before choosing; with ``config.decoding.renormalize``, transformers' ``renormalize_logits``, the
-  log-probabilities are then normalized again over the tokens left, a log-softmax of them); the decoder reads its
-  prefix under the causal mask alone (no target position is masked: a start token equal to pad, Marian's, is read
-  as transformers reads it);
-* the repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``, the first rule its ``generate`` applies):
-  with ``config.decoding.repetition_penalty`` p != 1, at each step the score of every token already in the hypothesis
-  (its start token included) is divided by p where it is > 0 and multiplied by p where it is < 0 (:func:`penalize`),
-  before the never-emitted tokens, the held-back ones, the renormalization and the forced tokens below. The score is
-  the generator's logit in greedy decoding and its log-probability in beam search, as transformers' greedy search
-  (whose rules read the logits) and beam search (which read their log-softmax) have it: greedy chooses the highest
+  are set to -inf before choosing; with ``config.decoding.renormalize`` the log-probabilities are then normalized
+  again over the tokens left, a log-softmax of them); the decoder reads its prefix under the causal mask alone (no
+  target position is masked: a start token equal to pad is read like any other token);
+* the repetition penalty, the first rule applied at a step: with ``config.decoding.repetition_penalty`` p != 1, at
+  each step the score of every token already in the hypothesis (its start token included) is divided by p where it is
+  > 0 and multiplied by p where it is < 0 (:func:`penalize`), before the never-emitted tokens, the held-back ones, the
+  renormalization and the forced tokens below. The score is the generator's logit in greedy decoding and its
+  log-probability in beam search (greedy's rules read the logits, beam search's their log-softmax): greedy chooses
+  the highest
   penalized logit, beam search sums penalized log-probabilities (the per-row constant a log-softmax subtracts changes
   which tokens the penalty divides and which it multiplies, so the two are not one rule);
-* forced tokens (transformers' ``ForcedBOSTokenLogitsProcessor`` and ``ForcedEOSTokenLogitsProcessor``): with
-  ``forced_bos_id`` (an argument of each call: M2M100/NLLB's target-language code; without one,
-  ``config.decoding.forced_bos_id``, a generation config's ``forced_bos_token_id``) the first output token is it; with
-  ``config.decoding.forced_eos`` (Marian's ``forced_eos_token_id``) the token at the budget's last position is
-  ``config.forced_last_id``: eos, or the ``forced_eos_id`` a Marian config names (a sequence it ends without eos
-  ends there by its budget).
-  A forced step gives the forced token the log-probability 0 and every other -inf, as transformers does;
-* held-back tokens (:func:`constrain`; transformers' ``MinLengthLogitsProcessor`` and ``NoRepeatNGramLogitsProcessor``,
-  which its ``generate`` applies before the forced tokens and its renormalization): eos gets -inf at an output step
+* forced tokens: with ``forced_bos_id`` (an argument of each call, such as a target language's code; without one,
+  ``config.decoding.forced_bos_id``) the first output token is it; with ``config.decoding.forced_eos`` the token at
+  the budget's last position is ``config.forced_last_id``: eos, or the token ``forced_eos_id`` names when it is not
+  eos (a sequence it ends without eos ends there by its budget).
+  A forced step gives the forced token the log-probability 0 and every other -inf;
+* held-back tokens (:func:`constrain`, applied after the repetition penalty and before the forced tokens and the
+  renormalization): eos gets -inf at an output step
   below ``config.decoding.min_output_length``, and with ``config.decoding.no_repeat_ngram_size`` n > 0 every token that
   would complete an n-gram already in the hypothesis (read with its start token) gets -inf; with
   ``config.decoding.renormalize`` the log-probabilities are then normalized again over the tokens left (a log-softmax of
-  log-probabilities: the same as transformers' one normalization after every processor, to rounding);
+  log-probabilities: the same, to rounding, as one normalization after every rule of the step);
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
 * beam search: beam size 4. Candidates (beam b, token v) are ranked by the summed log-probability, ties going to
   the lower b, then the lower v. Walking the ranking, an eos candidate of finite score among the first
@@ -50,17 +47,15 @@ The rules, shared by every port so that all backends produce identical tokens
   - "gnmt" (section 6.1): lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016), alpha = 0.6; the search also stops when
     no live beam is left, or as soon as no live beam can beat the best finished one: max_b logP_b / lp(max length)
     <= best finished score (log-probabilities only fall and lp only grows, so stopping never changes the result);
-  - "hf" (transformers 5's ``GenerationMixin._beam_search``): lp(Y) = |Y|^alpha (``length_penalty``, 1.0 by default).
-    transformers keeps the ``beam_size`` best finished hypotheses; once there are ``beam_size`` of them its search
-    stops, per ``config.decoding.early_stopping``, at once (True), or when the best live beam's logP / lp(bound) is <=
-    the worst kept finished score, bound = the current output length (False: a heuristic, a later hypothesis might have
-    scored better) or the maximum length ("never": exact); it also stops when no live beam is left. Its other rules are
-    the ones above: transformers ranks the 2 x beam_size best candidates, finishes the eos ones among the first
-    beam_size and continues the first beam_size others; at its maximum length it finishes the first beam_size
-    candidates, eos or not, which has the same best as finishing the live beams (a non-eos candidate ranked after them
-    has the same length and a lower sum). transformers' maximum length is one for every sentence,
-    ``config.decoding.max_output_length`` (an imported model's): the tokens are its tokens when every sentence's budget
-    is the same.
+  - "hf": lp(Y) = |Y|^alpha (``length_penalty``). The search keeps the ``beam_size`` best finished hypotheses; once
+    there are ``beam_size`` of them it stops, per ``config.decoding.early_stopping``, at once (True), or when the best
+    live beam's logP / lp(bound) is <= the worst kept finished score, bound = the current output length (False: a
+    heuristic, a later hypothesis might have scored better) or the maximum length ("never": exact); it also stops when
+    no live beam is left. Its other rules are the ones above. Ranking the 2 x beam_size best candidates, finishing the
+    eos ones among the first beam_size and continuing the first beam_size others is the same search; so is finishing, at
+    the maximum length, the first beam_size candidates, eos or not, which has the same best as finishing the live beams
+    (a non-eos candidate ranked after them has the same length and a lower sum). Its stopping rule reads one maximum
+    length for every sentence: ``config.decoding.max_output_length``, when set, gives every sentence the same budget.
 
 The reference recomputes the whole prefix at each step; the ports use a key/value cache and
 must give the same tokens.
@@ -105,8 +100,8 @@ def max_output_lengths(model: _Configured, src: npt.ArrayLike) -> np.ndarray:
 
 def length_penalty(length: int, alpha: float = LENGTH_PENALTY_ALPHA, normalization: str = "gnmt") -> float:
     """The length penalty lp(Y) that divides a finished hypothesis's log-probability: "gnmt",
-    ((5 + |Y|) / 6)^alpha (Wu et al., 2016; section 6.1), or "hf", |Y|^alpha (transformers' beam search:
-    ``sum_logprobs / generated_len ** length_penalty``)."""
+    ((5 + |Y|) / 6)^alpha (Wu et al., 2016; section 6.1), or "hf", |Y|^alpha (the summed log-probabilities divided by
+    the output length to the power alpha)."""
     return ((5.0 + length) / 6.0) ** alpha if normalization == "gnmt" else float(length) ** alpha
 
 
@@ -127,8 +122,7 @@ def check_decoding_args(beam_size: object, alpha: object, config: TransformerCon
 def check_forced_bos(config: TransformerConfig, forced_bos_id: object) -> int | None:
     """A call's ``forced_bos_id`` as a Python int, or ``config.decoding.forced_bos_id`` (None: nothing forced) when it
     is None; one error line shared by every backend: a target token id other than eos and pad (an output is padded after
-    its eos: a pad first would read as an empty output), as transformers' ``forced_bos_token_id`` is, e.g. M2M100/NLLB's
-    target-language code."""
+    its eos: a pad first would read as an empty output), such as a target language's code."""
     if forced_bos_id is None:
         return config.decoding.forced_bos_id
     if (not isinstance(forced_bos_id, numbers.Integral) or isinstance(forced_bos_id, (bool, np.bool_))
@@ -207,8 +201,8 @@ def _scores(model: Transformer, tgt: np.ndarray, memory: np.ndarray, src_mask: n
 
 def _emittable(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarray:
     """The log-probabilities with the tokens of ``config.never_emitted`` set to -inf (in place), and with
-    ``config.decoding.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them
-    (transformers' ``LogitNormalization``). Shape: (..., V) -> (..., V)."""
+    ``config.decoding.renormalize`` normalized again over the others: log p_v - log sum_u p_u, a log-softmax of them.
+    Shape: (..., V) -> (..., V)."""
     log_probs[..., list(config.never_emitted)] = -np.inf
     return _renormalized(config, log_probs)
 
@@ -220,8 +214,8 @@ def _renormalized(config: TransformerConfig, log_probs: np.ndarray) -> np.ndarra
 
 
 def penalize(config: TransformerConfig, scores: np.ndarray, history: np.ndarray, step: int) -> np.ndarray:
-    """The scores of the token at output ``step`` t with ``config.decoding.repetition_penalty`` p applied (transformers'
-    ``RepetitionPenaltyLogitsProcessor``): each token of the prefix ``history[:, :t]`` (the start token and the tokens
+    """The scores of the token at output ``step`` t with ``config.decoding.repetition_penalty`` p applied (module
+    docstring): each token of the prefix ``history[:, :t]`` (the start token and the tokens
     so far), counted once however often it occurs, has its score s divided by p where s > 0 and multiplied by p where
     s < 0 (0 and -inf stay as they are); the others unchanged. ``scores`` unchanged when p is 1.
     Shape: scores (N, V), history (N, W), W >= t -> (N, V)."""
@@ -260,8 +254,8 @@ def constrain(config: TransformerConfig, log_probs: np.ndarray, history: np.ndar
 def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forced_bos_id: int | None) -> np.ndarray:
     """The token each sequence is forced to emit at ``step`` (1 = the first output token), -1 where none: the forced
     first token (``forced_bos_id``), and ``config.forced_last_id`` at the budget's last step with
-    ``config.decoding.forced_eos`` (which wins when both fall on one step, as transformers' ForcedEOS processor runs
-    after its ForcedBOS one).
+    ``config.decoding.forced_eos`` (which wins when both fall on one step: the forced last token is applied after
+    the forced first one).
     Shape: limits (B,) -> (B,)."""
     forced = np.full(len(limits), -1 if forced_bos_id is None or step != 1 else forced_bos_id, dtype=np.int64)
     return np.where(config.decoding.forced_eos & (step == limits), config.forced_last_id, forced)
@@ -269,7 +263,7 @@ def forced_tokens(config: TransformerConfig, step: int, limits: np.ndarray, forc
 
 def force(log_probs: np.ndarray, forced: np.ndarray) -> np.ndarray:
     """The log-probabilities of a step with :func:`forced_tokens`: where a token is forced, it gets 0 and every
-    other token -inf (transformers' forced-token processors), elsewhere they are unchanged. Shape: (B, V), (B,)."""
+    other token -inf, elsewhere they are unchanged. Shape: (B, V), (B,)."""
     one_hot = np.arange(log_probs.shape[1]) == forced[:, None]
     return np.where(forced[:, None] >= 0, np.where(one_hot, 0.0, -np.inf).astype(log_probs.dtype), log_probs)
 
@@ -383,8 +377,8 @@ def search_ends(finished: list, live: np.ndarray, live_scores: np.ndarray, step:
     start token + tokens -- are then scored as finished, after this step's eos hypotheses), when no live
     beam is left (every non-eos candidate was impossible, e.g. only eos could follow), or by the
     normalization's rule (module docstring): "gnmt", when no live beam can beat the best finished
-    hypothesis, max_b logP_b / lp(limit) <= best finished score; "hf", transformers' ``early_stopping``
-    once ``beam_size`` hypotheses have finished."""
+    hypothesis, max_b logP_b / lp(limit) <= best finished score; "hf", the config's ``early_stopping``
+    rule once ``beam_size`` hypotheses have finished."""
     if step == limit:
         finished += [(score / search.lp(step), row[1:].tolist()) for score, row in zip(live_scores, live)]
         return True

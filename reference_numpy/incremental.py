@@ -36,8 +36,8 @@ def attended_widths(capacity: int) -> tuple[int, ...]:
     """The widths W a causal step over a self-attention cache of ``capacity`` C reads: :data:`ATTENDED_WIDTH`,
     twice that, and so on below C, then C. A step reads the narrowest W holding every position written so far
     (:func:`attended_width`): the positions after them are not yet written and the causal mask hides them, so a
-    step's work grows with its hypothesis, not with C -- an imported opus-mt model's budget of 511 tokens (its
-    ``max_length``) would otherwise have every step read 511 positions of every layer's cache. Every port reads
+    step's work grows with its hypothesis, not with C -- a budget of 511 tokens would otherwise have every step read
+    511 positions of every layer's cache. Every port reads
     the same W (a program traced with the step's position unknown holds one branch per width)."""
     widths: list[int] = []
     while (width := ATTENDED_WIDTH << len(widths)) < capacity:

@@ -1,6 +1,6 @@
 """Byte-pair encoding with one vocabulary for source and target (section 5.1), saved inside the checkpoint.
 
-The tokenizer is a Hugging Face ``tokenizers`` BPE model (the ``text`` extra): text is normalised (NFKC, lower
+The tokenizer is a BPE model of the ``tokenizers`` library (the ``text`` extra): text is normalised (NFKC, lower
 case, runs of white space to one space, trimmed), split at spaces with a word-start marker, and merged pair by
 pair; decoding joins the pieces back, so ``decode(encode(text)) == normalise(text)``. Its special tokens sit at the
 model config's ids: ``<pad>`` at ``pad_id``, ``<s>`` at ``bos_id``, ``</s>`` at ``eos_id``, and ``<unk>`` next
@@ -150,8 +150,7 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> np.ndarray:
 def teacher_forcing(config: TransformerConfig, sources: list[list[int]],
                     labels: list[list[int]]) -> dict[str, np.ndarray]:
     """src = the source sequences; labels = the target sequences; tgt = the labels shifted right by one, the start
-    token first (the output embeddings offset by one, section 3.1; transformers' ``shift_tokens_right`` with
-    ``decoder_start_token_id``, ``config.start_id``)."""
+    token first (the output embeddings offset by one, section 3.1; the start token is ``config.start_id``)."""
     return {"src": pad_rows(sources, config.pad_id),
             "tgt": pad_rows([[config.start_id, *ids[:-1]] for ids in labels], config.pad_id),
             "labels": pad_rows(labels, config.pad_id)}

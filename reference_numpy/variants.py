@@ -18,14 +18,14 @@ import numpy as np
 
 def silu(x: np.ndarray) -> np.ndarray:
     """x sigmoid(x) = x / (1 + exp(-x)) -- "swish"/"silu" (Elfwing et al., 2018; Ramachandran et al., 2017),
-    ``torch.nn.SiLU``, the activation of Marian's opus-mt models. Shape: (...) -> (...)."""
+    ``torch.nn.SiLU``. Shape: (...) -> (...)."""
     with np.errstate(over="ignore"):                                    # exp(-x) -> inf: x / inf = -0
         return (x / (1.0 + np.exp(-x))).astype(x.dtype)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
     """x Phi(x) = x / 2 (1 + erf(x / sqrt(2))), Phi the standard normal CDF -- Hendrycks & Gimpel (2016), the exact
-    (erf) form: ``torch.nn.functional.gelu`` without its tanh approximation, M2M100's and NLLB's.
+    (erf) form: ``torch.nn.functional.gelu`` without its tanh approximation.
     Shape: (...) -> (...)."""
     return (0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(x.dtype))).astype(x.dtype)
 
@@ -40,9 +40,8 @@ def _erf(x: np.ndarray) -> np.ndarray:
 
 def halves_table(length: int, d_model: int) -> np.ndarray:
     """Section 3.5's angles with the sines in the first half of the columns and the cosines in the second --
-    Marian's layout (``MarianSinusoidalPositionalEmbedding``: "features are not interleaved, the cos features are
-    in the 2nd half"): PE(pos, i) = sin(pos / 10000^(2i/d_model)), PE(pos, D/2 + i) = cos(pos / 10000^(2i/d_model))
-    for i < D/2.
+    the features are not interleaved: PE(pos, i) = sin(pos / 10000^(2i/d_model)),
+    PE(pos, D/2 + i) = cos(pos / 10000^(2i/d_model)) for i < D/2.
 
     Shape: returns (L, D), rows 0 .. L-1, float64.
     """
@@ -52,7 +51,7 @@ def halves_table(length: int, d_model: int) -> np.ndarray:
 
 
 def fairseq_table(length: int, d_model: int, pad_id: int) -> np.ndarray:
-    """fairseq's table (``SinusoidalPositionalEmbedding.get_embedding``, tensor2tensor's form; M2M100, NLLB):
+    """The ``fairseq`` table (tensor2tensor's form of the sinusoids):
     frequencies w_i = exp(-i ln(10000) / (D/2 - 1)) for i < D/2 (the last one exactly 1/10000), sines in the first
     half, cosines in the second, at the positions pad_id + 1, pad_id + 2, ... (fairseq counts positions from the
     padding index + 1, :func:`position_ids`). Row 0 is zeros (what a pad token reads: fairseq's row
@@ -71,19 +70,18 @@ def fairseq_table(length: int, d_model: int, pad_id: int) -> np.ndarray:
 
 def position_ids(tokens: np.ndarray, pad_id: int, offset: int = 0, by_step: bool = False) -> np.ndarray:
     """The row of the ``fairseq`` table (:func:`fairseq_table`) each token reads: 0 for a pad token, else
-    ``offset`` plus the number of non-pad tokens of its row up to and including it -- fairseq's
-    ``utils.make_positions`` and Hugging Face's ``create_position_ids_from_input_ids`` (M2M100/NLLB), whose position
-    ids are this row + pad_id (their table's row ``padding_idx`` is the zero row, here row 0).
+    ``offset`` plus the number of non-pad tokens of its row up to and including it (a position id counted from
+    pad_id + 1 is this row + pad_id: the table's zero row is row 0 here).
 
     ``by_step`` (the decoder's tokens): ``offset`` plus the token's own position in its row, counted from 1, pads
-    included -- the rows Hugging Face's ``generate`` gives a decoded prefix, one token per step at
-    ``past_key_values_length`` = the step (fairseq's incremental decoding counts steps alike). The two differ only
+    included -- the rows a decoded prefix reads when decoding one token per step with a cache of the earlier steps,
+    its positions counted by step. The two differ only
     where a pad precedes a real token: never in a right-padded target; in decoding, after a pad start token or an
     emitted pad, where counting steps is what makes decoding with and without a cache one computation.
 
     Positions depend on the tokens: a padded row's first real token is at row 1 wherever the padding is. In cached
     decoding ``tokens`` holds the new positions only and ``offset`` is the step's ``cache_index`` (the number of
-    earlier positions, pad tokens included, as Hugging Face's ``past_key_values_length``): one new non-pad token at
+    earlier positions, pad tokens included): one new non-pad token at
     cache_index c reads row c + 1, the row it reads in the whole prefix when no earlier token is a pad.
 
     Shape: tokens (B, T) int -> rows (B, T) int64.

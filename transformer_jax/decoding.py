@@ -11,7 +11,7 @@ beam, then the lower token (the order of a stable sort of the negated flat score
 ranks finishes a hypothesis, the first ``beam_size`` non-eos candidates are the next live beams; the search stops at the
 budget (live beams then finish, in rank order, after that step's eos hypotheses), when no live beam is left, or by the
 length normalization's rule (``config.decoding.length_normalization``: "gnmt", when no live beam can beat the best
-finished one; "hf", transformers' ``early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the
+finished one; "hf", ``config.decoding.early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the
 best score wins, ties going to the hypothesis finished first. Outputs are NumPy, without bos, pad-filled. A bfloat16 or
 float16 model decodes with its key/value caches in its own dtype and float32 log-probabilities and scores.
 
@@ -388,7 +388,7 @@ def _stops(config: TransformerConfig, best_live: jax.Array, best: jax.Array, kep
            limit_penalty: jax.Array) -> jax.Array:
     """Which sentences stop by the normalization's rule after a step (the reference's ``search_ends``): "gnmt",
     no live beam can beat the best finished score, best_live / lp(limit) <= best; "hf", once ``beam_size``
-    hypotheses have finished (``kept``, the best finished scores, full), transformers' ``early_stopping``: True at
+    hypotheses have finished (``kept``, the best finished scores, full), ``config.decoding.early_stopping``: True at
     once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
     "never", the limit. A sentence with no live beam left (best_live -inf) stops.
     Shape: best_live, best (B,); kept (B, K); penalty (); limit_penalty (B,) -> (B,) bool."""

@@ -10,11 +10,11 @@ mask alone; greedy ties go to the lowest token id; beam candidates are ranked by
 float32 for bfloat16 and float16), ties to the lower beam then the lower token; eos finishes a hypothesis only among the
 first ``beam_size`` ranks; the search stops at the maximum length (live beams are then scored as finished, in rank
 order, after that step's eos hypotheses), when no live beam is left, or by the length normalization's rule
-(``config.decoding.length_normalization``: "gnmt", when no live beam can beat the best finished one; "hf", transformers'
-``early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the best score wins, a tie going to the
-hypothesis finished first. Beam rows that hold no live beam (only one exists at first; none when only eos can follow)
-score -inf: they never finish, and when all of a sentence's rows do, the stopping rule (-inf <= best finished score)
-ends its search.
+(``config.decoding.length_normalization``: "gnmt", when no live beam can beat the best finished one; "hf",
+``config.decoding.early_stopping`` over the ``beam_size`` best finished scores, :func:`_stops`); the best score wins, a
+tie going to the hypothesis finished first. Beam rows that hold no live beam (only one exists at first; none when only
+eos can follow) score -inf: they never finish, and when all of a sentence's rows do, the stopping rule (-inf <= best
+finished score) ends its search.
 
 Each search is one ``tf.function`` holding a ``tf.while_loop`` over output positions, for the
 whole batch at once (beam search keeps B x beam_size rows):
@@ -403,7 +403,7 @@ def _stops(config: TransformerConfig, best_live: tf.Tensor, best: tf.Tensor, kep
            limit_penalty: tf.Tensor) -> tf.Tensor:
     """Which sentences stop by the normalization's rule after a step (the reference's ``search_ends``): "gnmt",
     no live beam can beat the best finished score, best_live / lp(limit) <= best; "hf", once ``beam_size``
-    hypotheses have finished (``kept``, the best finished scores, full), transformers' ``early_stopping``: True at
+    hypotheses have finished (``kept``, the best finished scores, full), ``config.decoding.early_stopping``: True at
     once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
     "never", the limit. A sentence with no live beam left (best_live -inf) stops.
     Shape: best_live, best (B,); kept (B, K); penalty (); limit_penalty (B,) -> (B,) bool."""

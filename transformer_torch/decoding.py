@@ -326,7 +326,7 @@ def _stops(config: TransformerConfig, best_live: Tensor, best: Tensor, kept: Ten
            limit_penalty: Tensor) -> Tensor:
     """Which sentences stop by the normalization's rule after a step (the reference's ``search_ends``): "gnmt",
     no live beam can beat the best finished score, best_live / lp(limit) <= best; "hf", once ``beam_size``
-    hypotheses have finished (``kept``, the best finished scores, full), transformers' ``early_stopping``: True at
+    hypotheses have finished (``kept``, the best finished scores, full), ``config.decoding.early_stopping``: True at
     once, else best_live / lp(bound) <= the worst kept score, bound = this step's length (``penalty``) or, for
     "never", the limit. A sentence with no live beam left (best_live -inf) stops.
     Shape: best_live, best (B,); kept (B, K); penalty () ; limit_penalty (B,) -> (B,) bool."""
