@@ -639,6 +639,9 @@ BEAM_END = [
         (FD, "keep = tf.math.top_k(-tf.where(is_eos, rank + 2 * k, rank), k).indices",
          "keep = tf.math.top_k(-tf.where(is_eos & (rank < k), rank + 2 * k, rank), k).indices"),
     ], DECODING_ORACLE, decoding_agreement("and beam")),
+    single("beam-end", "reference: a search that finishes no hypothesis scores its empty output 0, not -inf", RD,
+           "return [], -math.inf", "return [], 0.0",
+           ["tests/reference/test_decoding.py::test_a_search_that_finishes_no_hypothesis_gives_the_empty_output_scored_minus_inf"]),
 ]
 
 # Section 6.1's budget, "input length + 50": the non-pad source tokens, eos included (the PyTorch and JAX ports
@@ -1357,12 +1360,31 @@ OUTPUTS = [
            ["tests/cli/test_inputs_never_replaced.py", "-k", "no_output_of_any_command and hard"]),
 ]
 
+# The reference and the ports name no Hugging Face family or field: the scan of their sources
+_NO_FAMILY = "tests/project/test_no_family_names.py::test_the_reference_and_the_ports_name_no_family_or_field"
+
 # The packages import only downward (tests/project/test_layers.py runs import-linter's layers contract of pyproject.toml)
 LAYERS = [
     single("layers", "the adapters import from the command line above them", "equivalence/backends/__init__.py",
            "from equivalence import runtime\n",
            "from equivalence import runtime\nfrom transformer_cli.extras import INSTALL  # noqa: F401\n",
            ["tests/project/test_layers.py", "-k", "only_downward"]),
+    # The reference and the ports name no Hugging Face family or field (docs/huggingface.md, "Where the reference's
+    # variants come from"): a mention is caught by the scan, whatever the backend
+    single("layers", "the reference's halves table says whose it is (Marian's)", f"{REF}/variants.py",
+           "Section 3.5's angles with the sines in the first half of the columns and the cosines in the second --",
+           "Section 3.5's angles with the sines in the first half of the columns and the cosines in the second, Marian's --",
+           [_NO_FAMILY]),
+    consistent("layers", "every backend's decoding says whose conventions it follows (generate's num_beams)", [
+        (RD, "Greedy decoding and beam search (section 6.1) for the reference.",
+         "Greedy decoding and beam search (section 6.1) for the reference, with the beam of num_beams."),
+        (TD, "Greedy decoding and beam search (section 6.1) with a key/value cache.",
+         "Greedy decoding and beam search (section 6.1) with a key/value cache, with the beam of num_beams."),
+        (JD, "Greedy decoding and beam search (section 6.1) for the JAX/Flax port, compiled.",
+         "Greedy decoding and beam search (section 6.1) for the JAX/Flax port, compiled, with the beam of num_beams."),
+        (FD, "Greedy decoding and beam search (section 6.1) for the TensorFlow port, compiled.",
+         "Greedy decoding and beam search (section 6.1) for the TensorFlow port, compiled, with the beam of num_beams."),
+    ], [_NO_FAMILY]),
 ]
 
 # The command line's cache of compiled programs (equivalence/compile_cache.py) and the imports it defers: only
