@@ -8,6 +8,9 @@ Presets follow Table 3 of "Attention Is All You Need" (Vaswani et al., 2017):
 d_ff=4096, h=16), both with the shared ~37,000-token source/target BPE
 vocabulary of the WMT 2014 English-German task (section 5.1), and a ``tiny``
 preset for fast tests.
+
+Each variant and decoding rule is described here by what it computes; which imported models use it, and which of
+their fields sets it: docs/huggingface.md, "Where the reference's variants come from".
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import numpy as np
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
 # The feed-forward network's activation (section 3.3's ReLU; SiLU and the exact GELU are variants).
-# Which model family each variant of this module comes from: docs/huggingface.md, "Where the reference's variants come
-# from".
 ACTIVATIONS = ("relu", "silu", "gelu")
 # How the sinusoidal table lays out its sines and cosines (section 3.5's interleaved pairs; halves: every sine first,
 # then every cosine; "fairseq": halves over other frequencies, at positions that skip pads).
@@ -100,7 +101,7 @@ class DecodingConfig(_Config):
         max_output_length: the output budget of every sentence, eos included, the start token not; None is
             section 6.1's, the sentence's non-pad source length + 50. Either is capped at ``max_len``.
         forced_eos: the last token of the output budget is forced: ``forced_last_id``.
-        forced_eos_id: the token ``forced_eos`` forces, when it is not eos (a fixed id whatever the model's eos);
+        forced_eos_id: the token ``forced_eos`` forces, when it is not eos (a fixed id, whatever the model's eos);
             None is ``eos_id``.
         length_normalization: beam search's "gnmt" (section 6.1: ((5 + |Y|) / 6)^alpha and an exact stopping rule)
             or "hf" (|Y|^alpha, ``beam_size`` finished hypotheses kept, ``early_stopping``'s rule).
@@ -225,8 +226,8 @@ class TransformerConfig(_Config):
         embedding_norm: a LayerNorm of each side's embeddings plus positions before its stack's first layer (the
             checkpoint tensors ``src_embed_norm``, ``tgt_embed_norm``); the paper has none.
         position_offset: with ``positional_encoding`` "learned", the rows of the trained table before position 0:
-            the table holds max_len + position_offset rows and position t reads row t + position_offset (rows never
-            read, such as 2 of them); 0 (the paper's Table 3 row E) reads row t.
+            the table holds max_len + position_offset rows and position t reads row t + position_offset (the first
+            position_offset rows are never read); 0 (the paper's Table 3 row E) reads row t.
 
     The last six default to the paper's choices, so a config (or checkpoint) without them is the paper's model.
 

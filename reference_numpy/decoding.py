@@ -13,23 +13,21 @@ The rules, shared by every port so that all backends produce identical tokens
   are set to -inf before choosing; with ``config.decoding.renormalize`` the log-probabilities are then normalized
   again over the tokens left, a log-softmax of them); the decoder reads its prefix under the causal mask alone (no
   target position is masked: a start token equal to pad is read like any other token);
-* the repetition penalty, the first rule applied at a step: with ``config.decoding.repetition_penalty`` p != 1, at
-  each step the score of every token already in the hypothesis (its start token included) is divided by p where it is
-  > 0 and multiplied by p where it is < 0 (:func:`penalize`), before the never-emitted tokens, the held-back ones, the
+* the repetition penalty, the first rule applied at a step: with ``config.decoding.repetition_penalty`` p != 1, at each
+  step the score of every token already in the hypothesis (its start token included) is divided by p where it is > 0 and
+  multiplied by p where it is < 0 (:func:`penalize`), before the never-emitted tokens, the held-back ones, the
   renormalization and the forced tokens below. The score is the generator's logit in greedy decoding and its
-  log-probability in beam search (greedy's rules read the logits, beam search's their log-softmax): greedy chooses
-  the highest
-  penalized logit, beam search sums penalized log-probabilities (the per-row constant a log-softmax subtracts changes
-  which tokens the penalty divides and which it multiplies, so the two are not one rule);
+  log-probability in beam search (greedy's rules read the logits, beam search's their log-softmax): greedy chooses the
+  highest penalized logit, beam search sums penalized log-probabilities (the per-row constant a log-softmax subtracts
+  changes which tokens the penalty divides and which it multiplies, so the two are not one rule);
 * forced tokens: with ``forced_bos_id`` (an argument of each call, such as a target language's code; without one,
   ``config.decoding.forced_bos_id``) the first output token is it; with ``config.decoding.forced_eos`` the token at
   the budget's last position is ``config.forced_last_id``: eos, or the token ``forced_eos_id`` names when it is not
   eos (a sequence it ends without eos ends there by its budget).
   A forced step gives the forced token the log-probability 0 and every other -inf;
-* held-back tokens (:func:`constrain`, applied after the repetition penalty and before the forced tokens and the
-  renormalization): eos gets -inf at an output step
-  below ``config.decoding.min_output_length``, and with ``config.decoding.no_repeat_ngram_size`` n > 0 every token that
-  would complete an n-gram already in the hypothesis (read with its start token) gets -inf; with
+* held-back tokens (:func:`constrain`, applied after the never-emitted tokens and before the forced tokens): eos gets
+  -inf at an output step below ``config.decoding.min_output_length``, and with ``config.decoding.no_repeat_ngram_size``
+  n > 0 every token that would complete an n-gram already in the hypothesis (read with its start token) gets -inf; with
   ``config.decoding.renormalize`` the log-probabilities are then normalized again over the tokens left (a log-softmax of
   log-probabilities: the same, to rounding, as one normalization after every rule of the step);
 * greedy: the next token is the highest log-probability; a tie goes to the **lowest token id**;
