@@ -112,11 +112,12 @@ def test_the_field_list_is_the_family_layer_s():
 
 
 def test_the_scan_names_file_line_and_word(tmp_path):
-    """A planted mention in a copy is reported by file, line and word; a word inside a longer name is not one."""
+    """A planted mention in a copy is reported by file, line and word, whatever its case; a word inside a longer
+    name is not one, nor a document's path (docs/huggingface.md, where the provenance is written)."""
     for package in PACKAGES:
         (tmp_path / package).mkdir()
-    (tmp_path / "reference_numpy" / "variants.py").write_text(
-        '"""Every sine first.\n\nMarian\'s layout, as ``max_new_tokens`` says."""\nmarianne = 1\n', encoding="utf-8")
+    planted = '"""Every sine first (docs/huggingface.md).\n\nMarian\'s layout, as ``max_new_tokens`` says."""\n'
+    (tmp_path / "reference_numpy" / "variants.py").write_text(planted + "marianne = 1\n", encoding="utf-8")
     (tmp_path / "transformer_jax" / "decoding.py").write_text("# hugging face's generate\n", encoding="utf-8")
     assert mentions(tmp_path, words()) == ["reference_numpy/variants.py:3: Marian",
                                            "reference_numpy/variants.py:3: max_new_tokens",
