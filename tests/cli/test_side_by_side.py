@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from transformer_cli.commands import side_by_side
-from transformer_cli.commands.side_by_side import BACKENDS, CONCEPTS
+from transformer_cli.commands.side_by_side import BACKENDS, CONCEPTS, MACHINERY, PAPER
 from transformer_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -330,7 +330,12 @@ function measure() {
   const lineHeight = parseFloat(getComputedStyle(document.querySelector(".cell pre")).lineHeight);
   const wrapped = [...document.querySelectorAll(".cell pre .line")]
     .filter(line => line.getBoundingClientRect().height > 1.5 * lineHeight).length;
-  return {rows, cut, wrapped, page: [document.documentElement.scrollWidth, window.innerWidth]};
+  const lines = Object.fromEntries([...document.querySelectorAll("section.concept")].map(section => [section.id,
+    [...section.querySelectorAll(".cell")].filter(cell => cell.offsetParent !== null).map(cell => [
+      cell.dataset.backend, [...cell.querySelectorAll("pre")]
+        .reduce((sum, pre) => sum + Math.round(pre.getBoundingClientRect().height / lineHeight), 0)])]));
+  const order = [...document.querySelectorAll("section.concept, h2.part")].map(node => node.id);
+  return {rows, cut, wrapped, lines, order, page: [document.documentElement.scrollWidth, window.innerWidth]};
 }
 const all = measure();
 for (const backend of ["numpy", "tf"]) document.getElementById("show-" + backend).checked = false;
@@ -361,3 +366,16 @@ def test_at_1400_pixels_nothing_is_cut_off_and_two_backends_can_share_the_width(
             assert max(widths) - min(widths) < 1 and sum(widths) > 0.95 * row_width, widths
             assert all(0 <= left and right <= row_width + 0.5 for _, left, right, _ in cells), cells
     assert two["cut"] == []
+
+
+def test_eq_1_reads_in_25_lines_and_the_paper_ends_before_the_machinery(rendered, tmp_path):
+    """Measured in Chromium at 1400 pixels: each backend's Eq. (1) is at most 25 rendered lines (wrapped lines
+    counted as what the reader sees); every concept of section 3 comes before the part beside the paper, every piece
+    of machinery after it."""
+    page = tmp_path / "measured.html"
+    page.write_text(side_by_side.render_page().replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    dom = chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile").stdout
+    measured = json.loads(html.unescape(re.findall(r"<pre id=\"measured\">(.*?)</pre>", dom, re.S)[-1]))["all"]
+    eq_1 = dict(measured["lines"][PAPER[0].anchor])
+    assert list(eq_1) == list(HEADINGS) and all(0 < lines <= 25 for lines in eq_1.values()), eq_1
+    assert measured["order"] == [c.anchor for c in PAPER] + ["beside-the-paper"] + [c.anchor for c in MACHINERY]
