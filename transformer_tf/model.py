@@ -20,7 +20,21 @@ from reference_numpy.precision import round_to
 
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
-from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _Stream, _TransformerLayer, register
+from .layers import (
+    _TOKEN_SHAPE,
+    _as_config,
+    _checked_dtype,
+    _Dense,
+    _Generator,
+    _logits,
+    _matmul_transposed,
+    _Model,
+    _Normalization,
+    _Stream,
+    _TransformerLayer,
+    _uniform,
+    register,
+)
 from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, is_low, narrow, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
 from .variants import gelu, position_ids, silu
@@ -72,11 +86,6 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
     return zero_fully_masked_rows(attention_product(tf.matmul, weights, value, dtype), mask), weights
 
 
-def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
-    return tf.matmul(a, b, transpose_b=True)
-
-
 @register
 class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
@@ -93,10 +102,6 @@ class MultiHeadAttention(_TransformerLayer):
         self.k_proj = _Dense(d_model, **self._sublayer_kwargs("k_proj"))
         self.v_proj = _Dense(d_model, **self._sublayer_kwargs("v_proj"))
         self.o_proj = _Dense(d_model, **self._sublayer_kwargs("o_proj"))
-
-    def build(self, input_shape=None):
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.build((None, self.config.d_model))
 
     def call(self, query, key, value, mask=None, return_weights=False, cache=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
@@ -154,7 +159,7 @@ class PositionwiseFeedForward(_TransformerLayer):
 
 
 @register
-class LayerNorm(keras.layers.LayerNormalization):
+class LayerNorm(_Normalization):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
@@ -168,9 +173,6 @@ class LayerNorm(keras.layers.LayerNormalization):
     def call(self, x):
         overflow = tf.math.is_inf(tf.math.reduce_variance(wide(x), axis=-1, keepdims=True))   # (..., 1)
         return tf.where(overflow, tf.constant(np.nan, x.dtype), super().call(x))
-
-    def get_config(self) -> dict:
-        return {**keras.layers.Layer.get_config(self), "config": self.config.to_dict()}
 
 
 def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: LayerNorm, norm_first: bool,
@@ -228,15 +230,11 @@ class Embeddings(_TransformerLayer):
         self.scale = math.sqrt(self.config.d_model) if self.config.scale_embeddings else 1.0
 
     def build(self, input_shape=None):
-        limit = math.sqrt(3.0 / self.config.d_model)  # standard deviation d_model^-0.5
         self.weight = self.add_weight(name="weight", shape=(self.vocab_size, self.config.d_model),
-                                      initializer=keras.initializers.RandomUniform(-limit, limit))  # (V, D)
+                                      initializer=_uniform(self.config.d_model))  # (V, D)
 
     def call(self, tokens):
         return narrow(wide(tf.gather(self.weight, tokens)) * self.scale, self.compute_dtype)
-
-    def get_config(self) -> dict:
-        return {**super().get_config(), "vocab_size": self.vocab_size}
 
 
 @register
@@ -255,9 +253,8 @@ class PositionalEncoding(_TransformerLayer):
     def build(self, input_shape=None):
         cfg = self.config
         if self.learned:
-            limit = math.sqrt(3.0 / cfg.d_model)
             self.weight = self.add_weight(name="weight", shape=(cfg.max_len + cfg.position_offset, cfg.d_model),
-                                          initializer=keras.initializers.RandomUniform(-limit, limit))
+                                          initializer=_uniform(cfg.d_model))
         else:
             self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype,
                                                          cfg.sinusoidal_layout, cfg.pad_id)
@@ -275,7 +272,7 @@ class PositionalEncoding(_TransformerLayer):
 
 
 @register
-class Generator(_TransformerLayer):
+class Generator(_Generator):
     """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
@@ -297,31 +294,11 @@ class Generator(_TransformerLayer):
             if self.config.output_bias else None                           # (V,)
 
     def call(self, x):
-        return log_softmax(_logits(x, self._weight(), self._bias()))
+        return log_softmax(self.logits(x))
 
     def logits(self, x: tf.Tensor) -> tf.Tensor:
         """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         return _logits(x, self._weight(), self._bias())
-
-    def _weight(self) -> tf.Tensor:
-        """The (D, V) weight: the shared embedding transposed, or the layer's own."""
-        if self.embeddings is not None:
-            return tf.transpose(self.embeddings.weight)
-        return tf.convert_to_tensor(self.weight)
-
-    def _bias(self) -> tf.Tensor | None:
-        """The (V,) bias of ``output_bias``, or None."""
-        return None if self.bias is None else tf.convert_to_tensor(self.bias)
-
-
-def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
-    """x W (+ b) with a given (D, V) ``weight`` and (V,) ``bias`` or None, as the log-softmax reads them (a low
-    precision's widened). Shape: x (..., D) -> (..., V)."""
-    logits = tf.matmul(wide(x), wide(weight))
-    if bias is not None:
-        logits = logits + wide(bias)
-    logits = narrow(logits, x.dtype)                                   # (..., V)
-    return wide(logits)
 
 
 def log_softmax(x: tf.Tensor) -> tf.Tensor:
@@ -348,9 +325,6 @@ class EncoderLayer(_Stream):
         self.ffn = PositionwiseFeedForward(cfg, **sub("ffn"))
         self.ffn_norm = LayerNorm(cfg, **sub("ffn_norm"))
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
-
-    def build(self, input_shape=None):
-        _build_all((self.self_attn, self.self_attn_norm, self.ffn, self.ffn_norm), self.config)
 
     def call(self, x, mask=None, training=None):
         def dropout(h):
@@ -380,10 +354,6 @@ class DecoderLayer(_Stream):
         self.ffn_norm = LayerNorm(cfg, **sub("ffn_norm"))
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
 
-    def build(self, input_shape=None):
-        _build_all((self.self_attn, self.self_attn_norm, self.cross_attn, self.cross_attn_norm,
-                    self.ffn, self.ffn_norm), self.config)
-
     def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, training=None):
         self_cache, cross_cache = (None, None) if cache is None else cache
 
@@ -412,9 +382,6 @@ class Encoder(_Stream):
         self.layers = [EncoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_encoder_layers)]
         self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
-    def build(self, input_shape=None):
-        _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
-
     def call(self, x, mask=None, training=None):
         for layer in self.layers:
             x = layer(x, mask, training=training)
@@ -434,9 +401,6 @@ class Decoder(_Stream):
         self.layers = [DecoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_decoder_layers)]
         self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
-    def build(self, input_shape=None):
-        _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
-
     def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None,
              training=None):
         kept = []
@@ -452,11 +416,8 @@ class Decoder(_Stream):
 
 # ----------------------------------------------------------------------------- the model
 
-_TOKEN_SHAPE = (None, None)      # (batch, length) of the call's token ids, both free
-
-
 @register
-class Transformer(_TransformerLayer, keras.Model):
+class Transformer(_Model):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
@@ -466,8 +427,6 @@ class Transformer(_TransformerLayer, keras.Model):
     TensorFlow: ``dtype`` a Keras dtype policy (the four dtypes' names, "mixed_bfloat16", "mixed_float16"); built on
     construction; weights from :mod:`.checkpoint` or ``load_weights``.
     """
-
-    input_dtype = "int64"                                               # token ids (Keras' property, overridden)
 
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
@@ -483,14 +442,6 @@ class Transformer(_TransformerLayer, keras.Model):
         self.decoder = Decoder(cfg, **sub("decoder"))
         self.generator = Generator(cfg, self.tgt_embed if cfg.share_embeddings else None, **sub("generator"))
         self.build(_TOKEN_SHAPE, _TOKEN_SHAPE)
-
-    def build(self, src_shape=_TOKEN_SHAPE, tgt_shape=_TOKEN_SHAPE):
-        for layer in (self.src_embed, self.tgt_embed, self.src_pos, self.tgt_pos, self.encoder, self.decoder,
-                      self.generator):
-            if not layer.built:  # with share_embeddings, src_embed is tgt_embed
-                layer.build()
-        if self.src_embed_norm is not None and self.tgt_embed_norm is not None:
-            _build_all((self.src_embed_norm, self.tgt_embed_norm), self.config)
 
     def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
@@ -522,17 +473,6 @@ class Transformer(_TransformerLayer, keras.Model):
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, training=training)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, training=training)
-
-    def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
-        """Log-probabilities of the next target token at every target position.
-
-        TensorFlow: the inputs checked before Keras' ``__call__``; ``src`` alone may be Keras' one input, a (src, tgt)
-        pair or a dict (:func:`_one_input`).
-        """
-        if tgt is None:
-            src, tgt = _one_input(src)
-        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
-        return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
     def call(self, src, tgt, src_mask=None, tgt_mask=None, training=None):
         """Log-probabilities of the next target token at every target position."""
