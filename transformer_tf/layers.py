@@ -1,10 +1,11 @@
 """Keras plumbing of the TensorFlow port's layers: framework idiom, not section 3, so not in :mod:`.model`.
 
-The serialization registry (``register``), the base class that builds a layer's sublayers, derives ``get_config``
+The serialization registry (``register``; every public layer class is registered as it is defined,
+``_Registered``), the base class that builds a layer's sublayers, derives ``get_config``
 from its constructor's arguments and takes masks as plain inputs (``_TransformerLayer``), ``LayerNorm``'s config
 (``_Normalization``), the model's base (``_Model``: token inputs, checked before Keras' ``__call__``, and Keras' one
-model input ``_one_input``), the reference's ``Linear`` as a ``keras.layers.Dense`` (``_Dense``), the products whose
-weights no ``Dense`` holds (``_matmul_transposed``, ``_logits``) and the embeddings' initializer (``_uniform``).
+model input ``_one_input``), the reference's ``Linear`` as a ``keras.layers.Dense`` (``_Dense``), the generator's
+product, whose weight no ``Dense`` holds (``_logits``) and the embeddings' tables (``_uniform_weight``).
 TensorFlow only: the other backends' frameworks need none of it (docs/ports.md, "Layers").
 """
 
@@ -24,7 +25,6 @@ from .precision import autocast_dtype, narrow, parse_dtype, wide
 
 register = keras.saving.register_keras_serializable(package="transformer_tf")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")   # Keras' mixed precision: the autocast recipe
-_TOKEN_SHAPE = (None, None)      # (batch, length) of the model's token ids, both free
 
 
 def _checked_dtype(dtype: Any) -> Any:
@@ -41,16 +41,37 @@ def _checked_dtype(dtype: Any) -> Any:
 
 @register
 class _Dense(keras.layers.Dense):
-    """The reference's ``Linear``: ``keras.layers.Dense``, y = x W + b, W stored (in, out).
+    """The reference's ``Linear``: ``keras.layers.Dense``, y = x W + b, W stored (in, out), built on its
+    ``in_features`` whatever input shape it is built on (``nn.Linear(in_features, out_features)``'s order).
 
     Shape: x (..., in) -> y (..., out).
     """
 
+    def __init__(self, in_features: int, units: int, **kwargs: Any) -> None:
+        super().__init__(units, **kwargs)
+        self.in_features = in_features
+
+    def build(self, input_shape: Any = None) -> None:
+        super().build((None, self.in_features))
+
     def call(self, inputs, training=None):
         return narrow(super().call(wide(inputs)), self.compute_dtype)
 
+    def get_config(self) -> dict:
+        return {**super().get_config(), "in_features": self.in_features}
 
-class _TransformerLayer(keras.layers.Layer):
+
+class _Registered:
+    """Every public class of the package's layers registered for Keras serialization (``register``) as it is
+    defined: :mod:`.model`'s concepts carry no decorator."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.split(".")[0] == __name__.split(".")[0] and not cls.__name__.startswith("_"):
+            register(cls)
+
+
+class _TransformerLayer(_Registered, keras.layers.Layer):
     """Keras plumbing of :mod:`.model`'s layers: the config kept for ``get_config``, the sublayers built on inputs
     (..., D), masks as plain inputs."""
 
@@ -92,7 +113,7 @@ class _Stream(_TransformerLayer):
     _STREAM = True
 
 
-class _Normalization(keras.layers.LayerNormalization):
+class _Normalization(_Registered, keras.layers.LayerNormalization):
     """``LayerNorm``'s Keras plumbing: its config is the ``TransformerConfig`` alone (axis and epsilon follow from
     it), so ``get_config`` skips ``keras.layers.LayerNormalization``'s own."""
 
@@ -110,7 +131,11 @@ class _Model(_TransformerLayer, keras.Model):
     input_dtype = "int64"                                               # token ids (Keras' property, overridden)
     _check_inputs: Callable[..., tuple[Any, Any]]
 
-    def build(self, src_shape: Any = _TOKEN_SHAPE, tgt_shape: Any = _TOKEN_SHAPE) -> None:
+    def __init__(self, config: TransformerConfig | dict, dtype: Any = "float64", **kwargs: Any) -> None:
+        super().__init__(config, dtype=_checked_dtype(dtype), **kwargs)
+
+    def build(self, src_shape: Any = (None, None), tgt_shape: Any = (None, None)) -> None:
+        """The sublayers, for token ids of shape (batch, length), both free."""
         _build_all(self._layers, self.config)
 
     def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
@@ -168,15 +193,11 @@ def _build_all(layers: Iterable[keras.layers.Layer], config: TransformerConfig) 
             layer.build((None, config.d_model))
 
 
-def _uniform(d_model: int) -> keras.initializers.Initializer:
-    """The embeddings' initializer: uniform with standard deviation d_model^-0.5."""
-    limit = math.sqrt(3.0 / d_model)
-    return keras.initializers.RandomUniform(-limit, limit)
-
-
-def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
-    return tf.matmul(a, b, transpose_b=True)
+def _uniform_weight(layer: _TransformerLayer, shape: tuple[int, int]) -> keras.Variable:
+    """An embedding table, the ``layer``'s ``weight`` of ``shape`` (rows, D): uniform with standard deviation
+    d_model^-0.5."""
+    limit = math.sqrt(3.0 / layer.config.d_model)
+    return layer.add_weight(name="weight", shape=shape, initializer=keras.initializers.RandomUniform(-limit, limit))
 
 
 def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:

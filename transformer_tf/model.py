@@ -6,6 +6,7 @@ A parallel text of ``reference_numpy/model.py``: its concepts, names, argument o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,28 +17,23 @@ import tensorflow as tf
 from numpy.typing import DTypeLike
 
 from reference_numpy.config import TransformerConfig
-from reference_numpy.precision import round_to
 
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
 from .layers import (
-    _TOKEN_SHAPE,
     _as_config,
-    _checked_dtype,
     _Dense,
     _Generator,
     _logits,
-    _matmul_transposed,
     _Model,
     _Normalization,
     _Stream,
     _TransformerLayer,
-    _uniform,
-    register,
+    _uniform_weight,
 )
-from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, is_low, narrow, wide
+from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, narrow, round_to, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
-from .variants import gelu, position_ids, silu
+from .variants import _fairseq_table, _halves_table, gelu, position_ids, silu
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
@@ -79,14 +75,13 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 
     TensorFlow: ``dtype`` P (a mixed policy's compute dtype) computes by the autocast recipe.
     """
-    scores = attention_product(_matmul_transposed, query, key, dtype)   # (..., Tq, Tk)
+    scores = attention_product(functools.partial(tf.matmul, transpose_b=True), query, key, dtype)   # (..., Tq, Tk)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
     weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
     return zero_fully_masked_rows(attention_product(tf.matmul, weights, value, dtype), mask), weights
 
 
-@register
 class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
@@ -96,12 +91,11 @@ class MultiHeadAttention(_TransformerLayer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.n_heads = self.config.n_heads
-        d_model = self.config.d_model
-        self.q_proj = _Dense(d_model, **self._sublayer_kwargs("q_proj"))
-        self.k_proj = _Dense(d_model, **self._sublayer_kwargs("k_proj"))
-        self.v_proj = _Dense(d_model, **self._sublayer_kwargs("v_proj"))
-        self.o_proj = _Dense(d_model, **self._sublayer_kwargs("o_proj"))
+        self.n_heads, d_model, sub = self.config.n_heads, self.config.d_model, self._sublayer_kwargs
+        self.q_proj = _Dense(d_model, d_model, **sub("q_proj"))
+        self.k_proj = _Dense(d_model, d_model, **sub("k_proj"))
+        self.v_proj = _Dense(d_model, d_model, **sub("v_proj"))
+        self.o_proj = _Dense(d_model, d_model, **sub("o_proj"))
 
     def call(self, query, key, value, mask=None, return_weights=False, cache=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
@@ -138,7 +132,6 @@ def activation(x: tf.Tensor, name: str) -> tf.Tensor:
     raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
 
 
-@register
 class PositionwiseFeedForward(_TransformerLayer):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act :func:`activation` (max(0, .) in the paper) -- Eq. (2), section 3.3.
 
@@ -147,18 +140,13 @@ class PositionwiseFeedForward(_TransformerLayer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.linear1 = _Dense(self.config.d_ff, **self._sublayer_kwargs("linear1"))
-        self.linear2 = _Dense(self.config.d_model, **self._sublayer_kwargs("linear2"))
-
-    def build(self, input_shape=None):
-        self.linear1.build((None, self.config.d_model))
-        self.linear2.build((None, self.config.d_ff))
+        self.linear1 = _Dense(self.config.d_model, self.config.d_ff, **self._sublayer_kwargs("linear1"))
+        self.linear2 = _Dense(self.config.d_ff, self.config.d_model, **self._sublayer_kwargs("linear2"))
 
     def call(self, x):
         return self.linear2(activation(self.linear1(x), self.config.activation))
 
 
-@register
 class LayerNorm(_Normalization):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
@@ -200,27 +188,18 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
 
     Shape: returns (L, D) in ``dtype``, rows 0 .. L-1 ((L + 1, D) for ``fairseq``).
     """
-    if layout == "fairseq":
-        half = d_model // 2
-        frequency = tf.exp(tf.range(half, dtype=tf.float64) * -(math.log(10000.0) / (half - 1)))  # (D/2,)
-        position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]                    # (L, 1)
-        angle = position * frequency[None, :]                                                    # (L, D/2)
-        table = tf.concat([tf.zeros((1, d_model), tf.float64),
-                           tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)], axis=0)          # (L + 1, D)
+    if layout == "halves":
+        table = _halves_table(length, d_model)                                # (L, D)
+    elif layout == "fairseq":
+        table = _fairseq_table(length, d_model, pad_id)                       # (L + 1, D)
     else:
         position = tf.range(length, dtype=tf.float64)[:, None]                # (L, 1)
         two_i = tf.range(0, d_model, 2, dtype=tf.float64)[None, :]            # (1, D/2)
         angle = position / tf.pow(tf.constant(10000.0, tf.float64), two_i / d_model)  # (L, D/2)
-        if layout == "halves":
-            table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)                               # (L, D)
-        else:
-            table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
-    if is_low(dtype):
-        return tf.constant(round_to(table.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
-    return tf.cast(table, dtype)
+        table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
+    return round_to(table, dtype)
 
 
-@register
 class Embeddings(_TransformerLayer):
     """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
@@ -230,14 +209,12 @@ class Embeddings(_TransformerLayer):
         self.scale = math.sqrt(self.config.d_model) if self.config.scale_embeddings else 1.0
 
     def build(self, input_shape=None):
-        self.weight = self.add_weight(name="weight", shape=(self.vocab_size, self.config.d_model),
-                                      initializer=_uniform(self.config.d_model))  # (V, D)
+        self.weight = _uniform_weight(self, (self.vocab_size, self.config.d_model))  # (V, D)
 
     def call(self, tokens):
         return narrow(wide(tf.gather(self.weight, tokens)) * self.scale, self.compute_dtype)
 
 
-@register
 class PositionalEncoding(_TransformerLayer):
     """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
     the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
@@ -252,26 +229,22 @@ class PositionalEncoding(_TransformerLayer):
 
     def build(self, input_shape=None):
         cfg = self.config
-        if self.learned:
-            self.weight = self.add_weight(name="weight", shape=(cfg.max_len + cfg.position_offset, cfg.d_model),
-                                          initializer=_uniform(cfg.d_model))
+        if self.learned:                                            # (L + offset, D): position t at row t + offset
+            self.weight = _uniform_weight(self, (cfg.max_len + cfg.position_offset, cfg.d_model))
         else:
             self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype,
                                                          cfg.sinusoidal_layout, cfg.pad_id)
 
     def call(self, x, offset=0, tokens=None, by_step=False, training=None):
-        fairseq = self.config.sinusoidal_layout == "fairseq"
+        fairseq, table = self.config.sinusoidal_layout == "fairseq", tf.convert_to_tensor(self.weight)
         if not fairseq or tokens is None:           # a learned table's position t at row t + position_offset
             offset = offset + 1 if fairseq else offset + self.config.position_offset
-            table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
-                             (tf.shape(x)[1], self.config.d_model))            # (T, D)
+            table = tf.slice(table, (offset, 0), (tf.shape(x)[1], self.config.d_model))            # (T, D)
             return self.dropout(add(x, table), training=training)
-        return self.dropout(add(x, tf.gather(tf.convert_to_tensor(self.weight),                 # (B, T, D)
-                                             position_ids(tokens, self.config.pad_id, offset, by_step))),
-                            training=training)
+        rows = position_ids(tokens, self.config.pad_id, offset, by_step)                          # (B, T)
+        return self.dropout(add(x, tf.gather(table, rows)), training=training)                   # (B, T, D)
 
 
-@register
 class Generator(_Generator):
     """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
@@ -309,7 +282,6 @@ def log_softmax(x: tf.Tensor) -> tf.Tensor:
 
 # ----------------------------------------------------------------------------- layers and stacks
 
-@register
 class EncoderLayer(_Stream):
     """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
@@ -327,14 +299,11 @@ class EncoderLayer(_Stream):
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
 
     def call(self, x, mask=None, training=None):
-        def dropout(h):
-            return self.dropout(h, training=training)
-
+        dropout = functools.partial(self.dropout, training=training)
         x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first, dropout)
         return residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
 
 
-@register
 class DecoderLayer(_Stream):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
@@ -356,10 +325,7 @@ class DecoderLayer(_Stream):
 
     def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, training=None):
         self_cache, cross_cache = (None, None) if cache is None else cache
-
-        def dropout(h: tf.Tensor) -> tf.Tensor:
-            return self.dropout(h, training=training)
-
+        dropout = functools.partial(self.dropout, training=training)
         kept: list[KVCache] = []                                           # the caches the attentions return
         x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
                      self.self_attn_norm, self.norm_first, dropout)
@@ -369,7 +335,6 @@ class DecoderLayer(_Stream):
         return x if cache is None else (x, tuple(kept))
 
 
-@register
 class Encoder(_Stream):
     """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
@@ -388,7 +353,6 @@ class Encoder(_Stream):
         return self.norm(x) if self.norm is not None else x
 
 
-@register
 class Decoder(_Stream):
     """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
@@ -401,8 +365,7 @@ class Decoder(_Stream):
         self.layers = [DecoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_decoder_layers)]
         self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
-    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None,
-             training=None):
+    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, training=None):
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -416,7 +379,6 @@ class Decoder(_Stream):
 
 # ----------------------------------------------------------------------------- the model
 
-@register
 class Transformer(_Model):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
@@ -424,13 +386,12 @@ class Transformer(_Model):
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    TensorFlow: ``dtype`` a Keras dtype policy (the four dtypes' names, "mixed_bfloat16", "mixed_float16"); built on
-    construction; weights from :mod:`.checkpoint` or ``load_weights``.
+    TensorFlow: ``dtype`` one of the four dtypes or a Keras dtype policy (a mixed one: autocast); built on creation.
     """
 
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
-        super().__init__(config, dtype=_checked_dtype(dtype), **kwargs)
+        super().__init__(config, dtype, **kwargs)
         cfg, sub, shared = self.config, self._sublayer_kwargs, self.config.share_embeddings
         self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed" if shared else "src_embed"))
         self.tgt_embed = self.src_embed if shared else Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
@@ -441,7 +402,7 @@ class Transformer(_Model):
         self.encoder = Encoder(cfg, **sub("encoder"))
         self.decoder = Decoder(cfg, **sub("decoder"))
         self.generator = Generator(cfg, self.tgt_embed if cfg.share_embeddings else None, **sub("generator"))
-        self.build(_TOKEN_SHAPE, _TOKEN_SHAPE)
+        self.build((None, None), (None, None))
 
     def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
