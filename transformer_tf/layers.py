@@ -139,6 +139,7 @@ class _Model(_TransformerLayer, keras.Model):
         _build_all(self._layers, self.config)
 
     def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
+        """The model's ``call`` through Keras, its inputs checked first (``_check_inputs``), on the host."""
         if tgt is None:
             src, tgt = _one_input(src)
         src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
