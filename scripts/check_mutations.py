@@ -452,15 +452,15 @@ ACTIVATION = [
 # The choices of Hugging Face's families (tests/families/test_config_choices.py holds their oracles).
 CHOICES = [
     single("positional-encoding", "keras: Marian's halves swapped (the cosines first, then the sines)",
-           "transformer_tf/model.py",
-           "table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
-           "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)",
+           "transformer_tf/variants.py",
+           "return tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
+           "return tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)",
            ["tests/equivalence/test_agreement.py", "-k", "tf and cpu and test_forward_stages and marian and float64 and ragged_batch"]),
     consistent("positional-encoding", "Marian's halves swapped (the cosines first, then the sines)", [
         ("reference_numpy/variants.py", "np.concatenate([np.sin(angle), np.cos(angle)], axis=1)",
          "np.concatenate([np.cos(angle), np.sin(angle)], axis=1)"),
-        (FM, "table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
-         "table = tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)"),
+        ("transformer_tf/variants.py", "return tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)",
+         "return tf.concat([tf.cos(angle), tf.sin(angle)], axis=-1)"),
     ], CHOICES_ORACLE + ["-k", "halves_table or marian_table or embedded_source"], agreement("marian"), shared=(TORCH, JAX)),
     single("output-bias", "torch: the logits bias dropped", "transformer_torch/model.py",
            "return wide(_linear(x, weight, self.bias))", "return wide(_linear(x, weight))",
@@ -470,7 +470,7 @@ CHOICES = [
         (TM, "return wide(_linear(x, weight, self.bias))", "return wide(_linear(x, weight))"),
         (JM, "return wide(_affine(x, weight, None if self.bias is None else self.bias[...], dtype))",
          "return wide(_affine(x, weight, None, dtype))"),
-        (FM, "    if bias is not None:\n        logits = logits + wide(bias)",
+        (FL, "    if bias is not None:\n        logits = logits + wide(bias)",
          "    if False:\n        logits = logits + wide(bias)"),
     ], CHOICES_ORACLE + ["-k", "logits_bias_by_hand"], agreement("marian")),
     single("positional-encoding", "jax: fairseq's positions one past their row (counted from pad_id + 2)",
@@ -479,7 +479,7 @@ CHOICES = [
     consistent("positional-encoding", "fairseq's positions counted from pad_id, not pad_id + 1 (the offset off by one)", [
         ("reference_numpy/variants.py", "position = pad_id + np.arange(1, length + 1, dtype=np.float64)[:, None]",
          "position = pad_id + np.arange(0, length, dtype=np.float64)[:, None]"),
-        (FM, "position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]",
+        ("transformer_tf/variants.py", "position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]",
          "position = pad_id + tf.range(0, length, dtype=tf.float64)[:, None]"),
     ], CHOICES_ORACLE + ["-k", "fairseq_table or embedded_source"], agreement("fairseq"), shared=(TORCH, JAX)),
     single("positional-encoding", "torch: the decoder's fairseq positions counted over its tokens, not by step",
@@ -530,9 +530,9 @@ LEARNED_PE = [
         (JM, "table = self.weight if self.learned else self.table",
          "table = nnx.Variable(sinusoidal_positional_encoding(*self.weight[...].shape, self.weight[...].dtype)) "
          "if self.learned else self.table"),
-        (FM, "table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),",
-         "table = tf.slice(sinusoidal_positional_encoding(self.config.max_len, self.config.d_model, self.compute_dtype),"
-         " (offset, 0),"),
+        (FM, 'fairseq, table = self.config.sinusoidal_layout == "fairseq", tf.convert_to_tensor(self.weight)',
+         'fairseq, table = self.config.sinusoidal_layout == "fairseq", '
+         "sinusoidal_positional_encoding(self.config.max_len, self.config.d_model, self.compute_dtype)"),
     ], ORACLE, agreement("learned_pe", decoding=True)),
     consistent("learned-pe", "learned positions: no positional information added at all", [
         (RM, 'self.table = params[f"{name}.weight"]', 'self.table = 0 * params[f"{name}.weight"]'),
@@ -1081,7 +1081,7 @@ PRECISION = [
         (TM, "return wide(_linear(x, weight, self.bias))",
          "return _linear(wide(x), wide(weight), None if self.bias is None else wide(self.bias))"),
         (JL, "    return narrow(logits, dtype)", "    return logits"),
-        (FM, "logits = narrow(logits, x.dtype)", "logits = logits"),
+        (FL, "logits = narrow(logits, x.dtype)", "logits = logits"),
     ], ORACLE, low_precision("test_forward_stages and bfloat16 and tiny and ragged_batch")),
     single("precision", "torch: the embedding's gradient rows summed in P (torch's own embedding backward)",
            "transformer_torch/layers.py",
@@ -1206,9 +1206,9 @@ LINEAR_MAPS_IN_P = [
                     + _TORCH_LOGITS),
                    (JL, "logits = jnp.matmul(wide(narrow(x, dtype)), wide(narrow(weight, dtype)), precision=_PRECISION)",
                     "logits = jnp.matmul(wide(x), wide(narrow(weight, dtype)), precision=_PRECISION)"),
-                   (FM, "        return log_softmax(_logits(x, self._weight(), self._bias()))",
-                    "        return log_softmax(_logits(x, self._weight(), self._bias()))\n\n    _STREAM = True"),
-                   (FM, "    logits = narrow(logits, x.dtype)  ", "    logits = narrow(logits, weight.dtype)  "),
+                   (FM, "        return log_softmax(self.logits(x))",
+                    "        return log_softmax(self.logits(x))\n\n    _STREAM = True"),
+                   (FL, "    logits = narrow(logits, x.dtype)  ", "    logits = narrow(logits, weight.dtype)  "),
                ], [*LINEAR_MAPS, "-k", "model"], ["tests/ports/test_mixed_precision.py", "-k", "test_forward_stages"]),
 ]
 

@@ -21,7 +21,8 @@ from reference_numpy.config import TrainingConfig
 from reference_numpy.training import LABEL_SMOOTHING, PAPER
 
 from . import training
-from .model import Transformer, register
+from .layers import register
+from .model import Transformer
 
 
 @register

@@ -6,6 +6,7 @@ A parallel text of ``reference_numpy/model.py``: its concepts, names, argument o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,14 +17,23 @@ import tensorflow as tf
 from numpy.typing import DTypeLike
 
 from reference_numpy.config import TransformerConfig
-from reference_numpy.precision import round_to
 
 from .checks import checked_decoder_masks, checked_forward_inputs, checked_mask, checked_source, checked_target
 from .incremental import Index, KVCache, _attend, _attend_cache, _checked_cache, _keys_values, _returned, decoder_cache
-from .layers import _as_config, _build_all, _checked_dtype, _Dense, _one_input, _Stream, _TransformerLayer, register
-from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, is_low, narrow, wide
+from .layers import (
+    _as_config,
+    _Dense,
+    _Generator,
+    _logits,
+    _Model,
+    _Normalization,
+    _Stream,
+    _TransformerLayer,
+    _uniform_weight,
+)
+from .precision import attention_product, autocast_dtype, computed_wide, float32_under_autocast, narrow, round_to, wide
 from .softmax import masked_softmax, zero_fully_masked_rows
-from .variants import gelu, position_ids, silu
+from .variants import _fairseq_table, _halves_table, gelu, position_ids, silu
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu}   # config.activation's choices beside the paper's ReLU (.variants)
 
@@ -65,19 +75,13 @@ def scaled_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Ten
 
     TensorFlow: ``dtype`` P (a mixed policy's compute dtype) computes by the autocast recipe.
     """
-    scores = attention_product(_matmul_transposed, query, key, dtype)   # (..., Tq, Tk)
+    scores = attention_product(functools.partial(tf.matmul, transpose_b=True), query, key, dtype)   # (..., Tq, Tk)
     if mask is not None:
         mask = checked_mask("mask", mask, scores.shape)
     weights = masked_softmax(scores, mask, query.shape[-1])             # (..., Tq, Tk)
     return zero_fully_masked_rows(attention_product(tf.matmul, weights, value, dtype), mask), weights
 
 
-def _matmul_transposed(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """a b^T over the last two axes (``tf.matmul``'s ``transpose_b``, no transposed copy)."""
-    return tf.matmul(a, b, transpose_b=True)
-
-
-@register
 class MultiHeadAttention(_TransformerLayer):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) -- 3.2.2.
 
@@ -87,16 +91,11 @@ class MultiHeadAttention(_TransformerLayer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.n_heads = self.config.n_heads
-        d_model = self.config.d_model
-        self.q_proj = _Dense(d_model, **self._sublayer_kwargs("q_proj"))
-        self.k_proj = _Dense(d_model, **self._sublayer_kwargs("k_proj"))
-        self.v_proj = _Dense(d_model, **self._sublayer_kwargs("v_proj"))
-        self.o_proj = _Dense(d_model, **self._sublayer_kwargs("o_proj"))
-
-    def build(self, input_shape=None):
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.build((None, self.config.d_model))
+        self.n_heads, d_model, sub = self.config.n_heads, self.config.d_model, self._sublayer_kwargs
+        self.q_proj = _Dense(d_model, d_model, **sub("q_proj"))
+        self.k_proj = _Dense(d_model, d_model, **sub("k_proj"))
+        self.v_proj = _Dense(d_model, d_model, **sub("v_proj"))
+        self.o_proj = _Dense(d_model, d_model, **sub("o_proj"))
 
     def call(self, query, key, value, mask=None, return_weights=False, cache=None):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
@@ -133,7 +132,6 @@ def activation(x: tf.Tensor, name: str) -> tf.Tensor:
     raise ValueError(f"activation must be one of ('relu', 'silu', 'gelu'), got {name!r}")
 
 
-@register
 class PositionwiseFeedForward(_TransformerLayer):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2, act :func:`activation` (max(0, .) in the paper) -- Eq. (2), section 3.3.
 
@@ -142,19 +140,14 @@ class PositionwiseFeedForward(_TransformerLayer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.linear1 = _Dense(self.config.d_ff, **self._sublayer_kwargs("linear1"))
-        self.linear2 = _Dense(self.config.d_model, **self._sublayer_kwargs("linear2"))
-
-    def build(self, input_shape=None):
-        self.linear1.build((None, self.config.d_model))
-        self.linear2.build((None, self.config.d_ff))
+        self.linear1 = _Dense(self.config.d_model, self.config.d_ff, **self._sublayer_kwargs("linear1"))
+        self.linear2 = _Dense(self.config.d_ff, self.config.d_model, **self._sublayer_kwargs("linear2"))
 
     def call(self, x):
         return self.linear2(activation(self.linear1(x), self.config.activation))
 
 
-@register
-class LayerNorm(keras.layers.LayerNormalization):
+class LayerNorm(_Normalization):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, var biased, eps ``config.layer_norm_eps`` -- Ba et al., 3.1.
 
     Shape: x (..., D) -> (..., D).
@@ -168,9 +161,6 @@ class LayerNorm(keras.layers.LayerNormalization):
     def call(self, x):
         overflow = tf.math.is_inf(tf.math.reduce_variance(wide(x), axis=-1, keepdims=True))   # (..., 1)
         return tf.where(overflow, tf.constant(np.nan, x.dtype), super().call(x))
-
-    def get_config(self) -> dict:
-        return {**keras.layers.Layer.get_config(self), "config": self.config.to_dict()}
 
 
 def residual(x: tf.Tensor, sublayer: Callable[[tf.Tensor], tf.Tensor], norm: LayerNorm, norm_first: bool,
@@ -198,27 +188,18 @@ def sinusoidal_positional_encoding(length: int, d_model: int, dtype: DTypeLike |
 
     Shape: returns (L, D) in ``dtype``, rows 0 .. L-1 ((L + 1, D) for ``fairseq``).
     """
-    if layout == "fairseq":
-        half = d_model // 2
-        frequency = tf.exp(tf.range(half, dtype=tf.float64) * -(math.log(10000.0) / (half - 1)))  # (D/2,)
-        position = pad_id + tf.range(1, length + 1, dtype=tf.float64)[:, None]                    # (L, 1)
-        angle = position * frequency[None, :]                                                    # (L, D/2)
-        table = tf.concat([tf.zeros((1, d_model), tf.float64),
-                           tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)], axis=0)          # (L + 1, D)
+    if layout == "halves":
+        table = _halves_table(length, d_model)                                # (L, D)
+    elif layout == "fairseq":
+        table = _fairseq_table(length, d_model, pad_id)                       # (L + 1, D)
     else:
         position = tf.range(length, dtype=tf.float64)[:, None]                # (L, 1)
         two_i = tf.range(0, d_model, 2, dtype=tf.float64)[None, :]            # (1, D/2)
         angle = position / tf.pow(tf.constant(10000.0, tf.float64), two_i / d_model)  # (L, D/2)
-        if layout == "halves":
-            table = tf.concat([tf.sin(angle), tf.cos(angle)], axis=-1)                               # (L, D)
-        else:
-            table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
-    if is_low(dtype):
-        return tf.constant(round_to(table.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
-    return tf.cast(table, dtype)
+        table = tf.reshape(tf.stack([tf.sin(angle), tf.cos(angle)], axis=-1), (length, d_model))  # (L, D)
+    return round_to(table, dtype)
 
 
-@register
 class Embeddings(_TransformerLayer):
     """Token embedding times sqrt(d_model) (1 unless ``config.scale_embeddings``) -- 3.4. Shape: (B, T) -> (B, T, D)."""
 
@@ -228,18 +209,12 @@ class Embeddings(_TransformerLayer):
         self.scale = math.sqrt(self.config.d_model) if self.config.scale_embeddings else 1.0
 
     def build(self, input_shape=None):
-        limit = math.sqrt(3.0 / self.config.d_model)  # standard deviation d_model^-0.5
-        self.weight = self.add_weight(name="weight", shape=(self.vocab_size, self.config.d_model),
-                                      initializer=keras.initializers.RandomUniform(-limit, limit))  # (V, D)
+        self.weight = _uniform_weight(self, (self.vocab_size, self.config.d_model))  # (V, D)
 
     def call(self, tokens):
         return narrow(wide(tf.gather(self.weight, tokens)) * self.scale, self.compute_dtype)
 
-    def get_config(self) -> dict:
-        return {**super().get_config(), "vocab_size": self.vocab_size}
 
-
-@register
 class PositionalEncoding(_TransformerLayer):
     """x plus the encodings of positions ``offset`` .. ``offset`` + T - 1 -- section 3.5 (``learned``: Table 3 row E);
     the ``fairseq`` layout reads rows :func:`position_ids` of ``tokens`` (``by_step`` for the decoder's).
@@ -254,28 +229,23 @@ class PositionalEncoding(_TransformerLayer):
 
     def build(self, input_shape=None):
         cfg = self.config
-        if self.learned:
-            limit = math.sqrt(3.0 / cfg.d_model)
-            self.weight = self.add_weight(name="weight", shape=(cfg.max_len + cfg.position_offset, cfg.d_model),
-                                          initializer=keras.initializers.RandomUniform(-limit, limit))
+        if self.learned:                                            # (L + offset, D): position t at row t + offset
+            self.weight = _uniform_weight(self, (cfg.max_len + cfg.position_offset, cfg.d_model))
         else:
             self.weight = sinusoidal_positional_encoding(cfg.max_len, cfg.d_model, self.compute_dtype,
                                                          cfg.sinusoidal_layout, cfg.pad_id)
 
     def call(self, x, offset=0, tokens=None, by_step=False, training=None):
-        fairseq = self.config.sinusoidal_layout == "fairseq"
+        fairseq, table = self.config.sinusoidal_layout == "fairseq", tf.convert_to_tensor(self.weight)
         if not fairseq or tokens is None:           # a learned table's position t at row t + position_offset
             offset = offset + 1 if fairseq else offset + self.config.position_offset
-            table = tf.slice(tf.convert_to_tensor(self.weight), (offset, 0),
-                             (tf.shape(x)[1], self.config.d_model))            # (T, D)
+            table = tf.slice(table, (offset, 0), (tf.shape(x)[1], self.config.d_model))            # (T, D)
             return self.dropout(add(x, table), training=training)
-        return self.dropout(add(x, tf.gather(tf.convert_to_tensor(self.weight),                 # (B, T, D)
-                                             position_ids(tokens, self.config.pad_id, offset, by_step))),
-                            training=training)
+        rows = position_ids(tokens, self.config.pad_id, offset, by_step)                          # (B, T)
+        return self.dropout(add(x, tf.gather(table, rows)), training=training)                   # (B, T, D)
 
 
-@register
-class Generator(_TransformerLayer):
+class Generator(_Generator):
     """log softmax(x W), with ``config.output_bias`` log softmax(x W + b) -- the pre-softmax linear map, 3.4.
 
     Shape: x (B, T, D) -> log-probabilities (B, T, V_tgt).
@@ -297,31 +267,11 @@ class Generator(_TransformerLayer):
             if self.config.output_bias else None                           # (V,)
 
     def call(self, x):
-        return log_softmax(_logits(x, self._weight(), self._bias()))
+        return log_softmax(self.logits(x))
 
     def logits(self, x: tf.Tensor) -> tf.Tensor:
         """x W (+ b), the log-softmax's logits (a low precision's widened). Shape: x (B, T, D) -> (B, T, V_tgt)."""
         return _logits(x, self._weight(), self._bias())
-
-    def _weight(self) -> tf.Tensor:
-        """The (D, V) weight: the shared embedding transposed, or the layer's own."""
-        if self.embeddings is not None:
-            return tf.transpose(self.embeddings.weight)
-        return tf.convert_to_tensor(self.weight)
-
-    def _bias(self) -> tf.Tensor | None:
-        """The (V,) bias of ``output_bias``, or None."""
-        return None if self.bias is None else tf.convert_to_tensor(self.bias)
-
-
-def _logits(x: tf.Tensor, weight: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
-    """x W (+ b) with a given (D, V) ``weight`` and (V,) ``bias`` or None, as the log-softmax reads them (a low
-    precision's widened). Shape: x (..., D) -> (..., V)."""
-    logits = tf.matmul(wide(x), wide(weight))
-    if bias is not None:
-        logits = logits + wide(bias)
-    logits = narrow(logits, x.dtype)                                   # (..., V)
-    return wide(logits)
 
 
 def log_softmax(x: tf.Tensor) -> tf.Tensor:
@@ -332,7 +282,6 @@ def log_softmax(x: tf.Tensor) -> tf.Tensor:
 
 # ----------------------------------------------------------------------------- layers and stacks
 
-@register
 class EncoderLayer(_Stream):
     """Self-attention then feed-forward, each in :func:`residual` -- section 3.1.
 
@@ -349,18 +298,12 @@ class EncoderLayer(_Stream):
         self.ffn_norm = LayerNorm(cfg, **sub("ffn_norm"))
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
 
-    def build(self, input_shape=None):
-        _build_all((self.self_attn, self.self_attn_norm, self.ffn, self.ffn_norm), self.config)
-
     def call(self, x, mask=None, training=None):
-        def dropout(h):
-            return self.dropout(h, training=training)
-
+        dropout = functools.partial(self.dropout, training=training)
         x = residual(x, lambda h: self.self_attn(h, h, h, mask), self.self_attn_norm, self.norm_first, dropout)
         return residual(x, self.ffn, self.ffn_norm, self.norm_first, dropout)
 
 
-@register
 class DecoderLayer(_Stream):
     """Masked self-attention, encoder-decoder attention, then feed-forward, each in :func:`residual` -- 3.1, 3.2.3.
 
@@ -380,16 +323,9 @@ class DecoderLayer(_Stream):
         self.ffn_norm = LayerNorm(cfg, **sub("ffn_norm"))
         self.dropout = keras.layers.Dropout(cfg.dropout, **sub("dropout"))
 
-    def build(self, input_shape=None):
-        _build_all((self.self_attn, self.self_attn_norm, self.cross_attn, self.cross_attn_norm,
-                    self.ffn, self.ffn_norm), self.config)
-
     def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, training=None):
         self_cache, cross_cache = (None, None) if cache is None else cache
-
-        def dropout(h: tf.Tensor) -> tf.Tensor:
-            return self.dropout(h, training=training)
-
+        dropout = functools.partial(self.dropout, training=training)
         kept: list[KVCache] = []                                           # the caches the attentions return
         x = residual(x, lambda h: _attend(self.self_attn, h, h, tgt_mask, self_cache, kept),
                      self.self_attn_norm, self.norm_first, dropout)
@@ -399,7 +335,6 @@ class DecoderLayer(_Stream):
         return x if cache is None else (x, tuple(kept))
 
 
-@register
 class Encoder(_Stream):
     """A stack of N encoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
@@ -412,16 +347,12 @@ class Encoder(_Stream):
         self.layers = [EncoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_encoder_layers)]
         self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
-    def build(self, input_shape=None):
-        _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
-
     def call(self, x, mask=None, training=None):
         for layer in self.layers:
             x = layer(x, mask, training=training)
         return self.norm(x) if self.norm is not None else x
 
 
-@register
 class Decoder(_Stream):
     """A stack of N decoder layers -- section 3.1; pre-LN ends with a LayerNorm.
 
@@ -434,11 +365,7 @@ class Decoder(_Stream):
         self.layers = [DecoderLayer(cfg, **sub(f"layers_{i}")) for i in range(cfg.n_decoder_layers)]
         self.norm = LayerNorm(cfg, **sub("norm")) if cfg.norm_first else None
 
-    def build(self, input_shape=None):
-        _build_all(self.layers + ([self.norm] if self.norm is not None else []), self.config)
-
-    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None,
-             training=None):
+    def call(self, x, memory, src_mask=None, tgt_mask=None, cache=None, training=None):
         kept = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -452,26 +379,19 @@ class Decoder(_Stream):
 
 # ----------------------------------------------------------------------------- the model
 
-_TOKEN_SHAPE = (None, None)      # (batch, length) of the call's token ids, both free
-
-
-@register
-class Transformer(_TransformerLayer, keras.Model):
+class Transformer(_Model):
     """The encoder-decoder Transformer -- section 3, Figure 1.
 
     Shape: src (B, S) int, tgt (B, T) int (the target shifted right, from bos_id); src_mask broadcastable to
     (B, H, T or S, S), default :func:`padding_mask` of src; tgt_mask to (B, H, T, T), default :func:`target_mask` of tgt
     -> log-probabilities (B, T, V_tgt).
 
-    TensorFlow: ``dtype`` a Keras dtype policy (the four dtypes' names, "mixed_bfloat16", "mixed_float16"); built on
-    construction; weights from :mod:`.checkpoint` or ``load_weights``.
+    TensorFlow: ``dtype`` one of the four dtypes or a Keras dtype policy (a mixed one: autocast); built on creation.
     """
-
-    input_dtype = "int64"                                               # token ids (Keras' property, overridden)
 
     def __init__(self, config: TransformerConfig | dict, dtype: DTypeLike | tf.DType | keras.DTypePolicy = "float64",
                  **kwargs: Any) -> None:
-        super().__init__(config, dtype=_checked_dtype(dtype), **kwargs)
+        super().__init__(config, dtype, **kwargs)
         cfg, sub, shared = self.config, self._sublayer_kwargs, self.config.share_embeddings
         self.src_embed = Embeddings(cfg, cfg.src_vocab_size, **sub("shared_embed" if shared else "src_embed"))
         self.tgt_embed = self.src_embed if shared else Embeddings(cfg, cfg.tgt_vocab_size, **sub("tgt_embed"))
@@ -482,15 +402,7 @@ class Transformer(_TransformerLayer, keras.Model):
         self.encoder = Encoder(cfg, **sub("encoder"))
         self.decoder = Decoder(cfg, **sub("decoder"))
         self.generator = Generator(cfg, self.tgt_embed if cfg.share_embeddings else None, **sub("generator"))
-        self.build(_TOKEN_SHAPE, _TOKEN_SHAPE)
-
-    def build(self, src_shape=_TOKEN_SHAPE, tgt_shape=_TOKEN_SHAPE):
-        for layer in (self.src_embed, self.tgt_embed, self.src_pos, self.tgt_pos, self.encoder, self.decoder,
-                      self.generator):
-            if not layer.built:  # with share_embeddings, src_embed is tgt_embed
-                layer.build()
-        if self.src_embed_norm is not None and self.tgt_embed_norm is not None:
-            _build_all((self.src_embed_norm, self.tgt_embed_norm), self.config)
+        self.build((None, None), (None, None))
 
     def encode(self, src: tf.Tensor, src_mask: tf.Tensor | None = None, training: bool | None = None) -> Any:
         """Embed the source and run the encoder stack. Shape: src (B, S) -> memory (B, S, D)."""
@@ -522,17 +434,6 @@ class Transformer(_TransformerLayer, keras.Model):
         y = self.tgt_pos(self.tgt_embed(tgt), start, tgt, by_step=True, training=training)
         y = self.tgt_embed_norm(y) if self.tgt_embed_norm is not None else y
         return self.decoder(y, memory, src_mask, tgt_mask, cache=cache, training=training)
-
-    def __call__(self, src, tgt=None, src_mask=None, tgt_mask=None, *args, **kwargs):
-        """Log-probabilities of the next target token at every target position.
-
-        TensorFlow: the inputs checked before Keras' ``__call__``; ``src`` alone may be Keras' one input, a (src, tgt)
-        pair or a dict (:func:`_one_input`).
-        """
-        if tgt is None:
-            src, tgt = _one_input(src)
-        src, tgt = self._check_inputs(src, tgt, src_mask, tgt_mask)
-        return super().__call__(src, tgt, src_mask, tgt_mask, *args, **kwargs)
 
     def call(self, src, tgt, src_mask=None, tgt_mask=None, training=None):
         """Log-probabilities of the next target token at every target position."""

@@ -2,7 +2,7 @@
 
 A model in a low precision P (bfloat16, float16) keeps Keras layer P inputs; each concept computes wide, in float32
 (:func:`wide`), and rounds its result once to P (:func:`narrow`); for float32 and float64 both are the identity.
-:func:`is_low` and :func:`parse_dtype` are the reference's, also for a TensorFlow dtype.
+:func:`is_low`, :func:`parse_dtype` and :func:`round_to` are the reference's, also for a TensorFlow dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ def narrow(x: tf.Tensor, dtype: DTypeLike | tf.DType) -> tf.Tensor:
     """A concept's wide (float32) result rounded once to the model's ``dtype`` when it is low (TensorFlow's and
     XLA's float32 -> P casts round to nearest, ties to even); unchanged otherwise."""
     return tf.cast(x, dtype) if is_low(dtype) else x
+
+
+def round_to(x: tf.Tensor, dtype: DTypeLike | tf.DType) -> tf.Tensor:
+    """The reference's ``round_to`` of a float64 tensor: ``dtype``'s nearest numbers, a low precision's rounded once
+    by the reference (TensorFlow's own float64 -> bfloat16 cast rounds twice, through float32)."""
+    if is_low(dtype):
+        return tf.constant(reference.round_to(x.numpy(), tf.as_dtype(dtype).as_numpy_dtype))
+    return tf.cast(x, dtype)
 
 
 def attention_product(product: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], a: tf.Tensor, b: tf.Tensor,

@@ -40,7 +40,8 @@ from reference_numpy.training import (
 
 from . import checkpoint
 from . import device as _device
-from .model import Transformer, register
+from .layers import register
+from .model import Transformer
 from .precision import autocast_dtype, narrow, wide
 
 Batch: TypeAlias = "tf.Tensor | npt.ArrayLike"   # token ids (src, tgt, labels): a tensor, or anything NumPy reads
