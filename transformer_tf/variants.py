@@ -27,7 +27,7 @@ def gelu(x: tf.Tensor) -> tf.Tensor:
 # ----------------------------------------------------------------------------- sinusoidal layouts
 
 def _halves_table(length: int, d_model: int) -> tf.Tensor:
-    """Marian's layout, the reference's :func:`~reference_numpy.variants.halves_table`: section 3.5's angles, the
+    """The halves layout, the reference's :func:`~reference_numpy.variants.halves_table`: section 3.5's angles, the
     sines in the first half of the columns, the cosines in the second.
 
     Shape: returns (L, D), rows 0 .. L-1, float64.
