@@ -345,14 +345,21 @@ document.getElementById("measured").textContent = JSON.stringify({all, two: meas
 """
 
 
-def test_at_1400_pixels_nothing_is_cut_off_and_two_backends_can_share_the_width(rendered, tmp_path):
+@pytest.fixture(scope="module")
+def measured(rendered, tmp_path_factory) -> dict:
+    """The page measured in Chromium at 1400 pixels by :data:`MEASURE`: with every backend shown ("all"), then with
+    NumPy and TensorFlow unticked ("two")."""
+    work = tmp_path_factory.mktemp("measured")
+    page = work / "measured.html"
+    page.write_text(side_by_side.render_page().replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    dom = chromium("--dump-dom", page.as_uri(), profile=work / "profile").stdout
+    return json.loads(html.unescape(re.findall(r"<pre id=\"measured\">(.*?)</pre>", dom, re.S)[-1]))
+
+
+def test_at_1400_pixels_nothing_is_cut_off_and_two_backends_can_share_the_width(measured):
     """Measured in Chromium at 1400 pixels: no code box scrolls sideways (long lines wrap, and some
     do), the page is no wider than the window, each row's cells are one per backend, equally wide,
     inside the row; with two boxes unticked, the two other backends share the row half and half."""
-    page = tmp_path / "measured.html"
-    page.write_text(side_by_side.render_page().replace("</body>", MEASURE + "</body>"), encoding="utf-8")
-    dom = chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile").stdout
-    measured = json.loads(html.unescape(re.findall(r"<pre id=\"measured\">(.*?)</pre>", dom, re.S)[-1]))
     everything, two = measured["all"], measured["two"]
     assert everything["cut"] == [], f"code cut off at {WIDTH} pixels: {everything['cut']}"
     assert everything["page"][0] <= everything["page"][1] == WIDTH, "the page scrolls sideways"
@@ -368,14 +375,11 @@ def test_at_1400_pixels_nothing_is_cut_off_and_two_backends_can_share_the_width(
     assert two["cut"] == []
 
 
-def test_eq_1_reads_in_25_lines_and_the_paper_ends_before_the_machinery(rendered, tmp_path):
+def test_eq_1_reads_in_25_lines_and_the_paper_ends_before_the_machinery(measured):
     """Measured in Chromium at 1400 pixels: each backend's Eq. (1) is at most 25 rendered lines (wrapped lines
     counted as what the reader sees); every concept of section 3 comes before the part beside the paper, every piece
     of machinery after it."""
-    page = tmp_path / "measured.html"
-    page.write_text(side_by_side.render_page().replace("</body>", MEASURE + "</body>"), encoding="utf-8")
-    dom = chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile").stdout
-    measured = json.loads(html.unescape(re.findall(r"<pre id=\"measured\">(.*?)</pre>", dom, re.S)[-1]))["all"]
-    eq_1 = dict(measured["lines"][PAPER[0].anchor])
+    everything = measured["all"]
+    eq_1 = dict(everything["lines"][PAPER[0].anchor])
     assert list(eq_1) == list(HEADINGS) and all(0 < lines <= 25 for lines in eq_1.values()), eq_1
-    assert measured["order"] == [c.anchor for c in PAPER] + ["beside-the-paper"] + [c.anchor for c in MACHINERY]
+    assert everything["order"] == [c.anchor for c in PAPER] + ["beside-the-paper"] + [c.anchor for c in MACHINERY]
