@@ -25,6 +25,9 @@ FAMILY_WORDS = ("Marian", "opus-mt", "opus", "M2M100", "M2M_100", "NLLB", "BART"
                 "HuggingFace", "transformers")
 # Fields generation.py reads that none of the family layer's tables lists (generate's budget and held-back tokens)
 READ_ONLY_FIELDS = ("max_new_tokens", "min_new_tokens")
+# A configuration with every optional tensor: its weight tables and checkpoint names hold every name there is
+EVERY_TENSOR = TransformerConfig.preset("tiny", output_bias=True, embedding_norm=True, norm_first=True,
+                                        positional_encoding="learned", share_embeddings=False)
 # transformers' field names that are also this project's own names (a config field, a checkpoint tensor's part, or
 # an identifier of the scanned code): the scan cannot tell them apart, so it leaves them out
 OWN_NAMES = ("d_model", "early_stopping", "k_proj", "layer_norm", "length_penalty", "model_type",
@@ -42,13 +45,11 @@ def hf_fields() -> set[str]:
     generation = importlib.import_module("transformer_hf.generation")
     family = importlib.import_module("transformer_hf.family")
     config = TransformerConfig.preset("tiny", layer_norm_eps=family.LAYER_NORM_EPS)     # a config the export writes
-    wide = TransformerConfig.preset("tiny", output_bias=True, embedding_norm=True, norm_first=True,
-                                    positional_encoding="learned", share_embeddings=False)
     names = {*importer.ABSENT_OR, *generation.GENERATE_NEUTRAL, *family.PRE_LN_LEGACY_FIELDS, *READ_ONLY_FIELDS,
              *exporter.hf_config(config), *generation.generation_config(config)}
     for chosen in registry.FAMILIES.values():
         names |= {*chosen.DEFAULTS, *chosen.LEGACY_FIELDS, chosen.BOS_FIELD, *chosen.hf_config(config)}
-        for entry in chosen.weight_table(wide, False).values():
+        for entry in chosen.weight_table(EVERY_TENSOR, False).values():
             names |= {part for name in entry.names for part in name.split(".")}
     return {name for name in names if re.search(r"[_0-9]", name) and not name.isdigit()}
 
@@ -56,10 +57,8 @@ def hf_fields() -> set[str]:
 def own_names() -> set[str]:
     """This project's names: the config's fields, the parts of the checkpoint's tensor names, and every identifier
     of the scanned code (names, attributes, arguments, definitions)."""
-    wide = TransformerConfig.preset("tiny", output_bias=True, embedding_norm=True, norm_first=True,
-                                    positional_encoding="learned", share_embeddings=False)
     names = {item.name for cls in (TransformerConfig, DecodingConfig) for item in dataclasses.fields(cls)}
-    names |= {part for name in parameter_shapes(wide) for part in name.split(".")}
+    names |= {part for name in parameter_shapes(EVERY_TENSOR) for part in name.split(".")}
     for path in sources(ROOT):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             for attribute in ("id", "attr", "arg", "name"):
