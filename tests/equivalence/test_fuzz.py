@@ -118,7 +118,6 @@ def test_greedy_margins_follow_the_conventions():
         tolerance.assert_agrees(found[decided, step], (ranked[:, -1] - ranked[:, -2])[decided], what=f"step {step}")
 
 
-
 # CONVENTIONS with the rules that hold tokens back: eos held back for 3 steps, no repeated bigram, and a repetition
 # penalty of 1.5 (greedy penalizes the logits, beam search the log-probabilities).
 HELD_BACK = dataclasses.replace(CONVENTIONS, config=CONVENTIONS.config.with_decoding(
@@ -160,6 +159,7 @@ def test_greedy_margins_follow_the_repetition_penalty():
         ranked = np.sort(logits, axis=1)
         decided = ~(tokens[:, :step] == config.eos_id).any(axis=1) & (step < budget) & (step != budget - 1)
         tolerance.assert_agrees(found[decided, step], (ranked[:, -1] - ranked[:, -2])[decided], what=f"step {step}")
+
 
 def test_the_stop_margin_by_hand():
     """"hf" with early_stopping False, beam 2, after step 3 (alpha 1): the best live beam's -3 / 3 against the worst

@@ -128,6 +128,7 @@ def test_a_search_that_finishes_no_hypothesis_gives_the_empty_output_scored_minu
     tokens, scores = beam_search(ScriptedModel(only_specials, max_len=3), np.array([[A]]), beam_size=2)
     assert tokens.shape == (1, 0) and scores.tolist() == [-np.inf]
 
+
 def test_real_model_decoding_is_deterministic_and_well_formed():
     config = VARIANTS["tiny"]
     model = Transformer(config, init_params(config, seed=2, perturb=0.1))
