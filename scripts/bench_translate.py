@@ -30,8 +30,9 @@ whole sequence R times (every other round in reverse order) and pools the warm p
 pass over the sentences is timed apart (JAX and TensorFlow compile each new batch shape there, and so does
 ``torch-compiled``, the PyTorch backend with ``transformer_torch.compile_decoding``, its decoding step), then
 ``--repeats`` warm passes; the table gives the first pass, the median warm pass, output tokens per second (every
-emitted token, eos included) over the warm median, its time as a ratio to CTranslate2's and to transformers', and
-the 1-minute load average of the machine when the engine finished (other work on it slows every engine).
+emitted token, eos included) over the warm median, the spread of the warm passes (min-max), its time as a ratio to
+CTranslate2's and to transformers', and the 1-minute load average of the machine when the engine finished (other work
+on it slows every engine).
 
 ``--profile``: after its timed passes, each port runs one more warm pass under its framework's own profiler (JAX's
 and TensorFlow's: XLA's trace of the compiled search's kernels, read with ``jax.profiler.ProfileData``, each kernel
@@ -40,7 +41,12 @@ operator's own CPU time), and a second table splits that pass's seconds by kind 
 the matrix products (and what XLA fused into them), top-k and sorting, copies/gathers/transposes, the other kernels
 (element-wise maps and reductions: log-softmax, the candidates' scores), and the rest of the pass outside any kernel
 (Python, dispatch); with the largest single kernel (the output projection over the vocabulary, on opus-mt) and its
-share. Meaningful at one thread (at more, kernels overlap and their seconds add up past the pass's).
+share. Meaningful at one thread (at more, kernels overlap and their seconds add up past the pass's). On the opus-mt
+model ``--profile`` also measures the machine's anchors for the job at each thread count, in a process of its own
+(:func:`anchors`): one decoding step's matrix products (:func:`step_products`, batch x beam rows, a distinct weight
+each) in every framework's fastest kernel for them, and the memory bandwidth; every engine's warm pass, and each
+port's profiled products, are then given over the job's steps' products at the fastest kernel's rate ("x bound"):
+how far an engine is from what the machine's matrix products allow.
 
     python scripts/bench_translate.py [--model numbers|opus-mt] [--tiny] [--sentences N] [--batch-size B]
                                       [--threads 1,2] [--repeats 3] [--rounds 1] [--engines ...] [--json FILE]
@@ -52,6 +58,7 @@ from __future__ import annotations
 import argparse
 import collections
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -103,6 +110,9 @@ XLA_CONTROL = {"while", "conditional", "call"}     # their kernels are counted, 
 TORCH_PRODUCTS = re.compile(r"aten::(mm|addmm|bmm|baddbmm|_scaled_dot_product\w*|_flash_attention\w*)$|mkldnn|"
                             r"extern_kernels")
 TORCH_TOP_K = re.compile(r"aten::(topk|sort|argsort)$")
+ANCHORS = "anchors"            # --profile: the worker that measures the machine's anchors for the job's step
+ANCHOR_MIB = 256               # the bandwidth's read: timing.memory_read of this many MiB
+ANCHOR_REPEATS = 5             # each anchor: the best of this many calls after a warm-up
 TORCH_COPIES = re.compile(r"aten::(copy_|clone|contiguous|index|index_select|gather|cat|stack|_to_copy)$")
 
 
@@ -415,7 +425,10 @@ def budget(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """The passes of the engine ``args.worker`` at ``args.threads`` threads: seconds, output tokens, outputs."""
+    """The passes of the engine ``args.worker`` at ``args.threads`` threads: seconds, output tokens, outputs (the
+    ``anchors`` worker: :func:`anchors`)."""
+    if args.worker == ANCHORS:
+        return anchors(args)
     runtime.configure(args.threads)
     args.profiled, args.hlo_dump = None, None
     if args.profile and args.worker in XLA_PORTS:       # XLA reads its flags when the framework starts
@@ -436,6 +449,67 @@ def measure(args: argparse.Namespace) -> dict:
             shutil.rmtree(args.hlo_dump)
     seconds, tokens, outputs = result
     return {"seconds": seconds, "tokens": tokens, "outputs": outputs, "profile": args.profiled}
+
+
+# ----------------------------------------------------------------------------- --profile: the machine's anchors
+
+
+def step_products(sizes: dict) -> list[tuple[int, int]]:
+    """(in, out) of every matrix product of one cached decoding step of the model of ``sizes``: in each decoder layer
+    the self-attention's query, key, value and output projections, the cross-attention's query and output projections
+    (its keys and values are the memory's, projected once per batch) and the feed-forward network's two; then the
+    output projection over the vocabulary."""
+    d, f = sizes["d_model"], sizes["decoder_ffn_dim"]
+    return [(d, d)] * 6 * sizes["decoder_layers"] + [(d, f), (f, d)] * sizes["decoder_layers"] + \
+        [(d, sizes["vocab_size"])]
+
+
+def step_kernels(shapes: list[tuple[int, int]], rows: int) -> dict[str, object]:
+    """One step's products (``rows`` rows, the weights of ``shapes``: a distinct matrix each, as a step reads them
+    from memory) in each installed framework's fastest float32 kernel for them: NumPy's BLAS (OpenBLAS) and
+    TensorFlow's ``matmul`` (oneDNN) on weights stored (in, out), PyTorch's oneDNN inner product (the port's
+    ``speed.linear``) on weights stored (out, in), JAX's ``jit`` (XLA:CPU) of the whole step."""
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    inputs = {size: rng.standard_normal((rows, size), dtype=np.float32) for size in {shape[0] for shape in shapes}}
+    calls: dict[str, object] = {"NumPy (OpenBLAS)": lambda: [inputs[w.shape[0]] @ w for w in weights]}
+    if importlib.util.find_spec("torch"):
+        import torch
+
+        pairs = [(torch.from_numpy(inputs[w.shape[0]]), torch.from_numpy(np.ascontiguousarray(w.T))) for w in weights]
+        calls["PyTorch (oneDNN)"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                             for x, w in pairs]
+    if importlib.util.find_spec("tensorflow"):
+        tf = runtime.import_framework("tensorflow")
+        tf_pairs = [(tf.constant(inputs[w.shape[0]]), tf.constant(w)) for w in weights]
+        calls["TensorFlow (oneDNN)"] = lambda: [tf.linalg.matmul(x, w) for x, w in tf_pairs][-1].numpy()
+    if importlib.util.find_spec("jax"):
+        import jax
+
+        xs, ws = [jax.device_put(inputs[w.shape[0]]) for w in weights], [jax.device_put(w) for w in weights]
+        step = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
+        calls["JAX (XLA:CPU)"] = lambda: jax.block_until_ready(step(xs, ws))
+    return calls
+
+
+def anchors(args: argparse.Namespace) -> dict:
+    """The machine's anchors for one decoding step of the job (``batch_size`` x beam rows), measured in this process
+    at ``args.threads`` threads: each kernel's best time of the step's products (:func:`step_kernels`, best of
+    ``ANCHOR_REPEATS``) and GFLOP/s, and the memory bandwidth (``timing.memory_read``: a NumPy sgemv over
+    :data:`ANCHOR_MIB` MiB, best of as many); the step's FLOPs and the bytes of its weights."""
+    from transformer_bench import timing
+
+    runtime.configure(args.threads)
+    shapes, rows = step_products(sizes_of(args)), args.batch_size * BEAM_SIZE
+    flops = sum(2 * rows * inner * outer for inner, outer in shapes)
+    kernels = {name: timing.measure(call, ANCHOR_REPEATS).minimum
+               for name, call in step_kernels(shapes, rows).items()}
+    read, nbytes = timing.memory_read(ANCHOR_MIB)
+    bandwidth = nbytes / timing.measure(read, ANCHOR_REPEATS).minimum / 1e9
+    return {"rows": rows, "step_gflop": flops / 1e9, "step_weight_mb": 4 * sum(a * b for a, b in shapes) / 1e6,
+            "kernels": {name: {"step_s": seconds, "gflop_per_s": flops / seconds / 1e9}
+                        for name, seconds in kernels.items()},
+            "bandwidth_gb_per_s": bandwidth}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -471,50 +545,88 @@ def rounds(engines: list[str], threads: list[int], args: argparse.Namespace) -> 
     return results
 
 
-def report(results: dict[tuple[str, int], dict]) -> list[dict]:
-    """One row per engine and thread count: first pass, warm median, tokens/s, its time as a ratio to
+def report(results: dict[tuple[str, int], dict], machine: dict[int, dict], args: argparse.Namespace) -> list[dict]:
+    """One row per engine and thread count: first pass, warm median and spread, tokens/s, its time as a ratio to
     CTranslate2's and to transformers' at the same threads, outputs equal to the reference engine's (transformers'
-    if it ran, else CTranslate2's)."""
+    if it ran, else CTranslate2's); with the anchors of ``machine`` (threads -> :func:`anchors`), the job's step
+    products at the machine's best rate (:func:`products_bound`) and the warm pass (and a profile's products) over
+    it."""
     reference = HF if any(engine == HF for engine, _ in results) else PEER
     rows = []
     for (engine, threads), result in results.items():
-        warm = statistics.median(result["seconds"][1:])
+        warm_passes = result["seconds"][1:]
+        warm = statistics.median(warm_passes)
         row = {"engine": engine, "threads": threads, "first_s": result["seconds"][0], "warm_s": warm,
-               "warm_passes": len(result["seconds"]) - 1, "tokens": result["tokens"],
-               "tokens_per_s": result["tokens"] / warm, "load": result["load"], "profile": result.get("profile")}
+               "warm_min_s": min(warm_passes), "warm_max_s": max(warm_passes), "warm_passes": len(warm_passes),
+               "tokens": result["tokens"], "tokens_per_s": result["tokens"] / warm, "load": result["load"],
+               "profile": result.get("profile")}
         for name in (PEER, HF):
             other = results.get((name, threads))
             row[f"x_{name}"] = warm / statistics.median(other["seconds"][1:]) if other else None
         other = results.get((reference, threads))
         row["same_as"] = reference
         row["same"] = sum(a == b for a, b in zip(result["outputs"], other["outputs"])) if other else None
+        bound = products_bound(machine.get(threads), result["tokens"], args)
+        row["products_bound_s"] = bound
+        row["x_products_bound"] = warm / bound if bound else None
+        if bound and row["profile"]:
+            row["profile"]["x_products_bound"] = row["profile"]["kinds"]["products"] / bound
         rows.append(row)
     return rows
 
 
-def print_table(rows: list[dict], count: int, args: argparse.Namespace) -> None:
+def decoding_steps(args: argparse.Namespace) -> int:
+    """The job's decoding steps when every output reaches the budget (the random opus-mt-shaped model's): the
+    budget's steps in each batch."""
+    return -(-args.sentences // args.batch_size) * budget(args)
+
+
+def products_bound(machine: dict | None, tokens: int, args: argparse.Namespace) -> float | None:
+    """Seconds of the job's decoding steps' matrix products at the machine's best rate for them (the fastest kernel
+    of ``machine``'s anchors, times :func:`decoding_steps`): ``None`` without anchors, or unless every batch is full
+    and every output reaches the budget (then each of the steps has the anchors' rows)."""
+    if machine is None or args.sentences % args.batch_size or tokens != args.sentences * budget(args):
+        return None
+    return decoding_steps(args) * min(kernel["step_s"] for kernel in machine["kernels"].values())
+
+
+def print_table(rows: list[dict], machine: dict[int, dict], count: int, args: argparse.Namespace) -> None:
     model = f"opus-mt-shaped ({'tiny' if args.tiny else 'random'}) model, budget {budget(args)} tokens" \
         if args.model == "opus-mt" else "numbers model"
     print(f"{count} sentences, {model}, beam {BEAM_SIZE}, batches of {args.batch_size} by length, "
-          f"median of {args.repeats * args.rounds} warm passes")
-    print(f"{'engine':<15} {'threads':>7} {'first pass':>11} {'warm':>9} {'tokens':>7} {'tokens/s':>9} "
-          f"{'x CT2':>6} {'x HF':>6} {'same as ' + rows[0]['same_as']:>21} {'load':>5}")
+          f"median of {args.repeats * args.rounds} warm passes (spread: their min-max)")
+    print(f"{'engine':<15} {'threads':>7} {'first pass':>11} {'warm':>9} {'spread':>13} {'tokens':>7} {'tokens/s':>9} "
+          f"{'x CT2':>6} {'x HF':>6} {'x bound':>7} {'same as ' + rows[0]['same_as']:>21} {'load':>5}")
+    ratio = lambda value: " " * 6 if value is None else f"{value:>6.2f}"                 # noqa: E731
     for row in rows:
-        ratios = [" " * 6 if row[f"x_{name}"] is None else f"{row[f'x_{name}']:>6.2f}" for name in (PEER, HF)]
         same = "" if row["same"] is None else f"{row['same']}/{count}"
-        print(f"{row['engine']:<15} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s "
-              f"{row['tokens']:>7} {row['tokens_per_s']:>9.0f} {ratios[0]} {ratios[1]} {same:>21} {row['load']:>5.2f}")
+        spread = f"{row['warm_min_s']:.2f}-{row['warm_max_s']:.2f}s"
+        print(f"{row['engine']:<15} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {spread:>13} "
+              f"{row['tokens']:>7} {row['tokens_per_s']:>9.0f} {ratio(row['x_ctranslate2'])} "
+              f"{ratio(row['x_transformers'])} {ratio(row['x_products_bound']):>7} {same:>21} {row['load']:>5.2f}")
+    for threads, anchor in machine.items():
+        print(f"\nthe machine at {threads} thread(s), one decoding step's matrix products ({anchor['rows']} rows, "
+              f"{anchor['step_gflop']:.2f} GFLOP, {anchor['step_weight_mb']:.0f} MB of weights):")
+        for name, kernel in anchor["kernels"].items():
+            print(f"  {name:<22} {kernel['step_s'] * 1e3:>8.1f} ms {kernel['gflop_per_s']:>6.0f} GFLOP/s")
+        print(f"  memory bandwidth {anchor['bandwidth_gb_per_s']:.1f} GB/s: the step's weights read in "
+              f"{anchor['step_weight_mb'] / anchor['bandwidth_gb_per_s']:.1f} ms")
+        bound = next(row["products_bound_s"] for row in rows if row["threads"] == threads)
+        print(f"  x bound: a warm pass over its {decoding_steps(args)} steps' products at the fastest kernel's rate, "
+              + (f"{bound:.2f} s" if bound else "not given (a partial batch, or outputs short of the budget)"))
     profiled = [row for row in rows if row["profile"]]
     if profiled:
-        print("\none profiled warm pass of each port, seconds by kind of work (share of the pass):")
+        print("\none profiled warm pass of each port, seconds by kind of work (share of the pass); products / bound: "
+              "its products over the steps' products at the machine's fastest rate")
         print(f"{'engine':<15} {'threads':>7} {'pass':>8} " + " ".join(f"{kind:>15}" for kind in PROFILE_KINDS)
-              + "  largest kernel")
+              + f" {'products/bound':>14}  largest kernel")
     for row in profiled:
         profile = row["profile"]
         share = lambda seconds: f"{seconds:.2f} ({seconds / profile['seconds']:.0%})"      # noqa: E731
         kinds = " ".join(f"{share(seconds):>15}" for seconds in profile["kinds"].values())
         name, seconds = profile["largest"]
-        print(f"{row['engine']:<15} {row['threads']:>7} {profile['seconds']:>7.2f}s {kinds}  {name}: {share(seconds)}")
+        print(f"{row['engine']:<15} {row['threads']:>7} {profile['seconds']:>7.2f}s {kinds} "
+              f"{ratio(profile.get('x_products_bound')):>14}  {name}: {share(seconds)}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -531,7 +643,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--profile", action="store_true",
                         help="one more warm pass of each port under its framework's profiler, split by kind of work")
-    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*ENGINES, ANCHORS), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name, value in DEFAULTS[args.model].items():
@@ -559,9 +671,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.model == "opus-mt":
             args.workdir = workdir
             save_opus_mt(Path(workdir), sizes_of(args), TINY_EOS_BIAS if args.tiny else 0.0)
-        rows = report(rounds(engines, threads, args))
+        results = rounds(engines, threads, args)
+        machine = {count: run(ANCHORS, count, args) for count in threads} \
+            if args.profile and args.model == "opus-mt" else {}
+        rows = report(results, machine, args)
     count = args.sentences or len(sentences(None))
-    print_table(rows, count, args)
+    print_table(rows, machine, count, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -125,5 +125,34 @@ def test_profile_reports_each_port_s_pass_by_kind_of_work(bench, tmp_path, monke
 
     profile = row["profile"]
     assert list(profile["kinds"]) == list(bench.PROFILE_KINDS) and "one profiled warm pass" in table
+    assert "the machine at 1 thread(s), one decoding step's matrix products" in table
+    assert row["products_bound_s"] is None          # the tiny model's outputs end before the budget: no bound
     assert profile["kinds"]["products"] > 0 and profile["kinds"]["top-k/sort"] > 0
     assert sum(profile["kinds"].values()) == pytest.approx(profile["seconds"])
+
+
+def test_a_step_s_products_are_the_decoder_s_linear_maps_a_step_runs(bench):
+    """The anchors' step (``step_products``) against transformers' own module tree of the tiny model: every linear
+    map of its decoder but the cross-attention's key and value projections (applied to the memory once), and the
+    output projection (``lm_head``)."""
+    import torch
+    import transformers
+
+    model = transformers.MarianMTModel(transformers.MarianConfig(**bench.TINY))
+    maps = [(module.in_features, module.out_features) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and (name.startswith("model.decoder.") or name == "lm_head")
+            and not name.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj"))]
+    assert sorted(bench.step_products(bench.TINY)) == sorted(maps)
+
+
+def test_the_bound_is_the_steps_at_the_fastest_kernel_when_every_step_is_full(bench):
+    """``products_bound``: the budget's steps of every batch at the fastest kernel's step; none for a partial batch,
+    for outputs short of the budget, or without anchors."""
+    args = bench.parse(["--model", "opus-mt", "--sentences", "64", "--batch-size", "16"])
+    machine = {"kernels": {"slow": {"step_s": 0.03}, "fast": {"step_s": 0.01}}}
+    full = 64 * bench.BUDGET
+    assert bench.products_bound(machine, full, args) == pytest.approx(4 * bench.BUDGET * 0.01)
+    assert bench.products_bound(machine, full - 1, args) is None
+    assert bench.products_bound(None, full, args) is None
+    partial = bench.parse(["--model", "opus-mt", "--sentences", "60", "--batch-size", "16"])
+    assert bench.products_bound(machine, 60 * bench.BUDGET, partial) is None
