@@ -24,7 +24,12 @@ that reaches the budget differs from transformers' in at least its last token. `
 with d_model 16 and 101 ids whose outputs depend on the sources and end at different lengths (:data:`TINY`), for a
 smoke test of seconds (tests/benchmarks/test_bench_translate.py).
 
-Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework), one
+On the opus-mt model CTranslate2 also runs as ``ctranslate2-parallel`` (:data:`PARALLEL`): its own way to use T cores
+on a file, the whole file in one ``translate_batch`` call, T batches decoded at once, one thread each
+(``inter_threads``), where ``ctranslate2`` and every other engine decode one batch at a time on all T threads.
+
+Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework and in
+the BLAS libraries' environment variables, :data:`THREAD_VARIABLES`), one
 after the other under /tmp/bench.lock; ``--threads 1,2`` runs every engine at each count, ``--rounds R`` runs the
 whole sequence R times (every other round in reverse order) and pools the warm passes. In each process the first
 pass over the sentences is timed apart (JAX and TensorFlow compile each new batch shape there, and so does
@@ -81,10 +86,12 @@ from transformer_tasks.translation import BATCH_SIZE  # noqa: E402
 
 LOCK = "/tmp/bench.lock"
 PEER, HF = "ctranslate2", "transformers"
+PARALLEL = "ctranslate2-parallel"   # opus-mt: CTranslate2's own way to use T cores on a file (T batches at once)
 COMPILED = "torch-compiled"    # the PyTorch backend's Translator with transformer_torch.compile_decoding
 PORTS = ("torch", COMPILED, "jax", "tf")
-ENGINES = (*PORTS, PEER, HF)
+ENGINES = (*PORTS, PEER, PARALLEL, HF)
 MODELS = {"numbers": (*PORTS, PEER), "opus-mt": ENGINES}     # each model's engines
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # read by the BLAS at import
 BUDGET = 32                    # opus-mt: max_position_embeddings, every sentence's output budget
 SOURCE_LENGTHS = (5, 30)       # opus-mt: the shortest and longest source rows, eos included
 # Helsinki-NLP/opus-mt-*'s config.json (e.g. opus-mt-en-de), but for max_position_embeddings (512 there): BUDGET
@@ -108,7 +115,7 @@ XLA_COPIES = {"copy", "transpose", "gather", "concatenate", "slice", "dynamic-sl
               "reshape", "bitcast", "parameter"}   # a fusion of these alone moves data
 XLA_CONTROL = {"while", "conditional", "call"}     # their kernels are counted, not they
 TORCH_PRODUCTS = re.compile(r"aten::(mm|addmm|bmm|baddbmm|_scaled_dot_product\w*|_flash_attention\w*)$|mkldnn|"
-                            r"extern_kernels")
+                            r"mkl::|extern_kernels")
 TORCH_TOP_K = re.compile(r"aten::(topk|sort|argsort)$")
 ANCHORS = "anchors"            # --profile: the worker that measures the machine's anchors for the job's step
 ANCHOR_MIB = 256               # the bandwidth's read: timing.memory_read of this many MiB
@@ -257,18 +264,25 @@ def peer_passes(texts: list[str], args: argparse.Namespace) -> tuple[list[float]
 def opus_mt_peer_passes(root: Path, rows: list[list[int]], args: argparse.Namespace
                         ) -> tuple[list[float], int, list[list[int]]]:
     """CTranslate2 on its own conversion of the opus-mt-shaped model: beam 4, the checkpoint's length penalty,
-    :data:`BUDGET` tokens at most, eos allowed from the first step and counted."""
+    :data:`BUDGET` tokens at most, eos allowed from the first step and counted. :data:`PEER` decodes the batches one
+    after the other, each on all the threads (``intra_threads``); :data:`PARALLEL` gives the whole file to one
+    ``translate_batch`` call with ``max_batch_size`` (CTranslate2 sorts it by length and splits it into the same
+    batches) and decodes as many batches at once as there are threads, each on one (``inter_threads``)."""
     import ctranslate2
 
     vocabulary = json.loads((root / "hf" / "vocab.json").read_text())
     names = {index: name for name, index in vocabulary.items()}
-    engine = ctranslate2.Translator(str(root / "ct2"), device="cpu", compute_type="float32",
-                                    intra_threads=runtime.threads())
+    threads = {"inter_threads": runtime.threads(), "intra_threads": 1} if args.worker == PARALLEL else \
+        {"intra_threads": runtime.threads()}
+    engine = ctranslate2.Translator(str(root / "ct2"), device="cpu", compute_type="float32", **threads)
     generation = json.loads((root / "hf" / "generation_config.json").read_text())
     options = {"beam_size": BEAM_SIZE, "length_penalty": generation.get("length_penalty", 1.0),
                "max_decoding_length": budget(args), "min_decoding_length": 0, "return_end_token": True}
     sources = [[names[token] for token in row] for row in rows]
-    seconds, pieces = passes(lambda: ct2_batches(engine, sources, options, args.batch_size), args.repeats)
+    whole_file = lambda: [result.hypotheses[0] for result in                               # noqa: E731
+                          engine.translate_batch(sources, max_batch_size=args.batch_size, **options)]
+    seconds, pieces = passes(whole_file if args.worker == PARALLEL else
+                             lambda: ct2_batches(engine, sources, options, args.batch_size), args.repeats)
     ids = [[vocabulary[piece] for piece in row] for row in pieces]
     return seconds, sum(map(len, ids)), ids
 
@@ -442,8 +456,9 @@ def measure(args: argparse.Namespace) -> dict:
                       else port_passes(args.worker, None, texts, None, args))
         else:
             root, rows = Path(args.workdir), source_rows(args.sentences, sizes_of(args))
-            result = (opus_mt_peer_passes(root, rows, args) if args.worker == PEER else hf_passes(root, rows, args)
-                      if args.worker == HF else port_passes(args.worker, root / "model.safetensors", None, rows, args))
+            result = (opus_mt_peer_passes(root, rows, args) if args.worker in (PEER, PARALLEL)
+                      else hf_passes(root, rows, args) if args.worker == HF
+                      else port_passes(args.worker, root / "model.safetensors", None, rows, args))
     finally:
         if args.hlo_dump:
             shutil.rmtree(args.hlo_dump)
@@ -521,7 +536,8 @@ def run(engine: str, threads: int, args: argparse.Namespace) -> dict:
                "--repeats", str(args.repeats), *(["--sentences", str(args.sentences)] if args.sentences else []),
                *(["--tiny"] if args.tiny else []), *(["--workdir", args.workdir] if args.workdir else []),
                *(["--profile"] if args.profile else [])]
-    done = subprocess.run([sys.executable, __file__, "--worker", engine, *options], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, __file__, "--worker", engine, *options], capture_output=True, text=True,
+                          env=os.environ | dict.fromkeys(THREAD_VARIABLES, str(threads)))
     if done.returncode:
         raise SystemExit(f"{engine}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'failed'}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": os.getloadavg()[0]}
@@ -560,7 +576,7 @@ def report(results: dict[tuple[str, int], dict], machine: dict[int, dict], args:
                "warm_min_s": min(warm_passes), "warm_max_s": max(warm_passes), "warm_passes": len(warm_passes),
                "tokens": result["tokens"], "tokens_per_s": result["tokens"] / warm, "load": result["load"],
                "profile": result.get("profile")}
-        for name in (PEER, HF):
+        for name in (PEER, PARALLEL, HF):
             other = results.get((name, threads))
             row[f"x_{name}"] = warm / statistics.median(other["seconds"][1:]) if other else None
         other = results.get((reference, threads))
@@ -596,14 +612,15 @@ def print_table(rows: list[dict], machine: dict[int, dict], count: int, args: ar
     print(f"{count} sentences, {model}, beam {BEAM_SIZE}, batches of {args.batch_size} by length, "
           f"median of {args.repeats * args.rounds} warm passes (spread: their min-max)")
     print(f"{'engine':<15} {'threads':>7} {'first pass':>11} {'warm':>9} {'spread':>13} {'tokens':>7} {'tokens/s':>9} "
-          f"{'x CT2':>6} {'x HF':>6} {'x bound':>7} {'same as ' + rows[0]['same_as']:>21} {'load':>5}")
+          f"{'x CT2':>6} {'x CT2 par':>9} {'x HF':>6} {'x bound':>7} {'same as ' + rows[0]['same_as']:>21} {'load':>5}")
     ratio = lambda value: " " * 6 if value is None else f"{value:>6.2f}"                 # noqa: E731
     for row in rows:
         same = "" if row["same"] is None else f"{row['same']}/{count}"
         spread = f"{row['warm_min_s']:.2f}-{row['warm_max_s']:.2f}s"
         print(f"{row['engine']:<15} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {spread:>13} "
               f"{row['tokens']:>7} {row['tokens_per_s']:>9.0f} {ratio(row['x_ctranslate2'])} "
-              f"{ratio(row['x_transformers'])} {ratio(row['x_products_bound']):>7} {same:>21} {row['load']:>5.2f}")
+              f"{ratio(row[f'x_{PARALLEL}']):>9} {ratio(row['x_transformers'])} {ratio(row['x_products_bound']):>7} "
+              f"{same:>21} {row['load']:>5.2f}")
     for threads, anchor in machine.items():
         print(f"\nthe machine at {threads} thread(s), one decoding step's matrix products ({anchor['rows']} rows, "
               f"{anchor['step_gflop']:.2f} GFLOP, {anchor['step_weight_mb']:.0f} MB of weights):")

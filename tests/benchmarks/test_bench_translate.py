@@ -59,10 +59,13 @@ def test_the_opus_mt_benchmark_reports_every_engine(bench, tmp_path, monkeypatch
     for engine, row in rows.items():
         assert row["warm_passes"] == 1 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["warm_s"])
         assert row["x_transformers"] == pytest.approx(row["warm_s"] / hf["warm_s"])
-        if engine != bench.PEER:
+        if engine not in (bench.PEER, bench.PARALLEL):
             assert (row["same"], row["tokens"]) == (SENTENCES, hf["tokens"]), engine
-    peer = rows[bench.PEER]
+    peer, parallel = rows[bench.PEER], rows[bench.PARALLEL]
     assert SENTENCES <= peer["tokens"] <= SENTENCES * budget and peer["x_ctranslate2"] == 1.0
+    # the whole file in one call, batches at once: CTranslate2's same batches, so its same outputs
+    assert (parallel["same"], parallel["tokens"]) == (peer["same"], peer["tokens"])
+    assert parallel["x_ctranslate2-parallel"] == 1.0
 
 
 def test_an_xla_profile_is_split_by_the_instructions_of_the_optimised_program(bench, tmp_path):
@@ -111,6 +114,7 @@ def test_a_torch_profile_is_split_by_operator(bench):
     assert sum(profile["kinds"].values()) == pytest.approx(profile["seconds"])
     assert bench.torch_kind("aten::addmm") == "products" and bench.torch_kind("aten::exp") == "other kernels"
     assert bench.torch_kind("aten::index_select") == "copies"
+    assert bench.torch_kind("mkl::_mkl_linear") == "products"          # Inductor's call of MKL's packed product
 
 
 # About 20 s: the JAX worker's own process (XLA dumps its programs only when told at start) compiling the search
