@@ -611,13 +611,13 @@ def print_table(rows: list[dict], machine: dict[int, dict], count: int, args: ar
         if args.model == "opus-mt" else "numbers model"
     print(f"{count} sentences, {model}, beam {BEAM_SIZE}, batches of {args.batch_size} by length, "
           f"median of {args.repeats * args.rounds} warm passes (spread: their min-max)")
-    print(f"{'engine':<15} {'threads':>7} {'first pass':>11} {'warm':>9} {'spread':>13} {'tokens':>7} {'tokens/s':>9} "
+    print(f"{'engine':<20} {'threads':>7} {'first pass':>11} {'warm':>9} {'spread':>13} {'tokens':>7} {'tokens/s':>9} "
           f"{'x CT2':>6} {'x CT2 par':>9} {'x HF':>6} {'x bound':>7} {'same as ' + rows[0]['same_as']:>21} {'load':>5}")
     ratio = lambda value: " " * 6 if value is None else f"{value:>6.2f}"                 # noqa: E731
     for row in rows:
         same = "" if row["same"] is None else f"{row['same']}/{count}"
         spread = f"{row['warm_min_s']:.2f}-{row['warm_max_s']:.2f}s"
-        print(f"{row['engine']:<15} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {spread:>13} "
+        print(f"{row['engine']:<20} {row['threads']:>7} {row['first_s']:>10.2f}s {row['warm_s']:>8.2f}s {spread:>13} "
               f"{row['tokens']:>7} {row['tokens_per_s']:>9.0f} {ratio(row['x_ctranslate2'])} "
               f"{ratio(row[f'x_{PARALLEL}']):>9} {ratio(row['x_transformers'])} {ratio(row['x_products_bound']):>7} "
               f"{same:>21} {row['load']:>5.2f}")
