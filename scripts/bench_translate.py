@@ -117,10 +117,10 @@ XLA_CONTROL = {"while", "conditional", "call"}     # their kernels are counted, 
 TORCH_PRODUCTS = re.compile(r"aten::(mm|addmm|bmm|baddbmm|_scaled_dot_product\w*|_flash_attention\w*)$|mkldnn|"
                             r"mkl::|extern_kernels")
 TORCH_TOP_K = re.compile(r"aten::(topk|sort|argsort)$")
+TORCH_COPIES = re.compile(r"aten::(copy_|clone|contiguous|index|index_select|gather|cat|stack|_to_copy)$")
 ANCHORS = "anchors"            # --profile: the worker that measures the machine's anchors for the job's step
 ANCHOR_MIB = 256               # the bandwidth's read: timing.memory_read of this many MiB
 ANCHOR_REPEATS = 5             # each anchor: the best of this many calls after a warm-up
-TORCH_COPIES = re.compile(r"aten::(copy_|clone|contiguous|index|index_select|gather|cat|stack|_to_copy)$")
 
 
 # ----------------------------------------------------------------------------- the inputs
