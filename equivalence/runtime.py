@@ -193,6 +193,13 @@ def imported(name: str) -> ModuleType | None:
     return sys.modules.get(name)
 
 
+def blas_threads(threads: int) -> dict[str, str]:
+    """The environment that gives a process about to start ``threads`` threads in its BLAS libraries (OpenBLAS,
+    MKL, and OpenMP's), which read it when they load: how a benchmark's worker sets NumPy's threads, which
+    :func:`configure` leaves alone."""
+    return dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), str(threads))
+
+
 def threads() -> int:
     """The intra-op threads asked for (``--threads``), or the visible cores if none was."""
     return _requested or visible_cores()

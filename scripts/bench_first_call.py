@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from equivalence import backends, compile_cache  # noqa: E402
+from equivalence import backends, compile_cache, runtime  # noqa: E402
 from transformer_bench.timing import cpu_name  # noqa: E402
 
 LOCK = "/tmp/bench.lock"            # the project's benchmarks run one at a time
@@ -48,15 +48,13 @@ BAR = 2.0                           # s: issue 73, a warm translate within this 
 FLOOR = {"numpy": "numpy", "torch": "torch", "jax": "jax", "tf": "tensorflow"}      # backend -> module imported
 FRAMEWORK_CACHES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                     "JAX_ENABLE_COMPILATION_CACHE", "TF_XLA_FLAGS", "TORCHINDUCTOR_CACHE_DIR")
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 KINDS = ("floor", "cold", "warm")
 CPU_KINDS = tuple(f"{kind}_cpu" for kind in KINDS)
 
 
 def environment(threads: int, cache: Path) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name not in FRAMEWORK_CACHES}
-    return env | dict.fromkeys(THREAD_VARIABLES, str(threads)) | {compile_cache.ENVIRONMENT: str(cache),
-                                                                   "PYTHONPATH": str(ROOT)}
+    return env | runtime.blas_threads(threads) | {compile_cache.ENVIRONMENT: str(cache), "PYTHONPATH": str(ROOT)}
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:

@@ -30,10 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from equivalence import runtime  # noqa: E402
 from transformer_bench.timing import cpu_name  # noqa: E402
 
 BACKENDS = ("numpy", "torch", "jax", "tf")
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # One process: the revision's own bench machinery, the backend tasks of ``bench --peers``, medians as JSON on stdout
 TIMED = """
 import json, sys
@@ -69,7 +69,7 @@ def checkout(revision: str, into: Path) -> Path:
 
 def timed(tree: Path, args: argparse.Namespace) -> dict[tuple[str, str], float]:
     """One process of ``tree``'s revision: (backend, task) -> median seconds."""
-    env = os.environ | dict.fromkeys(THREAD_VARIABLES, str(args.threads)) | {"PYTHONPATH": str(tree)}
+    env = os.environ | runtime.blas_threads(args.threads) | {"PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, "-c", TIMED, args.preset, str(args.length), str(args.repeats),
                            str(args.threads), args.backends], cwd=tree, env=env, check=True, capture_output=True,
                           text=True)

@@ -29,7 +29,7 @@ on a file, the whole file in one ``translate_batch`` call, T batches decoded at 
 (``inter_threads``), where ``ctranslate2`` and every other engine decode one batch at a time on all T threads.
 
 Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework and in
-the BLAS libraries' environment variables, :data:`THREAD_VARIABLES`), one
+the BLAS libraries' environment variables, ``runtime.blas_threads``), one
 after the other under /tmp/bench.lock; ``--threads 1,2`` runs every engine at each count, ``--rounds R`` runs the
 whole sequence R times (every other round in reverse order) and pools the warm passes. In each process the first
 pass over the sentences is timed apart (JAX and TensorFlow compile each new batch shape there, and so does
@@ -91,7 +91,6 @@ COMPILED = "torch-compiled"    # the PyTorch backend's Translator with transform
 PORTS = ("torch", COMPILED, "jax", "tf")
 ENGINES = (*PORTS, PEER, PARALLEL, HF)
 MODELS = {"numbers": (*PORTS, PEER), "opus-mt": ENGINES}     # each model's engines
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # read by the BLAS at import
 BUDGET = 32                    # opus-mt: max_position_embeddings, every sentence's output budget
 SOURCE_LENGTHS = (5, 30)       # opus-mt: the shortest and longest source rows, eos included
 # Helsinki-NLP/opus-mt-*'s config.json (e.g. opus-mt-en-de), but for max_position_embeddings (512 there): BUDGET
@@ -537,7 +536,7 @@ def run(engine: str, threads: int, args: argparse.Namespace) -> dict:
                *(["--tiny"] if args.tiny else []), *(["--workdir", args.workdir] if args.workdir else []),
                *(["--profile"] if args.profile else [])]
     done = subprocess.run([sys.executable, __file__, "--worker", engine, *options], capture_output=True, text=True,
-                          env=os.environ | dict.fromkeys(THREAD_VARIABLES, str(threads)))
+                          env=os.environ | runtime.blas_threads(threads))
     if done.returncode:
         raise SystemExit(f"{engine}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'failed'}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": os.getloadavg()[0]}

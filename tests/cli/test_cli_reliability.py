@@ -456,6 +456,27 @@ def test_xla_threads_go_into_the_environment_until_xla_starts_and_never_after(st
     assert runtime.threads() == 1
 
 
+# What OpenBLAS itself says its threads are, in a fresh process: the symbol of the library NumPy loaded
+OPENBLAS_THREADS = """
+import ctypes, numpy
+path = next(line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower())
+library = ctypes.CDLL(path)
+print(next(getattr(library, name)() for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                                                  "openblas_get_num_threads") if hasattr(library, name)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the loaded OpenBLAS from /proc/self/maps")
+@pytest.mark.parametrize("cores", [False, True])
+def test_a_worker_started_with_blas_threads_has_that_many_in_numpy_s_blas(cores):
+    """``runtime.blas_threads``: the environment a benchmark's worker starts with, NumPy's BLAS threads being what
+    ``configure`` leaves alone (one thread, and as many as the visible cores: OpenBLAS takes no more)."""
+    threads = runtime.visible_cores() if cores else 1
+    done = subprocess.run([sys.executable, "-c", OPENBLAS_THREADS], capture_output=True, text=True, check=True,
+                          env=os.environ | runtime.blas_threads(threads))
+    assert int(done.stdout) == threads
+
+
 def test_threads_default_to_the_visible_cores_and_zero_is_refused(capsys):
     status, _, err = cli(capsys, "translate", "--threads", "0", "one")
     assert status == EXIT_USAGE
