@@ -481,8 +481,8 @@ def step_products(sizes: dict) -> list[tuple[int, int]]:
 def step_kernels(shapes: list[tuple[int, int]], rows: int) -> dict[str, object]:
     """One step's products (``rows`` rows, the weights of ``shapes``: a distinct matrix each, as a step reads them
     from memory) in each installed framework's fastest float32 kernel for them: NumPy's BLAS (OpenBLAS) and
-    TensorFlow's ``matmul`` (oneDNN) on weights stored (in, out), PyTorch's oneDNN inner product (the port's
-    ``speed.linear``) on weights stored (out, in), JAX's ``jit`` (XLA:CPU) of the whole step."""
+    TensorFlow's ``matmul`` (oneDNN) on weights stored (in, out), the PyTorch port's ``speed.linear`` (oneDNN's inner
+    product at the model's sizes) on weights stored (out, in), JAX's ``jit`` (XLA:CPU) of the whole step."""
     rng = np.random.default_rng(0)
     weights = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     inputs = {size: rng.standard_normal((rows, size), dtype=np.float32) for size in {shape[0] for shape in shapes}}
@@ -490,9 +490,10 @@ def step_kernels(shapes: list[tuple[int, int]], rows: int) -> dict[str, object]:
     if importlib.util.find_spec("torch"):
         import torch
 
+        from transformer_torch.speed import linear
+
         pairs = [(torch.from_numpy(inputs[w.shape[0]]), torch.from_numpy(np.ascontiguousarray(w.T))) for w in weights]
-        calls["PyTorch (oneDNN)"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                             for x, w in pairs]
+        calls["PyTorch (oneDNN)"] = lambda: [linear(x, w) for x, w in pairs]
     if importlib.util.find_spec("tensorflow"):
         tf = runtime.import_framework("tensorflow")
         tf_pairs = [(tf.constant(inputs[w.shape[0]]), tf.constant(w)) for w in weights]
