@@ -7,8 +7,8 @@ Each framework reads its setting where it can: XLA (JAX) from the environment wh
 (``PJRT_NPROC``, its thread pool's size; with one thread ``--xla_cpu_multi_thread_eigen=false`` too), so
 :func:`configure` runs before any framework is imported; PyTorch (``torch.set_num_threads``) and TensorFlow
 (``tf.config.threading``, before its first operation) through their APIs, once imported (:func:`apply`, called by
-``backends.load``). The NumPy reference keeps its BLAS's own setting (``OPENBLAS_NUM_THREADS`` and the like, read
-when NumPy is imported, before any flag is parsed).
+``backends.load``); NumPy's BLAS (the reference's OpenBLAS) through ``threadpoolctl``, which sets the loaded
+library's threads (``OPENBLAS_NUM_THREADS`` and the like are read when NumPy is imported, before any flag is parsed).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from types import ModuleType
+
+import threadpoolctl
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}   # TensorFlow's C++ info and warnings (oneDNN, CPU features), read at import
 FRAMEWORKS = {"numpy": "numpy", "torch": "torch", "jax": "jax", "flax": "flax", "tensorflow": "tensorflow",
@@ -173,13 +175,14 @@ def xla_started() -> bool:
 
 
 def apply() -> None:
-    """Set the requested threads in PyTorch and TensorFlow if they are imported; silence absl's Python logging.
-    TensorFlow fixes its pools at its first operation: asked later (a second command in one process), it keeps
-    them, and :func:`settings` records what it has."""
+    """Set the requested threads in NumPy's BLAS, and in PyTorch and TensorFlow if they are imported; silence absl's
+    Python logging. TensorFlow fixes its pools at its first operation: asked later (a second command in one
+    process), it keeps them, and :func:`settings` records what it has."""
     if absl_logging := imported("absl.logging"):
         absl_logging.set_verbosity("error")
     if _requested is None:
         return
+    threadpoolctl.threadpool_limits(_requested, user_api="blas")
     if torch := imported("torch"):
         torch.set_num_threads(_requested)
     if tensorflow := imported("tensorflow"):
@@ -195,8 +198,8 @@ def imported(name: str) -> ModuleType | None:
 
 def blas_threads(threads: int) -> dict[str, str]:
     """The environment that gives a process about to start ``threads`` threads in its BLAS libraries (OpenBLAS,
-    MKL, and OpenMP's), which read it when they load: how a benchmark's worker sets NumPy's threads, which
-    :func:`configure` leaves alone."""
+    MKL, and OpenMP's), which read it when they load: how a benchmark starts a worker whose libraries (a peer
+    engine's too) have that many threads from the start."""
     return dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), str(threads))
 
 
@@ -216,6 +219,9 @@ def settings() -> dict:
 
 
 def _threads_of(module: str) -> dict:
+    if module == "numpy":
+        return {"blas_threads": {info["internal_api"]: info["num_threads"]
+                                 for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"}}
     if module == "torch":
         return {"intra_op_threads": sys.modules["torch"].get_num_threads()}
     if module == "tensorflow":

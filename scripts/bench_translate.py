@@ -566,7 +566,7 @@ def report(results: dict[tuple[str, int], dict], machine: dict[int, dict], args:
     CTranslate2's and to transformers' at the same threads, outputs equal to the reference engine's (transformers'
     if it ran, else CTranslate2's); with the anchors of ``machine`` (threads -> :func:`anchors`), the job's step
     products at the machine's best rate (:func:`products_bound`) and the warm pass (and a profile's products) over
-    it."""
+    it (each row carries its thread count's anchors, None without them)."""
     reference = HF if any(engine == HF for engine, _ in results) else PEER
     rows = []
     for (engine, threads), result in results.items():
@@ -583,7 +583,7 @@ def report(results: dict[tuple[str, int], dict], machine: dict[int, dict], args:
         row["same_as"] = reference
         row["same"] = sum(a == b for a, b in zip(result["outputs"], other["outputs"])) if other else None
         bound = products_bound(machine.get(threads), result["tokens"], args)
-        row["products_bound_s"] = bound
+        row["anchors"], row["products_bound_s"] = machine.get(threads), bound
         row["x_products_bound"] = warm / bound if bound else None
         if bound and row["profile"]:
             row["profile"]["x_products_bound"] = row["profile"]["kinds"]["products"] / bound

@@ -131,6 +131,9 @@ def test_profile_reports_each_port_s_pass_by_kind_of_work(bench, tmp_path, monke
     assert list(profile["kinds"]) == list(bench.PROFILE_KINDS) and "one profiled warm pass" in table
     assert "the machine at 1 thread(s), one decoding step's matrix products" in table
     assert row["products_bound_s"] is None          # the tiny model's outputs end before the budget: no bound
+    anchors = row["anchors"]                        # as printed: the step's products in each kernel, the bandwidth
+    assert anchors["rows"] == BATCH * bench.BEAM_SIZE and anchors["bandwidth_gb_per_s"] > 0
+    assert all(f"{kernel['step_s'] * 1e3:>8.1f} ms" in table for kernel in anchors["kernels"].values())
     assert profile["kinds"]["products"] > 0 and profile["kinds"]["top-k/sort"] > 0
     assert sum(profile["kinds"].values()) == pytest.approx(profile["seconds"])
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
+import inspect
 import io
 import json
 import os
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import threadpoolctl
 from in_process import cli
 
 from equivalence import backends, runtime
@@ -403,6 +406,19 @@ def test_stdin_that_is_not_utf8_in_the_c_locale_and_no_tensorflow_notices(tmp_pa
 
 # ----------------------------------------------------------------------------- threads and versions
 
+def openblas_threads() -> int:
+    """What OpenBLAS itself says its threads are (Linux): the symbol of the library NumPy loaded, read apart from
+    ``threadpoolctl``, which ``runtime`` sets them with."""
+    path = next(line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower())
+    library = ctypes.CDLL(path)
+    return next(getattr(library, name)() for name in ("scipy_openblas_get_num_threads64_",
+                                                      "openblas_get_num_threads64_", "openblas_get_num_threads")
+                if hasattr(library, name))
+
+
+OPENBLAS_THREADS = f"import ctypes, numpy\n{inspect.getsource(openblas_threads)}\nprint(openblas_threads())"
+
+
 @pytest.fixture
 def restore_threads(monkeypatch):
     """``--threads`` changes the process's frameworks: put them back for the tests after this one."""
@@ -411,9 +427,12 @@ def restore_threads(monkeypatch):
         monkeypatch.setenv(name, os.environ.get(name, ""))
     torch = sys.modules.get("torch")
     before = torch.get_num_threads() if torch else None
+    blas = openblas_threads() if sys.platform.startswith("linux") else None
     yield
     if torch:
         torch.set_num_threads(before)
+    if blas:
+        threadpoolctl.threadpool_limits(blas, user_api="blas")
 
 
 @pytest.mark.parametrize("command", [["compare", "--preset", "tiny", "--json", "--dtype", "float32"],
@@ -426,6 +445,8 @@ def test_threads_are_set_in_each_framework_and_recorded_with_the_versions(comman
     recorded = (report if isinstance(report, dict) else report[0])["runtime"]
     assert recorded["threads"] == 1 and recorded["visible_cores"] == len(os.sched_getaffinity(0))
     assert recorded["frameworks"]["numpy"]["version"] == np.__version__
+    if sys.platform.startswith("linux"):              # NumPy's BLAS, as OpenBLAS itself says, and as recorded
+        assert openblas_threads() == 1 and recorded["frameworks"]["numpy"]["blas_threads"] == {"openblas": 1}
     if "torch" in INSTALLED:
         import torch
         assert recorded["frameworks"]["torch"] == {"version": torch.__version__, "intra_op_threads": 1}
@@ -456,21 +477,11 @@ def test_xla_threads_go_into_the_environment_until_xla_starts_and_never_after(st
     assert runtime.threads() == 1
 
 
-# What OpenBLAS itself says its threads are, in a fresh process: the symbol of the library NumPy loaded
-OPENBLAS_THREADS = """
-import ctypes, numpy
-path = next(line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower())
-library = ctypes.CDLL(path)
-print(next(getattr(library, name)() for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
-                                                  "openblas_get_num_threads") if hasattr(library, name)))
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the loaded OpenBLAS from /proc/self/maps")
 @pytest.mark.parametrize("cores", [False, True])
 def test_a_worker_started_with_blas_threads_has_that_many_in_numpy_s_blas(cores):
-    """``runtime.blas_threads``: the environment a benchmark's worker starts with, NumPy's BLAS threads being what
-    ``configure`` leaves alone (one thread, and as many as the visible cores: OpenBLAS takes no more)."""
+    """``runtime.blas_threads``: the environment a benchmark's worker starts with, its BLAS libraries' threads from
+    the start (one thread, and as many as the visible cores: OpenBLAS takes no more)."""
     threads = runtime.visible_cores() if cores else 1
     done = subprocess.run([sys.executable, "-c", OPENBLAS_THREADS], capture_output=True, text=True, check=True,
                           env=os.environ | runtime.blas_threads(threads))
