@@ -406,10 +406,12 @@ def test_stdin_that_is_not_utf8_in_the_c_locale_and_no_tensorflow_notices(tmp_pa
 
 # ----------------------------------------------------------------------------- threads and versions
 
-def openblas_threads() -> int:
+def openblas_threads() -> int | None:
     """What OpenBLAS itself says its threads are (Linux): the symbol of the library NumPy loaded, read apart from
-    ``threadpoolctl``, which ``runtime`` sets them with."""
-    path = next(line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower())
+    ``threadpoolctl``, which ``runtime`` sets them with; None where NumPy loaded no OpenBLAS."""
+    path = next((line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower()), None)
+    if path is None:
+        return None
     library = ctypes.CDLL(path)
     return next(getattr(library, name)() for name in ("scipy_openblas_get_num_threads64_",
                                                       "openblas_get_num_threads64_", "openblas_get_num_threads")
@@ -417,6 +419,8 @@ def openblas_threads() -> int:
 
 
 OPENBLAS_THREADS = f"import ctypes, numpy\n{inspect.getsource(openblas_threads)}\nprint(openblas_threads())"
+OPENBLAS = sys.platform.startswith("linux") and openblas_threads() is not None
+WITHOUT_OPENBLAS = "reads the threads of the OpenBLAS NumPy loaded, from /proc/self/maps: Linux, NumPy with OpenBLAS"
 
 
 @pytest.fixture
@@ -427,7 +431,7 @@ def restore_threads(monkeypatch):
         monkeypatch.setenv(name, os.environ.get(name, ""))
     torch = sys.modules.get("torch")
     before = torch.get_num_threads() if torch else None
-    blas = openblas_threads() if sys.platform.startswith("linux") else None
+    blas = openblas_threads() if OPENBLAS else None
     yield
     if torch:
         torch.set_num_threads(before)
@@ -445,7 +449,7 @@ def test_threads_are_set_in_each_framework_and_recorded_with_the_versions(comman
     recorded = (report if isinstance(report, dict) else report[0])["runtime"]
     assert recorded["threads"] == 1 and recorded["visible_cores"] == len(os.sched_getaffinity(0))
     assert recorded["frameworks"]["numpy"]["version"] == np.__version__
-    if sys.platform.startswith("linux"):              # NumPy's BLAS, as OpenBLAS itself says, and as recorded
+    if OPENBLAS:                                      # NumPy's BLAS, as OpenBLAS itself says, and as recorded
         assert openblas_threads() == 1 and recorded["frameworks"]["numpy"]["blas_threads"] == {"openblas": 1}
     if "torch" in INSTALLED:
         import torch
@@ -477,7 +481,7 @@ def test_xla_threads_go_into_the_environment_until_xla_starts_and_never_after(st
     assert runtime.threads() == 1
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the loaded OpenBLAS from /proc/self/maps")
+@pytest.mark.skipif(not OPENBLAS, reason=WITHOUT_OPENBLAS)
 @pytest.mark.parametrize("cores", [False, True])
 def test_a_worker_started_with_blas_threads_has_that_many_in_numpy_s_blas(cores):
     """``runtime.blas_threads``: the environment a benchmark's worker starts with, its BLAS libraries' threads from
