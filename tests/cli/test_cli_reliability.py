@@ -407,18 +407,23 @@ def test_stdin_that_is_not_utf8_in_the_c_locale_and_no_tensorflow_notices(tmp_pa
 # ----------------------------------------------------------------------------- threads and versions
 
 def openblas_threads() -> int | None:
-    """What OpenBLAS itself says its threads are (Linux): the symbol of the library NumPy loaded, read apart from
-    ``threadpoolctl``, which ``runtime`` sets them with; None where NumPy loaded no OpenBLAS."""
-    path = next((line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower()), None)
-    if path is None:
+    """What NumPy's OpenBLAS itself says its threads are (Linux): the symbol of the library NumPy loaded, read apart
+    from ``threadpoolctl``, which ``runtime`` sets them with; None where NumPy loaded no OpenBLAS. Other packages map
+    their own OpenBLAS (SciPy's, 32-bit integers, other symbols): NumPy's is the one in NumPy's wheel, ``numpy.libs``,
+    or else the only one mapped."""
+    mapped = sorted({line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.split()[-1].lower()})
+    wheel = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    own = [path for path in mapped if os.path.dirname(path) == wheel] or mapped
+    if len(own) != 1:
         return None
-    library = ctypes.CDLL(path)
-    return next(getattr(library, name)() for name in ("scipy_openblas_get_num_threads64_",
-                                                      "openblas_get_num_threads64_", "openblas_get_num_threads")
-                if hasattr(library, name))
+    library = ctypes.CDLL(own[0])
+    names = [name for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                               "scipy_openblas_get_num_threads", "openblas_get_num_threads") if hasattr(library, name)]
+    return getattr(library, names[0])() if names else None
 
 
-OPENBLAS_THREADS = f"import ctypes, numpy\n{inspect.getsource(openblas_threads)}\nprint(openblas_threads())"
+OPENBLAS_THREADS = (f"import ctypes, os\nimport numpy as np\n{inspect.getsource(openblas_threads)}\n"
+                    "print(openblas_threads())")
 OPENBLAS = sys.platform.startswith("linux") and openblas_threads() is not None
 WITHOUT_OPENBLAS = "reads the threads of the OpenBLAS NumPy loaded, from /proc/self/maps: Linux, NumPy with OpenBLAS"
 
