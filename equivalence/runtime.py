@@ -139,11 +139,12 @@ def import_framework(name: str) -> ModuleType:
 
 
 def configure(threads: int) -> None:
-    """Use ``threads`` intra-op threads in every framework of this process: the environment now (read by XLA when
-    JAX's CPU client starts), the APIs of the frameworks already imported now, the others when ``backends.load``
-    imports them. Once XLA's client has started (a second command in one process) it keeps the pool it started
-    with, as TensorFlow does, and the environment is left as it is: JAX hashes ``XLA_FLAGS`` into every program's
-    compilation-cache key, so a changed value would only make each later program miss the cache."""
+    """Use ``threads`` intra-op threads in every framework of this process (and in TensorFlow's inter-op pool): the
+    environment now (read by XLA when JAX's CPU client starts), the APIs of the frameworks already imported now, the
+    others when ``backends.load`` imports them. Once XLA's client has started (a second command in one process) it
+    keeps the pool it started with, as TensorFlow does, and the environment is left as it is: JAX hashes
+    ``XLA_FLAGS`` into every program's compilation-cache key, so a changed value would only make each later program
+    miss the cache."""
     global _requested
     _requested = threads
     if not xla_started():
@@ -175,9 +176,11 @@ def xla_started() -> bool:
 
 
 def apply() -> None:
-    """Set the requested threads in NumPy's BLAS, and in PyTorch and TensorFlow if they are imported; silence absl's
-    Python logging. TensorFlow fixes its pools at its first operation: asked later (a second command in one
-    process), it keeps them, and :func:`settings` records what it has."""
+    """Set the requested threads in NumPy's BLAS, and in PyTorch and TensorFlow if they are imported (TensorFlow's
+    intra-op pool and its inter-op pool, whose threads run a graph's independent operations side by side: with two,
+    ``--threads 1`` would keep two cores busy); silence absl's Python logging. TensorFlow fixes its pools at its
+    first operation: asked later (a second command in one process), it keeps them, and :func:`settings` records what
+    it has."""
     if absl_logging := imported("absl.logging"):
         absl_logging.set_verbosity("error")
     if _requested is None:
@@ -188,6 +191,7 @@ def apply() -> None:
     if tensorflow := imported("tensorflow"):
         with contextlib.suppress(RuntimeError):
             tensorflow.config.threading.set_intra_op_parallelism_threads(_requested)
+            tensorflow.config.threading.set_inter_op_parallelism_threads(_requested)
 
 
 def imported(name: str) -> ModuleType | None:
@@ -225,7 +229,9 @@ def _threads_of(module: str) -> dict:
     if module == "torch":
         return {"intra_op_threads": sys.modules["torch"].get_num_threads()}
     if module == "tensorflow":
-        return {"intra_op_threads": sys.modules["tensorflow"].config.threading.get_intra_op_parallelism_threads()}
+        threading = sys.modules["tensorflow"].config.threading
+        return {"intra_op_threads": threading.get_intra_op_parallelism_threads(),
+                "inter_op_threads": threading.get_inter_op_parallelism_threads()}
     if module == "jax":
         return {"PJRT_NPROC": os.environ.get("PJRT_NPROC"), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     return {}
