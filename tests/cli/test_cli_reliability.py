@@ -6,7 +6,6 @@ that is not UTF-8, ``--threads``, and the ``.partial`` files a killed save leave
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import ctypes
 import fcntl
@@ -489,14 +488,14 @@ def test_xla_threads_go_into_the_environment_until_xla_starts_and_never_after(st
 
 # A fresh process: TensorFlow fixes its pools at its first operation. Its inter-op pool's threads are named
 # tf_Compute (as the operating system lists them): counted apart from what TensorFlow's API or runtime report.
-TF_POOLS = """import collections, os, sys
+TF_POOLS = """import collections, json, os, sys
 from equivalence import runtime
 runtime.configure(int(sys.argv[1]))
 tf = runtime.import_framework("tensorflow")
 tf.function(lambda x: tf.matmul(x, x) + tf.matmul(x + 1, x))(tf.ones((8, 8)))
 tasks = os.listdir("/proc/self/task")
 names = collections.Counter(open(f"/proc/self/task/{task}/comm").read().strip() for task in tasks)
-print(names["tf_Compute"], runtime.settings()["frameworks"]["tensorflow"])"""
+print(json.dumps({"tf_Compute": names["tf_Compute"], "recorded": runtime.settings()["frameworks"]["tensorflow"]}))"""
 
 
 @pytest.mark.slow
@@ -505,12 +504,12 @@ print(names["tf_Compute"], runtime.settings()["frameworks"]["tensorflow"])"""
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tensorflow_runs_a_graph_s_operations_on_as_many_threads_as_asked(threads):
     """``--threads N`` sets TensorFlow's inter-op pool too, whose threads run a graph's independent operations side by
-    side (with its default, one per core, ``--threads 1`` kept two cores busy), and records both of its pools."""
+    side (with its default, one per core, ``--threads 1`` would keep two cores busy), and records both of its pools."""
     done = subprocess.run([sys.executable, "-c", TF_POOLS, str(threads)], capture_output=True, text=True, check=True,
                           timeout=300)
-    count, recorded = done.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert int(count) == threads
-    assert ast.literal_eval(recorded)["intra_op_threads"] == ast.literal_eval(recorded)["inter_op_threads"] == threads
+    pools = json.loads(done.stdout.strip().splitlines()[-1])
+    assert pools["tf_Compute"] == threads
+    assert pools["recorded"]["intra_op_threads"] == pools["recorded"]["inter_op_threads"] == threads
 
 
 @pytest.mark.skipif(not OPENBLAS, reason=WITHOUT_OPENBLAS)
