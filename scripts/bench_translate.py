@@ -482,7 +482,8 @@ def step_kernels(shapes: list[tuple[int, int]], rows: int) -> dict[str, object]:
     """One step's products (``rows`` rows, the weights of ``shapes``: a distinct matrix each, as a step reads them
     from memory) in each installed framework's fastest float32 kernel for them: NumPy's BLAS (OpenBLAS) and
     TensorFlow's ``matmul`` (oneDNN) on weights stored (in, out), the PyTorch port's ``speed.linear`` (oneDNN's inner
-    product at the model's sizes) on weights stored (out, in), JAX's ``jit`` (XLA:CPU) of the whole step."""
+    product at the model's sizes) on weights stored (out, in), as they are and packed (``speed.pack_weights``, as the
+    port's models are), JAX's ``jit`` (XLA:CPU) of the whole step."""
     rng = np.random.default_rng(0)
     weights = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     inputs = {size: rng.standard_normal((rows, size), dtype=np.float32) for size in {shape[0] for shape in shapes}}
@@ -490,10 +491,12 @@ def step_kernels(shapes: list[tuple[int, int]], rows: int) -> dict[str, object]:
     if importlib.util.find_spec("torch"):
         import torch
 
-        from transformer_torch.speed import linear
+        from transformer_torch.speed import linear, pack_weights
 
         pairs = [(torch.from_numpy(inputs[w.shape[0]]), torch.from_numpy(np.ascontiguousarray(w.T))) for w in weights]
         calls["PyTorch (oneDNN)"] = lambda: [linear(x, w) for x, w in pairs]
+        packed = pack_weights(torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=False) for _, w in pairs]))
+        calls["PyTorch (oneDNN), packed"] = lambda: [linear(x, w) for (x, _), w in zip(pairs, packed)]
     if importlib.util.find_spec("tensorflow"):
         tf = runtime.import_framework("tensorflow")
         tf_pairs = [(tf.constant(inputs[w.shape[0]]), tf.constant(w)) for w in weights]

@@ -1102,6 +1102,9 @@ PRECISION = [
            "    with torch.autocast(query.device.type, enabled=False):\n"
            "        return zero_fully_masked_rows(weights @ wide(value), mask), (weights if return_weights else None)",
            ["tests/ports/test_mixed_precision.py", "-k", "attention_products and torch"]),
+    single("precision", "torch: a packed weight never packed again (its product the weight as it was first packed)",
+           "transformer_torch/speed.py", "    if stamp != (weight._version, weight.data_ptr()):", "    if stamp is None:",
+           ["tests/ports/test_torch.py", "-k", "packed_weights"]),
     single("precision", "torch: the oneDNN fast path taken under autocast (large linear maps stay float32)",
            "transformer_torch/speed.py", "            and autocast_dtype(x) is None\n", "",
            ["tests/ports/test_mixed_precision.py", "-k", "every_linear_map"]),
@@ -1403,6 +1406,9 @@ CACHE = [
            [f"{_CACHE_TEST}[tf]", "tests/cli/test_compile_cache.py::test_tensorflow_s_notices_of_a_program_read_back_are_dropped"]),
     single("compile-cache", "imports: translate --backend tf imports JAX with TensorFlow", "equivalence/runtime.py",
            'UNNEEDED = {"equivalence.backends.tf": ("jax",)}', "UNNEEDED: dict = {}", [f"{_CACHE_TEST}[tf]"]),
+    single("compile-cache", "runtime: freed memory handed back to the system (glibc's thresholds left as they are)",
+           "equivalence/runtime.py", "    if mallopt is not None:\n", "    if mallopt is None:\n",
+           ["tests/cli/test_cli_reliability.py", "-k", "freed_memory"]),
 ]
 
 MUTATIONS = [*SINGLE, *BEAM_TABLE, *ATTENDED_WIDTH, *STACKING, *RESIDUAL, *FINAL_NORMS, *EMBEDDING_SCALE, *EMBEDDING_CHOICES, *EPSILON, *ACTIVATION, *CHOICES, *LEARNED_PE,

@@ -46,6 +46,7 @@ from .model import (
     zero_fully_masked_rows,
 )
 from .speed import compile_decoding as compile_decoding  # a port-only name, outside __all__
+from .speed import pack_weights as pack_weights  # a port-only name, outside __all__
 from .training import (
     gradients,
     label_smoothed_cross_entropy,

@@ -11,10 +11,12 @@ neither its weights nor its gradients are asked for (:func:`fused`), and whose p
 cache's hypotheses ``incremental.beam_attention`` computes without gathering keys and values (:func:`beam_scores`,
 :func:`beam_mix`). This module imports nothing from the model, nor from :mod:`.incremental`, which imports it.
 
-And one opt-in: :func:`compile_decoding` has the decoders (``decoding.greedy_decode``, ``decoding.beam_search``) run
-each cached step of a float32 model as one program compiled by ``torch.compile`` (:func:`decoding_step`), where
-eager PyTorch dispatches about 300 operators a step and reads the decoder's small weights at half the bandwidth
-(docs/benchmarks.md, "The PyTorch port compiled").
+Two opt-ins. :func:`pack_weights` has :func:`linear` multiply by oneDNN's packed copy of each of a model's
+weights, made once, in the blocked layout its kernel reads fastest (docs/torch.md, "Speed and memory"); the
+adapter's models take it (``equivalence/backends/torch.py``). :func:`compile_decoding` has the decoders
+(``decoding.greedy_decode``, ``decoding.beam_search``) run each cached step of a float32 model as one program
+compiled by ``torch.compile`` (:func:`decoding_step`), where eager PyTorch dispatches about 300 operators a step and
+reads the decoder's small weights at half the bandwidth (docs/benchmarks.md, "The PyTorch port compiled").
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from reference_numpy.incremental import at_position, attended_width
 
@@ -41,6 +44,11 @@ _ONEDNN_MIN_WEIGHT = 1 << 16
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                    "max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0}
 _PROGRAMS = "_compiled_decoding"     # a compiled model's attribute: its programs, step function -> compiled call
+# :func:`pack_weights`' weights -> None until their first product, then ((version, address) when packed, the packed
+# copy): a weight changed in place (a new version) or given new storage (a new address) is packed again
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# the rows oneDNN is told a packed weight will meet; its layout serves every row count alike (1 to 480 rows timed)
+_PACK_ROWS = 64
 Model = TypeVar("Model", bound=torch.nn.Module)
 
 
@@ -49,7 +57,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     Without autograd, a float32 weight of at least ``_ONEDNN_MIN_WEIGHT`` elements on the CPU
     goes to oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
-    torch.compile's CPU backend emits for a linear layer) on the same weight tensor: ``F.linear``
+    torch.compile's CPU backend emits for a linear layer) on the same weight tensor, or on its packed copy
+    where :func:`pack_weights` asked for one: ``F.linear``
     goes to the BLAS library torch is built with (MKL), whose matrix-vector product reads an
     (out, in) weight far below the memory bandwidth (batch-1 decoding) and whose large
     products run slower than oneDNN's on some CPUs (the numbers: docs/benchmarks-torch.md). Every other case
@@ -66,8 +75,35 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             and autocast_dtype(x) is None
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack_weights(model: Model) -> Model:
+    """Have :func:`linear` multiply by oneDNN's packed copy of each of ``model``'s parameters (in the blocked layout
+    its inner product reads fastest; the results are x W^T + b as before, to float32 rounding); returns ``model``.
+
+    A copy is made at the weight's first product on :func:`linear`'s oneDNN path (so a weight that path never
+    multiplies, a lookup table or a small one, is never copied) and kept beside the model, as much memory again as
+    those weights, until the model is freed. It is made again when the weight has changed in place (``copy_``,
+    an optimizer's step, ``load_state_dict``: a new version) or has new storage (``.to``); a change through ``.data``,
+    which PyTorch does not count, goes unseen: call :func:`pack_weights` again after one.
+    """
+    for parameter in model.parameters():
+        _PACKED[parameter] = None
+    return model
+
+
+def _packed(weight: Tensor) -> Tensor:
+    """``weight`` as :func:`linear`'s oneDNN path multiplies it: its packed copy if :func:`pack_weights` registered
+    it (made, or made again, if the weight is not as it was packed), else the weight itself."""
+    if weight not in _PACKED:
+        return weight
+    stamp, held = _PACKED[weight] or (None, weight)
+    if stamp != (weight._version, weight.data_ptr()):
+        held = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+        _PACKED[weight] = (weight._version, weight.data_ptr()), held
+    return held
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:

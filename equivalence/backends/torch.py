@@ -35,7 +35,7 @@ from reference_numpy.data_parallel import Batches
 from reference_numpy.decoding import BEAM_SIZE
 from reference_numpy.precision import check_autocast_training, parse_precision, round_to
 from reference_numpy.training import LABEL_SMOOTHING
-from transformer_torch import checkpoint, data_parallel, decoding, training
+from transformer_torch import checkpoint, data_parallel, decoding, speed, training
 from transformer_torch.capture import capture_stages
 from transformer_torch.device import devices as _devices
 from transformer_torch.device import full_precision, resolve_device
@@ -87,10 +87,12 @@ def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer
 
 
 def _autocast(model: Transformer, mixed: np.dtype | None) -> Transformer:
-    """``model``, its calls through this adapter under ``torch.autocast`` in ``mixed`` (None: none)."""
+    """``model``, its calls through this adapter under ``torch.autocast`` in ``mixed`` (None: none), its weights
+    packed for oneDNN where its inference multiplies them there (``speed.pack_weights``: this adapter changes them
+    only in place, by its optimizers and ``load_state_dict``, which the packed copies follow)."""
     if mixed is not None:
         _AUTOCAST[model] = getattr(torch, mixed.name)
-    return model
+    return speed.pack_weights(model)
 
 
 def load_training_state(path: Path, dtype: str | None = None) -> TrainingState | None:

@@ -486,6 +486,34 @@ def test_xla_threads_go_into_the_environment_until_xla_starts_and_never_after(st
     assert runtime.threads() == 1
 
 
+# A fresh process (glibc's thresholds as it starts): 15 MB blocks allocated, written and freed two at a time, as a
+# beam search's (rows, vocabulary) scores are; prints the page faults of each round, counted by the kernel.
+FREED_MEMORY = """import json, resource, sys
+import numpy as np
+from equivalence import runtime
+if sys.argv[1] == "reuse":
+    runtime.reuse_freed_memory()
+faults = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    first, second = np.ones((64, 58101), np.float32), np.ones((64, 58101), np.float32)
+    del first, second
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults[2:]))"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and Linux's fault counts")
+def test_freed_memory_is_reused_without_page_faults():
+    """runtime.reuse_freed_memory (called by ``configure``): blocks of a decoding step's size, freed and allocated
+    again, fault in fewer than 64 pages a round after the first rounds (a Python arena of 256 KiB at most), where
+    glibc's own thresholds, the control, fault in more every round (the memory it handed back at the heap's top)."""
+    rounds = {how: json.loads(subprocess.run([sys.executable, "-c", FREED_MEMORY, how], capture_output=True,
+                                             text=True, check=True).stdout)
+              for how in ("reuse", "glibc")}
+    assert max(rounds["reuse"]) < 64, rounds
+    assert min(rounds["glibc"]) >= 64, rounds
+
+
 # A fresh process: TensorFlow fixes its pools at its first operation. Its inter-op pool's threads are named
 # tf_Compute (as the operating system lists them): counted apart from what TensorFlow's API or runtime report.
 TF_POOLS = """import collections, json, os, sys

@@ -296,6 +296,68 @@ def test_onednn_on_every_projection_agrees_with_the_reference_in_float32(monkeyp
     assert calls == [], "a projection did not take the oneDNN path"
 
 
+def _packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy ``speed.pack_weights`` holds for ``weight`` (None: none made yet)."""
+    return (speed._PACKED[weight] or (None, None))[1]
+
+
+def test_packed_weights_are_packed_once_and_follow_every_change_pytorch_counts():
+    """speed.pack_weights: each weight packed at its first product on the oneDNN path and never again while it is
+    unchanged; after an in-place change (a new version) or new storage (a new address) the product is the changed
+    weight's (x W^T + b under the float32 policy); a change through ``.data``, which PyTorch does not count, is seen
+    once ``pack_weights`` is called again, as its docstring says."""
+    rng = np.random.default_rng(0)
+    out_features = speed._ONEDNN_MIN_WEIGHT // 128
+    layer = speed.pack_weights(torch.nn.Linear(128, out_features))
+    x = rng.normal(size=(3, 5, 128))
+    copies = []
+
+    def agrees(what: str) -> None:
+        weight, bias = (p.detach().double().numpy() for p in (layer.weight, layer.bias))
+        with torch.no_grad():
+            out = speed.linear(torch.tensor(x, dtype=torch.float32), layer.weight, layer.bias)
+        tolerance.assert_agrees(out.numpy(), x @ weight.T + bias, x.astype(np.float32) @ weight.T.astype(np.float32)
+                                + bias.astype(np.float32), what=what)
+        if all(copy is not _packed_copy(layer.weight) for copy in copies):
+            copies.append(_packed_copy(layer.weight))
+
+    agrees("packed")
+    agrees("packed, again")
+    assert len(copies) == 1 and copies[0] is not None and copies[0].is_mkldnn, "not packed once"
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)                                                  # in place: a new version
+    agrees("after an in-place change")
+    layer.weight.data = layer.weight.data.flip(0).contiguous()                   # new storage
+    agrees("after new storage")
+    assert len(copies) == 3
+    layer.weight.data.mul_(0.5)                                                  # unseen by PyTorch's version
+    speed.pack_weights(layer)
+    agrees("after .data and pack_weights again")
+    assert len(copies) == 4
+    unregistered = torch.ones(out_features, 128)
+    with torch.no_grad():
+        speed.linear(torch.tensor(x, dtype=torch.float32), unregistered)
+    assert unregistered not in speed._PACKED
+
+
+def test_the_adapter_s_packed_weights_follow_its_training_steps(monkeypatch):
+    """A model of the adapter with every projection on the oneDNN path (packed: ``speed.pack_weights``) after a
+    training step: its inference is that of a model built afresh from its trained weights, to the bit."""
+    monkeypatch.setattr(speed, "_ONEDNN_MIN_WEIGHT", 0)
+    config = VARIANTS["tiny"]
+    inputs, src = cases.model_inputs(config, "ragged_batch"), cases.decoding_inputs(config)
+    model = backend.build(config, cases.seeded_params(config), "float32")
+    before = backend.log_probs(model, **inputs)
+    assert _packed_copy(model.generator.weight if model.generator.embeddings is None
+                        else model.generator.embeddings.weight) is not None, "the generator's weight was not packed"
+    backend.train_step(model, backend.optimizer(model), **cases.training_inputs(config))
+    fresh = backend.build(config, backend.export_params(model), "float32")
+    after = backend.log_probs(model, **inputs)
+    assert not np.array_equal(after, before), "the step changed nothing"
+    np.testing.assert_array_equal(after, backend.log_probs(fresh, **inputs))
+    np.testing.assert_array_equal(backend.greedy(model, src), backend.greedy(fresh, src))
+
+
 # ----------------------------------------------------------------------------- train / eval, casting
 
 def test_eval_is_deterministic_and_equals_the_reference_train_applies_dropout():
