@@ -360,9 +360,9 @@ def _select(candidates: Tensor, eos_id: int, beam_size: int) -> tuple[Tensor, Te
     among the first K ranks finishes; the first K non-eos ranks are the next live beams, in rank order
     (K non-eos candidates are always among 2K: each beam has one eos).
 
-    ``torch.topk`` finds the 2K-th largest value of a sentence but promises no order among equal values,
-    so it only sets the boundary: the first 2K ranks are every candidate above it and, of those equal to
-    it, the ones of lowest flat (beam-major) index; a stable descending sort of these, taken in index
+    ``torch.topk`` (by :func:`.speed.top_k`) finds the 2K-th largest value of a sentence but promises no order
+    among equal values, so it only sets the boundary: the first 2K ranks are every candidate above it and, of those
+    equal to it, the ones of lowest flat (beam-major) index; a stable descending sort of these, taken in index
     order, is the reference's ranking. A candidate equal to the boundary is left out exactly when the
     (2K + 1)-th largest value equals the 2K-th, which the same ``topk`` finds (one pass over K x V, not two).
 
@@ -372,7 +372,7 @@ def _select(candidates: Tensor, eos_id: int, beam_size: int) -> tuple[Tensor, Te
     batch, k, vocab = candidates.shape
     flat = candidates.reshape(batch, k * vocab)                                  # (B, K * V), index b * V + v
     top = min(2 * k, k * vocab)
-    values, chosen = torch.topk(flat, min(top + 1, k * vocab), dim=1)            # (B, 2K + 1) each, descending
+    values, chosen = speed.top_k(flat, min(top + 1, k * vocab))                 # (B, 2K + 1) each, descending
     boundary = values[:, top - 1:top]                                            # (B, 1): the 2K-th largest
     short = torch.zeros(batch, dtype=torch.bool, device=flat.device) if top == k * vocab else \
         values[:, top] == boundary[:, 0]                                         # topk left out equal candidates

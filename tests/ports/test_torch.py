@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+import unittest.mock
 
 import hypothesis
 import numpy as np
@@ -501,10 +502,13 @@ def _assert_same_choice(candidates: np.ndarray, eos_id: int, beam_size: int) -> 
         assert scores.dtype == one.dtype
 
 
+@pytest.mark.parametrize("block", [speed._TOP_K_BLOCK, 1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_candidate_selection_breaks_exact_ties_as_the_reference(dtype):
+def test_candidate_selection_breaks_exact_ties_as_the_reference(dtype, block, monkeypatch):
     """Hand-set exact ties straddling the boundary of the 2K candidates torch.topk picks (more equal candidates than
-    places, in several beams), eos inside and at the edge of the tie, +0.0 and -0.0, and too few finite candidates."""
+    places, in several beams), eos inside and at the edge of the tie, +0.0 and -0.0, and too few finite candidates;
+    with speed.top_k's blocks of 1 and 2 columns too, so that its choice of blocks meets the ties."""
+    monkeypatch.setattr(speed, "_TOP_K_BLOCK", block)
     tied = np.full((4, 6), -1.0)
     tied[1, 4] = tied[3, 0] = -0.5                                           # 2 above, 22 equal at the boundary
     zeros = np.array([[0.0, -0.0, -3.0], [-0.0, 0.0, -0.0], [-1.0, 0.0, -0.0]])
@@ -534,6 +538,29 @@ def test_candidate_selection_agrees_with_the_reference_on_random_steps(data):
     values = data.draw(st.lists(value, min_size=size, max_size=size), label="values")
     eos_id = data.draw(st.integers(0, vocab - 1), label="eos_id")
     _assert_same_choice(np.array(values, dtype=dtype).reshape(batch, n_live, vocab), eos_id, beam_size)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.data())
+def test_top_k_gives_torch_topk_s_values_and_their_indices(data):
+    """speed.top_k against torch.topk over the whole row: the same values in order (+0.0 and -0.0 equal: torch.topk
+    does not tell them apart) and indices, distinct in each row, that hold them; rows of a few exact ties, any float
+    and -inf, widths around whole blocks (blocks of 1 to 5 columns and the port's own), so that the blocks' choice,
+    the columns after the last block and the fallback to torch.topk all run."""
+    block = data.draw(st.sampled_from([1, 2, 3, 5, speed._TOP_K_BLOCK]), label="block")
+    width = data.draw(st.integers(1, 9 * block + 4), label="width")
+    count, rows = data.draw(st.integers(1, min(width, 12)), label="count"), data.draw(st.integers(1, 3), label="rows")
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]), label="dtype")
+    value = st.one_of(st.sampled_from([0.0, -0.0, -0.25, -1.0, -np.inf]),
+                      st.floats(allow_nan=False, width=32 if dtype == np.float32 else 64))
+    x = torch.as_tensor(np.array(data.draw(st.lists(value, min_size=rows * width, max_size=rows * width),
+                                           label="values"), dtype=dtype).reshape(rows, width))
+    with unittest.mock.patch.object(speed, "_TOP_K_BLOCK", block):
+        values, indices = speed.top_k(x, count)
+    expected = torch.topk(x, count, dim=1).values
+    assert torch.equal(values, expected)
+    assert torch.equal(x.gather(1, indices), values)
+    assert all(len(set(row)) == count for row in indices.tolist())
 
 
 def test_cache_refuses_to_overflow_and_bad_arguments():
