@@ -110,7 +110,8 @@ def pack_weights(model: Model) -> Model:
     multiplies, a lookup table or a small one, is never copied) and kept beside the model, as much memory again as
     those weights, until the model is freed. It is made again when the weight has changed in place (``copy_``,
     an optimizer's step, ``load_state_dict``: a new version) or has new storage (``.to``); a change through ``.data``,
-    which PyTorch does not count, goes unseen: call :func:`pack_weights` again after one.
+    which PyTorch does not count, goes unseen: call :func:`pack_weights` again after one. A parameter made under
+    ``torch.inference_mode`` (which counts no versions) is multiplied as it is.
     """
     for parameter in model.parameters():
         _PACKED[parameter] = None
@@ -119,8 +120,9 @@ def pack_weights(model: Model) -> Model:
 
 def _packed(weight: Tensor) -> Tensor:
     """``weight`` as :func:`linear`'s oneDNN path multiplies it: its packed copy if :func:`pack_weights` registered
-    it (made, or made again, if the weight is not as it was packed), else the weight itself."""
-    if weight not in _PACKED:
+    it (made, or made again, if the weight is not as it was packed), else the weight itself, as is one made under
+    ``torch.inference_mode``, which counts no versions (nothing would tell it changed)."""
+    if weight not in _PACKED or weight.is_inference():
         return weight
     stamp, held = _PACKED[weight] or (None, weight)
     if stamp != (weight._version, weight.data_ptr()):

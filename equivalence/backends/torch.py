@@ -89,7 +89,7 @@ def load(path: Path, dtype: str = "float64", device: str = "cpu") -> Transformer
 def _autocast(model: Transformer, mixed: np.dtype | None) -> Transformer:
     """``model``, its calls through this adapter under ``torch.autocast`` in ``mixed`` (None: none), its weights
     packed for oneDNN where its inference multiplies them there (``speed.pack_weights``: this adapter changes them
-    only in place, by its optimizers and ``load_state_dict``, which the packed copies follow)."""
+    only in place, by its optimizers' steps, which the packed copies follow)."""
     if mixed is not None:
         _AUTOCAST[model] = getattr(torch, mixed.name)
     return speed.pack_weights(model)

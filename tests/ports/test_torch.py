@@ -339,6 +339,10 @@ def test_packed_weights_are_packed_once_and_follow_every_change_pytorch_counts()
     with torch.no_grad():
         speed.linear(torch.tensor(x, dtype=torch.float32), unregistered)
     assert unregistered not in speed._PACKED
+    with torch.inference_mode():                               # parameters that count no versions: used as they are
+        layer = speed.pack_weights(torch.nn.Linear(128, out_features))
+        agrees("made under inference_mode")
+    assert _packed_copy(layer.weight) is None
 
 
 def test_the_adapter_s_packed_weights_follow_its_training_steps(monkeypatch):
