@@ -35,9 +35,8 @@ _requested: int | None = None
 # glibc's malloc (``mallopt``): a block above the mmap threshold is a mapping of its own, unmapped when freed, and
 # freed memory above the trim threshold at the heap's top goes back to the system; the next block of that size then
 # faults in every page again. A beam search's vocabulary-wide scores are such blocks (64 rows x 58,101 float32, 15 MB,
-# several a step): glibc's own thresholds cost the PyTorch port's opus-mt file job ~500,000 page faults and a second
-# of system time a 14 s pass. Set, both keep freed blocks for reuse; blocks above the mmap threshold's largest value
-# (32 MiB on 64-bit systems) are mapped whatever it is.
+# several a step), whose pages every step would fault in again. Set, both keep freed blocks for reuse; blocks above
+# the mmap threshold's largest value (32 MiB on 64-bit systems) are mapped whatever it is.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 256 << 20

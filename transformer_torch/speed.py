@@ -47,7 +47,7 @@ _PROGRAMS = "_compiled_decoding"     # a compiled model's attribute: its program
 # :func:`pack_weights`' weights -> None until their first product, then ((version, address) when packed, the packed
 # copy): a weight changed in place (a new version) or given new storage (a new address) is packed again
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# the rows oneDNN is told a packed weight will meet; its layout serves every row count alike (1 to 480 rows timed)
+# the rows oneDNN is told a packed weight will meet; the layout it picks serves other row counts as well
 _PACK_ROWS = 64
 # :func:`top_k`'s blocks of columns: the maximum of each picks the blocks that can hold a row's largest values
 _TOP_K_BLOCK = 128
@@ -124,11 +124,10 @@ def _packed(weight: Tensor) -> Tensor:
     ``torch.inference_mode``, which counts no versions (nothing would tell it changed)."""
     if weight not in _PACKED or weight.is_inference():
         return weight
-    stamp, held = _PACKED[weight] or (None, weight)
-    if stamp != (weight._version, weight.data_ptr()):
-        held = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
-        _PACKED[weight] = (weight._version, weight.data_ptr()), held
-    return held
+    stamp, held = (weight._version, weight.data_ptr()), _PACKED[weight]
+    if held is None or held[0] != stamp:
+        held = _PACKED[weight] = stamp, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+    return held[1]
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
