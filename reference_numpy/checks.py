@@ -123,6 +123,14 @@ def check_beams(shape: tuple, dtype: str, rows: int, capacity: int) -> None:
                          f"positions (B * K = {rows}, C = {capacity}), got {dtype} of shape {shape}")
 
 
+def check_memory_rows(rows: int | None, memory_rows: int | None) -> None:
+    """The memory's cached keys and values of B sentences are read by N = B * K decoder rows (K >= 1 consecutive rows
+    per sentence)."""
+    if rows is not None and memory_rows is not None and (memory_rows == 0 or rows % memory_rows):
+        raise ValueError(f"cache: the memory's keys and values have {memory_rows} rows; the decoder's {rows} rows "
+                         f"must be a multiple of them (K consecutive rows per sentence)")
+
+
 def _product(sizes: tuple) -> int | None:
     return None if None in sizes else math.prod(sizes)
 

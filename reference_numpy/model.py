@@ -114,7 +114,7 @@ class MultiHeadAttention:
                  mask: np.ndarray | None = None, return_weights: bool = False, cache: KVCache | None = None) -> Any:
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
-        if cache is not None and not cache.is_memory:                      # over a self-attention cache
+        if cache is not None:                                              # over the memory's or its own cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written,
                                            cache.position)
         else:

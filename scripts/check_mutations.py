@@ -1009,6 +1009,21 @@ BEAM_TABLE = [
         (RI, "rows = (np.arange(batch)[:, None, None] * k + beams)", "rows = (np.arange(batch)[:, None, None] * k + (beams + 1) % k)"),
         *((f"{package}/speed.py", *_PICKED) for package in BACKENDS[1:]),
     ], ["tests/ports/test_beam_cache.py", "-k", "naive_loop"]),
+    single("cache", "PyTorch: a sentence's K rows read the memory with their heads and beams swapped",
+           f"{TORCH}/incremental.py", "x = x.reshape(batch, rows // batch, heads, length, width).transpose(1, 2)",
+           "x = x.reshape(batch, heads, rows // batch, length, width)", ["tests/ports/test_beam_cache.py", "-k",
+                                                                         "one_memory_per_sentence and torch"]),
+    consistent("cache", "every backend: a row reads the memory of the sentence after its own", [
+        *((f"{package}/incremental.py", "out, weights = attention(_by_sentence(query, batch), key, value, mask",
+           f"out, weights = attention(_by_sentence(query, batch), {roll}(key, 1, 0), {roll}(value, 1, 0), mask")
+          for package, roll in zip(BACKENDS, ("np.roll", "torch.roll", "jnp.roll", "tf.roll"))),
+    ], ["tests/ports/test_beam_cache.py", "-k", "one_memory_per_sentence"]),
+    single("cache", "PyTorch: beam search projects the memory's keys and values for every beam again",
+           f"{TORCH}/decoding.py", "    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)\n"
+           "    memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)\n",
+           "    memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)\n"
+           "    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)\n",
+           ["tests/ports/test_beam_cache.py", "-k", "moves_tables and torch"]),
 ]
 
 # A cached step reads the first W positions of its self-attention cache (reference_numpy.incremental.attended_widths): reading more

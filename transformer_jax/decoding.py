@@ -345,9 +345,10 @@ def _beam(structure: _Structure[Transformer], state: nnx.State, src: jax.Array, 
     model = structure.merge(state)
     cfg, batch, k = model.config, src.shape[0], beam_size
     src_mask = padding_mask(src, cfg.pad_id)                                     # (B, 1, 1, S)
-    memory = jnp.repeat(model.encode(src, src_mask, deterministic=True), k, axis=0)   # (N, S, D)
-    src_mask = jnp.repeat(src_mask, k, axis=0)                                  # (N, 1, 1, S)
+    memory = model.encode(src, src_mask, deterministic=True)                    # (B, S, D)
     cache = _in_place(at_position(model.init_cache(memory, max_steps), jnp.int32(0)) if use_cache else (), batch, k)
+    memory = jnp.repeat(memory, k, axis=0)                                      # (N, S, D)
+    src_mask = jnp.repeat(src_mask, k, axis=0)                                  # (N, 1, 1, S)
     first_row = jnp.arange(batch)[:, None] * k                                   # (B, 1): row of beam 0
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     row_limits = jnp.repeat(limits, k)                                           # (N,)
@@ -402,12 +403,18 @@ def _stops(config: TransformerConfig, best_live: jax.Array, best: jax.Array, kep
 
 
 def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
-    """The self-attention caches given a ``beams`` table in which every row holds its own positions:
-    :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
-    Shape: each table (B, K, C)."""
+    """The caches of a beam search's N = B * K rows from the decoder's caches of its B sentences: each self-attention
+    cache K rows per sentence with a ``beams`` table in which every row holds its own positions (:func:`reorder_cache`
+    then reorders tables, not keys and values); the memory's keys and values one row per sentence, read by its K rows
+    (``incremental._attend_memory``). ``()``, no cache, stays ``()``.
+    Shape: each self-attention cache (N, H, C, d_k), its table (B, K, C)."""
     own_rows = jnp.arange(beam_size, dtype=_TOKEN_DTYPE)[None, :, None]         # (1, K, 1)
-    return tuple((own._replace(beams=jnp.broadcast_to(own_rows, (batch, beam_size, own.keys.shape[2]))), memory)
-                 for own, memory in cache)
+
+    def rows(own: KVCache) -> KVCache:
+        keys = jnp.zeros((batch * beam_size, *own.keys.shape[1:]), own.keys.dtype)   # (N, H, C, d_k)
+        beams = jnp.broadcast_to(own_rows, (batch, beam_size, keys.shape[2]))
+        return own._replace(keys=keys, values=keys, beams=beams)
+    return tuple((rows(own), memory) for own, memory in cache)
 
 
 def _reorder_own(cache: tuple, beams: jax.Array) -> tuple:

@@ -102,7 +102,7 @@ class MultiHeadAttention(nnx.Module):
         q = self._split_heads(self.q_proj(query))                          # (B, H, Tq, d_k)
         k, v, written = _keys_values(self, key, value, cache)              # (B, H, Tk or C, d_k)
         dtype = autocast_dtype(self.q_proj.dtype, self.q_proj.param_dtype)
-        if cache is not None and not cache.is_memory:                      # over a self-attention cache
+        if cache is not None:                                              # over the memory's or its own cache
             heads, weights = _attend_cache(scaled_dot_product_attention, q, k, v, mask, written, cache.position,
                                            return_weights, dtype)
         else:

@@ -362,9 +362,10 @@ def _beam(model: Transformer, use_cache: bool, beam_size: int, forced_bos_id: in
     src_mask = padding_mask(src, cfg.pad_id)
     limits = max_output_lengths(model, src)                              # (B,)
     length = _buffer_length(model, src)
-    memory = tf.repeat(model.encode(src, src_mask), k, axis=0)            # (N, S, D)
-    src_mask = tf.repeat(src_mask, k, axis=0)                              # (N, 1, 1, S)
+    memory = model.encode(src, src_mask)                                  # (B, S, D)
     cache = _in_place(model.init_cache(memory, length) if use_cache else (), batch, k)
+    memory = tf.repeat(memory, k, axis=0)                                  # (N, S, D)
+    src_mask = tf.repeat(src_mask, k, axis=0)                              # (N, 1, 1, S)
     first_row = tf.range(batch)[:, None] * k                               # (B, 1): row of beam 0
     limit_penalty = tf.gather(penalties, limits)                           # (B,)
     row_limits = tf.repeat(limits, k)                                      # (N,)
@@ -417,12 +418,18 @@ def _stops(config: TransformerConfig, best_live: tf.Tensor, best: tf.Tensor, kep
 
 
 def _in_place(cache: Cache, batch: int, beam_size: int) -> Cache:
-    """The self-attention caches given a ``beams`` table in which every row holds its own positions:
-    :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
-    Shape: each table (B, K, C)."""
+    """The caches of a beam search's N = B * K rows from the decoder's caches of its B sentences: each self-attention
+    cache K rows per sentence with a ``beams`` table in which every row holds its own positions (:func:`reorder_cache`
+    then reorders tables, not keys and values); the memory's keys and values one row per sentence, read by its K rows
+    (``incremental._attend_memory``). ``()``, no cache, stays ``()``.
+    Shape: each self-attention cache (N, H, C, d_k), its table (B, K, C)."""
     own_rows = tf.range(beam_size)[None, :, None]                          # (1, K, 1)
-    return tuple((own._replace(beams=tf.broadcast_to(own_rows, (batch, beam_size, own.keys.shape[2]))), memory)
-                 for own, memory in cache)
+
+    def rows(own: KVCache) -> KVCache:
+        keys = tf.zeros((batch * beam_size, *own.keys.shape[1:]), own.keys.dtype)   # (N, H, C, d_k)
+        beams = tf.broadcast_to(own_rows, (batch, beam_size, own.keys.shape[2]))
+        return own._replace(keys=keys, values=keys, beams=beams)
+    return tuple((rows(own), memory) for own, memory in cache)
 
 
 def _reorder_own(cache: Cache, beams: tf.Tensor) -> Cache:

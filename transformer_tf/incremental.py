@@ -101,7 +101,7 @@ def memory_cache(attention: Any, memory: tf.Tensor) -> KVCache:
 def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
     """``(cache, start, keys)``: the decoder's caches (None: none), the position of the first of the ``length`` new
     positions and the number of key positions a self-attention reads (T without a cache, else the capacity C); every
-    layer's beam table checked before any layer runs.
+    layer's beam table, and its memory's rows against its own, checked before any layer runs.
 
     TensorFlow: the position a tensor in the caches returned (Keras takes no int among a call's tensors).
     """
@@ -110,8 +110,9 @@ def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any,
     keys = cache[0][0].keys.shape[2]
     check_cache_index(cache[0][0].position, length, keys)
     cache = at_position(cache, tf.convert_to_tensor(cache[0][0].position))
-    for own, _ in cache:
+    for own, memory in cache:
         _beam_table(own)
+        checks.check_memory_rows(own.keys.shape[0], memory.keys.shape[0])
     return cache, cache[0][0].position, keys
 
 
@@ -203,15 +204,57 @@ def _attend_cache(attention: Attention, query: tf.Tensor, key: tf.Tensor, value:
                   cache: KVCache | None, position: Index, return_weights: bool,
                   dtype: Any) -> tuple[tf.Tensor, tf.Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
-    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
-    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table.
+    Tq - 1 over a ``cache``: the memory's keys and values (:func:`_attend_memory`), or a self-attention cache that
+    holds the new positions, without a ``mask`` causally over its written positions (:func:`_attend_written`); along
+    each hypothesis (:func:`beam_attention`) when it holds a beam table.
 
     TensorFlow: the weights when asked; ``dtype`` P computes by the autocast recipe.
     """
+    if cache is not None and cache.is_memory:
+        return _attend_memory(attention, query, key, value, mask, dtype)
     beams = _beam_table(cache)
     if mask is None:
         return _attend_written(attention, query, key, value, beams, position, return_weights, dtype)
     return _along_beams(attention, query, key, value, mask, beams, dtype)
+
+
+def _attend_memory(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: tf.Tensor | None,
+                   dtype: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the queries over the memory's cached keys and
+    values: Eq. (1) itself when they have a row per query row; the memory of B sentences read by N = B * K rows (a
+    beam search's K hypotheses of each sentence, section 6.1) is attended by each sentence's K * Tq queries at once
+    (:func:`_by_sentence`), so that its keys and values are projected and read once per sentence, not once per beam.
+
+    Shape: query (N, H, Tq, d_k), key and value (B, H, S, d_k), mask broadcastable to (N, H, Tq, S) -> output
+    (N, H, Tq, d_k), weights (N, H, Tq, S).
+
+    TensorFlow: ``dtype`` P computes by the autocast recipe; rows of a count unknown when traced are attended as
+    Eq. (1) itself.
+    """
+    rows, batch = query.shape[0], key.shape[0]
+    if rows is None or batch is None or rows == batch:
+        return attention(query, key, value, mask, dtype=dtype)
+    if mask is not None:
+        heads = mask.shape[-3] if mask.shape.rank > 2 else 1                             # 1 or H
+        shape = (rows, heads, tf.shape(query)[2], tf.shape(key)[2])
+        mask = _by_sentence(tf.broadcast_to(mask, shape), batch)                         # (B, 1 or H, K*Tq, S)
+    out, weights = attention(_by_sentence(query, batch), key, value, mask, dtype=dtype)
+    return _by_row(out, rows), _by_row(weights, rows)
+
+
+def _by_sentence(x: tf.Tensor, batch: int) -> tf.Tensor:
+    """The N = B * K rows of B sentences as B rows, each holding its sentence's K rows one after the other along
+    the third axis. Shape: (N, H, T, Z) -> (B, H, K*T, Z)."""
+    rows, heads, length, width = x.shape[0], tf.shape(x)[1], tf.shape(x)[2], tf.shape(x)[3]
+    x = tf.transpose(tf.reshape(x, (batch, rows // batch, heads, length, width)), (0, 2, 1, 3, 4))   # (B, H, K, T, Z)
+    return tf.reshape(x, (batch, heads, -1, width))
+
+
+def _by_row(x: tf.Tensor, rows: int) -> tf.Tensor:
+    """:func:`_by_sentence` undone. Shape: (B, H, K*T, Z) -> (N, H, T, Z)."""
+    batch, heads, width = x.shape[0], tf.shape(x)[1], tf.shape(x)[3]
+    x = tf.transpose(tf.reshape(x, (batch, heads, rows // batch, -1, width)), (0, 2, 1, 3, 4))       # (B, K, H, T, Z)
+    return tf.reshape(x, (rows, heads, -1, width))
 
 
 def _attend_written(attention: Attention, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,

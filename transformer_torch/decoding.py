@@ -283,9 +283,9 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
     # lp(n) for n = 0..M rounded to the scores' dtype, as NumPy rounds a Python float in `score / lp`
     penalties = torch.tensor([length_penalty(n, alpha, cfg.decoding.length_normalization)
                               for n in range(max_steps + 1)], dtype=torch.float64).to(device, scores_dtype)
+    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
     memory = memory.repeat_interleave(k, dim=0)                                  # (N, S, D)
     src_mask = padding_mask(src, cfg.pad_id).repeat_interleave(k, dim=0)         # (N, 1, 1, S)
-    cache = _in_place(model.init_cache(memory, max_steps) if use_cache else (), batch, k)
     limit_penalty = penalties[limits]                                            # (B,): lp(limit)
     row_limits = limits.repeat_interleave(k)                                     # (N,)
     kept = torch.full((batch, k), -torch.inf, dtype=scores_dtype, device=device)   # (B, K): best finished scores
@@ -340,11 +340,16 @@ def _stops(config: TransformerConfig, best_live: Tensor, best: Tensor, kept: Ten
 
 
 def _in_place(cache: tuple, batch: int, beam_size: int) -> tuple:
-    """The self-attention caches given a ``beams`` table in which every row holds its own positions:
-    :func:`reorder_cache` then reorders tables, not keys and values (``()``, no cache, stays ``()``).
-    Shape: each table (B, K, C), written in place by the attention."""
-    return tuple((own._replace(beams=torch.arange(beam_size, device=own.keys.device)[None, :, None].repeat(
-        batch, 1, own.keys.shape[2])), memory) for own, memory in cache)
+    """The caches of a beam search's N = B * K rows from the decoder's caches of its B sentences: each self-attention
+    cache K rows per sentence with a ``beams`` table in which every row holds its own positions (:func:`reorder_cache`
+    then reorders tables, not keys and values); the memory's keys and values one row per sentence, read by its K rows
+    (``incremental._attend_memory``). ``()``, no cache, stays ``()``.
+    Shape: each self-attention cache (N, H, C, d_k), its table (B, K, C), written in place by the attention."""
+    def rows(own: KVCache) -> KVCache:
+        keys = own.keys.new_zeros((batch * beam_size, *own.keys.shape[1:]))          # (N, H, C, d_k)
+        beams = torch.arange(beam_size, device=keys.device)[None, :, None].repeat(batch, 1, keys.shape[2])
+        return own._replace(keys=keys, values=torch.zeros_like(keys), beams=beams)
+    return tuple((rows(own), memory) for own, memory in cache)
 
 
 def _reorder_own(cache: tuple, beams: Tensor) -> tuple:

@@ -103,13 +103,14 @@ def memory_cache(attention: Any, memory: Tensor) -> KVCache:
 def _checked_cache(cache: tuple | None, length: int) -> tuple[tuple | None, Any, int]:
     """``(cache, start, keys)``: the decoder's caches (None: none), the position of the first of the ``length`` new
     positions and the number of key positions a self-attention reads (T without a cache, else the capacity C); every
-    layer's beam table checked before any layer runs."""
+    layer's beam table, and its memory's rows against its own, checked before any layer runs."""
     if cache is None:
         return None, 0, length
     keys = cache[0][0].keys.shape[2]
     start = check_cache_index(cache[0][0].position, length, keys)
-    for own, _ in cache:
+    for own, memory in cache:
         _beam_table(own)
+        checks.check_memory_rows(own.keys.shape[0], memory.keys.shape[0])
     return cache, start, keys
 
 
@@ -199,15 +200,56 @@ def _along_beams(attention: Attention, query: Tensor, key: Tensor, value: Tensor
 def _attend_cache(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
                   cache: KVCache | None, position: Index, return_weights: bool) -> tuple[Tensor, Tensor | None]:
     """``attention`` (:func:`.model.scaled_dot_product_attention`) of the new positions ``position`` .. ``position`` +
-    Tq - 1 over a self-attention ``cache`` that holds them: without a ``mask`` causally over its written positions
-    (:func:`_attend_written`); along each hypothesis (:func:`beam_attention`) when it holds a beam table.
+    Tq - 1 over a ``cache``: the memory's keys and values (:func:`_attend_memory`), or a self-attention cache that
+    holds the new positions, without a ``mask`` causally over its written positions (:func:`_attend_written`); along
+    each hypothesis (:func:`beam_attention`) when it holds a beam table.
 
     PyTorch: the weights when asked.
     """
+    if cache is not None and cache.is_memory:
+        return _attend_memory(attention, query, key, value, mask, return_weights)
     beams = _beam_table(cache)
     if mask is None:
         return _attend_written(attention, query, key, value, beams, position, return_weights)
     return _along_beams(attention, query, key, value, mask, beams, return_weights)
+
+
+def _attend_memory(attention: Attention, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                   return_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """``attention`` (:func:`.model.scaled_dot_product_attention`) of the queries over the memory's cached keys and
+    values: Eq. (1) itself when they have a row per query row; the memory of B sentences read by N = B * K rows (a
+    beam search's K hypotheses of each sentence, section 6.1) is attended by each sentence's K * Tq queries at once
+    (:func:`_by_sentence`), so that its keys and values are projected and read once per sentence, not once per beam.
+
+    Shape: query (N, H, Tq, d_k), key and value (B, H, S, d_k), mask broadcastable to (N, H, Tq, S) -> output
+    (N, H, Tq, d_k), weights (N, H, Tq, S).
+
+    PyTorch: the weights when asked.
+    """
+    rows, heads, length, _ = query.shape
+    batch = key.shape[0]
+    if rows == batch:
+        return attention(query, key, value, mask, return_weights)
+    if mask is not None:
+        heads = mask.shape[-3] if mask.dim() > 2 else 1                                  # 1 or H
+        mask = _by_sentence(mask.expand(rows, heads, length, key.shape[2]), batch)      # (B, 1 or H, K*Tq, S)
+    out, weights = attention(_by_sentence(query, batch), key, value, mask, return_weights)
+    return _by_row(out, rows), (None if weights is None else _by_row(weights, rows))
+
+
+def _by_sentence(x: Tensor, batch: int) -> Tensor:
+    """The N = B * K rows of B sentences as B rows, each holding its sentence's K rows one after the other along
+    the third axis. Shape: (N, H, T, Z) -> (B, H, K*T, Z)."""
+    rows, heads, length, width = x.shape
+    x = x.reshape(batch, rows // batch, heads, length, width).transpose(1, 2)   # (B, H, K, T, Z)
+    return x.reshape(batch, heads, -1, width)
+
+
+def _by_row(x: Tensor, rows: int) -> Tensor:
+    """:func:`_by_sentence` undone. Shape: (B, H, K*T, Z) -> (N, H, T, Z)."""
+    batch, heads, _, width = x.shape
+    x = x.reshape(batch, heads, rows // batch, -1, width).transpose(1, 2)       # (B, K, H, T, Z)
+    return x.reshape(rows, heads, -1, width)
 
 
 def _attend_written(attention: Attention, query: Tensor, key: Tensor, value: Tensor, beams: Tensor | None,

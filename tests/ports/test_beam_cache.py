@@ -11,6 +11,10 @@ the attention they test:
 * a cached decoder driven through random beam reorderings: the cache kept in place under a
   table gives, at every step, what the same decoder gives on a cache whose rows are moved (the
   reference's model, rows moved by NumPy indexing written here).
+
+The memory's keys and values are projected once per sentence and read by its K rows
+(``incremental._attend_memory``): Eq. (1) of each row over its sentence's memory against a naive loop, and the decoder
+above on one memory per sentence against the reference's on a memory repeated per row.
 """
 
 from __future__ import annotations
@@ -91,6 +95,66 @@ def test_attention_along_each_hypothesis_equals_a_naive_loop(name):
     assert_agrees(np.asarray(out), expected, what=f"{name}: attention along each hypothesis")
 
 
+def naive_attention_over_sentences(query, key, value, allowed):
+    """Row r reads the memory of sentence r // K: Eq. (1) with Python floats, query by query; the weights too.
+    Shape: query (N, H, Tq, d_k), key and value (B, H, S, d_k), allowed (N, 1, Tq, S)."""
+    rows, heads, length, d_k = query.shape
+    out, weights = np.zeros(query.shape), np.zeros((rows, heads, length, key.shape[2]))
+    for row in range(rows):
+        sentence = row // BEAMS
+        for h in range(heads):
+            for q in range(length):
+                seen = [s for s in range(key.shape[2]) if allowed[row, 0, q, s]]
+                scores = [sum(float(query[row, h, q, i]) * float(key[sentence, h, s, i]) for i in range(d_k))
+                          / math.sqrt(d_k) for s in seen]
+                exps = [math.exp(score - max(scores)) for score in scores]
+                for s, e in zip(seen, exps):
+                    weights[row, h, q, s] = e / sum(exps)
+                    out[row, h, q] += e / sum(exps) * value[sentence, h, s]
+    return out, weights
+
+
+# each backend's own arguments of incremental._attend_cache after the cache's position: the weights asked for
+ATTEND_OPTIONS = {"numpy": {}, "torch": {"return_weights": True}, "jax": {"return_weights": True, "dtype": None},
+                  "tf": {"return_weights": True, "dtype": None}}
+
+
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_attention_over_one_memory_per_sentence_equals_a_naive_loop(name):
+    """The memory's keys and values of B sentences read by their N = B * K rows, two queries per row, a mask of its
+    own for every row and query: each row attends over its own sentence's memory (output and weights)."""
+    model, convert = backend(name)
+    rng = np.random.default_rng(3)
+    length = 5
+    query = rng.standard_normal((ROWS, HEADS, 2, D_K))
+    key, value = rng.standard_normal((2, BATCH, HEADS, length, D_K))
+    allowed = rng.random((ROWS, 1, 2, length)) < 0.6
+    allowed[..., 0] = True                                                 # every query sees a key
+    module = incremental(name)
+    with float64_inference(name):
+        memory = module.KVCache(convert(key), convert(value))
+        out, weights = module._attend_cache(model.scaled_dot_product_attention, *map(convert, (query, key, value,
+                                            allowed)), memory, memory.position, **ATTEND_OPTIONS[name])
+    expected, expected_weights = naive_attention_over_sentences(query, key, value, allowed)
+    assert_agrees(np.asarray(out), expected, what=f"{name}: attention over one memory per sentence")
+    assert_agrees(np.asarray(weights), expected_weights, what=f"{name}: its weights")
+
+
+@pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
+def test_a_memory_whose_rows_do_not_divide_the_decoders_gets_the_reference_error(name):
+    """Five decoder rows over the memory's keys and values of two sentences: one ValueError naming the cache, the
+    reference's words in every backend."""
+    model, convert, _ = built(name, TINY, init_params(TINY, seed=0))
+    with float64_inference(name):
+        memory = model.encode(convert(np.full((5, 4), 3)))
+        shared = model.init_cache(model.encode(convert(np.full((2, 4), 3))), CAPACITY)
+        cache = tuple((own, mem) for (own, _), (_, mem) in zip(model.init_cache(memory, CAPACITY), shared))
+        with pytest.raises(ValueError) as error:
+            model.decode(convert(np.full((5, 1), 3)), memory, cache=at_position(cache, 0))
+    assert str(error.value) == ("cache: the memory's keys and values have 2 rows; the decoder's 5 rows must be a "
+                                "multiple of them (K consecutive rows per sentence)")
+
+
 def in_place(cache: tuple, convert) -> tuple:
     """A fresh cache's self-attention caches under a table in which every row holds its own positions
     (what each port's ``decoding._in_place`` gives its beam search)."""
@@ -115,12 +179,20 @@ def reorder_table_rows(cache: tuple, rows: np.ndarray) -> tuple:
                  for (own,) in cache)
 
 
-def decoder_steps(model, src, tgt, parents, convert, reorder_cache, table: bool) -> list[np.ndarray]:
+def one_memory_per_sentence(model, cache: tuple, src, convert) -> tuple:
+    """``cache`` with the memory's keys and values of each sentence once (rows 0, K, 2K, ... of ``src``)."""
+    shared = model.init_cache(model.encode(convert(src[::BEAMS])), CAPACITY)
+    return tuple((own, memory) for (own, _), (_, memory) in zip(cache, shared))
+
+
+def decoder_steps(model, src, tgt, parents, convert, reorder_cache, table: bool,
+                  shared: bool = False) -> list[np.ndarray]:
     """The decoder's output at each position, one position a step, rows reordered by ``parents``
-    after each step (the tokens too)."""
+    after each step (the tokens too); with ``shared``, the memory's keys and values once per sentence."""
     memory = model.encode(convert(src))
     cache = model.init_cache(memory, CAPACITY)
     cache = in_place(cache, convert) if table else cache
+    cache = one_memory_per_sentence(model, cache, src, convert) if shared else cache
     outputs = []
     for t, rows in enumerate(parents):
         out, cache = model.decode(convert(tgt[:, t:t + 1]), memory, cache=at_position(cache, t))
@@ -145,12 +217,14 @@ def built(name: str, config: TransformerConfig, params: dict):
 TINY = TransformerConfig.preset("tiny")
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["memory-per-row", "memory-per-sentence"])
 @pytest.mark.parametrize("name", ["numpy", *FRAMEWORKS])
-def test_a_cache_kept_in_place_decodes_as_a_moved_one(name):
+def test_a_cache_kept_in_place_decodes_as_a_moved_one(name, shared):
     """Five decoder steps of the tiny model in float64, the rows of each sentence reordered at
     random after each step: the backend's cache kept in place under a table (reordered by its
-    ``reorder_cache``; the reference's by reordering the table here) gives at every step the
-    reference decoder's output on a cache whose keys and values are moved."""
+    ``reorder_cache``; the reference's by reordering the table here), the memory's keys and values once per row or
+    once per sentence (as the ports' beam searches keep them), gives at every step the reference decoder's output on
+    a cache whose keys and values are moved, over the memory repeated per row."""
     params = init_params(TINY, seed=0, perturb=0.1)
     rng = np.random.default_rng(1)
     src = np.repeat(rng.integers(3, TINY.src_vocab_size, (BATCH, 4)), BEAMS, axis=0)   # (N, S)
@@ -160,7 +234,7 @@ def test_a_cache_kept_in_place_decodes_as_a_moved_one(name):
                              reorder_moving_rows, table=False)
     model, convert, reorder_cache = built(name, TINY, params)
     with float64_inference(name):
-        steps = decoder_steps(model, src, tgt, parents, convert, reorder_cache, table=True)
+        steps = decoder_steps(model, src, tgt, parents, convert, reorder_cache, table=True, shared=shared)
     for t, (out, ref) in enumerate(zip(steps, expected)):
         assert_agrees(out, ref, what=f"{name}: decoder step {t}, cache kept in place")
 
@@ -184,12 +258,15 @@ def test_a_table_of_the_wrong_shape_gets_the_reference_error(name):
 @pytest.mark.parametrize("name", list(FRAMEWORKS))
 def test_every_port_beam_search_moves_tables_not_keys_and_values(name, monkeypatch):
     """The ports' one cache layout: their beam search gives ``reorder_cache`` only self-attention caches
-    that carry a ``beams`` table (the keys and values stay in place), from the first step on, and decodes
-    as the reference does."""
+    that carry a ``beams`` table (the keys and values stay in place), from the first step on, keeps the memory's keys
+    and values once per sentence, and decodes as the reference does."""
     adapter, _, decoding, convert = port(name)
     params = init_params(TINY, seed=0, perturb=0.1)
-    follow, tables = decoding._follow, []
+    follow, tables, in_place_caches = decoding._follow, [], []
     monkeypatch.setattr(decoding, "_follow", lambda cache, beams: tables.append(cache.beams) or follow(cache, beams))
+    own_in_place = decoding._in_place
+    monkeypatch.setattr(decoding, "_in_place", lambda cache, batch, k: in_place_caches.append(
+        own_in_place(cache, batch, k)) or in_place_caches[-1])
     if name == "jax":
         decoding._beam.clear_cache()                                       # traced anew, through the patch
     src = np.random.default_rng(2).integers(3, TINY.src_vocab_size, (BATCH, 4))
@@ -197,4 +274,6 @@ def test_every_port_beam_search_moves_tables_not_keys_and_values(name, monkeypat
         tokens, _ = decoding.beam_search(adapter.build(TINY, params, "float64"), src, BEAMS)
     assert tables and not any(isinstance(table, tuple) for table in tables)
     assert all(tuple(table.shape) == (BATCH, BEAMS, tables[0].shape[2]) for table in tables)
+    assert [(own.keys.shape[0], memory.keys.shape[0]) for cache in in_place_caches for own, memory in cache] == \
+        [(ROWS, BATCH)] * TINY.n_decoder_layers                            # the memory's keys once per sentence
     np.testing.assert_array_equal(tokens, reference_beam_search(reference.Transformer(TINY, params), src, BEAMS)[0])
