@@ -245,7 +245,7 @@ def _attend_memory(attention: Attention, query: np.ndarray, key: np.ndarray, val
     Shape: query (N, H, Tq, d_k), key and value (B, H, S, d_k), mask broadcastable to (N, H, Tq, S) -> output
     (N, H, Tq, d_k), weights (N, H, Tq, S).
     """
-    rows, heads, length, _ = query.shape
+    rows, _, length, _ = query.shape
     batch = key.shape[0]
     if rows == batch:
         return attention(query, key, value, mask)

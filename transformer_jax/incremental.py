@@ -227,7 +227,7 @@ def _attend_memory(attention: Attention, query: jax.Array, key: jax.Array, value
 
     JAX: ``dtype`` P computes by the autocast recipe.
     """
-    rows, heads, length, _ = query.shape
+    rows, _, length, _ = query.shape
     batch = key.shape[0]
     if rows == batch:
         return attention(query, key, value, mask, dtype=dtype)

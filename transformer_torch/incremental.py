@@ -226,7 +226,7 @@ def _attend_memory(attention: Attention, query: Tensor, key: Tensor, value: Tens
 
     PyTorch: the weights when asked.
     """
-    rows, heads, length, _ = query.shape
+    rows, _, length, _ = query.shape
     batch = key.shape[0]
     if rows == batch:
         return attention(query, key, value, mask, return_weights)
