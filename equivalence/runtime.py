@@ -167,6 +167,39 @@ def configure(threads: int) -> None:
     apply()
 
 
+@contextlib.contextmanager
+def shared_by(parts: int) -> Iterator[None]:
+    """The requested threads (:func:`threads`) shared by ``parts`` computations that run at the same time in threads
+    of this process (``translate --batches-at-once``): for the block, PyTorch's intra-op threads and NumPy's BLAS
+    threads are ``threads() // parts`` (PyTorch and the BLAS libraries run each operation on that many threads,
+    whichever thread calls it), then as they were; TensorFlow's and XLA's pools, fixed when they start, are shared
+    by the computations as they are. ``parts`` 1: nothing changes. A ``ValueError`` when ``parts`` is more than the
+    threads: each computation needs one of its own (:func:`check_parts`)."""
+    if check_parts(parts) == 1:
+        yield
+        return
+    each = threads() // parts
+    torch = imported("torch")
+    held = torch.get_num_threads() if torch else None
+    with threadpoolctl.threadpool_limits(each, user_api="blas"):
+        if torch:
+            torch.set_num_threads(each)
+        try:
+            yield
+        finally:
+            if torch:
+                torch.set_num_threads(held)
+
+
+def check_parts(parts: int) -> int:
+    """``parts`` (:func:`shared_by`), checked: a ``ValueError`` naming ``--batches-at-once`` unless 1 <= parts <=
+    :func:`threads`."""
+    if not 1 <= parts <= threads():
+        raise ValueError(f"--batches-at-once {parts}: at most --threads ({threads()}) batches at once, each on a "
+                         f"thread of its own")
+    return parts
+
+
 def reuse_freed_memory() -> None:
     """Have glibc's malloc keep freed blocks up to :data:`MMAP_THRESHOLD` each and :data:`TRIM_THRESHOLD` in all for
     reuse, instead of handing them back to the system (the thresholds' comment); nothing where the C library is not

@@ -26,7 +26,9 @@ smoke test of seconds (tests/benchmarks/test_bench_translate.py).
 
 On the opus-mt model CTranslate2 also runs as ``ctranslate2-parallel`` (:data:`PARALLEL`): its own way to use T cores
 on a file, the whole file in one ``translate_batch`` call, T batches decoded at once, one thread each
-(``inter_threads``), where ``ctranslate2`` and every other engine decode one batch at a time on all T threads.
+(``inter_threads``), where ``ctranslate2`` and the other engines decode one batch at a time on all T threads. The
+PyTorch port's way of the same is ``torch-parallel`` (:data:`TORCH_PARALLEL`: ``translate --batches-at-once T``, T
+batches decoded at once in threads of their own, one intra-op thread each).
 
 Each engine runs in a process of its own (a fresh import, ``--threads`` intra-op threads in every framework and in
 the BLAS libraries' environment variables, ``runtime.blas_threads``), one
@@ -88,7 +90,8 @@ LOCK = "/tmp/bench.lock"
 PEER, HF = "ctranslate2", "transformers"
 PARALLEL = "ctranslate2-parallel"   # opus-mt: CTranslate2's own way to use T cores on a file (T batches at once)
 COMPILED = "torch-compiled"    # the PyTorch backend's Translator with transformer_torch.compile_decoding
-PORTS = ("torch", COMPILED, "jax", "tf")
+TORCH_PARALLEL = "torch-parallel"   # the PyTorch backend's Translator with T batches at once, one thread each
+PORTS = ("torch", COMPILED, TORCH_PARALLEL, "jax", "tf")
 ENGINES = (*PORTS, PEER, PARALLEL, HF)
 MODELS = {"numbers": (*PORTS, PEER), "opus-mt": ENGINES}     # each model's engines
 BUDGET = 32                    # opus-mt: max_position_embeddings, every sentence's output budget
@@ -203,15 +206,16 @@ def port_passes(name: str, checkpoint: Path | None, texts: list[str] | None, row
                 args: argparse.Namespace) -> tuple[list[float], int, list]:
     """Seconds of each pass of one backend's ``Translator`` over the sentences (``texts``, encoded by its tokenizer;
     or the source ids ``rows``), output tokens, outputs (texts, or ids without pad) (:data:`COMPILED`: PyTorch's,
-    its model given to ``compile_decoding``). The numbers model decodes with alpha 0.6, an imported one with its
-    checkpoint's length penalty."""
+    its model given to ``compile_decoding``; :data:`TORCH_PARALLEL`: PyTorch's, T batches at once). The numbers model
+    decodes with alpha 0.6, an imported one with its checkpoint's length penalty."""
     from equivalence import backends
     from transformer_tasks.translation import translator
 
-    backend = "torch" if name == COMPILED else name
+    backend = "torch" if name in (COMPILED, TORCH_PARALLEL) else name
     adapters, _ = backends.load((backend,))
     alpha = LENGTH_PENALTY_ALPHA if checkpoint is None else None
-    engine = translator(adapters[backend], checkpoint, "float32", BEAM_SIZE, alpha, "cpu", args.batch_size)
+    engine = translator(adapters[backend], checkpoint, "float32", BEAM_SIZE, alpha, "cpu", args.batch_size,
+                        batches_at_once=args.threads if name == TORCH_PARALLEL else 1)
     if name == COMPILED:
         from transformer_torch import compile_decoding
 

@@ -99,6 +99,7 @@ RANGES: dict[str, Range] = {
     "--beam": Range(1, MAX_BEAM_SIZE),                                       # translate, evaluate
     "--alpha": Range(0, 10, real=True),
     "--max-output-length": Range(1, MAX_LEN_LIMIT, then="capped at the model's max_len"),   # translate, evaluate
+    "--batches-at-once": Range(1, 256, then="at most --threads"),                             # translate, evaluate
 }
 
 

@@ -17,7 +17,7 @@
     transformer-reference average OUT.safetensors RUN1.safetensors RUN2.safetensors ... [--force]
     transformer-reference import HF_MODEL_DIR OUT.safetensors [--force]
     transformer-reference translate ["three hundred and twelve" ...] [--backend numpy] [--beam 4] [--checkpoint PATH]
-                                    [--input FILE] [--output FILE] [--batch-size N]
+                                    [--input FILE] [--output FILE] [--batch-size N] [--batches-at-once N]
     transformer-reference evaluate CHECKPOINT --source FILE --reference FILE [--backend numpy] [--beam 4] [--json]
     transformer-reference side-by-side --out DIR
     transformer-reference --version
@@ -715,6 +715,9 @@ def add_decoding(parser: argparse.ArgumentParser) -> None:
                         help="where the ports run: cpu or gpu:N (default: cpu; the NumPy reference runs on the CPU)")
     add_number(parser, "--batch-size", metavar="N", default=TRANSLATE_BATCH,
                help=f"sentences decoded together, of similar length (default: {TRANSLATE_BATCH})")
+    add_number(parser, "--batches-at-once", metavar="N", default=1,
+               help="batches decoded at the same time, each on --threads / N of the threads (CTranslate2's "
+                    "inter_threads; default: 1, one batch at a time on every thread)")
     add_languages(parser)
 
 
@@ -743,7 +746,8 @@ def run_translate(args: argparse.Namespace) -> int:
     with source as stream:
         adapter = load_adapters((args.backend,), "--backend")[args.backend]
         translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device,
-                               args.batch_size, args.source_lang, args.target_lang, args.max_output_length)
+                               args.batch_size, args.source_lang, args.target_lang, args.max_output_length,
+                               args.batches_at_once)
         results: Iterable[Translation]
         if args.text:
             results = map(Translation, translate(args.text))
@@ -779,7 +783,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     sources, references = parallel_lines(args.source, args.reference)
     adapter = load_adapters((args.backend,), "--backend")[args.backend]
     translate = translator(adapter, args.checkpoint, args.dtype, args.beam, args.alpha, args.device, args.batch_size,
-                           args.source_lang, args.target_lang, args.max_output_length)
+                           args.source_lang, args.target_lang, args.max_output_length, args.batches_at_once)
     result = evaluate(translate, sources, references, f"--source {args.source!r}",
                       progress_bar("evaluate", "batch", quiet=args.json or not args.terminal),
                       checkpoint=args.checkpoint, backend=args.backend, device=args.device, dtype=args.dtype)

@@ -7,6 +7,7 @@ run it on text files; the default checkpoint is the shipped model, English numbe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -14,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from equivalence import backends
+from equivalence import backends, runtime
 from reference_numpy import TransformerConfig, load_checkpoint
 from reference_numpy.checkpoint import SHIPPED_MODELS
 from reference_numpy.checks import check_token_layout
@@ -78,18 +79,21 @@ class Translator:
     checkpoint's conventions (its config: start token, suppressed tokens, forced eos, length normalization;
     ``reference_numpy/decoding.py``); ``beam_size`` None is the checkpoint's ``beam_size``, ``alpha`` None its
     ``length_penalty``; ``forced_bos_id`` the forced first token of every output (M2M100/NLLB/mBART-50's target
-    language), None for none."""
+    language), None for none; ``batches_at_once`` batches decoded at the same time, each in a thread of its own on
+    its share of the threads (``runtime.shared_by``; CTranslate2's ``inter_threads``), 1 one at a time on all of
+    them. Each batch is decoded as it would be alone: the same outputs, but for the rounding a framework's thread
+    count can change."""
 
     def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer,
                  beam_size: int | None = None, alpha: float | None = None, batch_size: int = BATCH_SIZE,
-                 forced_bos_id: int | None = None) -> None:
+                 forced_bos_id: int | None = None, batches_at_once: int = 1) -> None:
         self.adapter, self.model, self.tokenizer = adapter, model, tokenizer
         self.beam_size = model.config.decoding.beam_size if beam_size is None else beam_size
         if alpha is not None and self.beam_size == 1:
             raise ValueError(f"--alpha {alpha}: the length penalty is beam search's; greedy decoding (beam size 1) "
                              "has none (pass --beam K > 1)")
         self.alpha = model.config.decoding.length_penalty if alpha is None else alpha
-        self.batch_size = batch_size
+        self.batch_size, self.batches_at_once = batch_size, runtime.check_parts(batches_at_once)
         # the target language's id M2M100/NLLB force as the first output token (the tokenizer's, from --target-lang)
         self.forced_bos_id = getattr(tokenizer, "forced_bos_id", None) if forced_bos_id is None else forced_bos_id
 
@@ -112,13 +116,29 @@ class Translator:
     def decode_all(self, rows: list[list[int]], progress: Callable[[list], Iterable] = lambda batches: batches
                    ) -> list[np.ndarray]:
         """The output ids of every encoded source, in order, decoded ``batch_size`` at a time, shortest sources
-        first (``progress`` wraps the list of batches, e.g. in a progress bar)."""
+        first, ``batches_at_once`` batches at the same time (``progress`` wraps the list of batches, e.g. in a
+        progress bar: it advances as each batch is done, in order)."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))            # stable: ties keep their order
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         outputs: list = [None] * len(rows)
-        for batch in progress([order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]):
-            for i, ids in zip(batch, self.token_ids([rows[i] for i in batch])):
+        for batch, decoded in zip(progress(batches), self._decoded([[rows[i] for i in batch] for batch in batches])):
+            for i, ids in zip(batch, decoded):
                 outputs[i] = ids
         return outputs
+
+    def _decoded(self, batches: list[list[list[int]]]) -> Iterator[np.ndarray]:
+        """:meth:`token_ids` of each batch, in order: one after the other in this thread, or ``batches_at_once`` at
+        a time in threads of their own sharing the threads (``runtime.shared_by``); after an error, the batches not
+        yet started are dropped."""
+        if self.batches_at_once == 1:
+            yield from map(self.token_ids, batches)
+            return
+        with runtime.shared_by(self.batches_at_once):
+            pool = ThreadPoolExecutor(self.batches_at_once, thread_name_prefix="batch")
+            try:
+                yield from pool.map(self.token_ids, batches)
+            finally:
+                pool.shutdown(cancel_futures=True)
 
     def __call__(self, texts: list[str], progress: Callable[[list], Iterable] = lambda batches: batches
                  ) -> list[str]:
@@ -154,15 +174,19 @@ class Translator:
 def translator(adapter: ModuleType, checkpoint: str | Path | None = None, dtype: str = "float32",
                beam_size: int | None = None, alpha: float | None = None, device: str = "cpu",
                batch_size: int = BATCH_SIZE, source_lang: str | None = None,
-               target_lang: str | None = None, max_output_length: int | None = None) -> Translator:
+               target_lang: str | None = None, max_output_length: int | None = None,
+               batches_at_once: int = 1) -> Translator:
     """A :class:`Translator` for ``checkpoint`` (a file or a shipped model's name; default: the shipped model) in
     one backend on ``device`` (``cpu``, ``gpu:N``), from ``source_lang`` into ``target_lang`` where the model's
     tokenizer needs them; ``max_output_length`` the output budget of every sentence in place of the checkpoint's
-    (:class:`~reference_numpy.config.TransformerConfig`'s ``max_output_length``), None keeps it."""
+    (:class:`~reference_numpy.config.TransformerConfig`'s ``max_output_length``), None keeps it; ``batches_at_once``
+    as for :class:`Translator`."""
+    runtime.check_parts(batches_at_once)                        # before the model loads
     if adapter.NAME == "numpy" and device != "cpu":            # device_for places the ports only
         raise ValueError(f"--device {device}: the numpy reference runs on the CPU only (--device places a port)")
     device = backends.device_for(adapter, device)
     config, params, tokenizer = load_translator(checkpoint, source_lang=source_lang, target_lang=target_lang)
     if max_output_length is not None:
         config = config.with_decoding(max_output_length=max_output_length)
-    return Translator(adapter, adapter.build(config, params, dtype, device), tokenizer, beam_size, alpha, batch_size)
+    return Translator(adapter, adapter.build(config, params, dtype, device), tokenizer, beam_size, alpha, batch_size,
+                      batches_at_once=batches_at_once)

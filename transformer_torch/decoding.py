@@ -301,7 +301,7 @@ def beam_search(model: Transformer, src: Tensor | np.ndarray, beam_size: int = B
         log_probs = constrain(cfg, log_probs, history, step)
         if forced_bos_id is not None or cfg.decoding.forced_eos:           # nothing to force: no work
             log_probs = force(log_probs, forced_tokens(cfg, step, row_limits, forced_bos_id))
-        candidates = live_scores[:, :, None] + log_probs.view(batch, k, -1)      # (B, K, V)
+        candidates = log_probs.view(batch, k, -1).add_(live_scores[:, :, None])  # (B, K, V)
         scores, beams, tokens, finishing, keep = _select(candidates, cfg.eos_id, k)
         rows = history[first_row + beams]                                        # (B, 2K, M + 1)
         rows[:, :, step] = tokens

@@ -22,6 +22,7 @@ reads the decoder's small weights at half the bandwidth (docs/benchmarks.md, "Th
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -44,6 +45,9 @@ _ONEDNN_MIN_WEIGHT = 1 << 16
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                    "max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0}
 _PROGRAMS = "_compiled_decoding"     # a compiled model's attribute: its programs, step function -> compiled call
+# held while a program is made or runs: searches in several threads take turns (Dynamo's compilation is not
+# thread-safe)
+_ONE_AT_A_TIME = threading.RLock()
 # :func:`pack_weights`' weights -> None until their first product, then ((version, address) when packed, the packed
 # copy): a weight changed in place (a new version) or given new storage (a new address) is packed again
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -250,24 +254,30 @@ def decoding_step(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[
     once per model, its ``cache_index`` handed over as a 0-d tensor (the model then writes the cache as new tensors,
     ``index_copy``) and each self-attention cache as its first W positions (``attended_width``, as an eager step
     reads them: :func:`_narrowed`), the new positions then written back in place (:func:`_written_back`). A search
-    that crosses a width hands the program a wider cache: Dynamo compiles it once more, with W a symbol."""
+    that crosses a width hands the program a wider cache: Dynamo compiles it once more, with W a symbol. Searches
+    in several threads (``translate --batches-at-once``) take turns (:data:`_ONE_AT_A_TIME`)."""
     programs = getattr(model, _PROGRAMS, None)
     if programs is None:
         return functools.partial(step, model)
-    if step not in programs:
-        program = torch.compile(_Bound(model, step), fullgraph=True)
-        options = torch._inductor.config.patch(COMPILE_OPTIONS)    # built once: entering it costs 17 us, not 76
+    with _ONE_AT_A_TIME:
+        if step not in programs:
+            programs[step] = _compiled(model, step)
+        return programs[step]
 
-        def compiled(tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple, cache_index: int) -> Any:
-            written = cache_index + tgt.shape[1]
-            with options, warnings.catch_warnings():                   # read while compiling, at a shape's first call
-                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # inside Inductor
-                out, stepped = program(tgt, memory, src_mask, _narrowed(cache, written),
-                                       torch.tensor(cache_index, device=tgt.device))
-            return out, _written_back(cache, stepped, cache_index, written)
 
-        programs[step] = compiled
-    return programs[step]
+def _compiled(model: torch.nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`decoding_step`'s compiled call of ``step`` with ``model`` bound."""
+    program = torch.compile(_Bound(model, step), fullgraph=True)
+    options = torch._inductor.config.patch(COMPILE_OPTIONS)    # built once: entering it costs 17 us, not 76
+
+    def compiled(tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: tuple, cache_index: int) -> Any:
+        written = cache_index + tgt.shape[1]
+        with _ONE_AT_A_TIME, options, warnings.catch_warnings():    # read while compiling, at a shape's first call
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # inside Inductor
+            out, stepped = program(tgt, memory, src_mask, _narrowed(cache, written),
+                                   torch.tensor(cache_index, device=tgt.device))
+        return out, _written_back(cache, stepped, cache_index, written)
+    return compiled
 
 
 def _narrowed(cache: tuple, written: int) -> tuple:

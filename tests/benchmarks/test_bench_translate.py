@@ -29,7 +29,7 @@ def bench():
 
 
 def installed(bench) -> list[str]:
-    port = lambda engine: "torch" if engine == bench.COMPILED else engine            # noqa: E731
+    port = lambda engine: "torch" if engine in (bench.COMPILED, bench.TORCH_PARALLEL) else engine   # noqa: E731
     return [engine for engine in bench.ENGINES
             if port(engine) not in FRAMEWORKS or importlib.util.find_spec(FRAMEWORKS[port(engine)])]
 

@@ -219,6 +219,27 @@ def test_every_backend_writes_the_same_file_in_float64(tmp_path, capsys):
     assert {name: text == texts["numpy"] for name, text in texts.items()} == dict.fromkeys(texts, True)
 
 
+@pytest.mark.parametrize("backend", list(backends.BACKENDS))
+def test_batches_at_once_write_the_lines_each_decoded_alone(backend, tmp_path, capsys):
+    """``--batches-at-once 2 --threads 2``: 24 lines in 6 batches of 4, two decoded at a time in threads of their own
+    (float64, greedy), are the lines each decoded alone by the reference, in the file's order."""
+    from equivalence.backends import numpy as reference_adapter
+    from transformer_tasks.translation import load_translator
+
+    if not backends.load((backend,))[0]:
+        pytest.skip(f"{backend} is not installed")
+    lines = number_words(24, seed=9)
+    (tmp_path / "en.txt").write_text("".join(f"{line}\n" for line in lines))
+    status, _, err = cli(capsys, "translate", "--backend", backend, "--dtype", "float64", "--batch-size", "4",
+                         "--threads", "2", "--batches-at-once", "2", "--input", str(tmp_path / "en.txt"),
+                         "--output", str(tmp_path / "fr.txt"))
+    assert status == EXIT_OK, err
+    config, params, tokenizer = load_translator()
+    model = reference_adapter.build(config, params, "float64")
+    alone = [tokenizer.decode(reference_adapter.greedy(model, tokenizer.batch([line]))[0]) for line in lines]
+    assert (tmp_path / "fr.txt").read_text().splitlines() == alone
+
+
 def test_a_line_that_cannot_be_translated_is_reported_and_the_rest_translated(tmp_path, capsys):
     """A blank line gives a blank line; a line with characters the tokenizer never saw, one longer than the model's
     positions and one that is not UTF-8 are each one stderr line naming their number and an empty output line;
