@@ -918,6 +918,9 @@ TEXT = [
     single("text", "numbers task: labels not shifted (the decoder sees the token it must predict)",
            "transformer_tasks/numbers.py", '"labels": pad_rows([[*ids, config.eos_id] for ids in target_ids]',
            '"labels": pad_rows([[config.bos_id, *ids] for ids in target_ids]', ["tests/tasks/test_numbers_task.py"]),
+    single("text", "translate --batches-at-once: each batch's threads not shared out (every batch on all of them)",
+           "equivalence/runtime.py", "    each = threads() // parts\n", "    each = threads()\n",
+           ["tests/tasks/test_translator_batches.py"]),
 ]
 
 # Data parallelism: each shard's loss over the whole batch's token count, the replicas' gradients summed.
