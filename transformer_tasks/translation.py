@@ -7,7 +7,7 @@ run it on text files; the default checkpoint is the shipped model, English numbe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -128,17 +128,18 @@ class Translator:
 
     def _decoded(self, batches: list[list[list[int]]]) -> Iterator[np.ndarray]:
         """:meth:`token_ids` of each batch, in order: one after the other in this thread, or ``batches_at_once`` at
-        a time in threads of their own sharing the threads (``runtime.shared_by``); after an error, the batches not
-        yet started are dropped."""
+        a time in threads of their own sharing the threads (``runtime.shared_by``). An error, or Ctrl-C, ends the
+        call at once: the batches not yet started are dropped, and the threads are daemons, so that the batches
+        running then, whose results nothing reads, hold up neither the caller nor the process's exit."""
         if self.batches_at_once == 1:
             yield from map(self.token_ids, batches)
             return
         with runtime.shared_by(self.batches_at_once):
-            pool = ThreadPoolExecutor(self.batches_at_once, thread_name_prefix="batch")
+            pool = ThreadPool(self.batches_at_once)
             try:
-                yield from pool.map(self.token_ids, batches)
+                yield from pool.imap(self.token_ids, batches)
             finally:
-                pool.shutdown(cancel_futures=True)
+                pool.terminate()
 
     def __call__(self, texts: list[str], progress: Callable[[list], Iterable] = lambda batches: batches
                  ) -> list[str]:

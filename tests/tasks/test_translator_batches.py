@@ -1,8 +1,8 @@
 """``Translator``'s batches at once (``translate --batches-at-once N``): the batches decoded at the same time in
 threads of their own, each on its share of the threads, their outputs in the sources' order; a bad count refused
-before any work; an error in one batch ends the rest. Driven through a stand-in adapter that records what each
-batch's decoding saw, so that the test reads the threads and the overlap directly (the real backends' outputs are
-tests/cli/test_translate.py's)."""
+before any work; an error in one batch, or Ctrl-C, ends the call at once. Driven through a stand-in adapter that
+records what each batch's decoding saw, so that the test reads the threads and the overlap directly (the real
+backends' outputs are tests/cli/test_translate.py's)."""
 
 from __future__ import annotations
 
@@ -50,14 +50,14 @@ def test_two_batches_run_at_the_same_time_on_a_thread_each_and_keep_their_order(
         if len(entered) <= 2:                                       # the first two batches meet
             meeting.wait()
         blas = {info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"}
-        seen.append((torch.get_num_threads(), blas, threading.current_thread().name))
+        seen.append((torch.get_num_threads(), blas, threading.current_thread() is threading.main_thread()))
         return src[:, :1] * 10                                      # each source's first id, times 10
 
     rows = [[5, 6, 7], [1], [3, 4], [2], [8, 9], [4, 5, 6]]
     outputs = stand_in(decode).decode_all(rows)
     assert [out.tolist() for out in outputs] == [[50], [10], [30], [20], [80], [40]]
     assert len(seen) == 3
-    assert all(threads == 1 and blas <= {1} and name.startswith("batch") for threads, blas, name in seen)
+    assert all(threads == 1 and blas <= {1} and not in_main for threads, blas, in_main in seen)
     assert torch.get_num_threads() == 2
 
 
@@ -83,3 +83,23 @@ def test_an_error_in_one_batch_is_raised_and_the_batches_not_started_are_dropped
     with pytest.raises(ValueError, match="the first batch is bad"):
         stand_in(decode).decode_all([[n] for n in range(1, 11)])
     assert 1 in started and len(started) <= 3
+
+
+def test_ctrl_c_ends_the_call_without_waiting_for_the_batches_running(two_threads):
+    """Ctrl-C (a ``KeyboardInterrupt``, here from the progress bar's iterator once the first batch is done) while a
+    batch that takes 5 s is running: the call ends at once, the batches not started never run."""
+    started = []
+
+    def decode(src):
+        started.append(int(src[0, 0]))
+        time.sleep(0 if src[0, 0] == 1 else 5)
+        return np.asarray(src)
+
+    def progress(batches):
+        yield batches[0]
+        raise KeyboardInterrupt
+
+    begun = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        stand_in(decode).decode_all([[n] for n in range(1, 11)], progress)
+    assert time.perf_counter() - begun < 2.5 and len(started) <= 3
