@@ -60,6 +60,26 @@ def test_evaluate_agrees_with_sacrebleu_run_on_the_same_translations(test_set, t
     assert result["max_output_length"] is None                           # section 6.1's: the source's length + 50
 
 
+def test_batches_at_once_score_the_same_translations_and_are_recorded(test_set, capsys):
+    """``--batches-at-once 2 --threads 2``: the scores and counts of one batch at a time, the setting in the JSON
+    and on the first printed line."""
+    source, reference = test_set
+    runs = {}
+    for at_once in ("1", "2"):
+        status, out, err = cli(capsys, "evaluate", "numbers-en-fr", "--source", source, "--reference", reference,
+                               "--batch-size", "8", "--threads", "2", "--batches-at-once", at_once, "--json")
+        assert status == EXIT_OK, err
+        runs[at_once] = json.loads(out)
+    scores = ("bleu", "chrf", "exact", "tokens", "sentences")
+    assert [runs["2"][key] for key in scores] == [runs["1"][key] for key in scores]
+    assert (runs["1"]["batches_at_once"], runs["2"]["batches_at_once"]) == (1, 2)
+    status, out, err = cli(capsys, "evaluate", "numbers-en-fr", "--source", source, "--reference", reference,
+                           "--threads", "2", "--batches-at-once", "2")
+    assert status == EXIT_OK, err
+    assert out.splitlines()[0].startswith("numbers-en-fr: numpy on cpu, float32, greedy, batches of 64, 2 at once, "
+                                          "60 sentences")
+
+
 def test_evaluate_prints_the_scores_with_their_signatures(test_set, capsys):
     source, reference = test_set
     status, out, err = cli(capsys, "evaluate", "numbers-en-fr", "--source", source, "--reference", reference,

@@ -29,6 +29,7 @@ class Evaluation:
     alpha: float
     max_output_length: int | None    # every sentence's output budget; None: section 6.1's, its length + 50
     batch_size: int
+    batches_at_once: int             # batches decoded at the same time (--batches-at-once)
     sentences: int
     bleu: float
     bleu_signature: str
@@ -102,7 +103,7 @@ def evaluate(translator: Translator, sources: list[str], references: list[str], 
     return Evaluation(
         **run, beam=translator.beam_size, alpha=translator.alpha,
         max_output_length=translator.model.config.decoding.max_output_length, batch_size=translator.batch_size,
-        sentences=len(sources),
+        batches_at_once=translator.batches_at_once, sentences=len(sources),
         bleu=bleu.corpus_score(hypotheses, [references]).score, bleu_signature=str(bleu.get_signature()),
         chrf=chrf.corpus_score(hypotheses, [references]).score, chrf_signature=str(chrf.get_signature()),
         exact=sum(h == r.strip() for h, r in zip(hypotheses, references)),
@@ -113,9 +114,10 @@ def format_evaluation(result: Evaluation) -> str:
     decoding = "greedy" if result.beam == 1 else f"beam {result.beam}, alpha {result.alpha}"
     if result.max_output_length is not None:
         decoding += f", max_output_length {result.max_output_length}"
+    at_once = f", {result.batches_at_once} at once" if result.batches_at_once > 1 else ""
     return "\n".join([
         f"{result.checkpoint}: {result.backend} on {result.device}, {result.dtype}, {decoding}, batches of "
-        f"{result.batch_size}, {result.sentences:,} sentences",
+        f"{result.batch_size}{at_once}, {result.sentences:,} sentences",
         f"  BLEU   {result.bleu:6.2f}   {result.bleu_signature}",
         f"  chrF   {result.chrf:6.2f}   {result.chrf_signature}",
         f"  exact  {100 * result.exact_match:6.2f}%  ({result.exact:,} of {result.sentences:,})",
