@@ -80,9 +80,9 @@ class Translator:
     ``reference_numpy/decoding.py``); ``beam_size`` None is the checkpoint's ``beam_size``, ``alpha`` None its
     ``length_penalty``; ``forced_bos_id`` the forced first token of every output (M2M100/NLLB/mBART-50's target
     language), None for none; ``batches_at_once`` batches decoded at the same time, each in a thread of its own on
-    its share of the threads (``runtime.shared_by``; CTranslate2's ``inter_threads``), 1 one at a time on all of
-    them. Each batch is decoded as it would be alone: the same outputs, but for the rounding a framework's thread
-    count can change."""
+    its share of the threads (``runtime.shared_by``; CTranslate2's ``inter_threads``), or with 1, one batch at a
+    time on all of them. Each batch is decoded as it would be alone: the same outputs, but for the rounding a
+    framework's thread count can change."""
 
     def __init__(self, adapter: ModuleType, model: Any, tokenizer: Tokenizer | FamilyTokenizer,
                  beam_size: int | None = None, alpha: float | None = None, batch_size: int = BATCH_SIZE,
